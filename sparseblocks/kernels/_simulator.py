@@ -1,0 +1,338 @@
+"""Warp intrinsics for Numba's CUDA simulator.
+
+Numba's simulator runs one Python thread per CUDA thread but implements none
+of the warp-level intrinsics, so a kernel that uses them cannot run on a
+machine without a GPU. `install()` adds them to the simulator's fake ``cuda``
+module with real rendezvous semantics:
+
+* ``shfl_sync``, ``shfl_up_sync``, ``shfl_down_sync``, ``shfl_xor_sync``,
+  ``ballot_sync``, ``all_sync``, ``any_sync``, ``eq_sync``,
+  ``match_any_sync``, ``match_all_sync`` and ``syncwarp`` are collectives over
+  the lanes named in ``mask``: each calling lane waits until every lane of the
+  mask has made the same call, then sees the values its peers held at that
+  call. Source-lane arithmetic follows PTX ``shfl.sync`` with width 32 (the
+  only width Numba exposes): ``delta`` and ``lane_mask`` use their low five
+  bits, and a lane whose source falls outside the warp reads its own value.
+  Reading from a lane that is not in ``mask`` is undefined on the GPU; here it
+  returns a poison value (NaN, or ``0xDEADBEEF`` for integers) so that code
+  which uses such a value fails its tests instead of passing by luck.
+* ``activemask()`` returns the lanes of the warp that reach the call
+  together: the caller waits until every other lane of its warp has arrived,
+  exited, or blocked elsewhere (``syncthreads`` or another collective).
+* ``lanemask_lt()`` is ``(1 << laneid) - 1``.
+
+Return types follow Numba's typing on the GPU (``ballot_sync`` and
+``match_any_sync`` give int32, ``activemask`` and ``lanemask_lt`` uint32) as
+NumPy scalars, so bit patterns and later arithmetic match the GPU. ``popc`` is
+replaced too: the simulator's own counts the bits of ``abs(x)`` for negative x.
+
+Misuse that would hang or be undefined on the GPU raises instead: a lane
+calling with a mask that does not contain it, lanes of one mask meeting at
+different intrinsics, or a collective waiting on a lane that exited or sits in
+``syncthreads``.
+
+Lanes of partial warps that do not exist (a block of 40 threads has an
+8-lane second warp) are left out of every collective, as on the GPU.
+"""
+
+import threading
+
+import numpy as np
+
+WARP_SIZE = 32
+FULL_MASK = 0xFFFFFFFF
+# How often a waiting lane re-checks for deadlock and abort (seconds).
+_POLL_S = 0.002
+_POISON_INT = 0xDEADBEEF
+
+
+class WarpCollectiveError(RuntimeError):
+    """A warp collective was used in a way that is undefined or hangs on a GPU."""
+
+
+class _Meeting:
+    """One execution of one collective by a group of lanes."""
+
+    def __init__(self, op, mask):
+        self.op = op
+        self.mask = mask
+        self.values = {}
+        self.done = False
+
+
+class _WarpRoom:
+    """Rendezvous state of one warp."""
+
+    def __init__(self, lanes):
+        self.lanes = lanes  # lanes that exist in this warp
+        self.by_mask = {}  # mask -> open _Meeting of a masked collective
+        self.active = None  # open _Meeting of activemask()
+
+
+class _BlockWarps:
+    """Per simulated thread block: its threads by linear id and its warps."""
+
+    def __init__(self, block_dim):
+        self.n_threads = int(np.prod(block_dim))
+        self.cond = threading.Condition()
+        self.threads = {}
+        self.rooms = {}
+
+    def room(self, warp):
+        room = self.rooms.get(warp)
+        if room is None:
+            first = warp * WARP_SIZE
+            lanes = frozenset(range(min(WARP_SIZE, self.n_threads - first)))
+            room = self.rooms[warp] = _WarpRoom(lanes)
+        return room
+
+
+def _me():
+    thread = threading.current_thread()
+    if not hasattr(thread, "_sb_exited"):
+        raise WarpCollectiveError("warp intrinsic called outside a simulated kernel")
+    return thread
+
+
+def _lane_state(block, warp, lane):
+    """'exited', 'syncthreads', 'waiting', or 'running' for a lane of a warp."""
+    thread = block.threads.get(warp * WARP_SIZE + lane)
+    if thread is None:
+        return "running"  # not started yet
+    if thread._sb_exited:
+        return "exited"
+    if thread.syncthreads_blocked:
+        return "syncthreads"
+    if thread._sb_waiting is not None and not thread._sb_waiting.done:
+        return "waiting"  # in a collective that has not completed yet
+    return "running"
+
+
+def _wait(block, me, meeting, settled):
+    """Wait, holding block.cond, until `meeting` is done or `settled()` says so."""
+    me._sb_waiting = meeting
+    try:
+        while not meeting.done:
+            if settled():
+                meeting.done = True
+                block.cond.notify_all()
+                break
+            block.cond.wait(_POLL_S)
+            if me.abort:
+                raise RuntimeError("abort flag set while waiting in a warp collective")
+    finally:
+        me._sb_waiting = None
+
+
+def _masked_collective(op, mask, value):
+    """Meet the lanes of `mask`; return {lane: value} of every participant."""
+    me = _me()
+    block = me._manager._sb_warps
+    warp, lane = divmod(me.thread_id, WARP_SIZE)
+    mask = int(mask) & FULL_MASK
+    if not (mask >> lane) & 1:
+        raise WarpCollectiveError(
+            f"{op}: lane {lane} of warp {warp} called with mask {mask:#010x}, "
+            "which does not contain it"
+        )
+    with block.cond:
+        room = block.room(warp)
+        participants = frozenset(i for i in room.lanes if (mask >> i) & 1)
+        meeting = room.by_mask.get(mask)
+        if meeting is None:
+            meeting = room.by_mask[mask] = _Meeting(op, mask)
+        elif meeting.op != op:
+            raise WarpCollectiveError(
+                f"warp {warp}, mask {mask:#010x}: lane {lane} called {op} while "
+                f"lanes {sorted(meeting.values)} wait in {meeting.op}"
+            )
+        meeting.values[lane] = value
+
+        def settled():
+            if participants <= meeting.values.keys():
+                if room.by_mask.get(mask) is meeting:
+                    del room.by_mask[mask]
+                return True
+            for other in participants - meeting.values.keys():
+                state = _lane_state(block, warp, other)
+                if state in ("exited", "syncthreads"):
+                    raise WarpCollectiveError(
+                        f"{op}: warp {warp}, mask {mask:#010x}: lane {other} "
+                        f"{'exited' if state == 'exited' else 'waits in syncthreads'}"
+                        f"; lanes {sorted(meeting.values)} would wait forever"
+                    )
+            return False
+
+        _wait(block, me, meeting, settled)
+    return lane, meeting.values
+
+
+def _poison(value):
+    if isinstance(value, (float, np.floating)):
+        return type(value)(np.nan)
+    if isinstance(value, np.integer):
+        return np.array(_POISON_INT).astype(value.dtype)[()]
+    return _POISON_INT
+
+
+def _shuffle(op, mask, value, source_of):
+    lane, values = _masked_collective(op, mask, value)
+    source = source_of(lane)
+    if not 0 <= source < WARP_SIZE:
+        source = lane
+    return values[source] if source in values else _poison(value)
+
+
+def _bits(value):
+    """Bit pattern of a shuffled value, so NaNs and -0.0 compare as on the GPU."""
+    if isinstance(value, (float, np.floating)):
+        return np.asarray(value).tobytes()
+    return int(value)
+
+
+def _lane_bits(lanes):
+    return sum(1 << i for i in lanes)
+
+
+def _int32(bits):
+    return np.array(bits & FULL_MASK, dtype=np.uint32).view(np.int32)[()]
+
+
+# The methods below are bound onto the simulator's FakeCUDAModule; `self` is
+# the fake ``cuda`` module a simulated kernel sees.
+
+
+def shfl_sync(self, mask, value, src_lane):
+    return _shuffle("shfl_sync", mask, value, lambda lane: int(src_lane) & 31)
+
+
+def shfl_up_sync(self, mask, value, delta):
+    return _shuffle("shfl_up_sync", mask, value, lambda lane: lane - (int(delta) & 31))
+
+
+def shfl_down_sync(self, mask, value, delta):
+    return _shuffle("shfl_down_sync", mask, value, lambda lane: lane + (int(delta) & 31))
+
+
+def shfl_xor_sync(self, mask, value, lane_mask):
+    return _shuffle("shfl_xor_sync", mask, value, lambda lane: lane ^ (int(lane_mask) & 31))
+
+
+def ballot_sync(self, mask, predicate):
+    _, values = _masked_collective("ballot_sync", mask, bool(predicate))
+    return _int32(_lane_bits(i for i, p in values.items() if p))
+
+
+def all_sync(self, mask, predicate):
+    _, values = _masked_collective("all_sync", mask, bool(predicate))
+    return all(values.values())
+
+
+def any_sync(self, mask, predicate):
+    _, values = _masked_collective("any_sync", mask, bool(predicate))
+    return any(values.values())
+
+
+def eq_sync(self, mask, predicate):
+    _, values = _masked_collective("eq_sync", mask, bool(predicate))
+    return len(set(values.values())) == 1
+
+
+def match_any_sync(self, mask, value):
+    lane, values = _masked_collective("match_any_sync", mask, value)
+    mine = _bits(value)
+    return _int32(_lane_bits(i for i, v in values.items() if _bits(v) == mine))
+
+
+def match_all_sync(self, mask, value):
+    _, values = _masked_collective("match_all_sync", mask, value)
+    same = len({_bits(v) for v in values.values()}) == 1
+    return (_int32(_lane_bits(values)) if same else np.int32(0)), same
+
+
+def syncwarp(self, mask=FULL_MASK):
+    _masked_collective("syncwarp", mask, None)
+
+
+def activemask(self):
+    me = _me()
+    block = me._manager._sb_warps
+    warp, lane = divmod(me.thread_id, WARP_SIZE)
+    with block.cond:
+        room = block.room(warp)
+        meeting = room.active
+        if meeting is None:
+            meeting = room.active = _Meeting("activemask", None)
+        meeting.values[lane] = True
+
+        def settled():
+            for other in room.lanes - meeting.values.keys():
+                if _lane_state(block, warp, other) == "running":
+                    return False
+            if room.active is meeting:
+                room.active = None
+            return True
+
+        _wait(block, me, meeting, settled)
+    return np.uint32(_lane_bits(meeting.values))
+
+
+def lanemask_lt(self):
+    return np.uint32((1 << self.laneid) - 1)
+
+
+def popc(self, value):
+    if value < 0:
+        width = value.dtype.itemsize * 8 if isinstance(value, np.integer) else (
+            32 if value >= -(1 << 31) else 64
+        )
+        value = int(value) & ((1 << width) - 1)
+    return bin(int(value)).count("1")
+
+
+_INTRINSICS = (
+    shfl_sync, shfl_up_sync, shfl_down_sync, shfl_xor_sync,
+    ballot_sync, all_sync, any_sync, eq_sync, match_any_sync, match_all_sync,
+    syncwarp, activemask, lanemask_lt, popc,
+)
+_installed = False
+
+
+def install():
+    """Add the warp intrinsics to Numba's CUDA simulator (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    from numba.cuda.simulator import kernel, kernelapi
+
+    for function in _INTRINSICS:
+        setattr(kernelapi.FakeCUDAModule, function.__name__, function)
+
+    manager_init = kernel.BlockManager.__init__
+    thread_init = kernel.BlockThread.__init__
+    thread_run = kernel.BlockThread.run
+
+    def block_manager_init(self, f, grid_dim, block_dim, debug):
+        manager_init(self, f, grid_dim, block_dim, debug)
+        self._sb_warps = _BlockWarps(block_dim)
+
+    def block_thread_init(self, f, manager, blockIdx, threadIdx, debug):
+        thread_init(self, f, manager, blockIdx, threadIdx, debug)
+        self._sb_exited = False
+        self._sb_waiting = None
+        with manager._sb_warps.cond:
+            manager._sb_warps.threads[self.thread_id] = self
+
+    def block_thread_run(self):
+        try:
+            thread_run(self)
+        finally:
+            warps = self._manager._sb_warps
+            with warps.cond:
+                self._sb_exited = True
+                warps.cond.notify_all()
+
+    kernel.BlockManager.__init__ = block_manager_init
+    kernel.BlockThread.__init__ = block_thread_init
+    kernel.BlockThread.run = block_thread_run
+    _installed = True

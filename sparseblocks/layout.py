@@ -1,0 +1,209 @@
+"""`BlockLayout`: the one description of block-sparse structure in sparseblocks.
+
+Convention (OpenAI blocksparse): a weight matrix ``W`` of shape ``(C, K)``
+maps ``C`` input features to ``K`` output features and is cut into square
+blocks of ``block_size``. ``mask[c, k] = 1`` means the block that maps input
+features ``c*bs:(c+1)*bs`` to output features ``k*bs:(k+1)*bs`` is present.
+Present blocks are stored densely as ``w[n_blocks, bs, bs]`` with
+``w[b] = W[c*bs:(c+1)*bs, k*bs:(k+1)*bs]`` for block ``b = (c, k)``.
+
+Block numbering is row-major over ``(c, k)``: block ``b`` is the ``b``-th
+nonzero of ``mask`` in C order (the order of ``np.nonzero(mask)``). It depends
+on the mask alone and never changes for a given mask.
+
+Derived once, as int32 arrays (read-only):
+
+* ``coords[b] = (c, k)``, the coordinate list;
+* ``row_ptr[c]:row_ptr[c+1]`` are the blocks of block-row ``c`` (CSR over c);
+  their block ids are consecutive, and ``col_idx[b]`` is the ``k`` of block b;
+* ``col_ptr[k]:col_ptr[k+1]`` index the blocks of block-column ``k`` (CSC over
+  k), ascending in ``c``: ``row_idx[j]`` is the ``c`` and ``col_block[j]``
+  the block id (pointing into the same ``w``, no transposed copy).
+"""
+
+import numpy as np
+
+BLOCK_SIZES = (8, 16, 32, 64)
+INT32_MAX = np.iinfo(np.int32).max
+
+
+def _readonly(array):
+    array.setflags(write=False)
+    return array
+
+
+class BlockLayout:
+    """Immutable block-sparse structure: a block mask and a block size."""
+
+    __slots__ = (
+        "mask", "block_size", "coords", "row_ptr", "col_idx",
+        "col_ptr", "row_idx", "col_block", "_hash",
+    )
+
+    def __init__(self, mask, block_size=32):
+        mask = np.asarray(mask)
+        if mask.ndim != 2:
+            raise ValueError(f"mask: expected a 2-D array of 0/1 blocks, got {mask.ndim} dimensions")
+        if 0 in mask.shape:
+            raise ValueError(f"mask: expected a non-empty shape, got {mask.shape}")
+        if mask.dtype != np.bool_:
+            if not (np.issubdtype(mask.dtype, np.number) and np.isin(mask, (0, 1)).all()):
+                raise ValueError("mask: expected only 0 and 1 (or booleans)")
+        block_size = _check_block_size(block_size)
+        mask = mask.astype(bool)
+        n_blocks = int(mask.sum())
+        dense = max(mask.shape) * block_size
+        if dense > INT32_MAX or n_blocks * block_size * block_size > INT32_MAX:
+            raise ValueError(
+                f"mask: {mask.shape} blocks of {block_size} with {n_blocks} present overflow "
+                "int32 indices (features and stored weight elements must stay below 2**31)"
+            )
+
+        set_ = object.__setattr__
+        set_(self, "mask", _readonly(np.ascontiguousarray(mask)))
+        set_(self, "block_size", block_size)
+        rows, cols = np.nonzero(mask)
+        set_(self, "coords", _readonly(np.stack([rows, cols], axis=1).astype(np.int32)))
+        row_ptr = np.zeros(mask.shape[0] + 1, np.int32)
+        np.cumsum(mask.sum(axis=1), out=row_ptr[1:])
+        set_(self, "row_ptr", _readonly(row_ptr))
+        set_(self, "col_idx", _readonly(cols.astype(np.int32)))
+        # Stable sort by column keeps each column's blocks ascending in c.
+        by_col = np.argsort(cols, kind="stable")
+        col_ptr = np.zeros(mask.shape[1] + 1, np.int32)
+        np.cumsum(mask.sum(axis=0), out=col_ptr[1:])
+        set_(self, "col_ptr", _readonly(col_ptr))
+        set_(self, "row_idx", _readonly(rows[by_col].astype(np.int32)))
+        set_(self, "col_block", _readonly(by_col.astype(np.int32)))
+        set_(self, "_hash", hash((block_size, mask.shape, mask.tobytes())))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("BlockLayout is immutable")
+
+    # -- constructors ---------------------------------------------------
+
+    @classmethod
+    def random(cls, shape, density, seed=0, block_size=32):
+        """Exactly ``round(density * Cb * Kb)`` blocks of a ``(Cb, Kb)`` grid, drawn uniformly."""
+        shape = _block_grid_shape(shape)
+        if not 0.0 <= float(density) <= 1.0:
+            raise ValueError(f"density: expected a number in [0, 1], got {density}")
+        total = shape[0] * shape[1]
+        chosen = np.random.default_rng(seed).permutation(total)[: int(round(density * total))]
+        mask = np.zeros(total, bool)
+        mask[chosen] = True
+        return cls(mask.reshape(shape), block_size)
+
+    @classmethod
+    def dense(cls, shape, block_size=32):
+        """Every block of a ``(Cb, Kb)`` grid present."""
+        return cls(np.ones(_block_grid_shape(shape), bool), block_size)
+
+    @classmethod
+    def from_mask(cls, element_mask, block_size=32):
+        """Blocks of a ``(C, K)`` element mask that hold at least one nonzero element."""
+        element_mask = np.asarray(element_mask)
+        if element_mask.ndim != 2:
+            raise ValueError(f"element_mask: expected 2-D (C, K), got {element_mask.ndim} dimensions")
+        block_size = _check_block_size(block_size)
+        C, K = element_mask.shape
+        if C % block_size or K % block_size:
+            raise ValueError(
+                f"element_mask: shape {element_mask.shape} is not a multiple of block_size {block_size}"
+            )
+        blocks = element_mask.reshape(C // block_size, block_size, K // block_size, block_size)
+        return cls((blocks != 0).any(axis=(1, 3)), block_size)
+
+    # -- shape ----------------------------------------------------------
+
+    @property
+    def shape(self):
+        """Block grid ``(Cb, Kb)``."""
+        return self.mask.shape
+
+    @property
+    def dense_shape(self):
+        """Dense weight shape ``(C, K)``."""
+        return (self.mask.shape[0] * self.block_size, self.mask.shape[1] * self.block_size)
+
+    @property
+    def n_blocks(self):
+        return int(self.coords.shape[0])
+
+    @property
+    def w_shape(self):
+        """Shape of the block storage ``(n_blocks, bs, bs)``."""
+        return (self.n_blocks, self.block_size, self.block_size)
+
+    @property
+    def density(self):
+        """Fraction of blocks present."""
+        return self.n_blocks / self.mask.size
+
+    def block_coord(self, block):
+        """``(c, k)`` of block number ``block``."""
+        if not -self.n_blocks <= block < self.n_blocks:
+            raise IndexError(f"block: expected an index below n_blocks={self.n_blocks}, got {block}")
+        c, k = self.coords[block]
+        return int(c), int(k)
+
+    # -- conversion -----------------------------------------------------
+
+    def to_dense(self, w):
+        """Dense ``(C, K)`` matrix from block storage ``w[n_blocks, bs, bs]``; absent blocks are 0."""
+        w = np.asarray(w)
+        if w.shape != self.w_shape:
+            raise ValueError(f"w: expected shape {self.w_shape}, got {w.shape}")
+        bs = self.block_size
+        dense = np.zeros(self.dense_shape, w.dtype)
+        tiles = dense.reshape(self.shape[0], bs, self.shape[1], bs).transpose(0, 2, 1, 3)
+        tiles[self.coords[:, 0], self.coords[:, 1]] = w
+        return dense
+
+    def from_dense(self, W):
+        """Block storage ``(n_blocks, bs, bs)`` of the layout's blocks of a dense ``(C, K)`` matrix."""
+        W = np.asarray(W)
+        if W.shape != self.dense_shape:
+            raise ValueError(f"W: expected shape {self.dense_shape}, got {W.shape}")
+        bs = self.block_size
+        tiles = W.reshape(self.shape[0], bs, self.shape[1], bs).transpose(0, 2, 1, 3)
+        return np.ascontiguousarray(tiles[self.coords[:, 0], self.coords[:, 1]])
+
+    def element_mask(self):
+        """Boolean ``(C, K)`` mask of the elements covered by present blocks."""
+        bs = self.block_size
+        return np.kron(self.mask, np.ones((bs, bs), bool)).astype(bool)
+
+    # -- identity -------------------------------------------------------
+
+    def __eq__(self, other):
+        if not isinstance(other, BlockLayout):
+            return NotImplemented
+        return self.block_size == other.block_size and np.array_equal(self.mask, other.mask)
+
+    def __hash__(self):
+        return self._hash
+
+    def __repr__(self):
+        return (
+            f"BlockLayout(shape={self.shape}, block_size={self.block_size}, "
+            f"n_blocks={self.n_blocks}, density={self.density:.3g})"
+        )
+
+    def __reduce__(self):
+        return (BlockLayout, (np.array(self.mask), self.block_size))
+
+
+def _block_grid_shape(shape):
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != 2 or min(shape) < 1:
+        raise ValueError(f"shape: expected two positive block counts (Cb, Kb), got {shape}")
+    return shape
+
+
+def _check_block_size(block_size):
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
+        raise TypeError(f"block_size: expected an int in {BLOCK_SIZES}, got {block_size!r}")
+    if int(block_size) not in BLOCK_SIZES:
+        raise ValueError(f"block_size: expected one of {BLOCK_SIZES}, got {block_size}")
+    return int(block_size)

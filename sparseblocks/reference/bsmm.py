@@ -1,0 +1,60 @@
+"""NumPy reference for block-sparse weight matmul (twin of `kernels/bsmm.py`).
+
+Over a `BlockLayout` of ``(C/bs, K/bs)`` blocks with weights ``w[n_blocks, bs, bs]``:
+
+* ``forward``:     ``y  = x · W``     (N, C) -> (N, K)
+* ``input_grad``:  ``dx = dy · Wᵀ``   (N, K) -> (N, C)
+* ``weight_grad``: ``dW = xᵀ · dy`` on the layout's blocks only -> (n_blocks, bs, bs)
+
+``feature_axis=1`` means activations are ``(N, features)``; ``feature_axis=0``
+means ``(features, N)`` (OpenAI blocksparse's two layouts). Output features
+with no block are zero. With ``upcast=True`` (default) the arithmetic and the
+result are float64; otherwise the result is cast back to the inputs' dtype.
+"""
+
+import numpy as np
+
+
+def _as_rows(a, feature_axis, name):
+    a = np.asarray(a)
+    if a.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-D array, got {a.ndim} dimensions")
+    if feature_axis not in (0, 1):
+        raise ValueError(f"feature_axis: expected 0 or 1, got {feature_axis!r}")
+    return a if feature_axis == 1 else a.T
+
+
+def _result(out, feature_axis, dtype, upcast):
+    out = out if feature_axis == 1 else out.T
+    return out if upcast else out.astype(dtype)
+
+
+def forward(x, w, layout, feature_axis=1, upcast=True):
+    """``y = x · W`` for block-sparse ``W``."""
+    x = _as_rows(x, feature_axis, "x")
+    bs = layout.block_size
+    y = np.zeros((x.shape[0], layout.dense_shape[1]), np.float64)
+    for block, (c, k) in enumerate(layout.coords):
+        y[:, k * bs:(k + 1) * bs] += x[:, c * bs:(c + 1) * bs].astype(np.float64) @ w[block]
+    return _result(y, feature_axis, np.result_type(x, w), upcast)
+
+
+def input_grad(dy, w, layout, feature_axis=1, upcast=True):
+    """``dx = dy · Wᵀ`` for block-sparse ``W``."""
+    dy = _as_rows(dy, feature_axis, "dy")
+    bs = layout.block_size
+    dx = np.zeros((dy.shape[0], layout.dense_shape[0]), np.float64)
+    for block, (c, k) in enumerate(layout.coords):
+        dx[:, c * bs:(c + 1) * bs] += dy[:, k * bs:(k + 1) * bs].astype(np.float64) @ w[block].T
+    return _result(dx, feature_axis, np.result_type(dy, w), upcast)
+
+
+def weight_grad(x, dy, layout, feature_axis=1, upcast=True):
+    """``dW = xᵀ · dy`` restricted to the layout's blocks, as ``(n_blocks, bs, bs)``."""
+    x = _as_rows(x, feature_axis, "x")
+    dy = _as_rows(dy, feature_axis, "dy")
+    bs = layout.block_size
+    dw = np.zeros(layout.w_shape, np.float64)
+    for block, (c, k) in enumerate(layout.coords):
+        dw[block] = x[:, c * bs:(c + 1) * bs].T.astype(np.float64) @ dy[:, k * bs:(k + 1) * bs]
+    return dw if upcast else dw.astype(np.result_type(x, dy))

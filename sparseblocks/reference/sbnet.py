@@ -1,0 +1,223 @@
+"""NumPy reference for SBNet's activation-sparsity ops (twin of `kernels/sbnet.py`).
+
+Block geometry. A block index ``(n, bh, bw)`` names the window of image ``n``
+whose rows are ``boffset_h + bh*bstride_h`` up to (excluding)
+``+ bsize_h``, and likewise for columns. Windows may reach outside the image
+(negative offsets for padding, the last row of blocks past the edge):
+reads there give zeros and writes there are dropped. Every size, stride and
+offset argument takes an int (both axes) or an ``(h, w)`` pair.
+
+* `reduce_mask`: pools a mask ``[N, H, W]`` over every window of the block
+  grid; a block is active when the pooled value exceeds ``tol`` (max mode: any
+  in-bounds value > tol; avg mode: sum of in-bounds values / (bsize_h*bsize_w)
+  > tol). Returns the active ``(n, bh, bw)`` as int32 ``[n_active, 3]`` in
+  row-major order; an empty mask gives ``[0, 3]`` (not SBNet's dummy block).
+* `sparse_gather`: copies the windows of an NHWC tensor into a block stack
+  ``[n_blocks, bsize_h, bsize_w, C]`` (``transpose=True``: ``[n_blocks, C,
+  bsize_h, bsize_w]``, i.e. NCHW blocks).
+* `sparse_scatter`: writes (or with ``add=True`` adds) such a stack back into
+  a copy of ``y`` (``inplace=True``: into ``y`` itself), blocks in index
+  order, so with overlapping windows and ``add=False`` the last block wins.
+  ``atomic`` only changes how a kernel adds; the result is the same.
+* `calc_block_params`, `calc_block_params_res_block`: the block geometry that
+  makes a sparse convolution (gather, VALID convolution, scatter) equal the
+  dense one on the active blocks, as SBNet's functions of the same names.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def pair(value, name):
+    """``(h, w)`` from an int or a pair of ints."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value), int(value)
+    try:
+        h, w = value
+        if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in (h, w)):
+            raise TypeError
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected an int or a pair of ints (h, w), got {value!r}") from None
+    return int(h), int(w)
+
+
+def block_count(size, bstride, boffset):
+    """Blocks per axis whose window starts inside ``[0, size)`` or before it: ``(count_h, count_w)``."""
+    return tuple(
+        max(0, (s - 1 - o) // st + 1) for s, st, o in zip(size, bstride, boffset)
+    )
+
+
+def window(index, bsize, bstride, boffset):
+    """First row and column of the window of block index ``(n, bh, bw)``."""
+    _, bh, bw = (int(i) for i in index)
+    return boffset[0] + bh * bstride[0], boffset[1] + bw * bstride[1]
+
+
+def _overlap(start, length, size):
+    """Clip ``[start, start+length)`` to ``[0, size)``: (begin, end) in image and block coordinates."""
+    begin, end = max(start, 0), min(start + length, size)
+    return begin, end, begin - start, end - start
+
+
+def _geometry(bsize, bstride, boffset):
+    bsize, bstride, boffset = pair(bsize, "bsize"), pair(bstride, "bstride"), pair(boffset, "boffset")
+    if min(bsize) < 1:
+        raise ValueError(f"bsize: expected positive sizes, got {bsize}")
+    if min(bstride) < 1:
+        raise ValueError(f"bstride: expected positive strides, got {bstride}")
+    return bsize, bstride, boffset
+
+
+def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=None):
+    """Active block indices ``[n_active, 3]`` (int32, row-major) of a mask ``[N, H, W]``."""
+    mask = np.asarray(mask)
+    if mask.ndim != 3:
+        raise ValueError(f"mask: expected [N, H, W], got {mask.ndim} dimensions")
+    bsize, bstride, boffset = _geometry(bsize, bstride, boffset)
+    N, H, W = mask.shape
+    bcount = block_count((H, W), bstride, boffset) if bcount is None \
+        else pair(bcount, "bcount")
+    active = []
+    for n in range(N):
+        for bh in range(bcount[0]):
+            for bw in range(bcount[1]):
+                h0, w0 = window((n, bh, bw), bsize, bstride, boffset)
+                hb, he, _, _ = _overlap(h0, bsize[0], H)
+                wb, we, _, _ = _overlap(w0, bsize[1], W)
+                values = mask[n, hb:he, wb:we].astype(np.float64)
+                if avgpool:
+                    pooled = values.sum() / (bsize[0] * bsize[1])
+                else:
+                    pooled = values.max() if values.size else -np.inf
+                if pooled > tol:
+                    active.append((n, bh, bw))
+    return np.array(active, np.int32).reshape(-1, 3)
+
+
+def _check_indices(indices):
+    indices = np.asarray(indices)
+    if indices.ndim != 2 or indices.shape[1] != 3:
+        raise ValueError(f"indices: expected [n_blocks, 3] of (n, bh, bw), got shape {indices.shape}")
+    return indices
+
+
+def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False):
+    """Windows of NHWC ``x`` as ``[n_blocks, bh, bw, C]`` (``transpose``: ``[n_blocks, C, bh, bw]``)."""
+    x = np.asarray(x)
+    if x.ndim != 4:
+        raise ValueError(f"x: expected NHWC, got {x.ndim} dimensions")
+    indices = _check_indices(indices)
+    bsize, bstride, boffset = _geometry(bsize, bstride, boffset)
+    N, H, W, C = x.shape
+    blocks = np.zeros((len(indices), bsize[0], bsize[1], C), x.dtype)
+    for i, index in enumerate(indices):
+        n = int(index[0])
+        if not 0 <= n < N:
+            continue
+        h0, w0 = window(index, bsize, bstride, boffset)
+        hb, he, bhb, bhe = _overlap(h0, bsize[0], H)
+        wb, we, bwb, bwe = _overlap(w0, bsize[1], W)
+        if hb < he and wb < we:
+            blocks[i, bhb:bhe, bwb:bwe] = x[n, hb:he, wb:we]
+    return blocks.transpose(0, 3, 1, 2).copy() if transpose else blocks
+
+
+def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, atomic=False,
+                   transpose=False, inplace=False):
+    """Write (or add) a block stack into NHWC ``y``; a copy unless ``inplace``."""
+    blocks = np.asarray(blocks)
+    if blocks.ndim != 4:
+        raise ValueError(f"blocks: expected a 4-D block stack, got {blocks.ndim} dimensions")
+    if transpose:
+        blocks = blocks.transpose(0, 2, 3, 1)
+    indices = _check_indices(indices)
+    if blocks.shape[0] != len(indices):
+        raise ValueError(f"blocks: expected {len(indices)} blocks (one per index), got {blocks.shape[0]}")
+    bsize, bstride, boffset = _geometry(bsize, bstride, boffset)
+    y = np.asarray(y)
+    if y.ndim != 4:
+        raise ValueError(f"y: expected NHWC, got {y.ndim} dimensions")
+    N, H, W, C = y.shape
+    if blocks.shape[1:] != (bsize[0], bsize[1], C):
+        raise ValueError(f"blocks: expected blocks of {(bsize[0], bsize[1], C)} (h, w, C), got {blocks.shape[1:]}")
+    out = y if inplace else np.array(y, copy=True)
+    for i, index in enumerate(indices):
+        n = int(index[0])
+        if not 0 <= n < N:
+            continue
+        h0, w0 = window(index, bsize, bstride, boffset)
+        hb, he, bhb, bhe = _overlap(h0, bsize[0], H)
+        wb, we, bwb, bwe = _overlap(w0, bsize[1], W)
+        if hb < he and wb < we:
+            if add:
+                out[n, hb:he, wb:we] += blocks[i, bhb:bhe, bwb:bwe]
+            else:
+                out[n, hb:he, wb:we] = blocks[i, bhb:bhe, bwb:bwe]
+    return out
+
+
+# -- block geometry for convolutions ------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockParams:
+    """Block geometry of a sparse convolution (all pairs are ``(h, w)``).
+
+    Gather input windows of ``bsize`` every ``bstride`` from ``boffset``
+    (``bcount`` of them per axis), convolve them VALID, and scatter the
+    ``bsize_out`` results with stride ``bstride`` and offset 0.
+    """
+
+    bsize: tuple
+    bsize_out: tuple
+    boffset: tuple
+    bcount: tuple
+    bstride: tuple
+
+
+def conv_padding(in_hw, ksize, strides, padding):
+    """TensorFlow's padding ``(top, bottom, left, right)`` for a 2-D convolution."""
+    if padding == "VALID":
+        return 0, 0, 0, 0
+    if padding != "SAME":
+        raise ValueError(f"padding: expected 'SAME' or 'VALID', got {padding!r}")
+    pads = []
+    for size, k, s in zip(in_hw, ksize, strides):
+        out = -(-size // s)
+        total = max((out - 1) * s + k - size, 0)
+        pads += [total // 2, total - total // 2]
+    return tuple(pads)
+
+
+def calc_block_params(in_size, bsize, ksize, strides=1, padding="SAME"):
+    """Block geometry for one convolution of kernel ``ksize`` on an input of ``in_size``.
+
+    ``in_size`` is ``(N, H, W, C)`` or ``(H, W)``. Requires ``(bsize - ksize)``
+    divisible by ``strides`` on each axis, so output blocks tile exactly.
+    """
+    in_hw = tuple(in_size[1:3]) if len(in_size) == 4 else tuple(in_size)
+    bsize, ksize, strides = pair(bsize, "bsize"), pair(ksize, "ksize"), pair(strides, "strides")
+    for b, k, s, axis in zip(bsize, ksize, strides, "hw"):
+        if b < k:
+            raise ValueError(f"bsize: block {b} is smaller than the kernel {k} on axis {axis}")
+        if (b - k) % s:
+            raise ValueError(f"strides: {s} must divide bsize - ksize = {b - k} on axis {axis}")
+    bstride = tuple(b - k + s for b, k, s in zip(bsize, ksize, strides))
+    top, bottom, left, right = conv_padding(in_hw, ksize, strides, padding)
+    # Pad the far side further so the last block fits whole.
+    bottom += (bsize[0] - in_hw[0]) % bstride[0]
+    right += (bsize[1] - in_hw[1]) % bstride[1]
+    padded = (in_hw[0] + top + bottom, in_hw[1] + left + right)
+    bcount = tuple(max(0, (p - b) // st + 1) for p, b, st in zip(padded, bsize, bstride))
+    bsize_out = tuple((b - k) // s + 1 for b, k, s in zip(bsize, ksize, strides))
+    return BlockParams(bsize=bsize, bsize_out=bsize_out, boffset=(-top, -left),
+                       bcount=bcount, bstride=bstride)
+
+
+def calc_block_params_res_block(in_size, bsize, ksize_list, strides=1, padding="SAME"):
+    """Block geometry for a chain of convolutions (a residual block): the receptive field is the kernel."""
+    ksizes = [pair(k, "ksize_list") for k in ksize_list]
+    receptive = (1 + sum(k[0] - 1 for k in ksizes), 1 + sum(k[1] - 1 for k in ksizes))
+    return calc_block_params(in_size, bsize, receptive, strides, padding)
