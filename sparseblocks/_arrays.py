@@ -16,6 +16,26 @@ from ._backend import SIMULATOR
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
+# Tests set this (through `poisoned_outputs`) so that every output is filled
+# with NaN (or -1) before a launch and an element no kernel wrote shows up.
+_poison_outputs = False
+
+
+class poisoned_outputs:
+    """Context manager: fill every output with NaN (integers: -1) before its kernel runs."""
+
+    def __enter__(self):
+        global _poison_outputs
+        self._previous, _poison_outputs = _poison_outputs, True
+
+    def __exit__(self, *exc):
+        global _poison_outputs
+        _poison_outputs = self._previous
+
+
+def _poison_value(dtype):
+    return np.nan if dtype.kind == "f" else -1
+
 
 def _kind(array):
     module = type(array).__module__.split(".")[0]
@@ -83,6 +103,18 @@ class Operand:
     def empty(self, shape, dtype=None, stream=0):
         """Uninitialised output of the caller's kind: (native, device view)."""
         dtype = np.dtype(dtype or self.dtype)
+        native, device = self._allocate(shape, dtype, stream)
+        if _poison_outputs and device.size:
+            value = _poison_value(dtype)
+            if native is device:
+                device.copy_to_device(np.full(shape, value, dtype), stream=stream)
+            elif self.kind == "torch":
+                native.fill_(value)
+            else:
+                native.fill(value)
+        return native, device
+
+    def _allocate(self, shape, dtype, stream):
         if self.kind == "torch" and not SIMULATOR:
             import torch
 

@@ -57,7 +57,8 @@ def window(index, bsize, bstride, boffset):
 
 def _overlap(start, length, size):
     """Clip ``[start, start+length)`` to ``[0, size)``: (begin, end) in image and block coordinates."""
-    begin, end = max(start, 0), min(start + length, size)
+    begin = min(max(start, 0), size)
+    end = max(begin, min(start + length, size))
     return begin, end, begin - start, end - start
 
 
@@ -166,8 +167,9 @@ class BlockParams:
     """Block geometry of a sparse convolution (all pairs are ``(h, w)``).
 
     Gather input windows of ``bsize`` every ``bstride`` from ``boffset``
-    (``bcount`` of them per axis), convolve them VALID, and scatter the
-    ``bsize_out`` results with stride ``bstride`` and offset 0.
+    (``bcount`` of them per axis, covering the whole output), convolve them
+    VALID, and scatter the ``bsize_out`` results with stride ``bsize_out``
+    and offset 0.
     """
 
     bsize: tuple
@@ -191,6 +193,14 @@ def conv_padding(in_hw, ksize, strides, padding):
     return tuple(pads)
 
 
+def conv_output_size(in_hw, ksize, strides, padding):
+    """TensorFlow's output ``(h, w)`` of a 2-D convolution."""
+    conv_padding(in_hw, ksize, strides, padding)  # validates `padding`
+    if padding == "SAME":
+        return tuple(-(-size // s) for size, s in zip(in_hw, strides))
+    return tuple(max(0, -(-(size - k + 1) // s)) for size, k, s in zip(in_hw, ksize, strides))
+
+
 def calc_block_params(in_size, bsize, ksize, strides=1, padding="SAME"):
     """Block geometry for one convolution of kernel ``ksize`` on an input of ``in_size``.
 
@@ -205,13 +215,13 @@ def calc_block_params(in_size, bsize, ksize, strides=1, padding="SAME"):
         if (b - k) % s:
             raise ValueError(f"strides: {s} must divide bsize - ksize = {b - k} on axis {axis}")
     bstride = tuple(b - k + s for b, k, s in zip(bsize, ksize, strides))
-    top, bottom, left, right = conv_padding(in_hw, ksize, strides, padding)
-    # Pad the far side further so the last block fits whole.
-    bottom += (bsize[0] - in_hw[0]) % bstride[0]
-    right += (bsize[1] - in_hw[1]) % bstride[1]
-    padded = (in_hw[0] + top + bottom, in_hw[1] + left + right)
-    bcount = tuple(max(0, (p - b) // st + 1) for p, b, st in zip(padded, bsize, bstride))
+    top, _, left, _ = conv_padding(in_hw, ksize, strides, padding)
     bsize_out = tuple((b - k) // s + 1 for b, k, s in zip(bsize, ksize, strides))
+    out_hw = conv_output_size(in_hw, ksize, strides, padding)
+    # Enough blocks to cover the whole output. (SBNet pads the input to a
+    # whole number of block strides instead, which leaves the last output rows
+    # uncovered when ksize - 1 is not a multiple of the block stride.)
+    bcount = tuple(-(-o // b) for o, b in zip(out_hw, bsize_out))
     return BlockParams(bsize=bsize, bsize_out=bsize_out, boffset=(-top, -left),
                        bcount=bcount, bstride=bstride)
 

@@ -1,0 +1,87 @@
+"""Shared hypothesis strategies and the one tolerance table.
+
+Shapes are drawn first, values second. Values come from a drawn seed through
+NumPy (hypothesis shrinks the seed and the shapes, and large arrays stay cheap
+to draw); they are bounded, free of subnormals, and never all zero.
+"""
+
+import numpy as np
+from hypothesis import strategies as st
+
+from sparseblocks.layout import BLOCK_SIZES, BlockLayout
+
+# Relative error ‖got − ref‖ / ‖ref‖ allowed against a float64 reference, by storage dtype.
+TOLERANCE = {
+    np.dtype(np.float64): 1e-12,
+    np.dtype(np.float32): 2e-6,
+    np.dtype(np.float16): 3e-3,
+}
+# Absolute slack for outputs whose reference is (near) zero.
+ABSOLUTE = {np.dtype(np.float64): 1e-300, np.dtype(np.float32): 1e-30, np.dtype(np.float16): 1e-6}
+
+LAYOUT_KINDS = ("random", "empty", "full", "single", "skewed")
+
+
+def assert_close(got, want, dtype, name="result"):
+    """Norm-wise relative error against a float64 reference, within TOLERANCE[dtype]; no NaN."""
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    assert got.shape == want.shape, f"{name}: shape {got.shape}, expected {want.shape}"
+    assert np.isfinite(got).all(), f"{name}: {np.count_nonzero(~np.isfinite(got))} non-finite elements"
+    dtype = np.dtype(dtype)
+    error = np.linalg.norm(got - want)
+    bound = TOLERANCE[dtype] * np.linalg.norm(want) + ABSOLUTE[dtype]
+    assert error <= bound, f"{name}: error {error:.3g} > {bound:.3g} (relative tol {TOLERANCE[dtype]})"
+
+
+def mask_of_kind(kind, shape, rng):
+    """A 0/1 block mask of a named kind: random, empty, full, single, skewed."""
+    mask = np.zeros(shape, bool)
+    if kind == "random":
+        mask = rng.random(shape) < rng.uniform(0.2, 0.8)
+    elif kind == "full":
+        mask[:] = True
+    elif kind == "single":
+        mask[rng.integers(shape[0]), rng.integers(shape[1])] = True
+    elif kind == "skewed":
+        # One column full, the rest nearly empty.
+        mask[:, rng.integers(shape[1])] = True
+        mask[rng.integers(shape[0]), rng.integers(shape[1])] = True
+    return mask
+
+
+@st.composite
+def layouts(draw, block_sizes=BLOCK_SIZES, max_blocks=3, kinds=LAYOUT_KINDS):
+    """A BlockLayout: block size, grid shape, then a mask of a drawn kind."""
+    block_size = draw(st.sampled_from(block_sizes))
+    shape = (draw(st.integers(1, max_blocks)), draw(st.integers(1, max_blocks)))
+    kind = draw(st.sampled_from(kinds))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return BlockLayout(mask_of_kind(kind, shape, rng), block_size)
+
+
+VALUE_STYLES = ("normal", "uniform", "small_integers", "sparse")
+
+
+def values(rng, shape, dtype, style="normal"):
+    """Bounded, subnormal-free, never all-zero values of a shape and dtype."""
+    if style == "normal":
+        a = rng.standard_normal(shape)
+    elif style == "uniform":
+        a = rng.uniform(0.5, 2.0, shape) * rng.choice([-1.0, 1.0], shape)
+    elif style == "small_integers":  # exact in every float dtype: sums compare bitwise
+        a = rng.integers(-3, 4, shape).astype(np.float64)
+    else:  # mostly zeros, some ±1
+        a = np.where(rng.random(shape) < 0.2, rng.choice([-1.0, 1.0], shape), 0.0)
+    a = a.astype(dtype)
+    if a.size and not a.any():
+        a.flat[rng.integers(a.size)] = 1
+    return a
+
+
+@st.composite
+def arrays(draw, shape, dtype, styles=VALUE_STYLES):
+    """An array of `shape` and `dtype` from a drawn seed and value style."""
+    style = draw(st.sampled_from(styles))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return values(rng, shape, dtype, style)

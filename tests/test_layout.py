@@ -1,0 +1,118 @@
+"""BlockLayout: derived indices agree with the mask, conversions round-trip, bad input is refused."""
+
+import pickle
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sparseblocks.layout import BLOCK_SIZES, BlockLayout
+from strategies import arrays, layouts
+
+
+@given(layouts(max_blocks=6))
+def test_indices_describe_the_mask(layout):
+    mask = layout.mask
+    assert layout.n_blocks == mask.sum() == len(layout.coords)
+    for array in (layout.coords, layout.row_ptr, layout.col_idx, layout.col_ptr,
+                  layout.row_idx, layout.col_block):
+        assert array.dtype == np.int32 and not array.flags.writeable
+    # Block numbering is row-major: coords are np.nonzero(mask) in C order.
+    assert np.array_equal(layout.coords, np.argwhere(mask))
+    for c in range(mask.shape[0]):
+        blocks = range(layout.row_ptr[c], layout.row_ptr[c + 1])
+        assert [tuple(layout.coords[b]) for b in blocks] == [(c, k) for k in np.flatnonzero(mask[c])]
+        assert list(layout.col_idx[list(blocks)]) == list(np.flatnonzero(mask[c]))
+    for k in range(mask.shape[1]):
+        entries = range(layout.col_ptr[k], layout.col_ptr[k + 1])
+        assert list(layout.row_idx[list(entries)]) == list(np.flatnonzero(mask[:, k]))
+        for j in entries:
+            assert tuple(layout.coords[layout.col_block[j]]) == (layout.row_idx[j], k)
+    assert sorted(layout.col_block) == list(range(layout.n_blocks))
+
+
+@given(layouts(max_blocks=4), st.data())
+def test_dense_round_trip(layout, data):
+    w = data.draw(arrays(layout.w_shape, np.float64))
+    W = layout.to_dense(w)
+    assert W.shape == layout.dense_shape
+    assert np.array_equal(layout.from_dense(W), w)
+    assert not W[~layout.element_mask()].any()
+    for b in range(layout.n_blocks):
+        c, k = layout.block_coord(b)
+        bs = layout.block_size
+        assert np.array_equal(W[c * bs:(c + 1) * bs, k * bs:(k + 1) * bs], w[b])
+
+
+@given(st.integers(1, 8), st.integers(1, 8), st.floats(0, 1), st.integers(0, 100))
+def test_random_has_exact_block_count(cb, kb, density, seed):
+    layout = BlockLayout.random((cb, kb), density, seed=seed, block_size=8)
+    assert layout.n_blocks == round(density * cb * kb)
+    assert layout == BlockLayout.random((cb, kb), density, seed=seed, block_size=8)
+
+
+def test_constructors_and_properties():
+    dense = BlockLayout.dense((2, 3), block_size=16)
+    assert dense.n_blocks == 6 and dense.density == 1.0
+    assert dense.shape == (2, 3) and dense.dense_shape == (32, 48) and dense.w_shape == (6, 16, 16)
+    element_mask = np.zeros((32, 48), bool)
+    element_mask[17, 40] = True
+    from_mask = BlockLayout.from_mask(element_mask, block_size=16)
+    assert from_mask.n_blocks == 1 and from_mask.block_coord(0) == (1, 2)
+    assert "n_blocks=1" in repr(from_mask)
+    assert BlockLayout.random((4, 4), 0.0).n_blocks == 0
+
+
+def test_equality_hashing_pickling():
+    mask = np.eye(3, dtype=int)
+    a, b = BlockLayout(mask, 8), BlockLayout(mask.astype(bool), 8)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != BlockLayout(mask, 16)
+    assert a != BlockLayout(1 - mask, 8)
+    assert pickle.loads(pickle.dumps(a)) == a
+    with pytest.raises(AttributeError):
+        a.block_size = 16
+    with pytest.raises(ValueError):
+        a.mask[0, 0] = False
+
+
+@pytest.mark.parametrize("mask, block_size, error, message", [
+    (np.ones(3), 8, ValueError, "2-D"),
+    (np.ones((2, 2, 2)), 8, ValueError, "2-D"),
+    (np.ones((0, 3)), 8, ValueError, "non-empty"),
+    (np.array([[0, 2]]), 8, ValueError, "0 and 1"),
+    (np.array([[0.5, 1]]), 8, ValueError, "0 and 1"),
+    (np.array([["a", "b"]]), 8, ValueError, "0 and 1"),
+    (np.ones((2, 2)), 12, ValueError, "block_size"),
+    (np.ones((2, 2)), 8.0, TypeError, "block_size"),
+    (np.ones((2, 2)), True, TypeError, "block_size"),
+])
+def test_bad_input_is_refused(mask, block_size, error, message):
+    with pytest.raises(error, match=message):
+        BlockLayout(mask, block_size)
+
+
+def test_int32_overflow_is_refused():
+    with pytest.raises(ValueError, match="int32"):
+        BlockLayout(np.ones((1, 2**31 // 64 + 1), bool), 64)
+    # 1024 x 1024 blocks of 64 would need 2**32 stored weights.
+    with pytest.raises(ValueError, match="int32"):
+        BlockLayout(np.ones((1024, 1024), bool), 64)
+
+
+def test_bad_helper_arguments():
+    layout = BlockLayout.dense((2, 2), 8)
+    with pytest.raises(ValueError, match="density"):
+        BlockLayout.random((2, 2), 1.5)
+    with pytest.raises(ValueError, match="shape"):
+        BlockLayout.random((0, 2), 0.5)
+    with pytest.raises(ValueError, match="w: expected shape"):
+        layout.to_dense(np.zeros((3, 8, 8)))
+    with pytest.raises(ValueError, match="W: expected shape"):
+        layout.from_dense(np.zeros((16, 8)))
+    with pytest.raises(IndexError):
+        layout.block_coord(4)
+    with pytest.raises(ValueError, match="multiple"):
+        BlockLayout.from_mask(np.ones((10, 16)), 8)
+    assert set(BLOCK_SIZES) == {8, 16, 32, 64}
