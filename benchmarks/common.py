@@ -1,0 +1,160 @@
+"""Shared benchmark plumbing: CUDA-event timing, one table, one JSON format.
+
+Every benchmark checks its output against the reference first, then times
+with `time_ms` (median of CUDA-event timings after warm-up), collects
+`Record`s whose baselines were measured in the same run, prints them with
+`print_table` and saves them with `write_results`:
+
+    benchmarks/results/<bench>.json = {"device": ..., "date": ..., "records": [
+        {"name": ..., "params": {...}, "ms": ..., "baselines": {"<name>": ms, ...}}, ...]}
+    benchmarks/results/<bench>.md   = the printed table
+
+A baseline that fails is recorded as NaN (`baseline_ms`), never a crash.
+Absolute times mean something only on a GPU; on the simulator run nothing here.
+"""
+
+import datetime
+import json
+import math
+import statistics
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Record:
+    name: str
+    params: dict
+    ms: float
+    baselines: dict = field(default_factory=dict)
+    flops: float = None  # useful work, for TFLOP/s; not written to JSON
+    bytes: float = None  # bytes moved, for GB/s; not written to JSON
+
+    def to_json(self):
+        return {"name": self.name, "params": self.params, "ms": _finite(self.ms),
+                "baselines": {k: _finite(v) for k, v in self.baselines.items()}}
+
+
+def _finite(value):
+    return None if value is None or not math.isfinite(value) else round(float(value), 6)
+
+
+def _events():
+    """Start/stop event factory: torch's when torch has CUDA, else Numba's."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return lambda: torch.cuda.Event(enable_timing=True), lambda start, stop: start.elapsed_time(stop)
+    except ImportError:
+        pass
+    from numba import cuda
+
+    return lambda: cuda.event(timing=True), lambda start, stop: cuda.event_elapsed_time(start, stop)
+
+
+def time_ms(fn, warmup=10, repeat=50, setup=None):
+    """Median milliseconds of ``fn()`` over `repeat` CUDA-event timings after `warmup` calls.
+
+    Events are recorded on the current stream (torch's when torch is present).
+    ``setup(i)``, if given, runs before the i-th call outside the timed region
+    (for example to rotate among input sets so the L2 cache does not flatter).
+    """
+    make_event, elapsed = _events()
+    for i in range(warmup):
+        if setup:
+            setup(i)
+        fn()
+    times = []
+    for i in range(repeat):
+        if setup:
+            setup(i)
+        start, stop = make_event(), make_event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(elapsed(start, stop))
+    return statistics.median(times)
+
+
+def baseline_ms(fn, **kwargs):
+    """`time_ms`, or NaN when the baseline cannot run (reported on stderr)."""
+    try:
+        return time_ms(fn, **kwargs)
+    except Exception:  # a missing or failing baseline must not stop the benchmark
+        traceback.print_exc(file=sys.stderr)
+        return float("nan")
+
+
+def copy_ms(n_bytes):
+    """Device-to-device copy of `n_bytes` through torch: the bandwidth baseline."""
+    import torch
+
+    src = torch.empty(n_bytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    return baseline_ms(lambda: dst.copy_(src))
+
+
+def device_name():
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    from sparseblocks._backend import backend_name
+
+    return backend_name()
+
+
+def _cell(value, digits=3):
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "nan"
+    return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
+
+
+def format_table(records):
+    """Markdown table: params, ms, TFLOP/s or GB/s, then each baseline's ms and ratio (baseline / ours)."""
+    baseline_names = sorted({b for r in records for b in r.baselines})
+    param_names = list(dict.fromkeys(p for r in records for p in r.params))
+    header = ["name", *param_names, "ms", "TFLOP/s", "GB/s"]
+    for b in baseline_names:
+        header += [f"{b} ms", f"{b}/ours"]
+    rows = [header, ["---"] * len(header)]
+    for r in records:
+        row = [r.name, *[_cell(r.params.get(p, "")) for p in param_names], _cell(r.ms, 4)]
+        row.append(_cell(r.flops / r.ms / 1e9) if r.flops and r.ms else "")
+        row.append(_cell(r.bytes / r.ms / 1e6) if r.bytes and r.ms else "")
+        for b in baseline_names:
+            base = r.baselines.get(b)
+            row += [_cell(base, 4), _cell(base / r.ms if base is not None and r.ms else None)]
+        rows.append(row)
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+
+
+def print_table(records, title=""):
+    if title:
+        print(f"\n{title}")
+    print(format_table(records))
+
+
+def write_results(bench, records, device=None, directory=RESULTS):
+    """Write `<bench>.json` and `<bench>.md` under `directory`; returns the JSON path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    device = device or device_name()
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    document = {"device": device, "date": date, "records": [r.to_json() for r in records]}
+    path = directory / f"{bench}.json"
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    (directory / f"{bench}.md").write_text(
+        f"# {bench}\n\nDevice: {device}; {date}. Ratios are baseline time / ours (> 1: ours is faster).\n\n"
+        + format_table(records) + "\n"
+    )
+    return path

@@ -1,0 +1,177 @@
+"""Block-sparse matmul kernels against their NumPy reference, with algebraic properties."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparseblocks._arrays import poisoned_outputs
+from sparseblocks._backend import SIMULATOR
+from sparseblocks.kernels import bsmm
+from sparseblocks.layout import BlockLayout
+from sparseblocks.reference import bsmm as reference
+from strategies import arrays, assert_close, layouts
+
+DTYPES = [np.float32, np.float16, np.float64]
+# The simulator runs a Python thread per CUDA thread: fewer, smaller cases there.
+MAX_BLOCKS = {8: 3, 16: 3, 32: 2, 64: 2} if SIMULATOR else {8: 8, 16: 6, 32: 4, 64: 3}
+MAX_N = 20 if SIMULATOR else 300
+few = settings(max_examples=3) if SIMULATOR else settings()
+
+
+def to_axis(a, feature_axis):
+    return a if feature_axis == 1 else np.ascontiguousarray(a.T)
+
+
+@st.composite
+def problems(draw, block_size, dtype, styles=("normal", "uniform", "small_integers", "sparse")):
+    """A layout of `block_size`, then N, then x, dy and w as (N, features) arrays."""
+    layout = draw(layouts(block_sizes=(block_size,), max_blocks=MAX_BLOCKS[block_size]))
+    n = draw(st.integers(1, MAX_N), label="N")
+    C, K = layout.dense_shape
+    x = draw(arrays((n, C), dtype, styles), label="x")
+    dy = draw(arrays((n, K), dtype, styles), label="dy")
+    w = draw(arrays(layout.w_shape, dtype, styles), label="w")
+    return layout, x, dy, w
+
+
+@pytest.mark.parametrize("feature_axis", [1, 0])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@few
+@given(data=st.data())
+def test_products_match_reference(data, block_size, dtype, feature_axis):
+    layout, x, dy, w = data.draw(problems(block_size, dtype))
+    x, dy = to_axis(x, feature_axis), to_axis(dy, feature_axis)
+    with poisoned_outputs():
+        y = bsmm.forward(x, w, layout, feature_axis)
+        dx = bsmm.input_grad(dy, w, layout, feature_axis)
+        dw = bsmm.weight_grad(x, dy, layout, feature_axis)
+    assert y.dtype == dx.dtype == dw.dtype == np.dtype(dtype)
+    assert_close(y, reference.forward(x, w, layout, feature_axis), dtype, "forward")
+    assert_close(dx, reference.input_grad(dy, w, layout, feature_axis), dtype, "input_grad")
+    assert_close(dw, reference.weight_grad(x, dy, layout, feature_axis), dtype, "weight_grad")
+
+
+@given(data=st.data(), block_size=st.sampled_from([8, 16]))
+def test_small_integers_are_exact(data, block_size):
+    """Sums of small integers are exact in float32, so the kernels must agree bit for bit."""
+    layout, x, dy, w = data.draw(problems(block_size, np.float32, styles=("small_integers",)))
+    np.testing.assert_array_equal(bsmm.forward(x, w, layout), reference.forward(x, w, layout))
+    np.testing.assert_array_equal(bsmm.input_grad(dy, w, layout), reference.input_grad(dy, w, layout))
+    np.testing.assert_array_equal(bsmm.weight_grad(x, dy, layout), reference.weight_grad(x, dy, layout))
+
+
+@given(data=st.data(), block_size=st.sampled_from([8, 16]))
+def test_forward_and_input_grad_are_adjoint(data, block_size):
+    layout, x, dy, w = data.draw(problems(block_size, np.float64))
+    lhs = np.sum(bsmm.forward(x, w, layout) * dy)
+    assert lhs == pytest.approx(np.sum(x * bsmm.input_grad(dy, w, layout)), rel=1e-10, abs=1e-10)
+    assert lhs == pytest.approx(np.sum(bsmm.weight_grad(x, dy, layout) * w), rel=1e-10, abs=1e-10)
+
+
+@given(data=st.data())
+def test_weight_grad_is_the_masked_dense_product(data):
+    layout, x, dy, _ = data.draw(problems(8, np.float64))
+    dense = np.where(layout.element_mask(), x.T @ dy, 0.0)
+    np.testing.assert_allclose(layout.to_dense(bsmm.weight_grad(x, dy, layout)), dense, atol=1e-12)
+
+
+@given(data=st.data())
+def test_results_are_bitwise_repeatable(data):
+    layout, x, dy, w = data.draw(problems(16, np.float32, styles=("normal",)))
+    for product, args in ((bsmm.forward, (x, w)), (bsmm.input_grad, (dy, w)), (bsmm.weight_grad, (x, dy))):
+        first, second = product(*args, layout), product(*args, layout)
+        assert first.tobytes() == second.tobytes()
+
+
+def test_empty_layout_and_zero_rows():
+    empty = BlockLayout(np.zeros((2, 3)), 8)
+    x = np.ones((4, 16), np.float32)
+    with poisoned_outputs():
+        assert not bsmm.forward(x, np.zeros((0, 8, 8), np.float32), empty).any()
+        assert bsmm.weight_grad(x, np.ones((4, 24), np.float32), empty).shape == (0, 8, 8)
+        layout = BlockLayout.dense((2, 3), 8)
+        w = np.ones(layout.w_shape, np.float32)
+        assert bsmm.forward(np.ones((0, 16), np.float32), w, layout).shape == (0, 24)
+        assert bsmm.forward(np.ones((16, 0), np.float32), w, layout, feature_axis=0).shape == (24, 0)
+        assert not bsmm.weight_grad(np.ones((0, 16), np.float32), np.ones((0, 24), np.float32), layout).any()
+
+
+def test_device_arrays_in_device_arrays_out():
+    from numba import cuda
+
+    layout = BlockLayout.random((2, 2), 0.5, seed=3, block_size=8)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 16)).astype(np.float32)
+    w = rng.standard_normal(layout.w_shape).astype(np.float32)
+    y = bsmm.forward(cuda.to_device(x), cuda.to_device(w), layout)
+    assert not isinstance(y, np.ndarray)
+    assert_close(y.copy_to_host(), reference.forward(x, w, layout), np.float32)
+
+
+LAYOUT = BlockLayout.dense((2, 3), 8)
+X = np.ones((4, 16), np.float32)
+W = np.ones(LAYOUT.w_shape, np.float32)
+DY = np.ones((4, 24), np.float32)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: bsmm.forward(X, W, LAYOUT, feature_axis=2), ValueError, "feature_axis"),
+    (lambda: bsmm.forward(X[:, :8], W, LAYOUT), ValueError, "x: expected 16 features"),
+    (lambda: bsmm.forward(X, W, LAYOUT, feature_axis=0), ValueError, "x: expected 16 features on axis 0"),
+    (lambda: bsmm.forward(X.ravel(), W, LAYOUT), ValueError, "x: expected a 2-D"),
+    (lambda: bsmm.forward(X, W[:5], LAYOUT), ValueError, "w: expected shape"),
+    (lambda: bsmm.forward(X, W.astype(np.float64), LAYOUT), TypeError, "dtype mismatch"),
+    (lambda: bsmm.forward(X.astype(np.int32), W, LAYOUT), TypeError, "x: expected dtype"),
+    (lambda: bsmm.forward(X.tolist(), W, LAYOUT), TypeError, "x: expected a NumPy array"),
+    (lambda: bsmm.input_grad(X, W, LAYOUT), ValueError, "dy: expected 24 features"),
+    (lambda: bsmm.weight_grad(X, DY[:3], LAYOUT), ValueError, "same N"),
+    (lambda: bsmm.weight_grad(X, X, LAYOUT), ValueError, "dy: expected 24 features"),
+])
+def test_bad_input_raises_before_launch(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_mixed_kinds_are_refused():
+    from numba import cuda
+
+    with pytest.raises(TypeError, match="one kind"):
+        bsmm.forward(X, cuda.to_device(W), LAYOUT)
+
+
+def test_non_contiguous_device_array_is_refused():
+    from numba import cuda
+
+    wide = cuda.to_device(np.ones((4, 32), np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        bsmm.forward(wide[:, :16], cuda.to_device(W), LAYOUT)
+
+
+@pytest.mark.gpu
+def test_torch_tensors_in_torch_tensors_out():
+    torch = pytest.importorskip("torch")
+    layout = BlockLayout.random((4, 4), 0.5, seed=1, block_size=16)
+    x = torch.randn(33, 64, device="cuda")
+    w = torch.randn(layout.w_shape, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        y = bsmm.forward(x, w, layout)
+        dw = bsmm.weight_grad(x, y, layout)
+    stream.synchronize()
+    assert isinstance(y, torch.Tensor) and y.device == x.device
+    assert_close(y.cpu().numpy(), reference.forward(x.cpu().numpy(), w.cpu().numpy(), layout), np.float32)
+    want = reference.weight_grad(x.cpu().numpy(), y.cpu().numpy(), layout)
+    assert_close(dw.cpu().numpy(), want, np.float32)
+
+
+@pytest.mark.gpu
+def test_cupy_arrays_in_cupy_arrays_out():
+    cupy = pytest.importorskip("cupy")
+    layout = BlockLayout.random((2, 2), 0.5, seed=1, block_size=32)
+    x = cupy.random.standard_normal((7, 64)).astype(cupy.float32)
+    w = cupy.random.standard_normal(layout.w_shape).astype(cupy.float32)
+    y = bsmm.forward(x, w, layout)
+    assert isinstance(y, cupy.ndarray)
+    assert_close(y.get(), reference.forward(x.get(), w.get(), layout), np.float32)
