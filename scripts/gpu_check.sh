@@ -9,8 +9,8 @@ unset NUMBA_ENABLE_CUDASIM
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -m sparseblocks info
 python3 -m sparseblocks demo || echo "DEMO FAILED"
-timeout 280 python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$out/pytest_gpu.log" | tail -n 25
+timeout 280 python3 -m pytest -q -p no:cacheprovider --durations=10 "$@" 2>&1 | tee "$out/pytest_gpu.log" | tail -n 25
 echo "pytest rc=${PIPESTATUS[0]}"
-SPARSEBLOCKS_HYPOTHESIS_PROFILE=ci timeout 280 compute-sanitizer --tool memcheck --error-exitcode 1 \
+SPARSEBLOCKS_HYPOTHESIS_PROFILE=ci timeout 280 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 \
   python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$out/memcheck.log" | tail -n 12
 echo "memcheck rc=${PIPESTATUS[0]}"

@@ -7,8 +7,8 @@ Over a `BlockLayout` of ``(C/bs, K/bs)`` blocks with weights ``w[n_blocks, bs, b
   each block transposed in shared memory (no transposed copy of ``w``);
 * ``weight_grad``: ``dW = xᵀ · dy``   -> (n_blocks, bs, bs), the layout's blocks only.
 
-``feature_axis=0`` activations ``(features, N)`` are read and written through
-transposed views, so every kernel sees ``(N, features)``. Storage float16,
+``feature_axis=0`` activations ``(features, N)`` are indexed with swapped
+axes by a compile-time flag (a transposed Numba device array would be a copy). Storage float16,
 float32 or float64; float16 accumulates in float32. Any ``N >= 0``; output
 features with no block are zero.
 
@@ -29,11 +29,39 @@ ROWS_PER_TILE = {8: 16, 16: 16, 32: 8, 64: 4}
 # owns bs / WGRAD_ROWS[bs] rows of the block.
 WGRAD_ROWS = {8: 8, 16: 16, 32: 8, 64: 4}
 
+# -- device helpers -----------------------------------------------------------
+
+
+def _make_accessors(feature_axis):
+    """load(a, row, feature) and store(a, row, feature, value) for activations of either axis."""
+    if feature_axis == 1:
+
+        @cuda.jit(device=True, inline=True)
+        def load(a, row, feature):
+            return a[row, feature]
+
+        @cuda.jit(device=True, inline=True)
+        def store(a, row, feature, value):
+            a[row, feature] = value
+    else:
+
+        @cuda.jit(device=True, inline=True)
+        def load(a, row, feature):
+            return a[feature, row]
+
+        @cuda.jit(device=True, inline=True)
+        def store(a, row, feature, value):
+            a[feature, row] = value
+
+    return load, store
+
+
 # -- kernel bodies ---------------------------------------------------------
 
 
-def _make_product_kernel(bs, rows, acc_type, transpose_w):
+def _make_product_kernel(bs, rows, acc_type, transpose_w, feature_axis):
     """out[:, f-block] = sum over the blocks j of f's line: a[:, g-block] · w[b] (or w[b]ᵀ)."""
+    load, store = _make_accessors(feature_axis)
 
     @cuda.jit
     def product_kernel(out, a, w, line_ptr, other_idx, line_block, n_rows):
@@ -47,7 +75,7 @@ def _make_product_kernel(bs, rows, acc_type, transpose_w):
         for j in range(line_ptr[line], line_ptr[line + 1]):
             other = other_idx[j]
             block = j if transpose_w else line_block[j]
-            a_tile[ty, tx] = acc_type(a[row, other * bs + tx]) if row < n_rows else acc_type(0)
+            a_tile[ty, tx] = acc_type(load(a, row, other * bs + tx)) if row < n_rows else acc_type(0)
             for e in range(ty * bs + tx, bs * bs, rows * bs):
                 r = e // bs
                 c = e - r * bs
@@ -60,14 +88,15 @@ def _make_product_kernel(bs, rows, acc_type, transpose_w):
                 acc += a_tile[ty, i] * w_tile[i, tx]
             cuda.syncthreads()  # every thread is done reading before the next load
         if row < n_rows:
-            out[row, line * bs + tx] = acc
+            store(out, row, line * bs + tx, acc)
 
     return product_kernel
 
 
-def _make_weight_grad_kernel(bs, rows, acc_type):
+def _make_weight_grad_kernel(bs, rows, acc_type, feature_axis):
     """dw[b] = x[:, c-block]ᵀ · dy[:, k-block], reducing over all N rows."""
     per_thread = bs // rows
+    load, _ = _make_accessors(feature_axis)
 
     @cuda.jit
     def weight_grad_kernel(dw, x, dy, coords, n_rows):
@@ -83,8 +112,8 @@ def _make_weight_grad_kernel(bs, rows, acc_type):
             acc[m] = acc_type(0)
         for n0 in range(0, n_rows, rows):
             n = n0 + ty
-            x_tile[ty, tx] = acc_type(x[n, c * bs + tx]) if n < n_rows else acc_type(0)
-            dy_tile[ty, tx] = acc_type(dy[n, k * bs + tx]) if n < n_rows else acc_type(0)
+            x_tile[ty, tx] = acc_type(load(x, n, c * bs + tx)) if n < n_rows else acc_type(0)
+            dy_tile[ty, tx] = acc_type(load(dy, n, k * bs + tx)) if n < n_rows else acc_type(0)
             cuda.syncthreads()  # both tiles are loaded
             for r in range(rows):
                 d = dy_tile[r, tx]
@@ -106,22 +135,18 @@ def _acc_type(dtype):
     return float64 if dtype == np.float64 else float32
 
 
-def _product_kernel(bs, dtype, transpose_w):
-    key = ("product", bs, dtype, transpose_w)
+def _product_kernel(bs, dtype, transpose_w, feature_axis):
+    key = ("product", bs, dtype, transpose_w, feature_axis)
     if key not in _kernels:
-        _kernels[key] = _make_product_kernel(bs, ROWS_PER_TILE[bs], _acc_type(dtype), transpose_w)
+        _kernels[key] = _make_product_kernel(bs, ROWS_PER_TILE[bs], _acc_type(dtype), transpose_w, feature_axis)
     return _kernels[key]
 
 
-def _weight_grad_kernel(bs, dtype):
-    key = ("weight_grad", bs, dtype)
+def _weight_grad_kernel(bs, dtype, feature_axis):
+    key = ("weight_grad", bs, dtype, feature_axis)
     if key not in _kernels:
-        _kernels[key] = _make_weight_grad_kernel(bs, WGRAD_ROWS[bs], _acc_type(dtype))
+        _kernels[key] = _make_weight_grad_kernel(bs, WGRAD_ROWS[bs], _acc_type(dtype), feature_axis)
     return _kernels[key]
-
-
-def _rows_view(device_array, feature_axis):
-    return device_array if feature_axis == 1 else device_array.T
 
 
 def _index(layout, name, stream):
@@ -179,10 +204,10 @@ def _product(a, w, layout, feature_axis, transpose_w):
         line_ptr, other_idx, line_block = "row_ptr", "col_idx", "col_idx"
     else:
         line_ptr, other_idx, line_block = "col_ptr", "row_idx", "col_block"
-    kernel = _product_kernel(bs, a.dtype, transpose_w)
+    kernel = _product_kernel(bs, a.dtype, transpose_w, feature_axis)
     grid = ((n_rows + rows - 1) // rows, out_features // bs)
     kernel[grid, (bs, rows), stream](
-        _rows_view(out, feature_axis), _rows_view(a.device(stream), feature_axis), w.device(stream),
+        out, a.device(stream), w.device(stream),
         _index(layout, line_ptr, stream), _index(layout, other_idx, stream),
         _index(layout, line_block, stream), n_rows,
     )
@@ -214,9 +239,9 @@ def weight_grad(x, dy, layout, feature_axis=1):
     if layout.n_blocks == 0:
         return x.result(native, dw, stream)
     bs = layout.block_size
-    kernel = _weight_grad_kernel(bs, x.dtype)
+    kernel = _weight_grad_kernel(bs, x.dtype, feature_axis)
     kernel[layout.n_blocks, (bs, WGRAD_ROWS[bs]), stream](
-        dw, _rows_view(x.device(stream), feature_axis), _rows_view(dy.device(stream), feature_axis),
+        dw, x.device(stream), dy.device(stream),
         _index(layout, "coords", stream), n_x,
     )
     return x.result(native, dw, stream)
