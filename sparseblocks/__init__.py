@@ -13,4 +13,14 @@ __version__ = "0.1.0"
 
 from .layout import BlockLayout  # noqa: E402
 
-__all__ = ["BlockLayout", "__version__"]
+__all__ = ["BlockLayout", "BlocksparseMatMul", "__version__"]
+
+
+def __getattr__(name):
+    # Imported lazily: it imports numba.cuda, and whether that runs the CUDA
+    # simulator must be decided first (see `_probe`).
+    if name == "BlocksparseMatMul":
+        from .matmul import BlocksparseMatMul
+
+        return BlocksparseMatMul
+    raise AttributeError(f"module 'sparseblocks' has no attribute {name!r}")

@@ -1,12 +1,16 @@
 """Array interop for the public functions: NumPy, Numba device arrays, CuPy, torch.
 
-A public function turns each input into an `Operand` (its device view, the
-caller's kind and its stream), validates, allocates its output with
-`Operand.empty` in the caller's kind, launches on `launch_stream`, and
-returns `Operand.result`. NumPy inputs are copied to the device and the
-result copied back; GPU inputs never leave the device and share their memory.
-Torch tensors cross through ``__cuda_array_interface__``; torch exports no
-stream there, so the launch goes on torch's current stream.
+A public function turns each input into an `Operand` (its kind, dtype name and
+device view), validates, allocates its outputs with `Operand.empty` in the
+caller's kind, launches on `launch_stream`, and returns `Operand.result`.
+NumPy inputs are copied to the device and results copied back; GPU inputs
+never leave the device and share their memory. Torch tensors cross through
+``__cuda_array_interface__``; torch exports no stream there, so the launch
+goes on torch's current stream.
+
+bfloat16 does not cross ``__cuda_array_interface__``: torch bf16 tensors and
+NumPy arrays of ``ml_dtypes.bfloat16`` reach kernels as int16 views of their
+bits (`Operand.dtype` is then ``"bfloat16"``).
 """
 
 import numpy as np
@@ -14,7 +18,7 @@ from numba import cuda
 
 from ._backend import SIMULATOR
 
-FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
 
 # Tests set this (through `poisoned_outputs`) so that every output is filled
 # with NaN (or -1) before a launch and an element no kernel wrote shows up.
@@ -22,7 +26,7 @@ _poison_outputs = False
 
 
 class poisoned_outputs:
-    """Context manager: fill every output with NaN (integers: -1) before its kernel runs."""
+    """Context manager: fill every new output with NaN before its kernel runs."""
 
     def __enter__(self):
         global _poison_outputs
@@ -33,10 +37,6 @@ class poisoned_outputs:
         _poison_outputs = self._previous
 
 
-def _poison_value(dtype):
-    return np.nan if dtype.kind == "f" else -1
-
-
 def _kind(array):
     module = type(array).__module__.split(".")[0]
     if isinstance(array, np.ndarray):
@@ -45,15 +45,23 @@ def _kind(array):
         return "torch"
     if module == "cupy":
         return "cupy"
-    if module == "numba" or hasattr(array, "copy_to_host"):
+    if hasattr(array, "copy_to_host"):
         return "numba"
-    if hasattr(array, "__cuda_array_interface__"):
-        return "cuda"
     return None
 
 
+def _dtype_name(array):
+    return str(array.dtype).replace("torch.", "")
+
+
+def _bf16_numpy():
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
 class Operand:
-    """One input array: its kind, device view, shape and dtype."""
+    """One array argument: kind, shape, dtype name and (lazily) its device view."""
 
     def __init__(self, array, name):
         kind = _kind(array)
@@ -65,27 +73,35 @@ class Operand:
         if kind == "torch":
             if not array.is_cuda and not SIMULATOR:
                 raise ValueError(f"{name}: expected a CUDA tensor, got one on {array.device}")
-            if array.requires_grad:
-                array = array.detach()
+            array = array.detach()
         self.name = name
         self.kind = kind
         self.native = array
         self.shape = tuple(array.shape)
-        self.dtype = np.dtype(str(array.dtype).replace("torch.", ""))
+        self.dtype = _dtype_name(array)
         self._device = None
 
     def device(self, stream=0):
-        """The array as a Numba device array (copied to the device for NumPy)."""
+        """The array as a Numba device array (copied to the device for NumPy; bf16 as int16 bits)."""
         if self._device is None:
+            native = self.native
+            if self.dtype == "bfloat16":
+                native = native.view(np.int16) if self.kind == "numpy" else self._torch_bits(native)
             if self.kind == "numpy":
-                self._device = cuda.to_device(np.ascontiguousarray(self.native), stream=stream)
+                self._device = cuda.to_device(np.ascontiguousarray(native), stream=stream)
             elif self.kind == "numba":
-                self._device = self.native
+                self._device = native
             elif self.kind == "torch" and SIMULATOR:
-                self._device = cuda.to_device(self.native.numpy())
+                self._device = cuda.to_device(native.numpy())
             else:
-                self._device = cuda.as_cuda_array(self.native)
+                self._device = cuda.as_cuda_array(native)
         return self._device
+
+    @staticmethod
+    def _torch_bits(tensor):
+        import torch
+
+        return tensor.view(torch.int16)
 
     def require_contiguous(self):
         if self.kind == "numpy":
@@ -96,42 +112,39 @@ class Operand:
         elif self.kind == "cupy":
             ok = native.flags.c_contiguous
         else:
-            ok = self.device().is_c_contiguous()
+            ok = native.is_c_contiguous()
         if not ok:
             raise ValueError(f"{self.name}: expected a C-contiguous array")
 
-    def empty(self, shape, dtype=None, stream=0):
-        """Uninitialised output of the caller's kind: (native, device view)."""
-        dtype = np.dtype(dtype or self.dtype)
-        native, device = self._allocate(shape, dtype, stream)
+    def empty(self, shape, stream=0):
+        """Uninitialised output of the caller's kind and this operand's dtype: (native, device view)."""
+        native, device = self._allocate(shape, stream)
         if _poison_outputs and device.size:
-            value = _poison_value(dtype)
-            if native is device:
-                device.copy_to_device(np.full(shape, value, dtype), stream=stream)
-            elif self.kind == "torch":
-                native.fill_(value)
-            else:
-                native.fill(value)
+            poison = np.full(shape, np.nan, np.float32).astype(device.dtype) if self.dtype != "bfloat16" \
+                else np.full(shape, 0x7FC0, np.int16)  # bf16 NaN
+            device.copy_to_device(poison, stream=stream)
         return native, device
 
-    def _allocate(self, shape, dtype, stream):
+    def _allocate(self, shape, stream):
+        bf16 = self.dtype == "bfloat16"
         if self.kind == "torch" and not SIMULATOR:
             import torch
 
-            native = torch.empty(shape, dtype=getattr(torch, dtype.name), device=self.native.device)
-            return native, cuda.as_cuda_array(native)
+            native = torch.empty(shape, dtype=getattr(torch, self.dtype), device=self.native.device)
+            return native, cuda.as_cuda_array(native.view(torch.int16) if bf16 else native)
         if self.kind == "cupy":
             import cupy
 
-            native = cupy.empty(shape, dtype)
+            native = cupy.empty(shape, self.dtype)
             return native, cuda.as_cuda_array(native)
-        device = cuda.device_array(shape, dtype, stream=stream)
+        device = cuda.device_array(shape, np.int16 if bf16 else self.dtype, stream=stream)
         return device, device
 
     def result(self, native, device, stream=0):
         """What the caller gets back: host copy for NumPy, the native array otherwise."""
         if self.kind == "numpy":
-            return device.copy_to_host(stream=stream)
+            host = device.copy_to_host(stream=stream)
+            return host.view(_bf16_numpy()) if self.dtype == "bfloat16" else host
         if self.kind == "torch" and SIMULATOR:
             import torch
 
@@ -164,7 +177,12 @@ def check_same_kind(operands):
 
 def check_float(op, dtypes=FLOAT_DTYPES):
     if op.dtype not in dtypes:
-        raise TypeError(f"{op.name}: expected dtype in {[d.name for d in dtypes]}, got {op.dtype}")
+        raise TypeError(f"{op.name}: expected dtype in {list(dtypes)}, got {op.dtype}")
+
+
+def check_same_dtype(operands):
+    if len({op.dtype for op in operands}) > 1:
+        raise TypeError("dtype mismatch: " + ", ".join(f"{op.name} {op.dtype}" for op in operands))
 
 
 def check_shape(op, shape):

@@ -37,7 +37,7 @@ class BlockLayout:
 
     __slots__ = (
         "mask", "block_size", "coords", "row_ptr", "col_idx",
-        "col_ptr", "row_idx", "col_block", "_hash",
+        "col_ptr", "row_idx", "col_block", "_hash", "_schedules",
     )
 
     def __init__(self, mask, block_size=32):
@@ -76,6 +76,7 @@ class BlockLayout:
         set_(self, "row_idx", _readonly(rows[by_col].astype(np.int32)))
         set_(self, "col_block", _readonly(by_col.astype(np.int32)))
         set_(self, "_hash", hash((block_size, mask.shape, mask.tobytes())))
+        set_(self, "_schedules", {})
 
     def __setattr__(self, name, value):
         raise AttributeError("BlockLayout is immutable")
@@ -147,6 +148,34 @@ class BlockLayout:
         c, k = self.coords[block]
         return int(c), int(k)
 
+    # -- work schedules ---------------------------------------------------
+
+    def line_segments(self, axis, max_blocks):
+        """Split the layout's lines into segments of at most `max_blocks` blocks (cached).
+
+        ``axis="col"`` takes the block-columns k (CSC: what the forward product
+        sums over), ``axis="row"`` the block-rows c (CSR: the input gradient).
+        Lines longer than `max_blocks` are cut so no thread block gets far more
+        work than the rest; every line, even an empty one, gets a segment so
+        its output is written. Returns a dict of int32 arrays:
+
+        * ``seg_line``, ``seg_begin``, ``seg_end``: segment s covers index
+          entries ``seg_begin[s]:seg_end[s]`` (into ``col_ptr``/``row_ptr``
+          order) of line ``seg_line[s]``;
+        * ``seg_slot``: -1 for the only segment of a line, else the row of a
+          partial-sum workspace the segment writes;
+        * ``split_line``, ``split_begin``, ``split_end``: the workspace rows
+          ``split_begin[i]:split_end[i]`` that sum, in order, to line
+          ``split_line[i]``; and ``n_slots``, the workspace rows needed.
+        """
+        if axis not in ("row", "col"):
+            raise ValueError(f"axis: expected 'row' or 'col', got {axis!r}")
+        max_blocks = max(1, int(max_blocks))
+        key = (axis, max_blocks)
+        if key not in self._schedules:
+            self._schedules[key] = _segments(self.row_ptr if axis == "row" else self.col_ptr, max_blocks)
+        return self._schedules[key]
+
     # -- conversion -----------------------------------------------------
 
     def to_dense(self, w):
@@ -207,3 +236,30 @@ def _check_block_size(block_size):
     if int(block_size) not in BLOCK_SIZES:
         raise ValueError(f"block_size: expected one of {BLOCK_SIZES}, got {block_size}")
     return int(block_size)
+
+
+def _segments(ptr, max_blocks):
+    seg_line, seg_begin, seg_end, seg_slot = [], [], [], []
+    split_line, split_begin, split_end = [], [], []
+    n_slots = 0
+    for line in range(len(ptr) - 1):
+        begin, end = int(ptr[line]), int(ptr[line + 1])
+        starts = list(range(begin, end, max_blocks)) or [begin]
+        split = len(starts) > 1
+        if split:
+            split_line.append(line)
+            split_begin.append(n_slots)
+        for start in starts:
+            seg_line.append(line)
+            seg_begin.append(start)
+            seg_end.append(min(start + max_blocks, end))
+            seg_slot.append(n_slots if split else -1)
+            n_slots += split
+        if split:
+            split_end.append(n_slots)
+    as_int32 = lambda values: _readonly(np.array(values, np.int32))  # noqa: E731
+    return {
+        "seg_line": as_int32(seg_line), "seg_begin": as_int32(seg_begin), "seg_end": as_int32(seg_end),
+        "seg_slot": as_int32(seg_slot), "split_line": as_int32(split_line),
+        "split_begin": as_int32(split_begin), "split_end": as_int32(split_end), "n_slots": n_slots,
+    }

@@ -11,13 +11,19 @@ from hypothesis import strategies as st
 from sparseblocks.layout import BLOCK_SIZES, BlockLayout
 
 # Relative error ‖got − ref‖ / ‖ref‖ allowed against a float64 reference, by storage dtype.
-TOLERANCE = {
-    np.dtype(np.float64): 1e-12,
-    np.dtype(np.float32): 2e-6,
-    np.dtype(np.float16): 3e-3,
-}
+TOLERANCE = {"float64": 1e-12, "float32": 2e-6, "float16": 3e-3, "bfloat16": 2e-2}
 # Absolute slack for outputs whose reference is (near) zero.
-ABSOLUTE = {np.dtype(np.float64): 1e-300, np.dtype(np.float32): 1e-30, np.dtype(np.float16): 1e-6}
+ABSOLUTE = {"float64": 1e-300, "float32": 1e-30, "float16": 1e-6, "bfloat16": 1e-6}
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
+
+
+def numpy_dtype(name):
+    """The NumPy dtype of a name; bfloat16 through ml_dtypes."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
 
 LAYOUT_KINDS = ("random", "empty", "full", "single", "skewed")
 
@@ -28,7 +34,7 @@ def assert_close(got, want, dtype, name="result"):
     want = np.asarray(want, np.float64)
     assert got.shape == want.shape, f"{name}: shape {got.shape}, expected {want.shape}"
     assert np.isfinite(got).all(), f"{name}: {np.count_nonzero(~np.isfinite(got))} non-finite elements"
-    dtype = np.dtype(dtype)
+    dtype = str(np.dtype(dtype)) if not isinstance(dtype, str) else dtype
     error = np.linalg.norm(got - want)
     bound = TOLERANCE[dtype] * np.linalg.norm(want) + ABSOLUTE[dtype]
     assert error <= bound, f"{name}: error {error:.3g} > {bound:.3g} (relative tol {TOLERANCE[dtype]})"
@@ -73,10 +79,9 @@ def values(rng, shape, dtype, style="normal"):
         a = rng.integers(-3, 4, shape).astype(np.float64)
     else:  # mostly zeros, some ±1
         a = np.where(rng.random(shape) < 0.2, rng.choice([-1.0, 1.0], shape), 0.0)
-    a = a.astype(dtype)
     if a.size and not a.any():
         a.flat[rng.integers(a.size)] = 1
-    return a
+    return a.astype(numpy_dtype(dtype) if isinstance(dtype, str) else dtype)
 
 
 @st.composite

@@ -21,6 +21,9 @@ module with real rendezvous semantics:
   exited, or blocked elsewhere (``syncthreads`` or another collective).
 * ``lanemask_lt()`` is ``(1 << laneid) - 1``.
 
+The libdevice bit casts ``int_as_float`` and ``float_as_int`` (stubs that
+return None in the simulator) get NumPy implementations too.
+
 Return types follow Numba's typing on the GPU (``ballot_sync`` and
 ``match_any_sync`` give int32, ``activemask`` and ``lanemask_lt`` uint32) as
 NumPy scalars, so bit patterns and later arithmetic match the GPU. ``popc`` is
@@ -290,6 +293,17 @@ def popc(self, value):
     return bin(int(value)).count("1")
 
 
+def _int_as_float(value):
+    return np.int64(value).astype(np.uint32).view(np.float32)
+
+
+def _float_as_int(value):
+    return np.float32(value).view(np.int32)
+
+
+# libdevice bit casts, which the simulator leaves as stubs returning None.
+_LIBDEVICE = {"int_as_float": _int_as_float, "float_as_int": _float_as_int}
+
 _INTRINSICS = (
     shfl_sync, shfl_up_sync, shfl_down_sync, shfl_xor_sync,
     ballot_sync, all_sync, any_sync, eq_sync, match_any_sync, match_all_sync,
@@ -307,6 +321,10 @@ def install():
 
     for function in _INTRINSICS:
         setattr(kernelapi.FakeCUDAModule, function.__name__, function)
+    from numba.cuda import libdevice
+
+    for name, function in _LIBDEVICE.items():
+        setattr(libdevice, name, function)
 
     manager_init = kernel.BlockManager.__init__
     thread_init = kernel.BlockThread.__init__

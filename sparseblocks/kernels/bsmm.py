@@ -2,37 +2,67 @@
 
 Over a `BlockLayout` of ``(C/bs, K/bs)`` blocks with weights ``w[n_blocks, bs, bs]``:
 
-* ``forward``:     ``y  = x · W``     (N, C) -> (N, K), over the layout's columns (CSC);
-* ``input_grad``:  ``dx = dy · Wᵀ``   (N, K) -> (N, C), over its rows (CSR), reading
-  each block transposed in shared memory (no transposed copy of ``w``);
-* ``weight_grad``: ``dW = xᵀ · dy``   -> (n_blocks, bs, bs), the layout's blocks only.
+* ``forward``:     ``y  = x · W``     (N, C) -> (N, K), over the layout's block-columns (CSC);
+* ``input_grad``:  ``dx = dy · Wᵀ``   (N, K) -> (N, C), over its block-rows (CSR), reading
+  each block transposed into shared memory (no transposed copy of ``w``);
+* ``weight_grad``: ``dW = xᵀ · dy``   -> (n_blocks, bs, bs) on the layout's blocks only,
+  optionally into ``out`` as ``out = xᵀ·dy + beta·out``.
 
-``feature_axis=0`` activations ``(features, N)`` are indexed with swapped
-axes by a compile-time flag (a transposed Numba device array would be a copy). Storage float16,
-float32 or float64; float16 accumulates in float32. Any ``N >= 0``; output
-features with no block are zero.
+``feature_axis=1`` activations are ``(N, features)``, ``feature_axis=0``
+``(features, N)``; a compile-time flag swaps the indices (a transposed Numba
+device array would be a copy). Storage float16, bfloat16 (int16 bits),
+float32 or float64; all but float64 accumulate in float32. Any ``N >= 0``;
+output features with no block are zero. Every sum runs in a fixed order (no
+atomics), so results are bitwise repeatable.
 
-Versions:
-  1. shared-memory tiles, one output element per thread (this file). Correct
-     and simple: the baseline later versions are checked against.
+Versions (``version=`` on every public function; tests sweep both):
+  1. shared-memory tiles, one output element per thread. Simple; the
+     baseline the others are checked against.
+  2. register-blocked tiles: each thread owns an R x Q patch of the output
+     and reads R + Q shared values per R*Q multiply-adds. Long block-lines
+     are cut into segments (`BlockLayout.line_segments`) whose partial sums a
+     second kernel adds in order, so a skewed layout does not leave one SM
+     working alone; the weight gradient splits N when there are few blocks.
 """
 
 import numpy as np
-from numba import cuda, float32, float64
+from numba import cuda, float32, float64, int16, int32, int64
+from numba.cuda import libdevice
 
-from .._arrays import Operand, check_float, check_same_kind, check_shape, launch_stream
+from .._arrays import (
+    Operand, check_float, check_same_dtype, check_same_kind, check_shape, launch_stream,
+)
 
-# One thread per output element of a tile of ROWS_PER_TILE[bs] rows x bs
-# features, at most 256 threads a block.
+# -- constants -----------------------------------------------------------------
+
+VERSIONS = (1, 2)
+
+# Version 1: one thread per output element of ROWS_PER_TILE[bs] rows x bs features.
 ROWS_PER_TILE = {8: 16, 16: 16, 32: 8, 64: 4}
-# Weight-gradient blocks: bs columns x WGRAD_ROWS[bs] threads; each thread
-# owns bs / WGRAD_ROWS[bs] rows of the block.
+# Version 1 weight gradient: bs columns x WGRAD_ROWS[bs] threads, bs / WGRAD_ROWS[bs] rows each.
 WGRAD_ROWS = {8: 8, 16: 16, 32: 8, 64: 4}
 
-# -- device helpers -----------------------------------------------------------
+# Version 2 products: a thread block owns TM rows x bs features of the output and
+# walks the line's blocks KC features at a time; each of its 128 threads owns
+# R rows x Q features. (TM, R, Q, KC) by block size:
+PRODUCT_TILES = {8: (256, 8, 2, 8), 16: (256, 8, 4, 16), 32: (128, 8, 4, 32), 64: (128, 8, 8, 32)}
+PRODUCT_THREADS = 128
+# Lines longer than SEGMENT_FACTOR x the mean line (and MIN_SEGMENT blocks) are cut.
+SEGMENT_FACTOR = 2
+MIN_SEGMENT = 4
+
+# Version 2 weight gradient: 256 threads in G groups of (bs/Q)^2 threads, each
+# thread an R x Q patch of the block; groups take interleaved rows of N
+# chunks of WGRAD_CHUNK rows and are summed in order at the end.
+WGRAD_THREADS = 256
+WGRAD_PATCH = {8: 2, 16: 4, 32: 4, 64: 4}
+WGRAD_CHUNK = 64
+COMBINE_THREADS = 256
+
+# -- device helpers ---------------------------------------------------------------
 
 
-def _make_accessors(feature_axis):
+def _activation_io(feature_axis):
     """load(a, row, feature) and store(a, row, feature, value) for activations of either axis."""
     if feature_axis == 1:
 
@@ -56,15 +86,44 @@ def _make_accessors(feature_axis):
     return load, store
 
 
-# -- kernel bodies ---------------------------------------------------------
+def _converters(storage, acc_type):
+    """to_acc(stored) -> accumulator value, from_acc(value) -> what is stored."""
+    if storage == "bfloat16":
+
+        @cuda.jit(device=True, inline=True)
+        def to_acc(bits):
+            return libdevice.int_as_float(int32(bits) << 16)
+
+        @cuda.jit(device=True, inline=True)
+        def from_acc(value):
+            # Round to nearest even on the upper 16 bits of the float32.
+            u = int64(libdevice.float_as_int(float32(value))) & 0xFFFFFFFF
+            r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+            return int16(r - 0x10000 if r >= 0x8000 else r)
+    else:
+
+        @cuda.jit(device=True, inline=True)
+        def to_acc(value):
+            return acc_type(value)
+
+        @cuda.jit(device=True, inline=True)
+        def from_acc(value):
+            return value
+
+    return to_acc, from_acc
 
 
-def _make_product_kernel(bs, rows, acc_type, transpose_w, feature_axis):
-    """out[:, f-block] = sum over the blocks j of f's line: a[:, g-block] · w[b] (or w[b]ᵀ)."""
-    load, store = _make_accessors(feature_axis)
+# -- kernel bodies: version 1 --------------------------------------------------------
+
+
+def _make_product_v1(bs, storage, acc_type, transpose_w, feature_axis):
+    """out[:, line-block] = sum over the line's blocks: a[:, other-block] · w[b] (or w[b]ᵀ)."""
+    rows = ROWS_PER_TILE[bs]
+    load, store = _activation_io(feature_axis)
+    to_acc, from_acc = _converters(storage, acc_type)
 
     @cuda.jit
-    def product_kernel(out, a, w, line_ptr, other_idx, line_block, n_rows):
+    def product_v1(out, a, w, line_ptr, other_idx, line_block, n_rows):
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         line = cuda.blockIdx.y
@@ -75,31 +134,33 @@ def _make_product_kernel(bs, rows, acc_type, transpose_w, feature_axis):
         for j in range(line_ptr[line], line_ptr[line + 1]):
             other = other_idx[j]
             block = j if transpose_w else line_block[j]
-            a_tile[ty, tx] = acc_type(load(a, row, other * bs + tx)) if row < n_rows else acc_type(0)
+            a_tile[ty, tx] = to_acc(load(a, row, other * bs + tx)) if row < n_rows else acc_type(0)
             for e in range(ty * bs + tx, bs * bs, rows * bs):
                 r = e // bs
                 c = e - r * bs
                 if transpose_w:
-                    w_tile[c, r] = acc_type(w[block, r, c])
+                    w_tile[c, r] = to_acc(w[block, r, c])
                 else:
-                    w_tile[r, c] = acc_type(w[block, r, c])
+                    w_tile[r, c] = to_acc(w[block, r, c])
             cuda.syncthreads()  # a_tile and w_tile are loaded
             for i in range(bs):
                 acc += a_tile[ty, i] * w_tile[i, tx]
             cuda.syncthreads()  # every thread is done reading before the next load
         if row < n_rows:
-            store(out, row, line * bs + tx, acc)
+            store(out, row, line * bs + tx, from_acc(acc))
 
-    return product_kernel
+    return product_v1
 
 
-def _make_weight_grad_kernel(bs, rows, acc_type, feature_axis):
-    """dw[b] = x[:, c-block]ᵀ · dy[:, k-block], reducing over all N rows."""
+def _make_weight_grad_v1(bs, storage, acc_type, feature_axis):
+    """dw[b] = x[:, c-block]ᵀ · dy[:, k-block] (+ beta·dw[b]), reducing over all N rows."""
+    rows = WGRAD_ROWS[bs]
     per_thread = bs // rows
-    load, _ = _make_accessors(feature_axis)
+    load, _ = _activation_io(feature_axis)
+    to_acc, from_acc = _converters(storage, acc_type)
 
     @cuda.jit
-    def weight_grad_kernel(dw, x, dy, coords, n_rows):
+    def weight_grad_v1(dw, x, dy, coords, n_rows, beta):
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         block = cuda.blockIdx.x
@@ -112,8 +173,8 @@ def _make_weight_grad_kernel(bs, rows, acc_type, feature_axis):
             acc[m] = acc_type(0)
         for n0 in range(0, n_rows, rows):
             n = n0 + ty
-            x_tile[ty, tx] = acc_type(load(x, n, c * bs + tx)) if n < n_rows else acc_type(0)
-            dy_tile[ty, tx] = acc_type(load(dy, n, k * bs + tx)) if n < n_rows else acc_type(0)
+            x_tile[ty, tx] = to_acc(load(x, n, c * bs + tx)) if n < n_rows else acc_type(0)
+            dy_tile[ty, tx] = to_acc(load(dy, n, k * bs + tx)) if n < n_rows else acc_type(0)
             cuda.syncthreads()  # both tiles are loaded
             for r in range(rows):
                 d = dy_tile[r, tx]
@@ -121,45 +182,360 @@ def _make_weight_grad_kernel(bs, rows, acc_type, feature_axis):
                     acc[m] += x_tile[r, ty + m * rows] * d
             cuda.syncthreads()  # every thread is done reading before the next load
         for m in range(per_thread):
-            dw[block, ty + m * rows, tx] = acc[m]
+            value = acc[m]
+            if beta != 0:
+                value += acc_type(beta) * to_acc(dw[block, ty + m * rows, tx])
+            dw[block, ty + m * rows, tx] = from_acc(value)
 
-    return weight_grad_kernel
+    return weight_grad_v1
 
 
-# -- launch configuration ----------------------------------------------------
+# -- kernel bodies: version 2 --------------------------------------------------------
+
+
+def _make_product_v2(bs, storage, acc_type, transpose_w, feature_axis):
+    """Register-blocked product over line segments; split lines go to a workspace."""
+    TM, R, Q, KC = PRODUCT_TILES[bs]
+    T = PRODUCT_THREADS
+    QX = bs // Q  # threads across the features of the tile
+    load, store = _activation_io(feature_axis)
+    to_acc, from_acc = _converters(storage, acc_type)
+
+    @cuda.jit
+    def product_v2(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot,
+                   other_idx, line_block, n_rows):
+        tid = cuda.threadIdx.x
+        tx = tid % QX
+        ty = tid // QX
+        seg = cuda.blockIdx.y
+        row0 = cuda.blockIdx.x * TM
+        line = seg_line[seg]
+        # +1 column: the transposed stores of one warp land in distinct banks.
+        a_s = cuda.shared.array((KC, TM + 1), acc_type)
+        w_s = cuda.shared.array((KC, bs + 1), acc_type)
+        acc = cuda.local.array((R, Q), acc_type)
+        a_frag = cuda.local.array(R, acc_type)
+        w_frag = cuda.local.array(Q, acc_type)
+        for i in range(R):
+            for q in range(Q):
+                acc[i, q] = acc_type(0)
+        for j in range(seg_begin[seg], seg_end[seg]):
+            other = other_idx[j]
+            block = j if transpose_w else line_block[j]
+            for k0 in range(0, bs, KC):
+                for e0 in range(0, TM * KC, T):
+                    e = e0 + tid
+                    # Consecutive threads read consecutive addresses of `a`.
+                    if feature_axis == 1:
+                        r = e // KC
+                        kk = e - r * KC
+                    else:
+                        kk = e // TM
+                        r = e - kk * TM
+                    value = acc_type(0)
+                    if row0 + r < n_rows:
+                        value = to_acc(load(a, row0 + r, other * bs + k0 + kk))
+                    a_s[kk, r] = value
+                for e0 in range(0, KC * bs, T):
+                    e = e0 + tid
+                    if e < KC * bs:
+                        if transpose_w:
+                            col = e // KC
+                            kk = e - col * KC
+                            w_s[kk, col] = to_acc(w[block, col, k0 + kk])
+                        else:
+                            kk = e // bs
+                            col = e - kk * bs
+                            w_s[kk, col] = to_acc(w[block, k0 + kk, col])
+                cuda.syncthreads()  # a_s and w_s hold this chunk
+                for kk in range(KC):
+                    for i in range(R):
+                        a_frag[i] = a_s[kk, ty * R + i]
+                    for q in range(Q):
+                        w_frag[q] = w_s[kk, tx * Q + q]
+                    for i in range(R):
+                        for q in range(Q):
+                            acc[i, q] += a_frag[i] * w_frag[q]
+                cuda.syncthreads()  # everyone is done with this chunk before it is overwritten
+        slot = seg_slot[seg]
+        for i in range(R):
+            row = row0 + ty * R + i
+            if row < n_rows:
+                for q in range(Q):
+                    col = tx * Q + q
+                    if slot < 0:
+                        store(out, row, line * bs + col, from_acc(acc[i, q]))
+                    else:
+                        workspace[slot, row, col] = acc[i, q]
+
+    return product_v2
+
+
+def _make_combine_lines(bs, storage, acc_type, feature_axis):
+    """out[:, line-block] = sum of the line's workspace rows, in order."""
+    _, store = _activation_io(feature_axis)
+    _, from_acc = _converters(storage, acc_type)
+
+    @cuda.jit
+    def combine_lines(out, workspace, split_line, split_begin, split_end, n_rows):
+        i = cuda.blockIdx.y
+        e = cuda.blockIdx.x * COMBINE_THREADS + cuda.threadIdx.x
+        if e < n_rows * bs:
+            row = e // bs
+            col = e - row * bs
+            total = acc_type(0)
+            for slot in range(split_begin[i], split_end[i]):
+                total += workspace[slot, row, col]
+            store(out, row, split_line[i] * bs + col, from_acc(total))
+
+    return combine_lines
+
+
+def _make_weight_grad_v2(bs, storage, acc_type, feature_axis):
+    """dw[b] (+ beta·dw[b]) over this thread block's share of N; splits go to a workspace."""
+    P = WGRAD_PATCH[bs]
+    PX = bs // P  # threads across the block's columns (and rows) within a group
+    GT = PX * PX  # threads per group
+    T = WGRAD_THREADS
+    G = T // GT  # groups, each taking every G-th row of a chunk
+    NC = WGRAD_CHUNK
+    RED = G * bs * bs if G > 1 else 1
+    load, _ = _activation_io(feature_axis)
+    to_acc, from_acc = _converters(storage, acc_type)
+
+    @cuda.jit(device=True, inline=True)
+    def finish(dw, workspace, block, split, r, col, total, beta):
+        if workspace.shape[0] > 1:
+            workspace[split, block, r * bs + col] = total
+        else:
+            if beta != 0:
+                total += acc_type(beta) * to_acc(dw[block, r, col])
+            dw[block, r, col] = from_acc(total)
+
+    @cuda.jit
+    def weight_grad_v2(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta):
+        tid = cuda.threadIdx.x
+        g = tid // GT
+        gtid = tid - g * GT
+        gx = gtid % PX
+        gy = gtid // PX
+        block = cuda.blockIdx.x
+        split = cuda.blockIdx.y
+        c = coords[block, 0]
+        k = coords[block, 1]
+        n_begin = split * rows_per_split
+        n_end = min(n_rows, n_begin + rows_per_split)
+        x_s = cuda.shared.array((NC, bs + 1), acc_type)
+        dy_s = cuda.shared.array((NC, bs + 1), acc_type)
+        reduce_s = cuda.shared.array(RED, acc_type)
+        acc = cuda.local.array((P, P), acc_type)
+        x_frag = cuda.local.array(P, acc_type)
+        dy_frag = cuda.local.array(P, acc_type)
+        for i in range(P):
+            for q in range(P):
+                acc[i, q] = acc_type(0)
+        for n0 in range(n_begin, n_end, NC):
+            for e0 in range(0, NC * bs, T):
+                e = e0 + tid
+                if e < NC * bs:
+                    if feature_axis == 1:
+                        r = e // bs
+                        f = e - r * bs
+                    else:
+                        f = e // NC
+                        r = e - f * NC
+                    n = n0 + r
+                    xv = acc_type(0)
+                    dv = acc_type(0)
+                    if n < n_end:
+                        xv = to_acc(load(x, n, c * bs + f))
+                        dv = to_acc(load(dy, n, k * bs + f))
+                    x_s[r, f] = xv
+                    dy_s[r, f] = dv
+            cuda.syncthreads()  # x_s and dy_s hold this chunk of rows
+            for rr in range(NC // G):
+                r = rr * G + g
+                for i in range(P):
+                    x_frag[i] = x_s[r, gy * P + i]
+                for q in range(P):
+                    dy_frag[q] = dy_s[r, gx * P + q]
+                for i in range(P):
+                    for q in range(P):
+                        acc[i, q] += x_frag[i] * dy_frag[q]
+            cuda.syncthreads()  # everyone is done with this chunk before it is overwritten
+        if G > 1:
+            for i in range(P):
+                for q in range(P):
+                    reduce_s[g * bs * bs + (gy * P + i) * bs + gx * P + q] = acc[i, q]
+            cuda.syncthreads()  # every group's partial block is in reduce_s
+            for e0 in range(0, bs * bs, T):
+                e = e0 + tid
+                if e < bs * bs:
+                    total = acc_type(0)
+                    for group in range(G):
+                        total += reduce_s[group * bs * bs + e]
+                    finish(dw, workspace, block, split, e // bs, e % bs, total, beta)
+        else:
+            for i in range(P):
+                for q in range(P):
+                    finish(dw, workspace, block, split, gy * P + i, gx * P + q, acc[i, q], beta)
+
+    return weight_grad_v2
+
+
+def _make_combine_wgrad(bs, storage, acc_type):
+    """dw = sum of the N-splits of the workspace, in order (+ beta·dw)."""
+    to_acc, from_acc = _converters(storage, acc_type)
+
+    @cuda.jit
+    def combine_wgrad(dw, workspace, beta):
+        block = cuda.blockIdx.y
+        e = cuda.blockIdx.x * COMBINE_THREADS + cuda.threadIdx.x
+        if e < bs * bs:
+            total = acc_type(0)
+            for split in range(workspace.shape[0]):
+                total += workspace[split, block, e]
+            r = e // bs
+            col = e - r * bs
+            if beta != 0:
+                total += acc_type(beta) * to_acc(dw[block, r, col])
+            dw[block, r, col] = from_acc(total)
+
+    return combine_wgrad
+
+
+# -- launch configuration -------------------------------------------------------------
 
 _kernels = {}
+_device_indices = {}
 
 
-def _acc_type(dtype):
-    return float64 if dtype == np.float64 else float32
+def _acc_type(storage):
+    return float64 if storage == "float64" else float32
 
 
-def _product_kernel(bs, dtype, transpose_w, feature_axis):
-    key = ("product", bs, dtype, transpose_w, feature_axis)
-    if key not in _kernels:
-        _kernels[key] = _make_product_kernel(bs, ROWS_PER_TILE[bs], _acc_type(dtype), transpose_w, feature_axis)
-    return _kernels[key]
+def _kernel(maker, *key):
+    """Compile-once cache of kernels by maker and compile-time parameters."""
+    full_key = (maker.__name__, *key)
+    if full_key not in _kernels:
+        storage = key[1]
+        _kernels[full_key] = maker(key[0], storage, _acc_type(storage), *key[2:])
+    return _kernels[full_key]
 
 
-def _weight_grad_kernel(bs, dtype, feature_axis):
-    key = ("weight_grad", bs, dtype, feature_axis)
-    if key not in _kernels:
-        _kernels[key] = _make_weight_grad_kernel(bs, WGRAD_ROWS[bs], _acc_type(dtype), feature_axis)
-    return _kernels[key]
+def _on_device(layout, key, array, stream):
+    """A layout index (or schedule) array on the device, cached per layout."""
+    cache = _device_indices.setdefault(layout, {})
+    if key not in cache:
+        cache[key] = cuda.to_device(np.ascontiguousarray(array), stream=stream)
+    return cache[key]
 
 
 def _index(layout, name, stream):
-    """Layout index arrays on the device, cached per layout."""
-    cache = _device_indices.setdefault(layout, {})
-    if name not in cache:
-        cache[name] = cuda.to_device(getattr(layout, name), stream=stream)
-    return cache[name]
+    return _on_device(layout, name, getattr(layout, name), stream)
 
 
-_device_indices = {}
+def _multiprocessors():
+    try:
+        return cuda.get_current_device().MULTIPROCESSOR_COUNT
+    except Exception:  # the simulator's fake device has no such attribute
+        return 1
 
-# -- public functions ---------------------------------------------------------
+
+def segment_limit(layout, axis):
+    """Longest segment (in blocks) a thread block of the version 2 product takes on."""
+    ptr = layout.col_ptr if axis == "col" else layout.row_ptr
+    mean = layout.n_blocks / max(1, len(ptr) - 1)
+    return max(MIN_SEGMENT, int(np.ceil(SEGMENT_FACTOR * mean)))
+
+
+def _launch_product_v1(out, a, w, layout, n_rows, transpose_w, feature_axis, stream):
+    bs = layout.block_size
+    rows = ROWS_PER_TILE[bs]
+    line_ptr, other_idx, line_block = (("row_ptr", "col_idx", "col_idx") if transpose_w
+                                       else ("col_ptr", "row_idx", "col_block"))
+    kernel = _kernel(_make_product_v1, bs, a.dtype, transpose_w, feature_axis)
+    lines = layout.shape[0] if transpose_w else layout.shape[1]
+    kernel[((n_rows + rows - 1) // rows, lines), (bs, rows), stream](
+        out, a.device(stream), w.device(stream), _index(layout, line_ptr, stream),
+        _index(layout, other_idx, stream), _index(layout, line_block, stream), n_rows,
+    )
+
+
+def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, stream, max_segment):
+    bs = layout.block_size
+    TM = PRODUCT_TILES[bs][0]
+    axis = "row" if transpose_w else "col"
+    if max_segment is None:
+        max_segment = segment_limit(layout, axis)
+    schedule = layout.line_segments(axis, max_segment)
+    other_idx, line_block = ("col_idx", "col_idx") if transpose_w else ("row_idx", "col_block")
+    device_schedule = {
+        name: _on_device(layout, (axis, max_segment, name), schedule[name], stream)
+        for name in ("seg_line", "seg_begin", "seg_end", "seg_slot", "split_line", "split_begin", "split_end")
+    }
+    acc = np.float64 if a.dtype == "float64" else np.float32
+    slots = schedule["n_slots"]
+    workspace = cuda.device_array((slots, n_rows, bs) if slots else (1, 1, 1), acc, stream=stream)
+    kernel = _kernel(_make_product_v2, bs, a.dtype, transpose_w, feature_axis)
+    grid = ((n_rows + TM - 1) // TM, len(schedule["seg_line"]))
+    kernel[grid, PRODUCT_THREADS, stream](
+        out, workspace, a.device(stream), w.device(stream),
+        device_schedule["seg_line"], device_schedule["seg_begin"], device_schedule["seg_end"],
+        device_schedule["seg_slot"], _index(layout, other_idx, stream), _index(layout, line_block, stream), n_rows,
+    )
+    if schedule["n_slots"]:
+        combine = _kernel(_make_combine_lines, bs, a.dtype, feature_axis)
+        grid = ((n_rows * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, len(schedule["split_line"]))
+        combine[grid, COMBINE_THREADS, stream](
+            out, workspace, device_schedule["split_line"], device_schedule["split_begin"],
+            device_schedule["split_end"], n_rows,
+        )
+
+
+def wgrad_splits(layout, n_rows):
+    """How many slices of N the version 2 weight gradient cuts each block's sum into."""
+    wanted = -(-4 * _multiprocessors() // max(1, layout.n_blocks))
+    return int(max(1, min(wanted, n_rows // (4 * WGRAD_CHUNK))))
+
+
+def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, version, splits):
+    bs = layout.block_size
+    if version == 1:
+        kernel = _kernel(_make_weight_grad_v1, bs, x.dtype, feature_axis)
+        kernel[layout.n_blocks, (bs, WGRAD_ROWS[bs]), stream](
+            dw, x.device(stream), dy.device(stream), _index(layout, "coords", stream), n_rows, beta,
+        )
+        return
+    splits = wgrad_splits(layout, n_rows) if splits is None else max(1, int(splits))
+    rows_per_split = -(-max(n_rows, 1) // splits)
+    acc = np.float64 if x.dtype == "float64" else np.float32
+    # A workspace of one split tells the kernel to finish in place (no combine pass).
+    workspace = cuda.device_array((splits, layout.n_blocks if splits > 1 else 1, bs * bs), acc, stream=stream)
+    kernel = _kernel(_make_weight_grad_v2, bs, x.dtype, feature_axis)
+    kernel[(layout.n_blocks, splits), WGRAD_THREADS, stream](
+        dw, workspace, x.device(stream), dy.device(stream), _index(layout, "coords", stream),
+        n_rows, rows_per_split, beta,
+    )
+    if splits > 1:
+        combine = _kernel(_make_combine_wgrad, bs, x.dtype)
+        grid = ((bs * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, layout.n_blocks)
+        combine[grid, COMBINE_THREADS, stream](dw, workspace, beta)
+
+
+# -- public functions ----------------------------------------------------------------
+
+
+def _check_common(ops, feature_axis, version):
+    if feature_axis not in (0, 1):
+        raise ValueError(f"feature_axis: expected 0 or 1, got {feature_axis!r}")
+    if version not in VERSIONS:
+        raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
+    check_same_kind(ops)
+    for op in ops:
+        check_float(op)
+        op.require_contiguous()
+    check_same_dtype(ops)
 
 
 def _check_activation(op, features, feature_axis, what):
@@ -172,76 +548,66 @@ def _check_activation(op, features, feature_axis, what):
     return op.shape[1 - feature_axis]
 
 
-def _check_common(ops, layout, feature_axis):
-    if feature_axis not in (0, 1):
-        raise ValueError(f"feature_axis: expected 0 or 1, got {feature_axis!r}")
-    check_same_kind(ops)
-    for op in ops:
-        check_float(op)
-        op.require_contiguous()
-    if len({op.dtype for op in ops}) > 1:
-        raise TypeError("dtype mismatch: " + ", ".join(f"{op.name} {op.dtype}" for op in ops))
-
-
-def _product(a, w, layout, feature_axis, transpose_w):
-    a_name = "dy" if transpose_w else "x"
-    a, w = Operand(a, a_name), Operand(w, "w")
-    _check_common((a, w), layout, feature_axis)
+def _product(a, w, layout, feature_axis, transpose_w, version, max_segment=None):
+    a, w = Operand(a, "dy" if transpose_w else "x"), Operand(w, "w")
+    _check_common((a, w), feature_axis, version)
     check_shape(w, layout.w_shape)
     C, K = layout.dense_shape
     in_features, out_features = (K, C) if transpose_w else (C, K)
-    layout_desc = f"(layout has {C} inputs, {K} outputs)"
-    n_rows = _check_activation(a, in_features, feature_axis, layout_desc)
+    n_rows = _check_activation(a, in_features, feature_axis, f"(layout has {C} inputs, {K} outputs)")
 
     stream = launch_stream((a, w))
-    shape = (n_rows, out_features) if feature_axis == 1 else (out_features, n_rows)
-    native, out = a.empty(shape, stream=stream)
-    if n_rows == 0:
-        return a.result(native, out, stream)
-    bs = layout.block_size
-    rows = ROWS_PER_TILE[bs]
-    if transpose_w:
-        line_ptr, other_idx, line_block = "row_ptr", "col_idx", "col_idx"
-    else:
-        line_ptr, other_idx, line_block = "col_ptr", "row_idx", "col_block"
-    kernel = _product_kernel(bs, a.dtype, transpose_w, feature_axis)
-    grid = ((n_rows + rows - 1) // rows, out_features // bs)
-    kernel[grid, (bs, rows), stream](
-        out, a.device(stream), w.device(stream),
-        _index(layout, line_ptr, stream), _index(layout, other_idx, stream),
-        _index(layout, line_block, stream), n_rows,
-    )
+    native, out = a.empty((n_rows, out_features) if feature_axis == 1 else (out_features, n_rows), stream)
+    if n_rows:
+        if version == 1:
+            _launch_product_v1(out, a, w, layout, n_rows, transpose_w, feature_axis, stream)
+        else:
+            _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, stream, max_segment)
     return a.result(native, out, stream)
 
 
-def forward(x, w, layout, feature_axis=1):
+def forward(x, w, layout, feature_axis=1, version=2):
     """``y = x · W`` for block-sparse ``W`` given as ``w[n_blocks, bs, bs]`` over ``layout``."""
-    return _product(x, w, layout, feature_axis, transpose_w=False)
+    return _product(x, w, layout, feature_axis, False, version)
 
 
-def input_grad(dy, w, layout, feature_axis=1):
+def input_grad(dy, w, layout, feature_axis=1, version=2):
     """``dx = dy · Wᵀ`` for block-sparse ``W``."""
-    return _product(dy, w, layout, feature_axis, transpose_w=True)
+    return _product(dy, w, layout, feature_axis, True, version)
 
 
-def weight_grad(x, dy, layout, feature_axis=1):
-    """``dW = xᵀ · dy`` on the layout's blocks, as ``(n_blocks, bs, bs)``."""
+def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=2, splits=None):
+    """``dW = xᵀ · dy`` on the layout's blocks, as ``(n_blocks, bs, bs)``.
+
+    With ``out`` the result goes there, as ``out = xᵀ·dy + beta·out`` (so the
+    gradients of a weight shared across steps add up without a copy); ``out``
+    is then returned. ``splits`` (version 2) overrides how many slices of N
+    are summed separately and then combined in order.
+    """
     x, dy = Operand(x, "x"), Operand(dy, "dy")
-    _check_common((x, dy), layout, feature_axis)
+    ops = (x, dy) if out is None else (x, dy, Operand(out, "out"))
+    _check_common(ops, feature_axis, version)
     C, K = layout.dense_shape
     n_x = _check_activation(x, C, feature_axis, f"(layout has {C} inputs)")
     n_dy = _check_activation(dy, K, feature_axis, f"(layout has {K} outputs)")
     if n_x != n_dy:
         raise ValueError(f"x and dy: expected the same N, got {n_x} and {n_dy}")
+    try:
+        beta = float(beta)
+    except (TypeError, ValueError):
+        raise TypeError(f"beta: expected a number, got {beta!r}") from None
+    if out is None and beta != 0:
+        raise ValueError("beta: accumulating (beta != 0) needs out=")
+    if out is not None:
+        check_shape(ops[2], layout.w_shape)
+        if ops[2].kind == "numpy":
+            raise TypeError("out: expected a device array (a NumPy out= would be a copy)")
 
-    stream = launch_stream((x, dy))
-    native, dw = x.empty(layout.w_shape, stream=stream)
-    if layout.n_blocks == 0:
-        return x.result(native, dw, stream)
-    bs = layout.block_size
-    kernel = _weight_grad_kernel(bs, x.dtype, feature_axis)
-    kernel[layout.n_blocks, (bs, WGRAD_ROWS[bs]), stream](
-        dw, x.device(stream), dy.device(stream),
-        _index(layout, "coords", stream), n_x,
-    )
-    return x.result(native, dw, stream)
+    stream = launch_stream(ops)
+    if out is None:
+        native, dw = x.empty(layout.w_shape, stream)
+    else:
+        native, dw = ops[2].native, ops[2].device(stream)
+    if layout.n_blocks:
+        _launch_weight_grad(dw, x, dy, layout, n_x, feature_axis, beta, stream, version, splits)
+    return (x if out is None else ops[2]).result(native, dw, stream)
