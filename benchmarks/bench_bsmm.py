@@ -1,0 +1,162 @@
+"""Block-sparse matmul on the GPU against torch dense (cuBLAS) and torch BSR (cuSPARSE).
+
+    python -m benchmarks.bench_bsmm [--quick] [--out-dir DIR]
+
+For every size, block size, density and dtype: check all three products
+against a float64 dense product, then time them and the baselines in the
+same run (median of CUDA-event timings): torch dense ``x @ W`` (TF32 off for
+fp32) and torch BSR (``W.to_sparse_bsr`` times a dense matrix, the
+dense-output product). TFLOP/s count the nonzero work, 2·N·n_blocks·bs².
+A last record compares the cost of one call from torch tensors on a tiny
+problem with a tiny torch op. Writes results/bsmm.json and results/bsmm.md.
+"""
+
+import argparse
+import time
+
+import numpy as np
+
+from benchmarks.common import Record, baseline_ms, device_name, print_table, time_ms, write_results
+
+TOLERANCE = {"float32": 1e-5, "float16": 3e-3}
+
+
+def sizes(quick):
+    if quick:
+        return [(4096, 4096, 4096)], [32], [0.05, 0.10, 0.25, 0.50, 1.0], ["float32", "float16"]
+    return ([(4096, 4096, 4096), (1024, 4096, 4096), (16384, 4096, 4096)], [16, 32, 64],
+            [0.05, 0.10, 0.25, 0.50, 1.0], ["float32", "float16"])
+
+
+def relative_error(got, want):
+    return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def block_gather(torch, dense, layout):
+    """Blocks of a dense (C, K) tensor in the layout's storage order."""
+    bs = layout.block_size
+    cb, kb = layout.shape
+    tiles = dense.reshape(cb, bs, kb, bs).permute(0, 2, 1, 3)
+    coords = torch.as_tensor(layout.coords, device=dense.device, dtype=torch.long)
+    return tiles[coords[:, 0], coords[:, 1]].contiguous()
+
+
+def bench_config(torch, bsmm, layout, N, dtype_name, records):
+    dtype = getattr(torch, dtype_name)
+    C, K = layout.dense_shape
+    bs = layout.block_size
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(N, C, device="cuda", dtype=dtype, generator=gen)
+    dy = torch.randn(N, K, device="cuda", dtype=dtype, generator=gen)
+    w = torch.randn(layout.w_shape, device="cuda", dtype=dtype, generator=gen) / np.sqrt(C * layout.density)
+    W = torch.as_tensor(layout.to_dense(w.float().cpu().numpy()), device="cuda")
+
+    # Check first: every product against a float64 dense product.
+    y = bsmm.forward(x, w, layout)
+    dx = bsmm.input_grad(dy, w, layout)
+    dw = bsmm.weight_grad(x, dy, layout)
+    x64, dy64, W64 = x.double(), dy.double(), W.double()
+    errors = {
+        "forward": relative_error(y, x64 @ W64),
+        "input_grad": relative_error(dx, dy64 @ W64.T),
+        "weight_grad": relative_error(dw, block_gather(torch, x64.T @ dy64, layout)),
+    }
+    for name, error in errors.items():
+        if not error < TOLERANCE[dtype_name]:
+            raise AssertionError(f"{name} N={N} bs={bs} density={layout.density:.2f} {dtype_name}: error {error:.2e}")
+
+    # Baselines, measured in this run.
+    Wd = W.to(dtype)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dense = {
+        "forward": baseline_ms(lambda: x @ Wd),
+        "input_grad": baseline_ms(lambda: dy @ Wd.T),
+        "weight_grad": baseline_ms(lambda: x.T @ dy),
+    }
+    bsr = {}
+    try:
+        W_t_bsr = Wd.T.contiguous().to_sparse_bsr((bs, bs))  # (K, C): W_t_bsr @ xᵀ = (x·W)ᵀ
+        W_bsr = Wd.to_sparse_bsr((bs, bs))
+        xt, dyt = x.T.contiguous(), dy.T.contiguous()
+        bsr["forward"] = baseline_ms(lambda: W_t_bsr @ xt)
+        bsr["input_grad"] = baseline_ms(lambda: W_bsr @ dyt)
+    except Exception as error:  # no BSR kernel for this dtype or block size
+        print(f"torch BSR unavailable ({dtype_name}, bs={bs}): {error}")
+        bsr = {"forward": float("nan"), "input_grad": float("nan")}
+
+    flops = 2.0 * N * layout.n_blocks * bs * bs
+    params = {"dtype": dtype_name, "block_size": bs, "density": round(layout.density, 3), "N": N, "C": C, "K": K}
+    calls = {
+        "forward": lambda: bsmm.forward(x, w, layout),
+        "input_grad": lambda: bsmm.input_grad(dy, w, layout),
+        "weight_grad": lambda: bsmm.weight_grad(x, dy, layout),
+    }
+    for name, call in calls.items():
+        baselines = {"torch_dense": dense[name]}
+        if name in bsr:
+            baselines["torch_bsr"] = bsr[name]
+        records.append(Record(name, dict(params), time_ms(call), baselines, flops=flops))
+
+
+def launch_overhead(torch, bsmm, BlockLayout):
+    """Host time of one call from torch tensors on a tiny problem, beside a tiny torch op."""
+    layout = BlockLayout.dense((2, 2), 32)
+    x = torch.randn(8, 64, device="cuda")
+    w = torch.randn(layout.w_shape, device="cuda")
+    small = torch.randn(8, 64, device="cuda")
+
+    def per_call_ms(fn, calls=2000):
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / calls * 1e3
+
+    ours = per_call_ms(lambda: bsmm.forward(x, w, layout))
+    tiny = per_call_ms(lambda: torch.mm(small, small.T))
+    return Record("launch_overhead", {"dtype": "float32", "block_size": 32, "N": 8, "C": 64, "K": 64}, ours,
+                  {"torch_tiny_op": tiny})
+
+
+def kernel_resources(bsmm):
+    """Registers, local memory and shared memory of every kernel compiled so far."""
+    for key, kernel in sorted(bsmm._kernels.items(), key=str):
+        for signature in kernel.overloads:
+            regs = kernel.get_regs_per_thread(signature)
+            local = kernel.get_local_mem_per_thread(signature)
+            shared = kernel.get_shared_mem_per_block(signature)
+            print(f"{key}: {regs} registers, {local} B local, {shared} B shared")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="N = C = K = 4096, block 32 only")
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    from sparseblocks import BlockLayout
+    from sparseblocks.kernels import bsmm
+
+    shapes, block_sizes, densities, dtypes = sizes(args.quick)
+    records = []
+    for N, C, K in shapes:
+        for bs in block_sizes:
+            for density in densities:
+                layout = BlockLayout.random((C // bs, K // bs), density, seed=1, block_size=bs)
+                for dtype in dtypes:
+                    bench_config(torch, bsmm, layout, N, dtype, records)
+                    print(f"done N={N} bs={bs} density={density} {dtype}", flush=True)
+    records.append(launch_overhead(torch, bsmm, BlockLayout))
+    kernel_resources(bsmm)
+    print_table(records, f"bsmm on {device_name()}")
+    kwargs = {} if args.out_dir is None else {"directory": args.out_dir}
+    write_results("bsmm" + ("_quick" if args.quick else ""), records, **kwargs)
+
+
+if __name__ == "__main__":
+    main()
