@@ -198,6 +198,9 @@ def _make_product_v2(bs, storage, acc_type, transpose_w, feature_axis):
     TM, R, Q, KC = PRODUCT_TILES[bs]
     T = PRODUCT_THREADS
     QX = bs // Q  # threads across the features of the tile
+    # +1 column: the transposed stores of one warp land in distinct banks.
+    A_SHAPE = (KC, TM + 1)
+    W_SHAPE = (KC, bs + 1)
     load, store = _activation_io(feature_axis)
     to_acc, from_acc = _converters(storage, acc_type)
 
@@ -210,9 +213,8 @@ def _make_product_v2(bs, storage, acc_type, transpose_w, feature_axis):
         seg = cuda.blockIdx.y
         row0 = cuda.blockIdx.x * TM
         line = seg_line[seg]
-        # +1 column: the transposed stores of one warp land in distinct banks.
-        a_s = cuda.shared.array((KC, TM + 1), acc_type)
-        w_s = cuda.shared.array((KC, bs + 1), acc_type)
+        a_s = cuda.shared.array(A_SHAPE, acc_type)
+        w_s = cuda.shared.array(W_SHAPE, acc_type)
         acc = cuda.local.array((R, Q), acc_type)
         a_frag = cuda.local.array(R, acc_type)
         w_frag = cuda.local.array(Q, acc_type)
@@ -300,6 +302,7 @@ def _make_weight_grad_v2(bs, storage, acc_type, feature_axis):
     G = T // GT  # groups, each taking every G-th row of a chunk
     NC = WGRAD_CHUNK
     RED = G * bs * bs if G > 1 else 1
+    TILE_SHAPE = (NC, bs + 1)  # +1 column against bank conflicts of the transposed stores
     load, _ = _activation_io(feature_axis)
     to_acc, from_acc = _converters(storage, acc_type)
 
@@ -325,8 +328,8 @@ def _make_weight_grad_v2(bs, storage, acc_type, feature_axis):
         k = coords[block, 1]
         n_begin = split * rows_per_split
         n_end = min(n_rows, n_begin + rows_per_split)
-        x_s = cuda.shared.array((NC, bs + 1), acc_type)
-        dy_s = cuda.shared.array((NC, bs + 1), acc_type)
+        x_s = cuda.shared.array(TILE_SHAPE, acc_type)
+        dy_s = cuda.shared.array(TILE_SHAPE, acc_type)
         reduce_s = cuda.shared.array(RED, acc_type)
         acc = cuda.local.array((P, P), acc_type)
         x_frag = cuda.local.array(P, acc_type)
