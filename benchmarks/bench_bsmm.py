@@ -124,11 +124,9 @@ def launch_overhead(torch, bsmm, BlockLayout):
 def kernel_resources(bsmm):
     """Registers, local memory and shared memory of every kernel compiled so far."""
     for key, kernel in sorted(bsmm._kernels.items(), key=str):
-        for signature in kernel.overloads:
-            regs = kernel.get_regs_per_thread(signature)
-            local = kernel.get_local_mem_per_thread(signature)
-            shared = kernel.get_shared_mem_per_block(signature)
-            print(f"{key}: {regs} registers, {local} B local, {shared} B shared")
+        for compiled in kernel.overloads.values():
+            print(f"{key}: {compiled.regs_per_thread} registers, {compiled.local_mem_per_thread} B local, "
+                  f"{compiled.shared_mem_per_block} B shared")
 
 
 def main():
@@ -152,10 +150,10 @@ def main():
                     bench_config(torch, bsmm, layout, N, dtype, records)
                     print(f"done N={N} bs={bs} density={density} {dtype}", flush=True)
     records.append(launch_overhead(torch, bsmm, BlockLayout))
-    kernel_resources(bsmm)
-    print_table(records, f"bsmm on {device_name()}")
     kwargs = {} if args.out_dir is None else {"directory": args.out_dir}
     write_results("bsmm" + ("_quick" if args.quick else ""), records, **kwargs)
+    kernel_resources(bsmm)
+    print_table(records, f"bsmm on {device_name()}")
 
 
 if __name__ == "__main__":
