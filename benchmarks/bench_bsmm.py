@@ -41,7 +41,7 @@ def block_gather(torch, dense, layout):
     return tiles[coords[:, 0], coords[:, 1]].contiguous()
 
 
-def bench_config(torch, bsmm, layout, N, dtype_name, records):
+def bench_config(torch, bsmm, layout, N, dtype_name, records, versions=(3,)):
     dtype = getattr(torch, dtype_name)
     C, K = layout.dense_shape
     bs = layout.block_size
@@ -51,19 +51,20 @@ def bench_config(torch, bsmm, layout, N, dtype_name, records):
     w = torch.randn(layout.w_shape, device="cuda", dtype=dtype, generator=gen) / np.sqrt(C * layout.density)
     W = torch.as_tensor(layout.to_dense(w.float().cpu().numpy()), device="cuda")
 
-    # Check first: every product against a float64 dense product.
-    y = bsmm.forward(x, w, layout)
-    dx = bsmm.input_grad(dy, w, layout)
-    dw = bsmm.weight_grad(x, dy, layout)
+    # Check first: every product of every version against a float64 dense product.
     x64, dy64, W64 = x.double(), dy.double(), W.double()
-    errors = {
-        "forward": relative_error(y, x64 @ W64),
-        "input_grad": relative_error(dx, dy64 @ W64.T),
-        "weight_grad": relative_error(dw, block_gather(torch, x64.T @ dy64, layout)),
-    }
-    for name, error in errors.items():
-        if not error < TOLERANCE[dtype_name]:
-            raise AssertionError(f"{name} N={N} bs={bs} density={layout.density:.2f} {dtype_name}: error {error:.2e}")
+    for version in versions:
+        errors = {
+            "forward": relative_error(bsmm.forward(x, w, layout, version=version), x64 @ W64),
+            "input_grad": relative_error(bsmm.input_grad(dy, w, layout, version=version), dy64 @ W64.T),
+            "weight_grad": relative_error(bsmm.weight_grad(x, dy, layout, version=version),
+                                          block_gather(torch, x64.T @ dy64, layout)),
+        }
+        for name, error in errors.items():
+            if not error < TOLERANCE[dtype_name]:
+                raise AssertionError(f"{name} v{version} N={N} bs={bs} density={layout.density:.2f} "
+                                     f"{dtype_name}: error {error:.2e}")
+    del x64, dy64, W64
 
     # Baselines, measured in this run.
     Wd = W.to(dtype)
@@ -86,16 +87,17 @@ def bench_config(torch, bsmm, layout, N, dtype_name, records):
 
     flops = 2.0 * N * layout.n_blocks * bs * bs
     params = {"dtype": dtype_name, "block_size": bs, "density": round(layout.density, 3), "N": N, "C": C, "K": K}
-    calls = {
-        "forward": lambda: bsmm.forward(x, w, layout),
-        "input_grad": lambda: bsmm.input_grad(dy, w, layout),
-        "weight_grad": lambda: bsmm.weight_grad(x, dy, layout),
-    }
-    for name, call in calls.items():
-        baselines = {"torch_dense": dense[name]}
-        if name in bsr:
-            baselines["torch_bsr"] = bsr[name]
-        records.append(Record(name, dict(params), time_ms(call), baselines, flops=flops))
+    for version in versions:
+        calls = {
+            "forward": lambda: bsmm.forward(x, w, layout, version=version),
+            "input_grad": lambda: bsmm.input_grad(dy, w, layout, version=version),
+            "weight_grad": lambda: bsmm.weight_grad(x, dy, layout, version=version),
+        }
+        for name, call in calls.items():
+            baselines = {"torch_dense": dense[name]}
+            if name in bsr:
+                baselines["torch_bsr"] = bsr[name]
+            records.append(Record(name, dict(params, version=version), time_ms(call), baselines, flops=flops))
 
 
 def launch_overhead(torch, bsmm, BlockLayout):
@@ -133,6 +135,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="N = C = K = 4096, block 32 only")
     parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--versions", default="3", help="comma-separated kernel versions to time")
     args = parser.parse_args()
 
     import torch
@@ -141,13 +144,14 @@ def main():
     from sparseblocks.kernels import bsmm
 
     shapes, block_sizes, densities, dtypes = sizes(args.quick)
+    versions = tuple(int(v) for v in args.versions.split(","))
     records = []
     for N, C, K in shapes:
         for bs in block_sizes:
             for density in densities:
                 layout = BlockLayout.random((C // bs, K // bs), density, seed=1, block_size=bs)
                 for dtype in dtypes:
-                    bench_config(torch, bsmm, layout, N, dtype, records)
+                    bench_config(torch, bsmm, layout, N, dtype, records, versions)
                     print(f"done N={N} bs={bs} density={density} {dtype}", flush=True)
     records.append(launch_overhead(torch, bsmm, BlockLayout))
     kwargs = {} if args.out_dir is None else {"directory": args.out_dir}

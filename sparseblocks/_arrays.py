@@ -82,19 +82,21 @@ class Operand:
         self._device = None
 
     def device(self, stream=0):
-        """The array as a Numba device array (copied to the device for NumPy; bf16 as int16 bits)."""
+        """The array as kernels take it: on the device, bf16 as int16 bits.
+
+        NumPy arrays are copied to a Numba device array; Numba, CuPy and torch
+        arrays are passed as they are (a kernel launch reads their pointers).
+        """
         if self._device is None:
             native = self.native
             if self.dtype == "bfloat16":
                 native = native.view(np.int16) if self.kind == "numpy" else self._torch_bits(native)
             if self.kind == "numpy":
                 self._device = cuda.to_device(np.ascontiguousarray(native), stream=stream)
-            elif self.kind == "numba":
-                self._device = native
             elif self.kind == "torch" and SIMULATOR:
                 self._device = cuda.to_device(native.numpy())
             else:
-                self._device = cuda.as_cuda_array(native)
+                self._device = native
         return self._device
 
     @staticmethod
@@ -118,26 +120,35 @@ class Operand:
 
     def empty(self, shape, stream=0):
         """Uninitialised output of the caller's kind and this operand's dtype: (native, device view)."""
-        native, device = self._allocate(shape, stream)
-        if _poison_outputs and device.size:
-            poison = np.full(shape, np.nan, np.float32).astype(device.dtype) if self.dtype != "bfloat16" \
-                else np.full(shape, 0x7FC0, np.int16)  # bf16 NaN
-            device.copy_to_device(poison, stream=stream)
+        native, device = self._allocate(shape, self.dtype, stream)
+        if _poison_outputs and int(np.prod(shape)):
+            if self.kind == "torch" and not SIMULATOR:
+                native.fill_(float("nan"))
+            elif self.kind == "cupy":
+                native.fill(np.nan)
+            else:
+                poison = np.full(shape, 0x7FC0, np.int16) if self.dtype == "bfloat16" \
+                    else np.full(shape, np.nan, device.dtype)  # bf16's NaN is 0x7FC0
+                device.copy_to_device(poison, stream=stream)
         return native, device
 
-    def _allocate(self, shape, stream):
-        bf16 = self.dtype == "bfloat16"
+    def scratch(self, shape, dtype, stream=0):
+        """A temporary device array from the caller's allocator (torch's caching allocator for torch)."""
+        return self._allocate(shape, np.dtype(dtype).name, stream)[1]
+
+    def _allocate(self, shape, dtype, stream):
+        bf16 = dtype == "bfloat16"
         if self.kind == "torch" and not SIMULATOR:
             import torch
 
-            native = torch.empty(shape, dtype=getattr(torch, self.dtype), device=self.native.device)
-            return native, cuda.as_cuda_array(native.view(torch.int16) if bf16 else native)
+            native = torch.empty(shape, dtype=getattr(torch, dtype), device=self.native.device)
+            return native, (native.view(torch.int16) if bf16 else native)
         if self.kind == "cupy":
             import cupy
 
-            native = cupy.empty(shape, self.dtype)
-            return native, cuda.as_cuda_array(native)
-        device = cuda.device_array(shape, np.int16 if bf16 else self.dtype, stream=stream)
+            native = cupy.empty(shape, dtype)
+            return native, native
+        device = cuda.device_array(shape, np.int16 if bf16 else dtype, stream=stream)
         return device, device
 
     def result(self, native, device, stream=0):
@@ -156,15 +167,17 @@ def launch_stream(operands):
     """The stream of the callers' framework: torch's or CuPy's current stream, else 0."""
     if SIMULATOR:
         return 0
+    from .kernels._launch import stream_of
+
     kinds = {op.kind for op in operands}
     if "torch" in kinds:
         import torch
 
-        return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+        return stream_of(torch.cuda.current_stream().cuda_stream)
     if "cupy" in kinds:
         import cupy
 
-        return cuda.external_stream(cupy.cuda.get_current_stream().ptr)
+        return stream_of(cupy.cuda.get_current_stream().ptr)
     return 0
 
 

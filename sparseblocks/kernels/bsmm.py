@@ -23,6 +23,10 @@ Versions (``version=`` on every public function; tests sweep both):
      are cut into segments (`BlockLayout.line_segments`) whose partial sums a
      second kernel adds in order, so a skewed layout does not leave one SM
      working alone; the weight gradient splits N when there are few blocks.
+  3. version 2's products software-pipelined: the next chunk travels from
+     global memory to registers while the current one is multiplied out of
+     one of two shared-memory buffers (one barrier a chunk). The weight
+     gradient is version 2's.
 """
 
 import numpy as np
@@ -32,10 +36,11 @@ from numba.cuda import libdevice
 from .._arrays import (
     Operand, check_float, check_same_dtype, check_same_kind, check_shape, launch_stream,
 )
+from ._launch import launch
 
 # -- constants -----------------------------------------------------------------
 
-VERSIONS = (1, 2)
+VERSIONS = (1, 2, 3)
 
 # Version 1: one thread per output element of ROWS_PER_TILE[bs] rows x bs features.
 ROWS_PER_TILE = {8: 16, 16: 16, 32: 8, 64: 4}
@@ -47,6 +52,8 @@ WGRAD_ROWS = {8: 8, 16: 16, 32: 8, 64: 4}
 # R rows x Q features. (TM, R, Q, KC) by block size:
 PRODUCT_TILES = {8: (256, 8, 2, 8), 16: (256, 8, 4, 16), 32: (128, 8, 4, 32), 64: (128, 8, 8, 32)}
 PRODUCT_THREADS = 128
+# Version 3: the same tiles, two shared buffers (so bs = 64 reads 16 features a chunk).
+PRODUCT_TILES_V3 = {8: (256, 8, 2, 8), 16: (256, 8, 4, 16), 32: (128, 8, 4, 32), 64: (128, 8, 8, 16)}
 # Lines longer than SEGMENT_FACTOR x the mean line (and MIN_SEGMENT blocks) are cut.
 SEGMENT_FACTOR = 2
 MIN_SEGMENT = 4
@@ -273,6 +280,124 @@ def _make_product_v2(bs, storage, acc_type, transpose_w, feature_axis):
     return product_v2
 
 
+def _make_product_v3(bs, storage, acc_type, transpose_w, feature_axis):
+    """Version 2's product, software-pipelined: chunk t+1 is read from global memory into
+    registers while chunk t is multiplied out of one of two shared-memory buffers."""
+    TM, R, Q, KC = PRODUCT_TILES_V3[bs]
+    T = PRODUCT_THREADS
+    QX = bs // Q
+    CHUNKS = bs // KC  # chunks per weight block
+    PA = TM * KC // T  # activation values each thread carries per chunk
+    PW = -(-KC * bs // T)  # weight values each thread carries per chunk
+    A_SHAPE = (2, KC, TM + 1)  # +1 column: transposed stores hit distinct banks
+    W_SHAPE = (2, KC, bs + 1)
+    load, store = _activation_io(feature_axis)
+    to_acc, from_acc = _converters(storage, acc_type)
+
+    @cuda.jit(device=True, inline=True)
+    def fetch(a_reg, w_reg, a, w, j, k0, other_idx, line_block, row0, n_rows, tid):
+        other = other_idx[j]
+        block = j if transpose_w else line_block[j]
+        for p in range(PA):
+            e = p * T + tid
+            if feature_axis == 1:  # consecutive threads read consecutive addresses
+                r = e // KC
+                kk = e - r * KC
+            else:
+                kk = e // TM
+                r = e - kk * TM
+            value = acc_type(0)
+            if row0 + r < n_rows:
+                value = to_acc(load(a, row0 + r, other * bs + k0 + kk))
+            a_reg[p] = value
+        for p in range(PW):
+            e = p * T + tid
+            value = acc_type(0)
+            if e < KC * bs:
+                if transpose_w:
+                    col = e // KC
+                    value = to_acc(w[block, col, k0 + e - col * KC])
+                else:
+                    kk = e // bs
+                    value = to_acc(w[block, k0 + kk, e - kk * bs])
+            w_reg[p] = value
+
+    @cuda.jit(device=True, inline=True)
+    def stash(a_s, w_s, buf, a_reg, w_reg, tid):
+        for p in range(PA):
+            e = p * T + tid
+            if feature_axis == 1:
+                r = e // KC
+                kk = e - r * KC
+            else:
+                kk = e // TM
+                r = e - kk * TM
+            a_s[buf, kk, r] = a_reg[p]
+        for p in range(PW):
+            e = p * T + tid
+            if e < KC * bs:
+                if transpose_w:
+                    col = e // KC
+                    w_s[buf, e - col * KC, col] = w_reg[p]
+                else:
+                    kk = e // bs
+                    w_s[buf, kk, e - kk * bs] = w_reg[p]
+
+    @cuda.jit
+    def product_v3(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot,
+                   other_idx, line_block, n_rows):
+        tid = cuda.threadIdx.x
+        tx = tid % QX
+        ty = tid // QX
+        seg = cuda.blockIdx.y
+        row0 = cuda.blockIdx.x * TM
+        line = seg_line[seg]
+        first = seg_begin[seg]
+        a_s = cuda.shared.array(A_SHAPE, acc_type)
+        w_s = cuda.shared.array(W_SHAPE, acc_type)
+        acc = cuda.local.array((R, Q), acc_type)
+        a_frag = cuda.local.array(R, acc_type)
+        w_frag = cuda.local.array(Q, acc_type)
+        a_reg = cuda.local.array(PA, acc_type)
+        w_reg = cuda.local.array(PW, acc_type)
+        for i in range(R):
+            for q in range(Q):
+                acc[i, q] = acc_type(0)
+        n_chunks = (seg_end[seg] - first) * CHUNKS
+        if n_chunks > 0:
+            fetch(a_reg, w_reg, a, w, first, 0, other_idx, line_block, row0, n_rows, tid)
+        for t in range(n_chunks):
+            buf = t & 1
+            stash(a_s, w_s, buf, a_reg, w_reg, tid)
+            # Chunk t is in buffer `buf`; the other buffer's last readers (chunk
+            # t-1) have all passed this barrier, so chunk t+1 may overwrite it.
+            cuda.syncthreads()
+            if t + 1 < n_chunks:
+                nxt = t + 1
+                fetch(a_reg, w_reg, a, w, first + nxt // CHUNKS, (nxt % CHUNKS) * KC,
+                      other_idx, line_block, row0, n_rows, tid)
+            for kk in range(KC):
+                for i in range(R):
+                    a_frag[i] = a_s[buf, kk, ty * R + i]
+                for q in range(Q):
+                    w_frag[q] = w_s[buf, kk, tx * Q + q]
+                for i in range(R):
+                    for q in range(Q):
+                        acc[i, q] += a_frag[i] * w_frag[q]
+        slot = seg_slot[seg]
+        for i in range(R):
+            row = row0 + ty * R + i
+            if row < n_rows:
+                for q in range(Q):
+                    col = tx * Q + q
+                    if slot < 0:
+                        store(out, row, line * bs + col, from_acc(acc[i, q]))
+                    else:
+                        workspace[slot, row, col] = acc[i, q]
+
+    return product_v3
+
+
 def _make_combine_lines(bs, storage, acc_type, feature_axis):
     """out[:, line-block] = sum of the line's workspace rows, in order."""
     _, store = _activation_io(feature_axis)
@@ -410,7 +535,6 @@ def _make_combine_wgrad(bs, storage, acc_type):
 # -- launch configuration -------------------------------------------------------------
 
 _kernels = {}
-_device_indices = {}
 
 
 def _acc_type(storage):
@@ -427,8 +551,9 @@ def _kernel(maker, *key):
 
 
 def _on_device(layout, key, array, stream):
-    """A layout index (or schedule) array on the device, cached per layout."""
-    cache = _device_indices.setdefault(layout, {})
+    """A layout index (or schedule) array on the device, cached in the layout's schedule cache."""
+    cache = layout._schedules
+    key = ("device", key)
     if key not in cache:
         cache[key] = cuda.to_device(np.ascontiguousarray(array), stream=stream)
     return cache[key]
@@ -436,6 +561,16 @@ def _on_device(layout, key, array, stream):
 
 def _index(layout, name, stream):
     return _on_device(layout, name, getattr(layout, name), stream)
+
+
+_unused = {}
+
+
+def _unused_workspace(dtype):
+    """A one-element stand-in for a workspace a launch does not write (shared, read by no one)."""
+    if dtype not in _unused:
+        _unused[dtype] = cuda.device_array((1, 1, 1), dtype)
+    return _unused[dtype]
 
 
 def _multiprocessors():
@@ -459,15 +594,15 @@ def _launch_product_v1(out, a, w, layout, n_rows, transpose_w, feature_axis, str
                                        else ("col_ptr", "row_idx", "col_block"))
     kernel = _kernel(_make_product_v1, bs, a.dtype, transpose_w, feature_axis)
     lines = layout.shape[0] if transpose_w else layout.shape[1]
-    kernel[((n_rows + rows - 1) // rows, lines), (bs, rows), stream](
+    launch(kernel, ((n_rows + rows - 1) // rows, lines), (bs, rows), stream, (
         out, a.device(stream), w.device(stream), _index(layout, line_ptr, stream),
         _index(layout, other_idx, stream), _index(layout, line_block, stream), n_rows,
-    )
+    ))
 
 
-def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, stream, max_segment):
+def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, stream, max_segment, version):
     bs = layout.block_size
-    TM = PRODUCT_TILES[bs][0]
+    TM = (PRODUCT_TILES_V3 if version == 3 else PRODUCT_TILES)[bs][0]
     axis = "row" if transpose_w else "col"
     if max_segment is None:
         max_segment = segment_limit(layout, axis)
@@ -477,23 +612,24 @@ def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, str
         name: _on_device(layout, (axis, max_segment, name), schedule[name], stream)
         for name in ("seg_line", "seg_begin", "seg_end", "seg_slot", "split_line", "split_begin", "split_end")
     }
-    acc = np.float64 if a.dtype == "float64" else np.float32
+    acc = "float64" if a.dtype == "float64" else "float32"
     slots = schedule["n_slots"]
-    workspace = cuda.device_array((slots, n_rows, bs) if slots else (1, 1, 1), acc, stream=stream)
-    kernel = _kernel(_make_product_v2, bs, a.dtype, transpose_w, feature_axis)
+    workspace = a.scratch((slots, n_rows, bs), acc, stream) if slots else _unused_workspace(acc)
+    maker = _make_product_v3 if version == 3 else _make_product_v2
+    kernel = _kernel(maker, bs, a.dtype, transpose_w, feature_axis)
     grid = ((n_rows + TM - 1) // TM, len(schedule["seg_line"]))
-    kernel[grid, PRODUCT_THREADS, stream](
+    launch(kernel, grid, PRODUCT_THREADS, stream, (
         out, workspace, a.device(stream), w.device(stream),
         device_schedule["seg_line"], device_schedule["seg_begin"], device_schedule["seg_end"],
         device_schedule["seg_slot"], _index(layout, other_idx, stream), _index(layout, line_block, stream), n_rows,
-    )
+    ))
     if schedule["n_slots"]:
         combine = _kernel(_make_combine_lines, bs, a.dtype, feature_axis)
         grid = ((n_rows * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, len(schedule["split_line"]))
-        combine[grid, COMBINE_THREADS, stream](
+        launch(combine, grid, COMBINE_THREADS, stream, (
             out, workspace, device_schedule["split_line"], device_schedule["split_begin"],
             device_schedule["split_end"], n_rows,
-        )
+        ))
 
 
 def wgrad_splits(layout, n_rows):
@@ -506,24 +642,26 @@ def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, v
     bs = layout.block_size
     if version == 1:
         kernel = _kernel(_make_weight_grad_v1, bs, x.dtype, feature_axis)
-        kernel[layout.n_blocks, (bs, WGRAD_ROWS[bs]), stream](
+        launch(kernel, layout.n_blocks, (bs, WGRAD_ROWS[bs]), stream, (
             dw, x.device(stream), dy.device(stream), _index(layout, "coords", stream), n_rows, beta,
-        )
+        ))
         return
+    # Versions 2 and 3 share the weight gradient.
     splits = wgrad_splits(layout, n_rows) if splits is None else max(1, int(splits))
     rows_per_split = -(-max(n_rows, 1) // splits)
-    acc = np.float64 if x.dtype == "float64" else np.float32
+    acc = "float64" if x.dtype == "float64" else "float32"
     # A workspace of one split tells the kernel to finish in place (no combine pass).
-    workspace = cuda.device_array((splits, layout.n_blocks if splits > 1 else 1, bs * bs), acc, stream=stream)
+    workspace = x.scratch((splits, layout.n_blocks, bs * bs), acc, stream) if splits > 1 \
+        else _unused_workspace(acc)
     kernel = _kernel(_make_weight_grad_v2, bs, x.dtype, feature_axis)
-    kernel[(layout.n_blocks, splits), WGRAD_THREADS, stream](
+    launch(kernel, (layout.n_blocks, splits), WGRAD_THREADS, stream, (
         dw, workspace, x.device(stream), dy.device(stream), _index(layout, "coords", stream),
         n_rows, rows_per_split, beta,
-    )
+    ))
     if splits > 1:
         combine = _kernel(_make_combine_wgrad, bs, x.dtype)
         grid = ((bs * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, layout.n_blocks)
-        combine[grid, COMBINE_THREADS, stream](dw, workspace, beta)
+        launch(combine, grid, COMBINE_THREADS, stream, (dw, workspace, beta))
 
 
 # -- public functions ----------------------------------------------------------------
@@ -565,21 +703,21 @@ def _product(a, w, layout, feature_axis, transpose_w, version, max_segment=None)
         if version == 1:
             _launch_product_v1(out, a, w, layout, n_rows, transpose_w, feature_axis, stream)
         else:
-            _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, stream, max_segment)
+            _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, stream, max_segment, version)
     return a.result(native, out, stream)
 
 
-def forward(x, w, layout, feature_axis=1, version=2):
+def forward(x, w, layout, feature_axis=1, version=3):
     """``y = x · W`` for block-sparse ``W`` given as ``w[n_blocks, bs, bs]`` over ``layout``."""
     return _product(x, w, layout, feature_axis, False, version)
 
 
-def input_grad(dy, w, layout, feature_axis=1, version=2):
+def input_grad(dy, w, layout, feature_axis=1, version=3):
     """``dx = dy · Wᵀ`` for block-sparse ``W``."""
     return _product(dy, w, layout, feature_axis, True, version)
 
 
-def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=2, splits=None):
+def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=3, splits=None):
     """``dW = xᵀ · dy`` on the layout's blocks, as ``(n_blocks, bs, bs)``.
 
     With ``out`` the result goes there, as ``out = xᵀ·dy + beta·out`` (so the
