@@ -57,18 +57,27 @@ def _events():
     return lambda: cuda.event(timing=True), lambda start, stop: cuda.event_elapsed_time(start, stop)
 
 
-def time_ms(fn, warmup=10, repeat=50, setup=None):
-    """Median milliseconds of ``fn()`` over `repeat` CUDA-event timings after `warmup` calls.
+def time_ms(fn, warmup=10, repeat=50, setup=None, budget_ms=600.0):
+    """Median milliseconds of ``fn()`` over up to `repeat` CUDA-event timings after warm-up.
 
     Events are recorded on the current stream (torch's when torch is present).
     ``setup(i)``, if given, runs before the i-th call outside the timed region
     (for example to rotate among input sets so the L2 cache does not flatter).
+    Slow calls get fewer repeats (at least 5), so one figure costs about
+    `budget_ms` of GPU time.
     """
     make_event, elapsed = _events()
     for i in range(warmup):
         if setup:
             setup(i)
+        start, stop = make_event(), make_event()
+        start.record()
         fn()
+        stop.record()
+        stop.synchronize()
+        if elapsed(start, stop) * (i + 1) > budget_ms / 4:
+            break  # slow enough: the rest of the warm-up adds nothing
+    repeat = max(5, min(repeat, int(budget_ms / max(elapsed(start, stop), 1e-3))))
     times = []
     for i in range(repeat):
         if setup:

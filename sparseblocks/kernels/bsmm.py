@@ -707,17 +707,17 @@ def _product(a, w, layout, feature_axis, transpose_w, version, max_segment=None)
     return a.result(native, out, stream)
 
 
-def forward(x, w, layout, feature_axis=1, version=3):
+def forward(x, w, layout, feature_axis=1, version=2):
     """``y = x · W`` for block-sparse ``W`` given as ``w[n_blocks, bs, bs]`` over ``layout``."""
     return _product(x, w, layout, feature_axis, False, version)
 
 
-def input_grad(dy, w, layout, feature_axis=1, version=3):
+def input_grad(dy, w, layout, feature_axis=1, version=2):
     """``dx = dy · Wᵀ`` for block-sparse ``W``."""
     return _product(dy, w, layout, feature_axis, True, version)
 
 
-def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=3, splits=None):
+def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=2, splits=None):
     """``dW = xᵀ · dy`` on the layout's blocks, as ``(n_blocks, bs, bs)``.
 
     With ``out`` the result goes there, as ``out = xᵀ·dy + beta·out`` (so the
