@@ -13,6 +13,7 @@ problem with a tiny torch op. Writes results/bsmm.json and results/bsmm.md.
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -125,10 +126,12 @@ def launch_overhead(torch, bsmm, BlockLayout):
 
 def kernel_resources(bsmm):
     """Registers, local memory and shared memory of every kernel compiled so far."""
+    lines = []
     for key, kernel in sorted(bsmm._kernels.items(), key=str):
         for compiled in kernel.overloads.values():
-            print(f"{key}: {compiled.regs_per_thread} registers, {compiled.local_mem_per_thread} B local, "
-                  f"{compiled.shared_mem_per_block} B shared")
+            lines.append(f"{key}: {compiled.regs_per_thread} registers, {compiled.local_mem_per_thread} B local, "
+                         f"{compiled.shared_mem_per_block} B shared")
+    return "\n".join(lines)
 
 
 def main():
@@ -156,8 +159,11 @@ def main():
     records.append(launch_overhead(torch, bsmm, BlockLayout))
     kwargs = {} if args.out_dir is None else {"directory": args.out_dir}
     write_results("bsmm" + ("_quick" if args.quick else ""), records, **kwargs)
+    resources = kernel_resources(bsmm)
+    print(resources)
+    if args.out_dir:
+        (Path(args.out_dir) / "bsmm_kernels.txt").write_text(resources + "\n")
     print_table(records, f"bsmm on {device_name()}")
-    kernel_resources(bsmm)
 
 
 if __name__ == "__main__":

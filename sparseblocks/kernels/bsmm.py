@@ -23,10 +23,10 @@ Versions (``version=`` on every public function; tests sweep both):
      are cut into segments (`BlockLayout.line_segments`) whose partial sums a
      second kernel adds in order, so a skewed layout does not leave one SM
      working alone; the weight gradient splits N when there are few blocks.
-  3. version 2's products software-pipelined: the next chunk travels from
-     global memory to registers while the current one is multiplied out of
-     one of two shared-memory buffers (one barrier a chunk). The weight
-     gradient is version 2's.
+  3. version 2's products with batched, branch-free activation loads: eight
+     independent loads in flight per thread instead of one. (A first try
+     that pipelined chunks through register arrays ran 2x slower than
+     version 2: see benchmarks/NOTES.md.) The weight gradient is version 2's.
 """
 
 import numpy as np
@@ -52,8 +52,7 @@ WGRAD_ROWS = {8: 8, 16: 16, 32: 8, 64: 4}
 # R rows x Q features. (TM, R, Q, KC) by block size:
 PRODUCT_TILES = {8: (256, 8, 2, 8), 16: (256, 8, 4, 16), 32: (128, 8, 4, 32), 64: (128, 8, 8, 32)}
 PRODUCT_THREADS = 128
-# Version 3: the same tiles, two shared buffers (so bs = 64 reads 16 features a chunk).
-PRODUCT_TILES_V3 = {8: (256, 8, 2, 8), 16: (256, 8, 4, 16), 32: (128, 8, 4, 32), 64: (128, 8, 8, 16)}
+# Version 3 loads activations eight at a time: TM * KC must be a multiple of 8 * 128.
 # Lines longer than SEGMENT_FACTOR x the mean line (and MIN_SEGMENT blocks) are cut.
 SEGMENT_FACTOR = 2
 MIN_SEGMENT = 4
@@ -281,67 +280,33 @@ def _make_product_v2(bs, storage, acc_type, transpose_w, feature_axis):
 
 
 def _make_product_v3(bs, storage, acc_type, transpose_w, feature_axis):
-    """Version 2's product, software-pipelined: chunk t+1 is read from global memory into
-    registers while chunk t is multiplied out of one of two shared-memory buffers."""
-    TM, R, Q, KC = PRODUCT_TILES_V3[bs]
+    """Version 2's product with batched, branch-free activation loads.
+
+    Version 2 loads each activation value and stores it to shared memory in
+    a loop the compiler does not unroll, so a thread waits out the latency of
+    every load in turn. Here each thread issues eight independent loads before
+    its eight stores, and out-of-range rows read a clamped (valid) row and are
+    zeroed by a select instead of a branch.
+    """
+    TM, R, Q, KC = PRODUCT_TILES[bs]
     T = PRODUCT_THREADS
     QX = bs // Q
-    CHUNKS = bs // KC  # chunks per weight block
-    PA = TM * KC // T  # activation values each thread carries per chunk
-    PW = -(-KC * bs // T)  # weight values each thread carries per chunk
-    A_SHAPE = (2, KC, TM + 1)  # +1 column: transposed stores hit distinct banks
-    W_SHAPE = (2, KC, bs + 1)
+    A_SHAPE = (KC, TM + 1)  # +1 column: transposed stores hit distinct banks
+    W_SHAPE = (KC, bs + 1)
     load, store = _activation_io(feature_axis)
     to_acc, from_acc = _converters(storage, acc_type)
 
     @cuda.jit(device=True, inline=True)
-    def fetch(a_reg, w_reg, a, w, j, k0, other_idx, line_block, row0, n_rows, tid):
-        other = other_idx[j]
-        block = j if transpose_w else line_block[j]
-        for p in range(PA):
-            e = p * T + tid
-            if feature_axis == 1:  # consecutive threads read consecutive addresses
-                r = e // KC
-                kk = e - r * KC
-            else:
-                kk = e // TM
-                r = e - kk * TM
-            value = acc_type(0)
-            if row0 + r < n_rows:
-                value = to_acc(load(a, row0 + r, other * bs + k0 + kk))
-            a_reg[p] = value
-        for p in range(PW):
-            e = p * T + tid
-            value = acc_type(0)
-            if e < KC * bs:
-                if transpose_w:
-                    col = e // KC
-                    value = to_acc(w[block, col, k0 + e - col * KC])
-                else:
-                    kk = e // bs
-                    value = to_acc(w[block, k0 + kk, e - kk * bs])
-            w_reg[p] = value
+    def position(e):
+        """(row, feature) in the chunk of element e; consecutive e are consecutive addresses."""
+        if feature_axis == 1:
+            return e // KC, e % KC
+        return e % TM, e // TM
 
     @cuda.jit(device=True, inline=True)
-    def stash(a_s, w_s, buf, a_reg, w_reg, tid):
-        for p in range(PA):
-            e = p * T + tid
-            if feature_axis == 1:
-                r = e // KC
-                kk = e - r * KC
-            else:
-                kk = e // TM
-                r = e - kk * TM
-            a_s[buf, kk, r] = a_reg[p]
-        for p in range(PW):
-            e = p * T + tid
-            if e < KC * bs:
-                if transpose_w:
-                    col = e // KC
-                    w_s[buf, e - col * KC, col] = w_reg[p]
-                else:
-                    kk = e // bs
-                    w_s[buf, kk, e - kk * bs] = w_reg[p]
+    def a_value(a, row, n_rows, feature):
+        value = to_acc(load(a, min(row, n_rows - 1), feature))
+        return value if row < n_rows else acc_type(0)
 
     @cuda.jit
     def product_v3(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot,
@@ -352,38 +317,62 @@ def _make_product_v3(bs, storage, acc_type, transpose_w, feature_axis):
         seg = cuda.blockIdx.y
         row0 = cuda.blockIdx.x * TM
         line = seg_line[seg]
-        first = seg_begin[seg]
         a_s = cuda.shared.array(A_SHAPE, acc_type)
         w_s = cuda.shared.array(W_SHAPE, acc_type)
         acc = cuda.local.array((R, Q), acc_type)
         a_frag = cuda.local.array(R, acc_type)
         w_frag = cuda.local.array(Q, acc_type)
-        a_reg = cuda.local.array(PA, acc_type)
-        w_reg = cuda.local.array(PW, acc_type)
         for i in range(R):
             for q in range(Q):
                 acc[i, q] = acc_type(0)
-        n_chunks = (seg_end[seg] - first) * CHUNKS
-        if n_chunks > 0:
-            fetch(a_reg, w_reg, a, w, first, 0, other_idx, line_block, row0, n_rows, tid)
-        for t in range(n_chunks):
-            buf = t & 1
-            stash(a_s, w_s, buf, a_reg, w_reg, tid)
-            # Chunk t is in buffer `buf`; the other buffer's last readers (chunk
-            # t-1) have all passed this barrier, so chunk t+1 may overwrite it.
-            cuda.syncthreads()
-            if t + 1 < n_chunks:
-                nxt = t + 1
-                fetch(a_reg, w_reg, a, w, first + nxt // CHUNKS, (nxt % CHUNKS) * KC,
-                      other_idx, line_block, row0, n_rows, tid)
-            for kk in range(KC):
-                for i in range(R):
-                    a_frag[i] = a_s[buf, kk, ty * R + i]
-                for q in range(Q):
-                    w_frag[q] = w_s[buf, kk, tx * Q + q]
-                for i in range(R):
+        for j in range(seg_begin[seg], seg_end[seg]):
+            block = j if transpose_w else line_block[j]
+            for k0 in range(0, bs, KC):
+                base = other_idx[j] * bs + k0
+                for e0 in range(tid, TM * KC, 8 * T):
+                    r0, c0 = position(e0)
+                    r1, c1 = position(e0 + T)
+                    r2, c2 = position(e0 + 2 * T)
+                    r3, c3 = position(e0 + 3 * T)
+                    r4, c4 = position(e0 + 4 * T)
+                    r5, c5 = position(e0 + 5 * T)
+                    r6, c6 = position(e0 + 6 * T)
+                    r7, c7 = position(e0 + 7 * T)
+                    v0 = a_value(a, row0 + r0, n_rows, base + c0)
+                    v1 = a_value(a, row0 + r1, n_rows, base + c1)
+                    v2 = a_value(a, row0 + r2, n_rows, base + c2)
+                    v3 = a_value(a, row0 + r3, n_rows, base + c3)
+                    v4 = a_value(a, row0 + r4, n_rows, base + c4)
+                    v5 = a_value(a, row0 + r5, n_rows, base + c5)
+                    v6 = a_value(a, row0 + r6, n_rows, base + c6)
+                    v7 = a_value(a, row0 + r7, n_rows, base + c7)
+                    a_s[c0, r0] = v0
+                    a_s[c1, r1] = v1
+                    a_s[c2, r2] = v2
+                    a_s[c3, r3] = v3
+                    a_s[c4, r4] = v4
+                    a_s[c5, r5] = v5
+                    a_s[c6, r6] = v6
+                    a_s[c7, r7] = v7
+                for e in range(tid, KC * bs, T):
+                    if transpose_w:
+                        col = e // KC
+                        kk = e - col * KC
+                        w_s[kk, col] = to_acc(w[block, col, k0 + kk])
+                    else:
+                        kk = e // bs
+                        col = e - kk * bs
+                        w_s[kk, col] = to_acc(w[block, k0 + kk, col])
+                cuda.syncthreads()  # a_s and w_s hold this chunk
+                for kk in range(KC):
+                    for i in range(R):
+                        a_frag[i] = a_s[kk, ty * R + i]
                     for q in range(Q):
-                        acc[i, q] += a_frag[i] * w_frag[q]
+                        w_frag[q] = w_s[kk, tx * Q + q]
+                    for i in range(R):
+                        for q in range(Q):
+                            acc[i, q] += a_frag[i] * w_frag[q]
+                cuda.syncthreads()  # everyone is done with this chunk before it is overwritten
         slot = seg_slot[seg]
         for i in range(R):
             row = row0 + ty * R + i
@@ -602,7 +591,7 @@ def _launch_product_v1(out, a, w, layout, n_rows, transpose_w, feature_axis, str
 
 def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, stream, max_segment, version):
     bs = layout.block_size
-    TM = (PRODUCT_TILES_V3 if version == 3 else PRODUCT_TILES)[bs][0]
+    TM = PRODUCT_TILES[bs][0]
     axis = "row" if transpose_w else "col"
     if max_segment is None:
         max_segment = segment_limit(layout, axis)
