@@ -42,7 +42,7 @@ def block_gather(torch, dense, layout):
     return tiles[coords[:, 0], coords[:, 1]].contiguous()
 
 
-def bench_config(torch, bsmm, layout, N, dtype_name, records, versions=(2,)):
+def bench_config(torch, bsmm, layout, N, dtype_name, records, versions=(3,)):
     dtype = getattr(torch, dtype_name)
     C, K = layout.dense_shape
     bs = layout.block_size
@@ -138,7 +138,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="N = C = K = 4096, block 32 only")
     parser.add_argument("--out-dir", default=None)
-    parser.add_argument("--versions", default="2", help="comma-separated kernel versions to time")
+    parser.add_argument("--versions", default="3", help="comma-separated kernel versions to time")
     args = parser.parse_args()
 
     import torch

@@ -26,7 +26,8 @@ Versions (``version=`` on every public function; tests sweep both):
   3. version 2's products with batched, branch-free activation loads: eight
      independent loads in flight per thread instead of one. (A first try
      that pipelined chunks through register arrays ran 2x slower than
-     version 2: see benchmarks/NOTES.md.) The weight gradient is version 2's.
+     version 2: see benchmarks/NOTES.md.) The weight gradient loads two rows
+     of x and dy per step, branch-free, likewise.
 """
 
 import numpy as np
@@ -407,7 +408,12 @@ def _make_combine_lines(bs, storage, acc_type, feature_axis):
     return combine_lines
 
 
-def _make_weight_grad_v2(bs, storage, acc_type, feature_axis):
+def _make_weight_grad_v3(bs, storage, acc_type, feature_axis):
+    """Version 2's weight gradient with two rows of x and dy in flight per load step, branch-free."""
+    return _make_weight_grad_v2(bs, storage, acc_type, feature_axis, batched=True)
+
+
+def _make_weight_grad_v2(bs, storage, acc_type, feature_axis, batched=False):
     """dw[b] (+ beta·dw[b]) over this thread block's share of N; splits go to a workspace."""
     P = WGRAD_PATCH[bs]
     PX = bs // P  # threads across the block's columns (and rows) within a group
@@ -419,6 +425,13 @@ def _make_weight_grad_v2(bs, storage, acc_type, feature_axis):
     TILE_SHAPE = (NC, bs + 1)  # +1 column against bank conflicts of the transposed stores
     load, _ = _activation_io(feature_axis)
     to_acc, from_acc = _converters(storage, acc_type)
+
+    @cuda.jit(device=True, inline=True)
+    def position(e):
+        """(row, feature) of element e of a chunk; consecutive e are consecutive addresses."""
+        if feature_axis == 1:
+            return e // bs, e % bs
+        return e % NC, e // NC
 
     @cuda.jit(device=True, inline=True)
     def finish(dw, workspace, block, split, r, col, total, beta):
@@ -452,23 +465,38 @@ def _make_weight_grad_v2(bs, storage, acc_type, feature_axis):
             for q in range(P):
                 acc[i, q] = acc_type(0)
         for n0 in range(n_begin, n_end, NC):
-            for e0 in range(0, NC * bs, T):
-                e = e0 + tid
-                if e < NC * bs:
-                    if feature_axis == 1:
-                        r = e // bs
-                        f = e - r * bs
-                    else:
-                        f = e // NC
-                        r = e - f * NC
-                    n = n0 + r
-                    xv = acc_type(0)
-                    dv = acc_type(0)
-                    if n < n_end:
-                        xv = to_acc(load(x, n, c * bs + f))
-                        dv = to_acc(load(dy, n, k * bs + f))
-                    x_s[r, f] = xv
-                    dy_s[r, f] = dv
+            if batched:
+                last = n_end - 1
+                for e0 in range(tid, NC * bs, 2 * T):
+                    r0, f0 = position(e0)
+                    r1, f1 = position(e0 + T)
+                    # Rows past the end read the last row (a valid address) and are zeroed.
+                    x0 = to_acc(load(x, min(n0 + r0, last), c * bs + f0))
+                    d0 = to_acc(load(dy, min(n0 + r0, last), k * bs + f0))
+                    x1 = to_acc(load(x, min(n0 + r1, last), c * bs + f1))
+                    d1 = to_acc(load(dy, min(n0 + r1, last), k * bs + f1))
+                    x_s[r0, f0] = x0 if n0 + r0 <= last else acc_type(0)
+                    dy_s[r0, f0] = d0 if n0 + r0 <= last else acc_type(0)
+                    x_s[r1, f1] = x1 if n0 + r1 <= last else acc_type(0)
+                    dy_s[r1, f1] = d1 if n0 + r1 <= last else acc_type(0)
+            else:
+                for e0 in range(0, NC * bs, T):
+                    e = e0 + tid
+                    if e < NC * bs:
+                        if feature_axis == 1:
+                            r = e // bs
+                            f = e - r * bs
+                        else:
+                            f = e // NC
+                            r = e - f * NC
+                        n = n0 + r
+                        xv = acc_type(0)
+                        dv = acc_type(0)
+                        if n < n_end:
+                            xv = to_acc(load(x, n, c * bs + f))
+                            dv = to_acc(load(dy, n, k * bs + f))
+                        x_s[r, f] = xv
+                        dy_s[r, f] = dv
             cuda.syncthreads()  # x_s and dy_s hold this chunk of rows
             for rr in range(NC // G):
                 r = rr * G + g
@@ -635,14 +663,13 @@ def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, v
             dw, x.device(stream), dy.device(stream), _index(layout, "coords", stream), n_rows, beta,
         ))
         return
-    # Versions 2 and 3 share the weight gradient.
     splits = wgrad_splits(layout, n_rows) if splits is None else max(1, int(splits))
     rows_per_split = -(-max(n_rows, 1) // splits)
     acc = "float64" if x.dtype == "float64" else "float32"
     # A workspace of one split tells the kernel to finish in place (no combine pass).
     workspace = x.scratch((splits, layout.n_blocks, bs * bs), acc, stream) if splits > 1 \
         else _unused_workspace(acc)
-    kernel = _kernel(_make_weight_grad_v2, bs, x.dtype, feature_axis)
+    kernel = _kernel(_make_weight_grad_v3 if version == 3 else _make_weight_grad_v2, bs, x.dtype, feature_axis)
     launch(kernel, (layout.n_blocks, splits), WGRAD_THREADS, stream, (
         dw, workspace, x.device(stream), dy.device(stream), _index(layout, "coords", stream),
         n_rows, rows_per_split, beta,
@@ -696,17 +723,17 @@ def _product(a, w, layout, feature_axis, transpose_w, version, max_segment=None)
     return a.result(native, out, stream)
 
 
-def forward(x, w, layout, feature_axis=1, version=2):
+def forward(x, w, layout, feature_axis=1, version=3):
     """``y = x · W`` for block-sparse ``W`` given as ``w[n_blocks, bs, bs]`` over ``layout``."""
     return _product(x, w, layout, feature_axis, False, version)
 
 
-def input_grad(dy, w, layout, feature_axis=1, version=2):
+def input_grad(dy, w, layout, feature_axis=1, version=3):
     """``dx = dy · Wᵀ`` for block-sparse ``W``."""
     return _product(dy, w, layout, feature_axis, True, version)
 
 
-def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=2, splits=None):
+def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=3, splits=None):
     """``dW = xᵀ · dy`` on the layout's blocks, as ``(n_blocks, bs, bs)``.
 
     With ``out`` the result goes there, as ``out = xᵀ·dy + beta·out`` (so the
