@@ -67,28 +67,23 @@ def time_ms(fn, warmup=10, repeat=50, setup=None, budget_ms=600.0):
     `budget_ms` of GPU time.
     """
     make_event, elapsed = _events()
+
+    def once(i):
+        if setup:
+            setup(i)
+        start, stop = make_event(), make_event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        return elapsed(start, stop)
+
     for i in range(warmup):
-        if setup:
-            setup(i)
-        start, stop = make_event(), make_event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        if elapsed(start, stop) * (i + 1) > budget_ms / 4:
+        last = once(i)
+        if last * (i + 1) > budget_ms / 4:
             break  # slow enough: the rest of the warm-up adds nothing
-    repeat = max(5, min(repeat, int(budget_ms / max(elapsed(start, stop), 1e-3))))
-    times = []
-    for i in range(repeat):
-        if setup:
-            setup(i)
-        start, stop = make_event(), make_event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(elapsed(start, stop))
-    return statistics.median(times)
+    repeat = max(5, min(repeat, int(budget_ms / max(last, 1e-3))))
+    return statistics.median(once(i) for i in range(repeat))
 
 
 def baseline_ms(fn, **kwargs):
