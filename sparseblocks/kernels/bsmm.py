@@ -93,6 +93,23 @@ def _activation_io(feature_axis):
     return load, store
 
 
+def _chunk_position(feature_axis, rows, features):
+    """position(e) -> (row, feature) of element e of a rows x features chunk of activations,
+    numbered so that consecutive e are consecutive addresses in memory."""
+    if feature_axis == 1:
+
+        @cuda.jit(device=True, inline=True)
+        def position(e):
+            return e // features, e % features
+    else:
+
+        @cuda.jit(device=True, inline=True)
+        def position(e):
+            return e % rows, e // rows
+
+    return position
+
+
 def _converters(storage, acc_type):
     """to_acc(stored) -> accumulator value, from_acc(value) -> what is stored."""
     if storage == "bfloat16":
@@ -211,12 +228,7 @@ def _make_product_v2(bs, storage, acc_type, transpose_w, feature_axis, batched=F
     load, store = _activation_io(feature_axis)
     to_acc, from_acc = _converters(storage, acc_type)
 
-    @cuda.jit(device=True, inline=True)
-    def position(e):
-        """(row, feature) in the chunk of element e; consecutive e are consecutive addresses."""
-        if feature_axis == 1:
-            return e // KC, e % KC
-        return e % TM, e // TM
+    position = _chunk_position(feature_axis, TM, KC)
 
     @cuda.jit(device=True, inline=True)
     def a_value(a, row, n_rows, feature):
@@ -363,12 +375,7 @@ def _make_weight_grad_v2(bs, storage, acc_type, feature_axis, batched=False):
     load, _ = _activation_io(feature_axis)
     to_acc, from_acc = _converters(storage, acc_type)
 
-    @cuda.jit(device=True, inline=True)
-    def position(e):
-        """(row, feature) of element e of a chunk; consecutive e are consecutive addresses."""
-        if feature_axis == 1:
-            return e // bs, e % bs
-        return e % NC, e // NC
+    position = _chunk_position(feature_axis, NC, bs)
 
     @cuda.jit(device=True, inline=True)
     def finish(dw, workspace, block, split, r, col, total, beta):
