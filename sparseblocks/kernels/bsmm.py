@@ -93,23 +93,6 @@ def _activation_io(feature_axis):
     return load, store
 
 
-def _chunk_position(feature_axis, rows, features):
-    """position(e) -> (row, feature) of element e of a rows x features chunk of activations,
-    numbered so that consecutive e are consecutive addresses in memory."""
-    if feature_axis == 1:
-
-        @cuda.jit(device=True, inline=True)
-        def position(e):
-            return e // features, e % features
-    else:
-
-        @cuda.jit(device=True, inline=True)
-        def position(e):
-            return e % rows, e // rows
-
-    return position
-
-
 def _converters(storage, acc_type):
     """to_acc(stored) -> accumulator value, from_acc(value) -> what is stored."""
     if storage == "bfloat16":
@@ -217,7 +200,7 @@ def _make_weight_grad_v1(bs, storage, acc_type, feature_axis):
 # -- kernel bodies: version 2 --------------------------------------------------------
 
 
-def _make_product_v2(bs, storage, acc_type, transpose_w, feature_axis, batched=False):
+def _make_product_v2(bs, storage, acc_type, transpose_w, feature_axis):
     """Register-blocked product over line segments; split lines go to a workspace."""
     TM, R, Q, KC = PRODUCT_TILES[bs]
     T = PRODUCT_THREADS
@@ -227,13 +210,6 @@ def _make_product_v2(bs, storage, acc_type, transpose_w, feature_axis, batched=F
     W_SHAPE = (KC, bs + 1)
     load, store = _activation_io(feature_axis)
     to_acc, from_acc = _converters(storage, acc_type)
-
-    position = _chunk_position(feature_axis, TM, KC)
-
-    @cuda.jit(device=True, inline=True)
-    def a_value(a, row, n_rows, feature):
-        value = to_acc(load(a, min(row, n_rows - 1), feature))
-        return value if row < n_rows else acc_type(0)
 
     @cuda.jit
     def product_v2(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot,
@@ -256,40 +232,19 @@ def _make_product_v2(bs, storage, acc_type, transpose_w, feature_axis, batched=F
             other = other_idx[j]
             block = j if transpose_w else line_block[j]
             for k0 in range(0, bs, KC):
-                if batched:
-                    base = other * bs + k0
-                    for e0 in range(tid, TM * KC, 8 * T):
-                        r0, c0 = position(e0)
-                        r1, c1 = position(e0 + T)
-                        r2, c2 = position(e0 + 2 * T)
-                        r3, c3 = position(e0 + 3 * T)
-                        r4, c4 = position(e0 + 4 * T)
-                        r5, c5 = position(e0 + 5 * T)
-                        r6, c6 = position(e0 + 6 * T)
-                        r7, c7 = position(e0 + 7 * T)
-                        v0 = a_value(a, row0 + r0, n_rows, base + c0)
-                        v1 = a_value(a, row0 + r1, n_rows, base + c1)
-                        v2 = a_value(a, row0 + r2, n_rows, base + c2)
-                        v3 = a_value(a, row0 + r3, n_rows, base + c3)
-                        v4 = a_value(a, row0 + r4, n_rows, base + c4)
-                        v5 = a_value(a, row0 + r5, n_rows, base + c5)
-                        v6 = a_value(a, row0 + r6, n_rows, base + c6)
-                        v7 = a_value(a, row0 + r7, n_rows, base + c7)
-                        a_s[c0, r0] = v0
-                        a_s[c1, r1] = v1
-                        a_s[c2, r2] = v2
-                        a_s[c3, r3] = v3
-                        a_s[c4, r4] = v4
-                        a_s[c5, r5] = v5
-                        a_s[c6, r6] = v6
-                        a_s[c7, r7] = v7
-                else:
-                    for e in range(tid, TM * KC, T):
-                        r, kk = position(e)
-                        value = acc_type(0)
-                        if row0 + r < n_rows:
-                            value = to_acc(load(a, row0 + r, other * bs + k0 + kk))
-                        a_s[kk, r] = value
+                for e0 in range(0, TM * KC, T):
+                    e = e0 + tid
+                    # Consecutive threads read consecutive addresses of `a`.
+                    if feature_axis == 1:
+                        r = e // KC
+                        kk = e - r * KC
+                    else:
+                        kk = e // TM
+                        r = e - kk * TM
+                    value = acc_type(0)
+                    if row0 + r < n_rows:
+                        value = to_acc(load(a, row0 + r, other * bs + k0 + kk))
+                    a_s[kk, r] = value
                 for e0 in range(0, KC * bs, T):
                     e = e0 + tid
                     if e < KC * bs:
@@ -334,7 +289,103 @@ def _make_product_v3(bs, storage, acc_type, transpose_w, feature_axis):
     its eight stores, and out-of-range rows read a clamped (valid) row and are
     zeroed by a select instead of a branch.
     """
-    return _make_product_v2(bs, storage, acc_type, transpose_w, feature_axis, batched=True)
+    TM, R, Q, KC = PRODUCT_TILES[bs]
+    T = PRODUCT_THREADS
+    QX = bs // Q
+    A_SHAPE = (KC, TM + 1)  # +1 column: transposed stores hit distinct banks
+    W_SHAPE = (KC, bs + 1)
+    load, store = _activation_io(feature_axis)
+    to_acc, from_acc = _converters(storage, acc_type)
+
+    @cuda.jit(device=True, inline=True)
+    def position(e):
+        """(row, feature) in the chunk of element e; consecutive e are consecutive addresses."""
+        if feature_axis == 1:
+            return e // KC, e % KC
+        return e % TM, e // TM
+
+    @cuda.jit(device=True, inline=True)
+    def a_value(a, row, n_rows, feature):
+        value = to_acc(load(a, min(row, n_rows - 1), feature))
+        return value if row < n_rows else acc_type(0)
+
+    @cuda.jit
+    def product_v3(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot,
+                   other_idx, line_block, n_rows):
+        tid = cuda.threadIdx.x
+        tx = tid % QX
+        ty = tid // QX
+        seg = cuda.blockIdx.y
+        row0 = cuda.blockIdx.x * TM
+        line = seg_line[seg]
+        a_s = cuda.shared.array(A_SHAPE, acc_type)
+        w_s = cuda.shared.array(W_SHAPE, acc_type)
+        acc = cuda.local.array((R, Q), acc_type)
+        a_frag = cuda.local.array(R, acc_type)
+        w_frag = cuda.local.array(Q, acc_type)
+        for i in range(R):
+            for q in range(Q):
+                acc[i, q] = acc_type(0)
+        for j in range(seg_begin[seg], seg_end[seg]):
+            block = j if transpose_w else line_block[j]
+            for k0 in range(0, bs, KC):
+                base = other_idx[j] * bs + k0
+                for e0 in range(tid, TM * KC, 8 * T):
+                    r0, c0 = position(e0)
+                    r1, c1 = position(e0 + T)
+                    r2, c2 = position(e0 + 2 * T)
+                    r3, c3 = position(e0 + 3 * T)
+                    r4, c4 = position(e0 + 4 * T)
+                    r5, c5 = position(e0 + 5 * T)
+                    r6, c6 = position(e0 + 6 * T)
+                    r7, c7 = position(e0 + 7 * T)
+                    v0 = a_value(a, row0 + r0, n_rows, base + c0)
+                    v1 = a_value(a, row0 + r1, n_rows, base + c1)
+                    v2 = a_value(a, row0 + r2, n_rows, base + c2)
+                    v3 = a_value(a, row0 + r3, n_rows, base + c3)
+                    v4 = a_value(a, row0 + r4, n_rows, base + c4)
+                    v5 = a_value(a, row0 + r5, n_rows, base + c5)
+                    v6 = a_value(a, row0 + r6, n_rows, base + c6)
+                    v7 = a_value(a, row0 + r7, n_rows, base + c7)
+                    a_s[c0, r0] = v0
+                    a_s[c1, r1] = v1
+                    a_s[c2, r2] = v2
+                    a_s[c3, r3] = v3
+                    a_s[c4, r4] = v4
+                    a_s[c5, r5] = v5
+                    a_s[c6, r6] = v6
+                    a_s[c7, r7] = v7
+                for e in range(tid, KC * bs, T):
+                    if transpose_w:
+                        col = e // KC
+                        kk = e - col * KC
+                        w_s[kk, col] = to_acc(w[block, col, k0 + kk])
+                    else:
+                        kk = e // bs
+                        col = e - kk * bs
+                        w_s[kk, col] = to_acc(w[block, k0 + kk, col])
+                cuda.syncthreads()  # a_s and w_s hold this chunk
+                for kk in range(KC):
+                    for i in range(R):
+                        a_frag[i] = a_s[kk, ty * R + i]
+                    for q in range(Q):
+                        w_frag[q] = w_s[kk, tx * Q + q]
+                    for i in range(R):
+                        for q in range(Q):
+                            acc[i, q] += a_frag[i] * w_frag[q]
+                cuda.syncthreads()  # everyone is done with this chunk before it is overwritten
+        slot = seg_slot[seg]
+        for i in range(R):
+            row = row0 + ty * R + i
+            if row < n_rows:
+                for q in range(Q):
+                    col = tx * Q + q
+                    if slot < 0:
+                        store(out, row, line * bs + col, from_acc(acc[i, q]))
+                    else:
+                        workspace[slot, row, col] = acc[i, q]
+
+    return product_v3
 
 
 def _make_combine_lines(bs, storage, acc_type, feature_axis):
@@ -375,7 +426,12 @@ def _make_weight_grad_v2(bs, storage, acc_type, feature_axis, batched=False):
     load, _ = _activation_io(feature_axis)
     to_acc, from_acc = _converters(storage, acc_type)
 
-    position = _chunk_position(feature_axis, NC, bs)
+    @cuda.jit(device=True, inline=True)
+    def position(e):
+        """(row, feature) of element e of a chunk; consecutive e are consecutive addresses."""
+        if feature_axis == 1:
+            return e // bs, e % bs
+        return e % NC, e // NC
 
     @cuda.jit(device=True, inline=True)
     def finish(dw, workspace, block, split, r, col, total, beta):
@@ -424,16 +480,23 @@ def _make_weight_grad_v2(bs, storage, acc_type, feature_axis, batched=False):
                     x_s[r1, f1] = x1 if n0 + r1 <= last else acc_type(0)
                     dy_s[r1, f1] = d1 if n0 + r1 <= last else acc_type(0)
             else:
-                for e in range(tid, NC * bs, T):
-                    r, f = position(e)
-                    n = n0 + r
-                    xv = acc_type(0)
-                    dv = acc_type(0)
-                    if n < n_end:
-                        xv = to_acc(load(x, n, c * bs + f))
-                        dv = to_acc(load(dy, n, k * bs + f))
-                    x_s[r, f] = xv
-                    dy_s[r, f] = dv
+                for e0 in range(0, NC * bs, T):
+                    e = e0 + tid
+                    if e < NC * bs:
+                        if feature_axis == 1:
+                            r = e // bs
+                            f = e - r * bs
+                        else:
+                            f = e // NC
+                            r = e - f * NC
+                        n = n0 + r
+                        xv = acc_type(0)
+                        dv = acc_type(0)
+                        if n < n_end:
+                            xv = to_acc(load(x, n, c * bs + f))
+                            dv = to_acc(load(dy, n, k * bs + f))
+                        x_s[r, f] = xv
+                        dy_s[r, f] = dv
             cuda.syncthreads()  # x_s and dy_s hold this chunk of rows
             for rr in range(NC // G):
                 r = rr * G + g
