@@ -15,7 +15,7 @@ float32 or float64; all but float64 accumulate in float32. Any ``N >= 0``;
 output features with no block are zero. Every sum runs in a fixed order (no
 atomics), so results are bitwise repeatable.
 
-Versions (``version=`` on every public function; tests sweep both):
+Versions (``version=`` on every public function; tests sweep all three):
   1. shared-memory tiles, one output element per thread. Simple; the
      baseline the others are checked against.
   2. register-blocked tiles: each thread owns an R x Q patch of the output
@@ -52,8 +52,7 @@ WGRAD_ROWS = {8: 8, 16: 16, 32: 8, 64: 4}
 # walks the line's blocks KC features at a time; each of its 128 threads owns
 # R rows x Q features. (TM, R, Q, KC) by block size:
 PRODUCT_TILES = {8: (256, 8, 2, 8), 16: (256, 8, 4, 16), 32: (128, 8, 4, 32), 64: (128, 8, 8, 32)}
-PRODUCT_THREADS = 128
-# Version 3 loads activations eight at a time: TM * KC must be a multiple of 8 * 128.
+PRODUCT_THREADS = 128  # version 3 loads eight at a time: TM * KC is a multiple of 8 * 128
 # Lines longer than SEGMENT_FACTOR x the mean line (and MIN_SEGMENT blocks) are cut.
 SEGMENT_FACTOR = 2
 MIN_SEGMENT = 4
