@@ -62,7 +62,8 @@ def _overlap(start, length, size):
     return begin, end, begin - start, end - start
 
 
-def _geometry(bsize, bstride, boffset):
+def check_geometry(bsize, bstride, boffset):
+    """Validated ``(bsize, bstride, boffset)`` as ``(h, w)`` pairs."""
     bsize, bstride, boffset = pair(bsize, "bsize"), pair(bstride, "bstride"), pair(boffset, "boffset")
     if min(bsize) < 1:
         raise ValueError(f"bsize: expected positive sizes, got {bsize}")
@@ -76,7 +77,7 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
     mask = np.asarray(mask)
     if mask.ndim != 3:
         raise ValueError(f"mask: expected [N, H, W], got {mask.ndim} dimensions")
-    bsize, bstride, boffset = _geometry(bsize, bstride, boffset)
+    bsize, bstride, boffset = check_geometry(bsize, bstride, boffset)
     N, H, W = mask.shape
     bcount = block_count((H, W), bstride, boffset) if bcount is None \
         else pair(bcount, "bcount")
@@ -110,7 +111,7 @@ def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False):
     if x.ndim != 4:
         raise ValueError(f"x: expected NHWC, got {x.ndim} dimensions")
     indices = _check_indices(indices)
-    bsize, bstride, boffset = _geometry(bsize, bstride, boffset)
+    bsize, bstride, boffset = check_geometry(bsize, bstride, boffset)
     N, H, W, C = x.shape
     blocks = np.zeros((len(indices), bsize[0], bsize[1], C), x.dtype)
     for i, index in enumerate(indices):
@@ -136,7 +137,7 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
     indices = _check_indices(indices)
     if blocks.shape[0] != len(indices):
         raise ValueError(f"blocks: expected {len(indices)} blocks (one per index), got {blocks.shape[0]}")
-    bsize, bstride, boffset = _geometry(bsize, bstride, boffset)
+    bsize, bstride, boffset = check_geometry(bsize, bstride, boffset)
     y = np.asarray(y)
     if y.ndim != 4:
         raise ValueError(f"y: expected NHWC, got {y.ndim} dimensions")

@@ -1,0 +1,420 @@
+"""SBNet's activation-sparsity ops on the GPU (twin of `reference/sbnet.py`).
+
+Block geometry as in the reference: block ``(n, bh, bw)`` is the window of
+image ``n`` starting at row ``boffset_h + bh*bstride_h`` and column
+``boffset_w + bw*bstride_w``, ``bsize`` large; reads outside the image give
+zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
+
+* `reduce_mask` pools a mask ``[N, H, W]`` over every window (one warp a
+  window, a shuffle reduction), then compacts the active windows in
+  row-major order with ballots and prefix sums (no atomics, so the order is
+  the reference's). Returns ``(indices, count)``: for a NumPy mask the
+  ``[count, 3]`` int32 indices and an int; for a device mask an
+  ``[N*bcount_h*bcount_w, 3]`` buffer of which the first ``count`` rows are
+  valid, and ``count`` as a one-element int32 device array, so no host sync
+  is forced. Pass that ``count`` on to `sparse_gather` / `sparse_scatter`.
+* `sparse_gather`: NHWC ``x`` -> ``[n_blocks, bh, bw, C]``, or with
+  ``transpose`` ``[n_blocks, C, bh, bw]`` through a shared-memory tile so that
+  reads run along C and writes along the block's pixels.
+* `sparse_scatter`: a block stack back into (a copy of, or with ``inplace``)
+  NHWC ``y``: overwrite, add, or atomic add; ``transpose`` takes NCHW blocks.
+  Adding windows that can overlap (a stride smaller than the block) without
+  ``atomic`` raises, and so do repeated indices given on the host. Where
+  overwritten windows overlap, which block lands is unspecified.
+
+Storage float16, float32, float64 (atomic adds: float32, float64).
+
+Versions: 1 (this file).
+"""
+
+import math
+
+import numpy as np
+from numba import cuda, float64, from_dtype
+
+from .._arrays import Operand, check_same_kind, launch_stream
+from .._backend import SIMULATOR
+from ..reference.sbnet import block_count, check_geometry, pair
+from ._launch import launch
+
+# -- constants -----------------------------------------------------------------
+
+FULL_MASK = 0xFFFFFFFF
+WARP = 32
+POOL_WARPS = 8  # windows pooled per thread block, one warp each
+COMPACT_THREADS = 256  # flags per thread block of the compaction
+COPY_THREADS = 256  # threads of a gather/scatter block (one thread block a window)
+TILE = 32  # transposing gather/scatter: 32 pixels x 32 channels through shared memory
+TILE_ROWS = 8  # ... by 32 x 8 threads
+TILE_SHAPE = (TILE, TILE + 1)  # +1 column: reading a column hits 32 distinct banks
+MASK_DTYPES = ("bool", "uint8", "float16", "float32", "float64")
+DATA_DTYPES = ("float16", "float32", "float64")
+
+# -- kernel bodies: reduce_mask ----------------------------------------------------
+
+
+@cuda.jit
+def pool_kernel(flags, mask, n_images, height, width, count_h, count_w,
+                size_h, size_w, stride_h, stride_w, offset_h, offset_w, tol, avgpool):
+    """flags[window] = 1 where the pooled mask exceeds tol; one warp a window."""
+    window = cuda.blockIdx.x * POOL_WARPS + cuda.threadIdx.x // WARP
+    lane = cuda.threadIdx.x % WARP
+    if window < n_images * count_h * count_w:  # the same for every lane of a warp
+        n = window // (count_h * count_w)
+        rest = window - n * count_h * count_w
+        bh = rest // count_w
+        h0 = offset_h + bh * stride_h
+        w0 = offset_w + (rest - bh * count_w) * stride_w
+        # float64 sums so the avg test agrees with the float64 reference
+        acc = float64(0) if avgpool else float64(-math.inf)
+        for p in range(lane, size_h * size_w, WARP):
+            r = p // size_w
+            h = h0 + r
+            w = w0 + p - r * size_w
+            if 0 <= h < height and 0 <= w < width:
+                v = float64(mask[n, h, w])
+                acc = acc + v if avgpool else max(acc, v)
+        offset = 16
+        while offset > 0:
+            other = cuda.shfl_xor_sync(FULL_MASK, acc, offset)
+            acc = acc + other if avgpool else max(acc, other)
+            offset //= 2
+        if lane == 0:
+            pooled = acc / (size_h * size_w) if avgpool else acc
+            flags[window] = 1 if pooled > tol else 0
+
+
+@cuda.jit(device=True, inline=True)
+def _warp_counts_and_offset(ballot, warp_counts):
+    """Store this warp's popcount; after the barrier, the count of the warps before it."""
+    lane = cuda.threadIdx.x % WARP
+    warp = cuda.threadIdx.x // WARP
+    if lane == 0:
+        warp_counts[warp] = cuda.popc(ballot)
+    cuda.syncthreads()  # every warp's count is in warp_counts
+    before = 0
+    for k in range(warp):
+        before += warp_counts[k]
+    return before
+
+
+@cuda.jit
+def count_kernel(block_counts, flags, total):
+    """block_counts[b] = active flags among the COMPACT_THREADS flags of thread block b."""
+    i = cuda.blockIdx.x * COMPACT_THREADS + cuda.threadIdx.x
+    ballot = cuda.ballot_sync(FULL_MASK, i < total and flags[min(i, total - 1)] != 0)
+    warp_counts = cuda.shared.array(COMPACT_THREADS // WARP, np.int32)
+    before = _warp_counts_and_offset(ballot, warp_counts)
+    if cuda.threadIdx.x == COMPACT_THREADS - WARP:  # lane 0 of the last warp
+        block_counts[cuda.blockIdx.x] = before + warp_counts[COMPACT_THREADS // WARP - 1]
+
+
+@cuda.jit
+def scan_kernel(block_offsets, count, block_counts, n_blocks):
+    """Exclusive prefix sum of block_counts by one warp (shuffle scans of 32 at a time)."""
+    lane = cuda.threadIdx.x
+    carry = 0
+    for base in range(0, n_blocks, WARP):
+        i = base + lane
+        value = block_counts[i] if i < n_blocks else 0
+        inclusive = value
+        offset = 1
+        while offset < WARP:
+            up = cuda.shfl_up_sync(FULL_MASK, inclusive, offset)
+            if lane >= offset:
+                inclusive += up
+            offset *= 2
+        if i < n_blocks:
+            block_offsets[i] = carry + inclusive - value
+        carry += cuda.shfl_sync(FULL_MASK, inclusive, WARP - 1)
+    if lane == 0:
+        count[0] = carry
+
+
+@cuda.jit
+def write_kernel(indices, flags, block_offsets, total, count_h, count_w):
+    """Each active flag's (n, bh, bw) at its row-major rank: block offset + warps before + lanes before."""
+    i = cuda.blockIdx.x * COMPACT_THREADS + cuda.threadIdx.x
+    active = i < total and flags[min(i, total - 1)] != 0
+    ballot = cuda.ballot_sync(FULL_MASK, active)
+    warp_counts = cuda.shared.array(COMPACT_THREADS // WARP, np.int32)
+    before = _warp_counts_and_offset(ballot, warp_counts)
+    if active:
+        rank = block_offsets[cuda.blockIdx.x] + before + cuda.popc(ballot & cuda.lanemask_lt())
+        n = i // (count_h * count_w)
+        rest = i - n * count_h * count_w
+        indices[rank, 0] = n
+        indices[rank, 1] = rest // count_w
+        indices[rank, 2] = rest % count_w
+
+
+# -- kernel bodies: gather and scatter ----------------------------------------------
+
+
+@cuda.jit(device=True, inline=True)
+def _window(indices, i, size_w, stride_h, stride_w, offset_h, offset_w, p):
+    """(n, h, w) of pixel p of block i's window."""
+    r = p // size_w
+    return (indices[i, 0], offset_h + indices[i, 1] * stride_h + r,
+            offset_w + indices[i, 2] * stride_w + p - r * size_w)
+
+
+def _make_copy_kernels(scatter, transpose, add, atomic, dtype):
+    """Gather (image -> blocks) or scatter (blocks -> image), plain or through a transposing tile."""
+    element = from_dtype(np.dtype(dtype))
+
+    @cuda.jit(device=True, inline=True)
+    def put(image, n, h, w, c, value):
+        if add:
+            if atomic:
+                cuda.atomic.add(image, (n, h, w, c), value)
+            else:
+                image[n, h, w, c] += value
+        else:
+            image[n, h, w, c] = value
+
+    @cuda.jit
+    def copy_plain(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w):
+        i = cuda.blockIdx.x
+        if i >= count[0]:
+            return
+        N, H, W, C = image.shape
+        for e in range(cuda.threadIdx.x, size_h * size_w * C, COPY_THREADS):
+            p = e // C
+            c = e - p * C
+            n, h, w = _window(indices, i, size_w, stride_h, stride_w, offset_h, offset_w, p)
+            inside = 0 <= n < N and 0 <= h < H and 0 <= w < W
+            r = p // size_w
+            s = p - r * size_w
+            if scatter:
+                if inside:
+                    put(image, n, h, w, c, blocks[i, r, s, c])
+            else:
+                blocks[i, r, s, c] = image[n, h, w, c] if inside else 0
+
+    @cuda.jit
+    def copy_transposed(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w):
+        i = cuda.blockIdx.x
+        if i >= count[0]:
+            return  # the same for the whole thread block, before any barrier
+        N, H, W, C = image.shape
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        tile = cuda.shared.array(TILE_SHAPE, element)
+        pixels = size_h * size_w
+        for p0 in range(0, pixels, TILE):
+            for c0 in range(0, C, TILE):
+                for j in range(ty, TILE, TILE_ROWS):
+                    if scatter:  # read the blocks along pixels
+                        p = p0 + tx
+                        c = c0 + j
+                        if p < pixels and c < C:
+                            r = p // size_w
+                            tile[j, tx] = blocks[i, c, r, p - r * size_w]
+                    else:  # read the image along channels
+                        p = p0 + j
+                        c = c0 + tx
+                        if p < pixels and c < C:
+                            n, h, w = _window(indices, i, size_w, stride_h, stride_w, offset_h, offset_w, p)
+                            inside = 0 <= n < N and 0 <= h < H and 0 <= w < W
+                            tile[j, tx] = image[n, h, w, c] if inside else 0
+                cuda.syncthreads()  # the tile is loaded
+                for j in range(ty, TILE, TILE_ROWS):
+                    if scatter:  # write the image along channels
+                        p = p0 + j
+                        c = c0 + tx
+                        if p < pixels and c < C:
+                            n, h, w = _window(indices, i, size_w, stride_h, stride_w, offset_h, offset_w, p)
+                            if 0 <= n < N and 0 <= h < H and 0 <= w < W:
+                                put(image, n, h, w, c, tile[tx, j])
+                    else:  # write the blocks along pixels
+                        p = p0 + tx
+                        c = c0 + j
+                        if p < pixels and c < C:
+                            r = p // size_w
+                            blocks[i, c, r, p - r * size_w] = tile[tx, j]
+                cuda.syncthreads()  # the tile is read before the next one is loaded
+
+    return copy_transposed if transpose else copy_plain
+
+
+# -- launch configuration -----------------------------------------------------------
+
+_kernels = {}
+
+
+def _copy_kernel(scatter, transpose, add, atomic, dtype):
+    key = (scatter, transpose, add, atomic, dtype)
+    if key not in _kernels:
+        _kernels[key] = _make_copy_kernels(*key)
+    return _kernels[key]
+
+
+def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, transpose, add, atomic, stream):
+    (size_h, size_w), (stride_h, stride_w), (offset_h, offset_w) = geometry
+    kernel = _copy_kernel(scatter, transpose, add, atomic, str(image.dtype).replace("torch.", ""))
+    threads = (TILE, TILE_ROWS) if transpose else COPY_THREADS
+    launch(kernel, n_blocks, threads, stream, (
+        image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w,
+    ))
+
+
+# -- public functions -------------------------------------------------------------
+
+
+def _check_dtype(op, dtypes):
+    if op.dtype not in dtypes:
+        raise TypeError(f"{op.name}: expected dtype in {list(dtypes)}, got {op.dtype}")
+
+
+def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=None):
+    """Active windows of a mask ``[N, H, W]``, row-major: ``(indices, count)`` (see the module docstring)."""
+    mask_op = Operand(mask, "mask")
+    if len(mask_op.shape) != 3:
+        raise ValueError(f"mask: expected [N, H, W], got shape {mask_op.shape}")
+    _check_dtype(mask_op, MASK_DTYPES)
+    mask_op.require_contiguous()
+    size, stride, offset = check_geometry(bsize, bstride, boffset)
+    N, H, W = mask_op.shape
+    count_hw = block_count((H, W), stride, offset) if bcount is None else pair(bcount, "bcount")
+    if min(count_hw) < 0:
+        raise ValueError(f"bcount: expected non-negative counts, got {count_hw}")
+    total = N * count_hw[0] * count_hw[1]
+    stream = launch_stream((mask_op,))
+    indices_native, indices = _int_output(mask_op, (max(total, 1), 3), stream)
+    count_native, count = _int_output(mask_op, (1,), stream)
+    if total:
+        flags = cuda.device_array(total, np.int8, stream=stream)
+        launch(pool_kernel, -(-total // POOL_WARPS), POOL_WARPS * WARP, stream, (
+            flags, mask_op.device(stream), N, H, W, count_hw[0], count_hw[1], size[0], size[1],
+            stride[0], stride[1], offset[0], offset[1], float(tol), bool(avgpool),
+        ))
+        n_compact = -(-total // COMPACT_THREADS)
+        block_counts = cuda.device_array(n_compact, np.int32, stream=stream)
+        block_offsets = cuda.device_array(n_compact, np.int32, stream=stream)
+        launch(count_kernel, n_compact, COMPACT_THREADS, stream, (block_counts, flags, total))
+        launch(scan_kernel, 1, WARP, stream, (block_offsets, count, block_counts, n_compact))
+        launch(write_kernel, n_compact, COMPACT_THREADS, stream, (
+            indices, flags, block_offsets, total, count_hw[0], count_hw[1],
+        ))
+    else:
+        _device_copy(count, Operand(np.zeros(1, np.int32), "count"), stream)
+    if mask_op.kind == "numpy":
+        n_active = int(count.copy_to_host(stream=stream)[0])
+        return indices.copy_to_host(stream=stream)[:n_active], n_active
+    return indices_native, count_native
+
+
+def _int_output(op, shape, stream):
+    """An int32 output in the caller's kind: (native, device)."""
+    if op.kind == "torch" and not SIMULATOR:
+        import torch
+
+        native = torch.empty(shape, dtype=torch.int32, device=op.native.device)
+        return native, native
+    if op.kind == "cupy":
+        import cupy
+
+        native = cupy.empty(shape, np.int32)
+        return native, native
+    device = cuda.device_array(shape, np.int32, stream=stream)
+    return device, device
+
+
+def _prepare_indices(indices, count, ops, stream):
+    """Device indices and count, validated: (indices, count, n_blocks launched)."""
+    idx = Operand(indices, "indices")
+    if len(idx.shape) != 2 or idx.shape[1] != 3:
+        raise ValueError(f"indices: expected [n_blocks, 3] of (n, bh, bw), got shape {idx.shape}")
+    if idx.dtype != "int32":
+        raise TypeError(f"indices: expected int32, got {idx.dtype}")
+    check_same_kind((idx, *ops))
+    idx.require_contiguous()
+    if count is None:
+        n_blocks = idx.shape[0]
+        count_device = cuda.to_device(np.array([n_blocks], np.int32), stream=stream)
+    else:
+        cnt = Operand(count, "count")
+        if cnt.shape != (1,) or cnt.dtype != "int32":
+            raise ValueError(f"count: expected a one-element int32 array, got {cnt.shape} {cnt.dtype}")
+        if cnt.kind == "numpy":
+            if not 0 <= int(count[0]) <= idx.shape[0]:
+                raise ValueError(f"count: expected 0..{idx.shape[0]}, got {int(count[0])}")
+        n_blocks = idx.shape[0]  # the kernel skips blocks at and past count
+        count_device = cnt.device(stream)
+    return idx, count_device, n_blocks
+
+
+def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=None):
+    """Windows of NHWC ``x`` as ``[n_blocks, bh, bw, C]`` (``transpose``: ``[n_blocks, C, bh, bw]``)."""
+    x_op = Operand(x, "x")
+    if len(x_op.shape) != 4:
+        raise ValueError(f"x: expected NHWC, got shape {x_op.shape}")
+    _check_dtype(x_op, DATA_DTYPES)
+    x_op.require_contiguous()
+    geometry = check_geometry(bsize, bstride, boffset)
+    stream = launch_stream((x_op,))
+    idx, count_device, n_blocks = _prepare_indices(indices, count, (x_op,), stream)
+    C = x_op.shape[3]
+    size = geometry[0]
+    shape = (n_blocks, C, *size) if transpose else (n_blocks, *size, C)
+    native, blocks = x_op.empty(shape, stream)
+    if n_blocks and C:
+        _launch_copy(False, x_op.device(stream), blocks, idx.device(stream), count_device, n_blocks,
+                     geometry, transpose, False, False, stream)
+    return x_op.result(native, blocks, stream)
+
+
+def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, atomic=False,
+                   transpose=False, inplace=False, count=None):
+    """Write (``add``: add) a block stack into NHWC ``y``: into a copy, or into ``y`` with ``inplace``."""
+    b_op, y_op = Operand(blocks, "blocks"), Operand(y, "y")
+    if len(y_op.shape) != 4:
+        raise ValueError(f"y: expected NHWC, got shape {y_op.shape}")
+    for op in (b_op, y_op):
+        _check_dtype(op, DATA_DTYPES)
+        op.require_contiguous()
+    if b_op.dtype != y_op.dtype:
+        raise TypeError(f"dtype mismatch: blocks {b_op.dtype}, y {y_op.dtype}")
+    geometry = check_geometry(bsize, bstride, boffset)
+    size, stride, _ = geometry
+    C = y_op.shape[3]
+    stream = launch_stream((b_op, y_op))
+    idx, count_device, n_blocks = _prepare_indices(indices, count, (b_op, y_op), stream)
+    expected = (n_blocks, C, *size) if transpose else (n_blocks, *size, C)
+    if b_op.shape != expected:
+        raise ValueError(f"blocks: expected shape {expected} for {n_blocks} indices, got {b_op.shape}")
+    if add and atomic and y_op.dtype == "float16":
+        raise TypeError("atomic: atomic adds need float32 or float64, got float16")
+    if add and not atomic:
+        if stride[0] < size[0] or stride[1] < size[1]:
+            raise ValueError(
+                f"add: windows of bsize {size} every bstride {stride} overlap; adding them needs atomic=True"
+            )
+        if idx.kind == "numpy" and len(np.unique(np.asarray(indices), axis=0)) != len(indices):
+            raise ValueError("indices: repeated blocks would be added concurrently; pass atomic=True")
+    if inplace:
+        if y_op.kind == "numpy":
+            raise TypeError("y: inplace needs a device array (a NumPy y is copied to the device)")
+        native, out = y_op.native, y_op.device(stream)
+    else:
+        native, out = y_op.empty(y_op.shape, stream)
+        _device_copy(out, y_op, stream)
+    if n_blocks and C:
+        _launch_copy(True, out, b_op.device(stream), idx.device(stream), count_device, n_blocks,
+                     geometry, transpose, add, atomic, stream)
+    return y_op.result(native, out, stream)
+
+
+def _device_copy(destination, source_op, stream):
+    """destination[...] = the source operand's data, on the device."""
+    if hasattr(destination, "copy_"):  # torch
+        import torch
+
+        destination.copy_(torch.as_tensor(source_op.native, device=destination.device))
+    elif hasattr(destination, "copy_to_device"):  # Numba
+        destination.copy_to_device(source_op.device(stream), stream=stream)
+    else:  # CuPy
+        import cupy
+
+        destination[...] = cupy.asarray(source_op.native)

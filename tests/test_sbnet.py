@@ -1,0 +1,165 @@
+"""SBNet kernels (reduce_mask, sparse_gather, sparse_scatter) against their NumPy reference."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numba import cuda
+
+from sparseblocks._backend import SIMULATOR
+from sparseblocks.kernels import sbnet
+from sparseblocks.reference import sbnet as reference
+from strategies import values
+
+# The simulator runs a Python thread per CUDA thread (256 a window here): keep it small.
+few = settings(max_examples=5) if SIMULATOR else settings()
+MAX_SIDE = 9 if SIMULATOR else 40
+
+geometry = st.fixed_dictionaries({
+    "bsize": st.tuples(st.integers(1, 4), st.integers(1, 4)),
+    "bstride": st.tuples(st.integers(1, 5), st.integers(1, 5)),
+    "boffset": st.tuples(st.integers(-3, 2), st.integers(-3, 2)),
+})
+
+
+@st.composite
+def images(draw, channels=True, dtype="float32"):
+    shape = (draw(st.integers(1, 2)), draw(st.integers(1, MAX_SIDE)), draw(st.integers(1, MAX_SIDE)))
+    if channels:
+        shape += (draw(st.integers(1, 5 if SIMULATOR else 70)),)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return rng, values(rng, shape, dtype, draw(st.sampled_from(["normal", "sparse", "small_integers"])))
+
+
+def some_indices(rng, shape, g, max_blocks=4 if SIMULATOR else 40, unique=False):
+    """Block indices drawn from the grid, plus out-of-range ones, in random order."""
+    count = reference.block_count(shape[1:3], g["bstride"], g["boffset"])
+    grid = [(n, a, b) for n in range(shape[0]) for a in range(count[0]) for b in range(count[1])]
+    pool = np.array(grid + [(shape[0], 0, 0), (0, -1, 0), (0, 0, 99)], np.int32).reshape(-1, 3)
+    chosen = rng.choice(len(pool), size=min(len(pool), rng.integers(0, max_blocks + 1)), replace=not unique)
+    return pool[chosen].reshape(-1, 3)
+
+
+@pytest.mark.parametrize("avgpool", [False, True])
+@few
+@given(image=images(channels=False), g=geometry, tol=st.sampled_from([0.0, 0.1, 0.5]))
+def test_reduce_mask_equals_reference(image, g, tol, avgpool):
+    _, mask = image
+    mask = np.abs(mask)
+    want = reference.reduce_mask(mask, tol=tol, avgpool=avgpool, **g)
+    got, count = sbnet.reduce_mask(mask, tol=tol, avgpool=avgpool, **g)
+    assert count == len(want) and got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)  # the same blocks, in the same (row-major) order
+
+
+def test_reduce_mask_on_the_device_keeps_the_count_there():
+    rng = np.random.default_rng(1)
+    mask = (rng.random((2, 7, 9)) < 0.2).astype(np.float32)
+    g = {"bsize": 3, "bstride": 2, "boffset": -1}
+    indices, count = sbnet.reduce_mask(cuda.to_device(mask), **g)
+    want = reference.reduce_mask(mask, **g)
+    n = int(count.copy_to_host()[0])
+    assert n == len(want)
+    np.testing.assert_array_equal(indices.copy_to_host()[:n], want)
+    # The device count feeds gather directly: rows past it are left alone.
+    x = rng.standard_normal((2, 7, 9, 3)).astype(np.float32)
+    blocks = sbnet.sparse_gather(cuda.to_device(x), indices, count=count, **g).copy_to_host()
+    np.testing.assert_array_equal(blocks[:n], reference.sparse_gather(x, want, **g))
+
+
+def test_reduce_mask_of_an_empty_mask_and_of_no_blocks():
+    indices, count = sbnet.reduce_mask(np.zeros((1, 5, 5), np.float32), bsize=2, bstride=2)
+    assert count == 0 and indices.shape == (0, 3)
+    indices, count = sbnet.reduce_mask(np.ones((1, 5, 5), np.float32), bsize=2, bstride=2, bcount=(0, 3))
+    assert count == 0 and indices.shape == (0, 3)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@few
+@given(image=images(), g=geometry)
+def test_gather_equals_reference(image, g, transpose):
+    rng, x = image
+    indices = some_indices(rng, x.shape, g)
+    got = sbnet.sparse_gather(x, indices, transpose=transpose, **g)
+    np.testing.assert_array_equal(got, reference.sparse_gather(x, indices, transpose=transpose, **g))
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("add, atomic", [(False, False), (True, False), (True, True)])
+@few
+@given(image=images(), g=geometry, data=st.data())
+def test_scatter_equals_reference(image, g, data, add, atomic, transpose):
+    rng, y = image
+    if not atomic:  # without atomics, windows must not overlap (nor, overwriting, race)
+        g = dict(g, bstride=tuple(max(s, b) for s, b in zip(g["bstride"], g["bsize"])))
+    indices = some_indices(rng, y.shape, g, unique=not atomic)
+    if not atomic:
+        indices = np.unique(indices, axis=0)
+    blocks = values(rng, (len(indices), *g["bsize"], y.shape[3]), "float32", "normal")
+    if transpose:
+        blocks = np.ascontiguousarray(blocks.transpose(0, 3, 1, 2))
+    want = reference.sparse_scatter(blocks, indices, y, add=add, transpose=transpose, **g)
+    got = sbnet.sparse_scatter(blocks, indices, y, add=add, atomic=atomic, transpose=transpose, **g)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@few
+@given(image=images(), g=geometry)
+def test_gather_and_atomic_scatter_add_are_adjoint(image, g):
+    rng, x = image
+    x = x.astype(np.float64)
+    indices = some_indices(rng, x.shape, g)
+    b = rng.standard_normal((len(indices), *g["bsize"], x.shape[3]))
+    lhs = np.sum(sbnet.sparse_gather(x, indices, **g) * b)
+    rhs = np.sum(x * sbnet.sparse_scatter(b, indices, np.zeros_like(x), add=True, atomic=True, **g))
+    assert lhs == pytest.approx(rhs, rel=1e-10, abs=1e-10)
+
+
+def test_gather_then_scatter_restores_the_input_and_inplace_writes_y():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 6, 8, 3)).astype(np.float32)
+    g = {"bsize": (3, 4), "bstride": (3, 4), "boffset": 0}
+    indices = reference.reduce_mask(np.ones((1, 6, 8)), **g)
+    blocks = sbnet.sparse_gather(cuda.to_device(x), cuda.to_device(indices), **g)
+    y = cuda.to_device(np.full_like(x, np.nan))
+    returned = sbnet.sparse_scatter(blocks, cuda.to_device(indices), y, inplace=True, **g)
+    assert returned is y
+    np.testing.assert_array_equal(y.copy_to_host(), x)
+
+
+def test_zero_blocks():
+    x = np.ones((1, 4, 4, 2), np.float32)
+    none = np.zeros((0, 3), np.int32)
+    assert sbnet.sparse_gather(x, none, bsize=2, bstride=2).shape == (0, 2, 2, 2)
+    np.testing.assert_array_equal(sbnet.sparse_scatter(np.zeros((0, 2, 2, 2), np.float32), none, x,
+                                                       bsize=2, bstride=2, add=True), x)
+
+
+X = np.ones((1, 4, 4, 2), np.float32)
+IDX = np.array([[0, 0, 0], [0, 1, 1]], np.int32)
+B = np.ones((2, 2, 2, 2), np.float32)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: sbnet.sparse_scatter(np.ones((2, 3, 3, 2), np.float32), IDX, X, bsize=3, bstride=2, add=True),
+     ValueError, "overlap"),
+    (lambda: sbnet.sparse_scatter(B, np.array([[0, 0, 0], [0, 0, 0]], np.int32), X, bsize=2, bstride=2,
+                                  add=True), ValueError, "repeated"),
+    (lambda: sbnet.sparse_scatter(B.astype(np.float16), IDX, X.astype(np.float16), bsize=2, bstride=2,
+                                  add=True, atomic=True), TypeError, "atomic"),
+    (lambda: sbnet.sparse_scatter(B, IDX, X, bsize=2, bstride=2, inplace=True), TypeError, "inplace"),
+    (lambda: sbnet.sparse_scatter(B[:1], IDX, X, bsize=2, bstride=2), ValueError, "blocks: expected shape"),
+    (lambda: sbnet.sparse_scatter(B, IDX, X.astype(np.float64), bsize=2, bstride=2), TypeError, "mismatch"),
+    (lambda: sbnet.sparse_gather(X[0], IDX, bsize=2, bstride=2), ValueError, "x: expected NHWC"),
+    (lambda: sbnet.sparse_gather(X, IDX.astype(np.int64), bsize=2, bstride=2), TypeError, "indices"),
+    (lambda: sbnet.sparse_gather(X, IDX[:, :2], bsize=2, bstride=2), ValueError, "indices"),
+    (lambda: sbnet.sparse_gather(X, IDX, bsize=0, bstride=2), ValueError, "bsize"),
+    (lambda: sbnet.sparse_gather(X, IDX, bsize=2, bstride=2, count=np.array([3], np.int32)), ValueError,
+     "count"),
+    (lambda: sbnet.sparse_gather(X.astype(np.int32), IDX, bsize=2, bstride=2), TypeError, "x: expected dtype"),
+    (lambda: sbnet.reduce_mask(np.ones((4, 4), np.float32), 2, 2), ValueError, "mask"),
+    (lambda: sbnet.reduce_mask(np.ones((1, 4, 4), np.int64), 2, 2), TypeError, "mask"),
+])
+def test_bad_input_raises_before_launch(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
