@@ -43,6 +43,7 @@ FULL_MASK = 0xFFFFFFFF
 WARP = 32
 POOL_WARPS = 8  # windows pooled per thread block, one warp each
 COMPACT_THREADS = 256  # flags per thread block of the compaction
+COMPACT_WARPS = COMPACT_THREADS // WARP  # a literal: shared-array shapes must be compile-time constants
 COPY_THREADS = 256  # threads of a gather/scatter block (one thread block a window)
 TILE = 32  # transposing gather/scatter: 32 pixels x 32 channels through shared memory
 TILE_ROWS = 8  # ... by 32 x 8 threads
@@ -103,10 +104,10 @@ def count_kernel(block_counts, flags, total):
     """block_counts[b] = active flags among the COMPACT_THREADS flags of thread block b."""
     i = cuda.blockIdx.x * COMPACT_THREADS + cuda.threadIdx.x
     ballot = cuda.ballot_sync(FULL_MASK, i < total and flags[min(i, total - 1)] != 0)
-    warp_counts = cuda.shared.array(COMPACT_THREADS // WARP, np.int32)
+    warp_counts = cuda.shared.array(COMPACT_WARPS, np.int32)
     before = _warp_counts_and_offset(ballot, warp_counts)
     if cuda.threadIdx.x == COMPACT_THREADS - WARP:  # lane 0 of the last warp
-        block_counts[cuda.blockIdx.x] = before + warp_counts[COMPACT_THREADS // WARP - 1]
+        block_counts[cuda.blockIdx.x] = before + warp_counts[COMPACT_WARPS - 1]
 
 
 @cuda.jit
@@ -137,7 +138,7 @@ def write_kernel(indices, flags, block_offsets, total, count_h, count_w):
     i = cuda.blockIdx.x * COMPACT_THREADS + cuda.threadIdx.x
     active = i < total and flags[min(i, total - 1)] != 0
     ballot = cuda.ballot_sync(FULL_MASK, active)
-    warp_counts = cuda.shared.array(COMPACT_THREADS // WARP, np.int32)
+    warp_counts = cuda.shared.array(COMPACT_WARPS, np.int32)
     before = _warp_counts_and_offset(ballot, warp_counts)
     if active:
         rank = block_offsets[cuda.blockIdx.x] + before + cuda.popc(ballot & cuda.lanemask_lt())
