@@ -413,8 +413,9 @@ def _device_copy(destination, source_op, stream):
         import torch
 
         destination.copy_(torch.as_tensor(source_op.native, device=destination.device))
-    elif hasattr(destination, "copy_to_device"):  # Numba
-        destination.copy_to_device(source_op.device(stream), stream=stream)
+    elif hasattr(destination, "copy_to_device"):  # Numba: from the host or the device
+        source = source_op.native if source_op.kind == "numpy" else source_op.device(stream)
+        destination.copy_to_device(source, stream=stream)
     else:  # CuPy
         import cupy
 
