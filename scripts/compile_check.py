@@ -40,16 +40,17 @@ def main():
         check("write_kernel", sbnet.write_kernel.py_func,
               (types.int32[:, ::1], types.int8[::1], types.int32[::1], i64, i64, i64)),
     ]
-    for scatter, transpose, (add, atomic), dtype in itertools.product(
+    for scatter, transpose, (add, atomic), dtype, channels_last in itertools.product(
             (False, True), (False, True), ((False, False), (True, False), (True, True)),
-            ("float16", "float32", "float64")):
+            ("float16", "float32", "float64"), (True, False)):
         if (add and not scatter) or (atomic and dtype == "float16"):
             continue
         element = getattr(types, dtype)
-        kernel = sbnet._make_copy_kernels(scatter, transpose, add, atomic, dtype)
+        kernel = sbnet._make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last)
         array4 = element[:, :, :, ::1]
         signature = (array4, array4, types.int32[:, ::1], types.int32[::1]) + (i64,) * 6
-        name = f"{'scatter' if scatter else 'gather'} transpose={transpose} add={add} atomic={atomic} {dtype}"
+        name = (f"{'scatter' if scatter else 'gather'} {'NHWC' if channels_last else 'NCHW'} "
+                f"transpose={transpose} add={add} atomic={atomic} {dtype}")
         results.append(check(name, kernel.py_func, signature))
     print(f"{sum(results)} of {len(results)} kernels compiled")
     return 0 if all(results) else 1

@@ -141,6 +141,19 @@ def test_scatter_equals_element_loop(image, g, add):
     assert not np.array_equal(before, y) or np.array_equal(before, got)
 
 
+@given(image=images(), g=geometry, transpose=st.booleans())
+def test_nchw_is_nhwc_with_the_other_block_layout(image, g, transpose):
+    rng, x = image
+    indices = some_blocks(rng, x.shape, g)
+    nchw = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+    blocks = reference.sparse_gather(nchw, indices, transpose=transpose, data_format="NCHW", **g)
+    np.testing.assert_array_equal(blocks, reference.sparse_gather(x, indices, transpose=not transpose, **g))
+    back = reference.sparse_scatter(blocks, indices, np.zeros_like(nchw), add=True, transpose=transpose,
+                                    data_format="NCHW", **g)
+    want = reference.sparse_scatter(blocks, indices, np.zeros_like(x), add=True, transpose=not transpose, **g)
+    np.testing.assert_array_equal(back, want.transpose(0, 3, 1, 2))
+
+
 @given(image=images(), g=geometry)
 def test_gather_and_scatter_add_are_adjoint(image, g):
     rng, x = image

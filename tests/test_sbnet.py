@@ -74,21 +74,29 @@ def test_reduce_mask_of_an_empty_mask_and_of_no_blocks():
     assert count == 0 and indices.shape == (0, 3)
 
 
+def as_format(image, data_format):
+    return image if data_format == "NHWC" else np.ascontiguousarray(image.transpose(0, 3, 1, 2))
+
+
+@pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
 @pytest.mark.parametrize("transpose", [False, True])
 @few
 @given(image=images(), g=geometry)
-def test_gather_equals_reference(image, g, transpose):
+def test_gather_equals_reference(image, g, transpose, data_format):
     rng, x = image
     indices = some_indices(rng, x.shape, g)
-    got = sbnet.sparse_gather(x, indices, transpose=transpose, **g)
-    np.testing.assert_array_equal(got, reference.sparse_gather(x, indices, transpose=transpose, **g))
+    x = as_format(x, data_format)
+    got = sbnet.sparse_gather(x, indices, transpose=transpose, data_format=data_format, **g)
+    want = reference.sparse_gather(x, indices, transpose=transpose, data_format=data_format, **g)
+    np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("add, atomic", [(False, False), (True, False), (True, True)])
 @few
 @given(image=images(), g=geometry, data=st.data())
-def test_scatter_equals_reference(image, g, data, add, atomic, transpose):
+def test_scatter_equals_reference(image, g, data, add, atomic, transpose, data_format):
     rng, y = image
     if not atomic:  # without atomics, windows must not overlap (nor, overwriting, race)
         g = dict(g, bstride=tuple(max(s, b) for s, b in zip(g["bstride"], g["bsize"])))
@@ -96,10 +104,12 @@ def test_scatter_equals_reference(image, g, data, add, atomic, transpose):
     if not atomic:
         indices = np.unique(indices, axis=0)
     blocks = values(rng, (len(indices), *g["bsize"], y.shape[3]), "float32", "normal")
-    if transpose:
+    if (data_format == "NHWC") == transpose:  # the blocks are NCHW
         blocks = np.ascontiguousarray(blocks.transpose(0, 3, 1, 2))
-    want = reference.sparse_scatter(blocks, indices, y, add=add, transpose=transpose, **g)
-    got = sbnet.sparse_scatter(blocks, indices, y, add=add, atomic=atomic, transpose=transpose, **g)
+    y = as_format(y, data_format)
+    kwargs = dict(g, add=add, transpose=transpose, data_format=data_format)
+    want = reference.sparse_scatter(blocks, indices, y, **kwargs)
+    got = sbnet.sparse_scatter(blocks, indices, y, atomic=atomic, **kwargs)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
@@ -158,6 +168,7 @@ B = np.ones((2, 2, 2, 2), np.float32)
      "count"),
     (lambda: sbnet.sparse_gather(X.astype(np.int32), IDX, bsize=2, bstride=2), TypeError, "x: expected dtype"),
     (lambda: sbnet.reduce_mask(np.ones((4, 4), np.float32), 2, 2), ValueError, "mask"),
+    (lambda: sbnet.sparse_gather(X, IDX, bsize=2, bstride=2, data_format="CHWN"), ValueError, "data_format"),
     (lambda: sbnet.reduce_mask(np.ones((1, 4, 4), np.int64), 2, 2), TypeError, "mask"),
 ])
 def test_bad_input_raises_before_launch(call, error, message):

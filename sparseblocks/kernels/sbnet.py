@@ -15,9 +15,11 @@ zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
   is forced. Pass that ``count`` on to `sparse_gather` / `sparse_scatter`.
 * `sparse_gather`: NHWC ``x`` -> ``[n_blocks, bh, bw, C]``, or with
   ``transpose`` ``[n_blocks, C, bh, bw]`` through a shared-memory tile so that
-  reads run along C and writes along the block's pixels.
+  reads run along C and writes along the block's pixels. ``data_format="NCHW"``
+  takes an NCHW ``x`` and gives the reverse layouts.
 * `sparse_scatter`: a block stack back into (a copy of, or with ``inplace``)
-  NHWC ``y``: overwrite, add, or atomic add; ``transpose`` takes NCHW blocks.
+  ``y``: overwrite, add, or atomic add; blocks in y's layout, or in the other
+  with ``transpose``.
   Adding windows that can overlap (a stride smaller than the block) without
   ``atomic`` raises, and so do repeated indices given on the host. Where
   overwritten windows overlap, which block lands is unspecified.
@@ -160,80 +162,117 @@ def _window(indices, i, size_w, stride_h, stride_w, offset_h, offset_w, p):
             offset_w + indices[i, 2] * stride_w + p - r * size_w)
 
 
-def _make_copy_kernels(scatter, transpose, add, atomic, dtype):
-    """Gather (image -> blocks) or scatter (blocks -> image), plain or through a transposing tile."""
+def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
+    """Gather (image -> blocks) or scatter (blocks -> image), plain or through a transposing tile.
+
+    The image is NHWC when `channels_last`, else NCHW; the blocks share its
+    layout unless `transpose`. Every kernel walks its arrays along their
+    contiguous axis: channels for channels-last data, pixels otherwise.
+    """
     element = from_dtype(np.dtype(dtype))
+    blocks_last = channels_last != transpose  # are the blocks [nb, bh, bw, C]?
+    source_last = blocks_last if scatter else channels_last  # the side a transposing tile reads
 
     @cuda.jit(device=True, inline=True)
-    def put(image, n, h, w, c, value):
+    def image_shape(image):
+        """(N, H, W, C) of the image in either layout."""
+        if channels_last:
+            return image.shape[0], image.shape[1], image.shape[2], image.shape[3]
+        return image.shape[0], image.shape[2], image.shape[3], image.shape[1]
+
+    @cuda.jit(device=True, inline=True)
+    def image_get(image, n, h, w, c):
+        return image[n, h, w, c] if channels_last else image[n, c, h, w]
+
+    @cuda.jit(device=True, inline=True)
+    def image_put(image, n, h, w, c, value):
+        index = (n, h, w, c) if channels_last else (n, c, h, w)
         if add:
             if atomic:
-                cuda.atomic.add(image, (n, h, w, c), value)
+                cuda.atomic.add(image, index, value)
             else:
-                image[n, h, w, c] += value
+                image[index] += value
         else:
-            image[n, h, w, c] = value
+            image[index] = value
+
+    @cuda.jit(device=True, inline=True)
+    def block_get(blocks, i, r, s, c):
+        return blocks[i, r, s, c] if blocks_last else blocks[i, c, r, s]
+
+    @cuda.jit(device=True, inline=True)
+    def block_set(blocks, i, r, s, c, value):
+        if blocks_last:
+            blocks[i, r, s, c] = value
+        else:
+            blocks[i, c, r, s] = value
+
+    @cuda.jit(device=True, inline=True)
+    def move(image, blocks, indices, i, p, c, value, geometry):
+        """Gather: read pixel p, channel c of block i (value ignored). Scatter: write value there."""
+        size_w, stride_h, stride_w, offset_h, offset_w = geometry
+        N, H, W, C = image_shape(image)
+        n, h, w = _window(indices, i, size_w, stride_h, stride_w, offset_h, offset_w, p)
+        inside = 0 <= n < N and 0 <= h < H and 0 <= w < W
+        if scatter:
+            if inside:
+                image_put(image, n, h, w, c, value)
+            return value
+        return image_get(image, n, h, w, c) if inside else element(0)
 
     @cuda.jit
     def copy_plain(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w):
         i = cuda.blockIdx.x
         if i >= count[0]:
             return
-        N, H, W, C = image.shape
-        for e in range(cuda.threadIdx.x, size_h * size_w * C, COPY_THREADS):
-            p = e // C
-            c = e - p * C
-            n, h, w = _window(indices, i, size_w, stride_h, stride_w, offset_h, offset_w, p)
-            inside = 0 <= n < N and 0 <= h < H and 0 <= w < W
+        _, _, _, C = image_shape(image)
+        pixels = size_h * size_w
+        geometry = (size_w, stride_h, stride_w, offset_h, offset_w)
+        for e in range(cuda.threadIdx.x, pixels * C, COPY_THREADS):
+            if channels_last:
+                p = e // C
+                c = e - p * C
+            else:
+                c = e // pixels
+                p = e - c * pixels
             r = p // size_w
             s = p - r * size_w
             if scatter:
-                if inside:
-                    put(image, n, h, w, c, blocks[i, r, s, c])
+                move(image, blocks, indices, i, p, c, block_get(blocks, i, r, s, c), geometry)
             else:
-                blocks[i, r, s, c] = image[n, h, w, c] if inside else 0
+                block_set(blocks, i, r, s, c, move(image, blocks, indices, i, p, c, element(0), geometry))
 
     @cuda.jit
     def copy_transposed(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w):
         i = cuda.blockIdx.x
         if i >= count[0]:
             return  # the same for the whole thread block, before any barrier
-        N, H, W, C = image.shape
+        _, _, _, C = image_shape(image)
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         tile = cuda.shared.array(TILE_SHAPE, element)
         pixels = size_h * size_w
+        geometry = (size_w, stride_h, stride_w, offset_h, offset_w)
         for p0 in range(0, pixels, TILE):
             for c0 in range(0, C, TILE):
-                for j in range(ty, TILE, TILE_ROWS):
-                    if scatter:  # read the blocks along pixels
-                        p = p0 + tx
-                        c = c0 + j
-                        if p < pixels and c < C:
-                            r = p // size_w
-                            tile[j, tx] = blocks[i, c, r, p - r * size_w]
-                    else:  # read the image along channels
-                        p = p0 + j
-                        c = c0 + tx
-                        if p < pixels and c < C:
-                            n, h, w = _window(indices, i, size_w, stride_h, stride_w, offset_h, offset_w, p)
-                            inside = 0 <= n < N and 0 <= h < H and 0 <= w < W
-                            tile[j, tx] = image[n, h, w, c] if inside else 0
+                for j in range(ty, TILE, TILE_ROWS):  # read the source along its contiguous axis
+                    p = p0 + (j if source_last else tx)
+                    c = c0 + (tx if source_last else j)
+                    if p < pixels and c < C:
+                        r = p // size_w
+                        if scatter:
+                            tile[j, tx] = block_get(blocks, i, r, p - r * size_w, c)
+                        else:
+                            tile[j, tx] = move(image, blocks, indices, i, p, c, element(0), geometry)
                 cuda.syncthreads()  # the tile is loaded
-                for j in range(ty, TILE, TILE_ROWS):
-                    if scatter:  # write the image along channels
-                        p = p0 + j
-                        c = c0 + tx
-                        if p < pixels and c < C:
-                            n, h, w = _window(indices, i, size_w, stride_h, stride_w, offset_h, offset_w, p)
-                            if 0 <= n < N and 0 <= h < H and 0 <= w < W:
-                                put(image, n, h, w, c, tile[tx, j])
-                    else:  # write the blocks along pixels
-                        p = p0 + tx
-                        c = c0 + j
-                        if p < pixels and c < C:
-                            r = p // size_w
-                            blocks[i, c, r, p - r * size_w] = tile[tx, j]
+                for j in range(ty, TILE, TILE_ROWS):  # write the destination along its own
+                    p = p0 + (tx if source_last else j)
+                    c = c0 + (j if source_last else tx)
+                    if p < pixels and c < C:
+                        r = p // size_w
+                        if scatter:
+                            move(image, blocks, indices, i, p, c, tile[tx, j], geometry)
+                        else:
+                            block_set(blocks, i, r, p - r * size_w, c, tile[tx, j])
                 cuda.syncthreads()  # the tile is read before the next one is loaded
 
     return copy_transposed if transpose else copy_plain
@@ -244,16 +283,18 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype):
 _kernels = {}
 
 
-def _copy_kernel(scatter, transpose, add, atomic, dtype):
-    key = (scatter, transpose, add, atomic, dtype)
+def _copy_kernel(scatter, transpose, add, atomic, dtype, channels_last):
+    key = (scatter, transpose, add, atomic, dtype, channels_last)
     if key not in _kernels:
         _kernels[key] = _make_copy_kernels(*key)
     return _kernels[key]
 
 
-def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, transpose, add, atomic, stream):
+def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, transpose, add, atomic,
+                 channels_last, stream):
     (size_h, size_w), (stride_h, stride_w), (offset_h, offset_w) = geometry
-    kernel = _copy_kernel(scatter, transpose, add, atomic, str(image.dtype).replace("torch.", ""))
+    dtype = str(image.dtype).replace("torch.", "")
+    kernel = _copy_kernel(scatter, transpose, add, atomic, dtype, channels_last)
     threads = (TILE, TILE_ROWS) if transpose else COPY_THREADS
     launch(kernel, n_blocks, threads, stream, (
         image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w,
@@ -346,32 +387,49 @@ def _prepare_indices(indices, count, ops, stream):
     return idx, count_device, n_blocks
 
 
-def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=None):
-    """Windows of NHWC ``x`` as ``[n_blocks, bh, bw, C]`` (``transpose``: ``[n_blocks, C, bh, bw]``)."""
+def _check_format(data_format):
+    if data_format not in ("NHWC", "NCHW"):
+        raise ValueError(f"data_format: expected 'NHWC' or 'NCHW', got {data_format!r}")
+    return data_format == "NHWC"
+
+
+def _block_shape(n_blocks, size, channels, channels_last, transpose):
+    return (n_blocks, *size, channels) if channels_last != transpose else (n_blocks, channels, *size)
+
+
+def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=None, data_format="NHWC"):
+    """Windows of ``x`` as a block stack in x's layout (``transpose``: in the other one).
+
+    NHWC ``x`` gives ``[n_blocks, bh, bw, C]`` (``transpose``: ``[n_blocks, C, bh, bw]``);
+    NCHW ``x`` the reverse.
+    """
+    channels_last = _check_format(data_format)
     x_op = Operand(x, "x")
     if len(x_op.shape) != 4:
-        raise ValueError(f"x: expected NHWC, got shape {x_op.shape}")
+        raise ValueError(f"x: expected {data_format}, got shape {x_op.shape}")
     _check_dtype(x_op, DATA_DTYPES)
     x_op.require_contiguous()
     geometry = check_geometry(bsize, bstride, boffset)
     stream = launch_stream((x_op,))
     idx, count_device, n_blocks = _prepare_indices(indices, count, (x_op,), stream)
-    C = x_op.shape[3]
-    size = geometry[0]
-    shape = (n_blocks, C, *size) if transpose else (n_blocks, *size, C)
-    native, blocks = x_op.empty(shape, stream)
+    C = x_op.shape[3 if channels_last else 1]
+    native, blocks = x_op.empty(_block_shape(n_blocks, geometry[0], C, channels_last, transpose), stream)
     if n_blocks and C:
         _launch_copy(False, x_op.device(stream), blocks, idx.device(stream), count_device, n_blocks,
-                     geometry, transpose, False, False, stream)
+                     geometry, transpose, False, False, channels_last, stream)
     return x_op.result(native, blocks, stream)
 
 
 def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, atomic=False,
-                   transpose=False, inplace=False, count=None):
-    """Write (``add``: add) a block stack into NHWC ``y``: into a copy, or into ``y`` with ``inplace``."""
+                   transpose=False, inplace=False, count=None, data_format="NHWC"):
+    """Write (``add``: add) a block stack into ``y``: into a copy, or into ``y`` with ``inplace``.
+
+    The blocks are in y's layout, or with ``transpose`` in the other one.
+    """
+    channels_last = _check_format(data_format)
     b_op, y_op = Operand(blocks, "blocks"), Operand(y, "y")
     if len(y_op.shape) != 4:
-        raise ValueError(f"y: expected NHWC, got shape {y_op.shape}")
+        raise ValueError(f"y: expected {data_format}, got shape {y_op.shape}")
     for op in (b_op, y_op):
         _check_dtype(op, DATA_DTYPES)
         op.require_contiguous()
@@ -379,10 +437,10 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
         raise TypeError(f"dtype mismatch: blocks {b_op.dtype}, y {y_op.dtype}")
     geometry = check_geometry(bsize, bstride, boffset)
     size, stride, _ = geometry
-    C = y_op.shape[3]
+    C = y_op.shape[3 if channels_last else 1]
     stream = launch_stream((b_op, y_op))
     idx, count_device, n_blocks = _prepare_indices(indices, count, (b_op, y_op), stream)
-    expected = (n_blocks, C, *size) if transpose else (n_blocks, *size, C)
+    expected = _block_shape(n_blocks, size, C, channels_last, transpose)
     if b_op.shape != expected:
         raise ValueError(f"blocks: expected shape {expected} for {n_blocks} indices, got {b_op.shape}")
     if add and atomic and y_op.dtype == "float16":
@@ -403,7 +461,7 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
         _device_copy(out, y_op, stream)
     if n_blocks and C:
         _launch_copy(True, out, b_op.device(stream), idx.device(stream), count_device, n_blocks,
-                     geometry, transpose, add, atomic, stream)
+                     geometry, transpose, add, atomic, channels_last, stream)
     return y_op.result(native, out, stream)
 
 

@@ -105,11 +105,25 @@ def _check_indices(indices):
     return indices
 
 
-def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False):
-    """Windows of NHWC ``x`` as ``[n_blocks, bh, bw, C]`` (``transpose``: ``[n_blocks, C, bh, bw]``)."""
+def _channels_last(data_format):
+    if data_format not in ("NHWC", "NCHW"):
+        raise ValueError(f"data_format: expected 'NHWC' or 'NCHW', got {data_format!r}")
+    return data_format == "NHWC"
+
+
+def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=None, data_format="NHWC"):
+    """Windows of ``x`` as a block stack in x's layout (``transpose``: the other one).
+
+    NHWC ``x`` gives ``[n_blocks, bh, bw, C]`` (``transpose``: ``[n_blocks, C, bh, bw]``),
+    NCHW ``x`` the reverse. ``count`` keeps only the first ``count`` indices.
+    """
     x = np.asarray(x)
     if x.ndim != 4:
-        raise ValueError(f"x: expected NHWC, got {x.ndim} dimensions")
+        raise ValueError(f"x: expected {data_format}, got {x.ndim} dimensions")
+    if not _channels_last(data_format):
+        return sparse_gather(x.transpose(0, 2, 3, 1), indices, bsize, bstride, boffset, not transpose, count)
+    if count is not None:
+        indices = np.asarray(indices)[:int(np.asarray(count).reshape(-1)[0])]
     indices = _check_indices(indices)
     bsize, bstride, boffset = check_geometry(bsize, bstride, boffset)
     N, H, W, C = x.shape
@@ -127,8 +141,18 @@ def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False):
 
 
 def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, atomic=False,
-                   transpose=False, inplace=False):
-    """Write (or add) a block stack into NHWC ``y``; a copy unless ``inplace``."""
+                   transpose=False, inplace=False, count=None, data_format="NHWC"):
+    """Write (or add) a block stack into ``y`` (blocks in y's layout, or the other with
+    ``transpose``); a copy unless ``inplace``. ``count`` keeps the first ``count`` blocks."""
+    if not _channels_last(data_format):
+        y = np.asarray(y)
+        out = y if inplace else np.array(y, copy=True)
+        sparse_scatter(blocks, indices, out.transpose(0, 2, 3, 1), bsize, bstride, boffset, add, atomic,
+                       not transpose, True, count)  # writes through the NHWC view into out
+        return out
+    if count is not None:
+        n = int(np.asarray(count).reshape(-1)[0])
+        blocks, indices = np.asarray(blocks)[:n], np.asarray(indices)[:n]
     blocks = np.asarray(blocks)
     if blocks.ndim != 4:
         raise ValueError(f"blocks: expected a 4-D block stack, got {blocks.ndim} dimensions")
