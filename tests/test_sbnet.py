@@ -61,6 +61,7 @@ def test_reduce_mask_on_the_device_keeps_the_count_there():
     n = int(count.copy_to_host()[0])
     assert n == len(want)
     np.testing.assert_array_equal(indices.copy_to_host()[:n], want)
+    assert (indices.copy_to_host()[n:, 0] == -1).all()  # the rest name no image: kernels skip them
     # The device count feeds gather directly: rows past it are left alone.
     x = rng.standard_normal((2, 7, 9, 3)).astype(np.float32)
     blocks = sbnet.sparse_gather(cuda.to_device(x), indices, count=count, **g).copy_to_host()

@@ -11,8 +11,9 @@ zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
   the reference's). Returns ``(indices, count)``: for a NumPy mask the
   ``[count, 3]`` int32 indices and an int; for a device mask an
   ``[N*bcount_h*bcount_w, 3]`` buffer of which the first ``count`` rows are
-  valid, and ``count`` as a one-element int32 device array, so no host sync
-  is forced. Pass that ``count`` on to `sparse_gather` / `sparse_scatter`.
+  valid (the rest hold n = -1, which every kernel skips), and ``count`` as a
+  one-element int32 device array, so no host sync is forced. Pass that
+  ``count`` on to `sparse_gather` / `sparse_scatter` to skip the rest.
 * `sparse_gather`: NHWC ``x`` -> ``[n_blocks, bh, bw, C]``, or with
   ``transpose`` ``[n_blocks, C, bh, bw]`` through a shared-memory tile so that
   reads run along C and writes along the block's pixels. ``data_format="NCHW"``
@@ -323,8 +324,9 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
         raise ValueError(f"bcount: expected non-negative counts, got {count_hw}")
     total = N * count_hw[0] * count_hw[1]
     stream = launch_stream((mask_op,))
-    indices_native, indices = _int_output(mask_op, (max(total, 1), 3), stream)
-    count_native, count = _int_output(mask_op, (1,), stream)
+    # Rows past the count hold n = -1, a block every kernel skips, should the count be forgotten.
+    indices_native, indices = _int_output(mask_op, (max(total, 1), 3), stream, fill=-1)
+    count_native, count = _int_output(mask_op, (1,), stream, fill=0)
     if total:
         flags = cuda.device_array(total, np.int8, stream=stream)
         launch(pool_kernel, -(-total // POOL_WARPS), POOL_WARPS * WARP, stream, (
@@ -339,27 +341,25 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
         launch(write_kernel, n_compact, COMPACT_THREADS, stream, (
             indices, flags, block_offsets, total, count_hw[0], count_hw[1],
         ))
-    else:
-        _device_copy(count, Operand(np.zeros(1, np.int32), "count"), stream)
     if mask_op.kind == "numpy":
         n_active = int(count.copy_to_host(stream=stream)[0])
         return indices.copy_to_host(stream=stream)[:n_active], n_active
-    return indices_native, count_native
+    return mask_op.result(indices_native, indices, stream), mask_op.result(count_native, count, stream)
 
 
-def _int_output(op, shape, stream):
-    """An int32 output in the caller's kind: (native, device)."""
+def _int_output(op, shape, stream, fill):
+    """An int32 output in the caller's kind, filled with `fill`: (native, device)."""
     if op.kind == "torch" and not SIMULATOR:
         import torch
 
-        native = torch.empty(shape, dtype=torch.int32, device=op.native.device)
+        native = torch.full(shape, fill, dtype=torch.int32, device=op.native.device)
         return native, native
     if op.kind == "cupy":
         import cupy
 
-        native = cupy.empty(shape, np.int32)
+        native = cupy.full(shape, fill, np.int32)
         return native, native
-    device = cuda.device_array(shape, np.int32, stream=stream)
+    device = cuda.to_device(np.full(shape, fill, np.int32), stream=stream)
     return device, device
 
 

@@ -1,0 +1,142 @@
+"""SBNet for torch: autograd for sparse gather and scatter, and a sparse ResNet block.
+
+* `sparse_gather(x, indices, ...)`: differentiable; its gradient is an atomic
+  scatter-add of the block gradients (windows may overlap), with the same
+  ``transpose`` and ``data_format``.
+* `sparse_scatter(blocks, indices, y, ...)`: differentiable in ``blocks`` (a
+  gather of the output gradient, same ``transpose``) and in ``y``: the output
+  gradient itself when adding, and when overwriting the output gradient with
+  the written windows stamped out (they no longer depend on ``y``). With
+  ``inplace=True`` it writes into ``y`` and tells autograd so (usable in
+  training like any in-place op). Overwriting overlapping windows has no
+  defined gradient (nor value), as in SBNet.
+* `SparseResBlock`: SBNet's bottleneck — gather the active windows with a
+  fused NHWC -> NCHW transpose, 1x1, 3x3 and 1x1 VALID convolutions on the
+  block stack (cuDNN on a GPU), add-scatter the result back onto the input.
+  Its output equals the dense block ``x + F(x)`` on the active region and
+  ``x`` elsewhere; the block geometry comes from the convolutions
+  (`reference.sbnet.calc_block_params_res_block`).
+
+Tensors are NCHW as torch likes them; the kernels want NHWC memory, so pass
+``channels_last`` tensors (``x.to(memory_format=torch.channels_last)``) to
+skip a copy.
+"""
+
+import torch
+
+from .kernels import sbnet as kernels
+from .reference.sbnet import calc_block_params_res_block
+
+
+def _geometry_kwargs(bsize, bstride, boffset, data_format):
+    return {"bsize": bsize, "bstride": bstride, "boffset": boffset, "data_format": data_format}
+
+
+class _SparseGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, indices, count, transpose, geometry):
+        ctx.save_for_backward(indices, *(() if count is None else (count,)))
+        ctx.shape, ctx.transpose, ctx.geometry = x.shape, transpose, geometry
+        return kernels.sparse_gather(x.detach(), indices, transpose=transpose, count=count, **geometry)
+
+    @staticmethod
+    def backward(ctx, grad_blocks):
+        indices, *count = ctx.saved_tensors
+        zeros = grad_blocks.new_zeros(ctx.shape)
+        # Windows may overlap or repeat: add atomically where the dtype allows
+        # (float16 has no atomic add here; the kernel then refuses overlapping windows).
+        atomic = grad_blocks.dtype != torch.float16
+        grad_x = kernels.sparse_scatter(grad_blocks.contiguous(), indices, zeros, add=True, atomic=atomic,
+                                        transpose=ctx.transpose, count=count[0] if count else None,
+                                        **ctx.geometry)
+        return grad_x, None, None, None, None
+
+
+class _SparseScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, blocks, y, indices, count, add, atomic, transpose, inplace, geometry):
+        ctx.save_for_backward(indices, *(() if count is None else (count,)))
+        ctx.add, ctx.transpose, ctx.geometry, ctx.blocks_shape = add, transpose, geometry, blocks.shape
+        out = kernels.sparse_scatter(blocks.detach(), indices, y.detach(), add=add, atomic=atomic,
+                                     transpose=transpose, inplace=inplace, count=count, **geometry)
+        if inplace:
+            if out is not y:  # the simulator works on copies of host tensors
+                y.copy_(out)
+            ctx.mark_dirty(y)
+            return y
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        indices, *count = ctx.saved_tensors
+        count = count[0] if count else None
+        grad_out = grad_out.contiguous()
+        grad_blocks = kernels.sparse_gather(grad_out, indices, transpose=ctx.transpose, count=count,
+                                            **ctx.geometry)
+        if ctx.add:
+            grad_y = grad_out
+        else:  # the written windows no longer depend on y: stamp them out
+            holes = grad_out.new_zeros(ctx.blocks_shape)
+            grad_y = kernels.sparse_scatter(holes, indices, grad_out, transpose=ctx.transpose, count=count,
+                                            **ctx.geometry)
+        return grad_blocks, grad_y, None, None, None, None, None, None, None
+
+
+def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=None, data_format="NHWC"):
+    """Differentiable `sparseblocks.kernels.sbnet.sparse_gather`."""
+    return _SparseGather.apply(x, indices, count, transpose, _geometry_kwargs(bsize, bstride, boffset, data_format))
+
+
+def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, atomic=False,
+                   transpose=False, inplace=False, count=None, data_format="NHWC"):
+    """Differentiable `sparseblocks.kernels.sbnet.sparse_scatter`."""
+    return _SparseScatter.apply(blocks, y, indices, count, add, atomic, transpose, inplace,
+                                _geometry_kwargs(bsize, bstride, boffset, data_format))
+
+
+class SparseResBlock(torch.nn.Module):
+    """SBNet's bottleneck residual block, computed only on the active blocks of a mask.
+
+    ``channels -> bottleneck (1x1) -> bottleneck (3x3) -> channels (1x1)``,
+    ReLU between, convolutions without bias so that the zeros read outside
+    the image stay zeros, as the dense block's zero padding does.
+    ``block_size`` is the input window (the output window is 2 smaller).
+    """
+
+    KERNELS = (1, 3, 1)
+
+    def __init__(self, channels, bottleneck, block_size=16):
+        super().__init__()
+        self.block_size = block_size
+        self.conv1 = torch.nn.Conv2d(channels, bottleneck, 1, bias=False)
+        self.conv2 = torch.nn.Conv2d(bottleneck, bottleneck, 3, bias=False)
+        self.conv3 = torch.nn.Conv2d(bottleneck, channels, 1, bias=False)
+
+    def residual(self, x):
+        """F(x) on an NCHW stack (VALID 3x3: 2 pixels smaller)."""
+        return self.conv3(torch.relu(self.conv2(torch.relu(self.conv1(x)))))
+
+    def dense(self, x):
+        """The same block computed densely (SAME padding): ``x + F(x)``."""
+        h = torch.relu(self.conv1(x))
+        h = torch.relu(torch.nn.functional.conv2d(h, self.conv2.weight, padding=1))
+        return x + self.conv3(h)
+
+    def geometry(self, shape):
+        """Block geometry for an NCHW input shape (`reference.sbnet.BlockParams`)."""
+        N, C, H, W = shape
+        return calc_block_params_res_block((N, H, W, C), self.block_size, self.KERNELS, 1, "SAME")
+
+    def active_blocks(self, mask, tol=0.0, avgpool=False):
+        """Indices and count of the windows of a mask ``[N, H, W]`` this block computes."""
+        p = self.geometry((mask.shape[0], 0, mask.shape[1], mask.shape[2]))
+        return kernels.reduce_mask(mask, p.bsize, p.bstride, p.boffset, tol=tol, avgpool=avgpool, bcount=p.bcount)
+
+    def forward(self, x, indices, count=None):
+        """``x`` NCHW (channels_last memory avoids a copy); blocks from `active_blocks`."""
+        p = self.geometry(x.shape)
+        nhwc = x.permute(0, 2, 3, 1).contiguous()
+        blocks = sparse_gather(nhwc, indices, p.bsize, p.bstride, p.boffset, transpose=True, count=count)
+        out = self.residual(blocks).contiguous()
+        y = sparse_scatter(out, indices, nhwc, p.bsize_out, p.bsize_out, 0, add=True, transpose=True, count=count)
+        return y.permute(0, 3, 1, 2)

@@ -1,0 +1,100 @@
+"""Autograd of SBNet's gather and scatter, and the sparse ResNet block (needs torch)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sparseblocks import sbnet_torch  # noqa: E402
+from sparseblocks._backend import SIMULATOR  # noqa: E402
+from sparseblocks.reference import sbnet as reference  # noqa: E402
+
+DEVICE = "cpu" if SIMULATOR else "cuda"
+OVERLAPPING = {"bsize": (3, 3), "bstride": (2, 2), "boffset": (-1, 0)}
+TILING = {"bsize": (2, 3), "bstride": (2, 3), "boffset": (0, -1)}
+
+
+def tensor(array, requires_grad=False):
+    return torch.tensor(np.asarray(array), device=DEVICE, requires_grad=requires_grad)
+
+
+def indices_for(shape, g, every=1):
+    count = reference.block_count(shape[1:3], g["bstride"], g["boffset"])
+    grid = [(n, a, b) for n in range(shape[0]) for a in range(count[0]) for b in range(count[1])]
+    return tensor(np.array(grid[::every], np.int32).reshape(-1, 3))
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_gather_gradcheck(transpose):
+    x = torch.randn(1, 4, 5, 2, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    idx = indices_for(x.shape, OVERLAPPING, every=2)
+    torch.autograd.gradcheck(
+        lambda x: sbnet_torch.sparse_gather(x, idx, transpose=transpose, **OVERLAPPING), (x,), fast_mode=True)
+
+
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
+def test_scatter_gradcheck(add, data_format):
+    shape = (1, 4, 5, 2) if data_format == "NHWC" else (1, 2, 4, 5)
+    y = torch.randn(*shape, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    idx = indices_for((1, 4, 5, 2), TILING, every=2)
+    block_shape = (len(idx), 2, 3, 2) if data_format == "NHWC" else (len(idx), 2, 2, 3)
+    blocks = torch.randn(*block_shape, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    torch.autograd.gradcheck(
+        lambda b, y: sbnet_torch.sparse_scatter(b, idx, y, add=add, data_format=data_format, **TILING),
+        (blocks, y), fast_mode=True)
+
+
+def test_gather_then_scatter_add_matches_the_dense_masked_computation():
+    """scatter_add(2 · gather(x)) is x times twice the number of windows covering each pixel."""
+    x = torch.randn(1, 5, 6, 3, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    idx = indices_for(x.shape, OVERLAPPING)
+    sparse = sbnet_torch.sparse_scatter(2 * sbnet_torch.sparse_gather(x, idx, **OVERLAPPING), idx,
+                                        torch.zeros_like(x), add=True, atomic=True, **OVERLAPPING)
+    cover = reference.sparse_scatter(np.ones((len(idx), 3, 3, 1)), idx.cpu().numpy(), np.zeros((1, 5, 6, 1)),
+                                     add=True, **OVERLAPPING)
+    x_dense = x.detach().clone().requires_grad_(True)
+    dense = 2 * tensor(cover) * x_dense
+    torch.testing.assert_close(sparse, dense)
+    weights = torch.randn_like(dense)
+    (sparse * weights).sum().backward()
+    (dense * weights).sum().backward()
+    torch.testing.assert_close(x.grad, x_dense.grad)
+
+
+def test_inplace_scatter_trains():
+    x = torch.randn(1, 4, 6, 2, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    idx = indices_for(x.shape, TILING, every=2)
+    blocks = torch.randn(len(idx), 2, 3, 2, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    y = x * 1.0
+    out = sbnet_torch.sparse_scatter(blocks, idx, y, inplace=True, **TILING)
+    assert out is y
+    out.sum().backward()
+    written = reference.sparse_scatter(np.ones((len(idx), 2, 3, 1)), idx.cpu().numpy(), np.zeros((1, 4, 6, 1)),
+                                       **TILING)
+    torch.testing.assert_close(x.grad, tensor(1 - written).expand_as(x).contiguous())  # stamped out
+    # Block pixels that fall outside the image (column -1 here) are dropped: no gradient.
+    inside = reference.sparse_gather(np.ones(x.shape), idx.cpu().numpy(), **TILING)
+    torch.testing.assert_close(blocks.grad, tensor(inside))
+
+
+def test_sparse_res_block_equals_the_dense_block_on_active_blocks():
+    torch.manual_seed(0)
+    block = sbnet_torch.SparseResBlock(channels=4, bottleneck=2, block_size=6).double().to(DEVICE)
+    x = torch.randn(1, 4, 9, 10, dtype=torch.float64, device=DEVICE).to(memory_format=torch.channels_last)
+    mask = np.zeros((1, 9, 10), np.float32)
+    mask[0, 2, 7] = 1
+    indices, count = block.active_blocks(tensor(mask))
+    y = block(x, indices, count)
+    torch.testing.assert_close(block(x, indices), y)  # rows past the count are inert without it
+    dense = block.dense(x)
+    p = block.geometry(x.shape)
+    indices = indices[:int(count[0])]
+    active = reference.sparse_scatter(np.ones((len(indices), *p.bsize_out, 1)), indices.cpu().numpy(),
+                                      np.zeros((1, 9, 10, 1)), p.bsize_out, p.bsize_out, 0)[..., 0] > 0
+    active = torch.as_tensor(active, device=DEVICE)[:, None].expand_as(x)
+    assert active.any() and not active.all()
+    torch.testing.assert_close(y[active], dense[active])
+    torch.testing.assert_close(y[~active], x[~active])
+    y.sum().backward()  # gradients reach the convolutions
+    assert block.conv2.weight.grad is not None
