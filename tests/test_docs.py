@@ -49,3 +49,13 @@ def test_info_lists_backend_and_versions():
     assert result.returncode == 0, result.stderr
     for name in ("backend:", "numba:", "numba-cuda:", "numpy:", "torch:", "cupy:"):
         assert name in result.stdout
+
+
+def test_sbnet_demo_runs_on_a_real_image():
+    import pytest
+
+    pytest.importorskip("torch")
+    pytest.importorskip("skimage")
+    result = run_module("sbnet-demo")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "sbnet-demo passed" in result.stdout
