@@ -188,7 +188,7 @@ def check_same_kind(operands):
         raise TypeError(f"arrays of one kind expected, got {names}")
 
 
-def check_float(op, dtypes=FLOAT_DTYPES):
+def check_dtype(op, dtypes=FLOAT_DTYPES):
     if op.dtype not in dtypes:
         raise TypeError(f"{op.name}: expected dtype in {list(dtypes)}, got {op.dtype}")
 

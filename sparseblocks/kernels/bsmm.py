@@ -35,7 +35,7 @@ from numba import cuda, float32, float64, int16, int32, int64
 from numba.cuda import libdevice
 
 from .._arrays import (
-    Operand, check_float, check_same_dtype, check_same_kind, check_shape, launch_stream,
+    Operand, check_dtype, check_same_dtype, check_same_kind, check_shape, launch_stream,
 )
 from ._launch import launch
 
@@ -689,7 +689,7 @@ def _check_common(ops, feature_axis, version):
         raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
     check_same_kind(ops)
     for op in ops:
-        check_float(op)
+        check_dtype(op)
         op.require_contiguous()
     check_same_dtype(ops)
 

@@ -35,7 +35,7 @@ import math
 import numpy as np
 from numba import cuda, float64, from_dtype
 
-from .._arrays import Operand, check_same_kind, launch_stream
+from .._arrays import Operand, check_dtype, check_same_kind, launch_stream
 from .._backend import SIMULATOR
 from ..reference.sbnet import block_count, check_geometry, pair
 from ._launch import launch
@@ -305,17 +305,12 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
 # -- public functions -------------------------------------------------------------
 
 
-def _check_dtype(op, dtypes):
-    if op.dtype not in dtypes:
-        raise TypeError(f"{op.name}: expected dtype in {list(dtypes)}, got {op.dtype}")
-
-
 def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=None):
     """Active windows of a mask ``[N, H, W]``, row-major: ``(indices, count)`` (see the module docstring)."""
     mask_op = Operand(mask, "mask")
     if len(mask_op.shape) != 3:
         raise ValueError(f"mask: expected [N, H, W], got shape {mask_op.shape}")
-    _check_dtype(mask_op, MASK_DTYPES)
+    check_dtype(mask_op, MASK_DTYPES)
     mask_op.require_contiguous()
     size, stride, offset = check_geometry(bsize, bstride, boffset)
     N, H, W = mask_op.shape
@@ -407,7 +402,7 @@ def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=
     x_op = Operand(x, "x")
     if len(x_op.shape) != 4:
         raise ValueError(f"x: expected {data_format}, got shape {x_op.shape}")
-    _check_dtype(x_op, DATA_DTYPES)
+    check_dtype(x_op, DATA_DTYPES)
     x_op.require_contiguous()
     geometry = check_geometry(bsize, bstride, boffset)
     stream = launch_stream((x_op,))
@@ -431,7 +426,7 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
     if len(y_op.shape) != 4:
         raise ValueError(f"y: expected {data_format}, got shape {y_op.shape}")
     for op in (b_op, y_op):
-        _check_dtype(op, DATA_DTYPES)
+        check_dtype(op, DATA_DTYPES)
         op.require_contiguous()
     if b_op.dtype != y_op.dtype:
         raise TypeError(f"dtype mismatch: blocks {b_op.dtype}, y {y_op.dtype}")
