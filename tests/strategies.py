@@ -90,3 +90,43 @@ def arrays(draw, shape, dtype, styles=VALUE_STYLES):
     style = draw(st.sampled_from(styles))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     return values(rng, shape, dtype, style)
+
+
+# -- SBNet: block geometry, images, block indices ------------------------------------
+
+
+def geometries(max_size=5, max_stride=6, offsets=(-4, 3)):
+    """bsize, bstride, boffset as (h, w) pairs."""
+    return st.fixed_dictionaries({
+        "bsize": st.tuples(st.integers(1, max_size), st.integers(1, max_size)),
+        "bstride": st.tuples(st.integers(1, max_stride), st.integers(1, max_stride)),
+        "boffset": st.tuples(st.integers(*offsets), st.integers(*offsets)),
+    })
+
+
+@st.composite
+def images(draw, channels=True, max_side=9, max_channels=3, dtype="float64", styles=("normal", "sparse")):
+    """(rng, image): NHW (or NHWC with `channels`) values, and the generator that drew them."""
+    shape = (draw(st.integers(1, 2)), draw(st.integers(1, max_side)), draw(st.integers(1, max_side)))
+    if channels:
+        shape += (draw(st.integers(1, max_channels)),)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return rng, values(rng, shape, dtype, draw(st.sampled_from(styles)))
+
+
+def block_grid(shape, g):
+    """Every block index (n, bh, bw) of an NHW(C) shape's grid, row-major, as int32 [n, 3]."""
+    from sparseblocks.reference.sbnet import block_count
+
+    count = block_count(shape[1:3], g["bstride"], g["boffset"])
+    return np.array([(n, a, b) for n in range(shape[0]) for a in range(count[0]) for b in range(count[1])],
+                    np.int32).reshape(-1, 3)
+
+
+def block_indices(rng, shape, g, max_blocks=6, unique=False):
+    """Up to `max_blocks` indices from the grid and some out of range ones, in random order
+    (with repeats unless `unique`)."""
+    outside = np.array([[shape[0], 0, 0], [0, -1, 0], [0, 0, 99]], np.int32)
+    pool = np.concatenate([block_grid(shape, g), outside])
+    chosen = rng.choice(len(pool), size=min(len(pool), rng.integers(0, max_blocks + 1)), replace=not unique)
+    return pool[chosen].reshape(-1, 3)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from numpy.lib.stride_tricks import sliding_window_view
 
 from sparseblocks.reference import sbnet as reference
-from strategies import values
+from strategies import block_grid, block_indices, geometries, images
 
 # -- independent formulations ---------------------------------------------------
 
@@ -64,34 +64,7 @@ def conv2d(x, w, stride, padding):
 
 # -- strategies ------------------------------------------------------------------
 
-geometry = st.fixed_dictionaries({
-    "bsize": st.tuples(st.integers(1, 5), st.integers(1, 5)),
-    "bstride": st.tuples(st.integers(1, 6), st.integers(1, 6)),
-    "boffset": st.tuples(st.integers(-4, 3), st.integers(-4, 3)),
-})
-
-
-@st.composite
-def images(draw, channels=True):
-    shape = (draw(st.integers(1, 2)), draw(st.integers(1, 9)), draw(st.integers(1, 9)))
-    if channels:
-        shape += (draw(st.integers(1, 3)),)
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    return rng, values(rng, shape, np.float64, draw(st.sampled_from(["normal", "sparse"])))
-
-
-def all_blocks(shape, g):
-    count = reference.block_count(shape[1:3], g["bstride"], g["boffset"])
-    return np.array([(n, a, b) for n in range(shape[0]) for a in range(count[0]) for b in range(count[1])],
-                    np.int32).reshape(-1, 3)
-
-
-def some_blocks(rng, shape, g):
-    """Random block indices, some out of range, in random order, with repeats."""
-    blocks = all_blocks(shape, g)
-    extra = np.array([[shape[0], 0, 0], [0, -1, 0], [0, 0, 99]], np.int32)
-    pool = np.concatenate([blocks, extra])
-    return pool[rng.integers(len(pool), size=rng.integers(0, 7))].reshape(-1, 3)
+geometry = geometries()
 
 
 # -- tests -----------------------------------------------------------------------
@@ -118,7 +91,7 @@ def test_reduce_mask_of_empty_mask_gives_no_blocks():
 @given(image=images(), g=geometry)
 def test_gather_equals_element_loop(image, g, transpose):
     rng, x = image
-    indices = some_blocks(rng, x.shape, g)
+    indices = block_indices(rng, x.shape, g)
     want = gather_by_elements(x, indices, g["bsize"], g["bstride"], g["boffset"])
     got = reference.sparse_gather(x, indices, transpose=transpose, **g)
     assert np.array_equal(got, want.transpose(0, 3, 1, 2) if transpose else want)
@@ -128,7 +101,7 @@ def test_gather_equals_element_loop(image, g, transpose):
 @given(image=images(), g=geometry)
 def test_scatter_equals_element_loop(image, g, add):
     rng, y = image
-    indices = some_blocks(rng, y.shape, g)
+    indices = block_indices(rng, y.shape, g)
     blocks = rng.standard_normal((len(indices), *g["bsize"], y.shape[3]))
     want = scatter_by_elements(blocks, indices, y, g["bsize"], g["bstride"], g["boffset"], add)
     got = reference.sparse_scatter(blocks, indices, y, add=add, **g)
@@ -144,7 +117,7 @@ def test_scatter_equals_element_loop(image, g, add):
 @given(image=images(), g=geometry, transpose=st.booleans())
 def test_nchw_is_nhwc_with_the_other_block_layout(image, g, transpose):
     rng, x = image
-    indices = some_blocks(rng, x.shape, g)
+    indices = block_indices(rng, x.shape, g)
     nchw = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
     blocks = reference.sparse_gather(nchw, indices, transpose=transpose, data_format="NCHW", **g)
     np.testing.assert_array_equal(blocks, reference.sparse_gather(x, indices, transpose=not transpose, **g))
@@ -157,7 +130,7 @@ def test_nchw_is_nhwc_with_the_other_block_layout(image, g, transpose):
 @given(image=images(), g=geometry)
 def test_gather_and_scatter_add_are_adjoint(image, g):
     rng, x = image
-    indices = some_blocks(rng, x.shape, g)
+    indices = block_indices(rng, x.shape, g)
     b = rng.standard_normal((len(indices), *g["bsize"], x.shape[3]))
     lhs = np.sum(reference.sparse_gather(x, indices, **g) * b)
     rhs = np.sum(x * reference.sparse_scatter(b, indices, np.zeros_like(x), add=True, **g))
@@ -168,7 +141,7 @@ def test_gather_and_scatter_add_are_adjoint(image, g):
 def test_gather_then_scatter_restores_non_overlapping_blocks(image, g):
     _, x = image
     assume(all(st >= b for st, b in zip(g["bstride"], g["bsize"])))
-    indices = all_blocks(x.shape, g)
+    indices = block_grid(x.shape, g)
     blocks = reference.sparse_gather(x, indices, **g)
     poisoned = np.full_like(x, np.nan)
     restored = reference.sparse_scatter(blocks, indices, poisoned, **g)

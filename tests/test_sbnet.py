@@ -9,40 +9,27 @@ from numba import cuda
 from sparseblocks._backend import SIMULATOR
 from sparseblocks.kernels import sbnet
 from sparseblocks.reference import sbnet as reference
-from strategies import values
+from strategies import block_indices, geometries, images, values
 
 # The simulator runs a Python thread per CUDA thread (256 a window here): keep it small.
 few = settings(max_examples=5) if SIMULATOR else settings()
 MAX_SIDE = 9 if SIMULATOR else 40
 
-geometry = st.fixed_dictionaries({
-    "bsize": st.tuples(st.integers(1, 4), st.integers(1, 4)),
-    "bstride": st.tuples(st.integers(1, 5), st.integers(1, 5)),
-    "boffset": st.tuples(st.integers(-3, 2), st.integers(-3, 2)),
-})
+geometry = geometries(max_size=4, max_stride=5, offsets=(-3, 2))
 
 
-@st.composite
-def images(draw, channels=True, dtype="float32"):
-    shape = (draw(st.integers(1, 2)), draw(st.integers(1, MAX_SIDE)), draw(st.integers(1, MAX_SIDE)))
-    if channels:
-        shape += (draw(st.integers(1, 5 if SIMULATOR else 70)),)
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    return rng, values(rng, shape, dtype, draw(st.sampled_from(["normal", "sparse", "small_integers"])))
+def sbnet_images(channels=True):
+    return images(channels, max_side=MAX_SIDE, max_channels=5 if SIMULATOR else 70, dtype="float32",
+                  styles=("normal", "sparse", "small_integers"))
 
 
-def some_indices(rng, shape, g, max_blocks=4 if SIMULATOR else 40, unique=False):
-    """Block indices drawn from the grid, plus out-of-range ones, in random order."""
-    count = reference.block_count(shape[1:3], g["bstride"], g["boffset"])
-    grid = [(n, a, b) for n in range(shape[0]) for a in range(count[0]) for b in range(count[1])]
-    pool = np.array(grid + [(shape[0], 0, 0), (0, -1, 0), (0, 0, 99)], np.int32).reshape(-1, 3)
-    chosen = rng.choice(len(pool), size=min(len(pool), rng.integers(0, max_blocks + 1)), replace=not unique)
-    return pool[chosen].reshape(-1, 3)
+def some_indices(rng, shape, g, unique=False):
+    return block_indices(rng, shape, g, max_blocks=4 if SIMULATOR else 40, unique=unique)
 
 
 @pytest.mark.parametrize("avgpool", [False, True])
 @few
-@given(image=images(channels=False), g=geometry, tol=st.sampled_from([0.0, 0.1, 0.5]))
+@given(image=sbnet_images(channels=False), g=geometry, tol=st.sampled_from([0.0, 0.1, 0.5]))
 def test_reduce_mask_equals_reference(image, g, tol, avgpool):
     _, mask = image
     mask = np.abs(mask)
@@ -82,7 +69,7 @@ def as_format(image, data_format):
 @pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
 @pytest.mark.parametrize("transpose", [False, True])
 @few
-@given(image=images(), g=geometry)
+@given(image=sbnet_images(), g=geometry)
 def test_gather_equals_reference(image, g, transpose, data_format):
     rng, x = image
     indices = some_indices(rng, x.shape, g)
@@ -96,7 +83,7 @@ def test_gather_equals_reference(image, g, transpose, data_format):
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("add, atomic", [(False, False), (True, False), (True, True)])
 @few
-@given(image=images(), g=geometry, data=st.data())
+@given(image=sbnet_images(), g=geometry, data=st.data())
 def test_scatter_equals_reference(image, g, data, add, atomic, transpose, data_format):
     rng, y = image
     if not atomic:  # without atomics, windows must not overlap (nor, overwriting, race)
@@ -115,7 +102,7 @@ def test_scatter_equals_reference(image, g, data, add, atomic, transpose, data_f
 
 
 @few
-@given(image=images(), g=geometry)
+@given(image=sbnet_images(), g=geometry)
 def test_gather_and_atomic_scatter_add_are_adjoint(image, g):
     rng, x = image
     x = x.astype(np.float64)
