@@ -67,6 +67,7 @@ def bench_ops(torch, sbnet, reference, records, shapes, channels, blocks, fracti
 
 def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
     dtype = getattr(torch, dtype_name)
+    torch.backends.cudnn.allow_tf32 = False  # fp32 means fp32 on both paths (TF32 would differ by ~1e-3)
     torch.manual_seed(0)
     block = sbnet_torch.SparseResBlock(256, 64, block_size=16).to("cuda", dtype).to(memory_format=torch.channels_last)
     x = torch.randn(1, 256, 400, 700, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)

@@ -22,7 +22,7 @@ class BlocksparseMatMul:
     ``(N, features)``; ``feature_axis=0``: ``(features, N)``.
     """
 
-    def __init__(self, layout, block_size=32, feature_axis=1, version=3):
+    def __init__(self, layout, block_size=32, feature_axis=1, version=4):
         if isinstance(layout, BlockLayout):
             if block_size not in (32, layout.block_size):
                 raise ValueError(

@@ -54,10 +54,10 @@ def check_all_products(data, block_size, dtype, feature_axis, version):
 @few
 @given(data=st.data())
 def test_products_match_reference(data, block_size, dtype, feature_axis):
-    check_all_products(data, block_size, dtype, feature_axis, version=3)
+    check_all_products(data, block_size, dtype, feature_axis, version=4)
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 @pytest.mark.parametrize("feature_axis", [1, 0])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64])
 @few
@@ -67,9 +67,9 @@ def test_earlier_versions_match_reference(data, block_size, feature_axis, versio
     check_all_products(data, block_size, dtype, feature_axis, version=version)
 
 
-@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("version", [2, 3, 4])
 @pytest.mark.parametrize("max_segment", [1, 2])
-@given(data=st.data(), block_size=st.sampled_from([8, 16]), feature_axis=st.sampled_from([1, 0]))
+@given(data=st.data(), block_size=st.sampled_from([8, 16, 32]), feature_axis=st.sampled_from([1, 0]))
 def test_split_lines_and_split_rows_match_reference(data, block_size, feature_axis, max_segment, version):
     """Skewed layouts cut long lines into segments, and the weight gradient cuts N; both sum in order."""
     layout, x, dy, w = data.draw(problems(block_size, "float32", kinds=("skewed", "full", "random")))
@@ -185,7 +185,7 @@ DY = np.ones((4, 24), np.float32)
     (lambda: bsmm.weight_grad(X, DY, LAYOUT, beta="one"), TypeError, "beta"),
     (lambda: bsmm.weight_grad(X, DY, LAYOUT, out=W.copy()), TypeError, "out: expected a device array"),
     (lambda: bsmm.weight_grad(X, DY, LAYOUT, out=W[:2]), ValueError, "out: expected shape"),
-    (lambda: bsmm.forward(X, W, LAYOUT, version=4), ValueError, "version"),
+    (lambda: bsmm.forward(X, W, LAYOUT, version=5), ValueError, "version"),
 ])
 def test_bad_input_raises_before_launch(call, error, message):
     with pytest.raises(error, match=message):

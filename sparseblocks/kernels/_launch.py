@@ -20,6 +20,7 @@ from .._backend import SIMULATOR
 
 _compiled = {}
 _streams = {}
+_core_streams = {}
 
 
 def _signature(arg):
@@ -58,6 +59,16 @@ def stream_of(handle):
     return _streams[handle]
 
 
+def _core_stream(stream):
+    """cuda.core's view of a Numba stream, cached (cuda.core deprecates taking foreign objects)."""
+    core = _core_streams.get(stream)
+    if core is None:
+        from cuda.core import Stream
+
+        core = _core_streams[stream] = Stream.from_handle(int(stream.__cuda_stream__()[1]))
+    return core
+
+
 def launch(dispatcher, grid, block, stream, args):
     """``dispatcher[grid, block, stream](*args)``, through the dispatcher only the first time.
 
@@ -79,4 +90,5 @@ def launch(dispatcher, grid, block, stream, args):
 
     grid = grid if isinstance(grid, tuple) else (grid,)
     block = block if isinstance(block, tuple) else (block,)
-    core_launch(stream if stream else stream_of(0), LaunchConfig(grid=grid, block=block), kernel, *_raw(args))
+    core_launch(_core_stream(stream if stream else stream_of(0)), LaunchConfig(grid=grid, block=block), kernel,
+                *_raw(args))

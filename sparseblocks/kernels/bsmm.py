@@ -15,7 +15,7 @@ float32 or float64; all but float64 accumulate in float32. Any ``N >= 0``;
 output features with no block are zero. Every sum runs in a fixed order (no
 atomics), so results are bitwise repeatable.
 
-Versions (``version=`` on every public function; tests sweep all three):
+Versions (``version=`` on every public function, default 4; tests sweep all four):
   1. shared-memory tiles, one output element per thread. Simple; the
      baseline the others are checked against.
   2. register-blocked tiles: each thread owns an R x Q patch of the output
@@ -28,12 +28,18 @@ Versions (``version=`` on every public function; tests sweep all three):
      that pipelined chunks through register arrays ran 2x slower than
      version 2: see benchmarks/NOTES.md.) The weight gradient loads two rows
      of x and dy per step, branch-free, likewise.
+  4. products with an 8 x 8 patch per thread (blocks 32 and 64; blocks 8 and
+     16 keep version 3's kernel), 16-byte shared-memory reads from swizzled
+     k-major tiles, and chunks double-buffered through registers, one
+     barrier per chunk. Unsigned indices keep Numba's negative-index wrap out
+     of the address arithmetic. The weight gradient is version 3's.
 """
 
 import numpy as np
-from numba import cuda, float32, float64, int16, int32, int64
+from numba import cuda, float32, float64, int16, int32, int64, uint64
 from numba.cuda import libdevice
 
+from .._backend import SIMULATOR
 from .._arrays import (
     Operand, check_dtype, check_same_dtype, check_same_kind, check_shape, launch_stream,
 )
@@ -41,7 +47,7 @@ from ._launch import launch
 
 # -- constants -----------------------------------------------------------------
 
-VERSIONS = (1, 2, 3)
+VERSIONS = (1, 2, 3, 4)
 
 # Version 1: one thread per output element of ROWS_PER_TILE[bs] rows x bs features.
 ROWS_PER_TILE = {8: 16, 16: 16, 32: 8, 64: 4}
@@ -64,6 +70,17 @@ WGRAD_THREADS = 256
 WGRAD_PATCH = {8: 2, 16: 4, 32: 4, 64: 4}
 WGRAD_CHUNK = 64
 COMBINE_THREADS = 256
+
+# Version 4 products: each thread owns an 8 x 8 patch (two 4-row by two 4-column
+# quarters, TM/2 rows and bs/2 features apart, so a warp's 16-byte shared reads
+# fall in distinct banks); the tile is TM rows x bs features, so TM * bs / 64
+# threads. Chunks of V4_KC features are double-buffered in shared memory.
+V4_ROWS = {32: 256, 64: 128}  # blocks 8 and 16 run version 3's kernel (too few outputs per load)
+V4_KC = 8
+# 16-byte alignment lets the compiler merge four shared loads into one; the
+# simulator does not take an alignment.
+SHARED_ALIGN = None if SIMULATOR else 16
+V4_OPTIONS = {}  # extra cuda.jit options for version 4 (benchmarks try register caps)
 
 # -- device helpers ---------------------------------------------------------------
 
@@ -387,6 +404,152 @@ def _make_product_v3(bs, storage, acc_type, transpose_w, feature_axis):
     return product_v3
 
 
+def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis):
+    """Register-blocked 8 x 8 per thread, 16-byte shared reads, double-buffered chunks.
+
+    Each chunk of V4_KC features is loaded from global memory into registers
+    while the previous chunk is multiplied out of shared memory, then stored
+    to the other shared buffer: one barrier per chunk. Shared tiles are
+    stored k-major and swizzled (the row index XOR 4·kk), so the transposing
+    stores of a warp (8 features x 4 rows) and its 16-byte reads (8 distinct
+    row quads) are both free of bank conflicts.
+    """
+    TM = V4_ROWS[bs]
+    KC = V4_KC
+    T = TM * bs // 64
+    TX = bs // 8  # threads across the tile's features
+    HALF_M = TM // 2
+    HALF_N = bs // 2
+    CPB = bs // KC  # chunks per block
+    A_LOADS = TM * KC // T
+    W_LOADS = KC * bs // T
+    A_TILE = KC * TM
+    W_TILE = KC * bs
+    A_SIZE = 2 * A_TILE
+    W_SIZE = 2 * W_TILE
+    W_SWIZZLE = min(8, bs // 4) - 1  # feature quads a w row holds, less one
+    load, store = _activation_io(feature_axis)
+    to_acc, from_acc = _converters(storage, acc_type)
+
+    @cuda.jit(device=True, inline=True)
+    def a_position(e):
+        """(row, kk) of element e of an activation chunk; consecutive e are consecutive addresses."""
+        if feature_axis == 1:
+            return e // KC, e % KC
+        return e % TM, e // TM
+
+    @cuda.jit(device=True, inline=True)
+    def w_position(e):
+        """(kk, col) of element e of a weight chunk; consecutive e are consecutive addresses."""
+        if transpose_w:
+            return e % KC, e // KC
+        return e // bs, e % bs
+
+    @cuda.jit(device=True, inline=True)
+    def a_slot(kk, r):
+        return kk * TM + (r ^ (kk << 2))
+
+    @cuda.jit(device=True, inline=True)
+    def w_slot(kk, col):
+        return kk * bs + (col ^ ((kk & W_SWIZZLE) << 2))
+
+    @cuda.jit(device=True, inline=True)
+    def fetch(a, w, pa, pw, tid, row0, n_rows, j, k0, other_idx, line_block):
+        """This thread's share of chunk (block j, features k0...) into registers."""
+        block = uint64(j if transpose_w else line_block[j])
+        base = other_idx[j] * bs + k0
+        last = n_rows - 1
+        for i in range(A_LOADS):
+            r, kk = a_position(tid + i * T)
+            row = row0 + r
+            # Rows past the end read the last row (a valid address) and are zeroed.
+            value = to_acc(load(a, uint64(min(row, last)), uint64(base + kk)))
+            pa[i] = value if row <= last else acc_type(0)
+        for i in range(W_LOADS):
+            kk, col = w_position(tid + i * T)
+            if transpose_w:
+                pw[i] = to_acc(w[block, uint64(col), uint64(k0 + kk)])
+            else:
+                pw[i] = to_acc(w[block, uint64(k0 + kk), uint64(col)])
+
+    @cuda.jit(device=True, inline=True)
+    def deposit(a_s, w_s, pa, pw, tid, buf):
+        for i in range(A_LOADS):
+            r, kk = a_position(tid + i * T)
+            a_s[uint64(buf * A_TILE + a_slot(kk, r))] = pa[i]
+        for i in range(W_LOADS):
+            kk, col = w_position(tid + i * T)
+            w_s[uint64(buf * W_TILE + w_slot(kk, col))] = pw[i]
+
+    @cuda.jit(**V4_OPTIONS)
+    def product_v4(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot,
+                   other_idx, line_block, n_rows):
+        tid = cuda.threadIdx.x
+        tx = tid % TX
+        ty = tid // TX
+        seg = cuda.blockIdx.y
+        row0 = cuda.blockIdx.x * TM
+        line = seg_line[seg]
+        begin = seg_begin[seg]
+        a_s = cuda.shared.array(A_SIZE, acc_type, alignment=SHARED_ALIGN)
+        w_s = cuda.shared.array(W_SIZE, acc_type, alignment=SHARED_ALIGN)
+        acc = cuda.local.array((8, 8), acc_type)
+        fa = cuda.local.array(8, acc_type)
+        fw = cuda.local.array(8, acc_type)
+        pa = cuda.local.array(A_LOADS, acc_type)
+        pw = cuda.local.array(W_LOADS, acc_type)
+        for i in range(8):
+            for q in range(8):
+                acc[i, q] = acc_type(0)
+        n_chunks = (seg_end[seg] - begin) * CPB
+        if n_chunks > 0:
+            fetch(a, w, pa, pw, tid, row0, n_rows, begin, 0, other_idx, line_block)
+            deposit(a_s, w_s, pa, pw, tid, 0)
+        cuda.syncthreads()  # chunk 0 is in buffer 0
+        for t in range(n_chunks):
+            buf = t & 1
+            more = t + 1 < n_chunks
+            if more:  # issue the next chunk's loads; they land while this chunk is multiplied
+                nxt = t + 1
+                fetch(a, w, pa, pw, tid, row0, n_rows, begin + nxt // CPB, (nxt % CPB) * KC,
+                      other_idx, line_block)
+            for kk in range(KC):
+                # Offsets built as (quad index) * 4 in unsigned integers: the
+                # compiler then sees 16-byte alignment and merges each four
+                # loads into one (a signed index also gets Numba's negative-
+                # index wrap, which costs instructions and hides adjacency).
+                ra = uint64(buf * (A_TILE // 4) + kk * (TM // 4) + (ty ^ kk)) * uint64(4)
+                rw = uint64(buf * (W_TILE // 4) + kk * (bs // 4) + (tx ^ (kk & W_SWIZZLE))) * uint64(4)
+                # The swizzle may flip the bit that HALF_N sets: a second slot for w.
+                rw2 = uint64(buf * (W_TILE // 4) + kk * (bs // 4)
+                             + ((tx + HALF_N // 4) ^ (kk & W_SWIZZLE))) * uint64(4)
+                for i in range(4):
+                    fa[i] = a_s[ra + uint64(i)]
+                    fa[4 + i] = a_s[ra + uint64(HALF_M + i)]
+                    fw[i] = w_s[rw + uint64(i)]
+                    fw[4 + i] = w_s[rw2 + uint64(i)]
+                for i in range(8):
+                    for q in range(8):
+                        acc[i, q] += fa[i] * fw[q]
+            if more:
+                deposit(a_s, w_s, pa, pw, tid, 1 - buf)
+            # The next chunk is in the other buffer, and every thread is done
+            # reading this one before the iteration after next overwrites it.
+            cuda.syncthreads()
+        slot = seg_slot[seg]
+        for i in range(8):
+            row = row0 + ty * 4 + (i % 4) + (i // 4) * HALF_M
+            if row < n_rows:
+                for q in range(8):
+                    col = tx * 4 + (q % 4) + (q // 4) * HALF_N
+                    if slot < 0:
+                        store(out, row, line * bs + col, from_acc(acc[i, q]))
+                    else:
+                        workspace[slot, row, col] = acc[i, q]
+
+    return product_v4
+
+
 def _make_combine_lines(bs, storage, acc_type, feature_axis):
     """out[:, line-block] = sum of the line's workspace rows, in order."""
     _, store = _activation_io(feature_axis)
@@ -631,10 +794,13 @@ def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, str
     acc = "float64" if a.dtype == "float64" else "float32"
     slots = schedule["n_slots"]
     workspace = a.scratch((slots, n_rows, bs), acc, stream) if slots else _unused_workspace(acc)
-    maker = _make_product_v3 if version == 3 else _make_product_v2
+    if version == 4 and bs in V4_ROWS:
+        maker, TM, threads = _make_product_v4, V4_ROWS[bs], V4_ROWS[bs] * bs // 64
+    else:
+        maker, threads = (_make_product_v2 if version == 2 else _make_product_v3), PRODUCT_THREADS
     kernel = _kernel(maker, bs, a.dtype, transpose_w, feature_axis)
     grid = ((n_rows + TM - 1) // TM, len(schedule["seg_line"]))
-    launch(kernel, grid, PRODUCT_THREADS, stream, (
+    launch(kernel, grid, threads, stream, (
         out, workspace, a.device(stream), w.device(stream),
         device_schedule["seg_line"], device_schedule["seg_begin"], device_schedule["seg_end"],
         device_schedule["seg_slot"], _index(layout, other_idx, stream), _index(layout, line_block, stream), n_rows,
@@ -668,7 +834,7 @@ def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, v
     # A workspace of one split tells the kernel to finish in place (no combine pass).
     workspace = x.scratch((splits, layout.n_blocks, bs * bs), acc, stream) if splits > 1 \
         else _unused_workspace(acc)
-    kernel = _kernel(_make_weight_grad_v3 if version == 3 else _make_weight_grad_v2, bs, x.dtype, feature_axis)
+    kernel = _kernel(_make_weight_grad_v3 if version >= 3 else _make_weight_grad_v2, bs, x.dtype, feature_axis)
     launch(kernel, (layout.n_blocks, splits), WGRAD_THREADS, stream, (
         dw, workspace, x.device(stream), dy.device(stream), _index(layout, "coords", stream),
         n_rows, rows_per_split, beta,
@@ -722,17 +888,17 @@ def _product(a, w, layout, feature_axis, transpose_w, version, max_segment=None)
     return a.result(native, out, stream)
 
 
-def forward(x, w, layout, feature_axis=1, version=3):
+def forward(x, w, layout, feature_axis=1, version=4):
     """``y = x · W`` for block-sparse ``W`` given as ``w[n_blocks, bs, bs]`` over ``layout``."""
     return _product(x, w, layout, feature_axis, False, version)
 
 
-def input_grad(dy, w, layout, feature_axis=1, version=3):
+def input_grad(dy, w, layout, feature_axis=1, version=4):
     """``dx = dy · Wᵀ`` for block-sparse ``W``."""
     return _product(dy, w, layout, feature_axis, True, version)
 
 
-def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=3, splits=None):
+def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=4, splits=None):
     """``dW = xᵀ · dy`` on the layout's blocks, as ``(n_blocks, bs, bs)``.
 
     With ``out`` the result goes there, as ``out = xᵀ·dy + beta·out`` (so the

@@ -1,0 +1,88 @@
+"""Kernel variants of the bsmm products side by side on the GPU (a developer's script).
+
+    python3 scripts/bsmm_variants.py [--out DIR]
+
+For each variant (a kernel version, and for version 4 a register cap):
+check forward and input_grad against a float64 product, then time them with
+CUDA events at N = C = K = 4096, 10 % density, blocks 32 and 64, fp32 and
+fp16, beside torch dense and torch BSR measured in the same run. Prints one
+table and each kernel's registers, local and shared memory.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_bsmm import relative_error  # noqa: E402
+from benchmarks.common import baseline_ms, device_name, time_ms  # noqa: E402
+
+VARIANTS = [("v3", 3, {}), ("v4", 4, {}), ("v4 regs<=168", 4, {"max_registers": 168}),
+            ("v4 regs<=128", 4, {"max_registers": 128})]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--density", type=float, default=0.10)
+    args = parser.parse_args()
+
+    import torch
+
+    from sparseblocks import BlockLayout
+    from sparseblocks.kernels import bsmm
+
+    rows = []
+    resources = []
+    for bs in (32, 64):
+        layout = BlockLayout.random((4096 // bs, 4096 // bs), args.density, seed=1, block_size=bs)
+        flops = 2.0 * 4096 * layout.n_blocks * bs * bs
+        for dtype_name in ("float32", "float16"):
+            dtype = getattr(torch, dtype_name)
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            x = torch.randn(4096, 4096, device="cuda", dtype=dtype, generator=gen)
+            w = torch.randn(layout.w_shape, device="cuda", dtype=dtype, generator=gen) / np.sqrt(410)
+            W = torch.as_tensor(layout.to_dense(w.float().cpu().numpy()), device="cuda")
+            want_y, want_dx = x.double() @ W.double(), x.double() @ W.double().T
+            torch.backends.cuda.matmul.allow_tf32 = False
+            Wd = W.to(dtype)
+            dense = baseline_ms(lambda: x @ Wd)
+            W_t_bsr = Wd.T.contiguous().to_sparse_bsr((bs, bs))
+            xt = x.T.contiguous()
+            bsr = baseline_ms(lambda: W_t_bsr @ xt)
+            for name, version, options in VARIANTS:
+                bsmm.V4_OPTIONS.clear()
+                bsmm.V4_OPTIONS.update(options)
+                for key in [k for k in bsmm._kernels if k[0] == "_make_product_v4"]:
+                    del bsmm._kernels[key]
+                errors = (relative_error(bsmm.forward(x, w, layout, version=version), want_y),
+                          relative_error(bsmm.input_grad(x, w, layout, version=version), want_dx))
+                ok = max(errors) < (1e-5 if dtype_name == "float32" else 3e-3)
+                fwd = time_ms(lambda: bsmm.forward(x, w, layout, version=version))
+                bwd = time_ms(lambda: bsmm.input_grad(x, w, layout, version=version))
+                rows.append({"variant": name, "bs": bs, "dtype": dtype_name, "ok": ok, "error": max(errors),
+                             "forward_ms": fwd, "input_grad_ms": bwd, "tflops": flops / fwd / 1e9,
+                             "dense_ms": dense, "bsr_ms": bsr})
+                print(json.dumps(rows[-1]), flush=True)
+                for key, kernel in bsmm._kernels.items():
+                    for compiled in kernel.overloads.values():
+                        resources.append(f"{name} {key}: {compiled.regs_per_thread} regs, "
+                                         f"{compiled.local_mem_per_thread} B local, {compiled.shared_mem_per_block} B shared")
+    print(f"\n{device_name()}, N = C = K = 4096, density {args.density}")
+    print("| variant | bs | dtype | ok | forward ms | TFLOP/s | input_grad ms | dense ms | bsr ms | vs dense | vs bsr |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['variant']} | {r['bs']} | {r['dtype']} | {r['ok']} | {r['forward_ms']:.3f} | {r['tflops']:.1f} | "
+              f"{r['input_grad_ms']:.3f} | {r['dense_ms']:.3f} | {r['bsr_ms']:.3f} | "
+              f"{r['dense_ms'] / r['forward_ms']:.2f}x | {r['bsr_ms'] / r['forward_ms']:.2f}x |")
+    print("\n".join(sorted(set(resources))))
+    if args.out:
+        Path(args.out, "variants.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
