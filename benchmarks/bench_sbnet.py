@@ -4,7 +4,11 @@ against the dense one (cuDNN, channels_last, same dtype).
     python -m benchmarks.bench_sbnet [--quick] [--out-dir DIR]
 
 Each configuration is checked against the NumPy reference (or, for the
-block, against the dense block on the active region) before it is timed.
+block, against the dense block on the active region) before it is timed,
+two ways: per call from the host (``timing: eager``, launch costs included)
+and on the device alone (``timing: graph``, replays of a captured CUDA
+graph); each baseline is timed the same way. The sparse block runs in place,
+as SBNet runs it, and gets its indices cut to the active windows.
 Effective bandwidth counts the bytes each op must move: gather reads and
 writes the windows; an in-place scatter reads the blocks and writes (adding:
 reads and writes) the windows; reduce_mask reads the mask. Writes
@@ -15,7 +19,7 @@ import argparse
 
 import numpy as np
 
-from benchmarks.common import Record, baseline_ms, copy_ms, device_name, print_table, time_ms, write_results
+from benchmarks.common import Record, copy_ms, device_name, graph_ms, print_table, time_ms, write_results
 
 
 def block_mask(rng, n, height, width, block, fraction):
@@ -26,8 +30,24 @@ def block_mask(rng, n, height, width, block, fraction):
     return mask.astype(np.float32)
 
 
+def timed(fn):
+    """{timing: ms}: per call from the host (eager), and on the device alone (graph replays)."""
+    return {"eager": time_ms(fn), "graph": graph_ms(fn)}
+
+
 def bench_ops(torch, sbnet, reference, records, shapes, channels, blocks, fractions):
     rng = np.random.default_rng(0)
+    copies = {}
+
+    def add(name, params, fn, moved):
+        """Records of `fn` both ways, each against a copy moving as many bytes, timed the same way."""
+        size = max(moved // 2, 4)  # a copy reads and writes
+        if size not in copies:
+            copies[size] = {"eager": copy_ms(size), "graph": copy_ms(size, graph=True)}
+        copy = copies[size]
+        for timing, ms in timed(fn).items():
+            records.append(Record(name, dict(params, timing=timing), ms, {"copy": copy[timing]}, bytes=moved))
+
     for n, height, width in shapes:
         for block in blocks:
             for fraction in fractions:
@@ -39,33 +59,28 @@ def bench_ops(torch, sbnet, reference, records, shapes, channels, blocks, fracti
                 n_active = int(count[0])
                 assert n_active == len(want) and np.array_equal(indices[:n_active].cpu().numpy(), want)
                 params = {"N": n, "H": height, "W": width, "block": block, "active": fraction}
-                records.append(Record("reduce_mask", dict(params), time_ms(lambda: sbnet.reduce_mask(mask_t, tol=0.5, **g)),
-                                      {"copy": copy_ms(mask.nbytes)}, bytes=mask.nbytes))
+                add("reduce_mask", params, lambda: sbnet.reduce_mask(mask_t, tol=0.5, **g), mask.nbytes)
                 idx = indices[:n_active].contiguous()
                 for C in channels:
                     x = torch.randn(n, height, width, C, device="cuda")
+                    y = torch.zeros_like(x)
                     window_bytes = n_active * block * block * C * 4
-                    copy = copy_ms(max(window_bytes, 4))
                     for transpose in (False, True):
                         blocks_t = sbnet.sparse_gather(x, idx, transpose=transpose, **g)
                         if n == 1 and C == 64:  # check against the reference once per geometry
                             ref = reference.sparse_gather(x.cpu().numpy(), want, transpose=transpose, **g)
                             assert np.array_equal(blocks_t.cpu().numpy(), ref)
                         p = dict(params, C=C, transpose=transpose)
-                        records.append(Record("sparse_gather", p, time_ms(
-                            lambda: sbnet.sparse_gather(x, idx, transpose=transpose, **g)), {"copy": copy},
-                            bytes=2 * window_bytes))
-                        y = torch.zeros_like(x)
-                        for add in (False, True):
-                            moved = (3 if add else 2) * window_bytes
-                            records.append(Record("sparse_scatter", dict(p, add=add), time_ms(
-                                lambda: sbnet.sparse_scatter(blocks_t, idx, y, add=add, transpose=transpose,
-                                                             inplace=True, **g)),
-                                {"copy": copy_ms(max(moved // 2, 4))}, bytes=moved))
-                    del x
+                        add("sparse_gather", p, lambda: sbnet.sparse_gather(x, idx, transpose=transpose, **g),
+                            2 * window_bytes)
+                        for plus in (False, True):
+                            add("sparse_scatter", dict(p, add=plus), lambda: sbnet.sparse_scatter(
+                                blocks_t, idx, y, add=plus, transpose=transpose, inplace=True, **g),
+                                (3 if plus else 2) * window_bytes)
 
 
 def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
+    """The sparse block (in place, as SBNet runs it) against the dense one, both timed both ways."""
     dtype = getattr(torch, dtype_name)
     torch.backends.cudnn.allow_tf32 = False  # fp32 means fp32 on both paths (TF32 would differ by ~1e-3)
     torch.manual_seed(0)
@@ -73,18 +88,21 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
     x = torch.randn(1, 256, 400, 700, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
     rng = np.random.default_rng(1)
     with torch.no_grad():
-        dense_ms = baseline_ms(lambda: block.dense(x))
+        dense = timed(lambda: block.dense(x))
         for fraction in fractions:
             mask = torch.as_tensor(block_mask(rng, 1, 400, 700, 14, fraction), device="cuda")
             indices, count = block.active_blocks(mask, tol=0.5)
             y = block(x, indices, count)
-            dense = block.dense(x)
+            want = block.dense(x)
             changed = (y != x).any(dim=1)
-            error = ((y - dense).abs() * changed[:, None]).max().item()
+            error = ((y - want).abs() * changed[:, None]).max().item()
             assert error < (1e-2 if dtype_name == "float16" else 1e-4), f"sparse block differs: {error}"
-            records.append(Record("sparse_res_block", {"dtype": dtype_name, "active": fraction, "N": 1,
-                                                       "H": 400, "W": 700, "C": 256, "bottleneck": 64},
-                                  time_ms(lambda: block(x, indices, count)), {"dense_block": dense_ms}))
+            work = x.clone()  # the in-place runs add into this copy, again and again
+            ours = timed(lambda: block(work, indices, count, inplace=True))
+            for timing in ("eager", "graph"):
+                records.append(Record("sparse_res_block", {
+                    "dtype": dtype_name, "active": fraction, "N": 1, "H": 400, "W": 700, "C": 256,
+                    "bottleneck": 64, "timing": timing}, ours[timing], {"dense_block": dense[timing]}))
 
 
 def main():

@@ -10,7 +10,12 @@ developer's check, not part of the test suite.
 """
 
 import itertools
+import os
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 
 from numba import cuda, types
 
@@ -20,10 +25,28 @@ i64 = types.int64
 CC = (9, 0)
 
 
+PTXAS = shutil.which("ptxas") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "ptxas")
+
+
+def resources(ptx):
+    """ptxas's report (registers, stack frame, spills) where ptxas is installed, else ''."""
+    if not os.path.exists(PTXAS):
+        return ""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        report = subprocess.run([PTXAS, f"-arch=sm_{CC[0]}{CC[1]}", "-v", path, "-o", path + ".cubin"],
+                                capture_output=True, text=True).stderr
+    used = re.search(r"Used (\d+) registers", report)
+    stack = re.search(r"(\d+) bytes stack frame", report)
+    return f"  [{used.group(1) if used else '?'} registers, {stack.group(1) if stack else 0} B stack]"
+
+
 def check(name, function, signature):
     try:
-        cuda.compile_ptx(function, signature, cc=CC)
-        print(f"ok    {name}")
+        ptx, _ = cuda.compile_ptx(function, signature, cc=CC)
+        print(f"ok    {name}{resources(ptx)}")
         return True
     except Exception as error:  # report every failure, not just the first
         print(f"FAIL  {name}: {type(error).__name__}: {str(error).splitlines()[0]}")

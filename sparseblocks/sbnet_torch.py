@@ -128,15 +128,33 @@ class SparseResBlock(torch.nn.Module):
         return calc_block_params_res_block((N, H, W, C), self.block_size, self.KERNELS, 1, "SAME")
 
     def active_blocks(self, mask, tol=0.0, avgpool=False):
-        """Indices and count of the windows of a mask ``[N, H, W]`` this block computes."""
-        p = self.geometry((mask.shape[0], 0, mask.shape[1], mask.shape[2]))
-        return kernels.reduce_mask(mask, p.bsize, p.bstride, p.boffset, tol=tol, avgpool=avgpool, bcount=p.bcount)
+        """Indices ``[count, 3]`` and count of the windows of a mask ``[N, H, W]`` this block computes.
 
-    def forward(self, x, indices, count=None):
-        """``x`` NCHW (channels_last memory avoids a copy); blocks from `active_blocks`."""
+        The indices are cut to the active windows, so the convolutions run on
+        those alone: one host sync per mask, which every block sharing the
+        mask's geometry reuses (as SBNet does).
+        """
+        p = self.geometry((mask.shape[0], 0, mask.shape[1], mask.shape[2]))
+        indices, count = kernels.reduce_mask(mask, p.bsize, p.bstride, p.boffset, tol=tol, avgpool=avgpool,
+                                             bcount=p.bcount)
+        if isinstance(indices, torch.Tensor):
+            indices = indices[:int(count[0])]
+        return indices, count
+
+    def forward(self, x, indices, count=None, inplace=False):
+        """``x`` NCHW (channels_last memory avoids a copy); blocks from `active_blocks`.
+
+        With ``inplace`` the residual is added into ``x`` itself (channels_last
+        ``x``), as SBNet does: no copy of the whole input, which at low active
+        fractions would cost more than the blocks. ``x`` is returned then.
+        """
         p = self.geometry(x.shape)
-        nhwc = x.permute(0, 2, 3, 1).contiguous()
+        nhwc = x.permute(0, 2, 3, 1)
+        if inplace and not nhwc.is_contiguous():
+            raise ValueError("x: inplace needs a channels_last x (x.to(memory_format=torch.channels_last))")
+        nhwc = nhwc.contiguous()
         blocks = sparse_gather(nhwc, indices, p.bsize, p.bstride, p.boffset, transpose=True, count=count)
         out = self.residual(blocks).contiguous()
-        y = sparse_scatter(out, indices, nhwc, p.bsize_out, p.bsize_out, 0, add=True, transpose=True, count=count)
+        y = sparse_scatter(out, indices, nhwc, p.bsize_out, p.bsize_out, 0, add=True, transpose=True,
+                           inplace=inplace, count=count)
         return y.permute(0, 3, 1, 2)

@@ -98,3 +98,10 @@ def test_sparse_res_block_equals_the_dense_block_on_active_blocks():
     torch.testing.assert_close(y[~active], x[~active])
     y.sum().backward()  # gradients reach the convolutions
     assert block.conv2.weight.grad is not None
+    with torch.no_grad():  # in place: into x itself, no copy of the input
+        x_inplace = x.clone()
+        out = block(x_inplace, indices, count, inplace=True)
+    assert out.data_ptr() == x_inplace.data_ptr()
+    torch.testing.assert_close(x_inplace, y.detach())
+    with pytest.raises(ValueError, match="channels_last"):
+        block(x.contiguous(), indices, count, inplace=True)

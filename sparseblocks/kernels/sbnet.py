@@ -33,7 +33,7 @@ Versions: 1 (this file).
 import math
 
 import numpy as np
-from numba import cuda, float64, from_dtype
+from numba import cuda, float32, float64, from_dtype, int64, uint64
 
 from .._arrays import Operand, check_dtype, check_same_kind, launch_stream
 from .._backend import SIMULATOR
@@ -48,9 +48,11 @@ POOL_WARPS = 8  # windows pooled per thread block, one warp each
 COMPACT_THREADS = 256  # flags per thread block of the compaction
 COMPACT_WARPS = COMPACT_THREADS // WARP  # a literal: shared-array shapes must be compile-time constants
 COPY_THREADS = 256  # threads of a gather/scatter block (one thread block a window)
+COPY_UNROLL = 4  # elements a thread loads before it stores any
 TILE = 32  # transposing gather/scatter: 32 pixels x 32 channels through shared memory
 TILE_ROWS = 8  # ... by 32 x 8 threads
 TILE_SHAPE = (TILE, TILE + 1)  # +1 column: reading a column hits 32 distinct banks
+TILE_STEPS = TILE // TILE_ROWS  # tile rows each thread moves (a literal: local-array shapes are constants)
 MASK_DTYPES = ("bool", "uint8", "float16", "float32", "float64")
 DATA_DTYPES = ("float16", "float32", "float64")
 
@@ -156,11 +158,17 @@ def write_kernel(indices, flags, block_offsets, total, count_h, count_w):
 
 
 @cuda.jit(device=True, inline=True)
-def _window(indices, i, size_w, stride_h, stride_w, offset_h, offset_w, p):
-    """(n, h, w) of pixel p of block i's window."""
-    r = p // size_w
-    return (indices[i, 0], offset_h + indices[i, 1] * stride_h + r,
-            offset_w + indices[i, 2] * stride_w + p - r * size_w)
+def _split(p, d, inv):
+    """(p // d, p % d) for 0 <= p < 2**24 through a float reciprocal (64-bit division is slow)."""
+    q = int64(float32(p) * inv)
+    rest = p - q * d
+    if rest < 0:
+        q -= 1
+        rest += d
+    elif rest >= d:
+        q += 1
+        rest -= d
+    return q, rest
 
 
 def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
@@ -168,7 +176,10 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
 
     The image is NHWC when `channels_last`, else NCHW; the blocks share its
     layout unless `transpose`. Every kernel walks its arrays along their
-    contiguous axis: channels for channels-last data, pixels otherwise.
+    contiguous axis: channels for channels-last data, pixels otherwise. A
+    thread block takes one window: its (n, h0, w0) is read once, and out-of-
+    image elements read a clamped (valid) address and are zeroed by a select,
+    so each thread keeps COPY_UNROLL loads in flight without branches.
     """
     element = from_dtype(np.dtype(dtype))
     blocks_last = channels_last != transpose  # are the blocks [nb, bh, bw, C]?
@@ -182,12 +193,14 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
         return image.shape[0], image.shape[2], image.shape[3], image.shape[1]
 
     @cuda.jit(device=True, inline=True)
-    def image_get(image, n, h, w, c):
-        return image[n, h, w, c] if channels_last else image[n, c, h, w]
+    def image_index(n, h, w, c):
+        """Unsigned (no negative-index wrap): callers pass coordinates inside the image."""
+        if channels_last:
+            return uint64(n), uint64(h), uint64(w), uint64(c)
+        return uint64(n), uint64(c), uint64(h), uint64(w)
 
     @cuda.jit(device=True, inline=True)
-    def image_put(image, n, h, w, c, value):
-        index = (n, h, w, c) if channels_last else (n, c, h, w)
+    def image_put(image, index, value):
         if add:
             if atomic:
                 cuda.atomic.add(image, index, value)
@@ -197,83 +210,130 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
             image[index] = value
 
     @cuda.jit(device=True, inline=True)
-    def block_get(blocks, i, r, s, c):
-        return blocks[i, r, s, c] if blocks_last else blocks[i, c, r, s]
-
-    @cuda.jit(device=True, inline=True)
-    def block_set(blocks, i, r, s, c, value):
+    def block_index(i, r, s, c):
         if blocks_last:
-            blocks[i, r, s, c] = value
-        else:
-            blocks[i, c, r, s] = value
+            return uint64(i), uint64(r), uint64(s), uint64(c)
+        return uint64(i), uint64(c), uint64(r), uint64(s)
 
     @cuda.jit(device=True, inline=True)
-    def move(image, blocks, indices, i, p, c, value, geometry):
-        """Gather: read pixel p, channel c of block i (value ignored). Scatter: write value there."""
-        size_w, stride_h, stride_w, offset_h, offset_w = geometry
-        N, H, W, C = image_shape(image)
-        n, h, w = _window(indices, i, size_w, stride_h, stride_w, offset_h, offset_w, p)
-        inside = 0 <= n < N and 0 <= h < H and 0 <= w < W
-        if scatter:
-            if inside:
-                image_put(image, n, h, w, c, value)
-            return value
-        return image_get(image, n, h, w, c) if inside else element(0)
+    def window(indices, i, stride_h, stride_w, offset_h, offset_w):
+        return indices[i, 0], offset_h + indices[i, 1] * stride_h, offset_w + indices[i, 2] * stride_w
 
     @cuda.jit
     def copy_plain(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w):
         i = cuda.blockIdx.x
         if i >= count[0]:
             return
-        _, _, _, C = image_shape(image)
-        pixels = size_h * size_w
-        geometry = (size_w, stride_h, stride_w, offset_h, offset_w)
-        for e in range(cuda.threadIdx.x, pixels * C, COPY_THREADS):
-            if channels_last:
-                p = e // C
-                c = e - p * C
-            else:
-                c = e // pixels
-                p = e - c * pixels
-            r = p // size_w
-            s = p - r * size_w
-            if scatter:
-                move(image, blocks, indices, i, p, c, block_get(blocks, i, r, s, c), geometry)
-            else:
-                block_set(blocks, i, r, s, c, move(image, blocks, indices, i, p, c, element(0), geometry))
+        N, H, W, C = image_shape(image)
+        n, h0, w0 = window(indices, i, stride_h, stride_w, offset_h, offset_w)
+        n_ok = 0 <= n < N
+        if scatter and not n_ok:
+            return
+        nc = min(max(n, 0), N - 1)
+        # Elements in the arrays' shared order (a, b, d), d contiguous: (r, s, c)
+        # channels-last, (c, r, s) otherwise. Each thread steps COPY_THREADS
+        # elements at a time, carrying (a, b, d) along without a division.
+        if channels_last:
+            B, D, A = size_w, C, size_h
+        else:
+            B, D, A = size_h, size_w, C
+        td = COPY_THREADS % D
+        tb = (COPY_THREADS // D) % B
+        ta = COPY_THREADS // (B * D)
+        tid = cuda.threadIdx.x
+        d = tid % D
+        b = (tid // D) % B
+        a = tid // (B * D)
+        av = cuda.local.array(COPY_UNROLL, int64)
+        bv = cuda.local.array(COPY_UNROLL, int64)
+        dv = cuda.local.array(COPY_UNROLL, int64)
+        values = cuda.local.array(COPY_UNROLL, element)
+        while a < A:
+            for u in range(COPY_UNROLL):
+                av[u] = a
+                bv[u] = b
+                dv[u] = d
+                d += td
+                b += tb
+                a += ta
+                if d >= D:
+                    d -= D
+                    b += 1
+                if b >= B:
+                    b -= B
+                    a += 1
+            for u in range(COPY_UNROLL):  # all loads first: COPY_UNROLL in flight
+                ac = min(av[u], A - 1)  # the last group may run past the end: read a valid address
+                r, c, sw = (ac, dv[u], bv[u]) if channels_last else (bv[u], ac, dv[u])
+                h = h0 + r
+                w = w0 + sw
+                if scatter:
+                    values[u] = blocks[block_index(i, r, sw, c)]
+                else:
+                    inside = n_ok and 0 <= h < H and 0 <= w < W and av[u] < A
+                    value = image[image_index(nc, min(max(h, 0), H - 1), min(max(w, 0), W - 1), c)]
+                    values[u] = value if inside else element(0)
+            for u in range(COPY_UNROLL):
+                if av[u] < A:
+                    r, c, sw = (av[u], dv[u], bv[u]) if channels_last else (bv[u], av[u], dv[u])
+                    if scatter:
+                        h = h0 + r
+                        w = w0 + sw
+                        if 0 <= h < H and 0 <= w < W:
+                            image_put(image, image_index(n, h, w, c), values[u])
+                    else:
+                        blocks[block_index(i, r, sw, c)] = values[u]
 
     @cuda.jit
     def copy_transposed(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w):
         i = cuda.blockIdx.x
         if i >= count[0]:
             return  # the same for the whole thread block, before any barrier
-        _, _, _, C = image_shape(image)
+        N, H, W, C = image_shape(image)
+        n, h0, w0 = window(indices, i, stride_h, stride_w, offset_h, offset_w)
+        n_ok = 0 <= n < N
+        if scatter and not n_ok:
+            return  # the same for the whole thread block, before any barrier
+        nc = min(max(n, 0), N - 1)
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         tile = cuda.shared.array(TILE_SHAPE, element)
         pixels = size_h * size_w
-        geometry = (size_w, stride_h, stride_w, offset_h, offset_w)
+        inv_w = float32(1) / float32(size_w)
         for p0 in range(0, pixels, TILE):
             for c0 in range(0, C, TILE):
-                for j in range(ty, TILE, TILE_ROWS):  # read the source along its contiguous axis
+                values = cuda.local.array(TILE_STEPS, element)
+                for k in range(TILE_STEPS):  # read the source along its contiguous axis
+                    j = ty + k * TILE_ROWS
                     p = p0 + (j if source_last else tx)
                     c = c0 + (tx if source_last else j)
-                    if p < pixels and c < C:
-                        r = p // size_w
-                        if scatter:
-                            tile[j, tx] = block_get(blocks, i, r, p - r * size_w, c)
-                        else:
-                            tile[j, tx] = move(image, blocks, indices, i, p, c, element(0), geometry)
+                    ok = p < pixels and c < C
+                    r, sw = _split(min(p, pixels - 1), size_w, inv_w)
+                    cc = min(c, C - 1)
+                    if scatter:
+                        value = blocks[block_index(i, r, sw, cc)]
+                    else:
+                        h = h0 + r
+                        w = w0 + sw
+                        ok = ok and n_ok and 0 <= h < H and 0 <= w < W
+                        value = image[image_index(nc, min(max(h, 0), H - 1), min(max(w, 0), W - 1), cc)]
+                    values[k] = value if ok else element(0)
+                for k in range(TILE_STEPS):
+                    tile[ty + k * TILE_ROWS, tx] = values[k]
                 cuda.syncthreads()  # the tile is loaded
-                for j in range(ty, TILE, TILE_ROWS):  # write the destination along its own
+                for k in range(TILE_STEPS):  # write the destination along its own
+                    j = ty + k * TILE_ROWS
                     p = p0 + (tx if source_last else j)
                     c = c0 + (j if source_last else tx)
                     if p < pixels and c < C:
-                        r = p // size_w
+                        r, sw = _split(p, size_w, inv_w)
                         if scatter:
-                            move(image, blocks, indices, i, p, c, tile[tx, j], geometry)
+                            h = h0 + r
+                            w = w0 + sw
+                            if 0 <= h < H and 0 <= w < W:
+                                image_put(image, image_index(n, h, w, c), tile[tx, j])
                         else:
-                            block_set(blocks, i, r, p - r * size_w, c, tile[tx, j])
+                            blocks[block_index(i, r, sw, c)] = tile[tx, j]
                 cuda.syncthreads()  # the tile is read before the next one is loaded
 
     return copy_transposed if transpose else copy_plain
@@ -323,14 +383,15 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
     indices_native, indices = _int_output(mask_op, (max(total, 1), 3), stream, fill=-1)
     count_native, count = _int_output(mask_op, (1,), stream, fill=0)
     if total:
-        flags = cuda.device_array(total, np.int8, stream=stream)
+        # Temporaries from the caller's allocator (torch's cache): no cudaMalloc per call.
+        flags = mask_op.scratch(total, "int8", stream)
         launch(pool_kernel, -(-total // POOL_WARPS), POOL_WARPS * WARP, stream, (
             flags, mask_op.device(stream), N, H, W, count_hw[0], count_hw[1], size[0], size[1],
             stride[0], stride[1], offset[0], offset[1], float(tol), bool(avgpool),
         ))
         n_compact = -(-total // COMPACT_THREADS)
-        block_counts = cuda.device_array(n_compact, np.int32, stream=stream)
-        block_offsets = cuda.device_array(n_compact, np.int32, stream=stream)
+        block_counts = mask_op.scratch(n_compact, "int32", stream)
+        block_offsets = mask_op.scratch(n_compact, "int32", stream)
         launch(count_kernel, n_compact, COMPACT_THREADS, stream, (block_counts, flags, total))
         launch(scan_kernel, 1, WARP, stream, (block_offsets, count, block_counts, n_compact))
         launch(write_kernel, n_compact, COMPACT_THREADS, stream, (
@@ -358,6 +419,16 @@ def _int_output(op, shape, stream, fill):
     return device, device
 
 
+_counts = {}
+
+
+def _constant_count(n):
+    """A device int32 [n], made once per n (kernels only read it): no copy to the device per call."""
+    if n not in _counts:
+        _counts[n] = cuda.to_device(np.array([n], np.int32))
+    return _counts[n]
+
+
 def _prepare_indices(indices, count, ops, stream):
     """Device indices and count, validated: (indices, count, n_blocks launched)."""
     idx = Operand(indices, "indices")
@@ -369,7 +440,7 @@ def _prepare_indices(indices, count, ops, stream):
     idx.require_contiguous()
     if count is None:
         n_blocks = idx.shape[0]
-        count_device = cuda.to_device(np.array([n_blocks], np.int32), stream=stream)
+        count_device = _constant_count(n_blocks)
     else:
         cnt = Operand(count, "count")
         if cnt.shape != (1,) or cnt.dtype != "int32":
