@@ -80,7 +80,11 @@ def bench_ops(torch, sbnet, reference, records, shapes, channels, blocks, fracti
 
 
 def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
-    """The sparse block (in place, as SBNet runs it) against the dense one, both timed both ways."""
+    """The sparse block (in place, as SBNet runs it) against the dense one, both timed both ways.
+
+    Both stack layouts: NHWC (the default, straight into channels_last convolutions)
+    and SBNet's NCHW stack through the fused transpose.
+    """
     dtype = getattr(torch, dtype_name)
     torch.backends.cudnn.allow_tf32 = False  # fp32 means fp32 on both paths (TF32 would differ by ~1e-3)
     torch.manual_seed(0)
@@ -89,20 +93,23 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
     rng = np.random.default_rng(1)
     with torch.no_grad():
         dense = timed(lambda: block.dense(x))
+        want = block.dense(x)
         for fraction in fractions:
             mask = torch.as_tensor(block_mask(rng, 1, 400, 700, 14, fraction), device="cuda")
             indices, count = block.active_blocks(mask, tol=0.5)
-            y = block(x, indices, count)
-            want = block.dense(x)
-            changed = (y != x).any(dim=1)
-            error = ((y - want).abs() * changed[:, None]).max().item()
-            assert error < (1e-2 if dtype_name == "float16" else 1e-4), f"sparse block differs: {error}"
-            work = x.clone()  # the in-place runs add into this copy, again and again
-            ours = timed(lambda: block(work, indices, count, inplace=True))
-            for timing in ("eager", "graph"):
-                records.append(Record("sparse_res_block", {
-                    "dtype": dtype_name, "active": fraction, "N": 1, "H": 400, "W": 700, "C": 256,
-                    "bottleneck": 64, "timing": timing}, ours[timing], {"dense_block": dense[timing]}))
+            for transpose in (False, True):
+                block.transpose = transpose
+                y = block(x, indices, count)
+                changed = (y != x).any(dim=1)
+                error = ((y - want).abs() * changed[:, None]).max().item()
+                assert error < (1e-2 if dtype_name == "float16" else 1e-4), f"sparse block differs: {error}"
+                work = x.clone()  # the in-place runs add into this copy, again and again
+                ours = timed(lambda: block(work, indices, count, inplace=True))
+                for timing in ("eager", "graph"):
+                    records.append(Record("sparse_res_block", {
+                        "dtype": dtype_name, "active": fraction, "N": 1, "H": 400, "W": 700, "C": 256,
+                        "bottleneck": 64, "stack": "NCHW" if transpose else "NHWC", "timing": timing},
+                        ours[timing], {"dense_block": dense[timing]}))
 
 
 def main():

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_bsmm import relative_error  # noqa: E402
 from benchmarks.common import baseline_ms, device_name, time_ms  # noqa: E402
 
-VARIANTS = [("v3", 3, {}), ("v4", 4, {}), ("v4 regs<=168", 4, {"max_registers": 168}),
-            ("v4 regs<=128", 4, {"max_registers": 128})]
+VARIANTS = [("v3", 3, {}, "pad"), ("v4 pad", 4, {}, "pad"), ("v4 swizzle", 4, {}, "swizzle"),
+            ("v4 pad regs<=168", 4, {"max_registers": 168}, "pad")]
 
 
 def main():
@@ -54,9 +54,10 @@ def main():
             W_t_bsr = Wd.T.contiguous().to_sparse_bsr((bs, bs))
             xt = x.T.contiguous()
             bsr = baseline_ms(lambda: W_t_bsr @ xt)
-            for name, version, options in VARIANTS:
+            for name, version, options, shared_layout in VARIANTS:
                 bsmm.V4_OPTIONS.clear()
                 bsmm.V4_OPTIONS.update(options)
+                bsmm.V4_LAYOUT = shared_layout
                 for key in [k for k in bsmm._kernels if k[0] == "_make_product_v4"]:
                     del bsmm._kernels[key]
                 errors = (relative_error(bsmm.forward(x, w, layout, version=version), want_y),

@@ -101,13 +101,20 @@ class SparseResBlock(torch.nn.Module):
     ReLU between, convolutions without bias so that the zeros read outside
     the image stay zeros, as the dense block's zero padding does.
     ``block_size`` is the input window (the output window is 2 smaller).
+
+    Layout of the block stack the convolutions see: with ``transpose`` (SBNet's
+    own), a channels_last input is gathered through the fused transpose into
+    an NCHW stack and scattered back the same way; without it (the default) a
+    channels_last input gives an NHWC stack that cuDNN's channels_last
+    convolutions take as it is, and an NCHW input an NCHW stack.
     """
 
     KERNELS = (1, 3, 1)
 
-    def __init__(self, channels, bottleneck, block_size=16):
+    def __init__(self, channels, bottleneck, block_size=16, transpose=False):
         super().__init__()
         self.block_size = block_size
+        self.transpose = bool(transpose)
         self.conv1 = torch.nn.Conv2d(channels, bottleneck, 1, bias=False)
         self.conv2 = torch.nn.Conv2d(bottleneck, bottleneck, 3, bias=False)
         self.conv3 = torch.nn.Conv2d(bottleneck, channels, 1, bias=False)
@@ -142,19 +149,29 @@ class SparseResBlock(torch.nn.Module):
         return indices, count
 
     def forward(self, x, indices, count=None, inplace=False):
-        """``x`` NCHW (channels_last memory avoids a copy); blocks from `active_blocks`.
+        """``x`` NCHW (channels_last or contiguous); blocks from `active_blocks`.
 
-        With ``inplace`` the residual is added into ``x`` itself (channels_last
-        ``x``), as SBNet does: no copy of the whole input, which at low active
-        fractions would cost more than the blocks. ``x`` is returned then.
+        With ``inplace`` the residual is added into ``x`` itself, as SBNet does:
+        no copy of the whole input, which at low active fractions would cost
+        more than the blocks. ``x`` is returned then.
         """
         p = self.geometry(x.shape)
-        nhwc = x.permute(0, 2, 3, 1)
-        if inplace and not nhwc.is_contiguous():
-            raise ValueError("x: inplace needs a channels_last x (x.to(memory_format=torch.channels_last))")
-        nhwc = nhwc.contiguous()
-        blocks = sparse_gather(nhwc, indices, p.bsize, p.bstride, p.boffset, transpose=True, count=count)
-        out = self.residual(blocks).contiguous()
-        y = sparse_scatter(out, indices, nhwc, p.bsize_out, p.bsize_out, 0, add=True, transpose=True,
-                           inplace=inplace, count=count)
-        return y.permute(0, 3, 1, 2)
+        gather_at = (p.bsize, p.bstride, p.boffset)
+        scatter_at = (p.bsize_out, p.bsize_out, 0)
+        if x.is_contiguous(memory_format=torch.channels_last):
+            nhwc = x.permute(0, 2, 3, 1)
+            stack = sparse_gather(nhwc, indices, *gather_at, transpose=self.transpose, count=count)
+            if self.transpose:  # SBNet's NCHW stack
+                out = self.residual(stack).contiguous()
+            else:  # an NHWC stack, seen by the convolutions as channels_last NCHW
+                out = self.residual(stack.permute(0, 3, 1, 2)).permute(0, 2, 3, 1).contiguous()
+            y = sparse_scatter(out, indices, nhwc, *scatter_at, add=True, transpose=self.transpose,
+                               inplace=inplace, count=count)
+            return y.permute(0, 3, 1, 2)
+        if inplace and not x.is_contiguous():
+            raise ValueError("x: inplace needs a contiguous or channels_last x")
+        x = x.contiguous()
+        stack = sparse_gather(x, indices, *gather_at, count=count, data_format="NCHW")
+        out = self.residual(stack).contiguous()
+        return sparse_scatter(out, indices, x, *scatter_at, add=True, inplace=inplace, count=count,
+                              data_format="NCHW")

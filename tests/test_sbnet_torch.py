@@ -78,10 +78,14 @@ def test_inplace_scatter_trains():
     torch.testing.assert_close(blocks.grad, tensor(inside))
 
 
-def test_sparse_res_block_equals_the_dense_block_on_active_blocks():
+@pytest.mark.parametrize("layout", ["NHWC stack", "NCHW stack (SBNet's fused transpose)", "NCHW input"])
+def test_sparse_res_block_equals_the_dense_block_on_active_blocks(layout):
     torch.manual_seed(0)
-    block = sbnet_torch.SparseResBlock(channels=4, bottleneck=2, block_size=6).double().to(DEVICE)
-    x = torch.randn(1, 4, 9, 10, dtype=torch.float64, device=DEVICE).to(memory_format=torch.channels_last)
+    block = sbnet_torch.SparseResBlock(channels=4, bottleneck=2, block_size=6,
+                                       transpose=layout.startswith("NCHW stack")).double().to(DEVICE)
+    x = torch.randn(1, 4, 9, 10, dtype=torch.float64, device=DEVICE)
+    if layout != "NCHW input":
+        x = x.to(memory_format=torch.channels_last)
     mask = np.zeros((1, 9, 10), np.float32)
     mask[0, 2, 7] = 1
     indices, count = block.active_blocks(tensor(mask))
@@ -104,4 +108,4 @@ def test_sparse_res_block_equals_the_dense_block_on_active_blocks():
     assert out.data_ptr() == x_inplace.data_ptr()
     torch.testing.assert_close(x_inplace, y.detach())
     with pytest.raises(ValueError, match="channels_last"):
-        block(x.contiguous(), indices, count, inplace=True)
+        block(x[..., ::2], indices, count, inplace=True)

@@ -21,13 +21,31 @@ from .._backend import SIMULATOR
 _compiled = {}
 _streams = {}
 _core_streams = {}
+_configs = {}
+_multiprocessors = None
+_cuda_core = None
+
+
+def multiprocessors():
+    """The current GPU's multiprocessor count (1 in the simulator), cached."""
+    global _multiprocessors
+    if _multiprocessors is None:
+        try:
+            _multiprocessors = cuda.get_current_device().MULTIPROCESSOR_COUNT
+        except Exception:  # the simulator's fake device has no such attribute
+            _multiprocessors = 1
+    return _multiprocessors
 
 
 def _signature(arg):
-    """What decides the compiled overload: dtype and rank of arrays, type of scalars."""
+    """What decides the compiled overload: dtype and rank of arrays, type of scalars.
+
+    The dtype object itself, not its name: ``str`` of a NumPy dtype costs
+    microseconds, and this runs for every argument of every launch.
+    """
     if isinstance(arg, (int, float)):
         return type(arg)
-    return (str(arg.dtype), len(arg.shape))
+    return (arg.dtype, len(arg.shape))
 
 
 def _raw_array(arg):
@@ -59,13 +77,21 @@ def stream_of(handle):
     return _streams[handle]
 
 
+def _core():
+    """The cuda.core module, imported on the first compiled launch (the simulator never needs it)."""
+    global _cuda_core
+    if _cuda_core is None:
+        import cuda.core
+
+        _cuda_core = cuda.core
+    return _cuda_core
+
+
 def _core_stream(stream):
     """cuda.core's view of a Numba stream, cached (cuda.core deprecates taking foreign objects)."""
     core = _core_streams.get(stream)
     if core is None:
-        from cuda.core import Stream
-
-        core = _core_streams[stream] = Stream.from_handle(int(stream.__cuda_stream__()[1]))
+        core = _core_streams[stream] = _core().Stream.from_handle(int(stream.__cuda_stream__()[1]))
     return core
 
 
@@ -85,10 +111,8 @@ def launch(dispatcher, grid, block, stream, args):
         compiled = dispatcher.compile(tuple(dispatcher.typeof_pyval(arg) for arg in args))
         _compiled[key] = compiled._codelibrary.get_cufunc().kernel
         return
-    from cuda.core import LaunchConfig
-    from cuda.core import launch as core_launch
-
-    grid = grid if isinstance(grid, tuple) else (grid,)
-    block = block if isinstance(block, tuple) else (block,)
-    core_launch(_core_stream(stream if stream else stream_of(0)), LaunchConfig(grid=grid, block=block), kernel,
-                *_raw(args))
+    config = _configs.get((grid, block))
+    if config is None:
+        config = _configs[(grid, block)] = _core().LaunchConfig(
+            grid=grid if isinstance(grid, tuple) else (grid,), block=block if isinstance(block, tuple) else (block,))
+    _core().launch(_core_stream(stream if stream else stream_of(0)), config, kernel, *_raw(args))

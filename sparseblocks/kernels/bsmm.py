@@ -43,7 +43,7 @@ from .._backend import SIMULATOR
 from .._arrays import (
     Operand, check_dtype, check_same_dtype, check_same_kind, check_shape, launch_stream,
 )
-from ._launch import launch
+from ._launch import launch, multiprocessors
 
 # -- constants -----------------------------------------------------------------
 
@@ -81,6 +81,7 @@ V4_KC = 8
 # simulator does not take an alignment.
 SHARED_ALIGN = None if SIMULATOR else 16
 V4_OPTIONS = {}  # extra cuda.jit options for version 4 (benchmarks try register caps)
+V4_LAYOUT = "pad"  # shared tiles: "pad" (rows 4 floats longer) or "swizzle" (XOR of 4·kk)
 
 # -- device helpers ---------------------------------------------------------------
 
@@ -423,11 +424,15 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis):
     CPB = bs // KC  # chunks per block
     A_LOADS = TM * KC // T
     W_LOADS = KC * bs // T
-    A_TILE = KC * TM
-    W_TILE = KC * bs
+    PAD = 4 if V4_LAYOUT == "pad" else 0  # floats: rows stay 16-byte aligned
+    A_STRIDE = TM + PAD
+    W_STRIDE = bs + PAD
+    A_TILE = KC * A_STRIDE
+    W_TILE = KC * W_STRIDE
     A_SIZE = 2 * A_TILE
     W_SIZE = 2 * W_TILE
-    W_SWIZZLE = min(8, bs // 4) - 1  # feature quads a w row holds, less one
+    W_SWIZZLE = 0 if PAD else min(8, bs // 4) - 1  # feature quads a w row holds, less one
+    A_SWIZZLE = 0 if PAD else 7
     load, store = _activation_io(feature_axis)
     to_acc, from_acc = _converters(storage, acc_type)
 
@@ -447,11 +452,11 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis):
 
     @cuda.jit(device=True, inline=True)
     def a_slot(kk, r):
-        return kk * TM + (r ^ (kk << 2))
+        return kk * A_STRIDE + (r ^ ((kk & A_SWIZZLE) << 2))
 
     @cuda.jit(device=True, inline=True)
     def w_slot(kk, col):
-        return kk * bs + (col ^ ((kk & W_SWIZZLE) << 2))
+        return kk * W_STRIDE + (col ^ ((kk & W_SWIZZLE) << 2))
 
     @cuda.jit(device=True, inline=True)
     def fetch(a, w, pa, pw, tid, row0, n_rows, j, k0, other_idx, line_block):
@@ -518,10 +523,10 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis):
                 # compiler then sees 16-byte alignment and merges each four
                 # loads into one (a signed index also gets Numba's negative-
                 # index wrap, which costs instructions and hides adjacency).
-                ra = uint64(buf * (A_TILE // 4) + kk * (TM // 4) + (ty ^ kk)) * uint64(4)
-                rw = uint64(buf * (W_TILE // 4) + kk * (bs // 4) + (tx ^ (kk & W_SWIZZLE))) * uint64(4)
+                ra = uint64(buf * (A_TILE // 4) + kk * (A_STRIDE // 4) + (ty ^ (kk & A_SWIZZLE))) * uint64(4)
+                rw = uint64(buf * (W_TILE // 4) + kk * (W_STRIDE // 4) + (tx ^ (kk & W_SWIZZLE))) * uint64(4)
                 # The swizzle may flip the bit that HALF_N sets: a second slot for w.
-                rw2 = uint64(buf * (W_TILE // 4) + kk * (bs // 4)
+                rw2 = uint64(buf * (W_TILE // 4) + kk * (W_STRIDE // 4)
                              + ((tx + HALF_N // 4) ^ (kk & W_SWIZZLE))) * uint64(4)
                 for i in range(4):
                     fa[i] = a_s[ra + uint64(i)]
@@ -752,13 +757,6 @@ def _unused_workspace(dtype):
     return _unused[dtype]
 
 
-def _multiprocessors():
-    try:
-        return cuda.get_current_device().MULTIPROCESSOR_COUNT
-    except Exception:  # the simulator's fake device has no such attribute
-        return 1
-
-
 def segment_limit(layout, axis):
     """Longest segment (in blocks) a thread block of the version 2 product takes on."""
     ptr = layout.col_ptr if axis == "col" else layout.row_ptr
@@ -816,7 +814,7 @@ def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, str
 
 def wgrad_splits(layout, n_rows):
     """How many slices of N the version 2 weight gradient cuts each block's sum into."""
-    wanted = -(-4 * _multiprocessors() // max(1, layout.n_blocks))
+    wanted = -(-4 * multiprocessors() // max(1, layout.n_blocks))
     return int(max(1, min(wanted, n_rows // (4 * WGRAD_CHUNK))))
 
 

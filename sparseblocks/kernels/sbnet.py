@@ -38,7 +38,7 @@ from numba import cuda, float32, float64, from_dtype, int64, uint64
 from .._arrays import Operand, check_dtype, check_same_kind, launch_stream
 from .._backend import SIMULATOR
 from ..reference.sbnet import block_count, check_geometry, pair
-from ._launch import launch
+from ._launch import launch, multiprocessors
 
 # -- constants -----------------------------------------------------------------
 
@@ -49,6 +49,7 @@ COMPACT_THREADS = 256  # flags per thread block of the compaction
 COMPACT_WARPS = COMPACT_THREADS // WARP  # a literal: shared-array shapes must be compile-time constants
 COPY_THREADS = 256  # threads of a gather/scatter block (one thread block a window)
 COPY_UNROLL = 4  # elements a thread loads before it stores any
+WAVES = 4  # thread blocks per multiprocessor a gather/scatter aims for
 TILE = 32  # transposing gather/scatter: 32 pixels x 32 channels through shared memory
 TILE_ROWS = 8  # ... by 32 x 8 threads
 TILE_SHAPE = (TILE, TILE + 1)  # +1 column: reading a column hits 32 distinct banks
@@ -231,28 +232,35 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
             return
         nc = min(max(n, 0), N - 1)
         # Elements in the arrays' shared order (a, b, d), d contiguous: (r, s, c)
-        # channels-last, (c, r, s) otherwise. Each thread steps COPY_THREADS
+        # channels-last, (c, r, s) otherwise. Thread block (i, part) takes the
+        # part-th slice of window i's elements; each thread steps COPY_THREADS
         # elements at a time, carrying (a, b, d) along without a division.
         if channels_last:
             B, D, A = size_w, C, size_h
         else:
             B, D, A = size_h, size_w, C
+        total = A * B * D
+        per_part = -(-total // cuda.gridDim.y)
+        e_end = min(total, (cuda.blockIdx.y + 1) * per_part)
         td = COPY_THREADS % D
         tb = (COPY_THREADS // D) % B
         ta = COPY_THREADS // (B * D)
-        tid = cuda.threadIdx.x
-        d = tid % D
-        b = (tid // D) % B
-        a = tid // (B * D)
+        e = cuda.blockIdx.y * per_part + cuda.threadIdx.x
+        d = e % D
+        b = (e // D) % B
+        a = e // (B * D)
+        ev = cuda.local.array(COPY_UNROLL, int64)
         av = cuda.local.array(COPY_UNROLL, int64)
         bv = cuda.local.array(COPY_UNROLL, int64)
         dv = cuda.local.array(COPY_UNROLL, int64)
         values = cuda.local.array(COPY_UNROLL, element)
-        while a < A:
+        while e < e_end:
             for u in range(COPY_UNROLL):
+                ev[u] = e
                 av[u] = a
                 bv[u] = b
                 dv[u] = d
+                e += COPY_THREADS
                 d += td
                 b += tb
                 a += ta
@@ -263,18 +271,18 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
                     b -= B
                     a += 1
             for u in range(COPY_UNROLL):  # all loads first: COPY_UNROLL in flight
-                ac = min(av[u], A - 1)  # the last group may run past the end: read a valid address
+                ac = min(av[u], A - 1)  # the last group may run past the window: read a valid address
                 r, c, sw = (ac, dv[u], bv[u]) if channels_last else (bv[u], ac, dv[u])
                 h = h0 + r
                 w = w0 + sw
                 if scatter:
                     values[u] = blocks[block_index(i, r, sw, c)]
                 else:
-                    inside = n_ok and 0 <= h < H and 0 <= w < W and av[u] < A
+                    inside = n_ok and 0 <= h < H and 0 <= w < W
                     value = image[image_index(nc, min(max(h, 0), H - 1), min(max(w, 0), W - 1), c)]
                     values[u] = value if inside else element(0)
             for u in range(COPY_UNROLL):
-                if av[u] < A:
+                if ev[u] < e_end:
                     r, c, sw = (av[u], dv[u], bv[u]) if channels_last else (bv[u], av[u], dv[u])
                     if scatter:
                         h = h0 + r
@@ -300,41 +308,44 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
         tile = cuda.shared.array(TILE_SHAPE, element)
         pixels = size_h * size_w
         inv_w = float32(1) / float32(size_w)
-        for p0 in range(0, pixels, TILE):
-            for c0 in range(0, C, TILE):
-                values = cuda.local.array(TILE_STEPS, element)
-                for k in range(TILE_STEPS):  # read the source along its contiguous axis
-                    j = ty + k * TILE_ROWS
-                    p = p0 + (j if source_last else tx)
-                    c = c0 + (tx if source_last else j)
-                    ok = p < pixels and c < C
-                    r, sw = _split(min(p, pixels - 1), size_w, inv_w)
-                    cc = min(c, C - 1)
+        c_tiles = -(-C // TILE)
+        values = cuda.local.array(TILE_STEPS, element)
+        # Thread block (i, part) takes every parts-th tile of window i.
+        for t in range(cuda.blockIdx.y, -(-pixels // TILE) * c_tiles, cuda.gridDim.y):
+            p0 = (t // c_tiles) * TILE
+            c0 = (t - (t // c_tiles) * c_tiles) * TILE
+            for k in range(TILE_STEPS):  # read the source along its contiguous axis
+                j = ty + k * TILE_ROWS
+                p = p0 + (j if source_last else tx)
+                c = c0 + (tx if source_last else j)
+                ok = p < pixels and c < C
+                r, sw = _split(min(p, pixels - 1), size_w, inv_w)
+                cc = min(c, C - 1)
+                if scatter:
+                    value = blocks[block_index(i, r, sw, cc)]
+                else:
+                    h = h0 + r
+                    w = w0 + sw
+                    ok = ok and n_ok and 0 <= h < H and 0 <= w < W
+                    value = image[image_index(nc, min(max(h, 0), H - 1), min(max(w, 0), W - 1), cc)]
+                values[k] = value if ok else element(0)
+            for k in range(TILE_STEPS):
+                tile[ty + k * TILE_ROWS, tx] = values[k]
+            cuda.syncthreads()  # the tile is loaded
+            for k in range(TILE_STEPS):  # write the destination along its own
+                j = ty + k * TILE_ROWS
+                p = p0 + (tx if source_last else j)
+                c = c0 + (j if source_last else tx)
+                if p < pixels and c < C:
+                    r, sw = _split(p, size_w, inv_w)
                     if scatter:
-                        value = blocks[block_index(i, r, sw, cc)]
-                    else:
                         h = h0 + r
                         w = w0 + sw
-                        ok = ok and n_ok and 0 <= h < H and 0 <= w < W
-                        value = image[image_index(nc, min(max(h, 0), H - 1), min(max(w, 0), W - 1), cc)]
-                    values[k] = value if ok else element(0)
-                for k in range(TILE_STEPS):
-                    tile[ty + k * TILE_ROWS, tx] = values[k]
-                cuda.syncthreads()  # the tile is loaded
-                for k in range(TILE_STEPS):  # write the destination along its own
-                    j = ty + k * TILE_ROWS
-                    p = p0 + (tx if source_last else j)
-                    c = c0 + (j if source_last else tx)
-                    if p < pixels and c < C:
-                        r, sw = _split(p, size_w, inv_w)
-                        if scatter:
-                            h = h0 + r
-                            w = w0 + sw
-                            if 0 <= h < H and 0 <= w < W:
-                                image_put(image, image_index(n, h, w, c), tile[tx, j])
-                        else:
-                            blocks[block_index(i, r, sw, c)] = tile[tx, j]
-                cuda.syncthreads()  # the tile is read before the next one is loaded
+                        if 0 <= h < H and 0 <= w < W:
+                            image_put(image, image_index(n, h, w, c), tile[tx, j])
+                    else:
+                        blocks[block_index(i, r, sw, c)] = tile[tx, j]
+            cuda.syncthreads()  # the tile is read before the next one is loaded
 
     return copy_transposed if transpose else copy_plain
 
@@ -357,7 +368,15 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
     dtype = str(image.dtype).replace("torch.", "")
     kernel = _copy_kernel(scatter, transpose, add, atomic, dtype, channels_last)
     threads = (TILE, TILE_ROWS) if transpose else COPY_THREADS
-    launch(kernel, n_blocks, threads, stream, (
+    channels = image.shape[3 if channels_last else 1]
+    # Enough thread blocks to fill the GPU a few times over, however few the windows:
+    # each window is cut into parts (tiles, or slices of COPY_THREADS * COPY_UNROLL elements).
+    if transpose:
+        most = -(-size_h * size_w // TILE) * -(-channels // TILE)
+    else:
+        most = -(-size_h * size_w * channels // (COPY_THREADS * COPY_UNROLL))
+    parts = max(1, min(most, -(-WAVES * multiprocessors() // max(n_blocks, 1))))
+    launch(kernel, (n_blocks, parts), threads, stream, (
         image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w,
     ))
 
