@@ -94,9 +94,16 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
     with torch.no_grad():
         dense = timed(lambda: block.dense(x))
         want = block.dense(x)
+        p = block.geometry(x.shape)
         for fraction in fractions:
-            mask = torch.as_tensor(block_mask(rng, 1, 400, 700, 14, fraction), device="cuda")
-            indices, count = block.active_blocks(mask, tol=0.5)
+            # One mask pixel at the centre of each chosen window: it lies in that window alone
+            # (windows overlap by their halo), so `fraction` of the windows are active.
+            chosen = np.argwhere(rng.random(p.bcount) < fraction)
+            mask = np.zeros((1, 400, 700), np.float32)
+            mask[0, p.boffset[0] + chosen[:, 0] * p.bstride[0] + p.bsize[0] // 2,
+                 p.boffset[1] + chosen[:, 1] * p.bstride[1] + p.bsize[1] // 2] = 1
+            indices, count = block.active_blocks(torch.as_tensor(mask, device="cuda"), tol=0.5)
+            assert len(indices) == len(chosen)
             for transpose in (False, True):
                 block.transpose = transpose
                 y = block(x, indices, count)
@@ -107,7 +114,7 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
                 ours = timed(lambda: block(work, indices, count, inplace=True))
                 for timing in ("eager", "graph"):
                     records.append(Record("sparse_res_block", {
-                        "dtype": dtype_name, "active": fraction, "N": 1, "H": 400, "W": 700, "C": 256,
+                        "dtype": dtype_name, "active": round(len(chosen) / (p.bcount[0] * p.bcount[1]), 3), "N": 1, "H": 400, "W": 700, "C": 256,
                         "bottleneck": 64, "stack": "NCHW" if transpose else "NHWC", "timing": timing},
                         ours[timing], {"dense_block": dense[timing]}))
 

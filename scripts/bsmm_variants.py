@@ -57,7 +57,7 @@ def main():
             for name, version, options, shared_layout in VARIANTS:
                 bsmm.V4_OPTIONS.clear()
                 bsmm.V4_OPTIONS.update(options)
-                bsmm.V4_LAYOUT = shared_layout
+                bsmm.V4_LAYOUT = dict.fromkeys(bsmm.V4_ROWS, shared_layout)
                 for key in [k for k in bsmm._kernels if k[0] == "_make_product_v4"]:
                     del bsmm._kernels[key]
                 errors = (relative_error(bsmm.forward(x, w, layout, version=version), want_y),

@@ -48,14 +48,22 @@ def _signature(arg):
     return (arg.dtype, len(arg.shape))
 
 
+def data_pointer(arg):
+    """Device address of a torch tensor, Numba device array or CuPy array."""
+    if hasattr(arg, "data_ptr"):  # torch
+        return arg.data_ptr()
+    if hasattr(arg, "device_ctypes_pointer"):  # Numba
+        return arg.device_ctypes_pointer.value or 0
+    if SIMULATOR and hasattr(arg, "_ary"):  # the simulator's stand-in for a Numba device array
+        return arg._ary.ctypes.data
+    return arg.data.ptr  # CuPy
+
+
 def _raw_array(arg):
     if hasattr(arg, "data_ptr"):  # torch
         itemsize = arg.element_size()
         return (0, 0, arg.numel(), itemsize, arg.data_ptr(), *arg.shape, *(s * itemsize for s in arg.stride()))
-    if hasattr(arg, "device_ctypes_pointer"):  # Numba device array
-        return (0, 0, arg.size, arg.dtype.itemsize, arg.device_ctypes_pointer.value, *arg.shape, *arg.strides)
-    # CuPy
-    return (0, 0, arg.size, arg.dtype.itemsize, arg.data.ptr, *arg.shape, *arg.strides)
+    return (0, 0, arg.size, arg.dtype.itemsize, data_pointer(arg), *arg.shape, *arg.strides)
 
 
 def _raw(args):

@@ -81,7 +81,10 @@ V4_KC = 8
 # simulator does not take an alignment.
 SHARED_ALIGN = None if SIMULATOR else 16
 V4_OPTIONS = {}  # extra cuda.jit options for version 4 (benchmarks try register caps)
-V4_LAYOUT = "pad"  # shared tiles: "pad" (rows 4 floats longer) or "swizzle" (XOR of 4·kk)
+# Shared tiles by block size: "swizzle" (row index XOR 4·kk) or "pad" (rows 4 floats
+# longer); both free of bank conflicts, the faster of the two measured per size
+# on an H200 (scripts/bsmm_variants.py; benchmarks/NOTES.md).
+V4_LAYOUT = {32: "swizzle", 64: "pad"}
 
 # -- device helpers ---------------------------------------------------------------
 
@@ -411,9 +414,10 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis):
     Each chunk of V4_KC features is loaded from global memory into registers
     while the previous chunk is multiplied out of shared memory, then stored
     to the other shared buffer: one barrier per chunk. Shared tiles are
-    stored k-major and swizzled (the row index XOR 4·kk), so the transposing
-    stores of a warp (8 features x 4 rows) and its 16-byte reads (8 distinct
-    row quads) are both free of bank conflicts.
+    stored k-major, swizzled (the row index XOR 4·kk) or padded (rows 4
+    floats longer), so the transposing stores of a warp (8 features x 4
+    rows) and its 16-byte reads (8 distinct row quads) are both free of bank
+    conflicts.
     """
     TM = V4_ROWS[bs]
     KC = V4_KC
@@ -424,7 +428,7 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis):
     CPB = bs // KC  # chunks per block
     A_LOADS = TM * KC // T
     W_LOADS = KC * bs // T
-    PAD = 4 if V4_LAYOUT == "pad" else 0  # floats: rows stay 16-byte aligned
+    PAD = 4 if V4_LAYOUT[bs] == "pad" else 0  # floats: rows stay 16-byte aligned
     A_STRIDE = TM + PAD
     W_STRIDE = bs + PAD
     A_TILE = KC * A_STRIDE

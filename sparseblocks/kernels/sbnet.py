@@ -38,7 +38,7 @@ from numba import cuda, float32, float64, from_dtype, int64, uint64
 from .._arrays import Operand, check_dtype, check_same_kind, launch_stream
 from .._backend import SIMULATOR
 from ..reference.sbnet import block_count, check_geometry, pair
-from ._launch import launch, multiprocessors
+from ._launch import data_pointer, launch, multiprocessors
 
 # -- constants -----------------------------------------------------------------
 
@@ -362,10 +362,27 @@ def _copy_kernel(scatter, transpose, add, atomic, dtype, channels_last):
     return _kernels[key]
 
 
+WORD = 8  # bytes an overwriting channels-last copy moves per element when it can
+
+
+def _as_words(array):
+    """The same memory as int64 words along the last axis (a view)."""
+    if hasattr(array, "data_ptr"):  # torch
+        import torch
+
+        return array.view(torch.int64)
+    return array.view(np.int64)  # Numba and CuPy
+
+
 def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, transpose, add, atomic,
                  channels_last, stream):
     (size_h, size_w), (stride_h, stride_w), (offset_h, offset_w) = geometry
     dtype = str(image.dtype).replace("torch.", "")
+    itemsize = np.dtype(dtype).itemsize
+    if (channels_last and not transpose and not add and image.shape[3] * itemsize % WORD == 0
+            and data_pointer(image) % WORD == 0 and data_pointer(blocks) % WORD == 0):
+        # An overwrite moves bits: channels-last rows go as 8-byte words, fewer and wider accesses.
+        image, blocks, dtype = _as_words(image), _as_words(blocks), "int64"
     kernel = _copy_kernel(scatter, transpose, add, atomic, dtype, channels_last)
     threads = (TILE, TILE_ROWS) if transpose else COPY_THREADS
     channels = image.shape[3 if channels_last else 1]
