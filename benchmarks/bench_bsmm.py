@@ -138,7 +138,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="N = C = K = 4096, block 32 only")
     parser.add_argument("--out-dir", default=None)
-    parser.add_argument("--versions", default="3", help="comma-separated kernel versions to time")
+    parser.add_argument("--versions", default="4", help="comma-separated kernel versions to time")
     args = parser.parse_args()
 
     import torch

@@ -200,13 +200,17 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
             return uint64(n), uint64(h), uint64(w), uint64(c)
         return uint64(n), uint64(c), uint64(h), uint64(w)
 
+    # A plain add reads the old values in the load phase (with the blocks), so
+    # its read-modify-writes do not wait out one load latency each.
+    prefetch_old = add and not atomic
+
     @cuda.jit(device=True, inline=True)
-    def image_put(image, index, value):
+    def image_put(image, index, value, old):
         if add:
             if atomic:
                 cuda.atomic.add(image, index, value)
             else:
-                image[index] += value
+                image[index] = old + value
         else:
             image[index] = value
 
@@ -254,6 +258,7 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
         bv = cuda.local.array(COPY_UNROLL, int64)
         dv = cuda.local.array(COPY_UNROLL, int64)
         values = cuda.local.array(COPY_UNROLL, element)
+        olds = cuda.local.array(COPY_UNROLL, element)
         while e < e_end:
             for u in range(COPY_UNROLL):
                 ev[u] = e
@@ -277,6 +282,8 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
                 w = w0 + sw
                 if scatter:
                     values[u] = blocks[block_index(i, r, sw, c)]
+                    if prefetch_old:
+                        olds[u] = image[image_index(n, min(max(h, 0), H - 1), min(max(w, 0), W - 1), c)]
                 else:
                     inside = n_ok and 0 <= h < H and 0 <= w < W
                     value = image[image_index(nc, min(max(h, 0), H - 1), min(max(w, 0), W - 1), c)]
@@ -288,7 +295,7 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
                         h = h0 + r
                         w = w0 + sw
                         if 0 <= h < H and 0 <= w < W:
-                            image_put(image, image_index(n, h, w, c), values[u])
+                            image_put(image, image_index(n, h, w, c), values[u], olds[u])
                     else:
                         blocks[block_index(i, r, sw, c)] = values[u]
 
@@ -310,6 +317,7 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
         inv_w = float32(1) / float32(size_w)
         c_tiles = -(-C // TILE)
         values = cuda.local.array(TILE_STEPS, element)
+        olds = cuda.local.array(TILE_STEPS, element)
         # Thread block (i, part) takes every parts-th tile of window i.
         for t in range(cuda.blockIdx.y, -(-pixels // TILE) * c_tiles, cuda.gridDim.y):
             p0 = (t // c_tiles) * TILE
@@ -332,6 +340,12 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
             for k in range(TILE_STEPS):
                 tile[ty + k * TILE_ROWS, tx] = values[k]
             cuda.syncthreads()  # the tile is loaded
+            if prefetch_old:
+                for k in range(TILE_STEPS):  # the old values, all loads in flight at once
+                    j = ty + k * TILE_ROWS
+                    r, sw = _split(min(p0 + (tx if source_last else j), pixels - 1), size_w, inv_w)
+                    cc = min(c0 + (j if source_last else tx), C - 1)
+                    olds[k] = image[image_index(n, min(max(h0 + r, 0), H - 1), min(max(w0 + sw, 0), W - 1), cc)]
             for k in range(TILE_STEPS):  # write the destination along its own
                 j = ty + k * TILE_ROWS
                 p = p0 + (tx if source_last else j)
@@ -342,7 +356,7 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
                         h = h0 + r
                         w = w0 + sw
                         if 0 <= h < H and 0 <= w < W:
-                            image_put(image, image_index(n, h, w, c), tile[tx, j])
+                            image_put(image, image_index(n, h, w, c), tile[tx, j], olds[k])
                     else:
                         blocks[block_index(i, r, sw, c)] = tile[tx, j]
             cuda.syncthreads()  # the tile is read before the next one is loaded
