@@ -84,13 +84,13 @@ def test_split_lines_and_split_rows_match_reference(data, block_size, feature_ax
     assert_close(dw, reference.weight_grad(x, dy, layout, feature_axis), "float32", "weight_grad")
 
 
-@pytest.mark.parametrize("version", [1, 3])
+@pytest.mark.parametrize("version, block_size", [(1, 8), (3, 8), (4, 32)])
 @pytest.mark.parametrize("splits", [1, 3])
 @given(data=st.data())
-def test_weight_grad_accumulates_into_out(data, splits, version):
+def test_weight_grad_accumulates_into_out(data, splits, version, block_size):
     from numba import cuda
 
-    layout, x, dy, w = data.draw(problems(8, "float32"))
+    layout, x, dy, w = data.draw(problems(block_size, "float32"))
     beta = data.draw(st.sampled_from([1.0, 0.5, 0.0]), label="beta")
     previous = w.copy()
     out = cuda.to_device(previous)

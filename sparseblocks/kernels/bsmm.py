@@ -81,6 +81,11 @@ V4_KC = 8
 # simulator does not take an alignment.
 SHARED_ALIGN = None if SIMULATOR else 16
 V4_OPTIONS = {}  # extra cuda.jit options for version 4 (benchmarks try register caps)
+# Version 4 weight gradient (feature_axis 1, blocks 32 and 64; otherwise version 3's):
+# sub-groups of (bs/8)^2 threads, each thread an 8 x 8 patch of one block, 128 threads
+# a thread block (so 128 / (bs/8)^2 blocks each), V4_WGRAD_ROWS rows of N a chunk.
+V4_WGRAD_THREADS = 128
+V4_WGRAD_ROWS = {32: 16, 64: 32}
 # Shared tiles by block size: "swizzle" (row index XOR 4·kk) or "pad" (rows 4 floats
 # longer); both free of bank conflicts, the faster of the two measured per size
 # on an H200 (scripts/bsmm_variants.py; benchmarks/NOTES.md).
@@ -699,6 +704,107 @@ def _make_weight_grad_v2(bs, storage, acc_type, feature_axis, batched=False):
     return weight_grad_v2
 
 
+def _make_weight_grad_v4(bs, storage, acc_type, feature_axis):
+    """dw[b] (+ beta·dw[b]) with an 8 x 8 patch per thread and 16-byte shared reads (feature_axis 1).
+
+    A thread block holds S sub-groups, each computing one block of W over this
+    thread block's slice of N: per row of a chunk, a thread reads 8 values of
+    x and 8 of dy (four 16-byte shared loads) for 64 multiply-adds. Each
+    sub-group's tiles start 16 floats past a multiple of 32, so the two
+    sub-groups of a warp (block 32) read distinct banks.
+    """
+    GT = (bs // 8) ** 2  # threads per sub-group
+    T = V4_WGRAD_THREADS
+    S = T // GT
+    NC = V4_WGRAD_ROWS[bs]
+    GX = bs // 8
+    HALF = bs // 2
+    TILE = NC * bs
+    SUB = 2 * TILE + 16  # one sub-group's x and dy tiles (+16: the next one's banks are shifted)
+    SIZE = S * SUB
+    LOADS = TILE // GT  # of x, and as many of dy, per thread and chunk
+    BATCH = 8
+    load, _ = _activation_io(feature_axis)
+    to_acc, from_acc = _converters(storage, acc_type)
+
+    @cuda.jit(**V4_OPTIONS)
+    def weight_grad_v4(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta):
+        tid = cuda.threadIdx.x
+        g = tid // GT
+        t = tid - g * GT
+        gx = t % GX
+        gy = t // GX
+        n_blocks = dw.shape[0]
+        block = cuda.blockIdx.x * S + g
+        bc = min(block, n_blocks - 1)  # idle sub-groups past the last block read a valid one
+        c0 = coords[bc, 0] * bs
+        k0 = coords[bc, 1] * bs
+        split = cuda.blockIdx.y
+        n_begin = split * rows_per_split
+        n_end = min(n_rows, n_begin + rows_per_split)
+        last = n_end - 1
+        tiles = cuda.shared.array(SIZE, acc_type, alignment=SHARED_ALIGN)
+        acc = cuda.local.array((8, 8), acc_type)
+        fx = cuda.local.array(8, acc_type)
+        fd = cuda.local.array(8, acc_type)
+        vx = cuda.local.array(BATCH, acc_type)
+        vd = cuda.local.array(BATCH, acc_type)
+        for i in range(8):
+            for q in range(8):
+                acc[i, q] = acc_type(0)
+        base = g * SUB
+        for n0 in range(n_begin, n_end, NC):
+            for i0 in range(0, LOADS, BATCH):  # BATCH loads of x and of dy in flight, then their stores
+                for u in range(BATCH):
+                    e = t + (i0 + u) * GT
+                    row = n0 + e // bs
+                    r = uint64(min(row, last))
+                    vx[u] = to_acc(load(x, r, uint64(c0 + e % bs)))
+                    vd[u] = to_acc(load(dy, r, uint64(k0 + e % bs)))
+                    if row > last:  # rows past the slice are zero
+                        vx[u] = acc_type(0)
+                        vd[u] = acc_type(0)
+                for u in range(BATCH):
+                    e = t + (i0 + u) * GT
+                    tiles[uint64(base + e)] = vx[u]
+                    tiles[uint64(base + TILE + e)] = vd[u]
+            cuda.syncthreads()  # every sub-group's x and dy tiles hold this chunk
+            for rr in range(NC):
+                # Offsets as (quad index) * 4, unsigned: the compiler merges each four loads.
+                ox = uint64((base + rr * bs) // 4 + gy) * uint64(4)
+                od = uint64((base + TILE + rr * bs) // 4 + gx) * uint64(4)
+                for i in range(4):
+                    fx[i] = tiles[ox + uint64(i)]
+                    fx[4 + i] = tiles[ox + uint64(HALF + i)]
+                    fd[i] = tiles[od + uint64(i)]
+                    fd[4 + i] = tiles[od + uint64(HALF + i)]
+                for i in range(8):
+                    for q in range(8):
+                        acc[i, q] += fx[i] * fd[q]
+            cuda.syncthreads()  # every thread is done with this chunk before it is overwritten
+        # Through shared memory (the chunk tiles, free now, hold one block per
+        # sub-group), so that acc is only indexed by unrolled loops: the
+        # epilogue's branches would otherwise keep it out of registers.
+        for i in range(8):
+            for q in range(8):
+                r = gy * 4 + (i % 4) + (i // 4) * HALF
+                tiles[uint64(base + r * bs + gx * 4 + (q % 4) + (q // 4) * HALF)] = acc[i, q]
+        cuda.syncthreads()  # each sub-group's block is in its tiles
+        if block < n_blocks:
+            for e in range(t, bs * bs, GT):
+                total = tiles[uint64(base + e)]
+                if workspace.shape[0] > 1:
+                    workspace[split, block, e] = total
+                else:
+                    r = e // bs
+                    col = e - r * bs
+                    if beta != 0:
+                        total += acc_type(beta) * to_acc(dw[block, r, col])
+                    dw[block, r, col] = from_acc(total)
+
+    return weight_grad_v4
+
+
 def _make_combine_wgrad(bs, storage, acc_type):
     """dw = sum of the N-splits of the workspace, in order (+ beta·dw)."""
     to_acc, from_acc = _converters(storage, acc_type)
@@ -816,9 +922,10 @@ def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, str
         ))
 
 
-def wgrad_splits(layout, n_rows):
-    """How many slices of N the version 2 weight gradient cuts each block's sum into."""
-    wanted = -(-4 * multiprocessors() // max(1, layout.n_blocks))
+def wgrad_splits(layout, n_rows, thread_blocks=None):
+    """How many slices of N the weight gradient (versions 2-4) cuts each block's sum into."""
+    thread_blocks = layout.n_blocks if thread_blocks is None else thread_blocks
+    wanted = -(-4 * multiprocessors() // max(1, thread_blocks))
     return int(max(1, min(wanted, n_rows // (4 * WGRAD_CHUNK))))
 
 
@@ -830,14 +937,21 @@ def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, v
             dw, x.device(stream), dy.device(stream), _index(layout, "coords", stream), n_rows, beta,
         ))
         return
-    splits = wgrad_splits(layout, n_rows) if splits is None else max(1, int(splits))
+    v4 = version == 4 and bs in V4_WGRAD_ROWS and feature_axis == 1
+    per_block = V4_WGRAD_THREADS // (bs // 8) ** 2 if v4 else 1  # W blocks a thread block computes
+    thread_blocks = -(-layout.n_blocks // per_block)
+    splits = wgrad_splits(layout, n_rows, thread_blocks) if splits is None else max(1, int(splits))
     rows_per_split = -(-max(n_rows, 1) // splits)
     acc = "float64" if x.dtype == "float64" else "float32"
     # A workspace of one split tells the kernel to finish in place (no combine pass).
     workspace = x.scratch((splits, layout.n_blocks, bs * bs), acc, stream) if splits > 1 \
         else _unused_workspace(acc)
-    kernel = _kernel(_make_weight_grad_v3 if version >= 3 else _make_weight_grad_v2, bs, x.dtype, feature_axis)
-    launch(kernel, (layout.n_blocks, splits), WGRAD_THREADS, stream, (
+    if v4:
+        kernel, threads = _kernel(_make_weight_grad_v4, bs, x.dtype, feature_axis), V4_WGRAD_THREADS
+    else:
+        kernel = _kernel(_make_weight_grad_v3 if version >= 3 else _make_weight_grad_v2, bs, x.dtype, feature_axis)
+        threads = WGRAD_THREADS
+    launch(kernel, (thread_blocks, splits), threads, stream, (
         dw, workspace, x.device(stream), dy.device(stream), _index(layout, "coords", stream),
         n_rows, rows_per_split, beta,
     ))
