@@ -9,7 +9,6 @@ a float64 product of the dense matrices, then CUDA-event medians.
 import sys
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
