@@ -9,7 +9,6 @@ a float64 product of the dense matrices, then CUDA-event medians.
 import sys
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_bsmm import block_gather, relative_error  # noqa: E402
