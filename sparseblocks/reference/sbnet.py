@@ -111,6 +111,20 @@ def _channels_last(data_format):
     return data_format == "NHWC"
 
 
+def _inside(indices, image_shape, bsize, bstride, boffset):
+    """(block i, image n, image slices, block slices) of each window's part inside the image."""
+    N, H, W = image_shape
+    for i, index in enumerate(indices):
+        n = int(index[0])
+        if not 0 <= n < N:
+            continue
+        h0, w0 = window(index, bsize, bstride, boffset)
+        hb, he, bhb, bhe = _overlap(h0, bsize[0], H)
+        wb, we, bwb, bwe = _overlap(w0, bsize[1], W)
+        if hb < he and wb < we:
+            yield i, n, (slice(hb, he), slice(wb, we)), (slice(bhb, bhe), slice(bwb, bwe))
+
+
 def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=None, data_format="NHWC"):
     """Windows of ``x`` as a block stack in x's layout (``transpose``: the other one).
 
@@ -128,15 +142,8 @@ def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=
     bsize, bstride, boffset = check_geometry(bsize, bstride, boffset)
     N, H, W, C = x.shape
     blocks = np.zeros((len(indices), bsize[0], bsize[1], C), x.dtype)
-    for i, index in enumerate(indices):
-        n = int(index[0])
-        if not 0 <= n < N:
-            continue
-        h0, w0 = window(index, bsize, bstride, boffset)
-        hb, he, bhb, bhe = _overlap(h0, bsize[0], H)
-        wb, we, bwb, bwe = _overlap(w0, bsize[1], W)
-        if hb < he and wb < we:
-            blocks[i, bhb:bhe, bwb:bwe] = x[n, hb:he, wb:we]
+    for i, n, image_part, block_part in _inside(indices, (N, H, W), bsize, bstride, boffset):
+        blocks[(i, *block_part)] = x[(n, *image_part)]
     return blocks.transpose(0, 3, 1, 2).copy() if transpose else blocks
 
 
@@ -169,18 +176,11 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
     if blocks.shape[1:] != (bsize[0], bsize[1], C):
         raise ValueError(f"blocks: expected blocks of {(bsize[0], bsize[1], C)} (h, w, C), got {blocks.shape[1:]}")
     out = y if inplace else np.array(y, copy=True)
-    for i, index in enumerate(indices):
-        n = int(index[0])
-        if not 0 <= n < N:
-            continue
-        h0, w0 = window(index, bsize, bstride, boffset)
-        hb, he, bhb, bhe = _overlap(h0, bsize[0], H)
-        wb, we, bwb, bwe = _overlap(w0, bsize[1], W)
-        if hb < he and wb < we:
-            if add:
-                out[n, hb:he, wb:we] += blocks[i, bhb:bhe, bwb:bwe]
-            else:
-                out[n, hb:he, wb:we] = blocks[i, bhb:bhe, bwb:bwe]
+    for i, n, image_part, block_part in _inside(indices, (N, H, W), bsize, bstride, boffset):
+        if add:
+            out[(n, *image_part)] += blocks[(i, *block_part)]
+        else:
+            out[(n, *image_part)] = blocks[(i, *block_part)]
     return out
 
 
