@@ -147,6 +147,23 @@ def _converters(storage, acc_type):
     return to_acc, from_acc
 
 
+def _chunk_position(feature_axis, rows, features):
+    """position(e) -> (row, feature) of element e of a rows x features chunk of activations,
+    numbered so that consecutive e are consecutive addresses in either layout."""
+    if feature_axis == 1:
+
+        @cuda.jit(device=True, inline=True)
+        def position(e):
+            return e // features, e % features
+    else:
+
+        @cuda.jit(device=True, inline=True)
+        def position(e):
+            return e % rows, e // rows
+
+    return position
+
+
 # -- kernel bodies: version 1 --------------------------------------------------------
 
 
@@ -324,12 +341,7 @@ def _make_product_v3(bs, storage, acc_type, transpose_w, feature_axis):
     load, store = _activation_io(feature_axis)
     to_acc, from_acc = _converters(storage, acc_type)
 
-    @cuda.jit(device=True, inline=True)
-    def position(e):
-        """(row, feature) in the chunk of element e; consecutive e are consecutive addresses."""
-        if feature_axis == 1:
-            return e // KC, e % KC
-        return e % TM, e // TM
+    position = _chunk_position(feature_axis, TM, KC)
 
     @cuda.jit(device=True, inline=True)
     def a_value(a, row, n_rows, feature):
@@ -447,12 +459,7 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis):
     load, store = _activation_io(feature_axis)
     to_acc, from_acc = _converters(storage, acc_type)
 
-    @cuda.jit(device=True, inline=True)
-    def a_position(e):
-        """(row, kk) of element e of an activation chunk; consecutive e are consecutive addresses."""
-        if feature_axis == 1:
-            return e // KC, e % KC
-        return e % TM, e // TM
+    a_position = _chunk_position(feature_axis, TM, KC)
 
     @cuda.jit(device=True, inline=True)
     def w_position(e):
@@ -604,12 +611,7 @@ def _make_weight_grad_v2(bs, storage, acc_type, feature_axis, batched=False):
     load, _ = _activation_io(feature_axis)
     to_acc, from_acc = _converters(storage, acc_type)
 
-    @cuda.jit(device=True, inline=True)
-    def position(e):
-        """(row, feature) of element e of a chunk; consecutive e are consecutive addresses."""
-        if feature_axis == 1:
-            return e // bs, e % bs
-        return e % NC, e // NC
+    position = _chunk_position(feature_axis, NC, bs)
 
     @cuda.jit(device=True, inline=True)
     def finish(dw, workspace, block, split, r, col, total, beta):

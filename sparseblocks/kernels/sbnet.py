@@ -205,6 +205,13 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
     prefetch_old = add and not atomic
 
     @cuda.jit(device=True, inline=True)
+    def image_clamped(image, n, h, w, c):
+        """The pixel at (h, w) moved into the image: a valid address for a read whose value
+        the caller drops (or zeroes) when (h, w) is outside."""
+        _, H, W, _ = image_shape(image)
+        return image[image_index(n, min(max(h, 0), H - 1), min(max(w, 0), W - 1), c)]
+
+    @cuda.jit(device=True, inline=True)
     def image_put(image, index, value, old):
         if add:
             if atomic:
@@ -283,10 +290,10 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
                 if scatter:
                     values[u] = blocks[block_index(i, r, sw, c)]
                     if prefetch_old:
-                        olds[u] = image[image_index(n, min(max(h, 0), H - 1), min(max(w, 0), W - 1), c)]
+                        olds[u] = image_clamped(image, n, h, w, c)
                 else:
                     inside = n_ok and 0 <= h < H and 0 <= w < W
-                    value = image[image_index(nc, min(max(h, 0), H - 1), min(max(w, 0), W - 1), c)]
+                    value = image_clamped(image, nc, h, w, c)
                     values[u] = value if inside else element(0)
             for u in range(COPY_UNROLL):
                 if ev[u] < e_end:
@@ -335,7 +342,7 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
                     h = h0 + r
                     w = w0 + sw
                     ok = ok and n_ok and 0 <= h < H and 0 <= w < W
-                    value = image[image_index(nc, min(max(h, 0), H - 1), min(max(w, 0), W - 1), cc)]
+                    value = image_clamped(image, nc, h, w, cc)
                 values[k] = value if ok else element(0)
             for k in range(TILE_STEPS):
                 tile[ty + k * TILE_ROWS, tx] = values[k]
@@ -345,7 +352,7 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
                     j = ty + k * TILE_ROWS
                     r, sw = _split(min(p0 + (tx if source_last else j), pixels - 1), size_w, inv_w)
                     cc = min(c0 + (j if source_last else tx), C - 1)
-                    olds[k] = image[image_index(n, min(max(h0 + r, 0), H - 1), min(max(w0 + sw, 0), W - 1), cc)]
+                    olds[k] = image_clamped(image, n, h0 + r, w0 + sw, cc)
             for k in range(TILE_STEPS):  # write the destination along its own
                 j = ty + k * TILE_ROWS
                 p = p0 + (tx if source_last else j)
