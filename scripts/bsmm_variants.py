@@ -2,11 +2,13 @@
 
     python3 scripts/bsmm_variants.py [--out DIR]
 
-For each variant (a kernel version, and for version 4 a register cap):
-check forward and input_grad against a float64 product, then time them with
-CUDA events at N = C = K = 4096, 10 % density, blocks 32 and 64, fp32 and
-fp16, beside torch dense and torch BSR measured in the same run. Prints one
-table and each kernel's registers, local and shared memory.
+For each variant (a kernel version, and for version 4 vector loads, the
+shared layout, an unrolled inner loop, a register cap, the weight gradient's
+loads in flight): check forward, input_grad and weight_grad against float64
+products, then time them with CUDA events at N = C = K = 4096, 10 % density,
+blocks 32 and 64, fp32 and fp16, beside torch dense and torch BSR measured in
+the same run. Prints one table and each kernel's registers, local and shared
+memory.
 """
 
 import argparse
@@ -18,11 +20,21 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_bsmm import relative_error  # noqa: E402
+from benchmarks.bench_bsmm import block_gather, relative_error  # noqa: E402
 from benchmarks.common import baseline_ms, device_name, time_ms  # noqa: E402
 
-VARIANTS = [("v3", 3, {}, "pad"), ("v4 pad", 4, {}, "pad"), ("v4 swizzle", 4, {}, "swizzle"),
-            ("v4 pad regs<=168", 4, {"max_registers": 168}, "pad")]
+# name -> (version, settings of kernels.bsmm); unnamed settings keep the module's defaults.
+VARIANTS = {
+    "v4 scalar": (4, {"V4_VECTOR": False}),
+    "v4 vector": (4, {}),
+    "v4 vector unrolled": (4, {"V4_UNROLL": {32: True, 64: True}}),
+    "v4 vector pad": (4, {"V4_LAYOUT": {32: "pad", 64: "pad"}}),
+    "v4 vector pad unrolled": (4, {"V4_LAYOUT": {32: "pad", 64: "pad"}, "V4_UNROLL": {32: True, 64: True}}),
+    "v4 vector regs<=128": (4, {"V4_OPTIONS": {"max_registers": 128}}),
+    "v4 vector wgrad batch 16": (4, {"V4_WGRAD_BATCH": 16}),
+    "v4 vector wgrad batch 32": (4, {"V4_WGRAD_BATCH": 32}),
+}
+FP16_VARIANTS = ("v4 scalar", "v4 vector", "v4 vector unrolled")
 
 
 def main():
@@ -36,6 +48,9 @@ def main():
     from sparseblocks import BlockLayout
     from sparseblocks.kernels import bsmm
 
+    DEFAULTS = {key: getattr(bsmm, key) for key in
+                {key for _, settings in VARIANTS.values() for key in settings}}
+
     rows = []
     resources = []
     for bs in (32, 64):
@@ -47,38 +62,45 @@ def main():
             x = torch.randn(4096, 4096, device="cuda", dtype=dtype, generator=gen)
             w = torch.randn(layout.w_shape, device="cuda", dtype=dtype, generator=gen) / np.sqrt(410)
             W = torch.as_tensor(layout.to_dense(w.float().cpu().numpy()), device="cuda")
+            dy = torch.randn(4096, 4096, device="cuda", dtype=dtype, generator=gen)
             want_y, want_dx = x.double() @ W.double(), x.double() @ W.double().T
+            want_dw = block_gather(torch, x.double().T @ dy.double(), layout)
             torch.backends.cuda.matmul.allow_tf32 = False
             Wd = W.to(dtype)
             dense = baseline_ms(lambda: x @ Wd)
             W_t_bsr = Wd.T.contiguous().to_sparse_bsr((bs, bs))
             xt = x.T.contiguous()
             bsr = baseline_ms(lambda: W_t_bsr @ xt)
-            for name, version, options, shared_layout in VARIANTS:
-                bsmm.V4_OPTIONS.clear()
-                bsmm.V4_OPTIONS.update(options)
-                bsmm.V4_LAYOUT = dict.fromkeys(bsmm.V4_ROWS, shared_layout)
-                for key in [k for k in bsmm._kernels if k[0] == "_make_product_v4"]:
-                    del bsmm._kernels[key]
+            for name, (version, settings) in VARIANTS.items():
+                if dtype_name == "float16" and name not in FP16_VARIANTS:
+                    continue
+                for key, value in {**DEFAULTS, **settings}.items():
+                    setattr(bsmm, key, value)
+                bsmm._kernels.clear()
                 errors = (relative_error(bsmm.forward(x, w, layout, version=version), want_y),
-                          relative_error(bsmm.input_grad(x, w, layout, version=version), want_dx))
+                          relative_error(bsmm.input_grad(x, w, layout, version=version), want_dx),
+                          relative_error(bsmm.weight_grad(x, dy, layout, version=version), want_dw))
                 ok = max(errors) < (1e-5 if dtype_name == "float32" else 3e-3)
                 fwd = time_ms(lambda: bsmm.forward(x, w, layout, version=version))
                 bwd = time_ms(lambda: bsmm.input_grad(x, w, layout, version=version))
+                wgt = time_ms(lambda: bsmm.weight_grad(x, dy, layout, version=version))
                 rows.append({"variant": name, "bs": bs, "dtype": dtype_name, "ok": ok, "error": max(errors),
-                             "forward_ms": fwd, "input_grad_ms": bwd, "tflops": flops / fwd / 1e9,
-                             "dense_ms": dense, "bsr_ms": bsr})
+                             "forward_ms": fwd, "input_grad_ms": bwd, "weight_grad_ms": wgt,
+                             "tflops": flops / fwd / 1e9, "dense_ms": dense, "bsr_ms": bsr})
                 print(json.dumps(rows[-1]), flush=True)
                 for key, kernel in bsmm._kernels.items():
                     for compiled in kernel.overloads.values():
                         resources.append(f"{name} {key}: {compiled.regs_per_thread} regs, "
                                          f"{compiled.local_mem_per_thread} B local, {compiled.shared_mem_per_block} B shared")
+            for key, value in DEFAULTS.items():
+                setattr(bsmm, key, value)
     print(f"\n{device_name()}, N = C = K = 4096, density {args.density}")
-    print("| variant | bs | dtype | ok | forward ms | TFLOP/s | input_grad ms | dense ms | bsr ms | vs dense | vs bsr |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| variant | bs | dtype | ok | forward ms | TFLOP/s | input_grad ms | weight_grad ms | dense ms | bsr ms "
+          "| vs dense | vs bsr |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['variant']} | {r['bs']} | {r['dtype']} | {r['ok']} | {r['forward_ms']:.3f} | {r['tflops']:.1f} | "
-              f"{r['input_grad_ms']:.3f} | {r['dense_ms']:.3f} | {r['bsr_ms']:.3f} | "
+              f"{r['input_grad_ms']:.3f} | {r['weight_grad_ms']:.3f} | {r['dense_ms']:.3f} | {r['bsr_ms']:.3f} | "
               f"{r['dense_ms'] / r['forward_ms']:.2f}x | {r['bsr_ms'] / r['forward_ms']:.2f}x |")
     print("\n".join(sorted(set(resources))))
     if args.out:

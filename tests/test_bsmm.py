@@ -163,6 +163,43 @@ def test_device_arrays_in_device_arrays_out():
     assert_close(y.copy_to_host(), reference.forward(x, w, layout), np.float32)
 
 
+def misaligned(array, offset=1):
+    """A contiguous device copy of `array` whose data starts `offset` elements past an aligned address."""
+    from numba import cuda
+
+    storage = cuda.to_device(np.zeros(array.size + offset, array.dtype))
+    view = storage[offset:].reshape(array.shape)
+    view.copy_to_device(np.ascontiguousarray(array))
+    return view
+
+
+@pytest.mark.parametrize("feature_axis", [1, 0])
+def test_vector_loads_only_where_aligned(feature_axis):
+    """Version 4 reads 4 values per load only from aligned pointers (and, on axis 0, N in
+    whole vectors); the others take scalar loads, with the same results."""
+    from numba import cuda
+
+    layout = BlockLayout.random((2, 2), 0.75, seed=3, block_size=32)
+    rng = np.random.default_rng(0)
+    C, K = layout.dense_shape
+    w = rng.standard_normal(layout.w_shape).astype(np.float32)
+    for n in (7, 8):
+        x = to_axis(rng.standard_normal((n, C)).astype(np.float32), feature_axis)
+        dy = to_axis(rng.standard_normal((n, K)).astype(np.float32), feature_axis)
+        aligned = (cuda.to_device(x), cuda.to_device(w))
+        assert bsmm._vector_loads(aligned, n, feature_axis) == (feature_axis == 1 or n % 4 == 0)
+        assert not bsmm._vector_loads((misaligned(x), aligned[1]), n, feature_axis)
+        assert not bsmm._vector_loads((aligned[0], misaligned(w, 2)), n, feature_axis, (4, 4))
+    # Misaligned operands: every load scalar, the same results.
+    xs, ws, dys = misaligned(x), misaligned(w, 2), misaligned(dy)
+    y = bsmm.forward(xs, ws, layout, feature_axis).copy_to_host()
+    dx = bsmm.input_grad(dys, ws, layout, feature_axis).copy_to_host()
+    dw = bsmm.weight_grad(xs, dys, layout, feature_axis).copy_to_host()
+    assert_close(y, reference.forward(x, w, layout, feature_axis), "float32", "forward")
+    assert_close(dx, reference.input_grad(dy, w, layout, feature_axis), "float32", "input_grad")
+    assert_close(dw, reference.weight_grad(x, dy, layout, feature_axis), "float32", "weight_grad")
+
+
 LAYOUT = BlockLayout.dense((2, 3), 8)
 X = np.ones((4, 16), np.float32)
 W = np.ones(LAYOUT.w_shape, np.float32)

@@ -45,7 +45,8 @@ from .._backend import SIMULATOR
 from .._arrays import (
     Operand, check_dtype, check_same_dtype, check_same_kind, check_shape, launch_stream,
 )
-from ._launch import launch, multiprocessors
+from ._launch import data_pointer, launch, multiprocessors
+from ._vector import aligned, load2, load4
 
 # -- constants -----------------------------------------------------------------
 
@@ -88,10 +89,16 @@ V4_OPTIONS = {}  # extra cuda.jit options for version 4 (benchmarks try register
 # a thread block (so 128 / (bs/8)^2 blocks each), V4_WGRAD_ROWS rows of N a chunk.
 V4_WGRAD_THREADS = 128
 V4_WGRAD_ROWS = {32: 16, 64: 32}
+V4_WGRAD_BATCH = 8  # values of x (and of dy) each thread has in flight before storing them
+# Version 4 reads 4 activations (and 2-4 weights) per instruction where pointers
+# allow (kernels/_vector.py); False keeps every kernel on scalar loads.
+V4_VECTOR = True
 # Shared tiles by block size: "swizzle" (row index XOR 4·kk) or "pad" (rows 4 floats
 # longer); both free of bank conflicts, the faster of the two measured per size
 # on an H200 (scripts/bsmm_variants.py; benchmarks/NOTES.md).
 V4_LAYOUT = {32: "swizzle", 64: "pad"}
+# Whether the product's 8-step inner loop is written out (more registers, more loads in flight).
+V4_UNROLL = {32: False, 64: False}
 
 # -- device helpers ---------------------------------------------------------------
 
@@ -118,6 +125,53 @@ def _activation_io(feature_axis):
             a[feature, row] = value
 
     return load, store
+
+
+def _activation_vector_load(feature_axis, width):
+    """load(a, row, feature) -> tuple of ``width`` activations from (row, feature) on,
+    along the contiguous axis (features with feature_axis 1, rows with 0)."""
+    vector = {2: load2, 4: load4}.get(width)
+    if width == 1:
+        scalar, _ = _activation_io(feature_axis)
+
+        @cuda.jit(device=True, inline=True)
+        def load(a, row, feature):
+            return (scalar(a, row, feature),)
+    elif feature_axis == 1:
+
+        @cuda.jit(device=True, inline=True)
+        def load(a, row, feature):
+            return vector(a, (row, feature))
+    else:
+
+        @cuda.jit(device=True, inline=True)
+        def load(a, row, feature):
+            return vector(a, (feature, row))
+
+    return load
+
+
+def _weight_vector_load(transpose_w, width):
+    """load(w, block, k, col) -> tuple of ``width`` weights of W (or Wᵀ) from (k, col) on,
+    along the block's contiguous axis (col of W; k of Wᵀ)."""
+    vector = {2: load2, 4: load4}.get(width)
+    if width == 1:
+
+        @cuda.jit(device=True, inline=True)
+        def load(w, block, k, col):
+            return (w[block, col, k] if transpose_w else w[block, k, col],)
+    elif transpose_w:
+
+        @cuda.jit(device=True, inline=True)
+        def load(w, block, k, col):
+            return vector(w, (block, col, k))
+    else:
+
+        @cuda.jit(device=True, inline=True)
+        def load(w, block, k, col):
+            return vector(w, (block, k, col))
+
+    return load
 
 
 def _converters(storage, acc_type):
@@ -427,7 +481,7 @@ def _make_product_v3(bs, storage, acc_type, transpose_w, feature_axis):
     return product_v3
 
 
-def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis):
+def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis, vector=False):
     """Register-blocked 8 x 8 per thread, 16-byte shared reads, double-buffered chunks.
 
     Each chunk of V4_KC features is loaded from global memory into registers
@@ -436,10 +490,12 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis):
     stored k-major, swizzled (the row index XOR 4·kk) or padded (rows 4
     floats longer), so the transposing stores of a warp (8 features x 4
     rows) and its 16-byte reads (8 distinct row quads) are both free of bank
-    conflicts.
+    conflicts. With ``vector`` (the launcher checked alignment) the global
+    loads read 4 activations and 2-4 weights at a time.
     """
     TM = V4_ROWS[bs]
     KC = V4_KC
+    UNROLL = V4_UNROLL[bs]
     T = TM * bs // 64
     TX = bs // 8  # threads across the tile's features
     HALF_M = TM // 2
@@ -456,17 +512,35 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis):
     W_SIZE = 2 * W_TILE
     W_SWIZZLE = 0 if PAD else min(8, bs // 4) - 1  # feature quads a w row holds, less one
     A_SWIZZLE = 0 if PAD else 7
+    # Elements per global load, and how a load's elements step through the tile:
+    # along features (rows of x with feature_axis 1, rows of w) or along rows.
+    VA = 4 if vector else 1
+    VW = min(4, W_LOADS) if vector else 1
+    A_ALONG_ROWS = feature_axis == 0
+    W_ALONG_K = transpose_w
     load, store = _activation_io(feature_axis)
+    load_a = _activation_vector_load(feature_axis, VA)
+    load_w = _weight_vector_load(transpose_w, VW)
     to_acc, from_acc = _converters(storage, acc_type)
 
-    a_position = _chunk_position(feature_axis, TM, KC)
+    a_vector_position = _chunk_position(feature_axis, TM // VA if A_ALONG_ROWS else TM,
+                                        KC if A_ALONG_ROWS else KC // VA)
+
+    @cuda.jit(device=True, inline=True)
+    def a_position(e):
+        """(row, kk) of the first element of load e of an activation chunk."""
+        r, kk = a_vector_position(e)
+        if A_ALONG_ROWS:
+            return r * VA, kk
+        return r, kk * VA
 
     @cuda.jit(device=True, inline=True)
     def w_position(e):
-        """(kk, col) of element e of a weight chunk; consecutive e are consecutive addresses."""
-        if transpose_w:
-            return e % KC, e // KC
-        return e // bs, e % bs
+        """(kk, col) of the first element of load e of a weight chunk; consecutive e are
+        consecutive addresses."""
+        if W_ALONG_K:
+            return (e % (KC // VW)) * VW, e // (KC // VW)
+        return e // (bs // VW), (e % (bs // VW)) * VW
 
     @cuda.jit(device=True, inline=True)
     def a_slot(kk, r):
@@ -481,28 +555,63 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis):
         """This thread's share of chunk (block j, features k0...) into registers."""
         block = uint64(j if transpose_w else line_block[j])
         base = other_idx[j] * bs + k0
-        last = n_rows - 1
-        for i in range(A_LOADS):
+        # A load of rows row...row+VA-1 (feature_axis 0; n_rows is then a multiple
+        # of VA) is wholly in or out; rows past the end read the last valid
+        # address and are zeroed.
+        last = n_rows - (VA if A_ALONG_ROWS else 1)
+        for i in range(A_LOADS // VA):
             r, kk = a_position(tid + i * T)
             row = row0 + r
-            # Rows past the end read the last row (a valid address) and are zeroed.
-            value = to_acc(load(a, uint64(min(row, last)), uint64(base + kk)))
-            pa[i] = value if row <= last else acc_type(0)
-        for i in range(W_LOADS):
+            values = load_a(a, uint64(min(row, last)), uint64(base + kk))
+            for c in range(VA):
+                pa[i * VA + c] = to_acc(values[c]) if row <= last else acc_type(0)
+        for i in range(W_LOADS // VW):
             kk, col = w_position(tid + i * T)
-            if transpose_w:
-                pw[i] = to_acc(w[block, uint64(col), uint64(k0 + kk)])
-            else:
-                pw[i] = to_acc(w[block, uint64(k0 + kk), uint64(col)])
+            values = load_w(w, block, uint64(k0 + kk), uint64(col))
+            for c in range(VW):
+                pw[i * VW + c] = to_acc(values[c])
 
     @cuda.jit(device=True, inline=True)
     def deposit(a_s, w_s, pa, pw, tid, buf):
-        for i in range(A_LOADS):
+        # The swizzle leaves the two low bits alone, so the elements of a load
+        # along rows (or along w's columns) stay adjacent in shared memory.
+        for i in range(A_LOADS // VA):
             r, kk = a_position(tid + i * T)
-            a_s[uint64(buf * A_TILE + a_slot(kk, r))] = pa[i]
-        for i in range(W_LOADS):
+            for c in range(VA):
+                if A_ALONG_ROWS:
+                    slot = a_slot(kk, r) + c
+                else:
+                    slot = a_slot(kk + c, r)
+                a_s[uint64(buf * A_TILE + slot)] = pa[i * VA + c]
+        for i in range(W_LOADS // VW):
             kk, col = w_position(tid + i * T)
-            w_s[uint64(buf * W_TILE + w_slot(kk, col))] = pw[i]
+            for c in range(VW):
+                if W_ALONG_K:
+                    slot = w_slot(kk + c, col)
+                else:
+                    slot = w_slot(kk, col) + c
+                w_s[uint64(buf * W_TILE + slot)] = pw[i * VW + c]
+
+    @cuda.jit(device=True, inline=True)
+    def multiply(a_s, w_s, acc, fa, fw, buf, kk, tx, ty):
+        """acc += (feature kk of the chunk in buffer buf): 16 shared reads, 64 multiply-adds."""
+        # Offsets built as (quad index) * 4 in unsigned integers: the compiler
+        # then sees 16-byte alignment and merges each four loads into one (a
+        # signed index also gets Numba's negative-index wrap, which costs
+        # instructions and hides adjacency).
+        ra = uint64(buf * (A_TILE // 4) + kk * (A_STRIDE // 4) + (ty ^ (kk & A_SWIZZLE))) * uint64(4)
+        rw = uint64(buf * (W_TILE // 4) + kk * (W_STRIDE // 4) + (tx ^ (kk & W_SWIZZLE))) * uint64(4)
+        # The swizzle may flip the bit that HALF_N sets: a second slot for w.
+        rw2 = uint64(buf * (W_TILE // 4) + kk * (W_STRIDE // 4)
+                     + ((tx + HALF_N // 4) ^ (kk & W_SWIZZLE))) * uint64(4)
+        for i in range(4):
+            fa[i] = a_s[ra + uint64(i)]
+            fa[4 + i] = a_s[ra + uint64(HALF_M + i)]
+            fw[i] = w_s[rw + uint64(i)]
+            fw[4 + i] = w_s[rw2 + uint64(i)]
+        for i in range(8):
+            for q in range(8):
+                acc[i, q] += fa[i] * fw[q]
 
     @cuda.jit(**V4_OPTIONS)
     def product_v4(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot,
@@ -536,24 +645,18 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis):
                 nxt = t + 1
                 fetch(a, w, pa, pw, tid, row0, n_rows, begin + nxt // CPB, (nxt % CPB) * KC,
                       other_idx, line_block)
-            for kk in range(KC):
-                # Offsets built as (quad index) * 4 in unsigned integers: the
-                # compiler then sees 16-byte alignment and merges each four
-                # loads into one (a signed index also gets Numba's negative-
-                # index wrap, which costs instructions and hides adjacency).
-                ra = uint64(buf * (A_TILE // 4) + kk * (A_STRIDE // 4) + (ty ^ (kk & A_SWIZZLE))) * uint64(4)
-                rw = uint64(buf * (W_TILE // 4) + kk * (W_STRIDE // 4) + (tx ^ (kk & W_SWIZZLE))) * uint64(4)
-                # The swizzle may flip the bit that HALF_N sets: a second slot for w.
-                rw2 = uint64(buf * (W_TILE // 4) + kk * (W_STRIDE // 4)
-                             + ((tx + HALF_N // 4) ^ (kk & W_SWIZZLE))) * uint64(4)
-                for i in range(4):
-                    fa[i] = a_s[ra + uint64(i)]
-                    fa[4 + i] = a_s[ra + uint64(HALF_M + i)]
-                    fw[i] = w_s[rw + uint64(i)]
-                    fw[4 + i] = w_s[rw2 + uint64(i)]
-                for i in range(8):
-                    for q in range(8):
-                        acc[i, q] += fa[i] * fw[q]
+            if UNROLL:  # written out: LLVM does not unroll a loop this long
+                multiply(a_s, w_s, acc, fa, fw, buf, 0, tx, ty)
+                multiply(a_s, w_s, acc, fa, fw, buf, 1, tx, ty)
+                multiply(a_s, w_s, acc, fa, fw, buf, 2, tx, ty)
+                multiply(a_s, w_s, acc, fa, fw, buf, 3, tx, ty)
+                multiply(a_s, w_s, acc, fa, fw, buf, 4, tx, ty)
+                multiply(a_s, w_s, acc, fa, fw, buf, 5, tx, ty)
+                multiply(a_s, w_s, acc, fa, fw, buf, 6, tx, ty)
+                multiply(a_s, w_s, acc, fa, fw, buf, 7, tx, ty)
+            else:
+                for kk in range(KC):
+                    multiply(a_s, w_s, acc, fa, fw, buf, kk, tx, ty)
             if more:
                 deposit(a_s, w_s, pa, pw, tid, 1 - buf)
             # The next chunk is in the other buffer, and every thread is done
@@ -708,14 +811,15 @@ def _make_weight_grad_v2(bs, storage, acc_type, feature_axis, batched=False):
     return weight_grad_v2
 
 
-def _make_weight_grad_v4(bs, storage, acc_type, feature_axis):
+def _make_weight_grad_v4(bs, storage, acc_type, feature_axis, vector=False):
     """dw[b] (+ beta·dw[b]) with an 8 x 8 patch per thread and 16-byte shared reads (feature_axis 1).
 
     A thread block holds S sub-groups, each computing one block of W over this
     thread block's slice of N: per row of a chunk, a thread reads 8 values of
     x and 8 of dy (four 16-byte shared loads) for 64 multiply-adds. Each
     sub-group's tiles start 16 floats past a multiple of 32, so the two
-    sub-groups of a warp (block 32) read distinct banks.
+    sub-groups of a warp (block 32) read distinct banks. With ``vector`` (the
+    launcher checked alignment) x and dy are read 4 values at a time.
     """
     GT = (bs // 8) ** 2  # threads per sub-group
     T = V4_WGRAD_THREADS
@@ -726,9 +830,11 @@ def _make_weight_grad_v4(bs, storage, acc_type, feature_axis):
     TILE = NC * bs
     SUB = 2 * TILE + 16  # one sub-group's x and dy tiles (+16: the next one's banks are shifted)
     SIZE = S * SUB
-    LOADS = TILE // GT  # of x, and as many of dy, per thread and chunk
-    BATCH = 8
-    load, _ = _activation_io(feature_axis)
+    V = 4 if vector else 1  # values per load
+    LOADS = TILE // GT // V  # of x, and as many of dy, per thread and chunk
+    BATCH = V4_WGRAD_BATCH // V  # loads of each in flight before their stores
+    IN_FLIGHT = BATCH * V
+    load = _activation_vector_load(feature_axis, V)
     to_acc, from_acc = _converters(storage, acc_type)
 
     @cuda.jit(**V4_OPTIONS)
@@ -751,8 +857,8 @@ def _make_weight_grad_v4(bs, storage, acc_type, feature_axis):
         acc = cuda.local.array((8, 8), acc_type)
         fx = cuda.local.array(8, acc_type)
         fd = cuda.local.array(8, acc_type)
-        vx = cuda.local.array(BATCH, acc_type)
-        vd = cuda.local.array(BATCH, acc_type)
+        vx = cuda.local.array(IN_FLIGHT, acc_type)
+        vd = cuda.local.array(IN_FLIGHT, acc_type)
         for i in range(8):
             for q in range(8):
                 acc[i, q] = acc_type(0)
@@ -760,18 +866,19 @@ def _make_weight_grad_v4(bs, storage, acc_type, feature_axis):
         for n0 in range(n_begin, n_end, NC):
             for i0 in range(0, LOADS, BATCH):  # BATCH loads of x and of dy in flight, then their stores
                 for u in range(BATCH):
-                    e = t + (i0 + u) * GT
+                    e = (t + (i0 + u) * GT) * V  # element of the chunk: rows of bs values
                     row = n0 + e // bs
                     r = uint64(min(row, last))
-                    vx[u] = to_acc(load(x, r, uint64(c0 + e % bs)))
-                    vd[u] = to_acc(load(dy, r, uint64(k0 + e % bs)))
-                    if row > last:  # rows past the slice are zero
-                        vx[u] = acc_type(0)
-                        vd[u] = acc_type(0)
+                    xs = load(x, r, uint64(c0 + e % bs))
+                    ds = load(dy, r, uint64(k0 + e % bs))
+                    for c in range(V):  # rows past the slice are zero
+                        vx[u * V + c] = to_acc(xs[c]) if row <= last else acc_type(0)
+                        vd[u * V + c] = to_acc(ds[c]) if row <= last else acc_type(0)
                 for u in range(BATCH):
-                    e = t + (i0 + u) * GT
-                    tiles[uint64(base + e)] = vx[u]
-                    tiles[uint64(base + TILE + e)] = vd[u]
+                    e = (t + (i0 + u) * GT) * V
+                    for c in range(V):
+                        tiles[uint64(base + e + c)] = vx[u * V + c]
+                        tiles[uint64(base + TILE + e + c)] = vd[u * V + c]
             cuda.syncthreads()  # every sub-group's x and dy tiles hold this chunk
             for rr in range(NC):
                 # Offsets as (quad index) * 4, unsigned: the compiler merges each four loads.
@@ -878,6 +985,15 @@ def segment_limit(layout, axis):
     return max(MIN_SEGMENT, int(np.ceil(SEGMENT_FACTOR * mean)))
 
 
+def _vector_loads(arrays, n_rows, feature_axis, widths=(4, 4)):
+    """Whether version 4 may read each of ``arrays`` ``widths`` elements at a time:
+    4-byte (or smaller) elements, aligned pointers, and with feature_axis 0 rows
+    in whole vectors (the feature axis holds whole blocks anyway)."""
+    itemsize = arrays[0].dtype.itemsize
+    return (V4_VECTOR and itemsize <= 4 and (feature_axis == 1 or n_rows % 4 == 0)
+            and all(aligned(data_pointer(a), itemsize, width) for a, width in zip(arrays, widths)))
+
+
 def _launch_product_v1(out, a, w, layout, n_rows, transpose_w, feature_axis, stream):
     bs = layout.block_size
     rows = ROWS_PER_TILE[bs]
@@ -906,14 +1022,17 @@ def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, str
     acc = "float64" if a.dtype == "float64" else "float32"
     slots = schedule["n_slots"]
     workspace = a.scratch((slots, n_rows, bs), acc, stream) if slots else _unused_workspace(acc)
+    a_device, w_device = a.device(stream), w.device(stream)
     if version == 4 and bs in V4_ROWS:
-        maker, TM, threads = _make_product_v4, V4_ROWS[bs], V4_ROWS[bs] * bs // 64
+        TM, threads = V4_ROWS[bs], V4_ROWS[bs] * bs // 64
+        vector = _vector_loads((a_device, w_device), n_rows, feature_axis, (4, min(4, V4_KC * bs // threads)))
+        kernel = _kernel(_make_product_v4, bs, a.dtype, transpose_w, feature_axis, vector)
     else:
         maker, threads = (_make_product_v2 if version == 2 else _make_product_v3), PRODUCT_THREADS
-    kernel = _kernel(maker, bs, a.dtype, transpose_w, feature_axis)
+        kernel = _kernel(maker, bs, a.dtype, transpose_w, feature_axis)
     grid = ((n_rows + TM - 1) // TM, len(schedule["seg_line"]))
     launch(kernel, grid, threads, stream, (
-        out, workspace, a.device(stream), w.device(stream),
+        out, workspace, a_device, w_device,
         device_schedule["seg_line"], device_schedule["seg_begin"], device_schedule["seg_end"],
         device_schedule["seg_slot"], _index(layout, other_idx, stream), _index(layout, line_block, stream), n_rows,
     ))
@@ -950,13 +1069,16 @@ def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, v
     # A workspace of one split tells the kernel to finish in place (no combine pass).
     workspace = x.scratch((splits, layout.n_blocks, bs * bs), acc, stream) if splits > 1 \
         else _unused_workspace(acc)
+    x_device, dy_device = x.device(stream), dy.device(stream)
     if v4:
-        kernel, threads = _kernel(_make_weight_grad_v4, bs, x.dtype, feature_axis), V4_WGRAD_THREADS
+        vector = _vector_loads((x_device, dy_device), n_rows, feature_axis)
+        kernel = _kernel(_make_weight_grad_v4, bs, x.dtype, feature_axis, vector)
+        threads = V4_WGRAD_THREADS
     else:
         kernel = _kernel(_make_weight_grad_v3 if version >= 3 else _make_weight_grad_v2, bs, x.dtype, feature_axis)
         threads = WGRAD_THREADS
     launch(kernel, (thread_blocks, splits), threads, stream, (
-        dw, workspace, x.device(stream), dy.device(stream), _index(layout, "coords", stream),
+        dw, workspace, x_device, dy_device, _index(layout, "coords", stream),
         n_rows, rows_per_split, beta,
     ))
     if splits > 1:

@@ -1,0 +1,77 @@
+"""Vector loads from global memory: ``load2`` and ``load4``.
+
+``load4(array, (i, ..., j))`` returns the tuple ``array[i, ..., j:j + 4]`` read
+by one instruction (``ld.global.v4``). Numba itself only ever emits scalar
+global loads: it knows nothing of a device array's alignment, so LLVM may not
+merge neighbouring loads. The caller promises that the first element's
+address is a multiple of the vector's size (``width * itemsize`` bytes) and
+that the elements are contiguous; launchers check the pointers and strides on
+the host and compile a scalar variant where they do not hold.
+
+In the CUDA simulator the same names are plain Python that checks that
+promise (an unaligned address raises), so a launcher that picks the vector
+path wrongly fails the simulator tests instead of reading garbage on a GPU.
+"""
+
+from .._backend import SIMULATOR
+
+WIDTHS = (2, 4)
+
+
+def aligned(pointer, itemsize, width):
+    """Whether a vector of ``width`` elements of ``itemsize`` bytes may be read at ``pointer``."""
+    return pointer % (itemsize * width) == 0
+
+
+if SIMULATOR:
+    import numpy as np
+
+    def _simulated(width):
+        def load(array, index):
+            *outer, j = index
+            row = np.asarray(array)[tuple(outer)] if outer else np.asarray(array)
+            if row.strides[-1] != row.itemsize:
+                raise ValueError("vector load: the last axis is not contiguous")
+            address = row.ctypes.data + j * row.itemsize
+            if not aligned(address, row.itemsize, width):
+                raise ValueError(f"vector load of {width}: address {address:#x} is not aligned")
+            return tuple(row[j + k] for k in range(width))
+
+        return load
+
+    load2, load4 = _simulated(2), _simulated(4)
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    def _compiled(width):
+        @intrinsic
+        def load(typingctx, array, index):
+            if not isinstance(array, types.Array) or not isinstance(index, types.BaseTuple):
+                return None
+            if len(index) != array.ndim or not all(isinstance(t, types.Integer) for t in index):
+                return None
+            signature = types.UniTuple(array.dtype, width)(array, index)
+
+            def codegen(context, builder, sig, args):
+                array_type, index_type = sig.args
+                view = context.make_array(array_type)(context, builder, value=args[0])
+                indices = [context.cast(builder, value, t, types.intp)
+                           for t, value in zip(index_type, cgutils.unpack_tuple(builder, args[1]))]
+                pointer = cgutils.get_item_pointer(context, builder, array_type, view, indices,
+                                                   wraparound=False)
+                element = context.get_value_type(array_type.dtype)
+                vector_type = ir.VectorType(element, width)
+                size = context.get_abi_sizeof(element) * width
+                vector = builder.load(builder.bitcast(pointer, vector_type.as_pointer()), align=size)
+                items = [builder.extract_element(vector, ir.Constant(ir.IntType(32), k)) for k in range(width)]
+                return context.make_tuple(builder, sig.return_type, items)
+
+            return signature, codegen
+
+        return load
+
+    load2, load4 = _compiled(2), _compiled(4)
