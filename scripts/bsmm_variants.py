@@ -25,16 +25,14 @@ from benchmarks.common import baseline_ms, device_name, time_ms  # noqa: E402
 
 # name -> (version, settings of kernels.bsmm); unnamed settings keep the module's defaults.
 VARIANTS = {
-    "v4 scalar": (4, {"V4_VECTOR": False}),
-    "v4 vector": (4, {}),
-    "v4 vector unrolled": (4, {"V4_UNROLL": {32: True, 64: True}}),
-    "v4 vector pad": (4, {"V4_LAYOUT": {32: "pad", 64: "pad"}}),
-    "v4 vector pad unrolled": (4, {"V4_LAYOUT": {32: "pad", 64: "pad"}, "V4_UNROLL": {32: True, 64: True}}),
-    "v4 vector regs<=128": (4, {"V4_OPTIONS": {"max_registers": 128}}),
-    "v4 vector wgrad batch 16": (4, {"V4_WGRAD_BATCH": 16}),
-    "v4 vector wgrad batch 32": (4, {"V4_WGRAD_BATCH": 32}),
+    "v4": (4, {}),
+    "v4 scalar loads": (4, {"V4_VECTOR": False}),
+    "v4 swizzle": (4, {"V4_LAYOUT": {32: "swizzle", 64: "swizzle"}}),
+    "v4 not unrolled": (4, {"V4_UNROLL": {32: False, 64: False}}),
+    "v4 regs<=168": (4, {"V4_OPTIONS": {"max_registers": 168}}),
+    "v4 wgrad batch 8": (4, {"V4_WGRAD_BATCH": 8}),
 }
-FP16_VARIANTS = ("v4 scalar", "v4 vector", "v4 vector unrolled")
+FP16_VARIANTS = ("v4", "v4 swizzle")
 
 
 def main():

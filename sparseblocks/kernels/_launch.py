@@ -4,15 +4,20 @@ A call through the dispatcher types every argument, looks up the overload,
 and converts every array (a torch tensor through ``__cuda_array_interface__``
 costs ~15 µs): ~100 µs for a kernel with a dozen arguments, far more than
 the kernel on a small problem. `launch` goes through the dispatcher once per
-kernel and argument types, keeps the compiled kernel, and afterwards packs
-the arguments itself, in Numba's ABI (an array is meminfo, parent, size,
+kernel and argument types and keeps the compiled kernel. Afterwards it lays
+the arguments out itself, in Numba's ABI (an array is meminfo, parent, size,
 itemsize, data pointer, shape, strides in bytes; an integer an int64; a float
-a double), and hands them to ``cuda.core.launch``.
+a double), every field in an 8-byte slot of one buffer per kernel, packed by
+one ``struct.pack_into``, and hands the buffer's slot addresses to the
+driver's ``cuLaunchKernel`` (through ctypes; cuda.core's launch, the
+fallback, converts each of a kernel's ~80 fields separately). The fields of
+Numba device arrays (the layouts' index arrays) are computed once per array.
 
 Under the simulator every launch goes through the dispatcher.
 """
 
 import ctypes
+import struct
 
 from numba import cuda
 
@@ -20,10 +25,14 @@ from .._backend import SIMULATOR
 
 _compiled = {}
 _streams = {}
+_stream_handles = {}
 _core_streams = {}
 _configs = {}
+_device_fields = {}
 _multiprocessors = None
 _cuda_core = None
+_driver_launch = None
+MAX_CACHED_ARRAYS = 4096  # Numba device arrays whose fields are kept (with a reference to each)
 
 
 def multiprocessors():
@@ -37,17 +46,6 @@ def multiprocessors():
     return _multiprocessors
 
 
-def _signature(arg):
-    """What decides the compiled overload: dtype and rank of arrays, type of scalars.
-
-    The dtype object itself, not its name: ``str`` of a NumPy dtype costs
-    microseconds, and this runs for every argument of every launch.
-    """
-    if isinstance(arg, (int, float)):
-        return type(arg)
-    return (arg.dtype, len(arg.shape))
-
-
 def data_pointer(arg):
     """Device address of a torch tensor, Numba device array or CuPy array."""
     if hasattr(arg, "data_ptr"):  # torch
@@ -59,23 +57,88 @@ def data_pointer(arg):
     return arg.data.ptr  # CuPy
 
 
-def _raw_array(arg):
+def _array_fields(arg):
+    """(what decides the overload, Numba's ABI fields) of a device array.
+
+    The dtype object itself goes into the key, not its name: ``str`` of a
+    NumPy dtype costs microseconds, and this runs for every array argument.
+    """
     if hasattr(arg, "data_ptr"):  # torch
         itemsize = arg.element_size()
-        return (0, 0, arg.numel(), itemsize, arg.data_ptr(), *arg.shape, *(s * itemsize for s in arg.stride()))
-    return (0, 0, arg.size, arg.dtype.itemsize, data_pointer(arg), *arg.shape, *arg.strides)
+        return (arg.dtype, arg.dim()), (0, 0, arg.numel(), itemsize, arg.data_ptr(), *arg.shape,
+                                        *[s * itemsize for s in arg.stride()])
+    if hasattr(arg, "device_ctypes_pointer"):  # Numba: fixed for the array's life, so kept
+        known = _device_fields.get(id(arg))
+        if known is not None and known[0] is arg:
+            return known[1]
+        if len(_device_fields) >= MAX_CACHED_ARRAYS:
+            _device_fields.clear()
+        fields = (arg.dtype, arg.ndim), (0, 0, arg.size, arg.dtype.itemsize, data_pointer(arg),
+                                         *arg.shape, *arg.strides)
+        _device_fields[id(arg)] = (arg, fields)  # the reference keeps id(arg) from being reused
+        return fields
+    return (arg.dtype, arg.ndim), (0, 0, arg.size, arg.dtype.itemsize, arg.data.ptr, *arg.shape, *arg.strides)
 
 
-def _raw(args):
-    raw = []
+def _fields(args):
+    """(overload key, flat field values, struct format) of a launch's arguments."""
+    key, values, kinds = [], [], []
     for arg in args:
         if isinstance(arg, int):
-            raw.append(ctypes.c_int64(arg))
+            key.append(int)
+            values.append(arg)
+            kinds.append("q")
         elif isinstance(arg, float):
-            raw.append(ctypes.c_double(arg))
+            key.append(float)
+            values.append(arg)
+            kinds.append("d")
         else:
-            raw.extend(_raw_array(arg))
-    return raw
+            signature, fields = _array_fields(arg)
+            key.append(signature)
+            values.extend(fields)
+            kinds.append("q" * len(fields))
+    return tuple(key), values, kinds
+
+
+class _Kernel:
+    """A compiled kernel and its parameter buffer: one 8-byte slot per field."""
+
+    __slots__ = ("function", "core_kernel", "packer", "buffer", "slots")
+
+    def __init__(self, cufunc, kinds):
+        self.core_kernel = cufunc.kernel
+        self.function = None
+        self.packer = struct.Struct("<" + "".join(kinds))
+        self.buffer = ctypes.create_string_buffer(max(8, self.packer.size))
+        base = ctypes.addressof(self.buffer)
+        n = self.packer.size // 8
+        self.slots = (ctypes.c_void_p * max(1, n))(*[base + 8 * i for i in range(n)])
+        if _driver() is not None:
+            from cuda.bindings import driver
+
+            handle = cufunc.handle
+            if isinstance(handle, driver.CUfunction):  # loaded through the module API
+                self.function = int(handle)
+            else:  # a library's CUkernel: its function in the current context
+                error, function = driver.cuKernelGetFunction(handle)
+                if int(error) == 0:
+                    self.function = int(function)
+
+
+def _driver():
+    """The driver's cuLaunchKernel through ctypes, or None (then cuda.core launches)."""
+    global _driver_launch
+    if _driver_launch is None:
+        try:
+            # PyDLL keeps the GIL through the call: no other thread refills a
+            # kernel's parameter buffer while the driver copies it.
+            function = ctypes.PyDLL("libcuda.so.1").cuLaunchKernel
+            function.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+            function.restype = ctypes.c_int
+            _driver_launch = function
+        except (OSError, AttributeError):
+            _driver_launch = False
+    return _driver_launch or None
 
 
 def stream_of(handle):
@@ -83,6 +146,13 @@ def stream_of(handle):
     if handle not in _streams:
         _streams[handle] = cuda.default_stream() if handle == 0 else cuda.external_stream(handle)
     return _streams[handle]
+
+
+def _stream_handle(stream):
+    handle = _stream_handles.get(stream)
+    if handle is None:
+        handle = _stream_handles[stream] = int(stream.__cuda_stream__()[1])
+    return handle
 
 
 def _core():
@@ -99,8 +169,13 @@ def _core_stream(stream):
     """cuda.core's view of a Numba stream, cached (cuda.core deprecates taking foreign objects)."""
     core = _core_streams.get(stream)
     if core is None:
-        core = _core_streams[stream] = _core().Stream.from_handle(int(stream.__cuda_stream__()[1]))
+        core = _core_streams[stream] = _core().Stream.from_handle(_stream_handle(stream))
     return core
+
+
+def _dim3(dims):
+    dims = dims if isinstance(dims, tuple) else (dims,)
+    return dims + (1,) * (3 - len(dims))
 
 
 def launch(dispatcher, grid, block, stream, args):
@@ -112,15 +187,25 @@ def launch(dispatcher, grid, block, stream, args):
     if SIMULATOR:
         dispatcher[grid, block, stream](*args)
         return
-    key = (dispatcher, tuple(_signature(arg) for arg in args))
-    kernel = _compiled.get(key)
+    stream = stream if stream else stream_of(0)
+    key, values, kinds = _fields(args)
+    kernel = _compiled.get((dispatcher, key))
     if kernel is None:
+        # torch refuses __cuda_array_interface__ on tensors that require grad.
+        args = [arg.detach() if hasattr(arg, "detach") else arg for arg in args]
         dispatcher[grid, block, stream](*args)
         compiled = dispatcher.compile(tuple(dispatcher.typeof_pyval(arg) for arg in args))
-        _compiled[key] = compiled._codelibrary.get_cufunc().kernel
+        _compiled[(dispatcher, key)] = _Kernel(compiled._codelibrary.get_cufunc(), kinds)
+        return
+    if kernel.function is not None:
+        kernel.packer.pack_into(kernel.buffer, 0, *values)
+        error = _driver_launch(kernel.function, *_dim3(grid), *_dim3(block), 0, _stream_handle(stream),
+                               kernel.slots, None)
+        if error:
+            raise RuntimeError(f"cuLaunchKernel failed with CUDA error {error}")
         return
     config = _configs.get((grid, block))
     if config is None:
-        config = _configs[(grid, block)] = _core().LaunchConfig(
-            grid=grid if isinstance(grid, tuple) else (grid,), block=block if isinstance(block, tuple) else (block,))
-    _core().launch(_core_stream(stream if stream else stream_of(0)), config, kernel, *_raw(args))
+        config = _configs[(grid, block)] = _core().LaunchConfig(grid=_dim3(grid), block=_dim3(block))
+    raw = [ctypes.c_double(v) if kind == "d" else v for v, kind in zip(values, "".join(kinds))]
+    _core().launch(_core_stream(stream), config, kernel.core_kernel, *raw)

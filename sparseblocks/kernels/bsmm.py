@@ -89,16 +89,17 @@ V4_OPTIONS = {}  # extra cuda.jit options for version 4 (benchmarks try register
 # a thread block (so 128 / (bs/8)^2 blocks each), V4_WGRAD_ROWS rows of N a chunk.
 V4_WGRAD_THREADS = 128
 V4_WGRAD_ROWS = {32: 16, 64: 32}
-V4_WGRAD_BATCH = 8  # values of x (and of dy) each thread has in flight before storing them
+V4_WGRAD_BATCH = 32  # values of x (and of dy) each thread has in flight before storing them
 # Version 4 reads 4 activations (and 2-4 weights) per instruction where pointers
 # allow (kernels/_vector.py); False keeps every kernel on scalar loads.
 V4_VECTOR = True
 # Shared tiles by block size: "swizzle" (row index XOR 4·kk) or "pad" (rows 4 floats
-# longer); both free of bank conflicts, the faster of the two measured per size
-# on an H200 (scripts/bsmm_variants.py; benchmarks/NOTES.md).
-V4_LAYOUT = {32: "swizzle", 64: "pad"}
-# Whether the product's 8-step inner loop is written out (more registers, more loads in flight).
-V4_UNROLL = {32: False, 64: False}
+# longer); both free of bank conflicts. Whether the product's 8-step inner loop is
+# written out (more registers, more shared loads in flight; the padded layout's
+# offsets then fold into the instructions). Each the fastest measured on an H100
+# with vector loads (scripts/bsmm_variants.py; benchmarks/NOTES.md).
+V4_LAYOUT = {32: "pad", 64: "pad"}
+V4_UNROLL = {32: True, 64: True}
 
 # -- device helpers ---------------------------------------------------------------
 
@@ -832,7 +833,7 @@ def _make_weight_grad_v4(bs, storage, acc_type, feature_axis, vector=False):
     SIZE = S * SUB
     V = 4 if vector else 1  # values per load
     LOADS = TILE // GT // V  # of x, and as many of dy, per thread and chunk
-    BATCH = V4_WGRAD_BATCH // V  # loads of each in flight before their stores
+    BATCH = min(LOADS, V4_WGRAD_BATCH // V)  # loads of each in flight before their stores (divides LOADS)
     IN_FLIGHT = BATCH * V
     load = _activation_vector_load(feature_axis, V)
     to_acc, from_acc = _converters(storage, acc_type)

@@ -1,0 +1,59 @@
+"""The compiled-launch path (kernels/_launch.py) against Numba's dispatcher."""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from sparseblocks._arrays import Operand, launch_stream
+from sparseblocks._backend import SIMULATOR
+from sparseblocks.kernels import _launch
+
+
+@cuda.jit
+def _affine(out, a, b, scale, offset, flip):
+    i, j = cuda.grid(2)
+    if i < out.shape[0] and j < out.shape[1]:
+        value = scale * a[i, j] + b[j] + offset
+        out[i, j] = -value if flip else value
+
+
+def host(array):
+    return array.copy_to_host() if hasattr(array, "copy_to_host") else array.cpu().numpy()
+
+
+def _run(out, a, b, stream=0):
+    """Launch twice with different scalars; yield what out should hold after each."""
+    grid = ((out.shape[0] + 7) // 8, (out.shape[1] + 7) // 8)
+    for scale, offset, flip in ((2.0, 3, False), (-0.5, -7, True)):
+        _launch.launch(_affine, grid, (8, 8), stream, (out, a, b, scale, offset, flip))
+        value = scale * host(a) + host(b) + offset
+        yield -value if flip else value
+
+
+def test_launch_matches_the_kernel_on_numba_arrays():
+    """The first launch goes through the dispatcher, the second through the cached kernel
+    (on a GPU); ints, floats and booleans land in their parameter slots."""
+    rng = np.random.default_rng(0)
+    a = cuda.to_device(rng.standard_normal((13, 21)).astype(np.float32))
+    b = cuda.to_device(rng.standard_normal(21).astype(np.float32))
+    out = cuda.device_array((13, 21), np.float32)
+    for want in _run(out, a, b):
+        np.testing.assert_allclose(host(out), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="the compiled path needs a GPU")
+@pytest.mark.parametrize("through", ["driver", "cuda.core"])
+def test_compiled_launch_of_torch_tensors(through, monkeypatch):
+    torch = pytest.importorskip("torch")
+    a = torch.randn(9, 30, device="cuda")
+    b = torch.randn(30, device="cuda")
+    out = torch.empty(9, 30, device="cuda")
+    stream = launch_stream([Operand(a, "a")])
+    list(_run(out, a, b, stream))  # compiles and caches the kernel for these types
+    if through == "cuda.core":
+        for kernel in _launch._compiled.values():
+            monkeypatch.setattr(kernel, "function", None)
+    for want in _run(out, a, b, stream):
+        torch.cuda.synchronize()
+        np.testing.assert_allclose(host(out), want, rtol=1e-6, atol=1e-6)
