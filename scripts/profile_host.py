@@ -3,8 +3,11 @@
     python3 scripts/profile_host.py [--calls 2000]
 
 Times a tiny bsmm forward, sparse_gather and reduce_mask from torch tensors
-per call (host clock, the GPU has nothing to do), then prints cProfile's top
-functions for each.
+two ways: calls per second with the queue kept full (what a loop of small
+calls gets: the larger of host and device time) and the host's time alone
+(200 calls timed before the queue fills, synchronized after the clock
+stops). Then the pieces of one bsmm forward call, each timed alone, and
+cProfile's top functions for each call.
 """
 
 import argparse
@@ -46,7 +49,14 @@ def main():
         for _ in range(args.calls):
             fn()
         torch.cuda.synchronize()
-        print(f"{name}: {(time.perf_counter() - start) / args.calls * 1e6:.1f} us a call")
+        throughput = (time.perf_counter() - start) / args.calls * 1e6
+        start = time.perf_counter()
+        for _ in range(200):
+            fn()
+        host = (time.perf_counter() - start) / 200 * 1e6
+        torch.cuda.synchronize()
+        print(f"{name}: {throughput:.1f} us a call in a loop, {host:.1f} us of host time")
+    pieces(torch, bsmm, layout, x, w)
     for name, fn in calls.items():
         profile = cProfile.Profile()
         profile.enable()
@@ -57,6 +67,49 @@ def main():
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(14)
         print(f"==== {name}\n" + "\n".join(text.getvalue().splitlines()[6:24]))
+
+
+def pieces(torch, bsmm, layout, x, w):
+    """Host time of each step of one bsmm.forward call from torch tensors."""
+    from sparseblocks import _arrays
+    from sparseblocks.kernels import _launch
+
+    a, wo = _arrays.Operand(x, "x"), _arrays.Operand(w, "w")
+    stream = _arrays.launch_stream((a, wo))
+    native, out = a.empty((8, 64), stream)
+    bsmm.forward(x, w, layout)
+    kernel_args = None
+    original = _launch.launch
+
+    def capture(dispatcher, grid, block, stream, args):
+        nonlocal kernel_args
+        kernel_args = (dispatcher, grid, block, stream, args)
+        original(dispatcher, grid, block, stream, args)
+
+    bsmm.launch = capture
+    bsmm.forward(x, w, layout)
+    bsmm.launch = original
+    steps = {
+        "Operand(x) x2": lambda: (_arrays.Operand(x, "x"), _arrays.Operand(w, "w")),
+        "checks": lambda: bsmm._check_common((a, wo), 1, 4),
+        "launch_stream": lambda: _arrays.launch_stream((a, wo)),
+        "torch.cuda.current_device": lambda: torch.cuda.current_device(),
+        "empty (torch.empty)": lambda: a.empty((8, 64), stream),
+        "_product_schedule": lambda: bsmm._product_schedule(layout, False, None, stream),
+        "_fields of the product's args": lambda: _launch._fields(kernel_args[4]),
+        "launch (fields, pack, cuLaunchKernel)": lambda: original(*kernel_args),
+        "whole forward": lambda: bsmm.forward(x, w, layout),
+    }
+    for name, step in steps.items():
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(200):
+            step()
+        elapsed = (time.perf_counter() - start) / 200 * 1e6
+        torch.cuda.synchronize()
+        print(f"  {name}: {elapsed:.1f} us")
 
 
 if __name__ == "__main__":

@@ -50,8 +50,15 @@ def _kind(array):
     return None
 
 
+_dtype_names = {}
+
+
 def _dtype_name(array):
-    return str(array.dtype).replace("torch.", "")
+    """'float32', 'bfloat16', ... for NumPy, CuPy, Numba and torch dtypes (cached: ``str`` is slow)."""
+    name = _dtype_names.get(array.dtype)
+    if name is None:
+        name = _dtype_names[array.dtype] = str(array.dtype).replace("torch.", "")
+    return name
 
 
 def _bf16_numpy():
@@ -141,7 +148,7 @@ class Operand:
         if self.kind == "torch" and not SIMULATOR:
             import torch
 
-            native = torch.empty(shape, dtype=getattr(torch, dtype), device=self.native.device)
+            native = self.native.new_empty(shape, dtype=getattr(torch, dtype))
             return native, (native.view(torch.int16) if bf16 else native)
         if self.kind == "cupy":
             import cupy

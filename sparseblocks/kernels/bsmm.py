@@ -1008,20 +1008,34 @@ def _launch_product_v1(out, a, w, layout, n_rows, transpose_w, feature_axis, str
     ))
 
 
+def _product_schedule(layout, transpose_w, max_segment, stream):
+    """What the products launch with over a layout, whatever the activations:
+    (slots, product index arrays, combine index arrays), cached in the layout
+    so that a call looks it up once instead of rebuilding keys for each array."""
+    key = ("product schedule", transpose_w, max_segment)
+    cached = layout._schedules.get(key)
+    if cached is not None:
+        return cached
+    axis = "row" if transpose_w else "col"
+    limit = segment_limit(layout, axis) if max_segment is None else max_segment
+    schedule = layout.line_segments(axis, limit)
+    other_idx, line_block = ("col_idx", "col_idx") if transpose_w else ("row_idx", "col_block")
+    on_device = {
+        name: _on_device(layout, (axis, limit, name), schedule[name], stream)
+        for name in ("seg_line", "seg_begin", "seg_end", "seg_slot", "split_line", "split_begin", "split_end")
+    }
+    product = (on_device["seg_line"], on_device["seg_begin"], on_device["seg_end"], on_device["seg_slot"],
+               _index(layout, other_idx, stream), _index(layout, line_block, stream))
+    combine = (on_device["split_line"], on_device["split_begin"], on_device["split_end"])
+    cached = layout._schedules[key] = (schedule["n_slots"], product, combine)
+    return cached
+
+
 def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, stream, max_segment, version):
     bs = layout.block_size
     TM = PRODUCT_TILES[bs][0]
-    axis = "row" if transpose_w else "col"
-    if max_segment is None:
-        max_segment = segment_limit(layout, axis)
-    schedule = layout.line_segments(axis, max_segment)
-    other_idx, line_block = ("col_idx", "col_idx") if transpose_w else ("row_idx", "col_block")
-    device_schedule = {
-        name: _on_device(layout, (axis, max_segment, name), schedule[name], stream)
-        for name in ("seg_line", "seg_begin", "seg_end", "seg_slot", "split_line", "split_begin", "split_end")
-    }
+    slots, indices, combine_indices = _product_schedule(layout, transpose_w, max_segment, stream)
     acc = "float64" if a.dtype == "float64" else "float32"
-    slots = schedule["n_slots"]
     workspace = a.scratch((slots, n_rows, bs), acc, stream) if slots else _unused_workspace(acc)
     a_device, w_device = a.device(stream), w.device(stream)
     if version == 4 and bs in V4_ROWS:
@@ -1031,19 +1045,12 @@ def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, str
     else:
         maker, threads = (_make_product_v2 if version == 2 else _make_product_v3), PRODUCT_THREADS
         kernel = _kernel(maker, bs, a.dtype, transpose_w, feature_axis)
-    grid = ((n_rows + TM - 1) // TM, len(schedule["seg_line"]))
-    launch(kernel, grid, threads, stream, (
-        out, workspace, a_device, w_device,
-        device_schedule["seg_line"], device_schedule["seg_begin"], device_schedule["seg_end"],
-        device_schedule["seg_slot"], _index(layout, other_idx, stream), _index(layout, line_block, stream), n_rows,
-    ))
-    if schedule["n_slots"]:
+    grid = ((n_rows + TM - 1) // TM, len(indices[0]))
+    launch(kernel, grid, threads, stream, (out, workspace, a_device, w_device, *indices, n_rows))
+    if slots:
         combine = _kernel(_make_combine_lines, bs, a.dtype, feature_axis)
-        grid = ((n_rows * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, len(schedule["split_line"]))
-        launch(combine, grid, COMBINE_THREADS, stream, (
-            out, workspace, device_schedule["split_line"], device_schedule["split_begin"],
-            device_schedule["split_end"], n_rows,
-        ))
+        grid = ((n_rows * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, len(combine_indices[0]))
+        launch(combine, grid, COMBINE_THREADS, stream, (out, workspace, *combine_indices, n_rows))
 
 
 def wgrad_splits(layout, n_rows, thread_blocks=None):
