@@ -149,6 +149,8 @@ def main():
     shapes, block_sizes, densities, dtypes = sizes(args.quick)
     versions = tuple(int(v) for v in args.versions.split(","))
     records = []
+    name = "bsmm" + ("_quick" if args.quick else "")
+    kwargs = {} if args.out_dir is None else {"directory": args.out_dir}
     for N, C, K in shapes:
         for bs in block_sizes:
             for density in densities:
@@ -156,9 +158,10 @@ def main():
                 for dtype in dtypes:
                     bench_config(torch, bsmm, layout, N, dtype, records, versions)
                     print(f"done N={N} bs={bs} density={density} {dtype}", flush=True)
+                    # Written as it goes: a run cut short by a time limit keeps what it measured.
+                    write_results(name + "_partial", records, **kwargs)
     records.append(launch_overhead(torch, bsmm, BlockLayout))
-    kwargs = {} if args.out_dir is None else {"directory": args.out_dir}
-    write_results("bsmm" + ("_quick" if args.quick else ""), records, **kwargs)
+    write_results(name, records, **kwargs)
     resources = kernel_resources(bsmm)
     print(resources)
     if args.out_dir:
