@@ -139,6 +139,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="N = C = K = 4096, block 32 only")
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--versions", default="4", help="comma-separated kernel versions to time")
+    parser.add_argument("--block-sizes", default=None, help="comma-separated block sizes (default: all)")
     args = parser.parse_args()
 
     import torch
@@ -147,9 +148,11 @@ def main():
     from sparseblocks.kernels import bsmm
 
     shapes, block_sizes, densities, dtypes = sizes(args.quick)
+    if args.block_sizes:
+        block_sizes = [int(b) for b in args.block_sizes.split(",")]
     versions = tuple(int(v) for v in args.versions.split(","))
     records = []
-    name = "bsmm" + ("_quick" if args.quick else "")
+    name = "bsmm" + ("_quick" if args.quick else "") + (f"_bs{args.block_sizes.replace(',', '_')}" if args.block_sizes else "")
     kwargs = {} if args.out_dir is None else {"directory": args.out_dir}
     for N, C, K in shapes:
         for bs in block_sizes:

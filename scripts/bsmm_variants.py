@@ -27,18 +27,25 @@ from benchmarks.common import baseline_ms, device_name, time_ms  # noqa: E402
 VARIANTS = {
     "v4": (4, {}),
     "v4 scalar loads": (4, {"V4_VECTOR": False}),
-    "v4 swizzle": (4, {"V4_LAYOUT": {32: "swizzle", 64: "swizzle"}}),
-    "v4 not unrolled": (4, {"V4_UNROLL": {32: False, 64: False}}),
+    "v4 swizzle": (4, {"V4_LAYOUT": {16: "swizzle", 32: "swizzle", 64: "swizzle"}}),
+    "v4 not unrolled": (4, {"V4_UNROLL": {16: False, 32: False, 64: False}}),
     "v4 regs<=168": (4, {"V4_OPTIONS": {"max_registers": 168}}),
     "v4 wgrad batch 8": (4, {"V4_WGRAD_BATCH": 8}),
+    # Block 16 on version 4's kernels (by default it runs version 3's):
+    "v4 bs16 rows 512": (4, {"V4_ROWS": {16: 512, 32: 256, 64: 128}, "V4_WGRAD_ROWS": {16: 16, 32: 16, 64: 32}}),
+    "v4 bs16 rows 512 not unrolled": (4, {"V4_ROWS": {16: 512, 32: 256, 64: 128},
+                                          "V4_UNROLL": {16: False, 32: True, 64: True}}),
+    "v4 bs16 rows 256": (4, {"V4_ROWS": {16: 256, 32: 256, 64: 128}, "V4_WGRAD_ROWS": {16: 32, 32: 16, 64: 32}}),
 }
-FP16_VARIANTS = ("v4", "v4 swizzle")
+FP16_VARIANTS = ("v4", "v4 swizzle", "v4 bs16 rows 512")
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--density", type=float, default=0.10)
+    parser.add_argument("--block-sizes", default="32,64")
+    parser.add_argument("--variants", default=None, help="comma-separated names (default: all)")
     args = parser.parse_args()
 
     import torch
@@ -51,7 +58,8 @@ def main():
 
     rows = []
     resources = []
-    for bs in (32, 64):
+    chosen = VARIANTS if args.variants is None else {k: VARIANTS[k] for k in args.variants.split(",")}
+    for bs in (int(b) for b in args.block_sizes.split(",")):
         layout = BlockLayout.random((4096 // bs, 4096 // bs), args.density, seed=1, block_size=bs)
         flops = 2.0 * 4096 * layout.n_blocks * bs * bs
         for dtype_name in ("float32", "float16"):
@@ -69,7 +77,7 @@ def main():
             W_t_bsr = Wd.T.contiguous().to_sparse_bsr((bs, bs))
             xt = x.T.contiguous()
             bsr = baseline_ms(lambda: W_t_bsr @ xt)
-            for name, (version, settings) in VARIANTS.items():
+            for name, (version, settings) in chosen.items():
                 if dtype_name == "float16" and name not in FP16_VARIANTS:
                     continue
                 for key, value in {**DEFAULTS, **settings}.items():

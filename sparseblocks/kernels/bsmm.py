@@ -98,8 +98,8 @@ V4_VECTOR = True
 # written out (more registers, more shared loads in flight; the padded layout's
 # offsets then fold into the instructions). Each the fastest measured on an H100
 # with vector loads (scripts/bsmm_variants.py; benchmarks/NOTES.md).
-V4_LAYOUT = {32: "pad", 64: "pad"}
-V4_UNROLL = {32: True, 64: True}
+V4_LAYOUT = {16: "pad", 32: "pad", 64: "pad"}
+V4_UNROLL = {16: True, 32: True, 64: True}
 
 # -- device helpers ---------------------------------------------------------------
 
