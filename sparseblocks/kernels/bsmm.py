@@ -28,13 +28,14 @@ Versions (``version=`` on every public function, default 4; tests sweep all four
      that pipelined chunks through register arrays ran 2x slower than
      version 2: see benchmarks/NOTES.md.) The weight gradient loads two rows
      of x and dy per step, branch-free, likewise.
-  4. products with an 8 x 8 patch per thread (blocks 32 and 64; blocks 8 and
-     16 keep version 3's kernel), 16-byte shared-memory reads from swizzled
-     k-major tiles, and chunks double-buffered through registers, one
-     barrier per chunk. Unsigned indices keep Numba's negative-index wrap out
-     of the address arithmetic. Its weight gradient (feature_axis 1, blocks
-     32 and 64; otherwise version 3's) gives each thread an 8 x 8 patch of
-     one W block, sub-groups of threads one block each.
+  4. products with an 8 x 8 patch per thread (blocks 16, 32 and 64; block 8
+     keeps version 3's kernel), 16-byte shared-memory reads from k-major
+     tiles, chunks double-buffered through registers with one barrier per
+     chunk, and 16-byte global loads (`_vector.py`) where the pointers are
+     aligned. Unsigned indices keep Numba's negative-index wrap out of the
+     address arithmetic. Its weight gradient (feature_axis 1, blocks 16-64;
+     otherwise version 3's) gives each thread an 8 x 8 patch of one W block,
+     sub-groups of threads one block each.
 """
 
 import numpy as np
@@ -78,17 +79,17 @@ COMBINE_THREADS = 256
 # quarters, TM/2 rows and bs/2 features apart, so a warp's 16-byte shared reads
 # fall in distinct banks); the tile is TM rows x bs features, so TM * bs / 64
 # threads. Chunks of V4_KC features are double-buffered in shared memory.
-V4_ROWS = {32: 256, 64: 128}  # blocks 8 and 16 run version 3's kernel (too few outputs per load)
+V4_ROWS = {16: 256, 32: 256, 64: 128}  # block 8 runs version 3's kernel (too few outputs per load)
 V4_KC = 8
 # 16-byte alignment lets the compiler merge four shared loads into one; the
 # simulator does not take an alignment.
 SHARED_ALIGN = None if SIMULATOR else 16
 V4_OPTIONS = {}  # extra cuda.jit options for version 4 (benchmarks try register caps)
-# Version 4 weight gradient (feature_axis 1, blocks 32 and 64; otherwise version 3's):
+# Version 4 weight gradient (feature_axis 1, blocks 16, 32 and 64; otherwise version 3's):
 # sub-groups of (bs/8)^2 threads, each thread an 8 x 8 patch of one block, 128 threads
 # a thread block (so 128 / (bs/8)^2 blocks each), V4_WGRAD_ROWS rows of N a chunk.
 V4_WGRAD_THREADS = 128
-V4_WGRAD_ROWS = {32: 16, 64: 32}
+V4_WGRAD_ROWS = {16: 16, 32: 16, 64: 32}
 V4_WGRAD_BATCH = 32  # values of x (and of dy) each thread has in flight before storing them
 # Version 4 reads 4 activations (and 2-4 weights) per instruction where pointers
 # allow (kernels/_vector.py); False keeps every kernel on scalar loads.
