@@ -1,4 +1,5 @@
-"""Compile every SBNet kernel to PTX for sm_90 without a GPU, to catch typing errors early.
+"""Compile every SBNet kernel (or, with --bsmm, bsmm's version 4 kernels) to PTX for sm_90
+without a GPU, to catch typing errors early and read ptxas's registers.
 
 The CUDA simulator runs kernels as plain Python and accepts code the real
 compiler rejects (a computed shared-array shape, say). This compiles each
@@ -6,7 +7,11 @@ kernel variant through NVVM instead. Needs libnvvm and NVRTC (for example
 CUDA_HOME=/usr/local/cuda-13.0 and `pip install nvidia-cuda-nvrtc`); it is a
 developer's check, not part of the test suite.
 
-    CUDA_HOME=/usr/local/cuda-13.0 python scripts/compile_check.py
+    CUDA_HOME=/usr/local/cuda-13.0 python scripts/compile_check.py [--bsmm]
+
+With --bsmm it prints, for each version 4 product and weight gradient
+(block 16/32/64, fp32/fp16, both feature axes, scalar or vector loads), the
+registers and how many global loads are vector loads.
 """
 
 import itertools
@@ -19,7 +24,7 @@ import tempfile
 
 from numba import cuda, types
 
-from sparseblocks.kernels import sbnet
+from sparseblocks.kernels import bsmm, sbnet
 
 i64 = types.int64
 CC = (9, 0)
@@ -53,7 +58,34 @@ def check(name, function, signature):
         return False
 
 
+def vector_loads(ptx):
+    return f"  {ptx.count('ld.global.v')} of {ptx.count('ld.global.')} global loads vector"
+
+
+def check_bsmm():
+    """ptxas's report for bsmm's version 4 kernels with the module's current settings."""
+    index = types.int32[::1]
+    for bs, storage, vector in itertools.product(sorted(bsmm.V4_ROWS), ("float32", "float16"), (False, True)):
+        element = getattr(types, storage)
+        acc = bsmm._acc_type(storage)
+        for transpose_w, feature_axis in itertools.product((False, True), (1, 0)):
+            kernel = bsmm._make_product_v4(bs, storage, acc, transpose_w, feature_axis, vector)
+            signature = (element[:, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, :, ::1]) \
+                + (index,) * 6 + (i64,)
+            ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
+            print(f"product bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis} "
+                  f"{'vector' if vector else 'scalar'}{resources(ptx)}{vector_loads(ptx)}")
+        kernel = bsmm._make_weight_grad_v4(bs, storage, acc, 1, vector)
+        signature = (element[:, :, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, ::1],
+                     types.int32[:, ::1], i64, i64, types.float64)
+        ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
+        print(f"weight_grad bs {bs} {storage} {'vector' if vector else 'scalar'}{resources(ptx)}{vector_loads(ptx)}")
+    return 0
+
+
 def main():
+    if "--bsmm" in sys.argv[1:]:
+        return check_bsmm()
     results = [
         check("pool_kernel", sbnet.pool_kernel.py_func,
               (types.int8[::1], types.float32[:, :, ::1]) + (i64,) * 11 + (types.float64, types.boolean)),

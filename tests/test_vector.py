@@ -1,0 +1,51 @@
+"""Vector loads (kernels/_vector.py): the values of 2 or 4 neighbours, and the alignment promise."""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from sparseblocks.kernels._vector import aligned, load2, load4
+
+
+@cuda.jit
+def _copy_quads(out, a):
+    i = cuda.threadIdx.x
+    if i < out.shape[1] // 4:
+        for r in range(out.shape[0]):
+            q = load4(a, (r, 4 * i))
+            for k in range(4):
+                out[r, 4 * i + k] = q[k]
+
+
+@cuda.jit
+def _copy_pairs(out, w):
+    i = cuda.threadIdx.x
+    if i < out.shape[2] // 2:
+        p = load2(w, (1, 2, 2 * i))
+        out[0, 0, 2 * i] = p[0]
+        out[0, 0, 2 * i + 1] = p[1]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int16])
+def test_vector_loads_read_neighbours(dtype):
+    a = (np.arange(3 * 16) % 251).astype(dtype).reshape(3, 16)
+    out = cuda.device_array_like(a)
+    _copy_quads[1, 4](out, cuda.to_device(a))
+    np.testing.assert_array_equal(out.copy_to_host(), a)
+    w = (np.arange(2 * 3 * 8) % 127).astype(dtype).reshape(2, 3, 8)
+    pairs = cuda.to_device(np.zeros((1, 1, 8), dtype))
+    _copy_pairs[1, 4](pairs, cuda.to_device(w))
+    np.testing.assert_array_equal(pairs.copy_to_host()[0, 0], w[1, 2])
+
+
+def test_alignment_rule():
+    assert aligned(64, 4, 4) and aligned(16, 4, 4) and aligned(8, 4, 2) and aligned(8, 2, 4)
+    assert not aligned(8, 4, 4) and not aligned(4, 4, 2) and not aligned(2, 2, 2)
+
+
+@pytest.mark.simulator
+def test_unaligned_vector_load_fails_in_the_simulator():
+    storage = cuda.to_device(np.zeros(3 * 16 + 1, np.float32))
+    a = storage[1:].reshape(3, 16)
+    with pytest.raises(Exception, match="not aligned"):
+        _copy_quads[1, 4](cuda.device_array((3, 16), np.float32), a)
