@@ -18,6 +18,7 @@ Under the simulator every launch goes through the dispatcher.
 
 import ctypes
 import struct
+import threading
 
 from numba import cuda
 
@@ -32,6 +33,7 @@ _device_fields = {}
 _multiprocessors = None
 _cuda_core = None
 _driver_launch = None
+_buffer_lock = threading.Lock()
 MAX_CACHED_ARRAYS = 4096  # Numba device arrays whose fields are kept (with a reference to each)
 
 
@@ -130,9 +132,7 @@ def _driver():
     global _driver_launch
     if _driver_launch is None:
         try:
-            # PyDLL keeps the GIL through the call: no other thread refills a
-            # kernel's parameter buffer while the driver copies it.
-            function = ctypes.PyDLL("libcuda.so.1").cuLaunchKernel
+            function = ctypes.PyDLL("libcuda.so.1").cuLaunchKernel  # as run on the GPU; keeps the GIL
             function.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
             function.restype = ctypes.c_int
             _driver_launch = function
@@ -198,9 +198,12 @@ def launch(dispatcher, grid, block, stream, args):
         _compiled[(dispatcher, key)] = _Kernel(compiled._codelibrary.get_cufunc(), kinds)
         return
     if kernel.function is not None:
-        kernel.packer.pack_into(kernel.buffer, 0, *values)
-        error = _driver_launch(kernel.function, *_dim3(grid), *_dim3(block), 0, _stream_handle(stream),
-                               kernel.slots, None)
+        # The lock: no other thread refills this kernel's parameter buffer
+        # between the packing and the driver's copy of it.
+        with _buffer_lock:
+            kernel.packer.pack_into(kernel.buffer, 0, *values)
+            error = _driver_launch(kernel.function, *_dim3(grid), *_dim3(block), 0, _stream_handle(stream),
+                                   kernel.slots, None)
         if error:
             raise RuntimeError(f"cuLaunchKernel failed with CUDA error {error}")
         return
