@@ -42,6 +42,7 @@ def main():
         "reduce_mask": lambda: sbnet.reduce_mask(mask, 8, 8),
     }
     for name, fn in calls.items():
+        host = host_us(torch, fn)
         for _ in range(50):
             fn()
         torch.cuda.synchronize()
@@ -50,11 +51,6 @@ def main():
             fn()
         torch.cuda.synchronize()
         throughput = (time.perf_counter() - start) / args.calls * 1e6
-        start = time.perf_counter()
-        for _ in range(200):
-            fn()
-        host = (time.perf_counter() - start) / 200 * 1e6
-        torch.cuda.synchronize()
         print(f"{name}: {throughput:.1f} us a call in a loop, {host:.1f} us of host time")
     pieces(torch, bsmm, layout, x, w)
     for name, fn in calls.items():
@@ -67,6 +63,19 @@ def main():
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(14)
         print(f"==== {name}\n" + "\n".join(text.getvalue().splitlines()[6:24]))
+
+
+def host_us(torch, fn, calls=200):
+    """Host time of one call of fn: `calls` calls timed before the GPU's queue fills, after warm-up."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return elapsed
 
 
 def pieces(torch, bsmm, layout, x, w):
@@ -101,15 +110,7 @@ def pieces(torch, bsmm, layout, x, w):
         "whole forward": lambda: bsmm.forward(x, w, layout),
     }
     for name, step in steps.items():
-        for _ in range(20):
-            step()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(200):
-            step()
-        elapsed = (time.perf_counter() - start) / 200 * 1e6
-        torch.cuda.synchronize()
-        print(f"  {name}: {elapsed:.1f} us")
+        print(f"  {name}: {host_us(torch, step):.1f} us")
 
 
 if __name__ == "__main__":

@@ -220,6 +220,14 @@ def _chunk_position(feature_axis, rows, features):
     return position
 
 
+@cuda.jit(device=True, inline=True)
+def _add_outer_8x8(acc, u, v):
+    """acc += u ⊗ v for version 4's 8 x 8 patch (both kernels)."""
+    for i in range(8):
+        for q in range(8):
+            acc[i, q] += u[i] * v[q]
+
+
 # -- kernel bodies: version 1 --------------------------------------------------------
 
 
@@ -611,9 +619,7 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
             fa[4 + i] = a_s[ra + uint64(HALF_M + i)]
             fw[i] = w_s[rw + uint64(i)]
             fw[4 + i] = w_s[rw2 + uint64(i)]
-        for i in range(8):
-            for q in range(8):
-                acc[i, q] += fa[i] * fw[q]
+        _add_outer_8x8(acc, fa, fw)
 
     @cuda.jit(**V4_OPTIONS)
     def product_v4(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot,
@@ -891,9 +897,7 @@ def _make_weight_grad_v4(bs, storage, acc_type, feature_axis, vector=False):
                     fx[4 + i] = tiles[ox + uint64(HALF + i)]
                     fd[i] = tiles[od + uint64(i)]
                     fd[4 + i] = tiles[od + uint64(HALF + i)]
-                for i in range(8):
-                    for q in range(8):
-                        acc[i, q] += fx[i] * fd[q]
+                _add_outer_8x8(acc, fx, fd)
             cuda.syncthreads()  # every thread is done with this chunk before it is overwritten
         # Through shared memory (the chunk tiles, free now, hold one block per
         # sub-group), so that acc is only indexed by unrolled loops: the
