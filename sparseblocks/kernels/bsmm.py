@@ -528,7 +528,7 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     VW = min(4, W_LOADS) if vector else 1
     A_ALONG_ROWS = feature_axis == 0
     W_ALONG_K = transpose_w
-    load, store = _activation_io(feature_axis)
+    _, store = _activation_io(feature_axis)
     load_a = _activation_vector_load(feature_axis, VA)
     load_w = _weight_vector_load(transpose_w, VW)
     to_acc, from_acc = _converters(storage, acc_type)
