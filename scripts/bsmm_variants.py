@@ -36,8 +36,9 @@ VARIANTS = {
     "v4 bs16 rows 512 not unrolled": (4, {"V4_ROWS": {16: 512, 32: 256, 64: 128},
                                           "V4_UNROLL": {16: False, 32: True, 64: True}}),
     "v4 bs16 rows 256": (4, {"V4_ROWS": {16: 256, 32: 256, 64: 128}, "V4_WGRAD_ROWS": {16: 32, 32: 16, 64: 32}}),
+    "v5": (5, {}),  # tensor cores for fp16 (fp32 falls back to version 4)
 }
-FP16_VARIANTS = ("v4", "v4 swizzle", "v4 bs16 rows 512")
+FP16_VARIANTS = ("v4", "v4 swizzle", "v4 bs16 rows 512", "v5")
 
 
 def main():

@@ -67,21 +67,31 @@ def test_earlier_versions_match_reference(data, block_size, feature_axis, versio
     check_all_products(data, block_size, dtype, feature_axis, version=version)
 
 
-@pytest.mark.parametrize("version", [2, 3, 4])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@few
+@given(data=st.data(), feature_axis=st.sampled_from([1, 0]))
+def test_tensor_core_products_match_reference(data, block_size, dtype, feature_axis):
+    """Version 5: products on tensor cores (mma.sync), weight gradient of version 4."""
+    check_all_products(data, block_size, dtype, feature_axis, version=5)
+
+
+@pytest.mark.parametrize("version", [2, 3, 4, 5])
 @pytest.mark.parametrize("max_segment", [1, 2])
 @given(data=st.data(), block_size=st.sampled_from([8, 16, 32]), feature_axis=st.sampled_from([1, 0]))
 def test_split_lines_and_split_rows_match_reference(data, block_size, feature_axis, max_segment, version):
     """Skewed layouts cut long lines into segments, and the weight gradient cuts N; both sum in order."""
-    layout, x, dy, w = data.draw(problems(block_size, "float32", kinds=("skewed", "full", "random")))
+    dtype = "float16" if version == 5 else "float32"  # version 5 is for 16-bit storage
+    layout, x, dy, w = data.draw(problems(block_size, dtype, kinds=("skewed", "full", "random")))
     x, dy = to_axis(x, feature_axis), to_axis(dy, feature_axis)
     splits = data.draw(st.integers(2, 4), label="splits")
     with poisoned_outputs():
         y = bsmm._product(x, w, layout, feature_axis, False, version, max_segment=max_segment)
         dx = bsmm._product(dy, w, layout, feature_axis, True, version, max_segment=max_segment)
         dw = bsmm.weight_grad(x, dy, layout, feature_axis, splits=splits)
-    assert_close(y, reference.forward(x, w, layout, feature_axis), "float32", "forward")
-    assert_close(dx, reference.input_grad(dy, w, layout, feature_axis), "float32", "input_grad")
-    assert_close(dw, reference.weight_grad(x, dy, layout, feature_axis), "float32", "weight_grad")
+    assert_close(y, reference.forward(x, w, layout, feature_axis), dtype, "forward")
+    assert_close(dx, reference.input_grad(dy, w, layout, feature_axis), dtype, "input_grad")
+    assert_close(dw, reference.weight_grad(x, dy, layout, feature_axis), dtype, "weight_grad")
 
 
 @pytest.mark.parametrize("version, block_size", [(1, 8), (3, 8), (4, 32)])
@@ -222,7 +232,7 @@ DY = np.ones((4, 24), np.float32)
     (lambda: bsmm.weight_grad(X, DY, LAYOUT, beta="one"), TypeError, "beta"),
     (lambda: bsmm.weight_grad(X, DY, LAYOUT, out=W.copy()), TypeError, "out: expected a device array"),
     (lambda: bsmm.weight_grad(X, DY, LAYOUT, out=W[:2]), ValueError, "out: expected shape"),
-    (lambda: bsmm.forward(X, W, LAYOUT, version=5), ValueError, "version"),
+    (lambda: bsmm.forward(X, W, LAYOUT, version=6), ValueError, "version"),
 ])
 def test_bad_input_raises_before_launch(call, error, message):
     with pytest.raises(error, match=message):

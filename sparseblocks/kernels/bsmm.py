@@ -15,7 +15,7 @@ float32 or float64; all but float64 accumulate in float32. Any ``N >= 0``;
 output features with no block are zero. Every sum runs in a fixed order (no
 atomics), so results are bitwise repeatable.
 
-Versions (``version=`` on every public function, default 4; tests sweep all four):
+Versions (``version=`` on every public function, default 4; tests sweep all five):
   1. shared-memory tiles, one output element per thread. Simple; the
      baseline the others are checked against.
   2. register-blocked tiles: each thread owns an R x Q patch of the output
@@ -36,6 +36,11 @@ Versions (``version=`` on every public function, default 4; tests sweep all four
      address arithmetic. Its weight gradient (feature_axis 1, blocks 16-64;
      otherwise version 3's) gives each thread an 8 x 8 patch of one W block,
      sub-groups of threads one block each.
+  5. products on tensor cores for fp16 and bf16 storage (blocks 16-64;
+     otherwise version 4): ``mma.sync`` m16n8k16 through inline PTX
+     (`_mma.py`), fp32 accumulators; weight gradient of version 4. A first,
+     correctness-first kernel, checked in the simulator against the reference;
+     its first GPU run is still to come (benchmarks/NOTES.md).
 """
 
 import numpy as np
@@ -47,11 +52,12 @@ from .._arrays import (
     Operand, check_dtype, check_same_dtype, check_same_kind, check_shape, launch_stream,
 )
 from ._launch import data_pointer, launch, multiprocessors
+from ._mma import MMA_K, mma_bf16, mma_f16, pack
 from ._vector import aligned, load2, load4
 
 # -- constants -----------------------------------------------------------------
 
-VERSIONS = (1, 2, 3, 4)
+VERSIONS = (1, 2, 3, 4, 5)
 
 # Version 1: one thread per output element of ROWS_PER_TILE[bs] rows x bs features.
 ROWS_PER_TILE = {8: 16, 16: 16, 32: 8, 64: 4}
@@ -101,6 +107,11 @@ V4_VECTOR = True
 # with vector loads (scripts/bsmm_variants.py; benchmarks/NOTES.md).
 V4_LAYOUT = {16: "pad", 32: "pad", 64: "pad"}
 V4_UNROLL = {16: True, 32: True, 64: True}
+# Version 5 products (tensor cores; fp16 and bf16 storage, blocks 16-64; otherwise
+# version 4): four warps, V5_ROWS rows a tile. Its weight gradient is version 4's.
+V5_ROWS = 64
+V5_THREADS = 128
+V5_BLOCKS = (16, 32, 64)
 
 # -- device helpers ---------------------------------------------------------------
 
@@ -684,6 +695,98 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     return product_v4
 
 
+# -- kernel bodies: version 5 (tensor cores) ---------------------------------------------
+
+
+def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis):
+    """Products on tensor cores (fp16 and bf16 storage, blocks 16-64): ``mma.sync`` m16n8k16.
+
+    Four warps share a tile of V5_ROWS rows x bs features; warp q owns rows
+    16q...16q+15 and all bs / 8 column tiles, four fp32 accumulators each. Per
+    step of 16 features the thread block stages 64 x 16 activations and
+    16 x bs weights (as 16-bit patterns, W transposed on the way in for
+    input_grad) in shared memory; each warp builds its fragments from there
+    (`_mma.py` gives the layout) and issues bs / 8 multiply-adds. A first,
+    correctness-first kernel: single-buffered, scalar loads, two barriers a step.
+    """
+    TM = V5_ROWS
+    T = V5_THREADS
+    NT = bs // 8  # column tiles of 8
+    KS = MMA_K
+    A_PER = TM * KS // T
+    W_PER = KS * bs // T
+    mma = mma_bf16 if storage == "bfloat16" else mma_f16
+    load, store = _activation_io(feature_axis)
+    _, from_acc = _converters(storage, acc_type)
+    a_position = _chunk_position(feature_axis, TM, KS)
+
+    @cuda.jit(device=True, inline=True)
+    def w_position(e):
+        """(kk, col) of element e of a weight step; consecutive e are consecutive addresses."""
+        if transpose_w:
+            return e % KS, e // KS
+        return e // bs, e % bs
+
+    @cuda.jit
+    def product_v5(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot,
+                   other_idx, line_block, n_rows):
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        g = lane >> 2
+        t2 = (lane % 4) * 2
+        r = (tid // 32) * 16 + g  # this lane's first tile row (the second is 8 below)
+        seg = cuda.blockIdx.y
+        row0 = cuda.blockIdx.x * TM
+        a_s = cuda.shared.array((TM, KS), int16)
+        w_s = cuda.shared.array((KS, bs), int16)
+        acc = cuda.local.array((NT, 4), float32)
+        for nt in range(NT):
+            for i in range(4):
+                acc[nt, i] = float32(0)
+        last = n_rows - 1
+        for j in range(seg_begin[seg], seg_end[seg]):
+            block = uint64(j if transpose_w else line_block[j])
+            base = other_idx[j] * bs
+            for k0 in range(0, bs, KS):
+                for i in range(A_PER):
+                    ra, kk = a_position(tid + i * T)
+                    row = row0 + ra
+                    bits = load(a, uint64(min(row, last)), uint64(base + k0 + kk))
+                    a_s[ra, kk] = bits if row <= last else int16(0)
+                for i in range(W_PER):
+                    kk, col = w_position(tid + i * T)
+                    if transpose_w:
+                        w_s[kk, col] = w[block, uint64(col), uint64(k0 + kk)]
+                    else:
+                        w_s[kk, col] = w[block, uint64(k0 + kk), uint64(col)]
+                cuda.syncthreads()  # this step's activations and weights are staged
+                a0 = pack(a_s[r, t2], a_s[r, t2 + 1])
+                a1 = pack(a_s[r + 8, t2], a_s[r + 8, t2 + 1])
+                a2 = pack(a_s[r, t2 + 8], a_s[r, t2 + 9])
+                a3 = pack(a_s[r + 8, t2 + 8], a_s[r + 8, t2 + 9])
+                for nt in range(NT):
+                    n = nt * 8 + g
+                    b0 = pack(w_s[t2, n], w_s[t2 + 1, n])
+                    b1 = pack(w_s[t2 + 8, n], w_s[t2 + 9, n])
+                    d = mma(a0, a1, a2, a3, b0, b1, acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3])
+                    for i in range(4):
+                        acc[nt, i] = d[i]
+                cuda.syncthreads()  # every warp has read the step before the next overwrites it
+        line = seg_line[seg]
+        slot = seg_slot[seg]
+        for nt in range(NT):
+            for i in range(4):
+                row = row0 + r + 8 * (i // 2)
+                col = nt * 8 + t2 + i % 2
+                if row < n_rows:
+                    if slot < 0:
+                        store(out, row, line * bs + col, from_acc(acc[nt, i]))
+                    else:
+                        workspace[slot, row, col] = acc[nt, i]
+
+    return product_v5
+
+
 def _make_combine_lines(bs, storage, acc_type, feature_axis):
     """out[:, line-block] = sum of the line's workspace rows, in order."""
     _, store = _activation_io(feature_axis)
@@ -1000,6 +1103,15 @@ def _vector_loads(arrays, n_rows, feature_axis, widths=(4, 4)):
             and all(aligned(data_pointer(a), itemsize, width) for a, width in zip(arrays, widths)))
 
 
+def _bits(array):
+    """The 16-bit patterns of an fp16 device array (a bf16 one is int16 already: a no-op)."""
+    if hasattr(array, "data_ptr"):  # torch
+        import torch
+
+        return array.view(torch.int16)
+    return array.view(np.int16)
+
+
 def _launch_product_v1(out, a, w, layout, n_rows, transpose_w, feature_axis, stream):
     bs = layout.block_size
     rows = ROWS_PER_TILE[bs]
@@ -1043,7 +1155,11 @@ def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, str
     acc = "float64" if a.dtype == "float64" else "float32"
     workspace = a.scratch((slots, n_rows, bs), acc, stream) if slots else _unused_workspace(acc)
     a_device, w_device = a.device(stream), w.device(stream)
-    if version == 4 and bs in V4_ROWS:
+    if version == 5 and bs in V5_BLOCKS and a.dtype in ("float16", "bfloat16"):
+        TM, threads = V5_ROWS, V5_THREADS
+        kernel = _kernel(_make_product_v5, bs, a.dtype, transpose_w, feature_axis)
+        a_device, w_device = _bits(a_device), _bits(w_device)
+    elif version >= 4 and bs in V4_ROWS:
         TM, threads = V4_ROWS[bs], V4_ROWS[bs] * bs // 64
         vector = _vector_loads((a_device, w_device), n_rows, feature_axis, (4, min(4, V4_KC * bs // threads)))
         kernel = _kernel(_make_product_v4, bs, a.dtype, transpose_w, feature_axis, vector)
@@ -1073,7 +1189,7 @@ def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, v
             dw, x.device(stream), dy.device(stream), _index(layout, "coords", stream), n_rows, beta,
         ))
         return
-    v4 = version == 4 and bs in V4_WGRAD_ROWS and feature_axis == 1
+    v4 = version >= 4 and bs in V4_WGRAD_ROWS and feature_axis == 1
     per_block = V4_WGRAD_THREADS // (bs // 8) ** 2 if v4 else 1  # W blocks a thread block computes
     thread_blocks = -(-layout.n_blocks // per_block)
     splits = wgrad_splits(layout, n_rows, thread_blocks) if splits is None else max(1, int(splits))
