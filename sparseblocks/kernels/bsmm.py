@@ -44,7 +44,7 @@ Versions (``version=`` on every public function, default 4; tests sweep all five
 """
 
 import numpy as np
-from numba import cuda, float32, float64, int16, int32, int64, uint64
+from numba import cuda, float32, float64, int16, int32, int64, uint32, uint64
 from numba.cuda import libdevice
 
 from .._backend import SIMULATOR
@@ -704,27 +704,29 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis):
     Four warps share a tile of V5_ROWS rows x bs features; warp q owns rows
     16q...16q+15 and all bs / 8 column tiles, four fp32 accumulators each. Per
     step of 16 features the thread block stages 64 x 16 activations and
-    16 x bs weights (as 16-bit patterns, W transposed on the way in for
-    input_grad) in shared memory; each warp builds its fragments from there
-    (`_mma.py` gives the layout) and issues bs / 8 multiply-adds. A first,
-    correctness-first kernel: single-buffered, scalar loads, two barriers a step.
+    16 x bs weights in shared memory as registers of two 16-bit values, paired
+    along the feature (k) axis as the fragments pair them (`_mma.py`): each
+    fragment register is then one 32-bit shared load, and each weight pair is
+    packed once for all four warps. W is read transposed for input_grad. A
+    first, correctness-first kernel: single-buffered, scalar global loads, two
+    barriers a step.
     """
     TM = V5_ROWS
     T = V5_THREADS
     NT = bs // 8  # column tiles of 8
-    KS = MMA_K
-    A_PER = TM * KS // T
-    W_PER = KS * bs // T
+    KP = MMA_K // 2  # feature pairs a step
+    A_PER = TM * KP // T
+    W_PER = KP * bs // T
     mma = mma_bf16 if storage == "bfloat16" else mma_f16
     load, store = _activation_io(feature_axis)
     _, from_acc = _converters(storage, acc_type)
-    a_position = _chunk_position(feature_axis, TM, KS)
+    a_position = _chunk_position(feature_axis, TM, KP)  # (row, pair); pairs span two rows of a with axis 0
 
     @cuda.jit(device=True, inline=True)
     def w_position(e):
-        """(kk, col) of element e of a weight step; consecutive e are consecutive addresses."""
+        """(pair, col) of pair e of a weight step, walked along w's contiguous axis."""
         if transpose_w:
-            return e % KS, e // KS
+            return e % KP, e // KP
         return e // bs, e % bs
 
     @cuda.jit
@@ -733,12 +735,12 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis):
         tid = cuda.threadIdx.x
         lane = tid % 32
         g = lane >> 2
-        t2 = (lane % 4) * 2
+        t = lane % 4
         r = (tid // 32) * 16 + g  # this lane's first tile row (the second is 8 below)
         seg = cuda.blockIdx.y
         row0 = cuda.blockIdx.x * TM
-        a_s = cuda.shared.array((TM, KS), int16)
-        w_s = cuda.shared.array((KS, bs), int16)
+        a_s = cuda.shared.array((TM, KP), uint32)
+        w_s = cuda.shared.array((KP, bs), uint32)
         acc = cuda.local.array((NT, 4), float32)
         for nt in range(NT):
             for i in range(4):
@@ -747,28 +749,29 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis):
         for j in range(seg_begin[seg], seg_end[seg]):
             block = uint64(j if transpose_w else line_block[j])
             base = other_idx[j] * bs
-            for k0 in range(0, bs, KS):
+            for k0 in range(0, bs, MMA_K):
                 for i in range(A_PER):
-                    ra, kk = a_position(tid + i * T)
+                    ra, p = a_position(tid + i * T)
                     row = row0 + ra
-                    bits = load(a, uint64(min(row, last)), uint64(base + k0 + kk))
-                    a_s[ra, kk] = bits if row <= last else int16(0)
+                    clamped = uint64(min(row, last))
+                    feature = uint64(base + k0 + 2 * p)
+                    pair = pack(load(a, clamped, feature), load(a, clamped, feature + uint64(1)))
+                    a_s[ra, p] = pair if row <= last else uint32(0)
                 for i in range(W_PER):
-                    kk, col = w_position(tid + i * T)
+                    p, col = w_position(tid + i * T)
+                    k = uint64(k0 + 2 * p)
                     if transpose_w:
-                        w_s[kk, col] = w[block, uint64(col), uint64(k0 + kk)]
+                        w_s[p, col] = pack(w[block, uint64(col), k], w[block, uint64(col), k + uint64(1)])
                     else:
-                        w_s[kk, col] = w[block, uint64(k0 + kk), uint64(col)]
+                        w_s[p, col] = pack(w[block, k, uint64(col)], w[block, k + uint64(1), uint64(col)])
                 cuda.syncthreads()  # this step's activations and weights are staged
-                a0 = pack(a_s[r, t2], a_s[r, t2 + 1])
-                a1 = pack(a_s[r + 8, t2], a_s[r + 8, t2 + 1])
-                a2 = pack(a_s[r, t2 + 8], a_s[r, t2 + 9])
-                a3 = pack(a_s[r + 8, t2 + 8], a_s[r + 8, t2 + 9])
+                a0 = a_s[r, t]
+                a1 = a_s[r + 8, t]
+                a2 = a_s[r, t + 4]
+                a3 = a_s[r + 8, t + 4]
                 for nt in range(NT):
                     n = nt * 8 + g
-                    b0 = pack(w_s[t2, n], w_s[t2 + 1, n])
-                    b1 = pack(w_s[t2 + 8, n], w_s[t2 + 9, n])
-                    d = mma(a0, a1, a2, a3, b0, b1, acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3])
+                    d = mma(a0, a1, a2, a3, w_s[t, n], w_s[t + 4, n], acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3])
                     for i in range(4):
                         acc[nt, i] = d[i]
                 cuda.syncthreads()  # every warp has read the step before the next overwrites it
@@ -777,7 +780,7 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis):
         for nt in range(NT):
             for i in range(4):
                 row = row0 + r + 8 * (i // 2)
-                col = nt * 8 + t2 + i % 2
+                col = nt * 8 + 2 * t + i % 2
                 if row < n_rows:
                     if slot < 0:
                         store(out, row, line * bs + col, from_acc(acc[nt, i]))
