@@ -11,7 +11,8 @@ developer's check, not part of the test suite.
 
 With --bsmm it prints, for each version 4 product and weight gradient
 (block 16/32/64, fp32/fp16, both feature axes, scalar or vector loads), the
-registers and how many global loads are vector loads.
+registers and how many global loads are vector loads, and for each version 5
+(tensor-core) product its registers.
 """
 
 import itertools
@@ -75,6 +76,14 @@ def check_bsmm():
             ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
             print(f"product bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis} "
                   f"{'vector' if vector else 'scalar'}{resources(ptx)}{vector_loads(ptx)}")
+        if not vector and storage != "float32":  # version 5: 16-bit storage, scalar loads
+            for transpose_w, feature_axis in itertools.product((False, True), (1, 0)):
+                kernel = bsmm._make_product_v5(bs, storage, acc, transpose_w, feature_axis)
+                signature = (element[:, ::1], types.float32[:, :, ::1], types.int16[:, ::1],
+                             types.int16[:, :, ::1]) + (index,) * 6 + (i64,)
+                ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
+                print(f"product v5 bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis}"
+                      f"{resources(ptx)}  {ptx.count('mma.sync')} mma")
         kernel = bsmm._make_weight_grad_v4(bs, storage, acc, 1, vector)
         signature = (element[:, :, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, ::1],
                      types.int32[:, ::1], i64, i64, types.float64)
