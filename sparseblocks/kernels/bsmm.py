@@ -231,6 +231,23 @@ def _chunk_position(feature_axis, rows, features):
     return position
 
 
+def _product_output(bs, storage, acc_type, feature_axis):
+    """emit(out, workspace, slot, line, row, col, value): one result of a product, for feature
+    col of block-line `line`, into out, or (slot >= 0: a segment of a split line) into its
+    workspace slot, which the combine kernel sums in order."""
+    _, store = _activation_io(feature_axis)
+    _, from_acc = _converters(storage, acc_type)
+
+    @cuda.jit(device=True, inline=True)
+    def emit(out, workspace, slot, line, row, col, value):
+        if slot < 0:
+            store(out, row, line * bs + col, from_acc(value))
+        else:
+            workspace[slot, row, col] = value
+
+    return emit
+
+
 @cuda.jit(device=True, inline=True)
 def _add_outer_8x8(acc, u, v):
     """acc += u ⊗ v for version 4's 8 x 8 patch (both kernels)."""
@@ -327,8 +344,9 @@ def _make_product_v2(bs, storage, acc_type, transpose_w, feature_axis):
     # +1 column: the transposed stores of one warp land in distinct banks.
     A_SHAPE = (KC, TM + 1)
     W_SHAPE = (KC, bs + 1)
-    load, store = _activation_io(feature_axis)
-    to_acc, from_acc = _converters(storage, acc_type)
+    load, _ = _activation_io(feature_axis)
+    to_acc, _ = _converters(storage, acc_type)
+    emit = _product_output(bs, storage, acc_type, feature_axis)
 
     @cuda.jit
     def product_v2(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot,
@@ -391,10 +409,7 @@ def _make_product_v2(bs, storage, acc_type, transpose_w, feature_axis):
             if row < n_rows:
                 for q in range(Q):
                     col = tx * Q + q
-                    if slot < 0:
-                        store(out, row, line * bs + col, from_acc(acc[i, q]))
-                    else:
-                        workspace[slot, row, col] = acc[i, q]
+                    emit(out, workspace, slot, line, row, col, acc[i, q])
 
     return product_v2
 
@@ -413,8 +428,9 @@ def _make_product_v3(bs, storage, acc_type, transpose_w, feature_axis):
     QX = bs // Q
     A_SHAPE = (KC, TM + 1)  # +1 column: transposed stores hit distinct banks
     W_SHAPE = (KC, bs + 1)
-    load, store = _activation_io(feature_axis)
-    to_acc, from_acc = _converters(storage, acc_type)
+    load, _ = _activation_io(feature_axis)
+    to_acc, _ = _converters(storage, acc_type)
+    emit = _product_output(bs, storage, acc_type, feature_axis)
 
     position = _chunk_position(feature_axis, TM, KC)
 
@@ -494,10 +510,7 @@ def _make_product_v3(bs, storage, acc_type, transpose_w, feature_axis):
             if row < n_rows:
                 for q in range(Q):
                     col = tx * Q + q
-                    if slot < 0:
-                        store(out, row, line * bs + col, from_acc(acc[i, q]))
-                    else:
-                        workspace[slot, row, col] = acc[i, q]
+                    emit(out, workspace, slot, line, row, col, acc[i, q])
 
     return product_v3
 
@@ -539,10 +552,10 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     VW = min(4, W_LOADS) if vector else 1
     A_ALONG_ROWS = feature_axis == 0
     W_ALONG_K = transpose_w
-    _, store = _activation_io(feature_axis)
     load_a = _activation_vector_load(feature_axis, VA)
     load_w = _weight_vector_load(transpose_w, VW)
-    to_acc, from_acc = _converters(storage, acc_type)
+    to_acc, _ = _converters(storage, acc_type)
+    emit = _product_output(bs, storage, acc_type, feature_axis)
 
     a_vector_position = _chunk_position(feature_axis, TM // VA if A_ALONG_ROWS else TM,
                                         KC if A_ALONG_ROWS else KC // VA)
@@ -687,10 +700,7 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
             if row < n_rows:
                 for q in range(8):
                     col = tx * 4 + (q % 4) + (q // 4) * HALF_N
-                    if slot < 0:
-                        store(out, row, line * bs + col, from_acc(acc[i, q]))
-                    else:
-                        workspace[slot, row, col] = acc[i, q]
+                    emit(out, workspace, slot, line, row, col, acc[i, q])
 
     return product_v4
 
@@ -718,8 +728,8 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis):
     A_PER = TM * KP // T
     W_PER = KP * bs // T
     mma = mma_bf16 if storage == "bfloat16" else mma_f16
-    load, store = _activation_io(feature_axis)
-    _, from_acc = _converters(storage, acc_type)
+    load, _ = _activation_io(feature_axis)
+    emit = _product_output(bs, storage, acc_type, feature_axis)
     a_position = _chunk_position(feature_axis, TM, KP)  # (row, pair); pairs span two rows of a with axis 0
 
     @cuda.jit(device=True, inline=True)
@@ -782,10 +792,7 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis):
                 row = row0 + r + 8 * (i // 2)
                 col = nt * 8 + 2 * t + i % 2
                 if row < n_rows:
-                    if slot < 0:
-                        store(out, row, line * bs + col, from_acc(acc[nt, i]))
-                    else:
-                        workspace[slot, row, col] = acc[nt, i]
+                    emit(out, workspace, slot, line, row, col, acc[nt, i])
 
     return product_v5
 
