@@ -57,3 +57,14 @@ def test_compiled_launch_of_torch_tensors(through, monkeypatch):
     for want in _run(out, a, b, stream):
         torch.cuda.synchronize()
         np.testing.assert_allclose(host(out), want, rtol=1e-6, atol=1e-6)
+
+
+def test_fields_lay_out_numbas_abi():
+    """An array is 5 + 2·ndim int64 fields (meminfo, parent, size, itemsize, pointer, shape,
+    byte strides); an int (or bool) one int64, a float one double."""
+    a = cuda.to_device(np.zeros((3, 5), np.float32))
+    key, values = _launch._fields((a, 7, 2.5, True))
+    assert values[2:4] == [15, 4] and values[5:9] == [3, 5, 20, 4]
+    assert values[9:] == [7, 2.5, True]
+    assert _launch._format(values) == "<" + "q" * 9 + "qdq"
+    assert key[1:] == (int, float, bool)

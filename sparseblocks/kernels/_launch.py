@@ -79,27 +79,26 @@ def _array_fields(arg):
                                          *arg.shape, *arg.strides)
         _device_fields[id(arg)] = (arg, fields)  # the reference keeps id(arg) from being reused
         return fields
-    return (arg.dtype, arg.ndim), (0, 0, arg.size, arg.dtype.itemsize, arg.data.ptr, *arg.shape, *arg.strides)
+    return (arg.dtype, arg.ndim), (0, 0, arg.size, arg.dtype.itemsize, data_pointer(arg), *arg.shape, *arg.strides)
 
 
 def _fields(args):
-    """(overload key, flat field values, struct format) of a launch's arguments."""
-    key, values, kinds = [], [], []
+    """(overload key, flat field values) of a launch's arguments."""
+    key, values = [], []
     for arg in args:
-        if isinstance(arg, int):
-            key.append(int)
+        if isinstance(arg, (int, float)):
+            key.append(type(arg))
             values.append(arg)
-            kinds.append("q")
-        elif isinstance(arg, float):
-            key.append(float)
-            values.append(arg)
-            kinds.append("d")
         else:
             signature, fields = _array_fields(arg)
             key.append(signature)
             values.extend(fields)
-            kinds.append("q" * len(fields))
-    return tuple(key), values, kinds
+    return tuple(key), values
+
+
+def _format(values):
+    """Struct format of the fields: a double for a Python float, an int64 for anything else."""
+    return "<" + "".join("d" if isinstance(value, float) else "q" for value in values)
 
 
 class _Kernel:
@@ -107,10 +106,10 @@ class _Kernel:
 
     __slots__ = ("function", "core_kernel", "packer", "buffer", "slots")
 
-    def __init__(self, cufunc, kinds):
+    def __init__(self, cufunc, values):
         self.core_kernel = cufunc.kernel
         self.function = None
-        self.packer = struct.Struct("<" + "".join(kinds))
+        self.packer = struct.Struct(_format(values))
         self.buffer = ctypes.create_string_buffer(max(8, self.packer.size))
         base = ctypes.addressof(self.buffer)
         n = self.packer.size // 8
@@ -188,14 +187,14 @@ def launch(dispatcher, grid, block, stream, args):
         dispatcher[grid, block, stream](*args)
         return
     stream = stream if stream else stream_of(0)
-    key, values, kinds = _fields(args)
+    key, values = _fields(args)
     kernel = _compiled.get((dispatcher, key))
     if kernel is None:
         # torch refuses __cuda_array_interface__ on tensors that require grad.
         args = [arg.detach() if hasattr(arg, "detach") else arg for arg in args]
         dispatcher[grid, block, stream](*args)
         compiled = dispatcher.compile(tuple(dispatcher.typeof_pyval(arg) for arg in args))
-        _compiled[(dispatcher, key)] = _Kernel(compiled._codelibrary.get_cufunc(), kinds)
+        _compiled[(dispatcher, key)] = _Kernel(compiled._codelibrary.get_cufunc(), values)
         return
     if kernel.function is not None:
         # The lock: no other thread refills this kernel's parameter buffer
@@ -210,5 +209,5 @@ def launch(dispatcher, grid, block, stream, args):
     config = _configs.get((grid, block))
     if config is None:
         config = _configs[(grid, block)] = _core().LaunchConfig(grid=_dim3(grid), block=_dim3(block))
-    raw = [ctypes.c_double(v) if kind == "d" else v for v, kind in zip(values, "".join(kinds))]
+    raw = [ctypes.c_double(v) if isinstance(v, float) else v for v in values]
     _core().launch(_core_stream(stream), config, kernel.core_kernel, *raw)

@@ -100,6 +100,7 @@ V4_WGRAD_BATCH = 32  # values of x (and of dy) each thread has in flight before 
 # Version 4 reads 4 activations (and 2-4 weights) per instruction where pointers
 # allow (kernels/_vector.py); False keeps every kernel on scalar loads.
 V4_VECTOR = True
+V4_WIDTH = 4  # activations per vector load (product and weight gradient)
 # Shared tiles by block size: "swizzle" (row index XOR 4·kk) or "pad" (rows 4 floats
 # longer); both free of bank conflicts. Whether the product's 8-step inner loop is
 # written out (more registers, more shared loads in flight; the padded layout's
@@ -515,6 +516,17 @@ def _make_product_v3(bs, storage, acc_type, transpose_w, feature_axis):
     return product_v3
 
 
+def _v4_threads(bs):
+    """Threads of a version 4 product's thread block: an 8 x 8 patch each over V4_ROWS[bs] x bs."""
+    return V4_ROWS[bs] * bs // 64
+
+
+def _v4_weight_width(bs):
+    """Weights per vector load of a version 4 product: its V4_KC x bs chunk shared by the
+    threads, at most V4_WIDTH each."""
+    return min(V4_WIDTH, V4_KC * bs // _v4_threads(bs))
+
+
 def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis, vector=False):
     """Register-blocked 8 x 8 per thread, 16-byte shared reads, double-buffered chunks.
 
@@ -530,7 +542,7 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     TM = V4_ROWS[bs]
     KC = V4_KC
     UNROLL = V4_UNROLL[bs]
-    T = TM * bs // 64
+    T = _v4_threads(bs)
     TX = bs // 8  # threads across the tile's features
     HALF_M = TM // 2
     HALF_N = bs // 2
@@ -548,8 +560,8 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     A_SWIZZLE = 0 if PAD else 7
     # Elements per global load, and how a load's elements step through the tile:
     # along features (rows of x with feature_axis 1, rows of w) or along rows.
-    VA = 4 if vector else 1
-    VW = min(4, W_LOADS) if vector else 1
+    VA = V4_WIDTH if vector else 1
+    VW = _v4_weight_width(bs) if vector else 1
     A_ALONG_ROWS = feature_axis == 0
     W_ALONG_K = transpose_w
     load_a = _activation_vector_load(feature_axis, VA)
@@ -951,7 +963,7 @@ def _make_weight_grad_v4(bs, storage, acc_type, feature_axis, vector=False):
     TILE = NC * bs
     SUB = 2 * TILE + 16  # one sub-group's x and dy tiles (+16: the next one's banks are shifted)
     SIZE = S * SUB
-    V = 4 if vector else 1  # values per load
+    V = V4_WIDTH if vector else 1  # values per load
     LOADS = TILE // GT // V  # of x, and as many of dy, per thread and chunk
     BATCH = min(LOADS, V4_WGRAD_BATCH // V)  # loads of each in flight before their stores (divides LOADS)
     IN_FLIGHT = BATCH * V
@@ -1104,12 +1116,12 @@ def segment_limit(layout, axis):
     return max(MIN_SEGMENT, int(np.ceil(SEGMENT_FACTOR * mean)))
 
 
-def _vector_loads(arrays, n_rows, feature_axis, widths=(4, 4)):
+def _vector_loads(arrays, n_rows, feature_axis, widths=(V4_WIDTH, V4_WIDTH)):
     """Whether version 4 may read each of ``arrays`` ``widths`` elements at a time:
     4-byte (or smaller) elements, aligned pointers, and with feature_axis 0 rows
     in whole vectors (the feature axis holds whole blocks anyway)."""
     itemsize = arrays[0].dtype.itemsize
-    return (V4_VECTOR and itemsize <= 4 and (feature_axis == 1 or n_rows % 4 == 0)
+    return (V4_VECTOR and itemsize <= 4 and (feature_axis == 1 or n_rows % V4_WIDTH == 0)
             and all(aligned(data_pointer(a), itemsize, width) for a, width in zip(arrays, widths)))
 
 
@@ -1170,8 +1182,8 @@ def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, str
         kernel = _kernel(_make_product_v5, bs, a.dtype, transpose_w, feature_axis)
         a_device, w_device = _bits(a_device), _bits(w_device)
     elif version >= 4 and bs in V4_ROWS:
-        TM, threads = V4_ROWS[bs], V4_ROWS[bs] * bs // 64
-        vector = _vector_loads((a_device, w_device), n_rows, feature_axis, (4, min(4, V4_KC * bs // threads)))
+        TM, threads = V4_ROWS[bs], _v4_threads(bs)
+        vector = _vector_loads((a_device, w_device), n_rows, feature_axis, (V4_WIDTH, _v4_weight_width(bs)))
         kernel = _kernel(_make_product_v4, bs, a.dtype, transpose_w, feature_axis, vector)
     else:
         maker, threads = (_make_product_v2 if version == 2 else _make_product_v3), PRODUCT_THREADS
