@@ -11,8 +11,8 @@ developer's check, not part of the test suite.
 
 With --bsmm it prints, for each version 4 product and weight gradient
 (block 16/32/64, fp32/fp16, both feature axes, scalar or vector loads), the
-registers and how many global loads are vector loads, and for each version 5
-(tensor-core) product its registers.
+registers and how many global loads are vector loads, and the same for each
+version 5 (tensor-core) product, fp32/fp16/bf16, with its mma count.
 """
 
 import itertools
@@ -63,6 +63,22 @@ def vector_loads(ptx):
     return f"  {ptx.count('ld.global.v')} of {ptx.count('ld.global.')} global loads vector"
 
 
+def check_v5(bs, storage, vector):
+    """Version 5 products of one block size and storage: registers, mma count, vector loads."""
+    index = types.int32[::1]
+    out = types.int16 if storage == "bfloat16" else getattr(types, storage)
+    # The launcher passes int32 word views for vector loads and for fp32, else 16-bit patterns.
+    bits = types.int32 if vector or storage == "float32" else types.int16
+    acc = bsmm._acc_type(storage)
+    for transpose_w, feature_axis in itertools.product((False, True), (1, 0)):
+        kernel = bsmm._make_product_v5(bs, storage, acc, transpose_w, feature_axis, vector)
+        signature = (out[:, ::1], types.float32[:, :, ::1], bits[:, ::1], bits[:, :, ::1]) + (index,) * 6 + (i64,)
+        ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
+        print(f"product v5 bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis} "
+              f"{'vector' if vector else 'scalar'}{resources(ptx)}  {ptx.count('mma.sync')} mma"
+              f"{vector_loads(ptx)}")
+
+
 def check_bsmm():
     """ptxas's report for bsmm's version 4 kernels with the module's current settings."""
     index = types.int32[::1]
@@ -76,14 +92,8 @@ def check_bsmm():
             ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
             print(f"product bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis} "
                   f"{'vector' if vector else 'scalar'}{resources(ptx)}{vector_loads(ptx)}")
-        if not vector and storage != "float32":  # version 5: 16-bit storage, scalar loads
-            for transpose_w, feature_axis in itertools.product((False, True), (1, 0)):
-                kernel = bsmm._make_product_v5(bs, storage, acc, transpose_w, feature_axis)
-                signature = (element[:, ::1], types.float32[:, :, ::1], types.int16[:, ::1],
-                             types.int16[:, :, ::1]) + (index,) * 6 + (i64,)
-                ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
-                print(f"product v5 bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis}"
-                      f"{resources(ptx)}  {ptx.count('mma.sync')} mma")
+        for v5_storage in (("float32", "bfloat16") if storage == "float32" else (storage,)):
+            check_v5(bs, v5_storage, vector)
         kernel = bsmm._make_weight_grad_v4(bs, storage, acc, 1, vector)
         signature = (element[:, :, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, ::1],
                      types.int32[:, ::1], i64, i64, types.float64)

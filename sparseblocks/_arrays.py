@@ -166,7 +166,8 @@ class Operand:
         if self.kind == "torch" and SIMULATOR:
             import torch
 
-            return torch.from_numpy(device.copy_to_host())
+            host = torch.from_numpy(device.copy_to_host())
+            return host.view(torch.bfloat16) if self.dtype == "bfloat16" else host
         return native
 
 

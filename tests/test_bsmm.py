@@ -67,12 +67,17 @@ def test_earlier_versions_match_reference(data, block_size, feature_axis, versio
     check_all_products(data, block_size, dtype, feature_axis, version=version)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("block_size", [16, 32, 64])
+# The simulator meets 32 Python threads at every mma: a few cases there (block 64 in
+# test_tensor_core_load_paths), every pair on the GPU.
+TENSOR_CORE_CASES = ([(16, "float32"), (32, "float16"), (32, "bfloat16")] if SIMULATOR
+                     else [(bs, dtype) for bs in (16, 32, 64) for dtype in ("float16", "bfloat16", "float32")])
+
+
+@pytest.mark.parametrize("block_size, dtype", TENSOR_CORE_CASES)
 @few
 @given(data=st.data(), feature_axis=st.sampled_from([1, 0]))
 def test_tensor_core_products_match_reference(data, block_size, dtype, feature_axis):
-    """Version 5: products on tensor cores (mma.sync), weight gradient of version 4."""
+    """Version 5: products on tensor cores (mma.sync; fp32 as 3xTF32), weight gradient of version 4."""
     check_all_products(data, block_size, dtype, feature_axis, version=5)
 
 
@@ -81,7 +86,7 @@ def test_tensor_core_products_match_reference(data, block_size, dtype, feature_a
 @given(data=st.data(), block_size=st.sampled_from([8, 16, 32]), feature_axis=st.sampled_from([1, 0]))
 def test_split_lines_and_split_rows_match_reference(data, block_size, feature_axis, max_segment, version):
     """Skewed layouts cut long lines into segments, and the weight gradient cuts N; both sum in order."""
-    dtype = "float16" if version == 5 else "float32"  # version 5 is for 16-bit storage
+    dtype = "float16" if version == 5 else "float32"
     layout, x, dy, w = data.draw(problems(block_size, dtype, kinds=("skewed", "full", "random")))
     x, dy = to_axis(x, feature_axis), to_axis(dy, feature_axis)
     splits = data.draw(st.integers(2, 4), label="splits")
@@ -208,6 +213,43 @@ def test_vector_loads_only_where_aligned(feature_axis):
     assert_close(y, reference.forward(x, w, layout, feature_axis), "float32", "forward")
     assert_close(dx, reference.input_grad(dy, w, layout, feature_axis), "float32", "input_grad")
     assert_close(dw, reference.weight_grad(x, dy, layout, feature_axis), "float32", "weight_grad")
+
+
+@pytest.mark.parametrize("block_size, dtype, feature_axis, n, offset, vector", [
+    (16, "float16", 1, 9, 0, True),
+    (16, "float16", 0, 16, 0, True),  # axis 0: 16-byte loads of 8 rows need N % 8 == 0
+    (16, "bfloat16", 0, 9, 0, False),
+    (16, "float16", 1, 9, 1, False),  # 2 bytes past an aligned address: one value a load
+    (16, "float32", 0, 12, 0, True),  # axis 0, fp32: N % 4 == 0
+    (16, "float32", 1, 5, 1, False),
+    (64, "float16", 1, 3, 0, True),
+])
+def test_tensor_core_load_paths(block_size, dtype, feature_axis, n, offset, vector):
+    """Version 5 reads 16 bytes a load only where pointers and N allow, and gives the
+    reference's products either way (a fixed, non-empty problem per path)."""
+    from numba import cuda
+
+    from strategies import numpy_dtype
+
+    layout = BlockLayout.dense((2, 1) if block_size < 64 else (1, 1), block_size)
+    rng = np.random.default_rng(block_size + n)
+    C, K = layout.dense_shape
+    cast = numpy_dtype(dtype)
+    x = to_axis(rng.standard_normal((n, C)).astype(cast), feature_axis)
+    dy = to_axis(rng.standard_normal((n, K)).astype(cast), feature_axis)
+    w = rng.standard_normal(layout.w_shape).astype(cast)
+    # bf16 goes in as host arrays (the launcher's int16 views); the others as device copies,
+    # `offset` elements past an aligned address.
+    ops = (x, dy, w) if dtype == "bfloat16" else tuple(
+        misaligned(a, offset) if offset else cuda.to_device(a) for a in (x, dy, w))
+    if dtype != "bfloat16":
+        values = 1 if dtype == "float32" else 2
+        assert bsmm._v5_vector_loads((ops[0], ops[2]), n, feature_axis, values) == vector
+    y = bsmm.forward(ops[0], ops[2], layout, feature_axis, version=5)
+    dx = bsmm.input_grad(ops[1], ops[2], layout, feature_axis, version=5)
+    y, dx = (r if isinstance(r, np.ndarray) else r.copy_to_host() for r in (y, dx))
+    assert_close(y, reference.forward(x, w, layout, feature_axis), dtype, "forward")
+    assert_close(dx, reference.input_grad(dy, w, layout, feature_axis), dtype, "input_grad")
 
 
 LAYOUT = BlockLayout.dense((2, 3), 8)

@@ -1,11 +1,14 @@
-"""Tensor-core multiply-add (kernels/_mma.py): one m16n8k16 tile per warp against NumPy."""
+"""Tensor-core multiply-add (kernels/_mma.py): one tile per warp against NumPy (m16n8k16 for
+fp16 and bf16, m16n8k8 for tf32 and 3xTF32)."""
 
 import numpy as np
 import pytest
-from numba import cuda
+from numba import cuda, int32, uint32
+from numba.cuda import libdevice
 
 from sparseblocks.kernels._mma import (
-    MMA_K, MMA_M, MMA_N, a_fragment, b_fragment, c_fragment, mma_bf16, mma_f16, pack,
+    MMA_K, MMA_M, MMA_N, TF32_K, a_fragment, b_fragment, c_fragment, mma_3xtf32, mma_bf16, mma_f16,
+    mma_tf32, pack, tf32_a_fragment, tf32_b_fragment, to_tf32,
 )
 
 
@@ -32,7 +35,37 @@ def _tile_kernel(mma):
     return tile
 
 
-KERNELS = {"float16": _tile_kernel(mma_f16), "bfloat16": _tile_kernel(mma_bf16)}
+def _tf32_tile_kernel(three):
+    @cuda.jit
+    def tile(d, a, b, c):
+        """d = a·b + c for one warp, a (16 x 8) and b (8 x 8) fp32 given as their bits (int32):
+        rounded to tf32, or (three) as 3xTF32."""
+        lane = cuda.threadIdx.x
+        g = lane >> 2
+        t = lane % 4
+        a0, a1, a2, a3 = uint32(a[g, t]), uint32(a[g + 8, t]), uint32(a[g, t + 4]), uint32(a[g + 8, t + 4])
+        b0, b1 = uint32(b[t, g]), uint32(b[t + 4, g])
+        c0, c1, c2, c3 = c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]
+        if three:
+            out = mma_3xtf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+        else:
+            out = mma_tf32(_round(a0), _round(a1), _round(a2), _round(a3), _round(b0), _round(b1),
+                           c0, c1, c2, c3)
+        d[g, 2 * t] = out[0]
+        d[g, 2 * t + 1] = out[1]
+        d[g + 8, 2 * t] = out[2]
+        d[g + 8, 2 * t + 1] = out[3]
+
+    return tile
+
+
+@cuda.jit(device=True)
+def _round(bits):
+    return to_tf32(libdevice.int_as_float(int32(bits)))
+
+
+KERNELS = {"float16": _tile_kernel(mma_f16), "bfloat16": _tile_kernel(mma_bf16),
+           "tfloat32": _tf32_tile_kernel(False), "3xtf32": _tf32_tile_kernel(True)}
 
 
 def _bits(values, kind):
@@ -46,15 +79,53 @@ def _bits(values, kind):
     return rounded.view(np.int16), (rounded.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
-def test_one_tile_matches_numpy(kind):
-    rng = np.random.default_rng(7)
-    a_bits, A = _bits(rng.standard_normal((MMA_M, MMA_K)), kind)
-    b_bits, B = _bits(rng.standard_normal((MMA_K, MMA_N)), kind)
+def _tf32(values):
+    """fp32 values rounded to tf32 as cvt.rna does (nearest, ties away from zero)."""
+    u = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return (((u + 0x1000) & 0xFFFFE000).astype(np.uint32)).view(np.float32).astype(np.float64)
+
+
+def tile_problem(kind, rng):
+    """(A, B, c, the expected d, run) of one tile of `kind`; run() launches and returns d."""
+    k = MMA_K if kind in ("float16", "bfloat16") else TF32_K
+    a, b = rng.standard_normal((MMA_M, k)), rng.standard_normal((k, MMA_N))
     c = rng.standard_normal((MMA_M, MMA_N)).astype(np.float32)
-    d = cuda.device_array((MMA_M, MMA_N), np.float32)
-    KERNELS[kind][1, 32](d, cuda.to_device(a_bits), cuda.to_device(b_bits), cuda.to_device(c))
-    np.testing.assert_allclose(d.copy_to_host(), A @ B + c, rtol=1e-5, atol=1e-5)
+    if kind in ("float16", "bfloat16"):
+        (a_in, A), (b_in, B) = _bits(a, kind), _bits(b, kind)
+    else:
+        a_in, b_in = a.astype(np.float32).view(np.int32), b.astype(np.float32).view(np.int32)
+        A, B = (_tf32(a), _tf32(b)) if kind == "tfloat32" else (a.astype(np.float32), b.astype(np.float32))
+
+    def run():
+        d = cuda.device_array((MMA_M, MMA_N), np.float32)
+        KERNELS[kind][1, 32](d, cuda.to_device(a_in), cuda.to_device(b_in), cuda.to_device(c))
+        return d.copy_to_host()
+
+    return A, B, c, A.astype(np.float64) @ B + c, run
+
+
+@pytest.mark.parametrize("kind", sorted(KERNELS))
+def test_one_tile_matches_numpy(kind):
+    A, B, c, want, run = tile_problem(kind, np.random.default_rng(7))
+    # fp32 accumulation of exact products (tf32 inputs rounded as the reference rounds them);
+    # 3xTF32 leaves out the tail·tail term, about 2^-22 of each product.
+    np.testing.assert_allclose(run(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_tf32_rounding_matches_numpy():
+    """to_tf32 (cvt.rna.tf32.f32) rounds as the reference's _tf32 does, halfway cases included."""
+    values = np.array([1.0, 1 + 2.0 ** -11, 1 + 2.0 ** -10 + 2.0 ** -11, -(1 + 2.0 ** -11), 3.14159265,
+                       -2.5e-3, 65504.0, 1 + 2.0 ** -12], np.float32)
+
+    @cuda.jit
+    def rounded(out, x):
+        i = cuda.grid(1)
+        if i < x.size:
+            out[i] = to_tf32(x[i])
+
+    out = np.zeros(values.size, np.uint32)
+    rounded[1, 32](out, values)
+    np.testing.assert_array_equal(out.view(np.float32).astype(np.float64), _tf32(values))
 
 
 def test_fragment_helpers_cover_each_tile_once():
@@ -69,3 +140,10 @@ def test_fragment_helpers_cover_each_tile_once():
             row, col = b_fragment(lane, r)
             seen_b[row:row + 2, col] += 1
     assert (seen_a == 1).all() and (seen_b == 1).all() and (seen_c == 1).all()
+    tf32_a, tf32_b = np.zeros((16, 8), int), np.zeros((8, 8), int)
+    for lane in range(32):
+        for r in range(4):
+            tf32_a[tf32_a_fragment(lane, r)] += 1
+        for r in range(2):
+            tf32_b[tf32_b_fragment(lane, r)] += 1
+    assert (tf32_a == 1).all() and (tf32_b == 1).all()

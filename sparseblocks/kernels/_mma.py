@@ -17,6 +17,16 @@ It returns this lane's ``(d0, d1, d2, d3)`` of D = A·B + C. Inputs travel as
 makes a register of two. The fragment helpers (`a_fragment`, ...) give each
 register's (row, column) so kernels and tests share one statement of the layout.
 
+``mma_tf32`` is ``mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32``: the
+same registers, each holding one tf32 value (an fp32 bit pattern whose low 13
+bits are zero, made by ``to_tf32``) instead of two 16-bit ones, so the
+fragments are the 16-bit ones in units of registers: A (16 x 8) ``a0`` =
+A[g, t], ``a1`` = A[g+8, t], ``a2`` = A[g, t+4], ``a3`` = A[g+8, t+4]; B (8 x 8)
+``b0`` = B[t, g], ``b1`` = B[t+4, g]; C and D as above. ``mma_3xtf32`` splits
+fp32 operands into a tf32 head and a tf32 tail and adds the three products
+that matter (tail·head, head·tail, head·head; tail·tail is below fp32's
+precision), which keeps fp32 accuracy on tensor cores (NVIDIA's "3xTF32").
+
 In the CUDA simulator ``mma_f16``/``mma_bf16`` are warp collectives built on
 the simulator's rendezvous (`_simulator.py`): each lane hands in its
 fragments, the full tiles are rebuilt from all 32, and each lane gets its
@@ -24,11 +34,13 @@ part of D (summed in float64, rounded to float32: the hardware's rounding of
 the sum may differ in the last bit).
 """
 
-from numba import cuda, uint32
+from numba import cuda, float32, int32, uint32
+from numba.cuda import libdevice
 
 from .._backend import SIMULATOR
 
 MMA_M, MMA_N, MMA_K = 16, 8, 16
+TF32_K = 8
 FULL_MASK = 0xFFFFFFFF
 
 
@@ -55,6 +67,18 @@ def c_fragment(lane, index):
     """(row, column) of C/D value ``index`` (0-3) of ``lane``."""
     g, t = lane >> 2, lane % 4
     return g + 8 * (index // 2), 2 * t + index % 2
+
+
+def tf32_a_fragment(lane, register):
+    """(row, column) of the tf32 value in A register ``register`` (0-3) of ``lane`` (16 x 8)."""
+    row, col = a_fragment(lane, register)
+    return row, col // 2
+
+
+def tf32_b_fragment(lane, register):
+    """(row, column) of the tf32 value in B register ``register`` (0-1) of ``lane`` (8 x 8)."""
+    row, col = b_fragment(lane, register)
+    return row // 2, col
 
 
 if SIMULATOR:
@@ -94,13 +118,54 @@ if SIMULATOR:
 
     mma_f16, mma_bf16 = _simulated("f16"), _simulated("bf16")
 
+    def _tf32_value(bits):
+        return float(np.array([np.uint32(bits) & np.uint32(0xFFFFE000)], np.uint32).view(np.float32)[0])
+
+    def _tf32_collective(name, value):
+        """mma_tf32 and (in the simulator) mma_3xtf32: value(bits) reads each input register."""
+
+        def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            lane, fragments = _simulator._masked_collective(
+                name, FULL_MASK, ((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)))
+            if len(fragments) != 32:
+                raise _simulator.WarpCollectiveError(f"{name}: needs all 32 lanes of a warp")
+            A = np.zeros((MMA_M, TF32_K))
+            B = np.zeros((TF32_K, MMA_N))
+            C = np.zeros((MMA_M, MMA_N))
+            for peer, (a, b, c) in fragments.items():
+                for r in range(4):
+                    A[tf32_a_fragment(peer, r)] = value(a[r])
+                for r in range(2):
+                    B[tf32_b_fragment(peer, r)] = value(b[r])
+                for i in range(4):
+                    C[c_fragment(peer, i)] = np.float32(c[i])
+            D = (A @ B + C).astype(np.float32)
+            return tuple(D[c_fragment(lane, i)] for i in range(4))
+
+        return mma
+
+    def _fp32_value(bits):
+        return float(np.array([np.uint32(bits)], np.uint32).view(np.float32)[0])
+
+    mma_tf32 = _tf32_collective("mma_tf32", _tf32_value)
+    # One collective instead of three (the simulator's rendezvous is slow): fp32 products in
+    # float64, which 3xTF32 matches to about 2^-22; the split itself is checked on the GPU.
+    _mma_3xtf32_simulated = _tf32_collective("mma_3xtf32", _fp32_value)
+
+    def to_tf32(value):
+        """cvt.rna.tf32.f32: round to 10 mantissa bits, ties away from zero (bits of the result)."""
+        bits = int(np.array([value], np.float32).view(np.uint32)[0])
+        if (bits >> 23) & 0xFF == 0xFF:  # inf and NaN keep their pattern
+            return np.uint32(bits)
+        return np.uint32(((bits + 0x1000) & 0xFFFFE000) & 0xFFFFFFFF)
+
 else:
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    def _compiled(kind):
-        instruction = (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+    def _compiled(kind, shape="m16n8k16"):
+        instruction = (f"mma.sync.aligned.{shape}.row.col.f32.{kind}.{kind}.f32 "
                        "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
 
         @intrinsic
@@ -110,7 +175,7 @@ else:
             def codegen(context, builder, sig, args):
                 i32, f32 = ir.IntType(32), ir.FloatType()
                 function = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
-                asm = ir.InlineAsm(function, instruction, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=True)
+                asm = ir.InlineAsm(function, instruction, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
                 result = builder.call(asm, list(args))
                 items = [builder.extract_value(result, k) for k in range(4)]
                 return context.make_tuple(builder, sig.return_type, items)
@@ -120,3 +185,43 @@ else:
         return mma
 
     mma_f16, mma_bf16 = _compiled("f16"), _compiled("bf16")
+    mma_tf32 = _compiled("tf32", shape="m16n8k8")
+
+    @intrinsic
+    def to_tf32(typingctx, value):
+        """cvt.rna.tf32.f32: fp32 rounded to tf32 (nearest, ties away), as its bit pattern."""
+        signature = types.uint32(types.float32)
+
+        def codegen(context, builder, sig, args):
+            function = ir.FunctionType(ir.IntType(32), [ir.FloatType()])
+            asm = ir.InlineAsm(function, "cvt.rna.tf32.f32 $0, $1;", "=r,f")
+            return builder.call(asm, list(args))
+
+        return signature, codegen
+
+
+if SIMULATOR:
+    mma_3xtf32 = _mma_3xtf32_simulated
+else:
+
+    @cuda.jit(device=True, inline=True)
+    def _split(word):
+        """An fp32 value (as its bits) as tf32 head and tail, head + tail = the value to ~2^-22."""
+        value = libdevice.int_as_float(int32(word))
+        head = to_tf32(value)
+        tail = to_tf32(float32(value - libdevice.int_as_float(int32(head))))
+        return head, tail
+
+    @cuda.jit(device=True, inline=True)
+    def mma_3xtf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A·B + C for fp32 A (16 x 8) and B (8 x 8) given as bit patterns (uint32),
+        to about fp32's accuracy, in three tf32 multiply-adds, smallest terms first."""
+        a0h, a0t = _split(a0)
+        a1h, a1t = _split(a1)
+        a2h, a2t = _split(a2)
+        a3h, a3t = _split(a3)
+        b0h, b0t = _split(b0)
+        b1h, b1t = _split(b1)
+        d = mma_tf32(a0t, a1t, a2t, a3t, b0h, b1h, c0, c1, c2, c3)
+        d = mma_tf32(a0h, a1h, a2h, a3h, b0t, b1t, d[0], d[1], d[2], d[3])
+        return mma_tf32(a0h, a1h, a2h, a3h, b0h, b1h, d[0], d[1], d[2], d[3])

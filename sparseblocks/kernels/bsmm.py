@@ -52,7 +52,7 @@ from .._arrays import (
     Operand, check_dtype, check_same_dtype, check_same_kind, check_shape, launch_stream,
 )
 from ._launch import data_pointer, launch, multiprocessors
-from ._mma import MMA_K, mma_bf16, mma_f16, pack
+from ._mma import MMA_M, MMA_N, mma_3xtf32, mma_bf16, mma_f16, pack
 from ._vector import aligned, load2, load4
 
 # -- constants -----------------------------------------------------------------
@@ -110,9 +110,11 @@ V4_LAYOUT = {16: "pad", 32: "pad", 64: "pad"}
 V4_UNROLL = {16: True, 32: True, 64: True}
 # Version 5 products (tensor cores; fp16 and bf16 storage, blocks 16-64; otherwise
 # version 4): four warps, V5_ROWS rows a tile. Its weight gradient is version 4's.
-V5_ROWS = 64
-V5_THREADS = 128
+V5_WARPS = {16: 4, 32: 4, 64: 8}  # each warp a V5_WARP_TILE x min(bs, 32) patch: 128-row tiles
+V5_WARP_TILE = 32
 V5_BLOCKS = (16, 32, 64)
+V5_STORAGE = ("float16", "bfloat16", "float32")
+V5_VECTOR = True  # False keeps version 5 on one-value global loads
 
 # -- device helpers ---------------------------------------------------------------
 
@@ -720,91 +722,266 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
 # -- kernel bodies: version 5 (tensor cores) ---------------------------------------------
 
 
-def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis):
-    """Products on tensor cores (fp16 and bf16 storage, blocks 16-64): ``mma.sync`` m16n8k16.
+def _v5_shape(bs, storage):
+    """(threads, rows a tile, warps across the features, 32-bit words of a row a stage, values
+    a word) of a version 5 product."""
+    values = 1 if storage == "float32" else 2
+    warps = V5_WARPS[bs]
+    col_warps = bs // min(bs, V5_WARP_TILE)
+    words = min(bs, 16 * values) // values
+    return 32 * warps, V5_WARP_TILE * warps // col_warps, col_warps, words, values
 
-    Four warps share a tile of V5_ROWS rows x bs features; warp q owns rows
-    16q...16q+15 and all bs / 8 column tiles, four fp32 accumulators each. Per
-    step of 16 features the thread block stages 64 x 16 activations and
-    16 x bs weights in shared memory as registers of two 16-bit values, paired
-    along the feature (k) axis as the fragments pair them (`_mma.py`): each
-    fragment register is then one 32-bit shared load, and each weight pair is
-    packed once for all four warps. W is read transposed for input_grad. A
-    first, correctness-first kernel: single-buffered, scalar global loads, two
-    barriers a step.
+
+def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=False):
+    """Products on tensor cores: ``mma.sync`` m16n8k16 (fp16, bf16) or 3 x m16n8k8 (fp32, 3xTF32).
+
+    Warps own 32 x min(bs, 32) patches of a 128-row tile (two 16-row by up to
+    four 8-column mma tiles each, fp32 accumulators). Shared memory holds a
+    stage of the tile's activations and of the block's weights as 32-bit
+    words along the feature (k) axis: pairs of 16-bit values, or single fp32
+    values, as the fragments take them (`_mma.py`), so every fragment register
+    is one 32-bit shared load; rows are padded (A by 4 words, W by 8) so that
+    the fragment reads of a warp hit 32 distinct banks. Stages are
+    double-buffered: the next one's global loads are in flight while this one
+    is multiplied, then stored to the other buffer, one barrier a stage. With
+    ``vector`` (the launcher checked alignment; the arrays are then int32 word
+    views) every global load reads 16 bytes: four words of one activation row
+    (feature_axis 1), eight rows of two features (axis 0, 16-bit storage), or
+    their weight counterparts; otherwise each value is read alone. Rows past
+    N read the last row: a row's outputs depend on that row alone, and they are
+    not written. W is read transposed for input_grad.
     """
-    TM = V5_ROWS
-    T = V5_THREADS
-    NT = bs // 8  # column tiles of 8
-    KP = MMA_K // 2  # feature pairs a step
-    A_PER = TM * KP // T
-    W_PER = KP * bs // T
-    mma = mma_bf16 if storage == "bfloat16" else mma_f16
+    T, TM, CW, KW, VALUES = _v5_shape(bs, storage)
+    WN = bs // CW  # output features a warp owns
+    MT = V5_WARP_TILE // MMA_M
+    NT = WN // MMA_N
+    SPB = bs // (KW * VALUES)  # stages a block
+    STEPS = KW // 8  # mma steps a stage: 8 words of k each (k16 of 16-bit values, k8 of fp32)
+    A_STRIDE = KW + 4
+    W_STRIDE = bs + 8
+    A_TILE = TM * A_STRIDE
+    W_TILE = KW * W_STRIDE
+    A_SIZE = 2 * A_TILE  # double-buffered
+    W_SIZE = 2 * W_TILE
+    PAIRS = VALUES == 2
+    # Words a global load unit leaves in shared memory, and units a stage.
+    if not vector:
+        A_UNIT = W_UNIT = 1
+    else:
+        A_UNIT = 4 if feature_axis == 1 else 4 * VALUES
+        W_UNIT = 4 if transpose_w else 4 * VALUES
+    A_UNITS = TM * KW // A_UNIT
+    W_UNITS = KW * bs // W_UNIT
+    A_PER = -(-A_UNITS // T)
+    W_PER = -(-W_UNITS // T)
+    A_HELD = A_PER * A_UNIT  # words of the next stage a thread holds in registers
+    W_HELD = W_PER * W_UNIT
+    mma = mma_3xtf32 if storage == "float32" else (mma_bf16 if storage == "bfloat16" else mma_f16)
     load, _ = _activation_io(feature_axis)
     emit = _product_output(bs, storage, acc_type, feature_axis)
-    a_position = _chunk_position(feature_axis, TM, KP)  # (row, pair); pairs span two rows of a with axis 0
+    a_position = _chunk_position(feature_axis, TM, KW)  # scalar loads: (row, word)
 
     @cuda.jit(device=True, inline=True)
-    def w_position(e):
-        """(pair, col) of pair e of a weight step, walked along w's contiguous axis."""
+    def word(lo, hi):
+        """One shared word from 16-bit values lo and hi (k and k + 1), or from one fp32 value."""
+        if PAIRS:
+            return pack(lo, hi)
+        return uint32(lo)
+
+    @cuda.jit(device=True, inline=True)
+    def interleave(x0, x1, c):
+        """Word c (0-7) of eight along a vector of two words x0 (value k) and x1 (value k + 1),
+        each holding two neighbours: the pairs (k, k + 1) of the four neighbours, in order."""
+        lo = uint32(x0[c // 2])
+        hi = uint32(x1[c // 2])
+        if c % 2 == 0:
+            return uint32((lo & uint32(0xFFFF)) | (hi << uint32(16)))
+        return uint32((lo >> uint32(16)) | (hi & uint32(0xFFFF0000)))
+
+    @cuda.jit(device=True, inline=True)
+    def fetch_a(a, pa, e, i, row0, n_rows, base):
+        """Unit e of a stage of activations (features base...) into pa[i * A_UNIT...]."""
+        if not vector:
+            r, p = a_position(e)
+            row = uint64(min(row0 + r, n_rows - 1))
+            k = uint64(base + VALUES * p)
+            pa[i] = word(load(a, row, k), load(a, row, k + uint64(1)) if PAIRS else 0)
+        elif feature_axis == 1:
+            r = e // (KW // 4)
+            row = uint64(min(row0 + r, n_rows - 1))
+            v = load4(a, (row, uint64(base // VALUES + 4 * (e % (KW // 4)))))
+            for c in range(4):
+                pa[i * 4 + c] = uint32(v[c])
+        else:
+            # Rows in whole vectors (n_rows is a multiple of 4 * VALUES): a unit is wholly
+            # in or past the end, and one past it reads the last vector instead.
+            p = e % KW
+            n0 = uint64(min(row0 + (e // KW) * A_UNIT, n_rows - A_UNIT) // VALUES)
+            k = uint64(base + VALUES * p)
+            x0 = load4(a, (k, n0))
+            if PAIRS:
+                x1 = load4(a, (k + uint64(1), n0))
+                for c in range(8):
+                    pa[i * 8 + c] = interleave(x0, x1, c)
+            else:
+                for c in range(4):
+                    pa[i * 4 + c] = uint32(x0[c])
+
+    @cuda.jit(device=True, inline=True)
+    def a_slots(e):
+        """(row, word) of the first shared word of activation unit e, and the step between its
+        words (1 along a row, A_STRIDE down rows)."""
+        if not vector:
+            r, p = a_position(e)
+            return r, p, 1
+        if feature_axis == 1:
+            return e // (KW // 4), 4 * (e % (KW // 4)), 1
+        return (e // KW) * A_UNIT, e % KW, A_STRIDE
+
+    @cuda.jit(device=True, inline=True)
+    def fetch_w(w, pw, e, i, block, k0):
+        """Unit e of a stage of weights (features k0... of the block's k axis) into pw[i * W_UNIT...]."""
+        if not vector:
+            if transpose_w:
+                p, col = e % KW, e // KW
+                k = uint64(k0 + VALUES * p)
+                pw[i] = word(w[block, uint64(col), k], w[block, uint64(col), k + uint64(1)] if PAIRS else 0)
+            else:
+                p, col = e // bs, e % bs
+                k = uint64(k0 + VALUES * p)
+                pw[i] = word(w[block, k, uint64(col)], w[block, k + uint64(1), uint64(col)] if PAIRS else 0)
+        elif transpose_w:
+            # Four words along k of one column of W (a row of the stored block).
+            col = uint64(e // (KW // 4))
+            v = load4(w, (block, col, uint64(k0 // VALUES + 4 * (e % (KW // 4)))))
+            for c in range(4):
+                pw[i * 4 + c] = uint32(v[c])
+        else:
+            # 4 * VALUES columns of one k word: one (fp32) or two (16-bit) rows of the block.
+            cols = uint64((e % (bs // W_UNIT)) * (W_UNIT // VALUES))
+            k = uint64(k0 + VALUES * (e // (bs // W_UNIT)))
+            x0 = load4(w, (block, k, cols))
+            if PAIRS:
+                x1 = load4(w, (block, k + uint64(1), cols))
+                for c in range(8):
+                    pw[i * 8 + c] = interleave(x0, x1, c)
+            else:
+                for c in range(4):
+                    pw[i * 4 + c] = uint32(x0[c])
+
+    @cuda.jit(device=True, inline=True)
+    def w_slots(e):
+        """(word, col) of the first shared word of weight unit e, and the step between its words."""
+        if not vector:
+            if transpose_w:
+                return e % KW, e // KW, 1
+            return e // bs, e % bs, 1
         if transpose_w:
-            return e % KP, e // KP
-        return e // bs, e % bs
+            return 4 * (e % (KW // 4)), e // (KW // 4), W_STRIDE
+        return e // (bs // W_UNIT), (e % (bs // W_UNIT)) * W_UNIT, 1
+
+    @cuda.jit(device=True, inline=True)
+    def fetch(a, w, pa, pw, tid, row0, n_rows, j, k0, other_idx, line_block):
+        """This thread's share of one stage (block j, features k0...) into registers."""
+        block = uint64(j if transpose_w else line_block[j])
+        base = other_idx[j] * bs + k0
+        for i in range(A_PER):
+            e = tid + i * T
+            if e < A_UNITS:
+                fetch_a(a, pa, e, i, row0, n_rows, base)
+        for i in range(W_PER):
+            e = tid + i * T
+            if e < W_UNITS:
+                fetch_w(w, pw, e, i, block, k0)
+
+    @cuda.jit(device=True, inline=True)
+    def deposit(a_s, w_s, pa, pw, tid, buf):
+        for i in range(A_PER):
+            e = tid + i * T
+            if e < A_UNITS:
+                r, p, step = a_slots(e)
+                at = uint64(buf * A_TILE + r * A_STRIDE + p)
+                for c in range(A_UNIT):
+                    a_s[at + uint64(c * step)] = pa[i * A_UNIT + c]
+        for i in range(W_PER):
+            e = tid + i * T
+            if e < W_UNITS:
+                p, col, step = w_slots(e)
+                at = uint64(buf * W_TILE + p * W_STRIDE + col)
+                for c in range(W_UNIT):
+                    w_s[at + uint64(c * step)] = pw[i * W_UNIT + c]
+
+    @cuda.jit(device=True, inline=True)
+    def multiply(a_s, w_s, acc, fa, buf, s, ar, t, bc):
+        """acc += step s of the stage in buffer buf (8 words of k) for this lane's fragments:
+        A rows ar, ar + 8 (and 16 below), words t, t + 4; B words t, t + 4, columns bc + 8 nt."""
+        for mt in range(MT):
+            at = uint64(buf * A_TILE + (ar + mt * MMA_M) * A_STRIDE + s * 8 + t)
+            fa[mt, 0] = a_s[at]
+            fa[mt, 1] = a_s[at + uint64(8 * A_STRIDE)]
+            fa[mt, 2] = a_s[at + uint64(4)]
+            fa[mt, 3] = a_s[at + uint64(8 * A_STRIDE + 4)]
+        for nt in range(NT):
+            at = uint64(buf * W_TILE + (s * 8 + t) * W_STRIDE + bc + nt * MMA_N)
+            b0 = w_s[at]
+            b1 = w_s[at + uint64(4 * W_STRIDE)]
+            for mt in range(MT):
+                d = mma(fa[mt, 0], fa[mt, 1], fa[mt, 2], fa[mt, 3], b0, b1,
+                        acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
+                for q in range(4):
+                    acc[mt, nt, q] = d[q]
 
     @cuda.jit
     def product_v5(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot,
                    other_idx, line_block, n_rows):
         tid = cuda.threadIdx.x
         lane = tid % 32
+        warp = tid // 32
         g = lane >> 2
         t = lane % 4
-        r = (tid // 32) * 16 + g  # this lane's first tile row (the second is 8 below)
+        wr = (warp // CW) * V5_WARP_TILE  # the warp's first row and feature in the tile
+        wc = (warp % CW) * WN
         seg = cuda.blockIdx.y
         row0 = cuda.blockIdx.x * TM
-        a_s = cuda.shared.array((TM, KP), uint32)
-        w_s = cuda.shared.array((KP, bs), uint32)
-        acc = cuda.local.array((NT, 4), float32)
-        for nt in range(NT):
-            for i in range(4):
-                acc[nt, i] = float32(0)
-        last = n_rows - 1
-        for j in range(seg_begin[seg], seg_end[seg]):
-            block = uint64(j if transpose_w else line_block[j])
-            base = other_idx[j] * bs
-            for k0 in range(0, bs, MMA_K):
-                for i in range(A_PER):
-                    ra, p = a_position(tid + i * T)
-                    row = row0 + ra
-                    clamped = uint64(min(row, last))
-                    feature = uint64(base + k0 + 2 * p)
-                    pair = pack(load(a, clamped, feature), load(a, clamped, feature + uint64(1)))
-                    a_s[ra, p] = pair if row <= last else uint32(0)
-                for i in range(W_PER):
-                    p, col = w_position(tid + i * T)
-                    k = uint64(k0 + 2 * p)
-                    if transpose_w:
-                        w_s[p, col] = pack(w[block, uint64(col), k], w[block, uint64(col), k + uint64(1)])
-                    else:
-                        w_s[p, col] = pack(w[block, k, uint64(col)], w[block, k + uint64(1), uint64(col)])
-                cuda.syncthreads()  # this step's activations and weights are staged
-                a0 = a_s[r, t]
-                a1 = a_s[r + 8, t]
-                a2 = a_s[r, t + 4]
-                a3 = a_s[r + 8, t + 4]
-                for nt in range(NT):
-                    n = nt * 8 + g
-                    d = mma(a0, a1, a2, a3, w_s[t, n], w_s[t + 4, n], acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3])
-                    for i in range(4):
-                        acc[nt, i] = d[i]
-                cuda.syncthreads()  # every warp has read the step before the next overwrites it
+        begin = seg_begin[seg]
+        a_s = cuda.shared.array(A_SIZE, uint32, alignment=SHARED_ALIGN)
+        w_s = cuda.shared.array(W_SIZE, uint32, alignment=SHARED_ALIGN)
+        acc = cuda.local.array((MT, NT, 4), float32)
+        fa = cuda.local.array((MT, 4), uint32)
+        pa = cuda.local.array(A_HELD, uint32)
+        pw = cuda.local.array(W_HELD, uint32)
+        for mt in range(MT):
+            for nt in range(NT):
+                for q in range(4):
+                    acc[mt, nt, q] = float32(0)
+        n_stages = (seg_end[seg] - begin) * SPB
+        if n_stages > 0:
+            fetch(a, w, pa, pw, tid, row0, n_rows, begin, 0, other_idx, line_block)
+            deposit(a_s, w_s, pa, pw, tid, 0)
+        cuda.syncthreads()  # stage 0 is in buffer 0
+        for stage in range(n_stages):
+            buf = stage & 1
+            more = stage + 1 < n_stages
+            if more:  # the next stage's loads land while this one is multiplied
+                nxt = stage + 1
+                fetch(a, w, pa, pw, tid, row0, n_rows, begin + nxt // SPB, (nxt % SPB) * KW * VALUES,
+                      other_idx, line_block)
+            for s in range(STEPS):
+                multiply(a_s, w_s, acc, fa, buf, s, wr + g, t, wc + g)
+            if more:
+                deposit(a_s, w_s, pa, pw, tid, 1 - buf)
+            # The next stage is in the other buffer, and every warp is done reading this
+            # one before the iteration after next overwrites it.
+            cuda.syncthreads()
         line = seg_line[seg]
         slot = seg_slot[seg]
-        for nt in range(NT):
-            for i in range(4):
-                row = row0 + r + 8 * (i // 2)
-                col = nt * 8 + 2 * t + i % 2
+        for mt in range(MT):
+            for q in range(4):
+                row = row0 + wr + mt * MMA_M + g + 8 * (q // 2)
                 if row < n_rows:
-                    emit(out, workspace, slot, line, row, col, acc[nt, i])
+                    for nt in range(NT):
+                        col = wc + nt * MMA_N + 2 * t + q % 2
+                        emit(out, workspace, slot, line, row, col, acc[mt, nt, q])
 
     return product_v5
 
@@ -1125,6 +1302,22 @@ def _vector_loads(arrays, n_rows, feature_axis, widths=(V4_WIDTH, V4_WIDTH)):
             and all(aligned(data_pointer(a), itemsize, width) for a, width in zip(arrays, widths)))
 
 
+def _v5_vector_loads(arrays, n_rows, feature_axis, values):
+    """Whether version 5 may read 16 bytes at a time: aligned pointers, and with feature_axis 0
+    rows in whole vectors (4 words: 4 fp32 rows, or 8 rows of 16-bit values)."""
+    return (V5_VECTOR and (feature_axis == 1 or n_rows % (4 * values) == 0)
+            and all(aligned(data_pointer(a), 16, 1) for a in arrays))
+
+
+def _words(array):
+    """A device array's 32-bit words along its last axis (int32), for version 5's loads."""
+    if hasattr(array, "data_ptr"):  # torch
+        import torch
+
+        return array.view(torch.int32)
+    return array.view(np.int32)
+
+
 def _bits(array):
     """The 16-bit patterns of an fp16 device array (a bf16 one is int16 already: a no-op)."""
     if hasattr(array, "data_ptr"):  # torch
@@ -1177,10 +1370,12 @@ def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, str
     acc = "float64" if a.dtype == "float64" else "float32"
     workspace = a.scratch((slots, n_rows, bs), acc, stream) if slots else _unused_workspace(acc)
     a_device, w_device = a.device(stream), w.device(stream)
-    if version == 5 and bs in V5_BLOCKS and a.dtype in ("float16", "bfloat16"):
-        TM, threads = V5_ROWS, V5_THREADS
-        kernel = _kernel(_make_product_v5, bs, a.dtype, transpose_w, feature_axis)
-        a_device, w_device = _bits(a_device), _bits(w_device)
+    if version == 5 and bs in V5_BLOCKS and a.dtype in V5_STORAGE:
+        threads, TM, _, _, values = _v5_shape(bs, a.dtype)
+        vector = _v5_vector_loads((a_device, w_device), n_rows, feature_axis, values)
+        kernel = _kernel(_make_product_v5, bs, a.dtype, transpose_w, feature_axis, vector)
+        a_device, w_device = (_words(a_device), _words(w_device)) if vector or values == 1 \
+            else (_bits(a_device), _bits(w_device))
     elif version >= 4 and bs in V4_ROWS:
         TM, threads = V4_ROWS[bs], _v4_threads(bs)
         vector = _vector_loads((a_device, w_device), n_rows, feature_axis, (V4_WIDTH, _v4_weight_width(bs)))
