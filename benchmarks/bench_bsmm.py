@@ -42,7 +42,7 @@ def block_gather(torch, dense, layout):
     return tiles[coords[:, 0], coords[:, 1]].contiguous()
 
 
-def bench_config(torch, bsmm, layout, N, dtype_name, records, versions=(3,)):
+def bench_config(torch, bsmm, layout, N, dtype_name, records, versions=(None,)):
     dtype = getattr(torch, dtype_name)
     C, K = layout.dense_shape
     bs = layout.block_size
@@ -98,7 +98,8 @@ def bench_config(torch, bsmm, layout, N, dtype_name, records, versions=(3,)):
             baselines = {"torch_dense": dense[name]}
             if name in bsr:
                 baselines["torch_bsr"] = bsr[name]
-            records.append(Record(name, dict(params, version=version), time_ms(call), baselines, flops=flops))
+            ran = bsmm.default_version(dtype_name) if version is None else version
+            records.append(Record(name, dict(params, version=ran), time_ms(call), baselines, flops=flops))
 
 
 def launch_overhead(torch, bsmm, BlockLayout):
@@ -138,7 +139,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="N = C = K = 4096, block 32 only")
     parser.add_argument("--out-dir", default=None)
-    parser.add_argument("--versions", default="4", help="comma-separated kernel versions to time")
+    parser.add_argument("--versions", default="default",
+                        help="comma-separated kernel versions to time; 'default': the library's choice per dtype")
     parser.add_argument("--block-sizes", default=None, help="comma-separated block sizes (default: all)")
     args = parser.parse_args()
 
@@ -150,7 +152,7 @@ def main():
     shapes, block_sizes, densities, dtypes = sizes(args.quick)
     if args.block_sizes:
         block_sizes = [int(b) for b in args.block_sizes.split(",")]
-    versions = tuple(int(v) for v in args.versions.split(","))
+    versions = tuple(None if v == "default" else int(v) for v in args.versions.split(","))
     records = []
     name = "bsmm" + ("_quick" if args.quick else "") + (f"_bs{args.block_sizes.replace(',', '_')}" if args.block_sizes else "")
     kwargs = {} if args.out_dir is None else {"directory": args.out_dir}

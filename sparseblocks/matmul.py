@@ -22,7 +22,7 @@ class BlocksparseMatMul:
     ``(N, features)``; ``feature_axis=0``: ``(features, N)``.
     """
 
-    def __init__(self, layout, block_size=32, feature_axis=1, version=4):
+    def __init__(self, layout, block_size=32, feature_axis=1, version=None):
         if isinstance(layout, BlockLayout):
             if block_size not in (32, layout.block_size):
                 raise ValueError(
@@ -32,8 +32,8 @@ class BlocksparseMatMul:
             layout = BlockLayout(layout, block_size)
         if feature_axis not in (0, 1):
             raise ValueError(f"feature_axis: expected 0 or 1, got {feature_axis!r}")
-        if version not in kernels.VERSIONS:
-            raise ValueError(f"version: expected one of {kernels.VERSIONS}, got {version!r}")
+        if version is not None and version not in kernels.VERSIONS:
+            raise ValueError(f"version: expected one of {kernels.VERSIONS} or None, got {version!r}")
         self.layout = layout
         self.feature_axis = feature_axis
         self.version = version

@@ -15,7 +15,8 @@ float32 or float64; all but float64 accumulate in float32. Any ``N >= 0``;
 output features with no block are zero. Every sum runs in a fixed order (no
 atomics), so results are bitwise repeatable.
 
-Versions (``version=`` on every public function, default 4; tests sweep all five):
+Versions (``version=`` on every public function; by default 5 for fp16 and bf16, 4 for fp32 and
+fp64, see `default_version`; tests sweep all five):
   1. shared-memory tiles, one output element per thread. Simple; the
      baseline the others are checked against.
   2. register-blocked tiles: each thread owns an R x Q patch of the output
@@ -115,6 +116,8 @@ V5_WARP_TILE = 32
 V5_BLOCKS = (16, 32, 64)
 V5_STORAGE = ("float16", "bfloat16", "float32")
 V5_VECTOR = True  # False keeps version 5 on one-value global loads
+# Storage that runs version 5 when a call names no version (see default_version).
+TENSOR_CORE_DEFAULT = ("float16", "bfloat16")
 
 # -- device helpers ---------------------------------------------------------------
 
@@ -1436,16 +1439,24 @@ def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, v
 # -- public functions ----------------------------------------------------------------
 
 
+def default_version(dtype):
+    """The version a call without ``version=`` runs: 5 (tensor cores) for fp16 and bf16, 4 for
+    fp32 (version 5's 3xTF32 loses accuracy over long sums: benchmarks/NOTES.md) and fp64."""
+    return 5 if dtype in TENSOR_CORE_DEFAULT else 4
+
+
 def _check_common(ops, feature_axis, version):
+    """Validate; return the version to run (`default_version` where ``version`` is None)."""
     if feature_axis not in (0, 1):
         raise ValueError(f"feature_axis: expected 0 or 1, got {feature_axis!r}")
-    if version not in VERSIONS:
-        raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
+    if version is not None and version not in VERSIONS:
+        raise ValueError(f"version: expected one of {VERSIONS} or None, got {version!r}")
     check_same_kind(ops)
     for op in ops:
         check_dtype(op)
         op.require_contiguous()
     check_same_dtype(ops)
+    return default_version(ops[0].dtype) if version is None else version
 
 
 def _check_activation(op, features, feature_axis, what):
@@ -1460,7 +1471,7 @@ def _check_activation(op, features, feature_axis, what):
 
 def _product(a, w, layout, feature_axis, transpose_w, version, max_segment=None):
     a, w = Operand(a, "dy" if transpose_w else "x"), Operand(w, "w")
-    _check_common((a, w), feature_axis, version)
+    version = _check_common((a, w), feature_axis, version)
     check_shape(w, layout.w_shape)
     C, K = layout.dense_shape
     in_features, out_features = (K, C) if transpose_w else (C, K)
@@ -1476,17 +1487,17 @@ def _product(a, w, layout, feature_axis, transpose_w, version, max_segment=None)
     return a.result(native, out, stream)
 
 
-def forward(x, w, layout, feature_axis=1, version=4):
+def forward(x, w, layout, feature_axis=1, version=None):
     """``y = x · W`` for block-sparse ``W`` given as ``w[n_blocks, bs, bs]`` over ``layout``."""
     return _product(x, w, layout, feature_axis, False, version)
 
 
-def input_grad(dy, w, layout, feature_axis=1, version=4):
+def input_grad(dy, w, layout, feature_axis=1, version=None):
     """``dx = dy · Wᵀ`` for block-sparse ``W``."""
     return _product(dy, w, layout, feature_axis, True, version)
 
 
-def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=4, splits=None):
+def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=None, splits=None):
     """``dW = xᵀ · dy`` on the layout's blocks, as ``(n_blocks, bs, bs)``.
 
     With ``out`` the result goes there, as ``out = xᵀ·dy + beta·out`` (so the
@@ -1496,7 +1507,7 @@ def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=4, sp
     """
     x, dy = Operand(x, "x"), Operand(dy, "dy")
     ops = (x, dy) if out is None else (x, dy, Operand(out, "out"))
-    _check_common(ops, feature_axis, version)
+    version = _check_common(ops, feature_axis, version)
     C, K = layout.dense_shape
     n_x = _check_activation(x, C, feature_axis, f"(layout has {C} inputs)")
     n_dy = _check_activation(dy, K, feature_axis, f"(layout has {K} outputs)")
