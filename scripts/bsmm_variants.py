@@ -36,7 +36,8 @@ VARIANTS = {
     "v4 bs16 rows 512 not unrolled": (4, {"V4_ROWS": {16: 512, 32: 256, 64: 128},
                                           "V4_UNROLL": {16: False, 32: True, 64: True}}),
     "v4 bs16 rows 256": (4, {"V4_ROWS": {16: 256, 32: 256, 64: 128}, "V4_WGRAD_ROWS": {16: 32, 32: 16, 64: 32}}),
-    "v5": (5, {}),  # tensor cores for fp16 (fp32 falls back to version 4)
+    "v5": (5, {}),  # tensor cores: fp16, and fp32 as 3xTF32
+    "v5 rounded sums": (5, {"V5_ROUNDED_SUMS": True}),  # fp32: each mma from zero, sums in fp32
 }
 FP16_VARIANTS = ("v4", "v4 swizzle", "v4 bs16 rows 512", "v5")
 
@@ -80,8 +81,6 @@ def main():
             bsr = baseline_ms(lambda: W_t_bsr @ xt)
             for name, (version, settings) in chosen.items():
                 if dtype_name == "float16" and name not in FP16_VARIANTS:
-                    continue
-                if dtype_name == "float32" and version == 5:  # version 5 is for 16-bit storage
                     continue
                 for key, value in {**DEFAULTS, **settings}.items():
                     setattr(bsmm, key, value)

@@ -51,7 +51,11 @@ def main():
     parser.add_argument("--block-sizes", default="32,64,16")
     parser.add_argument("--densities", default="0.1,0.05,0.25,0.5")
     parser.add_argument("--size", type=int, default=SIZE, help="N = C = K")
+    parser.add_argument("--results", default=None, metavar="NAME",
+                        help="only turn DIR/v5.jsonl (from an earlier run) into benchmarks/results/NAME.json/.md")
     args = parser.parse_args()
+    if args.results:
+        return write_records(Path(args.out) / "v5.jsonl", args.results)
     n = args.size
     out = Path(args.out)
     log = open(out / "v5.jsonl", "a")
@@ -145,6 +149,32 @@ def main():
             record(what="kernel", key=str(key), regs=compiled.regs_per_thread,
                    local=compiled.local_mem_per_thread, shared=compiled.shared_mem_per_block)
     record(what="done")
+
+
+def write_records(jsonl, name):
+    """benchmarks/results/<name>.json/.md from a run's JSON lines: one record per product and
+    case, the torch baselines of the same run beside it (BSR for the forward only)."""
+    from benchmarks.common import Record, print_table, write_results
+
+    rows = [json.loads(line) for line in open(jsonl)]
+    device = next(r["device"] for r in rows if "device" in r)
+    records = []
+    for r in rows:
+        if r.get("what") != "v5":
+            continue
+        params = {"dtype": r["dtype"], "block_size": r["bs"], "density": r["density"], "N": 4096, "C": 4096,
+                  "K": 4096, "version": 5, "error": float(f"{max(r['fwd_error'], r['ig_error']):.2g}")}
+        flops = r["tflops"] * r["forward_ms"] * 1e9
+        records.append(Record("forward", params, r["forward_ms"],
+                              {"torch_dense": r["dense_ms"], "torch_bsr": r["bsr_ms"]}, flops=flops))
+        records.append(Record("input_grad", params, r["input_grad_ms"], {"torch_dense": r["dense_ms"]}, flops=flops))
+        if "v4_forward_ms" in r:
+            records.append(Record("forward", dict(params, version=4), r["v4_forward_ms"],
+                                  {"torch_dense": r["dense_ms"], "torch_bsr": r["bsr_ms"]}, flops=flops))
+            records.append(Record("input_grad", dict(params, version=4), r["v4_input_grad_ms"],
+                                  {"torch_dense": r["dense_ms"]}, flops=flops))
+    print_table(records, device)
+    write_results(name, records, device=device)
 
 
 def paths(record, late):

@@ -252,6 +252,18 @@ def test_tensor_core_load_paths(block_size, dtype, feature_axis, n, offset, vect
     assert_close(dx, reference.input_grad(dy, w, layout, feature_axis), dtype, "input_grad")
 
 
+def test_tensor_core_rounded_sums(monkeypatch):
+    """fp32 on version 5 with V5_ROUNDED_SUMS (each mma from zero, added in fp32) gives the
+    reference's products too."""
+    monkeypatch.setattr(bsmm, "V5_ROUNDED_SUMS", True)
+    monkeypatch.setattr(bsmm, "_kernels", {})  # kernels made with the setting, not cached ones
+    layout = BlockLayout.dense((2, 1), 16)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 32)).astype(np.float32)
+    w = rng.standard_normal(layout.w_shape).astype(np.float32)
+    assert_close(bsmm.forward(x, w, layout, version=5), reference.forward(x, w, layout), "float32", "forward")
+
+
 LAYOUT = BlockLayout.dense((2, 3), 8)
 X = np.ones((4, 16), np.float32)
 W = np.ones(LAYOUT.w_shape, np.float32)

@@ -37,11 +37,14 @@ fp64, see `default_version`; tests sweep all five):
      address arithmetic. Its weight gradient (feature_axis 1, blocks 16-64;
      otherwise version 3's) gives each thread an 8 x 8 patch of one W block,
      sub-groups of threads one block each.
-  5. products on tensor cores for fp16 and bf16 storage (blocks 16-64;
-     otherwise version 4): ``mma.sync`` m16n8k16 through inline PTX
-     (`_mma.py`), fp32 accumulators; weight gradient of version 4. A first,
-     correctness-first kernel, checked in the simulator against the reference;
-     its first GPU run is still to come (benchmarks/NOTES.md).
+  5. products on tensor cores (blocks 16-64; otherwise version 4):
+     ``mma.sync`` through inline PTX (`_mma.py`), m16n8k16 for fp16 and bf16,
+     3xTF32 (three m16n8k8) for fp32; 128-row tiles, double-buffered stages
+     of 32-bit words, 16-byte global loads where aligned; weight gradient of
+     version 4. Checked on an H100 against float64 and under memcheck
+     (benchmarks/NOTES.md): fp16 2.3x version 4 at block 32. fp32 on it
+     loses accuracy over long sums (the tensor cores' fp32 accumulation), so
+     fp32 keeps version 4 unless asked (`default_version`).
 """
 
 import numpy as np
@@ -116,6 +119,11 @@ V5_WARP_TILE = 32
 V5_BLOCKS = (16, 32, 64)
 V5_STORAGE = ("float16", "bfloat16", "float32")
 V5_VECTOR = True  # False keeps version 5 on one-value global loads
+# fp32 on version 5 (3xTF32): the tensor cores' own fp32 sums lose about 2^-23 per mma
+# (measured: relative error 3e-6 over 410-term sums, 1.5e-5 over 2048, against 1e-6 for
+# version 4). True starts each step's mma from zero and adds its 8-term result to the
+# accumulators in ordinary round-to-nearest fp32; not yet measured on a GPU.
+V5_ROUNDED_SUMS = False
 # Storage that runs version 5 when a call names no version (see default_version).
 TENSOR_CORE_DEFAULT = ("float16", "bfloat16")
 
@@ -767,6 +775,7 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     A_SIZE = 2 * A_TILE  # double-buffered
     W_SIZE = 2 * W_TILE
     PAIRS = VALUES == 2
+    ROUNDED_SUMS = V5_ROUNDED_SUMS and storage == "float32"
     # Words a global load unit leaves in shared memory, and units a stage.
     if not vector:
         A_UNIT = W_UNIT = 1
@@ -929,10 +938,16 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
             b0 = w_s[at]
             b1 = w_s[at + uint64(4 * W_STRIDE)]
             for mt in range(MT):
-                d = mma(fa[mt, 0], fa[mt, 1], fa[mt, 2], fa[mt, 3], b0, b1,
-                        acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
-                for q in range(4):
-                    acc[mt, nt, q] = d[q]
+                if ROUNDED_SUMS:
+                    d = mma(fa[mt, 0], fa[mt, 1], fa[mt, 2], fa[mt, 3], b0, b1,
+                            float32(0), float32(0), float32(0), float32(0))
+                    for q in range(4):
+                        acc[mt, nt, q] += d[q]
+                else:
+                    d = mma(fa[mt, 0], fa[mt, 1], fa[mt, 2], fa[mt, 3], b0, b1,
+                            acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
+                    for q in range(4):
+                        acc[mt, nt, q] = d[q]
 
     @cuda.jit
     def product_v5(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot,
