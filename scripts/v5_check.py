@@ -128,21 +128,19 @@ def main():
     more = [(d, bs, density) for density in densities for bs in block_sizes[:2] for d in ("float16", "float32")
             if (d, bs, density) not in first]
     rest = [(d, bs, density) for bs in block_sizes[2:] for density in densities for d in ("float16", "float32")]
-    for case in first + more:
-        if late():
-            break
-        try:
-            product_row(*case)
-        except Exception:
-            traceback.print_exc()
+
+    def run(cases):
+        for case in cases:
+            if late():
+                break
+            try:
+                product_row(*case)
+            except Exception:
+                traceback.print_exc()
+
+    run(first + more)
     paths(record, late)
-    for case in rest:
-        if late():
-            break
-        try:
-            product_row(*case)
-        except Exception:
-            traceback.print_exc()
+    run(rest)
 
     for key, kernel in bsmm._kernels.items():
         for compiled in getattr(kernel, "overloads", {}).values():

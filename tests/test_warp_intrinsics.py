@@ -259,12 +259,49 @@ def read_outside_mask_kernel(out):
         out[i] = cuda.shfl_down_sync(0x0000FFFF, 1.0, 8)
 
 
+@cuda.jit
+def skipped_barrier_kernel(out):
+    i = cuda.threadIdx.x
+    if i != 5:
+        cuda.syncthreads()
+    out[i] = cuda.shfl_sync(FULL, 1.0, 0)
+    if i == 5:
+        cuda.syncthreads()
+
+
+@cuda.jit
+def barrier_then_shuffle_kernel(out):
+    """Collectives right after barriers, with many threads: the simulator releases a barrier's
+    threads one at a time, so early lanes meet peers not yet released."""
+    i = cuda.threadIdx.x
+    v = float(i)
+    for _ in range(4):
+        cuda.syncthreads()
+        v = cuda.shfl_sync(FULL, v, (i + 1) % 32)
+    out[i] = v
+
+
+def test_collectives_right_after_barriers():
+    import sys
+
+    out = np.zeros(256)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # thread switches inside the simulator's release loop
+    try:
+        barrier_then_shuffle_kernel[1, 256](out)
+    finally:
+        sys.setswitchinterval(interval)
+    i = np.arange(256)
+    np.testing.assert_array_equal(out, (i // 32) * 32 + (i + 4) % 32)
+
+
 @pytest.mark.simulator
 @pytest.mark.parametrize("kernel, message", [
     (lane_outside_mask_kernel, "does not contain it"),
     (exited_lane_kernel, "exited"),
     # The mismatch, or the wait on the lane that raised it, whichever is seen first.
     (mismatched_kernel, "while lanes|exited"),
+    (skipped_barrier_kernel, "waits in syncthreads"),
 ])
 def test_misuse_raises_in_the_simulator(kernel, message):
     from sparseblocks.kernels._simulator import WarpCollectiveError

@@ -93,50 +93,18 @@ if SIMULATOR:
             return halves.view(np.float16).astype(np.float64)
         return (halves.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
-    def _simulated(kind):
-        def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-            lane, fragments = _simulator._masked_collective(
-                f"mma_{kind}", FULL_MASK, ((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)))
-            if len(fragments) != 32:
-                raise _simulator.WarpCollectiveError(f"mma_{kind}: needs all 32 lanes of a warp")
-            A = np.zeros((MMA_M, MMA_K))
-            B = np.zeros((MMA_K, MMA_N))
-            C = np.zeros((MMA_M, MMA_N))
-            for peer, (a, b, c) in fragments.items():
-                for r in range(4):
-                    row, col = a_fragment(peer, r)
-                    A[row, col:col + 2] = _decode(a[r], kind)
-                for r in range(2):
-                    row, col = b_fragment(peer, r)
-                    B[row:row + 2, col] = _decode(b[r], kind)
-                for i in range(4):
-                    C[c_fragment(peer, i)] = np.float32(c[i])
-            D = (A @ B + C).astype(np.float32)
-            return tuple(D[c_fragment(lane, i)] for i in range(4))
-
-        return mma
-
-    mma_f16, mma_bf16 = _simulated("f16"), _simulated("bf16")
-
-    def _tf32_value(bits):
-        return float(np.array([np.uint32(bits) & np.uint32(0xFFFFE000)], np.uint32).view(np.float32)[0])
-
-    def _tf32_collective(name, value):
-        """mma_tf32 and (in the simulator) mma_3xtf32: value(bits) reads each input register."""
+    def _collective(name, k, fill):
+        """A simulated mma of a K of `k`: each lane hands in its fragments, fill(A, B, lane, a, b)
+        puts one lane's into the tiles, and each lane gets its part of D."""
 
         def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
             lane, fragments = _simulator._masked_collective(
                 name, FULL_MASK, ((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)))
             if len(fragments) != 32:
                 raise _simulator.WarpCollectiveError(f"{name}: needs all 32 lanes of a warp")
-            A = np.zeros((MMA_M, TF32_K))
-            B = np.zeros((TF32_K, MMA_N))
-            C = np.zeros((MMA_M, MMA_N))
+            A, B, C = np.zeros((MMA_M, k)), np.zeros((k, MMA_N)), np.zeros((MMA_M, MMA_N))
             for peer, (a, b, c) in fragments.items():
-                for r in range(4):
-                    A[tf32_a_fragment(peer, r)] = value(a[r])
-                for r in range(2):
-                    B[tf32_b_fragment(peer, r)] = value(b[r])
+                fill(A, B, peer, a, b)
                 for i in range(4):
                     C[c_fragment(peer, i)] = np.float32(c[i])
             D = (A @ B + C).astype(np.float32)
@@ -144,13 +112,42 @@ if SIMULATOR:
 
         return mma
 
+    def _pairs(kind):
+        """fill for registers of two 16-bit values."""
+
+        def fill(A, B, peer, a, b):
+            for r in range(4):
+                row, col = a_fragment(peer, r)
+                A[row, col:col + 2] = _decode(a[r], kind)
+            for r in range(2):
+                row, col = b_fragment(peer, r)
+                B[row:row + 2, col] = _decode(b[r], kind)
+
+        return fill
+
+    def _singles(value):
+        """fill for registers of one 32-bit value each, read by value(bits)."""
+
+        def fill(A, B, peer, a, b):
+            for r in range(4):
+                A[tf32_a_fragment(peer, r)] = value(a[r])
+            for r in range(2):
+                B[tf32_b_fragment(peer, r)] = value(b[r])
+
+        return fill
+
+    def _tf32_value(bits):
+        return float(np.array([np.uint32(bits) & np.uint32(0xFFFFE000)], np.uint32).view(np.float32)[0])
+
     def _fp32_value(bits):
         return float(np.array([np.uint32(bits)], np.uint32).view(np.float32)[0])
 
-    mma_tf32 = _tf32_collective("mma_tf32", _tf32_value)
+    mma_f16 = _collective("mma_f16", MMA_K, _pairs("f16"))
+    mma_bf16 = _collective("mma_bf16", MMA_K, _pairs("bf16"))
+    mma_tf32 = _collective("mma_tf32", TF32_K, _singles(_tf32_value))
     # One collective instead of three (the simulator's rendezvous is slow): fp32 products in
     # float64, which 3xTF32 matches to about 2^-22; the split itself is checked on the GPU.
-    _mma_3xtf32_simulated = _tf32_collective("mma_3xtf32", _fp32_value)
+    _mma_3xtf32_simulated = _collective("mma_3xtf32", TF32_K, _singles(_fp32_value))
 
     def to_tf32(value):
         """cvt.rna.tf32.f32: round to 10 mantissa bits, ties away from zero (bits of the result)."""

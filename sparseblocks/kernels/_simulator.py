@@ -97,15 +97,17 @@ def _me():
     return thread
 
 
-def _lane_state(block, warp, lane):
-    """'exited', 'syncthreads', 'waiting', or 'running' for a lane of a warp."""
+def _lane_state(block, warp, lane, me):
+    """'exited', 'syncthreads', 'waiting', or 'running' for a lane of a warp, as `me` sees it."""
     thread = block.threads.get(warp * WARP_SIZE + lane)
     if thread is None:
         return "running"  # not started yet
     if thread._sb_exited:
         return "exited"
     if thread.syncthreads_blocked:
-        return "syncthreads"
+        # In a barrier `me` has already passed, the simulator is still releasing its threads
+        # one by one: the lane is as good as running. In a later one it waits for real.
+        return "running" if thread._sb_barriers <= me._sb_barriers else "syncthreads"
     if thread._sb_waiting is not None and not thread._sb_waiting.done:
         return "waiting"  # in a collective that has not completed yet
     return "running"
@@ -157,7 +159,7 @@ def _masked_collective(op, mask, value):
                     del room.by_mask[mask]
                 return True
             for other in participants - meeting.values.keys():
-                state = _lane_state(block, warp, other)
+                state = _lane_state(block, warp, other, me)
                 if state in ("exited", "syncthreads"):
                     raise WarpCollectiveError(
                         f"{op}: warp {warp}, mask {mask:#010x}: lane {other} "
@@ -270,7 +272,7 @@ def activemask(self):
 
         def settled():
             for other in room.lanes - meeting.values.keys():
-                if _lane_state(block, warp, other) == "running":
+                if _lane_state(block, warp, other, me) == "running":
                     return False
             if room.active is meeting:
                 room.active = None
@@ -329,6 +331,7 @@ def install():
     manager_init = kernel.BlockManager.__init__
     thread_init = kernel.BlockThread.__init__
     thread_run = kernel.BlockThread.run
+    thread_syncthreads = kernel.BlockThread.syncthreads
 
     def block_manager_init(self, f, grid_dim, block_dim, debug):
         manager_init(self, f, grid_dim, block_dim, debug)
@@ -338,6 +341,7 @@ def install():
         thread_init(self, f, manager, blockIdx, threadIdx, debug)
         self._sb_exited = False
         self._sb_waiting = None
+        self._sb_barriers = 0  # syncthreads entered so far
         with manager._sb_warps.cond:
             manager._sb_warps.threads[self.thread_id] = self
 
@@ -350,7 +354,12 @@ def install():
                 self._sb_exited = True
                 warps.cond.notify_all()
 
+    def block_thread_syncthreads(self):
+        self._sb_barriers += 1
+        thread_syncthreads(self)
+
     kernel.BlockManager.__init__ = block_manager_init
+    kernel.BlockThread.syncthreads = block_thread_syncthreads
     kernel.BlockThread.__init__ = block_thread_init
     kernel.BlockThread.run = block_thread_run
     _installed = True

@@ -811,6 +811,20 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
         return uint32((lo >> uint32(16)) | (hi & uint32(0xFFFF0000)))
 
     @cuda.jit(device=True, inline=True)
+    def hold_across(held, i, array, index, index_next):
+        """The words of unit i from a 16-byte load at index that runs across k (activation rows
+        with feature_axis 0, weight columns of W): as they are (fp32), or paired with the load at
+        index_next (value k + 1, 16-bit) into eight words."""
+        x0 = load4(array, index)
+        if PAIRS:
+            x1 = load4(array, index_next)
+            for c in range(8):
+                held[i * 8 + c] = interleave(x0, x1, c)
+        else:
+            for c in range(4):
+                held[i * 4 + c] = uint32(x0[c])
+
+    @cuda.jit(device=True, inline=True)
     def fetch_a(a, pa, e, i, row0, n_rows, base):
         """Unit e of a stage of activations (features base...) into pa[i * A_UNIT...]."""
         if not vector:
@@ -830,14 +844,7 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
             p = e % KW
             n0 = uint64(min(row0 + (e // KW) * A_UNIT, n_rows - A_UNIT) // VALUES)
             k = uint64(base + VALUES * p)
-            x0 = load4(a, (k, n0))
-            if PAIRS:
-                x1 = load4(a, (k + uint64(1), n0))
-                for c in range(8):
-                    pa[i * 8 + c] = interleave(x0, x1, c)
-            else:
-                for c in range(4):
-                    pa[i * 4 + c] = uint32(x0[c])
+            hold_across(pa, i, a, (k, n0), (k + uint64(1), n0))
 
     @cuda.jit(device=True, inline=True)
     def a_slots(e):
@@ -872,14 +879,7 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
             # 4 * VALUES columns of one k word: one (fp32) or two (16-bit) rows of the block.
             cols = uint64((e % (bs // W_UNIT)) * (W_UNIT // VALUES))
             k = uint64(k0 + VALUES * (e // (bs // W_UNIT)))
-            x0 = load4(w, (block, k, cols))
-            if PAIRS:
-                x1 = load4(w, (block, k + uint64(1), cols))
-                for c in range(8):
-                    pw[i * 8 + c] = interleave(x0, x1, c)
-            else:
-                for c in range(4):
-                    pw[i * 4 + c] = uint32(x0[c])
+            hold_across(pw, i, w, (block, k, cols), (block, k + uint64(1), cols))
 
     @cuda.jit(device=True, inline=True)
     def w_slots(e):
