@@ -77,6 +77,16 @@ def check_v5(bs, storage, vector):
         print(f"product v5 bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis} "
               f"{'vector' if vector else 'scalar'}{resources(ptx)}  {ptx.count('mma.sync')} mma"
               f"{vector_loads(ptx)}")
+    if storage == "float32":
+        return
+    dw = types.int16 if storage == "bfloat16" else getattr(types, storage)
+    for feature_axis in (1, 0):
+        kernel = bsmm._make_weight_grad_v5(bs, storage, acc, feature_axis, vector)
+        signature = (dw[:, :, ::1], types.float32[:, :, ::1], bits[:, ::1], bits[:, ::1],
+                     types.int32[:, ::1], i64, i64, types.float64)
+        ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
+        print(f"weight_grad v5 bs {bs} {storage} axis {feature_axis} {'vector' if vector else 'scalar'}"
+              f"{resources(ptx)}  {ptx.count('mma.sync')} mma{vector_loads(ptx)}")
 
 
 def check_bsmm():

@@ -264,6 +264,40 @@ def test_tensor_core_rounded_sums(monkeypatch):
     assert_close(bsmm.forward(x, w, layout, version=5), reference.forward(x, w, layout), "float32", "forward")
 
 
+@pytest.mark.parametrize("block_size, dtype, feature_axis, n, offset, splits, beta", [
+    (16, "float16", 1, 37, 0, None, 0.0),  # 16-byte loads, an odd N: the last pair half empty
+    (16, "float16", 0, 40, 0, None, 0.0),  # axis 0: 8-row vectors
+    (16, "bfloat16", 0, 9, 0, None, 0.0),  # axis 0, N % 8 != 0: one value a load
+    (16, "float16", 1, 9, 1, None, 0.0),  # misaligned: one value a load
+    (32, "float16", 1, 70, 0, 2, 0.5),  # two N-splits (cut at whole steps), summed in order, + beta·out
+])
+def test_tensor_core_weight_grad(monkeypatch, block_size, dtype, feature_axis, n, offset, splits, beta):
+    """Version 5's weight gradient on tensor cores (V5_WGRAD) against the reference."""
+    from numba import cuda
+
+    from strategies import numpy_dtype
+
+    monkeypatch.setattr(bsmm, "V5_WGRAD", True)
+    monkeypatch.setattr(bsmm, "_kernels", {})
+    layout = BlockLayout.dense((2, 1) if block_size < 32 else (1, 1), block_size)
+    rng = np.random.default_rng(n)
+    C, K = layout.dense_shape
+    cast = numpy_dtype(dtype)
+    x = to_axis(rng.standard_normal((n, C)).astype(cast), feature_axis)
+    dy = to_axis(rng.standard_normal((n, K)).astype(cast), feature_axis)
+    previous = rng.standard_normal(layout.w_shape).astype(cast)
+    want = reference.weight_grad(x, dy, layout, feature_axis) + beta * previous.astype(np.float64)
+    if dtype == "bfloat16":
+        dw = bsmm.weight_grad(x, dy, layout, feature_axis, version=5, splits=splits)
+    else:
+        ops = [misaligned(a, offset) if offset else cuda.to_device(a) for a in (x, dy)]
+        out = cuda.to_device(previous)
+        dw = bsmm.weight_grad(*ops, layout, feature_axis, out=out, beta=beta, version=5,
+                              splits=splits).copy_to_host()
+    assert_close(dw, want, dtype, "weight_grad")
+    assert any(key[0] == "_make_weight_grad_v5" for key in bsmm._kernels)
+
+
 LAYOUT = BlockLayout.dense((2, 3), 8)
 X = np.ones((4, 16), np.float32)
 W = np.ones(LAYOUT.w_shape, np.float32)

@@ -124,6 +124,12 @@ V5_VECTOR = True  # False keeps version 5 on one-value global loads
 # version 4). True starts each step's mma from zero and adds its 8-term result to the
 # accumulators in ordinary round-to-nearest fp32; not yet measured on a GPU.
 V5_ROUNDED_SUMS = False
+# Version 5's weight gradient on tensor cores (fp16, bf16; `_make_weight_grad_v5`): four
+# warps a thread block. Off until it has been timed on a GPU: version 5 then takes version
+# 4's weight gradient.
+V5_WGRAD = False
+V5_WGRAD_WARPS = 4
+V5_WGRAD_ROWS = 32  # rows of N a step; N-splits are cut at multiples of it
 # Storage that runs version 5 when a call names no version (see default_version).
 TENSOR_CORE_DEFAULT = ("float16", "bfloat16")
 
@@ -260,6 +266,24 @@ def _product_output(bs, storage, acc_type, feature_axis):
             workspace[slot, row, col] = value
 
     return emit
+
+
+def _weight_grad_output(bs, storage, acc_type):
+    """finish(dw, workspace, block, split, r, col, total, beta): one element of a weight
+    gradient's block, into dw (+ beta·dw), or with several N-splits into the workspace slot
+    of its split, which the combine kernel sums in order."""
+    to_acc, from_acc = _converters(storage, acc_type)
+
+    @cuda.jit(device=True, inline=True)
+    def finish(dw, workspace, block, split, r, col, total, beta):
+        if workspace.shape[0] > 1:
+            workspace[split, block, r * bs + col] = total
+        else:
+            if beta != 0:
+                total += acc_type(beta) * to_acc(dw[block, r, col])
+            dw[block, r, col] = from_acc(total)
+
+    return finish
 
 
 @cuda.jit(device=True, inline=True)
@@ -1044,14 +1068,7 @@ def _make_weight_grad_v2(bs, storage, acc_type, feature_axis, batched=False):
 
     position = _chunk_position(feature_axis, NC, bs)
 
-    @cuda.jit(device=True, inline=True)
-    def finish(dw, workspace, block, split, r, col, total, beta):
-        if workspace.shape[0] > 1:
-            workspace[split, block, r * bs + col] = total
-        else:
-            if beta != 0:
-                total += acc_type(beta) * to_acc(dw[block, r, col])
-            dw[block, r, col] = from_acc(total)
+    finish = _weight_grad_output(bs, storage, acc_type)
 
     @cuda.jit
     def weight_grad_v2(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta):
@@ -1242,6 +1259,174 @@ def _make_weight_grad_v4(bs, storage, acc_type, feature_axis, vector=False):
     return weight_grad_v4
 
 
+def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
+    """dw[b] (+ beta·dw[b]) on tensor cores (fp16, bf16): D = xᵀ·dy, k running along N.
+
+    Each warp owns a min(bs, 32)-square patch of one block of W (two 16-row by
+    four 8-column mma tiles at block 32), a thread block four warps: four
+    blocks (block 16 and 32) or the four patches of one (block 64). Warps
+    work alone: each stages its own slices of x and dy in its own shared
+    memory, 32 rows of N a step, as 32-bit words of two rows (the k pairs the
+    fragments take), double-buffered through registers, `syncwarp` between
+    steps. With ``vector`` (the launcher checked alignment and, for
+    feature_axis 0, N % 8 == 0) loads read 16 bytes: two rows of 8 features
+    paired up (feature_axis 1) or 8 rows of one feature (feature_axis 0).
+    Rows past this split's end are zero.
+    """
+    WT = min(bs, V5_WARP_TILE)  # side of a warp's patch
+    SIDE = bs // WT
+    PATCHES = SIDE * SIDE  # warps on one block
+    WARPS = V5_WGRAD_WARPS
+    PER = max(1, WARPS // PATCHES)  # blocks a thread block
+    MT = WT // MMA_M
+    NT = WT // MMA_N
+    KW = V5_WGRAD_ROWS // 2  # words (pairs of rows of N) a step
+    ROWS = V5_WGRAD_ROWS
+    STRIDE = WT + 8  # words: conflict-free fragment reads (as version 5's weight tiles)
+    TILE = KW * STRIDE
+    WARP_WORDS = 4 * TILE  # x and dy, two buffers each
+    SIZE = WARPS * WARP_WORDS
+    if not vector:
+        UNIT = 1
+    else:
+        UNIT = 8 if feature_axis == 1 else 4  # words a load unit leaves in shared memory
+    UNITS = KW * WT // UNIT
+    PER_LANE = UNITS // 32
+    HELD = PER_LANE * UNIT
+    mma = mma_bf16 if storage == "bfloat16" else mma_f16
+    load, _ = _activation_io(feature_axis)
+    finish = _weight_grad_output(bs, storage, acc_type)
+
+    @cuda.jit(device=True, inline=True)
+    def interleave(x0, x1, c):
+        """Word c (0-7) of two rows' vectors: (row n, row n + 1) of feature c."""
+        lo = uint32(x0[c // 2])
+        hi = uint32(x1[c // 2])
+        if c % 2 == 0:
+            return uint32((lo & uint32(0xFFFF)) | (hi << uint32(16)))
+        return uint32((lo >> uint32(16)) | (hi & uint32(0xFFFF0000)))
+
+    @cuda.jit(device=True, inline=True)
+    def fetch(a, held, lane, col0, n0, n_end):
+        """This lane's share of rows n0...n0 + 31, features col0...col0 + WT - 1 of a."""
+        last = n_end - 1
+        for i in range(PER_LANE):
+            e = lane + 32 * i
+            if not vector:
+                p, c = e // WT, e % WT
+                n = n0 + 2 * p
+                col = uint64(col0 + c)
+                lo = load(a, uint64(min(n, last)), col) if n <= last else 0
+                hi = load(a, uint64(min(n + 1, last)), col) if n + 1 <= last else 0
+                held[i] = pack(lo, hi)
+            elif feature_axis == 1:
+                p, cg = e // (WT // 8), e % (WT // 8)
+                n = n0 + 2 * p
+                col = uint64((col0 + 8 * cg) // 2)
+                x0 = load4(a, (uint64(min(n, last)), col))
+                x1 = load4(a, (uint64(min(n + 1, last)), col))
+                for c in range(8):
+                    word = interleave(x0, x1, c)
+                    if n + 1 > last:  # the second row is past the end
+                        word = uint32(word & uint32(0xFFFF))
+                    held[i * 8 + c] = word if n <= last else uint32(0)
+            else:
+                # Eight rows of one feature; the end is a multiple of 8, so a unit is all in or out.
+                c, q = e // (KW // 4), e % (KW // 4)
+                n = n0 + 8 * q
+                v = load4(a, (uint64(col0 + c), uint64(min(n, n_end - 8) // 2)))
+                for w in range(4):
+                    held[i * 4 + w] = uint32(v[w]) if n < n_end else uint32(0)
+
+    @cuda.jit(device=True, inline=True)
+    def deposit(tiles, held, lane, at):
+        for i in range(PER_LANE):
+            e = lane + 32 * i
+            if not vector:
+                tiles[uint64(at + (e // WT) * STRIDE + e % WT)] = held[i]
+            elif feature_axis == 1:
+                slot = uint64(at + (e // (WT // 8)) * STRIDE + 8 * (e % (WT // 8)))
+                for c in range(8):
+                    tiles[slot + uint64(c)] = held[i * 8 + c]
+            else:
+                slot = uint64(at + 4 * (e % (KW // 4)) * STRIDE + e // (KW // 4))
+                for w in range(4):
+                    tiles[slot + uint64(w * STRIDE)] = held[i * 4 + w]
+
+    @cuda.jit
+    def weight_grad_v5(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta):
+        lane = cuda.threadIdx.x % 32
+        warp = cuda.threadIdx.x // 32
+        g = lane >> 2
+        t = lane % 4
+        n_blocks = dw.shape[0]
+        block = cuda.blockIdx.x * PER + warp // PATCHES
+        patch = warp % PATCHES
+        pm = (patch // SIDE) * WT  # the patch's first row (x feature) and column (dy feature) in the block
+        pn = (patch % SIDE) * WT
+        split = cuda.blockIdx.y
+        n_begin = split * rows_per_split
+        n_end = min(n_rows, n_begin + rows_per_split)
+        tiles = cuda.shared.array(SIZE, uint32, alignment=SHARED_ALIGN)
+        acc = cuda.local.array((MT, NT, 4), float32)
+        hx = cuda.local.array(HELD, uint32)
+        hd = cuda.local.array(HELD, uint32)
+        fa = cuda.local.array((MT, 4), uint32)
+        if block >= n_blocks:
+            return  # a whole warp; no thread-block barrier follows
+        c0 = coords[block, 0] * bs + pm
+        k0 = coords[block, 1] * bs + pn
+        base = warp * WARP_WORDS
+        for mt in range(MT):
+            for nt in range(NT):
+                for q in range(4):
+                    acc[mt, nt, q] = float32(0)
+        steps = (n_end - n_begin + ROWS - 1) // ROWS
+        if steps > 0:
+            fetch(x, hx, lane, c0, n_begin, n_end)
+            fetch(dy, hd, lane, k0, n_begin, n_end)
+            deposit(tiles, hx, lane, base)
+            deposit(tiles, hd, lane, base + TILE)
+        cuda.syncwarp()  # step 0 is in buffer 0
+        for step in range(steps):
+            buf = step & 1
+            more = step + 1 < steps
+            if more:  # the next step's loads land while this one is multiplied
+                fetch(x, hx, lane, c0, n_begin + (step + 1) * ROWS, n_end)
+                fetch(dy, hd, lane, k0, n_begin + (step + 1) * ROWS, n_end)
+            ax = base + buf * 2 * TILE
+            for s in range(KW // 8):
+                for mt in range(MT):
+                    at = uint64(ax + (s * 8 + t) * STRIDE + mt * MMA_M + g)
+                    fa[mt, 0] = tiles[at]
+                    fa[mt, 1] = tiles[at + uint64(8)]
+                    fa[mt, 2] = tiles[at + uint64(4 * STRIDE)]
+                    fa[mt, 3] = tiles[at + uint64(4 * STRIDE + 8)]
+                for nt in range(NT):
+                    at = uint64(ax + TILE + (s * 8 + t) * STRIDE + nt * MMA_N + g)
+                    b0 = tiles[at]
+                    b1 = tiles[at + uint64(4 * STRIDE)]
+                    for mt in range(MT):
+                        d = mma(fa[mt, 0], fa[mt, 1], fa[mt, 2], fa[mt, 3], b0, b1,
+                                acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
+                        for q in range(4):
+                            acc[mt, nt, q] = d[q]
+            if more:
+                nxt = base + (1 - buf) * 2 * TILE
+                deposit(tiles, hx, lane, nxt)
+                deposit(tiles, hd, lane, nxt + TILE)
+            # The next step is in the other buffer, and the warp is done reading this one
+            # before the step after next overwrites it.
+            cuda.syncwarp()
+        for mt in range(MT):
+            for nt in range(NT):
+                for q in range(4):
+                    finish(dw, workspace, block, split, pm + mt * MMA_M + g + 8 * (q // 2),
+                           pn + nt * MMA_N + 2 * t + q % 2, acc[mt, nt, q], beta)
+
+    return weight_grad_v5
+
+
 def _make_combine_wgrad(bs, storage, acc_type):
     """dw = sum of the N-splits of the workspace, in order (+ beta·dw)."""
     to_acc, from_acc = _converters(storage, acc_type)
@@ -1424,17 +1609,30 @@ def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, v
             dw, x.device(stream), dy.device(stream), _index(layout, "coords", stream), n_rows, beta,
         ))
         return
-    v4 = version >= 4 and bs in V4_WGRAD_ROWS and feature_axis == 1
-    per_block = V4_WGRAD_THREADS // (bs // 8) ** 2 if v4 else 1  # W blocks a thread block computes
+    v5 = version == 5 and V5_WGRAD and bs in V5_BLOCKS and x.dtype in ("float16", "bfloat16")
+    v4 = not v5 and version >= 4 and bs in V4_WGRAD_ROWS and feature_axis == 1
+    if v5:  # W blocks a thread block computes
+        per_block = max(1, V5_WGRAD_WARPS // (bs // min(bs, V5_WARP_TILE)) ** 2)
+    else:
+        per_block = V4_WGRAD_THREADS // (bs // 8) ** 2 if v4 else 1
     thread_blocks = -(-layout.n_blocks // per_block)
     splits = wgrad_splits(layout, n_rows, thread_blocks) if splits is None else max(1, int(splits))
     rows_per_split = -(-max(n_rows, 1) // splits)
+    if v5:  # whole steps a split, so that feature_axis 0's 8-row vectors never straddle an end
+        rows_per_split = -(-rows_per_split // V5_WGRAD_ROWS) * V5_WGRAD_ROWS
+        splits = -(-max(n_rows, 1) // rows_per_split)
     acc = "float64" if x.dtype == "float64" else "float32"
     # A workspace of one split tells the kernel to finish in place (no combine pass).
     workspace = x.scratch((splits, layout.n_blocks, bs * bs), acc, stream) if splits > 1 \
         else _unused_workspace(acc)
     x_device, dy_device = x.device(stream), dy.device(stream)
-    if v4:
+    if v5:
+        vector = _v5_vector_loads((x_device, dy_device), n_rows, feature_axis, 2)
+        kernel = _kernel(_make_weight_grad_v5, bs, x.dtype, feature_axis, vector)
+        x_device, dy_device = (_words(x_device), _words(dy_device)) if vector \
+            else (_bits(x_device), _bits(dy_device))
+        threads = 32 * V5_WGRAD_WARPS
+    elif v4:
         vector = _vector_loads((x_device, dy_device), n_rows, feature_axis)
         kernel = _kernel(_make_weight_grad_v4, bs, x.dtype, feature_axis, vector)
         threads = V4_WGRAD_THREADS
