@@ -38,8 +38,9 @@ VARIANTS = {
     "v4 bs16 rows 256": (4, {"V4_ROWS": {16: 256, 32: 256, 64: 128}, "V4_WGRAD_ROWS": {16: 32, 32: 16, 64: 32}}),
     "v5": (5, {}),  # tensor cores: fp16, and fp32 as 3xTF32
     "v5 rounded sums": (5, {"V5_ROUNDED_SUMS": True}),  # fp32: each mma from zero, sums in fp32
+    "v5 tensor-core wgrad": (5, {"V5_WGRAD": True}),  # fp16/bf16 weight gradient on tensor cores
 }
-FP16_VARIANTS = ("v4", "v4 swizzle", "v4 bs16 rows 512", "v5")
+FP16_VARIANTS = ("v4", "v4 swizzle", "v4 bs16 rows 512", "v5", "v5 tensor-core wgrad")
 
 
 def main():

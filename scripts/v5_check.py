@@ -109,6 +109,17 @@ def main():
         row = {"what": "v5", "dtype": dtype_name, "bs": bs, "density": density, "dense_ms": dense}
         row["fwd_error"] = relative_error(bsmm.forward(x, w, layout, version=5), x.double() @ W.double())
         row["ig_error"] = relative_error(bsmm.input_grad(dy, w, layout, version=5), dy.double() @ W.double().T)
+        if dtype_name != "float32" and density == 0.1:  # the weight gradient, and on tensor cores
+            want_dw = x.double().T @ dy.double()
+            blocks = torch.as_tensor(layout.coords, device=want_dw.device, dtype=torch.long)
+            want_dw = want_dw.reshape(n // bs, bs, n // bs, bs).permute(0, 2, 1, 3)[blocks[:, 0], blocks[:, 1]]
+            row["weight_grad_ms"] = time_ms(lambda: bsmm.weight_grad(x, dy, layout, version=5))
+            bsmm.V5_WGRAD = True
+            try:
+                row["v5_wgrad_error"] = relative_error(bsmm.weight_grad(x, dy, layout, version=5), want_dw)
+                row["v5_weight_grad_ms"] = time_ms(lambda: bsmm.weight_grad(x, dy, layout, version=5))
+            finally:
+                bsmm.V5_WGRAD = False
         row["forward_ms"] = time_ms(lambda: bsmm.forward(x, w, layout, version=5))
         row["input_grad_ms"] = time_ms(lambda: bsmm.input_grad(dy, w, layout, version=5))
         row["tflops"] = flops / row["forward_ms"] / 1e9
