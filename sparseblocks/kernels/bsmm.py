@@ -287,6 +287,17 @@ def _weight_grad_output(bs, storage, acc_type):
 
 
 @cuda.jit(device=True, inline=True)
+def _interleave(x0, x1, c):
+    """Word c (0-7) of the 16-bit pairs (k, k + 1) of eight neighbours, from x0, four words of
+    eight values at k, and x1, the same eight at k + 1 (version 5's loads across k)."""
+    lo = uint32(x0[c // 2])
+    hi = uint32(x1[c // 2])
+    if c % 2 == 0:
+        return uint32((lo & uint32(0xFFFF)) | (hi << uint32(16)))
+    return uint32((lo >> uint32(16)) | (hi & uint32(0xFFFF0000)))
+
+
+@cuda.jit(device=True, inline=True)
 def _add_outer_8x8(acc, u, v):
     """acc += u ⊗ v for version 4's 8 x 8 patch (both kernels)."""
     for i in range(8):
@@ -825,16 +836,6 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
         return uint32(lo)
 
     @cuda.jit(device=True, inline=True)
-    def interleave(x0, x1, c):
-        """Word c (0-7) of eight along a vector of two words x0 (value k) and x1 (value k + 1),
-        each holding two neighbours: the pairs (k, k + 1) of the four neighbours, in order."""
-        lo = uint32(x0[c // 2])
-        hi = uint32(x1[c // 2])
-        if c % 2 == 0:
-            return uint32((lo & uint32(0xFFFF)) | (hi << uint32(16)))
-        return uint32((lo >> uint32(16)) | (hi & uint32(0xFFFF0000)))
-
-    @cuda.jit(device=True, inline=True)
     def hold_across(held, i, array, index, index_next):
         """The words of unit i from a 16-byte load at index that runs across k (activation rows
         with feature_axis 0, weight columns of W): as they are (fp32), or paired with the load at
@@ -843,7 +844,7 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
         if PAIRS:
             x1 = load4(array, index_next)
             for c in range(8):
-                held[i * 8 + c] = interleave(x0, x1, c)
+                held[i * 8 + c] = _interleave(x0, x1, c)
         else:
             for c in range(4):
                 held[i * 4 + c] = uint32(x0[c])
@@ -1298,15 +1299,6 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
     finish = _weight_grad_output(bs, storage, acc_type)
 
     @cuda.jit(device=True, inline=True)
-    def interleave(x0, x1, c):
-        """Word c (0-7) of two rows' vectors: (row n, row n + 1) of feature c."""
-        lo = uint32(x0[c // 2])
-        hi = uint32(x1[c // 2])
-        if c % 2 == 0:
-            return uint32((lo & uint32(0xFFFF)) | (hi << uint32(16)))
-        return uint32((lo >> uint32(16)) | (hi & uint32(0xFFFF0000)))
-
-    @cuda.jit(device=True, inline=True)
     def fetch(a, held, lane, col0, n0, n_end):
         """This lane's share of rows n0...n0 + 31, features col0...col0 + WT - 1 of a."""
         last = n_end - 1
@@ -1326,7 +1318,7 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
                 x0 = load4(a, (uint64(min(n, last)), col))
                 x1 = load4(a, (uint64(min(n + 1, last)), col))
                 for c in range(8):
-                    word = interleave(x0, x1, c)
+                    word = _interleave(x0, x1, c)
                     if n + 1 > last:  # the second row is past the end
                         word = uint32(word & uint32(0xFFFF))
                     held[i * 8 + c] = word if n <= last else uint32(0)
