@@ -136,11 +136,12 @@ if SIMULATOR:
 
         return fill
 
-    def _tf32_value(bits):
-        return float(np.array([np.uint32(bits) & np.uint32(0xFFFFE000)], np.uint32).view(np.float32)[0])
-
     def _fp32_value(bits):
         return float(np.array([np.uint32(bits)], np.uint32).view(np.float32)[0])
+
+    def _tf32_value(bits):
+        """What the tensor cores read of a tf32 register: the fp32 value of its upper 19 bits."""
+        return _fp32_value(np.uint32(bits) & np.uint32(0xFFFFE000))
 
     mma_f16 = _collective("mma_f16", MMA_K, _pairs("f16"))
     mma_bf16 = _collective("mma_bf16", MMA_K, _pairs("bf16"))

@@ -1260,6 +1260,12 @@ def _make_weight_grad_v4(bs, storage, acc_type, feature_axis, vector=False):
     return weight_grad_v4
 
 
+def _v5_wgrad_blocks(bs):
+    """W blocks a thread block of version 5's weight gradient computes: one per warp, or one
+    for all four warps (block 64: a 32-square patch each)."""
+    return max(1, V5_WGRAD_WARPS // (bs // min(bs, V5_WARP_TILE)) ** 2)
+
+
 def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
     """dw[b] (+ beta·dw[b]) on tensor cores (fp16, bf16): D = xᵀ·dy, k running along N.
 
@@ -1278,7 +1284,7 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
     SIDE = bs // WT
     PATCHES = SIDE * SIDE  # warps on one block
     WARPS = V5_WGRAD_WARPS
-    PER = max(1, WARPS // PATCHES)  # blocks a thread block
+    PER = _v5_wgrad_blocks(bs)
     MT = WT // MMA_M
     NT = WT // MMA_N
     KW = V5_WGRAD_ROWS // 2  # words (pairs of rows of N) a step
@@ -1604,7 +1610,7 @@ def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, v
     v5 = version == 5 and V5_WGRAD and bs in V5_BLOCKS and x.dtype in ("float16", "bfloat16")
     v4 = not v5 and version >= 4 and bs in V4_WGRAD_ROWS and feature_axis == 1
     if v5:  # W blocks a thread block computes
-        per_block = max(1, V5_WGRAD_WARPS // (bs // min(bs, V5_WARP_TILE)) ** 2)
+        per_block = _v5_wgrad_blocks(bs)
     else:
         per_block = V4_WGRAD_THREADS // (bs // 8) ** 2 if v4 else 1
     thread_blocks = -(-layout.n_blocks // per_block)
