@@ -1,6 +1,7 @@
 """Block-sparse matmul on the GPU against torch dense (cuBLAS) and torch BSR (cuSPARSE).
 
-    python -m benchmarks.bench_bsmm [--quick] [--out-dir DIR]
+    python -m benchmarks.bench_bsmm [--quick] [--rows N,...] [--out-dir DIR]
+    python -m benchmarks.bench_bsmm --merge A.json B.json ...   (runs split by --rows)
 
 For every size, block size, density and dtype: check all three products
 against a float64 dense product, then time them and the baselines in the
@@ -87,7 +88,8 @@ def bench_config(torch, bsmm, layout, N, dtype_name, records, versions=(None,)):
         bsr = {"forward": float("nan"), "input_grad": float("nan")}
 
     flops = 2.0 * N * layout.n_blocks * bs * bs
-    params = {"dtype": dtype_name, "block_size": bs, "density": round(layout.density, 3), "N": N, "C": C, "K": K}
+    params = {"dtype": dtype_name, "block_size": bs, "density": round(layout.density, 3), "N": N, "C": C, "K": K,
+              "n_blocks": layout.n_blocks}
     for version in versions:
         calls = {
             "forward": lambda: bsmm.forward(x, w, layout, version=version),
@@ -135,6 +137,22 @@ def kernel_resources(bsmm):
     return "\n".join(lines)
 
 
+def merged(paths):
+    """The records of several runs' JSON files (runs split by --rows), TFLOP/s restored."""
+    import json
+
+    from benchmarks.common import Record
+
+    records = []
+    for path in paths:
+        for r in json.loads(Path(path).read_text())["records"]:
+            p = r["params"]
+            flops = 2.0 * p["N"] * p["n_blocks"] * p["block_size"] ** 2 if "n_blocks" in p else None
+            baselines = {k: float("nan") if v is None else v for k, v in r["baselines"].items()}
+            records.append(Record(r["name"], p, float("nan") if r["ms"] is None else r["ms"], baselines, flops=flops))
+    return records
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="N = C = K = 4096, block 32 only")
@@ -142,7 +160,19 @@ def main():
     parser.add_argument("--versions", default="default",
                         help="comma-separated kernel versions to time; 'default': the library's choice per dtype")
     parser.add_argument("--block-sizes", default=None, help="comma-separated block sizes (default: all)")
+    parser.add_argument("--rows", default=None, help="comma-separated N (default: all)")
+    parser.add_argument("--no-overhead", action="store_true", help="skip the launch-overhead record")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="only merge these runs' JSON files into results/bsmm.json and .md")
     args = parser.parse_args()
+    if args.merge:
+        import json
+
+        records = merged(args.merge)
+        device = json.loads(Path(args.merge[0]).read_text())["device"]
+        write_results("bsmm", records, device=device, **({} if args.out_dir is None else {"directory": args.out_dir}))
+        print_table(records, f"bsmm on {device}")
+        return
 
     import torch
 
@@ -152,9 +182,12 @@ def main():
     shapes, block_sizes, densities, dtypes = sizes(args.quick)
     if args.block_sizes:
         block_sizes = [int(b) for b in args.block_sizes.split(",")]
+    if args.rows:
+        shapes = [shape for shape in shapes if str(shape[0]) in args.rows.split(",")]
     versions = tuple(None if v == "default" else int(v) for v in args.versions.split(","))
     records = []
-    name = "bsmm" + ("_quick" if args.quick else "") + (f"_bs{args.block_sizes.replace(',', '_')}" if args.block_sizes else "")
+    name = "bsmm" + ("_quick" if args.quick else "") + (f"_bs{args.block_sizes.replace(',', '_')}" if args.block_sizes else "") \
+        + (f"_n{args.rows.replace(',', '_')}" if args.rows else "")
     kwargs = {} if args.out_dir is None else {"directory": args.out_dir}
     for N, C, K in shapes:
         for bs in block_sizes:
@@ -165,7 +198,8 @@ def main():
                     print(f"done N={N} bs={bs} density={density} {dtype}", flush=True)
                     # Written as it goes: a run cut short by a time limit keeps what it measured.
                     write_results(name + "_partial", records, **kwargs)
-    records.append(launch_overhead(torch, bsmm, BlockLayout))
+    if not args.no_overhead:
+        records.append(launch_overhead(torch, bsmm, BlockLayout))
     write_results(name, records, **kwargs)
     resources = kernel_resources(bsmm)
     print(resources)

@@ -36,11 +36,12 @@ VARIANTS = {
     "v4 bs16 rows 512 not unrolled": (4, {"V4_ROWS": {16: 512, 32: 256, 64: 128},
                                           "V4_UNROLL": {16: False, 32: True, 64: True}}),
     "v4 bs16 rows 256": (4, {"V4_ROWS": {16: 256, 32: 256, 64: 128}, "V4_WGRAD_ROWS": {16: 32, 32: 16, 64: 32}}),
-    "v5": (5, {}),  # tensor cores: fp16, and fp32 as 3xTF32
-    "v5 rounded sums": (5, {"V5_ROUNDED_SUMS": True}),  # fp32: each mma from zero, sums in fp32
-    "v5 tensor-core wgrad": (5, {"V5_WGRAD": True}),  # fp16/bf16 weight gradient on tensor cores
+    "v5": (5, {}),  # tensor cores: fp16, and fp32 as 3xTF32 with round-to-nearest sums
+    "v5 tensor-core sums": (5, {"V5_ROUNDED_SUMS": False}),  # fp32: the mma accumulates
+    "v5 v4 wgrad": (5, {"V5_WGRAD": False}),  # version 4's weight gradient
+    "v5 stage 32 words": (5, {"V5_STAGE_WORDS": 32}),  # fp32 block 32, 16-bit block 64: a block a stage
 }
-FP16_VARIANTS = ("v4", "v4 swizzle", "v4 bs16 rows 512", "v5", "v5 tensor-core wgrad")
+FP16_VARIANTS = ("v4", "v4 swizzle", "v4 bs16 rows 512", "v5", "v5 v4 wgrad", "v5 stage 32 words")
 
 
 def main():

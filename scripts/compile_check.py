@@ -77,8 +77,6 @@ def check_v5(bs, storage, vector):
         print(f"product v5 bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis} "
               f"{'vector' if vector else 'scalar'}{resources(ptx)}  {ptx.count('mma.sync')} mma"
               f"{vector_loads(ptx)}")
-    if storage == "float32":
-        return
     dw = types.int16 if storage == "bfloat16" else getattr(types, storage)
     for feature_axis in (1, 0):
         kernel = bsmm._make_weight_grad_v5(bs, storage, acc, feature_axis, vector)

@@ -171,7 +171,7 @@ class Operand:
         return native
 
 
-def _torch_stream_handle():
+def torch_stream_handle():
     """torch's current stream as a raw handle: its private getter (what Triton uses) costs ~1 µs,
     ``torch.cuda.current_stream()`` several."""
     import torch
@@ -190,7 +190,7 @@ def launch_stream(operands):
 
     kinds = {op.kind for op in operands}
     if "torch" in kinds:
-        return stream_of(_torch_stream_handle())
+        return stream_of(torch_stream_handle())
     if "cupy" in kinds:
         import cupy
 

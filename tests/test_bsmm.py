@@ -283,6 +283,10 @@ def test_tensor_core_rounded_sums(monkeypatch):
     (16, "bfloat16", 0, 9, 0, None, 0.0),  # axis 0, N % 8 != 0: one value a load
     (16, "float16", 1, 9, 1, None, 0.0),  # misaligned: one value a load
     (32, "float16", 1, 70, 0, 2, 0.5),  # two N-splits (cut at whole steps), summed in order, + beta·out
+    (16, "float32", 1, 21, 0, None, 0.0),  # 3xTF32: 16-byte loads of one row
+    (16, "float32", 0, 20, 0, None, 0.0),  # axis 0: 4-row vectors
+    (16, "float32", 0, 9, 0, None, 0.0),  # axis 0, N % 4 != 0: one value a load
+    (32, "float32", 1, 40, 0, 2, 0.5),  # two N-splits of fp32 steps, + beta·out
 ])
 def test_tensor_core_weight_grad(monkeypatch, block_size, dtype, feature_axis, n, offset, splits, beta):
     """Version 5's weight gradient on tensor cores (V5_WGRAD) against the reference."""
@@ -382,6 +386,49 @@ def test_torch_bfloat16_crosses_as_bits():
     assert y.dtype == torch.bfloat16
     want = reference.forward(x.float().cpu().numpy(), w.float().cpu().numpy(), layout)
     assert_close(y.float().cpu().numpy(), want, "bfloat16")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="kept plans replay through the driver")
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_repeated_torch_calls_replay_a_kept_plan(dtype, monkeypatch):
+    """The second product call with tensors like the first goes through a kept plan (new
+    pointers, new output); anything a check or the kernel's choice depends on does not."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(bsmm, "_plans", {})
+    layout = BlockLayout.random((3, 2), 0.5, seed=4, block_size=32)
+    tdtype = getattr(torch, dtype)
+
+    def check(y, x, w, transpose_w=False):
+        x64, w64 = x.double().cpu().numpy(), w.double().cpu().numpy()
+        want = reference.input_grad(x64, w64, layout) if transpose_w else reference.forward(x64, w64, layout)
+        assert y.dtype == tdtype
+        assert_close(y.double().cpu().numpy(), want, dtype)
+
+    w = torch.randn(layout.w_shape, device="cuda", dtype=tdtype)
+    for _ in range(2):  # the first call keeps a plan, the second replays it
+        x = torch.randn(70, 96, device="cuda", dtype=tdtype)
+        check(bsmm.forward(x, w, layout), x, w)
+        dy = torch.randn(70, 64, device="cuda", dtype=tdtype)
+        check(bsmm.input_grad(dy, w, layout), dy, w, transpose_w=True)
+    assert len(bsmm._plans) == 2
+    replayed = []
+    original = bsmm._replayed_product
+    monkeypatch.setattr(bsmm, "_replayed_product", lambda *a: replayed.append(original(*a)) or replayed[-1])
+    x = torch.randn(70, 96, device="cuda", dtype=tdtype)
+    check(bsmm.forward(x, w, layout), x, w)
+    assert replayed[-1] is not None
+    # A pointer of another alignment, another N, a weight that requires grad: all right results.
+    wide = torch.randn(71 * 96 + 1, device="cuda", dtype=tdtype)
+    shifted = wide[1:70 * 96 + 1].view(70, 96)
+    check(bsmm.forward(shifted, w, layout), shifted, w)
+    assert replayed[-1] is None
+    x = torch.randn(5, 96, device="cuda", dtype=tdtype)
+    check(bsmm.forward(x, torch.nn.Parameter(w), layout), x, w)
+    # The checks still run: a transposed view is refused, not replayed.
+    x = torch.randn(96, 70, device="cuda", dtype=tdtype).T
+    with pytest.raises(ValueError, match="C-contiguous"):
+        bsmm.forward(x, w, layout)
 
 
 @pytest.mark.gpu

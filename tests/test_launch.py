@@ -68,3 +68,30 @@ def test_fields_lay_out_numbas_abi():
     assert values[9:] == [7, 2.5, True]
     assert _launch._format(values) == "<" + "q" * 9 + "qdq"
     assert key[1:] == (int, float, bool)
+
+
+def test_data_field_finds_each_arrays_pointer():
+    """`_data_field` counts 5 + 2·ndim fields an array and one a scalar before the pointer."""
+    a = cuda.to_device(np.zeros((3, 5), np.float32))
+    b = cuda.to_device(np.zeros(4, np.float32))
+    args = (a, 7, b, 2.5)
+    _, values = _launch._fields(args)
+    assert _launch._data_field(args, 0) == 4 and values[4] == _launch.data_pointer(a)
+    assert _launch._data_field(args, 2) == 9 + 1 + 4 and values[14] == _launch.data_pointer(b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="replays go through the driver")
+def test_replay_rewrites_only_the_live_pointers():
+    torch = pytest.importorskip("torch")
+    a = torch.randn(9, 30, device="cuda")
+    b = torch.randn(30, device="cuda")
+    out = torch.empty(9, 30, device="cuda")
+    args = (out, a, b, 2.0, 3, False)
+    _launch.launch(_affine, (2, 4), (8, 8), 0, args)
+    kept = _launch.replay(_affine, (2, 4), (8, 8), args, live=(0, 1))
+    assert kept is not None
+    a2, out2 = torch.randn(9, 30, device="cuda"), torch.full((9, 30), float("nan"), device="cuda")
+    kept(torch.cuda.current_stream().cuda_stream, out2.data_ptr(), a2.data_ptr())
+    torch.cuda.synchronize()
+    np.testing.assert_allclose(host(out2), 2.0 * host(a2) + host(b) + 3, rtol=1e-6, atol=1e-6)

@@ -13,6 +13,10 @@ driver's ``cuLaunchKernel`` (through ctypes; cuda.core's launch, the
 fallback, converts each of a kernel's ~80 fields separately). The fields of
 Numba device arrays (the layouts' index arrays) are computed once per array.
 
+`Replay` goes one step further for calls that repeat: it keeps a packed
+parameter buffer of its own for one launch and rewrites only the data
+pointers of the arrays that change from call to call.
+
 Under the simulator every launch goes through the dispatcher.
 """
 
@@ -211,3 +215,55 @@ def launch(dispatcher, grid, block, stream, args):
         config = _configs[(grid, block)] = _core().LaunchConfig(grid=_dim3(grid), block=_dim3(block))
     raw = [ctypes.c_double(v) if isinstance(v, float) else v for v in values]
     _core().launch(_core_stream(stream), config, kernel.core_kernel, *raw)
+
+
+def _data_field(args, position):
+    """Index of argument ``position``'s data pointer among the launch's flat fields."""
+    index = 0
+    for arg in args[:position]:
+        index += 1 if isinstance(arg, (int, float)) else len(_array_fields(arg)[1])
+    return index + 4  # meminfo, parent, size, itemsize, then the data pointer
+
+
+class Replay:
+    """One launch, kept: the same kernel, grid, block and arguments but for the data pointers
+    of the arguments at ``live`` (what changes between two calls of a public function with
+    arrays of the same shapes and dtypes). Calling it rewrites those pointers in its own
+    parameter buffer and launches on the given raw stream handle.
+    """
+
+    __slots__ = ("function", "grid", "block", "buffer", "words", "slots", "live", "lock")
+
+    def __init__(self, kernel, grid, block, args, values, live):
+        self.function = kernel.function
+        self.grid, self.block = _dim3(grid), _dim3(block)
+        self.buffer = ctypes.create_string_buffer(max(8, kernel.packer.size))
+        kernel.packer.pack_into(self.buffer, 0, *values)
+        n = max(1, kernel.packer.size // 8)
+        self.words = (ctypes.c_int64 * n).from_buffer(self.buffer)
+        base = ctypes.addressof(self.buffer)
+        self.slots = (ctypes.c_void_p * n)(*[base + 8 * i for i in range(n)])
+        self.live = tuple(_data_field(args, position) for position in live)
+        self.lock = threading.Lock()
+
+    def __call__(self, stream_handle, *pointers):
+        # The lock: no other thread rewrites the pointers before the driver has copied them.
+        with self.lock:
+            words = self.words
+            for index, pointer in zip(self.live, pointers):
+                words[index] = pointer
+            error = _driver_launch(self.function, *self.grid, *self.block, 0, stream_handle, self.slots, None)
+        if error:
+            raise RuntimeError(f"cuLaunchKernel failed with CUDA error {error}")
+
+
+def replay(dispatcher, grid, block, args, live):
+    """A `Replay` of a launch `launch` has made (same arguments), or None where launches do not
+    go through the driver here (the simulator; cuda.core's fallback)."""
+    if SIMULATOR:
+        return None
+    key, values = _fields(args)
+    kernel = _compiled.get((dispatcher, key))
+    if kernel is None or kernel.function is None:
+        return None
+    return Replay(kernel, grid, block, args, values, live)

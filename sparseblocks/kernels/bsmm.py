@@ -15,7 +15,7 @@ float32 or float64; all but float64 accumulate in float32. Any ``N >= 0``;
 output features with no block are zero. Every sum runs in a fixed order (no
 atomics), so results are bitwise repeatable.
 
-Versions (``version=`` on every public function; by default 5 for fp16 and bf16, 4 for fp32 and
+Versions (``version=`` on every public function; by default 5 for fp16, bf16 and fp32, 4 for
 fp64, see `default_version`; tests sweep all five):
   1. shared-memory tiles, one output element per thread. Simple; the
      baseline the others are checked against.
@@ -37,25 +37,26 @@ fp64, see `default_version`; tests sweep all five):
      address arithmetic. Its weight gradient (feature_axis 1, blocks 16-64;
      otherwise version 3's) gives each thread an 8 x 8 patch of one W block,
      sub-groups of threads one block each.
-  5. products on tensor cores (blocks 16-64; otherwise version 4):
-     ``mma.sync`` through inline PTX (`_mma.py`), m16n8k16 for fp16 and bf16,
-     3xTF32 (three m16n8k8) for fp32; 128-row tiles, double-buffered stages
-     of 32-bit words, 16-byte global loads where aligned; weight gradient of
-     version 4. Checked on an H100 against float64 and under memcheck
-     (benchmarks/NOTES.md): fp16 2.3x version 4 at block 32. fp32 on it
-     loses accuracy over long sums (the tensor cores' fp32 accumulation), so
-     fp32 keeps version 4 unless asked (`default_version`).
+  5. tensor cores (blocks 16-64; otherwise version 4): ``mma.sync`` through
+     inline PTX (`_mma.py`), m16n8k16 for fp16 and bf16, 3xTF32 (three
+     m16n8k8) for fp32 with each step's result added in round-to-nearest
+     fp32 (the tensor cores' own fp32 sums drift over long sums); 128-row
+     product tiles, double-buffered stages of 32-bit words, 16-byte global
+     loads where aligned; the weight gradient on tensor cores too, each warp
+     one patch of one block. Checked on an H100 against float64 and under
+     memcheck (benchmarks/NOTES.md).
 """
 
 import numpy as np
 from numba import cuda, float32, float64, int16, int32, int64, uint32, uint64
 from numba.cuda import libdevice
 
+from .. import _arrays
 from .._backend import SIMULATOR
 from .._arrays import (
     Operand, check_dtype, check_same_dtype, check_same_kind, check_shape, launch_stream,
 )
-from ._launch import data_pointer, launch, multiprocessors
+from ._launch import data_pointer, launch, multiprocessors, replay
 from ._mma import MMA_M, MMA_N, mma_3xtf32, mma_bf16, mma_f16, pack
 from ._vector import aligned, load2, load4
 
@@ -112,26 +113,27 @@ V4_WIDTH = 4  # activations per vector load (product and weight gradient)
 # with vector loads (scripts/bsmm_variants.py; benchmarks/NOTES.md).
 V4_LAYOUT = {16: "pad", 32: "pad", 64: "pad"}
 V4_UNROLL = {16: True, 32: True, 64: True}
-# Version 5 products (tensor cores; fp16 and bf16 storage, blocks 16-64; otherwise
-# version 4): four warps, V5_ROWS rows a tile. Its weight gradient is version 4's.
+# Version 5 (tensor cores; fp16, bf16 and fp32 storage, blocks 16-64; otherwise version
+# 4): products with V5_WARPS warps on 128-row tiles.
 V5_WARPS = {16: 4, 32: 4, 64: 8}  # each warp a V5_WARP_TILE x min(bs, 32) patch: 128-row tiles
 V5_WARP_TILE = 32
+V5_STAGE_WORDS = 16  # 32-bit words of k a product stage (at most a block's): 16 or 32
 V5_BLOCKS = (16, 32, 64)
 V5_STORAGE = ("float16", "bfloat16", "float32")
 V5_VECTOR = True  # False keeps version 5 on one-value global loads
-# fp32 on version 5 (3xTF32): the tensor cores' own fp32 sums lose about 2^-23 per mma
-# (measured: relative error 3e-6 over 410-term sums, 1.5e-5 over 2048; version 4 6.6e-7 on
-# the first). True starts each step's mma from zero and adds its 8-term result to the
-# accumulators in ordinary round-to-nearest fp32; not yet measured on a GPU.
-V5_ROUNDED_SUMS = False
-# Version 5's weight gradient on tensor cores (fp16, bf16; `_make_weight_grad_v5`): four
-# warps a thread block. Off until it has been timed on a GPU: version 5 then takes version
-# 4's weight gradient.
-V5_WGRAD = False
+# fp32 on version 5 (3xTF32): the tensor cores' own fp32 sums drift (relative error 3.2e-6
+# over 410-term sums, 1.5e-5 over 2048, H100). True starts each mma from zero and adds its
+# 8-term result in round-to-nearest fp32: 6.6e-7 as version 4, forward 0.488 ms against
+# 0.456 without (block 32, 10 %, N = C = K = 4096; benchmarks/NOTES.md).
+V5_ROUNDED_SUMS = True
+# Version 5's weight gradient on tensor cores (`_make_weight_grad_v5`): four warps a thread
+# block. H100, fp16, 10 %: 0.269 ms against version 4's 0.816 (block 32), 0.327 / 0.727
+# (64), 0.583 / 1.217 (16). False: version 5 takes version 4's weight gradient.
+V5_WGRAD = True
 V5_WGRAD_WARPS = 4
-V5_WGRAD_ROWS = 32  # rows of N a step; N-splits are cut at multiples of it
+V5_WGRAD_ROWS = 32  # N-splits are cut at multiples of it (whole steps of every storage)
 # Storage that runs version 5 when a call names no version (see default_version).
-TENSOR_CORE_DEFAULT = ("float16", "bfloat16")
+TENSOR_CORE_DEFAULT = ("float16", "bfloat16", "float32")
 
 # -- device helpers ---------------------------------------------------------------
 
@@ -284,6 +286,30 @@ def _weight_grad_output(bs, storage, acc_type):
             dw[block, r, col] = from_acc(total)
 
     return finish
+
+
+def _mma_accumulate(storage):
+    """accumulate(acc, mt, nt, fa, b0, b1): acc[mt, nt] += A·B for one version 5 mma tile, A
+    the fragment words fa[mt], B the words b0, b1. fp32 (3xTF32) with V5_ROUNDED_SUMS starts
+    the mma from zero and adds its result in round-to-nearest fp32: the tensor cores' own fp32
+    sums drift over long sums (benchmarks/NOTES.md)."""
+    mma = mma_3xtf32 if storage == "float32" else (mma_bf16 if storage == "bfloat16" else mma_f16)
+    ROUNDED_SUMS = V5_ROUNDED_SUMS and storage == "float32"
+
+    @cuda.jit(device=True, inline=True)
+    def accumulate(acc, mt, nt, fa, b0, b1):
+        if ROUNDED_SUMS:
+            d = mma(fa[mt, 0], fa[mt, 1], fa[mt, 2], fa[mt, 3], b0, b1,
+                    float32(0), float32(0), float32(0), float32(0))
+            for q in range(4):
+                acc[mt, nt, q] += d[q]
+        else:
+            d = mma(fa[mt, 0], fa[mt, 1], fa[mt, 2], fa[mt, 3], b0, b1,
+                    acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
+            for q in range(4):
+                acc[mt, nt, q] = d[q]
+
+    return accumulate
 
 
 @cuda.jit(device=True, inline=True)
@@ -768,13 +794,18 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
 # -- kernel bodies: version 5 (tensor cores) ---------------------------------------------
 
 
+def _v5_values(storage):
+    """Values a 32-bit word of version 5's shared tiles holds: two 16-bit ones or one fp32."""
+    return 1 if storage == "float32" else 2
+
+
 def _v5_shape(bs, storage):
     """(threads, rows a tile, warps across the features, 32-bit words of a row a stage, values
     a word) of a version 5 product."""
-    values = 1 if storage == "float32" else 2
+    values = _v5_values(storage)
     warps = V5_WARPS[bs]
     col_warps = bs // min(bs, V5_WARP_TILE)
-    words = min(bs, 16 * values) // values
+    words = min(bs // values, V5_STAGE_WORDS)
     return 32 * warps, V5_WARP_TILE * warps // col_warps, col_warps, words, values
 
 
@@ -810,7 +841,6 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     A_SIZE = 2 * A_TILE  # double-buffered
     W_SIZE = 2 * W_TILE
     PAIRS = VALUES == 2
-    ROUNDED_SUMS = V5_ROUNDED_SUMS and storage == "float32"
     # Words a global load unit leaves in shared memory, and units a stage.
     if not vector:
         A_UNIT = W_UNIT = 1
@@ -823,7 +853,7 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     W_PER = -(-W_UNITS // T)
     A_HELD = A_PER * A_UNIT  # words of the next stage a thread holds in registers
     W_HELD = W_PER * W_UNIT
-    mma = mma_3xtf32 if storage == "float32" else (mma_bf16 if storage == "bfloat16" else mma_f16)
+    accumulate = _mma_accumulate(storage)
     load, _ = _activation_io(feature_axis)
     emit = _product_output(bs, storage, acc_type, feature_axis)
     a_position = _chunk_position(feature_axis, TM, KW)  # scalar loads: (row, word)
@@ -963,16 +993,7 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
             b0 = w_s[at]
             b1 = w_s[at + uint64(4 * W_STRIDE)]
             for mt in range(MT):
-                if ROUNDED_SUMS:
-                    d = mma(fa[mt, 0], fa[mt, 1], fa[mt, 2], fa[mt, 3], b0, b1,
-                            float32(0), float32(0), float32(0), float32(0))
-                    for q in range(4):
-                        acc[mt, nt, q] += d[q]
-                else:
-                    d = mma(fa[mt, 0], fa[mt, 1], fa[mt, 2], fa[mt, 3], b0, b1,
-                            acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
-                    for q in range(4):
-                        acc[mt, nt, q] = d[q]
+                accumulate(acc, mt, nt, fa, b0, b1)
 
     @cuda.jit
     def product_v5(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot,
@@ -1266,18 +1287,26 @@ def _v5_wgrad_blocks(bs):
     return max(1, V5_WGRAD_WARPS // (bs // min(bs, V5_WARP_TILE)) ** 2)
 
 
+def _v5_wgrad_step(storage):
+    """(rows of N, 32-bit words of a column) a step of version 5's weight gradient stages:
+    32 rows as 16 words of pairs (16-bit storage), or 16 fp32 rows (the same shared memory)."""
+    return 16 * _v5_values(storage), 16
+
+
 def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
-    """dw[b] (+ beta·dw[b]) on tensor cores (fp16, bf16): D = xᵀ·dy, k running along N.
+    """dw[b] (+ beta·dw[b]) on tensor cores: D = xᵀ·dy, k running along N.
 
     Each warp owns a min(bs, 32)-square patch of one block of W (two 16-row by
     four 8-column mma tiles at block 32), a thread block four warps: four
     blocks (block 16 and 32) or the four patches of one (block 64). Warps
     work alone: each stages its own slices of x and dy in its own shared
-    memory, 32 rows of N a step, as 32-bit words of two rows (the k pairs the
-    fragments take), double-buffered through registers, `syncwarp` between
-    steps. With ``vector`` (the launcher checked alignment and, for
-    feature_axis 0, N % 8 == 0) loads read 16 bytes: two rows of 8 features
-    paired up (feature_axis 1) or 8 rows of one feature (feature_axis 0).
+    memory, a step of rows of N at a time (`_v5_wgrad_step`), as 32-bit words
+    along N: pairs of rows (16-bit storage, the k pairs the fragments take) or
+    single fp32 rows (3xTF32, `_mma_accumulate`), double-buffered through
+    registers, `syncwarp` between steps. With ``vector`` (the launcher checked
+    alignment and, for feature_axis 0, that N is a multiple of 4 words' rows)
+    loads read 16 bytes: two rows of 8 features paired up, or one row of 4 fp32
+    features (feature_axis 1), or 4 words' rows of one feature (feature_axis 0).
     Rows past this split's end are zero.
     """
     WT = min(bs, V5_WARP_TILE)  # side of a warp's patch
@@ -1287,52 +1316,61 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
     PER = _v5_wgrad_blocks(bs)
     MT = WT // MMA_M
     NT = WT // MMA_N
-    KW = V5_WGRAD_ROWS // 2  # words (pairs of rows of N) a step
-    ROWS = V5_WGRAD_ROWS
+    ROWS, KW = _v5_wgrad_step(storage)  # rows of N and words a step
+    VALUES = ROWS // KW
+    PAIRS = VALUES == 2
     STRIDE = WT + 8  # words: conflict-free fragment reads (as version 5's weight tiles)
     TILE = KW * STRIDE
     WARP_WORDS = 4 * TILE  # x and dy, two buffers each
     SIZE = WARPS * WARP_WORDS
     if not vector:
         UNIT = 1
-    else:
-        UNIT = 8 if feature_axis == 1 else 4  # words a load unit leaves in shared memory
+    else:  # words a load unit leaves in shared memory: 8 (two rows of 8 features) or 4
+        UNIT = 8 if feature_axis == 1 and PAIRS else 4
     UNITS = KW * WT // UNIT
     PER_LANE = UNITS // 32
     HELD = PER_LANE * UNIT
-    mma = mma_bf16 if storage == "bfloat16" else mma_f16
+    accumulate = _mma_accumulate(storage)
     load, _ = _activation_io(feature_axis)
     finish = _weight_grad_output(bs, storage, acc_type)
 
     @cuda.jit(device=True, inline=True)
     def fetch(a, held, lane, col0, n0, n_end):
-        """This lane's share of rows n0...n0 + 31, features col0...col0 + WT - 1 of a."""
+        """This lane's share of a step's rows n0... of features col0...col0 + WT - 1 of a."""
         last = n_end - 1
         for i in range(PER_LANE):
             e = lane + 32 * i
             if not vector:
                 p, c = e // WT, e % WT
-                n = n0 + 2 * p
+                n = n0 + VALUES * p
                 col = uint64(col0 + c)
                 lo = load(a, uint64(min(n, last)), col) if n <= last else 0
-                hi = load(a, uint64(min(n + 1, last)), col) if n + 1 <= last else 0
-                held[i] = pack(lo, hi)
+                if PAIRS:
+                    hi = load(a, uint64(min(n + 1, last)), col) if n + 1 <= last else 0
+                    held[i] = pack(lo, hi)
+                else:
+                    held[i] = uint32(lo)
             elif feature_axis == 1:
-                p, cg = e // (WT // 8), e % (WT // 8)
-                n = n0 + 2 * p
-                col = uint64((col0 + 8 * cg) // 2)
+                p, cg = e // (WT // UNIT), e % (WT // UNIT)
+                n = n0 + VALUES * p
+                col = uint64((col0 + UNIT * cg) // VALUES)
                 x0 = load4(a, (uint64(min(n, last)), col))
-                x1 = load4(a, (uint64(min(n + 1, last)), col))
-                for c in range(8):
-                    word = _interleave(x0, x1, c)
-                    if n + 1 > last:  # the second row is past the end
-                        word = uint32(word & uint32(0xFFFF))
-                    held[i * 8 + c] = word if n <= last else uint32(0)
+                if PAIRS:
+                    x1 = load4(a, (uint64(min(n + 1, last)), col))
+                    for c in range(8):
+                        word = _interleave(x0, x1, c)
+                        if n + 1 > last:  # the second row is past the end
+                            word = uint32(word & uint32(0xFFFF))
+                        held[i * 8 + c] = word if n <= last else uint32(0)
+                else:
+                    for c in range(4):
+                        held[i * 4 + c] = uint32(x0[c]) if n <= last else uint32(0)
             else:
-                # Eight rows of one feature; the end is a multiple of 8, so a unit is all in or out.
+                # 4 words' rows of one feature; the end is a multiple of them, so a unit is
+                # all in or out.
                 c, q = e // (KW // 4), e % (KW // 4)
-                n = n0 + 8 * q
-                v = load4(a, (uint64(col0 + c), uint64(min(n, n_end - 8) // 2)))
+                n = n0 + 4 * VALUES * q
+                v = load4(a, (uint64(col0 + c), uint64(min(n, n_end - 4 * VALUES) // VALUES)))
                 for w in range(4):
                     held[i * 4 + w] = uint32(v[w]) if n < n_end else uint32(0)
 
@@ -1343,9 +1381,9 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
             if not vector:
                 tiles[uint64(at + (e // WT) * STRIDE + e % WT)] = held[i]
             elif feature_axis == 1:
-                slot = uint64(at + (e // (WT // 8)) * STRIDE + 8 * (e % (WT // 8)))
-                for c in range(8):
-                    tiles[slot + uint64(c)] = held[i * 8 + c]
+                slot = uint64(at + (e // (WT // UNIT)) * STRIDE + UNIT * (e % (WT // UNIT)))
+                for c in range(UNIT):
+                    tiles[slot + uint64(c)] = held[i * UNIT + c]
             else:
                 slot = uint64(at + 4 * (e % (KW // 4)) * STRIDE + e // (KW // 4))
                 for w in range(4):
@@ -1405,10 +1443,7 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
                     b0 = tiles[at]
                     b1 = tiles[at + uint64(4 * STRIDE)]
                     for mt in range(MT):
-                        d = mma(fa[mt, 0], fa[mt, 1], fa[mt, 2], fa[mt, 3], b0, b1,
-                                acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
-                        for q in range(4):
-                            acc[mt, nt, q] = d[q]
+                        accumulate(acc, mt, nt, fa, b0, b1)
             if more:
                 nxt = base + (1 - buf) * 2 * TILE
                 deposit(tiles, hx, lane, nxt)
@@ -1585,11 +1620,14 @@ def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, str
         maker, threads = (_make_product_v2 if version == 2 else _make_product_v3), PRODUCT_THREADS
         kernel = _kernel(maker, bs, a.dtype, transpose_w, feature_axis)
     grid = ((n_rows + TM - 1) // TM, len(indices[0]))
-    launch(kernel, grid, threads, stream, (out, workspace, a_device, w_device, *indices, n_rows))
+    args = (out, workspace, a_device, w_device, *indices, n_rows)
+    launch(kernel, grid, threads, stream, args)
     if slots:
         combine = _kernel(_make_combine_lines, bs, a.dtype, feature_axis)
         grid = ((n_rows * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, len(combine_indices[0]))
         launch(combine, grid, COMBINE_THREADS, stream, (out, workspace, *combine_indices, n_rows))
+        return None
+    return kernel, grid, threads, args  # the call's one launch: what a kept plan repeats
 
 
 def wgrad_splits(layout, n_rows, thread_blocks=None):
@@ -1607,7 +1645,7 @@ def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, v
             dw, x.device(stream), dy.device(stream), _index(layout, "coords", stream), n_rows, beta,
         ))
         return
-    v5 = version == 5 and V5_WGRAD and bs in V5_BLOCKS and x.dtype in ("float16", "bfloat16")
+    v5 = version == 5 and V5_WGRAD and bs in V5_BLOCKS and x.dtype in V5_STORAGE
     v4 = not v5 and version >= 4 and bs in V4_WGRAD_ROWS and feature_axis == 1
     if v5:  # W blocks a thread block computes
         per_block = _v5_wgrad_blocks(bs)
@@ -1625,9 +1663,10 @@ def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, v
         else _unused_workspace(acc)
     x_device, dy_device = x.device(stream), dy.device(stream)
     if v5:
-        vector = _v5_vector_loads((x_device, dy_device), n_rows, feature_axis, 2)
+        values = _v5_values(x.dtype)
+        vector = _v5_vector_loads((x_device, dy_device), n_rows, feature_axis, values)
         kernel = _kernel(_make_weight_grad_v5, bs, x.dtype, feature_axis, vector)
-        x_device, dy_device = (_words(x_device), _words(dy_device)) if vector \
+        x_device, dy_device = (_words(x_device), _words(dy_device)) if vector or values == 1 \
             else (_bits(x_device), _bits(dy_device))
         threads = 32 * V5_WGRAD_WARPS
     elif v4:
@@ -1647,12 +1686,63 @@ def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, v
         launch(combine, grid, COMBINE_THREADS, stream, (dw, workspace, beta))
 
 
+# Products called again with torch tensors of the same shapes, dtypes, device and pointer
+# alignment on the same layout skip the general path (Operands, checks, schedule lookup,
+# argument fields: ~30 µs of Python): a kept plan allocates the output and rewrites three
+# pointers of the recorded launch (`_launch.Replay`).
+_plans = {}
+MAX_PLANS = 256
+_tensor_class = None  # torch.Tensor, once a plan exists (torch is imported by then)
+
+
+class _Plan:
+    __slots__ = ("layout", "out_shape", "launch")
+
+    def __init__(self, layout, out_shape, launch):
+        self.layout, self.out_shape, self.launch = layout, out_shape, launch
+
+
+def _plan_key(a, w, layout, feature_axis, transpose_w, version):
+    """Everything a product call's checks and launch depend on, for torch tensors a and w."""
+    return (id(layout), feature_axis, transpose_w, version, a.dtype, w.dtype, a.shape, w.shape, a.device,
+            a.data_ptr() % 16, w.data_ptr() % 16)
+
+
+def _replayed_product(a, w, layout, feature_axis, transpose_w, version):
+    """The product through a kept plan, or None: no plan fits (the general path runs)."""
+    if not (isinstance(a, _tensor_class) and isinstance(w, _tensor_class)) or _arrays._poison_outputs:
+        return None
+    plan = _plans.get(_plan_key(a, w, layout, feature_axis, transpose_w, version))
+    if plan is None or plan.layout is not layout or not (a.is_contiguous() and w.is_contiguous()):
+        return None
+    out = a.new_empty(plan.out_shape)
+    plan.launch(_arrays.torch_stream_handle(), out.data_ptr(), a.data_ptr(), w.data_ptr())
+    return out
+
+
+def _keep_plan(a, w, layout, feature_axis, transpose_w, version, out_shape, launched):
+    """After a general-path product of torch tensors with one launch: keep it for `_replayed_product`."""
+    global _tensor_class
+    if launched is None or a.kind != "torch" or _arrays._poison_outputs:
+        return
+    plan = replay(*launched, live=(0, 2, 3))  # out, a, w
+    if plan is None:
+        return
+    if len(_plans) >= MAX_PLANS:
+        _plans.clear()
+    import torch
+
+    _tensor_class = torch.Tensor
+    _plans[_plan_key(a.native, w.native, layout, feature_axis, transpose_w, version)] = \
+        _Plan(layout, out_shape, plan)
+
+
 # -- public functions ----------------------------------------------------------------
 
 
 def default_version(dtype):
-    """The version a call without ``version=`` runs: 5 (tensor cores) for fp16 and bf16, 4 for
-    fp32 (version 5's 3xTF32 loses accuracy over long sums: benchmarks/NOTES.md) and fp64."""
+    """The version a call without ``version=`` runs: 5 (tensor cores; fp32 as 3xTF32 with
+    round-to-nearest sums) for fp16, bf16 and fp32, 4 for fp64."""
     return 5 if dtype in TENSOR_CORE_DEFAULT else 4
 
 
@@ -1681,6 +1771,11 @@ def _check_activation(op, features, feature_axis, what):
 
 
 def _product(a, w, layout, feature_axis, transpose_w, version, max_segment=None):
+    if _plans and max_segment is None:
+        out = _replayed_product(a, w, layout, feature_axis, transpose_w, version)
+        if out is not None:
+            return out
+    given = version
     a, w = Operand(a, "dy" if transpose_w else "x"), Operand(w, "w")
     version = _check_common((a, w), feature_axis, version)
     check_shape(w, layout.w_shape)
@@ -1689,12 +1784,16 @@ def _product(a, w, layout, feature_axis, transpose_w, version, max_segment=None)
     n_rows = _check_activation(a, in_features, feature_axis, f"(layout has {C} inputs, {K} outputs)")
 
     stream = launch_stream((a, w))
-    native, out = a.empty((n_rows, out_features) if feature_axis == 1 else (out_features, n_rows), stream)
+    out_shape = (n_rows, out_features) if feature_axis == 1 else (out_features, n_rows)
+    native, out = a.empty(out_shape, stream)
     if n_rows:
         if version == 1:
             _launch_product_v1(out, a, w, layout, n_rows, transpose_w, feature_axis, stream)
         else:
-            _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, stream, max_segment, version)
+            launched = _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, stream,
+                                          max_segment, version)
+            if max_segment is None:
+                _keep_plan(a, w, layout, feature_axis, transpose_w, given, out_shape, launched)
     return a.result(native, out, stream)
 
 
