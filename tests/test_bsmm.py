@@ -431,6 +431,35 @@ def test_repeated_torch_calls_replay_a_kept_plan(dtype, monkeypatch):
         bsmm.forward(x, w, layout)
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="fakes the driver launch; the GPU test above runs the real one")
+def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch):
+    """Plan bookkeeping with the launch faked: a call like the first replays with the new
+    pointers; another shape, alignment, layout or a non-contiguous view does not."""
+    torch = pytest.importorskip("torch")
+    from sparseblocks import _arrays
+
+    launches = []
+    monkeypatch.setattr(bsmm, "_plans", {})
+    monkeypatch.setattr(bsmm, "replay", lambda *args, live: lambda stream, *pointers: launches.append(pointers))
+    monkeypatch.setattr(_arrays, "torch_stream_handle", lambda: 0)
+    layout = BlockLayout.random((2, 2), 0.5, seed=3, block_size=16)
+    w = torch.randn(layout.w_shape)
+    bsmm.forward(torch.randn(6, 32), w, layout)  # the general path keeps a plan
+    assert len(bsmm._plans) == 1 and not launches
+    x = torch.randn(6, 32)
+    y = bsmm.forward(x, w, layout)
+    assert launches[-1][1:] == (x.data_ptr(), w.data_ptr()) and launches[-1][0] == y.data_ptr()
+    assert y.shape == (6, 32) and y.dtype == x.dtype
+    others = [torch.randn(7, 32), torch.randn(6 * 32 + 1)[1:].view(6, 32)]
+    for other in others:
+        bsmm.forward(other, w, layout)
+    bsmm.forward(x, w, BlockLayout.random((2, 2), 0.5, seed=4, block_size=16))
+    assert len(launches) == 1 and len(bsmm._plans) == 4
+    with pytest.raises(ValueError, match="C-contiguous"):
+        bsmm.forward(torch.randn(32, 6).T, w, layout)
+    assert len(launches) == 1
+
+
 @pytest.mark.gpu
 def test_cupy_arrays_in_cupy_arrays_out():
     cupy = pytest.importorskip("cupy")

@@ -123,12 +123,13 @@ V5_STORAGE = ("float16", "bfloat16", "float32")
 V5_VECTOR = True  # False keeps version 5 on one-value global loads
 # fp32 on version 5 (3xTF32): the tensor cores' own fp32 sums drift (relative error 3.2e-6
 # over 410-term sums, 1.5e-5 over 2048, H100). True starts each mma from zero and adds its
-# 8-term result in round-to-nearest fp32: 6.6e-7 as version 4, forward 0.488 ms against
-# 0.456 without (block 32, 10 %, N = C = K = 4096; benchmarks/NOTES.md).
+# 8-term result in round-to-nearest fp32: 6.6e-7 as version 4, forward 0.448-0.488 ms against
+# 0.448-0.456 without over two runs (block 32, 10 %, N = C = K = 4096; benchmarks/NOTES.md).
 V5_ROUNDED_SUMS = True
 # Version 5's weight gradient on tensor cores (`_make_weight_grad_v5`): four warps a thread
-# block. H100, fp16, 10 %: 0.269 ms against version 4's 0.816 (block 32), 0.327 / 0.727
-# (64), 0.583 / 1.217 (16). False: version 5 takes version 4's weight gradient.
+# block. H100, 10 %, N = 4096, blocks 32 / 64 / 16: fp16 0.260 / 0.266 / 0.575 ms against
+# version 4's 0.774 / 0.654 / 1.084; fp32 0.615 / 0.626 / 0.904 against 0.807 / 0.667 /
+# 1.230. False: version 5 takes version 4's weight gradient.
 V5_WGRAD = True
 V5_WGRAD_WARPS = 4
 V5_WGRAD_ROWS = 32  # N-splits are cut at multiples of it (whole steps of every storage)
@@ -1702,21 +1703,22 @@ class _Plan:
         self.layout, self.out_shape, self.launch = layout, out_shape, launch
 
 
-def _plan_key(a, w, layout, feature_axis, transpose_w, version):
+def _plan_key(a, w, a_pointer, w_pointer, layout, feature_axis, transpose_w, version):
     """Everything a product call's checks and launch depend on, for torch tensors a and w."""
     return (id(layout), feature_axis, transpose_w, version, a.dtype, w.dtype, a.shape, w.shape, a.device,
-            a.data_ptr() % 16, w.data_ptr() % 16)
+            a_pointer % 16, w_pointer % 16)
 
 
 def _replayed_product(a, w, layout, feature_axis, transpose_w, version):
     """The product through a kept plan, or None: no plan fits (the general path runs)."""
     if not (isinstance(a, _tensor_class) and isinstance(w, _tensor_class)) or _arrays._poison_outputs:
         return None
-    plan = _plans.get(_plan_key(a, w, layout, feature_axis, transpose_w, version))
+    a_pointer, w_pointer = a.data_ptr(), w.data_ptr()
+    plan = _plans.get(_plan_key(a, w, a_pointer, w_pointer, layout, feature_axis, transpose_w, version))
     if plan is None or plan.layout is not layout or not (a.is_contiguous() and w.is_contiguous()):
         return None
     out = a.new_empty(plan.out_shape)
-    plan.launch(_arrays.torch_stream_handle(), out.data_ptr(), a.data_ptr(), w.data_ptr())
+    plan.launch(_arrays.torch_stream_handle(), out.data_ptr(), a_pointer, w_pointer)
     return out
 
 
@@ -1733,8 +1735,10 @@ def _keep_plan(a, w, layout, feature_axis, transpose_w, version, out_shape, laun
     import torch
 
     _tensor_class = torch.Tensor
-    _plans[_plan_key(a.native, w.native, layout, feature_axis, transpose_w, version)] = \
-        _Plan(layout, out_shape, plan)
+    a_native, w_native = a.native, w.native
+    key = _plan_key(a_native, w_native, a_native.data_ptr(), w_native.data_ptr(), layout, feature_axis,
+                    transpose_w, version)
+    _plans[key] = _Plan(layout, out_shape, plan)
 
 
 # -- public functions ----------------------------------------------------------------
