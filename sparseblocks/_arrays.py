@@ -61,6 +61,16 @@ def _dtype_name(array):
     return name
 
 
+_kernel_device = []
+
+
+def kernel_device():
+    """Numba's current device ordinal, where every launch runs (looked up once)."""
+    if not _kernel_device:
+        _kernel_device.append(cuda.get_current_device().id)
+    return _kernel_device[0]
+
+
 def _bf16_numpy():
     import ml_dtypes
 
@@ -78,9 +88,16 @@ class Operand:
                 f"tensor, got {type(array).__name__}"
             )
         if kind == "torch":
-            if not array.is_cuda and not SIMULATOR:
-                raise ValueError(f"{name}: expected a CUDA tensor, got one on {array.device}")
+            if not SIMULATOR:
+                if not array.is_cuda:
+                    raise ValueError(f"{name}: expected a CUDA tensor, got one on {array.device}")
+                if array.device.index != kernel_device():
+                    raise ValueError(f"{name}: expected a tensor on cuda:{kernel_device()} (Numba's current "
+                                     f"device, where kernels run), got one on {array.device}")
             array = array.detach()
+        elif kind == "cupy" and not SIMULATOR and array.device.id != kernel_device():
+            raise ValueError(f"{name}: expected an array on device {kernel_device()} (Numba's current "
+                             f"device, where kernels run), got one on device {array.device.id}")
         self.name = name
         self.kind = kind
         self.native = array

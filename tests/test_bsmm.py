@@ -431,6 +431,20 @@ def test_repeated_torch_calls_replay_a_kept_plan(dtype, monkeypatch):
         bsmm.forward(x, w, layout)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="the simulator has one fake device")
+def test_tensors_on_another_device_are_refused(monkeypatch):
+    """Kernels run on Numba's current device; a tensor elsewhere is refused before any launch
+    (faked here by claiming kernels run on the next device)."""
+    torch = pytest.importorskip("torch")
+    from sparseblocks import _arrays
+
+    x = torch.randn(4, 16, device="cuda")
+    monkeypatch.setattr(_arrays, "_kernel_device", [x.device.index + 1])
+    with pytest.raises(ValueError, match=r"x: expected a tensor on cuda:\d+ \(Numba's current device"):
+        bsmm.forward(x, torch.randn(LAYOUT.w_shape, device="cuda"), LAYOUT)
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="fakes the driver launch; the GPU test above runs the real one")
 def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch):
     """Plan bookkeeping with the launch faked: a call like the first replays with the new
