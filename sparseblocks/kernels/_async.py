@@ -1,0 +1,128 @@
+"""Asynchronous global-to-shared copies: ``copy16``, ``commit``, ``wait_all``, ``wait_but_one``.
+
+``copy16(shared, (i, ..., j), source, (k, ..., l))`` starts a 16-byte copy of
+``source[k, ..., l:]`` into ``shared[i, ..., j:]`` (``cp.async.cg.shared.global``:
+through L2 only, no register holds the data); ``commit()`` closes this
+thread's group of copies started since the last commit; ``wait_all()`` and
+``wait_but_one()`` (``cp.async.wait_group 0`` / ``1``) block this thread until
+all its groups, or all but the newest one, have landed. Other threads see a
+landed copy only after a barrier, as with any shared store. Both addresses
+must be multiples of 16 bytes and the 16 bytes contiguous: launchers check
+pointers and strides on the host, as for `_vector.py`'s loads.
+
+This is what lets a kernel keep several stages of a tile in flight without
+holding them in registers (CUTLASS's multistage pipelines). Numba exposes
+no such instruction, so the compiled functions are intrinsics that emit
+inline PTX: the shared address is the generic pointer of the element,
+converted with ``cvta.to.shared``.
+
+In the CUDA simulator each thread's copies wait in a per-thread queue and
+land at the wait that covers them, not when started: a kernel that reads a
+stage before waiting for it reads stale shared memory there too, so the
+simulator tests catch a missing wait. Unaligned addresses raise.
+
+Used by nothing yet: the building block for version 5's next step (more
+stages in flight; benchmarks/NOTES.md, fifth session). Tests:
+tests/test_async.py.
+"""
+
+from .._backend import SIMULATOR
+
+BYTES = 16
+
+if SIMULATOR:
+    import threading
+
+    import numpy as np
+
+    _queues = threading.local()  # the simulator runs one Python thread per CUDA thread
+
+    def _row(array, index):
+        *outer, j = index
+        row = np.asarray(array)[tuple(outer)] if outer else np.asarray(array)
+        if row.strides[-1] != row.itemsize:
+            raise ValueError("copy16: the last axis is not contiguous")
+        if (row.ctypes.data + j * row.itemsize) % BYTES:
+            raise ValueError("copy16: address not aligned to 16 bytes")
+        return row, j
+
+    def _groups():
+        if not hasattr(_queues, "groups"):
+            _queues.groups = [[]]  # closed groups, then the open one
+        return _queues.groups
+
+    def copy16(shared, shared_index, source, source_index):
+        destination, i = _row(shared, shared_index)
+        origin, k = _row(source, source_index)
+        width = BYTES // origin.itemsize
+        _groups()[-1].append((destination, i, origin[k:k + width].copy()))
+
+    def commit():
+        _groups().append([])
+
+    def _land(keep):
+        groups = _groups()
+        closed, open_group = groups[:-1], groups[-1]
+        for group in closed[:max(0, len(closed) - keep)]:
+            for destination, i, values in group:
+                destination[i:i + len(values)] = values
+        _queues.groups = closed[max(0, len(closed) - keep):] + [open_group]
+
+    def wait_all():
+        _land(0)
+
+    def wait_but_one():
+        _land(1)
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    def _pointer(context, builder, array_type, array, index_type, index):
+        view = context.make_array(array_type)(context, builder, value=array)
+        indices = [context.cast(builder, value, t, types.intp)
+                   for t, value in zip(index_type, cgutils.unpack_tuple(builder, index))]
+        pointer = cgutils.get_item_pointer(context, builder, array_type, view, indices, wraparound=False)
+        return builder.ptrtoint(pointer, ir.IntType(64))
+
+    def _indexes(array, index):
+        return (isinstance(array, types.Array) and isinstance(index, types.BaseTuple)
+                and len(index) == array.ndim and all(isinstance(t, types.Integer) for t in index))
+
+    @intrinsic
+    def copy16(typingctx, shared, shared_index, source, source_index):
+        if not (_indexes(shared, shared_index) and _indexes(source, source_index)):
+            return None
+        signature = types.void(shared, shared_index, source, source_index)
+
+        def codegen(context, builder, sig, args):
+            to = _pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            origin = _pointer(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+            function = ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(64)])
+            asm = ir.InlineAsm(
+                function,
+                "{ .reg .u64 s64; .reg .u32 s32; cvta.to.shared.u64 s64, $0; cvt.u32.u64 s32, s64; "
+                "cp.async.cg.shared.global [s32], [$1], 16; }",
+                "l,l,~{memory}", side_effect=True)
+            builder.call(asm, [to, origin])
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    def _statement(ptx):
+        @intrinsic
+        def statement(typingctx):
+            def codegen(context, builder, sig, args):
+                function = ir.FunctionType(ir.VoidType(), [])
+                builder.call(ir.InlineAsm(function, ptx, "~{memory}", side_effect=True), [])
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        return statement
+
+    commit = _statement("cp.async.commit_group;")
+    wait_all = _statement("cp.async.wait_group 0;")
+    wait_but_one = _statement("cp.async.wait_group 1;")
