@@ -33,18 +33,9 @@ BYTES = 16
 if SIMULATOR:
     import threading
 
-    import numpy as np
+    from ._vector import checked_row
 
     _queues = threading.local()  # the simulator runs one Python thread per CUDA thread
-
-    def _row(array, index):
-        *outer, j = index
-        row = np.asarray(array)[tuple(outer)] if outer else np.asarray(array)
-        if row.strides[-1] != row.itemsize:
-            raise ValueError("copy16: the last axis is not contiguous")
-        if (row.ctypes.data + j * row.itemsize) % BYTES:
-            raise ValueError("copy16: address not aligned to 16 bytes")
-        return row, j
 
     def _groups():
         if not hasattr(_queues, "groups"):
@@ -52,8 +43,8 @@ if SIMULATOR:
         return _queues.groups
 
     def copy16(shared, shared_index, source, source_index):
-        destination, i = _row(shared, shared_index)
-        origin, k = _row(source, source_index)
+        destination, i = checked_row(shared, shared_index, BYTES, "copy16")
+        origin, k = checked_row(source, source_index, BYTES, "copy16")
         width = BYTES // origin.itemsize
         _groups()[-1].append((destination, i, origin[k:k + width].copy()))
 
@@ -77,29 +68,23 @@ if SIMULATOR:
 else:
     from llvmlite import ir
     from numba import types
-    from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic
 
-    def _pointer(context, builder, array_type, array, index_type, index):
-        view = context.make_array(array_type)(context, builder, value=array)
-        indices = [context.cast(builder, value, t, types.intp)
-                   for t, value in zip(index_type, cgutils.unpack_tuple(builder, index))]
-        pointer = cgutils.get_item_pointer(context, builder, array_type, view, indices, wraparound=False)
-        return builder.ptrtoint(pointer, ir.IntType(64))
+    from ._vector import element_pointer, indexes
 
-    def _indexes(array, index):
-        return (isinstance(array, types.Array) and isinstance(index, types.BaseTuple)
-                and len(index) == array.ndim and all(isinstance(t, types.Integer) for t in index))
+    def _address(context, builder, array_type, array, index_type, index):
+        pointer = element_pointer(context, builder, array_type, array, index_type, index)
+        return builder.ptrtoint(pointer, ir.IntType(64))
 
     @intrinsic
     def copy16(typingctx, shared, shared_index, source, source_index):
-        if not (_indexes(shared, shared_index) and _indexes(source, source_index)):
+        if not (indexes(shared, shared_index) and indexes(source, source_index)):
             return None
         signature = types.void(shared, shared_index, source, source_index)
 
         def codegen(context, builder, sig, args):
-            to = _pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            origin = _pointer(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+            to = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            origin = _address(context, builder, sig.args[2], args[2], sig.args[3], args[3])
             function = ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(64)])
             asm = ir.InlineAsm(
                 function,

@@ -105,6 +105,14 @@ def _format(values):
     return "<" + "".join("d" if isinstance(value, float) else "q" for value in values)
 
 
+def _parameter_buffer(size):
+    """A parameter buffer of ``size`` bytes in 8-byte slots, and the array of the slots'
+    addresses that ``cuLaunchKernel`` takes (at least one slot)."""
+    buffer = ctypes.create_string_buffer(max(8, size))
+    base = ctypes.addressof(buffer)
+    return buffer, (ctypes.c_void_p * max(1, size // 8))(*[base + 8 * i for i in range(max(1, size // 8))])
+
+
 class _Kernel:
     """A compiled kernel and its parameter buffer: one 8-byte slot per field."""
 
@@ -114,10 +122,7 @@ class _Kernel:
         self.core_kernel = cufunc.kernel
         self.function = None
         self.packer = struct.Struct(_format(values))
-        self.buffer = ctypes.create_string_buffer(max(8, self.packer.size))
-        base = ctypes.addressof(self.buffer)
-        n = self.packer.size // 8
-        self.slots = (ctypes.c_void_p * max(1, n))(*[base + 8 * i for i in range(n)])
+        self.buffer, self.slots = _parameter_buffer(self.packer.size)
         if _driver() is not None:
             from cuda.bindings import driver
 
@@ -237,12 +242,9 @@ class Replay:
     def __init__(self, kernel, grid, block, args, values, live):
         self.function = kernel.function
         self.grid, self.block = _dim3(grid), _dim3(block)
-        self.buffer = ctypes.create_string_buffer(max(8, kernel.packer.size))
+        self.buffer, self.slots = _parameter_buffer(kernel.packer.size)
         kernel.packer.pack_into(self.buffer, 0, *values)
-        n = max(1, kernel.packer.size // 8)
-        self.words = (ctypes.c_int64 * n).from_buffer(self.buffer)
-        base = ctypes.addressof(self.buffer)
-        self.slots = (ctypes.c_void_p * n)(*[base + 8 * i for i in range(n)])
+        self.words = (ctypes.c_int64 * len(self.slots)).from_buffer(self.buffer)
         self.live = tuple(_data_field(args, position) for position in live)
         self.lock = threading.Lock()
 

@@ -26,15 +26,21 @@ def aligned(pointer, itemsize, width):
 if SIMULATOR:
     import numpy as np
 
+    def checked_row(array, index, size, what):
+        """(the last-axis row of ``array`` at ``index``, its position j), after checking that
+        ``size`` bytes from ``array[index]`` are contiguous and aligned to ``size``."""
+        *outer, j = index
+        row = np.asarray(array)[tuple(outer)] if outer else np.asarray(array)
+        if row.strides[-1] != row.itemsize:
+            raise ValueError(f"{what}: the last axis is not contiguous")
+        address = row.ctypes.data + j * row.itemsize
+        if not aligned(address, size, 1):
+            raise ValueError(f"{what}: address {address:#x} is not aligned to {size} bytes")
+        return row, j
+
     def _simulated(width):
         def load(array, index):
-            *outer, j = index
-            row = np.asarray(array)[tuple(outer)] if outer else np.asarray(array)
-            if row.strides[-1] != row.itemsize:
-                raise ValueError("vector load: the last axis is not contiguous")
-            address = row.ctypes.data + j * row.itemsize
-            if not aligned(address, row.itemsize, width):
-                raise ValueError(f"vector load of {width}: address {address:#x} is not aligned")
+            row, j = checked_row(array, index, np.asarray(array).itemsize * width, f"vector load of {width}")
             return tuple(row[j + k] for k in range(width))
 
         return load
@@ -47,22 +53,28 @@ else:
     from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic
 
+    def indexes(array, index):
+        """Whether ``index`` types a full integer index tuple of ``array`` (intrinsics' typing)."""
+        return (isinstance(array, types.Array) and isinstance(index, types.BaseTuple)
+                and len(index) == array.ndim and all(isinstance(t, types.Integer) for t in index))
+
+    def element_pointer(context, builder, array_type, array, index_type, index):
+        """LLVM pointer to ``array[index]`` (no negative-index wrap, no bounds check)."""
+        view = context.make_array(array_type)(context, builder, value=array)
+        indices = [context.cast(builder, value, t, types.intp)
+                   for t, value in zip(index_type, cgutils.unpack_tuple(builder, index))]
+        return cgutils.get_item_pointer(context, builder, array_type, view, indices, wraparound=False)
+
     def _compiled(width):
         @intrinsic
         def load(typingctx, array, index):
-            if not isinstance(array, types.Array) or not isinstance(index, types.BaseTuple):
-                return None
-            if len(index) != array.ndim or not all(isinstance(t, types.Integer) for t in index):
+            if not indexes(array, index):
                 return None
             signature = types.UniTuple(array.dtype, width)(array, index)
 
             def codegen(context, builder, sig, args):
                 array_type, index_type = sig.args
-                view = context.make_array(array_type)(context, builder, value=args[0])
-                indices = [context.cast(builder, value, t, types.intp)
-                           for t, value in zip(index_type, cgutils.unpack_tuple(builder, args[1]))]
-                pointer = cgutils.get_item_pointer(context, builder, array_type, view, indices,
-                                                   wraparound=False)
+                pointer = element_pointer(context, builder, array_type, args[0], index_type, args[1])
                 element = context.get_value_type(array_type.dtype)
                 vector_type = ir.VectorType(element, width)
                 size = context.get_abi_sizeof(element) * width
