@@ -39,9 +39,10 @@ VARIANTS = {
     "v5": (5, {}),  # tensor cores: fp16, and fp32 as 3xTF32 with round-to-nearest sums
     "v5 tensor-core sums": (5, {"V5_ROUNDED_SUMS": False}),  # fp32: the mma accumulates
     "v5 v4 wgrad": (5, {"V5_WGRAD": False}),  # version 4's weight gradient
-    "v5 stage 32 words": (5, {"V5_STAGE_WORDS": 32}),  # fp32 block 32, 16-bit block 64: a block a stage
+    "v5 stage 32 words": (5, {"V5_STAGE_WORDS": 32, "V5_STAGES": 2}),  # a block a stage (fp32 bs 32, 16-bit bs 64)
+    "v5 two stages": (5, {"V5_STAGES": 2}),  # every load through registers, double-buffered
 }
-FP16_VARIANTS = ("v4", "v4 swizzle", "v4 bs16 rows 512", "v5", "v5 v4 wgrad", "v5 stage 32 words")
+FP16_VARIANTS = ("v4", "v4 swizzle", "v4 bs16 rows 512", "v5", "v5 v4 wgrad", "v5 stage 32 words", "v5 two stages")
 
 
 def main():

@@ -1,11 +1,12 @@
-"""Asynchronous global-to-shared copies: ``copy16``, ``commit``, ``wait_all``, ``wait_but_one``.
+"""Asynchronous global-to-shared copies: ``copy16``, ``commit``, ``wait_all``, ``wait_but_one``, ``waiter``.
 
 ``copy16(shared, (i, ..., j), source, (k, ..., l))`` starts a 16-byte copy of
 ``source[k, ..., l:]`` into ``shared[i, ..., j:]`` (``cp.async.cg.shared.global``:
 through L2 only, no register holds the data); ``commit()`` closes this
 thread's group of copies started since the last commit; ``wait_all()`` and
 ``wait_but_one()`` (``cp.async.wait_group 0`` / ``1``) block this thread until
-all its groups, or all but the newest one, have landed. Other threads see a
+all its groups, or all but the newest one, have landed; ``waiter(n)`` is the
+wait that leaves the newest ``n`` groups (0 to 3) in flight. Other threads see a
 landed copy only after a barrier, as with any shared store. Both addresses
 must be multiples of 16 bytes and the 16 bytes contiguous: launchers check
 pointers and strides on the host, as for `_vector.py`'s loads.
@@ -21,9 +22,8 @@ land at the wait that covers them, not when started: a kernel that reads a
 stage before waiting for it reads stale shared memory there too, so the
 simulator tests catch a missing wait. Unaligned addresses raise.
 
-Used by nothing yet: the building block for version 5's next step (more
-stages in flight; benchmarks/NOTES.md, fifth session). Tests:
-tests/test_async.py.
+Used by version 5's products (kernels/bsmm.py: activation stages, and fp32
+weight stages, kept V5_STAGES deep). Tests: tests/test_async.py.
 """
 
 from .._backend import SIMULATOR
@@ -59,11 +59,11 @@ if SIMULATOR:
                 destination[i:i + len(values)] = values
         _queues.groups = closed[max(0, len(closed) - keep):] + [open_group]
 
-    def wait_all():
-        _land(0)
+    def _wait(keep):
+        def wait():
+            _land(keep)
 
-    def wait_but_one():
-        _land(1)
+        return wait
 
 else:
     from llvmlite import ir
@@ -108,6 +108,19 @@ else:
 
         return statement
 
+    def _wait(keep):
+        return _statement(f"cp.async.wait_group {keep};")
+
     commit = _statement("cp.async.commit_group;")
-    wait_all = _statement("cp.async.wait_group 0;")
-    wait_but_one = _statement("cp.async.wait_group 1;")
+
+
+MAX_IN_FLIGHT = 3
+_waits = [_wait(keep) for keep in range(MAX_IN_FLIGHT + 1)]
+wait_all, wait_but_one = _waits[0], _waits[1]
+
+
+def waiter(keep):
+    """The wait that blocks this thread until at most its newest ``keep`` groups are in flight."""
+    if not 0 <= keep <= MAX_IN_FLIGHT:
+        raise ValueError(f"keep: expected 0..{MAX_IN_FLIGHT} groups in flight, got {keep}")
+    return _waits[keep]

@@ -56,6 +56,7 @@ from .._backend import SIMULATOR
 from .._arrays import (
     Operand, check_dtype, check_same_dtype, check_same_kind, check_shape, launch_stream,
 )
+from ._async import commit, copy16, waiter
 from ._launch import data_pointer, launch, multiprocessors, replay
 from ._mma import MMA_M, MMA_N, mma_3xtf32, mma_bf16, mma_f16, pack
 from ._vector import aligned, load2, load4
@@ -121,6 +122,12 @@ V5_STAGE_WORDS = 16  # 32-bit words of k a product stage (at most a block's): 16
 V5_BLOCKS = (16, 32, 64)
 V5_STORAGE = ("float16", "bfloat16", "float32")
 V5_VECTOR = True  # False keeps version 5 on one-value global loads
+# Stages of a version 5 product in shared memory where its activation loads are 16-byte rows
+# (feature_axis 1, vector loads): these, and fp32 weights read untransposed, go straight to
+# shared memory through cp.async (kernels/_async.py), STAGES - 1 stages in flight; the
+# other weights pass through registers. 2: every load through registers, double-buffered.
+# At most 3 within 48 KB of static shared memory at block 64.
+V5_STAGES = 3
 # fp32 on version 5 (3xTF32): the tensor cores' own fp32 sums drift (relative error 3.2e-6
 # over 410-term sums, 1.5e-5 over 2048, H100). True starts each mma from zero and adds its
 # 8-term result in round-to-nearest fp32: 6.6e-7 as version 4, forward 0.448-0.488 ms against
@@ -828,6 +835,14 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     their weight counterparts; otherwise each value is read alone. Rows past
     N read the last row: a row's outputs depend on that row alone, and they are
     not written. W is read transposed for input_grad.
+
+    With V5_STAGES > 2 and 16-byte activation rows (feature_axis 1), stages
+    form a ring of V5_STAGES buffers instead: activation units (and fp32
+    weight units of the forward product, also plain 16-byte rows in shared
+    memory) are copied by cp.async without passing through registers,
+    V5_STAGES - 1 stages ahead of the multiply; the rest of the weights still
+    pass through registers, deposited after the multiply into the buffer the
+    barrier just freed.
     """
     T, TM, CW, KW, VALUES = _v5_shape(bs, storage)
     WN = bs // CW  # output features a warp owns
@@ -839,8 +854,12 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     W_STRIDE = bs + 8
     A_TILE = TM * A_STRIDE
     W_TILE = KW * W_STRIDE
-    A_SIZE = 2 * A_TILE  # double-buffered
-    W_SIZE = 2 * W_TILE
+    STAGES = V5_STAGES if vector and feature_axis == 1 else 2
+    A_ASYNC = STAGES > 2  # activation units copied straight into shared memory
+    W_ASYNC = A_ASYNC and VALUES == 1 and not transpose_w  # fp32 weight rows likewise
+    A_SIZE = STAGES * A_TILE
+    W_SIZE = STAGES * W_TILE
+    wait = waiter(max(STAGES - 2, 0))
     PAIRS = VALUES == 2
     # Words a global load unit leaves in shared memory, and units a stage.
     if not vector:
@@ -852,8 +871,8 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     W_UNITS = KW * bs // W_UNIT
     A_PER = -(-A_UNITS // T)
     W_PER = -(-W_UNITS // T)
-    A_HELD = A_PER * A_UNIT  # words of the next stage a thread holds in registers
-    W_HELD = W_PER * W_UNIT
+    A_HELD = 1 if A_ASYNC else A_PER * A_UNIT  # words of the next stage a thread holds in registers
+    W_HELD = 1 if W_ASYNC else W_PER * W_UNIT
     accumulate = _mma_accumulate(storage)
     load, _ = _activation_io(feature_axis)
     emit = _product_output(bs, storage, acc_type, feature_axis)
@@ -881,6 +900,17 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
                 held[i * 4 + c] = uint32(x0[c])
 
     @cuda.jit(device=True, inline=True)
+    def a_row_source(e, row0, n_rows, base):
+        """(row, word) of the 16 bytes of vector activation unit e with feature_axis 1."""
+        row = uint64(min(row0 + e // (KW // 4), n_rows - 1))
+        return row, uint64(base // VALUES + 4 * (e % (KW // 4)))
+
+    @cuda.jit(device=True, inline=True)
+    def w_row_source(e, block, k0):
+        """(block, k, column) of the 4 * VALUES columns of one k of vector weight unit e, untransposed."""
+        return block, uint64(k0 + VALUES * (e // (bs // W_UNIT))), uint64((e % (bs // W_UNIT)) * (W_UNIT // VALUES))
+
+    @cuda.jit(device=True, inline=True)
     def fetch_a(a, pa, e, i, row0, n_rows, base):
         """Unit e of a stage of activations (features base...) into pa[i * A_UNIT...]."""
         if not vector:
@@ -889,9 +919,7 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
             k = uint64(base + VALUES * p)
             pa[i] = word(load(a, row, k), load(a, row, k + uint64(1)) if PAIRS else 0)
         elif feature_axis == 1:
-            r = e // (KW // 4)
-            row = uint64(min(row0 + r, n_rows - 1))
-            v = load4(a, (row, uint64(base // VALUES + 4 * (e % (KW // 4)))))
+            v = load4(a, a_row_source(e, row0, n_rows, base))
             for c in range(4):
                 pa[i * 4 + c] = uint32(v[c])
         else:
@@ -933,8 +961,7 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
                 pw[i * 4 + c] = uint32(v[c])
         else:
             # 4 * VALUES columns of one k word: one (fp32) or two (16-bit) rows of the block.
-            cols = uint64((e % (bs // W_UNIT)) * (W_UNIT // VALUES))
-            k = uint64(k0 + VALUES * (e // (bs // W_UNIT)))
+            _, k, cols = w_row_source(e, block, k0)
             hold_across(pw, i, w, (block, k, cols), (block, k + uint64(1), cols))
 
     @cuda.jit(device=True, inline=True)
@@ -949,35 +976,53 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
         return e // (bs // W_UNIT), (e % (bs // W_UNIT)) * W_UNIT, 1
 
     @cuda.jit(device=True, inline=True)
-    def fetch(a, w, pa, pw, tid, row0, n_rows, j, k0, other_idx, line_block):
-        """This thread's share of one stage (block j, features k0...) into registers."""
+    def a_slot(e, buf):
+        r, p, step = a_slots(e)
+        return uint64(buf * A_TILE + r * A_STRIDE + p), step
+
+    @cuda.jit(device=True, inline=True)
+    def w_slot(e, buf):
+        p, col, step = w_slots(e)
+        return uint64(buf * W_TILE + p * W_STRIDE + col), step
+
+    @cuda.jit(device=True, inline=True)
+    def fetch(a, w, a_s, w_s, pa, pw, tid, row0, n_rows, j, k0, other_idx, line_block, buf):
+        """This thread's share of one stage (block j, features k0...): into registers, or
+        (cp.async) started on its way to buffer buf."""
         block = uint64(j if transpose_w else line_block[j])
         base = other_idx[j] * bs + k0
         for i in range(A_PER):
             e = tid + i * T
             if e < A_UNITS:
-                fetch_a(a, pa, e, i, row0, n_rows, base)
+                if A_ASYNC:
+                    copy16(a_s, (a_slot(e, buf)[0],), a, a_row_source(e, row0, n_rows, base))
+                else:
+                    fetch_a(a, pa, e, i, row0, n_rows, base)
         for i in range(W_PER):
             e = tid + i * T
             if e < W_UNITS:
-                fetch_w(w, pw, e, i, block, k0)
+                if W_ASYNC:
+                    copy16(w_s, (w_slot(e, buf)[0],), w, w_row_source(e, block, k0))
+                else:
+                    fetch_w(w, pw, e, i, block, k0)
 
     @cuda.jit(device=True, inline=True)
     def deposit(a_s, w_s, pa, pw, tid, buf):
-        for i in range(A_PER):
-            e = tid + i * T
-            if e < A_UNITS:
-                r, p, step = a_slots(e)
-                at = uint64(buf * A_TILE + r * A_STRIDE + p)
-                for c in range(A_UNIT):
-                    a_s[at + uint64(c * step)] = pa[i * A_UNIT + c]
-        for i in range(W_PER):
-            e = tid + i * T
-            if e < W_UNITS:
-                p, col, step = w_slots(e)
-                at = uint64(buf * W_TILE + p * W_STRIDE + col)
-                for c in range(W_UNIT):
-                    w_s[at + uint64(c * step)] = pw[i * W_UNIT + c]
+        """The register-held part of a stage (if any) into buffer buf."""
+        if not A_ASYNC:
+            for i in range(A_PER):
+                e = tid + i * T
+                if e < A_UNITS:
+                    at, step = a_slot(e, buf)
+                    for c in range(A_UNIT):
+                        a_s[at + uint64(c * step)] = pa[i * A_UNIT + c]
+        if not W_ASYNC:
+            for i in range(W_PER):
+                e = tid + i * T
+                if e < W_UNITS:
+                    at, step = w_slot(e, buf)
+                    for c in range(W_UNIT):
+                        w_s[at + uint64(c * step)] = pw[i * W_UNIT + c]
 
     @cuda.jit(device=True, inline=True)
     def multiply(a_s, w_s, acc, fa, buf, s, ar, t, bc):
@@ -1020,24 +1065,34 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
                 for q in range(4):
                     acc[mt, nt, q] = float32(0)
         n_stages = (seg_end[seg] - begin) * SPB
-        if n_stages > 0:
-            fetch(a, w, pa, pw, tid, row0, n_rows, begin, 0, other_idx, line_block)
-            deposit(a_s, w_s, pa, pw, tid, 0)
-        cuda.syncthreads()  # stage 0 is in buffer 0
+        # Stage s goes to buffer s % STAGES; stages 0 .. STAGES - 2 before the loop.
+        for s in range(STAGES - 1):
+            if s < n_stages:
+                fetch(a, w, a_s, w_s, pa, pw, tid, row0, n_rows, begin + s // SPB, (s % SPB) * KW * VALUES,
+                      other_idx, line_block, s)
+                deposit(a_s, w_s, pa, pw, tid, s)
+            if A_ASYNC:
+                commit()  # one group a stage, empty or not, so that the wait below counts stages
+        buf = 0
         for stage in range(n_stages):
-            buf = stage & 1
-            more = stage + 1 < n_stages
-            if more:  # the next stage's loads land while this one is multiplied
-                nxt = stage + 1
-                fetch(a, w, pa, pw, tid, row0, n_rows, begin + nxt // SPB, (nxt % SPB) * KW * VALUES,
-                      other_idx, line_block)
+            if A_ASYNC:
+                wait()  # this thread's copies of this stage have landed
+            # This stage is in buffer buf (every thread's share), and every warp is done
+            # multiplying the previous stage, whose buffer the fetch below refills.
+            cuda.syncthreads()
+            nxt = stage + STAGES - 1
+            nbuf = buf - 1 if buf > 0 else STAGES - 1
+            more = nxt < n_stages
+            if more:  # its loads land while this stage is multiplied
+                fetch(a, w, a_s, w_s, pa, pw, tid, row0, n_rows, begin + nxt // SPB, (nxt % SPB) * KW * VALUES,
+                      other_idx, line_block, nbuf)
+            if A_ASYNC:
+                commit()
             for s in range(STEPS):
                 multiply(a_s, w_s, acc, fa, buf, s, wr + g, t, wc + g)
             if more:
-                deposit(a_s, w_s, pa, pw, tid, 1 - buf)
-            # The next stage is in the other buffer, and every warp is done reading this
-            # one before the iteration after next overwrites it.
-            cuda.syncthreads()
+                deposit(a_s, w_s, pa, pw, tid, nbuf)
+            buf = buf + 1 if buf < STAGES - 1 else 0
         line = seg_line[seg]
         slot = seg_slot[seg]
         for mt in range(MT):
