@@ -5,7 +5,9 @@ import pytest
 from numba import cuda, float32
 
 from sparseblocks._backend import SIMULATOR
-from sparseblocks.kernels._async import commit, copy16, wait_all, wait_but_one
+from sparseblocks.kernels._async import (
+    commit, copy16, copy16_to, global_address, shared_address, wait_all, wait_but_one, waiter,
+)
 
 ROWS, WIDTH = 8, 4  # a thread block of 8 threads, each one 16-byte row of fp32
 
@@ -46,11 +48,54 @@ def _read_before_wait(out, source):
         out[1, t, c] = stage[t, c]
 
 
+_wait_but_one = waiter(1)  # device functions are taken outside kernels
+
+
+@cuda.jit
+def _addressed_stages(out, source, stride_bytes):
+    """_two_stages through addresses taken once and byte offsets, a ring of three buffers,
+    stage s of source into buffer s % 3, waited on with waiter(1)."""
+    t = cuda.threadIdx.x
+    stages = cuda.shared.array((3, ROWS, WIDTH), float32)
+    to = shared_address(stages, (0, t, 0))
+    origin = global_address(source, (0, t, 0))
+    for s in range(2):
+        copy16_to(to + s * ROWS * WIDTH * 4, origin + s * stride_bytes)
+        commit()
+    for s in range(2):
+        _wait_but_one()  # stage s has landed, the one after it may not have
+        cuda.syncthreads()  # every thread's rows of stage s are visible
+        j = (t + 1) % ROWS
+        for c in range(WIDTH):
+            out[s, t, c] = stages[s % 3, j, c]
+        commit()  # an empty group: the wait above counts one group a stage
+
+
 def test_stages_land_in_order():
     source = np.arange(2 * ROWS * WIDTH, dtype=np.float32).reshape(2, ROWS, WIDTH)
     out = cuda.to_device(np.full_like(source, np.nan))
     _two_stages[1, ROWS](out, cuda.to_device(source))
     np.testing.assert_array_equal(out.copy_to_host(), np.roll(source, -1, axis=1))
+
+
+def test_addressed_copies_land_in_order():
+    source = np.arange(2 * ROWS * WIDTH, dtype=np.float32).reshape(2, ROWS, WIDTH)
+    out = cuda.to_device(np.full_like(source, np.nan))
+    _addressed_stages[1, ROWS](out, cuda.to_device(source), ROWS * WIDTH * 4)
+    np.testing.assert_array_equal(out.copy_to_host(), np.roll(source, -1, axis=1))
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's check; a GPU would fault")
+def test_addressed_copy_past_the_end_raises():
+    source = cuda.to_device(np.zeros((2, ROWS, WIDTH), np.float32))
+    out = cuda.to_device(np.zeros((2, ROWS, WIDTH), np.float32))
+    with pytest.raises(IndexError, match="outside the array"):
+        _addressed_stages[1, ROWS](out, source, 2 * ROWS * WIDTH * 4)  # stage 1 starts at the end
+
+
+def test_waiter_refuses_what_it_cannot_wait_for():
+    with pytest.raises(ValueError, match="keep"):
+        waiter(4)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="on a GPU a copy may land any time before its wait")
@@ -80,3 +125,5 @@ def test_ptx_has_the_async_copies():
     ptx, _ = cuda.compile_ptx(_two_stages.py_func, (array, array))
     assert ptx.count("cp.async.cg.shared.global") == 2
     assert "cp.async.wait_group 1" in ptx and "cp.async.commit_group" in ptx
+    ptx, _ = cuda.compile_ptx(_addressed_stages.py_func, (array, array, types.int64))
+    assert ptx.count("cp.async.cg.shared.global") == 2 and "cvta.to.shared" in ptx

@@ -1,4 +1,4 @@
-"""Asynchronous global-to-shared copies: ``copy16``, ``commit``, ``wait_all``, ``wait_but_one``, ``waiter``.
+"""Asynchronous global-to-shared copies: ``copy16``, ``copy16_to``, ``commit``, ``wait_all``, ``wait_but_one``, ``waiter``.
 
 ``copy16(shared, (i, ..., j), source, (k, ..., l))`` starts a 16-byte copy of
 ``source[k, ..., l:]`` into ``shared[i, ..., j:]`` (``cp.async.cg.shared.global``:
@@ -6,7 +6,16 @@ through L2 only, no register holds the data); ``commit()`` closes this
 thread's group of copies started since the last commit; ``wait_all()`` and
 ``wait_but_one()`` (``cp.async.wait_group 0`` / ``1``) block this thread until
 all its groups, or all but the newest one, have landed; ``waiter(n)`` is the
-wait that leaves the newest ``n`` groups (0 to 3) in flight. Other threads see a
+wait that leaves the newest ``n`` groups (0 to 3) in flight.
+
+``copy16`` works out both addresses from array indices at every call, which
+costs a kernel that copies a tile's rows every stage some 30 instructions a
+copy (64-bit index products, the generic-to-shared conversion). Kernels
+that copy from the same places stage after stage instead take the addresses
+once, ``shared_address(shared, (i, ...))`` (32-bit, in the shared window) and
+``global_address(source, (k, ...))`` (64-bit), add byte offsets to them, and
+call ``copy16_to(shared_address, global_address)``: one instruction and two
+additions a copy. Other threads see a
 landed copy only after a barrier, as with any shared store. Both addresses
 must be multiples of 16 bytes and the 16 bytes contiguous: launchers check
 pointers and strides on the host, as for `_vector.py`'s loads.
@@ -20,7 +29,8 @@ converted with ``cvta.to.shared``.
 In the CUDA simulator each thread's copies wait in a per-thread queue and
 land at the wait that covers them, not when started: a kernel that reads a
 stage before waiting for it reads stale shared memory there too, so the
-simulator tests catch a missing wait. Unaligned addresses raise.
+simulator tests catch a missing wait. Unaligned addresses raise, and so do
+addresses (array plus byte offset, there) past either array's end.
 
 Used by version 5's products (kernels/bsmm.py: activation stages, and fp32
 weight stages, kept V5_STAGES deep). Tests: tests/test_async.py.
@@ -32,6 +42,8 @@ BYTES = 16
 
 if SIMULATOR:
     import threading
+
+    import numpy as np
 
     from ._vector import checked_row
 
@@ -47,6 +59,39 @@ if SIMULATOR:
         origin, k = checked_row(source, source_index, BYTES, "copy16")
         width = BYTES // origin.itemsize
         _groups()[-1].append((destination, i, origin[k:k + width].copy()))
+
+    class _Address:
+        """An array's bytes and an offset into them: what an address is in the simulator."""
+
+        def __init__(self, buffer, offset):
+            self.buffer, self.offset = buffer, int(offset)
+
+        def __add__(self, offset):
+            return _Address(self.buffer, self.offset + int(offset))
+
+        __radd__ = __add__
+
+        def bytes16(self, what):
+            if not 0 <= self.offset <= len(self.buffer) - BYTES:
+                raise IndexError(f"{what}: bytes {self.offset}..{self.offset + BYTES} outside the array's "
+                                 f"{len(self.buffer)}")
+            if (self.buffer.ctypes.data + self.offset) % BYTES:
+                raise ValueError(f"{what}: address not aligned to {BYTES} bytes")
+            return slice(self.offset, self.offset + BYTES)
+
+    def global_address(array, index):
+        array = np.asarray(array)
+        if not array.flags.c_contiguous:
+            raise ValueError("global_address: the array is not contiguous")
+        # The byte offset as the compiled code computes it: no bounds check until a copy uses it.
+        offset = sum(int(i) * stride for i, stride in zip(index, array.strides))
+        return _Address(array.reshape(-1).view(np.uint8), offset)
+
+    shared_address = global_address
+
+    def copy16_to(shared, source):
+        values = source.buffer[source.bytes16("copy16_to source")].copy()
+        _groups()[-1].append((shared.buffer, shared.bytes16("copy16_to destination").start, values))
 
     def commit():
         _groups().append([])
@@ -95,6 +140,46 @@ else:
             return context.get_dummy_value()
 
         return signature, codegen
+
+    @intrinsic
+    def global_address(typingctx, array, index):
+        if not indexes(array, index):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+
+        return types.uint64(array, index), codegen
+
+    @intrinsic
+    def shared_address(typingctx, array, index):
+        if not indexes(array, index):
+            return None
+
+        def codegen(context, builder, sig, args):
+            generic = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            function = ir.FunctionType(ir.IntType(32), [ir.IntType(64)])
+            asm = ir.InlineAsm(function, "{ .reg .u64 s64; cvta.to.shared.u64 s64, $1; cvt.u32.u64 $0, s64; }",
+                               "=r,l")
+            return builder.call(asm, [generic])
+
+        return types.uint32(array, index), codegen
+
+    @intrinsic
+    def copy16_to(typingctx, shared, source):
+        if not (isinstance(shared, types.Integer) and isinstance(source, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            to = context.cast(builder, args[0], sig.args[0], types.uint32)
+            origin = context.cast(builder, args[1], sig.args[1], types.uint64)
+            function = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(64)])
+            asm = ir.InlineAsm(function, "cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}",
+                               side_effect=True)
+            builder.call(asm, [to, origin])
+            return context.get_dummy_value()
+
+        return types.void(shared, source), codegen
 
     def _statement(ptx):
         @intrinsic

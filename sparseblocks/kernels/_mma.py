@@ -41,6 +41,8 @@ from .._backend import SIMULATOR
 
 MMA_M, MMA_N, MMA_K = 16, 8, 16
 TF32_K = 8
+TF32_MASK = 0xFFFFE000  # the bits of an fp32 pattern that tf32 keeps (the tensor cores read)
+TF32_HALF = 0x1000  # half of tf32's last place, in fp32 bits
 FULL_MASK = 0xFFFFFFFF
 
 
@@ -141,7 +143,7 @@ if SIMULATOR:
 
     def _tf32_value(bits):
         """What the tensor cores read of a tf32 register: the fp32 value of its upper 19 bits."""
-        return _fp32_value(np.uint32(bits) & np.uint32(0xFFFFE000))
+        return _fp32_value(np.uint32(bits) & np.uint32(TF32_MASK))
 
     mma_f16 = _collective("mma_f16", MMA_K, _pairs("f16"))
     mma_bf16 = _collective("mma_bf16", MMA_K, _pairs("bf16"))
@@ -155,7 +157,7 @@ if SIMULATOR:
         bits = int(np.array([value], np.float32).view(np.uint32)[0])
         if (bits >> 23) & 0xFF == 0xFF:  # inf and NaN keep their pattern
             return np.uint32(bits)
-        return np.uint32(((bits + 0x1000) & 0xFFFFE000) & 0xFFFFFFFF)
+        return np.uint32(((bits + TF32_HALF) & TF32_MASK) & 0xFFFFFFFF)
 
 else:
     from llvmlite import ir
@@ -204,11 +206,15 @@ else:
 
     @cuda.jit(device=True, inline=True)
     def _split(word):
-        """An fp32 value (as its bits) as tf32 head and tail, head + tail = the value to ~2^-22."""
-        value = libdevice.int_as_float(int32(word))
-        head = to_tf32(value)
-        tail = to_tf32(float32(value - libdevice.int_as_float(int32(head))))
-        return head, tail
+        """An fp32 value (as its bits) as tf32 head and tail, head + tail = the value to ~2^-22.
+
+        Rounding by the bits: add half a tf32 ulp, clear the 13 low bits (the tensor cores
+        ignore them, so the tail's are left). For finite values this is what to_tf32
+        (cvt.rna.tf32.f32) gives, in one instruction instead of three (ptxas tests for inf and
+        NaN first); an infinite input makes its products NaN instead of infinite."""
+        head = (uint32(word) + uint32(TF32_HALF)) & uint32(TF32_MASK)
+        tail = float32(libdevice.int_as_float(int32(word)) - libdevice.int_as_float(int32(head)))
+        return head, uint32(libdevice.float_as_int(tail)) + uint32(TF32_HALF)
 
     @cuda.jit(device=True, inline=True)
     def mma_3xtf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):

@@ -56,7 +56,7 @@ from .._backend import SIMULATOR
 from .._arrays import (
     Operand, check_dtype, check_same_dtype, check_same_kind, check_shape, launch_stream,
 )
-from ._async import commit, copy16, waiter
+from ._async import commit, copy16_to, global_address, shared_address, waiter
 from ._launch import data_pointer, launch, multiprocessors, replay
 from ._mma import MMA_M, MMA_N, mma_3xtf32, mma_bf16, mma_f16, pack
 from ._vector import aligned, load2, load4
@@ -842,7 +842,8 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     memory) are copied by cp.async without passing through registers,
     V5_STAGES - 1 stages ahead of the multiply; the rest of the weights still
     pass through registers, deposited after the multiply into the buffer the
-    barrier just freed.
+    barrier just freed. Each thread takes its copies' addresses once, before
+    the loop, and adds a stage's offset to them.
     """
     T, TM, CW, KW, VALUES = _v5_shape(bs, storage)
     WN = bs // CW  # output features a warp owns
@@ -873,6 +874,8 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     W_PER = -(-W_UNITS // T)
     A_HELD = 1 if A_ASYNC else A_PER * A_UNIT  # words of the next stage a thread holds in registers
     W_HELD = 1 if W_ASYNC else W_PER * W_UNIT
+    A_ALL = A_UNITS % T == 0  # every thread has A_PER units (no bound test)
+    W_ALL = W_UNITS % T == 0
     accumulate = _mma_accumulate(storage)
     load, _ = _activation_io(feature_axis)
     emit = _product_output(bs, storage, acc_type, feature_axis)
@@ -986,23 +989,45 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
         return uint64(buf * W_TILE + p * W_STRIDE + col), step
 
     @cuda.jit(device=True, inline=True)
-    def fetch(a, w, a_s, w_s, pa, pw, tid, row0, n_rows, j, k0, other_idx, line_block, buf):
-        """This thread's share of one stage (block j, features k0...): into registers, or
-        (cp.async) started on its way to buffer buf."""
-        block = uint64(j if transpose_w else line_block[j])
-        base = other_idx[j] * bs + k0
+    def copy_offsets(a, a_from, a_to, w_from, w_to, tid, row0, n_rows):
+        """Byte offsets of this thread's cp.async units in the first stage: from a (features
+        0...) and w (block 0, k 0...), to buffer 0."""
         for i in range(A_PER):
             e = tid + i * T
-            if e < A_UNITS:
+            if A_ALL or e < A_UNITS:
+                row, word = a_row_source(e, row0, n_rows, 0)
+                a_from[i] = (row * uint64(a.shape[1]) + word) * uint64(4)
+                a_to[i] = a_slot(e, 0)[0] * uint64(4)
+        if W_ASYNC:
+            for i in range(W_PER):
+                e = tid + i * T
+                if W_ALL or e < W_UNITS:
+                    _, k, col = w_row_source(e, uint64(0), 0)
+                    w_from[i] = (k * uint64(bs) + col) * uint64(4)
+                    w_to[i] = w_slot(e, 0)[0] * uint64(4)
+
+    @cuda.jit(device=True, inline=True)
+    def fetch(a, w, pa, pw, tid, row0, n_rows, j, k0, other_idx, line_block, copies, buf):
+        """This thread's share of one stage (block j, features k0...) into registers, or with
+        cp.async, on its way to buffer buf: copies = (shared addresses of a_s and w_s, global
+        addresses of a and w, then the byte offsets of copy_offsets)."""
+        block = uint64(j if transpose_w else line_block[j])
+        base = other_idx[j] * bs + k0
+        a_shared, w_shared, a_global, w_global, a_from, a_to, w_from, w_to = copies
+        for i in range(A_PER):
+            e = tid + i * T
+            if A_ALL or e < A_UNITS:
                 if A_ASYNC:
-                    copy16(a_s, (a_slot(e, buf)[0],), a, a_row_source(e, row0, n_rows, base))
+                    copy16_to(a_shared + (a_to[i] + uint64(buf * A_TILE * 4)),
+                              a_global + (a_from[i] + uint64(base // VALUES) * uint64(4)))
                 else:
                     fetch_a(a, pa, e, i, row0, n_rows, base)
         for i in range(W_PER):
             e = tid + i * T
-            if e < W_UNITS:
+            if W_ALL or e < W_UNITS:
                 if W_ASYNC:
-                    copy16(w_s, (w_slot(e, buf)[0],), w, w_row_source(e, block, k0))
+                    copy16_to(w_shared + (w_to[i] + uint64(buf * W_TILE * 4)),
+                              w_global + (w_from[i] + (block * uint64(bs) + uint64(k0)) * uint64(bs * 4)))
                 else:
                     fetch_w(w, pw, e, i, block, k0)
 
@@ -1012,14 +1037,14 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
         if not A_ASYNC:
             for i in range(A_PER):
                 e = tid + i * T
-                if e < A_UNITS:
+                if A_ALL or e < A_UNITS:
                     at, step = a_slot(e, buf)
                     for c in range(A_UNIT):
                         a_s[at + uint64(c * step)] = pa[i * A_UNIT + c]
         if not W_ASYNC:
             for i in range(W_PER):
                 e = tid + i * T
-                if e < W_UNITS:
+                if W_ALL or e < W_UNITS:
                     at, step = w_slot(e, buf)
                     for c in range(W_UNIT):
                         w_s[at + uint64(c * step)] = pw[i * W_UNIT + c]
@@ -1060,6 +1085,14 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
         fa = cuda.local.array((MT, 4), uint32)
         pa = cuda.local.array(A_HELD, uint32)
         pw = cuda.local.array(W_HELD, uint32)
+        a_from = cuda.local.array(A_PER, uint64)
+        a_to = cuda.local.array(A_PER, uint64)
+        w_from = cuda.local.array(W_PER, uint64)
+        w_to = cuda.local.array(W_PER, uint64)
+        if A_ASYNC:
+            copy_offsets(a, a_from, a_to, w_from, w_to, tid, row0, n_rows)
+        copies = (shared_address(a_s, (0,)), shared_address(w_s, (0,)), global_address(a, (0, 0)),
+                  global_address(w, (0, 0, 0)), a_from, a_to, w_from, w_to)
         for mt in range(MT):
             for nt in range(NT):
                 for q in range(4):
@@ -1068,8 +1101,8 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
         # Stage s goes to buffer s % STAGES; stages 0 .. STAGES - 2 before the loop.
         for s in range(STAGES - 1):
             if s < n_stages:
-                fetch(a, w, a_s, w_s, pa, pw, tid, row0, n_rows, begin + s // SPB, (s % SPB) * KW * VALUES,
-                      other_idx, line_block, s)
+                fetch(a, w, pa, pw, tid, row0, n_rows, begin + s // SPB, (s % SPB) * KW * VALUES,
+                      other_idx, line_block, copies, s)
                 deposit(a_s, w_s, pa, pw, tid, s)
             if A_ASYNC:
                 commit()  # one group a stage, empty or not, so that the wait below counts stages
@@ -1084,8 +1117,8 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
             nbuf = buf - 1 if buf > 0 else STAGES - 1
             more = nxt < n_stages
             if more:  # its loads land while this stage is multiplied
-                fetch(a, w, a_s, w_s, pa, pw, tid, row0, n_rows, begin + nxt // SPB, (nxt % SPB) * KW * VALUES,
-                      other_idx, line_block, nbuf)
+                fetch(a, w, pa, pw, tid, row0, n_rows, begin + nxt // SPB, (nxt % SPB) * KW * VALUES,
+                      other_idx, line_block, copies, nbuf)
             if A_ASYNC:
                 commit()
             for s in range(STEPS):
