@@ -265,6 +265,28 @@ def test_tensor_core_load_paths(block_size, dtype, feature_axis, n, offset, vect
     assert_close(dx, reference.input_grad(dy, w, layout, feature_axis), dtype, "input_grad")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_tensor_core_stage_ring(monkeypatch, dtype):
+    """Version 5 with a ring of three stages (V5_STAGES = 3: cp.async copies of activation rows,
+    and of fp32 weights in the forward product) gives the reference's products; N = 9 leaves
+    most of the 128-row tile past the end."""
+    from numba import cuda
+
+    monkeypatch.setattr(bsmm, "V5_STAGES", 3)
+    monkeypatch.setattr(bsmm, "_kernels", {})
+    layout = BlockLayout.dense((2, 1), 16)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((9, 32)).astype(dtype)
+    dy = rng.standard_normal((9, 16)).astype(dtype)
+    w = rng.standard_normal(layout.w_shape).astype(dtype)
+    xs, dys, ws = (cuda.to_device(a) for a in (x, dy, w))
+    assert bsmm._v5_vector_loads((xs, ws), 9, 1, 1)
+    y = bsmm.forward(xs, ws, layout, version=5).copy_to_host()
+    dx = bsmm.input_grad(dys, ws, layout, version=5).copy_to_host()
+    assert_close(y, reference.forward(x, w, layout), dtype, "forward")
+    assert_close(dx, reference.input_grad(dy, w, layout), dtype, "input_grad")
+
+
 def test_tensor_core_rounded_sums(monkeypatch):
     """fp32 on version 5 with V5_ROUNDED_SUMS (each mma from zero, added in fp32) gives the
     reference's products too."""

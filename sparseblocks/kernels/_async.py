@@ -15,7 +15,9 @@ that copy from the same places stage after stage instead take the addresses
 once, ``shared_address(shared, (i, ...))`` (32-bit, in the shared window) and
 ``global_address(source, (k, ...))`` (64-bit), add byte offsets to them, and
 call ``copy16_to(shared_address, global_address)``: one instruction and two
-additions a copy. Other threads see a
+additions a copy. ``copy16_or_zero(shared_address, global_address, keep)``
+writes 16 zero bytes instead where ``keep`` is false (cp.async's source size
+0: nothing is read), for rows past an array's end. Other threads see a
 landed copy only after a barrier, as with any shared store. Both addresses
 must be multiples of 16 bytes and the 16 bytes contiguous: launchers check
 pointers and strides on the host, as for `_vector.py`'s loads.
@@ -92,6 +94,13 @@ if SIMULATOR:
     def copy16_to(shared, source):
         values = source.buffer[source.bytes16("copy16_to source")].copy()
         _groups()[-1].append((shared.buffer, shared.bytes16("copy16_to destination").start, values))
+
+    def copy16_or_zero(shared, source, keep):
+        if keep:
+            copy16_to(shared, source)
+        else:
+            _groups()[-1].append((shared.buffer, shared.bytes16("copy16_or_zero destination").start,
+                                  np.zeros(BYTES, np.uint8)))
 
     def commit():
         _groups().append([])
@@ -180,6 +189,27 @@ else:
             return context.get_dummy_value()
 
         return types.void(shared, source), codegen
+
+    @intrinsic
+    def copy16_or_zero(typingctx, shared, source, keep):
+        if not (isinstance(shared, types.Integer) and isinstance(source, types.Integer)
+                and isinstance(keep, (types.Integer, types.Boolean))):
+            return None
+
+        def codegen(context, builder, sig, args):
+            to = context.cast(builder, args[0], sig.args[0], types.uint32)
+            origin = context.cast(builder, args[1], sig.args[1], types.uint64)
+            i32 = ir.IntType(32)
+            kept = context.cast(builder, args[2], sig.args[2], types.boolean)
+            size = builder.select(builder.icmp_unsigned("!=", kept, ir.Constant(kept.type, 0)),
+                                  ir.Constant(i32, BYTES), ir.Constant(i32, 0))
+            function = ir.FunctionType(ir.VoidType(), [i32, ir.IntType(64), i32])
+            asm = ir.InlineAsm(function, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
+                               side_effect=True)
+            builder.call(asm, [to, origin, size])
+            return context.get_dummy_value()
+
+        return types.void(shared, source, keep), codegen
 
     def _statement(ptx):
         @intrinsic

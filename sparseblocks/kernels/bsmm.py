@@ -56,7 +56,7 @@ from .._backend import SIMULATOR
 from .._arrays import (
     Operand, check_dtype, check_same_dtype, check_same_kind, check_shape, launch_stream,
 )
-from ._async import commit, copy16_to, global_address, shared_address, waiter
+from ._async import commit, copy16_or_zero, copy16_to, global_address, shared_address, wait_but_one, waiter
 from ._launch import data_pointer, launch, multiprocessors, replay
 from ._mma import MMA_M, MMA_N, mma_3xtf32, mma_bf16, mma_f16, pack
 from ._vector import aligned, load2, load4
@@ -127,7 +127,7 @@ V5_VECTOR = True  # False keeps version 5 on one-value global loads
 # shared memory through cp.async (kernels/_async.py), STAGES - 1 stages in flight; the
 # other weights pass through registers. 2: every load through registers, double-buffered.
 # At most 3 within 48 KB of static shared memory at block 64.
-V5_STAGES = 3
+V5_STAGES = 2
 # fp32 on version 5 (3xTF32): the tensor cores' own fp32 sums drift (relative error 3.2e-6
 # over 410-term sums, 1.5e-5 over 2048, H100). True starts each mma from zero and adds its
 # 8-term result in round-to-nearest fp32: 6.6e-7 as version 4, forward 0.448-0.488 ms against
@@ -139,6 +139,9 @@ V5_ROUNDED_SUMS = True
 # 1.230. False: version 5 takes version 4's weight gradient.
 V5_WGRAD = True
 V5_WGRAD_WARPS = 4
+# fp32 with feature_axis 1 and vector loads: the weight gradient's rows of x and dy go
+# straight to shared memory by cp.async (rows past the end as zeros), not through registers.
+V5_WGRAD_ASYNC = True
 V5_WGRAD_ROWS = 32  # N-splits are cut at multiples of it (whole steps of every storage)
 # Storage that runs version 5 when a call names no version (see default_version).
 TENSOR_CORE_DEFAULT = ("float16", "bfloat16", "float32")
@@ -1396,7 +1399,9 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
     alignment and, for feature_axis 0, that N is a multiple of 4 words' rows)
     loads read 16 bytes: two rows of 8 features paired up, or one row of 4 fp32
     features (feature_axis 1), or 4 words' rows of one feature (feature_axis 0).
-    Rows past this split's end are zero.
+    Rows past this split's end are zero. fp32 with feature_axis 1 and
+    ``vector`` (and V5_WGRAD_ASYNC): each 16-byte piece of a row goes to shared
+    memory by cp.async instead, from addresses taken once.
     """
     WT = min(bs, V5_WARP_TILE)  # side of a warp's patch
     SIDE = bs // WT
@@ -1418,7 +1423,8 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
         UNIT = 8 if feature_axis == 1 and PAIRS else 4
     UNITS = KW * WT // UNIT
     PER_LANE = UNITS // 32
-    HELD = PER_LANE * UNIT
+    ASYNC = V5_WGRAD_ASYNC and vector and feature_axis == 1 and not PAIRS
+    HELD = 1 if ASYNC else PER_LANE * UNIT
     accumulate = _mma_accumulate(storage)
     load, _ = _activation_io(feature_axis)
     finish = _weight_grad_output(bs, storage, acc_type)
@@ -1478,6 +1484,35 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
                 for w in range(4):
                     tiles[slot + uint64(w * STRIDE)] = held[i * 4 + w]
 
+    @cuda.jit(device=True, inline=True)
+    def issue(shared, source, row_words, lane, col0, n0, n_end, at):
+        """cp.async of this lane's share of a step's rows n0... of features col0... of an fp32
+        source (feature_axis 1) into shared words at...; rows past n_end become zeros."""
+        for i in range(PER_LANE):
+            e = lane + 32 * i
+            p, cg = e // (WT // 4), e % (WT // 4)
+            n = n0 + p
+            row = uint64(min(n, n_end - 1))
+            copy16_or_zero(shared + uint64((at + p * STRIDE + 4 * cg) * 4),
+                           source + (row * uint64(row_words) + uint64(col0 + 4 * cg)) * uint64(4), n < n_end)
+
+    @cuda.jit(device=True, inline=True)
+    def multiply(tiles, acc, fa, ax, g, t):
+        """acc += the step in the buffer at word ax (x's rows, then dy's at ax + TILE)."""
+        for s in range(KW // 8):
+            for mt in range(MT):
+                at = uint64(ax + (s * 8 + t) * STRIDE + mt * MMA_M + g)
+                fa[mt, 0] = tiles[at]
+                fa[mt, 1] = tiles[at + uint64(8)]
+                fa[mt, 2] = tiles[at + uint64(4 * STRIDE)]
+                fa[mt, 3] = tiles[at + uint64(4 * STRIDE + 8)]
+            for nt in range(NT):
+                at = uint64(ax + TILE + (s * 8 + t) * STRIDE + nt * MMA_N + g)
+                b0 = tiles[at]
+                b1 = tiles[at + uint64(4 * STRIDE)]
+                for mt in range(MT):
+                    accumulate(acc, mt, nt, fa, b0, b1)
+
     @cuda.jit
     def weight_grad_v5(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta):
         lane = cuda.threadIdx.x % 32
@@ -1507,39 +1542,46 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
                 for q in range(4):
                     acc[mt, nt, q] = float32(0)
         steps = (n_end - n_begin + ROWS - 1) // ROWS
-        if steps > 0:
-            fetch(x, hx, lane, c0, n_begin, n_end)
-            fetch(dy, hd, lane, k0, n_begin, n_end)
-            deposit(tiles, hx, lane, base)
-            deposit(tiles, hd, lane, base + TILE)
-        cuda.syncwarp()  # step 0 is in buffer 0
-        for step in range(steps):
-            buf = step & 1
-            more = step + 1 < steps
-            if more:  # the next step's loads land while this one is multiplied
-                fetch(x, hx, lane, c0, n_begin + (step + 1) * ROWS, n_end)
-                fetch(dy, hd, lane, k0, n_begin + (step + 1) * ROWS, n_end)
-            ax = base + buf * 2 * TILE
-            for s in range(KW // 8):
-                for mt in range(MT):
-                    at = uint64(ax + (s * 8 + t) * STRIDE + mt * MMA_M + g)
-                    fa[mt, 0] = tiles[at]
-                    fa[mt, 1] = tiles[at + uint64(8)]
-                    fa[mt, 2] = tiles[at + uint64(4 * STRIDE)]
-                    fa[mt, 3] = tiles[at + uint64(4 * STRIDE + 8)]
-                for nt in range(NT):
-                    at = uint64(ax + TILE + (s * 8 + t) * STRIDE + nt * MMA_N + g)
-                    b0 = tiles[at]
-                    b1 = tiles[at + uint64(4 * STRIDE)]
-                    for mt in range(MT):
-                        accumulate(acc, mt, nt, fa, b0, b1)
-            if more:
-                nxt = base + (1 - buf) * 2 * TILE
-                deposit(tiles, hx, lane, nxt)
-                deposit(tiles, hd, lane, nxt + TILE)
-            # The next step is in the other buffer, and the warp is done reading this one
-            # before the step after next overwrites it.
-            cuda.syncwarp()
+        if ASYNC:
+            shared, x_global, dy_global = shared_address(tiles, (0,)), global_address(x, (0, 0)), \
+                global_address(dy, (0, 0))
+            if steps > 0:
+                issue(shared, x_global, x.shape[1], lane, c0, n_begin, n_end, base)
+                issue(shared, dy_global, dy.shape[1], lane, k0, n_begin, n_end, base + TILE)
+            commit()
+            for step in range(steps):
+                buf = step & 1
+                if step + 1 < steps:  # the next step's copies land while this one is multiplied
+                    nxt = base + (1 - buf) * 2 * TILE
+                    n0 = n_begin + (step + 1) * ROWS
+                    issue(shared, x_global, x.shape[1], lane, c0, n0, n_end, nxt)
+                    issue(shared, dy_global, dy.shape[1], lane, k0, n0, n_end, nxt + TILE)
+                commit()  # one group a step, empty or not
+                wait_but_one()  # this lane's copies of this step have landed
+                cuda.syncwarp()  # ... and every lane's
+                multiply(tiles, acc, fa, base + buf * 2 * TILE, g, t)
+                cuda.syncwarp()  # the warp is done with this buffer before the next issue refills it
+        else:  # through registers
+            if steps > 0:
+                fetch(x, hx, lane, c0, n_begin, n_end)
+                fetch(dy, hd, lane, k0, n_begin, n_end)
+                deposit(tiles, hx, lane, base)
+                deposit(tiles, hd, lane, base + TILE)
+            cuda.syncwarp()  # step 0 is in buffer 0
+            for step in range(steps):
+                buf = step & 1
+                more = step + 1 < steps
+                if more:  # the next step's loads land while this one is multiplied
+                    fetch(x, hx, lane, c0, n_begin + (step + 1) * ROWS, n_end)
+                    fetch(dy, hd, lane, k0, n_begin + (step + 1) * ROWS, n_end)
+                multiply(tiles, acc, fa, base + buf * 2 * TILE, g, t)
+                if more:
+                    nxt = base + (1 - buf) * 2 * TILE
+                    deposit(tiles, hx, lane, nxt)
+                    deposit(tiles, hd, lane, nxt + TILE)
+                # The next step is in the other buffer, and the warp is done reading this one
+                # before the step after next overwrites it.
+                cuda.syncwarp()
         for mt in range(MT):
             for nt in range(NT):
                 for q in range(4):
