@@ -55,6 +55,22 @@ def test_reduce_mask_on_the_device_keeps_the_count_there():
     np.testing.assert_array_equal(blocks[:n], reference.sparse_gather(x, want, **g))
 
 
+@pytest.mark.parametrize("prefix_chunks", [sbnet.PREFIX_CHUNKS, 1])
+def test_reduce_mask_over_several_chunks(monkeypatch, prefix_chunks):
+    """Windows in several chunks of the compaction: their offsets summed by each compaction
+    block, or (past PREFIX_CHUNKS chunks) by the scan kernel; rows past the count hold -1."""
+    monkeypatch.setattr(sbnet, "PREFIX_CHUNKS", prefix_chunks)
+    rng = np.random.default_rng(3)
+    mask = (rng.random((1, 18, 40)) < 0.3).astype(np.float32)  # 720 windows of 1: three chunks
+    indices, count = sbnet.reduce_mask(cuda.to_device(mask), bsize=1, bstride=1)
+    want = reference.reduce_mask(mask, bsize=1, bstride=1)
+    n = int(count.copy_to_host()[0])
+    assert n == len(want)
+    got = indices.copy_to_host()
+    np.testing.assert_array_equal(got[:n], want)
+    assert (got[n:] == -1).all()
+
+
 def test_reduce_mask_of_an_empty_mask_and_of_no_blocks():
     indices, count = sbnet.reduce_mask(np.zeros((1, 5, 5), np.float32), bsize=2, bstride=2)
     assert count == 0 and indices.shape == (0, 3)

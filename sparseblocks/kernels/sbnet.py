@@ -6,9 +6,12 @@ image ``n`` starting at row ``boffset_h + bh*bstride_h`` and column
 zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
 
 * `reduce_mask` pools a mask ``[N, H, W]`` over every window (one warp a
-  window, a shuffle reduction), then compacts the active windows in
-  row-major order with ballots and prefix sums (no atomics, so the order is
-  the reference's). Returns ``(indices, count)``: for a NumPy mask the
+  window, a shuffle reduction) and counts the active windows of each chunk of
+  COMPACT_THREADS (an integer atomic add: the sums do not depend on the
+  order), then compacts the active windows in row-major order with ballots
+  and prefix sums of those counts (the order is the reference's). Two
+  kernels and a memset; past PREFIX_CHUNKS chunks a scan kernel sums the
+  counts first. Returns ``(indices, count)``: for a NumPy mask the
   ``[count, 3]`` int32 indices and an int; for a device mask an
   ``[N*bcount_h*bcount_w, 3]`` buffer of which the first ``count`` rows are
   valid (the rest hold n = -1, which every kernel skips), and ``count`` as a
@@ -47,6 +50,7 @@ WARP = 32
 POOL_WARPS = 8  # windows pooled per thread block, one warp each
 COMPACT_THREADS = 256  # flags per thread block of the compaction
 COMPACT_WARPS = COMPACT_THREADS // WARP  # a literal: shared-array shapes must be compile-time constants
+PREFIX_CHUNKS = 4 * COMPACT_THREADS  # chunk counts a compaction block sums itself (4 a thread), else a scan
 COPY_THREADS = 256  # threads of a gather/scatter block (one thread block a window)
 COPY_UNROLL = 4  # elements a thread loads before it stores any
 WAVES = 4  # thread blocks per multiprocessor a gather/scatter aims for
@@ -61,9 +65,10 @@ DATA_DTYPES = ("float16", "float32", "float64")
 
 
 @cuda.jit
-def pool_kernel(flags, mask, n_images, height, width, count_h, count_w,
+def pool_kernel(flags, chunk_counts, mask, n_images, height, width, count_h, count_w,
                 size_h, size_w, stride_h, stride_w, offset_h, offset_w, tol, avgpool):
-    """flags[window] = 1 where the pooled mask exceeds tol; one warp a window."""
+    """flags[window] = 1 where the pooled mask exceeds tol, and chunk_counts[window //
+    COMPACT_THREADS] counts them (zeroed before); one warp a window."""
     window = cuda.blockIdx.x * POOL_WARPS + cuda.threadIdx.x // WARP
     lane = cuda.threadIdx.x % WARP
     if window < n_images * count_h * count_w:  # the same for every lane of a warp
@@ -88,7 +93,10 @@ def pool_kernel(flags, mask, n_images, height, width, count_h, count_w,
             offset //= 2
         if lane == 0:
             pooled = acc / (size_h * size_w) if avgpool else acc
-            flags[window] = 1 if pooled > tol else 0
+            active = pooled > tol
+            flags[window] = 1 if active else 0
+            if active:
+                cuda.atomic.add(chunk_counts, window // COMPACT_THREADS, 1)
 
 
 @cuda.jit(device=True, inline=True)
@@ -105,20 +113,27 @@ def _warp_counts_and_offset(ballot, warp_counts):
     return before
 
 
-@cuda.jit
-def count_kernel(block_counts, flags, total):
-    """block_counts[b] = active flags among the COMPACT_THREADS flags of thread block b."""
-    i = cuda.blockIdx.x * COMPACT_THREADS + cuda.threadIdx.x
-    ballot = cuda.ballot_sync(FULL_MASK, i < total and flags[min(i, total - 1)] != 0)
-    warp_counts = cuda.shared.array(COMPACT_WARPS, np.int32)
-    before = _warp_counts_and_offset(ballot, warp_counts)
-    if cuda.threadIdx.x == COMPACT_THREADS - WARP:  # lane 0 of the last warp
-        block_counts[cuda.blockIdx.x] = before + warp_counts[COMPACT_WARPS - 1]
+@cuda.jit(device=True, inline=True)
+def _block_sum(value, partial):
+    """The sum of value over the thread block, for every thread (partial: COMPACT_WARPS ints)."""
+    offset = 16
+    while offset > 0:
+        value += cuda.shfl_xor_sync(FULL_MASK, value, offset)
+        offset //= 2
+    if cuda.threadIdx.x % WARP == 0:
+        partial[cuda.threadIdx.x // WARP] = value
+    cuda.syncthreads()  # every warp's sum is in partial
+    total = 0
+    for k in range(COMPACT_WARPS):
+        total += partial[k]
+    cuda.syncthreads()  # partial is read before a later call overwrites it
+    return total
 
 
 @cuda.jit
 def scan_kernel(block_offsets, count, block_counts, n_blocks):
-    """Exclusive prefix sum of block_counts by one warp (shuffle scans of 32 at a time)."""
+    """Exclusive prefix sum of block_counts by one warp (shuffle scans of 32 at a time): for more
+    than PREFIX_CHUNKS chunks."""
     lane = cuda.threadIdx.x
     carry = 0
     for base in range(0, n_blocks, WARP):
@@ -138,21 +153,54 @@ def scan_kernel(block_offsets, count, block_counts, n_blocks):
         count[0] = carry
 
 
-@cuda.jit
-def write_kernel(indices, flags, block_offsets, total, count_h, count_w):
-    """Each active flag's (n, bh, bw) at its row-major rank: block offset + warps before + lanes before."""
-    i = cuda.blockIdx.x * COMPACT_THREADS + cuda.threadIdx.x
-    active = i < total and flags[min(i, total - 1)] != 0
-    ballot = cuda.ballot_sync(FULL_MASK, active)
-    warp_counts = cuda.shared.array(COMPACT_WARPS, np.int32)
-    before = _warp_counts_and_offset(ballot, warp_counts)
-    if active:
-        rank = block_offsets[cuda.blockIdx.x] + before + cuda.popc(ballot & cuda.lanemask_lt())
-        n = i // (count_h * count_w)
-        rest = i - n * count_h * count_w
-        indices[rank, 0] = n
-        indices[rank, 1] = rest // count_w
-        indices[rank, 2] = rest % count_w
+def _make_write_kernel(summed):
+    """The compaction: each active flag's (n, bh, bw) at its row-major rank (chunk offset +
+    warps before + lanes before), and n = -1 in rows from the active count on. The chunk's
+    offset and the count come from chunk_counts (the block sums them: `summed`), or from the
+    scan kernel's block_offsets and count."""
+
+    @cuda.jit
+    def write_kernel(indices, count, flags, chunk_counts, block_offsets, total, count_h, count_w):
+        chunk = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        i = chunk * COMPACT_THREADS + tid
+        warp_counts = cuda.shared.array(COMPACT_WARPS, np.int32)
+        if summed:
+            n_chunks = chunk_counts.shape[0]
+            earlier = 0
+            everything = 0
+            for k in range(tid, n_chunks, COMPACT_THREADS):
+                c = chunk_counts[k]
+                everything += c
+                if k < chunk:
+                    earlier += c
+            offset = _block_sum(earlier, warp_counts)
+            n_active = _block_sum(everything, warp_counts)
+            if chunk == 0 and tid == 0:
+                count[0] = n_active
+        else:
+            offset = block_offsets[chunk]
+            n_active = count[0]
+        active = i < total and flags[min(i, total - 1)] != 0
+        ballot = cuda.ballot_sync(FULL_MASK, active)
+        before = _warp_counts_and_offset(ballot, warp_counts)
+        if active:
+            rank = offset + before + cuda.popc(ballot & cuda.lanemask_lt())
+            n = i // (count_h * count_w)
+            rest = i - n * count_h * count_w
+            indices[rank, 0] = n
+            indices[rank, 1] = rest // count_w
+            indices[rank, 2] = rest % count_w
+        if n_active <= i < total:  # this chunk's share of the rows past the count
+            indices[i, 0] = -1
+            indices[i, 1] = -1
+            indices[i, 2] = -1
+
+    return write_kernel
+
+
+write_summed = _make_write_kernel(True)
+write_scanned = _make_write_kernel(False)
 
 
 # -- kernel bodies: gather and scatter ----------------------------------------------
@@ -436,23 +484,28 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
         raise ValueError(f"bcount: expected non-negative counts, got {count_hw}")
     total = N * count_hw[0] * count_hw[1]
     stream = launch_stream((mask_op,))
-    # Rows past the count hold n = -1, a block every kernel skips, should the count be forgotten.
-    indices_native, indices = _int_output(mask_op, (max(total, 1), 3), stream, fill=-1)
-    count_native, count = _int_output(mask_op, (1,), stream, fill=0)
+    # Rows past the count hold n = -1 (the compaction writes them), a block every kernel skips,
+    # should the count be forgotten.
+    indices_native, indices = _int_output(mask_op, (max(total, 1), 3), stream, fill=None if total else -1)
+    count_native, count = _int_output(mask_op, (1,), stream, fill=None if total else 0)
     if total:
         # Temporaries from the caller's allocator (torch's cache): no cudaMalloc per call.
+        n_chunks = -(-total // COMPACT_THREADS)
         flags = mask_op.scratch(total, "int8", stream)
+        chunk_counts = mask_op.scratch(n_chunks, "int32", stream)
+        _zero(chunk_counts, stream)
         launch(pool_kernel, -(-total // POOL_WARPS), POOL_WARPS * WARP, stream, (
-            flags, mask_op.device(stream), N, H, W, count_hw[0], count_hw[1], size[0], size[1],
+            flags, chunk_counts, mask_op.device(stream), N, H, W, count_hw[0], count_hw[1], size[0], size[1],
             stride[0], stride[1], offset[0], offset[1], float(tol), bool(avgpool),
         ))
-        n_compact = -(-total // COMPACT_THREADS)
-        block_counts = mask_op.scratch(n_compact, "int32", stream)
-        block_offsets = mask_op.scratch(n_compact, "int32", stream)
-        launch(count_kernel, n_compact, COMPACT_THREADS, stream, (block_counts, flags, total))
-        launch(scan_kernel, 1, WARP, stream, (block_offsets, count, block_counts, n_compact))
-        launch(write_kernel, n_compact, COMPACT_THREADS, stream, (
-            indices, flags, block_offsets, total, count_hw[0], count_hw[1],
+        if n_chunks <= PREFIX_CHUNKS:
+            write, block_offsets = write_summed, chunk_counts  # (block_offsets unread)
+        else:
+            block_offsets = mask_op.scratch(n_chunks, "int32", stream)
+            launch(scan_kernel, 1, WARP, stream, (block_offsets, count, chunk_counts, n_chunks))
+            write = write_scanned
+        launch(write, n_chunks, COMPACT_THREADS, stream, (
+            indices, count, flags, chunk_counts, block_offsets, total, count_hw[0], count_hw[1],
         ))
     if mask_op.kind == "numpy":
         n_active = int(count.copy_to_host(stream=stream)[0])
@@ -461,19 +514,39 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
 
 
 def _int_output(op, shape, stream, fill):
-    """An int32 output in the caller's kind, filled with `fill`: (native, device)."""
+    """An int32 output in the caller's kind, filled with `fill` (None: left as allocated):
+    (native, device)."""
     if op.kind == "torch" and not SIMULATOR:
         import torch
 
-        native = torch.full(shape, fill, dtype=torch.int32, device=op.native.device)
+        device = op.native.device
+        native = torch.empty(shape, dtype=torch.int32, device=device) if fill is None \
+            else torch.full(shape, fill, dtype=torch.int32, device=device)
         return native, native
     if op.kind == "cupy":
         import cupy
 
-        native = cupy.full(shape, fill, np.int32)
+        native = cupy.empty(shape, np.int32) if fill is None else cupy.full(shape, fill, np.int32)
         return native, native
-    device = cuda.to_device(np.full(shape, fill, np.int32), stream=stream)
+    if fill is None:
+        device = cuda.device_array(shape, np.int32, stream=stream)
+    else:
+        device = cuda.to_device(np.full(shape, fill, np.int32), stream=stream)
     return device, device
+
+
+def _zero(array, stream):
+    """array[...] = 0 on the device, as a memset where the array's kind has one."""
+    if hasattr(array, "zero_"):  # torch
+        array.zero_()
+    elif hasattr(array, "fill"):  # CuPy
+        array.fill(0)
+    elif SIMULATOR:
+        array.copy_to_device(np.zeros(array.shape, array.dtype), stream=stream)
+    else:  # Numba
+        from numba.cuda.cudadrv.driver import device_memset
+
+        device_memset(array, 0, array.nbytes, stream=stream)
 
 
 _counts = {}
