@@ -79,13 +79,22 @@ def pool_kernel(flags, chunk_counts, mask, n_images, height, width, count_h, cou
         w0 = offset_w + (rest - bh * count_w) * stride_w
         # float64 sums so the avg test agrees with the float64 reference
         acc = float64(0) if avgpool else float64(-math.inf)
-        for p in range(lane, size_h * size_w, WARP):
-            r = p // size_w
+        # Pixel p = lane + WARP·k of the window at (r, c), stepped without a division a pixel.
+        step_r = WARP // size_w
+        step_c = WARP - step_r * size_w
+        r = lane // size_w
+        c = lane - r * size_w
+        while r < size_h:
             h = h0 + r
-            w = w0 + p - r * size_w
+            w = w0 + c
             if 0 <= h < height and 0 <= w < width:
                 v = float64(mask[n, h, w])
                 acc = acc + v if avgpool else max(acc, v)
+            r += step_r
+            c += step_c
+            if c >= size_w:
+                c -= size_w
+                r += 1
         offset = 16
         while offset > 0:
             other = cuda.shfl_xor_sync(FULL_MASK, acc, offset)
