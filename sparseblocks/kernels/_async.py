@@ -1,4 +1,4 @@
-"""Asynchronous global-to-shared copies: ``copy16``, ``copy16_to``, ``commit``, ``wait_all``, ``wait_but_one``, ``waiter``.
+"""Asynchronous global-to-shared copies (cp.async) and the waits for them.
 
 ``copy16(shared, (i, ..., j), source, (k, ..., l))`` starts a 16-byte copy of
 ``source[k, ..., l:]`` into ``shared[i, ..., j:]`` (``cp.async.cg.shared.global``:

@@ -210,8 +210,9 @@ else:
 
         Rounding by the bits: add half a tf32 ulp, clear the 13 low bits (the tensor cores
         ignore them, so the tail's are left). For finite values this is what to_tf32
-        (cvt.rna.tf32.f32) gives, in one instruction instead of three (ptxas tests for inf and
-        NaN first); an infinite input makes its products NaN instead of infinite."""
+        (cvt.rna.tf32.f32) gives, in two integer instructions (one for the tail) where ptxas
+        makes the conversion three (it tests for inf and NaN first); an infinite input makes
+        its products NaN instead of infinite."""
         head = (uint32(word) + uint32(TF32_HALF)) & uint32(TF32_MASK)
         tail = float32(libdevice.int_as_float(int32(word)) - libdevice.int_as_float(int32(head)))
         return head, uint32(libdevice.float_as_int(tail)) + uint32(TF32_HALF)
