@@ -122,11 +122,13 @@ V5_STAGE_WORDS = 16  # 32-bit words of k a product stage (at most a block's): 16
 V5_BLOCKS = (16, 32, 64)
 V5_STORAGE = ("float16", "bfloat16", "float32")
 V5_VECTOR = True  # False keeps version 5 on one-value global loads
-# Stages of a version 5 product in shared memory where its activation loads are 16-byte rows
-# (feature_axis 1, vector loads): these, and fp32 weights read untransposed, go straight to
-# shared memory through cp.async (kernels/_async.py), STAGES - 1 stages in flight; the
-# other weights pass through registers. 2: every load through registers, double-buffered.
-# At most 3 within 48 KB of static shared memory at block 64.
+# Stages of a version 5 product in shared memory. 2: every load through registers, double-
+# buffered. 3 (at most, within 48 KB of static shared memory at block 64): where activation
+# loads are 16-byte rows (feature_axis 1, vector loads) these, and fp32 weights read
+# untransposed, go straight to shared memory through cp.async (kernels/_async.py), two
+# stages in flight; the other weights pass through registers. H100, 10 %, N = 4096, forward
+# with 3 against 2: fp32 0.413 / 0.390 ms (block 32), 0.397 / 0.391 (block 64); fp16 0.194
+# / 0.181, 0.169 / 0.160 (benchmarks/NOTES.md, sixth session): no gain, so 2.
 V5_STAGES = 2
 # fp32 on version 5 (3xTF32): the tensor cores' own fp32 sums drift (relative error 3.2e-6
 # over 410-term sums, 1.5e-5 over 2048, H100). True starts each mma from zero and adds its
