@@ -1,6 +1,6 @@
 """The GPU test suite under compute-sanitizer memcheck, in parallel shards (a developer's script).
 
-    python3 scripts/memcheck_shards.py [--shards 10] [--timeout 500] [--out DIR] [--no-memcheck]
+    python3 scripts/memcheck_shards.py [--shards 10] [--timeout 500] [--out DIR] [--no-memcheck] [--by-case] [paths]
 
 pytest-xdist's workers do not come up under compute-sanitizer, and one
 process takes longer than a device call allows (every test compiles its own
@@ -23,11 +23,14 @@ def main():
     parser.add_argument("--timeout", type=float, default=500)
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     parser.add_argument("--no-memcheck", action="store_true")
+    parser.add_argument("--by-case", action="store_true",
+                        help="deal out single parametrized cases, not test functions (one slow test over many shards)")
     parser.add_argument("paths", nargs="*", default=["tests"])
     args = parser.parse_args()
     listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *args.paths],
                             capture_output=True, text=True).stdout
-    functions = list(dict.fromkeys(line.split("[")[0] for line in listed.splitlines() if "::" in line))
+    functions = list(dict.fromkeys(line if args.by_case else line.split("[")[0]
+                                   for line in listed.splitlines() if "::" in line))
     shards = [functions[k::args.shards] for k in range(args.shards)]
     env = dict(os.environ, SPARSEBLOCKS_HYPOTHESIS_PROFILE="ci")
     sanitizer = [] if args.no_memcheck else [
