@@ -42,11 +42,10 @@ VARIANTS = {
     "v5 stage 32 words": (5, {"V5_STAGE_WORDS": 32, "V5_STAGES": 2}),  # a block a stage (fp32 bs 32, 16-bit bs 64)
     "v5 two stages": (5, {"V5_STAGES": 2}),  # every load through registers, double-buffered
     "v5 three stages": (5, {"V5_STAGES": 3}),  # a ring of three, activation rows by cp.async
-    "v5 bs16 32 rows": (5, {"V5_WARP_ROWS": {16: 32, 32: 32, 64: 32}}),  # 128-row tiles at block 16
     "v5 wgrad through registers": (5, {"V5_WGRAD_ASYNC": False}),  # fp32 axis 1 without cp.async
 }
 FP16_VARIANTS = ("v4", "v4 swizzle", "v4 bs16 rows 512", "v5", "v5 v4 wgrad", "v5 stage 32 words", "v5 two stages",
-                 "v5 three stages", "v5 bs16 32 rows")
+                 "v5 three stages")
 
 
 def main():

@@ -116,11 +116,8 @@ V4_LAYOUT = {16: "pad", 32: "pad", 64: "pad"}
 V4_UNROLL = {16: True, 32: True, 64: True}
 # Version 5 (tensor cores; fp16, bf16 and fp32 storage, blocks 16-64; otherwise version
 # 4): products with V5_WARPS warps on 128-row tiles.
-V5_WARPS = {16: 4, 32: 4, 64: 8}  # each warp a V5_WARP_ROWS x min(bs, 32) patch of the products
+V5_WARPS = {16: 4, 32: 4, 64: 8}  # each warp a V5_WARP_TILE x min(bs, 32) patch: 128-row tiles
 V5_WARP_TILE = 32
-# Rows of a warp's product patch: 32 (128-row tiles), or 64 at block 16, where a 32-row patch
-# holds only four mma tiles, too little work for a stage's barrier and loads.
-V5_WARP_ROWS = {16: 64, 32: 32, 64: 32}
 V5_STAGE_WORDS = 16  # 32-bit words of k a product stage (at most a block's): 16 or 32
 V5_BLOCKS = (16, 32, 64)
 V5_STORAGE = ("float16", "bfloat16", "float32")
@@ -822,15 +819,14 @@ def _v5_shape(bs, storage):
     warps = V5_WARPS[bs]
     col_warps = bs // min(bs, V5_WARP_TILE)
     words = min(bs // values, V5_STAGE_WORDS)
-    return 32 * warps, V5_WARP_ROWS[bs] * warps // col_warps, col_warps, words, values
+    return 32 * warps, V5_WARP_TILE * warps // col_warps, col_warps, words, values
 
 
 def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=False):
     """Products on tensor cores: ``mma.sync`` m16n8k16 (fp16, bf16) or 3 x m16n8k8 (fp32, 3xTF32).
 
-    Warps own V5_WARP_ROWS x min(bs, 32) patches of a 128-row tile (256 rows
-    at block 16), two (four) 16-row by up to four 8-column mma tiles each,
-    fp32 accumulators. Shared memory holds a
+    Warps own 32 x min(bs, 32) patches of a 128-row tile (two 16-row by up to
+    four 8-column mma tiles each, fp32 accumulators). Shared memory holds a
     stage of the tile's activations and of the block's weights as 32-bit
     words along the feature (k) axis: pairs of 16-bit values, or single fp32
     values, as the fragments take them (`_mma.py`), so every fragment register
@@ -856,8 +852,7 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     """
     T, TM, CW, KW, VALUES = _v5_shape(bs, storage)
     WN = bs // CW  # output features a warp owns
-    WR = V5_WARP_ROWS[bs]  # rows a warp owns
-    MT = WR // MMA_M
+    MT = V5_WARP_TILE // MMA_M
     NT = WN // MMA_N
     SPB = bs // (KW * VALUES)  # stages a block
     STEPS = KW // 8  # mma steps a stage: 8 words of k each (k16 of 16-bit values, k8 of fp32)
@@ -1084,7 +1079,7 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
         warp = tid // 32
         g = lane >> 2
         t = lane % 4
-        wr = (warp // CW) * WR  # the warp's first row and feature in the tile
+        wr = (warp // CW) * V5_WARP_TILE  # the warp's first row and feature in the tile
         wc = (warp % CW) * WN
         seg = cuda.blockIdx.y
         row0 = cuda.blockIdx.x * TM
