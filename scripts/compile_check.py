@@ -137,6 +137,11 @@ def main():
         name = (f"{'scatter' if scatter else 'gather'} {'NHWC' if channels_last else 'NCHW'} "
                 f"transpose={transpose} add={add} atomic={atomic} {dtype}")
         results.append(check(name, kernel.py_func, signature))
+    # The channels-last fp16 add through int32 words of two halves (add.rn.f16x2).
+    words = types.int32[:, :, :, ::1]
+    kernel = sbnet._make_copy_kernels(True, False, True, False, "half2", True)
+    results.append(check("scatter NHWC add half2 words", kernel.py_func,
+                         (words, words, types.int32[:, ::1], types.int32[::1]) + (i64,) * 6))
     print(f"{sum(results)} of {len(results)} kernels compiled")
     return 0 if all(results) else 1
 

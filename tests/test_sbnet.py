@@ -156,6 +156,29 @@ def test_overwrites_move_whole_words_where_rows_allow(dtype, channels):
                                   reference.sparse_scatter(blocks[:2], indices[:2], y, **g))
 
 
+@pytest.mark.parametrize("channels", [4, 3])
+def test_fp16_adds_go_two_channels_a_word_where_rows_allow(channels, monkeypatch):
+    """A channels-last fp16 add goes through int32 words of two halves (add.rn.f16x2) when a
+    pixel's channels are even (4), element by element otherwise (3); both equal the reference
+    (each sum rounded once to fp16, as the reference's float16 addition)."""
+    words = []
+    copy_kernel = sbnet._copy_kernel
+
+    def spy(scatter, transpose, add, atomic, dtype, channels_last):
+        words.append(dtype)
+        return copy_kernel(scatter, transpose, add, atomic, dtype, channels_last)
+
+    monkeypatch.setattr(sbnet, "_copy_kernel", spy)
+    rng = np.random.default_rng(6)
+    g = {"bsize": 3, "bstride": 3, "boffset": -1}
+    indices = np.array([[0, 0, 0], [1, 1, 2], [0, 2, 1], [1, 0, 3]], np.int32)
+    y = rng.standard_normal((2, 7, 9, channels)).astype(np.float16)
+    blocks = rng.standard_normal((4, 3, 3, channels)).astype(np.float16)
+    got = sbnet.sparse_scatter(blocks, indices, y, add=True, **g)
+    np.testing.assert_array_equal(got, reference.sparse_scatter(blocks, indices, y, add=True, **g))
+    assert words == (["half2"] if channels % 2 == 0 else ["float16"])
+
+
 def test_zero_blocks():
     x = np.ones((1, 4, 4, 2), np.float32)
     none = np.zeros((0, 3), np.int32)

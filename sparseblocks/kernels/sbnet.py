@@ -41,6 +41,7 @@ from numba import cuda, float32, float64, from_dtype, int64, uint64
 from .._arrays import Operand, check_dtype, check_same_kind, launch_stream
 from .._backend import SIMULATOR
 from ..reference.sbnet import block_count, check_geometry, pair
+from ._half2 import add_half2
 from ._launch import data_pointer, launch, multiprocessors
 
 # -- constants -----------------------------------------------------------------
@@ -239,7 +240,8 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
     image elements read a clamped (valid) address and are zeroed by a select,
     so each thread keeps COPY_UNROLL loads in flight without branches.
     """
-    element = from_dtype(np.dtype(dtype))
+    HALF2 = dtype == "half2"  # int32 words of two fp16 values, added by add_half2
+    element = from_dtype(np.dtype("int32" if HALF2 else dtype))
     blocks_last = channels_last != transpose  # are the blocks [nb, bh, bw, C]?
     source_last = blocks_last if scatter else channels_last  # the side a transposing tile reads
 
@@ -273,6 +275,8 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
         if add:
             if atomic:
                 cuda.atomic.add(image, index, value)
+            elif HALF2:
+                image[index] = add_half2(old, value)
             else:
                 image[index] = old + value
         else:
@@ -441,15 +445,16 @@ def _copy_kernel(scatter, transpose, add, atomic, dtype, channels_last):
 
 
 WORD = 8  # bytes an overwriting channels-last copy moves per element when it can
+HALF2 = 4  # bytes a channels-last fp16 add moves per element when it can (two values)
 
 
-def _as_words(array):
-    """The same memory as int64 words along the last axis (a view)."""
+def _as_words(array, size=WORD):
+    """The same memory as int64 (size 8) or int32 (size 4) words along the last axis (a view)."""
     if hasattr(array, "data_ptr"):  # torch
         import torch
 
-        return array.view(torch.int64)
-    return array.view(np.int64)  # Numba and CuPy
+        return array.view(torch.int64 if size == 8 else torch.int32)
+    return array.view(np.int64 if size == 8 else np.int32)  # Numba and CuPy
 
 
 def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, transpose, add, atomic,
@@ -461,6 +466,11 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
             and data_pointer(image) % WORD == 0 and data_pointer(blocks) % WORD == 0):
         # An overwrite moves bits: channels-last rows go as 8-byte words, fewer and wider accesses.
         image, blocks, dtype = _as_words(image), _as_words(blocks), "int64"
+    elif (channels_last and not transpose and add and not atomic and dtype == "float16"
+            and image.shape[3] * itemsize % HALF2 == 0
+            and data_pointer(image) % HALF2 == 0 and data_pointer(blocks) % HALF2 == 0):
+        # An fp16 add goes two channels a word: half the accesses, one add.rn.f16x2 for two.
+        image, blocks, dtype = _as_words(image, HALF2), _as_words(blocks, HALF2), "half2"
     kernel = _copy_kernel(scatter, transpose, add, atomic, dtype, channels_last)
     threads = (TILE, TILE_ROWS) if transpose else COPY_THREADS
     channels = image.shape[3 if channels_last else 1]
