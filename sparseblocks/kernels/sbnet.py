@@ -28,7 +28,9 @@ zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
   ``atomic`` raises, and so do repeated indices given on the host. Where
   overwritten windows overlap, which block lands is unspecified.
 
-Storage float16, float32, float64 (atomic adds: float32, float64).
+Storage float16, float32, float64 (atomic adds: float32, float64). Channels-last
+copies move wider words where a pixel's bytes and the pointers allow: 8-byte
+words for overwrites, int32 words of two halves for fp16 adds (`_half2.py`).
 
 Versions: 1 (this file).
 """
