@@ -34,8 +34,8 @@ stage before waiting for it reads stale shared memory there too, so the
 simulator tests catch a missing wait. Unaligned addresses raise, and so do
 addresses (array plus byte offset, there) past either array's end.
 
-Used by version 5's products (kernels/bsmm.py: activation stages, and fp32
-weight stages, kept V5_STAGES deep). Tests: tests/test_async.py.
+Used by version 5's fp32 weight gradient (kernels/bsmm.py, V5_WGRAD_ASYNC)
+and, with V5_STAGES = 3, its products' stage ring. Tests: tests/test_async.py.
 """
 
 from .._backend import SIMULATOR
@@ -92,15 +92,11 @@ if SIMULATOR:
     shared_address = global_address
 
     def copy16_to(shared, source):
-        values = source.buffer[source.bytes16("copy16_to source")].copy()
-        _groups()[-1].append((shared.buffer, shared.bytes16("copy16_to destination").start, values))
+        copy16_or_zero(shared, source, True)
 
     def copy16_or_zero(shared, source, keep):
-        if keep:
-            copy16_to(shared, source)
-        else:
-            _groups()[-1].append((shared.buffer, shared.bytes16("copy16_or_zero destination").start,
-                                  np.zeros(BYTES, np.uint8)))
+        values = source.buffer[source.bytes16("copy16 source")].copy() if keep else np.zeros(BYTES, np.uint8)
+        _groups()[-1].append((shared.buffer, shared.bytes16("copy16 destination").start, values))
 
     def commit():
         _groups().append([])
@@ -126,9 +122,28 @@ else:
 
     from ._vector import element_pointer, indexes
 
+    I32, I64 = ir.IntType(32), ir.IntType(64)
+
     def _address(context, builder, array_type, array, index_type, index):
         pointer = element_pointer(context, builder, array_type, array, index_type, index)
-        return builder.ptrtoint(pointer, ir.IntType(64))
+        return builder.ptrtoint(pointer, I64)
+
+    def _to_shared(builder, generic):
+        """The 32-bit shared-window address of a generic pointer to shared memory."""
+        asm = ir.InlineAsm(ir.FunctionType(I32, [I64]),
+                           "{ .reg .u64 s64; cvta.to.shared.u64 s64, $1; cvt.u32.u64 $0, s64; }", "=r,l")
+        return builder.call(asm, [generic])
+
+    def _issue(builder, to, origin, size=None):
+        """cp.async of 16 bytes from origin (64-bit global) to to (32-bit shared); with size
+        (an i32), only that many bytes are read and the rest are zeros."""
+        if size is None:
+            ptx, constraints, args = "cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}", [to, origin]
+        else:
+            ptx, constraints, args = ("cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
+                                      [to, origin, size])
+        function = ir.FunctionType(ir.VoidType(), [a.type for a in args])
+        builder.call(ir.InlineAsm(function, ptx, constraints, side_effect=True), args)
 
     @intrinsic
     def copy16(typingctx, shared, shared_index, source, source_index):
@@ -137,15 +152,8 @@ else:
         signature = types.void(shared, shared_index, source, source_index)
 
         def codegen(context, builder, sig, args):
-            to = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            origin = _address(context, builder, sig.args[2], args[2], sig.args[3], args[3])
-            function = ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(64)])
-            asm = ir.InlineAsm(
-                function,
-                "{ .reg .u64 s64; .reg .u32 s32; cvta.to.shared.u64 s64, $0; cvt.u32.u64 s32, s64; "
-                "cp.async.cg.shared.global [s32], [$1], 16; }",
-                "l,l,~{memory}", side_effect=True)
-            builder.call(asm, [to, origin])
+            to = _to_shared(builder, _address(context, builder, sig.args[0], args[0], sig.args[1], args[1]))
+            _issue(builder, to, _address(context, builder, sig.args[2], args[2], sig.args[3], args[3]))
             return context.get_dummy_value()
 
         return signature, codegen
@@ -166,11 +174,7 @@ else:
             return None
 
         def codegen(context, builder, sig, args):
-            generic = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            function = ir.FunctionType(ir.IntType(32), [ir.IntType(64)])
-            asm = ir.InlineAsm(function, "{ .reg .u64 s64; cvta.to.shared.u64 s64, $1; cvt.u32.u64 $0, s64; }",
-                               "=r,l")
-            return builder.call(asm, [generic])
+            return _to_shared(builder, _address(context, builder, sig.args[0], args[0], sig.args[1], args[1]))
 
         return types.uint32(array, index), codegen
 
@@ -180,12 +184,8 @@ else:
             return None
 
         def codegen(context, builder, sig, args):
-            to = context.cast(builder, args[0], sig.args[0], types.uint32)
-            origin = context.cast(builder, args[1], sig.args[1], types.uint64)
-            function = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(64)])
-            asm = ir.InlineAsm(function, "cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}",
-                               side_effect=True)
-            builder.call(asm, [to, origin])
+            _issue(builder, context.cast(builder, args[0], sig.args[0], types.uint32),
+                   context.cast(builder, args[1], sig.args[1], types.uint64))
             return context.get_dummy_value()
 
         return types.void(shared, source), codegen
@@ -197,16 +197,11 @@ else:
             return None
 
         def codegen(context, builder, sig, args):
-            to = context.cast(builder, args[0], sig.args[0], types.uint32)
-            origin = context.cast(builder, args[1], sig.args[1], types.uint64)
-            i32 = ir.IntType(32)
             kept = context.cast(builder, args[2], sig.args[2], types.boolean)
             size = builder.select(builder.icmp_unsigned("!=", kept, ir.Constant(kept.type, 0)),
-                                  ir.Constant(i32, BYTES), ir.Constant(i32, 0))
-            function = ir.FunctionType(ir.VoidType(), [i32, ir.IntType(64), i32])
-            asm = ir.InlineAsm(function, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
-                               side_effect=True)
-            builder.call(asm, [to, origin, size])
+                                  ir.Constant(I32, BYTES), ir.Constant(I32, 0))
+            _issue(builder, context.cast(builder, args[0], sig.args[0], types.uint32),
+                   context.cast(builder, args[1], sig.args[1], types.uint64), size)
             return context.get_dummy_value()
 
         return types.void(shared, source, keep), codegen
