@@ -5,8 +5,8 @@
 For each variant (a kernel version, and for version 4 vector loads, the
 shared layout, an unrolled inner loop, a register cap, the weight gradient's
 loads in flight): check forward, input_grad and weight_grad against float64
-products, then time them with CUDA events at N = C = K = 4096, 10 % density,
-blocks 32 and 64, fp32 and fp16, beside torch dense and torch BSR measured in
+products, then time them with CUDA events at C = K = 4096 (by default N = 4096, 10 % density,
+blocks 32 and 64, fp32 and fp16: see --help), beside torch dense and torch BSR measured in
 the same run. Prints one table and each kernel's registers, local and shared
 memory.
 """
@@ -43,15 +43,20 @@ VARIANTS = {
     "v5 two stages": (5, {"V5_STAGES": 2}),  # every load through registers, double-buffered
     "v5 three stages": (5, {"V5_STAGES": 3}),  # a ring of three, activation rows by cp.async
     "v5 wgrad through registers": (5, {"V5_WGRAD_ASYNC": False}),  # fp32 axis 1 without cp.async
+    "v5 launch order": (5, {"PRODUCT_GROUP": 0}),  # row tiles fastest, each segment over all N
+    "v5 group 4": (5, {"PRODUCT_GROUP": 4}),
+    "v5 group 16": (5, {"PRODUCT_GROUP": 16}),
 }
 FP16_VARIANTS = ("v4", "v4 swizzle", "v4 bs16 rows 512", "v5", "v5 v4 wgrad", "v5 stage 32 words", "v5 two stages",
-                 "v5 three stages")
+                 "v5 three stages", "v5 launch order", "v5 group 4", "v5 group 16")
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
-    parser.add_argument("--density", type=float, default=0.10)
+    parser.add_argument("--densities", default="0.10", help="comma-separated")
+    parser.add_argument("--rows", type=int, default=4096, help="N (C = K = 4096)")
+    parser.add_argument("--dtypes", default="float32,float16")
     parser.add_argument("--block-sizes", default="32,64")
     parser.add_argument("--variants", default=None, help="comma-separated names (default: all)")
     args = parser.parse_args()
@@ -67,16 +72,18 @@ def main():
     rows = []
     resources = []
     chosen = VARIANTS if args.variants is None else {k: VARIANTS[k] for k in args.variants.split(",")}
-    for bs in (int(b) for b in args.block_sizes.split(",")):
-        layout = BlockLayout.random((4096 // bs, 4096 // bs), args.density, seed=1, block_size=bs)
-        flops = 2.0 * 4096 * layout.n_blocks * bs * bs
-        for dtype_name in ("float32", "float16"):
+    N = args.rows
+    configs = [(int(b), float(d)) for b in args.block_sizes.split(",") for d in args.densities.split(",")]
+    for bs, density in configs:
+        layout = BlockLayout.random((4096 // bs, 4096 // bs), density, seed=1, block_size=bs)
+        flops = 2.0 * N * layout.n_blocks * bs * bs
+        for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
             gen = torch.Generator(device="cuda").manual_seed(0)
-            x = torch.randn(4096, 4096, device="cuda", dtype=dtype, generator=gen)
+            x = torch.randn(N, 4096, device="cuda", dtype=dtype, generator=gen)
             w = torch.randn(layout.w_shape, device="cuda", dtype=dtype, generator=gen) / np.sqrt(410)
             W = torch.as_tensor(layout.to_dense(w.float().cpu().numpy()), device="cuda")
-            dy = torch.randn(4096, 4096, device="cuda", dtype=dtype, generator=gen)
+            dy = torch.randn(N, 4096, device="cuda", dtype=dtype, generator=gen)
             want_y, want_dx = x.double() @ W.double(), x.double() @ W.double().T
             want_dw = block_gather(torch, x.double().T @ dy.double(), layout)
             torch.backends.cuda.matmul.allow_tf32 = False
@@ -98,7 +105,8 @@ def main():
                 fwd = time_ms(lambda: bsmm.forward(x, w, layout, version=version))
                 bwd = time_ms(lambda: bsmm.input_grad(x, w, layout, version=version))
                 wgt = time_ms(lambda: bsmm.weight_grad(x, dy, layout, version=version))
-                rows.append({"variant": name, "bs": bs, "dtype": dtype_name, "ok": ok, "error": max(errors),
+                rows.append({"variant": name, "bs": bs, "density": density, "N": N, "dtype": dtype_name,
+                             "ok": ok, "error": max(errors),
                              "forward_ms": fwd, "input_grad_ms": bwd, "weight_grad_ms": wgt,
                              "tflops": flops / fwd / 1e9, "dense_ms": dense, "bsr_ms": bsr})
                 print(json.dumps(rows[-1]), flush=True)
@@ -108,12 +116,12 @@ def main():
                                          f"{compiled.local_mem_per_thread} B local, {compiled.shared_mem_per_block} B shared")
             for key, value in DEFAULTS.items():
                 setattr(bsmm, key, value)
-    print(f"\n{device_name()}, N = C = K = 4096, density {args.density}")
-    print("| variant | bs | dtype | ok | forward ms | TFLOP/s | input_grad ms | weight_grad ms | dense ms | bsr ms "
+    print(f"\n{device_name()}, N = {N}, C = K = 4096")
+    print("| variant | bs | density | dtype | ok | forward ms | TFLOP/s | input_grad ms | weight_grad ms | dense ms | bsr ms "
           "| vs dense | vs bsr |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['variant']} | {r['bs']} | {r['dtype']} | {r['ok']} | {r['forward_ms']:.3f} | {r['tflops']:.1f} | "
+        print(f"| {r['variant']} | {r['bs']} | {r['density']} | {r['dtype']} | {r['ok']} | {r['forward_ms']:.3f} | {r['tflops']:.1f} | "
               f"{r['input_grad_ms']:.3f} | {r['weight_grad_ms']:.3f} | {r['dense_ms']:.3f} | {r['bsr_ms']:.3f} | "
               f"{r['dense_ms'] / r['forward_ms']:.2f}x | {r['bsr_ms'] / r['forward_ms']:.2f}x |")
     print("\n".join(sorted(set(resources))))

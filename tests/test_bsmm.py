@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numba import cuda
 
 from sparseblocks._arrays import poisoned_outputs
 from sparseblocks._backend import SIMULATOR
@@ -285,6 +286,43 @@ def test_tensor_core_stage_ring(monkeypatch, dtype):
     dx = bsmm.input_grad(dys, ws, layout, version=5).copy_to_host()
     assert_close(y, reference.forward(x, w, layout), dtype, "forward")
     assert_close(dx, reference.input_grad(dy, w, layout), dtype, "input_grad")
+
+
+@cuda.jit
+def _record_grouped_tiles(seen, group):
+    """seen[launch order id] = (row tile, segment) of each thread block."""
+    tile, seg = bsmm._grouped_tile(group)
+    i = cuda.blockIdx.x + cuda.blockIdx.y * cuda.gridDim.x
+    seen[i, 0] = tile
+    seen[i, 1] = seg
+
+
+@pytest.mark.parametrize("tiles, segments, group", [(5, 3, 2), (7, 4, 3), (4, 2, 8), (6, 1, 4), (3, 5, 0)])
+def test_grouped_tiles_cover_every_tile_once(tiles, segments, group):
+    """The products' grouped launch order hands every (row tile, segment) pair to exactly one
+    thread block, group row tiles at a time."""
+    seen = cuda.to_device(np.full((tiles * segments, 2), -1, np.int32))
+    _record_grouped_tiles[(tiles, segments), 1](seen, group)
+    order = [tuple(pair) for pair in seen.copy_to_host()]
+    assert sorted(order) == [(t, s) for t in range(tiles) for s in range(segments)]
+    if 0 < group < tiles:  # the first thread blocks stay within the first group's row tiles
+        assert {t for t, _ in order[:group * segments]} == set(range(group))
+
+
+@pytest.mark.parametrize("version, dtype", [(4, "float32"), (5, "float16")])
+def test_grouped_products_match_reference(monkeypatch, version, dtype):
+    """Products over three row tiles in groups of two (the last group short) give the
+    reference's products."""
+    monkeypatch.setattr(bsmm, "PRODUCT_GROUP", 2)
+    monkeypatch.setattr(bsmm, "_kernels", {})
+    layout = BlockLayout(np.array([[1, 1], [0, 1]], bool), 16)
+    n = 2 * (bsmm.V4_ROWS[16] if version == 4 else bsmm._v5_shape(16, dtype)[1]) + 5
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((n, 32)).astype(dtype)
+    w = rng.standard_normal(layout.w_shape).astype(dtype)
+    assert_close(bsmm.forward(x, w, layout, version=version), reference.forward(x, w, layout), dtype, "forward")
+    assert_close(bsmm.input_grad(x, w, layout, version=version), reference.input_grad(x, w, layout),
+                 dtype, "input_grad")
 
 
 def test_tensor_core_rounded_sums(monkeypatch):

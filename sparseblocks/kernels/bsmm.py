@@ -145,6 +145,12 @@ V5_WGRAD_WARPS = 4
 # straight to shared memory by cp.async (rows past the end as zeros), not through registers.
 V5_WGRAD_ASYNC = True
 V5_WGRAD_ROWS = 32  # N-splits are cut at multiples of it (whole steps of every storage)
+# Thread blocks of a product (versions 4 and 5) are handed out in groups of PRODUCT_GROUP
+# row tiles: within a group, every segment of the first row tile's neighbours before the
+# next segment, so the thread blocks running at once share a few row tiles of activations
+# (which stay in L2) instead of each segment streaming all N rows from DRAM in turn. 0 keeps
+# the launch order (row tiles fastest). See `_grouped_tile`.
+PRODUCT_GROUP = 8
 # Storage that runs version 5 when a call names no version (see default_version).
 TENSOR_CORE_DEFAULT = ("float16", "bfloat16", "float32")
 
@@ -323,6 +329,22 @@ def _mma_accumulate(storage):
                 acc[mt, nt, q] = d[q]
 
     return accumulate
+
+
+@cuda.jit(device=True, inline=True)
+def _grouped_tile(group):
+    """(row tile, segment) of this thread block of a (row tiles, segments) product grid, handed
+    out `group` row tiles at a time: launch order id = x + y * tiles walks the group's tiles
+    fastest, then its segments, then the next group. Every (tile, segment) pair once."""
+    tiles = uint32(cuda.gridDim.x)
+    if group == 0 or group >= tiles:
+        return cuda.blockIdx.x, cuda.blockIdx.y
+    span = uint32(group) * uint32(cuda.gridDim.y)
+    pid = uint32(cuda.blockIdx.x) + uint32(cuda.blockIdx.y) * tiles
+    first = (pid // span) * uint32(group)
+    local = pid % span
+    rows = min(tiles - first, uint32(group))
+    return int32(first + local % rows), int32(local // rows)
 
 
 @cuda.jit(device=True, inline=True)
@@ -750,8 +772,8 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
         tid = cuda.threadIdx.x
         tx = tid % TX
         ty = tid // TX
-        seg = cuda.blockIdx.y
-        row0 = cuda.blockIdx.x * TM
+        tile, seg = _grouped_tile(PRODUCT_GROUP)
+        row0 = tile * TM
         line = seg_line[seg]
         begin = seg_begin[seg]
         a_s = cuda.shared.array(A_SIZE, acc_type, alignment=SHARED_ALIGN)
@@ -1081,8 +1103,8 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
         t = lane % 4
         wr = (warp // CW) * V5_WARP_TILE  # the warp's first row and feature in the tile
         wc = (warp % CW) * WN
-        seg = cuda.blockIdx.y
-        row0 = cuda.blockIdx.x * TM
+        tile, seg = _grouped_tile(PRODUCT_GROUP)
+        row0 = tile * TM
         begin = seg_begin[seg]
         a_s = cuda.shared.array(A_SIZE, uint32, alignment=SHARED_ALIGN)
         w_s = cuda.shared.array(W_SIZE, uint32, alignment=SHARED_ALIGN)
