@@ -1,6 +1,6 @@
 """Block-sparse matmul on the GPU against torch dense (cuBLAS) and torch BSR (cuSPARSE).
 
-    python -m benchmarks.bench_bsmm [--quick] [--rows N,...] [--out-dir DIR]
+    python -m benchmarks.bench_bsmm [--quick] [--rows N,...] [--block-sizes B,...] [--densities D,...] [--out-dir DIR]
     python -m benchmarks.bench_bsmm --merge A.json B.json ...   (runs split by --rows)
 
 For every size, block size, density and dtype: check all three products
@@ -161,6 +161,7 @@ def main():
                         help="comma-separated kernel versions to time; 'default': the library's choice per dtype")
     parser.add_argument("--block-sizes", default=None, help="comma-separated block sizes (default: all)")
     parser.add_argument("--rows", default=None, help="comma-separated N (default: all)")
+    parser.add_argument("--densities", default=None, help="comma-separated densities (default: all)")
     parser.add_argument("--no-overhead", action="store_true", help="skip the launch-overhead record")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="only merge these runs' JSON files into results/bsmm.json and .md")
@@ -184,10 +185,13 @@ def main():
         block_sizes = [int(b) for b in args.block_sizes.split(",")]
     if args.rows:
         shapes = [shape for shape in shapes if str(shape[0]) in args.rows.split(",")]
+    if args.densities:
+        densities = [float(d) for d in args.densities.split(",")]
     versions = tuple(None if v == "default" else int(v) for v in args.versions.split(","))
     records = []
     name = "bsmm" + ("_quick" if args.quick else "") + (f"_bs{args.block_sizes.replace(',', '_')}" if args.block_sizes else "") \
-        + (f"_n{args.rows.replace(',', '_')}" if args.rows else "")
+        + (f"_n{args.rows.replace(',', '_')}" if args.rows else "") \
+        + (f"_d{args.densities.replace(',', '_')}" if args.densities else "")
     kwargs = {} if args.out_dir is None else {"directory": args.out_dir}
     for N, C, K in shapes:
         for bs in block_sizes:

@@ -97,7 +97,11 @@ def main():
                     continue
                 for key, value in {**DEFAULTS, **settings}.items():
                     setattr(bsmm, key, value)
+                # Kernels and kept launch plans are made with the settings: start both afresh (a kept
+                # plan would replay the previous variant's kernel; before the seventh session it
+                # did, so earlier product comparisons between settings of one version are void).
                 bsmm._kernels.clear()
+                bsmm._plans.clear()
                 errors = (relative_error(bsmm.forward(x, w, layout, version=version), want_y),
                           relative_error(bsmm.input_grad(x, w, layout, version=version), want_dx),
                           relative_error(bsmm.weight_grad(x, dy, layout, version=version), want_dw))

@@ -3,7 +3,7 @@
     ncu --clock-control none --kernel-name regex:product --launch-skip 3 --launch-count 1 \
         python3 scripts/profile_bsmm.py [--version 3] [--product forward] [--dtype float32]
 
-Sizes are the issue's headline case: N = C = K = 4096, block 32, 10 % density.
+Sizes by default are the issue's headline case: N = C = K = 4096, block 32, 10 % density.
 """
 
 import argparse
@@ -24,7 +24,10 @@ def main():
     parser.add_argument("--density", type=float, default=0.10)
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--group", type=int, default=None, help="bsmm.PRODUCT_GROUP (default: the module's)")
     args = parser.parse_args()
+    if args.group is not None:
+        bsmm.PRODUCT_GROUP = args.group
 
     bs = args.block_size
     layout = BlockLayout.random((4096 // bs, 4096 // bs), args.density, seed=1, block_size=bs)
