@@ -39,16 +39,19 @@ VARIANTS = {
     "v5": (5, {}),  # tensor cores: fp16, and fp32 as 3xTF32 with round-to-nearest sums
     "v5 tensor-core sums": (5, {"V5_ROUNDED_SUMS": False}),  # fp32: the mma accumulates
     "v5 v4 wgrad": (5, {"V5_WGRAD": False}),  # version 4's weight gradient
-    "v5 stage 32 words": (5, {"V5_STAGE_WORDS": 32, "V5_STAGES": 2}),  # a block a stage (fp32 bs 32, 16-bit bs 64)
+    "v5 stage 16 words": (5, {"V5_STAGE_WORDS": {(bs, storage): 16 for bs in (16, 32, 64)
+                                                 for storage in ("float32", "float16")}}),
+    "v5 whole blocks": (5, {"V5_STAGE_WORDS": {}}),  # a whole block's k a stage (also fp32 block 64)
     "v5 two stages": (5, {"V5_STAGES": 2}),  # every load through registers, double-buffered
     "v5 three stages": (5, {"V5_STAGES": 3}),  # a ring of three, activation rows by cp.async
     "v5 wgrad through registers": (5, {"V5_WGRAD_ASYNC": False}),  # fp32 axis 1 without cp.async
+    "v5 four stages": (5, {"V5_STAGES": 4}),
     "v5 launch order": (5, {"PRODUCT_GROUP": 0}),  # row tiles fastest, each segment over all N
     "v5 group 4": (5, {"PRODUCT_GROUP": 4}),
     "v5 group 16": (5, {"PRODUCT_GROUP": 16}),
 }
-FP16_VARIANTS = ("v4", "v4 swizzle", "v4 bs16 rows 512", "v5", "v5 v4 wgrad", "v5 stage 32 words", "v5 two stages",
-                 "v5 three stages", "v5 launch order", "v5 group 4", "v5 group 16")
+FP16_VARIANTS = ("v4", "v4 swizzle", "v4 bs16 rows 512", "v5", "v5 v4 wgrad", "v5 stage 16 words", "v5 whole blocks",
+                 "v5 two stages", "v5 three stages", "v5 four stages", "v5 launch order", "v5 group 4", "v5 group 16")
 
 
 def main():

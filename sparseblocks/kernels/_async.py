@@ -35,7 +35,7 @@ simulator tests catch a missing wait. Unaligned addresses raise, and so do
 addresses (array plus byte offset, there) past either array's end.
 
 Used by version 5's fp32 weight gradient (kernels/bsmm.py, V5_WGRAD_ASYNC)
-and, with V5_STAGES = 3, its products' stage ring. Tests: tests/test_async.py.
+and its products' stage ring (V5_STAGES > 2, the default). Tests: tests/test_async.py.
 """
 
 from .._backend import SIMULATOR

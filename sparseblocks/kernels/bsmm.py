@@ -41,7 +41,9 @@ fp64, see `default_version`; tests sweep all five):
      inline PTX (`_mma.py`), m16n8k16 for fp16 and bf16, 3xTF32 (three
      m16n8k8) for fp32 with each step's result added in round-to-nearest
      fp32 (the tensor cores' own fp32 sums drift over long sums); 128-row
-     product tiles, double-buffered stages of 32-bit words, 16-byte global
+     product tiles handed out in groups of row tiles (`_grouped_tile`), a ring
+     of three shared stages of 32-bit words fed by cp.async (activation rows)
+     where loads are 16-byte rows, else two through registers, 16-byte global
      loads where aligned; the weight gradient on tensor cores too, each warp
      one patch of one block. Checked on an H100 against float64 and under
      memcheck (benchmarks/NOTES.md).
@@ -118,18 +120,25 @@ V4_UNROLL = {16: True, 32: True, 64: True}
 # 4): products with V5_WARPS warps on 128-row tiles.
 V5_WARPS = {16: 4, 32: 4, 64: 8}  # each warp a V5_WARP_TILE x min(bs, 32) patch: 128-row tiles
 V5_WARP_TILE = 32
-V5_STAGE_WORDS = 16  # 32-bit words of k a product stage (at most a block's): 16 or 32
+# 32-bit words of k a product stage holds where not a whole block's, by (block size, storage).
+# H100, N = C = K = 4096, forward ms at 10 % / 50 % (seventh session): a whole block a stage
+# against 16 words, fp32 block 32 (three stages) 0.361 / 1.499 against 0.381 / 1.553, fp16
+# block 64 0.159 / 0.453 against 0.163 / 0.560; but fp32 block 64 (two stages) 0.446 / 1.832
+# against 0.403 / 1.682.
+V5_STAGE_WORDS = {(64, "float32"): 16}
 V5_BLOCKS = (16, 32, 64)
 V5_STORAGE = ("float16", "bfloat16", "float32")
 V5_VECTOR = True  # False keeps version 5 on one-value global loads
 # Stages of a version 5 product in shared memory. 2: every load through registers, double-
-# buffered. 3 (at most, within 48 KB of static shared memory at block 64): where activation
-# loads are 16-byte rows (feature_axis 1, vector loads) these, and fp32 weights read
-# untransposed, go straight to shared memory through cp.async (kernels/_async.py), two
-# stages in flight; the other weights pass through registers. H100, 10 %, N = 4096, forward
-# with 3 against 2: fp32 0.413 / 0.390 ms (block 32), 0.397 / 0.391 (block 64); fp16 0.194
-# / 0.181, 0.169 / 0.160 (benchmarks/NOTES.md, sixth session): no gain, so 2.
-V5_STAGES = 2
+# buffered. More (up to 5): where activation loads are 16-byte rows (feature_axis 1, vector
+# loads) these, and fp32 weights read untransposed, go straight to shared memory through
+# cp.async (kernels/_async.py), STAGES - 1 stages in flight; the other weights pass through
+# registers. H100, N = C = K = 4096, forward ms at 10 % / 50 %, three stages against two
+# (seventh session; the sixth session's comparison had replayed one kernel for both): fp32
+# block 16 0.494 / 2.193 against 0.554 / 2.496, block 32 0.381 / 1.553 against 0.425 /
+# 1.825, block 64 0.403 / 1.680 against 0.403 / 1.682; fp16 block 16 0.303 / 1.232 against
+# 0.336 / 1.437, block 32 0.171 / 0.640 against 0.197 / 0.720. Four stages: no better.
+V5_STAGES = 3
 # fp32 on version 5 (3xTF32): the tensor cores' own fp32 sums drift (relative error 3.2e-6
 # over 410-term sums, 1.5e-5 over 2048, H100). True starts each mma from zero and adds its
 # 8-term result in round-to-nearest fp32: 6.6e-7 as version 4, forward 0.448-0.488 ms against
@@ -840,7 +849,7 @@ def _v5_shape(bs, storage):
     values = _v5_values(storage)
     warps = V5_WARPS[bs]
     col_warps = bs // min(bs, V5_WARP_TILE)
-    words = min(bs // values, V5_STAGE_WORDS)
+    words = min(bs // values, V5_STAGE_WORDS.get((bs, storage), bs // values))
     return 32 * warps, V5_WARP_TILE * warps // col_warps, col_warps, words, values
 
 
@@ -853,9 +862,11 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     words along the feature (k) axis: pairs of 16-bit values, or single fp32
     values, as the fragments take them (`_mma.py`), so every fragment register
     is one 32-bit shared load; rows are padded (A by 4 words, W by 8) so that
-    the fragment reads of a warp hit 32 distinct banks. Stages are
-    double-buffered: the next one's global loads are in flight while this one
-    is multiplied, then stored to the other buffer, one barrier a stage. With
+    the fragment reads of a warp hit 32 distinct banks. A stage is a whole
+    block's k, or V5_STAGE_WORDS words of it. With two stages (V5_STAGES = 2,
+    or loads that are not 16-byte activation rows) they are double-buffered
+    through registers: the next one's global loads are in flight while this
+    one is multiplied, then stored to the other buffer, one barrier a stage. With
     ``vector`` (the launcher checked alignment; the arrays are then int32 word
     views) every global load reads 16 bytes: four words of one activation row
     (feature_axis 1), eight rows of two features (axis 0, 16-bit storage), or
@@ -863,8 +874,10 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     N read the last row: a row's outputs depend on that row alone, and they are
     not written. W is read transposed for input_grad.
 
-    With V5_STAGES > 2 and 16-byte activation rows (feature_axis 1), stages
-    form a ring of V5_STAGES buffers instead: activation units (and fp32
+    With V5_STAGES > 2 (the default, 3) and 16-byte activation rows
+    (feature_axis 1), stages form a ring of V5_STAGES buffers instead (up to
+    81 KB of shared memory a thread block: fp16 block 64, whole blocks a
+    stage): activation units (and fp32
     weight units of the forward product, also plain 16-byte rows in shared
     memory) are copied by cp.async without passing through registers,
     V5_STAGES - 1 stages ahead of the multiply; the rest of the weights still
