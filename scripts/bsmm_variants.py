@@ -46,6 +46,8 @@ VARIANTS = {
     "v5 three stages": (5, {"V5_STAGES": 3}),  # a ring of three, activation rows by cp.async
     "v5 wgrad through registers": (5, {"V5_WGRAD_ASYNC": False}),  # fp32 axis 1 without cp.async
     "v5 four stages": (5, {"V5_STAGES": 4}),
+    "v5 wgrad ring 3": (5, {"V5_WGRAD_STAGES": 3}),  # fp32 axis 1 weight gradient: 2 steps in flight
+    "v5 wgrad ring 4": (5, {"V5_WGRAD_STAGES": 4}),
     "v5 launch order": (5, {"PRODUCT_GROUP": 0}),  # row tiles fastest, each segment over all N
     "v5 group 4": (5, {"PRODUCT_GROUP": 4}),
     "v5 group 16": (5, {"PRODUCT_GROUP": 16}),

@@ -337,24 +337,27 @@ def test_tensor_core_rounded_sums(monkeypatch):
     assert_close(bsmm.forward(x, w, layout, version=5), reference.forward(x, w, layout), "float32", "forward")
 
 
-@pytest.mark.parametrize("block_size, dtype, feature_axis, n, offset, splits, beta", [
-    (16, "float16", 1, 37, 0, None, 0.0),  # 16-byte loads, an odd N: the last pair half empty
-    (16, "float16", 0, 40, 0, None, 0.0),  # axis 0: 8-row vectors
-    (16, "bfloat16", 0, 9, 0, None, 0.0),  # axis 0, N % 8 != 0: one value a load
-    (16, "float16", 1, 9, 1, None, 0.0),  # misaligned: one value a load
-    (32, "float16", 1, 70, 0, 2, 0.5),  # two N-splits (cut at whole steps), summed in order, + beta·out
-    (16, "float32", 1, 21, 0, None, 0.0),  # 3xTF32: 16-byte loads of one row
-    (16, "float32", 0, 20, 0, None, 0.0),  # axis 0: 4-row vectors
-    (16, "float32", 0, 9, 0, None, 0.0),  # axis 0, N % 4 != 0: one value a load
-    (32, "float32", 1, 40, 0, 2, 0.5),  # two N-splits of fp32 steps, + beta·out
+@pytest.mark.parametrize("block_size, dtype, feature_axis, n, offset, splits, beta, stages", [
+    (16, "float16", 1, 37, 0, None, 0.0, 2),  # 16-byte loads, an odd N: the last pair half empty
+    (16, "float16", 0, 40, 0, None, 0.0, 2),  # axis 0: 8-row vectors
+    (16, "bfloat16", 0, 9, 0, None, 0.0, 2),  # axis 0, N % 8 != 0: one value a load
+    (16, "float16", 1, 9, 1, None, 0.0, 2),  # misaligned: one value a load
+    (32, "float16", 1, 70, 0, 2, 0.5, 2),  # two N-splits (cut at whole steps), summed in order, + beta·out
+    (16, "float32", 1, 21, 0, None, 0.0, 2),  # 3xTF32: 16-byte loads of one row
+    (16, "float32", 0, 20, 0, None, 0.0, 2),  # axis 0: 4-row vectors
+    (16, "float32", 0, 9, 0, None, 0.0, 2),  # axis 0, N % 4 != 0: one value a load
+    (32, "float32", 1, 40, 0, 2, 0.5, 3),  # two N-splits of fp32 steps, + beta·out; a ring of 3
+    (16, "float32", 1, 70, 0, None, 0.0, 4),  # five steps through a ring of four cp.async buffers
 ])
-def test_tensor_core_weight_grad(monkeypatch, block_size, dtype, feature_axis, n, offset, splits, beta):
-    """Version 5's weight gradient on tensor cores (V5_WGRAD) against the reference."""
+def test_tensor_core_weight_grad(monkeypatch, block_size, dtype, feature_axis, n, offset, splits, beta, stages):
+    """Version 5's weight gradient on tensor cores (V5_WGRAD) against the reference (stages:
+    the fp32 cp.async ring's buffers)."""
     from numba import cuda
 
     from strategies import numpy_dtype
 
     monkeypatch.setattr(bsmm, "V5_WGRAD", True)
+    monkeypatch.setattr(bsmm, "V5_WGRAD_STAGES", stages)
     monkeypatch.setattr(bsmm, "_kernels", {})
     layout = BlockLayout.dense((2, 1) if block_size < 32 else (1, 1), block_size)
     rng = np.random.default_rng(n)

@@ -58,7 +58,7 @@ from .._backend import SIMULATOR
 from .._arrays import (
     Operand, check_dtype, check_same_dtype, check_same_kind, check_shape, launch_stream,
 )
-from ._async import commit, copy16_or_zero, copy16_to, global_address, shared_address, wait_but_one, waiter
+from ._async import commit, copy16_or_zero, copy16_to, global_address, shared_address, waiter
 from ._launch import data_pointer, launch, multiprocessors, replay
 from ._mma import MMA_M, MMA_N, mma_3xtf32, mma_bf16, mma_f16, pack
 from ._vector import aligned, load2, load4
@@ -153,6 +153,7 @@ V5_WGRAD_WARPS = 4
 # fp32 with feature_axis 1 and vector loads: the weight gradient's rows of x and dy go
 # straight to shared memory by cp.async (rows past the end as zeros), not through registers.
 V5_WGRAD_ASYNC = True
+V5_WGRAD_STAGES = 2  # buffers of that cp.async ring a warp (2 to 4): STAGES - 1 steps in flight
 V5_WGRAD_ROWS = 32  # N-splits are cut at multiples of it (whole steps of every storage)
 # Thread blocks of a product (versions 4 and 5) are handed out in groups of PRODUCT_GROUP
 # row tiles: within a group, every segment of the first row tile's neighbours before the
@@ -1438,7 +1439,8 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
     features (feature_axis 1), or 4 words' rows of one feature (feature_axis 0).
     Rows past this split's end are zero. fp32 with feature_axis 1 and
     ``vector`` (and V5_WGRAD_ASYNC): each 16-byte piece of a row goes to shared
-    memory by cp.async instead, from addresses taken once.
+    memory by cp.async instead, from addresses taken once, through a ring of
+    V5_WGRAD_STAGES buffers a warp.
     """
     WT = min(bs, V5_WARP_TILE)  # side of a warp's patch
     SIDE = bs // WT
@@ -1452,8 +1454,6 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
     PAIRS = VALUES == 2
     STRIDE = WT + 8  # words: conflict-free fragment reads (as version 5's weight tiles)
     TILE = KW * STRIDE
-    WARP_WORDS = 4 * TILE  # x and dy, two buffers each
-    SIZE = WARPS * WARP_WORDS
     if not vector:
         UNIT = 1
     else:  # words a load unit leaves in shared memory: 8 (two rows of 8 features) or 4
@@ -1461,6 +1461,10 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
     UNITS = KW * WT // UNIT
     PER_LANE = UNITS // 32
     ASYNC = V5_WGRAD_ASYNC and vector and feature_axis == 1 and not PAIRS
+    STAGES = V5_WGRAD_STAGES if ASYNC else 2
+    wait = waiter(STAGES - 1)  # groups a lane leaves in flight: those committed after a step's
+    WARP_WORDS = 2 * STAGES * TILE  # x and dy, STAGES buffers each
+    SIZE = WARPS * WARP_WORDS
     HELD = 1 if ASYNC else PER_LANE * UNIT
     accumulate = _mma_accumulate(storage)
     load, _ = _activation_io(feature_axis)
@@ -1579,25 +1583,27 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
                 for q in range(4):
                     acc[mt, nt, q] = float32(0)
         steps = (n_end - n_begin + ROWS - 1) // ROWS
-        if ASYNC:
+        if ASYNC:  # a ring of STAGES buffers, STAGES - 1 steps of copies in flight
             shared, x_global, dy_global = shared_address(tiles, (0,)), global_address(x, (0, 0)), \
                 global_address(dy, (0, 0))
-            if steps > 0:
-                issue(shared, x_global, x.shape[1], lane, c0, n_begin, n_end, base)
-                issue(shared, dy_global, dy.shape[1], lane, k0, n_begin, n_end, base + TILE)
-            commit()
+            for s in range(STAGES - 1):  # step s goes to buffer s % STAGES
+                if s < steps:
+                    at = base + s * 2 * TILE
+                    issue(shared, x_global, x.shape[1], lane, c0, n_begin + s * ROWS, n_end, at)
+                    issue(shared, dy_global, dy.shape[1], lane, k0, n_begin + s * ROWS, n_end, at + TILE)
+                commit()  # one group a step, empty or not, so that the wait below counts steps
             for step in range(steps):
-                buf = step & 1
-                if step + 1 < steps:  # the next step's copies land while this one is multiplied
-                    nxt = base + (1 - buf) * 2 * TILE
-                    n0 = n_begin + (step + 1) * ROWS
-                    issue(shared, x_global, x.shape[1], lane, c0, n0, n_end, nxt)
-                    issue(shared, dy_global, dy.shape[1], lane, k0, n0, n_end, nxt + TILE)
-                commit()  # one group a step, empty or not
-                wait_but_one()  # this lane's copies of this step have landed
+                buf = step % STAGES
+                nxt = step + STAGES - 1
+                if nxt < steps:  # its copies land while this step is multiplied
+                    at = base + ((buf + STAGES - 1) % STAGES) * 2 * TILE
+                    issue(shared, x_global, x.shape[1], lane, c0, n_begin + nxt * ROWS, n_end, at)
+                    issue(shared, dy_global, dy.shape[1], lane, k0, n_begin + nxt * ROWS, n_end, at + TILE)
+                commit()
+                wait()  # this lane's copies of this step have landed
                 cuda.syncwarp()  # ... and every lane's
                 multiply(tiles, acc, fa, base + buf * 2 * TILE, g, t)
-                cuda.syncwarp()  # the warp is done with this buffer before the next issue refills it
+                cuda.syncwarp()  # the warp is done with this buffer before an issue refills it
         else:  # through registers
             if steps > 0:
                 fetch(x, hx, lane, c0, n_begin, n_end)
