@@ -266,13 +266,17 @@ def test_tensor_core_load_paths(block_size, dtype, feature_axis, n, offset, vect
     assert_close(dx, reference.input_grad(dy, w, layout, feature_axis), dtype, "input_grad")
 
 
-@pytest.mark.parametrize("stages, words, dtype", [(2, None, "float32"), (2, None, "float16"), (4, None, "float16"),
-                                                   (3, 8, "float32")])
-def test_tensor_core_stage_counts(monkeypatch, stages, words, dtype):
+@pytest.mark.parametrize("stages, words, dtype, weight_rows", [
+    (2, None, "float32", True), (2, None, "float16", True), (4, None, "float16", True), (3, 8, "float32", True),
+    (3, None, "float16", False),
+])
+def test_tensor_core_stage_counts(monkeypatch, stages, words, dtype, weight_rows):
     """Version 5 with two stages (every load through registers), or a deeper cp.async ring, or
-    half a block a stage (the ring wraps inside a block) gives the reference's products; N = 9
-    leaves most of the 128-row tile past the end."""
+    half a block a stage (the ring wraps inside a block), or input_grad's weights through
+    registers in the ring, gives the reference's products; N = 9 leaves most of the 128-row
+    tile past the end."""
     monkeypatch.setattr(bsmm, "V5_STAGES", stages)
+    monkeypatch.setattr(bsmm, "V5_WEIGHT_ROWS", weight_rows)
     monkeypatch.setattr(bsmm, "V5_STAGE_WORDS", {} if words is None else {(16, dtype): words})
     monkeypatch.setattr(bsmm, "_kernels", {})
     layout = BlockLayout.dense((2, 1), 16)

@@ -139,6 +139,9 @@ V5_VECTOR = True  # False keeps version 5 on one-value global loads
 # 1.825, block 64 0.403 / 1.680 against 0.403 / 1.682; fp16 block 16 0.303 / 1.232 against
 # 0.336 / 1.437, block 32 0.171 / 0.640 against 0.197 / 0.720. Four stages: no better.
 V5_STAGES = 3
+# In that ring, input_grad's weights go by cp.async too, as shared rows of k words (see
+# `_make_product_v5`); False: through registers, k-major, as with two stages.
+V5_WEIGHT_ROWS = True
 # fp32 on version 5 (3xTF32): the tensor cores' own fp32 sums drift (relative error 3.2e-6
 # over 410-term sums, 1.5e-5 over 2048, H100). True starts each mma from zero and adds its
 # 8-term result in round-to-nearest fp32: 6.6e-7 as version 4, forward 0.448-0.488 ms against
@@ -892,13 +895,17 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     NT = WN // MMA_N
     SPB = bs // (KW * VALUES)  # stages a block
     STEPS = KW // 8  # mma steps a stage: 8 words of k each (k16 of 16-bit values, k8 of fp32)
-    A_STRIDE = KW + 4
-    W_STRIDE = bs + 8
-    A_TILE = TM * A_STRIDE
-    W_TILE = KW * W_STRIDE
     STAGES = V5_STAGES if vector and feature_axis == 1 else 2
     A_ASYNC = STAGES > 2  # activation units copied straight into shared memory
-    W_ASYNC = A_ASYNC and VALUES == 1 and not transpose_w  # fp32 weight rows likewise
+    # input_grad in the ring: W's stored rows (one per output feature, k along them) are shared
+    # rows of k words as the activations' are, so that they too go by cp.async; otherwise W is
+    # k-major in shared memory, and copied so only where its rows are that already (fp32 forward).
+    W_ROWS = A_ASYNC and transpose_w and V5_WEIGHT_ROWS
+    W_ASYNC = W_ROWS or (A_ASYNC and VALUES == 1 and not transpose_w)
+    A_STRIDE = KW + 4
+    W_STRIDE = KW + 4 if W_ROWS else bs + 8
+    A_TILE = TM * A_STRIDE
+    W_TILE = bs * W_STRIDE if W_ROWS else KW * W_STRIDE
     A_SIZE = STAGES * A_TILE
     W_SIZE = STAGES * W_TILE
     wait = waiter(max(STAGES - 2, 0))
@@ -1027,7 +1034,16 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     @cuda.jit(device=True, inline=True)
     def w_slot(e, buf):
         p, col, step = w_slots(e)
+        if W_ROWS:
+            return uint64(buf * W_TILE + col * W_STRIDE + p), 1
         return uint64(buf * W_TILE + p * W_STRIDE + col), step
+
+    @cuda.jit(device=True, inline=True)
+    def w_stage_offset(block, k0):
+        """Bytes from w's start to the stage of block at k0, for the copy_offsets of block 0 at 0."""
+        if W_ROWS:
+            return (block * uint64(bs * (bs // VALUES)) + uint64(k0 // VALUES)) * uint64(4)
+        return (block * uint64(bs) + uint64(k0)) * uint64(bs * 4)
 
     @cuda.jit(device=True, inline=True)
     def copy_offsets(a, a_from, a_to, w_from, w_to, tid, row0, n_rows):
@@ -1043,8 +1059,12 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
             for i in range(W_PER):
                 e = tid + i * T
                 if W_ALL or e < W_UNITS:
-                    _, k, col = w_row_source(e, uint64(0), 0)
-                    w_from[i] = (k * uint64(bs) + col) * uint64(4)
+                    if W_ROWS:  # four words along k of one stored row (output feature)
+                        w_from[i] = (uint64(e // (KW // 4)) * uint64(bs // VALUES) + uint64(4 * (e % (KW // 4)))) \
+                            * uint64(4)
+                    else:
+                        _, k, col = w_row_source(e, uint64(0), 0)
+                        w_from[i] = (k * uint64(bs) + col) * uint64(4)
                     w_to[i] = w_slot(e, 0)[0] * uint64(4)
 
     @cuda.jit(device=True, inline=True)
@@ -1068,7 +1088,7 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
             if W_ALL or e < W_UNITS:
                 if W_ASYNC:
                     copy16_to(w_shared + (w_to[i] + uint64(buf * W_TILE * 4)),
-                              w_global + (w_from[i] + (block * uint64(bs) + uint64(k0)) * uint64(bs * 4)))
+                              w_global + (w_from[i] + w_stage_offset(block, k0)))
                 else:
                     fetch_w(w, pw, e, i, block, k0)
 
@@ -1101,9 +1121,14 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
             fa[mt, 2] = a_s[at + uint64(4)]
             fa[mt, 3] = a_s[at + uint64(8 * A_STRIDE + 4)]
         for nt in range(NT):
-            at = uint64(buf * W_TILE + (s * 8 + t) * W_STRIDE + bc + nt * MMA_N)
-            b0 = w_s[at]
-            b1 = w_s[at + uint64(4 * W_STRIDE)]
+            if W_ROWS:  # column bc + 8 nt is a row of words along k
+                at = uint64(buf * W_TILE + (bc + nt * MMA_N) * W_STRIDE + s * 8 + t)
+                b0 = w_s[at]
+                b1 = w_s[at + uint64(4)]
+            else:
+                at = uint64(buf * W_TILE + (s * 8 + t) * W_STRIDE + bc + nt * MMA_N)
+                b0 = w_s[at]
+                b1 = w_s[at + uint64(4 * W_STRIDE)]
             for mt in range(MT):
                 accumulate(acc, mt, nt, fa, b0, b1)
 
