@@ -46,7 +46,9 @@ VARIANTS = {
     "v5 three stages": (5, {"V5_STAGES": 3}),  # a ring of three, activation rows by cp.async
     "v5 wgrad through registers": (5, {"V5_WGRAD_ASYNC": False}),  # fp32 axis 1 without cp.async
     "v5 four stages": (5, {"V5_STAGES": 4}),
-    "v5 weights through registers": (5, {"V5_WEIGHT_ROWS": False}),  # input_grad's W in the ring
+    "v5 weights through registers": (5, {"V5_WEIGHT_REGISTERS": {(bs, storage) for bs in (16, 32, 64)
+                                                                for storage in ("float32", "float16")}}),
+    "v5 weights as rows": (5, {"V5_WEIGHT_REGISTERS": set()}),  # input_grad's W by cp.async in the ring
     "v5 wgrad ring 3": (5, {"V5_WGRAD_STAGES": 3}),  # fp32 axis 1 weight gradient: 2 steps in flight
     "v5 wgrad ring 4": (5, {"V5_WGRAD_STAGES": 4}),
     "v5 launch order": (5, {"PRODUCT_GROUP": 0}),  # row tiles fastest, each segment over all N
@@ -54,7 +56,7 @@ VARIANTS = {
     "v5 group 16": (5, {"PRODUCT_GROUP": 16}),
 }
 FP16_VARIANTS = ("v4", "v4 swizzle", "v4 bs16 rows 512", "v5", "v5 v4 wgrad", "v5 stage 16 words", "v5 whole blocks",
-                 "v5 two stages", "v5 three stages", "v5 four stages", "v5 weights through registers", "v5 launch order", "v5 group 4", "v5 group 16")
+                 "v5 two stages", "v5 three stages", "v5 four stages", "v5 weights through registers", "v5 weights as rows", "v5 launch order", "v5 group 4", "v5 group 16")
 
 
 def main():

@@ -276,7 +276,7 @@ def test_tensor_core_stage_counts(monkeypatch, stages, words, dtype, weight_rows
     registers in the ring, gives the reference's products; N = 9 leaves most of the 128-row
     tile past the end."""
     monkeypatch.setattr(bsmm, "V5_STAGES", stages)
-    monkeypatch.setattr(bsmm, "V5_WEIGHT_ROWS", weight_rows)
+    monkeypatch.setattr(bsmm, "V5_WEIGHT_REGISTERS", set() if weight_rows else {(16, dtype)})
     monkeypatch.setattr(bsmm, "V5_STAGE_WORDS", {} if words is None else {(16, dtype): words})
     monkeypatch.setattr(bsmm, "_kernels", {})
     layout = BlockLayout.dense((2, 1), 16)

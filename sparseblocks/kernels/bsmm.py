@@ -140,8 +140,13 @@ V5_VECTOR = True  # False keeps version 5 on one-value global loads
 # 0.336 / 1.437, block 32 0.171 / 0.640 against 0.197 / 0.720. Four stages: no better.
 V5_STAGES = 3
 # In that ring, input_grad's weights go by cp.async too, as shared rows of k words (see
-# `_make_product_v5`); False: through registers, k-major, as with two stages.
-V5_WEIGHT_ROWS = True
+# `_make_product_v5`), except at the (block size, storage) named here, where they pass through
+# registers, k-major, as with two stages. H100, N = 4096, input_grad ms at 10 % / 50 %, rows
+# against registers: fp32 block 32 0.376 / 1.470 against 0.417 / 1.763, block 64 0.398 /
+# 1.682 against 0.394 / 1.759; fp16 block 64 0.134 / 0.428 against 0.158 / 0.483 (N = 16384,
+# 25 % / 50 %: 0.857 / 1.481 against 1.000 / 1.755); but fp16 block 32 0.195 / 0.638 against
+# 0.174 / 0.566.
+V5_WEIGHT_REGISTERS = {(32, "float16"), (32, "bfloat16")}
 # fp32 on version 5 (3xTF32): the tensor cores' own fp32 sums drift (relative error 3.2e-6
 # over 410-term sums, 1.5e-5 over 2048, H100). True starts each mma from zero and adds its
 # 8-term result in round-to-nearest fp32: 6.6e-7 as version 4, forward 0.448-0.488 ms against
@@ -900,7 +905,7 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     # input_grad in the ring: W's stored rows (one per output feature, k along them) are shared
     # rows of k words as the activations' are, so that they too go by cp.async; otherwise W is
     # k-major in shared memory, and copied so only where its rows are that already (fp32 forward).
-    W_ROWS = A_ASYNC and transpose_w and V5_WEIGHT_ROWS
+    W_ROWS = A_ASYNC and transpose_w and (bs, storage) not in V5_WEIGHT_REGISTERS
     W_ASYNC = W_ROWS or (A_ASYNC and VALUES == 1 and not transpose_w)
     A_STRIDE = KW + 4
     W_STRIDE = KW + 4 if W_ROWS else bs + 8
