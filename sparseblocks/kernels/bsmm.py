@@ -886,11 +886,13 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     With V5_STAGES > 2 (the default, 3) and 16-byte activation rows
     (feature_axis 1), stages form a ring of V5_STAGES buffers instead (up to
     81 KB of shared memory a thread block: fp16 block 64, whole blocks a
-    stage): activation units (and fp32
-    weight units of the forward product, also plain 16-byte rows in shared
-    memory) are copied by cp.async without passing through registers,
-    V5_STAGES - 1 stages ahead of the multiply; the rest of the weights still
-    pass through registers, deposited after the multiply into the buffer the
+    stage): activation units (and fp32 weight units of the forward product,
+    also plain 16-byte rows in shared memory, and the input gradient's weights,
+    kept there as rows of k words, one per output feature, outside
+    V5_WEIGHT_REGISTERS) are copied by cp.async without passing through
+    registers, V5_STAGES - 1 stages ahead of the multiply; the rest of the
+    weights (16-bit forward weights, interleaved into k pairs) still pass
+    through registers, deposited after the multiply into the buffer the
     barrier just freed. Each thread takes its copies' addresses once, before
     the loop, and adds a stage's offset to them.
     """
