@@ -1066,9 +1066,9 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
             for i in range(W_PER):
                 e = tid + i * T
                 if W_ALL or e < W_UNITS:
-                    if W_ROWS:  # four words along k of one stored row (output feature)
-                        w_from[i] = (uint64(e // (KW // 4)) * uint64(bs // VALUES) + uint64(4 * (e % (KW // 4)))) \
-                            * uint64(4)
+                    if W_ROWS:  # four words along k (from word p) of stored row (output feature) col
+                        p, col, _ = w_slots(e)
+                        w_from[i] = (uint64(col) * uint64(bs // VALUES) + uint64(p)) * uint64(4)
                     else:
                         _, k, col = w_row_source(e, uint64(0), 0)
                         w_from[i] = (k * uint64(bs) + col) * uint64(4)
