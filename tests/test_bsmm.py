@@ -117,8 +117,6 @@ def test_tensor_core_split_lines_match_reference(data, block_size, feature_axis,
 @pytest.mark.parametrize("splits", [1, 3])
 @given(data=st.data())
 def test_weight_grad_accumulates_into_out(data, splits, version, block_size):
-    from numba import cuda
-
     layout, x, dy, w = data.draw(problems(block_size, "float32"))
     beta = data.draw(st.sampled_from([1.0, 0.5, 0.0]), label="beta")
     previous = w.copy()
@@ -181,8 +179,6 @@ def test_empty_layout_and_zero_rows():
 
 
 def test_device_arrays_in_device_arrays_out():
-    from numba import cuda
-
     layout = BlockLayout.random((2, 2), 0.5, seed=3, block_size=8)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((5, 16)).astype(np.float32)
@@ -194,8 +190,6 @@ def test_device_arrays_in_device_arrays_out():
 
 def misaligned(array, offset=1):
     """A contiguous device copy of `array` whose data starts `offset` elements past an aligned address."""
-    from numba import cuda
-
     storage = cuda.to_device(np.zeros(array.size + offset, array.dtype))
     view = storage[offset:].reshape(array.shape)
     view.copy_to_device(np.ascontiguousarray(array))
@@ -206,8 +200,6 @@ def misaligned(array, offset=1):
 def test_vector_loads_only_where_aligned(feature_axis):
     """Version 4 reads 4 values per load only from aligned pointers (and, on axis 0, N in
     whole vectors); the others take scalar loads, with the same results."""
-    from numba import cuda
-
     layout = BlockLayout.random((2, 2), 0.75, seed=3, block_size=32)
     rng = np.random.default_rng(0)
     C, K = layout.dense_shape
@@ -241,8 +233,6 @@ def test_vector_loads_only_where_aligned(feature_axis):
 def test_tensor_core_load_paths(block_size, dtype, feature_axis, n, offset, vector):
     """Version 5 reads 16 bytes a load only where pointers and N allow, and gives the
     reference's products either way (a fixed, non-empty problem per path)."""
-    from numba import cuda
-
     from strategies import numpy_dtype
 
     layout = BlockLayout.dense((2, 1) if block_size < 64 else (1, 1), block_size)
@@ -356,8 +346,6 @@ def test_tensor_core_rounded_sums(monkeypatch):
 def test_tensor_core_weight_grad(monkeypatch, block_size, dtype, feature_axis, n, offset, splits, beta, stages):
     """Version 5's weight gradient on tensor cores (V5_WGRAD) against the reference (stages:
     the fp32 cp.async ring's buffers)."""
-    from numba import cuda
-
     from strategies import numpy_dtype
 
     monkeypatch.setattr(bsmm, "V5_WGRAD", True)
@@ -412,15 +400,11 @@ def test_bad_input_raises_before_launch(call, error, message):
 
 
 def test_mixed_kinds_are_refused():
-    from numba import cuda
-
     with pytest.raises(TypeError, match="one kind"):
         bsmm.forward(X, cuda.to_device(W), LAYOUT)
 
 
 def test_non_contiguous_device_array_is_refused():
-    from numba import cuda
-
     wide = cuda.to_device(np.ones((4, 32), np.float32))
     with pytest.raises(ValueError, match="C-contiguous"):
         bsmm.forward(wide[:, :16], cuda.to_device(W), LAYOUT)
