@@ -54,6 +54,11 @@ VARIANTS = {
     "v5 launch order": (5, {"PRODUCT_GROUP": 0}),  # row tiles fastest, each segment over all N
     "v5 group 4": (5, {"PRODUCT_GROUP": 4}),
     "v5 group 16": (5, {"PRODUCT_GROUP": 16}),
+    # Blocks of one block-row a weight-gradient warp takes together (default {16: 4}):
+    "v5 wgrad group 1": (5, {"V5_WGRAD_GROUP": {}}),
+    "v5 wgrad group 2": (5, {"V5_WGRAD_GROUP": {16: 2}}),
+    "v5 wgrad group 8": (5, {"V5_WGRAD_GROUP": {16: 8}}),
+    "v5 wgrad bs32 group 2": (5, {"V5_WGRAD_GROUP": {16: 4, 32: 2}}),
 }
 # Variants that change only fp32 kernels (or that earlier sessions timed in fp32 only).
 FP32_ONLY = ("v4 scalar loads", "v4 not unrolled", "v4 regs<=168", "v4 wgrad batch 8", "v4 bs16 rows 512 not unrolled",
@@ -69,6 +74,8 @@ def main():
     parser.add_argument("--dtypes", default="float32,float16")
     parser.add_argument("--block-sizes", default="32,64")
     parser.add_argument("--variants", default=None, help="comma-separated names (default: all)")
+    parser.add_argument("--products", default="forward,input_grad,weight_grad",
+                        help="comma-separated: the products to check and time (others show nan)")
     args = parser.parse_args()
 
     import torch
@@ -112,13 +119,19 @@ def main():
                 # did, so earlier product comparisons between settings of one version are void).
                 bsmm._kernels.clear()
                 bsmm._plans.clear()
-                errors = (relative_error(bsmm.forward(x, w, layout, version=version), want_y),
-                          relative_error(bsmm.input_grad(x, w, layout, version=version), want_dx),
-                          relative_error(bsmm.weight_grad(x, dy, layout, version=version), want_dw))
+                calls = {
+                    "forward": (lambda: bsmm.forward(x, w, layout, version=version), want_y),
+                    "input_grad": (lambda: bsmm.input_grad(x, w, layout, version=version), want_dx),
+                    "weight_grad": (lambda: bsmm.weight_grad(x, dy, layout, version=version), want_dw),
+                }
+                times = {name: float("nan") for name in calls}
+                errors = [0.0]
+                for product in args.products.split(","):
+                    call, want = calls[product]
+                    errors.append(relative_error(call(), want))
+                    times[product] = time_ms(call)
                 ok = max(errors) < (1e-5 if dtype_name == "float32" else 3e-3)
-                fwd = time_ms(lambda: bsmm.forward(x, w, layout, version=version))
-                bwd = time_ms(lambda: bsmm.input_grad(x, w, layout, version=version))
-                wgt = time_ms(lambda: bsmm.weight_grad(x, dy, layout, version=version))
+                fwd, bwd, wgt = times["forward"], times["input_grad"], times["weight_grad"]
                 rows.append({"variant": name, "bs": bs, "density": density, "N": N, "dtype": dtype_name,
                              "ok": ok, "error": max(errors),
                              "forward_ms": fwd, "input_grad_ms": bwd, "weight_grad_ms": wgt,

@@ -78,12 +78,13 @@ def check_v5(bs, storage, vector):
               f"{'vector' if vector else 'scalar'}{resources(ptx)}  {ptx.count('mma.sync')} mma"
               f"{vector_loads(ptx)}")
     dw = types.int16 if storage == "bfloat16" else getattr(types, storage)
+    group = bsmm.V5_WGRAD_GROUP.get(bs, 1) if bs <= bsmm.V5_WARP_TILE else 1
     for feature_axis in (1, 0):
-        kernel = bsmm._make_weight_grad_v5(bs, storage, acc, feature_axis, vector)
+        kernel = bsmm._make_weight_grad_v5(bs, storage, acc, feature_axis, vector, group)
         signature = (dw[:, :, ::1], types.float32[:, :, ::1], bits[:, ::1], bits[:, ::1],
-                     types.int32[:, ::1], i64, i64, types.float64)
+                     types.int32[:, ::1], index, index, i64, i64, types.float64)
         ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
-        print(f"weight_grad v5 bs {bs} {storage} axis {feature_axis} {'vector' if vector else 'scalar'}"
+        print(f"weight_grad v5 bs {bs} {storage} axis {feature_axis} {'vector' if vector else 'scalar'} group {group}"
               f"{resources(ptx)}  {ptx.count('mma.sync')} mma{vector_loads(ptx)}")
 
 

@@ -331,6 +331,9 @@ def test_tensor_core_rounded_sums(monkeypatch):
     assert_close(bsmm.forward(x, w, layout, version=5), reference.forward(x, w, layout), "float32", "forward")
 
 
+ROW_GROUPS = ((1, 1, 1), (0, 0, 0), (1, 0, 1))  # rows of 3, 0 and 2 blocks: full, empty and short groups
+
+
 @pytest.mark.parametrize("block_size, dtype, feature_axis, n, offset, splits, beta, stages", [
     (16, "float16", 1, 37, 0, None, 0.0, 2),  # 16-byte loads, an odd N: the last pair half empty
     (16, "float16", 0, 40, 0, None, 0.0, 2),  # axis 0: 8-row vectors
@@ -343,15 +346,22 @@ def test_tensor_core_rounded_sums(monkeypatch):
     (32, "float32", 1, 40, 0, 2, 0.5, 3),  # two N-splits of fp32 steps, + beta·out; a ring of 3
     (16, "float32", 1, 70, 0, None, 0.0, 4),  # five steps through a ring of four cp.async buffers
 ])
-def test_tensor_core_weight_grad(monkeypatch, block_size, dtype, feature_axis, n, offset, splits, beta, stages):
+@pytest.mark.parametrize("group", [1, 2])
+def test_tensor_core_weight_grad(monkeypatch, block_size, dtype, feature_axis, n, offset, splits, beta, stages,
+                                 group):
     """Version 5's weight gradient on tensor cores (V5_WGRAD) against the reference (stages:
-    the fp32 cp.async ring's buffers)."""
+    the fp32 cp.async ring's buffers; group: blocks of a row a warp takes, over rows of 3, 0
+    and 2 blocks)."""
     from strategies import numpy_dtype
 
     monkeypatch.setattr(bsmm, "V5_WGRAD", True)
     monkeypatch.setattr(bsmm, "V5_WGRAD_STAGES", stages)
+    monkeypatch.setattr(bsmm, "V5_WGRAD_GROUP", {16: group, 32: group})
     monkeypatch.setattr(bsmm, "_kernels", {})
-    layout = BlockLayout.dense((2, 1) if block_size < 32 else (1, 1), block_size)
+    if group > 1:
+        layout = BlockLayout(ROW_GROUPS, block_size)
+    else:
+        layout = BlockLayout.dense((2, 1) if block_size < 32 else (1, 1), block_size)
     rng = np.random.default_rng(n)
     C, K = layout.dense_shape
     cast = numpy_dtype(dtype)

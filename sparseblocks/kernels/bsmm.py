@@ -162,6 +162,9 @@ V5_WGRAD_WARPS = 4
 # straight to shared memory by cp.async (rows past the end as zeros), not through registers.
 V5_WGRAD_ASYNC = True
 V5_WGRAD_STAGES = 2  # buffers of that cp.async ring a warp (2 to 4): STAGES - 1 steps in flight
+# Blocks of one block-row a warp of that weight gradient takes together, sharing x's slice
+# (`_make_weight_grad_v5`'s group), by block size (blocks 16 and 32 only; absent: 1).
+V5_WGRAD_GROUP = {16: 4}
 V5_WGRAD_ROWS = 32  # N-splits are cut at multiples of it (whole steps of every storage)
 # Thread blocks of a product (versions 4 and 5) are handed out in groups of PRODUCT_GROUP
 # row tiles: within a group, every segment of the first row tile's neighbours before the
@@ -326,7 +329,7 @@ def _weight_grad_output(bs, storage, acc_type):
 
 
 def _mma_accumulate(storage):
-    """accumulate(acc, mt, nt, fa, b0, b1): acc[mt, nt] += A·B for one version 5 mma tile, A
+    """accumulate(acc, i, nt, fa, mt, b0, b1): acc[i, nt] += A·B for one version 5 mma tile, A
     the fragment words fa[mt], B the words b0, b1. fp32 (3xTF32) with V5_ROUNDED_SUMS starts
     the mma from zero and adds its result in round-to-nearest fp32: the tensor cores' own fp32
     sums drift over long sums (benchmarks/NOTES.md)."""
@@ -334,17 +337,17 @@ def _mma_accumulate(storage):
     ROUNDED_SUMS = V5_ROUNDED_SUMS and storage == "float32"
 
     @cuda.jit(device=True, inline=True)
-    def accumulate(acc, mt, nt, fa, b0, b1):
+    def accumulate(acc, i, nt, fa, mt, b0, b1):
         if ROUNDED_SUMS:
             d = mma(fa[mt, 0], fa[mt, 1], fa[mt, 2], fa[mt, 3], b0, b1,
                     float32(0), float32(0), float32(0), float32(0))
             for q in range(4):
-                acc[mt, nt, q] += d[q]
+                acc[i, nt, q] += d[q]
         else:
             d = mma(fa[mt, 0], fa[mt, 1], fa[mt, 2], fa[mt, 3], b0, b1,
-                    acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
+                    acc[i, nt, 0], acc[i, nt, 1], acc[i, nt, 2], acc[i, nt, 3])
             for q in range(4):
-                acc[mt, nt, q] = d[q]
+                acc[i, nt, q] = d[q]
 
     return accumulate
 
@@ -1137,7 +1140,7 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
                 b0 = w_s[at]
                 b1 = w_s[at + uint64(4 * W_STRIDE)]
             for mt in range(MT):
-                accumulate(acc, mt, nt, fa, b0, b1)
+                accumulate(acc, mt, nt, fa, mt, b0, b1)
 
     @cuda.jit
     def product_v5(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot,
@@ -1455,7 +1458,7 @@ def _v5_wgrad_step(storage):
     return 16 * _v5_values(storage), 16
 
 
-def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
+def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False, group=1):
     """dw[b] (+ beta·dw[b]) on tensor cores: D = xᵀ·dy, k running along N.
 
     Each warp owns a min(bs, 32)-square patch of one block of W (two 16-row by
@@ -1473,6 +1476,14 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
     ``vector`` (and V5_WGRAD_ASYNC): each 16-byte piece of a row goes to shared
     memory by cp.async instead, from addresses taken once, through a ring of
     V5_WGRAD_STAGES buffers a warp.
+
+    With ``group`` G > 1 (one patch a block: blocks 16 and 32) a warp takes a
+    segment of up to G consecutive blocks of one block-row
+    (`BlockLayout.line_segments` over rows: CSR order is block order) instead
+    of one block: it stages x's slice once a step for all of them and each
+    block's slice of dy, and reuses x's A fragments for every block, so a
+    block costs (1 + 1/G) slices of loads instead of 2. Warps with an empty
+    row's segment leave at once.
     """
     WT = min(bs, V5_WARP_TILE)  # side of a warp's patch
     SIDE = bs // WT
@@ -1495,16 +1506,21 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
     ASYNC = V5_WGRAD_ASYNC and vector and feature_axis == 1 and not PAIRS
     STAGES = V5_WGRAD_STAGES if ASYNC else 2
     wait = waiter(STAGES - 1)  # groups a lane leaves in flight: those committed after a step's
-    WARP_WORDS = 2 * STAGES * TILE  # x and dy, STAGES buffers each
+    G = group  # blocks a warp takes: 1 (by coords), or a row segment of up to G blocks
+    OPERANDS = 1 + G  # tiles of a stage: x's slice, then each block's slice of dy
+    WARP_WORDS = OPERANDS * STAGES * TILE
     SIZE = WARPS * WARP_WORDS
-    HELD = 1 if ASYNC else PER_LANE * UNIT
+    HELD = 1 if ASYNC else PER_LANE * UNIT  # words a lane holds per operand
+    HELD_ALL = OPERANDS * HELD  # (local-array shapes must be literals, not expressions)
+    ACC_ROWS = G * MT
     accumulate = _mma_accumulate(storage)
     load, _ = _activation_io(feature_axis)
     finish = _weight_grad_output(bs, storage, acc_type)
 
     @cuda.jit(device=True, inline=True)
-    def fetch(a, held, lane, col0, n0, n_end):
-        """This lane's share of a step's rows n0... of features col0...col0 + WT - 1 of a."""
+    def fetch(a, held, h0, lane, col0, n0, n_end):
+        """This lane's share of a step's rows n0... of features col0...col0 + WT - 1 of a, into
+        held[h0...]."""
         last = n_end - 1
         for i in range(PER_LANE):
             e = lane + 32 * i
@@ -1515,9 +1531,9 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
                 lo = load(a, uint64(min(n, last)), col) if n <= last else 0
                 if PAIRS:
                     hi = load(a, uint64(min(n + 1, last)), col) if n + 1 <= last else 0
-                    held[i] = pack(lo, hi)
+                    held[h0 + i] = pack(lo, hi)
                 else:
-                    held[i] = uint32(lo)
+                    held[h0 + i] = uint32(lo)
             elif feature_axis == 1:
                 p, cg = e // (WT // UNIT), e % (WT // UNIT)
                 n = n0 + VALUES * p
@@ -1529,10 +1545,10 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
                         word = _interleave(x0, x1, c)
                         if n + 1 > last:  # the second row is past the end
                             word = uint32(word & uint32(0xFFFF))
-                        held[i * 8 + c] = word if n <= last else uint32(0)
+                        held[h0 + i * 8 + c] = word if n <= last else uint32(0)
                 else:
                     for c in range(4):
-                        held[i * 4 + c] = uint32(x0[c]) if n <= last else uint32(0)
+                        held[h0 + i * 4 + c] = uint32(x0[c]) if n <= last else uint32(0)
             else:
                 # 4 words' rows of one feature; the end is a multiple of them, so a unit is
                 # all in or out.
@@ -1540,22 +1556,22 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
                 n = n0 + 4 * VALUES * q
                 v = load4(a, (uint64(col0 + c), uint64(min(n, n_end - 4 * VALUES) // VALUES)))
                 for w in range(4):
-                    held[i * 4 + w] = uint32(v[w]) if n < n_end else uint32(0)
+                    held[h0 + i * 4 + w] = uint32(v[w]) if n < n_end else uint32(0)
 
     @cuda.jit(device=True, inline=True)
-    def deposit(tiles, held, lane, at):
+    def deposit(tiles, held, h0, lane, at):
         for i in range(PER_LANE):
             e = lane + 32 * i
             if not vector:
-                tiles[uint64(at + (e // WT) * STRIDE + e % WT)] = held[i]
+                tiles[uint64(at + (e // WT) * STRIDE + e % WT)] = held[h0 + i]
             elif feature_axis == 1:
                 slot = uint64(at + (e // (WT // UNIT)) * STRIDE + UNIT * (e % (WT // UNIT)))
                 for c in range(UNIT):
-                    tiles[slot + uint64(c)] = held[i * UNIT + c]
+                    tiles[slot + uint64(c)] = held[h0 + i * UNIT + c]
             else:
                 slot = uint64(at + 4 * (e % (KW // 4)) * STRIDE + e // (KW // 4))
                 for w in range(4):
-                    tiles[slot + uint64(w * STRIDE)] = held[i * 4 + w]
+                    tiles[slot + uint64(w * STRIDE)] = held[h0 + i * 4 + w]
 
     @cuda.jit(device=True, inline=True)
     def issue(shared, source, row_words, lane, col0, n0, n_end, at):
@@ -1570,8 +1586,9 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
                            source + (row * uint64(row_words) + uint64(col0 + 4 * cg)) * uint64(4), n < n_end)
 
     @cuda.jit(device=True, inline=True)
-    def multiply(tiles, acc, fa, ax, g, t):
-        """acc += the step in the buffer at word ax (x's rows, then dy's at ax + TILE)."""
+    def multiply(tiles, acc, fa, ax, g, t, count):
+        """acc += the step in the buffer at word ax: x's rows, then each block's rows of dy
+        (TILE words apart); the A fragments of x serve every block."""
         for s in range(KW // 8):
             for mt in range(MT):
                 at = uint64(ax + (s * 8 + t) * STRIDE + mt * MMA_M + g)
@@ -1579,21 +1596,22 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
                 fa[mt, 1] = tiles[at + uint64(8)]
                 fa[mt, 2] = tiles[at + uint64(4 * STRIDE)]
                 fa[mt, 3] = tiles[at + uint64(4 * STRIDE + 8)]
-            for nt in range(NT):
-                at = uint64(ax + TILE + (s * 8 + t) * STRIDE + nt * MMA_N + g)
-                b0 = tiles[at]
-                b1 = tiles[at + uint64(4 * STRIDE)]
-                for mt in range(MT):
-                    accumulate(acc, mt, nt, fa, b0, b1)
+            for j in range(G):
+                if j < count:  # the same for the whole warp
+                    for nt in range(NT):
+                        at = uint64(ax + (1 + j) * TILE + (s * 8 + t) * STRIDE + nt * MMA_N + g)
+                        b0 = tiles[at]
+                        b1 = tiles[at + uint64(4 * STRIDE)]
+                        for mt in range(MT):
+                            accumulate(acc, j * MT + mt, nt, fa, mt, b0, b1)
 
     @cuda.jit
-    def weight_grad_v5(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta):
+    def weight_grad_v5(dw, workspace, x, dy, coords, seg_begin, seg_end, n_rows, rows_per_split, beta):
         lane = cuda.threadIdx.x % 32
         warp = cuda.threadIdx.x // 32
         g = lane >> 2
         t = lane % 4
-        n_blocks = dw.shape[0]
-        block = cuda.blockIdx.x * PER + warp // PATCHES
+        item = cuda.blockIdx.x * PER + warp // PATCHES  # a block, or a segment (G > 1)
         patch = warp % PATCHES
         pm = (patch // SIDE) * WT  # the patch's first row (x feature) and column (dy feature) in the block
         pn = (patch % SIDE) * WT
@@ -1601,67 +1619,92 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False):
         n_begin = split * rows_per_split
         n_end = min(n_rows, n_begin + rows_per_split)
         tiles = cuda.shared.array(SIZE, uint32, alignment=SHARED_ALIGN)
-        acc = cuda.local.array((MT, NT, 4), float32)
-        hx = cuda.local.array(HELD, uint32)
-        hd = cuda.local.array(HELD, uint32)
+        acc = cuda.local.array((ACC_ROWS, NT, 4), float32)
+        held = cuda.local.array(HELD_ALL, uint32)
         fa = cuda.local.array((MT, 4), uint32)
-        if block >= n_blocks:
-            return  # a whole warp; no thread-block barrier follows
-        c0 = coords[block, 0] * bs + pm
-        k0 = coords[block, 1] * bs + pn
+        cols = cuda.local.array(G, int64)
+        # Whole warps leave here; no thread-block barrier follows.
+        if G == 1:
+            if item >= dw.shape[0]:
+                return
+            first, count = item, 1
+        else:
+            if item >= seg_begin.shape[0]:
+                return
+            first = seg_begin[item]  # the segment's blocks are consecutive: CSR order is block order
+            count = seg_end[item] - first
+            if count == 0:  # an empty block-row
+                return
+        c0 = coords[first, 0] * bs + pm
+        for j in range(G):
+            cols[j] = coords[first + min(j, count - 1), 1] * bs + pn
         base = warp * WARP_WORDS
-        for mt in range(MT):
+        for i in range(ACC_ROWS):
             for nt in range(NT):
                 for q in range(4):
-                    acc[mt, nt, q] = float32(0)
+                    acc[i, nt, q] = float32(0)
         steps = (n_end - n_begin + ROWS - 1) // ROWS
         if ASYNC:  # a ring of STAGES buffers, STAGES - 1 steps of copies in flight
             shared, x_global, dy_global = shared_address(tiles, (0,)), global_address(x, (0, 0)), \
                 global_address(dy, (0, 0))
             for s in range(STAGES - 1):  # step s goes to buffer s % STAGES
                 if s < steps:
-                    at = base + s * 2 * TILE
+                    at = base + s * OPERANDS * TILE
                     issue(shared, x_global, x.shape[1], lane, c0, n_begin + s * ROWS, n_end, at)
-                    issue(shared, dy_global, dy.shape[1], lane, k0, n_begin + s * ROWS, n_end, at + TILE)
+                    for j in range(G):
+                        if j < count:
+                            issue(shared, dy_global, dy.shape[1], lane, cols[j], n_begin + s * ROWS, n_end,
+                                  at + (1 + j) * TILE)
                 commit()  # one group a step, empty or not, so that the wait below counts steps
             for step in range(steps):
                 buf = step % STAGES
                 nxt = step + STAGES - 1
                 if nxt < steps:  # its copies land while this step is multiplied
-                    at = base + ((buf + STAGES - 1) % STAGES) * 2 * TILE
+                    at = base + ((buf + STAGES - 1) % STAGES) * OPERANDS * TILE
                     issue(shared, x_global, x.shape[1], lane, c0, n_begin + nxt * ROWS, n_end, at)
-                    issue(shared, dy_global, dy.shape[1], lane, k0, n_begin + nxt * ROWS, n_end, at + TILE)
+                    for j in range(G):
+                        if j < count:
+                            issue(shared, dy_global, dy.shape[1], lane, cols[j], n_begin + nxt * ROWS, n_end,
+                                  at + (1 + j) * TILE)
                 commit()
                 wait()  # this lane's copies of this step have landed
                 cuda.syncwarp()  # ... and every lane's
-                multiply(tiles, acc, fa, base + buf * 2 * TILE, g, t)
+                multiply(tiles, acc, fa, base + buf * OPERANDS * TILE, g, t, count)
                 cuda.syncwarp()  # the warp is done with this buffer before an issue refills it
         else:  # through registers
             if steps > 0:
-                fetch(x, hx, lane, c0, n_begin, n_end)
-                fetch(dy, hd, lane, k0, n_begin, n_end)
-                deposit(tiles, hx, lane, base)
-                deposit(tiles, hd, lane, base + TILE)
+                fetch(x, held, 0, lane, c0, n_begin, n_end)
+                for j in range(G):
+                    if j < count:
+                        fetch(dy, held, (1 + j) * HELD, lane, cols[j], n_begin, n_end)
+                for o in range(OPERANDS):
+                    if o <= count:
+                        deposit(tiles, held, o * HELD, lane, base + o * TILE)
             cuda.syncwarp()  # step 0 is in buffer 0
             for step in range(steps):
                 buf = step & 1
                 more = step + 1 < steps
                 if more:  # the next step's loads land while this one is multiplied
-                    fetch(x, hx, lane, c0, n_begin + (step + 1) * ROWS, n_end)
-                    fetch(dy, hd, lane, k0, n_begin + (step + 1) * ROWS, n_end)
-                multiply(tiles, acc, fa, base + buf * 2 * TILE, g, t)
+                    fetch(x, held, 0, lane, c0, n_begin + (step + 1) * ROWS, n_end)
+                    for j in range(G):
+                        if j < count:
+                            fetch(dy, held, (1 + j) * HELD, lane, cols[j], n_begin + (step + 1) * ROWS, n_end)
+                multiply(tiles, acc, fa, base + buf * OPERANDS * TILE, g, t, count)
                 if more:
-                    nxt = base + (1 - buf) * 2 * TILE
-                    deposit(tiles, hx, lane, nxt)
-                    deposit(tiles, hd, lane, nxt + TILE)
+                    nxt = base + (1 - buf) * OPERANDS * TILE
+                    for o in range(OPERANDS):
+                        if o <= count:
+                            deposit(tiles, held, o * HELD, lane, nxt + o * TILE)
                 # The next step is in the other buffer, and the warp is done reading this one
                 # before the step after next overwrites it.
                 cuda.syncwarp()
-        for mt in range(MT):
-            for nt in range(NT):
-                for q in range(4):
-                    finish(dw, workspace, block, split, pm + mt * MMA_M + g + 8 * (q // 2),
-                           pn + nt * MMA_N + 2 * t + q % 2, acc[mt, nt, q], beta)
+        for j in range(G):
+            if j < count:
+                for mt in range(MT):
+                    for nt in range(NT):
+                        for q in range(4):
+                            finish(dw, workspace, first + j, split, pm + mt * MMA_M + g + 8 * (q // 2),
+                                   pn + nt * MMA_N + 2 * t + q % 2, acc[j * MT + mt, nt, q], beta)
 
     return weight_grad_v5
 
@@ -1853,11 +1896,20 @@ def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, v
         return
     v5 = version == 5 and V5_WGRAD and bs in V5_BLOCKS and x.dtype in V5_STORAGE
     v4 = not v5 and version >= 4 and bs in V4_WGRAD_ROWS and feature_axis == 1
-    if v5:  # W blocks a thread block computes
-        per_block = _v5_wgrad_blocks(bs)
+    group = V5_WGRAD_GROUP.get(bs, 1) if v5 and bs <= V5_WARP_TILE else 1
+    coords = _index(layout, "coords", stream)
+    if group > 1:  # a warp per row segment of up to `group` blocks
+        segments = layout.line_segments("row", group)
+        seg_begin, seg_end = (_on_device(layout, ("row", group, name), segments[name], stream)
+                              for name in ("seg_begin", "seg_end"))
+        thread_blocks = -(-len(segments["seg_begin"]) // V5_WGRAD_WARPS)
     else:
-        per_block = V4_WGRAD_THREADS // (bs // 8) ** 2 if v4 else 1
-    thread_blocks = -(-layout.n_blocks // per_block)
+        seg_begin = seg_end = coords  # (unread)
+        if v5:  # W blocks a thread block computes
+            per_block = _v5_wgrad_blocks(bs)
+        else:
+            per_block = V4_WGRAD_THREADS // (bs // 8) ** 2 if v4 else 1
+        thread_blocks = -(-layout.n_blocks // per_block)
     splits = wgrad_splits(layout, n_rows, thread_blocks) if splits is None else max(1, int(splits))
     rows_per_split = -(-max(n_rows, 1) // splits)
     if v5:  # whole steps a split, so that feature_axis 0's 8-row vectors never straddle an end
@@ -1871,21 +1923,22 @@ def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, v
     if v5:
         values = _v5_values(x.dtype)
         vector = _v5_vector_loads((x_device, dy_device), n_rows, feature_axis, values)
-        kernel = _kernel(_make_weight_grad_v5, bs, x.dtype, feature_axis, vector)
+        kernel = _kernel(_make_weight_grad_v5, bs, x.dtype, feature_axis, vector, group)
         x_device, dy_device = (_words(x_device), _words(dy_device)) if vector or values == 1 \
             else (_bits(x_device), _bits(dy_device))
         threads = 32 * V5_WGRAD_WARPS
-    elif v4:
-        vector = _vector_loads((x_device, dy_device), n_rows, feature_axis)
-        kernel = _kernel(_make_weight_grad_v4, bs, x.dtype, feature_axis, vector)
-        threads = V4_WGRAD_THREADS
+        args = (dw, workspace, x_device, dy_device, coords, seg_begin, seg_end, n_rows, rows_per_split, beta)
     else:
-        kernel = _kernel(_make_weight_grad_v3 if version >= 3 else _make_weight_grad_v2, bs, x.dtype, feature_axis)
-        threads = WGRAD_THREADS
-    launch(kernel, (thread_blocks, splits), threads, stream, (
-        dw, workspace, x_device, dy_device, _index(layout, "coords", stream),
-        n_rows, rows_per_split, beta,
-    ))
+        if v4:
+            vector = _vector_loads((x_device, dy_device), n_rows, feature_axis)
+            kernel = _kernel(_make_weight_grad_v4, bs, x.dtype, feature_axis, vector)
+            threads = V4_WGRAD_THREADS
+        else:
+            kernel = _kernel(_make_weight_grad_v3 if version >= 3 else _make_weight_grad_v2, bs, x.dtype,
+                             feature_axis)
+            threads = WGRAD_THREADS
+        args = (dw, workspace, x_device, dy_device, coords, n_rows, rows_per_split, beta)
+    launch(kernel, (thread_blocks, splits), threads, stream, args)
     if splits > 1:
         combine = _kernel(_make_combine_wgrad, bs, x.dtype)
         grid = ((bs * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, layout.n_blocks)
