@@ -59,6 +59,9 @@ VARIANTS = {
     "v5 wgrad group 2": (5, {"V5_WGRAD_GROUP": {16: 2}}),
     "v5 wgrad group 8": (5, {"V5_WGRAD_GROUP": {16: 8}}),
     "v5 wgrad bs32 group 2": (5, {"V5_WGRAD_GROUP": {16: 4, 32: 2}}),
+    "v5 wgrad group 3": (5, {"V5_WGRAD_GROUP": {16: 3}}),
+    "v5 wgrad group 4 of 2 warps": (5, {"V5_WGRAD_GROUP_WARPS": 2}),
+    "v5 wgrad group 4 of 1 warp": (5, {"V5_WGRAD_GROUP_WARPS": 1}),
 }
 # Variants that change only fp32 kernels (or that earlier sessions timed in fp32 only).
 FP32_ONLY = ("v4 scalar loads", "v4 not unrolled", "v4 regs<=168", "v4 wgrad batch 8", "v4 bs16 rows 512 not unrolled",

@@ -165,6 +165,7 @@ V5_WGRAD_STAGES = 2  # buffers of that cp.async ring a warp (2 to 4): STAGES - 1
 # Blocks of one block-row a warp of that weight gradient takes together, sharing x's slice
 # (`_make_weight_grad_v5`'s group), by block size (blocks 16 and 32 only; absent: 1).
 V5_WGRAD_GROUP = {16: 4}
+V5_WGRAD_GROUP_WARPS = 4  # warps (segments) a thread block of the grouped weight gradient
 V5_WGRAD_ROWS = 32  # N-splits are cut at multiples of it (whole steps of every storage)
 # Thread blocks of a product (versions 4 and 5) are handed out in groups of PRODUCT_GROUP
 # row tiles: within a group, every segment of the first row tile's neighbours before the
@@ -1452,6 +1453,11 @@ def _v5_wgrad_blocks(bs):
     return max(1, V5_WGRAD_WARPS // (bs // min(bs, V5_WARP_TILE)) ** 2)
 
 
+def _v5_wgrad_warps(group):
+    """Warps a thread block of version 5's weight gradient."""
+    return V5_WGRAD_GROUP_WARPS if group > 1 else V5_WGRAD_WARPS
+
+
 def _v5_wgrad_step(storage):
     """(rows of N, 32-bit words of a column) a step of version 5's weight gradient stages:
     32 rows as 16 words of pairs (16-bit storage), or 16 fp32 rows (the same shared memory)."""
@@ -1488,8 +1494,8 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False, grou
     WT = min(bs, V5_WARP_TILE)  # side of a warp's patch
     SIDE = bs // WT
     PATCHES = SIDE * SIDE  # warps on one block
-    WARPS = V5_WGRAD_WARPS
-    PER = _v5_wgrad_blocks(bs)
+    WARPS = _v5_wgrad_warps(group)
+    PER = WARPS if group > 1 else _v5_wgrad_blocks(bs)  # blocks (segments) a thread block
     MT = WT // MMA_M
     NT = WT // MMA_N
     ROWS, KW = _v5_wgrad_step(storage)  # rows of N and words a step
@@ -1902,7 +1908,7 @@ def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, v
         segments = layout.line_segments("row", group)
         seg_begin, seg_end = (_on_device(layout, ("row", group, name), segments[name], stream)
                               for name in ("seg_begin", "seg_end"))
-        thread_blocks = -(-len(segments["seg_begin"]) // V5_WGRAD_WARPS)
+        thread_blocks = -(-len(segments["seg_begin"]) // _v5_wgrad_warps(group))
     else:
         seg_begin = seg_end = coords  # (unread)
         if v5:  # W blocks a thread block computes
@@ -1926,7 +1932,7 @@ def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, v
         kernel = _kernel(_make_weight_grad_v5, bs, x.dtype, feature_axis, vector, group)
         x_device, dy_device = (_words(x_device), _words(dy_device)) if vector or values == 1 \
             else (_bits(x_device), _bits(dy_device))
-        threads = 32 * V5_WGRAD_WARPS
+        threads = 32 * _v5_wgrad_warps(group)
         args = (dw, workspace, x_device, dy_device, coords, seg_begin, seg_end, n_rows, rows_per_split, beta)
     else:
         if v4:
