@@ -1,6 +1,6 @@
 """The GPU test suite under compute-sanitizer memcheck, in parallel shards (a developer's script).
 
-    python3 scripts/memcheck_shards.py [--shards 10] [--timeout 500] [--out DIR] [--no-memcheck] [--by-case] [paths]
+    python3 scripts/memcheck_shards.py [--shards 10] [--timeout 500] [--out DIR] [--no-memcheck] [--by-case] [--exclude ID] [paths]
 
 pytest-xdist's workers do not come up under compute-sanitizer, and one
 process takes longer than a device call allows (every test compiles its own
@@ -25,12 +25,15 @@ def main():
     parser.add_argument("--no-memcheck", action="store_true")
     parser.add_argument("--by-case", action="store_true",
                         help="deal out single parametrized cases, not test functions (one slow test over many shards)")
+    parser.add_argument("--exclude", action="append", default=[],
+                        help="leave out test ids containing this (repeatable): run them elsewhere, --by-case")
     parser.add_argument("paths", nargs="*", default=["tests"])
     args = parser.parse_args()
     listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *args.paths],
                             capture_output=True, text=True).stdout
     functions = list(dict.fromkeys(line if args.by_case else line.split("[")[0]
-                                   for line in listed.splitlines() if "::" in line))
+                                   for line in listed.splitlines()
+                                   if "::" in line and not any(x in line for x in args.exclude)))
     shards = [functions[k::args.shards] for k in range(args.shards)]
     env = dict(os.environ, SPARSEBLOCKS_HYPOTHESIS_PROFILE="ci")
     sanitizer = [] if args.no_memcheck else [
