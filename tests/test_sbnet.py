@@ -179,6 +179,57 @@ def test_fp16_adds_go_two_channels_a_word_where_rows_allow(channels, monkeypatch
     assert words == (["half2"] if channels % 2 == 0 else ["float16"])
 
 
+@pytest.mark.parametrize("dtype, channels, transpose", [
+    ("float32", 4, False), ("float32", 8, False), ("float16", 8, False), ("float64", 2, False),
+    ("float32", 4, True), ("float32", 8, True),
+])
+@pytest.mark.parametrize("add", [False, True])
+@few
+@given(data=st.data())
+def test_row_copies_equal_reference(dtype, channels, transpose, add, data):
+    """Channels-last gathers and (adding) scatters a window row at a time, 16 bytes a step, where
+    a pixel is whole 16-byte vectors (transposing: float32, bw a multiple of 4): windows over
+    the image's edges, negative offsets, out-of-range indices, a count short of the rows."""
+    draw = data.draw
+    size = (draw(st.integers(1, 3)), draw(st.sampled_from([4, 8] if transpose else [1, 3, 4])))
+    g = {"bsize": size, "bstride": tuple(s + draw(st.integers(0, 2)) for s in size),
+         "boffset": (draw(st.integers(-3, 2)), draw(st.integers(-5, 2)))}
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    shape = (draw(st.integers(1, 2)), draw(st.integers(1, 7)), draw(st.integers(1, 11)), channels)
+    x = values(rng, shape, dtype, "normal")
+    indices = np.unique(some_indices(rng, shape, g, unique=True), axis=0)
+    count = np.array([draw(st.integers(0, len(indices)))], np.int32)
+    made = []
+    make = sbnet._make_row_kernels
+    with pytest.MonkeyPatch.context() as patch:  # (a function-scoped fixture would span examples)
+        patch.setattr(sbnet, "_kernels", {})
+        patch.setattr(sbnet, "_make_row_kernels", lambda *key: made.append(key) or make(*key))
+        got = sbnet.sparse_gather(x, indices, transpose=transpose, count=count, **g)
+    want = reference.sparse_gather(x, indices, transpose=transpose, **g)
+    np.testing.assert_array_equal(got[:count[0]], want[:count[0]])
+    blocks = values(rng, want.shape, dtype, "normal")
+    y = values(rng, shape, dtype, "normal")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sbnet, "_kernels", {})
+        patch.setattr(sbnet, "_make_row_kernels", lambda *key: made.append(key) or make(*key))
+        got = sbnet.sparse_scatter(blocks, indices, y, add=add, transpose=transpose, count=count, **g)
+    want = reference.sparse_scatter(blocks[:count[0]], indices[:count[0]], y, add=add, transpose=transpose, **g)
+    np.testing.assert_array_equal(got, want)
+    assert len(made) == 2 or len(indices) == 0  # (no indices: nothing launched)
+
+
+def test_row_copies_fall_back_where_pointers_are_misaligned():
+    """A pixel of whole vectors but an image 4 bytes off 16-byte alignment: the element kernels."""
+    rng = np.random.default_rng(8)
+    storage = cuda.to_device(rng.standard_normal(2 * 5 * 6 * 4 + 1).astype(np.float32))
+    x = storage[1:].reshape((2, 5, 6, 4))
+    assert sbnet.data_pointer(x) % 16 != 0
+    indices = np.array([[0, 0, 0], [1, 1, 1]], np.int32)
+    g = {"bsize": 4, "bstride": 4, "boffset": -1}
+    got = sbnet.sparse_gather(x, cuda.to_device(indices), transpose=True, **g).copy_to_host()
+    np.testing.assert_array_equal(got, reference.sparse_gather(x.copy_to_host(), indices, transpose=True, **g))
+
+
 def test_zero_blocks():
     x = np.ones((1, 4, 4, 2), np.float32)
     none = np.zeros((0, 3), np.int32)

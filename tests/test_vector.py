@@ -1,10 +1,10 @@
-"""Vector loads (kernels/_vector.py): the values of 2 or 4 neighbours, and the alignment promise."""
+"""Vector loads and stores (kernels/_vector.py): the values of 2 or 4 neighbours, and the alignment promise."""
 
 import numpy as np
 import pytest
 from numba import cuda
 
-from sparseblocks.kernels._vector import aligned, load2, load4
+from sparseblocks.kernels._vector import aligned, load2, load4, store2, store4
 
 
 @cuda.jit
@@ -24,6 +24,29 @@ def _copy_pairs(out, w):
         p = load2(w, (1, 2, 2 * i))
         out[0, 0, 2 * i] = p[0]
         out[0, 0, 2 * i + 1] = p[1]
+
+
+@cuda.jit
+def _store_quads(quads, a):
+    i = cuda.threadIdx.x
+    if i < a.shape[0] // 4:
+        store4(quads, (4 * i,), load4(a, (4 * i,)))
+
+
+@cuda.jit
+def _store_pairs(pairs, a):
+    i = cuda.threadIdx.x
+    if i < a.shape[0] // 2:
+        store2(pairs, (2 * i,), (a[2 * i], a[2 * i + 1]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.float64])
+def test_vector_stores_write_neighbours(dtype):
+    """16-byte stores as the SBNet row copies make them: 4 of 4 bytes, 2 of 8 bytes."""
+    a = (np.arange(16) % 13 - 6).astype(dtype)
+    out = cuda.to_device(np.zeros(16, dtype))
+    (_store_pairs if a.itemsize == 8 else _store_quads)[1, 8](out, cuda.to_device(a))
+    np.testing.assert_array_equal(out.copy_to_host(), a)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int16])
@@ -49,3 +72,5 @@ def test_unaligned_vector_load_fails_in_the_simulator():
     a = storage[1:].reshape(3, 16)
     with pytest.raises(Exception, match="not aligned"):
         _copy_quads[1, 4](cuda.device_array((3, 16), np.float32), a)
+    with pytest.raises(Exception, match="not aligned"):
+        _store_quads[1, 4](storage[1:17], cuda.to_device(np.zeros(16, np.float32)))

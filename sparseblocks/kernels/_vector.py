@@ -1,7 +1,8 @@
-"""Vector loads from global memory: ``load2`` and ``load4``.
+"""Vector loads and stores of global memory: ``load2``, ``load4``, ``store2``, ``store4``.
 
 ``load4(array, (i, ..., j))`` returns the tuple ``array[i, ..., j:j + 4]`` read
-by one instruction (``ld.global.v4``). Numba itself only ever emits scalar
+by one instruction (``ld.global.v4``); ``store4(array, (i, ..., j), values)``
+writes the 4-tuple ``values`` there by one (``st.global.v4``). Numba itself only ever emits scalar
 global loads: it knows nothing of a device array's alignment, so LLVM may not
 merge neighbouring loads. The caller promises that the first element's
 address is a multiple of the vector's size (``width * itemsize`` bytes) and
@@ -47,6 +48,16 @@ if SIMULATOR:
 
     load2, load4 = _simulated(2), _simulated(4)
 
+    def _simulated_store(width):
+        def store(array, index, values):
+            row, j = checked_row(array, index, np.asarray(array).itemsize * width, f"vector store of {width}")
+            for k in range(width):
+                row[j + k] = values[k]
+
+        return store
+
+    store2, store4 = _simulated_store(2), _simulated_store(4)
+
 else:
     from llvmlite import ir
     from numba import types
@@ -87,3 +98,30 @@ else:
         return load
 
     load2, load4 = _compiled(2), _compiled(4)
+
+    def _compiled_store(width):
+        @intrinsic
+        def store(typingctx, array, index, values):
+            if not (indexes(array, index) and isinstance(values, types.BaseTuple) and len(values) == width):
+                return None
+            signature = types.none(array, index, values)
+
+            def codegen(context, builder, sig, args):
+                array_type, index_type, values_type = sig.args
+                pointer = element_pointer(context, builder, array_type, args[0], index_type, args[1])
+                element = context.get_value_type(array_type.dtype)
+                vector_type = ir.VectorType(element, width)
+                vector = ir.Constant(vector_type, ir.Undefined)
+                items = cgutils.unpack_tuple(builder, args[2])
+                for k, (item, item_type) in enumerate(zip(items, values_type)):
+                    value = context.cast(builder, item, item_type, array_type.dtype)
+                    vector = builder.insert_element(vector, value, ir.Constant(ir.IntType(32), k))
+                size = context.get_abi_sizeof(element) * width
+                builder.store(vector, builder.bitcast(pointer, vector_type.as_pointer()), align=size)
+                return context.get_dummy_value()
+
+            return signature, codegen
+
+        return store
+
+    store2, store4 = _compiled_store(2), _compiled_store(4)

@@ -44,6 +44,7 @@ from .._arrays import Operand, check_dtype, check_same_kind, launch_stream
 from .._backend import SIMULATOR
 from ..reference.sbnet import block_count, check_geometry, pair
 from ._half2 import add_half2
+from ._vector import load2, load4, store2, store4
 from ._launch import data_pointer, launch, multiprocessors
 
 # -- constants -----------------------------------------------------------------
@@ -61,6 +62,10 @@ TILE = 32  # transposing gather/scatter: 32 pixels x 32 channels through shared 
 TILE_ROWS = 8  # ... by 32 x 8 threads
 TILE_SHAPE = (TILE, TILE + 1)  # +1 column: reading a column hits 32 distinct banks
 TILE_STEPS = TILE // TILE_ROWS  # tile rows each thread moves (a literal: local-array shapes are constants)
+ROW_UNROLL = 4  # 16-byte vectors a thread of a row copy loads before it stores any
+ROW_THREADS = 256  # most threads of a plain row copy (fewer for short rows)
+ROW_TILE_C = 64  # channels of a transposing row copy's tile ...
+ROW_TILE_THREADS = 256  # ... by 16 or 32 pixels, moved by this many threads
 MASK_DTYPES = ("bool", "uint8", "float16", "float32", "float64")
 DATA_DTYPES = ("float16", "float32", "float64")
 
@@ -434,6 +439,179 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
     return copy_transposed if transpose else copy_plain
 
 
+def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels):
+    """Gather/scatter of a channels-last (NHWC) image a window row at a time, 16 bytes a thread-step.
+
+    A window's row r is bw contiguous pixels of the image (bw * C elements in a
+    row), so thread block (i, r) moves it with 16-byte vector loads and stores
+    (`_vector.py`), no per-element index arithmetic: the row's vectors left and
+    right of the image are a range [lo, hi) computed once. The arrays are flat
+    views of ``vector_dtype`` elements (WIDTH of them 16 bytes): float32 or
+    float64 data, or int32 words of fp16 pairs (``half2``: adds by add_half2).
+    The launcher checked that a pixel is whole vectors and the pointers are
+    16-byte aligned.
+
+    With ``transpose`` (float32; blocks [n_blocks, C, bh, bw], bw a multiple of
+    4) thread block (i, r, chunk) moves a `pixels` x ROW_TILE_C tile of the row
+    through shared memory: read along C from the image (or along the block's
+    pixels), written along the other, 16 bytes a step on both sides.
+    """
+    element = from_dtype(np.dtype(vector_dtype))
+    WIDTH = 16 // np.dtype(vector_dtype).itemsize
+    CT = ROW_TILE_C
+    PT = pixels
+    CQ = CT // 4  # 16-byte vectors of a tile's pixel
+    SQ = PT // 4  # ... of a tile's channel (a block row's pixels)
+    PER = PT * CQ // ROW_TILE_THREADS  # vectors a thread moves each way (a literal: local shapes)
+    TILE_SHAPE_ROWS = (PT, CT + 1)  # +1: a column read (4 pixels of a channel) hits distinct banks
+
+    @cuda.jit(device=True, inline=True)
+    def load(array, offset):
+        if WIDTH == 4:
+            return load4(array, (offset,))
+        return load2(array, (offset,))
+
+    @cuda.jit(device=True, inline=True)
+    def store(array, offset, values):
+        if WIDTH == 4:
+            store4(array, (offset,), values)
+        else:
+            store2(array, (offset,), values)
+
+    @cuda.jit(device=True, inline=True)
+    def zeros():
+        if WIDTH == 4:
+            return element(0), element(0), element(0), element(0)
+        return element(0), element(0)
+
+    @cuda.jit(device=True, inline=True)
+    def plus(a, b):
+        if WIDTH == 4:
+            if half2:
+                return add_half2(a[0], b[0]), add_half2(a[1], b[1]), add_half2(a[2], b[2]), add_half2(a[3], b[3])
+            return a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]
+        return a[0] + b[0], a[1] + b[1]
+
+    @cuda.jit(device=True, inline=True)
+    def row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w):
+        """(first of this thread block's window row, its n, h, w0, whether it is inside the image):
+        the count and the window's indices are read together (one memory round trip)."""
+        i = cuda.blockIdx.x
+        active = count[0]
+        n = indices[i, 0]  # i < the indices' rows: a valid read even past the count
+        h = offset_h + indices[i, 1] * stride_h + cuda.blockIdx.y
+        w0 = offset_w + indices[i, 2] * stride_w
+        return i < active, n, h, w0, 0 <= n < N and 0 <= h < H
+
+    @cuda.jit
+    def copy_rows(image, blocks, indices, count, N, H, W, CV, size_h, size_w, stride_h, stride_w,
+                  offset_h, offset_w):
+        """Plain: blocks [n_blocks, bh, bw, C]; CV vectors a pixel."""
+        live, n, h, w0, row_ok = row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w)
+        if not live or (scatter and not row_ok):
+            return
+        total = size_w * CV
+        lo = (min(max(w0, 0), w0 + size_w) - w0) * CV  # vectors left of the image
+        hi = (max(min(w0 + size_w, W), w0) - w0) * CV
+        if not row_ok:
+            hi = lo  # a gather writes zeros
+        image_row = ((int64(n) * H + h) * W + w0) * CV * WIDTH  # (off the image left of lo: not read)
+        block_row = ((int64(cuda.blockIdx.x) * size_h + cuda.blockIdx.y) * size_w) * CV * WIDTH
+        threads = cuda.blockDim.x
+        values = cuda.local.array((ROW_UNROLL, WIDTH), element)
+        olds = cuda.local.array((ROW_UNROLL, WIDTH), element)
+        for start in range(cuda.threadIdx.x, total, threads * ROW_UNROLL):
+            for u in range(ROW_UNROLL):  # every load first: ROW_UNROLL in flight
+                v = start + u * threads
+                inside = lo <= v < hi
+                if scatter:
+                    got = load(blocks, uint64(block_row + v * WIDTH)) if inside else zeros()
+                    old = load(image, uint64(image_row + v * WIDTH)) if inside and add else zeros()
+                    for k in range(WIDTH):
+                        olds[u, k] = old[k]
+                else:
+                    got = load(image, uint64(image_row + v * WIDTH)) if inside else zeros()
+                for k in range(WIDTH):
+                    values[u, k] = got[k]
+            for u in range(ROW_UNROLL):
+                v = start + u * threads
+                if WIDTH == 4:
+                    got = values[u, 0], values[u, 1], values[u, 2], values[u, 3]
+                    old = olds[u, 0], olds[u, 1], olds[u, 2], olds[u, 3]
+                else:
+                    got = values[u, 0], values[u, 1]
+                    old = olds[u, 0], olds[u, 1]
+                if scatter:
+                    if lo <= v < hi:
+                        store(image, uint64(image_row + v * WIDTH), plus(got, old) if add else got)
+                elif v < total:
+                    store(blocks, uint64(block_row + v * WIDTH), got)
+
+    @cuda.jit
+    def copy_rows_transposed(image, blocks, indices, count, N, H, W, C, size_h, size_w, stride_h, stride_w,
+                             offset_h, offset_w):
+        """blocks [n_blocks, C, bh, bw]; float32, C and bw multiples of 4; ROW_TILE_THREADS threads."""
+        live, n, h, w0, row_ok = row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w)
+        if not live or (scatter and not row_ok):
+            return  # the same for the whole thread block, before the barrier
+        c_chunks = (C + CT - 1) // CT
+        s0 = (cuda.blockIdx.z // c_chunks) * PT
+        c0 = (cuda.blockIdx.z - (cuda.blockIdx.z // c_chunks) * c_chunks) * CT
+        tile = cuda.shared.array(TILE_SHAPE_ROWS, float32)
+        image_row = (int64(n) * H + h) * W
+        block_row = int64(cuda.blockIdx.x) * C * size_h + cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        olds = cuda.local.array((PER, 4), float32)
+        # The image side: vector (s, q) is pixel s0 + s, channels c0 + 4q...; the block side:
+        # vector (k, c) is channel c0 + c, pixels s0 + 4k... of the block's row.
+        if scatter:
+            for u in range(PER):
+                e = tid + u * ROW_TILE_THREADS
+                k, c = e % SQ, e // SQ
+                if c0 + c < C and s0 + 4 * k < size_w:
+                    got = load4(blocks, (uint64(((block_row + (c0 + c) * size_h) * size_w) + s0 + 4 * k),))
+                    for j in range(4):
+                        tile[4 * k + j, c] = got[j]
+                if add:  # the old values of what this thread writes below, loaded with the blocks
+                    s, q = e // CQ, e % CQ
+                    w = w0 + s0 + s
+                    inside = row_ok and s0 + s < size_w and c0 + 4 * q < C and 0 <= w < W
+                    old = load4(image, (uint64((image_row + w) * C + c0 + 4 * q),)) if inside \
+                        else (float32(0), float32(0), float32(0), float32(0))
+                    for j in range(4):
+                        olds[u, j] = old[j]
+            cuda.syncthreads()  # the tile holds the blocks' values
+            for u in range(PER):
+                e = tid + u * ROW_TILE_THREADS
+                s, q = e // CQ, e % CQ
+                w = w0 + s0 + s
+                if s0 + s < size_w and c0 + 4 * q < C and 0 <= w < W:
+                    got = (tile[s, 4 * q], tile[s, 4 * q + 1], tile[s, 4 * q + 2], tile[s, 4 * q + 3])
+                    if add:
+                        got = (got[0] + olds[u, 0], got[1] + olds[u, 1], got[2] + olds[u, 2], got[3] + olds[u, 3])
+                    store4(image, (uint64((image_row + w) * C + c0 + 4 * q),), got)
+        else:
+            for u in range(PER):
+                e = tid + u * ROW_TILE_THREADS
+                s, q = e // CQ, e % CQ
+                w = w0 + s0 + s
+                inside = row_ok and s0 + s < size_w and c0 + 4 * q < C and 0 <= w < W
+                got = load4(image, (uint64((image_row + w) * C + c0 + 4 * q),)) if inside \
+                    else (float32(0), float32(0), float32(0), float32(0))
+                for j in range(4):
+                    tile[s, 4 * q + j] = got[j]
+            cuda.syncthreads()  # the tile holds the image's values (zeros outside)
+            for u in range(PER):
+                e = tid + u * ROW_TILE_THREADS
+                k, c = e % SQ, e // SQ
+                if c0 + c < C and s0 + 4 * k < size_w:
+                    s = 4 * k
+                    store4(blocks, (uint64(((block_row + (c0 + c) * size_h) * size_w) + s0 + s),),
+                           (tile[s, c], tile[s + 1, c], tile[s + 2, c], tile[s + 3, c]))
+
+    return copy_rows_transposed if transpose else copy_rows
+
+
 # -- launch configuration -----------------------------------------------------------
 
 _kernels = {}
@@ -446,6 +624,9 @@ def _copy_kernel(scatter, transpose, add, atomic, dtype, channels_last):
     return _kernels[key]
 
 
+# Channels-last copies a window row at a time, 16 bytes a thread-step, where a pixel is whole
+# 16-byte vectors and the pointers allow (`_make_row_kernels`); False keeps the element kernels.
+ROW_COPIES = True
 WORD = 8  # bytes an overwriting channels-last copy moves per element when it can
 HALF2 = 4  # bytes a channels-last fp16 add moves per element when it can (two values)
 
@@ -459,11 +640,56 @@ def _as_words(array, size=WORD):
     return array.view(np.int64 if size == 8 else np.int32)  # Numba and CuPy
 
 
+def _row_path(image, blocks, channels_last, transpose, atomic, dtype, size_w):
+    """The row kernels' (vector dtype, half2) where they apply, else None: channels-last
+    images, pixels of whole 16-byte vectors, 16-byte aligned pointers; a transposing copy
+    also needs float32 and bw a multiple of 4 (its block rows go 16 bytes a step)."""
+    itemsize = np.dtype(dtype).itemsize
+    C = image.shape[3]
+    if not (ROW_COPIES and channels_last and not atomic and C * itemsize % 16 == 0
+            and data_pointer(image) % 16 == 0 and data_pointer(blocks) % 16 == 0):
+        return None
+    if transpose:
+        return ("float32", False) if dtype == "float32" and size_w % 4 == 0 else None
+    if dtype == "float16":
+        return "int32", True
+    return dtype, False
+
+
+def _flat(array, dtype):
+    """The array's memory as a 1-D array of `dtype` (a view)."""
+    if hasattr(array, "data_ptr"):  # torch
+        import torch
+
+        return array.reshape(-1).view(getattr(torch, dtype))
+    return array.reshape(array.size).view(np.dtype(dtype))
+
+
 def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, transpose, add, atomic,
                  channels_last, stream):
     (size_h, size_w), (stride_h, stride_w), (offset_h, offset_w) = geometry
     dtype = str(image.dtype).replace("torch.", "")
     itemsize = np.dtype(dtype).itemsize
+    rows = _row_path(image, blocks, channels_last, transpose, atomic, dtype, size_w)
+    if rows is not None:
+        vector_dtype, half2 = rows
+        N, H, W, C = image.shape
+        pixels = 16 if size_w <= 16 else 32
+        key = ("rows", scatter, transpose, add, vector_dtype, half2, pixels)
+        if key not in _kernels:
+            _kernels[key] = _make_row_kernels(*key[1:])
+        if transpose:
+            chunks = -(-size_w // pixels) * -(-C // ROW_TILE_C)
+            grid, threads, per_pixel = (n_blocks, size_h, chunks), ROW_TILE_THREADS, C
+        else:
+            per_pixel = C * itemsize // 16  # vectors
+            wanted = -(-size_w * per_pixel // ROW_UNROLL)
+            grid, threads = (n_blocks, size_h), min(ROW_THREADS, max(WARP, -(-wanted // WARP) * WARP))
+        launch(_kernels[key], grid, threads, stream, (
+            _flat(image, vector_dtype), _flat(blocks, vector_dtype), indices, count, N, H, W, per_pixel,
+            size_h, size_w, stride_h, stride_w, offset_h, offset_w,
+        ))
+        return
     if (channels_last and not transpose and not add and image.shape[3] * itemsize % WORD == 0
             and data_pointer(image) % WORD == 0 and data_pointer(blocks) % WORD == 0):
         # An overwrite moves bits: channels-last rows go as 8-byte words, fewer and wider accesses.
