@@ -74,6 +74,11 @@ def bench_ops(torch, sbnet, reference, records, shapes, channels, blocks, fracti
                         add("sparse_gather", p, lambda: sbnet.sparse_gather(x, idx, transpose=transpose, **g),
                             2 * window_bytes)
                         for plus in (False, True):
+                            if n == 1 and C == 64:
+                                got = sbnet.sparse_scatter(blocks_t, idx, y, add=plus, transpose=transpose, **g)
+                                ref = reference.sparse_scatter(blocks_t.cpu().numpy(), want, y.cpu().numpy(),
+                                                               add=plus, transpose=transpose, **g)
+                                assert np.array_equal(got.cpu().numpy(), ref)
                             add("sparse_scatter", dict(p, add=plus), lambda: sbnet.sparse_scatter(
                                 blocks_t, idx, y, add=plus, transpose=transpose, inplace=True, **g),
                                 (3 if plus else 2) * window_bytes)
