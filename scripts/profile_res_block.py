@@ -1,10 +1,12 @@
 """Device time of each kernel of the sparse ResNet block, from torch's profiler (a developer's script).
 
-    python3 scripts/profile_res_block.py [--dtype float16] [--active 0.1]
+    python3 scripts/profile_res_block.py [--dtype float16] [--active 0.1] [--host]
 
 The benchmark's shape (1 x 256 x 400 x 700, bottleneck 64, windows of 16),
 `active` of the windows chosen, the block run in place; prints the kernels
-sorted by total device time over 20 calls, beside the dense block's.
+sorted by total device time over 20 calls, beside the dense block's. With
+``--host``: the host's time of one eager call instead (200 calls before the
+queue fills, no sync inside), and cProfile's top functions.
 """
 
 import argparse
@@ -16,6 +18,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--active", type=float, default=0.10)
+    parser.add_argument("--host", action="store_true")
     args = parser.parse_args()
 
     import torch
@@ -32,6 +35,9 @@ def main():
     mask[0, p.boffset[0] + chosen[:, 0] * p.bstride[0] + p.bsize[0] // 2,
          p.boffset[1] + chosen[:, 1] * p.bstride[1] + p.bsize[1] // 2] = 1
     indices, count = block.active_blocks(torch.as_tensor(mask, device="cuda"), tol=0.5)
+    if args.host:
+        host_profile(torch, block, x, indices, count)
+        return
     with torch.no_grad():
         for name, fn in (("sparse", lambda: block(x, indices, count, inplace=True)), ("dense", lambda: block.dense(x))):
             for _ in range(5):
@@ -43,6 +49,34 @@ def main():
                 torch.cuda.synchronize()
             print(f"==== {name} block, {len(indices)} windows active")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
+def host_profile(torch, block, x, indices, count):
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    with torch.no_grad():
+        for name, fn in (("sparse", lambda: block(x, indices, count, inplace=True)), ("dense", lambda: block.dense(x))):
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(200):
+                fn()
+            host = (time.perf_counter() - start) / 200
+            torch.cuda.synchronize()
+            print(f"==== {name} block: host {host * 1e3:.3f} ms a call")
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(200):
+                fn()
+            profiler.disable()
+            torch.cuda.synchronize()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
+            print(text.getvalue()[-4500:])
 
 
 if __name__ == "__main__":

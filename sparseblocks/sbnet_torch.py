@@ -118,6 +118,7 @@ class SparseResBlock(torch.nn.Module):
         self.conv1 = torch.nn.Conv2d(channels, bottleneck, 1, bias=False)
         self.conv2 = torch.nn.Conv2d(bottleneck, bottleneck, 3, bias=False)
         self.conv3 = torch.nn.Conv2d(bottleneck, channels, 1, bias=False)
+        self._geometries = {}
 
     def residual(self, x):
         """F(x) on an NCHW stack (VALID 3x3: 2 pixels smaller)."""
@@ -130,9 +131,15 @@ class SparseResBlock(torch.nn.Module):
         return x + self.conv3(h)
 
     def geometry(self, shape):
-        """Block geometry for an NCHW input shape (`reference.sbnet.BlockParams`)."""
+        """Block geometry for an NCHW input shape (`reference.sbnet.BlockParams`), computed once
+        per shape and block size (tens of µs of Python, every forward)."""
         N, C, H, W = shape
-        return calc_block_params_res_block((N, H, W, C), self.block_size, self.KERNELS, 1, "SAME")
+        key = (N, C, H, W, self.block_size)
+        params = self._geometries.get(key)
+        if params is None:
+            params = self._geometries[key] = calc_block_params_res_block((N, H, W, C), self.block_size,
+                                                                         self.KERNELS, 1, "SAME")
+        return params
 
     def active_blocks(self, mask, tol=0.0, avgpool=False):
         """Indices ``[count, 3]`` and count of the windows of a mask ``[N, H, W]`` this block computes.

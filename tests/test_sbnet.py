@@ -230,6 +230,73 @@ def test_row_copies_fall_back_where_pointers_are_misaligned():
     np.testing.assert_array_equal(got, reference.sparse_gather(x.copy_to_host(), indices, transpose=True, **g))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="kept plans replay through the driver")
+@pytest.mark.parametrize("transpose", [False, True])
+def test_repeated_torch_calls_replay_a_kept_plan(transpose, monkeypatch):
+    """The second gather or scatter with tensors like the first goes through a kept plan (new
+    pointers, new output, or y itself in place); other alignments take the general path."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(sbnet, "_plans", {})
+    g = {"bsize": (3, 4), "bstride": (3, 4), "boffset": (-1, -2)}
+    indices = torch.tensor([[0, 0, 0], [1, 1, 2], [0, 2, 1], [1, 0, 3]], dtype=torch.int32, device="cuda")
+    count = torch.tensor([3], dtype=torch.int32, device="cuda")
+    host_indices = indices[:3].cpu().numpy()
+    for _ in range(2):  # the first call of each kind keeps a plan, the second replays it
+        x = torch.randn(2, 7, 9, 8, device="cuda")
+        got = sbnet.sparse_gather(x, indices, transpose=transpose, count=count, **g)
+        want = reference.sparse_gather(x.cpu().numpy(), host_indices, transpose=transpose, **g)
+        np.testing.assert_array_equal(got[:3].cpu().numpy(), want)
+        for add, inplace in [(False, False), (True, False), (True, True)]:
+            y = torch.randn(2, 7, 9, 8, device="cuda")
+            want = reference.sparse_scatter(got[:3].cpu().numpy(), host_indices, y.cpu().numpy(), add=add,
+                                            transpose=transpose, **g)
+            out = sbnet.sparse_scatter(got, indices, y, add=add, transpose=transpose, inplace=inplace,
+                                       count=count, **g)
+            assert (out is y) == inplace
+            np.testing.assert_allclose(out.cpu().numpy(), want, rtol=1e-6, atol=1e-6)
+    assert len(sbnet._plans) == 4
+    wide = torch.randn(2 * 7 * 9 * 8 + 1, device="cuda")
+    shifted = wide[1:].view(2, 7, 9, 8)  # 4 bytes off: the element kernels
+    got = sbnet.sparse_gather(shifted, indices, transpose=transpose, count=count, **g)
+    want = reference.sparse_gather(shifted.cpu().numpy(), host_indices, transpose=transpose, **g)
+    np.testing.assert_array_equal(got[:3].cpu().numpy(), want)
+    assert len(sbnet._plans) == 5
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="fakes the driver launch; the GPU test above runs the real one")
+def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch):
+    """Plan bookkeeping with the launch faked: a call like the first replays with the new
+    pointers; another shape, alignment, geometry, flag or a non-contiguous view does not."""
+    torch = pytest.importorskip("torch")
+    from sparseblocks import _arrays
+
+    launches = []
+    monkeypatch.setattr(sbnet, "_plans", {})
+    monkeypatch.setattr(sbnet, "replay", lambda *args, live: lambda stream, *pointers: launches.append(pointers))
+    monkeypatch.setattr(_arrays, "torch_stream_handle", lambda: 0)
+    g = {"bsize": 2, "bstride": 2, "boffset": 0}
+    indices = torch.tensor([[0, 0, 0], [0, 1, 1]], dtype=torch.int32)
+    sbnet.sparse_gather(torch.randn(1, 4, 4, 4), indices, **g)  # the general path keeps a plan
+    assert len(sbnet._plans) == 1 and not launches
+    x = torch.randn(1, 4, 4, 4)
+    blocks = sbnet.sparse_gather(x, indices, **g)
+    assert blocks.shape == (2, 2, 2, 4) and launches[-1][0] == x.data_ptr()
+    assert launches[-1][1:3] == (blocks.data_ptr(), indices.data_ptr())
+    for other in (torch.randn(1, 4, 6, 4), torch.randn(65)[1:].view(1, 4, 4, 4)):
+        sbnet.sparse_gather(other, indices, **g)
+    sbnet.sparse_gather(x, indices, transpose=True, **g)
+    sbnet.sparse_gather(x, indices, **dict(g, boffset=-1))
+    assert len(launches) == 1 and len(sbnet._plans) == 5
+    with pytest.raises(ValueError, match="contiguous"):
+        sbnet.sparse_gather(torch.randn(1, 4, 4, 4).permute(0, 2, 1, 3), indices, **g)
+    y = torch.randn(1, 4, 4, 4)
+    sbnet.sparse_scatter(blocks, indices, y, add=True, inplace=True, **g)  # (the simulator works on copies)
+    sbnet.sparse_scatter(blocks, indices, y, add=True, inplace=True, **g)
+    assert launches[-1][:3] == (y.data_ptr(), blocks.data_ptr(), indices.data_ptr())
+    assert len(launches) == 2
+
+
 def test_zero_blocks():
     x = np.ones((1, 4, 4, 2), np.float32)
     none = np.zeros((0, 3), np.int32)

@@ -40,12 +40,13 @@ import math
 import numpy as np
 from numba import cuda, float32, float64, from_dtype, int64, uint64
 
+from .. import _arrays as _arrays_module
 from .._arrays import Operand, check_dtype, check_same_kind, launch_stream
 from .._backend import SIMULATOR
 from ..reference.sbnet import block_count, check_geometry, pair
 from ._half2 import add_half2
 from ._vector import load2, load4, store2, store4
-from ._launch import data_pointer, launch, multiprocessors
+from ._launch import data_pointer, launch, multiprocessors, replay
 
 # -- constants -----------------------------------------------------------------
 
@@ -685,11 +686,10 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
             per_pixel = C * itemsize // 16  # vectors
             wanted = -(-size_w * per_pixel // ROW_UNROLL)
             grid, threads = (n_blocks, size_h), min(ROW_THREADS, max(WARP, -(-wanted // WARP) * WARP))
-        launch(_kernels[key], grid, threads, stream, (
-            _flat(image, vector_dtype), _flat(blocks, vector_dtype), indices, count, N, H, W, per_pixel,
-            size_h, size_w, stride_h, stride_w, offset_h, offset_w,
-        ))
-        return
+        args = (_flat(image, vector_dtype), _flat(blocks, vector_dtype), indices, count, N, H, W, per_pixel,
+                size_h, size_w, stride_h, stride_w, offset_h, offset_w)
+        launch(_kernels[key], grid, threads, stream, args)
+        return _kernels[key], grid, threads, args
     if (channels_last and not transpose and not add and image.shape[3] * itemsize % WORD == 0
             and data_pointer(image) % WORD == 0 and data_pointer(blocks) % WORD == 0):
         # An overwrite moves bits: channels-last rows go as 8-byte words, fewer and wider accesses.
@@ -709,9 +709,74 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
     else:
         most = -(-size_h * size_w * channels // (COPY_THREADS * COPY_UNROLL))
     parts = max(1, min(most, -(-WAVES * multiprocessors() // max(n_blocks, 1))))
-    launch(kernel, (n_blocks, parts), threads, stream, (
-        image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w,
-    ))
+    args = (image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w)
+    launch(kernel, (n_blocks, parts), threads, stream, args)
+    return kernel, (n_blocks, parts), threads, args
+
+
+# Gathers and scatters called again with torch tensors of the same shapes, dtypes, device,
+# geometry, flags and pointer alignment skip the general path (Operands, checks, kernel
+# choice, argument fields: ~100 µs of Python a call, most of an SBNet block's host time):
+# a kept plan allocates the output and rewrites the four pointers of the recorded launch
+# (`_launch.Replay`), as bsmm's products do.
+_plans = {}
+MAX_PLANS = 256
+_tensor_class = None  # torch.Tensor, once a plan exists (torch is imported by then)
+
+
+class _Plan:
+    __slots__ = ("out_shape", "count_pointer", "launch")
+
+    def __init__(self, out_shape, count_pointer, launch):
+        self.out_shape, self.count_pointer, self.launch = out_shape, count_pointer, launch
+
+
+def _plan_key(call, tensors, count, settings):
+    """Everything a call's checks and launch depend on, or None (not torch tensors, or settings
+    that are not hashable)."""
+    if not all(isinstance(t, _tensor_class) for t in tensors) or not (
+            count is None or isinstance(count, _tensor_class)) or _arrays_module._poison_outputs:
+        return None
+    key = [call, settings, tensors[0].device, count is None or (count.shape, count.dtype)]
+    for t in tensors:
+        key += (t.shape, t.dtype, t.data_ptr() % 16)
+    try:
+        hash(settings)
+    except TypeError:  # e.g. a list for bsize
+        return None
+    return tuple(key)
+
+
+def _replayed(call, tensors, count, settings, out):
+    """Launch the kept plan for this call, writing into `out` (None: a new tensor of the plan's
+    shape); returns the output, or None where no plan fits (the general path runs)."""
+    key = _plan_key(call, tensors, count, settings)
+    plan = _plans.get(key) if key is not None else None
+    if plan is None or not all(t.is_contiguous() for t in tensors):
+        return None
+    if out is None:
+        out = tensors[0].new_empty(plan.out_shape)
+    image, blocks = (out, tensors[0]) if call == "scatter" else (tensors[0], out)
+    plan.launch(_arrays_module.torch_stream_handle(), image.data_ptr(), blocks.data_ptr(), tensors[1].data_ptr(),
+                plan.count_pointer if count is None else count.data_ptr())
+    return out
+
+
+def _keep_plan(call, tensors, count, settings, out_shape, launched, count_device):
+    """After a general-path call of torch tensors with one launch: keep it for `_replayed`."""
+    global _tensor_class
+    if launched is None or _arrays_module._poison_outputs:
+        return
+    import torch
+
+    _tensor_class = torch.Tensor
+    key = _plan_key(call, tensors, count, settings)
+    kept = replay(*launched, live=(0, 1, 2, 3)) if key is not None else None
+    if kept is None:
+        return
+    if len(_plans) >= MAX_PLANS:
+        _plans.clear()
+    _plans[key] = _Plan(out_shape, data_pointer(count_device), kept)
 
 
 # -- public functions -------------------------------------------------------------
@@ -846,6 +911,11 @@ def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=
     NHWC ``x`` gives ``[n_blocks, bh, bw, C]`` (``transpose``: ``[n_blocks, C, bh, bw]``);
     NCHW ``x`` the reverse.
     """
+    settings = (bsize, bstride, boffset, bool(transpose), data_format)
+    if _plans:
+        out = _replayed("gather", (x, indices), count, settings, None)
+        if out is not None:
+            return out
     channels_last = _check_format(data_format)
     x_op = Operand(x, "x")
     if len(x_op.shape) != 4:
@@ -858,8 +928,9 @@ def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=
     C = x_op.shape[3 if channels_last else 1]
     native, blocks = x_op.empty(_block_shape(n_blocks, geometry[0], C, channels_last, transpose), stream)
     if n_blocks and C:
-        _launch_copy(False, x_op.device(stream), blocks, idx.device(stream), count_device, n_blocks,
-                     geometry, transpose, False, False, channels_last, stream)
+        launched = _launch_copy(False, x_op.device(stream), blocks, idx.device(stream), count_device, n_blocks,
+                                geometry, transpose, False, False, channels_last, stream)
+        _keep_plan("gather", (x, indices), count, settings, tuple(native.shape), launched, count_device)
     return x_op.result(native, blocks, stream)
 
 
@@ -869,6 +940,11 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
 
     The blocks are in y's layout, or with ``transpose`` in the other one.
     """
+    settings = (bsize, bstride, boffset, bool(add), bool(atomic), bool(transpose), bool(inplace), data_format)
+    if _plans:
+        out = _replayed_scatter(blocks, indices, y, count, settings, inplace)
+        if out is not None:
+            return out
     channels_last = _check_format(data_format)
     b_op, y_op = Operand(blocks, "blocks"), Operand(y, "y")
     if len(y_op.shape) != 4:
@@ -903,9 +979,23 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
         native, out = y_op.empty(y_op.shape, stream)
         _device_copy(out, y_op, stream)
     if n_blocks and C:
-        _launch_copy(True, out, b_op.device(stream), idx.device(stream), count_device, n_blocks,
-                     geometry, transpose, add, atomic, channels_last, stream)
+        launched = _launch_copy(True, out, b_op.device(stream), idx.device(stream), count_device, n_blocks,
+                                geometry, transpose, add, atomic, channels_last, stream)
+        _keep_plan("scatter", (blocks, indices, y), count, settings, tuple(y_op.shape), launched, count_device)
     return y_op.result(native, out, stream)
+
+
+def _replayed_scatter(blocks, indices, y, count, settings, inplace):
+    """`_replayed` for a scatter: into y itself, or into a copy of it."""
+    if not isinstance(y, _tensor_class) or not y.is_contiguous():
+        return None
+    out = y if inplace else None
+    if out is None:  # checked before the copy: a fitting plan exists
+        key = _plan_key("scatter", (blocks, indices, y), count, settings)
+        if key is None or key not in _plans:
+            return None
+        out = y.clone()
+    return _replayed("scatter", (blocks, indices, y), count, settings, out)
 
 
 def _device_copy(destination, source_op, stream):
