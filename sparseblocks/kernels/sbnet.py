@@ -974,7 +974,7 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
     if inplace:
         if y_op.kind == "numpy":
             raise TypeError("y: inplace needs a device array (a NumPy y is copied to the device)")
-        native, out = y_op.native, y_op.device(stream)
+        native, out = y, y_op.device(stream)  # the caller's own object back (torch: not a detached alias)
     else:
         native, out = y_op.empty(y_op.shape, stream)
         _device_copy(out, y_op, stream)
