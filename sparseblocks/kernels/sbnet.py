@@ -29,8 +29,13 @@ zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
   overwritten windows overlap, which block lands is unspecified.
 
 Storage float16, float32, float64 (atomic adds: float32, float64). Channels-last
-copies move wider words where a pixel's bytes and the pointers allow: 8-byte
-words for overwrites, int32 words of two halves for fp16 adds (`_half2.py`).
+(NHWC) copies go a window row at a time in 16-byte vectors where a pixel is
+whole vectors and the pointers are 16-byte aligned (`_make_row_kernels`:
+plain, adds, fp16 adds two halves a word by `_half2.py`, fp32 transposes
+through a shared tile); otherwise element kernels, with 8-byte words for
+overwrites and int32 words of two halves for fp16 adds where rows allow. A
+call repeated with torch tensors of the same shapes, dtypes, geometry, flags
+and alignment replays a kept launch (`_plans`, as bsmm's products).
 
 Versions: 1 (this file).
 """
