@@ -1,4 +1,4 @@
-"""Compile every SBNet kernel (or, with --bsmm, bsmm's version 4 kernels) to PTX for sm_90
+"""Compile every SBNet kernel (or, with --bsmm, bsmm's version 4 and 5 kernels) to PTX for sm_90
 without a GPU, to catch typing errors early and read ptxas's registers.
 
 The CUDA simulator runs kernels as plain Python and accepts code the real
@@ -143,6 +143,20 @@ def main():
     kernel = sbnet._make_copy_kernels(True, False, True, False, "half2", True)
     results.append(check("scatter NHWC add half2 words", kernel.py_func,
                          (words, words, types.int32[:, ::1], types.int32[::1]) + (i64,) * 6))
+    # The row copies (channels-last, 16-byte vectors over flat views): every combination the
+    # launcher picks (`sbnet._row_path`).
+    for scatter, transpose, add, (vector_dtype, half2), pixels in itertools.product(
+            (False, True), (False, True), (False, True),
+            (("float32", False), ("float64", False), ("int32", False), ("int32", True)), (16, 32)):
+        if ((add and not scatter) or (transpose and vector_dtype != "float32") or (half2 and not add)
+                or (pixels == 32 and not transpose)):
+            continue
+        element = getattr(types, vector_dtype)
+        kernel = sbnet._make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels)
+        signature = (element[::1], element[::1], types.int32[:, ::1], types.int32[::1]) + (i64,) * 10
+        name = (f"row {'scatter' if scatter else 'gather'} transpose={transpose} add={add} {vector_dtype}"
+                f"{' half2' if half2 else ''} pixels={pixels}")
+        results.append(check(name, kernel.py_func, signature))
     print(f"{sum(results)} of {len(results)} kernels compiled")
     return 0 if all(results) else 1
 

@@ -684,7 +684,7 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
     if rows is not None:
         vector_dtype, half2 = rows
         N, H, W, C = image.shape
-        pixels = 16 if size_w <= 16 else 32
+        pixels = 32 if transpose and size_w > 16 else 16  # (the plain kernel has no tile)
         key = ("rows", scatter, transpose, add, vector_dtype, half2, pixels)
         if key not in _kernels:
             _kernels[key] = _make_row_kernels(*key[1:])
