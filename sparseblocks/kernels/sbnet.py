@@ -746,26 +746,29 @@ def _plan_key(call, tensors, count, settings):
     if not all(isinstance(t, _tensor_class) for t in tensors) or not (
             count is None or isinstance(count, _tensor_class)) or _arrays_module._poison_outputs:
         return None
-    key = [call, settings, tensors[0].device, count is None or (count.shape, count.dtype)]
-    for t in tensors:
-        key += (t.shape, t.dtype, t.data_ptr() % 16)
     try:
         hash(settings)
     except TypeError:  # e.g. a list for bsize
         return None
+    key = [call, settings, tensors[0].device, count is None or (count.shape, count.dtype)]
+    for t in tensors:
+        key += (t.shape, t.dtype, t.data_ptr() % 16)
     return tuple(key)
 
 
-def _replayed(call, tensors, count, settings, out):
-    """Launch the kept plan for this call, writing into `out` (None: a new tensor of the plan's
-    shape); returns the output, or None where no plan fits (the general path runs)."""
+def _replayed(call, tensors, count, settings, inplace=False):
+    """The call through its kept plan: a gather into a new tensor, a scatter into y itself
+    (``inplace``) or into a copy of it; None where no plan fits (the general path runs)."""
     key = _plan_key(call, tensors, count, settings)
     plan = _plans.get(key) if key is not None else None
     if plan is None or not all(t.is_contiguous() for t in tensors):
         return None
-    if out is None:
+    if call == "gather":
         out = tensors[0].new_empty(plan.out_shape)
-    image, blocks = (out, tensors[0]) if call == "scatter" else (tensors[0], out)
+        image, blocks = tensors[0], out
+    else:
+        out = tensors[2] if inplace else tensors[2].clone()
+        image, blocks = out, tensors[0]
     plan.launch(_arrays_module.torch_stream_handle(), image.data_ptr(), blocks.data_ptr(), tensors[1].data_ptr(),
                 plan.count_pointer if count is None else count.data_ptr())
     return out
@@ -774,8 +777,8 @@ def _replayed(call, tensors, count, settings, out):
 def _keep_plan(call, tensors, count, settings, out_shape, launched, count_device):
     """After a general-path call of torch tensors with one launch: keep it for `_replayed`."""
     global _tensor_class
-    if launched is None or _arrays_module._poison_outputs:
-        return
+    if launched is None or _arrays_module._poison_outputs or not hasattr(tensors[0], "data_ptr"):
+        return  # (data_ptr: a torch tensor; callers of other kinds need not have torch installed)
     import torch
 
     _tensor_class = torch.Tensor
@@ -922,7 +925,7 @@ def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=
     """
     settings = (bsize, bstride, boffset, bool(transpose), data_format)
     if _plans:
-        out = _replayed("gather", (x, indices), count, settings, None)
+        out = _replayed("gather", (x, indices), count, settings)
         if out is not None:
             return out
     channels_last = _check_format(data_format)
@@ -951,7 +954,7 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
     """
     settings = (bsize, bstride, boffset, bool(add), bool(atomic), bool(transpose), bool(inplace), data_format)
     if _plans:
-        out = _replayed_scatter(blocks, indices, y, count, settings, inplace)
+        out = _replayed("scatter", (blocks, indices, y), count, settings, inplace)
         if out is not None:
             return out
     channels_last = _check_format(data_format)
@@ -992,19 +995,6 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
                                 geometry, transpose, add, atomic, channels_last, stream)
         _keep_plan("scatter", (blocks, indices, y), count, settings, tuple(y_op.shape), launched, count_device)
     return y_op.result(native, out, stream)
-
-
-def _replayed_scatter(blocks, indices, y, count, settings, inplace):
-    """`_replayed` for a scatter: into y itself, or into a copy of it."""
-    if not isinstance(y, _tensor_class) or not y.is_contiguous():
-        return None
-    out = y if inplace else None
-    if out is None:  # checked before the copy: a fitting plan exists
-        key = _plan_key("scatter", (blocks, indices, y), count, settings)
-        if key is None or key not in _plans:
-            return None
-        out = y.clone()
-    return _replayed("scatter", (blocks, indices, y), count, settings, out)
 
 
 def _device_copy(destination, source_op, stream):
