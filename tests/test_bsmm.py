@@ -334,19 +334,24 @@ def test_tensor_core_rounded_sums(monkeypatch):
 ROW_GROUPS = ((1, 1, 1), (0, 0, 0), (1, 0, 1))  # rows of 3, 0 and 2 blocks: full, empty and short groups
 
 
-@pytest.mark.parametrize("block_size, dtype, feature_axis, n, offset, splits, beta, stages", [
-    (16, "float16", 1, 37, 0, None, 0.0, 2),  # 16-byte loads, an odd N: the last pair half empty
-    (16, "float16", 0, 40, 0, None, 0.0, 2),  # axis 0: 8-row vectors
-    (16, "bfloat16", 0, 9, 0, None, 0.0, 2),  # axis 0, N % 8 != 0: one value a load
-    (16, "float16", 1, 9, 1, None, 0.0, 2),  # misaligned: one value a load
-    (32, "float16", 1, 70, 0, 2, 0.5, 2),  # two N-splits (cut at whole steps), summed in order, + beta·out
-    (16, "float32", 1, 21, 0, None, 0.0, 2),  # 3xTF32: 16-byte loads of one row
-    (16, "float32", 0, 20, 0, None, 0.0, 2),  # axis 0: 4-row vectors
-    (16, "float32", 0, 9, 0, None, 0.0, 2),  # axis 0, N % 4 != 0: one value a load
-    (32, "float32", 1, 40, 0, 2, 0.5, 3),  # two N-splits of fp32 steps, + beta·out; a ring of 3
-    (16, "float32", 1, 70, 0, None, 0.0, 4),  # five steps through a ring of four cp.async buffers
+@pytest.mark.parametrize("block_size, dtype, feature_axis, n, offset, splits, beta, stages, group", [
+    (16, "float16", 1, 37, 0, None, 0.0, 2, 1),  # 16-byte loads, an odd N: the last pair half empty
+    (16, "float16", 0, 40, 0, None, 0.0, 2, 1),  # axis 0: 8-row vectors
+    (16, "bfloat16", 0, 9, 0, None, 0.0, 2, 1),  # axis 0, N % 8 != 0: one value a load
+    (16, "float16", 1, 9, 1, None, 0.0, 2, 1),  # misaligned: one value a load
+    (32, "float16", 1, 70, 0, 2, 0.5, 2, 1),  # two N-splits (cut at whole steps), summed in order, + beta·out
+    (16, "float32", 1, 21, 0, None, 0.0, 2, 1),  # 3xTF32: 16-byte loads of one row
+    (16, "float32", 0, 20, 0, None, 0.0, 2, 1),  # axis 0: 4-row vectors
+    (16, "float32", 0, 9, 0, None, 0.0, 2, 1),  # axis 0, N % 4 != 0: one value a load
+    (32, "float32", 1, 40, 0, 2, 0.5, 3, 1),  # two N-splits of fp32 steps, + beta·out; a ring of 3
+    (16, "float32", 1, 70, 0, None, 0.0, 4, 1),  # five steps through a ring of four cp.async buffers
+    # Row segments of 2 blocks a warp (V5_WGRAD_GROUP) over rows of 3, 0 and 2 blocks:
+    (16, "float16", 1, 37, 0, None, 0.0, 2, 2),
+    (16, "float16", 0, 40, 0, None, 0.0, 2, 2),
+    (32, "float16", 1, 70, 0, 2, 0.5, 2, 2),
+    (16, "float32", 1, 70, 0, None, 0.0, 4, 2),
+    (16, "float32", 0, 20, 0, None, 0.0, 2, 2),
 ])
-@pytest.mark.parametrize("group", [1, 2])
 def test_tensor_core_weight_grad(monkeypatch, block_size, dtype, feature_axis, n, offset, splits, beta, stages,
                                  group):
     """Version 5's weight gradient on tensor cores (V5_WGRAD) against the reference (stages:
