@@ -557,6 +557,20 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels):
                 elif v < total:
                     store(blocks, uint64(block_row + v * WIDTH), got)
 
+    @cuda.jit(device=True, inline=True)
+    def image_vector(e, image_row, w0, s0, c0, C, W, size_w):
+        """Image-side vector e of a transposing tile (pixel s0 + s, channels c0 + 4q...): (s, q,
+        its flat offset, whether it lies in the window's row and the image)."""
+        s, q = e // CQ, e % CQ
+        w = w0 + s0 + s
+        return s, q, uint64((image_row + w) * C + c0 + 4 * q), s0 + s < size_w and c0 + 4 * q < C and 0 <= w < W
+
+    @cuda.jit(device=True, inline=True)
+    def load4_or_zeros(array, offset, inside):
+        if inside:
+            return load4(array, (offset,))
+        return float32(0), float32(0), float32(0), float32(0)
+
     @cuda.jit
     def copy_rows_transposed(image, blocks, indices, count, N, H, W, C, size_h, size_w, stride_h, stride_w,
                              offset_h, offset_w):
@@ -583,31 +597,22 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels):
                     for j in range(4):
                         tile[4 * k + j, c] = got[j]
                 if add:  # the old values of what this thread writes below, loaded with the blocks
-                    s, q = e // CQ, e % CQ
-                    w = w0 + s0 + s
-                    inside = row_ok and s0 + s < size_w and c0 + 4 * q < C and 0 <= w < W
-                    old = load4(image, (uint64((image_row + w) * C + c0 + 4 * q),)) if inside \
-                        else (float32(0), float32(0), float32(0), float32(0))
+                    _, _, at, inside = image_vector(e, image_row, w0, s0, c0, C, W, size_w)
+                    old = load4_or_zeros(image, at, inside)  # (row_ok: checked above)
                     for j in range(4):
                         olds[u, j] = old[j]
             cuda.syncthreads()  # the tile holds the blocks' values
             for u in range(PER):
-                e = tid + u * ROW_TILE_THREADS
-                s, q = e // CQ, e % CQ
-                w = w0 + s0 + s
-                if s0 + s < size_w and c0 + 4 * q < C and 0 <= w < W:
+                s, q, at, inside = image_vector(tid + u * ROW_TILE_THREADS, image_row, w0, s0, c0, C, W, size_w)
+                if inside:
                     got = (tile[s, 4 * q], tile[s, 4 * q + 1], tile[s, 4 * q + 2], tile[s, 4 * q + 3])
                     if add:
                         got = (got[0] + olds[u, 0], got[1] + olds[u, 1], got[2] + olds[u, 2], got[3] + olds[u, 3])
-                    store4(image, (uint64((image_row + w) * C + c0 + 4 * q),), got)
+                    store4(image, (at,), got)
         else:
             for u in range(PER):
-                e = tid + u * ROW_TILE_THREADS
-                s, q = e // CQ, e % CQ
-                w = w0 + s0 + s
-                inside = row_ok and s0 + s < size_w and c0 + 4 * q < C and 0 <= w < W
-                got = load4(image, (uint64((image_row + w) * C + c0 + 4 * q),)) if inside \
-                    else (float32(0), float32(0), float32(0), float32(0))
+                s, q, at, inside = image_vector(tid + u * ROW_TILE_THREADS, image_row, w0, s0, c0, C, W, size_w)
+                got = load4_or_zeros(image, at, row_ok and inside)
                 for j in range(4):
                     tile[s, 4 * q + j] = got[j]
             cuda.syncthreads()  # the tile holds the image's values (zeros outside)
