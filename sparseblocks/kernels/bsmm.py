@@ -1592,6 +1592,29 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False, grou
                            source + (row * uint64(row_words) + uint64(col0 + 4 * cg)) * uint64(4), n < n_end)
 
     @cuda.jit(device=True, inline=True)
+    def issue_step(shared, x_global, dy_global, x_words, dy_words, lane, c0, cols, count, n0, n_end, at):
+        """cp.async of a step's tiles into the buffer at word at: x's rows, then each block's dy."""
+        issue(shared, x_global, x_words, lane, c0, n0, n_end, at)
+        for j in range(G):
+            if j < count:  # the same for the whole warp
+                issue(shared, dy_global, dy_words, lane, cols[j], n0, n_end, at + (1 + j) * TILE)
+
+    @cuda.jit(device=True, inline=True)
+    def fetch_step(x, dy, held, lane, c0, cols, count, n0, n_end):
+        """A step's tiles into registers: x's rows, then each block's dy (HELD words apart)."""
+        fetch(x, held, 0, lane, c0, n0, n_end)
+        for j in range(G):
+            if j < count:
+                fetch(dy, held, (1 + j) * HELD, lane, cols[j], n0, n_end)
+
+    @cuda.jit(device=True, inline=True)
+    def deposit_step(tiles, held, lane, count, at):
+        """fetch_step's registers into the buffer at word at (TILE words a tile)."""
+        for o in range(OPERANDS):
+            if o <= count:
+                deposit(tiles, held, o * HELD, lane, at + o * TILE)
+
+    @cuda.jit(device=True, inline=True)
     def multiply(tiles, acc, fa, ax, g, t, count):
         """acc += the step in the buffer at word ax: x's rows, then each block's rows of dy
         (TILE words apart); the A fragments of x serve every block."""
@@ -1655,23 +1678,15 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False, grou
                 global_address(dy, (0, 0))
             for s in range(STAGES - 1):  # step s goes to buffer s % STAGES
                 if s < steps:
-                    at = base + s * OPERANDS * TILE
-                    issue(shared, x_global, x.shape[1], lane, c0, n_begin + s * ROWS, n_end, at)
-                    for j in range(G):
-                        if j < count:
-                            issue(shared, dy_global, dy.shape[1], lane, cols[j], n_begin + s * ROWS, n_end,
-                                  at + (1 + j) * TILE)
+                    issue_step(shared, x_global, dy_global, x.shape[1], dy.shape[1], lane, c0, cols, count,
+                               n_begin + s * ROWS, n_end, base + s * OPERANDS * TILE)
                 commit()  # one group a step, empty or not, so that the wait below counts steps
             for step in range(steps):
                 buf = step % STAGES
                 nxt = step + STAGES - 1
                 if nxt < steps:  # its copies land while this step is multiplied
-                    at = base + ((buf + STAGES - 1) % STAGES) * OPERANDS * TILE
-                    issue(shared, x_global, x.shape[1], lane, c0, n_begin + nxt * ROWS, n_end, at)
-                    for j in range(G):
-                        if j < count:
-                            issue(shared, dy_global, dy.shape[1], lane, cols[j], n_begin + nxt * ROWS, n_end,
-                                  at + (1 + j) * TILE)
+                    issue_step(shared, x_global, dy_global, x.shape[1], dy.shape[1], lane, c0, cols, count,
+                               n_begin + nxt * ROWS, n_end, base + ((buf + STAGES - 1) % STAGES) * OPERANDS * TILE)
                 commit()
                 wait()  # this lane's copies of this step have landed
                 cuda.syncwarp()  # ... and every lane's
@@ -1679,28 +1694,17 @@ def _make_weight_grad_v5(bs, storage, acc_type, feature_axis, vector=False, grou
                 cuda.syncwarp()  # the warp is done with this buffer before an issue refills it
         else:  # through registers
             if steps > 0:
-                fetch(x, held, 0, lane, c0, n_begin, n_end)
-                for j in range(G):
-                    if j < count:
-                        fetch(dy, held, (1 + j) * HELD, lane, cols[j], n_begin, n_end)
-                for o in range(OPERANDS):
-                    if o <= count:
-                        deposit(tiles, held, o * HELD, lane, base + o * TILE)
+                fetch_step(x, dy, held, lane, c0, cols, count, n_begin, n_end)
+                deposit_step(tiles, held, lane, count, base)
             cuda.syncwarp()  # step 0 is in buffer 0
             for step in range(steps):
                 buf = step & 1
                 more = step + 1 < steps
                 if more:  # the next step's loads land while this one is multiplied
-                    fetch(x, held, 0, lane, c0, n_begin + (step + 1) * ROWS, n_end)
-                    for j in range(G):
-                        if j < count:
-                            fetch(dy, held, (1 + j) * HELD, lane, cols[j], n_begin + (step + 1) * ROWS, n_end)
+                    fetch_step(x, dy, held, lane, c0, cols, count, n_begin + (step + 1) * ROWS, n_end)
                 multiply(tiles, acc, fa, base + buf * OPERANDS * TILE, g, t, count)
                 if more:
-                    nxt = base + (1 - buf) * OPERANDS * TILE
-                    for o in range(OPERANDS):
-                        if o <= count:
-                            deposit(tiles, held, o * HELD, lane, nxt + o * TILE)
+                    deposit_step(tiles, held, lane, count, base + (1 - buf) * OPERANDS * TILE)
                 # The next step is in the other buffer, and the warp is done reading this one
                 # before the step after next overwrites it.
                 cuda.syncwarp()
