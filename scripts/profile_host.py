@@ -54,15 +54,20 @@ def main():
         print(f"{name}: {throughput:.1f} us a call in a loop, {host:.1f} us of host time")
     pieces(torch, bsmm, layout, x, w)
     for name, fn in calls.items():
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(500):
-            fn()
-        profile.disable()
-        torch.cuda.synchronize()
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(14)
-        print(f"==== {name}\n" + "\n".join(text.getvalue().splitlines()[6:24]))
+        print(f"==== {name}\n" + top_functions(torch, fn))
+
+
+def top_functions(torch, fn, calls=500, rows=14):
+    """cProfile's functions with the most own time over `calls` calls of fn (the table's lines)."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(rows)
+    return "\n".join(text.getvalue().splitlines()[6:rows + 10])
 
 
 def host_us(torch, fn, calls=200):

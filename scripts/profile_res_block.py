@@ -52,31 +52,12 @@ def main():
 
 
 def host_profile(torch, block, x, indices, count):
-    import cProfile
-    import io
-    import pstats
-    import time
+    from profile_host import host_us, top_functions  # (scripts/ is on the path: run as a script)
 
     with torch.no_grad():
         for name, fn in (("sparse", lambda: block(x, indices, count, inplace=True)), ("dense", lambda: block.dense(x))):
-            for _ in range(5):
-                fn()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(200):
-                fn()
-            host = (time.perf_counter() - start) / 200
-            torch.cuda.synchronize()
-            print(f"==== {name} block: host {host * 1e3:.3f} ms a call")
-            profiler = cProfile.Profile()
-            profiler.enable()
-            for _ in range(200):
-                fn()
-            profiler.disable()
-            torch.cuda.synchronize()
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
-            print(text.getvalue()[-4500:])
+            print(f"==== {name} block: host {host_us(torch, fn) / 1e3:.3f} ms a call")
+            print(top_functions(torch, fn, calls=200, rows=18))
 
 
 if __name__ == "__main__":
