@@ -55,13 +55,30 @@ def test_reduce_mask_on_the_device_keeps_the_count_there():
     np.testing.assert_array_equal(blocks[:n], reference.sparse_gather(x, want, **g))
 
 
-@pytest.mark.parametrize("prefix_chunks", [sbnet.PREFIX_CHUNKS, 1])
-def test_reduce_mask_over_several_chunks(monkeypatch, prefix_chunks):
-    """Windows in several chunks of the compaction: their offsets summed by each compaction
-    block, or (past PREFIX_CHUNKS chunks) by the scan kernel; rows past the count hold -1."""
-    monkeypatch.setattr(sbnet, "PREFIX_CHUNKS", prefix_chunks)
+def test_reduce_mask_of_large_windows():
+    """Windows of 144, 400 and 529 pixels: pooled by groups of 2, 4 and 8 warps."""
+    rng = np.random.default_rng(5)
+    mask = rng.random((2, 26, 30)).astype(np.float32) ** 8
+    for g, avgpool in (({"bsize": 12, "bstride": 10}, True), ({"bsize": 20, "bstride": 16, "boffset": -4}, False),
+                       ({"bsize": 23, "bstride": 23}, True)):
+        assert sbnet._reduce_group_warps((g["bsize"],) * 2) == {12: 2, 20: 4, 23: 8}[g["bsize"]]
+        tol = 0.05 if avgpool else 0.9
+        want = reference.reduce_mask(mask, tol=tol, avgpool=avgpool, **g)
+        count_h, count_w = reference.block_count((26, 30), (g["bstride"],) * 2, (g.get("boffset", 0),) * 2)
+        assert 0 < len(want) < 2 * count_h * count_w  # some windows active, some not
+        got, count = sbnet.reduce_mask(mask, tol=tol, avgpool=avgpool, **g)
+        assert count == len(want)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="resizes a compiled kernel's thread block (GPU: the large-mask test)")
+def test_reduce_mask_over_many_chunks(monkeypatch):
+    """Windows in more chunks than one look-back step covers (32): each chunk's offset summed
+    from its predecessors'; rows past the count hold -1. Thread blocks of two warps (two
+    windows a chunk) keep the simulator's thread count down."""
+    monkeypatch.setattr(sbnet, "REDUCE_WARPS", 2)
     rng = np.random.default_rng(3)
-    mask = (rng.random((1, 18, 40)) < 0.3).astype(np.float32)  # 720 windows of 1: three chunks
+    mask = (rng.random((1, 6, 13)) < 0.3).astype(np.float32)  # 78 windows of 1: 39 chunks
     indices, count = sbnet.reduce_mask(cuda.to_device(mask), bsize=1, bstride=1)
     want = reference.reduce_mask(mask, bsize=1, bstride=1)
     n = int(count.copy_to_host()[0])
@@ -69,6 +86,26 @@ def test_reduce_mask_over_several_chunks(monkeypatch, prefix_chunks):
     got = indices.copy_to_host()
     np.testing.assert_array_equal(got[:n], want)
     assert (got[n:] == -1).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("avgpool", [False, True])
+def test_reduce_mask_of_large_masks(avgpool):
+    """Thousands of chunks running at once, so that look-backs really wait on predecessors;
+    repeated calls give the same indices."""
+    rng = np.random.default_rng(4)
+    for shape, g in (((8, 400, 700), {"bsize": 2, "bstride": 2}), ((2, 300, 500), {"bsize": 32, "bstride": 8}),
+                     ((3, 200, 333), {"bsize": 5, "bstride": 3, "boffset": -2})):
+        mask = (rng.random(shape) < 0.1).astype(np.float32)
+        want = reference.reduce_mask(mask, tol=0.05, avgpool=avgpool, **g)
+        device_mask = cuda.to_device(mask)
+        for _ in range(3):
+            got, count = sbnet.reduce_mask(device_mask, tol=0.05, avgpool=avgpool, **g)
+            n = int(count.copy_to_host()[0])
+            assert n == len(want)
+            got = got.copy_to_host()
+            np.testing.assert_array_equal(got[:n], want)
+            assert (got[n:] == -1).all()
 
 
 def test_reduce_mask_of_an_empty_mask_and_of_no_blocks():
