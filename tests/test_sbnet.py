@@ -218,14 +218,14 @@ def test_fp16_adds_go_two_channels_a_word_where_rows_allow(channels, monkeypatch
 
 @pytest.mark.parametrize("dtype, channels, transpose", [
     ("float32", 4, False), ("float32", 8, False), ("float16", 8, False), ("float64", 2, False),
-    ("float32", 4, True), ("float32", 8, True),
+    ("float32", 4, True), ("float32", 8, True), ("float16", 8, True),
 ])
 @pytest.mark.parametrize("add", [False, True])
 @few
 @given(data=st.data())
 def test_row_copies_equal_reference(dtype, channels, transpose, add, data):
     """Channels-last gathers and (adding) scatters a window row at a time, 16 bytes a step, where
-    a pixel is whole 16-byte vectors (transposing: float32, bw a multiple of 4): windows over
+    a pixel is whole 16-byte vectors (transposing: float32 or float16, bw a multiple of 4): windows over
     the image's edges, negative offsets, out-of-range indices, a count short of the rows."""
     draw = data.draw
     size = (draw(st.integers(1, 3)), draw(st.sampled_from([4, 8] if transpose else [1, 3, 4])))

@@ -32,8 +32,8 @@ zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
 Storage float16, float32, float64 (atomic adds: float32, float64). Channels-last
 (NHWC) copies go a window row at a time in 16-byte vectors where a pixel is
 whole vectors and the pointers are 16-byte aligned (`_make_row_kernels`:
-plain, adds, fp16 adds two halves a word by `_half2.py`, fp32 transposes
-through a shared tile); otherwise element kernels, with 8-byte words for
+plain, adds, fp16 adds two halves a word by `_half2.py`, fp32 and fp16
+transposes through a shared tile); otherwise element kernels, with 8-byte words for
 overwrites and int32 words of two halves for fp16 adds where rows allow. A
 call repeated with torch tensors of the same shapes, dtypes, geometry, flags
 and alignment replays a kept launch (`_plans`, as bsmm's products).
@@ -476,10 +476,11 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels):
     The launcher checked that a pixel is whole vectors and the pointers are
     16-byte aligned.
 
-    With ``transpose`` (float32; blocks [n_blocks, C, bh, bw], bw a multiple of
-    4) thread block (i, r, chunk) moves a `pixels` x ROW_TILE_C tile of the row
-    through shared memory: read along C from the image (or along the block's
-    pixels), written along the other, 16 bytes a step on both sides.
+    With ``transpose`` (float32 or float16; blocks [n_blocks, C, bh, bw], bw a
+    multiple of 4) thread block (i, r, chunk) moves a `pixels` x ROW_TILE_C
+    tile of the row through a float32 shared tile: read along C from the image
+    (or along the block's pixels), written along the other, four values (16 or
+    8 bytes) a step on both sides; fp16 adds round once, in fp16.
     """
     element = from_dtype(np.dtype(vector_dtype))
     WIDTH = 16 // np.dtype(vector_dtype).itemsize
@@ -584,12 +585,12 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels):
     def load4_or_zeros(array, offset, inside):
         if inside:
             return load4(array, (offset,))
-        return float32(0), float32(0), float32(0), float32(0)
+        return element(0), element(0), element(0), element(0)
 
     @cuda.jit
     def copy_rows_transposed(image, blocks, indices, count, N, H, W, C, size_h, size_w, stride_h, stride_w,
                              offset_h, offset_w):
-        """blocks [n_blocks, C, bh, bw]; float32, C and bw multiples of 4; ROW_TILE_THREADS threads."""
+        """blocks [n_blocks, C, bh, bw]; C and bw multiples of 4; ROW_TILE_THREADS threads."""
         live, n, h, w0, row_ok = row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w)
         if not live or (scatter and not row_ok):
             return  # the same for the whole thread block, before the barrier
@@ -600,7 +601,7 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels):
         image_row = (int64(n) * H + h) * W
         block_row = int64(cuda.blockIdx.x) * C * size_h + cuda.blockIdx.y
         tid = cuda.threadIdx.x
-        olds = cuda.local.array((PER, 4), float32)
+        olds = cuda.local.array((PER, 4), element)
         # The image side: vector (s, q) is pixel s0 + s, channels c0 + 4q...; the block side:
         # vector (k, c) is channel c0 + c, pixels s0 + 4k... of the block's row.
         if scatter:
@@ -610,7 +611,7 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels):
                 if c0 + c < C and s0 + 4 * k < size_w:
                     got = load4(blocks, (uint64(((block_row + (c0 + c) * size_h) * size_w) + s0 + 4 * k),))
                     for j in range(4):
-                        tile[4 * k + j, c] = got[j]
+                        tile[4 * k + j, c] = float32(got[j])
                 if add:  # the old values of what this thread writes below, loaded with the blocks
                     _, _, at, inside = image_vector(e, image_row, w0, s0, c0, C, W, size_w)
                     old = load4_or_zeros(image, at, inside)  # (row_ok: checked above)
@@ -620,7 +621,9 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels):
             for u in range(PER):
                 s, q, at, inside = image_vector(tid + u * ROW_TILE_THREADS, image_row, w0, s0, c0, C, W, size_w)
                 if inside:
-                    got = (tile[s, 4 * q], tile[s, 4 * q + 1], tile[s, 4 * q + 2], tile[s, 4 * q + 3])
+                    # (element(): exact, the tile's values came from `element`s; the add is in it)
+                    got = (element(tile[s, 4 * q]), element(tile[s, 4 * q + 1]), element(tile[s, 4 * q + 2]),
+                           element(tile[s, 4 * q + 3]))
                     if add:
                         got = (got[0] + olds[u, 0], got[1] + olds[u, 1], got[2] + olds[u, 2], got[3] + olds[u, 3])
                     store4(image, (at,), got)
@@ -629,7 +632,7 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels):
                 s, q, at, inside = image_vector(tid + u * ROW_TILE_THREADS, image_row, w0, s0, c0, C, W, size_w)
                 got = load4_or_zeros(image, at, row_ok and inside)
                 for j in range(4):
-                    tile[s, 4 * q + j] = got[j]
+                    tile[s, 4 * q + j] = float32(got[j])
             cuda.syncthreads()  # the tile holds the image's values (zeros outside)
             for u in range(PER):
                 e = tid + u * ROW_TILE_THREADS
@@ -637,7 +640,8 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels):
                 if c0 + c < C and s0 + 4 * k < size_w:
                     s = 4 * k
                     store4(blocks, (uint64(((block_row + (c0 + c) * size_h) * size_w) + s0 + s),),
-                           (tile[s, c], tile[s + 1, c], tile[s + 2, c], tile[s + 3, c]))
+                           (element(tile[s, c]), element(tile[s + 1, c]), element(tile[s + 2, c]),
+                            element(tile[s + 3, c])))
 
     return copy_rows_transposed if transpose else copy_rows
 
@@ -673,14 +677,14 @@ def _as_words(array, size=WORD):
 def _row_path(image, blocks, channels_last, transpose, atomic, dtype, size_w):
     """The row kernels' (vector dtype, half2) where they apply, else None: channels-last
     images, pixels of whole 16-byte vectors, 16-byte aligned pointers; a transposing copy
-    also needs float32 and bw a multiple of 4 (its block rows go 16 bytes a step)."""
+    also needs float32 or float16 and bw a multiple of 4 (its block rows go 4 values a step)."""
     itemsize = np.dtype(dtype).itemsize
     C = image.shape[3]
     if not (ROW_COPIES and channels_last and not atomic and C * itemsize % 16 == 0
             and data_pointer(image) % 16 == 0 and data_pointer(blocks) % 16 == 0):
         return None
     if transpose:
-        return ("float32", False) if dtype == "float32" and size_w % 4 == 0 else None
+        return (dtype, False) if dtype in ("float32", "float16") and size_w % 4 == 0 else None
     if dtype == "float16":
         return "int32", True
     return dtype, False
