@@ -149,11 +149,12 @@ def main():
                 or (pixels == 32 and not transpose)):
             continue
         element = getattr(types, vector_dtype)
-        kernel = sbnet._make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels)
-        signature = (element[::1], element[::1], types.int32[:, ::1], types.int32[::1]) + (i64,) * 10
-        name = (f"row {'scatter' if scatter else 'gather'} transpose={transpose} add={add} {vector_dtype}"
-                f"{' half2' if half2 else ''} pixels={pixels}")
-        results.append(check(name, kernel.py_func, signature))
+        for block_width in (4, 1) if transpose else (4,):
+            kernel = sbnet._make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, block_width)
+            signature = (element[::1], element[::1], types.int32[:, ::1], types.int32[::1]) + (i64,) * 10
+            name = (f"row {'scatter' if scatter else 'gather'} transpose={transpose} add={add} {vector_dtype}"
+                    f"{' half2' if half2 else ''} pixels={pixels}{' block steps of 1' if block_width == 1 else ''}")
+            results.append(check(name, kernel.py_func, signature))
     print(f"{sum(results)} of {len(results)} kernels compiled")
     return 0 if all(results) else 1
 

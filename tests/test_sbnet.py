@@ -216,19 +216,21 @@ def test_fp16_adds_go_two_channels_a_word_where_rows_allow(channels, monkeypatch
     assert words == (["half2"] if channels % 2 == 0 else ["float16"])
 
 
-@pytest.mark.parametrize("dtype, channels, transpose", [
-    ("float32", 4, False), ("float32", 8, False), ("float16", 8, False), ("float64", 2, False),
-    ("float32", 4, True), ("float32", 8, True), ("float16", 8, True),
+@pytest.mark.parametrize("dtype, channels, transpose, widths", [
+    ("float32", 4, False, [1, 3, 4]), ("float32", 8, False, [1, 3, 4]), ("float16", 8, False, [1, 3, 4]),
+    ("float64", 2, False, [1, 3, 4]), ("float32", 4, True, [4, 8]), ("float32", 8, True, [4, 8]),
+    ("float16", 8, True, [4, 8]), ("float32", 4, True, [3, 6]), ("float16", 8, True, [5, 6]),
 ])
 @pytest.mark.parametrize("add", [False, True])
 @few
 @given(data=st.data())
-def test_row_copies_equal_reference(dtype, channels, transpose, add, data):
+def test_row_copies_equal_reference(dtype, channels, transpose, widths, add, data):
     """Channels-last gathers and (adding) scatters a window row at a time, 16 bytes a step, where
-    a pixel is whole 16-byte vectors (transposing: float32 or float16, bw a multiple of 4): windows over
-    the image's edges, negative offsets, out-of-range indices, a count short of the rows."""
+    a pixel is whole 16-byte vectors (transposing: float32 or float16; block rows 4 values a step
+    where bw is a multiple of 4, else 1): windows over the image's edges, negative offsets,
+    out-of-range indices, a count short of the rows."""
     draw = data.draw
-    size = (draw(st.integers(1, 3)), draw(st.sampled_from([4, 8] if transpose else [1, 3, 4])))
+    size = (draw(st.integers(1, 3)), draw(st.sampled_from(widths)))
     g = {"bsize": size, "bstride": tuple(s + draw(st.integers(0, 2)) for s in size),
          "boffset": (draw(st.integers(-3, 2)), draw(st.integers(-5, 2)))}
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))

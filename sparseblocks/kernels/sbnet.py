@@ -464,7 +464,7 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
     return copy_transposed if transpose else copy_plain
 
 
-def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels):
+def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, block_width=4):
     """Gather/scatter of a channels-last (NHWC) image a window row at a time, 16 bytes a thread-step.
 
     A window's row r is bw contiguous pixels of the image (bw * C elements in a
@@ -476,19 +476,22 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels):
     The launcher checked that a pixel is whole vectors and the pointers are
     16-byte aligned.
 
-    With ``transpose`` (float32 or float16; blocks [n_blocks, C, bh, bw], bw a
-    multiple of 4) thread block (i, r, chunk) moves a `pixels` x ROW_TILE_C
-    tile of the row through a float32 shared tile: read along C from the image
-    (or along the block's pixels), written along the other, four values (16 or
-    8 bytes) a step on both sides; fp16 adds round once, in fp16.
+    With ``transpose`` (float32 or float16; blocks [n_blocks, C, bh, bw]) thread
+    block (i, r, chunk) moves a `pixels` x ROW_TILE_C tile of the row through a
+    float32 shared tile: read along C from the image (or along the block's
+    pixels), written along the other, four values (16 or 8 bytes) a step on the
+    image's side and `block_width` (4 where bw is a multiple of 4, else 1) on
+    the block's; fp16 adds round once, in fp16.
     """
     element = from_dtype(np.dtype(vector_dtype))
     WIDTH = 16 // np.dtype(vector_dtype).itemsize
     CT = ROW_TILE_C
     PT = pixels
     CQ = CT // 4  # 16-byte vectors of a tile's pixel
-    SQ = PT // 4  # ... of a tile's channel (a block row's pixels)
-    PER = PT * CQ // ROW_TILE_THREADS  # vectors a thread moves each way (a literal: local shapes)
+    BV = block_width
+    SQ = PT // BV  # block-side steps along a tile's channel (a block row's pixels)
+    PER = PT * CQ // ROW_TILE_THREADS  # image-side vectors a thread moves (a literal: local shapes)
+    PER_B = PT * CT // BV // ROW_TILE_THREADS  # block-side steps a thread moves
     TILE_SHAPE_ROWS = (PT, CT + 1)  # +1: a column read (4 pixels of a channel) hits distinct banks
 
     @cuda.jit(device=True, inline=True)
@@ -587,10 +590,15 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels):
             return load4(array, (offset,))
         return element(0), element(0), element(0), element(0)
 
+    @cuda.jit(device=True, inline=True)
+    def block_offset(block_row, c, s, size_h, size_w):
+        """Flat offset of pixel s of channel c in the block's row."""
+        return uint64(((block_row + c * size_h) * size_w) + s)
+
     @cuda.jit
     def copy_rows_transposed(image, blocks, indices, count, N, H, W, C, size_h, size_w, stride_h, stride_w,
                              offset_h, offset_w):
-        """blocks [n_blocks, C, bh, bw]; C and bw multiples of 4; ROW_TILE_THREADS threads."""
+        """blocks [n_blocks, C, bh, bw]; C a multiple of 4; ROW_TILE_THREADS threads."""
         live, n, h, w0, row_ok = row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w)
         if not live or (scatter and not row_ok):
             return  # the same for the whole thread block, before the barrier
@@ -603,17 +611,22 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels):
         tid = cuda.threadIdx.x
         olds = cuda.local.array((PER, 4), element)
         # The image side: vector (s, q) is pixel s0 + s, channels c0 + 4q...; the block side:
-        # vector (k, c) is channel c0 + c, pixels s0 + 4k... of the block's row.
+        # step (k, c) is channel c0 + c, pixels s0 + BV k... of the block's row.
         if scatter:
-            for u in range(PER):
+            for u in range(PER_B):
                 e = tid + u * ROW_TILE_THREADS
                 k, c = e % SQ, e // SQ
-                if c0 + c < C and s0 + 4 * k < size_w:
-                    got = load4(blocks, (uint64(((block_row + (c0 + c) * size_h) * size_w) + s0 + 4 * k),))
-                    for j in range(4):
-                        tile[4 * k + j, c] = float32(got[j])
-                if add:  # the old values of what this thread writes below, loaded with the blocks
-                    _, _, at, inside = image_vector(e, image_row, w0, s0, c0, C, W, size_w)
+                if c0 + c < C and s0 + BV * k < size_w:
+                    at = block_offset(block_row, c0 + c, s0 + BV * k, size_h, size_w)
+                    if BV == 4:
+                        got = load4(blocks, (at,))
+                        for j in range(4):
+                            tile[4 * k + j, c] = float32(got[j])
+                    else:
+                        tile[k, c] = float32(blocks[at])
+            if add:  # the old values of what this thread writes below, loaded with the blocks
+                for u in range(PER):
+                    _, _, at, inside = image_vector(tid + u * ROW_TILE_THREADS, image_row, w0, s0, c0, C, W, size_w)
                     old = load4_or_zeros(image, at, inside)  # (row_ok: checked above)
                     for j in range(4):
                         olds[u, j] = old[j]
@@ -634,14 +647,17 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels):
                 for j in range(4):
                     tile[s, 4 * q + j] = float32(got[j])
             cuda.syncthreads()  # the tile holds the image's values (zeros outside)
-            for u in range(PER):
+            for u in range(PER_B):
                 e = tid + u * ROW_TILE_THREADS
                 k, c = e % SQ, e // SQ
-                if c0 + c < C and s0 + 4 * k < size_w:
-                    s = 4 * k
-                    store4(blocks, (uint64(((block_row + (c0 + c) * size_h) * size_w) + s0 + s),),
-                           (element(tile[s, c]), element(tile[s + 1, c]), element(tile[s + 2, c]),
-                            element(tile[s + 3, c])))
+                if c0 + c < C and s0 + BV * k < size_w:
+                    s = BV * k
+                    at = block_offset(block_row, c0 + c, s0 + s, size_h, size_w)
+                    if BV == 4:
+                        store4(blocks, (at,), (element(tile[s, c]), element(tile[s + 1, c]),
+                                               element(tile[s + 2, c]), element(tile[s + 3, c])))
+                    else:
+                        blocks[at] = element(tile[s, c])
 
     return copy_rows_transposed if transpose else copy_rows
 
@@ -677,14 +693,14 @@ def _as_words(array, size=WORD):
 def _row_path(image, blocks, channels_last, transpose, atomic, dtype, size_w):
     """The row kernels' (vector dtype, half2) where they apply, else None: channels-last
     images, pixels of whole 16-byte vectors, 16-byte aligned pointers; a transposing copy
-    also needs float32 or float16 and bw a multiple of 4 (its block rows go 4 values a step)."""
+    also needs float32 or float16."""
     itemsize = np.dtype(dtype).itemsize
     C = image.shape[3]
     if not (ROW_COPIES and channels_last and not atomic and C * itemsize % 16 == 0
             and data_pointer(image) % 16 == 0 and data_pointer(blocks) % 16 == 0):
         return None
     if transpose:
-        return (dtype, False) if dtype in ("float32", "float16") and size_w % 4 == 0 else None
+        return (dtype, False) if dtype in ("float32", "float16") else None
     if dtype == "float16":
         return "int32", True
     return dtype, False
@@ -709,7 +725,9 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
         vector_dtype, half2 = rows
         N, H, W, C = image.shape
         pixels = 32 if transpose and size_w > 16 else 16  # (the plain kernel has no tile)
-        key = ("rows", scatter, transpose, add, vector_dtype, half2, pixels)
+        # A transposing copy's block rows go 4 values a step where every one starts aligned.
+        block_width = 4 if not transpose or size_w % 4 == 0 else 1
+        key = ("rows", scatter, transpose, add, vector_dtype, half2, pixels, block_width)
         if key not in _kernels:
             _kernels[key] = _make_row_kernels(*key[1:])
         if transpose:
