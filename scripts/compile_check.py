@@ -117,9 +117,16 @@ def main():
     if "--bsmm" in sys.argv[1:]:
         return check_bsmm()
     results = [
-        check("reduce_kernel", sbnet.reduce_kernel.py_func,
-              (types.int32[:, ::1], types.int32[::1], types.int32[::1], types.float32[:, :, ::1]) + (i64,) * 11
+        check("pool_kernel", sbnet.pool_kernel.py_func,
+              (types.int8[::1], types.int32[::1], types.float32[:, :, ::1]) + (i64,) * 11
               + (types.float64, types.boolean, i64)),
+        check("scan_kernel", sbnet.scan_kernel.py_func,
+              (types.int32[::1], types.int32[::1], types.int32[::1], i64)),
+    ] + [
+        check(f"write_kernel ({name})", kernel.py_func,
+              (types.int32[:, ::1], types.int32[::1], types.int8[::1], types.int32[::1], types.int32[::1],
+               i64, i64, i64))
+        for name, kernel in (("summed", sbnet.write_summed), ("scanned", sbnet.write_scanned))
     ]
     for scatter, transpose, (add, atomic), dtype, channels_last in itertools.product(
             (False, True), (False, True), ((False, False), (True, False), (True, True)),

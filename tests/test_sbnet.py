@@ -58,27 +58,31 @@ def test_reduce_mask_on_the_device_keeps_the_count_there():
 def test_reduce_mask_of_large_windows():
     """Windows of 144, 400 and 529 pixels: pooled by groups of 2, 4 and 8 warps."""
     rng = np.random.default_rng(5)
-    mask = rng.random((2, 26, 30)).astype(np.float32) ** 8
+    mask = rng.random((1, 26, 30)).astype(np.float32) ** 8
     for g, avgpool in (({"bsize": 12, "bstride": 10}, True), ({"bsize": 20, "bstride": 16, "boffset": -4}, False),
                        ({"bsize": 23, "bstride": 23}, True)):
-        assert sbnet._reduce_group_warps((g["bsize"],) * 2) == {12: 2, 20: 4, 23: 8}[g["bsize"]]
+        assert sbnet._reduce_group_warps((g["bsize"],) * 2, 10) == {12: 2, 20: 4, 23: 8}[g["bsize"]]
         tol = 0.05 if avgpool else 0.9
         want = reference.reduce_mask(mask, tol=tol, avgpool=avgpool, **g)
         count_h, count_w = reference.block_count((26, 30), (g["bstride"],) * 2, (g.get("boffset", 0),) * 2)
-        assert 0 < len(want) < 2 * count_h * count_w  # some windows active, some not
+        assert 0 < len(want) < count_h * count_w  # some windows active, some not
         got, count = sbnet.reduce_mask(mask, tol=tol, avgpool=avgpool, **g)
         assert count == len(want)
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.skipif(not SIMULATOR, reason="resizes a compiled kernel's thread block (GPU: the large-mask test)")
-def test_reduce_mask_over_many_chunks(monkeypatch):
-    """Windows in more chunks than one look-back step covers (32): each chunk's offset summed
-    from its predecessors'; rows past the count hold -1. Thread blocks of two warps (two
-    windows a chunk) keep the simulator's thread count down."""
+@pytest.mark.skipif(not SIMULATOR, reason="resizes compiled kernels' thread blocks (GPU: the large-mask test)")
+@pytest.mark.parametrize("prefix_chunks", [4, 1])
+def test_reduce_mask_over_several_chunks(monkeypatch, prefix_chunks):
+    """Windows in several chunks of the compaction: their offsets summed by each compaction
+    block, or (past PREFIX_CHUNKS chunks) by the scan kernel; rows past the count hold -1.
+    Chunks of 32 windows and pooling blocks of two warps keep the simulator's threads down."""
+    monkeypatch.setattr(sbnet, "COMPACT_THREADS", 32)
+    monkeypatch.setattr(sbnet, "COMPACT_WARPS", 1)
     monkeypatch.setattr(sbnet, "REDUCE_WARPS", 2)
+    monkeypatch.setattr(sbnet, "PREFIX_CHUNKS", prefix_chunks)
     rng = np.random.default_rng(3)
-    mask = (rng.random((1, 6, 13)) < 0.3).astype(np.float32)  # 78 windows of 1: 39 chunks
+    mask = (rng.random((1, 6, 15)) < 0.3).astype(np.float32)  # 90 windows of 1: three chunks
     indices, count = sbnet.reduce_mask(cuda.to_device(mask), bsize=1, bstride=1)
     want = reference.reduce_mask(mask, bsize=1, bstride=1)
     n = int(count.copy_to_host()[0])
@@ -91,7 +95,7 @@ def test_reduce_mask_over_many_chunks(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("avgpool", [False, True])
 def test_reduce_mask_of_large_masks(avgpool):
-    """Thousands of chunks running at once, so that look-backs really wait on predecessors;
+    """Masks of 8 x 400 x 700 (the scan kernel's path), large windows, negative offsets;
     repeated calls give the same indices."""
     rng = np.random.default_rng(4)
     for shape, g in (((8, 400, 700), {"bsize": 2, "bstride": 2}), ((2, 300, 500), {"bsize": 32, "bstride": 8}),
@@ -303,6 +307,24 @@ def test_repeated_torch_calls_replay_a_kept_plan(transpose, monkeypatch):
     assert len(sbnet._plans) == 5
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="kept plans replay through the driver")
+def test_repeated_reduce_mask_replays_a_kept_plan(monkeypatch):
+    """reduce_mask's kept plan: new masks of the same shape give their own indices and count."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(sbnet, "_plans", {})
+    rng = np.random.default_rng(9)
+    g = {"bsize": 3, "bstride": 2, "boffset": -1}
+    for _ in range(3):
+        mask = (rng.random((2, 30, 41)) < 0.05).astype(np.float32)
+        indices, count = sbnet.reduce_mask(torch.as_tensor(mask, device="cuda"), **g)
+        want = reference.reduce_mask(mask, **g)
+        n = int(count[0])
+        assert n == len(want) and len(sbnet._plans) == 1
+        np.testing.assert_array_equal(indices[:n].cpu().numpy(), want)
+        assert (indices[n:, 0] == -1).all()
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="fakes the driver launch; the GPU test above runs the real one")
 def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch):
     """Plan bookkeeping with the launch faked: a call like the first replays with the new
@@ -334,6 +356,16 @@ def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch):
     sbnet.sparse_scatter(blocks, indices, y, add=True, inplace=True, **g)
     assert launches[-1][:3] == (y.data_ptr(), blocks.data_ptr(), indices.data_ptr())
     assert len(launches) == 2
+    mask = torch.zeros(1, 4, 6)
+    sbnet.reduce_mask(mask, 2, 2, tol=0.5)  # keeps a plan
+    again = torch.ones(1, 4, 6)
+    active, count = sbnet.reduce_mask(again, 2, 2, tol=0.5)
+    assert active.shape == (6, 3) and count.shape == (1,) and active.dtype == count.dtype == torch.int32
+    pool, compact = launches[-2:]  # (flags, chunk counts, mask), (indices, count, flags, ...)
+    assert pool[2] == again.data_ptr() and compact[:2] == (active.data_ptr(), count.data_ptr())
+    assert compact[2] == pool[0] and compact[3] == compact[4] == pool[1] and len(launches) == 4
+    sbnet.reduce_mask(again, 2, 2, tol=0.25)  # another threshold: the general path
+    assert len(launches) == 4 and len(sbnet._plans) == 8
 
 
 def test_zero_blocks():
