@@ -34,10 +34,11 @@ Storage float16, float32, float64 (atomic adds: float32, float64). Channels-last
 (NHWC) copies go a window row at a time in 16-byte vectors where a pixel is
 whole vectors and the pointers are 16-byte aligned (`_make_row_kernels`:
 plain, adds, fp16 adds two halves a word by `_half2.py`, fp32 and fp16
-transposes through a shared tile); otherwise element kernels, with 8-byte words for
-overwrites and int32 words of two halves for fp16 adds where rows allow. A
-call repeated with torch tensors of the same shapes, dtypes, geometry, flags
-and alignment replays a kept launch (`_plans`, as bsmm's products).
+transposes through a shared tile); otherwise element kernels, with 8-byte
+words for overwrites and int32 words of two halves for fp16 adds where rows
+allow. A call (gather, scatter, or reduce_mask's two kernels) repeated with torch
+tensors of the same shapes, dtypes, geometry, flags and alignment replays
+kept launches (`_plans`, as bsmm's products).
 
 Versions: 1 (this file).
 """
