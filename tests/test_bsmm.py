@@ -98,6 +98,7 @@ def check_split_lines(data, block_size, feature_axis, max_segment, version):
 
 @pytest.mark.parametrize("version", [2, 3, 4])
 @pytest.mark.parametrize("max_segment", [1, 2])
+@few  # (six cases of the earlier versions: two examples each in the simulator)
 @given(data=st.data(), block_size=st.sampled_from([8, 16, 32]), feature_axis=st.sampled_from([1, 0]))
 def test_split_lines_and_split_rows_match_reference(data, block_size, feature_axis, max_segment, version):
     """Skewed layouts cut long lines into segments, and the weight gradient cuts N; both sum in order."""
@@ -128,6 +129,7 @@ def test_weight_grad_accumulates_into_out(data, splits, version, block_size):
     assert_close(out.copy_to_host(), want, "float32", "weight_grad into out")
 
 
+@few
 @given(data=st.data(), block_size=st.sampled_from([8, 16]))
 def test_small_integers_are_exact(data, block_size):
     """Sums of small integers are exact in float32, so the kernels must agree bit for bit."""
