@@ -907,9 +907,9 @@ def _keep_plan(call, tensors, count, settings, out_shape, launches, extra):
 def _reduce_group_warps(size, total):
     """Warps pooling one window: enough for REDUCE_LOADS pixels a lane, at most a thread block,
     and no more than it takes to fill the GPU's warp slots once (more windows than that: the
-    windows themselves fill it, and groups only add barriers). H100, graph µs, group 1 -> 2 or
-    8 by pixels alone: 1 x 400 x 700, windows of 32: 14.7 -> 8.5; 8 x 400 x 700, windows of 16
-    (8800 windows): 16.5 -> 22.8."""
+    windows themselves fill it, and groups only add barriers). H100, graph µs, groups 1 / 2 / 4
+    / 8 (`results/sbnet_reduce_mask_h100.md`): 1 x 400 x 700, windows of 32: 14.7 / 10.7 / 8.8
+    / 8.5; 8 x 400 x 700, windows of 16 (8800): 19.5 / 22.9 / 36.2 / 62.4."""
     warps = 1
     while (warps < REDUCE_WARPS and warps * WARP * REDUCE_LOADS < size[0] * size[1]
            and total * warps < REDUCE_FILL * multiprocessors()):
