@@ -168,19 +168,15 @@ def pool_kernel(flags, chunk_counts, mask, n_images, height, width, count_h, cou
     while offset > 0:
         acc = _pool(acc, cuda.shfl_xor_sync(FULL_MASK, acc, offset), avgpool)
         offset //= 2
-    if group_warps == 1:  # a warp a window: lane 0 holds its value, no barrier needed
-        if lane == 0 and window < total:
-            _flag(flags, chunk_counts, window, acc, tol, avgpool, size_h * size_w)
-    else:  # (group_warps is the same for the whole block: every thread reaches the barrier)
-        if lane == 0:
-            partial[warp] = acc
-        cuda.syncthreads()  # every warp's pooled value is in partial
-        window = cuda.blockIdx.x * per_block + tid
-        if tid < per_block and window < total:
-            pooled = partial[tid * group_warps]
-            for k in range(1, group_warps):
-                pooled = _pool(pooled, partial[tid * group_warps + k], avgpool)
-            _flag(flags, chunk_counts, window, pooled, tol, avgpool, size_h * size_w)
+    if lane == 0:
+        partial[warp] = acc
+    cuda.syncthreads()  # every warp's pooled value is in partial
+    window = cuda.blockIdx.x * per_block + tid
+    if tid < per_block and window < total:
+        pooled = partial[tid * group_warps]
+        for k in range(1, group_warps):
+            pooled = _pool(pooled, partial[tid * group_warps + k], avgpool)
+        _flag(flags, chunk_counts, window, pooled, tol, avgpool, size_h * size_w)
 
 
 @cuda.jit(device=True, inline=True)
@@ -842,12 +838,20 @@ def _plan_key(call, tensors, count, settings):
     return tuple(key)
 
 
-def _replayed(call, tensors, count, settings, inplace=False):
-    """The call through its kept plan: a gather into a new tensor, a scatter into y itself
-    (``inplace``) or into a copy of it; None where no plan fits (the general path runs)."""
+def _kept(call, tensors, count, settings):
+    """The kept plan for a call of contiguous torch tensors, or None."""
     key = _plan_key(call, tensors, count, settings)
     plan = _plans.get(key) if key is not None else None
     if plan is None or not all(t.is_contiguous() for t in tensors):
+        return None
+    return plan
+
+
+def _replayed(call, tensors, count, settings, inplace=False):
+    """The call through its kept plan: a gather into a new tensor, a scatter into y itself
+    (``inplace``) or into a copy of it; None where no plan fits (the general path runs)."""
+    plan = _kept(call, tensors, count, settings)
+    if plan is None:
         return None
     if call == "gather":
         out = tensors[0].new_empty(plan.out_shape)
@@ -862,9 +866,8 @@ def _replayed(call, tensors, count, settings, inplace=False):
 
 def _replayed_reduce(mask, settings):
     """reduce_mask through its kept plan: (indices, count) as new tensors; None where no plan fits."""
-    key = _plan_key("reduce", (mask,), None, settings)
-    plan = _plans.get(key) if key is not None else None
-    if plan is None or not mask.is_contiguous():
+    plan = _kept("reduce", (mask,), None, settings)
+    if plan is None:
         return None
     import torch
 
