@@ -286,6 +286,24 @@ def test_tensor_core_stage_counts(monkeypatch, stages, words, dtype, weight_rows
     assert_close(dx, reference.input_grad(dy, w, layout), dtype, "input_grad")
 
 
+@pytest.mark.parametrize("warps, warp_rows, dtype", [(2, 64, "float16"), (2, 16, "float32")])
+def test_tensor_core_warp_patches(monkeypatch, warps, warp_rows, dtype):
+    """Version 5 products with other warp patches (V5_WARP_ROWS rows a warp: one to four mma
+    rows) and warps a thread block (tiles of 32 or 128 rows) give the reference's products,
+    over two tiles and part of a third."""
+    monkeypatch.setattr(bsmm, "V5_WARPS", {**bsmm.V5_WARPS, 16: warps})
+    monkeypatch.setattr(bsmm, "V5_WARP_ROWS", {**bsmm.V5_WARP_ROWS, 16: warp_rows})
+    monkeypatch.setattr(bsmm, "_kernels", {})
+    layout = BlockLayout(np.array([[1, 0], [1, 1]], bool), 16)
+    n = 2 * bsmm._v5_shape(16, dtype)[1] + 3
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((n, 32)).astype(dtype)
+    w = rng.standard_normal(layout.w_shape).astype(dtype)
+    assert_close(bsmm.forward(x, w, layout, version=5), reference.forward(x, w, layout), dtype, "forward")
+    assert_close(bsmm.input_grad(x, w, layout, version=5), reference.input_grad(x, w, layout),
+                 dtype, "input_grad")
+
+
 @cuda.jit
 def _record_grouped_tiles(seen, group):
     """seen[launch order id] = (row tile, segment) of each thread block."""

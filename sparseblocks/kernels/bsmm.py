@@ -117,9 +117,11 @@ V4_WIDTH = 4  # activations per vector load (product and weight gradient)
 V4_LAYOUT = {16: "pad", 32: "pad", 64: "pad"}
 V4_UNROLL = {16: True, 32: True, 64: True}
 # Version 5 (tensor cores; fp16, bf16 and fp32 storage, blocks 16-64; otherwise version
-# 4): products with V5_WARPS warps on 128-row tiles.
-V5_WARPS = {16: 4, 32: 4, 64: 8}  # each warp a V5_WARP_TILE x min(bs, 32) patch: 128-row tiles
-V5_WARP_TILE = 32
+# 4): products with V5_WARPS warps, each a V5_WARP_ROWS x min(bs, V5_WARP_TILE) patch of the
+# output; by default 128-row tiles.
+V5_WARPS = {16: 4, 32: 4, 64: 8}
+V5_WARP_TILE = 32  # the most output features a warp owns (and weight-gradient patches' side)
+V5_WARP_ROWS = {16: 32, 32: 32, 64: 32}  # multiples of 16 (the mma's rows)
 # 32-bit words of k a product stage holds where not a whole block's, by (block size, storage).
 # H100, N = C = K = 4096, forward ms at 10 % / 50 % (seventh session): a whole block a stage
 # against 16 words, fp32 block 32 (three stages) 0.361 / 1.499 against 0.381 / 1.553, fp16
@@ -863,14 +865,14 @@ def _v5_shape(bs, storage):
     warps = V5_WARPS[bs]
     col_warps = bs // min(bs, V5_WARP_TILE)
     words = min(bs // values, V5_STAGE_WORDS.get((bs, storage), bs // values))
-    return 32 * warps, V5_WARP_TILE * warps // col_warps, col_warps, words, values
+    return 32 * warps, V5_WARP_ROWS[bs] * warps // col_warps, col_warps, words, values
 
 
 def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=False):
     """Products on tensor cores: ``mma.sync`` m16n8k16 (fp16, bf16) or 3 x m16n8k8 (fp32, 3xTF32).
 
-    Warps own 32 x min(bs, 32) patches of a 128-row tile (two 16-row by up to
-    four 8-column mma tiles each, fp32 accumulators). Shared memory holds a
+    Warps own V5_WARP_ROWS x min(bs, 32) patches of a tile (by default 32 rows, a 128-row
+    tile: two 16-row by up to four 8-column mma tiles each, fp32 accumulators). Shared memory holds a
     stage of the tile's activations and of the block's weights as 32-bit
     words along the feature (k) axis: pairs of 16-bit values, or single fp32
     values, as the fragments take them (`_mma.py`), so every fragment register
@@ -902,7 +904,7 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     """
     T, TM, CW, KW, VALUES = _v5_shape(bs, storage)
     WN = bs // CW  # output features a warp owns
-    MT = V5_WARP_TILE // MMA_M
+    MT = V5_WARP_ROWS[bs] // MMA_M
     NT = WN // MMA_N
     SPB = bs // (KW * VALUES)  # stages a block
     STEPS = KW // 8  # mma steps a stage: 8 words of k each (k16 of 16-bit values, k8 of fp32)
@@ -1151,7 +1153,7 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
         warp = tid // 32
         g = lane >> 2
         t = lane % 4
-        wr = (warp // CW) * V5_WARP_TILE  # the warp's first row and feature in the tile
+        wr = (warp // CW) * (MT * MMA_M)  # the warp's first row and feature in the tile
         wc = (warp % CW) * WN
         tile, seg = _grouped_tile(PRODUCT_GROUP)
         row0 = tile * TM
