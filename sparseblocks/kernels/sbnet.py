@@ -66,6 +66,27 @@ REDUCE_FILL = 64  # warps a multiprocessor holds: pooling groups grow until wind
 COMPACT_THREADS = 256  # flags per thread block of the compaction
 COMPACT_WARPS = COMPACT_THREADS // WARP  # a literal: shared-array shapes must be compile-time constants
 PREFIX_CHUNKS = 4 * COMPACT_THREADS  # chunk counts a compaction block sums itself (4 a thread), else a scan
+# reduce_mask version 2 (one pass): a thread block pools a chunk of up to PASS_WINDOWS consecutive
+# windows of one window row, PASS_THREADS threads over the chunk's columns (and rows, when its
+# columns are fewer than the threads), then looks back for the active windows before it.
+PASS_THREADS = 256
+PASS_WARPS = PASS_THREADS // WARP  # a literal: shared-array shapes must be compile-time constants
+PASS_WINDOWS = WARP  # windows a chunk: one lane each for the ballot that ranks them
+PASS_COLUMNS = 1024  # columns a chunk (a window's width, times its windows); wider windows: version 1
+PASS_PIXELS = 8 * PASS_THREADS  # pixels a chunk aims at: 8 loads a thread
+PASS_LOADS = 4  # rows a thread loads before it pools any
+# Shared entries a chunk's column values take: its windows x (entries a window + 1 of padding),
+# at most max(threads, columns) + windows (see `_make_pass_kernel`).
+PASS_SHARED = max(PASS_THREADS, PASS_COLUMNS) + PASS_WINDOWS
+# A chunk's status word (int64): tag (30 bits, the launch's), flag (1 bit: prefix or only the
+# chunk's own aggregate), active count (32 bits). status[0] counts launches: a status is the
+# current launch's when its tag is (that count + 1) mod 2^30, so statuses need no reset.
+STATUS_TAG_SHIFT = 33
+STATUS_PREFIX = 1 << 32
+STATUS_TAG_MASK = (1 << 30) - 1
+STATUS_VALUE_MASK = (1 << 32) - 1
+MAX_PASS_WINDOWS = 1 << 30  # windows version 2 takes (counts in 32 bits, int32 rows)
+REDUCE_VERSION = 2  # reduce_mask's default version
 COPY_THREADS = 256  # threads of a gather/scatter block (one thread block a window)
 COPY_UNROLL = 4  # elements a thread loads before it stores any
 WAVES = 4  # thread blocks per multiprocessor a gather/scatter aims for
@@ -281,6 +302,168 @@ def _make_write_kernel(summed):
 
 write_summed = _make_write_kernel(True)
 write_scanned = _make_write_kernel(False)
+
+
+@cuda.jit(device=True, inline=True)
+def _warp_sum(value):
+    """The sum of value over the warp, for every lane."""
+    offset = 16
+    while offset > 0:
+        value += cuda.shfl_xor_sync(FULL_MASK, value, offset)
+        offset //= 2
+    return value
+
+
+@cuda.jit(device=True, inline=True)
+def _look_back(status, chunk, tag, lane):
+    """Active windows of the chunks before `chunk` (decoupled look-back by one whole warp): 32
+    predecessors' statuses a step, nearest first, summed back to the nearest one whose
+    inclusive prefix is out. A lane waits until its predecessor's status carries this launch's
+    tag. Chunks are thread blocks in launch order, and the GPU starts thread blocks in that
+    order (as CUB's single-pass scans assume), so a predecessor runs or has run: the wait ends."""
+    exclusive = int64(0)
+    end = chunk
+    while end > 0:  # the same for every lane
+        j = end - 1 - lane
+        s = int64(STATUS_PREFIX)  # before chunk 0: a prefix of nothing
+        if j >= 0:
+            s = cuda.atomic.add(status, 1 + j, 0)  # from L2: never a stale cached value
+            while (s >> STATUS_TAG_SHIFT) != tag:
+                s = cuda.atomic.add(status, 1 + j, 0)
+        prefixed = cuda.ballot_sync(FULL_MASK, (s & STATUS_PREFIX) != 0)
+        contribution = s & STATUS_VALUE_MASK
+        if prefixed != 0:
+            nearest = prefixed ^ (prefixed - 1)  # lanes up to the nearest prefix
+            if (nearest >> lane) & 1 == 0:
+                contribution = 0
+            end = 0
+        else:
+            end -= WARP
+        exclusive += _warp_sum(contribution)
+    return exclusive
+
+
+def _make_pass_kernel(avgpool, wide):
+    """reduce_mask in one pass (version 2): pooling, ranks and compaction in one kernel.
+
+    Thread block `chunk` takes `windows` (<= PASS_WINDOWS) consecutive windows of one window
+    row. Its threads walk the chunk's columns (windows x size_w of them, at most PASS_COLUMNS;
+    with overlapping windows a column is read once per window) and, when the columns are fewer
+    than the threads, split the rows into `phases`: each thread pools one column over its rows,
+    PASS_LOADS loads in flight (rows off the image read a clamped row and are dropped by a
+    select), and leaves the value in shared memory, a window's entries together. Each warp
+    then pools whole windows (lanes over entries, shuffles), warp 0 ranks the chunk's active
+    windows by a ballot, publishes their count, finds the count before the chunk by
+    `_look_back`, and writes each window's row: (n, bh, bw) at its row-major rank if active,
+    else n = -1 from the back (rows count.. hold those). The last chunk writes the count and
+    advances status[0], the launch count the tags come from. Accumulates in float64 with
+    `wide` (sums, float64 masks), else float32 (exact for the max of other masks)."""
+    acc_type = float64 if wide else float32
+
+    @cuda.jit(device=True, inline=True)
+    def pool(acc, v):
+        return acc + v if avgpool else max(acc, v)
+
+    @cuda.jit(device=True, inline=True)
+    def row_value(mask, n, h, w, height, inside, empty):
+        """mask[n, h, w], or empty where the row is not `inside` (h is clamped onto the image
+        so that the load is always valid)."""
+        v = acc_type(mask[uint64(n), uint64(min(max(h, 0), height - 1)), uint64(w)])
+        return v if inside else empty
+
+    @cuda.jit
+    def pass_kernel(indices, count, status, mask, n_images, height, width, count_h, count_w,
+                    size_h, size_w, stride_h, stride_w, offset_h, offset_w, tol, per_chunk, chunks_per_row):
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        chunk = cuda.blockIdx.x
+        n_chunks = cuda.gridDim.x
+        values = cuda.shared.array(PASS_SHARED, acc_type)
+        active_s = cuda.shared.array(PASS_WINDOWS, np.int32)
+        tag_s = cuda.shared.array(1, np.int64)
+        if tid == 0:  # the launch count's read is on its way while the chunk is pooled
+            tag_s[0] = (cuda.atomic.add(status, 0, 0) + 1) & STATUS_TAG_MASK
+        window_row = chunk // chunks_per_row
+        bw0 = (chunk - window_row * chunks_per_row) * per_chunk
+        n = window_row // count_h
+        bh = window_row - n * count_h
+        windows = min(per_chunk, count_w - bw0)
+        columns = windows * size_w
+        lanes = min(columns, PASS_THREADS)  # threads across the columns ...
+        phases = PASS_THREADS // lanes  # ... and across the rows
+        entries = phases * size_w  # values a window leaves in shared memory
+        empty = acc_type(0) if avgpool else acc_type(-math.inf)
+        h0 = offset_h + bh * stride_h
+        phase = tid // lanes
+        q = tid - phase * lanes
+        if phase < phases:
+            while q < columns:
+                j = q // size_w
+                c = q - j * size_w
+                w = offset_w + (bw0 + j) * stride_w + c
+                acc = empty
+                if 0 <= w < width:
+                    r = phase
+                    while r < size_h:
+                        r1 = r + phases
+                        r2 = r1 + phases
+                        r3 = r2 + phases
+                        v0 = row_value(mask, n, h0 + r, w, height, 0 <= h0 + r < height, empty)
+                        v1 = row_value(mask, n, h0 + r1, w, height, r1 < size_h and 0 <= h0 + r1 < height, empty)
+                        v2 = row_value(mask, n, h0 + r2, w, height, r2 < size_h and 0 <= h0 + r2 < height, empty)
+                        v3 = row_value(mask, n, h0 + r3, w, height, r3 < size_h and 0 <= h0 + r3 < height, empty)
+                        acc = pool(pool(acc, v0), pool(pool(v1, v2), v3))
+                        r = r3 + phases
+                values[j * (entries + 1) + phase * size_w + c] = acc
+                q += lanes
+        cuda.syncthreads()  # every column's value (and the tag) is in shared memory
+        j = warp
+        while j < windows:  # the same for every lane: warps pool whole windows
+            acc = empty
+            e = lane
+            while e < entries:
+                acc = pool(acc, values[j * (entries + 1) + e])
+                e += WARP
+            offset = 16
+            while offset > 0:
+                acc = pool(acc, cuda.shfl_xor_sync(FULL_MASK, acc, offset))
+                offset //= 2
+            if lane == 0:
+                pooled = float64(acc) / (size_h * size_w) if avgpool else float64(acc)
+                active_s[j] = 1 if pooled > tol else 0
+            j += PASS_WARPS
+        cuda.syncthreads()  # every window's flag is in active_s
+        if warp == 0:
+            tag = tag_s[0]
+            ballot = cuda.ballot_sync(FULL_MASK, lane < windows and active_s[lane] != 0)
+            aggregate = int64(cuda.popc(ballot))
+            if lane == 0:  # the chunk's own count out first: successors need not wait for its prefix
+                cuda.atomic.exch(status, 1 + chunk, (tag << STATUS_TAG_SHIFT) | aggregate
+                                 | (STATUS_PREFIX if chunk == 0 else 0))
+            exclusive = _look_back(status, chunk, tag, lane)
+            if lane == 0 and chunk > 0:
+                cuda.atomic.exch(status, 1 + chunk, (tag << STATUS_TAG_SHIFT) | STATUS_PREFIX | (exclusive + aggregate))
+            if lane < windows:
+                before = int64(cuda.popc(ballot & cuda.lanemask_lt()))
+                window = window_row * count_w + bw0 + lane
+                if (ballot >> lane) & 1:
+                    row = exclusive + before
+                    indices[row, 0] = n
+                    indices[row, 1] = bh
+                    indices[row, 2] = bw0 + lane
+                else:  # inactive windows fill rows total-1, total-2, ... in row-major order
+                    row = n_images * count_h * count_w - 1 - (window - exclusive - before)
+                    indices[row, 0] = -1
+                    indices[row, 1] = -1
+                    indices[row, 2] = -1
+            if lane == 0 and chunk == n_chunks - 1:
+                count[0] = exclusive + aggregate
+                # Every chunk has published (this look-back saw them all), so every one has read
+                # the launch count: the next launch's statuses get the next tag.
+                cuda.atomic.add(status, 0, 1)
+
+    return pass_kernel
 
 
 # -- kernel bodies: gather and scatter ----------------------------------------------
@@ -871,13 +1054,17 @@ def _replayed_reduce(mask, settings):
         return None
     import torch
 
-    total, n_chunks = plan.extra
     device = mask.device
     indices = torch.empty(plan.out_shape, dtype=torch.int32, device=device)
     count = torch.empty(1, dtype=torch.int32, device=device)
+    stream = _arrays_module.torch_stream_handle()
+    if plan.extra[0] == "pass":  # version 2: statuses zeroed, one launch
+        status = torch.zeros(plan.extra[1], dtype=torch.int64, device=device)
+        plan.launch[0](stream, indices.data_ptr(), count.data_ptr(), status.data_ptr(), mask.data_ptr())
+        return indices, count
+    _, total, n_chunks = plan.extra
     flags = torch.empty(total, dtype=torch.int8, device=device)
     chunk_counts = torch.zeros(n_chunks, dtype=torch.int32, device=device)
-    stream = _arrays_module.torch_stream_handle()
     pool, write = plan.launch
     pool(stream, flags.data_ptr(), chunk_counts.data_ptr(), mask.data_ptr())
     write(stream, indices.data_ptr(), count.data_ptr(), flags.data_ptr(), chunk_counts.data_ptr(),
@@ -920,13 +1107,31 @@ def _reduce_group_warps(size, total):
     return warps
 
 
-def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=None):
-    """Active windows of a mask ``[N, H, W]``, row-major: ``(indices, count)`` (see the module docstring)."""
-    settings = (bsize, bstride, boffset, tol, avgpool, bcount)
+def _pass_chunks(size, count_w):
+    """(windows a chunk, chunks a window row) of reduce_mask's version 2: PASS_PIXELS pixels a
+    chunk, within PASS_WINDOWS windows and PASS_COLUMNS columns."""
+    per_chunk = max(1, min(PASS_WINDOWS, PASS_COLUMNS // size[1], PASS_PIXELS // (size[0] * size[1]), count_w))
+    return per_chunk, -(-count_w // per_chunk)
+
+
+def _pass_kernel(avgpool, wide):
+    key = ("pass", avgpool, wide)
+    if key not in _kernels:
+        _kernels[key] = _make_pass_kernel(avgpool, wide)
+    return _kernels[key]
+
+
+def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=None, version=None):
+    """Active windows of a mask ``[N, H, W]``, row-major: ``(indices, count)`` (see the module
+    docstring). ``version``: 1 (pooling, then compaction) or 2 (one pass; the default where
+    windows are at most PASS_COLUMNS wide, else 1)."""
+    settings = (bsize, bstride, boffset, tol, avgpool, bcount, version)
     if _plans:
         kept = _replayed_reduce(mask, settings)
         if kept is not None:
             return kept
+    if version not in (None, 1, 2):
+        raise ValueError(f"version: expected 1, 2 or None, got {version!r}")
     mask_op = Operand(mask, "mask")
     if len(mask_op.shape) != 3:
         raise ValueError(f"mask: expected [N, H, W], got shape {mask_op.shape}")
@@ -943,7 +1148,22 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
     # should the count be forgotten.
     indices_native, indices = _int_output(mask_op, (max(total, 1), 3), stream, fill=None if total else -1)
     count_native, count = _int_output(mask_op, (1,), stream, fill=None if total else 0)
-    if total:
+    one_pass = (REDUCE_VERSION if version is None else version) == 2 and size[1] <= PASS_COLUMNS \
+        and total <= MAX_PASS_WINDOWS
+    if total and one_pass:
+        per_chunk, chunks_per_row = _pass_chunks(size, count_hw[1])
+        n_chunks = N * count_hw[0] * chunks_per_row
+        # Zeroed statuses (tags start at 1) from the caller's allocator; status[0] counts launches.
+        status = mask_op.scratch(n_chunks + 1, "int64", stream)
+        _zero(status, stream)
+        kernel = _pass_kernel(bool(avgpool), bool(avgpool) or mask_op.dtype == "float64")
+        one = (kernel, n_chunks, PASS_THREADS, (
+            indices, count, status, mask_op.device(stream), N, H, W, count_hw[0], count_hw[1], size[0], size[1],
+            stride[0], stride[1], offset[0], offset[1], float(tol), per_chunk, chunks_per_row))
+        launch(one[0], one[1], one[2], stream, one[3])
+        _keep_plan("reduce", (mask,), None, settings, tuple(indices_native.shape), [(one, (0, 1, 2, 3))],
+                   ("pass", n_chunks + 1))
+    elif total:
         # Temporaries from the caller's allocator (torch's cache): no cudaMalloc per call.
         group_warps = _reduce_group_warps(size, total)
         n_chunks = -(-total // COMPACT_THREADS)
@@ -965,7 +1185,7 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
         launch(compact[0], compact[1], compact[2], stream, compact[3])
         if write is write_summed:  # (a plan of two launches; the scanned path has three)
             _keep_plan("reduce", (mask,), None, settings, tuple(indices_native.shape),
-                       [(pool, (0, 1, 2)), (compact, (0, 1, 2, 3, 4))], (total, n_chunks))
+                       [(pool, (0, 1, 2)), (compact, (0, 1, 2, 3, 4))], ("two", total, n_chunks))
     if mask_op.kind == "numpy":
         n_active = int(count.copy_to_host(stream=stream)[0])
         return indices.copy_to_host(stream=stream)[:n_active], n_active
