@@ -64,11 +64,11 @@ VARIANTS = {
     "v5 wgrad group 4 of 1 warp": (5, {"V5_WGRAD_GROUP_WARPS": 1}),
     # Block 64's product tiles (default: 8 warps of 32 x 32, 128 rows). 256 rows read a W block
     # once for twice the rows: 1/64 + 1/256 instead of 1/64 + 1/128 values of L2 traffic a MAC.
-    "v5 bs64 256 rows, 16 warps": (5, {"V5_WARPS": {16: 4, 32: 4, 64: 16}}),
-    "v5 bs64 256 rows, warps of 64 rows": (5, {"V5_WARP_ROWS": {16: 32, 32: 32, 64: 64}}),
-    "v5 bs64 128 rows, 4 warps of 64 rows": (5, {"V5_WARPS": {16: 4, 32: 4, 64: 4},
+    "v5 bs64 256 rows 16 warps": (5, {"V5_WARPS": {16: 4, 32: 4, 64: 16}}),
+    "v5 bs64 256 rows warps of 64 rows": (5, {"V5_WARP_ROWS": {16: 32, 32: 32, 64: 64}}),
+    "v5 bs64 128 rows 4 warps of 64 rows": (5, {"V5_WARPS": {16: 4, 32: 4, 64: 4},
                                                   "V5_WARP_ROWS": {16: 32, 32: 32, 64: 64}}),
-    "v5 bs64 256 rows, warps of 64 rows, 2 stages": (5, {"V5_WARP_ROWS": {16: 32, 32: 32, 64: 64},
+    "v5 bs64 256 rows warps of 64 rows 2 stages": (5, {"V5_WARP_ROWS": {16: 32, 32: 32, 64: 64},
                                                          "V5_STAGES": 2}),
 }
 # Variants that change only fp32 kernels (or that earlier sessions timed in fp32 only).

@@ -1,0 +1,121 @@
+"""reduce_mask's versions side by side on the GPU (a developer's script).
+
+    python3 scripts/reduce_mask_variants.py [--out DIR]
+
+For each mask (N x 400 x 700 float32, windows = strides of 8, 16 or 32, a fraction of them
+active): check versions 1 and 2 against the reference (the general path, then a kept plan's
+replay), then time CUDA-graph replays of each beside a device copy of half the mask's bytes
+(read + write = the mask's bytes), and version 2 with its statuses kept from call to call
+instead of zeroed (what the zeroing costs). torch.profiler splits each version's graph into
+its kernels (µs a call).
+"""
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_sbnet import block_mask  # noqa: E402
+from benchmarks.common import copy_ms, device_name, graph_ms  # noqa: E402
+
+
+def kernel_us(torch, fn, calls=20):
+    """µs a call of each kernel (and memset) that fn launches, from torch.profiler ({} if it fails)."""
+    try:
+        return _kernel_us(torch, fn, calls)
+    except Exception as exc:  # the profile is a side figure: never stop the script for it
+        print(f"profiler: {type(exc).__name__}: {exc}", flush=True)
+        return {}
+
+
+def _kernel_us(torch, fn, calls):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name[:60]] += event.device_time / calls
+    return dict(totals)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--fraction", type=float, default=0.1)
+    args = parser.parse_args()
+
+    import torch
+
+    from sparseblocks.kernels import sbnet
+    from sparseblocks.reference import sbnet as reference
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for n, block in [(1, 16), (1, 32), (8, 16), (8, 32), (1, 8), (8, 8)]:
+        mask = block_mask(rng, n, 400, 700, block, args.fraction)
+        mask_t = torch.as_tensor(mask, device="cuda")
+        g = {"bsize": block, "bstride": block, "tol": 0.5}
+        want = reference.reduce_mask(mask, **g)
+        row = {"N": n, "window": block, "windows": int(np.prod(reference.block_count((400, 700), (block,) * 2, (0, 0)))) * n,
+               "copy": copy_ms(mask.nbytes // 2, graph=True) * 1e3}
+        for version in (1, 2):
+            sbnet._plans.clear()
+            for _ in range(3):  # the general path, then the kept plan twice (a new mask each time)
+                other = block_mask(rng, n, 400, 700, block, args.fraction)
+                other_t = torch.as_tensor(other, device="cuda")
+                indices, count = sbnet.reduce_mask(other_t, version=version, **g)
+                expected = reference.reduce_mask(other, **g)
+                k = int(count[0])
+                assert k == len(expected) and np.array_equal(indices[:k].cpu().numpy(), expected), (version, n, block)
+                assert (indices[k:] == -1).all()
+            indices, count = sbnet.reduce_mask(mask_t, version=version, **g)
+            assert int(count[0]) == len(want)
+            call = lambda: sbnet.reduce_mask(mask_t, version=version, **g)  # noqa: E731
+            row[f"v{version}"] = graph_ms(call) * 1e3
+            row[f"v{version} kernels"] = kernel_us(torch, call)
+        # Version 2 with one status buffer zeroed once: the launch tags keep calls apart.
+        plan = next(p for p in sbnet._plans.values() if p.extra[0] == "pass")
+        status = torch.zeros(plan.extra[1], dtype=torch.int64, device="cuda")
+        out = torch.empty(plan.out_shape, dtype=torch.int32, device="cuda")
+        cnt = torch.empty(1, dtype=torch.int32, device="cuda")
+
+        def kept():
+            plan.launch[0](torch.cuda.current_stream().cuda_stream, out.data_ptr(), cnt.data_ptr(),
+                           status.data_ptr(), mask_t.data_ptr())
+
+        for _ in range(3):
+            kept()
+        assert int(cnt[0]) == len(want) and np.array_equal(out[:len(want)].cpu().numpy(), want)
+        row["v2 kept statuses"] = graph_ms(kept) * 1e3
+        assert int(cnt[0]) == len(want) and np.array_equal(out[:len(want)].cpu().numpy(), want)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n{device_name()}: reduce_mask, graph µs a call, {args.fraction:.0%} of windows active; "
+          "ratio = copy / ours")
+    print("| N | window | windows | copy | v1 | v2 | v2 kept statuses | v1/copy | v2/copy | kept/copy |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['N']} | {r['window']} | {r['windows']} | {r['copy']:.2f} | {r['v1']:.2f} | {r['v2']:.2f} | "
+              f"{r['v2 kept statuses']:.2f} | {r['copy'] / r['v1']:.2f} | {r['copy'] / r['v2']:.2f} | "
+              f"{r['copy'] / r['v2 kept statuses']:.2f} |")
+    print("\nkernels (µs a call, torch.profiler):")
+    for r in rows:
+        for version in (1, 2):
+            print(f"  N {r['N']} window {r['window']} v{version}: "
+                  + ", ".join(f"{name} {us:.2f}" for name, us in r[f"v{version} kernels"].items()))
+    if args.out:
+        Path(args.out, "reduce_mask_variants.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
