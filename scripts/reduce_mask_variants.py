@@ -24,6 +24,17 @@ from benchmarks.bench_sbnet import block_mask  # noqa: E402
 from benchmarks.common import copy_ms, device_name, graph_ms  # noqa: E402
 
 
+# name -> (version, settings of kernels.sbnet for it)
+VARIANTS = {
+    "v1": (1, {}),
+    "v2": (2, {}),
+    "v2 block look-back": (2, {"PASS_LOOK_BACK": "block"}),
+    "v2 4K-pixel chunks": (2, {"PASS_PIXELS": 4096}),
+    "v2 8K-pixel chunks block look-back": (2, {"PASS_PIXELS": 8192, "PASS_LOOK_BACK": "block"}),
+    "v2 1K-pixel chunks": (2, {"PASS_PIXELS": 1024}),
+}
+
+
 def kernel_us(torch, fn, calls=20):
     """µs a call of each kernel (and memset) that fn launches, from torch.profiler ({} if it fails)."""
     try:
@@ -59,6 +70,7 @@ def main():
     from sparseblocks.kernels import sbnet
     from sparseblocks.reference import sbnet as reference
 
+    defaults = {key: getattr(sbnet, key) for _, settings in VARIANTS.values() for key in settings}
     rng = np.random.default_rng(0)
     rows = []
     for n, block in [(1, 16), (1, 32), (8, 16), (8, 32), (1, 8), (8, 8)]:
@@ -67,9 +79,12 @@ def main():
         g = {"bsize": block, "bstride": block, "tol": 0.5}
         want = reference.reduce_mask(mask, **g)
         row = {"N": n, "window": block, "windows": int(np.prod(reference.block_count((400, 700), (block,) * 2, (0, 0)))) * n,
-               "copy": copy_ms(mask.nbytes // 2, graph=True) * 1e3}
-        for version in (1, 2):
+               "copy": copy_ms(mask.nbytes // 2, graph=True) * 1e3}  # reads + writes = the mask's bytes
+        for name, (version, settings) in VARIANTS.items():
+            for key, value in {**defaults, **settings}.items():
+                setattr(sbnet, key, value)
             sbnet._plans.clear()
+            sbnet._kernels.clear()
             for _ in range(3):  # the general path, then the kept plan twice (a new mask each time)
                 other = block_mask(rng, n, 400, 700, block, args.fraction)
                 other_t = torch.as_tensor(other, device="cuda")
@@ -81,8 +96,13 @@ def main():
             indices, count = sbnet.reduce_mask(mask_t, version=version, **g)
             assert int(count[0]) == len(want)
             call = lambda: sbnet.reduce_mask(mask_t, version=version, **g)  # noqa: E731
-            row[f"v{version}"] = graph_ms(call) * 1e3
-            row[f"v{version} kernels"] = kernel_us(torch, call)
+            row[name] = graph_ms(call) * 1e3
+            row[f"{name} kernels"] = kernel_us(torch, call)
+        for key, value in defaults.items():
+            setattr(sbnet, key, value)
+        sbnet._plans.clear()
+        sbnet._kernels.clear()
+        sbnet.reduce_mask(mask_t, version=2, **g)
         # Version 2 with one status buffer zeroed once: the launch tags keep calls apart.
         plan = next(p for p in sbnet._plans.values() if p.extra[0] == "pass")
         status = torch.zeros(plan.extra[1], dtype=torch.int64, device="cuda")
@@ -102,17 +122,17 @@ def main():
         print(json.dumps(row), flush=True)
     print(f"\n{device_name()}: reduce_mask, graph µs a call, {args.fraction:.0%} of windows active; "
           "ratio = copy / ours")
-    print("| N | window | windows | copy | v1 | v2 | v2 kept statuses | v1/copy | v2/copy | kept/copy |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    names = [*VARIANTS, "v2 kept statuses"]
+    print("| N | window | windows | copy | " + " | ".join(names) + " |")
+    print("|---|---|---|---|" + "---|" * len(names))
     for r in rows:
-        print(f"| {r['N']} | {r['window']} | {r['windows']} | {r['copy']:.2f} | {r['v1']:.2f} | {r['v2']:.2f} | "
-              f"{r['v2 kept statuses']:.2f} | {r['copy'] / r['v1']:.2f} | {r['copy'] / r['v2']:.2f} | "
-              f"{r['copy'] / r['v2 kept statuses']:.2f} |")
+        print(f"| {r['N']} | {r['window']} | {r['windows']} | {r['copy']:.2f} | "
+              + " | ".join(f"{r[name]:.2f} ({r['copy'] / r[name]:.2f})" for name in names) + " |")
     print("\nkernels (µs a call, torch.profiler):")
     for r in rows:
-        for version in (1, 2):
-            print(f"  N {r['N']} window {r['window']} v{version}: "
-                  + ", ".join(f"{name} {us:.2f}" for name, us in r[f"v{version} kernels"].items()))
+        for name in VARIANTS:
+            print(f"  N {r['N']} window {r['window']} {name}: "
+                  + ", ".join(f"{kernel[-30:]} {us:.2f}" for kernel, us in r[f"{name} kernels"].items()))
     if args.out:
         Path(args.out, "reduce_mask_variants.json").write_text(json.dumps(rows, indent=1))
 

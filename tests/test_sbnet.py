@@ -27,16 +27,73 @@ def some_indices(rng, shape, g, unique=False):
     return block_indices(rng, shape, g, max_blocks=4 if SIMULATOR else 40, unique=unique)
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("avgpool", [False, True])
 @few
 @given(image=sbnet_images(channels=False), g=geometry, tol=st.sampled_from([0.0, 0.1, 0.5]))
-def test_reduce_mask_equals_reference(image, g, tol, avgpool):
+def test_reduce_mask_equals_reference(image, g, tol, avgpool, version):
     _, mask = image
     mask = np.abs(mask)
     want = reference.reduce_mask(mask, tol=tol, avgpool=avgpool, **g)
-    got, count = sbnet.reduce_mask(mask, tol=tol, avgpool=avgpool, **g)
+    got, count = sbnet.reduce_mask(mask, tol=tol, avgpool=avgpool, version=version, **g)
     assert count == len(want) and got.dtype == np.int32
     np.testing.assert_array_equal(got, want)  # the same blocks, in the same (row-major) order
+
+
+@pytest.mark.parametrize("dtype, avgpool", [("bool", False), ("uint8", True), ("float16", False), ("float64", True)])
+def test_reduce_mask_of_every_mask_dtype(dtype, avgpool):
+    """Version 2 pools bool, uint8 and fp16 masks in float32 (exact for their max), float64
+    masks and sums in float64; the indices are the reference's, rows past the count -1."""
+    rng = np.random.default_rng(2)
+    mask = (rng.random((1, 6, 13)) ** 4).astype(dtype) if dtype.startswith("float") \
+        else (rng.random((1, 6, 13)) < 0.15).astype(dtype)
+    g = {"bsize": (3, 4), "bstride": (2, 3), "boffset": (-1, 0)}
+    tol = 0.1 if avgpool else 0.3
+    want = reference.reduce_mask(mask, tol=tol, avgpool=avgpool, **g)
+    indices, count = sbnet.reduce_mask(cuda.to_device(mask), tol=tol, avgpool=avgpool, version=2, **g)
+    n, got = int(count.copy_to_host()[0]), indices.copy_to_host()
+    assert n == len(want) > 0
+    np.testing.assert_array_equal(got[:n], want)
+    assert (got[n:] == -1).all()
+
+
+def _look_back_kernel(block):
+    """A kernel that runs one look-back (the warp's or the whole block's) for each of `chunks`."""
+
+    @cuda.jit
+    def run(out, status, chunks, tag):
+        nearest_s = cuda.shared.array(sbnet.PASS_WARPS, np.int32)
+        sums_s = cuda.shared.array(sbnet.PASS_WARPS, np.int64)
+        for i in range(chunks.shape[0]):
+            exclusive = 0
+            if block:
+                exclusive = sbnet._look_back_block(status, chunks[i], tag, nearest_s, sums_s)
+            elif cuda.threadIdx.x < 32:
+                exclusive = sbnet._look_back(status, chunks[i], tag, cuda.threadIdx.x)
+            if cuda.threadIdx.x == 0:
+                out[i] = exclusive
+
+    return run
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_look_back_sums_aggregates_back_to_the_nearest_prefix(block):
+    """Hand-made statuses of 300 chunks (the simulator runs thread blocks one after another, so a
+    real launch never shows a look-back anything but finished predecessors): aggregates only,
+    with inclusive prefixes at chunks 0 and 40; a look-back from chunk c sums the aggregates
+    before it back to the nearest prefix, across steps of 32 or 256 statuses."""
+    tag = 3
+    rng = np.random.default_rng(6)
+    counts = rng.integers(0, 40, 300)
+    inclusive = np.cumsum(counts)
+    words = (tag << sbnet.STATUS_TAG_SHIFT) | counts
+    for prefixed in (0, 40):
+        words[prefixed] = (tag << sbnet.STATUS_TAG_SHIFT) | sbnet.STATUS_PREFIX | inclusive[prefixed]
+    status = np.concatenate([[tag - 1], words]).astype(np.int64)  # status[0]: the launch count
+    chunks = np.array([0, 1, 33, 40, 41, 299, 297], np.int64)
+    out = np.zeros(len(chunks), np.int64)
+    _look_back_kernel(block)[1, sbnet.PASS_THREADS if block else 32](out, status, chunks, tag)
+    np.testing.assert_array_equal(out, [0] + [inclusive[c - 1] for c in chunks[1:]])
 
 
 def test_reduce_mask_on_the_device_keeps_the_count_there():
@@ -66,9 +123,24 @@ def test_reduce_mask_of_large_windows():
         want = reference.reduce_mask(mask, tol=tol, avgpool=avgpool, **g)
         count_h, count_w = reference.block_count((26, 30), (g["bstride"],) * 2, (g.get("boffset", 0),) * 2)
         assert 0 < len(want) < count_h * count_w  # some windows active, some not
-        got, count = sbnet.reduce_mask(mask, tol=tol, avgpool=avgpool, **g)
-        assert count == len(want)
-        np.testing.assert_array_equal(got, want)
+        for version in (1, 2):
+            got, count = sbnet.reduce_mask(mask, tol=tol, avgpool=avgpool, version=version, **g)
+            assert count == len(want)
+            np.testing.assert_array_equal(got, want)
+
+
+def test_reduce_mask_of_windows_wider_than_a_chunk_takes_version_1(monkeypatch):
+    """Windows wider than PASS_COLUMNS go to version 1 (whichever version was asked for)."""
+    monkeypatch.setattr(sbnet, "PASS_COLUMNS", 2)
+    rng = np.random.default_rng(8)
+    mask = (rng.random((1, 6, 9)) < 0.2).astype(np.float32)
+    g = {"bsize": 3, "bstride": 3}
+    launched = []
+    original = sbnet.launch
+    monkeypatch.setattr(sbnet, "launch", lambda kernel, *args: launched.append(kernel) or original(kernel, *args))
+    got, count = sbnet.reduce_mask(mask, version=2, **g)
+    np.testing.assert_array_equal(got, reference.reduce_mask(mask, **g))
+    assert sbnet.pool_kernel in launched
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="resizes compiled kernels' thread blocks (GPU: the large-mask test)")
@@ -83,7 +155,7 @@ def test_reduce_mask_over_several_chunks(monkeypatch, prefix_chunks):
     monkeypatch.setattr(sbnet, "PREFIX_CHUNKS", prefix_chunks)
     rng = np.random.default_rng(3)
     mask = (rng.random((1, 6, 15)) < 0.3).astype(np.float32)  # 90 windows of 1: three chunks
-    indices, count = sbnet.reduce_mask(cuda.to_device(mask), bsize=1, bstride=1)
+    indices, count = sbnet.reduce_mask(cuda.to_device(mask), bsize=1, bstride=1, version=1)
     want = reference.reduce_mask(mask, bsize=1, bstride=1)
     n = int(count.copy_to_host()[0])
     assert n == len(want)
@@ -93,10 +165,14 @@ def test_reduce_mask_over_several_chunks(monkeypatch, prefix_chunks):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("version, look_back", [(1, "warp"), (2, "warp"), (2, "block")])
 @pytest.mark.parametrize("avgpool", [False, True])
-def test_reduce_mask_of_large_masks(avgpool):
-    """Masks of 8 x 400 x 700 (the scan kernel's path), large windows, negative offsets;
-    repeated calls give the same indices."""
+def test_reduce_mask_of_large_masks(avgpool, version, look_back, monkeypatch):
+    """Masks of 8 x 400 x 700 (version 1: the scan kernel's path; version 2: 8750 chunks whose
+    look-backs wait on each other), large windows, negative offsets; repeated calls give the same
+    indices."""
+    monkeypatch.setattr(sbnet, "PASS_LOOK_BACK", look_back)
+    monkeypatch.setattr(sbnet, "_kernels", {})
     rng = np.random.default_rng(4)
     for shape, g in (((8, 400, 700), {"bsize": 2, "bstride": 2}), ((2, 300, 500), {"bsize": 32, "bstride": 8}),
                      ((3, 200, 333), {"bsize": 5, "bstride": 3, "boffset": -2})):
@@ -104,7 +180,7 @@ def test_reduce_mask_of_large_masks(avgpool):
         want = reference.reduce_mask(mask, tol=0.05, avgpool=avgpool, **g)
         device_mask = cuda.to_device(mask)
         for _ in range(3):
-            got, count = sbnet.reduce_mask(device_mask, tol=0.05, avgpool=avgpool, **g)
+            got, count = sbnet.reduce_mask(device_mask, tol=0.05, avgpool=avgpool, version=version, **g)
             n = int(count.copy_to_host()[0])
             assert n == len(want)
             got = got.copy_to_host()
@@ -361,11 +437,15 @@ def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch):
     again = torch.ones(1, 4, 6)
     active, count = sbnet.reduce_mask(again, 2, 2, tol=0.5)
     assert active.shape == (6, 3) and count.shape == (1,) and active.dtype == count.dtype == torch.int32
+    one = launches[-1]  # version 2's one launch: (indices, count, statuses, mask)
+    assert one[3] == again.data_ptr() and one[:2] == (active.data_ptr(), count.data_ptr()) and len(launches) == 3
+    sbnet.reduce_mask(mask, 2, 2, tol=0.5, version=1)  # keeps a plan of two launches
+    active, count = sbnet.reduce_mask(again, 2, 2, tol=0.5, version=1)
     pool, compact = launches[-2:]  # (flags, chunk counts, mask), (indices, count, flags, ...)
     assert pool[2] == again.data_ptr() and compact[:2] == (active.data_ptr(), count.data_ptr())
-    assert compact[2] == pool[0] and compact[3] == compact[4] == pool[1] and len(launches) == 4
+    assert compact[2] == pool[0] and compact[3] == compact[4] == pool[1] and len(launches) == 5
     sbnet.reduce_mask(again, 2, 2, tol=0.25)  # another threshold: the general path
-    assert len(launches) == 4 and len(sbnet._plans) == 8
+    assert len(launches) == 5 and len(sbnet._plans) == 9
 
 
 def test_zero_blocks():

@@ -46,7 +46,7 @@ Versions: 1 (this file).
 import math
 
 import numpy as np
-from numba import cuda, float32, float64, from_dtype, int64, uint64
+from numba import cuda, float32, float64, from_dtype, int32, int64, uint64
 
 from .. import _arrays as _arrays_module
 from .._arrays import Operand, check_dtype, check_same_kind, launch_stream
@@ -55,6 +55,7 @@ from ..reference.sbnet import block_count, check_geometry, pair
 from ._half2 import add_half2
 from ._vector import load2, load4, store2, store4
 from ._launch import data_pointer, launch, multiprocessors, replay
+from ._relaxed import load_relaxed
 
 # -- constants -----------------------------------------------------------------
 
@@ -87,6 +88,7 @@ STATUS_TAG_MASK = (1 << 30) - 1
 STATUS_VALUE_MASK = (1 << 32) - 1
 MAX_PASS_WINDOWS = 1 << 30  # windows version 2 takes (counts in 32 bits, int32 rows)
 REDUCE_VERSION = 2  # reduce_mask's default version
+PASS_LOOK_BACK = "warp"  # who reads predecessors' statuses: "warp" (32 a step) or "block" (PASS_THREADS)
 COPY_THREADS = 256  # threads of a gather/scatter block (one thread block a window)
 COPY_UNROLL = 4  # elements a thread loads before it stores any
 WAVES = 4  # thread blocks per multiprocessor a gather/scatter aims for
@@ -315,21 +317,27 @@ def _warp_sum(value):
 
 
 @cuda.jit(device=True, inline=True)
+def _status(status, j, tag):
+    """Chunk j's status once it carries this launch's tag (a prefix of nothing before chunk 0).
+    Chunks are thread blocks in launch order, and the GPU starts thread blocks in that order
+    (as CUB's single-pass scans assume), so a predecessor runs or has run: the wait ends."""
+    if j < 0:
+        return int64(STATUS_PREFIX)
+    s = load_relaxed(status, (uint64(1 + j),))  # from L2: never a value cached earlier
+    while (s >> STATUS_TAG_SHIFT) != tag:
+        s = load_relaxed(status, (uint64(1 + j),))
+    return s
+
+
+@cuda.jit(device=True, inline=True)
 def _look_back(status, chunk, tag, lane):
     """Active windows of the chunks before `chunk` (decoupled look-back by one whole warp): 32
     predecessors' statuses a step, nearest first, summed back to the nearest one whose
-    inclusive prefix is out. A lane waits until its predecessor's status carries this launch's
-    tag. Chunks are thread blocks in launch order, and the GPU starts thread blocks in that
-    order (as CUB's single-pass scans assume), so a predecessor runs or has run: the wait ends."""
+    inclusive prefix is out."""
     exclusive = int64(0)
     end = chunk
     while end > 0:  # the same for every lane
-        j = end - 1 - lane
-        s = int64(STATUS_PREFIX)  # before chunk 0: a prefix of nothing
-        if j >= 0:
-            s = cuda.atomic.add(status, 1 + j, 0)  # from L2: never a stale cached value
-            while (s >> STATUS_TAG_SHIFT) != tag:
-                s = cuda.atomic.add(status, 1 + j, 0)
+        s = _status(status, end - 1 - lane, tag)
         prefixed = cuda.ballot_sync(FULL_MASK, (s & STATUS_PREFIX) != 0)
         contribution = s & STATUS_VALUE_MASK
         if prefixed != 0:
@@ -340,6 +348,36 @@ def _look_back(status, chunk, tag, lane):
         else:
             end -= WARP
         exclusive += _warp_sum(contribution)
+    return exclusive
+
+
+@cuda.jit(device=True, inline=True)
+def _look_back_block(status, chunk, tag, nearest_s, sums_s):
+    """`_look_back` by the whole thread block, PASS_THREADS predecessors a step (nearest_s,
+    sums_s: PASS_WARPS-long shared scratch). Every thread gets the sum."""
+    tid = cuda.threadIdx.x
+    lane = tid % WARP
+    warp = tid // WARP
+    exclusive = int64(0)
+    end = chunk
+    while end > 0:  # the same for every thread
+        s = _status(status, end - 1 - tid, tag)
+        prefixed = cuda.ballot_sync(FULL_MASK, (s & STATUS_PREFIX) != 0)
+        if lane == 0:
+            lowest = prefixed & -prefixed  # the warp's nearest prefix, as a bit
+            nearest_s[warp] = warp * WARP + 31 - cuda.clz(int32(lowest)) if prefixed != 0 else PASS_THREADS
+        cuda.syncthreads()  # every warp's nearest prefix is in nearest_s
+        nearest = PASS_THREADS
+        for k in range(PASS_WARPS):
+            nearest = min(nearest, nearest_s[k])
+        contribution = _warp_sum(s & STATUS_VALUE_MASK if tid <= nearest else int64(0))
+        if lane == 0:
+            sums_s[warp] = contribution
+        cuda.syncthreads()  # every warp's sum is in sums_s
+        for k in range(PASS_WARPS):
+            exclusive += sums_s[k]
+        end = 0 if nearest < PASS_THREADS else end - PASS_THREADS
+        cuda.syncthreads()  # nearest_s and sums_s are read before the next step overwrites them
     return exclusive
 
 
@@ -359,6 +397,7 @@ def _make_pass_kernel(avgpool, wide):
     advances status[0], the launch count the tags come from. Accumulates in float64 with
     `wide` (sums, float64 masks), else float32 (exact for the max of other masks)."""
     acc_type = float64 if wide else float32
+    BLOCK_LOOK_BACK = PASS_LOOK_BACK == "block"
 
     @cuda.jit(device=True, inline=True)
     def pool(acc, v):
@@ -382,8 +421,10 @@ def _make_pass_kernel(avgpool, wide):
         values = cuda.shared.array(PASS_SHARED, acc_type)
         active_s = cuda.shared.array(PASS_WINDOWS, np.int32)
         tag_s = cuda.shared.array(1, np.int64)
+        nearest_s = cuda.shared.array(PASS_WARPS, np.int32)
+        sums_s = cuda.shared.array(PASS_WARPS, np.int64)
         if tid == 0:  # the launch count's read is on its way while the chunk is pooled
-            tag_s[0] = (cuda.atomic.add(status, 0, 0) + 1) & STATUS_TAG_MASK
+            tag_s[0] = (load_relaxed(status, (uint64(0),)) + 1) & STATUS_TAG_MASK
         window_row = chunk // chunks_per_row
         bw0 = (chunk - window_row * chunks_per_row) * per_chunk
         n = window_row // count_h
@@ -434,14 +475,18 @@ def _make_pass_kernel(avgpool, wide):
                 active_s[j] = 1 if pooled > tol else 0
             j += PASS_WARPS
         cuda.syncthreads()  # every window's flag is in active_s
-        if warp == 0:
-            tag = tag_s[0]
-            ballot = cuda.ballot_sync(FULL_MASK, lane < windows and active_s[lane] != 0)
-            aggregate = int64(cuda.popc(ballot))
-            if lane == 0:  # the chunk's own count out first: successors need not wait for its prefix
-                cuda.atomic.exch(status, 1 + chunk, (tag << STATUS_TAG_SHIFT) | aggregate
-                                 | (STATUS_PREFIX if chunk == 0 else 0))
+        tag = tag_s[0]
+        ballot = cuda.ballot_sync(FULL_MASK, lane < windows and active_s[lane] != 0)
+        aggregate = int64(cuda.popc(ballot))
+        if tid == 0:  # the chunk's own count out first: successors need not wait for its prefix
+            cuda.atomic.exch(status, 1 + chunk, (tag << STATUS_TAG_SHIFT) | aggregate
+                             | (STATUS_PREFIX if chunk == 0 else 0))
+        exclusive = int64(0)
+        if BLOCK_LOOK_BACK:
+            exclusive = _look_back_block(status, chunk, tag, nearest_s, sums_s)
+        elif warp == 0:
             exclusive = _look_back(status, chunk, tag, lane)
+        if warp == 0:
             if lane == 0 and chunk > 0:
                 cuda.atomic.exch(status, 1 + chunk, (tag << STATUS_TAG_SHIFT) | STATUS_PREFIX | (exclusive + aggregate))
             if lane < windows:
