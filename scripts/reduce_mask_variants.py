@@ -28,10 +28,10 @@ from benchmarks.common import copy_ms, device_name, graph_ms  # noqa: E402
 VARIANTS = {
     "v1": (1, {}),
     "v2": (2, {}),
+    "v2 4 loads": (2, {"PASS_LOADS": 4}),
+    "v2 no wave rule": (2, {"PASS_WAVE": 0}),
     "v2 block look-back": (2, {"PASS_LOOK_BACK": "block"}),
-    "v2 4K-pixel chunks": (2, {"PASS_PIXELS": 4096}),
-    "v2 8K-pixel chunks block look-back": (2, {"PASS_PIXELS": 8192, "PASS_LOOK_BACK": "block"}),
-    "v2 1K-pixel chunks": (2, {"PASS_PIXELS": 1024}),
+    "v2 waves of 2": (2, {"PASS_WAVE": 2}),
 }
 
 

@@ -74,8 +74,11 @@ PASS_THREADS = 256
 PASS_WARPS = PASS_THREADS // WARP  # a literal: shared-array shapes must be compile-time constants
 PASS_WINDOWS = WARP  # windows a chunk: one lane each for the ballot that ranks them
 PASS_COLUMNS = 1024  # columns a chunk (a window's width, times its windows); wider windows: version 1
-PASS_PIXELS = 8 * PASS_THREADS  # pixels a chunk aims at: 8 loads a thread
-PASS_LOADS = 4  # rows a thread loads before it pools any
+PASS_PIXELS = 8 * PASS_THREADS  # pixels a chunk takes at least: 8 loads a thread
+# ... and windows enough that the chunks fit in one wave of PASS_WAVE thread blocks a
+# multiprocessor (0: no such rule), so no chunk's look-back waits on a later wave.
+PASS_WAVE = 4
+PASS_LOADS = 8  # rows a thread loads before it pools any (4 or 8)
 # Shared entries a chunk's column values take: its windows x (entries a window + 1 of padding),
 # at most max(threads, columns) + windows (see `_make_pass_kernel`).
 PASS_SHARED = max(PASS_THREADS, PASS_COLUMNS) + PASS_WINDOWS
@@ -410,6 +413,19 @@ def _make_pass_kernel(avgpool, wide):
         v = acc_type(mask[uint64(n), uint64(min(max(h, 0), height - 1)), uint64(w)])
         return v if inside else empty
 
+    @cuda.jit(device=True, inline=True)
+    def four_rows(mask, n, h0, w, height, r, phases, size_h, empty):
+        """Rows r, r + phases, r + 2 phases, r + 3 phases of the window's column w, pooled
+        (empty past size_h or off the image)."""
+        r1 = r + phases
+        r2 = r1 + phases
+        r3 = r2 + phases
+        v0 = row_value(mask, n, h0 + r, w, height, r < size_h and 0 <= h0 + r < height, empty)
+        v1 = row_value(mask, n, h0 + r1, w, height, r1 < size_h and 0 <= h0 + r1 < height, empty)
+        v2 = row_value(mask, n, h0 + r2, w, height, r2 < size_h and 0 <= h0 + r2 < height, empty)
+        v3 = row_value(mask, n, h0 + r3, w, height, r3 < size_h and 0 <= h0 + r3 < height, empty)
+        return pool(pool(v0, v1), pool(v2, v3))
+
     @cuda.jit
     def pass_kernel(indices, count, status, mask, n_images, height, width, count_h, count_w,
                     size_h, size_w, stride_h, stride_w, offset_h, offset_w, tol, per_chunk, chunks_per_row):
@@ -446,16 +462,14 @@ def _make_pass_kernel(avgpool, wide):
                 acc = empty
                 if 0 <= w < width:
                     r = phase
-                    while r < size_h:
-                        r1 = r + phases
-                        r2 = r1 + phases
-                        r3 = r2 + phases
-                        v0 = row_value(mask, n, h0 + r, w, height, 0 <= h0 + r < height, empty)
-                        v1 = row_value(mask, n, h0 + r1, w, height, r1 < size_h and 0 <= h0 + r1 < height, empty)
-                        v2 = row_value(mask, n, h0 + r2, w, height, r2 < size_h and 0 <= h0 + r2 < height, empty)
-                        v3 = row_value(mask, n, h0 + r3, w, height, r3 < size_h and 0 <= h0 + r3 < height, empty)
-                        acc = pool(pool(acc, v0), pool(pool(v1, v2), v3))
-                        r = r3 + phases
+                    while r < size_h:  # PASS_LOADS rows' loads issued before any is pooled
+                        if PASS_LOADS == 8:
+                            acc = pool(acc, pool(four_rows(mask, n, h0, w, height, r, phases, size_h, empty),
+                                                 four_rows(mask, n, h0, w, height, r + 4 * phases, phases,
+                                                           size_h, empty)))
+                        else:
+                            acc = pool(acc, four_rows(mask, n, h0, w, height, r, phases, size_h, empty))
+                        r += PASS_LOADS * phases
                 values[j * (entries + 1) + phase * size_w + c] = acc
                 q += lanes
         cuda.syncthreads()  # every column's value (and the tag) is in shared memory
@@ -1152,10 +1166,13 @@ def _reduce_group_warps(size, total):
     return warps
 
 
-def _pass_chunks(size, count_w):
-    """(windows a chunk, chunks a window row) of reduce_mask's version 2: PASS_PIXELS pixels a
-    chunk, within PASS_WINDOWS windows and PASS_COLUMNS columns."""
-    per_chunk = max(1, min(PASS_WINDOWS, PASS_COLUMNS // size[1], PASS_PIXELS // (size[0] * size[1]), count_w))
+def _pass_chunks(size, count_w, total):
+    """(windows a chunk, chunks a window row) of reduce_mask's version 2: at least PASS_PIXELS
+    pixels a chunk and at most a wave of chunks (PASS_WAVE), within PASS_WINDOWS windows and
+    PASS_COLUMNS columns."""
+    wave = -(-total // (PASS_WAVE * multiprocessors())) if PASS_WAVE else 1
+    wanted = max(PASS_PIXELS // (size[0] * size[1]), wave)
+    per_chunk = max(1, min(PASS_WINDOWS, PASS_COLUMNS // size[1], wanted, count_w))
     return per_chunk, -(-count_w // per_chunk)
 
 
@@ -1196,7 +1213,7 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
     one_pass = (REDUCE_VERSION if version is None else version) == 2 and size[1] <= PASS_COLUMNS \
         and total <= MAX_PASS_WINDOWS
     if total and one_pass:
-        per_chunk, chunks_per_row = _pass_chunks(size, count_hw[1])
+        per_chunk, chunks_per_row = _pass_chunks(size, count_hw[1], total)
         n_chunks = N * count_hw[0] * chunks_per_row
         # Zeroed statuses (tags start at 1) from the caller's allocator; status[0] counts launches.
         status = mask_op.scratch(n_chunks + 1, "int64", stream)
