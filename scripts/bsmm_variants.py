@@ -62,14 +62,12 @@ VARIANTS = {
     "v5 wgrad group 3": (5, {"V5_WGRAD_GROUP": {16: 3}}),
     "v5 wgrad group 4 of 2 warps": (5, {"V5_WGRAD_GROUP_WARPS": 2}),
     "v5 wgrad group 4 of 1 warp": (5, {"V5_WGRAD_GROUP_WARPS": 1}),
-    # Block 64's product tiles (default: 8 warps of 32 x 32, 128 rows). 256 rows read a W block
-    # once for twice the rows: 1/64 + 1/256 instead of 1/64 + 1/128 values of L2 traffic a MAC.
-    "v5 bs64 256 rows 16 warps": (5, {"V5_WARPS": {16: 4, 32: 4, 64: 16}}),
-    "v5 bs64 256 rows warps of 64 rows": (5, {"V5_WARP_ROWS": {16: 32, 32: 32, 64: 64}}),
-    "v5 bs64 128 rows 4 warps of 64 rows": (5, {"V5_WARPS": {16: 4, 32: 4, 64: 4},
-                                                  "V5_WARP_ROWS": {16: 32, 32: 32, 64: 64}}),
-    "v5 bs64 256 rows warps of 64 rows 2 stages": (5, {"V5_WARP_ROWS": {16: 32, 32: 32, 64: 64},
-                                                         "V5_STAGES": 2}),
+    # Block 64's ring product tiles (default since the tenth session: 4 warps of 64 x 32, 128
+    # rows). 256 rows read a W block once for twice the rows: 1/64 + 1/256 instead of 1/64 +
+    # 1/128 values of L2 traffic a MAC.
+    "v5 bs64 128 rows 8 warps of 32 rows": (5, {"V5_RING_WARPS": {}}),
+    "v5 bs64 256 rows 16 warps": (5, {"V5_RING_WARPS": {(64, s): (16, 32) for s in ("float16", "float32")}}),
+    "v5 bs64 256 rows warps of 64 rows": (5, {"V5_RING_WARPS": {(64, s): (8, 64) for s in ("float16", "float32")}}),
 }
 # Variants that change only fp32 kernels (or that earlier sessions timed in fp32 only).
 FP32_ONLY = ("v4 scalar loads", "v4 not unrolled", "v4 regs<=168", "v4 wgrad batch 8", "v4 bs16 rows 512 not unrolled",

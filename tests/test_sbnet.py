@@ -57,13 +57,16 @@ def test_reduce_mask_of_every_mask_dtype(dtype, avgpool):
     assert (got[n:] == -1).all()
 
 
+PASS_WARPS = sbnet.PASS_WARPS  # (a global: shared-array shapes must be compile-time constants)
+
+
 def _look_back_kernel(block):
     """A kernel that runs one look-back (the warp's or the whole block's) for each of `chunks`."""
 
     @cuda.jit
     def run(out, status, chunks, tag):
-        nearest_s = cuda.shared.array(sbnet.PASS_WARPS, np.int32)
-        sums_s = cuda.shared.array(sbnet.PASS_WARPS, np.int64)
+        nearest_s = cuda.shared.array(PASS_WARPS, np.int32)
+        sums_s = cuda.shared.array(PASS_WARPS, np.int64)
         for i in range(chunks.shape[0]):
             exclusive = 0
             if block:

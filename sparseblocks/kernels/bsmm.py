@@ -118,10 +118,22 @@ V4_LAYOUT = {16: "pad", 32: "pad", 64: "pad"}
 V4_UNROLL = {16: True, 32: True, 64: True}
 # Version 5 (tensor cores; fp16, bf16 and fp32 storage, blocks 16-64; otherwise version
 # 4): products with V5_WARPS warps, each a V5_WARP_ROWS x min(bs, V5_WARP_TILE) patch of the
-# output; by default 128-row tiles.
+# output: 128-row tiles.
 V5_WARPS = {16: 4, 32: 4, 64: 8}
 V5_WARP_TILE = 32  # the most output features a warp owns (and weight-gradient patches' side)
 V5_WARP_ROWS = {16: 32, 32: 32, 64: 32}  # multiples of 16 (the mma's rows)
+# (warps, rows a warp) of the cp.async ring's products (V5_STAGES > 2, 16-byte activation rows)
+# where they differ: at block 64, 4 warps of 64 x 32 (each fragment read feeds twice the mma)
+# rather than 8 of 32 x 32. H100, forward / input_grad ms, 4 against 8 warps (tenth session):
+# N = 16384 fp16 25 % 0.899 / 0.764 against 0.926 / 0.870, 50 % 1.630 / 1.373 against 1.644 /
+# 1.535 (torch BSR 1.000 and 1.523 there); N = 4096, 10 % and 50 %: fp32 0.394 / 0.334 against
+# 0.410 / 0.390 and 1.637 / 1.435 against 1.682 / 1.655; fp16 0.147 / 0.134 against 0.152 /
+# 0.144 and 0.451 / 0.386 against 0.452 / 0.410. 256-row tiles (16 warps of 32 rows, or 8 of
+# 64) were slower (fp16, N = 16384, 50 %: 1.875 / 1.565 and 1.631 / 1.577). Register-staged
+# kernels keep 8 warps: with half the threads each holds twice the next stage (ptxas: 204-235
+# registers at feature_axis 0, local memory on the one-value loads); bf16's ring is left out
+# too (a 256-byte stack frame with 4 warps; not timed).
+V5_RING_WARPS = {(64, "float16"): (4, 64), (64, "float32"): (4, 64)}
 # 32-bit words of k a product stage holds where not a whole block's, by (block size, storage).
 # H100, N = C = K = 4096, forward ms at 10 % / 50 % (seventh session): a whole block a stage
 # against 16 words, fp32 block 32 (three stages) 0.361 / 1.499 against 0.381 / 1.553, fp16
@@ -858,21 +870,28 @@ def _v5_values(storage):
     return 1 if storage == "float32" else 2
 
 
-def _v5_shape(bs, storage):
+def _v5_ring(vector, feature_axis):
+    """Whether a version 5 product stages through the cp.async ring (see V5_STAGES)."""
+    return V5_STAGES > 2 and vector and feature_axis == 1
+
+
+def _v5_shape(bs, storage, ring=False):
     """(threads, rows a tile, warps across the features, 32-bit words of a row a stage, values
-    a word) of a version 5 product."""
+    a word, rows a warp) of a version 5 product (`ring`: one that stages through the ring)."""
     values = _v5_values(storage)
-    warps = V5_WARPS[bs]
+    warps, rows = V5_RING_WARPS.get((bs, storage), (V5_WARPS[bs], V5_WARP_ROWS[bs])) if ring \
+        else (V5_WARPS[bs], V5_WARP_ROWS[bs])
     col_warps = bs // min(bs, V5_WARP_TILE)
     words = min(bs // values, V5_STAGE_WORDS.get((bs, storage), bs // values))
-    return 32 * warps, V5_WARP_ROWS[bs] * warps // col_warps, col_warps, words, values
+    return 32 * warps, rows * warps // col_warps, col_warps, words, values, rows
 
 
 def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=False):
     """Products on tensor cores: ``mma.sync`` m16n8k16 (fp16, bf16) or 3 x m16n8k8 (fp32, 3xTF32).
 
-    Warps own V5_WARP_ROWS x min(bs, 32) patches of a tile (by default 32 rows, a 128-row
-    tile: two 16-row by up to four 8-column mma tiles each, fp32 accumulators). Shared memory holds a
+    Warps own V5_WARP_ROWS x min(bs, 32) patches of a 128-row tile (32 rows, or 64 for the
+    ring's block 64, V5_RING_WARPS: two or four 16-row by up to four 8-column mma tiles each,
+    fp32 accumulators). Shared memory holds a
     stage of the tile's activations and of the block's weights as 32-bit
     words along the feature (k) axis: pairs of 16-bit values, or single fp32
     values, as the fragments take them (`_mma.py`), so every fragment register
@@ -902,13 +921,13 @@ def _make_product_v5(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
     barrier just freed. Each thread takes its copies' addresses once, before
     the loop, and adds a stage's offset to them.
     """
-    T, TM, CW, KW, VALUES = _v5_shape(bs, storage)
+    STAGES = V5_STAGES if _v5_ring(vector, feature_axis) else 2
+    T, TM, CW, KW, VALUES, ROWS = _v5_shape(bs, storage, STAGES > 2)
     WN = bs // CW  # output features a warp owns
-    MT = V5_WARP_ROWS[bs] // MMA_M
+    MT = ROWS // MMA_M
     NT = WN // MMA_N
     SPB = bs // (KW * VALUES)  # stages a block
     STEPS = KW // 8  # mma steps a stage: 8 words of k each (k16 of 16-bit values, k8 of fp32)
-    STAGES = V5_STAGES if vector and feature_axis == 1 else 2
     A_ASYNC = STAGES > 2  # activation units copied straight into shared memory
     # input_grad in the ring: W's stored rows (one per output feature, k along them) are shared
     # rows of k words as the activations' are, so that they too go by cp.async; otherwise W is
@@ -1868,8 +1887,9 @@ def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, str
     workspace = a.scratch((slots, n_rows, bs), acc, stream) if slots else _unused_workspace(acc)
     a_device, w_device = a.device(stream), w.device(stream)
     if version == 5 and bs in V5_BLOCKS and a.dtype in V5_STORAGE:
-        threads, TM, _, _, values = _v5_shape(bs, a.dtype)
+        values = _v5_values(a.dtype)
         vector = _v5_vector_loads((a_device, w_device), n_rows, feature_axis, values)
+        threads, TM, _, _, _, _ = _v5_shape(bs, a.dtype, _v5_ring(vector, feature_axis))
         kernel = _kernel(_make_product_v5, bs, a.dtype, transpose_w, feature_axis, vector)
         a_device, w_device = (_words(a_device), _words(w_device)) if vector or values == 1 \
             else (_bits(a_device), _bits(w_device))
