@@ -520,6 +520,38 @@ def test_repeated_torch_calls_replay_a_kept_plan(dtype, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="kept plans replay through the driver")
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_repeated_weight_grads_replay_a_kept_plan(dtype, monkeypatch):
+    """Weight gradients repeated with torch tensors like the first replay a kept plan: a new
+    dW, or into out= with beta, over one slice of N (one launch) or three (and the combining
+    launch); each result is the reference's."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(bsmm, "_plans", {})
+    layout = BlockLayout.random((3, 2), 0.5, seed=4, block_size=32)
+    tdtype = getattr(torch, dtype)
+    replayed = []
+    original = bsmm._replayed_weight_grad
+    monkeypatch.setattr(bsmm, "_replayed_weight_grad", lambda *a: replayed.append(original(*a)) or replayed[-1])
+    for splits in (1, 3):
+        for _ in range(3):  # the first call of each kind keeps a plan, the next two replay it
+            x = torch.randn(200, 96, device="cuda", dtype=tdtype)
+            dy = torch.randn(200, 64, device="cuda", dtype=tdtype)
+            want = reference.weight_grad(x.double().cpu().numpy(), dy.double().cpu().numpy(), layout)
+            assert_close(bsmm.weight_grad(x, dy, layout, splits=splits).double().cpu().numpy(), want, dtype)
+            out = torch.randn(layout.w_shape, device="cuda", dtype=tdtype)
+            before = out.double().cpu().numpy()
+            assert bsmm.weight_grad(x, dy, layout, out=out, beta=0.5, splits=splits) is out
+            assert_close(out.double().cpu().numpy(), want + 0.5 * before, dtype)
+    assert len(bsmm._plans) == 4 and sum(r is not None for r in replayed) == 8
+    # Another N is another plan's: still the right result.
+    x, dy = (torch.randn(33, f, device="cuda", dtype=tdtype) for f in (96, 64))
+    want = reference.weight_grad(x.double().cpu().numpy(), dy.double().cpu().numpy(), layout)
+    assert_close(bsmm.weight_grad(x, dy, layout, splits=3).double().cpu().numpy(), want, dtype)
+    assert replayed[-1] is None
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="the simulator has one fake device")
 def test_tensors_on_another_device_are_refused(monkeypatch):
     """Kernels run on Numba's current device; a tensor elsewhere is refused before any launch

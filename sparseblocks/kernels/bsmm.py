@@ -1925,7 +1925,7 @@ def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, v
         launch(kernel, layout.n_blocks, (bs, WGRAD_ROWS[bs]), stream, (
             dw, x.device(stream), dy.device(stream), _index(layout, "coords", stream), n_rows, beta,
         ))
-        return
+        return None
     v5 = version == 5 and V5_WGRAD and bs in V5_BLOCKS and x.dtype in V5_STORAGE
     v4 = not v5 and version >= 4 and bs in V4_WGRAD_ROWS and feature_axis == 1
     group = V5_WGRAD_GROUP.get(bs, 1) if v5 and bs <= V5_WARP_TILE else 1
@@ -1970,11 +1970,15 @@ def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, v
                              feature_axis)
             threads = WGRAD_THREADS
         args = (dw, workspace, x_device, dy_device, coords, n_rows, rows_per_split, beta)
-    launch(kernel, (thread_blocks, splits), threads, stream, args)
-    if splits > 1:
-        combine = _kernel(_make_combine_wgrad, bs, x.dtype)
-        grid = ((bs * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, layout.n_blocks)
-        launch(combine, grid, COMBINE_THREADS, stream, (dw, workspace, beta))
+    main = (kernel, (thread_blocks, splits), threads, args)
+    launch(main[0], main[1], main[2], stream, main[3])
+    if splits == 1:
+        return main, None, None
+    combine = (_kernel(_make_combine_wgrad, bs, x.dtype),
+               ((bs * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, layout.n_blocks), COMBINE_THREADS,
+               (dw, workspace, beta))
+    launch(combine[0], combine[1], combine[2], stream, combine[3])
+    return main, combine, (splits, layout.n_blocks, bs * bs)  # what a kept plan repeats
 
 
 # Products called again with torch tensors of the same shapes, dtypes, device and pointer
@@ -2029,6 +2033,71 @@ def _keep_plan(a, w, layout, feature_axis, transpose_w, version, out_shape, laun
     key = _plan_key(a_native, w_native, a_native.data_ptr(), w_native.data_ptr(), layout, feature_axis,
                     transpose_w, version)
     _plans[key] = _Plan(layout, out_shape, plan)
+
+
+# Weight gradients likewise (the same `_plans`, keys that start with "weight_grad"): a kept
+# plan allocates dW (or takes out=) and the N-splits' workspace, and replays the gradient's
+# launch and, with splits, the combining one. The general path costs ~60-90 µs of Python a
+# call, which eager timings of the gradient counted on top of the kernels.
+class _WeightGradPlan:
+    """workspace: the N-splits' (shape, torch dtype), or None (one split, one launch)."""
+    __slots__ = ("layout", "workspace", "main", "combine")
+
+    def __init__(self, layout, workspace, main, combine):
+        self.layout, self.workspace, self.main, self.combine = layout, workspace, main, combine
+
+
+def _weight_grad_key(x, dy, out, layout, feature_axis, beta, version, splits):
+    """Everything a weight-gradient call's checks and launches depend on (torch tensors), or None."""
+    if not isinstance(beta, (int, float)) or not (splits is None or isinstance(splits, int)):
+        return None
+    return ("weight_grad", id(layout), feature_axis, float(beta), version, splits, x.dtype, dy.dtype, x.shape,
+            dy.shape, x.device, x.data_ptr() % 16, dy.data_ptr() % 16,
+            None if out is None else (out.dtype, out.shape, out.device, out.data_ptr() % 16))
+
+
+def _replayed_weight_grad(x, dy, layout, feature_axis, out, beta, version, splits):
+    """The weight gradient through a kept plan, or None: no plan fits (the general path runs)."""
+    if not (isinstance(x, _tensor_class) and isinstance(dy, _tensor_class)
+            and (out is None or isinstance(out, _tensor_class))) or _arrays._poison_outputs:
+        return None
+    key = _weight_grad_key(x, dy, out, layout, feature_axis, beta, version, splits)
+    plan = _plans.get(key) if key is not None else None
+    if plan is None or plan.layout is not layout or not (
+            x.is_contiguous() and dy.is_contiguous() and (out is None or out.is_contiguous())):
+        return None
+    dw = x.new_empty(layout.w_shape) if out is None else out
+    stream = _arrays.torch_stream_handle()
+    if plan.combine is None:
+        plan.main(stream, dw.data_ptr(), x.data_ptr(), dy.data_ptr())
+    else:
+        workspace = x.new_empty(plan.workspace[0], dtype=plan.workspace[1])
+        plan.main(stream, dw.data_ptr(), workspace.data_ptr(), x.data_ptr(), dy.data_ptr())
+        plan.combine(stream, dw.data_ptr(), workspace.data_ptr())
+    return dw
+
+
+def _keep_weight_grad_plan(x, dy, out, layout, feature_axis, beta, version, splits, launched):
+    """After a general-path weight gradient of torch tensors: keep its launches."""
+    global _tensor_class
+    if launched is None or x.kind != "torch" or _arrays._poison_outputs:
+        return
+    main, combine, workspace = launched
+    import torch
+
+    _tensor_class = torch.Tensor
+    key = _weight_grad_key(x.native, dy.native, None if out is None else out.native, layout, feature_axis, beta,
+                           version, splits)
+    if key is None:
+        return
+    kept = (replay(*main, live=(0, 2, 3) if combine is None else (0, 1, 2, 3)),
+            None if combine is None else replay(*combine, live=(0, 1)))
+    if kept[0] is None or (combine is not None and kept[1] is None):
+        return
+    if len(_plans) >= MAX_PLANS:
+        _plans.clear()
+    workspace = None if workspace is None else (workspace, torch.float64 if x.dtype == "float64" else torch.float32)
+    _plans[key] = _WeightGradPlan(layout, workspace, *kept)
 
 
 # -- public functions ----------------------------------------------------------------
@@ -2109,6 +2178,11 @@ def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=None,
     is then returned. ``splits`` (version 2) overrides how many slices of N
     are summed separately and then combined in order.
     """
+    if _plans:
+        dw = _replayed_weight_grad(x, dy, layout, feature_axis, out, beta, version, splits)
+        if dw is not None:
+            return dw
+    given = version
     x, dy = Operand(x, "x"), Operand(dy, "dy")
     ops = (x, dy) if out is None else (x, dy, Operand(out, "out"))
     version = _check_common(ops, feature_axis, version)
@@ -2134,5 +2208,7 @@ def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=None,
     else:
         native, dw = ops[2].native, ops[2].device(stream)
     if layout.n_blocks:
-        _launch_weight_grad(dw, x, dy, layout, n_x, feature_axis, beta, stream, version, splits)
+        launched = _launch_weight_grad(dw, x, dy, layout, n_x, feature_axis, beta, stream, version, splits)
+        _keep_weight_grad_plan(x, dy, None if out is None else ops[2], layout, feature_axis, beta, given, splits,
+                               launched)
     return (x if out is None else ops[2]).result(native, dw, stream)
