@@ -123,6 +123,12 @@ def main():
         check("scan_kernel", sbnet.scan_kernel.py_func,
               (types.int32[::1], types.int32[::1], types.int32[::1], i64)),
     ] + [
+        check(f"pass_kernel (avgpool={avgpool}, {mask})", sbnet._make_pass_kernel(avgpool, wide).py_func,
+              (types.int32[:, ::1], types.int32[::1], types.int64[::1], getattr(types, mask)[:, :, ::1])
+              + (i64,) * 11 + (types.float64, i64, i64))
+        for avgpool, wide, mask in ((False, False, "float32"), (False, False, "boolean"), (True, True, "float16"),
+                                    (False, True, "float64"))
+    ] + [
         check(f"write_kernel ({name})", kernel.py_func,
               (types.int32[:, ::1], types.int32[::1], types.int8[::1], types.int32[::1], types.int32[::1],
                i64, i64, i64))

@@ -45,8 +45,8 @@ def test_reduce_mask_of_every_mask_dtype(dtype, avgpool):
     """Version 2 pools bool, uint8 and fp16 masks in float32 (exact for their max), float64
     masks and sums in float64; the indices are the reference's, rows past the count -1."""
     rng = np.random.default_rng(2)
-    mask = (rng.random((1, 6, 13)) ** 4).astype(dtype) if dtype.startswith("float") \
-        else (rng.random((1, 6, 13)) < 0.15).astype(dtype)
+    mask = (rng.random((1, 5, 9)) ** 4).astype(dtype) if dtype.startswith("float") \
+        else (rng.random((1, 5, 9)) < 0.15).astype(dtype)
     g = {"bsize": (3, 4), "bstride": (2, 3), "boffset": (-1, 0)}
     tol = 0.1 if avgpool else 0.3
     want = reference.reduce_mask(mask, tol=tol, avgpool=avgpool, **g)
@@ -93,7 +93,8 @@ def test_look_back_sums_aggregates_back_to_the_nearest_prefix(block):
     for prefixed in (0, 40):
         words[prefixed] = (tag << sbnet.STATUS_TAG_SHIFT) | sbnet.STATUS_PREFIX | inclusive[prefixed]
     status = np.concatenate([[tag - 1], words]).astype(np.int64)  # status[0]: the launch count
-    chunks = np.array([0, 1, 33, 40, 41, 299, 297], np.int64)
+    # (the block's 256 simulated threads meet at every step: fewer queries)
+    chunks = np.array([0, 41, 299] if block else [0, 1, 33, 40, 41, 299, 297], np.int64)
     out = np.zeros(len(chunks), np.int64)
     _look_back_kernel(block)[1, sbnet.PASS_THREADS if block else 32](out, status, chunks, tag)
     np.testing.assert_array_equal(out, [0] + [inclusive[c - 1] for c in chunks[1:]])

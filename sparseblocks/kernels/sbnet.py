@@ -5,14 +5,20 @@ image ``n`` starting at row ``boffset_h + bh*bstride_h`` and column
 ``boffset_w + bw*bstride_w``, ``bsize`` large; reads outside the image give
 zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
 
-* `reduce_mask` pools a mask ``[N, H, W]`` over every window (1 to 8 warps
-  a window by its size, four loads a lane in flight, shuffle reductions) and
-  counts the active windows of each chunk of COMPACT_THREADS (an integer
-  atomic add: the sums do not depend on the order), then compacts the active
-  windows in row-major order with ballots and prefix sums of those counts
-  (the order is the reference's). Two kernels and a memset; past
-  PREFIX_CHUNKS chunks a scan kernel sums the counts first. (One kernel with
-  a decoupled look-back measured slower: NOTES.md.) Returns
+* `reduce_mask` pools a mask ``[N, H, W]`` over every window and lists the
+  active ones in row-major order (the reference's). Version 2 (the default)
+  does it in one pass after zeroing a status word a chunk
+  (`_make_pass_kernel`): a thread block pools a chunk of consecutive windows
+  of one window row, its threads along the chunk's columns (eight rows'
+  loads in flight), ranks the chunk's active windows by a ballot, publishes
+  their count and finds the count before it by a decoupled look-back
+  (statuses read with ``ld.relaxed.gpu``, tagged with a launch count), then
+  writes its rows: active windows at their ranks, inactive ones as n = -1
+  rows from the back. Windows wider than PASS_COLUMNS take version 1: a
+  pooling kernel (1 to 8 warps a window, shuffle reductions) that counts
+  each chunk's active windows with an integer atomic add (the sums do not
+  depend on the order), then a compaction by ballots and prefix sums (past
+  PREFIX_CHUNKS chunks a scan kernel sums the counts first). Returns
   ``(indices, count)``: for a NumPy mask the ``[count, 3]`` int32 indices
   and an int; for a device mask an
   ``[N*bcount_h*bcount_w, 3]`` buffer of which the first ``count`` rows are
@@ -36,11 +42,12 @@ whole vectors and the pointers are 16-byte aligned (`_make_row_kernels`:
 plain, adds, fp16 adds two halves a word by `_half2.py`, fp32 and fp16
 transposes through a shared tile); otherwise element kernels, with 8-byte
 words for overwrites and int32 words of two halves for fp16 adds where rows
-allow. A call (gather, scatter, or reduce_mask's two kernels) repeated with torch
+allow. A call (gather, scatter, or reduce_mask's launches) repeated with torch
 tensors of the same shapes, dtypes, geometry, flags and alignment replays
 kept launches (`_plans`, as bsmm's products).
 
-Versions: 1 (this file).
+Versions: reduce_mask 1 (pool, then compact) and 2 (one pass, the default;
+benchmarks/NOTES.md has both measured); gathers and scatters 1.
 """
 
 import math
