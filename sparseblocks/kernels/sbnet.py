@@ -86,12 +86,12 @@ PASS_PIXELS = 8 * PASS_THREADS  # pixels a chunk takes at least: 8 loads a threa
 # multiprocessor (0: no such rule), so no chunk's look-back waits on a later wave.
 PASS_WAVE = 4
 PASS_LOADS = 8  # rows a thread loads before it pools any (4 or 8)
-# Shared entries a chunk's column values take: its windows x (entries a window + 1 of padding),
-# at most max(threads, columns) + windows (see `_make_pass_kernel`).
-PASS_SHARED = max(PASS_THREADS, PASS_COLUMNS) + PASS_WINDOWS
 # A chunk's status word (int64): tag (30 bits, the launch's), flag (1 bit: prefix or only the
 # chunk's own aggregate), active count (32 bits). status[0] counts launches: a status is the
-# current launch's when its tag is (that count + 1) mod 2^30, so statuses need no reset.
+# current launch's when its tag is (that count + 1) mod 2^30, so a status buffer could serve
+# call after call without a reset (1.3-1.9 µs a call saved: scripts/reduce_mask_variants.py).
+# reduce_mask zeroes a fresh one each call all the same: one buffer shared between calls would
+# be a race between streams.
 STATUS_TAG_SHIFT = 33
 STATUS_PREFIX = 1 << 32
 STATUS_TAG_MASK = (1 << 30) - 1
@@ -408,6 +408,10 @@ def _make_pass_kernel(avgpool, wide):
     `wide` (sums, float64 masks), else float32 (exact for the max of other masks)."""
     acc_type = float64 if wide else float32
     BLOCK_LOOK_BACK = PASS_LOOK_BACK == "block"
+    LOADS = PASS_LOADS
+    # Shared entries of a chunk's column values: its windows x (entries a window + 1 of
+    # padding), at most max(threads, columns) + windows (phases x columns <= threads).
+    SHARED = max(PASS_THREADS, PASS_COLUMNS) + PASS_WINDOWS
 
     @cuda.jit(device=True, inline=True)
     def pool(acc, v):
@@ -441,7 +445,7 @@ def _make_pass_kernel(avgpool, wide):
         warp = tid // WARP
         chunk = cuda.blockIdx.x
         n_chunks = cuda.gridDim.x
-        values = cuda.shared.array(PASS_SHARED, acc_type)
+        values = cuda.shared.array(SHARED, acc_type)
         active_s = cuda.shared.array(PASS_WINDOWS, np.int32)
         tag_s = cuda.shared.array(1, np.int64)
         nearest_s = cuda.shared.array(PASS_WARPS, np.int32)
@@ -469,14 +473,14 @@ def _make_pass_kernel(avgpool, wide):
                 acc = empty
                 if 0 <= w < width:
                     r = phase
-                    while r < size_h:  # PASS_LOADS rows' loads issued before any is pooled
-                        if PASS_LOADS == 8:
+                    while r < size_h:  # LOADS rows' loads issued before any is pooled
+                        if LOADS == 8:
                             acc = pool(acc, pool(four_rows(mask, n, h0, w, height, r, phases, size_h, empty),
                                                  four_rows(mask, n, h0, w, height, r + 4 * phases, phases,
                                                            size_h, empty)))
                         else:
                             acc = pool(acc, four_rows(mask, n, h0, w, height, r, phases, size_h, empty))
-                        r += PASS_LOADS * phases
+                        r += LOADS * phases
                 values[j * (entries + 1) + phase * size_w + c] = acc
                 q += lanes
         cuda.syncthreads()  # every column's value (and the tag) is in shared memory
@@ -1184,7 +1188,8 @@ def _pass_chunks(size, count_w, total):
 
 
 def _pass_kernel(avgpool, wide):
-    key = ("pass", avgpool, wide)
+    # The settings a kernel is built with are in its key: the launcher reads them at each call.
+    key = ("pass", avgpool, wide, PASS_THREADS, PASS_COLUMNS, PASS_LOADS, PASS_LOOK_BACK)
     if key not in _kernels:
         _kernels[key] = _make_pass_kernel(avgpool, wide)
     return _kernels[key]
