@@ -79,6 +79,10 @@ def check_v5(bs, storage, vector):
         print(f"product v5 bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis} "
               f"{'vector' if vector else 'scalar'}{resources(ptx)}  {ptx.count('mma.sync')} mma"
               f"{vector_loads(ptx)}")
+    kernel = bsmm._make_transpose_blocks(bs, storage, acc)
+    signature = (types.int32[:, :, ::1], types.int32[:, :, ::1], index)
+    ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
+    print(f"transpose_blocks bs {bs} {storage}{resources(ptx)}")
     dw = types.int16 if storage == "bfloat16" else getattr(types, storage)
     group = bsmm.V5_WGRAD_GROUP.get(bs, 1) if bs <= bsmm.V5_WARP_TILE else 1
     for feature_axis in (1, 0):

@@ -286,6 +286,41 @@ def test_tensor_core_stage_counts(monkeypatch, stages, words, dtype, weight_rows
     assert_close(dx, reference.input_grad(dy, w, layout), dtype, "input_grad")
 
 
+@few
+@given(data=st.data(), block_size=st.sampled_from([8, 16]), dtype=st.sampled_from(["float32", "float16", "bfloat16"]))
+def test_transposed_blocks_match_reference(data, block_size, dtype):
+    """W's blocks transposed into column order, bit for bit, empty layouts included."""
+    layout = data.draw(layouts(block_sizes=(block_size,), max_blocks=MAX_BLOCKS[block_size]))
+    w = data.draw(arrays(layout.w_shape, dtype, ("normal",)), label="w")
+    with poisoned_outputs():
+        wt = bsmm.transpose_blocks(w, layout)
+    want = reference.transpose_blocks(w, layout)
+    assert wt.dtype == want.dtype and wt.shape == want.shape
+    assert np.array_equal(wt.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("mask", [[[1, 1], [1, 0]], [[1, 0], [1, 0]]])
+def test_forward_through_transposed_blocks(monkeypatch, dtype, mask):
+    """The forward that first transposes W's blocks into column order (V5_TRANSPOSED_FORWARD)
+    gives the reference's product: blocks out of row order, and an output column with none."""
+    from strategies import numpy_dtype
+
+    monkeypatch.setattr(bsmm, "V5_TRANSPOSED_FORWARD", {(16, dtype)})
+    monkeypatch.setattr(bsmm, "_kernels", {})
+    layout = BlockLayout(np.array(mask, bool), 16)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((9, 32)).astype(numpy_dtype(dtype))
+    w = rng.standard_normal(layout.w_shape).astype(numpy_dtype(dtype))
+    made = []
+    original = bsmm._launch_transpose_blocks
+    monkeypatch.setattr(bsmm, "_launch_transpose_blocks", lambda *args: made.append(1) or original(*args))
+    with poisoned_outputs():
+        y = bsmm.forward(x, w, layout, version=5)
+    assert made, "the forward did not take the transposed copy"
+    assert_close(y, reference.forward(x, w, layout), dtype, "forward")
+
+
 @pytest.mark.parametrize("warps, warp_rows, dtype", [(2, 64, "float16")])
 def test_tensor_core_warp_patches(monkeypatch, warps, warp_rows, dtype):
     """Version 5 products with other warp patches (V5_WARP_ROWS rows a warp: four mma rows, as
@@ -478,12 +513,15 @@ def test_torch_bfloat16_crosses_as_bits():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="kept plans replay through the driver")
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_repeated_torch_calls_replay_a_kept_plan(dtype, monkeypatch):
+def test_repeated_torch_calls_replay_a_kept_plan(dtype, transposed, monkeypatch):
     """The second product call with tensors like the first goes through a kept plan (new
-    pointers, new output); anything a check or the kernel's choice depends on does not."""
+    pointers, new output; with `transposed`, the forward's copy of W replayed too); anything
+    a check or the kernel's choice depends on does not."""
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(bsmm, "_plans", {})
+    monkeypatch.setattr(bsmm, "V5_TRANSPOSED_FORWARD", {(32, dtype)} if transposed else set())
     layout = BlockLayout.random((3, 2), 0.5, seed=4, block_size=32)
     tdtype = getattr(torch, dtype)
 
@@ -500,6 +538,7 @@ def test_repeated_torch_calls_replay_a_kept_plan(dtype, monkeypatch):
         dy = torch.randn(70, 64, device="cuda", dtype=tdtype)
         check(bsmm.input_grad(dy, w, layout), dy, w, transpose_w=True)
     assert len(bsmm._plans) == 2
+    assert sum(plan.pre is not None for plan in bsmm._plans.values()) == transposed
     replayed = []
     original = bsmm._replayed_product
     monkeypatch.setattr(bsmm, "_replayed_product", lambda *a: replayed.append(original(*a)) or replayed[-1])

@@ -88,6 +88,7 @@ WGRAD_THREADS = 256
 WGRAD_PATCH = {8: 2, 16: 4, 32: 4, 64: 4}
 WGRAD_CHUNK = 64
 COMBINE_THREADS = 256
+TRANSPOSE_THREADS = 256  # threads of `transpose_blocks`'s thread blocks
 
 # Version 4 products: each thread owns an 8 x 8 patch (two 4-row by two 4-column
 # quarters, TM/2 rows and bs/2 features apart, so a warp's 16-byte shared reads
@@ -161,6 +162,17 @@ V5_STAGES = 3
 # 25 % / 50 %: 0.857 / 1.481 against 1.000 / 1.755); but fp16 block 32 0.195 / 0.638 against
 # 0.174 / 0.566.
 V5_WEIGHT_REGISTERS = {(32, "float16"), (32, "bfloat16")}
+# Forward products in that ring at the (block size, storage) named here first copy W's blocks,
+# transposed, into the forward's (column) order (`transpose_blocks`, into a scratch array the
+# size of w), and then run input_grad's kernel over that copy with the forward's schedule: W's
+# units then go by cp.async as shared rows of k words rather than (16-bit) through registers
+# and k-major. Only where input_grad's weights go as rows (not V5_WEIGHT_REGISTERS). Meant for
+# block 64, where the forward takes 1.13-1.25x input_grad's time at every size and density
+# (benchmarks/results/bsmm.json: fp16 N = 16384, 50 %, 1.584 against 1.378 ms, the one
+# product slower than torch BSR) and the copy would cost ~2 x w's bytes at copy bandwidth.
+# Not timed yet (no GPU was lent in the eleventh session): empty, so off, until
+# `scripts/bsmm_variants.py --variants "v5,v5 transposed forward"` measures it.
+V5_TRANSPOSED_FORWARD = set()
 # fp32 on version 5 (3xTF32): the tensor cores' own fp32 sums drift (relative error 3.2e-6
 # over 410-term sums, 1.5e-5 over 2048, H100). True starts each mma from zero and adds its
 # 8-term result in round-to-nearest fp32: 6.6e-7 as version 4, forward 0.448-0.488 ms against
@@ -863,6 +875,40 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
 
 
 # -- kernel bodies: version 5 (tensor cores) ---------------------------------------------
+
+
+def _make_transpose_blocks(bs, storage, acc_type):
+    """``wt[p] = w[col_block[p]]ᵀ`` over 32-bit words (pairs of 16-bit values along a row,
+    or fp32 values): W's blocks transposed into the forward's order, for V5_TRANSPOSED_FORWARD.
+    A block a thread block, through a shared tile padded by a word a row."""
+    VALUES = _v5_values(storage)
+    WORDS = bs // VALUES  # words a row, in w and in wt
+    STRIDE = WORDS + 1
+    SIZE = bs * WORDS
+    TILE = bs * STRIDE
+
+    @cuda.jit
+    def transpose_blocks(wt, w, col_block):
+        p = cuda.blockIdx.x
+        block = col_block[p]
+        tile = cuda.shared.array(TILE, uint32)
+        for e in range(cuda.threadIdx.x, SIZE, TRANSPOSE_THREADS):
+            tile[(e // WORDS) * STRIDE + e % WORDS] = uint32(w[block, e // WORDS, e % WORDS])
+        cuda.syncthreads()  # the whole block is in the tile before any thread reads a column
+        for e in range(cuda.threadIdx.x, SIZE, TRANSPOSE_THREADS):
+            c, q = e // WORDS, e % WORDS  # wt's row c (w's column), word q (w's rows VALUES q...)
+            if VALUES == 2:
+                lo = tile[2 * q * STRIDE + c // 2]
+                hi = tile[(2 * q + 1) * STRIDE + c // 2]
+                if c % 2 == 0:
+                    v = (lo & uint32(0xFFFF)) | (hi << uint32(16))
+                else:
+                    v = (lo >> uint32(16)) | (hi & uint32(0xFFFF0000))
+            else:
+                v = tile[q * STRIDE + c]
+            wt[p, c, q] = int32(v)
+
+    return transpose_blocks
 
 
 def _v5_values(storage):
@@ -1886,13 +1932,20 @@ def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, str
     acc = "float64" if a.dtype == "float64" else "float32"
     workspace = a.scratch((slots, n_rows, bs), acc, stream) if slots else _unused_workspace(acc)
     a_device, w_device = a.device(stream), w.device(stream)
+    pre = None  # a launch before the product's (V5_TRANSPOSED_FORWARD's copy)
     if version == 5 and bs in V5_BLOCKS and a.dtype in V5_STORAGE:
         values = _v5_values(a.dtype)
         vector = _v5_vector_loads((a_device, w_device), n_rows, feature_axis, values)
-        threads, TM, _, _, _, _ = _v5_shape(bs, a.dtype, _v5_ring(vector, feature_axis))
-        kernel = _kernel(_make_product_v5, bs, a.dtype, transpose_w, feature_axis, vector)
+        ring = _v5_ring(vector, feature_axis)
+        threads, TM, _, _, _, _ = _v5_shape(bs, a.dtype, ring)
+        copied = ring and not transpose_w and (bs, a.dtype) in V5_TRANSPOSED_FORWARD
+        kernel = _kernel(_make_product_v5, bs, a.dtype, transpose_w or copied, feature_axis, vector)
         a_device, w_device = (_words(a_device), _words(w_device)) if vector or values == 1 \
             else (_bits(a_device), _bits(w_device))
+        if copied:  # the transposed copy's blocks are in the forward's order: block j is wt[j]
+            wt = w.scratch(_words_shape(layout, a.dtype), "int32", stream)
+            pre = _launch_transpose_blocks(wt, w_device, layout, a.dtype, stream)
+            w_device = wt
     elif version >= 4 and bs in V4_ROWS:
         TM, threads = V4_ROWS[bs], _v4_threads(bs)
         vector = _vector_loads((a_device, w_device), n_rows, feature_axis, (V4_WIDTH, _v4_weight_width(bs)))
@@ -1908,7 +1961,24 @@ def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, str
         grid = ((n_rows * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, len(combine_indices[0]))
         launch(combine, grid, COMBINE_THREADS, stream, (out, workspace, *combine_indices, n_rows))
         return None
-    return kernel, grid, threads, args  # the call's one launch: what a kept plan repeats
+    return pre, (kernel, grid, threads, args)  # the call's launches: what a kept plan repeats
+
+
+def _words_shape(layout, storage):
+    """Shape of w's 32-bit words (int32): pairs of 16-bit values along a row, or fp32 values."""
+    n_blocks, bs, _ = layout.w_shape
+    return n_blocks, bs, bs // _v5_values(storage)
+
+
+def _launch_transpose_blocks(wt, w_words, layout, storage, stream):
+    """Launch `_make_transpose_blocks` (w_words and wt: int32 word views); return the launch,
+    or None where the layout has no block."""
+    if not layout.n_blocks:
+        return None
+    kernel = _kernel(_make_transpose_blocks, layout.block_size, storage)
+    args = (wt, w_words, _index(layout, "col_block", stream))
+    launch(kernel, layout.n_blocks, TRANSPOSE_THREADS, stream, args)
+    return kernel, layout.n_blocks, TRANSPOSE_THREADS, args
 
 
 def wgrad_splits(layout, n_rows, thread_blocks=None):
@@ -1984,17 +2054,19 @@ def _launch_weight_grad(dw, x, dy, layout, n_rows, feature_axis, beta, stream, v
 # Products called again with torch tensors of the same shapes, dtypes, device and pointer
 # alignment on the same layout skip the general path (Operands, checks, schedule lookup,
 # argument fields: ~30 µs of Python): a kept plan allocates the output and rewrites three
-# pointers of the recorded launch (`_launch.Replay`).
+# pointers of the recorded launch (`_launch.Replay`), after replaying V5_TRANSPOSED_FORWARD's
+# copy of W into a fresh scratch array where the call made one.
 _plans = {}
 MAX_PLANS = 256
 _tensor_class = None  # torch.Tensor, once a plan exists (torch is imported by then)
 
 
 class _Plan:
-    __slots__ = ("layout", "out_shape", "launch")
+    """pre: the copy's launch (wt, w live) and scratch its (shape, torch dtype), or both None."""
+    __slots__ = ("layout", "out_shape", "launch", "pre", "scratch")
 
-    def __init__(self, layout, out_shape, launch):
-        self.layout, self.out_shape, self.launch = layout, out_shape, launch
+    def __init__(self, layout, out_shape, launch, pre, scratch):
+        self.layout, self.out_shape, self.launch, self.pre, self.scratch = layout, out_shape, launch, pre, scratch
 
 
 def _plan_key(a, w, a_pointer, w_pointer, layout, feature_axis, transpose_w, version):
@@ -2012,17 +2084,25 @@ def _replayed_product(a, w, layout, feature_axis, transpose_w, version):
     if plan is None or plan.layout is not layout or not (a.is_contiguous() and w.is_contiguous()):
         return None
     out = a.new_empty(plan.out_shape)
-    plan.launch(_arrays.torch_stream_handle(), out.data_ptr(), a_pointer, w_pointer)
+    stream = _arrays.torch_stream_handle()
+    if plan.pre is not None:
+        wt = a.new_empty(plan.scratch[0], dtype=plan.scratch[1])
+        plan.pre(stream, wt.data_ptr(), w_pointer)
+        w_pointer = wt.data_ptr()
+    plan.launch(stream, out.data_ptr(), a_pointer, w_pointer)
     return out
 
 
 def _keep_plan(a, w, layout, feature_axis, transpose_w, version, out_shape, launched):
-    """After a general-path product of torch tensors with one launch: keep it for `_replayed_product`."""
+    """After a general-path product of torch tensors without a combining launch: keep it for
+    `_replayed_product`."""
     global _tensor_class
     if launched is None or a.kind != "torch" or _arrays._poison_outputs:
         return
-    plan = replay(*launched, live=(0, 2, 3))  # out, a, w
-    if plan is None:
+    pre, main = launched
+    plan = replay(*main, live=(0, 2, 3))  # out, a, w
+    pre_plan = None if pre is None else replay(*pre, live=(0, 1))  # wt, w
+    if plan is None or (pre is not None and pre_plan is None):
         return
     if len(_plans) >= MAX_PLANS:
         _plans.clear()
@@ -2032,7 +2112,8 @@ def _keep_plan(a, w, layout, feature_axis, transpose_w, version, out_shape, laun
     a_native, w_native = a.native, w.native
     key = _plan_key(a_native, w_native, a_native.data_ptr(), w_native.data_ptr(), layout, feature_axis,
                     transpose_w, version)
-    _plans[key] = _Plan(layout, out_shape, plan)
+    scratch = None if pre is None else (tuple(pre[3][0].shape), torch.int32)
+    _plans[key] = _Plan(layout, out_shape, plan, pre_plan, scratch)
 
 
 # Weight gradients likewise (the same `_plans`, keys that start with "weight_grad"): a kept
@@ -2214,3 +2295,20 @@ def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=None,
     if out is not None and not (SIMULATOR and ops[2].kind == "torch"):
         return out  # the caller's own array (an Operand holds a detached torch view of it)
     return (x if out is None else ops[2]).result(native, dw, stream)
+
+
+def transpose_blocks(w, layout):
+    """W's blocks transposed into the layout's column order: ``wt[p] = w[layout.col_block[p]]ᵀ``
+    (fp32, fp16 or bf16, ``w`` 4-byte aligned), as the forward makes for itself where
+    V5_TRANSPOSED_FORWARD names its block size and storage."""
+    w = Operand(w, "w")
+    check_dtype(w, V5_STORAGE)
+    w.require_contiguous()
+    check_shape(w, layout.w_shape)
+    stream = launch_stream((w,))
+    native, wt = w.empty(layout.w_shape, stream)
+    w_device = w.device(stream)
+    if not aligned(data_pointer(w_device), 4, 1):
+        raise ValueError("w: expected a 4-byte aligned array (its blocks are read as 32-bit words)")
+    _launch_transpose_blocks(_words(wt), _words(w_device), layout, w.dtype, stream)
+    return w.result(native, wt, stream)

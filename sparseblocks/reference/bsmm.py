@@ -58,3 +58,8 @@ def weight_grad(x, dy, layout, feature_axis=1, upcast=True):
     for block, (c, k) in enumerate(layout.coords):
         dw[block] = x[:, c * bs:(c + 1) * bs].T.astype(np.float64) @ dy[:, k * bs:(k + 1) * bs]
     return dw if upcast else dw.astype(np.result_type(x, dy))
+
+
+def transpose_blocks(w, layout):
+    """W's blocks transposed into the layout's column order: ``wt[p] = w[layout.col_block[p]]ᵀ``."""
+    return np.ascontiguousarray(np.asarray(w)[layout.col_block].transpose(0, 2, 1))
