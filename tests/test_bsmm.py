@@ -465,6 +465,9 @@ DY = np.ones((4, 24), np.float32)
     (lambda: bsmm.weight_grad(X, DY, LAYOUT, out=W.copy()), TypeError, "out: expected a device array"),
     (lambda: bsmm.weight_grad(X, DY, LAYOUT, out=W[:2]), ValueError, "out: expected shape"),
     (lambda: bsmm.forward(X, W, LAYOUT, version=6), ValueError, "version"),
+    (lambda: bsmm.transpose_blocks(W.astype(np.float64), LAYOUT), TypeError, "w: expected dtype"),
+    (lambda: bsmm.transpose_blocks(W[:5], LAYOUT), ValueError, "w: expected shape"),
+    (lambda: bsmm.transpose_blocks(misaligned(W.astype(np.float16)), LAYOUT), ValueError, "4-byte aligned"),
 ])
 def test_bad_input_raises_before_launch(call, error, message):
     with pytest.raises(error, match=message):

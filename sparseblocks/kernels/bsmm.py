@@ -1943,7 +1943,7 @@ def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, str
         a_device, w_device = (_words(a_device), _words(w_device)) if vector or values == 1 \
             else (_bits(a_device), _bits(w_device))
         if copied:  # the transposed copy's blocks are in the forward's order: block j is wt[j]
-            wt = w.scratch(_words_shape(layout, a.dtype), "int32", stream)
+            wt = w.scratch(tuple(w_device.shape), "int32", stream)  # (w_device: w's words)
             pre = _launch_transpose_blocks(wt, w_device, layout, a.dtype, stream)
             w_device = wt
     elif version >= 4 and bs in V4_ROWS:
@@ -1962,12 +1962,6 @@ def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, str
         launch(combine, grid, COMBINE_THREADS, stream, (out, workspace, *combine_indices, n_rows))
         return None
     return pre, (kernel, grid, threads, args)  # the call's launches: what a kept plan repeats
-
-
-def _words_shape(layout, storage):
-    """Shape of w's 32-bit words (int32): pairs of 16-bit values along a row, or fp32 values."""
-    n_blocks, bs, _ = layout.w_shape
-    return n_blocks, bs, bs // _v5_values(storage)
 
 
 def _launch_transpose_blocks(wt, w_words, layout, storage, stream):
