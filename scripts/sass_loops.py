@@ -1,0 +1,111 @@
+"""The instruction mix of version 5's product loops, read off the SASS without a GPU (a
+developer's script).
+
+    pip install nvidia-cuda-nvdisasm        # nvdisasm; ptxas comes with the CUDA toolkit
+    python scripts/sass_loops.py [--block-sizes 16,32,64] [--dtypes float16,float32]
+
+For each block size and storage it compiles the forward (W) and input_grad (Wt) products
+with feature_axis 1 and 16-byte loads (the cp.async ring) for sm_90, disassembles them, and
+prints, for each loop that holds the mma (the mma steps of a stage, then the stage loop
+around them; one loop where the steps are unrolled), its length and its count of mma, shared loads and stores, global loads,
+cp.async copies, byte permutes (16-bit pairs built in registers), integer multiply-adds and
+fp32 arithmetic, and the instructions a stage issues. A count of issued instructions, not a timing: where two kernels differ, the
+GPU decides (scripts/bsmm_variants.py).
+"""
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from numba import cuda, types  # noqa: E402
+
+from sparseblocks.kernels import bsmm  # noqa: E402
+
+CC = (9, 0)
+COUNTS = {"mma": r"\bHMMA", "LDS": r"\bLDS", "STS": r"\bSTS", "LDG": r"\bLDG\.", "cp.async": r"\bLDGSTS",
+          "PRMT": r"\bPRMT", "IMAD/IADD": r"\b(IMAD|IADD)", "fp32": r"\bF(ADD|MUL|FMA)\b"}
+
+
+def nvdisasm():
+    """nvdisasm on the PATH, or where pip's wheel puts it (site-packages/nvidia/cu*/bin)."""
+    import site
+
+    found = shutil.which("nvdisasm")
+    for root in site.getsitepackages():
+        found = found or next(iter(glob.glob(os.path.join(root, "nvidia", "cu*", "bin", "nvdisasm"))), None)
+    return found
+
+
+def sass(function, signature, tool):
+    ptx, _ = cuda.compile_ptx(function, signature, cc=CC)
+    # Standalone ptxas refuses more than 48 KB of static shared memory (the driver takes it):
+    # shrink the declarations, which changes no instruction (addresses are the symbols' plus offsets).
+    ptx = re.sub(r"(\.shared \.align \d+ \.b8 _cudapy_smem_\d+)\[(\d+)\]",
+                 lambda m: f"{m.group(1)}[{min(int(m.group(2)), 16384)}]", ptx)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        Path(path).write_text(ptx)
+        subprocess.run(["ptxas", f"-arch=sm_{CC[0]}{CC[1]}", path, "-o", path + ".cubin"], check=True)
+        return subprocess.run([tool, "-c", path + ".cubin"], capture_output=True, text=True, check=True).stdout
+
+
+def mma_loops(text):
+    """[(length, counts)] of the loops (backward branches) around the first mma, innermost first."""
+    instructions, labels = [], {}
+    for line in text.splitlines():
+        label = re.match(r"^\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(instructions)
+            continue
+        op = re.match(r"^\s+/\*[0-9a-f]+\*/\s+(.*?);", line)
+        if op:
+            instructions.append(op.group(1))
+    first = next(i for i, op in enumerate(instructions) if "HMMA" in op)
+    loops = []
+    for end, op in enumerate(instructions):
+        target = re.search(r"BRA\s+(?:`\()?(\.L_x_\d+)", op)
+        begin = labels.get(target.group(1)) if target else None
+        if begin is not None and begin <= first <= end:
+            body = instructions[begin:end + 1]
+            loops.append((len(body), {k: sum(bool(re.search(p, op)) for op in body) for k, p in COUNTS.items()}))
+    return sorted(loops, key=lambda loop: loop[0])
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--block-sizes", default="16,32,64")
+    parser.add_argument("--dtypes", default="float16,float32")
+    args = parser.parse_args()
+    tool = nvdisasm()
+    if tool is None or shutil.which("ptxas") is None:
+        sys.exit("needs ptxas (CUDA toolkit) and nvdisasm (pip install nvidia-cuda-nvdisasm)")
+    index = types.int32[::1]
+    print("| block | storage | product | loop | length | " + " | ".join(COUNTS) + " | a stage |")
+    print("|---" * (6 + len(COUNTS)) + "|")
+    for bs in map(int, args.block_sizes.split(",")):
+        for storage in args.dtypes.split(","):
+            out = types.int16 if storage == "bfloat16" else getattr(types, storage)
+            signature = (out[:, ::1], types.float32[:, :, ::1], types.int32[:, ::1], types.int32[:, :, ::1]) \
+                + (index,) * 6 + (types.int64,)
+            for transpose_w in (False, True):
+                kernel = bsmm._make_product_v5(bs, storage, bsmm._acc_type(storage), transpose_w, 1, True)
+                loops = mma_loops(sass(kernel.py_func, signature, tool))
+                steps = bsmm._v5_shape(bs, storage, True)[3] // 8  # mma steps a stage
+                # Issued a stage: the stage loop, its step loop (if not unrolled) run `steps` times.
+                stage = loops[-1][0] + (steps - 1) * loops[0][0] if len(loops) > 1 else loops[0][0]
+                for depth, (length, counts) in enumerate(loops):
+                    print(f"| {bs} | {storage} | {'input_grad' if transpose_w else 'forward'} | "
+                          f"{'steps' if depth < len(loops) - 1 else 'stages'} | {length} | "
+                          + " | ".join(str(counts[k]) for k in COUNTS) + f" | {stage} |")
+
+
+if __name__ == "__main__":
+    main()
