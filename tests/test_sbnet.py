@@ -133,6 +133,32 @@ def test_reduce_mask_of_large_windows():
             np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("avgpool", [False, True])
+@pytest.mark.parametrize("top", [0, -4])
+def test_reduce_mask_of_tall_windows(avgpool, top):
+    """Version 2 with windows tall enough that a thread has PASS_LOADS rows of its column in
+    flight at once (the untested loads) and then the rest, windows over the top edge (`top`:
+    the rows above skipped) and the bottom one. Most windows hold one nonzero pixel, at a random
+    place on the image, and are active only if it is read (tol 0)."""
+    rng = np.random.default_rng(12 - top)
+    g = {"bsize": (48, 8), "bstride": (48, 8), "boffset": (top, 0)}
+    count_hw = reference.block_count((96, 48), g["bstride"], g["boffset"])
+    per_chunk, _ = sbnet._pass_chunks(g["bsize"], count_hw[1], count_hw[0] * count_hw[1])
+    phases = sbnet.PASS_THREADS // min(per_chunk * 8, sbnet.PASS_THREADS)
+    assert 48 >= sbnet.PASS_LOADS * phases  # (so that the untested loads run: rows r, r + phases, ...)
+    mask = np.zeros((1, 96, 48), np.float32)
+    for bh in range(count_hw[0]):
+        for bw in range(count_hw[1]):
+            rows = range(max(0, top + 48 * bh), min(96, top + 48 * bh + 48))
+            if len(rows) and rng.random() < 0.8:
+                mask[0, rng.choice(rows), 8 * bw + rng.integers(8)] = 1
+    want = reference.reduce_mask(mask, tol=0.0, avgpool=avgpool, **g)
+    assert 0 < len(want) < count_hw[0] * count_hw[1]
+    got, count = sbnet.reduce_mask(mask, tol=0.0, avgpool=avgpool, version=2, **g)
+    assert count == len(want)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_reduce_mask_of_windows_wider_than_a_chunk_takes_version_1(monkeypatch):
     """Windows wider than PASS_COLUMNS go to version 1 (whichever version was asked for)."""
     monkeypatch.setattr(sbnet, "PASS_COLUMNS", 2)

@@ -53,7 +53,7 @@ benchmarks/NOTES.md has both measured); gathers and scatters 1.
 import math
 
 import numpy as np
-from numba import cuda, float32, float64, from_dtype, int32, int64, uint64
+from numba import cuda, float32, float64, from_dtype, int32, int64, uint32, uint64
 
 from .. import _arrays as _arrays_module
 from .._arrays import Operand, check_dtype, check_same_kind, launch_stream
@@ -397,9 +397,10 @@ def _make_pass_kernel(avgpool, wide):
     Thread block `chunk` takes `windows` (<= PASS_WINDOWS) consecutive windows of one window
     row. Its threads walk the chunk's columns (windows x size_w of them, at most PASS_COLUMNS;
     with overlapping windows a column is read once per window) and, when the columns are fewer
-    than the threads, split the rows into `phases`: each thread pools one column over its rows,
-    PASS_LOADS loads in flight (rows off the image read a clamped row and are dropped by a
-    select), and leaves the value in shared memory, a window's entries together. Each warp
+    than the threads, split the rows into `phases`: each thread pools one column over its rows
+    on the image (rows off it are skipped), PASS_LOADS loads in flight without a test, then
+    the rest four at a time (rows past the last read it and are dropped by a select), and
+    leaves the value in shared memory, a window's entries together. Each warp
     then pools whole windows (lanes over entries, shuffles), warp 0 ranks the chunk's active
     windows by a ballot, publishes their count, finds the count before the chunk by
     `_look_back`, and writes each window's row: (n, bh, bw) at its row-major rank if active,
@@ -418,24 +419,26 @@ def _make_pass_kernel(avgpool, wide):
         return acc + v if avgpool else max(acc, v)
 
     @cuda.jit(device=True, inline=True)
-    def row_value(mask, n, h, w, height, inside, empty):
-        """mask[n, h, w], or empty where the row is not `inside` (h is clamped onto the image
-        so that the load is always valid)."""
-        v = acc_type(mask[uint64(n), uint64(min(max(h, 0), height - 1)), uint64(w)])
-        return v if inside else empty
+    def row(mask, n, h, w):
+        return acc_type(mask[uint64(n), uint64(h), uint64(w)])
 
     @cuda.jit(device=True, inline=True)
-    def four_rows(mask, n, h0, w, height, r, phases, size_h, empty):
-        """Rows r, r + phases, r + 2 phases, r + 3 phases of the window's column w, pooled
-        (empty past size_h or off the image)."""
-        r1 = r + phases
-        r2 = r1 + phases
-        r3 = r2 + phases
-        v0 = row_value(mask, n, h0 + r, w, height, r < size_h and 0 <= h0 + r < height, empty)
-        v1 = row_value(mask, n, h0 + r1, w, height, r1 < size_h and 0 <= h0 + r1 < height, empty)
-        v2 = row_value(mask, n, h0 + r2, w, height, r2 < size_h and 0 <= h0 + r2 < height, empty)
-        v3 = row_value(mask, n, h0 + r3, w, height, r3 < size_h and 0 <= h0 + r3 < height, empty)
-        return pool(pool(v0, v1), pool(v2, v3))
+    def four_rows(mask, n, h, w, step):
+        """Rows h, h + step, h + 2 step, h + 3 step of column w (all on the image), pooled."""
+        return pool(pool(row(mask, n, h, w), row(mask, n, h + step, w)),
+                    pool(row(mask, n, h + 2 * step, w), row(mask, n, h + 3 * step, w)))
+
+    @cuda.jit(device=True, inline=True)
+    def last_rows(mask, n, h0, w, r, step, r_end, empty):
+        """Rows r, r + step, r + 2 step, r + 3 step of the window's column w, pooled: those at
+        r_end or past it read the row before r_end (so that every load is valid) and give empty."""
+        last = r_end - 1
+        v0 = row(mask, n, h0 + min(r, last), w)
+        v1 = row(mask, n, h0 + min(r + step, last), w)
+        v2 = row(mask, n, h0 + min(r + 2 * step, last), w)
+        v3 = row(mask, n, h0 + min(r + 3 * step, last), w)
+        return pool(pool(v0 if r < r_end else empty, v1 if r + step < r_end else empty),
+                    pool(v2 if r + 2 * step < r_end else empty, v3 if r + 3 * step < r_end else empty))
 
     @cuda.jit
     def pass_kernel(indices, count, status, mask, n_images, height, width, count_h, count_w,
@@ -463,24 +466,32 @@ def _make_pass_kernel(avgpool, wide):
         entries = phases * size_w  # values a window leaves in shared memory
         empty = acc_type(0) if avgpool else acc_type(-math.inf)
         h0 = offset_h + bh * stride_h
+        r_begin = max(0, -h0)  # the window's rows on the image
+        r_end = min(size_h, height - h0)
         phase = tid // lanes
         q = tid - phase * lanes
         if phase < phases:
             while q < columns:
-                j = q // size_w
+                j = int32(uint32(q) // uint32(size_w))  # (32-bit: a 64-bit division is a call)
                 c = q - j * size_w
                 w = offset_w + (bw0 + j) * stride_w + c
                 acc = empty
                 if 0 <= w < width:
+                    # Only the window's rows on the image, r_begin <= r < r_end, are read: the
+                    # others would give `empty`. This thread's first is the first of its phase.
                     r = phase
-                    while r < size_h:  # LOADS rows' loads issued before any is pooled
+                    if r < r_begin:  # (only windows over the top edge)
+                        r += int32(uint32(r_begin - phase + phases - 1) // uint32(phases)) * phases
+                    while r + (LOADS - 1) * phases < r_end:  # LOADS loads in flight, none tested
                         if LOADS == 8:
-                            acc = pool(acc, pool(four_rows(mask, n, h0, w, height, r, phases, size_h, empty),
-                                                 four_rows(mask, n, h0, w, height, r + 4 * phases, phases,
-                                                           size_h, empty)))
+                            acc = pool(acc, pool(four_rows(mask, n, h0 + r, w, phases),
+                                                 four_rows(mask, n, h0 + r + 4 * phases, w, phases)))
                         else:
-                            acc = pool(acc, four_rows(mask, n, h0, w, height, r, phases, size_h, empty))
+                            acc = pool(acc, four_rows(mask, n, h0 + r, w, phases))
                         r += LOADS * phases
+                    while r < r_end:  # the rest, four loads at a time
+                        acc = pool(acc, last_rows(mask, n, h0, w, r, phases, r_end, empty))
+                        r += 4 * phases
                 values[j * (entries + 1) + phase * size_w + c] = acc
                 q += lanes
         cuda.syncthreads()  # every column's value (and the tag) is in shared memory
