@@ -3,6 +3,7 @@ developer's script).
 
     pip install nvidia-cuda-nvdisasm        # nvdisasm; ptxas comes with the CUDA toolkit
     python scripts/sass_loops.py [--block-sizes 16,32,64] [--dtypes float16,float32]
+    python scripts/sass_loops.py --reduce-mask
 
 For each block size and storage it compiles the forward (W) and input_grad (Wt) products
 with feature_axis 1 and 16-byte loads (the cp.async ring) for sm_90, disassembles them, and
@@ -10,7 +11,8 @@ prints, for each loop that holds the mma (the mma steps of a stage, then the sta
 around them; one loop where the steps are unrolled), its length and its count of mma, shared loads and stores, global loads,
 cp.async copies, byte permutes (16-bit pairs built in registers), integer multiply-adds and
 fp32 arithmetic, and the instructions a stage issues. A count of issued instructions, not a timing: where two kernels differ, the
-GPU decides (scripts/bsmm_variants.py).
+GPU decides (scripts/bsmm_variants.py). With --reduce-mask: the loops around the first pooling
+of mask values in reduce_mask's one-pass kernel instead (a column's rows, then its columns).
 """
 
 import argparse
@@ -31,7 +33,7 @@ from sparseblocks.kernels import bsmm  # noqa: E402
 
 CC = (9, 0)
 COUNTS = {"mma": r"\bHMMA", "LDS": r"\bLDS", "STS": r"\bSTS", "LDG": r"\bLDG\.", "cp.async": r"\bLDGSTS",
-          "PRMT": r"\bPRMT", "IMAD/IADD": r"\b(IMAD|IADD)", "fp32": r"\bF(ADD|MUL|FMA)\b"}
+          "PRMT": r"\bPRMT", "IMAD/IADD": r"\b(IMAD|IADD)", "ISETP/SEL": r"\b(ISETP|SEL)\b", "fp32": r"\bF(ADD|MUL|FMA)\b"}
 
 
 def nvdisasm():
@@ -57,8 +59,9 @@ def sass(function, signature, tool):
         return subprocess.run([tool, "-c", path + ".cubin"], capture_output=True, text=True, check=True).stdout
 
 
-def mma_loops(text):
-    """[(length, counts)] of the loops (backward branches) around the first mma, innermost first."""
+def loops_around(text, anchor="HMMA"):
+    """[(length, counts)] of the loops (backward branches) around the first instruction that
+    contains `anchor` (by default the first mma), innermost first."""
     instructions, labels = [], {}
     for line in text.splitlines():
         label = re.match(r"^\s*(\.L_x_\d+):", line)
@@ -68,7 +71,7 @@ def mma_loops(text):
         op = re.match(r"^\s+/\*[0-9a-f]+\*/\s+(.*?);", line)
         if op:
             instructions.append(op.group(1))
-    first = next(i for i, op in enumerate(instructions) if "HMMA" in op)
+    first = next(i for i, op in enumerate(instructions) if anchor in op)
     loops = []
     for end, op in enumerate(instructions):
         target = re.search(r"BRA\s+(?:`\()?(\.L_x_\d+)", op)
@@ -79,14 +82,33 @@ def mma_loops(text):
     return sorted(loops, key=lambda loop: loop[0])
 
 
+def reduce_mask(tool):
+    """The loops around the first pooling (max) of reduce_mask's one-pass kernel (max pooling of
+    a float32 mask): the column's rows, PASS_LOADS at a time, and the columns around them."""
+    from sparseblocks.kernels import sbnet
+
+    i64 = types.int64
+    kernel = sbnet._make_pass_kernel(False, False)
+    signature = (types.int32[:, ::1], types.int32[::1], types.int64[::1], types.float32[:, :, ::1]) \
+        + (i64,) * 11 + (types.float64, i64, i64)
+    print("| loop | length | " + " | ".join(COUNTS) + " |")
+    print("|---" * (2 + len(COUNTS)) + "|")
+    for length, counts in loops_around(sass(kernel.py_func, signature, tool), "FMNMX"):  # (the first max)
+        print(f"| | {length} | " + " | ".join(str(counts[k]) for k in COUNTS) + " |")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--block-sizes", default="16,32,64")
     parser.add_argument("--dtypes", default="float16,float32")
+    parser.add_argument("--reduce-mask", action="store_true",
+                        help="instead: the loops around reduce_mask version 2's first pooling of mask values")
     args = parser.parse_args()
     tool = nvdisasm()
     if tool is None or shutil.which("ptxas") is None:
         sys.exit("needs ptxas (CUDA toolkit) and nvdisasm (pip install nvidia-cuda-nvdisasm)")
+    if args.reduce_mask:
+        return reduce_mask(tool)
     index = types.int32[::1]
     print("| block | storage | product | loop | length | " + " | ".join(COUNTS) + " | a stage |")
     print("|---" * (6 + len(COUNTS)) + "|")
@@ -97,7 +119,7 @@ def main():
                 + (index,) * 6 + (types.int64,)
             for transpose_w in (False, True):
                 kernel = bsmm._make_product_v5(bs, storage, bsmm._acc_type(storage), transpose_w, 1, True)
-                loops = mma_loops(sass(kernel.py_func, signature, tool))
+                loops = loops_around(sass(kernel.py_func, signature, tool))
                 steps = bsmm._v5_shape(bs, storage, True)[3] // 8  # mma steps a stage
                 # Issued a stage: the stage loop, its step loop (if not unrolled) run `steps` times.
                 stage = loops[-1][0] + (steps - 1) * loops[0][0] if len(loops) > 1 else loops[0][0]
