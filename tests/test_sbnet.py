@@ -458,6 +458,7 @@ def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch):
     with pytest.raises(ValueError, match="contiguous"):
         sbnet.sparse_gather(torch.randn(1, 4, 4, 4).permute(0, 2, 1, 3), indices, **g)
     y = torch.randn(1, 4, 4, 4)
+    blocks = torch.randn(blocks.shape)  # (the faked replay left the gathered blocks uninitialized)
     sbnet.sparse_scatter(blocks, indices, y, add=True, inplace=True, **g)  # (the simulator works on copies)
     sbnet.sparse_scatter(blocks, indices, y, add=True, inplace=True, **g)
     assert launches[-1][:3] == (y.data_ptr(), blocks.data_ptr(), indices.data_ptr())
