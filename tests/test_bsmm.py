@@ -608,14 +608,17 @@ def test_tensors_on_another_device_are_refused(monkeypatch):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="fakes the driver launch; the GPU test above runs the real one")
-def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch, transposed):
     """Plan bookkeeping with the launch faked: a call like the first replays with the new
-    pointers; another shape, alignment, layout or a non-contiguous view does not."""
+    pointers (`transposed`: the copy of W into a fresh scratch array first, then the product
+    over it); another shape, alignment, layout or a non-contiguous view does not."""
     torch = pytest.importorskip("torch")
     from sparseblocks import _arrays
 
     launches = []
     monkeypatch.setattr(bsmm, "_plans", {})
+    monkeypatch.setattr(bsmm, "V5_TRANSPOSED_FORWARD", {(16, "float32")} if transposed else set())
     monkeypatch.setattr(bsmm, "replay", lambda *args, live: lambda stream, *pointers: launches.append(pointers))
     monkeypatch.setattr(_arrays, "torch_stream_handle", lambda: 0)
     layout = BlockLayout.random((2, 2), 0.5, seed=3, block_size=16)
@@ -624,16 +627,21 @@ def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch):
     assert len(bsmm._plans) == 1 and not launches
     x = torch.randn(6, 32)
     y = bsmm.forward(x, w, layout)
-    assert launches[-1][1:] == (x.data_ptr(), w.data_ptr()) and launches[-1][0] == y.data_ptr()
+    if transposed:  # (wt, w), then (out, x, wt)
+        assert len(launches) == 2 and launches[0][1] == w.data_ptr()
+        assert launches[1][1:] == (x.data_ptr(), launches[0][0]) and launches[1][0] == y.data_ptr()
+    else:
+        assert launches[-1][1:] == (x.data_ptr(), w.data_ptr()) and launches[-1][0] == y.data_ptr()
     assert y.shape == (6, 32) and y.dtype == x.dtype
+    replayed = len(launches)
     others = [torch.randn(7, 32), torch.randn(6 * 32 + 1)[1:].view(6, 32)]
     for other in others:
         bsmm.forward(other, w, layout)
     bsmm.forward(x, w, BlockLayout.random((2, 2), 0.5, seed=4, block_size=16))
-    assert len(launches) == 1 and len(bsmm._plans) == 4
+    assert len(launches) == replayed and len(bsmm._plans) == 4
     with pytest.raises(ValueError, match="C-contiguous"):
         bsmm.forward(torch.randn(32, 6).T, w, layout)
-    assert len(launches) == 1
+    assert len(launches) == replayed
 
 
 @pytest.mark.gpu
