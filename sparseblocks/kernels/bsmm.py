@@ -2087,10 +2087,21 @@ def _replayed_product(a, w, layout, feature_axis, transpose_w, version):
     return out
 
 
+def _store_plan(key, plan):
+    """Keep `plan` under `key` (past MAX_PLANS plans, start afresh); from the first plan on,
+    the replays tell torch tensors by `_tensor_class`."""
+    global _tensor_class
+    import torch
+
+    _tensor_class = torch.Tensor
+    if len(_plans) >= MAX_PLANS:
+        _plans.clear()
+    _plans[key] = plan
+
+
 def _keep_plan(a, w, layout, feature_axis, transpose_w, version, out_shape, launched):
     """After a general-path product of torch tensors without a combining launch: keep it for
     `_replayed_product`."""
-    global _tensor_class
     if launched is None or a.kind != "torch" or _arrays._poison_outputs:
         return
     pre, main = launched
@@ -2098,16 +2109,13 @@ def _keep_plan(a, w, layout, feature_axis, transpose_w, version, out_shape, laun
     pre_plan = None if pre is None else replay(*pre, live=(0, 1))  # wt, w
     if plan is None or (pre is not None and pre_plan is None):
         return
-    if len(_plans) >= MAX_PLANS:
-        _plans.clear()
     import torch
 
-    _tensor_class = torch.Tensor
     a_native, w_native = a.native, w.native
     key = _plan_key(a_native, w_native, a_native.data_ptr(), w_native.data_ptr(), layout, feature_axis,
                     transpose_w, version)
     scratch = None if pre is None else (tuple(pre[3][0].shape), torch.int32)
-    _plans[key] = _Plan(layout, out_shape, plan, pre_plan, scratch)
+    _store_plan(key, _Plan(layout, out_shape, plan, pre_plan, scratch))
 
 
 # Weight gradients likewise (the same `_plans`, keys that start with "weight_grad"): a kept
@@ -2154,13 +2162,11 @@ def _replayed_weight_grad(x, dy, layout, feature_axis, out, beta, version, split
 
 def _keep_weight_grad_plan(x, dy, out, layout, feature_axis, beta, version, splits, launched):
     """After a general-path weight gradient of torch tensors: keep its launches."""
-    global _tensor_class
     if launched is None or x.kind != "torch" or _arrays._poison_outputs:
         return
     main, combine, workspace = launched
     import torch
 
-    _tensor_class = torch.Tensor
     key = _weight_grad_key(x.native, dy.native, None if out is None else out.native, layout, feature_axis, beta,
                            version, splits)
     if key is None:
@@ -2169,10 +2175,8 @@ def _keep_weight_grad_plan(x, dy, out, layout, feature_axis, beta, version, spli
             None if combine is None else replay(*combine, live=(0, 1)))
     if kept[0] is None or (combine is not None and kept[1] is None):
         return
-    if len(_plans) >= MAX_PLANS:
-        _plans.clear()
     workspace = None if workspace is None else (workspace, torch.float64 if x.dtype == "float64" else torch.float32)
-    _plans[key] = _WeightGradPlan(layout, workspace, *kept)
+    _store_plan(key, _WeightGradPlan(layout, workspace, *kept))
 
 
 # -- public functions ----------------------------------------------------------------
