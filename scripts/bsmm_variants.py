@@ -50,8 +50,9 @@ VARIANTS = {
     "v5 weights through registers": (5, {"V5_WEIGHT_REGISTERS": set(KINDS)}),  # input_grad's W in the ring
     "v5 weights as rows": (5, {"V5_WEIGHT_REGISTERS": set()}),  # input_grad's W by cp.async in the ring
     # The forward through a transposed copy of W's blocks, wherever input_grad's weights go as rows:
-    "v5 transposed forward": (5, {"V5_TRANSPOSED_FORWARD": {(16, "float16"), (64, "float16"), (16, "float32"),
-                                                             (32, "float32"), (64, "float32")}}),
+    "v5 transposed forward": (5, {"V5_TRANSPOSED_FORWARD": {(16, "float16"): 1, (64, "float16"): 1, (16, "float32"): 1,
+                                                             (32, "float32"): 1, (64, "float32"): 1}}),
+    "v5 direct forward": (5, {"V5_TRANSPOSED_FORWARD": {}}),  # the forward reads W's blocks as they are
     "v5 wgrad ring 3": (5, {"V5_WGRAD_STAGES": 3}),  # fp32 axis 1 weight gradient: 2 steps in flight
     "v5 wgrad ring 4": (5, {"V5_WGRAD_STAGES": 4}),
     "v5 launch order": (5, {"PRODUCT_GROUP": 0}),  # row tiles fastest, each segment over all N

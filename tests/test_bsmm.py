@@ -306,7 +306,7 @@ def test_forward_through_transposed_blocks(monkeypatch, dtype, mask):
     gives the reference's product: blocks out of row order, and an output column with none."""
     from strategies import numpy_dtype
 
-    monkeypatch.setattr(bsmm, "V5_TRANSPOSED_FORWARD", {(16, dtype)})
+    monkeypatch.setattr(bsmm, "V5_TRANSPOSED_FORWARD", {(16, dtype): 1})
     monkeypatch.setattr(bsmm, "_kernels", {})
     layout = BlockLayout(np.array(mask, bool), 16)
     rng = np.random.default_rng(4)
@@ -524,7 +524,7 @@ def test_repeated_torch_calls_replay_a_kept_plan(dtype, transposed, monkeypatch)
     a check or the kernel's choice depends on does not."""
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(bsmm, "_plans", {})
-    monkeypatch.setattr(bsmm, "V5_TRANSPOSED_FORWARD", {(32, dtype)} if transposed else set())
+    monkeypatch.setattr(bsmm, "V5_TRANSPOSED_FORWARD", {(32, dtype): 1} if transposed else {})
     layout = BlockLayout.random((3, 2), 0.5, seed=4, block_size=32)
     tdtype = getattr(torch, dtype)
 
@@ -618,7 +618,7 @@ def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch, transposed):
 
     launches = []
     monkeypatch.setattr(bsmm, "_plans", {})
-    monkeypatch.setattr(bsmm, "V5_TRANSPOSED_FORWARD", {(16, "float32")} if transposed else set())
+    monkeypatch.setattr(bsmm, "V5_TRANSPOSED_FORWARD", {(16, "float32"): 1} if transposed else {})
     monkeypatch.setattr(bsmm, "replay", lambda *args, live: lambda stream, *pointers: launches.append(pointers))
     monkeypatch.setattr(_arrays, "torch_stream_handle", lambda: 0)
     layout = BlockLayout.random((2, 2), 0.5, seed=3, block_size=16)

@@ -88,7 +88,7 @@ WGRAD_THREADS = 256
 WGRAD_PATCH = {8: 2, 16: 4, 32: 4, 64: 4}
 WGRAD_CHUNK = 64
 COMBINE_THREADS = 256
-TRANSPOSE_THREADS = 256  # threads of `transpose_blocks`'s thread blocks
+TRANSPOSE_THREADS = 256  # threads of `transpose_blocks`'s thread blocks (fewer for a small block)
 
 # Version 4 products: each thread owns an 8 x 8 patch (two 4-row by two 4-column
 # quarters, TM/2 rows and bs/2 features apart, so a warp's 16-byte shared reads
@@ -162,17 +162,20 @@ V5_STAGES = 3
 # 25 % / 50 %: 0.857 / 1.481 against 1.000 / 1.755); but fp16 block 32 0.195 / 0.638 against
 # 0.174 / 0.566.
 V5_WEIGHT_REGISTERS = {(32, "float16"), (32, "bfloat16")}
-# Forward products in that ring at the (block size, storage) named here first copy W's blocks,
-# transposed, into the forward's (column) order (`transpose_blocks`, into a scratch array the
-# size of w), and then run input_grad's kernel over that copy with the forward's schedule: W's
-# units then go by cp.async as shared rows of k words rather than (16-bit) through registers
-# and k-major. Only where input_grad's weights go as rows (not V5_WEIGHT_REGISTERS). Meant for
-# block 64, where the forward takes 1.13-1.25x input_grad's time at every size and density
-# (benchmarks/results/bsmm.json: fp16 N = 16384, 50 %, 1.584 against 1.378 ms, the one
-# product slower than torch BSR) and the copy would cost ~2 x w's bytes at copy bandwidth.
-# Not timed yet (no GPU was lent in the eleventh session): empty, so off, until
-# `scripts/bsmm_variants.py --variants "v5,v5 transposed forward"` measures it.
-V5_TRANSPOSED_FORWARD = set()
+# Forward products in that ring at the (block size, storage) named here, with at least the
+# given rows N, first copy W's blocks, transposed, into the forward's (column) order
+# (`transpose_blocks`, into a scratch array the size of w), and then run input_grad's kernel
+# over that copy with the forward's schedule: W's units then go by cp.async as shared rows of
+# k words rather than (16-bit) through registers and k-major. Only where input_grad's weights
+# go as rows (not V5_WEIGHT_REGISTERS). Measured (H100, twelfth session, C = K = 4096,
+# densities 10 / 50 %, forward ms direct -> through the copy): fp32 block 64 N = 16384
+# 1.320 -> 1.195, 5.799 -> 5.320; N = 4096 0.397 -> 0.391, 1.594 -> 1.489; N = 1024 0.155 ->
+# 0.150, 0.595 -> 0.539. fp16 block 64 N = 16384 0.471 -> 0.448, 1.612 -> 1.440 (the one
+# forward that was slower than torch BSR, now 1.16x faster); but N = 4096 0.136 -> 0.175
+# (0.132 -> 0.138 in a second run), 0.464 -> 0.442, and N = 1024 0.062 -> 0.078, 0.135 ->
+# 0.166: the copy's own ~15-30 us (a second launch; 2 x w's bytes) outweighs the gain
+# below ~8192 rows. Blocks 16 and 32: within +-5 % either way, fp16 block 16 10-40 % slower.
+V5_TRANSPOSED_FORWARD = {(64, "float32"): 1, (64, "float16"): 8192, (64, "bfloat16"): 8192}
 # fp32 on version 5 (3xTF32): the tensor cores' own fp32 sums drift (relative error 3.2e-6
 # over 410-term sums, 1.5e-5 over 2048, H100). True starts each mma from zero and adds its
 # 8-term result in round-to-nearest fp32: 6.6e-7 as version 4, forward 0.448-0.488 ms against
@@ -880,22 +883,33 @@ def _make_product_v4(bs, storage, acc_type, transpose_w, feature_axis, vector=Fa
 def _make_transpose_blocks(bs, storage, acc_type):
     """``wt[p] = w[col_block[p]]ᵀ`` over 32-bit words (pairs of 16-bit values along a row,
     or fp32 values): W's blocks transposed into the forward's order, for V5_TRANSPOSED_FORWARD.
-    A block a thread block, through a shared tile padded by a word a row."""
+    A block a thread block, through a shared tile padded by a word a row. Each thread's
+    words are a fixed count (`_transpose_threads`), so its loads are all issued before the
+    first is stored: in a loop of unknown trip count each load waited on the last (the
+    copy ran at a fifth of copy bandwidth, twelfth session)."""
     VALUES = _v5_values(storage)
     WORDS = bs // VALUES  # words a row, in w and in wt
     STRIDE = WORDS + 1
     SIZE = bs * WORDS
     TILE = bs * STRIDE
+    THREADS = _transpose_threads(bs, storage)
+    EACH = SIZE // THREADS
 
     @cuda.jit
     def transpose_blocks(wt, w, col_block):
         p = cuda.blockIdx.x
         block = col_block[p]
         tile = cuda.shared.array(TILE, uint32)
-        for e in range(cuda.threadIdx.x, SIZE, TRANSPOSE_THREADS):
-            tile[(e // WORDS) * STRIDE + e % WORDS] = uint32(w[block, e // WORDS, e % WORDS])
+        held = cuda.local.array(EACH, uint32)
+        for i in range(EACH):
+            e = cuda.threadIdx.x + i * THREADS
+            held[i] = uint32(w[block, e // WORDS, e % WORDS])
+        for i in range(EACH):
+            e = cuda.threadIdx.x + i * THREADS
+            tile[(e // WORDS) * STRIDE + e % WORDS] = held[i]
         cuda.syncthreads()  # the whole block is in the tile before any thread reads a column
-        for e in range(cuda.threadIdx.x, SIZE, TRANSPOSE_THREADS):
+        for i in range(EACH):
+            e = cuda.threadIdx.x + i * THREADS
             c, q = e // WORDS, e % WORDS  # wt's row c (w's column), word q (w's rows VALUES q...)
             if VALUES == 2:
                 lo = tile[2 * q * STRIDE + c // 2]
@@ -1938,7 +1952,7 @@ def _launch_product_v2(out, a, w, layout, n_rows, transpose_w, feature_axis, str
         vector = _v5_vector_loads((a_device, w_device), n_rows, feature_axis, values)
         ring = _v5_ring(vector, feature_axis)
         threads, TM, _, _, _, _ = _v5_shape(bs, a.dtype, ring)
-        copied = ring and not transpose_w and (bs, a.dtype) in V5_TRANSPOSED_FORWARD
+        copied = ring and not transpose_w and n_rows >= V5_TRANSPOSED_FORWARD.get((bs, a.dtype), n_rows + 1)
         kernel = _kernel(_make_product_v5, bs, a.dtype, transpose_w or copied, feature_axis, vector)
         a_device, w_device = (_words(a_device), _words(w_device)) if vector or values == 1 \
             else (_bits(a_device), _bits(w_device))
@@ -1971,8 +1985,15 @@ def _launch_transpose_blocks(wt, w_words, layout, storage, stream):
         return None
     kernel = _kernel(_make_transpose_blocks, layout.block_size, storage)
     args = (wt, w_words, _index(layout, "col_block", stream))
-    launch(kernel, layout.n_blocks, TRANSPOSE_THREADS, stream, args)
-    return kernel, layout.n_blocks, TRANSPOSE_THREADS, args
+    threads = _transpose_threads(layout.block_size, storage)
+    launch(kernel, layout.n_blocks, threads, stream, args)
+    return kernel, layout.n_blocks, threads, args
+
+
+def _transpose_threads(bs, storage):
+    """Threads of a `transpose_blocks` thread block: TRANSPOSE_THREADS, or one a word of a
+    block with fewer words (block sizes are powers of two, so each thread takes a whole count)."""
+    return min(TRANSPOSE_THREADS, bs * bs // _v5_values(storage))
 
 
 def wgrad_splits(layout, n_rows, thread_blocks=None):
@@ -2298,7 +2319,7 @@ def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=None,
 def transpose_blocks(w, layout):
     """W's blocks transposed into the layout's column order: ``wt[p] = w[layout.col_block[p]]ᵀ``
     (fp32, fp16 or bf16, ``w`` 4-byte aligned), as the forward makes for itself where
-    V5_TRANSPOSED_FORWARD names its block size and storage."""
+    V5_TRANSPOSED_FORWARD names its block size and storage, at its rows or more."""
     w = Operand(w, "w")
     check_dtype(w, V5_STORAGE)
     w.require_contiguous()
