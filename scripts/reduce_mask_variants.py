@@ -33,6 +33,7 @@ VARIANTS = {
     "v2 block look-back": (2, {"PASS_LOOK_BACK": "block"}),
     "v2 waves of 2": (2, {"PASS_WAVE": 2}),
     "v2 no look-back": (2, {"_look_back": None}),  # (the stub below: timing only, wrong indices)
+    "v2 scalar loads": (2, {"PASS_VECTOR": 1}),  # one column a load where vectors would do
 }
 TIMING_ONLY = ("v2 no look-back",)
 
@@ -65,7 +66,11 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--fraction", type=float, default=0.1)
+    parser.add_argument("--variants", default=None, help="comma-separated names of VARIANTS to time (default: all)")
     args = parser.parse_args()
+    if args.variants:
+        for name in set(VARIANTS) - set(args.variants.split(",")):
+            del VARIANTS[name]
 
     import torch
 
@@ -79,7 +84,8 @@ def main():
         """Every chunk first: what the pass costs without waiting on predecessors."""
         return int64(0)
 
-    VARIANTS["v2 no look-back"][1]["_look_back"] = no_look_back
+    if "v2 no look-back" in VARIANTS:
+        VARIANTS["v2 no look-back"][1]["_look_back"] = no_look_back
     defaults = {key: getattr(sbnet, key) for _, settings in VARIANTS.values() for key in settings}
     rng = np.random.default_rng(0)
     rows = []

@@ -84,17 +84,19 @@ def loops_around(text, anchor="HMMA"):
 
 def reduce_mask(tool):
     """The loops around the first pooling (max) of reduce_mask's one-pass kernel (max pooling of
-    a float32 mask): the column's rows, PASS_LOADS at a time, and the columns around them."""
+    a float32 mask, scalar and vector loads): the column's rows, PASS_LOADS at a time, and the
+    columns around them."""
     from sparseblocks.kernels import sbnet
 
     i64 = types.int64
-    kernel = sbnet._make_pass_kernel(False, False)
     signature = (types.int32[:, ::1], types.int32[::1], types.int64[::1], types.float32[:, :, ::1]) \
         + (i64,) * 11 + (types.float64, i64, i64)
-    print("| loop | length | " + " | ".join(COUNTS) + " |")
-    print("|---" * (2 + len(COUNTS)) + "|")
-    for length, counts in loops_around(sass(kernel.py_func, signature, tool), "FMNMX"):  # (the first max)
-        print(f"| | {length} | " + " | ".join(str(counts[k]) for k in COUNTS) + " |")
+    print("| loads | loop | length | " + " | ".join(COUNTS) + " |")
+    print("|---" * (3 + len(COUNTS)) + "|")
+    for vector in (1, sbnet.PASS_VECTOR):
+        kernel = sbnet._make_pass_kernel(False, False, vector)
+        for length, counts in loops_around(sass(kernel.py_func, signature, tool), "FMNMX"):  # (the first max)
+            print(f"| {vector} a load | | {length} | " + " | ".join(str(counts[k]) for k in COUNTS) + " |")
 
 
 def main():

@@ -133,20 +133,24 @@ def test_reduce_mask_of_large_windows():
             np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("vector", [1, 4])
 @pytest.mark.parametrize("avgpool", [False, True])
 @pytest.mark.parametrize("top", [0, -4])
-def test_reduce_mask_of_tall_windows(avgpool, top):
+def test_reduce_mask_of_tall_windows(avgpool, top, vector, monkeypatch):
     """Version 2 with windows tall enough that a thread has PASS_LOADS rows of its column in
     flight at once (the untested loads) and then the rest, windows over the top edge (`top`:
-    the rows above skipped) and the bottom one. Most windows hold one nonzero pixel, at a random
-    place on the image, and are active only if it is read (tol 0)."""
+    the rows above skipped) and the bottom one; columns read one at a time or 4 a load. Most
+    windows hold one nonzero pixel, at a random place on the image, and are active only if it
+    is read (tol 0)."""
+    monkeypatch.setattr(sbnet, "PASS_VECTOR", vector)
     rng = np.random.default_rng(12 - top)
+    width = 48 if vector == 1 else 192  # (columns enough that a thread's rows are PASS_LOADS or more)
     g = {"bsize": (48, 8), "bstride": (48, 8), "boffset": (top, 0)}
-    count_hw = reference.block_count((96, 48), g["bstride"], g["boffset"])
-    per_chunk, _ = sbnet._pass_chunks(g["bsize"], count_hw[1], count_hw[0] * count_hw[1])
-    phases = sbnet.PASS_THREADS // min(per_chunk * 8, sbnet.PASS_THREADS)
+    count_hw = reference.block_count((96, width), g["bstride"], g["boffset"])
+    per_chunk, _ = sbnet._pass_chunks(g["bsize"], count_hw[1], count_hw[0] * count_hw[1], vector)
+    phases = sbnet.PASS_THREADS // min(per_chunk * 8 // vector, sbnet.PASS_THREADS)
     assert 48 >= sbnet.PASS_LOADS * phases  # (so that the untested loads run: rows r, r + phases, ...)
-    mask = np.zeros((1, 96, 48), np.float32)
+    mask = np.zeros((1, 96, width), np.float32)
     for bh in range(count_hw[0]):
         for bw in range(count_hw[1]):
             rows = range(max(0, top + 48 * bh), min(96, top + 48 * bh + 48))
@@ -157,6 +161,35 @@ def test_reduce_mask_of_tall_windows(avgpool, top):
     got, count = sbnet.reduce_mask(mask, tol=0.0, avgpool=avgpool, version=2, **g)
     assert count == len(want)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype, avgpool", [("float32", False), ("float16", True), ("bool", False)])
+def test_reduce_mask_in_vector_loads(dtype, avgpool, monkeypatch):
+    """Version 2 reads 4 columns a load where the windows' widths, strides and offsets, the
+    mask's width and its pointer allow (over the left and right edges: offsets -4 and a last
+    window past W); where the pointer does not (a mask one element into its buffer) or a window
+    does not, one column a load. Every case gives the reference's indices; the simulator's
+    vector load raises on an unaligned address, so a wrong pick fails here."""
+    monkeypatch.setattr(sbnet, "_kernels", {})
+    launched = []
+    original = sbnet._pass_kernel
+    monkeypatch.setattr(sbnet, "_pass_kernel", lambda *a: launched.append(a[2]) or original(*a))
+    rng = np.random.default_rng(7)
+    buffer = rng.random(12 * 28 + 1) ** 6
+    buffer = (buffer > 0.9).astype(dtype) if dtype in ("uint8", "bool") else buffer.astype(dtype)
+    device = cuda.to_device(buffer)  # (to_device of a shifted view would copy it to an aligned buffer)
+    aligned, shifted = device[:-1].reshape(1, 12, 28), device[1:].reshape(1, 12, 28)
+    tol = 0.02 if avgpool else 0.5
+    for mask, g, vector in ((aligned, {"bsize": (5, 8), "bstride": (4, 8), "boffset": (-1, -4)}, 4),
+                            (aligned, {"bsize": (3, 4), "bstride": (3, 12), "boffset": (0, 0)}, 4),
+                            (shifted, {"bsize": (5, 8), "bstride": (4, 8), "boffset": (-1, -4)}, 1),
+                            (aligned, {"bsize": (5, 6), "bstride": (4, 8), "boffset": (-1, -4)}, 1)):
+        want = reference.reduce_mask(mask.copy_to_host(), tol=tol, avgpool=avgpool, **g)
+        indices, count = sbnet.reduce_mask(mask, tol=tol, avgpool=avgpool, version=2, **g)
+        n, got = int(count.copy_to_host()[0]), indices.copy_to_host()
+        assert launched[-1] == vector and n == len(want)
+        np.testing.assert_array_equal(got[:n], want)
+        assert (got[n:] == -1).all()
 
 
 def test_reduce_mask_of_windows_wider_than_a_chunk_takes_version_1(monkeypatch):

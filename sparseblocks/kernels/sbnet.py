@@ -86,6 +86,11 @@ PASS_PIXELS = 8 * PASS_THREADS  # pixels a chunk takes at least: 8 loads a threa
 # multiprocessor (0: no such rule), so no chunk's look-back waits on a later wave.
 PASS_WAVE = 4
 PASS_LOADS = 8  # rows a thread loads before it pools any (4 or 8)
+# Masks read PASS_VECTOR columns a load (one 4-wide vector load: 16 bytes of fp32) where
+# every window's columns are whole aligned vectors (widths, strides, offsets and W multiples
+# of it, the mask's pointer aligned): 4x fewer loads, 4x the bytes a load in flight. 1: off.
+PASS_VECTOR = 4
+PASS_VECTOR_DTYPES = ("float32", "float16", "uint8", "bool")  # (bool read as its uint8 bytes)
 # A chunk's status word (int64): tag (30 bits, the launch's), flag (1 bit: prefix or only the
 # chunk's own aggregate), active count (32 bits). status[0] counts launches: a status is the
 # current launch's when its tag is (that count + 1) mod 2^30, so a status buffer could serve
@@ -391,12 +396,13 @@ def _look_back_block(status, chunk, tag, nearest_s, sums_s):
     return exclusive
 
 
-def _make_pass_kernel(avgpool, wide):
+def _make_pass_kernel(avgpool, wide, vector):
     """reduce_mask in one pass (version 2): pooling, ranks and compaction in one kernel.
 
     Thread block `chunk` takes `windows` (<= PASS_WINDOWS) consecutive windows of one window
     row. Its threads walk the chunk's columns (windows x size_w of them, at most PASS_COLUMNS;
-    with overlapping windows a column is read once per window) and, when the columns are fewer
+    with overlapping windows a column is read once per window; with `vector` > 1, a "column"
+    is that many adjacent ones, read by one vector load and pooled) and, when the columns are fewer
     than the threads, split the rows into `phases`: each thread pools one column over its rows
     on the image (rows off it are skipped), PASS_LOADS loads in flight without a test, then
     the rest four at a time (rows past the last read it and are dropped by a select), and
@@ -410,6 +416,7 @@ def _make_pass_kernel(avgpool, wide):
     acc_type = float64 if wide else float32
     BLOCK_LOOK_BACK = PASS_LOOK_BACK == "block"
     LOADS = PASS_LOADS
+    VECTOR = vector
     # Shared entries of a chunk's column values: its windows x (entries a window + 1 of
     # padding), at most max(threads, columns) + windows (phases x columns <= threads).
     SHARED = max(PASS_THREADS, PASS_COLUMNS) + PASS_WINDOWS
@@ -420,6 +427,9 @@ def _make_pass_kernel(avgpool, wide):
 
     @cuda.jit(device=True, inline=True)
     def row(mask, n, h, w):
+        if VECTOR == 4:
+            a, b, c, d = load4(mask, (uint64(n), uint64(h), uint64(w)))
+            return pool(pool(acc_type(a), acc_type(b)), pool(acc_type(c), acc_type(d)))
         return acc_type(mask[uint64(n), uint64(h), uint64(w)])
 
     @cuda.jit(device=True, inline=True)
@@ -460,10 +470,11 @@ def _make_pass_kernel(avgpool, wide):
         n = window_row // count_h
         bh = window_row - n * count_h
         windows = min(per_chunk, count_w - bw0)
-        columns = windows * size_w
+        units = size_w // VECTOR  # a window's columns, a vector each (a multiple: the launcher's check)
+        columns = windows * units
         lanes = min(columns, PASS_THREADS)  # threads across the columns ...
         phases = PASS_THREADS // lanes  # ... and across the rows
-        entries = phases * size_w  # values a window leaves in shared memory
+        entries = phases * units  # values a window leaves in shared memory
         empty = acc_type(0) if avgpool else acc_type(-math.inf)
         h0 = offset_h + bh * stride_h
         r_begin = max(0, -h0)  # the window's rows on the image
@@ -472,11 +483,11 @@ def _make_pass_kernel(avgpool, wide):
         q = tid - phase * lanes
         if phase < phases:
             while q < columns:
-                j = int32(uint32(q) // uint32(size_w))  # (32-bit: a 64-bit division is a call)
-                c = q - j * size_w
-                w = offset_w + (bw0 + j) * stride_w + c
+                j = int32(uint32(q) // uint32(units))  # (32-bit: a 64-bit division is a call)
+                c = q - j * units
+                w = offset_w + (bw0 + j) * stride_w + c * VECTOR
                 acc = empty
-                if 0 <= w < width:
+                if 0 <= w < width:  # (a vector's first column and width are multiples of VECTOR)
                     # Only the window's rows on the image, r_begin <= r < r_end, are read: the
                     # others would give `empty`. This thread's first is the first of its phase.
                     r = phase
@@ -492,7 +503,7 @@ def _make_pass_kernel(avgpool, wide):
                     while r < r_end:  # the rest, four loads at a time
                         acc = pool(acc, last_rows(mask, n, h0, w, r, phases, r_end, empty))
                         r += 4 * phases
-                values[j * (entries + 1) + phase * size_w + c] = acc
+                values[j * (entries + 1) + phase * units + c] = acc
                 q += lanes
         cuda.syncthreads()  # every column's value (and the tag) is in shared memory
         j = warp
@@ -1188,21 +1199,31 @@ def _reduce_group_warps(size, total):
     return warps
 
 
-def _pass_chunks(size, count_w, total):
+def _pass_chunks(size, count_w, total, vector=1):
     """(windows a chunk, chunks a window row) of reduce_mask's version 2: at least PASS_PIXELS
-    pixels a chunk and at most a wave of chunks (PASS_WAVE), within PASS_WINDOWS windows and
-    PASS_COLUMNS columns."""
+    loads a chunk (`vector` pixels each) and at most a wave of chunks (PASS_WAVE), within
+    PASS_WINDOWS windows and PASS_COLUMNS columns."""
     wave = -(-total // (PASS_WAVE * multiprocessors())) if PASS_WAVE else 1
-    wanted = max(PASS_PIXELS // (size[0] * size[1]), wave)
+    wanted = max(PASS_PIXELS * vector // (size[0] * size[1]), wave)
     per_chunk = max(1, min(PASS_WINDOWS, PASS_COLUMNS // size[1], wanted, count_w))
     return per_chunk, -(-count_w // per_chunk)
 
 
-def _pass_kernel(avgpool, wide):
+def _pass_vector(mask, width, size, stride, offset):
+    """PASS_VECTOR where every window's columns are whole aligned vectors of the mask (`mask`: its
+    device array), else 1."""
+    v = PASS_VECTOR
+    if v == 1 or str(mask.dtype) not in PASS_VECTOR_DTYPES:
+        return 1
+    fits = width % v == 0 and size[1] % v == 0 and stride[1] % v == 0 and offset[1] % v == 0
+    return v if fits and data_pointer(mask) % (v * mask.dtype.itemsize) == 0 else 1
+
+
+def _pass_kernel(avgpool, wide, vector):
     # The settings a kernel is built with are in its key: the launcher reads them at each call.
-    key = ("pass", avgpool, wide, PASS_THREADS, PASS_COLUMNS, PASS_LOADS, PASS_LOOK_BACK)
+    key = ("pass", avgpool, wide, vector, PASS_THREADS, PASS_COLUMNS, PASS_LOADS, PASS_LOOK_BACK)
     if key not in _kernels:
-        _kernels[key] = _make_pass_kernel(avgpool, wide)
+        _kernels[key] = _make_pass_kernel(avgpool, wide, vector)
     return _kernels[key]
 
 
@@ -1236,14 +1257,18 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
     one_pass = (REDUCE_VERSION if version is None else version) == 2 and size[1] <= PASS_COLUMNS \
         and total <= MAX_PASS_WINDOWS
     if total and one_pass:
-        per_chunk, chunks_per_row = _pass_chunks(size, count_hw[1], total)
+        mask_device = mask_op.device(stream)
+        vector = _pass_vector(mask_device, W, size, stride, offset)
+        if vector > 1 and mask_op.dtype == "bool":
+            mask_device = mask_device.view(np.uint8)  # (a vector of bools would load as bits)
+        per_chunk, chunks_per_row = _pass_chunks(size, count_hw[1], total, vector)
         n_chunks = N * count_hw[0] * chunks_per_row
         # Zeroed statuses (tags start at 1) from the caller's allocator; status[0] counts launches.
         status = mask_op.scratch(n_chunks + 1, "int64", stream)
         _zero(status, stream)
-        kernel = _pass_kernel(bool(avgpool), bool(avgpool) or mask_op.dtype == "float64")
+        kernel = _pass_kernel(bool(avgpool), bool(avgpool) or mask_op.dtype == "float64", vector)
         one = (kernel, n_chunks, PASS_THREADS, (
-            indices, count, status, mask_op.device(stream), N, H, W, count_hw[0], count_hw[1], size[0], size[1],
+            indices, count, status, mask_device, N, H, W, count_hw[0], count_hw[1], size[0], size[1],
             stride[0], stride[1], offset[0], offset[1], float(tol), per_chunk, chunks_per_row))
         launch(one[0], one[1], one[2], stream, one[3])
         _keep_plan("reduce", (mask,), None, settings, tuple(indices_native.shape), [(one, (0, 1, 2, 3))],
