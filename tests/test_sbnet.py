@@ -171,6 +171,7 @@ def test_reduce_mask_in_vector_loads(dtype, avgpool, monkeypatch):
     does not, one column a load. Every case gives the reference's indices; the simulator's
     vector load raises on an unaligned address, so a wrong pick fails here."""
     monkeypatch.setattr(sbnet, "_kernels", {})
+    monkeypatch.setattr(sbnet, "_plans", {})  # (a kept plan would skip the launcher's choice)
     launched = []
     original = sbnet._pass_kernel
     monkeypatch.setattr(sbnet, "_pass_kernel", lambda *a: launched.append(a[2]) or original(*a))
@@ -190,6 +191,15 @@ def test_reduce_mask_in_vector_loads(dtype, avgpool, monkeypatch):
         assert launched[-1] == vector and n == len(want)
         np.testing.assert_array_equal(got[:n], want)
         assert (got[n:] == -1).all()
+    if not SIMULATOR:  # torch tensors (dtypes named torch's way, bool viewed as bytes), aligned or not
+        torch = pytest.importorskip("torch")
+        wide = torch.as_tensor(buffer, device="cuda")
+        for tensor, vector in ((wide[:-1].view(1, 12, 28), 4), (wide[1:].view(1, 12, 28), 1)):
+            g = {"bsize": (5, 8), "bstride": (4, 8), "boffset": (-1, -4)}
+            want = reference.reduce_mask(tensor.cpu().numpy(), tol=tol, avgpool=avgpool, **g)
+            indices, count = sbnet.reduce_mask(tensor, tol=tol, avgpool=avgpool, version=2, **g)
+            assert launched[-1] == vector and int(count[0]) == len(want)
+            np.testing.assert_array_equal(indices[:len(want)].cpu().numpy(), want)
 
 
 def test_reduce_mask_of_windows_wider_than_a_chunk_takes_version_1(monkeypatch):

@@ -1209,14 +1209,23 @@ def _pass_chunks(size, count_w, total, vector=1):
     return per_chunk, -(-count_w // per_chunk)
 
 
-def _pass_vector(mask, width, size, stride, offset):
+def _pass_vector(dtype, mask, width, size, stride, offset):
     """PASS_VECTOR where every window's columns are whole aligned vectors of the mask (`mask`: its
-    device array), else 1."""
+    device array, of `dtype`), else 1."""
     v = PASS_VECTOR
-    if v == 1 or str(mask.dtype) not in PASS_VECTOR_DTYPES:
+    if v == 1 or dtype not in PASS_VECTOR_DTYPES:
         return 1
     fits = width % v == 0 and size[1] % v == 0 and stride[1] % v == 0 and offset[1] % v == 0
-    return v if fits and data_pointer(mask) % (v * mask.dtype.itemsize) == 0 else 1
+    return v if fits and data_pointer(mask) % (v * np.dtype(dtype).itemsize) == 0 else 1
+
+
+def _bytes_of(array):
+    """A device array's memory as uint8 elements of the same shape (a view)."""
+    if hasattr(array, "data_ptr"):  # torch
+        import torch
+
+        return array.view(torch.uint8)
+    return array.view(np.uint8)
 
 
 def _pass_kernel(avgpool, wide, vector):
@@ -1258,9 +1267,9 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
         and total <= MAX_PASS_WINDOWS
     if total and one_pass:
         mask_device = mask_op.device(stream)
-        vector = _pass_vector(mask_device, W, size, stride, offset)
+        vector = _pass_vector(mask_op.dtype, mask_device, W, size, stride, offset)
         if vector > 1 and mask_op.dtype == "bool":
-            mask_device = mask_device.view(np.uint8)  # (a vector of bools would load as bits)
+            mask_device = _bytes_of(mask_device)  # (a vector of bools would load as bits)
         per_chunk, chunks_per_row = _pass_chunks(size, count_hw[1], total, vector)
         n_chunks = N * count_hw[0] * chunks_per_row
         # Zeroed statuses (tags start at 1) from the caller's allocator; status[0] counts launches.
