@@ -34,6 +34,7 @@ VARIANTS = {
     "v2 waves of 2": (2, {"PASS_WAVE": 2}),
     "v2 no look-back": (2, {"_look_back": None}),  # (the stub below: timing only, wrong indices)
     "v2 scalar loads": (2, {"PASS_VECTOR": 1}),  # one column a load where vectors would do
+    "v2 64 registers": (2, {"PASS_MAX_REGISTERS": 64}),  # 4 thread blocks an SM (spills ~90 bytes)
 }
 TIMING_ONLY = ("v2 no look-back",)
 

@@ -91,6 +91,7 @@ PASS_LOADS = 8  # rows a thread loads before it pools any (4 or 8)
 # of it, the mask's pointer aligned): 4x fewer loads, 4x the bytes a load in flight. 1: off.
 PASS_VECTOR = 4
 PASS_VECTOR_DTYPES = ("float32", "float16", "uint8", "bool")  # (bool read as its uint8 bytes)
+PASS_MAX_REGISTERS = None  # a cap on the pass kernel's registers (ptxas: 72-80 uncapped, 3 blocks an SM)
 # A chunk's status word (int64): tag (30 bits, the launch's), flag (1 bit: prefix or only the
 # chunk's own aggregate), active count (32 bits). status[0] counts launches: a status is the
 # current launch's when its tag is (that count + 1) mod 2^30, so a status buffer could serve
@@ -450,7 +451,7 @@ def _make_pass_kernel(avgpool, wide, vector):
         return pool(pool(v0 if r < r_end else empty, v1 if r + step < r_end else empty),
                     pool(v2 if r + 2 * step < r_end else empty, v3 if r + 3 * step < r_end else empty))
 
-    @cuda.jit
+    @cuda.jit(**({} if PASS_MAX_REGISTERS is None else {"max_registers": PASS_MAX_REGISTERS}))
     def pass_kernel(indices, count, status, mask, n_images, height, width, count_h, count_w,
                     size_h, size_w, stride_h, stride_w, offset_h, offset_w, tol, per_chunk, chunks_per_row):
         tid = cuda.threadIdx.x
@@ -1230,7 +1231,7 @@ def _bytes_of(array):
 
 def _pass_kernel(avgpool, wide, vector):
     # The settings a kernel is built with are in its key: the launcher reads them at each call.
-    key = ("pass", avgpool, wide, vector, PASS_THREADS, PASS_COLUMNS, PASS_LOADS, PASS_LOOK_BACK)
+    key = ("pass", avgpool, wide, vector, PASS_THREADS, PASS_COLUMNS, PASS_LOADS, PASS_LOOK_BACK, PASS_MAX_REGISTERS)
     if key not in _kernels:
         _kernels[key] = _make_pass_kernel(avgpool, wide, vector)
     return _kernels[key]
