@@ -10,7 +10,8 @@ zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
   does it in one pass after zeroing a status word a chunk
   (`_make_pass_kernel`): a thread block pools a chunk of consecutive windows
   of one window row, its threads along the chunk's columns (eight rows'
-  loads in flight), ranks the chunk's active windows by a ballot, publishes
+  loads in flight, 4 columns a vector load where the windows and the mask's
+  pointer are aligned to it: `PASS_VECTOR`), ranks the chunk's active windows by a ballot, publishes
   their count and finds the count before it by a decoupled look-back
   (statuses read with ``ld.relaxed.gpu``, tagged with a launch count), then
   writes its rows: active windows at their ranks, inactive ones as n = -1
