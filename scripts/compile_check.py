@@ -134,7 +134,7 @@ def main():
         for avgpool, wide, mask, vector in (
             (False, False, "float32", 1), (False, False, "boolean", 1), (True, True, "float16", 1),
             (False, True, "float64", 1), (False, False, "float32", 4), (True, True, "float16", 4),
-            (False, False, "uint8", 4), (True, True, "float32", 4))
+            (False, False, "uint8", 4), (True, True, "float32", 4), (False, False, "float32", 2))
     ] + [
         check(f"write_kernel ({name})", kernel.py_func,
               (types.int32[:, ::1], types.int32[::1], types.int8[::1], types.int32[::1], types.int32[::1],

@@ -163,13 +163,15 @@ def test_reduce_mask_of_tall_windows(avgpool, top, vector, monkeypatch):
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("dtype, avgpool", [("float32", False), ("float16", True), ("bool", False)])
-def test_reduce_mask_in_vector_loads(dtype, avgpool, monkeypatch):
-    """Version 2 reads 4 columns a load where the windows' widths, strides and offsets, the
-    mask's width and its pointer allow (over the left and right edges: offsets -4 and a last
-    window past W); where the pointer does not (a mask one element into its buffer) or a window
-    does not, one column a load. Every case gives the reference's indices; the simulator's
-    vector load raises on an unaligned address, so a wrong pick fails here."""
+@pytest.mark.parametrize("dtype, avgpool, vector", [("float32", False, 4), ("float16", True, 4), ("bool", False, 4),
+                                                    ("float32", True, 2)])
+def test_reduce_mask_in_vector_loads(dtype, avgpool, vector, monkeypatch):
+    """Version 2 reads PASS_VECTOR columns a load where the windows' widths, strides and offsets,
+    the mask's width and its pointer allow (over the left and right edges: offsets -4 and a
+    last window past W); where the pointer does not (a mask one element into its buffer) or a
+    window does not, one column a load. Every case gives the reference's indices; the
+    simulator's vector load raises on an unaligned address, so a wrong pick fails here."""
+    monkeypatch.setattr(sbnet, "PASS_VECTOR", vector)
     monkeypatch.setattr(sbnet, "_kernels", {})
     monkeypatch.setattr(sbnet, "_plans", {})  # (a kept plan would skip the launcher's choice)
     launched = []
@@ -181,24 +183,25 @@ def test_reduce_mask_in_vector_loads(dtype, avgpool, monkeypatch):
     device = cuda.to_device(buffer)  # (to_device of a shifted view would copy it to an aligned buffer)
     aligned, shifted = device[:-1].reshape(1, 12, 28), device[1:].reshape(1, 12, 28)
     tol = 0.02 if avgpool else 0.5
-    for mask, g, vector in ((aligned, {"bsize": (5, 8), "bstride": (4, 8), "boffset": (-1, -4)}, 4),
-                            (aligned, {"bsize": (3, 4), "bstride": (3, 12), "boffset": (0, 0)}, 4),
-                            (shifted, {"bsize": (5, 8), "bstride": (4, 8), "boffset": (-1, -4)}, 1),
-                            (aligned, {"bsize": (5, 6), "bstride": (4, 8), "boffset": (-1, -4)}, 1)):
+    for mask, g, expected in ((aligned, {"bsize": (5, 8), "bstride": (4, 8), "boffset": (-1, -4)}, vector),
+                              (aligned, {"bsize": (3, 4), "bstride": (3, 12), "boffset": (0, 0)}, vector),
+                              (shifted, {"bsize": (5, 8), "bstride": (4, 8), "boffset": (-1, -4)}, 1),
+                              (aligned, {"bsize": (5, 6), "bstride": (4, 8), "boffset": (-1, -4)},
+                               vector if 6 % vector == 0 else 1)):
         want = reference.reduce_mask(mask.copy_to_host(), tol=tol, avgpool=avgpool, **g)
         indices, count = sbnet.reduce_mask(mask, tol=tol, avgpool=avgpool, version=2, **g)
         n, got = int(count.copy_to_host()[0]), indices.copy_to_host()
-        assert launched[-1] == vector and n == len(want)
+        assert launched[-1] == expected and n == len(want)
         np.testing.assert_array_equal(got[:n], want)
         assert (got[n:] == -1).all()
     if not SIMULATOR:  # torch tensors (dtypes named torch's way, bool viewed as bytes), aligned or not
         torch = pytest.importorskip("torch")
         wide = torch.as_tensor(buffer, device="cuda")
-        for tensor, vector in ((wide[:-1].view(1, 12, 28), 4), (wide[1:].view(1, 12, 28), 1)):
+        for tensor, expected in ((wide[:-1].view(1, 12, 28), vector), (wide[1:].view(1, 12, 28), 1)):
             g = {"bsize": (5, 8), "bstride": (4, 8), "boffset": (-1, -4)}
             want = reference.reduce_mask(tensor.cpu().numpy(), tol=tol, avgpool=avgpool, **g)
             indices, count = sbnet.reduce_mask(tensor, tol=tol, avgpool=avgpool, version=2, **g)
-            assert launched[-1] == vector and int(count[0]) == len(want)
+            assert launched[-1] == expected and int(count[0]) == len(want)
             np.testing.assert_array_equal(indices[:len(want)].cpu().numpy(), want)
 
 

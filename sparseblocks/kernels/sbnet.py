@@ -11,9 +11,10 @@ zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
   (`_make_pass_kernel`): a thread block pools a chunk of consecutive windows
   of one window row, its threads along the chunk's columns (eight rows'
   loads in flight, 4 columns a vector load where the windows and the mask's
-  pointer are aligned to it: `PASS_VECTOR`), ranks the chunk's active windows by a ballot, publishes
-  their count and finds the count before it by a decoupled look-back
-  (statuses read with ``ld.relaxed.gpu``, tagged with a launch count), then
+  pointer are aligned to it: `PASS_VECTOR`), ranks the chunk's active
+  windows by a ballot, publishes their count and finds the count before it
+  by a decoupled look-back (statuses read with ``ld.relaxed.gpu``, tagged
+  with a launch count), then
   writes its rows: active windows at their ranks, inactive ones as n = -1
   rows from the back. Windows wider than PASS_COLUMNS take version 1: a
   pooling kernel (1 to 8 warps a window, shuffle reductions) that counts
@@ -87,9 +88,9 @@ PASS_PIXELS = 8 * PASS_THREADS  # pixels a chunk takes at least: 8 loads a threa
 # multiprocessor (0: no such rule), so no chunk's look-back waits on a later wave.
 PASS_WAVE = 4
 PASS_LOADS = 8  # rows a thread loads before it pools any (4 or 8)
-# Masks read PASS_VECTOR columns a load (one 4-wide vector load: 16 bytes of fp32) where
-# every window's columns are whole aligned vectors (widths, strides, offsets and W multiples
-# of it, the mask's pointer aligned): 4x fewer loads, 4x the bytes a load in flight. 1: off.
+# Masks read PASS_VECTOR (1, 2 or 4) columns a load (4: 16 bytes of fp32 in one vector load)
+# where every window's columns are whole aligned vectors (widths, strides, offsets and W
+# multiples of it, the mask's pointer aligned): 4x fewer loads, 4x the bytes a load in flight.
 PASS_VECTOR = 4
 PASS_VECTOR_DTYPES = ("float32", "float16", "uint8", "bool")  # (bool read as its uint8 bytes)
 PASS_MAX_REGISTERS = None  # a cap on the pass kernel's registers (ptxas: 72-80 uncapped, 3 blocks an SM)
@@ -432,6 +433,9 @@ def _make_pass_kernel(avgpool, wide, vector):
         if VECTOR == 4:
             a, b, c, d = load4(mask, (uint64(n), uint64(h), uint64(w)))
             return pool(pool(acc_type(a), acc_type(b)), pool(acc_type(c), acc_type(d)))
+        if VECTOR == 2:
+            a, b = load2(mask, (uint64(n), uint64(h), uint64(w)))
+            return pool(acc_type(a), acc_type(b))
         return acc_type(mask[uint64(n), uint64(h), uint64(w)])
 
     @cuda.jit(device=True, inline=True)
@@ -1023,11 +1027,16 @@ def _row_path(image, blocks, channels_last, transpose, atomic, dtype, size_w):
 
 def _flat(array, dtype):
     """The array's memory as a 1-D array of `dtype` (a view)."""
+    return _as_dtype(array.reshape(-1) if hasattr(array, "data_ptr") else array.reshape(array.size), dtype)
+
+
+def _as_dtype(array, dtype):
+    """The array's memory as elements of `dtype` (a view; torch, Numba or CuPy)."""
     if hasattr(array, "data_ptr"):  # torch
         import torch
 
-        return array.reshape(-1).view(getattr(torch, dtype))
-    return array.reshape(array.size).view(np.dtype(dtype))
+        return array.view(getattr(torch, dtype))
+    return array.view(np.dtype(dtype))
 
 
 def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, transpose, add, atomic,
@@ -1221,15 +1230,6 @@ def _pass_vector(dtype, mask, width, size, stride, offset):
     return v if fits and data_pointer(mask) % (v * np.dtype(dtype).itemsize) == 0 else 1
 
 
-def _bytes_of(array):
-    """A device array's memory as uint8 elements of the same shape (a view)."""
-    if hasattr(array, "data_ptr"):  # torch
-        import torch
-
-        return array.view(torch.uint8)
-    return array.view(np.uint8)
-
-
 def _pass_kernel(avgpool, wide, vector):
     # The settings a kernel is built with are in its key: the launcher reads them at each call.
     key = ("pass", avgpool, wide, vector, PASS_THREADS, PASS_COLUMNS, PASS_LOADS, PASS_LOOK_BACK, PASS_MAX_REGISTERS)
@@ -1271,7 +1271,7 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
         mask_device = mask_op.device(stream)
         vector = _pass_vector(mask_op.dtype, mask_device, W, size, stride, offset)
         if vector > 1 and mask_op.dtype == "bool":
-            mask_device = _bytes_of(mask_device)  # (a vector of bools would load as bits)
+            mask_device = _as_dtype(mask_device, "uint8")  # (a vector of bools would load as bits)
         per_chunk, chunks_per_row = _pass_chunks(size, count_hw[1], total, vector)
         n_chunks = N * count_hw[0] * chunks_per_row
         # Zeroed statuses (tags start at 1) from the caller's allocator; status[0] counts launches.
