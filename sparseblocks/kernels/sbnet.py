@@ -62,7 +62,7 @@ from .._arrays import Operand, check_dtype, check_same_kind, launch_stream
 from .._backend import SIMULATOR
 from ..reference.sbnet import block_count, check_geometry, pair
 from ._half2 import add_half2
-from ._vector import load2, load4, store2, store4
+from ._vector import aligned, load2, load4, store2, store4
 from ._launch import data_pointer, launch, multiprocessors, replay
 from ._relaxed import load_relaxed
 
@@ -1227,7 +1227,7 @@ def _pass_vector(dtype, mask, width, size, stride, offset):
     if v == 1 or dtype not in PASS_VECTOR_DTYPES:
         return 1
     fits = width % v == 0 and size[1] % v == 0 and stride[1] % v == 0 and offset[1] % v == 0
-    return v if fits and data_pointer(mask) % (v * np.dtype(dtype).itemsize) == 0 else 1
+    return v if fits and aligned(data_pointer(mask), np.dtype(dtype).itemsize, v) else 1
 
 
 def _pass_kernel(avgpool, wide, vector):
