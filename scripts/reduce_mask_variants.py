@@ -6,7 +6,8 @@ For each mask (N x 400 x 700 float32, windows = strides of 8, 16 or 32, a fracti
 active): check versions 1 and 2 against the reference (the general path, then a kept plan's
 replay), then time CUDA-graph replays of each beside a device copy of half the mask's bytes
 (read + write = the mask's bytes), and version 2 with its statuses kept from call to call
-instead of zeroed (what the zeroing costs). torch.profiler splits each version's graph into
+instead of zeroed (what the zeroing costs); and floors: an empty kernel, a kernel that only
+reads the mask, that read after a zero fill. torch.profiler splits each version's graph into
 its kernels (µs a call).
 """
 
@@ -35,8 +36,63 @@ VARIANTS = {
     "v2 no look-back": (2, {"_look_back": None}),  # (the stub below: timing only, wrong indices)
     "v2 scalar loads": (2, {"PASS_VECTOR": 1}),  # one column a load where vectors would do
     "v2 64 registers": (2, {"PASS_MAX_REGISTERS": 64}),  # 4 thread blocks an SM (spills ~90 bytes)
+    "v2 within rows": (2, {"PASS_SPAN": False}),  # chunks cut at window rows (sessions 10-13)
+    "v2 8 a chunk": (2, {"_pass_chunks": lambda size, count_w, total, vector=1: (min(8, total), 0)}),
+    "v2 16 a chunk": (2, {"_pass_chunks": lambda size, count_w, total, vector=1: (min(16, total), 0)}),
+    "v2 8 a chunk, block look-back": (2, {"PASS_LOOK_BACK": "block", "_pass_chunks":
+                                          lambda size, count_w, total, vector=1: (min(8, total), 0)}),
 }
 TIMING_ONLY = ("v2 no look-back",)
+
+
+def floors(torch, mask_t):
+    """Graph µs a call of what any one-kernel reduce_mask costs at least: an empty kernel, a
+    kernel that only reads the mask (16-byte loads, one or four a thread, nothing written), and
+    that read after an 8-byte zero fill (version 2's status fill is one such node)."""
+    import math
+
+    from numba import cuda, float32, uint64
+
+    from benchmarks.common import graph_ms
+    from sparseblocks.kernels._launch import launch, stream_of
+    from sparseblocks.kernels._vector import load4
+
+    @cuda.jit
+    def empty_kernel(out):
+        pass
+
+    @cuda.jit
+    def read_kernel(out, data, n4, per_thread):
+        i = cuda.grid(1)
+        step = cuda.gridsize(1)
+        acc = float32(-math.inf)
+        for k in range(per_thread):
+            v = i + k * step
+            if v < n4:
+                a, b, c, d = load4(data, (uint64(4 * v),))
+                acc = max(acc, max(max(a, b), max(c, d)))
+        if acc > 1e30:  # (never: the loads must not be dropped)
+            out[0] = acc
+
+    flat = mask_t.reshape(-1)
+    out = torch.zeros(2, dtype=torch.float32, device="cuda")
+    n4 = flat.numel() // 4
+
+    def stream():  # (torch's current one: the capture's, when graph_ms captures)
+        return stream_of(torch.cuda.current_stream().cuda_stream)
+
+    result = {"empty kernel": graph_ms(lambda: launch(empty_kernel, 1, 32, stream(), (out,))) * 1e3}
+    for per_thread in (1, 4):
+        grid = -(-n4 // (256 * per_thread))
+        result[f"read, {per_thread} a thread"] = graph_ms(
+            lambda: launch(read_kernel, grid, 256, stream(), (out, flat, n4, per_thread))) * 1e3
+
+    def fill_then_read():
+        out.zero_()
+        launch(read_kernel, -(-n4 // 256), 256, stream(), (out, flat, n4, 1))
+
+    result["zero fill + read"] = graph_ms(fill_then_read) * 1e3
+    return result
 
 
 def kernel_us(torch, fn, calls=20):
@@ -97,6 +153,7 @@ def main():
         want = reference.reduce_mask(mask, **g)
         row = {"N": n, "window": block, "windows": int(np.prod(reference.block_count((400, 700), (block,) * 2, (0, 0)))) * n,
                "copy": copy_ms(mask.nbytes // 2, graph=True) * 1e3}  # reads + writes = the mask's bytes
+        row.update(floors(torch, mask_t))
         for name, (version, settings) in VARIANTS.items():
             for key, value in {**defaults, **settings}.items():
                 setattr(sbnet, key, value)
@@ -139,7 +196,7 @@ def main():
         print(json.dumps(row), flush=True)
     print(f"\n{device_name()}: reduce_mask, graph µs a call, {args.fraction:.0%} of windows active; "
           "ratio = copy / ours")
-    names = [*VARIANTS, "v2 kept statuses"]
+    names = ["empty kernel", "read, 1 a thread", "read, 4 a thread", "zero fill + read", *VARIANTS, "v2 kept statuses"]
     print("| N | window | windows | copy | " + " | ".join(names) + " |")
     print("|---|---|---|---|" + "---|" * len(names))
     for r in rows:

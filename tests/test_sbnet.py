@@ -240,15 +240,38 @@ def test_reduce_mask_over_several_chunks(monkeypatch, prefix_chunks):
     assert (got[n:] == -1).all()
 
 
+@pytest.mark.parametrize("span", [True, False])
+def test_reduce_mask_chunks_run_across_window_rows_or_within_them(span, monkeypatch):
+    """Chunks of 3 windows over rows of 5 windows and two images: with PASS_SPAN they run on
+    across window rows and images (chunk 1 ends on the next row, chunk 4 on the next image),
+    without it every row is cut into chunks of 3 and 2."""
+    monkeypatch.setattr(sbnet, "PASS_SPAN", span)
+    monkeypatch.setattr(sbnet, "_plans", {})
+    original = sbnet._pass_chunks
+    monkeypatch.setattr(sbnet, "_pass_chunks", lambda size, count_w, total, vector=1: (
+        3, original(size, count_w, total, vector)[1] and 2))
+    rng = np.random.default_rng(13)
+    mask = (rng.random((2, 6, 10)) < 0.15).astype(np.float32)
+    g = {"bsize": 2, "bstride": 2}
+    want = reference.reduce_mask(mask, **g)
+    assert 0 < len(want) < 30
+    got, count = sbnet.reduce_mask(mask, version=2, **g)
+    assert count == len(want)
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("version, look_back", [(1, "warp"), (2, "warp"), (2, "block")])
+@pytest.mark.parametrize("version, look_back, span", [(1, "warp", True), (2, "warp", True), (2, "block", True),
+                                                     (2, "warp", False)])
 @pytest.mark.parametrize("avgpool", [False, True])
-def test_reduce_mask_of_large_masks(avgpool, version, look_back, monkeypatch):
+def test_reduce_mask_of_large_masks(avgpool, version, look_back, span, monkeypatch):
     """Masks of 8 x 400 x 700 (version 1: the scan kernel's path; version 2: 8750 chunks whose
     look-backs wait on each other), large windows, negative offsets; repeated calls give the same
     indices."""
     monkeypatch.setattr(sbnet, "PASS_LOOK_BACK", look_back)
+    monkeypatch.setattr(sbnet, "PASS_SPAN", span)
     monkeypatch.setattr(sbnet, "_kernels", {})
+    monkeypatch.setattr(sbnet, "_plans", {})
     rng = np.random.default_rng(4)
     for shape, g in (((8, 400, 700), {"bsize": 2, "bstride": 2}), ((2, 300, 500), {"bsize": 32, "bstride": 8}),
                      ((3, 200, 333), {"bsize": 5, "bstride": 3, "boffset": -2})):

@@ -77,8 +77,9 @@ COMPACT_THREADS = 256  # flags per thread block of the compaction
 COMPACT_WARPS = COMPACT_THREADS // WARP  # a literal: shared-array shapes must be compile-time constants
 PREFIX_CHUNKS = 4 * COMPACT_THREADS  # chunk counts a compaction block sums itself (4 a thread), else a scan
 # reduce_mask version 2 (one pass): a thread block pools a chunk of up to PASS_WINDOWS consecutive
-# windows of one window row, PASS_THREADS threads over the chunk's columns (and rows, when its
-# columns are fewer than the threads), then looks back for the active windows before it.
+# windows (row-major, across window rows and images with PASS_SPAN, else within one window row),
+# PASS_THREADS threads over the chunk's columns (and rows, when its columns are fewer than the
+# threads), then looks back for the active windows before it.
 PASS_THREADS = 256
 PASS_WARPS = PASS_THREADS // WARP  # a literal: shared-array shapes must be compile-time constants
 PASS_WINDOWS = WARP  # windows a chunk: one lane each for the ballot that ranks them
@@ -88,6 +89,10 @@ PASS_PIXELS = 8 * PASS_THREADS  # pixels a chunk takes at least: 8 loads a threa
 # multiprocessor (0: no such rule), so no chunk's look-back waits on a later wave.
 PASS_WAVE = 4
 PASS_LOADS = 8  # rows a thread loads before it pools any (4 or 8)
+# Chunks run on across window rows: every chunk but the last is full, so a mask whose rows are
+# not a multiple of the chunk leaves no short chunks (8 x 400 x 700, windows of 16: 275 chunks of
+# 32 instead of 400 of 32 and 12, more than the 396 thread blocks a wave holds).
+PASS_SPAN = True
 # Masks read PASS_VECTOR (1, 2 or 4) columns a load (4: 16 bytes of fp32 in one vector load)
 # where every window's columns are whole aligned vectors (widths, strides, offsets and W
 # multiples of it, the mask's pointer aligned): 4x fewer loads, 4x the bytes a load in flight.
@@ -399,6 +404,14 @@ def _look_back_block(status, chunk, tag, nearest_s, sums_s):
     return exclusive
 
 
+@cuda.jit(device=True, inline=True)
+def _window(window, count_h, count_w):
+    """(n, bh, bw) of a row-major window number (32-bit divisions: windows < 2^30)."""
+    row = int32(uint32(window) // uint32(count_w))
+    n = int32(uint32(row) // uint32(count_h))
+    return n, row - n * count_h, window - row * count_w
+
+
 def _make_pass_kernel(avgpool, wide, vector):
     """reduce_mask in one pass (version 2): pooling, ranks and compaction in one kernel.
 
@@ -459,6 +472,7 @@ def _make_pass_kernel(avgpool, wide, vector):
     @cuda.jit(**({} if PASS_MAX_REGISTERS is None else {"max_registers": PASS_MAX_REGISTERS}))
     def pass_kernel(indices, count, status, mask, n_images, height, width, count_h, count_w,
                     size_h, size_w, stride_h, stride_w, offset_h, offset_w, tol, per_chunk, chunks_per_row):
+        # chunks_per_row 0: chunks of per_chunk windows run on across window rows (PASS_SPAN).
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
@@ -471,27 +485,32 @@ def _make_pass_kernel(avgpool, wide, vector):
         sums_s = cuda.shared.array(PASS_WARPS, np.int64)
         if tid == 0:  # the launch count's read is on its way while the chunk is pooled
             tag_s[0] = (load_relaxed(status, (uint64(0),)) + 1) & STATUS_TAG_MASK
-        window_row = chunk // chunks_per_row
-        bw0 = (chunk - window_row * chunks_per_row) * per_chunk
-        n = window_row // count_h
-        bh = window_row - n * count_h
-        windows = min(per_chunk, count_w - bw0)
+        total = n_images * count_h * count_w
+        if chunks_per_row == 0:
+            first = chunk * per_chunk  # the chunk's first window, row-major
+            windows = min(per_chunk, total - first)
+        else:
+            window_row = chunk // chunks_per_row
+            bw0 = (chunk - window_row * chunks_per_row) * per_chunk
+            first = window_row * count_w + bw0
+            windows = min(per_chunk, count_w - bw0)
         units = size_w // VECTOR  # a window's columns, a vector each (a multiple: the launcher's check)
         columns = windows * units
         lanes = min(columns, PASS_THREADS)  # threads across the columns ...
         phases = PASS_THREADS // lanes  # ... and across the rows
         entries = phases * units  # values a window leaves in shared memory
         empty = acc_type(0) if avgpool else acc_type(-math.inf)
-        h0 = offset_h + bh * stride_h
-        r_begin = max(0, -h0)  # the window's rows on the image
-        r_end = min(size_h, height - h0)
         phase = tid // lanes
         q = tid - phase * lanes
         if phase < phases:
             while q < columns:
                 j = int32(uint32(q) // uint32(units))  # (32-bit: a 64-bit division is a call)
                 c = q - j * units
-                w = offset_w + (bw0 + j) * stride_w + c * VECTOR
+                n, bh, bw = _window(first + j, count_h, count_w)
+                h0 = offset_h + bh * stride_h
+                r_begin = max(0, -h0)  # the window's rows on the image
+                r_end = min(size_h, height - h0)
+                w = offset_w + bw * stride_w + c * VECTOR
                 acc = empty
                 if 0 <= w < width:  # (a vector's first column and width are multiples of VECTOR)
                     # Only the window's rows on the image, r_begin <= r < r_end, are read: the
@@ -544,14 +563,15 @@ def _make_pass_kernel(avgpool, wide, vector):
                 cuda.atomic.exch(status, 1 + chunk, (tag << STATUS_TAG_SHIFT) | STATUS_PREFIX | (exclusive + aggregate))
             if lane < windows:
                 before = int64(cuda.popc(ballot & cuda.lanemask_lt()))
-                window = window_row * count_w + bw0 + lane
+                window = first + lane
                 if (ballot >> lane) & 1:
                     row = exclusive + before
+                    n, bh, bw = _window(window, count_h, count_w)
                     indices[row, 0] = n
                     indices[row, 1] = bh
-                    indices[row, 2] = bw0 + lane
+                    indices[row, 2] = bw
                 else:  # inactive windows fill rows total-1, total-2, ... in row-major order
-                    row = n_images * count_h * count_w - 1 - (window - exclusive - before)
+                    row = total - 1 - (window - exclusive - before)
                     indices[row, 0] = -1
                     indices[row, 1] = -1
                     indices[row, 2] = -1
@@ -1211,13 +1231,13 @@ def _reduce_group_warps(size, total):
 
 
 def _pass_chunks(size, count_w, total, vector=1):
-    """(windows a chunk, chunks a window row) of reduce_mask's version 2: at least PASS_PIXELS
-    loads a chunk (`vector` pixels each) and at most a wave of chunks (PASS_WAVE), within
-    PASS_WINDOWS windows and PASS_COLUMNS columns."""
+    """(windows a chunk, chunks a window row: 0 where they run on across rows, PASS_SPAN) of
+    reduce_mask's version 2: at least PASS_PIXELS loads a chunk (`vector` pixels each) and at most
+    a wave of chunks (PASS_WAVE), within PASS_WINDOWS windows and PASS_COLUMNS columns."""
     wave = -(-total // (PASS_WAVE * multiprocessors())) if PASS_WAVE else 1
     wanted = max(PASS_PIXELS * vector // (size[0] * size[1]), wave)
-    per_chunk = max(1, min(PASS_WINDOWS, PASS_COLUMNS // size[1], wanted, count_w))
-    return per_chunk, -(-count_w // per_chunk)
+    per_chunk = max(1, min(PASS_WINDOWS, PASS_COLUMNS // size[1], wanted, total if PASS_SPAN else count_w))
+    return per_chunk, 0 if PASS_SPAN else -(-count_w // per_chunk)
 
 
 def _pass_vector(dtype, mask, width, size, stride, offset):
@@ -1273,7 +1293,7 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
         if vector > 1 and mask_op.dtype == "bool":
             mask_device = _as_dtype(mask_device, "uint8")  # (a vector of bools would load as bits)
         per_chunk, chunks_per_row = _pass_chunks(size, count_hw[1], total, vector)
-        n_chunks = N * count_hw[0] * chunks_per_row
+        n_chunks = -(-total // per_chunk) if chunks_per_row == 0 else N * count_hw[0] * chunks_per_row
         # Zeroed statuses (tags start at 1) from the caller's allocator; status[0] counts launches.
         status = mask_op.scratch(n_chunks + 1, "int64", stream)
         _zero(status, stream)
