@@ -130,7 +130,7 @@ def main():
         check(f"pass_kernel (avgpool={avgpool}, {mask}, vector {vector})",
               sbnet._make_pass_kernel(avgpool, wide, vector).py_func,
               (types.int32[:, ::1], types.int32[::1], types.int64[::1], getattr(types, mask)[:, :, ::1])
-              + (i64,) * 11 + (types.float64, i64, i64))
+              + (i64,) * 11 + (types.float64, i64, i64, i64))
         for avgpool, wide, mask, vector in (
             (False, False, "float32", 1), (False, False, "boolean", 1), (True, True, "float16", 1),
             (False, True, "float64", 1), (False, False, "float32", 4), (True, True, "float16", 4),

@@ -36,11 +36,8 @@ VARIANTS = {
     "v2 no look-back": (2, {"_look_back": None}),  # (the stub below: timing only, wrong indices)
     "v2 scalar loads": (2, {"PASS_VECTOR": 1}),  # one column a load where vectors would do
     "v2 64 registers": (2, {"PASS_MAX_REGISTERS": 64}),  # 4 thread blocks an SM (spills ~90 bytes)
-    "v2 within rows": (2, {"PASS_SPAN": False}),  # chunks cut at window rows (sessions 10-13)
-    "v2 8 a chunk": (2, {"_pass_chunks": lambda size, count_w, total, vector=1: (min(8, total), 0)}),
-    "v2 16 a chunk": (2, {"_pass_chunks": lambda size, count_w, total, vector=1: (min(16, total), 0)}),
-    "v2 8 a chunk, block look-back": (2, {"PASS_LOOK_BACK": "block", "_pass_chunks":
-                                          lambda size, count_w, total, vector=1: (min(8, total), 0)}),
+    "v2 warp pools": (2, {"PASS_LANE_ENTRIES": 0}),  # warps pool whole windows, then a barrier
+    "v2 16 a chunk": (2, {"PASS_WINDOWS": 16}),  # (read by _pass_chunks only: smaller chunks)
 }
 TIMING_ONLY = ("v2 no look-back",)
 

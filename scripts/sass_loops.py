@@ -90,7 +90,7 @@ def reduce_mask(tool):
 
     i64 = types.int64
     signature = (types.int32[:, ::1], types.int32[::1], types.int64[::1], types.float32[:, :, ::1]) \
-        + (i64,) * 11 + (types.float64, i64, i64)
+        + (i64,) * 11 + (types.float64, i64, i64, i64)
     print("| loads | loop | length | " + " | ".join(COUNTS) + " |")
     print("|---" * (3 + len(COUNTS)) + "|")
     for vector in (1, sbnet.PASS_VECTOR):

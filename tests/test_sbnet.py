@@ -147,8 +147,7 @@ def test_reduce_mask_of_tall_windows(avgpool, top, vector, monkeypatch):
     width = 48 if vector == 1 else 192  # (columns enough that a thread's rows are PASS_LOADS or more)
     g = {"bsize": (48, 8), "bstride": (48, 8), "boffset": (top, 0)}
     count_hw = reference.block_count((96, width), g["bstride"], g["boffset"])
-    per_chunk, _ = sbnet._pass_chunks(g["bsize"], count_hw[1], count_hw[0] * count_hw[1], vector)
-    phases = sbnet.PASS_THREADS // min(per_chunk * 8 // vector, sbnet.PASS_THREADS)
+    _, _, phases = sbnet._pass_chunks(g["bsize"], count_hw[0] * count_hw[1], vector)
     assert 48 >= sbnet.PASS_LOADS * phases  # (so that the untested loads run: rows r, r + phases, ...)
     mask = np.zeros((1, 96, width), np.float32)
     for bh in range(count_hw[0]):
@@ -240,16 +239,15 @@ def test_reduce_mask_over_several_chunks(monkeypatch, prefix_chunks):
     assert (got[n:] == -1).all()
 
 
-@pytest.mark.parametrize("span", [True, False])
-def test_reduce_mask_chunks_run_across_window_rows_or_within_them(span, monkeypatch):
-    """Chunks of 3 windows over rows of 5 windows and two images: with PASS_SPAN they run on
-    across window rows and images (chunk 1 ends on the next row, chunk 4 on the next image),
-    without it every row is cut into chunks of 3 and 2."""
-    monkeypatch.setattr(sbnet, "PASS_SPAN", span)
+@pytest.mark.parametrize("lane_entries", [32, 0])
+def test_reduce_mask_chunks_run_across_window_rows_and_images(lane_entries, monkeypatch):
+    """Chunks of 3 windows over rows of 5 windows and two images: they run on across window rows
+    (chunk 1 ends on the next row) and images (chunk 4); a window's entries pooled by one lane, or
+    (PASS_LANE_ENTRIES 0) by a warp."""
+    monkeypatch.setattr(sbnet, "PASS_LANE_ENTRIES", lane_entries)
     monkeypatch.setattr(sbnet, "_plans", {})
-    original = sbnet._pass_chunks
-    monkeypatch.setattr(sbnet, "_pass_chunks", lambda size, count_w, total, vector=1: (
-        3, original(size, count_w, total, vector)[1] and 2))
+    lanes = 3 * 2  # (3 windows of 2 columns; one column a load: W = 10 is no multiple of 4)
+    monkeypatch.setattr(sbnet, "_pass_chunks", lambda size, total, vector=1: (3, lanes, sbnet.PASS_THREADS // lanes))
     rng = np.random.default_rng(13)
     mask = (rng.random((2, 6, 10)) < 0.15).astype(np.float32)
     g = {"bsize": 2, "bstride": 2}
@@ -261,15 +259,15 @@ def test_reduce_mask_chunks_run_across_window_rows_or_within_them(span, monkeypa
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version, look_back, span", [(1, "warp", True), (2, "warp", True), (2, "block", True),
-                                                     (2, "warp", False)])
+@pytest.mark.parametrize("version, look_back, lane_entries", [(1, "warp", 32), (2, "warp", 32), (2, "block", 32),
+                                                             (2, "warp", 0)])
 @pytest.mark.parametrize("avgpool", [False, True])
-def test_reduce_mask_of_large_masks(avgpool, version, look_back, span, monkeypatch):
+def test_reduce_mask_of_large_masks(avgpool, version, look_back, lane_entries, monkeypatch):
     """Masks of 8 x 400 x 700 (version 1: the scan kernel's path; version 2: 8750 chunks whose
     look-backs wait on each other), large windows, negative offsets; repeated calls give the same
     indices."""
     monkeypatch.setattr(sbnet, "PASS_LOOK_BACK", look_back)
-    monkeypatch.setattr(sbnet, "PASS_SPAN", span)
+    monkeypatch.setattr(sbnet, "PASS_LANE_ENTRIES", lane_entries)
     monkeypatch.setattr(sbnet, "_kernels", {})
     monkeypatch.setattr(sbnet, "_plans", {})
     rng = np.random.default_rng(4)

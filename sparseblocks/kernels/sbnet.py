@@ -9,7 +9,7 @@ zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
   active ones in row-major order (the reference's). Version 2 (the default)
   does it in one pass after zeroing a status word a chunk
   (`_make_pass_kernel`): a thread block pools a chunk of consecutive windows
-  of one window row, its threads along the chunk's columns (eight rows'
+  (row-major, across rows and images), its threads along the chunk's columns (eight rows'
   loads in flight, 4 columns a vector load where the windows and the mask's
   pointer are aligned to it: `PASS_VECTOR`), ranks the chunk's active
   windows by a ballot, publishes their count and finds the count before it
@@ -77,9 +77,9 @@ COMPACT_THREADS = 256  # flags per thread block of the compaction
 COMPACT_WARPS = COMPACT_THREADS // WARP  # a literal: shared-array shapes must be compile-time constants
 PREFIX_CHUNKS = 4 * COMPACT_THREADS  # chunk counts a compaction block sums itself (4 a thread), else a scan
 # reduce_mask version 2 (one pass): a thread block pools a chunk of up to PASS_WINDOWS consecutive
-# windows (row-major, across window rows and images with PASS_SPAN, else within one window row),
-# PASS_THREADS threads over the chunk's columns (and rows, when its columns are fewer than the
-# threads), then looks back for the active windows before it.
+# windows (row-major, across window rows and images), PASS_THREADS threads over the chunk's
+# columns (and rows, when its columns are fewer than the threads), then looks back for the
+# active windows before it.
 PASS_THREADS = 256
 PASS_WARPS = PASS_THREADS // WARP  # a literal: shared-array shapes must be compile-time constants
 PASS_WINDOWS = WARP  # windows a chunk: one lane each for the ballot that ranks them
@@ -89,10 +89,12 @@ PASS_PIXELS = 8 * PASS_THREADS  # pixels a chunk takes at least: 8 loads a threa
 # multiprocessor (0: no such rule), so no chunk's look-back waits on a later wave.
 PASS_WAVE = 4
 PASS_LOADS = 8  # rows a thread loads before it pools any (4 or 8)
-# Chunks run on across window rows: every chunk but the last is full, so a mask whose rows are
-# not a multiple of the chunk leaves no short chunks (8 x 400 x 700, windows of 16: 275 chunks of
-# 32 instead of 400 of 32 and 12, more than the 396 thread blocks a wave holds).
-PASS_SPAN = True
+# Chunks run on across window rows and images: every chunk but the last is full (8 x 400 x 700,
+# windows of 16: 275 chunks of 32, where chunks within a window row were 400 of 32 and 12, more
+# than the 396 thread blocks of a wave).
+# A window of at most PASS_LANE_ENTRIES values in shared memory is pooled by one lane (no
+# shuffles, no barrier before the ballot), larger ones by a warp.
+PASS_LANE_ENTRIES = 32
 # Masks read PASS_VECTOR (1, 2 or 4) columns a load (4: 16 bytes of fp32 in one vector load)
 # where every window's columns are whole aligned vectors (widths, strides, offsets and W
 # multiples of it, the mask's pointer aligned): 4x fewer loads, 4x the bytes a load in flight.
@@ -415,15 +417,16 @@ def _window(window, count_h, count_w):
 def _make_pass_kernel(avgpool, wide, vector):
     """reduce_mask in one pass (version 2): pooling, ranks and compaction in one kernel.
 
-    Thread block `chunk` takes `windows` (<= PASS_WINDOWS) consecutive windows of one window
-    row. Its threads walk the chunk's columns (windows x size_w of them, at most PASS_COLUMNS;
+    Thread block `chunk` takes `windows` (<= PASS_WINDOWS) consecutive windows, row-major
+    across window rows and images. Its threads walk the chunk's columns (windows x size_w of them, at most PASS_COLUMNS;
     with overlapping windows a column is read once per window; with `vector` > 1, a "column"
     is that many adjacent ones, read by one vector load and pooled) and, when the columns are fewer
     than the threads, split the rows into `phases`: each thread pools one column over its rows
     on the image (rows off it are skipped), PASS_LOADS loads in flight without a test, then
     the rest four at a time (rows past the last read it and are dropped by a select), and
-    leaves the value in shared memory, a window's entries together. Each warp
-    then pools whole windows (lanes over entries, shuffles), warp 0 ranks the chunk's active
+    leaves the value in shared memory, a window's entries together. Lane j of warp 0 then
+    pools window j's entries (or, past PASS_LANE_ENTRIES of them, each warp pools whole windows,
+    lanes over entries, shuffles), warp 0 ranks the chunk's active
     windows by a ballot, publishes their count, finds the count before the chunk by
     `_look_back`, and writes each window's row: (n, bh, bw) at its row-major rank if active,
     else n = -1 from the back (rows count.. hold those). The last chunk writes the count and
@@ -471,8 +474,9 @@ def _make_pass_kernel(avgpool, wide, vector):
 
     @cuda.jit(**({} if PASS_MAX_REGISTERS is None else {"max_registers": PASS_MAX_REGISTERS}))
     def pass_kernel(indices, count, status, mask, n_images, height, width, count_h, count_w,
-                    size_h, size_w, stride_h, stride_w, offset_h, offset_w, tol, per_chunk, chunks_per_row):
-        # chunks_per_row 0: chunks of per_chunk windows run on across window rows (PASS_SPAN).
+                    size_h, size_w, stride_h, stride_w, offset_h, offset_w, tol, per_chunk, lanes, phases):
+        # lanes x phases: threads across a full chunk's columns x across its rows (the launcher's:
+        # a division here is a chain of dependent instructions before the first load).
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
@@ -486,21 +490,13 @@ def _make_pass_kernel(avgpool, wide, vector):
         if tid == 0:  # the launch count's read is on its way while the chunk is pooled
             tag_s[0] = (load_relaxed(status, (uint64(0),)) + 1) & STATUS_TAG_MASK
         total = n_images * count_h * count_w
-        if chunks_per_row == 0:
-            first = chunk * per_chunk  # the chunk's first window, row-major
-            windows = min(per_chunk, total - first)
-        else:
-            window_row = chunk // chunks_per_row
-            bw0 = (chunk - window_row * chunks_per_row) * per_chunk
-            first = window_row * count_w + bw0
-            windows = min(per_chunk, count_w - bw0)
+        first = chunk * per_chunk  # the chunk's first window, row-major
+        windows = min(per_chunk, total - first)  # (fewer in the last chunk: its threads past them idle)
         units = size_w // VECTOR  # a window's columns, a vector each (a multiple: the launcher's check)
         columns = windows * units
-        lanes = min(columns, PASS_THREADS)  # threads across the columns ...
-        phases = PASS_THREADS // lanes  # ... and across the rows
         entries = phases * units  # values a window leaves in shared memory
         empty = acc_type(0) if avgpool else acc_type(-math.inf)
-        phase = tid // lanes
+        phase = int32(uint32(tid) // uint32(lanes))
         q = tid - phase * lanes
         if phase < phases:
             while q < columns:
@@ -531,24 +527,46 @@ def _make_pass_kernel(avgpool, wide, vector):
                 values[j * (entries + 1) + phase * units + c] = acc
                 q += lanes
         cuda.syncthreads()  # every column's value (and the tag) is in shared memory
-        j = warp
-        while j < windows:  # the same for every lane: warps pool whole windows
-            acc = empty
-            e = lane
-            while e < entries:
-                acc = pool(acc, values[j * (entries + 1) + e])
-                e += WARP
-            offset = 16
-            while offset > 0:
-                acc = pool(acc, cuda.shfl_xor_sync(FULL_MASK, acc, offset))
-                offset //= 2
-            if lane == 0:
-                pooled = float64(acc) / (size_h * size_w) if avgpool else float64(acc)
-                active_s[j] = 1 if pooled > tol else 0
-            j += PASS_WARPS
-        cuda.syncthreads()  # every window's flag is in active_s
+        # A window's flag: with few entries, lane j of warp 0 pools window j's alone (four loads
+        # in flight; the padded pitch puts the lanes' reads in distinct banks), no barrier after;
+        # else warps pool whole windows, lanes over the entries, and leave flags in active_s.
+        active = False
+        if entries <= PASS_LANE_ENTRIES:  # (the same for the whole block)
+            if warp == 0 and lane < windows:
+                base = lane * (entries + 1)
+                a0, a1, a2, a3 = empty, empty, empty, empty
+                e = 0
+                while e + 4 <= entries:
+                    a0 = pool(a0, values[base + e])
+                    a1 = pool(a1, values[base + e + 1])
+                    a2 = pool(a2, values[base + e + 2])
+                    a3 = pool(a3, values[base + e + 3])
+                    e += 4
+                while e < entries:
+                    a0 = pool(a0, values[base + e])
+                    e += 1
+                acc = pool(pool(a0, a1), pool(a2, a3))
+                active = (float64(acc) / (size_h * size_w) if avgpool else float64(acc)) > tol
+        else:
+            j = warp
+            while j < windows:  # the same for every lane: warps pool whole windows
+                acc = empty
+                e = lane
+                while e < entries:
+                    acc = pool(acc, values[j * (entries + 1) + e])
+                    e += WARP
+                offset = 16
+                while offset > 0:
+                    acc = pool(acc, cuda.shfl_xor_sync(FULL_MASK, acc, offset))
+                    offset //= 2
+                if lane == 0:
+                    pooled = float64(acc) / (size_h * size_w) if avgpool else float64(acc)
+                    active_s[j] = 1 if pooled > tol else 0
+                j += PASS_WARPS
+            cuda.syncthreads()  # every window's flag is in active_s
+            active = lane < windows and active_s[lane] != 0
         tag = tag_s[0]
-        ballot = cuda.ballot_sync(FULL_MASK, lane < windows and active_s[lane] != 0)
+        ballot = cuda.ballot_sync(FULL_MASK, active)  # (warp 0's is the one used)
         aggregate = int64(cuda.popc(ballot))
         if tid == 0:  # the chunk's own count out first: successors need not wait for its prefix
             cuda.atomic.exch(status, 1 + chunk, (tag << STATUS_TAG_SHIFT) | aggregate
@@ -1230,14 +1248,16 @@ def _reduce_group_warps(size, total):
     return warps
 
 
-def _pass_chunks(size, count_w, total, vector=1):
-    """(windows a chunk, chunks a window row: 0 where they run on across rows, PASS_SPAN) of
-    reduce_mask's version 2: at least PASS_PIXELS loads a chunk (`vector` pixels each) and at most
-    a wave of chunks (PASS_WAVE), within PASS_WINDOWS windows and PASS_COLUMNS columns."""
+def _pass_chunks(size, total, vector=1):
+    """(windows a chunk, lanes, phases) of reduce_mask's version 2: at least PASS_PIXELS loads a
+    chunk (`vector` pixels each) and at most a wave of chunks (PASS_WAVE), within PASS_WINDOWS
+    windows and PASS_COLUMNS columns; a full chunk's threads across its columns (lanes) and rows
+    (phases)."""
     wave = -(-total // (PASS_WAVE * multiprocessors())) if PASS_WAVE else 1
     wanted = max(PASS_PIXELS * vector // (size[0] * size[1]), wave)
-    per_chunk = max(1, min(PASS_WINDOWS, PASS_COLUMNS // size[1], wanted, total if PASS_SPAN else count_w))
-    return per_chunk, 0 if PASS_SPAN else -(-count_w // per_chunk)
+    per_chunk = max(1, min(PASS_WINDOWS, PASS_COLUMNS // size[1], wanted, total))
+    lanes = min(per_chunk * (size[1] // vector), PASS_THREADS)
+    return per_chunk, lanes, PASS_THREADS // lanes
 
 
 def _pass_vector(dtype, mask, width, size, stride, offset):
@@ -1252,7 +1272,8 @@ def _pass_vector(dtype, mask, width, size, stride, offset):
 
 def _pass_kernel(avgpool, wide, vector):
     # The settings a kernel is built with are in its key: the launcher reads them at each call.
-    key = ("pass", avgpool, wide, vector, PASS_THREADS, PASS_COLUMNS, PASS_LOADS, PASS_LOOK_BACK, PASS_MAX_REGISTERS)
+    key = ("pass", avgpool, wide, vector, PASS_THREADS, PASS_COLUMNS, PASS_LOADS, PASS_LOOK_BACK, PASS_MAX_REGISTERS,
+           PASS_LANE_ENTRIES)
     if key not in _kernels:
         _kernels[key] = _make_pass_kernel(avgpool, wide, vector)
     return _kernels[key]
@@ -1292,15 +1313,15 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
         vector = _pass_vector(mask_op.dtype, mask_device, W, size, stride, offset)
         if vector > 1 and mask_op.dtype == "bool":
             mask_device = _as_dtype(mask_device, "uint8")  # (a vector of bools would load as bits)
-        per_chunk, chunks_per_row = _pass_chunks(size, count_hw[1], total, vector)
-        n_chunks = -(-total // per_chunk) if chunks_per_row == 0 else N * count_hw[0] * chunks_per_row
+        per_chunk, lanes, phases = _pass_chunks(size, total, vector)
+        n_chunks = -(-total // per_chunk)
         # Zeroed statuses (tags start at 1) from the caller's allocator; status[0] counts launches.
         status = mask_op.scratch(n_chunks + 1, "int64", stream)
         _zero(status, stream)
         kernel = _pass_kernel(bool(avgpool), bool(avgpool) or mask_op.dtype == "float64", vector)
         one = (kernel, n_chunks, PASS_THREADS, (
             indices, count, status, mask_device, N, H, W, count_hw[0], count_hw[1], size[0], size[1],
-            stride[0], stride[1], offset[0], offset[1], float(tol), per_chunk, chunks_per_row))
+            stride[0], stride[1], offset[0], offset[1], float(tol), per_chunk, lanes, phases))
         launch(one[0], one[1], one[2], stream, one[3])
         _keep_plan("reduce", (mask,), None, settings, tuple(indices_native.shape), [(one, (0, 1, 2, 3))],
                    ("pass", n_chunks + 1))
