@@ -239,7 +239,7 @@ def test_reduce_mask_over_several_chunks(monkeypatch, prefix_chunks):
     assert (got[n:] == -1).all()
 
 
-@pytest.mark.parametrize("lane_entries", [32, 0])
+@pytest.mark.parametrize("lane_entries", [16, 0])
 def test_reduce_mask_chunks_run_across_window_rows_and_images(lane_entries, monkeypatch):
     """Chunks of 3 windows over rows of 5 windows and two images: they run on across window rows
     (chunk 1 ends on the next row) and images (chunk 4); a window's entries pooled by one lane, or
@@ -259,7 +259,7 @@ def test_reduce_mask_chunks_run_across_window_rows_and_images(lane_entries, monk
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version, look_back, lane_entries", [(1, "warp", 32), (2, "warp", 32), (2, "block", 32),
+@pytest.mark.parametrize("version, look_back, lane_entries", [(1, "warp", 16), (2, "warp", 16), (2, "block", 16),
                                                              (2, "warp", 0)])
 @pytest.mark.parametrize("avgpool", [False, True])
 def test_reduce_mask_of_large_masks(avgpool, version, look_back, lane_entries, monkeypatch):

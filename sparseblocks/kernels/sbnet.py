@@ -93,8 +93,10 @@ PASS_LOADS = 8  # rows a thread loads before it pools any (4 or 8)
 # windows of 16: 275 chunks of 32, where chunks within a window row were 400 of 32 and 12, more
 # than the 396 thread blocks of a wave).
 # A window of at most PASS_LANE_ENTRIES values in shared memory is pooled by one lane (no
-# shuffles, no barrier before the ballot), larger ones by a warp.
-PASS_LANE_ENTRIES = 32
+# shuffles, no barrier before the ballot), larger ones by a warp (H100, graph µs, one lane against
+# warps: 1 x 400 x 700 windows of 16 (8 entries) 5.54 / 7.07, 8 x 400 x 700 8.78 / 9.47; windows
+# of 32 (32 entries) 6.67 / 6.45 and 9.69 / 9.42).
+PASS_LANE_ENTRIES = 16
 # Masks read PASS_VECTOR (1, 2 or 4) columns a load (4: 16 bytes of fp32 in one vector load)
 # where every window's columns are whole aligned vectors (widths, strides, offsets and W
 # multiples of it, the mask's pointer aligned): 4x fewer loads, 4x the bytes a load in flight.
