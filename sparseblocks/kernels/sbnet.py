@@ -608,6 +608,18 @@ def _make_pass_kernel(avgpool, wide, vector):
 
 
 @cuda.jit(device=True, inline=True)
+def _block_entry(indices, count, i):
+    """(whether block i is below the count, its n, bh, bw), all four words requested before any is
+    used: plain loads of the indices were sunk past the count's test by the compiler, a second
+    memory round trip before the data's (i: below the indices' rows, so valid past the count)."""
+    active = load_relaxed(count, (uint64(0),))
+    n = load_relaxed(indices, (uint64(i), uint64(0)))
+    bh = load_relaxed(indices, (uint64(i), uint64(1)))
+    bw = load_relaxed(indices, (uint64(i), uint64(2)))
+    return i < active, n, bh, bw
+
+
+@cuda.jit(device=True, inline=True)
 def _split(p, d, inv):
     """(p // d, p % d) for 0 <= p < 2**24 through a float reciprocal (64-bit division is slow)."""
     q = int64(float32(p) * inv)
@@ -679,17 +691,14 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
             return uint64(i), uint64(r), uint64(s), uint64(c)
         return uint64(i), uint64(c), uint64(r), uint64(s)
 
-    @cuda.jit(device=True, inline=True)
-    def window(indices, i, stride_h, stride_w, offset_h, offset_w):
-        return indices[i, 0], offset_h + indices[i, 1] * stride_h, offset_w + indices[i, 2] * stride_w
-
     @cuda.jit
     def copy_plain(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w):
         i = cuda.blockIdx.x
-        if i >= count[0]:
+        live, n, bh, bw = _block_entry(indices, count, i)
+        if not live:
             return
         N, H, W, C = image_shape(image)
-        n, h0, w0 = window(indices, i, stride_h, stride_w, offset_h, offset_w)
+        h0, w0 = offset_h + bh * stride_h, offset_w + bw * stride_w
         n_ok = 0 <= n < N
         if scatter and not n_ok:
             return
@@ -761,10 +770,11 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
     @cuda.jit
     def copy_transposed(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w):
         i = cuda.blockIdx.x
-        if i >= count[0]:
+        live, n, bh, bw = _block_entry(indices, count, i)
+        if not live:
             return  # the same for the whole thread block, before any barrier
         N, H, W, C = image_shape(image)
-        n, h0, w0 = window(indices, i, stride_h, stride_w, offset_h, offset_w)
+        h0, w0 = offset_h + bh * stride_h, offset_w + bw * stride_w
         n_ok = 0 <= n < N
         if scatter and not n_ok:
             return  # the same for the whole thread block, before any barrier
@@ -882,14 +892,12 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
 
     @cuda.jit(device=True, inline=True)
     def row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w):
-        """(first of this thread block's window row, its n, h, w0, whether it is inside the image):
-        the count and the window's indices are read together (one memory round trip)."""
-        i = cuda.blockIdx.x
-        active = count[0]
-        n = indices[i, 0]  # i < the indices' rows: a valid read even past the count
-        h = offset_h + indices[i, 1] * stride_h + cuda.blockIdx.y
-        w0 = offset_w + indices[i, 2] * stride_w
-        return i < active, n, h, w0, 0 <= n < N and 0 <= h < H
+        """(whether this thread block's window is below the count, its n, this row's h, w0, whether
+        the row is inside the image): one memory round trip (`_block_entry`)."""
+        live, n, bh, bw = _block_entry(indices, count, cuda.blockIdx.x)
+        h = offset_h + bh * stride_h + cuda.blockIdx.y
+        w0 = offset_w + bw * stride_w
+        return live, n, h, w0, 0 <= n < N and 0 <= h < H
 
     @cuda.jit
     def copy_rows(image, blocks, indices, count, N, H, W, CV, size_h, size_w, stride_h, stride_w,
@@ -908,7 +916,8 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
         threads = cuda.blockDim.x
         values = cuda.local.array((ROW_UNROLL, WIDTH), element)
         olds = cuda.local.array((ROW_UNROLL, WIDTH), element)
-        for start in range(cuda.threadIdx.x, total, threads * ROW_UNROLL):
+        start = cuda.threadIdx.x
+        while start < total:  # (a range with this step would divide in 64 bits for its trip count)
             for u in range(ROW_UNROLL):  # every load first: ROW_UNROLL in flight
                 v = start + u * threads
                 inside = lo <= v < hi
@@ -934,6 +943,7 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
                         store(image, uint64(image_row + v * WIDTH), plus(got, old) if add else got)
                 elif v < total:
                     store(blocks, uint64(block_row + v * WIDTH), got)
+            start += threads * ROW_UNROLL
 
     @cuda.jit(device=True, inline=True)
     def image_vector(e, image_row, w0, s0, c0, C, W, size_w):
@@ -961,9 +971,10 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
         live, n, h, w0, row_ok = row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w)
         if not live or (scatter and not row_ok):
             return  # the same for the whole thread block, before the barrier
-        c_chunks = (C + CT - 1) // CT
-        s0 = (cuda.blockIdx.z // c_chunks) * PT
-        c0 = (cuda.blockIdx.z - (cuda.blockIdx.z // c_chunks) * c_chunks) * CT
+        c_chunks = uint32((C + CT - 1) // CT)
+        pixel_chunk = int32(uint32(cuda.blockIdx.z) // c_chunks)  # (32-bit: a 64-bit division is a call)
+        s0 = pixel_chunk * PT
+        c0 = (cuda.blockIdx.z - pixel_chunk * c_chunks) * CT
         tile = cuda.shared.array(TILE_SHAPE_ROWS, float32)
         image_row = (int64(n) * H + h) * W
         block_row = int64(cuda.blockIdx.x) * C * size_h + cuda.blockIdx.y
