@@ -608,18 +608,6 @@ def _make_pass_kernel(avgpool, wide, vector):
 
 
 @cuda.jit(device=True, inline=True)
-def _block_entry(indices, count, i):
-    """(whether block i is below the count, its n, bh, bw), all four words requested before any is
-    used: plain loads of the indices were sunk past the count's test by the compiler, a second
-    memory round trip before the data's (i: below the indices' rows, so valid past the count)."""
-    active = load_relaxed(count, (uint64(0),))
-    n = load_relaxed(indices, (uint64(i), uint64(0)))
-    bh = load_relaxed(indices, (uint64(i), uint64(1)))
-    bw = load_relaxed(indices, (uint64(i), uint64(2)))
-    return i < active, n, bh, bw
-
-
-@cuda.jit(device=True, inline=True)
 def _split(p, d, inv):
     """(p // d, p % d) for 0 <= p < 2**24 through a float reciprocal (64-bit division is slow)."""
     q = int64(float32(p) * inv)
@@ -691,14 +679,17 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
             return uint64(i), uint64(r), uint64(s), uint64(c)
         return uint64(i), uint64(c), uint64(r), uint64(s)
 
+    @cuda.jit(device=True, inline=True)
+    def window(indices, i, stride_h, stride_w, offset_h, offset_w):
+        return indices[i, 0], offset_h + indices[i, 1] * stride_h, offset_w + indices[i, 2] * stride_w
+
     @cuda.jit
     def copy_plain(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w):
         i = cuda.blockIdx.x
-        live, n, bh, bw = _block_entry(indices, count, i)
-        if not live:
+        if i >= count[0]:
             return
         N, H, W, C = image_shape(image)
-        h0, w0 = offset_h + bh * stride_h, offset_w + bw * stride_w
+        n, h0, w0 = window(indices, i, stride_h, stride_w, offset_h, offset_w)
         n_ok = 0 <= n < N
         if scatter and not n_ok:
             return
@@ -770,11 +761,10 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
     @cuda.jit
     def copy_transposed(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w):
         i = cuda.blockIdx.x
-        live, n, bh, bw = _block_entry(indices, count, i)
-        if not live:
+        if i >= count[0]:
             return  # the same for the whole thread block, before any barrier
         N, H, W, C = image_shape(image)
-        h0, w0 = offset_h + bh * stride_h, offset_w + bw * stride_w
+        n, h0, w0 = window(indices, i, stride_h, stride_w, offset_h, offset_w)
         n_ok = 0 <= n < N
         if scatter and not n_ok:
             return  # the same for the whole thread block, before any barrier
@@ -892,12 +882,14 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
 
     @cuda.jit(device=True, inline=True)
     def row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w):
-        """(whether this thread block's window is below the count, its n, this row's h, w0, whether
-        the row is inside the image): one memory round trip (`_block_entry`)."""
-        live, n, bh, bw = _block_entry(indices, count, cuda.blockIdx.x)
-        h = offset_h + bh * stride_h + cuda.blockIdx.y
-        w0 = offset_w + bw * stride_w
-        return live, n, h, w0, 0 <= n < N and 0 <= h < H
+        """(first of this thread block's window row, its n, h, w0, whether it is inside the image):
+        the count and the window's indices are read together (one memory round trip)."""
+        i = cuda.blockIdx.x
+        active = count[0]
+        n = indices[i, 0]  # i < the indices' rows: a valid read even past the count
+        h = offset_h + indices[i, 1] * stride_h + cuda.blockIdx.y
+        w0 = offset_w + indices[i, 2] * stride_w
+        return i < active, n, h, w0, 0 <= n < N and 0 <= h < H
 
     @cuda.jit
     def copy_rows(image, blocks, indices, count, N, H, W, CV, size_h, size_w, stride_h, stride_w,
