@@ -908,8 +908,7 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
         threads = cuda.blockDim.x
         values = cuda.local.array((ROW_UNROLL, WIDTH), element)
         olds = cuda.local.array((ROW_UNROLL, WIDTH), element)
-        start = cuda.threadIdx.x
-        while start < total:  # (a range with this step would divide in 64 bits for its trip count)
+        for start in range(cuda.threadIdx.x, total, threads * ROW_UNROLL):
             for u in range(ROW_UNROLL):  # every load first: ROW_UNROLL in flight
                 v = start + u * threads
                 inside = lo <= v < hi
@@ -935,7 +934,6 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
                         store(image, uint64(image_row + v * WIDTH), plus(got, old) if add else got)
                 elif v < total:
                     store(blocks, uint64(block_row + v * WIDTH), got)
-            start += threads * ROW_UNROLL
 
     @cuda.jit(device=True, inline=True)
     def image_vector(e, image_row, w0, s0, c0, C, W, size_w):
@@ -963,10 +961,9 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
         live, n, h, w0, row_ok = row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w)
         if not live or (scatter and not row_ok):
             return  # the same for the whole thread block, before the barrier
-        c_chunks = uint32((C + CT - 1) // CT)
-        pixel_chunk = int32(uint32(cuda.blockIdx.z) // c_chunks)  # (32-bit: a 64-bit division is a call)
-        s0 = pixel_chunk * PT
-        c0 = (cuda.blockIdx.z - pixel_chunk * c_chunks) * CT
+        c_chunks = (C + CT - 1) // CT
+        s0 = (cuda.blockIdx.z // c_chunks) * PT
+        c0 = (cuda.blockIdx.z - (cuda.blockIdx.z // c_chunks) * c_chunks) * CT
         tile = cuda.shared.array(TILE_SHAPE_ROWS, float32)
         image_row = (int64(n) * H + h) * W
         block_row = int64(cuda.blockIdx.x) * C * size_h + cuda.blockIdx.y
