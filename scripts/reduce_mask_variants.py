@@ -37,7 +37,7 @@ VARIANTS = {
     "v2 scalar loads": (2, {"PASS_VECTOR": 1}),  # one column a load where vectors would do
     "v2 64 registers": (2, {"PASS_MAX_REGISTERS": 64}),  # 4 thread blocks an SM (spills ~90 bytes)
     "v2 warp pools": (2, {"PASS_LANE_ENTRIES": 0}),  # warps pool whole windows, then a barrier
-    "v2 16 a chunk": (2, {"PASS_WINDOWS": 16}),  # (read by _pass_chunks only: smaller chunks)
+    "v2 16 a chunk": (2, {"PASS_WINDOWS": 16}),  # chunks of at most 16 windows (kernels rebuilt per variant)
 }
 TIMING_ONLY = ("v2 no look-back",)
 
