@@ -1,11 +1,12 @@
-"""Settings of the SBNet row copies side by side on the GPU (a developer's script).
+"""Settings of the SBNet gathers and scatters side by side on the GPU (a developer's script).
 
-    python3 scripts/sbnet_variants.py [--threads 64,128,256]
+    python3 scripts/sbnet_variants.py [--setting ROW_TILE_THREADS=64,128,256] [--plain]
 
-For each setting of ROW_TILE_THREADS (threads of a transposing row copy) and each
-configuration (N x 400 x 700 x C fp32, windows of `block`, a fraction active): check the
-transposed gather and scatters against the reference, then time their CUDA-graph replays
-beside a device copy of the same bytes (as benchmarks/bench_sbnet.py does).
+For each value of one module setting of `sparseblocks.kernels.sbnet` (default: ROW_TILE_THREADS,
+threads of a transposing row copy; e.g. COPY_PROLOGUE=1,2) and each configuration (N x 400 x 700
+x C fp32, windows of `block`, a fraction active): check the transposed (with --plain, also the
+plain) gather and scatters against the reference, then time their CUDA-graph replays beside a
+device copy of the same bytes (as benchmarks/bench_sbnet.py does). Prints copy / ours.
 """
 
 import argparse
@@ -22,18 +23,22 @@ from benchmarks.common import copy_ms, device_name, graph_ms  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--threads", default="64,128,256")
+    parser.add_argument("--setting", default="ROW_TILE_THREADS=64,128,256")
+    parser.add_argument("--plain", action="store_true", help="time the plain (untransposed) copies too")
     args = parser.parse_args()
+    name, values = args.setting.split("=")
+    values = [int(v) for v in values.split(",")]
 
     import torch
 
     from sparseblocks.kernels import sbnet
     from sparseblocks.reference import sbnet as reference
 
-    default = sbnet.ROW_TILE_THREADS
+    default = getattr(sbnet, name)
     rng = np.random.default_rng(0)
-    print(f"{device_name()}: transposed row copies, graph timings, copy / ours")
-    print("| N | C | block | active | op | " + " | ".join(f"{t} threads" for t in args.threads.split(",")) + " |")
+    print(f"{device_name()}: gathers and scatters, graph timings, copy / ours, by {name}")
+    print("| N | C | block | active | op | " + " | ".join(f"{name}={v}" for v in values) + " |")
+    print("|---" * (5 + len(values)) + "|")
     for n, C, block, active in [(1, 64, 16, 0.05), (1, 64, 16, 0.25), (1, 256, 16, 0.05), (1, 64, 32, 0.1),
                                 (8, 64, 16, 0.5), (8, 256, 16, 0.1), (8, 256, 32, 0.25)]:
         mask = block_mask(rng, n, 400, 700, block, active)
@@ -45,28 +50,31 @@ def main():
         moved = len(want_idx) * block * block * C * 4
         copy = copy_ms(moved, graph=True)
         rows = {}
-        for threads in args.threads.split(","):
-            sbnet.ROW_TILE_THREADS = int(threads)
+        for value in values:
+            setattr(sbnet, name, value)
             sbnet._kernels.clear()
             sbnet._plans.clear()
-            blocks = sbnet.sparse_gather(x, idx, transpose=True, **g)
-            ref = reference.sparse_gather(x.cpu().numpy(), want_idx, transpose=True, **g)
-            assert np.array_equal(blocks.cpu().numpy(), ref)
-            ops = {"gather": (lambda: sbnet.sparse_gather(x, idx, transpose=True, **g), 2 * moved)}
-            for add in (False, True):
-                got = sbnet.sparse_scatter(blocks, idx, y, add=add, transpose=True, **g)
-                ref = reference.sparse_scatter(blocks.cpu().numpy(), want_idx, y.cpu().numpy(), add=add,
-                                               transpose=True, **g)
-                assert np.array_equal(got.cpu().numpy(), ref)
-                ops[f"scatter add={add}"] = (lambda add=add: sbnet.sparse_scatter(
-                    blocks, idx, y, add=add, transpose=True, inplace=True, **g), (3 if add else 2) * moved)
-            for name, (fn, size) in ops.items():
-                base = copy if size == 2 * moved else copy_ms(size // 2, graph=True)
-                rows.setdefault(name, []).append(base / graph_ms(fn))
-        for name, ratios in rows.items():
-            print(f"| {n} | {C} | {block} | {active} | {name} | " + " | ".join(f"{r:.2f}" for r in ratios) + " |",
+            for transpose in (True, False) if args.plain else (True,):
+                kind = "transposed" if transpose else "plain"
+                blocks = sbnet.sparse_gather(x, idx, transpose=transpose, **g)
+                ref = reference.sparse_gather(x.cpu().numpy(), want_idx, transpose=transpose, **g)
+                assert np.array_equal(blocks.cpu().numpy(), ref)
+                ops = {f"{kind} gather": (lambda t=transpose: sbnet.sparse_gather(x, idx, transpose=t, **g),
+                                          2 * moved)}
+                for add in (False, True):
+                    got = sbnet.sparse_scatter(blocks, idx, y, add=add, transpose=transpose, **g)
+                    ref = reference.sparse_scatter(blocks.cpu().numpy(), want_idx, y.cpu().numpy(), add=add,
+                                                   transpose=transpose, **g)
+                    assert np.array_equal(got.cpu().numpy(), ref)
+                    ops[f"{kind} scatter add={add}"] = (lambda add=add, t=transpose, b=blocks: sbnet.sparse_scatter(
+                        b, idx, y, add=add, transpose=t, inplace=True, **g), (3 if add else 2) * moved)
+                for op, (fn, size) in ops.items():
+                    base = copy if size == 2 * moved else copy_ms(size // 2, graph=True)
+                    rows.setdefault(op, []).append(base / graph_ms(fn))
+        for op, ratios in rows.items():
+            print(f"| {n} | {C} | {block} | {active} | {op} | " + " | ".join(f"{r:.2f}" for r in ratios) + " |",
                   flush=True)
-    sbnet.ROW_TILE_THREADS = default
+    setattr(sbnet, name, default)
 
 
 if __name__ == "__main__":

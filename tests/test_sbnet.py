@@ -434,6 +434,32 @@ def test_row_copies_equal_reference(dtype, channels, transpose, widths, add, dat
     assert len(made) == 2 or len(indices) == 0  # (no indices: nothing launched)
 
 
+@pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_copies_with_the_second_prologue_equal_reference(data_format, transpose, monkeypatch):
+    """COPY_PROLOGUE 2 (the count's test reads the column index too; the tile number divided in 32
+    bits): row copies (NHWC) and element kernels (NCHW), blocks past a device count left alone,
+    a block of an image out of range skipped, a window over the edges."""
+    monkeypatch.setattr(sbnet, "COPY_PROLOGUE", 2)
+    monkeypatch.setattr(sbnet, "_kernels", {})
+    rng = np.random.default_rng(21)
+    g = {"bsize": 3, "bstride": 3, "boffset": -1}
+    x = rng.standard_normal((1, 6, 7, 4)).astype(np.float32)
+    x = x if data_format == "NHWC" else np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+    indices = np.array([[0, 0, 0], [0, 1, 2], [3, 0, 1], [0, 2, 1]], np.int32)  # (n = 3: no such image)
+    count = cuda.to_device(np.array([3], np.int32))
+    got = sbnet.sparse_gather(cuda.to_device(x), cuda.to_device(indices), count=count, transpose=transpose,
+                              data_format=data_format, **g).copy_to_host()
+    want = reference.sparse_gather(x, indices[:3], transpose=transpose, data_format=data_format, **g)
+    np.testing.assert_array_equal(got[:3], want)
+    blocks = rng.standard_normal(got.shape).astype(np.float32)
+    for add in (False, True):
+        out = sbnet.sparse_scatter(cuda.to_device(blocks), cuda.to_device(indices), cuda.to_device(x), count=count,
+                                   add=add, transpose=transpose, data_format=data_format, **g).copy_to_host()
+        np.testing.assert_array_equal(out, reference.sparse_scatter(
+            blocks[:3], indices[:3], x, add=add, transpose=transpose, data_format=data_format, **g))
+
+
 def test_row_copies_fall_back_where_pointers_are_misaligned():
     """A pixel of whole vectors but an image 4 bytes off 16-byte alignment: the element kernels."""
     rng = np.random.default_rng(8)

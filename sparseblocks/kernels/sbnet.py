@@ -49,7 +49,9 @@ tensors of the same shapes, dtypes, geometry, flags and alignment replays
 kept launches (`_plans`, as bsmm's products).
 
 Versions: reduce_mask 1 (pool, then compact) and 2 (one pass, the default;
-benchmarks/NOTES.md has both measured); gathers and scatters 1.
+benchmarks/NOTES.md has both measured); gathers and scatters 1, with a second
+prologue (`COPY_PROLOGUE` 2: one memory round trip before the data's loads
+where the compiler made two) built and tested but not yet timed.
 """
 
 import math
@@ -119,6 +121,13 @@ PASS_LOOK_BACK = "warp"  # who reads predecessors' statuses: "warp" (32 a step) 
 COPY_THREADS = 256  # threads of a gather/scatter block (one thread block a window)
 COPY_UNROLL = 4  # elements a thread loads before it stores any
 WAVES = 4  # thread blocks per multiprocessor a gather/scatter aims for
+# Gathers' and scatters' first steps: 1 as benchmarked (`results/sbnet.md`); 2 (not yet timed) has
+# the early-exit test read the window's column index too (against APART, an int64 no int32
+# equals), because the compiler sank that plain load past the count's test: a second memory
+# round trip before the data's loads (SASS, session 14); and divides the transposing row copy's
+# tile number in 32 bits (64: a call).
+COPY_PROLOGUE = 1
+APART = 1 << 40
 TILE = 32  # transposing gather/scatter: 32 pixels x 32 channels through shared memory
 TILE_ROWS = 8  # ... by 32 x 8 threads
 TILE_SHAPE = (TILE, TILE + 1)  # +1 column: reading a column hits 32 distinct banks
@@ -608,6 +617,14 @@ def _make_pass_kernel(avgpool, wide, vector):
 
 
 @cuda.jit(device=True, inline=True)
+def _block_live(indices, count, i, apart):
+    """Whether block i is below the count, a test that needs the window's column index too (no
+    int32 equals `apart`), so that its load goes out with the count's (COPY_PROLOGUE 2; i is below
+    the indices' rows: a valid read past the count). `&`, not `and`: no branch between the loads."""
+    return (i < count[0]) & (int64(indices[i, 2]) != apart)
+
+
+@cuda.jit(device=True, inline=True)
 def _split(p, d, inv):
     """(p // d, p % d) for 0 <= p < 2**24 through a float reciprocal (64-bit division is slow)."""
     q = int64(float32(p) * inv)
@@ -632,6 +649,7 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
     so each thread keeps COPY_UNROLL loads in flight without branches.
     """
     HALF2 = dtype == "half2"  # int32 words of two fp16 values, added by add_half2
+    TOGETHER = COPY_PROLOGUE == 2
     element = from_dtype(np.dtype("int32" if HALF2 else dtype))
     blocks_last = channels_last != transpose  # are the blocks [nb, bh, bw, C]?
     source_last = blocks_last if scatter else channels_last  # the side a transposing tile reads
@@ -683,13 +701,19 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
     def window(indices, i, stride_h, stride_w, offset_h, offset_w):
         return indices[i, 0], offset_h + indices[i, 1] * stride_h, offset_w + indices[i, 2] * stride_w
 
+    @cuda.jit(device=True, inline=True)
+    def block_live(indices, count, i, apart):
+        return _block_live(indices, count, i, apart)
+
     @cuda.jit
-    def copy_plain(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w):
+    def copy_plain(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w, apart):
         i = cuda.blockIdx.x
-        if i >= count[0]:
+        if not TOGETHER and i >= count[0]:
             return
         N, H, W, C = image_shape(image)
         n, h0, w0 = window(indices, i, stride_h, stride_w, offset_h, offset_w)
+        if TOGETHER and not block_live(indices, count, i, apart):
+            return
         n_ok = 0 <= n < N
         if scatter and not n_ok:
             return
@@ -759,12 +783,15 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
                         blocks[block_index(i, r, sw, c)] = values[u]
 
     @cuda.jit
-    def copy_transposed(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w):
+    def copy_transposed(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w,
+                        apart):
         i = cuda.blockIdx.x
-        if i >= count[0]:
+        if not TOGETHER and i >= count[0]:
             return  # the same for the whole thread block, before any barrier
         N, H, W, C = image_shape(image)
         n, h0, w0 = window(indices, i, stride_h, stride_w, offset_h, offset_w)
+        if TOGETHER and not block_live(indices, count, i, apart):
+            return  # the same for the whole thread block, before any barrier
         n_ok = 0 <= n < N
         if scatter and not n_ok:
             return  # the same for the whole thread block, before any barrier
@@ -844,6 +871,7 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
     """
     element = from_dtype(np.dtype(vector_dtype))
     WIDTH = 16 // np.dtype(vector_dtype).itemsize
+    TOGETHER = COPY_PROLOGUE == 2
     CT = ROW_TILE_C
     PT = pixels
     CQ = CT // 4  # 16-byte vectors of a tile's pixel
@@ -881,21 +909,23 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
         return a[0] + b[0], a[1] + b[1]
 
     @cuda.jit(device=True, inline=True)
-    def row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w):
+    def row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w, apart):
         """(first of this thread block's window row, its n, h, w0, whether it is inside the image):
-        the count and the window's indices are read together (one memory round trip)."""
+        the count and the window's indices are read together (COPY_PROLOGUE 1: the column's load
+        may still wait for the count's test; 2: it cannot)."""
         i = cuda.blockIdx.x
         active = count[0]
         n = indices[i, 0]  # i < the indices' rows: a valid read even past the count
         h = offset_h + indices[i, 1] * stride_h + cuda.blockIdx.y
         w0 = offset_w + indices[i, 2] * stride_w
-        return i < active, n, h, w0, 0 <= n < N and 0 <= h < H
+        live = _block_live(indices, count, i, apart) if TOGETHER else i < active
+        return live, n, h, w0, 0 <= n < N and 0 <= h < H
 
     @cuda.jit
     def copy_rows(image, blocks, indices, count, N, H, W, CV, size_h, size_w, stride_h, stride_w,
-                  offset_h, offset_w):
+                  offset_h, offset_w, apart):
         """Plain: blocks [n_blocks, bh, bw, C]; CV vectors a pixel."""
-        live, n, h, w0, row_ok = row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w)
+        live, n, h, w0, row_ok = row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w, apart)
         if not live or (scatter and not row_ok):
             return
         total = size_w * CV
@@ -956,14 +986,18 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
 
     @cuda.jit
     def copy_rows_transposed(image, blocks, indices, count, N, H, W, C, size_h, size_w, stride_h, stride_w,
-                             offset_h, offset_w):
+                             offset_h, offset_w, apart):
         """blocks [n_blocks, C, bh, bw]; C a multiple of 4; ROW_TILE_THREADS threads."""
-        live, n, h, w0, row_ok = row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w)
+        live, n, h, w0, row_ok = row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w, apart)
         if not live or (scatter and not row_ok):
             return  # the same for the whole thread block, before the barrier
         c_chunks = (C + CT - 1) // CT
-        s0 = (cuda.blockIdx.z // c_chunks) * PT
-        c0 = (cuda.blockIdx.z - (cuda.blockIdx.z // c_chunks) * c_chunks) * CT
+        if TOGETHER:
+            pixel_chunk = int32(uint32(cuda.blockIdx.z) // uint32(c_chunks))
+        else:
+            pixel_chunk = cuda.blockIdx.z // c_chunks
+        s0 = pixel_chunk * PT
+        c0 = (cuda.blockIdx.z - pixel_chunk * c_chunks) * CT
         tile = cuda.shared.array(TILE_SHAPE_ROWS, float32)
         image_row = (int64(n) * H + h) * W
         block_row = int64(cuda.blockIdx.x) * C * size_h + cuda.blockIdx.y
@@ -1027,9 +1061,9 @@ _kernels = {}
 
 
 def _copy_kernel(scatter, transpose, add, atomic, dtype, channels_last):
-    key = (scatter, transpose, add, atomic, dtype, channels_last)
+    key = (scatter, transpose, add, atomic, dtype, channels_last, COPY_PROLOGUE)
     if key not in _kernels:
-        _kernels[key] = _make_copy_kernels(*key)
+        _kernels[key] = _make_copy_kernels(*key[:-1])
     return _kernels[key]
 
 
@@ -1091,9 +1125,9 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
         pixels = 32 if transpose and size_w > 16 else 16  # (the plain kernel has no tile)
         # A transposing copy's block rows go 4 values a step where every one starts aligned.
         block_width = 4 if not transpose or size_w % 4 == 0 else 1
-        key = ("rows", scatter, transpose, add, vector_dtype, half2, pixels, block_width)
+        key = ("rows", scatter, transpose, add, vector_dtype, half2, pixels, block_width, COPY_PROLOGUE)
         if key not in _kernels:
-            _kernels[key] = _make_row_kernels(*key[1:])
+            _kernels[key] = _make_row_kernels(*key[1:-1])
         if transpose:
             chunks = -(-size_w // pixels) * -(-C // ROW_TILE_C)
             grid, threads, per_pixel = (n_blocks, size_h, chunks), ROW_TILE_THREADS, C
@@ -1102,7 +1136,7 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
             wanted = -(-size_w * per_pixel // ROW_UNROLL)
             grid, threads = (n_blocks, size_h), min(ROW_THREADS, max(WARP, -(-wanted // WARP) * WARP))
         args = (_flat(image, vector_dtype), _flat(blocks, vector_dtype), indices, count, N, H, W, per_pixel,
-                size_h, size_w, stride_h, stride_w, offset_h, offset_w)
+                size_h, size_w, stride_h, stride_w, offset_h, offset_w, APART)
         launch(_kernels[key], grid, threads, stream, args)
         return _kernels[key], grid, threads, args
     if (channels_last and not transpose and not add and image.shape[3] * itemsize % WORD == 0
@@ -1124,7 +1158,7 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
     else:
         most = -(-size_h * size_w * channels // (COPY_THREADS * COPY_UNROLL))
     parts = max(1, min(most, -(-WAVES * multiprocessors() // max(n_blocks, 1))))
-    args = (image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w)
+    args = (image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w, APART)
     launch(kernel, (n_blocks, parts), threads, stream, args)
     return kernel, (n_blocks, parts), threads, args
 
