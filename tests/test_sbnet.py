@@ -263,7 +263,7 @@ def test_reduce_mask_chunks_run_across_window_rows_and_images(lane_entries, monk
                                                              (2, "warp", 0)])
 @pytest.mark.parametrize("avgpool", [False, True])
 def test_reduce_mask_of_large_masks(avgpool, version, look_back, lane_entries, monkeypatch):
-    """Masks of 8 x 400 x 700 (version 1: the scan kernel's path; version 2: 8750 chunks whose
+    """Masks of 8 x 400 x 700 (version 1: the scan kernel's path; version 2: 17500 chunks whose
     look-backs wait on each other), large windows, negative offsets; repeated calls give the same
     indices."""
     monkeypatch.setattr(sbnet, "PASS_LOOK_BACK", look_back)

@@ -9,9 +9,10 @@ zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
   active ones in row-major order (the reference's). Version 2 (the default)
   does it in one pass after zeroing a status word a chunk
   (`_make_pass_kernel`): a thread block pools a chunk of consecutive windows
-  (row-major, across rows and images), its threads along the chunk's columns (eight rows'
-  loads in flight, 4 columns a vector load where the windows and the mask's
-  pointer are aligned to it: `PASS_VECTOR`), ranks the chunk's active
+  (row-major, across rows and images), its threads along the chunk's
+  columns (eight rows' loads in flight, 4 columns a vector load where the
+  windows and the mask's pointer are aligned to it: `PASS_VECTOR`), ranks
+  the chunk's active
   windows by a ballot, publishes their count and finds the count before it
   by a decoupled look-back (statuses read with ``ld.relaxed.gpu``, tagged
   with a launch count), then
@@ -429,8 +430,8 @@ def _make_pass_kernel(avgpool, wide, vector):
     """reduce_mask in one pass (version 2): pooling, ranks and compaction in one kernel.
 
     Thread block `chunk` takes `windows` (<= PASS_WINDOWS) consecutive windows, row-major
-    across window rows and images. Its threads walk the chunk's columns (windows x size_w of them, at most PASS_COLUMNS;
-    with overlapping windows a column is read once per window; with `vector` > 1, a "column"
+    across window rows and images. Its threads walk the chunk's columns (windows x size_w of
+    them, at most PASS_COLUMNS; with overlapping windows a column is read once per window; with `vector` > 1, a "column"
     is that many adjacent ones, read by one vector load and pooled) and, when the columns are fewer
     than the threads, split the rows into `phases`: each thread pools one column over its rows
     on the image (rows off it are skipped), PASS_LOADS loads in flight without a test, then
@@ -701,10 +702,6 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
     def window(indices, i, stride_h, stride_w, offset_h, offset_w):
         return indices[i, 0], offset_h + indices[i, 1] * stride_h, offset_w + indices[i, 2] * stride_w
 
-    @cuda.jit(device=True, inline=True)
-    def block_live(indices, count, i, apart):
-        return _block_live(indices, count, i, apart)
-
     @cuda.jit
     def copy_plain(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w, apart):
         i = cuda.blockIdx.x
@@ -712,7 +709,7 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
             return
         N, H, W, C = image_shape(image)
         n, h0, w0 = window(indices, i, stride_h, stride_w, offset_h, offset_w)
-        if TOGETHER and not block_live(indices, count, i, apart):
+        if TOGETHER and not _block_live(indices, count, i, apart):
             return
         n_ok = 0 <= n < N
         if scatter and not n_ok:
@@ -790,7 +787,7 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
             return  # the same for the whole thread block, before any barrier
         N, H, W, C = image_shape(image)
         n, h0, w0 = window(indices, i, stride_h, stride_w, offset_h, offset_w)
-        if TOGETHER and not block_live(indices, count, i, apart):
+        if TOGETHER and not _block_live(indices, count, i, apart):
             return  # the same for the whole thread block, before any barrier
         n_ok = 0 <= n < N
         if scatter and not n_ok:
