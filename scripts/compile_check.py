@@ -141,18 +141,20 @@ def main():
                i64, i64, i64))
         for name, kernel in (("summed", sbnet.write_summed), ("scanned", sbnet.write_scanned))
     ]
-    for scatter, transpose, (add, atomic), dtype, channels_last in itertools.product(
+    for scatter, transpose, (add, atomic), dtype, channels_last, prologue in itertools.product(
             (False, True), (False, True), ((False, False), (True, False), (True, True)),
-            ("float16", "float32", "float64"), (True, False)):
-        if (add and not scatter) or (atomic and dtype == "float16"):
+            ("float16", "float32", "float64"), (True, False), (1, 2)):
+        if (add and not scatter) or (atomic and dtype == "float16") or (prologue == 2 and dtype != "float32"):
             continue
+        sbnet.COPY_PROLOGUE = prologue  # (read when a kernel is made)
         element = getattr(types, dtype)
         kernel = sbnet._make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last)
         array4 = element[:, :, :, ::1]
         signature = (array4, array4, types.int32[:, ::1], types.int32[::1]) + (i64,) * 7
         name = (f"{'scatter' if scatter else 'gather'} {'NHWC' if channels_last else 'NCHW'} "
-                f"transpose={transpose} add={add} atomic={atomic} {dtype}")
+                f"transpose={transpose} add={add} atomic={atomic} {dtype}{' prologue 2' if prologue == 2 else ''}")
         results.append(check(name, kernel.py_func, signature))
+    sbnet.COPY_PROLOGUE = 1
     # The channels-last fp16 add through int32 words of two halves (add.rn.f16x2).
     words = types.int32[:, :, :, ::1]
     kernel = sbnet._make_copy_kernels(True, False, True, False, "half2", True)
