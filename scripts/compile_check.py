@@ -141,6 +141,7 @@ def main():
                i64, i64, i64))
         for name, kernel in (("summed", sbnet.write_summed), ("scanned", sbnet.write_scanned))
     ]
+    default_prologue = sbnet.COPY_PROLOGUE
     for scatter, transpose, (add, atomic), dtype, channels_last, prologue in itertools.product(
             (False, True), (False, True), ((False, False), (True, False), (True, True)),
             ("float16", "float32", "float64"), (True, False), (1, 2)):
@@ -154,7 +155,7 @@ def main():
         name = (f"{'scatter' if scatter else 'gather'} {'NHWC' if channels_last else 'NCHW'} "
                 f"transpose={transpose} add={add} atomic={atomic} {dtype}{' prologue 2' if prologue == 2 else ''}")
         results.append(check(name, kernel.py_func, signature))
-    sbnet.COPY_PROLOGUE = 1
+    sbnet.COPY_PROLOGUE = default_prologue
     # The channels-last fp16 add through int32 words of two halves (add.rn.f16x2).
     words = types.int32[:, :, :, ::1]
     kernel = sbnet._make_copy_kernels(True, False, True, False, "half2", True)
@@ -179,7 +180,7 @@ def main():
                     f"{' half2' if half2 else ''} pixels={pixels}{' block steps of 1' if block_width == 1 else ''}"
                     f"{' prologue 2' if prologue == 2 else ''}")
             results.append(check(name, kernel.py_func, signature))
-    sbnet.COPY_PROLOGUE = 1
+    sbnet.COPY_PROLOGUE = default_prologue
     print(f"{sum(results)} of {len(results)} kernels compiled")
     return 0 if all(results) else 1
 

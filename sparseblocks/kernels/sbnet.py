@@ -618,11 +618,12 @@ def _make_pass_kernel(avgpool, wide, vector):
 
 
 @cuda.jit(device=True, inline=True)
-def _block_live(indices, count, i, apart):
-    """Whether block i is below the count, a test that needs the window's column index too (no
-    int32 equals `apart`), so that its load goes out with the count's (COPY_PROLOGUE 2; i is below
-    the indices' rows: a valid read past the count). `&`, not `and`: no branch between the loads."""
-    return (i < count[0]) & (int64(indices[i, 2]) != apart)
+def _block_live(i, active, column, apart):
+    """Whether block i is below the count `active`, a test that needs the window's column index
+    too (no int32 equals `apart`), so that its load goes out with the count's (COPY_PROLOGUE 2; i
+    is below the indices' rows: a valid read past the count). `&`, not `and`: no branch between
+    the loads."""
+    return (i < active) & (int64(column) != apart)
 
 
 @cuda.jit(device=True, inline=True)
@@ -709,7 +710,7 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
             return
         N, H, W, C = image_shape(image)
         n, h0, w0 = window(indices, i, stride_h, stride_w, offset_h, offset_w)
-        if TOGETHER and not _block_live(indices, count, i, apart):
+        if TOGETHER and not _block_live(i, count[0], indices[i, 2], apart):
             return
         n_ok = 0 <= n < N
         if scatter and not n_ok:
@@ -787,7 +788,7 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
             return  # the same for the whole thread block, before any barrier
         N, H, W, C = image_shape(image)
         n, h0, w0 = window(indices, i, stride_h, stride_w, offset_h, offset_w)
-        if TOGETHER and not _block_live(indices, count, i, apart):
+        if TOGETHER and not _block_live(i, count[0], indices[i, 2], apart):
             return  # the same for the whole thread block, before any barrier
         n_ok = 0 <= n < N
         if scatter and not n_ok:
@@ -914,8 +915,9 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
         active = count[0]
         n = indices[i, 0]  # i < the indices' rows: a valid read even past the count
         h = offset_h + indices[i, 1] * stride_h + cuda.blockIdx.y
-        w0 = offset_w + indices[i, 2] * stride_w
-        live = _block_live(indices, count, i, apart) if TOGETHER else i < active
+        column = indices[i, 2]
+        w0 = offset_w + column * stride_w
+        live = _block_live(i, active, column, apart) if TOGETHER else i < active
         return live, n, h, w0, 0 <= n < N and 0 <= h < H
 
     @cuda.jit
@@ -1305,8 +1307,8 @@ def _pass_vector(dtype, mask, width, size, stride, offset):
 
 def _pass_kernel(avgpool, wide, vector):
     # The settings a kernel is built with are in its key: the launcher reads them at each call.
-    key = ("pass", avgpool, wide, vector, PASS_THREADS, PASS_COLUMNS, PASS_LOADS, PASS_LOOK_BACK, PASS_MAX_REGISTERS,
-           PASS_LANE_ENTRIES)
+    key = ("pass", avgpool, wide, vector, PASS_THREADS, PASS_WINDOWS, PASS_COLUMNS, PASS_LOADS, PASS_LOOK_BACK,
+           PASS_MAX_REGISTERS, PASS_LANE_ENTRIES)
     if key not in _kernels:
         _kernels[key] = _make_pass_kernel(avgpool, wide, vector)
     return _kernels[key]
