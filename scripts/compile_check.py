@@ -141,26 +141,23 @@ def main():
                i64, i64, i64))
         for name, kernel in (("summed", sbnet.write_summed), ("scanned", sbnet.write_scanned))
     ]
-    default_prologue = sbnet.COPY_PROLOGUE
-    for scatter, transpose, (add, atomic), dtype, channels_last, prologue in itertools.product(
+    for scatter, transpose, (add, atomic), dtype, channels_last in itertools.product(
             (False, True), (False, True), ((False, False), (True, False), (True, True)),
-            ("float16", "float32", "float64"), (True, False), (1, 2)):
-        if (add and not scatter) or (atomic and dtype == "float16") or (prologue == 2 and dtype != "float32"):
+            ("float16", "float32", "float64"), (True, False)):
+        if (add and not scatter) or (atomic and dtype == "float16"):
             continue
-        sbnet.COPY_PROLOGUE = prologue  # (read when a kernel is made)
         element = getattr(types, dtype)
         kernel = sbnet._make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last)
         array4 = element[:, :, :, ::1]
-        signature = (array4, array4, types.int32[:, ::1], types.int32[::1]) + (i64,) * 7
+        signature = (array4, array4, types.int32[:, ::1], types.int32[::1]) + (i64,) * 6
         name = (f"{'scatter' if scatter else 'gather'} {'NHWC' if channels_last else 'NCHW'} "
-                f"transpose={transpose} add={add} atomic={atomic} {dtype}{' prologue 2' if prologue == 2 else ''}")
+                f"transpose={transpose} add={add} atomic={atomic} {dtype}")
         results.append(check(name, kernel.py_func, signature))
-    sbnet.COPY_PROLOGUE = default_prologue
     # The channels-last fp16 add through int32 words of two halves (add.rn.f16x2).
     words = types.int32[:, :, :, ::1]
     kernel = sbnet._make_copy_kernels(True, False, True, False, "half2", True)
     results.append(check("scatter NHWC add half2 words", kernel.py_func,
-                         (words, words, types.int32[:, ::1], types.int32[::1]) + (i64,) * 7))
+                         (words, words, types.int32[:, ::1], types.int32[::1]) + (i64,) * 6))
     # The row copies (channels-last, 16-byte vectors over flat views): every combination the
     # launcher picks (`sbnet._row_path`).
     for scatter, transpose, add, (vector_dtype, half2), pixels in itertools.product(
@@ -172,15 +169,12 @@ def main():
                 or (pixels == 32 and not transpose)):
             continue
         element = getattr(types, vector_dtype)
-        for block_width, prologue in itertools.product((4, 1) if transpose else (4,), (1, 2)):
-            sbnet.COPY_PROLOGUE = prologue  # (read when a kernel is made)
+        for block_width in (4, 1) if transpose else (4,):
             kernel = sbnet._make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, block_width)
-            signature = (element[::1], element[::1], types.int32[:, ::1], types.int32[::1]) + (i64,) * 11
+            signature = (element[::1], element[::1], types.int32[:, ::1], types.int32[::1]) + (i64,) * 10
             name = (f"row {'scatter' if scatter else 'gather'} transpose={transpose} add={add} {vector_dtype}"
-                    f"{' half2' if half2 else ''} pixels={pixels}{' block steps of 1' if block_width == 1 else ''}"
-                    f"{' prologue 2' if prologue == 2 else ''}")
+                    f"{' half2' if half2 else ''} pixels={pixels}{' block steps of 1' if block_width == 1 else ''}")
             results.append(check(name, kernel.py_func, signature))
-    sbnet.COPY_PROLOGUE = default_prologue
     print(f"{sum(results)} of {len(results)} kernels compiled")
     return 0 if all(results) else 1
 

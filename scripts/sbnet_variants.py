@@ -3,7 +3,7 @@
     python3 scripts/sbnet_variants.py [--setting ROW_TILE_THREADS=64,128,256] [--plain]
 
 For each value of one module setting of `sparseblocks.kernels.sbnet` (default: ROW_TILE_THREADS,
-threads of a transposing row copy; e.g. COPY_PROLOGUE=1,2) and each configuration (N x 400 x 700
+threads of a transposing row copy; e.g. ROW_UNROLL=2,4) and each configuration (N x 400 x 700
 x C fp32, windows of `block`, a fraction active): check the transposed (with --plain, also the
 plain) gather and scatters against the reference, then time their CUDA-graph replays beside a
 device copy of the same bytes (as benchmarks/bench_sbnet.py does). Prints copy / ours.

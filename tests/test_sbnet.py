@@ -60,8 +60,8 @@ def test_reduce_mask_of_every_mask_dtype(dtype, avgpool):
 PASS_WARPS = sbnet.PASS_WARPS  # (a global: shared-array shapes must be compile-time constants)
 
 
-def _look_back_kernel(block):
-    """A kernel that runs one look-back (the warp's or the whole block's) for each of `chunks`."""
+def _look_back_kernel(who):
+    """A kernel that runs one look-back (`who`: as PASS_LOOK_BACK) for each of `chunks`."""
 
     @cuda.jit
     def run(out, status, chunks, tag):
@@ -69,22 +69,25 @@ def _look_back_kernel(block):
         sums_s = cuda.shared.array(PASS_WARPS, np.int64)
         for i in range(chunks.shape[0]):
             exclusive = 0
-            if block:
+            if who == "block":
                 exclusive = sbnet._look_back_block(status, chunks[i], tag, nearest_s, sums_s)
             elif cuda.threadIdx.x < 32:
-                exclusive = sbnet._look_back(status, chunks[i], tag, cuda.threadIdx.x)
+                if who == "deep":
+                    exclusive = sbnet._look_back_deep(status, chunks[i], tag, cuda.threadIdx.x)
+                else:
+                    exclusive = sbnet._look_back(status, chunks[i], tag, cuda.threadIdx.x)
             if cuda.threadIdx.x == 0:
                 out[i] = exclusive
 
     return run
 
 
-@pytest.mark.parametrize("block", [False, True])
-def test_look_back_sums_aggregates_back_to_the_nearest_prefix(block):
+@pytest.mark.parametrize("who", ["warp", "deep", "block"])
+def test_look_back_sums_aggregates_back_to_the_nearest_prefix(who):
     """Hand-made statuses of 300 chunks (the simulator runs thread blocks one after another, so a
     real launch never shows a look-back anything but finished predecessors): aggregates only,
     with inclusive prefixes at chunks 0 and 40; a look-back from chunk c sums the aggregates
-    before it back to the nearest prefix, across steps of 32 or 256 statuses."""
+    before it back to the nearest prefix, across steps of 32, 128 or 256 statuses."""
     tag = 3
     rng = np.random.default_rng(6)
     counts = rng.integers(0, 40, 300)
@@ -94,9 +97,9 @@ def test_look_back_sums_aggregates_back_to_the_nearest_prefix(block):
         words[prefixed] = (tag << sbnet.STATUS_TAG_SHIFT) | sbnet.STATUS_PREFIX | inclusive[prefixed]
     status = np.concatenate([[tag - 1], words]).astype(np.int64)  # status[0]: the launch count
     # (the block's 256 simulated threads meet at every step: fewer queries)
-    chunks = np.array([0, 41, 299] if block else [0, 1, 33, 40, 41, 299, 297], np.int64)
+    chunks = np.array([0, 41, 299] if who == "block" else [0, 1, 33, 40, 41, 129, 169, 170, 299, 297], np.int64)
     out = np.zeros(len(chunks), np.int64)
-    _look_back_kernel(block)[1, sbnet.PASS_THREADS if block else 32](out, status, chunks, tag)
+    _look_back_kernel(who)[1, sbnet.PASS_THREADS if who == "block" else 32](out, status, chunks, tag)
     np.testing.assert_array_equal(out, [0] + [inclusive[c - 1] for c in chunks[1:]])
 
 
@@ -259,8 +262,8 @@ def test_reduce_mask_chunks_run_across_window_rows_and_images(lane_entries, monk
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version, look_back, lane_entries", [(1, "warp", 16), (2, "warp", 16), (2, "block", 16),
-                                                             (2, "warp", 0)])
+@pytest.mark.parametrize("version, look_back, lane_entries", [(1, "warp", 16), (2, "warp", 16), (2, "deep", 16),
+                                                             (2, "block", 16), (2, "warp", 0)])
 @pytest.mark.parametrize("avgpool", [False, True])
 def test_reduce_mask_of_large_masks(avgpool, version, look_back, lane_entries, monkeypatch):
     """Masks of 8 x 400 x 700 (version 1: the scan kernel's path; version 2: 17500 chunks whose
@@ -432,32 +435,6 @@ def test_row_copies_equal_reference(dtype, channels, transpose, widths, add, dat
     want = reference.sparse_scatter(blocks[:count[0]], indices[:count[0]], y, add=add, transpose=transpose, **g)
     np.testing.assert_array_equal(got, want)
     assert len(made) == 2 or len(indices) == 0  # (no indices: nothing launched)
-
-
-@pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
-@pytest.mark.parametrize("transpose", [False, True])
-def test_copies_with_the_second_prologue_equal_reference(data_format, transpose, monkeypatch):
-    """COPY_PROLOGUE 2 (the count's test reads the column index too; the tile number divided in 32
-    bits): row copies (NHWC) and element kernels (NCHW), blocks past a device count left alone,
-    a block of an image out of range skipped, a window over the edges."""
-    monkeypatch.setattr(sbnet, "COPY_PROLOGUE", 2)
-    monkeypatch.setattr(sbnet, "_kernels", {})
-    rng = np.random.default_rng(21)
-    g = {"bsize": 3, "bstride": 3, "boffset": -1}
-    x = rng.standard_normal((1, 6, 7, 4)).astype(np.float32)
-    x = x if data_format == "NHWC" else np.ascontiguousarray(x.transpose(0, 3, 1, 2))
-    indices = np.array([[0, 0, 0], [0, 1, 2], [3, 0, 1], [0, 2, 1]], np.int32)  # (n = 3: no such image)
-    count = cuda.to_device(np.array([3], np.int32))
-    got = sbnet.sparse_gather(cuda.to_device(x), cuda.to_device(indices), count=count, transpose=transpose,
-                              data_format=data_format, **g).copy_to_host()
-    want = reference.sparse_gather(x, indices[:3], transpose=transpose, data_format=data_format, **g)
-    np.testing.assert_array_equal(got[:3], want)
-    blocks = rng.standard_normal(got.shape).astype(np.float32)
-    for add in (False, True):
-        out = sbnet.sparse_scatter(cuda.to_device(blocks), cuda.to_device(indices), cuda.to_device(x), count=count,
-                                   add=add, transpose=transpose, data_format=data_format, **g).copy_to_host()
-        np.testing.assert_array_equal(out, reference.sparse_scatter(
-            blocks[:3], indices[:3], x, add=add, transpose=transpose, data_format=data_format, **g))
 
 
 def test_row_copies_fall_back_where_pointers_are_misaligned():

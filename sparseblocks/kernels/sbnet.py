@@ -50,9 +50,7 @@ tensors of the same shapes, dtypes, geometry, flags and alignment replays
 kept launches (`_plans`, as bsmm's products).
 
 Versions: reduce_mask 1 (pool, then compact) and 2 (one pass, the default;
-benchmarks/NOTES.md has both measured); gathers and scatters 1, with a second
-prologue (`COPY_PROLOGUE` 2: one memory round trip before the data's loads
-where the compiler made two) built and tested but not yet timed.
+benchmarks/NOTES.md has both measured).
 """
 
 import math
@@ -118,17 +116,12 @@ STATUS_TAG_MASK = (1 << 30) - 1
 STATUS_VALUE_MASK = (1 << 32) - 1
 MAX_PASS_WINDOWS = 1 << 30  # windows version 2 takes (counts in 32 bits, int32 rows)
 REDUCE_VERSION = 2  # reduce_mask's default version
-PASS_LOOK_BACK = "warp"  # who reads predecessors' statuses: "warp" (32 a step) or "block" (PASS_THREADS)
+# Who reads predecessors' statuses: "warp" (32 a step), "deep" (a warp, 128 a step) or "block"
+# (PASS_THREADS a step).
+PASS_LOOK_BACK = "warp"
 COPY_THREADS = 256  # threads of a gather/scatter block (one thread block a window)
 COPY_UNROLL = 4  # elements a thread loads before it stores any
 WAVES = 4  # thread blocks per multiprocessor a gather/scatter aims for
-# Gathers' and scatters' first steps: 1 as benchmarked (`results/sbnet.md`); 2 (not yet timed) has
-# the early-exit test read the window's column index too (against APART, an int64 no int32
-# equals), because the compiler sank that plain load past the count's test: a second memory
-# round trip before the data's loads (SASS, session 14); and divides the transposing row copy's
-# tile number in 32 bits (64: a call).
-COPY_PROLOGUE = 1
-APART = 1 << 40
 TILE = 32  # transposing gather/scatter: 32 pixels x 32 channels through shared memory
 TILE_ROWS = 8  # ... by 32 x 8 threads
 TILE_SHAPE = (TILE, TILE + 1)  # +1 column: reading a column hits 32 distinct banks
@@ -389,6 +382,68 @@ def _look_back(status, chunk, tag, lane):
 
 
 @cuda.jit(device=True, inline=True)
+def _peek(status, j, tag):
+    """Chunk j's status as it stands (j < 0: a prefix of nothing, with this launch's tag)."""
+    if j < 0:
+        return int64(tag << STATUS_TAG_SHIFT) | STATUS_PREFIX
+    return load_relaxed(status, (uint64(1 + j),))
+
+
+@cuda.jit(device=True, inline=True)
+def _settled(status, j, s, tag):
+    """`s`, chunk j's status as peeked, once it carries this launch's tag (see `_status`)."""
+    while (s >> STATUS_TAG_SHIFT) != tag:
+        s = load_relaxed(status, (uint64(1 + j),))
+    return s
+
+
+@cuda.jit(device=True, inline=True)
+def _upto(s, prefixed, lane):
+    """s's value if this lane is at or before the nearest prefix of the ballot `prefixed`."""
+    nearest = prefixed ^ (prefixed - 1)  # lanes up to the nearest prefix
+    return s & STATUS_VALUE_MASK if (nearest >> lane) & 1 else int64(0)
+
+
+@cuda.jit(device=True, inline=True)
+def _look_back_deep(status, chunk, tag, lane):
+    """`_look_back` four statuses a lane: 128 predecessors a step, their loads in flight
+    together (when every chunk is resident and they finish about together, a late chunk
+    walks back over most of the others: a third of the steps, each one memory round trip)."""
+    exclusive = int64(0)
+    end = chunk
+    while end > 0:  # the same for every lane
+        j = end - 1 - lane
+        s0 = _peek(status, j, tag)
+        s1 = _peek(status, j - WARP, tag)
+        s2 = _peek(status, j - 2 * WARP, tag)
+        s3 = _peek(status, j - 3 * WARP, tag)
+        s0 = _settled(status, j, s0, tag)
+        s1 = _settled(status, j - WARP, s1, tag)
+        s2 = _settled(status, j - 2 * WARP, s2, tag)
+        s3 = _settled(status, j - 3 * WARP, s3, tag)
+        p0 = cuda.ballot_sync(FULL_MASK, (s0 & STATUS_PREFIX) != 0)
+        p1 = cuda.ballot_sync(FULL_MASK, (s1 & STATUS_PREFIX) != 0)
+        p2 = cuda.ballot_sync(FULL_MASK, (s2 & STATUS_PREFIX) != 0)
+        p3 = cuda.ballot_sync(FULL_MASK, (s3 & STATUS_PREFIX) != 0)
+        v0, v1, v2 = s0 & STATUS_VALUE_MASK, s1 & STATUS_VALUE_MASK, s2 & STATUS_VALUE_MASK
+        rest = end - 4 * WARP
+        end = 0  # (a prefix among the 128 ends the walk)
+        if p0 != 0:
+            contribution = _upto(s0, p0, lane)
+        elif p1 != 0:
+            contribution = v0 + _upto(s1, p1, lane)
+        elif p2 != 0:
+            contribution = v0 + v1 + _upto(s2, p2, lane)
+        elif p3 != 0:
+            contribution = v0 + v1 + v2 + _upto(s3, p3, lane)
+        else:
+            contribution = v0 + v1 + v2 + (s3 & STATUS_VALUE_MASK)
+            end = rest
+        exclusive += _warp_sum(contribution)
+    return exclusive
+
+
+@cuda.jit(device=True, inline=True)
 def _look_back_block(status, chunk, tag, nearest_s, sums_s):
     """`_look_back` by the whole thread block, PASS_THREADS predecessors a step (nearest_s,
     sums_s: PASS_WARPS-long shared scratch). Every thread gets the sum."""
@@ -446,6 +501,7 @@ def _make_pass_kernel(avgpool, wide, vector):
     `wide` (sums, float64 masks), else float32 (exact for the max of other masks)."""
     acc_type = float64 if wide else float32
     BLOCK_LOOK_BACK = PASS_LOOK_BACK == "block"
+    DEEP_LOOK_BACK = PASS_LOOK_BACK == "deep"
     LOADS = PASS_LOADS
     VECTOR = vector
     # Shared entries of a chunk's column values: its windows x (entries a window + 1 of
@@ -587,7 +643,8 @@ def _make_pass_kernel(avgpool, wide, vector):
         if BLOCK_LOOK_BACK:
             exclusive = _look_back_block(status, chunk, tag, nearest_s, sums_s)
         elif warp == 0:
-            exclusive = _look_back(status, chunk, tag, lane)
+            exclusive = _look_back_deep(status, chunk, tag, lane) if DEEP_LOOK_BACK \
+                else _look_back(status, chunk, tag, lane)
         if warp == 0:
             if lane == 0 and chunk > 0:
                 cuda.atomic.exch(status, 1 + chunk, (tag << STATUS_TAG_SHIFT) | STATUS_PREFIX | (exclusive + aggregate))
@@ -618,15 +675,6 @@ def _make_pass_kernel(avgpool, wide, vector):
 
 
 @cuda.jit(device=True, inline=True)
-def _block_live(i, active, column, apart):
-    """Whether block i is below the count `active`, a test that needs the window's column index
-    too (no int32 equals `apart`), so that its load goes out with the count's (COPY_PROLOGUE 2; i
-    is below the indices' rows: a valid read past the count). `&`, not `and`: no branch between
-    the loads."""
-    return (i < active) & (int64(column) != apart)
-
-
-@cuda.jit(device=True, inline=True)
 def _split(p, d, inv):
     """(p // d, p % d) for 0 <= p < 2**24 through a float reciprocal (64-bit division is slow)."""
     q = int64(float32(p) * inv)
@@ -651,7 +699,6 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
     so each thread keeps COPY_UNROLL loads in flight without branches.
     """
     HALF2 = dtype == "half2"  # int32 words of two fp16 values, added by add_half2
-    TOGETHER = COPY_PROLOGUE == 2
     element = from_dtype(np.dtype("int32" if HALF2 else dtype))
     blocks_last = channels_last != transpose  # are the blocks [nb, bh, bw, C]?
     source_last = blocks_last if scatter else channels_last  # the side a transposing tile reads
@@ -704,14 +751,12 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
         return indices[i, 0], offset_h + indices[i, 1] * stride_h, offset_w + indices[i, 2] * stride_w
 
     @cuda.jit
-    def copy_plain(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w, apart):
+    def copy_plain(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w):
         i = cuda.blockIdx.x
-        if not TOGETHER and i >= count[0]:
+        if i >= count[0]:
             return
         N, H, W, C = image_shape(image)
         n, h0, w0 = window(indices, i, stride_h, stride_w, offset_h, offset_w)
-        if TOGETHER and not _block_live(i, count[0], indices[i, 2], apart):
-            return
         n_ok = 0 <= n < N
         if scatter and not n_ok:
             return
@@ -781,15 +826,12 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
                         blocks[block_index(i, r, sw, c)] = values[u]
 
     @cuda.jit
-    def copy_transposed(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w,
-                        apart):
+    def copy_transposed(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w):
         i = cuda.blockIdx.x
-        if not TOGETHER and i >= count[0]:
+        if i >= count[0]:
             return  # the same for the whole thread block, before any barrier
         N, H, W, C = image_shape(image)
         n, h0, w0 = window(indices, i, stride_h, stride_w, offset_h, offset_w)
-        if TOGETHER and not _block_live(i, count[0], indices[i, 2], apart):
-            return  # the same for the whole thread block, before any barrier
         n_ok = 0 <= n < N
         if scatter and not n_ok:
             return  # the same for the whole thread block, before any barrier
@@ -869,7 +911,6 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
     """
     element = from_dtype(np.dtype(vector_dtype))
     WIDTH = 16 // np.dtype(vector_dtype).itemsize
-    TOGETHER = COPY_PROLOGUE == 2
     CT = ROW_TILE_C
     PT = pixels
     CQ = CT // 4  # 16-byte vectors of a tile's pixel
@@ -907,24 +948,23 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
         return a[0] + b[0], a[1] + b[1]
 
     @cuda.jit(device=True, inline=True)
-    def row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w, apart):
-        """(first of this thread block's window row, its n, h, w0, whether it is inside the image):
-        the count and the window's indices are read together (COPY_PROLOGUE 1: the column's load
-        may still wait for the count's test; 2: it cannot)."""
+    def row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w):
+        """(whether this thread block's window is below the count, its n, h, w0, whether its row
+        is inside the image): the count and the window's indices are read together (the
+        compiler may still sink the column's load past the count's test: session 14's SASS; a
+        test that forced it out with the others timed the same, `benchmarks/NOTES.md`)."""
         i = cuda.blockIdx.x
         active = count[0]
         n = indices[i, 0]  # i < the indices' rows: a valid read even past the count
         h = offset_h + indices[i, 1] * stride_h + cuda.blockIdx.y
-        column = indices[i, 2]
-        w0 = offset_w + column * stride_w
-        live = _block_live(i, active, column, apart) if TOGETHER else i < active
-        return live, n, h, w0, 0 <= n < N and 0 <= h < H
+        w0 = offset_w + indices[i, 2] * stride_w
+        return i < active, n, h, w0, 0 <= n < N and 0 <= h < H
 
     @cuda.jit
     def copy_rows(image, blocks, indices, count, N, H, W, CV, size_h, size_w, stride_h, stride_w,
-                  offset_h, offset_w, apart):
+                  offset_h, offset_w):
         """Plain: blocks [n_blocks, bh, bw, C]; CV vectors a pixel."""
-        live, n, h, w0, row_ok = row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w, apart)
+        live, n, h, w0, row_ok = row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w)
         if not live or (scatter and not row_ok):
             return
         total = size_w * CV
@@ -985,16 +1025,13 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
 
     @cuda.jit
     def copy_rows_transposed(image, blocks, indices, count, N, H, W, C, size_h, size_w, stride_h, stride_w,
-                             offset_h, offset_w, apart):
+                             offset_h, offset_w):
         """blocks [n_blocks, C, bh, bw]; C a multiple of 4; ROW_TILE_THREADS threads."""
-        live, n, h, w0, row_ok = row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w, apart)
+        live, n, h, w0, row_ok = row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w)
         if not live or (scatter and not row_ok):
             return  # the same for the whole thread block, before the barrier
         c_chunks = (C + CT - 1) // CT
-        if TOGETHER:
-            pixel_chunk = int32(uint32(cuda.blockIdx.z) // uint32(c_chunks))
-        else:
-            pixel_chunk = cuda.blockIdx.z // c_chunks
+        pixel_chunk = cuda.blockIdx.z // c_chunks
         s0 = pixel_chunk * PT
         c0 = (cuda.blockIdx.z - pixel_chunk * c_chunks) * CT
         tile = cuda.shared.array(TILE_SHAPE_ROWS, float32)
@@ -1060,9 +1097,9 @@ _kernels = {}
 
 
 def _copy_kernel(scatter, transpose, add, atomic, dtype, channels_last):
-    key = (scatter, transpose, add, atomic, dtype, channels_last, COPY_PROLOGUE)
+    key = (scatter, transpose, add, atomic, dtype, channels_last)
     if key not in _kernels:
-        _kernels[key] = _make_copy_kernels(*key[:-1])
+        _kernels[key] = _make_copy_kernels(*key)
     return _kernels[key]
 
 
@@ -1124,9 +1161,9 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
         pixels = 32 if transpose and size_w > 16 else 16  # (the plain kernel has no tile)
         # A transposing copy's block rows go 4 values a step where every one starts aligned.
         block_width = 4 if not transpose or size_w % 4 == 0 else 1
-        key = ("rows", scatter, transpose, add, vector_dtype, half2, pixels, block_width, COPY_PROLOGUE)
+        key = ("rows", scatter, transpose, add, vector_dtype, half2, pixels, block_width)
         if key not in _kernels:
-            _kernels[key] = _make_row_kernels(*key[1:-1])
+            _kernels[key] = _make_row_kernels(*key[1:])
         if transpose:
             chunks = -(-size_w // pixels) * -(-C // ROW_TILE_C)
             grid, threads, per_pixel = (n_blocks, size_h, chunks), ROW_TILE_THREADS, C
@@ -1135,7 +1172,7 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
             wanted = -(-size_w * per_pixel // ROW_UNROLL)
             grid, threads = (n_blocks, size_h), min(ROW_THREADS, max(WARP, -(-wanted // WARP) * WARP))
         args = (_flat(image, vector_dtype), _flat(blocks, vector_dtype), indices, count, N, H, W, per_pixel,
-                size_h, size_w, stride_h, stride_w, offset_h, offset_w, APART)
+                size_h, size_w, stride_h, stride_w, offset_h, offset_w)
         launch(_kernels[key], grid, threads, stream, args)
         return _kernels[key], grid, threads, args
     if (channels_last and not transpose and not add and image.shape[3] * itemsize % WORD == 0
@@ -1157,7 +1194,7 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
     else:
         most = -(-size_h * size_w * channels // (COPY_THREADS * COPY_UNROLL))
     parts = max(1, min(most, -(-WAVES * multiprocessors() // max(n_blocks, 1))))
-    args = (image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w, APART)
+    args = (image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w)
     launch(kernel, (n_blocks, parts), threads, stream, args)
     return kernel, (n_blocks, parts), threads, args
 
