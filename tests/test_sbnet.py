@@ -72,22 +72,19 @@ def _look_back_kernel(who):
             if who == "block":
                 exclusive = sbnet._look_back_block(status, chunks[i], tag, nearest_s, sums_s)
             elif cuda.threadIdx.x < 32:
-                if who == "deep":
-                    exclusive = sbnet._look_back_deep(status, chunks[i], tag, cuda.threadIdx.x)
-                else:
-                    exclusive = sbnet._look_back(status, chunks[i], tag, cuda.threadIdx.x)
+                exclusive = sbnet._look_back(status, chunks[i], tag, cuda.threadIdx.x)
             if cuda.threadIdx.x == 0:
                 out[i] = exclusive
 
     return run
 
 
-@pytest.mark.parametrize("who", ["warp", "deep", "block"])
+@pytest.mark.parametrize("who", ["warp", "block"])
 def test_look_back_sums_aggregates_back_to_the_nearest_prefix(who):
     """Hand-made statuses of 300 chunks (the simulator runs thread blocks one after another, so a
     real launch never shows a look-back anything but finished predecessors): aggregates only,
     with inclusive prefixes at chunks 0 and 40; a look-back from chunk c sums the aggregates
-    before it back to the nearest prefix, across steps of 32, 128 or 256 statuses."""
+    before it back to the nearest prefix, across steps of 32 or 256 statuses."""
     tag = 3
     rng = np.random.default_rng(6)
     counts = rng.integers(0, 40, 300)
@@ -97,7 +94,7 @@ def test_look_back_sums_aggregates_back_to_the_nearest_prefix(who):
         words[prefixed] = (tag << sbnet.STATUS_TAG_SHIFT) | sbnet.STATUS_PREFIX | inclusive[prefixed]
     status = np.concatenate([[tag - 1], words]).astype(np.int64)  # status[0]: the launch count
     # (the block's 256 simulated threads meet at every step: fewer queries)
-    chunks = np.array([0, 41, 299] if who == "block" else [0, 1, 33, 40, 41, 129, 169, 170, 299, 297], np.int64)
+    chunks = np.array([0, 41, 299] if who == "block" else [0, 1, 33, 40, 41, 169, 299, 297], np.int64)
     out = np.zeros(len(chunks), np.int64)
     _look_back_kernel(who)[1, sbnet.PASS_THREADS if who == "block" else 32](out, status, chunks, tag)
     np.testing.assert_array_equal(out, [0] + [inclusive[c - 1] for c in chunks[1:]])
@@ -262,8 +259,8 @@ def test_reduce_mask_chunks_run_across_window_rows_and_images(lane_entries, monk
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version, look_back, lane_entries", [(1, "warp", 16), (2, "warp", 16), (2, "deep", 16),
-                                                             (2, "block", 16), (2, "warp", 0)])
+@pytest.mark.parametrize("version, look_back, lane_entries", [(1, "warp", 16), (2, "warp", 16), (2, "block", 16),
+                                                             (2, "warp", 0)])
 @pytest.mark.parametrize("avgpool", [False, True])
 def test_reduce_mask_of_large_masks(avgpool, version, look_back, lane_entries, monkeypatch):
     """Masks of 8 x 400 x 700 (version 1: the scan kernel's path; version 2: 17500 chunks whose
@@ -499,6 +496,87 @@ def test_repeated_reduce_mask_replays_a_kept_plan(monkeypatch):
         assert n == len(want) and len(sbnet._plans) == 1
         np.testing.assert_array_equal(indices[:n].cpu().numpy(), want)
         assert (indices[n:, 0] == -1).all()
+
+
+def test_reduce_mask_zeroes_statuses_once_a_stream_and_a_capture(monkeypatch):
+    """Version 2 zeroes a stream's statuses once and later calls on it reuse them (the launch
+    count in status[0] advances); a call under a graph capture (faked here) takes the spare
+    zeroed outside it, the capture's later calls reuse that, and a capture with no spare left
+    zeroes scratch statuses in the call. Every call's indices equal the reference's."""
+    monkeypatch.setattr(sbnet, "_status_buffers", {})
+    monkeypatch.setattr(sbnet, "_status_spares", {})
+    capture = [None]
+    monkeypatch.setattr(sbnet, "capture_of", lambda handle: capture[0])
+    rng = np.random.default_rng(23)
+    g = {"bsize": 2, "bstride": 2}
+
+    def check():
+        mask = (rng.random((1, 6, 10)) < 0.3).astype(np.float32)
+        got, count = sbnet.reduce_mask(mask, version=2, **g)
+        np.testing.assert_array_equal(got, reference.reduce_mask(mask, **g))
+
+    def launches():
+        return {key[0]: int(buffer.copy_to_host()[0]) for key, buffer in sbnet._status_buffers.items()}
+
+    check()
+    check()
+    stream = next(iter(launches()))
+    assert launches() == {stream: 2} and len(next(iter(sbnet._status_spares.values()))) == 1
+    capture[0] = 7
+    check()
+    check()
+    assert launches() == {stream: 2, (7, stream): 2} and not next(iter(sbnet._status_spares.values()))
+    capture[0] = 8  # no spare left
+    check()
+    assert launches() == {stream: 2, (7, stream): 2}
+    capture[0] = None  # a call outside captures makes a new spare
+    check()
+    assert launches() == {stream: 3, (7, stream): 2} and len(next(iter(sbnet._status_spares.values()))) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="captures a CUDA graph")
+def test_reduce_mask_in_a_captured_graph_replays_beside_eager_calls(monkeypatch):
+    """A torch CUDA graph of two reduce_mask calls (kept statuses, no fill node), replayed on new
+    mask contents, between eager calls on the capture's stream and on another: each call's
+    indices and count are the mask's."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(sbnet, "_plans", {})
+    rng = np.random.default_rng(24)
+    g = {"bsize": 4, "bstride": 4, "boffset": -1}
+    shape = (2, 60, 90)
+    mask = torch.zeros(shape, device="cuda")
+
+    def expect(indices, count, host_mask):
+        want = reference.reduce_mask(host_mask, **g)
+        n = int(count[0])
+        assert n == len(want)
+        np.testing.assert_array_equal(indices[:n].cpu().numpy(), want)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # eager calls first: a spare for the capture
+        for _ in range(2):
+            host = (rng.random(shape) < 0.1).astype(np.float32)
+            mask.copy_(torch.as_tensor(host))
+            expect(*sbnet.reduce_mask(mask, **g), host)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        first = sbnet.reduce_mask(mask, **g)
+        second = sbnet.reduce_mask(mask, **g)
+    other = torch.cuda.Stream()
+    for step in range(4):
+        host = (rng.random(shape) < 0.05 * (step + 1)).astype(np.float32)
+        mask.copy_(torch.as_tensor(host))
+        graph.replay()
+        expect(*first, host)
+        expect(*second, host)
+        expect(*sbnet.reduce_mask(mask, **g), host)
+        other.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(other):
+            expect(*sbnet.reduce_mask(mask, **g), host)
+        torch.cuda.current_stream().wait_stream(other)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="fakes the driver launch; the GPU test above runs the real one")

@@ -156,7 +156,21 @@ def stream_of(handle):
     return _streams[handle]
 
 
-def _stream_handle(stream):
+def capture_of(handle):
+    """The graph capture running on the stream of raw handle `handle`: its id (unique in the
+    process), None when none runs (always under the simulator), -1 when the driver cannot say
+    (e.g. the legacy stream while another stream captures)."""
+    if SIMULATOR:
+        return None
+    from cuda.bindings import driver
+
+    error, status, ident = driver.cuStreamGetCaptureInfo(driver.CUstream(handle))[:3]
+    if int(error) != 0:
+        return -1
+    return None if int(status) == 0 else int(ident)
+
+
+def stream_handle(stream):
     handle = _stream_handles.get(stream)
     if handle is None:
         handle = _stream_handles[stream] = int(stream.__cuda_stream__()[1])
@@ -177,7 +191,7 @@ def _core_stream(stream):
     """cuda.core's view of a Numba stream, cached (cuda.core deprecates taking foreign objects)."""
     core = _core_streams.get(stream)
     if core is None:
-        core = _core_streams[stream] = _core().Stream.from_handle(_stream_handle(stream))
+        core = _core_streams[stream] = _core().Stream.from_handle(stream_handle(stream))
     return core
 
 
@@ -210,7 +224,7 @@ def launch(dispatcher, grid, block, stream, args):
         # between the packing and the driver's copy of it.
         with _buffer_lock:
             kernel.packer.pack_into(kernel.buffer, 0, *values)
-            error = _driver_launch(kernel.function, *_dim3(grid), *_dim3(block), 0, _stream_handle(stream),
+            error = _driver_launch(kernel.function, *_dim3(grid), *_dim3(block), 0, stream_handle(stream),
                                    kernel.slots, None)
         if error:
             raise RuntimeError(f"cuLaunchKernel failed with CUDA error {error}")

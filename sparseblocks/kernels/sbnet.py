@@ -7,7 +7,8 @@ zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
 
 * `reduce_mask` pools a mask ``[N, H, W]`` over every window and lists the
   active ones in row-major order (the reference's). Version 2 (the default)
-  does it in one pass after zeroing a status word a chunk
+  does it in one pass over a status word a chunk, zeroed once a stream or
+  graph capture, not per call (`_statuses`), in one kernel
   (`_make_pass_kernel`): a thread block pools a chunk of consecutive windows
   (row-major, across rows and images), its threads along the chunk's
   columns (eight rows' loads in flight, 4 columns a vector load where the
@@ -64,7 +65,7 @@ from .._backend import SIMULATOR
 from ..reference.sbnet import block_count, check_geometry, pair
 from ._half2 import add_half2
 from ._vector import aligned, load2, load4, store2, store4
-from ._launch import data_pointer, launch, multiprocessors, replay
+from ._launch import capture_of, data_pointer, launch, multiprocessors, replay, stream_handle, stream_of
 from ._relaxed import load_relaxed
 
 # -- constants -----------------------------------------------------------------
@@ -116,8 +117,9 @@ STATUS_TAG_MASK = (1 << 30) - 1
 STATUS_VALUE_MASK = (1 << 32) - 1
 MAX_PASS_WINDOWS = 1 << 30  # windows version 2 takes (counts in 32 bits, int32 rows)
 REDUCE_VERSION = 2  # reduce_mask's default version
-# Who reads predecessors' statuses: "warp" (32 a step), "deep" (a warp, 128 a step) or "block"
-# (PASS_THREADS a step).
+# Who reads predecessors' statuses: "warp" (32 a step) or "block" (PASS_THREADS a step). A warp
+# reading 128 a step (four loads a lane in flight) was slower on the H100: 8.78 against 6.86 µs
+# on 8 x 400 x 700, windows of 16 (`benchmarks/NOTES.md`, session 15).
 PASS_LOOK_BACK = "warp"
 COPY_THREADS = 256  # threads of a gather/scatter block (one thread block a window)
 COPY_UNROLL = 4  # elements a thread loads before it stores any
@@ -382,68 +384,6 @@ def _look_back(status, chunk, tag, lane):
 
 
 @cuda.jit(device=True, inline=True)
-def _peek(status, j, tag):
-    """Chunk j's status as it stands (j < 0: a prefix of nothing, with this launch's tag)."""
-    if j < 0:
-        return int64(tag << STATUS_TAG_SHIFT) | STATUS_PREFIX
-    return load_relaxed(status, (uint64(1 + j),))
-
-
-@cuda.jit(device=True, inline=True)
-def _settled(status, j, s, tag):
-    """`s`, chunk j's status as peeked, once it carries this launch's tag (see `_status`)."""
-    while (s >> STATUS_TAG_SHIFT) != tag:
-        s = load_relaxed(status, (uint64(1 + j),))
-    return s
-
-
-@cuda.jit(device=True, inline=True)
-def _upto(s, prefixed, lane):
-    """s's value if this lane is at or before the nearest prefix of the ballot `prefixed`."""
-    nearest = prefixed ^ (prefixed - 1)  # lanes up to the nearest prefix
-    return s & STATUS_VALUE_MASK if (nearest >> lane) & 1 else int64(0)
-
-
-@cuda.jit(device=True, inline=True)
-def _look_back_deep(status, chunk, tag, lane):
-    """`_look_back` four statuses a lane: 128 predecessors a step, their loads in flight
-    together (when every chunk is resident and they finish about together, a late chunk
-    walks back over most of the others: a third of the steps, each one memory round trip)."""
-    exclusive = int64(0)
-    end = chunk
-    while end > 0:  # the same for every lane
-        j = end - 1 - lane
-        s0 = _peek(status, j, tag)
-        s1 = _peek(status, j - WARP, tag)
-        s2 = _peek(status, j - 2 * WARP, tag)
-        s3 = _peek(status, j - 3 * WARP, tag)
-        s0 = _settled(status, j, s0, tag)
-        s1 = _settled(status, j - WARP, s1, tag)
-        s2 = _settled(status, j - 2 * WARP, s2, tag)
-        s3 = _settled(status, j - 3 * WARP, s3, tag)
-        p0 = cuda.ballot_sync(FULL_MASK, (s0 & STATUS_PREFIX) != 0)
-        p1 = cuda.ballot_sync(FULL_MASK, (s1 & STATUS_PREFIX) != 0)
-        p2 = cuda.ballot_sync(FULL_MASK, (s2 & STATUS_PREFIX) != 0)
-        p3 = cuda.ballot_sync(FULL_MASK, (s3 & STATUS_PREFIX) != 0)
-        v0, v1, v2 = s0 & STATUS_VALUE_MASK, s1 & STATUS_VALUE_MASK, s2 & STATUS_VALUE_MASK
-        rest = end - 4 * WARP
-        end = 0  # (a prefix among the 128 ends the walk)
-        if p0 != 0:
-            contribution = _upto(s0, p0, lane)
-        elif p1 != 0:
-            contribution = v0 + _upto(s1, p1, lane)
-        elif p2 != 0:
-            contribution = v0 + v1 + _upto(s2, p2, lane)
-        elif p3 != 0:
-            contribution = v0 + v1 + v2 + _upto(s3, p3, lane)
-        else:
-            contribution = v0 + v1 + v2 + (s3 & STATUS_VALUE_MASK)
-            end = rest
-        exclusive += _warp_sum(contribution)
-    return exclusive
-
-
-@cuda.jit(device=True, inline=True)
 def _look_back_block(status, chunk, tag, nearest_s, sums_s):
     """`_look_back` by the whole thread block, PASS_THREADS predecessors a step (nearest_s,
     sums_s: PASS_WARPS-long shared scratch). Every thread gets the sum."""
@@ -501,7 +441,6 @@ def _make_pass_kernel(avgpool, wide, vector):
     `wide` (sums, float64 masks), else float32 (exact for the max of other masks)."""
     acc_type = float64 if wide else float32
     BLOCK_LOOK_BACK = PASS_LOOK_BACK == "block"
-    DEEP_LOOK_BACK = PASS_LOOK_BACK == "deep"
     LOADS = PASS_LOADS
     VECTOR = vector
     # Shared entries of a chunk's column values: its windows x (entries a window + 1 of
@@ -643,8 +582,7 @@ def _make_pass_kernel(avgpool, wide, vector):
         if BLOCK_LOOK_BACK:
             exclusive = _look_back_block(status, chunk, tag, nearest_s, sums_s)
         elif warp == 0:
-            exclusive = _look_back_deep(status, chunk, tag, lane) if DEEP_LOOK_BACK \
-                else _look_back(status, chunk, tag, lane)
+            exclusive = _look_back(status, chunk, tag, lane)
         if warp == 0:
             if lane == 0 and chunk > 0:
                 cuda.atomic.exch(status, 1 + chunk, (tag << STATUS_TAG_SHIFT) | STATUS_PREFIX | (exclusive + aggregate))
@@ -1271,9 +1209,11 @@ def _replayed_reduce(mask, settings):
     indices = torch.empty(plan.out_shape, dtype=torch.int32, device=device)
     count = torch.empty(1, dtype=torch.int32, device=device)
     stream = _arrays_module.torch_stream_handle()
-    if plan.extra[0] == "pass":  # version 2: statuses zeroed, one launch
-        status = torch.zeros(plan.extra[1], dtype=torch.int64, device=device)
-        plan.launch[0](stream, indices.data_ptr(), count.data_ptr(), status.data_ptr(), mask.data_ptr())
+    if plan.extra[0] == "pass":  # version 2: one launch on zeroed statuses
+        status = _statuses(plan.extra[1], stream)
+        status = data_pointer(status) if status is not None else \
+            torch.zeros(plan.extra[1], dtype=torch.int64, device=device).data_ptr()
+        plan.launch[0](stream, indices.data_ptr(), count.data_ptr(), status, mask.data_ptr())
         return indices, count
     _, total, n_chunks = plan.extra
     flags = torch.empty(total, dtype=torch.int8, device=device)
@@ -1351,6 +1291,48 @@ def _pass_kernel(avgpool, wide, vector):
     return _kernels[key]
 
 
+# Version 2's statuses carry their launch's tag (status[0] + 1; each launch's last chunk advances
+# status[0]), so a buffer zeroed once serves every later launch that cannot run beside another
+# on it: one buffer a stream (a stream's launches run in order), and one a stream of a graph
+# capture (a graph's replays run in order). No zero fill a call: that fill, a second node of a
+# replayed graph, was ~1.5 µs of reduce_mask's ~9 (`benchmarks/NOTES.md`). A capture cannot zero
+# a buffer without putting the fill in the graph, so it takes one zeroed and synchronized by an
+# earlier call outside any capture (a spare); where none is left, the call zeroes scratch
+# statuses as before. Buffers are kept for the process: a graph may be replayed at any time.
+_status_buffers = {}  # (stream handle or (capture id, handle), words) -> statuses (on kernel_device)
+_status_spares = {}  # words -> [zeroed statuses for the next capture]
+
+
+def _zeroed_statuses(words, stream):
+    statuses = cuda.device_array(words, np.int64, stream=stream)
+    _zero(statuses, stream)
+    return statuses
+
+
+def _statuses(words, stream):
+    """Kept statuses (`words` of them) for a version-2 launch on `stream` (a Numba stream or a
+    raw handle), or None: zero scratch ones (a capture with no spare left)."""
+    handle = stream if isinstance(stream, int) else stream_handle(stream)
+    capture = capture_of(handle)
+    if capture is None:
+        numba_stream = stream_of(handle) if isinstance(stream, int) and not SIMULATOR else stream
+        if not _status_spares.get(words):  # one for a capture to come, zeroed by then
+            _status_spares[words] = [_zeroed_statuses(words, numba_stream)]
+            if not SIMULATOR:
+                numba_stream.synchronize()  # (the capture may go on another stream)
+        key = (handle, words)
+        if key not in _status_buffers:  # zeroed on the stream itself: before this launch, once
+            _status_buffers[key] = _zeroed_statuses(words, numba_stream)
+        return _status_buffers[key]
+    key = ((capture, handle), words)
+    if key not in _status_buffers:
+        spares = _status_spares.get(words)
+        if capture == -1 or not spares:
+            return None
+        _status_buffers[key] = spares.pop()
+    return _status_buffers[key]
+
+
 def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=None, version=None):
     """Active windows of a mask ``[N, H, W]``, row-major: ``(indices, count)`` (see the module
     docstring). ``version``: 1 (pooling, then compaction) or 2 (one pass; the default where
@@ -1387,9 +1369,12 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
             mask_device = _as_dtype(mask_device, "uint8")  # (a vector of bools would load as bits)
         per_chunk, lanes, phases = _pass_chunks(size, total, vector)
         n_chunks = -(-total // per_chunk)
-        # Zeroed statuses (tags start at 1) from the caller's allocator; status[0] counts launches.
-        status = mask_op.scratch(n_chunks + 1, "int64", stream)
-        _zero(status, stream)
+        # Zeroed statuses (tags start at 1): kept ones, else from the caller's allocator;
+        # status[0] counts launches.
+        status = _statuses(n_chunks + 1, stream)
+        if status is None:
+            status = mask_op.scratch(n_chunks + 1, "int64", stream)
+            _zero(status, stream)
         kernel = _pass_kernel(bool(avgpool), bool(avgpool) or mask_op.dtype == "float64", vector)
         one = (kernel, n_chunks, PASS_THREADS, (
             indices, count, status, mask_device, N, H, W, count_hw[0], count_hw[1], size[0], size[1],
