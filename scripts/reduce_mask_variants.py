@@ -39,6 +39,8 @@ VARIANTS = {
     "v2 64 registers": (2, {"PASS_MAX_REGISTERS": 64}),  # 4 thread blocks an SM (spills ~90 bytes)
     "v2 warp pools": (2, {"PASS_LANE_ENTRIES": 0}),  # warps pool whole windows, then a barrier
     "v2 16 a chunk": (2, {"PASS_WINDOWS": 16}),  # chunks of at most 16 windows (kernels rebuilt per variant)
+    # session 14's chunks: at most 32 windows (one warp's ballot), 8 loads a thread
+    "v2 32 a chunk": (2, {"PASS_WINDOWS": 32, "PASS_PIXELS_LARGE": 2048}),
 }
 TIMING_ONLY = ("v2 no look-back",)
 

@@ -258,16 +258,37 @@ def test_reduce_mask_chunks_run_across_window_rows_and_images(lane_entries, monk
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("lane_entries", [16, 0])
+def test_reduce_mask_chunks_of_more_windows_than_a_warp(lane_entries, monkeypatch):
+    """Chunks of 64 windows (PASS_WINDOWS 64: two warps' ballots rank them, their counts summed
+    through shared memory, warp 0's look-back shared with the other) over 144 windows: two full
+    chunks and one of 16."""
+    monkeypatch.setattr(sbnet, "PASS_LANE_ENTRIES", lane_entries)
+    monkeypatch.setattr(sbnet, "PASS_WINDOWS", 64)
+    monkeypatch.setattr(sbnet, "_plans", {})
+    lanes = 64 * 2  # (64 windows of 2 columns, one column a load)
+    monkeypatch.setattr(sbnet, "_pass_chunks", lambda size, total, vector=1: (64, lanes, sbnet.PASS_THREADS // lanes))
+    rng = np.random.default_rng(25)
+    mask = (rng.random((1, 8, 72)) < 0.1).astype(np.float32)
+    g = {"bsize": 2, "bstride": 2}
+    want = reference.reduce_mask(mask, **g)
+    assert 20 < len(want) < 120
+    got, count = sbnet.reduce_mask(mask, version=2, **g)
+    assert count == len(want)
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("version, look_back, lane_entries", [(1, "warp", 16), (2, "warp", 16), (2, "block", 16),
-                                                             (2, "warp", 0)])
+@pytest.mark.parametrize("version, look_back, lane_entries, windows", [
+    (1, "warp", 16, 32), (2, "warp", 16, 32), (2, "block", 16, 32), (2, "warp", 0, 32), (2, "warp", 16, 64)])
 @pytest.mark.parametrize("avgpool", [False, True])
-def test_reduce_mask_of_large_masks(avgpool, version, look_back, lane_entries, monkeypatch):
+def test_reduce_mask_of_large_masks(avgpool, version, look_back, lane_entries, windows, monkeypatch):
     """Masks of 8 x 400 x 700 (version 1: the scan kernel's path; version 2: 17500 chunks whose
     look-backs wait on each other), large windows, negative offsets; repeated calls give the same
     indices."""
     monkeypatch.setattr(sbnet, "PASS_LOOK_BACK", look_back)
     monkeypatch.setattr(sbnet, "PASS_LANE_ENTRIES", lane_entries)
+    monkeypatch.setattr(sbnet, "PASS_WINDOWS", windows)
     monkeypatch.setattr(sbnet, "_kernels", {})
     monkeypatch.setattr(sbnet, "_plans", {})
     rng = np.random.default_rng(4)

@@ -84,9 +84,14 @@ PREFIX_CHUNKS = 4 * COMPACT_THREADS  # chunk counts a compaction block sums itse
 # active windows before it.
 PASS_THREADS = 256
 PASS_WARPS = PASS_THREADS // WARP  # a literal: shared-array shapes must be compile-time constants
-PASS_WINDOWS = WARP  # windows a chunk: one lane each for the ballot that ranks them
+PASS_WINDOWS = 2 * WARP  # windows a chunk: one thread each for the ballots that rank them (<= PASS_THREADS)
 PASS_COLUMNS = 1024  # columns a chunk (a window's width, times its windows); wider windows: version 1
-PASS_PIXELS = 8 * PASS_THREADS  # pixels a chunk takes at least: 8 loads a thread
+PASS_PIXELS = 8 * PASS_THREADS  # pixels a chunk takes at least: 8 loads a thread, or ...
+# ... 16 where that still leaves a chunk for every other multiprocessor: fewer, larger chunks
+# have fewer statuses to look back over (H100, graph µs, 8 x 400 x 700, windows of 8 / 16 / 32:
+# 14.00 / 6.92 / 7.49 with 8 loads, 9.52 / 6.60 / 7.00 with 16; 1 x 400 x 700, windows of 16:
+# 4.51 with 8 loads, 5.21 with 16 in 18 chunks; `results/sbnet_reduce_mask_h100.md`).
+PASS_PIXELS_LARGE = 16 * PASS_THREADS
 # ... and windows enough that the chunks fit in one wave of PASS_WAVE thread blocks a
 # multiprocessor (0: no such rule), so no chunk's look-back waits on a later wave.
 PASS_WAVE = 4
@@ -431,16 +436,19 @@ def _make_pass_kernel(avgpool, wide, vector):
     than the threads, split the rows into `phases`: each thread pools one column over its rows
     on the image (rows off it are skipped), PASS_LOADS loads in flight without a test, then
     the rest four at a time (rows past the last read it and are dropped by a select), and
-    leaves the value in shared memory, a window's entries together. Lane j of warp 0 then
-    pools window j's entries (or, past PASS_LANE_ENTRIES of them, each warp pools whole windows,
-    lanes over entries, shuffles), warp 0 ranks the chunk's active
-    windows by a ballot, publishes their count, finds the count before the chunk by
-    `_look_back`, and writes each window's row: (n, bh, bw) at its row-major rank if active,
+    leaves the value in shared memory, a window's entries together. Thread j then pools
+    window j's entries (or, past PASS_LANE_ENTRIES of them, each warp pools whole windows,
+    lanes over entries, shuffles), the warps holding windows rank the active ones by ballots
+    (counts summed through shared memory where the chunk has more than a warp's 32), thread 0
+    publishes their count, warp 0 finds the count before the chunk by `_look_back`, and each
+    window's thread writes its row: (n, bh, bw) at its row-major rank if active,
     else n = -1 from the back (rows count.. hold those). The last chunk writes the count and
     advances status[0], the launch count the tags come from. Accumulates in float64 with
     `wide` (sums, float64 masks), else float32 (exact for the max of other masks)."""
     acc_type = float64 if wide else float32
     BLOCK_LOOK_BACK = PASS_LOOK_BACK == "block"
+    RANKERS = -(-PASS_WINDOWS // WARP)  # warps whose ballots rank a chunk's windows
+    assert PASS_WINDOWS <= PASS_THREADS
     LOADS = PASS_LOADS
     VECTOR = vector
     # Shared entries of a chunk's column values: its windows x (entries a window + 1 of
@@ -494,6 +502,8 @@ def _make_pass_kernel(avgpool, wide, vector):
         tag_s = cuda.shared.array(1, np.int64)
         nearest_s = cuda.shared.array(PASS_WARPS, np.int32)
         sums_s = cuda.shared.array(PASS_WARPS, np.int64)
+        counts_s = cuda.shared.array(PASS_WARPS, np.int32)
+        exclusive_s = cuda.shared.array(1, np.int64)
         if tid == 0:  # the launch count's read is on its way while the chunk is pooled
             tag_s[0] = (load_relaxed(status, (uint64(0),)) + 1) & STATUS_TAG_MASK
         total = n_images * count_h * count_w
@@ -539,8 +549,8 @@ def _make_pass_kernel(avgpool, wide, vector):
         # else warps pool whole windows, lanes over the entries, and leave flags in active_s.
         active = False
         if entries <= PASS_LANE_ENTRIES:  # (the same for the whole block)
-            if warp == 0 and lane < windows:
-                base = lane * (entries + 1)
+            if tid < windows:
+                base = tid * (entries + 1)
                 a0, a1, a2, a3 = empty, empty, empty, empty
                 e = 0
                 while e + 4 <= entries:
@@ -571,10 +581,20 @@ def _make_pass_kernel(avgpool, wide, vector):
                     active_s[j] = 1 if pooled > tol else 0
                 j += PASS_WARPS
             cuda.syncthreads()  # every window's flag is in active_s
-            active = lane < windows and active_s[lane] != 0
+            active = tid < windows and active_s[tid] != 0
         tag = tag_s[0]
-        ballot = cuda.ballot_sync(FULL_MASK, active)  # (warp 0's is the one used)
+        ballot = cuda.ballot_sync(FULL_MASK, active)  # (thread t's window is first + t)
         aggregate = int64(cuda.popc(ballot))
+        before_warp = int64(0)  # active windows of the chunk's earlier warps
+        if RANKERS > 1:
+            if lane == 0 and warp < RANKERS:
+                counts_s[warp] = cuda.popc(ballot)
+            cuda.syncthreads()  # every ranking warp's count is in counts_s
+            aggregate = 0
+            for k in range(RANKERS):
+                if k < warp:
+                    before_warp += counts_s[k]
+                aggregate += counts_s[k]
         if tid == 0:  # the chunk's own count out first: successors need not wait for its prefix
             cuda.atomic.exch(status, 1 + chunk, (tag << STATUS_TAG_SHIFT) | aggregate
                              | (STATUS_PREFIX if chunk == 0 else 0))
@@ -583,28 +603,32 @@ def _make_pass_kernel(avgpool, wide, vector):
             exclusive = _look_back_block(status, chunk, tag, nearest_s, sums_s)
         elif warp == 0:
             exclusive = _look_back(status, chunk, tag, lane)
-        if warp == 0:
-            if lane == 0 and chunk > 0:
-                cuda.atomic.exch(status, 1 + chunk, (tag << STATUS_TAG_SHIFT) | STATUS_PREFIX | (exclusive + aggregate))
-            if lane < windows:
-                before = int64(cuda.popc(ballot & cuda.lanemask_lt()))
-                window = first + lane
-                if (ballot >> lane) & 1:
-                    row = exclusive + before
-                    n, bh, bw = _window(window, count_h, count_w)
-                    indices[row, 0] = n
-                    indices[row, 1] = bh
-                    indices[row, 2] = bw
-                else:  # inactive windows fill rows total-1, total-2, ... in row-major order
-                    row = total - 1 - (window - exclusive - before)
-                    indices[row, 0] = -1
-                    indices[row, 1] = -1
-                    indices[row, 2] = -1
-            if lane == 0 and chunk == n_chunks - 1:
-                count[0] = exclusive + aggregate
-                # Every chunk has published (this look-back saw them all), so every one has read
-                # the launch count: the next launch's statuses get the next tag.
-                cuda.atomic.add(status, 0, 1)
+        if tid == 0 and chunk > 0:
+            cuda.atomic.exch(status, 1 + chunk, (tag << STATUS_TAG_SHIFT) | STATUS_PREFIX | (exclusive + aggregate))
+        if RANKERS > 1 and not BLOCK_LOOK_BACK:
+            if tid == 0:
+                exclusive_s[0] = exclusive
+            cuda.syncthreads()  # warp 0's look-back is in exclusive_s
+            exclusive = exclusive_s[0]
+        if tid < windows:
+            before = before_warp + cuda.popc(ballot & cuda.lanemask_lt())
+            window = first + tid
+            if (ballot >> lane) & 1:
+                row = exclusive + before
+                n, bh, bw = _window(window, count_h, count_w)
+                indices[row, 0] = n
+                indices[row, 1] = bh
+                indices[row, 2] = bw
+            else:  # inactive windows fill rows total-1, total-2, ... in row-major order
+                row = total - 1 - (window - exclusive - before)
+                indices[row, 0] = -1
+                indices[row, 1] = -1
+                indices[row, 2] = -1
+        if tid == 0 and chunk == n_chunks - 1:
+            count[0] = exclusive + aggregate
+            # Every chunk has published (this look-back saw them all), so every one has read
+            # the launch count: the next launch's statuses get the next tag.
+            cuda.atomic.add(status, 0, 1)
 
     return pass_kernel
 
@@ -1261,13 +1285,17 @@ def _reduce_group_warps(size, total):
 
 
 def _pass_chunks(size, total, vector=1):
-    """(windows a chunk, lanes, phases) of reduce_mask's version 2: at least PASS_PIXELS loads a
-    chunk (`vector` pixels each) and at most a wave of chunks (PASS_WAVE), within PASS_WINDOWS
-    windows and PASS_COLUMNS columns; a full chunk's threads across its columns (lanes) and rows
-    (phases)."""
+    """(windows a chunk, lanes, phases) of reduce_mask's version 2: at least PASS_PIXELS_LARGE
+    loads a chunk (`vector` pixels each) where that leaves at least half as many chunks as
+    multiprocessors, else PASS_PIXELS, and at most a wave of chunks (PASS_WAVE), within
+    PASS_WINDOWS windows and PASS_COLUMNS columns; a full chunk's threads across its columns
+    (lanes) and rows (phases)."""
     wave = -(-total // (PASS_WAVE * multiprocessors())) if PASS_WAVE else 1
-    wanted = max(PASS_PIXELS * vector // (size[0] * size[1]), wave)
-    per_chunk = max(1, min(PASS_WINDOWS, PASS_COLUMNS // size[1], wanted, total))
+    for pixels in (PASS_PIXELS_LARGE, PASS_PIXELS):
+        wanted = max(pixels * vector // (size[0] * size[1]), wave)
+        per_chunk = max(1, min(PASS_WINDOWS, PASS_COLUMNS // size[1], wanted, total))
+        if 2 * -(-total // per_chunk) >= multiprocessors():
+            break
     lanes = min(per_chunk * (size[1] // vector), PASS_THREADS)
     return per_chunk, lanes, PASS_THREADS // lanes
 
@@ -1298,7 +1326,9 @@ def _pass_kernel(avgpool, wide, vector):
 # replayed graph, was ~1.5 µs of reduce_mask's ~9 (`benchmarks/NOTES.md`). A capture cannot zero
 # a buffer without putting the fill in the graph, so it takes one zeroed and synchronized by an
 # earlier call outside any capture (a spare); where none is left, the call zeroes scratch
-# statuses as before. Buffers are kept for the process: a graph may be replayed at any time.
+# statuses as before. Buffers are kept for the process: a graph may be replayed at any time. (A
+# stream destroyed with a launch still pending, whose handle a new stream gets before that launch
+# ends, would share a buffer with it: torch never destroys its pooled streams.)
 _status_buffers = {}  # (stream handle or (capture id, handle), words) -> statuses (on kernel_device)
 _status_spares = {}  # words -> [zeroed statuses for the next capture]
 
