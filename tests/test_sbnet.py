@@ -239,23 +239,32 @@ def test_reduce_mask_over_several_chunks(monkeypatch, prefix_chunks):
     assert (got[n:] == -1).all()
 
 
+def _check_fixed_chunks(monkeypatch, lane_entries, windows, shape, density, seed, active_rows):
+    """reduce_mask (version 2, windows of 2) of a random mask of `shape` (`density` of it set) in
+    chunks of `windows` windows (2 columns each, one a load) equals the reference; `active_rows`: the bounds the
+    active windows' count must fall in (so that the case is not trivial)."""
+    monkeypatch.setattr(sbnet, "PASS_LANE_ENTRIES", lane_entries)
+    monkeypatch.setattr(sbnet, "_plans", {})
+    lanes = windows * 2
+    monkeypatch.setattr(sbnet, "_pass_chunks",
+                        lambda size, total, vector=1: (windows, lanes, sbnet.PASS_THREADS // lanes))
+    rng = np.random.default_rng(seed)
+    mask = (rng.random(shape) < density).astype(np.float32)
+    g = {"bsize": 2, "bstride": 2}
+    want = reference.reduce_mask(mask, **g)
+    assert active_rows[0] < len(want) < active_rows[1]
+    got, count = sbnet.reduce_mask(mask, version=2, **g)
+    assert count == len(want)
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("lane_entries", [16, 0])
 def test_reduce_mask_chunks_run_across_window_rows_and_images(lane_entries, monkeypatch):
     """Chunks of 5 windows over rows of 3 windows and two images of 4 rows of windows: they run on
     across window rows (chunk 0 ends on the second row) and images (chunk 2); a window's entries
-    pooled by one lane, or (PASS_LANE_ENTRIES 0) by a warp."""
-    monkeypatch.setattr(sbnet, "PASS_LANE_ENTRIES", lane_entries)
-    monkeypatch.setattr(sbnet, "_plans", {})
-    lanes = 5 * 2  # (5 windows of 2 columns; one column a load: W = 6 is no multiple of 4)
-    monkeypatch.setattr(sbnet, "_pass_chunks", lambda size, total, vector=1: (5, lanes, sbnet.PASS_THREADS // lanes))
-    rng = np.random.default_rng(13)
-    mask = (rng.random((2, 8, 6)) < 0.15).astype(np.float32)
-    g = {"bsize": 2, "bstride": 2}
-    want = reference.reduce_mask(mask, **g)
-    assert 0 < len(want) < 24
-    got, count = sbnet.reduce_mask(mask, version=2, **g)
-    assert count == len(want)
-    np.testing.assert_array_equal(got, want)
+    pooled by one lane, or (PASS_LANE_ENTRIES 0) by a warp. (W = 6: no multiple of 4, one column
+    a load.)"""
+    _check_fixed_chunks(monkeypatch, lane_entries, 5, (2, 8, 6), 0.15, 13, (0, 24))
 
 
 @pytest.mark.parametrize("lane_entries", [16, 0])
@@ -263,19 +272,8 @@ def test_reduce_mask_chunks_of_more_windows_than_a_warp(lane_entries, monkeypatc
     """Chunks of 64 windows (PASS_WINDOWS 64: two warps' ballots rank them, their counts summed
     through shared memory, warp 0's look-back shared with the other) over 144 windows: two full
     chunks and one of 16."""
-    monkeypatch.setattr(sbnet, "PASS_LANE_ENTRIES", lane_entries)
     monkeypatch.setattr(sbnet, "PASS_WINDOWS", 64)
-    monkeypatch.setattr(sbnet, "_plans", {})
-    lanes = 64 * 2  # (64 windows of 2 columns, one column a load)
-    monkeypatch.setattr(sbnet, "_pass_chunks", lambda size, total, vector=1: (64, lanes, sbnet.PASS_THREADS // lanes))
-    rng = np.random.default_rng(25)
-    mask = (rng.random((1, 8, 72)) < 0.1).astype(np.float32)
-    g = {"bsize": 2, "bstride": 2}
-    want = reference.reduce_mask(mask, **g)
-    assert 20 < len(want) < 120
-    got, count = sbnet.reduce_mask(mask, version=2, **g)
-    assert count == len(want)
-    np.testing.assert_array_equal(got, want)
+    _check_fixed_chunks(monkeypatch, lane_entries, 64, (1, 8, 72), 0.1, 25, (20, 120))
 
 
 @pytest.mark.gpu
