@@ -85,7 +85,8 @@ def bench_ops(torch, sbnet, reference, records, shapes, channels, blocks, fracti
 
 
 def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
-    """The sparse block (in place, as SBNet runs it) against the dense one, both timed both ways.
+    """The sparse block (in place, as SBNet runs it) against the dense one, both timed both ways,
+    and a training step (forward and backward) of each, eager.
 
     Both stack layouts: NHWC (the default, straight into channels_last convolutions)
     and SBNet's NCHW stack through the fused transpose.
@@ -96,10 +97,16 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
     block = sbnet_torch.SparseResBlock(256, 64, block_size=16).to("cuda", dtype).to(memory_format=torch.channels_last)
     x = torch.randn(1, 256, 400, 700, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
     rng = np.random.default_rng(1)
+    shape = {"N": 1, "H": 400, "W": 700, "C": 256, "bottleneck": 64}
+    p = block.geometry(x.shape)
+
+    def active_fraction(chosen):
+        return round(chosen / (p.bcount[0] * p.bcount[1]), 3)
+
+    training = []
     with torch.no_grad():
         dense = timed(lambda: block.dense(x))
         want = block.dense(x)
-        p = block.geometry(x.shape)
         for fraction in fractions:
             # One mask pixel at the centre of each chosen window: it lies in that window alone
             # (windows overlap by their halo), so `fraction` of the windows are active.
@@ -118,10 +125,34 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
                 work = x.clone()  # the in-place runs add into this copy, again and again
                 ours = timed(lambda: block(work, indices, count, inplace=True))
                 for timing in ("eager", "graph"):
-                    records.append(Record("sparse_res_block", {
-                        "dtype": dtype_name, "active": round(len(chosen) / (p.bcount[0] * p.bcount[1]), 3), "N": 1, "H": 400, "W": 700, "C": 256,
-                        "bottleneck": 64, "stack": "NCHW" if transpose else "NHWC", "timing": timing},
+                    records.append(Record("sparse_res_block", dict(
+                        shape, dtype=dtype_name, active=active_fraction(len(chosen)),
+                        stack="NCHW" if transpose else "NHWC", timing=timing, step="forward"),
                         ours[timing], {"dense_block": dense[timing]}))
+            block.transpose = False
+            active = (block(x, indices, count) != x).any(dim=1, keepdim=True)  # the pixels it changes
+            training.append((len(chosen), indices, count, active))
+    # Training steps (forward and backward, eager, NHWC stack): the input needs a gradient, so
+    # the block adds into a copy; the gather's gradient adds overlapping windows atomically.
+    grad_y = torch.randn_like(x)
+    xg = x.detach().clone().requires_grad_(True)
+
+    def step(forward):
+        xg.grad = None
+        block.zero_grad(set_to_none=True)
+        forward(xg).backward(grad_y)
+
+    dense_step = time_ms(lambda: step(block.dense))
+    for chosen, indices, count, active in training:
+        step(lambda x: torch.where(active, block.dense(x), x))
+        want = xg.grad.clone()
+        step(lambda x: block(x, indices, count))
+        error = ((xg.grad - want).abs().max() / want.abs().max()).item()
+        assert error < (2e-2 if dtype_name == "float16" else 1e-4), f"sparse block's input gradient differs: {error}"
+        ms = time_ms(lambda: step(lambda x: block(x, indices, count)))
+        records.append(Record("sparse_res_block", dict(shape, dtype=dtype_name, active=active_fraction(chosen),
+                                                       stack="NHWC", timing="eager", step="training"),
+                              ms, {"dense_block": dense_step}))
 
 
 def main():

@@ -144,7 +144,7 @@ def main():
     for scatter, transpose, (add, atomic), dtype, channels_last in itertools.product(
             (False, True), (False, True), ((False, False), (True, False), (True, True)),
             ("float16", "float32", "float64"), (True, False)):
-        if (add and not scatter) or (atomic and dtype == "float16"):
+        if add and not scatter:
             continue
         element = getattr(types, dtype)
         kernel = sbnet._make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last)
@@ -153,11 +153,13 @@ def main():
         name = (f"{'scatter' if scatter else 'gather'} {'NHWC' if channels_last else 'NCHW'} "
                 f"transpose={transpose} add={add} atomic={atomic} {dtype}")
         results.append(check(name, kernel.py_func, signature))
-    # The channels-last fp16 add through int32 words of two halves (add.rn.f16x2).
+    # The channels-last fp16 adds through int32 words of two halves (add.rn.f16x2, and
+    # red.global.add.noftz.f16x2 when atomic).
     words = types.int32[:, :, :, ::1]
-    kernel = sbnet._make_copy_kernels(True, False, True, False, "half2", True)
-    results.append(check("scatter NHWC add half2 words", kernel.py_func,
-                         (words, words, types.int32[:, ::1], types.int32[::1]) + (i64,) * 6))
+    for atomic in (False, True):
+        kernel = sbnet._make_copy_kernels(True, False, True, atomic, "half2", True)
+        results.append(check(f"scatter NHWC add half2 words atomic={atomic}", kernel.py_func,
+                             (words, words, types.int32[:, ::1], types.int32[::1]) + (i64,) * 6))
     # The row copies (channels-last, 16-byte vectors over flat views): every combination the
     # launcher picks (`sbnet._row_path`).
     for scatter, transpose, add, (vector_dtype, half2), pixels in itertools.product(

@@ -43,10 +43,8 @@ class _SparseGather(torch.autograd.Function):
     def backward(ctx, grad_blocks):
         indices, *count = ctx.saved_tensors
         zeros = grad_blocks.new_zeros(ctx.shape)
-        # Windows may overlap or repeat: add atomically where the dtype allows
-        # (float16 has no atomic add here; the kernel then refuses overlapping windows).
-        atomic = grad_blocks.dtype != torch.float16
-        grad_x = kernels.sparse_scatter(grad_blocks.contiguous(), indices, zeros, add=True, atomic=atomic,
+        # Windows may overlap or repeat (every SparseResBlock's share a halo): add atomically.
+        grad_x = kernels.sparse_scatter(grad_blocks.contiguous(), indices, zeros, add=True, atomic=True,
                                         transpose=ctx.transpose, count=count[0] if count else None,
                                         **ctx.geometry)
         return grad_x, None, None, None, None

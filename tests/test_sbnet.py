@@ -412,6 +412,39 @@ def test_fp16_adds_go_two_channels_a_word_where_rows_allow(channels, monkeypatch
     assert words == (["half2"] if channels % 2 == 0 else ["float16"])
 
 
+@pytest.mark.parametrize("channels, transpose, data_format, kernel_dtype", [
+    (4, False, "NHWC", "half2"), (3, False, "NHWC", "float16"), (4, True, "NHWC", "float16"),
+    (2, False, "NCHW", "float16"),
+])
+def test_fp16_atomic_adds_of_overlapping_windows(channels, transpose, data_format, kernel_dtype, monkeypatch):
+    """fp16 scatter-adds of overlapping and repeated windows, atomically (red.global.add.noftz.f16,
+    or .f16x2 on words of two channels where rows allow), equal the float64 sum rounded to fp16
+    up to the rounding of each partial sum (the order of the adds is not fixed)."""
+    kernels = []
+    copy_kernel = sbnet._copy_kernel
+
+    def spy(scatter, transpose, add, atomic, dtype, channels_last):
+        kernels.append(dtype)
+        return copy_kernel(scatter, transpose, add, atomic, dtype, channels_last)
+
+    monkeypatch.setattr(sbnet, "_copy_kernel", spy)
+    rng = np.random.default_rng(7)
+    g = {"bsize": 3, "bstride": 2, "boffset": -1}
+    indices = np.array([[0, 0, 0], [0, 1, 1], [0, 1, 2], [0, 1, 1], [0, 2, 2]], np.int32)
+    y = rng.standard_normal((1, 6, 7, channels)).astype(np.float16)
+    blocks = rng.standard_normal((len(indices), 3, 3, channels)).astype(np.float16)
+    if (data_format == "NHWC") == transpose:  # the blocks are NCHW
+        blocks = np.ascontiguousarray(blocks.transpose(0, 3, 1, 2))
+    y = as_format(y, data_format)
+    kwargs = dict(g, add=True, transpose=transpose, data_format=data_format)
+    got = sbnet.sparse_scatter(blocks, indices, y, atomic=True, **kwargs)
+    want = reference.sparse_scatter(blocks.astype(np.float64), indices, y.astype(np.float64), **kwargs)
+    assert got.dtype == np.float16
+    # Each pixel is the sum of y and up to 5 windows' values, rounded after every add.
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=4e-3, atol=4e-3)
+    assert kernels == [kernel_dtype]
+
+
 @pytest.mark.parametrize("dtype, channels, transpose, widths", [
     ("float32", 4, False, [1, 3, 4]), ("float32", 8, False, [1, 3, 4]), ("float16", 8, False, [1, 3, 4]),
     ("float64", 2, False, [1, 3, 4]), ("float32", 4, True, [4, 8]), ("float32", 8, True, [4, 8]),
@@ -664,8 +697,6 @@ B = np.ones((2, 2, 2, 2), np.float32)
      ValueError, "overlap"),
     (lambda: sbnet.sparse_scatter(B, np.array([[0, 0, 0], [0, 0, 0]], np.int32), X, bsize=2, bstride=2,
                                   add=True), ValueError, "repeated"),
-    (lambda: sbnet.sparse_scatter(B.astype(np.float16), IDX, X.astype(np.float16), bsize=2, bstride=2,
-                                  add=True, atomic=True), TypeError, "atomic"),
     (lambda: sbnet.sparse_scatter(B, IDX, X, bsize=2, bstride=2, inplace=True), TypeError, "inplace"),
     (lambda: sbnet.sparse_scatter(B[:1], IDX, X, bsize=2, bstride=2), ValueError, "blocks: expected shape"),
     (lambda: sbnet.sparse_scatter(B, IDX, X.astype(np.float64), bsize=2, bstride=2), TypeError, "mismatch"),

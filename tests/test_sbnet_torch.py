@@ -109,3 +109,37 @@ def test_sparse_res_block_equals_the_dense_block_on_active_blocks(layout):
     torch.testing.assert_close(x_inplace, y.detach())
     with pytest.raises(ValueError, match="channels_last"):
         block(x[..., ::2], indices, count, inplace=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_sparse_res_block_trains_as_the_dense_block_on_active_blocks(dtype):
+    """The block's gradients (input and weights) equal those of ``where(active, dense(x), x)``;
+    its windows overlap by their halo, so the gather's gradient adds them atomically (fp16 too)."""
+    torch.manual_seed(1)
+    block = sbnet_torch.SparseResBlock(channels=4, bottleneck=2, block_size=6).double().to(DEVICE)
+    x = torch.randn(1, 4, 9, 10, dtype=torch.float64, device=DEVICE).to(memory_format=torch.channels_last)
+    mask = np.zeros((1, 9, 10), np.float32)
+    mask[0, 2:4, 2:8] = 1  # three neighbouring windows, halos overlapping
+    indices, count = block.active_blocks(tensor(mask))
+    assert len(indices) >= 2
+    p = block.geometry(x.shape)
+    active = reference.sparse_scatter(np.ones((len(indices), *p.bsize_out, 1)), indices.cpu().numpy(),
+                                      np.zeros((1, 9, 10, 1)), p.bsize_out, p.bsize_out, 0)[..., 0] > 0
+    active = torch.as_tensor(active, device=DEVICE)[:, None].expand_as(x)
+    assert active.any() and not active.all()
+    weights = torch.randn_like(x)
+
+    def gradients(model, x, forward):
+        model.zero_grad()
+        x = x.detach().clone().requires_grad_(True)
+        (forward(model, x).double() * weights).sum().backward()
+        return [x.grad] + [conv.weight.grad for conv in (model.conv1, model.conv2, model.conv3)]
+
+    want = gradients(block, x, lambda m, x: torch.where(active, m.dense(x), x))
+    sparse = block if dtype == torch.float64 else sbnet_torch.SparseResBlock(4, 2, block_size=6).to(DEVICE, dtype)
+    sparse.load_state_dict(block.state_dict())
+    got = gradients(sparse, x.to(dtype), lambda m, x: m(x, indices, count))
+    tolerance = {} if dtype == torch.float64 else {"rtol": 2e-2, "atol": 2e-2}
+    for name, g, w in zip(("x", "conv1", "conv2", "conv3"), got, want):
+        assert g.dtype == dtype, name
+        torch.testing.assert_close(g.double(), w, **tolerance, msg=lambda m, name=name: f"{name}: {m}")

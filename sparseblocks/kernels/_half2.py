@@ -1,6 +1,7 @@
-"""Two fp16 additions in one instruction: ``add_half2(a, b)``.
+"""fp16 additions Numba does not offer: ``add_half2(a, b)``, ``atomic_add_half(array, index, value)``
+and ``atomic_add_half2(words, index, word)``.
 
-``a`` and ``b`` are 32-bit words, each the bits of two neighbouring fp16
+``add_half2``: ``a`` and ``b`` are 32-bit words, each the bits of two neighbouring fp16
 values (an fp16 array viewed as int32); the result is the word of their two
 sums, each rounded to nearest (``add.rn.f16x2``). Numba has no bit cast
 between int32 and a pair of halves, so the compiled function is an
@@ -8,25 +9,53 @@ intrinsic that emits the PTX instruction on the words themselves. It lets a
 channels-last fp16 add move 4 bytes a thread-step instead of 2
 (`sbnet.sparse_scatter` with ``add``).
 
-In the CUDA simulator the same name decodes the words with NumPy and adds in
-float64 (exact for two fp16 values), rounding once to fp16 as the hardware.
+The atomics: Numba's ``cuda.atomic.add`` takes float32 and float64 arrays only,
+but an fp16 scatter-add of overlapping windows (the gradient of a gather whose
+windows share a halo, as every SBNet block's do) needs one. ``atomic_add_half``
+adds an fp16 value to ``array[index]`` of a float16 array
+(``red.global.add.noftz.f16``, sm_70 and later); ``atomic_add_half2`` adds the two
+halves of ``word`` to the two of ``words[index]``, an fp16 array viewed as int32
+(``red.global.add.noftz.f16x2``), each rounded to nearest once. Both are
+reductions: nothing is returned, so the hardware need not send the old value back.
+
+In the CUDA simulator the same names decode with NumPy and add in float64
+(exact for two fp16 values), rounding once to fp16 as the hardware; the
+atomics hold a lock, as the simulator's own atomics do.
 """
 
 from .._backend import SIMULATOR
 
 if SIMULATOR:
+    import threading
+
     import numpy as np
 
+    _lock = threading.Lock()
+
+    def _halves(*words):
+        return (np.array(words, np.int64) & 0xFFFFFFFF).astype(np.uint32).view(np.float16).astype(np.float64)
+
     def add_half2(a, b):
-        words = (np.array([a, b], np.int64) & 0xFFFFFFFF).astype(np.uint32)
-        halves = words.view(np.float16).astype(np.float64)
+        halves = _halves(a, b)
         sums = (halves[:2] + halves[2:]).astype(np.float16)
         return np.int32(sums.view(np.int32)[0])
+
+    def atomic_add_half(array, index, value):
+        array = np.asarray(array)
+        with _lock:
+            array[index] = np.float16(np.float64(array[index]) + np.float64(value))
+
+    def atomic_add_half2(words, index, word):
+        words = np.asarray(words)
+        with _lock:
+            words[index] = add_half2(words[index], word)
 
 else:
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
+
+    from ._vector import element_pointer, indexes
 
     @intrinsic
     def add_half2(typingctx, a, b):
@@ -39,3 +68,30 @@ else:
             return builder.call(asm, list(args))
 
         return a(a, b), codegen
+
+    def _reduction(instruction, value_bits, constraint, accepts):
+        """An intrinsic ``f(array, index, value)`` emitting ``instruction [&array[index]], value``."""
+
+        @intrinsic
+        def reduce(typingctx, array, index, value):
+            if not (indexes(array, index) and accepts(array.dtype, value)):
+                return None
+
+            def codegen(context, builder, sig, args):
+                pointer = element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+                address = builder.ptrtoint(pointer, ir.IntType(64))
+                bits = builder.bitcast(args[2], ir.IntType(value_bits))
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(value_bits)]),
+                                   f"{instruction} [$0], $1;", f"l,{constraint},~{{memory}}", side_effect=True)
+                builder.call(asm, [address, bits])
+                return context.get_dummy_value()
+
+            return types.none(array, index, value), codegen
+
+        return reduce
+
+    atomic_add_half = _reduction("red.global.add.noftz.f16", 16, "h",
+                                 lambda dtype, value: dtype == value == types.float16)
+    atomic_add_half2 = _reduction(
+        "red.global.add.noftz.f16x2", 32, "r",
+        lambda dtype, value: dtype == types.int32 and isinstance(value, types.Integer) and value.bitwidth == 32)

@@ -40,7 +40,7 @@ zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
   ``atomic`` raises, and so do repeated indices given on the host. Where
   overwritten windows overlap, which block lands is unspecified.
 
-Storage float16, float32, float64 (atomic adds: float32, float64). Channels-last
+Storage float16, float32, float64 (fp16 atomic adds: `_half2.py`). Channels-last
 (NHWC) copies go a window row at a time in 16-byte vectors where a pixel is
 whole vectors and the pointers are 16-byte aligned (`_make_row_kernels`:
 plain, adds, fp16 adds two halves a word by `_half2.py`, fp32 and fp16
@@ -63,7 +63,7 @@ from .. import _arrays as _arrays_module
 from .._arrays import Operand, check_dtype, check_same_kind, launch_stream
 from .._backend import SIMULATOR
 from ..reference.sbnet import block_count, check_geometry, pair
-from ._half2 import add_half2
+from ._half2 import add_half2, atomic_add_half, atomic_add_half2
 from ._vector import aligned, load2, load4, store2, store4
 from ._launch import capture_of, data_pointer, launch, multiprocessors, replay, stream_handle, stream_of
 from ._relaxed import load_relaxed
@@ -661,6 +661,7 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
     so each thread keeps COPY_UNROLL loads in flight without branches.
     """
     HALF2 = dtype == "half2"  # int32 words of two fp16 values, added by add_half2
+    FP16 = dtype == "float16"  # (Numba's atomic add takes no fp16: atomic_add_half)
     element = from_dtype(np.dtype("int32" if HALF2 else dtype))
     blocks_last = channels_last != transpose  # are the blocks [nb, bh, bw, C]?
     source_last = blocks_last if scatter else channels_last  # the side a transposing tile reads
@@ -693,7 +694,11 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
     @cuda.jit(device=True, inline=True)
     def image_put(image, index, value, old):
         if add:
-            if atomic:
+            if atomic and HALF2:
+                atomic_add_half2(image, index, value)
+            elif atomic and FP16:
+                atomic_add_half(image, index, value)
+            elif atomic:
                 cuda.atomic.add(image, index, value)
             elif HALF2:
                 image[index] = add_half2(old, value)
@@ -1141,10 +1146,11 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
             and data_pointer(image) % WORD == 0 and data_pointer(blocks) % WORD == 0):
         # An overwrite moves bits: channels-last rows go as 8-byte words, fewer and wider accesses.
         image, blocks, dtype = _as_words(image), _as_words(blocks), "int64"
-    elif (channels_last and not transpose and add and not atomic and dtype == "float16"
+    elif (channels_last and not transpose and add and dtype == "float16"
             and image.shape[3] * itemsize % HALF2 == 0
             and data_pointer(image) % HALF2 == 0 and data_pointer(blocks) % HALF2 == 0):
-        # An fp16 add goes two channels a word: half the accesses, one add.rn.f16x2 for two.
+        # An fp16 add goes two channels a word: half the accesses, one add.rn.f16x2 for two
+        # (atomic: one red.global.add.noftz.f16x2).
         image, blocks, dtype = _as_words(image, HALF2), _as_words(blocks, HALF2), "half2"
     kernel = _copy_kernel(scatter, transpose, add, atomic, dtype, channels_last)
     threads = (TILE, TILE_ROWS) if transpose else COPY_THREADS
@@ -1579,8 +1585,6 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
     expected = _block_shape(n_blocks, size, C, channels_last, transpose)
     if b_op.shape != expected:
         raise ValueError(f"blocks: expected shape {expected} for {n_blocks} indices, got {b_op.shape}")
-    if add and atomic and y_op.dtype == "float16":
-        raise TypeError("atomic: atomic adds need float32 or float64, got float16")
     if add and not atomic:
         if stride[0] < size[0] or stride[1] < size[1]:
             raise ValueError(
