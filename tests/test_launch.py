@@ -95,3 +95,40 @@ def test_replay_rewrites_only_the_live_pointers():
     kept(torch.cuda.current_stream().cuda_stream, out2.data_ptr(), a2.data_ptr())
     torch.cuda.synchronize()
     np.testing.assert_allclose(host(out2), 2.0 * host(a2) + host(b) + 3, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="launches go through the driver")
+def test_launches_from_a_thread_without_a_current_context():
+    """torch's autograd engine runs backward functions on threads of its own; on one where no
+    driver call has made a context current, the compiled launch and a replay find Numba's."""
+    import threading
+
+    torch = pytest.importorskip("torch")
+    from cuda.bindings import driver
+
+    a = torch.randn(9, 30, device="cuda")
+    b = torch.randn(30, device="cuda")
+    outs = [torch.full((9, 30), float("nan"), device="cuda") for _ in range(2)]
+    args = (outs[0], a, b, 2.0, 3, False)
+    _launch.launch(_affine, (2, 4), (8, 8), 0, args)  # compiled and cached here
+    kept = _launch.replay(_affine, (2, 4), (8, 8), args, live=(0,))
+    torch.cuda.synchronize()
+    seen = []
+
+    def worker():
+        try:
+            seen.append(int(driver.cuCtxGetCurrent()[1]))  # 0: no context on this new thread
+            kept(0, outs[1].data_ptr())
+            _launch.launch(_affine, (2, 4), (8, 8), 0, args)
+        except Exception as error:  # surfaced below, in the test's thread
+            seen.append(error)
+
+    outs[0].fill_(float("nan"))
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == [0], seen
+    torch.cuda.synchronize()
+    for out in outs:
+        np.testing.assert_allclose(host(out), 2.0 * host(a) + host(b) + 3, rtol=1e-6, atol=1e-6)

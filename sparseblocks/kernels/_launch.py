@@ -200,6 +200,21 @@ def _dim3(dims):
     return dims + (1,) * (3 - len(dims))
 
 
+CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+def _checked_launch(function, grid, block, handle, slots):
+    """cuLaunchKernel, raising on failure. A thread with no current context (torch's autograd
+    engine runs backward functions on threads of its own, where no driver call may have been
+    made yet) gets Numba's, the device's primary context, and the launch is retried once."""
+    error = _driver_launch(function, *grid, *block, 0, handle, slots, None)
+    if error == CUDA_ERROR_INVALID_CONTEXT:
+        cuda.current_context()  # pushes the primary context on a thread that has none
+        error = _driver_launch(function, *grid, *block, 0, handle, slots, None)
+    if error:
+        raise RuntimeError(f"cuLaunchKernel failed with CUDA error {error}")
+
+
 def launch(dispatcher, grid, block, stream, args):
     """``dispatcher[grid, block, stream](*args)``, through the dispatcher only the first time.
 
@@ -224,10 +239,7 @@ def launch(dispatcher, grid, block, stream, args):
         # between the packing and the driver's copy of it.
         with _buffer_lock:
             kernel.packer.pack_into(kernel.buffer, 0, *values)
-            error = _driver_launch(kernel.function, *_dim3(grid), *_dim3(block), 0, stream_handle(stream),
-                                   kernel.slots, None)
-        if error:
-            raise RuntimeError(f"cuLaunchKernel failed with CUDA error {error}")
+            _checked_launch(kernel.function, _dim3(grid), _dim3(block), stream_handle(stream), kernel.slots)
         return
     config = _configs.get((grid, block))
     if config is None:
@@ -268,9 +280,7 @@ class Replay:
             words = self.words
             for index, pointer in zip(self.live, pointers):
                 words[index] = pointer
-            error = _driver_launch(self.function, *self.grid, *self.block, 0, stream_handle, self.slots, None)
-        if error:
-            raise RuntimeError(f"cuLaunchKernel failed with CUDA error {error}")
+            _checked_launch(self.function, self.grid, self.block, stream_handle, self.slots)
 
 
 def replay(dispatcher, grid, block, args, live):
