@@ -15,7 +15,10 @@
   block stack (cuDNN on a GPU), add-scatter the result back onto the input.
   Its output equals the dense block ``x + F(x)`` on the active region and
   ``x`` elsewhere; the block geometry comes from the convolutions
-  (`reference.sbnet.calc_block_params_res_block`).
+  (`reference.sbnet.calc_block_params_res_block`). In training, gather,
+  residual and scatter are one autograd node (`_WindowResidual`: the input's
+  gradient is the output's plus the window gradients added atomically into a
+  copy of it; no double backward); without gradients, the kernels alone.
 
 Tensors are NCHW as torch likes them; the kernels want NHWC memory, so pass
 ``channels_last`` tensors (``x.to(memory_format=torch.channels_last)``) to
@@ -161,22 +164,86 @@ class SparseResBlock(torch.nn.Module):
         more than the blocks. ``x`` is returned then.
         """
         p = self.geometry(x.shape)
-        gather_at = (p.bsize, p.bstride, p.boffset)
-        scatter_at = (p.bsize_out, p.bsize_out, 0)
         if x.is_contiguous(memory_format=torch.channels_last):
-            nhwc = x.permute(0, 2, 3, 1)
-            stack = sparse_gather(nhwc, indices, *gather_at, transpose=self.transpose, count=count)
-            if self.transpose:  # SBNet's NCHW stack
-                out = self.residual(stack).contiguous()
-            else:  # an NHWC stack, seen by the convolutions as channels_last NCHW
-                out = self.residual(stack.permute(0, 3, 1, 2)).permute(0, 2, 3, 1).contiguous()
-            y = sparse_scatter(out, indices, nhwc, *scatter_at, add=True, transpose=self.transpose,
-                               inplace=inplace, count=count)
-            return y.permute(0, 3, 1, 2)
-        if inplace and not x.is_contiguous():
-            raise ValueError("x: inplace needs a contiguous or channels_last x")
-        x = x.contiguous()
-        stack = sparse_gather(x, indices, *gather_at, count=count, data_format="NCHW")
-        out = self.residual(stack).contiguous()
-        return sparse_scatter(out, indices, x, *scatter_at, add=True, inplace=inplace, count=count,
-                              data_format="NCHW")
+            image, data_format, transpose = x.permute(0, 2, 3, 1), "NHWC", self.transpose
+        else:
+            if inplace and not x.is_contiguous():
+                raise ValueError("x: inplace needs a contiguous or channels_last x")
+            image, data_format, transpose = x.contiguous(), "NCHW", False
+        nchw_stack = data_format == "NCHW" or transpose
+
+        def residual(stack):
+            if nchw_stack:
+                return self.residual(stack).contiguous()
+            # an NHWC stack, seen by the convolutions as channels_last NCHW
+            return self.residual(stack.permute(0, 3, 1, 2)).permute(0, 2, 3, 1).contiguous()
+
+        windows = _Windows(indices, count, transpose, data_format, (p.bsize, p.bstride, p.boffset),
+                           (p.bsize_out, p.bsize_out, 0))
+        params = [w for w in self.parameters() if w.requires_grad]
+        if torch.is_grad_enabled() and (image.requires_grad or params):
+            y = _WindowResidual.apply(image, residual, windows, inplace, *params)
+        else:
+            stack = windows.gather(image)
+            y = windows.scatter(residual(stack), image, inplace, atomic=False)
+        return y.permute(0, 3, 1, 2) if data_format == "NHWC" else y
+
+
+class _Windows:
+    """Where a block's windows are: indices, count, stack layout, and the gather (input window)
+    and scatter (output window) geometries."""
+
+    def __init__(self, indices, count, transpose, data_format, gather_at, scatter_at):
+        self.indices, self.count, self.transpose, self.data_format = indices, count, transpose, data_format
+        self.gather_at, self.scatter_at = gather_at, scatter_at
+
+    def _kwargs(self):
+        return {"transpose": self.transpose, "count": self.count, "data_format": self.data_format}
+
+    def gather(self, image, at=None):
+        return kernels.sparse_gather(image, self.indices, *(at or self.gather_at), **self._kwargs())
+
+    def scatter(self, blocks, image, inplace, atomic, at=None):
+        """Add the blocks into `image` (a copy of it unless `inplace`)."""
+        out = kernels.sparse_scatter(blocks, self.indices, image, *(at or self.scatter_at), add=True,
+                                     atomic=atomic, inplace=inplace, **self._kwargs())
+        if inplace and out is not image:  # the simulator works on copies of host tensors
+            image.copy_(out)
+            return image
+        return out
+
+
+class _WindowResidual(torch.autograd.Function):
+    """``image + scatter_add(residual(gather(image)))`` in one autograd node.
+
+    The residual's own graph (the convolutions) is built inside the forward and
+    differentiated inside the backward. One node instead of a gather and a
+    scatter: the image's gradient is the output gradient plus the window
+    gradients added into a copy of it (atomically: windows overlap by their
+    halo), not a zeroed image scattered into and then summed with it.
+    """
+
+    @staticmethod
+    def forward(ctx, image, residual, windows, inplace, *params):
+        stack = windows.gather(image.detach())
+        with torch.enable_grad():
+            out = residual(stack.requires_grad_(True))
+        y = windows.scatter(out.detach(), image.detach() if not inplace else image, inplace, atomic=False)
+        ctx.stack, ctx.out, ctx.windows, ctx.params = stack, out, windows, params
+        if inplace:
+            ctx.mark_dirty(image)
+            return image
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        windows = ctx.windows
+        grad_y = grad_y.contiguous()
+        grad_out = windows.gather(grad_y, at=windows.scatter_at)
+        grads = torch.autograd.grad(ctx.out, (ctx.stack, *ctx.params), grad_out, allow_unused=True)
+        ctx.stack = ctx.out = None  # the residual's graph is spent
+        grad_image = None
+        if ctx.needs_input_grad[0]:
+            grad_image = windows.scatter(grads[0].contiguous(), grad_y.clone(), True, atomic=True,
+                                         at=windows.gather_at)
+        return (grad_image, None, None, None, *grads[1:])

@@ -111,10 +111,11 @@ def test_sparse_res_block_equals_the_dense_block_on_active_blocks(layout):
         block(x[..., ::2], indices, count, inplace=True)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
-def test_sparse_res_block_trains_as_the_dense_block_on_active_blocks(dtype):
-    """The block's gradients (input and weights) equal those of ``where(active, dense(x), x)``;
-    its windows overlap by their halo, so the gather's gradient adds them atomically (fp16 too)."""
+@pytest.mark.parametrize("dtype, inplace", [(torch.float64, False), (torch.float64, True), (torch.float16, False)])
+def test_sparse_res_block_trains_as_the_dense_block_on_active_blocks(dtype, inplace):
+    """The block's gradients (input and weights) equal those of ``where(active, dense(x), x)``,
+    in place too (into an intermediate tensor); its windows overlap by their halo, so the
+    input gradient adds them atomically (fp16 too)."""
     torch.manual_seed(1)
     block = sbnet_torch.SparseResBlock(channels=4, bottleneck=2, block_size=6).double().to(DEVICE)
     x = torch.randn(1, 4, 9, 10, dtype=torch.float64, device=DEVICE).to(memory_format=torch.channels_last)
@@ -138,7 +139,7 @@ def test_sparse_res_block_trains_as_the_dense_block_on_active_blocks(dtype):
     want = gradients(block, x, lambda m, x: torch.where(active, m.dense(x), x))
     sparse = block if dtype == torch.float64 else sbnet_torch.SparseResBlock(4, 2, block_size=6).to(DEVICE, dtype)
     sparse.load_state_dict(block.state_dict())
-    got = gradients(sparse, x.to(dtype), lambda m, x: m(x, indices, count))
+    got = gradients(sparse, x.to(dtype), lambda m, x: m(x * 1 if inplace else x, indices, count, inplace=inplace))
     tolerance = {} if dtype == torch.float64 else {"rtol": 2e-2, "atol": 2e-2}
     for name, g, w in zip(("x", "conv1", "conv2", "conv3"), got, want):
         assert g.dtype == dtype, name
