@@ -148,7 +148,9 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
         want = xg.grad.clone()
         step(lambda x: block(x, indices, count))
         error = ((xg.grad - want).abs().max() / want.abs().max()).item()
-        assert error < (2e-2 if dtype_name == "float16" else 1e-4), f"sparse block's input gradient differs: {error}"
+        # (fp32 too: the dense block's own fp32 input gradient is 4e-3 from float64's here, and the
+        # sparse one's as far: scripts/check_res_block_grads.py)
+        assert error < 2e-2, f"sparse block's input gradient differs: {error}"
         ms = time_ms(lambda: step(lambda x: block(x, indices, count)))
         records.append(Record("sparse_res_block", dict(shape, dtype=dtype_name, active=active_fraction(chosen),
                                                        stack="NHWC", timing="eager", step="training"),
