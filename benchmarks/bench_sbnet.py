@@ -132,7 +132,8 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
             block.transpose = False
             active = (block(x, indices, count) != x).any(dim=1, keepdim=True)  # the pixels it changes
             training.append((len(chosen), indices, count, active))
-    # Training steps (forward and backward, eager, NHWC stack): the input needs a gradient, so
+    # Training steps (forward and backward, NHWC stack, both ways: a graph captures the backward
+    # too, our launches from torch's autograd thread among them): the input needs a gradient, so
     # the block adds into a copy; the gather's gradient adds overlapping windows atomically.
     grad_y = torch.randn_like(x)
     xg = x.detach().clone().requires_grad_(True)
@@ -142,7 +143,7 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
         block.zero_grad(set_to_none=True)
         forward(xg).backward(grad_y)
 
-    dense_step = time_ms(lambda: step(block.dense))
+    dense_step = timed(lambda: step(block.dense))
     for chosen, indices, count, active in training:
         step(lambda x: torch.where(active, block.dense(x), x))
         want = xg.grad.clone()
@@ -151,10 +152,11 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
         # (fp32 too: the dense block's own fp32 input gradient is 4e-3 from float64's here, and the
         # sparse one's as far: scripts/check_res_block_grads.py)
         assert error < 2e-2, f"sparse block's input gradient differs: {error}"
-        ms = time_ms(lambda: step(lambda x: block(x, indices, count)))
-        records.append(Record("sparse_res_block", dict(shape, dtype=dtype_name, active=active_fraction(chosen),
-                                                       stack="NHWC", timing="eager", step="training"),
-                              ms, {"dense_block": dense_step}))
+        ours = timed(lambda: step(lambda x: block(x, indices, count)))
+        for timing in ("eager", "graph"):
+            records.append(Record("sparse_res_block", dict(shape, dtype=dtype_name, active=active_fraction(chosen),
+                                                           stack="NHWC", timing=timing, step="training"),
+                                  ours[timing], {"dense_block": dense_step[timing]}))
 
 
 def main():

@@ -144,3 +144,43 @@ def test_sparse_res_block_trains_as_the_dense_block_on_active_blocks(dtype, inpl
     for name, g, w in zip(("x", "conv1", "conv2", "conv3"), got, want):
         assert g.dtype == dtype, name
         torch.testing.assert_close(g.double(), w, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sparse_res_block_training_step_replays_in_a_cuda_graph(dtype):
+    """A training step (forward and backward) captured in a CUDA graph, the window kernels
+    launched from torch's autograd thread among its nodes, replays to the eager gradients."""
+    torch.manual_seed(2)
+    block = sbnet_torch.SparseResBlock(channels=8, bottleneck=4, block_size=6).to(DEVICE, dtype)
+    x = torch.randn(1, 8, 13, 14, dtype=dtype, device=DEVICE).to(memory_format=torch.channels_last)
+    x.requires_grad_(True)
+    mask = np.zeros((1, 13, 14), np.float32)
+    mask[0, 2:5, 3:11] = 1
+    indices, count = block.active_blocks(tensor(mask))
+    grad_y = torch.randn_like(x)
+
+    def step():
+        x.grad = None
+        block.zero_grad(set_to_none=True)
+        block(x, indices, count).backward(grad_y)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    want = [t.grad.clone() for t in (x, block.conv1.weight, block.conv2.weight, block.conv3.weight)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    with torch.no_grad():
+        for t in (x, block.conv1.weight, block.conv2.weight, block.conv3.weight):
+            t.grad.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    got = [t.grad for t in (x, block.conv1.weight, block.conv2.weight, block.conv3.weight)]
+    for g, w in zip(got, want):  # (atomic adds: the same sums, perhaps in another order)
+        torch.testing.assert_close(g, w, rtol=1e-2 if dtype == torch.float16 else 1e-5, atol=1e-3)
