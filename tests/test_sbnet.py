@@ -389,19 +389,26 @@ def test_overwrites_move_whole_words_where_rows_allow(dtype, channels):
                                   reference.sparse_scatter(blocks[:2], indices[:2], y, **g))
 
 
+def copy_kernel_dtypes(monkeypatch):
+    """The list each element copy kernel's dtype (or ``half2``, ``int64`` words) is appended to
+    as the launcher picks it."""
+    dtypes = []
+    copy_kernel = sbnet._copy_kernel
+
+    def spy(scatter, transpose, add, atomic, dtype, channels_last):
+        dtypes.append(dtype)
+        return copy_kernel(scatter, transpose, add, atomic, dtype, channels_last)
+
+    monkeypatch.setattr(sbnet, "_copy_kernel", spy)
+    return dtypes
+
+
 @pytest.mark.parametrize("channels", [4, 3])
 def test_fp16_adds_go_two_channels_a_word_where_rows_allow(channels, monkeypatch):
     """A channels-last fp16 add goes through int32 words of two halves (add.rn.f16x2) when a
     pixel's channels are even (4), element by element otherwise (3); both equal the reference
     (each sum rounded once to fp16, as the reference's float16 addition)."""
-    words = []
-    copy_kernel = sbnet._copy_kernel
-
-    def spy(scatter, transpose, add, atomic, dtype, channels_last):
-        words.append(dtype)
-        return copy_kernel(scatter, transpose, add, atomic, dtype, channels_last)
-
-    monkeypatch.setattr(sbnet, "_copy_kernel", spy)
+    words = copy_kernel_dtypes(monkeypatch)
     rng = np.random.default_rng(6)
     g = {"bsize": 3, "bstride": 3, "boffset": -1}
     indices = np.array([[0, 0, 0], [1, 1, 2], [0, 2, 1], [1, 0, 3]], np.int32)
@@ -420,14 +427,7 @@ def test_fp16_atomic_adds_of_overlapping_windows(channels, transpose, data_forma
     """fp16 scatter-adds of overlapping and repeated windows, atomically (red.global.add.noftz.f16,
     or .f16x2 on words of two channels where rows allow), equal the float64 sum rounded to fp16
     up to the rounding of each partial sum (the order of the adds is not fixed)."""
-    kernels = []
-    copy_kernel = sbnet._copy_kernel
-
-    def spy(scatter, transpose, add, atomic, dtype, channels_last):
-        kernels.append(dtype)
-        return copy_kernel(scatter, transpose, add, atomic, dtype, channels_last)
-
-    monkeypatch.setattr(sbnet, "_copy_kernel", spy)
+    kernels = copy_kernel_dtypes(monkeypatch)
     rng = np.random.default_rng(7)
     g = {"bsize": 3, "bstride": 2, "boffset": -1}
     indices = np.array([[0, 0, 0], [0, 1, 1], [0, 1, 2], [0, 1, 1], [0, 2, 2]], np.int32)
