@@ -35,6 +35,14 @@ def _geometry_kwargs(bsize, bstride, boffset, data_format):
     return {"bsize": bsize, "bstride": bstride, "boffset": boffset, "data_format": data_format}
 
 
+def _written_into(y, out):
+    """``y`` after an in-place scatter that returned ``out``: on a GPU the same object; the
+    simulator works on copies of host tensors, so there the result is copied back."""
+    if out is not y:
+        y.copy_(out)
+    return y
+
+
 class _SparseGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, indices, count, transpose, geometry):
@@ -61,10 +69,8 @@ class _SparseScatter(torch.autograd.Function):
         out = kernels.sparse_scatter(blocks.detach(), indices, y.detach(), add=add, atomic=atomic,
                                      transpose=transpose, inplace=inplace, count=count, **geometry)
         if inplace:
-            if out is not y:  # the simulator works on copies of host tensors
-                y.copy_(out)
             ctx.mark_dirty(y)
-            return y
+            return _written_into(y, out)
         return out
 
     @staticmethod
@@ -207,10 +213,7 @@ class _Windows:
         """Add the blocks into `image` (a copy of it unless `inplace`)."""
         out = kernels.sparse_scatter(blocks, self.indices, image, *(at or self.scatter_at), add=True,
                                      atomic=atomic, inplace=inplace, **self._kwargs())
-        if inplace and out is not image:  # the simulator works on copies of host tensors
-            image.copy_(out)
-            return image
-        return out
+        return _written_into(image, out) if inplace else out
 
 
 class _WindowResidual(torch.autograd.Function):
