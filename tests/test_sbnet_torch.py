@@ -78,6 +78,25 @@ def test_inplace_scatter_trains():
     torch.testing.assert_close(blocks.grad, tensor(inside))
 
 
+def test_inplace_scatter_into_a_view_trains():
+    """Written in place, a view of a tensor that needs a gradient hands its history to autograd's
+    CopySlices: the base's gradient has the written windows stamped out, the blocks theirs."""
+    x = torch.randn(2, 4, 6, 2, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    idx = indices_for((1, 4, 6, 2), TILING, every=2)
+    blocks = torch.randn(len(idx), 2, 3, 2, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    base = x * 1.0
+    out = sbnet_torch.sparse_scatter(blocks, idx, base[1:], inplace=True, **TILING)  # image 1 of 2
+    assert out.data_ptr() == base[1:].data_ptr()
+    base.sum().backward()
+    written = reference.sparse_scatter(np.ones((len(idx), 2, 3, 1)), idx.cpu().numpy(), np.zeros((1, 4, 6, 1)),
+                                       **TILING)
+    want = torch.ones_like(x)
+    want[1:] = tensor(1 - written).expand(1, 4, 6, 2)
+    torch.testing.assert_close(x.grad, want)
+    inside = reference.sparse_gather(np.ones((1, 4, 6, 2)), idx.cpu().numpy(), **TILING)
+    torch.testing.assert_close(blocks.grad, tensor(inside))
+
+
 @pytest.mark.parametrize("layout", ["NHWC stack", "NCHW stack (SBNet's fused transpose)", "NCHW input"])
 def test_sparse_res_block_equals_the_dense_block_on_active_blocks(layout):
     torch.manual_seed(0)
