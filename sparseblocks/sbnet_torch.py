@@ -15,10 +15,10 @@
   block stack (cuDNN on a GPU), add-scatter the result back onto the input.
   Its output equals the dense block ``x + F(x)`` on the active region and
   ``x`` elsewhere; the block geometry comes from the convolutions
-  (`reference.sbnet.calc_block_params_res_block`). In training the input's
+  (`reference.sbnet.calc_block_params_res_block`). In training, gather,
+  residual and scatter are one autograd node (`_WindowResidual`: the input's
   gradient is the output's plus the window gradients added atomically into a
-  copy of it (`_GatherWindows`, `_AddWindows`; no double backward); without
-  gradients the block calls the kernels alone.
+  copy of it; no double backward); without gradients, the kernels alone.
 
 Tensors are NCHW as torch likes them; the kernels want NHWC memory, so pass
 ``channels_last`` tensors (``x.to(memory_format=torch.channels_last)``) to
@@ -188,10 +188,9 @@ class SparseResBlock(torch.nn.Module):
 
         windows = _Windows(indices, count, transpose, data_format, (p.bsize, p.bstride, p.boffset),
                            (p.bsize_out, p.bsize_out, 0))
-        if torch.is_grad_enabled() and (image.requires_grad or any(w.requires_grad for w in self.parameters())):
-            # the image's gradient comes whole from the gather: see `_GatherWindows`
-            stack = _GatherWindows.apply(image, windows) if image.requires_grad else windows.gather(image)
-            y = _AddWindows.apply(image, residual(stack), windows, inplace)
+        params = [w for w in self.parameters() if w.requires_grad]
+        if torch.is_grad_enabled() and (image.requires_grad or params):
+            y = _WindowResidual.apply(image, residual, windows, inplace, *params)
         else:
             stack = windows.gather(image)
             y = windows.scatter(residual(stack), image, inplace, atomic=False)
@@ -205,7 +204,6 @@ class _Windows:
     def __init__(self, indices, count, transpose, data_format, gather_at, scatter_at):
         self.indices, self.count, self.transpose, self.data_format = indices, count, transpose, data_format
         self.gather_at, self.scatter_at = gather_at, scatter_at
-        self.grad_y = None  # in a backward: the output gradient, from _AddWindows to _GatherWindows
 
     def _kwargs(self):
         return {"transpose": self.transpose, "count": self.count, "data_format": self.data_format}
@@ -220,42 +218,37 @@ class _Windows:
         return _written_into(image, out) if inplace else out
 
 
-class _GatherWindows(torch.autograd.Function):
-    """The block's gather, in training. Its backward completes the image's gradient: the output
-    gradient `_AddWindows` left in ``windows.grad_y``, copied, with the window gradients added
-    into it (atomically: windows overlap by their halo). One copy of the image's size, where a
-    plain gather's gradient would be a zeroed image scattered into and then summed with it."""
+class _WindowResidual(torch.autograd.Function):
+    """``image + scatter_add(residual(gather(image)))`` in one autograd node.
+
+    The residual's own graph (the convolutions) is built inside the forward and
+    differentiated inside the backward. One node instead of a gather and a
+    scatter: the image's gradient is the output gradient plus the window
+    gradients added into a copy of it (atomically: windows overlap by their
+    halo), not a zeroed image scattered into and then summed with it.
+    """
 
     @staticmethod
-    def forward(ctx, image, windows):
-        ctx.windows = windows
-        return windows.gather(image.detach())
-
-    @staticmethod
-    def backward(ctx, grad_stack):
-        windows = ctx.windows
-        grad_y, windows.grad_y = windows.grad_y, None
-        grad_image = windows.scatter(grad_stack.contiguous(), grad_y.clone(), True, atomic=True,
-                                     at=windows.gather_at)
-        return grad_image, None
-
-
-class _AddWindows(torch.autograd.Function):
-    """The block's add-scatter of the residual windows into the image, in training. Its backward
-    gives the windows' gradient and hands the output gradient to `_GatherWindows`, which runs
-    after it and returns the image's whole gradient (so this one returns none for the image)."""
-
-    @staticmethod
-    def forward(ctx, image, out, windows, inplace):  # (image first: autograd's CopySlices, which
-        # takes over when image is a view written in place, expects the written input first)
-        ctx.windows = windows
-        y = windows.scatter(out.detach(), image if inplace else image.detach(), inplace, atomic=False)
+    def forward(ctx, image, residual, windows, inplace, *params):  # (image first: see _SparseScatter)
+        stack = windows.gather(image.detach())
+        with torch.enable_grad():
+            out = residual(stack.requires_grad_(True))
+        y = windows.scatter(out.detach(), image.detach() if not inplace else image, inplace, atomic=False)
+        ctx.stack, ctx.out, ctx.windows, ctx.params = stack, out, windows, params
         if inplace:
             ctx.mark_dirty(image)
+            return image
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         windows = ctx.windows
-        windows.grad_y = grad_y.contiguous()
-        return None, windows.gather(windows.grad_y, at=windows.scatter_at), None, None
+        grad_y = grad_y.contiguous()
+        grad_out = windows.gather(grad_y, at=windows.scatter_at)
+        grads = torch.autograd.grad(ctx.out, (ctx.stack, *ctx.params), grad_out, allow_unused=True)
+        ctx.stack = ctx.out = None  # the residual's graph is spent
+        grad_image = None
+        if ctx.needs_input_grad[0]:
+            grad_image = windows.scatter(grads[0].contiguous(), grad_y.clone(), True, atomic=True,
+                                         at=windows.gather_at)
+        return (grad_image, None, None, None, *grads[1:])
