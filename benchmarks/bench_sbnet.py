@@ -85,8 +85,8 @@ def bench_ops(torch, sbnet, reference, records, shapes, channels, blocks, fracti
 
 
 def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
-    """The sparse block (in place, as SBNet runs it) against the dense one, both timed both ways,
-    and a training step (forward and backward) of each, eager.
+    """The sparse block (in place, as SBNet runs it) against the dense one, and a training step
+    (forward and backward) of each, all timed both ways.
 
     Both stack layouts: NHWC (the default, straight into channels_last convolutions)
     and SBNet's NCHW stack through the fused transpose.

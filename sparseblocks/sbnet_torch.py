@@ -233,11 +233,10 @@ class _WindowResidual(torch.autograd.Function):
         stack = windows.gather(image.detach())
         with torch.enable_grad():
             out = residual(stack.requires_grad_(True))
-        y = windows.scatter(out.detach(), image.detach() if not inplace else image, inplace, atomic=False)
+        y = windows.scatter(out.detach(), image if inplace else image.detach(), inplace, atomic=False)
         ctx.stack, ctx.out, ctx.windows, ctx.params = stack, out, windows, params
-        if inplace:
+        if inplace:  # (y is image itself then)
             ctx.mark_dirty(image)
-            return image
         return y
 
     @staticmethod
