@@ -165,15 +165,16 @@ def main():
     for scatter, transpose, add, (vector_dtype, half2), pixels in itertools.product(
             (False, True), (False, True), (False, True),
             (("float32", False), ("float64", False), ("int32", False), ("int32", True), ("float16", False)),
-            (16, 32)):
+            (16, 32, 64)):
         if ((add and not scatter) or (transpose and vector_dtype not in ("float32", "float16"))
                 or (vector_dtype == "float16" and not transpose) or (half2 and not add)
-                or (pixels == 32 and not transpose)):
+                or (pixels != 16 and not transpose)):
             continue
         element = getattr(types, vector_dtype)
         for block_width in (4, 1) if transpose else (4,):
             kernel = sbnet._make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, block_width)
-            signature = (element[::1], element[::1], types.int32[:, ::1], types.int32[::1]) + (i64,) * 10
+            signature = (element[::1], element[::1], types.int32[:, ::1], types.int32[::1]) + (i64,) * (
+                11 if transpose else 10)  # (a transposing copy also takes its tile's rows)
             name = (f"row {'scatter' if scatter else 'gather'} transpose={transpose} add={add} {vector_dtype}"
                     f"{' half2' if half2 else ''} pixels={pixels}{' block steps of 1' if block_width == 1 else ''}")
             results.append(check(name, kernel.py_func, signature))

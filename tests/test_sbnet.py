@@ -445,19 +445,31 @@ def test_fp16_atomic_adds_of_overlapping_windows(channels, transpose, data_forma
     assert kernels == [kernel_dtype]
 
 
-@pytest.mark.parametrize("dtype, channels, transpose, widths", [
-    ("float32", 4, False, [1, 3, 4]), ("float32", 8, False, [1, 3, 4]), ("float16", 8, False, [1, 3, 4]),
-    ("float64", 2, False, [1, 3, 4]), ("float32", 4, True, [4, 8]), ("float32", 8, True, [4, 8]),
-    ("float16", 8, True, [4, 8]), ("float32", 4, True, [3, 6]), ("float16", 8, True, [5, 6]),
+@pytest.mark.parametrize("dtype, channels, transpose, widths, tile_pixels", [
+    ("float32", 4, False, [1, 3, 4], None), ("float32", 8, False, [1, 3, 4], None),
+    ("float16", 8, False, [1, 3, 4], None), ("float64", 2, False, [1, 3, 4], None),
+    ("float32", 4, True, [4, 8], None), ("float32", 8, True, [4, 8], None), ("float16", 8, True, [4, 8], None),
+    ("float32", 4, True, [3, 6], None), ("float16", 8, True, [5, 6], None),
+    ("float32", 4, True, [3, 4, 12], 8), ("float16", 8, True, [5, 8, 11], 8),
 ])
 @pytest.mark.parametrize("add", [False, True])
 @few
 @given(data=st.data())
-def test_row_copies_equal_reference(dtype, channels, transpose, widths, add, data):
+def test_row_copies_equal_reference(dtype, channels, transpose, widths, tile_pixels, add, data):
     """Channels-last gathers and (adding) scatters a window row at a time, 16 bytes a step, where
     a pixel is whole 16-byte vectors (transposing: float32 or float16; block rows 4 values a step
     where bw is a multiple of 4, else 1): windows over the image's edges, negative offsets,
-    out-of-range indices, a count short of the rows."""
+    out-of-range indices, a count short of the rows. A transposing tile holds whole window rows
+    where they fit (all of them at the default size); tiles of 8 pixels also take a window's rows
+    in runs that stop short of its last row (widths 3 and 4), one row (5 and 8) and pieces of a
+    row (11 and 12)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if tile_pixels is not None:
+            patch.setattr(sbnet, "ROW_TILE_PIXELS", tile_pixels)
+        check_row_copies(dtype, channels, transpose, widths, add, data)
+
+
+def check_row_copies(dtype, channels, transpose, widths, add, data):
     draw = data.draw
     size = (draw(st.integers(1, 3)), draw(st.sampled_from(widths)))
     g = {"bsize": size, "bstride": tuple(s + draw(st.integers(0, 2)) for s in size),

@@ -136,7 +136,13 @@ TILE_STEPS = TILE // TILE_ROWS  # tile rows each thread moves (a literal: local-
 ROW_UNROLL = 4  # 16-byte vectors a thread of a row copy loads before it stores any
 ROW_THREADS = 256  # most threads of a plain row copy (fewer for short rows)
 ROW_TILE_C = 64  # channels of a transposing row copy's tile ...
-# ... by 16 or 32 pixels, moved by this many threads. H100, copy bandwidth / ours (graph), 64 /
+# ... by this many pixels: whole window rows where they fit (a channel's run of the block then
+# spans the rows, whole 128-byte lines and more of the block's side), else pieces of one row.
+# H100, copy bandwidth / ours (graph), 16 / 32 / 64 (`results/sbnet_row_tile_pixels_h100.md`):
+# 8 x 400 x 700 x 64, windows of 16, 50 %: gather 0.65 / 0.90 / 0.94, scatter 0.75 / 0.89 /
+# 0.94; but 1 x 400 x 700 x 64, 5 %: gather 0.61 / 0.61 / 0.49 (fewer, longer thread blocks).
+ROW_TILE_PIXELS = 32
+# The tile is moved by this many threads (session 8, tiles of 16 or 32 pixels of one row). H100, copy bandwidth / ours (graph), 64 /
 # 128 / 256 threads (`scripts/sbnet_variants.py`): 1 x 400 x 700 x 256, windows of 16, 5 %,
 # gather 0.71 / 0.63 / 0.53, scatter 0.64 / 0.60 / 0.50; 8 x 400 x 700 x 256, 10 %, scatter
 # 0.76 / 0.74 / 0.69; but adding windows of 32: 0.66 / 0.76 / 0.80 (1 x 400 x 700 x 64, 10 %).
@@ -870,11 +876,12 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
     16-byte aligned.
 
     With ``transpose`` (float32 or float16; blocks [n_blocks, C, bh, bw]) thread
-    block (i, r, chunk) moves a `pixels` x ROW_TILE_C tile of the row through a
-    float32 shared tile: read along C from the image (or along the block's
-    pixels), written along the other, four values (16 or 8 bytes) a step on the
-    image's side and `block_width` (4 where bw is a multiple of 4, else 1) on
-    the block's; fp16 adds round once, in fp16.
+    block (i, y, chunk) moves a `pixels` x ROW_TILE_C tile through a float32
+    shared tile (`rows` whole window rows from row y * rows where they fit in
+    `pixels`, else a piece of row y): read along C from the image (or along the
+    block's pixels), written along the other, four values (16 or 8 bytes) a
+    step on the image's side and `block_width` (4 where bw is a multiple of 4,
+    else 1) on the block's; fp16 adds round once, in fp16.
     """
     element = from_dtype(np.dtype(vector_dtype))
     WIDTH = 16 // np.dtype(vector_dtype).itemsize
@@ -885,6 +892,8 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
     SQ = PT // BV  # block-side steps along a tile's channel (a block row's pixels)
     PER = PT * CQ // ROW_TILE_THREADS  # image-side vectors a thread moves (a literal: local shapes)
     PER_B = PT * CT // BV // ROW_TILE_THREADS  # block-side steps a thread moves
+    PER_MOST = max(PER, PER_B)
+    STEP = ROW_TILE_THREADS // CQ  # tile pixels between a thread's image-side vectors
     TILE_SHAPE_ROWS = (PT, CT + 1)  # +1: a column read (4 pixels of a channel) hits distinct banks
 
     @cuda.jit(device=True, inline=True)
@@ -972,12 +981,27 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
                     store(blocks, uint64(block_row + v * WIDTH), got)
 
     @cuda.jit(device=True, inline=True)
-    def image_vector(e, image_row, w0, s0, c0, C, W, size_w):
-        """Image-side vector e of a transposing tile (pixel s0 + s, channels c0 + 4q...): (s, q,
-        its flat offset, whether it lies in the window's row and the image)."""
-        s, q = e // CQ, e % CQ
-        w = w0 + s0 + s
-        return s, q, uint64((image_row + w) * C + c0 + 4 * q), s0 + s < size_w and c0 + 4 * q < C and 0 <= w < W
+    def image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, limit):
+        """This thread's image-side vector u of a transposing tile: tile pixel s = tid // CQ +
+        STEP u, channels c0 + 4q... (q = tid % CQ). Returns (s, q, its flat offset, whether it
+        lies in the tile's rows and the image). Tile pixel s is pixel p0 + s of the tile's
+        window rows read as one run: row (p0 + s) // size_w."""
+        tid = cuda.threadIdx.x
+        s = tid // CQ + STEP * u
+        q = tid % CQ
+        p = p0 + s
+        r = int32(uint32(p) // uint32(size_w))  # (32-bit: a 64-bit division is a call)
+        h = h0 + r
+        w = w0 + (p - r * size_w)
+        inside = p < limit and c0 + 4 * q < C and 0 <= n < N and 0 <= h < H and 0 <= w < W
+        return s, q, uint64(((n * H + h) * W + w) * C + c0 + 4 * q), inside
+
+    @cuda.jit(device=True, inline=True)
+    def block_step(u):
+        """This thread's block-side step u of a transposing tile: (k, c), channel c0 + c, tile
+        pixels BV k..."""
+        e = cuda.threadIdx.x + u * ROW_TILE_THREADS
+        return e % SQ, e // SQ
 
     @cuda.jit(device=True, inline=True)
     def load4_or_zeros(array, offset, inside):
@@ -985,50 +1009,60 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
             return load4(array, (offset,))
         return element(0), element(0), element(0), element(0)
 
-    @cuda.jit(device=True, inline=True)
-    def block_offset(block_row, c, s, size_h, size_w):
-        """Flat offset of pixel s of channel c in the block's row."""
-        return uint64(((block_row + c * size_h) * size_w) + s)
-
     @cuda.jit
     def copy_rows_transposed(image, blocks, indices, count, N, H, W, C, size_h, size_w, stride_h, stride_w,
-                             offset_h, offset_w):
-        """blocks [n_blocks, C, bh, bw]; C a multiple of 4; ROW_TILE_THREADS threads."""
-        live, n, h, w0, row_ok = row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w)
-        if not live or (scatter and not row_ok):
-            return  # the same for the whole thread block, before the barrier
+                             offset_h, offset_w, rows):
+        """blocks [n_blocks, C, bh, bw]; C a multiple of 4; ROW_TILE_THREADS threads. Thread block
+        (i, y, z) takes `rows` whole window rows from row y * rows (rows * size_w <= PT), or
+        (rows == 1) PT pixels of row y: for a channel, the tile's pixels are one run of the
+        block (a window's rows follow each other), written or read as one. Every loop loads
+        all its values before it stores any: stored as they came, each load waited for the
+        one before (the loop is not unrolled)."""
+        i = cuda.blockIdx.x
+        active = count[0]  # read with the window's indices (i < their rows: valid past the count)
+        n = int64(indices[i, 0])
+        r0 = int64(cuda.blockIdx.y) * rows
+        h0 = offset_h + indices[i, 1] * stride_h + r0
+        w0 = offset_w + indices[i, 2] * stride_w
+        if i >= active or (scatter and not 0 <= n < N):
+            return  # the same for the whole thread block, before the barrier (a scatter's window
+            # of no image lands nowhere)
         c_chunks = (C + CT - 1) // CT
-        pixel_chunk = cuda.blockIdx.z // c_chunks
-        s0 = pixel_chunk * PT
+        pixel_chunk = int32(uint32(cuda.blockIdx.z) // uint32(c_chunks))
+        p0 = pixel_chunk * PT
         c0 = (cuda.blockIdx.z - pixel_chunk * c_chunks) * CT
+        limit = min(rows, size_h - r0) * size_w  # the tile's pixels in the window
         tile = cuda.shared.array(TILE_SHAPE_ROWS, float32)
-        image_row = (int64(n) * H + h) * W
-        block_row = int64(cuda.blockIdx.x) * C * size_h + cuda.blockIdx.y
-        tid = cuda.threadIdx.x
+        block_run = (int64(i) * C * size_h + r0) * size_w + p0  # channel 0's first tile pixel
+        channel_run = size_h * size_w
+        values = cuda.local.array((PER_MOST, 4), element)
         olds = cuda.local.array((PER, 4), element)
-        # The image side: vector (s, q) is pixel s0 + s, channels c0 + 4q...; the block side:
-        # step (k, c) is channel c0 + c, pixels s0 + BV k... of the block's row.
+        # The image side: vector (s, q) is tile pixel s, channels c0 + 4q...; the block side:
+        # step (k, c) is channel c0 + c, tile pixels BV k...
         if scatter:
             for u in range(PER_B):
-                e = tid + u * ROW_TILE_THREADS
-                k, c = e % SQ, e // SQ
-                if c0 + c < C and s0 + BV * k < size_w:
-                    at = block_offset(block_row, c0 + c, s0 + BV * k, size_h, size_w)
+                k, c = block_step(u)
+                if c0 + c < C and p0 + BV * k < limit:
+                    at = uint64(block_run + (c0 + c) * channel_run + BV * k)
                     if BV == 4:
                         got = load4(blocks, (at,))
                         for j in range(4):
-                            tile[4 * k + j, c] = float32(got[j])
+                            values[u, j] = got[j]
                     else:
-                        tile[k, c] = float32(blocks[at])
+                        values[u, 0] = blocks[at]
             if add:  # the old values of what this thread writes below, loaded with the blocks
                 for u in range(PER):
-                    _, _, at, inside = image_vector(tid + u * ROW_TILE_THREADS, image_row, w0, s0, c0, C, W, size_w)
-                    old = load4_or_zeros(image, at, inside)  # (row_ok: checked above)
+                    _, _, at, inside = image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, limit)
+                    old = load4_or_zeros(image, at, inside)
                     for j in range(4):
                         olds[u, j] = old[j]
+            for u in range(PER_B):
+                k, c = block_step(u)
+                for j in range(BV):
+                    tile[BV * k + j, c] = float32(values[u, j])  # (past the window: unused)
             cuda.syncthreads()  # the tile holds the blocks' values
             for u in range(PER):
-                s, q, at, inside = image_vector(tid + u * ROW_TILE_THREADS, image_row, w0, s0, c0, C, W, size_w)
+                s, q, at, inside = image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, limit)
                 if inside:
                     # (element(): exact, the tile's values came from `element`s; the add is in it)
                     got = (element(tile[s, 4 * q]), element(tile[s, 4 * q + 1]), element(tile[s, 4 * q + 2]),
@@ -1038,17 +1072,20 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
                     store4(image, (at,), got)
         else:
             for u in range(PER):
-                s, q, at, inside = image_vector(tid + u * ROW_TILE_THREADS, image_row, w0, s0, c0, C, W, size_w)
-                got = load4_or_zeros(image, at, row_ok and inside)
+                _, _, at, inside = image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, limit)
+                got = load4_or_zeros(image, at, inside)
                 for j in range(4):
-                    tile[s, 4 * q + j] = float32(got[j])
-            cuda.syncthreads()  # the tile holds the image's values (zeros outside)
+                    values[u, j] = got[j]
+            for u in range(PER):
+                s, q = cuda.threadIdx.x // CQ + STEP * u, cuda.threadIdx.x % CQ
+                for j in range(4):
+                    tile[s, 4 * q + j] = float32(values[u, j])  # (zeros outside)
+            cuda.syncthreads()  # the tile holds the image's values
             for u in range(PER_B):
-                e = tid + u * ROW_TILE_THREADS
-                k, c = e % SQ, e // SQ
-                if c0 + c < C and s0 + BV * k < size_w:
+                k, c = block_step(u)
+                if c0 + c < C and p0 + BV * k < limit:
                     s = BV * k
-                    at = block_offset(block_row, c0 + c, s0 + s, size_h, size_w)
+                    at = uint64(block_run + (c0 + c) * channel_run + s)
                     if BV == 4:
                         store4(blocks, (at,), (element(tile[s, c]), element(tile[s + 1, c]),
                                                element(tile[s + 2, c]), element(tile[s + 3, c])))
@@ -1125,7 +1162,10 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
     if rows is not None:
         vector_dtype, half2 = rows
         N, H, W, C = image.shape
-        pixels = 32 if transpose and size_w > 16 else 16  # (the plain kernel has no tile)
+        # A transposing tile takes whole window rows where they fit in ROW_TILE_PIXELS pixels,
+        # else that many pixels of one row; the plain kernel has no tile.
+        pixels = ROW_TILE_PIXELS if transpose else 16
+        rows = max(1, pixels // size_w)
         # A transposing copy's block rows go 4 values a step where every one starts aligned.
         block_width = 4 if not transpose or size_w % 4 == 0 else 1
         key = ("rows", scatter, transpose, add, vector_dtype, half2, pixels, block_width)
@@ -1133,13 +1173,13 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
             _kernels[key] = _make_row_kernels(*key[1:])
         if transpose:
             chunks = -(-size_w // pixels) * -(-C // ROW_TILE_C)
-            grid, threads, per_pixel = (n_blocks, size_h, chunks), ROW_TILE_THREADS, C
+            grid, threads, per_pixel = (n_blocks, -(-size_h // rows), chunks), ROW_TILE_THREADS, C
         else:
             per_pixel = C * itemsize // 16  # vectors
             wanted = -(-size_w * per_pixel // ROW_UNROLL)
             grid, threads = (n_blocks, size_h), min(ROW_THREADS, max(WARP, -(-wanted // WARP) * WARP))
         args = (_flat(image, vector_dtype), _flat(blocks, vector_dtype), indices, count, N, H, W, per_pixel,
-                size_h, size_w, stride_h, stride_w, offset_h, offset_w)
+                size_h, size_w, stride_h, stride_w, offset_h, offset_w) + ((rows,) if transpose else ())
         launch(_kernels[key], grid, threads, stream, args)
         return _kernels[key], grid, threads, args
     if (channels_last and not transpose and not add and image.shape[3] * itemsize % WORD == 0
