@@ -44,9 +44,9 @@ Storage float16, float32, float64 (fp16 atomic adds: `_half2.py`). Channels-last
 (NHWC) copies go a window row at a time in 16-byte vectors where a pixel is
 whole vectors and the pointers are 16-byte aligned (`_make_row_kernels`:
 plain, adds, fp16 adds two halves a word by `_half2.py`, fp32 and fp16
-transposes through a shared tile); otherwise element kernels, with 8-byte
-words for overwrites and int32 words of two halves for fp16 adds where rows
-allow. A call (gather, scatter, or reduce_mask's launches) repeated with torch
+transposes through a shared tile of whole window rows where they fit);
+otherwise element kernels, with 8-byte words for overwrites and int32 words
+of two halves for fp16 adds where rows allow. A call (gather, scatter, or reduce_mask's launches) repeated with torch
 tensors of the same shapes, dtypes, geometry, flags and alignment replays
 kept launches (`_plans`, as bsmm's products).
 
@@ -142,10 +142,11 @@ ROW_TILE_C = 64  # channels of a transposing row copy's tile ...
 # 8 x 400 x 700 x 64, windows of 16, 50 %: gather 0.65 / 0.90 / 0.94, scatter 0.75 / 0.89 /
 # 0.94; but 1 x 400 x 700 x 64, 5 %: gather 0.61 / 0.61 / 0.49 (fewer, longer thread blocks).
 ROW_TILE_PIXELS = 32
-# The tile is moved by this many threads (session 8, tiles of 16 or 32 pixels of one row). H100, copy bandwidth / ours (graph), 64 /
-# 128 / 256 threads (`scripts/sbnet_variants.py`): 1 x 400 x 700 x 256, windows of 16, 5 %,
-# gather 0.71 / 0.63 / 0.53, scatter 0.64 / 0.60 / 0.50; 8 x 400 x 700 x 256, 10 %, scatter
-# 0.76 / 0.74 / 0.69; but adding windows of 32: 0.66 / 0.76 / 0.80 (1 x 400 x 700 x 64, 10 %).
+# The tile is moved by this many threads. Session 8 (tiles of 16 or 32 pixels of one row), H100,
+# copy bandwidth / ours (graph), 64 / 128 / 256 threads (`scripts/sbnet_variants.py`): 1 x 400
+# x 700 x 256, windows of 16, 5 %, gather 0.71 / 0.63 / 0.53, scatter 0.64 / 0.60 / 0.50; 8 x 400
+# x 700 x 256, 10 %, scatter 0.76 / 0.74 / 0.69; but adding windows of 32: 0.66 / 0.76 / 0.80
+# (1 x 400 x 700 x 64, 10 %).
 ROW_TILE_THREADS = 128
 MASK_DTYPES = ("bool", "uint8", "float16", "float32", "float64")
 DATA_DTYPES = ("float16", "float32", "float64")
