@@ -30,6 +30,7 @@ VARIANTS = {
     "v1": (1, {}),
     "v2": (2, {}),
     "v2 4 loads": (2, {"PASS_LOADS": 4}),
+    "v2 16 loads": (2, {"PASS_LOADS": 16}),  # a 64-window chunk's 16 rows of a column in flight at once
     "v2 no wave rule": (2, {"PASS_WAVE": 0}),
     "v2 block look-back": (2, {"PASS_LOOK_BACK": "block"}),
     "v2 zeroed a call": (2, {"_statuses": lambda words, stream: None}),  # scratch statuses, a fill node a call

@@ -133,16 +133,20 @@ def test_reduce_mask_of_large_windows():
             np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("vector", [1, 4])
+@pytest.mark.parametrize("vector, loads", [(1, 8), (4, 8), (4, 16)])
 @pytest.mark.parametrize("avgpool", [False, True])
 @pytest.mark.parametrize("top", [0, -4])
-def test_reduce_mask_of_tall_windows(avgpool, top, vector, monkeypatch):
+def test_reduce_mask_of_tall_windows(avgpool, top, vector, loads, monkeypatch):
     """Version 2 with windows tall enough that a thread has PASS_LOADS rows of its column in
     flight at once (the untested loads) and then the rest, windows over the top edge (`top`:
     the rows above skipped) and the bottom one; columns read one at a time or 4 a load. Most
     windows hold one nonzero pixel, at a random place on the image, and are active only if it
     is read (tol 0)."""
     monkeypatch.setattr(sbnet, "PASS_VECTOR", vector)
+    monkeypatch.setattr(sbnet, "PASS_LOADS", loads)
+    # The chunks as the simulator's one multiprocessor makes them, on a GPU too (with more, the
+    # chunks hold fewer windows and the rows split into more phases than 48 rows take).
+    monkeypatch.setattr(sbnet, "multiprocessors", lambda: 1)
     rng = np.random.default_rng(12 - top)
     width = 48 if vector == 1 else 192  # (columns enough that a thread's rows are PASS_LOADS or more)
     g = {"bsize": (48, 8), "bstride": (48, 8), "boffset": (top, 0)}

@@ -95,7 +95,7 @@ PASS_PIXELS_LARGE = 16 * PASS_THREADS
 # ... and windows enough that the chunks fit in one wave of PASS_WAVE thread blocks a
 # multiprocessor (0: no such rule), so no chunk's look-back waits on a later wave.
 PASS_WAVE = 4
-PASS_LOADS = 8  # rows a thread loads before it pools any (4 or 8)
+PASS_LOADS = 8  # rows a thread loads before it pools any (4, 8 or 16)
 # Chunks run on across window rows and images: every chunk but the last is full (8 x 400 x 700,
 # windows of 16: 275 chunks of 32, where chunks within a window row were 400 of 32 and 12, more
 # than the 396 thread blocks of a wave).
@@ -539,7 +539,12 @@ def _make_pass_kernel(avgpool, wide, vector):
                     if r < r_begin:  # (only windows over the top edge)
                         r += int32(uint32(r_begin - phase + phases - 1) // uint32(phases)) * phases
                     while r + (LOADS - 1) * phases < r_end:  # LOADS loads in flight, none tested
-                        if LOADS == 8:
+                        if LOADS == 16:
+                            acc = pool(acc, pool(pool(four_rows(mask, n, h0 + r, w, phases),
+                                                      four_rows(mask, n, h0 + r + 4 * phases, w, phases)),
+                                                 pool(four_rows(mask, n, h0 + r + 8 * phases, w, phases),
+                                                      four_rows(mask, n, h0 + r + 12 * phases, w, phases))))
+                        elif LOADS == 8:
                             acc = pool(acc, pool(four_rows(mask, n, h0 + r, w, phases),
                                                  four_rows(mask, n, h0 + r + 4 * phases, w, phases)))
                         else:
