@@ -454,7 +454,8 @@ def test_fp16_atomic_adds_of_overlapping_windows(channels, transpose, data_forma
     ("float16", 8, False, [1, 3, 4], None), ("float64", 2, False, [1, 3, 4], None),
     ("float32", 4, True, [4, 8], None), ("float32", 8, True, [4, 8], None), ("float16", 8, True, [4, 8], None),
     ("float32", 4, True, [3, 6], None), ("float16", 8, True, [5, 6], None),
-    ("float32", 4, True, [3, 4, 12], 8), ("float16", 8, True, [5, 8, 11], 8),
+    ("float32", 4, True, [3, 4, 12], (8, 0)), ("float16", 8, True, [5, 8, 11], (8, 0)),
+    ("float32", 4, True, [3, 5, 12], (8, 16)),
 ])
 @pytest.mark.parametrize("add", [False, True])
 @few
@@ -464,12 +465,13 @@ def test_row_copies_equal_reference(dtype, channels, transpose, widths, tile_pix
     a pixel is whole 16-byte vectors (transposing: float32 or float16; block rows 4 values a step
     where bw is a multiple of 4, else 1): windows over the image's edges, negative offsets,
     out-of-range indices, a count short of the rows. A transposing tile holds whole window rows
-    where they fit (all of them at the default size); tiles of 8 pixels also take a window's rows
-    in runs that stop short of its last row (widths 3 and 4), one row (5 and 8) and pieces of a
-    row (11 and 12)."""
+    where they fit (all of them at the default sizes); tiles of 8 pixels also take a window's
+    rows in runs that stop short of its last row (widths 3 and 4), one row (5 and 8) and pieces
+    of a row (11 and 12); with wide tiles of 16, windows 3 and 5 wide take those."""
     with pytest.MonkeyPatch.context() as patch:
         if tile_pixels is not None:
-            patch.setattr(sbnet, "ROW_TILE_PIXELS", tile_pixels)
+            patch.setattr(sbnet, "ROW_TILE_PIXELS", tile_pixels[0])
+            patch.setattr(sbnet, "ROW_TILE_PIXELS_WIDE", tile_pixels[1])
         check_row_copies(dtype, channels, transpose, widths, add, data)
 
 

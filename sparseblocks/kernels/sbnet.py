@@ -142,6 +142,9 @@ ROW_TILE_C = 64  # channels of a transposing row copy's tile ...
 # 8 x 400 x 700 x 64, windows of 16, 50 %: gather 0.65 / 0.90 / 0.94, scatter 0.75 / 0.89 /
 # 0.94; but 1 x 400 x 700 x 64, 5 %: gather 0.61 / 0.61 / 0.49 (fewer, longer thread blocks).
 ROW_TILE_PIXELS = 32
+# ... or this many where they hold more of the window's pixels for each of the tile's (windows
+# 17-24 wide: 3 or 2 rows of 64 against 1 of 32; SparseResBlock's gathers of 18; 0: never).
+ROW_TILE_PIXELS_WIDE = 64
 # The tile is moved by this many threads. Session 8 (tiles of 16 or 32 pixels of one row), H100,
 # copy bandwidth / ours (graph), 64 / 128 / 256 threads (`scripts/sbnet_variants.py`): 1 x 400
 # x 700 x 256, windows of 16, 5 %, gather 0.71 / 0.63 / 0.53, scatter 0.64 / 0.60 / 0.50; 8 x 400
@@ -887,7 +890,8 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
     `pixels`, else a piece of row y): read along C from the image (or along the
     block's pixels), written along the other, four values (16 or 8 bytes) a
     step on the image's side and `block_width` (4 where bw is a multiple of 4,
-    else 1) on the block's; fp16 adds round once, in fp16.
+    else 1) on the block's; adds in float32, rounded once (for fp16 the same as
+    an fp16 add).
     """
     element = from_dtype(np.dtype(vector_dtype))
     WIDTH = 16 // np.dtype(vector_dtype).itemsize
@@ -1041,8 +1045,10 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
         tile = cuda.shared.array(TILE_SHAPE_ROWS, float32)
         block_run = (int64(i) * C * size_h + r0) * size_w + p0  # channel 0's first tile pixel
         channel_run = size_h * size_w
-        values = cuda.local.array((PER_MOST, 4), element)
-        olds = cuda.local.array((PER, 4), element)
+        # float32 staging: fp16 arithmetic would be calls (Numba's operators), and the arrays live
+        # across them would go to local memory (session 17: fp16 adding scatters 1.6x slower).
+        values = cuda.local.array((PER_MOST, 4), float32)
+        olds = cuda.local.array((PER, 4), float32)
         # The image side: vector (s, q) is tile pixel s, channels c0 + 4q...; the block side:
         # step (k, c) is channel c0 + c, tile pixels BV k...
         if scatter:
@@ -1053,39 +1059,40 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
                     if BV == 4:
                         got = load4(blocks, (at,))
                         for j in range(4):
-                            values[u, j] = got[j]
+                            values[u, j] = float32(got[j])
                     else:
-                        values[u, 0] = blocks[at]
+                        values[u, 0] = float32(blocks[at])
             if add:  # the old values of what this thread writes below, loaded with the blocks
                 for u in range(PER):
                     _, _, at, inside = image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, limit)
                     old = load4_or_zeros(image, at, inside)
                     for j in range(4):
-                        olds[u, j] = old[j]
+                        olds[u, j] = float32(old[j])
             for u in range(PER_B):
                 k, c = block_step(u)
                 for j in range(BV):
-                    tile[BV * k + j, c] = float32(values[u, j])  # (past the window: unused)
+                    tile[BV * k + j, c] = values[u, j]  # (past the window: unused)
             cuda.syncthreads()  # the tile holds the blocks' values
             for u in range(PER):
                 s, q, at, inside = image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, limit)
                 if inside:
-                    # (element(): exact, the tile's values came from `element`s; the add is in it)
-                    got = (element(tile[s, 4 * q]), element(tile[s, 4 * q + 1]), element(tile[s, 4 * q + 2]),
-                           element(tile[s, 4 * q + 3]))
+                    # An add in float32 rounded once to `element` is the element's own sum (fp16:
+                    # float32's 24 bits >= 2 x 11 + 2, so the double rounding is exact); element()
+                    # of a tile value alone is exact (it came from an `element`).
+                    a, b, c, d = tile[s, 4 * q], tile[s, 4 * q + 1], tile[s, 4 * q + 2], tile[s, 4 * q + 3]
                     if add:
-                        got = (got[0] + olds[u, 0], got[1] + olds[u, 1], got[2] + olds[u, 2], got[3] + olds[u, 3])
-                    store4(image, (at,), got)
+                        a, b, c, d = a + olds[u, 0], b + olds[u, 1], c + olds[u, 2], d + olds[u, 3]
+                    store4(image, (at,), (element(a), element(b), element(c), element(d)))
         else:
             for u in range(PER):
                 _, _, at, inside = image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, limit)
                 got = load4_or_zeros(image, at, inside)
                 for j in range(4):
-                    values[u, j] = got[j]
+                    values[u, j] = float32(got[j])
             for u in range(PER):
                 s, q = cuda.threadIdx.x // CQ + STEP * u, cuda.threadIdx.x % CQ
                 for j in range(4):
-                    tile[s, 4 * q + j] = float32(values[u, j])  # (zeros outside)
+                    tile[s, 4 * q + j] = values[u, j]  # (zeros outside)
             cuda.syncthreads()  # the tile holds the image's values
             for u in range(PER_B):
                 k, c = block_step(u)
@@ -1159,6 +1166,18 @@ def _as_dtype(array, dtype):
     return array.view(np.dtype(dtype))
 
 
+def _tile_pixels(size_w):
+    """Pixels of a transposing row copy's tile for windows `size_w` wide: ROW_TILE_PIXELS_WIDE
+    where a tenth more of that tile's pixels are the window's than of ROW_TILE_PIXELS's, else
+    the latter (more, smaller thread blocks do better on few windows)."""
+    def used(pixels):  # the fraction of a tile's pixels in the window
+        if size_w <= pixels:
+            return (pixels // size_w) * size_w / pixels
+        return size_w / (-(-size_w // pixels) * pixels)
+    wide = ROW_TILE_PIXELS_WIDE
+    return wide if wide and used(wide) > used(ROW_TILE_PIXELS) + 0.1 else ROW_TILE_PIXELS
+
+
 def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, transpose, add, atomic,
                  channels_last, stream):
     (size_h, size_w), (stride_h, stride_w), (offset_h, offset_w) = geometry
@@ -1170,7 +1189,7 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
         N, H, W, C = image.shape
         # A transposing tile takes whole window rows where they fit in ROW_TILE_PIXELS pixels,
         # else that many pixels of one row; the plain kernel has no tile.
-        pixels = ROW_TILE_PIXELS if transpose else 16
+        pixels = _tile_pixels(size_w) if transpose else 16
         rows = max(1, pixels // size_w)
         # A transposing copy's block rows go 4 values a step where every one starts aligned.
         block_width = 4 if not transpose or size_w % 4 == 0 else 1
