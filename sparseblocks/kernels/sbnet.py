@@ -46,9 +46,10 @@ whole vectors and the pointers are 16-byte aligned (`_make_row_kernels`:
 plain, adds, fp16 adds two halves a word by `_half2.py`, fp32 and fp16
 transposes through a shared tile of whole window rows where they fit);
 otherwise element kernels, with 8-byte words for overwrites and int32 words
-of two halves for fp16 adds where rows allow. A call (gather, scatter, or reduce_mask's launches) repeated with torch
-tensors of the same shapes, dtypes, geometry, flags and alignment replays
-kept launches (`_plans`, as bsmm's products).
+of two halves for fp16 adds where rows allow. A call (gather, scatter, or
+reduce_mask's launches) repeated with torch tensors of the same shapes,
+dtypes, geometry, flags and alignment replays kept launches (`_plans`, as
+bsmm's products).
 
 Versions: reduce_mask 1 (pool, then compact) and 2 (one pass, the default;
 benchmarks/NOTES.md has both measured).
@@ -142,8 +143,9 @@ ROW_TILE_C = 64  # channels of a transposing row copy's tile ...
 # 8 x 400 x 700 x 64, windows of 16, 50 %: gather 0.65 / 0.90 / 0.94, scatter 0.75 / 0.89 /
 # 0.94; but 1 x 400 x 700 x 64, 5 %: gather 0.61 / 0.61 / 0.49 (fewer, longer thread blocks).
 ROW_TILE_PIXELS = 32
-# ... or this many where they hold more of the window's pixels for each of the tile's (windows
-# 17-24 wide: 3 or 2 rows of 64 against 1 of 32; SparseResBlock's gathers of 18; 0: never).
+# ... or this many where a tenth more of its pixels are the window's (`_tile_pixels`: windows
+# 7, 9, 11, 12 and 17-21 wide; SparseResBlock's NCHW gathers of 18 take 3 rows of 64 against 1
+# row of 32, 1.4x faster; 0: never).
 ROW_TILE_PIXELS_WIDE = 64
 # The tile is moved by this many threads. Session 8 (tiles of 16 or 32 pixels of one row), H100,
 # copy bandwidth / ours (graph), 64 / 128 / 256 threads (`scripts/sbnet_variants.py`): 1 x 400
