@@ -993,14 +993,17 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
                     store(blocks, uint64(block_row + v * WIDTH), got)
 
     @cuda.jit(device=True, inline=True)
+    def tile_vector(u):
+        """This thread's image-side vector u of a transposing tile: (s, q), tile pixel s,
+        channels 4q... of the tile's."""
+        return cuda.threadIdx.x // CQ + STEP * u, cuda.threadIdx.x % CQ
+
+    @cuda.jit(device=True, inline=True)
     def image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, limit):
-        """This thread's image-side vector u of a transposing tile: tile pixel s = tid // CQ +
-        STEP u, channels c0 + 4q... (q = tid % CQ). Returns (s, q, its flat offset, whether it
-        lies in the tile's rows and the image). Tile pixel s is pixel p0 + s of the tile's
-        window rows read as one run: row (p0 + s) // size_w."""
-        tid = cuda.threadIdx.x
-        s = tid // CQ + STEP * u
-        q = tid % CQ
+        """`tile_vector(u)`'s (s, q), its flat offset in the image (channels c0 + 4q...), and
+        whether it lies in the tile's rows and the image. Tile pixel s is pixel p0 + s of the
+        tile's window rows read as one run: row (p0 + s) // size_w."""
+        s, q = tile_vector(u)
         p = p0 + s
         r = int32(uint32(p) // uint32(size_w))  # (32-bit: a 64-bit division is a call)
         h = h0 + r
@@ -1047,8 +1050,9 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
         tile = cuda.shared.array(TILE_SHAPE_ROWS, float32)
         block_run = (int64(i) * C * size_h + r0) * size_w + p0  # channel 0's first tile pixel
         channel_run = size_h * size_w
-        # float32 staging: fp16 arithmetic would be calls (Numba's operators), and the arrays live
-        # across them would go to local memory (session 17: fp16 adding scatters 1.6x slower).
+        # float32 staging: fp16 arithmetic would be calls (Numba's operators), and arrays live
+        # across calls go to local memory. (The fp16 adding scatter is still slower than before
+        # session 17 for a reason not found: benchmarks/NOTES.md.)
         values = cuda.local.array((PER_MOST, 4), float32)
         olds = cuda.local.array((PER, 4), float32)
         # The image side: vector (s, q) is tile pixel s, channels c0 + 4q...; the block side:
@@ -1092,7 +1096,7 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
                 for j in range(4):
                     values[u, j] = float32(got[j])
             for u in range(PER):
-                s, q = cuda.threadIdx.x // CQ + STEP * u, cuda.threadIdx.x % CQ
+                s, q = tile_vector(u)
                 for j in range(4):
                     tile[s, 4 * q + j] = values[u, j]  # (zeros outside)
             cuda.syncthreads()  # the tile holds the image's values
