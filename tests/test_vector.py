@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from sparseblocks.kernels._vector import aligned, load2, load4, store2, store4
+from sparseblocks.kernels._half2 import floats_of_half2
+from sparseblocks.kernels._vector import aligned, load2, load4, load4_words, store2, store4
 
 
 @cuda.jit
@@ -59,6 +60,44 @@ def test_vector_loads_read_neighbours(dtype):
     pairs = cuda.to_device(np.zeros((1, 1, 8), dtype))
     _copy_pairs[1, 4](pairs, cuda.to_device(w))
     np.testing.assert_array_equal(pairs.copy_to_host()[0, 0], w[1, 2])
+
+
+@cuda.jit
+def _widen_quads(out, a):
+    i = cuda.threadIdx.x
+    if i < a.shape[0] // 4:
+        words = load4_words(a, (4 * i,))
+        for k in range(2):
+            low, high = floats_of_half2(words[k])
+            out[4 * i + 2 * k] = low
+            out[4 * i + 2 * k + 1] = high
+
+
+@cuda.jit
+def _word_quads(out, a):
+    i = cuda.threadIdx.x
+    if i < a.shape[0] // 4:
+        words = load4_words(a, (4 * i,))
+        for k in range(4):
+            out[4 * i + k] = words[k]
+
+
+def test_fp16_words_widen_to_their_values():
+    """load4_words keeps 4 halves as 2 words, floats_of_half2 widens a word (low half first):
+    every value exact, signed zeros, subnormals, infinities and the largest half included."""
+    a = np.array([1.5, -2.0, 0.0, -0.0, 6e-8, -6.1e-5, np.inf, -np.inf, 65504, -1e-3, 3.14, 7], np.float16)
+    out = cuda.to_device(np.full(a.size, np.nan, np.float32))
+    _widen_quads[1, 4](out, cuda.to_device(a))
+    got = out.copy_to_host()
+    np.testing.assert_array_equal(got, a.astype(np.float32))
+    assert np.array_equal(np.signbit(got), np.signbit(a))
+
+
+def test_fp32_words_are_their_bits():
+    a = np.array([1.0, -0.0, np.inf, 2.5e-40, -3.0, 7.25, 1e30, -1e-30], np.float32)
+    out = cuda.to_device(np.zeros(a.size, np.uint32))
+    _word_quads[1, 2](out, cuda.to_device(a))
+    np.testing.assert_array_equal(out.copy_to_host(), a.view(np.uint32))
 
 
 def test_alignment_rule():

@@ -1,5 +1,5 @@
-"""fp16 additions Numba does not offer: ``add_half2(a, b)``, ``atomic_add_half(array, index, value)``
-and ``atomic_add_half2(words, index, word)``.
+"""fp16 operations Numba does not offer: ``add_half2(a, b)``, ``floats_of_half2(word)``,
+``atomic_add_half(array, index, value)`` and ``atomic_add_half2(words, index, word)``.
 
 ``add_half2``: ``a`` and ``b`` are 32-bit words, each the bits of two neighbouring fp16
 values (an fp16 array viewed as int32); the result is the word of their two
@@ -8,6 +8,12 @@ between int32 and a pair of halves, so the compiled function is an
 intrinsic that emits the PTX instruction on the words themselves. It lets a
 channels-last fp16 add move 4 bytes a thread-step instead of 2
 (`sbnet.sparse_scatter` with ``add``).
+
+``floats_of_half2(word)``: the two fp16 values whose bits ``word`` holds (low half
+first), each widened to float32 (exact). It lets a kernel keep loaded fp16 values as
+the words they came in (`_vector.load4_words`) and widen them only where it uses
+them: kept as halves, ptxas packs them into registers next to the load, which then
+waits for the load (`sbnet`'s transposing row copies).
 
 The atomics: Numba's ``cuda.atomic.add`` takes float32 and float64 arrays only,
 but an fp16 scatter-add of overlapping windows (the gradient of a gather whose
@@ -40,6 +46,10 @@ if SIMULATOR:
         sums = (halves[:2] + halves[2:]).astype(np.float16)
         return np.int32(sums.view(np.int32)[0])
 
+    def floats_of_half2(word):
+        low, high = np.array([word], np.int64).astype(np.uint32).view(np.float16).astype(np.float32)
+        return low, high
+
     def atomic_add_half(array, index, value):
         array = np.asarray(array)
         with _lock:
@@ -68,6 +78,23 @@ else:
             return builder.call(asm, list(args))
 
         return a(a, b), codegen
+
+    @intrinsic
+    def floats_of_half2(typingctx, word):
+        if not (isinstance(word, types.Integer) and word.bitwidth == 32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+            pair = ir.LiteralStructType([f32, f32])
+            asm = ir.InlineAsm(ir.FunctionType(pair, [i32]),
+                               "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
+                               "=f,=f,r")
+            both = builder.call(asm, list(args))
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(both, 0), builder.extract_value(both, 1)])
+
+        return types.UniTuple(types.float32, 2)(word), codegen
 
     def _reduction(instruction, value_bits, constraint, accepts):
         """An intrinsic ``f(array, index, value)`` emitting ``instruction [&array[index]], value``."""

@@ -1,4 +1,4 @@
-"""Vector loads and stores of global memory: ``load2``, ``load4``, ``store2``, ``store4``.
+"""Vector loads and stores of global memory: ``load2``, ``load4``, ``store2``, ``store4``, ``load4_words``.
 
 ``load4(array, (i, ..., j))`` returns the tuple ``array[i, ..., j:j + 4]`` read
 by one instruction (``ld.global.v4``); ``store4(array, (i, ..., j), values)``
@@ -8,6 +8,11 @@ merge neighbouring loads. The caller promises that the first element's
 address is a multiple of the vector's size (``width * itemsize`` bytes) and
 that the elements are contiguous; launchers check the pointers and strides on
 the host and compile a scalar variant where they do not hold.
+
+``load4_words(array, (i, ..., j))`` reads the same 4 elements as ``load4`` but returns
+their bits as uint32 words (4 * itemsize / 4 of them: two for fp16), so that fp16
+values stay in the registers they were loaded into until they are used
+(`_half2.floats_of_half2` widens a word's pair).
 
 In the CUDA simulator the same names are plain Python that checks that
 promise (an unaligned address raises), so a launcher that picks the vector
@@ -47,6 +52,10 @@ if SIMULATOR:
         return load
 
     load2, load4 = _simulated(2), _simulated(4)
+
+    def load4_words(array, index):
+        row, j = checked_row(array, index, np.asarray(array).itemsize * 4, "vector load of 4")
+        return tuple(row[j:j + 4].view(np.uint32))
 
     def _simulated_store(width):
         def store(array, index, values):
@@ -98,6 +107,23 @@ else:
         return load
 
     load2, load4 = _compiled(2), _compiled(4)
+
+    @intrinsic
+    def load4_words(typingctx, array, index):
+        if not (indexes(array, index) and array.dtype.bitwidth in (16, 32)):
+            return None
+        words = array.dtype.bitwidth // 8  # 4 elements of 2 or 4 bytes: 2 or 4 words
+        signature = types.UniTuple(types.uint32, words)(array, index)
+
+        def codegen(context, builder, sig, args):
+            array_type, index_type = sig.args
+            pointer = element_pointer(context, builder, array_type, args[0], index_type, args[1])
+            vector_type = ir.VectorType(ir.IntType(32), words)
+            vector = builder.load(builder.bitcast(pointer, vector_type.as_pointer()), align=4 * words)
+            items = [builder.extract_element(vector, ir.Constant(ir.IntType(32), k)) for k in range(words)]
+            return context.make_tuple(builder, sig.return_type, items)
+
+        return signature, codegen
 
     def _compiled_store(width):
         @intrinsic

@@ -64,8 +64,8 @@ from .. import _arrays as _arrays_module
 from .._arrays import Operand, check_dtype, check_same_kind, launch_stream
 from .._backend import SIMULATOR
 from ..reference.sbnet import block_count, check_geometry, pair
-from ._half2 import add_half2, atomic_add_half, atomic_add_half2
-from ._vector import aligned, load2, load4, store2, store4
+from ._half2 import add_half2, atomic_add_half, atomic_add_half2, floats_of_half2
+from ._vector import aligned, load2, load4, load4_words, store2, store4
 from ._launch import capture_of, data_pointer, launch, multiprocessors, replay, stream_handle, stream_of
 from ._relaxed import load_relaxed
 
@@ -893,7 +893,11 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
     block's pixels), written along the other, four values (16 or 8 bytes) a
     step on the image's side and `block_width` (4 where bw is a multiple of 4,
     else 1) on the block's; adds in float32, rounded once (for fp16 the same as
-    an fp16 add).
+    an fp16 add). A thread loads all its vectors before it uses any, and fp16
+    vectors wait in registers as the two words they came in (`load4_words`),
+    widened to float32 only where used: widened, or kept as halves, next to
+    their load, each load waited in its branch for the one before (session 18's
+    SASS; the fp16 adding scatter took 1.4-1.7x its session-16 time).
     """
     element = from_dtype(np.dtype(vector_dtype))
     WIDTH = 16 // np.dtype(vector_dtype).itemsize
@@ -907,6 +911,9 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
     PER_MOST = max(PER, PER_B)
     STEP = ROW_TILE_THREADS // CQ  # tile pixels between a thread's image-side vectors
     TILE_SHAPE_ROWS = (PT, CT + 1)  # +1: a column read (4 pixels of a channel) hits distinct banks
+    HALF = vector_dtype == "float16"
+    WORDS = 2 if HALF else 4  # what a staged vector of 4 values holds: fp16, 2 words of 2 halves
+    staged = uint32 if HALF else float32
 
     @cuda.jit(device=True, inline=True)
     def load(array, offset):
@@ -1019,10 +1026,23 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
         return e % SQ, e // SQ
 
     @cuda.jit(device=True, inline=True)
-    def load4_or_zeros(array, offset, inside):
+    def load_staged(array, offset, inside):
+        """array[offset:offset + 4] as staged (fp16: its 2 words), or zeros where not `inside`."""
+        if HALF:
+            if inside:
+                return load4_words(array, (offset,))
+            return uint32(0), uint32(0)
         if inside:
             return load4(array, (offset,))
-        return element(0), element(0), element(0), element(0)
+        return float32(0), float32(0), float32(0), float32(0)
+
+    @cuda.jit(device=True, inline=True)
+    def widened(staging, u, j):
+        """Value j of staged vector u, as float32."""
+        if HALF:
+            low, high = floats_of_half2(staging[u, j // 2])
+            return high if j % 2 else low
+        return staging[u, j]
 
     @cuda.jit
     def copy_rows_transposed(image, blocks, indices, count, N, H, W, C, size_h, size_w, stride_h, stride_w,
@@ -1050,34 +1070,37 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
         tile = cuda.shared.array(TILE_SHAPE_ROWS, float32)
         block_run = (int64(i) * C * size_h + r0) * size_w + p0  # channel 0's first tile pixel
         channel_run = size_h * size_w
-        # float32 staging: fp16 arithmetic would be calls (Numba's operators), and arrays live
-        # across calls go to local memory. (The fp16 adding scatter is still slower than before
-        # session 17 for a reason not found: benchmarks/NOTES.md.)
-        values = cuda.local.array((PER_MOST, 4), float32)
-        olds = cuda.local.array((PER, 4), float32)
+        # Arithmetic in float32: fp16 operators are calls, and arrays live across calls go to
+        # local memory.
+        values = cuda.local.array((PER_MOST, WORDS), staged)
+        olds = cuda.local.array((PER, WORDS), staged)
+        singles = cuda.local.array(PER_B, float32)  # block_width 1 (a fallback: widened as loaded)
         # The image side: vector (s, q) is tile pixel s, channels c0 + 4q...; the block side:
         # step (k, c) is channel c0 + c, tile pixels BV k...
         if scatter:
             for u in range(PER_B):
                 k, c = block_step(u)
-                if c0 + c < C and p0 + BV * k < limit:
-                    at = uint64(block_run + (c0 + c) * channel_run + BV * k)
-                    if BV == 4:
-                        got = load4(blocks, (at,))
-                        for j in range(4):
-                            values[u, j] = float32(got[j])
-                    else:
-                        values[u, 0] = float32(blocks[at])
+                inside = c0 + c < C and p0 + BV * k < limit
+                at = uint64(block_run + (c0 + c) * channel_run + BV * k)
+                if BV == 4:
+                    got = load_staged(blocks, at, inside)
+                    for j in range(WORDS):
+                        values[u, j] = got[j]
+                elif inside:
+                    singles[u] = float32(blocks[at])
             if add:  # the old values of what this thread writes below, loaded with the blocks
                 for u in range(PER):
                     _, _, at, inside = image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, limit)
-                    old = load4_or_zeros(image, at, inside)
-                    for j in range(4):
-                        olds[u, j] = float32(old[j])
+                    old = load_staged(image, at, inside)
+                    for j in range(WORDS):
+                        olds[u, j] = old[j]
             for u in range(PER_B):
-                k, c = block_step(u)
-                for j in range(BV):
-                    tile[BV * k + j, c] = values[u, j]  # (past the window: unused)
+                k, c = block_step(u)  # (past the window: unused)
+                if BV == 4:
+                    for j in range(4):
+                        tile[4 * k + j, c] = widened(values, u, j)
+                else:
+                    tile[k, c] = singles[u]
             cuda.syncthreads()  # the tile holds the blocks' values
             for u in range(PER):
                 s, q, at, inside = image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, limit)
@@ -1087,18 +1110,19 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
                     # of a tile value alone is exact (it came from an `element`).
                     a, b, c, d = tile[s, 4 * q], tile[s, 4 * q + 1], tile[s, 4 * q + 2], tile[s, 4 * q + 3]
                     if add:
-                        a, b, c, d = a + olds[u, 0], b + olds[u, 1], c + olds[u, 2], d + olds[u, 3]
+                        a, b = a + widened(olds, u, 0), b + widened(olds, u, 1)
+                        c, d = c + widened(olds, u, 2), d + widened(olds, u, 3)
                     store4(image, (at,), (element(a), element(b), element(c), element(d)))
         else:
             for u in range(PER):
                 _, _, at, inside = image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, limit)
-                got = load4_or_zeros(image, at, inside)
-                for j in range(4):
-                    values[u, j] = float32(got[j])
+                got = load_staged(image, at, inside)
+                for j in range(WORDS):
+                    values[u, j] = got[j]
             for u in range(PER):
                 s, q = tile_vector(u)
                 for j in range(4):
-                    tile[s, 4 * q + j] = values[u, j]  # (zeros outside)
+                    tile[s, 4 * q + j] = widened(values, u, j)  # (zeros outside)
             cuda.syncthreads()  # the tile holds the image's values
             for u in range(PER_B):
                 k, c = block_step(u)
