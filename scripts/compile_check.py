@@ -171,12 +171,14 @@ def main():
                 or (pixels != 16 and not transpose)):
             continue
         element = getattr(types, vector_dtype)
-        for block_width in (4, 1) if transpose else (4,):
-            kernel = sbnet._make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, block_width)
-            signature = (element[::1], element[::1], types.int32[:, ::1], types.int32[::1]) + (i64,) * (
-                11 if transpose else 10)  # (a transposing copy also takes its tile's rows)
+        for block_width, window_major in itertools.product((4, 1) if transpose else (4,),
+                                                           (False, True) if transpose else (False,)):
+            kernel = sbnet._make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, block_width,
+                                             window_major)
+            signature = (element[::1], element[::1], types.int32[:, ::1], types.int32[::1]) + (i64,) * 10
             name = (f"row {'scatter' if scatter else 'gather'} transpose={transpose} add={add} {vector_dtype}"
-                    f"{' half2' if half2 else ''} pixels={pixels}{' block steps of 1' if block_width == 1 else ''}")
+                    f"{' half2' if half2 else ''} pixels={pixels}{' block steps of 1' if block_width == 1 else ''}"
+                    f"{' window by window' if window_major else ''}")
             results.append(check(name, kernel.py_func, signature))
     print(f"{sum(results)} of {len(results)} kernels compiled")
     return 0 if all(results) else 1

@@ -449,37 +449,44 @@ def test_fp16_atomic_adds_of_overlapping_windows(channels, transpose, data_forma
     assert kernels == [kernel_dtype]
 
 
-@pytest.mark.parametrize("dtype, channels, transpose, widths, tile_pixels", [
-    ("float32", 4, False, [1, 3, 4], None), ("float32", 8, False, [1, 3, 4], None),
-    ("float16", 8, False, [1, 3, 4], None), ("float64", 2, False, [1, 3, 4], None),
-    ("float32", 4, True, [4, 8], None), ("float32", 8, True, [4, 8], None), ("float16", 8, True, [4, 8], None),
-    ("float32", 4, True, [3, 6], None), ("float16", 8, True, [5, 6], None),
-    ("float32", 4, True, [3, 4, 12], (8, 0)), ("float16", 8, True, [5, 8, 11], (8, 0)),
-    ("float32", 4, True, [3, 5, 12], (8, 16)),
+@pytest.mark.parametrize("dtype, channels, transpose, widths, settings", [
+    ("float32", 4, False, [1, 3, 4], {}), ("float32", 8, False, [1, 3, 4], {}),
+    ("float16", 8, False, [1, 3, 4], {}), ("float64", 2, False, [1, 3, 4], {}),
+    ("float32", 4, True, [4, 8], {}), ("float32", 8, True, [4, 8], {}), ("float16", 8, True, [4, 8], {}),
+    ("float32", 4, True, [3, 6], {}), ("float16", 8, True, [5, 6], {}),
+    ("float32", 4, True, [3, 4, 12], {"ROW_TILE_PIXELS": 8, "ROW_TILE_PIXELS_WIDE": 16}),
+    ("float16", 8, True, [5, 8, 11], {"ROW_TILE_PIXELS": 8}),
+    ("float32", 4, True, [3, 5, 12], {"ROW_TILE_PIXELS": 16, "ROW_TILE_WINDOW_MAJOR": False}),
+    ("float16", 8, True, [3, 4, 12], {"ROW_TILE_PIXELS": 8, "ROW_TILE_WINDOW_MAJOR": True}),
+    ("float32", 68, True, [3, 4], {"ROW_TILE_PIXELS": 8, "ROW_TILE_WINDOW_MAJOR": True}),
+    ("float16", 136, True, [4, 5], {"ROW_TILE_PIXELS": 16, "ROW_TILE_WINDOW_MAJOR": False}),
 ])
 @pytest.mark.parametrize("add", [False, True])
 @few
 @given(data=st.data())
-def test_row_copies_equal_reference(dtype, channels, transpose, widths, tile_pixels, add, data):
+def test_row_copies_equal_reference(dtype, channels, transpose, widths, settings, add, data):
     """Channels-last gathers and (adding) scatters a window row at a time, 16 bytes a step, where
     a pixel is whole 16-byte vectors (transposing: float32 or float16; block rows 4 values a step
-    where bw is a multiple of 4, else 1): windows over the image's edges, negative offsets,
-    out-of-range indices, a count short of the rows. A transposing tile holds whole window rows
-    where they fit (all of them at the default sizes); tiles of 8 pixels also take a window's
-    rows in runs that stop short of its last row (widths 3 and 4), one row (5 and 8) and pieces
-    of a row (11 and 12); with wide tiles of 16, windows 3 and 5 wide take those."""
+    where bh * bw is a multiple of 4, else 1): windows over the image's edges, negative offsets,
+    out-of-range indices, a count short of the rows, gathers of overlapping windows. A
+    transposing tile holds a run of a window's pixels, its rows one after another (the whole
+    window at the default sizes); tiles of 8 and 16 pixels end and begin within rows and
+    windows (steps of 4 across rows: 3 x 4, 3 x 12), pieces of a row (12), a window's last
+    tile short; thread blocks window by window and tile by tile, both dtypes, with several
+    chunks of channels (68, 136)."""
     with pytest.MonkeyPatch.context() as patch:
-        if tile_pixels is not None:
-            patch.setattr(sbnet, "ROW_TILE_PIXELS", tile_pixels[0])
-            patch.setattr(sbnet, "ROW_TILE_PIXELS_WIDE", tile_pixels[1])
+        for name, value in settings.items():
+            patch.setattr(sbnet, name, value)
         check_row_copies(dtype, channels, transpose, widths, add, data)
 
 
 def check_row_copies(dtype, channels, transpose, widths, add, data):
     draw = data.draw
     size = (draw(st.integers(1, 3)), draw(st.sampled_from(widths)))
-    g = {"bsize": size, "bstride": tuple(s + draw(st.integers(0, 2)) for s in size),
+    # (gathers: windows may overlap; scatters: not, an overlapping scatter is not a row copy's)
+    g = {"bsize": size, "bstride": tuple(max(1, s + draw(st.integers(-1, 2))) for s in size),
          "boffset": (draw(st.integers(-3, 2)), draw(st.integers(-5, 2)))}
+    g_scatter = dict(g, bstride=tuple(max(s, t) for s, t in zip(size, g["bstride"])))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     shape = (draw(st.integers(1, 2)), draw(st.integers(1, 7)), draw(st.integers(1, 11)), channels)
     x = values(rng, shape, dtype, "normal")
@@ -498,8 +505,9 @@ def check_row_copies(dtype, channels, transpose, widths, add, data):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sbnet, "_kernels", {})
         patch.setattr(sbnet, "_make_row_kernels", lambda *key: made.append(key) or make(*key))
-        got = sbnet.sparse_scatter(blocks, indices, y, add=add, transpose=transpose, count=count, **g)
-    want = reference.sparse_scatter(blocks[:count[0]], indices[:count[0]], y, add=add, transpose=transpose, **g)
+        got = sbnet.sparse_scatter(blocks, indices, y, add=add, transpose=transpose, count=count, **g_scatter)
+    want = reference.sparse_scatter(blocks[:count[0]], indices[:count[0]], y, add=add, transpose=transpose,
+                                    **g_scatter)
     np.testing.assert_array_equal(got, want)
     assert len(made) == 2 or len(indices) == 0  # (no indices: nothing launched)
 

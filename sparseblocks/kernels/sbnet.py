@@ -44,7 +44,7 @@ Storage float16, float32, float64 (fp16 atomic adds: `_half2.py`). Channels-last
 (NHWC) copies go a window row at a time in 16-byte vectors where a pixel is
 whole vectors and the pointers are 16-byte aligned (`_make_row_kernels`:
 plain, adds, fp16 adds two halves a word by `_half2.py`, fp32 and fp16
-transposes through a shared tile of whole window rows where they fit);
+transposes through a shared tile of a run of the window's pixels);
 otherwise element kernels, with 8-byte words for overwrites and int32 words
 of two halves for fp16 adds where rows allow. A call (gather, scatter, or
 reduce_mask's launches) repeated with torch tensors of the same shapes,
@@ -137,15 +137,17 @@ TILE_STEPS = TILE // TILE_ROWS  # tile rows each thread moves (a literal: local-
 ROW_UNROLL = 4  # 16-byte vectors a thread of a row copy loads before it stores any
 ROW_THREADS = 256  # most threads of a plain row copy (fewer for short rows)
 ROW_TILE_C = 64  # channels of a transposing row copy's tile ...
-# ... by this many pixels: whole window rows where they fit (a channel's run of the block then
-# spans the rows, whole 128-byte lines and more of the block's side), else pieces of one row.
-# H100, copy bandwidth / ours (graph), 16 / 32 / 64 (`results/sbnet_row_tile_pixels_h100.md`):
-# 8 x 400 x 700 x 64, windows of 16, 50 %: gather 0.65 / 0.90 / 0.94, scatter 0.75 / 0.89 /
-# 0.94; but 1 x 400 x 700 x 64, 5 %: gather 0.61 / 0.61 / 0.49 (fewer, longer thread blocks).
+# ... by this many pixels of the window, its rows read as one run (a channel's run of the block:
+# whole 128-byte lines and more on the block's side, every tile full but a window's last).
+# Session 17 (tiles of whole rows), H100, copy bandwidth / ours (graph), 16 / 32 / 64
+# (`results/sbnet_row_tile_pixels_h100.md`): 8 x 400 x 700 x 64, windows of 16, 50 %: gather
+# 0.65 / 0.90 / 0.94, scatter 0.75 / 0.89 / 0.94; but 1 x 400 x 700 x 64, 5 %: gather 0.61 /
+# 0.61 / 0.49 (fewer, longer thread blocks).
 ROW_TILE_PIXELS = 32
-# ... or this many where a tenth more of its pixels are the window's (`_tile_pixels`: windows
-# 7, 9, 11, 12 and 17-21 wide; SparseResBlock's NCHW gathers of 18 take 3 rows of 64 against 1
-# row of 32, 1.4x faster; 0: never).
+# ... or this many for fp32 copies of overlapping windows (SparseResBlock's NCHW gathers of 18,
+# every 16): session 18, H100, window order, 1 x 400 x 700 x 256 at 10 / 25 / 50 %, graph µs,
+# 32 / 64: 198.7 / 171.5, 289.6 / 247.9, 318.1 / 273.1; fp16 and windows that do not overlap do
+# as well or better with 32 (small images 5-18 % better: more thread blocks).
 ROW_TILE_PIXELS_WIDE = 64
 # The tile is moved by this many threads. Session 8 (tiles of 16 or 32 pixels of one row), H100,
 # copy bandwidth / ours (graph), 64 / 128 / 256 threads (`scripts/sbnet_variants.py`): 1 x 400
@@ -153,6 +155,16 @@ ROW_TILE_PIXELS_WIDE = 64
 # x 700 x 256, 10 %, scatter 0.76 / 0.74 / 0.69; but adding windows of 32: 0.66 / 0.76 / 0.80
 # (1 x 400 x 700 x 64, 10 %).
 ROW_TILE_THREADS = 128
+# A transposing row copy's thread blocks go window by window (every tile of window 0, then of
+# window 1, ...) where windows overlap or the data are fp32, else tile by tile (tile 0 of every
+# window, then tile 1, ...; `_window_major`). Session 18, H100, graph µs, tile / window order
+# (`results/sbnet_row_tile_order_h100.md`): gathers of 18 every 16, 1 x 400 x 700 x 256, 25 %:
+# fp16 287.0 / 149.8, fp32 394.3 / 289.6; 8 x 400 x 700 x 64, windows of 16, 50 %, fp32 gather
+# 211.7 / 197.5; but fp16, 1 x 400 x 700 x 256, windows of 16, 25 %: gather 33.4 / 35.4, adding
+# scatter 50.6 / 53.6.
+ROW_TILE_WINDOW_MAJOR = None  # None: that rule; True or False: always or never (timings)
+MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z
+MAX_GRID_X = 2**31 - 1
 MASK_DTYPES = ("bool", "uint8", "float16", "float32", "float64")
 DATA_DTYPES = ("float16", "float32", "float64")
 
@@ -874,7 +886,7 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
     return copy_transposed if transpose else copy_plain
 
 
-def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, block_width=4):
+def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, block_width=4, window_major=False):
     """Gather/scatter of a channels-last (NHWC) image a window row at a time, 16 bytes a thread-step.
 
     A window's row r is bw contiguous pixels of the image (bw * C elements in a
@@ -887,12 +899,11 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
     16-byte aligned.
 
     With ``transpose`` (float32 or float16; blocks [n_blocks, C, bh, bw]) thread
-    block (i, y, chunk) moves a `pixels` x ROW_TILE_C tile through a float32
-    shared tile (`rows` whole window rows from row y * rows where they fit in
-    `pixels`, else a piece of row y): read along C from the image (or along the
-    block's pixels), written along the other, four values (16 or 8 bytes) a
-    step on the image's side and `block_width` (4 where bw is a multiple of 4,
-    else 1) on the block's; adds in float32, rounded once (for fp16 the same as
+    block (i, y, z) moves a `pixels` x ROW_TILE_C tile through a float32 shared
+    tile (pixels y * pixels... of the window, its rows one run): read along C
+    from the image (or along the block's pixels), written along the other, four
+    values (16 or 8 bytes) a step on the image's side and `block_width` (4 where
+    bh * bw is a multiple of 4, else 1) on the block's; adds in float32, rounded once (for fp16 the same as
     an fp16 add). A thread loads all its vectors before it uses any, and fp16
     vectors wait in registers as the two words they came in (`load4_words`),
     widened to float32 only where used: widened, or kept as halves, next to
@@ -1008,8 +1019,8 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
     @cuda.jit(device=True, inline=True)
     def image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, limit):
         """`tile_vector(u)`'s (s, q), its flat offset in the image (channels c0 + 4q...), and
-        whether it lies in the tile's rows and the image. Tile pixel s is pixel p0 + s of the
-        tile's window rows read as one run: row (p0 + s) // size_w."""
+        whether it lies in the window and the image. Tile pixel s is pixel p0 + s of the
+        window's rows read as one run: row (p0 + s) // size_w."""
         s, q = tile_vector(u)
         p = p0 + s
         r = int32(uint32(p) // uint32(size_w))  # (32-bit: a 64-bit division is a call)
@@ -1046,30 +1057,36 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
 
     @cuda.jit
     def copy_rows_transposed(image, blocks, indices, count, N, H, W, C, size_h, size_w, stride_h, stride_w,
-                             offset_h, offset_w, rows):
+                             offset_h, offset_w):
         """blocks [n_blocks, C, bh, bw]; C a multiple of 4; ROW_TILE_THREADS threads. Thread block
-        (i, y, z) takes `rows` whole window rows from row y * rows (rows * size_w <= PT), or
-        (rows == 1) PT pixels of row y: for a channel, the tile's pixels are one run of the
-        block (a window's rows follow each other), written or read as one. Every loop loads
-        all its values before it stores any: stored as they came, each load waited for the
-        one before (the loop is not unrolled)."""
-        i = cuda.blockIdx.x
+        (i, y, z) takes pixels y * PT... of window i, its rows read one after another as one
+        run (tiles cross rows), and channels z * CT...: for a channel, the tile's pixels are
+        one run of the block, written or read as one. Every loop loads all its values before
+        it stores any: stored as they came, each load waited for the one before (the loop is
+        not unrolled)."""
+        if window_major:
+            tiles = uint32((size_h * size_w + PT - 1) // PT)
+            chunks = uint32((C + CT - 1) // CT)
+            b = uint32(cuda.blockIdx.x)
+            iz = b // tiles
+            y = int32(b - iz * tiles)
+            i = int32(iz // chunks)
+            z = int32(iz - uint32(i) * chunks)
+        else:
+            i, y, z = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         active = count[0]  # read with the window's indices (i < their rows: valid past the count)
         n = int64(indices[i, 0])
-        r0 = int64(cuda.blockIdx.y) * rows
-        h0 = offset_h + indices[i, 1] * stride_h + r0
+        h0 = offset_h + indices[i, 1] * stride_h
         w0 = offset_w + indices[i, 2] * stride_w
         if i >= active or (scatter and not 0 <= n < N):
             return  # the same for the whole thread block, before the barrier (a scatter's window
             # of no image lands nowhere)
-        c_chunks = (C + CT - 1) // CT
-        pixel_chunk = int32(uint32(cuda.blockIdx.z) // uint32(c_chunks))
-        p0 = pixel_chunk * PT
-        c0 = (cuda.blockIdx.z - pixel_chunk * c_chunks) * CT
-        limit = min(rows, size_h - r0) * size_w  # the tile's pixels in the window
+        p0 = int32(y) * PT
+        c0 = int32(z) * CT
+        limit = size_h * size_w  # the window's pixels
         tile = cuda.shared.array(TILE_SHAPE_ROWS, float32)
-        block_run = (int64(i) * C * size_h + r0) * size_w + p0  # channel 0's first tile pixel
-        channel_run = size_h * size_w
+        block_run = int64(i) * C * limit + p0  # channel 0's first tile pixel
+        channel_run = limit
         # Arithmetic in float32: fp16 operators are calls, and arrays live across calls go to
         # local memory.
         values = cuda.local.array((PER_MOST, WORDS), staged)
@@ -1166,20 +1183,37 @@ def _as_words(array, size=WORD):
     return array.view(np.int64 if size == 8 else np.int32)  # Numba and CuPy
 
 
-def _row_path(image, blocks, channels_last, transpose, atomic, dtype, size_w):
+def _row_path(image, blocks, n_blocks, channels_last, transpose, atomic, dtype, size):
     """The row kernels' (vector dtype, half2) where they apply, else None: channels-last
-    images, pixels of whole 16-byte vectors, 16-byte aligned pointers; a transposing copy
-    also needs float32 or float16."""
+    images, pixels of whole 16-byte vectors, 16-byte aligned pointers, a grid's y and z
+    within CUDA's limit (`_launch_copy`'s grids); a transposing copy also needs float32 or
+    float16."""
     itemsize = np.dtype(dtype).itemsize
     C = image.shape[3]
+    size_h, size_w = size
+    # (tiles of the smaller tile setting: the most a transposing copy's grid takes)
+    tile = min(ROW_TILE_PIXELS, ROW_TILE_PIXELS_WIDE)
+    y, z = (-(-size_h * size_w // tile), -(-C // ROW_TILE_C)) if transpose else (size_h, 1)
     if not (ROW_COPIES and channels_last and not atomic and C * itemsize % 16 == 0
-            and data_pointer(image) % 16 == 0 and data_pointer(blocks) % 16 == 0):
+            and data_pointer(image) % 16 == 0 and data_pointer(blocks) % 16 == 0
+            and max(y, z) <= MAX_GRID_YZ and n_blocks * y * z <= MAX_GRID_X):
         return None
     if transpose:
         return (dtype, False) if dtype in ("float32", "float16") else None
     if dtype == "float16":
         return "int32", True
     return dtype, False
+
+
+def _tiles(dtype, size, stride):
+    """A transposing row copy's (tile pixels, whether its thread blocks go window by window):
+    ROW_TILE_PIXELS_WIDE for fp32 where windows overlap, else ROW_TILE_PIXELS; window by
+    window where windows overlap or the data are fp32 (ROW_TILE_WINDOW_MAJOR)."""
+    overlap = stride[0] < size[0] or stride[1] < size[1]
+    pixels = ROW_TILE_PIXELS_WIDE if overlap and dtype == "float32" else ROW_TILE_PIXELS
+    if ROW_TILE_WINDOW_MAJOR is not None:
+        return pixels, ROW_TILE_WINDOW_MAJOR
+    return pixels, overlap or dtype == "float32"
 
 
 def _flat(array, dtype):
@@ -1196,45 +1230,33 @@ def _as_dtype(array, dtype):
     return array.view(np.dtype(dtype))
 
 
-def _tile_pixels(size_w):
-    """Pixels of a transposing row copy's tile for windows `size_w` wide: ROW_TILE_PIXELS_WIDE
-    where a tenth more of that tile's pixels are the window's than of ROW_TILE_PIXELS's, else
-    the latter (more, smaller thread blocks do better on few windows)."""
-    def used(pixels):  # the fraction of a tile's pixels in the window
-        if size_w <= pixels:
-            return (pixels // size_w) * size_w / pixels
-        return size_w / (-(-size_w // pixels) * pixels)
-    wide = ROW_TILE_PIXELS_WIDE
-    return wide if wide and used(wide) > used(ROW_TILE_PIXELS) + 0.1 else ROW_TILE_PIXELS
-
-
 def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, transpose, add, atomic,
                  channels_last, stream):
     (size_h, size_w), (stride_h, stride_w), (offset_h, offset_w) = geometry
     dtype = str(image.dtype).replace("torch.", "")
     itemsize = np.dtype(dtype).itemsize
-    rows = _row_path(image, blocks, channels_last, transpose, atomic, dtype, size_w)
+    rows = _row_path(image, blocks, n_blocks, channels_last, transpose, atomic, dtype, (size_h, size_w))
     if rows is not None:
         vector_dtype, half2 = rows
         N, H, W, C = image.shape
-        # A transposing tile takes whole window rows where they fit in ROW_TILE_PIXELS pixels,
-        # else that many pixels of one row; the plain kernel has no tile.
-        pixels = _tile_pixels(size_w) if transpose else 16
-        rows = max(1, pixels // size_w)
-        # A transposing copy's block rows go 4 values a step where every one starts aligned.
-        block_width = 4 if not transpose or size_w % 4 == 0 else 1
-        key = ("rows", scatter, transpose, add, vector_dtype, half2, pixels, block_width)
+        pixels, window_major = _tiles(dtype, (size_h, size_w), (stride_h, stride_w)) if transpose else (16, False)
+        # A transposing copy's block side goes 4 values a step where every one starts aligned:
+        # tiles start at multiples of 4 pixels of the window, channels at multiples of bh * bw.
+        block_width = 4 if not transpose or size_h * size_w % 4 == 0 else 1
+        key = ("rows", scatter, transpose, add, vector_dtype, half2, pixels, block_width, window_major)
         if key not in _kernels:
             _kernels[key] = _make_row_kernels(*key[1:])
         if transpose:
-            chunks = -(-size_w // pixels) * -(-C // ROW_TILE_C)
-            grid, threads, per_pixel = (n_blocks, -(-size_h // rows), chunks), ROW_TILE_THREADS, C
+            grid, threads = (n_blocks, -(-size_h * size_w // pixels), -(-C // ROW_TILE_C)), ROW_TILE_THREADS
+            if window_major:
+                grid = (grid[0] * grid[1] * grid[2], 1, 1)
+            per_pixel = C
         else:
             per_pixel = C * itemsize // 16  # vectors
             wanted = -(-size_w * per_pixel // ROW_UNROLL)
             grid, threads = (n_blocks, size_h), min(ROW_THREADS, max(WARP, -(-wanted // WARP) * WARP))
         args = (_flat(image, vector_dtype), _flat(blocks, vector_dtype), indices, count, N, H, W, per_pixel,
-                size_h, size_w, stride_h, stride_w, offset_h, offset_w) + ((rows,) if transpose else ())
+                size_h, size_w, stride_h, stride_w, offset_h, offset_w)
         launch(_kernels[key], grid, threads, stream, args)
         return _kernels[key], grid, threads, args
     if (channels_last and not transpose and not add and image.shape[3] * itemsize % WORD == 0
