@@ -1,15 +1,20 @@
 """Settings of the SBNet gathers and scatters side by side on the GPU (a developer's script).
 
     python3 scripts/sbnet_variants.py [--setting ROW_TILE_THREADS=64,128,256] [--plain]
+        [--dtype float32] [--overlap]
 
 For each value of one module setting of `sparseblocks.kernels.sbnet` (default: ROW_TILE_THREADS,
-threads of a transposing row copy; e.g. ROW_UNROLL=2,4) and each configuration (N x 400 x 700
-x C fp32, windows of `block`, a fraction active): check the transposed (with --plain, also the
-plain) gather and scatters against the reference, then time their CUDA-graph replays beside a
-device copy of the same bytes (as benchmarks/bench_sbnet.py does). Prints copy / ours.
+threads of a transposing row copy; e.g. ROW_UNROLL=2,4, ROW_TILE_WINDOW_MAJOR=False,True) and
+each configuration (N x 400 x 700 x C of --dtype, windows of `block`, a fraction active): check
+the transposed (with --plain, also the plain) gather and scatters against the reference, then
+time their CUDA-graph replays beside a device copy of the same bytes (as
+benchmarks/bench_sbnet.py does). Prints copy / ours. With --overlap, the configurations are
+gathers of windows that overlap their neighbours instead (18 every 16, 10 every 8, as
+SparseResBlock's), whose copy moves each window's bytes.
 """
 
 import argparse
+import ast
 import sys
 from pathlib import Path
 
@@ -25,9 +30,11 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--setting", default="ROW_TILE_THREADS=64,128,256")
     parser.add_argument("--plain", action="store_true", help="time the plain (untransposed) copies too")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16"])
+    parser.add_argument("--overlap", action="store_true", help="gathers of overlapping windows instead")
     args = parser.parse_args()
     name, values = args.setting.split("=")
-    values = [int(v) for v in values.split(",")]
+    values = [ast.literal_eval(v) for v in values.split(",")]
 
     import torch
 
@@ -36,18 +43,22 @@ def main():
 
     default = getattr(sbnet, name)
     rng = np.random.default_rng(0)
-    print(f"{device_name()}: gathers and scatters, graph timings, copy / ours, by {name}")
-    print("| N | C | block | active | op | " + " | ".join(f"{name}={v}" for v in values) + " |")
+    print(f"{device_name()}: gathers and scatters, {args.dtype}, graph timings, copy / ours, by {name}")
+    print("| N | C | block / stride | active | op | " + " | ".join(f"{name}={v}" for v in values) + " |")
     print("|---" * (5 + len(values)) + "|")
-    for n, C, block, active in [(1, 64, 16, 0.05), (1, 64, 16, 0.25), (1, 256, 16, 0.05), (1, 64, 32, 0.1),
-                                (8, 64, 16, 0.5), (8, 256, 16, 0.1), (8, 256, 32, 0.25)]:
-        mask = block_mask(rng, n, 400, 700, block, active)
-        g = {"bsize": block, "bstride": block, "boffset": 0}
+    configurations = [(1, 64, 16, 16, 0.05), (1, 64, 16, 16, 0.25), (1, 256, 16, 16, 0.05), (1, 64, 32, 32, 0.1),
+                      (8, 64, 16, 16, 0.5), (8, 256, 16, 16, 0.1), (8, 256, 32, 32, 0.25)]
+    if args.overlap:
+        configurations = [(1, 256, 18, 16, 0.1), (1, 256, 18, 16, 0.25), (8, 64, 18, 16, 0.05), (1, 256, 10, 8, 0.1)]
+    dtype = getattr(torch, args.dtype)
+    for n, C, block, stride, active in configurations:
+        mask = block_mask(rng, n, 400, 700, stride, active)
+        g = {"bsize": block, "bstride": stride, "boffset": (stride - block) // 2}
         want_idx = reference.reduce_mask(mask, tol=0.5, **g)
         idx = torch.as_tensor(want_idx, device="cuda")
-        x = torch.randn(n, 400, 700, C, device="cuda")
+        x = torch.randn(n, 400, 700, C, device="cuda").to(dtype)
         y = torch.zeros_like(x)
-        moved = len(want_idx) * block * block * C * 4
+        moved = len(want_idx) * block * block * C * x.element_size()
         copy = copy_ms(moved, graph=True)
         rows = {}
         for value in values:
@@ -61,7 +72,7 @@ def main():
                 assert np.array_equal(blocks.cpu().numpy(), ref)
                 ops = {f"{kind} gather": (lambda t=transpose: sbnet.sparse_gather(x, idx, transpose=t, **g),
                                           2 * moved)}
-                for add in (False, True):
+                for add in () if args.overlap else (False, True):
                     got = sbnet.sparse_scatter(blocks, idx, y, add=add, transpose=transpose, **g)
                     ref = reference.sparse_scatter(blocks.cpu().numpy(), want_idx, y.cpu().numpy(), add=add,
                                                    transpose=transpose, **g)
@@ -72,8 +83,8 @@ def main():
                     base = copy if size == 2 * moved else copy_ms(size // 2, graph=True)
                     rows.setdefault(op, []).append(base / graph_ms(fn))
         for op, ratios in rows.items():
-            print(f"| {n} | {C} | {block} | {active} | {op} | " + " | ".join(f"{r:.2f}" for r in ratios) + " |",
-                  flush=True)
+            print(f"| {n} | {C} | {block} / {stride} | {active} | {op} | "
+                  + " | ".join(f"{r:.2f}" for r in ratios) + " |", flush=True)
     setattr(sbnet, name, default)
 
 
