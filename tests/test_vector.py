@@ -63,41 +63,39 @@ def test_vector_loads_read_neighbours(dtype):
 
 
 @cuda.jit
-def _widen_quads(out, a):
-    i = cuda.threadIdx.x
-    if i < a.shape[0] // 4:
-        words = load4_words(a, (4 * i,))
-        for k in range(2):
-            low, high = floats_of_half2(words[k])
-            out[4 * i + 2 * k] = low
-            out[4 * i + 2 * k + 1] = high
-
-
-@cuda.jit
 def _word_quads(out, a):
     i = cuda.threadIdx.x
     if i < a.shape[0] // 4:
         words = load4_words(a, (4 * i,))
-        for k in range(4):
-            out[4 * i + k] = words[k]
+        for k in range(len(words)):
+            out[len(words) * i + k] = words[k]
 
 
-def test_fp16_words_widen_to_their_values():
-    """load4_words keeps 4 halves as 2 words, floats_of_half2 widens a word (low half first):
-    every value exact, signed zeros, subnormals, infinities and the largest half included."""
+@cuda.jit
+def _widen_words(out, words):
+    i = cuda.threadIdx.x
+    if i < words.shape[0]:
+        out[2 * i], out[2 * i + 1] = floats_of_half2(words[i])
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_words_are_their_bits(dtype):
+    """load4_words: the bits of 4 neighbours, as 2 (fp16) or 4 (fp32) uint32 words."""
+    a = np.array([1.0, -0.0, np.inf, 6e-8, -3.0, 7.25, 1e4, -1e-3], dtype)
+    out = cuda.to_device(np.zeros(a.nbytes // 4, np.uint32))
+    _word_quads[1, 2](out, cuda.to_device(a))
+    np.testing.assert_array_equal(out.copy_to_host(), a.view(np.uint32))
+
+
+def test_half_pairs_widen_to_their_values():
+    """floats_of_half2 widens a word's two halves (low first), exactly: signed zeros,
+    subnormals, infinities and the largest half included."""
     a = np.array([1.5, -2.0, 0.0, -0.0, 6e-8, -6.1e-5, np.inf, -np.inf, 65504, -1e-3, 3.14, 7], np.float16)
     out = cuda.to_device(np.full(a.size, np.nan, np.float32))
-    _widen_quads[1, 4](out, cuda.to_device(a))
+    _widen_words[1, 8](out, cuda.to_device(a.view(np.uint32)))
     got = out.copy_to_host()
     np.testing.assert_array_equal(got, a.astype(np.float32))
     assert np.array_equal(np.signbit(got), np.signbit(a))
-
-
-def test_fp32_words_are_their_bits():
-    a = np.array([1.0, -0.0, np.inf, 2.5e-40, -3.0, 7.25, 1e30, -1e-30], np.float32)
-    out = cuda.to_device(np.zeros(a.size, np.uint32))
-    _word_quads[1, 2](out, cuda.to_device(a))
-    np.testing.assert_array_equal(out.copy_to_host(), a.view(np.uint32))
 
 
 def test_alignment_rule():
