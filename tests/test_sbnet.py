@@ -512,6 +512,24 @@ def check_row_copies(dtype, channels, transpose, widths, add, data):
     assert len(made) == 2 or len(indices) == 0  # (no indices: nothing launched)
 
 
+@pytest.mark.parametrize("transpose", [False, True])
+def test_row_copies_fall_back_past_the_grid_limit(transpose, monkeypatch):
+    """A window with more tiles (or rows) than a grid's y takes the element kernels, whose grid
+    does not grow with the window (the limit made 1 here: CUDA's is 65535)."""
+    made = []
+    make = sbnet._make_row_kernels
+    monkeypatch.setattr(sbnet, "_kernels", {})
+    monkeypatch.setattr(sbnet, "_make_row_kernels", lambda *key: made.append(key) or make(*key))
+    monkeypatch.setattr(sbnet, "MAX_GRID_YZ", 1)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((1, 6, 7, 4)).astype(np.float32)
+    indices = np.array([[0, 0, 0], [0, 1, 1]], np.int32)
+    g = {"bsize": (6, 6), "bstride": (3, 4), "boffset": (-1, -1)}  # 36 pixels: 2 tiles of 32
+    got = sbnet.sparse_gather(x, indices, transpose=transpose, **g)
+    np.testing.assert_array_equal(got, reference.sparse_gather(x, indices, transpose=transpose, **g))
+    assert made == []
+
+
 def test_row_copies_fall_back_where_pointers_are_misaligned():
     """A pixel of whole vectors but an image 4 bytes off 16-byte alignment: the element kernels."""
     rng = np.random.default_rng(8)

@@ -157,7 +157,7 @@ ROW_TILE_PIXELS_WIDE = 64
 ROW_TILE_THREADS = 128
 # A transposing row copy's thread blocks go window by window (every tile of window 0, then of
 # window 1, ...) where windows overlap or the data are fp32, else tile by tile (tile 0 of every
-# window, then tile 1, ...; `_window_major`). Session 18, H100, graph µs, tile / window order
+# window, then tile 1, ...; `_tiles`). Session 18, H100, graph µs, tile / window order
 # (`results/sbnet_row_tile_order_h100.md`): gathers of 18 every 16, 1 x 400 x 700 x 256, 25 %:
 # fp16 287.0 / 149.8, fp32 394.3 / 289.6; 8 x 400 x 700 x 64, windows of 16, 50 %, fp32 gather
 # 211.7 / 197.5; but fp16, 1 x 400 x 700 x 256, windows of 16, 25 %: gather 33.4 / 35.4, adding
@@ -900,11 +900,13 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
 
     With ``transpose`` (float32 or float16; blocks [n_blocks, C, bh, bw]) thread
     block (i, y, z) moves a `pixels` x ROW_TILE_C tile through a float32 shared
-    tile (pixels y * pixels... of the window, its rows one run): read along C
-    from the image (or along the block's pixels), written along the other, four
-    values (16 or 8 bytes) a step on the image's side and `block_width` (4 where
-    bh * bw is a multiple of 4, else 1) on the block's; adds in float32, rounded once (for fp16 the same as
-    an fp16 add). A thread loads all its vectors before it uses any, and fp16
+    tile (pixels y * pixels... of the window, its rows one run; with
+    ``window_major`` the three are one grid axis, tile fastest, then chunk z,
+    then window i): read along C from the image (or along the block's pixels),
+    written along the other, four values (16 or 8 bytes) a step on the image's
+    side and `block_width` (4 where bh * bw is a multiple of 4, else 1) on the
+    block's; adds in float32, rounded once (for fp16 the same as an fp16 add).
+    A thread loads all its vectors before it uses any, and fp16
     vectors wait in registers as the two words they came in (`load4_words`),
     widened to float32 only where used: widened, or kept as halves, next to
     their load, each load waited in its branch for the one before (session 18's
