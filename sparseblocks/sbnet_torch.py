@@ -12,7 +12,8 @@
   defined gradient (nor value), as in SBNet.
 * `SparseResBlock`: SBNet's bottleneck — gather the active windows with a
   fused NHWC -> NCHW transpose, 1x1, 3x3 and 1x1 VALID convolutions on the
-  block stack (cuDNN on a GPU), add-scatter the result back onto the input.
+  block stack (cuDNN on a GPU; on an NHWC stack the 1x1s are matrix products),
+  add-scatter the result back onto the input.
   Its output equals the dense block ``x + F(x)`` on the active region and
   ``x`` elsewhere; the block geometry comes from the convolutions
   (`reference.sbnet.calc_block_params_res_block`). In training, gather,
@@ -114,8 +115,9 @@ class SparseResBlock(torch.nn.Module):
     Layout of the block stack the convolutions see: with ``transpose`` (SBNet's
     own), a channels_last input is gathered through the fused transpose into
     an NCHW stack and scattered back the same way; without it (the default) a
-    channels_last input gives an NHWC stack that cuDNN's channels_last
-    convolutions take as it is, and an NCHW input an NCHW stack.
+    channels_last input gives an NHWC stack, whose 1x1 convolutions are matrix
+    products over its pixels and whose 3x3 cuDNN's channels_last convolution
+    takes as it is (`residual_nhwc`), and an NCHW input an NCHW stack.
     """
 
     KERNELS = (1, 3, 1)
@@ -132,6 +134,16 @@ class SparseResBlock(torch.nn.Module):
     def residual(self, x):
         """F(x) on an NCHW stack (VALID 3x3: 2 pixels smaller)."""
         return self.conv3(torch.relu(self.conv2(torch.relu(self.conv1(x)))))
+
+    def residual_nhwc(self, stack):
+        """F on an NHWC stack ``[n, bh, bw, C]`` -> ``[n, bh - 2, bw - 2, C]``: the same weights,
+        the 1x1 convolutions as matrix products over the stack's pixels (cuBLAS), the 3x3 a
+        channels_last convolution. Session 18, H100, the block in a CUDA graph, 1 x 400 x 700 x
+        256 -> 64: fp32 1.2-1.4x faster than with cuDNN's 1x1 convolutions (forward 0.317 ->
+        0.233 ms at 10.7 % active, training step 1.446 -> 1.170), fp16 the same."""
+        h = torch.relu(stack @ self.conv1.weight.flatten(1).t())
+        h = torch.relu(torch.nn.functional.conv2d(h.permute(0, 3, 1, 2), self.conv2.weight))
+        return h.permute(0, 2, 3, 1) @ self.conv3.weight.flatten(1).t()
 
     def dense(self, x):
         """The same block computed densely (SAME padding): ``x + F(x)``."""
@@ -181,15 +193,12 @@ class SparseResBlock(torch.nn.Module):
         nchw_stack = data_format == "NCHW" or transpose
 
         def residual(stack):
-            if nchw_stack:
-                return self.residual(stack).contiguous()
-            # an NHWC stack, seen by the convolutions as channels_last NCHW
-            return self.residual(stack.permute(0, 3, 1, 2)).permute(0, 2, 3, 1).contiguous()
+            return (self.residual(stack) if nchw_stack else self.residual_nhwc(stack)).contiguous()
 
         windows = _Windows(indices, count, transpose, data_format, (p.bsize, p.bstride, p.boffset),
                            (p.bsize_out, p.bsize_out, 0))
-        params = [w for w in self.parameters() if w.requires_grad]
-        if torch.is_grad_enabled() and (image.requires_grad or params):
+        params = [w for w in self.parameters() if w.requires_grad] if torch.is_grad_enabled() else []
+        if params or (torch.is_grad_enabled() and image.requires_grad):
             y = _WindowResidual.apply(image, residual, windows, inplace, *params)
         else:
             stack = windows.gather(image)
