@@ -480,6 +480,16 @@ def test_row_copies_equal_reference(dtype, channels, transpose, widths, settings
         check_row_copies(dtype, channels, transpose, widths, add, data)
 
 
+def row_kernel_keys(patch):
+    """The list each row kernel's key is appended to as the launcher makes it (from an emptied
+    kernel cache: every kernel a call takes)."""
+    keys = []
+    make = sbnet._make_row_kernels
+    patch.setattr(sbnet, "_kernels", {})
+    patch.setattr(sbnet, "_make_row_kernels", lambda *key: keys.append(key) or make(*key))
+    return keys
+
+
 def check_row_copies(dtype, channels, transpose, widths, add, data):
     draw = data.draw
     size = (draw(st.integers(1, 3)), draw(st.sampled_from(widths)))
@@ -492,39 +502,32 @@ def check_row_copies(dtype, channels, transpose, widths, add, data):
     x = values(rng, shape, dtype, "normal")
     indices = np.unique(some_indices(rng, shape, g, unique=True), axis=0)
     count = np.array([draw(st.integers(0, len(indices)))], np.int32)
-    made = []
-    make = sbnet._make_row_kernels
     with pytest.MonkeyPatch.context() as patch:  # (a function-scoped fixture would span examples)
-        patch.setattr(sbnet, "_kernels", {})
-        patch.setattr(sbnet, "_make_row_kernels", lambda *key: made.append(key) or make(*key))
+        made = row_kernel_keys(patch)
         got = sbnet.sparse_gather(x, indices, transpose=transpose, count=count, **g)
     want = reference.sparse_gather(x, indices, transpose=transpose, **g)
     np.testing.assert_array_equal(got[:count[0]], want[:count[0]])
     blocks = values(rng, want.shape, dtype, "normal")
     y = values(rng, shape, dtype, "normal")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sbnet, "_kernels", {})
-        patch.setattr(sbnet, "_make_row_kernels", lambda *key: made.append(key) or make(*key))
+        made_scatter = row_kernel_keys(patch)
         got = sbnet.sparse_scatter(blocks, indices, y, add=add, transpose=transpose, count=count, **g_scatter)
     want = reference.sparse_scatter(blocks[:count[0]], indices[:count[0]], y, add=add, transpose=transpose,
                                     **g_scatter)
     np.testing.assert_array_equal(got, want)
-    assert len(made) == 2 or len(indices) == 0  # (no indices: nothing launched)
+    assert len(made) + len(made_scatter) == 2 or len(indices) == 0  # (no indices: nothing launched)
 
 
 @pytest.mark.parametrize("transpose", [False, True])
 def test_row_copies_fall_back_past_the_grid_limit(transpose, monkeypatch):
     """A window with more tiles (or rows) than a grid's y takes the element kernels, whose grid
     does not grow with the window (the limit made 1 here: CUDA's is 65535)."""
-    made = []
-    make = sbnet._make_row_kernels
-    monkeypatch.setattr(sbnet, "_kernels", {})
-    monkeypatch.setattr(sbnet, "_make_row_kernels", lambda *key: made.append(key) or make(*key))
+    made = row_kernel_keys(monkeypatch)
     monkeypatch.setattr(sbnet, "MAX_GRID_YZ", 1)
     rng = np.random.default_rng(9)
     x = rng.standard_normal((1, 6, 7, 4)).astype(np.float32)
     indices = np.array([[0, 0, 0], [0, 1, 1]], np.int32)
-    g = {"bsize": (6, 6), "bstride": (3, 4), "boffset": (-1, -1)}  # 36 pixels: 2 tiles of 32
+    g = {"bsize": (9, 8), "bstride": (3, 4), "boffset": (-1, -1)}  # 72 pixels: 2 tiles of 64
     got = sbnet.sparse_gather(x, indices, transpose=transpose, **g)
     np.testing.assert_array_equal(got, reference.sparse_gather(x, indices, transpose=transpose, **g))
     assert made == []

@@ -1019,7 +1019,7 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
         return cuda.threadIdx.x // CQ + STEP * u, cuda.threadIdx.x % CQ
 
     @cuda.jit(device=True, inline=True)
-    def image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, limit):
+    def image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, area):
         """`tile_vector(u)`'s (s, q), its flat offset in the image (channels c0 + 4q...), and
         whether it lies in the window and the image. Tile pixel s is pixel p0 + s of the
         window's rows read as one run: row (p0 + s) // size_w."""
@@ -1028,15 +1028,16 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
         r = int32(uint32(p) // uint32(size_w))  # (32-bit: a 64-bit division is a call)
         h = h0 + r
         w = w0 + (p - r * size_w)
-        inside = p < limit and c0 + 4 * q < C and 0 <= n < N and 0 <= h < H and 0 <= w < W
+        inside = p < area and c0 + 4 * q < C and 0 <= n < N and 0 <= h < H and 0 <= w < W
         return s, q, uint64(((n * H + h) * W + w) * C + c0 + 4 * q), inside
 
     @cuda.jit(device=True, inline=True)
-    def block_step(u):
+    def block_step(u, p0, c0, C, area):
         """This thread's block-side step u of a transposing tile: (k, c), channel c0 + c, tile
-        pixels BV k..."""
+        pixels BV k..., and whether it lies in the window and its channels."""
         e = cuda.threadIdx.x + u * ROW_TILE_THREADS
-        return e % SQ, e // SQ
+        k, c = e % SQ, e // SQ
+        return k, c, c0 + c < C and p0 + BV * k < area
 
     @cuda.jit(device=True, inline=True)
     def load_staged(array, offset, inside):
@@ -1085,10 +1086,9 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
             # of no image lands nowhere)
         p0 = int32(y) * PT
         c0 = int32(z) * CT
-        limit = size_h * size_w  # the window's pixels
+        area = size_h * size_w  # the window's pixels: a channel's run in the block
         tile = cuda.shared.array(TILE_SHAPE_ROWS, float32)
-        block_run = int64(i) * C * limit + p0  # channel 0's first tile pixel
-        channel_run = limit
+        block_run = int64(i) * C * area + p0  # channel 0's first tile pixel
         # Arithmetic in float32: fp16 operators are calls, and arrays live across calls go to
         # local memory.
         values = cuda.local.array((PER_MOST, WORDS), staged)
@@ -1098,9 +1098,8 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
         # step (k, c) is channel c0 + c, tile pixels BV k...
         if scatter:
             for u in range(PER_B):
-                k, c = block_step(u)
-                inside = c0 + c < C and p0 + BV * k < limit
-                at = uint64(block_run + (c0 + c) * channel_run + BV * k)
+                k, c, inside = block_step(u, p0, c0, C, area)
+                at = uint64(block_run + (c0 + c) * area + BV * k)
                 if BV == 4:
                     got = load_staged(blocks, at, inside)
                     for j in range(WORDS):
@@ -1109,12 +1108,12 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
                     singles[u] = float32(blocks[at])
             if add:  # the old values of what this thread writes below, loaded with the blocks
                 for u in range(PER):
-                    _, _, at, inside = image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, limit)
+                    _, _, at, inside = image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, area)
                     old = load_staged(image, at, inside)
                     for j in range(WORDS):
                         olds[u, j] = old[j]
             for u in range(PER_B):
-                k, c = block_step(u)  # (past the window: unused)
+                k, c, _ = block_step(u, p0, c0, C, area)  # (past the window: unused)
                 if BV == 4:
                     for j in range(4):
                         tile[4 * k + j, c] = widened(values, u, j)
@@ -1122,7 +1121,7 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
                     tile[k, c] = singles[u]
             cuda.syncthreads()  # the tile holds the blocks' values
             for u in range(PER):
-                s, q, at, inside = image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, limit)
+                s, q, at, inside = image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, area)
                 if inside:
                     # An add in float32 rounded once to `element` is the element's own sum (fp16:
                     # float32's 24 bits >= 2 x 11 + 2, so the double rounding is exact); element()
@@ -1134,7 +1133,7 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
                     store4(image, (at,), (element(a), element(b), element(c), element(d)))
         else:
             for u in range(PER):
-                _, _, at, inside = image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, limit)
+                _, _, at, inside = image_vector(u, n, h0, w0, p0, c0, N, H, W, C, size_w, area)
                 got = load_staged(image, at, inside)
                 for j in range(WORDS):
                     values[u, j] = got[j]
@@ -1144,10 +1143,10 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
                     tile[s, 4 * q + j] = widened(values, u, j)  # (zeros outside)
             cuda.syncthreads()  # the tile holds the image's values
             for u in range(PER_B):
-                k, c = block_step(u)
-                if c0 + c < C and p0 + BV * k < limit:
+                k, c, inside = block_step(u, p0, c0, C, area)
+                if inside:
                     s = BV * k
-                    at = uint64(block_run + (c0 + c) * channel_run + s)
+                    at = uint64(block_run + (c0 + c) * area + s)
                     if BV == 4:
                         store4(blocks, (at,), (element(tile[s, c]), element(tile[s + 1, c]),
                                                element(tile[s + 2, c]), element(tile[s + 3, c])))
@@ -1185,17 +1184,15 @@ def _as_words(array, size=WORD):
     return array.view(np.int64 if size == 8 else np.int32)  # Numba and CuPy
 
 
-def _row_path(image, blocks, n_blocks, channels_last, transpose, atomic, dtype, size):
+def _row_path(image, blocks, n_blocks, channels_last, transpose, atomic, dtype, size, pixels):
     """The row kernels' (vector dtype, half2) where they apply, else None: channels-last
     images, pixels of whole 16-byte vectors, 16-byte aligned pointers, a grid's y and z
-    within CUDA's limit (`_launch_copy`'s grids); a transposing copy also needs float32 or
-    float16."""
+    within CUDA's limit (`_launch_copy`'s grids; a transposing tile of `pixels`); a
+    transposing copy also needs float32 or float16."""
     itemsize = np.dtype(dtype).itemsize
     C = image.shape[3]
     size_h, size_w = size
-    # (tiles of the smaller tile setting: the most a transposing copy's grid takes)
-    tile = min(ROW_TILE_PIXELS, ROW_TILE_PIXELS_WIDE)
-    y, z = (-(-size_h * size_w // tile), -(-C // ROW_TILE_C)) if transpose else (size_h, 1)
+    y, z = (-(-size_h * size_w // pixels), -(-C // ROW_TILE_C)) if transpose else (size_h, 1)
     if not (ROW_COPIES and channels_last and not atomic and C * itemsize % 16 == 0
             and data_pointer(image) % 16 == 0 and data_pointer(blocks) % 16 == 0
             and max(y, z) <= MAX_GRID_YZ and n_blocks * y * z <= MAX_GRID_X):
@@ -1237,11 +1234,11 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
     (size_h, size_w), (stride_h, stride_w), (offset_h, offset_w) = geometry
     dtype = str(image.dtype).replace("torch.", "")
     itemsize = np.dtype(dtype).itemsize
-    rows = _row_path(image, blocks, n_blocks, channels_last, transpose, atomic, dtype, (size_h, size_w))
+    pixels, window_major = _tiles(dtype, (size_h, size_w), (stride_h, stride_w)) if transpose else (16, False)
+    rows = _row_path(image, blocks, n_blocks, channels_last, transpose, atomic, dtype, (size_h, size_w), pixels)
     if rows is not None:
         vector_dtype, half2 = rows
         N, H, W, C = image.shape
-        pixels, window_major = _tiles(dtype, (size_h, size_w), (stride_h, stride_w)) if transpose else (16, False)
         # A transposing copy's block side goes 4 values a step where every one starts aligned:
         # tiles start at multiples of 4 pixels of the window, channels at multiples of bh * bw.
         block_width = 4 if not transpose or size_h * size_w % 4 == 0 else 1
