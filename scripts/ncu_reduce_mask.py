@@ -1,10 +1,15 @@
 """One reduce_mask (N x 400 x 700, windows of W, 10 % active) called a few times, for ncu:
 
     ncu --kernel-name regex:pass_kernel --launch-skip 3 --launch-count 1 \
-        python3 scripts/ncu_reduce_mask.py [--n 8] [--window 16]
+        python3 scripts/ncu_reduce_mask.py [--n 8] [--window 16] [--setting NAME=VALUE ...] [--read] \
+        [--no-look-back]
+
+`--setting` sets one of kernels.sbnet's settings (a Python literal) first; `--read` calls, after
+reduce_mask, a kernel that only reads the mask (16-byte loads, four a thread: `read_kernel`).
 """
 
 import argparse
+import ast
 import sys
 from pathlib import Path
 
@@ -19,8 +24,51 @@ from sparseblocks.kernels import sbnet  # noqa: E402
 parser = argparse.ArgumentParser()
 parser.add_argument("--n", type=int, default=8)
 parser.add_argument("--window", type=int, default=16)
+parser.add_argument("--setting", action="append", default=[])
+parser.add_argument("--read", action="store_true")
+parser.add_argument("--no-look-back", action="store_true", help="every chunk first (timing only: wrong indices)")
 args = parser.parse_args()
+if args.no_look_back:
+    from numba import cuda, int64
+
+    @cuda.jit(device=True, inline=True)
+    def no_look_back(status, chunk, tag, lane, stride):
+        return int64(0)
+
+    sbnet._look_back = no_look_back
+    sbnet.PASS_LOOK_BACK = "warp"  # (the one stubbed)
+for setting in args.setting:
+    name, value = setting.split("=", 1)
+    setattr(sbnet, name, ast.literal_eval(value))
 mask = torch.as_tensor(block_mask(np.random.default_rng(0), args.n, 400, 700, args.window, 0.1), device="cuda")
 for _ in range(5):
     sbnet.reduce_mask(mask, args.window, args.window, tol=0.5)
 torch.cuda.synchronize()
+if args.read:
+    import math
+
+    from numba import cuda, float32, uint64
+
+    from sparseblocks.kernels._launch import launch, stream_of
+    from sparseblocks.kernels._vector import load4
+
+    @cuda.jit
+    def read_kernel(out, data, n4, per_thread):
+        i = cuda.grid(1)
+        step = cuda.gridsize(1)
+        acc = float32(-math.inf)
+        for k in range(per_thread):
+            v = i + k * step
+            if v < n4:
+                a, b, c, d = load4(data, (uint64(4 * v),))
+                acc = max(acc, max(max(a, b), max(c, d)))
+        if acc > 1e30:  # (never: the loads must not be dropped)
+            out[0] = acc
+
+    flat = mask.reshape(-1)
+    out = torch.zeros(2, dtype=torch.float32, device="cuda")
+    n4 = flat.numel() // 4
+    for _ in range(5):
+        launch(read_kernel, -(-n4 // 1024), 256, stream_of(torch.cuda.current_stream().cuda_stream),
+               (out, flat, n4, 4))
+    torch.cuda.synchronize()

@@ -32,18 +32,35 @@ VARIANTS = {
     "v2 4 loads": (2, {"PASS_LOADS": 4}),
     "v2 16 loads": (2, {"PASS_LOADS": 16}),  # a 64-window chunk's 16 rows of a column in flight at once
     "v2 no wave rule": (2, {"PASS_WAVE": 0}),
-    "v2 block look-back": (2, {"PASS_LOOK_BACK": "block"}),
+    "v2 warp look-back": (2, {"PASS_LOOK_BACK": "warp"}),  # (the default before session 19)
+    "v2 block look-back": (2, {"PASS_LOOK_BACK": "block"}),  # (statuses a line apart)
+    "v2 block look-back packed": (2, {"PASS_LOOK_BACK": "block", "STATUS_STRIDE": 1}),
     "v2 zeroed a call": (2, {"_statuses": lambda words, stream: None}),  # scratch statuses, a fill node a call
     "v2 waves of 2": (2, {"PASS_WAVE": 2}),
-    "v2 no look-back": (2, {"_look_back": None}),  # (the stub below: timing only, wrong indices)
+    # (the stub below, in place of the warp's look-back: timing only, wrong indices)
+    "v2 no look-back": (2, {"PASS_LOOK_BACK": "warp", "_look_back": None}),
     "v2 scalar loads": (2, {"PASS_VECTOR": 1}),  # one column a load where vectors would do
     "v2 64 registers": (2, {"PASS_MAX_REGISTERS": 64}),  # 4 thread blocks an SM (spills ~90 bytes)
     "v2 warp pools": (2, {"PASS_LANE_ENTRIES": 0}),  # warps pool whole windows, then a barrier
     "v2 16 a chunk": (2, {"PASS_WINDOWS": 16}),  # chunks of at most 16 windows (kernels rebuilt per variant)
     # session 14's chunks: at most 32 windows (one warp's ballot), 8 loads a thread
     "v2 32 a chunk": (2, {"PASS_WINDOWS": 32, "PASS_PIXELS_LARGE": 2048}),
+    # session 19, against the warp's look-back (then the default): chunks even across the
+    # multiprocessors; statuses a sector or a line apart; 512 threads a chunk
+    "v2 rounds": (2, {"PASS_BALANCE": "rounds", "PASS_LOOK_BACK": "warp"}),
+    "v2 rounds no look-back": (2, {"PASS_BALANCE": "rounds", "PASS_LOOK_BACK": "warp", "_look_back": None}),
+    "v2 one round": (2, {"PASS_BALANCE": "one round", "PASS_LOOK_BACK": "warp"}),
+    "v2 one round 512": (2, {"PASS_BALANCE": "one round", "PASS_LOOK_BACK": "warp", "PASS_THREADS": 512,
+                             "PASS_WARPS": 16, "PASS_WINDOWS": 96, "PASS_COLUMNS": 2048}),
+    "v2 warp look-back a sector apart": (2, {"PASS_LOOK_BACK": "warp", "STATUS_STRIDE": 4}),
+    "v2 warp look-back a line apart": (2, {"PASS_LOOK_BACK": "warp", "STATUS_STRIDE": 16}),
+    "v2 rounds a line apart": (2, {"PASS_BALANCE": "rounds", "PASS_LOOK_BACK": "block"}),
+    # (512 threads: a column's rows split in two, 8 loads a thread, one round trip)
+    "v2 512 threads": (2, {"PASS_THREADS": 512, "PASS_WARPS": 16, "PASS_LOOK_BACK": "warp"}),
+    "v2 512 threads 64 registers": (2, {"PASS_THREADS": 512, "PASS_WARPS": 16, "PASS_MAX_REGISTERS": 64,
+                                        "PASS_LOOK_BACK": "warp"}),
 }
-TIMING_ONLY = ("v2 no look-back",)
+TIMING_ONLY = ("v2 no look-back", "v2 rounds no look-back")
 
 
 def floors(torch, mask_t):
@@ -138,12 +155,13 @@ def main():
     from numba import cuda, int64
 
     @cuda.jit(device=True, inline=True)
-    def no_look_back(status, chunk, tag, lane):
+    def no_look_back(status, chunk, tag, lane, stride):
         """Every chunk first: what the pass costs without waiting on predecessors."""
         return int64(0)
 
-    if "v2 no look-back" in VARIANTS:
-        VARIANTS["v2 no look-back"][1]["_look_back"] = no_look_back
+    for name in TIMING_ONLY:
+        if name in VARIANTS:
+            VARIANTS[name][1]["_look_back"] = no_look_back
     defaults = {key: getattr(sbnet, key) for _, settings in VARIANTS.values() for key in settings}
     rng = np.random.default_rng(0)
     rows = []

@@ -70,9 +70,9 @@ def _look_back_kernel(who):
         for i in range(chunks.shape[0]):
             exclusive = 0
             if who == "block":
-                exclusive = sbnet._look_back_block(status, chunks[i], tag, nearest_s, sums_s)
+                exclusive = sbnet._look_back_block(status, chunks[i], tag, nearest_s, sums_s, 1)
             elif cuda.threadIdx.x < 32:
-                exclusive = sbnet._look_back(status, chunks[i], tag, cuda.threadIdx.x)
+                exclusive = sbnet._look_back(status, chunks[i], tag, cuda.threadIdx.x, 1)
             if cuda.threadIdx.x == 0:
                 out[i] = exclusive
 
@@ -280,9 +280,32 @@ def test_reduce_mask_chunks_of_more_windows_than_a_warp(lane_entries, monkeypatc
     _check_fixed_chunks(monkeypatch, lane_entries, 64, (1, 8, 72), 0.1, 25, (20, 120))
 
 
+@pytest.mark.parametrize("look_back, stride", [("block", 16), ("block", 1), ("warp", 16)])
+def test_reduce_mask_looks_back_over_spread_statuses(look_back, stride, monkeypatch):
+    """The pass kernel with either look-back over statuses `stride` words apart (a block's look-back
+    gets them a line apart by the rule): 24 chunks of 3 windows, so that the block's steps reach
+    back over several statuses."""
+    monkeypatch.setattr(sbnet, "PASS_LOOK_BACK", None)
+    monkeypatch.setattr(sbnet, "PASS_BLOCK_LOOK_BACK", 20 if look_back == "block" else 25)
+    monkeypatch.setattr(sbnet, "STATUS_STRIDE", None if (look_back, stride) == ("block", 16) else stride)
+    assert sbnet._pass_look_back(24) == (look_back, stride)
+    _check_fixed_chunks(monkeypatch, 16, 3, (1, 12, 24), 0.2, 31, (5, 60))
+
+
+def test_statuses_stay_packed_past_their_spread_limit(monkeypatch):
+    """Statuses a line apart only while they fit in STATUS_SPREAD_WORDS."""
+    monkeypatch.setattr(sbnet, "PASS_LOOK_BACK", None)
+    monkeypatch.setattr(sbnet, "STATUS_STRIDE", None)
+    limit = sbnet.STATUS_SPREAD_WORDS // 16 - 1
+    assert sbnet._pass_look_back(sbnet.PASS_BLOCK_LOOK_BACK - 1) == ("warp", 1)
+    assert sbnet._pass_look_back(limit) == ("block", 16)
+    assert sbnet._pass_look_back(limit + 1) == ("block", 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("version, look_back, lane_entries, windows", [
-    (1, "warp", 16, 32), (2, "warp", 16, 32), (2, "block", 16, 32), (2, "warp", 0, 32), (2, "warp", 16, 64)])
+    (1, "warp", 16, 32), (2, "warp", 16, 32), (2, "block", 16, 32), (2, None, 16, 64), (2, "warp", 0, 32),
+    (2, "warp", 16, 64)])
 @pytest.mark.parametrize("avgpool", [False, True])
 def test_reduce_mask_of_large_masks(avgpool, version, look_back, lane_entries, windows, monkeypatch):
     """Masks of 8 x 400 x 700 (version 1: the scan kernel's path; version 2: 17500 chunks whose

@@ -16,7 +16,8 @@ zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
   the chunk's active
   windows by a ballot, publishes their count and finds the count before it
   by a decoupled look-back (statuses read with ``ld.relaxed.gpu``, tagged
-  with a launch count), then
+  with a launch count; a warp's, or where the chunks are many the whole
+  block's over statuses a 128-byte line apart), then
   writes its rows: active windows at their ranks, inactive ones as n = -1
   rows from the back. Windows wider than PASS_COLUMNS take version 1: a
   pooling kernel (1 to 8 warps a window, shuffle reductions) that counts
@@ -97,6 +98,12 @@ PASS_PIXELS_LARGE = 16 * PASS_THREADS
 # multiprocessor (0: no such rule), so no chunk's look-back waits on a later wave.
 PASS_WAVE = 4
 PASS_LOADS = 8  # rows a thread loads before it pools any (4, 8 or 16)
+# Chunks even across the multiprocessors (None: as chosen above): "rounds" keeps the rounds of
+# chunks a multiprocessor runs (chunks / multiprocessors, rounded up) and shrinks the chunks so
+# that every round is full; "one round" takes a chunk a multiprocessor where such chunks fit in
+# PASS_WINDOWS and PASS_COLUMNS, else as "rounds". (138 chunks of 64 windows on 132 multiprocessors
+# give 6 of them two chunks: the pass waits on those.)
+PASS_BALANCE = None
 # Chunks run on across window rows and images: every chunk but the last is full (8 x 400 x 700,
 # windows of 16: 275 chunks of 32, where chunks within a window row were 400 of 32 and 12, more
 # than the 396 thread blocks of a wave).
@@ -114,19 +121,31 @@ PASS_MAX_REGISTERS = None  # a cap on the pass kernel's registers (ptxas: 72-80 
 # A chunk's status word (int64): tag (30 bits, the launch's), flag (1 bit: prefix or only the
 # chunk's own aggregate), active count (32 bits). status[0] counts launches: a status is the
 # current launch's when its tag is (that count + 1) mod 2^30, so a status buffer could serve
-# call after call without a reset (1.3-1.9 µs a call saved: scripts/reduce_mask_variants.py).
-# reduce_mask zeroes a fresh one each call all the same: one buffer shared between calls would
-# be a race between streams.
+# call after call without a reset (1.3-1.9 µs a call saved: scripts/reduce_mask_variants.py);
+# reduce_mask keeps one a stream (`_statuses`). Statuses lie `stride` words apart.
 STATUS_TAG_SHIFT = 33
 STATUS_PREFIX = 1 << 32
 STATUS_TAG_MASK = (1 << 30) - 1
 STATUS_VALUE_MASK = (1 << 32) - 1
+# int64 words from one chunk's status to the next (None: as PASS_LOOK_BACK says; 1; 16: one a
+# 128-byte line, so that reads and spins on one status do not queue behind the others').
+STATUS_STRIDE = None
 MAX_PASS_WINDOWS = 1 << 30  # windows version 2 takes (counts in 32 bits, int32 rows)
 REDUCE_VERSION = 2  # reduce_mask's default version
-# Who reads predecessors' statuses: "warp" (32 a step) or "block" (PASS_THREADS a step). A warp
-# reading 128 a step (four loads a lane in flight) was slower on the H100: 8.78 against 6.86 µs
-# on 8 x 400 x 700, windows of 16 (`benchmarks/NOTES.md`, session 15).
-PASS_LOOK_BACK = "warp"
+# Who reads predecessors' statuses: "warp" (32 a step), "block" (PASS_THREADS a step), or None:
+# the block where a launch has PASS_BLOCK_LOOK_BACK chunks or more, else a warp. A block's step
+# reads PASS_THREADS statuses at once: packed 16 to a 128-byte line, every thread block's reads
+# queue on the same few lines of L2, so the block look-back spreads them a line apart (STATUS_STRIDE
+# None: 16 words where that keeps the statuses within STATUS_SPREAD_WORDS, else 1). H100, the
+# pass kernel alone, µs, warp / block a line apart: 8 x 400 x 700, windows of 16 / 32 / 8: 6.05 /
+# 5.53, 6.41 / 6.00, 8.60 / 8.45; 1 x 400 x 700: 4.46 / 4.29, 4.64 / 4.46, 4.11 / 3.80. Graph µs a
+# call the same but for 1 x 400 x 700 windows of 16 (35 chunks), where the block was 0.3-0.4
+# slower. Statuses a line apart made the warp's look-back no faster; packed, the block's was
+# slower than the warp's (session 15); a warp reading 128 a step (four loads a lane in flight) was
+# slower too: 8.78 against 6.86 µs on 8 x 400 x 700, windows of 16.
+PASS_LOOK_BACK = None
+PASS_BLOCK_LOOK_BACK = 64
+STATUS_SPREAD_WORDS = 1 << 20  # (8 MB: 65535 chunks a line apart)
 COPY_THREADS = 256  # threads of a gather/scatter block (one thread block a window)
 COPY_UNROLL = 4  # elements a thread loads before it stores any
 WAVES = 4  # thread blocks per multiprocessor a gather/scatter aims for
@@ -378,27 +397,29 @@ def _warp_sum(value):
 
 
 @cuda.jit(device=True, inline=True)
-def _status(status, j, tag):
-    """Chunk j's status once it carries this launch's tag (a prefix of nothing before chunk 0).
+def _status(status, j, tag, stride):
+    """Chunk j's status (word (1 + j) x stride) once it carries this launch's tag (a prefix of
+    nothing before chunk 0).
     Chunks are thread blocks in launch order, and the GPU starts thread blocks in that order
     (as CUB's single-pass scans assume), so a predecessor runs or has run: the wait ends."""
     if j < 0:
         return int64(STATUS_PREFIX)
-    s = load_relaxed(status, (uint64(1 + j),))  # from L2: never a value cached earlier
+    at = uint64(1 + j) * uint64(stride)
+    s = load_relaxed(status, (at,))  # from L2: never a value cached earlier
     while (s >> STATUS_TAG_SHIFT) != tag:
-        s = load_relaxed(status, (uint64(1 + j),))
+        s = load_relaxed(status, (at,))
     return s
 
 
 @cuda.jit(device=True, inline=True)
-def _look_back(status, chunk, tag, lane):
+def _look_back(status, chunk, tag, lane, stride):
     """Active windows of the chunks before `chunk` (decoupled look-back by one whole warp): 32
     predecessors' statuses a step, nearest first, summed back to the nearest one whose
     inclusive prefix is out."""
     exclusive = int64(0)
     end = chunk
     while end > 0:  # the same for every lane
-        s = _status(status, end - 1 - lane, tag)
+        s = _status(status, end - 1 - lane, tag, stride)
         prefixed = cuda.ballot_sync(FULL_MASK, (s & STATUS_PREFIX) != 0)
         contribution = s & STATUS_VALUE_MASK
         if prefixed != 0:
@@ -413,7 +434,7 @@ def _look_back(status, chunk, tag, lane):
 
 
 @cuda.jit(device=True, inline=True)
-def _look_back_block(status, chunk, tag, nearest_s, sums_s):
+def _look_back_block(status, chunk, tag, nearest_s, sums_s, stride):
     """`_look_back` by the whole thread block, PASS_THREADS predecessors a step (nearest_s,
     sums_s: PASS_WARPS-long shared scratch). Every thread gets the sum."""
     tid = cuda.threadIdx.x
@@ -422,7 +443,7 @@ def _look_back_block(status, chunk, tag, nearest_s, sums_s):
     exclusive = int64(0)
     end = chunk
     while end > 0:  # the same for every thread
-        s = _status(status, end - 1 - tid, tag)
+        s = _status(status, end - 1 - tid, tag, stride)
         prefixed = cuda.ballot_sync(FULL_MASK, (s & STATUS_PREFIX) != 0)
         if lane == 0:
             lowest = prefixed & -prefixed  # the warp's nearest prefix, as a bit
@@ -450,7 +471,7 @@ def _window(window, count_h, count_w):
     return n, row - n * count_h, window - row * count_w
 
 
-def _make_pass_kernel(avgpool, wide, vector):
+def _make_pass_kernel(avgpool, wide, vector, look_back, stride):
     """reduce_mask in one pass (version 2): pooling, ranks and compaction in one kernel.
 
     Thread block `chunk` takes `windows` (<= PASS_WINDOWS) consecutive windows, row-major
@@ -464,16 +485,18 @@ def _make_pass_kernel(avgpool, wide, vector):
     window j's entries (or, past PASS_LANE_ENTRIES of them, each warp pools whole windows,
     lanes over entries, shuffles), the warps holding windows rank the active ones by ballots
     (counts summed through shared memory where the chunk has more than a warp's 32), thread 0
-    publishes their count, warp 0 finds the count before the chunk by `_look_back`, and each
+    publishes their count, warp 0 finds the count before the chunk by `_look_back` (or, with
+    `look_back` "block", the whole block by `_look_back_block`; statuses `stride` words apart), and each
     window's thread writes its row: (n, bh, bw) at its row-major rank if active,
     else n = -1 from the back (rows count.. hold those). The last chunk writes the count and
     advances status[0], the launch count the tags come from. Accumulates in float64 with
     `wide` (sums, float64 masks), else float32 (exact for the max of other masks)."""
     acc_type = float64 if wide else float32
-    BLOCK_LOOK_BACK = PASS_LOOK_BACK == "block"
     RANKERS = -(-PASS_WINDOWS // WARP)  # warps whose ballots rank a chunk's windows
     assert PASS_WINDOWS <= PASS_THREADS
     LOADS = PASS_LOADS
+    BLOCK_LOOK_BACK = look_back == "block"
+    STRIDE = stride
     VECTOR = vector
     # Shared entries of a chunk's column values: its windows x (entries a window + 1 of
     # padding), at most max(threads, columns) + windows (phases x columns <= threads).
@@ -625,15 +648,16 @@ def _make_pass_kernel(avgpool, wide, vector):
                     before_warp += counts_s[k]
                 aggregate += counts_s[k]
         if tid == 0:  # the chunk's own count out first: successors need not wait for its prefix
-            cuda.atomic.exch(status, 1 + chunk, (tag << STATUS_TAG_SHIFT) | aggregate
+            cuda.atomic.exch(status, (1 + chunk) * STRIDE, (tag << STATUS_TAG_SHIFT) | aggregate
                              | (STATUS_PREFIX if chunk == 0 else 0))
         exclusive = int64(0)
         if BLOCK_LOOK_BACK:
-            exclusive = _look_back_block(status, chunk, tag, nearest_s, sums_s)
+            exclusive = _look_back_block(status, chunk, tag, nearest_s, sums_s, STRIDE)
         elif warp == 0:
-            exclusive = _look_back(status, chunk, tag, lane)
+            exclusive = _look_back(status, chunk, tag, lane, STRIDE)
         if tid == 0 and chunk > 0:
-            cuda.atomic.exch(status, 1 + chunk, (tag << STATUS_TAG_SHIFT) | STATUS_PREFIX | (exclusive + aggregate))
+            cuda.atomic.exch(status, (1 + chunk) * STRIDE,
+                             (tag << STATUS_TAG_SHIFT) | STATUS_PREFIX | (exclusive + aggregate))
         if RANKERS > 1 and not BLOCK_LOOK_BACK:
             if tid == 0:
                 exclusive_s[0] = exclusive
@@ -1412,12 +1436,19 @@ def _pass_chunks(size, total, vector=1):
     multiprocessors, else PASS_PIXELS, and at most a wave of chunks (PASS_WAVE), within
     PASS_WINDOWS windows and PASS_COLUMNS columns; a full chunk's threads across its columns
     (lanes) and rows (phases)."""
-    wave = -(-total // (PASS_WAVE * multiprocessors())) if PASS_WAVE else 1
+    sms = multiprocessors()
+    wave = -(-total // (PASS_WAVE * sms)) if PASS_WAVE else 1
+    most = max(1, min(PASS_WINDOWS, PASS_COLUMNS // size[1], total))
     for pixels in (PASS_PIXELS_LARGE, PASS_PIXELS):
         wanted = max(pixels * vector // (size[0] * size[1]), wave)
-        per_chunk = max(1, min(PASS_WINDOWS, PASS_COLUMNS // size[1], wanted, total))
-        if 2 * -(-total // per_chunk) >= multiprocessors():
+        per_chunk = max(1, min(most, wanted))
+        if 2 * -(-total // per_chunk) >= sms:
             break
+    if PASS_BALANCE == "one round" and -(-total // sms) <= most:
+        per_chunk = -(-total // sms)
+    elif PASS_BALANCE:
+        rounds = -(-total // (per_chunk * sms))
+        per_chunk = -(-total // (rounds * sms))
     lanes = min(per_chunk * (size[1] // vector), PASS_THREADS)
     return per_chunk, lanes, PASS_THREADS // lanes
 
@@ -1432,12 +1463,21 @@ def _pass_vector(dtype, mask, width, size, stride, offset):
     return v if fits and aligned(data_pointer(mask), np.dtype(dtype).itemsize, v) else 1
 
 
-def _pass_kernel(avgpool, wide, vector):
+def _pass_look_back(n_chunks):
+    """(who looks back, words from one status to the next) for a launch of `n_chunks` chunks."""
+    who = PASS_LOOK_BACK or ("block" if n_chunks >= PASS_BLOCK_LOOK_BACK else "warp")
+    stride = STATUS_STRIDE
+    if stride is None:
+        stride = 16 if who == "block" and (n_chunks + 1) * 16 <= STATUS_SPREAD_WORDS else 1
+    return who, stride
+
+
+def _pass_kernel(avgpool, wide, vector, look_back, stride):
     # The settings a kernel is built with are in its key: the launcher reads them at each call.
-    key = ("pass", avgpool, wide, vector, PASS_THREADS, PASS_WINDOWS, PASS_COLUMNS, PASS_LOADS, PASS_LOOK_BACK,
+    key = ("pass", avgpool, wide, vector, look_back, stride, PASS_THREADS, PASS_WINDOWS, PASS_COLUMNS, PASS_LOADS,
            PASS_MAX_REGISTERS, PASS_LANE_ENTRIES)
     if key not in _kernels:
-        _kernels[key] = _make_pass_kernel(avgpool, wide, vector)
+        _kernels[key] = _make_pass_kernel(avgpool, wide, vector, look_back, stride)
     return _kernels[key]
 
 
@@ -1523,17 +1563,19 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
         n_chunks = -(-total // per_chunk)
         # Zeroed statuses (tags start at 1): kept ones, else from the caller's allocator;
         # status[0] counts launches.
-        status = _statuses(n_chunks + 1, stream)
+        look_back, spread = _pass_look_back(n_chunks)
+        words = (n_chunks + 1) * spread
+        status = _statuses(words, stream)
         if status is None:
-            status = mask_op.scratch(n_chunks + 1, "int64", stream)
+            status = mask_op.scratch(words, "int64", stream)
             _zero(status, stream)
-        kernel = _pass_kernel(bool(avgpool), bool(avgpool) or mask_op.dtype == "float64", vector)
+        kernel = _pass_kernel(bool(avgpool), bool(avgpool) or mask_op.dtype == "float64", vector, look_back, spread)
         one = (kernel, n_chunks, PASS_THREADS, (
             indices, count, status, mask_device, N, H, W, count_hw[0], count_hw[1], size[0], size[1],
             stride[0], stride[1], offset[0], offset[1], float(tol), per_chunk, lanes, phases))
         launch(one[0], one[1], one[2], stream, one[3])
         _keep_plan("reduce", (mask,), None, settings, tuple(indices_native.shape), [(one, (0, 1, 2, 3))],
-                   ("pass", n_chunks + 1))
+                   ("pass", words))
     elif total:
         # Temporaries from the caller's allocator (torch's cache): no cudaMalloc per call.
         group_warps = _reduce_group_warps(size, total)
