@@ -127,14 +127,17 @@ def main():
         check("scan_kernel", sbnet.scan_kernel.py_func,
               (types.int32[::1], types.int32[::1], types.int32[::1], i64)),
     ] + [
-        check(f"pass_kernel (avgpool={avgpool}, {mask}, vector {vector})",
-              sbnet._make_pass_kernel(avgpool, wide, vector).py_func,
-              (types.int32[:, ::1], types.int32[::1], types.int64[::1], getattr(types, mask)[:, :, ::1])
-              + (i64,) * 11 + (types.float64, i64, i64, i64))
-        for avgpool, wide, mask, vector in (
-            (False, False, "float32", 1), (False, False, "boolean", 1), (True, True, "float16", 1),
-            (False, True, "float64", 1), (False, False, "float32", 4), (True, True, "float16", 4),
-            (False, False, "uint8", 4), (True, True, "float32", 4), (False, False, "float32", 2))
+        check(f"pass_kernel (avgpool={avgpool}, {mask}, vector {vector}, {look_back} look-back, stride {stride})",
+              sbnet._make_pass_kernel(avgpool, wide, vector, look_back, stride).py_func,
+              (types.int32[:, ::1], types.int32[::1], types.int64[::1], getattr(types, mask)[::1])
+              + (i64,) * 11 + (types.float64,) + (i64,) * 7)
+        for avgpool, wide, mask, vector, look_back, stride in (
+            (False, False, "float32", 1, "warp", 1), (False, False, "boolean", 1, "warp", 1),
+            (True, True, "float16", 1, "warp", 1), (False, True, "float64", 1, "warp", 1),
+            (False, False, "float32", 4, "warp", 1), (True, True, "float16", 4, "warp", 1),
+            (False, False, "uint8", 4, "warp", 1), (True, True, "float32", 4, "warp", 1),
+            (False, False, "float32", 2, "warp", 1), (False, False, "float32", 4, "block", 16),
+            (True, True, "float16", 1, "block", 16))
     ] + [
         check(f"write_kernel ({name})", kernel.py_func,
               (types.int32[:, ::1], types.int32[::1], types.int8[::1], types.int32[::1], types.int32[::1],

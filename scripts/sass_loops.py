@@ -89,12 +89,12 @@ def reduce_mask(tool):
     from sparseblocks.kernels import sbnet
 
     i64 = types.int64
-    signature = (types.int32[:, ::1], types.int32[::1], types.int64[::1], types.float32[:, :, ::1]) \
-        + (i64,) * 11 + (types.float64, i64, i64, i64)
+    signature = (types.int32[:, ::1], types.int32[::1], types.int64[::1], types.float32[::1]) \
+        + (i64,) * 11 + (types.float64,) + (i64,) * 7
     print("| loads | loop | length | " + " | ".join(COUNTS) + " |")
     print("|---" * (3 + len(COUNTS)) + "|")
     for vector in (1, sbnet.PASS_VECTOR):
-        kernel = sbnet._make_pass_kernel(False, False, vector)
+        kernel = sbnet._make_pass_kernel(False, False, vector, "warp", 1)
         for length, counts in loops_around(sass(kernel.py_func, signature, tool), "FMNMX"):  # (the first max)
             print(f"| {vector} a load | | {length} | " + " | ".join(str(counts[k]) for k in COUNTS) + " |")
 

@@ -100,6 +100,51 @@ def test_look_back_sums_aggregates_back_to_the_nearest_prefix(who):
     np.testing.assert_array_equal(out, [0] + [inclusive[c - 1] for c in chunks[1:]])
 
 
+@cuda.jit
+def _quotients(out, xs, magics):
+    i = cuda.grid(1)
+    if i < xs.shape[0]:
+        out[i] = sbnet._quotient(xs[i], magics[i])
+
+
+def test_magic_division_is_exact():
+    """`_quotient` by `_magic(d)` equals x // d over the range the pass kernel divides: divisors
+    from 1 to 2^30 (powers of two, their neighbours, random ones), numerators from 0 to 2^31 - 1
+    (the largest multiples of d and their neighbours among them)."""
+    rng = np.random.default_rng(9)
+    powers = [1 << k for k in range(31)]
+    divisors = sorted({d + e for d in powers for e in (-1, 0, 1) if 1 <= d + e <= 1 << 30}
+                      | set(rng.integers(1, 1 << 30, 40).tolist()) | {3, 5, 7, 44, 25, 350, 1000})
+    xs, ds = [], []
+    for d in divisors:
+        top = (1 << 31) - 1
+        for x in {0, 1, d - 1, d, d + 1, top, top - top % d, top - top % d - 1,
+                  *rng.integers(0, 1 << 31, 6).tolist()}:
+            if 0 <= x <= top:
+                xs.append(x)
+                ds.append(d)
+    xs, ds = np.array(xs, np.int64), np.array(ds, np.int64)
+    magics = np.array([sbnet._magic(int(d)) for d in ds], np.int64)
+    out = np.zeros(len(xs), np.int32)
+    _quotients[-(-len(xs) // 128), 128](out, xs, magics)
+    np.testing.assert_array_equal(out, xs // ds)
+
+
+def test_reduce_mask_of_windows_reaching_past_32_bits():
+    """Windows whose reach (offset + (count - 1) x stride + size) passes MAX_PASS_EXTENT take version
+    1 (64-bit geometry), version 2 asked for or not, and give the reference's indices."""
+    mask = np.ones((1, 6, 6), np.float32)
+    g = {"bsize": 2, "bstride": (1 << 29, 2), "boffset": (0, 0), "bcount": (3, 3)}
+    assert not sbnet._fits_32_bits(6, 6, (3, 3), (2, 2), g["bstride"], (0, 0))
+    assert sbnet._fits_32_bits(6, 6, (3, 3), (2, 2), (2, 2), (0, 0))
+    want = reference.reduce_mask(mask, **g)
+    assert len(want) == 3  # the first window row only: the others lie far below the image
+    for version in (None, 2):
+        got, count = sbnet.reduce_mask(mask, version=version, **g)
+        assert count == len(want)
+        np.testing.assert_array_equal(got, want)
+
+
 def test_reduce_mask_on_the_device_keeps_the_count_there():
     rng = np.random.default_rng(1)
     mask = (rng.random((2, 7, 9)) < 0.2).astype(np.float32)

@@ -131,6 +131,7 @@ STATUS_VALUE_MASK = (1 << 32) - 1
 # 128-byte line, so that reads and spins on one status do not queue behind the others').
 STATUS_STRIDE = None
 MAX_PASS_WINDOWS = 1 << 30  # windows version 2 takes (counts in 32 bits, int32 rows)
+MAX_PASS_EXTENT = 1 << 30  # rows, columns and window reaches version 2 takes (32-bit geometry)
 REDUCE_VERSION = 2  # reduce_mask's default version
 # Who reads predecessors' statuses: "warp" (32 a step), "block" (PASS_THREADS a step), or None:
 # the block where a launch has PASS_BLOCK_LOOK_BACK chunks or more, else a warp. A block's step
@@ -464,11 +465,20 @@ def _look_back_block(status, chunk, tag, nearest_s, sums_s, stride):
 
 
 @cuda.jit(device=True, inline=True)
-def _window(window, count_h, count_w):
-    """(n, bh, bw) of a row-major window number (32-bit divisions: windows < 2^30)."""
-    row = int32(uint32(window) // uint32(count_w))
-    n = int32(uint32(row) // uint32(count_h))
-    return n, row - n * count_h, window - row * count_w
+def _quotient(x, magic):
+    """x // d for 0 <= x < 2^31, `magic` = _magic(d): a multiply and a shift where a division by
+    a value known only at run time is ~15 dependent instructions."""
+    m = uint64(magic) & uint64(0xFFFFFFFF)
+    return int32((uint64(x) * m) >> (uint64(magic) >> uint64(32)))
+
+
+@cuda.jit(device=True, inline=True)
+def _window(window, count_h, count_w, magic_h, magic_w):
+    """(n, bh, bw) of a row-major window number (windows < 2^30; magic_h, magic_w: _magic of the
+    counts)."""
+    row = _quotient(window, magic_w)
+    n = _quotient(row, magic_h)
+    return n, int32(row - n * count_h), int32(window - row * count_w)
 
 
 def _make_pass_kernel(avgpool, wide, vector, look_back, stride):
@@ -506,39 +516,43 @@ def _make_pass_kernel(avgpool, wide, vector, look_back, stride):
     def pool(acc, v):
         return acc + v if avgpool else max(acc, v)
 
+    # The mask comes flat: a pixel is one int64 element index, a column's next row `width` on
+    # (3-D indices were three 64-bit products a load, with strides read from the array).
     @cuda.jit(device=True, inline=True)
-    def row(mask, n, h, w):
+    def row(mask, at):
         if VECTOR == 4:
-            a, b, c, d = load4(mask, (uint64(n), uint64(h), uint64(w)))
+            a, b, c, d = load4(mask, (uint64(at),))
             return pool(pool(acc_type(a), acc_type(b)), pool(acc_type(c), acc_type(d)))
         if VECTOR == 2:
-            a, b = load2(mask, (uint64(n), uint64(h), uint64(w)))
+            a, b = load2(mask, (uint64(at),))
             return pool(acc_type(a), acc_type(b))
-        return acc_type(mask[uint64(n), uint64(h), uint64(w)])
+        return acc_type(mask[uint64(at)])
 
     @cuda.jit(device=True, inline=True)
-    def four_rows(mask, n, h, w, step):
-        """Rows h, h + step, h + 2 step, h + 3 step of column w (all on the image), pooled."""
-        return pool(pool(row(mask, n, h, w), row(mask, n, h + step, w)),
-                    pool(row(mask, n, h + 2 * step, w), row(mask, n, h + 3 * step, w)))
+    def four_rows(mask, at, step):
+        """The pixels at, at + step, at + 2 step, at + 3 step (all on the image), pooled."""
+        return pool(pool(row(mask, at), row(mask, at + step)), pool(row(mask, at + 2 * step), row(mask, at + 3 * step)))
 
     @cuda.jit(device=True, inline=True)
-    def last_rows(mask, n, h0, w, r, step, r_end, empty):
-        """Rows r, r + step, r + 2 step, r + 3 step of the window's column w, pooled: those at
-        r_end or past it read the row before r_end (so that every load is valid) and give empty."""
+    def last_rows(mask, top, width, r, step, r_end, empty):
+        """Rows r, r + step, r + 2 step, r + 3 step of the column whose row 0 is at `top`, pooled:
+        those at r_end or past it read the row before r_end (so that every load is valid) and give
+        empty."""
         last = r_end - 1
-        v0 = row(mask, n, h0 + min(r, last), w)
-        v1 = row(mask, n, h0 + min(r + step, last), w)
-        v2 = row(mask, n, h0 + min(r + 2 * step, last), w)
-        v3 = row(mask, n, h0 + min(r + 3 * step, last), w)
+        v0 = row(mask, top + min(r, last) * width)
+        v1 = row(mask, top + min(r + step, last) * width)
+        v2 = row(mask, top + min(r + 2 * step, last) * width)
+        v3 = row(mask, top + min(r + 3 * step, last) * width)
         return pool(pool(v0 if r < r_end else empty, v1 if r + step < r_end else empty),
                     pool(v2 if r + 2 * step < r_end else empty, v3 if r + 3 * step < r_end else empty))
 
     @cuda.jit(**({} if PASS_MAX_REGISTERS is None else {"max_registers": PASS_MAX_REGISTERS}))
     def pass_kernel(indices, count, status, mask, n_images, height, width, count_h, count_w,
-                    size_h, size_w, stride_h, stride_w, offset_h, offset_w, tol, per_chunk, lanes, phases):
-        # lanes x phases: threads across a full chunk's columns x across its rows (the launcher's:
-        # a division here is a chain of dependent instructions before the first load).
+                    size_h, size_w, stride_h, stride_w, offset_h, offset_w, tol, per_chunk, lanes, phases,
+                    magic_h, magic_w, magic_units, magic_lanes):
+        # lanes x phases: threads across a full chunk's columns x across its rows (the launcher's,
+        # as are the magic numbers of the divisions: a division by a value known only at run time
+        # is a chain of dependent instructions before the first load).
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
@@ -553,45 +567,51 @@ def _make_pass_kernel(avgpool, wide, vector, look_back, stride):
         exclusive_s = cuda.shared.array(1, np.int64)
         if tid == 0:  # the launch count's read is on its way while the chunk is pooled
             tag_s[0] = (load_relaxed(status, (uint64(0),)) + 1) & STATUS_TAG_MASK
+        # Geometry in 32 bits (the launcher's bounds: below 2^30), so that the index arithmetic
+        # before the first load is 32-bit (int64 arguments made it 64-bit products: ~140 of the
+        # ~290 instructions a thread ran before its first load); only pixel indices are 64-bit.
+        height32, width32, size_h32 = int32(height), int32(width), int32(size_h)
+        count_h32, count_w32 = int32(count_h), int32(count_w)
         total = n_images * count_h * count_w
-        first = chunk * per_chunk  # the chunk's first window, row-major
-        windows = min(per_chunk, total - first)  # (fewer in the last chunk: its threads past them idle)
-        units = size_w // VECTOR  # a window's columns, a vector each (a multiple: the launcher's check)
-        columns = windows * units
-        entries = phases * units  # values a window leaves in shared memory
+        first = int32(chunk * int32(per_chunk))  # the chunk's first window, row-major
+        windows = int32(min(per_chunk, total - first))  # (fewer in the last chunk: its threads past them idle)
+        units = int32(size_w // VECTOR)  # a window's columns, a vector each (a multiple: the launcher's check)
+        columns = int32(windows * units)
+        entries = int32(int32(phases) * units)  # values a window leaves in shared memory
         empty = acc_type(0) if avgpool else acc_type(-math.inf)
-        phase = int32(uint32(tid) // uint32(lanes))
-        q = tid - phase * lanes
+        phase = _quotient(tid, magic_lanes)
+        q = int32(tid - phase * int32(lanes))
+        step = int64(phases) * width  # from a thread's row to its next
         if phase < phases:
             while q < columns:
-                j = int32(uint32(q) // uint32(units))  # (32-bit: a 64-bit division is a call)
-                c = q - j * units
-                n, bh, bw = _window(first + j, count_h, count_w)
-                h0 = offset_h + bh * stride_h
-                r_begin = max(0, -h0)  # the window's rows on the image
-                r_end = min(size_h, height - h0)
-                w = offset_w + bw * stride_w + c * VECTOR
+                j = _quotient(q, magic_units)
+                c = int32(q - j * units)
+                n, bh, bw = _window(first + j, count_h32, count_w32, magic_h, magic_w)
+                h0 = int32(int32(offset_h) + bh * int32(stride_h))
+                r_begin = int32(max(0, -h0))  # the window's rows on the image
+                r_end = int32(min(size_h32, height32 - h0))
+                w = int32(int32(offset_w) + bw * int32(stride_w) + c * VECTOR)
                 acc = empty
-                if 0 <= w < width:  # (a vector's first column and width are multiples of VECTOR)
+                if 0 <= w < width32:  # (a vector's first column and width are multiples of VECTOR)
                     # Only the window's rows on the image, r_begin <= r < r_end, are read: the
                     # others would give `empty`. This thread's first is the first of its phase.
                     r = phase
                     if r < r_begin:  # (only windows over the top edge)
                         r += int32(uint32(r_begin - phase + phases - 1) // uint32(phases)) * phases
+                    top = (int64(n) * height + h0) * width + w  # (row 0 may be off the image)
                     while r + (LOADS - 1) * phases < r_end:  # LOADS loads in flight, none tested
+                        at = top + r * width
                         if LOADS == 16:
-                            acc = pool(acc, pool(pool(four_rows(mask, n, h0 + r, w, phases),
-                                                      four_rows(mask, n, h0 + r + 4 * phases, w, phases)),
-                                                 pool(four_rows(mask, n, h0 + r + 8 * phases, w, phases),
-                                                      four_rows(mask, n, h0 + r + 12 * phases, w, phases))))
+                            acc = pool(acc, pool(pool(four_rows(mask, at, step), four_rows(mask, at + 4 * step, step)),
+                                                 pool(four_rows(mask, at + 8 * step, step),
+                                                      four_rows(mask, at + 12 * step, step))))
                         elif LOADS == 8:
-                            acc = pool(acc, pool(four_rows(mask, n, h0 + r, w, phases),
-                                                 four_rows(mask, n, h0 + r + 4 * phases, w, phases)))
+                            acc = pool(acc, pool(four_rows(mask, at, step), four_rows(mask, at + 4 * step, step)))
                         else:
-                            acc = pool(acc, four_rows(mask, n, h0 + r, w, phases))
+                            acc = pool(acc, four_rows(mask, at, step))
                         r += LOADS * phases
                     while r < r_end:  # the rest, four loads at a time
-                        acc = pool(acc, last_rows(mask, n, h0, w, r, phases, r_end, empty))
+                        acc = pool(acc, last_rows(mask, top, width, r, phases, r_end, empty))
                         r += 4 * phases
                 values[j * (entries + 1) + phase * units + c] = acc
                 q += lanes
@@ -668,7 +688,7 @@ def _make_pass_kernel(avgpool, wide, vector, look_back, stride):
             window = first + tid
             if (ballot >> lane) & 1:
                 row = exclusive + before
-                n, bh, bw = _window(window, count_h, count_w)
+                n, bh, bw = _window(window, count_h32, count_w32, magic_h, magic_w)
                 indices[row, 0] = n
                 indices[row, 1] = bh
                 indices[row, 2] = bw
@@ -1453,6 +1473,21 @@ def _pass_chunks(size, total, vector=1):
     return per_chunk, lanes, PASS_THREADS // lanes
 
 
+def _fits_32_bits(H, W, count_hw, size, stride, offset):
+    """Whether every row and column version 2 computes (image extents, window starts and ends,
+    in 32 bits) stays below MAX_PASS_EXTENT in magnitude; else version 1 (64-bit) runs."""
+    reach = [abs(o) + max(c - 1, 0) * abs(t) + z for c, t, o, z in zip(count_hw, stride, offset, size)]
+    return max(H, W, *reach) < MAX_PASS_EXTENT
+
+
+def _magic(d):
+    """`_quotient`'s magic number of a divisor 1 <= d < 2^31: m = ceil(2^(31 + l) / d) with
+    2^l >= d (m < 2^32), and the shift 31 + l above it. x * m / 2^(31 + l) exceeds x / d by
+    less than x / 2^(31 + l) < 1 / d for x < 2^31, so its floor is x // d."""
+    bits = (d - 1).bit_length()
+    return (-(-(1 << (31 + bits)) // d)) | ((31 + bits) << 32)
+
+
 def _pass_vector(dtype, mask, width, size, stride, offset):
     """PASS_VECTOR where every window's columns are whole aligned vectors of the mask (`mask`: its
     device array, of `dtype`), else 1."""
@@ -1553,13 +1588,14 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
     indices_native, indices = _int_output(mask_op, (max(total, 1), 3), stream, fill=None if total else -1)
     count_native, count = _int_output(mask_op, (1,), stream, fill=None if total else 0)
     one_pass = (REDUCE_VERSION if version is None else version) == 2 and size[1] <= PASS_COLUMNS \
-        and total <= MAX_PASS_WINDOWS
+        and total <= MAX_PASS_WINDOWS and _fits_32_bits(H, W, count_hw, size, stride, offset)
     if total and one_pass:
         mask_device = mask_op.device(stream)
         vector = _pass_vector(mask_op.dtype, mask_device, W, size, stride, offset)
         if vector > 1 and mask_op.dtype == "bool":
             mask_device = _as_dtype(mask_device, "uint8")  # (a vector of bools would load as bits)
         per_chunk, lanes, phases = _pass_chunks(size, total, vector)
+        mask_device = mask_device.reshape(N * H * W)  # (the kernel indexes it flat)
         n_chunks = -(-total // per_chunk)
         # Zeroed statuses (tags start at 1): kept ones, else from the caller's allocator;
         # status[0] counts launches.
@@ -1572,7 +1608,8 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
         kernel = _pass_kernel(bool(avgpool), bool(avgpool) or mask_op.dtype == "float64", vector, look_back, spread)
         one = (kernel, n_chunks, PASS_THREADS, (
             indices, count, status, mask_device, N, H, W, count_hw[0], count_hw[1], size[0], size[1],
-            stride[0], stride[1], offset[0], offset[1], float(tol), per_chunk, lanes, phases))
+            stride[0], stride[1], offset[0], offset[1], float(tol), per_chunk, lanes, phases,
+            _magic(count_hw[0]), _magic(count_hw[1]), _magic(size[1] // vector), _magic(lanes)))
         launch(one[0], one[1], one[2], stream, one[3])
         _keep_plan("reduce", (mask,), None, settings, tuple(indices_native.shape), [(one, (0, 1, 2, 3))],
                    ("pass", words))
