@@ -45,26 +45,10 @@ for _ in range(5):
     sbnet.reduce_mask(mask, args.window, args.window, tol=0.5)
 torch.cuda.synchronize()
 if args.read:
-    import math
-
-    from numba import cuda, float32, uint64
-
+    from scripts.reduce_mask_variants import make_read_kernel
     from sparseblocks.kernels._launch import launch, stream_of
-    from sparseblocks.kernels._vector import load4
 
-    @cuda.jit
-    def read_kernel(out, data, n4, per_thread):
-        i = cuda.grid(1)
-        step = cuda.gridsize(1)
-        acc = float32(-math.inf)
-        for k in range(per_thread):
-            v = i + k * step
-            if v < n4:
-                a, b, c, d = load4(data, (uint64(4 * v),))
-                acc = max(acc, max(max(a, b), max(c, d)))
-        if acc > 1e30:  # (never: the loads must not be dropped)
-            out[0] = acc
-
+    read_kernel = make_read_kernel()
     flat = mask.reshape(-1)
     out = torch.zeros(2, dtype=torch.float32, device="cuda")
     n4 = flat.numel() // 4

@@ -63,21 +63,15 @@ VARIANTS = {
 TIMING_ONLY = ("v2 no look-back", "v2 rounds no look-back")
 
 
-def floors(torch, mask_t):
-    """Graph µs a call of what any one-kernel reduce_mask costs at least: an empty kernel, a
-    kernel that only reads the mask (16-byte loads, one or four a thread, nothing written), and
-    that read after an 8-byte zero fill (version 2's status fill is one such node)."""
+def make_read_kernel():
+    """read_kernel(out, data, n4, per_thread): reads the float32 `data` in 16-byte loads (n4 of
+    them, `per_thread` a thread, grid-strided) and writes nothing (`out` only if a value passed
+    1e30, never: the loads must not be dropped)."""
     import math
 
     from numba import cuda, float32, uint64
 
-    from benchmarks.common import graph_ms
-    from sparseblocks.kernels._launch import launch, stream_of
     from sparseblocks.kernels._vector import load4
-
-    @cuda.jit
-    def empty_kernel(out):
-        pass
 
     @cuda.jit
     def read_kernel(out, data, n4, per_thread):
@@ -89,9 +83,26 @@ def floors(torch, mask_t):
             if v < n4:
                 a, b, c, d = load4(data, (uint64(4 * v),))
                 acc = max(acc, max(max(a, b), max(c, d)))
-        if acc > 1e30:  # (never: the loads must not be dropped)
+        if acc > 1e30:
             out[0] = acc
 
+    return read_kernel
+
+
+def floors(torch, mask_t):
+    """Graph µs a call of what any one-kernel reduce_mask costs at least: an empty kernel, a
+    kernel that only reads the mask (16-byte loads, one or four a thread, nothing written), and
+    that read after an 8-byte zero fill (version 2's status fill is one such node)."""
+    from numba import cuda
+
+    from benchmarks.common import graph_ms
+    from sparseblocks.kernels._launch import launch, stream_of
+
+    @cuda.jit
+    def empty_kernel(out):
+        pass
+
+    read_kernel = make_read_kernel()
     flat = mask_t.reshape(-1)
     out = torch.zeros(2, dtype=torch.float32, device="cuda")
     n4 = flat.numel() // 4
