@@ -117,7 +117,7 @@ PASS_LANE_ENTRIES = 16
 # multiples of it, the mask's pointer aligned): 4x fewer loads, 4x the bytes a load in flight.
 PASS_VECTOR = 4
 PASS_VECTOR_DTYPES = ("float32", "float16", "uint8", "bool")  # (bool read as its uint8 bytes)
-PASS_MAX_REGISTERS = None  # a cap on the pass kernel's registers (ptxas: 72-80 uncapped, 3 blocks an SM)
+PASS_MAX_REGISTERS = None  # a cap on the pass kernel's registers (ptxas, sm_90: 48-56 uncapped, 32-bit geometry)
 # A chunk's status word (int64): tag (30 bits, the launch's), flag (1 bit: prefix or only the
 # chunk's own aggregate), active count (32 bits). status[0] counts launches: a status is the
 # current launch's when its tag is (that count + 1) mod 2^30, so a status buffer could serve
@@ -500,7 +500,8 @@ def _make_pass_kernel(avgpool, wide, vector, look_back, stride):
     window's thread writes its row: (n, bh, bw) at its row-major rank if active,
     else n = -1 from the back (rows count.. hold those). The last chunk writes the count and
     advances status[0], the launch count the tags come from. Accumulates in float64 with
-    `wide` (sums, float64 masks), else float32 (exact for the max of other masks)."""
+    `wide` (sums, float64 masks), else float32 (exact for the max of other masks). Geometry is
+    32-bit and divisions go by the launcher's magic numbers (`_quotient`); the mask comes flat."""
     acc_type = float64 if wide else float32
     RANKERS = -(-PASS_WINDOWS // WARP)  # warps whose ballots rank a chunk's windows
     assert PASS_WINDOWS <= PASS_THREADS
