@@ -101,8 +101,9 @@ PASS_LOADS = 8  # rows a thread loads before it pools any (4, 8 or 16)
 # Chunks even across the multiprocessors (None: as chosen above): "rounds" keeps the rounds of
 # chunks a multiprocessor runs (chunks / multiprocessors, rounded up) and shrinks the chunks so
 # that every round is full; "one round" takes a chunk a multiprocessor where such chunks fit in
-# PASS_WINDOWS and PASS_COLUMNS, else as "rounds". (138 chunks of 64 windows on 132 multiprocessors
-# give 6 of them two chunks: the pass waits on those.)
+# PASS_WINDOWS and PASS_COLUMNS, else as "rounds". Tried against 138 chunks of 64 windows on 132
+# multiprocessors (6 of them with two): no faster without the look-back, slower with it (more
+# statuses; H100, `results/sbnet_reduce_mask_h100.md`, session 19), so not the default.
 PASS_BALANCE = None
 # Chunks run on across window rows and images: every chunk but the last is full (8 x 400 x 700,
 # windows of 16: 275 chunks of 32, where chunks within a window row were 400 of 32 and 12, more
