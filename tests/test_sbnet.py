@@ -337,6 +337,21 @@ def test_reduce_mask_looks_back_over_spread_statuses(look_back, stride, monkeypa
     _check_fixed_chunks(monkeypatch, 16, 3, (1, 12, 24), 0.2, 31, (5, 60))
 
 
+def test_reduce_mask_trace_stamps_every_chunk_in_order(monkeypatch):
+    """PASS_TRACE (`scripts/reduce_mask_timeline.py`'s timeline) leaves the indices as they were
+    and stamps each chunk's events in order into the spare words of its status line (16 words
+    apart): 24 windows in chunks of 5."""
+    monkeypatch.setattr(sbnet, "PASS_TRACE", True)
+    monkeypatch.setattr(sbnet, "_status_buffers", {})
+    monkeypatch.setattr(sbnet, "_status_spares", {})
+    _check_fixed_chunks(monkeypatch, 16, 5, (2, 8, 6), 0.15, 13, (0, 24))
+    (status,) = sbnet._status_buffers.values()
+    words = status.copy_to_host().reshape(-1, 16)[1:]
+    assert words.shape[0] == 5
+    stamps = words[:, 1:1 + len(sbnet.TRACE_EVENTS)]
+    assert (stamps > 0).all() and (np.diff(stamps, axis=1) >= 0).all()
+
+
 def test_statuses_stay_packed_past_their_spread_limit(monkeypatch):
     """Statuses a line apart only while they fit in STATUS_SPREAD_WORDS."""
     monkeypatch.setattr(sbnet, "PASS_LOOK_BACK", None)

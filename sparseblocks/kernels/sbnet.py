@@ -68,6 +68,7 @@ from ..reference.sbnet import block_count, check_geometry, pair
 from ._half2 import add_half2, atomic_add_half, atomic_add_half2, floats_of_half2
 from ._vector import aligned, load2, load4, load4_words, store2, store4
 from ._launch import capture_of, data_pointer, launch, multiprocessors, replay, stream_handle, stream_of
+from ._clock import globaltimer, smid
 from ._relaxed import load_relaxed
 
 # -- constants -----------------------------------------------------------------
@@ -119,6 +120,11 @@ PASS_LANE_ENTRIES = 16
 PASS_VECTOR = 4
 PASS_VECTOR_DTYPES = ("float32", "float16", "uint8", "bool")  # (bool read as its uint8 bytes)
 PASS_MAX_REGISTERS = None  # a cap on the pass kernel's registers (ptxas, sm_90: 48-56 uncapped, 32-bit geometry)
+# A developer's timeline (`scripts/reduce_mask_timeline.py`): with PASS_TRACE, thread 0 of each
+# chunk stamps %globaltimer into the spare words of its status line (statuses then lie 16 words
+# apart): TRACE_EVENTS in that order, then its multiprocessor (%smid). Off, the kernel is unchanged.
+PASS_TRACE = False
+TRACE_EVENTS = ("start", "pooled", "published", "looked back", "written")
 # A chunk's status word (int64): tag (30 bits, the launch's), flag (1 bit: prefix or only the
 # chunk's own aggregate), active count (32 bits). status[0] counts launches: a status is the
 # current launch's when its tag is (that count + 1) mod 2^30, so a status buffer could serve
@@ -510,6 +516,8 @@ def _make_pass_kernel(avgpool, wide, vector, look_back, stride):
     BLOCK_LOOK_BACK = look_back == "block"
     STRIDE = stride
     VECTOR = vector
+    TRACE = PASS_TRACE
+    assert not TRACE or STRIDE > len(TRACE_EVENTS) + 1
     # Shared entries of a chunk's column values: its windows x (entries a window + 1 of
     # padding), at most max(threads, columns) + windows (phases x columns <= threads).
     SHARED = max(PASS_THREADS, PASS_COLUMNS) + PASS_WINDOWS
@@ -548,6 +556,13 @@ def _make_pass_kernel(avgpool, wide, vector, look_back, stride):
         return pool(pool(v0 if r < r_end else empty, v1 if r + step < r_end else empty),
                     pool(v2 if r + 2 * step < r_end else empty, v3 if r + 3 * step < r_end else empty))
 
+    @cuda.jit(device=True, inline=True)
+    def stamp(status, chunk, event):
+        """PASS_TRACE's stamp of TRACE_EVENTS[event] (len(TRACE_EVENTS): the multiprocessor)."""
+        if TRACE:
+            value = int64(smid()) if event == len(TRACE_EVENTS) else int64(globaltimer())
+            status[uint64(1 + chunk) * uint64(STRIDE) + uint64(1 + event)] = value
+
     @cuda.jit(**({} if PASS_MAX_REGISTERS is None else {"max_registers": PASS_MAX_REGISTERS}))
     def pass_kernel(indices, count, status, mask, n_images, height, width, count_h, count_w,
                     size_h, size_w, stride_h, stride_w, offset_h, offset_w, tol, per_chunk, lanes, phases,
@@ -568,6 +583,8 @@ def _make_pass_kernel(avgpool, wide, vector, look_back, stride):
         counts_s = cuda.shared.array(PASS_WARPS, np.int32)
         exclusive_s = cuda.shared.array(1, np.int64)
         if tid == 0:  # the launch count's read is on its way while the chunk is pooled
+            stamp(status, chunk, 0)
+            stamp(status, chunk, len(TRACE_EVENTS))
             tag_s[0] = (load_relaxed(status, (uint64(0),)) + 1) & STATUS_TAG_MASK
         # Geometry in 32 bits (the launcher's bounds: below 2^30), so that the index arithmetic
         # before the first load is 32-bit (int64 arguments made it 64-bit products: ~140 of the
@@ -618,6 +635,8 @@ def _make_pass_kernel(avgpool, wide, vector, look_back, stride):
                 values[j * (entries + 1) + phase * units + c] = acc
                 q += lanes
         cuda.syncthreads()  # every column's value (and the tag) is in shared memory
+        if tid == 0:
+            stamp(status, chunk, 1)
         # A window's flag: with few entries, lane j of warp 0 pools window j's alone (four loads
         # in flight; the padded pitch puts the lanes' reads in distinct banks), no barrier after;
         # else warps pool whole windows, lanes over the entries, and leave flags in active_s.
@@ -672,11 +691,14 @@ def _make_pass_kernel(avgpool, wide, vector, look_back, stride):
         if tid == 0:  # the chunk's own count out first: successors need not wait for its prefix
             cuda.atomic.exch(status, (1 + chunk) * STRIDE, (tag << STATUS_TAG_SHIFT) | aggregate
                              | (STATUS_PREFIX if chunk == 0 else 0))
+            stamp(status, chunk, 2)
         exclusive = int64(0)
         if BLOCK_LOOK_BACK:
             exclusive = _look_back_block(status, chunk, tag, nearest_s, sums_s, STRIDE)
         elif warp == 0:
             exclusive = _look_back(status, chunk, tag, lane, STRIDE)
+        if tid == 0:
+            stamp(status, chunk, 3)
         if tid == 0 and chunk > 0:
             cuda.atomic.exch(status, (1 + chunk) * STRIDE,
                              (tag << STATUS_TAG_SHIFT) | STATUS_PREFIX | (exclusive + aggregate))
@@ -699,6 +721,8 @@ def _make_pass_kernel(avgpool, wide, vector, look_back, stride):
                 indices[row, 0] = -1
                 indices[row, 1] = -1
                 indices[row, 2] = -1
+        if tid == 0:
+            stamp(status, chunk, 4)
         if tid == 0 and chunk == n_chunks - 1:
             count[0] = exclusive + aggregate
             # Every chunk has published (this look-back saw them all), so every one has read
@@ -1501,9 +1525,10 @@ def _pass_vector(dtype, mask, width, size, stride, offset):
 
 
 def _pass_look_back(n_chunks):
-    """(who looks back, words from one status to the next) for a launch of `n_chunks` chunks."""
+    """(who looks back, words from one status to the next) for a launch of `n_chunks` chunks
+    (16 words under PASS_TRACE, whose stamps take the spare ones)."""
     who = PASS_LOOK_BACK or ("block" if n_chunks >= PASS_BLOCK_LOOK_BACK else "warp")
-    stride = STATUS_STRIDE
+    stride = 16 if PASS_TRACE else STATUS_STRIDE
     if stride is None:
         stride = 16 if who == "block" and (n_chunks + 1) * 16 <= STATUS_SPREAD_WORDS else 1
     return who, stride
@@ -1512,7 +1537,7 @@ def _pass_look_back(n_chunks):
 def _pass_kernel(avgpool, wide, vector, look_back, stride):
     # The settings a kernel is built with are in its key: the launcher reads them at each call.
     key = ("pass", avgpool, wide, vector, look_back, stride, PASS_THREADS, PASS_WINDOWS, PASS_COLUMNS, PASS_LOADS,
-           PASS_MAX_REGISTERS, PASS_LANE_ENTRIES)
+           PASS_MAX_REGISTERS, PASS_LANE_ENTRIES, PASS_TRACE)
     if key not in _kernels:
         _kernels[key] = _make_pass_kernel(avgpool, wide, vector, look_back, stride)
     return _kernels[key]
