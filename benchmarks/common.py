@@ -95,6 +95,24 @@ def baseline_ms(fn, **kwargs):
         return float("nan")
 
 
+def captured(fn, calls=20):
+    """A torch CUDA graph of `calls` calls of ``fn()``, after three on a side stream (compiles,
+    caches streams and buffers where the capture will find them)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
 def graph_ms(fn, calls=20, **kwargs):
     """Device time of one ``fn()``: `calls` calls captured in one torch CUDA graph, replays timed.
 
@@ -104,17 +122,7 @@ def graph_ms(fn, calls=20, **kwargs):
     import torch
 
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up where the capture will run (compiles, caches streams)
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        return time_ms(graph.replay, **kwargs) / calls
+        return time_ms(captured(fn, calls).replay, **kwargs) / calls
     except Exception:  # a capture failure must not stop the benchmark
         traceback.print_exc(file=sys.stderr)
         return float("nan")

@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_sbnet import block_mask  # noqa: E402
-from benchmarks.common import device_name  # noqa: E402
+from benchmarks.common import captured, device_name  # noqa: E402
 
 CALLS = 20  # calls a graph
 MASKS = [(8, 32), (8, 16), (1, 16), (1, 32), (8, 8)]
@@ -39,20 +39,6 @@ def parse_arm(text):
         key, value = item.split("=", 1)
         values[key] = ast.literal_eval(value)
     return name, package, values
-
-
-def capture(torch, fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    return graph
 
 
 def replay_us(torch, graph, replays=5):
@@ -99,13 +85,13 @@ def main():
             k = int(count[0])
             assert k == len(want) and np.array_equal(indices[:k].cpu().numpy(), want), (name, n, window)
             assert (indices[k:] == -1).all(), (name, n, window)
-            graphs[name] = capture(torch, lambda sbnet=sbnet: sbnet.reduce_mask(mask_t, **g))
+            graphs[name] = captured(lambda sbnet=sbnet: sbnet.reduce_mask(mask_t, **g), CALLS)
             for key, value in defaults.items():
                 setattr(sbnet, key, value)
             sbnet._plans.clear()
         source = torch.empty(mask.nbytes // 8, dtype=torch.float32, device="cuda")  # reads + writes = the mask's bytes
         target = torch.empty_like(source)
-        graphs["copy"] = capture(torch, lambda: target.copy_(source))
+        graphs["copy"] = captured(lambda: target.copy_(source), CALLS)
         for graph in graphs.values():
             graph.replay()
         times = {name: [] for name in graphs}

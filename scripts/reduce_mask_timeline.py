@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_sbnet import block_mask  # noqa: E402
-from benchmarks.common import device_name, graph_ms  # noqa: E402
+from benchmarks.common import captured, device_name, graph_ms  # noqa: E402
 
 CALLS = 20  # calls a graph, as graph_ms captures
 
@@ -50,17 +50,8 @@ def timer_step_ns():
 
 def timeline(torch, sbnet, mask_t, g, replays):
     """Per replay, the last call's stamps: an [n_chunks, events + 1] int64 array."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            sbnet.reduce_mask(mask_t, **g)
-    torch.cuda.current_stream().wait_stream(side)
     before = set(sbnet._status_buffers)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            sbnet.reduce_mask(mask_t, **g)
+    graph = captured(lambda: sbnet.reduce_mask(mask_t, **g), CALLS)
     (key,) = [k for k in set(sbnet._status_buffers) - before if isinstance(k[0], tuple)]
     status = sbnet._status_buffers[key]
     events = len(sbnet.TRACE_EVENTS) + 1
