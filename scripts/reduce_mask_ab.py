@@ -8,8 +8,10 @@ its kernels.sbnet settings (Python literals). Differences of 5 % are below the s
 timings taken one after another in separate runs (0.3-0.7 µs on a 5-6 µs call), so here every arm
 (and a device copy of the mask's bytes) is captured once as a CUDA graph of 20 calls, and the
 graphs are replayed in turns, round after round, each round in a rotated order: drift in clocks
-or caches falls on every arm alike. Each arm is checked against the reference first. Prints
-median µs a call over the rounds and each arm's ratio to the first arm and to the copy.
+or caches falls on every arm alike (two copies of one kernel came within 1.4 % of each other;
+the same pair on another machine can differ by up to 5 %: compare within a run). Each arm is
+checked against the reference first. Prints median µs a call over the rounds and each arm's
+ratio to the first arm and to the copy.
 """
 
 import argparse
