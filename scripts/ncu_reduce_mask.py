@@ -9,7 +9,6 @@ reduce_mask, a kernel that only reads the mask (16-byte loads, four a thread: `r
 """
 
 import argparse
-import ast
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_sbnet import block_mask  # noqa: E402
+from scripts.reduce_mask_variants import configure  # noqa: E402
 from sparseblocks.kernels import sbnet  # noqa: E402
 
 parser = argparse.ArgumentParser()
@@ -28,18 +28,7 @@ parser.add_argument("--setting", action="append", default=[])
 parser.add_argument("--read", action="store_true")
 parser.add_argument("--no-look-back", action="store_true", help="every chunk first (timing only: wrong indices)")
 args = parser.parse_args()
-if args.no_look_back:
-    from numba import cuda, int64
-
-    @cuda.jit(device=True, inline=True)
-    def no_look_back(status, chunk, tag, lane, stride):
-        return int64(0)
-
-    sbnet._look_back = no_look_back
-    sbnet.PASS_LOOK_BACK = "warp"  # (the one stubbed)
-for setting in args.setting:
-    name, value = setting.split("=", 1)
-    setattr(sbnet, name, ast.literal_eval(value))
+configure(sbnet, args.setting, args.no_look_back)
 mask = torch.as_tensor(block_mask(np.random.default_rng(0), args.n, 400, 700, args.window, 0.1), device="cuda")
 for _ in range(5):
     sbnet.reduce_mask(mask, args.window, args.window, tol=0.5)

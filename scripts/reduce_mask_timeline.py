@@ -15,7 +15,6 @@ look-backs (wrong indices: timing only).
 """
 
 import argparse
-import ast
 import json
 import statistics
 import sys
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_sbnet import block_mask  # noqa: E402
 from benchmarks.common import captured, device_name, graph_ms  # noqa: E402
+from scripts.reduce_mask_variants import configure  # noqa: E402
 
 CALLS = 20  # calls a graph, as graph_ms captures
 
@@ -101,20 +101,10 @@ def main():
     args = parser.parse_args()
 
     import torch
-    from numba import cuda, int64
 
     from sparseblocks.kernels import sbnet
 
-    for setting in args.setting:
-        name, value = setting.split("=", 1)
-        setattr(sbnet, name, ast.literal_eval(value))
-    if args.no_look_back:
-        @cuda.jit(device=True, inline=True)
-        def no_look_back(status, chunk, tag, lane, stride):
-            return int64(0)
-
-        sbnet._look_back = no_look_back
-        sbnet.PASS_LOOK_BACK = "warp"
+    configure(sbnet, args.setting, args.no_look_back)
     print(f"{device_name()}: %globaltimer steps by {timer_step_ns()} ns", flush=True)
     rng = np.random.default_rng(0)
     rows = []

@@ -12,6 +12,7 @@ its kernels (µs a call). `--variants` picks some of VARIANTS by name.
 """
 
 import argparse
+import ast
 import json
 import sys
 from collections import defaultdict
@@ -89,6 +90,29 @@ def make_read_kernel():
     return read_kernel
 
 
+def make_no_look_back():
+    """A stub for kernels.sbnet's `_look_back`: every chunk first, what the pass costs without
+    waiting on predecessors (timing only: wrong indices)."""
+    from numba import cuda, int64
+
+    @cuda.jit(device=True, inline=True)
+    def no_look_back(status, chunk, tag, lane, stride):
+        return int64(0)
+
+    return no_look_back
+
+
+def configure(sbnet, settings, no_look_back=False):
+    """Set kernels.sbnet's settings from NAME=VALUE strings (Python literals), then, with
+    `no_look_back`, stub the warp's look-back and take it (whatever the settings said)."""
+    for setting in settings:
+        name, value = setting.split("=", 1)
+        setattr(sbnet, name, ast.literal_eval(value))
+    if no_look_back:
+        sbnet._look_back = make_no_look_back()
+        sbnet.PASS_LOOK_BACK = "warp"  # (the one stubbed)
+
+
 def floors(torch, mask_t):
     """Graph µs a call of what any one-kernel reduce_mask costs at least: an empty kernel, a
     kernel that only reads the mask (16-byte loads, one or four a thread, nothing written), and
@@ -163,13 +187,7 @@ def main():
     from sparseblocks.kernels import sbnet
     from sparseblocks.reference import sbnet as reference
 
-    from numba import cuda, int64
-
-    @cuda.jit(device=True, inline=True)
-    def no_look_back(status, chunk, tag, lane, stride):
-        """Every chunk first: what the pass costs without waiting on predecessors."""
-        return int64(0)
-
+    no_look_back = make_no_look_back()
     for name in TIMING_ONLY:
         if name in VARIANTS:
             VARIANTS[name][1]["_look_back"] = no_look_back
