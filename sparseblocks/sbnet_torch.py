@@ -19,7 +19,10 @@
   (`reference.sbnet.calc_block_params_res_block`). In training, gather,
   residual and scatter are one autograd node (`_WindowResidual`: the input's
   gradient is the output's plus the window gradients added atomically into a
-  copy of it; no double backward); without gradients, the kernels alone.
+  copy of it; no double backward) whose backward is written out (a dozen
+  torch calls, no autograd graph of the residual); a subclass that overrides
+  `residual` or `residual_nhwc` gets autograd's backward of its own instead.
+  Without gradients, the kernels alone.
 
 Tensors are NCHW as torch likes them; the kernels want NHWC memory, so pass
 ``channels_last`` tensors (``x.to(memory_format=torch.channels_last)``) to
@@ -131,9 +134,14 @@ class SparseResBlock(torch.nn.Module):
         self.conv3 = torch.nn.Conv2d(bottleneck, channels, 1, bias=False)
         self._geometries = {}
 
+    def weights(self):
+        """The three convolutions' weights, as the residual uses them."""
+        return self.conv1.weight, self.conv2.weight, self.conv3.weight
+
     def residual(self, x):
-        """F(x) on an NCHW stack (VALID 3x3: 2 pixels smaller)."""
-        return self.conv3(torch.relu(self.conv2(torch.relu(self.conv1(x)))))
+        """F(x) on an NCHW stack (VALID 3x3: 2 pixels smaller). The convolutions' weights are
+        used directly (`weights`): module hooks on conv1..conv3 do not run."""
+        return _bottleneck_nchw(x, *self.weights())[0]
 
     def residual_nhwc(self, stack):
         """F on an NHWC stack ``[n, bh, bw, C]`` -> ``[n, bh - 2, bw - 2, C]``: the same weights,
@@ -141,9 +149,7 @@ class SparseResBlock(torch.nn.Module):
         channels_last convolution. Session 18, H100, the block in a CUDA graph, 1 x 400 x 700 x
         256 -> 64: fp32 1.2-1.4x faster than with cuDNN's 1x1 convolutions (forward 0.317 ->
         0.233 ms at 10.7 % active, training step 1.446 -> 1.170), fp16 the same."""
-        h = torch.relu(stack @ self.conv1.weight.flatten(1).t())
-        h = torch.relu(torch.nn.functional.conv2d(h.permute(0, 3, 1, 2), self.conv2.weight))
-        return h.permute(0, 2, 3, 1) @ self.conv3.weight.flatten(1).t()
+        return _bottleneck_nhwc(stack, *self.weights())[0]
 
     def dense(self, x):
         """The same block computed densely (SAME padding): ``x + F(x)``."""
@@ -192,17 +198,19 @@ class SparseResBlock(torch.nn.Module):
             image, data_format, transpose = x.contiguous(), "NCHW", False
         nchw_stack = data_format == "NCHW" or transpose
 
-        def residual(stack):
-            return (self.residual(stack) if nchw_stack else self.residual_nhwc(stack)).contiguous()
-
         windows = _Windows(indices, count, transpose, data_format, (p.bsize, p.bstride, p.boffset),
                            (p.bsize_out, p.bsize_out, 0))
-        params = [w for w in self.parameters() if w.requires_grad] if torch.is_grad_enabled() else []
-        if params or (torch.is_grad_enabled() and image.requires_grad):
+        cls = type(self)
+        if cls.residual is SparseResBlock.residual and cls.residual_nhwc is SparseResBlock.residual_nhwc:
+            residual, params = _WRITTEN_OUT[nchw_stack], self.weights()
+        else:  # a subclass's own residual: autograd differentiates it
+            residual = _Traced(self.residual if nchw_stack else self.residual_nhwc)
+            params = tuple(self.parameters())
+        if torch.is_grad_enabled() and (image.requires_grad or any(w.requires_grad for w in params)):
             y = _WindowResidual.apply(image, residual, windows, inplace, *params)
         else:
-            stack = windows.gather(image)
-            y = windows.scatter(residual(stack), image, inplace, atomic=False)
+            out = residual.forward(windows.gather(image), params, keep=False)[0]
+            y = windows.scatter(out.contiguous(), image, inplace, atomic=False)
         return y.permute(0, 3, 1, 2) if data_format == "NHWC" else y
 
 
@@ -227,23 +235,131 @@ class _Windows:
         return _written_into(image, out) if inplace else out
 
 
+def _relu_backward(grad, out):
+    """ReLU's gradient from its output (zero where the output is)."""
+    return torch.ops.aten.threshold_backward.default(grad, out, 0)
+
+
+def _conv_backward(grad, x, weight, needs):
+    """(input gradient, weight gradient) of a stride-1, unpadded, bias-free convolution; None for
+    what ``needs`` (two flags) does not ask for."""
+    if not any(needs):
+        return None, None
+    return torch.ops.aten.convolution_backward.default(grad, x, weight, None, [1, 1], [0, 0], [1, 1], False,
+                                                       [0, 0], 1, [*needs, False])[:2]
+
+
+def _bottleneck_nchw(stack, w1, w2, w3):
+    """F on an NCHW stack, and what its backward needs (the stack and both ReLUs' outputs)."""
+    conv2d = torch.nn.functional.conv2d
+    h1 = conv2d(stack, w1).relu_()
+    h2 = conv2d(h1, w2).relu_()
+    return conv2d(h2, w3), (stack, h1, h2)
+
+
+def _bottleneck_nchw_backward(saved, weights, grad_out, needs):
+    """Gradients of (stack, w1, w2, w3) for those ``needs`` asks for (None for the others)."""
+    stack, h1, h2 = saved
+    w1, w2, w3 = weights
+    need_h1 = needs[0] or needs[1]
+    need_h2 = need_h1 or needs[2]
+    grad_h2, grad_w3 = _conv_backward(grad_out, h2, w3, (need_h2, needs[3]))
+    grad_h1 = grad_w2 = grad_stack = grad_w1 = None
+    if need_h2:
+        grad_h1, grad_w2 = _conv_backward(_relu_backward(grad_h2, h2), h1, w2, (need_h1, needs[2]))
+    if need_h1:
+        grad_stack, grad_w1 = _conv_backward(_relu_backward(grad_h1, h1), stack, w1, needs[:2])
+    return grad_stack, grad_w1, grad_w2, grad_w3
+
+
+def _bottleneck_nhwc(stack, w1, w2, w3):
+    """F on an NHWC stack (`SparseResBlock.residual_nhwc`), and what its backward needs (the
+    stack and both ReLUs' outputs, NHWC)."""
+    h1 = (stack @ w1.flatten(1).t()).relu_()
+    h2 = torch.nn.functional.conv2d(h1.permute(0, 3, 1, 2), w2).relu_().permute(0, 2, 3, 1)
+    return h2 @ w3.flatten(1).t(), (stack, h1, h2)
+
+
+def _bottleneck_nhwc_backward(saved, weights, grad_out, needs):
+    """`_bottleneck_nchw_backward` for the NHWC stack: the 1x1s' gradients are matrix products
+    over the stack's pixels."""
+    stack, h1, h2 = saved
+    w1, w2, w3 = weights
+    need_h1 = needs[0] or needs[1]
+    need_h2 = need_h1 or needs[2]
+
+    def weight_grad(grad, x, weight):  # sum over the pixels of grad x^T, as the weight is shaped
+        return (grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])).view(weight.shape)
+
+    grad_w3 = weight_grad(grad_out, h2, w3) if needs[3] else None
+    grad_h1 = grad_w2 = grad_stack = grad_w1 = None
+    if need_h2:
+        grad_h2 = _relu_backward(grad_out @ w3.flatten(1), h2)
+        grad_h1, grad_w2 = _conv_backward(grad_h2.permute(0, 3, 1, 2), h1.permute(0, 3, 1, 2), w2,
+                                          (need_h1, needs[2]))
+    if need_h1:
+        grad_h1 = _relu_backward(grad_h1.permute(0, 2, 3, 1), h1)
+        grad_w1 = weight_grad(grad_h1, stack, w1) if needs[1] else None
+        grad_stack = grad_h1 @ w1.flatten(1) if needs[0] else None
+    return grad_stack, grad_w1, grad_w2, grad_w3
+
+
+class _WrittenOut:
+    """The block's own residual with its backward written out: a dozen torch calls, where
+    autograd's would build the residual's graph in the forward and run it through a nested
+    engine call in the backward."""
+
+    def __init__(self, forward, backward):
+        self._forward, self.backward = forward, backward
+
+    def forward(self, stack, weights, keep):
+        return self._forward(stack, *weights)
+
+
+class _Traced:
+    """Any residual (a subclass's), differentiated by autograd: its graph is built in the
+    forward (``keep``) and run in the backward."""
+
+    def __init__(self, residual):
+        self.residual = residual
+
+    def forward(self, stack, params, keep):
+        if not keep:
+            return self.residual(stack), None
+        with torch.enable_grad():
+            out = self.residual(stack.requires_grad_(True))
+        return out.detach(), (stack, out)
+
+    @staticmethod
+    def backward(saved, params, grad_out, needs):
+        stack, out = saved
+        wanted = [t for t, need in zip((stack, *params), needs) if need]
+        found = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
+        return tuple(next(found) if need else None for need in needs)
+
+
+_WRITTEN_OUT = {False: _WrittenOut(_bottleneck_nhwc, _bottleneck_nhwc_backward),
+                True: _WrittenOut(_bottleneck_nchw, _bottleneck_nchw_backward)}  # by NCHW stack
+
+
 class _WindowResidual(torch.autograd.Function):
     """``image + scatter_add(residual(gather(image)))`` in one autograd node.
 
-    The residual's own graph (the convolutions) is built inside the forward and
-    differentiated inside the backward. One node instead of a gather and a
-    scatter: the image's gradient is the output gradient plus the window
-    gradients added into a copy of it (atomically: windows overlap by their
-    halo), not a zeroed image scattered into and then summed with it.
+    One node instead of a gather and a scatter: the image's gradient is the
+    output gradient plus the window gradients added into a copy of it
+    (atomically: windows overlap by their halo), not a zeroed image scattered
+    into and then summed with it. ``residual`` is a `_WrittenOut` or a
+    `_Traced`; the parameters are saved for the backward, so an in-place change
+    to one between forward and backward raises, as in torch's own nodes.
     """
 
     @staticmethod
     def forward(ctx, image, residual, windows, inplace, *params):  # (image first: see _SparseScatter)
         stack = windows.gather(image.detach())
-        with torch.enable_grad():
-            out = residual(stack.requires_grad_(True))
-        y = windows.scatter(out.detach(), image if inplace else image.detach(), inplace, atomic=False)
-        ctx.stack, ctx.out, ctx.windows, ctx.params = stack, out, windows, params
+        out, ctx.saved = residual.forward(stack, params, keep=True)
+        y = windows.scatter(out.contiguous(), image if inplace else image.detach(), inplace, atomic=False)
+        ctx.save_for_backward(*params)
+        ctx.residual, ctx.windows = residual, windows
         if inplace:  # (y is image itself then)
             ctx.mark_dirty(image)
         return y
@@ -253,10 +369,11 @@ class _WindowResidual(torch.autograd.Function):
         windows = ctx.windows
         grad_y = grad_y.contiguous()
         grad_out = windows.gather(grad_y, at=windows.scatter_at)
-        grads = torch.autograd.grad(ctx.out, (ctx.stack, *ctx.params), grad_out, allow_unused=True)
-        ctx.stack = ctx.out = None  # the residual's graph is spent
+        needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[4:])
+        grads = ctx.residual.backward(ctx.saved, ctx.saved_tensors, grad_out, needs)
+        ctx.saved = None  # (the residual's intermediates are spent)
         grad_image = None
-        if ctx.needs_input_grad[0]:
+        if needs[0]:
             grad_image = windows.scatter(grads[0].contiguous(), grad_y.clone(), True, atomic=True,
                                          at=windows.gather_at)
         return (grad_image, None, None, None, *grads[1:])

@@ -130,16 +130,25 @@ def test_sparse_res_block_equals_the_dense_block_on_active_blocks(layout):
         block(x[..., ::2], indices, count, inplace=True)
 
 
-@pytest.mark.parametrize("dtype, inplace", [(torch.float64, False), (torch.float64, True), (torch.float16, False)])
-def test_sparse_res_block_trains_as_the_dense_block_on_active_blocks(dtype, inplace):
-    """The block's gradients (input and weights) equal those of ``where(active, dense(x), x)``,
-    in place too (into an intermediate tensor); its windows overlap by their halo, so the
-    input gradient adds them atomically (fp16 too)."""
-    torch.manual_seed(1)
+class OwnResidual(sbnet_torch.SparseResBlock):
+    """The same residual written anew through the modules, as a researcher changing the block
+    would: the block falls back to autograd's backward of it."""
+
+    def residual(self, x):
+        return self.conv3(torch.relu(self.conv2(torch.relu(self.conv1(x)))))
+
+    def residual_nhwc(self, stack):
+        return self.residual(stack.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+
+
+def three_windows(dtype=torch.float64, channels_last=True):
+    """A 4-channel 9 x 10 input, a block of windows of 6 and the indices of three neighbouring
+    windows (halos overlapping), with the pixels those windows change."""
     block = sbnet_torch.SparseResBlock(channels=4, bottleneck=2, block_size=6).double().to(DEVICE)
-    x = torch.randn(1, 4, 9, 10, dtype=torch.float64, device=DEVICE).to(memory_format=torch.channels_last)
+    x = torch.randn(1, 4, 9, 10, dtype=torch.float64, device=DEVICE)
+    x = x.to(memory_format=torch.channels_last) if channels_last else x
     mask = np.zeros((1, 9, 10), np.float32)
-    mask[0, 2:4, 2:8] = 1  # three neighbouring windows, halos overlapping
+    mask[0, 2:4, 2:8] = 1
     indices, count = block.active_blocks(tensor(mask))
     assert len(indices) >= 2
     p = block.geometry(x.shape)
@@ -147,6 +156,20 @@ def test_sparse_res_block_trains_as_the_dense_block_on_active_blocks(dtype, inpl
                                       np.zeros((1, 9, 10, 1)), p.bsize_out, p.bsize_out, 0)[..., 0] > 0
     active = torch.as_tensor(active, device=DEVICE)[:, None].expand_as(x)
     assert active.any() and not active.all()
+    return block, x, indices, count, active
+
+
+@pytest.mark.parametrize("dtype, inplace, layout", [
+    (torch.float64, False, "NHWC stack"), (torch.float64, True, "NHWC stack"), (torch.float16, False, "NHWC stack"),
+    (torch.float64, False, "NCHW stack"), (torch.float16, True, "NCHW stack"), (torch.float64, True, "NCHW input"),
+    (torch.float64, False, "a subclass's residual"), (torch.float64, True, "a subclass's residual, NCHW stack")])
+def test_sparse_res_block_trains_as_the_dense_block_on_active_blocks(dtype, inplace, layout):
+    """The block's gradients (input and weights) equal those of ``where(active, dense(x), x)``,
+    in place too (into an intermediate tensor), on either stack and from either input layout,
+    through the written-out backward or (a subclass's residual) autograd's; its windows overlap
+    by their halo, so the input gradient adds them atomically (fp16 too)."""
+    torch.manual_seed(1)
+    block, x, indices, count, active = three_windows(channels_last=layout != "NCHW input")
     weights = torch.randn_like(x)
 
     def gradients(model, x, forward):
@@ -156,13 +179,48 @@ def test_sparse_res_block_trains_as_the_dense_block_on_active_blocks(dtype, inpl
         return [x.grad] + [conv.weight.grad for conv in (model.conv1, model.conv2, model.conv3)]
 
     want = gradients(block, x, lambda m, x: torch.where(active, m.dense(x), x))
-    sparse = block if dtype == torch.float64 else sbnet_torch.SparseResBlock(4, 2, block_size=6).to(DEVICE, dtype)
+    kind = OwnResidual if layout.startswith("a subclass") else sbnet_torch.SparseResBlock
+    sparse = kind(4, 2, block_size=6, transpose=layout.endswith("NCHW stack")).to(DEVICE, dtype)
     sparse.load_state_dict(block.state_dict())
     got = gradients(sparse, x.to(dtype), lambda m, x: m(x * 1 if inplace else x, indices, count, inplace=inplace))
     tolerance = {} if dtype == torch.float64 else {"rtol": 2e-2, "atol": 2e-2}
     for name, g, w in zip(("x", "conv1", "conv2", "conv3"), got, want):
         assert g.dtype == dtype, name
         torch.testing.assert_close(g.double(), w, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("kind", [sbnet_torch.SparseResBlock, OwnResidual])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_sparse_res_block_computes_only_the_gradients_asked_for(kind, transpose):
+    """Frozen weights get no gradient and the input's is still right; an input that needs none
+    gets none while the weights get theirs; a weight changed in place between the forward and
+    the backward makes the backward raise, as torch's own nodes do."""
+    torch.manual_seed(3)
+    block, x, indices, count, active = three_windows()
+    sparse = kind(4, 2, block_size=6, transpose=transpose).double().to(DEVICE)
+    sparse.load_state_dict(block.state_dict())
+    x = x.requires_grad_(True)
+    torch.where(active, block.dense(x), x).sum().backward()
+    want = [t.grad.clone() for t in (x, block.conv1.weight, block.conv2.weight, block.conv3.weight)]
+
+    x.grad = None
+    sparse.conv2.weight.requires_grad_(False)
+    sparse(x, indices, count).sum().backward()
+    torch.testing.assert_close(x.grad, want[0])
+    assert sparse.conv2.weight.grad is None
+    torch.testing.assert_close(sparse.conv3.weight.grad, want[3])
+
+    sparse.zero_grad(set_to_none=True)
+    sparse.conv2.weight.requires_grad_(True)
+    sparse(x.detach(), indices, count).sum().backward()
+    for conv, w in zip((sparse.conv1, sparse.conv2, sparse.conv3), want[1:]):
+        torch.testing.assert_close(conv.weight.grad, w)
+
+    y = sparse(x, indices, count)
+    with torch.no_grad():
+        sparse.conv3.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
 
 
 @pytest.mark.gpu

@@ -1,0 +1,124 @@
+"""The sparse ResNet block's eager calls, arm against arm, interleaved in one process (a developer's
+script, GPU).
+
+    python3 scripts/res_block_ab.py --arm NAME=PACKAGE ... [--rounds 7] [--dtypes float16,float32]
+                                    [--fractions 0.05,0.1,0.25,0.5] [--profile] [--out DIR]
+
+An arm is a copy of the package (`sparseblocks`, and say `sparseblocks_prev` made by
+`git archive <commit> | tar -x -C prev && cp -r prev/sparseblocks sparseblocks_prev`). The
+benchmark's shape (1 x 256 x 400 x 700 -> 64, windows of 16, channels_last), per dtype and active
+fraction: each arm's training step (forward and backward, not in place) is checked against the
+dense block's masked gradients, then every arm and the dense block are timed in turns, round after
+round in rotated order: an eager step as the benchmark times it (CUDA events around one call,
+median) and the host's time alone (`profile_host.host_us`), and the in-place forward both ways.
+Eager calls of this block are host-bound and the host's speed drifts; compare within a run.
+``--profile``: cProfile's top functions of each arm's fp16 training step at 10 %.
+"""
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmarks.common import device_name, time_ms  # noqa: E402
+from profile_host import host_us, top_functions  # noqa: E402
+
+
+def windows_of(block, fraction, seed=1):
+    """A mask with one pixel at the centre of `fraction` of the windows, as the benchmark makes."""
+    p = block.geometry((1, 256, 400, 700))
+    chosen = np.argwhere(np.random.default_rng(seed).random(p.bcount) < fraction)
+    mask = np.zeros((1, 400, 700), np.float32)
+    mask[0, p.boffset[0] + chosen[:, 0] * p.bstride[0] + p.bsize[0] // 2,
+         p.boffset[1] + chosen[:, 1] * p.bstride[1] + p.bsize[1] // 2] = 1
+    return mask
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--arm", action="append", required=True)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--dtypes", default="float16,float32")
+    parser.add_argument("--fractions", default="0.05,0.1,0.25,0.5")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    arms = [(name, importlib.import_module(package + ".sbnet_torch"))
+            for name, package in (a.split("=", 1) for a in args.arm)]
+    rows = []
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        torch.manual_seed(0)
+        blocks = {}
+        for name, module in arms:
+            blocks[name] = module.SparseResBlock(256, 64, block_size=16).to("cuda", dtype).to(
+                memory_format=torch.channels_last)
+            blocks[name].load_state_dict(blocks[arms[0][0]].state_dict())
+        dense = blocks[arms[0][0]]
+        x = torch.randn(1, 256, 400, 700, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
+        xg = x.detach().clone().requires_grad_(True)
+        grad_y = torch.randn_like(x)
+
+        def step(block, forward):
+            xg.grad = None
+            block.zero_grad(set_to_none=True)
+            forward(xg).backward(grad_y)
+
+        for fraction in (float(f) for f in args.fractions.split(",")):
+            mask = torch.as_tensor(windows_of(dense, fraction), device="cuda")
+            indices, count = dense.active_blocks(mask, tol=0.5)
+            with torch.no_grad():
+                active = (dense(x, indices, count) != x).any(dim=1, keepdim=True)
+            step(dense, lambda x: torch.where(active, dense.dense(x), x))
+            want = [xg.grad.clone()] + [c.weight.grad.clone() for c in (dense.conv1, dense.conv2, dense.conv3)]
+            calls = {"dense training": lambda: step(dense, dense.dense),
+                     "dense forward": lambda: dense.dense(x)}
+            work = x.clone()
+            for name, _ in arms:
+                block = blocks[name]
+                step(block, lambda x, block=block: block(x, indices, count))
+                got = [xg.grad] + [c.weight.grad for c in (block.conv1, block.conv2, block.conv3)]
+                for g, w in zip(got, want):
+                    error = ((g - w).abs().max() / w.abs().max()).item()
+                    assert error < 2e-2, f"{name}: gradient differs by {error}"
+                calls[f"{name} training"] = lambda block=block: step(block, lambda x: block(x, indices, count))
+                calls[f"{name} forward"] = lambda block=block: block(work, indices, count, inplace=True)
+            eager = {key: [] for key in calls}
+            host = {key: [] for key in calls}
+            keys = list(calls)
+            for r in range(args.rounds):
+                for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+                    with torch.set_grad_enabled(key.endswith("training")):
+                        eager[key].append(time_ms(calls[key], warmup=3, repeat=15))
+                        host[key].append(host_us(torch, calls[key], calls=20) / 1e3)
+            for key in keys:
+                rows.append({"dtype": dtype_name, "active": fraction, "windows": len(indices), "call": key,
+                             "eager_ms": statistics.median(eager[key]), "host_ms": statistics.median(host[key])})
+                r = rows[-1]
+                base = statistics.median(eager["dense " + key.split()[-1]])
+                print(f"{dtype_name} {fraction:5.2f} {key:24s} eager {r['eager_ms']:.3f} ms host "
+                      f"{r['host_ms']:.3f} ms  dense/this {base / r['eager_ms']:.2f}x", flush=True)
+            if args.profile and dtype_name == "float16" and abs(fraction - 0.1) < 1e-9:
+                for name, _ in arms:
+                    print(f"==== cProfile: {name} training step, fp16, 10 %")
+                    print(top_functions(torch, calls[f"{name} training"], calls=50, rows=30))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "res_block_ab.json").write_text(json.dumps({"device": device_name(), "rows": rows},
+                                                                     indent=1))
+
+
+if __name__ == "__main__":
+    main()
