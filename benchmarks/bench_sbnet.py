@@ -130,6 +130,18 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
                         stack="NCHW" if transpose else "NHWC", timing=timing, step="forward"),
                         ours[timing], {"dense_block": dense[timing]}))
             block.transpose = False
+            # Eager calls replaying a CUDA graph of the residual per capacity of windows
+            # (graphs=True; in a caller's graph the block launches its kernels, as timed above).
+            block.graphs = True
+            error = ((block(x, indices, count) - want).abs() * changed[:, None]).max().item()
+            assert error < (1e-2 if dtype_name == "float16" else 1e-4), f"graphed sparse block differs: {error}"
+            work = x.clone()
+            records.append(Record("sparse_res_block", dict(
+                shape, dtype=dtype_name, active=active_fraction(len(chosen)), stack="NHWC", timing="eager",
+                step="forward", graphs=True), time_ms(lambda: block(work, indices, count, inplace=True)),
+                {"dense_block": dense["eager"]}))
+            block.graphs = False
+            block.release_graphs()
             active = (block(x, indices, count) != x).any(dim=1, keepdim=True)  # the pixels it changes
             training.append((len(chosen), indices, count, active))
     # Training steps (forward and backward, NHWC stack, both ways: a graph captures the backward

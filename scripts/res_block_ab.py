@@ -86,7 +86,7 @@ def main():
             calls = {"dense training": lambda: step(dense, dense.dense),
                      "dense forward": lambda: dense.dense(x)}
             work = x.clone()
-            for name, _ in arms:
+            for name, module in arms:
                 block = blocks[name]
                 step(block, lambda x, block=block: block(x, indices, count))
                 got = [xg.grad] + [c.weight.grad for c in (block.conv1, block.conv2, block.conv3)]
@@ -95,6 +95,11 @@ def main():
                     assert error < 2e-2, f"{name}: gradient differs by {error}"
                 calls[f"{name} training"] = lambda block=block: step(block, lambda x: block(x, indices, count))
                 calls[f"{name} forward"] = lambda block=block: block(work, indices, count, inplace=True)
+                if hasattr(block, "release_graphs"):  # (graphs=True: a CUDA graph of the residual)
+                    graphed = module.SparseResBlock(256, 64, block_size=16, graphs=True).to("cuda", dtype).to(
+                        memory_format=torch.channels_last)
+                    graphed.load_state_dict(block.state_dict())
+                    calls[f"{name} forward graphs"] = lambda g=graphed: g(work, indices, count, inplace=True)
             eager = {key: [] for key in calls}
             host = {key: [] for key in calls}
             keys = list(calls)
@@ -107,7 +112,7 @@ def main():
                 rows.append({"dtype": dtype_name, "active": fraction, "windows": len(indices), "call": key,
                              "eager_ms": statistics.median(eager[key]), "host_ms": statistics.median(host[key])})
                 r = rows[-1]
-                base = statistics.median(eager["dense " + key.split()[-1]])
+                base = statistics.median(eager["dense " + ("training" if "training" in key else "forward")])
                 print(f"{dtype_name} {fraction:5.2f} {key:24s} eager {r['eager_ms']:.3f} ms host "
                       f"{r['host_ms']:.3f} ms  dense/this {base / r['eager_ms']:.2f}x", flush=True)
             if args.profile and dtype_name == "float16" and abs(fraction - 0.1) < 1e-9:

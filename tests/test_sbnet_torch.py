@@ -223,6 +223,63 @@ def test_sparse_res_block_computes_only_the_gradients_asked_for(kind, transpose)
         y.sum().backward()
 
 
+@pytest.mark.parametrize("transpose", [False, True])
+def test_sparse_res_block_graphs_give_the_eager_output(transpose):
+    """``graphs=True`` (on a GPU; elsewhere the kernels run as without): window counts within
+    one capacity and across it (new graphs, a buffer grown and its graphs captured anew, then a
+    count below those of earlier calls, whose rows linger in the buffer), in place, a weight
+    changed in place (the graphs read it), a weight replaced (graphs anew, the old dropped), a
+    deep copy, and inside a caller's CUDA graph capture (the block launches its kernels)."""
+    import copy
+
+    torch.manual_seed(5)
+    eager = sbnet_torch.SparseResBlock(8, 4, block_size=6, transpose=transpose).to(DEVICE, torch.float64)
+    graphed = sbnet_torch.SparseResBlock(8, 4, block_size=6, transpose=transpose, graphs=True)
+    graphed = graphed.to(DEVICE, torch.float64)
+    graphed.load_state_dict(eager.state_dict())
+    x = torch.randn(2, 8, 20, 22, dtype=torch.float64, device=DEVICE).to(memory_format=torch.channels_last)
+    bcount = eager.geometry(x.shape).bcount
+    every = tensor(np.argwhere(np.ones((2, *bcount))).astype(np.int32))  # every window, row-major
+    assert len(every) >= 60
+    rng = np.random.default_rng(5)
+
+    def compare(n, inplace=False, model=graphed):
+        chosen = tensor(np.sort(rng.choice(len(every), n, replace=False)))
+        indices = every[chosen.long()].contiguous()
+        with torch.no_grad():
+            want = eager(x, indices)
+            got = model(x.clone() if inplace else x, indices, inplace=inplace)
+        torch.testing.assert_close(got, want)
+
+    compare(7, inplace=True)
+    compare(6, model=copy.deepcopy(graphed))
+    if SIMULATOR:
+        return  # (no graphs there: the rest is the GPU's)
+    for n in (3, 5, 9, 20, 60, 2):
+        compare(n)
+    assert {len(v[0]) for v in graphed._graphs._sets.values()} == {64}  # 8 -> 16 -> 32 -> 64 rows
+    with torch.no_grad():
+        for block in (eager, graphed):
+            block.conv2.weight.mul_(0.5)
+    compare(4)
+    graphed.conv1.weight = torch.nn.Parameter(graphed.conv1.weight.detach().clone())
+    compare(4)
+    assert len(graphed._graphs._sets) == 1 and len(next(iter(graphed._graphs._sets.values()))[1]) == 1
+    indices = every[:12].contiguous()
+    with torch.no_grad():
+        want = eager(x, indices)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            graphed(x, indices)  # (warm: kept launch plans and streams, outside the capture)
+        torch.cuda.current_stream().wait_stream(side)
+        caller = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(caller):
+            got = graphed(x, indices)
+    caller.replay()
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -62,7 +62,7 @@ import numpy as np
 from numba import cuda, float32, float64, from_dtype, int32, int64, uint32, uint64
 
 from .. import _arrays as _arrays_module
-from .._arrays import Operand, check_dtype, check_same_kind, launch_stream
+from .._arrays import Operand, check_dtype, check_same_kind, check_shape, launch_stream
 from .._backend import SIMULATOR
 from ..reference.sbnet import block_count, check_geometry, pair
 from ._half2 import add_half2, atomic_add_half, atomic_add_half2, floats_of_half2
@@ -1397,14 +1397,19 @@ def _kept(call, tensors, count, settings):
     return plan
 
 
-def _replayed(call, tensors, count, settings, inplace=False):
-    """The call through its kept plan: a gather into a new tensor, a scatter into y itself
-    (``inplace``) or into a copy of it; None where no plan fits (the general path runs)."""
+def _replayed(call, tensors, count, settings, inplace=False, out=None):
+    """The call through its kept plan: a gather into a new tensor (or ``out``), a scatter into y
+    itself (``inplace``) or into a copy of it; None where no plan fits (the general path runs
+    and checks)."""
     plan = _kept(call, tensors, count, settings)
     if plan is None:
         return None
     if call == "gather":
-        out = tensors[0].new_empty(plan.out_shape)
+        if out is None:
+            out = tensors[0].new_empty(plan.out_shape)
+        elif not (isinstance(out, _tensor_class) and out.shape == plan.out_shape and out.dtype == tensors[0].dtype
+                  and out.device == tensors[0].device and out.is_contiguous()):
+            return None
         image, blocks = tensors[0], out
     else:
         out = tensors[2] if inplace else tensors[2].clone()
@@ -1749,17 +1754,20 @@ def _block_shape(n_blocks, size, channels, channels_last, transpose):
     return (n_blocks, *size, channels) if channels_last != transpose else (n_blocks, channels, *size)
 
 
-def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=None, data_format="NHWC"):
+def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=None, data_format="NHWC",
+                  out=None):
     """Windows of ``x`` as a block stack in x's layout (``transpose``: in the other one).
 
     NHWC ``x`` gives ``[n_blocks, bh, bw, C]`` (``transpose``: ``[n_blocks, C, bh, bw]``);
-    NCHW ``x`` the reverse.
+    NCHW ``x`` the reverse. ``out``: a C-contiguous device array of that shape and x's dtype
+    to write into (rows from the count on are left as they are), returned; as with bsmm's
+    ``out=``, under the simulator a torch ``out`` comes back as a new tensor.
     """
     settings = (bsize, bstride, boffset, bool(transpose), data_format)
     if _plans:
-        out = _replayed("gather", (x, indices), count, settings)
-        if out is not None:
-            return out
+        blocks = _replayed("gather", (x, indices), count, settings, out=out)
+        if blocks is not None:
+            return blocks
     channels_last = _check_format(data_format)
     x_op = Operand(x, "x")
     if len(x_op.shape) != 4:
@@ -1767,16 +1775,35 @@ def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=
     check_dtype(x_op, DATA_DTYPES)
     x_op.require_contiguous()
     geometry = check_geometry(bsize, bstride, boffset)
-    stream = launch_stream((x_op,))
+    out_op = None if out is None else Operand(out, "out")
+    stream = launch_stream((x_op,) if out is None else (x_op, out_op))
     idx, count_device, n_blocks = _prepare_indices(indices, count, (x_op,), stream)
     C = x_op.shape[3 if channels_last else 1]
-    native, blocks = x_op.empty(_block_shape(n_blocks, geometry[0], C, channels_last, transpose), stream)
+    shape = _block_shape(n_blocks, geometry[0], C, channels_last, transpose)
+    if out is None:
+        native, blocks = x_op.empty(shape, stream)
+    else:
+        _check_out(out_op, x_op, shape)
+        native, blocks = out_op.native, out_op.device(stream)
     if n_blocks and C:
         launched = _launch_copy(False, x_op.device(stream), blocks, idx.device(stream), count_device, n_blocks,
                                 geometry, transpose, False, False, channels_last, stream)
-        _keep_plan("gather", (x, indices), count, settings, tuple(native.shape), [(launched, (0, 1, 2, 3))],
+        _keep_plan("gather", (x, indices), count, settings, tuple(shape), [(launched, (0, 1, 2, 3))],
                    data_pointer(count_device))
-    return x_op.result(native, blocks, stream)
+    if out is not None and not (SIMULATOR and out_op.kind == "torch"):
+        return out  # the caller's own array (an Operand holds a detached torch view of it)
+    return (x_op if out is None else out_op).result(native, blocks, stream)
+
+
+def _check_out(out_op, like, shape):
+    """A gather's ``out``: a device array of the stack's shape, the input's dtype, C-contiguous."""
+    if out_op.kind == "numpy":
+        raise TypeError("out: expected a device array (a NumPy out= would be a copy)")
+    check_same_kind((like, out_op))
+    if out_op.dtype != like.dtype:
+        raise TypeError(f"out: expected {like.dtype} (x's dtype), got {out_op.dtype}")
+    check_shape(out_op, shape)
+    out_op.require_contiguous()
 
 
 def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, atomic=False,

@@ -125,12 +125,23 @@ def _inside(indices, image_shape, bsize, bstride, boffset):
             yield i, n, (slice(hb, he), slice(wb, we)), (slice(bhb, bhe), slice(bwb, bwe))
 
 
-def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=None, data_format="NHWC"):
+def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=None, data_format="NHWC",
+                  out=None):
     """Windows of ``x`` as a block stack in x's layout (``transpose``: the other one).
 
     NHWC ``x`` gives ``[n_blocks, bh, bw, C]`` (``transpose``: ``[n_blocks, C, bh, bw]``),
-    NCHW ``x`` the reverse. ``count`` keeps only the first ``count`` indices.
+    NCHW ``x`` the reverse. ``count`` keeps only the first ``count`` indices. ``out``: an
+    array of the full stack's shape (one row an index, the count or not) and x's dtype,
+    written from its first row to the count (the rest left as they are), and returned.
     """
+    if out is not None:
+        n = len(np.asarray(indices))
+        blocks = sparse_gather(x, indices, bsize, bstride, boffset, transpose, count, data_format)
+        if out.dtype != blocks.dtype or out.shape != (n, *blocks.shape[1:]):
+            raise ValueError(f"out: expected {blocks.dtype} of shape {(n, *blocks.shape[1:])}, "
+                             f"got {out.dtype} {out.shape}")
+        out[:len(blocks)] = blocks
+        return out
     x = np.asarray(x)
     if x.ndim != 4:
         raise ValueError(f"x: expected {data_format}, got {x.ndim} dimensions")
