@@ -128,9 +128,11 @@ class SparseResBlock(torch.nn.Module):
     then launches a gather, a graph and a scatter where it would launch each
     convolution, matrix product and ReLU. Each capacity's first call captures
     its graph (milliseconds; the memory of a stack of that capacity stays
-    held until `release_graphs`). Not under autocast, not inside another
-    capture (the caller's graph holds the block's work then), not for a
-    subclass's own residual.
+    held until `release_graphs`). Not inside another capture (the caller's
+    graph holds the block's work then), not for a subclass's own residual.
+
+    Under autocast the block runs in its input's dtype (autocast off inside
+    it): the kernels add the residual into an image of its own dtype.
     """
 
     KERNELS = (1, 3, 1)
@@ -205,6 +207,11 @@ class SparseResBlock(torch.nn.Module):
         no copy of the whole input, which at low active fractions would cost
         more than the blocks. ``x`` is returned then.
         """
+        if torch.is_autocast_enabled(x.device.type):
+            # The block runs in x's dtype: the kernels add blocks of one dtype into an image of
+            # the same, and autocast would give the residual another.
+            with torch.autocast(x.device.type, enabled=False):
+                return self.forward(x, indices, count, inplace)
         p = self.geometry(x.shape)
         if x.is_contiguous(memory_format=torch.channels_last):
             image, data_format, transpose = x.permute(0, 2, 3, 1), "NHWC", self.transpose
@@ -225,7 +232,7 @@ class SparseResBlock(torch.nn.Module):
         if torch.is_grad_enabled() and (image.requires_grad or any(w.requires_grad for w in params)):
             y = _WindowResidual.apply(image, residual, windows, inplace, *params)
         elif (self.graphs and image.is_cuda and isinstance(residual, _WrittenOut) and len(indices)
-              and not torch.is_autocast_enabled() and not torch.cuda.is_current_stream_capturing()):
+              and not torch.cuda.is_current_stream_capturing()):
             stack_shape = (image.shape[-1 if data_format == "NHWC" else 1], *p.bsize)
             stack_shape = stack_shape if nchw_stack else (*stack_shape[1:], stack_shape[0])
             y = self._graphs.run(residual, params, windows, image, inplace, stack_shape)

@@ -280,6 +280,32 @@ def test_sparse_res_block_graphs_give_the_eager_output(transpose):
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_sparse_res_block_under_autocast_runs_in_its_input_dtype(graphs):
+    """Under autocast (fp16 on a GPU, bf16 on the CPU) the block computes in its input's dtype,
+    forward and backward, with the results it gives without autocast."""
+    torch.manual_seed(6)
+    block, x, indices, count, active = three_windows()
+    block = block.float()
+    block.graphs = graphs
+    x = x.float().requires_grad_(True)
+    want = block(x, indices, count)
+    want.sum().backward()
+    want_grads = [t.grad.clone() for t in (x, block.conv1.weight)]
+    x.grad = None
+    block.zero_grad(set_to_none=True)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16 if DEVICE == "cpu" else torch.float16):
+        got = block(x, indices, count)
+        with torch.no_grad():
+            inference = block(x, indices, count)
+    got.sum().backward()
+    assert got.dtype == inference.dtype == torch.float32
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(inference, want.detach())
+    for g, w in zip((x.grad, block.conv1.weight.grad), want_grads):
+        torch.testing.assert_close(g, w)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
