@@ -100,12 +100,19 @@ def main():
                         memory_format=torch.channels_last)
                     graphed.load_state_dict(block.state_dict())
                     calls[f"{name} forward graphs"] = lambda g=graphed: g(work, indices, count, inplace=True)
+                    if hasattr(module, "_Lease"):  # (graphs for training calls too)
+                        step(graphed, lambda x, g=graphed: g(x, indices, count))
+                        got = [xg.grad] + [c.weight.grad for c in (graphed.conv1, graphed.conv2, graphed.conv3)]
+                        for g, w in zip(got, want):
+                            error = ((g - w).abs().max() / w.abs().max()).item()
+                            assert error < 2e-2, f"{name} with graphs: gradient differs by {error}"
+                        calls[f"{name} training graphs"] = lambda g=graphed: step(g, lambda x: g(x, indices, count))
             eager = {key: [] for key in calls}
             host = {key: [] for key in calls}
             keys = list(calls)
             for r in range(args.rounds):
                 for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-                    with torch.set_grad_enabled(key.endswith("training")):
+                    with torch.set_grad_enabled("training" in key):
                         eager[key].append(time_ms(calls[key], warmup=3, repeat=15))
                         host[key].append(host_us(torch, calls[key], calls=20) / 1e3)
             for key in keys:

@@ -229,16 +229,18 @@ class SparseResBlock(torch.nn.Module):
         else:  # a subclass's own residual: autograd differentiates it
             residual = _Traced(self.residual if nchw_stack else self.residual_nhwc)
             params = tuple(self.parameters())
-        if torch.is_grad_enabled() and (image.requires_grad or any(w.requires_grad for w in params)):
-            y = _WindowResidual.apply(image, residual, windows, inplace, *params)
-        elif (self.graphs and image.is_cuda and isinstance(residual, _WrittenOut) and len(indices)
-              and not torch.cuda.is_current_stream_capturing()):
+        graphs = None
+        if (self.graphs and image.is_cuda and isinstance(residual, _WrittenOut) and len(indices)
+                and not torch.cuda.is_current_stream_capturing()):
             stack_shape = (image.shape[-1 if data_format == "NHWC" else 1], *p.bsize)
-            stack_shape = stack_shape if nchw_stack else (*stack_shape[1:], stack_shape[0])
-            y = self._graphs.run(residual, params, windows, image, inplace, stack_shape)
+            graphs = self._graphs, stack_shape if nchw_stack else (*stack_shape[1:], stack_shape[0])
+        if torch.is_grad_enabled() and (image.requires_grad or any(w.requires_grad for w in params)):
+            y = _WindowResidual.apply(image, residual, windows, inplace, graphs, *params)
         else:
-            out = residual.forward(windows.gather(image), params, keep=False)[0]
-            y = windows.scatter(out.contiguous(), image, inplace, atomic=False)
+            y = None if graphs is None else graphs[0].run(residual, params, windows, image, inplace, graphs[1])
+            if y is None:
+                out = residual.forward(windows.gather(image), params, keep=False)[0]
+                y = windows.scatter(out.contiguous(), image, inplace, atomic=False)
         return y.permute(0, 3, 1, 2) if data_format == "NHWC" else y
 
 
@@ -277,15 +279,35 @@ def _conv_backward(grad, x, weight, needs):
                                                        [0, 0], 1, [*needs, False])[:2]
 
 
-def _bottleneck_nchw(stack, w1, w2, w3):
+def _relu(x, into=None):
+    """ReLU in place, or into ``into`` (a graph's buffer) when given."""
+    return x.relu_() if into is None else torch.clamp_min(x, 0, out=into)
+
+
+def _matmul(x, w, into=None):
+    """``x @ w`` over x's last axis; into ``into`` (x's leading shape) when given."""
+    if into is None:
+        return x @ w
+    torch.mm(x.reshape(-1, x.shape[-1]), w, out=into.view(-1, w.shape[1]))
+    return into
+
+
+# The residual and its backward take ``into``: buffers to write the tensors that outlive a call
+# (the output, the ReLUs' outputs, the stack's gradient) into, as a CUDA graph of them must
+# (`_Slot`); None allocates.
+NOWHERE = (None, None, None)
+
+
+def _bottleneck_nchw(stack, w1, w2, w3, into=NOWHERE):
     """F on an NCHW stack, and what its backward needs (the stack and both ReLUs' outputs)."""
     conv2d = torch.nn.functional.conv2d
-    h1 = conv2d(stack, w1).relu_()
-    h2 = conv2d(h1, w2).relu_()
-    return conv2d(h2, w3), (stack, h1, h2)
+    h1 = _relu(conv2d(stack, w1), into[0])
+    h2 = _relu(conv2d(h1, w2), into[1])
+    out = conv2d(h2, w3)
+    return (out if into[2] is None else into[2].copy_(out)), (stack, h1, h2)
 
 
-def _bottleneck_nchw_backward(saved, weights, grad_out, needs):
+def _bottleneck_nchw_backward(saved, weights, grad_out, needs, into=None):
     """Gradients of (stack, w1, w2, w3) for those ``needs`` asks for (None for the others)."""
     stack, h1, h2 = saved
     w1, w2, w3 = weights
@@ -297,18 +319,20 @@ def _bottleneck_nchw_backward(saved, weights, grad_out, needs):
         grad_h1, grad_w2 = _conv_backward(_relu_backward(grad_h2, h2), h1, w2, (need_h1, needs[2]))
     if need_h1:
         grad_stack, grad_w1 = _conv_backward(_relu_backward(grad_h1, h1), stack, w1, needs[:2])
+    if into is not None and grad_stack is not None:
+        grad_stack = into.copy_(grad_stack)
     return grad_stack, grad_w1, grad_w2, grad_w3
 
 
-def _bottleneck_nhwc(stack, w1, w2, w3):
+def _bottleneck_nhwc(stack, w1, w2, w3, into=NOWHERE):
     """F on an NHWC stack (`SparseResBlock.residual_nhwc`), and what its backward needs (the
     stack and both ReLUs' outputs, NHWC)."""
-    h1 = (stack @ w1.flatten(1).t()).relu_()
-    h2 = torch.nn.functional.conv2d(h1.permute(0, 3, 1, 2), w2).relu_().permute(0, 2, 3, 1)
-    return h2 @ w3.flatten(1).t(), (stack, h1, h2)
+    h1 = _matmul(stack, w1.flatten(1).t(), into[0]).relu_()
+    h2 = _relu(torch.nn.functional.conv2d(h1.permute(0, 3, 1, 2), w2).permute(0, 2, 3, 1), into[1])
+    return _matmul(h2, w3.flatten(1).t(), into[2]), (stack, h1, h2)
 
 
-def _bottleneck_nhwc_backward(saved, weights, grad_out, needs):
+def _bottleneck_nhwc_backward(saved, weights, grad_out, needs, into=None):
     """`_bottleneck_nchw_backward` for the NHWC stack: the 1x1s' gradients are matrix products
     over the stack's pixels."""
     stack, h1, h2 = saved
@@ -328,7 +352,7 @@ def _bottleneck_nhwc_backward(saved, weights, grad_out, needs):
     if need_h1:
         grad_h1 = _relu_backward(grad_h1.permute(0, 2, 3, 1), h1)
         grad_w1 = weight_grad(grad_h1, stack, w1) if needs[1] else None
-        grad_stack = grad_h1 @ w1.flatten(1) if needs[0] else None
+        grad_stack = _matmul(grad_h1, w1.flatten(1), into) if needs[0] else None
     return grad_stack, grad_w1, grad_w2, grad_w3
 
 
@@ -338,10 +362,13 @@ class _WrittenOut:
     engine call in the backward."""
 
     def __init__(self, forward, backward):
-        self._forward, self.backward = forward, backward
+        self._forward, self._backward = forward, backward
 
-    def forward(self, stack, weights, keep):
-        return self._forward(stack, *weights)
+    def forward(self, stack, weights, keep=False, into=NOWHERE):
+        return self._forward(stack, *weights, into=into)
+
+    def backward(self, saved, weights, grad_out, needs, into=None):
+        return self._backward(saved, weights, grad_out, needs, into=into)
 
 
 class _Traced:
@@ -362,7 +389,8 @@ class _Traced:
     def backward(saved, params, grad_out, needs):
         stack, out = saved
         wanted = [t for t, need in zip((stack, *params), needs) if need]
-        found = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
+        # (retained: autograd frees `out`, and with it this graph, once the block's node is spent)
+        found = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True, retain_graph=True))
         return tuple(next(found) if need else None for need in needs)
 
 
@@ -381,22 +409,139 @@ def _capacity(n):
     return -(-n // step) * step
 
 
+def _rows_like(t, rows):
+    """Zeros of ``rows`` rows, each shaped and laid out as t's rows are (channels_last kept)."""
+    channels_last = t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+    return torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device,
+                       memory_format=torch.channels_last if channels_last else torch.contiguous_format).zero_()
+
+
+def _captured(fn, pool):
+    """A CUDA graph of ``fn()`` in the memory pool `pool`, and what fn returned in the capture,
+    after one run on a side stream (cuBLAS and cuDNN choose and allocate outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = fn()
+    return graph, outputs
+
+
+class _Slot:
+    """Buffers for `rows` windows and the CUDA graphs of a residual captured on their first rows.
+
+    The stack (the gather writes it), the residual's output (the scatter reads
+    it), both ReLUs' outputs (the backward reads them) and, once a training
+    call has come, the output's and the stack's gradients. Every tensor that
+    outlives a graph's replay lives in these buffers (`into`), so the graphs
+    of all capacities share them, and what the graphs allocate is spent
+    within one replay: all of them share one memory pool (they replay one at
+    a time, in one stream's order). A graph of a capacity runs all its rows:
+    those past a call's count hold an earlier call's windows (see `_Lease`).
+    """
+
+    def __init__(self, residual, weights, image, stack_shape, rows):
+        self.residual, self.weights, self.rows = residual, weights, rows
+        self.stack = image.new_zeros((rows, *stack_shape))
+        out, (_, h1, h2) = residual.forward(self.stack[:2], weights)  # (each row's shape and layout)
+        self.h1, self.h2, self.out = _rows_like(h1, rows), _rows_like(h2, rows), _rows_like(out.contiguous(), rows)
+        self.grad_out = self.grad_stack = None
+        self.pool = torch.cuda.graph_pool_handle()
+        self.forwards, self.backwards = {}, {}
+        self.busy, self.generation = False, 0
+
+    def forward(self, capacity):
+        """The residual's graph on the first `capacity` rows."""
+        graph = self.forwards.get(capacity)
+        if graph is None:
+            c = capacity
+            graph = self.forwards[c] = _captured(lambda: self.residual.forward(
+                self.stack[:c], self.weights, into=(self.h1[:c], self.h2[:c], self.out[:c])), self.pool)[0]
+        return graph
+
+    def backward(self, capacity, needs):
+        """The residual's backward's graph on the first `capacity` rows, for the gradients `needs`
+        asks for, and its outputs (the stack's gradient a view of `grad_stack`)."""
+        found = self.backwards.get((capacity, needs))
+        if found is None:
+            if self.grad_out is None:
+                self.grad_out, self.grad_stack = torch.zeros_like(self.out), torch.zeros_like(self.stack)
+            c = capacity
+            saved = (self.stack[:c], self.h1[:c], self.h2[:c])
+            found = self.backwards[(c, needs)] = _captured(lambda: self.residual.backward(
+                saved, self.weights, self.grad_out[:c], needs, into=self.grad_stack[:c]), self.pool)
+        return found
+
+
+class _Lease:
+    """A slot held for one training call, from its forward to the end of its backward (or until
+    its autograd node is gone, with no backward run).
+
+    Rows past the call's count enter the weights' gradients (sums over every
+    row the graphs run), so they are zeroed in the stack and in the output's
+    gradient: zeros add nothing, where an earlier call's windows would, and an
+    earlier call's overflow (inf) would make NaN of them.
+    """
+
+    def __init__(self, slot, capacity, n, needs):
+        self.slot, self.capacity, self.n, self.needs = slot, capacity, n, needs
+        self.generation = slot.generation
+        slot.forward(capacity)
+        slot.backward(capacity, needs)  # (captured now: not on autograd's thread, mid-backward)
+
+    def forward(self, windows, image):
+        """The residual's output for the windows of `image` (rows of the slot's buffer)."""
+        slot, c, n = self.slot, self.capacity, self.n
+        windows.gather(image, out=slot.stack[:n])
+        if n < c:
+            slot.stack[n:c].zero_()
+        slot.forward(c).replay()
+        return slot.out[:n]
+
+    def backward(self, windows, grad_y):
+        """Gradients of (stack, w1, w2, w3), as `_WrittenOut.backward` gives them."""
+        slot, c, n = self.slot, self.capacity, self.n
+        if slot.generation != self.generation:
+            raise RuntimeError("SparseResBlock(graphs=True): a later call has overwritten what this backward "
+                               "reads (a second backward through one forward needs graphs=False)")
+        windows.gather(grad_y, at=windows.scatter_at, out=slot.grad_out[:n])
+        if n < c:
+            slot.grad_out[n:c].zero_()
+        graph, grads = slot.backward(c, self.needs)
+        graph.replay()
+        self.release()
+        # The weights' gradients are copied: autograd may keep what it is given (as .grad), and
+        # the next replay overwrites the graph's own.
+        return (None if grads[0] is None else grads[0][:n], *(None if g is None else g.clone() for g in grads[1:]))
+
+    def release(self):
+        if self.slot.generation == self.generation:
+            self.slot.busy = False
+
+    __del__ = release
+
+
 class _ResidualGraphs:
-    """CUDA graphs of a block's residual (a `_WrittenOut`) for its calls without gradients.
+    """CUDA graphs of a block's residual (a `_WrittenOut`) and of its backward.
 
     A graph is captured per capacity (`_capacity` of the window count) on the
-    first rows of a stack buffer and replayed for every count up to it: the
-    gather writes the count's windows into the buffer (``sparse_gather(out=)``),
-    the graph runs the residual on all its rows (those past the count hold an
-    earlier call's windows: computed, never scattered; windows do not mix in
-    the residual), the scatter reads the count's rows of the graph's output.
-    One buffer per dtype, device, stack shape, stream and weights (their
-    addresses: the graphs read the weights' memory, so in-place updates are
-    seen; new weight tensors get new graphs and free the old), grown by
-    doubling (its graphs dropped and captured anew). A buffer's graphs share
-    one memory pool: they replay one at a time, in the stream's order, and
-    each one's output is read before the next one runs.
+    first rows of a slot's buffers (`_Slot`) and replayed for every count up
+    to it: the gather writes the count's windows into the slot's stack
+    (``sparse_gather(out=)``), the graph runs the residual on all the
+    capacity's rows, the scatter reads the count's rows of its output. A
+    training call holds its slot until its backward has run (`_Lease`); a
+    call without gradients until its scatter is queued. Slots per dtype,
+    device, stack shape, stream and weights (their addresses: the graphs read
+    the weights' memory, so in-place updates are seen; new weight tensors get
+    new slots and free the old), at most MAX_SLOTS held at once (beyond, calls
+    run without graphs); a slot too small for a count is replaced by one of
+    twice its rows (or the count's capacity), its graphs captured anew.
     """
+
+    MAX_SLOTS = 4
 
     def __init__(self):
         self._sets = {}
@@ -407,36 +552,47 @@ class _ResidualGraphs:
     def __getstate__(self):
         return {"_sets": {}}
 
-    def run(self, residual, weights, windows, image, inplace, stack_shape):
-        n = len(windows.indices)
+    def _acquire(self, residual, weights, image, stack_shape, n):
+        """(a free slot of the key's with room for n windows, marked held, the capacity), or
+        (None, capacity) when MAX_SLOTS are held."""
         capacity = _capacity(n)
         pointers = tuple(w.data_ptr() for w in weights)
         key = (image.dtype, image.device, stack_shape, torch_stream_handle(), residual, pointers)
-        found = self._sets.get(key)
-        if found is None or len(found[0]) < capacity:
-            rows = max(capacity, 2 * len(found[0])) if found is not None else capacity
-            self._sets = {k: v for k, v in self._sets.items() if k[-1] == pointers and k != key}
-            found = self._sets[key] = (image.new_zeros((rows, *stack_shape)), {}, torch.cuda.graph_pool_handle())
-        buffer, graphs, pool = found
-        entry = graphs.get(capacity)
-        if entry is None:
-            entry = graphs[capacity] = self._capture(residual, weights, buffer[:capacity], pool)
-        windows.gather(image, out=buffer[:n])
-        graph, out = entry
-        graph.replay()
-        return windows.scatter(out[:n], image, inplace, atomic=False)
+        slots = self._sets.get(key)
+        if slots is None:  # (held slots of dropped keys live on in their leases)
+            self._sets = {k: v for k, v in self._sets.items() if k[-1] == pointers}
+            slots = self._sets[key] = []
+        slot = next((s for s in slots if not s.busy), None)
+        if slot is None or slot.rows < capacity:
+            if slot is None and len(slots) >= self.MAX_SLOTS:
+                return None, capacity
+            rows = capacity if slot is None else max(capacity, 2 * slot.rows)
+            if slot is not None:
+                slots.remove(slot)
+            slot = _Slot(residual, weights, image, stack_shape, rows)
+            slots.append(slot)
+        slot.busy = True
+        slot.generation += 1
+        return slot, capacity
 
-    @staticmethod
-    def _capture(residual, weights, stack, pool):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # cuBLAS and cuDNN choose and allocate outside the capture
-            residual.forward(stack, weights, keep=False)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = residual.forward(stack, weights, keep=False)[0].contiguous()
-        return graph, out
+    def run(self, residual, weights, windows, image, inplace, stack_shape):
+        """A call without gradients through the graphs, or None (then it runs without)."""
+        n = len(windows.indices)
+        slot, capacity = self._acquire(residual, weights, image, stack_shape, n)
+        if slot is None:
+            return None
+        try:
+            graph = slot.forward(capacity)
+            windows.gather(image, out=slot.stack[:n])
+            graph.replay()
+            return windows.scatter(slot.out[:n], image, inplace, atomic=False)
+        finally:
+            slot.busy = False
+
+    def lease(self, residual, weights, image, stack_shape, n, needs):
+        """A `_Lease` for a training call, or None (then it runs without graphs)."""
+        slot, capacity = self._acquire(residual, weights, image, stack_shape, n)
+        return None if slot is None else _Lease(slot, capacity, n, needs)
 
 
 class _WindowResidual(torch.autograd.Function):
@@ -451,12 +607,21 @@ class _WindowResidual(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, image, residual, windows, inplace, *params):  # (image first: see _SparseScatter)
-        stack = windows.gather(image.detach())
-        out, ctx.saved = residual.forward(stack, params, keep=True)
+    def forward(ctx, image, residual, windows, inplace, graphs, *params):  # (image first: see _SparseScatter)
+        # graphs: (the block's `_ResidualGraphs`, the stack's shape), or None
+        ctx.lease, saved = None, ()
+        if graphs is not None:
+            needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[5:])
+            ctx.lease = graphs[0].lease(residual, params, image, graphs[1], len(windows.indices), needs)
+        if ctx.lease is not None:
+            out = ctx.lease.forward(windows, image.detach())
+        else:
+            out, saved = residual.forward(windows.gather(image.detach()), params, keep=True)
         y = windows.scatter(out.contiguous(), image if inplace else image.detach(), inplace, atomic=False)
-        ctx.save_for_backward(*params)
-        ctx.residual, ctx.windows = residual, windows
+        # The residual's intermediates too: autograd frees them after the backward unless it is
+        # to run again (retain_graph).
+        ctx.save_for_backward(*params, *saved)
+        ctx.residual, ctx.windows, ctx.n_params = residual, windows, len(params)
         if inplace:  # (y is image itself then)
             ctx.mark_dirty(image)
         return y
@@ -465,12 +630,15 @@ class _WindowResidual(torch.autograd.Function):
     def backward(ctx, grad_y):
         windows = ctx.windows
         grad_y = grad_y.contiguous()
-        grad_out = windows.gather(grad_y, at=windows.scatter_at)
-        needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[4:])
-        grads = ctx.residual.backward(ctx.saved, ctx.saved_tensors, grad_out, needs)
-        ctx.saved = None  # (the residual's intermediates are spent)
+        saved = ctx.saved_tensors  # (raises if a weight was changed in place since the forward)
+        needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[5:])
+        if ctx.lease is not None:
+            grads = ctx.lease.backward(windows, grad_y)
+        else:
+            grad_out = windows.gather(grad_y, at=windows.scatter_at)
+            grads = ctx.residual.backward(saved[ctx.n_params:], saved[:ctx.n_params], grad_out, needs)
         grad_image = None
         if needs[0]:
             grad_image = windows.scatter(grads[0].contiguous(), grad_y.clone(), True, atomic=True,
                                          at=windows.gather_at)
-        return (grad_image, None, None, None, *grads[1:])
+        return (grad_image, None, None, None, None, *grads[1:])

@@ -193,8 +193,9 @@ def test_sparse_res_block_trains_as_the_dense_block_on_active_blocks(dtype, inpl
 @pytest.mark.parametrize("transpose", [False, True])
 def test_sparse_res_block_computes_only_the_gradients_asked_for(kind, transpose):
     """Frozen weights get no gradient and the input's is still right; an input that needs none
-    gets none while the weights get theirs; a weight changed in place between the forward and
-    the backward makes the backward raise, as torch's own nodes do."""
+    gets none while the weights get theirs; a second backward through one forward
+    (``retain_graph``) gives the same gradients again; a weight changed in place between the
+    forward and the backward makes the backward raise, as torch's own nodes do."""
     torch.manual_seed(3)
     block, x, indices, count, active = three_windows()
     sparse = kind(4, 2, block_size=6, transpose=transpose).double().to(DEVICE)
@@ -215,6 +216,12 @@ def test_sparse_res_block_computes_only_the_gradients_asked_for(kind, transpose)
     sparse(x.detach(), indices, count).sum().backward()
     for conv, w in zip((sparse.conv1, sparse.conv2, sparse.conv3), want[1:]):
         torch.testing.assert_close(conv.weight.grad, w)
+
+    x.grad = None
+    y = sparse(x, indices, count)
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()  # (a second backward through the same forward adds the same again)
+    torch.testing.assert_close(x.grad, 2 * want[0])
 
     y = sparse(x, indices, count)
     with torch.no_grad():
@@ -257,14 +264,15 @@ def test_sparse_res_block_graphs_give_the_eager_output(transpose):
         return  # (no graphs there: the rest is the GPU's)
     for n in (3, 5, 9, 20, 60, 2):
         compare(n)
-    assert {len(v[0]) for v in graphed._graphs._sets.values()} == {64}  # 8 -> 16 -> 32 -> 64 rows
+    assert [s.rows for v in graphed._graphs._sets.values() for s in v] == [64]  # 8 -> 16 -> 32 -> 64 rows
     with torch.no_grad():
         for block in (eager, graphed):
             block.conv2.weight.mul_(0.5)
     compare(4)
     graphed.conv1.weight = torch.nn.Parameter(graphed.conv1.weight.detach().clone())
     compare(4)
-    assert len(graphed._graphs._sets) == 1 and len(next(iter(graphed._graphs._sets.values()))[1]) == 1
+    (slots,) = graphed._graphs._sets.values()
+    assert len(slots) == 1 and len(slots[0].forwards) == 1
     indices = every[:12].contiguous()
     with torch.no_grad():
         want = eager(x, indices)
@@ -278,6 +286,116 @@ def test_sparse_res_block_graphs_give_the_eager_output(transpose):
             got = graphed(x, indices)
     caller.replay()
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("nchw_stack", [False, True])
+def test_residual_writes_into_buffers_what_it_returns_without(nchw_stack):
+    """The written-out residual and its backward with ``into`` (the buffers a CUDA graph of them
+    writes, `_Slot`) give what they give without, in those buffers (as the block calls them:
+    without autograd)."""
+    torch.manual_seed(7)
+    with torch.no_grad():
+        residual = sbnet_torch._WRITTEN_OUT[nchw_stack]
+        block = sbnet_torch.SparseResBlock(8, 4, block_size=6).double().to(DEVICE)
+        weights = block.weights()
+        stack = torch.randn(3, 8, 6, 6, dtype=torch.float64, device=DEVICE)
+        stack = stack if nchw_stack else stack.permute(0, 2, 3, 1).contiguous()
+        out, saved = residual.forward(stack, weights)
+        into = tuple(torch.full_like(t, float("nan")) for t in (saved[1], saved[2], out.contiguous()))
+        got, got_saved = residual.forward(stack, weights, into=into)
+        assert got is into[2] and got_saved[1] is into[0] and got_saved[2] is into[1]
+        for g, w in zip((got, *got_saved[1:]), (out, *saved[1:])):
+            torch.testing.assert_close(g, w)
+        grad_out = torch.randn_like(out)
+        needs = (True, True, False, True)
+        want = residual.backward(saved, weights, grad_out, needs)
+        into = torch.full_like(stack, float("nan"))
+        got = residual.backward(got_saved, weights, grad_out, needs, into=into)
+        assert got[0] is into and got[2] is None
+        for g, w in zip(got[:2] + got[3:], want[:2] + want[3:]):
+            torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_sparse_res_block_graphs_train_as_without(transpose):
+    """``graphs=True`` training calls (on a GPU: the residual and its backward replayed from
+    CUDA graphs) give the eager gradients: window counts within and across capacities (a slot
+    grown), a count below earlier calls' with NaN left in the slot's buffers past it, in place,
+    frozen weights, weights stepped in place between calls, two forwards before their
+    backwards, and more held than MAX_SLOTS (the rest run without graphs); a second backward
+    through one forward works while its slot is unused and raises once a later call took it."""
+    torch.manual_seed(8)
+    eager = sbnet_torch.SparseResBlock(8, 4, block_size=6, transpose=transpose).to(DEVICE, torch.float64)
+    graphed = sbnet_torch.SparseResBlock(8, 4, block_size=6, transpose=transpose, graphs=True)
+    graphed = graphed.to(DEVICE, torch.float64)
+    graphed.load_state_dict(eager.state_dict())
+    x = torch.randn(2, 8, 20, 22, dtype=torch.float64, device=DEVICE).to(memory_format=torch.channels_last)
+    every = tensor(np.argwhere(np.ones((2, *eager.geometry(x.shape).bcount))).astype(np.int32))
+    rng = np.random.default_rng(8)
+
+    def windows(n):
+        return every[tensor(np.sort(rng.choice(len(every), n, replace=False))).long()].contiguous()
+
+    def forward(model, indices, inplace=False):
+        xg = x.detach().clone().requires_grad_(True)
+        return xg, model(xg * 1 if inplace else xg, indices, inplace=inplace)
+
+    def gradients(model, indices, inplace=False, weights=None):
+        model.zero_grad(set_to_none=True)
+        xg, y = forward(model, indices, inplace)
+        y.backward(weights if weights is not None else torch.ones_like(y))
+        return [xg.grad] + [w.grad for w in model.weights()]
+
+    def compare(n=None, indices=None, **kwargs):
+        indices = windows(n) if indices is None else indices
+        for g, w in zip(gradients(graphed, indices, **kwargs), gradients(eager, indices, **kwargs)):
+            torch.testing.assert_close(g, w)
+
+    compare(3, inplace=True)
+    if SIMULATOR:
+        return  # (no graphs there, and the simulator's kernels are slow: the rest is the GPU's)
+    for n in (5, 20, 60):
+        compare(n)
+    slots = graphed._graphs._sets
+    assert [s.rows for v in slots.values() for s in v] == [64]  # 8 -> 16 (20 windows) -> 64
+    for slot in (s for v in slots.values() for s in v):
+        for buffer in (slot.stack, slot.h1, slot.h2, slot.out, slot.grad_out, slot.grad_stack):
+            buffer.fill_(float("nan"))
+    compare(3)
+    for model in (eager, graphed):
+        model.conv2.weight.requires_grad_(False)
+    compare(9)
+    for model in (eager, graphed):
+        model.conv2.weight.requires_grad_(True)
+        with torch.no_grad():
+            model.conv1.weight.mul_(0.5)  # (an optimizer's step: the graphs read the weights)
+    compare(9)
+
+    # Two forwards, then their backwards in turn; six held at once (MAX_SLOTS 4).
+    for held in (2, 6):
+        sets = [windows(n) for n in rng.integers(2, 30, held)]
+        for model in (eager, graphed):
+            model.zero_grad(set_to_none=True)
+        calls = {m: [forward(m, i) for i in sets] for m in (eager, graphed)}
+        for m in (eager, graphed):
+            for _, y in reversed(calls[m]):
+                y.sum().backward()
+        for (xe, _), (xg, _) in zip(calls[eager], calls[graphed]):
+            torch.testing.assert_close(xg.grad, xe.grad)
+        for we, wg in zip(eager.weights(), graphed.weights()):
+            torch.testing.assert_close(wg.grad, we.grad)
+        del calls
+    assert len(next(iter(slots.values()))) == sbnet_torch._ResidualGraphs.MAX_SLOTS
+
+    indices = windows(10)
+    xg, y = forward(graphed, indices)
+    y.sum().backward(retain_graph=True)
+    once = xg.grad.clone()
+    y.sum().backward(retain_graph=True)
+    torch.testing.assert_close(xg.grad, 2 * once)
+    compare(indices=indices)  # (takes the slot the first forward held)
+    with pytest.raises(RuntimeError, match="a later call has overwritten"):
+        y.sum().backward()
 
 
 @pytest.mark.parametrize("graphs", [False, True])
