@@ -169,6 +169,17 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
             records.append(Record("sparse_res_block", dict(shape, dtype=dtype_name, active=active_fraction(chosen),
                                                            stack="NHWC", timing=timing, step="training"),
                                   ours[timing], {"dense_block": dense_step[timing]}))
+        # Eager training steps replaying CUDA graphs of the residual and of its backward.
+        block.graphs = True
+        step(lambda x: block(x, indices, count))
+        error = ((xg.grad - want).abs().max() / want.abs().max()).item()
+        assert error < 2e-2, f"graphed sparse block's input gradient differs: {error}"
+        records.append(Record("sparse_res_block", dict(
+            shape, dtype=dtype_name, active=active_fraction(chosen), stack="NHWC", timing="eager",
+            step="training", graphs=True), time_ms(lambda: step(lambda x: block(x, indices, count))),
+            {"dense_block": dense_step["eager"]}))
+        block.graphs = False
+        block.release_graphs()
 
 
 def main():

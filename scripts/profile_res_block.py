@@ -1,13 +1,14 @@
 """Device time of each kernel of the sparse ResNet block, from torch's profiler (a developer's script).
 
-    python3 scripts/profile_res_block.py [--dtype float16] [--active 0.1] [--host] [--train]
+    python3 scripts/profile_res_block.py [--dtype float16] [--active 0.1] [--host] [--train] [--graphs]
 
 The benchmark's shape (1 x 256 x 400 x 700, bottleneck 64, windows of 16),
 `active` of the windows chosen, the block run in place; prints the kernels
 sorted by total device time over 20 calls, beside the dense block's. With
 ``--host``: the host's time of one eager call instead (200 calls before the
 queue fills, no sync inside), and cProfile's top functions. With ``--train``: the
-kernels of a training step (forward and backward, not in place) instead.
+kernels of a training step (forward and backward, not in place) instead. With ``--graphs``:
+the block with ``graphs=True`` (the kernels its graphs replay are listed one by one).
 """
 
 import argparse
@@ -21,6 +22,7 @@ def main():
     parser.add_argument("--active", type=float, default=0.10)
     parser.add_argument("--host", action="store_true")
     parser.add_argument("--train", action="store_true")
+    parser.add_argument("--graphs", action="store_true")
     args = parser.parse_args()
 
     import torch
@@ -29,7 +31,7 @@ def main():
 
     dtype = getattr(torch, args.dtype)
     torch.backends.cudnn.allow_tf32 = False
-    block = SparseResBlock(256, 64, block_size=16).to("cuda", dtype).to(memory_format=torch.channels_last)
+    block = SparseResBlock(256, 64, block_size=16, graphs=args.graphs).to("cuda", dtype).to(memory_format=torch.channels_last)
     x = torch.randn(1, 256, 400, 700, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
     p = block.geometry(x.shape)
     chosen = np.argwhere(np.random.default_rng(1).random(p.bcount) < args.active)
