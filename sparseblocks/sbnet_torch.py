@@ -450,7 +450,7 @@ class _Slot:
         self.h1, self.h2, self.out = _rows_like(h1, rows), _rows_like(h2, rows), _rows_like(out.contiguous(), rows)
         self.grad_out = self.grad_stack = None
         self.pool = torch.cuda.graph_pool_handle()
-        self.forwards, self.backwards = {}, {}
+        self.forwards, self.backwards, self.launches = {}, {}, {}
         self.busy, self.generation = False, 0
 
     def forward(self, capacity):
@@ -576,16 +576,45 @@ class _ResidualGraphs:
         return slot, capacity
 
     def run(self, residual, weights, windows, image, inplace, stack_shape):
-        """A call without gradients through the graphs, or None (then it runs without)."""
-        n = len(windows.indices)
+        """A call without gradients through the graphs, or None (then it runs without).
+
+        The gather and the scatter go through the public functions (their checks,
+        their kept plans) the first time a slot sees a call's signature; later
+        calls of it launch the kept launches directly (`kernels.kept_launches`):
+        an eager call of a sparse block is bound by the host's time, and the
+        device waits for the first launch.
+        """
+        indices, count = windows.indices, windows.count
+        n = len(indices)
         slot, capacity = self._acquire(residual, weights, image, stack_shape, n)
         if slot is None:
             return None
         try:
             graph = slot.forward(capacity)
-            windows.gather(image, out=slot.stack[:n])
+            # Everything the public functions check or their kept plans depend on that the slot
+            # does not fix (image contiguous: the block's forward made it so).
+            signature = (image.shape, image.data_ptr() % 16, indices.shape, indices.dtype, indices.get_device(),
+                         indices.is_contiguous(), indices.data_ptr() % 16, count is None or (
+                             count.shape, count.dtype, count.get_device()), inplace, windows.transpose,
+                         windows.data_format, windows.gather_at, windows.scatter_at)
+            kept = slot.launches.get(signature)
+            if kept is None:
+                windows.gather(image, out=slot.stack[:n])
+                graph.replay()
+                y = windows.scatter(slot.out[:n], image, inplace, atomic=False)
+                kept = kernels.kept_launches(image, indices, slot.out[:n], count, *windows.gather_at,
+                                             windows.transpose, windows.data_format, inplace, windows.scatter_at)
+                if kept is not None:
+                    slot.launches[signature] = kept
+                return y
+            gather, scatter, gather_count, scatter_count = kept
+            stream = torch_stream_handle()
+            gather(stream, image.data_ptr(), slot.stack.data_ptr(), indices.data_ptr(),
+                   gather_count or count.data_ptr())
             graph.replay()
-            return windows.scatter(slot.out[:n], image, inplace, atomic=False)
+            y = image if inplace else image.clone()
+            scatter(stream, y.data_ptr(), slot.out.data_ptr(), indices.data_ptr(), scatter_count or count.data_ptr())
+            return y
         finally:
             slot.busy = False
 

@@ -234,7 +234,8 @@ def test_sparse_res_block_computes_only_the_gradients_asked_for(kind, transpose)
 def test_sparse_res_block_graphs_give_the_eager_output(transpose):
     """``graphs=True`` (on a GPU; elsewhere the kernels run as without): window counts within
     one capacity and across it (new graphs, a buffer grown and its graphs captured anew, then a
-    count below those of earlier calls, whose rows linger in the buffer), in place, a weight
+    count below those of earlier calls, whose rows linger in the buffer), calls repeated (the
+    kept launches, with and without a count), in place, a weight
     changed in place (the graphs read it), a weight replaced (graphs anew, the old dropped), a
     deep copy, and inside a caller's CUDA graph capture (the block launches its kernels)."""
     import copy
@@ -250,12 +251,13 @@ def test_sparse_res_block_graphs_give_the_eager_output(transpose):
     assert len(every) >= 60
     rng = np.random.default_rng(5)
 
-    def compare(n, inplace=False, model=graphed):
-        chosen = tensor(np.sort(rng.choice(len(every), n, replace=False)))
-        indices = every[chosen.long()].contiguous()
+    def compare(n=None, inplace=False, model=graphed, indices=None, count=None):
+        if indices is None:
+            chosen = tensor(np.sort(rng.choice(len(every), n, replace=False)))
+            indices = every[chosen.long()].contiguous()
         with torch.no_grad():
-            want = eager(x, indices)
-            got = model(x.clone() if inplace else x, indices, inplace=inplace)
+            want = eager(x, indices, count)
+            got = model(x.clone() if inplace else x, indices, count, inplace=inplace)
         torch.testing.assert_close(got, want)
 
     compare(7, inplace=True)
@@ -264,6 +266,14 @@ def test_sparse_res_block_graphs_give_the_eager_output(transpose):
         return  # (no graphs there: the rest is the GPU's)
     for n in (3, 5, 9, 20, 60, 2):
         compare(n)
+    # A call's signature seen again launches the kept launches directly: in place or not, with
+    # a count (below the indices' rows) or without, indices that are another tensor each time.
+    indices = every[:9].contiguous()
+    for _ in range(3):
+        for inplace in (False, True):
+            compare(indices=indices.clone(), inplace=inplace)
+            compare(indices=indices, count=tensor(np.array([5], np.int32)), inplace=inplace)
+    assert len(graphed._graphs._sets[next(iter(graphed._graphs._sets))][0].launches) >= 4
     assert [s.rows for v in graphed._graphs._sets.values() for s in v] == [64]  # 8 -> 16 -> 32 -> 64 rows
     with torch.no_grad():
         for block in (eager, graphed):

@@ -1446,6 +1446,36 @@ def _replayed_reduce(mask, settings):
     return indices, count
 
 
+def _gather_settings(bsize, bstride, boffset, transpose, data_format):
+    return bsize, bstride, boffset, bool(transpose), data_format
+
+
+def _scatter_settings(bsize, bstride, boffset, add, atomic, transpose, inplace, data_format):
+    return bsize, bstride, boffset, bool(add), bool(atomic), bool(transpose), bool(inplace), data_format
+
+
+def kept_launches(x, indices, blocks, count, bsize, bstride, boffset, transpose, data_format, inplace,
+                  scatter_at=None):
+    """The kept launches of a gather of ``x`` and an adding, non-atomic scatter back into it
+    (at the same geometry, or at ``scatter_at`` = (bsize, bstride, boffset)), both called once
+    before with these tensors (``blocks``: the scatter's; the gather's ``out`` is of the same
+    rows), or None. For a caller that repeats such a pair many times with its own buffers
+    (`sbnet_torch`'s CUDA graphs): ``launch(stream handle, image, blocks, indices, count)``,
+    pointers all, skips even the kept plans' lookups. Returns (gather launch, scatter launch,
+    gather's count pointer, scatter's count pointer); a count pointer is None where the
+    caller's ``count`` is to be passed."""
+    if not _plans:
+        return None
+    gather = _kept("gather", (x, indices), count, _gather_settings(bsize, bstride, boffset, transpose, data_format))
+    at = scatter_at or (bsize, bstride, boffset)
+    scatter = _kept("scatter", (blocks, indices, x), count,
+                    _scatter_settings(*at, True, False, transpose, inplace, data_format))
+    if gather is None or scatter is None:
+        return None
+    extra = (gather.extra, scatter.extra) if count is None else (None, None)
+    return gather.launch[0], scatter.launch[0], *extra
+
+
 def _keep_plan(call, tensors, count, settings, out_shape, launches, extra):
     """After a general-path call of torch tensors: keep its launches for `_replayed` (launches:
     (a launch as `_launch.replay` takes it, the positions of its pointer arguments) pairs;
@@ -1763,7 +1793,7 @@ def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=
     to write into (rows from the count on are left as they are), returned; as with bsmm's
     ``out=``, under the simulator a torch ``out`` comes back as a new tensor.
     """
-    settings = (bsize, bstride, boffset, bool(transpose), data_format)
+    settings = _gather_settings(bsize, bstride, boffset, transpose, data_format)
     if _plans:
         blocks = _replayed("gather", (x, indices), count, settings, out=out)
         if blocks is not None:
@@ -1812,7 +1842,7 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
 
     The blocks are in y's layout, or with ``transpose`` in the other one.
     """
-    settings = (bsize, bstride, boffset, bool(add), bool(atomic), bool(transpose), bool(inplace), data_format)
+    settings = _scatter_settings(bsize, bstride, boffset, add, atomic, transpose, inplace, data_format)
     if _plans:
         out = _replayed("scatter", (blocks, indices, y), count, settings, inplace)
         if out is not None:
