@@ -22,7 +22,8 @@
   copy of it; no double backward) whose backward is written out (a dozen
   torch calls, no autograd graph of the residual); a subclass that overrides
   `residual` or `residual_nhwc` gets autograd's backward of its own instead.
-  Without gradients, the kernels alone.
+  Without gradients, the kernels alone. ``graphs=True`` replays CUDA graphs
+  of the residual and its backward (`_ResidualGraphs`).
 
 Tensors are NCHW as torch likes them; the kernels want NHWC memory, so pass
 ``channels_last`` tensors (``x.to(memory_format=torch.channels_last)``) to
@@ -123,13 +124,16 @@ class SparseResBlock(torch.nn.Module):
     products over its pixels and whose 3x3 cuDNN's channels_last convolution
     takes as it is (`residual_nhwc`), and an NCHW input an NCHW stack.
 
-    ``graphs=True``: calls without gradients on a GPU replay a CUDA graph of
-    the residual, one per capacity of windows (`_ResidualGraphs`): the host
-    then launches a gather, a graph and a scatter where it would launch each
-    convolution, matrix product and ReLU. Each capacity's first call captures
-    its graph (milliseconds; the memory of a stack of that capacity stays
-    held until `release_graphs`). Not inside another capture (the caller's
-    graph holds the block's work then), not for a subclass's own residual.
+    ``graphs=True``: calls on a GPU replay CUDA graphs of the residual and
+    (training) of its backward, one per capacity of windows
+    (`_ResidualGraphs`): the host then launches a gather, a graph and a
+    scatter where it would launch each convolution, matrix product and ReLU.
+    Each capacity's first call captures its graphs (milliseconds; buffers for
+    the largest capacity seen stay held until `release_graphs`). A training
+    call holds its buffers until its backward has run; a second backward
+    through one forward (``retain_graph``) raises once a later call has
+    taken them. Not inside another capture (the caller's graph holds the
+    block's work then), not for a subclass's own residual.
 
     Under autocast the block runs in its input's dtype (autocast off inside
     it): the kernels add the residual into an image of its own dtype.
