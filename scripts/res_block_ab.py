@@ -86,13 +86,18 @@ def main():
             calls = {"dense training": lambda: step(dense, dense.dense),
                      "dense forward": lambda: dense.dense(x)}
             work = x.clone()
-            for name, module in arms:
-                block = blocks[name]
-                step(block, lambda x, block=block: block(x, indices, count))
+
+            def check_training(name, block):
+                """One training step of `block`, its gradients checked against the dense block's."""
+                step(block, lambda x: block(x, indices, count))
                 got = [xg.grad] + [c.weight.grad for c in (block.conv1, block.conv2, block.conv3)]
                 for g, w in zip(got, want):
                     error = ((g - w).abs().max() / w.abs().max()).item()
                     assert error < 2e-2, f"{name}: gradient differs by {error}"
+
+            for name, module in arms:
+                block = blocks[name]
+                check_training(name, block)
                 calls[f"{name} training"] = lambda block=block: step(block, lambda x: block(x, indices, count))
                 calls[f"{name} forward"] = lambda block=block: block(work, indices, count, inplace=True)
                 if hasattr(block, "release_graphs"):  # (graphs=True: a CUDA graph of the residual)
@@ -101,11 +106,7 @@ def main():
                     graphed.load_state_dict(block.state_dict())
                     calls[f"{name} forward graphs"] = lambda g=graphed: g(work, indices, count, inplace=True)
                     if hasattr(module, "_Lease"):  # (graphs for training calls too)
-                        step(graphed, lambda x, g=graphed: g(x, indices, count))
-                        got = [xg.grad] + [c.weight.grad for c in (graphed.conv1, graphed.conv2, graphed.conv3)]
-                        for g, w in zip(got, want):
-                            error = ((g - w).abs().max() / w.abs().max()).item()
-                            assert error < 2e-2, f"{name} with graphs: gradient differs by {error}"
+                        check_training(f"{name} with graphs", graphed)
                         calls[f"{name} training graphs"] = lambda g=graphed: step(g, lambda x: g(x, indices, count))
             eager = {key: [] for key in calls}
             host = {key: [] for key in calls}

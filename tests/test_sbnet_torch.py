@@ -230,6 +230,19 @@ def test_sparse_res_block_computes_only_the_gradients_asked_for(kind, transpose)
         y.sum().backward()
 
 
+def graphed_pair(transpose, seed):
+    """A block without graphs and one with (the same weights, float64), a channels_last 2 x 8 x
+    20 x 22 input and the indices of all its windows, row-major."""
+    torch.manual_seed(seed)
+    eager = sbnet_torch.SparseResBlock(8, 4, block_size=6, transpose=transpose).to(DEVICE, torch.float64)
+    graphed = sbnet_torch.SparseResBlock(8, 4, block_size=6, transpose=transpose, graphs=True)
+    graphed = graphed.to(DEVICE, torch.float64)
+    graphed.load_state_dict(eager.state_dict())
+    x = torch.randn(2, 8, 20, 22, dtype=torch.float64, device=DEVICE).to(memory_format=torch.channels_last)
+    every = tensor(np.argwhere(np.ones((2, *eager.geometry(x.shape).bcount))).astype(np.int32))
+    return eager, graphed, x, every
+
+
 @pytest.mark.parametrize("transpose", [False, True])
 def test_sparse_res_block_graphs_give_the_eager_output(transpose):
     """``graphs=True`` (on a GPU; elsewhere the kernels run as without): window counts within
@@ -240,14 +253,7 @@ def test_sparse_res_block_graphs_give_the_eager_output(transpose):
     deep copy, and inside a caller's CUDA graph capture (the block launches its kernels)."""
     import copy
 
-    torch.manual_seed(5)
-    eager = sbnet_torch.SparseResBlock(8, 4, block_size=6, transpose=transpose).to(DEVICE, torch.float64)
-    graphed = sbnet_torch.SparseResBlock(8, 4, block_size=6, transpose=transpose, graphs=True)
-    graphed = graphed.to(DEVICE, torch.float64)
-    graphed.load_state_dict(eager.state_dict())
-    x = torch.randn(2, 8, 20, 22, dtype=torch.float64, device=DEVICE).to(memory_format=torch.channels_last)
-    bcount = eager.geometry(x.shape).bcount
-    every = tensor(np.argwhere(np.ones((2, *bcount))).astype(np.int32))  # every window, row-major
+    eager, graphed, x, every = graphed_pair(transpose, seed=5)
     assert len(every) >= 60
     rng = np.random.default_rng(5)
 
@@ -334,13 +340,7 @@ def test_sparse_res_block_graphs_train_as_without(transpose):
     frozen weights, weights stepped in place between calls, two forwards before their
     backwards, and more held than MAX_SLOTS (the rest run without graphs); a second backward
     through one forward works while its slot is unused and raises once a later call took it."""
-    torch.manual_seed(8)
-    eager = sbnet_torch.SparseResBlock(8, 4, block_size=6, transpose=transpose).to(DEVICE, torch.float64)
-    graphed = sbnet_torch.SparseResBlock(8, 4, block_size=6, transpose=transpose, graphs=True)
-    graphed = graphed.to(DEVICE, torch.float64)
-    graphed.load_state_dict(eager.state_dict())
-    x = torch.randn(2, 8, 20, 22, dtype=torch.float64, device=DEVICE).to(memory_format=torch.channels_last)
-    every = tensor(np.argwhere(np.ones((2, *eager.geometry(x.shape).bcount))).astype(np.int32))
+    eager, graphed, x, every = graphed_pair(transpose, seed=8)
     rng = np.random.default_rng(8)
 
     def windows(n):
