@@ -11,7 +11,8 @@ graph); each baseline is timed the same way. The sparse block runs in place,
 as SBNet runs it, and gets its indices cut to the active windows.
 Effective bandwidth counts the bytes each op must move: gather reads and
 writes the windows; an in-place scatter reads the blocks and writes (adding:
-reads and writes) the windows; reduce_mask reads the mask. Writes
+reads and writes) the windows; a scatter into a copy of y reads y and the
+blocks and writes the whole copy; reduce_mask reads the mask. Writes
 results/sbnet.json and results/sbnet.md.
 """
 
@@ -79,9 +80,12 @@ def bench_ops(torch, sbnet, reference, records, shapes, channels, blocks, fracti
                                 ref = reference.sparse_scatter(blocks_t.cpu().numpy(), want, y.cpu().numpy(),
                                                                add=plus, transpose=transpose, **g)
                                 assert np.array_equal(got.cpu().numpy(), ref)
-                            add("sparse_scatter", dict(p, add=plus), lambda: sbnet.sparse_scatter(
+                            add("sparse_scatter", dict(p, add=plus, into="y"), lambda: sbnet.sparse_scatter(
                                 blocks_t, idx, y, add=plus, transpose=transpose, inplace=True, **g),
                                 (3 if plus else 2) * window_bytes)
+                        if not transpose:  # into a copy of y (one pass, `sbnet.MERGE`): reads y, writes all
+                            add("sparse_scatter", dict(p, add=True, into="copy"), lambda: sbnet.sparse_scatter(
+                                blocks_t, idx, y, add=True, **g), 2 * x.numel() * 4 + window_bytes)
 
 
 def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):

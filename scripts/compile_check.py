@@ -183,6 +183,17 @@ def main():
                     f"{' half2' if half2 else ''} pixels={pixels}{' block steps of 1' if block_width == 1 else ''}"
                     f"{' window by window' if window_major else ''}")
             results.append(check(name, kernel.py_func, signature))
+    # The merging scatter (a copy of y and the windows over each pixel in one pass) and its map.
+    results.append(check("fill int32", sbnet.fill_int32.py_func, (types.int32[::1], i64)))
+    results.append(check("link windows", sbnet.link_windows.py_func,
+                         (types.int32[::1], types.int32[::1], types.int32[:, ::1], types.int32[::1]) + (i64,) * 6))
+    for add, (vector_dtype, half2) in itertools.product(
+            (False, True), (("float32", False), ("float64", False), ("int32", True))):
+        element = getattr(types, vector_dtype)
+        kernel = sbnet._make_merge_kernels(add, vector_dtype, half2)
+        signature = (element[::1],) * 3 + (types.int32[::1],) * 2 + (i64,) * 13
+        results.append(check(f"merge add={add} {vector_dtype}{' half2' if half2 else ''}", kernel.py_func,
+                             signature))
     print(f"{sum(results)} of {len(results)} kernels compiled")
     return 0 if all(results) else 1
 

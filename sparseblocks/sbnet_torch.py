@@ -616,9 +616,7 @@ class _ResidualGraphs:
             gather(stream, image.data_ptr(), slot.stack.data_ptr(), indices.data_ptr(),
                    gather_count or count.data_ptr())
             graph.replay()
-            y = image if inplace else image.clone()
-            scatter(stream, y.data_ptr(), slot.out.data_ptr(), indices.data_ptr(), scatter_count or count.data_ptr())
-            return y
+            return scatter(stream, image, slot.out.data_ptr(), indices.data_ptr(), scatter_count or count.data_ptr())
         finally:
             slot.busy = False
 
@@ -672,6 +670,5 @@ class _WindowResidual(torch.autograd.Function):
             grads = ctx.residual.backward(saved[ctx.n_params:], saved[:ctx.n_params], grad_out, needs)
         grad_image = None
         if needs[0]:
-            grad_image = windows.scatter(grads[0].contiguous(), grad_y.clone(), True, atomic=True,
-                                         at=windows.gather_at)
+            grad_image = windows.scatter(grads[0].contiguous(), grad_y, False, atomic=True, at=windows.gather_at)
         return (grad_image, None, None, None, None, *grads[1:])

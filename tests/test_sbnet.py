@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import cuda
 
+from sparseblocks._arrays import poisoned_outputs
 from sparseblocks._backend import SIMULATOR
 from sparseblocks.kernels import sbnet
 from sparseblocks.reference import sbnet as reference
@@ -594,6 +595,7 @@ def check_row_copies(dtype, channels, transpose, widths, add, data):
     y = values(rng, shape, dtype, "normal")
     with pytest.MonkeyPatch.context() as patch:
         made_scatter = row_kernel_keys(patch)
+        patch.setattr(sbnet, "MERGE", False)  # (a scatter into a copy would merge in one pass)
         got = sbnet.sparse_scatter(blocks, indices, y, add=add, transpose=transpose, count=count, **g_scatter)
     want = reference.sparse_scatter(blocks[:count[0]], indices[:count[0]], y, add=add, transpose=transpose,
                                     **g_scatter)
@@ -627,6 +629,79 @@ def test_row_copies_fall_back_where_pointers_are_misaligned():
     got = sbnet.sparse_gather(x, cuda.to_device(indices), transpose=True, **g).copy_to_host()
     np.testing.assert_array_equal(got, reference.sparse_gather(x.copy_to_host(), indices, transpose=True, **g))
 
+
+def merge_kernel_keys(patch):
+    """The list each merging scatter's kernel key is appended to as the launcher makes it."""
+    keys = []
+    make = sbnet._make_merge_kernels
+    patch.setattr(sbnet, "_kernels", {})
+    patch.setattr(sbnet, "_make_merge_kernels", lambda *key: keys.append(key) or make(*key))
+    return keys
+
+
+@pytest.mark.parametrize("dtype, channels", [("float32", 4), ("float16", 8), ("float64", 2), ("float32", 12)])
+@pytest.mark.parametrize("add, atomic", [(False, False), (True, False), (True, True)])
+@few
+@given(data=st.data())
+def test_merging_scatter_equals_reference(dtype, channels, add, atomic, data):
+    """A scatter into a copy of an NHWC image in one pass (every pixel written once, from a map
+    of the windows): windows overlapping by up to half (atomic adds), with holes between them,
+    off every edge, negative and uneven offsets, a window's rows and columns of 1, out-of-range
+    indices (n past N, windows wholly off the image, and ones just off the grid that still
+    reach it), repeated windows (atomic adds: each block counts), a count short of the rows;
+    the output poisoned first."""
+    draw = data.draw
+    size = (draw(st.integers(1, 4)), draw(st.integers(1, 4)))
+    least = [-(-s // 2) if atomic else s for s in size]  # overlapping by at most half a window
+    g = {"bsize": size, "bstride": tuple(draw(st.integers(m, s + 2)) for m, s in zip(least, size)),
+         "boffset": (draw(st.integers(-4, 3)), draw(st.integers(-4, 3)))}
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    shape = (draw(st.integers(1, 2)), draw(st.integers(1, 7)), draw(st.integers(1, 9)), channels)
+    count_h, count_w = reference.block_count(shape[1:3], g["bstride"], g["boffset"])
+    pool = np.array([(n, a, b) for n in range(shape[0] + 1) for a in range(-2, count_h + 2)
+                     for b in range(-2, count_w + 2)], np.int32)
+    indices = pool[rng.choice(len(pool), size=rng.integers(1, 7), replace=atomic)]
+    count = np.array([draw(st.integers(0, len(indices)))], np.int32)
+    blocks = values(rng, (len(indices), *size, channels), dtype, "normal")
+    y = values(rng, shape, dtype, "normal")
+    with pytest.MonkeyPatch.context() as patch, poisoned_outputs():
+        made = merge_kernel_keys(patch)
+        got = sbnet.sparse_scatter(blocks, indices, y, add=add, atomic=atomic, count=count, **g)
+    want = reference.sparse_scatter(blocks[:count[0]].astype(np.float64), indices[:count[0]],
+                                    y.astype(np.float64), add=add, **g)
+    # fp16: each add rounded, up to 4 windows and repeats over a pixel (float64 sums)
+    tolerance = {"float16": 4e-3, "float32": 1e-6, "float64": 1e-12}[dtype]
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=tolerance, atol=tolerance)
+    # (where no window reaches the image, y is copied)
+    reaches = any(reference._inside([(0, a, b) for a in range(-9, 12) for b in range(-9, 12)], (1, *shape[1:3]),
+                                    *reference.check_geometry(**g)))
+    assert made == ([(add, "int32" if dtype == "float16" else dtype, dtype == "float16")] if reaches else [])
+
+
+@pytest.mark.parametrize("case", ["overlap past half", "inplace", "transpose", "misaligned"])
+def test_scatters_that_cannot_merge_copy_first(case):
+    """Windows over a pixel more than twice along an axis, an in-place scatter, blocks in the
+    other layout, an image off 16-byte alignment: y copied (or not, in place), then scattered;
+    equal to the reference."""
+    rng = np.random.default_rng(11)
+    g = {"bsize": 3, "bstride": 1 if case == "overlap past half" else 2, "boffset": -1}
+    x = rng.standard_normal((1, 5, 6, 4)).astype(np.float32)
+    indices = np.array([[0, 0, 0], [0, 1, 1], [0, 2, 1]], np.int32)
+    blocks = rng.standard_normal((3, 3, 3, 4)).astype(np.float32)
+    transpose = case == "transpose"
+    if transpose:
+        blocks = np.ascontiguousarray(blocks.transpose(0, 3, 1, 2))
+    y = cuda.to_device(x)
+    if case == "misaligned":
+        y = cuda.to_device(np.concatenate([[0], x.ravel()]).astype(np.float32))[1:].reshape(x.shape)
+    with pytest.MonkeyPatch.context() as patch:
+        made = merge_kernel_keys(patch)
+        got = sbnet.sparse_scatter(cuda.to_device(blocks), cuda.to_device(indices), y, add=True, atomic=True,
+                                   transpose=transpose,
+                                   inplace=case == "inplace", **g).copy_to_host()
+    np.testing.assert_allclose(got, reference.sparse_scatter(blocks, indices, x, add=True, transpose=transpose, **g),
+                               rtol=1e-6, atol=1e-6)
+    assert made == []
 
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="kept plans replay through the driver")

@@ -56,6 +56,7 @@ Versions: reduce_mask 1 (pool, then compact) and 2 (one pass, the default;
 benchmarks/NOTES.md has both measured).
 """
 
+import functools
 import math
 
 import numpy as np
@@ -190,6 +191,18 @@ ROW_TILE_THREADS = 128
 # 211.7 / 197.5; but fp16, 1 x 400 x 700 x 256, windows of 16, 25 %: gather 33.4 / 35.4, adding
 # scatter 50.6 / 53.6.
 ROW_TILE_WINDOW_MAJOR = None  # None: that rule; True or False: always or never (timings)
+# A scatter into a copy of y (not ``inplace``) of blocks in y's channels-last layout goes in one
+# pass where it can (`_make_merge_kernels`): every pixel of the copy is written once, y's value
+# plus (or overwritten by) those of the windows over it, found through a map of the windows
+# (version 2). False: y copied, then the blocks scattered into the copy (version 1: the copy
+# and the windows' read-modify-writes, ~1.5-2x the bytes at half the windows active).
+MERGE = True
+MERGE_THREADS = 256  # most threads of a merging thread block
+MERGE_UNROLL = 4  # 16-byte vectors a merging thread loads before it stores any
+MERGE_VECTORS = MERGE_THREADS * MERGE_UNROLL  # vectors of a thread block's run of a row (whole pixels, >= 1)
+MERGE_SPAN = MERGE_VECTORS + 2  # windows such a run reaches along the row at most (a stride of 1)
+CHAINED = 1 << 30  # a window map entry's flag: more blocks of the same window follow in the chain
+LINK_THREADS = 256
 MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z
 MAX_GRID_X = 2**31 - 1
 MASK_DTYPES = ("bool", "uint8", "float16", "float32", "float64")
@@ -956,47 +969,13 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
     return copy_transposed if transpose else copy_plain
 
 
-def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, block_width=4, window_major=False):
-    """Gather/scatter of a channels-last (NHWC) image a window row at a time, 16 bytes a thread-step.
-
-    A window's row r is bw contiguous pixels of the image (bw * C elements in a
-    row), so thread block (i, r) moves it with 16-byte vector loads and stores
-    (`_vector.py`), no per-element index arithmetic: the row's vectors left and
-    right of the image are a range [lo, hi) computed once. The arrays are flat
-    views of ``vector_dtype`` elements (WIDTH of them 16 bytes): float32 or
-    float64 data, or int32 words of fp16 pairs (``half2``: adds by add_half2).
-    The launcher checked that a pixel is whole vectors and the pointers are
-    16-byte aligned.
-
-    With ``transpose`` (float32 or float16; blocks [n_blocks, C, bh, bw]) thread
-    block (i, y, z) moves a `pixels` x ROW_TILE_C tile through a float32 shared
-    tile (pixels y * pixels... of the window, its rows one run; with
-    ``window_major`` the three are one grid axis, tile fastest, then chunk z,
-    then window i): read along C from the image (or along the block's pixels),
-    written along the other, four values (16 or 8 bytes) a step on the image's
-    side and `block_width` (4 where bh * bw is a multiple of 4, else 1) on the
-    block's; adds in float32, rounded once (for fp16 the same as an fp16 add).
-    A thread loads all its vectors before it uses any, and fp16
-    vectors wait in registers as the two words they came in (`load4_words`),
-    widened to float32 only where used: widened, or kept as halves, next to
-    their load, each load waited in its branch for the one before (session 18's
-    SASS; the fp16 adding scatter took 1.4-1.7x its session-16 time).
-    """
+def _vector_ops(vector_dtype, half2):
+    """(WIDTH, load, store, zeros, plus): device functions on 16-byte vectors of WIDTH elements
+    of ``vector_dtype`` at a flat element offset of a 1-D array (the caller checked alignment);
+    ``plus`` adds two vectors, element by element, or with ``half2`` the fp16 pairs of int32
+    words (add.rn.f16x2)."""
     element = from_dtype(np.dtype(vector_dtype))
     WIDTH = 16 // np.dtype(vector_dtype).itemsize
-    CT = ROW_TILE_C
-    PT = pixels
-    CQ = CT // 4  # 16-byte vectors of a tile's pixel
-    BV = block_width
-    SQ = PT // BV  # block-side steps along a tile's channel (a block row's pixels)
-    PER = PT * CQ // ROW_TILE_THREADS  # image-side vectors a thread moves (a literal: local shapes)
-    PER_B = PT * CT // BV // ROW_TILE_THREADS  # block-side steps a thread moves
-    PER_MOST = max(PER, PER_B)
-    STEP = ROW_TILE_THREADS // CQ  # tile pixels between a thread's image-side vectors
-    TILE_SHAPE_ROWS = (PT, CT + 1)  # +1: a column read (4 pixels of a channel) hits distinct banks
-    HALF = vector_dtype == "float16"
-    WORDS = 2 if HALF else 4  # what a staged vector of 4 values holds: fp16, 2 words of 2 halves
-    staged = uint32 if HALF else float32
 
     @cuda.jit(device=True, inline=True)
     def load(array, offset):
@@ -1024,6 +1003,51 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
                 return add_half2(a[0], b[0]), add_half2(a[1], b[1]), add_half2(a[2], b[2]), add_half2(a[3], b[3])
             return a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]
         return a[0] + b[0], a[1] + b[1]
+
+    return WIDTH, load, store, zeros, plus
+
+
+def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, block_width=4, window_major=False):
+    """Gather/scatter of a channels-last (NHWC) image a window row at a time, 16 bytes a thread-step.
+
+    A window's row r is bw contiguous pixels of the image (bw * C elements in a
+    row), so thread block (i, r) moves it with 16-byte vector loads and stores
+    (`_vector.py`), no per-element index arithmetic: the row's vectors left and
+    right of the image are a range [lo, hi) computed once. The arrays are flat
+    views of ``vector_dtype`` elements (WIDTH of them 16 bytes): float32 or
+    float64 data, or int32 words of fp16 pairs (``half2``: adds by add_half2).
+    The launcher checked that a pixel is whole vectors and the pointers are
+    16-byte aligned.
+
+    With ``transpose`` (float32 or float16; blocks [n_blocks, C, bh, bw]) thread
+    block (i, y, z) moves a `pixels` x ROW_TILE_C tile through a float32 shared
+    tile (pixels y * pixels... of the window, its rows one run; with
+    ``window_major`` the three are one grid axis, tile fastest, then chunk z,
+    then window i): read along C from the image (or along the block's pixels),
+    written along the other, four values (16 or 8 bytes) a step on the image's
+    side and `block_width` (4 where bh * bw is a multiple of 4, else 1) on the
+    block's; adds in float32, rounded once (for fp16 the same as an fp16 add).
+    A thread loads all its vectors before it uses any, and fp16
+    vectors wait in registers as the two words they came in (`load4_words`),
+    widened to float32 only where used: widened, or kept as halves, next to
+    their load, each load waited in its branch for the one before (session 18's
+    SASS; the fp16 adding scatter took 1.4-1.7x its session-16 time).
+    """
+    element = from_dtype(np.dtype(vector_dtype))
+    WIDTH, load, store, zeros, plus = _vector_ops(vector_dtype, half2)
+    CT = ROW_TILE_C
+    PT = pixels
+    CQ = CT // 4  # 16-byte vectors of a tile's pixel
+    BV = block_width
+    SQ = PT // BV  # block-side steps along a tile's channel (a block row's pixels)
+    PER = PT * CQ // ROW_TILE_THREADS  # image-side vectors a thread moves (a literal: local shapes)
+    PER_B = PT * CT // BV // ROW_TILE_THREADS  # block-side steps a thread moves
+    PER_MOST = max(PER, PER_B)
+    STEP = ROW_TILE_THREADS // CQ  # tile pixels between a thread's image-side vectors
+    TILE_SHAPE_ROWS = (PT, CT + 1)  # +1: a column read (4 pixels of a channel) hits distinct banks
+    HALF = vector_dtype == "float16"
+    WORDS = 2 if HALF else 4  # what a staged vector of 4 values holds: fp16, 2 words of 2 halves
+    staged = uint32 if HALF else float32
 
     @cuda.jit(device=True, inline=True)
     def row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w):
@@ -1226,6 +1250,153 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
     return copy_rows_transposed if transpose else copy_rows
 
 
+@cuda.jit
+def fill_int32(array, value):
+    i = cuda.grid(1)
+    if i < array.size:
+        array[i] = value
+
+
+@cuda.jit
+def link_windows(slots, chain, indices, count, n_blocks, N, count_h, count_w, first_h, first_w):
+    """The window map of a merging scatter: ``slots`` [N, count_h, count_w] (every window whose
+    rows and columns reach the image; filled with -1 before) gets each block's row i, below the
+    count, at its window; a window given more than once keeps one row there, flagged CHAINED,
+    and the others in ``chain`` (row -> next row of the same window, or -1). Windows of no
+    image or off it are left out: they write nothing."""
+    i = cuda.grid(1)
+    if i >= n_blocks or i >= count[0]:
+        return
+    n = indices[i, 0]
+    r = int64(indices[i, 1]) - first_h
+    c = int64(indices[i, 2]) - first_w
+    if 0 <= n < N and 0 <= r < count_h and 0 <= c < count_w:
+        at = (int64(n) * count_h + r) * count_w + c
+        before = cuda.atomic.exch(slots, at, int32(i))
+        if before == -1:
+            chain[i] = -1
+        else:  # (the last row exchanged in sees a row before it, so the flag is set at the end)
+            chain[i] = before & (CHAINED - 1)
+            cuda.atomic.or_(slots, at, int32(CHAINED))
+
+
+def _make_merge_kernels(add, vector_dtype, half2):
+    """A scatter into a copy of an NHWC image in one pass: thread block (row, k) writes pixels
+    k * P... of image row ``row`` (n * H + h), every 16-byte vector of each, as y's value plus
+    (``add``) or replaced by (else) the block values of the windows over it.
+
+    The arrays are flat views of ``vector_dtype`` elements, as the row copies'. A pixel lies
+    in at most two windows along each axis (the launcher checked 2 * stride >= size), so the
+    windows over image row h are found once per thread block and those over a pixel by one
+    division. Their map entries for the thread block's run (the two window rows, the windows
+    the run reaches) are read once into shared memory. A window repeated in the indices adds
+    every block of it (its chain); overwriting, the first window found lands. Sums go in the
+    order of the windows' positions, not of their rows: one pixel's result does not depend on
+    how the blocks were listed (unless a window repeats)."""
+    WIDTH, load, store, zeros, plus = _vector_ops(vector_dtype, half2)
+    element = from_dtype(np.dtype(vector_dtype))
+
+    @cuda.jit(device=True, inline=True)
+    def window_of(x, stride, size, count):
+        """The windows over coordinate x (relative to the first window's start) along one axis:
+        (the later one or -1, its offset in it, the earlier one or -1, its offset)."""
+        later, earlier, d = -1, -1, 0
+        if x >= 0:
+            j = int32(uint32(x) // uint32(stride))
+            d = x - j * stride
+            if j < count and d < size:
+                later = j
+            if 1 <= j <= count and d + stride < size:
+                earlier = j - 1
+        return later, d, earlier, d + stride
+
+    @cuda.jit(device=True, inline=True)
+    def take(acc, found, entry, blocks, chain, d, e, q, size_h, size_w, CV):
+        """acc plus (or replaced by, where none was found yet) the values at window row d,
+        column e, vector q of the blocks of map entry ``entry`` (-1: none)."""
+        if entry == -1:
+            return acc, found
+        slot = entry & (CHAINED - 1)
+        while slot >= 0:
+            got = load(blocks, uint64((((int64(slot) * size_h + d) * size_w + e) * CV + q) * WIDTH))
+            if add:
+                acc = plus(acc, got)
+            elif not found:
+                acc = got
+            found = True
+            slot = chain[slot] if add and entry & CHAINED else -1  # (overwriting: one block lands)
+        return acc, found
+
+    @cuda.jit
+    def merge_rows(out, y, blocks, slots, chain, N, H, W, CV, size_h, size_w, stride_h, stride_w,
+                   start_h, start_w, count_h, count_w, P):
+        """out, y: [N, H, W, C] as CV vectors a pixel; blocks [n_blocks, bh, bw, C]; slots: the
+        window map (`link_windows`), whose first window starts at image row start_h, column
+        start_w; P pixels a thread block."""
+        row = uint32(cuda.blockIdx.x)
+        n = int32(row // uint32(H))
+        h = int32(row - uint32(n) * uint32(H))
+        w0 = int32(cuda.blockIdx.y) * P
+        pixels = min(P, W - w0)
+        total = pixels * CV
+        threads = cuda.blockDim.x
+        r_late, d_late, r_early, d_early = window_of(h - start_h, stride_h, size_h, count_h)
+        # The windows the run's pixels lie in: columns lo..hi of the map.
+        x_lo = w0 - start_w
+        x_hi = x_lo + pixels - 1
+        lo = 0
+        if x_lo >= 0:
+            lo = max(int32(uint32(x_lo) // uint32(stride_w)) - 1, 0)
+        hi = -1
+        if x_hi >= 0:
+            hi = min(int32(uint32(x_hi) // uint32(stride_w)), count_w - 1)
+        span = max(hi - lo + 1, 0)
+        entries = cuda.shared.array((2, MERGE_SPAN), int32)
+        map_row = int64(n) * count_h
+        for k in range(cuda.threadIdx.x, 2 * span, threads):
+            which = 1 if k >= span else 0
+            c = k - which * span
+            r = r_early if which else r_late
+            entries[which, c] = slots[(map_row + r) * count_w + lo + c] if r >= 0 else -1
+        cuda.syncthreads()  # the run's window map entries are in shared memory
+        row_start = (int64(row) * W + w0) * CV  # the run's first vector
+        olds = cuda.local.array((MERGE_UNROLL, WIDTH), element)
+        for start in range(cuda.threadIdx.x, total, threads * MERGE_UNROLL):
+            for u in range(MERGE_UNROLL):  # y's vectors first: MERGE_UNROLL loads in flight
+                v = start + u * threads
+                got = load(y, uint64((row_start + v) * WIDTH)) if v < total else zeros()
+                for k in range(WIDTH):
+                    olds[u, k] = got[k]
+            for u in range(MERGE_UNROLL):
+                v = start + u * threads
+                if v < total:
+                    if WIDTH == 4:
+                        acc = olds[u, 0], olds[u, 1], olds[u, 2], olds[u, 3]
+                    else:
+                        acc = olds[u, 0], olds[u, 1]
+                    p = int32(uint32(v) // uint32(CV))
+                    q = v - p * CV
+                    c_late, e_late, c_early, e_early = window_of(w0 + p - start_w, stride_w, size_w, count_w)
+                    found = False
+                    if r_late >= 0:
+                        if c_late >= 0:
+                            acc, found = take(acc, found, entries[0, c_late - lo], blocks, chain, d_late, e_late,
+                                              q, size_h, size_w, CV)
+                        if c_early >= 0:
+                            acc, found = take(acc, found, entries[0, c_early - lo], blocks, chain, d_late,
+                                              e_early, q, size_h, size_w, CV)
+                    if r_early >= 0:
+                        if c_late >= 0:
+                            acc, found = take(acc, found, entries[1, c_late - lo], blocks, chain, d_early,
+                                              e_late, q, size_h, size_w, CV)
+                        if c_early >= 0:
+                            acc, found = take(acc, found, entries[1, c_early - lo], blocks, chain, d_early,
+                                              e_early, q, size_h, size_w, CV)
+                    store(out, uint64((row_start + v) * WIDTH), acc)
+
+    return merge_rows
+
+
 # -- launch configuration -----------------------------------------------------------
 
 _kernels = {}
@@ -1353,6 +1524,57 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
     return kernel, (n_blocks, parts), threads, args
 
 
+
+def _merge_path(out, y, blocks, n_blocks, geometry, channels_last, transpose):
+    """A merging scatter's (vector dtype, half2, first window, window counts, pixels a thread
+    block) where it applies, else None: `MERGE`, NHWC blocks and image, pixels of whole 16-byte
+    vectors and 16-byte aligned pointers, at most two windows over a pixel along each axis
+    (2 * stride >= size), some window on the image, and the map, rows and grid within 32 bits
+    and CUDA's limits."""
+    if not (MERGE and channels_last and not transpose and n_blocks < CHAINED):
+        return None
+    dtype = str(y.dtype).replace("torch.", "")
+    itemsize = np.dtype(dtype).itemsize
+    N, H, W, C = y.shape
+    (size_h, size_w), (stride_h, stride_w), (offset_h, offset_w) = geometry
+    if (C * itemsize % 16 or any(data_pointer(a) % 16 for a in (out, y, blocks))
+            or 2 * stride_h < size_h or 2 * stride_w < size_w):
+        return None
+    # The windows that reach the image: start < H and start + size > 0.
+    first = ((-offset_h - size_h) // stride_h + 1, (-offset_w - size_w) // stride_w + 1)
+    counts = ((H - offset_h - 1) // stride_h - first[0] + 1, (W - offset_w - 1) // stride_w - first[1] + 1)
+    vectors = C * itemsize // 16
+    pixels = max(1, MERGE_VECTORS // vectors)
+    if (min(counts) <= 0 or N * counts[0] * counts[1] >= 2**31 or N * H > MAX_GRID_X
+            or -(-W // pixels) > MAX_GRID_YZ or max(abs(offset_h), abs(offset_w), H, W) >= 2**30):
+        return None
+    return ("int32", True) if dtype == "float16" else (dtype, False), first, counts, pixels
+
+
+def _launch_merge(out, y, blocks, slots, chain, indices, count, n_blocks, geometry, add, path, stream):
+    """The merging scatter's three launches (fill the window map, link the blocks into it, merge
+    each pixel), each as `launch` took it."""
+    (vector_dtype, half2), first, counts, pixels = path
+    (size_h, size_w), (stride_h, stride_w), (offset_h, offset_w) = geometry
+    N, H, W, C = y.shape
+    vectors = C * np.dtype(str(y.dtype).replace("torch.", "")).itemsize // 16
+    key = ("merge", add, vector_dtype, half2)
+    if key not in _kernels:
+        _kernels[key] = _make_merge_kernels(*key[1:])
+    launched = []
+    for kernel, grid, threads, args in (
+            (fill_int32, -(-slots.shape[0] // LINK_THREADS), LINK_THREADS, (slots, -1)),
+            (link_windows, -(-n_blocks // LINK_THREADS), LINK_THREADS,
+             (slots, chain, indices, count, n_blocks, N, *counts, *first)),
+            (_kernels[key], (N * H, -(-W // pixels)),
+             min(MERGE_THREADS, max(WARP, -(-min(pixels, W) * vectors // MERGE_UNROLL // WARP) * WARP)),
+             (_flat(out, vector_dtype), _flat(y, vector_dtype), _flat(blocks, vector_dtype), slots, chain, N, H, W,
+              vectors, size_h, size_w, stride_h, stride_w, offset_h + first[0] * stride_h,
+              offset_w + first[1] * stride_w, *counts, pixels))):
+        launch(kernel, grid, threads, stream, args)
+        launched.append((kernel, grid, threads, args))
+    return launched
+
 # Gathers, scatters and reduce_mask called again with torch tensors of the same shapes,
 # dtypes, device, geometry, flags and pointer alignment skip the general path (Operands,
 # checks, kernel choice, argument fields: ~100 µs of Python a call, most of an SBNet block's
@@ -1365,11 +1587,12 @@ _tensor_class = None  # torch.Tensor, once a plan exists (torch is imported by t
 
 class _Plan:
     """out_shape: the output's; extra: the device count's pointer (gathers and scatters without
-    a count), or reduce_mask's (windows, chunks); launch: the replays, in order."""
-    __slots__ = ("out_shape", "extra", "launch")
+    a count), or reduce_mask's (windows, chunks); launch: the replays, in order; buffers: a
+    merging scatter's (window map, chain) sizes, else None."""
+    __slots__ = ("out_shape", "extra", "launch", "buffers")
 
-    def __init__(self, out_shape, extra, launch):
-        self.out_shape, self.extra, self.launch = out_shape, extra, launch
+    def __init__(self, out_shape, extra, launch, buffers=None):
+        self.out_shape, self.extra, self.launch, self.buffers = out_shape, extra, launch, buffers
 
 
 def _plan_key(call, tensors, count, settings):
@@ -1404,18 +1627,34 @@ def _replayed(call, tensors, count, settings, inplace=False, out=None):
     plan = _kept(call, tensors, count, settings)
     if plan is None:
         return None
-    if call == "gather":
-        if out is None:
-            out = tensors[0].new_empty(plan.out_shape)
-        elif not (isinstance(out, _tensor_class) and out.shape == plan.out_shape and out.dtype == tensors[0].dtype
-                  and out.device == tensors[0].device and out.is_contiguous()):
-            return None
-        image, blocks = tensors[0], out
-    else:
-        out = tensors[2] if inplace else tensors[2].clone()
-        image, blocks = out, tensors[0]
-    plan.launch[0](_arrays_module.torch_stream_handle(), image.data_ptr(), blocks.data_ptr(), tensors[1].data_ptr(),
-                   plan.extra if count is None else count.data_ptr())
+    stream = _arrays_module.torch_stream_handle()
+    count = plan.extra if count is None else count.data_ptr()
+    if call != "gather":
+        return _scatter_replay(plan, stream, tensors[2], tensors[0].data_ptr(), tensors[1].data_ptr(), count, inplace)
+    if out is None:
+        out = tensors[0].new_empty(plan.out_shape)
+    elif not (isinstance(out, _tensor_class) and out.shape == plan.out_shape and out.dtype == tensors[0].dtype
+              and out.device == tensors[0].device and out.is_contiguous()):
+        return None
+    plan.launch[0](stream, tensors[0].data_ptr(), out.data_ptr(), tensors[1].data_ptr(), count)
+    return out
+
+
+def _scatter_replay(plan, stream, y, blocks, indices, count, inplace):
+    """A scatter through its kept plan: into ``y`` (``inplace``), into a copy of it, or merged
+    into a new tensor (the plan's buffers); ``blocks``, ``indices``, ``count``: pointers."""
+    if plan.buffers is None:
+        out = y if inplace else y.clone()
+        plan.launch[0](stream, out.data_ptr(), blocks, indices, count)
+        return out
+    import torch
+
+    out = torch.empty_like(y)
+    slots, chain = (torch.empty(size, dtype=torch.int32, device=y.device).data_ptr() for size in plan.buffers)
+    fill, link, merge = plan.launch
+    fill(stream, slots)
+    link(stream, slots, chain, indices, count)
+    merge(stream, out.data_ptr(), y.data_ptr(), blocks, slots, chain)
     return out
 
 
@@ -1460,10 +1699,11 @@ def kept_launches(x, indices, blocks, count, bsize, bstride, boffset, transpose,
     (at the same geometry, or at ``scatter_at`` = (bsize, bstride, boffset)), both called once
     before with these tensors (``blocks``: the scatter's; the gather's ``out`` is of the same
     rows), or None. For a caller that repeats such a pair many times with its own buffers
-    (`sbnet_torch`'s CUDA graphs): ``launch(stream handle, image, blocks, indices, count)``,
-    pointers all, skips even the kept plans' lookups. Returns (gather launch, scatter launch,
-    gather's count pointer, scatter's count pointer); a count pointer is None where the
-    caller's ``count`` is to be passed."""
+    (`sbnet_torch`'s CUDA graphs): ``gather(stream handle, image, blocks, indices, count)``,
+    pointers all, and ``scatter(stream handle, image, blocks, indices, count)``, the image a
+    tensor, the rest pointers, returning the output (the image itself where ``inplace``), skip
+    even the kept plans' lookups. Returns (gather, scatter, gather's count pointer, scatter's
+    count pointer); a count pointer is None where the caller's ``count`` is to be passed."""
     if not _plans:
         return None
     gather = _kept("gather", (x, indices), count, _gather_settings(bsize, bstride, boffset, transpose, data_format))
@@ -1473,13 +1713,13 @@ def kept_launches(x, indices, blocks, count, bsize, bstride, boffset, transpose,
     if gather is None or scatter is None:
         return None
     extra = (gather.extra, scatter.extra) if count is None else (None, None)
-    return gather.launch[0], scatter.launch[0], *extra
+    return gather.launch[0], functools.partial(_scatter_replay, scatter, inplace=inplace), *extra
 
 
-def _keep_plan(call, tensors, count, settings, out_shape, launches, extra):
+def _keep_plan(call, tensors, count, settings, out_shape, launches, extra, buffers=None):
     """After a general-path call of torch tensors: keep its launches for `_replayed` (launches:
     (a launch as `_launch.replay` takes it, the positions of its pointer arguments) pairs;
-    extra: see `_Plan`)."""
+    extra, buffers: see `_Plan`)."""
     global _tensor_class
     if _arrays_module._poison_outputs or not hasattr(tensors[0], "data_ptr"):
         return  # (data_ptr: a torch tensor; callers of other kinds need not have torch installed)
@@ -1492,7 +1732,7 @@ def _keep_plan(call, tensors, count, settings, out_shape, launches, extra):
         return
     if len(_plans) >= MAX_PLANS:
         _plans.clear()
-    _plans[key] = _Plan(out_shape, extra, kept)
+    _plans[key] = _Plan(out_shape, extra, kept, buffers)
 
 
 # -- public functions -------------------------------------------------------------
@@ -1877,6 +2117,20 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
         native, out = y, y_op.device(stream)  # the caller's own object back (torch: not a detached alias)
     else:
         native, out = y_op.empty(y_op.shape, stream)
+    path = None
+    if not inplace and n_blocks and C:
+        path = _merge_path(out, y_op.device(stream), b_op.device(stream), n_blocks, geometry, channels_last,
+                           transpose)
+    if path is not None:  # one pass: every pixel of the copy written once
+        (_, slots), (_, chain) = (_int_output(y_op, (size,), stream, None) for size in (
+            y_op.shape[0] * path[2][0] * path[2][1], n_blocks))
+        launched = _launch_merge(out, y_op.device(stream), b_op.device(stream), slots, chain, idx.device(stream),
+                                 count_device, n_blocks, geometry, add, path, stream)
+        _keep_plan("scatter", (blocks, indices, y), count, settings, tuple(y_op.shape),
+                   list(zip(launched, [(0,), (0, 1, 2, 3), (0, 1, 2, 3, 4)])), data_pointer(count_device),
+                   (slots.shape[0], chain.shape[0]))
+        return y_op.result(native, out, stream)
+    if not inplace:
         _device_copy(out, y_op, stream)
     if n_blocks and C:
         launched = _launch_copy(True, out, b_op.device(stream), idx.device(stream), count_device, n_blocks,
