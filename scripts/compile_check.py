@@ -186,7 +186,7 @@ def main():
     # The merging scatter (a copy of y and the windows over each pixel in one pass) and its map.
     results.append(check("fill int32", sbnet.fill_int32.py_func, (types.int32[::1], i64)))
     results.append(check("link windows", sbnet.link_windows.py_func,
-                         (types.int32[::1], types.int32[::1], types.int32[:, ::1], types.int32[::1]) + (i64,) * 6))
+                         (types.int32[::1], types.int32[::1], types.int32[:, ::1], types.int32[::1]) + (i64,) * 7))
     for add, (vector_dtype, half2) in itertools.product(
             (False, True), (("float32", False), ("float64", False), ("int32", True))):
         element = getattr(types, vector_dtype)

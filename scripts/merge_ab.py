@@ -44,7 +44,8 @@ def main():
             grid = reference.block_count((400, 700), (14, 14), (g["boffset"],) * 2)
             for fraction in (0.05, 0.1, 0.25, 0.5):
                 chosen = np.argwhere(rng.random(grid) < fraction)
-                indices = np.concatenate([np.zeros((len(chosen), 1), np.int64), chosen], axis=1).astype(np.int32)
+                indices = np.ascontiguousarray(np.concatenate([np.zeros((len(chosen), 1), np.int64), chosen], axis=1),
+                                               np.int32)
                 idx = torch.as_tensor(indices, device="cuda")
                 blocks = torch.randn(len(indices), g["bsize"], g["bsize"], 256, device="cuda", dtype=dtype)
                 want = reference.sparse_scatter(blocks.double().cpu().numpy(), indices, y.double().cpu().numpy(),

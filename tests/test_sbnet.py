@@ -639,17 +639,19 @@ def merge_kernel_keys(patch):
     return keys
 
 
-@pytest.mark.parametrize("dtype, channels", [("float32", 4), ("float16", 8), ("float64", 2), ("float32", 12)])
+@pytest.mark.parametrize("dtype, channels, link_alone", [
+    ("float32", 4, 16384), ("float16", 8, 16384), ("float64", 2, 16384), ("float32", 12, 0)])
 @pytest.mark.parametrize("add, atomic", [(False, False), (True, False), (True, True)])
 @few
 @given(data=st.data())
-def test_merging_scatter_equals_reference(dtype, channels, add, atomic, data):
+def test_merging_scatter_equals_reference(dtype, channels, link_alone, add, atomic, data):
     """A scatter into a copy of an NHWC image in one pass (every pixel written once, from a map
     of the windows): windows overlapping by up to half (atomic adds), with holes between them,
     off every edge, negative and uneven offsets, a window's rows and columns of 1, out-of-range
     indices (n past N, windows wholly off the image, and ones just off the grid that still
     reach it), repeated windows (atomic adds: each block counts), a count short of the rows;
-    the output poisoned first."""
+    the output poisoned first. The map emptied and linked by one thread block, or (LINK_ALONE
+    0) emptied by a launch of its own and linked by a grid."""
     draw = data.draw
     size = (draw(st.integers(1, 4)), draw(st.integers(1, 4)))
     least = [-(-s // 2) if atomic else s for s in size]  # overlapping by at most half a window
@@ -666,6 +668,7 @@ def test_merging_scatter_equals_reference(dtype, channels, add, atomic, data):
     y = values(rng, shape, dtype, "normal")
     with pytest.MonkeyPatch.context() as patch, poisoned_outputs():
         made = merge_kernel_keys(patch)
+        patch.setattr(sbnet, "LINK_ALONE", link_alone)
         got = sbnet.sparse_scatter(blocks, indices, y, add=add, atomic=atomic, count=count, **g)
     want = reference.sparse_scatter(blocks[:count[0]].astype(np.float64), indices[:count[0]],
                                     y.astype(np.float64), add=add, **g)
@@ -705,12 +708,14 @@ def test_scatters_that_cannot_merge_copy_first(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="kept plans replay through the driver")
-@pytest.mark.parametrize("transpose", [False, True])
-def test_repeated_torch_calls_replay_a_kept_plan(transpose, monkeypatch):
+@pytest.mark.parametrize("transpose, link_alone", [(False, 16384), (True, 16384), (False, 0)])
+def test_repeated_torch_calls_replay_a_kept_plan(transpose, link_alone, monkeypatch):
     """The second gather or scatter with tensors like the first goes through a kept plan (new
-    pointers, new output, or y itself in place); other alignments take the general path."""
+    pointers, new output, or y itself in place; a merging scatter's map emptied in its link or
+    by a launch of its own); other alignments take the general path."""
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(sbnet, "_plans", {})
+    monkeypatch.setattr(sbnet, "LINK_ALONE", link_alone)
     g = {"bsize": (3, 4), "bstride": (3, 4), "boffset": (-1, -2)}
     indices = torch.tensor([[0, 0, 0], [1, 1, 2], [0, 2, 1], [1, 0, 3]], dtype=torch.int32, device="cuda")
     count = torch.tensor([3], dtype=torch.int32, device="cuda")

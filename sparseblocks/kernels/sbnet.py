@@ -202,7 +202,11 @@ MERGE_UNROLL = 4  # 16-byte vectors a merging thread loads before it stores any
 MERGE_VECTORS = MERGE_THREADS * MERGE_UNROLL  # vectors of a thread block's run of a row (whole pixels, >= 1)
 MERGE_SPAN = MERGE_VECTORS + 2  # windows such a run reaches along the row at most (a stride of 1)
 CHAINED = 1 << 30  # a window map entry's flag: more blocks of the same window follow in the chain
-LINK_THREADS = 256
+LINK_THREADS = 256  # threads of a thread block linking the blocks into the map ...
+# ... or, where the map and the rows are at most LINK_ALONE each, of the one thread block that
+# also empties the map first (a launch fewer: the eager block is bound by its launches).
+LINK_ALONE = 16384
+LINK_ALONE_THREADS = 1024
 MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z
 MAX_GRID_X = 2**31 - 1
 MASK_DTYPES = ("bool", "uint8", "float16", "float32", "float64")
@@ -1258,26 +1262,30 @@ def fill_int32(array, value):
 
 
 @cuda.jit
-def link_windows(slots, chain, indices, count, n_blocks, N, count_h, count_w, first_h, first_w):
+def link_windows(slots, chain, indices, count, n_blocks, N, count_h, count_w, first_h, first_w, fill):
     """The window map of a merging scatter: ``slots`` [N, count_h, count_w] (every window whose
-    rows and columns reach the image; filled with -1 before) gets each block's row i, below the
-    count, at its window; a window given more than once keeps one row there, flagged CHAINED,
-    and the others in ``chain`` (row -> next row of the same window, or -1). Windows of no
-    image or off it are left out: they write nothing."""
-    i = cuda.grid(1)
-    if i >= n_blocks or i >= count[0]:
-        return
-    n = indices[i, 0]
-    r = int64(indices[i, 1]) - first_h
-    c = int64(indices[i, 2]) - first_w
-    if 0 <= n < N and 0 <= r < count_h and 0 <= c < count_w:
-        at = (int64(n) * count_h + r) * count_w + c
-        before = cuda.atomic.exch(slots, at, int32(i))
-        if before == -1:
-            chain[i] = -1
-        else:  # (the last row exchanged in sees a row before it, so the flag is set at the end)
-            chain[i] = before & (CHAINED - 1)
-            cuda.atomic.or_(slots, at, int32(CHAINED))
+    rows and columns reach the image; -1: none) gets each block's row i, below the count, at its
+    window; a window given more than once keeps one row there, flagged CHAINED, and the others
+    in ``chain`` (row -> next row of the same window, or -1). Windows of no image or off it are
+    left out: they write nothing. With ``fill`` the launch is one thread block, which empties
+    the map itself first (one launch fewer where the map is small), else it was filled with -1
+    before."""
+    if fill:
+        for k in range(cuda.threadIdx.x, slots.size, cuda.blockDim.x):
+            slots[k] = -1
+        cuda.syncthreads()  # the map is empty before any row is linked into it
+    for i in range(cuda.grid(1), min(n_blocks, count[0]), cuda.gridsize(1)):
+        n = indices[i, 0]
+        r = int64(indices[i, 1]) - first_h
+        c = int64(indices[i, 2]) - first_w
+        if 0 <= n < N and 0 <= r < count_h and 0 <= c < count_w:
+            at = (int64(n) * count_h + r) * count_w + c
+            before = cuda.atomic.exch(slots, at, int32(i))
+            if before == -1:
+                chain[i] = -1
+            else:  # (the last row exchanged in sees a row before it, so the flag is set at the end)
+                chain[i] = before & (CHAINED - 1)
+                cuda.atomic.or_(slots, at, int32(CHAINED))
 
 
 def _make_merge_kernels(add, vector_dtype, half2):
@@ -1327,6 +1335,16 @@ def _make_merge_kernels(add, vector_dtype, half2):
             slot = chain[slot] if add and entry & CHAINED else -1  # (overwriting: one block lands)
         return acc, found
 
+    @cuda.jit(device=True, inline=True)
+    def load_run(olds, y, row_start, start, total, threads):
+        """y's vectors start, start + threads, ... (MERGE_UNROLL of them, zeros past the run's
+        total) into ``olds``: all loads in flight before any is used."""
+        for u in range(MERGE_UNROLL):
+            v = start + u * threads
+            got = load(y, uint64((row_start + v) * WIDTH)) if v < total else zeros()
+            for k in range(WIDTH):
+                olds[u, k] = got[k]
+
     @cuda.jit
     def merge_rows(out, y, blocks, slots, chain, N, H, W, CV, size_h, size_w, stride_h, stride_w,
                    start_h, start_w, count_h, count_w, P):
@@ -1351,6 +1369,10 @@ def _make_merge_kernels(add, vector_dtype, half2):
         if x_hi >= 0:
             hi = min(int32(uint32(x_hi) // uint32(stride_w)), count_w - 1)
         span = max(hi - lo + 1, 0)
+        row_start = (int64(row) * W + w0) * CV  # the run's first vector
+        olds = cuda.local.array((MERGE_UNROLL, WIDTH), element)
+        start = cuda.threadIdx.x
+        load_run(olds, y, row_start, start, total, threads)  # (in flight while the map is read)
         entries = cuda.shared.array((2, MERGE_SPAN), int32)
         map_row = int64(n) * count_h
         for k in range(cuda.threadIdx.x, 2 * span, threads):
@@ -1359,14 +1381,9 @@ def _make_merge_kernels(add, vector_dtype, half2):
             r = r_early if which else r_late
             entries[which, c] = slots[(map_row + r) * count_w + lo + c] if r >= 0 else -1
         cuda.syncthreads()  # the run's window map entries are in shared memory
-        row_start = (int64(row) * W + w0) * CV  # the run's first vector
-        olds = cuda.local.array((MERGE_UNROLL, WIDTH), element)
-        for start in range(cuda.threadIdx.x, total, threads * MERGE_UNROLL):
-            for u in range(MERGE_UNROLL):  # y's vectors first: MERGE_UNROLL loads in flight
-                v = start + u * threads
-                got = load(y, uint64((row_start + v) * WIDTH)) if v < total else zeros()
-                for k in range(WIDTH):
-                    olds[u, k] = got[k]
+        while start < total:
+            if start > cuda.threadIdx.x:
+                load_run(olds, y, row_start, start, total, threads)
             for u in range(MERGE_UNROLL):
                 v = start + u * threads
                 if v < total:
@@ -1393,6 +1410,7 @@ def _make_merge_kernels(add, vector_dtype, half2):
                             acc, found = take(acc, found, entries[1, c_early - lo], blocks, chain, d_early,
                                               e_early, q, size_h, size_w, CV)
                     store(out, uint64((row_start + v) * WIDTH), acc)
+            start += threads * MERGE_UNROLL
 
     return merge_rows
 
@@ -1552,8 +1570,8 @@ def _merge_path(out, y, blocks, n_blocks, geometry, channels_last, transpose):
 
 
 def _launch_merge(out, y, blocks, slots, chain, indices, count, n_blocks, geometry, add, path, stream):
-    """The merging scatter's three launches (fill the window map, link the blocks into it, merge
-    each pixel), each as `launch` took it."""
+    """The merging scatter's launches (empty the window map, link the blocks into it, merge each
+    pixel; the first two one where the map and the rows are small), each as `launch` took it."""
     (vector_dtype, half2), first, counts, pixels = path
     (size_h, size_w), (stride_h, stride_w), (offset_h, offset_w) = geometry
     N, H, W, C = y.shape
@@ -1561,11 +1579,15 @@ def _launch_merge(out, y, blocks, slots, chain, indices, count, n_blocks, geomet
     key = ("merge", add, vector_dtype, half2)
     if key not in _kernels:
         _kernels[key] = _make_merge_kernels(*key[1:])
+    alone = max(slots.shape[0], n_blocks) <= LINK_ALONE
+    most = -(-max(slots.shape[0], n_blocks) // WARP) * WARP
+    link = (link_windows, 1, min(LINK_ALONE_THREADS, most)) if alone else \
+        (link_windows, -(-n_blocks // LINK_THREADS), LINK_THREADS)
+    launches = [] if alone else [(fill_int32, -(-slots.shape[0] // LINK_THREADS), LINK_THREADS, (slots, -1))]
     launched = []
     for kernel, grid, threads, args in (
-            (fill_int32, -(-slots.shape[0] // LINK_THREADS), LINK_THREADS, (slots, -1)),
-            (link_windows, -(-n_blocks // LINK_THREADS), LINK_THREADS,
-             (slots, chain, indices, count, n_blocks, N, *counts, *first)),
+            *launches,
+            (*link, (slots, chain, indices, count, n_blocks, N, *counts, *first, int(alone))),
             (_kernels[key], (N * H, -(-W // pixels)),
              min(MERGE_THREADS, max(WARP, -(-min(pixels, W) * vectors // MERGE_UNROLL // WARP) * WARP)),
              (_flat(out, vector_dtype), _flat(y, vector_dtype), _flat(blocks, vector_dtype), slots, chain, N, H, W,
@@ -1574,6 +1596,7 @@ def _launch_merge(out, y, blocks, slots, chain, indices, count, n_blocks, geomet
         launch(kernel, grid, threads, stream, args)
         launched.append((kernel, grid, threads, args))
     return launched
+
 
 # Gathers, scatters and reduce_mask called again with torch tensors of the same shapes,
 # dtypes, device, geometry, flags and pointer alignment skip the general path (Operands,
@@ -1588,7 +1611,7 @@ _tensor_class = None  # torch.Tensor, once a plan exists (torch is imported by t
 class _Plan:
     """out_shape: the output's; extra: the device count's pointer (gathers and scatters without
     a count), or reduce_mask's (windows, chunks); launch: the replays, in order; buffers: a
-    merging scatter's (window map, chain) sizes, else None."""
+    merging scatter's (window map, chain) sizes (int32 entries, one buffer), else None."""
     __slots__ = ("out_shape", "extra", "launch", "buffers")
 
     def __init__(self, out_shape, extra, launch, buffers=None):
@@ -1650,11 +1673,15 @@ def _scatter_replay(plan, stream, y, blocks, indices, count, inplace):
     import torch
 
     out = torch.empty_like(y)
-    slots, chain = (torch.empty(size, dtype=torch.int32, device=y.device).data_ptr() for size in plan.buffers)
-    fill, link, merge = plan.launch
-    fill(stream, slots)
-    link(stream, slots, chain, indices, count)
-    merge(stream, out.data_ptr(), y.data_ptr(), blocks, slots, chain)
+    windows, rows = plan.buffers
+    # (freed once the launches are queued: stream order keeps it until they have run)
+    scratch = torch.empty(windows + rows, dtype=torch.int32, device=y.device)
+    slots = scratch.data_ptr()
+    chain = slots + 4 * windows
+    if len(plan.launch) == 3:
+        plan.launch[0](stream, slots)
+    plan.launch[-2](stream, slots, chain, indices, count)
+    plan.launch[-1](stream, out.data_ptr(), y.data_ptr(), blocks, slots, chain)
     return out
 
 
@@ -2122,13 +2149,13 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
         path = _merge_path(out, y_op.device(stream), b_op.device(stream), n_blocks, geometry, channels_last,
                            transpose)
     if path is not None:  # one pass: every pixel of the copy written once
-        (_, slots), (_, chain) = (_int_output(y_op, (size,), stream, None) for size in (
-            y_op.shape[0] * path[2][0] * path[2][1], n_blocks))
-        launched = _launch_merge(out, y_op.device(stream), b_op.device(stream), slots, chain, idx.device(stream),
-                                 count_device, n_blocks, geometry, add, path, stream)
+        windows = y_op.shape[0] * path[2][0] * path[2][1]
+        _, scratch = _int_output(y_op, (windows + n_blocks,), stream, None)  # the map, then the chain
+        launched = _launch_merge(out, y_op.device(stream), b_op.device(stream), scratch[:windows], scratch[windows:],
+                                 idx.device(stream), count_device, n_blocks, geometry, add, path, stream)
         _keep_plan("scatter", (blocks, indices, y), count, settings, tuple(y_op.shape),
-                   list(zip(launched, [(0,), (0, 1, 2, 3), (0, 1, 2, 3, 4)])), data_pointer(count_device),
-                   (slots.shape[0], chain.shape[0]))
+                   list(zip(launched, [(0,), (0, 1, 2, 3), (0, 1, 2, 3, 4)][-len(launched):])),
+                   data_pointer(count_device), (windows, n_blocks))
         return y_op.result(native, out, stream)
     if not inplace:
         _device_copy(out, y_op, stream)
