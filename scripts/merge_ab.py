@@ -53,7 +53,8 @@ def main():
                 calls = {}
                 for merge in (True, False):
                     def call(merge=merge):
-                        sbnet.MERGE = merge  # (read by the general path; each version keeps its own plan)
+                        sbnet.MERGE, sbnet.MERGE_MIN_COVER = merge, 0  # (read by the general path; each
+                        # version keeps its own plan)
                         return sbnet.sparse_scatter(blocks, idx, y, add=True, atomic=atomic, **g)
                     sbnet._plans.clear()
                     for _ in range(2):  # the general path, then the kept plan

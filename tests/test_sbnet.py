@@ -669,6 +669,7 @@ def test_merging_scatter_equals_reference(dtype, channels, link_alone, add, atom
     with pytest.MonkeyPatch.context() as patch, poisoned_outputs():
         made = merge_kernel_keys(patch)
         patch.setattr(sbnet, "LINK_ALONE", link_alone)
+        patch.setattr(sbnet, "MERGE_MIN_COVER", 0)  # (however few the windows)
         got = sbnet.sparse_scatter(blocks, indices, y, add=add, atomic=atomic, count=count, **g)
     want = reference.sparse_scatter(blocks[:count[0]].astype(np.float64), indices[:count[0]],
                                     y.astype(np.float64), add=add, **g)
@@ -681,11 +682,11 @@ def test_merging_scatter_equals_reference(dtype, channels, link_alone, add, atom
     assert made == ([(add, "int32" if dtype == "float16" else dtype, dtype == "float16")] if reaches else [])
 
 
-@pytest.mark.parametrize("case", ["overlap past half", "inplace", "transpose", "misaligned"])
+@pytest.mark.parametrize("case", ["overlap past half", "inplace", "transpose", "misaligned", "few windows"])
 def test_scatters_that_cannot_merge_copy_first(case):
     """Windows over a pixel more than twice along an axis, an in-place scatter, blocks in the
-    other layout, an image off 16-byte alignment: y copied (or not, in place), then scattered;
-    equal to the reference."""
+    other layout, an image off 16-byte alignment, blocks covering less of the image than
+    MERGE_MIN_COVER: y copied (or not, in place), then scattered; equal to the reference."""
     rng = np.random.default_rng(11)
     g = {"bsize": 3, "bstride": 1 if case == "overlap past half" else 2, "boffset": -1}
     x = rng.standard_normal((1, 5, 6, 4)).astype(np.float32)
@@ -699,6 +700,7 @@ def test_scatters_that_cannot_merge_copy_first(case):
         y = cuda.to_device(np.concatenate([[0], x.ravel()]).astype(np.float32))[1:].reshape(x.shape)
     with pytest.MonkeyPatch.context() as patch:
         made = merge_kernel_keys(patch)
+        patch.setattr(sbnet, "MERGE_MIN_COVER", 0.95 if case == "few windows" else 0)  # (27 of 30 pixels)
         got = sbnet.sparse_scatter(cuda.to_device(blocks), cuda.to_device(indices), y, add=True, atomic=True,
                                    transpose=transpose,
                                    inplace=case == "inplace", **g).copy_to_host()
@@ -716,6 +718,7 @@ def test_repeated_torch_calls_replay_a_kept_plan(transpose, link_alone, monkeypa
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(sbnet, "_plans", {})
     monkeypatch.setattr(sbnet, "LINK_ALONE", link_alone)
+    monkeypatch.setattr(sbnet, "MERGE_MIN_COVER", 0)
     g = {"bsize": (3, 4), "bstride": (3, 4), "boffset": (-1, -2)}
     indices = torch.tensor([[0, 0, 0], [1, 1, 2], [0, 2, 1], [1, 0, 3]], dtype=torch.int32, device="cuda")
     count = torch.tensor([3], dtype=torch.int32, device="cuda")

@@ -197,6 +197,12 @@ ROW_TILE_WINDOW_MAJOR = None  # None: that rule; True or False: always or never 
 # (version 2). False: y copied, then the blocks scattered into the copy (version 1: the copy
 # and the windows' read-modify-writes, ~1.5-2x the bytes at half the windows active).
 MERGE = True
+# ... where the blocks' pixels are at least this fraction of the image's (rows given, not the
+# count's): below it the pass reads and writes as many bytes as the copy, and its two launches
+# (link, merge) and map cost more host time than the copy's one and the scatter's (H100, fp16
+# block training step with graphs at 5-10 % of windows, eager: 0.94-0.97 ms copying, 1.03-1.10
+# merging; at 50 %: 1.32 copying, 1.22 merging; `benchmarks/NOTES.md`, session 23).
+MERGE_MIN_COVER = 0.15
 MERGE_THREADS = 256  # most threads of a merging thread block
 MERGE_UNROLL = 4  # 16-byte vectors a merging thread loads before it stores any
 MERGE_VECTORS = MERGE_THREADS * MERGE_UNROLL  # vectors of a thread block's run of a row (whole pixels, >= 1)
@@ -1545,16 +1551,17 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
 
 def _merge_path(out, y, blocks, n_blocks, geometry, channels_last, transpose):
     """A merging scatter's (vector dtype, half2, first window, window counts, pixels a thread
-    block) where it applies, else None: `MERGE`, NHWC blocks and image, pixels of whole 16-byte
-    vectors and 16-byte aligned pointers, at most two windows over a pixel along each axis
+    block) where it applies, else None: `MERGE`, blocks covering MERGE_MIN_COVER of the image,
+    NHWC blocks and image, pixels of whole 16-byte vectors and 16-byte aligned pointers, at most two windows over a pixel along each axis
     (2 * stride >= size), some window on the image, and the map, rows and grid within 32 bits
     and CUDA's limits."""
-    if not (MERGE and channels_last and not transpose and n_blocks < CHAINED):
+    N, H, W, C = y.shape
+    (size_h, size_w), (stride_h, stride_w), (offset_h, offset_w) = geometry
+    if not (MERGE and channels_last and not transpose and n_blocks < CHAINED
+            and n_blocks * size_h * size_w >= MERGE_MIN_COVER * N * H * W):
         return None
     dtype = str(y.dtype).replace("torch.", "")
     itemsize = np.dtype(dtype).itemsize
-    N, H, W, C = y.shape
-    (size_h, size_w), (stride_h, stride_w), (offset_h, offset_w) = geometry
     if (C * itemsize % 16 or any(data_pointer(a) % 16 for a in (out, y, blocks))
             or 2 * stride_h < size_h or 2 * stride_w < size_w):
         return None
