@@ -39,7 +39,12 @@ zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
   with ``transpose``.
   Adding windows that can overlap (a stride smaller than the block) without
   ``atomic`` raises, and so do repeated indices given on the host. Where
-  overwritten windows overlap, which block lands is unspecified.
+  overwritten windows overlap, which block lands is unspecified. Into a copy,
+  channels-last blocks covering MERGE_MIN_COVER of the image or more go in one
+  pass (version 2, `_make_merge_kernels`): the blocks' rows are linked into a
+  map of the windows (`link_windows`), then each pixel of the copy is written
+  once, y's value plus (or replaced by) the values of the windows over it,
+  read through the map; version 1 copies y, then scatters into the copy.
 
 Storage float16, float32, float64 (fp16 atomic adds: `_half2.py`). Channels-last
 (NHWC) copies go a window row at a time in 16-byte vectors where a pixel is
@@ -53,7 +58,8 @@ dtypes, geometry, flags and alignment replays kept launches (`_plans`, as
 bsmm's products).
 
 Versions: reduce_mask 1 (pool, then compact) and 2 (one pass, the default;
-benchmarks/NOTES.md has both measured).
+benchmarks/NOTES.md has both measured); sparse_scatter into a copy 1 (copy,
+then scatter) and 2 (merged in one pass where it applies: `MERGE`).
 """
 
 import functools
