@@ -1555,21 +1555,19 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
 
 
 
-def _merge_path(out, y, blocks, n_blocks, geometry, channels_last, transpose):
-    """A merging scatter's (vector dtype, half2, first window, window counts, pixels a thread
-    block) where it applies, else None: `MERGE`, blocks covering MERGE_MIN_COVER of the image,
-    NHWC blocks and image, pixels of whole 16-byte vectors and 16-byte aligned pointers, at most two windows over a pixel along each axis
-    (2 * stride >= size), some window on the image, and the map, rows and grid within 32 bits
-    and CUDA's limits."""
-    N, H, W, C = y.shape
+def _merge_path(out, y_op, blocks, n_blocks, geometry, channels_last, transpose, stream):
+    """A merging scatter's (vector dtype, half2, first window, window counts, vectors a pixel,
+    pixels a thread block) where it applies, else None: `MERGE`, blocks covering
+    MERGE_MIN_COVER of the image, NHWC blocks and image, pixels of whole 16-byte vectors and
+    16-byte aligned pointers, at most two windows over a pixel along each axis (2 * stride >=
+    size), some window on the image, and the map, rows and grid within 32 bits and CUDA's
+    limits. (y on the device only where the rest holds: a NumPy y is copied there once.)"""
+    N, H, W, C = y_op.shape
     (size_h, size_w), (stride_h, stride_w), (offset_h, offset_w) = geometry
+    itemsize = np.dtype(y_op.dtype).itemsize
     if not (MERGE and channels_last and not transpose and n_blocks < CHAINED
-            and n_blocks * size_h * size_w >= MERGE_MIN_COVER * N * H * W):
-        return None
-    dtype = str(y.dtype).replace("torch.", "")
-    itemsize = np.dtype(dtype).itemsize
-    if (C * itemsize % 16 or any(data_pointer(a) % 16 for a in (out, y, blocks))
-            or 2 * stride_h < size_h or 2 * stride_w < size_w):
+            and n_blocks * size_h * size_w >= MERGE_MIN_COVER * N * H * W
+            and C * itemsize % 16 == 0 and 2 * stride_h >= size_h and 2 * stride_w >= size_w):
         return None
     # The windows that reach the image: start < H and start + size > 0.
     first = ((-offset_h - size_h) // stride_h + 1, (-offset_w - size_w) // stride_w + 1)
@@ -1577,18 +1575,18 @@ def _merge_path(out, y, blocks, n_blocks, geometry, channels_last, transpose):
     vectors = C * itemsize // 16
     pixels = max(1, MERGE_VECTORS // vectors)
     if (min(counts) <= 0 or N * counts[0] * counts[1] >= 2**31 or N * H > MAX_GRID_X
-            or -(-W // pixels) > MAX_GRID_YZ or max(abs(offset_h), abs(offset_w), H, W) >= 2**30):
+            or -(-W // pixels) > MAX_GRID_YZ or max(abs(offset_h), abs(offset_w), H, W) >= 2**30
+            or any(data_pointer(a) % 16 for a in (out, y_op.device(stream), blocks))):
         return None
-    return ("int32", True) if dtype == "float16" else (dtype, False), first, counts, pixels
+    return ("int32", True) if y_op.dtype == "float16" else (y_op.dtype, False), first, counts, vectors, pixels
 
 
 def _launch_merge(out, y, blocks, slots, chain, indices, count, n_blocks, geometry, add, path, stream):
     """The merging scatter's launches (empty the window map, link the blocks into it, merge each
     pixel; the first two one where the map and the rows are small), each as `launch` took it."""
-    (vector_dtype, half2), first, counts, pixels = path
+    (vector_dtype, half2), first, counts, vectors, pixels = path
     (size_h, size_w), (stride_h, stride_w), (offset_h, offset_w) = geometry
     N, H, W, C = y.shape
-    vectors = C * np.dtype(str(y.dtype).replace("torch.", "")).itemsize // 16
     key = ("merge", add, vector_dtype, half2)
     if key not in _kernels:
         _kernels[key] = _make_merge_kernels(*key[1:])
@@ -2159,8 +2157,7 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
         native, out = y_op.empty(y_op.shape, stream)
     path = None
     if not inplace and n_blocks and C:
-        path = _merge_path(out, y_op.device(stream), b_op.device(stream), n_blocks, geometry, channels_last,
-                           transpose)
+        path = _merge_path(out, y_op, b_op.device(stream), n_blocks, geometry, channels_last, transpose, stream)
     if path is not None:  # one pass: every pixel of the copy written once
         windows = y_op.shape[0] * path[2][0] * path[2][1]
         _, scratch = _int_output(y_op, (windows + n_blocks,), stream, None)  # the map, then the chain
