@@ -60,11 +60,12 @@ class _SparseGather(torch.autograd.Function):
     def backward(ctx, grad_blocks):
         indices, *count = ctx.saved_tensors
         zeros = grad_blocks.new_zeros(ctx.shape)
-        # Windows may overlap or repeat (every SparseResBlock's share a halo): add atomically.
+        # Windows may overlap or repeat (every SparseResBlock's share a halo): add atomically,
+        # into the fresh zeros themselves (into a copy would read and write the image once more).
         grad_x = kernels.sparse_scatter(grad_blocks.contiguous(), indices, zeros, add=True, atomic=True,
-                                        transpose=ctx.transpose, count=count[0] if count else None,
-                                        **ctx.geometry)
-        return grad_x, None, None, None, None
+                                        transpose=ctx.transpose, inplace=True,
+                                        count=count[0] if count else None, **ctx.geometry)
+        return _written_into(zeros, grad_x), None, None, None, None
 
 
 class _SparseScatter(torch.autograd.Function):
