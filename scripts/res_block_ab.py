@@ -12,7 +12,9 @@ dense block's masked gradients, then every arm and the dense block are timed in 
 round in rotated order: an eager step as the benchmark times it (CUDA events around one call,
 median) and the host's time alone (`profile_host.host_us`), and the in-place forward both ways.
 Eager calls of this block are host-bound and the host's speed drifts; compare within a run.
-``--profile``: cProfile's top functions of each arm's fp16 training step at 10 %.
+``--profile``: cProfile's top functions of each arm's fp16 training step at 10 %. ``--graph``: each
+call's device time too (10 calls captured in one CUDA graph, replays timed in the same rounds; arms
+with graphs=True are left out: in a caller's capture they launch their kernels as the others do).
 """
 
 import argparse
@@ -27,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks.common import device_name, time_ms  # noqa: E402
+from benchmarks.common import captured, device_name, time_ms  # noqa: E402
 from profile_host import host_us, top_functions  # noqa: E402
 
 
@@ -48,6 +50,7 @@ def main():
     parser.add_argument("--dtypes", default="float16,float32")
     parser.add_argument("--fractions", default="0.05,0.1,0.25,0.5")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--graph", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -111,18 +114,32 @@ def main():
             eager = {key: [] for key in calls}
             host = {key: [] for key in calls}
             keys = list(calls)
+            graphs, device = {}, {key: [] for key in calls}
+            if args.graph:
+                for key in keys:
+                    if "graphs" not in key:
+                        with torch.set_grad_enabled("training" in key):
+                            graphs[key] = captured(calls[key], calls=10)
             for r in range(args.rounds):
                 for key in keys[r % len(keys):] + keys[:r % len(keys)]:
                     with torch.set_grad_enabled("training" in key):
                         eager[key].append(time_ms(calls[key], warmup=3, repeat=15))
                         host[key].append(host_us(torch, calls[key], calls=20) / 1e3)
+                        if key in graphs:
+                            device[key].append(time_ms(graphs[key].replay, warmup=2, repeat=10) / 10)
+            del graphs
             for key in keys:
                 rows.append({"dtype": dtype_name, "active": fraction, "windows": len(indices), "call": key,
-                             "eager_ms": statistics.median(eager[key]), "host_ms": statistics.median(host[key])})
+                             "eager_ms": statistics.median(eager[key]), "host_ms": statistics.median(host[key]),
+                             "graph_ms": statistics.median(device[key]) if device[key] else None})
                 r = rows[-1]
-                base = statistics.median(eager["dense " + ("training" if "training" in key else "forward")])
+                kind = "training" if "training" in key else "forward"
+                base = statistics.median(eager["dense " + kind])
+                graphed = "" if r["graph_ms"] is None else (
+                    f"  graph {r['graph_ms']:.3f} ms, dense/this "
+                    f"{statistics.median(device['dense ' + kind]) / r['graph_ms']:.2f}x")
                 print(f"{dtype_name} {fraction:5.2f} {key:24s} eager {r['eager_ms']:.3f} ms host "
-                      f"{r['host_ms']:.3f} ms  dense/this {base / r['eager_ms']:.2f}x", flush=True)
+                      f"{r['host_ms']:.3f} ms  dense/this {base / r['eager_ms']:.2f}x{graphed}", flush=True)
             if args.profile and dtype_name == "float16" and abs(fraction - 0.1) < 1e-9:
                 for name, _ in arms:
                     print(f"==== cProfile: {name} training step, fp16, 10 %")

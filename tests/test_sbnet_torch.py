@@ -332,6 +332,36 @@ def test_residual_writes_into_buffers_what_it_returns_without(nchw_stack):
             torch.testing.assert_close(g, w)
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
+def test_fused_relu_gives_the_relu_apart(dtype, monkeypatch):
+    """The NHWC residual with its first ReLU fused into the matrix product before it (cuBLASLt's
+    epilogue: the GPU's fp32 and fp16) gives what it gives with them apart, into buffers too;
+    where autograd records (a caller differentiating the block's `residual_nhwc`), they run
+    apart and the gradients flow."""
+    if dtype != "float64" and DEVICE == "cpu":
+        pytest.skip("fused on the GPU in fp32 and fp16 (the CPU's fp64 runs torch's fallback)")
+    torch.manual_seed(3)
+    dtype = getattr(torch, dtype)
+    residual = sbnet_torch._WRITTEN_OUT[False]
+    block = sbnet_torch.SparseResBlock(16, 8, block_size=6).to(DEVICE, dtype)
+    weights = block.weights()
+    stack = torch.randn(5, 6, 6, 16, dtype=dtype, device=DEVICE)
+    tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.float16 else {}
+    with torch.no_grad():
+        monkeypatch.setattr(sbnet_torch, "FUSED_MATMUL_RELU", False)
+        apart, apart_saved = residual.forward(stack, weights)
+        monkeypatch.setattr(sbnet_torch, "FUSED_MATMUL_RELU", True)
+        fused, fused_saved = residual.forward(stack, weights)
+        into = tuple(torch.full_like(t, float("nan")) for t in (apart_saved[1], apart_saved[2], apart.contiguous()))
+        written, written_saved = residual.forward(stack, weights, into=into)
+    for got in ((fused, *fused_saved[1:]), (written, *written_saved[1:])):
+        for g, w in zip(got, (apart, *apart_saved[1:])):
+            torch.testing.assert_close(g, w, **tolerance)
+    stack.requires_grad_(True)
+    block.residual_nhwc(stack).float().sum().backward()
+    assert stack.grad is not None and all(w.grad is not None for w in weights)
+
+
 @pytest.mark.parametrize("transpose", [False, True])
 def test_sparse_res_block_graphs_train_as_without(transpose):
     """``graphs=True`` training calls (on a GPU: the residual and its backward replayed from
