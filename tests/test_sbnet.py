@@ -156,10 +156,12 @@ def test_reduce_mask_on_the_device_keeps_the_count_there():
     assert n == len(want)
     np.testing.assert_array_equal(indices.copy_to_host()[:n], want)
     assert (indices.copy_to_host()[n:, 0] == -1).all()  # the rest name no image: kernels skip them
-    # The device count feeds gather directly: rows past it are left alone.
+    # The device count feeds gather directly: rows past it come out as zeros.
     x = rng.standard_normal((2, 7, 9, 3)).astype(np.float32)
-    blocks = sbnet.sparse_gather(cuda.to_device(x), indices, count=count, **g).copy_to_host()
+    with poisoned_outputs():
+        blocks = sbnet.sparse_gather(cuda.to_device(x), indices, count=count, **g).copy_to_host()
     np.testing.assert_array_equal(blocks[:n], reference.sparse_gather(x, want, **g))
+    assert not blocks[n:].any()
 
 
 def test_reduce_mask_of_large_windows():
@@ -586,11 +588,12 @@ def check_row_copies(dtype, channels, transpose, widths, add, data):
     x = values(rng, shape, dtype, "normal")
     indices = np.unique(some_indices(rng, shape, g, unique=True), axis=0)
     count = np.array([draw(st.integers(0, len(indices)))], np.int32)
-    with pytest.MonkeyPatch.context() as patch:  # (a function-scoped fixture would span examples)
+    with pytest.MonkeyPatch.context() as patch, poisoned_outputs():  # (a fixture would span examples)
         made = row_kernel_keys(patch)
         got = sbnet.sparse_gather(x, indices, transpose=transpose, count=count, **g)
     want = reference.sparse_gather(x, indices, transpose=transpose, **g)
     np.testing.assert_array_equal(got[:count[0]], want[:count[0]])
+    assert not got[count[0]:].any()  # rows past the count: zeros
     blocks = values(rng, want.shape, dtype, "normal")
     y = values(rng, shape, dtype, "normal")
     with pytest.MonkeyPatch.context() as patch:
@@ -728,6 +731,7 @@ def test_repeated_torch_calls_replay_a_kept_plan(transpose, link_alone, monkeypa
         got = sbnet.sparse_gather(x, indices, transpose=transpose, count=count, **g)
         want = reference.sparse_gather(x.cpu().numpy(), host_indices, transpose=transpose, **g)
         np.testing.assert_array_equal(got[:3].cpu().numpy(), want)
+        assert not got[3:].any()  # past the count: zeros, replayed or not
         for add, inplace in [(False, False), (True, False), (True, True)]:
             y = torch.randn(2, 7, 9, 8, device="cuda")
             want = reference.sparse_scatter(got[:3].cpu().numpy(), host_indices, y.cpu().numpy(), add=add,
@@ -742,6 +746,7 @@ def test_repeated_torch_calls_replay_a_kept_plan(transpose, link_alone, monkeypa
     got = sbnet.sparse_gather(shifted, indices, transpose=transpose, count=count, **g)
     want = reference.sparse_gather(shifted.cpu().numpy(), host_indices, transpose=transpose, **g)
     np.testing.assert_array_equal(got[:3].cpu().numpy(), want)
+    assert not got[3:].any()
     assert len(sbnet._plans) == 5
 
 
@@ -901,9 +906,10 @@ def test_zero_blocks():
 
 
 @pytest.mark.parametrize("transpose", [False, True])
-def test_gather_into_out_writes_the_rows_below_the_count(transpose):
-    """``out=``: the rows below the count are the reference's, the rest as they were; the same
-    call again (a kept plan, torch) writes into another out; the reference's twin agrees."""
+def test_gather_into_out_writes_zeros_past_the_count(transpose):
+    """``out=``: the rows below the count are the reference's, the rest zeros (whatever they
+    held); the same call again (a kept plan, torch) writes into another out; the reference's
+    twin agrees."""
     rng = np.random.default_rng(4)
     g = {"bsize": (3, 2), "bstride": 2, "boffset": (-1, 0)}
     x = rng.standard_normal((2, 5, 6, 4)).astype(np.float32)
@@ -912,7 +918,7 @@ def test_gather_into_out_writes_the_rows_below_the_count(transpose):
     want = reference.sparse_gather(x, indices, transpose=transpose, count=count, **g)
     shape = (4, *want.shape[1:])
     sentinel = np.full(shape, 7.0, np.float32)
-    expected = sentinel.copy()
+    expected = np.zeros(shape, np.float32)
     expected[:3] = want
     out = cuda.to_device(sentinel)
     got = sbnet.sparse_gather(cuda.to_device(x), cuda.to_device(indices), transpose=transpose, count=count,

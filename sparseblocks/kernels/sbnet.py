@@ -33,7 +33,9 @@ zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
 * `sparse_gather`: NHWC ``x`` -> ``[n_blocks, bh, bw, C]``, or with
   ``transpose`` ``[n_blocks, C, bh, bw]`` through a shared-memory tile so that
   reads run along C and writes along the block's pixels. ``data_format="NCHW"``
-  takes an NCHW ``x`` and gives the reverse layouts.
+  takes an NCHW ``x`` and gives the reverse layouts. Rows past the count come
+  out as zeros (not left unwritten: garbage there would reach the weight
+  gradients of convolutions run on the whole stack).
 * `sparse_scatter`: a block stack back into (a copy of, or with ``inplace``)
   ``y``: overwrite, add, or atomic add; blocks in y's layout, or in the other
   with ``transpose``.
@@ -848,11 +850,12 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
     @cuda.jit
     def copy_plain(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w):
         i = cuda.blockIdx.x
-        if i >= count[0]:
+        live = i < count[0]  # a gather's row past the count: zeros, as a window off the image
+        if scatter and not live:
             return
         N, H, W, C = image_shape(image)
         n, h0, w0 = window(indices, i, stride_h, stride_w, offset_h, offset_w)
-        n_ok = 0 <= n < N
+        n_ok = live and 0 <= n < N
         if scatter and not n_ok:
             return
         nc = min(max(n, 0), N - 1)
@@ -923,11 +926,12 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
     @cuda.jit
     def copy_transposed(image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w):
         i = cuda.blockIdx.x
-        if i >= count[0]:
+        live = i < count[0]  # a gather's row past the count: zeros, as a window off the image
+        if scatter and not live:
             return  # the same for the whole thread block, before any barrier
         N, H, W, C = image_shape(image)
         n, h0, w0 = window(indices, i, stride_h, stride_w, offset_h, offset_w)
-        n_ok = 0 <= n < N
+        n_ok = live and 0 <= n < N
         if scatter and not n_ok:
             return  # the same for the whole thread block, before any barrier
         nc = min(max(n, 0), N - 1)
@@ -1083,7 +1087,8 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
                   offset_h, offset_w):
         """Plain: blocks [n_blocks, bh, bw, C]; CV vectors a pixel."""
         live, n, h, w0, row_ok = row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w)
-        if not live or (scatter and not row_ok):
+        row_ok = row_ok and live  # a gather's row past the count: zeros, as a window off the image
+        if scatter and not row_ok:
             return
         total = size_w * CV
         lo = (min(max(w0, 0), w0 + size_w) - w0) * CV  # vectors left of the image
@@ -1191,7 +1196,9 @@ def _make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, bloc
         n = int64(indices[i, 0])
         h0 = offset_h + indices[i, 1] * stride_h
         w0 = offset_w + indices[i, 2] * stride_w
-        if i >= active or (scatter and not 0 <= n < N):
+        if i >= active:
+            n = int64(-1)  # a gather's row past the count: zeros, as a window of no image
+        if scatter and not 0 <= n < N:
             return  # the same for the whole thread block, before the barrier (a scatter's window
             # of no image lands nowhere)
         p0 = int32(y) * PT
@@ -1732,9 +1739,9 @@ def _scatter_settings(bsize, bstride, boffset, add, atomic, transpose, inplace, 
 
 
 def kept_launches(x, indices, blocks, count, bsize, bstride, boffset, transpose, data_format, inplace,
-                  scatter_at=None):
-    """The kept launches of a gather of ``x`` and an adding, non-atomic scatter back into it
-    (at the same geometry, or at ``scatter_at`` = (bsize, bstride, boffset)), both called once
+                  scatter_at=None, atomic=False):
+    """The kept launches of a gather of ``x`` and an adding scatter back into it (atomic or not;
+    at the same geometry, or at ``scatter_at`` = (bsize, bstride, boffset)), both called once
     before with these tensors (``blocks``: the scatter's; the gather's ``out`` is of the same
     rows), or None. For a caller that repeats such a pair many times with its own buffers
     (`sbnet_torch`'s CUDA graphs): ``gather(stream handle, image, blocks, indices, count)``,
@@ -1747,7 +1754,7 @@ def kept_launches(x, indices, blocks, count, bsize, bstride, boffset, transpose,
     gather = _kept("gather", (x, indices), count, _gather_settings(bsize, bstride, boffset, transpose, data_format))
     at = scatter_at or (bsize, bstride, boffset)
     scatter = _kept("scatter", (blocks, indices, x), count,
-                    _scatter_settings(*at, True, False, transpose, inplace, data_format))
+                    _scatter_settings(*at, True, atomic, transpose, inplace, data_format))
     if gather is None or scatter is None:
         return None
     extra = (gather.extra, scatter.extra) if count is None else (None, None)
@@ -2067,8 +2074,10 @@ def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=
     """Windows of ``x`` as a block stack in x's layout (``transpose``: in the other one).
 
     NHWC ``x`` gives ``[n_blocks, bh, bw, C]`` (``transpose``: ``[n_blocks, C, bh, bw]``);
-    NCHW ``x`` the reverse. ``out``: a C-contiguous device array of that shape and x's dtype
-    to write into (rows from the count on are left as they are), returned; as with bsmm's
+    NCHW ``x`` the reverse. With a device ``count``, ``n_blocks`` is the indices' rows, and
+    rows from the count on are zeros (as a window off the image gives): a stack that feeds
+    convolutions and their weight gradients sees nothing there. ``out``: a C-contiguous
+    device array of that shape and x's dtype to write into, returned; as with bsmm's
     ``out=``, under the simulator a torch ``out`` comes back as a new tensor.
     """
     settings = _gather_settings(bsize, bstride, boffset, transpose, data_format)

@@ -132,7 +132,8 @@ def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=
     NHWC ``x`` gives ``[n_blocks, bh, bw, C]`` (``transpose``: ``[n_blocks, C, bh, bw]``),
     NCHW ``x`` the reverse. ``count`` keeps only the first ``count`` indices. ``out``: an
     array of the full stack's shape (one row an index, the count or not) and x's dtype,
-    written from its first row to the count (the rest left as they are), and returned.
+    written from its first row to the count, zeros after (as the kernel writes them), and
+    returned.
     """
     if out is not None:
         n = len(np.asarray(indices))
@@ -141,6 +142,7 @@ def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=
             raise ValueError(f"out: expected {blocks.dtype} of shape {(n, *blocks.shape[1:])}, "
                              f"got {out.dtype} {out.shape}")
         out[:len(blocks)] = blocks
+        out[len(blocks):] = 0
         return out
     x = np.asarray(x)
     if x.ndim != 4:
