@@ -477,6 +477,16 @@ def _captured(fn, pool):
     return graph, outputs
 
 
+def _signature(windows, image, inplace):
+    """Everything the public gather and scatter check, or their kept plans depend on, that a
+    slot does not fix (the image contiguous: the block's forward made it so)."""
+    indices, count = windows.indices, windows.count
+    return (image.shape, image.data_ptr() % 16, indices.shape, indices.dtype, indices.get_device(),
+            indices.is_contiguous(), indices.data_ptr() % 16,
+            count is None or (count.shape, count.dtype, count.get_device()), inplace, windows.transpose,
+            windows.data_format, windows.gather_at, windows.scatter_at)
+
+
 class _Slot:
     """Buffers for `rows` windows and the CUDA graphs of a residual captured on their first rows.
 
@@ -499,6 +509,17 @@ class _Slot:
         self.pool = torch.cuda.graph_pool_handle()
         self.forwards, self.backwards, self.launches = {}, {}, {}
         self.busy, self.generation = False, 0
+
+    def kept(self, key, windows, image, blocks, inplace, backward):
+        """After a call of signature `key` went through the public functions: keep its gather
+        and scatter (`kernels.kept_launches`), so that the next calls of it launch them
+        directly. The forward's pair gathers at the input windows and adds at the output
+        windows; the backward's (the image's gradient) the other way round, atomically."""
+        at = (windows.scatter_at, windows.gather_at) if backward else (windows.gather_at, windows.scatter_at)
+        kept = kernels.kept_launches(image, windows.indices, blocks, windows.count, *at[0], windows.transpose,
+                                     windows.data_format, inplace, at[1], atomic=backward)
+        if kept is not None:
+            self.launches[key] = kept
 
     def forward(self, capacity):
         """The residual's graph on the first `capacity` rows."""
@@ -539,30 +560,62 @@ class _Lease:
         slot.forward(capacity)
         slot.backward(capacity, needs)  # (captured now: not on autograd's thread, mid-backward)
 
-    def forward(self, windows, image):
-        """The residual's output for the windows of `image` (rows of the slot's buffer)."""
+    def forward(self, windows, image, inplace):
+        """`image` plus the residual of its windows: into a copy of it, or into itself where
+        `inplace`. A signature seen before (`_signature`) launches the kept gather and
+        scatter directly, as `_ResidualGraphs.run` does."""
         slot, c, n = self.slot, self.capacity, self.n
-        windows.gather(image, out=slot.stack[:n])
+        key = (_signature(windows, image, inplace), False)
+        kept = slot.launches.get(key)
+        indices, count = windows.indices, windows.count
+        stream = torch_stream_handle() if kept else None
+        if kept:
+            kept[0](stream, image.data_ptr(), slot.stack.data_ptr(), indices.data_ptr(), kept[2] or count.data_ptr())
+        else:
+            windows.gather(image.detach(), out=slot.stack[:n])
         if n < c:
             slot.stack[n:c].zero_()
         slot.forward(c).replay()
-        return slot.out[:n]
+        if kept:
+            return kept[1](stream, image, slot.out.data_ptr(), indices.data_ptr(), kept[3] or count.data_ptr())
+        y = windows.scatter(slot.out[:n], image, inplace, atomic=False)
+        slot.kept(key, windows, image, slot.out[:n], inplace, backward=False)
+        return y
 
     def backward(self, windows, grad_y):
-        """Gradients of (stack, w1, w2, w3), as `_WrittenOut.backward` gives them."""
+        """Gradients of (image, w1, w2, w3) for those `needs` asks for (None for the others):
+        the image's is grad_y plus the stack's gradient added atomically at the input windows
+        (into a copy of grad_y)."""
         slot, c, n = self.slot, self.capacity, self.n
         if slot.generation != self.generation:
             raise RuntimeError("SparseResBlock(graphs=True): a later call has overwritten what this backward "
                                "reads (a second backward through one forward needs graphs=False)")
-        windows.gather(grad_y, at=windows.scatter_at, out=slot.grad_out[:n])
+        key = (_signature(windows, grad_y, False), True)
+        kept = slot.launches.get(key)
+        indices, count = windows.indices, windows.count
+        stream = torch_stream_handle() if kept else None
+        if kept:
+            kept[0](stream, grad_y.data_ptr(), slot.grad_out.data_ptr(), indices.data_ptr(),
+                    kept[2] or count.data_ptr())
+        else:
+            windows.gather(grad_y, at=windows.scatter_at, out=slot.grad_out[:n])
         if n < c:
             slot.grad_out[n:c].zero_()
         graph, grads = slot.backward(c, self.needs)
         graph.replay()
-        self.release()
+        grad_image = None
+        if self.needs[0]:
+            if kept:
+                grad_image = kept[1](stream, grad_y, slot.grad_stack.data_ptr(), indices.data_ptr(),
+                                     kept[3] or count.data_ptr())
+            else:
+                grad_image = windows.scatter(grads[0][:n], grad_y, False, atomic=True, at=windows.gather_at)
+                slot.kept(key, windows, grad_y, grads[0][:n], False, backward=True)
         # The weights' gradients are copied: autograd may keep what it is given (as .grad), and
         # the next replay overwrites the graph's own.
-        return (None if grads[0] is None else grads[0][:n], *(None if g is None else g.clone() for g in grads[1:]))
+        grads = (grad_image, *(None if g is None else g.clone() for g in grads[1:]))
+        self.release()  # (all that reads the slot's buffers is queued: stream order does the rest)
+        return grads
 
     def release(self):
         if self.slot.generation == self.generation:
@@ -638,21 +691,13 @@ class _ResidualGraphs:
             return None
         try:
             graph = slot.forward(capacity)
-            # Everything the public functions check or their kept plans depend on that the slot
-            # does not fix (image contiguous: the block's forward made it so).
-            signature = (image.shape, image.data_ptr() % 16, indices.shape, indices.dtype, indices.get_device(),
-                         indices.is_contiguous(), indices.data_ptr() % 16, count is None or (
-                             count.shape, count.dtype, count.get_device()), inplace, windows.transpose,
-                         windows.data_format, windows.gather_at, windows.scatter_at)
-            kept = slot.launches.get(signature)
+            key = (_signature(windows, image, inplace), False)
+            kept = slot.launches.get(key)
             if kept is None:
                 windows.gather(image, out=slot.stack[:n])
                 graph.replay()
                 y = windows.scatter(slot.out[:n], image, inplace, atomic=False)
-                kept = kernels.kept_launches(image, indices, slot.out[:n], count, *windows.gather_at,
-                                             windows.transpose, windows.data_format, inplace, windows.scatter_at)
-                if kept is not None:
-                    slot.launches[signature] = kept
+                slot.kept(key, windows, image, slot.out[:n], inplace, backward=False)
                 return y
             gather, scatter, gather_count, scatter_count = kept
             stream = torch_stream_handle()
@@ -688,10 +733,10 @@ class _WindowResidual(torch.autograd.Function):
             needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[5:])
             ctx.lease = graphs[0].lease(residual, params, image, graphs[1], len(windows.indices), needs)
         if ctx.lease is not None:
-            out = ctx.lease.forward(windows, image.detach())
+            y = ctx.lease.forward(windows, image if inplace else image.detach(), inplace)
         else:
             out, saved = residual.forward(windows.gather(image.detach()), params, keep=True)
-        y = windows.scatter(out.contiguous(), image if inplace else image.detach(), inplace, atomic=False)
+            y = windows.scatter(out.contiguous(), image if inplace else image.detach(), inplace, atomic=False)
         # The residual's intermediates too: autograd frees them after the backward unless it is
         # to run again (retain_graph).
         ctx.save_for_backward(*params, *saved)
@@ -711,7 +756,7 @@ class _WindowResidual(torch.autograd.Function):
         else:
             grad_out = windows.gather(grad_y, at=windows.scatter_at)
             grads = ctx.residual.backward(saved[ctx.n_params:], saved[:ctx.n_params], grad_out, needs)
-        grad_image = None
-        if needs[0]:
-            grad_image = windows.scatter(grads[0].contiguous(), grad_y, False, atomic=True, at=windows.gather_at)
-        return (grad_image, None, None, None, None, *grads[1:])
+            if needs[0]:
+                grads = (windows.scatter(grads[0].contiguous(), grad_y, False, atomic=True, at=windows.gather_at),
+                         *grads[1:])
+        return (grads[0] if needs[0] else None, None, None, None, None, *grads[1:])

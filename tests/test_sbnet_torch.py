@@ -332,6 +332,32 @@ def test_residual_writes_into_buffers_what_it_returns_without(nchw_stack):
             torch.testing.assert_close(g, w)
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_rows_past_the_count_add_nothing_to_the_gradients(transpose, graphs, poisoned):
+    """Indices with more rows than the count (reduce_mask's whole buffer on the device, say): the
+    block trains as on the count's rows alone. The convolutions run on every row and the
+    weights' gradients sum over them, so the gather must give zeros past the count (outputs
+    poisoned here: rows it left unwritten would be NaN)."""
+    torch.manual_seed(2)
+    block = sbnet_torch.SparseResBlock(8, 4, block_size=6, transpose=transpose, graphs=graphs)
+    block = block.to(DEVICE, torch.float64)
+    x = torch.randn(1, 8, 12, 14, dtype=torch.float64, device=DEVICE).to(memory_format=torch.channels_last)
+    every = tensor(np.argwhere(np.ones((1, *block.geometry(x.shape).bcount))).astype(np.int32))
+    indices, count = every[:6].contiguous(), tensor(np.array([4], np.int32))
+
+    def gradients(indices, count):
+        block.zero_grad(set_to_none=True)
+        xg = x.detach().clone().requires_grad_(True)
+        block(xg, indices, count).backward(torch.ones_like(x))
+        return [xg.grad] + [w.grad for w in block.weights()]
+
+    want = gradients(every[:4].contiguous(), None)
+    for _ in range(2):  # (graphs: the second call replays kept launches)
+        for g, w in zip(gradients(indices, count), want):
+            torch.testing.assert_close(g, w)
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
 def test_fused_relu_gives_the_relu_apart(dtype, monkeypatch):
     """The NHWC residual with its first ReLU fused into the matrix product before it (cuBLASLt's
@@ -367,8 +393,8 @@ def test_sparse_res_block_graphs_train_as_without(transpose):
     """``graphs=True`` training calls (on a GPU: the residual and its backward replayed from
     CUDA graphs) give the eager gradients: window counts within and across capacities (a slot
     grown), a count below earlier calls' with NaN left in the slot's buffers past it, in place,
-    frozen weights, weights stepped in place between calls, two forwards before their
-    backwards, and more held than MAX_SLOTS (the rest run without graphs); a second backward
+    frozen weights, weights stepped in place between calls, calls repeated (the kept
+    launches of the forward and of the backward), two forwards before their backwards, and more held than MAX_SLOTS (the rest run without graphs); a second backward
     through one forward works while its slot is unused and raises once a later call took it."""
     eager, graphed, x, every = graphed_pair(transpose, seed=8)
     rng = np.random.default_rng(8)
@@ -376,13 +402,13 @@ def test_sparse_res_block_graphs_train_as_without(transpose):
     def windows(n):
         return every[tensor(np.sort(rng.choice(len(every), n, replace=False))).long()].contiguous()
 
-    def forward(model, indices, inplace=False):
+    def forward(model, indices, inplace=False, count=None):
         xg = x.detach().clone().requires_grad_(True)
-        return xg, model(xg * 1 if inplace else xg, indices, inplace=inplace)
+        return xg, model(xg * 1 if inplace else xg, indices, count, inplace=inplace)
 
-    def gradients(model, indices, inplace=False, weights=None):
+    def gradients(model, indices, inplace=False, weights=None, count=None):
         model.zero_grad(set_to_none=True)
-        xg, y = forward(model, indices, inplace)
+        xg, y = forward(model, indices, inplace, count)
         y.backward(weights if weights is not None else torch.ones_like(y))
         return [xg.grad] + [w.grad for w in model.weights()]
 
@@ -410,6 +436,17 @@ def test_sparse_res_block_graphs_train_as_without(transpose):
         with torch.no_grad():
             model.conv1.weight.mul_(0.5)  # (an optimizer's step: the graphs read the weights)
     compare(9)
+    # A training call's signature seen again launches the kept gathers and scatters of its
+    # forward and of its backward directly: in place or not, with a count below the rows or
+    # without, other output gradients each time.
+    indices = windows(11)
+    for _ in range(3):
+        for inplace in (False, True):
+            for count in (None, tensor(np.array([7], np.int32))):
+                compare(indices=indices.clone(), inplace=inplace, count=count,
+                        weights=torch.randn_like(x).to(memory_format=torch.channels_last))
+    kinds = [key[1] for slot in (s for v in slots.values() for s in v) for key in slot.launches]
+    assert kinds.count(False) >= 4 and kinds.count(True) >= 2  # forwards' pairs, backwards' pairs
 
     # Two forwards, then their backwards in turn; six held at once (MAX_SLOTS 4).
     for held in (2, 6):
