@@ -521,6 +521,30 @@ class _Slot:
         if kept is not None:
             self.launches[key] = kept
 
+    def added(self, windows, image, inplace, capacity, zero_rest):
+        """`image` plus the residual of its windows through the graph of `capacity` rows: into a
+        copy of it, or into itself where `inplace` (`zero_rest`: the stack's rows from the
+        windows' to the capacity zeroed first). A signature seen before (`_signature`) launches
+        the kept gather and scatter directly: an eager call of a sparse block is bound by the
+        host's time, and the device waits for the first launch."""
+        n = len(windows.indices)
+        key = (_signature(windows, image, inplace), False)
+        kept = self.launches.get(key)
+        indices, count = windows.indices, windows.count
+        stream = torch_stream_handle() if kept else None
+        if kept:
+            kept[0](stream, image.data_ptr(), self.stack.data_ptr(), indices.data_ptr(), kept[2] or count.data_ptr())
+        else:
+            windows.gather(image.detach(), out=self.stack[:n])
+        if zero_rest and n < capacity:
+            self.stack[n:capacity].zero_()
+        self.forward(capacity).replay()
+        if kept:
+            return kept[1](stream, image, self.out.data_ptr(), indices.data_ptr(), kept[3] or count.data_ptr())
+        y = windows.scatter(self.out[:n], image, inplace, atomic=False)
+        self.kept(key, windows, image, self.out[:n], inplace, backward=False)
+        return y
+
     def forward(self, capacity):
         """The residual's graph on the first `capacity` rows."""
         graph = self.forwards.get(capacity)
@@ -561,26 +585,8 @@ class _Lease:
         slot.backward(capacity, needs)  # (captured now: not on autograd's thread, mid-backward)
 
     def forward(self, windows, image, inplace):
-        """`image` plus the residual of its windows: into a copy of it, or into itself where
-        `inplace`. A signature seen before (`_signature`) launches the kept gather and
-        scatter directly, as `_ResidualGraphs.run` does."""
-        slot, c, n = self.slot, self.capacity, self.n
-        key = (_signature(windows, image, inplace), False)
-        kept = slot.launches.get(key)
-        indices, count = windows.indices, windows.count
-        stream = torch_stream_handle() if kept else None
-        if kept:
-            kept[0](stream, image.data_ptr(), slot.stack.data_ptr(), indices.data_ptr(), kept[2] or count.data_ptr())
-        else:
-            windows.gather(image.detach(), out=slot.stack[:n])
-        if n < c:
-            slot.stack[n:c].zero_()
-        slot.forward(c).replay()
-        if kept:
-            return kept[1](stream, image, slot.out.data_ptr(), indices.data_ptr(), kept[3] or count.data_ptr())
-        y = windows.scatter(slot.out[:n], image, inplace, atomic=False)
-        slot.kept(key, windows, image, slot.out[:n], inplace, backward=False)
-        return y
+        """`image` plus the residual of its windows (`_Slot.added`)."""
+        return self.slot.added(windows, image, inplace, self.capacity, zero_rest=True)
 
     def backward(self, windows, grad_y):
         """Gradients of (image, w1, w2, w3) for those `needs` asks for (None for the others):
@@ -678,33 +684,13 @@ class _ResidualGraphs:
     def run(self, residual, weights, windows, image, inplace, stack_shape):
         """A call without gradients through the graphs, or None (then it runs without).
 
-        The gather and the scatter go through the public functions (their checks,
-        their kept plans) the first time a slot sees a call's signature; later
-        calls of it launch the kept launches directly (`kernels.kept_launches`):
-        an eager call of a sparse block is bound by the host's time, and the
-        device waits for the first launch.
+        Rows past the windows' hold an earlier call's: computed, never scattered.
         """
-        indices, count = windows.indices, windows.count
-        n = len(indices)
-        slot, capacity = self._acquire(residual, weights, image, stack_shape, n)
+        slot, capacity = self._acquire(residual, weights, image, stack_shape, len(windows.indices))
         if slot is None:
             return None
         try:
-            graph = slot.forward(capacity)
-            key = (_signature(windows, image, inplace), False)
-            kept = slot.launches.get(key)
-            if kept is None:
-                windows.gather(image, out=slot.stack[:n])
-                graph.replay()
-                y = windows.scatter(slot.out[:n], image, inplace, atomic=False)
-                slot.kept(key, windows, image, slot.out[:n], inplace, backward=False)
-                return y
-            gather, scatter, gather_count, scatter_count = kept
-            stream = torch_stream_handle()
-            gather(stream, image.data_ptr(), slot.stack.data_ptr(), indices.data_ptr(),
-                   gather_count or count.data_ptr())
-            graph.replay()
-            return scatter(stream, image, slot.out.data_ptr(), indices.data_ptr(), scatter_count or count.data_ptr())
+            return slot.added(windows, image, inplace, capacity, zero_rest=False)
         finally:
             slot.busy = False
 
