@@ -510,40 +510,45 @@ class _Slot:
         self.forwards, self.backwards, self.launches = {}, {}, {}
         self.busy, self.generation = False, 0
 
-    def kept(self, key, windows, image, blocks, inplace, backward):
-        """After a call of signature `key` went through the public functions: keep its gather
-        and scatter (`kernels.kept_launches`), so that the next calls of it launch them
-        directly. The forward's pair gathers at the input windows and adds at the output
-        windows; the backward's (the image's gradient) the other way round, atomically."""
-        at = (windows.scatter_at, windows.gather_at) if backward else (windows.gather_at, windows.scatter_at)
-        kept = kernels.kept_launches(image, windows.indices, blocks, windows.count, *at[0], windows.transpose,
-                                     windows.data_format, inplace, at[1], atomic=backward)
-        if kept is not None:
-            self.launches[key] = kept
+    def round_trip(self, windows, image, inplace, capacity, zero_rest, needs=None):
+        """Windows of `image` gathered into the slot, a graph of `capacity` rows replayed, its
+        result added back into a copy of `image` (or into it, `inplace`); `zero_rest`: the
+        gathered rows from the windows' to the capacity zeroed first.
 
-    def added(self, windows, image, inplace, capacity, zero_rest):
-        """`image` plus the residual of its windows through the graph of `capacity` rows: into a
-        copy of it, or into itself where `inplace` (`zero_rest`: the stack's rows from the
-        windows' to the capacity zeroed first). A signature seen before (`_signature`) launches
-        the kept gather and scatter directly: an eager call of a sparse block is bound by the
-        host's time, and the device waits for the first launch."""
-        n = len(windows.indices)
-        key = (_signature(windows, image, inplace), False)
+        Without `needs`, the residual's forward: gathered at the input windows into the stack,
+        its output added at the output windows; returns (y, None). With `needs` (the flags of
+        `_WrittenOut.backward`), its backward: the output gradient `image` gathered at the output
+        windows, the stack's gradient added atomically at the input windows where ``needs[0]``
+        asks for it; returns (that or None, the graph's gradients). A signature seen before
+        (`_signature`) launches the kept gather and scatter directly
+        (`kernels.kept_launches`): an eager call of a sparse block is bound by the host's time,
+        and the device waits for the first launch."""
+        backward = needs is not None
+        n, indices, count = len(windows.indices), windows.indices, windows.count
+        source, result = (self.grad_out, self.grad_stack) if backward else (self.stack, self.out)
+        gather_at, scatter_at = (windows.scatter_at, windows.gather_at) if backward else (
+            windows.gather_at, windows.scatter_at)
+        key = (_signature(windows, image, inplace), backward)
         kept = self.launches.get(key)
-        indices, count = windows.indices, windows.count
         stream = torch_stream_handle() if kept else None
         if kept:
-            kept[0](stream, image.data_ptr(), self.stack.data_ptr(), indices.data_ptr(), kept[2] or count.data_ptr())
+            kept[0](stream, image.data_ptr(), source.data_ptr(), indices.data_ptr(), kept[2] or count.data_ptr())
         else:
-            windows.gather(image.detach(), out=self.stack[:n])
+            windows.gather(image.detach(), at=gather_at, out=source[:n])
         if zero_rest and n < capacity:
-            self.stack[n:capacity].zero_()
-        self.forward(capacity).replay()
+            source[n:capacity].zero_()
+        graph, outputs = self.backward(capacity, needs) if backward else (self.forward(capacity), None)
+        graph.replay()
+        if backward and not needs[0]:
+            return None, outputs
         if kept:
-            return kept[1](stream, image, self.out.data_ptr(), indices.data_ptr(), kept[3] or count.data_ptr())
-        y = windows.scatter(self.out[:n], image, inplace, atomic=False)
-        self.kept(key, windows, image, self.out[:n], inplace, backward=False)
-        return y
+            return kept[1](stream, image, result.data_ptr(), indices.data_ptr(), kept[3] or count.data_ptr()), outputs
+        y = windows.scatter(result[:n], image, inplace, atomic=backward, at=scatter_at)
+        kept = kernels.kept_launches(image, indices, result[:n], count, *gather_at, windows.transpose,
+                                     windows.data_format, inplace, scatter_at, atomic=backward)
+        if kept is not None:
+            self.launches[key] = kept
+        return y, outputs
 
     def forward(self, capacity):
         """The residual's graph on the first `capacity` rows."""
@@ -585,38 +590,18 @@ class _Lease:
         slot.backward(capacity, needs)  # (captured now: not on autograd's thread, mid-backward)
 
     def forward(self, windows, image, inplace):
-        """`image` plus the residual of its windows (`_Slot.added`)."""
-        return self.slot.added(windows, image, inplace, self.capacity, zero_rest=True)
+        """`image` plus the residual of its windows (`_Slot.round_trip`)."""
+        return self.slot.round_trip(windows, image, inplace, self.capacity, zero_rest=True)[0]
 
     def backward(self, windows, grad_y):
         """Gradients of (image, w1, w2, w3) for those `needs` asks for (None for the others):
         the image's is grad_y plus the stack's gradient added atomically at the input windows
         (into a copy of grad_y)."""
-        slot, c, n = self.slot, self.capacity, self.n
+        slot = self.slot
         if slot.generation != self.generation:
             raise RuntimeError("SparseResBlock(graphs=True): a later call has overwritten what this backward "
                                "reads (a second backward through one forward needs graphs=False)")
-        key = (_signature(windows, grad_y, False), True)
-        kept = slot.launches.get(key)
-        indices, count = windows.indices, windows.count
-        stream = torch_stream_handle() if kept else None
-        if kept:
-            kept[0](stream, grad_y.data_ptr(), slot.grad_out.data_ptr(), indices.data_ptr(),
-                    kept[2] or count.data_ptr())
-        else:
-            windows.gather(grad_y, at=windows.scatter_at, out=slot.grad_out[:n])
-        if n < c:
-            slot.grad_out[n:c].zero_()
-        graph, grads = slot.backward(c, self.needs)
-        graph.replay()
-        grad_image = None
-        if self.needs[0]:
-            if kept:
-                grad_image = kept[1](stream, grad_y, slot.grad_stack.data_ptr(), indices.data_ptr(),
-                                     kept[3] or count.data_ptr())
-            else:
-                grad_image = windows.scatter(grads[0][:n], grad_y, False, atomic=True, at=windows.gather_at)
-                slot.kept(key, windows, grad_y, grads[0][:n], False, backward=True)
+        grad_image, grads = slot.round_trip(windows, grad_y, False, self.capacity, zero_rest=True, needs=self.needs)
         # The weights' gradients are copied: autograd may keep what it is given (as .grad), and
         # the next replay overwrites the graph's own.
         grads = (grad_image, *(None if g is None else g.clone() for g in grads[1:]))
@@ -690,7 +675,7 @@ class _ResidualGraphs:
         if slot is None:
             return None
         try:
-            return slot.added(windows, image, inplace, capacity, zero_rest=False)
+            return slot.round_trip(windows, image, inplace, capacity, zero_rest=False)[0]
         finally:
             slot.busy = False
 
