@@ -1,0 +1,305 @@
+"""SBNet's gather fused into the 1x1 convolution after it, on tensor cores (twin of
+`reference/gather_matmul.py`).
+
+`sparse_gather_matmul(x, indices, weight, ...)` is ``sparse_gather(x, ...) @
+weight.T`` (then ReLU with ``relu``) for an NHWC image: the windows' pixels go
+from the image straight into shared memory and through ``mma.sync``, and the
+``[n_blocks, bh, bw, C]`` block stack between the gather and the product is
+never written or read. In SBNet's bottleneck the stack is the largest tensor
+of the block (C input channels against the bottleneck's C / 4), so its round
+trip through memory costs more than the product.
+
+A thread block computes a tile of ROWS stack pixels (row-major over the
+blocks' pixels: block, window row, window column) by COLS output channels,
+WARPS warps of ROWS / WARPS pixels by all COLS channels (m16n8k16 fp16, or
+3xTF32 for fp32: `_mma.py`). Each thread works out, once, where in the image
+the pixels it copies lie (zero-filled copies for pixels off the image, for
+blocks past the count or with ``n`` out of range, and for rows past the
+stack), then the input channels go through a ring of STAGES shared buffers of
+WORDS 32-bit words a pixel (two fp16 values, or one fp32 value), filled by
+cp.async STAGES - 1 stages ahead of the multiply; the weight's rows (one per
+output channel, input channels along them) go the same way beside them. Rows
+are padded by 4 words, so the fragment reads of a warp hit 32 distinct banks.
+
+Limits (the launcher raises otherwise): float16 or float32; ``x`` NHWC,
+C-contiguous, 16-byte aligned, whole 16-byte vectors a pixel (C a multiple of
+8 in fp16, 4 in fp32); ``weight`` ``[C_out, C]`` or ``[C_out, C, 1, 1]``,
+C-contiguous, aligned likewise; fewer than 2^31 stack pixels.
+"""
+
+import numpy as np
+from numba import cuda, float32, int32, int64, uint64
+
+from .._arrays import Operand, check_dtype, check_shape, launch_stream
+from .._backend import SIMULATOR
+from ..reference.sbnet import check_geometry
+from ._async import commit, copy16_or_zero, global_address, shared_address, waiter
+from ._launch import data_pointer, launch
+from ._mma import MMA_M, MMA_N, mma_3xtf32, mma_f16
+from ._vector import aligned
+from .sbnet import _magic, _prepare_indices, _quotient
+
+# -- constants -----------------------------------------------------------------
+
+WARP = 32
+WARPS = 4  # warps of a thread block, each ROWS / WARPS pixels by all COLS output channels
+ROWS = 128  # stack pixels a thread block
+COLS = 64  # output channels a thread block
+WORDS = 16  # 32-bit words of input channels a stage takes of a pixel (and of a weight row)
+STAGES = 3  # shared buffers in the ring (cp.async runs STAGES - 1 stages ahead)
+PAD = 4  # words after each shared row: a warp's fragment reads hit 32 distinct banks
+UNIT = 16  # bytes of one cp.async
+DTYPES = ("float16", "float32")
+MAX_PIXELS = 2**31  # stack pixels (32-bit tile arithmetic, `_quotient`)
+SHARED_ALIGN = None if SIMULATOR else 16  # cp.async's; the simulator takes none (NumPy's buffers are)
+
+# -- kernel bodies -------------------------------------------------------------
+
+
+def _make_kernel(storage, relu, rows=ROWS, cols=COLS, words=WORDS, stages=STAGES, warps=WARPS):
+    """The fused gather and product for one storage dtype and tile shape (see the module docstring).
+
+    Arguments: out ``[pixels, C_out]`` (the result's rows), x (the image, flat), w ``[C_out, C]``,
+    indices, count (a one-element device array), then the image's and the windows' sizes and
+    `_magic` numbers of the window's area and width."""
+    PAIRS = storage == "float16"  # two 16-bit values a word, else one fp32
+    ITEM = 2 if PAIRS else 4
+    THREADS = warps * WARP
+    UNITS = words * 4 // UNIT  # cp.async units of a pixel a stage
+    STRIDE = words + PAD
+    A_TILE = rows * STRIDE
+    W_TILE = cols * STRIDE
+    A_PER = rows * UNITS // THREADS  # a thread's copies of a stage
+    W_PER = cols * UNITS // THREADS
+    ROW_STEP = THREADS // UNITS  # from one of a thread's pixels to its next
+    WARP_ROWS = rows // warps
+    MT = WARP_ROWS // MMA_M
+    NT = cols // MMA_N
+    STEPS = words // 8  # mma steps a stage: 8 words of k each (k16 of fp16, two k8 of fp32)
+    assert rows * UNITS % THREADS == 0 and cols * UNITS % THREADS == 0 and WARP_ROWS % MMA_M == 0
+    assert words % 8 == 0 and 2 <= stages <= 4
+    wait = waiter(stages - 2)
+
+    @cuda.jit(device=True, inline=True)
+    def multiply_add(acc, mt, nt, fa, b0, b1):
+        if PAIRS:
+            d = mma_f16(fa[mt, 0], fa[mt, 1], fa[mt, 2], fa[mt, 3], b0, b1,
+                        acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
+            for q in range(4):
+                acc[mt, nt, q] = d[q]
+        else:  # 3xTF32 from zero, added in fp32: the tensor cores' own fp32 sums drift (bsmm's finding)
+            d = mma_3xtf32(fa[mt, 0], fa[mt, 1], fa[mt, 2], fa[mt, 3], b0, b1,
+                           float32(0), float32(0), float32(0), float32(0))
+            for q in range(4):
+                acc[mt, nt, q] += d[q]
+
+    @cuda.jit(device=True, inline=True)
+    def fetch(stage, buf, a_shared, w_shared, a_global, w_global, a_from, a_keep, w_from, w_keep, a_to, w_to,
+              unit_bytes, row_bytes):
+        """This thread's copies of one stage (a row's bytes from stage * words * 4 on) into buffer
+        buf; its unit (bytes unit_bytes on in the stage) is zeros past the row's end."""
+        k_bytes = stage * (words * 4)
+        on_row = k_bytes + unit_bytes < row_bytes
+        for i in range(A_PER):
+            inside = on_row and a_keep[i]
+            copy16_or_zero(a_shared + (a_to[i] + uint64(buf * A_TILE * 4)),
+                           a_global + (a_from[i] + uint64(k_bytes) if inside else uint64(0)), inside)
+        for i in range(W_PER):
+            inside = on_row and w_keep[i]
+            copy16_or_zero(w_shared + (w_to[i] + uint64(buf * W_TILE * 4)),
+                           w_global + (w_from[i] + uint64(k_bytes) if inside else uint64(0)), inside)
+
+    @cuda.jit(device=True, inline=True)
+    def multiply(a_s, w_s, acc, fa, buf, s, ar, t, bc):
+        """acc += step s of the stage in buffer buf: A rows ar, ar + 8 (and 16 below), words
+        t, t + 4; B (weight rows) bc + 8 nt, words t, t + 4."""
+        for mt in range(MT):
+            at = buf * A_TILE + (ar + mt * MMA_M) * STRIDE + s * 8 + t
+            fa[mt, 0] = a_s[at]
+            fa[mt, 1] = a_s[at + 8 * STRIDE]
+            fa[mt, 2] = a_s[at + 4]
+            fa[mt, 3] = a_s[at + 8 * STRIDE + 4]
+        for nt in range(NT):
+            at = buf * W_TILE + (bc + nt * MMA_N) * STRIDE + s * 8 + t
+            b0 = w_s[at]
+            b1 = w_s[at + 4]
+            for mt in range(MT):
+                multiply_add(acc, mt, nt, fa, b0, b1)
+
+    @cuda.jit
+    def gather_matmul(out, x, w, indices, count, n_images, height, width, channels, n_out, n_pixels,
+                      area, size_w, stride_h, stride_w, offset_h, offset_w, magic_area, magic_w):
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        g = lane >> 2
+        t = lane % 4
+        row0 = int32(cuda.blockIdx.x) * int32(rows)
+        col0 = int32(cuda.blockIdx.y) * int32(cols)
+        a_s = cuda.shared.array(stages * A_TILE, np.uint32, alignment=SHARED_ALIGN)
+        w_s = cuda.shared.array(stages * W_TILE, np.uint32, alignment=SHARED_ALIGN)
+        acc = cuda.local.array((MT, NT, 4), float32)
+        fa = cuda.local.array((MT, 4), np.uint32)
+        a_from = cuda.local.array(A_PER, uint64)  # bytes from x's start to the unit's first stage
+        a_keep = cuda.local.array(A_PER, np.bool_)
+        a_to = cuda.local.array(A_PER, uint64)  # bytes from the ring's start (buffer 0)
+        w_from = cuda.local.array(W_PER, uint64)
+        w_keep = cuda.local.array(W_PER, np.bool_)
+        w_to = cuda.local.array(W_PER, uint64)
+        unit = tid % UNITS
+        row_bytes = channels * ITEM
+        active = count[0]
+        # Where this thread's pixels lie in the image: once, before the first copy.
+        for i in range(A_PER):
+            r = tid // UNITS + i * ROW_STEP
+            q = row0 + r
+            a_to[i] = uint64((r * STRIDE + unit * 4) * 4)
+            a_from[i] = uint64(unit * UNIT)
+            keep = False
+            if q < n_pixels:
+                b = _quotient(q, magic_area)
+                within = q - b * int32(area)
+                wr = _quotient(within, magic_w)
+                if b < active:
+                    n = int64(indices[b, 0])
+                    h = int64(offset_h) + int64(indices[b, 1]) * stride_h + wr
+                    c = int64(offset_w) + int64(indices[b, 2]) * stride_w + (within - wr * int32(size_w))
+                    keep = 0 <= n < n_images and 0 <= h < height and 0 <= c < width
+                    if keep:
+                        a_from[i] += uint64(((n * height + h) * width + c) * row_bytes)
+            a_keep[i] = keep
+        for i in range(W_PER):
+            r = tid // UNITS + i * ROW_STEP
+            w_to[i] = uint64((r * STRIDE + unit * 4) * 4)
+            w_from[i] = uint64((col0 + r) * int64(row_bytes) + unit * UNIT)
+            w_keep[i] = col0 + r < n_out
+        a_shared = shared_address(a_s, (0,))
+        w_shared = shared_address(w_s, (0,))
+        a_global = global_address(x, (0,))
+        w_global = global_address(w, (0, 0))
+        for mt in range(MT):
+            for nt in range(NT):
+                for q in range(4):
+                    acc[mt, nt, q] = float32(0)
+        n_stages = (row_bytes + words * 4 - 1) // (words * 4)
+        for s in range(stages - 1):
+            if s < n_stages:
+                fetch(s, s, a_shared, w_shared, a_global, w_global, a_from, a_keep, w_from, w_keep, a_to, w_to,
+                      unit * UNIT, row_bytes)
+            commit()  # one group a stage, empty or not, so that the wait below counts stages
+        ar = warp * WARP_ROWS + g
+        buf = 0
+        for stage in range(n_stages):
+            wait()  # this thread's copies of this stage have landed
+            # This stage is in buffer buf (every thread's copies), and every warp is done with
+            # the previous stage, whose buffer the fetch below refills.
+            cuda.syncthreads()
+            nxt = stage + stages - 1
+            if nxt < n_stages:
+                fetch(nxt, buf - 1 if buf > 0 else stages - 1, a_shared, w_shared, a_global, w_global,
+                      a_from, a_keep, w_from, w_keep, a_to, w_to, unit * UNIT, row_bytes)
+            commit()
+            for s in range(STEPS):
+                multiply(a_s, w_s, acc, fa, buf, s, ar, t, g)
+            buf = buf + 1 if buf < stages - 1 else 0
+        for mt in range(MT):
+            for half in range(2):
+                row = row0 + ar + mt * MMA_M + 8 * half
+                if row < n_pixels:
+                    for nt in range(NT):
+                        col = col0 + nt * MMA_N + 2 * t
+                        for e in range(2):
+                            if col + e < n_out:
+                                v = acc[mt, nt, 2 * half + e]
+                                out[row, col + e] = max(v, float32(0)) if relu else v
+
+    return gather_matmul
+
+
+_kernels = {}
+
+
+def _kernel(storage, relu, shape):
+    key = (storage, relu, shape)
+    if key not in _kernels:
+        _kernels[key] = _make_kernel(storage, relu, *shape)
+    return _kernels[key]
+
+
+# -- launch configuration --------------------------------------------------------
+
+TILE_SHAPE = (ROWS, COLS, WORDS, STAGES, WARPS)  # (rows, cols, words, stages, warps): sweeps set this
+
+
+def _grid(n_pixels, n_out, shape):
+    rows, cols = shape[0], shape[1]
+    return (-(-n_pixels // rows), -(-n_out // cols)), shape[4] * WARP
+
+
+# -- public function -------------------------------------------------------------
+
+
+def _weight_rows(w_op, channels):
+    """weight as [C_out, C] (a 1x1 convolution's [C_out, C, 1, 1] viewed so), checked."""
+    shape = w_op.shape
+    if len(shape) == 4 and shape[2:] == (1, 1):
+        shape = shape[:2]
+    if len(shape) != 2 or shape[1] != channels:
+        raise ValueError(f"weight: expected [C_out, {channels}] or [C_out, {channels}, 1, 1], got {w_op.shape}")
+    return shape
+
+
+def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=None, relu=False, out=None):
+    """``sparse_gather(x, indices, ...) @ weight.T`` (ReLU'd with ``relu``) without the block stack.
+
+    ``x`` NHWC ``[N, H, W, C]``; ``weight`` ``[C_out, C]`` or ``[C_out, C, 1, 1]``, x's dtype.
+    Returns ``[n_blocks, bh, bw, C_out]`` in x's kind and dtype (``out``: a C-contiguous device
+    array of that shape to write into, returned). With a ``count``, rows from it on are zeros.
+    """
+    x_op, w_op = Operand(x, "x"), Operand(weight, "weight")
+    if len(x_op.shape) != 4:
+        raise ValueError(f"x: expected NHWC [N, H, W, C], got shape {x_op.shape}")
+    check_dtype(x_op, DTYPES)
+    if w_op.dtype != x_op.dtype:
+        raise TypeError(f"weight: expected {x_op.dtype} (x's dtype), got {w_op.dtype}")
+    x_op.require_contiguous()
+    w_op.require_contiguous()
+    N, H, W, C = x_op.shape
+    n_out, _ = _weight_rows(w_op, C)
+    item = np.dtype(x_op.dtype).itemsize
+    if C * item % UNIT:
+        raise ValueError(f"x: a pixel's {C} channels must be whole 16-byte vectors (C a multiple of {UNIT // item})")
+    size, stride, offset = check_geometry(bsize, bstride, boffset)
+    out_op = None if out is None else Operand(out, "out")
+    stream = launch_stream((x_op, w_op) if out is None else (x_op, w_op, out_op))
+    idx, count_device, n_blocks = _prepare_indices(indices, count, (x_op, w_op), stream)
+    area = size[0] * size[1]
+    n_pixels = n_blocks * area
+    if n_pixels >= MAX_PIXELS:
+        raise ValueError(f"indices: {n_blocks} windows of {area} pixels are {n_pixels} stack pixels, "
+                         f"expected fewer than {MAX_PIXELS}")
+    shape = (n_blocks, *size, n_out)
+    if out is None:
+        native, result = x_op.empty(shape, stream)
+    else:
+        if out_op.kind == "numpy":
+            raise TypeError("out: expected a device array (a NumPy out= would be a copy)")
+        if out_op.dtype != x_op.dtype:
+            raise TypeError(f"out: expected {x_op.dtype} (x's dtype), got {out_op.dtype}")
+        check_shape(out_op, shape)
+        out_op.require_contiguous()
+        native, result = out_op.native, out_op.device(stream)
+    x_dev, w_dev = x_op.device(stream), w_op.device(stream)
+    for name, array in (("x", x_dev), ("weight", w_dev)):
+        if not aligned(data_pointer(array), UNIT, 1):
+            raise ValueError(f"{name}: expected a 16-byte aligned pointer (cp.async copies 16 bytes)")
+    if n_pixels and n_out:
+        tile = TILE_SHAPE
+        grid, block = _grid(n_pixels, n_out, tile)
+        args = (result.reshape(n_pixels, n_out), x_dev.reshape(N * H * W * C), w_dev.reshape(n_out, C), idx.device(stream),
+                count_device, N, H, W, C, n_out, n_pixels, area, size[1], stride[0], stride[1], offset[0],
+                offset[1], _magic(area), _magic(size[1]))
+        launch(_kernel(x_op.dtype, bool(relu), tile), grid, block, stream, args)
+    if out is not None and not (SIMULATOR and out_op.kind == "torch"):
+        return out  # the caller's own array (an Operand holds a detached torch view of it)
+    return (x_op if out is None else out_op).result(native, result, stream)

@@ -1,0 +1,33 @@
+"""NumPy reference for the gather fused into a 1x1 convolution (twin of `kernels/gather_matmul.py`).
+
+`sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset, count, relu)`
+is ``sparse_gather(x, indices, ...) @ weight.T`` (then ReLU with ``relu``): each
+window of an NHWC image, as `reference.sbnet.sparse_gather` gives it, through a
+1x1 convolution of weight ``[C_out, C]`` (a convolution's ``[C_out, C, 1, 1]``
+also goes), without the block stack in between. The result is
+``[n_blocks, bsize_h, bsize_w, C_out]`` in x's dtype: one row an index, and
+rows from ``count`` on zeros (what the gathered zeros give). Products and
+sums in float64, rounded once.
+"""
+
+import numpy as np
+
+from .sbnet import sparse_gather
+
+
+def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=None, relu=False):
+    """``relu?(sparse_gather(x, indices, ...) @ weight.T)`` for NHWC ``x``, weight ``[C_out, C]``."""
+    x = np.asarray(x)
+    weight = np.asarray(weight)
+    if weight.ndim == 4 and weight.shape[2:] == (1, 1):
+        weight = weight[:, :, 0, 0]
+    if weight.ndim != 2 or x.ndim != 4 or weight.shape[1] != x.shape[3]:
+        raise ValueError(f"weight: expected [C_out, {x.shape[-1]}] for x of shape {x.shape}, got {weight.shape}")
+    n_blocks = len(np.asarray(indices))
+    blocks = sparse_gather(x, indices, bsize, bstride, boffset, count=count)  # the count's rows
+    result = blocks.astype(np.float64) @ weight.astype(np.float64).T
+    if relu:
+        result = np.maximum(result, 0)
+    out = np.zeros((n_blocks, *blocks.shape[1:3], weight.shape[0]), x.dtype)
+    out[:len(result)] = result
+    return out
