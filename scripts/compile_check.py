@@ -25,7 +25,7 @@ import tempfile
 
 from numba import cuda, types
 
-from sparseblocks.kernels import bsmm, sbnet
+from sparseblocks.kernels import bsmm, gather_matmul, sbnet
 
 i64 = types.int64
 CC = (9, 0)
@@ -117,9 +117,36 @@ def check_bsmm():
     return 0
 
 
+def check_gather_matmul(shapes=(gather_matmul.TILE_SHAPE,)):
+    """The fused gather and 1x1 product, each storage, with and without ReLU, in the given tile
+    shapes: ptxas's registers and the mma count."""
+    results = []
+    for storage, relu, vector_out, shape in itertools.product(gather_matmul.DTYPES, (False, True), (True, False),
+                                                              shapes):
+        element = getattr(types, storage)
+        out = types.int32 if vector_out and storage == "float16" else element  # (fp16 words)
+        signature = ((out[:, ::1], element[::1], element[:, ::1], types.int32[:, ::1], types.int32[::1])
+                     + (i64,) * 14)
+        kernel = gather_matmul._make_kernel(storage, relu, vector_out, *shape)
+        name = f"gather_matmul {storage} relu={relu} vector_out={vector_out} tile {shape}"
+        try:
+            ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
+        except Exception as error:  # report every failure, not just the first
+            print(f"FAIL  {name}: {type(error).__name__}: {str(error).splitlines()[0]}")
+            results.append(False)
+            continue
+        print(f"ok    {name}{resources(ptx)}  "
+              f"{ptx.count('mma.sync')} mma, {ptx.count('cp.async.cg')} cp.async")
+        results.append(True)
+    return results
+
+
 def main():
     if "--bsmm" in sys.argv[1:]:
         return check_bsmm()
+    if "--gather-matmul" in sys.argv[1:]:
+        shapes = [tuple(map(int, s.split(","))) for s in sys.argv[sys.argv.index("--gather-matmul") + 1:]]
+        return 0 if all(check_gather_matmul(shapes or (gather_matmul.TILE_SHAPE,))) else 1
     results = [
         check("pool_kernel", sbnet.pool_kernel.py_func,
               (types.int8[::1], types.int32[::1], types.float32[:, :, ::1]) + (i64,) * 11
@@ -194,6 +221,7 @@ def main():
         signature = (element[::1],) * 3 + (types.int32[::1],) * 2 + (i64,) * 13
         results.append(check(f"merge add={add} {vector_dtype}{' half2' if half2 else ''}", kernel.py_func,
                              signature))
+    results += check_gather_matmul()
     print(f"{sum(results)} of {len(results)} kernels compiled")
     return 0 if all(results) else 1
 

@@ -15,6 +15,10 @@ the words they came in (`_vector.load4_words`) and widen them only where it uses
 them: kept as halves, ptxas packs them into registers next to the load, which then
 waits for the load (`sbnet`'s transposing row copies).
 
+``half2_of_floats(lo, hi)``: the word of two float32 values rounded to fp16 (``lo`` in the
+low half; ``cvt.rn.f16x2.f32``), for a kernel that writes fp16 results as words or 16-byte
+vectors of them (`gather_matmul`'s output tile).
+
 The atomics: Numba's ``cuda.atomic.add`` takes float32 and float64 arrays only,
 but an fp16 scatter-add of overlapping windows (the gradient of a gather whose
 windows share a halo, as every SBNet block's do) needs one. ``atomic_add_half``
@@ -49,6 +53,9 @@ if SIMULATOR:
     def floats_of_half2(word):
         low, high = np.array([word], np.int64).astype(np.uint32).view(np.float16).astype(np.float32)
         return low, high
+
+    def half2_of_floats(lo, hi):
+        return np.int32(np.array([lo, hi], np.float32).astype(np.float16).view(np.int32)[0])
 
     def atomic_add_half(array, index, value):
         array = np.asarray(array)
@@ -95,6 +102,20 @@ else:
                                       [builder.extract_value(both, 0), builder.extract_value(both, 1)])
 
         return types.UniTuple(types.float32, 2)(word), codegen
+
+    @intrinsic
+    def half2_of_floats(typingctx, lo, hi):
+        if not (isinstance(lo, types.Float) and isinstance(hi, types.Float)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            f32 = ir.FloatType()
+            values = [context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args)]
+            # cvt.rn.f16x2.f32 d, a, b puts a in d's upper half and b in its lower half
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [f32, f32]), "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f")
+            return builder.call(asm, values)
+
+        return types.int32(lo, hi), codegen
 
     def _reduction(instruction, value_bits, constraint, accepts):
         """An intrinsic ``f(array, index, value)`` emitting ``instruction [&array[index]], value``."""

@@ -39,6 +39,7 @@ if SIMULATOR:
         row = np.asarray(array)[tuple(outer)] if outer else np.asarray(array)
         if row.strides[-1] != row.itemsize:
             raise ValueError(f"{what}: the last axis is not contiguous")
+        j = int(j)  # (a NumPy int32 index would make the address an int32, and overflow)
         address = row.ctypes.data + j * row.itemsize
         if not aligned(address, size, 1):
             raise ValueError(f"{what}: address {address:#x} is not aligned to {size} bytes")

@@ -28,15 +28,16 @@ C-contiguous, aligned likewise; fewer than 2^31 stack pixels.
 """
 
 import numpy as np
-from numba import cuda, float32, int32, int64, uint64
+from numba import boolean, cuda, float32, int32, int64, uint32, uint64
 
 from .._arrays import Operand, check_dtype, check_shape, launch_stream
 from .._backend import SIMULATOR
 from ..reference.sbnet import check_geometry
 from ._async import commit, copy16_or_zero, global_address, shared_address, waiter
 from ._launch import data_pointer, launch
+from ._half2 import half2_of_floats
 from ._mma import MMA_M, MMA_N, mma_3xtf32, mma_f16
-from ._vector import aligned
+from ._vector import aligned, load4, store2, store4
 from .sbnet import _magic, _prepare_indices, _quotient
 
 # -- constants -----------------------------------------------------------------
@@ -45,30 +46,52 @@ WARP = 32
 WARPS = 4  # warps of a thread block, each ROWS / WARPS pixels by all COLS output channels
 ROWS = 128  # stack pixels a thread block
 COLS = 64  # output channels a thread block
-WORDS = 16  # 32-bit words of input channels a stage takes of a pixel (and of a weight row)
+WORDS = 16  # 32-bit words of input channels a stage takes of a pixel (and of a weight row): 16 or 32
 STAGES = 3  # shared buffers in the ring (cp.async runs STAGES - 1 stages ahead)
-PAD = 4  # words after each shared row: a warp's fragment reads hit 32 distinct banks
 UNIT = 16  # bytes of one cp.async
 DTYPES = ("float16", "float32")
 MAX_PIXELS = 2**31  # stack pixels (32-bit tile arithmetic, `_quotient`)
 SHARED_ALIGN = None if SIMULATOR else 16  # cp.async's; the simulator takes none (NumPy's buffers are)
 
+# -- device helpers --------------------------------------------------------------
+
+
+def _swizzle(units):
+    """swizzle(r): what a shared row's 16-byte units are XORed with, for rows of `units` units (4
+    or 8: 64 or 128 bytes). The 8 rows a warp's fragment reads take at one word (rows r..r+7,
+    words t = 0..3 of one unit) then lie in 8 distinct 4-bank groups, and the copies of a
+    quarter-warp (a whole 128-byte line) stay in distinct banks: a padding of 4 words a row did
+    the first but not the second."""
+    rows_a_line = 8 // units
+
+    @cuda.jit(device=True, inline=True)
+    def swizzle(r):
+        return (r // rows_a_line) % units
+
+    return swizzle
+
+
 # -- kernel bodies -------------------------------------------------------------
 
 
-def _make_kernel(storage, relu, rows=ROWS, cols=COLS, words=WORDS, stages=STAGES, warps=WARPS):
+def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, stages=STAGES, warps=WARPS,
+                 registers=None):
     """The fused gather and product for one storage dtype and tile shape (see the module docstring).
 
-    Arguments: out ``[pixels, C_out]`` (the result's rows), x (the image, flat), w ``[C_out, C]``,
-    indices, count (a one-element device array), then the image's and the windows' sizes and
-    `_magic` numbers of the window's area and width."""
+    Arguments: out ``[pixels, C_out]`` (the result's rows; with `vector_out`, fp16's as int32 words
+    ``[pixels, C_out / 2]``), x (the image, flat), w ``[C_out, C]``, indices, count (a one-element
+    device array), then the image's and the windows' sizes and `_magic` numbers of the window's
+    area and width. `vector_out` (C_out a multiple of 8 fp16 or 2 fp32 values, out aligned to
+    that): fp16 results go through shared memory to whole 16-byte rows of out, fp32 ones as
+    pairs (8 bytes: a lane quad writes a whole 32-byte sector); else value by value."""
     PAIRS = storage == "float16"  # two 16-bit values a word, else one fp32
     ITEM = 2 if PAIRS else 4
     THREADS = warps * WARP
     UNITS = words * 4 // UNIT  # cp.async units of a pixel a stage
-    STRIDE = words + PAD
-    A_TILE = rows * STRIDE
-    W_TILE = cols * STRIDE
+    A_TILE = rows * words
+    W_TILE = cols * words
+    A_SIZE = stages * A_TILE  # (shared-array shapes must be constants, not expressions)
+    W_SIZE = stages * W_TILE
     A_PER = rows * UNITS // THREADS  # a thread's copies of a stage
     W_PER = cols * UNITS // THREADS
     ROW_STEP = THREADS // UNITS  # from one of a thread's pixels to its next
@@ -76,9 +99,13 @@ def _make_kernel(storage, relu, rows=ROWS, cols=COLS, words=WORDS, stages=STAGES
     MT = WARP_ROWS // MMA_M
     NT = cols // MMA_N
     STEPS = words // 8  # mma steps a stage: 8 words of k each (k16 of fp16, two k8 of fp32)
+    OUT_WORDS = cols // 2  # words of a staged fp16 output row (NT units of 16 bytes)
+    STAGED = vector_out and PAIRS
     assert rows * UNITS % THREADS == 0 and cols * UNITS % THREADS == 0 and WARP_ROWS % MMA_M == 0
-    assert words % 8 == 0 and 2 <= stages <= 4
+    assert words in (16, 32) and 2 <= stages <= 4 and (not STAGED or rows * OUT_WORDS <= A_SIZE)
     wait = waiter(stages - 2)
+    swizzle = _swizzle(UNITS)
+    out_swizzle = _swizzle(min(NT, 8))
 
     @cuda.jit(device=True, inline=True)
     def multiply_add(acc, mt, nt, fa, b0, b1):
@@ -110,23 +137,71 @@ def _make_kernel(storage, relu, rows=ROWS, cols=COLS, words=WORDS, stages=STAGES
                            w_global + (w_from[i] + uint64(k_bytes) if inside else uint64(0)), inside)
 
     @cuda.jit(device=True, inline=True)
-    def multiply(a_s, w_s, acc, fa, buf, s, ar, t, bc):
+    def word_at(r, word):
+        """Where word `word` of shared row r lies (its unit swizzled)."""
+        return r * words + ((word // 4) ^ swizzle(r)) * 4 + word % 4
+
+    @cuda.jit(device=True, inline=True)
+    def multiply(a_s, w_s, acc, fa, buf, s, ar, t, bc, sw):
         """acc += step s of the stage in buffer buf: A rows ar, ar + 8 (and 16 below), words
-        t, t + 4; B (weight rows) bc + 8 nt, words t, t + 4."""
+        t, t + 4 of the step; B (weight rows) bc + 8 nt, the same words. Every row this lane
+        reads is g (= ar, bc) plus a multiple of 8, so all share g's swizzle, sw: the words'
+        places are the same two in every row (an XOR a row kept ~80 more addresses live)."""
+        lo = ((2 * s) ^ sw) * 4 + t
+        hi = ((2 * s + 1) ^ sw) * 4 + t
         for mt in range(MT):
-            at = buf * A_TILE + (ar + mt * MMA_M) * STRIDE + s * 8 + t
-            fa[mt, 0] = a_s[at]
-            fa[mt, 1] = a_s[at + 8 * STRIDE]
-            fa[mt, 2] = a_s[at + 4]
-            fa[mt, 3] = a_s[at + 8 * STRIDE + 4]
+            at = buf * A_TILE + (ar + mt * MMA_M) * words
+            fa[mt, 0] = a_s[at + lo]
+            fa[mt, 1] = a_s[at + 8 * words + lo]
+            fa[mt, 2] = a_s[at + hi]
+            fa[mt, 3] = a_s[at + 8 * words + hi]
         for nt in range(NT):
-            at = buf * W_TILE + (bc + nt * MMA_N) * STRIDE + s * 8 + t
-            b0 = w_s[at]
-            b1 = w_s[at + 4]
+            at = buf * W_TILE + (bc + nt * MMA_N) * words
+            b0 = w_s[at + lo]
+            b1 = w_s[at + hi]
             for mt in range(MT):
                 multiply_add(acc, mt, nt, fa, b0, b1)
 
-    @cuda.jit
+    @cuda.jit(device=True, inline=True)
+    def result(acc, mt, nt, q):
+        v = acc[mt, nt, q]
+        return max(v, float32(0)) if relu else v
+
+    @cuda.jit(device=True, inline=True)
+    def write(out, a_s, acc, tid, warp, g, t, row0, col0, n_pixels, n_out):
+        """The tile's results into out (see `vector_out`)."""
+        if STAGED:
+            cuda.syncthreads()  # every warp is done reading the ring, which now takes the output tile
+            for mt in range(MT):
+                for half in range(2):
+                    r = warp * WARP_ROWS + mt * MMA_M + g + 8 * half
+                    for nt in range(NT):
+                        word = half2_of_floats(result(acc, mt, nt, 2 * half), result(acc, mt, nt, 2 * half + 1))
+                        a_s[r * OUT_WORDS + (nt ^ out_swizzle(r)) * 4 + t] = word
+            cuda.syncthreads()  # the output tile is in shared memory
+            for e in range(tid, rows * NT, THREADS):  # 16-byte units, a row's together
+                r = e // NT
+                j = e - r * NT
+                row = row0 + r
+                if row < n_pixels and col0 + j * 8 < n_out:
+                    store4(out, (row, (col0 + j * 8) // 2), load4(a_s, (r * OUT_WORDS + (j ^ out_swizzle(r)) * 4,)))
+            return
+        for mt in range(MT):
+            for half in range(2):
+                row = row0 + warp * WARP_ROWS + mt * MMA_M + g + 8 * half
+                if row < n_pixels:
+                    for nt in range(NT):
+                        col = col0 + nt * MMA_N + 2 * t
+                        if vector_out:
+                            if col < n_out:  # (n_out even: col + 1 too)
+                                store2(out, (row, col), (result(acc, mt, nt, 2 * half),
+                                                         result(acc, mt, nt, 2 * half + 1)))
+                        else:
+                            for e in range(2):
+                                if col + e < n_out:
+                                    out[row, col + e] = result(acc, mt, nt, 2 * half + e)
+
+    @cuda.jit(**({} if registers is None else {"max_registers": registers}))
     def gather_matmul(out, x, w, indices, count, n_images, height, width, channels, n_out, n_pixels,
                       area, size_w, stride_h, stride_w, offset_h, offset_w, magic_area, magic_w):
         tid = cuda.threadIdx.x
@@ -136,15 +211,15 @@ def _make_kernel(storage, relu, rows=ROWS, cols=COLS, words=WORDS, stages=STAGES
         t = lane % 4
         row0 = int32(cuda.blockIdx.x) * int32(rows)
         col0 = int32(cuda.blockIdx.y) * int32(cols)
-        a_s = cuda.shared.array(stages * A_TILE, np.uint32, alignment=SHARED_ALIGN)
-        w_s = cuda.shared.array(stages * W_TILE, np.uint32, alignment=SHARED_ALIGN)
+        a_s = cuda.shared.array(A_SIZE, uint32, alignment=SHARED_ALIGN)
+        w_s = cuda.shared.array(W_SIZE, uint32, alignment=SHARED_ALIGN)
         acc = cuda.local.array((MT, NT, 4), float32)
-        fa = cuda.local.array((MT, 4), np.uint32)
+        fa = cuda.local.array((MT, 4), uint32)
         a_from = cuda.local.array(A_PER, uint64)  # bytes from x's start to the unit's first stage
-        a_keep = cuda.local.array(A_PER, np.bool_)
+        a_keep = cuda.local.array(A_PER, boolean)
         a_to = cuda.local.array(A_PER, uint64)  # bytes from the ring's start (buffer 0)
         w_from = cuda.local.array(W_PER, uint64)
-        w_keep = cuda.local.array(W_PER, np.bool_)
+        w_keep = cuda.local.array(W_PER, boolean)
         w_to = cuda.local.array(W_PER, uint64)
         unit = tid % UNITS
         row_bytes = channels * ITEM
@@ -153,7 +228,7 @@ def _make_kernel(storage, relu, rows=ROWS, cols=COLS, words=WORDS, stages=STAGES
         for i in range(A_PER):
             r = tid // UNITS + i * ROW_STEP
             q = row0 + r
-            a_to[i] = uint64((r * STRIDE + unit * 4) * 4)
+            a_to[i] = uint64(word_at(r, unit * 4) * 4)
             a_from[i] = uint64(unit * UNIT)
             keep = False
             if q < n_pixels:
@@ -170,7 +245,7 @@ def _make_kernel(storage, relu, rows=ROWS, cols=COLS, words=WORDS, stages=STAGES
             a_keep[i] = keep
         for i in range(W_PER):
             r = tid // UNITS + i * ROW_STEP
-            w_to[i] = uint64((r * STRIDE + unit * 4) * 4)
+            w_to[i] = uint64(word_at(r, unit * 4) * 4)
             w_from[i] = uint64((col0 + r) * int64(row_bytes) + unit * UNIT)
             w_keep[i] = col0 + r < n_out
         a_shared = shared_address(a_s, (0,))
@@ -188,6 +263,7 @@ def _make_kernel(storage, relu, rows=ROWS, cols=COLS, words=WORDS, stages=STAGES
                       unit * UNIT, row_bytes)
             commit()  # one group a stage, empty or not, so that the wait below counts stages
         ar = warp * WARP_ROWS + g
+        sw = swizzle(g)
         buf = 0
         for stage in range(n_stages):
             wait()  # this thread's copies of this stage have landed
@@ -200,18 +276,9 @@ def _make_kernel(storage, relu, rows=ROWS, cols=COLS, words=WORDS, stages=STAGES
                       a_from, a_keep, w_from, w_keep, a_to, w_to, unit * UNIT, row_bytes)
             commit()
             for s in range(STEPS):
-                multiply(a_s, w_s, acc, fa, buf, s, ar, t, g)
+                multiply(a_s, w_s, acc, fa, buf, s, ar, t, g, sw)
             buf = buf + 1 if buf < stages - 1 else 0
-        for mt in range(MT):
-            for half in range(2):
-                row = row0 + ar + mt * MMA_M + 8 * half
-                if row < n_pixels:
-                    for nt in range(NT):
-                        col = col0 + nt * MMA_N + 2 * t
-                        for e in range(2):
-                            if col + e < n_out:
-                                v = acc[mt, nt, 2 * half + e]
-                                out[row, col + e] = max(v, float32(0)) if relu else v
+        write(out, a_s, acc, tid, warp, g, t, row0, col0, n_pixels, n_out)
 
     return gather_matmul
 
@@ -219,16 +286,17 @@ def _make_kernel(storage, relu, rows=ROWS, cols=COLS, words=WORDS, stages=STAGES
 _kernels = {}
 
 
-def _kernel(storage, relu, shape):
-    key = (storage, relu, shape)
+def _kernel(storage, relu, vector_out, shape):
+    key = (storage, relu, vector_out, shape)
     if key not in _kernels:
-        _kernels[key] = _make_kernel(storage, relu, *shape)
+        _kernels[key] = _make_kernel(storage, relu, vector_out, *shape)
     return _kernels[key]
 
 
 # -- launch configuration --------------------------------------------------------
 
-TILE_SHAPE = (ROWS, COLS, WORDS, STAGES, WARPS)  # (rows, cols, words, stages, warps): sweeps set this
+REGISTERS = None  # a cap on the kernel's registers (ptxas), or None
+TILE_SHAPE = (ROWS, COLS, WORDS, STAGES, WARPS, REGISTERS)  # (rows, cols, words, stages, warps, registers)
 
 
 def _grid(n_pixels, n_out, shape):
@@ -236,7 +304,19 @@ def _grid(n_pixels, n_out, shape):
     return (-(-n_pixels // rows), -(-n_out // cols)), shape[4] * WARP
 
 
+def _vector_out(out, n_out, item):
+    """Whether results go out as whole 16-byte fp16 units or fp32 pairs (`_make_kernel`)."""
+    size = 16 if item == 2 else 8
+    return n_out * item % size == 0 and aligned(data_pointer(out), size, 1)
+
+
 # -- public function -------------------------------------------------------------
+
+
+def _torch_int32():
+    import torch
+
+    return torch.int32
 
 
 def _weight_rows(w_op, channels):
@@ -296,10 +376,14 @@ def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=No
     if n_pixels and n_out:
         tile = TILE_SHAPE
         grid, block = _grid(n_pixels, n_out, tile)
-        args = (result.reshape(n_pixels, n_out), x_dev.reshape(N * H * W * C), w_dev.reshape(n_out, C), idx.device(stream),
+        vector_out = _vector_out(result, n_out, item)
+        rows_out = result.reshape(n_pixels, n_out)
+        if vector_out and item == 2:
+            rows_out = rows_out.view(np.int32) if x_op.kind != "torch" or SIMULATOR else rows_out.view(_torch_int32())
+        args = (rows_out, x_dev.reshape(N * H * W * C), w_dev.reshape(n_out, C), idx.device(stream),
                 count_device, N, H, W, C, n_out, n_pixels, area, size[1], stride[0], stride[1], offset[0],
                 offset[1], _magic(area), _magic(size[1]))
-        launch(_kernel(x_op.dtype, bool(relu), tile), grid, block, stream, args)
+        launch(_kernel(x_op.dtype, bool(relu), vector_out, tile), grid, block, stream, args)
     if out is not None and not (SIMULATOR and out_op.kind == "torch"):
         return out  # the caller's own array (an Operand holds a detached torch view of it)
     return (x_op if out is None else out_op).result(native, result, stream)

@@ -1,0 +1,44 @@
+"""Run the fused gather and 1x1 product (`kernels/gather_matmul.py`) on the sparse block's shape a few
+times, for a profiler to pick one launch (a developer's script, GPU; see scripts/ncu_gather_matmul.sh).
+
+    python3 scripts/profile_gather_matmul.py [--dtype float16] [--active 0.5] [--tile 128,64,16,3,4]
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--active", type=float, default=0.5)
+    parser.add_argument("--tile", default=None)
+    parser.add_argument("--calls", type=int, default=5)
+    args = parser.parse_args()
+
+    import torch
+
+    from sparseblocks.kernels import gather_matmul, sbnet
+
+    if args.tile:
+        gather_matmul.TILE_SHAPE = tuple(map(int, args.tile.split(",")))
+    dtype = getattr(torch, args.dtype)
+    g = {"bsize": 16, "bstride": 14, "boffset": -1}
+    x = torch.randn(1, 400, 700, 256, device="cuda", dtype=dtype)
+    w = torch.randn(64, 256, device="cuda", dtype=dtype) / 16
+    grid = sbnet.block_count((400, 700), (14, 14), (-1, -1))
+    chosen = np.argwhere(np.random.default_rng(0).random(grid) < args.active)
+    indices = np.ascontiguousarray(np.concatenate([np.zeros((len(chosen), 1), np.int64), chosen], axis=1), np.int32)
+    idx = torch.as_tensor(indices, device="cuda")
+    for _ in range(args.calls):
+        gather_matmul.sparse_gather_matmul(x, idx, w, relu=True, **g)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
