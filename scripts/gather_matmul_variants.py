@@ -26,7 +26,7 @@ DEFAULT_SHAPES = ["128,64,16,3,4", "128,64,16,3,4,128", "256,64,16,3,8,128", "12
                   "64,64,16,3,4", "64,64,16,4,4,128", "128,64,16,2,4,128"]
 
 
-def tile_shapes(text):
+def parse_tiles(text):
     shapes = []
     for item in text.split():
         values = tuple(map(int, item.split(",")))
@@ -49,7 +49,7 @@ def main():
 
     rng = np.random.default_rng(0)
     records = []
-    shapes = {"float16": tile_shapes(args.shapes), "float32": tile_shapes(args.fp32_shapes)}
+    shapes = {"float16": parse_tiles(args.shapes), "float32": parse_tiles(args.fp32_shapes)}
     for dtype_name, tile_shapes in shapes.items():
         dtype = getattr(torch, dtype_name)
         # The small awkward case against the reference.

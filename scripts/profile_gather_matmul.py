@@ -26,7 +26,8 @@ def main():
     from sparseblocks.kernels import gather_matmul, sbnet
 
     if args.tile:
-        gather_matmul.TILE_SHAPE = tuple(map(int, args.tile.split(",")))
+        values = tuple(map(int, args.tile.split(",")))
+        gather_matmul.TILE_SHAPE = values if len(values) == 6 else values + (None,)
     dtype = getattr(torch, args.dtype)
     g = {"bsize": 16, "bstride": 14, "boffset": -1}
     x = torch.randn(1, 400, 700, 256, device="cuda", dtype=dtype)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from sparseblocks.kernels._half2 import floats_of_half2
+from sparseblocks.kernels._half2 import floats_of_half2, half2_of_floats
 from sparseblocks.kernels._vector import aligned, load2, load4, load4_words, store2, store4
 
 
@@ -95,6 +95,24 @@ def test_half_pairs_widen_to_their_values():
     _widen_words[1, 8](out, cuda.to_device(a.view(np.uint32)))
     got = out.copy_to_host()
     np.testing.assert_array_equal(got, a.astype(np.float32))
+    assert np.array_equal(np.signbit(got), np.signbit(a))
+
+
+@cuda.jit
+def _narrow_pairs(out, a):
+    i = cuda.threadIdx.x
+    if 2 * i + 1 < a.shape[0]:
+        out[i] = half2_of_floats(a[2 * i], a[2 * i + 1])
+
+
+def test_float_pairs_narrow_to_a_word_of_halves():
+    """half2_of_floats rounds two floats to the halves of one word (low first), to nearest:
+    signed zeros, subnormals and overflow to infinity included."""
+    a = np.array([1.5, -2.0, 0.0, -0.0, 6e-8, 70000.0, 3.14159, -1e-3, 2049.0, -65520.0], np.float32)
+    out = cuda.to_device(np.zeros(a.size // 2, np.int32))
+    _narrow_pairs[1, 8](out, cuda.to_device(a))
+    got = out.copy_to_host().view(np.float16)
+    np.testing.assert_array_equal(got, a.astype(np.float16))
     assert np.array_equal(np.signbit(got), np.signbit(a))
 
 

@@ -1,0 +1,155 @@
+"""The gather fused into a 1x1 convolution (kernels/gather_matmul.py) against its NumPy reference."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numba import cuda
+
+from sparseblocks._arrays import poisoned_outputs
+from sparseblocks._backend import SIMULATOR
+from sparseblocks.kernels import gather_matmul
+from sparseblocks.reference import gather_matmul as reference
+from sparseblocks.reference.sbnet import sparse_gather
+from strategies import assert_close, block_indices, geometries, values
+
+# The simulator runs a Python thread per CUDA thread and a collective per mma (128 threads, a
+# few seconds a thread block): one tile of 128 stack pixels and a few channels there.
+few = settings(max_examples=3) if SIMULATOR else settings(max_examples=25)
+MAX_BLOCKS = 6 if SIMULATOR else 60
+MAX_SIDE = 9 if SIMULATOR else 40
+
+
+@st.composite
+def problems(draw, dtype):
+    """(x, indices, weight, geometry, count): an NHWC image with whole 16-byte pixels, block
+    indices (some off the image or out of range), a weight [C_out, C] and maybe a count."""
+    step = 16 // np.dtype(dtype).itemsize
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    shape = (draw(st.integers(1, 2)), draw(st.integers(1, MAX_SIDE)), draw(st.integers(1, MAX_SIDE)),
+             step * draw(st.integers(1, 3 if SIMULATOR else 40)))
+    g = draw(geometries(max_size=4, max_stride=5, offsets=(-3, 2)))
+    x = values(rng, shape, dtype, draw(st.sampled_from(["normal", "small_integers", "sparse"])))
+    indices = block_indices(rng, shape, g, max_blocks=MAX_BLOCKS)
+    n_out = draw(st.integers(1, 20 if SIMULATOR else 150))
+    weight = values(rng, (n_out, shape[3]), dtype, "normal")
+    count = None
+    if len(indices) and draw(st.booleans()):
+        count = np.array([rng.integers(0, len(indices) + 1)], np.int32)
+    return x, indices, weight, g, count
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@few
+@given(data=st.data(), relu=st.booleans())
+def test_equals_reference(data, relu, dtype):
+    x, indices, weight, g, count = data.draw(problems(dtype))
+    want = reference.sparse_gather_matmul(x, indices, weight, count=count, relu=relu, **g)
+    with poisoned_outputs():  # every element written, rows past the count included
+        got = gather_matmul.sparse_gather_matmul(x, indices, weight, count=count, relu=relu, **g)
+    assert got.shape == want.shape == (len(indices), *g["bsize"], len(weight)) and got.dtype == x.dtype
+    if count is not None:
+        assert not got[int(count[0]):].any()
+    # Tolerance: fp16 products on tensor cores sum in fp32 (3xTF32 for fp32), rounded once.
+    assert_close(got, want, dtype)
+
+
+def test_is_the_gather_then_the_product():
+    """The identity the fusion rests on, in float64 on the host: gather, then a 1x1 convolution."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 7, 8, 5))
+    w = rng.standard_normal((3, 5, 1, 1))
+    g = {"bsize": (3, 4), "bstride": (2, 3), "boffset": (-1, 1)}
+    indices = np.array([[0, 0, 0], [1, 2, 1], [0, 3, 2]], np.int32)
+    stack = sparse_gather(x, indices, **g)
+    want = np.einsum("bhwc,oc->bhwo", stack, w[:, :, 0, 0])
+    np.testing.assert_allclose(reference.sparse_gather_matmul(x, indices, w, **g), want)
+
+
+def test_several_tiles_and_channels_past_a_stage():
+    """Two output-channel tiles (C_out > COLS), input channels ending inside a stage, rows of
+    more than one tile of pixels, on a device array kept by the caller (out=)."""
+    rng = np.random.default_rng(2)
+    cols, rows = gather_matmul.TILE_SHAPE[1], gather_matmul.TILE_SHAPE[0]
+    x = rng.standard_normal((1, 12, 13, 40)).astype(np.float16)
+    w = rng.standard_normal((cols + 8, 40)).astype(np.float16)
+    g = {"bsize": (8, 9), "bstride": (4, 4), "boffset": (-2, -3)}
+    indices = np.array([[0, 0, 0], [0, 1, 2], [0, 2, 1]], np.int32)
+    assert len(indices) * 72 > rows
+    want = reference.sparse_gather_matmul(x, indices, w, relu=True, **g)
+    out = cuda.to_device(np.full(want.shape, np.nan, np.float16))
+    got = gather_matmul.sparse_gather_matmul(cuda.to_device(x), cuda.to_device(indices), cuda.to_device(w),
+                                             relu=True, out=out, **g)
+    assert got is out
+    assert_close(out.copy_to_host(), want, "float16")
+
+
+def test_no_blocks_and_no_output_channels():
+    x = np.ones((1, 4, 4, 8), np.float16)
+    w = np.ones((3, 8), np.float16)
+    g = {"bsize": 2, "bstride": 2}
+    assert gather_matmul.sparse_gather_matmul(x, np.zeros((0, 3), np.int32), w, **g).shape == (0, 2, 2, 3)
+    got = gather_matmul.sparse_gather_matmul(x, np.zeros((1, 3), np.int32), np.ones((0, 8), np.float16), **g)
+    assert got.shape == (1, 2, 2, 0)
+
+
+def test_a_convolution_weight_goes_as_it_is():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 5, 5, 8)).astype(np.float32)
+    w = rng.standard_normal((4, 8, 1, 1)).astype(np.float32)
+    g = {"bsize": 3, "bstride": 2, "boffset": -1}
+    indices = np.array([[0, 1, 1]], np.int32)
+    assert_close(gather_matmul.sparse_gather_matmul(x, indices, w, **g),
+                 reference.sparse_gather_matmul(x, indices, w, **g), "float32")
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("float64", TypeError, "x: expected dtype"),
+    ("weight dtype", TypeError, "weight: expected float16"),
+    ("channels", ValueError, "16-byte vectors"),
+    ("weight shape", ValueError, "weight: expected"),
+    ("x shape", ValueError, "x: expected NHWC"),
+    ("indices shape", ValueError, "indices: expected"),
+    ("count", ValueError, "count: expected"),
+    ("out shape", ValueError, "out: expected shape"),
+    ("numpy out", TypeError, "out: expected a device array"),
+    ("geometry", ValueError, "bsize"),
+])
+def test_bad_input_raises_before_any_launch(case, error, match):
+    x = np.ones((1, 4, 4, 8), np.float16)
+    w = np.ones((3, 8), np.float16)
+    indices = np.zeros((1, 3), np.int32)
+    kwargs = {"bsize": 2, "bstride": 2}
+    if case == "float64":
+        x, w = x.astype(np.float64), w.astype(np.float64)
+    elif case == "weight dtype":
+        w = w.astype(np.float32)
+    elif case == "channels":
+        x, w = np.ones((1, 4, 4, 12), np.float16), np.ones((3, 12), np.float16)
+    elif case == "weight shape":
+        w = np.ones((3, 9), np.float16)
+    elif case == "x shape":
+        x = x[0]
+    elif case == "indices shape":
+        indices = np.zeros((1, 2), np.int32)
+    elif case == "count":
+        kwargs["count"] = np.array([2], np.int32)
+    elif case == "out shape":
+        kwargs["out"] = cuda.to_device(np.zeros((1, 2, 2, 4), np.float16))
+    elif case == "numpy out":
+        kwargs["out"] = np.zeros((1, 2, 2, 3), np.float16)
+    elif case == "geometry":
+        kwargs["bsize"] = 0
+    with pytest.raises(error, match=match):
+        gather_matmul.sparse_gather_matmul(x, indices, w, **kwargs)
+
+
+@pytest.mark.gpu
+def test_misaligned_torch_tensors_raise():
+    torch = pytest.importorskip("torch")
+    storage = torch.ones(1 + 4 * 4 * 8, dtype=torch.float16, device="cuda")
+    x = storage[1:].view(1, 4, 4, 8)
+    w = torch.ones(3, 8, dtype=torch.float16, device="cuda")
+    indices = torch.zeros(1, 3, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="x: expected a 16-byte aligned pointer"):
+        gather_matmul.sparse_gather_matmul(x, indices, w, bsize=2, bstride=2)
