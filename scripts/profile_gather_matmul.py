@@ -19,6 +19,7 @@ def main():
     parser.add_argument("--active", type=float, default=0.5)
     parser.add_argument("--tile", default=None)
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--host", action="store_true", help="host time of a call, and cProfile's top functions")
     args = parser.parse_args()
 
     import torch
@@ -36,9 +37,33 @@ def main():
     chosen = np.argwhere(np.random.default_rng(0).random(grid) < args.active)
     indices = np.ascontiguousarray(np.concatenate([np.zeros((len(chosen), 1), np.int64), chosen], axis=1), np.int32)
     idx = torch.as_tensor(indices, device="cuda")
+    count = torch.tensor([len(indices)], dtype=torch.int32, device="cuda")
+    call = lambda: gather_matmul.sparse_gather_matmul(x, idx, w, relu=True, count=count, **g)  # noqa: E731
     for _ in range(args.calls):
-        gather_matmul.sparse_gather_matmul(x, idx, w, relu=True, **g)
+        call()
     torch.cuda.synchronize()
+    if args.host:
+        import cProfile
+        import pstats
+        import time
+
+        gather = lambda: sbnet.sparse_gather(x, idx, count=count, **g)  # noqa: E731
+        for name, fn in (("fused", call), ("gather", gather)):
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(200):
+                fn()
+            print(f"{name}: {(time.perf_counter() - start) / 200 * 1e6:.1f} us a call (host)")
+            torch.cuda.synchronize()
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(200):
+            call()
+        profile.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":

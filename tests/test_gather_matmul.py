@@ -153,3 +153,27 @@ def test_misaligned_torch_tensors_raise():
     indices = torch.zeros(1, 3, dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="x: expected a 16-byte aligned pointer"):
         gather_matmul.sparse_gather_matmul(x, indices, w, bsize=2, bstride=2)
+
+
+@pytest.mark.gpu
+def test_kept_launch_replays_with_new_tensors():
+    """A repeated call of torch tensors replays its kept launch: new pointers, the same result
+    as the general path, into a new tensor or an aligned out=."""
+    torch = pytest.importorskip("torch")
+    from sparseblocks.kernels import sbnet
+
+    rng = np.random.default_rng(5)
+    g = {"bsize": (5, 6), "bstride": (4, 4), "boffset": (-1, -2)}
+    indices = torch.tensor([[0, 0, 0], [1, 2, 1], [0, 1, 3], [2, 0, 0]], dtype=torch.int32, device="cuda")
+    count = torch.tensor([3], dtype=torch.int32, device="cuda")
+    sbnet._plans.clear()
+    for step in range(3):
+        x = torch.tensor(rng.standard_normal((2, 9, 14, 24)), dtype=torch.float16, device="cuda")
+        w = torch.tensor(rng.standard_normal((72, 24)), dtype=torch.float16, device="cuda")
+        want = reference.sparse_gather_matmul(x.cpu().numpy(), indices.cpu().numpy(), w.cpu().numpy(),
+                                              count=count.cpu().numpy(), relu=True, **g)
+        out = torch.full(want.shape, float("nan"), dtype=torch.float16, device="cuda") if step == 2 else None
+        got = gather_matmul.sparse_gather_matmul(x, indices, w, count=count, relu=True, out=out, **g)
+        assert out is None or got is out
+        assert_close(got.cpu().numpy(), want, "float16")
+        assert any(key[0] == "gather_matmul" for key in sbnet._plans)
