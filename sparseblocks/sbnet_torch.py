@@ -267,11 +267,11 @@ class _Windows:
     def gather(self, image, at=None, out=None):
         return kernels.sparse_gather(image, self.indices, *(at or self.gather_at), out=out, **self._kwargs())
 
-    def gather_matmul(self, image, weight):
+    def gather_matmul(self, image, weight, out=None):
         """relu(gather(image) @ weight^T) in one kernel (`kernels.gather_matmul`): the NHWC stack's
         first 1x1 convolution and its ReLU without the stack."""
         return fused_kernels.sparse_gather_matmul(image, self.indices, weight, *self.gather_at, count=self.count,
-                                                  relu=True)
+                                                  relu=True, out=out)
 
     def scatter(self, blocks, image, inplace, atomic, at=None):
         """Add the blocks into `image` (a copy of it unless `inplace`)."""
@@ -569,16 +569,25 @@ class _Slot:
         source, result = (self.grad_out, self.grad_stack) if backward else (self.stack, self.out)
         gather_at, scatter_at = (windows.scatter_at, windows.gather_at) if backward else (
             windows.gather_at, windows.scatter_at)
-        key = (_signature(windows, image, inplace), backward)
+        # Without gradients the gather may go straight into the first product (`_fuses_gather`):
+        # no stack, and a graph from the first ReLU's output on.
+        fused = not (backward or zero_rest) and self.residual is _WRITTEN_OUT[False] and _fuses_gather(
+            windows, image, self.weights[0])
+        key = (_signature(windows, image, inplace), backward, fused)
         kept = self.launches.get(key)
         stream = torch_stream_handle() if kept else None
-        if kept:
+        if fused:
+            windows.gather_matmul(image.detach(), self.weights[0], out=self.h1[:n])
+        elif kept:
             kept[0](stream, image.data_ptr(), source.data_ptr(), indices.data_ptr(), kept[2] or count.data_ptr())
         else:
             windows.gather(image.detach(), at=gather_at, out=source[:n])
         if zero_rest and n < capacity:
             source[n:capacity].zero_()
-        graph, outputs = self.backward(capacity, needs) if backward else (self.forward(capacity), None)
+        if backward:
+            graph, outputs = self.backward(capacity, needs)
+        else:
+            graph, outputs = self.forward(capacity, fused), None
         graph.replay()
         if backward and not needs[0]:
             return None, outputs
@@ -586,18 +595,24 @@ class _Slot:
             return kept[1](stream, image, result.data_ptr(), indices.data_ptr(), kept[3] or count.data_ptr()), outputs
         y = windows.scatter(result[:n], image, inplace, atomic=backward, at=scatter_at)
         kept = kernels.kept_launches(image, indices, result[:n], count, *gather_at, windows.transpose,
-                                     windows.data_format, inplace, scatter_at, atomic=backward)
+                                     windows.data_format, inplace, scatter_at, atomic=backward, gather=not fused)
         if kept is not None:
             self.launches[key] = kept
         return y, outputs
 
-    def forward(self, capacity):
-        """The residual's graph on the first `capacity` rows."""
-        graph = self.forwards.get(capacity)
+    def forward(self, capacity, fused=False):
+        """The residual's graph on the first `capacity` rows (`fused`: from the first ReLU's
+        output, which the fused gather and product wrote, on)."""
+        graph = self.forwards.get((capacity, fused))
         if graph is None:
             c = capacity
-            graph = self.forwards[c] = _captured(lambda: self.residual.forward(
-                self.stack[:c], self.weights, into=(self.h1[:c], self.h2[:c], self.out[:c])), self.pool)[0]
+            if fused:
+                def run():
+                    _after_first_product(self.h1[:c], *self.weights[1:], into=(None, self.h2[:c], self.out[:c]))
+            else:
+                def run():
+                    self.residual.forward(self.stack[:c], self.weights, into=(self.h1[:c], self.h2[:c], self.out[:c]))
+            graph = self.forwards[(c, fused)] = _captured(run, self.pool)[0]
         return graph
 
     def backward(self, capacity, needs):

@@ -392,33 +392,41 @@ def test_fused_relu_gives_the_relu_apart(dtype, monkeypatch):
 def test_fused_gather_gives_the_gather_and_product_apart(dtype, monkeypatch):
     """Calls without gradients on an NHWC stack of FUSED_GATHER_MIN_PIXELS pixels or more gather
     the windows straight into the first product (`kernels.gather_matmul`): the block's output is
-    the one of the gather and the product apart, in place too; with gradients, or past the
-    fused kernel's limits (fp64), the two calls stay."""
+    the one of the gather and the product apart, in place and through CUDA graphs too; with
+    gradients, or past the fused kernel's limits (fp64), the two calls stay."""
     torch.manual_seed(4)
     block = sbnet_torch.SparseResBlock(channels=8, bottleneck=4, block_size=6).to(DEVICE, dtype)
     x = torch.randn(1, 8, 9, 10, dtype=dtype, device=DEVICE).to(memory_format=torch.channels_last)
     mask = np.zeros((1, 9, 10), np.float32)
     mask[0, 2:4, 2:8] = 1
     indices, count = block.active_blocks(tensor(mask))
+    with torch.no_grad():
+        monkeypatch.setattr(sbnet_torch, "FUSED_GATHER", False)
+        apart = block(x, indices, count)
     calls = []
     fused_call = sbnet_torch.fused_kernels.sparse_gather_matmul
     monkeypatch.setattr(sbnet_torch.fused_kernels, "sparse_gather_matmul",
                         lambda *args, **kwargs: calls.append(1) or fused_call(*args, **kwargs))
-    monkeypatch.setattr(sbnet_torch, "FUSED_GATHER_MIN_PIXELS", 0)
-    with torch.no_grad():
-        fused = block(x, indices, count)
-        fused_inplace = block(x.clone(), indices, count, inplace=True)
-        monkeypatch.setattr(sbnet_torch, "FUSED_GATHER", False)
-        apart = block(x, indices, count)
-    assert len(calls) == 2
-    tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.float16 else {"atol": 1e-5, "rtol": 1e-5}
-    torch.testing.assert_close(fused, apart, **tolerance)
-    torch.testing.assert_close(fused_inplace, apart, **tolerance)
     monkeypatch.setattr(sbnet_torch, "FUSED_GATHER", True)
+    monkeypatch.setattr(sbnet_torch, "FUSED_GATHER_MIN_PIXELS", 0)
+    tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.float16 else {"atol": 1e-5, "rtol": 1e-5}
+    with torch.no_grad():
+        torch.testing.assert_close(block(x, indices, count), apart, **tolerance)
+        torch.testing.assert_close(block(x.clone(), indices, count, inplace=True), apart, **tolerance)
+    assert len(calls) == 2
+    if DEVICE == "cuda":
+        graphed = sbnet_torch.SparseResBlock(8, 4, block_size=6, graphs=True).to(DEVICE, dtype)
+        graphed.load_state_dict(block.state_dict())
+        with torch.no_grad():
+            for _ in range(2):  # the first call keeps its scatter's launch, the second replays it
+                torch.testing.assert_close(graphed(x, indices, count), apart, **tolerance)
+                torch.testing.assert_close(graphed(x.clone(), indices, count, inplace=True), apart, **tolerance)
+        assert len(calls) == 6
+    calls.clear()
     block(x.requires_grad_(True), indices, count).float().sum().backward()  # training: the stack is kept
     with torch.no_grad():
         block.double()(x.detach().double(), indices, count)
-    assert len(calls) == 2
+    assert not calls
 
 
 @pytest.mark.parametrize("transpose", [False, True])

@@ -1,0 +1,88 @@
+"""The gather fused into a 1x1 convolution (`kernels/gather_matmul.py`) against the gather followed by
+cuBLAS, the dense 1x1 convolution over the whole image (cuBLAS), and a device copy of the bytes it
+must move.
+
+    python -m benchmarks.bench_gather_matmul [--quick] [--out-dir DIR]
+
+SBNet's ResNet-50 stage shapes (the bottleneck's first 1x1: C -> C / 4, windows of 16 every 14 from
+-1 as `SparseResBlock` gathers them), fp16 and fp32, 5-50 % of the windows, ReLU fused. Each
+configuration is checked against the gather and the product in float64 first, then timed on the
+device alone (replays of a captured CUDA graph), every baseline the same way in the same run:
+``gather_mm`` (`sbnet.sparse_gather`, then ``torch._addmm_activation``: what the block ran before),
+``dense_mm`` (the same product over every pixel of the image, as the dense block's 1x1 runs),
+``copy`` (a device copy moving the bytes the fused call must: the windows' pixels read, the
+result written). Writes results/gather_matmul.json and results/gather_matmul.md.
+"""
+
+import argparse
+
+import numpy as np
+
+from benchmarks.common import Record, copy_ms, device_name, graph_ms, print_table, write_results
+
+SHAPES = [(1, 400, 700, 256, 64), (1, 200, 350, 512, 128), (1, 100, 175, 1024, 256)]
+FRACTIONS = (0.05, 0.1, 0.25, 0.5)
+GEOMETRY = {"bsize": 16, "bstride": 14, "boffset": -1}
+
+
+def windows(rng, height, width, fraction):
+    """A random `fraction` of the block grid's windows, as int32 [n, 3] indices."""
+    from sparseblocks.reference.sbnet import block_count
+
+    grid = block_count((height, width), (14, 14), (-1, -1))
+    chosen = np.argwhere(rng.random(grid) < fraction)
+    return np.ascontiguousarray(np.concatenate([np.zeros((len(chosen), 1), np.int64), chosen], axis=1), np.int32)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    from sparseblocks.kernels import gather_matmul, sbnet
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rng = np.random.default_rng(0)
+    records = []
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    for dtype_name in ("float16", "float32"):
+        dtype = getattr(torch, dtype_name)
+        for n, height, width, channels, out_channels in shapes:
+            x = torch.randn(n, height, width, channels, device="cuda", dtype=dtype)
+            w = torch.randn(out_channels, channels, device="cuda", dtype=dtype) / channels ** 0.5
+            bias = torch.zeros(out_channels, device="cuda", dtype=dtype)
+            image_rows = x.view(-1, channels)
+            dense = graph_ms(lambda: torch._addmm_activation(bias, image_rows, w.t()))  # (NaN if it fails)
+            for fraction in FRACTIONS:
+                idx = torch.as_tensor(windows(rng, height, width, fraction), device="cuda")
+                got = gather_matmul.sparse_gather_matmul(x, idx, w, relu=True, **GEOMETRY)
+                stack = sbnet.sparse_gather(x, idx, **GEOMETRY)
+                want = torch.relu(stack.reshape(-1, channels).double() @ w.double().t()).view(got.shape)
+                error = ((got.double() - want).norm() / want.norm()).item()
+                assert error < (2e-3 if dtype == torch.float16 else 1e-5), f"{dtype_name} {fraction}: error {error}"
+
+                def apart():
+                    s = sbnet.sparse_gather(x, idx, **GEOMETRY)
+                    return torch._addmm_activation(bias, s.view(-1, channels), w.t())
+
+                pixels = got.numel() // out_channels
+                moved = pixels * (channels + out_channels) * x.element_size()
+                ms = graph_ms(lambda: gather_matmul.sparse_gather_matmul(x, idx, w, relu=True, **GEOMETRY))
+                baselines = {"gather_mm": graph_ms(apart), "dense_mm": dense,
+                             "copy": copy_ms(moved // 2, graph=True)}
+                params = {"dtype": dtype_name, "N": n, "H": height, "W": width, "C": channels, "C_out": out_channels,
+                          "active": fraction, "windows": len(idx), "timing": "graph"}
+                records.append(Record("sparse_gather_matmul", params, ms, baselines,
+                                      flops=2 * pixels * channels * out_channels, bytes=moved))
+                print(f"{dtype_name} {channels}->{out_channels} {fraction:4}: {ms * 1e3:7.1f} us, gather_mm x"
+                      f"{baselines['gather_mm'] / ms:.2f}, dense x{dense / ms:.2f}, copy x{baselines['copy'] / ms:.2f}",
+                      flush=True)
+    print_table(records, f"sparse_gather_matmul on {device_name()}")
+    write_results("gather_matmul", records, **({"directory": args.out_dir} if args.out_dir else {}))
+
+
+if __name__ == "__main__":
+    main()
