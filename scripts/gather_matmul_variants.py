@@ -38,6 +38,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--shapes", default=" ".join(DEFAULT_SHAPES))
+    parser.add_argument("--image", default="1,400,700,256,64", help="N,H,W,C,C_out")
+    parser.add_argument("--fractions", default="0.05,0.1,0.25,0.5")
     parser.add_argument("--fp32-shapes", default="128,64,16,3,4 128,64,16,3,4,128 64,64,16,3,4,128 256,64,16,3,8,128")
     args = parser.parse_args()
 
@@ -61,27 +63,28 @@ def main():
         want_small = reference.sparse_gather_matmul(x_small.cpu().numpy(), idx_small, w_small.cpu().numpy(),
                                                     count=np.array([6]), relu=True, **g_small)
         g = {"bsize": 16, "bstride": 14, "boffset": -1}
-        x = torch.randn(1, 400, 700, 256, device="cuda", dtype=dtype)
-        w = torch.randn(64, 256, device="cuda", dtype=dtype) / 16
-        grid = sbnet.block_count((400, 700), (14, 14), (-1, -1))
-        for fraction in (0.05, 0.1, 0.25, 0.5):
-            chosen = np.argwhere(rng.random(grid) < fraction)
-            indices = np.ascontiguousarray(np.concatenate([np.zeros((len(chosen), 1), np.int64), chosen], axis=1),
+        N, H, W, C, C_out = map(int, args.image.split(","))
+        x = torch.randn(N, H, W, C, device="cuda", dtype=dtype)
+        w = torch.randn(C_out, C, device="cuda", dtype=dtype) / C ** 0.5
+        grid = sbnet.block_count((H, W), (14, 14), (-1, -1))
+        for fraction in map(float, args.fractions.split(",")):
+            chosen = np.argwhere(rng.random((N, *grid)) < fraction)
+            indices = np.ascontiguousarray(chosen,
                                            np.int32)
             idx = torch.as_tensor(indices, device="cuda")
             stack = sbnet.sparse_gather(x, idx, **g)
-            bias = torch.zeros(64, device="cuda", dtype=dtype)
-            want = torch.relu(stack.reshape(-1, 256).double() @ w.double().t()).reshape(*stack.shape[:3], 64)
-            pixels = stack.numel() // 256
+            bias = torch.zeros(C_out, device="cuda", dtype=dtype)
+            want = torch.relu(stack.reshape(-1, C).double() @ w.double().t()).reshape(*stack.shape[:3], C_out)
+            pixels = stack.numel() // C
             item = x.element_size()
 
             def unfused():
                 s = sbnet.sparse_gather(x, idx, **g)
-                return torch._addmm_activation(bias, s.view(-1, 256), w.t())
+                return torch._addmm_activation(bias, s.view(-1, C), w.t())
 
             base = {"gather": graph_ms(lambda: sbnet.sparse_gather(x, idx, **g)),
                     "gather+mm": graph_ms(unfused),
-                    "copy": copy_ms(pixels * (256 + 64) * item // 2, graph=True)}  # (read + write: the bytes the fused call moves)
+                    "copy": copy_ms(pixels * (C + C_out) * item // 2, graph=True)}  # (read + write: the bytes the fused call moves)
             for tile in tile_shapes:
                 fused.TILE_SHAPE = tile
                 name = ",".join(map(str, tile[:5])) + (f" r{tile[5]}" if tile[5] else "")

@@ -401,14 +401,20 @@ def _after_first_product(h1, w2, w3, into=NOWHERE):
 # -> 64, windows of 16 every 14, fp16 at 5 / 10 / 25 / 50 % of the windows (19k to 174k stack
 # pixels), fused / gather then cuBLAS: 13.1 / 10.2, 17.3 / 22.6, 37.6 / 57.6, 61.2 / 110.3; fp32
 # 33.4 / 37.2, 47.6 / 70.0, 89.3 / 161.3, 172.1 / 300.8. Few windows leave a thread block a
-# multiprocessor, one warp a scheduler, its latencies exposed: there the two calls stay.
+# multiprocessor, one warp a scheduler, its latencies exposed: there the two calls stay. Nor
+# where the product has more than FUSED_GATHER_MAX_OUT output channels: there the product, not
+# the stack's memory, bounds it, and cuBLAS's (wgmma) is faster than the kernel's mma.sync
+# (fp16 512 -> 128 at 10 / 50 %: 20.7 / 12.0, 55.3 / 57.4 µs; 1024 -> 256: 23.0 / 9.5, 49.3 /
+# 29.0; `results/gather_matmul.md`).
 FUSED_GATHER = True
 FUSED_GATHER_MIN_PIXELS = 32768
+FUSED_GATHER_MAX_OUT = 64
 
 
 def _fuses_gather(windows, image, w1):
     """Whether a call without gradients takes `kernels.gather_matmul` for its gather and first
-    product: an NHWC stack, a dtype and channels the kernel takes, aligned, and pixels enough."""
+    product: an NHWC stack, a dtype and channels the kernel takes, aligned, few output channels,
+    and pixels enough."""
     if not FUSED_GATHER or windows.transpose or windows.data_format != "NHWC":
         return False
     if image.dtype not in (torch.float16, torch.float32) or w1.dtype != image.dtype:
@@ -417,7 +423,8 @@ def _fuses_gather(windows, image, w1):
     size = windows.gather_at[0]  # (h, w): the block's geometry
     area = size[0] * size[1]
     return (image.shape[-1] * item % 16 == 0 and image.data_ptr() % 16 == 0 and w1.data_ptr() % 16 == 0
-            and w1.is_contiguous() and len(windows.indices) * area >= FUSED_GATHER_MIN_PIXELS)
+            and w1.is_contiguous() and w1.shape[0] <= FUSED_GATHER_MAX_OUT
+            and len(windows.indices) * area >= FUSED_GATHER_MIN_PIXELS)
 
 
 def _bottleneck_nhwc_backward(saved, weights, grad_out, needs, into=None):

@@ -91,7 +91,10 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     UNITS = words * 4 // UNIT  # cp.async units of a pixel a stage
     A_TILE = rows * words
     W_TILE = cols * words
-    A_SIZE = stages * A_TILE  # (shared-array shapes must be constants, not expressions)
+    OUT_WORDS = cols // 2  # words of a staged fp16 output row (NT units of 16 bytes)
+    STAGED = vector_out and PAIRS
+    # (shared-array shapes must be constants, not expressions; the ring takes the output tile after)
+    A_SIZE = max(stages * A_TILE, rows * OUT_WORDS if STAGED else 0)
     W_SIZE = stages * W_TILE
     A_PER = rows * UNITS // THREADS  # a thread's copies of a stage
     W_PER = cols * UNITS // THREADS
@@ -100,10 +103,8 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     MT = WARP_ROWS // MMA_M
     NT = cols // MMA_N
     STEPS = words // 8  # mma steps a stage: 8 words of k each (k16 of fp16, two k8 of fp32)
-    OUT_WORDS = cols // 2  # words of a staged fp16 output row (NT units of 16 bytes)
-    STAGED = vector_out and PAIRS
     assert rows * UNITS % THREADS == 0 and cols * UNITS % THREADS == 0 and WARP_ROWS % MMA_M == 0
-    assert words in (16, 32) and 2 <= stages <= 4 and (not STAGED or rows * OUT_WORDS <= A_SIZE)
+    assert words in (16, 32) and 2 <= stages <= 4
     wait = waiter(stages - 2)
     swizzle = _swizzle(UNITS)
     out_swizzle = _swizzle(min(NT, 8))
