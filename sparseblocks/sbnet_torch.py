@@ -22,8 +22,10 @@
   copy of it; no double backward) whose backward is written out (a dozen
   torch calls, no autograd graph of the residual); a subclass that overrides
   `residual` or `residual_nhwc` gets autograd's backward of its own instead.
-  Without gradients, the kernels alone. ``graphs=True`` replays CUDA graphs
-  of the residual and its backward (`_ResidualGraphs`).
+  Without gradients, the kernels alone, the gather fused into the first 1x1
+  product where that is faster (`FUSED_GATHER`, `kernels.gather_matmul`).
+  ``graphs=True`` replays CUDA graphs of the residual and its backward
+  (`_ResidualGraphs`).
 
 Tensors are NCHW as torch likes them; the kernels want NHWC memory, so pass
 ``channels_last`` tensors (``x.to(memory_format=torch.channels_last)``) to
