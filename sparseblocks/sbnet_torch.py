@@ -570,8 +570,8 @@ class _Slot:
         `_WrittenOut.backward`), its backward: the output gradient `image` gathered at the output
         windows, the stack's gradient added atomically at the input windows where ``needs[0]``
         asks for it; returns (that or None, the graph's gradients). A signature seen before
-        (`_signature`) launches the kept gather and scatter directly
-        (`kernels.kept_launches`): an eager call of a sparse block is bound by the host's time,
+        (`_signature`) launches the kept gather (or fused gather and product) and scatter
+        directly (`kernels.kept_launches`, `gather_matmul.kept_launch`): an eager call of a sparse block is bound by the host's time,
         and the device waits for the first launch."""
         backward = needs is not None
         n, indices, count = len(windows.indices), windows.indices, windows.count
@@ -579,13 +579,20 @@ class _Slot:
         gather_at, scatter_at = (windows.scatter_at, windows.gather_at) if backward else (
             windows.gather_at, windows.scatter_at)
         # Without gradients the gather may go straight into the first product (`_fuses_gather`):
-        # no stack, and a graph from the first ReLU's output on.
-        fused = not (backward or zero_rest) and self.residual is _WRITTEN_OUT[False] and _fuses_gather(
-            windows, image, self.weights[0])
-        key = (_signature(windows, image, inplace), backward, fused)
+        # no stack, and a graph from the first ReLU's output on. A signature seen before knows
+        # (training calls, `zero_rest`, keep the stack: their backward reads it).
+        key = (_signature(windows, image, inplace), backward, zero_rest, FUSED_GATHER)
         kept = self.launches.get(key)
+        if kept is not None:
+            fused = kept[4]
+        else:
+            fused = not (backward or zero_rest) and self.residual is _WRITTEN_OUT[False] and _fuses_gather(
+                windows, image, self.weights[0])
         stream = torch_stream_handle() if kept else None
-        if fused:
+        if fused and kept:
+            kept[0](stream, self.h1.data_ptr(), image.data_ptr(), self.weights[0].data_ptr(), indices.data_ptr(),
+                    kept[2] or count.data_ptr())
+        elif fused:
             windows.gather_matmul(image.detach(), self.weights[0], out=self.h1[:n])
         elif kept:
             kept[0](stream, image.data_ptr(), source.data_ptr(), indices.data_ptr(), kept[2] or count.data_ptr())
@@ -605,8 +612,11 @@ class _Slot:
         y = windows.scatter(result[:n], image, inplace, atomic=backward, at=scatter_at)
         kept = kernels.kept_launches(image, indices, result[:n], count, *gather_at, windows.transpose,
                                      windows.data_format, inplace, scatter_at, atomic=backward, gather=not fused)
+        if kept is not None and fused:  # the fused gather's kept launch in the gather's place
+            first = fused_kernels.kept_launch(image, indices, self.weights[0], count, *gather_at, relu=True)
+            kept = None if first is None else (first[0], kept[1], first[1], kept[3])
         if kept is not None:
-            self.launches[key] = kept
+            self.launches[key] = (*kept, fused)
         return y, outputs
 
     def forward(self, capacity, fused=False):

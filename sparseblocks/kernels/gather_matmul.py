@@ -347,6 +347,20 @@ def _replayed(x, indices, weight, count, settings, out):
     return out
 
 
+def kept_launch(x, indices, weight, count, bsize, bstride, boffset=0, relu=False):
+    """The kept launch of a call made before with tensors of these shapes, dtypes and alignment
+    (and this count's kind), or None: ``(launch, count pointer)``, where ``launch(stream handle,
+    out, x, weight, indices, count)`` takes pointers (out C-contiguous and 16-byte aligned) and
+    the count pointer is the kept one where the call had no count (else None: pass the
+    caller's). For a caller that repeats the call into buffers of its own (`sbnet_torch`'s CUDA
+    graphs): it skips even the plan's lookup."""
+    if not _sbnet._plans:
+        return None
+    plan = _sbnet._kept("gather_matmul", (x, indices, weight), count,
+                        (bsize, bstride, boffset, bool(relu), TILE_SHAPE))
+    return None if plan is None else (plan.launch[0], plan.extra if count is None else None)
+
+
 def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=None, relu=False, out=None):
     """``sparse_gather(x, indices, ...) @ weight.T`` (ReLU'd with ``relu``) without the block stack.
 
