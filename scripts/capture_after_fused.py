@@ -1,0 +1,55 @@
+"""Whether a CUDA-graph capture of the dense block's training step fails after the sparse block's
+forward without gradients (a developer's probe, GPU): session 25's A/B (`res_block_ab.py --graph`,
+fp32) saw "operation would make the legacy stream depend on a capturing blocking stream" there
+once the fused gather had run.
+
+    python3 scripts/capture_after_fused.py DTYPE [fused|apart|none]
+"""
+
+import sys
+
+import numpy as np
+import torch
+
+from sparseblocks import sbnet_torch
+
+
+def main():
+    dtype = getattr(torch, sys.argv[1])
+    mode = sys.argv[2] if len(sys.argv) > 2 else "fused"
+    sbnet_torch.FUSED_GATHER = mode == "fused"
+    block = sbnet_torch.SparseResBlock(256, 64, block_size=16).to("cuda", dtype).to(memory_format=torch.channels_last)
+    x = torch.randn(1, 256, 400, 700, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
+    xg = x.detach().clone().requires_grad_(True)
+    grad_y = torch.randn_like(x)
+    p = block.geometry(x.shape)
+    chosen = np.argwhere(np.random.default_rng(1).random(p.bcount) < 0.25)
+    mask = np.zeros((1, 400, 700), np.float32)
+    for a, b in chosen:
+        mask[0, min(a * 14 + 7, 399), min(b * 14 + 7, 699)] = 1
+    indices, count = block.active_blocks(torch.as_tensor(mask, device="cuda"), tol=0.5)
+    if mode != "none":
+        with torch.no_grad():
+            block(x, indices, count)
+
+    def step():
+        xg.grad = None
+        block.zero_grad(set_to_none=True)
+        block.dense(xg).backward(grad_y)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            step()
+        print(sys.argv[1], mode, "capture ok")
+    except Exception as error:  # noqa: BLE001 (the probe reports)
+        print(sys.argv[1], mode, "capture FAILED:", str(error).splitlines()[0])
+
+
+if __name__ == "__main__":
+    main()
