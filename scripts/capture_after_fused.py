@@ -7,11 +7,15 @@ once the fused gather had run.
 """
 
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from sparseblocks import sbnet_torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import captured  # noqa: E402
+from sparseblocks import sbnet_torch  # noqa: E402
 
 
 def main():
@@ -37,15 +41,8 @@ def main():
         block.zero_grad(set_to_none=True)
         block.dense(xg).backward(grad_y)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
     try:
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            step()
+        captured(step, calls=1)  # (as the A/B script captures: three runs on a side stream first)
         print(sys.argv[1], mode, "capture ok")
     except Exception as error:  # noqa: BLE001 (the probe reports)
         print(sys.argv[1], mode, "capture FAILED:", str(error).splitlines()[0])
