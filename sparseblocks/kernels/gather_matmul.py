@@ -97,7 +97,8 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     device array), then the image's and the windows' sizes and `_magic` numbers of the window's
     area and width. `vector_out` (C_out a multiple of 8 fp16 or 2 fp32 values, out aligned to
     that): fp16 results go through shared memory to whole 16-byte rows of out, fp32 ones as
-    pairs (8 bytes: a lane quad writes a whole 32-byte sector); else value by value."""
+    pairs (8 bytes: a lane quad writes a whole 32-byte sector); else value by value.
+    `registers`: a cap on the registers a thread (ptxas), or None."""
     PAIRS = storage == "float16"  # two 16-bit values a word, else one fp32
     ITEM = 2 if PAIRS else 4
     THREADS = warps * WARP
