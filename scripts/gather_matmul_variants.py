@@ -84,7 +84,8 @@ def main():
 
             base = {"gather": graph_ms(lambda: sbnet.sparse_gather(x, idx, **g)),
                     "gather+mm": graph_ms(unfused),
-                    "copy": copy_ms(pixels * (C + C_out) * item // 2, graph=True)}  # (read + write: the bytes the fused call moves)
+                    # (a copy reads and writes: as many bytes as the fused call reads and writes)
+                    "copy": copy_ms(pixels * (C + C_out) * item // 2, graph=True)}
             for tile in tile_shapes:
                 fused.TILE_SHAPE = tile
                 name = ",".join(map(str, tile[:5])) + (f" r{tile[5]}" if tile[5] else "")
@@ -109,7 +110,8 @@ def main():
                 record = {"dtype": dtype_name, "active": fraction, "windows": len(indices), "tile": name,
                           "ms": ms, "small_err": small_err, "rel_err": err, **base, **resources}
                 records.append(record)
-                print(f"{dtype_name} {fraction:4} {name:16} fused {ms * 1e3:7.1f} us  gather {base['gather'] * 1e3:7.1f}"
+                print(f"{dtype_name} {fraction:4} {name:16} fused {ms * 1e3:7.1f} us"
+                      f"  gather {base['gather'] * 1e3:7.1f}"
                       f"  gather+mm {base['gather+mm'] * 1e3:7.1f}  copy {base['copy'] * 1e3:7.1f}"
                       f"  x{base['gather+mm'] / ms:5.2f}  copy/fused {base['copy'] / ms:4.2f}"
                       f"  err {small_err:.2g} {err:.2g}  {resources}", flush=True)

@@ -415,18 +415,12 @@ FUSED_GATHER_MAX_OUT = 64
 
 def _fuses_gather(windows, image, w1):
     """Whether a call without gradients takes `kernels.gather_matmul` for its gather and first
-    product: an NHWC stack, a dtype and channels the kernel takes, aligned, few output channels,
-    and pixels enough."""
+    product: an NHWC stack, tensors the kernel takes, few output channels, and pixels enough."""
     if not FUSED_GATHER or windows.transpose or windows.data_format != "NHWC":
         return False
-    if image.dtype not in (torch.float16, torch.float32) or w1.dtype != image.dtype:
-        return False
-    item = image.element_size()
     size = windows.gather_at[0]  # (h, w): the block's geometry
-    area = size[0] * size[1]
-    return (image.shape[-1] * item % 16 == 0 and image.data_ptr() % 16 == 0 and w1.data_ptr() % 16 == 0
-            and w1.is_contiguous() and w1.shape[0] <= FUSED_GATHER_MAX_OUT
-            and len(windows.indices) * area >= FUSED_GATHER_MIN_PIXELS)
+    return (w1.shape[0] <= FUSED_GATHER_MAX_OUT and len(windows.indices) * size[0] * size[1] >= FUSED_GATHER_MIN_PIXELS
+            and fused_kernels.takes(image, w1))
 
 
 def _bottleneck_nhwc_backward(saved, weights, grad_out, needs, into=None):
@@ -571,8 +565,8 @@ class _Slot:
         windows, the stack's gradient added atomically at the input windows where ``needs[0]``
         asks for it; returns (that or None, the graph's gradients). A signature seen before
         (`_signature`) launches the kept gather (or fused gather and product) and scatter
-        directly (`kernels.kept_launches`, `gather_matmul.kept_launch`): an eager call of a sparse block is bound by the host's time,
-        and the device waits for the first launch."""
+        directly (`kernels.kept_launches`, `gather_matmul.kept_launch`): an eager call of a
+        sparse block is bound by the host's time, and the device waits for the first launch."""
         backward = needs is not None
         n, indices, count = len(windows.indices), windows.indices, windows.count
         source, result = (self.grad_out, self.grad_stack) if backward else (self.stack, self.out)

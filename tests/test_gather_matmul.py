@@ -177,3 +177,18 @@ def test_kept_launch_replays_with_new_tensors():
         assert out is None or got is out
         assert_close(got.cpu().numpy(), want, "float16")
         assert any(key[0] == "gather_matmul" for key in sbnet._plans)
+
+
+def test_takes_says_what_the_launcher_takes():
+    """`takes` (for callers choosing the fused kernel or the two calls) agrees with the launcher:
+    fp16 and fp32, whole 16-byte pixels, contiguous, aligned; nothing else."""
+    torch = pytest.importorskip("torch")
+    x = torch.ones(1, 4, 4, 16, dtype=torch.float16)
+    w = torch.ones(3, 16, dtype=torch.float16)
+    assert gather_matmul.takes(x, w) and gather_matmul.takes(x.float(), w.float())
+    assert not gather_matmul.takes(x.double(), w.double())  # fp64
+    assert not gather_matmul.takes(x, w.float())  # dtypes differ
+    assert not gather_matmul.takes(x[..., :12].contiguous(), w[:, :12].contiguous())  # 24-byte pixels
+    assert not gather_matmul.takes(x.transpose(1, 2), w)  # not contiguous
+    storage = torch.ones(8 + 4 * 4 * 16, dtype=torch.float16)
+    assert not gather_matmul.takes(storage[1:1 + 256].view(1, 4, 4, 16), w)  # 2 bytes past an aligned start

@@ -43,7 +43,7 @@ C-contiguous, aligned likewise; fewer than 2^31 stack pixels.
 import numpy as np
 from numba import boolean, cuda, float32, int32, int64, uint32, uint64
 
-from .._arrays import Operand, check_dtype, check_shape, launch_stream, torch_stream_handle
+from .._arrays import Operand, _dtype_name, check_dtype, check_shape, launch_stream, torch_stream_handle
 from .._backend import SIMULATOR
 from ..reference.sbnet import check_geometry
 from ._async import commit, copy16_or_zero, global_address, shared_address, waiter
@@ -359,6 +359,15 @@ def _replayed(x, indices, weight, count, settings, out):
     plan.launch[0](torch_stream_handle(), out.data_ptr(), x.data_ptr(), weight.data_ptr(), indices.data_ptr(),
                    plan.extra if count is None else count.data_ptr())
     return out
+
+
+def takes(x, weight):
+    """Whether `sparse_gather_matmul` takes these torch tensors as they are (dtype, whole 16-byte
+    pixels, C-contiguous, 16-byte aligned): for a caller choosing between it and a gather and a
+    product, which take more."""
+    return (_dtype_name(x) in DTYPES and weight.dtype == x.dtype and x.shape[-1] * x.element_size() % UNIT == 0
+            and x.is_contiguous() and weight.is_contiguous() and x.data_ptr() % UNIT == 0
+            and weight.data_ptr() % UNIT == 0)
 
 
 def kept_launch(x, indices, weight, count, bsize, bstride, boffset=0, relu=False):
