@@ -3,7 +3,10 @@ forward without gradients (a developer's probe, GPU): session 25's A/B (`res_blo
 fp32) saw "operation would make the legacy stream depend on a capturing blocking stream" there
 once the fused gather had run.
 
-    python3 scripts/capture_after_fused.py DTYPE [fused|apart|none]
+    python3 scripts/capture_after_fused.py DTYPE [fused|apart|none] [train|graphs]
+
+`train` adds, between the forward and the capture, a training step of the sparse block as the
+A/B script checks it; `graphs` one of a ``graphs=True`` copy too.
 """
 
 import sys
@@ -35,6 +38,17 @@ def main():
     if mode != "none":
         with torch.no_grad():
             block(x, indices, count)
+    extra = sys.argv[3] if len(sys.argv) > 3 else ""
+    sparse = [block]
+    if extra == "graphs":
+        graphed = sbnet_torch.SparseResBlock(256, 64, block_size=16, graphs=True).to("cuda", dtype).to(
+            memory_format=torch.channels_last)
+        graphed.load_state_dict(block.state_dict())
+        sparse.append(graphed)
+    if extra:
+        for b in sparse:
+            xg.grad = None
+            b(xg, indices, count).backward(grad_y)
 
     def step():
         xg.grad = None
@@ -43,9 +57,9 @@ def main():
 
     try:
         captured(step, calls=1)  # (as the A/B script captures: three runs on a side stream first)
-        print(sys.argv[1], mode, "capture ok")
+        print(sys.argv[1], mode, extra, "capture ok")
     except Exception as error:  # noqa: BLE001 (the probe reports)
-        print(sys.argv[1], mode, "capture FAILED:", str(error).splitlines()[0])
+        print(sys.argv[1], mode, extra, "capture FAILED:", str(error).splitlines()[0])
 
 
 if __name__ == "__main__":
