@@ -345,6 +345,12 @@ def _weight_rows(w_op, channels):
     return shape
 
 
+def _settings(bsize, bstride, boffset, relu):
+    """What a kept launch depends on besides its tensors: the key of both `sparse_gather_matmul`'s
+    plans and `kept_launch`'s lookups (one tuple, so the two cannot drift apart)."""
+    return bsize, bstride, boffset, bool(relu), TILE_SHAPE
+
+
 def _replayed(x, indices, weight, count, settings, out):
     """The call through its kept launch (`sbnet._plans`, as sbnet's gathers: torch tensors of
     shapes, dtypes, alignment and settings seen before), or None (the general path runs)."""
@@ -379,8 +385,7 @@ def kept_launch(x, indices, weight, count, bsize, bstride, boffset=0, relu=False
     graphs): it skips even the plan's lookup."""
     if not _sbnet._plans:
         return None
-    plan = _sbnet._kept("gather_matmul", (x, indices, weight), count,
-                        (bsize, bstride, boffset, bool(relu), TILE_SHAPE))
+    plan = _sbnet._kept("gather_matmul", (x, indices, weight), count, _settings(bsize, bstride, boffset, relu))
     return None if plan is None else (plan.launch[0], plan.extra if count is None else None)
 
 
@@ -393,7 +398,7 @@ def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=No
     A call repeated with torch tensors of the same shapes, dtypes, alignment and settings
     replays its kept launch (~15 µs of host time where the checks took ~55).
     """
-    settings = (bsize, bstride, boffset, bool(relu), TILE_SHAPE)
+    settings = _settings(bsize, bstride, boffset, relu)
     if _sbnet._plans:
         replayed = _replayed(x, indices, weight, count, settings, out)
         if replayed is not None:
