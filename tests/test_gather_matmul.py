@@ -1,4 +1,5 @@
-"""The gather fused into a 1x1 convolution (kernels/gather_matmul.py) against its NumPy reference."""
+"""The gather fused into a 1x1 convolution, and a 1x1 convolution fused into the adding scatter
+(kernels/gather_matmul.py), against their NumPy references."""
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from sparseblocks._arrays import poisoned_outputs
 from sparseblocks._backend import SIMULATOR
 from sparseblocks.kernels import gather_matmul
 from sparseblocks.reference import gather_matmul as reference
-from sparseblocks.reference.sbnet import sparse_gather
+from sparseblocks.reference.sbnet import sparse_gather, sparse_scatter
 from strategies import assert_close, block_indices, geometries, values
 
 # The simulator runs a Python thread per CUDA thread and a collective per mma (128 threads, a
@@ -192,3 +193,175 @@ def test_takes_says_what_the_launcher_takes():
     assert not gather_matmul.takes(x.transpose(1, 2), w)  # not contiguous
     storage = torch.ones(8 + 4 * 4 * 16, dtype=torch.float16)
     assert not gather_matmul.takes(storage[1:1 + 256].view(1, 4, 4, 16), w)  # 2 bytes past an aligned start
+
+
+# -- the product fused into the adding scatter (sparse_matmul_scatter) ------------------------
+
+
+@st.composite
+def scatter_problems(draw, dtype):
+    """(blocks, indices, weight, y, geometry, count): an NHWC stack of whole 16-byte pixels, windows
+    that do not overlap (unique indices, some off the image or out of range), a weight [C, K], an
+    NHWC y of C channels (any C) and maybe a count."""
+    step = 16 // np.dtype(dtype).itemsize
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    channels = draw(st.integers(1, 20 if SIMULATOR else 150))
+    shape = (draw(st.integers(1, 2)), draw(st.integers(1, MAX_SIDE)), draw(st.integers(1, MAX_SIDE)), channels)
+    g = draw(geometries(max_size=4, max_stride=5, offsets=(-3, 2)))
+    g["bstride"] = tuple(max(a, b) for a, b in zip(g["bstride"], g["bsize"]))  # (windows apart)
+    y = values(rng, shape, dtype, draw(st.sampled_from(["normal", "small_integers", "sparse"])))
+    indices = block_indices(rng, shape, g, max_blocks=MAX_BLOCKS, unique=True)
+    k = step * draw(st.integers(1, 3 if SIMULATOR else 40))
+    blocks = values(rng, (len(indices), *g["bsize"], k), dtype, "normal")
+    weight = values(rng, (channels, k), dtype, "normal")
+    count = None
+    if len(indices) and draw(st.booleans()):
+        count = np.array([rng.integers(0, len(indices) + 1)], np.int32)
+    return blocks, indices, weight, y, g, count
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@few
+@given(data=st.data())
+def test_matmul_scatter_equals_reference(data, dtype):
+    blocks, indices, weight, y, g, count = data.draw(scatter_problems(dtype))
+    want = reference.sparse_matmul_scatter(blocks, indices, weight, y, count=count, **g)
+    into = cuda.to_device(y)
+    count = None if count is None else cuda.to_device(count)
+    got = gather_matmul.sparse_matmul_scatter(cuda.to_device(blocks), cuda.to_device(indices), cuda.to_device(weight),
+                                              into, count=count, **g)
+    assert got is into
+    # Tolerance: the product as in test_equals_reference, and the add rounded once in y's dtype.
+    assert_close(into.copy_to_host(), want, dtype)
+
+
+def test_matmul_scatter_is_the_product_then_the_scatter():
+    """The identity the fusion rests on, in float64 on the host; pixels outside every window keep y's
+    values exactly."""
+    rng = np.random.default_rng(6)
+    y = rng.standard_normal((2, 7, 9, 3))
+    blocks, w = rng.standard_normal((3, 3, 4, 5)), rng.standard_normal((3, 5, 1, 1))
+    g = {"bsize": (3, 4), "bstride": (3, 4), "boffset": (-1, 1)}
+    indices = np.array([[0, 0, 0], [1, 2, 1], [0, 1, 2]], np.int32)
+    want = sparse_scatter(np.einsum("bhwk,ck->bhwc", blocks, w[:, :, 0, 0]), indices, y, add=True, **g)
+    got = reference.sparse_matmul_scatter(blocks, indices, w, y, **g)
+    np.testing.assert_allclose(got, want)
+    assert (got[0, :, 0] == y[0, :, 0]).all()  # (column 0 is left of every window)
+
+
+def test_matmul_scatter_several_tiles_in_place():
+    """Two output-channel tiles, the stack's channels ending inside a stage, more than one tile of
+    stack pixels, windows partly off the image, and a count; the rest of y untouched."""
+    rng = np.random.default_rng(7)
+    cols, rows = gather_matmul.TILE_SHAPE[1], gather_matmul.TILE_SHAPE[0]
+    g = {"bsize": (8, 9), "bstride": (8, 9), "boffset": (-2, -3)}
+    indices = np.array([[0, 0, 0], [0, 1, 2], [0, 2, 1], [0, 1, 1]], np.int32)
+    assert 3 * 72 > rows
+    y = rng.standard_normal((1, 17, 20, cols + 8)).astype(np.float16)
+    blocks = rng.standard_normal((4, 8, 9, 40)).astype(np.float16)
+    w = rng.standard_normal((cols + 8, 40)).astype(np.float16)
+    count = np.array([3], np.int32)
+    want = reference.sparse_matmul_scatter(blocks, indices, w, y, count=count, **g)
+    into = cuda.to_device(y)
+    gather_matmul.sparse_matmul_scatter(cuda.to_device(blocks), cuda.to_device(indices), cuda.to_device(w), into,
+                                        count=cuda.to_device(count), **g)
+    got = into.copy_to_host()
+    assert_close(got, want, "float16")
+    untouched = want == y
+    assert (got[untouched] == y[untouched]).all()
+
+
+def test_matmul_scatter_nothing_to_add():
+    y = np.ones((1, 4, 4, 3), np.float32)
+    into = cuda.to_device(y)
+    g = {"bsize": 2, "bstride": 2}
+    w = cuda.to_device(np.ones((3, 4), np.float32))
+    gather_matmul.sparse_matmul_scatter(cuda.to_device(np.ones((0, 2, 2, 4), np.float32)),
+                                        cuda.to_device(np.zeros((0, 3), np.int32)), w, into, **g)
+    gather_matmul.sparse_matmul_scatter(cuda.to_device(np.ones((1, 2, 2, 4), np.float32)),
+                                        cuda.to_device(np.zeros((1, 3), np.int32)), w, into,
+                                        count=cuda.to_device(np.array([0], np.int32)), **g)
+    assert (into.copy_to_host() == y).all()
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("float64", TypeError, "blocks: expected dtype"),
+    ("weight dtype", TypeError, "weight: expected float16"),
+    ("y dtype", TypeError, "y: expected float16"),
+    ("numpy y", TypeError, "y: expected a device array"),
+    ("channels", ValueError, "16-byte vectors"),
+    ("weight shape", ValueError, "weight: expected"),
+    ("output channels", ValueError, "weight: expected 3 output channels"),
+    ("blocks shape", ValueError, "blocks: expected shape"),
+    ("y shape", ValueError, "y: expected NHWC"),
+    ("overlap", ValueError, "overlap"),
+    ("count", ValueError, "count: expected"),
+    ("geometry", ValueError, "bsize"),
+])
+def test_matmul_scatter_bad_input_raises_before_any_launch(case, error, match):
+    blocks = np.ones((1, 2, 2, 8), np.float16)
+    w = np.ones((3, 8), np.float16)
+    y = np.zeros((1, 4, 4, 3), np.float16)
+    indices = np.zeros((1, 3), np.int32)
+    kwargs = {"bsize": 2, "bstride": 2}
+    if case == "float64":
+        blocks, w, y = blocks.astype(np.float64), w.astype(np.float64), y.astype(np.float64)
+    elif case == "weight dtype":
+        w = w.astype(np.float32)
+    elif case == "y dtype":
+        y = y.astype(np.float32)
+    elif case == "channels":
+        blocks, w = np.ones((1, 2, 2, 12), np.float16), np.ones((3, 12), np.float16)
+    elif case == "weight shape":
+        w = np.ones((3, 9), np.float16)
+    elif case == "output channels":
+        w = np.ones((4, 8), np.float16)
+    elif case == "blocks shape":
+        blocks = np.ones((1, 3, 2, 8), np.float16)
+    elif case == "y shape":
+        y = y[0]
+    elif case == "overlap":
+        kwargs["bstride"] = (2, 1)
+    elif case == "count":
+        kwargs["count"] = np.array([1, 1], np.int32)
+    elif case == "geometry":
+        kwargs["bsize"] = 0
+    if case == "numpy y":
+        into = y
+    else:
+        blocks, indices, w, into = (cuda.to_device(a) for a in (blocks, indices, w, y))
+        if "count" in kwargs:
+            kwargs["count"] = cuda.to_device(kwargs["count"])
+    with pytest.raises(error, match=match):
+        gather_matmul.sparse_matmul_scatter(blocks, indices, w, into, **kwargs)
+    if case != "numpy y":
+        assert not into.copy_to_host().any()  # (nothing launched)
+
+
+@pytest.mark.gpu
+def test_matmul_scatter_kept_launch_replays_with_new_tensors():
+    """A repeated call of torch tensors replays its kept launch (new pointers), adding as the
+    general path does; `kept_scatter_launch` hands the same launch out."""
+    torch = pytest.importorskip("torch")
+    from sparseblocks.kernels import sbnet
+
+    rng = np.random.default_rng(8)
+    g = {"bsize": (5, 6), "bstride": (5, 6), "boffset": (-1, -2)}
+    indices = torch.tensor([[0, 0, 0], [1, 2, 1], [0, 1, 2], [1, 0, 0]], dtype=torch.int32, device="cuda")
+    count = torch.tensor([3], dtype=torch.int32, device="cuda")
+    sbnet._plans.clear()
+    for step in range(3):
+        y = torch.tensor(rng.standard_normal((2, 12, 16, 72)), dtype=torch.float16, device="cuda")
+        blocks = torch.tensor(rng.standard_normal((4, 5, 6, 24)), dtype=torch.float16, device="cuda")
+        w = torch.tensor(rng.standard_normal((72, 24)), dtype=torch.float16, device="cuda")
+        want = reference.sparse_matmul_scatter(blocks.cpu().numpy(), indices.cpu().numpy(), w.cpu().numpy(),
+                                               y.cpu().numpy(), count=count.cpu().numpy(), **g)
+        if step == 2:
+            launch, extra = gather_matmul.kept_scatter_launch(blocks, indices, w, y, count, **g)
+            assert extra is None
+            launch(torch.cuda.current_stream().cuda_stream, y.data_ptr(), blocks.data_ptr(), w.data_ptr(),
+                   indices.data_ptr(), count.data_ptr())
+        else:
+            assert gather_matmul.sparse_matmul_scatter(blocks, indices, w, y, count=count, **g) is y
+        assert_close(y.cpu().numpy(), want, "float16")
+        assert any(key[0] == "matmul_scatter" for key in sbnet._plans)

@@ -48,7 +48,7 @@ from .._backend import SIMULATOR
 from ..reference.sbnet import check_geometry
 from ._async import commit, copy16_or_zero, global_address, shared_address, waiter
 from ._launch import data_pointer, launch
-from ._half2 import half2_of_floats
+from ._half2 import add_half2, half2_of_floats
 from ._mma import MMA_M, MMA_N, mma_3xtf32, mma_f16
 from ._vector import aligned, load4, store2, store4
 from . import sbnet as _sbnet
@@ -85,12 +85,31 @@ def _swizzle(units):
     return swizzle
 
 
+@cuda.jit(device=True, inline=True)
+def _window_pixel(q, indices, active, n_images, height, width, area, size_w, stride_h, stride_w, offset_h,
+                  offset_w, magic_area, magic_w):
+    """The image pixel (flat over n, h, w) that stack pixel q (block, window row, window column)
+    lies on, or -1: off the image, its block past the count, or its index out of range."""
+    b = _quotient(q, magic_area)
+    within = q - b * int32(area)
+    wr = _quotient(within, magic_w)
+    if b >= active:
+        return int64(-1)
+    n = int64(indices[b, 0])
+    h = int64(offset_h) + int64(indices[b, 1]) * stride_h + wr
+    c = int64(offset_w) + int64(indices[b, 2]) * stride_w + (within - wr * int32(size_w))
+    if 0 <= n < n_images and 0 <= h < height and 0 <= c < width:
+        return (n * height + h) * width + c
+    return int64(-1)
+
+
 # -- kernel bodies -------------------------------------------------------------
 
 
 def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, stages=STAGES, warps=WARPS,
-                 registers=None):
-    """The fused gather and product for one storage dtype and tile shape (see the module docstring).
+                 registers=None, scatter=False):
+    """The fused gather and product for one storage dtype and tile shape (see the module docstring);
+    with `scatter`, the fused product and adding scatter instead.
 
     Arguments: out ``[pixels, C_out]`` (the result's rows; with `vector_out`, fp16's as int32 words
     ``[pixels, C_out / 2]``), x (the image, flat), w ``[C_out, C]``, indices, count (a one-element
@@ -98,7 +117,12 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     area and width. `vector_out` (C_out a multiple of 8 fp16 or 2 fp32 values, out aligned to
     that): fp16 results go through shared memory to whole 16-byte rows of out, fp32 ones as
     pairs (8 bytes: a lane quad writes a whole 32-byte sector); else value by value.
-    `registers`: a cap on the registers a thread (ptxas), or None."""
+    `registers`: a cap on the registers a thread (ptxas), or None.
+
+    With `scatter` the roles turn round: x is the block stack (flat, its rows read in order), and
+    out the image's pixels ``[N * H * W, C_out]`` (words likewise), into which each result row is
+    added at the pixel its stack pixel lies on (`_window_pixel`; none: dropped). The windows must
+    not overlap: no two thread blocks add into one pixel."""
     PAIRS = storage == "float16"  # two 16-bit values a word, else one fp32
     ITEM = 2 if PAIRS else 4
     THREADS = warps * WARP
@@ -119,6 +143,7 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     STEPS = words // 8  # mma steps a stage: 8 words of k each (k16 of fp16, two k8 of fp32)
     assert rows * UNITS % THREADS == 0 and cols * UNITS % THREADS == 0 and WARP_ROWS % MMA_M == 0
     assert words in (16, 32) and 2 <= stages <= 4
+    PIXELS = rows if scatter else 1  # a scatter's target pixels of the tile's rows
     wait = waiter(stages - 2)
     swizzle = _swizzle(UNITS)
     out_swizzle = _swizzle(min(NT, 8))
@@ -184,8 +209,16 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
         return max(v, float32(0)) if relu else v
 
     @cuda.jit(device=True, inline=True)
-    def write(out, a_s, acc, tid, warp, g, t, row0, col0, n_pixels, n_out):
-        """The tile's results into out (see `vector_out`)."""
+    def target(pixels, r, row0, n_pixels):
+        """The row of out that tile row r goes to, or -1."""
+        if scatter:
+            return pixels[r]
+        row = row0 + r
+        return int64(row) if row < n_pixels else int64(-1)
+
+    @cuda.jit(device=True, inline=True)
+    def write(out, a_s, pixels, acc, tid, warp, g, t, row0, col0, n_pixels, n_out):
+        """The tile's results into out (see `vector_out`), or with `scatter` added to it."""
         if STAGED:
             cuda.syncthreads()  # every warp is done reading the ring, which now takes the output tile
             for mt in range(MT):
@@ -198,24 +231,36 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
             for e in range(tid, rows * NT, THREADS):  # 16-byte units, a row's together
                 r = e // NT
                 j = e - r * NT
-                row = row0 + r
-                if row < n_pixels and col0 + j * 8 < n_out:
-                    store4(out, (row, (col0 + j * 8) // 2), load4(a_s, (r * OUT_WORDS + (j ^ out_swizzle(r)) * 4,)))
+                row = target(pixels, r, row0, n_pixels)
+                if row >= 0 and col0 + j * 8 < n_out:
+                    at = (row, (col0 + j * 8) // 2)
+                    staged = load4(a_s, (r * OUT_WORDS + (j ^ out_swizzle(r)) * 4,))
+                    if scatter:  # (the product rounded to fp16, then added: as a product and a scatter)
+                        old = load4(out, at)
+                        store4(out, at, (add_half2(old[0], staged[0]), add_half2(old[1], staged[1]),
+                                         add_half2(old[2], staged[2]), add_half2(old[3], staged[3])))
+                    else:
+                        store4(out, at, staged)
             return
         for mt in range(MT):
             for half in range(2):
-                row = row0 + warp * WARP_ROWS + mt * MMA_M + g + 8 * half
-                if row < n_pixels:
+                row = target(pixels, warp * WARP_ROWS + mt * MMA_M + g + 8 * half, row0, n_pixels)
+                if row >= 0:
                     for nt in range(NT):
                         col = col0 + nt * MMA_N + 2 * t
                         if vector_out:
                             if col < n_out:  # (n_out even: col + 1 too)
-                                store2(out, (row, col), (result(acc, mt, nt, 2 * half),
-                                                         result(acc, mt, nt, 2 * half + 1)))
+                                lo, hi = result(acc, mt, nt, 2 * half), result(acc, mt, nt, 2 * half + 1)
+                                if scatter:
+                                    lo, hi = lo + float32(out[row, col]), hi + float32(out[row, col + 1])
+                                store2(out, (row, col), (lo, hi))
                         else:
                             for e in range(2):
                                 if col + e < n_out:
-                                    out[row, col + e] = result(acc, mt, nt, 2 * half + e)
+                                    v = result(acc, mt, nt, 2 * half + e)
+                                    if scatter:
+                                        v += float32(out[row, col + e])
+                                    out[row, col + e] = v
 
     @cuda.jit(**({} if registers is None else {"max_registers": registers}))
     def gather_matmul(out, x, w, indices, count, n_images, height, width, channels, n_out, n_pixels,
@@ -240,25 +285,27 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
         unit = tid % UNITS
         row_bytes = channels * ITEM
         active = count[0]
-        # Where this thread's pixels lie in the image: once, before the first copy.
+        pixels = cuda.shared.array(PIXELS, int64)
+        if scatter:  # where the tile's rows go (read after the main loop's barriers)
+            for r in range(tid, rows, THREADS):
+                q = row0 + r
+                pixels[r] = int64(-1) if q >= n_pixels else _window_pixel(
+                    q, indices, active, n_images, height, width, area, size_w, stride_h, stride_w, offset_h,
+                    offset_w, magic_area, magic_w)
+        # Where this thread's pixels lie (in the image; a scatter's in the stack): once, before the
+        # first copy.
         for i in range(A_PER):
             r = tid // UNITS + i * ROW_STEP
             q = row0 + r
             a_to[i] = uint64(word_at(r, unit * 4) * 4)
             a_from[i] = uint64(unit * UNIT)
-            keep = False
+            p = int64(-1)
             if q < n_pixels:
-                b = _quotient(q, magic_area)
-                within = q - b * int32(area)
-                wr = _quotient(within, magic_w)
-                if b < active:
-                    n = int64(indices[b, 0])
-                    h = int64(offset_h) + int64(indices[b, 1]) * stride_h + wr
-                    c = int64(offset_w) + int64(indices[b, 2]) * stride_w + (within - wr * int32(size_w))
-                    keep = 0 <= n < n_images and 0 <= h < height and 0 <= c < width
-                    if keep:
-                        a_from[i] += uint64(((n * height + h) * width + c) * row_bytes)
-            a_keep[i] = keep
+                p = int64(q) if scatter else _window_pixel(q, indices, active, n_images, height, width, area, size_w,
+                                                           stride_h, stride_w, offset_h, offset_w, magic_area, magic_w)
+            a_keep[i] = p >= 0
+            if p >= 0:
+                a_from[i] += uint64(p * row_bytes)
         for i in range(W_PER):
             r = tid // UNITS + i * ROW_STEP
             w_to[i] = uint64(word_at(r, unit * 4) * 4)
@@ -294,7 +341,7 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
             for s in range(STEPS):
                 multiply(a_s, w_s, acc, fa, buf, s, ar, t, g, sw)
             buf = buf + 1 if buf < stages - 1 else 0
-        write(out, a_s, acc, tid, warp, g, t, row0, col0, n_pixels, n_out)
+        write(out, a_s, pixels, acc, tid, warp, g, t, row0, col0, n_pixels, n_out)
 
     return gather_matmul
 
@@ -302,10 +349,10 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
 _kernels = {}
 
 
-def _kernel(storage, relu, vector_out, shape):
-    key = (storage, relu, vector_out, shape)
+def _kernel(storage, relu, vector_out, shape, scatter=False):
+    key = (storage, relu, vector_out, shape, scatter)
     if key not in _kernels:
-        _kernels[key] = _make_kernel(storage, relu, vector_out, *shape)
+        _kernels[key] = _make_kernel(storage, relu, vector_out, *shape, scatter=scatter)
     return _kernels[key]
 
 
@@ -458,3 +505,97 @@ def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=No
     if out is not None and not (SIMULATOR and out_op.kind == "torch"):
         return out  # the caller's own array (an Operand holds a detached torch view of it)
     return (x_op if out is None else out_op).result(native, result, stream)
+
+
+def _scatter_settings(bsize, bstride, boffset):
+    """`_settings` of `sparse_matmul_scatter` (its plans' key and `kept_scatter_launch`'s)."""
+    return bsize, bstride, boffset, TILE_SHAPE
+
+
+def kept_scatter_launch(blocks, indices, weight, y, count, bsize, bstride, boffset=0):
+    """`kept_launch` of `sparse_matmul_scatter`: ``(launch, count pointer)``, where ``launch(stream
+    handle, y, blocks, weight, indices, count)`` takes pointers, or None."""
+    if not _sbnet._plans:
+        return None
+    plan = _sbnet._kept("matmul_scatter", (blocks, indices, weight, y), count, _scatter_settings(bsize, bstride, boffset))
+    return None if plan is None else (plan.launch[0], plan.extra if count is None else None)
+
+
+def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0, count=None):
+    """``y += sparse_scatter(blocks @ weight.T, indices, ...)``, in place, without the product's stack.
+
+    The last 1x1 convolution of SBNet's bottleneck and the scatter that adds it
+    into the image, fused: ``blocks`` ``[n_blocks, bh, bw, K]`` (an NHWC stack),
+    ``weight`` ``[C, K]`` or ``[C, K, 1, 1]``, ``y`` NHWC ``[N, H, W, C]``, all of
+    one dtype. Each window's results are added to y's pixels under it (pixels
+    off the image and blocks from ``count`` on are dropped); fp16 products are
+    rounded to fp16 before the add, as the product and the scatter apart give.
+    The windows must not overlap (``bstride`` >= ``bsize``, checked) and the
+    indices must not repeat (not checked: they are on the device, as y is):
+    no two windows may add into one pixel. Returns ``y``. A call repeated
+    with torch tensors replays its kept launch.
+    """
+    settings = _scatter_settings(bsize, bstride, boffset)
+    if _sbnet._plans:
+        plan = _sbnet._kept("matmul_scatter", (blocks, indices, weight, y), count, settings)
+        if plan is not None:
+            plan.launch[0](torch_stream_handle(), y.data_ptr(), blocks.data_ptr(), weight.data_ptr(),
+                           indices.data_ptr(), plan.extra if count is None else count.data_ptr())
+            return y
+    b_op, w_op, y_op = Operand(blocks, "blocks"), Operand(weight, "weight"), Operand(y, "y")
+    if len(y_op.shape) != 4:
+        raise ValueError(f"y: expected NHWC [N, H, W, C], got shape {y_op.shape}")
+    if y_op.kind == "numpy":
+        raise TypeError("y: expected a device array (the results are added into y in place)")
+    check_dtype(b_op, DTYPES)
+    for op in (w_op, y_op):
+        if op.dtype != b_op.dtype:
+            raise TypeError(f"{op.name}: expected {b_op.dtype} (blocks' dtype), got {op.dtype}")
+    for op in (b_op, w_op, y_op):
+        op.require_contiguous()
+    if len(b_op.shape) != 4:
+        raise ValueError(f"blocks: expected an NHWC stack [n_blocks, bh, bw, K], got shape {b_op.shape}")
+    N, H, W, C = y_op.shape
+    K = b_op.shape[3]
+    n_out, _ = _weight_rows(w_op, K)
+    if n_out != C:
+        raise ValueError(f"weight: expected {C} output channels (y's), got {w_op.shape}")
+    item = np.dtype(b_op.dtype).itemsize
+    if K * item % UNIT:
+        raise ValueError(f"blocks: a pixel's {K} channels must be whole 16-byte vectors (K a multiple of "
+                         f"{UNIT // item})")
+    size, stride, offset = check_geometry(bsize, bstride, boffset)
+    if stride[0] < size[0] or stride[1] < size[1]:
+        raise ValueError(f"bstride: windows of bsize {size} every {stride} overlap; their adds would race")
+    stream = launch_stream((b_op, w_op, y_op))
+    idx, count_device, n_blocks = _prepare_indices(indices, count, (b_op, w_op, y_op), stream)
+    expected = (n_blocks, *size, K)
+    if b_op.shape != expected:
+        raise ValueError(f"blocks: expected shape {expected} for {n_blocks} indices, got {b_op.shape}")
+    area = size[0] * size[1]
+    n_pixels = n_blocks * area
+    if n_pixels >= MAX_PIXELS:
+        raise ValueError(f"indices: {n_blocks} windows of {area} pixels are {n_pixels} stack pixels, "
+                         f"expected fewer than {MAX_PIXELS}")
+    b_dev, w_dev, y_dev = b_op.device(stream), w_op.device(stream), y_op.device(stream)
+    for name, array in (("blocks", b_dev), ("weight", w_dev)):
+        if not aligned(data_pointer(array), UNIT, 1):
+            raise ValueError(f"{name}: expected a 16-byte aligned pointer (cp.async copies 16 bytes)")
+    if n_pixels and K and C and N * H * W:
+        tile = TILE_SHAPE
+        grid, block = _grid(n_pixels, C, tile)
+        vector_out = _vector_out(y_dev, C, item)
+        rows_out = y_dev.reshape(N * H * W, C)
+        if vector_out and item == 2:
+            rows_out = rows_out.view(np.int32) if y_op.kind != "torch" or SIMULATOR else rows_out.view(_torch_int32())
+        args = (rows_out, b_dev.reshape(n_pixels * K), w_dev.reshape(C, K), idx.device(stream), count_device, N, H,
+                W, K, C, n_pixels, area, size[1], stride[0], stride[1], offset[0], offset[1], _magic(area),
+                _magic(size[1]))
+        kernel = _kernel(b_op.dtype, False, vector_out, tile, scatter=True)
+        launch(kernel, grid, block, stream, args)
+        # (a plan's key holds y's address modulo 16, so its replays take the same stores)
+        _sbnet._keep_plan("matmul_scatter", (blocks, indices, weight, y), count, settings, tuple(y_op.shape),
+                          [((kernel, grid, block, args), (0, 1, 2, 3, 4))], data_pointer(count_device))
+    if SIMULATOR and y_op.kind == "torch":  # (the simulator's device array is a copy of y)
+        y.copy_(y_op.result(y, y_dev, stream))
+    return y

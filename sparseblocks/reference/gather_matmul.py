@@ -1,4 +1,5 @@
-"""NumPy reference for the gather fused into a 1x1 convolution (twin of `kernels/gather_matmul.py`).
+"""NumPy reference for the gather fused into a 1x1 convolution, and for a 1x1 convolution fused
+into the adding scatter (twin of `kernels/gather_matmul.py`).
 
 `sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset, count, relu)`
 is ``sparse_gather(x, indices, ...) @ weight.T`` (then ReLU with ``relu``): each
@@ -8,11 +9,15 @@ also goes), without the block stack in between. The result is
 ``[n_blocks, bsize_h, bsize_w, C_out]`` in x's dtype: one row an index, and
 rows from ``count`` on zeros (what the gathered zeros give). Products and
 sums in float64, rounded once.
+
+`sparse_matmul_scatter(blocks, indices, weight, y, ...)` is the other end of
+the bottleneck: ``y`` plus ``sparse_scatter(blocks @ weight.T, ..., add=True)``,
+the product rounded to y's dtype before the add.
 """
 
 import numpy as np
 
-from .sbnet import sparse_gather
+from .sbnet import sparse_gather, sparse_scatter
 
 
 def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=None, relu=False):
@@ -31,3 +36,17 @@ def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=No
     out = np.zeros((n_blocks, *blocks.shape[1:3], weight.shape[0]), x.dtype)
     out[:len(result)] = result
     return out
+
+
+def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0, count=None):
+    """``y + sparse_scatter(blocks @ weight.T, indices, ..., add=True)`` for an NHWC stack ``blocks``
+    and NHWC ``y``, weight ``[C, K]``: the product rounded to y's dtype, then added (a new array)."""
+    blocks = np.asarray(blocks)
+    y = np.asarray(y)
+    weight = np.asarray(weight)
+    if weight.ndim == 4 and weight.shape[2:] == (1, 1):
+        weight = weight[:, :, 0, 0]
+    if weight.ndim != 2 or blocks.ndim != 4 or weight.shape[1] != blocks.shape[3] or weight.shape[0] != y.shape[3]:
+        raise ValueError(f"weight: expected [{y.shape[-1]}, {blocks.shape[-1]}], got {weight.shape}")
+    product = (blocks.astype(np.float64) @ weight.astype(np.float64).T).astype(y.dtype)
+    return sparse_scatter(product, indices, y, bsize, bstride, boffset, add=True, count=count)
