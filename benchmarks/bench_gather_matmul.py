@@ -11,7 +11,14 @@ device alone (replays of a captured CUDA graph), every baseline the same way in 
 ``gather_mm`` (`sbnet.sparse_gather`, then ``torch._addmm_activation``: what the block ran before),
 ``dense_mm`` (the same product over every pixel of the image, as the dense block's 1x1 runs),
 ``copy`` (a device copy moving the bytes the fused call must: the windows' pixels read, the
-result written). Writes results/gather_matmul.json and results/gather_matmul.md.
+result written).
+
+The other end of the bottleneck, `sparse_matmul_scatter` (its last 1x1: C / 4 -> C, added in place
+into the image's output windows, 14 every 14): against ``mm_scatter`` (cuBLAS's product, then
+`sbnet.sparse_scatter` adding in place: what the block runs without it), ``dense_mm`` (the product
+over every pixel with the image added, one cuBLAS call, as the dense block's last 1x1 and residual
+need at least) and ``copy`` (the stack read, the windows' pixels read and written). Writes
+results/gather_matmul.json and results/gather_matmul.md.
 """
 
 import argparse
@@ -23,6 +30,7 @@ from benchmarks.common import Record, copy_ms, device_name, graph_ms, print_tabl
 SHAPES = [(1, 400, 700, 256, 64), (1, 200, 350, 512, 128), (1, 100, 175, 1024, 256)]
 FRACTIONS = (0.05, 0.1, 0.25, 0.5)
 GEOMETRY = {"bsize": 16, "bstride": 14, "boffset": -1}
+SCATTER_GEOMETRY = {"bsize": 14, "bstride": 14, "boffset": 0}
 
 
 def windows(rng, height, width, fraction):
@@ -32,6 +40,41 @@ def windows(rng, height, width, fraction):
     grid = block_count((height, width), (14, 14), (-1, -1))
     chosen = np.argwhere(rng.random(grid) < fraction)
     return np.ascontiguousarray(np.concatenate([np.zeros((len(chosen), 1), np.int64), chosen], axis=1), np.int32)
+
+
+def bench_scatter(torch, gather_matmul, sbnet, rng, records, dtype_name, y, bottleneck):
+    """`sparse_matmul_scatter` rows: bottleneck -> y's channels into y's output windows."""
+    n, height, width, channels = y.shape
+    w = torch.randn(channels, bottleneck, device="cuda", dtype=y.dtype) / bottleneck ** 0.5
+    h = torch.randn(n * height * width, bottleneck, device="cuda", dtype=y.dtype)
+    y_rows = y.view(-1, channels)
+    dense = graph_ms(lambda: torch.addmm(y_rows, h, w.t()))
+    for fraction in FRACTIONS:
+        idx = torch.as_tensor(windows(rng, height, width, fraction), device="cuda")
+        blocks = torch.randn(len(idx), 14, 14, bottleneck, device="cuda", dtype=y.dtype)
+        got = gather_matmul.sparse_matmul_scatter(blocks, idx, w, y.clone(), **SCATTER_GEOMETRY)
+        product = (blocks.reshape(-1, bottleneck).double() @ w.double().t()).to(y.dtype).view(*blocks.shape[:3], -1)
+        want = sbnet.sparse_scatter(product.double(), idx, y.double(), add=True, **SCATTER_GEOMETRY)
+        error = ((got.double() - want).norm() / (want - y.double()).norm()).item()
+        assert error < (2e-3 if y.dtype == torch.float16 else 1e-5), f"{dtype_name} scatter {fraction}: error {error}"
+        into = y.clone()
+
+        def apart():
+            rows = torch.mm(blocks.view(-1, bottleneck), w.t())
+            return sbnet.sparse_scatter(rows.view(*blocks.shape[:3], channels), idx, into, add=True, inplace=True,
+                                        **SCATTER_GEOMETRY)
+
+        pixels = blocks.numel() // bottleneck
+        moved = pixels * (bottleneck + 2 * channels) * y.element_size()
+        ms = graph_ms(lambda: gather_matmul.sparse_matmul_scatter(blocks, idx, w, into, **SCATTER_GEOMETRY))
+        baselines = {"mm_scatter": graph_ms(apart), "dense_mm": dense, "copy": copy_ms(moved // 2, graph=True)}
+        params = {"dtype": dtype_name, "N": n, "H": height, "W": width, "C": bottleneck, "C_out": channels,
+                  "active": fraction, "windows": len(idx), "timing": "graph"}
+        records.append(Record("sparse_matmul_scatter", params, ms, baselines,
+                              flops=2 * pixels * channels * bottleneck, bytes=moved))
+        print(f"{dtype_name} scatter {bottleneck}->{channels} {fraction:4}: {ms * 1e3:7.1f} us, mm_scatter x"
+              f"{baselines['mm_scatter'] / ms:.2f}, dense x{dense / ms:.2f}, copy x{baselines['copy'] / ms:.2f}",
+              flush=True)
 
 
 def main():
@@ -80,7 +123,8 @@ def main():
                 print(f"{dtype_name} {channels}->{out_channels} {fraction:4}: {ms * 1e3:7.1f} us, gather_mm x"
                       f"{baselines['gather_mm'] / ms:.2f}, dense x{dense / ms:.2f}, copy x{baselines['copy'] / ms:.2f}",
                       flush=True)
-    print_table(records, f"sparse_gather_matmul on {device_name()}")
+            bench_scatter(torch, gather_matmul, sbnet, rng, records, dtype_name, x, out_channels)
+    print_table(records, f"sparse_gather_matmul and sparse_matmul_scatter on {device_name()}")
     write_results("gather_matmul", records, **({"directory": args.out_dir} if args.out_dir else {}))
 
 

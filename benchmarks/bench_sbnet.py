@@ -126,6 +126,9 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
                 changed = (y != x).any(dim=1)
                 error = ((y - want).abs() * changed[:, None]).max().item()
                 assert error < (1e-2 if dtype_name == "float16" else 1e-4), f"sparse block differs: {error}"
+                work = x.clone()  # (in place, the last product may go straight into the image: checked too)
+                error = ((block(work, indices, count, inplace=True) - want).abs() * changed[:, None]).max().item()
+                assert error < (1e-2 if dtype_name == "float16" else 1e-4), f"in-place sparse block differs: {error}"
                 work = x.clone()  # the in-place runs add into this copy, again and again
                 ours = timed(lambda: block(work, indices, count, inplace=True))
                 for timing in ("eager", "graph"):
@@ -139,6 +142,10 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
             block.graphs = True
             error = ((block(x, indices, count) - want).abs() * changed[:, None]).max().item()
             assert error < (1e-2 if dtype_name == "float16" else 1e-4), f"graphed sparse block differs: {error}"
+            for _ in range(2):  # (the second call replays the kept launches)
+                work = x.clone()
+                error = ((block(work, indices, count, inplace=True) - want).abs() * changed[:, None]).max().item()
+                assert error < (1e-2 if dtype_name == "float16" else 1e-4), f"graphed in-place block differs: {error}"
             work = x.clone()
             records.append(Record("sparse_res_block", dict(
                 shape, dtype=dtype_name, active=active_fraction(len(chosen)), stack="NHWC", timing="eager",

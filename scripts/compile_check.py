@@ -127,6 +127,8 @@ def check_gather_matmul(shapes=(gather_matmul.TILE_SHAPE,)):
         out = types.int32 if vector_out and storage == "float16" else element  # (fp16 words)
         signature = ((out[:, ::1], element[::1], element[:, ::1], types.int32[:, ::1], types.int32[::1])
                      + (i64,) * 14)
+        if scatter:
+            shape = gather_matmul.SCATTER_TILES[storage]
         kernel = gather_matmul._make_kernel(storage, relu, vector_out, *shape, scatter=scatter)
         name = (f"{'matmul_scatter' if scatter else 'gather_matmul'} {storage} relu={relu} vector_out={vector_out} "
                 f"tile {shape}")

@@ -47,6 +47,19 @@ def captured(fn, calls=20):
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(side)
+    gc.collect()
+    held = {}
+    for obj in gc.get_objects():  # live tensors with an autograd history: what keeps graph nodes alive
+        try:
+            if isinstance(obj, torch.Tensor) and obj.grad_fn is not None:
+                name = f"{type(obj.grad_fn).__name__} {tuple(obj.shape)} {obj.dtype}"
+                held[name] = held.get(name, 0) + 1
+            elif type(obj).__name__.endswith("Backward") and hasattr(obj, "saved_tensors"):
+                name = f"ctx {type(obj).__name__}"
+                held[name] = held.get(name, 0) + 1
+        except Exception:
+            pass
+    print(f"==== before capture: live tensors with a history / contexts: {held or 'none'}", flush=True)
     graph = torch.cuda.CUDAGraph()
     LOG.clear()
     me = threading.get_ident()
@@ -68,6 +81,7 @@ def captured(fn, calls=20):
         for (thread, name, fn_name), n in list(seen.items())[:80]:
             print(f"  {'main ' if thread == me else 'other'} {n:4d} {name}:{fn_name}")
         traceback.print_exc()
+        print("override available:", hasattr(torch.autograd.graph, "set_override_stale_capture_stream"), flush=True)
         raise
     print(f"==== capture ok (mode {MODE}); {len(LOG)} Python calls, "
           f"{len({e for e in LOG if e[0] != me})} distinct on other threads")

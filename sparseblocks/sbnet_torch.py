@@ -247,11 +247,7 @@ class SparseResBlock(torch.nn.Module):
         else:
             y = None if graphs is None else graphs[0].run(residual, params, windows, image, inplace, graphs[1])
             if y is None:
-                if residual is _WRITTEN_OUT[False] and _fuses_gather(windows, image, params[0]):
-                    out = _after_first_product(windows.gather_matmul(image, params[0]), *params[1:])[0]
-                else:
-                    out = residual.forward(windows.gather(image), params, keep=False)[0]
-                y = windows.scatter(out.contiguous(), image, inplace, atomic=False)
+                y = _without_grad(residual, params, windows, image, inplace)
         return y.permute(0, 3, 1, 2) if data_format == "NHWC" else y
 
 
@@ -274,6 +270,13 @@ class _Windows:
         first 1x1 convolution and its ReLU without the stack."""
         return fused_kernels.sparse_gather_matmul(image, self.indices, weight, *self.gather_at, count=self.count,
                                                   relu=True, out=out)
+
+    def matmul_scatter(self, blocks, weight, image):
+        """image += scatter(blocks @ weight^T) at the output windows, in place, in one kernel
+        (`kernels.gather_matmul`): the NHWC stack's last 1x1 convolution and the residual's add
+        without the product's stack."""
+        return fused_kernels.sparse_matmul_scatter(blocks, self.indices, weight, image, *self.scatter_at,
+                                                   count=self.count)
 
     def scatter(self, blocks, image, inplace, atomic, at=None):
         """Add the blocks into `image` (a copy of it unless `inplace`)."""
@@ -391,9 +394,14 @@ def _bottleneck_nhwc(stack, w1, w2, w3, into=NOWHERE):
     return out, (stack, h1, h2)
 
 
+def _second_relu(h1, w2, into=None):
+    """The NHWC bottleneck's 3x3 convolution and ReLU, from its first ReLU's output."""
+    return _relu(torch.nn.functional.conv2d(h1.permute(0, 3, 1, 2), w2).permute(0, 2, 3, 1), into)
+
+
 def _after_first_product(h1, w2, w3, into=NOWHERE):
     """The NHWC bottleneck from its first ReLU's output on: (its output, the second ReLU's)."""
-    h2 = _relu(torch.nn.functional.conv2d(h1.permute(0, 3, 1, 2), w2).permute(0, 2, 3, 1), into[1])
+    h2 = _second_relu(h1, w2, into[1])
     return _matmul(h2, w3.flatten(1).t(), into[2]), h2
 
 
@@ -421,6 +429,46 @@ def _fuses_gather(windows, image, w1):
     size = windows.gather_at[0]  # (h, w): the block's geometry
     return (w1.shape[0] <= FUSED_GATHER_MAX_OUT and len(windows.indices) * size[0] * size[1] >= FUSED_GATHER_MIN_PIXELS
             and fused_kernels.takes(image, w1))
+
+
+# In-place calls without gradients on an NHWC stack of FUSED_SCATTER_MIN_PIXELS output pixels or
+# more add the last 1x1 product straight into the image (`kernels.gather_matmul.
+# sparse_matmul_scatter`: the product's stack is never written). Session 26, H100, graph µs, 1 x
+# 400 x 700, 64 -> 256, windows of 14, fp16 at 5 / 10 / 25 / 50 % of the windows (14k to 144k
+# output pixels), fused / cuBLAS then the scatter: 11.8 / 10.1, 21.6 / 22.9, 51.3 / 59.5, 93.9 /
+# 112.5; fp32 27.8 / 30.1, 47.8 / 71.4, 106.6 / 152.8, 208.5 / 315.1
+# (`scripts/matmul_scatter_variants.py`). A call into a copy of the image gains nothing: the
+# copy's pass and the windows' adds move the same bytes as the product and a merged scatter.
+FUSED_SCATTER = True
+FUSED_SCATTER_MIN_PIXELS = 24576
+
+
+def _fuses_scatter(windows, image, h2, w3):
+    """Whether an in-place call without gradients takes `kernels.gather_matmul.sparse_matmul_scatter`
+    for its last product and the scatter: an NHWC stack, tensors the kernel takes, pixels enough."""
+    if not FUSED_SCATTER or windows.transpose or windows.data_format != "NHWC":
+        return False
+    size = windows.scatter_at[0]
+    return (len(windows.indices) * size[0] * size[1] >= FUSED_SCATTER_MIN_PIXELS
+            and fused_kernels.scatter_takes(h2, w3, image))
+
+
+def _without_grad(residual, weights, windows, image, inplace):
+    """`image` (or a copy of it) plus the residual of its windows, no autograd: on the NHWC stack
+    the first product takes the gather (`_fuses_gather`) and the last the scatter
+    (`_fuses_scatter`) where that pays."""
+    if residual is not _WRITTEN_OUT[False]:
+        out = residual.forward(windows.gather(image), weights, keep=False)[0]
+        return windows.scatter(out.contiguous(), image, inplace, atomic=False)
+    w1, w2, w3 = weights
+    if _fuses_gather(windows, image, w1):
+        h1 = windows.gather_matmul(image, w1)
+    else:
+        h1 = _matmul_relu(windows.gather(image), w1.flatten(1).t())
+    h2 = _second_relu(h1, w2)
+    if inplace and _fuses_scatter(windows, image, h2, w3):
+        return windows.matmul_scatter(h2, w3, image)
+    return windows.scatter(_matmul(h2, w3.flatten(1).t()), image, inplace, atomic=False)
 
 
 def _bottleneck_nhwc_backward(saved, weights, grad_out, needs, into=None):
@@ -573,15 +621,20 @@ class _Slot:
         gather_at, scatter_at = (windows.scatter_at, windows.gather_at) if backward else (
             windows.gather_at, windows.scatter_at)
         # Without gradients the gather may go straight into the first product (`_fuses_gather`):
-        # no stack, and a graph from the first ReLU's output on. A signature seen before knows
-        # (training calls, `zero_rest`, keep the stack: their backward reads it).
-        key = (_signature(windows, image, inplace), backward, zero_rest, FUSED_GATHER)
+        # no stack, and a graph from the first ReLU's output on; in place, the last product
+        # straight into the image (`_fuses_scatter`): a graph up to the second ReLU's output. A
+        # signature seen before knows (training calls, `zero_rest`, keep the stack: their backward
+        # reads it).
+        key = (_signature(windows, image, inplace), backward, zero_rest, FUSED_GATHER, FUSED_SCATTER)
         kept = self.launches.get(key)
         if kept is not None:
-            fused = kept[4]
+            fused, fused_last = kept[4:]
         else:
-            fused = not (backward or zero_rest) and self.residual is _WRITTEN_OUT[False] and _fuses_gather(
-                windows, image, self.weights[0])
+            plain = not (backward or zero_rest) and self.residual is _WRITTEN_OUT[False]
+            fused = plain and _fuses_gather(windows, image, self.weights[0])
+            fused_last = plain and inplace and _fuses_scatter(windows, image, self.h2, self.weights[2])
+        if fused_last:
+            result = self.h2
         stream = torch_stream_handle() if kept else None
         if fused and kept:
             kept[0](stream, self.h1.data_ptr(), image.data_ptr(), self.weights[0].data_ptr(), indices.data_ptr(),
@@ -597,35 +650,48 @@ class _Slot:
         if backward:
             graph, outputs = self.backward(capacity, needs)
         else:
-            graph, outputs = self.forward(capacity, fused), None
+            graph, outputs = self.forward(capacity, fused, fused_last), None
         graph.replay()
         if backward and not needs[0]:
             return None, outputs
         if kept:
             return kept[1](stream, image, result.data_ptr(), indices.data_ptr(), kept[3] or count.data_ptr()), outputs
-        y = windows.scatter(result[:n], image, inplace, atomic=backward, at=scatter_at)
+        if fused_last:
+            y = windows.matmul_scatter(self.h2[:n], self.weights[2], image)
+        else:
+            y = windows.scatter(result[:n], image, inplace, atomic=backward, at=scatter_at)
         kept = kernels.kept_launches(image, indices, result[:n], count, *gather_at, windows.transpose,
-                                     windows.data_format, inplace, scatter_at, atomic=backward, gather=not fused)
+                                     windows.data_format, inplace, scatter_at, atomic=backward, gather=not fused,
+                                     scatter=not fused_last)
         if kept is not None and fused:  # the fused gather's kept launch in the gather's place
             first = fused_kernels.kept_launch(image, indices, self.weights[0], count, *gather_at, relu=True)
             kept = None if first is None else (first[0], kept[1], first[1], kept[3])
+        if kept is not None and fused_last:  # and the fused product and scatter's in the scatter's
+            last = fused_kernels.kept_scatter_launch(self.h2[:n], indices, self.weights[2], image, count, *scatter_at)
+            kept = None if last is None else (kept[0], _adding_into(last[0], self.weights[2]), kept[2], last[1])
         if kept is not None:
-            self.launches[key] = (*kept, fused)
+            self.launches[key] = (*kept, fused, fused_last)
         return y, outputs
 
-    def forward(self, capacity, fused=False):
+    def forward(self, capacity, fused=False, fused_last=False):
         """The residual's graph on the first `capacity` rows (`fused`: from the first ReLU's
-        output, which the fused gather and product wrote, on)."""
-        graph = self.forwards.get((capacity, fused))
+        output, which the fused gather and product wrote, on; `fused_last`: up to the second
+        ReLU's output, which the fused product and scatter read)."""
+        graph = self.forwards.get((capacity, fused, fused_last))
         if graph is None:
             c = capacity
-            if fused:
+            w1, w2, w3 = self.weights
+            if fused_last:
                 def run():
-                    _after_first_product(self.h1[:c], *self.weights[1:], into=(None, self.h2[:c], self.out[:c]))
+                    h1 = self.h1[:c] if fused else _matmul_relu(self.stack[:c], w1.flatten(1).t(), self.h1[:c])
+                    _second_relu(h1, w2, self.h2[:c])
+            elif fused:
+                def run():
+                    _after_first_product(self.h1[:c], w2, w3, into=(None, self.h2[:c], self.out[:c]))
             else:
                 def run():
                     self.residual.forward(self.stack[:c], self.weights, into=(self.h1[:c], self.h2[:c], self.out[:c]))
-            graph = self.forwards[(c, fused)] = _captured(run, self.pool)[0]
+            graph = self.forwards[(c, fused, fused_last)] = _captured(run, self.pool)[0]
         return graph
 
     def backward(self, capacity, needs):
@@ -640,6 +706,19 @@ class _Slot:
             found = self.backwards[(c, needs)] = _captured(lambda: self.residual.backward(
                 saved, self.weights, self.grad_out[:c], needs, into=self.grad_stack[:c]), self.pool)
         return found
+
+
+def _adding_into(launch, weight):
+    """A kept `sparse_matmul_scatter` launch (`gather_matmul.kept_scatter_launch`) called as
+    `kernels.kept_launches`' scatters are: ``(stream handle, image, blocks, indices, count)`` ->
+    the image, added into in place (the weight: the slot's own, whose address is in its key)."""
+    pointer = weight.data_ptr()
+
+    def scatter(stream, image, blocks, indices, count):
+        launch(stream, image.data_ptr(), blocks, pointer, indices, count)
+        return image
+
+    return scatter
 
 
 class _Lease:

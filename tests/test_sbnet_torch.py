@@ -433,6 +433,57 @@ def test_fused_gather_gives_the_gather_and_product_apart(dtype, monkeypatch):
     assert not calls
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_scatter_gives_the_product_and_scatter_apart(dtype, monkeypatch):
+    """In-place calls without gradients on an NHWC stack of FUSED_SCATTER_MIN_PIXELS output pixels
+    or more add the last product straight into the image (`sparse_matmul_scatter`): the same
+    output as the product and the scatter apart, with the fused gather or without, and through
+    CUDA graphs and their kept launches; calls into a copy, training and fp64 keep the two calls."""
+    torch.manual_seed(5)
+    block = sbnet_torch.SparseResBlock(channels=8, bottleneck=8, block_size=6).to(DEVICE, dtype)
+    x = torch.randn(1, 8, 9, 10, dtype=dtype, device=DEVICE).to(memory_format=torch.channels_last)
+    mask = np.zeros((1, 9, 10), np.float32)
+    mask[0, 2:4, 2:8] = 1
+    indices, count = block.active_blocks(tensor(mask))
+    with torch.no_grad():
+        monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER", False)
+        apart = block(x, indices, count)
+    calls = []
+    fused_call = sbnet_torch.fused_kernels.sparse_matmul_scatter
+    monkeypatch.setattr(sbnet_torch.fused_kernels, "sparse_matmul_scatter",
+                        lambda *args, **kwargs: calls.append(1) or fused_call(*args, **kwargs))
+    monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER", True)
+    monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER_MIN_PIXELS", 0)
+    tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.float16 else {"atol": 1e-5, "rtol": 1e-5}
+    with torch.no_grad():
+        torch.testing.assert_close(block(x, indices, count), apart, **tolerance)
+        assert not calls  # (into a copy: apart)
+        for gather in (False, True):
+            monkeypatch.setattr(sbnet_torch, "FUSED_GATHER", gather)
+            monkeypatch.setattr(sbnet_torch, "FUSED_GATHER_MIN_PIXELS", 0)
+            image = x.clone()
+            assert block(image, indices, count, inplace=True).data_ptr() == image.data_ptr()
+            torch.testing.assert_close(image, apart, **tolerance)
+    assert len(calls) == 2
+    if DEVICE == "cuda":
+        graphed = sbnet_torch.SparseResBlock(8, 8, block_size=6, graphs=True).to(DEVICE, dtype)
+        graphed.load_state_dict(block.state_dict())
+        with torch.no_grad():
+            for gather in (False, True):
+                monkeypatch.setattr(sbnet_torch, "FUSED_GATHER", gather)
+                for _ in range(2):  # the first calls keep their launches, the second ones replay them
+                    image = x.clone()
+                    graphed(image, indices, count, inplace=True)
+                    torch.testing.assert_close(image, apart, **tolerance)
+                    torch.testing.assert_close(graphed(x, indices, count), apart, **tolerance)
+        assert len(calls) == 4  # (the replays launch the fused kernel's kept launch directly)
+    calls.clear()
+    block(x.clone().requires_grad_(True), indices, count).float().sum().backward()
+    with torch.no_grad():
+        block.double()(x.detach().double(), indices, count, inplace=True)
+    assert not calls
+
+
 @pytest.mark.parametrize("transpose", [False, True])
 def test_sparse_res_block_graphs_train_as_without(transpose):
     """``graphs=True`` training calls (on a GPU: the residual and its backward replayed from

@@ -144,6 +144,13 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     assert rows * UNITS % THREADS == 0 and cols * UNITS % THREADS == 0 and WARP_ROWS % MMA_M == 0
     assert words in (16, 32) and 2 <= stages <= 4
     PIXELS = rows if scatter else 1  # a scatter's target pixels of the tile's rows
+    # A scatter with whole 16-byte units of out (`vector_out`) copies the tile's pixels of out into
+    # shared memory by cp.async with its first stage, so that their reads overlap the product's,
+    # not follow it: the epilogue reads them from there.
+    PREFETCH = scatter and vector_out
+    Y_UNITS = cols * ITEM // UNIT  # 16-byte units of a tile row of out
+    Y_SIZE = rows * Y_UNITS * 4 if PREFETCH else 1
+    Y_TYPE = uint32 if PAIRS else float32
     wait = waiter(stages - 2)
     swizzle = _swizzle(UNITS)
     out_swizzle = _swizzle(min(NT, 8))
@@ -209,6 +216,12 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
         return max(v, float32(0)) if relu else v
 
     @cuda.jit(device=True, inline=True)
+    def y_word(r, unit):
+        """Where unit `unit` of tile row r of out lies in y_s, in words: XOR-swizzled by the row, so
+        that the 8 rows a fragment's lanes read (fp32) lie in distinct banks."""
+        return (r * Y_UNITS + (unit ^ (r % 8))) * 4
+
+    @cuda.jit(device=True, inline=True)
     def target(pixels, r, row0, n_pixels):
         """The row of out that tile row r goes to, or -1."""
         if scatter:
@@ -217,7 +230,7 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
         return int64(row) if row < n_pixels else int64(-1)
 
     @cuda.jit(device=True, inline=True)
-    def write(out, a_s, pixels, acc, tid, warp, g, t, row0, col0, n_pixels, n_out):
+    def write(out, a_s, y_s, pixels, acc, tid, warp, g, t, row0, col0, n_pixels, n_out):
         """The tile's results into out (see `vector_out`), or with `scatter` added to it."""
         if STAGED:
             cuda.syncthreads()  # every warp is done reading the ring, which now takes the output tile
@@ -236,7 +249,7 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
                     at = (row, (col0 + j * 8) // 2)
                     staged = load4(a_s, (r * OUT_WORDS + (j ^ out_swizzle(r)) * 4,))
                     if scatter:  # (the product rounded to fp16, then added: as a product and a scatter)
-                        old = load4(out, at)
+                        old = load4(y_s, (y_word(r, j),))
                         store4(out, at, (add_half2(old[0], staged[0]), add_half2(old[1], staged[1]),
                                          add_half2(old[2], staged[2]), add_half2(old[3], staged[3])))
                     else:
@@ -244,15 +257,18 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
             return
         for mt in range(MT):
             for half in range(2):
-                row = target(pixels, warp * WARP_ROWS + mt * MMA_M + g + 8 * half, row0, n_pixels)
+                r = warp * WARP_ROWS + mt * MMA_M + g + 8 * half
+                row = target(pixels, r, row0, n_pixels)
                 if row >= 0:
                     for nt in range(NT):
-                        col = col0 + nt * MMA_N + 2 * t
+                        c = nt * MMA_N + 2 * t
+                        col = col0 + c
                         if vector_out:
                             if col < n_out:  # (n_out even: col + 1 too)
                                 lo, hi = result(acc, mt, nt, 2 * half), result(acc, mt, nt, 2 * half + 1)
-                                if scatter:
-                                    lo, hi = lo + float32(out[row, col]), hi + float32(out[row, col + 1])
+                                if PREFETCH:  # (fp32: a unit is 4 values, and c even)
+                                    at = y_word(r, c // 4) + c % 4
+                                    lo, hi = lo + float32(y_s[at]), hi + float32(y_s[at + 1])
                                 store2(out, (row, col), (lo, hi))
                         else:
                             for e in range(2):
@@ -262,7 +278,7 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
                                         v += float32(out[row, col + e])
                                     out[row, col + e] = v
 
-    @cuda.jit(**({} if registers is None else {"max_registers": registers}))
+    @cuda.jit(**({} if registers is None or SIMULATOR else {"max_registers": registers}))  # (the simulator takes none)
     def gather_matmul(out, x, w, indices, count, n_images, height, width, channels, n_out, n_pixels,
                       area, size_w, stride_h, stride_w, offset_h, offset_w, magic_area, magic_w):
         tid = cuda.threadIdx.x
@@ -286,12 +302,26 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
         row_bytes = channels * ITEM
         active = count[0]
         pixels = cuda.shared.array(PIXELS, int64)
-        if scatter:  # where the tile's rows go (read after the main loop's barriers)
+        y_s = cuda.shared.array(Y_SIZE, Y_TYPE, alignment=SHARED_ALIGN)
+        if scatter:  # where the tile's rows go
             for r in range(tid, rows, THREADS):
                 q = row0 + r
                 pixels[r] = int64(-1) if q >= n_pixels else _window_pixel(
                     q, indices, active, n_images, height, width, area, size_w, stride_h, stride_w, offset_h,
                     offset_w, magic_area, magic_w)
+        if PREFETCH:
+            cuda.syncthreads()  # every tile row's pixel is in `pixels`
+            y_shared = shared_address(y_s, (0,))
+            y_global = global_address(out, (0, 0))
+            out_bytes = int64(n_out) * ITEM
+            for e in range(tid, rows * Y_UNITS, THREADS):  # (landed with the first stage: one group)
+                r = e // Y_UNITS
+                j = e - r * Y_UNITS
+                p = pixels[r]
+                inside = p >= 0 and col0 + j * (UNIT // ITEM) < n_out
+                copy16_or_zero(y_shared + uint64(y_word(r, j) * 4),
+                               y_global + (uint64(p * out_bytes + (col0 * ITEM + j * UNIT)) if inside else uint64(0)),
+                               inside)
         # Where this thread's pixels lie (in the image; a scatter's in the stack): once, before the
         # first copy.
         for i in range(A_PER):
@@ -341,7 +371,7 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
             for s in range(STEPS):
                 multiply(a_s, w_s, acc, fa, buf, s, ar, t, g, sw)
             buf = buf + 1 if buf < stages - 1 else 0
-        write(out, a_s, pixels, acc, tid, warp, g, t, row0, col0, n_pixels, n_out)
+        write(out, a_s, y_s, pixels, acc, tid, warp, g, t, row0, col0, n_pixels, n_out)
 
     return gather_matmul
 
@@ -360,6 +390,14 @@ def _kernel(storage, relu, vector_out, shape, scatter=False):
 
 REGISTERS = None  # a cap on the kernel's registers (ptxas), or None
 TILE_SHAPE = (ROWS, COLS, WORDS, STAGES, WARPS, REGISTERS)  # (rows, cols, words, stages, warps, registers)
+# The scatter's tiles by dtype: a ring of 2 stages (its products are short: SBNet's bottleneck has
+# C / 4 input channels) leaves room in 48 KB of shared memory for the tile's pixels of out; fp32's
+# take twice the bytes, so half the rows. Session 26, H100, 64 -> 256 on 1 x 400 x 700, windows of
+# 14 (`scripts/matmul_scatter_variants.py`), graph µs at 5 / 10 / 25 / 50 %: fp16 128 rows, 4
+# warps, 128 registers (4 thread blocks a multiprocessor) 11.8 / 21.6 / 51.3 / 93.9, uncapped (167:
+# 3) 13.8 / 22.8 / 54.4 / 102.8, 64 rows 12.8-14.5 / 23.5-26.6 / 53.0-57.6 / 99.8-107.0; fp32 64
+# rows, 2 warps 27.8 / 47.8 / 106.6 / 208.5, 4 warps 29.6 / 51.1 / 114.8 / 233.2.
+SCATTER_TILES = {"float16": (ROWS, COLS, WORDS, 2, WARPS, 128), "float32": (64, COLS, WORDS, 2, 2, REGISTERS)}
 
 
 def _grid(n_pixels, n_out, shape):
@@ -367,9 +405,10 @@ def _grid(n_pixels, n_out, shape):
     return (-(-n_pixels // rows), -(-n_out // cols)), shape[4] * WARP
 
 
-def _vector_out(out, n_out, item):
-    """Whether results go out as whole 16-byte fp16 units or fp32 pairs (`_make_kernel`)."""
-    size = 16 if item == 2 else 8
+def _vector_out(out, n_out, item, scatter=False):
+    """Whether results go out as whole 16-byte fp16 units or fp32 pairs (`_make_kernel`); a
+    scatter's, whose rows of out are copied in by 16-byte units, needs those in either dtype."""
+    size = 16 if item == 2 or scatter else 8
     return n_out * item % size == 0 and aligned(data_pointer(out), size, 1)
 
 
@@ -420,6 +459,15 @@ def takes(x, weight):
     product, which take more."""
     return (_dtype_name(x) in DTYPES and weight.dtype == x.dtype and x.shape[-1] * x.element_size() % UNIT == 0
             and x.is_contiguous() and weight.is_contiguous() and x.data_ptr() % UNIT == 0
+            and weight.data_ptr() % UNIT == 0)
+
+
+def scatter_takes(blocks, weight, y):
+    """`takes` for `sparse_matmul_scatter`: torch tensors of one dtype it takes, the stack's pixels
+    whole 16-byte vectors, all C-contiguous, the stack and weight 16-byte aligned."""
+    return (_dtype_name(blocks) in DTYPES and weight.dtype == y.dtype == blocks.dtype
+            and blocks.shape[-1] * blocks.element_size() % UNIT == 0 and blocks.is_contiguous()
+            and weight.is_contiguous() and y.is_contiguous() and blocks.data_ptr() % UNIT == 0
             and weight.data_ptr() % UNIT == 0)
 
 
@@ -509,7 +557,7 @@ def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=No
 
 def _scatter_settings(bsize, bstride, boffset):
     """`_settings` of `sparse_matmul_scatter` (its plans' key and `kept_scatter_launch`'s)."""
-    return bsize, bstride, boffset, TILE_SHAPE
+    return bsize, bstride, boffset, tuple(sorted(SCATTER_TILES.items()))
 
 
 def kept_scatter_launch(blocks, indices, weight, y, count, bsize, bstride, boffset=0):
@@ -517,7 +565,8 @@ def kept_scatter_launch(blocks, indices, weight, y, count, bsize, bstride, boffs
     handle, y, blocks, weight, indices, count)`` takes pointers, or None."""
     if not _sbnet._plans:
         return None
-    plan = _sbnet._kept("matmul_scatter", (blocks, indices, weight, y), count, _scatter_settings(bsize, bstride, boffset))
+    settings = _scatter_settings(bsize, bstride, boffset)
+    plan = _sbnet._kept("matmul_scatter", (blocks, indices, weight, y), count, settings)
     return None if plan is None else (plan.launch[0], plan.extra if count is None else None)
 
 
@@ -582,9 +631,9 @@ def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0,
         if not aligned(data_pointer(array), UNIT, 1):
             raise ValueError(f"{name}: expected a 16-byte aligned pointer (cp.async copies 16 bytes)")
     if n_pixels and K and C and N * H * W:
-        tile = TILE_SHAPE
+        tile = SCATTER_TILES[b_op.dtype]
         grid, block = _grid(n_pixels, C, tile)
-        vector_out = _vector_out(y_dev, C, item)
+        vector_out = _vector_out(y_dev, C, item, scatter=True)
         rows_out = y_dev.reshape(N * H * W, C)
         if vector_out and item == 2:
             rows_out = rows_out.view(np.int32) if y_op.kind != "torch" or SIMULATOR else rows_out.view(_torch_int32())

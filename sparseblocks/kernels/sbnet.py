@@ -1739,7 +1739,7 @@ def _scatter_settings(bsize, bstride, boffset, add, atomic, transpose, inplace, 
 
 
 def kept_launches(x, indices, blocks, count, bsize, bstride, boffset, transpose, data_format, inplace,
-                  scatter_at=None, atomic=False, gather=True):
+                  scatter_at=None, atomic=False, gather=True, scatter=True):
     """The kept launches of a gather of ``x`` and an adding scatter back into it (atomic or not;
     at the same geometry, or at ``scatter_at`` = (bsize, bstride, boffset)), both called once
     before with these tensors (``blocks``: the scatter's; the gather's ``out`` is of the same
@@ -1750,19 +1750,20 @@ def kept_launches(x, indices, blocks, count, bsize, bstride, boffset, transpose,
     even the kept plans' lookups. Returns (gather, scatter, gather's count pointer, scatter's
     count pointer); a count pointer is None where the caller's ``count`` is to be passed.
     Without ``gather`` (a caller that gathers otherwise) the gather's launch and count pointer
-    are None and only the scatter need have been called."""
+    are None and only the scatter need have been called; without ``scatter`` likewise."""
     if not _plans:
         return None
-    kept = None
+    kept = added = None
     if gather:
         kept = _kept("gather", (x, indices), count, _gather_settings(bsize, bstride, boffset, transpose, data_format))
-    at = scatter_at or (bsize, bstride, boffset)
-    scatter = _kept("scatter", (blocks, indices, x), count,
-                    _scatter_settings(*at, True, atomic, transpose, inplace, data_format))
-    if (gather and kept is None) or scatter is None:
+    if scatter:
+        at = scatter_at or (bsize, bstride, boffset)
+        added = _kept("scatter", (blocks, indices, x), count,
+                      _scatter_settings(*at, True, atomic, transpose, inplace, data_format))
+    if (gather and kept is None) or (scatter and added is None):
         return None
-    extra = (kept and kept.extra, scatter.extra) if count is None else (None, None)
-    return kept and kept.launch[0], functools.partial(_scatter_replay, scatter, inplace=inplace), *extra
+    extra = (kept and kept.extra, added and added.extra) if count is None else (None, None)
+    return kept and kept.launch[0], added and functools.partial(_scatter_replay, added, inplace=inplace), *extra
 
 
 def _keep_plan(call, tensors, count, settings, out_shape, launches, extra, buffers=None):
