@@ -431,25 +431,30 @@ def _fuses_gather(windows, image, w1):
             and fused_kernels.takes(image, w1))
 
 
-# In-place calls without gradients on an NHWC stack of FUSED_SCATTER_MIN_PIXELS output pixels or
-# more add the last 1x1 product straight into the image (`kernels.gather_matmul.
-# sparse_matmul_scatter`: the product's stack is never written). Session 26, H100, graph µs, 1 x
-# 400 x 700, 64 -> 256, windows of 14, fp16 at 5 / 10 / 25 / 50 % of the windows (14k to 144k
-# output pixels), fused / cuBLAS then the scatter: 11.8 / 10.1, 21.6 / 22.9, 51.3 / 59.5, 93.9 /
-# 112.5; fp32 27.8 / 30.1, 47.8 / 71.4, 106.6 / 152.8, 208.5 / 315.1
-# (`scripts/matmul_scatter_variants.py`). A call into a copy of the image gains nothing: the
-# copy's pass and the windows' adds move the same bytes as the product and a merged scatter.
+# In-place calls without gradients on an NHWC stack add the last 1x1 product straight into the
+# image (`kernels.gather_matmul.sparse_matmul_scatter`: the product's stack is never written) where
+# the product has at most FUSED_SCATTER_MAX_IN input channels and the stack FUSED_SCATTER_MIN_PIXELS
+# output pixels or more (by dtype). Session 26, H100, graph µs, 1 x 400 x 700, 64 -> 256, windows of
+# 14, at 5 / 10 / 25 / 50 % of the windows (14k to 144k output pixels), fused / cuBLAS then the
+# scatter (`results/gather_matmul.md`): fp16 11.7 / 9.5, 19.2 / 18.2, 43.2 / 53.1, 95.9 / 114.3;
+# fp32 28.0 / 33.2, 44.3 / 64.9, 114.4 / 167.6, 211.5 / 319.2. Wider products are slower fused in
+# fp16 (128 -> 512: 0.66-0.95x, 256 -> 1024: 0.52-0.71x). A call into a copy of the image gains
+# nothing: the copy's pass and the windows' adds move the bytes that the product and a merged
+# scatter do.
 FUSED_SCATTER = True
-FUSED_SCATTER_MIN_PIXELS = 24576
+FUSED_SCATTER_MAX_IN = 64
+FUSED_SCATTER_MIN_PIXELS = {torch.float16: 49152}  # (other dtypes: any)
 
 
 def _fuses_scatter(windows, image, h2, w3):
     """Whether an in-place call without gradients takes `kernels.gather_matmul.sparse_matmul_scatter`
-    for its last product and the scatter: an NHWC stack, tensors the kernel takes, pixels enough."""
+    for its last product and the scatter: an NHWC stack, tensors the kernel takes, a narrow product
+    and pixels enough."""
     if not FUSED_SCATTER or windows.transpose or windows.data_format != "NHWC":
         return False
     size = windows.scatter_at[0]
-    return (len(windows.indices) * size[0] * size[1] >= FUSED_SCATTER_MIN_PIXELS
+    return (h2.shape[-1] <= FUSED_SCATTER_MAX_IN
+            and len(windows.indices) * size[0] * size[1] >= FUSED_SCATTER_MIN_PIXELS.get(image.dtype, 0)
             and fused_kernels.scatter_takes(h2, w3, image))
 
 

@@ -435,10 +435,11 @@ def test_fused_gather_gives_the_gather_and_product_apart(dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_scatter_gives_the_product_and_scatter_apart(dtype, monkeypatch):
-    """In-place calls without gradients on an NHWC stack of FUSED_SCATTER_MIN_PIXELS output pixels
-    or more add the last product straight into the image (`sparse_matmul_scatter`): the same
+    """In-place calls without gradients on an NHWC stack (of FUSED_SCATTER_MIN_PIXELS output pixels
+    or more) add the last product straight into the image (`sparse_matmul_scatter`): the same
     output as the product and the scatter apart, with the fused gather or without, and through
-    CUDA graphs and their kept launches; calls into a copy, training and fp64 keep the two calls."""
+    CUDA graphs and their kept launches; calls into a copy, training, products wider than
+    FUSED_SCATTER_MAX_IN and fp64 keep the two calls."""
     torch.manual_seed(5)
     block = sbnet_torch.SparseResBlock(channels=8, bottleneck=8, block_size=6).to(DEVICE, dtype)
     x = torch.randn(1, 8, 9, 10, dtype=dtype, device=DEVICE).to(memory_format=torch.channels_last)
@@ -453,7 +454,7 @@ def test_fused_scatter_gives_the_product_and_scatter_apart(dtype, monkeypatch):
     monkeypatch.setattr(sbnet_torch.fused_kernels, "sparse_matmul_scatter",
                         lambda *args, **kwargs: calls.append(1) or fused_call(*args, **kwargs))
     monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER", True)
-    monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER_MIN_PIXELS", 0)
+    monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER_MIN_PIXELS", {})
     tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.float16 else {"atol": 1e-5, "rtol": 1e-5}
     with torch.no_grad():
         torch.testing.assert_close(block(x, indices, count), apart, **tolerance)
@@ -479,6 +480,10 @@ def test_fused_scatter_gives_the_product_and_scatter_apart(dtype, monkeypatch):
         assert len(calls) == 4  # (the replays launch the fused kernel's kept launch directly)
     calls.clear()
     block(x.clone().requires_grad_(True), indices, count).float().sum().backward()
+    monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER_MAX_IN", 4)  # (a product wider than the limit)
+    with torch.no_grad():
+        block(x.clone(), indices, count, inplace=True)
+    monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER_MAX_IN", 64)
     with torch.no_grad():
         block.double()(x.detach().double(), indices, count, inplace=True)
     assert not calls
