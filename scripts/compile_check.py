@@ -34,15 +34,17 @@ CC = (9, 0)
 PTXAS = shutil.which("ptxas") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "ptxas")
 
 
-def resources(ptx):
-    """ptxas's report (registers, stack frame, spills) where ptxas is installed, else ''."""
+def resources(ptx, registers=None):
+    """ptxas's report (registers, stack frame, spills) where ptxas is installed, else ''
+    (`registers`: the kernel's cap, which Numba hands ptxas at link time, not in the PTX)."""
     if not os.path.exists(PTXAS):
         return ""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        report = subprocess.run([PTXAS, f"-arch=sm_{CC[0]}{CC[1]}", "-v", path, "-o", path + ".cubin"],
+        cap = [] if registers is None else [f"-maxrregcount={registers}"]
+        report = subprocess.run([PTXAS, f"-arch=sm_{CC[0]}{CC[1]}", "-v", *cap, path, "-o", path + ".cubin"],
                                 capture_output=True, text=True).stderr
     if "Unresolved extern function" in report and "half" in report:
         return "  [calls Numba's fp16 operators, linked at launch: no ptxas report alone]"
@@ -138,7 +140,7 @@ def check_gather_matmul(shapes=(gather_matmul.TILE_SHAPE,)):
             print(f"FAIL  {name}: {type(error).__name__}: {str(error).splitlines()[0]}")
             results.append(False)
             continue
-        print(f"ok    {name}{resources(ptx)}  "
+        print(f"ok    {name}{resources(ptx, shape[5])}  "
               f"{ptx.count('mma.sync')} mma, {ptx.count('cp.async.cg')} cp.async")
         results.append(True)
     return results
