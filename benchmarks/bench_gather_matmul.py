@@ -42,6 +42,15 @@ def windows(rng, height, width, fraction):
     return np.ascontiguousarray(np.concatenate([np.zeros((len(chosen), 1), np.int64), chosen], axis=1), np.int32)
 
 
+def add_row(records, name, label, ms, apart, dense, moved, flops, **params):
+    """One graph-timed row, recorded and printed: `ms` beside the two calls it fuses (`apart`: their
+    name and ms), the dense product, and a copy of the `moved` bytes."""
+    baselines = {apart[0]: apart[1], "dense_mm": dense, "copy": copy_ms(moved // 2, graph=True)}
+    records.append(Record(name, dict(params, timing="graph"), ms, baselines, flops=flops, bytes=moved))
+    print(f"{label} {params['active']:4}: {ms * 1e3:7.1f} us, {apart[0]} x{apart[1] / ms:.2f}, dense x{dense / ms:.2f}, "
+          f"copy x{baselines['copy'] / ms:.2f}", flush=True)
+
+
 def bench_scatter(torch, gather_matmul, sbnet, rng, records, dtype_name, y, bottleneck):
     """`sparse_matmul_scatter` rows: bottleneck -> y's channels into y's output windows."""
     n, height, width, channels = y.shape
@@ -65,16 +74,11 @@ def bench_scatter(torch, gather_matmul, sbnet, rng, records, dtype_name, y, bott
                                         **SCATTER_GEOMETRY)
 
         pixels = blocks.numel() // bottleneck
-        moved = pixels * (bottleneck + 2 * channels) * y.element_size()
         ms = graph_ms(lambda: gather_matmul.sparse_matmul_scatter(blocks, idx, w, into, **SCATTER_GEOMETRY))
-        baselines = {"mm_scatter": graph_ms(apart), "dense_mm": dense, "copy": copy_ms(moved // 2, graph=True)}
-        params = {"dtype": dtype_name, "N": n, "H": height, "W": width, "C": bottleneck, "C_out": channels,
-                  "active": fraction, "windows": len(idx), "timing": "graph"}
-        records.append(Record("sparse_matmul_scatter", params, ms, baselines,
-                              flops=2 * pixels * channels * bottleneck, bytes=moved))
-        print(f"{dtype_name} scatter {bottleneck}->{channels} {fraction:4}: {ms * 1e3:7.1f} us, mm_scatter x"
-              f"{baselines['mm_scatter'] / ms:.2f}, dense x{dense / ms:.2f}, copy x{baselines['copy'] / ms:.2f}",
-              flush=True)
+        add_row(records, "sparse_matmul_scatter", f"{dtype_name} scatter {bottleneck}->{channels}", ms,
+                ("mm_scatter", graph_ms(apart)), dense, pixels * (bottleneck + 2 * channels) * y.element_size(),
+                2 * pixels * channels * bottleneck, dtype=dtype_name, N=n, H=height, W=width, C=bottleneck,
+                C_out=channels, active=fraction, windows=len(idx))
 
 
 def main():
@@ -112,17 +116,11 @@ def main():
                     return torch._addmm_activation(bias, s.view(-1, channels), w.t())
 
                 pixels = got.numel() // out_channels
-                moved = pixels * (channels + out_channels) * x.element_size()
                 ms = graph_ms(lambda: gather_matmul.sparse_gather_matmul(x, idx, w, relu=True, **GEOMETRY))
-                baselines = {"gather_mm": graph_ms(apart), "dense_mm": dense,
-                             "copy": copy_ms(moved // 2, graph=True)}
-                params = {"dtype": dtype_name, "N": n, "H": height, "W": width, "C": channels, "C_out": out_channels,
-                          "active": fraction, "windows": len(idx), "timing": "graph"}
-                records.append(Record("sparse_gather_matmul", params, ms, baselines,
-                                      flops=2 * pixels * channels * out_channels, bytes=moved))
-                print(f"{dtype_name} {channels}->{out_channels} {fraction:4}: {ms * 1e3:7.1f} us, gather_mm x"
-                      f"{baselines['gather_mm'] / ms:.2f}, dense x{dense / ms:.2f}, copy x{baselines['copy'] / ms:.2f}",
-                      flush=True)
+                add_row(records, "sparse_gather_matmul", f"{dtype_name} {channels}->{out_channels}", ms,
+                        ("gather_mm", graph_ms(apart)), dense, pixels * (channels + out_channels) * x.element_size(),
+                        2 * pixels * channels * out_channels, dtype=dtype_name, N=n, H=height, W=width, C=channels,
+                        C_out=out_channels, active=fraction, windows=len(idx))
             bench_scatter(torch, gather_matmul, sbnet, rng, records, dtype_name, x, out_channels)
     print_table(records, f"sparse_gather_matmul and sparse_matmul_scatter on {device_name()}")
     write_results("gather_matmul", records, **({"directory": args.out_dir} if args.out_dir else {}))

@@ -95,17 +95,25 @@ def baseline_ms(fn, **kwargs):
         return float("nan")
 
 
-def captured(fn, calls=20):
-    """A torch CUDA graph of `calls` calls of ``fn()``, after three on a side stream (compiles,
-    caches streams and buffers where the capture will find them)."""
+def warmed(fn, runs=3):
+    """``fn()`` `runs` times on a side stream, joined back to the current one: what a CUDA-graph
+    capture of fn needs first (compiles, caches streams and buffers where the capture will find
+    them)."""
     import torch
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for _ in range(runs):
             fn()
     torch.cuda.current_stream().wait_stream(side)
+
+
+def captured(fn, calls=20):
+    """A torch CUDA graph of `calls` calls of ``fn()``, after `warmed`."""
+    import torch
+
+    warmed(fn)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):

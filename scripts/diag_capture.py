@@ -41,12 +41,7 @@ def collected(phase, info):
 
 
 def captured(fn, calls=20):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
+    common.warmed(fn)
     gc.collect()
     held = {}
     for obj in gc.get_objects():  # live tensors with an autograd history: what keeps graph nodes alive

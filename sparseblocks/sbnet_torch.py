@@ -617,9 +617,10 @@ class _Slot:
         `_WrittenOut.backward`), its backward: the output gradient `image` gathered at the output
         windows, the stack's gradient added atomically at the input windows where ``needs[0]``
         asks for it; returns (that or None, the graph's gradients). A signature seen before
-        (`_signature`) launches the kept gather (or fused gather and product) and scatter
-        directly (`kernels.kept_launches`, `gather_matmul.kept_launch`): an eager call of a
-        sparse block is bound by the host's time, and the device waits for the first launch."""
+        (`_signature`) launches the kept gather (or fused gather and product) and scatter (or
+        fused product and scatter) directly (`kernels.kept_launches`, `gather_matmul.kept_launch`,
+        `kept_scatter_launch`): an eager call of a sparse block is bound by the host's time, and
+        the device waits for the first launch."""
         backward = needs is not None
         n, indices, count = len(windows.indices), windows.indices, windows.count
         source, result = (self.grad_out, self.grad_stack) if backward else (self.stack, self.out)

@@ -388,26 +388,35 @@ def test_fused_relu_gives_the_relu_apart(dtype, monkeypatch):
     assert stack.grad is not None and all(w.grad is not None for w in weights)
 
 
+def fusion_case(dtype, bottleneck, seed, flag, kernel, monkeypatch):
+    """(block, x, indices, count, the output with sbnet_torch.`flag` off, calls): a small block
+    (8 channels, windows of 6) and some of its windows; `flag` is on afterwards, and `calls`
+    grows by one at each call of fused_kernels.`kernel`."""
+    torch.manual_seed(seed)
+    block = sbnet_torch.SparseResBlock(channels=8, bottleneck=bottleneck, block_size=6).to(DEVICE, dtype)
+    x = torch.randn(1, 8, 9, 10, dtype=dtype, device=DEVICE).to(memory_format=torch.channels_last)
+    mask = np.zeros((1, 9, 10), np.float32)
+    mask[0, 2:4, 2:8] = 1
+    indices, count = block.active_blocks(tensor(mask))
+    with torch.no_grad():
+        monkeypatch.setattr(sbnet_torch, flag, False)
+        apart = block(x, indices, count)
+    calls = []
+    fused_call = getattr(sbnet_torch.fused_kernels, kernel)
+    monkeypatch.setattr(sbnet_torch.fused_kernels, kernel,
+                        lambda *args, **kwargs: calls.append(1) or fused_call(*args, **kwargs))
+    monkeypatch.setattr(sbnet_torch, flag, True)
+    return block, x, indices, count, apart, calls
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_gather_gives_the_gather_and_product_apart(dtype, monkeypatch):
     """Calls without gradients on an NHWC stack of FUSED_GATHER_MIN_PIXELS pixels or more gather
     the windows straight into the first product (`kernels.gather_matmul`): the block's output is
     the one of the gather and the product apart, in place and through CUDA graphs too; with
     gradients, or past the fused kernel's limits (fp64), the two calls stay."""
-    torch.manual_seed(4)
-    block = sbnet_torch.SparseResBlock(channels=8, bottleneck=4, block_size=6).to(DEVICE, dtype)
-    x = torch.randn(1, 8, 9, 10, dtype=dtype, device=DEVICE).to(memory_format=torch.channels_last)
-    mask = np.zeros((1, 9, 10), np.float32)
-    mask[0, 2:4, 2:8] = 1
-    indices, count = block.active_blocks(tensor(mask))
-    with torch.no_grad():
-        monkeypatch.setattr(sbnet_torch, "FUSED_GATHER", False)
-        apart = block(x, indices, count)
-    calls = []
-    fused_call = sbnet_torch.fused_kernels.sparse_gather_matmul
-    monkeypatch.setattr(sbnet_torch.fused_kernels, "sparse_gather_matmul",
-                        lambda *args, **kwargs: calls.append(1) or fused_call(*args, **kwargs))
-    monkeypatch.setattr(sbnet_torch, "FUSED_GATHER", True)
+    block, x, indices, count, apart, calls = fusion_case(dtype, 4, 4, "FUSED_GATHER", "sparse_gather_matmul",
+                                                         monkeypatch)
     monkeypatch.setattr(sbnet_torch, "FUSED_GATHER_MIN_PIXELS", 0)
     tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.float16 else {"atol": 1e-5, "rtol": 1e-5}
     with torch.no_grad():
@@ -440,20 +449,8 @@ def test_fused_scatter_gives_the_product_and_scatter_apart(dtype, monkeypatch):
     output as the product and the scatter apart, with the fused gather or without, and through
     CUDA graphs and their kept launches; calls into a copy, training, products wider than
     FUSED_SCATTER_MAX_IN and fp64 keep the two calls."""
-    torch.manual_seed(5)
-    block = sbnet_torch.SparseResBlock(channels=8, bottleneck=8, block_size=6).to(DEVICE, dtype)
-    x = torch.randn(1, 8, 9, 10, dtype=dtype, device=DEVICE).to(memory_format=torch.channels_last)
-    mask = np.zeros((1, 9, 10), np.float32)
-    mask[0, 2:4, 2:8] = 1
-    indices, count = block.active_blocks(tensor(mask))
-    with torch.no_grad():
-        monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER", False)
-        apart = block(x, indices, count)
-    calls = []
-    fused_call = sbnet_torch.fused_kernels.sparse_matmul_scatter
-    monkeypatch.setattr(sbnet_torch.fused_kernels, "sparse_matmul_scatter",
-                        lambda *args, **kwargs: calls.append(1) or fused_call(*args, **kwargs))
-    monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER", True)
+    block, x, indices, count, apart, calls = fusion_case(dtype, 8, 5, "FUSED_SCATTER", "sparse_matmul_scatter",
+                                                         monkeypatch)
     monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER_MIN_PIXELS", {})
     tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.float16 else {"atol": 1e-5, "rtol": 1e-5}
     with torch.no_grad():
