@@ -388,6 +388,22 @@ def test_fused_relu_gives_the_relu_apart(dtype, monkeypatch):
     assert stack.grad is not None and all(w.grad is not None for w in weights)
 
 
+def test_weights_are_the_convolutions():
+    """`weights()` gives the convolutions' registered parameters (read directly, for the host's
+    time), and through the modules' own lookup a weight that is not one (a parametrization)."""
+    block = sbnet_torch.SparseResBlock(channels=8, bottleneck=4, block_size=6)
+    assert all(w is c.weight for w, c in zip(block.weights(), (block.conv1, block.conv2, block.conv3)))
+    torch.nn.utils.parametrize.register_parametrization(block.conv2, "weight", Doubled())
+    w2 = block.weights()[1]
+    torch.testing.assert_close(w2, 2 * block.conv2.parametrizations.weight.original)
+    assert w2.requires_grad
+
+
+class Doubled(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
 def fusion_case(dtype, bottleneck, seed, flag, kernel, monkeypatch):
     """(block, x, indices, count, the output with sbnet_torch.`flag` off, calls): a small block
     (8 channels, windows of 6) and some of its windows; `flag` is on afterwards, and `calls`
