@@ -443,6 +443,30 @@ def _weight_rows(w_op, channels):
     return shape
 
 
+def _check_vectors(name, channels, item):
+    """A pixel's channels must be whole cp.async units."""
+    if channels * item % UNIT:
+        raise ValueError(f"{name}: a pixel's {channels} channels must be whole 16-byte vectors (a multiple of "
+                         f"{UNIT // item})")
+
+
+def _stack_pixels(n_blocks, size):
+    """The stack's pixels, checked against the 32-bit tile arithmetic's bound."""
+    area = size[0] * size[1]
+    n_pixels = n_blocks * area
+    if n_pixels >= MAX_PIXELS:
+        raise ValueError(f"indices: {n_blocks} windows of {area} pixels are {n_pixels} stack pixels, "
+                         f"expected fewer than {MAX_PIXELS}")
+    return n_pixels
+
+
+def _check_aligned(arrays):
+    """The cp.async sources' pointers: {name: device array}, each 16-byte aligned."""
+    for name, array in arrays.items():
+        if not aligned(data_pointer(array), UNIT, 1):
+            raise ValueError(f"{name}: expected a 16-byte aligned pointer (cp.async copies 16 bytes)")
+
+
 def _settings(bsize, bstride, boffset, relu):
     """What a kept launch depends on besides its tensors: the key of both `sparse_gather_matmul`'s
     plans and `kept_launch`'s lookups (one tuple, so the two cannot drift apart)."""
@@ -521,17 +545,13 @@ def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=No
     N, H, W, C = x_op.shape
     n_out, _ = _weight_rows(w_op, C)
     item = np.dtype(x_op.dtype).itemsize
-    if C * item % UNIT:
-        raise ValueError(f"x: a pixel's {C} channels must be whole 16-byte vectors (C a multiple of {UNIT // item})")
+    _check_vectors("x", C, item)
     size, stride, offset = check_geometry(bsize, bstride, boffset)
     out_op = None if out is None else Operand(out, "out")
     stream = launch_stream((x_op, w_op) if out is None else (x_op, w_op, out_op))
     idx, count_device, n_blocks = _prepare_indices(indices, count, (x_op, w_op), stream)
     area = size[0] * size[1]
-    n_pixels = n_blocks * area
-    if n_pixels >= MAX_PIXELS:
-        raise ValueError(f"indices: {n_blocks} windows of {area} pixels are {n_pixels} stack pixels, "
-                         f"expected fewer than {MAX_PIXELS}")
+    n_pixels = _stack_pixels(n_blocks, size)
     shape = (n_blocks, *size, n_out)
     if out is None:
         native, result = x_op.empty(shape, stream)
@@ -544,9 +564,7 @@ def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=No
         out_op.require_contiguous()
         native, result = out_op.native, out_op.device(stream)
     x_dev, w_dev = x_op.device(stream), w_op.device(stream)
-    for name, array in (("x", x_dev), ("weight", w_dev)):
-        if not aligned(data_pointer(array), UNIT, 1):
-            raise ValueError(f"{name}: expected a 16-byte aligned pointer (cp.async copies 16 bytes)")
+    _check_aligned({"x": x_dev, "weight": w_dev})
     if n_pixels and n_out:
         tile = TILE_SHAPE
         grid, block = _grid(n_pixels, n_out, tile)
@@ -622,9 +640,7 @@ def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0,
     if n_out != C:
         raise ValueError(f"weight: expected {C} output channels (y's), got {w_op.shape}")
     item = np.dtype(b_op.dtype).itemsize
-    if K * item % UNIT:
-        raise ValueError(f"blocks: a pixel's {K} channels must be whole 16-byte vectors (K a multiple of "
-                         f"{UNIT // item})")
+    _check_vectors("blocks", K, item)
     size, stride, offset = check_geometry(bsize, bstride, boffset)
     if stride[0] < size[0] or stride[1] < size[1]:
         raise ValueError(f"bstride: windows of bsize {size} every {stride} overlap; their adds would race")
@@ -634,14 +650,9 @@ def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0,
     if b_op.shape != expected:
         raise ValueError(f"blocks: expected shape {expected} for {n_blocks} indices, got {b_op.shape}")
     area = size[0] * size[1]
-    n_pixels = n_blocks * area
-    if n_pixels >= MAX_PIXELS:
-        raise ValueError(f"indices: {n_blocks} windows of {area} pixels are {n_pixels} stack pixels, "
-                         f"expected fewer than {MAX_PIXELS}")
+    n_pixels = _stack_pixels(n_blocks, size)
     b_dev, w_dev, y_dev = b_op.device(stream), w_op.device(stream), y_op.device(stream)
-    for name, array in (("blocks", b_dev), ("weight", w_dev)):
-        if not aligned(data_pointer(array), UNIT, 1):
-            raise ValueError(f"{name}: expected a 16-byte aligned pointer (cp.async copies 16 bytes)")
+    _check_aligned({"blocks": b_dev, "weight": w_dev})
     if n_pixels and K and C and N * H * W:
         tile = SCATTER_TILES[b_op.dtype]
         grid, block = _grid(n_pixels, C, tile)
