@@ -120,15 +120,18 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
                  p.boffset[1] + chosen[:, 1] * p.bstride[1] + p.bsize[1] // 2] = 1
             indices, count = block.active_blocks(torch.as_tensor(mask, device="cuda"), tol=0.5)
             assert len(indices) == len(chosen)
+            def check(y, what):
+                """y against the dense block's output on the pixels the sparse block changes."""
+                error = ((y - want).abs() * changed[:, None]).max().item()
+                assert error < (1e-2 if dtype_name == "float16" else 1e-4), f"{what} differs: {error}"
+
             for transpose in (False, True):
                 block.transpose = transpose
                 y = block(x, indices, count)
                 changed = (y != x).any(dim=1)
-                error = ((y - want).abs() * changed[:, None]).max().item()
-                assert error < (1e-2 if dtype_name == "float16" else 1e-4), f"sparse block differs: {error}"
-                work = x.clone()  # (in place, the last product may go straight into the image: checked too)
-                error = ((block(work, indices, count, inplace=True) - want).abs() * changed[:, None]).max().item()
-                assert error < (1e-2 if dtype_name == "float16" else 1e-4), f"in-place sparse block differs: {error}"
+                check(y, "sparse block")
+                # (in place, the last product may go straight into the image: checked too)
+                check(block(x.clone(), indices, count, inplace=True), "in-place sparse block")
                 work = x.clone()  # the in-place runs add into this copy, again and again
                 ours = timed(lambda: block(work, indices, count, inplace=True))
                 for timing in ("eager", "graph"):
@@ -140,12 +143,9 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
             # Eager calls replaying a CUDA graph of the residual per capacity of windows
             # (graphs=True; in a caller's graph the block launches its kernels, as timed above).
             block.graphs = True
-            error = ((block(x, indices, count) - want).abs() * changed[:, None]).max().item()
-            assert error < (1e-2 if dtype_name == "float16" else 1e-4), f"graphed sparse block differs: {error}"
+            check(block(x, indices, count), "graphed sparse block")
             for _ in range(2):  # (the second call replays the kept launches)
-                work = x.clone()
-                error = ((block(work, indices, count, inplace=True) - want).abs() * changed[:, None]).max().item()
-                assert error < (1e-2 if dtype_name == "float16" else 1e-4), f"graphed in-place block differs: {error}"
+                check(block(x.clone(), indices, count, inplace=True), "graphed in-place block")
             work = x.clone()
             records.append(Record("sparse_res_block", dict(
                 shape, dtype=dtype_name, active=active_fraction(len(chosen)), stack="NHWC", timing="eager",

@@ -394,9 +394,14 @@ def _bottleneck_nchw_backward(saved, weights, grad_out, needs, into=None):
 def _bottleneck_nhwc(stack, w1, w2, w3, into=NOWHERE):
     """F on an NHWC stack (`SparseResBlock.residual_nhwc`), and what its backward needs (the
     stack and both ReLUs' outputs, NHWC)."""
-    h1 = _matmul_relu(stack, w1.flatten(1).t(), into[0])
+    h1 = _first_relu(stack, w1, into[0])
     out, h2 = _after_first_product(h1, w2, w3, into)
     return out, (stack, h1, h2)
+
+
+def _first_relu(stack, w1, into=None):
+    """The NHWC bottleneck's first 1x1 convolution and ReLU, over the stack's pixels."""
+    return _matmul_relu(stack, w1.flatten(1).t(), into)
 
 
 def _second_relu(h1, w2, into=None):
@@ -474,7 +479,7 @@ def _without_grad(residual, weights, windows, image, inplace):
     if _fuses_gather(windows, image, w1):
         h1 = windows.gather_matmul(image, w1)
     else:
-        h1 = _matmul_relu(windows.gather(image), w1.flatten(1).t())
+        h1 = _first_relu(windows.gather(image), w1)
     h2 = _second_relu(h1, w2)
     if inplace and _fuses_scatter(windows, image, h2, w3):
         return windows.matmul_scatter(h2, w3, image)
@@ -695,7 +700,7 @@ class _Slot:
             w1, w2, w3 = self.weights
             if fused_last:
                 def run():
-                    h1 = self.h1[:c] if fused else _matmul_relu(self.stack[:c], w1.flatten(1).t(), self.h1[:c])
+                    h1 = self.h1[:c] if fused else _first_relu(self.stack[:c], w1, self.h1[:c])
                     _second_relu(h1, w2, self.h2[:c])
             elif fused:
                 def run():

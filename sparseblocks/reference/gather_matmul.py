@@ -20,12 +20,16 @@ import numpy as np
 from .sbnet import sparse_gather, sparse_scatter
 
 
+def _rows(weight):
+    """A weight as [C_out, C]: a 1x1 convolution's [C_out, C, 1, 1] viewed so."""
+    weight = np.asarray(weight)
+    return weight[:, :, 0, 0] if weight.ndim == 4 and weight.shape[2:] == (1, 1) else weight
+
+
 def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=None, relu=False):
     """``relu?(sparse_gather(x, indices, ...) @ weight.T)`` for NHWC ``x``, weight ``[C_out, C]``."""
     x = np.asarray(x)
-    weight = np.asarray(weight)
-    if weight.ndim == 4 and weight.shape[2:] == (1, 1):
-        weight = weight[:, :, 0, 0]
+    weight = _rows(weight)
     if weight.ndim != 2 or x.ndim != 4 or weight.shape[1] != x.shape[3]:
         raise ValueError(f"weight: expected [C_out, {x.shape[-1]}] for x of shape {x.shape}, got {weight.shape}")
     n_blocks = len(np.asarray(indices))
@@ -43,9 +47,7 @@ def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0,
     and NHWC ``y``, weight ``[C, K]``: the product rounded to y's dtype, then added (a new array)."""
     blocks = np.asarray(blocks)
     y = np.asarray(y)
-    weight = np.asarray(weight)
-    if weight.ndim == 4 and weight.shape[2:] == (1, 1):
-        weight = weight[:, :, 0, 0]
+    weight = _rows(weight)
     if weight.ndim != 2 or blocks.ndim != 4 or weight.shape[1] != blocks.shape[3] or weight.shape[0] != y.shape[3]:
         raise ValueError(f"weight: expected [{y.shape[-1]}, {blocks.shape[-1]}], got {weight.shape}")
     product = (blocks.astype(np.float64) @ weight.astype(np.float64).T).astype(y.dtype)
