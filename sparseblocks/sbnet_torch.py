@@ -365,29 +365,65 @@ def _matmul_relu(x, w, into=None):
 NOWHERE = (None, None, None)
 
 
+def _batched(weight, n):
+    """A 1x1 convolution's weight as n matrices [out, in] for `torch.bmm` (one, n times: no copy)."""
+    w = weight.flatten(1)
+    return w.expand(n, *w.shape)
+
+
+def _pixels(t):
+    """An NHWC stack [n, h, w, c] as [n, h * w, c] (a view where t is contiguous)."""
+    return t.reshape(t.shape[0], t.shape[1] * t.shape[2], t.shape[3])
+
+
+def _bmm(a, b, shape, into=None):
+    """``torch.bmm(a, b)`` viewed as ``shape``; written into ``into`` (of that shape), and
+    ``into`` returned, when given."""
+    if into is None:
+        return torch.bmm(a, b).view(shape)
+    torch.bmm(a, b, out=into.view(a.shape[0], a.shape[1], b.shape[2]))
+    return into
+
+
+# The NCHW stack's 1x1 convolutions are batched matrix products that read each block transposed,
+# and its 3x3 runs on an NHWC first-ReLU output. cuDNN's convolutions on the NCHW stack
+# converted it, and their channels_last outputs, between layouts (torch copies as long as the
+# stack); this way nothing is copied. Session 27, H100, 1 x 400 x 700 x 256 -> 64, graph µs at
+# 10 / 25 / 50 % active, SBNet's fused transpose (`transpose=True`), bmm / cuDNN: fp16 forward
+# 81 / 172, 179 / 423, 348 / 858 (dense 382), training step 520 / 743, 856 / 1480, 1468 / 2768
+# (dense 990); fp32 forward 215 / 413, 480 / 1000, 958 / 2003. NCHW input, fp16 forward 169 /
+# 259, 361 / 609, 689 / 1199 (`scripts/nchw_stack_variants.py`).
 def _bottleneck_nchw(stack, w1, w2, w3, into=NOWHERE):
-    """F on an NCHW stack, and what its backward needs (the stack and both ReLUs' outputs)."""
-    conv2d = torch.nn.functional.conv2d
-    h1 = _relu(conv2d(stack, w1), into[0])
-    h2 = _relu(conv2d(h1, w2), into[1])
-    out = conv2d(h2, w3)
-    return (out if into[2] is None else into[2].copy_(out)), (stack, h1, h2)
+    """F on an NCHW stack (`SparseResBlock.residual`): the output NCHW, and what its backward
+    needs: (stack, h1, h2), the ReLUs' outputs NHWC."""
+    n, c, bh, bw = stack.shape
+    rows = stack.view(n, c, bh * bw).transpose(1, 2)
+    h1 = _bmm(rows, _batched(w1, n).transpose(1, 2), (n, bh, bw, w1.shape[0]), into[0]).relu_()
+    h2 = _second_relu(h1, w2, into[1])
+    columns = _pixels(h2).transpose(1, 2)
+    return _bmm(_batched(w3, n), columns, (n, w3.shape[0], *h2.shape[1:3]), into[2]), (stack, h1, h2)
 
 
 def _bottleneck_nchw_backward(saved, weights, grad_out, needs, into=None):
     """Gradients of (stack, w1, w2, w3) for those ``needs`` asks for (None for the others)."""
     stack, h1, h2 = saved
     w1, w2, w3 = weights
+    n = stack.shape[0]
     need_h1 = needs[0] or needs[1]
     need_h2 = need_h1 or needs[2]
-    grad_h2, grad_w3 = _conv_backward(grad_out, h2, w3, (need_h2, needs[3]))
+    g = grad_out.reshape(n, grad_out.shape[1], grad_out.shape[2] * grad_out.shape[3])
+    grad_w3 = torch.bmm(g, _pixels(h2)).sum(0).view(w3.shape) if needs[3] else None
     grad_h1 = grad_w2 = grad_stack = grad_w1 = None
     if need_h2:
-        grad_h1, grad_w2 = _conv_backward(_relu_backward(grad_h2, h2), h1, w2, (need_h1, needs[2]))
+        grad_h2 = _relu_backward(torch.bmm(g.transpose(1, 2), _batched(w3, n)).view(h2.shape), h2)
+        grad_h1, grad_w2 = _conv_backward(grad_h2.permute(0, 3, 1, 2), h1.permute(0, 3, 1, 2), w2,
+                                          (need_h1, needs[2]))
     if need_h1:
-        grad_stack, grad_w1 = _conv_backward(_relu_backward(grad_h1, h1), stack, w1, needs[:2])
-    if into is not None and grad_stack is not None:
-        grad_stack = into.copy_(grad_stack)
+        grad_h1 = _pixels(_relu_backward(grad_h1.permute(0, 2, 3, 1), h1))
+        s = stack.view(n, stack.shape[1], grad_h1.shape[1])
+        grad_w1 = torch.bmm(grad_h1.transpose(1, 2), s.transpose(1, 2)).sum(0).view(w1.shape) if needs[1] else None
+        if needs[0]:
+            grad_stack = _bmm(_batched(w1, n).transpose(1, 2), grad_h1.transpose(1, 2), stack.shape, into)
     return grad_stack, grad_w1, grad_w2, grad_w3
 
 
@@ -488,7 +524,7 @@ def _without_grad(residual, weights, windows, image, inplace):
 
 def _bottleneck_nhwc_backward(saved, weights, grad_out, needs, into=None):
     """`_bottleneck_nchw_backward` for the NHWC stack: the 1x1s' gradients are matrix products
-    over the stack's pixels."""
+    over all the stack's pixels at once."""
     stack, h1, h2 = saved
     w1, w2, w3 = weights
     need_h1 = needs[0] or needs[1]

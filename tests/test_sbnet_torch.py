@@ -332,6 +332,35 @@ def test_residual_writes_into_buffers_what_it_returns_without(nchw_stack):
             torch.testing.assert_close(g, w)
 
 
+@pytest.mark.parametrize("windows", [3, 0])
+def test_nchw_residual_is_the_convolutions(windows):
+    """The NCHW stack's written-out residual (batched products reading the stack transposed, the
+    3x3 on an NHWC intermediate) gives the three convolutions and their gradients, each set of
+    gradients asked for alone, and nothing for no windows."""
+    torch.manual_seed(11)
+    block = sbnet_torch.SparseResBlock(8, 4, block_size=6).double().to(DEVICE)
+    weights = [w.detach().requires_grad_(True) for w in block.weights()]
+    stack = torch.randn(windows, 8, 6, 6, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    h = torch.relu(torch.nn.functional.conv2d(stack, weights[0]))
+    want = torch.nn.functional.conv2d(torch.relu(torch.nn.functional.conv2d(h, weights[1])), weights[2])
+    residual = sbnet_torch._WRITTEN_OUT[True]
+    with torch.no_grad():
+        out, saved = residual.forward(stack, weights)
+    torch.testing.assert_close(out, want)
+    assert out.is_contiguous()
+    grad_out = torch.randn_like(want)
+    every = torch.autograd.grad(want, (stack, *weights), grad_out)
+    for asked in range(4):
+        needs = tuple(i == asked for i in range(4))
+        with torch.no_grad():
+            got = residual.backward(saved, weights, grad_out, needs)
+        for i, (g, w) in enumerate(zip(got, every)):
+            if i == asked:
+                torch.testing.assert_close(g, w)
+            else:
+                assert g is None
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("transpose", [False, True])
 def test_rows_past_the_count_add_nothing_to_the_gradients(transpose, graphs, poisoned):
