@@ -56,7 +56,7 @@ def main():
     residual = st._WRITTEN_OUT[False]
     stack_shape = (*p.bsize, 256)
     block(x, indices, count, inplace=True)
-    slot, capacity = block._graphs._acquire(residual, weights, image, stack_shape, len(indices))
+    slot, capacity = block._graphs._acquire(residual, weights, image, stack_shape, False, len(indices))
     slot.busy = False
     key = (st._signature(windows, image, True), False, False, st.FUSED_GATHER)
     kept = slot.launches[key]
@@ -84,7 +84,7 @@ def main():
             image.requires_grad or any(w.requires_grad for w in weights)),
         "torch_stream_handle()": torch_stream_handle,
         "_signature(...)": lambda: st._signature(windows, image, True),
-        "_acquire(...)": release_after(lambda: block._graphs._acquire(residual, weights, image, stack_shape,
+        "_acquire(...)": release_after(lambda: block._graphs._acquire(residual, weights, image, stack_shape, False,
                                                                       len(indices))),
         "fused kept launch": lambda: kept[0](stream, slot.h1.data_ptr(), image.data_ptr(), weights[0].data_ptr(),
                                              indices.data_ptr(), kept[2] or count.data_ptr()),
@@ -92,7 +92,7 @@ def main():
         "scatter kept launch": lambda: kept[1](stream, image, slot.out.data_ptr(), indices.data_ptr(),
                                                kept[3] or count.data_ptr()),
         "round_trip(...)": lambda: slot.round_trip(windows, image, True, capacity, zero_rest=False),
-        "graphs.run(...)": lambda: block._graphs.run(residual, weights, windows, image, True, stack_shape),
+        "graphs.run(...)": lambda: block._graphs.run(residual, weights, windows, image, True, stack_shape, False),
         "y.permute(0, 3, 1, 2)": lambda: image.permute(0, 3, 1, 2),
     }
     pieces["Module.__call__ overhead (forward=no-op)"] = lambda: block(x, indices, count, inplace=True)

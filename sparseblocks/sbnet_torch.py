@@ -246,11 +246,12 @@ class SparseResBlock(torch.nn.Module):
         if (self.graphs and image.is_cuda and isinstance(residual, _WrittenOut) and len(indices)
                 and not torch.cuda.is_current_stream_capturing()):
             stack_shape = (image.shape[-1 if data_format == "NHWC" else 1], *p.bsize)
-            graphs = self._graphs, stack_shape if nchw_stack else (*stack_shape[1:], stack_shape[0])
+            graphs = (self._graphs, stack_shape if nchw_stack else (*stack_shape[1:], stack_shape[0]),
+                      residual.flips(windows))
         if torch.is_grad_enabled() and (image.requires_grad or any(w.requires_grad for w in params)):
             y = _WindowResidual.apply(image, residual, windows, inplace, graphs, *params)
         else:
-            y = None if graphs is None else graphs[0].run(residual, params, windows, image, inplace, graphs[1])
+            y = None if graphs is None else graphs[0].run(residual, params, windows, image, inplace, *graphs[1:])
             if y is None:
                 y = _without_grad(residual, params, windows, image, inplace)
         return y.permute(0, 3, 1, 2) if data_format == "NHWC" else y
@@ -264,11 +265,12 @@ class _Windows:
         self.indices, self.count, self.transpose, self.data_format = indices, count, transpose, data_format
         self.gather_at, self.scatter_at = gather_at, scatter_at
 
-    def _kwargs(self):
-        return {"transpose": self.transpose, "count": self.count, "data_format": self.data_format}
+    def _kwargs(self, transpose=None):
+        return {"transpose": self.transpose if transpose is None else transpose, "count": self.count,
+                "data_format": self.data_format}
 
-    def gather(self, image, at=None, out=None):
-        return kernels.sparse_gather(image, self.indices, *(at or self.gather_at), out=out, **self._kwargs())
+    def gather(self, image, at=None, out=None, transpose=None):
+        return kernels.sparse_gather(image, self.indices, *(at or self.gather_at), out=out, **self._kwargs(transpose))
 
     def gather_matmul(self, image, weight, out=None):
         """relu(gather(image) @ weight^T) in one kernel (`kernels.gather_matmul`): the NHWC stack's
@@ -283,10 +285,10 @@ class _Windows:
         return fused_kernels.sparse_matmul_scatter(blocks, self.indices, weight, image, *self.scatter_at,
                                                    count=self.count)
 
-    def scatter(self, blocks, image, inplace, atomic, at=None):
+    def scatter(self, blocks, image, inplace, atomic, at=None, transpose=None):
         """Add the blocks into `image` (a copy of it unless `inplace`)."""
         out = kernels.sparse_scatter(blocks, self.indices, image, *(at or self.scatter_at), add=True,
-                                     atomic=atomic, inplace=inplace, **self._kwargs())
+                                     atomic=atomic, inplace=inplace, **self._kwargs(transpose))
         return _written_into(image, out) if inplace else out
 
 
@@ -404,6 +406,14 @@ def _bottleneck_nchw(stack, w1, w2, w3, into=NOWHERE):
     return _bmm(_batched(w3, n), columns, (n, w3.shape[0], *h2.shape[1:3]), into[2]), (stack, h1, h2)
 
 
+def _nchw_weight_grad(grad, stack, weight):
+    """The first 1x1's weight gradient from its NHWC output gradient and the NCHW stack: a sum over
+    the windows of batched products (one product would need the stack transposed)."""
+    pixels = _pixels(grad)
+    columns = stack.view(stack.shape[0], stack.shape[1], pixels.shape[1])
+    return torch.bmm(pixels.transpose(1, 2), columns.transpose(1, 2)).sum(0).view(weight.shape)
+
+
 def _bottleneck_nchw_backward(saved, weights, grad_out, needs, into=None):
     """Gradients of (stack, w1, w2, w3) for those ``needs`` asks for (None for the others)."""
     stack, h1, h2 = saved
@@ -419,12 +429,20 @@ def _bottleneck_nchw_backward(saved, weights, grad_out, needs, into=None):
         grad_h1, grad_w2 = _conv_backward(grad_h2.permute(0, 3, 1, 2), h1.permute(0, 3, 1, 2), w2,
                                           (need_h1, needs[2]))
     if need_h1:
-        grad_h1 = _pixels(_relu_backward(grad_h1.permute(0, 2, 3, 1), h1))
-        s = stack.view(n, stack.shape[1], grad_h1.shape[1])
-        grad_w1 = torch.bmm(grad_h1.transpose(1, 2), s.transpose(1, 2)).sum(0).view(w1.shape) if needs[1] else None
+        grad_h1 = _relu_backward(grad_h1.permute(0, 2, 3, 1), h1)
+        grad_w1 = _nchw_weight_grad(grad_h1, stack, w1) if needs[1] else None
+        grad_h1 = _pixels(grad_h1)
         if needs[0]:
             grad_stack = _bmm(_batched(w1, n).transpose(1, 2), grad_h1.transpose(1, 2), stack.shape, into)
     return grad_stack, grad_w1, grad_w2, grad_w3
+
+
+def _bottleneck_nchw_image_backward(saved, weights, grad_out, needs, into=None):
+    """`_bottleneck_nchw_backward` with the output's and the stack's gradients NHWC, the image's
+    layout where the forward gathered through the transpose: the backward's gather and atomic
+    scatter then copy without transposing (the scatter of a transposed stack adds each value
+    atomically on its own, ~3x slower in fp16), and the other products are single ones."""
+    return _bottleneck_nhwc_backward(saved, weights, grad_out, needs, into, nchw_stack=True)
 
 
 def _bottleneck_nhwc(stack, w1, w2, w3, into=NOWHERE):
@@ -522,15 +540,18 @@ def _without_grad(residual, weights, windows, image, inplace):
     return windows.scatter(_matmul(h2, w3.flatten(1).t()), image, inplace, atomic=False)
 
 
-def _bottleneck_nhwc_backward(saved, weights, grad_out, needs, into=None):
+def _bottleneck_nhwc_backward(saved, weights, grad_out, needs, into=None, nchw_stack=False):
     """`_bottleneck_nchw_backward` for the NHWC stack: the 1x1s' gradients are matrix products
-    over all the stack's pixels at once."""
+    over all the stack's pixels at once. ``nchw_stack``: the saved stack is NCHW (the first
+    weight's gradient is then a sum of batched products), the rest NHWC."""
     stack, h1, h2 = saved
     w1, w2, w3 = weights
     need_h1 = needs[0] or needs[1]
     need_h2 = need_h1 or needs[2]
 
     def weight_grad(grad, x, weight):  # sum over the pixels of grad x^T, as the weight is shaped
+        if nchw_stack and x is stack:
+            return _nchw_weight_grad(grad, x, weight)
         return (grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])).view(weight.shape)
 
     grad_w3 = weight_grad(grad_out, h2, w3) if needs[3] else None
@@ -549,16 +570,22 @@ def _bottleneck_nhwc_backward(saved, weights, grad_out, needs, into=None):
 class _WrittenOut:
     """The block's own residual with its backward written out: a dozen torch calls, where
     autograd's would build the residual's graph in the forward and run it through a nested
-    engine call in the backward."""
+    engine call in the backward. ``image_backward``: the backward with the gradients in the
+    image's layout, for stacks gathered through the transpose (`flips`)."""
 
-    def __init__(self, forward, backward):
-        self._forward, self._backward = forward, backward
+    def __init__(self, forward, backward, image_backward=None):
+        self._forward, self._backward, self._image_backward = forward, backward, image_backward
+
+    def flips(self, windows):
+        """Whether the backward's gather and scatter of these windows skip the transpose (the
+        gradients then come and go in the image's layout)."""
+        return windows.transpose and self._image_backward is not None
 
     def forward(self, stack, weights, keep=False, into=NOWHERE):
         return self._forward(stack, *weights, into=into)
 
-    def backward(self, saved, weights, grad_out, needs, into=None):
-        return self._backward(saved, weights, grad_out, needs, into=into)
+    def backward(self, saved, weights, grad_out, needs, into=None, flipped=False):
+        return (self._image_backward if flipped else self._backward)(saved, weights, grad_out, needs, into=into)
 
 
 class _Traced:
@@ -567,6 +594,10 @@ class _Traced:
 
     def __init__(self, residual):
         self.residual = residual
+
+    @staticmethod
+    def flips(windows):  # (autograd's backward takes the gradient in the output's layout)
+        return False
 
     def forward(self, stack, params, keep):
         if not keep:
@@ -585,7 +616,8 @@ class _Traced:
 
 
 _WRITTEN_OUT = {False: _WrittenOut(_bottleneck_nhwc, _bottleneck_nhwc_backward),
-                True: _WrittenOut(_bottleneck_nchw, _bottleneck_nchw_backward)}  # by NCHW stack
+                True: _WrittenOut(_bottleneck_nchw, _bottleneck_nchw_backward,
+                                  _bottleneck_nchw_image_backward)}  # by NCHW stack
 
 
 def _capacity(n):
@@ -643,8 +675,8 @@ class _Slot:
     those past a call's count hold an earlier call's windows (see `_Lease`).
     """
 
-    def __init__(self, residual, weights, image, stack_shape, rows):
-        self.residual, self.weights, self.rows = residual, weights, rows
+    def __init__(self, residual, weights, image, stack_shape, rows, flip=False):
+        self.residual, self.weights, self.rows, self.flip = residual, weights, rows, flip
         self.stream = torch_stream_handle()  # (its key's: a slot serves one stream)
         self.stack = image.new_zeros((rows, *stack_shape))
         out, (_, h1, h2) = residual.forward(self.stack[:2], weights)  # (each row's shape and layout)
@@ -670,6 +702,7 @@ class _Slot:
         the device waits for the first launch."""
         backward = needs is not None
         n, indices, count = len(windows.indices), windows.indices, windows.count
+        transpose = False if backward and self.flip else None  # (None: the windows' own)
         source, result = (self.grad_out, self.grad_stack) if backward else (self.stack, self.out)
         gather_at, scatter_at = (windows.scatter_at, windows.gather_at) if backward else (
             windows.gather_at, windows.scatter_at)
@@ -697,7 +730,7 @@ class _Slot:
         elif kept:
             kept[0](stream, image.data_ptr(), source.data_ptr(), indices.data_ptr(), kept[2] or count.data_ptr())
         else:
-            windows.gather(image.detach(), at=gather_at, out=source[:n])
+            windows.gather(image.detach(), at=gather_at, out=source[:n], transpose=transpose)
         if zero_rest and n < capacity:
             source[n:capacity].zero_()
         if backward:
@@ -712,8 +745,9 @@ class _Slot:
         if fused_last:
             y = windows.matmul_scatter(self.h2[:n], self.weights[2], image)
         else:
-            y = windows.scatter(result[:n], image, inplace, atomic=backward, at=scatter_at)
-        kept = kernels.kept_launches(image, indices, result[:n], count, *gather_at, windows.transpose,
+            y = windows.scatter(result[:n], image, inplace, atomic=backward, at=scatter_at, transpose=transpose)
+        kept = kernels.kept_launches(image, indices, result[:n], count, *gather_at,
+                                     windows.transpose if transpose is None else transpose,
                                      windows.data_format, inplace, scatter_at, atomic=backward, gather=not fused,
                                      scatter=not fused_last)
         if kept is not None and fused:  # the fused gather's kept launch in the gather's place
@@ -752,12 +786,15 @@ class _Slot:
         asks for, and its outputs (the stack's gradient a view of `grad_stack`)."""
         found = self.backwards.get((capacity, needs))
         if found is None:
-            if self.grad_out is None:
-                self.grad_out, self.grad_stack = torch.zeros_like(self.out), torch.zeros_like(self.stack)
+            if self.grad_out is None:  # (flipped: NHWC, from the NCHW stack's and output's shapes)
+                self.grad_out, self.grad_stack = (
+                    torch.zeros_like(t) if not self.flip else t.new_zeros(t.permute(0, 2, 3, 1).shape)
+                    for t in (self.out, self.stack))
             c = capacity
             saved = (self.stack[:c], self.h1[:c], self.h2[:c])
+            flipped = {"flipped": True} if self.flip else {}
             found = self.backwards[(c, needs)] = _captured(lambda: self.residual.backward(
-                saved, self.weights, self.grad_out[:c], needs, into=self.grad_stack[:c]), self.pool)
+                saved, self.weights, self.grad_out[:c], needs, into=self.grad_stack[:c], **flipped), self.pool)
         return found
 
 
@@ -844,12 +881,12 @@ class _ResidualGraphs:
     def __getstate__(self):
         return {"_sets": {}}
 
-    def _acquire(self, residual, weights, image, stack_shape, n):
+    def _acquire(self, residual, weights, image, stack_shape, flip, n):
         """(a free slot of the key's with room for n windows, marked held, the capacity), or
         (None, capacity) when MAX_SLOTS are held."""
         capacity = _capacity(n)
         pointers = tuple(w.data_ptr() for w in weights)
-        key = (image.dtype, image.device, stack_shape, torch_stream_handle(), residual, pointers)
+        key = (image.dtype, image.device, stack_shape, flip, torch_stream_handle(), residual, pointers)
         slots = self._sets.get(key)
         if slots is None:  # (held slots of dropped keys live on in their leases)
             self._sets = {k: v for k, v in self._sets.items() if k[-1] == pointers}
@@ -861,18 +898,18 @@ class _ResidualGraphs:
             rows = capacity if slot is None else max(capacity, 2 * slot.rows)
             if slot is not None:
                 slots.remove(slot)
-            slot = _Slot(residual, weights, image, stack_shape, rows)
+            slot = _Slot(residual, weights, image, stack_shape, rows, flip)
             slots.append(slot)
         slot.busy = True
         slot.generation += 1
         return slot, capacity
 
-    def run(self, residual, weights, windows, image, inplace, stack_shape):
+    def run(self, residual, weights, windows, image, inplace, stack_shape, flip):
         """A call without gradients through the graphs, or None (then it runs without).
 
         Rows past the windows' hold an earlier call's: computed, never scattered.
         """
-        slot, capacity = self._acquire(residual, weights, image, stack_shape, len(windows.indices))
+        slot, capacity = self._acquire(residual, weights, image, stack_shape, flip, len(windows.indices))
         if slot is None:
             return None
         try:
@@ -880,9 +917,9 @@ class _ResidualGraphs:
         finally:
             slot.busy = False
 
-    def lease(self, residual, weights, image, stack_shape, n, needs):
+    def lease(self, residual, weights, image, stack_shape, flip, n, needs):
         """A `_Lease` for a training call, or None (then it runs without graphs)."""
-        slot, capacity = self._acquire(residual, weights, image, stack_shape, n)
+        slot, capacity = self._acquire(residual, weights, image, stack_shape, flip, n)
         return None if slot is None else _Lease(slot, capacity, n, needs)
 
 
@@ -899,11 +936,11 @@ class _WindowResidual(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, image, residual, windows, inplace, graphs, *params):  # (image first: see _SparseScatter)
-        # graphs: (the block's `_ResidualGraphs`, the stack's shape), or None
+        # graphs: (the block's `_ResidualGraphs`, the stack's shape, whether the backward flips), or None
         ctx.lease, saved = None, ()
         if graphs is not None:
             needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[5:])
-            ctx.lease = graphs[0].lease(residual, params, image, graphs[1], len(windows.indices), needs)
+            ctx.lease = graphs[0].lease(residual, params, image, *graphs[1:], len(windows.indices), needs)
         if ctx.lease is not None:
             y = ctx.lease.forward(windows, image if inplace else image.detach(), inplace)
         else:
@@ -926,9 +963,12 @@ class _WindowResidual(torch.autograd.Function):
         if ctx.lease is not None:
             grads = ctx.lease.backward(windows, grad_y)
         else:
-            grad_out = windows.gather(grad_y, at=windows.scatter_at)
-            grads = ctx.residual.backward(saved[ctx.n_params:], saved[:ctx.n_params], grad_out, needs)
+            flip = ctx.residual.flips(windows)
+            transpose = False if flip else None
+            grad_out = windows.gather(grad_y, at=windows.scatter_at, transpose=transpose)
+            grads = ctx.residual.backward(saved[ctx.n_params:], saved[:ctx.n_params], grad_out, needs,
+                                          **({"flipped": True} if flip else {}))
             if needs[0]:
-                grads = (windows.scatter(grads[0].contiguous(), grad_y, False, atomic=True, at=windows.gather_at),
-                         *grads[1:])
+                grads = (windows.scatter(grads[0].contiguous(), grad_y, False, atomic=True, at=windows.gather_at,
+                                         transpose=transpose), *grads[1:])
         return (grads[0] if needs[0] else None, None, None, None, None, *grads[1:])

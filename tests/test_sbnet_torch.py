@@ -336,7 +336,8 @@ def test_residual_writes_into_buffers_what_it_returns_without(nchw_stack):
 def test_nchw_residual_is_the_convolutions(windows):
     """The NCHW stack's written-out residual (batched products reading the stack transposed, the
     3x3 on an NHWC intermediate) gives the three convolutions and their gradients, each set of
-    gradients asked for alone, and nothing for no windows."""
+    gradients asked for alone, with the gradients in the stack's layout or NHWC (``flipped``),
+    and nothing for no windows."""
     torch.manual_seed(11)
     block = sbnet_torch.SparseResBlock(8, 4, block_size=6).double().to(DEVICE)
     weights = [w.detach().requires_grad_(True) for w in block.weights()]
@@ -350,15 +351,18 @@ def test_nchw_residual_is_the_convolutions(windows):
     assert out.is_contiguous()
     grad_out = torch.randn_like(want)
     every = torch.autograd.grad(want, (stack, *weights), grad_out)
-    for asked in range(4):
-        needs = tuple(i == asked for i in range(4))
-        with torch.no_grad():
-            got = residual.backward(saved, weights, grad_out, needs)
-        for i, (g, w) in enumerate(zip(got, every)):
-            if i == asked:
-                torch.testing.assert_close(g, w)
-            else:
-                assert g is None
+    nhwc = (lambda t: t.permute(0, 2, 3, 1).contiguous(), lambda t: t.permute(0, 3, 1, 2))
+    for flipped, (there, back) in ((False, (lambda t: t, lambda t: t)), (True, nhwc)):
+        # flipped: the output's and the stack's gradients NHWC (a stack gathered through the transpose)
+        for asked in range(4):
+            needs = tuple(i == asked for i in range(4))
+            with torch.no_grad():
+                got = residual.backward(saved, weights, there(grad_out), needs, flipped=flipped)
+            for i, (g, w) in enumerate(zip(got, every)):
+                if i == asked:
+                    torch.testing.assert_close(back(g) if i == 0 else g, w)
+                else:
+                    assert g is None
 
 
 @pytest.mark.parametrize("graphs", [False, True])
