@@ -180,6 +180,15 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
             records.append(Record("sparse_res_block", dict(shape, dtype=dtype_name, active=active_fraction(chosen),
                                                            stack="NHWC", timing=timing, step="training"),
                                   ours[timing], {"dense_block": dense_step[timing]}))
+        # SBNet's NCHW stack (the fused transpose), on the device alone.
+        block.transpose = True
+        step(lambda x: block(x, indices, count))
+        error = ((xg.grad - want).abs().max() / want.abs().max()).item()
+        assert error < 2e-2, f"sparse block's input gradient through the NCHW stack differs: {error}"
+        records.append(Record("sparse_res_block", dict(
+            shape, dtype=dtype_name, active=active_fraction(chosen), stack="NCHW", timing="graph", step="training"),
+            graph_ms(lambda: step(lambda x: block(x, indices, count))), {"dense_block": dense_step["graph"]}))
+        block.transpose = False
         # Eager training steps replaying CUDA graphs of the residual and of its backward.
         block.graphs = True
         step(lambda x: block(x, indices, count))

@@ -390,11 +390,13 @@ def _bmm(a, b, shape, into=None):
 # The NCHW stack's 1x1 convolutions are batched matrix products that read each block transposed,
 # and its 3x3 runs on an NHWC first-ReLU output. cuDNN's convolutions on the NCHW stack
 # converted it, and their channels_last outputs, between layouts (torch copies as long as the
-# stack); this way nothing is copied. Session 27, H100, 1 x 400 x 700 x 256 -> 64, graph µs at
-# 10 / 25 / 50 % active, SBNet's fused transpose (`transpose=True`), bmm / cuDNN: fp16 forward
-# 81 / 172, 179 / 423, 348 / 858 (dense 382), training step 520 / 743, 856 / 1480, 1468 / 2768
-# (dense 990); fp32 forward 215 / 413, 480 / 1000, 958 / 2003. NCHW input, fp16 forward 169 /
-# 259, 361 / 609, 689 / 1199 (`scripts/nchw_stack_variants.py`).
+# stack); this way nothing is copied. Where the stack came through the transpose, the backward
+# takes and gives its gradients in the image's layout (`_bottleneck_nchw_image_backward`).
+# Session 27, H100, 1 x 400 x 700 x 256 -> 64, graph µs at 10 / 25 / 50 % active, SBNet's fused
+# transpose (`transpose=True`), now / cuDNN: fp16 forward 81 / 172, 179 / 423, 347 / 855 (dense
+# 381), training step 406 / 742, 596 / 1476, 966 / 2768 (dense 1001); fp32 forward 214 / 413,
+# 480 / 997, 958 / 2001, training 1108 / 1676, 1977 / 3504, 3476 / 6616. NCHW input, fp16
+# forward 167 / 259, 360 / 609, 690 / 1199 (`scripts/nchw_stack_variants.py`).
 def _bottleneck_nchw(stack, w1, w2, w3, into=NOWHERE):
     """F on an NCHW stack (`SparseResBlock.residual`): the output NCHW, and what its backward
     needs: (stack, h1, h2), the ReLUs' outputs NHWC."""
