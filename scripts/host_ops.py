@@ -10,7 +10,13 @@ products are timed with each of torch's BLAS back ends (``preferred_blas_library
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from res_block_ab import sleep_cycles_per_ms  # noqa: E402
 
 
 def main():
@@ -26,13 +32,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     dtype = getattr(torch, args.dtype)
     dev = "cuda"
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(2):  # (the first also loads the sleep kernel)
-        start.record()
-        torch.cuda._sleep(1_000_000)
-        stop.record()
-        stop.synchronize()
-    cycles_per_ms = 1_000_000 / start.elapsed_time(stop)
+    cycles_per_ms = sleep_cycles_per_ms(torch)
 
     def host_us(fn):
         for _ in range(10):

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmarks.common import time_ms  # noqa: E402
-from res_block_ab import windows_of  # noqa: E402
+from res_block_ab import sleep_cycles_per_ms, training_case  # noqa: E402
 
 
 def main():
@@ -36,21 +36,8 @@ def main():
 
     import torch
 
-    from sparseblocks.sbnet_torch import SparseResBlock
-
     torch.backends.cudnn.allow_tf32 = False
-    dtype = getattr(torch, args.dtype)
-    torch.manual_seed(0)
-    block = SparseResBlock(256, 64, block_size=16).to("cuda", dtype).to(memory_format=torch.channels_last)
-    x = torch.randn(1, 256, 400, 700, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
-    indices, count = block.active_blocks(torch.as_tensor(windows_of(block, args.fraction), device="cuda"), tol=0.5)
-    xg = x.detach().clone().requires_grad_(True)
-    grad_y = torch.randn_like(x)
-
-    def step(forward):
-        xg.grad = None
-        block.zero_grad(set_to_none=True)
-        forward(xg).backward(grad_y)
+    block, indices, count, step, _ = training_case(torch, getattr(torch, args.dtype), args.fraction)
 
     def sparse_graphs():
         block.graphs = True
@@ -61,12 +48,7 @@ def main():
 
     calls = {"sparse": lambda: step(lambda t: block(t, indices, count)), "sparse, graphs=True": sparse_graphs,
              "dense": lambda: step(block.dense)}
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(1_000_000)
-    stop.record()
-    stop.synchronize()
-    cycles_per_ms = 1_000_000 / start.elapsed_time(stop)
+    cycles_per_ms = sleep_cycles_per_ms(torch)
 
     def behind_sleep(fn, steps):
         """Host µs a step with the device busy sleeping (ms of sleep: ~3 a step, enough to cover)."""

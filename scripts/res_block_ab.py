@@ -43,6 +43,39 @@ def windows_of(block, fraction, seed=1):
     return mask
 
 
+def training_case(torch, dtype, fraction, graphs=False):
+    """The benchmark's block (channels_last, seeded), its windows at `fraction`, and its training
+    step: ``step(forward)`` runs ``forward`` on a copy of the input that needs a gradient (xg),
+    then the backward of a fixed output gradient. Returns (block, indices, count, step, xg)."""
+    from sparseblocks.sbnet_torch import SparseResBlock
+
+    torch.manual_seed(0)
+    block = SparseResBlock(256, 64, block_size=16, graphs=graphs).to("cuda", dtype).to(
+        memory_format=torch.channels_last)
+    x = torch.randn(1, 256, 400, 700, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
+    indices, count = block.active_blocks(torch.as_tensor(windows_of(block, fraction), device="cuda"), tol=0.5)
+    xg = x.detach().clone().requires_grad_(True)
+    grad_y = torch.randn_like(x)
+
+    def step(forward):
+        xg.grad = None
+        block.zero_grad(set_to_none=True)
+        forward(xg).backward(grad_y)
+
+    return block, indices, count, step, xg
+
+
+def sleep_cycles_per_ms(torch):
+    """Cycles of ``torch.cuda._sleep`` a millisecond, measured (the first call also loads the kernel)."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(2):
+        start.record()
+        torch.cuda._sleep(1_000_000)
+        stop.record()
+        stop.synchronize()
+    return 1_000_000 / start.elapsed_time(stop)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--arm", action="append", required=True)
