@@ -12,7 +12,8 @@
   defined gradient (nor value), as in SBNet.
 * `SparseResBlock`: SBNet's bottleneck — gather the active windows with a
   fused NHWC -> NCHW transpose, 1x1, 3x3 and 1x1 VALID convolutions on the
-  block stack (cuDNN on a GPU; on an NHWC stack the 1x1s are matrix products),
+  block stack (the 3x3 through cuDNN, channels_last; the 1x1s as matrix
+  products over the stack's pixels, batched by window on an NCHW stack),
   add-scatter the result back onto the input.
   Its output equals the dense block ``x + F(x)`` on the active region and
   ``x`` elsewhere; the block geometry comes from the convolutions
@@ -23,7 +24,8 @@
   torch calls, no autograd graph of the residual); a subclass that overrides
   `residual` or `residual_nhwc` gets autograd's backward of its own instead.
   Without gradients, the kernels alone, the gather fused into the first 1x1
-  product where that is faster (`FUSED_GATHER`, `kernels.gather_matmul`).
+  product where that is faster (`FUSED_GATHER`, `kernels.gather_matmul`), and the
+  last product into the scatter in place (`FUSED_SCATTER`).
   ``graphs=True`` replays CUDA graphs of the residual and its backward
   (`_ResidualGraphs`).
 
