@@ -554,8 +554,6 @@ def _bottleneck_nhwc_backward(saved, weights, grad_out, needs, into=None, nchw_s
     need_h2 = need_h1 or needs[2]
 
     def weight_grad(grad, x, weight):  # sum over the pixels of grad x^T, as the weight is shaped
-        if nchw_stack and x is stack:
-            return _nchw_weight_grad(grad, x, weight)
         return (grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])).view(weight.shape)
 
     grad_w3 = weight_grad(grad_out, h2, w3) if needs[3] else None
@@ -566,7 +564,7 @@ def _bottleneck_nhwc_backward(saved, weights, grad_out, needs, into=None, nchw_s
                                           (need_h1, needs[2]))
     if need_h1:
         grad_h1 = _relu_backward(grad_h1.permute(0, 2, 3, 1), h1)
-        grad_w1 = weight_grad(grad_h1, stack, w1) if needs[1] else None
+        grad_w1 = (_nchw_weight_grad if nchw_stack else weight_grad)(grad_h1, stack, w1) if needs[1] else None
         grad_stack = _matmul(grad_h1, w1.flatten(1), into) if needs[0] else None
     return grad_stack, grad_w1, grad_w2, grad_w3
 
@@ -611,7 +609,7 @@ class _Traced:
         return out.detach(), (stack, out)
 
     @staticmethod
-    def backward(saved, params, grad_out, needs):
+    def backward(saved, params, grad_out, needs, flipped=False):  # (never flipped: see `flips`)
         stack, out = saved
         wanted = [t for t, need in zip((stack, *params), needs) if need]
         # (retained: autograd frees `out`, and with it this graph, once the block's node is spent)
@@ -796,9 +794,8 @@ class _Slot:
                     for t in (self.out, self.stack))
             c = capacity
             saved = (self.stack[:c], self.h1[:c], self.h2[:c])
-            flipped = {"flipped": True} if self.flip else {}
             found = self.backwards[(c, needs)] = _captured(lambda: self.residual.backward(
-                saved, self.weights, self.grad_out[:c], needs, into=self.grad_stack[:c], **flipped), self.pool)
+                saved, self.weights, self.grad_out[:c], needs, into=self.grad_stack[:c], flipped=self.flip), self.pool)
         return found
 
 
@@ -970,8 +967,7 @@ class _WindowResidual(torch.autograd.Function):
             flip = ctx.residual.flips(windows)
             transpose = False if flip else None
             grad_out = windows.gather(grad_y, at=windows.scatter_at, transpose=transpose)
-            grads = ctx.residual.backward(saved[ctx.n_params:], saved[:ctx.n_params], grad_out, needs,
-                                          **({"flipped": True} if flip else {}))
+            grads = ctx.residual.backward(saved[ctx.n_params:], saved[:ctx.n_params], grad_out, needs, flipped=flip)
             if needs[0]:
                 grads = (windows.scatter(grads[0].contiguous(), grad_y, False, atomic=True, at=windows.gather_at,
                                          transpose=transpose), *grads[1:])
