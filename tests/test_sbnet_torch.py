@@ -686,3 +686,27 @@ def test_sparse_res_block_training_step_replays_in_a_cuda_graph(dtype):
     got = [t.grad for t in (x, block.conv1.weight, block.conv2.weight, block.conv3.weight)]
     for g, w in zip(got, want):  # (atomic adds: the same sums, perhaps in another order)
         torch.testing.assert_close(g, w, rtol=1e-2 if dtype == torch.float16 else 1e-5, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU")
+def test_sparse_res_block_graphs_train_on_both_nchw_stacks():
+    """One ``graphs=True`` block with SBNet's transpose, called on a channels_last input (the
+    NCHW stack's backward takes its gradients NHWC: a slot that flips) and on a contiguous NCHW
+    input (the NCHW stack's backward in its own layout) in turn, repeated (kept launches): the
+    outputs and gradients of the same block without graphs, each layout in slots of its own."""
+    eager, graphed, x, every = graphed_pair(True, seed=9)
+    rng = np.random.default_rng(9)
+    for image in (x, x.contiguous(), x, x.contiguous()):
+        indices = every[tensor(np.sort(rng.choice(len(every), 20, replace=False))).long()].contiguous()
+        got, want = [], []
+        for model, into in ((graphed, got), (eager, want)):
+            model.zero_grad(set_to_none=True)
+            xg = image.detach().clone().requires_grad_(True)
+            y = model(xg, indices)
+            y.backward(torch.ones_like(y))
+            into += [y.detach(), xg.grad] + [w.grad for w in model.weights()]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+    flips = {key[3] for key in graphed._graphs._sets}
+    assert flips == {False, True}
