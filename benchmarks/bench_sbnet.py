@@ -166,15 +166,20 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
         block.zero_grad(set_to_none=True)
         forward(xg).backward(grad_y)
 
+    def check_grad(want, what):
+        """The last step's input gradient against ``want`` (the dense block's where the windows are active),
+        relative to its largest value."""
+        error = ((xg.grad - want).abs().max() / want.abs().max()).item()
+        assert error < 2e-2, f"{what} input gradient differs: {error}"
+
     dense_step = timed(lambda: step(block.dense))
     for chosen, indices, count, active in training:
         step(lambda x: torch.where(active, block.dense(x), x))
         want = xg.grad.clone()
         step(lambda x: block(x, indices, count))
-        error = ((xg.grad - want).abs().max() / want.abs().max()).item()
         # (fp32 too: the dense block's own fp32 input gradient is 4e-3 from float64's here, and the
         # sparse one's as far: scripts/check_res_block_grads.py)
-        assert error < 2e-2, f"sparse block's input gradient differs: {error}"
+        check_grad(want, "sparse block's")
         ours = timed(lambda: step(lambda x: block(x, indices, count)))
         for timing in ("eager", "graph"):
             records.append(Record("sparse_res_block", dict(shape, dtype=dtype_name, active=active_fraction(chosen),
@@ -183,8 +188,7 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
         # SBNet's NCHW stack (the fused transpose), on the device alone.
         block.transpose = True
         step(lambda x: block(x, indices, count))
-        error = ((xg.grad - want).abs().max() / want.abs().max()).item()
-        assert error < 2e-2, f"sparse block's input gradient through the NCHW stack differs: {error}"
+        check_grad(want, "sparse block's (NCHW stack)")
         records.append(Record("sparse_res_block", dict(
             shape, dtype=dtype_name, active=active_fraction(chosen), stack="NCHW", timing="graph", step="training"),
             graph_ms(lambda: step(lambda x: block(x, indices, count))), {"dense_block": dense_step["graph"]}))
@@ -192,8 +196,7 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
         # Eager training steps replaying CUDA graphs of the residual and of its backward.
         block.graphs = True
         step(lambda x: block(x, indices, count))
-        error = ((xg.grad - want).abs().max() / want.abs().max()).item()
-        assert error < 2e-2, f"graphed sparse block's input gradient differs: {error}"
+        check_grad(want, "graphed sparse block's")
         records.append(Record("sparse_res_block", dict(
             shape, dtype=dtype_name, active=active_fraction(chosen), stack="NHWC", timing="eager",
             step="training", graphs=True), time_ms(lambda: step(lambda x: block(x, indices, count))),

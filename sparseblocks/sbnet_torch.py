@@ -418,6 +418,14 @@ def _nchw_weight_grad(grad, stack, weight):
     return torch.bmm(pixels.transpose(1, 2), columns.transpose(1, 2)).sum(0).view(weight.shape)
 
 
+def _second_relu_backward(grad_h2, h1, h2, w2, need_h1, need_w2):
+    """From the gradient of the second ReLU's output (both ReLUs' outputs NHWC): (the gradient
+    of the first 1x1's output, NHWC, or None where ``need_h1`` is false; w2's gradient or None)."""
+    grad_h1, grad_w2 = _conv_backward(_relu_backward(grad_h2, h2).permute(0, 3, 1, 2), h1.permute(0, 3, 1, 2),
+                                      w2, (need_h1, need_w2))
+    return (_relu_backward(grad_h1.permute(0, 2, 3, 1), h1) if need_h1 else None), grad_w2
+
+
 def _bottleneck_nchw_backward(saved, weights, grad_out, needs, into=None):
     """Gradients of (stack, w1, w2, w3) for those ``needs`` asks for (None for the others)."""
     stack, h1, h2 = saved
@@ -429,11 +437,9 @@ def _bottleneck_nchw_backward(saved, weights, grad_out, needs, into=None):
     grad_w3 = torch.bmm(g, _pixels(h2)).sum(0).view(w3.shape) if needs[3] else None
     grad_h1 = grad_w2 = grad_stack = grad_w1 = None
     if need_h2:
-        grad_h2 = _relu_backward(torch.bmm(g.transpose(1, 2), _batched(w3, n)).view(h2.shape), h2)
-        grad_h1, grad_w2 = _conv_backward(grad_h2.permute(0, 3, 1, 2), h1.permute(0, 3, 1, 2), w2,
-                                          (need_h1, needs[2]))
+        grad_h1, grad_w2 = _second_relu_backward(torch.bmm(g.transpose(1, 2), _batched(w3, n)).view(h2.shape),
+                                                 h1, h2, w2, need_h1, needs[2])
     if need_h1:
-        grad_h1 = _relu_backward(grad_h1.permute(0, 2, 3, 1), h1)
         grad_w1 = _nchw_weight_grad(grad_h1, stack, w1) if needs[1] else None
         grad_h1 = _pixels(grad_h1)
         if needs[0]:
@@ -559,11 +565,8 @@ def _bottleneck_nhwc_backward(saved, weights, grad_out, needs, into=None, nchw_s
     grad_w3 = weight_grad(grad_out, h2, w3) if needs[3] else None
     grad_h1 = grad_w2 = grad_stack = grad_w1 = None
     if need_h2:
-        grad_h2 = _relu_backward(grad_out @ w3.flatten(1), h2)
-        grad_h1, grad_w2 = _conv_backward(grad_h2.permute(0, 3, 1, 2), h1.permute(0, 3, 1, 2), w2,
-                                          (need_h1, needs[2]))
+        grad_h1, grad_w2 = _second_relu_backward(grad_out @ w3.flatten(1), h1, h2, w2, need_h1, needs[2])
     if need_h1:
-        grad_h1 = _relu_backward(grad_h1.permute(0, 2, 3, 1), h1)
         grad_w1 = (_nchw_weight_grad if nchw_stack else weight_grad)(grad_h1, stack, w1) if needs[1] else None
         grad_stack = _matmul(grad_h1, w1.flatten(1), into) if needs[0] else None
     return grad_stack, grad_w1, grad_w2, grad_w3
