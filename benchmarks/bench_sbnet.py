@@ -12,8 +12,9 @@ as SBNet runs it, and gets its indices cut to the active windows.
 Effective bandwidth counts the bytes each op must move: gather reads and
 writes the windows; an in-place scatter reads the blocks and writes (adding:
 reads and writes) the windows; a scatter into a copy of y reads y and the
-blocks and writes the whole copy; reduce_mask reads the mask. Writes
-results/sbnet.json and results/sbnet.md.
+blocks and writes the whole copy; reduce_mask reads the mask. NCHW images
+(``format: NCHW``, fp16 and fp32) are timed at the sparse block's geometry,
+on the device alone. Writes results/sbnet.json and results/sbnet.md.
 """
 
 import argparse
@@ -88,6 +89,61 @@ def bench_ops(torch, sbnet, reference, records, shapes, channels, blocks, fracti
                                 blocks_t, idx, y, add=True, **g), 2 * x.numel() * 4 + window_bytes)
 
 
+def bench_nchw_ops(torch, sbnet, reference, records, shapes, channels, fractions):
+    """Gathers and scatters of NCHW images (``data_format="NCHW"``), fp16 and fp32, at the sparse
+    block's geometry (its windows of 16 every 16 active): gathers of its input windows (18 every
+    16 from -1, the stack NCHW or with ``transpose`` NHWC), adding scatters of its output windows
+    (16 every 16) in place, and atomic adds of the input windows (the gather's gradient); on the
+    device alone (graph), against a copy of each window's bytes."""
+    rng = np.random.default_rng(2)
+    copies = {}
+    gather_at = {"bsize": 18, "bstride": 16, "boffset": -1, "data_format": "NCHW"}
+    scatter_at = {"bsize": 16, "bstride": 16, "boffset": 0, "data_format": "NCHW"}
+    for n, height, width in shapes:
+        for fraction in fractions:
+            mask = block_mask(rng, n, height, width, 16, fraction)
+            want = reference.reduce_mask(mask, tol=0.5, bsize=16, bstride=16)
+            idx = torch.as_tensor(want, device="cuda")
+            for C in channels:
+                for dtype_name in ("float16", "float32"):
+                    x = torch.randn(n, C, height, width, device="cuda").to(getattr(torch, dtype_name))
+                    y = torch.zeros_like(x)
+                    host = x.cpu().numpy() if n == 1 else None  # (checked against the reference once a shape)
+                    p = {"N": n, "H": height, "W": width, "block": 16, "active": fraction, "timing": "graph",
+                         "C": C, "dtype": dtype_name, "format": "NCHW"}
+                    for transpose in (False, True):
+                        stack = sbnet.sparse_gather(x, idx, transpose=transpose, **gather_at)
+                        out = sbnet.sparse_scatter(stack, idx, y, add=True, atomic=True, transpose=transpose,
+                                                   **gather_at)
+                        outputs = sbnet.sparse_gather(x, idx, transpose=transpose, **scatter_at)
+                        if host is not None:
+                            np.testing.assert_array_equal(stack.cpu().numpy(), reference.sparse_gather(
+                                host, want, transpose=transpose, **gather_at))
+                            exact = reference.sparse_scatter(stack.cpu().double().numpy(), want,
+                                                             y.cpu().double().numpy(), add=True,
+                                                             transpose=transpose, **gather_at)
+                            np.testing.assert_allclose(out.cpu().double().numpy(), exact, rtol=4e-3, atol=4e-3)
+                            np.testing.assert_array_equal(
+                                sbnet.sparse_scatter(outputs, idx, y, add=True, transpose=transpose,
+                                                     **scatter_at).cpu().numpy(),
+                                reference.sparse_scatter(outputs.cpu().numpy(), want, y.cpu().numpy(), add=True,
+                                                         transpose=transpose, **scatter_at))
+                        rows = [("sparse_gather", {"window": 18}, stack.nbytes, 2,
+                                 lambda t=transpose: sbnet.sparse_gather(x, idx, transpose=t, **gather_at)),
+                                ("sparse_scatter", {"window": 16, "add": True, "into": "y"}, outputs.nbytes, 3,
+                                 lambda t=transpose, b=outputs: sbnet.sparse_scatter(
+                                     b, idx, y, add=True, transpose=t, inplace=True, **scatter_at))]
+                        if not transpose:
+                            rows.append(("sparse_scatter", {"window": 18, "add": "atomic", "into": "y"}, stack.nbytes,
+                                         3, lambda b=stack: sbnet.sparse_scatter(
+                                             b, idx, y, add=True, atomic=True, inplace=True, **gather_at)))
+                        for name, extra, window_bytes, passes, fn in rows:
+                            if window_bytes not in copies:  # (a copy reads and writes the windows' bytes)
+                                copies[window_bytes] = copy_ms(window_bytes, graph=True)
+                            records.append(Record(name, dict(p, transpose=transpose, **extra), graph_ms(fn),
+                                                  {"copy": copies[window_bytes]}, bytes=passes * window_bytes))
+
+
 def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
     """The sparse block (in place, as SBNet runs it) against the dense one, and a training step
     (forward and backward) of each, all timed both ways.
@@ -140,6 +196,15 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
                         stack="NCHW" if transpose else "NHWC", timing=timing, step="forward"),
                         ours[timing], {"dense_block": dense[timing]}))
             block.transpose = False
+            # An NCHW (contiguous) input: the NCHW stack, no transpose, on the device alone; against
+            # the same dense block on channels_last input.
+            x_nchw = x.contiguous()
+            check(block(x_nchw, indices, count), "sparse block on NCHW input")
+            work = x_nchw.clone()
+            records.append(Record("sparse_res_block", dict(
+                shape, dtype=dtype_name, active=active_fraction(len(chosen)), stack="NCHW", timing="graph",
+                step="forward", input="NCHW"), graph_ms(lambda: block(work, indices, count, inplace=True)),
+                {"dense_block": dense["graph"]}))
             # Eager calls replaying a CUDA graph of the residual per capacity of windows
             # (graphs=True; in a caller's graph the block launches its kernels, as timed above).
             block.graphs = True
@@ -223,6 +288,7 @@ def main():
     fractions = [0.05, 0.10, 0.25, 0.50]
     records = []
     bench_ops(torch, sbnet, reference, records, shapes, channels, blocks, fractions)
+    bench_nchw_ops(torch, sbnet, reference, records, shapes, channels, [0.10] if args.quick else [0.10, 0.50])
     for dtype in ("float16",) if args.quick else ("float16", "float32"):
         bench_res_block(torch, sbnet_torch, records, fractions, dtype)
     kwargs = {} if args.out_dir is None else {"directory": args.out_dir}

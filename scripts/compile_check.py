@@ -195,6 +195,15 @@ def main():
         kernel = sbnet._make_copy_kernels(True, False, True, atomic, "half2", True)
         results.append(check(f"scatter NHWC add half2 words atomic={atomic}", kernel.py_func,
                              (words, words, types.int32[:, ::1], types.int32[::1]) + (i64,) * 6))
+    # The NCHW fp16 copies two halves a word (`sbnet._make_pair_kernels`): words flat, the image's
+    # halves beside them.
+    words = types.int32[::1]
+    for scatter, add, atomic in ((False, False, False), (True, False, False), (True, True, False),
+                                 (True, True, True)):
+        kernel = sbnet._make_pair_kernels(scatter, add, atomic)
+        results.append(check(f"pairs {'scatter' if scatter else 'gather'} NCHW fp16 add={add} atomic={atomic}",
+                             kernel.py_func, (words, words, types.int32[:, ::1], types.int32[::1],
+                                              types.float16[::1]) + (i64,) * 10))
     # The row copies (channels-last, 16-byte vectors over flat views): every combination the
     # launcher picks (`sbnet._row_path`).
     for scatter, transpose, add, (vector_dtype, half2), pixels in itertools.product(

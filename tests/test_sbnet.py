@@ -535,6 +535,76 @@ def test_fp16_atomic_adds_of_overlapping_windows(channels, transpose, data_forma
     assert kernels == [kernel_dtype]
 
 
+def pair_kernel_keys(monkeypatch):
+    """The list the pair kernels' keys (`sbnet._make_pair_kernels`) are appended to as made, and the
+    element kernels' dtypes (`copy_kernel_dtypes`): both start empty."""
+    monkeypatch.setattr(sbnet, "_kernels", {})
+    made = []
+    make = sbnet._make_pair_kernels
+
+    def spy(*key):
+        made.append(key)
+        return make(*key)
+
+    monkeypatch.setattr(sbnet, "_make_pair_kernels", spy)
+    return made, copy_kernel_dtypes(monkeypatch)
+
+
+# NCHW fp16 images with an even width and windows of an even width: the pair kernels' cases.
+pair_geometry = st.fixed_dictionaries({
+    "bsize": st.tuples(st.integers(1, 4), st.sampled_from([2, 4, 6])),
+    "bstride": st.tuples(st.integers(1, 5), st.integers(1, 7)),
+    "boffset": st.tuples(st.integers(-3, 2), st.integers(-3, 2)),
+})
+
+
+@pytest.mark.parametrize("add, atomic", [(False, False), (True, False), (True, True)])
+@few
+@given(seed=st.integers(0, 2**32 - 1), g=pair_geometry, width=st.sampled_from([2, 6, 10]))
+def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, add, atomic):
+    """Plain NCHW fp16 gathers and scatters with rows of whole words go two halves a word
+    (scatters that are not atomic only at even columns), windows at odd columns, off the image
+    and past a device count included: the gather, an overwrite and an add equal the reference
+    bit for bit; an atomic add of windows that may overlap or repeat equals it up to fp16's
+    rounding of each partial sum."""
+    with pytest.MonkeyPatch.context() as patch:
+        made, elements = pair_kernel_keys(patch)
+        pair_copies(seed, g, width, add, atomic, made, elements)
+
+
+def pair_copies(seed, g, width, add, atomic, made, elements):
+    rng = np.random.default_rng(seed)
+    x = values(rng, (2, int(rng.integers(1, 4)), int(rng.integers(1, 8)), width), "float16", "small_integers")
+    shape = (x.shape[0], x.shape[2], x.shape[3], x.shape[1])  # (N, H, W, C): the indices' image
+    if not atomic:  # without atomics, windows must not overlap (nor, overwriting, race)
+        g = dict(g, bstride=tuple(max(s, b) for s, b in zip(g["bstride"], g["bsize"])))
+    indices = some_indices(rng, shape, g, unique=not atomic)
+    if not atomic:
+        indices = np.unique(indices, axis=0)
+    blocks = sbnet.sparse_gather(x, indices, data_format="NCHW", **g)
+    np.testing.assert_array_equal(blocks, reference.sparse_gather(x, indices, data_format="NCHW", **g))
+    if len(indices):  # rows past a device count: zeros
+        count = cuda.to_device(np.array([len(indices) - 1], np.int32))
+        past = sbnet.sparse_gather(cuda.to_device(x), cuda.to_device(indices), data_format="NCHW", count=count,
+                                   **g).copy_to_host()
+        np.testing.assert_array_equal(past[:-1], blocks[:-1])
+        assert not past[-1].any()
+    y = values(rng, x.shape, "float16", "small_integers")
+    blocks = values(rng, blocks.shape, "float16", "small_integers" if add else "normal")
+    kwargs = dict(g, add=add, data_format="NCHW")
+    got = sbnet.sparse_scatter(blocks, indices, y, atomic=atomic, **kwargs)
+    if atomic:
+        want = reference.sparse_scatter(blocks.astype(np.float64), indices, y.astype(np.float64), **kwargs)
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=4e-3, atol=4e-3)
+    else:
+        want = reference.sparse_scatter(blocks, indices, y, **kwargs)
+        np.testing.assert_array_equal(got.view(np.int16), want.view(np.int16))
+    if len(indices):
+        words = atomic or (g["boffset"][1] % 2 == 0 and g["bstride"][1] % 2 == 0)
+        assert set(made) == {(False, False, False), *([(True, add, atomic)] if words else [])}
+        assert elements == ([] if words else ["float16"])
+
+
 @pytest.mark.parametrize("dtype, channels, transpose, widths, settings", [
     ("float32", 4, False, [1, 3, 4], {}), ("float32", 8, False, [1, 3, 4], {}),
     ("float16", 8, False, [1, 3, 4], {}), ("float64", 2, False, [1, 3, 4], {}),
@@ -748,6 +818,42 @@ def test_repeated_torch_calls_replay_a_kept_plan(transpose, link_alone, monkeypa
     np.testing.assert_array_equal(got[:3].cpu().numpy(), want)
     assert not got[3:].any()
     assert len(sbnet._plans) == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="kept plans replay through the driver")
+def test_kept_plans_of_the_pair_kernels_write_the_image_through_both_views(monkeypatch):
+    """The NCHW fp16 pair kernels take the image twice (words, and halves for an atomic add's
+    window row ends): a kept plan's replay writes both pointers, so the ends of the second
+    call's rows land in the second call's image, not the first's."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(sbnet, "_plans", {})
+    made, _ = pair_kernel_keys(monkeypatch)
+    g = {"bsize": (3, 4), "bstride": (3, 4), "boffset": (-1, -1)}  # odd first columns: ends go alone
+    indices = torch.tensor([[0, 0, 0], [1, 1, 2], [0, 2, 1], [1, 0, 3]], dtype=torch.int32, device="cuda")
+    count = torch.tensor([3], dtype=torch.int32, device="cuda")
+    host_indices = indices[:3].cpu().numpy()
+    earlier = []  # (an output of the first round, a copy of it)
+    for round in range(2):  # the first call of each kind keeps a plan, the second replays it
+        x = torch.randn(2, 3, 7, 10, device="cuda").half()
+        got = sbnet.sparse_gather(x, indices, count=count, data_format="NCHW", **g)
+        want = reference.sparse_gather(x.cpu().numpy(), host_indices, data_format="NCHW", **g)
+        np.testing.assert_array_equal(got[:3].cpu().numpy(), want)
+        assert not got[3:].any()
+        for add, atomic, inplace in [(False, False, True), (True, False, True), (True, True, True),
+                                     (True, True, False)]:
+            y = torch.randn(2, 3, 7, 10, device="cuda").half()
+            want = reference.sparse_scatter(got[:3].cpu().numpy(), host_indices, y.cpu().numpy(), add=add,
+                                            data_format="NCHW", **g)
+            out = sbnet.sparse_scatter(got, indices, y, add=add, atomic=atomic, inplace=inplace, count=count,
+                                       data_format="NCHW", **g)
+            assert (out is y) == inplace
+            np.testing.assert_array_equal(out.cpu().numpy(), want)
+            if round == 0:
+                earlier.append((out, out.clone()))
+    assert len(sbnet._plans) == 5 and set(made) == {(False, False, False), (True, True, True)}
+    for out, copy in earlier:  # no replay wrote into the first round's images
+        assert torch.equal(out, copy)
 
 
 @pytest.mark.gpu

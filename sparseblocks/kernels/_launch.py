@@ -260,7 +260,8 @@ class Replay:
     """One launch, kept: the same kernel, grid, block and arguments but for the data pointers
     of the arguments at ``live`` (what changes between two calls of a public function with
     arrays of the same shapes and dtypes). Calling it rewrites those pointers in its own
-    parameter buffer and launches on the given raw stream handle.
+    parameter buffer and launches on the given raw stream handle. An entry of ``live`` may be a
+    tuple of positions: arguments that are views of one array (one pointer written into each).
     """
 
     __slots__ = ("function", "grid", "block", "buffer", "words", "slots", "live", "lock")
@@ -271,15 +272,16 @@ class Replay:
         self.buffer, self.slots = _parameter_buffer(kernel.packer.size)
         kernel.packer.pack_into(self.buffer, 0, *values)
         self.words = (ctypes.c_int64 * len(self.slots)).from_buffer(self.buffer)
-        self.live = tuple(_data_field(args, position) for position in live)
+        self.live = tuple((_data_field(args, at), k) for k, position in enumerate(live)
+                          for at in (position if isinstance(position, tuple) else (position,)))
         self.lock = threading.Lock()
 
     def __call__(self, stream_handle, *pointers):
         # The lock: no other thread rewrites the pointers before the driver has copied them.
         with self.lock:
             words = self.words
-            for index, pointer in zip(self.live, pointers):
-                words[index] = pointer
+            for index, k in self.live:
+                words[index] = pointers[k]
             _checked_launch(self.function, self.grid, self.block, stream_handle, self.slots)
 
 

@@ -54,7 +54,9 @@ whole vectors and the pointers are 16-byte aligned (`_make_row_kernels`:
 plain, adds, fp16 adds two halves a word by `_half2.py`, fp32 and fp16
 transposes through a shared tile of a run of the window's pixels);
 otherwise element kernels, with 8-byte words for overwrites and int32 words
-of two halves for fp16 adds where rows allow. A call (gather, scatter, or
+of two halves for fp16 adds where rows allow. Plain NCHW fp16 copies go two
+halves a word where rows start on words, odd first columns included
+(`_make_pair_kernels`). A call (gather, scatter, or
 reduce_mask's launches) repeated with torch tensors of the same shapes,
 dtypes, geometry, flags and alignment replays kept launches (`_plans`, as
 bsmm's products).
@@ -989,6 +991,139 @@ def _make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last):
     return copy_transposed if transpose else copy_plain
 
 
+@cuda.jit(device=True, inline=True)
+def _joined(low, high, odd):
+    """The int32 word of the high half of ``low`` and the low half of ``high`` where ``odd``
+    (two halves that straddle an aligned word), else ``low``."""
+    if odd:
+        return int32((uint32(low) >> uint32(16)) | (uint32(high) << uint32(16)))
+    return low
+
+
+def _make_pair_kernels(scatter, add, atomic):
+    """Plain copies between an NCHW fp16 image and NCHW blocks, two halves a 4-byte word.
+
+    A window row of channel c is size_w contiguous halves on both sides, but a
+    window may start at an odd column (every window does at SparseResBlock's
+    offset of -1), where the element kernel's 2-byte accesses ran at about half
+    the copy bandwidth (session 27). The launcher checked that every row of both
+    sides starts on a word: W and size_w even, both pointers 4-byte aligned.
+
+    A thread writes one aligned word of its destination (a block row's for a
+    gather, an image row's for a scatter) from the one or two aligned source
+    words that hold its halves (`_joined`). So nothing moves at an odd half but,
+    in an atomic scatter, the image words at a window row's two ends, which it
+    shares with the neighbouring windows: there the window's half is added
+    alone. Other scatters take windows at even columns only (`_pair_path`: with
+    their ends' halves apart they ran 10-20 % slower than the element kernel),
+    so they write whole words. Thread t takes word t % D of rows t // D,
+    t // D + per_pass, ... of the window's C * size_h rows (D words a row): a
+    division once a thread, the row's channel and row carried along.
+    """
+    element = from_dtype(np.dtype("float16"))
+    prefetch_old = add and not atomic
+
+    @cuda.jit
+    def copy_pairs(image, blocks, indices, count, halves, N, C, H, W, size_h, size_w, stride_h, stride_w,
+                   offset_h, offset_w):
+        """image, blocks: int32 words, flat; halves: the image as float16 (an atomic add's ends)."""
+        i = cuda.blockIdx.x
+        live = i < count[0]  # a gather's row past the count: zeros, as a window off the image
+        if scatter and not live:
+            return
+        n = indices[i, 0]
+        h0 = offset_h + indices[i, 1] * stride_h
+        w0 = offset_w + indices[i, 2] * stride_w
+        n_ok = live and 0 <= n < N
+        if scatter and not n_ok:
+            return
+        odd = (w0 & 1) == 1
+        row_words = size_w // 2  # a block row's
+        image_words = W // 2  # an image row's
+        D = row_words + (1 if odd and scatter else 0)  # destination words a row
+        per_pass = COPY_THREADS // D
+        t = cuda.threadIdx.x
+        if t >= per_pass * D:
+            return  # (no barrier in this kernel)
+        d = t % D
+        rows = C * size_h
+        per_part = -(-rows // cuda.gridDim.y)
+        row = cuda.blockIdx.y * per_part + t // D
+        row_end = min(rows, (cuda.blockIdx.y + 1) * per_part)
+        c = row // size_h
+        r = row - c * size_h
+        dc = per_pass // size_h
+        dr = per_pass - dc * size_h
+        k = (w0 >> 1) + d  # the image word: a gather's first source, a scatter's destination
+        if scatter:
+            col = 2 * k  # the image column of the destination's low half ...
+            p = col - w0  # ... and its half of the block row
+            low_ok = 0 <= p and 0 <= k < image_words
+            high_ok = p + 1 < size_w and 0 <= k < image_words
+            m = d - (1 if odd else 0)  # the block word holding half p
+            first = min(max(m, 0), row_words - 1)
+            second = min(m + 1, row_words - 1)
+        else:
+            col = w0 + 2 * d  # the image column of the destination's low half
+            low_ok = 0 <= col < W
+            high_ok = 0 <= col + 1 < W
+            first = min(max(k, 0), image_words - 1)
+            second = min(max(k + 1, 0), image_words - 1)
+        keep = int32((0xFFFF if low_ok else 0) | (-65536 if high_ok else 0))
+        nc = min(max(n, 0), N - 1)
+        rv = cuda.local.array(COPY_UNROLL, int64)
+        cv = cuda.local.array(COPY_UNROLL, int64)
+        hv = cuda.local.array(COPY_UNROLL, int64)
+        values = cuda.local.array(COPY_UNROLL, int32)
+        olds = cuda.local.array(COPY_UNROLL, int32)
+        while row < row_end:
+            for u in range(COPY_UNROLL):
+                rv[u] = row
+                cv[u] = c
+                hv[u] = h0 + r
+                row += per_pass
+                c += dc
+                r += dr
+                if r >= size_h:
+                    r -= size_h
+                    c += 1
+            for u in range(COPY_UNROLL):  # all loads first: COPY_UNROLL in flight
+                cu = min(cv[u], C - 1)  # the last pass may run past the window: read a valid address
+                h = hv[u]
+                if scatter:
+                    at = (int64(i) * rows + min(rv[u], rows - 1)) * row_words
+                    low = blocks[at + first]
+                    values[u] = _joined(low, blocks[at + second] if odd else low, odd)
+                    if prefetch_old:
+                        at = ((int64(n) * C + cu) * H + min(max(h, 0), H - 1)) * image_words
+                        olds[u] = image[at + min(max(k, 0), image_words - 1)]
+                else:
+                    at = ((int64(nc) * C + cu) * H + min(max(h, 0), H - 1)) * image_words
+                    low = image[at + first]
+                    value = _joined(low, image[at + second] if odd else low, odd)
+                    values[u] = value & keep if n_ok and 0 <= h < H else int32(0)
+            for u in range(COPY_UNROLL):
+                if rv[u] < row_end:
+                    if not scatter:
+                        blocks[(int64(i) * rows + rv[u]) * row_words + d] = values[u]
+                    elif (low_ok or high_ok) and 0 <= hv[u] < H:
+                        at = ((int64(n) * C + cv[u]) * H + hv[u]) * image_words + k
+                        value = values[u]
+                        if low_ok and high_ok:
+                            if atomic:
+                                atomic_add_half2(image, (at,), value)
+                            elif add:
+                                image[at] = add_half2(olds[u], value)
+                            else:
+                                image[at] = value
+                        elif atomic:  # the window's half alone: the word's other half is a neighbour's
+                            new_low, new_high = floats_of_half2(value)
+                            atomic_add_half(halves, (2 * at + (0 if low_ok else 1),),
+                                            element(new_low if low_ok else new_high))
+
+    return copy_pairs
+
+
 def _vector_ops(vector_dtype, half2):
     """(WIDTH, load, store, zeros, plus): device functions on 16-byte vectors of WIDTH elements
     of ``vector_dtype`` at a flat element offset of a 1-D array (the caller checked alignment);
@@ -1449,6 +1584,9 @@ def _copy_kernel(scatter, transpose, add, atomic, dtype, channels_last):
 # Channels-last copies a window row at a time, 16 bytes a thread-step, where a pixel is whole
 # 16-byte vectors and the pointers allow (`_make_row_kernels`); False keeps the element kernels.
 ROW_COPIES = True
+# Plain NCHW fp16 copies two halves a word where rows start on words (`_make_pair_kernels`);
+# False keeps the element kernels.
+PAIRS = True
 WORD = 8  # bytes an overwriting channels-last copy moves per element when it can
 HALF2 = 4  # bytes a channels-last fp16 add moves per element when it can (two values)
 
@@ -1480,6 +1618,21 @@ def _row_path(image, blocks, n_blocks, channels_last, transpose, atomic, dtype, 
     if dtype == "float16":
         return "int32", True
     return dtype, False
+
+
+def _pair_path(scatter, atomic, image, blocks, channels_last, transpose, dtype, geometry):
+    """Whether the pair kernels take a copy: `PAIRS`, NCHW fp16 image and blocks, rows of whole
+    words on both sides (W and the window's width even, 4-byte aligned pointers), a row's words
+    within a thread block, and for a scatter that is not atomic windows at even columns (even
+    offset and stride: no half words at the rows' ends). Session 28, H100, graph, copy
+    bandwidth / ours, element kernel -> pairs, 1 and 8 x C x 400 x 700: gathers 0.15-0.39 ->
+    0.26-0.69; scatters at even columns 0.16-0.29 -> 0.22-0.37; atomic adds of 18 every 16 at -1
+    0.15-0.19 -> 0.25-0.30; other scatters at odd columns 0.16-0.32 -> 0.15-0.31, mostly slower."""
+    (_, size_w), (_, stride_w), (_, offset_w) = geometry
+    return (PAIRS and not channels_last and not transpose and dtype == "float16" and size_w % 2 == 0
+            and image.shape[3] % 2 == 0 and size_w // 2 + 1 <= COPY_THREADS
+            and data_pointer(image) % 4 == 0 and data_pointer(blocks) % 4 == 0
+            and (not scatter or atomic or (offset_w % 2 == 0 and stride_w % 2 == 0)))
 
 
 def _tiles(dtype, size, stride):
@@ -1535,7 +1688,20 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
         args = (_flat(image, vector_dtype), _flat(blocks, vector_dtype), indices, count, N, H, W, per_pixel,
                 size_h, size_w, stride_h, stride_w, offset_h, offset_w)
         launch(_kernels[key], grid, threads, stream, args)
-        return _kernels[key], grid, threads, args
+        return (_kernels[key], grid, threads, args), (0, 1, 2, 3)
+    if _pair_path(scatter, atomic, image, blocks, channels_last, transpose, dtype, geometry):
+        key = ("pairs", scatter, add, atomic)
+        if key not in _kernels:
+            _kernels[key] = _make_pair_kernels(*key[1:])
+        N, C, H, W = image.shape
+        per_pass = COPY_THREADS // (size_w // 2 + 1)  # rows a pass of the thread block (at least)
+        most = -(-C * size_h // (per_pass * COPY_UNROLL))
+        grid = (n_blocks, max(1, min(most, -(-WAVES * multiprocessors() // max(n_blocks, 1)))))
+        args = (_flat(image, "int32"), _flat(blocks, "int32"), indices, count,
+                _flat(image, "float16"), N, C, H, W, size_h, size_w, stride_h, stride_w,
+                offset_h, offset_w)
+        launch(_kernels[key], grid, COPY_THREADS, stream, args)
+        return (_kernels[key], grid, COPY_THREADS, args), ((0, 4), 1, 2, 3)  # (args 0 and 4: one image)
     if (channels_last and not transpose and not add and image.shape[3] * itemsize % WORD == 0
             and data_pointer(image) % WORD == 0 and data_pointer(blocks) % WORD == 0):
         # An overwrite moves bits: channels-last rows go as 8-byte words, fewer and wider accesses.
@@ -1558,7 +1724,7 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
     parts = max(1, min(most, -(-WAVES * multiprocessors() // max(n_blocks, 1))))
     args = (image, blocks, indices, count, size_h, size_w, stride_h, stride_w, offset_h, offset_w)
     launch(kernel, (n_blocks, parts), threads, stream, args)
-    return kernel, (n_blocks, parts), threads, args
+    return (kernel, (n_blocks, parts), threads, args), (0, 1, 2, 3)
 
 
 
@@ -2110,8 +2276,7 @@ def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=
     if n_blocks and C:
         launched = _launch_copy(False, x_op.device(stream), blocks, idx.device(stream), count_device, n_blocks,
                                 geometry, transpose, False, False, channels_last, stream)
-        _keep_plan("gather", (x, indices), count, settings, tuple(shape), [(launched, (0, 1, 2, 3))],
-                   data_pointer(count_device))
+        _keep_plan("gather", (x, indices), count, settings, tuple(shape), [launched], data_pointer(count_device))
     if out is not None and not (SIMULATOR and out_op.kind == "torch"):
         return out  # the caller's own array (an Operand holds a detached torch view of it)
     return (x_op if out is None else out_op).result(native, blocks, stream)
@@ -2186,7 +2351,7 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
     if n_blocks and C:
         launched = _launch_copy(True, out, b_op.device(stream), idx.device(stream), count_device, n_blocks,
                                 geometry, transpose, add, atomic, channels_last, stream)
-        _keep_plan("scatter", (blocks, indices, y), count, settings, tuple(y_op.shape), [(launched, (0, 1, 2, 3))],
+        _keep_plan("scatter", (blocks, indices, y), count, settings, tuple(y_op.shape), [launched],
                    data_pointer(count_device))
     return y_op.result(native, out, stream)
 
