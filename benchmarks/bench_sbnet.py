@@ -164,8 +164,10 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
         return round(chosen / (p.bcount[0] * p.bcount[1]), 3)
 
     training = []
+    x_nchw = x.contiguous()  # (an NCHW input: the NCHW stack, no transpose)
     with torch.no_grad():
         dense = timed(lambda: block.dense(x))
+        dense_nchw = graph_ms(lambda: block.dense(x_nchw))  # (the dense block on that NCHW input)
         want = block.dense(x)
         for fraction in fractions:
             # One mask pixel at the centre of each chosen window: it lies in that window alone
@@ -196,15 +198,14 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
                         stack="NCHW" if transpose else "NHWC", timing=timing, step="forward"),
                         ours[timing], {"dense_block": dense[timing]}))
             block.transpose = False
-            # An NCHW (contiguous) input: the NCHW stack, no transpose, on the device alone; against
-            # the same dense block on channels_last input.
-            x_nchw = x.contiguous()
+            # An NCHW input, on the device alone; against the dense block on channels_last input
+            # (as every row) and on the same NCHW input.
             check(block(x_nchw, indices, count), "sparse block on NCHW input")
             work = x_nchw.clone()
             records.append(Record("sparse_res_block", dict(
                 shape, dtype=dtype_name, active=active_fraction(len(chosen)), stack="NCHW", timing="graph",
                 step="forward", input="NCHW"), graph_ms(lambda: block(work, indices, count, inplace=True)),
-                {"dense_block": dense["graph"]}))
+                {"dense_block": dense["graph"], "dense_block_nchw_input": dense_nchw}))
             # Eager calls replaying a CUDA graph of the residual per capacity of windows
             # (graphs=True; in a caller's graph the block launches its kernels, as timed above).
             block.graphs = True
