@@ -536,17 +536,17 @@ def test_fp16_atomic_adds_of_overlapping_windows(channels, transpose, data_forma
 
 
 def pair_kernel_keys(monkeypatch):
-    """The list the pair kernels' keys (`sbnet._make_pair_kernels`) are appended to as made, and the
-    element kernels' dtypes (`copy_kernel_dtypes`): both start empty."""
+    """The list the pair kernels' keys, (transpose, scatter, add, atomic), are appended to as made
+    (`sbnet._make_pair_kernels`, `sbnet._make_pair_tile_kernels` with transpose), and the element
+    kernels' dtypes (`copy_kernel_dtypes`): both start empty."""
     monkeypatch.setattr(sbnet, "_kernels", {})
     made = []
-    make = sbnet._make_pair_kernels
+    for name, transpose in (("_make_pair_kernels", False), ("_make_pair_tile_kernels", True)):
+        def spy(*key, make=getattr(sbnet, name), transpose=transpose):
+            made.append((transpose, *key))
+            return make(*key)
 
-    def spy(*key):
-        made.append(key)
-        return make(*key)
-
-    monkeypatch.setattr(sbnet, "_make_pair_kernels", spy)
+        monkeypatch.setattr(sbnet, name, spy)
     return made, copy_kernel_dtypes(monkeypatch)
 
 
@@ -558,40 +558,45 @@ pair_geometry = st.fixed_dictionaries({
 })
 
 
+@pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("add, atomic", [(False, False), (True, False), (True, True)])
 @few
 @given(seed=st.integers(0, 2**32 - 1), g=pair_geometry, width=st.sampled_from([2, 6, 10]))
-def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, add, atomic):
-    """Plain NCHW fp16 gathers and scatters with rows of whole words go two halves a word
-    (scatters that are not atomic only at even columns), windows at odd columns, off the image
-    and past a device count included: the gather, an overwrite and an add equal the reference
-    bit for bit; an atomic add of windows that may overlap or repeat equals it up to fp16's
-    rounding of each partial sum."""
+def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, add, atomic, transpose):
+    """NCHW fp16 gathers and scatters with rows of whole words go two halves a word (scatters
+    that are not atomic only at even columns; through the transpose, to and from NHWC blocks,
+    where C is even, in tiles cut here to one channel pair and 8 pixels), windows at odd
+    columns, off the image and past a device count included: the gather, an overwrite and an
+    add equal the reference bit for bit; an atomic add of windows that may overlap or repeat
+    equals it up to fp16's rounding of each partial sum."""
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sbnet, "PAIR_TILE_PAIRS", 1)
+        patch.setattr(sbnet, "PAIR_TILE_PIXELS", 8)
         made, elements = pair_kernel_keys(patch)
-        pair_copies(seed, g, width, add, atomic, made, elements)
+        pair_copies(seed, g, width, add, atomic, transpose, made, elements)
 
 
-def pair_copies(seed, g, width, add, atomic, made, elements):
+def pair_copies(seed, g, width, add, atomic, transpose, made, elements):
     rng = np.random.default_rng(seed)
-    x = values(rng, (2, int(rng.integers(1, 4)), int(rng.integers(1, 8)), width), "float16", "small_integers")
+    channels = int(rng.integers(1, 5))
+    x = values(rng, (2, channels, int(rng.integers(1, 8)), width), "float16", "small_integers")
     shape = (x.shape[0], x.shape[2], x.shape[3], x.shape[1])  # (N, H, W, C): the indices' image
     if not atomic:  # without atomics, windows must not overlap (nor, overwriting, race)
         g = dict(g, bstride=tuple(max(s, b) for s, b in zip(g["bstride"], g["bsize"])))
     indices = some_indices(rng, shape, g, unique=not atomic)
     if not atomic:
         indices = np.unique(indices, axis=0)
-    blocks = sbnet.sparse_gather(x, indices, data_format="NCHW", **g)
-    np.testing.assert_array_equal(blocks, reference.sparse_gather(x, indices, data_format="NCHW", **g))
+    g = dict(g, data_format="NCHW", transpose=transpose)
+    blocks = sbnet.sparse_gather(x, indices, **g)
+    np.testing.assert_array_equal(blocks, reference.sparse_gather(x, indices, **g))
     if len(indices):  # rows past a device count: zeros
         count = cuda.to_device(np.array([len(indices) - 1], np.int32))
-        past = sbnet.sparse_gather(cuda.to_device(x), cuda.to_device(indices), data_format="NCHW", count=count,
-                                   **g).copy_to_host()
+        past = sbnet.sparse_gather(cuda.to_device(x), cuda.to_device(indices), count=count, **g).copy_to_host()
         np.testing.assert_array_equal(past[:-1], blocks[:-1])
         assert not past[-1].any()
     y = values(rng, x.shape, "float16", "small_integers")
     blocks = values(rng, blocks.shape, "float16", "small_integers" if add else "normal")
-    kwargs = dict(g, add=add, data_format="NCHW")
+    kwargs = dict(g, add=add)
     got = sbnet.sparse_scatter(blocks, indices, y, atomic=atomic, **kwargs)
     if atomic:
         want = reference.sparse_scatter(blocks.astype(np.float64), indices, y.astype(np.float64), **kwargs)
@@ -600,9 +605,11 @@ def pair_copies(seed, g, width, add, atomic, made, elements):
         want = reference.sparse_scatter(blocks, indices, y, **kwargs)
         np.testing.assert_array_equal(got.view(np.int16), want.view(np.int16))
     if len(indices):
-        words = atomic or (g["boffset"][1] % 2 == 0 and g["bstride"][1] % 2 == 0)
-        assert set(made) == {(False, False, False), *([(True, add, atomic)] if words else [])}
-        assert elements == ([] if words else ["float16"])
+        taken = not transpose or channels % 2 == 0
+        words = taken and (atomic or (g["boffset"][1] % 2 == 0 and g["bstride"][1] % 2 == 0))
+        assert set(made) == {*([(transpose, False, False, False)] if taken else []),
+                             *([(transpose, True, add, atomic)] if words else [])}
+        assert len(elements) == 2 * (not taken) + (not words)  # (two gathers: with and without a count)
 
 
 @pytest.mark.parametrize("dtype, channels, transpose, widths, settings", [
@@ -851,7 +858,7 @@ def test_kept_plans_of_the_pair_kernels_write_the_image_through_both_views(monke
             np.testing.assert_array_equal(out.cpu().numpy(), want)
             if round == 0:
                 earlier.append((out, out.clone()))
-    assert len(sbnet._plans) == 5 and set(made) == {(False, False, False), (True, True, True)}
+    assert len(sbnet._plans) == 5 and set(made) == {(False, False, False, False), (False, True, True, True)}
     for out, copy in earlier:  # no replay wrote into the first round's images
         assert torch.equal(out, copy)
 
