@@ -204,6 +204,10 @@ def main():
         results.append(check(f"pairs {'scatter' if scatter else 'gather'} NCHW fp16 add={add} atomic={atomic}",
                              kernel.py_func, (words, words, types.int32[:, ::1], types.int32[::1],
                                               types.float16[::1]) + (i64,) * 10))
+    for atomic in (False, True):  # ... and the adding scatters of NHWC blocks (`sbnet._make_pair_tile_kernels`)
+        results.append(check(f"pair tiles scatter NHWC blocks into NCHW fp16 atomic={atomic}",
+                             sbnet._make_pair_tile_kernels(atomic).py_func,
+                             (words, words, types.int32[:, ::1], types.int32[::1], types.float16[::1]) + (i64,) * 10))
     # The row copies (channels-last, 16-byte vectors over flat views): every combination the
     # launcher picks (`sbnet._row_path`).
     for scatter, transpose, add, (vector_dtype, half2), pixels in itertools.product(

@@ -564,11 +564,11 @@ pair_geometry = st.fixed_dictionaries({
 @given(seed=st.integers(0, 2**32 - 1), g=pair_geometry, width=st.sampled_from([2, 6, 10]))
 def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, add, atomic, transpose):
     """NCHW fp16 gathers and scatters with rows of whole words go two halves a word (scatters
-    that are not atomic only at even columns; through the transpose, to and from NHWC blocks,
-    where C is even, in tiles cut here to one channel pair and 8 pixels), windows at odd
-    columns, off the image and past a device count included: the gather, an overwrite and an
-    add equal the reference bit for bit; an atomic add of windows that may overlap or repeat
-    equals it up to fp16's rounding of each partial sum."""
+    that are not atomic only at even columns; through the transpose, adding scatters of NHWC
+    blocks only, where C is even, in tiles cut here to one channel pair and 8 pixels), windows
+    at odd columns, off the image and past a device count included: the gather, an overwrite
+    and an add equal the reference bit for bit; an atomic add of windows that may overlap or
+    repeat equals it up to fp16's rounding of each partial sum."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sbnet, "PAIR_TILE_PAIRS", 1)
         patch.setattr(sbnet, "PAIR_TILE_PIXELS", 8)
@@ -605,11 +605,12 @@ def pair_copies(seed, g, width, add, atomic, transpose, made, elements):
         want = reference.sparse_scatter(blocks, indices, y, **kwargs)
         np.testing.assert_array_equal(got.view(np.int16), want.view(np.int16))
     if len(indices):
-        taken = not transpose or channels % 2 == 0
-        words = taken and (atomic or (g["boffset"][1] % 2 == 0 and g["bstride"][1] % 2 == 0))
-        assert set(made) == {*([(transpose, False, False, False)] if taken else []),
-                             *([(transpose, True, add, atomic)] if words else [])}
-        assert len(elements) == 2 * (not taken) + (not words)  # (two gathers: with and without a count)
+        gathered = not transpose  # (the gathers through the transpose keep the generic tile)
+        words = (atomic or (g["boffset"][1] % 2 == 0 and g["bstride"][1] % 2 == 0)) and (
+            not transpose or (add and channels % 2 == 0))
+        scattered = (True, atomic) if transpose else (False, True, add, atomic)
+        assert set(made) == {*([(False, False, False, False)] if gathered else []), *([scattered] if words else [])}
+        assert len(elements) == 2 * (not gathered) + (not words)  # (two gathers: with and without a count)
 
 
 @pytest.mark.parametrize("dtype, channels, transpose, widths, settings", [

@@ -1124,21 +1124,23 @@ def _make_pair_kernels(scatter, add, atomic):
     return copy_pairs
 
 
-def _make_pair_tile_kernels(scatter, add, atomic):
-    """Transposing copies between an NCHW fp16 image and NHWC blocks, two halves a word on both sides.
+def _make_pair_tile_kernels(atomic):
+    """Adding scatters of NHWC blocks into an NCHW fp16 image, two halves a word on both sides.
 
-    The image side moves a channel's pixels in pairs (a window row's words, as
-    `_make_pair_kernels`), the block side a pixel's channels in pairs: a thread
-    that has channel c's and c + 1's words of the same two pixels swaps their
-    halves (a 2 x 2 transpose in registers) into pixel p's and p + 1's words of
-    the two channels. The shared tile holds those words, PAIR_TILE_PAIRS
-    channel pairs of whole window rows (at most PAIR_TILE_PIXELS pixels), so
-    both sides' accesses are 4 bytes where the generic tile moved 2. Thread
-    block (i, y, z) takes window i's rows y * R... (R whole rows a tile) and
-    channel pairs z * PAIR_TILE_PAIRS.... The launcher checked what
-    `_pair_path` does (even widths, 4-byte alignment, a scatter that is not
-    atomic only at even columns) and an even C. An atomic scatter's image words
-    at a window row's ends get the window's half alone, as the pair kernels'.
+    The block side moves a pixel's channels in pairs, the image side a
+    channel's pixels in pairs (a window row's words, as `_make_pair_kernels`):
+    a thread takes pixel p's and p + 1's words of channels c and c + 1 from the
+    shared tile and swaps their halves (a 2 x 2 transpose in registers) into
+    channel c's and c + 1's words of the two pixels. The tile holds
+    PAIR_TILE_PAIRS channel pairs of whole window rows (at most
+    PAIR_TILE_PIXELS pixels), so both sides' accesses are 4 bytes where the
+    generic tile moved 2. Thread block (i, y, z) takes window i's rows y * R...
+    (R whole rows a tile) and channel pairs z * PAIR_TILE_PAIRS.... The launcher
+    checked what `_pair_path` does (even widths, 4-byte alignment, a scatter
+    that is not atomic only at even columns, an even C). An atomic scatter's
+    image words at a window row's ends get the window's half alone, as the pair
+    kernels'. (A gather the same way, the swap before the tile, was slower than
+    the generic tile: session 28.)
     """
     element = from_dtype(np.dtype("float16"))
     CP = PAIR_TILE_PAIRS
@@ -1146,12 +1148,11 @@ def _make_pair_tile_kernels(scatter, add, atomic):
     T = PAIR_TILE_THREADS
     U = PAIR_TILE_UNROLL
     SHAPE = (TP, CP + 1)  # [tile pixel, channel pair]; +1: an odd row stride (a literal: shared shapes)
-    prefetch_old = add and not atomic
 
     @cuda.jit(device=True, inline=True)
     def swapped(a, b):
-        """Words of channels c (a) and c + 1 (b), two pixels each -> words of pixels p and p + 1,
-        two channels each (low half: channel c)."""
+        """Words of pixels p (a) and p + 1 (b), two channels each -> words of channels c and c + 1,
+        two pixels each (low half: pixel p)."""
         return (a & uint32(0xFFFF)) | (b << uint32(16)), (a >> uint32(16)) | (b & uint32(0xFFFF0000))
 
     @cuda.jit
@@ -1159,14 +1160,12 @@ def _make_pair_tile_kernels(scatter, add, atomic):
                         offset_h, offset_w):
         """image, blocks: int32 words, flat; halves: the image as float16 (an atomic add's ends)."""
         i = cuda.blockIdx.x
-        live = i < count[0]  # a gather's row past the count: zeros, as a window off the image
-        if scatter and not live:
+        if i >= count[0]:
             return  # the same for the whole thread block, before the barrier
         n = indices[i, 0]
         h0 = offset_h + indices[i, 1] * stride_h
         w0 = offset_w + indices[i, 2] * stride_w
-        n_ok = live and 0 <= n < N
-        if scatter and not n_ok:
+        if not 0 <= n < N:
             return  # the same for the whole thread block, before the barrier
         tile = cuda.shared.array(SHAPE, uint32)
         R = TP // size_w  # window rows a tile
@@ -1178,102 +1177,60 @@ def _make_pair_tile_kernels(scatter, add, atomic):
         row_words = size_w // 2
         image_words = W // 2
         plane = int64(H) * image_words  # words of a channel's plane
-        D = row_words + (1 if odd and scatter else 0)  # image-side words a row
+        D = row_words + (1 if odd else 0)  # image-side words a row
         image_items = CP * rows * D  # (channel pair, tile row, word), the word fastest
         block_items = rows * size_w * CP  # (tile pixel, channel pair), the pair fastest
         t = cuda.threadIdx.x
-        nc = min(max(n, 0), N - 1)
         firsts = cuda.local.array(U, uint32)
         seconds = cuda.local.array(U, uint32)
         spots = cuda.local.array(U, int64)  # a word's place (-1: none)
-        ends = cuda.local.array(U, int32)  # a scatter's word: 1 its low half not the window's, 2 its high
+        ends = cuda.local.array(U, int32)  # 1: a word's low half is not the window's, 2: its high
         olds = cuda.local.array((U, 2), int32)
-        if scatter:
-            for e in range(t, block_items, T):
-                p = e // CP
-                q = e - p * CP
-                if q < pairs:
-                    r = p // size_w
-                    at = ((int64(i) * size_h + r0 + r) * size_w + p - r * size_w) * (C // 2) + q0 + q
-                    tile[p, q] = uint32(blocks[at])
-            cuda.syncthreads()  # the tile holds the blocks' words
-            for start in range(t, image_items, T * U):
-                for u in range(U):  # the two channels' image words, and (adding) their old values
-                    e = start + u * T
-                    d = e % D
-                    x = e // D
-                    rr = x % rows
-                    q = x // rows
-                    k = (w0 >> 1) + d  # the image word: columns 2k, 2k + 1, window pixels p, p + 1
-                    p = 2 * d - (1 if odd else 0)
-                    h = h0 + r0 + rr
-                    spots[u] = -1
-                    if e < image_items and q < pairs and 0 <= h < H and 0 <= k < image_words:
-                        low = tile[rr * size_w + max(p, 0), q] if p >= 0 else uint32(0)
-                        high = tile[rr * size_w + p + 1, q] if p + 1 < size_w else uint32(0)
-                        firsts[u], seconds[u] = swapped(low, high)  # (channel c's word, channel c + 1's)
-                        at = ((int64(n) * C + 2 * (q0 + q)) * H + h) * image_words + k
-                        spots[u] = at
-                        ends[u] = (0 if p >= 0 else 1) + (0 if p + 1 < size_w else 2)
-                        if prefetch_old:
-                            olds[u, 0] = image[at]
-                            olds[u, 1] = image[at + plane]
-                for u in range(U):
-                    if spots[u] >= 0:
-                        low_ok = ends[u] & 1 == 0
-                        high_ok = ends[u] & 2 == 0
-                        for j in range(2):
-                            value = firsts[u] if j == 0 else seconds[u]
-                            where = spots[u] + j * plane
-                            if low_ok and high_ok:
-                                if atomic:
-                                    atomic_add_half2(image, (where,), int32(value))
-                                elif add:
-                                    image[where] = add_half2(olds[u, j], int32(value))
-                                else:
-                                    image[where] = int32(value)
-                            elif atomic:  # the window's half alone: the word's other half is a neighbour's
-                                new_low, new_high = floats_of_half2(int32(value))
-                                atomic_add_half(halves, (2 * where + (0 if low_ok else 1),),
-                                                element(new_low if low_ok else new_high))
-        else:
-            for start in range(t, image_items, T * U):
-                for u in range(U):  # all loads first: channels c's and c + 1's words of U items
-                    e = start + u * T
-                    d = e % D
-                    x = e // D
-                    rr = x % rows
-                    q = x // rows
-                    col = w0 + 2 * d  # the image column of window pixel 2d
-                    h = h0 + r0 + rr
-                    k = (w0 >> 1) + d
-                    c = min(2 * (q0 + q), C - 2)
-                    at = ((int64(nc) * C + c) * H + min(max(h, 0), H - 1)) * image_words
-                    first = at + min(max(k, 0), image_words - 1)
-                    second = at + min(max(k + 1, 0), image_words - 1)
-                    keep = uint32(0)
-                    if e < image_items and q < pairs and n_ok and 0 <= h < H:
-                        keep = uint32((0xFFFF if 0 <= col < W else 0) | (0xFFFF0000 if 0 <= col + 1 < W else 0))
-                    low = image[first]
-                    firsts[u] = uint32(_joined(low, image[second] if odd else low, odd)) & keep
-                    low = image[first + plane]
-                    seconds[u] = uint32(_joined(low, image[second + plane] if odd else low, odd)) & keep
-                    spots[u] = rr * size_w + 2 * d if e < image_items else -1
-                for u in range(U):
-                    if spots[u] >= 0:
-                        e = start + u * T
-                        q = (e // D) // rows
-                        left, right = swapped(firsts[u], seconds[u])
-                        tile[spots[u], q] = left
-                        tile[spots[u] + 1, q] = right
-            cuda.syncthreads()  # the tile holds the image's words
-            for e in range(t, block_items, T):
-                p = e // CP
-                q = e - p * CP
-                if q < pairs:
-                    r = p // size_w
-                    at = ((int64(i) * size_h + r0 + r) * size_w + p - r * size_w) * (C // 2) + q0 + q
-                    blocks[at] = int32(tile[p, q])
+        for e in range(t, block_items, T):
+            p = e // CP
+            q = e - p * CP
+            if q < pairs:
+                r = p // size_w
+                at = ((int64(i) * size_h + r0 + r) * size_w + p - r * size_w) * (C // 2) + q0 + q
+                tile[p, q] = uint32(blocks[at])
+        cuda.syncthreads()  # the tile holds the blocks' words
+        for start in range(t, image_items, T * U):
+            for u in range(U):  # the two channels' image words, and (not atomic) their old values
+                e = start + u * T
+                d = e % D
+                x = e // D
+                rr = x % rows
+                q = x // rows
+                k = (w0 >> 1) + d  # the image word: columns 2k, 2k + 1, window pixels p, p + 1
+                p = 2 * d - (1 if odd else 0)
+                h = h0 + r0 + rr
+                spots[u] = -1
+                if e < image_items and q < pairs and 0 <= h < H and 0 <= k < image_words:
+                    low = tile[rr * size_w + max(p, 0), q] if p >= 0 else uint32(0)
+                    high = tile[rr * size_w + p + 1, q] if p + 1 < size_w else uint32(0)
+                    firsts[u], seconds[u] = swapped(low, high)  # (channel c's word, channel c + 1's)
+                    at = ((int64(n) * C + 2 * (q0 + q)) * H + h) * image_words + k
+                    spots[u] = at
+                    ends[u] = (0 if p >= 0 else 1) + (0 if p + 1 < size_w else 2)
+                    if not atomic:
+                        olds[u, 0] = image[at]
+                        olds[u, 1] = image[at + plane]
+            for u in range(U):
+                if spots[u] >= 0:
+                    low_ok = ends[u] & 1 == 0
+                    high_ok = ends[u] & 2 == 0
+                    for j in range(2):
+                        value = firsts[u] if j == 0 else seconds[u]
+                        where = spots[u] + j * plane
+                        if low_ok and high_ok:
+                            if atomic:
+                                atomic_add_half2(image, (where,), int32(value))
+                            else:
+                                image[where] = add_half2(olds[u, j], int32(value))
+                        elif atomic:  # the window's half alone: the word's other half is a neighbour's
+                            new_low, new_high = floats_of_half2(int32(value))
+                            atomic_add_half(halves, (2 * where + (0 if low_ok else 1),),
+                                            element(new_low if low_ok else new_high))
 
     return copy_pair_tiles
 
@@ -1786,17 +1743,20 @@ def _row_path(image, blocks, n_blocks, channels_last, transpose, atomic, dtype, 
     return dtype, False
 
 
-def _pair_path(scatter, atomic, image, blocks, channels_last, transpose, dtype, geometry):
+def _pair_path(scatter, add, atomic, image, blocks, channels_last, transpose, dtype, geometry):
     """Whether the pair kernels take a copy: `PAIRS`, NCHW fp16 image and blocks, rows of whole
     words on both sides (W and the window's width even, 4-byte aligned pointers), a row's words
     within a thread block, and for a scatter that is not atomic windows at even columns (even
     offset and stride: no half words at the rows' ends). With ``transpose`` (NHWC blocks: the
-    pair tiles) also an even C and window rows of at most PAIR_TILE_PIXELS. Session 28, H100, graph, copy
+    pair tiles) adding scatters only, an even C and window rows of at most PAIR_TILE_PIXELS
+    (session 28, H100, graph, copy / ours, generic tile -> pair tiles, 1 and 8 x C x 400 x 700:
+    adding scatters 0.15-0.26 -> 0.19-0.36, atomic adds of 18 every 16 0.13-0.19 -> 0.19-0.23;
+    overwrites even; gathers 0.12-0.29 -> 0.11-0.22, slower). Session 28, H100, graph, copy
     bandwidth / ours, element kernel -> pairs, 1 and 8 x C x 400 x 700: gathers 0.15-0.39 ->
     0.26-0.69; scatters at even columns 0.16-0.29 -> 0.22-0.37; atomic adds of 18 every 16 at -1
     0.15-0.19 -> 0.25-0.30; other scatters at odd columns 0.16-0.32 -> 0.15-0.31, mostly slower."""
     (size_h, size_w), (_, stride_w), (_, offset_w) = geometry
-    if transpose and not (image.shape[1] % 2 == 0 and size_w <= PAIR_TILE_PIXELS
+    if transpose and not (scatter and add and image.shape[1] % 2 == 0 and size_w <= PAIR_TILE_PIXELS
                           and -(-size_h // (PAIR_TILE_PIXELS // size_w)) <= MAX_GRID_YZ
                           and -(-image.shape[1] // (2 * PAIR_TILE_PAIRS)) <= MAX_GRID_YZ):
         return False
@@ -1860,10 +1820,10 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
                 size_h, size_w, stride_h, stride_w, offset_h, offset_w)
         launch(_kernels[key], grid, threads, stream, args)
         return (_kernels[key], grid, threads, args), (0, 1, 2, 3)
-    if _pair_path(scatter, atomic, image, blocks, channels_last, transpose, dtype, geometry):
+    if _pair_path(scatter, add, atomic, image, blocks, channels_last, transpose, dtype, geometry):
         key = ("pairs", scatter, transpose, add, atomic)
         if key not in _kernels:
-            _kernels[key] = (_make_pair_tile_kernels if transpose else _make_pair_kernels)(scatter, add, atomic)
+            _kernels[key] = _make_pair_tile_kernels(atomic) if transpose else _make_pair_kernels(scatter, add, atomic)
         N, C, H, W = image.shape
         if transpose:
             grid = (n_blocks, -(-size_h // (PAIR_TILE_PIXELS // size_w)), -(-C // (2 * PAIR_TILE_PAIRS)))
