@@ -56,7 +56,8 @@ transposes through a shared tile of a run of the window's pixels);
 otherwise element kernels, with 8-byte words for overwrites and int32 words
 of two halves for fp16 adds where rows allow. Plain NCHW fp16 copies go two
 halves a word where rows start on words, odd first columns included
-(`_make_pair_kernels`). A call (gather, scatter, or
+(`_make_pair_kernels`), and so do adding scatters of NHWC blocks into NCHW
+fp16 images (`_make_pair_tile_kernels`). A call (gather, scatter, or
 reduce_mask's launches) repeated with torch tensors of the same shapes,
 dtypes, geometry, flags and alignment replays kept launches (`_plans`, as
 bsmm's products).
@@ -1206,7 +1207,7 @@ def _make_pair_tile_kernels(atomic):
                 h = h0 + r0 + rr
                 spots[u] = -1
                 if e < image_items and q < pairs and 0 <= h < H and 0 <= k < image_words:
-                    low = tile[rr * size_w + max(p, 0), q] if p >= 0 else uint32(0)
+                    low = tile[rr * size_w + p, q] if p >= 0 else uint32(0)
                     high = tile[rr * size_w + p + 1, q] if p + 1 < size_w else uint32(0)
                     firsts[u], seconds[u] = swapped(low, high)  # (channel c's word, channel c + 1's)
                     at = ((int64(n) * C + 2 * (q0 + q)) * H + h) * image_words + k
