@@ -1001,6 +1001,27 @@ def _joined(low, high, odd):
     return low
 
 
+_HALF = from_dtype(np.dtype("float16"))
+
+
+@cuda.jit(device=True, inline=True)
+def _put_word(image, halves, at, value, old, low_ok, high_ok, add, atomic):
+    """A scatter's int32 word ``value`` into image word ``at`` where both its halves are the
+    window's: written, added to ``old`` (the word read before) or added atomically; where one
+    half is (a row's end in an atomic scatter: no other is sent such words), that half added
+    alone (``halves``: the image as float16), the word's other half being a neighbour's."""
+    if low_ok and high_ok:
+        if atomic:
+            atomic_add_half2(image, (at,), value)
+        elif add:
+            image[at] = add_half2(old, value)
+        else:
+            image[at] = value
+    elif atomic:
+        low, high = floats_of_half2(value)
+        atomic_add_half(halves, (2 * at + (0 if low_ok else 1),), _HALF(low if low_ok else high))
+
+
 def _make_pair_kernels(scatter, add, atomic):
     """Plain copies between an NCHW fp16 image and NCHW blocks, two halves a 4-byte word.
 
@@ -1021,7 +1042,6 @@ def _make_pair_kernels(scatter, add, atomic):
     t // D + per_pass, ... of the window's C * size_h rows (D words a row): a
     division once a thread, the row's channel and row carried along.
     """
-    element = from_dtype(np.dtype("float16"))
     prefetch_old = add and not atomic
 
     @cuda.jit
@@ -1109,18 +1129,7 @@ def _make_pair_kernels(scatter, add, atomic):
                         blocks[(int64(i) * rows + rv[u]) * row_words + d] = values[u]
                     elif (low_ok or high_ok) and 0 <= hv[u] < H:
                         at = ((int64(n) * C + cv[u]) * H + hv[u]) * image_words + k
-                        value = values[u]
-                        if low_ok and high_ok:
-                            if atomic:
-                                atomic_add_half2(image, (at,), value)
-                            elif add:
-                                image[at] = add_half2(olds[u], value)
-                            else:
-                                image[at] = value
-                        elif atomic:  # the window's half alone: the word's other half is a neighbour's
-                            new_low, new_high = floats_of_half2(value)
-                            atomic_add_half(halves, (2 * at + (0 if low_ok else 1),),
-                                            element(new_low if low_ok else new_high))
+                        _put_word(image, halves, at, values[u], olds[u], low_ok, high_ok, add, atomic)
 
     return copy_pairs
 
@@ -1143,7 +1152,6 @@ def _make_pair_tile_kernels(atomic):
     kernels'. (A gather the same way, the swap before the tile, was slower than
     the generic tile: session 28.)
     """
-    element = from_dtype(np.dtype("float16"))
     CP = PAIR_TILE_PAIRS
     TP = PAIR_TILE_PIXELS
     T = PAIR_TILE_THREADS
@@ -1221,17 +1229,8 @@ def _make_pair_tile_kernels(atomic):
                     low_ok = ends[u] & 1 == 0
                     high_ok = ends[u] & 2 == 0
                     for j in range(2):
-                        value = firsts[u] if j == 0 else seconds[u]
-                        where = spots[u] + j * plane
-                        if low_ok and high_ok:
-                            if atomic:
-                                atomic_add_half2(image, (where,), int32(value))
-                            else:
-                                image[where] = add_half2(olds[u, j], int32(value))
-                        elif atomic:  # the window's half alone: the word's other half is a neighbour's
-                            new_low, new_high = floats_of_half2(int32(value))
-                            atomic_add_half(halves, (2 * where + (0 if low_ok else 1),),
-                                            element(new_low if low_ok else new_high))
+                        _put_word(image, halves, spots[u] + j * plane, int32(firsts[u] if j == 0 else seconds[u]),
+                                  olds[u, j], low_ok, high_ok, True, atomic)
 
     return copy_pair_tiles
 
