@@ -113,12 +113,12 @@ def bench_nchw_ops(torch, sbnet, reference, records, shapes, channels, fractions
                          "C": C, "dtype": dtype_name, "format": "NCHW"}
                     for transpose in (False, True):
                         stack = sbnet.sparse_gather(x, idx, transpose=transpose, **gather_at)
-                        out = sbnet.sparse_scatter(stack, idx, y, add=True, atomic=True, transpose=transpose,
-                                                   **gather_at)
                         outputs = sbnet.sparse_gather(x, idx, transpose=transpose, **scatter_at)
                         if host is not None:
                             np.testing.assert_array_equal(stack.cpu().numpy(), reference.sparse_gather(
                                 host, want, transpose=transpose, **gather_at))
+                            out = sbnet.sparse_scatter(stack, idx, y, add=True, atomic=True, transpose=transpose,
+                                                       **gather_at)
                             exact = reference.sparse_scatter(stack.cpu().double().numpy(), want,
                                                              y.cpu().double().numpy(), add=True,
                                                              transpose=transpose, **gather_at)
