@@ -39,7 +39,7 @@ import torch
 from ._arrays import torch_stream_handle
 from .kernels import gather_matmul as fused_kernels
 from .kernels import sbnet as kernels
-from .reference.sbnet import calc_block_params_res_block
+from .reference.sbnet import calc_block_params_res_block, pair
 
 
 def _geometry_kwargs(bsize, bstride, boffset, data_format):
@@ -149,6 +149,9 @@ class SparseResBlock(torch.nn.Module):
 
     def __init__(self, channels, bottleneck, block_size=16, transpose=False, graphs=False):
         super().__init__()
+        if min(pair(block_size, "block_size")) < 3:
+            raise ValueError(f"block_size: expected at least 3 on both axes (the 3x3 convolution's window), "
+                             f"got {block_size!r}")
         self.block_size = block_size
         self.transpose = bool(transpose)
         self.graphs = bool(graphs)
@@ -208,6 +211,8 @@ class SparseResBlock(torch.nn.Module):
         those alone: one host sync per mask, which every block sharing the
         mask's geometry reuses (as SBNet does).
         """
+        if len(mask.shape) != 3:
+            raise ValueError(f"mask: expected [N, H, W], got shape {tuple(mask.shape)}")
         p = self.geometry((mask.shape[0], 0, mask.shape[1], mask.shape[2]))
         indices, count = kernels.reduce_mask(mask, p.bsize, p.bstride, p.boffset, tol=tol, avgpool=avgpool,
                                              bcount=p.bcount)
@@ -222,11 +227,15 @@ class SparseResBlock(torch.nn.Module):
         no copy of the whole input, which at low active fractions would cost
         more than the blocks. ``x`` is returned then.
         """
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a torch tensor, got {type(x).__name__}")
         if torch.is_autocast_enabled(x.device.type):
             # The block runs in x's dtype: the kernels add blocks of one dtype into an image of
             # the same, and autocast would give the residual another.
             with torch.autocast(x.device.type, enabled=False):
                 return self.forward(x, indices, count, inplace)
+        weights = self.weights()
+        _check_input(x, weights[0])
         p = self.geometry(x.shape)
         if x.is_contiguous(memory_format=torch.channels_last):
             image, data_format, transpose = x.permute(0, 2, 3, 1), "NHWC", self.transpose
@@ -240,7 +249,7 @@ class SparseResBlock(torch.nn.Module):
                            (p.bsize_out, p.bsize_out, 0))
         cls = type(self)
         if cls.residual is SparseResBlock.residual and cls.residual_nhwc is SparseResBlock.residual_nhwc:
-            residual, params = _WRITTEN_OUT[nchw_stack], self.weights()
+            residual, params = _WRITTEN_OUT[nchw_stack], weights
         else:  # a subclass's own residual: autograd differentiates it
             residual = _Traced(self.residual if nchw_stack else self.residual_nhwc)
             params = tuple(self.parameters())
@@ -257,6 +266,19 @@ class SparseResBlock(torch.nn.Module):
             if y is None:
                 y = _without_grad(residual, params, windows, image, inplace)
         return y.permute(0, 3, 1, 2) if data_format == "NHWC" else y
+
+
+def _check_input(x, w1):
+    """The block's input against its first weight, before anything is launched: an [N, C, H, W]
+    tensor of the weight's channels, dtype and device."""
+    if x.dim() != 4:
+        raise ValueError(f"x: expected [N, C, H, W], got shape {tuple(x.shape)}")
+    if x.shape[1] != w1.shape[1]:
+        raise ValueError(f"x: expected {w1.shape[1]} channels (the block's), got {x.shape[1]}")
+    if x.dtype != w1.dtype:
+        raise TypeError(f"x: expected the block's dtype {w1.dtype}, got {x.dtype}")
+    if x.device != w1.device:
+        raise ValueError(f"x: expected the block's device {w1.device}, got {x.device}")
 
 
 class _Windows:

@@ -130,6 +130,39 @@ def test_sparse_res_block_equals_the_dense_block_on_active_blocks(layout):
         block(x[..., ::2], indices, count, inplace=True)
 
 
+@pytest.mark.parametrize("case, error, match", [
+    ("3-D x", ValueError, r"x: expected \[N, C, H, W\]"),
+    ("channels", ValueError, "x: expected 4 channels"),
+    ("dtype", TypeError, "x: expected the block's dtype torch.float64"),
+    ("numpy x", TypeError, "x: expected a torch tensor"),
+    ("2-D mask", ValueError, r"mask: expected \[N, H, W\]"),
+    ("block_size 2", ValueError, "block_size: expected at least 3"),
+    ("block_size (6, 0)", ValueError, "block_size: expected at least 3"),
+    ("block_size 6.0", TypeError, "block_size: expected an int or a pair"),
+    pytest.param("device", ValueError, "x: expected the block's device cuda",
+                 marks=pytest.mark.skipif(SIMULATOR, reason="the block on a GPU, x on the CPU")),
+])
+def test_sparse_res_block_refuses_bad_input_before_any_launch(case, error, match, monkeypatch):
+    block, x, indices, count, _ = three_windows()
+    launched = []
+    for name in ("sparse_gather", "sparse_scatter", "reduce_mask"):
+        monkeypatch.setattr(sbnet_torch.kernels, name, lambda *a, **k: launched.append(a))
+    calls = {
+        "3-D x": lambda: block(x[0], indices, count),
+        "channels": lambda: block(x[:, :3], indices, count),
+        "dtype": lambda: block(x.float(), indices, count),
+        "numpy x": lambda: block(x.cpu().numpy(), indices, count),
+        "2-D mask": lambda: block.active_blocks(torch.zeros(9, 10, device=DEVICE)),
+        "block_size 2": lambda: sbnet_torch.SparseResBlock(4, 2, block_size=2),
+        "block_size (6, 0)": lambda: sbnet_torch.SparseResBlock(4, 2, block_size=(6, 0)),
+        "block_size 6.0": lambda: sbnet_torch.SparseResBlock(4, 2, block_size=6.0),
+        "device": lambda: block(x.cpu(), indices.cpu(), count.cpu()),
+    }
+    with pytest.raises(error, match=match):
+        calls[case]()
+    assert not launched
+
+
 class OwnResidual(sbnet_torch.SparseResBlock):
     """The same residual written anew through the modules, as a researcher changing the block
     would: the block falls back to autograd's backward of it."""

@@ -2225,6 +2225,10 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
             return kept
     if version not in (None, 1, 2):
         raise ValueError(f"version: expected 1, 2 or None, got {version!r}")
+    try:
+        tol = float(tol)
+    except (TypeError, ValueError):
+        raise TypeError(f"tol: expected a number, got {tol!r}") from None
     mask_op = Operand(mask, "mask")
     if len(mask_op.shape) != 3:
         raise ValueError(f"mask: expected [N, H, W], got shape {mask_op.shape}")
