@@ -12,15 +12,13 @@ reads the host alone.
 
 import argparse
 import ctypes
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from res_block_ab import sleep_cycles_per_ms  # noqa: E402
+from res_block_ab import queued_host_us, sleep_cycles_per_ms  # noqa: E402
 
 
 def main():
@@ -50,19 +48,7 @@ def main():
     v = ctypes.c_int()
 
     def host_us(fn):
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        runs = []
-        for _ in range(7):
-            torch.cuda._sleep(int(args.calls * cycles_per_ms * 0.2))
-            begin = time.perf_counter()
-            for _ in range(args.calls):
-                fn()
-            runs.append((time.perf_counter() - begin) / args.calls * 1e6)
-            assert not torch.cuda.current_stream().query(), "the sleep ran out: raise it"
-            torch.cuda.synchronize()
-        return statistics.median(runs)
+        return queued_host_us(torch, fn, args.calls, cycles_per_ms, rounds=7, sleep_ms_a_call=0.2)
 
     x = torch.randn(1, 400, 700, 256, device="cuda", dtype=torch.float16)
     windows = [(0, i, j) for i in range(0, 25, 3) for j in range(0, 44, 2)]

@@ -9,14 +9,12 @@ products are timed with each of torch's BLAS back ends (``preferred_blas_library
 """
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from res_block_ab import sleep_cycles_per_ms  # noqa: E402
+from res_block_ab import queued_host_us, sleep_cycles_per_ms  # noqa: E402
 
 
 def main():
@@ -35,19 +33,7 @@ def main():
     cycles_per_ms = sleep_cycles_per_ms(torch)
 
     def host_us(fn):
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        runs = []
-        for _ in range(5):
-            torch.cuda._sleep(int(args.calls * cycles_per_ms))
-            begin = time.perf_counter()
-            for _ in range(args.calls):
-                fn()
-            runs.append((time.perf_counter() - begin) / args.calls * 1e6)
-            assert not torch.cuda.current_stream().query(), "the sleep ran out: raise it"
-            torch.cuda.synchronize()
-        return statistics.median(runs)
+        return queued_host_us(torch, fn, args.calls, cycles_per_ms)
 
     n = args.pixels
     windows = max(1, n // 324)

@@ -22,6 +22,7 @@ import importlib
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,24 @@ def sleep_cycles_per_ms(torch):
         stop.record()
         stop.synchronize()
     return 1_000_000 / start.elapsed_time(stop)
+
+
+def queued_host_us(torch, fn, calls, cycles_per_ms, rounds=5, sleep_ms_a_call=1.0):
+    """Median host µs of one ``fn()`` over `rounds` runs of `calls` calls, each run queued behind
+    a device sleep of `sleep_ms_a_call` a call, so that the host's clock reads the host alone."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(rounds):
+        torch.cuda._sleep(int(calls * cycles_per_ms * sleep_ms_a_call))
+        begin = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - begin) / calls * 1e6)
+        assert not torch.cuda.current_stream().query(), "the sleep ran out: raise it"
+        torch.cuda.synchronize()
+    return statistics.median(runs)
 
 
 def main():
