@@ -145,8 +145,10 @@ def test_sparse_res_block_equals_the_dense_block_on_active_blocks(layout):
 def test_sparse_res_block_refuses_bad_input_before_any_launch(case, error, match, monkeypatch):
     block, x, indices, count, _ = three_windows()
     launched = []
-    for name in ("sparse_gather", "sparse_scatter", "reduce_mask"):
-        monkeypatch.setattr(sbnet_torch.kernels, name, lambda *a, **k: launched.append(a))
+    for module, name in ((sbnet_torch.kernels, "sparse_gather"), (sbnet_torch.kernels, "sparse_scatter"),
+                         (sbnet_torch.kernels, "reduce_mask"), (sbnet_torch.fused_kernels, "sparse_gather_matmul"),
+                         (sbnet_torch.fused_kernels, "sparse_matmul_scatter")):
+        monkeypatch.setattr(module, name, lambda *a, **k: launched.append(a))
     calls = {
         "3-D x": lambda: block(x[0], indices, count),
         "channels": lambda: block(x[:, :3], indices, count),
