@@ -2437,7 +2437,12 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
                    transpose=False, inplace=False, count=None, data_format="NHWC"):
     """Write (``add``: add) a block stack into ``y``: into a copy, or into ``y`` with ``inplace``.
 
-    The blocks are in y's layout, or with ``transpose`` in the other one.
+    The blocks are in y's layout, or with ``transpose`` in the other one. ``add``
+    without ``atomic`` raises where windows can overlap (a stride below the
+    block) or where host indices repeat a window. Device indices are not read
+    on the host (that would be a sync), so a window repeated in them is the
+    caller's to avoid (`reduce_mask` never repeats one): pass ``atomic=True``
+    for device indices that may repeat.
     """
     settings = _scatter_settings(bsize, bstride, boffset, add, atomic, transpose, inplace, data_format)
     if _plans:
