@@ -41,6 +41,51 @@ def test_reduce_mask_equals_reference(image, g, tol, avgpool, version):
     np.testing.assert_array_equal(got, want)  # the same blocks, in the same (row-major) order
 
 
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("avgpool", [False, True])
+@few
+@given(image=sbnet_images(channels=False), g=geometry, tol=st.sampled_from([0.0, 0.5]),
+       dtype=st.sampled_from(["float16", "float32", "float64"]), spots=st.integers(1, 6))
+def test_reduce_mask_of_nonfinite_masks_equals_reference(image, g, tol, dtype, spots, avgpool, version):
+    """NaN and infinite pixels strewn over a mask: the reference's indices (a window with a NaN
+    is inactive; +inf makes one active, -inf counts in a sum)."""
+    rng, mask = image
+    mask = np.abs(mask).astype(dtype)
+    flat = mask.reshape(-1)
+    flat[rng.choice(flat.size, size=min(spots, flat.size), replace=False)] = \
+        rng.choice([np.nan, np.inf, -np.inf], size=min(spots, flat.size))
+    want = reference.reduce_mask(mask, tol=tol, avgpool=avgpool, **g)
+    got, count = sbnet.reduce_mask(mask, tol=tol, avgpool=avgpool, version=version, **g)
+    assert count == len(want)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("version, lane_entries", [(1, 16), (2, 16), (2, 0)])
+@pytest.mark.parametrize("avgpool", [False, True])
+def test_reduce_mask_nan_makes_its_window_inactive_wherever_it_lies(version, lane_entries, avgpool, monkeypatch):
+    """Windows of 2 x 8 (two vector loads of 4 a row), each with one pixel of 1 and one NaN: the
+    NaN at each of the 16 places, its neighbour in the same vector set (before it or after it
+    in the pool's order) or the pixel below; then 16 windows with the 1 alone. Only those are
+    active, pooled by one lane or (PASS_LANE_ENTRIES 0) a warp. Python's max kept a NaN only in
+    first place: every other window with a NaN came out active."""
+    monkeypatch.setattr(sbnet, "PASS_LANE_ENTRIES", lane_entries)
+    monkeypatch.setattr(sbnet, "_plans", {})
+    mask = np.zeros((1, 2, 48 * 8), np.float32)
+    for k in range(16):
+        r, c = divmod(k, 8)
+        mask[0, r, 8 * k + c] = np.nan
+        mask[0, r, 8 * k + (c ^ 1)] = 1
+        mask[0, r, 8 * (16 + k) + c] = np.nan
+        mask[0, 1 - r, 8 * (16 + k) + c] = 1
+        mask[0, r, 8 * (32 + k) + c] = 1
+    g = {"bsize": (2, 8), "bstride": (2, 8)}
+    want = reference.reduce_mask(mask, tol=0.0, avgpool=avgpool, **g)
+    np.testing.assert_array_equal(want, [(0, 0, 32 + k) for k in range(16)])
+    indices, count = sbnet.reduce_mask(cuda.to_device(mask), tol=0.0, avgpool=avgpool, version=version, **g)
+    n = int(count.copy_to_host()[0])
+    np.testing.assert_array_equal(indices.copy_to_host()[:n], want)
+
+
 @pytest.mark.parametrize("dtype, avgpool", [("bool", False), ("uint8", True), ("float16", False), ("float64", True)])
 def test_reduce_mask_of_every_mask_dtype(dtype, avgpool):
     """Version 2 pools bool, uint8 and fp16 masks in float32 (exact for their max), float64

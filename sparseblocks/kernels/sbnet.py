@@ -6,7 +6,9 @@ image ``n`` starting at row ``boffset_h + bh*bstride_h`` and column
 zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
 
 * `reduce_mask` pools a mask ``[N, H, W]`` over every window and lists the
-  active ones in row-major order (the reference's). Version 2 (the default)
+  active ones in row-major order (the reference's). A NaN pixel makes its
+  window's pool NaN, never above ``tol``: the window is inactive, for max and
+  average pooling alike (`_max_nan`). Version 2 (the default)
   does it in one pass over a status word a chunk, zeroed once a stream or
   graph capture, not per call (`_statuses`), in one kernel
   (`_make_pass_kernel`): a thread block pools a chunk of consecutive windows
@@ -241,8 +243,16 @@ def _mask_value(mask, n, h, w, height, width, empty):
 
 
 @cuda.jit(device=True, inline=True)
+def _max_nan(a, b):
+    """max(a, b), NaN where either is. Python's and Numba's max keep a NaN only in first place
+    (``v > acc`` is false for NaN either way), so a window's flag would hang on where in it, and
+    in which lane of a vector, its NaN pixel lies; numpy's max (the reference) propagates it."""
+    return a if a > b or a != a else b
+
+
+@cuda.jit(device=True, inline=True)
 def _pool(acc, v, avgpool):
-    return acc + v if avgpool else max(acc, v)
+    return acc + v if avgpool else _max_nan(acc, v)
 
 
 @cuda.jit(device=True, inline=True)
@@ -558,7 +568,7 @@ def _make_pass_kernel(avgpool, wide, vector, look_back, stride):
 
     @cuda.jit(device=True, inline=True)
     def pool(acc, v):
-        return acc + v if avgpool else max(acc, v)
+        return acc + v if avgpool else _max_nan(acc, v)
 
     # The mask comes flat: a pixel is one int64 element index, a column's next row `width` on
     # (3-D indices were three 64-bit products a load, with strides read from the array).

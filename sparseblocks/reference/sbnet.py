@@ -73,7 +73,9 @@ def check_geometry(bsize, bstride, boffset):
 
 
 def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=None):
-    """Active block indices ``[n_active, 3]`` (int32, row-major) of a mask ``[N, H, W]``."""
+    """Active block indices ``[n_active, 3]`` (int32, row-major) of a mask ``[N, H, W]``: the
+    windows whose max (``avgpool``: sum over the window's full area, pixels off the image
+    counting zero) is above ``tol``. A NaN pixel makes the pool NaN, so its window is inactive."""
     mask = np.asarray(mask)
     if mask.ndim != 3:
         raise ValueError(f"mask: expected [N, H, W], got {mask.ndim} dimensions")
