@@ -159,8 +159,9 @@ def main():
         check("scan_kernel", sbnet.scan_kernel.py_func,
               (types.int32[::1], types.int32[::1], types.int32[::1], i64)),
     ] + [
-        check(f"pass_kernel (avgpool={avgpool}, {mask}, vector {vector}, {look_back} look-back, stride {stride})",
-              sbnet._make_pass_kernel(avgpool, wide, vector, look_back, stride).py_func,
+        check(f"pass_kernel (avgpool={avgpool}, {mask}, vector {vector}, {look_back} look-back, stride {stride}, "
+              f"{'max.NaN' if ptx else 'select'} max)",
+              sbnet._make_pass_kernel(avgpool, wide, vector, look_back, stride, ptx).py_func,
               (types.int32[:, ::1], types.int32[::1], types.int64[::1], getattr(types, mask)[::1])
               + (i64,) * 11 + (types.float64,) + (i64,) * 7)
         for avgpool, wide, mask, vector, look_back, stride in (
@@ -170,6 +171,7 @@ def main():
             (False, False, "uint8", 4, "warp", 1), (True, True, "float32", 4, "warp", 1),
             (False, False, "float32", 2, "warp", 1), (False, False, "float32", 4, "block", 16),
             (True, True, "float16", 1, "block", 16))
+        for ptx in ((True, False) if mask == "float32" and not avgpool else (True,))
     ] + [
         check(f"write_kernel ({name})", kernel.py_func,
               (types.int32[:, ::1], types.int32[::1], types.int8[::1], types.int32[::1], types.int32[::1],

@@ -60,15 +60,19 @@ def test_reduce_mask_of_nonfinite_masks_equals_reference(image, g, tol, dtype, s
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("version, lane_entries", [(1, 16), (2, 16), (2, 0)])
+@pytest.mark.parametrize("version, lane_entries, nan_max", [(1, 16, None), (2, 16, "ptx"), (2, 0, "ptx"),
+                                                            (2, 16, "select")])
 @pytest.mark.parametrize("avgpool", [False, True])
-def test_reduce_mask_nan_makes_its_window_inactive_wherever_it_lies(version, lane_entries, avgpool, monkeypatch):
+def test_reduce_mask_nan_makes_its_window_inactive_wherever_it_lies(version, lane_entries, nan_max, avgpool,
+                                                                    monkeypatch):
     """Windows of 2 x 8 (two vector loads of 4 a row), each with one pixel of 1 and one NaN: the
     NaN at each of the 16 places, its neighbour in the same vector set (before it or after it
     in the pool's order) or the pixel below; then 16 windows with the 1 alone. Only those are
-    active, pooled by one lane or (PASS_LANE_ENTRIES 0) a warp. Python's max kept a NaN only in
-    first place: every other window with a NaN came out active."""
+    active, pooled by one lane or (PASS_LANE_ENTRIES 0) a warp, by max.NaN.f32 or the select.
+    Python's max kept a NaN only in first place, so in the simulator every other window with a
+    NaN came out active; on a GPU, max.f32 dropped the NaN: every such window came out active."""
     monkeypatch.setattr(sbnet, "PASS_LANE_ENTRIES", lane_entries)
+    monkeypatch.setattr(sbnet, "PASS_NAN_MAX", nan_max)
     monkeypatch.setattr(sbnet, "_plans", {})
     mask = np.zeros((1, 2, 48 * 8), np.float32)
     for k in range(16):

@@ -80,6 +80,7 @@ from .._arrays import Operand, check_dtype, check_same_kind, check_shape, launch
 from .._backend import SIMULATOR
 from ..reference.sbnet import block_count, check_geometry, pair
 from ._half2 import add_half2, atomic_add_half, atomic_add_half2, floats_of_half2
+from ._nanmax import max_nan
 from ._vector import aligned, load2, load4, load4_words, store2, store4
 from ._launch import capture_of, data_pointer, launch, multiprocessors, replay, stream_handle, stream_of
 from ._clock import globaltimer, smid
@@ -138,6 +139,9 @@ PASS_MAX_REGISTERS = None  # a cap on the pass kernel's registers (ptxas, sm_90:
 # chunk stamps %globaltimer into the spare words of its status line (statuses then lie 16 words
 # apart): TRACE_EVENTS in that order, then its multiprocessor (%smid). Off, the kernel is unchanged.
 PASS_TRACE = False
+# Max pooling's NaN-propagating max of float32 values: "ptx" (max.NaN.f32, one instruction, as
+# plain max; sm_80 on) or "select" (compare and select, three); None: by the device.
+PASS_NAN_MAX = None
 TRACE_EVENTS = ("start", "pooled", "published", "looked back", "written")
 # A chunk's status word (int64): tag (30 bits, the launch's), flag (1 bit: prefix or only the
 # chunk's own aggregate), active count (32 bits). status[0] counts launches: a status is the
@@ -532,7 +536,7 @@ def _window(window, count_h, count_w, magic_h, magic_w):
     return n, int32(row - n * count_h), int32(window - row * count_w)
 
 
-def _make_pass_kernel(avgpool, wide, vector, look_back, stride):
+def _make_pass_kernel(avgpool, wide, vector, look_back, stride, nan_max_ptx=False):
     """reduce_mask in one pass (version 2): pooling, ranks and compaction in one kernel.
 
     Thread block `chunk` takes `windows` (<= PASS_WINDOWS) consecutive windows, row-major
@@ -551,8 +555,9 @@ def _make_pass_kernel(avgpool, wide, vector, look_back, stride):
     window's thread writes its row: (n, bh, bw) at its row-major rank if active,
     else n = -1 from the back (rows count.. hold those). The last chunk writes the count and
     advances status[0], the launch count the tags come from. Accumulates in float64 with
-    `wide` (sums, float64 masks), else float32 (exact for the max of other masks). Geometry is
-    32-bit and divisions go by the launcher's magic numbers (`_quotient`); the mask comes flat."""
+    `wide` (sums, float64 masks), else float32 (exact for the max of other masks), its max NaN
+    where a value is (`nan_max_ptx`: by max.NaN.f32, else `_max_nan`). Geometry is 32-bit and
+    divisions go by the launcher's magic numbers (`_quotient`); the mask comes flat."""
     acc_type = float64 if wide else float32
     RANKERS = -(-PASS_WINDOWS // WARP)  # warps whose ballots rank a chunk's windows
     assert PASS_WINDOWS <= PASS_THREADS
@@ -566,9 +571,11 @@ def _make_pass_kernel(avgpool, wide, vector, look_back, stride):
     # padding), at most max(threads, columns) + windows (phases x columns <= threads).
     SHARED = max(PASS_THREADS, PASS_COLUMNS) + PASS_WINDOWS
 
+    nan_max = max_nan if nan_max_ptx and not wide else _max_nan
+
     @cuda.jit(device=True, inline=True)
     def pool(acc, v):
-        return acc + v if avgpool else _max_nan(acc, v)
+        return acc + v if avgpool else nan_max(acc, v)
 
     # The mask comes flat: a pixel is one int64 element index, a column's next row `width` on
     # (3-D indices were three 64-bit products a load, with strides read from the array).
@@ -2173,11 +2180,18 @@ def _pass_look_back(n_chunks):
 
 def _pass_kernel(avgpool, wide, vector, look_back, stride):
     # The settings a kernel is built with are in its key: the launcher reads them at each call.
+    ptx = _nan_max_ptx() if PASS_NAN_MAX is None else PASS_NAN_MAX == "ptx"
     key = ("pass", avgpool, wide, vector, look_back, stride, PASS_THREADS, PASS_WINDOWS, PASS_COLUMNS, PASS_LOADS,
-           PASS_MAX_REGISTERS, PASS_LANE_ENTRIES, PASS_TRACE)
+           PASS_MAX_REGISTERS, PASS_LANE_ENTRIES, PASS_TRACE, ptx)
     if key not in _kernels:
-        _kernels[key] = _make_pass_kernel(avgpool, wide, vector, look_back, stride)
+        _kernels[key] = _make_pass_kernel(avgpool, wide, vector, look_back, stride, ptx)
     return _kernels[key]
+
+
+@functools.cache
+def _nan_max_ptx():
+    """Whether this device has max.NaN.f32 (sm_80 on; the simulator runs the select)."""
+    return not SIMULATOR and cuda.get_current_device().compute_capability >= (8, 0)
 
 
 # Version 2's statuses carry their launch's tag (status[0] + 1; each launch's last chunk advances
