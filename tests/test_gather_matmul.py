@@ -85,6 +85,24 @@ def test_several_tiles_and_channels_past_a_stage():
     assert_close(out.copy_to_host(), want, "float16")
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_relu_keeps_a_nan(dtype):
+    """A NaN pixel's outputs stay NaN through the ReLU, as numpy's maximum and torch's ReLU keep
+    them (max.f32, what Numba's max of floats becomes, made them 0 on a GPU: a diverging block
+    would have hidden its NaNs); the other pixels' are the reference's."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 4, 4, 8)).astype(dtype)
+    x[0, 1, 2, 3] = np.nan
+    w = rng.standard_normal((3, 8)).astype(dtype)
+    g = {"bsize": 2, "bstride": 2}
+    indices = np.array([[0, 0, 1], [0, 1, 0]], np.int32)
+    want = reference.sparse_gather_matmul(x, indices, w, relu=True, **g)
+    got = gather_matmul.sparse_gather_matmul(x, indices, w, relu=True, **g)
+    assert np.isnan(want[0, 1, 0]).all() and np.isnan(want).sum() == 3
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert_close(np.nan_to_num(got), np.nan_to_num(want), dtype)
+
+
 def test_no_blocks_and_no_output_channels():
     x = np.ones((1, 4, 4, 8), np.float16)
     w = np.ones((3, 8), np.float16)

@@ -62,6 +62,7 @@ from ._async import commit, copy16_or_zero, global_address, shared_address, wait
 from ._launch import data_pointer, launch
 from ._half2 import add_half2, half2_of_floats
 from ._mma import MMA_M, MMA_N, mma_3xtf32, mma_f16
+from ._nanmax import max_nan
 from ._vector import aligned, load4, store2, store4
 from . import sbnet as _sbnet
 from .sbnet import _magic, _prepare_indices, _quotient
@@ -225,7 +226,7 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     @cuda.jit(device=True, inline=True)
     def result(acc, mt, nt, q):
         v = acc[mt, nt, q]
-        return max(v, float32(0)) if relu else v
+        return max_nan(v, float32(0)) if relu else v  # (max would make a NaN 0: torch's ReLU keeps it)
 
     @cuda.jit(device=True, inline=True)
     def y_word(r, unit):
