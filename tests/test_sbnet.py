@@ -1,5 +1,7 @@
 """SBNet kernels (reduce_mask, sparse_gather, sparse_scatter) against their NumPy reference."""
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -1060,6 +1062,42 @@ def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch):
     assert len(launches) == 5 and len(sbnet._plans) == 9
 
 
+# Windows 2**30 apart from -(2**31 - 1): window (2, 2) starts at (1, 1). Rows 6 and -2 start
+# 2**32 from it, and so do columns -2 and 6: in 32-bit arithmetic they would land on it too.
+FAR = {"bsize": (2, 3), "bstride": (2**30, 2**30), "boffset": (-(2**31 - 1), -(2**31 - 1))}
+FAR_INDICES = np.array([[0, 2, 2], [0, 6, 2], [0, 2, -2], [0, -2, 6], [0, 2**31 - 1, 2], [0, -2**31, 2],
+                        [0, 2, -2**31]], np.int32)
+
+
+@pytest.mark.parametrize("dtype, channels, data_format, transpose", [
+    ("float32", 4, "NHWC", False), ("float32", 4, "NHWC", True), ("float16", 8, "NHWC", True),
+    ("float32", 3, "NHWC", False), ("float16", 2, "NCHW", False), ("float32", 3, "NCHW", True)])
+@pytest.mark.parametrize("add, atomic", [(False, False), (True, False), (True, True)])
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # (offsets of rows off the image: unused)
+def test_far_windows_land_where_64_bit_arithmetic_puts_them(dtype, channels, data_format, transpose, add, atomic):
+    """Window starts of int32 indices times strides and offsets near 2**31 (the bounds the
+    geometry check allows), each kernel family (row copies, transposing tiles, element kernels,
+    NCHW pairs): only window (2, 2) touches the image, gathered and scattered (into a copy and
+    in place) as the reference does. The simulator's Python ints once multiplied NumPy int32
+    indices in 32 bits there."""
+    rng = np.random.default_rng(5)
+    shape = (1, 4, 5, channels) if data_format == "NHWC" else (1, channels, 4, 5)
+    x = rng.standard_normal(shape).astype(dtype)
+    g = dict(FAR, transpose=transpose, data_format=data_format)
+    want = reference.sparse_gather(x, FAR_INDICES, **g)
+    assert np.abs(want[0]).sum() > 0 and not want[1:].any()
+    np.testing.assert_array_equal(sbnet.sparse_gather(x, FAR_INDICES, **g), want)
+    blocks = rng.standard_normal(want.shape).astype(dtype)
+    y = rng.standard_normal(shape).astype(dtype)
+    want_y = reference.sparse_scatter(blocks, FAR_INDICES, y, add=add, **g)
+    assert_close = functools.partial(np.testing.assert_allclose, rtol=1e-3 if dtype == "float16" else 1e-6)
+    assert_close(sbnet.sparse_scatter(blocks, FAR_INDICES, y, add=add, atomic=atomic, **g), want_y)
+    y_device = cuda.to_device(y)
+    sbnet.sparse_scatter(cuda.to_device(blocks), cuda.to_device(FAR_INDICES), y_device, add=add, atomic=atomic,
+                         inplace=True, **g)
+    assert_close(y_device.copy_to_host(), want_y)
+
+
 def test_zero_blocks():
     x = np.ones((1, 4, 4, 2), np.float32)
     none = np.zeros((0, 3), np.int32)
@@ -1122,6 +1160,10 @@ B = np.ones((2, 2, 2, 2), np.float32)
     (lambda: sbnet.sparse_gather(X, IDX.astype(np.int64), bsize=2, bstride=2), TypeError, "indices"),
     (lambda: sbnet.sparse_gather(X, IDX[:, :2], bsize=2, bstride=2), ValueError, "indices"),
     (lambda: sbnet.sparse_gather(X, IDX, bsize=0, bstride=2), ValueError, "bsize"),
+    (lambda: sbnet.sparse_gather(X, IDX, bsize=2**31, bstride=2), ValueError, "bsize"),
+    (lambda: sbnet.sparse_gather(X, IDX, bsize=2, bstride=(2, 2**31)), ValueError, "bstride"),
+    (lambda: sbnet.sparse_scatter(B, IDX, X, bsize=2, bstride=2, boffset=(-2**31, 0)), ValueError, "boffset"),
+    (lambda: sbnet.reduce_mask(np.ones((1, 4, 4), np.float32), 2, 2, boffset=2**31), ValueError, "boffset"),
     (lambda: sbnet.sparse_gather(X, IDX, bsize=2, bstride=2, count=np.array([3], np.int32)), ValueError,
      "count"),
     (lambda: sbnet.sparse_gather(X.astype(np.int32), IDX, bsize=2, bstride=2), TypeError, "x: expected dtype"),

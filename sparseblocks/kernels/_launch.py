@@ -24,6 +24,7 @@ import ctypes
 import struct
 import threading
 
+import numpy as np
 from numba import cuda
 
 from .._backend import SIMULATOR
@@ -222,7 +223,10 @@ def launch(dispatcher, grid, block, stream, args):
     Python ints or floats.
     """
     if SIMULATOR:
-        dispatcher[grid, block, stream](*args)
+        # Numba types a Python int argument int64; the simulator would keep it a Python int, and
+        # under NumPy 2's promotion an int32 array element times it stays int32 and wraps (a
+        # window's start, index * stride, would land where the GPU's int64 does not put it).
+        dispatcher[grid, block, stream](*(np.int64(a) if type(a) is int else a for a in args))
         return
     stream = stream if stream else stream_of(0)
     key, values = _fields(args)

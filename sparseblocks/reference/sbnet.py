@@ -62,13 +62,19 @@ def _overlap(start, length, size):
     return begin, end, begin - start, end - start
 
 
+GEOMETRY_LIMIT = 2**31  # sizes, strides and |offsets| below it: a window's start fits 63 bits
+
+
 def check_geometry(bsize, bstride, boffset):
-    """Validated ``(bsize, bstride, boffset)`` as ``(h, w)`` pairs."""
+    """Validated ``(bsize, bstride, boffset)`` as ``(h, w)`` pairs, each value within 32 bits, so
+    that ``boffset + index * bstride`` of any int32 index is exact in the kernels' int64."""
     bsize, bstride, boffset = pair(bsize, "bsize"), pair(bstride, "bstride"), pair(boffset, "boffset")
-    if min(bsize) < 1:
-        raise ValueError(f"bsize: expected positive sizes, got {bsize}")
-    if min(bstride) < 1:
-        raise ValueError(f"bstride: expected positive strides, got {bstride}")
+    if min(bsize) < 1 or max(bsize) >= GEOMETRY_LIMIT:
+        raise ValueError(f"bsize: expected sizes from 1 to 2**31 - 1, got {bsize}")
+    if min(bstride) < 1 or max(bstride) >= GEOMETRY_LIMIT:
+        raise ValueError(f"bstride: expected strides from 1 to 2**31 - 1, got {bstride}")
+    if max(abs(o) for o in boffset) >= GEOMETRY_LIMIT:
+        raise ValueError(f"boffset: expected offsets from -(2**31 - 1) to 2**31 - 1, got {boffset}")
     return bsize, bstride, boffset
 
 
