@@ -78,7 +78,7 @@ from numba import cuda, float32, float64, from_dtype, int32, int64, uint32, uint
 from .. import _arrays as _arrays_module
 from .._arrays import Operand, check_dtype, check_same_kind, check_shape, launch_stream
 from .._backend import SIMULATOR
-from ..reference.sbnet import block_count, check_geometry, pair
+from ..reference.sbnet import block_count, check_geometry, check_tol, pair
 from ._half2 import add_half2, atomic_add_half, atomic_add_half2, floats_of_half2
 from ._nanmax import max_nan
 from ._vector import aligned, load2, load4, load4_words, store2, store4
@@ -2249,10 +2249,7 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
             return kept
     if version not in (None, 1, 2):
         raise ValueError(f"version: expected 1, 2 or None, got {version!r}")
-    try:
-        tol = float(tol)
-    except (TypeError, ValueError):
-        raise TypeError(f"tol: expected a number, got {tol!r}") from None
+    tol = check_tol(tol)
     mask_op = Operand(mask, "mask")
     if len(mask_op.shape) != 3:
         raise ValueError(f"mask: expected [N, H, W], got shape {mask_op.shape}")
@@ -2290,7 +2287,7 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
         kernel = _pass_kernel(bool(avgpool), bool(avgpool) or mask_op.dtype == "float64", vector, look_back, spread)
         one = (kernel, n_chunks, PASS_THREADS, (
             indices, count, status, mask_device, N, H, W, count_hw[0], count_hw[1], size[0], size[1],
-            stride[0], stride[1], offset[0], offset[1], float(tol), per_chunk, lanes, phases,
+            stride[0], stride[1], offset[0], offset[1], tol, per_chunk, lanes, phases,
             _magic(count_hw[0]), _magic(count_hw[1]), _magic(size[1] // vector), _magic(lanes)))
         launch(one[0], one[1], one[2], stream, one[3])
         _keep_plan("reduce", (mask,), None, settings, tuple(indices_native.shape), [(one, (0, 1, 2, 3))],
@@ -2304,7 +2301,7 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
         _zero(chunk_counts, stream)
         pool = (pool_kernel, -(-total // (REDUCE_WARPS // group_warps)), REDUCE_WARPS * WARP, (
             flags, chunk_counts, mask_op.device(stream), N, H, W, count_hw[0], count_hw[1], size[0], size[1],
-            stride[0], stride[1], offset[0], offset[1], float(tol), bool(avgpool), group_warps))
+            stride[0], stride[1], offset[0], offset[1], tol, bool(avgpool), group_warps))
         launch(pool[0], pool[1], pool[2], stream, pool[3])
         if n_chunks <= PREFIX_CHUNKS:
             write, block_offsets = write_summed, chunk_counts  # (block_offsets unread)

@@ -78,6 +78,16 @@ def check_geometry(bsize, bstride, boffset):
     return bsize, bstride, boffset
 
 
+def check_tol(tol):
+    """reduce_mask's threshold as a float (a number, not a string float() would parse)."""
+    try:
+        if isinstance(tol, (str, bytes)):
+            raise TypeError
+        return float(tol)
+    except (TypeError, ValueError):
+        raise TypeError(f"tol: expected a number, got {tol!r}") from None
+
+
 def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=None):
     """Active block indices ``[n_active, 3]`` (int32, row-major) of a mask ``[N, H, W]``: the
     windows whose max (``avgpool``: sum over the window's full area, pixels off the image
@@ -86,6 +96,7 @@ def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=
     if mask.ndim != 3:
         raise ValueError(f"mask: expected [N, H, W], got {mask.ndim} dimensions")
     bsize, bstride, boffset = check_geometry(bsize, bstride, boffset)
+    tol = check_tol(tol)
     N, H, W = mask.shape
     bcount = block_count((H, W), bstride, boffset) if bcount is None \
         else pair(bcount, "bcount")
