@@ -527,6 +527,34 @@ def test_fused_gather_gives_the_gather_and_product_apart(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sparse_res_block_keeps_a_nan_where_the_dense_block_does(dtype, monkeypatch):
+    """A NaN in an active window (a diverging model's) comes out where the dense block's does: on
+    the 3x3 around its pixel, past both ReLUs, the fused gather's and scatter's included; the
+    rest is the input. (The fused kernel's ReLU once made it 0 on a GPU.)"""
+    monkeypatch.setattr(sbnet_torch, "FUSED_GATHER_MIN_PIXELS", 0)
+    monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER_MIN_PIXELS", {})
+    torch.manual_seed(6)
+    block = sbnet_torch.SparseResBlock(channels=8, bottleneck=4, block_size=6).to(DEVICE, dtype)
+    x = torch.randn(1, 8, 9, 10, dtype=dtype, device=DEVICE).to(memory_format=torch.channels_last)
+    x[0, 3, 4, 5] = float("nan")
+    mask = np.zeros((1, 9, 10), np.float32)
+    mask[0, 2:6, 2:8] = 1
+    indices, count = block.active_blocks(tensor(mask))
+    p = block.geometry(x.shape)
+    rows = indices[:int(count[0])].cpu().numpy()
+    active = reference.sparse_scatter(np.ones((len(rows), *p.bsize_out, 1)), rows, np.zeros((1, 9, 10, 1)),
+                                      p.bsize_out, p.bsize_out, 0)[..., 0] > 0
+    active = torch.as_tensor(active, device=DEVICE)[:, None].expand_as(x)
+    with torch.no_grad():
+        dense = block.dense(x)
+        assert torch.isnan(dense).sum() == 9 * 8 and not torch.isnan(dense[~active]).any()
+        for inplace in (False, True):
+            y = block(x.clone(), indices, count, inplace=inplace)
+            assert torch.equal(torch.isnan(y), torch.isnan(dense))
+            torch.testing.assert_close(y[~active], x[~active])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_scatter_gives_the_product_and_scatter_apart(dtype, monkeypatch):
     """In-place calls without gradients on an NHWC stack (of FUSED_SCATTER_MIN_PIXELS output pixels
     or more) add the last product straight into the image (`sparse_matmul_scatter`): the same
