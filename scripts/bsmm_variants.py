@@ -40,6 +40,7 @@ VARIANTS = {
     "v4 bs16 rows 256": (4, {"V4_ROWS": {16: 256, 32: 256, 64: 128}, "V4_WGRAD_ROWS": {16: 32, 32: 16, 64: 32}}),
     "v5": (5, {}),  # tensor cores: fp16, and fp32 as 3xTF32 with round-to-nearest sums
     "v5 tensor-core sums": (5, {"V5_ROUNDED_SUMS": False}),  # fp32: the mma accumulates
+    "v5 split dropping NaN": (5, {"V5_NAN_SAFE": False}),  # fp32: sessions 6-29's split, one instruction fewer
     "v5 v4 wgrad": (5, {"V5_WGRAD": False}),  # version 4's weight gradient
     "v5 stage 16 words": (5, {"V5_STAGE_WORDS": {kind: 16 for kind in KINDS}}),
     "v5 whole blocks": (5, {"V5_STAGE_WORDS": {}}),  # a whole block's k a stage (also fp32 block 64)

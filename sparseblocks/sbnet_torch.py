@@ -340,7 +340,11 @@ def _conv_backward(grad, x, weight, needs):
 # cuDNN's fused convolution and ReLU (`torch.cudnn_convolution_relu`) for the 3x3 saved a
 # little more device time in fp16 but cost more host time than the two calls, and in fp32 more
 # device time: not used.
-FUSED_MATMUL_RELU = True
+# Off since session 30: the epilogue's ReLU makes a NaN 0 (H100, fp16 and fp32:
+# `scripts/nan_paths.py`), where torch's ReLU and the dense block keep it, so a diverging model's
+# NaNs would vanish inside the block. The 2-4 % of device time and one torch call of host time
+# are the price of NaNs coming out where the dense block's do.
+FUSED_MATMUL_RELU = False
 _zero_biases = {}
 
 

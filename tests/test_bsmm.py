@@ -388,6 +388,25 @@ def test_tensor_core_rounded_sums(monkeypatch):
     assert_close(bsmm.forward(x, w, layout, version=5), reference.forward(x, w, layout), "float32", "forward")
 
 
+@pytest.mark.parametrize("dtype, bits", [("float32", 0x7FFFFFFF), ("float32", 0xFFFFFFFF), ("float32", 0x7FC00000),
+                                         ("float16", None)])
+def test_tensor_core_products_keep_a_nan(dtype, bits):
+    """A NaN in x and one in dy come out of the three products where the reference's do. The
+    GPU's own NaN (0x7FFFFFFF) once left 3xTF32's split by the bits as -0 and a finite product."""
+    layout = BlockLayout(np.array([[1, 0], [1, 1]], bool), 16)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((24, 32)).astype(dtype)
+    dy = rng.standard_normal((24, 32)).astype(dtype)
+    w = rng.standard_normal(layout.w_shape).astype(dtype)
+    nan = np.array([bits], np.uint32).view(np.float32)[0] if bits is not None else np.nan
+    x[5, 20], dy[9, 3] = nan, nan
+    for got, want in ((bsmm.forward(x, w, layout, version=5), reference.forward(x, w, layout)),
+                      (bsmm.input_grad(dy, w, layout, version=5), reference.input_grad(dy, w, layout)),
+                      (bsmm.weight_grad(x, dy, layout, version=5), reference.weight_grad(x, dy, layout))):
+        assert np.isnan(want).any() and not np.isnan(want).all()
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+
+
 ROW_GROUPS = ((1, 1, 1), (0, 0, 0), (1, 0, 1))  # rows of 3, 0 and 2 blocks: full, empty and short groups
 
 

@@ -43,6 +43,7 @@ MMA_M, MMA_N, MMA_K = 16, 8, 16
 TF32_K = 8
 TF32_MASK = 0xFFFFE000  # the bits of an fp32 pattern that tf32 keeps (the tensor cores read)
 TF32_HALF = 0x1000  # half of tf32's last place, in fp32 bits
+TAIL_MAX = 0x7FFFFFFF - TF32_HALF  # the largest tail pattern whose rounding does not carry into the sign
 FULL_MASK = 0xFFFFFFFF
 
 
@@ -202,31 +203,46 @@ else:
 
 if SIMULATOR:
     mma_3xtf32 = _mma_3xtf32_simulated
+
+    def make_mma_3xtf32(nan_safe=True):
+        return _mma_3xtf32_simulated  # (float64 products: a NaN stays one)
 else:
 
-    @cuda.jit(device=True, inline=True)
-    def _split(word):
-        """An fp32 value (as its bits) as tf32 head and tail, head + tail = the value to ~2^-22.
+    def make_mma_3xtf32(nan_safe=True):
+        """mma_3xtf32 with fp32 operands split by their bits (`nan_safe`: a NaN operand gives a
+        NaN, at one more instruction a split; else it may give a finite product)."""
+        tail_limit = TAIL_MAX if nan_safe else 0x7FFFFFFF  # (the latter: no clamp, folded away)
 
-        Rounding by the bits: add half a tf32 ulp, clear the 13 low bits (the tensor cores
-        ignore them, so the tail's are left). For finite values this is what to_tf32
-        (cvt.rna.tf32.f32) gives, in two integer instructions (one for the tail) where ptxas
-        makes the conversion three (it tests for inf and NaN first); an infinite input makes
-        its products NaN instead of infinite."""
-        head = (uint32(word) + uint32(TF32_HALF)) & uint32(TF32_MASK)
-        tail = float32(libdevice.int_as_float(int32(word)) - libdevice.int_as_float(int32(head)))
-        return head, uint32(libdevice.float_as_int(tail)) + uint32(TF32_HALF)
+        @cuda.jit(device=True, inline=True)
+        def split(word):
+            """An fp32 value (as its bits) as tf32 head and tail, head + tail = the value to ~2^-22.
 
-    @cuda.jit(device=True, inline=True)
-    def mma_3xtf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        """D = A·B + C for fp32 A (16 x 8) and B (8 x 8) given as bit patterns (uint32),
-        to about fp32's accuracy, in three tf32 multiply-adds, smallest terms first."""
-        a0h, a0t = _split(a0)
-        a1h, a1t = _split(a1)
-        a2h, a2t = _split(a2)
-        a3h, a3t = _split(a3)
-        b0h, b0t = _split(b0)
-        b1h, b1t = _split(b1)
-        d = mma_tf32(a0t, a1t, a2t, a3t, b0h, b1h, c0, c1, c2, c3)
-        d = mma_tf32(a0h, a1h, a2h, a3h, b0t, b1t, d[0], d[1], d[2], d[3])
-        return mma_tf32(a0h, a1h, a2h, a3h, b0h, b1h, d[0], d[1], d[2], d[3])
+            Rounding by the bits: add half a tf32 ulp, clear the 13 low bits (the tensor cores
+            ignore them, so the tail's are left). For finite values this is what to_tf32
+            (cvt.rna.tf32.f32) gives, in two integer instructions (one for the tail) where ptxas
+            makes the conversion three (it tests for inf and NaN first); an infinite input makes
+            its products NaN instead of infinite. The GPU's NaN is 0x7FFFFFFF: half an ulp more
+            carries it into the sign (the head of a NaN can come out -0), and the tail of a NaN
+            or an infinity is that NaN, so the tail's rounding stops below the carry
+            (`TAIL_MAX`) and the NaN reaches the products."""
+            head = (uint32(word) + uint32(TF32_HALF)) & uint32(TF32_MASK)
+            tail = float32(libdevice.int_as_float(int32(word)) - libdevice.int_as_float(int32(head)))
+            return head, uint32(min(libdevice.float_as_int(tail), int32(tail_limit)) + int32(TF32_HALF))
+
+        @cuda.jit(device=True, inline=True)
+        def mma_3xtf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            """D = A·B + C for fp32 A (16 x 8) and B (8 x 8) given as bit patterns (uint32),
+            to about fp32's accuracy, in three tf32 multiply-adds, smallest terms first."""
+            a0h, a0t = split(a0)
+            a1h, a1t = split(a1)
+            a2h, a2t = split(a2)
+            a3h, a3t = split(a3)
+            b0h, b0t = split(b0)
+            b1h, b1t = split(b1)
+            d = mma_tf32(a0t, a1t, a2t, a3t, b0h, b1h, c0, c1, c2, c3)
+            d = mma_tf32(a0h, a1h, a2h, a3h, b0t, b1t, d[0], d[1], d[2], d[3])
+            return mma_tf32(a0h, a1h, a2h, a3h, b0h, b1h, d[0], d[1], d[2], d[3])
+
+        return mma_3xtf32
+
+    mma_3xtf32 = make_mma_3xtf32()

@@ -60,7 +60,7 @@ from .._arrays import (
 )
 from ._async import commit, copy16_or_zero, copy16_to, global_address, shared_address, waiter
 from ._launch import data_pointer, launch, multiprocessors, replay
-from ._mma import MMA_M, MMA_N, mma_3xtf32, mma_bf16, mma_f16, pack
+from ._mma import MMA_M, MMA_N, make_mma_3xtf32, mma_3xtf32, mma_bf16, mma_f16, pack
 from ._vector import aligned, load2, load4
 
 # -- constants -----------------------------------------------------------------
@@ -181,6 +181,10 @@ V5_TRANSPOSED_FORWARD = {(64, "float32"): 1, (64, "float16"): 8192, (64, "bfloat
 # 8-term result in round-to-nearest fp32: 6.6e-7 as version 4, forward 0.448-0.488 ms against
 # 0.448-0.456 without over two runs (block 32, 10 %, N = C = K = 4096; benchmarks/NOTES.md).
 V5_ROUNDED_SUMS = True
+# fp32's 3xTF32 split keeps a NaN operand a NaN (`_mma.make_mma_3xtf32`): the GPU's NaN is
+# 0x7FFFFFFF, whose rounding by the bits carried into the sign and gave a finite product. One
+# more instruction a split; False: the split of sessions 6-29 (timed beside it: NOTES.md, session 30).
+V5_NAN_SAFE = True
 # Version 5's weight gradient on tensor cores (`_make_weight_grad_v5`): four warps a thread
 # block. H100, 10 %, N = 4096, blocks 32 / 64 / 16: fp16 0.260 / 0.266 / 0.575 ms against
 # version 4's 0.774 / 0.654 / 1.084; fp32 0.615 / 0.626 / 0.904 against 0.807 / 0.667 /
@@ -363,7 +367,8 @@ def _mma_accumulate(storage):
     the fragment words fa[mt], B the words b0, b1. fp32 (3xTF32) with V5_ROUNDED_SUMS starts
     the mma from zero and adds its result in round-to-nearest fp32: the tensor cores' own fp32
     sums drift over long sums (benchmarks/NOTES.md)."""
-    mma = mma_3xtf32 if storage == "float32" else (mma_bf16 if storage == "bfloat16" else mma_f16)
+    mma = (mma_3xtf32 if V5_NAN_SAFE else make_mma_3xtf32(nan_safe=False)) if storage == "float32" \
+        else (mma_bf16 if storage == "bfloat16" else mma_f16)
     ROUNDED_SUMS = V5_ROUNDED_SUMS and storage == "float32"
 
     @cuda.jit(device=True, inline=True)
