@@ -248,9 +248,10 @@ def _mask_value(mask, n, h, w, height, width, empty):
 
 @cuda.jit(device=True, inline=True)
 def _max_nan(a, b):
-    """max(a, b), NaN where either is. Python's and Numba's max keep a NaN only in first place
-    (``v > acc`` is false for NaN either way), so a window's flag would hang on where in it, and
-    in which lane of a vector, its NaN pixel lies; numpy's max (the reference) propagates it."""
+    """max(a, b), NaN where either is, as numpy's max (the reference). Python's max keeps a NaN
+    only in first place (``v > acc`` is false for NaN either way), so in the simulator a window's
+    flag hung on where in it, and in which lane of a vector, its NaN pixel lay; on a GPU Numba's
+    max of floats is max.f32, which drops a NaN wherever it is."""
     return a if a > b or a != a else b
 
 
