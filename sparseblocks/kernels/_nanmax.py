@@ -1,17 +1,27 @@
-"""``max_nan(a, b)``: the larger of two float32 values, NaN where either is, in one instruction.
+"""NaN-propagating max for kernels: ``max_nan(a, b)`` and ``max_nan_select(a, b)``.
 
 PTX's plain ``max.f32`` (what Numba's ``max`` of floats becomes) returns the other operand
-where one is NaN; ``max.NaN.f32`` (sm_80 and later) returns NaN, as numpy's max does. A
-compare and select does the same in three instructions (`sbnet._max_nan`).
+where one is NaN, and Python's ``max`` (the simulator's) keeps a NaN only in first place;
+numpy's max, which the references use, returns NaN. ``max_nan`` is ``max.NaN.f32``: float32,
+sm_80 and later, one instruction (FMNMX.NAN), as plain max. ``max_nan_select`` is a compare
+and a select of any float type (three instructions), for the rest.
 
-In the CUDA simulator it is that compare and select in Python.
+In the CUDA simulator ``max_nan`` is ``max_nan_select``.
 """
+
+from numba import cuda
 
 from .._backend import SIMULATOR
 
+
+@cuda.jit(device=True, inline=True)
+def max_nan_select(a, b):
+    """max(a, b), NaN where either is."""
+    return a if a > b or a != a else b
+
+
 if SIMULATOR:
-    def max_nan(a, b):
-        return a if a > b or a != a else b
+    max_nan = max_nan_select
 
 else:
     from llvmlite import ir

@@ -8,7 +8,7 @@ zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
 * `reduce_mask` pools a mask ``[N, H, W]`` over every window and lists the
   active ones in row-major order (the reference's). A NaN pixel makes its
   window's pool NaN, never above ``tol``: the window is inactive, for max and
-  average pooling alike (`_max_nan`). Version 2 (the default)
+  average pooling alike (`_nanmax.py`). Version 2 (the default)
   does it in one pass over a status word a chunk, zeroed once a stream or
   graph capture, not per call (`_statuses`), in one kernel
   (`_make_pass_kernel`): a thread block pools a chunk of consecutive windows
@@ -80,7 +80,7 @@ from .._arrays import Operand, check_dtype, check_same_kind, check_shape, launch
 from .._backend import SIMULATOR
 from ..reference.sbnet import block_count, check_geometry, check_tol, pair
 from ._half2 import add_half2, atomic_add_half, atomic_add_half2, floats_of_half2
-from ._nanmax import max_nan
+from ._nanmax import max_nan, max_nan_select
 from ._vector import aligned, load2, load4, load4_words, store2, store4
 from ._launch import capture_of, data_pointer, launch, multiprocessors, replay, stream_handle, stream_of
 from ._clock import globaltimer, smid
@@ -247,17 +247,11 @@ def _mask_value(mask, n, h, w, height, width, empty):
 
 
 @cuda.jit(device=True, inline=True)
-def _max_nan(a, b):
-    """max(a, b), NaN where either is, as numpy's max (the reference). Python's max keeps a NaN
-    only in first place (``v > acc`` is false for NaN either way), so in the simulator a window's
-    flag hung on where in it, and in which lane of a vector, its NaN pixel lay; on a GPU Numba's
-    max of floats is max.f32, which drops a NaN wherever it is."""
-    return a if a > b or a != a else b
-
-
-@cuda.jit(device=True, inline=True)
 def _pool(acc, v, avgpool):
-    return acc + v if avgpool else _max_nan(acc, v)
+    # (NaN-propagating, as the reference's numpy max: on a GPU plain max drops a NaN, and the
+    # simulator's Python max keeps one only in first place, so a window's flag hung on where in
+    # it, and in which lane of a vector, its NaN pixel lay)
+    return acc + v if avgpool else max_nan_select(acc, v)
 
 
 @cuda.jit(device=True, inline=True)
@@ -557,7 +551,7 @@ def _make_pass_kernel(avgpool, wide, vector, look_back, stride, nan_max_ptx=Fals
     else n = -1 from the back (rows count.. hold those). The last chunk writes the count and
     advances status[0], the launch count the tags come from. Accumulates in float64 with
     `wide` (sums, float64 masks), else float32 (exact for the max of other masks), its max NaN
-    where a value is (`nan_max_ptx`: by max.NaN.f32, else `_max_nan`). Geometry is 32-bit and
+    where a value is (`nan_max_ptx`: by max.NaN.f32, else `max_nan_select`). Geometry is 32-bit and
     divisions go by the launcher's magic numbers (`_quotient`); the mask comes flat."""
     acc_type = float64 if wide else float32
     RANKERS = -(-PASS_WINDOWS // WARP)  # warps whose ballots rank a chunk's windows
@@ -572,7 +566,7 @@ def _make_pass_kernel(avgpool, wide, vector, look_back, stride, nan_max_ptx=Fals
     # padding), at most max(threads, columns) + windows (phases x columns <= threads).
     SHARED = max(PASS_THREADS, PASS_COLUMNS) + PASS_WINDOWS
 
-    nan_max = max_nan if nan_max_ptx and not wide else _max_nan
+    nan_max = max_nan if nan_max_ptx and not wide else max_nan_select
 
     @cuda.jit(device=True, inline=True)
     def pool(acc, v):
