@@ -1,7 +1,5 @@
 """SBNet kernels (reduce_mask, sparse_gather, sparse_scatter) against their NumPy reference."""
 
-import functools
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -1090,12 +1088,13 @@ def test_far_windows_land_where_64_bit_arithmetic_puts_them(dtype, channels, dat
     blocks = rng.standard_normal(want.shape).astype(dtype)
     y = rng.standard_normal(shape).astype(dtype)
     want_y = reference.sparse_scatter(blocks, FAR_INDICES, y, add=add, **g)
-    assert_close = functools.partial(np.testing.assert_allclose, rtol=1e-3 if dtype == "float16" else 1e-6)
-    assert_close(sbnet.sparse_scatter(blocks, FAR_INDICES, y, add=add, atomic=atomic, **g), want_y)
+    rtol = 1e-3 if dtype == "float16" else 1e-6
+    np.testing.assert_allclose(sbnet.sparse_scatter(blocks, FAR_INDICES, y, add=add, atomic=atomic, **g), want_y,
+                               rtol=rtol)
     y_device = cuda.to_device(y)
     sbnet.sparse_scatter(cuda.to_device(blocks), cuda.to_device(FAR_INDICES), y_device, add=add, atomic=atomic,
                          inplace=True, **g)
-    assert_close(y_device.copy_to_host(), want_y)
+    np.testing.assert_allclose(y_device.copy_to_host(), want_y, rtol=rtol)
 
 
 def test_zero_blocks():
