@@ -94,7 +94,8 @@ def bench_nchw_ops(torch, sbnet, reference, records, shapes, channels, fractions
     block's geometry (its windows of 16 every 16 active): gathers of its input windows (18 every
     16 from -1, the stack NCHW or with ``transpose`` NHWC), adding scatters of its output windows
     (16 every 16) in place, and atomic adds of the input windows (the gather's gradient); on the
-    device alone (graph), against a copy of each window's bytes."""
+    device alone (graph), against a copy moving as many bytes (as `bench_ops`'s rows: an adding
+    scatter reads the blocks and the windows and writes the windows, three passes)."""
     rng = np.random.default_rng(2)
     copies = {}
     gather_at = {"bsize": 18, "bstride": 16, "boffset": -1, "data_format": "NCHW"}
@@ -138,10 +139,11 @@ def bench_nchw_ops(torch, sbnet, reference, records, shapes, channels, fractions
                                          3, lambda b=stack: sbnet.sparse_scatter(
                                              b, idx, y, add=True, atomic=True, inplace=True, **gather_at)))
                         for name, extra, window_bytes, passes, fn in rows:
-                            if window_bytes not in copies:  # (a copy reads and writes the windows' bytes)
-                                copies[window_bytes] = copy_ms(window_bytes, graph=True)
+                            size = passes * window_bytes // 2  # (a copy reads and writes: as many bytes moved)
+                            if size not in copies:
+                                copies[size] = copy_ms(size, graph=True)
                             records.append(Record(name, dict(p, transpose=transpose, **extra), graph_ms(fn),
-                                                  {"copy": copies[window_bytes]}, bytes=passes * window_bytes))
+                                                  {"copy": copies[size]}, bytes=passes * window_bytes))
 
 
 def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):

@@ -468,6 +468,15 @@ W = np.ones(LAYOUT.w_shape, np.float32)
 DY = np.ones((4, 24), np.float32)
 
 
+def _weight_grad_over(shared):
+    """weight_grad into an out= that shares memory with x or dy (`shared`)."""
+    buffer = cuda.to_device(np.ones(LAYOUT.w_shape[0] * 64 + 96, np.float32))
+    out = buffer[:W.size].reshape(LAYOUT.w_shape)
+    x = buffer[W.size - 64:W.size].reshape(X.shape) if shared == "x" else cuda.to_device(X)
+    dy = buffer[W.size - 8:W.size + 88].reshape(DY.shape) if shared == "dy" else cuda.to_device(DY)
+    return bsmm.weight_grad(x, dy, LAYOUT, out=out)
+
+
 @pytest.mark.parametrize("call, error, message", [
     (lambda: bsmm.forward(X, W, LAYOUT, feature_axis=2), ValueError, "feature_axis"),
     (lambda: bsmm.forward(X[:, :8], W, LAYOUT), ValueError, "x: expected 16 features"),
@@ -484,6 +493,8 @@ DY = np.ones((4, 24), np.float32)
     (lambda: bsmm.weight_grad(X, DY, LAYOUT, beta="one"), TypeError, "beta"),
     (lambda: bsmm.weight_grad(X, DY, LAYOUT, out=W.copy()), TypeError, "out: expected a device array"),
     (lambda: bsmm.weight_grad(X, DY, LAYOUT, out=W[:2]), ValueError, "out: expected shape"),
+    (lambda: _weight_grad_over("x"), ValueError, "out: shares memory with x"),
+    (lambda: _weight_grad_over("dy"), ValueError, "out: shares memory with dy"),
     (lambda: bsmm.forward(X, W, LAYOUT, version=6), ValueError, "version"),
     (lambda: bsmm.transpose_blocks(W.astype(np.float64), LAYOUT), TypeError, "w: expected dtype"),
     (lambda: bsmm.transpose_blocks(W[:5], LAYOUT), ValueError, "w: expected shape"),

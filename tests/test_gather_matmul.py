@@ -133,8 +133,10 @@ def test_a_convolution_weight_goes_as_it_is():
     ("out shape", ValueError, "out: expected shape"),
     ("numpy out", TypeError, "out: expected a device array"),
     ("geometry", ValueError, "bsize"),
+    ("out inside x", ValueError, "out: shares memory with x"),
+    ("out over the indices", ValueError, "out: shares memory with indices"),
 ])
-def test_bad_input_raises_before_any_launch(case, error, match):
+def test_bad_input_raises_before_any_launch(case, error, match, monkeypatch):
     x = np.ones((1, 4, 4, 8), np.float16)
     w = np.ones((3, 8), np.float16)
     indices = np.zeros((1, 3), np.int32)
@@ -159,8 +161,21 @@ def test_bad_input_raises_before_any_launch(case, error, match):
         kwargs["out"] = np.zeros((1, 2, 2, 3), np.float16)
     elif case == "geometry":
         kwargs["bsize"] = 0
+    elif case == "out inside x":
+        buffer = cuda.to_device(np.ones(128, np.float16))
+        x, w, indices = buffer.reshape(1, 4, 4, 8), cuda.to_device(w), cuda.to_device(indices)
+        kwargs["out"] = buffer[64:76].reshape(1, 2, 2, 3)
+    elif case == "out over the indices":
+        buffer = cuda.to_device(np.zeros(12, np.float16))
+        x, w, kwargs["out"] = cuda.to_device(x), cuda.to_device(w), buffer.reshape(1, 2, 2, 3)
+        indices = buffer.view(np.int32)[:3].reshape(1, 3)
+    monkeypatch.setattr(gather_matmul, "launch", _no_launch)
     with pytest.raises(error, match=match):
         gather_matmul.sparse_gather_matmul(x, indices, w, **kwargs)
+
+
+def _no_launch(*args, **kwargs):
+    raise AssertionError("launched")
 
 
 @pytest.mark.gpu
@@ -315,8 +330,10 @@ def test_matmul_scatter_nothing_to_add():
     ("overlap", ValueError, "overlap"),
     ("count", ValueError, "count: expected"),
     ("geometry", ValueError, "bsize"),
+    ("blocks inside y", ValueError, "y: shares memory with blocks"),
+    ("weight inside y", ValueError, "y: shares memory with weight"),
 ])
-def test_matmul_scatter_bad_input_raises_before_any_launch(case, error, match):
+def test_matmul_scatter_bad_input_raises_before_any_launch(case, error, match, monkeypatch):
     blocks = np.ones((1, 2, 2, 8), np.float16)
     w = np.ones((3, 8), np.float16)
     y = np.zeros((1, 4, 4, 3), np.float16)
@@ -350,6 +367,11 @@ def test_matmul_scatter_bad_input_raises_before_any_launch(case, error, match):
         blocks, indices, w, into = (cuda.to_device(a) for a in (blocks, indices, w, y))
         if "count" in kwargs:
             kwargs["count"] = cuda.to_device(kwargs["count"])
+    if case == "blocks inside y":
+        blocks = into.reshape(48)[8:40].reshape(1, 2, 2, 8)
+    elif case == "weight inside y":
+        w = into.reshape(48)[16:40].reshape(3, 8)
+    monkeypatch.setattr(gather_matmul, "launch", _no_launch)
     with pytest.raises(error, match=match):
         gather_matmul.sparse_matmul_scatter(blocks, indices, w, into, **kwargs)
     if case != "numpy y":

@@ -1180,3 +1180,76 @@ B = np.ones((2, 2, 2, 2), np.float32)
 def test_bad_input_raises_before_launch(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def _shared_buffer(kind, size):
+    """Zeros of `size` float32 and a way to view part of them: (buffer, view(start, stop, shape,
+    dtype)), Numba device arrays or torch tensors (on the GPU; host tensors in the simulator)."""
+    if kind == "numba":
+        buffer = cuda.to_device(np.zeros(size, np.float32))
+        return buffer, lambda start, stop, shape, dtype=np.float32: \
+            buffer.view(dtype)[start:stop].reshape(shape)
+    torch = pytest.importorskip("torch")
+    buffer = torch.zeros(size, device="cpu" if SIMULATOR else "cuda")
+    return buffer, lambda start, stop, shape, dtype=np.float32: \
+        buffer.view(getattr(torch, np.dtype(dtype).name))[start:stop].reshape(shape)
+
+
+@pytest.mark.parametrize("kind", ["numba", "torch"])
+@pytest.mark.parametrize("call, shared", [("gather", "x"), ("gather", "indices"), ("gather", "count"),
+                                          ("scatter", "blocks"), ("scatter", "indices"), ("scatter", "count")])
+def test_a_written_array_sharing_memory_with_a_read_one_raises(kind, call, shared, monkeypatch):
+    # One buffer: the blocks (or a gather's out) in elements 0-15, the image in 16-47, indices in
+    # 48-53, the count in 54. The call runs first with those disjoint (adjacent, not shared: no
+    # false alarm, and on a GPU a kept plan for the second call to find), then with `shared` moved
+    # into what it writes, where it must raise before any launch (replayed or not).
+    buffer, view = _shared_buffer(kind, 64)
+    image = view(16, 48, (1, 4, 4, 2))
+    image_host = np.arange(32, dtype=np.float32).reshape(1, 4, 4, 2)
+    want_indices = np.array([[0, 0, 0], [0, 1, 1]], np.int32)
+    indices, count = view(48, 54, (2, 3), np.int32), view(54, 55, (1,), np.int32)
+    if kind == "numba":
+        image.copy_to_device(image_host)
+        indices.copy_to_device(want_indices)
+        count.copy_to_device(np.array([2], np.int32))
+    else:
+        torch = pytest.importorskip("torch")
+        image.copy_(torch.as_tensor(image_host))
+        indices.copy_(torch.as_tensor(want_indices))
+        count.fill_(2)
+    blocks = view(0, 16, (2, 2, 2, 2))
+    g = {"bsize": 2, "bstride": 2}
+
+    def host(array):
+        return array.copy_to_host() if kind == "numba" else array.cpu().numpy()
+
+    def run(blocks, indices, count):
+        if call == "gather":
+            return sbnet.sparse_gather(image, indices, count=count, out=blocks, **g)
+        return sbnet.sparse_scatter(blocks, indices, image, count=count, add=True, inplace=True, **g)
+
+    stack = reference.sparse_gather(image_host, want_indices, **g)
+    if call == "scatter":
+        blocks_host = np.arange(16, dtype=np.float32).reshape(2, 2, 2, 2) + 100
+        blocks.copy_to_device(blocks_host) if kind == "numba" else blocks.copy_(torch.as_tensor(blocks_host))
+        got = run(blocks, indices, count)  # (image itself, but for torch in the simulator: a copy)
+        np.testing.assert_array_equal(host(got), reference.sparse_scatter(
+            blocks_host, want_indices, image_host, add=True, **g))
+    else:
+        for _ in range(2):  # (a GPU keeps the first call's plan and replays it)
+            np.testing.assert_array_equal(host(run(blocks, indices, count)), stack)
+    before = host(buffer)
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(sbnet, "launch", no_launch)
+    at = 20 if call == "scatter" else 4  # an element inside what the call writes (image, or out)
+    moved = {"x": (view(20, 36, (2, 2, 2, 2)), indices, count),  # (the gather's out inside its image)
+             "blocks": (view(at, at + 16, (2, 2, 2, 2)), indices, count),
+             "indices": (blocks, view(at, at + 6, (2, 3), np.int32), count),
+             "count": (blocks, indices, view(at, at + 1, (1,), np.int32))}[shared]
+    written_name = "out" if call == "gather" else "y"
+    with pytest.raises(ValueError, match=f"{written_name}: shares memory with {shared}"):
+        run(*moved)
+    np.testing.assert_array_equal(host(buffer), before)

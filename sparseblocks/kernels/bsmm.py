@@ -2173,8 +2173,9 @@ def _replayed_weight_grad(x, dy, layout, feature_axis, out, beta, version, split
     key = _weight_grad_key(x, dy, out, layout, feature_axis, beta, version, splits)
     plan = _plans.get(key) if key is not None else None
     if plan is None or plan.layout is not layout or not (
-            x.is_contiguous() and dy.is_contiguous() and (out is None or out.is_contiguous())):
-        return None
+            x.is_contiguous() and dy.is_contiguous() and (out is None or out.is_contiguous())) or (
+            out is not None and _arrays.tensors_overlap(out, (x, dy))):
+        return None  # (the general path checks an out= sharing memory with x or dy, and raises)
     dw = x.new_empty(layout.w_shape) if out is None else out
     stream = _arrays.torch_stream_handle()
     if plan.combine is None:
@@ -2280,7 +2281,7 @@ def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=None,
 
     With ``out`` the result goes there, as ``out = xᵀ·dy + beta·out`` (so the
     gradients of a weight shared across steps add up without a copy); ``out``
-    is then returned. ``splits`` (version 2) overrides how many slices of N
+    is then returned, and must not share memory with ``x`` or ``dy`` (ValueError). ``splits`` (version 2) overrides how many slices of N
     are summed separately and then combined in order.
     """
     if _plans:
@@ -2306,6 +2307,7 @@ def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=None,
         check_shape(ops[2], layout.w_shape)
         if ops[2].kind == "numpy":
             raise TypeError("out: expected a device array (a NumPy out= would be a copy)")
+        _arrays.check_disjoint(ops[2], (x, dy))
 
     stream = launch_stream(ops)
     if out is None:

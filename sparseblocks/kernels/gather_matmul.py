@@ -55,6 +55,7 @@ do not overlap (repeated indices are not checked: they would race).
 import numpy as np
 from numba import boolean, cuda, float32, int32, int64, uint32, uint64
 
+from .. import _arrays
 from .._arrays import Operand, _dtype_name, check_dtype, check_shape, launch_stream, torch_stream_handle
 from .._backend import SIMULATOR
 from ..reference.sbnet import check_geometry
@@ -483,8 +484,10 @@ def _replayed(x, indices, weight, count, settings, out):
     if out is None:
         out = x.new_empty(plan.out_shape)
     elif not (isinstance(out, type(x)) and out.shape == plan.out_shape and out.dtype == x.dtype
-              and out.device == x.device and out.is_contiguous() and out.data_ptr() % UNIT == 0):
-        return None  # (an out= the plan's vector stores may not take: the general path checks it)
+              and out.device == x.device and out.is_contiguous() and out.data_ptr() % UNIT == 0) \
+            or _arrays.tensors_overlap(out, (x, indices, weight, count)):
+        return None  # (an out= the plan's vector stores may not take, or one sharing memory with an
+        # input: the general path checks it)
     plan.launch[0](torch_stream_handle(), out.data_ptr(), x.data_ptr(), weight.data_ptr(), indices.data_ptr(),
                    plan.extra if count is None else count.data_ptr())
     return out
@@ -526,7 +529,8 @@ def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=No
 
     ``x`` NHWC ``[N, H, W, C]``; ``weight`` ``[C_out, C]`` or ``[C_out, C, 1, 1]``, x's dtype.
     Returns ``[n_blocks, bh, bw, C_out]`` in x's kind and dtype (``out``: a C-contiguous device
-    array of that shape to write into, returned). With a ``count``, rows from it on are zeros.
+    array of that shape to write into, returned; ValueError where it shares memory with an
+    input). With a ``count``, rows from it on are zeros.
     A call repeated with torch tensors of the same shapes, dtypes, alignment and settings
     replays its kept launch (~15 µs of host time where the checks took ~55).
     """
@@ -550,7 +554,7 @@ def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=No
     size, stride, offset = check_geometry(bsize, bstride, boffset)
     out_op = None if out is None else Operand(out, "out")
     stream = launch_stream((x_op, w_op) if out is None else (x_op, w_op, out_op))
-    idx, count_device, n_blocks = _prepare_indices(indices, count, (x_op, w_op), stream)
+    idx, count_device, n_blocks = _prepare_indices(indices, count, (x_op, w_op), stream, out_op)
     area = size[0] * size[1]
     n_pixels = _stack_pixels(n_blocks, size)
     shape = (n_blocks, *size, n_out)
@@ -612,13 +616,14 @@ def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0,
     rounded to fp16 before the add, as the product and the scatter apart give.
     The windows must not overlap (``bstride`` >= ``bsize``, checked) and the
     indices must not repeat (not checked: they are on the device, as y is):
-    no two windows may add into one pixel. Returns ``y``. A call repeated
+    no two windows may add into one pixel. ``y`` must not share memory with
+    an input (ValueError). Returns ``y``. A call repeated
     with torch tensors replays its kept launch.
     """
     settings = _scatter_settings(bsize, bstride, boffset)
     if _sbnet._plans:
         plan = _sbnet._kept("matmul_scatter", (blocks, indices, weight, y), count, settings)
-        if plan is not None:
+        if plan is not None and not _arrays.tensors_overlap(y, (blocks, indices, weight, count)):
             plan.launch[0](torch_stream_handle(), y.data_ptr(), blocks.data_ptr(), weight.data_ptr(),
                            indices.data_ptr(), plan.extra if count is None else count.data_ptr())
             return y
@@ -646,7 +651,7 @@ def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0,
     if stride[0] < size[0] or stride[1] < size[1]:
         raise ValueError(f"bstride: windows of bsize {size} every {stride} overlap; their adds would race")
     stream = launch_stream((b_op, w_op, y_op))
-    idx, count_device, n_blocks = _prepare_indices(indices, count, (b_op, w_op, y_op), stream)
+    idx, count_device, n_blocks = _prepare_indices(indices, count, (b_op, w_op, y_op), stream, y_op)
     expected = (n_blocks, *size, K)
     if b_op.shape != expected:
         raise ValueError(f"blocks: expected shape {expected} for {n_blocks} indices, got {b_op.shape}")

@@ -43,7 +43,10 @@ zeros, writes there are dropped, and so are blocks whose ``n`` is out of range.
   with ``transpose``.
   Adding windows that can overlap (a stride smaller than the block) without
   ``atomic`` raises, and so do repeated indices given on the host. Where
-  overwritten windows overlap, which block lands is unspecified. Into a copy,
+  overwritten windows overlap, which block lands is unspecified. With
+  ``inplace``, a ``y`` that shares memory with the blocks, the indices or the
+  count raises (as a gather's ``out`` sharing x's, the indices' or the
+  count's): threads would read what others had already written. Into a copy,
   channels-last blocks covering MERGE_MIN_COVER of the image or more go in one
   pass (version 2, `_make_merge_kernels`): the blocks' rows are linked into a
   map of the windows (`link_windows`), then each pixel of the copy is written
@@ -76,7 +79,7 @@ import numpy as np
 from numba import cuda, float32, float64, from_dtype, int32, int64, uint32, uint64
 
 from .. import _arrays as _arrays_module
-from .._arrays import Operand, check_dtype, check_same_kind, check_shape, launch_stream
+from .._arrays import Operand, check_disjoint, check_dtype, check_same_kind, check_shape, launch_stream
 from .._backend import SIMULATOR
 from ..reference.sbnet import block_count, check_geometry, check_tol, pair
 from ._half2 import add_half2, atomic_add_half, atomic_add_half2, floats_of_half2
@@ -1982,15 +1985,21 @@ def _replayed(call, tensors, count, settings, inplace=False, out=None):
     plan = _kept(call, tensors, count, settings)
     if plan is None:
         return None
+    # (the general path raises where what the call writes shares memory with what it reads)
+    if call != "gather":
+        if inplace and _arrays_module.tensors_overlap(tensors[2], (*tensors[:2], count)):
+            return None
+    elif out is not None and not (
+            isinstance(out, _tensor_class) and out.shape == plan.out_shape and out.dtype == tensors[0].dtype
+            and out.device == tensors[0].device and out.is_contiguous()
+            and not _arrays_module.tensors_overlap(out, (*tensors, count))):
+        return None
     stream = _arrays_module.torch_stream_handle()
     count = plan.extra if count is None else count.data_ptr()
     if call != "gather":
         return _scatter_replay(plan, stream, tensors[2], tensors[0].data_ptr(), tensors[1].data_ptr(), count, inplace)
     if out is None:
         out = tensors[0].new_empty(plan.out_shape)
-    elif not (isinstance(out, _tensor_class) and out.shape == plan.out_shape and out.dtype == tensors[0].dtype
-              and out.device == tensors[0].device and out.is_contiguous()):
-        return None
     plan.launch[0](stream, tensors[0].data_ptr(), out.data_ptr(), tensors[1].data_ptr(), count)
     return out
 
@@ -2362,8 +2371,9 @@ def _constant_count(n):
     return _counts[n]
 
 
-def _prepare_indices(indices, count, ops, stream):
-    """Device indices and count, validated: (indices, count, n_blocks launched)."""
+def _prepare_indices(indices, count, ops, stream, written=None):
+    """Device indices and count, validated: (indices, count, n_blocks launched). ``written``: the
+    operand the call writes, checked apart from the other ``ops``, the indices and the count."""
     idx = Operand(indices, "indices")
     if len(idx.shape) != 2 or idx.shape[1] != 3:
         raise ValueError(f"indices: expected [n_blocks, 3] of (n, bh, bw), got shape {idx.shape}")
@@ -2371,11 +2381,13 @@ def _prepare_indices(indices, count, ops, stream):
         raise TypeError(f"indices: expected int32, got {idx.dtype}")
     check_same_kind((idx, *ops))
     idx.require_contiguous()
+    cnt = None if count is None else Operand(count, "count")
+    if written is not None:
+        check_disjoint(written, (*(op for op in ops if op is not written), idx, cnt))
     if count is None:
         n_blocks = idx.shape[0]
         count_device = _constant_count(n_blocks)
     else:
-        cnt = Operand(count, "count")
         if cnt.shape != (1,) or cnt.dtype != "int32":
             raise ValueError(f"count: expected a one-element int32 array, got {cnt.shape} {cnt.dtype}")
         if cnt.kind == "numpy":
@@ -2404,8 +2416,9 @@ def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=
     NCHW ``x`` the reverse. With a device ``count``, ``n_blocks`` is the indices' rows, and
     rows from the count on are zeros (as a window off the image gives): a stack that feeds
     convolutions and their weight gradients sees nothing there. ``out``: a C-contiguous
-    device array of that shape and x's dtype to write into, returned; as with bsmm's
-    ``out=``, under the simulator a torch ``out`` comes back as a new tensor.
+    device array of that shape and x's dtype to write into, returned (ValueError where it
+    shares memory with x, the indices or the count); as with bsmm's ``out=``, under the
+    simulator a torch ``out`` comes back as a new tensor.
     """
     settings = _gather_settings(bsize, bstride, boffset, transpose, data_format)
     if _plans:
@@ -2421,7 +2434,7 @@ def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=
     geometry = check_geometry(bsize, bstride, boffset)
     out_op = None if out is None else Operand(out, "out")
     stream = launch_stream((x_op,) if out is None else (x_op, out_op))
-    idx, count_device, n_blocks = _prepare_indices(indices, count, (x_op,), stream)
+    idx, count_device, n_blocks = _prepare_indices(indices, count, (x_op,), stream, out_op)
     C = x_op.shape[3 if channels_last else 1]
     shape = _block_shape(n_blocks, geometry[0], C, channels_last, transpose)
     if out is None:
@@ -2458,7 +2471,8 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
     block) or where host indices repeat a window. Device indices are not read
     on the host (that would be a sync), so a window repeated in them is the
     caller's to avoid (`reduce_mask` never repeats one): pass ``atomic=True``
-    for device indices that may repeat.
+    for device indices that may repeat. With ``inplace``, ``y`` must not share
+    memory with ``blocks``, the indices or the count (ValueError).
     """
     settings = _scatter_settings(bsize, bstride, boffset, add, atomic, transpose, inplace, data_format)
     if _plans:
@@ -2478,7 +2492,8 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
     size, stride, _ = geometry
     C = y_op.shape[3 if channels_last else 1]
     stream = launch_stream((b_op, y_op))
-    idx, count_device, n_blocks = _prepare_indices(indices, count, (b_op, y_op), stream)
+    idx, count_device, n_blocks = _prepare_indices(indices, count, (b_op, y_op), stream,
+                                                   y_op if inplace else None)
     expected = _block_shape(n_blocks, size, C, channels_last, transpose)
     if b_op.shape != expected:
         raise ValueError(f"blocks: expected shape {expected} for {n_blocks} indices, got {b_op.shape}")
