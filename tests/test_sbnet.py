@@ -607,25 +607,30 @@ pair_geometry = st.fixed_dictionaries({
 })
 
 
-@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("transpose, halves", [(False, 2), (False, 4), (True, 2)])
 @pytest.mark.parametrize("add, atomic", [(False, False), (True, False), (True, True)])
 @few
-@given(seed=st.integers(0, 2**32 - 1), g=pair_geometry, width=st.sampled_from([2, 6, 10]))
-def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, add, atomic, transpose):
+@given(seed=st.integers(0, 2**32 - 1), g=pair_geometry, width=st.sampled_from([2, 4, 6, 8, 12]))
+def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, add, atomic, transpose, halves):
     """NCHW fp16 gathers and scatters with rows of whole words go two halves a word (scatters
     that are not atomic only at even columns; through the transpose, adding scatters of NHWC
-    blocks only, where C is even, in tiles cut here to one channel pair and 8 pixels), windows
-    at odd columns, off the image and past a device count included: the gather, an overwrite
-    and an add equal the reference bit for bit; an atomic add of windows that may overlap or
-    repeat equals it up to fp16's rounding of each partial sum."""
+    blocks only, where C is even, in tiles cut here to one channel pair and 8 pixels), or with
+    `PAIR_HALVES` 4 four a word where W and the window's width are multiples of 4 (scatters: not
+    atomic, at columns that are), windows at odd columns, off the image and past a device count
+    included: the gather, an overwrite and an add equal the reference bit for bit; an atomic add
+    of windows that may overlap or repeat equals it up to fp16's rounding of each partial sum."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sbnet, "PAIR_TILE_PAIRS", 1)
         patch.setattr(sbnet, "PAIR_TILE_PIXELS", 8)
+        patch.setattr(sbnet, "PAIR_HALVES", halves)
         made, elements = pair_kernel_keys(patch)
-        pair_copies(seed, g, width, add, atomic, transpose, made, elements)
+        if halves == 4:  # windows at columns of multiples of 4 half the time: the scatters' quads
+            g = dict(g, bstride=(g["bstride"][0], 4 * g["bstride"][1]), boffset=(g["boffset"][0], -4)) \
+                if seed % 2 else g
+        pair_copies(seed, g, width, add, atomic, transpose, made, elements, halves)
 
 
-def pair_copies(seed, g, width, add, atomic, transpose, made, elements):
+def pair_copies(seed, g, width, add, atomic, transpose, made, elements, halves=2):
     rng = np.random.default_rng(seed)
     channels = int(rng.integers(1, 5))
     x = values(rng, (2, channels, int(rng.integers(1, 8)), width), "float16", "small_integers")
@@ -657,8 +662,11 @@ def pair_copies(seed, g, width, add, atomic, transpose, made, elements):
         gathered = not transpose  # (the gathers through the transpose keep the generic tile)
         words = (atomic or (g["boffset"][1] % 2 == 0 and g["bstride"][1] % 2 == 0)) and (
             not transpose or (add and channels % 2 == 0))
-        scattered = (True, atomic) if transpose else (False, True, add, atomic)
-        assert set(made) == {*([(False, False, False, False)] if gathered else []), *([scattered] if words else [])}
+        quad = halves == 4 and g["bsize"][1] % 4 == 0 and width % 4 == 0  # (device arrays: 8-byte aligned)
+        quad_scatter = quad and not atomic and g["boffset"][1] % 4 == 0 and g["bstride"][1] % 4 == 0
+        scattered = (True, atomic) if transpose else (False, True, add, atomic, 4 if quad_scatter else 2)
+        gathers = [(False, False, False, False, 4 if quad else 2)] if gathered else []
+        assert set(made) == {*gathers, *([scattered] if words else [])}
         assert len(elements) == 2 * (not gathered) + (not words)  # (two gathers: with and without a count)
 
 
@@ -882,7 +890,7 @@ def test_repeated_torch_calls_replay_a_kept_plan(transpose, link_alone, monkeypa
 def test_kept_plans_of_the_pair_kernels_write_the_image_through_both_views(monkeypatch):
     """The NCHW fp16 pair kernels take the image twice (words, and halves for an atomic add's
     window row ends): a kept plan's replay writes both pointers, so the ends of the second
-    call's rows land in the second call's image, not the first's."""
+    call's rows land in the second call's image, not the first's (the gather: four halves a word)."""
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(sbnet, "_plans", {})
     made, _ = pair_kernel_keys(monkeypatch)
@@ -892,14 +900,14 @@ def test_kept_plans_of_the_pair_kernels_write_the_image_through_both_views(monke
     host_indices = indices[:3].cpu().numpy()
     earlier = []  # (an output of the first round, a copy of it)
     for round in range(2):  # the first call of each kind keeps a plan, the second replays it
-        x = torch.randn(2, 3, 7, 10, device="cuda").half()
+        x = torch.randn(2, 3, 7, 12, device="cuda").half()
         got = sbnet.sparse_gather(x, indices, count=count, data_format="NCHW", **g)
         want = reference.sparse_gather(x.cpu().numpy(), host_indices, data_format="NCHW", **g)
         np.testing.assert_array_equal(got[:3].cpu().numpy(), want)
         assert not got[3:].any()
         for add, atomic, inplace in [(False, False, True), (True, False, True), (True, True, True),
                                      (True, True, False)]:
-            y = torch.randn(2, 3, 7, 10, device="cuda").half()
+            y = torch.randn(2, 3, 7, 12, device="cuda").half()
             want = reference.sparse_scatter(got[:3].cpu().numpy(), host_indices, y.cpu().numpy(), add=add,
                                             data_format="NCHW", **g)
             out = sbnet.sparse_scatter(got, indices, y, add=add, atomic=atomic, inplace=inplace, count=count,
@@ -908,7 +916,7 @@ def test_kept_plans_of_the_pair_kernels_write_the_image_through_both_views(monke
             np.testing.assert_array_equal(out.cpu().numpy(), want)
             if round == 0:
                 earlier.append((out, out.clone()))
-    assert len(sbnet._plans) == 5 and set(made) == {(False, False, False, False), (False, True, True, True)}
+    assert len(sbnet._plans) == 5 and set(made) == {(False, False, False, False, 4), (False, True, True, True, 2)}
     for out, copy in earlier:  # no replay wrote into the first round's images
         assert torch.equal(out, copy)
 

@@ -60,9 +60,10 @@ plain, adds, fp16 adds two halves a word by `_half2.py`, fp32 and fp16
 transposes through a shared tile of a run of the window's pixels);
 otherwise element kernels, with 8-byte words for overwrites and int32 words
 of two halves for fp16 adds where rows allow. Plain NCHW fp16 copies go two
-halves a word where rows start on words, odd first columns included
-(`_make_pair_kernels`), and so do adding scatters of NHWC blocks into NCHW
-fp16 images (`_make_pair_tile_kernels`). A call (gather, scatter, or
+halves a word where rows start on words, odd first columns included, or four
+(int64 words) where widths are multiples of 4 (`_make_pair_kernels`), and so
+do adding scatters of NHWC blocks into NCHW fp16 images
+(`_make_pair_tile_kernels`, two a word). A call (gather, scatter, or
 reduce_mask's launches) repeated with torch tensors of the same shapes,
 dtypes, geometry, flags and alignment replays kept launches (`_plans`, as
 bsmm's products).
@@ -1016,6 +1017,24 @@ def _joined(low, high, odd):
     return low
 
 
+@cuda.jit(device=True, inline=True)
+def _joined_quad(low, high, phase):
+    """The int64 word of four halves that start ``phase`` halves into the aligned word ``low``
+    and run on into ``high`` (``low`` itself where ``phase`` is 0)."""
+    if phase != 0:
+        shift = uint64(16 * phase)
+        return int64((uint64(low) >> shift) | (uint64(high) << (uint64(64) - shift)))
+    return low
+
+
+@cuda.jit(device=True, inline=True)
+def _add_quad(a, b):
+    """The int64 word of the four fp16 sums of the halves of ``a`` and ``b`` (two add.rn.f16x2)."""
+    low = add_half2(int32(a), int32(b))
+    high = add_half2(int32(a >> 32), int32(b >> 32))
+    return (int64(high) << 32) | int64(uint32(low))
+
+
 _HALF = from_dtype(np.dtype("float16"))
 
 
@@ -1037,32 +1056,46 @@ def _put_word(image, halves, at, value, old, low_ok, high_ok, add, atomic):
         atomic_add_half(halves, (2 * at + (0 if low_ok else 1),), _HALF(low if low_ok else high))
 
 
-def _make_pair_kernels(scatter, add, atomic):
-    """Plain copies between an NCHW fp16 image and NCHW blocks, two halves a 4-byte word.
+@cuda.jit(device=True, inline=True)
+def _put_quad(image, at, value, old, add):
+    """A scatter's int64 word of four halves into image word ``at``, all four the window's:
+    written, or added to ``old`` (the word read before)."""
+    image[at] = _add_quad(old, value) if add else value
+
+
+def _make_pair_kernels(scatter, add, atomic, halves=2):
+    """Plain copies between an NCHW fp16 image and NCHW blocks, ``halves`` (2 or 4) halves a word.
 
     A window row of channel c is size_w contiguous halves on both sides, but a
     window may start at an odd column (every window does at SparseResBlock's
     offset of -1), where the element kernel's 2-byte accesses ran at about half
     the copy bandwidth (session 27). The launcher checked that every row of both
-    sides starts on a word: W and size_w even, both pointers 4-byte aligned.
+    sides starts on a word: W and size_w multiples of ``halves``, both pointers
+    aligned to a word.
 
     A thread writes one aligned word of its destination (a block row's for a
     gather, an image row's for a scatter) from the one or two aligned source
-    words that hold its halves (`_joined`). So nothing moves at an odd half but,
-    in an atomic scatter, the image words at a window row's two ends, which it
-    shares with the neighbouring windows: there the window's half is added
-    alone. Other scatters take windows at even columns only (`_pair_path`: with
-    their ends' halves apart they ran 10-20 % slower than the element kernel),
-    so they write whole words. Thread t takes word t % D of rows t // D,
-    t // D + per_pass, ... of the window's C * size_h rows (D words a row): a
-    division once a thread, the row's channel and row carried along.
+    words that hold its halves (`_joined`, `_joined_quad`). So nothing moves at
+    a half's offset but, in an atomic scatter (words of two halves only), the
+    image words at a window row's two ends, which it shares with the
+    neighbouring windows: there the window's half is added alone. Other
+    scatters take windows that start on a word only (`_pair_path`: with their
+    ends' halves apart they ran 10-20 % slower than the element kernel), so
+    they write whole words. Words of four halves (int64: `PAIR_HALVES`) move
+    twice the bytes a load of the same count of loads and registers. Thread t
+    takes word t % D of rows t // D, t // D + per_pass, ... of the window's
+    C * size_h rows (D words a row): a division once a thread, the row's channel
+    and row carried along.
     """
     prefetch_old = add and not atomic
+    quad = halves == 4
+    word = int64 if quad else int32
+    shift = 2 if quad else 1  # log2(halves)
 
-    @cuda.jit
-    def copy_pairs(image, blocks, indices, count, halves, N, C, H, W, size_h, size_w, stride_h, stride_w,
+    @cuda.jit(**({} if PAIR_MAX_REGISTERS is None or SIMULATOR else {"max_registers": PAIR_MAX_REGISTERS}))
+    def copy_pairs(image, blocks, indices, count, halves_, N, C, H, W, size_h, size_w, stride_h, stride_w,
                    offset_h, offset_w):
-        """image, blocks: int32 words, flat; halves: the image as float16 (an atomic add's ends)."""
+        """image, blocks: words, flat; halves_: the image as float16 (an atomic add's ends)."""
         i = cuda.blockIdx.x
         live = i < count[0]  # a gather's row past the count: zeros, as a window off the image
         if scatter and not live:
@@ -1073,9 +1106,10 @@ def _make_pair_kernels(scatter, add, atomic):
         n_ok = live and 0 <= n < N
         if scatter and not n_ok:
             return
-        odd = (w0 & 1) == 1
-        row_words = size_w // 2  # a block row's
-        image_words = W // 2  # an image row's
+        phase = w0 & (halves - 1)  # halves into the first source word the window starts
+        odd = phase != 0
+        row_words = size_w >> shift  # a block row's
+        image_words = W >> shift  # an image row's
         D = row_words + (1 if odd and scatter else 0)  # destination words a row
         per_pass = COPY_THREADS // D
         t = cuda.threadIdx.x
@@ -1090,28 +1124,33 @@ def _make_pair_kernels(scatter, add, atomic):
         r = row - c * size_h
         dc = per_pass // size_h
         dr = per_pass - dc * size_h
-        k = (w0 >> 1) + d  # the image word: a gather's first source, a scatter's destination
+        k = (w0 >> shift) + d  # the image word: a gather's first source, a scatter's destination
         if scatter:
-            col = 2 * k  # the image column of the destination's low half ...
+            col = k << shift  # the image column of the destination's first half ...
             p = col - w0  # ... and its half of the block row
             low_ok = 0 <= p and 0 <= k < image_words
             high_ok = p + 1 < size_w and 0 <= k < image_words
             m = d - (1 if odd else 0)  # the block word holding half p
             first = min(max(m, 0), row_words - 1)
             second = min(m + 1, row_words - 1)
+            keep = word(-1)
         else:
-            col = w0 + 2 * d  # the image column of the destination's low half
-            low_ok = 0 <= col < W
-            high_ok = 0 <= col + 1 < W
+            col = w0 + (d << shift)  # the image column of the destination's first half
+            low_ok = True
+            high_ok = True
             first = min(max(k, 0), image_words - 1)
             second = min(max(k + 1, 0), image_words - 1)
-        keep = int32((0xFFFF if low_ok else 0) | (-65536 if high_ok else 0))
+            bits = uint64(0)
+            for j in range(halves):
+                if 0 <= col + j < W:
+                    bits |= uint64(0xFFFF) << uint64(16 * j)
+            keep = word(bits)
         nc = min(max(n, 0), N - 1)
         rv = cuda.local.array(PAIR_UNROLL, int64)
         cv = cuda.local.array(PAIR_UNROLL, int64)
         hv = cuda.local.array(PAIR_UNROLL, int64)
-        values = cuda.local.array(PAIR_UNROLL, int32)
-        olds = cuda.local.array(PAIR_UNROLL, int32)
+        values = cuda.local.array(PAIR_UNROLL, word)
+        olds = cuda.local.array(PAIR_UNROLL, word)
         while row < row_end:
             for u in range(PAIR_UNROLL):
                 rv[u] = row
@@ -1129,22 +1168,29 @@ def _make_pair_kernels(scatter, add, atomic):
                 if scatter:
                     at = (int64(i) * rows + min(rv[u], rows - 1)) * row_words
                     low = blocks[at + first]
-                    values[u] = _joined(low, blocks[at + second] if odd else low, odd)
+                    if quad:
+                        values[u] = low  # (a quad scatter's windows start on words)
+                    else:
+                        values[u] = _joined(low, blocks[at + second] if odd else low, odd)
                     if prefetch_old:
                         at = ((int64(n) * C + cu) * H + min(max(h, 0), H - 1)) * image_words
                         olds[u] = image[at + min(max(k, 0), image_words - 1)]
                 else:
                     at = ((int64(nc) * C + cu) * H + min(max(h, 0), H - 1)) * image_words
                     low = image[at + first]
-                    value = _joined(low, image[at + second] if odd else low, odd)
-                    values[u] = value & keep if n_ok and 0 <= h < H else int32(0)
+                    high = image[at + second] if odd else low
+                    value = _joined_quad(low, high, phase) if quad else _joined(low, high, odd)
+                    values[u] = value & keep if n_ok and 0 <= h < H else word(0)
             for u in range(PAIR_UNROLL):
                 if rv[u] < row_end:
                     if not scatter:
                         blocks[(int64(i) * rows + rv[u]) * row_words + d] = values[u]
                     elif (low_ok or high_ok) and 0 <= hv[u] < H:
                         at = ((int64(n) * C + cv[u]) * H + hv[u]) * image_words + k
-                        _put_word(image, halves, at, values[u], olds[u], low_ok, high_ok, add, atomic)
+                        if quad:
+                            _put_quad(image, at, values[u], olds[u], add)
+                        else:
+                            _put_word(image, halves_, at, values[u], olds[u], low_ok, high_ok, add, atomic)
 
     return copy_pairs
 
@@ -1718,6 +1764,13 @@ PAIRS = True
 # adding scatter 0.38 / 0.40 / 0.42; 1 x 256, 5 %: gather 0.30 / 0.25 / 0.17. Windows cut into more
 # parts (WAVES 16 or 64 instead of 4) were up to 40 % slower on the small images, within 10 % on the large.
 PAIR_UNROLL = 4
+# Halves a word of the plain pair kernels where rows allow (4: int64 words where W, the window's
+# width and, for scatters, its columns are multiples of 4 and the pointers 8-byte aligned; else 2).
+# Session 32, H100, graph µs, 2 -> 4 halves, in-place adding scatters of windows of 16 (fp16 NCHW):
+# 1 x 256 x 400 x 700 at 25 / 50 %: 128 -> 112, 228 -> 189; 8 x 64 at 50 %: 381 -> 327; 1 x 64 at
+# 5 %: 8.5 -> 5.9 (`results/sbnet_pair_variants_session32_h100.md`; a cap of 64 registers was slower).
+PAIR_HALVES = 4
+PAIR_MAX_REGISTERS = None  # a cap on the plain pair kernels' registers (ptxas, sm_90: 52-74 uncapped)
 # Transposing NCHW fp16 copies (NHWC blocks) by words (`_make_pair_tile_kernels`): a tile of this
 # many channel pairs by whole window rows of at most PAIR_TILE_PIXELS pixels, PAIR_TILE_THREADS
 # threads, PAIR_TILE_UNROLL image-side items a thread in flight.
@@ -1781,6 +1834,18 @@ def _pair_path(scatter, add, atomic, image, blocks, channels_last, transpose, dt
             and (not scatter or atomic or (offset_w % 2 == 0 and stride_w % 2 == 0)))
 
 
+def _pair_halves(scatter, atomic, image, blocks, geometry):
+    """Halves a word of a plain pair copy `_pair_path` took: 4 (int64 words) where
+    `PAIR_HALVES` is 4, W and the window's width are multiples of 4, both pointers 8-byte
+    aligned, and a scatter is not atomic and its windows start on such words (offset and
+    stride multiples of 4); else 2."""
+    (_, size_w), (_, stride_w), (_, offset_w) = geometry
+    quad = (PAIR_HALVES == 4 and size_w % 4 == 0 and image.shape[3] % 4 == 0
+            and data_pointer(image) % 8 == 0 and data_pointer(blocks) % 8 == 0
+            and (not scatter or (not atomic and offset_w % 4 == 0 and stride_w % 4 == 0)))
+    return 4 if quad else 2
+
+
 def _tiles(dtype, size, stride):
     """A transposing row copy's (tile pixels, whether its thread blocks go window by window):
     ROW_TILE_PIXELS_WIDE for fp32 where windows overlap, else ROW_TILE_PIXELS; window by
@@ -1836,19 +1901,22 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
         launch(_kernels[key], grid, threads, stream, args)
         return (_kernels[key], grid, threads, args), (0, 1, 2, 3)
     if _pair_path(scatter, add, atomic, image, blocks, channels_last, transpose, dtype, geometry):
-        key = ("pairs", scatter, transpose, add, atomic)
+        halves = 2 if transpose else _pair_halves(scatter, atomic, image, blocks, geometry)
+        key = ("pairs", scatter, transpose, add, atomic, halves)
         if key not in _kernels:
-            _kernels[key] = _make_pair_tile_kernels(atomic) if transpose else _make_pair_kernels(scatter, add, atomic)
+            _kernels[key] = (_make_pair_tile_kernels(atomic) if transpose
+                             else _make_pair_kernels(scatter, add, atomic, halves))
         N, C, H, W = image.shape
         if transpose:
             grid = (n_blocks, -(-size_h // (PAIR_TILE_PIXELS // size_w)), -(-C // (2 * PAIR_TILE_PAIRS)))
             threads = PAIR_TILE_THREADS
         else:
-            per_pass = COPY_THREADS // (size_w // 2 + 1)  # rows a pass of the thread block (at least)
+            per_pass = COPY_THREADS // (size_w // halves + 1)  # rows a pass of the thread block (at least)
             most = -(-C * size_h // (per_pass * PAIR_UNROLL))
             grid = (n_blocks, max(1, min(most, -(-WAVES * multiprocessors() // max(n_blocks, 1)))))
             threads = COPY_THREADS
-        args = (_flat(image, "int32"), _flat(blocks, "int32"), indices, count,
+        words = "int64" if halves == 4 else "int32"
+        args = (_flat(image, words), _flat(blocks, words), indices, count,
                 _flat(image, "float16"), N, C, H, W, size_h, size_w, stride_h, stride_w,
                 offset_h, offset_w)
         launch(_kernels[key], grid, threads, stream, args)
