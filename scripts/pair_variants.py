@@ -31,6 +31,14 @@ def settings_of(text):
     return {name: ast.literal_eval(value) for name, value in (part.split("=") for part in text.split(";") if part)}
 
 
+def use(sbnet, settings):
+    """Set the module's settings and drop the kernels and plans made under others."""
+    for name, value in settings.items():
+        setattr(sbnet, name, value)
+    sbnet._kernels.clear()
+    sbnet._plans.clear()
+
+
 def main():
     import torch
 
@@ -52,10 +60,7 @@ def main():
         host = x.cpu().numpy()
         outputs = None
         for variant in variants:
-            for name, value in {**defaults, **settings_of(variant)}.items():
-                setattr(sbnet, name, value)
-            sbnet._kernels.clear()
-            sbnet._plans.clear()
+            use(sbnet, {**defaults, **settings_of(variant)})
             stack = sbnet.sparse_gather(x, idx, **GATHER_AT)
             np.testing.assert_array_equal(stack.cpu().numpy(), reference.sparse_gather(host, want, **GATHER_AT))
             outputs = sbnet.sparse_gather(x, idx, **SCATTER_AT)
@@ -82,10 +87,7 @@ def main():
             indices, count = block.active_blocks(torch.as_tensor(mask, device="cuda"), tol=0.5)
             first = None
             for variant in variants:
-                for name, value in {**defaults, **settings_of(variant)}.items():
-                    setattr(sbnet, name, value)
-                sbnet._kernels.clear()
-                sbnet._plans.clear()
+                use(sbnet, {**defaults, **settings_of(variant)})
                 out = block(x, indices, count)
                 if first is None:
                     first = out
@@ -94,8 +96,7 @@ def main():
                 ms = graph_ms(lambda: block(work, indices, count, inplace=True))
                 rows.setdefault((1, 256, round(len(chosen) / (p.bcount[0] * p.bcount[1]), 3), "NCHW-input block"),
                                 []).append(f"{ms * 1000:.1f}")
-    for name, value in defaults.items():
-        setattr(sbnet, name, value)
+    use(sbnet, defaults)
     print("| N | C | active | op | " + " | ".join(variants) + " |")
     print("|---" * (4 + len(variants)) + "|")
     for (n, C, fraction, op), cells in rows.items():
