@@ -624,10 +624,33 @@ def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, add, atomic, tran
         patch.setattr(sbnet, "PAIR_TILE_PIXELS", 8)
         patch.setattr(sbnet, "PAIR_HALVES", halves)
         made, elements = pair_kernel_keys(patch)
-        if halves == 4:  # windows at columns of multiples of 4 half the time: the scatters' quads
-            g = dict(g, bstride=(g["bstride"][0], 4 * g["bstride"][1]), boffset=(g["boffset"][0], -4)) \
-                if seed % 2 else g
+        if halves == 4:  # widths of multiples of 4 (quad gathers), half the time at such columns too
+            width, g = -(-width // 4) * 4, dict(g, bsize=(g["bsize"][0], -(-g["bsize"][1] // 4) * 4))
+            if seed % 2:
+                g = dict(g, bstride=(g["bstride"][0], 4 * g["bstride"][1]), boffset=(g["boffset"][0], -4))
         pair_copies(seed, g, width, add, atomic, transpose, made, elements, halves)
+
+
+@pytest.mark.parametrize("offset", [-3, -2, -1, 0, 1, 2, 3, 4])
+def test_nchw_fp16_quads_at_every_column_phase(offset, monkeypatch):
+    """Words of four halves: a gather's windows starting at each of a word's four halves (and off
+    the image's edges: windows 4 wide every 4 over a 12-wide image, a row of blocks past it) equal
+    the reference bit for bit, and so do overwriting and adding scatters, as quads where the
+    windows start on words, as pairs (even columns) or element by element (odd) elsewhere."""
+    made, _ = pair_kernel_keys(monkeypatch)
+    rng = np.random.default_rng(offset + 3)
+    x = values(rng, (2, 3, 5, 12), "float16", "small_integers")
+    g = {"bsize": (3, 4), "bstride": (3, 4), "boffset": (1, offset), "data_format": "NCHW"}
+    indices = np.array([[0, 0, 0], [1, 1, 2], [0, 0, 3], [1, 0, 1], [0, 1, -1], [1, 2, 0]], np.int32)
+    blocks = sbnet.sparse_gather(x, indices, **g)
+    np.testing.assert_array_equal(blocks, reference.sparse_gather(x, indices, **g))
+    blocks = values(rng, blocks.shape, "float16", "small_integers")
+    for add in (False, True):
+        got = sbnet.sparse_scatter(blocks, indices, x, add=add, **g)
+        np.testing.assert_array_equal(got.view(np.int16), reference.sparse_scatter(blocks, indices, x, add=add,
+                                                                                   **g).view(np.int16))
+    scatters = {(False, True, add, False, 4 if offset % 4 == 0 else 2) for add in (False, True)}
+    assert set(made) == {(False, False, False, False, 4), *(scatters if offset % 2 == 0 else ())}
 
 
 def pair_copies(seed, g, width, add, atomic, transpose, made, elements, halves=2):

@@ -2281,8 +2281,9 @@ def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=None,
 
     With ``out`` the result goes there, as ``out = xᵀ·dy + beta·out`` (so the
     gradients of a weight shared across steps add up without a copy); ``out``
-    is then returned, and must not share memory with ``x`` or ``dy`` (ValueError). ``splits`` (version 2) overrides how many slices of N
-    are summed separately and then combined in order.
+    is then returned, and must not share memory with ``x`` or ``dy``
+    (ValueError). ``splits`` (version 2) overrides how many slices of N are
+    summed separately and then combined in order.
     """
     if _plans:
         dw = _replayed_weight_grad(x, dy, layout, feature_axis, out, beta, version, splits)
