@@ -58,7 +58,6 @@ def main():
         x = torch.randn(n, C, 400, 700, device="cuda").half()
         y = torch.zeros_like(x)
         host = x.cpu().numpy()
-        outputs = None
         for variant in variants:
             use(sbnet, {**defaults, **settings_of(variant)})
             stack = sbnet.sparse_gather(x, idx, **GATHER_AT)

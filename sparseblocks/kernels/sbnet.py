@@ -1133,11 +1133,8 @@ def _make_pair_kernels(scatter, add, atomic, halves=2):
             m = d - (1 if odd else 0)  # the block word holding half p
             first = min(max(m, 0), row_words - 1)
             second = min(m + 1, row_words - 1)
-            keep = word(-1)
         else:
             col = w0 + (d << shift)  # the image column of the destination's first half
-            low_ok = True
-            high_ok = True
             first = min(max(k, 0), image_words - 1)
             second = min(max(k + 1, 0), image_words - 1)
             bits = uint64(0)
