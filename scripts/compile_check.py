@@ -199,14 +199,17 @@ def main():
                              (words, words, types.int32[:, ::1], types.int32[::1]) + (i64,) * 6))
     # The NCHW fp16 copies two (int32) or four (int64) halves a word (`sbnet._make_pair_kernels`):
     # words flat, the image's halves beside them.
+    # One window a thread block, or windows side by side in each warp (strip).
     for scatter, add, atomic, halves in ((False, False, False, 2), (True, False, False, 2), (True, True, False, 2),
                                          (True, True, True, 2), (False, False, False, 4), (True, False, False, 4),
                                          (True, True, False, 4)):
-        kernel = sbnet._make_pair_kernels(scatter, add, atomic, halves)
-        words = (types.int64 if halves == 4 else types.int32)[::1]
-        results.append(check(f"pairs {'scatter' if scatter else 'gather'} NCHW fp16 add={add} atomic={atomic} "
-                             f"halves={halves}", kernel.py_func,
-                             (words, words, types.int32[:, ::1], types.int32[::1], types.float16[::1]) + (i64,) * 10))
+        for strip in (False, True):
+            kernel = sbnet._make_pair_kernels(scatter, add, atomic, halves, strip)
+            words = (types.int64 if halves == 4 else types.int32)[::1]
+            results.append(check(f"pairs {'scatter' if scatter else 'gather'} NCHW fp16 add={add} atomic={atomic} "
+                                 f"halves={halves} strip={strip}", kernel.py_func,
+                                 (words, words, types.int32[:, ::1], types.int32[::1], types.float16[::1])
+                                 + (i64,) * 11))
     words = types.int32[::1]
     for atomic in (False, True):  # ... and the adding scatters of NHWC blocks (`sbnet._make_pair_tile_kernels`)
         results.append(check(f"pair tiles scatter NHWC blocks into NCHW fp16 atomic={atomic}",

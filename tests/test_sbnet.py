@@ -585,7 +585,7 @@ def test_fp16_atomic_adds_of_overlapping_windows(channels, transpose, data_forma
 
 
 def pair_kernel_keys(monkeypatch):
-    """The list the pair kernels' keys, (transpose, scatter, add, atomic), are appended to as made
+    """The list the pair kernels' keys, (transpose, scatter, add, atomic[, halves, strip]), are appended to as made
     (`sbnet._make_pair_kernels`, `sbnet._make_pair_tile_kernels` with transpose), and the element
     kernels' dtypes (`copy_kernel_dtypes`): both start empty."""
     monkeypatch.setattr(sbnet, "_kernels", {})
@@ -610,16 +610,20 @@ pair_geometry = st.fixed_dictionaries({
 @pytest.mark.parametrize("transpose, halves", [(False, 2), (False, 4), (True, 2)])
 @pytest.mark.parametrize("add, atomic", [(False, False), (True, False), (True, True)])
 @few
-@given(seed=st.integers(0, 2**32 - 1), g=pair_geometry, width=st.sampled_from([2, 4, 6, 8, 12]))
-def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, add, atomic, transpose, halves):
+@given(seed=st.integers(0, 2**32 - 1), g=pair_geometry, width=st.sampled_from([2, 4, 6, 8, 12]),
+       strip=st.booleans())
+def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, strip, add, atomic, transpose, halves):
     """NCHW fp16 gathers and scatters with rows of whole words go two halves a word (scatters
     that are not atomic only at even columns; through the transpose, adding scatters of NHWC
     blocks only, where C is even, in tiles cut here to one channel pair and 8 pixels), or with
     `PAIR_HALVES` 4 four a word where W and the window's width are multiples of 4 (scatters: not
     atomic, at columns that are), windows at odd columns, off the image and past a device count
     included: the gather, an overwrite and an add equal the reference bit for bit; an atomic add
-    of windows that may overlap or repeat equals it up to fp16's rounding of each partial sum."""
+    of windows that may overlap or repeat equals it up to fp16's rounding of each partial sum.
+    Plain copies (no transpose) go a window a thread block, or by strips (``strip``: several
+    windows side by side in each warp)."""
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sbnet, "PAIR_STRIPS", sbnet.PAIR_STRIP_KINDS if strip else ())
         patch.setattr(sbnet, "PAIR_TILE_PAIRS", 1)
         patch.setattr(sbnet, "PAIR_TILE_PIXELS", 8)
         patch.setattr(sbnet, "PAIR_HALVES", halves)
@@ -628,7 +632,7 @@ def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, add, atomic, tran
             width, g = -(-width // 4) * 4, dict(g, bsize=(g["bsize"][0], -(-g["bsize"][1] // 4) * 4))
             if seed % 2:
                 g = dict(g, bstride=(g["bstride"][0], 4 * g["bstride"][1]), boffset=(g["boffset"][0], -4))
-        pair_copies(seed, g, width, add, atomic, transpose, made, elements, halves)
+        pair_copies(seed, g, width, add, atomic, transpose, made, elements, halves, strip)
 
 
 @pytest.mark.parametrize("offset", [-3, -2, -1, 0, 1, 2, 3, 4])
@@ -649,11 +653,52 @@ def test_nchw_fp16_quads_at_every_column_phase(offset, monkeypatch):
         got = sbnet.sparse_scatter(blocks, indices, x, add=add, **g)
         np.testing.assert_array_equal(got.view(np.int16), reference.sparse_scatter(blocks, indices, x, add=add,
                                                                                    **g).view(np.int16))
-    scatters = {(False, True, add, False, 4 if offset % 4 == 0 else 2) for add in (False, True)}
-    assert set(made) == {(False, False, False, False, 4), *(scatters if offset % 2 == 0 else ())}
+    quad = offset % 4 == 0  # (by strips: the default `PAIR_STRIPS`' scatters of quads, not of pairs)
+    scatters = {(False, True, add, False, 4 if quad else 2, quad) for add in (False, True)}
+    assert set(made) == {(False, False, False, False, 4, False), *(scatters if offset % 2 == 0 else ())}
 
 
-def pair_copies(seed, g, width, add, atomic, transpose, made, elements, halves=2):
+@pytest.mark.parametrize("width, offset", [(4, 0), (6, -2), (18, -1)])
+def test_nchw_fp16_strips_of_many_windows_and_rows(width, offset, monkeypatch):
+    """Pair copies by strips (several windows side by side in each warp: `_strip_lanes`) over more
+    windows than a warp holds (34 windows, 32, 10 or 3 a warp: the last group part full) and
+    more rows than a pass takes (5 channels x 8 rows), windows off the image, repeated, a device
+    count short of the rows: the
+    gather, an overwrite and an add equal the reference bit for bit, an atomic add up to fp16's
+    rounding."""
+    monkeypatch.setattr(sbnet, "PAIR_STRIPS", sbnet.PAIR_STRIP_KINDS)
+    made, elements = pair_kernel_keys(monkeypatch)
+    rng = np.random.default_rng(width)
+    x = values(rng, (2, 5, 19, 40), "float16", "small_integers")
+    g = {"bsize": (8, width), "bstride": (8, max(width, 4) if offset % 2 == 0 else 16), "boffset": (-3, offset),
+         "data_format": "NCHW"}
+    bcount = reference.block_count((19, 40), g["bstride"], g["boffset"])
+    every = np.argwhere(np.ones((2, *bcount), bool)).astype(np.int32)
+    indices = np.ascontiguousarray(np.tile(every, (-(-34 // len(every)), 1))[:34])  # (repeats: atomic adds)
+    indices[-2:] = [[1, bcount[0] + 1, 0], [0, 1, -2]]  # (off the image: read as zeros, written nowhere)
+    blocks = sbnet.sparse_gather(x, indices, **g)
+    np.testing.assert_array_equal(blocks, reference.sparse_gather(x, indices, **g))
+    count = cuda.to_device(np.array([30], np.int32))
+    past = sbnet.sparse_gather(cuda.to_device(x), cuda.to_device(indices), count=count, **g).copy_to_host()
+    np.testing.assert_array_equal(past[:30], blocks[:30])
+    assert not past[30:].any()
+    blocks = values(rng, blocks.shape, "float16", "small_integers")
+    unique = np.unique(indices, axis=0)
+    scattered = blocks[:len(unique)]
+    if offset % 2 == 0:  # (odd columns: only atomic scatters go by words)
+        for add in (False, True):
+            got = sbnet.sparse_scatter(scattered, unique, x, add=add, **g)
+            want = reference.sparse_scatter(scattered, unique, x, add=add, **g)
+            np.testing.assert_array_equal(got.view(np.int16), want.view(np.int16))
+    got = sbnet.sparse_scatter(blocks, indices, x, add=True, atomic=True, **g)
+    want = reference.sparse_scatter(blocks.astype(np.float64), indices, x.astype(np.float64), add=True, **g)
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=4e-3, atol=4e-3)
+    halves = 4 if width % 4 == 0 else 2
+    assert (False, False, False, False, halves, True) in made and not elements
+    assert (False, True, True, True, 2, True) in made
+
+
+def pair_copies(seed, g, width, add, atomic, transpose, made, elements, halves=2, strip=True):
     rng = np.random.default_rng(seed)
     channels = int(rng.integers(1, 5))
     x = values(rng, (2, channels, int(rng.integers(1, 8)), width), "float16", "small_integers")
@@ -687,8 +732,8 @@ def pair_copies(seed, g, width, add, atomic, transpose, made, elements, halves=2
             not transpose or (add and channels % 2 == 0))
         quad = halves == 4 and g["bsize"][1] % 4 == 0 and width % 4 == 0  # (device arrays: 8-byte aligned)
         quad_scatter = quad and not atomic and g["boffset"][1] % 4 == 0 and g["bstride"][1] % 4 == 0
-        scattered = (True, atomic) if transpose else (False, True, add, atomic, 4 if quad_scatter else 2)
-        gathers = [(False, False, False, False, 4 if quad else 2)] if gathered else []
+        scattered = (True, atomic) if transpose else (False, True, add, atomic, 4 if quad_scatter else 2, strip)
+        gathers = [(False, False, False, False, 4 if quad else 2, strip)] if gathered else []
         assert set(made) == {*gathers, *([scattered] if words else [])}
         assert len(elements) == 2 * (not gathered) + (not words)  # (two gathers: with and without a count)
 
@@ -939,7 +984,8 @@ def test_kept_plans_of_the_pair_kernels_write_the_image_through_both_views(monke
             np.testing.assert_array_equal(out.cpu().numpy(), want)
             if round == 0:
                 earlier.append((out, out.clone()))
-    assert len(sbnet._plans) == 5 and set(made) == {(False, False, False, False, 4), (False, True, True, True, 2)}
+    assert len(sbnet._plans) == 5 and set(made) == {(False, False, False, False, 4, False),
+                                                    (False, True, True, True, 2, True)}
     for out, copy in earlier:  # no replay wrote into the first round's images
         assert torch.equal(out, copy)
 

@@ -1063,7 +1063,7 @@ def _put_quad(image, at, value, old, add):
     image[at] = _add_quad(old, value) if add else value
 
 
-def _make_pair_kernels(scatter, add, atomic, halves=2):
+def _make_pair_kernels(scatter, add, atomic, halves=2, strip=False):
     """Plain copies between an NCHW fp16 image and NCHW blocks, ``halves`` (2 or 4) halves a word.
 
     A window row of channel c is size_w contiguous halves on both sides, but a
@@ -1086,6 +1086,15 @@ def _make_pair_kernels(scatter, add, atomic, halves=2):
     takes word t % D of rows t // D, t // D + per_pass, ... of the window's
     C * size_h rows (D words a row): a division once a thread, the row's channel
     and row carried along.
+
+    With ``strip`` a thread block takes G = 32 // L consecutive windows (L
+    lanes a window: `_strip_lanes`) instead of one: lane l of a warp takes
+    word l % L of window l // L, and warp w rows w, w + 8, ... of the block's
+    part, so one warp instruction moves one row of G windows. Where those lie
+    side by side (consecutive active windows of a window row) that is one run
+    of the image row, whose sectors shared at the windows' seams go in one
+    request; one window a thread block asks for 8 image rows of 32-36 bytes,
+    three in four of them straddling two sectors (1400-byte image rows).
     """
     prefetch_old = add and not atomic
     quad = halves == 4
@@ -1094,9 +1103,18 @@ def _make_pair_kernels(scatter, add, atomic, halves=2):
 
     @cuda.jit(**({} if PAIR_MAX_REGISTERS is None or SIMULATOR else {"max_registers": PAIR_MAX_REGISTERS}))
     def copy_pairs(image, blocks, indices, count, halves_, N, C, H, W, size_h, size_w, stride_h, stride_w,
-                   offset_h, offset_w):
-        """image, blocks: words, flat; halves_: the image as float16 (an atomic add's ends)."""
-        i = cuda.blockIdx.x
+                   offset_h, offset_w, lanes_):
+        """image, blocks: words, flat; halves_: the image as float16 (an atomic add's ends);
+        lanes_: with ``strip``, the lanes a window's row takes (`_strip_lanes`)."""
+        t = cuda.threadIdx.x
+        if strip:
+            lane = t % WARP
+            slot = lane // lanes_
+            i = cuda.blockIdx.x * (WARP // lanes_) + slot
+            if slot >= WARP // lanes_ or i >= indices.shape[0]:
+                return  # (no barrier in this kernel)
+        else:
+            i = cuda.blockIdx.x
         live = i < count[0]  # a gather's row past the count: zeros, as a window off the image
         if scatter and not live:
             return
@@ -1111,14 +1129,21 @@ def _make_pair_kernels(scatter, add, atomic, halves=2):
         row_words = size_w >> shift  # a block row's
         image_words = W >> shift  # an image row's
         D = row_words + (1 if odd and scatter else 0)  # destination words a row
-        per_pass = COPY_THREADS // D
-        t = cuda.threadIdx.x
-        if t >= per_pass * D:
-            return  # (no barrier in this kernel)
-        d = t % D
+        if strip:
+            d = lane % lanes_
+            if d >= D:
+                return  # (an atomic scatter's window at an even column: one word fewer)
+            per_pass = COPY_THREADS // WARP
+            first_row = t // WARP
+        else:
+            per_pass = COPY_THREADS // D
+            if t >= per_pass * D:
+                return
+            d = t % D
+            first_row = t // D
         rows = C * size_h
         per_part = -(-rows // cuda.gridDim.y)
-        row = cuda.blockIdx.y * per_part + t // D
+        row = cuda.blockIdx.y * per_part + first_row
         row_end = min(rows, (cuda.blockIdx.y + 1) * per_part)
         c = row // size_h
         r = row - c * size_h
@@ -1138,9 +1163,9 @@ def _make_pair_kernels(scatter, add, atomic, halves=2):
             first = min(max(k, 0), image_words - 1)
             second = min(max(k + 1, 0), image_words - 1)
             bits = uint64(0)
-            for j in range(halves):
-                if 0 <= col + j < W:
-                    bits |= uint64(0xFFFF) << uint64(16 * j)
+            for h_ in range(halves):
+                if 0 <= col + h_ < W:
+                    bits |= uint64(0xFFFF) << uint64(16 * h_)
             keep = word(bits)
         nc = min(max(n, 0), N - 1)
         rv = cuda.local.array(PAIR_UNROLL, int64)
@@ -1768,6 +1793,12 @@ PAIR_UNROLL = 4
 # 5 %: 8.5 -> 5.9 (`results/sbnet_pair_variants_session32_h100.md`; a cap of 64 registers was slower).
 PAIR_HALVES = 4
 PAIR_MAX_REGISTERS = None  # a cap on the plain pair kernels' registers (ptxas, sm_90: 52-74 uncapped)
+# The plain pair copies that go a thread block of consecutive windows side by side in each warp
+# (`_make_pair_kernels`' ``strip``) where a window row takes at most half a warp's lanes; the others a
+# window a thread block. Kinds: "gather", "scatter quads" and "scatter pairs" (overwrites and adds,
+# four or two halves a word), "atomic" (atomic adds).
+PAIR_STRIP_KINDS = ("gather", "scatter quads", "scatter pairs", "atomic")
+PAIR_STRIPS = ("scatter quads", "atomic")
 # Transposing NCHW fp16 copies (NHWC blocks) by words (`_make_pair_tile_kernels`): a tile of this
 # many channel pairs by whole window rows of at most PAIR_TILE_PIXELS pixels, PAIR_TILE_THREADS
 # threads, PAIR_TILE_UNROLL image-side items a thread in flight.
@@ -1843,6 +1874,15 @@ def _pair_halves(scatter, atomic, image, blocks, geometry):
     return 4 if quad else 2
 
 
+def _strip_lanes(scatter, atomic, size_w, halves):
+    """Lanes a window's row takes in a plain pair copy by strips (its destination words, one more
+    for an atomic scatter, whose windows may start mid-word), or None where strips are off for the
+    copy's kind (`PAIR_STRIPS`) or a warp would hold fewer than two windows."""
+    lanes = size_w // halves + (1 if scatter and atomic else 0)
+    kind = "atomic" if atomic else "scatter " + ("quads" if halves == 4 else "pairs") if scatter else "gather"
+    return lanes if kind in PAIR_STRIPS and 2 * lanes <= WARP else None
+
+
 def _tiles(dtype, size, stride):
     """A transposing row copy's (tile pixels, whether its thread blocks go window by window):
     ROW_TILE_PIXELS_WIDE for fp32 where windows overlap, else ROW_TILE_PIXELS; window by
@@ -1899,23 +1939,27 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
         return (_kernels[key], grid, threads, args), (0, 1, 2, 3)
     if _pair_path(scatter, add, atomic, image, blocks, channels_last, transpose, dtype, geometry):
         halves = 2 if transpose else _pair_halves(scatter, atomic, image, blocks, geometry)
-        key = ("pairs", scatter, transpose, add, atomic, halves)
+        lanes = None if transpose else _strip_lanes(scatter, atomic, size_w, halves)
+        key = ("pairs", scatter, transpose, add, atomic, halves, lanes is not None)
         if key not in _kernels:
             _kernels[key] = (_make_pair_tile_kernels(atomic) if transpose
-                             else _make_pair_kernels(scatter, add, atomic, halves))
+                             else _make_pair_kernels(scatter, add, atomic, halves, lanes is not None))
         N, C, H, W = image.shape
         if transpose:
             grid = (n_blocks, -(-size_h // (PAIR_TILE_PIXELS // size_w)), -(-C // (2 * PAIR_TILE_PAIRS)))
             threads = PAIR_TILE_THREADS
         else:
-            per_pass = COPY_THREADS // (size_w // halves + 1)  # rows a pass of the thread block (at least)
+            if lanes is None:
+                per_pass, groups = COPY_THREADS // (size_w // halves + 1), n_blocks  # rows a pass, at least
+            else:
+                per_pass, groups = COPY_THREADS // WARP, -(-n_blocks // (WARP // lanes))
             most = -(-C * size_h // (per_pass * PAIR_UNROLL))
-            grid = (n_blocks, max(1, min(most, -(-WAVES * multiprocessors() // max(n_blocks, 1)))))
+            grid = (groups, max(1, min(most, -(-WAVES * multiprocessors() // max(groups, 1)))))
             threads = COPY_THREADS
         words = "int64" if halves == 4 else "int32"
         args = (_flat(image, words), _flat(blocks, words), indices, count,
                 _flat(image, "float16"), N, C, H, W, size_h, size_w, stride_h, stride_w,
-                offset_h, offset_w)
+                offset_h, offset_w) + (() if transpose else (lanes or 0,))
         launch(_kernels[key], grid, threads, stream, args)
         return (_kernels[key], grid, threads, args), ((0, 4), 1, 2, 3)  # (args 0 and 4: one image)
     if (channels_last and not transpose and not add and image.shape[3] * itemsize % WORD == 0
