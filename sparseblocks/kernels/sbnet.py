@@ -61,7 +61,9 @@ transposes through a shared tile of a run of the window's pixels);
 otherwise element kernels, with 8-byte words for overwrites and int32 words
 of two halves for fp16 adds where rows allow. Plain NCHW fp16 copies go two
 halves a word where rows start on words, odd first columns included, or four
-(int64 words) where widths are multiples of 4 (`_make_pair_kernels`), and so
+(int64 words) where widths are multiples of 4 (`_make_pair_kernels`; scatters
+of quads and atomic adds a strip of windows side by side in each warp:
+`PAIR_STRIPS`), and so
 do adding scatters of NHWC blocks into NCHW fp16 images
 (`_make_pair_tile_kernels`, two a word). A call (gather, scatter, or
 reduce_mask's launches) repeated with torch tensors of the same shapes,
@@ -1796,7 +1798,12 @@ PAIR_MAX_REGISTERS = None  # a cap on the plain pair kernels' registers (ptxas, 
 # The plain pair copies that go a thread block of consecutive windows side by side in each warp
 # (`_make_pair_kernels`' ``strip``) where a window row takes at most half a warp's lanes; the others a
 # window a thread block. Kinds: "gather", "scatter quads" and "scatter pairs" (overwrites and adds,
-# four or two halves a word), "atomic" (atomic adds).
+# four or two halves a word), "atomic" (atomic adds). Session 33, H100, graph µs, a window a thread
+# block -> strips (`results/sbnet_pair_strips_session33_h100.md`): adding scatters of quads, windows
+# of 16, 1 x 256 x 400 x 700 at 25 / 50 %: 111 -> 98, 188 -> 148; 8 x 64 at 50 %: 326 -> 281; atomic
+# adds of 18 every 16 from -1 at 50 %: 541 -> 429 (5 % of 1 x 64: 14.8 -> 16.1). Gathers were
+# 1.0-2.4x slower (their block rows written a window apart), the sparse block's scatter of pairs
+# (14 every 14) 5 % slower; the block's training step on NCHW input at 49 %: 1692 -> 1604.
 PAIR_STRIP_KINDS = ("gather", "scatter quads", "scatter pairs", "atomic")
 PAIR_STRIPS = ("scatter quads", "atomic")
 # Transposing NCHW fp16 copies (NHWC blocks) by words (`_make_pair_tile_kernels`): a tile of this
