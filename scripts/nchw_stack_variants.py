@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmarks.common import graph_ms  # noqa: E402
+from pair_variants import kernel_times  # noqa: E402
 from res_block_ab import windows_of  # noqa: E402
 
 
@@ -51,21 +52,11 @@ def cudnn_residual(st):
 
 
 def profile(torch, name, forward, step, calls=5):
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as profiler
-
     for what, fn in (("forward", forward), ("training", step)):
         with torch.no_grad() if what == "forward" else torch.enable_grad():
-            fn()
-            torch.cuda.synchronize()
-            with profiler(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(calls):
-                    fn()
-                torch.cuda.synchronize()
+            kernels = kernel_times(torch, fn, calls, top=14)
         print(f"--- {name}, {what}: kernels, µs a call")
-        rows = [(e.device_time_total / calls, e.count // calls, e.key) for e in prof.key_averages()
-                if e.device_time_total > 0]
-        for us, n, key in sorted(rows, reverse=True)[:14]:
+        for us, n, key in kernels:
             print(f"  {us:8.1f} x{n:<3d} {key[:110]}")
 
 

@@ -43,7 +43,7 @@ def use(sbnet, settings):
     sbnet._plans.clear()
 
 
-def kernel_times(torch, fn, calls=5):
+def kernel_times(torch, fn, calls=5, top=10):
     """[(µs a call, launches a call, kernel)] of ``fn``'s kernels, longest first (torch's profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -55,7 +55,7 @@ def kernel_times(torch, fn, calls=5):
         torch.cuda.synchronize()
     rows = [(e.device_time_total / calls, e.count // calls, e.key) for e in prof.key_averages()
             if e.device_time_total > 0]
-    return sorted(rows, reverse=True)[:10]
+    return sorted(rows, reverse=True)[:top]
 
 
 def main():
