@@ -661,11 +661,10 @@ def test_nchw_fp16_quads_at_every_column_phase(offset, monkeypatch):
 @pytest.mark.parametrize("width, offset", [(4, 0), (6, -2), (18, -1)])
 def test_nchw_fp16_strips_of_many_windows_and_rows(width, offset, monkeypatch):
     """Pair copies by strips (several windows side by side in each warp: `_strip_lanes`) over more
-    windows than a warp holds (34 windows, 32, 10 or 3 a warp: the last group part full) and
-    more rows than a pass takes (5 channels x 8 rows), windows off the image, repeated, a device
-    count short of the rows: the
-    gather, an overwrite and an add equal the reference bit for bit, an atomic add up to fp16's
-    rounding."""
+    windows than a warp holds (34 windows, 32, 10 or 3 a warp: the last group part full) and more
+    rows than a pass takes (5 channels x 8 rows), windows off the image, repeated, a device count
+    short of the rows: the gather, an overwrite and an add equal the reference bit for bit, an
+    atomic add up to fp16's rounding."""
     monkeypatch.setattr(sbnet, "PAIR_STRIPS", sbnet.PAIR_STRIP_KINDS)
     made, elements = pair_kernel_keys(monkeypatch)
     rng = np.random.default_rng(width)
