@@ -5,9 +5,14 @@ block on channels_last and on contiguous NCHW input.
     python3 scripts/nchw_stack_variants.py [--dtypes float16,float32] [--fractions 0.1,0.25,0.5]
 
 Variants of the residual on an NCHW stack (`sbnet_torch._WRITTEN_OUT[True]`):
-- ``matmul``: the package's (since session 27): the 1x1s as batched matrix products reading the
-  stack transposed, the 3x3 on an NHWC first-ReLU output (channels_last), the output NCHW;
-- ``cudnn``: the package's before (cuDNN convolutions on the NCHW stack, written out below);
+- ``matmul``: the package's (since session 27): the first 1x1 as batched matrix products reading
+  the stack transposed, the 3x3 on an NHWC first-ReLU output (channels_last), and where the stack
+  came through the transpose (since session 34) the last 1x1 one product with its output NHWC,
+  added back without the transpose;
+- ``nchw out``: session 27-33's: the last 1x1 batched too, its output NCHW, added back through
+  the transpose;
+- ``cudnn``: the package's before session 27 (cuDNN convolutions on the NCHW stack, written out
+  below).
 """
 
 import argparse
@@ -48,7 +53,16 @@ def cudnn_residual(st):
             grad_stack = into.copy_(grad_stack)
         return grad_stack, grad_w1, grad_w2, grad_w3
 
-    return st._WrittenOut(forward, backward)
+    def first(stack, w1, into=None):
+        return st._relu(torch.nn.functional.conv2d(stack, w1), into)
+
+    return st._WrittenOut(forward, backward, first)
+
+
+def nchw_out_residual(st):
+    """The NCHW stack's residual with its output NCHW however the stack came (sessions 27-33)."""
+    return st._WrittenOut(st._bottleneck_nchw, st._bottleneck_nchw_backward, st._nchw_first_relu, None,
+                          st._bottleneck_nchw_image_backward)
 
 
 def profile(torch, name, forward, step, calls=5):
@@ -65,6 +79,7 @@ def main():
     parser.add_argument("--dtypes", default="float16,float32")
     parser.add_argument("--fractions", default="0.1,0.25,0.5")
     parser.add_argument("--profile", action="store_true", help="each case's kernels (torch's profiler)")
+    parser.add_argument("--ways", default="nchw out,matmul", help="of cudnn, nchw out, matmul")
     args = parser.parse_args()
 
     import torch
@@ -73,7 +88,9 @@ def main():
 
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    matmul_way, cudnn_way = st._WRITTEN_OUT[True], cudnn_residual(st)
+    matmul_way = st._WRITTEN_OUT[True]
+    all_ways = {"cudnn": cudnn_residual(st), "nchw out": nchw_out_residual(st), "matmul": matmul_way}
+    ways = {name: all_ways[name] for name in args.ways.split(",")}
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         torch.manual_seed(0)
@@ -104,9 +121,10 @@ def main():
                 want = block.dense(x_cl)
             rows = {}
             cases = [("NHWC stack (default)", x_cl, False, matmul_way, dense_cl, dense_train_cl)]
-            for name, way in (("cudnn", cudnn_way), ("matmul", matmul_way)):
-                cases += [(f"transpose, {name}", x_cl, True, way, dense_cl, dense_train_cl),
-                              (f"NCHW input, {name}", x_nchw, False, way, dense_nchw, dense_train_nchw)]
+            for name, way in ways.items():
+                cases.append((f"transpose, {name}", x_cl, True, way, dense_cl, dense_train_cl))
+                if name != "nchw out":  # (the same as matmul on an NCHW input)
+                    cases.append((f"NCHW input, {name}", x_nchw, False, way, dense_nchw, dense_train_nchw))
             for name, x, transpose, way, dense_fwd, dense_train in cases:
                 st._WRITTEN_OUT[True] = way
                 block.transpose = transpose

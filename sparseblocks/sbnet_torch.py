@@ -13,8 +13,9 @@
 * `SparseResBlock`: SBNet's bottleneck — gather the active windows with a
   fused NHWC -> NCHW transpose, 1x1, 3x3 and 1x1 VALID convolutions on the
   block stack (the 3x3 through cuDNN, channels_last; the 1x1s as matrix
-  products over the stack's pixels, batched by window on an NCHW stack),
-  add-scatter the result back onto the input.
+  products over the stack's pixels, the first batched by window on an NCHW
+  stack), add-scatter the result back onto the input (in the input's own
+  layout where the stack came through the transpose: no transpose back).
   Its output equals the dense block ``x + F(x)`` on the active region and
   ``x`` elsewhere; the block geometry comes from the convolutions
   (`reference.sbnet.calc_block_params_res_block`). In training, gather,
@@ -125,7 +126,9 @@ class SparseResBlock(torch.nn.Module):
 
     Layout of the block stack the convolutions see: with ``transpose`` (SBNet's
     own), a channels_last input is gathered through the fused transpose into
-    an NCHW stack and scattered back the same way; without it (the default) a
+    an NCHW stack, whose last 1x1 product writes its output NHWC, added back
+    without the transpose (the backward's gradients likewise stay in the
+    image's layout); without it (the default) a
     channels_last input gives an NHWC stack, whose 1x1 convolutions are matrix
     products over its pixels and whose 3x3 cuDNN's channels_last convolution
     takes as it is (`residual_nhwc`), and an NCHW input an NCHW stack.
@@ -428,12 +431,33 @@ def _bmm(a, b, shape, into=None):
 def _bottleneck_nchw(stack, w1, w2, w3, into=NOWHERE):
     """F on an NCHW stack (`SparseResBlock.residual`): the output NCHW, and what its backward
     needs: (stack, h1, h2), the ReLUs' outputs NHWC."""
-    n, c, bh, bw = stack.shape
-    rows = stack.view(n, c, bh * bw).transpose(1, 2)
-    h1 = _bmm(rows, _batched(w1, n).transpose(1, 2), (n, bh, bw, w1.shape[0]), into[0]).relu_()
+    h1 = _nchw_first_relu(stack, w1, into[0])
     h2 = _second_relu(h1, w2, into[1])
+    n = stack.shape[0]
     columns = _pixels(h2).transpose(1, 2)
     return _bmm(_batched(w3, n), columns, (n, w3.shape[0], *h2.shape[1:3]), into[2]), (stack, h1, h2)
+
+
+def _nchw_first_relu(stack, w1, into=None):
+    """The NCHW stack's first 1x1 convolution and ReLU: batched products that read each block
+    transposed, the output NHWC."""
+    n, c, bh, bw = stack.shape
+    rows = stack.view(n, c, bh * bw).transpose(1, 2)
+    return _bmm(rows, _batched(w1, n).transpose(1, 2), (n, bh, bw, w1.shape[0]), into).relu_()
+
+
+# Where the NCHW stack came through the transpose, the image is NHWC: the residual's last product
+# then writes its output NHWC, a product over all the stack's pixels at once, and the scatter adds
+# it without the transpose (in place: the product fused into the scatter, `_fuses_scatter`), as the
+# backward flips (`_bottleneck_nchw_image_backward`). The NCHW output was batched products of
+# 196-pixel blocks (cuBLAS's slowest shapes here) and a transposing scatter. Session 34, graph µs,
+# 1 x 400 x 700 x 256 -> 64, fp16: see `benchmarks/NOTES.md`.
+def _bottleneck_nchw_image(stack, w1, w2, w3, into=NOWHERE):
+    """`_bottleneck_nchw` with the output NHWC, the image's layout where the stack came through
+    the transpose."""
+    h1 = _nchw_first_relu(stack, w1, into[0])
+    out, h2 = _after_first_product(h1, w2, w3, into)
+    return out, (stack, h1, h2)
 
 
 def _nchw_weight_grad(grad, stack, weight):
@@ -548,9 +572,9 @@ FUSED_SCATTER_MIN_PIXELS = {torch.float16: 49152}  # (other dtypes: any)
 
 def _fuses_scatter(windows, image, h2, w3):
     """Whether an in-place call without gradients takes `kernels.gather_matmul.sparse_matmul_scatter`
-    for its last product and the scatter: an NHWC stack, tensors the kernel takes, a narrow product
-    and pixels enough."""
-    if not FUSED_SCATTER or windows.transpose or windows.data_format != "NHWC":
+    for its last product and the scatter: an NHWC image (the output NHWC: an NHWC stack's, or a
+    flipped NCHW stack's), tensors the kernel takes, a narrow product and pixels enough."""
+    if not FUSED_SCATTER or windows.data_format != "NHWC":
         return False
     size = windows.scatter_at[0]
     return (h2.shape[-1] <= FUSED_SCATTER_MAX_IN
@@ -560,20 +584,20 @@ def _fuses_scatter(windows, image, h2, w3):
 
 def _without_grad(residual, weights, windows, image, inplace):
     """`image` (or a copy of it) plus the residual of its windows, no autograd: on the NHWC stack
-    the first product takes the gather (`_fuses_gather`) and the last the scatter
-    (`_fuses_scatter`) where that pays."""
-    if residual is not _WRITTEN_OUT[False]:
+    the first product takes the gather (`_fuses_gather`), and where the output is NHWC (an NHWC
+    stack's or a flipped one's) the last the scatter (`_fuses_scatter`), where that pays."""
+    if not (isinstance(residual, _WrittenOut) and residual.image_layout(windows)):
         out = residual.forward(windows.gather(image), weights, keep=False)[0]
         return windows.scatter(out.contiguous(), image, inplace, atomic=False)
     w1, w2, w3 = weights
     if _fuses_gather(windows, image, w1):
         h1 = windows.gather_matmul(image, w1)
     else:
-        h1 = _first_relu(windows.gather(image), w1)
+        h1 = residual.first(windows.gather(image), w1)
     h2 = _second_relu(h1, w2)
     if inplace and _fuses_scatter(windows, image, h2, w3):
         return windows.matmul_scatter(h2, w3, image)
-    return windows.scatter(_matmul(h2, w3.flatten(1).t()), image, inplace, atomic=False)
+    return windows.scatter(_matmul(h2, w3.flatten(1).t()), image, inplace, atomic=False, transpose=False)
 
 
 def _bottleneck_nhwc_backward(saved, weights, grad_out, needs, into=None, nchw_stack=False):
@@ -601,19 +625,32 @@ def _bottleneck_nhwc_backward(saved, weights, grad_out, needs, into=None, nchw_s
 class _WrittenOut:
     """The block's own residual with its backward written out: a dozen torch calls, where
     autograd's would build the residual's graph in the forward and run it through a nested
-    engine call in the backward. ``image_backward``: the backward with the gradients in the
-    image's layout, for stacks gathered through the transpose (`flips`)."""
+    engine call in the backward. ``first``: its first product and ReLU (the stack -> the first
+    ReLU's output). ``image_forward``, ``image_backward``: the forward with its output, the
+    backward with the gradients in the image's layout, for stacks gathered through the
+    transpose (`flips`)."""
 
-    def __init__(self, forward, backward, image_backward=None):
-        self._forward, self._backward, self._image_backward = forward, backward, image_backward
+    def __init__(self, forward, backward, first, image_forward=None, image_backward=None):
+        self._forward, self._backward, self.first = forward, backward, first
+        self._image_forward, self._image_backward = image_forward, image_backward
+        self.output_flips = image_forward is not None  # (where the windows go through the transpose)
 
     def flips(self, windows):
         """Whether the backward's gather and scatter of these windows skip the transpose (the
         gradients then come and go in the image's layout)."""
         return windows.transpose and self._image_backward is not None
 
-    def forward(self, stack, weights, keep=False, into=NOWHERE):
-        return self._forward(stack, *weights, into=into)
+    def flips_output(self, windows):
+        """Whether the forward's output for these windows comes in the image's layout (its scatter
+        then skips the transpose)."""
+        return windows.transpose and self.output_flips
+
+    def image_layout(self, windows):
+        """Whether the output comes NHWC, the image's layout: an NHWC stack's, or flipped."""
+        return self._forward is _bottleneck_nhwc or self.flips_output(windows)
+
+    def forward(self, stack, weights, keep=False, into=NOWHERE, flipped=False):
+        return (self._image_forward if flipped else self._forward)(stack, *weights, into=into)
 
     def backward(self, saved, weights, grad_out, needs, into=None, flipped=False):
         return (self._image_backward if flipped else self._backward)(saved, weights, grad_out, needs, into=into)
@@ -630,7 +667,13 @@ class _Traced:
     def flips(windows):  # (autograd's backward takes the gradient in the output's layout)
         return False
 
-    def forward(self, stack, params, keep):
+    @staticmethod
+    def flips_output(windows):  # (the subclass's residual gives its stack's layout)
+        return False
+
+    image_layout = flips_output
+
+    def forward(self, stack, params, keep, flipped=False):  # (never flipped: see `flips`)
         if not keep:
             return self.residual(stack), None
         with torch.enable_grad():
@@ -646,9 +689,9 @@ class _Traced:
         return tuple(next(found) if need else None for need in needs)
 
 
-_WRITTEN_OUT = {False: _WrittenOut(_bottleneck_nhwc, _bottleneck_nhwc_backward),
-                True: _WrittenOut(_bottleneck_nchw, _bottleneck_nchw_backward,
-                                  _bottleneck_nchw_image_backward)}  # by NCHW stack
+_WRITTEN_OUT = {False: _WrittenOut(_bottleneck_nhwc, _bottleneck_nhwc_backward, _first_relu),
+                True: _WrittenOut(_bottleneck_nchw, _bottleneck_nchw_backward, _nchw_first_relu,
+                                  _bottleneck_nchw_image, _bottleneck_nchw_image_backward)}  # by NCHW stack
 
 
 def _capacity(n):
@@ -708,9 +751,11 @@ class _Slot:
 
     def __init__(self, residual, weights, image, stack_shape, rows, flip=False):
         self.residual, self.weights, self.rows, self.flip = residual, weights, rows, flip
+        self.flip_out = flip and residual.output_flips  # (the forward's output in the image's layout)
         self.stream = torch_stream_handle()  # (its key's: a slot serves one stream)
         self.stack = image.new_zeros((rows, *stack_shape))
-        out, (_, h1, h2) = residual.forward(self.stack[:2], weights)  # (each row's shape and layout)
+        # (each row's shape and layout)
+        out, (_, h1, h2) = residual.forward(self.stack[:2], weights, flipped=self.flip_out)
         self.h1, self.h2, self.out = _rows_like(h1, rows), _rows_like(h2, rows), _rows_like(out.contiguous(), rows)
         self.grad_out = self.grad_stack = None
         self.pool = torch.cuda.graph_pool_handle()
@@ -733,7 +778,10 @@ class _Slot:
         the device waits for the first launch."""
         backward = needs is not None
         n, indices, count = len(windows.indices), windows.indices, windows.count
-        transpose = False if backward and self.flip else None  # (None: the windows' own)
+        # (None: the windows' own. Flipped, the output and the gradients are in the image's layout:
+        # only the forward's gather goes through the transpose.)
+        transpose = False if backward and self.flip else None
+        scatter_transpose = False if (self.flip if backward else self.flip_out) else None
         source, result = (self.grad_out, self.grad_stack) if backward else (self.stack, self.out)
         gather_at, scatter_at = (windows.scatter_at, windows.gather_at) if backward else (
             windows.gather_at, windows.scatter_at)
@@ -747,7 +795,7 @@ class _Slot:
         if kept is not None:
             fused, fused_last = kept[4:]
         else:
-            plain = not (backward or zero_rest) and self.residual is _WRITTEN_OUT[False]
+            plain = not (backward or zero_rest) and self.residual.image_layout(windows)
             fused = plain and _fuses_gather(windows, image, self.weights[0])
             fused_last = plain and inplace and _fuses_scatter(windows, image, self.h2, self.weights[2])
         if fused_last:
@@ -776,11 +824,14 @@ class _Slot:
         if fused_last:
             y = windows.matmul_scatter(self.h2[:n], self.weights[2], image)
         else:
-            y = windows.scatter(result[:n], image, inplace, atomic=backward, at=scatter_at, transpose=transpose)
+            y = windows.scatter(result[:n], image, inplace, atomic=backward, at=scatter_at,
+                                transpose=scatter_transpose)
         kept = kernels.kept_launches(image, indices, result[:n], count, *gather_at,
                                      windows.transpose if transpose is None else transpose,
                                      windows.data_format, inplace, scatter_at, atomic=backward, gather=not fused,
-                                     scatter=not fused_last)
+                                     scatter=not fused_last,
+                                     scatter_transpose=windows.transpose if scatter_transpose is None
+                                     else scatter_transpose)
         if kept is not None and fused:  # the fused gather's kept launch in the gather's place
             first = fused_kernels.kept_launch(image, indices, self.weights[0], count, *gather_at, relu=True)
             kept = None if first is None else (first[0], kept[1], first[1], kept[3])
@@ -801,14 +852,15 @@ class _Slot:
             w1, w2, w3 = self.weights
             if fused_last:
                 def run():
-                    h1 = self.h1[:c] if fused else _first_relu(self.stack[:c], w1, self.h1[:c])
+                    h1 = self.h1[:c] if fused else self.residual.first(self.stack[:c], w1, self.h1[:c])
                     _second_relu(h1, w2, self.h2[:c])
             elif fused:
                 def run():
                     _after_first_product(self.h1[:c], w2, w3, into=(None, self.h2[:c], self.out[:c]))
             else:
                 def run():
-                    self.residual.forward(self.stack[:c], self.weights, into=(self.h1[:c], self.h2[:c], self.out[:c]))
+                    self.residual.forward(self.stack[:c], self.weights, into=(self.h1[:c], self.h2[:c], self.out[:c]),
+                                          flipped=self.flip_out)
             graph = self.forwards[(c, fused, fused_last)] = _captured(run, self.pool)[0]
         return graph
 
@@ -818,9 +870,10 @@ class _Slot:
         found = self.backwards.get((capacity, needs))
         if found is None:
             if self.grad_out is None:  # (flipped: NHWC, from the NCHW stack's and output's shapes)
+                nhwc = (self.flip and not self.flip_out, self.flip)
                 self.grad_out, self.grad_stack = (
-                    torch.zeros_like(t) if not self.flip else t.new_zeros(t.permute(0, 2, 3, 1).shape)
-                    for t in (self.out, self.stack))
+                    t.new_zeros(t.permute(0, 2, 3, 1).shape) if turn else torch.zeros_like(t)
+                    for t, turn in zip((self.out, self.stack), nhwc))
             c = capacity
             saved = (self.stack[:c], self.h1[:c], self.h2[:c])
             found = self.backwards[(c, needs)] = _captured(lambda: self.residual.backward(
@@ -974,8 +1027,10 @@ class _WindowResidual(torch.autograd.Function):
         if ctx.lease is not None:
             y = ctx.lease.forward(windows, image if inplace else image.detach(), inplace)
         else:
-            out, saved = residual.forward(windows.gather(image.detach()), params, keep=True)
-            y = windows.scatter(out.contiguous(), image if inplace else image.detach(), inplace, atomic=False)
+            flip = residual.flips_output(windows)
+            out, saved = residual.forward(windows.gather(image.detach()), params, keep=True, flipped=flip)
+            y = windows.scatter(out.contiguous(), image if inplace else image.detach(), inplace, atomic=False,
+                                transpose=False if flip else None)
         # The residual's intermediates too: autograd frees them after the backward unless it is
         # to run again (retain_graph).
         ctx.save_for_backward(*params, *saved)

@@ -339,11 +339,11 @@ def test_sparse_res_block_graphs_give_the_eager_output(transpose):
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("nchw_stack", [False, True])
-def test_residual_writes_into_buffers_what_it_returns_without(nchw_stack):
+@pytest.mark.parametrize("nchw_stack, flipped", [(False, False), (True, False), (True, True)])
+def test_residual_writes_into_buffers_what_it_returns_without(nchw_stack, flipped):
     """The written-out residual and its backward with ``into`` (the buffers a CUDA graph of them
     writes, `_Slot`) give what they give without, in those buffers (as the block calls them:
-    without autograd)."""
+    without autograd); ``flipped``: the NCHW stack's forward with its output NHWC."""
     torch.manual_seed(7)
     with torch.no_grad():
         residual = sbnet_torch._WRITTEN_OUT[nchw_stack]
@@ -351,17 +351,17 @@ def test_residual_writes_into_buffers_what_it_returns_without(nchw_stack):
         weights = block.weights()
         stack = torch.randn(3, 8, 6, 6, dtype=torch.float64, device=DEVICE)
         stack = stack if nchw_stack else stack.permute(0, 2, 3, 1).contiguous()
-        out, saved = residual.forward(stack, weights)
+        out, saved = residual.forward(stack, weights, flipped=flipped)
         into = tuple(torch.full_like(t, float("nan")) for t in (saved[1], saved[2], out.contiguous()))
-        got, got_saved = residual.forward(stack, weights, into=into)
+        got, got_saved = residual.forward(stack, weights, into=into, flipped=flipped)
         assert got is into[2] and got_saved[1] is into[0] and got_saved[2] is into[1]
         for g, w in zip((got, *got_saved[1:]), (out, *saved[1:])):
             torch.testing.assert_close(g, w)
         grad_out = torch.randn_like(out)
         needs = (True, True, False, True)
-        want = residual.backward(saved, weights, grad_out, needs)
-        into = torch.full_like(stack, float("nan"))
-        got = residual.backward(got_saved, weights, grad_out, needs, into=into)
+        want = residual.backward(saved, weights, grad_out, needs, flipped=flipped)
+        into = torch.full_like(stack.permute(0, 2, 3, 1).contiguous() if flipped else stack, float("nan"))
+        got = residual.backward(got_saved, weights, grad_out, needs, into=into, flipped=flipped)
         assert got[0] is into and got[2] is None
         for g, w in zip(got[:2] + got[3:], want[:2] + want[3:]):
             torch.testing.assert_close(g, w)
@@ -382,8 +382,14 @@ def test_nchw_residual_is_the_convolutions(windows):
     residual = sbnet_torch._WRITTEN_OUT[True]
     with torch.no_grad():
         out, saved = residual.forward(stack, weights)
+        flipped_out, flipped_saved = residual.forward(stack, weights, flipped=True)
     torch.testing.assert_close(out, want)
     assert out.is_contiguous()
+    # flipped: the output NHWC (the image's layout where the stack came through the transpose)
+    torch.testing.assert_close(flipped_out, want.permute(0, 2, 3, 1))
+    assert flipped_out.is_contiguous()
+    for f, s in zip(flipped_saved, saved):
+        torch.testing.assert_close(f, s)
     grad_out = torch.randn_like(want)
     every = torch.autograd.grad(want, (stack, *weights), grad_out)
     nhwc = (lambda t: t.permute(0, 2, 3, 1).contiguous(), lambda t: t.permute(0, 3, 1, 2))

@@ -2185,9 +2185,10 @@ def _scatter_settings(bsize, bstride, boffset, add, atomic, transpose, inplace, 
 
 
 def kept_launches(x, indices, blocks, count, bsize, bstride, boffset, transpose, data_format, inplace,
-                  scatter_at=None, atomic=False, gather=True, scatter=True):
+                  scatter_at=None, atomic=False, gather=True, scatter=True, scatter_transpose=None):
     """The kept launches of a gather of ``x`` and an adding scatter back into it (atomic or not;
-    at the same geometry, or at ``scatter_at`` = (bsize, bstride, boffset)), both called once
+    at the same geometry, or at ``scatter_at`` = (bsize, bstride, boffset); through the transpose
+    as the gather, or as ``scatter_transpose`` says where given), both called once
     before with these tensors (``blocks``: the scatter's; the gather's ``out`` is of the same
     rows), or None. For a caller that repeats such a pair many times with its own buffers
     (`sbnet_torch`'s CUDA graphs): ``gather(stream handle, image, blocks, indices, count)``,
@@ -2205,7 +2206,9 @@ def kept_launches(x, indices, blocks, count, bsize, bstride, boffset, transpose,
     if scatter:
         at = scatter_at or (bsize, bstride, boffset)
         added = _kept("scatter", (blocks, indices, x), count,
-                      _scatter_settings(*at, True, atomic, transpose, inplace, data_format))
+                      _scatter_settings(*at, True, atomic,
+                                        transpose if scatter_transpose is None else scatter_transpose,
+                                        inplace, data_format))
     if (gather and kept is None) or (scatter and added is None):
         return None
     extra = (kept and kept.extra, added and added.extra) if count is None else (None, None)
