@@ -64,6 +64,7 @@ def main():
                 "gather NCHW -> NCHW stack": graph_ms(
                     lambda: k.sparse_gather(x, indices, *g, count=count, data_format="NCHW")),
                 "residual, NCHW stack": graph_ms(lambda: st._bottleneck_nchw(nchw_stack, *w)),
+                "residual, NCHW stack, NHWC out": graph_ms(lambda: st._bottleneck_nchw_image(nchw_stack, *w)),
                 "add NCHW stack -> NCHW": graph_ms(
                     lambda: k.sparse_scatter(out_nchw, indices, xi, *s, add=True, inplace=True, count=count,
                                              data_format="NCHW")),
@@ -77,7 +78,7 @@ def main():
             }
         print(f"--- {fraction:.2f}: {n} windows; NHWC-stack output against NCHW-stack output: max |diff| {err:.3g}")
         for name, ms in times.items():
-            print(f"  {name:28s} {ms * 1e3:8.1f} µs  ({dense / ms:5.2f}x of dense)")
+            print(f"  {name:32s} {ms * 1e3:8.1f} µs  ({dense / ms:5.2f}x of dense)")
         if args.profile:
             for name, fn in (("NCHW", lambda: st._bottleneck_nchw(nchw_stack, *w)),
                              ("NHWC", lambda: st._bottleneck_nhwc(nhwc_stack, *w))):

@@ -10,7 +10,8 @@ Variants of the residual on an NCHW stack (`sbnet_torch._WRITTEN_OUT[True]`):
   came through the transpose (since session 34) the last 1x1 one product with its output NHWC,
   added back without the transpose;
 - ``nchw out``: session 27-33's: the last 1x1 batched too, its output NCHW, added back through
-  the transpose;
+  the transpose (on an NCHW input: without it; the package's takes fp16 NCHW inputs' output NHWC
+  too, `sbnet_torch.NCHW_INPUT_NHWC_OUT`);
 - ``cudnn``: the package's before session 27 (cuDNN convolutions on the NCHW stack, written out
   below).
 """
@@ -122,9 +123,8 @@ def main():
             rows = {}
             cases = [("NHWC stack (default)", x_cl, False, matmul_way, dense_cl, dense_train_cl)]
             for name, way in ways.items():
-                cases.append((f"transpose, {name}", x_cl, True, way, dense_cl, dense_train_cl))
-                if name != "nchw out":  # (the same as matmul on an NCHW input)
-                    cases.append((f"NCHW input, {name}", x_nchw, False, way, dense_nchw, dense_train_nchw))
+                cases += [(f"transpose, {name}", x_cl, True, way, dense_cl, dense_train_cl),
+                          (f"NCHW input, {name}", x_nchw, False, way, dense_nchw, dense_train_nchw)]
             for name, x, transpose, way, dense_fwd, dense_train in cases:
                 st._WRITTEN_OUT[True] = way
                 block.transpose = transpose

@@ -249,7 +249,7 @@ class SparseResBlock(torch.nn.Module):
         nchw_stack = data_format == "NCHW" or transpose
 
         windows = _Windows(indices, count, transpose, data_format, (p.bsize, p.bstride, p.boffset),
-                           (p.bsize_out, p.bsize_out, 0))
+                           (p.bsize_out, p.bsize_out, 0), nhwc_out=transpose or _nhwc_out_of_nchw(image))
         cls = type(self)
         if cls.residual is SparseResBlock.residual and cls.residual_nhwc is SparseResBlock.residual_nhwc:
             residual, params = _WRITTEN_OUT[nchw_stack], weights
@@ -261,7 +261,7 @@ class SparseResBlock(torch.nn.Module):
                 and not torch.cuda.is_current_stream_capturing()):
             stack_shape = (image.shape[-1 if data_format == "NHWC" else 1], *p.bsize)
             graphs = (self._graphs, stack_shape if nchw_stack else (*stack_shape[1:], stack_shape[0]),
-                      residual.flips(windows))
+                      (residual.flips(windows), residual.flips_output(windows)))
         if torch.is_grad_enabled() and (image.requires_grad or any(w.requires_grad for w in params)):
             y = _WindowResidual.apply(image, residual, windows, inplace, graphs, *params)
         else:
@@ -284,13 +284,38 @@ def _check_input(x, w1):
         raise ValueError(f"x: expected the block's device {w1.device}, got {x.device}")
 
 
-class _Windows:
-    """Where a block's windows are: indices, count, stack layout, and the gather (input window)
-    and scatter (output window) geometries."""
+# An NCHW stack's residual writes its output NHWC (`_bottleneck_nchw_image`: the last 1x1 one product
+# over all the stack's pixels, where NCHW it was batched products of 196-pixel blocks, cuBLAS's
+# slowest shapes here) where the stack came through the transpose (the image NHWC: the scatter then
+# skips the transpose, as the backward does, `_bottleneck_nchw_image_backward`) and, with
+# NCHW_INPUT_NHWC_OUT, from an fp16 NCHW image (the scatter then goes through the transpose, whose
+# fp16 pair tiles cost less than the product saves; fp32's element tiles cost more). Session 34,
+# H100, graph µs, 1 x 400 x 700 x 256 -> 64 (`scripts/nchw_input_routes.py`) at 5 / 10 / 25 / 50 %
+# of the windows, fp16: residual NCHW out / NHWC out 30.0 / 22.8, 48.0 / 38.2, 96.3 / 76.4, 174.2 /
+# 136.8; scatter of NCHW / NHWC blocks into the NCHW image 26.2 / 29.0, 54.1 / 57.5, 121.0 / 129.6,
+# 227.7 / 246.2; fp32 at 25 / 50 %: residual 337.8 / 326.3, 681.9 / 638.2, scatter 182.5 / 264.9,
+# 360.7 / 552.1.
+NCHW_INPUT_NHWC_OUT = True
 
-    def __init__(self, indices, count, transpose, data_format, gather_at, scatter_at):
+
+def _nhwc_out_of_nchw(image):
+    """Whether an NCHW stack from this NCHW image has its output NHWC (NCHW_INPUT_NHWC_OUT)."""
+    return NCHW_INPUT_NHWC_OUT and image.dtype == torch.float16
+
+
+class _Windows:
+    """Where a block's windows are: indices, count, stack layout, the gather (input window) and
+    scatter (output window) geometries, and whether an NCHW stack's output comes NHWC
+    (``nhwc_out``; an NHWC stack's always does)."""
+
+    def __init__(self, indices, count, transpose, data_format, gather_at, scatter_at, nhwc_out=False):
         self.indices, self.count, self.transpose, self.data_format = indices, count, transpose, data_format
-        self.gather_at, self.scatter_at = gather_at, scatter_at
+        self.gather_at, self.scatter_at, self.nhwc_out = gather_at, scatter_at, nhwc_out
+
+    def out_transpose(self, flipped):
+        """The scatter's ``transpose`` for the residual's output: the windows' own (None), or where
+        the output is NHWC though the stack is NCHW (``flipped``), whether the image is NCHW."""
+        return self.data_format == "NCHW" if flipped else None
 
     def _kwargs(self, transpose=None):
         return {"transpose": self.transpose if transpose is None else transpose, "count": self.count,
@@ -446,15 +471,9 @@ def _nchw_first_relu(stack, w1, into=None):
     return _bmm(rows, _batched(w1, n).transpose(1, 2), (n, bh, bw, w1.shape[0]), into).relu_()
 
 
-# Where the NCHW stack came through the transpose, the image is NHWC: the residual's last product
-# then writes its output NHWC, a product over all the stack's pixels at once, and the scatter adds
-# it without the transpose (in place: the product fused into the scatter, `_fuses_scatter`), as the
-# backward flips (`_bottleneck_nchw_image_backward`). The NCHW output was batched products of
-# 196-pixel blocks (cuBLAS's slowest shapes here) and a transposing scatter. Session 34, graph µs,
-# 1 x 400 x 700 x 256 -> 64, fp16: see `benchmarks/NOTES.md`.
 def _bottleneck_nchw_image(stack, w1, w2, w3, into=NOWHERE):
-    """`_bottleneck_nchw` with the output NHWC, the image's layout where the stack came through
-    the transpose."""
+    """`_bottleneck_nchw` with the output NHWC (`_Windows.nhwc_out`): the last 1x1 one product over
+    all the stack's pixels (in place into an NHWC image: fused into the scatter, `_fuses_scatter`)."""
     h1 = _nchw_first_relu(stack, w1, into[0])
     out, h2 = _after_first_product(h1, w2, w3, into)
     return out, (stack, h1, h2)
@@ -585,8 +604,9 @@ def _fuses_scatter(windows, image, h2, w3):
 def _without_grad(residual, weights, windows, image, inplace):
     """`image` (or a copy of it) plus the residual of its windows, no autograd: on the NHWC stack
     the first product takes the gather (`_fuses_gather`), and where the output is NHWC (an NHWC
-    stack's or a flipped one's) the last the scatter (`_fuses_scatter`), where that pays."""
-    if not (isinstance(residual, _WrittenOut) and residual.image_layout(windows)):
+    stack's or a flipped one's) and so is the image the last the scatter (`_fuses_scatter`), where
+    that pays."""
+    if not (isinstance(residual, _WrittenOut) and residual.nhwc_output(windows)):
         out = residual.forward(windows.gather(image), weights, keep=False)[0]
         return windows.scatter(out.contiguous(), image, inplace, atomic=False)
     w1, w2, w3 = weights
@@ -597,7 +617,8 @@ def _without_grad(residual, weights, windows, image, inplace):
     h2 = _second_relu(h1, w2)
     if inplace and _fuses_scatter(windows, image, h2, w3):
         return windows.matmul_scatter(h2, w3, image)
-    return windows.scatter(_matmul(h2, w3.flatten(1).t()), image, inplace, atomic=False, transpose=False)
+    return windows.scatter(_matmul(h2, w3.flatten(1).t()), image, inplace, atomic=False,
+                           transpose=windows.data_format == "NCHW")
 
 
 def _bottleneck_nhwc_backward(saved, weights, grad_out, needs, into=None, nchw_stack=False):
@@ -641,12 +662,12 @@ class _WrittenOut:
         return windows.transpose and self._image_backward is not None
 
     def flips_output(self, windows):
-        """Whether the forward's output for these windows comes in the image's layout (its scatter
-        then skips the transpose)."""
-        return windows.transpose and self.output_flips
+        """Whether the forward's output for these windows comes NHWC though the stack is not
+        (`_Windows.nhwc_out`; its scatter's transpose: `_Windows.out_transpose`)."""
+        return windows.nhwc_out and self.output_flips
 
-    def image_layout(self, windows):
-        """Whether the output comes NHWC, the image's layout: an NHWC stack's, or flipped."""
+    def nhwc_output(self, windows):
+        """Whether the output comes NHWC: an NHWC stack's, or flipped."""
         return self._forward is _bottleneck_nhwc or self.flips_output(windows)
 
     def forward(self, stack, weights, keep=False, into=NOWHERE, flipped=False):
@@ -671,7 +692,7 @@ class _Traced:
     def flips_output(windows):  # (the subclass's residual gives its stack's layout)
         return False
 
-    image_layout = flips_output
+    nhwc_output = flips_output
 
     def forward(self, stack, params, keep, flipped=False):  # (never flipped: see `flips`)
         if not keep:
@@ -749,9 +770,11 @@ class _Slot:
     those past a call's count hold an earlier call's windows (see `_Lease`).
     """
 
-    def __init__(self, residual, weights, image, stack_shape, rows, flip=False):
-        self.residual, self.weights, self.rows, self.flip = residual, weights, rows, flip
-        self.flip_out = flip and residual.output_flips  # (the forward's output in the image's layout)
+    def __init__(self, residual, weights, image, stack_shape, rows, flip=(False, False)):
+        # flip: (whether the backward's gradients are in the image's layout, whether the forward's
+        # output is NHWC though the stack is NCHW)
+        self.residual, self.weights, self.rows = residual, weights, rows
+        self.flip, self.flip_out = flip
         self.stream = torch_stream_handle()  # (its key's: a slot serves one stream)
         self.stack = image.new_zeros((rows, *stack_shape))
         # (each row's shape and layout)
@@ -781,7 +804,7 @@ class _Slot:
         # (None: the windows' own. Flipped, the output and the gradients are in the image's layout:
         # only the forward's gather goes through the transpose.)
         transpose = False if backward and self.flip else None
-        scatter_transpose = False if (self.flip if backward else self.flip_out) else None
+        scatter_transpose = (False if self.flip else None) if backward else windows.out_transpose(self.flip_out)
         source, result = (self.grad_out, self.grad_stack) if backward else (self.stack, self.out)
         gather_at, scatter_at = (windows.scatter_at, windows.gather_at) if backward else (
             windows.gather_at, windows.scatter_at)
@@ -795,7 +818,7 @@ class _Slot:
         if kept is not None:
             fused, fused_last = kept[4:]
         else:
-            plain = not (backward or zero_rest) and self.residual.image_layout(windows)
+            plain = not (backward or zero_rest) and self.residual.nhwc_output(windows)
             fused = plain and _fuses_gather(windows, image, self.weights[0])
             fused_last = plain and inplace and _fuses_scatter(windows, image, self.h2, self.weights[2])
         if fused_last:
@@ -869,11 +892,12 @@ class _Slot:
         asks for, and its outputs (the stack's gradient a view of `grad_stack`)."""
         found = self.backwards.get((capacity, needs))
         if found is None:
-            if self.grad_out is None:  # (flipped: NHWC, from the NCHW stack's and output's shapes)
-                nhwc = (self.flip and not self.flip_out, self.flip)
-                self.grad_out, self.grad_stack = (
-                    t.new_zeros(t.permute(0, 2, 3, 1).shape) if turn else torch.zeros_like(t)
-                    for t, turn in zip((self.out, self.stack), nhwc))
+            if self.grad_out is None:  # (flipped: NHWC, from the NCHW stack's shape; the output's by its own)
+                out, stack = self.out, self.stack
+                self.grad_out = torch.zeros_like(out) if self.flip == self.flip_out else out.new_zeros(
+                    out.permute(*((0, 2, 3, 1) if self.flip else (0, 3, 1, 2))).shape)
+                self.grad_stack = stack.new_zeros(stack.permute(0, 2, 3, 1).shape) if self.flip else \
+                    torch.zeros_like(stack)
             c = capacity
             saved = (self.stack[:c], self.h1[:c], self.h2[:c])
             found = self.backwards[(c, needs)] = _captured(lambda: self.residual.backward(
@@ -1030,7 +1054,7 @@ class _WindowResidual(torch.autograd.Function):
             flip = residual.flips_output(windows)
             out, saved = residual.forward(windows.gather(image.detach()), params, keep=True, flipped=flip)
             y = windows.scatter(out.contiguous(), image if inplace else image.detach(), inplace, atomic=False,
-                                transpose=False if flip else None)
+                                transpose=windows.out_transpose(flip))
         # The residual's intermediates too: autograd frees them after the backward unless it is
         # to run again (retain_graph).
         ctx.save_for_backward(*params, *saved)
