@@ -64,7 +64,7 @@ def main():
                 "gather NCHW -> NCHW stack": graph_ms(
                     lambda: k.sparse_gather(x, indices, *g, count=count, data_format="NCHW")),
                 "residual, NCHW stack": graph_ms(lambda: st._bottleneck_nchw(nchw_stack, *w)),
-                "residual, NCHW stack, NHWC out": graph_ms(lambda: st._bottleneck_nchw_image(nchw_stack, *w)),
+                "residual, NCHW stack, NHWC out": graph_ms(lambda: st._bottleneck_nchw_nhwc_out(nchw_stack, *w)),
                 "add NCHW stack -> NCHW": graph_ms(
                     lambda: k.sparse_scatter(out_nchw, indices, xi, *s, add=True, inplace=True, count=count,
                                              data_format="NCHW")),

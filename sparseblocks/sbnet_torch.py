@@ -284,7 +284,7 @@ def _check_input(x, w1):
         raise ValueError(f"x: expected the block's device {w1.device}, got {x.device}")
 
 
-# An NCHW stack's residual writes its output NHWC (`_bottleneck_nchw_image`: the last 1x1 one product
+# An NCHW stack's residual writes its output NHWC (`_bottleneck_nchw_nhwc_out`: the last 1x1 one product
 # over all the stack's pixels, where NCHW it was batched products of 196-pixel blocks, cuBLAS's
 # slowest shapes here) where the stack came through the transpose (the image NHWC: the scatter then
 # skips the transpose, as the backward does, `_bottleneck_nchw_image_backward`) and, with
@@ -312,10 +312,10 @@ class _Windows:
         self.indices, self.count, self.transpose, self.data_format = indices, count, transpose, data_format
         self.gather_at, self.scatter_at, self.nhwc_out = gather_at, scatter_at, nhwc_out
 
-    def out_transpose(self, flipped):
-        """The scatter's ``transpose`` for the residual's output: the windows' own (None), or where
-        the output is NHWC though the stack is NCHW (``flipped``), whether the image is NCHW."""
-        return self.data_format == "NCHW" if flipped else None
+    def out_transpose(self, nhwc):
+        """The scatter's ``transpose`` for the residual's output: where that is NHWC (``nhwc``),
+        whether the image is NCHW; else the windows' own (None)."""
+        return self.data_format == "NCHW" if nhwc else None
 
     def _kwargs(self, transpose=None):
         return {"transpose": self.transpose if transpose is None else transpose, "count": self.count,
@@ -471,7 +471,7 @@ def _nchw_first_relu(stack, w1, into=None):
     return _bmm(rows, _batched(w1, n).transpose(1, 2), (n, bh, bw, w1.shape[0]), into).relu_()
 
 
-def _bottleneck_nchw_image(stack, w1, w2, w3, into=NOWHERE):
+def _bottleneck_nchw_nhwc_out(stack, w1, w2, w3, into=NOWHERE):
     """`_bottleneck_nchw` with the output NHWC (`_Windows.nhwc_out`): the last 1x1 one product over
     all the stack's pixels (in place into an NHWC image: fused into the scatter, `_fuses_scatter`)."""
     h1 = _nchw_first_relu(stack, w1, into[0])
@@ -618,7 +618,7 @@ def _without_grad(residual, weights, windows, image, inplace):
     if inplace and _fuses_scatter(windows, image, h2, w3):
         return windows.matmul_scatter(h2, w3, image)
     return windows.scatter(_matmul(h2, w3.flatten(1).t()), image, inplace, atomic=False,
-                           transpose=windows.data_format == "NCHW")
+                           transpose=windows.out_transpose(True))
 
 
 def _bottleneck_nhwc_backward(saved, weights, grad_out, needs, into=None, nchw_stack=False):
@@ -647,14 +647,14 @@ class _WrittenOut:
     """The block's own residual with its backward written out: a dozen torch calls, where
     autograd's would build the residual's graph in the forward and run it through a nested
     engine call in the backward. ``first``: its first product and ReLU (the stack -> the first
-    ReLU's output). ``image_forward``, ``image_backward``: the forward with its output, the
-    backward with the gradients in the image's layout, for stacks gathered through the
-    transpose (`flips`)."""
+    ReLU's output). ``nhwc_forward``: the forward with its output NHWC where the stack is not
+    (`flips_output`); ``image_backward``: the backward with the gradients in the image's layout,
+    for stacks gathered through the transpose (`flips`)."""
 
-    def __init__(self, forward, backward, first, image_forward=None, image_backward=None):
+    def __init__(self, forward, backward, first, nhwc_forward=None, image_backward=None):
         self._forward, self._backward, self.first = forward, backward, first
-        self._image_forward, self._image_backward = image_forward, image_backward
-        self.output_flips = image_forward is not None  # (where the windows go through the transpose)
+        self._nhwc_forward, self._image_backward = nhwc_forward, image_backward
+        self.output_flips = nhwc_forward is not None  # (where the windows ask, `_Windows.nhwc_out`)
 
     def flips(self, windows):
         """Whether the backward's gather and scatter of these windows skip the transpose (the
@@ -671,7 +671,7 @@ class _WrittenOut:
         return self._forward is _bottleneck_nhwc or self.flips_output(windows)
 
     def forward(self, stack, weights, keep=False, into=NOWHERE, flipped=False):
-        return (self._image_forward if flipped else self._forward)(stack, *weights, into=into)
+        return (self._nhwc_forward if flipped else self._forward)(stack, *weights, into=into)
 
     def backward(self, saved, weights, grad_out, needs, into=None, flipped=False):
         return (self._image_backward if flipped else self._backward)(saved, weights, grad_out, needs, into=into)
@@ -712,7 +712,7 @@ class _Traced:
 
 _WRITTEN_OUT = {False: _WrittenOut(_bottleneck_nhwc, _bottleneck_nhwc_backward, _first_relu),
                 True: _WrittenOut(_bottleneck_nchw, _bottleneck_nchw_backward, _nchw_first_relu,
-                                  _bottleneck_nchw_image, _bottleneck_nchw_image_backward)}  # by NCHW stack
+                                  _bottleneck_nchw_nhwc_out, _bottleneck_nchw_image_backward)}  # by NCHW stack
 
 
 def _capacity(n):
