@@ -215,6 +215,8 @@ def main():
         results.append(check(f"pair tiles scatter NHWC blocks into NCHW fp16 atomic={atomic}",
                              sbnet._make_pair_tile_kernels(atomic).py_func,
                              (words, words, types.int32[:, ::1], types.int32[::1], types.float16[::1]) + (i64,) * 10))
+    results.append(check("pair tiles gather NCHW fp16 into NHWC blocks", sbnet._make_pair_tile_gathers().py_func,
+                         (words, words, types.int32[:, ::1], types.int32[::1]) + (i64,) * 11))
     # The row copies (channels-last, 16-byte vectors over flat views): every combination the
     # launcher picks (`sbnet._row_path`).
     for scatter, transpose, add, (vector_dtype, half2), pixels in itertools.product(

@@ -586,10 +586,12 @@ def test_fp16_atomic_adds_of_overlapping_windows(channels, transpose, data_forma
 
 def pair_kernel_keys(monkeypatch):
     """The list the pair kernels' keys, (transpose, scatter, add, atomic[, halves, strip]), are appended to as made
-    (`sbnet._make_pair_kernels`, `sbnet._make_pair_tile_kernels` with transpose), and the element
-    kernels' dtypes (`copy_kernel_dtypes`): both start empty."""
+    (`sbnet._make_pair_kernels`, `sbnet._make_pair_tile_kernels` with transpose; `_make_pair_tile_gathers`:
+    ``(True, "gathers")``), and the element kernels' dtypes (`copy_kernel_dtypes`): both start empty."""
     monkeypatch.setattr(sbnet, "_kernels", {})
     made = []
+    monkeypatch.setattr(sbnet, "_make_pair_tile_gathers",
+                        lambda make=sbnet._make_pair_tile_gathers: made.append((True, "gathers")) or make())
     for name, transpose in (("_make_pair_kernels", False), ("_make_pair_tile_kernels", True)):
         def spy(*key, make=getattr(sbnet, name), transpose=transpose):
             made.append((transpose, *key))
@@ -615,7 +617,8 @@ pair_geometry = st.fixed_dictionaries({
 def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, strip, add, atomic, transpose, halves):
     """NCHW fp16 gathers and scatters with rows of whole words go two halves a word (scatters
     that are not atomic only at even columns; through the transpose, adding scatters of NHWC
-    blocks only, where C is even, in tiles cut here to one channel pair and 8 pixels), or with
+    blocks only, where C is even, in tiles cut here to one channel pair and 8 pixels; gathers where
+    C is even, in pieces of a channel pair and one or two rows), or with
     `PAIR_HALVES` 4 four a word where W and the window's width are multiples of 4 (scatters: not
     atomic, at columns that are), windows at odd columns, off the image and past a device count
     included: the gather, an overwrite and an add equal the reference bit for bit; an atomic add
@@ -626,6 +629,8 @@ def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, strip, add, atomi
         patch.setattr(sbnet, "PAIR_STRIPS", sbnet.PAIR_STRIP_KINDS if strip else ())
         patch.setattr(sbnet, "PAIR_TILE_PAIRS", 1)
         patch.setattr(sbnet, "PAIR_TILE_PIXELS", 8)
+        patch.setattr(sbnet, "PAIR_GATHER_PAIRS", 1)  # (gathers through the transpose: pieces of a window's
+        patch.setattr(sbnet, "PAIR_GATHER_WORDS", 24)  # channel pairs and of its rows)
         patch.setattr(sbnet, "PAIR_HALVES", halves)
         made, elements = pair_kernel_keys(patch)
         if halves == 4:  # widths of multiples of 4 (quad gathers), half the time at such columns too
@@ -656,6 +661,35 @@ def test_nchw_fp16_quads_at_every_column_phase(offset, monkeypatch):
     quad = offset % 4 == 0  # (by strips: the default `PAIR_STRIPS`' scatters of quads, not of pairs)
     scatters = {(False, True, add, False, 4 if quad else 2, quad) for add in (False, True)}
     assert set(made) == {(False, False, False, False, 4, False), *(scatters if offset % 2 == 0 else ())}
+
+
+@pytest.mark.parametrize("width, offset, stride", [(18, -1, 16), (16, -1, 14), (6, 0, 6), (5, -2, 7), (7, 1, 3)])
+def test_nchw_fp16_gathers_through_the_transpose_by_words(width, offset, stride, monkeypatch):
+    """NCHW fp16 gathers into NHWC blocks two halves a word (`_make_pair_tile_gathers`): windows at
+    odd and even columns, of odd and even widths, overlapping or not, off the image's edges, in
+    pieces of two channels (three a window) and of rows (the words of 19 rows of 18 halves do not
+    fit a tile of 512), a device count short of the rows: equal to the reference bit for bit, no
+    element kernel."""
+    monkeypatch.setattr(sbnet, "PAIR_GATHER_PAIRS", 1)
+    monkeypatch.setattr(sbnet, "PAIR_GATHER_WORDS", 512)
+    monkeypatch.setattr(sbnet, "PAIR_TILE_THREADS", 64)  # (the simulator's time: a thread a Python thread)
+    made, elements = pair_kernel_keys(monkeypatch)
+    rng = np.random.default_rng(width)
+    x = values(rng, (2, 6, 23, 40), "float16", "small_integers")
+    g = {"bsize": (19, width), "bstride": (8, stride), "boffset": (-3, offset), "data_format": "NCHW",
+         "transpose": True}
+    bcount = reference.block_count((23, 40), g["bstride"], g["boffset"])
+    every = np.argwhere(np.ones((2, *bcount), bool))
+    indices = every[np.sort(rng.choice(len(every), 8, replace=False))]  # (the first and last columns among them)
+    indices = np.concatenate([indices, every[[0, -1]], [[1, bcount[0] + 1, 0], [0, 1, -2], [2, 0, 0]]])
+    indices = indices.astype(np.int32)
+    blocks = sbnet.sparse_gather(x, indices, **g)
+    np.testing.assert_array_equal(blocks, reference.sparse_gather(x, indices, **g))
+    count = cuda.to_device(np.array([len(indices) - 4], np.int32))
+    past = sbnet.sparse_gather(cuda.to_device(x), cuda.to_device(indices), count=count, **g).copy_to_host()
+    np.testing.assert_array_equal(past[:-4], blocks[:-4])
+    assert not past[-4:].any()
+    assert made == [(True, "gathers")] and not elements
 
 
 @pytest.mark.parametrize("width, offset", [(4, 0), (6, -2), (18, -1)])
@@ -726,14 +760,14 @@ def pair_copies(seed, g, width, add, atomic, transpose, made, elements, halves=2
         want = reference.sparse_scatter(blocks, indices, y, **kwargs)
         np.testing.assert_array_equal(got.view(np.int16), want.view(np.int16))
     if len(indices):
-        gathered = not transpose  # (the gathers through the transpose keep the generic tile)
+        gathered = not transpose or channels % 2 == 0  # (through the transpose: pairs of channels)
         words = (atomic or (g["boffset"][1] % 2 == 0 and g["bstride"][1] % 2 == 0)) and (
             not transpose or (add and channels % 2 == 0))
         quad = halves == 4 and g["bsize"][1] % 4 == 0 and width % 4 == 0  # (device arrays: 8-byte aligned)
         quad_scatter = quad and not atomic and g["boffset"][1] % 4 == 0 and g["bstride"][1] % 4 == 0
         scattered = (True, atomic) if transpose else (False, True, add, atomic, 4 if quad_scatter else 2, strip)
-        gathers = [(False, False, False, False, 4 if quad else 2, strip)] if gathered else []
-        assert set(made) == {*gathers, *([scattered] if words else [])}
+        gathers = [(True, "gathers") if transpose else (False, False, False, False, 4 if quad else 2, strip)]
+        assert set(made) == {*(gathers if gathered else []), *([scattered] if words else [])}
         assert len(elements) == 2 * (not gathered) + (not words)  # (two gathers: with and without a count)
 
 

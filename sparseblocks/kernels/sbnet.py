@@ -63,9 +63,9 @@ of two halves for fp16 adds where rows allow. Plain NCHW fp16 copies go two
 halves a word where rows start on words, odd first columns included, or four
 (int64 words) where widths are multiples of 4 (`_make_pair_kernels`; scatters
 of quads and atomic adds a strip of windows side by side in each warp:
-`PAIR_STRIPS`), and so
-do adding scatters of NHWC blocks into NCHW fp16 images
-(`_make_pair_tile_kernels`, two a word). A call (gather, scatter, or
+`PAIR_STRIPS`), and so do adding scatters of NHWC blocks into NCHW fp16
+images (`_make_pair_tile_kernels`, two a word) and gathers of NHWC blocks
+from them (`_make_pair_tile_gathers`). A call (gather, scatter, or
 reduce_mask's launches) repeated with torch tensors of the same shapes,
 dtypes, geometry, flags and alignment replays kept launches (`_plans`, as
 bsmm's products).
@@ -1237,7 +1237,7 @@ def _make_pair_tile_kernels(atomic):
     that is not atomic only at even columns, an even C). An atomic scatter's
     image words at a window row's ends get the window's half alone, as the pair
     kernels'. (A gather the same way, the swap before the tile, was slower than
-    the generic tile: session 28.)
+    the generic tile, session 28; gathers swap after it: `_make_pair_tile_gathers`.)
     """
     CP = PAIR_TILE_PAIRS
     TP = PAIR_TILE_PIXELS
@@ -1320,6 +1320,125 @@ def _make_pair_tile_kernels(atomic):
                                   olds[u, j], low_ok, high_ok, True, atomic)
 
     return copy_pair_tiles
+
+
+def _make_pair_tile_gathers():
+    """Gathers of an NCHW fp16 image into NHWC blocks (through the transpose), two halves a word.
+
+    Thread block (i, y, z) takes window i's channels y * CG... (CG = 2 *
+    PAIR_GATHER_PAIRS) and rows z * R... (R a launch argument: the rows whose
+    words fit PAIR_GATHER_WORDS). First the image words that cover each
+    (channel, row) line of that piece (D a line: the window's row from the
+    word holding its first half; windows at odd columns read a word more) go
+    into a shared tile ``raw[channel][row][word]``, PAIR_TILE_UNROLL loads a
+    thread in flight, zero off the image, for a window of no image and for
+    rows past the count: thread t takes word t % D of lines t // D, + T // D,
+    ..., the line's channel and row carried. Then a thread takes a block word,
+    pixel p's halves of channels c and c + 1: two shared words, the halves
+    picked by the column's parity. Consecutive threads take consecutive
+    channel pairs of a pixel, so a warp writes two pixels' runs of 2 * CG
+    bytes; a channel's lines are an odd count of words apart in the tile
+    (``stride``), so those 16 reads hit 16 banks and the next pixel's the
+    others (or the same words). One division a thread: the first version,
+    dividing every item's index by run-time counts (64-bit, tens of
+    instructions each), was 1.5-2.8x slower than the generic tile, which
+    moves a half an access on both sides; this one 1.1-2.3x faster (session
+    34, `PAIR_TILE_GATHERS`). The launcher checked what `_pair_gather_rows`
+    does (W and C even, 4-byte aligned pointers, window rows of at most
+    PAIR_TILE_PIXELS pixels).
+    """
+    CG = 2 * PAIR_GATHER_PAIRS
+    T = PAIR_TILE_THREADS
+    U = PAIR_TILE_UNROLL
+
+    @cuda.jit
+    def gather_pair_tiles(image, blocks, indices, count, N, C, H, W, size_h, size_w, stride_h, stride_w,
+                          offset_h, offset_w, R):
+        """image, blocks: int32 words, flat; R: window rows a thread block."""
+        i = cuda.blockIdx.x
+        raw = cuda.shared.array(PAIR_GATHER_WORDS, uint32)
+        n = indices[i, 0]
+        h0 = offset_h + indices[i, 1] * stride_h
+        w0 = offset_w + indices[i, 2] * stride_w
+        ok = i < count[0] and 0 <= n < N
+        nc = min(max(n, 0), N - 1)
+        c0 = cuda.blockIdx.y * CG
+        channels = min(CG, C - c0)
+        r0 = cuda.blockIdx.z * R
+        rows = min(R, size_h - r0)
+        odd = w0 & 1
+        D = (odd + size_w + 1) >> 1  # image words a row
+        stride = (rows * D) | 1  # words between a channel's rows in the tile (odd: see above)
+        image_words = W >> 1
+        k0 = w0 >> 1  # the image word holding the window row's first half
+        t = cuda.threadIdx.x
+        # Phase 1: thread t takes word t % D of the tile's (channel, row) lines t // D, + per_pass,
+        # ...: one division a thread, the line's channel and row carried (divisions by run-time
+        # values cost tens of instructions each).
+        per_pass = T // D
+        d = t % D
+        line = t // D
+        c = line // rows
+        rr = line - c * rows
+        dc = per_pass // rows
+        dr = per_pass - dc * rows
+        lines = channels * rows if t < per_pass * D else 0  # (the threads past the last whole pass: none)
+        k = k0 + d
+        k_ok = ok and 0 <= k < image_words
+        plane = ((int64(nc) * C + c0) * H + h0 + r0) * image_words + k  # channel c0's, row r0's word k
+        values = cuda.local.array(U, uint32)
+        spots = cuda.local.array(U, int32)  # a word's place in the tile (-1: none)
+        while line < lines:
+            for u in range(U):  # all loads first: U in flight
+                spots[u] = -1
+                if line < lines:
+                    h = h0 + r0 + rr
+                    values[u] = uint32(0)
+                    if k_ok and 0 <= h < H:
+                        values[u] = uint32(image[plane + (int64(c) * H + rr) * image_words])
+                    spots[u] = c * stride + rr * D + d
+                line += per_pass
+                c += dc
+                rr += dr
+                if rr >= rows:
+                    rr -= rows
+                    c += 1
+            for u in range(U):
+                if spots[u] >= 0:
+                    raw[spots[u]] = values[u]
+        cuda.syncthreads()  # the tile holds the piece's image words
+        # Phase 2: thread t takes channel pair t % P of pixels t // P, + T // P, ... (P a constant:
+        # no division), the pixel's row and column carried.
+        P = PAIR_GATHER_PAIRS
+        q = t % P
+        step = T // P
+        j = t // P
+        rr = 0
+        while j >= size_w:
+            j -= size_w
+            rr += 1
+        dj = step % size_w
+        drr = step // size_w
+        pairs = channels >> 1
+        out = (int64(i) * size_h + r0) * size_w * (C >> 1) + (c0 >> 1) + q
+        while rr < rows:
+            if q < pairs:
+                s_ = odd + j
+                at = 2 * q * stride + rr * D + (s_ >> 1)
+                a = raw[at]  # channel c's word holding the pixel's half ...
+                b = raw[at + stride]  # ... and channel c + 1's
+                if s_ & 1:
+                    word = (a >> uint32(16)) | (b & uint32(0xFFFF0000))
+                else:
+                    word = (a & uint32(0xFFFF)) | (b << uint32(16))
+                blocks[out + (int64(rr) * size_w + j) * (C >> 1)] = int32(word)
+            j += dj
+            rr += drr
+            if j >= size_w:
+                j -= size_w
+                rr += 1
+
+    return gather_pair_tiles
 
 
 def _vector_ops(vector_dtype, half2):
@@ -1815,6 +1934,17 @@ PAIR_TILE_PAIRS = 32
 PAIR_TILE_PIXELS = 64
 PAIR_TILE_THREADS = 256
 PAIR_TILE_UNROLL = 4
+# Gathers of an NCHW fp16 image through the transpose (NHWC blocks) by words
+# (`_make_pair_tile_gathers`): thread blocks of PAIR_GATHER_PAIRS channel pairs and the window rows
+# whose image words fit a tile of PAIR_GATHER_WORDS words; False keeps the generic tile. Session 34,
+# H100, graph, copy / ours, generic -> by words (`scripts/sbnet_variants.py --nchw --dtype float16
+# --setting PAIR_TILE_GATHERS=False,True`, `results/sbnet_pair_tile_gathers_session34_h100.md`):
+# windows of 16 every 16, 1 x 64 x 400 x 700 at 5 / 25 %: 0.21 -> 0.24, 0.13 -> 0.23; 8 x 64 at
+# 50 %: 0.24 -> 0.45; 8 x 256, windows of 32 at 25 %: 0.20 -> 0.45; 18 every 16 from -1, 1 x 256 at
+# 10 / 25 %: 0.20 -> 0.43, 0.22 -> 0.44.
+PAIR_TILE_GATHERS = True
+PAIR_GATHER_PAIRS = 16
+PAIR_GATHER_WORDS = 6144  # (24 KB of shared memory)
 WORD = 8  # bytes an overwriting channels-last copy moves per element when it can
 HALF2 = 4  # bytes a channels-last fp16 add moves per element when it can (two values)
 
@@ -1869,6 +1999,23 @@ def _pair_path(scatter, add, atomic, image, blocks, channels_last, transpose, dt
             and image.shape[3] % 2 == 0 and size_w // 2 + 1 <= COPY_THREADS
             and data_pointer(image) % 4 == 0 and data_pointer(blocks) % 4 == 0
             and (not scatter or atomic or (offset_w % 2 == 0 and stride_w % 2 == 0)))
+
+
+def _pair_gather_rows(image, blocks, channels_last, dtype, geometry):
+    """The window rows a thread block of `_make_pair_tile_gathers` takes where it takes a gather
+    through the transpose, else None: `PAIR_TILE_GATHERS`, an NCHW fp16 image, W and C even, 4-byte
+    aligned pointers, window rows of at most PAIR_TILE_PIXELS pixels and a grid within CUDA's
+    limits."""
+    (size_h, size_w), _, _ = geometry
+    if not (PAIR_TILE_GATHERS and not channels_last and dtype == "float16" and image.shape[1] % 2 == 0
+            and image.shape[3] % 2 == 0 and size_w <= PAIR_TILE_PIXELS
+            and data_pointer(image) % 4 == 0 and data_pointer(blocks) % 4 == 0):
+        return None
+    words = (size_w + 2) >> 1  # a row's at most (a window at an odd column)
+    rows = min(size_h, (PAIR_GATHER_WORDS // (2 * PAIR_GATHER_PAIRS) - 1) // words)
+    if max(-(-image.shape[1] // (2 * PAIR_GATHER_PAIRS)), -(-size_h // rows)) > MAX_GRID_YZ:
+        return None
+    return rows
 
 
 def _pair_halves(scatter, atomic, image, blocks, geometry):
@@ -1951,6 +2098,17 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
                 size_h, size_w, stride_h, stride_w, offset_h, offset_w)
         launch(_kernels[key], grid, threads, stream, args)
         return (_kernels[key], grid, threads, args), (0, 1, 2, 3)
+    rows = None if scatter or not transpose else _pair_gather_rows(image, blocks, channels_last, dtype, geometry)
+    if rows is not None:
+        key = ("pair gathers",)
+        if key not in _kernels:
+            _kernels[key] = _make_pair_tile_gathers()
+        N, C, H, W = image.shape
+        grid = (n_blocks, -(-C // (2 * PAIR_GATHER_PAIRS)), -(-size_h // rows))
+        args = (_flat(image, "int32"), _flat(blocks, "int32"), indices, count, N, C, H, W, size_h, size_w,
+                stride_h, stride_w, offset_h, offset_w, rows)
+        launch(_kernels[key], grid, PAIR_TILE_THREADS, stream, args)
+        return (_kernels[key], grid, PAIR_TILE_THREADS, args), (0, 1, 2, 3)
     if _pair_path(scatter, add, atomic, image, blocks, channels_last, transpose, dtype, geometry):
         halves = 2 if transpose else _pair_halves(scatter, atomic, image, blocks, geometry)
         lanes = None if transpose else _strip_lanes(scatter, atomic, size_w, halves)
