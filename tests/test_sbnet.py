@@ -991,7 +991,8 @@ def test_repeated_torch_calls_replay_a_kept_plan(transpose, link_alone, monkeypa
 def test_kept_plans_of_the_pair_kernels_write_the_image_through_both_views(monkeypatch):
     """The NCHW fp16 pair kernels take the image twice (words, and halves for an atomic add's
     window row ends): a kept plan's replay writes both pointers, so the ends of the second
-    call's rows land in the second call's image, not the first's (the gather: four halves a word)."""
+    call's rows land in the second call's image, not the first's (the gather: four halves a word;
+    and the gather through the transpose by words replays onto the second call's image)."""
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(sbnet, "_plans", {})
     made, _ = pair_kernel_keys(monkeypatch)
@@ -1006,6 +1007,11 @@ def test_kept_plans_of_the_pair_kernels_write_the_image_through_both_views(monke
         want = reference.sparse_gather(x.cpu().numpy(), host_indices, data_format="NCHW", **g)
         np.testing.assert_array_equal(got[:3].cpu().numpy(), want)
         assert not got[3:].any()
+        x4 = torch.randn(2, 4, 7, 12, device="cuda").half()  # (by words through the transpose: C even)
+        nhwc = sbnet.sparse_gather(x4, indices, count=count, data_format="NCHW", transpose=True, **g)
+        want = reference.sparse_gather(x4.cpu().numpy(), host_indices, data_format="NCHW", transpose=True, **g)
+        np.testing.assert_array_equal(nhwc[:3].cpu().numpy(), want)
+        assert not nhwc[3:].any()
         for add, atomic, inplace in [(False, False, True), (True, False, True), (True, True, True),
                                      (True, True, False)]:
             y = torch.randn(2, 3, 7, 12, device="cuda").half()
@@ -1017,8 +1023,8 @@ def test_kept_plans_of_the_pair_kernels_write_the_image_through_both_views(monke
             np.testing.assert_array_equal(out.cpu().numpy(), want)
             if round == 0:
                 earlier.append((out, out.clone()))
-    assert len(sbnet._plans) == 5 and set(made) == {(False, False, False, False, 4, False),
-                                                    (False, True, True, True, 2, True)}
+    assert len(sbnet._plans) == 6 and set(made) == {(False, False, False, False, 4, False),
+                                                    (False, True, True, True, 2, True), (True, "gathers")}
     for out, copy in earlier:  # no replay wrote into the first round's images
         assert torch.equal(out, copy)
 
