@@ -249,7 +249,7 @@ class SparseResBlock(torch.nn.Module):
         nchw_stack = data_format == "NCHW" or transpose
 
         windows = _Windows(indices, count, transpose, data_format, (p.bsize, p.bstride, p.boffset),
-                           (p.bsize_out, p.bsize_out, 0), nhwc_out=transpose or _nhwc_out_of_nchw(image))
+                           (p.bsize_out, p.bsize_out, 0), nhwc_out=transpose or _nhwc_out_of_nchw(image, p.bsize_out))
         cls = type(self)
         if cls.residual is SparseResBlock.residual and cls.residual_nhwc is SparseResBlock.residual_nhwc:
             residual, params = _WRITTEN_OUT[nchw_stack], weights
@@ -298,9 +298,13 @@ def _check_input(x, w1):
 NCHW_INPUT_NHWC_OUT = True
 
 
-def _nhwc_out_of_nchw(image):
-    """Whether an NCHW stack from this NCHW image has its output NHWC (NCHW_INPUT_NHWC_OUT)."""
-    return NCHW_INPUT_NHWC_OUT and image.dtype == torch.float16
+def _nhwc_out_of_nchw(image, window):
+    """Whether an NCHW stack from this NCHW image has its output NHWC (NCHW_INPUT_NHWC_OUT): where
+    the adding scatter of NHWC blocks of the output ``window`` into it goes by the fp16 pair tiles
+    (`kernels._pair_path`: fp16, C, W and the window's width even, rows of at most PAIR_TILE_PIXELS
+    pixels), not by the generic tile."""
+    return (NCHW_INPUT_NHWC_OUT and image.dtype == torch.float16 and image.shape[1] % 2 == 0
+            and image.shape[3] % 2 == 0 and window[1] % 2 == 0 and window[1] <= kernels.PAIR_TILE_PIXELS)
 
 
 class _Windows:

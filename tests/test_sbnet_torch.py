@@ -788,3 +788,16 @@ def test_sparse_res_block_graphs_train_on_both_nchw_stacks(dtype):
             torch.testing.assert_close(g, w, **({"rtol": 1e-2, "atol": 1e-2} if dtype == torch.float16 else {}))
     flips = {key[3] for key in graphed._graphs._sets}
     assert flips == {(True, True), (False, dtype == torch.float16)}
+
+
+@pytest.mark.parametrize("dtype, channels, width, window, nhwc", [
+    (torch.float16, 4, 10, (4, 4), True), (torch.float32, 4, 10, (4, 4), False),
+    (torch.float16, 3, 10, (4, 4), False), (torch.float16, 4, 9, (4, 4), False),
+    (torch.float16, 4, 10, (5, 5), False), (torch.float16, 4, 200, (66, 66), False)])
+def test_an_nchw_input_has_its_output_nhwc_only_where_the_pair_tiles_scatter_it(dtype, channels, width, window, nhwc):
+    """An fp16 NCHW input's NCHW stack writes its output NHWC (scattered back through the transpose)
+    only where that scatter goes by the pair tiles: C, W and the output window's width even, rows of
+    at most PAIR_TILE_PIXELS pixels; elsewhere (and in fp32) the generic tile would cost more than
+    the product saves, and the output stays NCHW."""
+    image = torch.zeros(1, channels, 3, width, dtype=dtype)
+    assert sbnet_torch._nhwc_out_of_nchw(image, window) == nhwc
