@@ -617,7 +617,8 @@ def test_sparse_res_block_graphs_train_as_without(transpose):
     CUDA graphs) give the eager gradients: window counts within and across capacities (a slot
     grown), a count below earlier calls' with NaN left in the slot's buffers past it, in place,
     frozen weights, weights stepped in place between calls, calls repeated (the kept
-    launches of the forward and of the backward), two forwards before their backwards, and more held than MAX_SLOTS (the rest run without graphs); a second backward
+    launches of the forward and of the backward), two forwards before their backwards, and more
+    held than MAX_SLOTS (the rest run without graphs); a second backward
     through one forward works while its slot is unused and raises once a later call took it."""
     eager, graphed, x, every = graphed_pair(transpose, seed=8)
     rng = np.random.default_rng(8)
