@@ -1337,9 +1337,9 @@ def _make_pair_tile_gathers():
     pixel p's halves of channels c and c + 1: two shared words, the halves
     picked by the column's parity. Consecutive threads take consecutive
     channel pairs of a pixel, so a warp writes two pixels' runs of 2 * CG
-    bytes; a channel's lines are an odd count of words apart in the tile
-    (``stride``), so those 16 reads hit 16 banks and the next pixel's the
-    others (or the same words). One division a thread: the first version,
+    bytes; one channel's lines start an odd count of words after the previous
+    channel's in the tile (``stride``), so those 16 reads hit 16 banks and the
+    next pixel's the others (or the same words). One division a thread: the first version,
     dividing every item's index by run-time counts (64-bit, tens of
     instructions each), was 1.5-2.8x slower than the generic tile, which
     moves a half an access on both sides; this one 1.1-2.3x faster (session
@@ -1368,7 +1368,7 @@ def _make_pair_tile_gathers():
         rows = min(R, size_h - r0)
         odd = w0 & 1
         D = (odd + size_w + 1) >> 1  # image words a row
-        stride = (rows * D) | 1  # words between a channel's rows in the tile (odd: see above)
+        stride = (rows * D) | 1  # words from a channel's lines in the tile to the next's (odd: see above)
         image_words = W >> 1
         k0 = w0 >> 1  # the image word holding the window row's first half
         t = cuda.threadIdx.x
