@@ -805,8 +805,9 @@ class _Slot:
         the device waits for the first launch."""
         backward = needs is not None
         n, indices, count = len(windows.indices), windows.indices, windows.count
-        # (None: the windows' own. Flipped, the output and the gradients are in the image's layout:
-        # only the forward's gather goes through the transpose.)
+        # (None: the windows' own. A flipped backward takes and gives its gradients in the image's
+        # layout, without the transpose; an output flipped NHWC goes back through the transpose where
+        # the image is NCHW, without it where it is NHWC: `_Windows.out_transpose`.)
         transpose = False if backward and self.flip else None
         scatter_transpose = (False if self.flip else None) if backward else windows.out_transpose(self.flip_out)
         source, result = (self.grad_out, self.grad_stack) if backward else (self.stack, self.out)
