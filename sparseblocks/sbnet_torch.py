@@ -300,11 +300,11 @@ NCHW_INPUT_NHWC_OUT = True
 
 def _nhwc_out_of_nchw(image, window):
     """Whether an NCHW stack from this NCHW image has its output NHWC (NCHW_INPUT_NHWC_OUT): where
-    the adding scatter of NHWC blocks of the output ``window`` into it goes by the fp16 pair tiles
-    (`kernels._pair_path`: fp16, C, W and the window's width even, rows of at most PAIR_TILE_PIXELS
-    pixels), not by the generic tile."""
-    return (NCHW_INPUT_NHWC_OUT and image.dtype == torch.float16 and image.shape[1] % 2 == 0
-            and image.shape[3] % 2 == 0 and window[1] % 2 == 0 and window[1] <= kernels.PAIR_TILE_PIXELS)
+    the adding scatter of NHWC blocks of the output ``window`` (every ``window``, from 0) into it goes
+    by the fp16 pair tiles (`kernels.pair_shapes`: C, W and the window's width even, rows of at most
+    PAIR_TILE_PIXELS pixels), not by the generic tile."""
+    return (NCHW_INPUT_NHWC_OUT and image.dtype == torch.float16
+            and kernels.pair_shapes(True, True, False, image.shape, False, True, "float16", (window, window, (0, 0))))
 
 
 class _Windows:

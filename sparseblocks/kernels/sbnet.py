@@ -1990,14 +1990,20 @@ def _pair_path(scatter, add, atomic, image, blocks, channels_last, transpose, dt
     bandwidth / ours, element kernel -> pairs, 1 and 8 x C x 400 x 700: gathers 0.15-0.39 ->
     0.26-0.69; scatters at even columns 0.16-0.29 -> 0.22-0.37; atomic adds of 18 every 16 at -1
     0.15-0.19 -> 0.25-0.30; other scatters at odd columns 0.16-0.32 -> 0.15-0.31, mostly slower."""
+    return (pair_shapes(scatter, add, atomic, image.shape, channels_last, transpose, dtype, geometry)
+            and data_pointer(image) % 4 == 0 and data_pointer(blocks) % 4 == 0)
+
+
+def pair_shapes(scatter, add, atomic, shape, channels_last, transpose, dtype, geometry):
+    """`_pair_path` but for the pointers' alignment: whether the pair kernels would take a copy of
+    an image of this shape and dtype (also `sbnet_torch`'s choice of an NCHW input's output layout)."""
     (size_h, size_w), (_, stride_w), (_, offset_w) = geometry
-    if transpose and not (scatter and add and image.shape[1] % 2 == 0 and size_w <= PAIR_TILE_PIXELS
+    if transpose and not (scatter and add and shape[1] % 2 == 0 and size_w <= PAIR_TILE_PIXELS
                           and -(-size_h // (PAIR_TILE_PIXELS // size_w)) <= MAX_GRID_YZ
-                          and -(-image.shape[1] // (2 * PAIR_TILE_PAIRS)) <= MAX_GRID_YZ):
+                          and -(-shape[1] // (2 * PAIR_TILE_PAIRS)) <= MAX_GRID_YZ):
         return False
     return (PAIRS and not channels_last and dtype == "float16" and size_w % 2 == 0
-            and image.shape[3] % 2 == 0 and size_w // 2 + 1 <= COPY_THREADS
-            and data_pointer(image) % 4 == 0 and data_pointer(blocks) % 4 == 0
+            and shape[3] % 2 == 0 and size_w // 2 + 1 <= COPY_THREADS
             and (not scatter or atomic or (offset_w % 2 == 0 and stride_w % 2 == 0)))
 
 
