@@ -53,10 +53,11 @@ def resources(ptx, registers=None):
     return f"  [{used.group(1) if used else '?'} registers, {stack.group(1) if stack else 0} B stack]"
 
 
-def check(name, function, signature):
+def check(name, function, signature, registers=None):
+    """Compile ``function`` for ``signature``; ``registers``: the kernel's cap, for ptxas's report."""
     try:
         ptx, _ = cuda.compile_ptx(function, signature, cc=CC)
-        print(f"ok    {name}{resources(ptx)}")
+        print(f"ok    {name}{resources(ptx, registers)}")
         return True
     except Exception as error:  # report every failure, not just the first
         print(f"FAIL  {name}: {type(error).__name__}: {str(error).splitlines()[0]}")
@@ -214,7 +215,8 @@ def main():
     for atomic in (False, True):  # ... and the adding scatters of NHWC blocks (`sbnet._make_pair_tile_kernels`)
         results.append(check(f"pair tiles scatter NHWC blocks into NCHW fp16 atomic={atomic}",
                              sbnet._make_pair_tile_kernels(atomic).py_func,
-                             (words, words, types.int32[:, ::1], types.int32[::1], types.float16[::1]) + (i64,) * 10))
+                             (words, words, types.int32[:, ::1], types.int32[::1], types.float16[::1]) + (i64,) * 10,
+                             sbnet.PAIR_TILE_MAX_REGISTERS))
     results.append(check("pair tiles gather NCHW fp16 into NHWC blocks", sbnet._make_pair_tile_gathers().py_func,
                          (words, words, types.int32[:, ::1], types.int32[::1]) + (i64,) * 11))
     # The row copies (channels-last, 16-byte vectors over flat views): every combination the

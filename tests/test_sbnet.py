@@ -617,8 +617,8 @@ pair_geometry = st.fixed_dictionaries({
 def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, strip, add, atomic, transpose, halves):
     """NCHW fp16 gathers and scatters with rows of whole words go two halves a word (scatters
     that are not atomic only at even columns; through the transpose, adding scatters of NHWC
-    blocks only, where C is even, in tiles cut here to one channel pair and 8 pixels; gathers where
-    C is even, in pieces of a channel pair and one or two rows), or with
+    blocks only, where C is even, in tiles cut here to two channel pairs and 14 pixels, 8
+    threads; gathers where C is even, in pieces of a channel pair and one or two rows), or with
     `PAIR_HALVES` 4 four a word where W and the window's width are multiples of 4 (scatters: not
     atomic, at columns that are), windows at odd columns, off the image and past a device count
     included: the gather, an overwrite and an add equal the reference bit for bit; an atomic add
@@ -627,8 +627,11 @@ def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, strip, add, atomi
     windows side by side in each warp)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sbnet, "PAIR_STRIPS", sbnet.PAIR_STRIP_KINDS if strip else ())
-        patch.setattr(sbnet, "PAIR_TILE_PAIRS", 1)
-        patch.setattr(sbnet, "PAIR_TILE_PIXELS", 8)
+        patch.setattr(sbnet, "PAIR_TILE_PAIRS", 2)  # (scatters through the transpose: tiles of two pairs, of
+        patch.setattr(sbnet, "PAIR_TILE_PIXELS", 14)  # 14 pixels read in passes of a load a thread, and
+        patch.setattr(sbnet, "PAIR_TILE_THREADS", 8)  # image items in batches of one: the kernels' loops run
+        patch.setattr(sbnet, "PAIR_TILE_LOADS", 1)  # more than once, as wide windows' do on the GPU;
+        patch.setattr(sbnet, "PAIR_TILE_UNROLL", 1)  # 8 threads: no fewer than a window row's words)
         patch.setattr(sbnet, "PAIR_GATHER_PAIRS", 1)  # (gathers through the transpose: pieces of a window's
         patch.setattr(sbnet, "PAIR_GATHER_WORDS", 24)  # channel pairs and of its rows)
         patch.setattr(sbnet, "PAIR_HALVES", halves)
@@ -690,6 +693,48 @@ def test_nchw_fp16_gathers_through_the_transpose_by_words(width, offset, stride,
     np.testing.assert_array_equal(past[:-4], blocks[:-4])
     assert not past[-4:].any()
     assert made == [(True, "gathers")] and not elements
+
+
+@pytest.mark.parametrize("width, offset, stride, atomic", [(14, 0, 14, False), (6, 2, 8, False), (4, 0, 4, False),
+                                                      (14, -1, 12, True), (6, 1, 3, True)])
+def test_nchw_fp16_adds_through_the_transpose_by_words(width, offset, stride, atomic, monkeypatch):
+    """Adding scatters of NHWC blocks into an NCHW fp16 image by words (`_make_pair_tile_kernels`),
+    its loops run more than once as wide windows' do on the GPU (a tile's 2 channel pairs by the
+    window rows of 14 pixels read in passes of one load a thread, 8 threads, image items in
+    batches of one, their old words loaded before the tile is filled): windows at even columns
+    (not atomic) and overlapping windows at odd ones (atomic), off the image's edges, a partial
+    last channel piece (3 pairs), a device count short of the rows: equal to the reference bit
+    for bit (atomic: up to fp16's rounding of each partial sum), no element kernel."""
+    monkeypatch.setattr(sbnet, "PAIR_TILE_PAIRS", 2)
+    monkeypatch.setattr(sbnet, "PAIR_TILE_PIXELS", 14)
+    monkeypatch.setattr(sbnet, "PAIR_TILE_THREADS", 8)
+    monkeypatch.setattr(sbnet, "PAIR_TILE_LOADS", 1)
+    monkeypatch.setattr(sbnet, "PAIR_TILE_UNROLL", 1)
+    made, elements = pair_kernel_keys(monkeypatch)
+    rng = np.random.default_rng(width + stride)
+    x = values(rng, (2, 6, 11, 30), "float16", "small_integers")
+    g = {"bsize": (5, width), "bstride": (5 if not atomic else 4, stride), "boffset": (-2, offset),
+         "data_format": "NCHW", "transpose": True}
+    bcount = reference.block_count((11, 30), g["bstride"], g["boffset"])
+    every = np.argwhere(np.ones((2, *bcount), bool))
+    indices = every[np.sort(rng.choice(len(every), min(6, len(every)), replace=False))]
+    indices = np.concatenate([indices, every[[0, -1]], [[1, bcount[0] + 1, 0], [0, 1, -2]]])
+    indices = np.unique(indices, axis=0).astype(np.int32)  # (not atomic: no window twice)
+    blocks = values(rng, (len(indices), *g["bsize"], 6), "float16", "small_integers")
+    for count in (None, len(indices) - 3):
+        used = len(indices) if count is None else count
+        want = reference.sparse_scatter(blocks[:used].astype(np.float64), indices[:used], x.astype(np.float64),
+                                        add=True, **g)
+        y = cuda.to_device(x)
+        sbnet.sparse_scatter(cuda.to_device(blocks), cuda.to_device(indices), y, add=True, atomic=atomic,
+                             inplace=True, count=None if count is None else cuda.to_device(np.array([count], np.int32)),
+                             **g)
+        got = y.copy_to_host()
+        if atomic:
+            np.testing.assert_allclose(got.astype(np.float64), want, rtol=4e-3, atol=4e-3)
+        else:
+            np.testing.assert_array_equal(got, want.astype(np.float16))
+    assert set(made) == {(True, atomic)} and not elements
 
 
 @pytest.mark.parametrize("width, offset", [(4, 0), (6, -2), (18, -1)])
@@ -1179,25 +1224,32 @@ def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch):
 # Windows 2**30 apart from -(2**31 - 1): window (2, 2) starts at (1, 1). Rows 6 and -2 start
 # 2**32 from it, and so do columns -2 and 6: in 32-bit arithmetic they would land on it too.
 FAR = {"bsize": (2, 3), "bstride": (2**30, 2**30), "boffset": (-(2**31 - 1), -(2**31 - 1))}
+# The same at even columns (window (2, 2) starts at (1, 2)) and of an even width: the NCHW fp16 pair
+# kernels' and pair tiles' windows, adding scatters that are not atomic included.
+FAR_EVEN = dict(FAR, bsize=(2, 2), boffset=(-(2**31 - 1), -(2**31 - 2)))
 FAR_INDICES = np.array([[0, 2, 2], [0, 6, 2], [0, 2, -2], [0, -2, 6], [0, 2**31 - 1, 2], [0, -2**31, 2],
                         [0, 2, -2**31]], np.int32)
 
 
-@pytest.mark.parametrize("dtype, channels, data_format, transpose", [
-    ("float32", 4, "NHWC", False), ("float32", 4, "NHWC", True), ("float16", 8, "NHWC", True),
-    ("float32", 3, "NHWC", False), ("float16", 2, "NCHW", False), ("float32", 3, "NCHW", True)])
+@pytest.mark.parametrize("dtype, channels, data_format, transpose, even", [
+    ("float32", 4, "NHWC", False, False), ("float32", 4, "NHWC", True, False), ("float16", 8, "NHWC", True, False),
+    ("float32", 3, "NHWC", False, False), ("float16", 2, "NCHW", False, False), ("float32", 3, "NCHW", True, False),
+    ("float16", 2, "NCHW", False, True), ("float16", 2, "NCHW", True, True)])
 @pytest.mark.parametrize("add, atomic", [(False, False), (True, False), (True, True)])
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # (offsets of rows off the image: unused)
-def test_far_windows_land_where_64_bit_arithmetic_puts_them(dtype, channels, data_format, transpose, add, atomic):
+def test_far_windows_land_where_64_bit_arithmetic_puts_them(dtype, channels, data_format, transpose, even, add,
+                                                            atomic):
     """Window starts of int32 indices times strides and offsets near 2**31 (the bounds the
     geometry check allows), each kernel family (row copies, transposing tiles, element kernels,
-    NCHW pairs): only window (2, 2) touches the image, gathered and scattered (into a copy and
-    in place) as the reference does. The simulator's Python ints once multiplied NumPy int32
-    indices in 32 bits there."""
+    NCHW fp16 pairs, pair tiles and gathers by words: ``even``, windows of an even width at even
+    columns of an even-width image): only window (2, 2) touches the image, gathered and
+    scattered (into a copy and in place) as the reference does. The simulator's Python ints
+    once multiplied NumPy int32 indices in 32 bits there."""
     rng = np.random.default_rng(5)
-    shape = (1, 4, 5, channels) if data_format == "NHWC" else (1, channels, 4, 5)
+    width = 6 if even else 5
+    shape = (1, 4, width, channels) if data_format == "NHWC" else (1, channels, 4, width)
     x = rng.standard_normal(shape).astype(dtype)
-    g = dict(FAR, transpose=transpose, data_format=data_format)
+    g = dict(FAR_EVEN if even else FAR, transpose=transpose, data_format=data_format)
     want = reference.sparse_gather(x, FAR_INDICES, **g)
     assert np.abs(want[0]).sum() > 0 and not want[1:].any()
     np.testing.assert_array_equal(sbnet.sparse_gather(x, FAR_INDICES, **g), want)

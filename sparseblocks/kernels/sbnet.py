@@ -1238,12 +1238,30 @@ def _make_pair_tile_kernels(atomic):
     image words at a window row's ends get the window's half alone, as the pair
     kernels'. (A gather the same way, the swap before the tile, was slower than
     the generic tile, session 28; gathers swap after it: `_make_pair_tile_gathers`.)
+
+    The tile's pixels are one run of the blocks, read with no division,
+    PAIR_TILE_LOADS loads a thread in flight. On the image's side a thread
+    keeps its word of the row and carries its line's channel pair and row (one
+    division a thread); its first PAIR_TILE_UNROLL items' old words, which do
+    not depend on the tile, are loaded before the tile is filled, so both
+    phases' reads are in flight at once. Session 35 (H100, graph,
+    `scripts/pair_tile_variants.py`, windows of 14 and 16, 1 x 256 and 8 x 64 x
+    400 x 700 at 5-50 %): the first version, dividing each item's index by
+    run-time counts (64-bit, tens of instructions each) and reading the blocks
+    one load at a time, was 11-26 % slower than carried coordinates; loading
+    the old words before the tile gained 12-25 % more at 25-50 % of the
+    windows, 0-10 % at 5-10 %.
     """
     CP = PAIR_TILE_PAIRS
     TP = PAIR_TILE_PIXELS
     T = PAIR_TILE_THREADS
     U = PAIR_TILE_UNROLL
-    SHAPE = (TP, CP + 1)  # [tile pixel, channel pair]; +1: an odd row stride (a literal: shared shapes)
+    TILE_WORDS = TP * (CP + 1)  # [tile pixel][channel pair], flat; +1: an odd row stride (banks)
+    LOADS = min(-(-TP * CP // T), PAIR_TILE_LOADS)  # phase 1's loads a thread in flight ...
+    PASSES = -(-TP * CP // (T * LOADS))  # ... in this many passes
+    if T % CP or T < TP // 2 + 1:
+        raise ValueError("PAIR_TILE_THREADS: expected a multiple of PAIR_TILE_PAIRS, no fewer than a window "
+                         "row's image words (PAIR_TILE_PIXELS // 2 + 1)")
 
     @cuda.jit(device=True, inline=True)
     def swapped(a, b):
@@ -1251,7 +1269,30 @@ def _make_pair_tile_kernels(atomic):
         two pixels each (low half: pixel p)."""
         return (a & uint32(0xFFFF)) | (b << uint32(16)), (a >> uint32(16)) | (b & uint32(0xFFFF0000))
 
-    @cuda.jit
+    @cuda.jit(device=True, inline=True)
+    def next_items(image, items, olds, line, qq, rr, lines, per_pass, dq, dr, rows, h, H, k_ok, at, plane,
+                   image_words):
+        """Phase 2's next U items from line ``line`` (pair qq, tile row rr; h: the tile's first image
+        row, at: channel 2 q0's word there): ``items`` (rr + 65536 qq: rr < TP, qq < CP; -1: none) and, not atomic,
+        the two channels' old image words loaded; the carried (line, qq, rr) after them."""
+        for u in range(U):
+            items[u] = -1
+            if line < lines:
+                if k_ok and 0 <= h + rr < H:
+                    items[u] = rr | (qq << 16)
+                    if not atomic:
+                        spot = at + (int64(2 * qq) * H + rr) * image_words
+                        olds[u, 0] = image[spot]
+                        olds[u, 1] = image[spot + plane]
+                line += per_pass
+                qq += dq
+                rr += dr
+                if rr >= rows:
+                    rr -= rows
+                    qq += 1
+        return line, qq, rr
+
+    @cuda.jit(**({} if PAIR_TILE_MAX_REGISTERS is None or SIMULATOR else {"max_registers": PAIR_TILE_MAX_REGISTERS}))
     def copy_pair_tiles(image, blocks, indices, count, halves, N, C, H, W, size_h, size_w, stride_h, stride_w,
                         offset_h, offset_w):
         """image, blocks: int32 words, flat; halves: the image as float16 (an atomic add's ends)."""
@@ -1259,65 +1300,79 @@ def _make_pair_tile_kernels(atomic):
         if i >= count[0]:
             return  # the same for the whole thread block, before the barrier
         n = indices[i, 0]
-        h0 = offset_h + indices[i, 1] * stride_h
+        h0 = offset_h + indices[i, 1] * stride_h  # (64-bit: a far window's start must not wrap)
         w0 = offset_w + indices[i, 2] * stride_w
         if not 0 <= n < N:
             return  # the same for the whole thread block, before the barrier
-        tile = cuda.shared.array(SHAPE, uint32)
+        tile = cuda.shared.array(TILE_WORDS, uint32)
+        size_w = int32(size_w)  # (at most PAIR_TILE_PIXELS)
         R = TP // size_w  # window rows a tile
-        r0 = cuda.blockIdx.y * R
-        rows = min(R, size_h - r0)
-        q0 = cuda.blockIdx.z * CP
-        pairs = min(CP, C // 2 - q0)
-        odd = (w0 & 1) == 1
-        row_words = size_w // 2
-        image_words = W // 2
+        r0 = int32(cuda.blockIdx.y * R)
+        rows = min(R, int32(size_h) - r0)
+        q0 = int32(cuda.blockIdx.z * CP)
+        pairs = min(CP, int32(C >> 1) - q0)
+        t = int32(cuda.threadIdx.x)
+        # Phase 2 (the image's side) is placed first: thread t takes image word t % D of the
+        # (channel pair, tile row) lines t // D, + T // D, ..., one division a thread, the line's
+        # pair and row carried (divisions by run-time values cost tens of instructions each:
+        # session 34's gathers). Its first items' old words do not depend on the tile: they are
+        # loaded before it, so both phases' reads are in flight at once.
+        odd = int32(w0 & 1)
+        D = (size_w >> 1) + odd  # image-side words a row
+        per_pass = T // D
+        d = t % D
+        line = t // D
+        qq = line // rows
+        rr = line - qq * rows
+        dq = per_pass // rows
+        dr = per_pass - dq * rows
+        lines = pairs * rows if t < per_pass * D else 0  # (the threads past the last whole pass: none)
+        image_words = W >> 1
+        k = (w0 >> 1) + d  # the image word: columns 2k, 2k + 1, window pixels p, p + 1
+        p = 2 * d - odd
+        low_in = p >= 0
+        high_in = p + 1 < size_w
         plane = int64(H) * image_words  # words of a channel's plane
-        D = row_words + (1 if odd else 0)  # image-side words a row
-        image_items = CP * rows * D  # (channel pair, tile row, word), the word fastest
-        block_items = rows * size_w * CP  # (tile pixel, channel pair), the pair fastest
-        t = cuda.threadIdx.x
-        firsts = cuda.local.array(U, uint32)
-        seconds = cuda.local.array(U, uint32)
-        spots = cuda.local.array(U, int64)  # a word's place (-1: none)
-        ends = cuda.local.array(U, int32)  # 1: a word's low half is not the window's, 2: its high
+        at = ((int64(n) * C + 2 * q0) * H + h0 + r0) * image_words + k  # channel 2 q0's, row r0's word k
+        items = cuda.local.array(U, int32)
         olds = cuda.local.array((U, 2), int32)
-        for e in range(t, block_items, T):
-            p = e // CP
-            q = e - p * CP
-            if q < pairs:
-                r = p // size_w
-                at = ((int64(i) * size_h + r0 + r) * size_w + p - r * size_w) * (C // 2) + q0 + q
-                tile[p, q] = uint32(blocks[at])
+        k_ok = 0 <= k < image_words
+        line, qq, rr = next_items(image, items, olds, line, qq, rr, lines, per_pass, dq, dr, rows, h0 + r0, H, k_ok,
+                                  at, plane, image_words)
+        # Phase 1: the tile's pixels are whole window rows, one run of the blocks: thread t takes
+        # channel pair t % CP of pixels t // CP, + T // CP, ... (CP a constant: no division).
+        q = t % CP
+        step = T // CP
+        pixels = rows * size_w
+        first = (int64(i) * size_h + r0) * size_w * (C >> 1) + q0 + q  # the tile's pixel 0, pair q
+        values = cuda.local.array(LOADS, uint32)
+        for pass_ in range(0, PASSES * LOADS, LOADS):
+            for u in range(LOADS):  # LOADS in flight
+                pu = t // CP + (pass_ + u) * step
+                if q < pairs and pu < pixels:
+                    values[u] = uint32(blocks[first + int64(pu) * (C >> 1)])
+            for u in range(LOADS):
+                pu = t // CP + (pass_ + u) * step
+                if q < pairs and pu < pixels:
+                    tile[pu * (CP + 1) + q] = values[u]
         cuda.syncthreads()  # the tile holds the blocks' words
-        for start in range(t, image_items, T * U):
-            for u in range(U):  # the two channels' image words, and (not atomic) their old values
-                e = start + u * T
-                d = e % D
-                x = e // D
-                rr = x % rows
-                q = x // rows
-                k = (w0 >> 1) + d  # the image word: columns 2k, 2k + 1, window pixels p, p + 1
-                p = 2 * d - (1 if odd else 0)
-                h = h0 + r0 + rr
-                spots[u] = -1
-                if e < image_items and q < pairs and 0 <= h < H and 0 <= k < image_words:
-                    low = tile[rr * size_w + p, q] if p >= 0 else uint32(0)
-                    high = tile[rr * size_w + p + 1, q] if p + 1 < size_w else uint32(0)
-                    firsts[u], seconds[u] = swapped(low, high)  # (channel c's word, channel c + 1's)
-                    at = ((int64(n) * C + 2 * (q0 + q)) * H + h) * image_words + k
-                    spots[u] = at
-                    ends[u] = (0 if p >= 0 else 1) + (0 if p + 1 < size_w else 2)
-                    if not atomic:
-                        olds[u, 0] = image[at]
-                        olds[u, 1] = image[at + plane]
+        while True:
             for u in range(U):
-                if spots[u] >= 0:
-                    low_ok = ends[u] & 1 == 0
-                    high_ok = ends[u] & 2 == 0
+                if items[u] >= 0:
+                    item_r = items[u] & 0xFFFF
+                    item_q = items[u] >> 16
+                    place = (item_r * size_w + p) * (CP + 1) + item_q  # (the low half's pixel)
+                    low = tile[place] if low_in else uint32(0)
+                    high = tile[place + CP + 1] if high_in else uint32(0)
+                    firsts = swapped(low, high)  # (channel c's word, channel c + 1's)
+                    spot = at + (int64(2 * item_q) * H + item_r) * image_words
                     for j in range(2):
-                        _put_word(image, halves, spots[u] + j * plane, int32(firsts[u] if j == 0 else seconds[u]),
-                                  olds[u, j], low_ok, high_ok, True, atomic)
+                        _put_word(image, halves, spot + j * plane, int32(firsts[j]), olds[u, j], low_in, high_in,
+                                  True, atomic)
+            if line >= lines:
+                break
+            line, qq, rr = next_items(image, items, olds, line, qq, rr, lines, per_pass, dq, dr, rows, h0 + r0, H,
+                                      k_ok, at, plane, image_words)
 
     return copy_pair_tiles
 
@@ -1929,11 +1984,23 @@ PAIR_STRIP_KINDS = ("gather", "scatter quads", "scatter pairs", "atomic")
 PAIR_STRIPS = ("scatter quads", "atomic")
 # Transposing NCHW fp16 copies (NHWC blocks) by words (`_make_pair_tile_kernels`): a tile of this
 # many channel pairs by whole window rows of at most PAIR_TILE_PIXELS pixels, PAIR_TILE_THREADS
-# threads, PAIR_TILE_UNROLL image-side items a thread in flight.
+# threads, PAIR_TILE_UNROLL image-side items a thread in flight, PAIR_TILE_LOADS block-side loads, at
+# most PAIR_TILE_MAX_REGISTERS registers. Session 35, H100, graph µs, the sparse block's output
+# windows (14 every 14) and 16 every 16, 1 x 256 and 8 x 64 x 400 x 700 at 5-50 %
+# (`scripts/pair_tile_variants.py`): before the old words were loaded ahead of the tile,
+# PAIR_TILE_PIXELS 128 and PAIR_TILE_THREADS 128 were within 3 % either way, PAIR_TILE_UNROLL 2 or 8
+# and PAIR_TILE_PAIRS 16 2-28 % slower, caps of 40 and 32 registers 1.9-2.6x slower (spills); with
+# them loaded ahead (72 registers uncapped, 3 thread blocks a multiprocessor), the cap of 64 (4, a
+# few words spilled) 0-11 % faster at 25-50 %, 2 % slower to 9 % faster below; 8 loads (88
+# registers) 0-5 % slower, capped at 64 (more spills) 25-30 % slower; 2 loads (64) up to 7 % slower
+# at 5-25 %, 1-6 % faster at 50 %; PAIR_TILE_PIXELS 32 5 % faster to 9 % slower, PAIR_TILE_THREADS
+# 128 8-16 % slower.
 PAIR_TILE_PAIRS = 32
 PAIR_TILE_PIXELS = 64
 PAIR_TILE_THREADS = 256
 PAIR_TILE_UNROLL = 4
+PAIR_TILE_LOADS = 4
+PAIR_TILE_MAX_REGISTERS = 64
 # Gathers of an NCHW fp16 image through the transpose (NHWC blocks) by words
 # (`_make_pair_tile_gathers`): thread blocks of PAIR_GATHER_PAIRS channel pairs and the window rows
 # whose image words fit a tile of PAIR_GATHER_WORDS words; False keeps the generic tile. Session 34,
