@@ -2,7 +2,7 @@
 fp16 image) side by side on the GPU (a developer's script).
 
     python3 scripts/pair_tile_variants.py ["PAIR_TILE_UNROLL=8" "PAIR_TILE_PIXELS=128;PAIR_TILE_PAIRS=16" ...]
-        [--fractions 0.05,0.1,0.25,0.5] [--images 1x256,8x64]
+        [--fractions 0.05,0.1,0.25,0.5] [--images 1x256,8x64] [--blocks 16,18]
 
 Each argument is one variant: settings of `sparseblocks.kernels.sbnet`, `;`-separated ("" is the
 package's defaults). For each image (N x C x 400 x 700 fp16), window width (SparseResBlock's
@@ -32,6 +32,7 @@ def main():
     parser.add_argument("variants", nargs="*", default=["", "PAIR_TILE_PIXELS=128"])
     parser.add_argument("--fractions", default="0.05,0.1,0.25,0.5")
     parser.add_argument("--images", default="1x256,8x64")
+    parser.add_argument("--blocks", default="16,18", help="SparseResBlock block sizes (output windows 2 less)")
     args = parser.parse_args()
 
     import torch
@@ -46,7 +47,7 @@ def main():
     for image in args.images.split(","):
         N, C = map(int, image.split("x"))
         x = torch.randn(N, C, 400, 700, device="cuda", dtype=torch.float16)
-        for block_size in (16, 18):
+        for block_size in map(int, args.blocks.split(",")):
             block = st.SparseResBlock(C, 64, block_size=block_size).to("cuda", torch.float16)
             p = block.geometry(x.shape)
             s = (p.bsize_out, p.bsize_out, 0)

@@ -1994,7 +1994,9 @@ PAIR_STRIPS = ("scatter quads", "atomic")
 # few words spilled) 0-11 % faster at 25-50 %, 2 % slower to 9 % faster below; 8 loads (88
 # registers) 0-5 % slower, capped at 64 (more spills) 25-30 % slower; 2 loads (64) up to 7 % slower
 # at 5-25 %, 1-6 % faster at 50 %; PAIR_TILE_PIXELS 32 5 % faster to 9 % slower, PAIR_TILE_THREADS
-# 128 8-16 % slower.
+# 128 8-16 % slower. On the final kernel (another run, at 10 / 50 %): PAIR_TILE_UNROLL 8 1.7-2.0x
+# slower (uncapped 1-20 %), 2 2-41 %; PAIR_TILE_PIXELS 128 6-19 %, with 8 items 2.0-2.4x;
+# PAIR_TILE_PAIRS 16 3-8 % faster at 10 %, 24-31 % slower at 50 %.
 PAIR_TILE_PAIRS = 32
 PAIR_TILE_PIXELS = 64
 PAIR_TILE_THREADS = 256
