@@ -632,6 +632,7 @@ def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, strip, add, atomi
         patch.setattr(sbnet, "PAIR_TILE_THREADS", 8)  # image items in batches of one: the kernels' loops run
         patch.setattr(sbnet, "PAIR_TILE_LOADS", 1)  # more than once, as wide windows' do on the GPU;
         patch.setattr(sbnet, "PAIR_TILE_UNROLL", 1)  # 8 threads: no fewer than a window row's words)
+        patch.setattr(sbnet, "PAIR_TILE_QUAD_UNROLL", 1)
         patch.setattr(sbnet, "PAIR_GATHER_PAIRS", 1)  # (gathers through the transpose: pieces of a window's
         patch.setattr(sbnet, "PAIR_GATHER_WORDS", 24)  # channel pairs and of its rows)
         patch.setattr(sbnet, "PAIR_HALVES", halves)
@@ -695,14 +696,17 @@ def test_nchw_fp16_gathers_through_the_transpose_by_words(width, offset, stride,
     assert made == [(True, "gathers")] and not elements
 
 
-@pytest.mark.parametrize("width, offset, stride, atomic", [(14, 0, 14, False), (6, 2, 8, False), (4, 0, 4, False),
-                                                      (14, -1, 12, True), (6, 1, 3, True)])
-def test_nchw_fp16_adds_through_the_transpose_by_words(width, offset, stride, atomic, monkeypatch):
+@pytest.mark.parametrize("width, offset, stride, atomic, image_width", [
+    (14, 0, 14, False, 32), (6, 2, 8, False, 32), (6, 0, 6, False, 30), (4, 0, 4, False, 30), (14, -1, 12, True, 32),
+    (6, 1, 3, True, 30)])
+def test_nchw_fp16_adds_through_the_transpose_by_words(width, offset, stride, atomic, image_width, monkeypatch):
     """Adding scatters of NHWC blocks into an NCHW fp16 image by words (`_make_pair_tile_kernels`),
     its loops run more than once as wide windows' do on the GPU (a tile's 2 channel pairs by the
     window rows of 14 pixels read in passes of one load a thread, 8 threads, image items in
     batches of one, their old words loaded before the tile is filled): windows at even columns
-    (not atomic) and overlapping windows at odd ones (atomic), off the image's edges, a partial
+    (not atomic; in an image of a width of a multiple of 4, rows by quads with a word at either
+    end where they start or end two halves into one) and overlapping windows at odd ones
+    (atomic), off the image's edges, a partial
     last channel piece (3 pairs), a device count short of the rows: equal to the reference bit
     for bit (atomic: up to fp16's rounding of each partial sum), no element kernel."""
     monkeypatch.setattr(sbnet, "PAIR_TILE_PAIRS", 2)
@@ -710,12 +714,13 @@ def test_nchw_fp16_adds_through_the_transpose_by_words(width, offset, stride, at
     monkeypatch.setattr(sbnet, "PAIR_TILE_THREADS", 8)
     monkeypatch.setattr(sbnet, "PAIR_TILE_LOADS", 1)
     monkeypatch.setattr(sbnet, "PAIR_TILE_UNROLL", 1)
+    monkeypatch.setattr(sbnet, "PAIR_TILE_QUAD_UNROLL", 1)
     made, elements = pair_kernel_keys(monkeypatch)
     rng = np.random.default_rng(width + stride)
-    x = values(rng, (2, 6, 11, 30), "float16", "small_integers")
+    x = values(rng, (2, 6, 11, image_width), "float16", "small_integers")
     g = {"bsize": (5, width), "bstride": (5 if not atomic else 4, stride), "boffset": (-2, offset),
          "data_format": "NCHW", "transpose": True}
-    bcount = reference.block_count((11, 30), g["bstride"], g["boffset"])
+    bcount = reference.block_count((11, image_width), g["bstride"], g["boffset"])
     every = np.argwhere(np.ones((2, *bcount), bool))
     indices = every[np.sort(rng.choice(len(every), min(6, len(every)), replace=False))]
     indices = np.concatenate([indices, every[[0, -1]], [[1, bcount[0] + 1, 0], [0, 1, -2]]])
@@ -734,7 +739,7 @@ def test_nchw_fp16_adds_through_the_transpose_by_words(width, offset, stride, at
             np.testing.assert_allclose(got.astype(np.float64), want, rtol=4e-3, atol=4e-3)
         else:
             np.testing.assert_array_equal(got, want.astype(np.float16))
-    assert set(made) == {(True, atomic)} and not elements
+    assert set(made) == {(True, atomic, not atomic and x.shape[3] % 4 == 0)} and not elements
 
 
 @pytest.mark.parametrize("width, offset", [(4, 0), (6, -2), (18, -1)])
@@ -810,7 +815,8 @@ def pair_copies(seed, g, width, add, atomic, transpose, made, elements, halves=2
             not transpose or (add and channels % 2 == 0))
         quad = halves == 4 and g["bsize"][1] % 4 == 0 and width % 4 == 0  # (device arrays: 8-byte aligned)
         quad_scatter = quad and not atomic and g["boffset"][1] % 4 == 0 and g["bstride"][1] % 4 == 0
-        scattered = (True, atomic) if transpose else (False, True, add, atomic, 4 if quad_scatter else 2, strip)
+        scattered = ((True, atomic, not atomic and width % 4 == 0) if transpose
+                     else (False, True, add, atomic, 4 if quad_scatter else 2, strip))
         gathers = [(True, "gathers") if transpose else (False, False, False, False, 4 if quad else 2, strip)]
         assert set(made) == {*(gathers if gathered else []), *([scattered] if words else [])}
         assert len(elements) == 2 * (not gathered) + (not words)  # (two gathers: with and without a count)
@@ -1037,7 +1043,8 @@ def test_kept_plans_of_the_pair_kernels_write_the_image_through_both_views(monke
     """The NCHW fp16 pair kernels take the image twice (words, and halves for an atomic add's
     window row ends): a kept plan's replay writes both pointers, so the ends of the second
     call's rows land in the second call's image, not the first's (the gather: four halves a word;
-    and the gather through the transpose by words replays onto the second call's image)."""
+    and the gather through the transpose by words replays onto the second call's image, and so
+    does the pair tiles' adding scatter, which takes it a third time, as int64 words)."""
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(sbnet, "_plans", {})
     made, _ = pair_kernel_keys(monkeypatch)
@@ -1068,8 +1075,19 @@ def test_kept_plans_of_the_pair_kernels_write_the_image_through_both_views(monke
             np.testing.assert_array_equal(out.cpu().numpy(), want)
             if round == 0:
                 earlier.append((out, out.clone()))
-    assert len(sbnet._plans) == 6 and set(made) == {(False, False, False, False, 4, False),
-                                                    (False, True, True, True, 2, True), (True, "gathers")}
+        g_even = dict(g, boffset=(-1, 0))  # (even columns: the pair tiles add four halves a word too)
+        blocks = torch.randn(4, 3, 4, 4, device="cuda").half()
+        y = torch.randn(2, 4, 7, 12, device="cuda").half()
+        want = reference.sparse_scatter(blocks[:3].cpu().numpy(), host_indices, y.cpu().numpy(), add=True,
+                                        transpose=True, data_format="NCHW", **g_even)
+        out = sbnet.sparse_scatter(blocks, indices, y, add=True, inplace=True, transpose=True, count=count,
+                                   data_format="NCHW", **g_even)
+        np.testing.assert_array_equal(out.cpu().numpy(), want)
+        if round == 0:
+            earlier.append((out, out.clone()))
+    assert len(sbnet._plans) == 7 and set(made) == {(False, False, False, False, 4, False),
+                                                    (False, True, True, True, 2, True), (True, "gathers"),
+                                                    (True, False, True)}
     for out, copy in earlier:  # no replay wrote into the first round's images
         assert torch.equal(out, copy)
 
@@ -1224,9 +1242,9 @@ def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch):
 # Windows 2**30 apart from -(2**31 - 1): window (2, 2) starts at (1, 1). Rows 6 and -2 start
 # 2**32 from it, and so do columns -2 and 6: in 32-bit arithmetic they would land on it too.
 FAR = {"bsize": (2, 3), "bstride": (2**30, 2**30), "boffset": (-(2**31 - 1), -(2**31 - 1))}
-# The same at even columns (window (2, 2) starts at (1, 2)) and of an even width: the NCHW fp16 pair
-# kernels' and pair tiles' windows, adding scatters that are not atomic included.
-FAR_EVEN = dict(FAR, bsize=(2, 2), boffset=(-(2**31 - 1), -(2**31 - 2)))
+# The same at columns of multiples of 4 (window (2, 2) starts at (1, 4)), 4 wide: the NCHW fp16 pair
+# kernels' and pair tiles' windows, adding scatters that are not atomic included, four halves a word.
+FAR_EVEN = dict(FAR, bsize=(2, 4), boffset=(-(2**31 - 1), -(2**31 - 4)))
 FAR_INDICES = np.array([[0, 2, 2], [0, 6, 2], [0, 2, -2], [0, -2, 6], [0, 2**31 - 1, 2], [0, -2**31, 2],
                         [0, 2, -2**31]], np.int32)
 
@@ -1241,12 +1259,12 @@ def test_far_windows_land_where_64_bit_arithmetic_puts_them(dtype, channels, dat
                                                             atomic):
     """Window starts of int32 indices times strides and offsets near 2**31 (the bounds the
     geometry check allows), each kernel family (row copies, transposing tiles, element kernels,
-    NCHW fp16 pairs, pair tiles and gathers by words: ``even``, windows of an even width at even
-    columns of an even-width image): only window (2, 2) touches the image, gathered and
+    NCHW fp16 pairs, pair tiles and gathers by words: ``even``, windows 4 wide at columns of
+    multiples of 4 of an image 8 wide): only window (2, 2) touches the image, gathered and
     scattered (into a copy and in place) as the reference does. The simulator's Python ints
     once multiplied NumPy int32 indices in 32 bits there."""
     rng = np.random.default_rng(5)
-    width = 6 if even else 5
+    width = 8 if even else 5
     shape = (1, 4, width, channels) if data_format == "NHWC" else (1, channels, 4, width)
     x = rng.standard_normal(shape).astype(dtype)
     g = dict(FAR_EVEN if even else FAR, transpose=transpose, data_format=data_format)
