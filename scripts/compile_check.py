@@ -212,13 +212,11 @@ def main():
                                  (words, words, types.int32[:, ::1], types.int32[::1], types.float16[::1])
                                  + (i64,) * 11))
     words = types.int32[::1]
-    # ... and the adding scatters of NHWC blocks (`sbnet._make_pair_tile_kernels`; quads: the image's
-    # int64 view beside them)
-    for atomic, quads in ((False, False), (True, False), (False, True)):
-        results.append(check(f"pair tiles scatter NHWC blocks into NCHW fp16 atomic={atomic} quads={quads}",
-                             sbnet._make_pair_tile_kernels(atomic, quads).py_func,
-                             (words, words, types.int32[:, ::1], types.int32[::1], types.float16[::1],
-                              types.int64[::1] if quads else words) + (i64,) * 10, sbnet.PAIR_TILE_MAX_REGISTERS))
+    for atomic in (False, True):  # ... and the adding scatters of NHWC blocks (`sbnet._make_pair_tile_kernels`)
+        results.append(check(f"pair tiles scatter NHWC blocks into NCHW fp16 atomic={atomic}",
+                             sbnet._make_pair_tile_kernels(atomic).py_func,
+                             (words, words, types.int32[:, ::1], types.int32[::1], types.float16[::1]) + (i64,) * 10,
+                             sbnet.PAIR_TILE_MAX_REGISTERS))
     results.append(check("pair tiles gather NCHW fp16 into NHWC blocks", sbnet._make_pair_tile_gathers().py_func,
                          (words, words, types.int32[:, ::1], types.int32[::1]) + (i64,) * 11))
     # The row copies (channels-last, 16-byte vectors over flat views): every combination the

@@ -632,7 +632,6 @@ def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, strip, add, atomi
         patch.setattr(sbnet, "PAIR_TILE_THREADS", 8)  # image items in batches of one: the kernels' loops run
         patch.setattr(sbnet, "PAIR_TILE_LOADS", 1)  # more than once, as wide windows' do on the GPU;
         patch.setattr(sbnet, "PAIR_TILE_UNROLL", 1)  # 8 threads: no fewer than a window row's words)
-        patch.setattr(sbnet, "PAIR_TILE_QUAD_UNROLL", 1)
         patch.setattr(sbnet, "PAIR_GATHER_PAIRS", 1)  # (gathers through the transpose: pieces of a window's
         patch.setattr(sbnet, "PAIR_GATHER_WORDS", 24)  # channel pairs and of its rows)
         patch.setattr(sbnet, "PAIR_HALVES", halves)
@@ -704,9 +703,8 @@ def test_nchw_fp16_adds_through_the_transpose_by_words(width, offset, stride, at
     its loops run more than once as wide windows' do on the GPU (a tile's 2 channel pairs by the
     window rows of 14 pixels read in passes of one load a thread, 8 threads, image items in
     batches of one, their old words loaded before the tile is filled): windows at even columns
-    (not atomic; in an image of a width of a multiple of 4, rows by quads with a word at either
-    end where they start or end two halves into one) and overlapping windows at odd ones
-    (atomic), off the image's edges, a partial
+    (not atomic) and overlapping windows at odd ones (atomic), in images of widths of 30 and
+    32, off the image's edges, a partial
     last channel piece (3 pairs), a device count short of the rows: equal to the reference bit
     for bit (atomic: up to fp16's rounding of each partial sum), no element kernel."""
     monkeypatch.setattr(sbnet, "PAIR_TILE_PAIRS", 2)
@@ -714,7 +712,6 @@ def test_nchw_fp16_adds_through_the_transpose_by_words(width, offset, stride, at
     monkeypatch.setattr(sbnet, "PAIR_TILE_THREADS", 8)
     monkeypatch.setattr(sbnet, "PAIR_TILE_LOADS", 1)
     monkeypatch.setattr(sbnet, "PAIR_TILE_UNROLL", 1)
-    monkeypatch.setattr(sbnet, "PAIR_TILE_QUAD_UNROLL", 1)
     made, elements = pair_kernel_keys(monkeypatch)
     rng = np.random.default_rng(width + stride)
     x = values(rng, (2, 6, 11, image_width), "float16", "small_integers")
@@ -739,7 +736,7 @@ def test_nchw_fp16_adds_through_the_transpose_by_words(width, offset, stride, at
             np.testing.assert_allclose(got.astype(np.float64), want, rtol=4e-3, atol=4e-3)
         else:
             np.testing.assert_array_equal(got, want.astype(np.float16))
-    assert set(made) == {(True, atomic, not atomic and x.shape[3] % 4 == 0)} and not elements
+    assert set(made) == {(True, atomic)} and not elements
 
 
 @pytest.mark.parametrize("width, offset", [(4, 0), (6, -2), (18, -1)])
@@ -815,8 +812,7 @@ def pair_copies(seed, g, width, add, atomic, transpose, made, elements, halves=2
             not transpose or (add and channels % 2 == 0))
         quad = halves == 4 and g["bsize"][1] % 4 == 0 and width % 4 == 0  # (device arrays: 8-byte aligned)
         quad_scatter = quad and not atomic and g["boffset"][1] % 4 == 0 and g["bstride"][1] % 4 == 0
-        scattered = ((True, atomic, not atomic and width % 4 == 0) if transpose
-                     else (False, True, add, atomic, 4 if quad_scatter else 2, strip))
+        scattered = (True, atomic) if transpose else (False, True, add, atomic, 4 if quad_scatter else 2, strip)
         gathers = [(True, "gathers") if transpose else (False, False, False, False, 4 if quad else 2, strip)]
         assert set(made) == {*(gathers if gathered else []), *([scattered] if words else [])}
         assert len(elements) == 2 * (not gathered) + (not words)  # (two gathers: with and without a count)
@@ -1044,7 +1040,7 @@ def test_kept_plans_of_the_pair_kernels_write_the_image_through_both_views(monke
     window row ends): a kept plan's replay writes both pointers, so the ends of the second
     call's rows land in the second call's image, not the first's (the gather: four halves a word;
     and the gather through the transpose by words replays onto the second call's image, and so
-    does the pair tiles' adding scatter, which takes it a third time, as int64 words)."""
+    does the pair tiles' adding scatter)."""
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(sbnet, "_plans", {})
     made, _ = pair_kernel_keys(monkeypatch)
@@ -1075,7 +1071,7 @@ def test_kept_plans_of_the_pair_kernels_write_the_image_through_both_views(monke
             np.testing.assert_array_equal(out.cpu().numpy(), want)
             if round == 0:
                 earlier.append((out, out.clone()))
-        g_even = dict(g, boffset=(-1, 0))  # (even columns: the pair tiles add four halves a word too)
+        g_even = dict(g, boffset=(-1, 0))  # (even columns: the pair tiles' adds that are not atomic)
         blocks = torch.randn(4, 3, 4, 4, device="cuda").half()
         y = torch.randn(2, 4, 7, 12, device="cuda").half()
         want = reference.sparse_scatter(blocks[:3].cpu().numpy(), host_indices, y.cpu().numpy(), add=True,
@@ -1087,7 +1083,7 @@ def test_kept_plans_of_the_pair_kernels_write_the_image_through_both_views(monke
             earlier.append((out, out.clone()))
     assert len(sbnet._plans) == 7 and set(made) == {(False, False, False, False, 4, False),
                                                     (False, True, True, True, 2, True), (True, "gathers"),
-                                                    (True, False, True)}
+                                                    (True, False)}
     for out, copy in earlier:  # no replay wrote into the first round's images
         assert torch.equal(out, copy)
 
@@ -1243,7 +1239,7 @@ def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch):
 # 2**32 from it, and so do columns -2 and 6: in 32-bit arithmetic they would land on it too.
 FAR = {"bsize": (2, 3), "bstride": (2**30, 2**30), "boffset": (-(2**31 - 1), -(2**31 - 1))}
 # The same at columns of multiples of 4 (window (2, 2) starts at (1, 4)), 4 wide: the NCHW fp16 pair
-# kernels' and pair tiles' windows, adding scatters that are not atomic included, four halves a word.
+# kernels' and pair tiles' windows, adding scatters that are not atomic included (plain: four halves a word).
 FAR_EVEN = dict(FAR, bsize=(2, 4), boffset=(-(2**31 - 1), -(2**31 - 4)))
 FAR_INDICES = np.array([[0, 2, 2], [0, 6, 2], [0, 2, -2], [0, -2, 6], [0, 2**31 - 1, 2], [0, -2**31, 2],
                         [0, 2, -2**31]], np.int32)

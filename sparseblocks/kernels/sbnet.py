@@ -1221,7 +1221,7 @@ def _make_pair_kernels(scatter, add, atomic, halves=2, strip=False):
     return copy_pairs
 
 
-def _make_pair_tile_kernels(atomic, quads=False):
+def _make_pair_tile_kernels(atomic):
     """Adding scatters of NHWC blocks into an NCHW fp16 image, two halves a word on both sides.
 
     The block side moves a pixel's channels in pairs, the image side a
@@ -1251,18 +1251,11 @@ def _make_pair_tile_kernels(atomic, quads=False):
     one load at a time, was 11-26 % slower than carried coordinates; loading
     the old words before the tile gained 12-25 % more at 25-50 % of the
     windows, 0-10 % at 5-10 %.
-
-    With ``quads`` (not atomic: windows at even columns; the launcher checked
-    W a multiple of 4 and the image 8-byte aligned) a window row goes to the
-    image as int64 words of four halves where the row covers one (``image64``),
-    an int32 word at either end where it starts or ends two halves into one:
-    the image side moves twice the bytes a load (the plain pair kernels'
-    `PAIR_HALVES`).
     """
     CP = PAIR_TILE_PAIRS
     TP = PAIR_TILE_PIXELS
     T = PAIR_TILE_THREADS
-    U = PAIR_TILE_QUAD_UNROLL if quads else PAIR_TILE_UNROLL  # (a row's quads: about half its words)
+    U = PAIR_TILE_UNROLL
     TILE_WORDS = TP * (CP + 1)  # [tile pixel][channel pair], flat; +1: an odd row stride (banks)
     LOADS = min(-(-TP * CP // T), PAIR_TILE_LOADS)  # phase 1's loads a thread in flight ...
     PASSES = -(-TP * CP // (T * LOADS))  # ... in this many passes
@@ -1273,29 +1266,25 @@ def _make_pair_tile_kernels(atomic, quads=False):
     @cuda.jit(device=True, inline=True)
     def swapped(a, b):
         """Words of pixels p (a) and p + 1 (b), two channels each -> words of channels c and c + 1,
-        two pixels each (low half: pixel p)."""
-        return (a & uint32(0xFFFF)) | (b << uint32(16)), (a >> uint32(16)) | (b & uint32(0xFFFF0000))
+        two pixels each (low half: pixel p). (uint32(...): Numba computes uint32 shifts in 64 bits,
+        where the simulator's NumPy wraps them at 32: the high bits must not reach a caller.)"""
+        return uint32((a & uint32(0xFFFF)) | (b << uint32(16))), uint32((a >> uint32(16)) | (b & uint32(0xFFFF0000)))
 
     @cuda.jit(device=True, inline=True)
-    def next_items(image, image64, items, olds, line, qq, rr, lines, per_pass, dq, dr, rows, h, H, col_ok, at, plane,
-                   W, quad):
+    def next_items(image, items, olds, line, qq, rr, lines, per_pass, dq, dr, rows, h, H, k_ok, at, plane,
+                   image_words):
         """Phase 2's next U items from line ``line`` (pair qq, tile row rr; h: the tile's first image
-        row, at: channel 2 q0's half there where the thread's word starts; ``quad``: its word is
-        four halves): ``items`` (rr + 65536 qq: rr < TP, qq < CP; -1: none) and, not atomic, the
-        two channels' old image words loaded; the carried (line, qq, rr) after them."""
+        row, at: channel 2 q0's word there): ``items`` (rr + 65536 qq: rr < TP, qq < CP; -1: none) and, not atomic,
+        the two channels' old image words loaded; the carried (line, qq, rr) after them."""
         for u in range(U):
             items[u] = -1
             if line < lines:
-                if col_ok and 0 <= h + rr < H:
+                if k_ok and 0 <= h + rr < H:
                     items[u] = rr | (qq << 16)
                     if not atomic:
-                        half = at + (int64(2 * qq) * H + rr) * W
-                        if quads and quad:
-                            olds[u, 0] = image64[half >> 2]
-                            olds[u, 1] = image64[(half + plane) >> 2]
-                        else:
-                            olds[u, 0] = image[half >> 1]
-                            olds[u, 1] = image[(half + plane) >> 1]
+                        spot = at + (int64(2 * qq) * H + rr) * image_words
+                        olds[u, 0] = image[spot]
+                        olds[u, 1] = image[spot + plane]
                 line += per_pass
                 qq += dq
                 rr += dr
@@ -1305,10 +1294,9 @@ def _make_pair_tile_kernels(atomic, quads=False):
         return line, qq, rr
 
     @cuda.jit(**({} if PAIR_TILE_MAX_REGISTERS is None or SIMULATOR else {"max_registers": PAIR_TILE_MAX_REGISTERS}))
-    def copy_pair_tiles(image, blocks, indices, count, halves, image64, N, C, H, W, size_h, size_w, stride_h,
-                        stride_w, offset_h, offset_w):
-        """image, blocks: int32 words, flat; halves: the image as float16 (an atomic add's ends);
-        image64: with ``quads``, the image as int64 words (else not read)."""
+    def copy_pair_tiles(image, blocks, indices, count, halves, N, C, H, W, size_h, size_w, stride_h, stride_w,
+                        offset_h, offset_w):
+        """image, blocks: int32 words, flat; halves: the image as float16 (an atomic add's ends)."""
         i = cuda.blockIdx.x
         if i >= count[0]:
             return  # the same for the whole thread block, before the barrier
@@ -1331,12 +1319,7 @@ def _make_pair_tile_kernels(atomic, quads=False):
         # session 34's gathers). Its first items' old words do not depend on the tile: they are
         # loaded before it, so both phases' reads are in flight at once.
         odd = int32(w0 & 1)
-        if quads:  # a word where the row starts two halves into a quad, quads, a word where it ends so
-            lead = int32(w0 >> 1) & 1
-            n_quads = (size_w - 2 * lead) >> 2
-            D = lead + n_quads + (((size_w - 2 * lead) >> 1) & 1)
-        else:
-            D = (size_w >> 1) + odd  # image-side words a row
+        D = (size_w >> 1) + odd  # image-side words a row
         per_pass = T // D
         d = t % D
         line = t // D
@@ -1345,22 +1328,18 @@ def _make_pair_tile_kernels(atomic, quads=False):
         dq = per_pass // rows
         dr = per_pass - dq * rows
         lines = pairs * rows if t < per_pass * D else 0  # (the threads past the last whole pass: none)
-        if quads:
-            quad = lead <= d < lead + n_quads
-            p = 0 if d < lead else 2 * lead + 4 * (d - lead)
-        else:
-            quad = False
-            p = 2 * d - odd  # the window pixel of the word's first half (-1: the half before the window)
-        col = w0 + p  # its image column
+        image_words = W >> 1
+        k = (w0 >> 1) + d  # the image word: columns 2k, 2k + 1, window pixels p, p + 1
+        p = 2 * d - odd
         low_in = p >= 0
         high_in = p + 1 < size_w
-        plane = int64(H) * W  # halves of a channel's plane
-        at = ((int64(n) * C + 2 * q0) * H + h0 + r0) * W + col  # channel 2 q0's, row r0's half at col
+        plane = int64(H) * image_words  # words of a channel's plane
+        at = ((int64(n) * C + 2 * q0) * H + h0 + r0) * image_words + k  # channel 2 q0's, row r0's word k
         items = cuda.local.array(U, int32)
-        olds = cuda.local.array((U, 2), int64 if quads else int32)
-        col_ok = 0 <= col < W
-        line, qq, rr = next_items(image, image64, items, olds, line, qq, rr, lines, per_pass, dq, dr, rows, h0 + r0,
-                                  H, col_ok, at, plane, W, quad)
+        olds = cuda.local.array((U, 2), int32)
+        k_ok = 0 <= k < image_words
+        line, qq, rr = next_items(image, items, olds, line, qq, rr, lines, per_pass, dq, dr, rows, h0 + r0, H, k_ok,
+                                  at, plane, image_words)
         # Phase 1: the tile's pixels are whole window rows, one run of the blocks: thread t takes
         # channel pair t % CP of pixels t // CP, + T // CP, ... (CP a constant: no division).
         q = t % CP
@@ -1383,24 +1362,18 @@ def _make_pair_tile_kernels(atomic, quads=False):
                 if items[u] >= 0:
                     item_r = items[u] & 0xFFFF
                     item_q = items[u] >> 16
-                    place = (item_r * size_w + p) * (CP + 1) + item_q  # (the first half's pixel)
+                    place = (item_r * size_w + p) * (CP + 1) + item_q  # (the low half's pixel)
                     low = tile[place] if low_in else uint32(0)
                     high = tile[place + CP + 1] if high_in else uint32(0)
                     firsts = swapped(low, high)  # (channel c's word, channel c + 1's)
-                    half = at + (int64(2 * item_q) * H + item_r) * W
-                    if quads and quad:  # (pixels p + 2, p + 3 too: all four the window's)
-                        lasts = swapped(tile[place + 2 * (CP + 1)], tile[place + 3 * (CP + 1)])
-                        for j in range(2):
-                            _put_quad(image64, (half + j * plane) >> 2,
-                                      int64(firsts[j]) | (int64(lasts[j]) << 32), olds[u, j], True)
-                    else:
-                        for j in range(2):
-                            _put_word(image, halves, (half + j * plane) >> 1, int32(firsts[j]), int32(olds[u, j]),
-                                      low_in, high_in, True, atomic)
+                    spot = at + (int64(2 * item_q) * H + item_r) * image_words
+                    for j in range(2):
+                        _put_word(image, halves, spot + j * plane, int32(firsts[j]), olds[u, j], low_in, high_in,
+                                  True, atomic)
             if line >= lines:
                 break
-            line, qq, rr = next_items(image, image64, items, olds, line, qq, rr, lines, per_pass, dq, dr, rows,
-                                      h0 + r0, H, col_ok, at, plane, W, quad)
+            line, qq, rr = next_items(image, items, olds, line, qq, rr, lines, per_pass, dq, dr, rows, h0 + r0, H,
+                                      k_ok, at, plane, image_words)
 
     return copy_pair_tiles
 
@@ -2024,13 +1997,13 @@ PAIR_STRIPS = ("scatter quads", "atomic")
 # at 5-25 %, 1-6 % faster at 50 %; PAIR_TILE_PIXELS 32 5 % faster to 9 % slower, PAIR_TILE_THREADS
 # 128 8-16 % slower. On the final kernel (another run, at 10 / 50 %): PAIR_TILE_UNROLL 8 1.7-2.0x
 # slower (uncapped 1-20 %), 2 2-41 %; PAIR_TILE_PIXELS 128 6-19 %, with 8 items 2.0-2.4x;
-# PAIR_TILE_PAIRS 16 3-8 % faster at 10 %, 24-31 % slower at 50 %.
+# PAIR_TILE_PAIRS 16 3-8 % faster at 10 %, 24-31 % slower at 50 %. Image words of four halves
+# where rows allow (int64, a word at either end where a row starts or ends two halves into one) were
+# 5-20 % slower everywhere with 2 items a thread in flight and the cap, more with 4 or uncapped: not kept.
 PAIR_TILE_PAIRS = 32
 PAIR_TILE_PIXELS = 64
 PAIR_TILE_THREADS = 256
 PAIR_TILE_UNROLL = 4
-PAIR_TILE_QUADS = True
-PAIR_TILE_QUAD_UNROLL = 2
 PAIR_TILE_LOADS = 4
 PAIR_TILE_MAX_REGISTERS = 64
 # Gathers of an NCHW fp16 image through the transpose (NHWC blocks) by words
@@ -2135,13 +2108,6 @@ def _pair_halves(scatter, atomic, image, blocks, geometry):
     return 4 if quad else 2
 
 
-def _pair_tile_quads(atomic, image):
-    """Whether a scatter the pair tiles take writes the image four halves a word where its rows
-    allow (`_make_pair_tile_kernels`' ``quads``): `PAIR_TILE_QUADS`, not atomic (windows at even
-    columns), W a multiple of 4 and the image 8-byte aligned."""
-    return PAIR_TILE_QUADS and not atomic and image.shape[3] % 4 == 0 and data_pointer(image) % 8 == 0
-
-
 def _strip_lanes(scatter, atomic, size_w, halves):
     """Lanes a window's row takes in a plain pair copy by strips (its destination words, one more
     for an atomic scatter, whose windows may start mid-word), or None where strips are off for the
@@ -2222,14 +2188,11 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
         launch(_kernels[key], grid, PAIR_TILE_THREADS, stream, args)
         return (_kernels[key], grid, PAIR_TILE_THREADS, args), (0, 1, 2, 3)
     if _pair_path(scatter, add, atomic, image, blocks, channels_last, transpose, dtype, geometry):
-        if transpose:  # (the image's side: four halves a word where rows allow)
-            halves = 4 if _pair_tile_quads(atomic, image) else 2
-        else:
-            halves = _pair_halves(scatter, atomic, image, blocks, geometry)
+        halves = 2 if transpose else _pair_halves(scatter, atomic, image, blocks, geometry)
         lanes = None if transpose else _strip_lanes(scatter, atomic, size_w, halves)
         key = ("pairs", scatter, transpose, add, atomic, halves, lanes is not None)
         if key not in _kernels:
-            _kernels[key] = (_make_pair_tile_kernels(atomic, halves == 4) if transpose
+            _kernels[key] = (_make_pair_tile_kernels(atomic) if transpose
                              else _make_pair_kernels(scatter, add, atomic, halves, lanes is not None))
         N, C, H, W = image.shape
         if transpose:
@@ -2243,18 +2206,12 @@ def _launch_copy(scatter, image, blocks, indices, count, n_blocks, geometry, tra
             most = -(-C * size_h // (per_pass * PAIR_UNROLL))
             grid = (groups, max(1, min(most, -(-WAVES * multiprocessors() // max(groups, 1)))))
             threads = COPY_THREADS
-        if transpose:  # (args 0, 4 and 5: one image; 5 read as int64 words with quads only)
-            args = (_flat(image, "int32"), _flat(blocks, "int32"), indices, count, _flat(image, "float16"),
-                    _flat(image, "int64" if halves == 4 else "int32"), N, C, H, W, size_h, size_w, stride_h,
-                    stride_w, offset_h, offset_w)
-            live = ((0, 4, 5), 1, 2, 3)
-        else:  # (args 0 and 4: one image)
-            words = "int64" if halves == 4 else "int32"
-            args = (_flat(image, words), _flat(blocks, words), indices, count, _flat(image, "float16"), N, C, H, W,
-                    size_h, size_w, stride_h, stride_w, offset_h, offset_w, lanes or 0)
-            live = ((0, 4), 1, 2, 3)
+        words = "int64" if halves == 4 else "int32"
+        args = (_flat(image, words), _flat(blocks, words), indices, count,
+                _flat(image, "float16"), N, C, H, W, size_h, size_w, stride_h, stride_w,
+                offset_h, offset_w) + (() if transpose else (lanes or 0,))
         launch(_kernels[key], grid, threads, stream, args)
-        return (_kernels[key], grid, threads, args), live
+        return (_kernels[key], grid, threads, args), ((0, 4), 1, 2, 3)  # (args 0 and 4: one image)
     if (channels_last and not transpose and not add and image.shape[3] * itemsize % WORD == 0
             and data_pointer(image) % WORD == 0 and data_pointer(blocks) % WORD == 0):
         # An overwrite moves bits: channels-last rows go as 8-byte words, fewer and wider accesses.
