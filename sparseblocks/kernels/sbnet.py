@@ -1248,9 +1248,9 @@ def _make_pair_tile_kernels(atomic):
     `scripts/pair_tile_variants.py`, windows of 14 and 16, 1 x 256 and 8 x 64 x
     400 x 700 at 5-50 %): the first version, dividing each item's index by
     run-time counts (64-bit, tens of instructions each) and reading the blocks
-    one load at a time, was 11-26 % slower than carried coordinates; loading
+    one load at a time, was 11-34 % slower than carried coordinates; loading
     the old words before the tile gained 12-25 % more at 25-50 % of the
-    windows, 0-10 % at 5-10 %.
+    windows, 0-14 % at 5-10 % (`results/sbnet_pair_tile_scatter_session35_h100.md`).
     """
     CP = PAIR_TILE_PAIRS
     TP = PAIR_TILE_PIXELS
@@ -1986,20 +1986,17 @@ PAIR_STRIPS = ("scatter quads", "atomic")
 # Transposing NCHW fp16 copies (NHWC blocks) by words (`_make_pair_tile_kernels`): a tile of this
 # many channel pairs by whole window rows of at most PAIR_TILE_PIXELS pixels, PAIR_TILE_THREADS
 # threads, PAIR_TILE_UNROLL image-side items a thread in flight, PAIR_TILE_LOADS block-side loads, at
-# most PAIR_TILE_MAX_REGISTERS registers. Session 35, H100, graph µs, the sparse block's output
-# windows (14 every 14) and 16 every 16, 1 x 256 and 8 x 64 x 400 x 700 at 5-50 %
-# (`scripts/pair_tile_variants.py`): before the old words were loaded ahead of the tile,
-# PAIR_TILE_PIXELS 128 and PAIR_TILE_THREADS 128 were within 3 % either way, PAIR_TILE_UNROLL 2 or 8
-# and PAIR_TILE_PAIRS 16 2-28 % slower, caps of 40 and 32 registers 1.9-2.6x slower (spills); with
-# them loaded ahead (72 registers uncapped, 3 thread blocks a multiprocessor), the cap of 64 (4, a
-# few words spilled) 0-11 % faster at 25-50 %, 2 % slower to 9 % faster below; 8 loads (88
-# registers) 0-5 % slower, capped at 64 (more spills) 25-30 % slower; 2 loads (64) up to 7 % slower
-# at 5-25 %, 1-6 % faster at 50 %; PAIR_TILE_PIXELS 32 5 % faster to 9 % slower, PAIR_TILE_THREADS
-# 128 8-16 % slower. On the final kernel (another run, at 10 / 50 %): PAIR_TILE_UNROLL 8 1.7-2.0x
-# slower (uncapped 1-20 %), 2 2-41 %; PAIR_TILE_PIXELS 128 6-19 %, with 8 items 2.0-2.4x;
-# PAIR_TILE_PAIRS 16 3-8 % faster at 10 %, 24-31 % slower at 50 %. Image words of four halves
-# where rows allow (int64, a word at either end where a row starts or ends two halves into one) were
-# 5-20 % slower everywhere with 2 items a thread in flight and the cap, more with 4 or uncapped: not kept.
+# most PAIR_TILE_MAX_REGISTERS registers. Session 35, H100, graph, the sparse block's output windows
+# (14 every 14) and 16 every 16, 1 x 256 and 8 x 64 x 400 x 700 at 5-50 %
+# (`results/sbnet_pair_tile_scatter_session35_h100.md`): with the old words loaded ahead of the tile
+# (72 registers uncapped: 3 thread blocks a multiprocessor), the cap of 64 (4, a few words spilled)
+# 0-11 % faster at 25-50 %, 2 % slower to 9 % faster below; 8 loads (88 registers) 2-25 % slower
+# than 4, and 24-53 % capped; 2 loads up to 7 % slower at 5-25 %, 1-6 % faster at 50 %. On the final
+# kernel, at 10 / 50 %: PAIR_TILE_UNROLL 8 1.7-2.0x slower (uncapped 1-20 %), 2 2-41 %;
+# PAIR_TILE_PIXELS 128 6-19 %; PAIR_TILE_PAIRS 16 3-8 % faster at 10 %, 24-31 % slower at 50 %. Image
+# words of four halves where rows allow (int64, a word at either end where a row starts or ends two
+# halves into one) were 5-20 % slower everywhere (2 items a thread in flight, capped), more with 4
+# or uncapped: not kept.
 PAIR_TILE_PAIRS = 32
 PAIR_TILE_PIXELS = 64
 PAIR_TILE_THREADS = 256
