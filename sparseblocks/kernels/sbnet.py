@@ -1065,6 +1065,34 @@ def _put_quad(image, at, value, old, add):
     image[at] = _add_quad(old, value) if add else value
 
 
+@cuda.jit(device=True, inline=True)
+def _first_line(t, threads, D, rows, groups):
+    """Thread t's place among a thread block's ``groups`` x ``rows`` lines of D words each, taken
+    word t % D of lines t // D, + per_pass, ... (per_pass = threads // D): one division a thread,
+    the line's group and row carried by `_next_line` (divisions by run-time values cost tens of
+    instructions each: session 34's gathers by words). Returns (word, line, group, row, per_pass,
+    group step, row step, lines: none for the threads past the last whole pass)."""
+    per_pass = threads // D
+    d = t % D
+    line = t // D
+    group = line // rows
+    row = line - group * rows
+    dg = per_pass // rows
+    dr = per_pass - dg * rows
+    return d, line, group, row, per_pass, dg, dr, groups * rows if t < per_pass * D else 0
+
+
+@cuda.jit(device=True, inline=True)
+def _next_line(line, group, row, per_pass, dg, dr, rows):
+    """`_first_line`'s carried (line, group, row), one pass on."""
+    group += dg
+    row += dr
+    if row >= rows:
+        row -= rows
+        group += 1
+    return line + per_pass, group, row
+
+
 def _make_pair_kernels(scatter, add, atomic, halves=2, strip=False):
     """Plain copies between an NCHW fp16 image and NCHW blocks, ``halves`` (2 or 4) halves a word.
 
@@ -1285,12 +1313,7 @@ def _make_pair_tile_kernels(atomic):
                         spot = at + (int64(2 * qq) * H + rr) * image_words
                         olds[u, 0] = image[spot]
                         olds[u, 1] = image[spot + plane]
-                line += per_pass
-                qq += dq
-                rr += dr
-                if rr >= rows:
-                    rr -= rows
-                    qq += 1
+                line, qq, rr = _next_line(line, qq, rr, per_pass, dq, dr, rows)
         return line, qq, rr
 
     @cuda.jit(**({} if PAIR_TILE_MAX_REGISTERS is None or SIMULATOR else {"max_registers": PAIR_TILE_MAX_REGISTERS}))
@@ -1314,20 +1337,12 @@ def _make_pair_tile_kernels(atomic):
         pairs = min(CP, int32(C >> 1) - q0)
         t = int32(cuda.threadIdx.x)
         # Phase 2 (the image's side) is placed first: thread t takes image word t % D of the
-        # (channel pair, tile row) lines t // D, + T // D, ..., one division a thread, the line's
-        # pair and row carried (divisions by run-time values cost tens of instructions each:
-        # session 34's gathers). Its first items' old words do not depend on the tile: they are
-        # loaded before it, so both phases' reads are in flight at once.
+        # (channel pair, tile row) lines t // D, + T // D, ... (`_first_line`). Its first items'
+        # old words do not depend on the tile: they are loaded before it, so both phases' reads
+        # are in flight at once.
         odd = int32(w0 & 1)
         D = (size_w >> 1) + odd  # image-side words a row
-        per_pass = T // D
-        d = t % D
-        line = t // D
-        qq = line // rows
-        rr = line - qq * rows
-        dq = per_pass // rows
-        dr = per_pass - dq * rows
-        lines = pairs * rows if t < per_pass * D else 0  # (the threads past the last whole pass: none)
+        d, line, qq, rr, per_pass, dq, dr, lines = _first_line(t, T, D, rows, pairs)
         image_words = W >> 1
         k = (w0 >> 1) + d  # the image word: columns 2k, 2k + 1, window pixels p, p + 1
         p = 2 * d - odd
@@ -1428,17 +1443,9 @@ def _make_pair_tile_gathers():
         image_words = W >> 1
         k0 = w0 >> 1  # the image word holding the window row's first half
         t = cuda.threadIdx.x
-        # Phase 1: thread t takes word t % D of the tile's (channel, row) lines t // D, + per_pass,
-        # ...: one division a thread, the line's channel and row carried (divisions by run-time
-        # values cost tens of instructions each).
-        per_pass = T // D
-        d = t % D
-        line = t // D
-        c = line // rows
-        rr = line - c * rows
-        dc = per_pass // rows
-        dr = per_pass - dc * rows
-        lines = channels * rows if t < per_pass * D else 0  # (the threads past the last whole pass: none)
+        # Phase 1: thread t takes word t % D of the tile's (channel, row) lines t // D, + T // D,
+        # ... (`_first_line`).
+        d, line, c, rr, per_pass, dc, dr, lines = _first_line(t, T, D, rows, channels)
         k = k0 + d
         k_ok = ok and 0 <= k < image_words
         plane = ((int64(nc) * C + c0) * H + h0 + r0) * image_words + k  # channel c0's, row r0's word k
@@ -1453,12 +1460,7 @@ def _make_pair_tile_gathers():
                     if k_ok and 0 <= h < H:
                         values[u] = uint32(image[plane + (int64(c) * H + rr) * image_words])
                     spots[u] = c * stride + rr * D + d
-                line += per_pass
-                c += dc
-                rr += dr
-                if rr >= rows:
-                    rr -= rows
-                    c += 1
+                line, c, rr = _next_line(line, c, rr, per_pass, dc, dr, rows)
             for u in range(U):
                 if spots[u] >= 0:
                     raw[spots[u]] = values[u]
