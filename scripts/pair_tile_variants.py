@@ -8,8 +8,8 @@ Each argument is one variant: settings of `sparseblocks.kernels.sbnet`, `;`-sepa
 package's defaults). For each image (N x C x 400 x 700 fp16), window width (SparseResBlock's
 output windows: 14 every 14 for blocks of 16, 16 every 16 for blocks of 18) and fraction of the
 block's windows active, every variant's in-place adding scatter through the transpose is checked
-bit for bit against the first variant's and the reference's, then graph-timed beside a device copy
-of the bytes it moves (the blocks read, the windows read and written: 1.5 copies of the blocks).
+bit for bit against the reference's, then graph-timed beside a device copy of the bytes it moves
+(the blocks read, the windows read and written: 1.5 copies of the blocks).
 Prints µs and copy / ours.
 """
 
