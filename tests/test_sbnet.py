@@ -601,6 +601,17 @@ def pair_kernel_keys(monkeypatch):
     return made, copy_kernel_dtypes(monkeypatch)
 
 
+def small_pair_tiles(patch):
+    """Pair tiles (adding scatters through the transpose) whose loops run more than once, as wide
+    windows' do on the GPU: tiles of two channel pairs by 14 pixels, read in passes of a load a
+    thread, image items in batches of one, 8 threads (no fewer than a window row's words)."""
+    patch.setattr(sbnet, "PAIR_TILE_PAIRS", 2)
+    patch.setattr(sbnet, "PAIR_TILE_PIXELS", 14)
+    patch.setattr(sbnet, "PAIR_TILE_THREADS", 8)
+    patch.setattr(sbnet, "PAIR_TILE_LOADS", 1)
+    patch.setattr(sbnet, "PAIR_TILE_UNROLL", 1)
+
+
 # NCHW fp16 images with an even width and windows of an even width: the pair kernels' cases.
 pair_geometry = st.fixed_dictionaries({
     "bsize": st.tuples(st.integers(1, 4), st.sampled_from([2, 4, 6])),
@@ -617,8 +628,8 @@ pair_geometry = st.fixed_dictionaries({
 def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, strip, add, atomic, transpose, halves):
     """NCHW fp16 gathers and scatters with rows of whole words go two halves a word (scatters
     that are not atomic only at even columns; through the transpose, adding scatters of NHWC
-    blocks only, where C is even, in tiles cut here to two channel pairs and 14 pixels, 8
-    threads; gathers where C is even, in pieces of a channel pair and one or two rows), or with
+    blocks only, where C is even, in tiles cut here by `small_pair_tiles`; gathers where C is
+    even, in pieces of a channel pair and one or two rows), or with
     `PAIR_HALVES` 4 four a word where W and the window's width are multiples of 4 (scatters: not
     atomic, at columns that are), windows at odd columns, off the image and past a device count
     included: the gather, an overwrite and an add equal the reference bit for bit; an atomic add
@@ -627,11 +638,7 @@ def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, strip, add, atomi
     windows side by side in each warp)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sbnet, "PAIR_STRIPS", sbnet.PAIR_STRIP_KINDS if strip else ())
-        patch.setattr(sbnet, "PAIR_TILE_PAIRS", 2)  # (scatters through the transpose: tiles of two pairs, of
-        patch.setattr(sbnet, "PAIR_TILE_PIXELS", 14)  # 14 pixels read in passes of a load a thread, and
-        patch.setattr(sbnet, "PAIR_TILE_THREADS", 8)  # image items in batches of one: the kernels' loops run
-        patch.setattr(sbnet, "PAIR_TILE_LOADS", 1)  # more than once, as wide windows' do on the GPU;
-        patch.setattr(sbnet, "PAIR_TILE_UNROLL", 1)  # 8 threads: no fewer than a window row's words)
+        small_pair_tiles(patch)
         patch.setattr(sbnet, "PAIR_GATHER_PAIRS", 1)  # (gathers through the transpose: pieces of a window's
         patch.setattr(sbnet, "PAIR_GATHER_WORDS", 24)  # channel pairs and of its rows)
         patch.setattr(sbnet, "PAIR_HALVES", halves)
@@ -700,18 +707,12 @@ def test_nchw_fp16_gathers_through_the_transpose_by_words(width, offset, stride,
     (6, 1, 3, True, 30)])
 def test_nchw_fp16_adds_through_the_transpose_by_words(width, offset, stride, atomic, image_width, monkeypatch):
     """Adding scatters of NHWC blocks into an NCHW fp16 image by words (`_make_pair_tile_kernels`),
-    its loops run more than once as wide windows' do on the GPU (a tile's 2 channel pairs by the
-    window rows of 14 pixels read in passes of one load a thread, 8 threads, image items in
-    batches of one, their old words loaded before the tile is filled): windows at even columns
-    (not atomic) and overlapping windows at odd ones (atomic), in images of widths of 30 and
-    32, off the image's edges, a partial
-    last channel piece (3 pairs), a device count short of the rows: equal to the reference bit
-    for bit (atomic: up to fp16's rounding of each partial sum), no element kernel."""
-    monkeypatch.setattr(sbnet, "PAIR_TILE_PAIRS", 2)
-    monkeypatch.setattr(sbnet, "PAIR_TILE_PIXELS", 14)
-    monkeypatch.setattr(sbnet, "PAIR_TILE_THREADS", 8)
-    monkeypatch.setattr(sbnet, "PAIR_TILE_LOADS", 1)
-    monkeypatch.setattr(sbnet, "PAIR_TILE_UNROLL", 1)
+    its loops run more than once (`small_pair_tiles`; the old words loaded before the tile is
+    filled): windows at even columns (not atomic) and overlapping windows at odd ones (atomic),
+    in images of widths of 30 and 32, off the image's edges, a partial last channel piece (3
+    pairs), a device count short of the rows: equal to the reference bit for bit (atomic: up to
+    fp16's rounding of each partial sum), no element kernel."""
+    small_pair_tiles(monkeypatch)
     made, elements = pair_kernel_keys(monkeypatch)
     rng = np.random.default_rng(width + stride)
     x = values(rng, (2, 6, 11, image_width), "float16", "small_integers")
