@@ -122,19 +122,23 @@ def check_bsmm():
 
 def check_gather_matmul(shapes=(gather_matmul.TILE_SHAPE,)):
     """The fused gather and 1x1 product, each storage, with and without ReLU, in the given tile
-    shapes: ptxas's registers and the mma count."""
+    shapes (an NCHW image's in its own), and the fused product and scatter: ptxas's registers and
+    the mma count."""
     results = []
-    for storage, (relu, scatter), vector_out, shape in itertools.product(
-            gather_matmul.DTYPES, ((False, False), (True, False), (False, True)), (True, False), shapes):
+    for storage, (relu, scatter, nchw), vector_out, shape in itertools.product(
+            gather_matmul.DTYPES, ((False, False, False), (True, False, False), (True, False, True),
+                                   (False, True, False)), (True, False), shapes):
         element = getattr(types, storage)
         out = types.int32 if vector_out and storage == "float16" else element  # (fp16 words)
-        signature = ((out[:, ::1], element[::1], element[:, ::1], types.int32[:, ::1], types.int32[::1])
-                     + (i64,) * 14)
+        signature = ((out[:, ::1], types.int32[::1] if nchw else element[::1], element[:, ::1], types.int32[:, ::1],
+                      types.int32[::1]) + (i64,) * 14)
         if scatter:
             shape = gather_matmul.SCATTER_TILES[storage]
-        kernel = gather_matmul._make_kernel(storage, relu, vector_out, *shape, scatter=scatter)
-        name = (f"{'matmul_scatter' if scatter else 'gather_matmul'} {storage} relu={relu} vector_out={vector_out} "
-                f"tile {shape}")
+        elif nchw:
+            shape = gather_matmul.NCHW_TILE_SHAPE
+        kernel = gather_matmul._make_kernel(storage, relu, vector_out, *shape, scatter=scatter, nchw=nchw)
+        name = (f"{'matmul_scatter' if scatter else 'gather_matmul'}{' NCHW' if nchw else ''} {storage} relu={relu} "
+                f"vector_out={vector_out} tile {shape}")
         try:
             ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
         except Exception as error:  # report every failure, not just the first

@@ -330,10 +330,10 @@ class _Windows:
         return kernels.sparse_gather(image, self.indices, *(at or self.gather_at), out=out, **self._kwargs(transpose))
 
     def gather_matmul(self, image, weight, out=None):
-        """relu(gather(image) @ weight^T) in one kernel (`kernels.gather_matmul`): the NHWC stack's
-        first 1x1 convolution and its ReLU without the stack."""
+        """relu(gather(image) @ weight^T) in one kernel (`kernels.gather_matmul`): the first 1x1
+        convolution and its ReLU without the stack, the output NHWC (as both stacks' first ReLU's)."""
         return fused_kernels.sparse_gather_matmul(image, self.indices, weight, *self.gather_at, count=self.count,
-                                                  relu=True, out=out)
+                                                  relu=True, out=out, data_format=self.data_format)
 
     def matmul_scatter(self, blocks, weight, image):
         """image += scatter(blocks @ weight^T) at the output windows, in place, in one kernel
@@ -564,19 +564,23 @@ def _after_first_product(h1, w2, w3, into=NOWHERE):
 # the stack's memory, bounds it, and cuBLAS's (wgmma) is faster than the kernel's mma.sync
 # (fp16 512 -> 128 at 10 / 50 %: 20.7 / 12.0, 55.3 / 57.4 µs; 1024 -> 256: 23.0 / 9.5, 49.3 /
 # 29.0; `results/gather_matmul.md`).
+# FUSED_GATHER_LAYOUTS: the (image layout, transpose) of the windows it applies to; its output,
+# the first ReLU's, is NHWC from either stack. Session 36 (the NCHW image's fused kernel): ...
 FUSED_GATHER = True
 FUSED_GATHER_MIN_PIXELS = 32768
 FUSED_GATHER_MAX_OUT = 64
+FUSED_GATHER_LAYOUTS = {("NHWC", False), ("NCHW", False), ("NCHW", True), ("NHWC", True)}
 
 
 def _fuses_gather(windows, image, w1):
     """Whether a call without gradients takes `kernels.gather_matmul` for its gather and first
-    product: an NHWC stack, tensors the kernel takes, few output channels, and pixels enough."""
-    if not FUSED_GATHER or windows.transpose or windows.data_format != "NHWC":
+    product: a layout it applies to, tensors the kernel takes, few output channels, and pixels
+    enough."""
+    if not FUSED_GATHER or (windows.data_format, windows.transpose) not in FUSED_GATHER_LAYOUTS:
         return False
     size = windows.gather_at[0]  # (h, w): the block's geometry
     return (w1.shape[0] <= FUSED_GATHER_MAX_OUT and len(windows.indices) * size[0] * size[1] >= FUSED_GATHER_MIN_PIXELS
-            and fused_kernels.takes(image, w1))
+            and fused_kernels.takes(image, w1, windows.data_format, size))
 
 
 # In-place calls without gradients on an NHWC stack add the last 1x1 product straight into the
@@ -862,7 +866,8 @@ class _Slot:
                                      scatter_transpose=windows.transpose if scatter_transpose is None
                                      else scatter_transpose)
         if kept is not None and fused:  # the fused gather's kept launch in the gather's place
-            first = fused_kernels.kept_launch(image, indices, self.weights[0], count, *gather_at, relu=True)
+            first = fused_kernels.kept_launch(image, indices, self.weights[0], count, *gather_at, relu=True,
+                                              data_format=windows.data_format)
             kept = None if first is None else (first[0], kept[1], first[1], kept[3])
         if kept is not None and fused_last:  # and the fused product and scatter's in the scatter's
             last = fused_kernels.kept_scatter_launch(self.h2[:n], indices, self.weights[2], image, count, *scatter_at)

@@ -22,16 +22,24 @@ MAX_SIDE = 9 if SIMULATOR else 40
 
 
 @st.composite
-def problems(draw, dtype):
-    """(x, indices, weight, geometry, count): an NHWC image with whole 16-byte pixels, block
-    indices (some off the image or out of range), a weight [C_out, C] and maybe a count."""
+def problems(draw, dtype, data_format="NHWC"):
+    """(x, indices, weight, geometry, count): an NHWC image with whole 16-byte pixels (or an NCHW one
+    with as many channels, W even in fp16, windows of an even width), block indices (some off the
+    image or out of range), a weight [C_out, C] and maybe a count."""
     step = 16 // np.dtype(dtype).itemsize
+    nchw = data_format == "NCHW"
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     shape = (draw(st.integers(1, 2)), draw(st.integers(1, MAX_SIDE)), draw(st.integers(1, MAX_SIDE)),
              step * draw(st.integers(1, 3 if SIMULATOR else 40)))
     g = draw(geometries(max_size=4, max_stride=5, offsets=(-3, 2)))
+    if nchw:
+        g["bsize"] = (g["bsize"][0], 2 * -(-g["bsize"][1] // 2))
+        if step == 8:
+            shape = (*shape[:2], 2 * -(-shape[2] // 2), shape[3])
     x = values(rng, shape, dtype, draw(st.sampled_from(["normal", "small_integers", "sparse"])))
     indices = block_indices(rng, shape, g, max_blocks=MAX_BLOCKS)
+    if nchw:
+        x = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
     n_out = draw(st.integers(1, 20 if SIMULATOR else 150))
     weight = values(rng, (n_out, shape[3]), dtype, "normal")
     count = None
@@ -53,6 +61,40 @@ def test_equals_reference(data, relu, dtype):
         assert not got[int(count[0]):].any()
     # Tolerance: fp16 products on tensor cores sum in fp32 (3xTF32 for fp32), rounded once.
     assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@few
+@given(data=st.data())
+def test_nchw_equals_reference(data, dtype):
+    """An NCHW image's windows (fp16 pairs at even and odd columns, off both edges) through the
+    product: the NHWC result of its gather through the transpose and the product."""
+    x, indices, weight, g, count = data.draw(problems(dtype, "NCHW"))
+    want = reference.sparse_gather_matmul(x, indices, weight, count=count, relu=True, data_format="NCHW", **g)
+    with poisoned_outputs():
+        got = gather_matmul.sparse_gather_matmul(x, indices, weight, count=count, relu=True, data_format="NCHW", **g)
+    assert got.shape == want.shape == (len(indices), *g["bsize"], len(weight))
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_nchw_several_tiles_stages_and_odd_columns(dtype):
+    """NCHW: two output-channel tiles, input channels past a stage (fp16 40: 32 and 8), more stack
+    pixels than a tile, windows at odd and even columns reaching past both sides of the image."""
+    rng = np.random.default_rng(6)
+    cols, rows = gather_matmul.NCHW_TILE_SHAPE[1], gather_matmul.NCHW_TILE_SHAPE[0]
+    channels = 40 if dtype == "float16" else 20
+    x = rng.standard_normal((2, channels, 11, 14)).astype(dtype)
+    w = rng.standard_normal((cols + 8, channels)).astype(dtype)
+    g = {"bsize": (7, 6), "bstride": (4, 5), "boffset": (-2, -1)}
+    indices = np.array([[0, 0, 0], [1, 2, 3], [0, 1, 2], [1, 3, 1], [7, 0, 0], [0, 0, 1]], np.int32)
+    assert len(indices) * 42 > rows
+    want = reference.sparse_gather_matmul(x, indices, w, relu=False, data_format="NCHW", **g)
+    got = gather_matmul.sparse_gather_matmul(x, indices, w, data_format="NCHW", **g)
+    assert_close(got, want, dtype)
+    # the same windows of the image NHWC: one result
+    nhwc = gather_matmul.sparse_gather_matmul(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), indices, w, **g)
+    assert_close(got, nhwc, dtype)
 
 
 def test_is_the_gather_then_the_product():
@@ -135,6 +177,11 @@ def test_a_convolution_weight_goes_as_it_is():
     ("geometry", ValueError, "bsize"),
     ("out inside x", ValueError, "out: shares memory with x"),
     ("out over the indices", ValueError, "out: shares memory with indices"),
+    ("nchw odd window width", ValueError, "bsize: an NCHW image's windows"),
+    ("nchw fp16 odd W", ValueError, "x: an NCHW fp16 image's rows"),
+    ("nchw misaligned", ValueError, "x: expected a 4-byte aligned pointer"),
+    ("nchw channels", ValueError, "weight: a pixel's 12 channels"),
+    ("data_format", ValueError, "data_format: expected"),
 ])
 def test_bad_input_raises_before_any_launch(case, error, match, monkeypatch):
     x = np.ones((1, 4, 4, 8), np.float16)
@@ -169,6 +216,20 @@ def test_bad_input_raises_before_any_launch(case, error, match, monkeypatch):
         buffer = cuda.to_device(np.zeros(12, np.float16))
         x, w, kwargs["out"] = cuda.to_device(x), cuda.to_device(w), buffer.reshape(1, 2, 2, 3)
         indices = buffer.view(np.int32)[:3].reshape(1, 3)
+    elif case.startswith("nchw"):
+        kwargs["data_format"] = "NCHW"
+        x = np.ones((1, 8, 4, 4), np.float16)
+        if case == "nchw odd window width":
+            kwargs["bsize"] = (2, 3)
+        elif case == "nchw fp16 odd W":
+            x = np.ones((1, 8, 4, 5), np.float16)
+        elif case == "nchw misaligned":
+            x = cuda.to_device(np.ones(1 + 8 * 16, np.float16))[1:].reshape(1, 8, 4, 4)
+            w, indices = cuda.to_device(w), cuda.to_device(indices)
+        else:
+            x, w = np.ones((1, 12, 4, 4), np.float16), np.ones((3, 12), np.float16)
+    elif case == "data_format":
+        kwargs["data_format"] = "NWHC"
     monkeypatch.setattr(gather_matmul, "launch", _no_launch)
     with pytest.raises(error, match=match):
         gather_matmul.sparse_gather_matmul(x, indices, w, **kwargs)
@@ -213,6 +274,31 @@ def test_kept_launch_replays_with_new_tensors():
         assert any(key[0] == "gather_matmul" for key in sbnet._plans)
 
 
+@pytest.mark.gpu
+def test_nchw_kept_launch_replays_with_new_tensors():
+    """An NCHW image's kept launch (its own key: the format) replays with new pointers and windows
+    at odd columns; the NHWC call of the same shapes' plan is not taken for it."""
+    torch = pytest.importorskip("torch")
+    from sparseblocks.kernels import sbnet
+
+    rng = np.random.default_rng(7)
+    g = {"bsize": (5, 6), "bstride": (4, 5), "boffset": (-1, -1)}
+    indices = torch.tensor([[0, 0, 0], [1, 2, 1], [0, 1, 3], [2, 0, 0]], dtype=torch.int32, device="cuda")
+    count = torch.tensor([3], dtype=torch.int32, device="cuda")
+    sbnet._plans.clear()
+    for step in range(3):
+        x = torch.tensor(rng.standard_normal((2, 24, 9, 24)), dtype=torch.float16, device="cuda")
+        w = torch.tensor(rng.standard_normal((72, 24)), dtype=torch.float16, device="cuda")
+        want = reference.sparse_gather_matmul(x.cpu().numpy(), indices.cpu().numpy(), w.cpu().numpy(),
+                                              count=count.cpu().numpy(), relu=True, data_format="NCHW", **g)
+        if step == 1:  # an NHWC call of the same tensor shapes in between
+            gather_matmul.sparse_gather_matmul(x, indices, w, count=count, relu=True, **g)
+        got = gather_matmul.sparse_gather_matmul(x, indices, w, count=count, relu=True, data_format="NCHW", **g)
+        assert_close(got.cpu().numpy(), want, "float16")
+        launch = gather_matmul.kept_launch(x, indices, w, count, relu=True, data_format="NCHW", **g)
+        assert launch is not None
+
+
 def test_takes_says_what_the_launcher_takes():
     """`takes` (for callers choosing the fused kernel or the two calls) agrees with the launcher:
     fp16 and fp32, whole 16-byte pixels, contiguous, aligned; nothing else."""
@@ -226,6 +312,12 @@ def test_takes_says_what_the_launcher_takes():
     assert not gather_matmul.takes(x.transpose(1, 2), w)  # not contiguous
     storage = torch.ones(8 + 4 * 4 * 16, dtype=torch.float16)
     assert not gather_matmul.takes(storage[1:1 + 256].view(1, 4, 4, 16), w)  # 2 bytes past an aligned start
+    nchw = x.permute(0, 3, 1, 2).contiguous()  # NCHW: windows of an even width, fp16 rows of whole words
+    assert gather_matmul.takes(nchw, w, "NCHW", (3, 2)) and gather_matmul.takes(nchw.float(), w.float(), "NCHW", (3, 2))
+    assert not gather_matmul.takes(nchw, w, "NCHW", (3, 3))
+    assert not gather_matmul.takes(torch.ones(1, 16, 4, 5, dtype=torch.float16), w, "NCHW", (2, 2))
+    assert gather_matmul.takes(torch.ones(1, 16, 4, 5), w.float(), "NCHW", (2, 2))
+    assert not gather_matmul.takes(storage[1:1 + 256].view(1, 16, 4, 4), w, "NCHW", (2, 2))  # half a word on
 
 
 # -- the product fused into the adding scatter (sparse_matmul_scatter) ------------------------

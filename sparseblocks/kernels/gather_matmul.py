@@ -66,7 +66,7 @@ from ._mma import MMA_M, MMA_N, mma_3xtf32, mma_f16
 from ._nanmax import max_nan
 from ._vector import aligned, load4, store2, store4
 from . import sbnet as _sbnet
-from .sbnet import _magic, _prepare_indices, _quotient
+from .sbnet import _joined, _magic, _prepare_indices, _quotient, _swapped
 
 # -- constants -----------------------------------------------------------------
 
@@ -100,28 +100,40 @@ def _swizzle(units):
 
 
 @cuda.jit(device=True, inline=True)
-def _window_pixel(q, indices, active, n_images, height, width, area, size_w, stride_h, stride_w, offset_h,
-                  offset_w, magic_area, magic_w):
-    """The image pixel (flat over n, h, w) that stack pixel q (block, window row, window column)
-    lies on, or -1: off the image, its block past the count, or its index out of range."""
+def _window_place(q, indices, active, n_images, height, area, size_w, stride_h, stride_w, offset_h, offset_w,
+                  magic_area, magic_w):
+    """(n, h, c, whether the row is there) of stack pixel q (block, window row, window column): its
+    image, row and column (the column may be off the image); the row is not there where it is off
+    the image, its block past the count, or its index out of range."""
     b = _quotient(q, magic_area)
     within = q - b * int32(area)
     wr = _quotient(within, magic_w)
     if b >= active:
-        return int64(-1)
+        return int64(0), int64(0), int64(0), False
     n = int64(indices[b, 0])
     h = int64(offset_h) + int64(indices[b, 1]) * stride_h + wr
     c = int64(offset_w) + int64(indices[b, 2]) * stride_w + (within - wr * int32(size_w))
-    if 0 <= n < n_images and 0 <= h < height and 0 <= c < width:
+    return n, h, c, 0 <= n < n_images and 0 <= h < height
+
+
+@cuda.jit(device=True, inline=True)
+def _window_pixel(q, indices, active, n_images, height, width, area, size_w, stride_h, stride_w, offset_h,
+                  offset_w, magic_area, magic_w):
+    """The image pixel (flat over n, h, w) that stack pixel q lies on, or -1: off the image, its
+    block past the count, or its index out of range."""
+    n, h, c, there = _window_place(q, indices, active, n_images, height, area, size_w, stride_h, stride_w,
+                                   offset_h, offset_w, magic_area, magic_w)
+    if there and 0 <= c < width:
         return (n * height + h) * width + c
     return int64(-1)
+
 
 
 # -- kernel bodies -------------------------------------------------------------
 
 
 def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, stages=STAGES, warps=WARPS,
-                 registers=None, scatter=False):
+                 registers=None, scatter=False, nchw=False):
     """The fused gather and product for one storage dtype and tile shape (see the module docstring);
     with `scatter`, the fused product and adding scatter instead.
 
@@ -136,7 +148,15 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     With `scatter` the roles turn round: x is the block stack (flat, its rows read in order), and
     out the image's pixels ``[N * H * W, C_out]`` (words likewise), into which each result row is
     added at the pixel its stack pixel lies on (`_window_pixel`; none: dropped). The windows must
-    not overlap: no two thread blocks add into one pixel."""
+    not overlap: no two thread blocks add into one pixel.
+
+    With `nchw` the image is NCHW, x its int32 words (fp16: two columns a word, W even; fp32: one
+    value), the window's width even. Its channels are not contiguous but its columns are, so the
+    tile's pixels come by plain loads of pixel pairs (`load_nchw`: a warp's eight lanes along a
+    run of pairs read a window row's run of a channel), one stage ahead in registers, and go into
+    the same pixel-major ring by `store_nchw` (fp16: the 2 x 2 transpose of halves, `_swapped`, a
+    pair at an odd column joined from the two words it straddles, `_joined`); the weight still
+    comes by cp.async. A ring of 2 stages."""
     PAIRS = storage == "float16"  # two 16-bit values a word, else one fp32
     ITEM = 2 if PAIRS else 4
     THREADS = warps * WARP
@@ -165,6 +185,14 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     Y_UNITS = cols * ITEM // UNIT  # 16-byte units of a tile row of out
     Y_SIZE = rows * Y_UNITS * 4 if PREFETCH else 1
     Y_TYPE = uint32 if PAIRS else float32
+    # NCHW: a warp fills NCHW_PAIRS pixel pairs of a stage, a lane A_PAIRS of them (8 lanes along the
+    # pairs) by J_STEPS words of each (4 lanes along the words); HELD words loaded an item.
+    NCHW_PAIRS = rows // 2 // warps
+    A_PAIRS = NCHW_PAIRS // 8
+    J_STEPS = words // 4
+    HELD = 4 if PAIRS else 2
+    if nchw:
+        assert stages == 2 and not scatter and NCHW_PAIRS % 8 == 0
     wait = waiter(stages - 2)
     swizzle = _swizzle(UNITS)
     out_swizzle = _swizzle(min(NT, 8))
@@ -189,7 +217,7 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
         buf; its unit (bytes unit_bytes on in the stage) is zeros past the row's end."""
         k_bytes = stage * (words * 4)
         on_row = k_bytes + unit_bytes < row_bytes
-        for i in range(A_PER):
+        for i in range(0 if nchw else A_PER):  # (NCHW: `load_nchw`)
             inside = on_row and a_keep[i]
             copy16_or_zero(a_shared + (a_to[i] + uint64(buf * A_TILE * 4)),
                            a_global + (a_from[i] + uint64(k_bytes) if inside else uint64(0)), inside)
@@ -202,6 +230,50 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     def word_at(r, word):
         """Where word `word` of shared row r lies (its unit swizzled)."""
         return r * words + ((word // 4) ^ swizzle(r)) * 4 + word % 4
+
+    @cuda.jit(device=True, inline=True)
+    def load_nchw(x, held, stage, base, lo_ok, hi_ok, plane, channels, jl):
+        """This thread's image words of stage `stage` into `held`, zeros off the image and past the
+        channels: for each of its pairs (first word `base` of channel 0; `lo_ok`, `hi_ok`: whether
+        its first and second word are the image's) and its words jl + 4 b of a pixel's stage row,
+        fp16 channels 2 j and 2 j + 1 (the first word, then its next where the pair straddles it),
+        fp32 channel j of both pixels."""
+        for a in range(A_PAIRS):
+            for b in range(J_STEPS):
+                j = jl + 4 * b
+                c = stage * 2 * words + 2 * j if PAIRS else stage * words + j
+                at = base[a] + int64(c) * plane
+                for v in range(HELD):
+                    held[a, b, v] = uint32(0)
+                if c < channels:
+                    if lo_ok[a]:
+                        held[a, b, 0] = uint32(x[at])
+                        if PAIRS:
+                            held[a, b, 1] = uint32(x[at + plane])
+                    if hi_ok[a]:
+                        held[a, b, HELD // 2] = uint32(x[at + 1])
+                        if PAIRS:
+                            held[a, b, 3] = uint32(x[at + plane + 1])
+
+    @cuda.jit(device=True, inline=True)
+    def store_nchw(a_s, held, buf, odd, warp, lane):
+        """`load_nchw`'s words into buffer buf as the pixels' words. Lanes 4-7 of each eight store
+        their pair's second pixel first: a store's 32 lanes then meet 32 distinct banks (row 2 p in
+        one half of them, row 2 p + 1 in the other)."""
+        ppl, jl = lane % 8, lane // 8
+        first = 1 if ppl >= 4 else 0
+        for a in range(A_PAIRS):
+            r = 2 * (warp * NCHW_PAIRS + ppl + 8 * a)
+            for b in range(J_STEPS):
+                j = jl + 4 * b
+                if PAIRS:
+                    p0, p1 = _swapped(uint32(_joined(held[a, b, 0], held[a, b, 2], odd[a])),
+                                      uint32(_joined(held[a, b, 1], held[a, b, 3], odd[a])))
+                else:
+                    p0, p1 = held[a, b, 0], held[a, b, 1]
+                at = buf * A_TILE
+                a_s[at + word_at(r + first, j)] = p1 if first else p0
+                a_s[at + word_at(r + 1 - first, j)] = p0 if first else p1
 
     @cuda.jit(device=True, inline=True)
     def multiply(a_s, w_s, acc, fa, buf, s, ar, t, bc, sw):
@@ -266,8 +338,8 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
                         old = load4(y_s, (y_word(r, j),))
                         store4(out, at, (add_half2(old[0], staged[0]), add_half2(old[1], staged[1]),
                                          add_half2(old[2], staged[2]), add_half2(old[3], staged[3])))
-                    else:
-                        store4(out, at, staged)
+                    else:  # (int32: out's words are; the simulator's NumPy raises on a uint32 past int32's range)
+                        store4(out, at, (int32(staged[0]), int32(staged[1]), int32(staged[2]), int32(staged[3])))
             return
         for mt in range(MT):
             for half in range(2):
@@ -338,7 +410,7 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
                                inside)
         # Where this thread's pixels lie (in the image; a scatter's in the stack): once, before the
         # first copy.
-        for i in range(A_PER):
+        for i in range(0 if nchw else A_PER):
             r = tid // UNITS + i * ROW_STEP
             q = row0 + r
             a_to[i] = uint64(word_at(r, unit * 4) * 4)
@@ -364,13 +436,62 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
                 for q in range(4):
                     acc[mt, nt, q] = float32(0)
         n_stages = (row_bytes + words * 4 - 1) // (words * 4)
+        ar = warp * WARP_ROWS + g
+        sw = swizzle(g)
+        if nchw:
+            held = cuda.local.array((A_PAIRS, J_STEPS, HELD), uint32)
+            base = cuda.local.array(A_PAIRS, int64)  # word (fp32: value) of channel 0 where a pair starts
+            lo_ok = cuda.local.array(A_PAIRS, boolean)
+            hi_ok = cuda.local.array(A_PAIRS, boolean)
+            odd = cuda.local.array(A_PAIRS, boolean)  # (fp16) a pair at an odd column: it straddles two words
+            row_words = width // 2 if PAIRS else width
+            plane = int64(height) * row_words
+            for a in range(A_PAIRS):
+                base[a] = int64(0)
+                lo_ok[a] = False
+                hi_ok[a] = False
+                odd[a] = False
+                q = row0 + 2 * (warp * NCHW_PAIRS + lane % 8 + 8 * a)
+                if q < n_pixels:  # (and q + 1: the windows' areas are even)
+                    n, h, c, there = _window_place(q, indices, active, n_images, height, area, size_w, stride_h,
+                                                   stride_w, offset_h, offset_w, magic_area, magic_w)
+                    if there:
+                        k = c >> 1 if PAIRS else c  # the word holding the pair's first value (c -1: word -1)
+                        base[a] = (n * channels * height + h) * row_words + k
+                        if PAIRS:
+                            odd[a] = (c & 1) != 0
+                        lo_ok[a] = 0 <= k < row_words
+                        hi_ok[a] = (odd[a] or not PAIRS) and 0 <= k + 1 < row_words
+            load_nchw(x, held, 0, base, lo_ok, hi_ok, plane, channels, lane // 8)
+            if n_stages > 0:
+                fetch(0, 0, a_shared, w_shared, a_global, w_global, a_from, a_keep, w_from, w_keep, a_to, w_to,
+                      unit * UNIT, row_bytes)
+            commit()
+            store_nchw(a_s, held, 0, odd, warp, lane)
+            buf = 0
+            for stage in range(n_stages):
+                wait()  # this thread's copies of the stage's weight rows have landed
+                # The stage is in buffer buf (every thread's stores and copies), and every warp is
+                # done with the other buffer, which the next stage's copies and stores refill.
+                cuda.syncthreads()
+                nxt = stage + 1
+                if nxt < n_stages:
+                    fetch(nxt, 1 - buf, a_shared, w_shared, a_global, w_global, a_from, a_keep, w_from, w_keep,
+                          a_to, w_to, unit * UNIT, row_bytes)
+                    load_nchw(x, held, nxt, base, lo_ok, hi_ok, plane, channels, lane // 8)
+                commit()
+                for s in range(STEPS):
+                    multiply(a_s, w_s, acc, fa, buf, s, ar, t, g, sw)
+                if nxt < n_stages:
+                    store_nchw(a_s, held, 1 - buf, odd, warp, lane)
+                buf = 1 - buf
+            write(out, a_s, y_s, pixels, acc, tid, warp, g, t, row0, col0, n_pixels, n_out)
+            return
         for s in range(stages - 1):
             if s < n_stages:
                 fetch(s, s, a_shared, w_shared, a_global, w_global, a_from, a_keep, w_from, w_keep, a_to, w_to,
                       unit * UNIT, row_bytes)
             commit()  # one group a stage, empty or not, so that the wait below counts stages
-        ar = warp * WARP_ROWS + g
-        sw = swizzle(g)
         buf = 0
         for stage in range(n_stages):
             wait()  # this thread's copies of this stage have landed
@@ -393,10 +514,10 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
 _kernels = {}
 
 
-def _kernel(storage, relu, vector_out, shape, scatter=False):
-    key = (storage, relu, vector_out, shape, scatter)
+def _kernel(storage, relu, vector_out, shape, scatter=False, nchw=False):
+    key = (storage, relu, vector_out, shape, scatter, nchw)
     if key not in _kernels:
-        _kernels[key] = _make_kernel(storage, relu, vector_out, *shape, scatter=scatter)
+        _kernels[key] = _make_kernel(storage, relu, vector_out, *shape, scatter=scatter, nchw=nchw)
     return _kernels[key]
 
 
@@ -411,6 +532,8 @@ TILE_SHAPE = (ROWS, COLS, WORDS, STAGES, WARPS, REGISTERS)  # (rows, cols, words
 # warps, 128 registers (4 thread blocks a multiprocessor) 11.8 / 21.6 / 51.3 / 93.9, uncapped (167:
 # 3) 13.8 / 22.8 / 54.4 / 102.8, 64 rows 12.8-14.5 / 23.5-26.6 / 53.0-57.6 / 99.8-107.0; fp32 64
 # rows, 2 warps 27.8 / 47.8 / 106.6 / 208.5, 4 warps 29.6 / 51.1 / 114.8 / 233.2.
+# An NCHW image's tile: a ring of 2 stages (its pixels come a stage ahead in registers, `load_nchw`).
+NCHW_TILE_SHAPE = (ROWS, COLS, WORDS, 2, WARPS, REGISTERS)
 SCATTER_TILES = {"float16": (ROWS, COLS, WORDS, 2, WARPS, 128), "float32": (64, COLS, WORDS, 2, 2, REGISTERS)}
 
 
@@ -469,10 +592,10 @@ def _check_aligned(arrays):
             raise ValueError(f"{name}: expected a 16-byte aligned pointer (cp.async copies 16 bytes)")
 
 
-def _settings(bsize, bstride, boffset, relu):
+def _settings(bsize, bstride, boffset, relu, data_format):
     """What a kept launch depends on besides its tensors: the key of both `sparse_gather_matmul`'s
     plans and `kept_launch`'s lookups (one tuple, so the two cannot drift apart)."""
-    return bsize, bstride, boffset, bool(relu), TILE_SHAPE
+    return bsize, bstride, boffset, bool(relu), data_format, TILE_SHAPE if data_format == "NHWC" else NCHW_TILE_SHAPE
 
 
 def _replayed(x, indices, weight, count, settings, out):
@@ -493,13 +616,19 @@ def _replayed(x, indices, weight, count, settings, out):
     return out
 
 
-def takes(x, weight):
+def takes(x, weight, data_format="NHWC", bsize=None):
     """Whether `sparse_gather_matmul` takes these torch tensors as they are (dtype, whole 16-byte
-    pixels, C-contiguous, 16-byte aligned): for a caller choosing between it and a gather and a
-    product, which take more."""
-    return (_dtype_name(x) in DTYPES and weight.dtype == x.dtype and x.shape[-1] * x.element_size() % UNIT == 0
-            and x.is_contiguous() and weight.is_contiguous() and x.data_ptr() % UNIT == 0
-            and weight.data_ptr() % UNIT == 0)
+    weight rows, C-contiguous, aligned; NCHW: fp16 rows of whole words, and windows ``bsize`` (h, w)
+    of an even width): for a caller choosing between it and a gather and a product, which take
+    more."""
+    nhwc = data_format == "NHWC"
+    channels = x.shape[-1 if nhwc else 1]
+    if not (_dtype_name(x) in DTYPES and weight.dtype == x.dtype and channels * x.element_size() % UNIT == 0
+            and x.is_contiguous() and weight.is_contiguous() and weight.data_ptr() % UNIT == 0):
+        return False
+    if nhwc:
+        return x.data_ptr() % UNIT == 0
+    return bsize[1] % 2 == 0 and x.data_ptr() % 4 == 0 and (x.element_size() == 4 or x.shape[3] % 2 == 0)
 
 
 def scatter_takes(blocks, weight, y):
@@ -511,7 +640,7 @@ def scatter_takes(blocks, weight, y):
             and weight.data_ptr() % UNIT == 0)
 
 
-def kept_launch(x, indices, weight, count, bsize, bstride, boffset=0, relu=False):
+def kept_launch(x, indices, weight, count, bsize, bstride, boffset=0, relu=False, data_format="NHWC"):
     """The kept launch of a call made before with tensors of these shapes, dtypes and alignment
     (and this count's kind), or None: ``(launch, count pointer)``, where ``launch(stream handle,
     out, x, weight, indices, count)`` takes pointers (out C-contiguous and 16-byte aligned) and
@@ -520,38 +649,47 @@ def kept_launch(x, indices, weight, count, bsize, bstride, boffset=0, relu=False
     graphs): it skips even the plan's lookup."""
     if not _sbnet._plans:
         return None
-    plan = _sbnet._kept("gather_matmul", (x, indices, weight), count, _settings(bsize, bstride, boffset, relu))
+    plan = _sbnet._kept("gather_matmul", (x, indices, weight), count,
+                        _settings(bsize, bstride, boffset, relu, data_format))
     return None if plan is None else (plan.launch[0], plan.extra if count is None else None)
 
 
-def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=None, relu=False, out=None):
+def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=None, relu=False, out=None,
+                         data_format="NHWC"):
     """``sparse_gather(x, indices, ...) @ weight.T`` (ReLU'd with ``relu``) without the block stack.
 
-    ``x`` NHWC ``[N, H, W, C]``; ``weight`` ``[C_out, C]`` or ``[C_out, C, 1, 1]``, x's dtype.
-    Returns ``[n_blocks, bh, bw, C_out]`` in x's kind and dtype (``out``: a C-contiguous device
-    array of that shape to write into, returned; ValueError where it shares memory with an
-    input). With a ``count``, rows from it on are zeros.
+    ``x`` NHWC ``[N, H, W, C]``, or with ``data_format="NCHW"`` ``[N, C, H, W]``; ``weight``
+    ``[C_out, C]`` or ``[C_out, C, 1, 1]``, x's dtype. Returns the NHWC ``[n_blocks, bh, bw,
+    C_out]`` in either format, in x's kind and dtype (``out``: a C-contiguous device array of that
+    shape to write into, returned; ValueError where it shares memory with an input). With a
+    ``count``, rows from it on are zeros. NCHW takes windows of an even width, and in fp16 an
+    even W (the image's rows read by words).
     A call repeated with torch tensors of the same shapes, dtypes, alignment and settings
     replays its kept launch (~15 µs of host time where the checks took ~55).
     """
-    settings = _settings(bsize, bstride, boffset, relu)
+    nhwc = _sbnet._check_format(data_format)
+    settings = _settings(bsize, bstride, boffset, relu, data_format)
     if _sbnet._plans:
         replayed = _replayed(x, indices, weight, count, settings, out)
         if replayed is not None:
             return replayed
     x_op, w_op = Operand(x, "x"), Operand(weight, "weight")
     if len(x_op.shape) != 4:
-        raise ValueError(f"x: expected NHWC [N, H, W, C], got shape {x_op.shape}")
+        raise ValueError(f"x: expected {data_format} [N, {'H, W, C' if nhwc else 'C, H, W'}], got shape {x_op.shape}")
     check_dtype(x_op, DTYPES)
     if w_op.dtype != x_op.dtype:
         raise TypeError(f"weight: expected {x_op.dtype} (x's dtype), got {w_op.dtype}")
     x_op.require_contiguous()
     w_op.require_contiguous()
-    N, H, W, C = x_op.shape
+    N, H, W, C = x_op.shape if nhwc else (x_op.shape[0], *x_op.shape[2:], x_op.shape[1])
     n_out, _ = _weight_rows(w_op, C)
     item = np.dtype(x_op.dtype).itemsize
-    _check_vectors("x", C, item)
+    _check_vectors("x" if nhwc else "weight", C, item)
     size, stride, offset = check_geometry(bsize, bstride, boffset)
+    if not nhwc and size[1] % 2:
+        raise ValueError(f"bsize: an NCHW image's windows are read by pixel pairs, expected an even width, got {size}")
+    if not nhwc and item == 2 and W % 2:
+        raise ValueError(f"x: an NCHW fp16 image's rows are read by words of two columns, expected an even W, got {W}")
     out_op = None if out is None else Operand(out, "out")
     stream = launch_stream((x_op, w_op) if out is None else (x_op, w_op, out_op))
     idx, count_device, n_blocks = _prepare_indices(indices, count, (x_op, w_op), stream, out_op)
@@ -569,18 +707,21 @@ def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=No
         out_op.require_contiguous()
         native, result = out_op.native, out_op.device(stream)
     x_dev, w_dev = x_op.device(stream), w_op.device(stream)
-    _check_aligned({"x": x_dev, "weight": w_dev})
+    _check_aligned({"x": x_dev, "weight": w_dev} if nhwc else {"weight": w_dev})
+    if not (nhwc or aligned(data_pointer(x_dev), 4, 1)):
+        raise ValueError("x: expected a 4-byte aligned pointer (an NCHW image is read by 4-byte words)")
     if n_pixels and n_out:
-        tile = TILE_SHAPE
+        tile = TILE_SHAPE if nhwc else NCHW_TILE_SHAPE
         grid, block = _grid(n_pixels, n_out, tile)
         vector_out = _vector_out(result, n_out, item)
         rows_out = result.reshape(n_pixels, n_out)
         if vector_out and item == 2:
             rows_out = rows_out.view(np.int32) if x_op.kind != "torch" or SIMULATOR else rows_out.view(_torch_int32())
-        args = (rows_out, x_dev.reshape(N * H * W * C), w_dev.reshape(n_out, C), idx.device(stream),
+        flat = x_dev.reshape(N * H * W * C)
+        args = (rows_out, flat if nhwc else _sbnet._as_words(flat, 4), w_dev.reshape(n_out, C), idx.device(stream),
                 count_device, N, H, W, C, n_out, n_pixels, area, size[1], stride[0], stride[1], offset[0],
                 offset[1], _magic(area), _magic(size[1]))
-        kernel = _kernel(x_op.dtype, bool(relu), vector_out, tile)
+        kernel = _kernel(x_op.dtype, bool(relu), vector_out, tile, nchw=not nhwc)
         launch(kernel, grid, block, stream, args)
         if out is None or data_pointer(result) % UNIT == 0:  # (as the replays' outputs are)
             _sbnet._keep_plan("gather_matmul", (x, indices, weight), count, settings, tuple(shape),

@@ -1066,6 +1066,15 @@ def _put_quad(image, at, value, old, add):
 
 
 @cuda.jit(device=True, inline=True)
+def _swapped(a, b):
+    """The 2 x 2 transpose of fp16 pairs: words of pixels p (a) and p + 1 (b), two channels each ->
+    words of channels c and c + 1, two pixels each (low half: pixel p), and back the same way.
+    (uint32(...): Numba computes uint32 shifts in 64 bits, where the simulator's NumPy wraps them at
+    32: the high bits must not reach a caller.)"""
+    return uint32((a & uint32(0xFFFF)) | (b << uint32(16))), uint32((a >> uint32(16)) | (b & uint32(0xFFFF0000)))
+
+
+@cuda.jit(device=True, inline=True)
 def _first_line(t, threads, D, rows, groups):
     """Thread t's place among a thread block's ``groups`` x ``rows`` lines of D words each, taken
     word t % D of lines t // D, + per_pass, ... (per_pass = threads // D): one division a thread,
@@ -1292,13 +1301,6 @@ def _make_pair_tile_kernels(atomic):
                          "row's image words (PAIR_TILE_PIXELS // 2 + 1)")
 
     @cuda.jit(device=True, inline=True)
-    def swapped(a, b):
-        """Words of pixels p (a) and p + 1 (b), two channels each -> words of channels c and c + 1,
-        two pixels each (low half: pixel p). (uint32(...): Numba computes uint32 shifts in 64 bits,
-        where the simulator's NumPy wraps them at 32: the high bits must not reach a caller.)"""
-        return uint32((a & uint32(0xFFFF)) | (b << uint32(16))), uint32((a >> uint32(16)) | (b & uint32(0xFFFF0000)))
-
-    @cuda.jit(device=True, inline=True)
     def next_items(image, items, olds, line, qq, rr, lines, per_pass, dq, dr, rows, h, H, k_ok, at, plane,
                    image_words):
         """Phase 2's next U items from line ``line`` (pair qq, tile row rr; h: the tile's first image
@@ -1380,7 +1382,7 @@ def _make_pair_tile_kernels(atomic):
                     place = (item_r * size_w + p) * (CP + 1) + item_q  # (the low half's pixel)
                     low = tile[place] if low_in else uint32(0)
                     high = tile[place + CP + 1] if high_in else uint32(0)
-                    firsts = swapped(low, high)  # (channel c's word, channel c + 1's)
+                    firsts = _swapped(low, high)  # (channel c's word, channel c + 1's)
                     spot = at + (int64(2 * item_q) * H + item_r) * image_words
                     for j in range(2):
                         _put_word(image, halves, spot + j * plane, int32(firsts[j]), olds[u, j], low_in, high_in,

@@ -1,9 +1,10 @@
 """NumPy reference for the gather fused into a 1x1 convolution, and for a 1x1 convolution fused
 into the adding scatter (twin of `kernels/gather_matmul.py`).
 
-`sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset, count, relu)`
-is ``sparse_gather(x, indices, ...) @ weight.T`` (then ReLU with ``relu``): each
-window of an NHWC image, as `reference.sbnet.sparse_gather` gives it, through a
+`sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset, count, relu,
+data_format)` is ``sparse_gather(x, indices, ...) @ weight.T`` (then ReLU with
+``relu``): each window of an NHWC image (or an NCHW one, gathered through the
+transpose), as `reference.sbnet.sparse_gather` gives it, through a
 1x1 convolution of weight ``[C_out, C]`` (a convolution's ``[C_out, C, 1, 1]``
 also goes), without the block stack in between. The result is
 ``[n_blocks, bsize_h, bsize_w, C_out]`` in x's dtype: one row an index, and
@@ -26,14 +27,20 @@ def _rows(weight):
     return weight[:, :, 0, 0] if weight.ndim == 4 and weight.shape[2:] == (1, 1) else weight
 
 
-def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=None, relu=False):
-    """``relu?(sparse_gather(x, indices, ...) @ weight.T)`` for NHWC ``x``, weight ``[C_out, C]``."""
+def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=None, relu=False,
+                         data_format="NHWC"):
+    """``relu?(sparse_gather(x, indices, ...) @ weight.T)`` for NHWC ``x`` (or NCHW with
+    ``data_format``: its windows gathered through the transpose), weight ``[C_out, C]``; the result
+    NHWC either way."""
     x = np.asarray(x)
     weight = _rows(weight)
-    if weight.ndim != 2 or x.ndim != 4 or weight.shape[1] != x.shape[3]:
-        raise ValueError(f"weight: expected [C_out, {x.shape[-1]}] for x of shape {x.shape}, got {weight.shape}")
+    channels = x.shape[3 if data_format == "NHWC" else 1] if x.ndim == 4 else None
+    if weight.ndim != 2 or x.ndim != 4 or weight.shape[1] != channels:
+        raise ValueError(f"weight: expected [C_out, {channels}] for {data_format} x of shape {x.shape}, "
+                         f"got {weight.shape}")
     n_blocks = len(np.asarray(indices))
-    blocks = sparse_gather(x, indices, bsize, bstride, boffset, count=count)  # the count's rows
+    blocks = sparse_gather(x, indices, bsize, bstride, boffset, count=count, transpose=data_format == "NCHW",
+                           data_format=data_format)  # (NHWC blocks: the count's rows)
     result = blocks.astype(np.float64) @ weight.astype(np.float64).T
     if relu:
         result = np.maximum(result, 0)
