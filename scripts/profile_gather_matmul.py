@@ -2,6 +2,9 @@
 times, for a profiler to pick one launch (a developer's script, GPU; see scripts/ncu_gather_matmul.sh).
 
     python3 scripts/profile_gather_matmul.py [--dtype float16] [--active 0.5] [--tile 128,64,16,3,4]
+        [--format NCHW]
+
+``--format NCHW``: the image NCHW (its kernel's tile: ``--tile`` sets NCHW_TILE_SHAPE).
 """
 
 import argparse
@@ -19,6 +22,7 @@ def main():
     parser.add_argument("--active", type=float, default=0.5)
     parser.add_argument("--tile", default=None)
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--format", default="NHWC")
     parser.add_argument("--host", action="store_true", help="host time of a call, and cProfile's top functions")
     args = parser.parse_args()
 
@@ -28,7 +32,8 @@ def main():
 
     if args.tile:
         values = tuple(map(int, args.tile.split(",")))
-        gather_matmul.TILE_SHAPE = values if len(values) == 6 else values + (None,)
+        setattr(gather_matmul, "TILE_SHAPE" if args.format == "NHWC" else "NCHW_TILE_SHAPE",
+                values if len(values) == 6 else values + (None,))
     dtype = getattr(torch, args.dtype)
     g = {"bsize": 16, "bstride": 14, "boffset": -1}
     x = torch.randn(1, 400, 700, 256, device="cuda", dtype=dtype)
@@ -38,7 +43,10 @@ def main():
     indices = np.ascontiguousarray(np.concatenate([np.zeros((len(chosen), 1), np.int64), chosen], axis=1), np.int32)
     idx = torch.as_tensor(indices, device="cuda")
     count = torch.tensor([len(indices)], dtype=torch.int32, device="cuda")
-    call = lambda: gather_matmul.sparse_gather_matmul(x, idx, w, relu=True, count=count, **g)  # noqa: E731
+    if args.format == "NCHW":
+        x = x.permute(0, 3, 1, 2).contiguous()
+    call = lambda: gather_matmul.sparse_gather_matmul(x, idx, w, relu=True, count=count, data_format=args.format,  # noqa: E731
+                                                      **g)
     for _ in range(args.calls):
         call()
     torch.cuda.synchronize()
@@ -47,7 +55,7 @@ def main():
         import pstats
         import time
 
-        gather = lambda: sbnet.sparse_gather(x, idx, count=count, **g)  # noqa: E731
+        gather = lambda: sbnet.sparse_gather(x, idx, count=count, data_format=args.format, **g)  # noqa: E731
         for name, fn in (("fused", call), ("gather", gather)):
             for _ in range(20):
                 fn()

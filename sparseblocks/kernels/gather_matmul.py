@@ -191,6 +191,8 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     A_PAIRS = NCHW_PAIRS // 8
     J_STEPS = words // 4
     HELD = 4 if PAIRS else 2
+    C_WORD = 2 if PAIRS else 1  # channels a word of a pixel's row holds
+    C_STAGE = words * C_WORD  # channels a stage
     if nchw:
         assert stages == 2 and not scatter and NCHW_PAIRS % 8 == 0
     wait = waiter(stages - 2)
@@ -237,23 +239,25 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
         channels: for each of its pairs (first word `base` of channel 0; `lo_ok`, `hi_ok`: whether
         its first and second word are the image's) and its words jl + 4 b of a pixel's stage row,
         fp16 channels 2 j and 2 j + 1 (the first word, then its next where the pair straddles it),
-        fp32 channel j of both pixels."""
-        for a in range(A_PAIRS):
-            for b in range(J_STEPS):
-                j = jl + 4 * b
-                c = stage * 2 * words + 2 * j if PAIRS else stage * words + j
-                at = base[a] + int64(c) * plane
+        fp32 channel j of both pixels. (Indices uint64: see `multiply`.)"""
+        c0 = stage * C_STAGE + C_WORD * jl
+        first = int64(c0) * plane
+        step = int64(4 * C_WORD) * plane  # from word j to word j + 4
+        for b in range(J_STEPS):
+            c = c0 + 4 * C_WORD * b
+            for a in range(A_PAIRS):
+                at = uint64(base[a] + first + b * step)
                 for v in range(HELD):
                     held[a, b, v] = uint32(0)
                 if c < channels:
                     if lo_ok[a]:
                         held[a, b, 0] = uint32(x[at])
                         if PAIRS:
-                            held[a, b, 1] = uint32(x[at + plane])
+                            held[a, b, 1] = uint32(x[at + uint64(plane)])
                     if hi_ok[a]:
-                        held[a, b, HELD // 2] = uint32(x[at + 1])
+                        held[a, b, HELD // 2] = uint32(x[at + uint64(1)])
                         if PAIRS:
-                            held[a, b, 3] = uint32(x[at + plane + 1])
+                            held[a, b, 3] = uint32(x[at + uint64(plane + 1)])
 
     @cuda.jit(device=True, inline=True)
     def store_nchw(a_s, held, buf, odd, warp, lane):
@@ -272,27 +276,29 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
                 else:
                     p0, p1 = held[a, b, 0], held[a, b, 1]
                 at = buf * A_TILE
-                a_s[at + word_at(r + first, j)] = p1 if first else p0
-                a_s[at + word_at(r + 1 - first, j)] = p0 if first else p1
+                a_s[uint32(at + word_at(r + first, j))] = p1 if first else p0
+                a_s[uint32(at + word_at(r + 1 - first, j))] = p0 if first else p1
 
     @cuda.jit(device=True, inline=True)
     def multiply(a_s, w_s, acc, fa, buf, s, ar, t, bc, sw):
         """acc += step s of the stage in buffer buf: A rows ar, ar + 8 (and 16 below), words
         t, t + 4 of the step; B (weight rows) bc + 8 nt, the same words. Every row this lane
         reads is g (= ar, bc) plus a multiple of 8, so all share g's swizzle, sw: the words'
-        places are the same two in every row (an XOR a row kept ~80 more addresses live)."""
+        places are the same two in every row (an XOR a row kept ~80 more addresses live). The
+        indices are uint32: Numba wraps a signed index round the array's end (five instructions a
+        load), and LLVM narrows the 64-bit arithmetic that only feeds their low 32 bits."""
         lo = ((2 * s) ^ sw) * 4 + t
         hi = ((2 * s + 1) ^ sw) * 4 + t
         for mt in range(MT):
             at = buf * A_TILE + (ar + mt * MMA_M) * words
-            fa[mt, 0] = a_s[at + lo]
-            fa[mt, 1] = a_s[at + 8 * words + lo]
-            fa[mt, 2] = a_s[at + hi]
-            fa[mt, 3] = a_s[at + 8 * words + hi]
+            fa[mt, 0] = a_s[uint32(at + lo)]
+            fa[mt, 1] = a_s[uint32(at + 8 * words + lo)]
+            fa[mt, 2] = a_s[uint32(at + hi)]
+            fa[mt, 3] = a_s[uint32(at + 8 * words + hi)]
         for nt in range(NT):
             at = buf * W_TILE + (bc + nt * MMA_N) * words
-            b0 = w_s[at + lo]
-            b1 = w_s[at + hi]
+            b0 = w_s[uint32(at + lo)]
+            b1 = w_s[uint32(at + hi)]
             for mt in range(MT):
                 multiply_add(acc, mt, nt, fa, b0, b1)
 
@@ -311,7 +317,7 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     def target(pixels, r, row0, n_pixels):
         """The row of out that tile row r goes to, or -1."""
         if scatter:
-            return pixels[r]
+            return pixels[uint32(r)]
         row = row0 + r
         return int64(row) if row < n_pixels else int64(-1)
 
@@ -325,7 +331,7 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
                     r = warp * WARP_ROWS + mt * MMA_M + g + 8 * half
                     for nt in range(NT):
                         word = half2_of_floats(result(acc, mt, nt, 2 * half), result(acc, mt, nt, 2 * half + 1))
-                        a_s[r * OUT_WORDS + (nt ^ out_swizzle(r)) * 4 + t] = word
+                        a_s[uint32(r * OUT_WORDS + (nt ^ out_swizzle(r)) * 4 + t)] = word
             cuda.syncthreads()  # the output tile is in shared memory
             for e in range(tid, rows * NT, THREADS):  # 16-byte units, a row's together
                 r = e // NT
@@ -333,9 +339,9 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
                 row = target(pixels, r, row0, n_pixels)
                 if row >= 0 and col0 + j * 8 < n_out:
                     at = (row, (col0 + j * 8) // 2)
-                    staged = load4(a_s, (r * OUT_WORDS + (j ^ out_swizzle(r)) * 4,))
+                    staged = load4(a_s, (uint32(r * OUT_WORDS + (j ^ out_swizzle(r)) * 4),))
                     if scatter:  # (the product rounded to fp16, then added: as a product and a scatter)
-                        old = load4(y_s, (y_word(r, j),))
+                        old = load4(y_s, (uint32(y_word(r, j)),))
                         store4(out, at, (add_half2(old[0], staged[0]), add_half2(old[1], staged[1]),
                                          add_half2(old[2], staged[2]), add_half2(old[3], staged[3])))
                     else:  # (int32: out's words are; the simulator's NumPy raises on a uint32 past int32's range)
@@ -354,7 +360,7 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
                                 lo, hi = result(acc, mt, nt, 2 * half), result(acc, mt, nt, 2 * half + 1)
                                 if PREFETCH:  # (fp32: a unit is 4 values, and c even)
                                     at = y_word(r, c // 4) + c % 4
-                                    lo, hi = lo + float32(y_s[at]), hi + float32(y_s[at + 1])
+                                    lo, hi = lo + float32(y_s[uint32(at)]), hi + float32(y_s[uint32(at + 1)])
                                 store2(out, (row, col), (lo, hi))
                         else:
                             for e in range(2):
