@@ -539,7 +539,7 @@ TILE_SHAPE = (ROWS, COLS, WORDS, STAGES, WARPS, REGISTERS)  # (rows, cols, words
 # 3) 13.8 / 22.8 / 54.4 / 102.8, 64 rows 12.8-14.5 / 23.5-26.6 / 53.0-57.6 / 99.8-107.0; fp32 64
 # rows, 2 warps 27.8 / 47.8 / 106.6 / 208.5, 4 warps 29.6 / 51.1 / 114.8 / 233.2.
 # An NCHW image's tile: a ring of 2 stages (its pixels come a stage ahead in registers, `load_nchw`).
-NCHW_TILE_SHAPE = (ROWS, COLS, WORDS, 2, WARPS, REGISTERS)
+NCHW_TILE_SHAPE = (ROWS, COLS, WORDS, 2, WARPS, 168)
 SCATTER_TILES = {"float16": (ROWS, COLS, WORDS, 2, WARPS, 128), "float32": (64, COLS, WORDS, 2, 2, REGISTERS)}
 
 

@@ -70,6 +70,10 @@ reduce_mask's launches) repeated with torch tensors of the same shapes,
 dtypes, geometry, flags and alignment replays kept launches (`_plans`, as
 bsmm's products).
 
+The pair kernels, the pair tiles and their gathers index arrays by unsigned
+values: Numba wraps a signed index round the array's end (a test and an add
+every access; gather_matmul's loads, session 36).
+
 Versions: reduce_mask 1 (pool, then compact) and 2 (one pass, the default;
 benchmarks/NOTES.md has both measured); sparse_scatter into a copy 1 (copy,
 then scatter) and 2 (merged in one pass where it applies: `MERGE`).
@@ -1050,9 +1054,9 @@ def _put_word(image, halves, at, value, old, low_ok, high_ok, add, atomic):
         if atomic:
             atomic_add_half2(image, (at,), value)
         elif add:
-            image[at] = add_half2(old, value)
+            image[uint64(at)] = add_half2(old, value)
         else:
-            image[at] = value
+            image[uint64(at)] = value
     elif atomic:
         low, high = floats_of_half2(value)
         atomic_add_half(halves, (2 * at + (0 if low_ok else 1),), _HALF(low if low_ok else high))
@@ -1062,7 +1066,7 @@ def _put_word(image, halves, at, value, old, low_ok, high_ok, add, atomic):
 def _put_quad(image, at, value, old, add):
     """A scatter's int64 word of four halves into image word ``at``, all four the window's:
     written, or added to ``old`` (the word read before)."""
-    image[at] = _add_quad(old, value) if add else value
+    image[uint64(at)] = _add_quad(old, value) if add else value
 
 
 @cuda.jit(device=True, inline=True)
@@ -1230,24 +1234,24 @@ def _make_pair_kernels(scatter, add, atomic, halves=2, strip=False):
                 h = hv[u]
                 if scatter:
                     at = (int64(i) * rows + min(rv[u], rows - 1)) * row_words
-                    low = blocks[at + first]
+                    low = blocks[uint64(at + first)]
                     if quad:
                         values[u] = low  # (a quad scatter's windows start on words)
                     else:
-                        values[u] = _joined(low, blocks[at + second] if odd else low, odd)
+                        values[u] = _joined(low, blocks[uint64(at + second)] if odd else low, odd)
                     if prefetch_old:
                         at = ((int64(n) * C + cu) * H + min(max(h, 0), H - 1)) * image_words
-                        olds[u] = image[at + min(max(k, 0), image_words - 1)]
+                        olds[u] = image[uint64(at + min(max(k, 0), image_words - 1))]
                 else:
                     at = ((int64(nc) * C + cu) * H + min(max(h, 0), H - 1)) * image_words
-                    low = image[at + first]
-                    high = image[at + second] if odd else low
+                    low = image[uint64(at + first)]
+                    high = image[uint64(at + second)] if odd else low
                     value = _joined_quad(low, high, phase) if quad else _joined(low, high, odd)
                     values[u] = value & keep if n_ok and 0 <= h < H else word(0)
             for u in range(PAIR_UNROLL):
                 if rv[u] < row_end:
                     if not scatter:
-                        blocks[(int64(i) * rows + rv[u]) * row_words + d] = values[u]
+                        blocks[uint64((int64(i) * rows + rv[u]) * row_words + d)] = values[u]
                     elif (low_ok or high_ok) and 0 <= hv[u] < H:
                         at = ((int64(n) * C + cv[u]) * H + hv[u]) * image_words + k
                         if quad:
@@ -1313,9 +1317,16 @@ def _make_pair_tile_kernels(atomic):
                     items[u] = rr | (qq << 16)
                     if not atomic:
                         spot = at + (int64(2 * qq) * H + rr) * image_words
-                        olds[u, 0] = image[spot]
-                        olds[u, 1] = image[spot + plane]
-                line, qq, rr = _next_line(line, qq, rr, per_pass, dq, dr, rows)
+                        olds[u, 0] = image[uint64(spot)]
+                        olds[u, 1] = image[uint64(spot + plane)]
+                # (written out, not `_next_line`: with it, ptxas's allocation at PAIR_TILE_MAX_REGISTERS
+                # gave wrong sums on an H100, every window, though correct uncapped; session 36)
+                line += per_pass
+                qq += dq
+                rr += dr
+                if rr >= rows:
+                    rr -= rows
+                    qq += 1
         return line, qq, rr
 
     @cuda.jit(**({} if PAIR_TILE_MAX_REGISTERS is None or SIMULATOR else {"max_registers": PAIR_TILE_MAX_REGISTERS}))
@@ -1344,7 +1355,14 @@ def _make_pair_tile_kernels(atomic):
         # are in flight at once.
         odd = int32(w0 & 1)
         D = (size_w >> 1) + odd  # image-side words a row
-        d, line, qq, rr, per_pass, dq, dr, lines = _first_line(t, T, D, rows, pairs)
+        per_pass = T // D
+        d = t % D
+        line = t // D
+        qq = line // rows
+        rr = line - qq * rows
+        dq = per_pass // rows
+        dr = per_pass - dq * rows
+        lines = pairs * rows if t < per_pass * D else 0  # (the threads past the last whole pass: none)
         image_words = W >> 1
         k = (w0 >> 1) + d  # the image word: columns 2k, 2k + 1, window pixels p, p + 1
         p = 2 * d - odd
@@ -1368,11 +1386,11 @@ def _make_pair_tile_kernels(atomic):
             for u in range(LOADS):  # LOADS in flight
                 pu = t // CP + (pass_ + u) * step
                 if q < pairs and pu < pixels:
-                    values[u] = uint32(blocks[first + int64(pu) * (C >> 1)])
+                    values[u] = uint32(blocks[uint64(first + int64(pu) * (C >> 1))])
             for u in range(LOADS):
                 pu = t // CP + (pass_ + u) * step
                 if q < pairs and pu < pixels:
-                    tile[pu * (CP + 1) + q] = values[u]
+                    tile[uint32(pu * (CP + 1) + q)] = values[u]
         cuda.syncthreads()  # the tile holds the blocks' words
         while True:
             for u in range(U):
@@ -1380,8 +1398,8 @@ def _make_pair_tile_kernels(atomic):
                     item_r = items[u] & 0xFFFF
                     item_q = items[u] >> 16
                     place = (item_r * size_w + p) * (CP + 1) + item_q  # (the low half's pixel)
-                    low = tile[place] if low_in else uint32(0)
-                    high = tile[place + CP + 1] if high_in else uint32(0)
+                    low = tile[uint32(place)] if low_in else uint32(0)
+                    high = tile[uint32(place + CP + 1)] if high_in else uint32(0)
                     firsts = _swapped(low, high)  # (channel c's word, channel c + 1's)
                     spot = at + (int64(2 * item_q) * H + item_r) * image_words
                     for j in range(2):
@@ -1460,12 +1478,12 @@ def _make_pair_tile_gathers():
                     h = h0 + r0 + rr
                     values[u] = uint32(0)
                     if k_ok and 0 <= h < H:
-                        values[u] = uint32(image[plane + (int64(c) * H + rr) * image_words])
+                        values[u] = uint32(image[uint64(plane + (int64(c) * H + rr) * image_words)])
                     spots[u] = c * stride + rr * D + d
                 line, c, rr = _next_line(line, c, rr, per_pass, dc, dr, rows)
             for u in range(U):
                 if spots[u] >= 0:
-                    raw[spots[u]] = values[u]
+                    raw[uint32(spots[u])] = values[u]
         cuda.syncthreads()  # the tile holds the piece's image words
         # Phase 2: thread t takes channel pair t % P of pixels t // P, + T // P, ... (P a constant:
         # no division), the pixel's row and column carried.
@@ -1485,13 +1503,13 @@ def _make_pair_tile_gathers():
             if q < pairs:
                 s_ = odd + j
                 at = 2 * q * stride + rr * D + (s_ >> 1)
-                a = raw[at]  # channel c's word holding the pixel's half ...
-                b = raw[at + stride]  # ... and channel c + 1's
+                a = raw[uint32(at)]  # channel c's word holding the pixel's half ...
+                b = raw[uint32(at + stride)]  # ... and channel c + 1's
                 if s_ & 1:
                     word = (a >> uint32(16)) | (b & uint32(0xFFFF0000))
                 else:
                     word = (a & uint32(0xFFFF)) | (b << uint32(16))
-                blocks[out + (int64(rr) * size_w + j) * (C >> 1)] = int32(word)
+                blocks[uint64(out + (int64(rr) * size_w + j) * (C >> 1))] = int32(word)
             j += dj
             rr += drr
             if j >= size_w:
