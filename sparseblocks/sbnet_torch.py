@@ -565,7 +565,13 @@ def _after_first_product(h1, w2, w3, into=NOWHERE):
 # (fp16 512 -> 128 at 10 / 50 %: 20.7 / 12.0, 55.3 / 57.4 µs; 1024 -> 256: 23.0 / 9.5, 49.3 /
 # 29.0; `results/gather_matmul.md`).
 # FUSED_GATHER_LAYOUTS: the (image layout, transpose) of the windows it applies to; its output,
-# the first ReLU's, is NHWC from either stack. Session 36 (the NCHW image's fused kernel): ...
+# the first ReLU's, is NHWC from either stack, so the NCHW stack's blocks take it too (an NCHW
+# image's by its own kernel, `gather_matmul`'s NCHW tile). Session 36, H100, graph µs, same
+# geometry at 10 / 25 / 50 %, block without gradients in place, unfused / fused: NCHW fp16 input
+# 113.9 / 99.5, 232.7 / 195.5, 390.2 / 321.1 (dense channels_last block 381.4); channels_last input
+# with ``transpose=True`` 66.0 / 50.7, 138.9 / 106.5, 266.9 / 189.1. At 5 % (below
+# FUSED_GATHER_MIN_PIXELS) the NCHW kernel is no faster than the gather and the product apart
+# (17.3 against 16.6 + 6.9). `scripts/nchw_fused_gather.py`.
 FUSED_GATHER = True
 FUSED_GATHER_MIN_PIXELS = 32768
 FUSED_GATHER_MAX_OUT = 64

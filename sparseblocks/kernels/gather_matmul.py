@@ -27,6 +27,23 @@ each sector in pieces: 46 % of the store sectors were excess, H100, ncu).
 A call repeated with torch tensors replays a kept launch (`sbnet._plans`);
 `kept_launch` hands it to a caller with buffers of its own.
 
+With ``data_format="NCHW"`` the image is NCHW (`_make_kernel`'s ``nchw``):
+its channels are not contiguous, its columns are, so each thread loads pixel
+pairs of a window row by plain 4-byte loads a stage ahead into registers and
+stores them into the same pixel-major shared tile (fp16: the 2 x 2 transpose
+of halves, pairs at odd columns joined from the two words they straddle),
+the weight still by cp.async. Session 36, H100, 1 x 256 x 400 x 700 -> 64
+fp16, the block's windows (16 every 14 from -1) at 10 / 25 / 50 %: 27.1 /
+52.0 / 88.0 µs (34.6 / 56.7 / 100.5 uncapped: NCHW_TILE_SHAPE's 168 registers
+give 3 thread blocks a multiprocessor, 193 give 2) against the gather (NCHW
+stack) and the batched product 33.3 + 11.9, 65.0 + 30.2, 115.7 + 60.1
+(`scripts/nchw_fused_gather.py`).
+
+Indices into shared and global arrays are unsigned: Numba wraps a signed
+index round the array's end (a test and an add each access; 245 -> 193
+registers for the NCHW kernel, its time at 50 % 133 -> 100 µs, and the
+NHWC kernel's 62.8 -> 55.9 µs).
+
 Where it pays (H100, `benchmarks/results/gather_matmul.md`): where the stack's
 memory bounds the product, as in SBNet's first stage (256 -> 64 channels),
 1.3-1.8x faster than the gather and cuBLAS at 10-50 % of the windows; not
@@ -46,8 +63,10 @@ about a quarter of the windows in fp16, and everywhere in fp32 (1.2-1.5x).
 
 Limits (the launchers raise otherwise): float16 or float32; ``x`` NHWC,
 C-contiguous, 16-byte aligned, whole 16-byte vectors a pixel (C a multiple of
-8 in fp16, 4 in fp32); ``weight`` ``[C_out, C]`` or ``[C_out, C, 1, 1]``,
-C-contiguous, aligned likewise; fewer than 2^31 stack pixels. The scatter:
+8 in fp16, 4 in fp32), or NCHW, C-contiguous, 4-byte aligned, C as for NHWC,
+W even in fp16, windows of an even width; ``weight`` ``[C_out, C]`` or
+``[C_out, C, 1, 1]``, C-contiguous, 16-byte aligned; fewer than 2^31 stack
+pixels. The scatter:
 ``blocks`` as ``x`` is there, ``y`` a C-contiguous device array, windows that
 do not overlap (repeated indices are not checked: they would race).
 """
@@ -538,7 +557,9 @@ TILE_SHAPE = (ROWS, COLS, WORDS, STAGES, WARPS, REGISTERS)  # (rows, cols, words
 # warps, 128 registers (4 thread blocks a multiprocessor) 11.8 / 21.6 / 51.3 / 93.9, uncapped (167:
 # 3) 13.8 / 22.8 / 54.4 / 102.8, 64 rows 12.8-14.5 / 23.5-26.6 / 53.0-57.6 / 99.8-107.0; fp32 64
 # rows, 2 warps 27.8 / 47.8 / 106.6 / 208.5, 4 warps 29.6 / 51.1 / 114.8 / 233.2.
-# An NCHW image's tile: a ring of 2 stages (its pixels come a stage ahead in registers, `load_nchw`).
+# An NCHW image's tile: a ring of 2 stages (its pixels come a stage ahead in registers, `load_nchw`),
+# at most 168 registers (3 thread blocks a multiprocessor; uncapped 193, 2): 1.1-1.3x faster at
+# 10-50 % of the windows, 128 registers (spills) slower (session 36, H100).
 NCHW_TILE_SHAPE = (ROWS, COLS, WORDS, 2, WARPS, 168)
 SCATTER_TILES = {"float16": (ROWS, COLS, WORDS, 2, WARPS, 128), "float32": (64, COLS, WORDS, 2, 2, REGISTERS)}
 
