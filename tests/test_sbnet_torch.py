@@ -479,13 +479,17 @@ class Doubled(torch.nn.Module):
         return 2 * w
 
 
-def fusion_case(dtype, bottleneck, seed, flag, kernel, monkeypatch):
+def fusion_case(dtype, bottleneck, seed, flag, kernel, monkeypatch, transpose=False, nchw=False):
     """(block, x, indices, count, the output with sbnet_torch.`flag` off, calls): a small block
-    (8 channels, windows of 6) and some of its windows; `flag` is on afterwards, and `calls`
-    grows by one at each call of fused_kernels.`kernel`."""
+    (8 channels, windows of 6; ``transpose``: SBNet's NCHW stack) and some of its windows of a
+    channels_last input (``nchw``: a contiguous one); `flag` is on afterwards, and `calls` grows
+    by one at each call of fused_kernels.`kernel`."""
     torch.manual_seed(seed)
-    block = sbnet_torch.SparseResBlock(channels=8, bottleneck=bottleneck, block_size=6).to(DEVICE, dtype)
-    x = torch.randn(1, 8, 9, 10, dtype=dtype, device=DEVICE).to(memory_format=torch.channels_last)
+    block = sbnet_torch.SparseResBlock(channels=8, bottleneck=bottleneck, block_size=6, transpose=transpose).to(
+        DEVICE, dtype)
+    x = torch.randn(1, 8, 9, 10, dtype=dtype, device=DEVICE)
+    if not nchw:
+        x = x.to(memory_format=torch.channels_last)
     mask = np.zeros((1, 9, 10), np.float32)
     mask[0, 2:4, 2:8] = 1
     indices, count = block.active_blocks(tensor(mask))
@@ -531,6 +535,27 @@ def test_fused_gather_gives_the_gather_and_product_apart(dtype, monkeypatch):
     with torch.no_grad():
         block.double()(x.detach().double(), indices, count)
     assert not calls
+
+
+@pytest.mark.parametrize("dtype, transpose, nchw", [(torch.float16, False, True), (torch.float16, True, False),
+                                                    (torch.float32, True, False)])
+def test_fused_gather_takes_the_nchw_stacks(dtype, transpose, nchw, monkeypatch):
+    """The NCHW stack's blocks take the fused gather and product too (their first ReLU's output is
+    NHWC as the NHWC stack's): an fp16 NCHW input by the kernel's NCHW tile, a channels_last
+    input with ``transpose`` by its NHWC one; the output is the one of the gather and the product
+    apart, into a copy and in place."""
+    block, x, indices, count, apart, calls = fusion_case(dtype, 4, 7, "FUSED_GATHER", "sparse_gather_matmul",
+                                                         monkeypatch, transpose=transpose, nchw=nchw)
+    monkeypatch.setattr(sbnet_torch, "FUSED_GATHER_MIN_PIXELS", 0)
+    tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.float16 else {"atol": 1e-5, "rtol": 1e-5}
+    with torch.no_grad():
+        torch.testing.assert_close(block(x, indices, count), apart, **tolerance)
+        torch.testing.assert_close(block(x.clone(), indices, count, inplace=True), apart, **tolerance)
+    assert len(calls) == 2
+    monkeypatch.setattr(sbnet_torch, "FUSED_GATHER_LAYOUTS", {("NHWC", False)})  # the layouts' switch
+    with torch.no_grad():
+        block(x, indices, count)
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
