@@ -45,8 +45,10 @@ def main():
     count = torch.tensor([len(indices)], dtype=torch.int32, device="cuda")
     if args.format == "NCHW":
         x = x.permute(0, 3, 1, 2).contiguous()
-    call = lambda: gather_matmul.sparse_gather_matmul(x, idx, w, relu=True, count=count, data_format=args.format,  # noqa: E731
-                                                      **g)
+
+    def call():
+        return gather_matmul.sparse_gather_matmul(x, idx, w, relu=True, count=count, data_format=args.format, **g)
+
     for _ in range(args.calls):
         call()
     torch.cuda.synchronize()

@@ -87,14 +87,11 @@ def test_nchw_several_tiles_stages_and_odd_columns(dtype):
     x = rng.standard_normal((2, channels, 11, 14)).astype(dtype)
     w = rng.standard_normal((cols + 8, channels)).astype(dtype)
     g = {"bsize": (7, 6), "bstride": (4, 5), "boffset": (-2, -1)}
-    indices = np.array([[0, 0, 0], [1, 2, 3], [0, 1, 2], [1, 3, 1], [7, 0, 0], [0, 0, 1]], np.int32)
+    indices = np.array([[0, 0, 0], [1, 2, 2], [7, 0, 0], [0, 1, 1]], np.int32)  # columns -1, 9, 4: odd, even
     assert len(indices) * 42 > rows
     want = reference.sparse_gather_matmul(x, indices, w, relu=False, data_format="NCHW", **g)
     got = gather_matmul.sparse_gather_matmul(x, indices, w, data_format="NCHW", **g)
     assert_close(got, want, dtype)
-    # the same windows of the image NHWC: one result
-    nhwc = gather_matmul.sparse_gather_matmul(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), indices, w, **g)
-    assert_close(got, nhwc, dtype)
 
 
 def test_is_the_gather_then_the_product():
