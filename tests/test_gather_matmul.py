@@ -248,52 +248,34 @@ def test_misaligned_torch_tensors_raise():
 
 
 @pytest.mark.gpu
-def test_kept_launch_replays_with_new_tensors():
+@pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
+def test_kept_launch_replays_with_new_tensors(data_format):
     """A repeated call of torch tensors replays its kept launch: new pointers, the same result
-    as the general path, into a new tensor or an aligned out=."""
+    as the general path, into a new tensor or an aligned out=. Each format's plan has its own key
+    (NCHW windows at odd columns): a call of the other format on tensors of the same shapes in
+    between takes neither's."""
     torch = pytest.importorskip("torch")
     from sparseblocks.kernels import sbnet
 
     rng = np.random.default_rng(5)
-    g = {"bsize": (5, 6), "bstride": (4, 4), "boffset": (-1, -2)}
+    g = {"bsize": (5, 6), "bstride": (4, 5), "boffset": (-1, -1)}
+    other = "NCHW" if data_format == "NHWC" else "NHWC"
     indices = torch.tensor([[0, 0, 0], [1, 2, 1], [0, 1, 3], [2, 0, 0]], dtype=torch.int32, device="cuda")
     count = torch.tensor([3], dtype=torch.int32, device="cuda")
     sbnet._plans.clear()
     for step in range(3):
-        x = torch.tensor(rng.standard_normal((2, 9, 14, 24)), dtype=torch.float16, device="cuda")
+        x = torch.tensor(rng.standard_normal((2, 24, 10, 24)), dtype=torch.float16, device="cuda")
         w = torch.tensor(rng.standard_normal((72, 24)), dtype=torch.float16, device="cuda")
         want = reference.sparse_gather_matmul(x.cpu().numpy(), indices.cpu().numpy(), w.cpu().numpy(),
-                                              count=count.cpu().numpy(), relu=True, **g)
+                                              count=count.cpu().numpy(), relu=True, data_format=data_format, **g)
+        if step == 1:
+            gather_matmul.sparse_gather_matmul(x, indices, w, count=count, relu=True, data_format=other, **g)
         out = torch.full(want.shape, float("nan"), dtype=torch.float16, device="cuda") if step == 2 else None
-        got = gather_matmul.sparse_gather_matmul(x, indices, w, count=count, relu=True, out=out, **g)
+        got = gather_matmul.sparse_gather_matmul(x, indices, w, count=count, relu=True, out=out,
+                                                 data_format=data_format, **g)
         assert out is None or got is out
         assert_close(got.cpu().numpy(), want, "float16")
-        assert any(key[0] == "gather_matmul" for key in sbnet._plans)
-
-
-@pytest.mark.gpu
-def test_nchw_kept_launch_replays_with_new_tensors():
-    """An NCHW image's kept launch (its own key: the format) replays with new pointers and windows
-    at odd columns; the NHWC call of the same shapes' plan is not taken for it."""
-    torch = pytest.importorskip("torch")
-    from sparseblocks.kernels import sbnet
-
-    rng = np.random.default_rng(7)
-    g = {"bsize": (5, 6), "bstride": (4, 5), "boffset": (-1, -1)}
-    indices = torch.tensor([[0, 0, 0], [1, 2, 1], [0, 1, 3], [2, 0, 0]], dtype=torch.int32, device="cuda")
-    count = torch.tensor([3], dtype=torch.int32, device="cuda")
-    sbnet._plans.clear()
-    for step in range(3):
-        x = torch.tensor(rng.standard_normal((2, 24, 9, 24)), dtype=torch.float16, device="cuda")
-        w = torch.tensor(rng.standard_normal((72, 24)), dtype=torch.float16, device="cuda")
-        want = reference.sparse_gather_matmul(x.cpu().numpy(), indices.cpu().numpy(), w.cpu().numpy(),
-                                              count=count.cpu().numpy(), relu=True, data_format="NCHW", **g)
-        if step == 1:  # an NHWC call of the same tensor shapes in between
-            gather_matmul.sparse_gather_matmul(x, indices, w, count=count, relu=True, **g)
-        got = gather_matmul.sparse_gather_matmul(x, indices, w, count=count, relu=True, data_format="NCHW", **g)
-        assert_close(got.cpu().numpy(), want, "float16")
-        launch = gather_matmul.kept_launch(x, indices, w, count, relu=True, data_format="NCHW", **g)
-        assert launch is not None
+        assert gather_matmul.kept_launch(x, indices, w, count, relu=True, data_format=data_format, **g) is not None
 
 
 def test_takes_says_what_the_launcher_takes():

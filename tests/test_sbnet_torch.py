@@ -504,6 +504,16 @@ def fusion_case(dtype, bottleneck, seed, flag, kernel, monkeypatch, transpose=Fa
     return block, x, indices, count, apart, calls
 
 
+def as_apart(block, x, indices, count, apart, dtype):
+    """The block's output without gradients, into a copy and in place, is `apart` (the two calls'),
+    to the fused kernel's rounding; returns that tolerance."""
+    tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.float16 else {"atol": 1e-5, "rtol": 1e-5}
+    with torch.no_grad():
+        torch.testing.assert_close(block(x, indices, count), apart, **tolerance)
+        torch.testing.assert_close(block(x.clone(), indices, count, inplace=True), apart, **tolerance)
+    return tolerance
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_gather_gives_the_gather_and_product_apart(dtype, monkeypatch):
     """Calls without gradients on an NHWC stack of FUSED_GATHER_MIN_PIXELS pixels or more gather
@@ -513,10 +523,7 @@ def test_fused_gather_gives_the_gather_and_product_apart(dtype, monkeypatch):
     block, x, indices, count, apart, calls = fusion_case(dtype, 4, 4, "FUSED_GATHER", "sparse_gather_matmul",
                                                          monkeypatch)
     monkeypatch.setattr(sbnet_torch, "FUSED_GATHER_MIN_PIXELS", 0)
-    tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.float16 else {"atol": 1e-5, "rtol": 1e-5}
-    with torch.no_grad():
-        torch.testing.assert_close(block(x, indices, count), apart, **tolerance)
-        torch.testing.assert_close(block(x.clone(), indices, count, inplace=True), apart, **tolerance)
+    tolerance = as_apart(block, x, indices, count, apart, dtype)
     assert len(calls) == 2
     if DEVICE == "cuda":
         graphed = sbnet_torch.SparseResBlock(8, 4, block_size=6, graphs=True).to(DEVICE, dtype)
@@ -546,10 +553,7 @@ def test_fused_gather_takes_the_nchw_stacks(dtype, transpose, nchw, monkeypatch)
     block, x, indices, count, apart, calls = fusion_case(dtype, 4, 7, "FUSED_GATHER", "sparse_gather_matmul",
                                                          monkeypatch, transpose=transpose, nchw=nchw)
     monkeypatch.setattr(sbnet_torch, "FUSED_GATHER_MIN_PIXELS", 0)
-    tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.float16 else {"atol": 1e-5, "rtol": 1e-5}
-    with torch.no_grad():
-        torch.testing.assert_close(block(x, indices, count), apart, **tolerance)
-        torch.testing.assert_close(block(x.clone(), indices, count, inplace=True), apart, **tolerance)
+    as_apart(block, x, indices, count, apart, dtype)
     assert len(calls) == 2
     monkeypatch.setattr(sbnet_torch, "FUSED_GATHER_LAYOUTS", {("NHWC", False)})  # the layouts' switch
     with torch.no_grad():

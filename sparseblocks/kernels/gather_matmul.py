@@ -265,6 +265,9 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
         for b in range(J_STEPS):
             c = c0 + 4 * C_WORD * b
             for a in range(A_PAIRS):
+                # (A pair at column -1 of image 0's row 0 starts at word -1 of channel 0, never read:
+                # at + 1 wraps round to word 0, as the simulator warns. Left as the GPU runs of
+                # session 36 verified it.)
                 at = uint64(base[a] + first + b * step)
                 for v in range(HELD):
                     held[a, b, v] = uint32(0)
