@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmarks.common import graph_ms  # noqa: E402
+from nchw_input_routes import block_and_images  # noqa: E402
 from res_block_ab import windows_of  # noqa: E402
 
 
@@ -36,21 +37,12 @@ def main():
     from sparseblocks.kernels import gather_matmul as gm
     from sparseblocks.kernels import sbnet as k
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    dtype = getattr(torch, args.dtype)
-    torch.manual_seed(0)
-    block = st.SparseResBlock(256, 64, block_size=16).to("cuda", dtype).to(memory_format=torch.channels_last)
-    flipped = st.SparseResBlock(256, 64, block_size=16, transpose=True).to("cuda", dtype).to(
+    block, x_cl, x, dense = block_and_images(args.dtype)
+    flipped = st.SparseResBlock(256, 64, block_size=16, transpose=True).to(x.device, x.dtype).to(
         memory_format=torch.channels_last)
     flipped.load_state_dict(block.state_dict())
-    x_cl = torch.randn(1, 256, 400, 700, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
-    x = x_cl.contiguous()
     x_nhwc = x_cl.permute(0, 2, 3, 1)
     w1 = block.weights()[0]
-    with torch.no_grad():
-        dense = graph_ms(lambda: block.dense(x_cl))
-    print(f"{torch.cuda.get_device_name()} {args.dtype}: dense block, channels_last, {dense * 1e3:.1f} µs")
     p = block.geometry(x.shape)
     g = (p.bsize, p.bstride, p.boffset)
     base_shape = gm.NCHW_TILE_SHAPE

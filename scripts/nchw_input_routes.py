@@ -21,6 +21,26 @@ from pair_variants import kernel_times  # noqa: E402
 from res_block_ab import windows_of  # noqa: E402
 
 
+def block_and_images(dtype_name):
+    """(SparseResBlock(256, 64, block_size=16) channels_last on the GPU, a
+    channels_last 1 x 256 x 400 x 700 input, the same input contiguous (NCHW), the dense block's
+    graph ms on the first), TF32 off; prints the dense time."""
+    import torch
+
+    from sparseblocks import sbnet_torch as st
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    block = st.SparseResBlock(256, 64, block_size=16).to("cuda", dtype).to(memory_format=torch.channels_last)
+    x_cl = torch.randn(1, 256, 400, 700, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        dense = graph_ms(lambda: block.dense(x_cl))
+    print(f"{torch.cuda.get_device_name()} {dtype_name}: dense block, channels_last, {dense * 1e3:.1f} µs")
+    return block, x_cl, x_cl.contiguous(), dense
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--fractions", default="0.1,0.25,0.5")
@@ -33,17 +53,8 @@ def main():
     from sparseblocks import sbnet_torch as st
     from sparseblocks.kernels import sbnet as k
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    dtype = getattr(torch, args.dtype)
-    torch.manual_seed(0)
-    block = st.SparseResBlock(256, 64, block_size=16).to("cuda", dtype).to(memory_format=torch.channels_last)
-    x_cl = torch.randn(1, 256, 400, 700, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
-    x = x_cl.contiguous()
+    block, x_cl, x, dense = block_and_images(args.dtype)
     w = block.weights()
-    with torch.no_grad():
-        dense = graph_ms(lambda: block.dense(x_cl))
-    print(f"{torch.cuda.get_device_name()} {args.dtype}: dense block, channels_last, {dense * 1e3:.1f} µs")
     p = block.geometry(x.shape)
     g, s = (p.bsize, p.bstride, p.boffset), (p.bsize_out, p.bsize_out, 0)
     for fraction in map(float, args.fractions.split(",")):
