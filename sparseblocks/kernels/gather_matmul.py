@@ -147,7 +147,6 @@ def _window_pixel(q, indices, active, n_images, height, width, area, size_w, str
     return int64(-1)
 
 
-
 # -- kernel bodies -------------------------------------------------------------
 
 

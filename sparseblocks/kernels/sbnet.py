@@ -1350,9 +1350,9 @@ def _make_pair_tile_kernels(atomic):
         pairs = min(CP, int32(C >> 1) - q0)
         t = int32(cuda.threadIdx.x)
         # Phase 2 (the image's side) is placed first: thread t takes image word t % D of the
-        # (channel pair, tile row) lines t // D, + T // D, ... (`_first_line`). Its first items'
-        # old words do not depend on the tile: they are loaded before it, so both phases' reads
-        # are in flight at once.
+        # (channel pair, tile row) lines t // D, + T // D, ... (as `_first_line` does, written out:
+        # see `next_items`). Its first items' old words do not depend on the tile: they are loaded
+        # before it, so both phases' reads are in flight at once.
         odd = int32(w0 & 1)
         D = (size_w >> 1) + odd  # image-side words a row
         per_pass = T // D
