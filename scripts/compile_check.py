@@ -127,14 +127,17 @@ def check_gather_matmul(shapes=(gather_matmul.TILE_SHAPE,)):
     results = []
     for storage, (relu, scatter, nchw), vector_out, shape in itertools.product(
             gather_matmul.DTYPES, ((False, False, False), (True, False, False), (True, False, True),
-                                   (False, True, False)), (True, False), shapes):
+                                   (False, True, False), (False, True, True)), (True, False), shapes):
         element = getattr(types, storage)
+        if scatter and nchw and vector_out != (storage == "float16"):
+            continue  # (an NCHW image's scatter: fp16 staged, fp32 from the fragments)
         out = types.int32 if vector_out and storage == "float16" else element  # (fp16 words)
-        signature = ((out[:, ::1], types.int32[::1] if nchw else element[::1], element[:, ::1], types.int32[:, ::1],
-                      types.int32[::1]) + (i64,) * 14)
+        gather_nchw = nchw and not scatter
+        signature = ((out[::1] if scatter and nchw else out[:, ::1], types.int32[::1] if gather_nchw else element[::1],
+                      element[:, ::1], types.int32[:, ::1], types.int32[::1]) + (i64,) * 14)
         if scatter:
-            shape = gather_matmul.SCATTER_TILES[storage]
-        elif nchw:
+            shape = (gather_matmul.NCHW_SCATTER_TILES if nchw else gather_matmul.SCATTER_TILES)[storage]
+        elif gather_nchw:
             shape = gather_matmul.NCHW_TILE_SHAPE
         kernel = gather_matmul._make_kernel(storage, relu, vector_out, *shape, scatter=scatter, nchw=nchw)
         name = (f"{'matmul_scatter' if scatter else 'gather_matmul'}{' NCHW' if nchw else ''} {storage} relu={relu} "

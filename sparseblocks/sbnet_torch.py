@@ -340,7 +340,7 @@ class _Windows:
         (`kernels.gather_matmul`): the NHWC stack's last 1x1 convolution and the residual's add
         without the product's stack."""
         return fused_kernels.sparse_matmul_scatter(blocks, self.indices, weight, image, *self.scatter_at,
-                                                   count=self.count)
+                                                   count=self.count, data_format=self.data_format)
 
     def scatter(self, blocks, image, inplace, atomic, at=None, transpose=None):
         """Add the blocks into `image` (a copy of it unless `inplace`)."""
@@ -599,21 +599,28 @@ def _fuses_gather(windows, image, w1):
 # fp16 (128 -> 512: 0.66-0.95x, 256 -> 1024: 0.52-0.71x). A call into a copy of the image gains
 # nothing: the copy's pass and the windows' adds move the bytes that the product and a merged
 # scatter do.
+# FUSED_SCATTER_NCHW: an NCHW image too (an fp16 NCHW input's NHWC output, `NCHW_INPUT_NHWC_OUT`,
+# added through the transpose by words), where cuBLAS and the pair tiles' scatter ran: session 37,
+# H100, 1 x 256 x 400 x 700, 64 -> 256, at 5 / 10 / 25 / 50 %, 23.3 / 50.8 / 101.9 / 173.0 µs against
+# 30.0 / 57.0 / 112.1 / 185.9 (`scripts/nchw_fused_scatter.py`).
 FUSED_SCATTER = True
+FUSED_SCATTER_NCHW = True
 FUSED_SCATTER_MAX_IN = 64
-FUSED_SCATTER_MIN_PIXELS = {torch.float16: 49152}  # (other dtypes: any)
+FUSED_SCATTER_MIN_PIXELS = {("NHWC", torch.float16): 49152}  # (others: any)
 
 
 def _fuses_scatter(windows, image, h2, w3):
     """Whether an in-place call without gradients takes `kernels.gather_matmul.sparse_matmul_scatter`
-    for its last product and the scatter: an NHWC image (the output NHWC: an NHWC stack's, or a
-    flipped NCHW stack's), tensors the kernel takes, a narrow product and pixels enough."""
-    if not FUSED_SCATTER or windows.data_format != "NHWC":
+    for its last product and the scatter: the output NHWC (an NHWC stack's, or a flipped NCHW
+    stack's), an NHWC image (or an NCHW one, FUSED_SCATTER_NCHW), tensors and windows the kernel
+    takes, a narrow product and pixels enough."""
+    data_format = windows.data_format
+    if not FUSED_SCATTER or (data_format == "NCHW" and not FUSED_SCATTER_NCHW):
         return False
     size = windows.scatter_at[0]
     return (h2.shape[-1] <= FUSED_SCATTER_MAX_IN
-            and len(windows.indices) * size[0] * size[1] >= FUSED_SCATTER_MIN_PIXELS.get(image.dtype, 0)
-            and fused_kernels.scatter_takes(h2, w3, image))
+            and len(windows.indices) * size[0] * size[1] >= FUSED_SCATTER_MIN_PIXELS.get((data_format, image.dtype), 0)
+            and fused_kernels.scatter_takes(h2, w3, image, data_format, *windows.scatter_at))
 
 
 def _without_grad(residual, weights, windows, image, inplace):
@@ -829,7 +836,7 @@ class _Slot:
         # straight into the image (`_fuses_scatter`): a graph up to the second ReLU's output. A
         # signature seen before knows (training calls, `zero_rest`, keep the stack: their backward
         # reads it).
-        key = (_signature(windows, image, inplace), backward, zero_rest, FUSED_GATHER, FUSED_SCATTER)
+        key = (_signature(windows, image, inplace), backward, zero_rest, FUSED_GATHER, FUSED_SCATTER, FUSED_SCATTER_NCHW)
         kept = self.launches.get(key)
         if kept is not None:
             fused, fused_last = kept[4:]
@@ -876,7 +883,8 @@ class _Slot:
                                               data_format=windows.data_format)
             kept = None if first is None else (first[0], kept[1], first[1], kept[3])
         if kept is not None and fused_last:  # and the fused product and scatter's in the scatter's
-            last = fused_kernels.kept_scatter_launch(self.h2[:n], indices, self.weights[2], image, count, *scatter_at)
+            last = fused_kernels.kept_scatter_launch(self.h2[:n], indices, self.weights[2], image, count, *scatter_at,
+                                                     data_format=windows.data_format)
             kept = None if last is None else (kept[0], _adding_into(last[0], self.weights[2]), kept[2], last[1])
         if kept is not None:
             self.launches[key] = (*kept, fused, fused_last)

@@ -299,22 +299,51 @@ def test_takes_says_what_the_launcher_takes():
     assert not gather_matmul.takes(storage[1:1 + 256].view(1, 16, 4, 4), w, "NCHW", (2, 2))  # half a word on
 
 
+def test_scatter_takes_says_what_the_launcher_takes():
+    """`scatter_takes` as the launcher: one dtype, whole 16-byte stack pixels, contiguous, aligned;
+    an NCHW fp16 y also whole words a window row (even W, windows, strides and offsets)."""
+    torch = pytest.importorskip("torch")
+    blocks, w = torch.ones(2, 2, 4, 8, dtype=torch.float16), torch.ones(6, 8, dtype=torch.float16)
+    y = torch.ones(1, 8, 6, 6, dtype=torch.float16)
+    assert gather_matmul.scatter_takes(blocks, w, y.permute(0, 2, 3, 1).contiguous())
+    assert gather_matmul.scatter_takes(blocks, w, y, "NCHW", (2, 4), (2, 4), (0, -2))
+    assert not gather_matmul.scatter_takes(blocks, w, y, "NCHW", (2, 4), (2, 4), (0, -1))  # odd offset
+    assert not gather_matmul.scatter_takes(blocks, w, y, "NCHW", (2, 4), (2, 5))  # odd stride
+    assert not gather_matmul.scatter_takes(blocks, w, y[..., :5].contiguous(), "NCHW", (2, 4), (2, 4))  # odd W
+    assert not gather_matmul.scatter_takes(blocks, w, y, "NCHW", (2, 3), (2, 4))  # odd width
+    assert gather_matmul.scatter_takes(blocks.float()[..., :4].contiguous(), w.float()[:, :4].contiguous(),
+                                       y.float()[..., :5].contiguous(), "NCHW", (2, 3), (2, 5), 1)  # fp32: any
+    assert not gather_matmul.scatter_takes(blocks, w.float(), y)  # dtypes differ
+    assert not gather_matmul.scatter_takes(blocks[..., :4].contiguous(), w[:, :4].contiguous(), y)  # 8-byte pixels
+
+
 # -- the product fused into the adding scatter (sparse_matmul_scatter) ------------------------
 
 
+def _even(n):
+    return 2 * -(-n // 2)
+
+
 @st.composite
-def scatter_problems(draw, dtype):
+def scatter_problems(draw, dtype, data_format="NHWC"):
     """(blocks, indices, weight, y, geometry, count): an NHWC stack of whole 16-byte pixels, windows
     that do not overlap (unique indices, some off the image or out of range), a weight [C, K], an
-    NHWC y of C channels (any C) and maybe a count."""
+    NHWC y of C channels (any C; NCHW with `data_format`, fp16 there with an even W and windows of
+    an even width every even number of columns from an even offset) and maybe a count."""
     step = 16 // np.dtype(dtype).itemsize
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     channels = draw(st.integers(1, 20 if SIMULATOR else 150))
     shape = (draw(st.integers(1, 2)), draw(st.integers(1, MAX_SIDE)), draw(st.integers(1, MAX_SIDE)), channels)
     g = draw(geometries(max_size=4, max_stride=5, offsets=(-3, 2)))
     g["bstride"] = tuple(max(a, b) for a, b in zip(g["bstride"], g["bsize"]))  # (windows apart)
+    words = data_format == "NCHW" and step == 8
+    if words:
+        shape = (*shape[:2], _even(shape[2]), channels)
+        g = {key: (value[0], _even(value[1])) for key, value in g.items()}
     y = values(rng, shape, dtype, draw(st.sampled_from(["normal", "small_integers", "sparse"])))
     indices = block_indices(rng, shape, g, max_blocks=MAX_BLOCKS, unique=True)
+    if data_format == "NCHW":
+        y = np.ascontiguousarray(y.transpose(0, 3, 1, 2))
     k = step * draw(st.integers(1, 3 if SIMULATOR else 40))
     blocks = values(rng, (len(indices), *g["bsize"], k), dtype, "normal")
     weight = values(rng, (channels, k), dtype, "normal")
@@ -324,16 +353,18 @@ def scatter_problems(draw, dtype):
     return blocks, indices, weight, y, g, count
 
 
+@pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @few
 @given(data=st.data())
-def test_matmul_scatter_equals_reference(data, dtype):
-    blocks, indices, weight, y, g, count = data.draw(scatter_problems(dtype))
-    want = reference.sparse_matmul_scatter(blocks, indices, weight, y, count=count, **g)
+def test_matmul_scatter_equals_reference(data, dtype, data_format):
+    """NCHW: the NHWC product added through the transpose (fp16 by words of two columns)."""
+    blocks, indices, weight, y, g, count = data.draw(scatter_problems(dtype, data_format))
+    want = reference.sparse_matmul_scatter(blocks, indices, weight, y, count=count, data_format=data_format, **g)
     into = cuda.to_device(y)
     count = None if count is None else cuda.to_device(count)
     got = gather_matmul.sparse_matmul_scatter(cuda.to_device(blocks), cuda.to_device(indices), cuda.to_device(weight),
-                                              into, count=count, **g)
+                                              into, count=count, data_format=data_format, **g)
     assert got is into
     # Tolerance: the product as in test_equals_reference, and the add rounded once in y's dtype.
     assert_close(into.copy_to_host(), want, dtype)
@@ -353,22 +384,27 @@ def test_matmul_scatter_is_the_product_then_the_scatter():
     assert (got[0, :, 0] == y[0, :, 0]).all()  # (column 0 is left of every window)
 
 
-def test_matmul_scatter_several_tiles_in_place():
+@pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
+def test_matmul_scatter_several_tiles_in_place(data_format):
     """Two output-channel tiles, the stack's channels ending inside a stage, more than one tile of
-    stack pixels, windows partly off the image, and a count; the rest of y untouched."""
+    stack pixels, windows partly off the image, and a count; the rest of y untouched. (NCHW fp16:
+    windows of an even width from an even column; a tile's rows end mid window row.)"""
     rng = np.random.default_rng(7)
     cols, rows = gather_matmul.TILE_SHAPE[1], gather_matmul.TILE_SHAPE[0]
-    g = {"bsize": (8, 9), "bstride": (8, 9), "boffset": (-2, -3)}
+    nhwc = data_format == "NHWC"
+    g = {"bsize": (8, 9 if nhwc else 10), "bstride": (8, 9 if nhwc else 10), "boffset": (-2, -3 if nhwc else -4)}
     indices = np.array([[0, 0, 0], [0, 1, 2], [0, 2, 1], [0, 1, 1]], np.int32)
     assert 3 * 72 > rows
     y = rng.standard_normal((1, 17, 20, cols + 8)).astype(np.float16)
-    blocks = rng.standard_normal((4, 8, 9, 40)).astype(np.float16)
+    if not nhwc:
+        y = np.ascontiguousarray(y.transpose(0, 3, 1, 2))
+    blocks = rng.standard_normal((4, *g["bsize"], 40)).astype(np.float16)
     w = rng.standard_normal((cols + 8, 40)).astype(np.float16)
     count = np.array([3], np.int32)
-    want = reference.sparse_matmul_scatter(blocks, indices, w, y, count=count, **g)
+    want = reference.sparse_matmul_scatter(blocks, indices, w, y, count=count, data_format=data_format, **g)
     into = cuda.to_device(y)
     gather_matmul.sparse_matmul_scatter(cuda.to_device(blocks), cuda.to_device(indices), cuda.to_device(w), into,
-                                        count=cuda.to_device(count), **g)
+                                        count=cuda.to_device(count), data_format=data_format, **g)
     got = into.copy_to_host()
     assert_close(got, want, "float16")
     untouched = want == y
@@ -403,6 +439,11 @@ def test_matmul_scatter_nothing_to_add():
     ("geometry", ValueError, "bsize"),
     ("blocks inside y", ValueError, "y: shares memory with blocks"),
     ("weight inside y", ValueError, "y: shares memory with weight"),
+    ("nchw y shape", ValueError, "y: expected NCHW"),
+    ("nchw odd offset", ValueError, "words of two columns"),
+    ("nchw odd stride", ValueError, "words of two columns"),
+    ("nchw odd W", ValueError, "words of two columns"),
+    ("nchw misaligned", ValueError, "words of two columns"),
 ])
 def test_matmul_scatter_bad_input_raises_before_any_launch(case, error, match, monkeypatch):
     blocks = np.ones((1, 2, 2, 8), np.float16)
@@ -432,7 +473,21 @@ def test_matmul_scatter_bad_input_raises_before_any_launch(case, error, match, m
         kwargs["count"] = np.array([1, 1], np.int32)
     elif case == "geometry":
         kwargs["bsize"] = 0
-    if case == "numpy y":
+    elif case.startswith("nchw"):  # (fp16 NCHW: whole words of y a window row)
+        kwargs["data_format"] = "NCHW"
+        y = np.zeros((1, 3, 4, 6), np.float16)
+        if case == "nchw y shape":
+            y = y[0]
+        elif case == "nchw odd offset":
+            kwargs["boffset"] = (0, 1)
+        elif case == "nchw odd stride":
+            kwargs["bstride"] = (2, 3)
+        elif case == "nchw odd W":
+            y = np.zeros((1, 3, 4, 5), np.float16)
+    if case == "nchw misaligned":
+        blocks, indices, w = (cuda.to_device(a) for a in (blocks, indices, w))
+        into = cuda.to_device(np.zeros(1 + y.size, np.float16))[1:].reshape(y.shape)
+    elif case == "numpy y":
         into = y
     else:
         blocks, indices, w, into = (cuda.to_device(a) for a in (blocks, indices, w, y))

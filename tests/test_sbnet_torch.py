@@ -587,7 +587,7 @@ def test_sparse_res_block_keeps_a_nan_where_the_dense_block_does(dtype, monkeypa
     # The fused kernels, and cuBLAS's products (whose ReLU epilogue drops NaNs); the CPU has torch's alone.
     for fused in (True, False) if DEVICE == "cuda" else (False,):
         monkeypatch.setattr(sbnet_torch, "FUSED_GATHER_MIN_PIXELS", 0 if fused else 2**40)
-        monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER_MIN_PIXELS", {} if fused else {dtype: 2**40})
+        monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER_MIN_PIXELS", {} if fused else {("NHWC", dtype): 2**40})
         for inplace, grad in ((False, False), (True, False), (False, True)):
             with torch.set_grad_enabled(grad):
                 y = block(x.clone().requires_grad_(grad), indices, count, inplace=inplace)
@@ -595,15 +595,16 @@ def test_sparse_res_block_keeps_a_nan_where_the_dense_block_does(dtype, monkeypa
             torch.testing.assert_close(y[~active], x[~active])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_scatter_gives_the_product_and_scatter_apart(dtype, monkeypatch):
-    """In-place calls without gradients on an NHWC stack (of FUSED_SCATTER_MIN_PIXELS output pixels
-    or more) add the last product straight into the image (`sparse_matmul_scatter`): the same
-    output as the product and the scatter apart, with the fused gather or without, and through
-    CUDA graphs and their kept launches; calls into a copy, training, products wider than
-    FUSED_SCATTER_MAX_IN and fp64 keep the two calls."""
+@pytest.mark.parametrize("dtype, nchw", [(torch.float32, False), (torch.float16, False), (torch.float16, True)])
+def test_fused_scatter_gives_the_product_and_scatter_apart(dtype, nchw, monkeypatch):
+    """In-place calls without gradients whose output is NHWC (of FUSED_SCATTER_MIN_PIXELS output
+    pixels or more) add the last product straight into the image (`sparse_matmul_scatter`; ``nchw``:
+    an fp16 NCHW input, through the transpose): the same output as the product and the scatter
+    apart, with the fused gather or without, and through CUDA graphs and their kept launches;
+    calls into a copy, training, products wider than FUSED_SCATTER_MAX_IN and fp64 keep the two
+    calls."""
     block, x, indices, count, apart, calls = fusion_case(dtype, 8, 5, "FUSED_SCATTER", "sparse_matmul_scatter",
-                                                         monkeypatch)
+                                                         monkeypatch, nchw=nchw)
     monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER_MIN_PIXELS", {})
     tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.float16 else {"atol": 1e-5, "rtol": 1e-5}
     with torch.no_grad():

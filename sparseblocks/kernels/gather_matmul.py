@@ -60,6 +60,13 @@ memory by cp.async with the first stage, so that their reads overlap the
 product's (after it, fp16 was 0.69-0.96x of cuBLAS and the scatter; with the
 copy 0.81-1.22x). It pays for SBNet's narrow last product (64 -> 256) from
 about a quarter of the windows in fp16, and everywhere in fp32 (1.2-1.5x).
+With ``data_format="NCHW"`` it adds into an NCHW image through the transpose
+(SBNet's NCHW-input block, whose NHWC output went through cuBLAS and the pair
+tiles' scatter): fp16 by words of two columns, the tile staged channel-major.
+Session 37, H100, 1 x 256 x 400 x 700, 64 -> 256, windows 14 every 14, at 5 /
+10 / 25 / 50 %: 23.3 / 50.8 / 101.9 / 173.0 µs against 30.0 / 57.0 / 112.1 /
+185.9 for the product and the scatter apart (the image side, rows of 28 bytes
+that start mid-sector, is most of both: the scatter alone 151.9 at 50 %).
 
 Limits (the launchers raise otherwise): float16 or float32; ``x`` NHWC,
 C-contiguous, 16-byte aligned, whole 16-byte vectors a pixel (C a multiple of
@@ -68,7 +75,9 @@ W even in fp16, windows of an even width; ``weight`` ``[C_out, C]`` or
 ``[C_out, C, 1, 1]``, C-contiguous, 16-byte aligned; fewer than 2^31 stack
 pixels. The scatter:
 ``blocks`` as ``x`` is there, ``y`` a C-contiguous device array, windows that
-do not overlap (repeated indices are not checked: they would race).
+do not overlap (repeated indices are not checked: they would race); an NCHW
+fp16 ``y`` an even W, 4-byte aligned, windows of an even width every even
+number of columns from an even offset.
 """
 
 import numpy as np
@@ -85,7 +94,7 @@ from ._mma import MMA_M, MMA_N, mma_3xtf32, mma_f16
 from ._nanmax import max_nan
 from ._vector import aligned, load4, store2, store4
 from . import sbnet as _sbnet
-from .sbnet import _joined, _magic, _prepare_indices, _quotient, _swapped
+from .sbnet import FULL_MASK, _joined, _magic, _prepare_indices, _quotient, _swapped
 
 # -- constants -----------------------------------------------------------------
 
@@ -137,13 +146,14 @@ def _window_place(q, indices, active, n_images, height, area, size_w, stride_h, 
 
 @cuda.jit(device=True, inline=True)
 def _window_pixel(q, indices, active, n_images, height, width, area, size_w, stride_h, stride_w, offset_h,
-                  offset_w, magic_area, magic_w):
-    """The image pixel (flat over n, h, w) that stack pixel q lies on, or -1: off the image, its
-    block past the count, or its index out of range."""
+                  offset_w, magic_area, magic_w, planes):
+    """The image pixel that stack pixel q lies on, or -1: off the image, its block past the count,
+    or its index out of range. Flat over (n, h, w) where `planes` is 1 (NHWC), the flat index of
+    its channel 0 in an NCHW image of `planes` channels."""
     n, h, c, there = _window_place(q, indices, active, n_images, height, area, size_w, stride_h, stride_w,
                                    offset_h, offset_w, magic_area, magic_w)
     if there and 0 <= c < width:
-        return (n * height + h) * width + c
+        return (n * planes * height + h) * width + c
     return int64(-1)
 
 
@@ -174,7 +184,14 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     run of pairs read a window row's run of a channel), one stage ahead in registers, and go into
     the same pixel-major ring by `store_nchw` (fp16: the 2 x 2 transpose of halves, `_swapped`, a
     pair at an odd column joined from the two words it straddles, `_joined`); the weight still
-    comes by cp.async. A ring of 2 stages."""
+    comes by cp.async. A ring of 2 stages.
+
+    With `scatter` and `nchw` out is an NCHW image (flat; fp16: its int32 words, W even), and the
+    stack pixels of a tile row pair lie on one image word a channel (windows of an even width
+    starting at even columns: the launcher's conditions). fp16 results (`vector_out`) leave
+    through a channel-major tile in shared memory (`write`: the pairs' halves swapped between
+    lanes, then word runs of a channel along the window rows, added by add.rn.f16x2); fp32 ones
+    value by value from the fragments (a warp's eight rows are consecutive pixels)."""
     PAIRS = storage == "float16"  # two 16-bit values a word, else one fp32
     ITEM = 2 if PAIRS else 4
     THREADS = warps * WARP
@@ -184,7 +201,15 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     OUT_WORDS = cols // 2  # words of a staged fp16 output row (NT units of 16 bytes)
     STAGED = vector_out and PAIRS
     # (shared-array shapes must be constants, not expressions; the ring takes the output tile after)
-    A_SIZE = max(stages * A_TILE, rows * OUT_WORDS if STAGED else 0)
+    # A scatter into an NCHW fp16 image stages its tile channel-major: row c (an output channel)
+    # holds the words of its tile row pairs, T_STRIDE words apart (4 words of padding: a warp's
+    # stores from the fragments then meet 32 distinct banks).
+    T_ROWS = rows // 2  # words of a channel's row in that tile
+    T_STRIDE = T_ROWS + 4
+    T_SIZE = cols * T_STRIDE if STAGED and nchw and scatter else 0  # (SCATTER_NCHW, below)
+    ITEMS = cols * T_ROWS // THREADS  # the words a thread adds there, C_STEP channels apart
+    C_STEP = THREADS // T_ROWS
+    A_SIZE = max(stages * A_TILE, rows * OUT_WORDS if STAGED else 0, T_SIZE)
     W_SIZE = stages * W_TILE
     A_PER = rows * UNITS // THREADS  # a thread's copies of a stage
     W_PER = cols * UNITS // THREADS
@@ -192,6 +217,7 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     WARP_ROWS = rows // warps
     MT = WARP_ROWS // MMA_M
     NT = cols // MMA_N
+    ROW_VALUES = 2 * NT  # a fragment row's values of out (an NCHW fp32 scatter reads them all first)
     STEPS = words // 8  # mma steps a stage: 8 words of k each (k16 of fp16, two k8 of fp32)
     assert rows * UNITS % THREADS == 0 and cols * UNITS % THREADS == 0 and WARP_ROWS % MMA_M == 0
     assert words in (16, 32) and 2 <= stages <= 4
@@ -199,7 +225,7 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     # A scatter with whole 16-byte units of out (`vector_out`) copies the tile's pixels of out into
     # shared memory by cp.async with its first stage, so that their reads overlap the product's,
     # not follow it: the epilogue reads them from there.
-    PREFETCH = scatter and vector_out
+    PREFETCH = scatter and vector_out and not nchw  # (an NCHW image's: `write`)
     Y_UNITS = cols * ITEM // UNIT  # 16-byte units of a tile row of out
     Y_SIZE = rows * Y_UNITS * 4 if PREFETCH else 1
     Y_TYPE = uint32 if PAIRS else float32
@@ -211,8 +237,13 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     HELD = 4 if PAIRS else 2
     C_WORD = 2 if PAIRS else 1  # channels a word of a pixel's row holds
     C_STAGE = words * C_WORD  # channels a stage
-    if nchw:
-        assert stages == 2 and not scatter and NCHW_PAIRS % 8 == 0
+    GATHER_NCHW = nchw and not scatter  # the tile's pixels come from an NCHW image
+    SCATTER_NCHW = nchw and scatter  # its results go into one
+    if GATHER_NCHW:
+        assert stages == 2 and NCHW_PAIRS % 8 == 0
+    if SCATTER_NCHW:
+        assert vector_out == PAIRS  # (fp16 through the staged tile, fp32 from the fragments)
+        assert not PAIRS or THREADS % T_ROWS == 0
     wait = waiter(stages - 2)
     swizzle = _swizzle(UNITS)
     out_swizzle = _swizzle(min(NT, 8))
@@ -237,7 +268,7 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
         buf; its unit (bytes unit_bytes on in the stage) is zeros past the row's end."""
         k_bytes = stage * (words * 4)
         on_row = k_bytes + unit_bytes < row_bytes
-        for i in range(0 if nchw else A_PER):  # (NCHW: `load_nchw`)
+        for i in range(0 if GATHER_NCHW else A_PER):  # (NCHW: `load_nchw`)
             inside = on_row and a_keep[i]
             copy16_or_zero(a_shared + (a_to[i] + uint64(buf * A_TILE * 4)),
                            a_global + (a_from[i] + uint64(k_bytes) if inside else uint64(0)), inside)
@@ -343,8 +374,62 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
         return int64(row) if row < n_pixels else int64(-1)
 
     @cuda.jit(device=True, inline=True)
-    def write(out, a_s, y_s, pixels, acc, tid, warp, g, t, row0, col0, n_pixels, n_out):
-        """The tile's results into out (see `vector_out`), or with `scatter` added to it."""
+    def write(out, a_s, y_s, pixels, acc, tid, warp, g, t, row0, col0, n_pixels, n_out, plane):
+        """The tile's results into out (see `vector_out`), or with `scatter` added to it (NCHW: at
+        pixels[r] + channel x `plane`, in out's items)."""
+        if STAGED and SCATTER_NCHW:
+            # A thread adds into one row pair's words of channels c_first, c_first + C_STEP, ...: all
+            # its image words are read first, before the staging (a loop of reads and writes of out
+            # waited out a read's latency each word, the compiler unable to tell them apart: 382
+            # against 173 µs at 50 %, H100). Copying them by 4-byte cp.async with the first stage
+            # instead (as NHWC's PREFETCH) was slower at 10-25 % (60.0 / 133.6 against 50.8 / 101.9).
+            pp = tid % T_ROWS
+            c_first = tid // T_ROWS
+            p = pixels[uint32(2 * pp)]
+            held = cuda.local.array(ITEMS, uint32)
+            base = uint64((p >> 1) + int64(col0 + c_first) * plane) if p >= 0 else uint64(0)
+            for i in range(ITEMS):
+                held[i] = uint32(0)
+                if p >= 0 and col0 + c_first + i * C_STEP < n_out:
+                    held[i] = uint32(out[base + uint64(i * C_STEP) * uint64(plane)])
+            cuda.syncthreads()  # every warp is done reading the ring, which now takes the transposed tile
+            odd = (g & 1) != 0  # (rows g and g + 1 of a fragment: lanes 4 apart)
+            for mt in range(MT):
+                for half in range(2):
+                    r = warp * WARP_ROWS + mt * MMA_M + g + 8 * half
+                    for nt in range(NT):
+                        mine = half2_of_floats(result(acc, mt, nt, 2 * half), result(acc, mt, nt, 2 * half + 1))
+                        other = cuda.shfl_xor_sync(FULL_MASK, mine, 4)
+                        # the pair's channel 2 t (an even row's lane) or 2 t + 1 (an odd row's)
+                        if odd:
+                            word = _swapped(uint32(other), uint32(mine))[1]
+                        else:
+                            word = _swapped(uint32(mine), uint32(other))[0]
+                        a_s[uint32((nt * MMA_N + 2 * t + (g & 1)) * T_STRIDE + (r >> 1))] = word
+            cuda.syncthreads()  # the transposed tile is in shared memory
+            for i in range(ITEMS):  # (a warp along a channel's row pairs)
+                c = c_first + i * C_STEP
+                if p >= 0 and col0 + c < n_out:
+                    out[base + uint64(i * C_STEP) * uint64(plane)] = int32(
+                        add_half2(held[i], a_s[uint32(c * T_STRIDE + pp)]))
+            return
+        if SCATTER_NCHW:  # (fp32: a warp's eight rows g are consecutive pixels, a sector a channel)
+            row_values = cuda.local.array(ROW_VALUES, float32)  # a row's values, read before any is written
+            for mt in range(MT):
+                for half in range(2):
+                    r = warp * WARP_ROWS + mt * MMA_M + g + 8 * half
+                    p = pixels[uint32(r)]
+                    for j in range(2 * NT):
+                        col = col0 + (j // 2) * MMA_N + 2 * t + j % 2
+                        row_values[j] = float32(0)
+                        if p >= 0 and col < n_out:
+                            row_values[j] = float32(out[uint64(p + int64(col) * plane)])
+                    for j in range(2 * NT):
+                        col = col0 + (j // 2) * MMA_N + 2 * t + j % 2
+                        if p >= 0 and col < n_out:
+                            v = row_values[j] + result(acc, mt, j // 2, 2 * half + j % 2)
+                            out[uint64(p + int64(col) * plane)] = v
+            return
         if STAGED:
             cuda.syncthreads()  # every warp is done reading the ring, which now takes the output tile
             for mt in range(MT):
@@ -421,7 +506,7 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
                 q = row0 + r
                 pixels[r] = int64(-1) if q >= n_pixels else _window_pixel(
                     q, indices, active, n_images, height, width, area, size_w, stride_h, stride_w, offset_h,
-                    offset_w, magic_area, magic_w)
+                    offset_w, magic_area, magic_w, n_out if SCATTER_NCHW else 1)
         if PREFETCH:
             cuda.syncthreads()  # every tile row's pixel is in `pixels`
             y_shared = shared_address(y_s, (0,))
@@ -437,7 +522,7 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
                                inside)
         # Where this thread's pixels lie (in the image; a scatter's in the stack): once, before the
         # first copy.
-        for i in range(0 if nchw else A_PER):
+        for i in range(0 if GATHER_NCHW else A_PER):
             r = tid // UNITS + i * ROW_STEP
             q = row0 + r
             a_to[i] = uint64(word_at(r, unit * 4) * 4)
@@ -445,7 +530,8 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
             p = int64(-1)
             if q < n_pixels:
                 p = int64(q) if scatter else _window_pixel(q, indices, active, n_images, height, width, area, size_w,
-                                                           stride_h, stride_w, offset_h, offset_w, magic_area, magic_w)
+                                                           stride_h, stride_w, offset_h, offset_w, magic_area, magic_w,
+                                                           1)
             a_keep[i] = p >= 0
             if p >= 0:
                 a_from[i] += uint64(p * row_bytes)
@@ -465,7 +551,7 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
         n_stages = (row_bytes + words * 4 - 1) // (words * 4)
         ar = warp * WARP_ROWS + g
         sw = swizzle(g)
-        if nchw:
+        if GATHER_NCHW:
             held = cuda.local.array((A_PAIRS, J_STEPS, HELD), uint32)
             base = cuda.local.array(A_PAIRS, int64)  # word (fp32: value) of channel 0 where a pair starts
             lo_ok = cuda.local.array(A_PAIRS, boolean)
@@ -512,7 +598,7 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
                 if nxt < n_stages:
                     store_nchw(a_s, held, 1 - buf, odd, warp, lane)
                 buf = 1 - buf
-            write(out, a_s, y_s, pixels, acc, tid, warp, g, t, row0, col0, n_pixels, n_out)
+            write(out, a_s, y_s, pixels, acc, tid, warp, g, t, row0, col0, n_pixels, n_out, int64(0))
             return
         for s in range(stages - 1):
             if s < n_stages:
@@ -533,7 +619,9 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
             for s in range(STEPS):
                 multiply(a_s, w_s, acc, fa, buf, s, ar, t, g, sw)
             buf = buf + 1 if buf < stages - 1 else 0
-        write(out, a_s, y_s, pixels, acc, tid, warp, g, t, row0, col0, n_pixels, n_out)
+        # (NCHW: the image's plane in out's items: fp16 words, fp32 values)
+        write(out, a_s, y_s, pixels, acc, tid, warp, g, t, row0, col0, n_pixels, n_out,
+              int64(height) * width // 2 if PAIRS else int64(height) * width)
 
     return gather_matmul
 
@@ -564,6 +652,9 @@ TILE_SHAPE = (ROWS, COLS, WORDS, STAGES, WARPS, REGISTERS)  # (rows, cols, words
 # 10-50 % of the windows, 128 registers (spills) slower (session 36, H100).
 NCHW_TILE_SHAPE = (ROWS, COLS, WORDS, 2, WARPS, 168)
 SCATTER_TILES = {"float16": (ROWS, COLS, WORDS, 2, WARPS, 128), "float32": (64, COLS, WORDS, 2, 2, REGISTERS)}
+# An NCHW image's (`write`): fp16 uncapped (168 registers: the image words a thread adds are held in
+# registers); at 128 they spill, 1.4-1.7x slower (session 37, H100).
+NCHW_SCATTER_TILES = {"float16": (ROWS, COLS, WORDS, 2, WARPS, None), "float32": SCATTER_TILES["float32"]}
 
 
 def _grid(n_pixels, n_out, shape):
@@ -660,13 +751,27 @@ def takes(x, weight, data_format="NHWC", bsize=None):
     return bsize[1] % 2 == 0 and x.data_ptr() % 4 == 0 and (x.element_size() == 4 or x.shape[3] % 2 == 0)
 
 
-def scatter_takes(blocks, weight, y):
+def scatter_takes(blocks, weight, y, data_format="NHWC", bsize=None, bstride=None, boffset=0):
     """`takes` for `sparse_matmul_scatter`: torch tensors of one dtype it takes, the stack's pixels
-    whole 16-byte vectors, all C-contiguous, the stack and weight 16-byte aligned."""
-    return (_dtype_name(blocks) in DTYPES and weight.dtype == y.dtype == blocks.dtype
+    whole 16-byte vectors, all C-contiguous, the stack and weight 16-byte aligned; an NCHW ``y``
+    also the windows ``bsize`` every ``bstride`` from ``boffset`` its fp16 words take
+    (`_nchw_scatter_fits`)."""
+    if not (_dtype_name(blocks) in DTYPES and weight.dtype == y.dtype == blocks.dtype
             and blocks.shape[-1] * blocks.element_size() % UNIT == 0 and blocks.is_contiguous()
             and weight.is_contiguous() and y.is_contiguous() and blocks.data_ptr() % UNIT == 0
-            and weight.data_ptr() % UNIT == 0)
+            and weight.data_ptr() % UNIT == 0):
+        return False
+    if data_format == "NHWC":
+        return True
+    return _nchw_scatter_fits(y.element_size(), y.shape[3], y.data_ptr(), *check_geometry(bsize, bstride, boffset))
+
+
+def _nchw_scatter_fits(item, width, pointer, size, stride, offset):
+    """Whether an NCHW image's fp16 words take these windows whole (fp32: always): W even, the
+    image 4-byte aligned, windows of an even width starting at even columns (every stack pixel
+    pair then lies on one word a channel, and no word holds two windows' pixels)."""
+    return item == 4 or (width % 2 == 0 and pointer % 4 == 0 and size[1] % 2 == 0 and stride[1] % 2 == 0
+                         and offset[1] % 2 == 0)
 
 
 def kept_launch(x, indices, weight, count, bsize, bstride, boffset=0, relu=False, data_format="NHWC"):
@@ -760,27 +865,31 @@ def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=No
     return (x_op if out is None else out_op).result(native, result, stream)
 
 
-def _scatter_settings(bsize, bstride, boffset):
+def _scatter_settings(bsize, bstride, boffset, data_format):
     """`_settings` of `sparse_matmul_scatter` (its plans' key and `kept_scatter_launch`'s)."""
-    return bsize, bstride, boffset, tuple(sorted(SCATTER_TILES.items()))
+    tiles = SCATTER_TILES if data_format == "NHWC" else NCHW_SCATTER_TILES
+    return bsize, bstride, boffset, data_format, tuple(sorted(tiles.items()))
 
 
-def kept_scatter_launch(blocks, indices, weight, y, count, bsize, bstride, boffset=0):
+def kept_scatter_launch(blocks, indices, weight, y, count, bsize, bstride, boffset=0, data_format="NHWC"):
     """`kept_launch` of `sparse_matmul_scatter`: ``(launch, count pointer)``, where ``launch(stream
     handle, y, blocks, weight, indices, count)`` takes pointers, or None."""
     if not _sbnet._plans:
         return None
-    settings = _scatter_settings(bsize, bstride, boffset)
+    settings = _scatter_settings(bsize, bstride, boffset, data_format)
     plan = _sbnet._kept("matmul_scatter", (blocks, indices, weight, y), count, settings)
     return None if plan is None else (plan.launch[0], plan.extra if count is None else None)
 
 
-def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0, count=None):
+def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0, count=None, data_format="NHWC"):
     """``y += sparse_scatter(blocks @ weight.T, indices, ...)``, in place, without the product's stack.
 
     The last 1x1 convolution of SBNet's bottleneck and the scatter that adds it
     into the image, fused: ``blocks`` ``[n_blocks, bh, bw, K]`` (an NHWC stack),
-    ``weight`` ``[C, K]`` or ``[C, K, 1, 1]``, ``y`` NHWC ``[N, H, W, C]``, all of
+    ``weight`` ``[C, K]`` or ``[C, K, 1, 1]``, ``y`` NHWC ``[N, H, W, C]`` (or with
+    ``data_format="NCHW"`` ``[N, C, H, W]``, the results going through the
+    transpose; fp16 takes an even W, a 4-byte aligned y, and windows of an even
+    width every even number of columns from an even offset), all of
     one dtype. Each window's results are added to y's pixels under it (pixels
     off the image and blocks from ``count`` on are dropped); fp16 products are
     rounded to fp16 before the add, as the product and the scatter apart give.
@@ -790,7 +899,8 @@ def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0,
     an input (ValueError). Returns ``y``. A call repeated
     with torch tensors replays its kept launch.
     """
-    settings = _scatter_settings(bsize, bstride, boffset)
+    nhwc = _sbnet._check_format(data_format)
+    settings = _scatter_settings(bsize, bstride, boffset, data_format)
     if _sbnet._plans:
         plan = _sbnet._kept("matmul_scatter", (blocks, indices, weight, y), count, settings)
         if plan is not None and not _arrays.tensors_overlap(y, (blocks, indices, weight, count)):
@@ -799,7 +909,7 @@ def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0,
             return y
     b_op, w_op, y_op = Operand(blocks, "blocks"), Operand(weight, "weight"), Operand(y, "y")
     if len(y_op.shape) != 4:
-        raise ValueError(f"y: expected NHWC [N, H, W, C], got shape {y_op.shape}")
+        raise ValueError(f"y: expected {data_format} [N, {'H, W, C' if nhwc else 'C, H, W'}], got shape {y_op.shape}")
     if y_op.kind == "numpy":
         raise TypeError("y: expected a device array (the results are added into y in place)")
     check_dtype(b_op, DTYPES)
@@ -810,7 +920,7 @@ def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0,
         op.require_contiguous()
     if len(b_op.shape) != 4:
         raise ValueError(f"blocks: expected an NHWC stack [n_blocks, bh, bw, K], got shape {b_op.shape}")
-    N, H, W, C = y_op.shape
+    N, H, W, C = y_op.shape if nhwc else (y_op.shape[0], *y_op.shape[2:], y_op.shape[1])
     K = b_op.shape[3]
     n_out, _ = _weight_rows(w_op, K)
     if n_out != C:
@@ -829,17 +939,26 @@ def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0,
     n_pixels = _stack_pixels(n_blocks, size)
     b_dev, w_dev, y_dev = b_op.device(stream), w_op.device(stream), y_op.device(stream)
     _check_aligned({"blocks": b_dev, "weight": w_dev})
+    if not (nhwc or _nchw_scatter_fits(item, W, data_pointer(y_dev), size, stride, offset)):
+        raise ValueError(f"y: an NCHW fp16 image is added into by words of two columns: expected an even W and "
+                         f"a 4-byte aligned pointer, windows of an even width, an even column stride and offset; "
+                         f"got W {W}, pointer {data_pointer(y_dev)} mod 4 = {data_pointer(y_dev) % 4}, bsize "
+                         f"{size}, bstride {stride}, boffset {offset}")
     if n_pixels and K and C and N * H * W:
-        tile = SCATTER_TILES[b_op.dtype]
+        tile = (SCATTER_TILES if nhwc else NCHW_SCATTER_TILES)[b_op.dtype]
         grid, block = _grid(n_pixels, C, tile)
-        vector_out = _vector_out(y_dev, C, item, scatter=True)
-        rows_out = y_dev.reshape(N * H * W, C)
+        if nhwc:
+            vector_out = _vector_out(y_dev, C, item, scatter=True)
+            rows_out = y_dev.reshape(N * H * W, C)
+        else:  # (fp16: by words, through the staged tile)
+            vector_out = item == 2
+            rows_out = y_dev.reshape(N * C * H * W)
         if vector_out and item == 2:
             rows_out = rows_out.view(np.int32) if y_op.kind != "torch" or SIMULATOR else rows_out.view(_torch_int32())
         args = (rows_out, b_dev.reshape(n_pixels * K), w_dev.reshape(C, K), idx.device(stream), count_device, N, H,
                 W, K, C, n_pixels, area, size[1], stride[0], stride[1], offset[0], offset[1], _magic(area),
                 _magic(size[1]))
-        kernel = _kernel(b_op.dtype, False, vector_out, tile, scatter=True)
+        kernel = _kernel(b_op.dtype, False, vector_out, tile, scatter=True, nchw=not nhwc)
         launch(kernel, grid, block, stream, args)
         # (a plan's key holds y's address modulo 16, so its replays take the same stores)
         _sbnet._keep_plan("matmul_scatter", (blocks, indices, weight, y), count, settings, tuple(y_op.shape),

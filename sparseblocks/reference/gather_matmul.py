@@ -13,7 +13,8 @@ sums in float64, rounded once.
 
 `sparse_matmul_scatter(blocks, indices, weight, y, ...)` is the other end of
 the bottleneck: ``y`` plus ``sparse_scatter(blocks @ weight.T, ..., add=True)``,
-the product rounded to y's dtype before the add.
+the product rounded to y's dtype before the add (an NCHW ``y`` takes the NHWC
+product through the transpose).
 """
 
 import numpy as np
@@ -49,13 +50,16 @@ def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=No
     return out
 
 
-def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0, count=None):
+def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0, count=None, data_format="NHWC"):
     """``y + sparse_scatter(blocks @ weight.T, indices, ..., add=True)`` for an NHWC stack ``blocks``
-    and NHWC ``y``, weight ``[C, K]``: the product rounded to y's dtype, then added (a new array)."""
+    and NHWC ``y`` (or NCHW with ``data_format``: the product scattered through the transpose),
+    weight ``[C, K]``: the product rounded to y's dtype, then added (a new array)."""
     blocks = np.asarray(blocks)
     y = np.asarray(y)
     weight = _rows(weight)
-    if weight.ndim != 2 or blocks.ndim != 4 or weight.shape[1] != blocks.shape[3] or weight.shape[0] != y.shape[3]:
-        raise ValueError(f"weight: expected [{y.shape[-1]}, {blocks.shape[-1]}], got {weight.shape}")
+    channels = y.shape[3 if data_format == "NHWC" else 1] if y.ndim == 4 else None
+    if weight.ndim != 2 or blocks.ndim != 4 or weight.shape[1] != blocks.shape[3] or weight.shape[0] != channels:
+        raise ValueError(f"weight: expected [{channels}, {blocks.shape[-1]}], got {weight.shape}")
     product = (blocks.astype(np.float64) @ weight.astype(np.float64).T).astype(y.dtype)
-    return sparse_scatter(product, indices, y, bsize, bstride, boffset, add=True, count=count)
+    return sparse_scatter(product, indices, y, bsize, bstride, boffset, add=True, count=count,
+                          transpose=data_format == "NCHW", data_format=data_format)
