@@ -200,13 +200,15 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     W_TILE = cols * words
     OUT_WORDS = cols // 2  # words of a staged fp16 output row (NT units of 16 bytes)
     STAGED = vector_out and PAIRS
+    GATHER_NCHW = nchw and not scatter  # the tile's pixels come from an NCHW image
+    SCATTER_NCHW = nchw and scatter  # its results go into one
     # (shared-array shapes must be constants, not expressions; the ring takes the output tile after)
     # A scatter into an NCHW fp16 image stages its tile channel-major: row c (an output channel)
     # holds the words of its tile row pairs, T_STRIDE words apart (4 words of padding: a warp's
     # stores from the fragments then meet 32 distinct banks).
     T_ROWS = rows // 2  # words of a channel's row in that tile
     T_STRIDE = T_ROWS + 4
-    T_SIZE = cols * T_STRIDE if STAGED and nchw and scatter else 0  # (SCATTER_NCHW, below)
+    T_SIZE = cols * T_STRIDE if STAGED and SCATTER_NCHW else 0
     ITEMS = cols * T_ROWS // THREADS  # the words a thread adds there, C_STEP channels apart
     C_STEP = THREADS // T_ROWS
     A_SIZE = max(stages * A_TILE, rows * OUT_WORDS if STAGED else 0, T_SIZE)
@@ -237,8 +239,6 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     HELD = 4 if PAIRS else 2
     C_WORD = 2 if PAIRS else 1  # channels a word of a pixel's row holds
     C_STAGE = words * C_WORD  # channels a stage
-    GATHER_NCHW = nchw and not scatter  # the tile's pixels come from an NCHW image
-    SCATTER_NCHW = nchw and scatter  # its results go into one
     if GATHER_NCHW:
         assert stages == 2 and NCHW_PAIRS % 8 == 0
     if SCATTER_NCHW:
@@ -419,12 +419,12 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
                 for half in range(2):
                     r = warp * WARP_ROWS + mt * MMA_M + g + 8 * half
                     p = pixels[uint32(r)]
-                    for j in range(2 * NT):
+                    for j in range(ROW_VALUES):
                         col = col0 + (j // 2) * MMA_N + 2 * t + j % 2
                         row_values[j] = float32(0)
                         if p >= 0 and col < n_out:
                             row_values[j] = float32(out[uint64(p + int64(col) * plane)])
-                    for j in range(2 * NT):
+                    for j in range(ROW_VALUES):
                         col = col0 + (j // 2) * MMA_N + 2 * t + j % 2
                         if p >= 0 and col < n_out:
                             v = row_values[j] + result(acc, mt, j // 2, 2 * half + j % 2)
