@@ -9,8 +9,9 @@ on 1 x 256 x 400 x 700, 64 -> 256, the block's output windows (14 x 14 every 14)
 Checks first: the fused NCHW scatter against the fused NHWC scatter into a channels_last copy of the
 image (the same products and adds: bit for bit), and against the product and scatter apart (max
 |diff|); the block's output with and without it. Rows: the fused NCHW scatter (at each register cap
-of --caps too), the product and the scatter apart, the fused NHWC scatter for scale, whole NCHW-input
-blocks in place with FUSED_SCATTER_NCHW on and off, the dense channels_last block.
+of --caps too), the product and the scatter apart (and the scatter of NCHW blocks, fp32's route),
+the fused NHWC scatter for scale, whole NCHW-input blocks in place with FUSED_SCATTER_NCHW on and
+off, the dense channels_last block.
 """
 
 import argparse
@@ -76,6 +77,9 @@ def main():
             prod = st._matmul(h2, w3.flatten(1).t())
             times["  of which the scatter"] = graph_ms(lambda: k.sparse_scatter(
                 prod, indices, y, *s, add=True, inplace=True, count=count, transpose=True, data_format="NCHW"))
+            prod_nchw = prod.permute(0, 3, 1, 2).contiguous()
+            times["scatter of NCHW blocks"] = graph_ms(lambda: k.sparse_scatter(
+                prod_nchw, indices, y, *s, add=True, inplace=True, count=count, data_format="NCHW"))
             y_cl = x_cl.clone().permute(0, 2, 3, 1)
             times["fused NHWC scatter (channels_last)"] = graph_ms(lambda: gm.sparse_matmul_scatter(
                 h2, indices, w3, y_cl, *s, count=count))

@@ -40,7 +40,7 @@ import torch
 from ._arrays import torch_stream_handle
 from .kernels import gather_matmul as fused_kernels
 from .kernels import sbnet as kernels
-from .reference.sbnet import calc_block_params_res_block, pair
+from .reference.sbnet import calc_block_params_res_block, check_geometry, pair
 
 
 def _geometry_kwargs(bsize, bstride, boffset, data_format):
@@ -248,8 +248,12 @@ class SparseResBlock(torch.nn.Module):
             image, data_format, transpose = x.contiguous(), "NCHW", False
         nchw_stack = data_format == "NCHW" or transpose
 
+        # (an in-place call without gradients may add an fp32 NCHW input's output by the fused kernel)
+        fused_last = inplace and weights[2].shape[1] <= FUSED_SCATTER_MAX_IN and not (
+            torch.is_grad_enabled() and (image.requires_grad or any(w.requires_grad for w in weights)))
         windows = _Windows(indices, count, transpose, data_format, (p.bsize, p.bstride, p.boffset),
-                           (p.bsize_out, p.bsize_out, 0), nhwc_out=transpose or _nhwc_out_of_nchw(image, p.bsize_out))
+                           (p.bsize_out, p.bsize_out, 0),
+                           nhwc_out=transpose or _nhwc_out_of_nchw(image, p.bsize_out, fused_last))
         cls = type(self)
         if cls.residual is SparseResBlock.residual and cls.residual_nhwc is SparseResBlock.residual_nhwc:
             residual, params = _WRITTEN_OUT[nchw_stack], weights
@@ -296,16 +300,30 @@ def _check_input(x, w1):
 # 227.7 / 246.2; fp32 at 25 / 50 %: residual 337.8 / 326.3, 681.9 / 638.2, scatter 182.5 / 264.9,
 # 360.7 / 552.1. Session 35 (the pair tiles' scatter rewritten), fp16 scatter of NCHW / NHWC blocks:
 # 27.0 / 22.6, 53.7 / 47.2, 121.5 / 95.7, 230.2 / 156.7.
+# NCHW_INPUT_NHWC_OUT_FUSED: an in-place call without gradients flips any NCHW input's output NHWC
+# where the fused product and scatter will add it (fp32 too, whose other calls keep the NCHW output).
+# Session 37, H100, fp32 block on 1 x 256 x 400 x 700 at 5 / 10 / 25 / 50 %, graph µs, NCHW output
+# and scatter / flipped and fused: 189.7 / 173.8, 294.8 / 212.4, 657.0 / 449.7, 1276.6 / 870.2.
 NCHW_INPUT_NHWC_OUT = True
+NCHW_INPUT_NHWC_OUT_FUSED = True
 
 
-def _nhwc_out_of_nchw(image, window):
+def _nhwc_out_of_nchw(image, window, fused_last=False):
     """Whether an NCHW stack from this NCHW image has its output NHWC (NCHW_INPUT_NHWC_OUT): where
     the adding scatter of NHWC blocks of the output ``window`` (every ``window``, from 0) into it goes
     by the fp16 pair tiles (`kernels.pair_shapes`: C, W and the window's width even, rows of at most
-    PAIR_TILE_PIXELS pixels), not by the generic tile."""
-    return (NCHW_INPUT_NHWC_OUT and image.dtype == torch.float16
-            and kernels.pair_shapes(True, True, False, image.shape, False, True, "float16", (window, window, (0, 0))))
+    PAIR_TILE_PIXELS pixels), not by the generic tile; with NCHW_INPUT_NHWC_OUT_FUSED, also where
+    ``fused_last`` (an in-place call without gradients) lets the fused product and scatter add it
+    (`FUSED_SCATTER_NCHW`: fp32 too)."""
+    if not NCHW_INPUT_NHWC_OUT:
+        return False
+    if (NCHW_INPUT_NHWC_OUT_FUSED and fused_last and FUSED_SCATTER and FUSED_SCATTER_NCHW
+            and image.dtype in (torch.float16, torch.float32)
+            and fused_kernels.nchw_scatter_fits(image.element_size(), image.shape[3], image.data_ptr(),
+                                                *check_geometry(window, window, 0))):
+        return True
+    return image.dtype == torch.float16 and kernels.pair_shapes(True, True, False, image.shape, False, True,
+                                                                "float16", (window, window, (0, 0)))
 
 
 class _Windows:

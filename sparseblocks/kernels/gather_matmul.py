@@ -755,7 +755,7 @@ def scatter_takes(blocks, weight, y, data_format="NHWC", bsize=None, bstride=Non
     """`takes` for `sparse_matmul_scatter`: torch tensors of one dtype it takes, the stack's pixels
     whole 16-byte vectors, all C-contiguous, the stack and weight 16-byte aligned; an NCHW ``y``
     also the windows ``bsize`` every ``bstride`` from ``boffset`` its fp16 words take
-    (`_nchw_scatter_fits`)."""
+    (`nchw_scatter_fits`)."""
     if not (_dtype_name(blocks) in DTYPES and weight.dtype == y.dtype == blocks.dtype
             and blocks.shape[-1] * blocks.element_size() % UNIT == 0 and blocks.is_contiguous()
             and weight.is_contiguous() and y.is_contiguous() and blocks.data_ptr() % UNIT == 0
@@ -763,10 +763,10 @@ def scatter_takes(blocks, weight, y, data_format="NHWC", bsize=None, bstride=Non
         return False
     if data_format == "NHWC":
         return True
-    return _nchw_scatter_fits(y.element_size(), y.shape[3], y.data_ptr(), *check_geometry(bsize, bstride, boffset))
+    return nchw_scatter_fits(y.element_size(), y.shape[3], y.data_ptr(), *check_geometry(bsize, bstride, boffset))
 
 
-def _nchw_scatter_fits(item, width, pointer, size, stride, offset):
+def nchw_scatter_fits(item, width, pointer, size, stride, offset):
     """Whether an NCHW image's fp16 words take these windows whole (fp32: always): W even, the
     image 4-byte aligned, windows of an even width starting at even columns (every stack pixel
     pair then lies on one word a channel, and no word holds two windows' pixels)."""
@@ -939,7 +939,7 @@ def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0,
     n_pixels = _stack_pixels(n_blocks, size)
     b_dev, w_dev, y_dev = b_op.device(stream), w_op.device(stream), y_op.device(stream)
     _check_aligned({"blocks": b_dev, "weight": w_dev})
-    if not (nhwc or _nchw_scatter_fits(item, W, data_pointer(y_dev), size, stride, offset)):
+    if not (nhwc or nchw_scatter_fits(item, W, data_pointer(y_dev), size, stride, offset)):
         raise ValueError(f"y: an NCHW fp16 image is added into by words of two columns: expected an even W and "
                          f"a 4-byte aligned pointer, windows of an even width, an even column stride and offset; "
                          f"got W {W}, pointer {data_pointer(y_dev)} mod 4 = {data_pointer(y_dev) % 4}, bsize "
