@@ -600,10 +600,10 @@ def test_sparse_res_block_keeps_a_nan_where_the_dense_block_does(dtype, monkeypa
 def test_fused_scatter_gives_the_product_and_scatter_apart(dtype, nchw, monkeypatch):
     """In-place calls without gradients whose output is NHWC (of FUSED_SCATTER_MIN_PIXELS output
     pixels or more) add the last product straight into the image (`sparse_matmul_scatter`; ``nchw``:
-    an NCHW input, through the transpose, its fp32 output NHWC for it alone): the same output as the product and the scatter
-    apart, with the fused gather or without, and through CUDA graphs and their kept launches;
-    calls into a copy, training, products wider than FUSED_SCATTER_MAX_IN and fp64 keep the two
-    calls."""
+    an NCHW input, through the transpose, its fp32 output NHWC for it alone): the same output as
+    the product and the scatter apart, with the fused gather or without, and through CUDA graphs
+    and their kept launches; calls into a copy, training, products wider than
+    FUSED_SCATTER_MAX_IN and fp64 keep the two calls."""
     block, x, indices, count, apart, calls = fusion_case(dtype, 8, 5, "FUSED_SCATTER", "sparse_matmul_scatter",
                                                          monkeypatch, nchw=nchw)
     monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER_MIN_PIXELS", {})
