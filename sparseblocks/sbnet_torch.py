@@ -854,7 +854,8 @@ class _Slot:
         # straight into the image (`_fuses_scatter`): a graph up to the second ReLU's output. A
         # signature seen before knows (training calls, `zero_rest`, keep the stack: their backward
         # reads it).
-        key = (_signature(windows, image, inplace), backward, zero_rest, FUSED_GATHER, FUSED_SCATTER, FUSED_SCATTER_NCHW)
+        key = (_signature(windows, image, inplace), backward, zero_rest, FUSED_GATHER, FUSED_SCATTER,
+               FUSED_SCATTER_NCHW)
         kept = self.launches.get(key)
         if kept is not None:
             fused, fused_last = kept[4:]
