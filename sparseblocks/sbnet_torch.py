@@ -26,7 +26,8 @@
   `residual` or `residual_nhwc` gets autograd's backward of its own instead.
   Without gradients, the kernels alone, the gather fused into the first 1x1
   product where that is faster (`FUSED_GATHER`, `kernels.gather_matmul`), and the
-  last product into the scatter in place (`FUSED_SCATTER`).
+  last product into the scatter in place (`FUSED_SCATTER`; an NCHW input's
+  too, `FUSED_SCATTER_NCHW`, its output then NHWC).
   ``graphs=True`` replays CUDA graphs of the residual and its backward
   (`_ResidualGraphs`).
 
