@@ -653,7 +653,7 @@ TILE_SHAPE = (ROWS, COLS, WORDS, STAGES, WARPS, REGISTERS)  # (rows, cols, words
 NCHW_TILE_SHAPE = (ROWS, COLS, WORDS, 2, WARPS, 168)
 SCATTER_TILES = {"float16": (ROWS, COLS, WORDS, 2, WARPS, 128), "float32": (64, COLS, WORDS, 2, 2, REGISTERS)}
 # An NCHW image's (`write`): fp16 uncapped (168 registers: the image words a thread adds are held in
-# registers); at 128 they spill, 1.4-1.7x slower (session 37, H100).
+# registers); at 128 they spill, 1.5-1.7x slower (session 37, H100).
 NCHW_SCATTER_TILES = {"float16": (ROWS, COLS, WORDS, 2, WARPS, None), "float32": SCATTER_TILES["float32"]}
 
 
