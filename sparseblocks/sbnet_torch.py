@@ -249,25 +249,25 @@ class SparseResBlock(torch.nn.Module):
             image, data_format, transpose = x.contiguous(), "NCHW", False
         nchw_stack = data_format == "NCHW" or transpose
 
-        # (an in-place call without gradients may add an fp32 NCHW input's output by the fused kernel)
-        fused_last = inplace and weights[2].shape[1] <= FUSED_SCATTER_MAX_IN and not (
-            torch.is_grad_enabled() and (image.requires_grad or any(w.requires_grad for w in weights)))
-        windows = _Windows(indices, count, transpose, data_format, (p.bsize, p.bstride, p.boffset),
-                           (p.bsize_out, p.bsize_out, 0),
-                           nhwc_out=transpose or _nhwc_out_of_nchw(image, p.bsize_out, fused_last))
         cls = type(self)
         if cls.residual is SparseResBlock.residual and cls.residual_nhwc is SparseResBlock.residual_nhwc:
             residual, params = _WRITTEN_OUT[nchw_stack], weights
         else:  # a subclass's own residual: autograd differentiates it
             residual = _Traced(self.residual if nchw_stack else self.residual_nhwc)
             params = tuple(self.parameters())
+        training = torch.is_grad_enabled() and (image.requires_grad or any(w.requires_grad for w in params))
+        # (an in-place call without gradients may add an fp32 NCHW input's output by the fused kernel)
+        fused_last = inplace and not training and weights[2].shape[1] <= FUSED_SCATTER_MAX_IN
+        windows = _Windows(indices, count, transpose, data_format, (p.bsize, p.bstride, p.boffset),
+                           (p.bsize_out, p.bsize_out, 0),
+                           nhwc_out=transpose or _nhwc_out_of_nchw(image, p.bsize_out, fused_last))
         graphs = None
         if (self.graphs and image.is_cuda and isinstance(residual, _WrittenOut) and len(indices)
                 and not torch.cuda.is_current_stream_capturing()):
             stack_shape = (image.shape[-1 if data_format == "NHWC" else 1], *p.bsize)
             graphs = (self._graphs, stack_shape if nchw_stack else (*stack_shape[1:], stack_shape[0]),
                       (residual.flips(windows), residual.flips_output(windows)))
-        if torch.is_grad_enabled() and (image.requires_grad or any(w.requires_grad for w in params)):
+        if training:
             y = _WindowResidual.apply(image, residual, windows, inplace, graphs, *params)
         else:
             y = None if graphs is None else graphs[0].run(residual, params, windows, image, inplace, *graphs[1:])
