@@ -597,14 +597,15 @@ FUSED_GATHER_MAX_OUT = 64
 FUSED_GATHER_LAYOUTS = {("NHWC", False), ("NCHW", False), ("NCHW", True), ("NHWC", True)}
 
 
-def _fuses_gather(windows, image, w1):
+def _fuses_gather(windows, image, w1, any_size=False):
     """Whether a call without gradients takes `kernels.gather_matmul` for its gather and first
     product: a layout it applies to, tensors the kernel takes, few output channels, and pixels
-    enough."""
+    enough (``any_size``: however few, `_host_bound`)."""
     if not FUSED_GATHER or (windows.data_format, windows.transpose) not in FUSED_GATHER_LAYOUTS:
         return False
     size = windows.gather_at[0]  # (h, w): the block's geometry
-    return (w1.shape[0] <= FUSED_GATHER_MAX_OUT and len(windows.indices) * size[0] * size[1] >= FUSED_GATHER_MIN_PIXELS
+    return (w1.shape[0] <= FUSED_GATHER_MAX_OUT
+            and (any_size or len(windows.indices) * size[0] * size[1] >= FUSED_GATHER_MIN_PIXELS)
             and fused_kernels.takes(image, w1, windows.data_format, size))
 
 
@@ -628,18 +629,32 @@ FUSED_SCATTER_MAX_IN = 64
 FUSED_SCATTER_MIN_PIXELS = {("NHWC", torch.float16): 49152}  # (others: any)
 
 
-def _fuses_scatter(windows, image, h2, w3):
+def _fuses_scatter(windows, image, h2, w3, any_size=False):
     """Whether an in-place call without gradients takes `kernels.gather_matmul.sparse_matmul_scatter`
     for its last product and the scatter: the output NHWC (an NHWC stack's, or a flipped NCHW
     stack's), an NHWC image (or an NCHW one, FUSED_SCATTER_NCHW), tensors and windows the kernel
-    takes, a narrow product and pixels enough."""
+    takes, a narrow product and pixels enough (``any_size``: however few, `_host_bound`)."""
     data_format = windows.data_format
     if not FUSED_SCATTER or (data_format == "NCHW" and not FUSED_SCATTER_NCHW):
         return False
     size = windows.scatter_at[0]
-    return (h2.shape[-1] <= FUSED_SCATTER_MAX_IN
-            and len(windows.indices) * size[0] * size[1] >= FUSED_SCATTER_MIN_PIXELS.get((data_format, image.dtype), 0)
+    least = 0 if any_size else FUSED_SCATTER_MIN_PIXELS.get((data_format, image.dtype), 0)
+    return (h2.shape[-1] <= FUSED_SCATTER_MAX_IN and len(windows.indices) * size[0] * size[1] >= least
             and fused_kernels.scatter_takes(h2, w3, image, data_format, *windows.scatter_at))
+
+
+# Below those pixel counts the fused kernels cost the device a few µs more than the torch calls
+# they replace (a product, a ReLU), but those calls cost the host 40-50 µs each, and there an
+# eager call (a CUDA tensor, no graph capture, no `graphs=True`) is bound by the host's time: at 5 %
+# of the benchmark's windows the device's work is ~30 µs, the host's ~200 µs. Such calls take the
+# fused kernels at any size (FUSED_WHEN_HOST_BOUND); in a capture, the device's time decides.
+FUSED_WHEN_HOST_BOUND = True
+
+
+def _host_bound(image):
+    """Whether a call without gradients on `image` is bound by the host's time: a CUDA tensor's,
+    launched as it comes (no graph capture)."""
+    return FUSED_WHEN_HOST_BOUND and image.is_cuda and not torch.cuda.is_current_stream_capturing()
 
 
 def _without_grad(residual, weights, windows, image, inplace):
@@ -651,12 +666,13 @@ def _without_grad(residual, weights, windows, image, inplace):
         out = residual.forward(windows.gather(image), weights, keep=False)[0]
         return windows.scatter(out.contiguous(), image, inplace, atomic=False)
     w1, w2, w3 = weights
-    if _fuses_gather(windows, image, w1):
+    any_size = _host_bound(image)
+    if _fuses_gather(windows, image, w1, any_size):
         h1 = windows.gather_matmul(image, w1)
     else:
         h1 = residual.first(windows.gather(image), w1)
     h2 = _second_relu(h1, w2)
-    if inplace and _fuses_scatter(windows, image, h2, w3):
+    if inplace and _fuses_scatter(windows, image, h2, w3, any_size):
         return windows.matmul_scatter(h2, w3, image)
     return windows.scatter(_matmul(h2, w3.flatten(1).t()), image, inplace, atomic=False,
                            transpose=windows.out_transpose(True))

@@ -588,6 +588,7 @@ def test_sparse_res_block_keeps_a_nan_where_the_dense_block_does(dtype, monkeypa
     for fused in (True, False) if DEVICE == "cuda" else (False,):
         monkeypatch.setattr(sbnet_torch, "FUSED_GATHER_MIN_PIXELS", 0 if fused else 2**40)
         monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER_MIN_PIXELS", {} if fused else {("NHWC", dtype): 2**40})
+        monkeypatch.setattr(sbnet_torch, "FUSED_WHEN_HOST_BOUND", fused)
         for inplace, grad in ((False, False), (True, False), (False, True)):
             with torch.set_grad_enabled(grad):
                 y = block(x.clone().requires_grad_(grad), indices, count, inplace=inplace)
@@ -639,6 +640,41 @@ def test_fused_scatter_gives_the_product_and_scatter_apart(dtype, nchw, monkeypa
     with torch.no_grad():
         block.double()(x.detach().double(), indices, count, inplace=True)
     assert not calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU")
+def test_host_bound_calls_fuse_at_any_size(monkeypatch):
+    """Eager calls without gradients (CUDA tensors, no capture: the host bounds them) take the
+    fused gather and product and the fused product and scatter however few the windows' pixels;
+    under a caller's graph capture the pixel thresholds decide, as they do with
+    FUSED_WHEN_HOST_BOUND off."""
+    block, x, indices, count, apart, scatters = fusion_case(torch.float16, 8, 5, "FUSED_SCATTER",
+                                                            "sparse_matmul_scatter", monkeypatch)
+    gathers = []
+    fused_gather = sbnet_torch.fused_kernels.sparse_gather_matmul
+    monkeypatch.setattr(sbnet_torch.fused_kernels, "sparse_gather_matmul",
+                        lambda *args, **kwargs: gathers.append(1) or fused_gather(*args, **kwargs))
+    monkeypatch.setattr(sbnet_torch, "FUSED_GATHER_MIN_PIXELS", 2**40)
+    monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER_MIN_PIXELS", {("NHWC", torch.float16): 2**40})
+    tolerance = {"atol": 1e-2, "rtol": 1e-2}
+    with torch.no_grad():
+        image = x.clone()
+        block(image, indices, count, inplace=True)
+        assert (len(gathers), len(scatters)) == (1, 1)
+        torch.testing.assert_close(image, apart, **tolerance)
+        monkeypatch.setattr(sbnet_torch, "FUSED_WHEN_HOST_BOUND", False)
+        block(x.clone(), indices, count, inplace=True)  # (also the capture's warm-up: its kernels, outside it)
+        assert (len(gathers), len(scatters)) == (1, 1)
+        monkeypatch.setattr(sbnet_torch, "FUSED_WHEN_HOST_BOUND", True)
+        image = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            block(image, indices, count, inplace=True)
+        assert (len(gathers), len(scatters)) == (1, 1)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(image, apart, **tolerance)
 
 
 @pytest.mark.parametrize("transpose", [False, True])
