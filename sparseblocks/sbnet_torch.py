@@ -644,10 +644,13 @@ def _fuses_scatter(windows, image, h2, w3, any_size=False):
 
 
 # Below those pixel counts the fused kernels cost the device a few µs more than the torch calls
-# they replace (a product, a ReLU), but those calls cost the host 40-50 µs each, and there an
-# eager call (a CUDA tensor, no graph capture, no `graphs=True`) is bound by the host's time: at 5 %
-# of the benchmark's windows the device's work is ~30 µs, the host's ~200 µs. Such calls take the
-# fused kernels at any size (FUSED_WHEN_HOST_BOUND); in a capture, the device's time decides.
+# they replace (the first product and its ReLU, the last product), but those calls cost the host
+# 15-35 µs each (torch's profiler, H200), and there an eager call (a CUDA tensor, no graph capture,
+# no `graphs=True`) is bound by the host's time: at 5 % of the benchmark's windows the device's
+# work is ~30 µs, the host's ~200 µs. Such calls take the fused kernels at any size
+# (FUSED_WHEN_HOST_BOUND); in a capture, the device's time decides. Session 38, H200, fp16, host
+# µs a call, two rounds, off / on: 4.8 % 471, 307 / 131, 127; 10.7 % 161, 157 / 128, 129
+# (`scripts/host_res_block_forward.py`).
 FUSED_WHEN_HOST_BOUND = True
 
 
