@@ -12,11 +12,18 @@ in the simulator, `gpu` on a GPU):
 """
 
 import os
+import sys
 
 from sparseblocks._probe import use_simulator_without_gpu
 
 # Decide before anything imports numba.cuda.
 SIMULATOR = use_simulator_without_gpu()
+if SIMULATOR:
+    # The simulator runs a Python thread per CUDA thread; those that wait block, so the GIL's
+    # forced switches between running ones only cost. Session 38 (2 cores): 5 ms (Python's
+    # default) / 50 ms, test_gather_matmul.py::test_equals_reference 29-34 / 25-26 s, the
+    # spread-status look-back tests 92 / 80 s (system time 48 / 35 s).
+    sys.setswitchinterval(0.05)
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
