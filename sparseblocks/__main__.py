@@ -3,11 +3,11 @@
 import argparse
 import sys
 
-from ._probe import use_simulator_without_gpu
+from .runtime.probe import use_simulator_without_gpu
 
 
 def info():
-    from ._backend import backend_name, versions
+    from .runtime.backend import backend_name, versions
 
     print(f"backend: {backend_name()}")
     for package, version in versions().items():
@@ -19,8 +19,8 @@ def demo():
     """Block-sparse matmul (all three products) on a random layout, checked against NumPy."""
     import numpy as np
 
-    from ._backend import SIMULATOR, backend_name
-    from .kernels import bsmm
+    from .runtime.backend import SIMULATOR, backend_name
+    from . import bsmm
     from .layout import BlockLayout
     from .reference import bsmm as reference
 
@@ -62,7 +62,7 @@ def sbnet_demo():
         return 1
     import time
 
-    from ._backend import SIMULATOR, backend_name
+    from .runtime.backend import SIMULATOR, backend_name
     from .reference import sbnet as reference
     from .sbnet_torch import SparseResBlock
 

@@ -16,7 +16,7 @@ bits (`Operand.dtype` is then ``"bfloat16"``).
 import numpy as np
 from numba import cuda
 
-from ._backend import SIMULATOR
+from .backend import SIMULATOR
 
 FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
 
@@ -203,7 +203,7 @@ def launch_stream(operands):
     """The stream of the callers' framework: torch's or CuPy's current stream, else 0."""
     if SIMULATOR:
         return 0
-    from .kernels._launch import stream_of
+    from .launch import stream_of
 
     kinds = {op.kind for op in operands}
     if "torch" in kinds:
@@ -232,7 +232,7 @@ def span(array):
     else:
         if 0 in tuple(array.shape):
             return None
-        from .kernels._launch import data_pointer
+        from .launch import data_pointer
 
         item, start, strides = array.dtype.itemsize, data_pointer(array), array.strides
     reach = [(n - 1) * s for n, s in zip(array.shape, strides)]

@@ -11,7 +11,7 @@ one word are served at once. Integer arrays of 4 or 8 bytes.
 In the CUDA simulator it is a plain read.
 """
 
-from .._backend import SIMULATOR
+from ..runtime.backend import SIMULATOR
 
 if SIMULATOR:
     import numpy as np
@@ -24,7 +24,7 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from ._vector import element_pointer, indexes
+    from .vector import element_pointer, indexes
 
     @intrinsic
     def load_relaxed(typingctx, array, index):

@@ -37,7 +37,7 @@ the sum may differ in the last bit).
 from numba import cuda, float32, int32, uint32
 from numba.cuda import libdevice
 
-from .._backend import SIMULATOR
+from ..runtime.backend import SIMULATOR
 
 MMA_M, MMA_N, MMA_K = 16, 8, 16
 TF32_K = 8
@@ -87,7 +87,7 @@ def tf32_b_fragment(lane, register):
 if SIMULATOR:
     import numpy as np
 
-    from . import _simulator
+    from ..runtime import simulator as _simulator
 
     def _decode(bits, kind):
         bits = np.uint32(bits)

@@ -11,7 +11,7 @@ In the CUDA simulator ``max_nan`` is ``max_nan_select``.
 
 from numba import cuda
 
-from .._backend import SIMULATOR
+from ..runtime.backend import SIMULATOR
 
 
 @cuda.jit(device=True, inline=True)

@@ -33,7 +33,7 @@ In the CUDA simulator the same names decode with NumPy and add in float64
 atomics hold a lock, as the simulator's own atomics do.
 """
 
-from .._backend import SIMULATOR
+from ..runtime.backend import SIMULATOR
 
 if SIMULATOR:
     import threading
@@ -72,7 +72,7 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from ._vector import element_pointer, indexes
+    from .vector import element_pointer, indexes
 
     @intrinsic
     def add_half2(typingctx, a, b):

@@ -10,7 +10,7 @@ In the CUDA simulator ``globaltimer()`` is the host's ``perf_counter_ns`` and
 ``smid()`` is 0.
 """
 
-from .._backend import SIMULATOR
+from ..runtime.backend import SIMULATOR
 
 if SIMULATOR:
     import time

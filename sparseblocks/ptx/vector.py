@@ -19,7 +19,7 @@ promise (an unaligned address raises), so a launcher that picks the vector
 path wrongly fails the simulator tests instead of reading garbage on a GPU.
 """
 
-from .._backend import SIMULATOR
+from ..runtime.backend import SIMULATOR
 
 WIDTHS = (2, 4)
 

@@ -38,7 +38,7 @@ Used by version 5's fp32 weight gradient (kernels/bsmm.py, V5_WGRAD_ASYNC)
 and its products' stage ring (V5_STAGES > 2, the default). Tests: tests/test_async.py.
 """
 
-from .._backend import SIMULATOR
+from ..runtime.backend import SIMULATOR
 
 BYTES = 16
 
@@ -47,7 +47,7 @@ if SIMULATOR:
 
     import numpy as np
 
-    from ._vector import checked_row
+    from .vector import checked_row
 
     _queues = threading.local()  # the simulator runs one Python thread per CUDA thread
 
@@ -120,7 +120,7 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from ._vector import element_pointer, indexes
+    from .vector import element_pointer, indexes
 
     I32, I64 = ir.IntType(32), ir.IntType(64)
 

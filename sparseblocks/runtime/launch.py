@@ -27,7 +27,7 @@ import threading
 import numpy as np
 from numba import cuda
 
-from .._backend import SIMULATOR
+from .backend import SIMULATOR
 
 _compiled = {}
 _streams = {}

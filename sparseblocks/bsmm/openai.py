@@ -5,13 +5,14 @@
     dx = bsmm.input_grad(dy, w)       # dy · Wᵀ
     dw = bsmm.weight_grad(x, dy)      # xᵀ · dy on the layout's blocks
 
-A thin, stateless front to `sparseblocks.kernels.bsmm` over one `BlockLayout`.
+A thin, stateless front to `sparseblocks.bsmm`'s functions over one `BlockLayout`.
 """
 
 import numpy as np
 
-from .kernels import bsmm as kernels
-from .layout import BlockLayout
+from ..layout import BlockLayout
+from . import api
+from .dispatch import VERSIONS
 
 
 class BlocksparseMatMul:
@@ -22,7 +23,7 @@ class BlocksparseMatMul:
     ``(N, features)``; ``feature_axis=0``: ``(features, N)``.
     """
 
-    def __init__(self, layout, block_size=32, feature_axis=1, version=None):
+    def __init__(self, layout, block_size=32, feature_axis=1, version=None, config=None):
         if isinstance(layout, BlockLayout):
             if block_size not in (32, layout.block_size):
                 raise ValueError(
@@ -32,11 +33,12 @@ class BlocksparseMatMul:
             layout = BlockLayout(layout, block_size)
         if feature_axis not in (0, 1):
             raise ValueError(f"feature_axis: expected 0 or 1, got {feature_axis!r}")
-        if version is not None and version not in kernels.VERSIONS:
-            raise ValueError(f"version: expected one of {kernels.VERSIONS} or None, got {version!r}")
+        if version is not None and version not in VERSIONS:
+            raise ValueError(f"version: expected one of {VERSIONS} or None, got {version!r}")
         self.layout = layout
         self.feature_axis = feature_axis
         self.version = version
+        self.config = api._config(config)
 
     # -- shapes and sizes (OpenAI's names) -----------------------------------------
 
@@ -83,18 +85,18 @@ class BlocksparseMatMul:
 
     def __call__(self, x, w):
         """``y = x · W``."""
-        return kernels.forward(x, w, self.layout, self.feature_axis, self.version)
+        return api.forward(x, w, self.layout, self.feature_axis, self.version, self.config)
 
     forward = __call__
 
     def input_grad(self, dy, w):
         """``dx = dy · Wᵀ``."""
-        return kernels.input_grad(dy, w, self.layout, self.feature_axis, self.version)
+        return api.input_grad(dy, w, self.layout, self.feature_axis, self.version, self.config)
 
     def weight_grad(self, x, dy, out=None, beta=0.0):
         """``dW = xᵀ · dy`` on the layout's blocks; with ``out``: ``out = xᵀ·dy + beta·out``."""
-        return kernels.weight_grad(x, dy, self.layout, self.feature_axis, out=out, beta=beta,
-                                   version=self.version)
+        return api.weight_grad(x, dy, self.layout, self.feature_axis, out=out, beta=beta,
+                               version=self.version, config=self.config)
 
     # -- initialisers (NumPy, host side) -----------------------------------------------
 

@@ -1,0 +1,182 @@
+"""The matmul's public functions: validate, then plan, then launch.
+
+Over a `BlockLayout` of ``(C/bs, K/bs)`` blocks with weights ``w[n_blocks, bs, bs]``:
+
+* ``forward``:     ``y  = x · W``     (N, C) -> (N, K), over the layout's block-columns;
+* ``input_grad``:  ``dx = dy · Wᵀ``   (N, K) -> (N, C), over its block-rows, each block read
+  transposed (no transposed copy of ``w``);
+* ``weight_grad``: ``dW = xᵀ · dy``   on the layout's blocks only, optionally
+  ``out = xᵀ·dy + beta·out``.
+
+``feature_axis=1``: activations ``(N, features)``; ``0``: ``(features, N)``. Storage fp16,
+bf16, fp32 or fp64; accumulation in fp32 (fp64 for fp64). Any ``N >= 0``; output features
+with no block are zero. Every sum runs in a fixed order: results are bitwise repeatable.
+``version=`` picks a kernel family (`dispatch.VERSIONS`), ``config=`` its knobs.
+"""
+
+from ..ptx.vector import aligned
+from ..runtime import arrays as _arrays
+from ..runtime import plans
+from ..runtime.arrays import (
+    Operand,
+    check_dtype,
+    check_same_dtype,
+    check_same_kind,
+    check_shape,
+    launch_stream,
+)
+from ..runtime.backend import SIMULATOR
+from ..runtime.launch import data_pointer
+from .config import DEFAULT, BsmmConfig
+from .dispatch import (
+    VERSIONS,
+    default_version,
+    launch_product,
+    launch_product_v1,
+    launch_transpose_blocks,
+    launch_weight_grad,
+    words,
+)
+from .plans import (
+    keep_product_plan,
+    keep_weight_grad_plan,
+    replayed_product,
+    replayed_weight_grad,
+)
+from .tensorcore import V5_STORAGE
+
+
+def _check_common(cfg, ops, feature_axis, version):
+    """Validate; return the version to run (`default_version` where ``version`` is None)."""
+    if feature_axis not in (0, 1):
+        raise ValueError(f"feature_axis: expected 0 or 1, got {feature_axis!r}")
+    if version is not None and version not in VERSIONS:
+        raise ValueError(f"version: expected one of {VERSIONS} or None, got {version!r}")
+    check_same_kind(ops)
+    for op in ops:
+        check_dtype(op)
+        op.require_contiguous()
+    check_same_dtype(ops)
+    return default_version(ops[0].dtype, cfg) if version is None else version
+
+
+def _check_activation(op, features, feature_axis, what):
+    if len(op.shape) != 2:
+        raise ValueError(f"{op.name}: expected a 2-D array {what}, got shape {op.shape}")
+    if op.shape[feature_axis] != features:
+        raise ValueError(
+            f"{op.name}: expected {features} features on axis {feature_axis} {what}, got shape {op.shape}"
+        )
+    return op.shape[1 - feature_axis]
+
+
+def _product(cfg, a, w, layout, feature_axis, transpose_w, version, max_segment=None):
+    if plans.kept and max_segment is None:
+        out = replayed_product(cfg, a, w, layout, feature_axis, transpose_w, version)
+        if out is not None:
+            return out
+    given = version
+    a, w = Operand(a, "dy" if transpose_w else "x"), Operand(w, "w")
+    version = _check_common(cfg, (a, w), feature_axis, version)
+    check_shape(w, layout.w_shape)
+    C, K = layout.dense_shape
+    in_features, out_features = (K, C) if transpose_w else (C, K)
+    n_rows = _check_activation(a, in_features, feature_axis, f"(layout has {C} inputs, {K} outputs)")
+
+    stream = launch_stream((a, w))
+    out_shape = (n_rows, out_features) if feature_axis == 1 else (out_features, n_rows)
+    native, out = a.empty(out_shape, stream)
+    if n_rows:
+        if version == 1:
+            launch_product_v1(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, stream)
+        else:
+            launched = launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, stream,
+                                      max_segment, version)
+            if max_segment is None:
+                keep_product_plan(cfg, a, w, layout, feature_axis, transpose_w, given, out_shape, launched)
+    return a.result(native, out, stream)
+
+
+def _config(config):
+    if config is None:
+        return DEFAULT
+    if not isinstance(config, BsmmConfig):
+        raise TypeError(f"config: expected a BsmmConfig, got {type(config).__name__}")
+    return config
+
+
+def forward(x, w, layout, feature_axis=1, version=None, config=None):
+    """``y = x · W`` for block-sparse ``W`` given as ``w[n_blocks, bs, bs]`` over ``layout``."""
+    return _product(_config(config), x, w, layout, feature_axis, False, version)
+
+
+def input_grad(dy, w, layout, feature_axis=1, version=None, config=None):
+    """``dx = dy · Wᵀ`` for block-sparse ``W``."""
+    return _product(_config(config), dy, w, layout, feature_axis, True, version)
+
+
+def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=None, splits=None, config=None):
+    """``dW = xᵀ · dy`` on the layout's blocks, as ``(n_blocks, bs, bs)``.
+
+    With ``out`` the result goes there, as ``out = xᵀ·dy + beta·out`` (so the
+    gradients of a weight shared across steps add up without a copy); ``out``
+    is then returned, and must not share memory with ``x`` or ``dy``
+    (ValueError). ``splits`` (not version 1) overrides how many slices of N are
+    summed separately and then combined in order.
+    """
+    cfg = _config(config)
+    if plans.kept:
+        dw = replayed_weight_grad(cfg, x, dy, layout, feature_axis, out, beta, version, splits)
+        if dw is not None:
+            return dw
+    given = version
+    x, dy = Operand(x, "x"), Operand(dy, "dy")
+    ops = (x, dy) if out is None else (x, dy, Operand(out, "out"))
+    version = _check_common(cfg, ops, feature_axis, version)
+    C, K = layout.dense_shape
+    n_x = _check_activation(x, C, feature_axis, f"(layout has {C} inputs)")
+    n_dy = _check_activation(dy, K, feature_axis, f"(layout has {K} outputs)")
+    if n_x != n_dy:
+        raise ValueError(f"x and dy: expected the same N, got {n_x} and {n_dy}")
+    try:
+        beta = float(beta)
+    except (TypeError, ValueError):
+        raise TypeError(f"beta: expected a number, got {beta!r}") from None
+    if out is None and beta != 0:
+        raise ValueError("beta: accumulating (beta != 0) needs out=")
+    if out is not None:
+        check_shape(ops[2], layout.w_shape)
+        if ops[2].kind == "numpy":
+            raise TypeError("out: expected a device array (a NumPy out= would be a copy)")
+        _arrays.check_disjoint(ops[2], (x, dy))
+
+    stream = launch_stream(ops)
+    if out is None:
+        native, dw = x.empty(layout.w_shape, stream)
+    else:
+        native, dw = ops[2].native, ops[2].device(stream)
+    if layout.n_blocks:
+        launched = launch_weight_grad(cfg, dw, x, dy, layout, n_x, feature_axis, beta, stream, version, splits)
+        keep_weight_grad_plan(cfg, x, dy, None if out is None else ops[2], layout, feature_axis, beta, given,
+                              splits, launched)
+    if out is not None and not (SIMULATOR and ops[2].kind == "torch"):
+        return out  # the caller's own array (an Operand holds a detached torch view of it)
+    return (x if out is None else ops[2]).result(native, dw, stream)
+
+
+def transpose_blocks(w, layout, config=None):
+    """W's blocks transposed into the layout's column order: ``wt[p] = w[layout.col_block[p]]ᵀ``
+    (fp32, fp16 or bf16, ``w`` 4-byte aligned), as the forward makes for itself where
+    `BsmmConfig.v5_transposed_forward` names its block size and storage, at its rows or more."""
+    cfg = _config(config)
+    w = Operand(w, "w")
+    check_dtype(w, V5_STORAGE)
+    w.require_contiguous()
+    check_shape(w, layout.w_shape)
+    stream = launch_stream((w,))
+    native, wt = w.empty(layout.w_shape, stream)
+    w_device = w.device(stream)
+    if not aligned(data_pointer(w_device), 4, 1):
+        raise ValueError("w: expected a 4-byte aligned array (its blocks are read as 32-bit words)")
+    launch_transpose_blocks(cfg, words(wt), words(w_device), layout, w.dtype, stream)
+    return w.result(native, wt, stream)

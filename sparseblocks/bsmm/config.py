@@ -1,0 +1,76 @@
+"""The block-sparse matmul's knobs: one frozen `BsmmConfig`, passed as ``config=``.
+
+Kernel makers read these at compile time; the compile cache and the kept plans
+are keyed on the whole config, so a variant made with `dataclasses.replace`
+compiles its own kernels. Timings behind the defaults: docs/performance.md.
+"""
+
+from ..runtime.tuning import default_field, tuning
+
+
+@tuning
+class BsmmConfig:
+    # -- dispatch ---------------------------------------------------------------------------
+    tensor_core_default: frozenset = frozenset({"float16", "bfloat16", "float32"})  # storage run on version 5 by default
+    product_group: int = 8  # row tiles a product hands out together, so concurrent blocks share activations in L2 (0: launch order)
+
+    # -- version 1 (teaching kernels) ------------------------------------------------------
+    rows_per_tile: dict = default_field({8: 16, 16: 16, 32: 8, 64: 4})  # product rows a thread block, one thread an output
+    wgrad_rows: dict = default_field({8: 8, 16: 16, 32: 8, 64: 4})  # weight-gradient threads along a block's rows
+
+    # -- version 3 (SIMT, register-blocked) ------------------------------------------------
+    product_tiles: dict = default_field(  # (rows TM, patch rows R, patch features Q, features a chunk KC)
+        {8: (256, 8, 2, 8), 16: (256, 8, 4, 16), 32: (128, 8, 4, 32), 64: (128, 8, 8, 32)})
+    product_threads: int = 128  # threads of a version 3 product; TM * KC must be a multiple of 8 of them
+    segment_factor: int = 2  # lines longer than this many mean lines are cut into segments ...
+    min_segment: int = 4  # ... of at least this many blocks, so one long line does not run alone
+    wgrad_threads: int = 256  # threads of a version 3 weight gradient's block
+    wgrad_patch: dict = default_field({8: 2, 16: 4, 32: 4, 64: 4})  # side of a weight-gradient thread's patch
+    wgrad_chunk: int = 64  # rows of N a weight-gradient step loads
+    combine_threads: int = 256  # threads of the kernels that add split sums in order
+    transpose_threads: int = 256  # most threads of `transpose_blocks`' thread blocks
+
+    # -- version 4 (SIMT, 8 x 8 patches) ---------------------------------------------------
+    v4_rows: dict = default_field({16: 256, 32: 256, 64: 128})  # product rows a thread block (block 8 runs version 3)
+    v4_kc: int = 8  # features a double-buffered chunk
+    v4_jit_options: dict = default_field({})  # extra cuda.jit options (e.g. max_registers) for version 4
+    v4_wgrad_threads: int = 128  # threads of a version 4 weight gradient's block
+    v4_wgrad_rows: dict = default_field({16: 16, 32: 16, 64: 32})  # rows of N a weight-gradient chunk
+    v4_wgrad_batch: int = 32  # values of x and dy a thread has in flight before storing them
+    v4_vector: bool = True  # 16-byte global loads where pointers allow
+    v4_width: int = 4  # activations a vector load
+    v4_layout: dict = default_field({16: "pad", 32: "pad", 64: "pad"})  # shared tiles "pad"ded or "swizzle"d: no bank conflicts
+    v4_unroll: dict = default_field({16: True, 32: True, 64: True})  # the 8-step inner loop written out
+
+    # -- version 5 (tensor cores, mma.sync) ------------------------------------------------
+    v5_warps: dict = default_field({16: 4, 32: 4, 64: 8})  # warps of a product's thread block
+    v5_warp_tile: int = 32  # most output features a warp owns (and a weight-gradient patch's side)
+    v5_warp_rows: dict = default_field({16: 32, 32: 32, 64: 32})  # rows a warp, multiples of the mma's 16
+    v5_ring_warps: dict = default_field(  # (warps, rows a warp) of the cp.async ring where they differ
+        {(64, "float16"): (4, 64), (64, "float32"): (4, 64)})
+    v5_stage_words: dict = default_field({(64, "float32"): 16})  # 32-bit words of k a stage, where not a block's
+    v5_vector: bool = True  # 16-byte global loads where pointers allow
+    v5_stages: int = 3  # shared stages: 2 through registers; more feed 16-byte rows by cp.async, stages - 1 ahead
+    v5_weight_registers: frozenset = frozenset({(32, "float16"), (32, "bfloat16")})  # input_grad weights through registers
+    v5_transposed_forward: dict = default_field(  # forward copies W transposed first at these rows N or more
+        {(64, "float32"): 1, (64, "float16"): 8192, (64, "bfloat16"): 8192})
+    v5_rounded_sums: bool = True  # fp32: each mma from zero, added in round-to-nearest fp32 (the tensor cores' sums drift)
+    v5_wgrad: bool = True  # the weight gradient on tensor cores too (False: version 4's)
+    v5_wgrad_warps: int = 4  # warps of a weight-gradient thread block
+    v5_wgrad_async: bool = True  # fp32 rows of x and dy to shared memory by cp.async
+    v5_wgrad_stages: int = 2  # buffers of that ring (2-4)
+    v5_wgrad_group: dict = default_field({16: 4})  # blocks of a block-row one warp takes, sharing x's slice
+    v5_wgrad_group_warps: int = 4  # warps of a grouped weight-gradient thread block
+    v5_wgrad_rows: int = 32  # N-splits are cut at multiples of this (whole steps of every storage)
+
+    def check(self):
+        if not 2 <= self.v5_stages <= 5:
+            raise ValueError(f"v5_stages: expected 2 to 5, got {self.v5_stages}")
+        if not 2 <= self.v5_wgrad_stages <= 4:
+            raise ValueError(f"v5_wgrad_stages: expected 2 to 4, got {self.v5_wgrad_stages}")
+        for bs, (rows, _, _, chunk) in self.product_tiles.items():
+            if rows * chunk % (8 * self.product_threads):
+                raise ValueError(f"product_tiles[{bs}]: TM * KC must be a multiple of 8 * product_threads")
+
+
+DEFAULT = BsmmConfig()

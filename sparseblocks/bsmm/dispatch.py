@@ -1,0 +1,314 @@
+"""Which kernel runs, and its launch: version x dtype x block size -> kernel family.
+
+`DISPATCH` below is the one table of it. Every launcher takes the config, the
+operands and the layout, looks the kernel up in the compile cache
+(`runtime.compile`), and launches it; it returns what a kept plan repeats.
+"""
+
+import numpy as np
+from numba import cuda
+
+from ..ptx.vector import aligned
+from ..runtime.compile import cached
+from ..runtime.launch import data_pointer, launch, multiprocessors
+from .config import DEFAULT
+from .device import acc_type
+from .simple import make_product_v1, make_weight_grad_v1
+from .simt import (
+    make_combine_lines,
+    make_product_v3,
+    make_product_v4,
+    v4_threads,
+    v4_weight_width,
+)
+from .tensorcore import (
+    V5_BLOCKS,
+    V5_STORAGE,
+    make_product_v5,
+    make_transpose_blocks,
+    transpose_threads,
+    v5_ring,
+    v5_shape,
+    v5_values,
+)
+from .weight_grad_simt import (
+    make_combine_wgrad,
+    make_weight_grad_v3,
+    make_weight_grad_v4,
+)
+from .weight_grad_tensorcore import make_weight_grad_v5, v5_wgrad_blocks, v5_wgrad_warps
+
+VERSIONS = (1, 3, 4, 5)
+
+
+
+def product_family(cfg, version, bs, storage):
+    """The product kernels a call runs (the dispatch table of the products): 5 tensor cores,
+    4 SIMT 8 x 8 patches, 3 SIMT register tiles, 1 the teaching kernel."""
+    if version == 5 and bs in V5_BLOCKS and storage in V5_STORAGE:
+        return 5
+    if version >= 4 and bs in cfg.v4_rows:
+        return 4
+    return 3 if version >= 3 else 1
+
+
+def weight_grad_family(cfg, version, bs, storage, feature_axis):
+    """The weight-gradient kernels a call runs (the dispatch table of the weight gradients)."""
+    if version == 5 and cfg.v5_wgrad and bs in V5_BLOCKS and storage in V5_STORAGE:
+        return 5
+    if version >= 4 and bs in cfg.v4_wgrad_rows and feature_axis == 1:
+        return 4
+    return 3 if version >= 3 else 1
+
+
+def default_version(dtype, cfg=DEFAULT):
+    """The version a call without ``version=`` runs: 5 (tensor cores; fp32 as 3xTF32 with
+    round-to-nearest sums) for the storage in ``cfg.tensor_core_default``, else 4."""
+    return 5 if dtype in cfg.tensor_core_default else 4
+
+
+def compiled(cfg, maker, bs, storage, *key):
+    """``maker(cfg, bs, storage, accumulator type, *key)``, compiled once per config and key."""
+    return cached(maker, cfg, bs, storage, acc_type(storage), *key)
+
+
+def _on_device(layout, key, array, stream):
+    """A layout index (or schedule) array on the device, cached in the layout's schedule cache."""
+    cache = layout._schedules
+    key = ("device", key)
+    if key not in cache:
+        cache[key] = cuda.to_device(np.ascontiguousarray(array), stream=stream)
+    return cache[key]
+
+
+def _index(layout, name, stream):
+    return _on_device(layout, name, getattr(layout, name), stream)
+
+
+_unused = {}
+
+
+def _unused_workspace(dtype):
+    """A one-element stand-in for a workspace a launch does not write (shared, read by no one)."""
+    if dtype not in _unused:
+        _unused[dtype] = cuda.device_array((1, 1, 1), dtype)
+    return _unused[dtype]
+
+
+def segment_limit(layout, axis, cfg=DEFAULT):
+    """Longest segment (in blocks) a thread block of a SIMT or tensor-core product takes on."""
+    MIN_SEGMENT = cfg.min_segment
+    SEGMENT_FACTOR = cfg.segment_factor
+    ptr = layout.col_ptr if axis == "col" else layout.row_ptr
+    mean = layout.n_blocks / max(1, len(ptr) - 1)
+    return max(MIN_SEGMENT, int(np.ceil(SEGMENT_FACTOR * mean)))
+
+
+def vector_loads(cfg, arrays, n_rows, feature_axis, widths=None):
+    """Whether version 4 may read each of ``arrays`` ``widths`` elements at a time:
+    4-byte (or smaller) elements, aligned pointers, and with feature_axis 0 rows
+    in whole vectors (the feature axis holds whole blocks anyway)."""
+    V4_VECTOR = cfg.v4_vector
+    V4_WIDTH = cfg.v4_width
+    widths = (V4_WIDTH, V4_WIDTH) if widths is None else widths
+    itemsize = arrays[0].dtype.itemsize
+    return (V4_VECTOR and itemsize <= 4 and (feature_axis == 1 or n_rows % V4_WIDTH == 0)
+            and all(aligned(data_pointer(a), itemsize, width) for a, width in zip(arrays, widths)))
+
+
+def v5_vector_loads(cfg, arrays, n_rows, feature_axis, values):
+    """Whether version 5 may read 16 bytes at a time: aligned pointers, and with feature_axis 0
+    rows in whole vectors (4 words: 4 fp32 rows, or 8 rows of 16-bit values)."""
+    V5_VECTOR = cfg.v5_vector
+    return (V5_VECTOR and (feature_axis == 1 or n_rows % (4 * values) == 0)
+            and all(aligned(data_pointer(a), 16, 1) for a in arrays))
+
+
+def words(array):
+    """A device array's 32-bit words along its last axis (int32), for version 5's loads."""
+    if hasattr(array, "data_ptr"):  # torch
+        import torch
+
+        return array.view(torch.int32)
+    return array.view(np.int32)
+
+
+def bits(array):
+    """The 16-bit patterns of an fp16 device array (a bf16 one is int16 already: a no-op)."""
+    if hasattr(array, "data_ptr"):  # torch
+        import torch
+
+        return array.view(torch.int16)
+    return array.view(np.int16)
+
+
+def launch_product_v1(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, stream):
+    ROWS_PER_TILE = cfg.rows_per_tile
+    bs = layout.block_size
+    rows = ROWS_PER_TILE[bs]
+    line_ptr, other_idx, line_block = (("row_ptr", "col_idx", "col_idx") if transpose_w
+                                       else ("col_ptr", "row_idx", "col_block"))
+    kernel = compiled(cfg, make_product_v1, bs, a.dtype, transpose_w, feature_axis)
+    lines = layout.shape[0] if transpose_w else layout.shape[1]
+    launch(kernel, ((n_rows + rows - 1) // rows, lines), (bs, rows), stream, (
+        out, a.device(stream), w.device(stream), _index(layout, line_ptr, stream),
+        _index(layout, other_idx, stream), _index(layout, line_block, stream), n_rows,
+    ))
+
+
+def product_schedule(cfg, layout, transpose_w, max_segment, stream):
+    """What the products launch with over a layout, whatever the activations:
+    (slots, product index arrays, combine index arrays), cached in the layout
+    so that a call looks it up once instead of rebuilding keys for each array."""
+    key = ("product schedule", transpose_w, max_segment, cfg.segment_factor, cfg.min_segment)
+    cached = layout._schedules.get(key)
+    if cached is not None:
+        return cached
+    axis = "row" if transpose_w else "col"
+    limit = segment_limit(layout, axis, cfg) if max_segment is None else max_segment
+    schedule = layout.line_segments(axis, limit)
+    other_idx, line_block = ("col_idx", "col_idx") if transpose_w else ("row_idx", "col_block")
+    on_device = {
+        name: _on_device(layout, (axis, limit, name), schedule[name], stream)
+        for name in ("seg_line", "seg_begin", "seg_end", "seg_slot", "split_line", "split_begin", "split_end")
+    }
+    product = (on_device["seg_line"], on_device["seg_begin"], on_device["seg_end"], on_device["seg_slot"],
+               _index(layout, other_idx, stream), _index(layout, line_block, stream))
+    combine = (on_device["split_line"], on_device["split_begin"], on_device["split_end"])
+    cached = layout._schedules[key] = (schedule["n_slots"], product, combine)
+    return cached
+
+
+def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, stream, max_segment, version):
+    COMBINE_THREADS = cfg.combine_threads
+    PRODUCT_THREADS = cfg.product_threads
+    PRODUCT_TILES = cfg.product_tiles
+    V4_ROWS = cfg.v4_rows
+    V4_WIDTH = cfg.v4_width
+    V5_TRANSPOSED_FORWARD = cfg.v5_transposed_forward
+    bs = layout.block_size
+    TM = PRODUCT_TILES[bs][0]
+    slots, indices, combine_indices = product_schedule(cfg, layout, transpose_w, max_segment, stream)
+    acc = "float64" if a.dtype == "float64" else "float32"
+    workspace = a.scratch((slots, n_rows, bs), acc, stream) if slots else _unused_workspace(acc)
+    a_device, w_device = a.device(stream), w.device(stream)
+    pre = None  # a launch before the product's (V5_TRANSPOSED_FORWARD's copy)
+    family = product_family(cfg, version, bs, a.dtype)
+    if family == 5:
+        values = v5_values(a.dtype)
+        vector = v5_vector_loads(cfg, (a_device, w_device), n_rows, feature_axis, values)
+        ring = v5_ring(cfg, vector, feature_axis)
+        threads, TM, _, _, _, _ = v5_shape(cfg, bs, a.dtype, ring)
+        copied = ring and not transpose_w and n_rows >= V5_TRANSPOSED_FORWARD.get((bs, a.dtype), n_rows + 1)
+        kernel = compiled(cfg, make_product_v5, bs, a.dtype, transpose_w or copied, feature_axis, vector)
+        a_device, w_device = (words(a_device), words(w_device)) if vector or values == 1 \
+            else (bits(a_device), bits(w_device))
+        if copied:  # the transposed copy's blocks are in the forward's order: block j is wt[j]
+            wt = w.scratch(tuple(w_device.shape), "int32", stream)  # (w_device: w's words)
+            pre = launch_transpose_blocks(cfg, wt, w_device, layout, a.dtype, stream)
+            w_device = wt
+    elif family == 4:
+        TM, threads = V4_ROWS[bs], v4_threads(cfg, bs)
+        vector = vector_loads(cfg, (a_device, w_device), n_rows, feature_axis, (V4_WIDTH, v4_weight_width(cfg, bs)))
+        kernel = compiled(cfg, make_product_v4, bs, a.dtype, transpose_w, feature_axis, vector)
+    else:
+        maker, threads = make_product_v3, PRODUCT_THREADS
+        kernel = compiled(cfg, maker, bs, a.dtype, transpose_w, feature_axis)
+    grid = ((n_rows + TM - 1) // TM, len(indices[0]))
+    args = (out, workspace, a_device, w_device, *indices, n_rows)
+    launch(kernel, grid, threads, stream, args)
+    if slots:
+        combine = compiled(cfg, make_combine_lines, bs, a.dtype, feature_axis)
+        grid = ((n_rows * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, len(combine_indices[0]))
+        launch(combine, grid, COMBINE_THREADS, stream, (out, workspace, *combine_indices, n_rows))
+        return None
+    return pre, (kernel, grid, threads, args)  # the call's launches: what a kept plan repeats
+
+
+def launch_transpose_blocks(cfg, wt, w_words, layout, storage, stream):
+    """Launch `make_transpose_blocks` (w_words and wt: int32 word views); return the launch,
+    or None where the layout has no block."""
+    if not layout.n_blocks:
+        return None
+    kernel = compiled(cfg, make_transpose_blocks, layout.block_size, storage)
+    args = (wt, w_words, _index(layout, "col_block", stream))
+    threads = transpose_threads(cfg, layout.block_size, storage)
+    launch(kernel, layout.n_blocks, threads, stream, args)
+    return kernel, layout.n_blocks, threads, args
+
+
+def wgrad_splits(layout, n_rows, thread_blocks=None, cfg=DEFAULT):
+    """How many slices of N the weight gradient cuts each block's sum into (every version but 1)."""
+    WGRAD_CHUNK = cfg.wgrad_chunk
+    thread_blocks = layout.n_blocks if thread_blocks is None else thread_blocks
+    wanted = -(-4 * multiprocessors() // max(1, thread_blocks))
+    return int(max(1, min(wanted, n_rows // (4 * WGRAD_CHUNK))))
+
+
+def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, stream, version, splits):
+    COMBINE_THREADS = cfg.combine_threads
+    V4_WGRAD_THREADS = cfg.v4_wgrad_threads
+    V5_WARP_TILE = cfg.v5_warp_tile
+    V5_WGRAD_GROUP = cfg.v5_wgrad_group
+    V5_WGRAD_ROWS = cfg.v5_wgrad_rows
+    WGRAD_ROWS = cfg.wgrad_rows
+    WGRAD_THREADS = cfg.wgrad_threads
+    bs = layout.block_size
+    if version == 1:
+        kernel = compiled(cfg, make_weight_grad_v1, bs, x.dtype, feature_axis)
+        launch(kernel, layout.n_blocks, (bs, WGRAD_ROWS[bs]), stream, (
+            dw, x.device(stream), dy.device(stream), _index(layout, "coords", stream), n_rows, beta,
+        ))
+        return None
+    family = weight_grad_family(cfg, version, bs, x.dtype, feature_axis)
+    v5, v4 = family == 5, family == 4
+    group = V5_WGRAD_GROUP.get(bs, 1) if v5 and bs <= V5_WARP_TILE else 1
+    coords = _index(layout, "coords", stream)
+    if group > 1:  # a warp per row segment of up to `group` blocks
+        segments = layout.line_segments("row", group)
+        seg_begin, seg_end = (_on_device(layout, ("row", group, name), segments[name], stream)
+                              for name in ("seg_begin", "seg_end"))
+        thread_blocks = -(-len(segments["seg_begin"]) // v5_wgrad_warps(cfg, group))
+    else:
+        seg_begin = seg_end = coords  # (unread)
+        if v5:  # W blocks a thread block computes
+            per_block = v5_wgrad_blocks(cfg, bs)
+        else:
+            per_block = V4_WGRAD_THREADS // (bs // 8) ** 2 if v4 else 1
+        thread_blocks = -(-layout.n_blocks // per_block)
+    splits = wgrad_splits(layout, n_rows, thread_blocks, cfg) if splits is None else max(1, int(splits))
+    rows_per_split = -(-max(n_rows, 1) // splits)
+    if v5:  # whole steps a split, so that feature_axis 0's 8-row vectors never straddle an end
+        rows_per_split = -(-rows_per_split // V5_WGRAD_ROWS) * V5_WGRAD_ROWS
+        splits = -(-max(n_rows, 1) // rows_per_split)
+    acc = "float64" if x.dtype == "float64" else "float32"
+    # A workspace of one split tells the kernel to finish in place (no combine pass).
+    workspace = x.scratch((splits, layout.n_blocks, bs * bs), acc, stream) if splits > 1 \
+        else _unused_workspace(acc)
+    x_device, dy_device = x.device(stream), dy.device(stream)
+    if v5:
+        values = v5_values(x.dtype)
+        vector = v5_vector_loads(cfg, (x_device, dy_device), n_rows, feature_axis, values)
+        kernel = compiled(cfg, make_weight_grad_v5, bs, x.dtype, feature_axis, vector, group)
+        x_device, dy_device = (words(x_device), words(dy_device)) if vector or values == 1 \
+            else (bits(x_device), bits(dy_device))
+        threads = 32 * v5_wgrad_warps(cfg, group)
+        args = (dw, workspace, x_device, dy_device, coords, seg_begin, seg_end, n_rows, rows_per_split, beta)
+    else:
+        if v4:
+            vector = vector_loads(cfg, (x_device, dy_device), n_rows, feature_axis)
+            kernel = compiled(cfg, make_weight_grad_v4, bs, x.dtype, feature_axis, vector)
+            threads = V4_WGRAD_THREADS
+        else:
+            kernel = compiled(cfg, make_weight_grad_v3, bs, x.dtype, feature_axis)
+            threads = WGRAD_THREADS
+        args = (dw, workspace, x_device, dy_device, coords, n_rows, rows_per_split, beta)
+    main = (kernel, (thread_blocks, splits), threads, args)
+    launch(main[0], main[1], main[2], stream, main[3])
+    if splits == 1:
+        return main, None, None
+    combine = (compiled(cfg, make_combine_wgrad, bs, x.dtype),
+               ((bs * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, layout.n_blocks), COMBINE_THREADS,
+               (dw, workspace, beta))
+    launch(combine[0], combine[1], combine[2], stream, combine[3])
+    return main, combine, (splits, layout.n_blocks, bs * bs)  # what a kept plan repeats

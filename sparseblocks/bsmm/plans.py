@@ -1,0 +1,121 @@
+"""Kept plans of the matmul's products and weight gradient (`runtime.plans`).
+
+A product's plan allocates the output and rewrites three pointers of the recorded launch, after
+replaying the transposed copy of W (`BsmmConfig.v5_transposed_forward`) into a fresh scratch
+array where the call made one.
+"""
+
+from ..runtime import arrays as _arrays
+from ..runtime import plans
+from ..runtime.launch import replay
+
+
+class _Plan:
+    """pre: the copy's launch (wt, w live) and scratch its (shape, torch dtype), or both None."""
+    __slots__ = ("layout", "out_shape", "launch", "pre", "scratch")
+
+    def __init__(self, layout, out_shape, launch, pre, scratch):
+        self.layout, self.out_shape, self.launch, self.pre, self.scratch = layout, out_shape, launch, pre, scratch
+
+
+def _plan_key(cfg, a, w, a_pointer, w_pointer, layout, feature_axis, transpose_w, version):
+    """Everything a product call's checks and launch depend on, for torch tensors a and w."""
+    return ("bsmm", cfg, id(layout), feature_axis, transpose_w, version, a.dtype, w.dtype, a.shape, w.shape, a.device,
+            a_pointer % 16, w_pointer % 16)
+
+
+def replayed_product(cfg, a, w, layout, feature_axis, transpose_w, version):
+    """The product through a kept plan, or None: no plan fits (the general path runs)."""
+    if not (isinstance(a, plans.tensor) and isinstance(w, plans.tensor)) or _arrays._poison_outputs:
+        return None
+    a_pointer, w_pointer = a.data_ptr(), w.data_ptr()
+    plan = plans.kept.get(_plan_key(cfg, a, w, a_pointer, w_pointer, layout, feature_axis, transpose_w, version))
+    if plan is None or plan.layout is not layout or not (a.is_contiguous() and w.is_contiguous()):
+        return None
+    out = a.new_empty(plan.out_shape)
+    stream = _arrays.torch_stream_handle()
+    if plan.pre is not None:
+        wt = a.new_empty(plan.scratch[0], dtype=plan.scratch[1])
+        plan.pre(stream, wt.data_ptr(), w_pointer)
+        w_pointer = wt.data_ptr()
+    plan.launch(stream, out.data_ptr(), a_pointer, w_pointer)
+    return out
+
+
+def keep_product_plan(cfg, a, w, layout, feature_axis, transpose_w, version, out_shape, launched):
+    """After a general-path product of torch tensors without a combining launch: keep it for
+    `replayed_product`."""
+    if launched is None or a.kind != "torch" or _arrays._poison_outputs:
+        return
+    pre, main = launched
+    plan = replay(*main, live=(0, 2, 3))  # out, a, w
+    pre_plan = None if pre is None else replay(*pre, live=(0, 1))  # wt, w
+    if plan is None or (pre is not None and pre_plan is None):
+        return
+    import torch
+
+    a_native, w_native = a.native, w.native
+    key = _plan_key(cfg, a_native, w_native, a_native.data_ptr(), w_native.data_ptr(), layout, feature_axis,
+                    transpose_w, version)
+    scratch = None if pre is None else (tuple(pre[3][0].shape), torch.int32)
+    plans.keep(key, _Plan(layout, out_shape, plan, pre_plan, scratch))
+
+
+# A weight gradient's plan allocates dW (or takes out=) and the N-splits' workspace, and
+# replays the gradient's launch and, with splits, the combining one.
+class _WeightGradPlan:
+    """workspace: the N-splits' (shape, torch dtype), or None (one split, one launch)."""
+    __slots__ = ("layout", "workspace", "main", "combine")
+
+    def __init__(self, layout, workspace, main, combine):
+        self.layout, self.workspace, self.main, self.combine = layout, workspace, main, combine
+
+
+def _weight_grad_key(cfg, x, dy, out, layout, feature_axis, beta, version, splits):
+    """Everything a weight-gradient call's checks and launches depend on (torch tensors), or None."""
+    if not isinstance(beta, (int, float)) or not (splits is None or isinstance(splits, int)):
+        return None
+    return ("bsmm weight_grad", cfg, id(layout), feature_axis, float(beta), version, splits, x.dtype, dy.dtype, x.shape,
+            dy.shape, x.device, x.data_ptr() % 16, dy.data_ptr() % 16,
+            None if out is None else (out.dtype, out.shape, out.device, out.data_ptr() % 16))
+
+
+def replayed_weight_grad(cfg, x, dy, layout, feature_axis, out, beta, version, splits):
+    """The weight gradient through a kept plan, or None: no plan fits (the general path runs)."""
+    if not (isinstance(x, plans.tensor) and isinstance(dy, plans.tensor)
+            and (out is None or isinstance(out, plans.tensor))) or _arrays._poison_outputs:
+        return None
+    key = _weight_grad_key(cfg, x, dy, out, layout, feature_axis, beta, version, splits)
+    plan = plans.kept.get(key) if key is not None else None
+    if plan is None or plan.layout is not layout or not (
+            x.is_contiguous() and dy.is_contiguous() and (out is None or out.is_contiguous())) or (
+            out is not None and _arrays.tensors_overlap(out, (x, dy))):
+        return None  # (the general path checks an out= sharing memory with x or dy, and raises)
+    dw = x.new_empty(layout.w_shape) if out is None else out
+    stream = _arrays.torch_stream_handle()
+    if plan.combine is None:
+        plan.main(stream, dw.data_ptr(), x.data_ptr(), dy.data_ptr())
+    else:
+        workspace = x.new_empty(plan.workspace[0], dtype=plan.workspace[1])
+        plan.main(stream, dw.data_ptr(), workspace.data_ptr(), x.data_ptr(), dy.data_ptr())
+        plan.combine(stream, dw.data_ptr(), workspace.data_ptr())
+    return dw
+
+
+def keep_weight_grad_plan(cfg, x, dy, out, layout, feature_axis, beta, version, splits, launched):
+    """After a general-path weight gradient of torch tensors: keep its launches."""
+    if launched is None or x.kind != "torch" or _arrays._poison_outputs:
+        return
+    main, combine, workspace = launched
+    import torch
+
+    key = _weight_grad_key(cfg, x.native, dy.native, None if out is None else out.native, layout, feature_axis, beta,
+                           version, splits)
+    if key is None:
+        return
+    kept = (replay(*main, live=(0, 2, 3) if combine is None else (0, 1, 2, 3)),
+            None if combine is None else replay(*combine, live=(0, 1)))
+    if kept[0] is None or (combine is not None and kept[1] is None):
+        return
+    workspace = None if workspace is None else (workspace, torch.float64 if x.dtype == "float64" else torch.float32)
+    plans.keep(key, _WeightGradPlan(layout, workspace, *kept))
