@@ -64,7 +64,7 @@ def sbnet_demo():
 
     from .runtime.backend import SIMULATOR, backend_name
     from .reference import sbnet as reference
-    from .sbnet_torch import SparseResBlock
+    from .torch import SparseResBlock
 
     # The camera man photograph ships with scikit-image; its edges are where "something happens".
     image = data.camera().astype(np.float32) / 255

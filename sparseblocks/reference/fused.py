@@ -1,5 +1,5 @@
 """NumPy reference for the gather fused into a 1x1 convolution, and for a 1x1 convolution fused
-into the adding scatter (twin of `kernels/gather_matmul.py`).
+into the adding scatter (twin of `sparseblocks.fused`).
 
 `sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset, count, relu,
 data_format)` is ``sparse_gather(x, indices, ...) @ weight.T`` (then ReLU with

@@ -1,115 +1,57 @@
-"""SBNet's gather fused into the 1x1 convolution after it, and the last 1x1 convolution fused into
-the adding scatter, on tensor cores (twin of `reference/gather_matmul.py`).
+"""The fused products' one kernel: gather + ``mma.sync`` product, or product + adding scatter.
 
-`sparse_gather_matmul(x, indices, weight, ...)` is ``sparse_gather(x, ...) @
-weight.T`` (then ReLU with ``relu``) for an NHWC image: the windows' pixels go
-from the image straight into shared memory and through ``mma.sync``, and the
-``[n_blocks, bh, bw, C]`` block stack between the gather and the product is
-never written or read. In SBNet's bottleneck the stack is the largest tensor
-of the block (C input channels against the bottleneck's C / 4), so its round
-trip through memory costs more than the product.
-
-A thread block computes a tile of ROWS stack pixels (row-major over the
-blocks' pixels: block, window row, window column) by COLS output channels,
-WARPS warps of ROWS / WARPS pixels by all COLS channels (m16n8k16 fp16, or
-3xTF32 for fp32: `_mma.py`). Each thread works out, once, where in the image
-the pixels it copies lie (zero-filled copies for pixels off the image, for
-blocks past the count or with ``n`` out of range, and for rows past the
-stack), then the input channels go through a ring of STAGES shared buffers of
-WORDS 32-bit words a pixel (two fp16 values, or one fp32 value), filled by
-cp.async STAGES - 1 stages ahead of the multiply; the weight's rows (one per
-output channel, input channels along them) go the same way beside them. A
-row's 16-byte units are XOR-swizzled (`_swizzle`), so neither a quarter-warp's
-copies nor a warp's fragment reads meet in a bank (rows padded by 4 words did
-the second only). fp16 results leave through shared memory as whole 16-byte
-pieces of output rows, fp32 ones as pairs (2-byte stores by fragment wrote
-each sector in pieces: 46 % of the store sectors were excess, H100, ncu).
-A call repeated with torch tensors replays a kept launch (`sbnet._plans`);
-`kept_launch` hands it to a caller with buffers of its own.
-
-With ``data_format="NCHW"`` the image is NCHW (`_make_kernel`'s ``nchw``):
-its channels are not contiguous, its columns are, so each thread loads pixel
-pairs of a window row by plain 4-byte loads a stage ahead into registers and
-stores them into the same pixel-major shared tile (fp16: the 2 x 2 transpose
-of halves, pairs at odd columns joined from the two words they straddle),
-the weight still by cp.async. Session 36, H100, 1 x 256 x 400 x 700 -> 64
-fp16, the block's windows (16 every 14 from -1) at 10 / 25 / 50 %: 27.1 /
-52.0 / 88.0 µs (34.6 / 56.7 / 100.5 uncapped: NCHW_TILE_SHAPE's 168 registers
-give 3 thread blocks a multiprocessor, 193 give 2) against the gather (NCHW
-stack) and the batched product 33.3 + 11.9, 65.0 + 30.2, 115.7 + 60.1
-(`scripts/nchw_fused_gather.py`).
-
-Indices into shared and global arrays are unsigned: Numba wraps a signed
-index round the array's end (a test and an add each access; 245 -> 193
-registers for the NCHW kernel, its time at 50 % 133 -> 100 µs, and the
-NHWC kernel's 62.8 -> 55.9 µs).
-
-Where it pays (H100, `benchmarks/results/gather_matmul.md`): where the stack's
-memory bounds the product, as in SBNet's first stage (256 -> 64 channels),
-1.3-1.8x faster than the gather and cuBLAS at 10-50 % of the windows; not
-with few windows (one thread block a multiprocessor exposes its latencies)
-nor for wider products (cuBLAS's tensor-core product is faster than this
-``mma.sync`` pipeline).
-
-`sparse_matmul_scatter(blocks, indices, weight, y, ...)` is the other end of
-the bottleneck: ``y += sparse_scatter(blocks @ weight.T, add=True)`` in place,
-the product's stack never written. The same kernel (`_make_kernel(scatter=True)`)
-reads the stack's rows in order and adds each result row at the image pixel
-its stack pixel lies on; the tile's pixels of the image come into shared
-memory by cp.async with the first stage, so that their reads overlap the
-product's (after it, fp16 was 0.69-0.96x of cuBLAS and the scatter; with the
-copy 0.81-1.22x). It pays for SBNet's narrow last product (64 -> 256) from
-about a quarter of the windows in fp16, and everywhere in fp32 (1.2-1.5x).
-With ``data_format="NCHW"`` it adds into an NCHW image through the transpose
-(SBNet's NCHW-input block, whose NHWC output went through cuBLAS and the pair
-tiles' scatter): fp16 by words of two columns, the tile staged channel-major.
-Session 37, H100, 1 x 256 x 400 x 700, 64 -> 256, windows 14 every 14, at 5 /
-10 / 25 / 50 %: 23.3 / 50.8 / 101.9 / 173.0 µs against 30.0 / 57.0 / 112.1 /
-185.9 for the product and the scatter apart (the image side, rows of 28 bytes
-that start mid-sector, is most of both: the scatter alone 151.9 at 50 %).
-
-Limits (the launchers raise otherwise): float16 or float32; ``x`` NHWC,
-C-contiguous, 16-byte aligned, whole 16-byte vectors a pixel (C a multiple of
-8 in fp16, 4 in fp32), or NCHW, C-contiguous, 4-byte aligned, C as for NHWC,
-W even in fp16, windows of an even width; ``weight`` ``[C_out, C]`` or
-``[C_out, C, 1, 1]``, C-contiguous, 16-byte aligned; fewer than 2^31 stack
-pixels. The scatter:
-``blocks`` as ``x`` is there, ``y`` a C-contiguous device array, windows that
-do not overlap (repeated indices are not checked: they would race); an NCHW
-fp16 ``y`` an even W, 4-byte aligned, windows of an even width every even
-number of columns from an even offset.
+`make_kernel` builds, for a storage (fp16: m16n8k16; fp32: 3xTF32) and a tile
+``(rows, cols, words, stages, warps, registers)``, a kernel whose thread block
+computes ``rows`` stack pixels (block, window row, window column) by ``cols``
+output channels. Each thread works out once where in the image the pixels it
+copies lie (zero-filled copies for pixels off the image, blocks past the count
+or rows past the stack); input channels then go through a ring of ``stages``
+shared buffers, filled by cp.async ``stages - 1`` ahead of the multiply, the
+weight's rows beside them, 16-byte units XOR-swizzled (`_swizzle`) so that
+neither copies nor fragment reads meet in a bank. An NCHW image's pixels come
+a stage ahead in registers instead. With ``scatter`` the kernel reads the
+stack's rows in order and adds each result row into the image pixel it lies on.
+Indices are unsigned: Numba wraps a signed index round the array's end.
 """
 
-import numpy as np
 from numba import boolean, cuda, float32, int32, int64, uint32, uint64
 
-from .. import _arrays
-from .._arrays import Operand, _dtype_name, check_dtype, check_shape, launch_stream, torch_stream_handle
-from .._backend import SIMULATOR
-from ..reference.sbnet import check_geometry
-from ._async import commit, copy16_or_zero, global_address, shared_address, waiter
-from ._launch import data_pointer, launch
-from ._half2 import add_half2, half2_of_floats
-from ._mma import MMA_M, MMA_N, mma_3xtf32, mma_f16
-from ._nanmax import max_nan
-from ._vector import aligned, load4, store2, store4
-from . import sbnet as _sbnet
-from .sbnet import FULL_MASK, _joined, _magic, _prepare_indices, _quotient, _swapped
-
-# -- constants -----------------------------------------------------------------
+from ..ptx.cp_async import commit, copy16_or_zero, global_address, shared_address, waiter
+from ..ptx.half2 import add_half2, half2_of_floats
+from ..ptx.mma import MMA_M, MMA_N, mma_3xtf32, mma_f16
+from ..ptx.nanmax import max_nan
+from ..ptx.vector import load4, store2, store4
+from ..runtime.backend import SIMULATOR
+from ..sbnet.device import FULL_MASK, joined, quotient, swapped
 
 WARP = 32
-WARPS = 4  # warps of a thread block, each ROWS / WARPS pixels by all COLS output channels
-ROWS = 128  # stack pixels a thread block
-COLS = 64  # output channels a thread block
-WORDS = 16  # 32-bit words of input channels a stage takes of a pixel (and of a weight row): 16 or 32
-STAGES = 3  # shared buffers in the ring (cp.async runs STAGES - 1 stages ahead)
-UNIT = 16  # bytes of one cp.async
-DTYPES = ("float16", "float32")
-MAX_PIXELS = 2**31  # stack pixels (32-bit tile arithmetic, `_quotient`)
-SHARED_ALIGN = None if SIMULATOR else 16  # cp.async's; the simulator takes none (NumPy's buffers are)
 
-# -- device helpers --------------------------------------------------------------
+
+WARPS = 4  # warps of a thread block, each ROWS / WARPS pixels by all COLS output channels
+
+
+ROWS = 128  # stack pixels a thread block
+
+
+COLS = 64  # output channels a thread block
+
+
+WORDS = 16  # 32-bit words of input channels a stage takes of a pixel (and of a weight row): 16 or 32
+
+
+STAGES = 3  # shared buffers in the ring (cp.async runs STAGES - 1 stages ahead)
+
+
+UNIT = 16  # bytes of one cp.async
+
+
+DTYPES = ("float16", "float32")
+
+
+MAX_PIXELS = 2**31  # stack pixels (32-bit tile arithmetic, `quotient`)
+
+
+SHARED_ALIGN = None if SIMULATOR else 16  # cp.async's; the simulator takes none (NumPy's buffers are)
 
 
 def _swizzle(units):
@@ -133,9 +75,9 @@ def _window_place(q, indices, active, n_images, height, area, size_w, stride_h, 
     """(n, h, c, whether the row is there) of stack pixel q (block, window row, window column): its
     image, row and column (the column may be off the image); the row is not there where it is off
     the image, its block past the count, or its index out of range."""
-    b = _quotient(q, magic_area)
+    b = quotient(q, magic_area)
     within = q - b * int32(area)
-    wr = _quotient(within, magic_w)
+    wr = quotient(within, magic_w)
     if b >= active:
         return int64(0), int64(0), int64(0), False
     n = int64(indices[b, 0])
@@ -157,17 +99,14 @@ def _window_pixel(q, indices, active, n_images, height, width, area, size_w, str
     return int64(-1)
 
 
-# -- kernel bodies -------------------------------------------------------------
-
-
-def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, stages=STAGES, warps=WARPS,
-                 registers=None, scatter=False, nchw=False):
+def make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, stages=STAGES, warps=WARPS,
+                registers=None, scatter=False, nchw=False):
     """The fused gather and product for one storage dtype and tile shape (see the module docstring);
     with `scatter`, the fused product and adding scatter instead.
 
     Arguments: out ``[pixels, C_out]`` (the result's rows; with `vector_out`, fp16's as int32 words
     ``[pixels, C_out / 2]``), x (the image, flat), w ``[C_out, C]``, indices, count (a one-element
-    device array), then the image's and the windows' sizes and `_magic` numbers of the window's
+    device array), then the image's and the windows' sizes and `magic` numbers of the window's
     area and width. `vector_out` (C_out a multiple of 8 fp16 or 2 fp32 values, out aligned to
     that): fp16 results go through shared memory to whole 16-byte rows of out, fp32 ones as
     pairs (8 bytes: a lane quad writes a whole 32-byte sector); else value by value.
@@ -182,8 +121,8 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
     value), the window's width even. Its channels are not contiguous but its columns are, so the
     tile's pixels come by plain loads of pixel pairs (`load_nchw`: a warp's eight lanes along a
     run of pairs read a window row's run of a channel), one stage ahead in registers, and go into
-    the same pixel-major ring by `store_nchw` (fp16: the 2 x 2 transpose of halves, `_swapped`, a
-    pair at an odd column joined from the two words it straddles, `_joined`); the weight still
+    the same pixel-major ring by `store_nchw` (fp16: the 2 x 2 transpose of halves, `swapped`, a
+    pair at an odd column joined from the two words it straddles, `joined`); the weight still
     comes by cp.async. A ring of 2 stages.
 
     With `scatter` and `nchw` out is an NCHW image (flat; fp16: its int32 words, W even), and the
@@ -323,8 +262,8 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
             for b in range(J_STEPS):
                 j = jl + 4 * b
                 if PAIRS:
-                    p0, p1 = _swapped(uint32(_joined(held[a, b, 0], held[a, b, 2], odd[a])),
-                                      uint32(_joined(held[a, b, 1], held[a, b, 3], odd[a])))
+                    p0, p1 = swapped(uint32(joined(held[a, b, 0], held[a, b, 2], odd[a])),
+                                      uint32(joined(held[a, b, 1], held[a, b, 3], odd[a])))
                 else:
                     p0, p1 = held[a, b, 0], held[a, b, 1]
                 at = buf * A_TILE
@@ -402,9 +341,9 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
                         other = cuda.shfl_xor_sync(FULL_MASK, mine, 4)
                         # the pair's channel 2 t (an even row's lane) or 2 t + 1 (an odd row's)
                         if odd:
-                            word = _swapped(uint32(other), uint32(mine))[1]
+                            word = swapped(uint32(other), uint32(mine))[1]
                         else:
-                            word = _swapped(uint32(mine), uint32(other))[0]
+                            word = swapped(uint32(mine), uint32(other))[0]
                         a_s[uint32((nt * MMA_N + 2 * t + (g & 1)) * T_STRIDE + (r >> 1))] = word
             cuda.syncthreads()  # the transposed tile is in shared memory
             for i in range(ITEMS):  # (a warp along a channel's row pairs)
@@ -624,345 +563,3 @@ def _make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, s
               int64(height) * width // 2 if PAIRS else int64(height) * width)
 
     return gather_matmul
-
-
-_kernels = {}
-
-
-def _kernel(storage, relu, vector_out, shape, scatter=False, nchw=False):
-    key = (storage, relu, vector_out, shape, scatter, nchw)
-    if key not in _kernels:
-        _kernels[key] = _make_kernel(storage, relu, vector_out, *shape, scatter=scatter, nchw=nchw)
-    return _kernels[key]
-
-
-# -- launch configuration --------------------------------------------------------
-
-REGISTERS = None  # a cap on the kernel's registers (ptxas), or None
-TILE_SHAPE = (ROWS, COLS, WORDS, STAGES, WARPS, REGISTERS)  # (rows, cols, words, stages, warps, registers)
-# The scatter's tiles by dtype: a ring of 2 stages (its products are short: SBNet's bottleneck has
-# C / 4 input channels) leaves room in 48 KB of shared memory for the tile's pixels of out; fp32's
-# take twice the bytes, so half the rows. Session 26, H100, 64 -> 256 on 1 x 400 x 700, windows of
-# 14 (`scripts/matmul_scatter_variants.py`), graph µs at 5 / 10 / 25 / 50 %: fp16 128 rows, 4
-# warps, 128 registers (4 thread blocks a multiprocessor) 11.8 / 21.6 / 51.3 / 93.9, uncapped (167:
-# 3) 13.8 / 22.8 / 54.4 / 102.8, 64 rows 12.8-14.5 / 23.5-26.6 / 53.0-57.6 / 99.8-107.0; fp32 64
-# rows, 2 warps 27.8 / 47.8 / 106.6 / 208.5, 4 warps 29.6 / 51.1 / 114.8 / 233.2.
-# An NCHW image's tile: a ring of 2 stages (its pixels come a stage ahead in registers, `load_nchw`),
-# at most 168 registers (3 thread blocks a multiprocessor; uncapped 193, 2): 1.1-1.3x faster at
-# 10-50 % of the windows, 128 registers (spills) slower (session 36, H100).
-NCHW_TILE_SHAPE = (ROWS, COLS, WORDS, 2, WARPS, 168)
-SCATTER_TILES = {"float16": (ROWS, COLS, WORDS, 2, WARPS, 128), "float32": (64, COLS, WORDS, 2, 2, REGISTERS)}
-# An NCHW image's (`write`): fp16 uncapped (168 registers: the image words a thread adds are held in
-# registers); at 128 they spill, 1.5-1.7x slower (session 37, H100).
-NCHW_SCATTER_TILES = {"float16": (ROWS, COLS, WORDS, 2, WARPS, None), "float32": SCATTER_TILES["float32"]}
-
-
-def _grid(n_pixels, n_out, shape):
-    rows, cols = shape[0], shape[1]
-    return (-(-n_pixels // rows), -(-n_out // cols)), shape[4] * WARP
-
-
-def _vector_out(out, n_out, item, scatter=False):
-    """Whether results go out as whole 16-byte fp16 units or fp32 pairs (`_make_kernel`); a
-    scatter's, whose rows of out are copied in by 16-byte units, needs those in either dtype."""
-    size = 16 if item == 2 or scatter else 8
-    return n_out * item % size == 0 and aligned(data_pointer(out), size, 1)
-
-
-# -- public function -------------------------------------------------------------
-
-
-def _torch_int32():
-    import torch
-
-    return torch.int32
-
-
-def _weight_rows(w_op, channels):
-    """weight as [C_out, C] (a 1x1 convolution's [C_out, C, 1, 1] viewed so), checked."""
-    shape = w_op.shape
-    if len(shape) == 4 and shape[2:] == (1, 1):
-        shape = shape[:2]
-    if len(shape) != 2 or shape[1] != channels:
-        raise ValueError(f"weight: expected [C_out, {channels}] or [C_out, {channels}, 1, 1], got {w_op.shape}")
-    return shape
-
-
-def _check_vectors(name, channels, item):
-    """A pixel's channels must be whole cp.async units."""
-    if channels * item % UNIT:
-        raise ValueError(f"{name}: a pixel's {channels} channels must be whole 16-byte vectors (a multiple of "
-                         f"{UNIT // item})")
-
-
-def _stack_pixels(n_blocks, size):
-    """The stack's pixels, checked against the 32-bit tile arithmetic's bound."""
-    area = size[0] * size[1]
-    n_pixels = n_blocks * area
-    if n_pixels >= MAX_PIXELS:
-        raise ValueError(f"indices: {n_blocks} windows of {area} pixels are {n_pixels} stack pixels, "
-                         f"expected fewer than {MAX_PIXELS}")
-    return n_pixels
-
-
-def _check_aligned(arrays):
-    """The cp.async sources' pointers: {name: device array}, each 16-byte aligned."""
-    for name, array in arrays.items():
-        if not aligned(data_pointer(array), UNIT, 1):
-            raise ValueError(f"{name}: expected a 16-byte aligned pointer (cp.async copies 16 bytes)")
-
-
-def _settings(bsize, bstride, boffset, relu, data_format):
-    """What a kept launch depends on besides its tensors: the key of both `sparse_gather_matmul`'s
-    plans and `kept_launch`'s lookups (one tuple, so the two cannot drift apart)."""
-    return bsize, bstride, boffset, bool(relu), data_format, TILE_SHAPE if data_format == "NHWC" else NCHW_TILE_SHAPE
-
-
-def _replayed(x, indices, weight, count, settings, out):
-    """The call through its kept launch (`sbnet._plans`, as sbnet's gathers: torch tensors of
-    shapes, dtypes, alignment and settings seen before), or None (the general path runs)."""
-    plan = _sbnet._kept("gather_matmul", (x, indices, weight), count, settings)
-    if plan is None:
-        return None
-    if out is None:
-        out = x.new_empty(plan.out_shape)
-    elif not (isinstance(out, type(x)) and out.shape == plan.out_shape and out.dtype == x.dtype
-              and out.device == x.device and out.is_contiguous() and out.data_ptr() % UNIT == 0) \
-            or _arrays.tensors_overlap(out, (x, indices, weight, count)):
-        return None  # (an out= the plan's vector stores may not take, or one sharing memory with an
-        # input: the general path checks it)
-    plan.launch[0](torch_stream_handle(), out.data_ptr(), x.data_ptr(), weight.data_ptr(), indices.data_ptr(),
-                   plan.extra if count is None else count.data_ptr())
-    return out
-
-
-def takes(x, weight, data_format="NHWC", bsize=None):
-    """Whether `sparse_gather_matmul` takes these torch tensors as they are (dtype, whole 16-byte
-    weight rows, C-contiguous, aligned; NCHW: fp16 rows of whole words, and windows ``bsize`` (h, w)
-    of an even width): for a caller choosing between it and a gather and a product, which take
-    more."""
-    nhwc = data_format == "NHWC"
-    channels = x.shape[-1 if nhwc else 1]
-    if not (_dtype_name(x) in DTYPES and weight.dtype == x.dtype and channels * x.element_size() % UNIT == 0
-            and x.is_contiguous() and weight.is_contiguous() and weight.data_ptr() % UNIT == 0):
-        return False
-    if nhwc:
-        return x.data_ptr() % UNIT == 0
-    return bsize[1] % 2 == 0 and x.data_ptr() % 4 == 0 and (x.element_size() == 4 or x.shape[3] % 2 == 0)
-
-
-def scatter_takes(blocks, weight, y, data_format="NHWC", bsize=None, bstride=None, boffset=0):
-    """`takes` for `sparse_matmul_scatter`: torch tensors of one dtype it takes, the stack's pixels
-    whole 16-byte vectors, all C-contiguous, the stack and weight 16-byte aligned; an NCHW ``y``
-    also the windows ``bsize`` every ``bstride`` from ``boffset`` its fp16 words take
-    (`nchw_scatter_fits`)."""
-    if not (_dtype_name(blocks) in DTYPES and weight.dtype == y.dtype == blocks.dtype
-            and blocks.shape[-1] * blocks.element_size() % UNIT == 0 and blocks.is_contiguous()
-            and weight.is_contiguous() and y.is_contiguous() and blocks.data_ptr() % UNIT == 0
-            and weight.data_ptr() % UNIT == 0):
-        return False
-    if data_format == "NHWC":
-        return True
-    return nchw_scatter_fits(y.element_size(), y.shape[3], y.data_ptr(), *check_geometry(bsize, bstride, boffset))
-
-
-def nchw_scatter_fits(item, width, pointer, size, stride, offset):
-    """Whether an NCHW image's fp16 words take these windows whole (fp32: always): W even, the
-    image 4-byte aligned, windows of an even width starting at even columns (every stack pixel
-    pair then lies on one word a channel, and no word holds two windows' pixels)."""
-    return item == 4 or (width % 2 == 0 and pointer % 4 == 0 and size[1] % 2 == 0 and stride[1] % 2 == 0
-                         and offset[1] % 2 == 0)
-
-
-def kept_launch(x, indices, weight, count, bsize, bstride, boffset=0, relu=False, data_format="NHWC"):
-    """The kept launch of a call made before with tensors of these shapes, dtypes and alignment
-    (and this count's kind), or None: ``(launch, count pointer)``, where ``launch(stream handle,
-    out, x, weight, indices, count)`` takes pointers (out C-contiguous and 16-byte aligned) and
-    the count pointer is the kept one where the call had no count (else None: pass the
-    caller's). For a caller that repeats the call into buffers of its own (`sbnet_torch`'s CUDA
-    graphs): it skips even the plan's lookup."""
-    if not _sbnet._plans:
-        return None
-    plan = _sbnet._kept("gather_matmul", (x, indices, weight), count,
-                        _settings(bsize, bstride, boffset, relu, data_format))
-    return None if plan is None else (plan.launch[0], plan.extra if count is None else None)
-
-
-def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=None, relu=False, out=None,
-                         data_format="NHWC"):
-    """``sparse_gather(x, indices, ...) @ weight.T`` (ReLU'd with ``relu``) without the block stack.
-
-    ``x`` NHWC ``[N, H, W, C]``, or with ``data_format="NCHW"`` ``[N, C, H, W]``; ``weight``
-    ``[C_out, C]`` or ``[C_out, C, 1, 1]``, x's dtype. Returns the NHWC ``[n_blocks, bh, bw,
-    C_out]`` in either format, in x's kind and dtype (``out``: a C-contiguous device array of that
-    shape to write into, returned; ValueError where it shares memory with an input). With a
-    ``count``, rows from it on are zeros. NCHW takes windows of an even width, and in fp16 an
-    even W (the image's rows read by words).
-    A call repeated with torch tensors of the same shapes, dtypes, alignment and settings
-    replays its kept launch (~15 µs of host time where the checks took ~55).
-    """
-    nhwc = _sbnet._check_format(data_format)
-    settings = _settings(bsize, bstride, boffset, relu, data_format)
-    if _sbnet._plans:
-        replayed = _replayed(x, indices, weight, count, settings, out)
-        if replayed is not None:
-            return replayed
-    x_op, w_op = Operand(x, "x"), Operand(weight, "weight")
-    if len(x_op.shape) != 4:
-        raise ValueError(f"x: expected {data_format} [N, {'H, W, C' if nhwc else 'C, H, W'}], got shape {x_op.shape}")
-    check_dtype(x_op, DTYPES)
-    if w_op.dtype != x_op.dtype:
-        raise TypeError(f"weight: expected {x_op.dtype} (x's dtype), got {w_op.dtype}")
-    x_op.require_contiguous()
-    w_op.require_contiguous()
-    N, H, W, C = x_op.shape if nhwc else (x_op.shape[0], *x_op.shape[2:], x_op.shape[1])
-    n_out, _ = _weight_rows(w_op, C)
-    item = np.dtype(x_op.dtype).itemsize
-    _check_vectors("x" if nhwc else "weight", C, item)
-    size, stride, offset = check_geometry(bsize, bstride, boffset)
-    if not nhwc and size[1] % 2:
-        raise ValueError(f"bsize: an NCHW image's windows are read by pixel pairs, expected an even width, got {size}")
-    if not nhwc and item == 2 and W % 2:
-        raise ValueError(f"x: an NCHW fp16 image's rows are read by words of two columns, expected an even W, got {W}")
-    out_op = None if out is None else Operand(out, "out")
-    stream = launch_stream((x_op, w_op) if out is None else (x_op, w_op, out_op))
-    idx, count_device, n_blocks = _prepare_indices(indices, count, (x_op, w_op), stream, out_op)
-    area = size[0] * size[1]
-    n_pixels = _stack_pixels(n_blocks, size)
-    shape = (n_blocks, *size, n_out)
-    if out is None:
-        native, result = x_op.empty(shape, stream)
-    else:
-        if out_op.kind == "numpy":
-            raise TypeError("out: expected a device array (a NumPy out= would be a copy)")
-        if out_op.dtype != x_op.dtype:
-            raise TypeError(f"out: expected {x_op.dtype} (x's dtype), got {out_op.dtype}")
-        check_shape(out_op, shape)
-        out_op.require_contiguous()
-        native, result = out_op.native, out_op.device(stream)
-    x_dev, w_dev = x_op.device(stream), w_op.device(stream)
-    _check_aligned({"x": x_dev, "weight": w_dev} if nhwc else {"weight": w_dev})
-    if not (nhwc or aligned(data_pointer(x_dev), 4, 1)):
-        raise ValueError("x: expected a 4-byte aligned pointer (an NCHW image is read by 4-byte words)")
-    if n_pixels and n_out:
-        tile = TILE_SHAPE if nhwc else NCHW_TILE_SHAPE
-        grid, block = _grid(n_pixels, n_out, tile)
-        vector_out = _vector_out(result, n_out, item)
-        rows_out = result.reshape(n_pixels, n_out)
-        if vector_out and item == 2:
-            rows_out = rows_out.view(np.int32) if x_op.kind != "torch" or SIMULATOR else rows_out.view(_torch_int32())
-        flat = x_dev.reshape(N * H * W * C)
-        args = (rows_out, flat if nhwc else _sbnet._as_words(flat, 4), w_dev.reshape(n_out, C), idx.device(stream),
-                count_device, N, H, W, C, n_out, n_pixels, area, size[1], stride[0], stride[1], offset[0],
-                offset[1], _magic(area), _magic(size[1]))
-        kernel = _kernel(x_op.dtype, bool(relu), vector_out, tile, nchw=not nhwc)
-        launch(kernel, grid, block, stream, args)
-        if out is None or data_pointer(result) % UNIT == 0:  # (as the replays' outputs are)
-            _sbnet._keep_plan("gather_matmul", (x, indices, weight), count, settings, tuple(shape),
-                              [((kernel, grid, block, args), (0, 1, 2, 3, 4))], data_pointer(count_device))
-    if out is not None and not (SIMULATOR and out_op.kind == "torch"):
-        return out  # the caller's own array (an Operand holds a detached torch view of it)
-    return (x_op if out is None else out_op).result(native, result, stream)
-
-
-def _scatter_settings(bsize, bstride, boffset, data_format):
-    """`_settings` of `sparse_matmul_scatter` (its plans' key and `kept_scatter_launch`'s)."""
-    tiles = SCATTER_TILES if data_format == "NHWC" else NCHW_SCATTER_TILES
-    return bsize, bstride, boffset, data_format, tuple(sorted(tiles.items()))
-
-
-def kept_scatter_launch(blocks, indices, weight, y, count, bsize, bstride, boffset=0, data_format="NHWC"):
-    """`kept_launch` of `sparse_matmul_scatter`: ``(launch, count pointer)``, where ``launch(stream
-    handle, y, blocks, weight, indices, count)`` takes pointers, or None."""
-    if not _sbnet._plans:
-        return None
-    settings = _scatter_settings(bsize, bstride, boffset, data_format)
-    plan = _sbnet._kept("matmul_scatter", (blocks, indices, weight, y), count, settings)
-    return None if plan is None else (plan.launch[0], plan.extra if count is None else None)
-
-
-def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0, count=None, data_format="NHWC"):
-    """``y += sparse_scatter(blocks @ weight.T, indices, ...)``, in place, without the product's stack.
-
-    The last 1x1 convolution of SBNet's bottleneck and the scatter that adds it
-    into the image, fused: ``blocks`` ``[n_blocks, bh, bw, K]`` (an NHWC stack),
-    ``weight`` ``[C, K]`` or ``[C, K, 1, 1]``, ``y`` NHWC ``[N, H, W, C]`` (or with
-    ``data_format="NCHW"`` ``[N, C, H, W]``, the results going through the
-    transpose; fp16 takes an even W, a 4-byte aligned y, and windows of an even
-    width every even number of columns from an even offset), all of
-    one dtype. Each window's results are added to y's pixels under it (pixels
-    off the image and blocks from ``count`` on are dropped); fp16 products are
-    rounded to fp16 before the add, as the product and the scatter apart give.
-    The windows must not overlap (``bstride`` >= ``bsize``, checked) and the
-    indices must not repeat (not checked: they are on the device, as y is):
-    no two windows may add into one pixel. ``y`` must not share memory with
-    an input (ValueError). Returns ``y``. A call repeated
-    with torch tensors replays its kept launch.
-    """
-    nhwc = _sbnet._check_format(data_format)
-    settings = _scatter_settings(bsize, bstride, boffset, data_format)
-    if _sbnet._plans:
-        plan = _sbnet._kept("matmul_scatter", (blocks, indices, weight, y), count, settings)
-        if plan is not None and not _arrays.tensors_overlap(y, (blocks, indices, weight, count)):
-            plan.launch[0](torch_stream_handle(), y.data_ptr(), blocks.data_ptr(), weight.data_ptr(),
-                           indices.data_ptr(), plan.extra if count is None else count.data_ptr())
-            return y
-    b_op, w_op, y_op = Operand(blocks, "blocks"), Operand(weight, "weight"), Operand(y, "y")
-    if len(y_op.shape) != 4:
-        raise ValueError(f"y: expected {data_format} [N, {'H, W, C' if nhwc else 'C, H, W'}], got shape {y_op.shape}")
-    if y_op.kind == "numpy":
-        raise TypeError("y: expected a device array (the results are added into y in place)")
-    check_dtype(b_op, DTYPES)
-    for op in (w_op, y_op):
-        if op.dtype != b_op.dtype:
-            raise TypeError(f"{op.name}: expected {b_op.dtype} (blocks' dtype), got {op.dtype}")
-    for op in (b_op, w_op, y_op):
-        op.require_contiguous()
-    if len(b_op.shape) != 4:
-        raise ValueError(f"blocks: expected an NHWC stack [n_blocks, bh, bw, K], got shape {b_op.shape}")
-    N, H, W, C = y_op.shape if nhwc else (y_op.shape[0], *y_op.shape[2:], y_op.shape[1])
-    K = b_op.shape[3]
-    n_out, _ = _weight_rows(w_op, K)
-    if n_out != C:
-        raise ValueError(f"weight: expected {C} output channels (y's), got {w_op.shape}")
-    item = np.dtype(b_op.dtype).itemsize
-    _check_vectors("blocks", K, item)
-    size, stride, offset = check_geometry(bsize, bstride, boffset)
-    if stride[0] < size[0] or stride[1] < size[1]:
-        raise ValueError(f"bstride: windows of bsize {size} every {stride} overlap; their adds would race")
-    stream = launch_stream((b_op, w_op, y_op))
-    idx, count_device, n_blocks = _prepare_indices(indices, count, (b_op, w_op, y_op), stream, y_op)
-    expected = (n_blocks, *size, K)
-    if b_op.shape != expected:
-        raise ValueError(f"blocks: expected shape {expected} for {n_blocks} indices, got {b_op.shape}")
-    area = size[0] * size[1]
-    n_pixels = _stack_pixels(n_blocks, size)
-    b_dev, w_dev, y_dev = b_op.device(stream), w_op.device(stream), y_op.device(stream)
-    _check_aligned({"blocks": b_dev, "weight": w_dev})
-    if not (nhwc or nchw_scatter_fits(item, W, data_pointer(y_dev), size, stride, offset)):
-        raise ValueError(f"y: an NCHW fp16 image is added into by words of two columns: expected an even W and "
-                         f"a 4-byte aligned pointer, windows of an even width, an even column stride and offset; "
-                         f"got W {W}, pointer {data_pointer(y_dev)} mod 4 = {data_pointer(y_dev) % 4}, bsize "
-                         f"{size}, bstride {stride}, boffset {offset}")
-    if n_pixels and K and C and N * H * W:
-        tile = (SCATTER_TILES if nhwc else NCHW_SCATTER_TILES)[b_op.dtype]
-        grid, block = _grid(n_pixels, C, tile)
-        if nhwc:
-            vector_out = _vector_out(y_dev, C, item, scatter=True)
-            rows_out = y_dev.reshape(N * H * W, C)
-        else:  # (fp16: by words, through the staged tile)
-            vector_out = item == 2
-            rows_out = y_dev.reshape(N * C * H * W)
-        if vector_out and item == 2:
-            rows_out = rows_out.view(np.int32) if y_op.kind != "torch" or SIMULATOR else rows_out.view(_torch_int32())
-        args = (rows_out, b_dev.reshape(n_pixels * K), w_dev.reshape(C, K), idx.device(stream), count_device, N, H,
-                W, K, C, n_pixels, area, size[1], stride[0], stride[1], offset[0], offset[1], _magic(area),
-                _magic(size[1]))
-        kernel = _kernel(b_op.dtype, False, vector_out, tile, scatter=True, nchw=not nhwc)
-        launch(kernel, grid, block, stream, args)
-        # (a plan's key holds y's address modulo 16, so its replays take the same stores)
-        _sbnet._keep_plan("matmul_scatter", (blocks, indices, weight, y), count, settings, tuple(y_op.shape),
-                          [((kernel, grid, block, args), (0, 1, 2, 3, 4))], data_pointer(count_device))
-    if SIMULATOR and y_op.kind == "torch":  # (the simulator's device array is a copy of y)
-        y.copy_(y_op.result(y, y_dev, stream))
-    return y
