@@ -19,10 +19,10 @@ def demo():
     """Block-sparse matmul (all three products) on a random layout, checked against NumPy."""
     import numpy as np
 
-    from .runtime.backend import SIMULATOR, backend_name
     from . import bsmm
     from .layout import BlockLayout
     from .reference import bsmm as reference
+    from .runtime.backend import SIMULATOR, backend_name
 
     # The simulator runs one Python thread per CUDA thread: keep it tiny there.
     grid, block_size, n_rows = ((4, 3), 8, 12) if SIMULATOR else ((32, 32), 32, 1024)
@@ -62,8 +62,8 @@ def sbnet_demo():
         return 1
     import time
 
-    from .runtime.backend import SIMULATOR, backend_name
     from .reference import sbnet as reference
+    from .runtime.backend import SIMULATOR, backend_name
     from .torch import SparseResBlock
 
     # The camera man photograph ships with scikit-image; its edges are where "something happens".

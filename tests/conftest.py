@@ -14,7 +14,7 @@ in the simulator, `gpu` on a GPU):
 import os
 import sys
 
-from sparseblocks._probe import use_simulator_without_gpu
+from sparseblocks.runtime.probe import use_simulator_without_gpu
 
 # Decide before anything imports numba.cuda.
 SIMULATOR = use_simulator_without_gpu()
@@ -37,7 +37,7 @@ settings.load_profile(PROFILE)
 
 
 def pytest_report_header(config):
-    from sparseblocks._backend import backend_name
+    from sparseblocks.runtime.backend import backend_name
 
     return f"sparseblocks backend: {backend_name()}; hypothesis profile: {PROFILE}"
 
@@ -55,7 +55,21 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def poisoned():
     """Every kernel output starts as NaN (integers: -1), so unwritten elements fail."""
-    from sparseblocks._arrays import poisoned_outputs
+    from sparseblocks.runtime.arrays import poisoned_outputs
 
     with poisoned_outputs():
         yield
+
+
+@pytest.fixture
+def configure(monkeypatch):
+    """``configure(op, **fields)``: the op's default config (``op.config.DEFAULT``, what calls
+    without ``config=`` run) replaced by a copy with these fields, for this test."""
+    from dataclasses import replace
+
+    def configure(op, **fields):
+        config = replace(op.config.DEFAULT, **fields)
+        monkeypatch.setattr(op.config, "DEFAULT", config)
+        return config
+
+    return configure

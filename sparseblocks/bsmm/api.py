@@ -27,7 +27,7 @@ from ..runtime.arrays import (
 )
 from ..runtime.backend import SIMULATOR
 from ..runtime.launch import data_pointer
-from .config import DEFAULT, BsmmConfig
+from .config import as_config
 from .dispatch import (
     VERSIONS,
     default_version,
@@ -97,22 +97,14 @@ def _product(cfg, a, w, layout, feature_axis, transpose_w, version, max_segment=
     return a.result(native, out, stream)
 
 
-def _config(config):
-    if config is None:
-        return DEFAULT
-    if not isinstance(config, BsmmConfig):
-        raise TypeError(f"config: expected a BsmmConfig, got {type(config).__name__}")
-    return config
-
-
 def forward(x, w, layout, feature_axis=1, version=None, config=None):
     """``y = x · W`` for block-sparse ``W`` given as ``w[n_blocks, bs, bs]`` over ``layout``."""
-    return _product(_config(config), x, w, layout, feature_axis, False, version)
+    return _product(as_config(config), x, w, layout, feature_axis, False, version)
 
 
 def input_grad(dy, w, layout, feature_axis=1, version=None, config=None):
     """``dx = dy · Wᵀ`` for block-sparse ``W``."""
-    return _product(_config(config), dy, w, layout, feature_axis, True, version)
+    return _product(as_config(config), dy, w, layout, feature_axis, True, version)
 
 
 def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=None, splits=None, config=None):
@@ -124,7 +116,7 @@ def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=None,
     (ValueError). ``splits`` (not version 1) overrides how many slices of N are
     summed separately and then combined in order.
     """
-    cfg = _config(config)
+    cfg = as_config(config)
     if plans.kept:
         dw = replayed_weight_grad(cfg, x, dy, layout, feature_axis, out, beta, version, splits)
         if dw is not None:
@@ -168,7 +160,7 @@ def transpose_blocks(w, layout, config=None):
     """W's blocks transposed into the layout's column order: ``wt[p] = w[layout.col_block[p]]ᵀ``
     (fp32, fp16 or bf16, ``w`` 4-byte aligned), as the forward makes for itself where
     `BsmmConfig.v5_transposed_forward` names its block size and storage, at its rows or more."""
-    cfg = _config(config)
+    cfg = as_config(config)
     w = Operand(w, "w")
     check_dtype(w, V5_STORAGE)
     w.require_contiguous()

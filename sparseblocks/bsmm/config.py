@@ -74,3 +74,12 @@ class BsmmConfig:
 
 
 DEFAULT = BsmmConfig()
+
+
+def as_config(config):
+    """``config`` checked, or the default where None."""
+    if config is None:
+        return DEFAULT
+    if not isinstance(config, BsmmConfig):
+        raise TypeError(f"config: expected a BsmmConfig, got {type(config).__name__}")
+    return config

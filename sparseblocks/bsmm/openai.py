@@ -12,6 +12,7 @@ import numpy as np
 
 from ..layout import BlockLayout
 from . import api
+from .config import as_config
 from .dispatch import VERSIONS
 
 
@@ -38,7 +39,7 @@ class BlocksparseMatMul:
         self.layout = layout
         self.feature_axis = feature_axis
         self.version = version
-        self.config = api._config(config)
+        self.config = as_config(config)
 
     # -- shapes and sizes (OpenAI's names) -----------------------------------------
 

@@ -10,7 +10,7 @@ import functools
 from ..runtime import arrays as _arrays_module
 from ..runtime import plans
 from ..runtime.launch import data_pointer, replay
-from .config import DEFAULT
+from .config import as_config
 from .statuses import _statuses
 
 
@@ -148,7 +148,7 @@ def kept_launches(x, indices, blocks, count, bsize, bstride, boffset, transpose,
     are None and only the scatter need have been called; without ``scatter`` likewise."""
     if not plans.kept:
         return None
-    cfg = DEFAULT if config is None else config
+    cfg = as_config(config)
     kept = added = None
     if gather:
         kept = find_plan("gather", (x, indices), count, gather_settings(cfg, bsize, bstride, boffset, transpose, data_format))

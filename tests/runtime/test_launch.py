@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from sparseblocks._arrays import Operand, launch_stream
-from sparseblocks._backend import SIMULATOR
-from sparseblocks.kernels import _launch
+from sparseblocks.runtime.arrays import Operand, launch_stream
+from sparseblocks.runtime.backend import SIMULATOR
+from sparseblocks.runtime import launch as _launch
 
 
 @cuda.jit

@@ -6,9 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import cuda
 
-from sparseblocks._arrays import poisoned_outputs
-from sparseblocks._backend import SIMULATOR
-from sparseblocks.kernels import bsmm
+from sparseblocks.runtime.arrays import poisoned_outputs
+from sparseblocks.runtime.backend import SIMULATOR
+from sparseblocks import bsmm
+from sparseblocks.runtime import compile as compile_cache
+from sparseblocks.runtime import plans
 from sparseblocks.layout import BlockLayout
 from sparseblocks.reference import bsmm as reference
 from strategies import DTYPE_NAMES, arrays, assert_close, layouts
@@ -58,7 +60,7 @@ def test_products_match_reference(data, block_size, dtype, feature_axis):
     check_all_products(data, block_size, dtype, feature_axis, version=4)
 
 
-@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("version", [1, 3])
 @pytest.mark.parametrize("feature_axis", [1, 0])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64])
 @few
@@ -88,15 +90,15 @@ def check_split_lines(data, block_size, feature_axis, max_segment, version):
     x, dy = to_axis(x, feature_axis), to_axis(dy, feature_axis)
     splits = data.draw(st.integers(2, 4), label="splits")
     with poisoned_outputs():
-        y = bsmm._product(x, w, layout, feature_axis, False, version, max_segment=max_segment)
-        dx = bsmm._product(dy, w, layout, feature_axis, True, version, max_segment=max_segment)
+        y = bsmm.api._product(bsmm.DEFAULT, x, w, layout, feature_axis, False, version, max_segment=max_segment)
+        dx = bsmm.api._product(bsmm.DEFAULT, dy, w, layout, feature_axis, True, version, max_segment=max_segment)
         dw = bsmm.weight_grad(x, dy, layout, feature_axis, splits=splits)
     assert_close(y, reference.forward(x, w, layout, feature_axis), dtype, "forward")
     assert_close(dx, reference.input_grad(dy, w, layout, feature_axis), dtype, "input_grad")
     assert_close(dw, reference.weight_grad(x, dy, layout, feature_axis), dtype, "weight_grad")
 
 
-@pytest.mark.parametrize("version", [2, 3, 4])
+@pytest.mark.parametrize("version", [3, 4])
 @pytest.mark.parametrize("max_segment", [1, 2])
 @few  # (six cases of the earlier versions: two examples each in the simulator)
 @given(data=st.data(), block_size=st.sampled_from([8, 16, 32]), feature_axis=st.sampled_from([1, 0]))
@@ -159,8 +161,8 @@ def test_weight_grad_is_the_masked_dense_product(data):
 def test_results_are_bitwise_repeatable(data):
     layout, x, dy, w = data.draw(problems(8, "float32", styles=("normal",), kinds=("skewed", "random")))
     runs = [
-        (bsmm._product(x, w, layout, 1, False, 3, max_segment=1),
-         bsmm._product(dy, w, layout, 1, True, 3, max_segment=1),
+        (bsmm.api._product(bsmm.DEFAULT, x, w, layout, 1, False, 3, max_segment=1),
+         bsmm.api._product(bsmm.DEFAULT, dy, w, layout, 1, True, 3, max_segment=1),
          bsmm.weight_grad(x, dy, layout, splits=3))
         for _ in range(2)
     ]
@@ -211,9 +213,9 @@ def test_vector_loads_only_where_aligned(feature_axis):
         x = to_axis(rng.standard_normal((n, C)).astype(np.float32), feature_axis)
         dy = to_axis(rng.standard_normal((n, K)).astype(np.float32), feature_axis)
         aligned = (cuda.to_device(x), cuda.to_device(w))
-        assert bsmm._vector_loads(aligned, n, feature_axis) == (feature_axis == 1 or n % 4 == 0)
-        assert not bsmm._vector_loads((misaligned(x), aligned[1]), n, feature_axis)
-        assert not bsmm._vector_loads((aligned[0], misaligned(w, 2)), n, feature_axis, (4, 4))
+        assert bsmm.dispatch.vector_loads(bsmm.DEFAULT, aligned, n, feature_axis) == (feature_axis == 1 or n % 4 == 0)
+        assert not bsmm.dispatch.vector_loads(bsmm.DEFAULT, (misaligned(x), aligned[1]), n, feature_axis)
+        assert not bsmm.dispatch.vector_loads(bsmm.DEFAULT, (aligned[0], misaligned(w, 2)), n, feature_axis, (4, 4))
     # Misaligned operands: every load scalar, the same results (version 5's load paths:
     # test_tensor_core_load_paths).
     xs, ws, dys = misaligned(x), misaligned(w, 2), misaligned(dy)
@@ -252,7 +254,7 @@ def test_tensor_core_load_paths(block_size, dtype, feature_axis, n, offset, vect
         misaligned(a, offset) if offset else cuda.to_device(a) for a in (x, dy, w))
     if dtype != "bfloat16":
         values = 1 if dtype == "float32" else 2
-        assert bsmm._v5_vector_loads((ops[0], ops[2]), n, feature_axis, values) == vector
+        assert bsmm.dispatch.v5_vector_loads(bsmm.DEFAULT, (ops[0], ops[2]), n, feature_axis, values) == vector
     y = bsmm.forward(ops[0], ops[2], layout, feature_axis, version=5)
     dx = bsmm.input_grad(ops[1], ops[2], layout, feature_axis, version=5)
     y, dx = (r if isinstance(r, np.ndarray) else r.copy_to_host() for r in (y, dx))
@@ -264,22 +266,21 @@ def test_tensor_core_load_paths(block_size, dtype, feature_axis, n, offset, vect
     (2, None, "float32", True), (2, None, "float16", True), (4, None, "float16", True), (3, 8, "float32", True),
     (3, None, "float16", False),
 ])
-def test_tensor_core_stage_counts(monkeypatch, stages, words, dtype, weight_rows):
+def test_tensor_core_stage_counts(configure, monkeypatch, stages, words, dtype, weight_rows):
     """Version 5 with two stages (every load through registers), or a deeper cp.async ring, or
     half a block a stage (the ring wraps inside a block), or input_grad's weights through
     registers in the ring, gives the reference's products; N = 9 leaves most of the 128-row
     tile past the end."""
-    monkeypatch.setattr(bsmm, "V5_STAGES", stages)
-    monkeypatch.setattr(bsmm, "V5_WEIGHT_REGISTERS", set() if weight_rows else {(16, dtype)})
-    monkeypatch.setattr(bsmm, "V5_STAGE_WORDS", {} if words is None else {(16, dtype): words})
-    monkeypatch.setattr(bsmm, "_kernels", {})
+    configure(bsmm, v5_stages=stages)
+    configure(bsmm, v5_weight_registers=set() if weight_rows else {(16, dtype)})
+    configure(bsmm, v5_stage_words={} if words is None else {(16, dtype): words})
     layout = BlockLayout.dense((2, 1), 16)
     rng = np.random.default_rng(9)
     x = rng.standard_normal((9, 32)).astype(dtype)
     dy = rng.standard_normal((9, 16)).astype(dtype)
     w = rng.standard_normal(layout.w_shape).astype(dtype)
     xs, dys, ws = (cuda.to_device(a) for a in (x, dy, w))
-    assert bsmm._v5_vector_loads((xs, ws), 9, 1, 1)
+    assert bsmm.dispatch.v5_vector_loads(bsmm.DEFAULT, (xs, ws), 9, 1, 1)
     y = bsmm.forward(xs, ws, layout, version=5).copy_to_host()
     dx = bsmm.input_grad(dys, ws, layout, version=5).copy_to_host()
     assert_close(y, reference.forward(x, w, layout), dtype, "forward")
@@ -301,20 +302,19 @@ def test_transposed_blocks_match_reference(data, block_size, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("mask", [[[1, 1], [1, 0]], [[1, 0], [1, 0]]])
-def test_forward_through_transposed_blocks(monkeypatch, dtype, mask):
+def test_forward_through_transposed_blocks(configure, monkeypatch, dtype, mask):
     """The forward that first transposes W's blocks into column order (V5_TRANSPOSED_FORWARD)
     gives the reference's product: blocks out of row order, and an output column with none."""
     from strategies import numpy_dtype
 
-    monkeypatch.setattr(bsmm, "V5_TRANSPOSED_FORWARD", {(16, dtype): 1})
-    monkeypatch.setattr(bsmm, "_kernels", {})
+    configure(bsmm, v5_transposed_forward={(16, dtype): 1})
     layout = BlockLayout(np.array(mask, bool), 16)
     rng = np.random.default_rng(4)
     x = rng.standard_normal((9, 32)).astype(numpy_dtype(dtype))
     w = rng.standard_normal(layout.w_shape).astype(numpy_dtype(dtype))
     made = []
-    original = bsmm._launch_transpose_blocks
-    monkeypatch.setattr(bsmm, "_launch_transpose_blocks", lambda *args: made.append(1) or original(*args))
+    original = bsmm.dispatch.launch_transpose_blocks
+    monkeypatch.setattr(bsmm.dispatch, "launch_transpose_blocks", lambda *args: made.append(1) or original(*args))
     with poisoned_outputs():
         y = bsmm.forward(x, w, layout, version=5)
     assert made, "the forward did not take the transposed copy"
@@ -322,15 +322,14 @@ def test_forward_through_transposed_blocks(monkeypatch, dtype, mask):
 
 
 @pytest.mark.parametrize("warps, warp_rows, dtype", [(2, 64, "float16")])
-def test_tensor_core_warp_patches(monkeypatch, warps, warp_rows, dtype):
+def test_tensor_core_warp_patches(configure, monkeypatch, warps, warp_rows, dtype):
     """Version 5 products with other warp patches (V5_WARP_ROWS rows a warp: four mma rows, as
     the ring's block 64 has) and warps a thread block give the reference's products, over two
     tiles and part of a third."""
-    monkeypatch.setattr(bsmm, "V5_WARPS", {**bsmm.V5_WARPS, 16: warps})
-    monkeypatch.setattr(bsmm, "V5_WARP_ROWS", {**bsmm.V5_WARP_ROWS, 16: warp_rows})
-    monkeypatch.setattr(bsmm, "_kernels", {})
+    configure(bsmm, v5_warps={**bsmm.DEFAULT.v5_warps, 16: warps})
+    configure(bsmm, v5_warp_rows={**bsmm.DEFAULT.v5_warp_rows, 16: warp_rows})
     layout = BlockLayout(np.array([[1, 0], [1, 1]], bool), 16)
-    n = 2 * bsmm._v5_shape(16, dtype)[1] + 3
+    n = 2 * bsmm.tensorcore.v5_shape(bsmm.config.DEFAULT, 16, dtype)[1] + 3
     rng = np.random.default_rng(5)
     x = rng.standard_normal((n, 32)).astype(dtype)
     w = rng.standard_normal(layout.w_shape).astype(dtype)
@@ -342,7 +341,7 @@ def test_tensor_core_warp_patches(monkeypatch, warps, warp_rows, dtype):
 @cuda.jit
 def _record_grouped_tiles(seen, group):
     """seen[launch order id] = (row tile, segment) of each thread block."""
-    tile, seg = bsmm._grouped_tile(group)
+    tile, seg = bsmm.device.grouped_tile(group)
     i = cuda.blockIdx.x + cuda.blockIdx.y * cuda.gridDim.x
     seen[i, 0] = tile
     seen[i, 1] = seg
@@ -361,13 +360,13 @@ def test_grouped_tiles_cover_every_tile_once(tiles, segments, group):
 
 
 @pytest.mark.parametrize("version, dtype", [(4, "float32"), (5, "float16")])
-def test_grouped_products_match_reference(monkeypatch, version, dtype):
+def test_grouped_products_match_reference(configure, monkeypatch, version, dtype):
     """Products over three row tiles in groups of two (the last group short) give the
     reference's products."""
-    monkeypatch.setattr(bsmm, "PRODUCT_GROUP", 2)
-    monkeypatch.setattr(bsmm, "_kernels", {})
+    configure(bsmm, product_group=2)
     layout = BlockLayout(np.array([[1, 1], [0, 1]], bool), 16)
-    n = 2 * (bsmm.V4_ROWS[16] if version == 4 else bsmm._v5_shape(16, dtype)[1]) + 5
+    tile = bsmm.DEFAULT.v4_rows[16] if version == 4 else bsmm.tensorcore.v5_shape(bsmm.config.DEFAULT, 16, dtype)[1]
+    n = 2 * tile + 5
     rng = np.random.default_rng(3)
     x = rng.standard_normal((n, 32)).astype(dtype)
     w = rng.standard_normal(layout.w_shape).astype(dtype)
@@ -376,11 +375,10 @@ def test_grouped_products_match_reference(monkeypatch, version, dtype):
                  dtype, "input_grad")
 
 
-def test_tensor_core_rounded_sums(monkeypatch):
+def test_tensor_core_rounded_sums(configure, monkeypatch):
     """fp32 on version 5 with V5_ROUNDED_SUMS (each mma from zero, added in fp32) gives the
     reference's products too."""
-    monkeypatch.setattr(bsmm, "V5_ROUNDED_SUMS", True)
-    monkeypatch.setattr(bsmm, "_kernels", {})  # kernels made with the setting, not cached ones
+    configure(bsmm, v5_rounded_sums=True)
     layout = BlockLayout.dense((2, 1), 16)
     rng = np.random.default_rng(5)
     x = rng.standard_normal((6, 32)).astype(np.float32)
@@ -429,17 +427,16 @@ ROW_GROUPS = ((1, 1, 1), (0, 0, 0), (1, 0, 1))  # rows of 3, 0 and 2 blocks: ful
     (16, "float32", 1, 70, 0, None, 0.0, 4, 2),
     (16, "float32", 0, 20, 0, None, 0.0, 2, 2),
 ])
-def test_tensor_core_weight_grad(monkeypatch, block_size, dtype, feature_axis, n, offset, splits, beta, stages,
+def test_tensor_core_weight_grad(configure, monkeypatch, block_size, dtype, feature_axis, n, offset, splits, beta, stages,
                                  group):
     """Version 5's weight gradient on tensor cores (V5_WGRAD) against the reference (stages:
     the fp32 cp.async ring's buffers; group: blocks of a row a warp takes, over rows of 3, 0
     and 2 blocks)."""
     from strategies import numpy_dtype
 
-    monkeypatch.setattr(bsmm, "V5_WGRAD", True)
-    monkeypatch.setattr(bsmm, "V5_WGRAD_STAGES", stages)
-    monkeypatch.setattr(bsmm, "V5_WGRAD_GROUP", {16: group, 32: group})
-    monkeypatch.setattr(bsmm, "_kernels", {})
+    configure(bsmm, v5_wgrad=True)
+    configure(bsmm, v5_wgrad_stages=stages)
+    configure(bsmm, v5_wgrad_group={16: group, 32: group})
     if group > 1:
         layout = BlockLayout(ROW_GROUPS, block_size)
     else:
@@ -459,7 +456,7 @@ def test_tensor_core_weight_grad(monkeypatch, block_size, dtype, feature_axis, n
         dw = bsmm.weight_grad(*ops, layout, feature_axis, out=out, beta=beta, version=5,
                               splits=splits).copy_to_host()
     assert_close(dw, want, dtype, "weight_grad")
-    assert any(key[0] == "_make_weight_grad_v5" for key in bsmm._kernels)
+    assert any(key[0] is bsmm.weight_grad_tensorcore.make_weight_grad_v5 for key in compile_cache._kernels)
 
 
 LAYOUT = BlockLayout.dense((2, 3), 8)
@@ -549,13 +546,13 @@ def test_torch_bfloat16_crosses_as_bits():
 @pytest.mark.skipif(SIMULATOR, reason="kept plans replay through the driver")
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_repeated_torch_calls_replay_a_kept_plan(dtype, transposed, monkeypatch):
+def test_repeated_torch_calls_replay_a_kept_plan(configure, dtype, transposed, monkeypatch):
     """The second product call with tensors like the first goes through a kept plan (new
     pointers, new output; with `transposed`, the forward's copy of W replayed too); anything
     a check or the kernel's choice depends on does not."""
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(bsmm, "_plans", {})
-    monkeypatch.setattr(bsmm, "V5_TRANSPOSED_FORWARD", {(32, dtype): 1} if transposed else {})
+    monkeypatch.setattr(plans, "kept", {})
+    configure(bsmm, v5_transposed_forward={(32, dtype): 1} if transposed else {})
     layout = BlockLayout.random((3, 2), 0.5, seed=4, block_size=32)
     tdtype = getattr(torch, dtype)
 
@@ -571,11 +568,11 @@ def test_repeated_torch_calls_replay_a_kept_plan(dtype, transposed, monkeypatch)
         check(bsmm.forward(x, w, layout), x, w)
         dy = torch.randn(70, 64, device="cuda", dtype=tdtype)
         check(bsmm.input_grad(dy, w, layout), dy, w, transpose_w=True)
-    assert len(bsmm._plans) == 2
-    assert sum(plan.pre is not None for plan in bsmm._plans.values()) == transposed
+    assert len(plans.kept) == 2
+    assert sum(plan.pre is not None for plan in plans.kept.values()) == transposed
     replayed = []
-    original = bsmm._replayed_product
-    monkeypatch.setattr(bsmm, "_replayed_product", lambda *a: replayed.append(original(*a)) or replayed[-1])
+    original = bsmm.api.replayed_product
+    monkeypatch.setattr(bsmm.api, "replayed_product", lambda *a: replayed.append(original(*a)) or replayed[-1])
     x = torch.randn(70, 96, device="cuda", dtype=tdtype)
     check(bsmm.forward(x, w, layout), x, w)
     assert replayed[-1] is not None
@@ -600,12 +597,12 @@ def test_repeated_weight_grads_replay_a_kept_plan(dtype, monkeypatch):
     dW, or into out= with beta, over one slice of N (one launch) or three (and the combining
     launch); each result is the reference's."""
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(bsmm, "_plans", {})
+    monkeypatch.setattr(plans, "kept", {})
     layout = BlockLayout.random((3, 2), 0.5, seed=4, block_size=32)
     tdtype = getattr(torch, dtype)
     replayed = []
-    original = bsmm._replayed_weight_grad
-    monkeypatch.setattr(bsmm, "_replayed_weight_grad", lambda *a: replayed.append(original(*a)) or replayed[-1])
+    original = bsmm.api.replayed_weight_grad
+    monkeypatch.setattr(bsmm.api, "replayed_weight_grad", lambda *a: replayed.append(original(*a)) or replayed[-1])
     for splits in (1, 3):
         for _ in range(3):  # the first call of each kind keeps a plan, the next two replay it
             x = torch.randn(200, 96, device="cuda", dtype=tdtype)
@@ -616,7 +613,7 @@ def test_repeated_weight_grads_replay_a_kept_plan(dtype, monkeypatch):
             before = out.double().cpu().numpy()
             assert bsmm.weight_grad(x, dy, layout, out=out, beta=0.5, splits=splits) is out
             assert_close(out.double().cpu().numpy(), want + 0.5 * before, dtype)
-    assert len(bsmm._plans) == 4 and sum(r is not None for r in replayed) == 8
+    assert len(plans.kept) == 4 and sum(r is not None for r in replayed) == 8
     # Another N is another plan's: still the right result.
     x, dy = (torch.randn(33, f, device="cuda", dtype=tdtype) for f in (96, 64))
     want = reference.weight_grad(x.double().cpu().numpy(), dy.double().cpu().numpy(), layout)
@@ -630,7 +627,7 @@ def test_tensors_on_another_device_are_refused(monkeypatch):
     """Kernels run on Numba's current device; a tensor elsewhere is refused before any launch
     (faked here by claiming kernels run on the next device)."""
     torch = pytest.importorskip("torch")
-    from sparseblocks import _arrays
+    from sparseblocks.runtime import arrays as _arrays
 
     x = torch.randn(4, 16, device="cuda")
     monkeypatch.setattr(_arrays, "_kernel_device", [x.device.index + 1])
@@ -640,22 +637,22 @@ def test_tensors_on_another_device_are_refused(monkeypatch):
 
 @pytest.mark.skipif(not SIMULATOR, reason="fakes the driver launch; the GPU test above runs the real one")
 @pytest.mark.parametrize("transposed", [False, True])
-def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch, transposed):
+def test_kept_plans_are_keyed_by_what_the_checks_see(configure, monkeypatch, transposed):
     """Plan bookkeeping with the launch faked: a call like the first replays with the new
     pointers (`transposed`: the copy of W into a fresh scratch array first, then the product
     over it); another shape, alignment, layout or a non-contiguous view does not."""
     torch = pytest.importorskip("torch")
-    from sparseblocks import _arrays
+    from sparseblocks.runtime import arrays as _arrays
 
     launches = []
-    monkeypatch.setattr(bsmm, "_plans", {})
-    monkeypatch.setattr(bsmm, "V5_TRANSPOSED_FORWARD", {(16, "float32"): 1} if transposed else {})
-    monkeypatch.setattr(bsmm, "replay", lambda *args, live: lambda stream, *pointers: launches.append(pointers))
+    monkeypatch.setattr(plans, "kept", {})
+    configure(bsmm, v5_transposed_forward={(16, "float32"): 1} if transposed else {})
+    monkeypatch.setattr(bsmm.plans, "replay", lambda *args, live: lambda stream, *pointers: launches.append(pointers))
     monkeypatch.setattr(_arrays, "torch_stream_handle", lambda: 0)
     layout = BlockLayout.random((2, 2), 0.5, seed=3, block_size=16)
     w = torch.randn(layout.w_shape)
     bsmm.forward(torch.randn(6, 32), w, layout)  # the general path keeps a plan
-    assert len(bsmm._plans) == 1 and not launches
+    assert len(plans.kept) == 1 and not launches
     x = torch.randn(6, 32)
     y = bsmm.forward(x, w, layout)
     if transposed:  # (wt, w), then (out, x, wt)
@@ -669,7 +666,7 @@ def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch, transposed):
     for other in others:
         bsmm.forward(other, w, layout)
     bsmm.forward(x, w, BlockLayout.random((2, 2), 0.5, seed=4, block_size=16))
-    assert len(launches) == replayed and len(bsmm._plans) == 4
+    assert len(launches) == replayed and len(plans.kept) == 4
     with pytest.raises(ValueError, match="C-contiguous"):
         bsmm.forward(torch.randn(32, 6).T, w, layout)
     assert len(launches) == replayed

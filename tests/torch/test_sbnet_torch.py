@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sparseblocks import sbnet_torch  # noqa: E402
-from sparseblocks._backend import SIMULATOR  # noqa: E402
+from sparseblocks.runtime.backend import SIMULATOR  # noqa: E402
 from sparseblocks.reference import sbnet as reference  # noqa: E402
 
 DEVICE = "cpu" if SIMULATOR else "cuda"

@@ -6,7 +6,7 @@ import pytest
 from numba import cuda, int32, uint32
 from numba.cuda import libdevice
 
-from sparseblocks.kernels._mma import (
+from sparseblocks.ptx.mma import (
     MMA_K, MMA_M, MMA_N, TF32_K, a_fragment, b_fragment, c_fragment, mma_3xtf32, mma_bf16, mma_f16,
     mma_tf32, pack, tf32_a_fragment, tf32_b_fragment, to_tf32,
 )

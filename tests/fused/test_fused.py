@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import cuda
 
-from sparseblocks._arrays import poisoned_outputs
-from sparseblocks._backend import SIMULATOR
-from sparseblocks.kernels import gather_matmul
-from sparseblocks.reference import gather_matmul as reference
+from sparseblocks.runtime.arrays import poisoned_outputs
+from sparseblocks.runtime.backend import SIMULATOR
+from sparseblocks import fused as gather_matmul
+from sparseblocks.reference import fused as reference
 from sparseblocks.reference.sbnet import sparse_gather, sparse_scatter
 from strategies import assert_close, block_indices, geometries, values
 
@@ -255,7 +255,7 @@ def test_kept_launch_replays_with_new_tensors(data_format):
     (NCHW windows at odd columns): a call of the other format on tensors of the same shapes in
     between takes neither's."""
     torch = pytest.importorskip("torch")
-    from sparseblocks.kernels import sbnet
+    from sparseblocks import sbnet
 
     rng = np.random.default_rng(5)
     g = {"bsize": (5, 6), "bstride": (4, 5), "boffset": (-1, -1)}
@@ -509,7 +509,7 @@ def test_matmul_scatter_kept_launch_replays_with_new_tensors():
     """A repeated call of torch tensors replays its kept launch (new pointers), adding as the
     general path does; `kept_scatter_launch` hands the same launch out."""
     torch = pytest.importorskip("torch")
-    from sparseblocks.kernels import sbnet
+    from sparseblocks import sbnet
 
     rng = np.random.default_rng(8)
     g = {"bsize": (5, 6), "bstride": (5, 6), "boffset": (-1, -2)}

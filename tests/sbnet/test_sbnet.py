@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import cuda
 
-from sparseblocks._arrays import poisoned_outputs
-from sparseblocks._backend import SIMULATOR
-from sparseblocks.kernels import sbnet
+from sparseblocks.runtime.arrays import poisoned_outputs
+from sparseblocks.runtime.backend import SIMULATOR
+from sparseblocks import sbnet
 from sparseblocks.reference import sbnet as reference
 from strategies import block_indices, geometries, images, values
 
@@ -1193,7 +1193,7 @@ def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch):
     """Plan bookkeeping with the launch faked: a call like the first replays with the new
     pointers; another shape, alignment, geometry, flag or a non-contiguous view does not."""
     torch = pytest.importorskip("torch")
-    from sparseblocks import _arrays
+    from sparseblocks.runtime import arrays as _arrays
 
     launches = []
     monkeypatch.setattr(sbnet, "_plans", {})

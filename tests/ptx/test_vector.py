@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from sparseblocks.kernels._half2 import floats_of_half2, half2_of_floats
-from sparseblocks.kernels._vector import aligned, load2, load4, load4_words, store2, store4
+from sparseblocks.ptx.half2 import floats_of_half2, half2_of_floats
+from sparseblocks.ptx.vector import aligned, load2, load4, load4_words, store2, store4
 
 
 @cuda.jit

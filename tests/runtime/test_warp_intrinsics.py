@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from numba import cuda
 
-import sparseblocks.kernels  # noqa: F401  (installs the intrinsics under the simulator)
-from sparseblocks._backend import SIMULATOR
+import sparseblocks  # noqa: F401  (installs the intrinsics under the simulator)
+from sparseblocks.runtime.backend import SIMULATOR
 
 FULL = 0xFFFFFFFF
 WARP = 32
@@ -304,7 +304,7 @@ def test_collectives_right_after_barriers():
     (skipped_barrier_kernel, "waits in syncthreads"),
 ])
 def test_misuse_raises_in_the_simulator(kernel, message):
-    from sparseblocks.kernels._simulator import WarpCollectiveError
+    from sparseblocks.runtime.simulator import WarpCollectiveError
 
     with pytest.raises(WarpCollectiveError, match=message):
         kernel[1, 32](np.zeros(32))
@@ -327,6 +327,6 @@ def test_simulator_popc_counts_two_complement_bits():
 
 
 def test_runs_on_the_expected_backend():
-    from sparseblocks._backend import backend_name
+    from sparseblocks.runtime.backend import backend_name
 
     assert (backend_name() == "CUDA simulator") == SIMULATOR

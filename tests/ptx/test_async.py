@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from numba import cuda, float32
 
-from sparseblocks._backend import SIMULATOR
-from sparseblocks.kernels._async import (
+from sparseblocks.runtime.backend import SIMULATOR
+from sparseblocks.ptx.cp_async import (
     commit, copy16, copy16_to, global_address, shared_address, wait_all, wait_but_one, waiter,
 )
 
