@@ -170,9 +170,9 @@ def weight_grad_output(bs, storage, acc_type):
 
 def mma_accumulate(cfg, storage):
     """accumulate(acc, i, nt, fa, mt, b0, b1): acc[i, nt] += A·B for one version 5 mma tile, A
-    the fragment words fa[mt], B the words b0, b1. fp32 (3xTF32) with V5_ROUNDED_SUMS starts
+    the fragment words fa[mt], B the words b0, b1. fp32 (3xTF32) with ``cfg.v5_rounded_sums`` starts
     the mma from zero and adds its result in round-to-nearest fp32: the tensor cores' own fp32
-    sums drift over long sums (benchmarks/NOTES.md)."""
+    sums drift over long sums."""
     V5_ROUNDED_SUMS = cfg.v5_rounded_sums
     mma = mma_3xtf32 if storage == "float32" else (mma_bf16 if storage == "bfloat16" else mma_f16)
     ROUNDED_SUMS = V5_ROUNDED_SUMS and storage == "float32"

@@ -1,6 +1,6 @@
 """Which kernel runs, and its launch: version x dtype x block size -> kernel family.
 
-`DISPATCH` below is the one table of it. Every launcher takes the config, the
+`product_family` and `weight_grad_family` are the dispatch table. Every launcher takes the config, the
 operands and the layout, looks the kernel up in the compile cache
 (`runtime.compile`), and launches it; it returns what a kept plan repeats.
 """

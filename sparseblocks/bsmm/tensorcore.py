@@ -35,8 +35,7 @@ def make_transpose_blocks(cfg, bs, storage, acc_type):
     or fp32 values): W's blocks transposed into the forward's order, for V5_TRANSPOSED_FORWARD.
     A block a thread block, through a shared tile padded by a word a row. Each thread's
     words are a fixed count (`transpose_threads`), so its loads are all issued before the
-    first is stored: in a loop of unknown trip count each load waited on the last (the
-    copy ran at a fifth of copy bandwidth, twelfth session)."""
+    first is stored (in a loop of unknown trip count each load would wait on the last)."""
     VALUES = v5_values(storage)
     WORDS = bs // VALUES  # words a row, in w and in wt
     STRIDE = WORDS + 1

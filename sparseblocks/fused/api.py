@@ -176,7 +176,7 @@ def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=No
     ``count``, rows from it on are zeros. NCHW takes windows of an even width, and in fp16 an
     even W (the image's rows read by words).
     A call repeated with torch tensors of the same shapes, dtypes, alignment and settings
-    replays its kept launch (~15 µs of host time where the checks took ~55).
+    replays its kept launch.
     """
     nhwc = check_format(data_format)
     cfg = as_config(config)

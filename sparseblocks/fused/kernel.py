@@ -235,8 +235,7 @@ def make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, st
             c = c0 + 4 * C_WORD * b
             for a in range(A_PAIRS):
                 # (A pair at column -1 of image 0's row 0 starts at word -1 of channel 0, never read:
-                # at + 1 wraps round to word 0, as the simulator warns. Left as the GPU runs of
-                # session 36 verified it.)
+                # at + 1 wraps round to word 0, as the simulator warns; memcheck finds no access there.)
                 at = uint64(base[a] + first + b * step)
                 for v in range(HELD):
                     held[a, b, v] = uint32(0)
@@ -319,9 +318,7 @@ def make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, st
         if STAGED and SCATTER_NCHW:
             # A thread adds into one row pair's words of channels c_first, c_first + C_STEP, ...: all
             # its image words are read first, before the staging (a loop of reads and writes of out
-            # waited out a read's latency each word, the compiler unable to tell them apart: 382
-            # against 173 µs at 50 %, H100). Copying them by 4-byte cp.async with the first stage
-            # instead (as NHWC's PREFETCH) was slower at 10-25 % (60.0 / 133.6 against 50.8 / 101.9).
+            # waited out a read's latency each word, the compiler unable to tell them apart).
             pp = tid % T_ROWS
             c_first = tid // T_ROWS
             p = pixels[uint32(2 * pp)]

@@ -27,21 +27,15 @@ def make_pair_tile_kernels(cfg, atomic):
     checked what `pair_path` does (even widths, 4-byte alignment, a scatter
     that is not atomic only at even columns, an even C). An atomic scatter's
     image words at a window row's ends get the window's half alone, as the pair
-    kernels'. (A gather the same way, the swap before the tile, was slower than
-    the generic tile, session 28; gathers swap after it: `make_pair_tile_gathers`.)
+    kernels'. (Gathers swap after the tile: `make_pair_tile_gathers`.)
 
     The tile's pixels are one run of the blocks, read with no division,
     PAIR_TILE_LOADS loads a thread in flight. On the image's side a thread
     keeps its word of the row and carries its line's channel pair and row (one
     division a thread); its first PAIR_TILE_UNROLL items' old words, which do
     not depend on the tile, are loaded before the tile is filled, so both
-    phases' reads are in flight at once. Session 35 (H100, graph,
-    `scripts/pair_tile_variants.py`, windows of 14 and 16, 1 x 256 and 8 x 64 x
-    400 x 700 at 5-50 %): the first version, dividing each item's index by
-    run-time counts (64-bit, tens of instructions each) and reading the blocks
-    one load at a time, was 11-34 % slower than carried coordinates; loading
-    the old words before the tile gained 12-25 % more at 25-50 % of the
-    windows, 0-14 % at 5-10 % (`results/sbnet_pair_tile_scatter_session35_h100.md`).
+    phases' reads are in flight at once. Coordinates are carried, not divided
+    for each item (a division by a run-time count costs tens of instructions).
     """
     PAIR_TILE_LOADS = cfg.pair_tile_loads
     PAIR_TILE_MAX_REGISTERS = cfg.pair_tile_max_registers
@@ -76,7 +70,7 @@ def make_pair_tile_kernels(cfg, atomic):
                         olds[u, 0] = image[uint64(spot)]
                         olds[u, 1] = image[uint64(spot + plane)]
                 # (written out, not `next_line`: with it, ptxas's allocation at PAIR_TILE_MAX_REGISTERS
-                # gave wrong sums on an H100, every window, though correct uncapped; session 36)
+                # gave wrong sums on the GPU, though correct uncapped)
                 line += per_pass
                 qq += dq
                 rr += dr
@@ -186,11 +180,9 @@ def make_pair_tile_gathers(cfg):
     channel pairs of a pixel, so a warp writes two pixels' runs of 2 * CG
     bytes; one channel's lines start an odd count of words after the previous
     channel's in the tile (``stride``), so those 16 reads hit 16 banks and the
-    next pixel's the others (or the same words). One division a thread: the first version,
-    dividing every item's index by run-time counts (64-bit, tens of
-    instructions each), was 1.5-2.8x slower than the generic tile, which
-    moves a half an access on both sides; this one 1.1-2.3x faster (session
-    34, `PAIR_TILE_GATHERS`). The launcher checked what `pair_gather_rows`
+    next pixel's the others (or the same words). One division a thread,
+    coordinates carried rather than divided for every item (tens of
+    instructions a division by a run-time count). The launcher checked what `pair_gather_rows`
     does (W and C even, 4-byte aligned pointers, window rows of at most
     PAIR_TILE_PIXELS pixels).
     """

@@ -17,8 +17,8 @@ def make_pair_kernels(cfg, scatter, add, atomic, halves=2, strip=False):
 
     A window row of channel c is size_w contiguous halves on both sides, but a
     window may start at an odd column (every window does at SparseResBlock's
-    offset of -1), where the element kernel's 2-byte accesses ran at about half
-    the copy bandwidth (session 27). The launcher checked that every row of both
+    offset of -1), where the element kernel's 2-byte accesses run at about half
+    the copy bandwidth. The launcher checked that every row of both
     sides starts on a word: W and size_w multiples of ``halves``, both pointers
     aligned to a word.
 
@@ -44,7 +44,7 @@ def make_pair_kernels(cfg, scatter, add, atomic, halves=2, strip=False):
     of the image row, whose sectors shared at the windows' seams go in one
     request; one window a thread block asks for 8 image rows of 32-36 bytes,
     three in four of them straddling two sectors (1400-byte image rows). The
-    DRAM bytes stay the same (ncu, session 33); scatters gain by fewer, fuller
+    DRAM bytes stay the same; scatters gain by fewer, fuller
     L2 requests, gathers lose by writing their block rows a window apart.
     """
     COPY_THREADS = cfg.copy_threads

@@ -36,8 +36,7 @@ def make_row_kernels(cfg, scatter, transpose, add, vector_dtype, half2, pixels, 
     A thread loads all its vectors before it uses any, and fp16
     vectors wait in registers as the two words they came in (`load4_words`),
     widened to float32 only where used: widened, or kept as halves, next to
-    their load, each load waited in its branch for the one before (session 18's
-    SASS; the fp16 adding scatter took 1.4-1.7x its session-16 time).
+    their load, each load waits in its branch for the one before (the SASS shows it).
     """
     ROW_TILE_C = cfg.row_tile_c
     ROW_TILE_THREADS = cfg.row_tile_threads
@@ -62,8 +61,7 @@ def make_row_kernels(cfg, scatter, transpose, add, vector_dtype, half2, pixels, 
     def row_of(indices, count, N, H, stride_h, stride_w, offset_h, offset_w):
         """(whether this thread block's window is below the count, its n, h, w0, whether its row
         is inside the image): the count and the window's indices are read together (the
-        compiler may still sink the column's load past the count's test: session 14's SASS; a
-        test that forced it out with the others timed the same, `benchmarks/NOTES.md`)."""
+        compiler may still sink the column's load past the count's test)."""
         i = cuda.blockIdx.x
         active = count[0]
         n = indices[i, 0]  # i < the indices' rows: a valid read even past the count

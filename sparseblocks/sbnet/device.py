@@ -110,7 +110,7 @@ def first_line(t, threads, D, rows, groups):
     """Thread t's place among a thread block's ``groups`` x ``rows`` lines of D words each, taken
     word t % D of lines t // D, + per_pass, ... (per_pass = threads // D): one division a thread,
     the line's group and row carried by `next_line` (divisions by run-time values cost tens of
-    instructions each: session 34's gathers by words). Returns (word, line, group, row, per_pass,
+    instructions each). Returns (word, line, group, row, per_pass,
     group step, row step, lines: none for the threads past the last whole pass)."""
     per_pass = threads // D
     d = t % D

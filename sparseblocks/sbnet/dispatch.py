@@ -26,15 +26,8 @@ def copy_kernel(cfg, scatter, transpose, add, atomic, dtype, channels_last):
     return cached(make_copy_kernels, cfg, scatter, transpose, add, atomic, dtype, channels_last)
 
 
-# The plain pair copies that go a thread block of consecutive windows side by side in each warp
-# (`make_pair_kernels`' ``strip``) where a window row takes at most half a warp's lanes; the others a
-# window a thread block. Kinds: "gather", "scatter quads" and "scatter pairs" (overwrites and adds,
-# four or two halves a word), "atomic" (atomic adds). Session 33, H100, graph µs, a window a thread
-# block -> strips (`results/sbnet_pair_strips_session33_h100.md`): adding scatters of quads, windows
-# of 16, 1 x 256 x 400 x 700 at 25 / 50 %: 111 -> 98, 188 -> 148; 8 x 64 at 50 %: 326 -> 281; atomic
-# adds of 18 every 16 from -1 at 50 %: 541 -> 429 (5 % of 1 x 64: 14.8 -> 16.1). Gathers were
-# 1.0-2.4x slower (their block rows written a window apart), the sparse block's scatter of pairs
-# (14 every 14) 5 % slower; the block's training step on NCHW input at 49 %: 1692 -> 1604.
+# Kinds of plain pair copies that may go a strip of windows a thread block (`SbnetConfig.pair_strips`):
+# gathers, scatters of four or two halves a word (overwrites and adds), atomic adds.
 PAIR_STRIP_KINDS = ("gather", "scatter quads", "scatter pairs", "atomic")
 
 
@@ -77,24 +70,19 @@ def row_path(cfg, image, blocks, n_blocks, channels_last, transpose, atomic, dty
 
 
 def pair_path(cfg, scatter, add, atomic, image, blocks, channels_last, transpose, dtype, geometry):
-    """Whether the pair kernels take a copy: `PAIRS`, NCHW fp16 image and blocks, rows of whole
+    """Whether the pair kernels take a copy: ``cfg.pairs``, NCHW fp16 image and blocks, rows of whole
     words on both sides (W and the window's width even, 4-byte aligned pointers), a row's words
     within a thread block, and for a scatter that is not atomic windows at even columns (even
     offset and stride: no half words at the rows' ends). With ``transpose`` (NHWC blocks: the
     pair tiles) adding scatters only, an even C and window rows of at most PAIR_TILE_PIXELS
-    (session 28, H100, graph, copy / ours, generic tile -> pair tiles, 1 and 8 x C x 400 x 700:
-    adding scatters 0.15-0.26 -> 0.19-0.36, atomic adds of 18 every 16 0.13-0.19 -> 0.19-0.23;
-    overwrites even; gathers 0.12-0.29 -> 0.11-0.22, slower). Session 28, H100, graph, copy
-    bandwidth / ours, element kernel -> pairs, 1 and 8 x C x 400 x 700: gathers 0.15-0.39 ->
-    0.26-0.69; scatters at even columns 0.16-0.29 -> 0.22-0.37; atomic adds of 18 every 16 at -1
-    0.15-0.19 -> 0.25-0.30; other scatters at odd columns 0.16-0.32 -> 0.15-0.31, mostly slower."""
+    (gathers through the transpose go by `pair_gather_rows`)."""
     return (pair_shapes(cfg, scatter, add, atomic, image.shape, channels_last, transpose, dtype, geometry)
             and data_pointer(image) % 4 == 0 and data_pointer(blocks) % 4 == 0)
 
 
 def pair_shapes(cfg, scatter, add, atomic, shape, channels_last, transpose, dtype, geometry):
     """`pair_path` but for the pointers' alignment: whether the pair kernels would take a copy of
-    an image of this shape and dtype (also `sbnet_torch`'s choice of an NCHW input's output layout)."""
+    an image of this shape and dtype (also the torch layer's choice of an NCHW input's output layout)."""
     COPY_THREADS = cfg.copy_threads
     MAX_GRID_YZ = cfg.max_grid_yz
     PAIRS = cfg.pairs

@@ -16,16 +16,8 @@ from ..runtime.backend import SIMULATOR
 from ..runtime.launch import capture_of, stream_handle, stream_of
 from .dispatch import zero
 
-# Version 2's statuses carry their launch's tag (status[0] + 1; each launch's last chunk advances
-# status[0]), so a buffer zeroed once serves every later launch that cannot run beside another
-# on it: one buffer a stream (a stream's launches run in order), and one a stream of a graph
-# capture (a graph's replays run in order). No zero fill a call: that fill, a second node of a
-# replayed graph, was 1.3-2.3 µs of reduce_mask's 7-9 on an H100 (`benchmarks/NOTES.md`). A
-# capture cannot zero a buffer without putting the fill in the graph, so it takes one zeroed and
-# synchronized by an earlier call outside any capture (a spare); where none is left, the call
-# zeroes scratch statuses as before. Buffers are kept for the process: a graph may be replayed at any time. (A
-# stream destroyed with a launch still pending, whose handle a new stream gets before that launch
-# ends, would share a buffer with it: torch never destroys its pooled streams.)
+# A stream destroyed with a launch still pending, whose handle a new stream gets before that launch
+# ends, would share a buffer with it: torch never destroys its pooled streams.
 _status_buffers = {}  # (stream handle or (capture id, handle), words) -> statuses (on kernel_device)
 
 

@@ -11,7 +11,6 @@ import torch
 from .. import fused as fused_kernels
 from .. import sbnet as kernels
 from ..runtime.arrays import torch_stream_handle
-from . import bottleneck
 from .bottleneck import (
     _after_first_product,
     _bottleneck_nchw,
@@ -70,8 +69,7 @@ _WRITTEN_OUT = {False: _WrittenOut(_bottleneck_nhwc, _bottleneck_nhwc_backward, 
 def _capacity(n):
     """Rows of the stack a graph is captured for: ``n`` windows rounded up to a multiple of 8
     up to 128, above to a sixteenth of n's power of two (at most 1/16 of the rows wasted above
-    128; sixteen graphs an octave). Session 21, H100: with eighths, eager calls the device
-    bounds (fp16 at 50 % active, fp32 at 25-50 %) were 4-10 % slower graphed than not."""
+    128; sixteen graphs an octave: coarser steps waste enough rows to slow device-bound calls)."""
     if n <= 128:
         return -(-n // 8) * 8
     step = 1 << (n.bit_length() - 5)
@@ -166,8 +164,7 @@ class _Slot:
         # straight into the image (`_fuses_scatter`): a graph up to the second ReLU's output. A
         # signature seen before knows (training calls, `zero_rest`, keep the stack: their backward
         # reads it).
-        key = (_signature(windows, image, inplace), backward, zero_rest, bottleneck.FUSED_GATHER,
-               bottleneck.FUSED_SCATTER, bottleneck.FUSED_SCATTER_NCHW)
+        key = (_signature(windows, image, inplace), backward, zero_rest, windows.config)
         kept = self.launches.get(key)
         if kept is not None:
             fused, fused_last = kept[4:]

@@ -16,8 +16,8 @@ import torch
 from .. import fused as fused_kernels
 from .. import sbnet as kernels
 from ..windows import calc_block_params_res_block, pair
-from . import bottleneck
 from .bottleneck import _bottleneck_nchw, _bottleneck_nhwc, _nhwc_out_of_nchw, _without_grad, _WrittenOut
+from .config import DEFAULT, as_config
 from .graphs import _WRITTEN_OUT, _ResidualGraphs, _Traced
 from .sbnet import _written_into
 
@@ -52,12 +52,14 @@ class SparseResBlock(torch.nn.Module):
 
     Under autocast the block runs in its input's dtype (autocast off inside
     it): the kernels add the residual into an image of its own dtype.
+    ``config``: a `ResBlockConfig`, which fused kernels calls take.
     """
 
     KERNELS = (1, 3, 1)
 
-    def __init__(self, channels, bottleneck, block_size=16, transpose=False, graphs=False):
+    def __init__(self, channels, bottleneck, block_size=16, transpose=False, graphs=False, config=None):
         super().__init__()
+        self._config = as_config(config) if config is not None else None
         if min(pair(block_size, "block_size")) < 3:
             raise ValueError(f"block_size: expected at least 3 on both axes (the 3x3 convolution's window), "
                              f"got {block_size!r}")
@@ -69,6 +71,15 @@ class SparseResBlock(torch.nn.Module):
         self.conv2 = torch.nn.Conv2d(bottleneck, bottleneck, 3, bias=False)
         self.conv3 = torch.nn.Conv2d(bottleneck, channels, 1, bias=False)
         self._geometries = {}
+
+    @property
+    def config(self):
+        """The block's `ResBlockConfig` (given, or the library's default at each call)."""
+        return as_config(self._config)
+
+    @config.setter
+    def config(self, config):
+        self._config = as_config(config) if config is not None else None
 
     def weights(self):
         """The three convolutions' weights, as the residual uses them."""
@@ -91,9 +102,7 @@ class SparseResBlock(torch.nn.Module):
     def residual_nhwc(self, stack):
         """F on an NHWC stack ``[n, bh, bw, C]`` -> ``[n, bh - 2, bw - 2, C]``: the same weights,
         the 1x1 convolutions as matrix products over the stack's pixels (cuBLAS), the 3x3 a
-        channels_last convolution. Session 18, H100, the block in a CUDA graph, 1 x 400 x 700 x
-        256 -> 64: fp32 1.2-1.4x faster than with cuDNN's 1x1 convolutions (forward 0.317 ->
-        0.233 ms at 10.7 % active, training step 1.446 -> 1.170), fp16 the same."""
+        channels_last convolution (faster than cuDNN's 1x1 convolutions in fp32)."""
         return _bottleneck_nhwc(stack, *self.weights())[0]
 
     def dense(self, x):
@@ -162,10 +171,11 @@ class SparseResBlock(torch.nn.Module):
             params = tuple(self.parameters())
         training = torch.is_grad_enabled() and (image.requires_grad or any(w.requires_grad for w in params))
         # (an in-place call without gradients may add an fp32 NCHW input's output by the fused kernel)
-        fused_last = inplace and not training and weights[2].shape[1] <= bottleneck.FUSED_SCATTER_MAX_IN
+        fused_last = inplace and not training and weights[2].shape[1] <= self.config.fused_scatter_max_in
         windows = _Windows(indices, count, transpose, data_format, (p.bsize, p.bstride, p.boffset),
                            (p.bsize_out, p.bsize_out, 0),
-                           nhwc_out=transpose or _nhwc_out_of_nchw(image, p.bsize_out, fused_last))
+                           nhwc_out=transpose or _nhwc_out_of_nchw(self.config, image, p.bsize_out, fused_last),
+                           config=self.config)
         graphs = None
         if (self.graphs and image.is_cuda and isinstance(residual, _WrittenOut) and len(indices)
                 and not torch.cuda.is_current_stream_capturing()):
@@ -199,9 +209,10 @@ class _Windows:
     scatter (output window) geometries, and whether an NCHW stack's output comes NHWC
     (``nhwc_out``; an NHWC stack's always does)."""
 
-    def __init__(self, indices, count, transpose, data_format, gather_at, scatter_at, nhwc_out=False):
+    def __init__(self, indices, count, transpose, data_format, gather_at, scatter_at, nhwc_out=False,
+                 config=DEFAULT):
         self.indices, self.count, self.transpose, self.data_format = indices, count, transpose, data_format
-        self.gather_at, self.scatter_at, self.nhwc_out = gather_at, scatter_at, nhwc_out
+        self.gather_at, self.scatter_at, self.nhwc_out, self.config = gather_at, scatter_at, nhwc_out, config
 
     def out_transpose(self, nhwc):
         """The scatter's ``transpose`` for the residual's output: where that is NHWC (``nhwc``),

@@ -10,6 +10,7 @@ from numba import cuda
 from sparseblocks.runtime.arrays import poisoned_outputs
 from sparseblocks.runtime.backend import SIMULATOR
 from sparseblocks import fused as gather_matmul
+from sparseblocks.runtime import plans
 from sparseblocks.reference import fused as reference
 from sparseblocks.reference.sbnet import sparse_gather, sparse_scatter
 from strategies import assert_close, block_indices, geometries, values
@@ -82,7 +83,7 @@ def test_nchw_several_tiles_stages_and_odd_columns(dtype):
     """NCHW: two output-channel tiles, input channels past a stage (fp16 40: 32 and 8), more stack
     pixels than a tile, windows at odd and even columns reaching past both sides of the image."""
     rng = np.random.default_rng(6)
-    cols, rows = gather_matmul.NCHW_TILE_SHAPE[1], gather_matmul.NCHW_TILE_SHAPE[0]
+    cols, rows = gather_matmul.DEFAULT.nchw_gather_tile[1], gather_matmul.DEFAULT.nchw_gather_tile[0]
     channels = 40 if dtype == "float16" else 20
     x = rng.standard_normal((2, channels, 11, 14)).astype(dtype)
     w = rng.standard_normal((cols + 8, channels)).astype(dtype)
@@ -110,7 +111,7 @@ def test_several_tiles_and_channels_past_a_stage():
     """Two output-channel tiles (C_out > COLS), input channels ending inside a stage, rows of
     more than one tile of pixels, on a device array kept by the caller (out=)."""
     rng = np.random.default_rng(2)
-    cols, rows = gather_matmul.TILE_SHAPE[1], gather_matmul.TILE_SHAPE[0]
+    cols, rows = gather_matmul.DEFAULT.gather_tile[1], gather_matmul.DEFAULT.gather_tile[0]
     x = rng.standard_normal((1, 12, 13, 40)).astype(np.float16)
     w = rng.standard_normal((cols + 8, 40)).astype(np.float16)
     g = {"bsize": (8, 9), "bstride": (4, 4), "boffset": (-2, -3)}
@@ -227,7 +228,7 @@ def test_bad_input_raises_before_any_launch(case, error, match, monkeypatch):
             x, w = np.ones((1, 12, 4, 4), np.float16), np.ones((3, 12), np.float16)
     elif case == "data_format":
         kwargs["data_format"] = "NWHC"
-    monkeypatch.setattr(gather_matmul, "launch", _no_launch)
+    monkeypatch.setattr(gather_matmul.api, "launch", _no_launch)
     with pytest.raises(error, match=match):
         gather_matmul.sparse_gather_matmul(x, indices, w, **kwargs)
 
@@ -262,7 +263,7 @@ def test_kept_launch_replays_with_new_tensors(data_format):
     other = "NCHW" if data_format == "NHWC" else "NHWC"
     indices = torch.tensor([[0, 0, 0], [1, 2, 1], [0, 1, 3], [2, 0, 0]], dtype=torch.int32, device="cuda")
     count = torch.tensor([3], dtype=torch.int32, device="cuda")
-    sbnet._plans.clear()
+    plans.clear()
     for step in range(3):
         x = torch.tensor(rng.standard_normal((2, 24, 10, 24)), dtype=torch.float16, device="cuda")
         w = torch.tensor(rng.standard_normal((72, 24)), dtype=torch.float16, device="cuda")
@@ -390,7 +391,7 @@ def test_matmul_scatter_several_tiles_in_place(data_format):
     stack pixels, windows partly off the image, and a count; the rest of y untouched. (NCHW fp16:
     windows of an even width from an even column; a tile's rows end mid window row.)"""
     rng = np.random.default_rng(7)
-    cols, rows = gather_matmul.TILE_SHAPE[1], gather_matmul.TILE_SHAPE[0]
+    cols, rows = gather_matmul.DEFAULT.gather_tile[1], gather_matmul.DEFAULT.gather_tile[0]
     nhwc = data_format == "NHWC"
     g = {"bsize": (8, 9 if nhwc else 10), "bstride": (8, 9 if nhwc else 10), "boffset": (-2, -3 if nhwc else -4)}
     indices = np.array([[0, 0, 0], [0, 1, 2], [0, 2, 1], [0, 1, 1]], np.int32)
@@ -497,7 +498,7 @@ def test_matmul_scatter_bad_input_raises_before_any_launch(case, error, match, m
         blocks = into.reshape(48)[8:40].reshape(1, 2, 2, 8)
     elif case == "weight inside y":
         w = into.reshape(48)[16:40].reshape(3, 8)
-    monkeypatch.setattr(gather_matmul, "launch", _no_launch)
+    monkeypatch.setattr(gather_matmul.api, "launch", _no_launch)
     with pytest.raises(error, match=match):
         gather_matmul.sparse_matmul_scatter(blocks, indices, w, into, **kwargs)
     if case != "numpy y":
@@ -515,7 +516,7 @@ def test_matmul_scatter_kept_launch_replays_with_new_tensors():
     g = {"bsize": (5, 6), "bstride": (5, 6), "boffset": (-1, -2)}
     indices = torch.tensor([[0, 0, 0], [1, 2, 1], [0, 1, 2], [1, 0, 0]], dtype=torch.int32, device="cuda")
     count = torch.tensor([3], dtype=torch.int32, device="cuda")
-    sbnet._plans.clear()
+    plans.clear()
     for step in range(3):
         y = torch.tensor(rng.standard_normal((2, 12, 16, 72)), dtype=torch.float16, device="cuda")
         blocks = torch.tensor(rng.standard_normal((4, 5, 6, 24)), dtype=torch.float16, device="cuda")
@@ -530,4 +531,4 @@ def test_matmul_scatter_kept_launch_replays_with_new_tensors():
         else:
             assert gather_matmul.sparse_matmul_scatter(blocks, indices, w, y, count=count, **g) is y
         assert_close(y.cpu().numpy(), want, "float16")
-        assert any(key[0] == "matmul_scatter" for key in sbnet._plans)
+        assert any(key[0] == "sbnet matmul_scatter" for key in plans.kept)

@@ -1,5 +1,7 @@
 """SBNet kernels (reduce_mask, sparse_gather, sparse_scatter) against their NumPy reference."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -9,6 +11,7 @@ from numba import cuda
 from sparseblocks.runtime.arrays import poisoned_outputs
 from sparseblocks.runtime.backend import SIMULATOR
 from sparseblocks import sbnet
+from sparseblocks.runtime import plans
 from sparseblocks.reference import sbnet as reference
 from strategies import block_indices, geometries, images, values
 
@@ -63,7 +66,7 @@ def test_reduce_mask_of_nonfinite_masks_equals_reference(image, g, tol, dtype, s
 @pytest.mark.parametrize("version, lane_entries, nan_max", [(1, 16, None), (2, 16, "ptx"), (2, 0, "ptx"),
                                                             (2, 16, "select")])
 @pytest.mark.parametrize("avgpool", [False, True])
-def test_reduce_mask_nan_makes_its_window_inactive_wherever_it_lies(version, lane_entries, nan_max, avgpool,
+def test_reduce_mask_nan_makes_its_window_inactive_wherever_it_lies(configure, version, lane_entries, nan_max, avgpool,
                                                                     monkeypatch):
     """Windows of 2 x 8 (two vector loads of 4 a row), each with one pixel of 1 and one NaN: the
     NaN at each of the 16 places, its neighbour in the same vector set (before it or after it
@@ -71,9 +74,9 @@ def test_reduce_mask_nan_makes_its_window_inactive_wherever_it_lies(version, lan
     active, pooled by one lane or (PASS_LANE_ENTRIES 0) a warp, by max.NaN.f32 or the select.
     Python's max kept a NaN only in first place, so in the simulator every other window with a
     NaN came out active; on a GPU, max.f32 dropped the NaN: every such window came out active."""
-    monkeypatch.setattr(sbnet, "PASS_LANE_ENTRIES", lane_entries)
-    monkeypatch.setattr(sbnet, "PASS_NAN_MAX", nan_max)
-    monkeypatch.setattr(sbnet, "_plans", {})
+    configure(sbnet, pass_lane_entries=lane_entries)
+    configure(sbnet, pass_nan_max=nan_max)
+    monkeypatch.setattr(plans, "kept", {})
     mask = np.zeros((1, 2, 48 * 8), np.float32)
     for k in range(16):
         r, c = divmod(k, 8)
@@ -107,7 +110,8 @@ def test_reduce_mask_of_every_mask_dtype(dtype, avgpool):
     assert (got[n:] == -1).all()
 
 
-PASS_WARPS = sbnet.PASS_WARPS  # (a global: shared-array shapes must be compile-time constants)
+PASS_WARPS = sbnet.DEFAULT.pass_warps  # (a global: shared-array shapes must be compile-time constants)
+_look_back_block = sbnet.reduce_pass.make_look_back_block(sbnet.DEFAULT)
 
 
 def _look_back_kernel(who):
@@ -120,9 +124,9 @@ def _look_back_kernel(who):
         for i in range(chunks.shape[0]):
             exclusive = 0
             if who == "block":
-                exclusive = sbnet._look_back_block(status, chunks[i], tag, nearest_s, sums_s, 1)
+                exclusive = _look_back_block(status, chunks[i], tag, nearest_s, sums_s, 1)
             elif cuda.threadIdx.x < 32:
-                exclusive = sbnet._look_back(status, chunks[i], tag, cuda.threadIdx.x, 1)
+                exclusive = sbnet.reduce_pass.look_back_warp(status, chunks[i], tag, cuda.threadIdx.x, 1)
             if cuda.threadIdx.x == 0:
                 out[i] = exclusive
 
@@ -139,14 +143,14 @@ def test_look_back_sums_aggregates_back_to_the_nearest_prefix(who):
     rng = np.random.default_rng(6)
     counts = rng.integers(0, 40, 300)
     inclusive = np.cumsum(counts)
-    words = (tag << sbnet.STATUS_TAG_SHIFT) | counts
+    words = (tag << sbnet.reduce_pass.STATUS_TAG_SHIFT) | counts
     for prefixed in (0, 40):
-        words[prefixed] = (tag << sbnet.STATUS_TAG_SHIFT) | sbnet.STATUS_PREFIX | inclusive[prefixed]
+        words[prefixed] = (tag << sbnet.reduce_pass.STATUS_TAG_SHIFT) | sbnet.reduce_pass.STATUS_PREFIX | inclusive[prefixed]
     status = np.concatenate([[tag - 1], words]).astype(np.int64)  # status[0]: the launch count
     # (the block's 256 simulated threads meet at every step: fewer queries)
     chunks = np.array([0, 41, 299] if who == "block" else [0, 1, 33, 40, 41, 169, 299, 297], np.int64)
     out = np.zeros(len(chunks), np.int64)
-    _look_back_kernel(who)[1, sbnet.PASS_THREADS if who == "block" else 32](out, status, chunks, tag)
+    _look_back_kernel(who)[1, sbnet.config.DEFAULT.pass_threads if who == "block" else 32](out, status, chunks, tag)
     np.testing.assert_array_equal(out, [0] + [inclusive[c - 1] for c in chunks[1:]])
 
 
@@ -154,7 +158,7 @@ def test_look_back_sums_aggregates_back_to_the_nearest_prefix(who):
 def _quotients(out, xs, magics):
     i = cuda.grid(1)
     if i < xs.shape[0]:
-        out[i] = sbnet._quotient(xs[i], magics[i])
+        out[i] = sbnet.device.quotient(xs[i], magics[i])
 
 
 def test_magic_division_is_exact():
@@ -174,7 +178,7 @@ def test_magic_division_is_exact():
                 xs.append(x)
                 ds.append(d)
     xs, ds = np.array(xs, np.int64), np.array(ds, np.int64)
-    magics = np.array([sbnet._magic(int(d)) for d in ds], np.int64)
+    magics = np.array([sbnet.device.magic(int(d)) for d in ds], np.int64)
     out = np.zeros(len(xs), np.int32)
     _quotients[-(-len(xs) // 128), 128](out, xs, magics)
     np.testing.assert_array_equal(out, xs // ds)
@@ -185,8 +189,8 @@ def test_reduce_mask_of_windows_reaching_past_32_bits():
     1 (64-bit geometry), version 2 asked for or not, and give the reference's indices."""
     mask = np.ones((1, 6, 6), np.float32)
     g = {"bsize": 2, "bstride": (1 << 29, 2), "boffset": (0, 0), "bcount": (3, 3)}
-    assert not sbnet._fits_32_bits(6, 6, (3, 3), (2, 2), g["bstride"], (0, 0))
-    assert sbnet._fits_32_bits(6, 6, (3, 3), (2, 2), (2, 2), (0, 0))
+    assert not sbnet.reduce._fits_32_bits(6, 6, (3, 3), (2, 2), g["bstride"], (0, 0))
+    assert sbnet.reduce._fits_32_bits(6, 6, (3, 3), (2, 2), (2, 2), (0, 0))
     want = reference.reduce_mask(mask, **g)
     assert len(want) == 3  # the first window row only: the others lie far below the image
     for version in (None, 2):
@@ -219,7 +223,7 @@ def test_reduce_mask_of_large_windows():
     mask = rng.random((1, 26, 30)).astype(np.float32) ** 8
     for g, avgpool in (({"bsize": 12, "bstride": 10}, True), ({"bsize": 20, "bstride": 16, "boffset": -4}, False),
                        ({"bsize": 23, "bstride": 23}, True)):
-        assert sbnet._reduce_group_warps((g["bsize"],) * 2, 10) == {12: 2, 20: 4, 23: 8}[g["bsize"]]
+        assert sbnet.reduce._reduce_group_warps(sbnet.config.DEFAULT, (g["bsize"],) * 2, 10) == {12: 2, 20: 4, 23: 8}[g["bsize"]]
         tol = 0.05 if avgpool else 0.9
         want = reference.reduce_mask(mask, tol=tol, avgpool=avgpool, **g)
         count_h, count_w = reference.block_count((26, 30), (g["bstride"],) * 2, (g.get("boffset", 0),) * 2)
@@ -233,23 +237,23 @@ def test_reduce_mask_of_large_windows():
 @pytest.mark.parametrize("vector, loads", [(1, 8), (4, 8), (4, 16)])
 @pytest.mark.parametrize("avgpool", [False, True])
 @pytest.mark.parametrize("top", [0, -4])
-def test_reduce_mask_of_tall_windows(avgpool, top, vector, loads, monkeypatch):
+def test_reduce_mask_of_tall_windows(configure, avgpool, top, vector, loads, monkeypatch):
     """Version 2 with windows tall enough that a thread has PASS_LOADS rows of its column in
     flight at once (the untested loads) and then the rest, windows over the top edge (`top`:
     the rows above skipped) and the bottom one; columns read one at a time or 4 a load. Most
     windows hold one nonzero pixel, at a random place on the image, and are active only if it
     is read (tol 0)."""
-    monkeypatch.setattr(sbnet, "PASS_VECTOR", vector)
-    monkeypatch.setattr(sbnet, "PASS_LOADS", loads)
+    configure(sbnet, pass_vector=vector)
+    configure(sbnet, pass_loads=loads)
     # The chunks as the simulator's one multiprocessor makes them, on a GPU too (with more, the
     # chunks hold fewer windows and the rows split into more phases than 48 rows take).
-    monkeypatch.setattr(sbnet, "multiprocessors", lambda: 1)
+    monkeypatch.setattr(sbnet.reduce, "multiprocessors", lambda: 1)
     rng = np.random.default_rng(12 - top)
     width = 48 if vector == 1 else 192  # (columns enough that a thread's rows are PASS_LOADS or more)
     g = {"bsize": (48, 8), "bstride": (48, 8), "boffset": (top, 0)}
     count_hw = reference.block_count((96, width), g["bstride"], g["boffset"])
-    _, _, phases = sbnet._pass_chunks(g["bsize"], count_hw[0] * count_hw[1], vector)
-    assert 48 >= sbnet.PASS_LOADS * phases  # (so that the untested loads run: rows r, r + phases, ...)
+    _, _, phases = sbnet.reduce._pass_chunks(sbnet.config.DEFAULT, g["bsize"], count_hw[0] * count_hw[1], vector)
+    assert 48 >= sbnet.config.DEFAULT.pass_loads * phases  # (so that the untested loads run: rows r, r + phases, ...)
     mask = np.zeros((1, 96, width), np.float32)
     for bh in range(count_hw[0]):
         for bw in range(count_hw[1]):
@@ -265,18 +269,17 @@ def test_reduce_mask_of_tall_windows(avgpool, top, vector, loads, monkeypatch):
 
 @pytest.mark.parametrize("dtype, avgpool, vector", [("float32", False, 4), ("float16", True, 4), ("bool", False, 4),
                                                     ("float32", True, 2)])
-def test_reduce_mask_in_vector_loads(dtype, avgpool, vector, monkeypatch):
+def test_reduce_mask_in_vector_loads(configure, dtype, avgpool, vector, monkeypatch):
     """Version 2 reads PASS_VECTOR columns a load where the windows' widths, strides and offsets,
     the mask's width and its pointer allow (over the left and right edges: offsets -4 and a
     last window past W); where the pointer does not (a mask one element into its buffer) or a
     window does not, one column a load. Every case gives the reference's indices; the
     simulator's vector load raises on an unaligned address, so a wrong pick fails here."""
-    monkeypatch.setattr(sbnet, "PASS_VECTOR", vector)
-    monkeypatch.setattr(sbnet, "_kernels", {})
-    monkeypatch.setattr(sbnet, "_plans", {})  # (a kept plan would skip the launcher's choice)
+    configure(sbnet, pass_vector=vector)
+    monkeypatch.setattr(plans, "kept", {})  # (a kept plan would skip the launcher's choice)
     launched = []
-    original = sbnet._pass_kernel
-    monkeypatch.setattr(sbnet, "_pass_kernel", lambda *a: launched.append(a[2]) or original(*a))
+    original = sbnet.reduce._pass_kernel
+    monkeypatch.setattr(sbnet.reduce, "_pass_kernel", lambda *a: launched.append(a[3]) or original(*a))
     rng = np.random.default_rng(7)
     buffer = rng.random(12 * 28 + 1) ** 6
     buffer = (buffer > 0.9).astype(dtype) if dtype in ("uint8", "bool") else buffer.astype(dtype)
@@ -305,15 +308,15 @@ def test_reduce_mask_in_vector_loads(dtype, avgpool, vector, monkeypatch):
             np.testing.assert_array_equal(indices[:len(want)].cpu().numpy(), want)
 
 
-def test_reduce_mask_of_windows_wider_than_a_chunk_takes_version_1(monkeypatch):
+def test_reduce_mask_of_windows_wider_than_a_chunk_takes_version_1(configure, monkeypatch):
     """Windows wider than PASS_COLUMNS go to version 1 (whichever version was asked for)."""
-    monkeypatch.setattr(sbnet, "PASS_COLUMNS", 2)
+    configure(sbnet, pass_columns=2)
     rng = np.random.default_rng(8)
     mask = (rng.random((1, 6, 9)) < 0.2).astype(np.float32)
     g = {"bsize": 3, "bstride": 3}
     launched = []
     original = sbnet.launch
-    monkeypatch.setattr(sbnet, "launch", lambda kernel, *args: launched.append(kernel) or original(kernel, *args))
+    monkeypatch.setattr(sbnet.reduce, "launch", lambda kernel, *args: launched.append(kernel) or original(kernel, *args))
     got, count = sbnet.reduce_mask(mask, version=2, **g)
     np.testing.assert_array_equal(got, reference.reduce_mask(mask, **g))
     assert sbnet.pool_kernel in launched
@@ -321,14 +324,13 @@ def test_reduce_mask_of_windows_wider_than_a_chunk_takes_version_1(monkeypatch):
 
 @pytest.mark.skipif(not SIMULATOR, reason="resizes compiled kernels' thread blocks (GPU: the large-mask test)")
 @pytest.mark.parametrize("prefix_chunks", [4, 1])
-def test_reduce_mask_over_several_chunks(monkeypatch, prefix_chunks):
+def test_reduce_mask_over_several_chunks(configure, monkeypatch, prefix_chunks):
     """Windows in several chunks of the compaction: their offsets summed by each compaction
     block, or (past PREFIX_CHUNKS chunks) by the scan kernel; rows past the count hold -1.
     Chunks of 32 windows and pooling blocks of two warps keep the simulator's threads down."""
-    monkeypatch.setattr(sbnet, "COMPACT_THREADS", 32)
-    monkeypatch.setattr(sbnet, "COMPACT_WARPS", 1)
-    monkeypatch.setattr(sbnet, "REDUCE_WARPS", 2)
-    monkeypatch.setattr(sbnet, "PREFIX_CHUNKS", prefix_chunks)
+    configure(sbnet, compact_threads=32)
+    configure(sbnet, reduce_warps=2)
+    configure(sbnet, prefix_chunks=prefix_chunks)
     rng = np.random.default_rng(3)
     mask = (rng.random((1, 6, 15)) < 0.3).astype(np.float32)  # 90 windows of 1: three chunks
     indices, count = sbnet.reduce_mask(cuda.to_device(mask), bsize=1, bstride=1, version=1)
@@ -344,11 +346,11 @@ def _check_fixed_chunks(monkeypatch, lane_entries, windows, shape, density, seed
     """reduce_mask (version 2, windows of 2) of a random mask of `shape` (`density` of it set) in
     chunks of `windows` windows (2 columns each, one a load) equals the reference; `active_rows`: the bounds the
     active windows' count must fall in (so that the case is not trivial)."""
-    monkeypatch.setattr(sbnet, "PASS_LANE_ENTRIES", lane_entries)
-    monkeypatch.setattr(sbnet, "_plans", {})
+    monkeypatch.setattr(sbnet.config, "DEFAULT", replace(sbnet.config.DEFAULT, pass_lane_entries=lane_entries))
+    monkeypatch.setattr(plans, "kept", {})
     lanes = windows * 2
-    monkeypatch.setattr(sbnet, "_pass_chunks",
-                        lambda size, total, vector=1: (windows, lanes, sbnet.PASS_THREADS // lanes))
+    monkeypatch.setattr(sbnet.reduce, "_pass_chunks",
+                        lambda cfg, size, total, vector=1: (windows, lanes, sbnet.config.DEFAULT.pass_threads // lanes))
     rng = np.random.default_rng(seed)
     mask = (rng.random(shape) < density).astype(np.float32)
     g = {"bsize": 2, "bstride": 2}
@@ -369,49 +371,49 @@ def test_reduce_mask_chunks_run_across_window_rows_and_images(lane_entries, monk
 
 
 @pytest.mark.parametrize("lane_entries", [16, 0])
-def test_reduce_mask_chunks_of_more_windows_than_a_warp(lane_entries, monkeypatch):
+def test_reduce_mask_chunks_of_more_windows_than_a_warp(configure, lane_entries, monkeypatch):
     """Chunks of 64 windows (PASS_WINDOWS 64: two warps' ballots rank them, their counts summed
     through shared memory, warp 0's look-back shared with the other) over 144 windows: two full
     chunks and one of 16."""
-    monkeypatch.setattr(sbnet, "PASS_WINDOWS", 64)
+    configure(sbnet, pass_windows=64)
     _check_fixed_chunks(monkeypatch, lane_entries, 64, (1, 8, 72), 0.1, 25, (20, 120))
 
 
 @pytest.mark.parametrize("look_back, stride", [("block", 16), ("block", 1), ("warp", 16)])
-def test_reduce_mask_looks_back_over_spread_statuses(look_back, stride, monkeypatch):
+def test_reduce_mask_looks_back_over_spread_statuses(configure, look_back, stride, monkeypatch):
     """The pass kernel with either look-back over statuses `stride` words apart (a block's look-back
     gets them a line apart by the rule): 24 chunks of 3 windows, so that the block's steps reach
     back over several statuses."""
-    monkeypatch.setattr(sbnet, "PASS_LOOK_BACK", None)
-    monkeypatch.setattr(sbnet, "PASS_BLOCK_LOOK_BACK", 20 if look_back == "block" else 25)
-    monkeypatch.setattr(sbnet, "STATUS_STRIDE", None if (look_back, stride) == ("block", 16) else stride)
-    assert sbnet._pass_look_back(24) == (look_back, stride)
+    configure(sbnet, pass_look_back=None)
+    configure(sbnet, pass_block_look_back=20 if look_back == "block" else 25)
+    configure(sbnet, status_stride=None if (look_back, stride) == ("block", 16) else stride)
+    assert sbnet.reduce._pass_look_back(sbnet.config.DEFAULT, 24) == (look_back, stride)
     _check_fixed_chunks(monkeypatch, 16, 3, (1, 12, 24), 0.2, 31, (5, 60))
 
 
-def test_reduce_mask_trace_stamps_every_chunk_in_order(monkeypatch):
+def test_reduce_mask_trace_stamps_every_chunk_in_order(configure, monkeypatch):
     """PASS_TRACE (`scripts/reduce_mask_timeline.py`'s timeline) leaves the indices as they were
     and stamps each chunk's events in order into the spare words of its status line (16 words
     apart): 24 windows in chunks of 5."""
-    monkeypatch.setattr(sbnet, "PASS_TRACE", True)
-    monkeypatch.setattr(sbnet, "_status_buffers", {})
-    monkeypatch.setattr(sbnet, "_status_spares", {})
+    configure(sbnet, pass_trace=True)
+    monkeypatch.setattr(sbnet.statuses, "_status_buffers", {})
+    monkeypatch.setattr(sbnet.statuses, "_status_spares", {})
     _check_fixed_chunks(monkeypatch, 16, 5, (2, 8, 6), 0.15, 13, (0, 24))
-    (status,) = sbnet._status_buffers.values()
+    (status,) = sbnet.statuses._status_buffers.values()
     words = status.copy_to_host().reshape(-1, 16)[1:]
     assert words.shape[0] == 5
-    stamps = words[:, 1:1 + len(sbnet.TRACE_EVENTS)]
+    stamps = words[:, 1:1 + len(sbnet.reduce_pass.TRACE_EVENTS)]
     assert (stamps > 0).all() and (np.diff(stamps, axis=1) >= 0).all()
 
 
-def test_statuses_stay_packed_past_their_spread_limit(monkeypatch):
+def test_statuses_stay_packed_past_their_spread_limit(configure, monkeypatch):
     """Statuses a line apart only while they fit in STATUS_SPREAD_WORDS."""
-    monkeypatch.setattr(sbnet, "PASS_LOOK_BACK", None)
-    monkeypatch.setattr(sbnet, "STATUS_STRIDE", None)
-    limit = sbnet.STATUS_SPREAD_WORDS // 16 - 1
-    assert sbnet._pass_look_back(sbnet.PASS_BLOCK_LOOK_BACK - 1) == ("warp", 1)
-    assert sbnet._pass_look_back(limit) == ("block", 16)
-    assert sbnet._pass_look_back(limit + 1) == ("block", 1)
+    configure(sbnet, pass_look_back=None)
+    configure(sbnet, status_stride=None)
+    limit = sbnet.DEFAULT.status_spread_words // 16 - 1
+    assert sbnet.reduce._pass_look_back(sbnet.config.DEFAULT, sbnet.DEFAULT.pass_block_look_back - 1) == ("warp", 1)
+    assert sbnet.reduce._pass_look_back(sbnet.config.DEFAULT, limit) == ("block", 16)
+    assert sbnet.reduce._pass_look_back(sbnet.config.DEFAULT, limit + 1) == ("block", 1)
 
 
 @pytest.mark.gpu
@@ -419,15 +421,14 @@ def test_statuses_stay_packed_past_their_spread_limit(monkeypatch):
     (1, "warp", 16, 32), (2, "warp", 16, 32), (2, "block", 16, 32), (2, None, 16, 64), (2, "warp", 0, 32),
     (2, "warp", 16, 64)])
 @pytest.mark.parametrize("avgpool", [False, True])
-def test_reduce_mask_of_large_masks(avgpool, version, look_back, lane_entries, windows, monkeypatch):
+def test_reduce_mask_of_large_masks(configure, avgpool, version, look_back, lane_entries, windows, monkeypatch):
     """Masks of 8 x 400 x 700 (version 1: the scan kernel's path; version 2: 17500 chunks whose
     look-backs wait on each other), large windows, negative offsets; repeated calls give the same
     indices."""
-    monkeypatch.setattr(sbnet, "PASS_LOOK_BACK", look_back)
-    monkeypatch.setattr(sbnet, "PASS_LANE_ENTRIES", lane_entries)
-    monkeypatch.setattr(sbnet, "PASS_WINDOWS", windows)
-    monkeypatch.setattr(sbnet, "_kernels", {})
-    monkeypatch.setattr(sbnet, "_plans", {})
+    configure(sbnet, pass_look_back=look_back)
+    configure(sbnet, pass_lane_entries=lane_entries)
+    configure(sbnet, pass_windows=windows)
+    monkeypatch.setattr(plans, "kept", {})
     rng = np.random.default_rng(4)
     for shape, g in (((8, 400, 700), {"bsize": 2, "bstride": 2}), ((2, 300, 500), {"bsize": 32, "bstride": 8}),
                      ((3, 200, 333), {"bsize": 5, "bstride": 3, "boffset": -2})):
@@ -532,13 +533,13 @@ def copy_kernel_dtypes(monkeypatch):
     """The list each element copy kernel's dtype (or ``half2``, ``int64`` words) is appended to
     as the launcher picks it."""
     dtypes = []
-    copy_kernel = sbnet._copy_kernel
+    copy_kernel = sbnet.dispatch.copy_kernel
 
-    def spy(scatter, transpose, add, atomic, dtype, channels_last):
+    def spy(cfg, scatter, transpose, add, atomic, dtype, channels_last):
         dtypes.append(dtype)
-        return copy_kernel(scatter, transpose, add, atomic, dtype, channels_last)
+        return copy_kernel(cfg, scatter, transpose, add, atomic, dtype, channels_last)
 
-    monkeypatch.setattr(sbnet, "_copy_kernel", spy)
+    monkeypatch.setattr(sbnet.dispatch, "copy_kernel", spy)
     return dtypes
 
 
@@ -586,18 +587,17 @@ def test_fp16_atomic_adds_of_overlapping_windows(channels, transpose, data_forma
 
 def pair_kernel_keys(monkeypatch):
     """The list the pair kernels' keys, (transpose, scatter, add, atomic[, halves, strip]), are appended to as made
-    (`sbnet._make_pair_kernels`, `sbnet._make_pair_tile_kernels` with transpose; `_make_pair_tile_gathers`:
+    (`make_pair_kernels`, `make_pair_tile_kernels` with transpose; `make_pair_tile_gathers`:
     ``(True, "gathers")``), and the element kernels' dtypes (`copy_kernel_dtypes`): both start empty."""
-    monkeypatch.setattr(sbnet, "_kernels", {})
     made = []
-    monkeypatch.setattr(sbnet, "_make_pair_tile_gathers",
-                        lambda make=sbnet._make_pair_tile_gathers: made.append((True, "gathers")) or make())
-    for name, transpose in (("_make_pair_kernels", False), ("_make_pair_tile_kernels", True)):
-        def spy(*key, make=getattr(sbnet, name), transpose=transpose):
+    monkeypatch.setattr(sbnet.dispatch, "make_pair_tile_gathers",
+                        lambda cfg, make=sbnet.dispatch.make_pair_tile_gathers: made.append((True, "gathers")) or make(cfg))
+    for name, transpose in (("make_pair_kernels", False), ("make_pair_tile_kernels", True)):
+        def spy(cfg, *key, make=getattr(sbnet.dispatch, name), transpose=transpose):
             made.append((transpose, *key))
-            return make(*key)
+            return make(cfg, *key)
 
-        monkeypatch.setattr(sbnet, name, spy)
+        monkeypatch.setattr(sbnet.dispatch, name, spy)
     return made, copy_kernel_dtypes(monkeypatch)
 
 
@@ -605,11 +605,11 @@ def small_pair_tiles(patch):
     """Pair tiles (adding scatters through the transpose) whose loops run more than once, as wide
     windows' do on the GPU: tiles of two channel pairs by 14 pixels, read in passes of a load a
     thread, image items in batches of one, 8 threads (no fewer than a window row's words)."""
-    patch.setattr(sbnet, "PAIR_TILE_PAIRS", 2)
-    patch.setattr(sbnet, "PAIR_TILE_PIXELS", 14)
-    patch.setattr(sbnet, "PAIR_TILE_THREADS", 8)
-    patch.setattr(sbnet, "PAIR_TILE_LOADS", 1)
-    patch.setattr(sbnet, "PAIR_TILE_UNROLL", 1)
+    patch.setattr(sbnet.config, "DEFAULT", replace(sbnet.config.DEFAULT, pair_tile_pairs=2))
+    patch.setattr(sbnet.config, "DEFAULT", replace(sbnet.config.DEFAULT, pair_tile_pixels=14))
+    patch.setattr(sbnet.config, "DEFAULT", replace(sbnet.config.DEFAULT, pair_tile_threads=8))
+    patch.setattr(sbnet.config, "DEFAULT", replace(sbnet.config.DEFAULT, pair_tile_loads=1))
+    patch.setattr(sbnet.config, "DEFAULT", replace(sbnet.config.DEFAULT, pair_tile_unroll=1))
 
 
 # NCHW fp16 images with an even width and windows of an even width: the pair kernels' cases.
@@ -625,7 +625,7 @@ pair_geometry = st.fixed_dictionaries({
 @few
 @given(seed=st.integers(0, 2**32 - 1), g=pair_geometry, width=st.sampled_from([2, 4, 6, 8, 12]),
        strip=st.booleans())
-def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, strip, add, atomic, transpose, halves):
+def test_nchw_fp16_copies_go_two_halves_a_word(configure, seed, g, width, strip, add, atomic, transpose, halves):
     """NCHW fp16 gathers and scatters with rows of whole words go two halves a word (scatters
     that are not atomic only at even columns; through the transpose, adding scatters of NHWC
     blocks only, where C is even, in tiles cut here by `small_pair_tiles`; gathers where C is
@@ -637,11 +637,11 @@ def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, strip, add, atomi
     Plain copies (no transpose) go a window a thread block, or by strips (``strip``: several
     windows side by side in each warp)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sbnet, "PAIR_STRIPS", sbnet.PAIR_STRIP_KINDS if strip else ())
+        configure(sbnet, pair_strips=sbnet.dispatch.PAIR_STRIP_KINDS if strip else ())
         small_pair_tiles(patch)
-        patch.setattr(sbnet, "PAIR_GATHER_PAIRS", 1)  # (gathers through the transpose: pieces of a window's
-        patch.setattr(sbnet, "PAIR_GATHER_WORDS", 24)  # channel pairs and of its rows)
-        patch.setattr(sbnet, "PAIR_HALVES", halves)
+        patch.setattr(sbnet.config, "DEFAULT", replace(sbnet.config.DEFAULT, pair_gather_pairs=1))  # (gathers through the transpose: pieces of a window's
+        configure(sbnet, pair_gather_words=24)  # channel pairs and of its rows)
+        configure(sbnet, pair_halves=halves)
         made, elements = pair_kernel_keys(patch)
         if halves == 4:  # widths of multiples of 4 (quad gathers), half the time at such columns too
             width, g = -(-width // 4) * 4, dict(g, bsize=(g["bsize"][0], -(-g["bsize"][1] // 4) * 4))
@@ -674,15 +674,15 @@ def test_nchw_fp16_quads_at_every_column_phase(offset, monkeypatch):
 
 
 @pytest.mark.parametrize("width, offset, stride", [(18, -1, 16), (16, -1, 14), (6, 0, 6), (5, -2, 7), (7, 1, 3)])
-def test_nchw_fp16_gathers_through_the_transpose_by_words(width, offset, stride, monkeypatch):
+def test_nchw_fp16_gathers_through_the_transpose_by_words(configure, width, offset, stride, monkeypatch):
     """NCHW fp16 gathers into NHWC blocks two halves a word (`_make_pair_tile_gathers`): windows at
     odd and even columns, of odd and even widths, overlapping or not, off the image's edges, in
     pieces of two channels (three a window) and of rows (the words of 19 rows of 18 halves do not
     fit a tile of 512), a device count short of the rows: equal to the reference bit for bit, no
     element kernel."""
-    monkeypatch.setattr(sbnet, "PAIR_GATHER_PAIRS", 1)
-    monkeypatch.setattr(sbnet, "PAIR_GATHER_WORDS", 512)
-    monkeypatch.setattr(sbnet, "PAIR_TILE_THREADS", 64)  # (the simulator's time: a thread a Python thread)
+    configure(sbnet, pair_gather_pairs=1)
+    configure(sbnet, pair_gather_words=512)
+    configure(sbnet, pair_tile_threads=64)  # (the simulator's time: a thread a Python thread)
     made, elements = pair_kernel_keys(monkeypatch)
     rng = np.random.default_rng(width)
     x = values(rng, (2, 6, 23, 40), "float16", "small_integers")
@@ -741,13 +741,13 @@ def test_nchw_fp16_adds_through_the_transpose_by_words(width, offset, stride, at
 
 
 @pytest.mark.parametrize("width, offset", [(4, 0), (6, -2), (18, -1)])
-def test_nchw_fp16_strips_of_many_windows_and_rows(width, offset, monkeypatch):
+def test_nchw_fp16_strips_of_many_windows_and_rows(configure, width, offset, monkeypatch):
     """Pair copies by strips (several windows side by side in each warp: `_strip_lanes`) over more
     windows than a warp holds (34 windows, 32, 10 or 3 a warp: the last group part full) and more
     rows than a pass takes (5 channels x 8 rows), windows off the image, repeated, a device count
     short of the rows: the gather, an overwrite and an add equal the reference bit for bit, an
     atomic add up to fp16's rounding."""
-    monkeypatch.setattr(sbnet, "PAIR_STRIPS", sbnet.PAIR_STRIP_KINDS)
+    configure(sbnet, pair_strips=sbnet.dispatch.PAIR_STRIP_KINDS)
     made, elements = pair_kernel_keys(monkeypatch)
     rng = np.random.default_rng(width)
     x = values(rng, (2, 5, 19, 40), "float16", "small_integers")
@@ -845,8 +845,7 @@ def test_row_copies_equal_reference(dtype, channels, transpose, widths, settings
     tile short; thread blocks window by window and tile by tile, both dtypes, with several
     chunks of channels (68, 136)."""
     with pytest.MonkeyPatch.context() as patch:
-        for name, value in settings.items():
-            patch.setattr(sbnet, name, value)
+        patch.setattr(sbnet.config, "DEFAULT", replace(sbnet.config.DEFAULT, **{k.lower(): v for k, v in settings.items()}))
         check_row_copies(dtype, channels, transpose, widths, add, data)
 
 
@@ -854,9 +853,8 @@ def row_kernel_keys(patch):
     """The list each row kernel's key is appended to as the launcher makes it (from an emptied
     kernel cache: every kernel a call takes)."""
     keys = []
-    make = sbnet._make_row_kernels
-    patch.setattr(sbnet, "_kernels", {})
-    patch.setattr(sbnet, "_make_row_kernels", lambda *key: keys.append(key) or make(*key))
+    make = sbnet.dispatch.make_row_kernels
+    patch.setattr(sbnet.dispatch, "make_row_kernels", lambda cfg, *key: keys.append(key) or make(cfg, *key))
     return keys
 
 
@@ -882,7 +880,7 @@ def check_row_copies(dtype, channels, transpose, widths, add, data):
     y = values(rng, shape, dtype, "normal")
     with pytest.MonkeyPatch.context() as patch:
         made_scatter = row_kernel_keys(patch)
-        patch.setattr(sbnet, "MERGE", False)  # (a scatter into a copy would merge in one pass)
+        patch.setattr(sbnet.config, "DEFAULT", replace(sbnet.config.DEFAULT, merge=False))  # (a scatter into a copy would merge in one pass)
         got = sbnet.sparse_scatter(blocks, indices, y, add=add, transpose=transpose, count=count, **g_scatter)
     want = reference.sparse_scatter(blocks[:count[0]], indices[:count[0]], y, add=add, transpose=transpose,
                                     **g_scatter)
@@ -891,11 +889,11 @@ def check_row_copies(dtype, channels, transpose, widths, add, data):
 
 
 @pytest.mark.parametrize("transpose", [False, True])
-def test_row_copies_fall_back_past_the_grid_limit(transpose, monkeypatch):
+def test_row_copies_fall_back_past_the_grid_limit(configure, transpose, monkeypatch):
     """A window with more tiles (or rows) than a grid's y takes the element kernels, whose grid
     does not grow with the window (the limit made 1 here: CUDA's is 65535)."""
     made = row_kernel_keys(monkeypatch)
-    monkeypatch.setattr(sbnet, "MAX_GRID_YZ", 1)
+    configure(sbnet, max_grid_yz=1)
     rng = np.random.default_rng(9)
     x = rng.standard_normal((1, 6, 7, 4)).astype(np.float32)
     indices = np.array([[0, 0, 0], [0, 1, 1]], np.int32)
@@ -920,9 +918,8 @@ def test_row_copies_fall_back_where_pointers_are_misaligned():
 def merge_kernel_keys(patch):
     """The list each merging scatter's kernel key is appended to as the launcher makes it."""
     keys = []
-    make = sbnet._make_merge_kernels
-    patch.setattr(sbnet, "_kernels", {})
-    patch.setattr(sbnet, "_make_merge_kernels", lambda *key: keys.append(key) or make(*key))
+    make = sbnet.dispatch.make_merge_kernels
+    patch.setattr(sbnet.dispatch, "make_merge_kernels", lambda cfg, *key: keys.append(key) or make(cfg, *key))
     return keys
 
 
@@ -931,7 +928,7 @@ def merge_kernel_keys(patch):
 @pytest.mark.parametrize("add, atomic", [(False, False), (True, False), (True, True)])
 @few
 @given(data=st.data())
-def test_merging_scatter_equals_reference(dtype, channels, link_alone, add, atomic, data):
+def test_merging_scatter_equals_reference(configure, dtype, channels, link_alone, add, atomic, data):
     """A scatter into a copy of an NHWC image in one pass (every pixel written once, from a map
     of the windows): windows overlapping by up to half (atomic adds), with holes between them,
     off every edge, negative and uneven offsets, a window's rows and columns of 1, out-of-range
@@ -955,8 +952,8 @@ def test_merging_scatter_equals_reference(dtype, channels, link_alone, add, atom
     y = values(rng, shape, dtype, "normal")
     with pytest.MonkeyPatch.context() as patch, poisoned_outputs():
         made = merge_kernel_keys(patch)
-        patch.setattr(sbnet, "LINK_ALONE", link_alone)
-        patch.setattr(sbnet, "MERGE_MIN_COVER", 0)  # (however few the windows)
+        configure(sbnet, link_alone=link_alone)
+        configure(sbnet, merge_min_cover=0)  # (however few the windows)
         got = sbnet.sparse_scatter(blocks, indices, y, add=add, atomic=atomic, count=count, **g)
     want = reference.sparse_scatter(blocks[:count[0]].astype(np.float64), indices[:count[0]],
                                     y.astype(np.float64), add=add, **g)
@@ -970,7 +967,7 @@ def test_merging_scatter_equals_reference(dtype, channels, link_alone, add, atom
 
 
 @pytest.mark.parametrize("case", ["overlap past half", "inplace", "transpose", "misaligned", "few windows"])
-def test_scatters_that_cannot_merge_copy_first(case):
+def test_scatters_that_cannot_merge_copy_first(configure, case):
     """Windows over a pixel more than twice along an axis, an in-place scatter, blocks in the
     other layout, an image off 16-byte alignment, blocks covering less of the image than
     MERGE_MIN_COVER: y copied (or not, in place), then scattered; equal to the reference."""
@@ -987,7 +984,7 @@ def test_scatters_that_cannot_merge_copy_first(case):
         y = cuda.to_device(np.concatenate([[0], x.ravel()]).astype(np.float32))[1:].reshape(x.shape)
     with pytest.MonkeyPatch.context() as patch:
         made = merge_kernel_keys(patch)
-        patch.setattr(sbnet, "MERGE_MIN_COVER", 0.95 if case == "few windows" else 0)  # (27 of 30 pixels)
+        configure(sbnet, merge_min_cover=0.95 if case == "few windows" else 0)  # (27 of 30 pixels)
         got = sbnet.sparse_scatter(cuda.to_device(blocks), cuda.to_device(indices), y, add=True, atomic=True,
                                    transpose=transpose,
                                    inplace=case == "inplace", **g).copy_to_host()
@@ -998,14 +995,14 @@ def test_scatters_that_cannot_merge_copy_first(case):
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="kept plans replay through the driver")
 @pytest.mark.parametrize("transpose, link_alone", [(False, 16384), (True, 16384), (False, 0)])
-def test_repeated_torch_calls_replay_a_kept_plan(transpose, link_alone, monkeypatch):
+def test_repeated_torch_calls_replay_a_kept_plan(configure, transpose, link_alone, monkeypatch):
     """The second gather or scatter with tensors like the first goes through a kept plan (new
     pointers, new output, or y itself in place; a merging scatter's map emptied in its link or
     by a launch of its own); other alignments take the general path."""
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(sbnet, "_plans", {})
-    monkeypatch.setattr(sbnet, "LINK_ALONE", link_alone)
-    monkeypatch.setattr(sbnet, "MERGE_MIN_COVER", 0)
+    monkeypatch.setattr(plans, "kept", {})
+    configure(sbnet, link_alone=link_alone)
+    configure(sbnet, merge_min_cover=0)
     g = {"bsize": (3, 4), "bstride": (3, 4), "boffset": (-1, -2)}
     indices = torch.tensor([[0, 0, 0], [1, 1, 2], [0, 2, 1], [1, 0, 3]], dtype=torch.int32, device="cuda")
     count = torch.tensor([3], dtype=torch.int32, device="cuda")
@@ -1024,14 +1021,14 @@ def test_repeated_torch_calls_replay_a_kept_plan(transpose, link_alone, monkeypa
                                        count=count, **g)
             assert (out is y) == inplace
             np.testing.assert_allclose(out.cpu().numpy(), want, rtol=1e-6, atol=1e-6)
-    assert len(sbnet._plans) == 4
+    assert len(plans.kept) == 4
     wide = torch.randn(2 * 7 * 9 * 8 + 1, device="cuda")
     shifted = wide[1:].view(2, 7, 9, 8)  # 4 bytes off: the element kernels
     got = sbnet.sparse_gather(shifted, indices, transpose=transpose, count=count, **g)
     want = reference.sparse_gather(shifted.cpu().numpy(), host_indices, transpose=transpose, **g)
     np.testing.assert_array_equal(got[:3].cpu().numpy(), want)
     assert not got[3:].any()
-    assert len(sbnet._plans) == 5
+    assert len(plans.kept) == 5
 
 
 @pytest.mark.gpu
@@ -1043,7 +1040,7 @@ def test_kept_plans_of_the_pair_kernels_write_the_image_through_both_views(monke
     and the gather through the transpose by words replays onto the second call's image, and so
     does the pair tiles' adding scatter)."""
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(sbnet, "_plans", {})
+    monkeypatch.setattr(plans, "kept", {})
     made, _ = pair_kernel_keys(monkeypatch)
     g = {"bsize": (3, 4), "bstride": (3, 4), "boffset": (-1, -1)}  # odd first columns: ends go alone
     indices = torch.tensor([[0, 0, 0], [1, 1, 2], [0, 2, 1], [1, 0, 3]], dtype=torch.int32, device="cuda")
@@ -1082,7 +1079,7 @@ def test_kept_plans_of_the_pair_kernels_write_the_image_through_both_views(monke
         np.testing.assert_array_equal(out.cpu().numpy(), want)
         if round == 0:
             earlier.append((out, out.clone()))
-    assert len(sbnet._plans) == 7 and set(made) == {(False, False, False, False, 4, False),
+    assert len(plans.kept) == 7 and set(made) == {(False, False, False, False, 4, False),
                                                     (False, True, True, True, 2, True), (True, "gathers"),
                                                     (True, False)}
     for out, copy in earlier:  # no replay wrote into the first round's images
@@ -1094,7 +1091,7 @@ def test_kept_plans_of_the_pair_kernels_write_the_image_through_both_views(monke
 def test_repeated_reduce_mask_replays_a_kept_plan(monkeypatch):
     """reduce_mask's kept plan: new masks of the same shape give their own indices and count."""
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(sbnet, "_plans", {})
+    monkeypatch.setattr(plans, "kept", {})
     rng = np.random.default_rng(9)
     g = {"bsize": 3, "bstride": 2, "boffset": -1}
     for _ in range(3):
@@ -1102,7 +1099,7 @@ def test_repeated_reduce_mask_replays_a_kept_plan(monkeypatch):
         indices, count = sbnet.reduce_mask(torch.as_tensor(mask, device="cuda"), **g)
         want = reference.reduce_mask(mask, **g)
         n = int(count[0])
-        assert n == len(want) and len(sbnet._plans) == 1
+        assert n == len(want) and len(plans.kept) == 1
         np.testing.assert_array_equal(indices[:n].cpu().numpy(), want)
         assert (indices[n:, 0] == -1).all()
 
@@ -1112,10 +1109,10 @@ def test_reduce_mask_zeroes_statuses_once_a_stream_and_a_capture(monkeypatch):
     count in status[0] advances); a call under a graph capture (faked here) takes the spare
     zeroed outside it, the capture's later calls reuse that, and a capture with no spare left
     zeroes scratch statuses in the call. Every call's indices equal the reference's."""
-    monkeypatch.setattr(sbnet, "_status_buffers", {})
-    monkeypatch.setattr(sbnet, "_status_spares", {})
+    monkeypatch.setattr(sbnet.statuses, "_status_buffers", {})
+    monkeypatch.setattr(sbnet.statuses, "_status_spares", {})
     capture = [None]
-    monkeypatch.setattr(sbnet, "capture_of", lambda handle: capture[0])
+    monkeypatch.setattr(sbnet.statuses, "capture_of", lambda handle: capture[0])
     rng = np.random.default_rng(23)
     g = {"bsize": 2, "bstride": 2}
 
@@ -1125,22 +1122,22 @@ def test_reduce_mask_zeroes_statuses_once_a_stream_and_a_capture(monkeypatch):
         np.testing.assert_array_equal(got, reference.reduce_mask(mask, **g))
 
     def launches():
-        return {key[0]: int(buffer.copy_to_host()[0]) for key, buffer in sbnet._status_buffers.items()}
+        return {key[0]: int(buffer.copy_to_host()[0]) for key, buffer in sbnet.statuses._status_buffers.items()}
 
     check()
     check()
     stream = next(iter(launches()))
-    assert launches() == {stream: 2} and len(next(iter(sbnet._status_spares.values()))) == 1
+    assert launches() == {stream: 2} and len(next(iter(sbnet.statuses._status_spares.values()))) == 1
     capture[0] = 7
     check()
     check()
-    assert launches() == {stream: 2, (7, stream): 2} and not next(iter(sbnet._status_spares.values()))
+    assert launches() == {stream: 2, (7, stream): 2} and not next(iter(sbnet.statuses._status_spares.values()))
     capture[0] = 8  # no spare left
     check()
     assert launches() == {stream: 2, (7, stream): 2}
     capture[0] = None  # a call outside captures makes a new spare
     check()
-    assert launches() == {stream: 3, (7, stream): 2} and len(next(iter(sbnet._status_spares.values()))) == 1
+    assert launches() == {stream: 3, (7, stream): 2} and len(next(iter(sbnet.statuses._status_spares.values()))) == 1
 
 
 @pytest.mark.gpu
@@ -1150,7 +1147,7 @@ def test_reduce_mask_in_a_captured_graph_replays_beside_eager_calls(monkeypatch)
     mask contents, between eager calls on the capture's stream and on another: each call's
     indices and count are the mask's."""
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(sbnet, "_plans", {})
+    monkeypatch.setattr(plans, "kept", {})
     rng = np.random.default_rng(24)
     g = {"bsize": 4, "bstride": 4, "boffset": -1}
     shape = (2, 60, 90)
@@ -1196,13 +1193,13 @@ def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch):
     from sparseblocks.runtime import arrays as _arrays
 
     launches = []
-    monkeypatch.setattr(sbnet, "_plans", {})
-    monkeypatch.setattr(sbnet, "replay", lambda *args, live: lambda stream, *pointers: launches.append(pointers))
+    monkeypatch.setattr(plans, "kept", {})
+    monkeypatch.setattr(sbnet.plans, "replay", lambda *args, live: lambda stream, *pointers: launches.append(pointers))
     monkeypatch.setattr(_arrays, "torch_stream_handle", lambda: 0)
     g = {"bsize": 2, "bstride": 2, "boffset": 0}
     indices = torch.tensor([[0, 0, 0], [0, 1, 1]], dtype=torch.int32)
     sbnet.sparse_gather(torch.randn(1, 4, 4, 4), indices, **g)  # the general path keeps a plan
-    assert len(sbnet._plans) == 1 and not launches
+    assert len(plans.kept) == 1 and not launches
     x = torch.randn(1, 4, 4, 4)
     blocks = sbnet.sparse_gather(x, indices, **g)
     assert blocks.shape == (2, 2, 2, 4) and launches[-1][0] == x.data_ptr()
@@ -1211,7 +1208,7 @@ def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch):
         sbnet.sparse_gather(other, indices, **g)
     sbnet.sparse_gather(x, indices, transpose=True, **g)
     sbnet.sparse_gather(x, indices, **dict(g, boffset=-1))
-    assert len(launches) == 1 and len(sbnet._plans) == 5
+    assert len(launches) == 1 and len(plans.kept) == 5
     with pytest.raises(ValueError, match="contiguous"):
         sbnet.sparse_gather(torch.randn(1, 4, 4, 4).permute(0, 2, 1, 3), indices, **g)
     y = torch.randn(1, 4, 4, 4)
@@ -1233,7 +1230,7 @@ def test_kept_plans_are_keyed_by_what_the_checks_see(monkeypatch):
     assert pool[2] == again.data_ptr() and compact[:2] == (active.data_ptr(), count.data_ptr())
     assert compact[2] == pool[0] and compact[3] == compact[4] == pool[1] and len(launches) == 5
     sbnet.reduce_mask(again, 2, 2, tol=0.25)  # another threshold: the general path
-    assert len(launches) == 5 and len(sbnet._plans) == 9
+    assert len(launches) == 5 and len(plans.kept) == 9
 
 
 # Windows 2**30 apart from -(2**31 - 1): window (2, 2) starts at (1, 1). Rows 6 and -2 start
@@ -1426,7 +1423,7 @@ def test_a_written_array_sharing_memory_with_a_read_one_raises(kind, call, share
     def no_launch(*args, **kwargs):
         raise AssertionError("launched")
 
-    monkeypatch.setattr(sbnet, "launch", no_launch)
+    monkeypatch.setattr(sbnet.reduce, "launch", no_launch)
     at = 20 if call == "scatter" else 4  # an element inside what the call writes (image, or out)
     moved = {"x": (view(20, 36, (2, 2, 2, 2)), indices, count),  # (the gather's out inside its image)
              "blocks": (view(at, at + 16, (2, 2, 2, 2)), indices, count),

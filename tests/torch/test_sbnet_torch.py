@@ -1,11 +1,15 @@
 """Autograd of SBNet's gather and scatter, and the sparse ResNet block (needs torch)."""
 
+from dataclasses import replace
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from sparseblocks import sbnet_torch  # noqa: E402
+import sparseblocks.torch as sbnet_torch  # noqa: E402
+from sparseblocks import fused as fused_kernels  # noqa: E402
+from sparseblocks import sbnet as sbnet_kernels  # noqa: E402
+from sparseblocks.torch import bottleneck, graphs  # noqa: E402
 from sparseblocks.runtime.backend import SIMULATOR  # noqa: E402
 from sparseblocks.reference import sbnet as reference  # noqa: E402
 
@@ -145,9 +149,9 @@ def test_sparse_res_block_equals_the_dense_block_on_active_blocks(layout):
 def test_sparse_res_block_refuses_bad_input_before_any_launch(case, error, match, monkeypatch):
     block, x, indices, count, _ = three_windows()
     launched = []
-    for module, name in ((sbnet_torch.kernels, "sparse_gather"), (sbnet_torch.kernels, "sparse_scatter"),
-                         (sbnet_torch.kernels, "reduce_mask"), (sbnet_torch.fused_kernels, "sparse_gather_matmul"),
-                         (sbnet_torch.fused_kernels, "sparse_matmul_scatter")):
+    for module, name in ((sbnet_kernels, "sparse_gather"), (sbnet_kernels, "sparse_scatter"),
+                         (sbnet_kernels, "reduce_mask"), (fused_kernels, "sparse_gather_matmul"),
+                         (fused_kernels, "sparse_matmul_scatter")):
         monkeypatch.setattr(module, name, lambda *a, **k: launched.append(a))
     calls = {
         "3-D x": lambda: block(x[0], indices, count),
@@ -347,7 +351,7 @@ def test_residual_writes_into_buffers_what_it_returns_without(nchw_stack, flippe
     without autograd); ``flipped``: the NCHW stack's forward with its output NHWC."""
     torch.manual_seed(7)
     with torch.no_grad():
-        residual = sbnet_torch._WRITTEN_OUT[nchw_stack]
+        residual = graphs._WRITTEN_OUT[nchw_stack]
         block = sbnet_torch.SparseResBlock(8, 4, block_size=6).double().to(DEVICE)
         weights = block.weights()
         stack = torch.randn(3, 8, 6, 6, dtype=torch.float64, device=DEVICE)
@@ -380,7 +384,7 @@ def test_nchw_residual_is_the_convolutions(windows):
     stack = torch.randn(windows, 8, 6, 6, dtype=torch.float64, device=DEVICE, requires_grad=True)
     h = torch.relu(torch.nn.functional.conv2d(stack, weights[0]))
     want = torch.nn.functional.conv2d(torch.relu(torch.nn.functional.conv2d(h, weights[1])), weights[2])
-    residual = sbnet_torch._WRITTEN_OUT[True]
+    residual = graphs._WRITTEN_OUT[True]
     with torch.no_grad():
         out, saved = residual.forward(stack, weights)
         flipped_out, flipped_saved = residual.forward(stack, weights, flipped=True)
@@ -433,31 +437,22 @@ def test_rows_past_the_count_add_nothing_to_the_gradients(transpose, graphs, poi
             torch.testing.assert_close(g, w)
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
-def test_fused_relu_gives_the_relu_apart(dtype, monkeypatch):
-    """The NHWC residual with its first ReLU fused into the matrix product before it (cuBLASLt's
-    epilogue: the GPU's fp32 and fp16) gives what it gives with them apart, into buffers too;
-    where autograd records (a caller differentiating the block's `residual_nhwc`), they run
-    apart and the gradients flow."""
-    if dtype != "float64" and DEVICE == "cpu":
-        pytest.skip("fused on the GPU in fp32 and fp16 (the CPU's fp64 runs torch's fallback)")
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_residual_into_buffers_gives_the_residual(dtype):
+    """The NHWC residual written into given buffers (a graph's) gives what it gives into new
+    tensors; differentiated (a caller's own `residual_nhwc`), the gradients flow."""
     torch.manual_seed(3)
     dtype = getattr(torch, dtype)
-    residual = sbnet_torch._WRITTEN_OUT[False]
+    residual = graphs._WRITTEN_OUT[False]
     block = sbnet_torch.SparseResBlock(16, 8, block_size=6).to(DEVICE, dtype)
     weights = block.weights()
     stack = torch.randn(5, 6, 6, 16, dtype=dtype, device=DEVICE)
-    tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.float16 else {}
     with torch.no_grad():
-        monkeypatch.setattr(sbnet_torch, "FUSED_MATMUL_RELU", False)
         apart, apart_saved = residual.forward(stack, weights)
-        monkeypatch.setattr(sbnet_torch, "FUSED_MATMUL_RELU", True)
-        fused, fused_saved = residual.forward(stack, weights)
         into = tuple(torch.full_like(t, float("nan")) for t in (apart_saved[1], apart_saved[2], apart.contiguous()))
         written, written_saved = residual.forward(stack, weights, into=into)
-    for got in ((fused, *fused_saved[1:]), (written, *written_saved[1:])):
-        for g, w in zip(got, (apart, *apart_saved[1:])):
-            torch.testing.assert_close(g, w, **tolerance)
+    for g, w in zip((written, *written_saved[1:]), (apart, *apart_saved[1:])):
+        torch.testing.assert_close(g, w)
     stack.requires_grad_(True)
     block.residual_nhwc(stack).float().sum().backward()
     assert stack.grad is not None and all(w.grad is not None for w in weights)
@@ -494,13 +489,13 @@ def fusion_case(dtype, bottleneck, seed, flag, kernel, monkeypatch, transpose=Fa
     mask[0, 2:4, 2:8] = 1
     indices, count = block.active_blocks(tensor(mask))
     with torch.no_grad():
-        monkeypatch.setattr(sbnet_torch, flag, False)
+        monkeypatch.setattr(sbnet_torch.config, "DEFAULT", replace(sbnet_torch.config.DEFAULT, **{flag.lower(): False}))
         apart = block(x, indices, count)
     calls = []
-    fused_call = getattr(sbnet_torch.fused_kernels, kernel)
-    monkeypatch.setattr(sbnet_torch.fused_kernels, kernel,
+    fused_call = getattr(fused_kernels, kernel)
+    monkeypatch.setattr(fused_kernels, kernel,
                         lambda *args, **kwargs: calls.append(1) or fused_call(*args, **kwargs))
-    monkeypatch.setattr(sbnet_torch, flag, True)
+    monkeypatch.setattr(sbnet_torch.config, "DEFAULT", replace(sbnet_torch.config.DEFAULT, **{flag.lower(): True}))
     return block, x, indices, count, apart, calls
 
 
@@ -515,14 +510,14 @@ def as_apart(block, x, indices, count, apart, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_gather_gives_the_gather_and_product_apart(dtype, monkeypatch):
+def test_fused_gather_gives_the_gather_and_product_apart(configure, dtype, monkeypatch):
     """Calls without gradients on an NHWC stack of FUSED_GATHER_MIN_PIXELS pixels or more gather
     the windows straight into the first product (`kernels.gather_matmul`): the block's output is
     the one of the gather and the product apart, in place and through CUDA graphs too; with
     gradients, or past the fused kernel's limits (fp64), the two calls stay."""
     block, x, indices, count, apart, calls = fusion_case(dtype, 4, 4, "FUSED_GATHER", "sparse_gather_matmul",
                                                          monkeypatch)
-    monkeypatch.setattr(sbnet_torch, "FUSED_GATHER_MIN_PIXELS", 0)
+    configure(sbnet_torch, fused_gather_min_pixels=0)
     tolerance = as_apart(block, x, indices, count, apart, dtype)
     assert len(calls) == 2
     if DEVICE == "cuda":
@@ -545,24 +540,24 @@ def test_fused_gather_gives_the_gather_and_product_apart(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype, transpose, nchw", [(torch.float16, False, True), (torch.float16, True, False)])
-def test_fused_gather_takes_the_nchw_stacks(dtype, transpose, nchw, monkeypatch):
+def test_fused_gather_takes_the_nchw_stacks(configure, dtype, transpose, nchw, monkeypatch):
     """The NCHW stack's blocks take the fused gather and product too (their first ReLU's output is
     NHWC as the NHWC stack's): an fp16 NCHW input by the kernel's NCHW tile, a channels_last
     input with ``transpose`` by its NHWC one (fp32 takes the same route); the output is the one of
     the gather and the product apart, into a copy and in place."""
     block, x, indices, count, apart, calls = fusion_case(dtype, 4, 7, "FUSED_GATHER", "sparse_gather_matmul",
                                                          monkeypatch, transpose=transpose, nchw=nchw)
-    monkeypatch.setattr(sbnet_torch, "FUSED_GATHER_MIN_PIXELS", 0)
+    configure(sbnet_torch, fused_gather_min_pixels=0)
     as_apart(block, x, indices, count, apart, dtype)
     assert len(calls) == 2
-    monkeypatch.setattr(sbnet_torch, "FUSED_GATHER_LAYOUTS", {("NHWC", False)})  # the layouts' switch
+    configure(sbnet_torch, fused_gather_layouts={("NHWC", False)})  # the layouts' switch
     with torch.no_grad():
         block(x, indices, count)
     assert len(calls) == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_sparse_res_block_keeps_a_nan_where_the_dense_block_does(dtype, monkeypatch):
+def test_sparse_res_block_keeps_a_nan_where_the_dense_block_does(configure, dtype, monkeypatch):
     """A NaN in an active window (a diverging model's) comes out of the block as out of the dense
     one: on the 3x3 around its pixel at least (past both ReLUs, the fused gather's and scatter's
     included; a Winograd 3x3 may spread it over its whole tile), never off the active windows,
@@ -586,9 +581,9 @@ def test_sparse_res_block_keeps_a_nan_where_the_dense_block_does(dtype, monkeypa
         assert torch.isnan(block.dense(x)[around]).all()
     # The fused kernels, and cuBLAS's products (whose ReLU epilogue drops NaNs); the CPU has torch's alone.
     for fused in (True, False) if DEVICE == "cuda" else (False,):
-        monkeypatch.setattr(sbnet_torch, "FUSED_GATHER_MIN_PIXELS", 0 if fused else 2**40)
-        monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER_MIN_PIXELS", {} if fused else {("NHWC", dtype): 2**40})
-        monkeypatch.setattr(sbnet_torch, "FUSED_WHEN_HOST_BOUND", fused)
+        configure(sbnet_torch, fused_gather_min_pixels=0 if fused else 2**40)
+        configure(sbnet_torch, fused_scatter_min_pixels={} if fused else {("NHWC", str(dtype).replace("torch.", "")): 2**40})
+        configure(sbnet_torch, fused_when_host_bound=fused)
         for inplace, grad in ((False, False), (True, False), (False, True)):
             with torch.set_grad_enabled(grad):
                 y = block(x.clone().requires_grad_(grad), indices, count, inplace=inplace)
@@ -598,7 +593,7 @@ def test_sparse_res_block_keeps_a_nan_where_the_dense_block_does(dtype, monkeypa
 
 @pytest.mark.parametrize("dtype, nchw", [(torch.float32, False), (torch.float16, False), (torch.float16, True),
                                          (torch.float32, True)])
-def test_fused_scatter_gives_the_product_and_scatter_apart(dtype, nchw, monkeypatch):
+def test_fused_scatter_gives_the_product_and_scatter_apart(configure, dtype, nchw, monkeypatch):
     """In-place calls without gradients whose output is NHWC (of FUSED_SCATTER_MIN_PIXELS output
     pixels or more) add the last product straight into the image (`sparse_matmul_scatter`; ``nchw``:
     an NCHW input, through the transpose, its fp32 output NHWC for it alone): the same output as
@@ -607,14 +602,14 @@ def test_fused_scatter_gives_the_product_and_scatter_apart(dtype, nchw, monkeypa
     FUSED_SCATTER_MAX_IN and fp64 keep the two calls."""
     block, x, indices, count, apart, calls = fusion_case(dtype, 8, 5, "FUSED_SCATTER", "sparse_matmul_scatter",
                                                          monkeypatch, nchw=nchw)
-    monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER_MIN_PIXELS", {})
+    configure(sbnet_torch, fused_scatter_min_pixels={})
     tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.float16 else {"atol": 1e-5, "rtol": 1e-5}
     with torch.no_grad():
         torch.testing.assert_close(block(x, indices, count), apart, **tolerance)
         assert not calls  # (into a copy: apart)
         for gather in (False, True):
-            monkeypatch.setattr(sbnet_torch, "FUSED_GATHER", gather)
-            monkeypatch.setattr(sbnet_torch, "FUSED_GATHER_MIN_PIXELS", 0)
+            configure(sbnet_torch, fused_gather=gather)
+            configure(sbnet_torch, fused_gather_min_pixels=0)
             image = x.clone()
             assert block(image, indices, count, inplace=True).data_ptr() == image.data_ptr()
             torch.testing.assert_close(image, apart, **tolerance)
@@ -624,7 +619,7 @@ def test_fused_scatter_gives_the_product_and_scatter_apart(dtype, nchw, monkeypa
         graphed.load_state_dict(block.state_dict())
         with torch.no_grad():
             for gather in (False, True):
-                monkeypatch.setattr(sbnet_torch, "FUSED_GATHER", gather)
+                configure(sbnet_torch, fused_gather=gather)
                 for _ in range(2):  # the first calls keep their launches, the second ones replay them
                     image = x.clone()
                     graphed(image, indices, count, inplace=True)
@@ -633,10 +628,10 @@ def test_fused_scatter_gives_the_product_and_scatter_apart(dtype, nchw, monkeypa
         assert len(calls) == 4  # (the replays launch the fused kernel's kept launch directly)
     calls.clear()
     block(x.clone().requires_grad_(True), indices, count).float().sum().backward()
-    monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER_MAX_IN", 4)  # (a product wider than the limit)
+    configure(sbnet_torch, fused_scatter_max_in=4)  # (a product wider than the limit)
     with torch.no_grad():
         block(x.clone(), indices, count, inplace=True)
-    monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER_MAX_IN", 64)
+    configure(sbnet_torch, fused_scatter_max_in=64)
     with torch.no_grad():
         block.double()(x.detach().double(), indices, count, inplace=True)
     assert not calls
@@ -644,7 +639,7 @@ def test_fused_scatter_gives_the_product_and_scatter_apart(dtype, nchw, monkeypa
 
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU")
-def test_host_bound_calls_fuse_at_any_size(monkeypatch):
+def test_host_bound_calls_fuse_at_any_size(configure, monkeypatch):
     """Eager calls without gradients (CUDA tensors, no capture: the host bounds them) take the
     fused gather and product and the fused product and scatter however few the windows' pixels;
     under a caller's graph capture the pixel thresholds decide, as they do with
@@ -652,21 +647,21 @@ def test_host_bound_calls_fuse_at_any_size(monkeypatch):
     block, x, indices, count, apart, scatters = fusion_case(torch.float16, 8, 5, "FUSED_SCATTER",
                                                             "sparse_matmul_scatter", monkeypatch)
     gathers = []
-    fused_gather = sbnet_torch.fused_kernels.sparse_gather_matmul
-    monkeypatch.setattr(sbnet_torch.fused_kernels, "sparse_gather_matmul",
+    fused_gather = fused_kernels.sparse_gather_matmul
+    monkeypatch.setattr(fused_kernels, "sparse_gather_matmul",
                         lambda *args, **kwargs: gathers.append(1) or fused_gather(*args, **kwargs))
-    monkeypatch.setattr(sbnet_torch, "FUSED_GATHER_MIN_PIXELS", 2**40)
-    monkeypatch.setattr(sbnet_torch, "FUSED_SCATTER_MIN_PIXELS", {("NHWC", torch.float16): 2**40})
+    configure(sbnet_torch, fused_gather_min_pixels=2**40)
+    configure(sbnet_torch, fused_scatter_min_pixels={("NHWC", "float16"): 2**40})
     tolerance = {"atol": 1e-2, "rtol": 1e-2}
     with torch.no_grad():
         image = x.clone()
         block(image, indices, count, inplace=True)
         assert (len(gathers), len(scatters)) == (1, 1)
         torch.testing.assert_close(image, apart, **tolerance)
-        monkeypatch.setattr(sbnet_torch, "FUSED_WHEN_HOST_BOUND", False)
+        configure(sbnet_torch, fused_when_host_bound=False)
         block(x.clone(), indices, count, inplace=True)  # (also the capture's warm-up: its kernels, outside it)
         assert (len(gathers), len(scatters)) == (1, 1)
-        monkeypatch.setattr(sbnet_torch, "FUSED_WHEN_HOST_BOUND", True)
+        configure(sbnet_torch, fused_when_host_bound=True)
         image = x.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -752,7 +747,7 @@ def test_sparse_res_block_graphs_train_as_without(transpose):
         for we, wg in zip(eager.weights(), graphed.weights()):
             torch.testing.assert_close(wg.grad, we.grad)
         del calls
-    assert len(next(iter(slots.values()))) == sbnet_torch._ResidualGraphs.MAX_SLOTS
+    assert len(next(iter(slots.values()))) == graphs._ResidualGraphs.MAX_SLOTS
 
     indices = windows(10)
     xg, y = forward(graphed, indices)
@@ -867,4 +862,4 @@ def test_an_nchw_input_has_its_output_nhwc_only_where_the_pair_tiles_scatter_it(
     at most PAIR_TILE_PIXELS pixels; elsewhere (and in fp32) the generic tile would cost more than
     the product saves, and the output stays NCHW."""
     image = torch.zeros(1, channels, 3, width, dtype=dtype)
-    assert sbnet_torch._nhwc_out_of_nchw(image, window) == nhwc
+    assert bottleneck._nhwc_out_of_nchw(image, window) == nhwc

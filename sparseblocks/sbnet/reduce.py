@@ -38,9 +38,7 @@ MASK_DTYPES = ("bool", "uint8", "float16", "float32", "float64")
 def _reduce_group_warps(cfg, size, total):
     """Warps pooling one window: enough for REDUCE_LOADS pixels a lane, at most a thread block,
     and no more than it takes to fill the GPU's warp slots once (more windows than that: the
-    windows themselves fill it, and groups only add barriers). H100, graph µs, groups 1 / 2 / 4
-    / 8 (`results/sbnet_reduce_mask_h100.md`): 1 x 400 x 700, windows of 32: 14.7 / 10.7 / 8.8
-    / 8.5; 8 x 400 x 700, windows of 16 (8800): 19.5 / 22.9 / 36.2 / 62.4."""
+    windows themselves fill it, and groups only add barriers)."""
     REDUCE_FILL = cfg.reduce_fill
     REDUCE_LOADS = cfg.reduce_loads
     REDUCE_WARPS = cfg.reduce_warps
