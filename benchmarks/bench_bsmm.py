@@ -1,4 +1,4 @@
-"""Block-sparse matmul on the GPU against torch dense (cuBLAS) and torch BSR (cuSPARSE).
+"""Block-sparse matmul on the GPU against torch dense (cuBLAS), torch BSR and torch's Triton BSR.
 
     python -m benchmarks.bench_bsmm [--quick] [--rows N,...] [--block-sizes B,...] [--densities D,...] [--out-dir DIR]
     python -m benchmarks.bench_bsmm --merge A.json B.json ...   (runs split by --rows)
@@ -7,7 +7,8 @@ For every size, block size, density and dtype: check all three products
 against a float64 dense product, then time them and the baselines in the
 same run (median of CUDA-event timings): torch dense ``x @ W`` (TF32 off for
 fp32) and torch BSR (``W.to_sparse_bsr`` times a dense matrix, the
-dense-output product). TFLOP/s count the nonzero work, 2·N·n_blocks·bs².
+dense-output product), and torch's Triton ``bsr_dense_mm`` on the same BSR
+tensors. TFLOP/s count the nonzero work, 2·N·n_blocks·bs².
 A last record compares the cost of one call from torch tensors on a tiny
 problem with a tiny torch op. Writes results/bsmm.json and results/bsmm.md.
 """
@@ -86,6 +87,15 @@ def bench_config(torch, bsmm, layout, N, dtype_name, records, versions=(None,)):
     except Exception as error:  # no BSR kernel for this dtype or block size
         print(f"torch BSR unavailable ({dtype_name}, bs={bs}): {error}")
         bsr = {"forward": float("nan"), "input_grad": float("nan")}
+    triton = {}
+    try:
+        from torch.sparse._triton_ops import bsr_dense_mm
+
+        triton["forward"] = baseline_ms(lambda: bsr_dense_mm(W_t_bsr, xt))
+        triton["input_grad"] = baseline_ms(lambda: bsr_dense_mm(W_bsr, dyt))
+    except Exception as error:  # no Triton, or no kernel for this dtype or block size
+        print(f"torch Triton BSR unavailable ({dtype_name}, bs={bs}): {error}")
+        triton = {"forward": float("nan"), "input_grad": float("nan")}
 
     flops = 2.0 * N * layout.n_blocks * bs * bs
     params = {"dtype": dtype_name, "block_size": bs, "density": round(layout.density, 3), "N": N, "C": C, "K": K,
@@ -100,6 +110,7 @@ def bench_config(torch, bsmm, layout, N, dtype_name, records, versions=(None,)):
             baselines = {"torch_dense": dense[name]}
             if name in bsr:
                 baselines["torch_bsr"] = bsr[name]
+                baselines["triton_bsr"] = triton[name]
             ran = bsmm.default_version(dtype_name) if version is None else version
             records.append(Record(name, dict(params, version=ran), time_ms(call), baselines, flops=flops))
 
@@ -130,8 +141,10 @@ def launch_overhead(torch, bsmm, BlockLayout):
 def kernel_resources(bsmm):
     """Registers, local memory and shared memory of every kernel compiled so far."""
     lines = []
-    for key, kernel in sorted(bsmm._kernels.items(), key=str):
-        for compiled in kernel.overloads.values():
+    from sparseblocks.runtime import compile as compile_cache
+
+    for key, kernel in sorted(compile_cache._kernels.items(), key=str):
+        for compiled in getattr(kernel, "overloads", {}).values():
             lines.append(f"{key}: {compiled.regs_per_thread} registers, {compiled.local_mem_per_thread} B local, "
                          f"{compiled.shared_mem_per_block} B shared")
     return "\n".join(lines)
@@ -178,7 +191,7 @@ def main():
     import torch
 
     from sparseblocks import BlockLayout
-    from sparseblocks.kernels import bsmm
+    from sparseblocks import bsmm
 
     shapes, block_sizes, densities, dtypes = sizes(args.quick)
     if args.block_sizes:

@@ -84,7 +84,7 @@ def bench_ops(torch, sbnet, reference, records, shapes, channels, blocks, fracti
                             add("sparse_scatter", dict(p, add=plus, into="y"), lambda: sbnet.sparse_scatter(
                                 blocks_t, idx, y, add=plus, transpose=transpose, inplace=True, **g),
                                 (3 if plus else 2) * window_bytes)
-                        if not transpose:  # into a copy of y (one pass, `sbnet.MERGE`): reads y, writes all
+                        if not transpose:  # into a copy of y (one pass, `SbnetConfig.merge`): reads y, writes all
                             add("sparse_scatter", dict(p, add=True, into="copy"), lambda: sbnet.sparse_scatter(
                                 blocks_t, idx, y, add=True, **g), 2 * x.numel() * 4 + window_bytes)
 
@@ -281,8 +281,8 @@ def main():
 
     import torch
 
-    from sparseblocks import sbnet_torch
-    from sparseblocks.kernels import sbnet
+    import sparseblocks.torch as sbnet_torch
+    from sparseblocks import sbnet
     from sparseblocks.reference import sbnet as reference
 
     shapes = [(1, 400, 700)] if args.quick else [(1, 400, 700), (8, 400, 700)]

@@ -153,7 +153,7 @@ def device_name():
             return torch.cuda.get_device_name()
     except ImportError:
         pass
-    from sparseblocks._backend import backend_name
+    from sparseblocks.runtime.backend import backend_name
 
     return backend_name()
 

@@ -1,4 +1,4 @@
-"""``python -m sparseblocks demo | sbnet-demo | info``."""
+"""``python -m sparseblocks demo | sbnet-demo | info | test``."""
 
 import argparse
 import sys
@@ -117,10 +117,44 @@ def sbnet_demo():
     return 0 if ok else 1
 
 
+# A CPU build of torch for machines without a GPU: torch's CPU index, else this release from the
+# default index (whose Linux wheels carry CUDA, and also run on the CPU).
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+CPU_TORCH = "torch==2.13.0"
+
+
+def _install_cpu_torch():
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("torch") is not None:
+        return
+    print("no GPU and no torch: installing a CPU build of torch for the torch layer's tests")
+    pip = [sys.executable, "-m", "pip", "install", "-q"]
+    if subprocess.call([*pip, "--retries", "0", "--timeout", "10", "--index-url", CPU_TORCH_INDEX, "torch"]):
+        subprocess.check_call([*pip, CPU_TORCH])
+
+
+def test(pytest_args):
+    """The test suite: in the simulator (no GPU) with a worker per core and a CPU torch."""
+    import subprocess
+
+    simulator = use_simulator_without_gpu()
+    if simulator:
+        _install_cpu_torch()
+    args = [sys.executable, "-m", "pytest", *pytest_args]
+    if simulator and not any(a == "-n" or a.startswith("-n") for a in pytest_args):
+        args += ["-n", "auto"]  # the simulator runs on one core's GIL: a worker per core
+    return subprocess.call(args)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m sparseblocks", description=__doc__)
-    parser.add_argument("command", choices=["demo", "sbnet-demo", "info"])
+    parser.add_argument("command", choices=["demo", "sbnet-demo", "info", "test"])
+    parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="test: arguments for pytest")
     args = parser.parse_args(argv)
+    if args.command == "test":
+        return test(args.pytest_args)
     if use_simulator_without_gpu():
         print("no CUDA GPU in use: kernels run in Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1)")
     return {"demo": demo, "sbnet-demo": sbnet_demo, "info": info}[args.command]()

@@ -21,12 +21,18 @@ class _NoTensor:
 tensor = _NoTensor  # torch.Tensor once a plan is kept (torch is imported by then)
 
 
-def keep(key, plan):
-    """Keep `plan` under `key`."""
+def watch_torch():
+    """From now on, tell torch tensors by `tensor` (called as a first plan is made: torch is
+    imported by then)."""
     global tensor
     import torch
 
     tensor = torch.Tensor
+
+
+def keep(key, plan):
+    """Keep `plan` under `key`."""
+    watch_torch()
     if len(kept) >= MAX_PLANS:
         kept.clear()
     kept[key] = plan

@@ -170,6 +170,7 @@ def keep_plan(call, tensors, count, settings, out_shape, launches, extra, buffer
     extra, buffers: see `_Plan`)."""
     if _arrays_module._poison_outputs or not hasattr(tensors[0], "data_ptr"):
         return  # (data_ptr: a torch tensor; callers of other kinds need not have torch installed)
+    plans.watch_torch()
     key = _plan_key(call, tensors, count, settings)
     kept = [replay(*launched, live=live) for launched, live in launches] if key is not None else [None]
     if None in kept:

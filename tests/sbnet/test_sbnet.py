@@ -309,17 +309,17 @@ def test_reduce_mask_in_vector_loads(configure, dtype, avgpool, vector, monkeypa
 
 
 def test_reduce_mask_of_windows_wider_than_a_chunk_takes_version_1(configure, monkeypatch):
-    """Windows wider than PASS_COLUMNS go to version 1 (whichever version was asked for)."""
+    """Windows wider than ``pass_columns`` go to version 1 (whichever version was asked for)."""
     configure(sbnet, pass_columns=2)
     rng = np.random.default_rng(8)
     mask = (rng.random((1, 6, 9)) < 0.2).astype(np.float32)
     g = {"bsize": 3, "bstride": 3}
     launched = []
-    original = sbnet.launch
+    original = sbnet.reduce.launch
     monkeypatch.setattr(sbnet.reduce, "launch", lambda kernel, *args: launched.append(kernel) or original(kernel, *args))
     got, count = sbnet.reduce_mask(mask, version=2, **g)
     np.testing.assert_array_equal(got, reference.reduce_mask(mask, **g))
-    assert sbnet.pool_kernel in launched
+    assert sbnet.reduce.cached(sbnet.reduce_pool.make_reduce_kernels, sbnet.config.DEFAULT)[0] in launched
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="resizes compiled kernels' thread blocks (GPU: the large-mask test)")
@@ -625,7 +625,7 @@ pair_geometry = st.fixed_dictionaries({
 @few
 @given(seed=st.integers(0, 2**32 - 1), g=pair_geometry, width=st.sampled_from([2, 4, 6, 8, 12]),
        strip=st.booleans())
-def test_nchw_fp16_copies_go_two_halves_a_word(configure, seed, g, width, strip, add, atomic, transpose, halves):
+def test_nchw_fp16_copies_go_two_halves_a_word(seed, g, width, strip, add, atomic, transpose, halves):
     """NCHW fp16 gathers and scatters with rows of whole words go two halves a word (scatters
     that are not atomic only at even columns; through the transpose, adding scatters of NHWC
     blocks only, where C is even, in tiles cut here by `small_pair_tiles`; gathers where C is
@@ -637,11 +637,11 @@ def test_nchw_fp16_copies_go_two_halves_a_word(configure, seed, g, width, strip,
     Plain copies (no transpose) go a window a thread block, or by strips (``strip``: several
     windows side by side in each warp)."""
     with pytest.MonkeyPatch.context() as patch:
-        configure(sbnet, pair_strips=sbnet.dispatch.PAIR_STRIP_KINDS if strip else ())
         small_pair_tiles(patch)
-        patch.setattr(sbnet.config, "DEFAULT", replace(sbnet.config.DEFAULT, pair_gather_pairs=1))  # (gathers through the transpose: pieces of a window's
-        configure(sbnet, pair_gather_words=24)  # channel pairs and of its rows)
-        configure(sbnet, pair_halves=halves)
+        # (gathers through the transpose: pieces of a window's channel pairs and of its rows)
+        patch.setattr(sbnet.config, "DEFAULT", replace(
+            sbnet.config.DEFAULT, pair_strips=sbnet.dispatch.PAIR_STRIP_KINDS if strip else (), pair_gather_pairs=1,
+            pair_gather_words=24, pair_halves=halves))
         made, elements = pair_kernel_keys(patch)
         if halves == 4:  # widths of multiples of 4 (quad gathers), half the time at such columns too
             width, g = -(-width // 4) * 4, dict(g, bsize=(g["bsize"][0], -(-g["bsize"][1] // 4) * 4))
@@ -908,7 +908,7 @@ def test_row_copies_fall_back_where_pointers_are_misaligned():
     rng = np.random.default_rng(8)
     storage = cuda.to_device(rng.standard_normal(2 * 5 * 6 * 4 + 1).astype(np.float32))
     x = storage[1:].reshape((2, 5, 6, 4))
-    assert sbnet.data_pointer(x) % 16 != 0
+    assert sbnet.dispatch.data_pointer(x) % 16 != 0
     indices = np.array([[0, 0, 0], [1, 1, 1]], np.int32)
     g = {"bsize": 4, "bstride": 4, "boffset": -1}
     got = sbnet.sparse_gather(x, cuda.to_device(indices), transpose=True, **g).copy_to_host()
@@ -928,7 +928,7 @@ def merge_kernel_keys(patch):
 @pytest.mark.parametrize("add, atomic", [(False, False), (True, False), (True, True)])
 @few
 @given(data=st.data())
-def test_merging_scatter_equals_reference(configure, dtype, channels, link_alone, add, atomic, data):
+def test_merging_scatter_equals_reference(dtype, channels, link_alone, add, atomic, data):
     """A scatter into a copy of an NHWC image in one pass (every pixel written once, from a map
     of the windows): windows overlapping by up to half (atomic adds), with holes between them,
     off every edge, negative and uneven offsets, a window's rows and columns of 1, out-of-range
@@ -952,8 +952,8 @@ def test_merging_scatter_equals_reference(configure, dtype, channels, link_alone
     y = values(rng, shape, dtype, "normal")
     with pytest.MonkeyPatch.context() as patch, poisoned_outputs():
         made = merge_kernel_keys(patch)
-        configure(sbnet, link_alone=link_alone)
-        configure(sbnet, merge_min_cover=0)  # (however few the windows)
+        patch.setattr(sbnet.config, "DEFAULT", replace(sbnet.config.DEFAULT, link_alone=link_alone))
+        patch.setattr(sbnet.config, "DEFAULT", replace(sbnet.config.DEFAULT, merge_min_cover=0))  # (however few the windows)
         got = sbnet.sparse_scatter(blocks, indices, y, add=add, atomic=atomic, count=count, **g)
     want = reference.sparse_scatter(blocks[:count[0]].astype(np.float64), indices[:count[0]],
                                     y.astype(np.float64), add=add, **g)
@@ -967,7 +967,7 @@ def test_merging_scatter_equals_reference(configure, dtype, channels, link_alone
 
 
 @pytest.mark.parametrize("case", ["overlap past half", "inplace", "transpose", "misaligned", "few windows"])
-def test_scatters_that_cannot_merge_copy_first(configure, case):
+def test_scatters_that_cannot_merge_copy_first(case):
     """Windows over a pixel more than twice along an axis, an in-place scatter, blocks in the
     other layout, an image off 16-byte alignment, blocks covering less of the image than
     MERGE_MIN_COVER: y copied (or not, in place), then scattered; equal to the reference."""
@@ -984,7 +984,7 @@ def test_scatters_that_cannot_merge_copy_first(configure, case):
         y = cuda.to_device(np.concatenate([[0], x.ravel()]).astype(np.float32))[1:].reshape(x.shape)
     with pytest.MonkeyPatch.context() as patch:
         made = merge_kernel_keys(patch)
-        configure(sbnet, merge_min_cover=0.95 if case == "few windows" else 0)  # (27 of 30 pixels)
+        patch.setattr(sbnet.config, "DEFAULT", replace(sbnet.config.DEFAULT, merge_min_cover=0.95 if case == "few windows" else 0))  # (27 of 30 pixels)
         got = sbnet.sparse_scatter(cuda.to_device(blocks), cuda.to_device(indices), y, add=True, atomic=True,
                                    transpose=transpose,
                                    inplace=case == "inplace", **g).copy_to_host()

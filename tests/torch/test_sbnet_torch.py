@@ -862,4 +862,4 @@ def test_an_nchw_input_has_its_output_nhwc_only_where_the_pair_tiles_scatter_it(
     at most PAIR_TILE_PIXELS pixels; elsewhere (and in fp32) the generic tile would cost more than
     the product saves, and the output stays NCHW."""
     image = torch.zeros(1, channels, 3, width, dtype=dtype)
-    assert bottleneck._nhwc_out_of_nchw(image, window) == nhwc
+    assert bottleneck._nhwc_out_of_nchw(sbnet_torch.config.DEFAULT, image, window) == nhwc

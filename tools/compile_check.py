@@ -7,13 +7,19 @@ kernel variant through NVVM instead. Needs libnvvm and NVRTC (for example
 CUDA_HOME=/usr/local/cuda-13.0 and `pip install nvidia-cuda-nvrtc`); it is a
 developer's check, not part of the test suite.
 
-    CUDA_HOME=/usr/local/cuda-13.0 python scripts/compile_check.py [--bsmm]
+    CUDA_HOME=/usr/local/cuda-13.0 python tools/compile_check.py [--bsmm | --fused [TILE ...]]
 
 With --bsmm it prints, for each version 4 product and weight gradient
 (block 16/32/64, fp32/fp16, both feature axes, scalar or vector loads), the
 registers and how many global loads are vector loads, and the same for each
 version 5 (tensor-core) product, fp32/fp16/bf16, with its mma count.
 """
+
+import os
+
+# The real compiler, not the simulator (`import sparseblocks` picks the simulator where no GPU is
+# present, unless told otherwise).
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
 
 import itertools
 import os
@@ -25,7 +31,11 @@ import tempfile
 
 from numba import cuda, types
 
-from sparseblocks.kernels import bsmm, gather_matmul, sbnet
+from sparseblocks import bsmm, sbnet
+from sparseblocks import fused as gather_matmul
+
+B, S = bsmm.DEFAULT, sbnet.DEFAULT  # the configs the kernels are made with
+POOL, SCAN, WRITE_SUMMED, WRITE_SCANNED = sbnet.reduce_pool.make_reduce_kernels(S)
 
 i64 = types.int64
 CC = (9, 0)
@@ -74,22 +84,22 @@ def check_v5(bs, storage, vector):
     out = types.int16 if storage == "bfloat16" else getattr(types, storage)
     # The launcher passes int32 word views for vector loads and for fp32, else 16-bit patterns.
     bits = types.int32 if vector or storage == "float32" else types.int16
-    acc = bsmm._acc_type(storage)
+    acc = bsmm.device.acc_type(storage)
     for transpose_w, feature_axis in itertools.product((False, True), (1, 0)):
-        kernel = bsmm._make_product_v5(bs, storage, acc, transpose_w, feature_axis, vector)
+        kernel = bsmm.tensorcore.make_product_v5(B, bs, storage, acc, transpose_w, feature_axis, vector)
         signature = (out[:, ::1], types.float32[:, :, ::1], bits[:, ::1], bits[:, :, ::1]) + (index,) * 6 + (i64,)
         ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
         print(f"product v5 bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis} "
               f"{'vector' if vector else 'scalar'}{resources(ptx)}  {ptx.count('mma.sync')} mma"
               f"{vector_loads(ptx)}")
-    kernel = bsmm._make_transpose_blocks(bs, storage, acc)
+    kernel = bsmm.tensorcore.make_transpose_blocks(B, bs, storage, acc)
     signature = (types.int32[:, :, ::1], types.int32[:, :, ::1], index)
     ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
     print(f"transpose_blocks bs {bs} {storage}{resources(ptx)}")
     dw = types.int16 if storage == "bfloat16" else getattr(types, storage)
-    group = bsmm.V5_WGRAD_GROUP.get(bs, 1) if bs <= bsmm.V5_WARP_TILE else 1
+    group = B.v5_wgrad_group.get(bs, 1) if bs <= B.v5_warp_tile else 1
     for feature_axis in (1, 0):
-        kernel = bsmm._make_weight_grad_v5(bs, storage, acc, feature_axis, vector, group)
+        kernel = bsmm.weight_grad_tensorcore.make_weight_grad_v5(B, bs, storage, acc, feature_axis, vector, group)
         signature = (dw[:, :, ::1], types.float32[:, :, ::1], bits[:, ::1], bits[:, ::1],
                      types.int32[:, ::1], index, index, i64, i64, types.float64)
         ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
@@ -100,11 +110,11 @@ def check_v5(bs, storage, vector):
 def check_bsmm():
     """ptxas's report for bsmm's version 4 kernels with the module's current settings."""
     index = types.int32[::1]
-    for bs, storage, vector in itertools.product(sorted(bsmm.V4_ROWS), ("float32", "float16"), (False, True)):
+    for bs, storage, vector in itertools.product(sorted(B.v4_rows), ("float32", "float16"), (False, True)):
         element = getattr(types, storage)
-        acc = bsmm._acc_type(storage)
+        acc = bsmm.device.acc_type(storage)
         for transpose_w, feature_axis in itertools.product((False, True), (1, 0)):
-            kernel = bsmm._make_product_v4(bs, storage, acc, transpose_w, feature_axis, vector)
+            kernel = bsmm.simt.make_product_v4(B, bs, storage, acc, transpose_w, feature_axis, vector)
             signature = (element[:, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, :, ::1]) \
                 + (index,) * 6 + (i64,)
             ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
@@ -112,7 +122,7 @@ def check_bsmm():
                   f"{'vector' if vector else 'scalar'}{resources(ptx)}{vector_loads(ptx)}")
         for v5_storage in (("float32", "bfloat16") if storage == "float32" else (storage,)):
             check_v5(bs, v5_storage, vector)
-        kernel = bsmm._make_weight_grad_v4(bs, storage, acc, 1, vector)
+        kernel = bsmm.weight_grad_simt.make_weight_grad_v4(B, bs, storage, acc, 1, vector)
         signature = (element[:, :, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, ::1],
                      types.int32[:, ::1], i64, i64, types.float64)
         ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
@@ -120,13 +130,13 @@ def check_bsmm():
     return 0
 
 
-def check_gather_matmul(shapes=(gather_matmul.TILE_SHAPE,)):
+def check_gather_matmul(shapes=(gather_matmul.DEFAULT.gather_tile,)):
     """The fused gather and 1x1 product, each storage, with and without ReLU, in the given tile
     shapes (an NCHW image's in its own), and the fused product and scatter: ptxas's registers and
     the mma count."""
     results = []
     for storage, (relu, scatter, nchw), vector_out, shape in itertools.product(
-            gather_matmul.DTYPES, ((False, False, False), (True, False, False), (True, False, True),
+            gather_matmul.kernel.DTYPES, ((False, False, False), (True, False, False), (True, False, True),
                                    (False, True, False), (False, True, True)), (True, False), shapes):
         element = getattr(types, storage)
         if scatter and nchw and vector_out != (storage == "float16"):
@@ -136,10 +146,10 @@ def check_gather_matmul(shapes=(gather_matmul.TILE_SHAPE,)):
         signature = ((out[::1] if scatter and nchw else out[:, ::1], types.int32[::1] if gather_nchw else element[::1],
                       element[:, ::1], types.int32[:, ::1], types.int32[::1]) + (i64,) * 14)
         if scatter:
-            shape = (gather_matmul.NCHW_SCATTER_TILES if nchw else gather_matmul.SCATTER_TILES)[storage]
+            shape = (gather_matmul.DEFAULT.nchw_scatter_tiles if nchw else gather_matmul.DEFAULT.scatter_tiles)[storage]
         elif gather_nchw:
-            shape = gather_matmul.NCHW_TILE_SHAPE
-        kernel = gather_matmul._make_kernel(storage, relu, vector_out, *shape, scatter=scatter, nchw=nchw)
+            shape = gather_matmul.DEFAULT.nchw_gather_tile
+        kernel = gather_matmul.kernel.make_kernel(storage, relu, vector_out, *shape, scatter=scatter, nchw=nchw)
         name = (f"{'matmul_scatter' if scatter else 'gather_matmul'}{' NCHW' if nchw else ''} {storage} relu={relu} "
                 f"vector_out={vector_out} tile {shape}")
         try:
@@ -155,21 +165,28 @@ def check_gather_matmul(shapes=(gather_matmul.TILE_SHAPE,)):
 
 
 def main():
-    if "--bsmm" in sys.argv[1:]:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bsmm", action="store_true", help="bsmm's version 4 and 5 kernels instead of SBNet's")
+    parser.add_argument("--fused", nargs="*", metavar="ROWS,COLS,WORDS,STAGES,WARPS,REGISTERS",
+                        help="the fused products' kernels, at these tiles (default: the config's)")
+    args = parser.parse_args()
+    if args.bsmm:
         return check_bsmm()
-    if "--gather-matmul" in sys.argv[1:]:
-        shapes = [tuple(map(int, s.split(","))) for s in sys.argv[sys.argv.index("--gather-matmul") + 1:]]
-        return 0 if all(check_gather_matmul(shapes or (gather_matmul.TILE_SHAPE,))) else 1
+    if args.fused is not None:
+        shapes = [tuple(None if v == "None" else int(v) for v in s.split(",")) for s in args.fused]
+        return 0 if all(check_gather_matmul(shapes or (gather_matmul.DEFAULT.gather_tile,))) else 1
     results = [
-        check("pool_kernel", sbnet.pool_kernel.py_func,
+        check("pool_kernel", POOL.py_func,
               (types.int8[::1], types.int32[::1], types.float32[:, :, ::1]) + (i64,) * 11
               + (types.float64, types.boolean, i64)),
-        check("scan_kernel", sbnet.scan_kernel.py_func,
+        check("scan_kernel", SCAN.py_func,
               (types.int32[::1], types.int32[::1], types.int32[::1], i64)),
     ] + [
         check(f"pass_kernel (avgpool={avgpool}, {mask}, vector {vector}, {look_back} look-back, stride {stride}, "
               f"{'max.NaN' if ptx else 'select'} max)",
-              sbnet._make_pass_kernel(avgpool, wide, vector, look_back, stride, ptx).py_func,
+              sbnet.reduce_pass.make_pass_kernel(S, avgpool, wide, vector, look_back, stride, ptx).py_func,
               (types.int32[:, ::1], types.int32[::1], types.int64[::1], getattr(types, mask)[::1])
               + (i64,) * 11 + (types.float64,) + (i64,) * 7)
         for avgpool, wide, mask, vector, look_back, stride in (
@@ -184,7 +201,7 @@ def main():
         check(f"write_kernel ({name})", kernel.py_func,
               (types.int32[:, ::1], types.int32[::1], types.int8[::1], types.int32[::1], types.int32[::1],
                i64, i64, i64))
-        for name, kernel in (("summed", sbnet.write_summed), ("scanned", sbnet.write_scanned))
+        for name, kernel in (("summed", WRITE_SUMMED), ("scanned", WRITE_SCANNED))
     ]
     for scatter, transpose, (add, atomic), dtype, channels_last in itertools.product(
             (False, True), (False, True), ((False, False), (True, False), (True, True)),
@@ -192,7 +209,7 @@ def main():
         if add and not scatter:
             continue
         element = getattr(types, dtype)
-        kernel = sbnet._make_copy_kernels(scatter, transpose, add, atomic, dtype, channels_last)
+        kernel = sbnet.copy_element.make_copy_kernels(S, scatter, transpose, add, atomic, dtype, channels_last)
         array4 = element[:, :, :, ::1]
         signature = (array4, array4, types.int32[:, ::1], types.int32[::1]) + (i64,) * 6
         name = (f"{'scatter' if scatter else 'gather'} {'NHWC' if channels_last else 'NCHW'} "
@@ -202,32 +219,32 @@ def main():
     # red.global.add.noftz.f16x2 when atomic).
     words = types.int32[:, :, :, ::1]
     for atomic in (False, True):
-        kernel = sbnet._make_copy_kernels(True, False, True, atomic, "half2", True)
+        kernel = sbnet.copy_element.make_copy_kernels(S, True, False, True, atomic, "half2", True)
         results.append(check(f"scatter NHWC add half2 words atomic={atomic}", kernel.py_func,
                              (words, words, types.int32[:, ::1], types.int32[::1]) + (i64,) * 6))
-    # The NCHW fp16 copies two (int32) or four (int64) halves a word (`sbnet._make_pair_kernels`):
+    # The NCHW fp16 copies two (int32) or four (int64) halves a word (`sbnet.copy_pairs.make_pair_kernels`):
     # words flat, the image's halves beside them.
     # One window a thread block, or windows side by side in each warp (strip).
     for scatter, add, atomic, halves in ((False, False, False, 2), (True, False, False, 2), (True, True, False, 2),
                                          (True, True, True, 2), (False, False, False, 4), (True, False, False, 4),
                                          (True, True, False, 4)):
         for strip in (False, True):
-            kernel = sbnet._make_pair_kernels(scatter, add, atomic, halves, strip)
+            kernel = sbnet.copy_pairs.make_pair_kernels(S, scatter, add, atomic, halves, strip)
             words = (types.int64 if halves == 4 else types.int32)[::1]
             results.append(check(f"pairs {'scatter' if scatter else 'gather'} NCHW fp16 add={add} atomic={atomic} "
                                  f"halves={halves} strip={strip}", kernel.py_func,
                                  (words, words, types.int32[:, ::1], types.int32[::1], types.float16[::1])
                                  + (i64,) * 11))
     words = types.int32[::1]
-    for atomic in (False, True):  # ... and the adding scatters of NHWC blocks (`sbnet._make_pair_tile_kernels`)
+    for atomic in (False, True):  # ... and the adding scatters of NHWC blocks (`sbnet.copy_pair_tiles.make_pair_tile_kernels`)
         results.append(check(f"pair tiles scatter NHWC blocks into NCHW fp16 atomic={atomic}",
-                             sbnet._make_pair_tile_kernels(atomic).py_func,
+                             sbnet.copy_pair_tiles.make_pair_tile_kernels(S, atomic).py_func,
                              (words, words, types.int32[:, ::1], types.int32[::1], types.float16[::1]) + (i64,) * 10,
-                             sbnet.PAIR_TILE_MAX_REGISTERS))
-    results.append(check("pair tiles gather NCHW fp16 into NHWC blocks", sbnet._make_pair_tile_gathers().py_func,
+                             S.pair_tile_max_registers))
+    results.append(check("pair tiles gather NCHW fp16 into NHWC blocks", sbnet.copy_pair_tiles.make_pair_tile_gathers(S).py_func,
                          (words, words, types.int32[:, ::1], types.int32[::1]) + (i64,) * 11))
     # The row copies (channels-last, 16-byte vectors over flat views): every combination the
-    # launcher picks (`sbnet._row_path`).
+    # launcher picks (`sbnet.dispatch.row_path`).
     for scatter, transpose, add, (vector_dtype, half2), pixels in itertools.product(
             (False, True), (False, True), (False, True),
             (("float32", False), ("float64", False), ("int32", False), ("int32", True), ("float16", False)),
@@ -239,7 +256,7 @@ def main():
         element = getattr(types, vector_dtype)
         for block_width, window_major in itertools.product((4, 1) if transpose else (4,),
                                                            (False, True) if transpose else (False,)):
-            kernel = sbnet._make_row_kernels(scatter, transpose, add, vector_dtype, half2, pixels, block_width,
+            kernel = sbnet.copy_rows.make_row_kernels(S, scatter, transpose, add, vector_dtype, half2, pixels, block_width,
                                              window_major)
             signature = (element[::1], element[::1], types.int32[:, ::1], types.int32[::1]) + (i64,) * 10
             name = (f"row {'scatter' if scatter else 'gather'} transpose={transpose} add={add} {vector_dtype}"
@@ -247,13 +264,13 @@ def main():
                     f"{' window by window' if window_major else ''}")
             results.append(check(name, kernel.py_func, signature))
     # The merging scatter (a copy of y and the windows over each pixel in one pass) and its map.
-    results.append(check("fill int32", sbnet.fill_int32.py_func, (types.int32[::1], i64)))
-    results.append(check("link windows", sbnet.link_windows.py_func,
+    results.append(check("fill int32", sbnet.merge.fill_int32.py_func, (types.int32[::1], i64)))
+    results.append(check("link windows", sbnet.merge.link_windows.py_func,
                          (types.int32[::1], types.int32[::1], types.int32[:, ::1], types.int32[::1]) + (i64,) * 7))
     for add, (vector_dtype, half2) in itertools.product(
             (False, True), (("float32", False), ("float64", False), ("int32", True))):
         element = getattr(types, vector_dtype)
-        kernel = sbnet._make_merge_kernels(add, vector_dtype, half2)
+        kernel = sbnet.merge.make_merge_kernels(S, add, vector_dtype, half2)
         signature = (element[::1],) * 3 + (types.int32[::1],) * 2 + (i64,) * 13
         results.append(check(f"merge add={add} {vector_dtype}{' half2' if half2 else ''}", kernel.py_func,
                              signature))

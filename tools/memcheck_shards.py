@@ -1,6 +1,6 @@
-"""The GPU test suite under compute-sanitizer memcheck, in parallel shards (a developer's script).
+"""The GPU test suite under compute-sanitizer memcheck, in parallel shards (a developer's tool).
 
-    python3 scripts/memcheck_shards.py [--shards 10] [--timeout 500] [--out DIR] [--no-memcheck] [--by-case] [--exclude ID] [paths]
+    python3 tools/memcheck_shards.py [--shards 10] [--timeout 500] [--out DIR] [--no-memcheck] [--by-case] [--exclude ID] [paths]
 
 pytest-xdist's workers do not come up under compute-sanitizer, and one
 process takes longer than a device call allows (every test compiles its own
@@ -18,7 +18,7 @@ from pathlib import Path
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shards", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=500)
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))

@@ -1,9 +1,9 @@
 """The instruction mix of version 5's product loops, read off the SASS without a GPU (a
-developer's script).
+developer's tool).
 
     pip install nvidia-cuda-nvdisasm        # nvdisasm; ptxas comes with the CUDA toolkit
-    python scripts/sass_loops.py [--block-sizes 16,32,64] [--dtypes float16,float32]
-    python scripts/sass_loops.py --reduce-mask
+    python tools/sass.py [--block-sizes 16,32,64] [--dtypes float16,float32]
+    python tools/sass.py --reduce-mask
 
 For each block size and storage it compiles the forward (W) and input_grad (Wt) products
 with feature_axis 1 and 16-byte loads (the cp.async ring) for sm_90, disassembles them, and
@@ -11,9 +11,15 @@ prints, for each loop that holds the mma (the mma steps of a stage, then the sta
 around them; one loop where the steps are unrolled), its length and its count of mma, shared loads and stores, global loads,
 cp.async copies, byte permutes (16-bit pairs built in registers), integer multiply-adds and
 fp32 arithmetic, and the instructions a stage issues. A count of issued instructions, not a timing: where two kernels differ, the
-GPU decides (scripts/bsmm_variants.py). With --reduce-mask: the loops around the first pooling
+GPU decides (tools/sweep.py). With --reduce-mask: the loops around the first pooling
 of mask values in reduce_mask's one-pass kernel instead (a column's rows, then its columns).
 """
+
+import os
+
+# The real compiler, not the simulator (`import sparseblocks` picks the simulator where no GPU is
+# present, unless told otherwise).
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
 
 import argparse
 import glob
@@ -29,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from numba import cuda, types  # noqa: E402
 
-from sparseblocks.kernels import bsmm  # noqa: E402
+from sparseblocks import bsmm  # noqa: E402
 
 CC = (9, 0)
 COUNTS = {"mma": r"\bHMMA", "LDS": r"\bLDS", "STS": r"\bSTS", "LDG": r"\bLDG\.", "cp.async": r"\bLDGSTS",
@@ -84,23 +90,23 @@ def loops_around(text, anchor="HMMA"):
 
 def reduce_mask(tool):
     """The loops around the first pooling (max) of reduce_mask's one-pass kernel (max pooling of
-    a float32 mask, scalar and vector loads): the column's rows, PASS_LOADS at a time, and the
+    a float32 mask, scalar and vector loads): the column's rows, ``pass_loads`` at a time, and the
     columns around them."""
-    from sparseblocks.kernels import sbnet
+    from sparseblocks import sbnet
 
     i64 = types.int64
     signature = (types.int32[:, ::1], types.int32[::1], types.int64[::1], types.float32[::1]) \
         + (i64,) * 11 + (types.float64,) + (i64,) * 7
     print("| loads | loop | length | " + " | ".join(COUNTS) + " |")
     print("|---" * (3 + len(COUNTS)) + "|")
-    for vector in (1, sbnet.PASS_VECTOR):
-        kernel = sbnet._make_pass_kernel(False, False, vector, "warp", 1, nan_max_ptx=True)
+    for vector in (1, sbnet.DEFAULT.pass_vector):
+        kernel = sbnet.reduce_pass.make_pass_kernel(sbnet.DEFAULT, False, False, vector, "warp", 1, nan_max_ptx=True)
         for length, counts in loops_around(sass(kernel.py_func, signature, tool), "FMNMX"):  # (the first max)
             print(f"| {vector} a load | | {length} | " + " | ".join(str(counts[k]) for k in COUNTS) + " |")
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--block-sizes", default="16,32,64")
     parser.add_argument("--dtypes", default="float16,float32")
     parser.add_argument("--reduce-mask", action="store_true",
@@ -120,9 +126,10 @@ def main():
             signature = (out[:, ::1], types.float32[:, :, ::1], types.int32[:, ::1], types.int32[:, :, ::1]) \
                 + (index,) * 6 + (types.int64,)
             for transpose_w in (False, True):
-                kernel = bsmm._make_product_v5(bs, storage, bsmm._acc_type(storage), transpose_w, 1, True)
+                kernel = bsmm.tensorcore.make_product_v5(bsmm.DEFAULT, bs, storage, bsmm.device.acc_type(storage), transpose_w, 1,
+                                                         True)
                 loops = loops_around(sass(kernel.py_func, signature, tool))
-                steps = bsmm._v5_shape(bs, storage, True)[3] // 8  # mma steps a stage
+                steps = bsmm.tensorcore.v5_shape(bsmm.DEFAULT, bs, storage, True)[3] // 8  # mma steps a stage
                 # Issued a stage: the stage loop, its step loop (if not unrolled) run `steps` times.
                 stage = loops[-1][0] + (steps - 1) * loops[0][0] if len(loops) > 1 else loops[0][0]
                 for depth, (length, counts) in enumerate(loops):

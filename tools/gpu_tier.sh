@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU tier in one call: backend, demo, the test suite on the device, then the
 # same suite under compute-sanitizer memcheck. Logs go to $OUT (or /tmp).
-# Usage: [PYTEST_TIMEOUT=s] [MEMCHECK_TIMEOUT=s] bash scripts/gpu_check.sh [pytest args...]
+# Usage: [PYTEST_TIMEOUT=s] [MEMCHECK_TIMEOUT=s] bash tools/gpu_tier.sh [--help] [pytest args...]
+# (memcheck of the whole suite takes longer than one device call: tools/memcheck_shards.py)
 set -uo pipefail
+if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 out=${OUT:-/tmp}
 export PYTHONUNBUFFERED=1
 unset NUMBA_ENABLE_CUDASIM

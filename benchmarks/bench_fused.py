@@ -1,14 +1,14 @@
-"""The gather fused into a 1x1 convolution (`kernels/gather_matmul.py`) against the gather followed by
+"""The gather fused into a 1x1 convolution (`sparseblocks.fused`) against the gather followed by
 cuBLAS, the dense 1x1 convolution over the whole image (cuBLAS), and a device copy of the bytes it
 must move.
 
-    python -m benchmarks.bench_gather_matmul [--quick] [--out-dir DIR]
+    python -m benchmarks.bench_fused [--quick] [--out-dir DIR]
 
 SBNet's ResNet-50 stage shapes (the bottleneck's first 1x1: C -> C / 4, windows of 16 every 14 from
 -1 as `SparseResBlock` gathers them), fp16 and fp32, 5-50 % of the windows, ReLU fused. Each
 configuration is checked against the gather and the product in float64 first, then timed on the
 device alone (replays of a captured CUDA graph), every baseline the same way in the same run:
-``gather_mm`` (`sbnet.sparse_gather`, then ``torch._addmm_activation``: what the block ran before),
+``gather_mm`` (`sbnet.sparse_gather`, then ``torch._addmm_activation``: the two calls apart),
 ``dense_mm`` (the same product over every pixel of the image, as the dense block's 1x1 runs),
 ``copy`` (a device copy moving the bytes the fused call must: the windows' pixels read, the
 result written).
@@ -18,7 +18,7 @@ into the image's output windows, 14 every 14): against ``mm_scatter`` (cuBLAS's 
 `sbnet.sparse_scatter` adding in place: what the block runs without it), ``dense_mm`` (the product
 over every pixel with the image added, one cuBLAS call, as the dense block's last 1x1 and residual
 need at least) and ``copy`` (the stack read, the windows' pixels read and written). Writes
-results/gather_matmul.json and results/gather_matmul.md.
+results/fused.json and results/fused.md.
 """
 
 import argparse
@@ -35,7 +35,7 @@ SCATTER_GEOMETRY = {"bsize": 14, "bstride": 14, "boffset": 0}
 
 def windows(rng, height, width, fraction):
     """A random `fraction` of the block grid's windows, as int32 [n, 3] indices."""
-    from sparseblocks.reference.sbnet import block_count
+    from sparseblocks.windows import block_count
 
     grid = block_count((height, width), (14, 14), (-1, -1))
     chosen = np.argwhere(rng.random(grid) < fraction)
@@ -89,7 +89,8 @@ def main():
 
     import torch
 
-    from sparseblocks.kernels import gather_matmul, sbnet
+    from sparseblocks import fused as gather_matmul
+    from sparseblocks import sbnet
 
     torch.backends.cuda.matmul.allow_tf32 = False
     rng = np.random.default_rng(0)
@@ -123,7 +124,7 @@ def main():
                         C_out=out_channels, active=fraction, windows=len(idx))
             bench_scatter(torch, gather_matmul, sbnet, rng, records, dtype_name, x, out_channels)
     print_table(records, f"sparse_gather_matmul and sparse_matmul_scatter on {device_name()}")
-    write_results("gather_matmul", records, **({"directory": args.out_dir} if args.out_dir else {}))
+    write_results("fused", records, **({"directory": args.out_dir} if args.out_dir else {}))
 
 
 if __name__ == "__main__":

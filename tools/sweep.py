@@ -1,0 +1,190 @@
+"""A/B sweep over config fields: every variant checked against the default, then timed beside it.
+
+    python tools/sweep.py bsmm forward --set v5_stages=2,3,4 [--set product_group=0,8]
+           [--dtype float16] [--n 4096] [--c 4096] [--k 4096] [--block-size 32] [--density 0.1]
+    python tools/sweep.py sbnet sparse_gather --set row_tile_pixels=16,32,64 [--channels 64] [--fraction 0.1]
+    python tools/sweep.py fused sparse_gather_matmul --set gather_tile="(128,64,16,2,4,None)"
+    python tools/sweep.py torch res_block --set fused_gather=False,True [--fraction 0.1]
+
+Each variant is the op's default config with the given fields replaced (the cartesian
+product of every ``--set``). Its output is compared with the default's first (it must agree
+within the dtype's tolerance), then the default and the variants are timed in interleaved
+rounds (CUDA events, median of each round's calls), so that a drift of the GPU's clocks
+lands on all of them. Prints one table: variant, ms, default ms / variant ms. Needs a GPU and
+torch.
+"""
+
+import argparse
+import ast
+import itertools
+import statistics
+from dataclasses import replace
+
+
+def parse_values(text):
+    """``name=v1,v2`` -> (name, [v1, v2]), values read as Python literals (else strings)."""
+    name, _, values = text.partition("=")
+    out = []
+    for item in split_top_level(values):
+        try:
+            out.append(ast.literal_eval(item))
+        except (ValueError, SyntaxError):
+            out.append(item)
+    return name.strip(), out
+
+
+def split_top_level(text):
+    """Split on commas outside brackets: "(1,2),3" -> ["(1,2)", "3"]."""
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    return parts + [current] if current else parts
+
+
+def bsmm_case(torch, args):
+    import sparseblocks as sb
+    from sparseblocks import bsmm
+
+    layout = sb.BlockLayout.random((args.c // args.block_size, args.k // args.block_size), args.density, seed=1,
+                                   block_size=args.block_size)
+    dtype = getattr(torch, args.dtype)
+    x = torch.randn(args.n, args.c, device="cuda", dtype=dtype)
+    dy = torch.randn(args.n, args.k, device="cuda", dtype=dtype)
+    w = torch.randn(layout.w_shape, device="cuda", dtype=dtype) / (args.c * args.density) ** 0.5
+    calls = {"forward": lambda cfg: bsmm.forward(x, w, layout, config=cfg),
+             "input_grad": lambda cfg: bsmm.input_grad(dy, w, layout, config=cfg),
+             "weight_grad": lambda cfg: bsmm.weight_grad(x, dy, layout, config=cfg)}
+    return bsmm.DEFAULT, calls[args.call]
+
+
+def sbnet_case(torch, args):
+    from sparseblocks import sbnet
+
+    dtype = getattr(torch, args.dtype)
+    mask = (torch.rand(args.images, args.height, args.width, device="cuda") < args.fraction / 64).float()
+    x = torch.randn(args.images, args.height, args.width, args.channels, device="cuda", dtype=dtype)
+    geometry = dict(bsize=args.window, bstride=args.window - 2, boffset=-1)
+    indices, count = sbnet.reduce_mask(mask, **geometry)
+    blocks = sbnet.sparse_gather(x, indices, count=count, **geometry)
+    calls = {"reduce_mask": lambda cfg: sbnet.reduce_mask(mask, **geometry, config=cfg)[0],
+             "sparse_gather": lambda cfg: sbnet.sparse_gather(x, indices, count=count, **geometry, config=cfg),
+             "sparse_scatter": lambda cfg: sbnet.sparse_scatter(blocks, indices, x, add=True, atomic=True,
+                                                                count=count, **geometry, config=cfg)}
+    return sbnet.DEFAULT, calls[args.call]
+
+
+def fused_case(torch, args):
+    from sparseblocks import fused, sbnet
+
+    dtype = getattr(torch, args.dtype)
+    mask = (torch.rand(args.images, args.height, args.width, device="cuda") < args.fraction / 64).float()
+    x = torch.randn(args.images, args.height, args.width, args.channels, device="cuda", dtype=dtype)
+    w = torch.randn(args.channels // 4, args.channels, device="cuda", dtype=dtype) / args.channels ** 0.5
+    w3 = torch.randn(args.channels, args.channels // 4, device="cuda", dtype=dtype)
+    geometry = dict(bsize=args.window, bstride=args.window - 2, boffset=-1)
+    indices, count = sbnet.reduce_mask(mask, **geometry)
+    h = torch.randn(len(indices), args.window - 2, args.window - 2, args.channels // 4, device="cuda", dtype=dtype)
+    out = (args.window - 2, args.window - 2, 0)
+    calls = {"sparse_gather_matmul": lambda cfg: fused.sparse_gather_matmul(x, indices, w, **geometry, count=count,
+                                                                            relu=True, config=cfg),
+             "sparse_matmul_scatter": lambda cfg: fused.sparse_matmul_scatter(h, indices, w3, x.clone(), *out,
+                                                                              count=count, config=cfg)}
+    return fused.DEFAULT, calls[args.call]
+
+
+def torch_case(torch, args):
+    import sparseblocks.torch as sbt
+
+    dtype = getattr(torch, args.dtype)
+    block = sbt.SparseResBlock(args.channels, args.channels // 4, block_size=args.window).to("cuda", dtype)
+    block = block.to(memory_format=torch.channels_last)
+    x = torch.randn(args.images, args.channels, args.height, args.width, device="cuda", dtype=dtype)
+    x = x.to(memory_format=torch.channels_last)
+    mask = (torch.rand(args.images, args.height, args.width, device="cuda") < args.fraction / 64).float()
+    indices, count = block.active_blocks(mask)
+
+    def call(cfg):
+        block.config = cfg
+        with torch.no_grad():
+            return block(x, indices, count)
+
+    return sbt.config.DEFAULT, call
+
+
+CASES = {"bsmm": bsmm_case, "sbnet": sbnet_case, "fused": fused_case, "torch": torch_case}
+TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2, "float32": 1e-4, "float64": 1e-10}
+
+
+def time_rounds(torch, calls, rounds, per_round):
+    """{name: [median ms of each round]}: the calls interleaved, round by round."""
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            samples = []
+            for _ in range(per_round):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                call()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end))
+            times[name].append(statistics.median(samples))
+    return times
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("op", choices=sorted(CASES))
+    parser.add_argument("call", help="bsmm: forward, input_grad, weight_grad; sbnet: reduce_mask, sparse_gather, "
+                                     "sparse_scatter; fused: sparse_gather_matmul, sparse_matmul_scatter; torch: res_block")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2",
+                        help="a config field and the values to try (repeatable: their cartesian product)")
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--c", type=int, default=4096)
+    parser.add_argument("--k", type=int, default=4096)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--density", type=float, default=0.1)
+    parser.add_argument("--images", type=int, default=1)
+    parser.add_argument("--height", type=int, default=400)
+    parser.add_argument("--width", type=int, default=700)
+    parser.add_argument("--channels", type=int, default=256)
+    parser.add_argument("--window", type=int, default=16)
+    parser.add_argument("--fraction", type=float, default=0.1, help="sbnet, fused, torch: mask pixels set x 64")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--per-round", type=int, default=20)
+    args = parser.parse_args()
+
+    import torch
+
+    default, call = CASES[args.op](torch, args)
+    fields = [parse_values(text) for text in args.set]
+    variants = {"default": default}
+    for values in itertools.product(*[v for _, v in fields]):
+        changes = {name: value for (name, _), value in zip(fields, values)}
+        variants[", ".join(f"{k}={v!r}" for k, v in changes.items())] = replace(default, **changes)
+    want = call(default).double()
+    for name, cfg in variants.items():
+        got = call(cfg).double()
+        error = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+        if not error <= TOLERANCE[args.dtype]:
+            raise SystemExit(f"{name}: differs from the default (relative error {error:.2e})")
+    torch.cuda.synchronize()
+    times = time_rounds(torch, {name: (lambda cfg=cfg: call(cfg)) for name, cfg in variants.items()},
+                        args.rounds, args.per_round)
+    base = statistics.median(times["default"])
+    print(f"{args.op} {args.call} on {torch.cuda.get_device_name()}, {args.dtype}")
+    print(f"{'variant':<60} {'ms':>9} {'default/variant':>16}")
+    for name, rounds in times.items():
+        ms = statistics.median(rounds)
+        print(f"{name:<60} {ms:9.4f} {base / ms:16.3f}")
+
+
+if __name__ == "__main__":
+    main()
