@@ -1,4 +1,4 @@
-"""The README's commands and examples run: docs that cannot drift."""
+"""The README's commands and examples run, and the tree keeps its shape: docs that cannot drift."""
 
 import os
 import re
@@ -6,12 +6,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
 
 def code_blocks(language):
     return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+
+
+def tracked_files():
+    """The repository's files: git's list where there is one, else every file under the root."""
+    try:
+        listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        return [ROOT / line for line in listed.splitlines() if (ROOT / line).exists()]
+    except (OSError, subprocess.CalledProcessError):
+        return [p for p in ROOT.rglob("*") if p.is_file() and ".git" not in p.parts]
 
 
 def test_ci_runs_the_readme_test_command_verbatim():
@@ -22,11 +33,59 @@ def test_ci_runs_the_readme_test_command_verbatim():
 
 
 def test_readme_python_examples_run():
+    pytest.importorskip("torch")  # (the sparse block's example)
     blocks = code_blocks("python")
     assert blocks
     namespace = {}  # the examples read as one story: later ones use earlier names
     for block in blocks:
         exec(compile(block, "README.md", "exec"), namespace)
+
+
+# A work diary belongs to git: no numbered work periods, no references to tracked work items.
+# (The patterns are built from pieces so that this file does not match itself.)
+DIARY = [re.compile(p, re.I) for p in (
+    r"\bsess" + r"ions?\s*[-_]?\d+", r"\b(first|second|third|[a-z]+t[hy]-?[a-z]*|[a-z]+th)\s+sess" + r"ion\b",
+    r"sess" + r"ion\d+", r"\biss" + r"ue\s*#?\d+", r"\bthe iss" + r"ue'?s?\b", r"NOTES" + r"\.md")]
+
+
+def test_no_diary_in_the_tree():
+    found = []
+    for path in tracked_files():
+        relative = path.relative_to(ROOT).as_posix()
+        if any(p.search(relative) for p in DIARY):
+            found.append(f"{relative}: its name")
+        if path.suffix not in (".py", ".md", ".sh", ".cfg", ".toml", ".txt", ".json") and path.name != "run":
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if any(p.search(line) for p in DIARY):
+                found.append(f"{relative}:{number}: {line.strip()[:80]}")
+    assert not found, "\n".join(found[:20])
+
+
+def test_the_tree_keeps_its_shape():
+    """Product files stay readable, the tools few, one results pair per benchmark, and only tests,
+    benchmarks and demos import the NumPy twins."""
+    product = [p for p in (ROOT / "sparseblocks").rglob("*.py") if "reference" not in p.parts]
+    long = [f"{p.relative_to(ROOT)}: {n}" for p in product if (n := len(p.read_text().splitlines())) > 800]
+    assert not long, long
+    twins = [str(p.relative_to(ROOT)) for p in product if p.name != "__main__.py"
+             and re.search(r"^\s*from \.+reference|^\s*from sparseblocks\.reference|import reference",
+                           p.read_text(), re.M)]
+    assert not twins, twins
+    assert len([p for p in (ROOT / "tools").iterdir() if p.is_file()]) <= 8
+    results = sorted(p.name for p in (ROOT / "benchmarks" / "results").iterdir())
+    benches = sorted(p.stem.removeprefix("bench_") for p in (ROOT / "benchmarks").glob("bench_*.py"))
+    assert results == sorted(f"{b}.{ext}" for b in benches for ext in ("json", "md"))
+    assert len(README.splitlines()) <= 220
+    assert len((ROOT / "docs" / "performance.md").read_text().splitlines()) <= 400
+
+
+def test_tools_explain_themselves():
+    for path in sorted((ROOT / "tools").iterdir()):
+        command = ["bash", str(path)] if path.suffix == ".sh" else [sys.executable, str(path)]
+        result = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120,
+                                env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"))
+        assert result.returncode == 0 and len(result.stdout) > 100, f"{path.name}: {result.stderr[-300:]}"
 
 
 def run_module(*args):
@@ -36,7 +95,7 @@ def run_module(*args):
 
 
 def test_demo_passes_and_says_where_it_runs():
-    from sparseblocks._backend import SIMULATOR
+    from sparseblocks.runtime.backend import SIMULATOR
 
     result = run_module("demo")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -52,8 +111,6 @@ def test_info_lists_backend_and_versions():
 
 
 def test_sbnet_demo_runs_on_a_real_image():
-    import pytest
-
     pytest.importorskip("torch")
     pytest.importorskip("skimage")
     result = run_module("sbnet-demo")

@@ -256,7 +256,6 @@ def test_kept_launch_replays_with_new_tensors(data_format):
     (NCHW windows at odd columns): a call of the other format on tensors of the same shapes in
     between takes neither's."""
     torch = pytest.importorskip("torch")
-    from sparseblocks import sbnet
 
     rng = np.random.default_rng(5)
     g = {"bsize": (5, 6), "bstride": (4, 5), "boffset": (-1, -1)}
@@ -510,7 +509,6 @@ def test_matmul_scatter_kept_launch_replays_with_new_tensors():
     """A repeated call of torch tensors replays its kept launch (new pointers), adding as the
     general path does; `kept_scatter_launch` hands the same launch out."""
     torch = pytest.importorskip("torch")
-    from sparseblocks import sbnet
 
     rng = np.random.default_rng(8)
     g = {"bsize": (5, 6), "bstride": (5, 6), "boffset": (-1, -2)}

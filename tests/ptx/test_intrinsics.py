@@ -1,0 +1,118 @@
+"""The small PTX intrinsics against NumPy: paired fp16 adds and atomics, relaxed loads,
+NaN-propagating max, and the timeline clocks. Each runs on the GPU and, through its twin,
+in the simulator."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from numba import cuda
+
+from sparseblocks.ptx.clock import globaltimer, smid
+from sparseblocks.ptx.half2 import add_half2, atomic_add_half, atomic_add_half2
+from sparseblocks.ptx.nanmax import max_nan, max_nan_select
+from sparseblocks.ptx.relaxed import load_relaxed
+
+finite_halves = st.floats(-1000, 1000, width=16, allow_subnormal=False)
+
+
+def words(halves):
+    """int32 words of pairs of fp16 values."""
+    return np.ascontiguousarray(np.asarray(halves, np.float16)).reshape(-1).view(np.int32)
+
+
+@cuda.jit
+def _add_words(out, a, b):
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        out[i] = add_half2(a[i], b[i])
+
+
+@given(st.lists(finite_halves, min_size=8, max_size=8), st.lists(finite_halves, min_size=8, max_size=8))
+def test_half2_adds_round_each_half_once(a, b):
+    """add_half2 adds the two halves of two words, each sum rounded to fp16 once."""
+    out = np.zeros(4, np.int32)
+    _add_words[1, 4](out, words(a), words(b))
+    want = (np.float16(a).astype(np.float64) + np.float16(b).astype(np.float64)).astype(np.float16)
+    np.testing.assert_array_equal(out.view(np.float16), want)
+
+
+@cuda.jit
+def _atomic_halves(array, index, values):
+    i = cuda.grid(1)
+    if i < values.shape[0]:
+        atomic_add_half(array, index[i], values[i])
+
+
+@cuda.jit
+def _atomic_words(array, index, values):
+    i = cuda.grid(1)
+    if i < values.shape[0]:
+        atomic_add_half2(array, index[i], values[i])
+
+
+def test_atomic_half_adds_land_every_value():
+    """Every thread's fp16 add lands (small integers: exact in any order)."""
+    index = np.array([0, 1, 0, 2, 0, 1, 3, 0], np.int64)
+    values = np.arange(1, 9, dtype=np.float16)
+    array = cuda.to_device(np.zeros(4, np.float16))
+    _atomic_halves[1, 8](array, index, values)
+    want = np.zeros(4)
+    np.add.at(want, index, values.astype(np.float64))
+    np.testing.assert_array_equal(array.copy_to_host(), want.astype(np.float16))
+
+
+def test_atomic_half_pairs_add_both_halves():
+    index = np.array([0, 1, 0, 1, 0], np.int64)
+    pairs = np.arange(1, 11, dtype=np.float16).reshape(5, 2)
+    array = cuda.to_device(np.zeros(2, np.int32))
+    _atomic_words[1, 5](array, index, words(pairs))
+    want = np.zeros((2, 2))
+    np.add.at(want, index, pairs.astype(np.float64))
+    np.testing.assert_array_equal(array.copy_to_host().view(np.float16).reshape(2, 2), want.astype(np.float16))
+
+
+@cuda.jit
+def _relaxed(out, array):
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        out[i] = load_relaxed(array, (i,))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_relaxed_loads_read_the_words(dtype):
+    array = (np.arange(6, dtype=dtype) - 3) * (1 << 20)
+    out = np.zeros(6, dtype)
+    _relaxed[1, 6](out, array)
+    np.testing.assert_array_equal(out, array)
+
+
+@cuda.jit
+def _maxima(out, a, b):
+    i = cuda.grid(1)
+    if i < a.shape[0]:
+        out[0, i] = max_nan(a[i], b[i])
+        out[1, i] = max_nan_select(a[i], b[i])
+
+
+def test_nan_max_keeps_a_nan_in_either_place():
+    """Both NaN-propagating maxima are numpy's maximum: NaN where either operand is."""
+    a = np.array([1, np.nan, 3, -np.inf, np.nan, -0.5], np.float32)
+    b = np.array([2, 1, np.nan, -1, np.nan, -0.25], np.float32)
+    out = np.zeros((2, 6), np.float32)
+    _maxima[1, 6](out, a, b)
+    want = np.maximum(a, b)
+    for row in out:
+        np.testing.assert_array_equal(row, want)
+
+
+@cuda.jit
+def _clocks(out):
+    out[cuda.threadIdx.x, 0] = globaltimer()
+    out[cuda.threadIdx.x, 1] = smid()
+
+
+def test_clocks_give_a_time_and_a_multiprocessor():
+    out = np.zeros((2, 2), np.int64)
+    _clocks[1, 2](out)
+    assert (out[:, 0] > 0).all() and (out[:, 1] >= 0).all()
