@@ -41,14 +41,14 @@ def test_half2_adds_round_each_half_once(a, b):
 def _atomic_halves(array, index, values):
     i = cuda.grid(1)
     if i < values.shape[0]:
-        atomic_add_half(array, index[i], values[i])
+        atomic_add_half(array, (index[i],), values[i])
 
 
 @cuda.jit
 def _atomic_words(array, index, values):
     i = cuda.grid(1)
     if i < values.shape[0]:
-        atomic_add_half2(array, index[i], values[i])
+        atomic_add_half2(array, (index[i],), values[i])
 
 
 def test_atomic_half_adds_land_every_value():
