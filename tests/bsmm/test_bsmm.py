@@ -38,6 +38,20 @@ def problems(draw, block_size, dtype, styles=("normal", "uniform", "small_intege
     return layout, x, dy, w
 
 
+def assert_products(y, dx, dw, x, dy, w, layout, feature_axis, dtype):
+    """The three products against the reference, each element bounded by the size of its terms
+    (the reference on the inputs' absolute values): cancellation cannot fail a correct kernel."""
+    ax, ady, aw = (np.abs(np.asarray(a, np.float64)) for a in (x, dy, w))
+    C, K = layout.dense_shape
+    n = x.shape[1 - feature_axis]
+    assert_close(y, reference.forward(x, w, layout, feature_axis), dtype, "forward",
+                 magnitude=reference.forward(ax, aw, layout, feature_axis), terms=C)
+    assert_close(dx, reference.input_grad(dy, w, layout, feature_axis), dtype, "input_grad",
+                 magnitude=reference.input_grad(ady, aw, layout, feature_axis), terms=K)
+    assert_close(dw, reference.weight_grad(x, dy, layout, feature_axis), dtype, "weight_grad",
+                 magnitude=reference.weight_grad(ax, ady, layout, feature_axis), terms=n)
+
+
 def check_all_products(data, block_size, dtype, feature_axis, version):
     layout, x, dy, w = data.draw(problems(block_size, dtype))
     x, dy = to_axis(x, feature_axis), to_axis(dy, feature_axis)
@@ -46,9 +60,7 @@ def check_all_products(data, block_size, dtype, feature_axis, version):
         dx = bsmm.input_grad(dy, w, layout, feature_axis, version=version)
         dw = bsmm.weight_grad(x, dy, layout, feature_axis, version=version)
     assert y.dtype == dx.dtype == dw.dtype == x.dtype
-    assert_close(y, reference.forward(x, w, layout, feature_axis), dtype, "forward")
-    assert_close(dx, reference.input_grad(dy, w, layout, feature_axis), dtype, "input_grad")
-    assert_close(dw, reference.weight_grad(x, dy, layout, feature_axis), dtype, "weight_grad")
+    assert_products(y, dx, dw, x, dy, w, layout, feature_axis, dtype)
 
 
 @pytest.mark.parametrize("feature_axis", [1, 0])
@@ -93,9 +105,7 @@ def check_split_lines(data, block_size, feature_axis, max_segment, version):
         y = bsmm.api._product(bsmm.DEFAULT, x, w, layout, feature_axis, False, version, max_segment=max_segment)
         dx = bsmm.api._product(bsmm.DEFAULT, dy, w, layout, feature_axis, True, version, max_segment=max_segment)
         dw = bsmm.weight_grad(x, dy, layout, feature_axis, splits=splits)
-    assert_close(y, reference.forward(x, w, layout, feature_axis), dtype, "forward")
-    assert_close(dx, reference.input_grad(dy, w, layout, feature_axis), dtype, "input_grad")
-    assert_close(dw, reference.weight_grad(x, dy, layout, feature_axis), dtype, "weight_grad")
+    assert_products(y, dx, dw, x, dy, w, layout, feature_axis, dtype)
 
 
 @pytest.mark.parametrize("version", [3, 4])
