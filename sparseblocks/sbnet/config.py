@@ -26,7 +26,6 @@ class SbnetConfig:
     pass_pixels_large: int = 4096  # ... or 16 loads, where that still leaves a chunk a multiprocessor
     pass_wave: int = 4  # chunks fit one wave of this many thread blocks a multiprocessor (0: no such rule)
     pass_loads: int = 8  # rows a thread loads before it pools any (4, 8 or 16)
-    pass_balance: str = None  # None, "rounds" or "one round": even chunks across multiprocessors
     pass_lane_entries: int = 16  # windows of at most this many shared values are pooled by one lane, not a warp
     pass_vector: int = 4  # mask columns a load where windows are whole aligned vectors (1, 2 or 4)
     pass_max_registers: int = None  # a cap on the pass kernel's registers (ptxas)

@@ -50,12 +50,11 @@ def _reduce_group_warps(cfg, size, total):
 
 
 def _pass_chunks(cfg, size, total, vector=1):
-    """(windows a chunk, lanes, phases) of reduce_mask's version 2: at least PASS_PIXELS_LARGE
+    """(windows a chunk, lanes, phases) of reduce_mask's version 2: at least ``pass_pixels_large``
     loads a chunk (`vector` pixels each) where that leaves at least half as many chunks as
-    multiprocessors, else PASS_PIXELS, and at most a wave of chunks (PASS_WAVE), within
-    PASS_WINDOWS windows and PASS_COLUMNS columns; a full chunk's threads across its columns
-    (lanes) and rows (phases)."""
-    PASS_BALANCE = cfg.pass_balance
+    multiprocessors, else ``pass_pixels``, and at most a wave of chunks (``pass_wave``), within
+    ``pass_windows`` windows and ``pass_columns`` columns; a full chunk's threads across its
+    columns (lanes) and rows (phases)."""
     PASS_COLUMNS = cfg.pass_columns
     PASS_PIXELS = cfg.pass_pixels
     PASS_PIXELS_LARGE = cfg.pass_pixels_large
@@ -70,11 +69,6 @@ def _pass_chunks(cfg, size, total, vector=1):
         per_chunk = max(1, min(most, wanted))
         if 2 * -(-total // per_chunk) >= sms:
             break
-    if PASS_BALANCE == "one round" and -(-total // sms) <= most:
-        per_chunk = -(-total // sms)
-    elif PASS_BALANCE:
-        rounds = -(-total // (per_chunk * sms))
-        per_chunk = -(-total // (rounds * sms))
     lanes = min(per_chunk * (size[1] // vector), PASS_THREADS)
     return per_chunk, lanes, PASS_THREADS // lanes
 

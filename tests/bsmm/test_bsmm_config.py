@@ -1,0 +1,65 @@
+"""The matmul's config: every switch gives the reference's products, and configs key the caches."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from sparseblocks import BlockLayout, bsmm
+from sparseblocks.reference import bsmm as reference
+from sparseblocks.runtime import compile as compile_cache
+from sparseblocks.runtime.backend import SIMULATOR
+from sparseblocks.runtime.tuning import Table
+from strategies import assert_close
+
+SWITCHES = [  # (field, value, version, dtype): the variant a switch selects, beside the default's kernel
+    ("v4_vector", False, 4, "float32"),
+    ("v4_layout", {16: "swizzle", 32: "swizzle", 64: "swizzle"}, 4, "float32"),
+    ("v4_unroll", {16: False, 32: False, 64: False}, 4, "float32"),
+    ("v5_vector", False, 5, "float16"),
+    ("v5_wgrad_async", False, 5, "float32"),
+    ("v5_wgrad", False, 5, "float16"),
+    ("tensor_core_default", frozenset(), None, "float32"),
+]
+
+
+@pytest.mark.parametrize("field, value, version, dtype", SWITCHES)
+def test_each_switch_gives_the_reference_products(field, value, version, dtype):
+    config = replace(bsmm.DEFAULT, **{field: value})
+    layout = BlockLayout(np.array([[1, 0], [1, 1]], bool), 16)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((9 if SIMULATOR else 300, 32)).astype(dtype)
+    dy = rng.standard_normal((len(x), 32)).astype(dtype)
+    w = rng.standard_normal(layout.w_shape).astype(dtype)
+    y = bsmm.forward(x, w, layout, version=version, config=config)
+    dx = bsmm.input_grad(dy, w, layout, version=version, config=config)
+    dw = bsmm.weight_grad(x, dy, layout, version=version, config=config)
+    assert_close(y, reference.forward(x, w, layout), dtype, "forward")
+    assert_close(dx, reference.input_grad(dy, w, layout), dtype, "input_grad")
+    assert_close(dw, reference.weight_grad(x, dy, layout), dtype, "weight_grad")
+
+
+def test_configs_are_frozen_hashable_and_checked():
+    config = replace(bsmm.DEFAULT, v5_stages=4, v5_warps={16: 2, 32: 4, 64: 8})
+    assert isinstance(config.v5_warps, Table) and hash(config) == hash(replace(config))
+    assert config != bsmm.DEFAULT and bsmm.DEFAULT.v5_stages == 3
+    with pytest.raises(TypeError):
+        config.v5_warps[16] = 8
+    with pytest.raises(ValueError, match="v5_stages"):
+        replace(bsmm.DEFAULT, v5_stages=7)
+    with pytest.raises(TypeError, match="config"):
+        bsmm.forward(np.zeros((1, 16), np.float32), np.zeros((1, 16, 16), np.float32),
+                     BlockLayout.dense((1, 1), 16), config={"v5_stages": 2})
+
+
+def test_a_config_compiles_its_own_kernels():
+    """A kernel made under one config is never handed out under another."""
+    layout = BlockLayout.dense((1, 1), 8)
+    x = np.ones((3, 8), np.float32)
+    w = np.ones(layout.w_shape, np.float32)
+    bsmm.forward(x, w, layout, version=1)
+    other = replace(bsmm.DEFAULT, rows_per_tile={8: 8, 16: 16, 32: 8, 64: 4})
+    y = bsmm.forward(x, w, layout, version=1, config=other)
+    np.testing.assert_array_equal(y, np.full((3, 8), 8, np.float32))
+    made = {key[1] for key in compile_cache._kernels if key[0] is bsmm.simple.make_product_v1}
+    assert {bsmm.DEFAULT, other} <= made
