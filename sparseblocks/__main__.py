@@ -117,8 +117,8 @@ def sbnet_demo():
     return 0 if ok else 1
 
 
-# A CPU build of torch for machines without a GPU: torch's CPU index, else this release from the
-# default index (whose Linux wheels carry CUDA, and also run on the CPU).
+# A CPU build of torch for machines without a GPU: this release, its CPU build (``+cpu``, which pip
+# prefers) from torch's CPU index where that is reachable.
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 CPU_TORCH = "torch==2.13.0"
 
@@ -130,9 +130,8 @@ def _install_cpu_torch():
     if importlib.util.find_spec("torch") is not None:
         return
     print("no GPU and no torch: installing a CPU build of torch for the torch layer's tests")
-    pip = [sys.executable, "-m", "pip", "install", "-q"]
-    if subprocess.call([*pip, "--retries", "0", "--timeout", "10", "--index-url", CPU_TORCH_INDEX, "torch"]):
-        subprocess.check_call([*pip, CPU_TORCH])
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "--retries", "1", "--timeout", "15",
+                           "--extra-index-url", CPU_TORCH_INDEX, CPU_TORCH])
 
 
 def test(pytest_args):
