@@ -24,6 +24,11 @@ class FusedConfig:
         for tile in tiles:
             if len(tile) != 6:
                 raise ValueError(f"tile {tile}: expected (rows, cols, words, stages, warps, registers)")
+        for dtype, tile in self.scatter_tiles.items():
+            # The scatter's staged rows of out are XOR-swizzled over 8 units of 16 bytes.
+            if tile[1] * (2 if dtype == "float16" else 4) % 128:
+                raise ValueError(f"scatter_tiles[{dtype!r}]: a tile row of out must be whole 128 bytes "
+                                 f"(cols a multiple of {64 if dtype == 'float16' else 32}), got {tile[1]} cols")
 
 
 DEFAULT = FusedConfig()

@@ -169,6 +169,7 @@ def make_kernel(storage, relu, vector_out, rows=ROWS, cols=COLS, words=WORDS, st
     PREFETCH = scatter and vector_out and not nchw  # (an NCHW image's: `write`)
     Y_UNITS = cols * ITEM // UNIT  # 16-byte units of a tile row of out
     Y_SIZE = rows * Y_UNITS * 4 if PREFETCH else 1
+    assert not PREFETCH or Y_UNITS % 8 == 0  # (`y_word` swizzles a row's units by r % 8)
     Y_TYPE = uint32 if PAIRS else float32
     # NCHW: a warp fills NCHW_PAIRS pixel pairs of a stage, a lane A_PAIRS of them (8 lanes along the
     # pairs) by J_STEPS words of each (4 lanes along the words); HELD words loaded an item.

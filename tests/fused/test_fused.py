@@ -85,7 +85,7 @@ def test_nchw_several_tiles_stages_and_odd_columns(dtype):
     """NCHW: two output-channel tiles, input channels past a stage (fp16 40: 32 and 8), more stack
     pixels than a tile, windows at odd and even columns reaching past both sides of the image."""
     rng = np.random.default_rng(6)
-    cols, rows = gather_matmul.DEFAULT.nchw_gather_tile[1], gather_matmul.DEFAULT.nchw_gather_tile[0]
+    cols, rows = gather_matmul.config.DEFAULT.nchw_gather_tile[1], gather_matmul.config.DEFAULT.nchw_gather_tile[0]
     channels = 40 if dtype == "float16" else 20
     x = rng.standard_normal((2, channels, 11, 14)).astype(dtype)
     w = rng.standard_normal((cols + 8, channels)).astype(dtype)
@@ -113,7 +113,7 @@ def test_several_tiles_and_channels_past_a_stage():
     """Two output-channel tiles (C_out > COLS), input channels ending inside a stage, rows of
     more than one tile of pixels, on a device array kept by the caller (out=)."""
     rng = np.random.default_rng(2)
-    cols, rows = gather_matmul.DEFAULT.gather_tile[1], gather_matmul.DEFAULT.gather_tile[0]
+    cols, rows = gather_matmul.config.DEFAULT.gather_tile[1], gather_matmul.config.DEFAULT.gather_tile[0]
     x = rng.standard_normal((1, 12, 13, 40)).astype(np.float16)
     w = rng.standard_normal((cols + 8, 40)).astype(np.float16)
     g = {"bsize": (8, 9), "bstride": (4, 4), "boffset": (-2, -3)}
@@ -395,7 +395,7 @@ def test_matmul_scatter_several_tiles_in_place(data_format):
     stack pixels, windows partly off the image, and a count; the rest of y untouched. (NCHW fp16:
     windows of an even width from an even column; a tile's rows end mid window row.)"""
     rng = np.random.default_rng(7)
-    cols, rows = gather_matmul.DEFAULT.gather_tile[1], gather_matmul.DEFAULT.gather_tile[0]
+    cols, rows = gather_matmul.config.DEFAULT.gather_tile[1], gather_matmul.config.DEFAULT.gather_tile[0]
     nhwc = data_format == "NHWC"
     g = {"bsize": (8, 9 if nhwc else 10), "bstride": (8, 9 if nhwc else 10), "boffset": (-2, -3 if nhwc else -4)}
     indices = np.array([[0, 0, 0], [0, 1, 2], [0, 2, 1], [0, 1, 1]], np.int32)
@@ -535,3 +535,13 @@ def test_matmul_scatter_kept_launch_replays_with_new_tensors():
             assert gather_matmul.sparse_matmul_scatter(blocks, indices, w, y, count=count, **g) is y
         assert_close(y.cpu().numpy(), want, "float16")
         assert any(key[0] == "sbnet matmul_scatter" for key in plans.kept)
+
+
+def test_config_refuses_tiles_the_scatter_cannot_stage():
+    """The scatter's staged rows of out are swizzled over 8 units of 16 bytes: narrower tiles would
+    write past their row (the simulator's cp.async twin caught it)."""
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="scatter_tiles"):
+        replace(gather_matmul.DEFAULT, scatter_tiles={"float16": (64, 32, 16, 2, 2, None),
+                                                      "float32": (64, 64, 16, 2, 2, None)})
