@@ -5,7 +5,7 @@ are keyed on the whole config, so a variant made with `dataclasses.replace`
 compiles its own kernels. Timings behind the defaults: docs/performance.md.
 """
 
-from ..runtime.tuning import default_field, tuning
+from ..runtime.tuning import config_checker, default_field, tuning
 
 
 @tuning
@@ -74,12 +74,4 @@ class BsmmConfig:
 
 
 DEFAULT = BsmmConfig()
-
-
-def as_config(config):
-    """``config`` checked, or the default where None."""
-    if config is None:
-        return DEFAULT
-    if not isinstance(config, BsmmConfig):
-        raise TypeError(f"config: expected a BsmmConfig, got {type(config).__name__}")
-    return config
+as_config = config_checker(BsmmConfig)

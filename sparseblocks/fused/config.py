@@ -6,7 +6,7 @@ buffers in the cp.async ring, warps, and a cap on a thread's registers (ptxas;
 None: uncapped). Timings behind the defaults: docs/performance.md.
 """
 
-from ..runtime.tuning import default_field, tuning
+from ..runtime.tuning import config_checker, default_field, tuning
 
 
 @tuning
@@ -32,12 +32,4 @@ class FusedConfig:
 
 
 DEFAULT = FusedConfig()
-
-
-def as_config(config):
-    """``config`` checked, or the default where None."""
-    if config is None:
-        return DEFAULT
-    if not isinstance(config, FusedConfig):
-        raise TypeError(f"config: expected a FusedConfig, got {type(config).__name__}")
-    return config
+as_config = config_checker(FusedConfig)

@@ -67,6 +67,23 @@ def tuning(cls):
     return dataclasses.dataclass(frozen=True, eq=True, unsafe_hash=False)(cls)
 
 
+def config_checker(cls):
+    """``as_config(config)`` for a config class: ``config`` checked, or the class's module's
+    ``DEFAULT`` (read at each call, so that a test may replace it) where None."""
+    import sys
+
+    module = sys.modules[cls.__module__]
+
+    def as_config(config):
+        if config is None:
+            return module.DEFAULT
+        if not isinstance(config, cls):
+            raise TypeError(f"config: expected a {cls.__name__}, got {type(config).__name__}")
+        return config
+
+    return as_config
+
+
 def default_field(table):
     """A dict-valued field's default (dataclasses takes no mutable default)."""
     return dataclasses.field(default_factory=lambda: Table(table))

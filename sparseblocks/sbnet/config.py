@@ -5,7 +5,7 @@ plans are keyed on the whole config. Timings behind the defaults:
 docs/performance.md.
 """
 
-from ..runtime.tuning import tuning
+from ..runtime.tuning import config_checker, tuning
 
 WARP = 32
 
@@ -105,12 +105,4 @@ class SbnetConfig:
 
 
 DEFAULT = SbnetConfig()
-
-
-def as_config(config):
-    """``config`` checked, or the default where None."""
-    if config is None:
-        return DEFAULT
-    if not isinstance(config, SbnetConfig):
-        raise TypeError(f"config: expected an SbnetConfig, got {type(config).__name__}")
-    return config
+as_config = config_checker(SbnetConfig)

@@ -4,7 +4,7 @@ Which fused kernels a call without gradients takes, and where an NCHW stack's
 output comes out NHWC. Timings behind the defaults: docs/performance.md.
 """
 
-from ..runtime.tuning import default_field, tuning
+from ..runtime.tuning import config_checker, default_field, tuning
 
 
 @tuning
@@ -24,12 +24,4 @@ class ResBlockConfig:
 
 
 DEFAULT = ResBlockConfig()
-
-
-def as_config(config):
-    """``config`` checked, or the default where None."""
-    if config is None:
-        return DEFAULT
-    if not isinstance(config, ResBlockConfig):
-        raise TypeError(f"config: expected a ResBlockConfig, got {type(config).__name__}")
-    return config
+as_config = config_checker(ResBlockConfig)
