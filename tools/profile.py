@@ -19,32 +19,20 @@ import sweep  # noqa: E402
 
 
 def main():
-    calls = 5
-    if "--calls" in sys.argv:
-        at = sys.argv.index("--calls")
-        calls = int(sys.argv[at + 1])
-        del sys.argv[at:at + 2]
-    if any(a in ("-h", "--help") for a in sys.argv[1:]):
-        print(__doc__)
-        return
     import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sweep.add_case_arguments(parser)
+    parser.add_argument("--calls", type=int, default=5, help="calls after the warm-up")
+    args = parser.parse_args()
 
     import torch
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("op", choices=sorted(sweep.CASES))
-    parser.add_argument("call")
-    parser.add_argument("--set", action="append", default=[])
-    for name, default in (("dtype", "float16"), ("n", 4096), ("c", 4096), ("k", 4096), ("block-size", 32),
-                          ("density", 0.1), ("images", 1), ("height", 400), ("width", 700), ("channels", 256),
-                          ("window", 16), ("fraction", 0.1)):
-        parser.add_argument(f"--{name}", type=type(default), default=default)
-    args = parser.parse_args()
     default, call = sweep.CASES[args.op](torch, args)
     config = replace(default, **{name: values[0] for name, values in map(sweep.parse_values, args.set)})
     call(config)
     torch.cuda.synchronize()
-    for _ in range(calls):
+    for _ in range(args.calls):
         call(config)
     torch.cuda.synchronize()
 

@@ -121,6 +121,27 @@ CASES = {"bsmm": bsmm_case, "sbnet": sbnet_case, "fused": fused_case, "torch": t
 TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2, "float32": 1e-4, "float64": 1e-10}
 
 
+def add_case_arguments(parser):
+    """The op, the call, ``--set`` and the problem's sizes (shared with `tools/profile.py`)."""
+    parser.add_argument("op", choices=sorted(CASES))
+    parser.add_argument("call", help="bsmm: forward, input_grad, weight_grad; sbnet: reduce_mask, sparse_gather, "
+                                     "sparse_scatter; fused: sparse_gather_matmul, sparse_matmul_scatter; torch: res_block")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2",
+                        help="a config field and the values to try (repeatable: their cartesian product)")
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--c", type=int, default=4096)
+    parser.add_argument("--k", type=int, default=4096)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--density", type=float, default=0.1)
+    parser.add_argument("--images", type=int, default=1)
+    parser.add_argument("--height", type=int, default=400)
+    parser.add_argument("--width", type=int, default=700)
+    parser.add_argument("--channels", type=int, default=256)
+    parser.add_argument("--window", type=int, default=16)
+    parser.add_argument("--fraction", type=float, default=0.1, help="sbnet, fused, torch: mask pixels set x 64")
+
+
 def time_rounds(torch, calls, rounds, per_round):
     """{name: [median ms of each round]}: the calls interleaved, round by round."""
     times = {name: [] for name in calls}
@@ -140,23 +161,7 @@ def time_rounds(torch, calls, rounds, per_round):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("op", choices=sorted(CASES))
-    parser.add_argument("call", help="bsmm: forward, input_grad, weight_grad; sbnet: reduce_mask, sparse_gather, "
-                                     "sparse_scatter; fused: sparse_gather_matmul, sparse_matmul_scatter; torch: res_block")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2",
-                        help="a config field and the values to try (repeatable: their cartesian product)")
-    parser.add_argument("--dtype", default="float16")
-    parser.add_argument("--n", type=int, default=4096)
-    parser.add_argument("--c", type=int, default=4096)
-    parser.add_argument("--k", type=int, default=4096)
-    parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--density", type=float, default=0.1)
-    parser.add_argument("--images", type=int, default=1)
-    parser.add_argument("--height", type=int, default=400)
-    parser.add_argument("--width", type=int, default=700)
-    parser.add_argument("--channels", type=int, default=256)
-    parser.add_argument("--window", type=int, default=16)
-    parser.add_argument("--fraction", type=float, default=0.1, help="sbnet, fused, torch: mask pixels set x 64")
+    add_case_arguments(parser)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--per-round", type=int, default=20)
     args = parser.parse_args()
