@@ -16,8 +16,3 @@ def cached(maker, *key):
     if kernel is None:
         kernel = _kernels[(maker, *key)] = maker(*key)
     return kernel
-
-
-def clear():
-    """Forget every compiled kernel (a test that patches a maker starts afresh)."""
-    _kernels.clear()
