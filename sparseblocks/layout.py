@@ -37,7 +37,7 @@ class BlockLayout:
 
     __slots__ = (
         "mask", "block_size", "coords", "row_ptr", "col_idx",
-        "col_ptr", "row_idx", "col_block", "_hash", "_schedules",
+        "col_ptr", "row_idx", "col_block", "_hash", "_schedules", "__weakref__",
     )
 
     def __init__(self, mask, block_size=32):
@@ -49,7 +49,7 @@ class BlockLayout:
         if mask.dtype != np.bool_:
             if not (np.issubdtype(mask.dtype, np.number) and np.isin(mask, (0, 1)).all()):
                 raise ValueError("mask: expected only 0 and 1 (or booleans)")
-        block_size = _check_block_size(block_size)
+        block_size = check_block_size(block_size)
         mask = mask.astype(bool)
         n_blocks = int(mask.sum())
         dense = max(mask.shape) * block_size
@@ -106,7 +106,7 @@ class BlockLayout:
         element_mask = np.asarray(element_mask)
         if element_mask.ndim != 2:
             raise ValueError(f"element_mask: expected 2-D (C, K), got {element_mask.ndim} dimensions")
-        block_size = _check_block_size(block_size)
+        block_size = check_block_size(block_size)
         C, K = element_mask.shape
         if C % block_size or K % block_size:
             raise ValueError(
@@ -230,7 +230,7 @@ def _block_grid_shape(shape):
     return shape
 
 
-def _check_block_size(block_size):
+def check_block_size(block_size):
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
         raise TypeError(f"block_size: expected an int in {BLOCK_SIZES}, got {block_size!r}")
     if int(block_size) not in BLOCK_SIZES:

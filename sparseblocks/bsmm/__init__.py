@@ -7,14 +7,14 @@
 
 Files: `api` (validate, plan, launch), `config` (the knobs), `dispatch` (which
 kernel family runs), `simple` (the teaching kernels), `simt` and `tensorcore`
-(the fast products), `weight_grad_simt` and `weight_grad_tensorcore`, `plans`
+(the fast products), `weight_grad_simt` and `weight_grad_tensorcore`, `block_norms`, `plans`
 (kept launches for repeated torch calls), `openai` (`BlocksparseMatMul`).
 """
 
-from .api import forward, input_grad, transpose_blocks, weight_grad
+from .api import block_norms, forward, input_grad, transpose_blocks, weight_grad
 from .config import DEFAULT, BsmmConfig
 from .dispatch import VERSIONS, default_version, segment_limit, wgrad_splits
 from .openai import BlocksparseMatMul
 
-__all__ = ["forward", "input_grad", "weight_grad", "transpose_blocks", "BsmmConfig", "DEFAULT",
+__all__ = ["forward", "input_grad", "weight_grad", "transpose_blocks", "block_norms", "BsmmConfig", "DEFAULT",
            "BlocksparseMatMul", "VERSIONS", "default_version", "segment_limit", "wgrad_splits"]

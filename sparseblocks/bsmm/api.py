@@ -14,6 +14,7 @@ with no block are zero. Every sum runs in a fixed order: results are bitwise rep
 ``version=`` picks a kernel family (`dispatch.VERSIONS`), ``config=`` its knobs.
 """
 
+from ..layout import check_block_size
 from ..ptx.vector import aligned
 from ..runtime import arrays as _arrays
 from ..runtime import plans
@@ -26,7 +27,8 @@ from ..runtime.arrays import (
     launch_stream,
 )
 from ..runtime.backend import SIMULATOR
-from ..runtime.launch import data_pointer
+from ..runtime.launch import data_pointer, launch
+from .block_norms import CRITERIA, make_block_norms, norm_threads
 from .config import as_config
 from .dispatch import (
     VERSIONS,
@@ -35,6 +37,7 @@ from .dispatch import (
     launch_product_v1,
     launch_transpose_blocks,
     launch_weight_grad,
+    compiled,
     words,
 )
 from .plans import (
@@ -172,3 +175,26 @@ def transpose_blocks(w, layout, config=None):
         raise ValueError("w: expected a 4-byte aligned array (its blocks are read as 32-bit words)")
     launch_transpose_blocks(cfg, words(wt), words(w_device), layout, w.dtype, stream)
     return w.result(native, wt, stream)
+
+
+def block_norms(a, block_size, criterion="l2", config=None):
+    """Norms of the ``block_size``-square blocks of a dense 2-D ``a`` (R, S), as (R/bs, S/bs):
+    ``criterion`` ``"l2"``, ``"l1"`` or ``"max"`` (see `block_norms`). fp32 (fp64 for fp64 ``a``).
+    For an ``nn.Linear`` weight (out, in), the layout's (in, out) grid is the result transposed."""
+    cfg = as_config(config)
+    if criterion not in CRITERIA:
+        raise ValueError(f"criterion: expected one of {CRITERIA}, got {criterion!r}")
+    bs = check_block_size(block_size)
+    a = Operand(a, "a")
+    check_dtype(a)
+    a.require_contiguous()
+    if len(a.shape) != 2 or a.shape[0] % bs or a.shape[1] % bs:
+        raise ValueError(f"a: expected a 2-D array whose sides are multiples of block_size {bs}, got shape {a.shape}")
+    stream = launch_stream((a,))
+    grid = (a.shape[0] // bs, a.shape[1] // bs)
+    acc = "float64" if a.dtype == "float64" else "float32"
+    native, out = a.empty(grid, stream, dtype=acc)
+    if grid[0] and grid[1]:
+        kernel = compiled(cfg, make_block_norms, bs, a.dtype, criterion)
+        launch(kernel, (grid[1], grid[0]), norm_threads(cfg, bs), stream, (out, a.device(stream)))
+    return a.result(native, out, stream)

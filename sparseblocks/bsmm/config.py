@@ -29,6 +29,7 @@ class BsmmConfig:
     wgrad_chunk: int = 64  # rows of N a weight-gradient step loads
     combine_threads: int = 256  # threads of the kernels that add split sums in order
     transpose_threads: int = 256  # most threads of `transpose_blocks`' thread blocks
+    norm_threads: int = 256  # most threads of `block_norms`' thread blocks (one a block), a power of two
 
     # -- version 4 (SIMT, 8 x 8 patches) ---------------------------------------------------
     v4_rows: dict = default_field({16: 256, 32: 256, 64: 128})  # product rows a thread block (block 8 runs version 3)
@@ -64,6 +65,8 @@ class BsmmConfig:
     v5_wgrad_rows: int = 32  # N-splits are cut at multiples of this (whole steps of every storage)
 
     def check(self):
+        if self.norm_threads < 1 or self.norm_threads & (self.norm_threads - 1):
+            raise ValueError(f"norm_threads: expected a power of two, got {self.norm_threads}")
         if not 2 <= self.v5_stages <= 5:
             raise ValueError(f"v5_stages: expected 2 to 5, got {self.v5_stages}")
         if not 2 <= self.v5_wgrad_stages <= 4:

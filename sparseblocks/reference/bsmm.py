@@ -63,3 +63,16 @@ def weight_grad(x, dy, layout, feature_axis=1, upcast=True):
 def transpose_blocks(w, layout):
     """W's blocks transposed into the layout's column order: ``wt[p] = w[layout.col_block[p]]ᵀ``."""
     return np.ascontiguousarray(np.asarray(w)[layout.col_block].transpose(0, 2, 1))
+
+
+def block_norms(a, block_size, criterion="l2"):
+    """Norms of the ``block_size``-square blocks of a dense 2-D ``a``: ``"l2"``, ``"l1"`` or ``"max"``
+    of the magnitudes (float64)."""
+    a = np.abs(np.asarray(a, np.float64))
+    R, S = a.shape
+    blocks = a.reshape(R // block_size, block_size, S // block_size, block_size)
+    if criterion == "l2":
+        return np.sqrt((blocks * blocks).sum(axis=(1, 3)))
+    if criterion == "l1":
+        return blocks.sum(axis=(1, 3))
+    return blocks.max(axis=(1, 3))

@@ -142,16 +142,17 @@ class Operand:
         if not ok:
             raise ValueError(f"{self.name}: expected a C-contiguous array")
 
-    def empty(self, shape, stream=0):
-        """Uninitialised output of the caller's kind and this operand's dtype: (native, device view)."""
-        native, device = self._allocate(shape, self.dtype, stream)
+    def empty(self, shape, stream=0, dtype=None):
+        """Uninitialised output of the caller's kind and this operand's dtype (or ``dtype``):
+        (native, device view)."""
+        native, device = self._allocate(shape, dtype or self.dtype, stream)
         if _poison_outputs and int(np.prod(shape)):
             if self.kind == "torch" and not SIMULATOR:
                 native.fill_(float("nan"))
             elif self.kind == "cupy":
                 native.fill(np.nan)
             else:
-                poison = np.full(shape, 0x7FC0, np.int16) if self.dtype == "bfloat16" \
+                poison = np.full(shape, 0x7FC0, np.int16) if (dtype or self.dtype) == "bfloat16" \
                     else np.full(shape, np.nan, device.dtype)  # bf16's NaN is 0x7FC0
                 device.copy_to_device(poison, stream=stream)
         return native, device
@@ -179,12 +180,14 @@ class Operand:
         """What the caller gets back: host copy for NumPy, the native array otherwise."""
         if self.kind == "numpy":
             host = device.copy_to_host(stream=stream)
-            return host.view(_bf16_numpy()) if self.dtype == "bfloat16" else host
+            return host.view(_bf16_numpy()) if self.dtype == "bfloat16" and host.dtype == np.int16 else host
         if self.kind == "torch" and SIMULATOR:
             import torch
 
-            host = torch.from_numpy(device.copy_to_host())
-            return host.view(torch.bfloat16) if self.dtype == "bfloat16" else host
+            host = device.copy_to_host()
+            bf16 = self.dtype == "bfloat16" and host.dtype == np.int16  # (not an fp32 result of bf16 input)
+            host = torch.from_numpy(host)
+            return host.view(torch.bfloat16) if bf16 else host
         return native
 
 

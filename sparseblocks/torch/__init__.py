@@ -1,5 +1,7 @@
-"""The torch layer: autograd for SBNet's gather and scatter, and the sparse ResNet block.
+"""The torch layer: `BlockSparseLinear` (with `sparsify` and `BlockRegrowth`), SBNet's gather and
+scatter with autograd, and the sparse ResNet block.
 
+    from sparseblocks.torch import BlockSparseLinear, BlockRegrowth, sparsify
     from sparseblocks.torch import SparseResBlock, sparse_gather, sparse_scatter
 
 Importing this package imports torch. Tensors reach the kernels through
@@ -7,7 +9,10 @@ Importing this package imports torch. Tensors reach the kernels through
 """
 
 from .config import ResBlockConfig
+from .linear import BlockSparseLinear
+from .regrow import BlockRegrowth
 from .res_block import SparseResBlock
 from .sbnet import sparse_gather, sparse_scatter
+from .sparsify import sparsify
 
-__all__ = ["SparseResBlock", "ResBlockConfig", "sparse_gather", "sparse_scatter"]
+__all__ = ["BlockSparseLinear", "BlockRegrowth", "sparsify", "SparseResBlock", "ResBlockConfig", "sparse_gather", "sparse_scatter"]

@@ -13,7 +13,7 @@ from sparseblocks.runtime import compile as compile_cache
 from sparseblocks.runtime import plans
 from sparseblocks.layout import BlockLayout
 from sparseblocks.reference import bsmm as reference
-from strategies import DTYPE_NAMES, arrays, assert_close, layouts
+from strategies import DTYPE_NAMES, VALUE_STYLES, arrays, assert_close, layouts, values
 
 # The simulator runs a Python thread per CUDA thread: fewer, smaller cases there.
 MAX_BLOCKS = {8: 3, 16: 3, 32: 2, 64: 2} if SIMULATOR else {8: 8, 16: 6, 32: 4, 64: 3}
@@ -691,3 +691,29 @@ def test_cupy_arrays_in_cupy_arrays_out():
     y = bsmm.forward(x, w, layout)
     assert isinstance(y, cupy.ndarray)
     assert_close(y.get(), reference.forward(x.get(), w.get(), layout), np.float32)
+
+
+@given(grid=st.tuples(st.integers(1, 3), st.integers(1, 3)), bs=st.sampled_from([8, 16]),
+       dtype=st.sampled_from(DTYPE_NAMES), criterion=st.sampled_from(["l2", "l1", "max"]),
+       style=st.sampled_from(VALUE_STYLES), seed=st.integers(0, 2**16))
+def test_block_norms_match_the_reference(grid, bs, dtype, criterion, style, seed):
+    a = values(np.random.default_rng(seed), (grid[0] * bs, grid[1] * bs), dtype, style)
+    got = bsmm.block_norms(a, bs, criterion)
+    want = reference.block_norms(a.astype(np.float64), bs, criterion)
+    assert got.shape == grid and got.dtype == (np.float64 if dtype == "float64" else np.float32)
+    rtol = 1e-12 if dtype == "float64" else 1e-6 * bs
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=0)
+
+
+def test_block_norms_propagate_nan_and_name_bad_input():
+    a = np.ones((16, 16), np.float32)
+    a[9, 3] = np.nan
+    for criterion in ("l2", "l1", "max"):
+        got = bsmm.block_norms(a, 8, criterion)
+        assert np.isnan(got[1, 0]) and not np.isnan(got[[0, 0, 1], [0, 1, 1]]).any()
+    with pytest.raises(ValueError, match="criterion"):
+        bsmm.block_norms(a, 8, "l3")
+    with pytest.raises(ValueError, match="multiples of block_size"):
+        bsmm.block_norms(a[:12], 8)
+    with pytest.raises(ValueError, match="block_size"):
+        bsmm.block_norms(a, 12)

@@ -1,0 +1,102 @@
+"""The matmul's three products as torch custom ops (``torch.ops.sparseblocks.*``).
+
+Registered with `torch.library.custom_op`, each with a fake kernel (shapes and dtypes only, for
+`torch.compile`'s tracing) and the forward with its autograd, so that a compiled model runs the
+kernels with no graph break, and CUDA graphs (``mode="reduce-overhead"`` or `torch.cuda.graph`)
+capture them. Kernels launch on torch's current stream.
+
+A layout crosses the op boundary as a string, `layout_key` (block size, grid, and the mask's bits),
+since custom ops take tensors and plain values only. A compiled graph holds it as a constant, so a
+new layout (after `BlockRegrowth` moves blocks) is a new graph. `layout_of` turns it back into the
+`BlockLayout`, kept in a small cache (so the layout's device indices are made once).
+"""
+
+import base64
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from .. import bsmm
+from ..layout import BlockLayout
+
+_CACHED_LAYOUTS = 64
+_layouts = OrderedDict()
+
+
+def layout_key(layout):
+    """The string a custom op takes for ``layout``: ``"bs:Cb:Kb:<mask bits, base64>"``."""
+    bits = base64.b64encode(np.packbits(layout.mask).tobytes()).decode()
+    Cb, Kb = layout.shape
+    key = f"{layout.block_size}:{Cb}:{Kb}:{bits}"
+    _remember(key, layout)
+    return key
+
+
+def layout_of(key):
+    """The `BlockLayout` of a `layout_key` string."""
+    layout = _layouts.get(key)
+    if layout is None:
+        bs, Cb, Kb, bits = key.split(":", 3)
+        Cb, Kb = int(Cb), int(Kb)
+        mask = np.unpackbits(np.frombuffer(base64.b64decode(bits), np.uint8), count=Cb * Kb)
+        layout = BlockLayout(mask.reshape(Cb, Kb), int(bs))
+        _remember(key, layout)
+    return layout
+
+
+def _remember(key, layout):
+    _layouts[key] = layout
+    _layouts.move_to_end(key)
+    while len(_layouts) > _CACHED_LAYOUTS:
+        _layouts.popitem(last=False)
+
+
+@torch.library.custom_op("sparseblocks::bsmm_forward", mutates_args=())
+def bsmm_forward(x: torch.Tensor, w: torch.Tensor, layout: str) -> torch.Tensor:
+    """``y = x · W``: x (N, C) -> (N, K)."""
+    return bsmm.forward(x, w, layout_of(layout))
+
+
+@torch.library.custom_op("sparseblocks::bsmm_input_grad", mutates_args=())
+def bsmm_input_grad(dy: torch.Tensor, w: torch.Tensor, layout: str) -> torch.Tensor:
+    """``dx = dy · Wᵀ``: dy (N, K) -> (N, C)."""
+    return bsmm.input_grad(dy, w, layout_of(layout))
+
+
+@torch.library.custom_op("sparseblocks::bsmm_weight_grad", mutates_args=())
+def bsmm_weight_grad(x: torch.Tensor, dy: torch.Tensor, layout: str) -> torch.Tensor:
+    """``dW = xᵀ · dy`` on the layout's blocks: (n_blocks, bs, bs)."""
+    return bsmm.weight_grad(x, dy, layout_of(layout))
+
+
+@bsmm_forward.register_fake
+def _(x, w, layout):
+    return x.new_empty((x.shape[0], layout_of(layout).dense_shape[1]))
+
+
+@bsmm_input_grad.register_fake
+def _(dy, w, layout):
+    return dy.new_empty((dy.shape[0], layout_of(layout).dense_shape[0]))
+
+
+@bsmm_weight_grad.register_fake
+def _(x, dy, layout):
+    return x.new_empty(layout_of(layout).w_shape)
+
+
+def _setup_forward(ctx, inputs, output):
+    x, w, layout = inputs
+    ctx.save_for_backward(x, w)
+    ctx.layout = layout
+
+
+def _backward_forward(ctx, dy):
+    x, w = ctx.saved_tensors
+    dy = dy.contiguous()
+    dx = bsmm_input_grad(dy, w, ctx.layout) if ctx.needs_input_grad[0] else None
+    dw = bsmm_weight_grad(x, dy, ctx.layout) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+bsmm_forward.register_autograd(_backward_forward, setup_context=_setup_forward)
