@@ -1,4 +1,4 @@
-"""``python -m sparseblocks demo | sbnet-demo | info | test``."""
+"""``python -m sparseblocks demo | matmul-demo | sbnet-demo | info | test``."""
 
 import argparse
 import sys
@@ -16,6 +16,18 @@ def info():
 
 
 def demo():
+    """A block-sparse MLP trained on scikit-learn's digits beside the same MLP dense."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("demo needs torch and scikit-learn: pip install 'sparseblocks[demo]'")
+        return 1
+    from .torch.demo import main
+
+    return main()
+
+
+def matmul_demo():
     """Block-sparse matmul (all three products) on a random layout, checked against NumPy."""
     import numpy as np
 
@@ -46,7 +58,8 @@ def demo():
         ok = error < 1e-5
         failed |= not ok
         print(f"{name}  shape {str(got.shape):>14}  relative error {error:.2e}  {'ok' if ok else 'FAILED'}")
-    print("demo failed: kernel and reference disagree" if failed else "demo passed: kernels match the NumPy reference")
+    print("matmul-demo failed: kernel and reference disagree" if failed
+          else "matmul-demo passed: kernels match the NumPy reference")
     return 1 if failed else 0
 
 
@@ -149,14 +162,14 @@ def test(pytest_args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m sparseblocks", description=__doc__)
-    parser.add_argument("command", choices=["demo", "sbnet-demo", "info", "test"])
+    parser.add_argument("command", choices=["demo", "matmul-demo", "sbnet-demo", "info", "test"])
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="test: arguments for pytest")
     args = parser.parse_args(argv)
     if args.command == "test":
         return test(args.pytest_args)
     if use_simulator_without_gpu():
         print("no CUDA GPU in use: kernels run in Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1)")
-    return {"demo": demo, "sbnet-demo": sbnet_demo, "info": info}[args.command]()
+    return {"demo": demo, "matmul-demo": matmul_demo, "sbnet-demo": sbnet_demo, "info": info}[args.command]()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,168 @@
+"""One training step of a block-sparse MLP against the same MLP dense and with torch BSR weights.
+
+The model: ``layers`` `BlockSparseLinear` layers of ``width`` (bias, ReLU between), ``tokens`` rows,
+AdamW. A step is forward, backward and the optimizer, in fp32 (TF32 off) or bf16, eager or
+``torch.compile``d; the baselines run the same step in the same run: ``dense`` (``nn.Linear``, the
+same mode) and ``torch_bsr`` (weights as torch BSR tensors, eager; NaN where torch cannot train
+them). Each step is checked first: its loss against the dense masked model's.
+
+Records: ``train_step`` (params dtype, block_size, density, mode), and per configuration
+``layer_overhead``: one layer's forward and backward as device time (a CUDA graph's replay)
+against the sum of its three products' kernel times (baseline ``kernels``), and ``host_overhead``:
+an eager layer call's host time at 64 rows (baseline ``nn_linear``'s).
+
+    python benchmarks/bench_linear.py [--quick] [--out-dir DIR]
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import Record, baseline_ms, device_name, graph_ms, print_table, time_ms, write_results  # noqa: E402
+
+
+def mlp(torch, layer, width, layers):
+    parts = []
+    for i in range(layers):
+        parts += [layer(i), torch.nn.ReLU()] if i < layers - 1 else [layer(i)]
+    return torch.nn.Sequential(*parts)
+
+
+class BsrLinear:
+    """A linear layer whose weight is a torch BSR tensor: ``y = (W_bsr @ xᵀ)ᵀ + b``."""
+
+    def __new__(cls, torch, dense, block_size):
+        class Layer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight = torch.nn.Parameter(dense.weight.detach().to_sparse_bsr((block_size, block_size)))
+                self.bias = torch.nn.Parameter(dense.bias.detach().clone())
+
+            def forward(self, x):
+                return (self.weight @ x.t()).t() + self.bias
+
+        return Layer()
+
+
+def step_fn(torch, model, x, target):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        loss = torch.nn.functional.mse_loss(model(x), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        return loss
+
+    return step
+
+
+def bench_config(torch, dtype, bs, density, width, tokens, layers, modes, records, dense_ms):
+    from sparseblocks.torch import BlockSparseLinear
+    from sparseblocks.torch.ops import bsmm_forward, bsmm_input_grad, bsmm_weight_grad
+
+    torch.manual_seed(0)
+    sparse = mlp(torch, lambda i: BlockSparseLinear(width, width, density=density, block_size=bs, seed=i,
+                                                    device="cuda", dtype=dtype), width, layers)
+    x = torch.randn(tokens, width, device="cuda", dtype=dtype)
+    target = torch.randn(tokens, width, device="cuda", dtype=dtype)
+    # Check: the sparse model's loss against the dense masked model's.
+    dense = mlp(torch, lambda i: torch.nn.Linear(width, width, device="cuda", dtype=dtype), width, layers)
+    with torch.no_grad():
+        for s, d in zip(sparse, dense):
+            if hasattr(s, "weight"):
+                d.weight.copy_(s.to_dense())
+                d.bias.copy_(s.bias)
+        got = torch.nn.functional.mse_loss(sparse(x).float(), target.float())
+        want = torch.nn.functional.mse_loss(dense(x).float(), target.float())
+    if abs(got.item() - want.item()) > 2e-2 * abs(want.item()):
+        raise AssertionError(f"loss {got.item()} against the dense masked model's {want.item()}")
+    try:
+        bsr = mlp(torch, lambda i: BsrLinear(torch, dense[2 * i], bs), width, layers)
+        bsr_ms = baseline_ms(step_fn(torch, bsr, x, target))
+    except Exception:
+        bsr_ms = float("nan")
+    name = str(dtype).replace("torch.", "")
+    for mode in modes:
+        model = torch.compile(sparse) if mode == "compiled" else sparse
+        ms = time_ms(step_fn(torch, model, x, target), warmup=5, repeat=20)
+        records.append(Record("train_step", {"dtype": name, "block_size": bs, "density": density, "mode": mode,
+                                             "width": width, "tokens": tokens, "layers": layers},
+                              ms, {"dense": dense_ms[(name, mode)], "torch_bsr": bsr_ms}))
+        print(f"done {name} bs={bs} density={density} {mode}: {ms:.3f} ms", flush=True)
+    # One layer: device time of forward + backward against its products' kernel times.
+    layer = sparse[0]
+    xg = x.detach().clone().requires_grad_(True)
+    dy = torch.randn_like(x)
+
+    def layer_step():
+        xg.grad = None
+        layer.weight.grad = None
+        layer(xg).backward(dy)
+
+    key = layer._layout_key
+    kernels = (graph_ms(lambda: bsmm_forward(x, layer.weight, key))
+               + graph_ms(lambda: bsmm_input_grad(dy, layer.weight, key))
+               + graph_ms(lambda: bsmm_weight_grad(x, dy, key)))
+    params = {"dtype": name, "block_size": bs, "density": density, "width": width, "tokens": tokens}
+    records.append(Record("layer_overhead", params, graph_ms(layer_step), {"kernels": kernels}))
+    records.append(host_overhead(torch, layer, torch.nn.Linear(width, width, device="cuda", dtype=dtype), params))
+
+
+def host_overhead(torch, layer, linear, params, calls=2000):
+    """Host milliseconds an eager forward call takes at 64 rows (no grad), beside nn.Linear's."""
+    x = torch.randn(64, layer.in_features, device="cuda", dtype=layer.weight.dtype)
+
+    def per_call(module):
+        with torch.no_grad():
+            for _ in range(50):
+                module(x)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                module(x)
+            elapsed = time.perf_counter() - start
+            torch.cuda.synchronize()
+        return elapsed / calls * 1e3
+
+    return Record("host_overhead", {**params, "tokens": 64}, per_call(layer), {"nn_linear": per_call(linear)})
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="block 32, densities 10 and 50 %%")
+    parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    width, tokens, layers = 4096, 4096, 4
+    block_sizes, densities = ([32], [0.1, 0.5]) if args.quick else ([32, 64], [0.05, 0.1, 0.25, 0.5])
+    modes = args.modes.split(",")
+    records = []
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).replace("torch.", "")
+        x = torch.randn(tokens, width, device="cuda", dtype=dtype)
+        target = torch.randn_like(x)
+        dense_ms = {}
+        for mode in modes:
+            torch.manual_seed(0)
+            dense = mlp(torch, lambda i: torch.nn.Linear(width, width, device="cuda", dtype=dtype), width, layers)
+            dense_ms[(name, mode)] = baseline_ms(step_fn(torch, torch.compile(dense) if mode == "compiled" else dense,
+                                                         x, target), warmup=5, repeat=20)
+        for bs in block_sizes:
+            for density in densities:
+                bench_config(torch, dtype, bs, density, width, tokens, layers, modes, records, dense_ms)
+                write_results("linear_partial", records, **({} if args.out_dir is None else {"directory": args.out_dir}))
+    write_results("linear", records, **({} if args.out_dir is None else {"directory": args.out_dir}))
+    print_table(records, f"linear on {device_name()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""``python -m sparseblocks demo``: a block-sparse MLP trained beside the same MLP dense.
+
+The data are scikit-learn's handwritten digits (8 x 8 images, 10 classes; they ship with it).
+Both models: ``Linear(64, H)``, two hidden ``H x H`` layers, ``Linear(H, 10)``, ReLUs between;
+in the sparse one the hidden layers are `BlockSparseLinear` at ``density``, their layouts moved
+by `BlockRegrowth` as it trains. Prints test accuracy, time per step and each layer's density,
+and writes a PNG with both loss curves and the layouts before and after regrowth. On a GPU it
+runs full size; without one, a small version in the CUDA simulator.
+"""
+
+import sys
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from .linear import BlockSparseLinear
+from .regrow import BlockRegrowth
+
+FULL = {"hidden": 1024, "block_size": 32, "steps": 600, "batch": 128, "every": 50, "fraction": 0.3}
+SMALL = {"hidden": 32, "block_size": 8, "steps": 12, "batch": 32, "every": 4, "fraction": 0.5}
+
+
+def digits(seed=0):
+    """(x_train, y_train, x_test, y_test) as tensors: 80 % / 20 %, features scaled to [0, 1]."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = data.data.astype(np.float32) / 16
+    order = np.random.default_rng(seed).permutation(len(x))
+    split = int(0.8 * len(x))
+    train, test = order[:split], order[split:]
+    as_tensor = torch.from_numpy
+    return (as_tensor(x[train]), as_tensor(data.target[train]), as_tensor(x[test]),
+            as_tensor(data.target[test]))
+
+
+def mlp(hidden, block_size=None, density=None, device="cpu"):
+    """The MLP; with ``density`` its hidden layers are block-sparse."""
+    def hidden_layer():
+        if density is None:
+            return nn.Linear(hidden, hidden, device=device)
+        return BlockSparseLinear(hidden, hidden, density=density, block_size=block_size, device=device)
+
+    return nn.Sequential(nn.Linear(64, hidden, device=device), nn.ReLU(), hidden_layer(), nn.ReLU(),
+                         hidden_layer(), nn.ReLU(), nn.Linear(hidden, 10, device=device))
+
+
+def train(model, optimizer, data, steps, batch, device, progress=None, seed=0):
+    """``steps`` AdamW steps on random batches; returns (losses, seconds a step)."""
+    x, y = data[0].to(device), data[1].to(device)
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    start = None
+    for step in range(steps):
+        if step == 1:  # the first step compiles the kernels: time the rest
+            synchronize()
+            start = time.perf_counter()
+        rows = torch.randint(0, len(x), (batch,), generator=generator).to(device)
+        loss = nn.functional.cross_entropy(model(x[rows]), y[rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if progress:
+            progress(step + 1, steps, losses[-1])
+    synchronize()
+    per_step = (time.perf_counter() - start) / max(1, steps - 1) if start else float("nan")
+    return losses, per_step
+
+
+def accuracy(model, data, device):
+    with torch.no_grad():
+        return float((model(data[2].to(device)).argmax(1).cpu() == data[3]).float().mean())
+
+
+def progress_bar(name):
+    def show(step, steps, loss):
+        filled = 30 * step // steps
+        sys.stderr.write(f"\r{name:>6} [{'#' * filled}{'.' * (30 - filled)}] {step}/{steps} loss {loss:.3f}")
+        if step == steps:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return show
+
+
+def plot(path, dense_losses, sparse_losses, layouts_before, layouts_after):
+    """Loss curves and the hidden layers' layouts before and after regrowth, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(layouts_before)
+    figure, axes = plt.subplots(1, 1 + 2 * n, figsize=(4 + 3 * 2 * n, 3.6),
+                                gridspec_kw={"width_ratios": [2] + [1] * 2 * n})
+    axes[0].plot(dense_losses, label="dense", lw=1)
+    axes[0].plot(sparse_losses, label="block-sparse", lw=1)
+    axes[0].set(xlabel="step", ylabel="training loss", yscale="log", title="loss")
+    axes[0].legend()
+    for i, (before, after) in enumerate(zip(layouts_before, layouts_after)):
+        for ax, mask, when in ((axes[1 + 2 * i], before, "start"), (axes[2 + 2 * i], after, "end")):
+            ax.imshow(mask, cmap="Greys", interpolation="nearest")
+            ax.set(title=f"hidden {i + 1}, {when}", xticks=[], yticks=[])
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(density=0.25, png="demo.png", size=None):
+    from ..runtime.backend import SIMULATOR, backend_name
+
+    try:
+        data = digits()
+    except ImportError:
+        print("demo needs scikit-learn (its digits data set): pip install 'sparseblocks[demo]'")
+        return 1
+    size = size or (SMALL if SIMULATOR else FULL)
+    device = "cpu" if SIMULATOR else "cuda"
+    print(f"backend: {backend_name()}" + (" (a small model: the simulator is slow)" if SIMULATOR else ""))
+    print(f"digits: {len(data[0])} training and {len(data[2])} test images; MLP 64 -> {size['hidden']} -> "
+          f"{size['hidden']} -> {size['hidden']} -> 10, hidden layers at {density:.0%} in blocks of "
+          f"{size['block_size']}, {size['steps']} steps of {size['batch']}")
+    results = {}
+    for name in ("dense", "sparse"):
+        torch.manual_seed(0)
+        model = mlp(size["hidden"], size["block_size"], None if name == "dense" else density, device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        layers = [m for m in model if isinstance(m, BlockSparseLinear)]
+        before = [layer.block_mask.cpu().numpy() for layer in layers]
+        if layers:
+            optimizer = BlockRegrowth(optimizer, model, every=size["every"], fraction=size["fraction"],
+                                      until=int(0.75 * size["steps"]))
+        losses, per_step = train(model, optimizer, data, size["steps"], size["batch"], device, progress_bar(name))
+        results[name] = (model, losses, per_step, accuracy(model, data, device), before,
+                         [layer.block_mask.cpu().numpy() for layer in layers])
+    for name, (model, losses, per_step, acc, before, after) in results.items():
+        densities = ", ".join(f"{getattr(m, 'density', 1.0):.0%}" for m in model if hasattr(m, "weight"))
+        print(f"{name:>6}: test accuracy {acc:.1%}, {per_step * 1e3:.2f} ms a step, layer densities {densities}")
+    moved = [int((b != a).sum()) // 2 for b, a in zip(results["sparse"][4], results["sparse"][5])]
+    print(f"blocks moved by regrowth (start -> end), per hidden layer: {moved}")
+    gap = results["dense"][3] - results["sparse"][3]
+    print(f"accuracy gap to dense: {100 * gap:.1f} points")
+    try:
+        plot(png, results["dense"][1], results["sparse"][1], results["sparse"][4], results["sparse"][5])
+        print(f"wrote {png}")
+    except ImportError:
+        print("no PNG: matplotlib is not installed (pip install 'sparseblocks[demo]')")
+    ok = all(np.isfinite(r[1]).all() for r in results.values()) and (SIMULATOR or gap <= 0.01)
+    print("demo passed" if ok else "demo failed")
+    return 0 if ok else 1
