@@ -9,7 +9,8 @@ them). Each step is checked first: its loss against the dense masked model's.
 Records: ``train_step`` (params dtype, block_size, density, mode), and per configuration
 ``layer_overhead``: one layer's forward and backward as device time (a CUDA graph's replay)
 against the sum of its three products' kernel times (baseline ``kernels``), and ``host_overhead``:
-an eager layer call's host time at 64 rows (baseline ``nn_linear``'s).
+an eager layer call's host time (64 rows of a 1024-wide layer, so that the device work is
+small; baseline ``nn_linear``'s).
 
     python benchmarks/bench_linear.py [--quick] [--out-dir DIR]
 """
@@ -80,11 +81,13 @@ def bench_config(torch, dtype, bs, density, width, tokens, layers, modes, record
         want = torch.nn.functional.mse_loss(dense(x).float(), target.float())
     if abs(got.item() - want.item()) > 2e-2 * abs(want.item()):
         raise AssertionError(f"loss {got.item()} against the dense masked model's {want.item()}")
+    bsr_ms = float("nan")
     try:
         bsr = mlp(torch, lambda i: BsrLinear(torch, dense[2 * i], bs), width, layers)
+        step_fn(torch, bsr, x, target)()  # (torch cannot yet train a BSR weight: NaN then)
         bsr_ms = baseline_ms(step_fn(torch, bsr, x, target))
-    except Exception:
-        bsr_ms = float("nan")
+    except Exception as error:
+        print(f"torch_bsr: {type(error).__name__}: {error}", file=sys.stderr)
     name = str(dtype).replace("torch.", "")
     for mode in modes:
         model = torch.compile(sparse) if mode == "compiled" else sparse
@@ -104,21 +107,29 @@ def bench_config(torch, dtype, bs, density, width, tokens, layers, modes, record
         layer(xg).backward(dy)
 
     key = layer._layout_key
-    kernels = (graph_ms(lambda: bsmm_forward(x, layer.weight, key))
-               + graph_ms(lambda: bsmm_input_grad(dy, layer.weight, key))
-               + graph_ms(lambda: bsmm_weight_grad(x, dy, key)))
+
+    def products():  # the layer's three kernels, in the order its step runs them
+        bsmm_forward(x, layer.weight, key)
+        bsmm_input_grad(dy, layer.weight, key)
+        bsmm_weight_grad(x, dy, key)
+
     params = {"dtype": name, "block_size": bs, "density": density, "width": width, "tokens": tokens}
-    records.append(Record("layer_overhead", params, graph_ms(layer_step), {"kernels": kernels}))
-    records.append(host_overhead(torch, layer, torch.nn.Linear(width, width, device="cuda", dtype=dtype), params))
+    records.append(Record("layer_overhead", params, graph_ms(layer_step), {"kernels": graph_ms(products)}))
+    records.append(host_overhead(torch, dtype, bs, density, name))
 
 
-def host_overhead(torch, layer, linear, params, calls=2000):
-    """Host milliseconds an eager forward call takes at 64 rows (no grad), beside nn.Linear's."""
-    x = torch.randn(64, layer.in_features, device="cuda", dtype=layer.weight.dtype)
+def host_overhead(torch, dtype, bs, density, name, width=1024, rows=64, calls=200):
+    """Host milliseconds of an eager forward call (no grad) where the device work is small (64 rows
+    of a 1024-wide layer), beside nn.Linear's: the calls are timed as they are queued."""
+    from sparseblocks.torch import BlockSparseLinear
+
+    layer = BlockSparseLinear(width, width, density=density, block_size=bs, device="cuda", dtype=dtype)
+    linear = torch.nn.Linear(width, width, device="cuda", dtype=dtype)
+    x = torch.randn(rows, width, device="cuda", dtype=dtype)
 
     def per_call(module):
         with torch.no_grad():
-            for _ in range(50):
+            for _ in range(20):
                 module(x)
             torch.cuda.synchronize()
             start = time.perf_counter()
@@ -128,7 +139,8 @@ def host_overhead(torch, layer, linear, params, calls=2000):
             torch.cuda.synchronize()
         return elapsed / calls * 1e3
 
-    return Record("host_overhead", {**params, "tokens": 64}, per_call(layer), {"nn_linear": per_call(linear)})
+    params = {"dtype": name, "block_size": bs, "density": density, "width": width, "tokens": rows}
+    return Record("host_overhead", params, per_call(layer), {"nn_linear": per_call(linear)})
 
 
 def main():
