@@ -150,7 +150,7 @@ class BlockSparseLinear(nn.Module):
         elif x.dtype != w.dtype:
             raise TypeError(f"input: expected dtype {w.dtype} (the weight's), got {x.dtype}")
         x = x.contiguous()
-        y = ops.bsmm_forward(x, w, self._layout_key)
+        y = ops.product(x, w, self._layout_key)
         if self._grow_scores_wanted and y.requires_grad:
             y.register_hook(self._keep_grow_scores(x))
         if bias is not None:

@@ -100,3 +100,32 @@ def _backward_forward(ctx, dy):
 
 
 bsmm_forward.register_autograd(_backward_forward, setup_context=_setup_forward)
+
+
+class _Product(torch.autograd.Function):
+    """The same forward and backward as `bsmm_forward` without the custom op's dispatch (~25 µs a
+    call): what an eager call runs (`product`)."""
+
+    @staticmethod
+    def forward(ctx, x, w, layout):
+        ctx.save_for_backward(x, w)
+        ctx.layout = layout
+        return bsmm.forward(x, w, layout_of(layout))
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dy = dy.contiguous()
+        layout = layout_of(ctx.layout)
+        dx = bsmm.input_grad(dy, w, layout) if ctx.needs_input_grad[0] else None
+        dw = bsmm.weight_grad(x, dy, layout) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def product(x, w, layout):
+    """``x · W`` with autograd: the custom op where torch.compile traces, else its eager twin."""
+    if torch.compiler.is_compiling():
+        return bsmm_forward(x, w, layout)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _Product.apply(x, w, layout)
+    return bsmm.forward(x, w, layout_of(layout))
