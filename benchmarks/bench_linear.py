@@ -9,8 +9,8 @@ them). Each step is checked first: its loss against the dense masked model's.
 Records: ``train_step`` (params dtype, block_size, density, mode), and per configuration
 ``layer_overhead``: one layer's forward and backward as device time (a CUDA graph's replay)
 against the sum of its three products' kernel times (baseline ``kernels``), and ``host_overhead``:
-an eager layer call's host time (64 rows of a 1024-wide layer, so that the device work is
-small; baseline ``nn_linear``'s).
+an eager layer call's host time (64 rows of a 1024-wide layer, queued behind a sleeping kernel so
+that only the host is timed; baseline ``nn_linear``'s).
 
     python benchmarks/bench_linear.py [--quick] [--out-dir DIR]
 """
@@ -119,8 +119,8 @@ def bench_config(torch, dtype, bs, density, width, tokens, layers, modes, record
 
 
 def host_overhead(torch, dtype, bs, density, name, width=1024, rows=64, calls=200):
-    """Host milliseconds of an eager forward call (no grad) where the device work is small (64 rows
-    of a 1024-wide layer), beside nn.Linear's: the calls are timed as they are queued."""
+    """Host milliseconds of an eager forward call (no grad), beside nn.Linear's: the calls are queued
+    behind a sleeping kernel, so the device never holds the host back and only the host is timed."""
     from sparseblocks.torch import BlockSparseLinear
 
     layer = BlockSparseLinear(width, width, density=density, block_size=bs, device="cuda", dtype=dtype)
@@ -132,6 +132,7 @@ def host_overhead(torch, dtype, bs, density, name, width=1024, rows=64, calls=20
             for _ in range(20):
                 module(x)
             torch.cuda.synchronize()
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of device time ahead of the calls
             start = time.perf_counter()
             for _ in range(calls):
                 module(x)
