@@ -94,12 +94,12 @@ def run_module(*args):
                           text=True, env=env, cwd=ROOT, timeout=600)
 
 
-def test_demo_passes_and_says_where_it_runs():
+def test_matmul_demo_passes_and_says_where_it_runs():
     from sparseblocks.runtime.backend import SIMULATOR
 
-    result = run_module("demo")
+    result = run_module("matmul-demo")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "demo passed" in result.stdout
+    assert "matmul-demo passed" in result.stdout
     assert ("CUDA simulator" in result.stdout) == SIMULATOR
 
 
@@ -108,6 +108,17 @@ def test_info_lists_backend_and_versions():
     assert result.returncode == 0, result.stderr
     for name in ("backend:", "numba:", "numba-cuda:", "numpy:", "torch:", "cupy:"):
         assert name in result.stdout
+
+
+def test_demo_trains_both_models_and_draws_them(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    pytest.importorskip("matplotlib")
+    from sparseblocks.torch import demo
+
+    size = dict(demo.SMALL, steps=3, every=2, batch=8)
+    assert demo.main(png=str(tmp_path / "demo.png"), size=size) == 0
+    assert (tmp_path / "demo.png").stat().st_size > 0
 
 
 def test_sbnet_demo_runs_on_a_real_image():
