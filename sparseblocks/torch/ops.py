@@ -91,12 +91,17 @@ def _setup_forward(ctx, inputs, output):
     ctx.layout = layout
 
 
-def _backward_forward(ctx, dy):
+def _gradients(ctx, dy, input_grad, weight_grad):
+    """(dx, dw, None) of ``y = x · W`` through the given input and weight gradient functions."""
     x, w = ctx.saved_tensors
     dy = dy.contiguous()
-    dx = bsmm_input_grad(dy, w, ctx.layout) if ctx.needs_input_grad[0] else None
-    dw = bsmm_weight_grad(x, dy, ctx.layout) if ctx.needs_input_grad[1] else None
+    dx = input_grad(dy, w, ctx.layout) if ctx.needs_input_grad[0] else None
+    dw = weight_grad(x, dy, ctx.layout) if ctx.needs_input_grad[1] else None
     return dx, dw, None
+
+
+def _backward_forward(ctx, dy):
+    return _gradients(ctx, dy, bsmm_input_grad, bsmm_weight_grad)
 
 
 bsmm_forward.register_autograd(_backward_forward, setup_context=_setup_forward)
@@ -108,18 +113,13 @@ class _Product(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, layout):
-        ctx.save_for_backward(x, w)
-        ctx.layout = layout
+        _setup_forward(ctx, (x, w, layout), None)
         return bsmm.forward(x, w, layout_of(layout))
 
     @staticmethod
     def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        dy = dy.contiguous()
-        layout = layout_of(ctx.layout)
-        dx = bsmm.input_grad(dy, w, layout) if ctx.needs_input_grad[0] else None
-        dw = bsmm.weight_grad(x, dy, layout) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
+        return _gradients(ctx, dy, lambda dy, w, key: bsmm.input_grad(dy, w, layout_of(key)),
+                          lambda x, dy, key: bsmm.weight_grad(x, dy, layout_of(key)))
 
 
 def product(x, w, layout):
