@@ -37,7 +37,7 @@ class BlockLayout:
 
     __slots__ = (
         "mask", "block_size", "coords", "row_ptr", "col_idx",
-        "col_ptr", "row_idx", "col_block", "_hash", "_schedules", "__weakref__",
+        "col_ptr", "row_idx", "col_block", "_hash", "_schedules",
     )
 
     def __init__(self, mask, block_size=32):
