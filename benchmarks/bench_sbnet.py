@@ -7,7 +7,8 @@ Each configuration is checked against the NumPy reference (or, for the
 block, against the dense block on the active region) before it is timed,
 two ways: per call from the host (``timing: eager``, launch costs included)
 and on the device alone (``timing: graph``, replays of a captured CUDA
-graph); each baseline is timed the same way. The sparse block runs in place,
+graph); each baseline is timed the same way; ``compiled`` rows call the block compiled by
+``torch.compile(mode="reduce-overhead")``. The sparse block runs in place,
 as SBNet runs it, and gets its indices cut to the active windows.
 Effective bandwidth counts the bytes each op must move: gather reads and
 writes the windows; an in-place scatter reads the blocks and writes (adding:
@@ -21,7 +22,11 @@ import argparse
 
 import numpy as np
 
-from benchmarks.common import Record, copy_ms, device_name, graph_ms, print_table, time_ms, write_results
+from benchmarks.common import (Record, copy_ms, device_name, graph_ms, print_table, queued_ms, time_ms,
+                               write_results)
+
+
+DEPTH = 4  # blocks in the compiled network
 
 
 def block_mask(rng, n, height, width, block, fraction):
@@ -146,6 +151,47 @@ def bench_nchw_ops(torch, sbnet, reference, records, shapes, channels, fractions
                                                   {"copy": copies[size]}, bytes=passes * window_bytes))
 
 
+def chain(torch, block, depth, dense=False):
+    """A network of `depth` SparseResBlocks (``block`` each time) on one image, each adding into it
+    in place, all sharing one mask's windows (as SBNet's networks share a mask's indices);
+    ``dense``: the dense blocks."""
+
+    class Chain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([block] * depth)
+
+        def forward(self, x, indices=None, count=None):
+            for b in self.blocks:
+                x = b.dense(x) if dense else b(x, indices, count, inplace=True)
+            return x
+
+    return Chain()
+
+
+def compiled_timings(torch, compiled, x, args, check=None):
+    """{eager: host calls, queued: device time (`queued_ms`)} of ``compiled(image, *args)``, a model
+    compiled with ``mode="reduce-overhead"``, the image a static input (a graph may add into it
+    in place), after ``check(output)``; raises where inductor skipped its CUDA graphs."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    work = x.clone()
+    torch._dynamo.mark_static_address(work)
+    for _ in range(3):  # (compile, record, replay)
+        work.copy_(x)
+        out = compiled(work, *args)
+    if check is not None:
+        check(out.clone(), "compiled block")
+    assert counters["inductor"]["cudagraph_skips"] == 0, "inductor skipped its CUDA graphs"
+    return {"eager": time_ms(lambda: compiled(work, *args)), "queued": queued_ms(lambda: compiled(work, *args))}
+
+
+def compiled_chain(torch, block, depth, dense=False):
+    """`chain` compiled with ``mode="reduce-overhead"`` (fullgraph)."""
+    return torch.compile(chain(torch, block, depth, dense), mode="reduce-overhead", fullgraph=True)
+
+
 def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
     """The sparse block (in place, as SBNet runs it) against the dense one, and a training step
     (forward and backward) of each, all timed both ways.
@@ -171,6 +217,10 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
         dense = timed(lambda: block.dense(x))
         dense_nchw = graph_ms(lambda: block.dense(x_nchw))  # (the dense block on that NCHW input)
         want = block.dense(x)
+        dense_compiled = {depth: compiled_timings(torch, compiled_chain(torch, block, depth, dense=True), x, ())
+                          for depth in (1, DEPTH)}
+        # one compiled network a depth for every fraction: the indices' rows are a dynamic size
+        compiled = {depth: compiled_chain(torch, block, depth) for depth in (1, DEPTH)}
         for fraction in fractions:
             # One mask pixel at the centre of each chosen window: it lies in that window alone
             # (windows overlap by their halo), so `fraction` of the windows are active.
@@ -221,6 +271,17 @@ def bench_res_block(torch, sbnet_torch, records, fractions, dtype_name):
                 {"dense_block": dense["eager"]}))
             block.graphs = False
             block.release_graphs()
+            # torch.compile(mode="reduce-overhead"): the gather and scatter custom ops and the
+            # residual's torch operations in inductor's CUDA graphs, for one block and for a
+            # network of DEPTH, against the dense ones compiled the same way.
+            for depth in (1, DEPTH):
+                torch._dynamo.mark_dynamic(indices, 0)
+                ours = compiled_timings(torch, compiled[depth], x, (indices, count), check if depth == 1 else None)
+                for timing in ("eager", "queued"):
+                    records.append(Record("sparse_res_block", dict(
+                        shape, dtype=dtype_name, active=active_fraction(len(chosen)), stack="NHWC", timing=timing,
+                        step="forward", compiled=True, depth=depth), ours[timing],
+                        {"dense_block": dense_compiled[depth][timing]}))
             active = (block(x, indices, count) != x).any(dim=1, keepdim=True)  # the pixels it changes
             training.append((len(chosen), indices, count, active))
     # Training steps (forward and backward, NHWC stack, both ways: a graph captures the backward

@@ -136,6 +136,30 @@ def graph_ms(fn, calls=20, **kwargs):
         return float("nan")
 
 
+def queued_ms(fn, calls=20):
+    """Device time of one ``fn()``: `calls` calls queued behind a sleeping kernel, so that the host
+    has launched them all before the device starts, timed by events around them. For calls that
+    replay CUDA graphs of their own (``torch.compile(mode="reduce-overhead")``), which `graph_ms`
+    cannot capture in another."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    make_event, elapsed = _events()
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of device time ahead of the calls
+        start, stop = make_event(), make_event()
+        start.record()
+        for _ in range(calls):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(elapsed(start, stop) / calls)
+    return statistics.median(times)
+
+
 def copy_ms(n_bytes, graph=False):
     """Device-to-device copy of `n_bytes` through torch: the bandwidth baseline (`graph`: replayed)."""
     import torch

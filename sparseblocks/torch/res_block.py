@@ -8,7 +8,9 @@ result back onto the input. The output is ``x + F(x)`` on the active region and
 scatter are one autograd node (`_WindowResidual`) with a written-out backward;
 a subclass that overrides ``residual`` or ``residual_nhwc`` gets autograd's
 backward of its own. ``graphs=True`` replays CUDA graphs of the residual and its
-backward (`graphs`). Pass ``channels_last`` tensors to skip a copy.
+backward (`graphs`). Under `torch.compile` the block is the gather and scatter custom ops
+around the residual's torch operations (`_traced_forward`). Pass ``channels_last`` tensors to
+skip a copy.
 """
 
 import torch
@@ -19,7 +21,7 @@ from ..windows import calc_block_params_res_block, pair
 from .bottleneck import _bottleneck_nchw, _bottleneck_nhwc, _nhwc_out_of_nchw, _without_grad, _WrittenOut
 from .config import DEFAULT, as_config
 from .graphs import _WRITTEN_OUT, _ResidualGraphs, _Traced
-from .sbnet import _written_into
+from .sbnet import _written_into, sparse_gather, sparse_scatter
 
 
 class SparseResBlock(torch.nn.Module):
@@ -162,6 +164,9 @@ class SparseResBlock(torch.nn.Module):
                 raise ValueError("x: inplace needs a contiguous or channels_last x")
             image, data_format, transpose = x.contiguous(), "NCHW", False
         nchw_stack = data_format == "NCHW" or transpose
+        if torch.compiler.is_compiling():
+            y = self._traced_forward(image, indices, count, inplace, data_format, transpose, nchw_stack, p)
+            return y.permute(0, 3, 1, 2) if data_format == "NHWC" else y
 
         cls = type(self)
         if cls.residual is SparseResBlock.residual and cls.residual_nhwc is SparseResBlock.residual_nhwc:
@@ -189,6 +194,18 @@ class SparseResBlock(torch.nn.Module):
             if y is None:
                 y = _without_grad(residual, params, windows, image, inplace)
         return y.permute(0, 3, 1, 2) if data_format == "NHWC" else y
+
+
+    def _traced_forward(self, image, indices, count, inplace, data_format, transpose, nchw_stack, p):
+        """The block as torch.compile traces it: the gather and the adding scatter as custom ops
+        (`sparseblocks.torch.sbnet`), the residual as torch operations between them, for the
+        compiler to fuse and differentiate. ``graphs`` and the fused kernels are not used:
+        ``mode="reduce-overhead"`` captures the whole in CUDA graphs."""
+        kwargs = {"transpose": transpose, "count": count, "data_format": data_format}
+        stack = sparse_gather(image, indices, p.bsize, p.bstride, p.boffset, **kwargs)
+        out = self.residual(stack) if nchw_stack else self.residual_nhwc(stack)
+        return sparse_scatter(out.contiguous(), indices, image, p.bsize_out, p.bsize_out, 0, add=True,
+                              inplace=inplace, **kwargs)
 
 
 def _check_input(x, w1):

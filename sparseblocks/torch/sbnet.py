@@ -8,11 +8,22 @@
   adding, and with the written windows stamped out when overwriting. With
   ``inplace=True`` it writes into ``y`` and tells autograd so. Overwriting
   overlapping windows has no defined gradient (nor value), as in SBNet.
+
+Both are also torch custom ops (``torch.ops.sparseblocks.sbnet_gather``, ``sbnet_scatter`` and
+the in-place ``sbnet_scatter_``), with fake kernels and autograd, which the functions call where
+`torch.compile` traces: a compiled model runs the kernels with no graph break, and
+``mode="reduce-overhead"`` captures them in its CUDA graphs. Eager calls skip the custom op's
+dispatch through the `autograd.Function` twins below. A compiled in-place scatter that needs
+gradients writes a new image and copies it into ``y`` (custom ops with autograd are functional).
 """
+
+from typing import List, Optional
 
 import torch
 
 from .. import sbnet as kernels
+from ..sbnet.api import block_shape
+from ..windows import check_geometry
 
 
 def _geometry_kwargs(bsize, bstride, boffset, data_format):
@@ -76,13 +87,109 @@ class _SparseScatter(torch.autograd.Function):
         return grad_y, grad_blocks, None, None, None, None, None, None, None
 
 
+# The custom ops. The geometry crosses the op boundary as three (h, w) lists.
+
+@torch.library.custom_op("sparseblocks::sbnet_gather", mutates_args=())
+def sbnet_gather(x: torch.Tensor, indices: torch.Tensor, count: Optional[torch.Tensor], bsize: List[int],
+                 bstride: List[int], boffset: List[int], transpose: bool, data_format: str) -> torch.Tensor:
+    """`sparseblocks.sbnet.sparse_gather` as a custom op."""
+    return kernels.sparse_gather(x, indices, bsize, bstride, boffset, transpose=transpose, count=count,
+                                 data_format=data_format)
+
+
+@torch.library.custom_op("sparseblocks::sbnet_scatter", mutates_args=())
+def sbnet_scatter(blocks: torch.Tensor, indices: torch.Tensor, y: torch.Tensor, count: Optional[torch.Tensor],
+                  bsize: List[int], bstride: List[int], boffset: List[int], add: bool, atomic: bool,
+                  transpose: bool, data_format: str) -> torch.Tensor:
+    """`sparseblocks.sbnet.sparse_scatter` into a copy of ``y``, as a custom op."""
+    return kernels.sparse_scatter(blocks, indices, y, bsize, bstride, boffset, add=add, atomic=atomic,
+                                  transpose=transpose, count=count, data_format=data_format)
+
+
+@torch.library.custom_op("sparseblocks::sbnet_scatter_", mutates_args=("y",))
+def sbnet_scatter_(blocks: torch.Tensor, indices: torch.Tensor, y: torch.Tensor, count: Optional[torch.Tensor],
+                   bsize: List[int], bstride: List[int], boffset: List[int], add: bool, atomic: bool,
+                   transpose: bool, data_format: str) -> None:
+    """`sparseblocks.sbnet.sparse_scatter` into ``y`` itself, as a custom op (no autograd)."""
+    _written_into(y, kernels.sparse_scatter(blocks, indices, y, bsize, bstride, boffset, add=add, atomic=atomic,
+                                            transpose=transpose, inplace=True, count=count, data_format=data_format))
+
+
+@sbnet_gather.register_fake
+def _(x, indices, count, bsize, bstride, boffset, transpose, data_format):
+    channels_last = data_format == "NHWC"
+    return x.new_empty(block_shape(indices.shape[0], tuple(bsize), x.shape[3 if channels_last else 1],
+                                   channels_last, transpose))
+
+
+@sbnet_scatter.register_fake
+def _(blocks, indices, y, count, bsize, bstride, boffset, add, atomic, transpose, data_format):
+    return torch.empty_like(y, memory_format=torch.contiguous_format)
+
+
+@sbnet_scatter_.register_fake
+def _(blocks, indices, y, count, bsize, bstride, boffset, add, atomic, transpose, data_format):
+    return None
+
+
+def _setup_gather(ctx, inputs, output):
+    x, indices, count, *geometry, transpose, data_format = inputs
+    ctx.save_for_backward(indices, count)
+    ctx.shape, ctx.geometry, ctx.transpose, ctx.data_format = x.shape, geometry, transpose, data_format
+
+
+def _gather_backward(ctx, grad_blocks):
+    indices, count = ctx.saved_tensors
+    grad_x = grad_blocks.new_zeros(ctx.shape)  # windows may overlap: add atomically (see _SparseGather)
+    sbnet_scatter_(grad_blocks.contiguous(), indices, grad_x, count, *ctx.geometry, True, True, ctx.transpose,
+                   ctx.data_format)
+    return grad_x, None, None, None, None, None, None, None
+
+
+def _setup_scatter(ctx, inputs, output):
+    blocks, indices, y, count, *geometry, add, atomic, transpose, data_format = inputs
+    ctx.save_for_backward(indices, count)
+    ctx.blocks_shape, ctx.geometry, ctx.add = blocks.shape, geometry, add
+    ctx.transpose, ctx.data_format = transpose, data_format
+
+
+def _scatter_backward(ctx, grad_out):
+    indices, count = ctx.saved_tensors
+    grad_out = grad_out.contiguous()
+    grad_blocks = sbnet_gather(grad_out, indices, count, *ctx.geometry, ctx.transpose, ctx.data_format)
+    if ctx.add:
+        grad_y = grad_out
+    else:  # the written windows no longer depend on y: stamp them out
+        grad_y = sbnet_scatter(grad_out.new_zeros(ctx.blocks_shape), indices, grad_out, count, *ctx.geometry,
+                               False, False, ctx.transpose, ctx.data_format)
+    return grad_blocks, None, grad_y, None, None, None, None, None, None, None, None
+
+
+sbnet_gather.register_autograd(_gather_backward, setup_context=_setup_gather)
+sbnet_scatter.register_autograd(_scatter_backward, setup_context=_setup_scatter)
+
+
+def _geometry_lists(bsize, bstride, boffset):
+    return [list(v) for v in check_geometry(bsize, bstride, boffset)]
+
+
 def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=None, data_format="NHWC"):
-    """Differentiable `sparseblocks.kernels.sbnet.sparse_gather`."""
+    """Differentiable `sparseblocks.sbnet.sparse_gather` (the custom op where torch.compile traces)."""
+    if torch.compiler.is_compiling():
+        return sbnet_gather(x, indices, count, *_geometry_lists(bsize, bstride, boffset), transpose, data_format)
     return _SparseGather.apply(x, indices, count, transpose, _geometry_kwargs(bsize, bstride, boffset, data_format))
 
 
 def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, atomic=False,
                    transpose=False, inplace=False, count=None, data_format="NHWC"):
-    """Differentiable `sparseblocks.kernels.sbnet.sparse_scatter`."""
+    """Differentiable `sparseblocks.sbnet.sparse_scatter` (the custom ops where torch.compile traces)."""
+    if torch.compiler.is_compiling():
+        args = (indices, y, count, *_geometry_lists(bsize, bstride, boffset), add, atomic, transpose, data_format)
+        if not inplace:
+            return sbnet_scatter(blocks, *args)
+        if torch.is_grad_enabled() and (y.requires_grad or blocks.requires_grad):
+            return y.copy_(sbnet_scatter(blocks, *args))
+        sbnet_scatter_(blocks, *args)
+        return y
     return _SparseScatter.apply(y, blocks, indices, count, add, atomic, transpose, inplace,
                                 _geometry_kwargs(bsize, bstride, boffset, data_format))

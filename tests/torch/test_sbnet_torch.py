@@ -863,3 +863,100 @@ def test_an_nchw_input_has_its_output_nhwc_only_where_the_pair_tiles_scatter_it(
     the product saves, and the output stays NCHW."""
     image = torch.zeros(1, channels, 3, width, dtype=dtype)
     assert bottleneck._nhwc_out_of_nchw(sbnet_torch.config.DEFAULT, image, window) == nhwc
+
+
+def test_sbnet_custom_ops_pass_torch_library_opcheck():
+    from sparseblocks.torch import sbnet as ops
+
+    x = torch.randn(1, 4, 5, 2, dtype=torch.float64, device=DEVICE)
+    idx = indices_for(x.shape, TILING, every=2)
+    geometry = [list(v) for v in TILING.values()]
+    blocks = torch.randn(len(idx), 2, 3, 2, dtype=torch.float64, device=DEVICE)
+    checks = {"test_utils": ("test_schema", "test_faketensor")}
+    torch.library.opcheck(ops.sbnet_gather, (x, idx, None, *geometry, False, "NHWC"), **checks)
+    torch.library.opcheck(ops.sbnet_scatter, (blocks, idx, x, None, *geometry, True, False, False, "NHWC"), **checks)
+    torch.library.opcheck(ops.sbnet_scatter_, (blocks, idx, x.clone(), None, *geometry, True, False, False, "NHWC"),
+                          **checks)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_compiled_gather_and_scatter_train_as_eager(inplace):
+    """Through torch.compile (fullgraph: the custom ops, no graph break) the functions give
+    eager's values and gradients: an overwriting scatter (stamp-out gradient), in place too."""
+    idx = indices_for((1, 4, 5, 2), TILING, every=2)
+
+    def f(x, w):
+        blocks = sbnet_torch.sparse_gather(x, idx, **TILING) * w
+        y = x * 2
+        return sbnet_torch.sparse_scatter(blocks, idx, y, inplace=inplace, **TILING)
+
+    x = torch.randn(1, 4, 5, 2, dtype=torch.float64, device=DEVICE)
+    w = torch.randn(2, dtype=torch.float64, device=DEVICE)
+    explained = torch._dynamo.explain(f)(x, w)
+    assert explained.graph_break_count == 0
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager" if SIMULATOR else "inductor")
+    results = []
+    for fn in (f, compiled):
+        xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = fn(xs, ws)
+        (out * out).sum().backward()
+        results.append((out.detach(), xs.grad, ws.grad))
+    for got, want in zip(*results[::-1]):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("layout, inplace", [("NHWC stack", False), ("NCHW stack", True), ("NCHW input", False)])
+def test_compiled_sparse_res_block_trains_as_eager(layout, inplace):
+    """A compiled block (fullgraph) gives the eager block's output and gradients, on every stack."""
+    torch.manual_seed(2)
+    block, x, indices, count, _ = three_windows(channels_last=layout != "NCHW input")
+    block.transpose = layout == "NCHW stack"
+    weights = torch.randn_like(x)
+
+    def step(model):
+        model.zero_grad()
+        xs = x.detach().clone().requires_grad_(True)
+        y = model(xs * 1 if inplace else xs, indices, count, inplace=inplace)
+        (y * weights).sum().backward()
+        return [y.detach(), xs.grad] + [conv.weight.grad for conv in (block.conv1, block.conv2, block.conv3)]
+
+    want = step(block)
+    xs = x.clone()
+    explained = torch._dynamo.explain(block)(xs, indices, count)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    got = step(torch.compile(block, fullgraph=True, backend="aot_eager" if SIMULATOR else "inductor"))
+    for name, g, w in zip(("y", "x", "conv1", "conv2", "conv3"), got, want):
+        torch.testing.assert_close(g, w, msg=lambda m, name=name: f"{name}: {m}")
+    with torch.no_grad():  # in place without gradients: the mutating custom op, into x itself
+        compiled = torch.compile(block, fullgraph=True, backend="aot_eager" if SIMULATOR else "inductor")
+        x_inplace, x_eager = x.clone(), x.clone()
+        compiled(x_inplace, indices, count, inplace=True)
+        block(x_eager, indices, count, inplace=True)
+    torch.testing.assert_close(x_inplace, x_eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_reduce_overhead_captures_the_block_in_cuda_graphs(dtype):
+    """torch.compile(mode="reduce-overhead") runs the block, in place into a static image, in
+    inductor's CUDA graphs (none skipped), and gives the eager block's output."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(3)
+    block = sbnet_torch.SparseResBlock(64, 16, block_size=8).to(DEVICE, dtype).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 64, 40, 50, device=DEVICE, dtype=dtype).to(memory_format=torch.channels_last)
+    mask = (torch.rand(2, 40, 50, device=DEVICE) < 0.02).float()
+    indices, count = block.active_blocks(mask)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    work = x.clone()
+    torch._dynamo.mark_static_address(work)
+    with torch.no_grad():
+        want = block(x.clone(), indices, count, inplace=True)
+        for _ in range(3):
+            work.copy_(x)
+            compiled(work, indices, count, inplace=True)
+            torch.testing.assert_close(work, want, rtol=1e-2, atol=1e-2)
+    assert counters["inductor"]["cudagraph_skips"] == 0
