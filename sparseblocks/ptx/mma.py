@@ -27,6 +27,14 @@ fp32 operands into a tf32 head and a tf32 tail and adds the three products
 that matter (tail·head, head·tail, head·head; tail·tail is below fp32's
 precision), which keeps fp32 accuracy on tensor cores (NVIDIA's "3xTF32").
 
+``mma_b1_and`` is ``mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc``: 1-bit A
+(16 x 256) and B (256 x 8), D = popc(A & B) + C in int32, each register 32 bits of a row (A) or
+column (B), bit i the value at k + i: ``a0`` = A[g, 32t:32t+32], ``a1`` = A[g+8, 32t:...],
+``a2`` = A[g, 128+32t:...], ``a3`` = A[g+8, 128+32t:...]; ``b0`` = B[32t:32t+32, g],
+``b1`` = B[128+32t:..., g]; C and D as above, in int32 (`b1_a_fragment`, `b1_b_fragment`).
+A product only needs A's and B's k positions to agree, so kernels may fill the 256 k-slots
+of a step from any words, as long as both operands take the same.
+
 In the CUDA simulator ``mma_f16``/``mma_bf16`` are warp collectives built on
 the simulator's rendezvous (`_simulator.py`): each lane hands in its
 fragments, the full tiles are rebuilt from all 32, and each lane gets its
@@ -41,6 +49,8 @@ from ..runtime.backend import SIMULATOR
 
 MMA_M, MMA_N, MMA_K = 16, 8, 16
 TF32_K = 8
+B1_K = 256  # bits of k an m16n8k256 b1 step
+B1_WORDS = B1_K // 32
 TF32_MASK = 0xFFFFE000  # the bits of an fp32 pattern that tf32 keeps (the tensor cores read)
 TF32_HALF = 0x1000  # half of tf32's last place, in fp32 bits
 TAIL_MAX = 0x7FFFFFFF - TF32_HALF  # the largest tail pattern whose rounding does not carry into the sign
@@ -82,6 +92,18 @@ def tf32_b_fragment(lane, register):
     """(row, column) of the tf32 value in B register ``register`` (0-1) of ``lane`` (8 x 8)."""
     row, col = b_fragment(lane, register)
     return row // 2, col
+
+
+def b1_a_fragment(lane, register):
+    """(row, first k) of the 32 bits in b1 A register ``register`` (0-3) of ``lane`` (16 x 256)."""
+    g, t = lane >> 2, lane % 4
+    return g + 8 * (register % 2), 32 * t + 128 * (register // 2)
+
+
+def b1_b_fragment(lane, register):
+    """(first k, column) of the 32 bits in b1 B register ``register`` (0-1) of ``lane`` (256 x 8)."""
+    g, t = lane >> 2, lane % 4
+    return 32 * t + 128 * register, g
 
 
 if SIMULATOR:
@@ -153,6 +175,29 @@ if SIMULATOR:
     # float64, which 3xTF32 matches to about 2^-22; the split itself is checked on the GPU.
     _mma_3xtf32_simulated = _collective("mma_3xtf32", TF32_K, _singles(_fp32_value))
 
+    def _bits_of(word):
+        return (np.uint32(word) >> np.arange(32, dtype=np.uint32)) & np.uint32(1)
+
+    def mma_b1_and(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """The b1 and.popc mma as a warp collective (see the module's docstring)."""
+        lane, fragments = _simulator._masked_collective(
+            "mma_b1_and", FULL_MASK, ((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)))
+        if len(fragments) != 32:
+            raise _simulator.WarpCollectiveError("mma_b1_and: needs all 32 lanes of a warp")
+        A, B = np.zeros((MMA_M, B1_K), np.int64), np.zeros((B1_K, MMA_N), np.int64)
+        C = np.zeros((MMA_M, MMA_N), np.int64)
+        for peer, (a, b, c) in fragments.items():
+            for r in range(4):
+                row, k = b1_a_fragment(peer, r)
+                A[row, k:k + 32] = _bits_of(a[r])
+            for r in range(2):
+                k, col = b1_b_fragment(peer, r)
+                B[k:k + 32, col] = _bits_of(b[r])
+            for i in range(4):
+                C[c_fragment(peer, i)] = int(c[i])
+        D = ((A @ B + C + 2**31) % 2**32 - 2**31).astype(np.int32)  # (int32 wraps as on the GPU)
+        return tuple(D[c_fragment(lane, i)] for i in range(4))
+
     def to_tf32(value):
         """cvt.rna.tf32.f32: round to 10 mantissa bits, ties away from zero (bits of the result)."""
         bits = int(np.array([value], np.float32).view(np.uint32)[0])
@@ -187,6 +232,23 @@ else:
 
     mma_f16, mma_bf16 = _compiled("f16"), _compiled("bf16")
     mma_tf32 = _compiled("tf32", shape="m16n8k8")
+
+    @intrinsic
+    def mma_b1_and(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """mma.sync m16n8k256 b1 and.popc, int32 accumulators (see the module's docstring)."""
+        signature = types.UniTuple(types.int32, 4)(*([types.uint32] * 6 + [types.int32] * 4))
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            function = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32] * 10)
+            asm = ir.InlineAsm(function, "mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc "
+                               "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+                               "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r")
+            result = builder.call(asm, list(args))
+            items = [builder.extract_value(result, k) for k in range(4)]
+            return context.make_tuple(builder, sig.return_type, items)
+
+        return signature, codegen
 
     @intrinsic
     def to_tf32(typingctx, value):

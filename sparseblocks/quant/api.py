@@ -1,0 +1,239 @@
+"""Quantized arrays and their products: validate, then launch.
+
+* `quantize(x, basis, signed)`: a `QuantArray` of x's rows, K bit planes packed 32 values a word;
+* `dequantize(q)`: its values, ``Σ_k v_k e_k``, as fp32;
+* `matmul(a, w, layout=None, bias=None, relu=False, out_dtype="float32")`: ``y = â · ŵᵀ`` from
+  the planes (activations (N, C) with one basis, weights (O, C) with a basis a row), over the
+  present blocks of a `BlockLayout` of the (C, O) grid when one is given.
+"""
+
+import numpy as np
+
+from ..layout import BlockLayout
+from ..runtime.arrays import Operand, check_dtype, launch_stream
+from ..runtime.compile import cached
+from ..runtime.launch import launch
+from .config import as_config
+from .pack import make_pack, make_unpack
+from .simple import make_simt_product
+from .tensorcore import make_tensorcore_product
+
+MAX_BITS = 4
+WORD = 32
+WORD_ALIGN = 8  # words a packed row is padded to: one 256-bit step of the b1 mma
+VERSIONS = ("simt", "tensorcore")
+OUT_DTYPES = ("float32", "float16")
+
+
+def packed_words(columns):
+    """Words of a packed row of `columns` values, padded to whole `WORD_ALIGN` words."""
+    words = -(-columns // WORD)
+    return -(-words // WORD_ALIGN) * WORD_ALIGN
+
+
+def levels(basis, signed):
+    """(sorted levels, each one's code, thresholds between them) of bases (T, K), in float64:
+    codes ``e`` over {-1, +1}^K (``signed``) or {0, 1}^K, bit k of a code the bit of e_k."""
+    basis = np.asarray(basis, np.float64)
+    K = basis.shape[-1]
+    bits = (np.arange(2 ** K)[:, None] >> np.arange(K)[None, :]) & 1
+    values = basis @ ((2 * bits - 1) if signed else bits).T
+    order = np.argsort(values, axis=-1, kind="stable")
+    sorted_values = np.take_along_axis(values, order, -1)
+    return sorted_values, order, (sorted_values[..., 1:] + sorted_values[..., :-1]) / 2
+
+
+class QuantArray:
+    """A quantized 2-D array: K bit planes ``(K, rows, words)`` uint32 (bit ``c % 32`` of word
+    ``c // 32`` holds value c's bit; zero bits past the row), its basis ``(T, K)`` fp32 (T = rows:
+    a basis a row, or 1: one for all), whether the codes are ±1 (``signed``) or 0/1, and the
+    logical shape ``(rows, columns)``. ``planes`` and ``basis`` are arrays of the caller's kind;
+    on a GPU the object passes its planes on through ``__cuda_array_interface__``."""
+
+    def __init__(self, planes, basis, columns, signed):
+        self.planes, self.basis, self.columns, self.signed = planes, basis, int(columns), bool(signed)
+        bits, rows, words = planes.shape
+        if words != packed_words(self.columns):
+            raise ValueError(f"planes: expected {packed_words(self.columns)} words a row for {columns} columns, "
+                             f"got {words}")
+        if not 1 <= bits <= MAX_BITS:
+            raise ValueError(f"planes: expected 1 to {MAX_BITS} bit planes, got {bits}")
+        if tuple(basis.shape) not in ((1, bits), (rows, bits)):
+            raise ValueError(f"basis: expected (1, {bits}) or ({rows}, {bits}), got {tuple(basis.shape)}")
+
+    @property
+    def bits(self):
+        return self.planes.shape[0]
+
+    @property
+    def shape(self):
+        return (self.planes.shape[1], self.columns)
+
+    @property
+    def per_row(self):
+        return self.basis.shape[0] != 1 or self.planes.shape[1] == 1
+
+    @property
+    def __cuda_array_interface__(self):
+        return self.planes.__cuda_array_interface__
+
+    def __repr__(self):
+        return (f"QuantArray(shape={self.shape}, bits={self.bits}, signed={self.signed}, "
+                f"basis={'a row' if self.basis.shape[0] != 1 else 'shared'})")
+
+
+def _basis_rows(basis, rows, name):
+    basis = np.asarray(basis, np.float32)
+    if basis.ndim == 1:
+        basis = basis[None, :]
+    if basis.ndim != 2 or basis.shape[0] not in (1, rows) or not 1 <= basis.shape[1] <= MAX_BITS:
+        raise ValueError(f"{name}: expected (K,) or ({rows}, K) with K from 1 to {MAX_BITS}, got shape {basis.shape}")
+    if not np.isfinite(basis).all():
+        raise ValueError(f"{name}: expected finite values")
+    return basis
+
+
+def quantize(x, basis, signed, config=None):
+    """Encode the rows of ``x`` (R, C) (fp16 or fp32) to their nearest levels and pack the codes'
+    bits: a `QuantArray` whose planes are arrays of x's kind. ``basis`` (K,) or (R, K), on the
+    host (its thresholds are made there). A NaN takes the lowest level."""
+    cfg = as_config(config)
+    x_op = Operand(x, "x")
+    check_dtype(x_op, ("float16", "float32"))
+    x_op.require_contiguous()
+    if len(x_op.shape) != 2:
+        raise ValueError(f"x: expected a 2-D array (rows, columns), got shape {x_op.shape}")
+    rows, columns = x_op.shape
+    basis = _basis_rows(basis, rows, "basis")
+    _, order, thresholds = levels(basis, signed)
+    return pack(x_op, thresholds.astype(np.float32), order.astype(np.int32), basis, signed, cfg)
+
+
+def pack(x_op, thresholds, order, basis, signed, cfg):
+    """Launch the quantize-and-pack kernel (thresholds (T, 2^K - 1), order (T, 2^K)); the planes
+    and the basis come back as arrays of x's kind."""
+    rows, columns = x_op.shape
+    bits = basis.shape[1]
+    stream = launch_stream((x_op,))
+    words = packed_words(columns)
+    native, planes = x_op.empty((bits, rows, words), stream, dtype="uint32")
+    per_row = basis.shape[0] != 1
+    if rows and words:
+        warps = cfg.pack_warps
+        grid = (-(-words // (warps * cfg.pack_words)), rows)
+        kernel = cached(make_pack, cfg, bits, per_row)
+        launch(kernel, grid, warps * 32, stream, (planes, x_op.device(stream), _on_device(thresholds, stream),
+                                                   _on_device(order, stream), columns))
+    planes = x_op.result(native, planes, stream)
+    return QuantArray(planes, _like(x_op, np.ascontiguousarray(basis, np.float32), stream), columns, signed)
+
+
+def _on_device(array, stream):
+    from numba import cuda
+
+    return cuda.to_device(np.ascontiguousarray(array), stream=stream)
+
+
+def _like(op, host, stream):
+    """A host array as an array of op's kind (numpy stays numpy)."""
+    if op.kind == "numpy":
+        return host
+    if op.kind == "torch":
+        import torch
+
+        return torch.as_tensor(host, device=op.native.device)
+    if op.kind == "cupy":
+        import cupy
+
+        return cupy.asarray(host)
+    return _on_device(host, stream)
+
+
+def dequantize(q, config=None):
+    """The values of a `QuantArray`, fp32 (rows, columns), as an array of its planes' kind."""
+    cfg = as_config(config)
+    planes = Operand(q.planes, "q.planes")
+    stream = launch_stream((planes,))
+    rows, columns = q.shape
+    native, out = planes.empty((rows, columns), stream, dtype="float32")
+    if rows and columns:
+        kernel = cached(make_unpack, cfg, q.bits, q.signed, q.basis.shape[0] != 1)
+        launch(kernel, (-(-columns // 128), rows), 128, stream,
+               (out, planes.device(stream), Operand(q.basis, "q.basis").device(stream), columns))
+    return planes.result(native, out, stream)
+
+
+def _groups(layout, columns, outputs, group_cols):
+    """(ptr, blocks, block_words, group_cols, values a block): the input blocks each group of
+    outputs sees. Dense: every row's words as one block, groups of `group_cols` outputs; a
+    layout: its block-columns' present blocks (CSC), a group a block-column."""
+    if layout is None:
+        groups = -(-outputs // group_cols)
+        return (np.arange(groups + 1, dtype=np.int32), np.zeros(max(groups, 1), np.int32),
+                packed_words(columns), group_cols, columns)
+    bs = layout.block_size
+    ptr = np.asarray(layout.col_ptr, np.int32)
+    blocks = np.asarray(layout.row_idx, np.int32)
+    return ptr, (blocks if len(blocks) else np.zeros(1, np.int32)), bs // WORD, bs, bs
+
+
+def _check_layout(layout, columns, outputs):
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout: expected a BlockLayout, got {type(layout).__name__}")
+    if layout.block_size < WORD:
+        raise ValueError(f"layout: expected a block size of 32 or 64 (whole words of bits), got {layout.block_size}")
+    if layout.dense_shape != (columns, outputs):
+        raise ValueError(f"layout: expected a ({columns}, {outputs}) grid (inputs, outputs), got {layout.dense_shape}")
+
+
+def matmul(a, w, layout=None, bias=None, relu=False, out_dtype="float32", version="tensorcore", config=None):
+    """``y = â · ŵᵀ (+ bias, ReLU)`` from bit planes: ``a`` a `QuantArray` of activations (N, C)
+    with one basis, ``w`` one of weights (O, C) with a basis a row; ``y`` (N, O) in ``out_dtype``
+    (fp32 or fp16), an array of a's planes' kind. With a ``layout`` (a `BlockLayout` of the
+    (C, O) grid, blocks of 32 or 64) only its present blocks are summed, as the weight masked by
+    the layout. ``version``: "tensorcore" (b1 ``mma.sync``) or "simt" (the teaching kernel)."""
+    cfg = as_config(config)
+    for name, q in (("a", a), ("w", w)):
+        if not isinstance(q, QuantArray):
+            raise TypeError(f"{name}: expected a QuantArray, got {type(q).__name__}")
+    if a.columns != w.columns:
+        raise ValueError(f"w: expected {a.columns} columns (a's), got {w.columns}")
+    if a.basis.shape[0] != 1:
+        raise ValueError("a: expected one basis for all rows (activations)")
+    if w.basis.shape[0] != w.shape[0]:
+        raise ValueError(f"w: expected a basis a row ({w.shape[0]}, K) (weights), got {tuple(w.basis.shape)}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype: expected one of {OUT_DTYPES}, got {out_dtype!r}")
+    if version not in VERSIONS:
+        raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
+    N, C = a.shape
+    O = w.shape[0]
+    if layout is not None:
+        _check_layout(layout, C, O)
+    a_planes, w_planes = Operand(a.planes, "a.planes"), Operand(w.planes, "w.planes")
+    stream = launch_stream((a_planes, w_planes))
+    if bias is not None:
+        bias_op = Operand(bias, "bias")
+        check_dtype(bias_op, ("float32",))
+        if bias_op.shape != (O,):
+            raise ValueError(f"bias: expected shape ({O},), got {bias_op.shape}")
+        bias_values = bias_op.device(stream)
+    else:
+        bias_values = _on_device(np.zeros(1, np.float32), stream)
+    native, y = a_planes.empty((N, O), stream, dtype=out_dtype)
+    if N and O:
+        ptr, blocks, block_words, group_cols, seen = _groups(layout, C, O, cfg.dense_cols)
+        key = (a.bits, w.bits, a.signed, w.signed, bias is not None, bool(relu), block_words, group_cols)
+        args = (y, a_planes.device(stream), w_planes.device(stream), Operand(a.basis, "a.basis").device(stream)[0],
+                Operand(w.basis, "w.basis").device(stream), bias_values, _on_device(ptr, stream),
+                _on_device(blocks, stream), seen)
+        if version == "simt":
+            kernel = cached(make_simt_product, cfg, *key)
+            grid = (-(-O // cfg.simt_cols), -(-N // cfg.simt_rows))
+            launch(kernel, grid, (cfg.simt_cols, cfg.simt_rows), stream, args)
+        else:
+            kernel = cached(make_tensorcore_product, cfg, *key)
+            grid = (len(ptr) - 1, -(-N // (cfg.warps * cfg.warp_rows)))
+            launch(kernel, grid, cfg.warps * 32, stream, args)
+    return a_planes.result(native, y, stream)
+

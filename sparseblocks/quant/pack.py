@@ -1,0 +1,65 @@
+"""Quantize and pack: float values in, K bit planes out, and no float written back.
+
+Each warp takes 32 consecutive values of a row (coalesced reads), finds each value's level by a
+branch-free binary search over the sorted thresholds (K compares and selects: the search steps
+2^(K-1), ..., 1 from the bottom), looks up that level's code, and for each bit k votes it into one
+word with ``ballot_sync``: lane 0 writes the word of plane k. Values past the row's end vote 0, so
+the padding words are zeros. A row has its own thresholds (weights: a basis per output channel)
+or all rows share one set (activations). Unpack is the inverse, one thread a value.
+"""
+
+from numba import cuda, float32, int32, uint32
+
+FULL_MASK = 0xFFFFFFFF
+
+
+def make_pack(cfg, bits, per_row):
+    levels = 1 << bits
+    words_a_warp = cfg.pack_words
+
+    @cuda.jit
+    def pack(planes, x, thresholds, order, columns):
+        # planes (bits, R, words) uint32; x (R, C); thresholds (T, levels - 1) fp32 and order (T,
+        # levels) int32 (the code of each sorted level), T = R (per_row) or 1.
+        lane = cuda.threadIdx.x % 32
+        warp = cuda.blockIdx.x * (cuda.blockDim.x // 32) + cuda.threadIdx.x // 32
+        row = cuda.blockIdx.y
+        t = row if per_row else 0
+        for step in range(words_a_warp):
+            word = warp * words_a_warp + step
+            if word >= planes.shape[2]:  # (warp-uniform: the whole warp leaves together)
+                return
+            c = word * 32 + lane
+            inside = c < columns
+            value = float32(x[row, c]) if inside else float32(0)
+            index = int32(0)
+            half = levels // 2
+            while half > 0:  # branch-free: compares and selects
+                index += half if value > thresholds[t, index + half - 1] else 0
+                half //= 2
+            code = order[t, index]
+            for k in range(bits):
+                vote = cuda.ballot_sync(FULL_MASK, inside and (code >> k) & 1)
+                if lane == 0:
+                    planes[k, row, word] = uint32(vote)
+
+    return pack
+
+
+def make_unpack(cfg, bits, signed, per_row):
+    @cuda.jit
+    def unpack(out, planes, basis, columns):
+        # out (R, columns) fp32: Σ_k basis[t, k] e_k, e_k the bit's ±1 (signed) or 0/1
+        c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        row = cuda.blockIdx.y
+        if c >= columns:
+            return
+        t = row if per_row else 0
+        value = float32(0)
+        for k in range(bits):
+            bit = (planes[k, row, c // 32] >> uint32(c % 32)) & uint32(1)
+            e = float32(2 * int32(bit) - 1) if signed else float32(bit)
+            value += basis[t, k] * e
+        out[row, c] = value
+
+    return unpack
