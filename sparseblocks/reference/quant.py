@@ -45,14 +45,17 @@ def thresholds(basis, signed):
     return (lv[..., 1:] + lv[..., :-1]) / 2
 
 
-def encode(x, basis, signed):
+def encode(x, basis, signed, threshold_dtype=np.float64):
     """(codes, values) of ``x`` (..., C): codes the integer code of each value (bit k = bit k of
     the code), values its level. ``basis`` is (K,) or (..., K) broadcast over x's last axis:
-    one basis a row (weights: a row is an output channel's)."""
+    one basis a row (weights: a row is an output channel's). ``threshold_dtype``: the thresholds
+    rounded to it first (the kernels compare in fp32). A value on a threshold takes the lower
+    level, a NaN the lowest."""
     x = np.asarray(x, np.float64)
     basis = np.asarray(basis, np.float64)
     lv, order = levels(basis, signed)
-    th = (lv[..., 1:] + lv[..., :-1]) / 2
+    th = ((lv[..., 1:] + lv[..., :-1]) / 2).astype(threshold_dtype).astype(np.float64)
+    x = np.where(np.isnan(x), -np.inf, x)
     if basis.ndim == 1:
         index = np.searchsorted(th, x, side="left")
         return order[index], lv[index]

@@ -1,0 +1,171 @@
+"""Quantize-and-pack, unpack and the bit-plane products against their NumPy twins."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numba import cuda
+
+from sparseblocks import quant
+from sparseblocks.layout import BlockLayout
+from sparseblocks.reference import quant as reference
+from sparseblocks.runtime.backend import SIMULATOR
+from strategies import assert_close
+
+few = settings(max_examples=3) if SIMULATOR else settings(max_examples=25)
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(configure):
+    """The simulator runs a Python thread a CUDA thread and a collective an mma: one warp of 2 x 2
+    mma tiles there (the block-sparse groups are a block wide), the default tiles on a GPU."""
+    if SIMULATOR:
+        configure(quant, warps=1, warp_rows=32, dense_cols=16, simt_rows=4, simt_cols=8)
+MAX_ROWS = 5 if SIMULATOR else 70
+MAX_COLUMNS = 80 if SIMULATOR else 700
+
+
+def quantized(rng, rows, columns, bits, signed, dtype="float32", per_row=None):
+    """(x, basis, its QuantArray): a basis of distinct positive values, a row each (``per_row``,
+    by default for ±1 codes: weights) or one shared."""
+    per_row = signed if per_row is None else per_row
+    x = rng.standard_normal((rows, columns)).astype(dtype)
+    if not signed:
+        x = np.abs(x)
+    basis = (rng.uniform(0.1, 1.0, (rows if per_row else 1, bits)) * 2.0 ** np.arange(bits)).astype(np.float32)
+    return x, basis, quant.quantize(x, basis if per_row else basis[0], signed)
+
+
+@few
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, MAX_ROWS), columns=st.integers(1, MAX_COLUMNS),
+       bits=st.integers(1, 4), signed=st.booleans(), dtype=st.sampled_from(["float32", "float16"]))
+def test_pack_is_the_twins_encode_bit_exact(seed, rows, columns, bits, signed, dtype):
+    rng = np.random.default_rng(seed)
+    x, basis, q = quantized(rng, rows, columns, bits, signed, dtype)
+    codes, values = reference.encode(x.astype(np.float32), basis if len(basis) > 1 or signed else basis[0], signed,
+                                     threshold_dtype=np.float32)
+    assert q.planes.dtype == np.uint32 and q.planes.shape == (bits, rows, reference.packed_words(columns))
+    np.testing.assert_array_equal(q.planes, reference.pack(codes, bits))
+    np.testing.assert_array_equal(reference.unpack(q.planes, columns), codes)
+    np.testing.assert_allclose(quant.dequantize(q), values, rtol=1e-6, atol=1e-6)
+
+
+def test_pack_votes_each_bit_of_32_values_into_one_word():
+    """Value c of a row is bit c % 32 of word c // 32 of each plane; the padding is zeros."""
+    x = np.zeros((1, 40), np.float32)
+    x[0, [0, 5, 31, 33]] = 1.0  # level 1 of a 1-bit 0/1 basis of 1: code 1
+    q = quant.quantize(x, np.array([1.0], np.float32), signed=False)
+    assert q.planes[0, 0, 0] == (1 << 0) | (1 << 5) | (1 << 31)
+    assert q.planes[0, 0, 1] == 1 << 1
+    assert (q.planes[0, 0, 2:] == 0).all()
+
+
+def test_nan_takes_the_lowest_level_and_ties_the_lower():
+    x = np.array([[np.nan, 0.5, 0.75, -3.0]], np.float32)
+    q = quant.quantize(x, np.array([0.5, 1.0], np.float32), signed=False)  # levels 0, .5, 1, 1.5
+    np.testing.assert_array_equal(quant.dequantize(q)[0], [0.0, 0.5, 0.5, 0.0])
+
+
+def products(a, w, layout=None, **kwargs):
+    return {version: quant.matmul(a, w, layout=layout, version=version, **kwargs) for version in quant.VERSIONS}
+
+
+def random_layout(rng, columns, outputs, bs):
+    mask = rng.random((columns // bs, outputs // bs)) < 0.5
+    return BlockLayout(mask.astype(np.uint8), bs)
+
+
+@few
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, MAX_ROWS), blocks=st.integers(1, 3),
+       outputs=st.integers(1, 2), bs=st.sampled_from([32, 64]), signed_a=st.booleans(), sparse=st.booleans())
+def test_one_bit_products_are_exact_integers(seed, rows, blocks, outputs, bs, signed_a, sparse):
+    """With unit bases the product is the integer plane product itself: exact, dense or over a
+    layout's present blocks (the weight masked by the layout), from either kernel."""
+    rng = np.random.default_rng(seed)
+    columns, O = blocks * bs, outputs * bs
+    a = quant.quantize(rng.standard_normal((rows, columns)).astype(np.float32), [1.0], signed_a)
+    w = quant.quantize(rng.standard_normal((O, columns)).astype(np.float32), np.ones((O, 1), np.float32), True)
+    layout = random_layout(rng, columns, O, bs) if sparse else None
+    want, sums = reference.matmul(a.planes, [1.0], w.planes, np.ones((O, 1)), columns, signed_a, True, layout)
+    np.testing.assert_array_equal(want, sums[0, 0])
+    for version, got in products(a, w, layout).items():
+        np.testing.assert_array_equal(got, want, err_msg=version)
+
+
+@few
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, MAX_ROWS), columns=st.integers(1, MAX_COLUMNS),
+       outputs=st.integers(1, 20), a_bits=st.integers(1, 4), w_bits=st.integers(1, 4), signed_a=st.booleans(),
+       bias=st.booleans(), relu=st.booleans(), out_dtype=st.sampled_from(quant.OUT_DTYPES))
+def test_products_match_the_twin(seed, rows, columns, outputs, a_bits, w_bits, signed_a, bias, relu, out_dtype):
+    """WkAm products (k, m in 1..4): the plane products scaled by the bases, bias and ReLU in the
+    epilogue, fp32 or fp16 out, against the twin (and the twin against the dequantized values)."""
+    rng = np.random.default_rng(seed)
+    _, _, a = quantized(rng, rows, columns, a_bits, signed_a, per_row=False)
+    _, _, w = quantized(rng, outputs, columns, w_bits, True)
+    b = rng.standard_normal(outputs).astype(np.float32) if bias else None
+    want, _ = reference.matmul(a.planes, a.basis[0], w.planes, w.basis, columns, signed_a, True, bias=b, relu=relu)
+    dense = quant.dequantize(a).astype(np.float64) @ quant.dequantize(w).astype(np.float64).T
+    np.testing.assert_allclose(np.maximum(dense + (b if bias else 0), 0) if relu else dense + (b if bias else 0),
+                               want, rtol=1e-5, atol=1e-5)
+    magnitude = np.abs(quant.dequantize(a)) @ np.abs(quant.dequantize(w)).T + (np.abs(b) if bias else 0)
+    for version, got in products(a, w, bias=b, relu=relu, out_dtype=out_dtype).items():
+        assert got.dtype == np.dtype(out_dtype)
+        assert_close(got.astype(np.float64), want, out_dtype, version, magnitude=magnitude, terms=a_bits * w_bits)
+
+
+def test_block_sparse_product_is_the_dense_one_masked_by_the_layout():
+    rng = np.random.default_rng(3)
+    columns, O, bs = 128, 64, 32
+    _, _, a = quantized(rng, 3, columns, 2, False)
+    x, _, w = quantized(rng, O, columns, 2, True)
+    layout = random_layout(rng, columns, O, bs)
+    masked = np.where(layout.element_mask().T.astype(bool), x, 0.0).astype(np.float32)
+    w_masked = quant.quantize(masked, w.basis, True)  # (zeros of a ±1 code: its lowest level, not 0)
+    want = quant.dequantize(a).astype(np.float64) @ (quant.dequantize(w) * layout.element_mask().T).T
+    for version, got in products(a, w, layout).items():
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=version)
+    assert w_masked.shape == w.shape
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("float64 x", TypeError, "x: expected dtype"),
+    ("3-D x", ValueError, "x: expected a 2-D array"),
+    ("5 bits", ValueError, "basis: expected"),
+    ("NaN basis", ValueError, "basis: expected finite"),
+    ("columns", ValueError, "w: expected 40 columns"),
+    ("shared weight basis", ValueError, "w: expected a basis a row"),
+    ("out dtype", ValueError, "out_dtype"),
+    ("version", ValueError, "version"),
+    ("layout grid", ValueError, "layout: expected a \\(40, 8\\) grid"),
+    ("layout block", ValueError, "layout: expected a block size of 32 or 64"),
+    ("bias shape", ValueError, "bias: expected shape"),
+    ("not quantized", TypeError, "a: expected a QuantArray"),
+])
+def test_bad_input_is_refused_before_any_launch(case, error, match):
+    x = np.ones((3, 40), np.float32)
+    a = quant.quantize(x, [1.0], False)
+    w = quant.quantize(np.ones((8, 40), np.float32), np.ones((8, 1), np.float32), True)
+    calls = {
+        "float64 x": lambda: quant.quantize(x.astype(np.float64), [1.0], False),
+        "3-D x": lambda: quant.quantize(x[None], [1.0], False),
+        "5 bits": lambda: quant.quantize(x, np.ones(5), False),
+        "NaN basis": lambda: quant.quantize(x, [np.nan], False),
+        "columns": lambda: quant.matmul(a, quant.quantize(np.ones((8, 41), np.float32), np.ones((8, 1)), True)),
+        "shared weight basis": lambda: quant.matmul(a, quant.quantize(np.ones((8, 40), np.float32), [1.0], True)),
+        "out dtype": lambda: quant.matmul(a, w, out_dtype="int8"),
+        "version": lambda: quant.matmul(a, w, version="fast"),
+        "layout grid": lambda: quant.matmul(a, w, layout=BlockLayout(np.ones((1, 1)), 32)),
+        "layout block": lambda: quant.matmul(a, w, layout=BlockLayout(np.ones((5, 1)), 8)),
+        "bias shape": lambda: quant.matmul(a, w, bias=np.ones(7, np.float32)),
+        "not quantized": lambda: quant.matmul(x, w),
+    }
+    with pytest.raises(error, match=match):
+        calls[case]()
+
+
+def test_quant_array_passes_its_planes_on():
+    q = quant.quantize(np.ones((2, 3), np.float32), [1.0], False)
+    assert q.shape == (2, 3) and q.bits == 1 and not q.signed
+    if not SIMULATOR:
+        dq = quant.quantize(cuda.to_device(np.ones((2, 3), np.float32)), [1.0], False)
+        assert dq.__cuda_array_interface__["shape"] == (1, 2, 8)
