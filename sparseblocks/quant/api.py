@@ -110,8 +110,10 @@ def quantize(x, basis, signed, config=None):
 
 
 def pack(x_op, thresholds, order, basis, signed, cfg):
-    """Launch the quantize-and-pack kernel (thresholds (T, 2^K - 1), order (T, 2^K)); the planes
-    and the basis come back as arrays of x's kind."""
+    """Launch the quantize-and-pack kernel on the rows of ``x_op`` (an `Operand`): thresholds
+    (T, 2^K - 1) fp32, the code of each sorted level (T, 2^K) int32 and the basis (T, K) fp32,
+    host or device arrays (the torch layer makes them on the device). The planes come back as an
+    array of x's kind, with the basis as given (a host basis as an array of x's kind)."""
     rows, columns = x_op.shape
     bits = basis.shape[1]
     stream = launch_stream((x_op,))
@@ -122,10 +124,12 @@ def pack(x_op, thresholds, order, basis, signed, cfg):
         warps = cfg.pack_warps
         grid = (-(-words // (warps * cfg.pack_words)), rows)
         kernel = cached(make_pack, cfg, bits, per_row)
-        launch(kernel, grid, warps * 32, stream, (planes, x_op.device(stream), _on_device(thresholds, stream),
-                                                   _on_device(order, stream), columns))
+        launch(kernel, grid, warps * 32, stream, (planes, x_op.device(stream), Operand(thresholds, "thresholds").device(stream),
+                                                   Operand(order, "order").device(stream), columns))
     planes = x_op.result(native, planes, stream)
-    return QuantArray(planes, _like(x_op, np.ascontiguousarray(basis, np.float32), stream), columns, signed)
+    if isinstance(basis, np.ndarray):
+        basis = _like(x_op, np.ascontiguousarray(basis, np.float32), stream)
+    return QuantArray(planes, basis, columns, signed)
 
 
 def _on_device(array, stream):

@@ -1,7 +1,7 @@
 """The torch layer: `BlockSparseLinear` (with `sparsify` and `BlockRegrowth`), SBNet's gather and
-scatter with autograd, and the sparse ResNet block.
+scatter with autograd, the sparse ResNet block, and `LQLinear` (learned low-bit quantization).
 
-    from sparseblocks.torch import BlockSparseLinear, BlockRegrowth, sparsify
+    from sparseblocks.torch import BlockSparseLinear, BlockRegrowth, sparsify, LQLinear
     from sparseblocks.torch import SparseResBlock, sparse_gather, sparse_scatter
 
 Importing this package imports torch. Tensors reach the kernels through
@@ -10,9 +10,11 @@ Importing this package imports torch. Tensors reach the kernels through
 
 from .config import ResBlockConfig
 from .linear import BlockSparseLinear
+from .quant import LQLinear
 from .regrow import BlockRegrowth
 from .res_block import SparseResBlock
 from .sbnet import sparse_gather, sparse_scatter
 from .sparsify import sparsify
 
-__all__ = ["BlockSparseLinear", "BlockRegrowth", "sparsify", "SparseResBlock", "ResBlockConfig", "sparse_gather", "sparse_scatter"]
+__all__ = ["BlockSparseLinear", "BlockRegrowth", "sparsify", "SparseResBlock", "ResBlockConfig", "sparse_gather",
+           "sparse_scatter", "LQLinear"]

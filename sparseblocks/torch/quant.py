@@ -1,0 +1,178 @@
+"""`LQLinear`: a linear layer with LQ-Nets' learned weight and activation quantizers.
+
+Weights are quantized to ``w_bits`` with ±1 codes and a basis a output channel, activations to
+``a_bits`` with 0/1 codes (±1 with ``signed_activations``) and one shared basis. In training the
+forward quantizes in torch (levels, thresholds and ``searchsorted``, all on the device), the
+gradients pass straight through (`_StraightThrough`: identity for weights, zero above the
+largest level for activations), and each call refits the bases by LQ-Nets' QEM step (the least
+squares basis of the current codes, as a moving average). Without gradients on a GPU the layer
+quantizes and packs both operands into bit planes and runs the 1-bit tensor-core product
+(`sparseblocks.quant`): no float of x̂ or ŵ is written. ``layout`` (a `BlockLayout` of the
+(in, out) grid, as `BlockSparseLinear` takes) keeps only its blocks.
+"""
+
+import math
+
+import torch
+
+from .. import quant
+from ..layout import BlockLayout
+from ..runtime.arrays import Operand
+
+MOVING_AVERAGE = 0.9
+RIDGE = 1e-4
+NORM_PPF_0_75 = 0.6745
+
+
+def _codes(bits, signed, like):
+    """The (2^K, K) code values, row i the code whose bit k is bit k of i."""
+    i = torch.arange(2 ** bits, device=like.device)[:, None]
+    e = ((i >> torch.arange(bits, device=like.device)[None, :]) & 1).to(like.dtype)
+    return 2 * e - 1 if signed else e
+
+
+def levels(basis, signed):
+    """(sorted levels (T, 2^K), each one's code (T, 2^K) int32, thresholds (T, 2^K - 1)) of bases (T, K)."""
+    values = basis @ _codes(basis.shape[1], signed, basis).T
+    sorted_values, order = torch.sort(values, dim=1, stable=True)
+    return sorted_values, order.to(torch.int32), (sorted_values[:, 1:] + sorted_values[:, :-1]) / 2
+
+
+def encode(x, basis, signed):
+    """(codes, values) of the rows of x (R, C) under bases (T, K), T = R or 1: a value on a
+    threshold takes the lower level, as the kernel's compares do."""
+    sorted_values, order, thresholds = levels(basis.float(), signed)
+    xf = x.float()
+    if basis.shape[0] == 1:
+        index = torch.searchsorted(thresholds[0].contiguous(), xf.contiguous(), side="left")
+        return order[0][index], sorted_values[0][index]
+    index = torch.searchsorted(thresholds.contiguous(), xf.contiguous(), side="left")
+    return torch.gather(order, 1, index), torch.gather(sorted_values, 1, index)
+
+
+def basis_update(x, codes, basis, signed, ridge, momentum=MOVING_AVERAGE):
+    """QEM: the least-squares basis of the codes, blended in as a moving average; one basis a row
+    where ``basis`` has a row per row of x. A singular fit leaves the basis as it was."""
+    K = basis.shape[1]
+    e = ((codes[..., None] >> torch.arange(K, device=codes.device)) & 1).to(torch.float32)
+    e = 2 * e - 1 if signed else e
+    x = x.float()
+    if basis.shape[0] == 1:
+        e, x = e.reshape(1, -1, K), x.reshape(1, -1)
+    gram = torch.einsum("rck,rcl->rkl", e, e) + ridge * torch.eye(K, device=x.device)
+    fit, info = torch.linalg.solve_ex(gram, torch.einsum("rck,rc->rk", e, x))
+    fit = torch.where((info == 0)[:, None] & torch.isfinite(fit), fit, basis)
+    return momentum * basis + (1 - momentum) * fit
+
+
+class _StraightThrough(torch.autograd.Function):
+    """The quantizer's values forward; backward the gradient itself, zeroed above ``top`` (the
+    largest level: activations clip there) when given."""
+
+    @staticmethod
+    def forward(ctx, x, values, top):
+        ctx.save_for_backward(x, top)
+        return values.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, top = ctx.saved_tensors
+        if top.numel():
+            grad = grad * (x <= top).to(grad.dtype)
+        return grad, None, None
+
+
+def straight_through(x, basis, signed, clip):
+    """x's quantized values with the straight-through gradient (clipped above the top level where
+    ``clip``)."""
+    _, values = encode(x.detach(), basis, signed)
+    top = levels(basis.float(), signed)[0][:, -1].max() if clip else x.new_empty(0)
+    return _StraightThrough.apply(x, values, top)
+
+
+class LQLinear(torch.nn.Module):
+    """``y = x̂ · ŵᵀ + b`` with learned low-bit quantizers (see the module's docstring).
+
+    ``w_bits`` and ``a_bits`` from 1 to 4. The bases are buffers (``w_basis`` (out, w_bits),
+    ``a_basis`` (a_bits,)), saved with the state dict, and updated in training mode only.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, *, w_bits=2, a_bits=2, signed_activations=False,
+                 layout=None, momentum=MOVING_AVERAGE, device=None, dtype=None):
+        super().__init__()
+        for name, bits in (("w_bits", w_bits), ("a_bits", a_bits)):
+            if not isinstance(bits, int) or not 1 <= bits <= quant.api.MAX_BITS:
+                raise ValueError(f"{name}: expected an int from 1 to {quant.api.MAX_BITS}, got {bits!r}")
+        if layout is not None:
+            if not isinstance(layout, BlockLayout):
+                raise TypeError(f"layout: expected a BlockLayout, got {type(layout).__name__}")
+            if layout.dense_shape != (in_features, out_features) or layout.block_size < 32:
+                raise ValueError(f"layout: expected a ({in_features}, {out_features}) grid of blocks of 32 or 64, "
+                                 f"got {layout.dense_shape} in blocks of {layout.block_size}")
+        factory = {"device": device, "dtype": dtype}
+        self.in_features, self.out_features = in_features, out_features
+        self.w_bits, self.a_bits, self.signed_activations = w_bits, a_bits, bool(signed_activations)
+        self.momentum, self.layout = momentum, layout
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
+        self.bias = torch.nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        mask = (torch.ones(out_features, in_features) if layout is None
+                else torch.as_tensor(layout.element_mask().T.copy(), dtype=torch.float32))
+        self.register_buffer("element_mask", mask.to(device=device), persistent=False)
+        powers = 2.0 ** torch.arange(w_bits, dtype=torch.float32, device=device)
+        w_base = NORM_PPF_0_75 * math.sqrt(2.0 / in_features) / 2 ** (w_bits - 1)
+        self.register_buffer("w_basis", (powers * w_base).repeat(out_features, 1))
+        a_powers = 2.0 ** torch.arange(a_bits, dtype=torch.float32, device=device)
+        self.register_buffer("a_basis", a_powers * 2 * NORM_PPF_0_75 / (2 ** a_bits - 1))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features)
+            torch.nn.init.uniform_(self.bias, -bound, bound)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"w_bits={self.w_bits}, a_bits={self.a_bits}" + (", block-sparse" if self.layout is not None else ""))
+
+    def update_bases(self, x):
+        """One QEM step of both bases on the current weight and the activations ``x`` (rows, in)."""
+        with torch.no_grad():
+            w = self.weight.float() * self.element_mask
+            codes, _ = encode(w, self.w_basis, True)
+            self.w_basis.copy_(basis_update(w, codes, self.w_basis, True, RIDGE, self.momentum))
+            a = self.a_basis[None]
+            codes, _ = encode(x, a, self.signed_activations)
+            self.a_basis.copy_(basis_update(x, codes, a, self.signed_activations, 0.0, self.momentum)[0])
+
+    def forward(self, x):
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x: expected {self.in_features} features in its last dimension, got {x.shape[-1]}")
+        rows = x.reshape(-1, self.in_features)
+        if self.training:
+            self.update_bases(rows.detach())
+        grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if not grad and rows.is_cuda and rows.dtype in (torch.float16, torch.float32):
+            y = self.packed_forward(rows)
+        else:
+            w = straight_through(self.weight, self.w_basis, True, clip=False) * self.element_mask.to(x.dtype)
+            a = straight_through(rows, self.a_basis[None], self.signed_activations, clip=True)
+            y = torch.nn.functional.linear(a, w.to(a.dtype), None if self.bias is None else self.bias.to(a.dtype))
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def packed_forward(self, rows):
+        """The product from bit planes (a GPU, no gradients): both operands quantized and packed by
+        the ballot kernel with thresholds made on the device, then the b1 tensor-core product."""
+        cfg = quant.config.DEFAULT
+        w = self.weight.detach().contiguous()
+        w = w.float() if w.dtype not in (torch.float16, torch.float32) else w
+        _, w_order, w_thresholds = levels(self.w_basis, True)
+        a_basis = self.a_basis[None].contiguous()
+        _, a_order, a_thresholds = levels(a_basis, self.signed_activations)
+        wq = quant.api.pack(Operand(w, "weight"), w_thresholds.contiguous(), w_order.contiguous(),
+                            self.w_basis.contiguous(), True, cfg)
+        aq = quant.api.pack(Operand(rows.contiguous(), "x"), a_thresholds.contiguous(),
+                            a_order.contiguous(), a_basis, self.signed_activations, cfg)
+        bias = None if self.bias is None else self.bias.detach().float().contiguous()
+        out_dtype = "float16" if rows.dtype == torch.float16 else "float32"
+        return quant.matmul(aq, wq, layout=self.layout, bias=bias, out_dtype=out_dtype)
