@@ -1,4 +1,4 @@
-"""``python -m sparseblocks demo | matmul-demo | sbnet-demo | info | test``."""
+"""``python -m sparseblocks demo | quant-demo | matmul-demo | sbnet-demo | info | test``."""
 
 import argparse
 import sys
@@ -23,6 +23,18 @@ def demo():
         print("demo needs torch and scikit-learn: pip install 'sparseblocks[demo]'")
         return 1
     from .torch.demo import main
+
+    return main()
+
+
+def quant_demo():
+    """An MLP on scikit-learn's digits in float, W2A2 and W1A1 (`LQLinear`)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("quant-demo needs torch and scikit-learn: pip install 'sparseblocks[demo]'")
+        return 1
+    from .torch.quant_demo import main
 
     return main()
 
@@ -162,14 +174,14 @@ def test(pytest_args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m sparseblocks", description=__doc__)
-    parser.add_argument("command", choices=["demo", "matmul-demo", "sbnet-demo", "info", "test"])
+    parser.add_argument("command", choices=["demo", "quant-demo", "matmul-demo", "sbnet-demo", "info", "test"])
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="test: arguments for pytest")
     args = parser.parse_args(argv)
     if args.command == "test":
         return test(args.pytest_args)
     if use_simulator_without_gpu():
         print("no CUDA GPU in use: kernels run in Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1)")
-    return {"demo": demo, "matmul-demo": matmul_demo, "sbnet-demo": sbnet_demo, "info": info}[args.command]()
+    return {"demo": demo, "quant-demo": quant_demo, "matmul-demo": matmul_demo, "sbnet-demo": sbnet_demo, "info": info}[args.command]()
 
 
 if __name__ == "__main__":
