@@ -138,6 +138,15 @@ def _on_device(array, stream):
     return cuda.to_device(np.ascontiguousarray(array), stream=stream)
 
 
+_zeros = []
+
+
+def _no_bias(stream):
+    if not _zeros:
+        _zeros.append(_on_device(np.zeros(1, np.float32), stream))
+    return _zeros[0]
+
+
 def _like(op, host, stream):
     """A host array as an array of op's kind (numpy stays numpy)."""
     if op.kind == "numpy":
@@ -167,18 +176,28 @@ def dequantize(q, config=None):
     return planes.result(native, out, stream)
 
 
-def _groups(layout, columns, outputs, group_cols):
-    """(ptr, blocks, block_words, group_cols, values a block): the input blocks each group of
-    outputs sees. Dense: every row's words as one block, groups of `group_cols` outputs; a
-    layout: its block-columns' present blocks (CSC), a group a block-column."""
+_dense_groups = {}
+
+
+def _groups(layout, columns, outputs, group_cols, stream):
+    """(ptr, blocks, block_words, group_cols, values a block), the first two on the device (made
+    once, then kept: a dense shape's here, a layout's in its schedule cache): the input blocks
+    each group of outputs sees. Dense: every row's words as one block, groups of `group_cols`
+    outputs; a layout: its block-columns' present blocks (CSC), a group a block-column."""
     if layout is None:
-        groups = -(-outputs // group_cols)
-        return (np.arange(groups + 1, dtype=np.int32), np.zeros(max(groups, 1), np.int32),
-                packed_words(columns), group_cols, columns)
+        key = (columns, outputs, group_cols)
+        if key not in _dense_groups:
+            groups = -(-outputs // group_cols)
+            _dense_groups[key] = (_on_device(np.arange(groups + 1, dtype=np.int32), stream),
+                                  _on_device(np.zeros(max(groups, 1), np.int32), stream))
+        return (*_dense_groups[key], packed_words(columns), group_cols, columns)
     bs = layout.block_size
-    ptr = np.asarray(layout.col_ptr, np.int32)
-    blocks = np.asarray(layout.row_idx, np.int32)
-    return ptr, (blocks if len(blocks) else np.zeros(1, np.int32)), bs // WORD, bs, bs
+    cache = layout._schedules
+    if ("quant", "groups") not in cache:
+        blocks = np.asarray(layout.row_idx, np.int32)
+        cache[("quant", "groups")] = (_on_device(np.asarray(layout.col_ptr, np.int32), stream),
+                                      _on_device(blocks if len(blocks) else np.zeros(1, np.int32), stream))
+    return (*cache[("quant", "groups")], bs // WORD, bs, bs)
 
 
 def _check_layout(layout, columns, outputs):
@@ -223,14 +242,13 @@ def matmul(a, w, layout=None, bias=None, relu=False, out_dtype="float32", versio
             raise ValueError(f"bias: expected shape ({O},), got {bias_op.shape}")
         bias_values = bias_op.device(stream)
     else:
-        bias_values = _on_device(np.zeros(1, np.float32), stream)
+        bias_values = _no_bias(stream)
     native, y = a_planes.empty((N, O), stream, dtype=out_dtype)
     if N and O:
-        ptr, blocks, block_words, group_cols, seen = _groups(layout, C, O, cfg.dense_cols)
+        ptr, blocks, block_words, group_cols, seen = _groups(layout, C, O, cfg.dense_cols, stream)
         key = (a.bits, w.bits, a.signed, w.signed, bias is not None, bool(relu), block_words, group_cols)
         args = (y, a_planes.device(stream), w_planes.device(stream), Operand(a.basis, "a.basis").device(stream)[0],
-                Operand(w.basis, "w.basis").device(stream), bias_values, _on_device(ptr, stream),
-                _on_device(blocks, stream), seen)
+                Operand(w.basis, "w.basis").device(stream), bias_values, ptr, blocks, seen)
         if version == "simt":
             kernel = cached(make_simt_product, cfg, *key)
             grid = (-(-O // cfg.simt_cols), -(-N // cfg.simt_rows))

@@ -99,11 +99,12 @@ def test_packed_product_equals_the_float_quantizers(dtype, signed, sparse):
     """Without gradients on a GPU the bit planes and the b1 product give what the float
     quantizers give with gradients."""
     torch.manual_seed(2)
-    layout = BlockLayout.random((256, 128), 0.5, block_size=32) if sparse else None
+    layout = BlockLayout.random((8, 4), 0.5, block_size=32) if sparse else None
     layer = LQLinear(256, 128, w_bits=2, a_bits=3, signed_activations=signed, layout=layout).to(DEVICE, dtype).eval()
     x = torch.randn(70, 256, device=DEVICE, dtype=dtype).relu()
     with torch.no_grad():
         packed = layer(x)
     floats = layer(x.clone().requires_grad_(True))
-    tolerance = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.float16 else {"rtol": 1e-4, "atol": 1e-4}
-    torch.testing.assert_close(packed, floats.detach(), **tolerance)
+    assert packed.dtype == dtype
+    error = ((packed.float() - floats.detach().float()).abs().max() / floats.detach().float().abs().max()).item()
+    assert error < (1e-2 if dtype == torch.float16 else 1e-5), error  # (fp16: the float path's own rounding)
