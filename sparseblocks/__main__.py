@@ -168,7 +168,8 @@ def test(pytest_args):
         _install_cpu_torch()
     args = [sys.executable, "-m", "pytest", *pytest_args]
     if simulator and not any(a == "-n" or a.startswith("-n") for a in pytest_args):
-        args += ["-n", "auto"]  # the simulator runs on one core's GIL: a worker per core
+        # the simulator runs on one core's GIL: a worker per core, idle ones taking queued tests
+        args += ["-n", "auto", "--dist", "worksteal"]
     return subprocess.call(args)
 
 

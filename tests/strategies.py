@@ -33,6 +33,17 @@ def numpy_dtype(name):
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
 
+def gpu_only_case(*values):
+    """A parametrize case that runs on a GPU only: in the simulator (CI) a sibling case covers its
+    kernel path, and this one would cost a minute of Python threads."""
+    import pytest
+
+    from sparseblocks.runtime.backend import SIMULATOR
+
+    return pytest.param(*values, marks=pytest.mark.skipif(SIMULATOR, reason="a sibling case covers it in the "
+                                                                            "simulator; runs on the GPU"))
+
+
 LAYOUT_KINDS = ("random", "empty", "full", "single", "skewed")
 
 

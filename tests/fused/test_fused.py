@@ -13,7 +13,7 @@ from sparseblocks import fused as gather_matmul
 from sparseblocks.runtime import plans
 from sparseblocks.reference import fused as reference
 from sparseblocks.reference.sbnet import sparse_gather, sparse_scatter
-from strategies import assert_close, block_indices, geometries, values
+from strategies import assert_close, block_indices, geometries, gpu_only_case, values
 
 # The simulator runs a Python thread per CUDA thread and a collective per mma (128 threads, a
 # few seconds a thread block): one tile of 128 stack pixels and a few channels there.
@@ -80,7 +80,7 @@ def test_nchw_equals_reference(data, dtype):
     assert_close(got, want, dtype)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("dtype", ["float16", gpu_only_case("float32")])
 def test_nchw_several_tiles_stages_and_odd_columns(dtype):
     """NCHW: two output-channel tiles, input channels past a stage (fp16 40: 32 and 8), more stack
     pixels than a tile, windows at odd and even columns reaching past both sides of the image."""
@@ -389,7 +389,7 @@ def test_matmul_scatter_is_the_product_then_the_scatter():
     assert (got[0, :, 0] == y[0, :, 0]).all()  # (column 0 is left of every window)
 
 
-@pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("data_format", ["NHWC", gpu_only_case("NCHW")])
 def test_matmul_scatter_several_tiles_in_place(data_format):
     """Two output-channel tiles, the stack's channels ending inside a stage, more than one tile of
     stack pixels, windows partly off the image, and a count; the rest of y untouched. (NCHW fp16:
