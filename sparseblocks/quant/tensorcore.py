@@ -4,9 +4,11 @@ The same sums as the teaching kernel (`simple`): a warp owns ``warp_rows`` rows 
 ``group_cols`` outputs (a block-column of the layout, or ``dense_cols`` of a dense product), and
 for each pair of planes (j, k) runs over the words its outputs see, 8 words (256 k-slots) a step.
 Slot s of a step is word ``s`` of the group's word list (its present blocks' words, in order);
-lane t of a quad loads slots t and t + 4, for A (its rows g and g + 8) and B (its column g) alike,
-so the two operands agree on every slot whatever words they hold. Words past the list's end,
-rows past N and outputs past O load as zeros.
+lane t of a quad takes slots 2t and 2t + 1 (its registers of k from 32t and from 128 + 32t),
+for A (its rows g and g + 8) and B (its column g) alike, so the two operands agree on every
+slot whatever words they hold. Where blocks are whole word pairs (a dense row, blocks of 64) the
+two slots are neighbouring words, read by one 8-byte load. Words past the list's end, rows past
+N and outputs past O load as zeros.
 
 ``P`` comes from the mma in the accumulator layout. ``pa`` (activation popcount a row) and ``pb``
 (weight popcount a column, signed activations only) are SIMT ``popc`` of the fragments a lane
@@ -18,6 +20,7 @@ into fp32 accumulators; bias, ReLU and the conversion to the output's dtype clos
 from numba import cuda, float32, int32, uint32
 
 from ..ptx.mma import B1_WORDS, mma_b1_and
+from ..ptx.vector import load2
 from .simple import make_plane_dot
 
 FULL_MASK = 0xFFFFFFFF
@@ -30,6 +33,7 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
     NT = group_cols // 8
     WARPS = cfg.warps
     need_pb = signed_a
+    PAIRED = block_words % 2 == 0  # slots 2t, 2t + 1 are neighbouring words, 8-byte aligned
 
     @cuda.jit(device=True, inline=True)
     def word_of(blocks, first, slot, total):
@@ -44,6 +48,19 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
         if row < rows and word >= 0:
             return uint32(planes[plane, row, word])
         return uint32(0)
+
+    @cuda.jit(device=True, inline=True)
+    def load_pair(planes, plane, row, rows, word):
+        if row < rows and word >= 0:
+            return load2(planes, (plane, row, word))
+        return uint32(0), uint32(0)
+
+    @cuda.jit(device=True, inline=True)
+    def fragments(planes, plane, row, rows, w0, w1):
+        """The words of list slots 2t and 2t + 1 of a row."""
+        if PAIRED:
+            return load_pair(planes, plane, row, rows, w0)
+        return load(planes, plane, row, rows, w0), load(planes, plane, row, rows, w1)
 
     @cuda.jit
     def product(y, a_planes, w_planes, a_basis, w_basis, bias_values, ptr, blocks, seen_a_block):
@@ -83,22 +100,24 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
                 for nt in range(NT):
                     pb[nt] = 0
                 for step in range(steps):
-                    w0 = word_of(blocks, first, step * B1_WORDS + t, total)
-                    w1 = word_of(blocks, first, step * B1_WORDS + 4 + t, total)
+                    w0 = word_of(blocks, first, step * B1_WORDS + 2 * t, total)
+                    w1 = word_of(blocks, first, step * B1_WORDS + 2 * t + 1, total)
                     for mt in range(MT):
                         r = row0 + mt * 16 + g
-                        af[mt, 0] = load(a_planes, j, r, N, w0)
-                        af[mt, 1] = load(a_planes, j, r + 8, N, w0)
-                        af[mt, 2] = load(a_planes, j, r, N, w1)
-                        af[mt, 3] = load(a_planes, j, r + 8, N, w1)
-                        pa[mt, 0] += cuda.popc(af[mt, 0]) + cuda.popc(af[mt, 2])
-                        pa[mt, 1] += cuda.popc(af[mt, 1]) + cuda.popc(af[mt, 3])
+                        lo = fragments(a_planes, j, r, N, w0, w1)
+                        hi = fragments(a_planes, j, r + 8, N, w0, w1)
+                        af[mt, 0] = lo[0]
+                        af[mt, 2] = lo[1]
+                        af[mt, 1] = hi[0]
+                        af[mt, 3] = hi[1]
+                        pa[mt, 0] += cuda.popc(lo[0]) + cuda.popc(lo[1])
+                        pa[mt, 1] += cuda.popc(hi[0]) + cuda.popc(hi[1])
                     for nt in range(NT):
-                        c = col0 + nt * 8 + g
-                        bf[nt, 0] = load(w_planes, k, c, O, w0)
-                        bf[nt, 1] = load(w_planes, k, c, O, w1)
+                        column = fragments(w_planes, k, col0 + nt * 8 + g, O, w0, w1)
+                        bf[nt, 0] = column[0]
+                        bf[nt, 1] = column[1]
                         if need_pb:
-                            pb[nt] += cuda.popc(bf[nt, 0]) + cuda.popc(bf[nt, 1])
+                            pb[nt] += cuda.popc(column[0]) + cuda.popc(column[1])
                     for mt in range(MT):
                         for nt in range(NT):
                             d = mma_b1_and(af[mt, 0], af[mt, 1], af[mt, 2], af[mt, 3], bf[nt, 0], bf[nt, 1],

@@ -139,9 +139,10 @@ class LQLinear(torch.nn.Module):
         """One QEM step of both bases on the current weight and the activations ``x`` (rows, in)."""
         with torch.no_grad():
             w = self.weight.float() * self.element_mask
-            codes, _ = encode(w, self.w_basis, True)
-            self.w_basis.copy_(basis_update(w, codes, self.w_basis, True, RIDGE, self.momentum))
-            a = self.a_basis[None]
+            w_basis = self.w_basis.float()
+            codes, _ = encode(w, w_basis, True)
+            self.w_basis.copy_(basis_update(w, codes, w_basis, True, RIDGE, self.momentum))
+            a = self.a_basis[None].float()
             codes, _ = encode(x, a, self.signed_activations)
             self.a_basis.copy_(basis_update(x, codes, a, self.signed_activations, 0.0, self.momentum)[0])
 
@@ -166,11 +167,12 @@ class LQLinear(torch.nn.Module):
         cfg = quant.config.DEFAULT
         w = self.weight.detach().contiguous()
         w = w.float() if w.dtype not in (torch.float16, torch.float32) else w
-        _, w_order, w_thresholds = levels(self.w_basis, True)
-        a_basis = self.a_basis[None].contiguous()
+        w_basis = self.w_basis.float().contiguous()  # (a layer moved to fp16 moved its bases too)
+        _, w_order, w_thresholds = levels(w_basis, True)
+        a_basis = self.a_basis[None].float().contiguous()
         _, a_order, a_thresholds = levels(a_basis, self.signed_activations)
         wq = quant.api.pack(Operand(w, "weight"), w_thresholds.contiguous(), w_order.contiguous(),
-                            self.w_basis.contiguous(), True, cfg)
+                            w_basis, True, cfg)
         aq = quant.api.pack(Operand(rows.contiguous(), "x"), a_thresholds.contiguous(),
                             a_order.contiguous(), a_basis, self.signed_activations, cfg)
         bias = None if self.bias is None else self.bias.detach().float().contiguous()
