@@ -245,7 +245,9 @@ def matmul(a, w, layout=None, bias=None, relu=False, out_dtype="float32", versio
         bias_values = _no_bias(stream)
     native, y = a_planes.empty((N, O), stream, dtype=out_dtype)
     if N and O:
-        ptr, blocks, block_words, group_cols, seen = _groups(layout, C, O, cfg.dense_cols, stream)
+        # (a dense product's group no wider than O, rounded up to an mma's 8 columns)
+        ptr, blocks, block_words, group_cols, seen = _groups(layout, C, O, min(cfg.dense_cols, -(-O // 8) * 8),
+                                                             stream)
         key = (a.bits, w.bits, a.signed, w.signed, bias is not None, bool(relu), block_words, group_cols)
         args = (y, a_planes.device(stream), w_planes.device(stream), Operand(a.basis, "a.basis").device(stream)[0],
                 Operand(w.basis, "w.basis").device(stream), bias_values, ptr, blocks, seen)
@@ -254,8 +256,9 @@ def matmul(a, w, layout=None, bias=None, relu=False, out_dtype="float32", versio
             grid = (-(-O // cfg.simt_cols), -(-N // cfg.simt_rows))
             launch(kernel, grid, (cfg.simt_cols, cfg.simt_rows), stream, args)
         else:
-            kernel = cached(make_tensorcore_product, cfg, *key)
-            grid = (len(ptr) - 1, -(-N // (cfg.warps * cfg.warp_rows)))
-            launch(kernel, grid, cfg.warps * 32, stream, args)
+            warps = max(1, min(cfg.warps, -(-N // cfg.warp_rows)))  # no warp without rows
+            kernel = cached(make_tensorcore_product, cfg, *key, warps)
+            grid = (len(ptr) - 1, -(-N // (warps * cfg.warp_rows)))
+            launch(kernel, grid, warps * 32, stream, args)
     return a_planes.result(native, y, stream)
 

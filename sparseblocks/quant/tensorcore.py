@@ -27,11 +27,11 @@ FULL_MASK = 0xFFFFFFFF
 
 
 def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, block_words,
-                            group_cols):
+                            group_cols, warps):
     plane_dot = make_plane_dot(signed_a, signed_w)
     MT = cfg.warp_rows // 16
     NT = group_cols // 8
-    WARPS = cfg.warps
+    WARPS = warps  # (cfg.warps, fewer where N has fewer rows)
     need_pb = signed_a
     PAIRED = block_words % 2 == 0  # slots 2t, 2t + 1 are neighbouring words, 8-byte aligned
 
