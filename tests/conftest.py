@@ -27,7 +27,7 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("ci", derandomize=True, max_examples=4, print_blob=True, **_common)
+settings.register_profile("ci", derandomize=True, max_examples=3, print_blob=True, **_common)
 settings.register_profile("gpu", max_examples=60, **_common)
 settings.register_profile("dev", max_examples=6, **_common)
 PROFILE = os.environ.get("SPARSEBLOCKS_HYPOTHESIS_PROFILE") or ("ci" if SIMULATOR else "gpu")

@@ -21,7 +21,7 @@ from numba import cuda, float32, int32, uint32
 
 from ..ptx.mma import B1_WORDS, mma_b1_and
 from ..ptx.vector import load2
-from .simple import make_plane_dot
+from .simple import make_epilogue, make_plane_dot
 
 FULL_MASK = 0xFFFFFFFF
 
@@ -29,6 +29,7 @@ FULL_MASK = 0xFFFFFFFF
 def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, block_words,
                             group_cols, warps):
     plane_dot = make_plane_dot(signed_a, signed_w)
+    store = make_epilogue(bias, relu)
     MT = cfg.warp_rows // 16
     NT = group_cols // 8
     WARPS = warps  # (cfg.warps, fewer where N has fewer rows)
@@ -154,11 +155,6 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
                     r = row0 + mt * 16 + g + 8 * (i // 2)
                     c = col0 + nt * 8 + 2 * t + i % 2
                     if r < N and c < O:
-                        value = out[mt, nt, i]
-                        if bias:
-                            value += bias_values[c]
-                        if relu:
-                            value = max(value, float32(0))
-                        y[r, c] = value  # (converted to y's dtype by the store)
+                        store(y, r, c, out[mt, nt, i], bias_values)
 
     return product

@@ -110,17 +110,27 @@ def plot(path, dense_losses, sparse_losses, layouts_before, layouts_after):
     plt.close(figure)
 
 
-def main(density=0.25, png="demo.png", size=None):
+def setup(name, size, small, full, simulated):
+    """(digits data, size, device) for a demo, after saying where it runs; None (said why)
+    without scikit-learn."""
     from ..runtime.backend import SIMULATOR, backend_name
 
     try:
         data = digits()
     except ImportError:
-        print("demo needs scikit-learn (its digits data set): pip install 'sparseblocks[demo]'")
+        print(f"{name} needs scikit-learn (its digits data set): pip install 'sparseblocks[demo]'")
+        return None
+    print(f"backend: {backend_name()}" + (f" ({simulated})" if SIMULATOR else ""))
+    return data, size or (small if SIMULATOR else full), "cpu" if SIMULATOR else "cuda"
+
+
+def main(density=0.25, png="demo.png", size=None):
+    from ..runtime.backend import SIMULATOR
+
+    ready = setup("demo", size, SMALL, FULL, "a small model: the simulator is slow")
+    if ready is None:
         return 1
-    size = size or (SMALL if SIMULATOR else FULL)
-    device = "cpu" if SIMULATOR else "cuda"
-    print(f"backend: {backend_name()}" + (" (a small model: the simulator is slow)" if SIMULATOR else ""))
+    data, size, device = ready
     print(f"digits: {len(data[0])} training and {len(data[2])} test images; MLP 64 -> {size['hidden']} -> "
           f"{size['hidden']} -> {size['hidden']} -> 10, hidden layers at {density:.0%} in blocks of "
           f"{size['block_size']}, {size['steps']} steps of {size['batch']}")

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .demo import accuracy, digits, progress_bar, train
+from .demo import accuracy, progress_bar, setup, train
 from .quant import LQLinear
 
 FULL = {"hidden": 512, "steps": 1500, "batch": 128}
@@ -31,16 +31,12 @@ def mlp(hidden, bits, device):
 
 
 def main(size=None):
-    from ..runtime.backend import SIMULATOR, backend_name
+    from ..runtime.backend import SIMULATOR
 
-    try:
-        data = digits()
-    except ImportError:
-        print("quant-demo needs scikit-learn (its digits data set): pip install 'sparseblocks[demo]'")
+    ready = setup("quant-demo", size, SMALL, FULL, "fewer steps, on the CPU")
+    if ready is None:
         return 1
-    size = size or (SMALL if SIMULATOR else FULL)
-    device = "cpu" if SIMULATOR else "cuda"
-    print(f"backend: {backend_name()}" + (" (fewer steps, on the CPU)" if SIMULATOR else ""))
+    data, size, device = ready
     print(f"digits: MLP 64 -> {size['hidden']} -> {size['hidden']} -> 10, {size['steps']} steps of {size['batch']}")
     results = {}
     for name, bits in MODELS.items():

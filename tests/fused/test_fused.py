@@ -80,8 +80,19 @@ def test_nchw_equals_reference(data, dtype):
     assert_close(got, want, dtype)
 
 
+SIMULATOR_GATHER_TILE = (32, 16, 16, 2, 1, None)  # one warp, 2 mma columns: a quarter of the default's mmas a thread
+
+
+@pytest.fixture
+def small_gather_tiles(configure):
+    """In the simulator, one-warp gather tiles of 16 outputs, so that a test of several tiles
+    takes seconds (its problem then spans more, smaller tiles); the GPU keeps the defaults."""
+    if SIMULATOR:
+        configure(gather_matmul, gather_tile=SIMULATOR_GATHER_TILE, nchw_gather_tile=SIMULATOR_GATHER_TILE)
+
+
 @pytest.mark.parametrize("dtype", ["float16", gpu_only_case("float32")])
-def test_nchw_several_tiles_stages_and_odd_columns(dtype):
+def test_nchw_several_tiles_stages_and_odd_columns(dtype, small_gather_tiles):
     """NCHW: two output-channel tiles, input channels past a stage (fp16 40: 32 and 8), more stack
     pixels than a tile, windows at odd and even columns reaching past both sides of the image."""
     rng = np.random.default_rng(6)
@@ -109,7 +120,7 @@ def test_is_the_gather_then_the_product():
     np.testing.assert_allclose(reference.sparse_gather_matmul(x, indices, w, **g), want)
 
 
-def test_several_tiles_and_channels_past_a_stage():
+def test_several_tiles_and_channels_past_a_stage(small_gather_tiles):
     """Two output-channel tiles (C_out > COLS), input channels ending inside a stage, rows of
     more than one tile of pixels, on a device array kept by the caller (out=)."""
     rng = np.random.default_rng(2)
@@ -390,16 +401,23 @@ def test_matmul_scatter_is_the_product_then_the_scatter():
 
 
 @pytest.mark.parametrize("data_format", ["NHWC", gpu_only_case("NCHW")])
-def test_matmul_scatter_several_tiles_in_place(data_format):
+def test_matmul_scatter_several_tiles_in_place(data_format, configure):
     """Two output-channel tiles, the stack's channels ending inside a stage, more than one tile of
     stack pixels, windows partly off the image, and a count; the rest of y untouched. (NCHW fp16:
-    windows of an even width from an even column; a tile's rows end mid window row.)"""
+    windows of an even width from an even column; a tile's rows end mid window row.) In the
+    simulator: one-warp tiles of 32 pixels and windows of 4 x 5, several tiles in a quarter of
+    the threads."""
     rng = np.random.default_rng(7)
-    cols, rows = gather_matmul.config.DEFAULT.gather_tile[1], gather_matmul.config.DEFAULT.gather_tile[0]
     nhwc = data_format == "NHWC"
-    g = {"bsize": (8, 9 if nhwc else 10), "bstride": (8, 9 if nhwc else 10), "boffset": (-2, -3 if nhwc else -4)}
+    if SIMULATOR:
+        configure(gather_matmul, scatter_tiles={"float16": (32, 64, 16, 2, 1, None),
+                                                "float32": (32, 32, 16, 2, 1, None)})
+        g = {"bsize": (4, 5), "bstride": (4, 5), "boffset": (-2, -3)}
+    else:
+        g = {"bsize": (8, 9 if nhwc else 10), "bstride": (8, 9 if nhwc else 10), "boffset": (-2, -3 if nhwc else -4)}
+    rows, cols = gather_matmul.config.DEFAULT.scatter_tiles["float16"][:2]
     indices = np.array([[0, 0, 0], [0, 1, 2], [0, 2, 1], [0, 1, 1]], np.int32)
-    assert 3 * 72 > rows
+    assert 3 * g["bsize"][0] * g["bsize"][1] > rows
     y = rng.standard_normal((1, 17, 20, cols + 8)).astype(np.float16)
     if not nhwc:
         y = np.ascontiguousarray(y.transpose(0, 3, 1, 2))
