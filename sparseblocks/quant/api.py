@@ -70,10 +70,6 @@ class QuantArray:
         return (self.planes.shape[1], self.columns)
 
     @property
-    def per_row(self):
-        return self.basis.shape[0] != 1 or self.planes.shape[1] == 1
-
-    @property
     def __cuda_array_interface__(self):
         return self.planes.__cuda_array_interface__
 
