@@ -116,7 +116,7 @@ def test_products_match_the_twin(seed, rows, columns, outputs, a_bits, w_bits, s
 
 def test_block_sparse_product_is_the_dense_one_masked_by_the_layout():
     rng = np.random.default_rng(3)
-    columns, O, bs = 128, 64, 32
+    columns, O, bs = 96, 64, 32  # a 3 x 2 grid of blocks
     _, _, a = quantized(rng, 3, columns, 2, False)
     x, _, w = quantized(rng, O, columns, 2, True)
     layout = random_layout(rng, columns, O, bs)
