@@ -23,7 +23,7 @@ import math
 import torch
 
 from ..layout import BlockLayout
-from .linear import BlockSparseLinear, block_norms, top_blocks
+from .linear import BlockSparseLinear, top_blocks
 
 GROW = ("gradient", "random")
 
