@@ -7,7 +7,7 @@ kernel variant through NVVM instead. Needs libnvvm and NVRTC (for example
 CUDA_HOME=/usr/local/cuda-13.0 and `pip install nvidia-cuda-nvrtc`); it is a
 developer's check, not part of the test suite.
 
-    CUDA_HOME=/usr/local/cuda-13.0 python tools/compile_check.py [--bsmm | --fused [TILE ...]]
+    CUDA_HOME=/usr/local/cuda-13.0 python tools/compile_check.py [--bsmm | --quant | --fused [TILE ...]]
 
 With --bsmm it prints, for each version 4 product and weight gradient
 (block 16/32/64, fp32/fp16, both feature axes, scalar or vector loads), the
@@ -164,6 +164,38 @@ def check_gather_matmul(shapes=(gather_matmul.DEFAULT.gather_tile,)):
     return results
 
 
+def check_quant():
+    """The tensor-core bit-plane products (dense and blocks of 32 and 64, W1A1 to W4A4, fp16 out)
+    and quantize-and-pack: ptxas's registers and the mma count."""
+    from sparseblocks import quant
+    from sparseblocks.quant.pack import make_pack
+    from sparseblocks.quant.tensorcore import block_warps, make_tensorcore_product
+
+    Q = quant.DEFAULT
+    planes = types.uint32[:, :, ::1]
+    signature = (types.float16[::1], types.uint32[::1], types.uint32[::1], types.float32[::1], types.float32[:, ::1],
+                 types.float32[::1], types.int32[::1], types.int32[::1], i64, i64, i64, i64)
+    results = []
+    for (a_bits, w_bits), signed_a, (block_words, group_cols) in itertools.product(
+            ((1, 1), (2, 2), (4, 4)), (False, True), ((128, Q.dense_cols), (1, 32), (2, 64))):
+        warps = block_warps(Q, a_bits, 4096, group_cols)
+        kernel = make_tensorcore_product(Q, a_bits, w_bits, signed_a, True, False, False, block_words, group_cols,
+                                         *warps, True)
+        name = f"product W{w_bits}A{a_bits} signed_a={signed_a} block_words {block_words} warps {warps}"
+        try:
+            ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
+        except Exception as error:  # report every failure, not just the first
+            print(f"FAIL  {name}: {type(error).__name__}: {str(error).splitlines()[0]}")
+            results.append(False)
+            continue
+        print(f"ok    {name}{resources(ptx)}  {ptx.count('mma.sync')} mma")
+        results.append(True)
+    for bits in (1, 2, 4):
+        results.append(check(f"pack {bits} bits", make_pack(Q, bits, False).py_func,
+                             (planes, types.float16[:, ::1], types.float32[:, ::1], types.int32[:, ::1], i64)))
+    return 0 if all(results) else 1
+
+
 def main():
     import argparse
 
@@ -171,7 +203,10 @@ def main():
     parser.add_argument("--bsmm", action="store_true", help="bsmm's version 4 and 5 kernels instead of SBNet's")
     parser.add_argument("--fused", nargs="*", metavar="ROWS,COLS,WORDS,STAGES,WARPS,REGISTERS",
                         help="the fused products' kernels, at these tiles (default: the config's)")
+    parser.add_argument("--quant", action="store_true", help="the quantized products and packing instead")
     args = parser.parse_args()
+    if args.quant:
+        return check_quant()
     if args.bsmm:
         return check_bsmm()
     if args.fused is not None:

@@ -5,6 +5,7 @@
     python tools/sweep.py sbnet sparse_gather --set row_tile_pixels=16,32,64 [--channels 64] [--fraction 0.1]
     python tools/sweep.py fused sparse_gather_matmul --set gather_tile="(128,64,16,2,4,None)"
     python tools/sweep.py torch res_block --set fused_gather=False,True [--fraction 0.1]
+    python tools/sweep.py quant matmul --set warp_rows=32,64 [--bits W2A2] [--density 1]
 
 Each variant is the op's default config with the given fields replaced (the cartesian
 product of every ``--set``). Its output is compared with the default's first (it must agree
@@ -117,7 +118,29 @@ def torch_case(torch, args):
     return sbt.config.DEFAULT, call
 
 
-CASES = {"bsmm": bsmm_case, "sbnet": sbnet_case, "fused": fused_case, "torch": torch_case}
+def quant_case(torch, args):
+    import numpy as np
+
+    from sparseblocks import quant
+    from sparseblocks.layout import BlockLayout
+
+    w_bits, a_bits = (int(b) for b in args.bits[1:].split("A"))
+    rng = np.random.default_rng(0)
+    x = torch.rand(args.n, args.c, device="cuda", dtype=torch.float16)
+    a_basis = (2.0 ** np.arange(a_bits) / 2 ** a_bits).astype(np.float32)
+    w_basis = (rng.uniform(0.5, 1.0, (args.k, w_bits)) * 2.0 ** np.arange(w_bits) * 0.02).astype(np.float32)
+    w = quant.quantize(torch.randn(args.k, args.c, device="cuda", dtype=torch.float16), w_basis, True)
+    a = quant.quantize(x, a_basis, False)
+    layout = None
+    if args.density < 1:
+        grid = (args.c // args.block_size, args.k // args.block_size)
+        layout = BlockLayout.random(grid, args.density, seed=1, block_size=args.block_size)
+    calls = {"matmul": lambda cfg: quant.matmul(a, w, layout=layout, out_dtype="float16", config=cfg),
+             "pack": lambda cfg: torch.as_tensor(quant.quantize(x, a_basis, False, config=cfg).planes).float()}
+    return quant.DEFAULT, calls[args.call]
+
+
+CASES = {"bsmm": bsmm_case, "sbnet": sbnet_case, "fused": fused_case, "torch": torch_case, "quant": quant_case}
 TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2, "float32": 1e-4, "float64": 1e-10}
 
 
@@ -125,7 +148,8 @@ def add_case_arguments(parser):
     """The op, the call, ``--set`` and the problem's sizes (shared with `tools/profile.py`)."""
     parser.add_argument("op", choices=sorted(CASES))
     parser.add_argument("call", help="bsmm: forward, input_grad, weight_grad; sbnet: reduce_mask, sparse_gather, "
-                                     "sparse_scatter; fused: sparse_gather_matmul, sparse_matmul_scatter; torch: res_block")
+                                     "sparse_scatter; fused: sparse_gather_matmul, sparse_matmul_scatter; torch: res_block; "
+                                     "quant: matmul, pack")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2",
                         help="a config field and the values to try (repeatable: their cartesian product)")
     parser.add_argument("--dtype", default="float16")
@@ -140,6 +164,7 @@ def add_case_arguments(parser):
     parser.add_argument("--channels", type=int, default=256)
     parser.add_argument("--window", type=int, default=16)
     parser.add_argument("--fraction", type=float, default=0.1, help="sbnet, fused, torch: mask pixels set x 64")
+    parser.add_argument("--bits", default="W1A1", help="quant: WkAm (a density of 1 is the dense product)")
 
 
 def time_rounds(torch, calls, rounds, per_round):
@@ -150,6 +175,7 @@ def time_rounds(torch, calls, rounds, per_round):
             samples = []
             for _ in range(per_round):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(100_000)  # (the host launches the call before the device gets to it)
                 start.record()
                 call()
                 end.record()

@@ -16,7 +16,7 @@ from ..runtime.launch import launch
 from .config import as_config
 from .pack import make_pack, make_unpack
 from .simple import make_simt_product
-from .tensorcore import make_tensorcore_product
+from .tensorcore import block_warps, make_tensorcore_product, warp_rows
 
 MAX_BITS = 4
 WORD = 32
@@ -245,16 +245,21 @@ def matmul(a, w, layout=None, bias=None, relu=False, out_dtype="float32", versio
         ptr, blocks, block_words, group_cols, seen = _groups(layout, C, O, min(cfg.dense_cols, -(-O // 8) * 8),
                                                              stream)
         key = (a.bits, w.bits, a.signed, w.signed, bias is not None, bool(relu), block_words, group_cols)
-        args = (y, a_planes.device(stream), w_planes.device(stream), Operand(a.basis, "a.basis").device(stream)[0],
-                Operand(w.basis, "w.basis").device(stream), bias_values, ptr, blocks, seen)
+        a_basis, w_basis = Operand(a.basis, "a.basis").device(stream)[0], Operand(w.basis, "w.basis").device(stream)
         if version == "simt":
             kernel = cached(make_simt_product, cfg, *key)
             grid = (-(-O // cfg.simt_cols), -(-N // cfg.simt_rows))
-            launch(kernel, grid, (cfg.simt_cols, cfg.simt_rows), stream, args)
+            launch(kernel, grid, (cfg.simt_cols, cfg.simt_rows), stream,
+                   (y, a_planes.device(stream), w_planes.device(stream), a_basis, w_basis, bias_values, ptr, blocks,
+                    seen))
         else:
-            warps = max(1, min(cfg.warps, -(-N // cfg.warp_rows)))  # no warp without rows
-            kernel = cached(make_tensorcore_product, cfg, *key, warps)
-            grid = (len(ptr) - 1, -(-N // (warps * cfg.warp_rows)))
-            launch(kernel, grid, warps * 32, stream, args)
+            # (flat planes and output: a thread's row addresses are made once, then words added)
+            flat = [Operand(array.reshape(-1), name) for array, name in ((a.planes, "a.planes"), (w.planes, "w.planes"))]
+            warps_m, warps_n = block_warps(cfg, a.bits, N, group_cols)
+            kernel = cached(make_tensorcore_product, cfg, *key, warps_m, warps_n, O % 2 == 0)
+            grid = (len(ptr) - 1, -(-N // (warps_m * warp_rows(cfg, a.bits))))
+            launch(kernel, grid, warps_m * warps_n * 32, stream,
+                   (y.reshape(-1), flat[0].device(stream), flat[1].device(stream), a_basis, w_basis, bias_values, ptr,
+                    blocks, seen, N, O, a.planes.shape[2]))
     return a_planes.result(native, y, stream)
 

@@ -9,15 +9,22 @@ class QuantConfig:
     pack_words: int = 4  # words of a row a warp packs (so a thread block covers pack_warps * pack_words words)
     simt_rows: int = 8  # teaching product: rows of a thread block (one thread an output) ...
     simt_cols: int = 32  # ... and outputs
-    warps: int = 4  # tensor-core product: warps a thread block, stacked along the rows
-    warp_rows: int = 32  # rows a warp (16 an mma)
-    dense_cols: int = 64  # outputs a warp in a dense product (8 an mma); a block-sparse one takes a block's
+    warps_m: int = 4  # tensor-core product: warps of a thread block along the rows ...
+    warps_n: int = 2  # ... and along its group of outputs
+    warp_rows: int = 32  # rows a warp for 1-bit activations (16 an mma; divided among the planes of more bits)
+    dense_cols: int = 128  # outputs a thread block in a dense product; a block-sparse one takes a block's
+    chunk_words: int = 16  # words of the word list staged in shared memory at a time (8 a b1 mma step)
+    max_registers: int = None  # a cap on the tensor-core product's registers (ptxas), None for none
 
     def check(self):
         if self.warp_rows % 16 or not 16 <= self.warp_rows <= 64:
             raise ValueError(f"warp_rows: expected 16, 32, 48 or 64, got {self.warp_rows}")
-        if self.dense_cols % 8 or not 8 <= self.dense_cols <= 64:
-            raise ValueError(f"dense_cols: expected a multiple of 8 up to 64, got {self.dense_cols}")
+        if self.warps_n not in (1, 2, 4):
+            raise ValueError(f"warps_n: expected 1, 2 or 4, got {self.warps_n}")
+        if self.dense_cols % (8 * self.warps_n) or not 8 <= self.dense_cols <= 256:
+            raise ValueError(f"dense_cols: expected a multiple of 8 * warps_n up to 256, got {self.dense_cols}")
+        if self.chunk_words not in (8, 16, 32):
+            raise ValueError(f"chunk_words: expected 8, 16 or 32, got {self.chunk_words}")
 
 
 DEFAULT = QuantConfig()

@@ -1,160 +1,316 @@
 """The fast product: bit-plane products on ``mma.sync`` m16n8k256 b1 ``and.popc`` tensor cores.
 
-The same sums as the teaching kernel (`simple`): a warp owns ``warp_rows`` rows and a group of
-``group_cols`` outputs (a block-column of the layout, or ``dense_cols`` of a dense product), and
-for each pair of planes (j, k) runs over the words its outputs see, 8 words (256 k-slots) a step.
-Slot s of a step is word ``s`` of the group's word list (its present blocks' words, in order);
-lane t of a quad takes slots 2t and 2t + 1 (its registers of k from 32t and from 128 + 32t),
-for A (its rows g and g + 8) and B (its column g) alike, so the two operands agree on every
-slot whatever words they hold. Where blocks are whole word pairs (a dense row, blocks of 64) the
-two slots are neighbouring words, read by one 8-byte load. Words past the list's end, rows past
-N and outputs past O load as zeros.
+The same sums as the teaching kernel (`simple`), tiled the way a GEMM is. A thread block owns
+``rows`` rows of the activations (``warps_m`` warps of them) and one group of ``group_cols``
+outputs (a block-column of the layout, or ``dense_cols`` of a dense product; ``warps_n`` warps
+across them). It runs over the words its outputs see (the group's word list: its present blocks'
+words, in order) ``chunk_words`` words at a time:
 
-``P`` comes from the mma in the accumulator layout. ``pa`` (activation popcount a row) and ``pb``
-(weight popcount a column, signed activations only) are SIMT ``popc`` of the fragments a lane
-already holds, summed over the quad's four lanes at the end of the pair; ``pb`` is then moved to
-the lanes whose accumulators hold that column. Each pair's integers are scaled by ``u_j · v[o, k]``
-into fp32 accumulators; bias, ReLU and the conversion to the output's dtype close.
+* **stage**: every thread loads its share of the chunk, all activation planes of the block's rows
+  and one weight plane of its outputs, into registers (vector loads of 1, 2 or 4 words, as the
+  blocks allow), then stores it into one shared tile. The next chunk's loads are issued before
+  the mmas of this one, so they are in flight while the tensor cores work. Words past the list's
+  end, rows past N and outputs past O load as zeros. The thread also counts the bits it stages
+  (SIMT ``popc``): each row's ``pa`` (and each output's ``pb`` where activations are signed),
+  summed over the lanes sharing a row once the list is done.
+* **mma**: each warp reads its fragments from the tile and runs a (planes × rows) × outputs grid
+  of mmas, 256 k-slots a step: every activation plane meets the weight plane from the one load.
+  Lane t of a quad takes slots 2t and 2t + 1 of a step (its registers of k from 32t and from
+  128 + 32t), for A (rows g and g + 8) and B (output g) alike, so the two operands agree on every
+  slot: one 8-byte shared load a fragment row. A tile row is padded by 8 words, so the 8 rows a
+  half-warp reads fall in distinct banks.
+
+Weight planes are passes over the list (one at a time keeps the accumulators within registers).
+Each pass's integers ``P`` are turned into plane dots with ``pa``, ``pb`` (`plane_dot`) and scaled
+by ``u_j · v[o, k]`` into fp32 outputs (stored at once where one pair of planes is all there is);
+bias, ReLU and the conversion to y's dtype close, two neighbouring outputs a store.
 """
 
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, int32, int64, uint32
 
 from ..ptx.mma import B1_WORDS, mma_b1_and
-from ..ptx.vector import load2
-from .simple import make_epilogue, make_plane_dot
+from ..ptx.vector import load2, load4, store2, store4
+from ..runtime.backend import SIMULATOR
+from .simple import make_plane_dot
 
 FULL_MASK = 0xFFFFFFFF
+PAD = 8  # words after each tile row (bank spread of the fragment loads)
 
 
-def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, block_words,
-                            group_cols, warps):
+@cuda.jit(device=True, inline=True)
+def load_words4(staged, n, planes, at):
+    x = load4(planes, (at,))
+    staged[n, 0], staged[n, 1], staged[n, 2], staged[n, 3] = x[0], x[1], x[2], x[3]
+
+
+@cuda.jit(device=True, inline=True)
+def load_words2(staged, n, planes, at):
+    x = load2(planes, (at,))
+    staged[n, 0], staged[n, 1] = x[0], x[1]
+
+
+@cuda.jit(device=True, inline=True)
+def load_words1(staged, n, planes, at):
+    staged[n, 0] = planes[at]
+
+
+@cuda.jit(device=True, inline=True)
+def store_words4(tile, row, column, staged, n):
+    store4(tile, (row, column), (staged[n, 0], staged[n, 1], staged[n, 2], staged[n, 3]))
+
+
+@cuda.jit(device=True, inline=True)
+def store_words2(tile, row, column, staged, n):
+    store2(tile, (row, column), (staged[n, 0], staged[n, 1]))
+
+
+@cuda.jit(device=True, inline=True)
+def store_words1(tile, row, column, staged, n):
+    tile[row, column] = staged[n, 0]
+
+
+VECTORS = {4: (load_words4, store_words4), 2: (load_words2, store_words2), 1: (load_words1, store_words1)}
+
+
+def vector_words(block_words):
+    """Words a staging load moves: 4, 2 or 1, as the list's blocks of `block_words` allow."""
+    return 4 if block_words % 4 == 0 else 2 if block_words % 2 == 0 else 1
+
+
+def warp_rows(cfg, a_bits):
+    """Rows a warp takes of each activation plane (its tile holds them all)."""
+    return max(16, cfg.warp_rows // a_bits // 16 * 16)
+
+
+def block_warps(cfg, a_bits, rows, group_cols):
+    """(warps along the rows, warps along the outputs) of a thread block: no warp without rows, no
+    more activation tile rows than 1-bit activations have, and whole mmas of outputs a warp."""
+    per_warp = warp_rows(cfg, a_bits)
+    warps_m = max(1, min(cfg.warps_m, -(-rows // per_warp), cfg.warps_m * cfg.warp_rows // (a_bits * per_warp)))
+    warps_n = cfg.warps_n
+    while group_cols % (8 * warps_n):
+        warps_n //= 2
+    return warps_m, warps_n
+
+
+def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, block_words, group_cols,
+                            warps_m, warps_n, paired):
+    """The kernel ``product(y, a_planes, w_planes, a_basis, w_basis, bias_values, ptr, blocks,
+    seen_a_block, N, O, words)``: y (N * O), the planes (bits * rows * words) flat, so that a
+    thread's row addresses are made once a pass and a chunk only adds its word."""
     plane_dot = make_plane_dot(signed_a, signed_w)
-    store = make_epilogue(bias, relu)
-    MT = cfg.warp_rows // 16
-    NT = group_cols // 8
-    WARPS = warps  # (cfg.warps, fewer where N has fewer rows)
+    WARP_ROWS = warp_rows(cfg, a_bits)
+    ROWS = warps_m * WARP_ROWS
+    MR = WARP_ROWS // 16
+    MT = a_bits * MR  # mma rows a warp: every activation plane of its rows
+    NC = group_cols // warps_n // 8  # mma columns a warp
+    A_ROWS = a_bits * ROWS  # tile rows: plane j's row r at j * ROWS + r, then the group's outputs
+    TILE_ROWS = A_ROWS + group_cols
+    CW = cfg.chunk_words
+    STRIDE = CW + PAD
+    STEPS = CW // B1_WORDS
+    VW = vector_words(block_words)
+    PER_ROW = CW // VW  # staging loads a tile row (consecutive threads, a power of two up to 32)
+    ROW_STRIDE = 32 * warps_m * warps_n // PER_ROW  # tile rows between a thread's loads
+    LOADS = -(-TILE_ROWS // ROW_STRIDE)
+    ONE_PAIR = a_bits == 1 and w_bits == 1
+    need_pa = signed_w
     need_pb = signed_a
-    PAIRED = block_words % 2 == 0  # slots 2t, 2t + 1 are neighbouring words, 8-byte aligned
+    load_vector, store_vector = VECTORS[VW]
 
     @cuda.jit(device=True, inline=True)
-    def word_of(blocks, first, slot, total):
-        """The word index of list slot `slot` (-1 past the list's end)."""
-        if slot >= total:
-            return int32(-1)
-        i = slot // block_words
-        return blocks[first + i] * block_words + (slot - i * block_words)
+    def finish(value, c, bias_values):
+        if bias:
+            value += bias_values[c]
+        if relu:
+            value = max(value, float32(0))
+        return value
 
     @cuda.jit(device=True, inline=True)
-    def load(planes, plane, row, rows, word):
-        if row < rows and word >= 0:
-            return uint32(planes[plane, row, word])
-        return uint32(0)
+    def store_pair(y, at, c, O, lo, hi, bias_values):
+        """y[at], y[at + 1] (outputs c, c + 1 of a row) = lo, hi (+ bias, ReLU): one store where
+        both are inside and rows are of an even length (the pair aligned), else one a value."""
+        if paired and c + 1 < O:
+            store2(y, (at,), (finish(lo, c, bias_values), finish(hi, c + 1, bias_values)))
+        else:
+            if c < O:
+                y[at] = finish(lo, c, bias_values)
+            if c + 1 < O:
+                y[at + 1] = finish(hi, c + 1, bias_values)
 
     @cuda.jit(device=True, inline=True)
-    def load_pair(planes, plane, row, rows, word):
-        if row < rows and word >= 0:
-            return load2(planes, (plane, row, word))
-        return uint32(0), uint32(0)
+    def row_bases(bases, k, row0, col0, N, O, words):
+        """Where each tile row this thread stages starts in its planes (-1: a row past N or O)."""
+        tid = cuda.threadIdx.x
+        for n in range(LOADS):
+            row = tid // PER_ROW + n * ROW_STRIDE
+            bases[n] = -1
+            if row < A_ROWS:
+                plane = row // ROWS
+                source = row0 + row - plane * ROWS
+                if source < N:
+                    bases[n] = (int64(plane) * N + source) * words
+            elif row < TILE_ROWS:
+                source = col0 + row - A_ROWS
+                if source < O:
+                    bases[n] = (int64(k) * O + source) * words
 
     @cuda.jit(device=True, inline=True)
-    def fragments(planes, plane, row, rows, w0, w1):
-        """The words of list slots 2t and 2t + 1 of a row."""
-        if PAIRED:
-            return load_pair(planes, plane, row, rows, w0)
-        return load(planes, plane, row, rows, w0), load(planes, plane, row, rows, w1)
+    def fetch(staged, bases, a_planes, w_planes, blocks, first, total, chunk):
+        """This thread's share of chunk `chunk` into registers (zeros past the list and the rows)."""
+        tid = cuda.threadIdx.x
+        slot = chunk * CW + (tid % PER_ROW) * VW
+        word = int32(-1)
+        if slot < total:
+            i = slot // block_words
+            word = blocks[first + i] * block_words + (slot - i * block_words)
+        for n in range(LOADS):
+            for v in range(VW):
+                staged[n, v] = uint32(0)
+            if word >= 0 and bases[n] >= 0:
+                if tid // PER_ROW + n * ROW_STRIDE < A_ROWS:
+                    load_vector(staged, n, a_planes, bases[n] + word)
+                else:
+                    load_vector(staged, n, w_planes, bases[n] + word)
 
-    @cuda.jit
-    def product(y, a_planes, w_planes, a_basis, w_basis, bias_values, ptr, blocks, seen_a_block):
+    @cuda.jit(device=True, inline=True)
+    def put(tile, staged, counts):
+        """The staged words into the tile, counting their bits where a plane dot needs them."""
+        tid = cuda.threadIdx.x
+        column = (tid % PER_ROW) * VW
+        for n in range(LOADS):
+            row = tid // PER_ROW + n * ROW_STRIDE
+            if row < TILE_ROWS:
+                store_vector(tile, row, column, staged, n)
+                if (need_pa and row < A_ROWS) or (need_pb and row >= A_ROWS):
+                    for v in range(VW):
+                        counts[n] += cuda.popc(staged[n, v])
+
+    @cuda.jit(device=True, inline=True)
+    def share_counts(totals, counts):
+        """Each tile row's bit count, summed over the lanes that staged it, into `totals`."""
+        tid = cuda.threadIdx.x
+        for n in range(LOADS):
+            c = counts[n]
+            step = PER_ROW // 2
+            while step > 0:
+                c += cuda.shfl_xor_sync(FULL_MASK, c, step)
+                step //= 2
+            row = tid // PER_ROW + n * ROW_STRIDE
+            if tid % PER_ROW == 0 and row < TILE_ROWS:
+                totals[row] = c
+
+    @cuda.jit(**({} if cfg.max_registers is None or SIMULATOR else {"max_registers": cfg.max_registers}))
+    def product(y, a_planes, w_planes, a_basis, w_basis, bias_values, ptr, blocks, seen_a_block, N, O, words):
+        tile = cuda.shared.array((TILE_ROWS, STRIDE), uint32)
+        totals = cuda.shared.array(TILE_ROWS, int32)
         lane = cuda.threadIdx.x % 32
         warp = cuda.threadIdx.x // 32
+        wm = warp // warps_n
+        wn = warp % warps_n
         g = lane >> 2
         t = lane % 4
-        N = y.shape[0]
-        O = y.shape[1]
-        row0 = (cuda.blockIdx.y * WARPS + warp) * (MT * 16)
+        row0 = cuda.blockIdx.y * ROWS
         group = cuda.blockIdx.x
         col0 = group * group_cols
         first = ptr[group]
         count = ptr[group + 1] - first
         total = count * block_words
         seen = count * seen_a_block
-        steps = (total + B1_WORDS - 1) // B1_WORDS
+        chunks = (total + CW - 1) // CW
 
-        out = cuda.local.array((MT, NT, 4), float32)
-        for mt in range(MT):
-            for nt in range(NT):
+        out = cuda.local.array((MR, NC, 4), float32)
+        for m in range(MR):
+            for nt in range(NC):
                 for i in range(4):
-                    out[mt, nt, i] = float32(0)
-        acc = cuda.local.array((MT, NT, 4), int32)
-        pa = cuda.local.array((MT, 2), int32)
-        pb = cuda.local.array(NT, int32)
+                    out[m, nt, i] = float32(0)
+        acc = cuda.local.array((MT, NC, 4), int32)
         af = cuda.local.array((MT, 4), uint32)
-        bf = cuda.local.array((NT, 2), uint32)
-        for j in range(a_bits):
-            for k in range(w_bits):
-                for mt in range(MT):
-                    pa[mt, 0] = 0
-                    pa[mt, 1] = 0
-                    for nt in range(NT):
-                        for i in range(4):
-                            acc[mt, nt, i] = 0
-                for nt in range(NT):
-                    pb[nt] = 0
-                for step in range(steps):
-                    w0 = word_of(blocks, first, step * B1_WORDS + 2 * t, total)
-                    w1 = word_of(blocks, first, step * B1_WORDS + 2 * t + 1, total)
+        bf = cuda.local.array((NC, 2), uint32)
+        staged = cuda.local.array((LOADS, VW), uint32)
+        counts = cuda.local.array(LOADS, int32)
+        bases = cuda.local.array(LOADS, int64)
+        rows = cuda.local.array((MT, 2), int32)
+        for k in range(w_bits):
+            for mt in range(MT):
+                for nt in range(NC):
+                    for i in range(4):
+                        acc[mt, nt, i] = 0
+            for n in range(LOADS):
+                counts[n] = 0
+            row_bases(bases, k, row0, col0, N, O, words)
+            fetch(staged, bases, a_planes, w_planes, blocks, first, total, 0)
+            for chunk in range(chunks):
+                cuda.syncthreads()  # (the previous chunk's fragments are read)
+                put(tile, staged, counts)
+                cuda.syncthreads()
+                if chunk + 1 < chunks:
+                    fetch(staged, bases, a_planes, w_planes, blocks, first, total, chunk + 1)
+                for step in range(STEPS):
+                    w = step * B1_WORDS + 2 * t
                     for mt in range(MT):
-                        r = row0 + mt * 16 + g
-                        lo = fragments(a_planes, j, r, N, w0, w1)
-                        hi = fragments(a_planes, j, r + 8, N, w0, w1)
+                        r = (mt // MR) * ROWS + wm * WARP_ROWS + (mt % MR) * 16 + g
+                        lo = load2(tile, (r, w))
+                        hi = load2(tile, (r + 8, w))
                         af[mt, 0] = lo[0]
                         af[mt, 2] = lo[1]
                         af[mt, 1] = hi[0]
                         af[mt, 3] = hi[1]
-                        pa[mt, 0] += cuda.popc(lo[0]) + cuda.popc(lo[1])
-                        pa[mt, 1] += cuda.popc(hi[0]) + cuda.popc(hi[1])
-                    for nt in range(NT):
-                        column = fragments(w_planes, k, col0 + nt * 8 + g, O, w0, w1)
+                    for nt in range(NC):
+                        column = load2(tile, (A_ROWS + wn * NC * 8 + nt * 8 + g, w))
                         bf[nt, 0] = column[0]
                         bf[nt, 1] = column[1]
-                        if need_pb:
-                            pb[nt] += cuda.popc(column[0]) + cuda.popc(column[1])
                     for mt in range(MT):
-                        for nt in range(NT):
+                        for nt in range(NC):
                             d = mma_b1_and(af[mt, 0], af[mt, 1], af[mt, 2], af[mt, 3], bf[nt, 0], bf[nt, 1],
                                            acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
                             acc[mt, nt, 0] = d[0]
                             acc[mt, nt, 1] = d[1]
                             acc[mt, nt, 2] = d[2]
                             acc[mt, nt, 3] = d[3]
-                # the quad's sums: pa of rows g and g + 8, pb of column g
+            cuda.syncthreads()  # (the previous pass's totals are read)
+            share_counts(totals, counts)
+            cuda.syncthreads()
+            # P -> plane dots (linear in P, pa, pb: a row's and a column's terms apart) -> scaled
+            for mt in range(MT):
+                r = (mt // MR) * ROWS + wm * WARP_ROWS + (mt % MR) * 16 + g
+                rows[mt, 0] = plane_dot(0, totals[r] if need_pa else int32(0), 0, seen)
+                rows[mt, 1] = plane_dot(0, totals[r + 8] if need_pa else int32(0), 0, seen)
+            for nt in range(NC):
+                local = wn * NC * 8 + nt * 8 + 2 * t
+                c = col0 + local
+                v_lo = w_basis[c, k] if c < O else float32(0)
+                v_hi = w_basis[c + 1, k] if c + 1 < O else float32(0)
+                col_lo = plane_dot(0, 0, totals[A_ROWS + local] if need_pb else int32(0), 0)
+                col_hi = plane_dot(0, 0, totals[A_ROWS + local + 1] if need_pb else int32(0), 0)
                 for mt in range(MT):
-                    for h in range(2):
-                        pa[mt, h] += cuda.shfl_xor_sync(FULL_MASK, pa[mt, h], 1)
-                        pa[mt, h] += cuda.shfl_xor_sync(FULL_MASK, pa[mt, h], 2)
-                uj = a_basis[j]
-                for nt in range(NT):
-                    pb_lo = int32(0)
-                    pb_hi = int32(0)
-                    if need_pb:
-                        pb[nt] += cuda.shfl_xor_sync(FULL_MASK, pb[nt], 1)
-                        pb[nt] += cuda.shfl_xor_sync(FULL_MASK, pb[nt], 2)
-                        pb_lo = cuda.shfl_sync(FULL_MASK, pb[nt], 8 * t)  # column 2t's quad
-                        pb_hi = cuda.shfl_sync(FULL_MASK, pb[nt], 8 * t + 4)  # column 2t + 1's
-                    c = col0 + nt * 8 + 2 * t
-                    v_lo = w_basis[c, k] if c < O else float32(0)
-                    v_hi = w_basis[c + 1, k] if c + 1 < O else float32(0)
-                    for mt in range(MT):
-                        out[mt, nt, 0] += uj * v_lo * float32(plane_dot(acc[mt, nt, 0], pa[mt, 0], pb_lo, seen))
-                        out[mt, nt, 1] += uj * v_hi * float32(plane_dot(acc[mt, nt, 1], pa[mt, 0], pb_hi, seen))
-                        out[mt, nt, 2] += uj * v_lo * float32(plane_dot(acc[mt, nt, 2], pa[mt, 1], pb_lo, seen))
-                        out[mt, nt, 3] += uj * v_hi * float32(plane_dot(acc[mt, nt, 3], pa[mt, 1], pb_hi, seen))
-        for mt in range(MT):
-            for nt in range(NT):
-                for i in range(4):
-                    r = row0 + mt * 16 + g + 8 * (i // 2)
-                    c = col0 + nt * 8 + 2 * t + i % 2
-                    if r < N and c < O:
-                        store(y, r, c, out[mt, nt, i], bias_values)
+                    u = a_basis[mt // MR]
+                    m = mt % MR
+                    s_lo = u * v_lo
+                    s_hi = u * v_hi
+                    lo0 = s_lo * float32(plane_dot(acc[mt, nt, 0], 0, 0, 0) + rows[mt, 0] + col_lo)
+                    hi0 = s_hi * float32(plane_dot(acc[mt, nt, 1], 0, 0, 0) + rows[mt, 0] + col_hi)
+                    lo1 = s_lo * float32(plane_dot(acc[mt, nt, 2], 0, 0, 0) + rows[mt, 1] + col_lo)
+                    hi1 = s_hi * float32(plane_dot(acc[mt, nt, 3], 0, 0, 0) + rows[mt, 1] + col_hi)
+                    if ONE_PAIR:  # (the only pair of planes: straight out, no fp32 tile kept)
+                        r = row0 + wm * WARP_ROWS + m * 16 + g
+                        if r < N:
+                            store_pair(y, int64(r) * O + c, c, O, lo0, hi0, bias_values)
+                        if r + 8 < N:
+                            store_pair(y, int64(r + 8) * O + c, c, O, lo1, hi1, bias_values)
+                    else:
+                        out[m, nt, 0] += lo0
+                        out[m, nt, 1] += hi0
+                        out[m, nt, 2] += lo1
+                        out[m, nt, 3] += hi1
+        if not ONE_PAIR:
+            for m in range(MR):
+                for h in range(2):
+                    r = row0 + wm * WARP_ROWS + m * 16 + g + 8 * h
+                    if r < N:
+                        for nt in range(NC):
+                            c = col0 + wn * NC * 8 + nt * 8 + 2 * t
+                            store_pair(y, int64(r) * O + c, c, O, out[m, nt, 2 * h], out[m, nt, 2 * h + 1],
+                                       bias_values)
 
     return product
