@@ -175,7 +175,7 @@ def time_rounds(torch, calls, rounds, per_round):
             samples = []
             for _ in range(per_round):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(100_000)  # (the host launches the call before the device gets to it)
+                torch.cuda._sleep(2_000_000)  # (the host launches the call before the device gets to it)
                 start.record()
                 call()
                 end.record()

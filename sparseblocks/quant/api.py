@@ -227,6 +227,10 @@ def matmul(a, w, layout=None, bias=None, relu=False, out_dtype="float32", versio
         raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
     N, C = a.shape
     O = w.shape[0]
+    for name, q in (("a", a), ("w", w)):
+        words = int(np.prod(q.planes.shape))
+        if words >= 2 ** 31:  # (the tensor-core kernel's word offsets are 32-bit)
+            raise ValueError(f"{name}: expected fewer than 2^31 words of planes, got {words}")
     if layout is not None:
         _check_layout(layout, C, O)
     a_planes, w_planes = Operand(a.planes, "a.planes"), Operand(w.planes, "w.planes")

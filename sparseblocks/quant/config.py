@@ -12,7 +12,7 @@ class QuantConfig:
     warps_m: int = 4  # tensor-core product: warps of a thread block along the rows ...
     warps_n: int = 2  # ... and along its group of outputs
     warp_rows: int = 32  # rows a warp for 1-bit activations (16 an mma; divided among the planes of more bits)
-    dense_cols: int = 128  # outputs a thread block in a dense product; a block-sparse one takes a block's
+    dense_cols: int = 64  # outputs a thread block in a dense product; a block-sparse one takes a block's
     chunk_words: int = 16  # words of the word list staged in shared memory at a time (8 a b1 mma step)
     max_registers: int = None  # a cap on the tensor-core product's registers (ptxas), None for none
 

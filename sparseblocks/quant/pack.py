@@ -1,10 +1,11 @@
 """Quantize and pack: float values in, K bit planes out, and no float written back.
 
-Each warp takes 32 consecutive values of a row (coalesced reads), finds each value's level by a
-branch-free binary search over the sorted thresholds (K compares and selects: the search steps
-2^(K-1), ..., 1 from the bottom), looks up that level's code, and for each bit k votes it into one
-word with ``ballot_sync``: lane 0 writes the word of plane k. Values past the row's end vote 0, so
-the padding words are zeros. A row has its own thresholds (weights: a basis per output channel)
+Each warp takes ``pack_words`` runs of 32 consecutive values of a row (coalesced reads, all
+issued before the first vote), finds each value's level by a branch-free binary search over the
+sorted thresholds (K compares and selects: the search steps 2^(K-1), ..., 1 from the bottom),
+looks up that level's code, and for each bit k votes it into one word a run with
+``ballot_sync``: lane s keeps run s's word, so the warp's words of plane k go out in one store of
+consecutive lanes. Values past the row's end vote 0, so the padding words are zeros. A row has its own thresholds (weights: a basis per output channel)
 or all rows share one set (activations). Unpack is the inverse, one thread a value.
 """
 
@@ -25,23 +26,28 @@ def make_pack(cfg, bits, per_row):
         warp = cuda.blockIdx.x * (cuda.blockDim.x // 32) + cuda.threadIdx.x // 32
         row = cuda.blockIdx.y
         t = row if per_row else 0
+        first = warp * words_a_warp
+        values = cuda.local.array(words_a_warp, float32)
+        for step in range(words_a_warp):  # (every load issued before the first vote)
+            c = (first + step) * 32 + lane
+            values[step] = float32(x[row, c]) if c < columns else float32(0)
+        codes = cuda.local.array(words_a_warp, int32)
         for step in range(words_a_warp):
-            word = warp * words_a_warp + step
-            if word >= planes.shape[2]:  # (warp-uniform: the whole warp leaves together)
-                return
-            c = word * 32 + lane
-            inside = c < columns
-            value = float32(x[row, c]) if inside else float32(0)
             index = int32(0)
             half = levels // 2
             while half > 0:  # branch-free: compares and selects
-                index += half if value > thresholds[t, index + half - 1] else 0
+                index += half if values[step] > thresholds[t, index + half - 1] else 0
                 half //= 2
-            code = order[t, index]
-            for k in range(bits):
-                vote = cuda.ballot_sync(FULL_MASK, inside and (code >> k) & 1)
-                if lane == 0:
-                    planes[k, row, word] = uint32(vote)
+            codes[step] = order[t, index]
+        for k in range(bits):
+            mine = uint32(0)  # lane s keeps the vote of word first + s: the warp's words, one store
+            for step in range(words_a_warp):
+                inside = (first + step) * 32 + lane < columns
+                vote = cuda.ballot_sync(FULL_MASK, inside and (codes[step] >> k) & 1)
+                if lane == step:
+                    mine = uint32(vote)
+            if lane < words_a_warp and first + lane < planes.shape[2]:
+                planes[k, row, first + lane] = mine
 
     return pack
 

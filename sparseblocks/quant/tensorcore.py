@@ -28,13 +28,14 @@ bias, ReLU and the conversion to y's dtype close, two neighbouring outputs a sto
 
 from numba import cuda, float32, int32, int64, uint32
 
+from ..ptx.ldmatrix import ldmatrix_x4
 from ..ptx.mma import B1_WORDS, mma_b1_and
 from ..ptx.vector import load2, load4, store2, store4
 from ..runtime.backend import SIMULATOR
 from .simple import make_plane_dot
 
 FULL_MASK = 0xFFFFFFFF
-PAD = 8  # words after each tile row (bank spread of the fragment loads)
+PAD = 4  # words after each tile row: a row an odd number of 16 bytes (mod 128), for ldmatrix's banks
 
 
 @cuda.jit(device=True, inline=True)
@@ -112,8 +113,10 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
     VW = vector_words(block_words)
     PER_ROW = CW // VW  # staging loads a tile row (consecutive threads, a power of two up to 32)
     ROW_STRIDE = 32 * warps_m * warps_n // PER_ROW  # tile rows between a thread's loads
-    LOADS = -(-TILE_ROWS // ROW_STRIDE)
+    LOADS_A = -(-A_ROWS // ROW_STRIDE)  # a thread's loads of activation rows ...
+    LOADS = LOADS_A + -(-group_cols // ROW_STRIDE)  # ... then of weight rows
     ONE_PAIR = a_bits == 1 and w_bits == 1
+    DENSE = block_words % 8 == 0  # (a layout's blocks are 1 or 2 words, a dense row whole steps)
     need_pa = signed_w
     need_pb = signed_a
     load_vector, store_vector = VECTORS[VW]
@@ -139,36 +142,38 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
                 y[at + 1] = finish(hi, c + 1, bias_values)
 
     @cuda.jit(device=True, inline=True)
+    def tile_row(n):
+        """The tile row of this thread's load n (TILE_ROWS: none, where the rows run out)."""
+        row = cuda.threadIdx.x // PER_ROW + (n if n < LOADS_A else n - LOADS_A) * ROW_STRIDE
+        if n < LOADS_A:
+            return row if row < A_ROWS else TILE_ROWS
+        return A_ROWS + row if row < group_cols else TILE_ROWS
+
+    @cuda.jit(device=True, inline=True)
     def row_bases(bases, k, row0, col0, N, O, words):
-        """Where each tile row this thread stages starts in its planes (-1: a row past N or O)."""
-        tid = cuda.threadIdx.x
+        """Where each row this thread stages starts in its planes. A row past N or O reads the
+        last row instead: its outputs are never stored, so its words need not be zeros."""
         for n in range(LOADS):
-            row = tid // PER_ROW + n * ROW_STRIDE
-            bases[n] = -1
-            if row < A_ROWS:
+            row = tile_row(n)
+            if n < LOADS_A:
                 plane = row // ROWS
-                source = row0 + row - plane * ROWS
-                if source < N:
-                    bases[n] = (int64(plane) * N + source) * words
-            elif row < TILE_ROWS:
-                source = col0 + row - A_ROWS
-                if source < O:
-                    bases[n] = (int64(k) * O + source) * words
+                bases[n] = (plane * N + min(row0 + row - plane * ROWS, N - 1)) * words
+            else:
+                bases[n] = (k * O + min(col0 + row - A_ROWS, O - 1)) * words
 
     @cuda.jit(device=True, inline=True)
     def fetch(staged, bases, a_planes, w_planes, blocks, first, total, chunk):
-        """This thread's share of chunk `chunk` into registers (zeros past the list and the rows)."""
-        tid = cuda.threadIdx.x
-        slot = chunk * CW + (tid % PER_ROW) * VW
-        word = int32(-1)
-        if slot < total:
-            i = slot // block_words
+        """This thread's share of chunk `chunk` into registers (zeros past the list's end)."""
+        slot = int32(chunk) * CW + int32(cuda.threadIdx.x % PER_ROW) * VW
+        word = slot  # (a dense product's list: the row's words)
+        if not DENSE and slot < total:
+            i = uint32(slot) // block_words
             word = blocks[first + i] * block_words + (slot - i * block_words)
         for n in range(LOADS):
             for v in range(VW):
                 staged[n, v] = uint32(0)
-            if word >= 0 and bases[n] >= 0:
-                if tid // PER_ROW + n * ROW_STRIDE < A_ROWS:
+            if slot < total and tile_row(n) < TILE_ROWS:
+                if n < LOADS_A:
                     load_vector(staged, n, a_planes, bases[n] + word)
                 else:
                     load_vector(staged, n, w_planes, bases[n] + word)
@@ -176,29 +181,46 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
     @cuda.jit(device=True, inline=True)
     def put(tile, staged, counts):
         """The staged words into the tile, counting their bits where a plane dot needs them."""
-        tid = cuda.threadIdx.x
-        column = (tid % PER_ROW) * VW
+        column = (cuda.threadIdx.x % PER_ROW) * VW
         for n in range(LOADS):
-            row = tid // PER_ROW + n * ROW_STRIDE
+            row = tile_row(n)
             if row < TILE_ROWS:
                 store_vector(tile, row, column, staged, n)
-                if (need_pa and row < A_ROWS) or (need_pb and row >= A_ROWS):
+                if need_pa if n < LOADS_A else need_pb:
                     for v in range(VW):
                         counts[n] += cuda.popc(staged[n, v])
 
     @cuda.jit(device=True, inline=True)
     def share_counts(totals, counts):
         """Each tile row's bit count, summed over the lanes that staged it, into `totals`."""
-        tid = cuda.threadIdx.x
         for n in range(LOADS):
             c = counts[n]
             step = PER_ROW // 2
             while step > 0:
                 c += cuda.shfl_xor_sync(FULL_MASK, c, step)
                 step //= 2
-            row = tid // PER_ROW + n * ROW_STRIDE
-            if tid % PER_ROW == 0 and row < TILE_ROWS:
+            row = tile_row(n)
+            if cuda.threadIdx.x % PER_ROW == 0 and row < TILE_ROWS:
                 totals[row] = c
+
+    @cuda.jit(device=True, inline=True)
+    def fragments(af, bf, buffer, tile, step, wm, wn, lane):
+        """A warp's A and B fragments of mma step `step` of the tile, into af/bf[buffer] (ldmatrix:
+        lane 8q + i hands in row i of matrix q; a lane gets word lane % 4 of row lane // 4 of each)."""
+        quarter = lane // 8
+        for mt in range(MT):
+            row = (mt // MR) * ROWS + wm * WARP_ROWS + (mt % MR) * 16 + lane % 8 + 8 * (quarter % 2)
+            a = ldmatrix_x4(tile, (row, step * B1_WORDS + 4 * (quarter // 2)))
+            for i in range(4):
+                af[buffer, mt, i] = a[i]
+        for nt in range(0, NC, 2):  # (two mma columns a load; an odd last one twice)
+            other = nt + quarter // 2 if nt + 1 < NC else nt
+            b = ldmatrix_x4(tile, (A_ROWS + wn * NC * 8 + other * 8 + lane % 8, step * B1_WORDS + 4 * (quarter % 2)))
+            bf[buffer, nt, 0] = b[0]
+            bf[buffer, nt, 1] = b[1]
+            if nt + 1 < NC:
+                bf[buffer, nt + 1, 0] = b[2]
+                bf[buffer, nt + 1, 1] = b[3]
 
     @cuda.jit(**({} if cfg.max_registers is None or SIMULATOR else {"max_registers": cfg.max_registers}))
     def product(y, a_planes, w_planes, a_basis, w_basis, bias_values, ptr, blocks, seen_a_block, N, O, words):
@@ -215,7 +237,7 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
         col0 = group * group_cols
         first = ptr[group]
         count = ptr[group + 1] - first
-        total = count * block_words
+        total = int32(count * block_words)
         seen = count * seen_a_block
         chunks = (total + CW - 1) // CW
 
@@ -225,11 +247,11 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
                 for i in range(4):
                     out[m, nt, i] = float32(0)
         acc = cuda.local.array((MT, NC, 4), int32)
-        af = cuda.local.array((MT, 4), uint32)
-        bf = cuda.local.array((NC, 2), uint32)
+        af = cuda.local.array((2, MT, 4), uint32)
+        bf = cuda.local.array((2, NC, 2), uint32)
         staged = cuda.local.array((LOADS, VW), uint32)
         counts = cuda.local.array(LOADS, int32)
-        bases = cuda.local.array(LOADS, int64)
+        bases = cuda.local.array(LOADS, int32)
         rows = cuda.local.array((MT, 2), int32)
         for k in range(w_bits):
             for mt in range(MT):
@@ -238,7 +260,7 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
                         acc[mt, nt, i] = 0
             for n in range(LOADS):
                 counts[n] = 0
-            row_bases(bases, k, row0, col0, N, O, words)
+            row_bases(bases, int32(k), int32(row0), int32(col0), int32(N), int32(O), int32(words))
             fetch(staged, bases, a_planes, w_planes, blocks, first, total, 0)
             for chunk in range(chunks):
                 cuda.syncthreads()  # (the previous chunk's fragments are read)
@@ -246,23 +268,15 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
                 cuda.syncthreads()
                 if chunk + 1 < chunks:
                     fetch(staged, bases, a_planes, w_planes, blocks, first, total, chunk + 1)
-                for step in range(STEPS):
-                    w = step * B1_WORDS + 2 * t
-                    for mt in range(MT):
-                        r = (mt // MR) * ROWS + wm * WARP_ROWS + (mt % MR) * 16 + g
-                        lo = load2(tile, (r, w))
-                        hi = load2(tile, (r + 8, w))
-                        af[mt, 0] = lo[0]
-                        af[mt, 2] = lo[1]
-                        af[mt, 1] = hi[0]
-                        af[mt, 3] = hi[1]
-                    for nt in range(NC):
-                        column = load2(tile, (A_ROWS + wn * NC * 8 + nt * 8 + g, w))
-                        bf[nt, 0] = column[0]
-                        bf[nt, 1] = column[1]
+                fragments(af, bf, 0, tile, 0, wm, wn, lane)
+                for step in range(STEPS):  # (the next step's fragments load while this one's mmas run)
+                    now = step % 2
+                    if step + 1 < STEPS:
+                        fragments(af, bf, 1 - now, tile, step + 1, wm, wn, lane)
                     for mt in range(MT):
                         for nt in range(NC):
-                            d = mma_b1_and(af[mt, 0], af[mt, 1], af[mt, 2], af[mt, 3], bf[nt, 0], bf[nt, 1],
+                            d = mma_b1_and(af[now, mt, 0], af[now, mt, 1], af[now, mt, 2], af[now, mt, 3],
+                                           bf[now, nt, 0], bf[now, nt, 1],
                                            acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
                             acc[mt, nt, 0] = d[0]
                             acc[mt, nt, 1] = d[1]

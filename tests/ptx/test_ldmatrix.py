@@ -1,0 +1,36 @@
+"""ldmatrix (ptx/ldmatrix.py): four 8 x 8 b16 matrices from shared memory, against NumPy; the
+simulator's twin and the GPU agree."""
+
+import numpy as np
+from numba import cuda, uint32
+
+from sparseblocks.ptx.ldmatrix import ldmatrix_x4
+
+ROWS, STRIDE = 40, 12  # a padded tile: rows of 12 words (48 bytes, 16-byte aligned)
+
+
+def test_ldmatrix_x4_gives_each_lane_word_lane_mod_4_of_row_lane_div_4_of_each_matrix():
+    rng = np.random.default_rng(7)
+    tile = rng.integers(0, 2**32, (ROWS, STRIDE), dtype=np.uint64).astype(np.uint32)
+    # lane 8q + i hands in row rows[q][i] from word words[q] (scattered rows, both 4-word halves)
+    rows = rng.permutation(ROWS)[:32].reshape(4, 8)
+    words = np.array([0, 4, 8, 4])
+    starts = np.array([[rows[q, i], words[q]] for q in range(4) for i in range(8)], np.int32)
+
+    @cuda.jit
+    def kernel(out, tile, starts):
+        shared = cuda.shared.array((ROWS, STRIDE), uint32)
+        lane = cuda.threadIdx.x
+        for i in range(lane, ROWS * STRIDE, 32):
+            shared[i // STRIDE, i % STRIDE] = tile[i // STRIDE, i % STRIDE]
+        cuda.syncthreads()
+        got = ldmatrix_x4(shared, (starts[lane, 0], starts[lane, 1]))
+        for q in range(4):
+            out[lane, q] = got[q]
+
+    out = cuda.to_device(np.zeros((32, 4), np.uint32))
+    kernel[1, 32](out, cuda.to_device(tile), cuda.to_device(starts))
+    got = out.copy_to_host()
+    for lane in range(32):
+        for q in range(4):
+            assert got[lane, q] == tile[rows[q, lane // 4], words[q] + lane % 4], (lane, q)
