@@ -127,7 +127,6 @@ def graph_ms(fn, calls=20, **kwargs):
     Replaying a graph leaves out the host's launch costs, so small kernels are
     timed for what they do on the device. NaN (reported) if capture fails.
     """
-    import torch
 
     try:
         return time_ms(captured(fn, calls).replay, **kwargs) / calls

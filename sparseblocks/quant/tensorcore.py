@@ -10,15 +10,15 @@ words, in order) ``chunk_words`` words at a time:
   and one weight plane of its outputs, into registers (vector loads of 1, 2 or 4 words, as the
   blocks allow), then stores it into one shared tile. The next chunk's loads are issued before
   the mmas of this one, so they are in flight while the tensor cores work. Words past the list's
-  end, rows past N and outputs past O load as zeros. The thread also counts the bits it stages
-  (SIMT ``popc``): each row's ``pa`` (and each output's ``pb`` where activations are signed),
-  summed over the lanes sharing a row once the list is done.
-* **mma**: each warp reads its fragments from the tile and runs a (planes × rows) × outputs grid
-  of mmas, 256 k-slots a step: every activation plane meets the weight plane from the one load.
-  Lane t of a quad takes slots 2t and 2t + 1 of a step (its registers of k from 32t and from
-  128 + 32t), for A (rows g and g + 8) and B (output g) alike, so the two operands agree on every
-  slot: one 8-byte shared load a fragment row. A tile row is padded by 8 words, so the 8 rows a
-  half-warp reads fall in distinct banks.
+  end load as zeros; a row past N or O reads the last row instead (its outputs are never
+  stored). The thread also counts the bits it stages (SIMT ``popc``): each row's ``pa`` (and each
+  output's ``pb`` where activations are signed), summed over the lanes sharing a row once the
+  list is done.
+* **mma**: each warp reads its fragments from the tile by ``ldmatrix`` (an A fragment, 16 rows x
+  256 bits, in one instruction; B fragments two mma columns at a time), the next step's while this
+  step's mmas run, and runs a (planes × rows) × outputs grid of mmas: every activation plane
+  meets the weight plane from the one load. A tile row is padded by 4 words, so the 8 rows of an
+  ``ldmatrix`` matrix fall in distinct banks.
 
 Weight planes are passes over the list (one at a time keeps the accumulators within registers).
 Each pass's integers ``P`` are turned into plane dots with ``pa``, ``pb`` (`plane_dot`) and scaled
