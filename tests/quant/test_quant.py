@@ -18,10 +18,11 @@ few = settings(max_examples=3) if SIMULATOR else settings(max_examples=25)
 @pytest.fixture(autouse=True)
 def small_tiles(configure):
     """The simulator runs a Python thread a CUDA thread and a collective an mma: one warp of 2 x 2
-    mma tiles and chunks of one mma step there (the block-sparse groups are a block wide), the
-    default tiles on a GPU."""
+    mma tiles, chunks of one mma step and one-warp packing there (the block-sparse groups are a
+    block wide), the default tiles on a GPU."""
     if SIMULATOR:
-        configure(quant, warps_m=1, warps_n=1, warp_rows=32, dense_cols=16, chunk_words=8, simt_rows=4, simt_cols=8)
+        configure(quant, warps_m=1, warps_n=1, warp_rows=32, dense_cols=16, chunk_words=8, simt_rows=4, simt_cols=8,
+                  pack_warps=1)
 MAX_ROWS = 5 if SIMULATOR else 70
 MAX_COLUMNS = 80 if SIMULATOR else 700
 
@@ -117,12 +118,13 @@ def test_products_match_the_twin(seed, rows, columns, outputs, a_bits, w_bits, s
 
 @pytest.mark.parametrize("bs", [None, 32, 64])
 def test_tensor_core_tiles_span_chunks_warps_and_passes(configure, bs):
-    """Thread blocks of 2 x 2 warps, whose rows and outputs end inside, over several staged chunks of
-    the word list (4-, 1- and 2-word staging loads), two activation planes a warp and two weight
-    passes, signed activations (both popcounts): the twin's values."""
-    configure(quant, warps_m=2, warps_n=2, warp_rows=32, dense_cols=32, chunk_words=8)
+    """Two warps across a thread block's outputs (one mma column each, an odd count, where dense),
+    row blocks and groups that end inside, two staged chunks of the word list (4-, 1- and 2-word
+    staging loads), two activation planes a warp and two weight passes, signed activations (both
+    popcounts): the twin's values."""
+    configure(quant, warps_m=1, warps_n=2, warp_rows=32, dense_cols=16, chunk_words=8)
     rng = np.random.default_rng(5)
-    rows, columns, O = 20, 640 if bs else 600, 64 if bs else 40
+    rows, columns, O = (12, 320, 64) if bs else (20, 300, 40)  # (dense: two row blocks, the last partial)
     _, _, a = quantized(rng, rows, columns, 2, True, per_row=False)
     _, _, w = quantized(rng, O, columns, 2, True)
     layout = random_layout(rng, columns, O, bs) if bs else None
@@ -135,7 +137,7 @@ def test_tensor_core_tiles_span_chunks_warps_and_passes(configure, bs):
 def test_block_sparse_product_is_the_dense_one_masked_by_the_layout():
     rng = np.random.default_rng(3)
     columns, O, bs = 96, 64, 32  # a 3 x 2 grid of blocks
-    _, _, a = quantized(rng, 3, columns, 2, False)
+    _, _, a = quantized(rng, 3, columns, 1, False)
     x, _, w = quantized(rng, O, columns, 2, True)
     layout = random_layout(rng, columns, O, bs)
     masked = np.where(layout.element_mask().T.astype(bool), x, 0.0).astype(np.float32)

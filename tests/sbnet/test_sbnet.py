@@ -13,7 +13,7 @@ from sparseblocks.runtime.backend import SIMULATOR
 from sparseblocks import sbnet
 from sparseblocks.runtime import plans
 from sparseblocks.reference import sbnet as reference
-from strategies import block_indices, geometries, images, values
+from strategies import block_indices, geometries, gpu_only_case, images, values
 
 # The simulator runs a Python thread per CUDA thread (256 a window here): keep it small.
 few = settings(max_examples=3) if SIMULATOR else settings()
@@ -379,7 +379,7 @@ def test_reduce_mask_chunks_of_more_windows_than_a_warp(configure, lane_entries,
     _check_fixed_chunks(monkeypatch, lane_entries, 64, (1, 8, 72), 0.1, 25, (20, 120))
 
 
-@pytest.mark.parametrize("look_back, stride", [("block", 16), ("block", 1), ("warp", 16)])
+@pytest.mark.parametrize("look_back, stride", [("block", 16), gpu_only_case("block", 1), ("warp", 16)])
 def test_reduce_mask_looks_back_over_spread_statuses(configure, look_back, stride, monkeypatch):
     """The pass kernel with either look-back over statuses `stride` words apart (a block's look-back
     gets them a line apart by the rule): 24 chunks of 3 windows, so that the block's steps reach

@@ -12,6 +12,7 @@ from sparseblocks import sbnet as sbnet_kernels  # noqa: E402
 from sparseblocks.torch import bottleneck, graphs  # noqa: E402
 from sparseblocks.runtime.backend import SIMULATOR  # noqa: E402
 from sparseblocks.reference import sbnet as reference  # noqa: E402
+from strategies import gpu_only_case  # noqa: E402
 
 DEVICE = "cpu" if SIMULATOR else "cuda"
 OVERLAPPING = {"bsize": (3, 3), "bstride": (2, 2), "boffset": (-1, 0)}
@@ -240,8 +241,8 @@ def test_sparse_res_block_trains_as_the_dense_block_on_active_blocks(dtype, inpl
         torch.testing.assert_close(g.double(), w, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("kind", [sbnet_torch.SparseResBlock, OwnResidual])
-@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("kind, transpose", [(sbnet_torch.SparseResBlock, False), (OwnResidual, False),
+                                             (sbnet_torch.SparseResBlock, True), gpu_only_case(OwnResidual, True)])
 def test_sparse_res_block_computes_only_the_gradients_asked_for(kind, transpose):
     """Frozen weights get no gradient and the input's is still right; an input that needs none
     gets none while the weights get theirs; a second backward through one forward
@@ -602,8 +603,8 @@ def test_sparse_res_block_keeps_a_nan_where_the_dense_block_does(configure, dtyp
             torch.testing.assert_close(y[~active], x[~active])
 
 
-@pytest.mark.parametrize("dtype, nchw", [(torch.float32, False), (torch.float16, False), (torch.float16, True),
-                                         (torch.float32, True)])
+@pytest.mark.parametrize("dtype, nchw", [gpu_only_case(torch.float32, False), (torch.float16, False),
+                                         (torch.float16, True), gpu_only_case(torch.float32, True)])
 def test_fused_scatter_gives_the_product_and_scatter_apart(configure, dtype, nchw, monkeypatch):
     """In-place calls without gradients whose output is NHWC (of FUSED_SCATTER_MIN_PIXELS output
     pixels or more) add the last product straight into the image (`sparse_matmul_scatter`; ``nchw``:
