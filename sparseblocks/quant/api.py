@@ -117,7 +117,7 @@ def pack(x_op, thresholds, order, basis, signed, cfg):
     native, planes = x_op.empty((bits, rows, words), stream, dtype="uint32")
     per_row = basis.shape[0] != 1
     if rows and words:
-        warps = cfg.pack_warps
+        warps = min(cfg.pack_warps, -(-words // cfg.pack_words))  # (no warp without words)
         grid = (-(-words // (warps * cfg.pack_words)), rows)
         kernel = cached(make_pack, cfg, bits, per_row)
         launch(kernel, grid, warps * 32, stream, (planes, x_op.device(stream), Operand(thresholds, "thresholds").device(stream),

@@ -13,7 +13,7 @@ from sparseblocks.runtime import compile as compile_cache
 from sparseblocks.runtime import plans
 from sparseblocks.layout import BlockLayout
 from sparseblocks.reference import bsmm as reference
-from strategies import DTYPE_NAMES, VALUE_STYLES, arrays, assert_close, layouts, values
+from strategies import DTYPE_NAMES, VALUE_STYLES, arrays, assert_close, gpu_only_case, layouts, values
 
 # The simulator runs a Python thread per CUDA thread: fewer, smaller cases there.
 MAX_BLOCKS = {8: 3, 16: 3, 32: 2, 64: 2} if SIMULATOR else {8: 8, 16: 6, 32: 4, 64: 3}
@@ -244,7 +244,7 @@ def test_vector_loads_only_where_aligned(feature_axis):
     (16, "float16", 1, 9, 1, False),  # 2 bytes past an aligned address: one value a load
     (16, "float32", 0, 12, 0, True),  # axis 0, fp32: N % 4 == 0
     (16, "float32", 1, 5, 1, False),
-    (64, "float16", 1, 3, 0, True),
+    gpu_only_case(64, "float16", 1, 3, 0, True),  # (the simulator: test_products_match_reference's block 64)
 ])
 def test_tensor_core_load_paths(block_size, dtype, feature_axis, n, offset, vector):
     """Version 5 reads 16 bytes a load only where pointers and N allow, and gives the
