@@ -63,11 +63,12 @@ def resources(ptx, registers=None):
     return f"  [{used.group(1) if used else '?'} registers, {stack.group(1) if stack else 0} B stack]"
 
 
-def check(name, function, signature, registers=None):
-    """Compile ``function`` for ``signature``; ``registers``: the kernel's cap, for ptxas's report."""
+def check(name, function, signature, registers=None, detail=lambda ptx: ""):
+    """Compile ``function`` for ``signature``; ``registers``: the kernel's cap, for ptxas's report;
+    ``detail(ptx)``: more to print after it."""
     try:
         ptx, _ = cuda.compile_ptx(function, signature, cc=CC)
-        print(f"ok    {name}{resources(ptx, registers)}")
+        print(f"ok    {name}{resources(ptx, registers)}{detail(ptx)}")
         return True
     except Exception as error:  # report every failure, not just the first
         print(f"FAIL  {name}: {type(error).__name__}: {str(error).splitlines()[0]}")
@@ -152,15 +153,8 @@ def check_gather_matmul(shapes=(gather_matmul.DEFAULT.gather_tile,)):
         kernel = gather_matmul.kernel.make_kernel(storage, relu, vector_out, *shape, scatter=scatter, nchw=nchw)
         name = (f"{'matmul_scatter' if scatter else 'gather_matmul'}{' NCHW' if nchw else ''} {storage} relu={relu} "
                 f"vector_out={vector_out} tile {shape}")
-        try:
-            ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
-        except Exception as error:  # report every failure, not just the first
-            print(f"FAIL  {name}: {type(error).__name__}: {str(error).splitlines()[0]}")
-            results.append(False)
-            continue
-        print(f"ok    {name}{resources(ptx, shape[5])}  "
-              f"{ptx.count('mma.sync')} mma, {ptx.count('cp.async.cg')} cp.async")
-        results.append(True)
+        results.append(check(name, kernel.py_func, signature, shape[5],
+                             lambda ptx: f"  {ptx.count('mma.sync')} mma, {ptx.count('cp.async.cg')} cp.async"))
     return results
 
 
@@ -182,14 +176,7 @@ def check_quant():
         kernel = make_tensorcore_product(Q, a_bits, w_bits, signed_a, True, False, False, block_words, group_cols,
                                          *warps, True)
         name = f"product W{w_bits}A{a_bits} signed_a={signed_a} block_words {block_words} warps {warps}"
-        try:
-            ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC)
-        except Exception as error:  # report every failure, not just the first
-            print(f"FAIL  {name}: {type(error).__name__}: {str(error).splitlines()[0]}")
-            results.append(False)
-            continue
-        print(f"ok    {name}{resources(ptx)}  {ptx.count('mma.sync')} mma")
-        results.append(True)
+        results.append(check(name, kernel.py_func, signature, detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
     for bits in (1, 2, 4):
         results.append(check(f"pack {bits} bits", make_pack(Q, bits, False).py_func,
                              (planes, types.float16[:, ::1], types.float32[:, ::1], types.int32[:, ::1], i64)))
