@@ -17,6 +17,8 @@ class QuantConfig:
     max_registers: int = None  # a cap on the tensor-core product's registers (ptxas), None for none
 
     def check(self):
+        if not 1 <= self.pack_words <= 32:
+            raise ValueError(f"pack_words: expected 1 to 32 (a lane keeps a word), got {self.pack_words}")
         if self.warp_rows % 16 or not 16 <= self.warp_rows <= 64:
             raise ValueError(f"warp_rows: expected 16, 32, 48 or 64, got {self.warp_rows}")
         if self.warps_n not in (1, 2, 4):
@@ -25,6 +27,10 @@ class QuantConfig:
             raise ValueError(f"dense_cols: expected a multiple of 8 * warps_n up to 256, got {self.dense_cols}")
         if self.chunk_words not in (8, 16, 32):
             raise ValueError(f"chunk_words: expected 8, 16 or 32, got {self.chunk_words}")
+        tile = (self.warps_m * self.warp_rows + self.dense_cols) * (self.chunk_words + 4) * 4
+        if tile > 48 * 1024:  # (activation rows of every plane, about warps_m * warp_rows, then the outputs)
+            raise ValueError(f"warps_m, warp_rows, dense_cols, chunk_words: expected a shared tile of at most 48 KiB, "
+                             f"got {tile} bytes")
 
 
 DEFAULT = QuantConfig()

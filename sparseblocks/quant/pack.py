@@ -5,8 +5,9 @@ issued before the first vote), finds each value's level by a branch-free binary 
 sorted thresholds (K compares and selects: the search steps 2^(K-1), ..., 1 from the bottom),
 looks up that level's code, and for each bit k votes it into one word a run with
 ``ballot_sync``: lane s keeps run s's word, so the warp's words of plane k go out in one store of
-consecutive lanes. Values past the row's end vote 0, so the padding words are zeros. A row has its own thresholds (weights: a basis per output channel)
-or all rows share one set (activations). Unpack is the inverse, one thread a value.
+consecutive lanes. Values past the row's end vote 0, so the padding words are zeros. A row has
+its own thresholds (weights: a basis per output channel) or all rows share one set
+(activations). Unpack is the inverse, one thread a value.
 """
 
 from numba import cuda, float32, int32, uint32

@@ -24,22 +24,22 @@ def make_plane_dot(signed_a, signed_w):
     return plane_dot
 
 
-def make_epilogue(bias, relu):
+def make_finish(bias, relu):
     @cuda.jit(device=True, inline=True)
-    def store(y, n, o, value, bias_values):
-        """y[n, o] = value (+ bias[o], ReLU), converted to y's dtype by the store."""
+    def finish(value, o, bias_values):
+        """Output o's value with the epilogue's bias and ReLU (the store converts it to y's dtype)."""
         if bias:
             value += bias_values[o]
         if relu:
             value = max(value, float32(0))
-        y[n, o] = value
+        return value
 
-    return store
+    return finish
 
 
 def make_simt_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, block_words, group_cols):
     plane_dot = make_plane_dot(signed_a, signed_w)
-    store = make_epilogue(bias, relu)
+    finish = make_finish(bias, relu)
 
     @cuda.jit
     def product(y, a_planes, w_planes, a_basis, w_basis, bias_values, ptr, blocks, seen_a_block):
@@ -66,7 +66,7 @@ def make_simt_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, block
                         pa += cuda.popc(a)
                         pb += cuda.popc(b)
                 acc += a_basis[j] * w_basis[o, k] * float32(plane_dot(P, pa, pb, seen))
-        store(y, n, o, acc, bias_values)
+        y[n, o] = finish(acc, o, bias_values)
 
     return product
 

@@ -32,7 +32,7 @@ from ..ptx.ldmatrix import ldmatrix_x4
 from ..ptx.mma import B1_WORDS, mma_b1_and
 from ..ptx.vector import load2, load4, store2, store4
 from ..runtime.backend import SIMULATOR
-from .simple import make_plane_dot
+from .simple import make_finish, make_plane_dot
 
 FULL_MASK = 0xFFFFFFFF
 PAD = 4  # words after each tile row: a row an odd number of 16 bytes (mod 128), for ldmatrix's banks
@@ -100,6 +100,7 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
     seen_a_block, N, O, words)``: y (N * O), the planes (bits * rows * words) flat, so that a
     thread's row addresses are made once a pass and a chunk only adds its word."""
     plane_dot = make_plane_dot(signed_a, signed_w)
+    finish = make_finish(bias, relu)
     WARP_ROWS = warp_rows(cfg, a_bits)
     ROWS = warps_m * WARP_ROWS
     MR = WARP_ROWS // 16
@@ -120,14 +121,6 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
     need_pa = signed_w
     need_pb = signed_a
     load_vector, store_vector = VECTORS[VW]
-
-    @cuda.jit(device=True, inline=True)
-    def finish(value, c, bias_values):
-        if bias:
-            value += bias_values[c]
-        if relu:
-            value = max(value, float32(0))
-        return value
 
     @cuda.jit(device=True, inline=True)
     def store_pair(y, at, c, O, lo, hi, bias_values):
