@@ -195,3 +195,14 @@ def test_quant_array_passes_its_planes_on():
     if not SIMULATOR:
         dq = quant.quantize(cuda.to_device(np.ones((2, 3), np.float32)), [1.0], False)
         assert dq.__cuda_array_interface__["shape"] == (1, 2, 8)
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"chunk_words": 12}, "chunk_words: expected 8, 16 or 32"),
+    ({"pack_words": 33}, "pack_words: expected 1 to 32"),
+    ({"warps_n": 3}, "warps_n: expected 1, 2 or 4"),
+    ({"dense_cols": 256, "chunk_words": 32}, "expected a shared tile of at most 48 KiB"),
+])
+def test_config_refuses_tiles_the_kernels_cannot_take(fields, match):
+    with pytest.raises(ValueError, match=match):
+        quant.QuantConfig(**fields)
