@@ -197,12 +197,17 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
                 totals[row] = c
 
     @cuda.jit(device=True, inline=True)
+    def first_row(mt, wm):
+        """The tile row of the first of mma row mt's 16 rows in warp row wm (plane mt // MR)."""
+        return (mt // MR) * ROWS + wm * WARP_ROWS + (mt % MR) * 16
+
+    @cuda.jit(device=True, inline=True)
     def fragments(af, bf, buffer, tile, step, wm, wn, lane):
         """A warp's A and B fragments of mma step `step` of the tile, into af/bf[buffer] (ldmatrix:
         lane 8q + i hands in row i of matrix q; a lane gets word lane % 4 of row lane // 4 of each)."""
         quarter = lane // 8
         for mt in range(MT):
-            row = (mt // MR) * ROWS + wm * WARP_ROWS + (mt % MR) * 16 + lane % 8 + 8 * (quarter % 2)
+            row = first_row(mt, wm) + lane % 8 + 8 * (quarter % 2)
             a = ldmatrix_x4(tile, (row, step * B1_WORDS + 4 * (quarter // 2)))
             for i in range(4):
                 af[buffer, mt, i] = a[i]
@@ -280,7 +285,7 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
             cuda.syncthreads()
             # P -> plane dots (linear in P, pa, pb: a row's and a column's terms apart) -> scaled
             for mt in range(MT):
-                r = (mt // MR) * ROWS + wm * WARP_ROWS + (mt % MR) * 16 + g
+                r = first_row(mt, wm) + g
                 rows[mt, 0] = plane_dot(0, totals[r] if need_pa else int32(0), 0, seen)
                 rows[mt, 1] = plane_dot(0, totals[r + 8] if need_pa else int32(0), 0, seen)
             for nt in range(NC):
