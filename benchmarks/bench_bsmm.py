@@ -1,16 +1,20 @@
-"""Block-sparse matmul on the GPU against torch dense (cuBLAS), torch BSR and torch's Triton BSR.
+"""Block-sparse matmul on the GPU against torch dense (cuBLAS), torch BSR, torch's Triton BSR and stk.
 
-    python -m benchmarks.bench_bsmm [--quick] [--rows N,...] [--block-sizes B,...] [--densities D,...] [--out-dir DIR]
+    python -m benchmarks.bench_bsmm [--quick] [--rows N,...] [--block-sizes B,...] [--densities D,...]
+                                    [--dtypes T,...] [--baselines B,...] [--out-dir DIR]
     python -m benchmarks.bench_bsmm --merge A.json B.json ...   (runs split by --rows)
 
 For every size, block size, density and dtype: check all three products
 against a float64 dense product, then time them and the baselines in the
-same run (median of CUDA-event timings): torch dense ``x @ W`` (TF32 off for
-fp32) and torch BSR (``W.to_sparse_bsr`` times a dense matrix, the
-dense-output product), and torch's Triton ``bsr_dense_mm`` on the same BSR
-tensors. TFLOP/s count the nonzero work, 2·N·n_blocks·bs².
-A last record compares the cost of one call from torch tensors on a tiny
-problem with a tiny torch op. Writes results/bsmm.json and results/bsmm.md.
+same run (median of CUDA-graph replays, so that host launch costs, ours and
+the baselines', stay out): torch dense ``x @ W`` (TF32 off for fp32), torch
+BSR (``W.to_sparse_bsr`` times a dense matrix, the dense-output product),
+torch's Triton ``bsr_dense_mm`` on the same BSR tensors, and stk (MegaBlocks'
+Triton kernels: ``dds`` for the products, ``sdd`` for the weight gradient) on
+a block-128 layout of the same density, where stk can be imported (it is a
+baseline, never a dependency: put it on PYTHONPATH). TFLOP/s count the nonzero
+work, 2·N·n_blocks·bs². A last record compares the cost of one call from torch
+tensors on a tiny problem with a tiny torch op. Writes results/bsmm.json and .md.
 """
 
 import argparse
@@ -19,16 +23,72 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import Record, baseline_ms, device_name, print_table, time_ms, write_results
+from benchmarks.common import Record, device_name, graph_ms, print_table, time_ms, write_results
 
-TOLERANCE = {"float32": 1e-5, "float16": 3e-3}
+TOLERANCE = {"float32": 1e-5, "float16": 3e-3, "bfloat16": 2e-2}
+BASELINES = ("torch_dense", "torch_bsr", "triton_bsr", "stk")
+STK_BLOCK = 128  # the block size stk and MegaBlocks train with
 
 
 def sizes(quick):
     if quick:
-        return [(4096, 4096, 4096)], [32], [0.05, 0.10, 0.25, 0.50, 1.0], ["float32", "float16"]
-    return ([(4096, 4096, 4096), (1024, 4096, 4096), (16384, 4096, 4096)], [16, 32, 64],
-            [0.05, 0.10, 0.25, 0.50, 1.0], ["float32", "float16"])
+        return [(4096, 4096, 4096)], [64, 128], [0.05, 0.10, 0.25, 0.50], ["float16", "bfloat16"]
+    return ([(4096, 4096, 4096), (1024, 4096, 4096), (16384, 4096, 4096)], [16, 32, 64, 128],
+            [0.05, 0.10, 0.25, 0.50, 1.0], ["float32", "float16", "bfloat16"])
+
+
+def device_ms(fn):
+    """Device time of fn(): CUDA-graph replays, or CUDA events around calls where capture fails;
+    NaN where fn cannot run at all (reported on stderr)."""
+    ms = graph_ms(fn)
+    if ms != ms:
+        try:
+            ms = time_ms(fn)
+        except Exception:  # a failing baseline must not stop the benchmark
+            import traceback
+
+            traceback.print_exc()
+    return ms
+
+
+_stk_cache = {}
+
+
+def stk_ms(torch, N, C, K, density, dtype):
+    """stk's forward (dds), input_grad (dds on the transpose) and weight_grad (sdd), at block 128
+    and this density, on inputs of the same shapes; NaN where stk is missing or cannot run."""
+    key = (N, C, K, round(density, 4), dtype)
+    if key in _stk_cache:
+        return _stk_cache[key]
+    nan = {"forward": float("nan"), "input_grad": float("nan"), "weight_grad": float("nan")}
+    try:
+        import stk
+    except ImportError:
+        print("stk unavailable: not importable (baseline NaN)")
+        return _stk_cache.setdefault(key, nan)
+    from sparseblocks import BlockLayout
+
+    if C % STK_BLOCK or K % STK_BLOCK or N % STK_BLOCK or density == 0:
+        return _stk_cache.setdefault(key, nan)
+    layout = BlockLayout.random((C // STK_BLOCK, K // STK_BLOCK), density, seed=2, block_size=STK_BLOCK)
+    mask = torch.as_tensor(layout.element_mask(), device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    W = torch.randn(C, K, device="cuda", dtype=dtype, generator=gen) * mask
+    x = torch.randn(N, C, device="cuda", dtype=dtype, generator=gen)
+    dy = torch.randn(N, K, device="cuda", dtype=dtype, generator=gen)
+    with torch.no_grad():
+        Ws = stk.ops.to_sparse(W, blocking=STK_BLOCK)
+        Wt = Ws.t()
+        error = relative_error(stk.ops.dds(x, Ws), x.double() @ W.double())
+        if not error < TOLERANCE[str(dtype).split(".")[-1]]:
+            print(f"stk's forward is off ({error:.2e}): baseline NaN")
+            return _stk_cache.setdefault(key, nan)
+        times = {
+            "forward": device_ms(lambda: stk.ops.dds(x, Ws)),
+            "input_grad": device_ms(lambda: stk.ops.dds(dy, Wt)),
+            "weight_grad": device_ms(lambda: stk.ops.sdd(x.t(), dy, Ws)),
+        }
+    return _stk_cache.setdefault(key, times)
 
 
 def relative_error(got, want):
@@ -44,7 +104,7 @@ def block_gather(torch, dense, layout):
     return tiles[coords[:, 0], coords[:, 1]].contiguous()
 
 
-def bench_config(torch, bsmm, layout, N, dtype_name, records, versions=(None,)):
+def bench_config(torch, bsmm, layout, N, dtype_name, records, versions=(None,), baselines=BASELINES):
     dtype = getattr(torch, dtype_name)
     C, K = layout.dense_shape
     bs = layout.block_size
@@ -72,30 +132,35 @@ def bench_config(torch, bsmm, layout, N, dtype_name, records, versions=(None,)):
     # Baselines, measured in this run.
     Wd = W.to(dtype)
     torch.backends.cuda.matmul.allow_tf32 = False
-    dense = {
-        "forward": baseline_ms(lambda: x @ Wd),
-        "input_grad": baseline_ms(lambda: dy @ Wd.T),
-        "weight_grad": baseline_ms(lambda: x.T @ dy),
-    }
-    bsr = {}
-    try:
-        W_t_bsr = Wd.T.contiguous().to_sparse_bsr((bs, bs))  # (K, C): W_t_bsr @ xᵀ = (x·W)ᵀ
-        W_bsr = Wd.to_sparse_bsr((bs, bs))
-        xt, dyt = x.T.contiguous(), dy.T.contiguous()
-        bsr["forward"] = baseline_ms(lambda: W_t_bsr @ xt)
-        bsr["input_grad"] = baseline_ms(lambda: W_bsr @ dyt)
-    except Exception as error:  # no BSR kernel for this dtype or block size
-        print(f"torch BSR unavailable ({dtype_name}, bs={bs}): {error}")
-        bsr = {"forward": float("nan"), "input_grad": float("nan")}
-    triton = {}
-    try:
-        from torch.sparse._triton_ops import bsr_dense_mm
+    measured = {}
+    if "torch_dense" in baselines:
+        measured["torch_dense"] = {
+            "forward": device_ms(lambda: x @ Wd),
+            "input_grad": device_ms(lambda: dy @ Wd.T),
+            "weight_grad": device_ms(lambda: x.T @ dy),
+        }
+    if "torch_bsr" in baselines or "triton_bsr" in baselines:
+        bsr, triton = {}, {}
+        try:
+            W_t_bsr = Wd.T.contiguous().to_sparse_bsr((bs, bs))  # (K, C): W_t_bsr @ xᵀ = (x·W)ᵀ
+            W_bsr = Wd.to_sparse_bsr((bs, bs))
+            xt, dyt = x.T.contiguous(), dy.T.contiguous()
+            bsr["forward"] = device_ms(lambda: W_t_bsr @ xt)
+            bsr["input_grad"] = device_ms(lambda: W_bsr @ dyt)
+        except Exception as error:  # no BSR kernel for this dtype or block size
+            print(f"torch BSR unavailable ({dtype_name}, bs={bs}): {error}")
+            bsr = {"forward": float("nan"), "input_grad": float("nan")}
+        try:
+            from torch.sparse._triton_ops import bsr_dense_mm
 
-        triton["forward"] = baseline_ms(lambda: bsr_dense_mm(W_t_bsr, xt))
-        triton["input_grad"] = baseline_ms(lambda: bsr_dense_mm(W_bsr, dyt))
-    except Exception as error:  # no Triton, or no kernel for this dtype or block size
-        print(f"torch Triton BSR unavailable ({dtype_name}, bs={bs}): {error}")
-        triton = {"forward": float("nan"), "input_grad": float("nan")}
+            triton["forward"] = device_ms(lambda: bsr_dense_mm(W_t_bsr, xt))
+            triton["input_grad"] = device_ms(lambda: bsr_dense_mm(W_bsr, dyt))
+        except Exception as error:  # no Triton, or no kernel for this dtype or block size
+            print(f"torch Triton BSR unavailable ({dtype_name}, bs={bs}): {error}")
+            triton = {"forward": float("nan"), "input_grad": float("nan")}
+        measured["torch_bsr"], measured["triton_bsr"] = bsr, triton
+    if "stk" in baselines and dtype_name != "float32":
+        measured["stk"] = stk_ms(torch, N, C, K, layout.density, dtype)
 
     flops = 2.0 * N * layout.n_blocks * bs * bs
     params = {"dtype": dtype_name, "block_size": bs, "density": round(layout.density, 3), "N": N, "C": C, "K": K,
@@ -107,12 +172,9 @@ def bench_config(torch, bsmm, layout, N, dtype_name, records, versions=(None,)):
             "weight_grad": lambda: bsmm.weight_grad(x, dy, layout, version=version),
         }
         for name, call in calls.items():
-            baselines = {"torch_dense": dense[name]}
-            if name in bsr:
-                baselines["torch_bsr"] = bsr[name]
-                baselines["triton_bsr"] = triton[name]
+            timed = {b: times[name] for b, times in measured.items() if name in times}
             ran = bsmm.default_version(dtype_name) if version is None else version
-            records.append(Record(name, dict(params, version=ran), time_ms(call), baselines, flops=flops))
+            records.append(Record(name, dict(params, version=ran), device_ms(call), timed, flops=flops))
 
 
 def launch_overhead(torch, bsmm, BlockLayout):
@@ -168,13 +230,16 @@ def merged(paths):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="N = C = K = 4096, block 32 only")
+    parser.add_argument("--quick", action="store_true", help="N = C = K = 4096, blocks 64 and 128, fp16 and bf16")
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--versions", default="default",
                         help="comma-separated kernel versions to time; 'default': the library's choice per dtype")
     parser.add_argument("--block-sizes", default=None, help="comma-separated block sizes (default: all)")
     parser.add_argument("--rows", default=None, help="comma-separated N (default: all)")
     parser.add_argument("--densities", default=None, help="comma-separated densities (default: all)")
+    parser.add_argument("--dtypes", default=None, help="comma-separated dtypes (default: all)")
+    parser.add_argument("--baselines", default=",".join(BASELINES),
+                        help=f"comma-separated baselines to time (default: all of {', '.join(BASELINES)})")
     parser.add_argument("--no-overhead", action="store_true", help="skip the launch-overhead record")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="only merge these runs' JSON files into results/bsmm.json and .md")
@@ -200,6 +265,9 @@ def main():
         shapes = [shape for shape in shapes if str(shape[0]) in args.rows.split(",")]
     if args.densities:
         densities = [float(d) for d in args.densities.split(",")]
+    if args.dtypes:
+        dtypes = args.dtypes.split(",")
+    baselines = tuple(args.baselines.split(",")) if args.baselines else ()
     versions = tuple(None if v == "default" else int(v) for v in args.versions.split(","))
     records = []
     name = "bsmm" + ("_quick" if args.quick else "") + (f"_bs{args.block_sizes.replace(',', '_')}" if args.block_sizes else "") \
@@ -211,7 +279,7 @@ def main():
             for density in densities:
                 layout = BlockLayout.random((C // bs, K // bs), density, seed=1, block_size=bs)
                 for dtype in dtypes:
-                    bench_config(torch, bsmm, layout, N, dtype, records, versions)
+                    bench_config(torch, bsmm, layout, N, dtype, records, versions, baselines)
                     print(f"done N={N} bs={bs} density={density} {dtype}", flush=True)
                     # Written as it goes: a run cut short by a time limit keeps what it measured.
                     write_results(name + "_partial", records, **kwargs)

@@ -12,6 +12,7 @@ from ..runtime.tuning import config_checker, default_field, tuning
 class BsmmConfig:
     # -- dispatch ---------------------------------------------------------------------------
     tensor_core_default: frozenset = frozenset({"float16", "bfloat16", "float32"})  # storage run on version 5 by default
+    tiles_default: frozenset = frozenset({"float16", "bfloat16"})  # storage run on version 6 by default (where it applies)
     product_group: int = 8  # row tiles a product hands out together, so concurrent blocks share activations in L2 (0: launch order)
 
     # -- version 1 (teaching kernels) ------------------------------------------------------
@@ -64,6 +65,17 @@ class BsmmConfig:
     v5_wgrad_group_warps: int = 4  # warps of a grouped weight-gradient thread block
     v5_wgrad_rows: int = 32  # N-splits are cut at multiples of this (whole steps of every storage)
 
+    # -- version 6 (tensor cores: ldmatrix tiles from a cp.async ring; fp16, bf16) -------
+    v6_tiles: dict = default_field(  # (rows BM, warps along rows, warps along features) of a product's tile
+        {16: (128, 4, 1), 32: (256, 4, 1), 64: (256, 4, 1), 128: (128, 2, 2)})
+    v6_k: int = 32  # k values a stage (at most a block): two k16 mma steps a barrier
+    v6_stages: int = 4  # shared buffers of the ring, stages - 1 in flight while one is multiplied
+    v6_wgrad_warps: dict = default_field(  # (warps along dW's rows, along its columns) of a block's tile
+        {16: (1, 1), 32: (1, 1), 64: (2, 2), 128: (2, 2)})
+    v6_wgrad_k: int = 32  # rows of N a weight-gradient stage
+    v6_wgrad_stages: int = 4  # buffers of the weight gradient's ring
+    v6_max_shared: int = 227 * 1024  # a thread block's shared memory on sm_90
+
     def check(self):
         if self.norm_threads < 1 or self.norm_threads & (self.norm_threads - 1):
             raise ValueError(f"norm_threads: expected a power of two, got {self.norm_threads}")
@@ -71,6 +83,14 @@ class BsmmConfig:
             raise ValueError(f"v5_stages: expected 2 to 5, got {self.v5_stages}")
         if not 2 <= self.v5_wgrad_stages <= 4:
             raise ValueError(f"v5_wgrad_stages: expected 2 to 4, got {self.v5_wgrad_stages}")
+        from .tiles import v6_check
+
+        for bs in self.v6_tiles:
+            if v6_check(self, bs):
+                raise ValueError(f"v6_tiles[{bs}]: {v6_check(self, bs)}")
+        for bs in self.v6_wgrad_warps:
+            if v6_check(self, bs, weight_grad=True):
+                raise ValueError(f"v6_wgrad_warps[{bs}]: {v6_check(self, bs, weight_grad=True)}")
         for bs, (rows, _, _, chunk) in self.product_tiles.items():
             if rows * chunk % (8 * self.product_threads):
                 raise ValueError(f"product_tiles[{bs}]: TM * KC must be a multiple of 8 * product_threads")

@@ -36,25 +36,30 @@ from .weight_grad_simt import (
     make_weight_grad_v3,
     make_weight_grad_v4,
 )
+from .tiles import V6_STORAGE, make_product_v6, make_weight_grad_v6, v6_shape, v6_threads
 from .weight_grad_tensorcore import make_weight_grad_v5, v5_wgrad_blocks, v5_wgrad_warps
 
-VERSIONS = (1, 3, 4, 5)
+VERSIONS = (1, 3, 4, 5, 6)
 
 
-
-def product_family(cfg, version, bs, storage):
-    """The product kernels a call runs (the dispatch table of the products): 5 tensor cores,
-    4 SIMT 8 x 8 patches, 3 SIMT register tiles, 1 the teaching kernel."""
-    if version == 5 and bs in V5_BLOCKS and storage in V5_STORAGE:
+def product_family(cfg, version, bs, storage, tiles_fit=True):
+    """The product kernels a call runs (the dispatch table of the products): 6 tensor-core tiles
+    (where ``tiles_fit``: `tiles_fit`), 5 tensor cores, 4 SIMT 8 x 8 patches, 3 SIMT register
+    tiles, 1 the teaching kernel."""
+    if version == 6 and tiles_fit and bs in cfg.v6_tiles and storage in V6_STORAGE:
+        return 6
+    if version >= 5 and bs in V5_BLOCKS and storage in V5_STORAGE:
         return 5
     if version >= 4 and bs in cfg.v4_rows:
         return 4
     return 3 if version >= 3 else 1
 
 
-def weight_grad_family(cfg, version, bs, storage, feature_axis):
+def weight_grad_family(cfg, version, bs, storage, feature_axis, tiles_fit=True):
     """The weight-gradient kernels a call runs (the dispatch table of the weight gradients)."""
-    if version == 5 and cfg.v5_wgrad and bs in V5_BLOCKS and storage in V5_STORAGE:
+    if version == 6 and tiles_fit and bs in cfg.v6_wgrad_warps and storage in V6_STORAGE:
+        return 6
+    if version >= 5 and cfg.v5_wgrad and bs in V5_BLOCKS and storage in V5_STORAGE:
         return 5
     if version >= 4 and bs in cfg.v4_wgrad_rows and feature_axis == 1:
         return 4
@@ -62,9 +67,20 @@ def weight_grad_family(cfg, version, bs, storage, feature_axis):
 
 
 def default_version(dtype, cfg=DEFAULT):
-    """The version a call without ``version=`` runs: 5 (tensor cores; fp32 as 3xTF32 with
-    round-to-nearest sums) for the storage in ``cfg.tensor_core_default``, else 4."""
+    """The version a call without ``version=`` runs: 6 (tensor-core tiles) for the storage in
+    ``cfg.tiles_default``, 5 (tensor cores; fp32 as 3xTF32 with round-to-nearest sums) for that
+    in ``cfg.tensor_core_default``, else 4. A version a call's block size or operands do not
+    fit runs the next one down (`product_family`)."""
+    if dtype in cfg.tiles_default:
+        return 6
     return 5 if dtype in cfg.tensor_core_default else 4
+
+
+def tiles_fit(arrays, n_rows, feature_axis):
+    """Whether version 6 may take these operands: every pointer 16-byte aligned (its copies are
+    16-byte cp.async), and N a multiple of 8 where N runs along rows (feature_axis 0), so that
+    an 8-row chunk is wholly in or past the end."""
+    return (feature_axis == 1 or n_rows % 8 == 0) and all(aligned(data_pointer(a), 16, 1) for a in arrays)
 
 
 def compiled(cfg, maker, bs, storage, *key):
@@ -193,8 +209,11 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
     workspace = a.scratch((slots, n_rows, bs), acc, stream) if slots else _unused_workspace(acc)
     a_device, w_device = a.device(stream), w.device(stream)
     pre = None  # a launch before the product's (V5_TRANSPOSED_FORWARD's copy)
-    family = product_family(cfg, version, bs, a.dtype)
-    if family == 5:
+    family = product_family(cfg, version, bs, a.dtype, tiles_fit((a_device, w_device), n_rows, feature_axis))
+    if family == 6:
+        TM, threads = v6_shape(cfg, bs)[0], v6_threads(cfg, bs)
+        kernel = compiled(cfg, make_product_v6, bs, a.dtype, transpose_w, feature_axis)
+    elif family == 5:
         values = v5_values(a.dtype)
         vector = v5_vector_loads(cfg, (a_device, w_device), n_rows, feature_axis, values)
         ring = v5_ring(cfg, vector, feature_axis)
@@ -260,8 +279,10 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
             dw, x.device(stream), dy.device(stream), _index(layout, "coords", stream), n_rows, beta,
         ))
         return None
-    family = weight_grad_family(cfg, version, bs, x.dtype, feature_axis)
-    v5, v4 = family == 5, family == 4
+    x_device, dy_device = x.device(stream), dy.device(stream)
+    family = weight_grad_family(cfg, version, bs, x.dtype, feature_axis,
+                                tiles_fit((x_device, dy_device), n_rows, feature_axis))
+    v6, v5, v4 = family == 6, family == 5, family == 4
     group = V5_WGRAD_GROUP.get(bs, 1) if v5 and bs <= V5_WARP_TILE else 1
     coords = _index(layout, "coords", stream)
     if group > 1:  # a warp per row segment of up to `group` blocks
@@ -271,22 +292,27 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
         thread_blocks = -(-len(segments["seg_begin"]) // v5_wgrad_warps(cfg, group))
     else:
         seg_begin = seg_end = coords  # (unread)
-        if v5:  # W blocks a thread block computes
+        if v6:
+            per_block = 1
+        elif v5:  # W blocks a thread block computes
             per_block = v5_wgrad_blocks(cfg, bs)
         else:
             per_block = V4_WGRAD_THREADS // (bs // 8) ** 2 if v4 else 1
         thread_blocks = -(-layout.n_blocks // per_block)
     splits = wgrad_splits(layout, n_rows, thread_blocks, cfg) if splits is None else max(1, int(splits))
     rows_per_split = -(-max(n_rows, 1) // splits)
-    if v5:  # whole steps a split, so that feature_axis 0's 8-row vectors never straddle an end
+    if v5 or v6:  # whole steps a split, so that feature_axis 0's 8-row vectors never straddle an end
         rows_per_split = -(-rows_per_split // V5_WGRAD_ROWS) * V5_WGRAD_ROWS
         splits = -(-max(n_rows, 1) // rows_per_split)
     acc = "float64" if x.dtype == "float64" else "float32"
     # A workspace of one split tells the kernel to finish in place (no combine pass).
     workspace = x.scratch((splits, layout.n_blocks, bs * bs), acc, stream) if splits > 1 \
         else _unused_workspace(acc)
-    x_device, dy_device = x.device(stream), dy.device(stream)
-    if v5:
+    if v6:
+        kernel = compiled(cfg, make_weight_grad_v6, bs, x.dtype, feature_axis)
+        threads = v6_threads(cfg, bs, weight_grad=True)
+        args = (dw, workspace, x_device, dy_device, coords, n_rows, rows_per_split, beta)
+    elif v5:
         values = v5_values(x.dtype)
         vector = v5_vector_loads(cfg, (x_device, dy_device), n_rows, feature_axis, values)
         kernel = compiled(cfg, make_weight_grad_v5, bs, x.dtype, feature_axis, vector, group)

@@ -13,7 +13,8 @@ costs a kernel that copies a tile's rows every stage some 30 instructions a
 copy (64-bit index products, the generic-to-shared conversion). Kernels
 that copy from the same places stage after stage instead take the addresses
 once, ``shared_address(shared, (i, ...))`` (32-bit, in the shared window) and
-``global_address(source, (k, ...))`` (64-bit), add byte offsets to them, and
+``global_address(source, (k, ...))`` (64-bit; ``signed_address`` gives it as an int64, so
+that signed int64 offsets add to it: Numba types uint64 + int64 as a float), add byte offsets to them, and
 call ``copy16_to(shared_address, global_address)``: one instruction and two
 additions a copy. ``copy16_or_zero(shared_address, global_address, keep)``
 writes 16 zero bytes instead where ``keep`` is false (cp.async's source size
@@ -89,7 +90,7 @@ if SIMULATOR:
         offset = sum(int(i) * stride for i, stride in zip(index, array.strides))
         return _Address(array.reshape(-1).view(np.uint8), offset)
 
-    shared_address = global_address
+    shared_address = signed_address = global_address
 
     def copy16_to(shared, source):
         copy16_or_zero(shared, source, True)
@@ -167,6 +168,16 @@ else:
             return _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
 
         return types.uint64(array, index), codegen
+
+    @intrinsic
+    def signed_address(typingctx, array, index):
+        if not indexes(array, index):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+
+        return types.int64(array, index), codegen
 
     @intrinsic
     def shared_address(typingctx, array, index):

@@ -1,4 +1,5 @@
-"""Fragments from shared memory by ``ldmatrix``: ``ldmatrix_x4(shared, (i, ..., j))``.
+"""Fragments from shared memory by ``ldmatrix``: ``ldmatrix_x4(shared, (i, ..., j))``,
+``ldmatrix_x4_at(address)`` and ``ldmatrix_x4_trans_at(address)``.
 
 ``ldmatrix.sync.aligned.m8n8.x4.shared.b16`` reads four 8 x 8 matrices of 16-bit values (a matrix
 row: 16 bytes, four 32-bit words) from shared memory in one instruction. Every lane of the warp
@@ -10,10 +11,18 @@ is one instruction and no register moves. A row must be 16 contiguous bytes at a
 the eight rows of a matrix fall in distinct banks where a tile row is an odd number of 16 bytes
 long (mod 128), which kernels arrange by padding.
 
-``ldmatrix_x4(shared, index)``: ``shared`` a uint32 shared array, ``index`` this lane's row
-start (its last index a multiple of 4 words); returns the lane's 4 words as uint32.
+With ``.trans`` each matrix arrives transposed: lane ``l`` gets values ``2(l % 4)`` and
+``2(l % 4) + 1`` of column ``l // 4``, that is rows ``2(l % 4)`` and ``2(l % 4) + 1`` of the
+matrix as stored, at position ``l // 4`` along them, packed low then high. A tile stored with the
+mma's k axis down its rows (a k-by-m A, a k-by-n B) gives the m16n8k16 fragments this way.
 
-In the CUDA simulator it is a warp collective: each lane reads its row (the alignment checked
+``ldmatrix_x4(shared, index)``: ``shared`` a uint32 shared array, ``index`` this lane's row
+start (its last index a multiple of 4 words). ``ldmatrix_x4_at(address)`` and
+``ldmatrix_x4_trans_at(address)`` take the row's 32-bit shared-window address instead
+(`cp_async.shared_address` plus byte offsets): kernels that walk a tile take the address once
+and add constants, which the compiler folds into the instruction. All return 4 words, uint32.
+
+In the CUDA simulator they are warp collectives: each lane reads its row (the alignment checked
 as a vector load's) and hands it in; each lane gets its words from its peers' rows.
 """
 
@@ -27,13 +36,32 @@ if SIMULATOR:
     from ..runtime import simulator as _simulator
     from .vector import checked_row
 
+    def _exchange(name, row_words, transposed):
+        """The collective: row_words, this lane's row as 4 uint32 words; returns its 4 words."""
+        lane, rows = _simulator._masked_collective(name, FULL_MASK, tuple(row_words))
+        if len(rows) != 32:
+            raise _simulator.WarpCollectiveError(f"{name}: needs all 32 lanes of a warp")
+        if not transposed:
+            return tuple(np.uint32(rows[8 * q + lane // 4][lane % 4]) for q in range(4))
+        got = []
+        for q in range(4):
+            matrix = np.array([rows[8 * q + r] for r in range(8)], np.uint32).view(np.uint16)  # 8 x 8
+            lo, hi = matrix[2 * (lane % 4), lane // 4], matrix[2 * (lane % 4) + 1, lane // 4]
+            got.append(np.uint32(int(lo) | int(hi) << 16))
+        return tuple(got)
+
     def ldmatrix_x4(shared, index):
         row, j = checked_row(shared, index, 16, "ldmatrix_x4")
-        words = tuple(np.uint32(w) for w in np.asarray(row[j:j + 4]).view(np.uint32))
-        lane, rows = _simulator._masked_collective("ldmatrix_x4", FULL_MASK, words)
-        if len(rows) != 32:
-            raise _simulator.WarpCollectiveError("ldmatrix_x4: needs all 32 lanes of a warp")
-        return tuple(rows[8 * q + lane // 4][lane % 4] for q in range(4))
+        return _exchange("ldmatrix_x4", np.asarray(row[j:j + 4]).view(np.uint32), False)
+
+    def _row_at(address, what):
+        return address.buffer[address.bytes16(what)].view(np.uint32)
+
+    def ldmatrix_x4_at(address):
+        return _exchange("ldmatrix_x4", _row_at(address, "ldmatrix_x4_at"), False)
+
+    def ldmatrix_x4_trans_at(address):
+        return _exchange("ldmatrix_x4_trans", _row_at(address, "ldmatrix_x4_trans_at"), True)
 
 else:
     from llvmlite import ir
@@ -43,6 +71,16 @@ else:
     from .cp_async import _address, _to_shared
     from .vector import indexes
 
+    I32 = ir.IntType(32)
+
+    def _issue(builder, address, transposed):
+        function = ir.FunctionType(ir.LiteralStructType([I32] * 4), [I32])
+        shape = "m8n8.x4.trans" if transposed else "m8n8.x4"
+        asm = ir.InlineAsm(function, f"ldmatrix.sync.aligned.{shape}.shared.b16 {{$0,$1,$2,$3}}, [$4];",
+                           "=r,=r,=r,=r,r,~{memory}", side_effect=True)
+        result = builder.call(asm, [address])
+        return [builder.extract_value(result, k) for k in range(4)]
+
     @intrinsic
     def ldmatrix_x4(typingctx, shared, index):
         if not (indexes(shared, index) and shared.dtype.bitwidth == 32):
@@ -51,12 +89,23 @@ else:
 
         def codegen(context, builder, sig, args):
             address = _to_shared(builder, _address(context, builder, sig.args[0], args[0], sig.args[1], args[1]))
-            i32 = ir.IntType(32)
-            function = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32])
-            asm = ir.InlineAsm(function, "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0,$1,$2,$3}, [$4];",
-                               "=r,=r,=r,=r,r,~{memory}", side_effect=True)
-            result = builder.call(asm, [address])
-            items = [builder.extract_value(result, k) for k in range(4)]
-            return context.make_tuple(builder, sig.return_type, items)
+            return context.make_tuple(builder, sig.return_type, _issue(builder, address, False))
 
         return signature, codegen
+
+    def _at(transposed):
+        @intrinsic
+        def ldmatrix_at(typingctx, address):
+            if not isinstance(address, types.Integer):
+                return None
+            signature = types.UniTuple(types.uint32, 4)(address)
+
+            def codegen(context, builder, sig, args):
+                address = context.cast(builder, args[0], sig.args[0], types.uint32)
+                return context.make_tuple(builder, sig.return_type, _issue(builder, address, transposed))
+
+            return signature, codegen
+
+        return ldmatrix_at
+
+    ldmatrix_x4_at, ldmatrix_x4_trans_at = _at(False), _at(True)

@@ -17,6 +17,10 @@ Numba device arrays (the layouts' index arrays) are computed once per array.
 parameter buffer of its own for one launch and rewrites only the data
 pointers of the arrays that change from call to call.
 
+Kernels that take dynamic shared memory (``cuda.shared.array(0, ...)``) are registered once by
+their maker with `dynamic_shared`; every launch of them, replays included, passes that size, and
+a size over the 48 KB a block gets by default raises the function's limit first.
+
 Under the simulator every launch goes through the dispatcher.
 """
 
@@ -39,7 +43,17 @@ _multiprocessors = None
 _cuda_core = None
 _driver_launch = None
 _buffer_lock = threading.Lock()
+_dynamic_shared = {}
 MAX_CACHED_ARRAYS = 4096  # Numba device arrays whose fields are kept (with a reference to each)
+DEFAULT_SHARED = 48 * 1024  # dynamic shared memory a block may take without raising its limit
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+def dynamic_shared(dispatcher, nbytes):
+    """Record that ``dispatcher``'s kernel takes ``nbytes`` of dynamic shared memory a block;
+    returns the dispatcher (kernel makers end with ``return dynamic_shared(kernel, size)``)."""
+    _dynamic_shared[dispatcher] = int(nbytes)
+    return dispatcher
 
 
 def multiprocessors():
@@ -117,23 +131,34 @@ def _parameter_buffer(size):
 class _Kernel:
     """A compiled kernel and its parameter buffer: one 8-byte slot per field."""
 
-    __slots__ = ("function", "core_kernel", "packer", "buffer", "slots")
+    __slots__ = ("function", "core_kernel", "packer", "buffer", "slots", "shared")
 
-    def __init__(self, cufunc, values):
+    def __init__(self, cufunc, values, shared=0):
         self.core_kernel = cufunc.kernel
         self.function = None
+        self.shared = shared
         self.packer = struct.Struct(_format(values))
         self.buffer, self.slots = _parameter_buffer(self.packer.size)
-        if _driver() is not None:
-            from cuda.bindings import driver
+        from cuda.bindings import driver
 
-            handle = cufunc.handle
-            if isinstance(handle, driver.CUfunction):  # loaded through the module API
-                self.function = int(handle)
-            else:  # a library's CUkernel: its function in the current context
-                error, function = driver.cuKernelGetFunction(handle)
+        handle = cufunc.handle
+        if isinstance(handle, driver.CUfunction):  # loaded through the module API
+            function = handle
+        else:  # a library's CUkernel: its function in the current context
+            error, function = driver.cuKernelGetFunction(handle)
+            function = function if int(error) == 0 else None
+        if shared > DEFAULT_SHARED:
+            attribute = driver.CUfunction_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
+            if function is not None:
+                (error,) = driver.cuFuncSetAttribute(function, attribute, shared)
+            if not isinstance(handle, driver.CUfunction):  # (and the kernel's, which Numba launches)
+                error, device = driver.cuCtxGetDevice()
                 if int(error) == 0:
-                    self.function = int(function)
+                    (error,) = driver.cuKernelSetAttribute(attribute, shared, handle, device)
+            if int(error) != 0:
+                raise RuntimeError(f"raising the dynamic shared memory limit to {shared} bytes failed: {error}")
+        if _driver() is not None and function is not None:
+            self.function = int(function)
 
 
 def _driver():
@@ -204,14 +229,14 @@ def _dim3(dims):
 CUDA_ERROR_INVALID_CONTEXT = 201
 
 
-def _checked_launch(function, grid, block, handle, slots):
+def _checked_launch(function, grid, block, handle, slots, shared=0):
     """cuLaunchKernel, raising on failure. A thread with no current context (torch's autograd
     engine runs backward functions on threads of its own, where no driver call may have been
     made yet) gets Numba's, the device's primary context, and the launch is retried once."""
-    error = _driver_launch(function, *grid, *block, 0, handle, slots, None)
+    error = _driver_launch(function, *grid, *block, shared, handle, slots, None)
     if error == CUDA_ERROR_INVALID_CONTEXT:
         cuda.current_context()  # pushes the primary context on a thread that has none
-        error = _driver_launch(function, *grid, *block, 0, handle, slots, None)
+        error = _driver_launch(function, *grid, *block, shared, handle, slots, None)
     if error:
         raise RuntimeError(f"cuLaunchKernel failed with CUDA error {error}")
 
@@ -220,13 +245,14 @@ def launch(dispatcher, grid, block, stream, args):
     """``dispatcher[grid, block, stream](*args)``, through the dispatcher only the first time.
 
     Arrays must be C-contiguous device arrays (Numba, CuPy or torch); scalars
-    Python ints or floats.
+    Python ints or floats. A kernel registered with `dynamic_shared` gets its size.
     """
+    shared = _dynamic_shared.get(dispatcher, 0)
     if SIMULATOR:
         # Numba types a Python int argument int64; the simulator would keep it a Python int, and
         # under NumPy 2's promotion an int32 array element times it stays int32 and wraps (a
         # window's start, index * stride, would land where the GPU's int64 does not put it).
-        dispatcher[grid, block, stream](*(np.int64(a) if type(a) is int else a for a in args))
+        dispatcher[grid, block, stream, shared](*(np.int64(a) if type(a) is int else a for a in args))
         return
     stream = stream if stream else stream_of(0)
     key, values = _fields(args)
@@ -234,20 +260,22 @@ def launch(dispatcher, grid, block, stream, args):
     if kernel is None:
         # torch refuses __cuda_array_interface__ on tensors that require grad.
         args = [arg.detach() if hasattr(arg, "detach") else arg for arg in args]
-        dispatcher[grid, block, stream](*args)
         compiled = dispatcher.compile(tuple(dispatcher.typeof_pyval(arg) for arg in args))
-        _compiled[(dispatcher, key)] = _Kernel(compiled._codelibrary.get_cufunc(), values)
+        # (made before the first launch: it raises the function's shared-memory limit)
+        _compiled[(dispatcher, key)] = _Kernel(compiled._codelibrary.get_cufunc(), values, shared)
+        dispatcher[grid, block, stream, shared](*args)
         return
     if kernel.function is not None:
         # The lock: no other thread refills this kernel's parameter buffer
         # between the packing and the driver's copy of it.
         with _buffer_lock:
             kernel.packer.pack_into(kernel.buffer, 0, *values)
-            _checked_launch(kernel.function, _dim3(grid), _dim3(block), stream_handle(stream), kernel.slots)
+            _checked_launch(kernel.function, _dim3(grid), _dim3(block), stream_handle(stream), kernel.slots, shared)
         return
-    config = _configs.get((grid, block))
+    config = _configs.get((grid, block, shared))
     if config is None:
-        config = _configs[(grid, block)] = _core().LaunchConfig(grid=_dim3(grid), block=_dim3(block))
+        config = _configs[(grid, block, shared)] = _core().LaunchConfig(grid=_dim3(grid), block=_dim3(block),
+                                                                        shmem_size=shared)
     raw = [ctypes.c_double(v) if isinstance(v, float) else v for v in values]
     _core().launch(_core_stream(stream), config, kernel.core_kernel, *raw)
 
@@ -268,10 +296,11 @@ class Replay:
     tuple of positions: arguments that are views of one array (one pointer written into each).
     """
 
-    __slots__ = ("function", "grid", "block", "buffer", "words", "slots", "live", "lock")
+    __slots__ = ("function", "grid", "block", "buffer", "words", "slots", "live", "lock", "shared")
 
     def __init__(self, kernel, grid, block, args, values, live):
         self.function = kernel.function
+        self.shared = kernel.shared
         self.grid, self.block = _dim3(grid), _dim3(block)
         self.buffer, self.slots = _parameter_buffer(kernel.packer.size)
         kernel.packer.pack_into(self.buffer, 0, *values)
@@ -286,7 +315,7 @@ class Replay:
             words = self.words
             for index, k in self.live:
                 words[index] = pointers[k]
-            _checked_launch(self.function, self.grid, self.block, stream_handle, self.slots)
+            _checked_launch(self.function, self.grid, self.block, stream_handle, self.slots, self.shared)
 
 
 def replay(dispatcher, grid, block, args, live):
