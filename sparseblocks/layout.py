@@ -23,7 +23,7 @@ Derived once, as int32 arrays (read-only):
 
 import numpy as np
 
-BLOCK_SIZES = (8, 16, 32, 64)
+BLOCK_SIZES = (8, 16, 32, 64, 128)
 INT32_MAX = np.iinfo(np.int32).max
 
 

@@ -16,17 +16,17 @@ class BsmmConfig:
     product_group: int = 8  # row tiles a product hands out together, so concurrent blocks share activations in L2 (0: launch order)
 
     # -- version 1 (teaching kernels) ------------------------------------------------------
-    rows_per_tile: dict = default_field({8: 16, 16: 16, 32: 8, 64: 4})  # product rows a thread block, one thread an output
-    wgrad_rows: dict = default_field({8: 8, 16: 16, 32: 8, 64: 4})  # weight-gradient threads along a block's rows
+    rows_per_tile: dict = default_field({8: 16, 16: 16, 32: 8, 64: 4, 128: 2})  # product rows a thread block, one thread an output
+    wgrad_rows: dict = default_field({8: 8, 16: 16, 32: 8, 64: 4, 128: 4})  # weight-gradient threads along a block's rows
 
     # -- version 3 (SIMT, register-blocked) ------------------------------------------------
     product_tiles: dict = default_field(  # (rows TM, patch rows R, patch features Q, features a chunk KC)
-        {8: (256, 8, 2, 8), 16: (256, 8, 4, 16), 32: (128, 8, 4, 32), 64: (128, 8, 8, 32)})
+        {8: (256, 8, 2, 8), 16: (256, 8, 4, 16), 32: (128, 8, 4, 32), 64: (128, 8, 8, 32), 128: (64, 8, 8, 16)})
     product_threads: int = 128  # threads of a version 3 product; TM * KC must be a multiple of 8 of them
     segment_factor: int = 2  # lines longer than this many mean lines are cut into segments ...
     min_segment: int = 4  # ... of at least this many blocks, so one long line does not run alone
     wgrad_threads: int = 256  # threads of a version 3 weight gradient's block
-    wgrad_patch: dict = default_field({8: 2, 16: 4, 32: 4, 64: 4})  # side of a weight-gradient thread's patch
+    wgrad_patch: dict = default_field({8: 2, 16: 4, 32: 4, 64: 4, 128: 8})  # side of a weight-gradient thread's patch
     wgrad_chunk: int = 64  # rows of N a weight-gradient step loads
     combine_threads: int = 256  # threads of the kernels that add split sums in order
     transpose_threads: int = 256  # most threads of `transpose_blocks`' thread blocks

@@ -16,6 +16,15 @@ from ..runtime.backend import SIMULATOR
 # 16-byte alignment lets the compiler merge four shared loads into one; the
 # simulator does not take an alignment.
 SHARED_ALIGN = None if SIMULATOR else 16
+STATIC_SHARED = 48 * 1024  # the most static shared memory a thread block may declare
+
+
+def fitted(chunk, unit_bytes, limit=STATIC_SHARED):
+    """``chunk``, halved until ``chunk`` units of ``unit_bytes`` of shared tiles fit in ``limit``
+    bytes (fp64 and block 128 tiles of the SIMT kernels take smaller chunks)."""
+    while chunk > 1 and chunk * unit_bytes > limit:
+        chunk //= 2
+    return chunk
 
 
 def activation_io(feature_axis):

@@ -203,7 +203,6 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
     V4_WIDTH = cfg.v4_width
     V5_TRANSPOSED_FORWARD = cfg.v5_transposed_forward
     bs = layout.block_size
-    TM = PRODUCT_TILES[bs][0]
     slots, indices, combine_indices = product_schedule(cfg, layout, transpose_w, max_segment, stream)
     acc = "float64" if a.dtype == "float64" else "float32"
     workspace = a.scratch((slots, n_rows, bs), acc, stream) if slots else _unused_workspace(acc)
@@ -231,7 +230,7 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
         vector = vector_loads(cfg, (a_device, w_device), n_rows, feature_axis, (V4_WIDTH, v4_weight_width(cfg, bs)))
         kernel = compiled(cfg, make_product_v4, bs, a.dtype, transpose_w, feature_axis, vector)
     else:
-        maker, threads = make_product_v3, PRODUCT_THREADS
+        maker, threads, TM = make_product_v3, PRODUCT_THREADS, PRODUCT_TILES[bs][0]
         kernel = compiled(cfg, maker, bs, a.dtype, transpose_w, feature_axis)
     grid = ((n_rows + TM - 1) // TM, len(indices[0]))
     args = (out, workspace, a_device, w_device, *indices, n_rows)

@@ -17,6 +17,7 @@ def make_product_v1(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     """out[:, line-block] = sum over the line's blocks: a[:, other-block] · w[b] (or w[b]ᵀ)."""
     ROWS_PER_TILE = cfg.rows_per_tile
     rows = ROWS_PER_TILE[bs]
+    KC = min(bs, 32)  # rows of W's block (k) in shared memory at a time
     load, store = activation_io(feature_axis)
     to_acc, from_acc = converters(storage, acc_type)
 
@@ -27,23 +28,26 @@ def make_product_v1(cfg, bs, storage, acc_type, transpose_w, feature_axis):
         line = cuda.blockIdx.y
         row = cuda.blockIdx.x * rows + ty
         a_tile = cuda.shared.array((rows, bs), acc_type)
-        w_tile = cuda.shared.array((bs, bs), acc_type)
+        w_tile = cuda.shared.array((KC, bs), acc_type)
         acc = acc_type(0)
         for j in range(line_ptr[line], line_ptr[line + 1]):
             other = other_idx[j]
             block = j if transpose_w else line_block[j]
             a_tile[ty, tx] = to_acc(load(a, row, other * bs + tx)) if row < n_rows else acc_type(0)
-            for e in range(ty * bs + tx, bs * bs, rows * bs):
-                r = e // bs
-                c = e - r * bs
-                if transpose_w:
-                    w_tile[c, r] = to_acc(w[block, r, c])
-                else:
-                    w_tile[r, c] = to_acc(w[block, r, c])
-            cuda.syncthreads()  # a_tile and w_tile are loaded
-            for i in range(bs):
-                acc += a_tile[ty, i] * w_tile[i, tx]
-            cuda.syncthreads()  # every thread is done reading before the next load
+            for k0 in range(0, bs, KC):
+                # k rows k0..k0 + KC - 1 of the block (of Wᵀ: a column strip of the stored block),
+                # read in storage order
+                for e in range(ty * bs + tx, KC * bs, rows * bs):
+                    if transpose_w:
+                        c, r = e // KC, e % KC
+                        w_tile[r, c] = to_acc(w[block, c, k0 + r])
+                    else:
+                        r, c = e // bs, e % bs
+                        w_tile[r, c] = to_acc(w[block, k0 + r, c])
+                cuda.syncthreads()  # a_tile and this strip of w_tile are loaded
+                for i in range(KC):
+                    acc += a_tile[ty, k0 + i] * w_tile[i, tx]
+                cuda.syncthreads()  # every thread is done reading before the next load
         if row < n_rows:
             store(out, row, line * bs + tx, from_acc(acc))
 

@@ -22,6 +22,7 @@ from .device import (
     add_outer_8x8,
     chunk_position,
     converters,
+    fitted,
     grouped_tile,
     product_output,
     weight_vector_load,
@@ -40,6 +41,7 @@ def make_product_v3(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     PRODUCT_THREADS = cfg.product_threads
     PRODUCT_TILES = cfg.product_tiles
     TM, R, Q, KC = PRODUCT_TILES[bs]
+    KC = fitted(KC, (TM + 1 + bs + 1) * (acc_type.bitwidth // 8))  # (the two tiles below in static shared memory)
     T = PRODUCT_THREADS
     QX = bs // Q
     A_SHAPE = (KC, TM + 1)  # +1 column: transposed stores hit distinct banks

@@ -14,6 +14,7 @@ from numba import cuda, float32, int32, uint32, uint64
 from ..ptx.cp_async import commit, copy16_to, global_address, shared_address, waiter
 from ..ptx.mma import MMA_M, MMA_N, pack
 from ..ptx.vector import load4
+from ..runtime.launch import dynamic_shared
 from .device import (
     SHARED_ALIGN,
     activation_io,
@@ -48,7 +49,7 @@ def make_transpose_blocks(cfg, bs, storage, acc_type):
     def transpose_blocks(wt, w, col_block):
         p = cuda.blockIdx.x
         block = col_block[p]
-        tile = cuda.shared.array(TILE, uint32)
+        tile = cuda.shared.array(0, uint32)  # TILE words (dynamic: fp32 blocks of 128 take 66 KB)
         held = cuda.local.array(EACH, uint32)
         for i in range(EACH):
             e = cuda.threadIdx.x + i * THREADS
@@ -71,7 +72,7 @@ def make_transpose_blocks(cfg, bs, storage, acc_type):
                 v = tile[q * STRIDE + c]
             wt[p, c, q] = int32(v)
 
-    return transpose_blocks
+    return dynamic_shared(transpose_blocks, 4 * TILE)
 
 
 def v5_values(storage):

@@ -71,11 +71,16 @@ def _operand(rows_along_k, side, BK):
     return rows, 2 * values + PAD, values // CHUNK
 
 
-def shared_bytes(cfg, bs, weight_grad=False):
+def shared_bytes(cfg, bs, weight_grad=False, a_along_k=None, b_along_k=None):
+    """Bytes of the ring: its stages of A's and B's tiles as the operands lie (``*_along_k``), or
+    the most either way lies (None: what `v6_check` bounds)."""
     BM, BN, _, _, BK, STAGES = v6_shape(cfg, bs, weight_grad)
-    a_rows, a_stride, _ = _operand(True, BM, BK)  # (either orientation: the same bytes)
-    b_rows, b_stride, _ = _operand(True, BN, BK)
-    return STAGES * (a_rows * a_stride + b_rows * b_stride)
+
+    def tile(along_k, side):
+        ways = (True, False) if along_k is None else (along_k,)
+        return max(rows * stride for rows, stride, _ in (_operand(way, side, BK) for way in ways))
+
+    return STAGES * (tile(a_along_k, BM) + tile(b_along_k, BN))
 
 
 def make_tile_loop(cfg, bs, storage, weight_grad, a_along_k, b_along_k):
@@ -127,13 +132,15 @@ def make_tile_loop(cfg, bs, storage, weight_grad, a_along_k, b_along_k):
 
     @cuda.jit(device=True, inline=True)
     def issue(base, tid, buf, a_global, b_global, a_from, a_to, b_from, b_to, a_keep, b_keep):
+        """(A chunk dropped by its keep flag reads nothing, and points at the stage's first
+        chunk, which is in the array, rather than past its end.)"""
         at = base + buf * STAGE_BYTES
         for i in range(A_PER):
             if A_ALL or tid + i * T < A_CHUNKS:
-                copy16_or_zero(at + a_to[i], a_global + a_from[i], a_keep[i])
+                copy16_or_zero(at + a_to[i], a_global + (a_from[i] if a_keep[i] else 0), a_keep[i])
         for i in range(B_PER):
             if B_ALL or tid + i * T < B_CHUNKS:
-                copy16_or_zero(at + b_to[i], b_global + b_from[i], b_keep[i])
+                copy16_or_zero(at + b_to[i], b_global + (b_from[i] if b_keep[i] else 0), b_keep[i])
 
     @cuda.jit(device=True, inline=True)
     def lane_offsets(lane, warp_m, warp_n):
@@ -307,7 +314,7 @@ def make_product_v6(cfg, bs, storage, acc_type, transpose_w, feature_axis):
         store_rows(acc, out, workspace, seg_line[seg], seg_slot[seg], row0 + warp_m * WM + lane // 4,
                    warp_n * WN + 2 * (lane % 4), n_rows)
 
-    return dynamic_shared(product_v6, shared_bytes(cfg, bs))
+    return dynamic_shared(product_v6, shared_bytes(cfg, bs, False, A_ALONG_K, transpose_w))
 
 
 def make_weight_grad_v6(cfg, bs, storage, acc_type, feature_axis):
@@ -419,4 +426,4 @@ def make_weight_grad_v6(cfg, bs, storage, acc_type, feature_axis):
 
         finish_rows(acc, dw, workspace, block, split, warp_m * WM + lane // 4, warp_n * WN + 2 * (lane % 4), beta)
 
-    return dynamic_shared(weight_grad_v6, shared_bytes(cfg, bs, True))
+    return dynamic_shared(weight_grad_v6, shared_bytes(cfg, bs, True, ALONG_K, ALONG_K))

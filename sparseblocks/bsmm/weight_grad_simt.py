@@ -12,11 +12,13 @@ from numba import cuda, uint64
 
 from .device import (
     SHARED_ALIGN,
+    STATIC_SHARED,
     activation_io,
     activation_vector_load,
     add_outer_8x8,
     chunk_position,
     converters,
+    fitted,
     weight_grad_output,
 )
 
@@ -31,8 +33,9 @@ def make_weight_grad_v3(cfg, bs, storage, acc_type, feature_axis):
     GT = PX * PX  # threads per group
     T = WGRAD_THREADS
     G = T // GT  # groups, each taking every G-th row of a chunk
-    NC = WGRAD_CHUNK
     RED = G * bs * bs if G > 1 else 1
+    SIZE = acc_type.bitwidth // 8
+    NC = fitted(WGRAD_CHUNK, 2 * (bs + 1) * SIZE, STATIC_SHARED - RED * SIZE)  # (rows of both tiles)
     TILE_SHAPE = (NC, bs + 1)  # +1 column against bank conflicts of the transposed stores
     load, _ = activation_io(feature_axis)
     to_acc, from_acc = converters(storage, acc_type)

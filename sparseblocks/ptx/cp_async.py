@@ -18,7 +18,8 @@ that signed int64 offsets add to it: Numba types uint64 + int64 as a float), add
 call ``copy16_to(shared_address, global_address)``: one instruction and two
 additions a copy. ``copy16_or_zero(shared_address, global_address, keep)``
 writes 16 zero bytes instead where ``keep`` is false (cp.async's source size
-0: nothing is read), for rows past an array's end. Other threads see a
+0: nothing is read), for rows past an array's end; its source address is still
+kept inside the array (the simulator checks it), as a faulting address could fault. Other threads see a
 landed copy only after a barrier, as with any shared store. Both addresses
 must be multiples of 16 bytes and the 16 bytes contiguous: launchers check
 pointers and strides on the host, as for `_vector.py`'s loads.
@@ -96,7 +97,8 @@ if SIMULATOR:
         copy16_or_zero(shared, source, True)
 
     def copy16_or_zero(shared, source, keep):
-        values = source.buffer[source.bytes16("copy16 source")].copy() if keep else np.zeros(BYTES, np.uint8)
+        span = source.bytes16("copy16 source")  # (in the array even where nothing is read: kernels keep it so)
+        values = source.buffer[span].copy() if keep else np.zeros(BYTES, np.uint8)
         _groups()[-1].append((shared.buffer, shared.bytes16("copy16 destination").start, values))
 
     def commit():

@@ -18,9 +18,11 @@ from strategies import arrays, gpu_only_case, layouts, values
 from test_bsmm import assert_products, to_axis
 
 # The simulator meets 32 Python threads at every ldmatrix and mma: one-warp tiles there, k16
-# stages, so that a block of 32 is two stages and the three-buffer ring wraps inside a line.
+# product stages, so that a block of 32 is two stages and the three-buffer ring wraps inside a
+# line, and 32-row weight-gradient stages, longer than a block of 16 is wide (its tiles of xᵀ
+# and dy then take more shared memory down their rows than across them).
 SMALL = dict(v6_tiles={16: (16, 1, 1), 32: (32, 1, 1)}, v6_wgrad_warps={16: (1, 1), 32: (1, 1)},
-             v6_k=16, v6_wgrad_k=16, v6_stages=3, v6_wgrad_stages=3)
+             v6_k=16, v6_wgrad_k=32, v6_stages=3, v6_wgrad_stages=3)
 CFG = replace(bsmm.DEFAULT, **SMALL) if SIMULATOR else bsmm.DEFAULT
 few = settings(max_examples=2) if SIMULATOR else settings()
 CASES = ([(16, "float16"), (32, "bfloat16")] if SIMULATOR
@@ -63,7 +65,7 @@ def test_tile_split_lines_and_rows_match_reference(max_segment, splits):
     bs, dtype = 16, "float16"
     layout = BlockLayout(np.array([[1, 1], [1, 0], [1, 1]]), bs)
     rng = np.random.default_rng(5)
-    n = 40
+    n = 136  # (five weight-gradient stages of 32 in one split: the ring wraps)
     C, K = layout.dense_shape
     x, dy = values(rng, (n, C), dtype), values(rng, (n, K), dtype)
     w = values(rng, layout.w_shape, dtype)
@@ -71,7 +73,9 @@ def test_tile_split_lines_and_rows_match_reference(max_segment, splits):
         y = bsmm.api._product(CFG, x, w, layout, 1, False, 6, max_segment=max_segment)
         dx = bsmm.api._product(CFG, dy, w, layout, 1, True, 6, max_segment=max_segment)
         dw = bsmm.weight_grad(x, dy, layout, version=6, splits=splits, config=CFG)
+        whole = bsmm.weight_grad(x, dy, layout, version=6, splits=1, config=CFG)
     assert_products(y, dx, dw, x, dy, w, layout, 1, dtype)
+    assert_products(y, dx, whole, x, dy, w, layout, 1, dtype)
 
 
 def test_tiles_fall_back_where_operands_do_not_fit():
