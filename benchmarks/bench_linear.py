@@ -1,18 +1,22 @@
-"""One training step of a block-sparse MLP against the same MLP dense and with torch BSR weights.
+"""One training step of a block-sparse MLP, and of a transformer's FFN, against the same model
+dense, with stk's layers and with torch BSR weights.
 
-The model: ``layers`` `BlockSparseLinear` layers of ``width`` (bias, ReLU between), ``tokens`` rows,
-AdamW. A step is forward, backward and the optimizer, in fp32 (TF32 off) or bf16, eager or
-``torch.compile``d; the baselines run the same step in the same run: ``dense`` (``nn.Linear``, the
-same mode) and ``torch_bsr`` (weights as torch BSR tensors, eager; NaN where torch cannot train
-them). Each step is checked first: its loss against the dense masked model's.
+The models: ``mlp``, 4 `BlockSparseLinear` layers of width 4096 (bias, ReLU between) on 4096 rows;
+``ffn``, a transformer FFN 4096 -> 16384 -> 4096 (ReLU between) on 8192 rows. AdamW. A step is
+forward, backward and the optimizer, in fp32 (TF32 off) or bf16, eager or ``torch.compile``d; the
+baselines run the same step in the same run: ``dense`` (``nn.Linear``, the same mode), ``stk``
+(the same model on stk's autograd ops, ``dds`` forward and ``sdd`` weight gradient, at block 128
+and the same density: MegaBlocks' layers; eager, bf16; NaN where stk is not importable) and
+``torch_bsr`` (weights as torch BSR tensors, eager; NaN where torch cannot train them). Each step
+is checked first: its loss against the dense masked model's.
 
-Records: ``train_step`` (params dtype, block_size, density, mode), and per configuration
+Records: ``train_step`` (params model, dtype, block_size, density, mode), and per configuration
 ``layer_overhead``: one layer's forward and backward as device time (a CUDA graph's replay)
 against the sum of its three products' kernel times (baseline ``kernels``), and ``host_overhead``:
 an eager layer call's host time (64 rows of a 1024-wide layer, queued behind a sleeping kernel so
 that only the host is timed; baseline ``nn_linear``'s).
 
-    python benchmarks/bench_linear.py [--quick] [--out-dir DIR]
+    python benchmarks/bench_linear.py [--quick] [--models mlp,ffn] [--modes eager,compiled] [--out-dir DIR]
 """
 
 import argparse
@@ -25,11 +29,44 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import Record, baseline_ms, device_name, graph_ms, print_table, time_ms, write_results  # noqa: E402
 
 
-def mlp(torch, layer, width, layers):
+MODELS = {  # widths from input to output, rows
+    "mlp": ((4096, 4096, 4096, 4096, 4096), 4096),
+    "ffn": ((4096, 16384, 4096), 8192),
+}
+STK_BLOCK = 128
+
+
+def mlp(torch, layer, widths):
+    """Linear layers ``layer(i, in, out)`` between consecutive widths, ReLU between them."""
     parts = []
-    for i in range(layers):
-        parts += [layer(i), torch.nn.ReLU()] if i < layers - 1 else [layer(i)]
+    for i in range(len(widths) - 1):
+        parts += [layer(i, widths[i], widths[i + 1])] + ([torch.nn.ReLU()] if i < len(widths) - 2 else [])
     return torch.nn.Sequential(*parts)
+
+
+def stk_linear(torch, stk, in_features, out_features, density, seed, dtype):
+    """A layer ``y = x·W + b`` with W an stk block-sparse matrix (blocks of 128) of this density:
+    stk's ``dds`` forward, its autograd's ``dds``/``sdd`` backward, as MegaBlocks trains."""
+    from sparseblocks import BlockLayout
+
+    class StkLinear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            layout = BlockLayout.random((in_features // STK_BLOCK, out_features // STK_BLOCK), density, seed=seed,
+                                        block_size=STK_BLOCK)
+            mask = torch.as_tensor(layout.element_mask(), device="cuda")
+            dense = torch.randn(in_features, out_features, device="cuda", dtype=dtype) * mask / (in_features * density) ** 0.5
+            self.topology = stk.ops.to_sparse(dense, blocking=STK_BLOCK)
+            self.data = torch.nn.Parameter(self.topology.data)
+            self.bias = torch.nn.Parameter(torch.zeros(out_features, device="cuda", dtype=dtype))
+
+        def forward(self, x):
+            t = self.topology
+            w = stk.Matrix(t.size(), self.data, t.row_indices, t.column_indices, t.offsets, t.column_indices_t,
+                           t.offsets_t, t.block_offsets_t)
+            return stk.ops.dds(x, w) + self.bias
+
+    return StkLinear()
 
 
 class BsrLinear:
@@ -61,17 +98,37 @@ def step_fn(torch, model, x, target):
     return step
 
 
-def bench_config(torch, dtype, bs, density, width, tokens, layers, modes, records, dense_ms):
+def stk_step_ms(torch, widths, tokens, density, dtype, cache={}):
+    """stk's model's step (eager), NaN where stk is missing or cannot run; one per model and density."""
+    key = (widths, tokens, density, dtype)
+    if key not in cache:
+        try:
+            import stk
+
+            torch.manual_seed(0)
+            model = mlp(torch, lambda i, a, b: stk_linear(torch, stk, a, b, density, i, dtype), widths)
+            x = torch.randn(tokens, widths[0], device="cuda", dtype=dtype)
+            target = torch.randn(tokens, widths[-1], device="cuda", dtype=dtype)
+            cache[key] = baseline_ms(step_fn(torch, model, x, target), warmup=5, repeat=20)
+        except Exception as error:  # stk missing or failing: the baseline is NaN
+            print(f"stk: {type(error).__name__}: {error}", file=sys.stderr)
+            cache[key] = float("nan")
+    return cache[key]
+
+
+def bench_config(torch, dtype, bs, density, model_name, modes, records, dense_ms):
     from sparseblocks.torch import BlockSparseLinear
     from sparseblocks.torch.ops import bsmm_forward, bsmm_input_grad, bsmm_weight_grad
 
+    widths, tokens = MODELS[model_name]
+    width = widths[0]
     torch.manual_seed(0)
-    sparse = mlp(torch, lambda i: BlockSparseLinear(width, width, density=density, block_size=bs, seed=i,
-                                                    device="cuda", dtype=dtype), width, layers)
+    sparse = mlp(torch, lambda i, a, b: BlockSparseLinear(a, b, density=density, block_size=bs, seed=i,
+                                                          device="cuda", dtype=dtype), widths)
     x = torch.randn(tokens, width, device="cuda", dtype=dtype)
-    target = torch.randn(tokens, width, device="cuda", dtype=dtype)
+    target = torch.randn(tokens, widths[-1], device="cuda", dtype=dtype)
     # Check: the sparse model's loss against the dense masked model's.
-    dense = mlp(torch, lambda i: torch.nn.Linear(width, width, device="cuda", dtype=dtype), width, layers)
+    dense = mlp(torch, lambda i, a, b: torch.nn.Linear(a, b, device="cuda", dtype=dtype), widths)
     with torch.no_grad():
         for s, d in zip(sparse, dense):
             if hasattr(s, "weight"):
@@ -83,23 +140,24 @@ def bench_config(torch, dtype, bs, density, width, tokens, layers, modes, record
         raise AssertionError(f"loss {got.item()} against the dense masked model's {want.item()}")
     bsr_ms = float("nan")
     try:
-        bsr = mlp(torch, lambda i: BsrLinear(torch, dense[2 * i], bs), width, layers)
+        bsr = mlp(torch, lambda i, a, b: BsrLinear(torch, dense[2 * i], bs), widths)
         step_fn(torch, bsr, x, target)()  # (torch cannot yet train a BSR weight: NaN then)
         bsr_ms = baseline_ms(step_fn(torch, bsr, x, target))
     except Exception as error:
         print(f"torch_bsr: {type(error).__name__}: {error}", file=sys.stderr)
     name = str(dtype).replace("torch.", "")
+    stk_ms = stk_step_ms(torch, widths, tokens, density, dtype) if dtype == torch.bfloat16 else float("nan")
     for mode in modes:
         model = torch.compile(sparse) if mode == "compiled" else sparse
         ms = time_ms(step_fn(torch, model, x, target), warmup=5, repeat=20)
-        records.append(Record("train_step", {"dtype": name, "block_size": bs, "density": density, "mode": mode,
-                                             "width": width, "tokens": tokens, "layers": layers},
-                              ms, {"dense": dense_ms[(name, mode)], "torch_bsr": bsr_ms}))
-        print(f"done {name} bs={bs} density={density} {mode}: {ms:.3f} ms", flush=True)
+        records.append(Record("train_step", {"model": model_name, "dtype": name, "block_size": bs, "density": density,
+                                             "mode": mode, "width": width, "tokens": tokens, "layers": len(widths) - 1},
+                              ms, {"dense": dense_ms[(model_name, name, mode)], "stk": stk_ms, "torch_bsr": bsr_ms}))
+        print(f"done {model_name} {name} bs={bs} density={density} {mode}: {ms:.3f} ms", flush=True)
     # One layer: device time of forward + backward against its products' kernel times.
     layer = sparse[0]
     xg = x.detach().clone().requires_grad_(True)
-    dy = torch.randn_like(x)
+    dy = torch.randn(tokens, widths[1], device="cuda", dtype=dtype)
 
     def layer_step():
         xg.grad = None
@@ -146,8 +204,12 @@ def host_overhead(torch, dtype, bs, density, name, width=1024, rows=64, calls=20
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="block 32, densities 10 and 50 %%")
+    parser.add_argument("--quick", action="store_true", help="block 64, densities 10 and 25 %%")
     parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--models", default="mlp,ffn")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--block-sizes", default=None, help="comma-separated (default: 32,64,128)")
+    parser.add_argument("--densities", default=None, help="comma-separated (default: 0.05,0.1,0.25,0.5)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
 
@@ -155,24 +217,30 @@ def main():
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    width, tokens, layers = 4096, 4096, 4
-    block_sizes, densities = ([32], [0.1, 0.5]) if args.quick else ([32, 64], [0.05, 0.1, 0.25, 0.5])
+    block_sizes, densities = ([64], [0.1, 0.25]) if args.quick else ([32, 64, 128], [0.05, 0.1, 0.25, 0.5])
+    if args.block_sizes:
+        block_sizes = [int(b) for b in args.block_sizes.split(",")]
+    if args.densities:
+        densities = [float(d) for d in args.densities.split(",")]
     modes = args.modes.split(",")
     records = []
-    for dtype in (torch.float32, torch.bfloat16):
-        name = str(dtype).replace("torch.", "")
-        x = torch.randn(tokens, width, device="cuda", dtype=dtype)
-        target = torch.randn_like(x)
-        dense_ms = {}
-        for mode in modes:
-            torch.manual_seed(0)
-            dense = mlp(torch, lambda i: torch.nn.Linear(width, width, device="cuda", dtype=dtype), width, layers)
-            dense_ms[(name, mode)] = baseline_ms(step_fn(torch, torch.compile(dense) if mode == "compiled" else dense,
-                                                         x, target), warmup=5, repeat=20)
-        for bs in block_sizes:
-            for density in densities:
-                bench_config(torch, dtype, bs, density, width, tokens, layers, modes, records, dense_ms)
-                write_results("linear_partial", records, **({} if args.out_dir is None else {"directory": args.out_dir}))
+    for model_name in args.models.split(","):
+        widths, tokens = MODELS[model_name]
+        for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
+            name = str(dtype).replace("torch.", "")
+            x = torch.randn(tokens, widths[0], device="cuda", dtype=dtype)
+            target = torch.randn(tokens, widths[-1], device="cuda", dtype=dtype)
+            dense_ms = {}
+            for mode in modes:
+                torch.manual_seed(0)
+                dense = mlp(torch, lambda i, a, b: torch.nn.Linear(a, b, device="cuda", dtype=dtype), widths)
+                step = step_fn(torch, torch.compile(dense) if mode == "compiled" else dense, x, target)
+                dense_ms[(model_name, name, mode)] = baseline_ms(step, warmup=5, repeat=20)
+            for bs in block_sizes:
+                for density in densities:
+                    bench_config(torch, dtype, bs, density, model_name, modes, records, dense_ms)
+                    write_results("linear_partial", records,
+                                  **({} if args.out_dir is None else {"directory": args.out_dir}))
     write_results("linear", records, **({} if args.out_dir is None else {"directory": args.out_dir}))
     print_table(records, f"linear on {device_name()}")
 

@@ -70,6 +70,7 @@ class BsmmConfig:
         {16: (128, 4, 1), 32: (256, 4, 1), 64: (256, 4, 1), 128: (128, 2, 2)})
     v6_k: int = 32  # k values a stage (at most a block): two k16 mma steps a barrier
     v6_stages: int = 4  # shared buffers of the ring, stages - 1 in flight while one is multiplied
+    v6_copy_step: int = 0  # k16 steps of a stage multiplied before the next stage's copies are issued
     v6_wgrad_warps: dict = default_field(  # (warps along dW's rows, along its columns) of a block's tile
         {16: (1, 1), 32: (1, 1), 64: (2, 2), 128: (2, 2)})
     v6_wgrad_k: int = 32  # rows of N a weight-gradient stage

@@ -92,8 +92,9 @@ def make_tile_loop(cfg, bs, storage, weight_grad, a_along_k, b_along_k):
     * ``issue(base, buf, a_global, b_global, a_from, a_to, b_from, b_to, a_keep, b_keep)``: one
       stage's cp.async copies into buffer ``buf``, from the global addresses ``a_global`` and
       ``b_global`` of the stage (plus each chunk's offset), zeros where a keep flag is false;
-    * ``multiply(acc, base, buf, a_lane, b_lane)``: acc += the stage in buffer ``buf``, from this
-      lane's ldmatrix row addresses (`lane_offsets`);
+    * ``multiply_head`` and ``multiply_tail(acc, fa, fb, base, buf, a_lane, b_lane)``: acc += the
+      stage in buffer ``buf``, from this lane's ldmatrix row addresses (`lane_offsets`), its first
+      ``v6_copy_step`` k16 steps and the rest: a stage's copies are issued between them;
     * ``lane_offsets(lane, warp_m, warp_n)``: those addresses' offsets in buffer 0.
     """
     BM, BN, WARPS_M, WARPS_N, BK, STAGES = v6_shape(cfg, bs, weight_grad)
@@ -182,14 +183,21 @@ def make_tile_loop(cfg, bs, storage, weight_grad, a_along_k, b_along_k):
                 for q in range(4):
                     acc[mt, nt, q] = d[q]
 
-    steps = unrolled(STEPS, step)
+    head = unrolled(min(cfg.v6_copy_step, STEPS), step)
+    tail = unrolled(STEPS, step, start=min(cfg.v6_copy_step, STEPS))
 
     @cuda.jit(device=True, inline=True)
-    def multiply(acc, fa, fb, base, buf, a_lane, b_lane):
+    def multiply_head(acc, fa, fb, base, buf, a_lane, b_lane):
+        """The stage's k16 steps before its thread issues the next stage's copies (v6_copy_step)."""
         at = base + buf * STAGE_BYTES
-        steps(acc, fa, fb, at + a_lane, at + b_lane)
+        head(acc, fa, fb, at + a_lane, at + b_lane)
 
-    return copy_plan, issue, lane_offsets, multiply
+    @cuda.jit(device=True, inline=True)
+    def multiply_tail(acc, fa, fb, base, buf, a_lane, b_lane):
+        at = base + buf * STAGE_BYTES
+        tail(acc, fa, fb, at + a_lane, at + b_lane)
+
+    return copy_plan, issue, lane_offsets, multiply_head, multiply_tail
 
 
 def make_product_v6(cfg, bs, storage, acc_type, transpose_w, feature_axis):
@@ -207,7 +215,7 @@ def make_product_v6(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     SPB = bs // BK  # stages a block
     GROUP = cfg.product_group
     A_ALONG_K = feature_axis == 1
-    copy_plan, issue, lane_offsets, multiply = make_tile_loop(cfg, bs, storage, False, A_ALONG_K, transpose_w)
+    copy_plan, issue, lane_offsets, multiply_head, multiply_tail = make_tile_loop(cfg, bs, storage, False, A_ALONG_K, transpose_w)
     A_ROWS, _, A_CPR = _operand(A_ALONG_K, BM, BK)
     B_ROWS, _, B_CPR = _operand(transpose_w, BN, BK)
     A_PER, B_PER = -(-(A_ROWS * A_CPR) // T), -(-(B_ROWS * B_CPR) // T)
@@ -297,6 +305,7 @@ def make_product_v6(cfg, bs, storage, acc_type, transpose_w, feature_axis):
             wait()  # this thread's copies of this stage have landed
             # Every thread's have, and every warp is done with the buffer refilled below.
             cuda.syncthreads()
+            multiply_head(acc, fa, fb, base, buf, a_lane, b_lane)
             nxt = stage + STAGES - 1
             if nxt < n_stages:
                 j = begin + nxt // SPB
@@ -308,7 +317,7 @@ def make_product_v6(cfg, bs, storage, acc_type, transpose_w, feature_axis):
                 issue(base, tid, nbuf, a_base + a_stage, w_base + b_stage, a_from, a_to, b_from, b_to,
                       a_keep, b_keep)
             commit()
-            multiply(acc, fa, fb, base, buf, a_lane, b_lane)
+            multiply_tail(acc, fa, fb, base, buf, a_lane, b_lane)
             buf = buf + 1 if buf < STAGES - 1 else 0
 
         store_rows(acc, out, workspace, seg_line[seg], seg_slot[seg], row0 + warp_m * WM + lane // 4,
@@ -329,7 +338,7 @@ def make_weight_grad_v6(cfg, bs, storage, acc_type, feature_axis):
     WM, WN = BM // WARPS_M, BN // WARPS_N
     MT, NT, NP = WM // MMA_M, WN // MMA_N, WN // (2 * MMA_N)
     ALONG_K = feature_axis == 0  # N runs along the stored rows of x and dy
-    copy_plan, issue, lane_offsets, multiply = make_tile_loop(cfg, bs, storage, True, ALONG_K, ALONG_K)
+    copy_plan, issue, lane_offsets, multiply_head, multiply_tail = make_tile_loop(cfg, bs, storage, True, ALONG_K, ALONG_K)
     A_ROWS, _, A_CPR = _operand(ALONG_K, BM, BK)
     B_ROWS, _, B_CPR = _operand(ALONG_K, BN, BK)
     A_PER, B_PER = -(-(A_ROWS * A_CPR) // T), -(-(B_ROWS * B_CPR) // T)
@@ -410,6 +419,7 @@ def make_weight_grad_v6(cfg, bs, storage, acc_type, feature_axis):
         for stage in range(n_stages):
             wait()
             cuda.syncthreads()  # as in the product: the stage landed, the old buffer is free
+            multiply_head(acc, fa, fb, base, buf, a_lane, b_lane)
             nxt = stage + STAGES - 1
             if nxt < n_stages:
                 n0 = n_begin + nxt * BK
@@ -421,7 +431,7 @@ def make_weight_grad_v6(cfg, bs, storage, acc_type, feature_axis):
                 issue(base, tid, nbuf, x_base + x_stage, dy_base + dy_stage, a_from, a_to, b_from, b_to,
                       a_keep, b_keep)
             commit()
-            multiply(acc, fa, fb, base, buf, a_lane, b_lane)
+            multiply_tail(acc, fa, fb, base, buf, a_lane, b_lane)
             buf = buf + 1 if buf < STAGES - 1 else 0
 
         finish_rows(acc, dw, workspace, block, split, warp_m * WM + lane // 4, warp_n * WN + 2 * (lane % 4), beta)

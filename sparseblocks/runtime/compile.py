@@ -18,8 +18,8 @@ def cached(maker, *key):
     return kernel
 
 
-def unrolled(count, body):
-    """A device function ``run(*args)`` that calls ``body(i, *args)`` for i = 0 .. count - 1,
+def unrolled(count, body, start=0):
+    """A device function ``run(*args)`` that calls ``body(i, *args)`` for i = start .. count - 1,
     written out one call after another, so that ``i`` is a constant in each (Numba's compiler
     leaves a loop whose body is large rolled, and a register array indexed by its counter then
     lives in local memory). ``run`` takes ``body``'s parameters after the first, by name: it is
@@ -30,7 +30,7 @@ def unrolled(count, body):
 
     function = getattr(body, "py_func", None) or body.fn  # (a dispatcher, or the simulator's kernel)
     names = ", ".join(list(inspect.signature(function).parameters)[1:])
-    lines = [f"    body({i}, {names})" for i in range(count)] or ["    return None"]
+    lines = [f"    body({i}, {names})" for i in range(start, count)] or ["    return None"]
     namespace = {"body": body}
     exec(f"def run({names}):\n" + "\n".join(lines) + "\n", namespace)
     return cuda.jit(device=True, inline=True)(namespace["run"])
