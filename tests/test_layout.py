@@ -115,4 +115,4 @@ def test_bad_helper_arguments():
         layout.block_coord(4)
     with pytest.raises(ValueError, match="multiple"):
         BlockLayout.from_mask(np.ones((10, 16)), 8)
-    assert set(BLOCK_SIZES) == {8, 16, 32, 64}
+    assert set(BLOCK_SIZES) == {8, 16, 32, 64, 128}

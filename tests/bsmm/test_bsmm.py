@@ -16,7 +16,8 @@ from sparseblocks.reference import bsmm as reference
 from strategies import DTYPE_NAMES, VALUE_STYLES, arrays, assert_close, gpu_only_case, layouts, values
 
 # The simulator runs a Python thread per CUDA thread: fewer, smaller cases there.
-MAX_BLOCKS = {8: 3, 16: 3, 32: 2, 64: 2} if SIMULATOR else {8: 8, 16: 6, 32: 4, 64: 3}
+MAX_BLOCKS = {8: 3, 16: 3, 32: 2, 64: 2, 128: 1} if SIMULATOR else {8: 8, 16: 6, 32: 4, 64: 3, 128: 2}
+BLOCKS = [8, 16, 32, 64] + ([] if SIMULATOR else [128])  # (block 128 in the simulator: test_block_128_...)
 MAX_N = 20 if SIMULATOR else 300
 few = settings(max_examples=2) if SIMULATOR else settings()
 
@@ -65,7 +66,7 @@ def check_all_products(data, block_size, dtype, feature_axis, version):
 
 @pytest.mark.parametrize("feature_axis", [1, 0])
 @pytest.mark.parametrize("dtype", DTYPE_NAMES)
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("block_size", BLOCKS)
 @few
 @given(data=st.data())
 def test_products_match_reference(data, block_size, dtype, feature_axis):
@@ -74,12 +75,29 @@ def test_products_match_reference(data, block_size, dtype, feature_axis):
 
 @pytest.mark.parametrize("version", [1, 3])
 @pytest.mark.parametrize("feature_axis", [1, 0])
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("block_size", BLOCKS)
 @few
 @given(data=st.data())
 def test_earlier_versions_match_reference(data, block_size, feature_axis, version):
     dtype = data.draw(st.sampled_from(["float32", "bfloat16"]), label="dtype")
     check_all_products(data, block_size, dtype, feature_axis, version=version)
+
+
+@pytest.mark.parametrize("version, dtype, feature_axis", [(1, "float64", 0), (3, "float32", 1)])
+def test_block_128_products_match_reference(version, dtype, feature_axis):
+    """Block 128 on the SIMT families (fp32 and fp64 at block 128 run them): the teaching
+    product's W strips and the chunks that fit static shared memory, one block in the simulator."""
+    rng = np.random.default_rng(version)
+    layout = BlockLayout(np.array([[1, 0], [1, 1]]) if not SIMULATOR else np.ones((1, 1)), 128)
+    n = 3 if SIMULATOR else 150
+    C, K = layout.dense_shape
+    x, dy = to_axis(values(rng, (n, C), dtype), feature_axis), to_axis(values(rng, (n, K), dtype), feature_axis)
+    w = values(rng, layout.w_shape, dtype)
+    with poisoned_outputs():
+        y = bsmm.forward(x, w, layout, feature_axis, version=version)
+        dx = bsmm.input_grad(dy, w, layout, feature_axis, version=version)
+        dw = bsmm.weight_grad(x, dy, layout, feature_axis, version=version)
+    assert_products(y, dx, dw, x, dy, w, layout, feature_axis, dtype)
 
 
 # The simulator meets 32 Python threads at every mma: a few cases there (block 64 in
@@ -562,7 +580,9 @@ def test_repeated_torch_calls_replay_a_kept_plan(configure, dtype, transposed, m
     a check or the kernel's choice depends on does not."""
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(plans, "kept", {})
-    configure(bsmm, v5_transposed_forward={(32, dtype): 1} if transposed else {})
+    # (the transposed copy is version 5's: with it, calls default to version 5)
+    configure(bsmm, v5_transposed_forward={(32, dtype): 1} if transposed else {},
+              **({"tiles_default": frozenset()} if transposed else {}))
     layout = BlockLayout.random((3, 2), 0.5, seed=4, block_size=32)
     tdtype = getattr(torch, dtype)
 
