@@ -13,9 +13,9 @@ contiguous axis, padded by 16 bytes so that eight rows start in eight different 
 Warps own WM x WN patches (fp32 accumulators in registers) and take their mma fragments with
 ``ldmatrix``: plain where the operand's k runs along its rows (x with feature_axis 1, Wᵀ),
 ``.trans`` where k runs down them (W, dy and x in the weight gradient), so any feature axis is
-the same loop with other flags. Needs 16-byte aligned operands, and N a multiple of 8 where N is
-a contiguous axis (feature_axis 0, and the weight gradient's rows); `dispatch` checks and falls
-back to version 5 otherwise.
+the same loop with other flags. Blocks of `BsmmConfig.v6_tiles` (32-128 by default); operands
+16-byte aligned, and N a multiple of 8 with feature_axis 0 (N then runs along rows):
+`dispatch.tiles_fit` checks, and version 5 runs otherwise.
 """
 
 from numba import cuda, float32, int32, int64, uint32
@@ -56,7 +56,8 @@ def v6_check(cfg, bs, weight_grad=False):
         return f"no version 6 tile for block {bs}"
     BM, BN, WARPS_M, WARPS_N, BK, STAGES = v6_shape(cfg, bs, weight_grad)
     if BM % (WARPS_M * MMA_M) or BN % (WARPS_N * 2 * MMA_N) or BK % MMA_K or (bs % BK and not weight_grad):
-        return f"block {bs}: tile {BM} x {BN} (k {BK}) does not split into {WARPS_M} x {WARPS_N} warps of whole mma pairs"
+        return (f"block {bs}: tile {BM} x {BN} (k {BK}) does not split into {WARPS_M} x {WARPS_N} warps "
+                "of whole mma pairs")
     if not 2 <= STAGES <= 5:
         return f"stages: expected 2 to 5, got {STAGES}"
     if shared_bytes(cfg, bs, weight_grad) > cfg.v6_max_shared:
@@ -215,7 +216,8 @@ def make_product_v6(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     SPB = bs // BK  # stages a block
     GROUP = cfg.product_group
     A_ALONG_K = feature_axis == 1
-    copy_plan, issue, lane_offsets, multiply_head, multiply_tail = make_tile_loop(cfg, bs, storage, False, A_ALONG_K, transpose_w)
+    copy_plan, issue, lane_offsets, multiply_head, multiply_tail = make_tile_loop(
+        cfg, bs, storage, False, A_ALONG_K, transpose_w)
     A_ROWS, _, A_CPR = _operand(A_ALONG_K, BM, BK)
     B_ROWS, _, B_CPR = _operand(transpose_w, BN, BK)
     A_PER, B_PER = -(-(A_ROWS * A_CPR) // T), -(-(B_ROWS * B_CPR) // T)
