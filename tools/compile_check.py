@@ -1,4 +1,4 @@
-"""Compile every SBNet kernel (or, with --bsmm, bsmm's version 4 and 5 kernels) to PTX for sm_90
+"""Compile every SBNet kernel (or, with --bsmm, bsmm's version 4, 5 and 6 kernels) to PTX for sm_90
 without a GPU, to catch typing errors early and read ptxas's registers.
 
 The CUDA simulator runs kernels as plain Python and accepts code the real
@@ -12,7 +12,8 @@ developer's check, not part of the test suite.
 With --bsmm it prints, for each version 4 product and weight gradient
 (block 16/32/64, fp32/fp16, both feature axes, scalar or vector loads), the
 registers and how many global loads are vector loads, and the same for each
-version 5 (tensor-core) product, fp32/fp16/bf16, with its mma count.
+version 5 (tensor-core) product, fp32/fp16/bf16, with its mma count, and every version 6
+(tensor-core tiles) product and weight gradient with its stack frame (local memory).
 """
 
 import os
@@ -108,8 +109,31 @@ def check_v5(bs, storage, vector):
               f"{resources(ptx)}  {ptx.count('mma.sync')} mma{vector_loads(ptx)}")
 
 
+def check_v6():
+    """Version 6 (tensor-core tiles): every product and weight gradient, fp16 and bf16, both
+    feature axes, at the block sizes of ``v6_tiles``: registers, stack and the mma count."""
+    index = types.int32[::1]
+    results = []
+    for bs, storage in itertools.product(sorted(B.v6_tiles), bsmm.tiles.V6_STORAGE):
+        element = types.int16 if storage == "bfloat16" else types.float16
+        for transpose_w, feature_axis in itertools.product((False, True), (1, 0)):
+            kernel = bsmm.tiles.make_product_v6(B, bs, storage, types.float32, transpose_w, feature_axis)
+            signature = (element[:, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, :, ::1]) \
+                + (index,) * 6 + (i64,)
+            results.append(check(f"product v6 bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis}",
+                                 kernel.py_func, signature, detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
+        for feature_axis in (1, 0):
+            kernel = bsmm.tiles.make_weight_grad_v6(B, bs, storage, types.float32, feature_axis)
+            signature = (element[:, :, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, ::1],
+                         types.int32[:, ::1], i64, i64, types.float64)
+            results.append(check(f"weight_grad v6 bs {bs} {storage} axis {feature_axis}", kernel.py_func, signature,
+                                 detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
+    return results
+
+
 def check_bsmm():
-    """ptxas's report for bsmm's version 4 kernels with the module's current settings."""
+    """ptxas's report for bsmm's version 4, 5 and 6 kernels with the module's current settings."""
+    check_v6()
     index = types.int32[::1]
     for bs, storage, vector in itertools.product(sorted(B.v4_rows), ("float32", "float16"), (False, True)):
         element = getattr(types, storage)
@@ -187,7 +211,7 @@ def main():
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bsmm", action="store_true", help="bsmm's version 4 and 5 kernels instead of SBNet's")
+    parser.add_argument("--bsmm", action="store_true", help="bsmm's version 4, 5 and 6 kernels instead of SBNet's")
     parser.add_argument("--fused", nargs="*", metavar="ROWS,COLS,WORDS,STAGES,WARPS,REGISTERS",
                         help="the fused products' kernels, at these tiles (default: the config's)")
     parser.add_argument("--quant", action="store_true", help="the quantized products and packing instead")

@@ -248,6 +248,17 @@ def make_product_v6(cfg, bs, storage, acc_type, transpose_w, feature_axis):
 
     store_rows = unrolled(2 * MT, store_row)
 
+    @cuda.jit(device=True, inline=True)
+    def sources(s, begin, other_idx, line_block, a_base, w_base, lead):
+        """Global addresses of stage s's first chunks: A's features other * bs + k0 (at row 0),
+        B's block of the line's entry begin + s // SPB, at its k0."""
+        j = begin + s // SPB
+        k0 = (s % SPB) * BK
+        feature = int64(other_idx[j]) * bs + k0
+        a_stage = 2 * (feature if A_ALONG_K else feature * lead)
+        b_stage = 2 * (int64(j if transpose_w else line_block[j]) * BLOCK + k0 * B_K_STEP)
+        return a_base + a_stage, w_base + b_stage
+
     @cuda.jit
     def product_v6(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot, other_idx, line_block, n_rows):
         tid = cuda.threadIdx.x
@@ -295,12 +306,8 @@ def make_product_v6(cfg, bs, storage, acc_type, transpose_w, feature_axis):
 
         for s in range(STAGES - 1):  # stage s goes to buffer s
             if s < n_stages:
-                j = begin + s // SPB
-                k0 = (s % SPB) * BK
-                feature = int64(other_idx[j]) * bs + k0
-                a_stage = 2 * (feature if A_ALONG_K else feature * lead)
-                b_stage = 2 * (int64(j if transpose_w else line_block[j]) * BLOCK + k0 * B_K_STEP)
-                issue(base, tid, s, a_base + a_stage, w_base + b_stage, a_from, a_to, b_from, b_to, a_keep, b_keep)
+                a_at, b_at = sources(s, begin, other_idx, line_block, a_base, w_base, lead)
+                issue(base, tid, s, a_at, b_at, a_from, a_to, b_from, b_to, a_keep, b_keep)
             commit()  # one group a stage, empty or not, so that the wait counts stages
         buf = 0
         for stage in range(n_stages):
@@ -309,14 +316,9 @@ def make_product_v6(cfg, bs, storage, acc_type, transpose_w, feature_axis):
             cuda.syncthreads()
             multiply_head(acc, fa, fb, base, buf, a_lane, b_lane)
             nxt = stage + STAGES - 1
-            if nxt < n_stages:
-                j = begin + nxt // SPB
-                k0 = (nxt % SPB) * BK
-                feature = int64(other_idx[j]) * bs + k0
-                a_stage = 2 * (feature if A_ALONG_K else feature * lead)
-                b_stage = 2 * (int64(j if transpose_w else line_block[j]) * BLOCK + k0 * B_K_STEP)
-                nbuf = buf - 1 if buf > 0 else STAGES - 1
-                issue(base, tid, nbuf, a_base + a_stage, w_base + b_stage, a_from, a_to, b_from, b_to,
+            if nxt < n_stages:  # into the buffer multiplied last, which every warp is done with
+                a_at, b_at = sources(nxt, begin, other_idx, line_block, a_base, w_base, lead)
+                issue(base, tid, buf - 1 if buf > 0 else STAGES - 1, a_at, b_at, a_from, a_to, b_from, b_to,
                       a_keep, b_keep)
             commit()
             multiply_tail(acc, fa, fb, base, buf, a_lane, b_lane)
@@ -352,6 +354,18 @@ def make_weight_grad_v6(cfg, bs, storage, acc_type, feature_axis):
         """Which chunks of a stage of rows n0... hold rows before n_end."""
         for i in range(len(keep)):
             keep[i] = (n0 + (cols[i] if ALONG_K else rows[i])) < n_end
+
+    @cuda.jit(device=True, inline=True)
+    def sources(s, n_begin, n_end, x_base, dy_base, x_lead, dy_lead, a_keep, a_row, a_col, b_keep, b_row,
+                b_col):
+        """Global addresses of stage s's first chunks (rows n0 = n_begin + s BK... of x and dy),
+        and the keep flags of its chunks."""
+        n0 = n_begin + s * BK
+        keep_flags(a_keep, a_row, a_col, n0, n_end)
+        keep_flags(b_keep, b_row, b_col, n0, n_end)
+        x_stage = 2 * (int64(n0) if ALONG_K else int64(n0) * x_lead)
+        dy_stage = 2 * (int64(n0) if ALONG_K else int64(n0) * dy_lead)
+        return x_base + x_stage, dy_base + dy_stage
 
     @cuda.jit(device=True, inline=True)
     def finish_row(i, acc, dw, workspace, block, split, r0, col0, beta):
@@ -410,12 +424,9 @@ def make_weight_grad_v6(cfg, bs, storage, acc_type, feature_axis):
 
         for s in range(STAGES - 1):
             if s < n_stages:
-                n0 = n_begin + s * BK
-                keep_flags(a_keep, a_row, a_col, n0, n_end)
-                keep_flags(b_keep, b_row, b_col, n0, n_end)
-                x_stage = 2 * (int64(n0) if ALONG_K else int64(n0) * x_lead)
-                dy_stage = 2 * (int64(n0) if ALONG_K else int64(n0) * dy_lead)
-                issue(base, tid, s, x_base + x_stage, dy_base + dy_stage, a_from, a_to, b_from, b_to, a_keep, b_keep)
+                a_at, b_at = sources(s, n_begin, n_end, x_base, dy_base, x_lead, dy_lead, a_keep, a_row, a_col,
+                                     b_keep, b_row, b_col)
+                issue(base, tid, s, a_at, b_at, a_from, a_to, b_from, b_to, a_keep, b_keep)
             commit()
         buf = 0
         for stage in range(n_stages):
@@ -424,13 +435,9 @@ def make_weight_grad_v6(cfg, bs, storage, acc_type, feature_axis):
             multiply_head(acc, fa, fb, base, buf, a_lane, b_lane)
             nxt = stage + STAGES - 1
             if nxt < n_stages:
-                n0 = n_begin + nxt * BK
-                keep_flags(a_keep, a_row, a_col, n0, n_end)
-                keep_flags(b_keep, b_row, b_col, n0, n_end)
-                x_stage = 2 * (int64(n0) if ALONG_K else int64(n0) * x_lead)
-                dy_stage = 2 * (int64(n0) if ALONG_K else int64(n0) * dy_lead)
-                nbuf = buf - 1 if buf > 0 else STAGES - 1
-                issue(base, tid, nbuf, x_base + x_stage, dy_base + dy_stage, a_from, a_to, b_from, b_to,
+                a_at, b_at = sources(nxt, n_begin, n_end, x_base, dy_base, x_lead, dy_lead, a_keep, a_row, a_col,
+                                     b_keep, b_row, b_col)
+                issue(base, tid, buf - 1 if buf > 0 else STAGES - 1, a_at, b_at, a_from, a_to, b_from, b_to,
                       a_keep, b_keep)
             commit()
             multiply_tail(acc, fa, fb, base, buf, a_lane, b_lane)
