@@ -63,22 +63,31 @@ def test_tile_products_match_reference(data, block_size, dtype, feature_axis):
 
 @pytest.mark.parametrize("max_segment, splits", [(1, 3)] if SIMULATOR else [(1, 3), (2, 2)])
 def test_tile_split_lines_and_rows_match_reference(max_segment, splits):
-    """Segments of long lines summed in order by the combine pass, N cut into splits (whole
-    stages of 16 rows in the simulator's config: a split that ends inside a stage is zero-filled)."""
+    """Segments of long lines summed in order by the combine pass; N = 100 cut into splits of
+    whole 32-row multiples (64 + 36: the second ends inside a stage, zero-filled), and uncut:
+    four stages, so that the weight gradient's three-buffer ring wraps."""
+    from sparseblocks.reference import bsmm as reference
+    from strategies import assert_close
+
     bs, dtype = 16, "float16"
     layout = BlockLayout(np.array([[1, 1], [1, 0], [1, 1]]), bs)
     rng = np.random.default_rng(5)
-    n = 136  # (five weight-gradient stages of 32 in one split: the ring wraps)
     C, K = layout.dense_shape
-    x, dy = values(rng, (n, C), dtype), values(rng, (n, K), dtype)
+    x, dy = values(rng, (24, C), dtype), values(rng, (24, K), dtype)
     w = values(rng, layout.w_shape, dtype)
+    one = BlockLayout(np.ones((1, 1)), bs)  # (the long weight gradient: one block, the slow part here)
+    long_x, long_dy = values(rng, (100, bs), dtype), values(rng, (100, bs), dtype)
     with poisoned_outputs():
         y = bsmm.api._product(CFG, x, w, layout, 1, False, 6, max_segment=max_segment)
         dx = bsmm.api._product(CFG, dy, w, layout, 1, True, 6, max_segment=max_segment)
-        dw = bsmm.weight_grad(x, dy, layout, version=6, splits=splits, config=CFG)
-        whole = bsmm.weight_grad(x, dy, layout, version=6, splits=1, config=CFG)
+        dw = bsmm.weight_grad(x, dy, layout, version=6, config=CFG)
+        cut = bsmm.weight_grad(long_x, long_dy, one, version=6, splits=splits, config=CFG)
+        whole = bsmm.weight_grad(long_x, long_dy, one, version=6, splits=1, config=CFG)
     assert_products(y, dx, dw, x, dy, w, layout, 1, dtype)
-    assert_products(y, dx, whole, x, dy, w, layout, 1, dtype)
+    magnitude = reference.weight_grad(np.abs(long_x.astype(np.float64)), np.abs(long_dy.astype(np.float64)), one)
+    for got in (cut, whole):
+        assert_close(got, reference.weight_grad(long_x, long_dy, one), dtype, "weight_grad",
+                     magnitude=magnitude, terms=100)
 
 
 def test_tiles_fall_back_where_operands_do_not_fit():
@@ -86,7 +95,7 @@ def test_tiles_fall_back_where_operands_do_not_fit():
     from numba import cuda
 
     bs, dtype = 16, "float16"
-    layout = BlockLayout(np.array([[1, 0], [1, 1]]), bs)
+    layout = BlockLayout(np.ones((1, 1)), bs)
     rng = np.random.default_rng(6)
     n = 12
     C, K = layout.dense_shape
