@@ -161,25 +161,22 @@ else:
 
         return signature, codegen
 
-    @intrinsic
-    def global_address(typingctx, array, index):
-        if not indexes(array, index):
-            return None
+    def _address_of(result):
+        """An intrinsic giving the global address of ``array[index]`` as ``result`` (u/int64)."""
 
-        def codegen(context, builder, sig, args):
-            return _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        @intrinsic
+        def address(typingctx, array, index):
+            if not indexes(array, index):
+                return None
 
-        return types.uint64(array, index), codegen
+            def codegen(context, builder, sig, args):
+                return _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
 
-    @intrinsic
-    def signed_address(typingctx, array, index):
-        if not indexes(array, index):
-            return None
+            return result(array, index), codegen
 
-        def codegen(context, builder, sig, args):
-            return _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        return address
 
-        return types.int64(array, index), codegen
+    global_address, signed_address = _address_of(types.uint64), _address_of(types.int64)
 
     @intrinsic
     def shared_address(typingctx, array, index):

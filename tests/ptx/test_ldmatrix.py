@@ -1,5 +1,5 @@
-"""ldmatrix (ptx/ldmatrix.py): four 8 x 8 b16 matrices from shared memory, against NumPy; the
-simulator's twin and the GPU agree."""
+"""ldmatrix (ptx/ldmatrix.py): four 8 x 8 b16 matrices from shared memory, plain and transposed,
+by index and by address, against NumPy; the simulator's twin and the GPU agree."""
 
 import numpy as np
 from numba import cuda, uint32
@@ -10,10 +10,27 @@ from sparseblocks.ptx.ldmatrix import ldmatrix_x4, ldmatrix_x4_at, ldmatrix_x4_t
 ROWS, STRIDE = 40, 12  # a padded tile: rows of 12 words (48 bytes, 16-byte aligned)
 
 
-def test_ldmatrix_x4_gives_each_lane_word_lane_mod_4_of_row_lane_div_4_of_each_matrix():
-    rng = np.random.default_rng(7)
+@cuda.jit(device=True)
+def by_index(shared, row, word):
+    return ldmatrix_x4(shared, (row, word))
+
+
+@cuda.jit(device=True)
+def by_address(shared, row, word):
+    return ldmatrix_x4_at(shared_address(shared, (0, 0)) + (row * STRIDE + word) * 4)
+
+
+@cuda.jit(device=True)
+def transposed(shared, row, word):
+    return ldmatrix_x4_trans_at(shared_address(shared, (0, 0)) + (row * STRIDE + word) * 4)
+
+
+def run(load, seed):
+    """(tile, rows, words, what each lane got) where lane 8q + i hands in row rows[q][i] from word
+    words[q] of a shared copy of a random tile (scattered rows, both 4-word halves), through
+    `load(shared, row, word)`."""
+    rng = np.random.default_rng(seed)
     tile = rng.integers(0, 2**32, (ROWS, STRIDE), dtype=np.uint64).astype(np.uint32)
-    # lane 8q + i hands in row rows[q][i] from word words[q] (scattered rows, both 4-word halves)
     rows = rng.permutation(ROWS)[:32].reshape(4, 8)
     words = np.array([0, 4, 8, 4])
     starts = np.array([[rows[q, i], words[q]] for q in range(4) for i in range(8)], np.int32)
@@ -25,64 +42,26 @@ def test_ldmatrix_x4_gives_each_lane_word_lane_mod_4_of_row_lane_div_4_of_each_m
         for i in range(lane, ROWS * STRIDE, 32):
             shared[i // STRIDE, i % STRIDE] = tile[i // STRIDE, i % STRIDE]
         cuda.syncthreads()
-        got = ldmatrix_x4(shared, (starts[lane, 0], starts[lane, 1]))
+        got = load(shared, starts[lane, 0], starts[lane, 1])
         for q in range(4):
             out[lane, q] = got[q]
 
     out = cuda.to_device(np.zeros((32, 4), np.uint32))
     kernel[1, 32](out, cuda.to_device(tile), cuda.to_device(starts))
-    got = out.copy_to_host()
-    for lane in range(32):
-        for q in range(4):
-            assert got[lane, q] == tile[rows[q, lane // 4], words[q] + lane % 4], (lane, q)
+    return tile, rows, words, out.copy_to_host()
 
 
-def _lane_rows_kernel(load):
-    """A kernel in which lane i hands in row starts[i] (row, word) of a shared copy of tile by
-    its shared-window address, through `load` (ldmatrix_x4_at or ldmatrix_x4_trans_at)."""
-
-    @cuda.jit
-    def kernel(out, tile, starts):
-        shared = cuda.shared.array((ROWS, STRIDE), uint32)
-        lane = cuda.threadIdx.x
-        for i in range(lane, ROWS * STRIDE, 32):
-            shared[i // STRIDE, i % STRIDE] = tile[i // STRIDE, i % STRIDE]
-        cuda.syncthreads()
-        base = shared_address(shared, (0, 0))
-        got = load(base + (starts[lane, 0] * STRIDE + starts[lane, 1]) * 4)
-        for q in range(4):
-            out[lane, q] = got[q]
-
-    return kernel
-
-
-def _scattered_rows(seed):
-    rng = np.random.default_rng(seed)
-    tile = rng.integers(0, 2**32, (ROWS, STRIDE), dtype=np.uint64).astype(np.uint32)
-    rows = rng.permutation(ROWS)[:32].reshape(4, 8)
-    words = np.array([4, 0, 8, 0])
-    starts = np.array([[rows[q, i], words[q]] for q in range(4) for i in range(8)], np.int32)
-    return tile, rows, words, starts
-
-
-def _run(load, tile, starts):
-    out = cuda.to_device(np.zeros((32, 4), np.uint32))
-    _lane_rows_kernel(load)[1, 32](out, cuda.to_device(tile), cuda.to_device(starts))
-    return out.copy_to_host()
-
-
-def test_ldmatrix_x4_at_an_address_matches_the_indexed_form():
-    tile, rows, words, starts = _scattered_rows(11)
-    got = _run(ldmatrix_x4_at, tile, starts)
-    for lane in range(32):
-        for q in range(4):
-            assert got[lane, q] == tile[rows[q, lane // 4], words[q] + lane % 4], (lane, q)
+def test_ldmatrix_x4_gives_each_lane_word_lane_mod_4_of_row_lane_div_4_of_each_matrix():
+    for load in (by_index, by_address):
+        tile, rows, words, got = run(load, 7)
+        for lane in range(32):
+            for q in range(4):
+                assert got[lane, q] == tile[rows[q, lane // 4], words[q] + lane % 4], (load, lane, q)
 
 
 def test_ldmatrix_x4_trans_gives_each_lane_two_rows_of_one_column():
     """Matrix q's lane l gets stored rows 2(l % 4), 2(l % 4) + 1 at column l // 4, low then high."""
-    tile, rows, words, starts = _scattered_rows(12)
-    got = _run(ldmatrix_x4_trans_at, tile, starts)
+    tile, rows, words, got = run(transposed, 12)
     halves = tile.view(np.uint16)  # (ROWS, 2 * STRIDE)
     for lane in range(32):
         for q in range(4):
