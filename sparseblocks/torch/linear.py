@@ -9,7 +9,8 @@ into ``block_size``-square blocks, of which the layout's are stored as one ``Par
 ``k*bs:(k+1)*bs`` for block ``b = (c, k)``; `sparseblocks.layout`). The layout is the buffer
 ``block_mask`` (``(in/bs, out/bs)`` booleans, saved in the state dict) and ``block_coords``.
 Forward and backward are the three bsmm products (`ops`), in fp32, fp16 or bf16 (and fp64), under
-autocast too. Loading a state dict takes the saved layout with its weights.
+autocast too; on CPU tensors, the same products in torch's operations (`cpu`). Loading a state
+dict takes the saved layout with its weights.
 """
 
 import math
@@ -19,18 +20,17 @@ import torch
 from torch import nn
 
 from ..layout import BlockLayout, check_block_size
-from . import ops
+from . import cpu, ops
 
 
 def block_norms(matrix, block_size, criterion="l2"):
     """Norms of a dense 2-D tensor's ``block_size``-square blocks (fp32, on its device): the
-    `sparseblocks.bsmm.block_norms` kernel, or the same reduction in torch for a CPU tensor on a
-    machine with a GPU."""
+    `sparseblocks.bsmm.block_norms` kernel, or the same reduction in torch for a CPU tensor
+    (`cpu.takes`)."""
     from .. import bsmm
-    from ..runtime.backend import SIMULATOR
 
     matrix = matrix.detach().contiguous()
-    if matrix.is_cuda or SIMULATOR:
+    if not cpu.takes(matrix):
         return bsmm.block_norms(matrix, block_size, criterion).float()
     if criterion not in ("l2", "l1", "max"):
         raise ValueError(f"criterion: expected one of ('l2', 'l1', 'max'), got {criterion!r}")
@@ -154,7 +154,10 @@ class BlockSparseLinear(nn.Module):
         elif x.dtype != w.dtype:
             raise TypeError(f"input: expected dtype {w.dtype} (the weight's), got {x.dtype}")
         x = x.contiguous()
-        y = ops.product(x, w, self._layout_key)
+        if cpu.takes(x):
+            y = cpu.product(x, w, self.block_coords, tuple(self.block_mask.shape))
+        else:
+            y = ops.product(x, w, self._layout_key)
         if self._grow_scores_wanted and y.requires_grad:
             y.register_hook(self._keep_grow_scores(x))
         if bias is not None:
