@@ -45,7 +45,7 @@ CC = (9, 0)
 PTXAS = shutil.which("ptxas") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "ptxas")
 
 
-def resources(ptx, registers=None):
+def resources(ptx, registers=None, arch=None):
     """ptxas's report (registers, stack frame, spills) where ptxas is installed, else ''
     (`registers`: the kernel's cap, which Numba hands ptxas at link time, not in the PTX)."""
     if not os.path.exists(PTXAS):
@@ -55,8 +55,11 @@ def resources(ptx, registers=None):
         with open(path, "w") as f:
             f.write(ptx)
         cap = [] if registers is None else [f"-maxrregcount={registers}"]
-        report = subprocess.run([PTXAS, f"-arch=sm_{CC[0]}{CC[1]}", "-v", *cap, path, "-o", path + ".cubin"],
+        arch = arch or f"sm_{CC[0]}{CC[1]}"
+        report = subprocess.run([PTXAS, f"-arch={arch}", "-v", *cap, path, "-o", path + ".cubin"],
                                 capture_output=True, text=True).stderr
+    if "error" in report or "Performance" in report:
+        print(report)
     if "Unresolved extern function" in report and "half" in report:
         return "  [calls Numba's fp16 operators, linked at launch: no ptxas report alone]"
     used = re.search(r"Used (\d+) registers", report)
@@ -64,12 +67,13 @@ def resources(ptx, registers=None):
     return f"  [{used.group(1) if used else '?'} registers, {stack.group(1) if stack else 0} B stack]"
 
 
-def check(name, function, signature, registers=None, detail=lambda ptx: ""):
+def check(name, function, signature, registers=None, detail=lambda ptx: "", cc=CC):
     """Compile ``function`` for ``signature``; ``registers``: the kernel's cap, for ptxas's report;
-    ``detail(ptx)``: more to print after it."""
+    ``detail(ptx)``: more to print after it; ``cc``: (9, 0, "a") for sm_90a."""
     try:
-        ptx, _ = cuda.compile_ptx(function, signature, cc=CC)
-        print(f"ok    {name}{resources(ptx, registers)}{detail(ptx)}")
+        ptx, _ = cuda.compile_ptx(function, signature, cc=cc)
+        arch = f"sm_{cc[0]}{cc[1]}{cc[2] if len(cc) > 2 else ''}"
+        print(f"ok    {name}{resources(ptx, registers, arch)}{detail(ptx)}")
         return True
     except Exception as error:  # report every failure, not just the first
         print(f"FAIL  {name}: {type(error).__name__}: {str(error).splitlines()[0]}")
@@ -131,8 +135,32 @@ def check_v6():
     return results
 
 
+def check_v7():
+    """Version 7 (Hopper wgmma tiles, sm_90a): every product and weight gradient, fp16 and bf16,
+    both feature axes: registers, stack, the wgmma count, and ptxas's warnings (a serialized wgmma)."""
+    index = types.int32[::1]
+    results = []
+    for bs, storage in itertools.product(sorted(B.v7_groups), bsmm.hopper.V7_STORAGE):
+        element = types.int16 if storage == "bfloat16" else types.float16
+        for transpose_w, feature_axis in itertools.product((False, True), (1, 0)):
+            kernel = bsmm.hopper.make_product_v7(B, bs, storage, types.float32, transpose_w, feature_axis)
+            signature = (element[:, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, :, ::1]) \
+                + (index,) * 6 + (i64,)
+            results.append(check(f"product v7 bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis}",
+                                 kernel.py_func, signature, cc=(9, 0, "a"),
+                                 detail=lambda ptx: f"  {ptx.count('wgmma.mma_async')} wgmma"))
+        for feature_axis in (1, 0):
+            kernel = bsmm.hopper.make_weight_grad_v7(B, bs, storage, types.float32, feature_axis)
+            signature = (element[:, :, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, ::1],
+                         types.int32[:, ::1], i64, i64, types.float64)
+            results.append(check(f"weight_grad v7 bs {bs} {storage} axis {feature_axis}", kernel.py_func, signature,
+                                 cc=(9, 0, "a"), detail=lambda ptx: f"  {ptx.count('wgmma.mma_async')} wgmma"))
+    return results
+
+
 def check_bsmm():
-    """ptxas's report for bsmm's version 4, 5 and 6 kernels with the module's current settings."""
+    """ptxas's report for bsmm's version 4, 5, 6 and 7 kernels with the module's current settings."""
+    check_v7()
     check_v6()
     index = types.int32[::1]
     for bs, storage, vector in itertools.product(sorted(B.v4_rows), ("float32", "float16"), (False, True)):

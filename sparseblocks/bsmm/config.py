@@ -13,6 +13,7 @@ class BsmmConfig:
     # -- dispatch ---------------------------------------------------------------------------
     tensor_core_default: frozenset = frozenset({"float16", "bfloat16", "float32"})  # storage run on version 5 by default
     tiles_default: frozenset = frozenset({"float16", "bfloat16"})  # storage run on version 6 by default (where it applies)
+    hopper_default: bool = False  # version 7 instead of 6 by default on sm_90 (where it applies)
     product_group: int = 8  # row tiles a product hands out together, so concurrent blocks share activations in L2 (0: launch order)
 
     # -- version 1 (teaching kernels) ------------------------------------------------------
@@ -77,6 +78,13 @@ class BsmmConfig:
     v6_wgrad_stages: int = 4  # buffers of the weight gradient's ring
     v6_max_shared: int = 227 * 1024  # a thread block's shared memory on sm_90
 
+    # -- version 7 (Hopper: wgmma from a cp.async ring; fp16, bf16; sm_90) ----------------
+    v7_groups: dict = default_field({64: 2, 128: 2})  # warpgroups (64 rows each) of a product's tile
+    v7_k: int = 64  # k values a stage (64: one 128-byte row of the shared tiles' swizzle)
+    v7_stages: int = 6  # shared buffers of the ring: stages - 2 in flight ahead of the one multiplied
+    v7_wgrad_fill: int = 4  # weight-gradient thread blocks a multiprocessor the N-splits aim for
+    v7_wgrad_k: int = 64  # rows of N a weight-gradient stage
+
     def check(self):
         if self.norm_threads < 1 or self.norm_threads & (self.norm_threads - 1):
             raise ValueError(f"norm_threads: expected a power of two, got {self.norm_threads}")
@@ -92,6 +100,11 @@ class BsmmConfig:
         for bs in self.v6_wgrad_warps:
             if v6_check(self, bs, weight_grad=True):
                 raise ValueError(f"v6_wgrad_warps[{bs}]: {v6_check(self, bs, weight_grad=True)}")
+        from .hopper import v7_check
+
+        for bs in self.v7_groups:
+            if v7_check(self, bs):
+                raise ValueError(f"v7_groups[{bs}]: {v7_check(self, bs)}")
         for bs, (rows, _, _, chunk) in self.product_tiles.items():
             if rows * chunk % (8 * self.product_threads):
                 raise ValueError(f"product_tiles[{bs}]: TM * KC must be a multiple of 8 * product_threads")

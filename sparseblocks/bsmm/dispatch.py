@@ -10,7 +10,7 @@ from numba import cuda
 
 from ..ptx.vector import aligned
 from ..runtime.compile import cached
-from ..runtime.launch import data_pointer, launch, multiprocessors
+from ..runtime.launch import compute_capability, data_pointer, launch, multiprocessors
 from .config import DEFAULT
 from .device import acc_type
 from .simple import make_product_v1, make_weight_grad_v1
@@ -36,17 +36,25 @@ from .weight_grad_simt import (
     make_weight_grad_v3,
     make_weight_grad_v4,
 )
+from .hopper import V7_STORAGE, make_product_v7, make_weight_grad_v7, v7_shape, v7_threads
 from .tiles import V6_STORAGE, make_product_v6, make_weight_grad_v6, v6_shape, v6_threads
 from .weight_grad_tensorcore import make_weight_grad_v5, v5_wgrad_blocks, v5_wgrad_warps
 
-VERSIONS = (1, 3, 4, 5, 6)
+VERSIONS = (1, 3, 4, 5, 6, 7)
+
+
+def hopper():
+    """Whether the current GPU runs version 7 (wgmma: sm_90, compiled for sm_90a)."""
+    return compute_capability() == (9, 0)
 
 
 def product_family(cfg, version, bs, storage, tiles_fit=True):
-    """The product kernels a call runs (the dispatch table of the products): 6 tensor-core tiles
-    (where ``tiles_fit``: `tiles_fit`), 5 tensor cores, 4 SIMT 8 x 8 patches, 3 SIMT register
-    tiles, 1 the teaching kernel."""
-    if version == 6 and tiles_fit and bs in cfg.v6_tiles and storage in V6_STORAGE:
+    """The product kernels a call runs (the dispatch table of the products): 7 Hopper tiles (on
+    sm_90, where ``tiles_fit``), 6 tensor-core tiles (where ``tiles_fit``: `tiles_fit`), 5 tensor
+    cores, 4 SIMT 8 x 8 patches, 3 SIMT register tiles, 1 the teaching kernel."""
+    if version == 7 and tiles_fit and bs in cfg.v7_groups and storage in V7_STORAGE and hopper():
+        return 7
+    if version >= 6 and tiles_fit and bs in cfg.v6_tiles and storage in V6_STORAGE:
         return 6
     if version >= 5 and bs in V5_BLOCKS and storage in V5_STORAGE:
         return 5
@@ -57,7 +65,9 @@ def product_family(cfg, version, bs, storage, tiles_fit=True):
 
 def weight_grad_family(cfg, version, bs, storage, feature_axis, tiles_fit=True):
     """The weight-gradient kernels a call runs (the dispatch table of the weight gradients)."""
-    if version == 6 and tiles_fit and bs in cfg.v6_wgrad_warps and storage in V6_STORAGE:
+    if version == 7 and tiles_fit and bs in (64, 128) and storage in V7_STORAGE and hopper():
+        return 7
+    if version >= 6 and tiles_fit and bs in cfg.v6_wgrad_warps and storage in V6_STORAGE:
         return 6
     if version >= 5 and cfg.v5_wgrad and bs in V5_BLOCKS and storage in V5_STORAGE:
         return 5
@@ -72,7 +82,7 @@ def default_version(dtype, cfg=DEFAULT):
     in ``cfg.tensor_core_default``, else 4. A version a call's block size or operands do not
     fit runs the next one down (`product_family`)."""
     if dtype in cfg.tiles_default:
-        return 6
+        return 7 if cfg.hopper_default and hopper() else 6
     return 5 if dtype in cfg.tensor_core_default else 4
 
 
@@ -209,7 +219,10 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
     a_device, w_device = a.device(stream), w.device(stream)
     pre = None  # a launch before the product's (V5_TRANSPOSED_FORWARD's copy)
     family = product_family(cfg, version, bs, a.dtype, tiles_fit((a_device, w_device), n_rows, feature_axis))
-    if family == 6:
+    if family == 7:
+        TM, threads = v7_shape(cfg, bs)[0], v7_threads(cfg, bs)
+        kernel = compiled(cfg, make_product_v7, bs, a.dtype, transpose_w, feature_axis)
+    elif family == 6:
         TM, threads = v6_shape(cfg, bs)[0], v6_threads(cfg, bs)
         kernel = compiled(cfg, make_product_v6, bs, a.dtype, transpose_w, feature_axis)
     elif family == 5:
@@ -255,11 +268,12 @@ def launch_transpose_blocks(cfg, wt, w_words, layout, storage, stream):
     return kernel, layout.n_blocks, threads, args
 
 
-def wgrad_splits(layout, n_rows, thread_blocks=None, cfg=DEFAULT):
-    """How many slices of N the weight gradient cuts each block's sum into (every version but 1)."""
+def wgrad_splits(layout, n_rows, thread_blocks=None, cfg=DEFAULT, fill=4):
+    """How many slices of N the weight gradient cuts each block's sum into (every version but 1):
+    enough for ``fill`` thread blocks a multiprocessor, each at least 4 chunks of rows long."""
     WGRAD_CHUNK = cfg.wgrad_chunk
     thread_blocks = layout.n_blocks if thread_blocks is None else thread_blocks
-    wanted = -(-4 * multiprocessors() // max(1, thread_blocks))
+    wanted = -(-fill * multiprocessors() // max(1, thread_blocks))
     return int(max(1, min(wanted, n_rows // (4 * WGRAD_CHUNK))))
 
 
@@ -281,7 +295,7 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
     x_device, dy_device = x.device(stream), dy.device(stream)
     family = weight_grad_family(cfg, version, bs, x.dtype, feature_axis,
                                 tiles_fit((x_device, dy_device), n_rows, feature_axis))
-    v6, v5, v4 = family == 6, family == 5, family == 4
+    v7, v6, v5, v4 = family == 7, family == 6, family == 5, family == 4
     group = V5_WGRAD_GROUP.get(bs, 1) if v5 and bs <= V5_WARP_TILE else 1
     coords = _index(layout, "coords", stream)
     if group > 1:  # a warp per row segment of up to `group` blocks
@@ -291,25 +305,27 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
         thread_blocks = -(-len(segments["seg_begin"]) // v5_wgrad_warps(cfg, group))
     else:
         seg_begin = seg_end = coords  # (unread)
-        if v6:
+        if v6 or v7:
             per_block = 1
         elif v5:  # W blocks a thread block computes
             per_block = v5_wgrad_blocks(cfg, bs)
         else:
             per_block = V4_WGRAD_THREADS // (bs // 8) ** 2 if v4 else 1
         thread_blocks = -(-layout.n_blocks // per_block)
-    splits = wgrad_splits(layout, n_rows, thread_blocks, cfg) if splits is None else max(1, int(splits))
+    fill = cfg.v7_wgrad_fill if v7 else 4
+    splits = wgrad_splits(layout, n_rows, thread_blocks, cfg, fill) if splits is None else max(1, int(splits))
     rows_per_split = -(-max(n_rows, 1) // splits)
-    if v5 or v6:  # whole steps a split, so that feature_axis 0's 8-row vectors never straddle an end
+    if v5 or v6 or v7:  # whole steps a split, so that feature_axis 0's 8-row vectors never straddle an end
         rows_per_split = -(-rows_per_split // V5_WGRAD_ROWS) * V5_WGRAD_ROWS
         splits = -(-max(n_rows, 1) // rows_per_split)
     acc = "float64" if x.dtype == "float64" else "float32"
     # A workspace of one split tells the kernel to finish in place (no combine pass).
     workspace = x.scratch((splits, layout.n_blocks, bs * bs), acc, stream) if splits > 1 \
         else _unused_workspace(acc)
-    if v6:
-        kernel = compiled(cfg, make_weight_grad_v6, bs, x.dtype, feature_axis)
-        threads = v6_threads(cfg, bs, weight_grad=True)
+    if v6 or v7:
+        maker, threads = ((make_weight_grad_v7, v7_threads(cfg, bs, weight_grad=True)) if v7
+                          else (make_weight_grad_v6, v6_threads(cfg, bs, weight_grad=True)))
+        kernel = compiled(cfg, maker, bs, x.dtype, feature_axis)
         args = (dw, workspace, x_device, dy_device, coords, n_rows, rows_per_split, beta)
     elif v5:
         values = v5_values(x.dtype)

@@ -67,6 +67,21 @@ def multiprocessors():
     return _multiprocessors
 
 
+_capability = None
+
+
+def compute_capability():
+    """The current GPU's (major, minor) compute capability ((9, 0) in the simulator, which runs
+    every family), cached."""
+    global _capability
+    if _capability is None:
+        try:
+            _capability = tuple(cuda.get_current_device().compute_capability)
+        except Exception:  # the simulator's fake device
+            _capability = (9, 0)
+    return _capability
+
+
 def data_pointer(arg):
     """Device address of a torch tensor, Numba device array or CuPy array."""
     if hasattr(arg, "data_ptr"):  # torch

@@ -86,6 +86,7 @@ class _BlockWarps:
         self.cond = threading.Condition()
         self.threads = {}
         self.rooms = {}
+        self.groups = {}  # (size, group) -> open _Meeting of a group collective (a warpgroup's)
 
     def room(self, warp):
         room = self.rooms.get(warp)
@@ -176,6 +177,41 @@ def _masked_collective(op, mask, value):
 
         _wait(block, me, meeting, settled)
     return lane, meeting.values
+
+
+def _group_collective(op, size, value):
+    """Meet the threads of this thread's group of ``size`` consecutive threads (a warpgroup:
+    128); return (this thread's index in the group, {index: value} of every member)."""
+    me = _me()
+    block = me._manager._sb_warps
+    group, index = divmod(me.thread_id, size)
+    key = (size, group)
+    with block.cond:
+        members = frozenset(range(min(size, block.n_threads - group * size)))
+        meeting = block.groups.get(key)
+        if meeting is None:
+            meeting = block.groups[key] = _Meeting(op, None)
+        elif meeting.op != op:
+            raise WarpCollectiveError(f"{op}: thread {me.thread_id} called it while its group of {size} "
+                                      f"waits in {meeting.op}")
+        meeting.values[index] = value
+
+        def settled():
+            if members <= meeting.values.keys():
+                if block.groups.get(key) is meeting:
+                    del block.groups[key]
+                return True
+            for other in members - meeting.values.keys():
+                warp, lane = divmod(group * size + other, WARP_SIZE)
+                state = _lane_state(block, warp, lane, me)
+                if state in ("exited", "syncthreads"):
+                    raise WarpCollectiveError(
+                        f"{op}: thread {group * size + other} of the group of {size} "
+                        f"{'exited' if state == 'exited' else 'waits in syncthreads'}; the others would wait forever")
+            return False
+
+        _wait(block, me, meeting, settled)
+    return index, meeting.values
 
 
 def _poison(value):

@@ -1,0 +1,401 @@
+"""Hopper tiles (version 7): fp16 and bf16 products and weight gradients on ``wgmma``.
+
+The same GEMM as version 6 (`tiles.py`): C (BM x BN) += A (BM x k) · B (k x BN), k walked BK at a
+time (forward: x rows by W's blocks of a block-column; input_grad: dy rows by Wᵀ's blocks of a
+block-row; weight_grad: xᵀ by dy, one block of dW a tile). What differs is the multiply:
+
+* 16-byte cp.async copies fill a ring of ``stages`` shared buffers, laid out as wgmma reads them
+  (`ptx.wgmma`: interleaved 8 x 8 core matrices, 128 bytes each; k-adjacent ones 128 bytes apart,
+  m- or n-adjacent ones BK·16). Eight consecutive threads fill one core matrix, so a warp's copies
+  land in distinct banks. An operand whose stored rows run along k is K-major, one whose rows run
+  along m or n is MN-major, and wgmma's transpose flag takes either: every feature axis is the
+  same loop.
+* Warpgroups own 64 rows each, and all BN (a block's) columns: one ``wgmma`` m64nBNk16 a k16 step,
+  asynchronous, the accumulators in registers (BN / 2 a thread).
+* A stage's batch is committed, then the copies of stage + stages - 2 are issued into the buffer
+  whose batch the previous iteration's wait (``wait_group 1``) retired in every warpgroup before
+  this iteration's barrier; one barrier a stage.
+
+GPU only (sm_90): the dispatcher picks version 7 where `hopper_fit` says the device and operands
+allow, and version 6 elsewhere. The simulator runs these kernels too (its wgmma is a warpgroup
+collective), on small tiles.
+"""
+
+from numba import cuda, float32, int32, int64, uint64
+
+from ..ptx.cp_async import commit, copy16_or_zero, shared_address, signed_address, waiter
+from ..ptx.vector import store2
+from ..ptx.wgmma import SWIZZLE_128, WARPGROUP, WGMMA_K, WGMMA_M, align_up, descriptor, fence, make_mma, make_settle
+from ..ptx.wgmma import proxy_fence
+from ..ptx.wgmma import commit as wg_commit
+from ..ptx.wgmma import waiter as wg_waiter
+from ..runtime.compile import unrolled
+from ..runtime.launch import dynamic_shared
+from .device import converters, grouped_tile, product_output, weight_grad_output
+
+V7_STORAGE = ("float16", "bfloat16")
+CHUNK = 8  # 16-bit values a 16-byte chunk
+SWIZZLE_K = 64  # values of k a stage: one 128-byte row of a swizzle atom
+
+
+def v7_shape(cfg, bs, weight_grad=False):
+    """(BM, BN, warpgroups, BK, stages) of a version 7 tile."""
+    if weight_grad:
+        return bs, bs, bs // WGMMA_M, cfg.v7_wgrad_k, cfg.v7_stages
+    groups = cfg.v7_groups[bs]
+    return groups * WGMMA_M, bs, groups, min(bs, cfg.v7_k), cfg.v7_stages
+
+
+def v7_threads(cfg, bs, weight_grad=False):
+    return WARPGROUP * v7_shape(cfg, bs, weight_grad)[2]
+
+
+ATOM = 1024  # a 128-byte-swizzled atom: 8 rows of 128 bytes
+
+
+def shared_bytes(cfg, bs, weight_grad=False):
+    """The ring's bytes, plus an atom's slack to start it on a multiple of 1024."""
+    BM, BN, _, BK, STAGES = v7_shape(cfg, bs, weight_grad)
+    return STAGES * 2 * BK * (BM + BN) + ATOM
+
+
+def v7_check(cfg, bs, weight_grad=False):
+    """Why a block size's version 7 tiles cannot be built under ``cfg`` ('' where they can)."""
+    if not weight_grad and bs not in cfg.v7_groups:
+        return f"no version 7 tile for block {bs}"
+    if bs not in (64, 128):
+        return f"block {bs}: version 7 takes blocks of 64 and 128"
+    BM, BN, GROUPS, BK, STAGES = v7_shape(cfg, bs, weight_grad)
+    if BK != SWIZZLE_K:
+        return f"k {BK}: version 7 stages {SWIZZLE_K} values of k (a 128-byte swizzle row)"
+    if not 3 <= STAGES <= 6:
+        return f"v7_stages: expected 3 to 6, got {STAGES}"
+    if not 1 <= GROUPS <= 4:
+        return f"block {bs}: {GROUPS} warpgroups, expected 1 to 4"
+    if shared_bytes(cfg, bs, weight_grad) > cfg.v6_max_shared:
+        return f"block {bs}: {shared_bytes(cfg, bs, weight_grad)} bytes of shared memory over v6_max_shared"
+    return ""
+
+
+def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
+    """The device functions of the loop (see `tiles.make_tile_loop`, whose shape they follow):
+
+    * ``copy_plan(tid, a_to, b_to, a_row, a_col, b_row, b_col)``: this thread's chunks, their shared
+      offsets in buffer 0 and their (stored row, first value) in the operand's stage tile;
+    * ``issue(base, tid, buf, a_global, b_global, a_from, a_to, b_from, b_to, a_keep, b_keep)``;
+    * ``multiply(acc, desc_a, desc_b, buf)``: this warpgroup's wgmmas of the stage in buffer buf,
+      from descriptors of buffer 0 at its rows (``desc_a``) and at B's start (``desc_b``);
+    * ``descriptors(base, group)``: those descriptors.
+
+    Shared tiles are in the 128-byte-swizzled canonical layouts (`ptx.wgmma`): a K-major operand
+    (stored rows along k: BK = 64 values, one 128-byte row) is atoms of 8 of its rows, one after
+    another; an MN-major one (stored rows along m or n) is, for each 64 of m or n, BK / 8 atoms of
+    8 values of k. Consecutive threads copy consecutive chunks of a stored row, so a warp reads
+    whole 128-byte lines, and the swizzle spreads its stores over every bank.
+    """
+    BM, BN, GROUPS, BK, STAGES = v7_shape(cfg, bs, weight_grad)
+    T = WARPGROUP * GROUPS
+    A_BYTES, B_BYTES = 2 * BM * BK, 2 * BN * BK
+    STAGE_BYTES = A_BYTES + B_BYTES
+    STEPS = BK // WGMMA_K
+    MN_GROUP = BK * 128  # bytes of a 64-wide group of m or n (BK / 8 atoms) in an MN-major tile
+    kind = "bf16" if storage == "bfloat16" else "f16"
+    mma = make_mma(BN, kind, a_mn_major, b_mn_major)
+
+    def plan(mn_major, side):
+        """(chunks, chunks a stored row, per thread, all threads full) of an operand's stage."""
+        rows, per_row = (BK, side // CHUNK) if mn_major else (side, BK // CHUNK)
+        chunks = rows * per_row
+        return chunks, per_row, -(-chunks // T), chunks % T == 0
+
+    A_CHUNKS, A_CPR, A_PER, A_ALL = plan(a_mn_major, BM)
+    B_CHUNKS, B_CPR, B_PER, B_ALL = plan(b_mn_major, BN)
+
+    @cuda.jit(device=True, inline=True)
+    def place(e, cpr, mn_major):
+        """(stored row, first value along it, shared offset) of chunk e of an operand's stage."""
+        row, chunk = e // cpr, e % cpr
+        r = row % 8
+        if mn_major:  # stored row: a k; along it: m or n, 64 values (8 chunks) an atom row
+            offset = (chunk // 8) * MN_GROUP + (row // 8) * ATOM + r * 128 + ((chunk % 8) ^ r) * 16
+        else:  # stored row: an m or n; along it: k, one atom row
+            offset = (row // 8) * ATOM + r * 128 + (chunk ^ r) * 16
+        return row, chunk * CHUNK, offset
+
+    @cuda.jit(device=True, inline=True)
+    def copy_plan(tid, a_to, b_to, a_row, a_col, b_row, b_col):
+        for i in range(A_PER):
+            e = tid + i * T
+            if A_ALL or e < A_CHUNKS:
+                a_row[i], a_col[i], a_to[i] = place(e, A_CPR, a_mn_major)
+        for i in range(B_PER):
+            e = tid + i * T
+            if B_ALL or e < B_CHUNKS:
+                b_row[i], b_col[i], to = place(e, B_CPR, b_mn_major)
+                b_to[i] = A_BYTES + to
+
+    @cuda.jit(device=True, inline=True)
+    def issue(base, tid, buf, a_global, b_global, a_from, a_to, b_from, b_to, a_keep, b_keep):
+        at = base + buf * STAGE_BYTES
+        for i in range(A_PER):
+            if A_ALL or tid + i * T < A_CHUNKS:
+                copy16_or_zero(at + a_to[i], a_global + (a_from[i] if a_keep[i] else 0), a_keep[i])
+        for i in range(B_PER):
+            if B_ALL or tid + i * T < B_CHUNKS:
+                copy16_or_zero(at + b_to[i], b_global + (b_from[i] if b_keep[i] else 0), b_keep[i])
+
+    # A k16 step moves a K-major descriptor 32 bytes along its rows (inside the swizzle atom), an
+    # MN-major one two atoms down; in the descriptor's 16-byte units.
+    A_STEP = (2 * ATOM if a_mn_major else 32) // 16
+    B_STEP = (2 * ATOM if b_mn_major else 32) // 16
+
+    @cuda.jit(device=True, inline=True)
+    def step(s, acc, desc_a, desc_b):
+        mma(acc, desc_a + uint64(s * A_STEP), desc_b + uint64(s * B_STEP), int32(1))
+
+    steps = unrolled(STEPS, step)
+
+    @cuda.jit(device=True, inline=True)
+    def multiply(acc, desc_a, desc_b, buf):
+        move = uint64(buf * (STAGE_BYTES // 16))
+        fence()
+        steps(acc, desc_a + move, desc_b + move)
+        wg_commit()
+
+    @cuda.jit(device=True, inline=True)
+    def descriptor_of(address, mn_major):
+        # K-major: atoms of 8 rows 1024 bytes apart (lbo unused); MN-major: 64-wide groups
+        # MN_GROUP apart, atoms of 8 k 1024 apart.
+        if mn_major:
+            return descriptor(address, MN_GROUP, ATOM, SWIZZLE_128)
+        return descriptor(address, 16, ATOM, SWIZZLE_128)
+
+    @cuda.jit(device=True, inline=True)
+    def descriptors(base, group):
+        """Buffer 0's descriptors of this warpgroup's 64 rows of A, and of B."""
+        a = descriptor_of(base + group * (MN_GROUP if a_mn_major else 8 * ATOM), a_mn_major)
+        b = descriptor_of(base + A_BYTES, b_mn_major)
+        return a, b
+
+    return copy_plan, issue, multiply, descriptors, (A_PER, B_PER, STAGE_BYTES)
+
+
+def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
+    """Products (forward, or with ``transpose_w`` input_grad) on version 7 tiles: a thread block
+    owns BM rows of one segment of an output block-line, as in version 6 (`tiles.make_product_v6`),
+    whose conventions it keeps: rows past N read the last row(s) and are not written."""
+    BM, BN, GROUPS, BK, STAGES = v7_shape(cfg, bs)
+    T = WARPGROUP * GROUPS
+    ACC = BN // 2  # accumulators a thread
+    SPB = bs // BK
+    GROUP = cfg.product_group
+    A_MN = feature_axis == 0  # x (C, N): a stored row is a feature (k), the rows (m) run along it
+    B_MN = not transpose_w  # W's block: k (its rows) down, outputs along; Wᵀ: k along its rows
+    copy_plan, issue, multiply, descriptors, (A_PER, B_PER, _) = make_hopper_loop(cfg, bs, storage, False, A_MN,
+                                                                                  B_MN)
+    LEAD = STAGES - 2  # stages in flight ahead of the one multiplied
+    wait = waiter(LEAD - 1)
+    wg_wait_one, wg_wait_all = wg_waiter(1), wg_waiter(0)
+    emit = product_output(bs, storage, acc_type, feature_axis)
+    _, from_acc = converters(storage, acc_type)
+    BLOCK = bs * bs
+    B_K_STEP = 1 if transpose_w else bs
+
+    settle = make_settle(BN)
+
+    @cuda.jit(device=True, inline=True)
+    def store_pair(p, acc, out, workspace, line, slot, row, col0, n_rows):
+        """Accumulators 2p and 2p + 1 (neighbours in a row) of this thread: `ptx.wgmma.acc_position`."""
+        j, h = p // 2, p % 2
+        row = row + 8 * h
+        col = col0 + 8 * j
+        if row < n_rows:
+            v0, v1 = acc[2 * p], acc[2 * p + 1]
+            if slot >= 0:
+                store2(workspace, (slot, row, col), (v0, v1))
+            elif feature_axis == 1:
+                store2(out, (row, line * bs + col), (from_acc(v0), from_acc(v1)))
+            else:
+                emit(out, workspace, slot, line, row, col, v0)
+                emit(out, workspace, slot, line, row, col + 1, v1)
+
+    store = unrolled(ACC // 2, store_pair)
+
+    @cuda.jit(device=True, inline=True)
+    def sources(s, begin, other_idx, line_block, a_base, w_base, lead):
+        j = begin + s // SPB
+        k0 = (s % SPB) * BK
+        feature = int64(other_idx[j]) * bs + k0
+        a_stage = 2 * (feature * lead if A_MN else feature)
+        b_stage = 2 * (int64(j if transpose_w else line_block[j]) * BLOCK + k0 * B_K_STEP)
+        return a_base + a_stage, w_base + b_stage
+
+    @cuda.jit
+    def product_v7(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot, other_idx, line_block, n_rows):
+        tid = cuda.threadIdx.x
+        group, thread = tid // WARPGROUP, tid % WARPGROUP
+        tile, seg = grouped_tile(GROUP)
+        row0 = tile * BM
+        begin = seg_begin[seg]
+        n_stages = (seg_end[seg] - begin) * SPB
+        lead = int64(a.shape[1])
+        smem = cuda.shared.array(0, int32)
+        base = align_up(shared_address(smem, (0,)), ATOM)
+        a_base = signed_address(a, (0, 0))
+        w_base = signed_address(w, (0, 0, 0))
+        a_from = cuda.local.array(A_PER, int64)
+        a_to = cuda.local.array(A_PER, int32)
+        a_row = cuda.local.array(A_PER, int32)
+        a_col = cuda.local.array(A_PER, int32)
+        a_keep = cuda.local.array(A_PER, int32)
+        b_from = cuda.local.array(B_PER, int64)
+        b_to = cuda.local.array(B_PER, int32)
+        b_row = cuda.local.array(B_PER, int32)
+        b_col = cuda.local.array(B_PER, int32)
+        b_keep = cuda.local.array(B_PER, int32)
+        copy_plan(tid, a_to, b_to, a_row, a_col, b_row, b_col)
+        for i in range(A_PER):
+            if A_MN:  # a stored row is a feature, the tile's rows run along it
+                a_from[i] = 2 * (int64(a_row[i]) * lead + min(row0 + a_col[i], n_rows - 8))
+            else:
+                a_from[i] = 2 * (int64(min(row0 + a_row[i], n_rows - 1)) * lead + a_col[i])
+            a_keep[i] = 1
+        for i in range(B_PER):
+            b_from[i] = 2 * (int64(b_row[i]) * bs + b_col[i])
+            b_keep[i] = 1
+        desc_a, desc_b = descriptors(base, group)
+        acc = cuda.local.array(ACC, float32)
+        for i in range(ACC):
+            acc[i] = float32(0)
+
+        for s in range(LEAD):
+            if s < n_stages:
+                a_at, b_at = sources(s, begin, other_idx, line_block, a_base, w_base, lead)
+                issue(base, tid, s, a_at, b_at, a_from, a_to, b_from, b_to, a_keep, b_keep)
+            commit()
+        buf = 0
+        for stage in range(n_stages):
+            wait()  # this thread's copies of the stage have landed ...
+            proxy_fence()  # ... and are visible to wgmma's reads
+            cuda.syncthreads()  # every thread's; every warpgroup has retired stage - 2's batch
+            multiply(acc, desc_a, desc_b, buf)
+            nxt = stage + LEAD
+            if nxt < n_stages:
+                a_at, b_at = sources(nxt, begin, other_idx, line_block, a_base, w_base, lead)
+                into = buf + LEAD if buf + LEAD < STAGES else buf + LEAD - STAGES
+                issue(base, tid, into, a_at, b_at, a_from, a_to, b_from, b_to, a_keep, b_keep)
+            commit()
+            wg_wait_one()
+            buf = buf + 1 if buf < STAGES - 1 else 0
+        wg_wait_all()
+        settle(acc)
+
+        warp, lane = thread // 32, thread % 32
+        store(acc, out, workspace, seg_line[seg], seg_slot[seg], row0 + group * WGMMA_M + 16 * warp + lane // 4,
+              2 * (lane % 4), n_rows)
+
+    return dynamic_shared(product_v7, shared_bytes(cfg, bs))
+
+
+def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis):
+    """dw[b] (+ beta·dw[b]) on version 7 tiles, a thread block a block, k along its N-split, as in
+    version 6 (`tiles.make_weight_grad_v6`): A = xᵀ and B = dy; with feature_axis 1 both are
+    MN-major (k = N down their rows), with 0 K-major."""
+    BM, BN, GROUPS, BK, STAGES = v7_shape(cfg, bs, True)
+    ACC = BN // 2
+    MN = feature_axis == 1
+    copy_plan, issue, multiply, descriptors, (A_PER, B_PER, _) = make_hopper_loop(cfg, bs, storage, True, MN, MN)
+    LEAD = STAGES - 2
+    wait = waiter(LEAD - 1)
+    wg_wait_one, wg_wait_all = wg_waiter(1), wg_waiter(0)
+    finish = weight_grad_output(bs, storage, acc_type)
+
+    @cuda.jit(device=True, inline=True)
+    def keep_flags(keep, rows, cols, n0, n_end):
+        for i in range(len(keep)):
+            keep[i] = (n0 + (rows[i] if MN else cols[i])) < n_end
+
+    @cuda.jit(device=True, inline=True)
+    def sources(s, n_begin, n_end, x_base, dy_base, x_lead, dy_lead, a_keep, a_row, a_col, b_keep, b_row, b_col):
+        n0 = n_begin + s * BK
+        keep_flags(a_keep, a_row, a_col, n0, n_end)
+        keep_flags(b_keep, b_row, b_col, n0, n_end)
+        x_stage = 2 * (int64(n0) * x_lead if MN else int64(n0))
+        dy_stage = 2 * (int64(n0) * dy_lead if MN else int64(n0))
+        return x_base + x_stage, dy_base + dy_stage
+
+    settle = make_settle(BN)
+
+    @cuda.jit(device=True, inline=True)
+    def finish_one(i, acc, dw, workspace, block, split, r, col0, beta):
+        j, h, e = i // 4, (i // 2) % 2, i % 2
+        finish(dw, workspace, block, split, r + 8 * h, col0 + 8 * j + e, acc[i], beta)
+
+    finish_all = unrolled(ACC, finish_one)
+
+    @cuda.jit
+    def weight_grad_v7(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta):
+        tid = cuda.threadIdx.x
+        group, thread = tid // WARPGROUP, tid % WARPGROUP
+        block = cuda.blockIdx.x
+        split = cuda.blockIdx.y
+        n_begin = split * rows_per_split
+        n_end = min(n_begin + rows_per_split, n_rows)
+        n_stages = max(0, (n_end - n_begin + BK - 1) // BK)
+        x_lead, dy_lead = int64(x.shape[1]), int64(dy.shape[1])
+        smem = cuda.shared.array(0, int32)
+        base = align_up(shared_address(smem, (0,)), ATOM)
+        a_from = cuda.local.array(A_PER, int64)
+        a_to = cuda.local.array(A_PER, int32)
+        a_row = cuda.local.array(A_PER, int32)
+        a_col = cuda.local.array(A_PER, int32)
+        a_keep = cuda.local.array(A_PER, int32)
+        b_from = cuda.local.array(B_PER, int64)
+        b_to = cuda.local.array(B_PER, int32)
+        b_row = cuda.local.array(B_PER, int32)
+        b_col = cuda.local.array(B_PER, int32)
+        b_keep = cuda.local.array(B_PER, int32)
+        copy_plan(tid, a_to, b_to, a_row, a_col, b_row, b_col)
+        if MN:  # x (N, C), dy (N, K): a stored row is a row of N (k)
+            x_base = signed_address(x, (0, coords[block, 0] * bs))
+            dy_base = signed_address(dy, (0, coords[block, 1] * bs))
+        else:  # x (C, N), dy (K, N): a stored row is a feature, N runs along it
+            x_base = signed_address(x, (coords[block, 0] * bs, 0))
+            dy_base = signed_address(dy, (coords[block, 1] * bs, 0))
+        for i in range(A_PER):
+            a_from[i] = 2 * (int64(a_row[i]) * x_lead + a_col[i])
+        for i in range(B_PER):
+            b_from[i] = 2 * (int64(b_row[i]) * dy_lead + b_col[i])
+        desc_a, desc_b = descriptors(base, group)
+        acc = cuda.local.array(ACC, float32)
+        for i in range(ACC):
+            acc[i] = float32(0)
+
+        for s in range(LEAD):
+            if s < n_stages:
+                a_at, b_at = sources(s, n_begin, n_end, x_base, dy_base, x_lead, dy_lead, a_keep, a_row, a_col,
+                                     b_keep, b_row, b_col)
+                issue(base, tid, s, a_at, b_at, a_from, a_to, b_from, b_to, a_keep, b_keep)
+            commit()
+        buf = 0
+        for stage in range(n_stages):
+            wait()
+            proxy_fence()
+            cuda.syncthreads()
+            multiply(acc, desc_a, desc_b, buf)
+            nxt = stage + LEAD
+            if nxt < n_stages:
+                a_at, b_at = sources(nxt, n_begin, n_end, x_base, dy_base, x_lead, dy_lead, a_keep, a_row, a_col,
+                                     b_keep, b_row, b_col)
+                into = buf + LEAD if buf + LEAD < STAGES else buf + LEAD - STAGES
+                issue(base, tid, into, a_at, b_at, a_from, a_to, b_from, b_to, a_keep, b_keep)
+            commit()
+            wg_wait_one()
+            buf = buf + 1 if buf < STAGES - 1 else 0
+        wg_wait_all()
+        settle(acc)
+
+        warp, lane = thread // 32, thread % 32
+        finish_all(acc, dw, workspace, block, split, group * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4), beta)
+
+    return dynamic_shared(weight_grad_v7, shared_bytes(cfg, bs, True))

@@ -1,0 +1,263 @@
+"""Hopper's warpgroup tensor-core multiply-add (``wgmma.mma_async``) and the fences around it.
+
+A warpgroup is four consecutive warps (threads 128g .. 128g + 127). ``wgmma`` multiplies a 64 x 16
+tile of A by a 16 x n tile of B, both read from shared memory through 64-bit *descriptors*, into
+64 x n fp32 accumulators spread over the warpgroup's registers, and it runs asynchronously:
+
+* ``fence()`` (``wgmma.fence``) before a batch: orders the accumulators' earlier writes;
+* ``mma(acc, desc_a, desc_b, scale_d)`` (made by `make_mma`): acc = A·B + (acc if scale_d else 0),
+  ``acc`` a float32 local array of n / 2 values, updated in place once the group completes;
+* ``commit()`` closes this warpgroup's batch; ``waiter(k)`` returns the wait until at most k
+  batches are in flight. The accumulators and the shared tiles of a batch in flight must not be
+  touched until a wait covers it, and ``settle(acc)`` (`make_settle`) after the last wait keeps
+  the compiler from moving reads of them above it;
+* ``proxy_fence()`` (``fence.proxy.async.shared::cta``): shared stores and cp.async copies are
+  the generic proxy's, wgmma reads through the async proxy; each writing thread fences after its
+  copies have landed and before the barrier that hands the tile to the warpgroups.
+
+Shared tiles lie in one of wgmma's canonical layouts. ``descriptor(address, lbo, sbo, swizzle)``
+packs the start address, two byte strides and the swizzle mode (0 none, ``SWIZZLE_128``):
+
+* interleaved (no swizzle): 8 x 8 core matrices of 16-bit values, 128 contiguous bytes each
+  (eight 16-byte rows); ``lbo`` steps between core matrices adjacent in k, ``sbo`` in m or n;
+* 128-byte swizzle: atoms of 8 rows of 128 bytes (1024 bytes, at a multiple of 1024), in which
+  16-byte chunk c of row r lies at chunk ``c ^ r`` (`swizzled`). K-major (rows along k, 64 values
+  a row): ``sbo`` steps between atoms of 8 rows, ``lbo`` is unused, and a k16 step starts 32 bytes
+  further along the rows. MN-major (rows along m or n, 64 values, at one k each): ``sbo`` steps
+  between atoms of 8 k, ``lbo`` between 64-wide groups of m or n; a k16 step is two atoms.
+
+In a K-major operand a stored row holds values of k of one m (or n); in an MN-major one values of
+m (or n) at one k, and the instruction's transpose flag says which.
+
+Accumulator layout (as mma.sync's C fragment, a warp per 16 rows): warp w of the group, lane l,
+value ``4j + 2h + e`` is row ``16w + l // 4 + 8h``, column ``8j + 2(l % 4) + e``
+(`acc_position`).
+
+In the CUDA simulator the instruction is a warpgroup collective built on the simulator's
+rendezvous (its four warps meet), which reads both tiles from shared memory through the
+descriptors, in float64, rounded to float32 at the end; the fences are no-ops and the waits land
+nothing (the product is complete when the call returns).
+"""
+
+from numba import cuda, uint32, uint64
+
+from ..runtime.backend import SIMULATOR
+
+WGMMA_M, WGMMA_K = 64, 16
+WARPGROUP = 128  # threads
+CORE_BYTES = 128  # an 8 x 8 core matrix of 16-bit values
+SWIZZLE_128 = 1  # the descriptor's mode for 128-byte swizzled atoms
+
+
+def swizzled(offset):
+    """The byte offset (from a multiple of 1024) where 128-byte swizzling puts logical ``offset``."""
+    return offset ^ (((offset >> 7) & 7) << 4)
+SHAPES_N = (64, 128, 256)
+MAX_IN_FLIGHT = 3
+
+
+def acc_position(thread, index):
+    """(row, column) in the 64 x n tile of accumulator ``index`` of warpgroup thread ``thread``."""
+    warp, lane = thread // 32, thread % 32
+    j, h, e = index // 4, (index // 2) % 2, index % 2
+    return 16 * warp + lane // 4 + 8 * h, 8 * j + 2 * (lane % 4) + e
+
+
+def _check_shape(n, kind):
+    if n not in SHAPES_N:
+        raise ValueError(f"n: expected one of {SHAPES_N}, got {n}")
+    if kind not in ("f16", "bf16"):
+        raise ValueError(f"kind: expected 'f16' or 'bf16', got {kind!r}")
+
+
+if SIMULATOR:
+    import numpy as np
+
+    from ..runtime import simulator as _simulator
+    from .cp_async import _Address
+
+    class _Descriptor:
+        """A descriptor in the simulator: the shared address, lbo and sbo (``+ k`` moves the start
+        by k 16-byte units, as adding to the compiled descriptor does)."""
+
+        def __init__(self, address, lbo, sbo, swizzle):
+            self.address, self.lbo, self.sbo, self.swizzle = address, int(lbo), int(sbo), int(swizzle)
+
+        def __add__(self, units):
+            return _Descriptor(self.address + 16 * int(units), self.lbo, self.sbo, self.swizzle)
+
+        __radd__ = __add__
+
+    def descriptor(address, lbo, sbo, swizzle):
+        if not isinstance(address, _Address):
+            raise TypeError("descriptor: expected a shared address (cp_async.shared_address)")
+        if int(swizzle) not in (0, SWIZZLE_128):
+            raise ValueError(f"descriptor: swizzle mode {swizzle} is not modelled")
+        return _Descriptor(address, lbo, sbo, swizzle)
+
+    def align_up(address, alignment):
+        """The first address at or after ``address`` that is a multiple of ``alignment`` (the
+        simulator counts from the start of the shared array)."""
+        return _Address(address.buffer, -(-address.offset // alignment) * alignment)
+
+    def _tile(desc, rows, mn_major, kind):
+        """The (rows x 16) tile, m or n by k, that a descriptor points at, as float64."""
+        buffer, start = desc.address.buffer, desc.address.offset
+        r, k = np.arange(rows)[:, None], np.arange(WGMMA_K)[None, :]
+        if not desc.swizzle:
+            at = start + (r // 8) * desc.sbo + (k // 8) * desc.lbo
+            at = at + ((k % 8) * 16 + 2 * (r % 8) if mn_major else (r % 8) * 16 + 2 * (k % 8))
+        elif mn_major:  # atoms: 8 k of 64 m/n; sbo between atoms along k, lbo between 64-groups
+            at = swizzled(start + (k // 8) * desc.sbo + (r // 64) * desc.lbo + (k % 8) * 128 + 2 * (r % 64))
+        else:  # atoms: 8 rows of 64 k; sbo between atoms; the start moves along the rows
+            at = swizzled(start + (r // 8) * desc.sbo + (r % 8) * 128 + 2 * k)
+        if at.min() < 0 or at.max() > len(buffer) - 2:
+            raise IndexError(f"wgmma: bytes {at.min()}..{at.max() + 2} outside the shared array's {len(buffer)}")
+        if (buffer.ctypes.data + start) % 16:
+            raise ValueError("wgmma: a descriptor's start address must be a multiple of 16 bytes")
+        bits = buffer[at].astype(np.uint16) | (buffer[at + 1].astype(np.uint16) << 8)
+        if kind == "f16":
+            return bits.view(np.float16).astype(np.float64)
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+    def make_mma(n, kind, a_mn_major, b_mn_major):
+        _check_shape(n, kind)
+        regs = n // 2
+
+        def mma(acc, desc_a, desc_b, scale_d):
+            me, values = _simulator._group_collective(
+                "wgmma", WARPGROUP, (desc_a, desc_b, int(scale_d), np.array(acc[:regs], np.float32)))
+            if "D" not in values:  # (the first thread out computes it for the group)
+                held = {i: v for i, v in list(values.items()) if i != "D"}
+                desc_a0, desc_b0, scale0, _ = held[0]
+                if any(v[2] != scale0 for v in held.values()):
+                    raise _simulator.WarpCollectiveError("wgmma: scale_d differs across the warpgroup")
+                A = _tile(desc_a0, WGMMA_M, a_mn_major, kind)
+                B = _tile(desc_b0, n, b_mn_major, kind).T
+                C = np.zeros((WGMMA_M, n))
+                if scale0:
+                    for thread, value in held.items():
+                        for i in range(regs):
+                            C[acc_position(thread, i)] = value[3][i]
+                values["D"] = (A @ B + C).astype(np.float32)
+            D = values["D"]
+            for i in range(regs):
+                acc[i] = D[acc_position(me, i)]
+
+        return mma
+
+    def _nothing():
+        return None
+
+    fence = commit = proxy_fence = _nothing
+
+    def make_settle(n):
+        def settle(acc):
+            return None
+
+        return settle
+
+    def waiter(keep):
+        if not 0 <= keep <= MAX_IN_FLIGHT:
+            raise ValueError(f"keep: expected 0..{MAX_IN_FLIGHT} batches in flight, got {keep}")
+        return _nothing
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @cuda.jit(device=True, inline=True)
+    def descriptor(address, lbo, sbo, swizzle):
+        """The 64-bit shared-memory matrix descriptor (base offset 0)."""
+        return (uint64((uint32(address) & uint32(0x3FFFF)) >> uint32(4))
+                | (uint64(uint32(lbo) >> uint32(4)) << uint64(16))
+                | (uint64(uint32(sbo) >> uint32(4)) << uint64(32))
+                | (uint64(swizzle) << uint64(62)))
+
+    @cuda.jit(device=True, inline=True)
+    def align_up(address, alignment):
+        """The first shared address at or after ``address`` that is a multiple of ``alignment``."""
+        return (uint32(address) + uint32(alignment - 1)) & ~uint32(alignment - 1)
+
+    def make_mma(n, kind, a_mn_major, b_mn_major):
+        """acc (n / 2 float32, in place) = A (64 x 16) · B (16 x n) + (acc if scale_d else 0)."""
+        _check_shape(n, kind)
+        regs = n // 2
+        outs = ", ".join(f"${i}" for i in range(regs))
+        ptx = ("{ .reg .pred p; setp.ne.b32 p, $" + str(regs + 2) + ", 0; "
+               f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{outs}}}, ${regs}, ${regs + 1}, "
+               f"p, 1, 1, {int(a_mn_major)}, {int(b_mn_major)}; }}")
+        constraints = ",".join(["=f"] * regs + ["l", "l", "r"] + [str(i) for i in range(regs)])
+
+        @intrinsic
+        def mma(typingctx, acc, desc_a, desc_b, scale_d):
+            if not (isinstance(acc, types.Array) and acc.dtype == types.float32 and acc.ndim == 1):
+                return None
+            signature = types.void(acc, types.uint64, types.uint64, types.int32)
+
+            def codegen(context, builder, sig, args):
+                f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
+                data = context.make_array(sig.args[0])(context, builder, args[0]).data
+                slots = [builder.gep(data, [ir.Constant(i32, i)]) for i in range(regs)]
+                held = [builder.load(s) for s in slots]
+                function = ir.FunctionType(ir.LiteralStructType([f32] * regs), [i64, i64, i32] + [f32] * regs)
+                asm = ir.InlineAsm(function, ptx, constraints, side_effect=True)
+                result = builder.call(asm, [args[1], args[2], args[3]] + held)
+                for i, slot in enumerate(slots):
+                    builder.store(builder.extract_value(result, i), slot)
+                return context.get_dummy_value()
+
+            return signature, codegen
+
+        return mma
+
+    def make_settle(n):
+        """settle(acc): pins the n / 2 accumulators after a wait, so that code reading them cannot
+        move above it (the compiler sees the wait as touching memory only, and would hoist reads
+        of the registers above it, which makes ptxas serialize every wgmma of the kernel)."""
+        regs = n // 2
+        constraints = ",".join(["=f"] * regs + [str(i) for i in range(regs)])
+
+        @intrinsic
+        def settle(typingctx, acc):
+            if not (isinstance(acc, types.Array) and acc.dtype == types.float32 and acc.ndim == 1):
+                return None
+
+            def codegen(context, builder, sig, args):
+                f32, i32 = ir.FloatType(), ir.IntType(32)
+                data = context.make_array(sig.args[0])(context, builder, args[0]).data
+                slots = [builder.gep(data, [ir.Constant(i32, i)]) for i in range(regs)]
+                held = [builder.load(s) for s in slots]
+                function = ir.FunctionType(ir.LiteralStructType([f32] * regs), [f32] * regs)
+                result = builder.call(ir.InlineAsm(function, "", constraints, side_effect=True), held)
+                for i, slot in enumerate(slots):
+                    builder.store(builder.extract_value(result, i), slot)
+                return context.get_dummy_value()
+
+            return types.void(acc), codegen
+
+        return settle
+
+    def _statement(ptx):
+        @intrinsic
+        def statement(typingctx):
+            def codegen(context, builder, sig, args):
+                function = ir.FunctionType(ir.VoidType(), [])
+                builder.call(ir.InlineAsm(function, ptx, "~{memory}", side_effect=True), [])
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        return statement
+
+    fence = _statement("wgmma.fence.sync.aligned;")
+    commit = _statement("wgmma.commit_group.sync.aligned;")
+    proxy_fence = _statement("fence.proxy.async.shared::cta;")
+    _waits = [_statement(f"wgmma.wait_group.sync.aligned {keep};") for keep in range(MAX_IN_FLIGHT + 1)]
+
+    def waiter(keep):
+        """The wait until at most this warpgroup's newest ``keep`` batches are in flight."""
+        if not 0 <= keep <= MAX_IN_FLIGHT:
+            raise ValueError(f"keep: expected 0..{MAX_IN_FLIGHT} batches in flight, got {keep}")
+        return _waits[keep]
