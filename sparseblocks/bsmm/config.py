@@ -13,7 +13,7 @@ class BsmmConfig:
     # -- dispatch ---------------------------------------------------------------------------
     tensor_core_default: frozenset = frozenset({"float16", "bfloat16", "float32"})  # storage run on version 5 by default
     tiles_default: frozenset = frozenset({"float16", "bfloat16"})  # storage run on version 6 by default (where it applies)
-    hopper_default: bool = False  # version 7 instead of 6 by default on sm_90 (where it applies)
+    hopper_default: bool = True  # version 7 instead of 6 by default on sm_90 (where it applies)
     product_group: int = 8  # row tiles a product hands out together, so concurrent blocks share activations in L2 (0: launch order)
 
     # -- version 1 (teaching kernels) ------------------------------------------------------
@@ -82,7 +82,7 @@ class BsmmConfig:
     v7_groups: dict = default_field({64: 2, 128: 2})  # warpgroups (64 rows each) of a product's tile
     v7_k: int = 64  # k values a stage (64: one 128-byte row of the shared tiles' swizzle)
     v7_stages: int = 6  # shared buffers of the ring: stages - 2 in flight ahead of the one multiplied
-    v7_wgrad_fill: int = 4  # weight-gradient thread blocks a multiprocessor the N-splits aim for
+    v7_wgrad_fill: int = 1  # weight-gradient thread blocks a multiprocessor the N-splits aim for
     v7_wgrad_k: int = 64  # rows of N a weight-gradient stage
 
     def check(self):
