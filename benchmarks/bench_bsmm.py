@@ -213,19 +213,22 @@ def kernel_resources(bsmm):
 
 
 def merged(paths):
-    """The records of several runs' JSON files (runs split by --rows), TFLOP/s restored."""
+    """The records of several runs' JSON files (runs split by --rows or dtypes), TFLOP/s restored;
+    a later file's record of a case (name, dtype, block size, density, N, C, K) replaces an earlier
+    one's, so that a re-run of some cases updates the results in place."""
     import json
 
     from benchmarks.common import Record
 
-    records = []
+    records = {}
     for path in paths:
         for r in json.loads(Path(path).read_text())["records"]:
             p = r["params"]
             flops = 2.0 * p["N"] * p["n_blocks"] * p["block_size"] ** 2 if "n_blocks" in p else None
             baselines = {k: float("nan") if v is None else v for k, v in r["baselines"].items()}
-            records.append(Record(r["name"], p, float("nan") if r["ms"] is None else r["ms"], baselines, flops=flops))
-    return records
+            case = (r["name"], *(p.get(k) for k in ("dtype", "block_size", "density", "N", "C", "K")))
+            records[case] = Record(r["name"], p, float("nan") if r["ms"] is None else r["ms"], baselines, flops=flops)
+    return list(records.values())
 
 
 def main():

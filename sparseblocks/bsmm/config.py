@@ -105,6 +105,9 @@ class BsmmConfig:
         for bs in self.v7_groups:
             if v7_check(self, bs):
                 raise ValueError(f"v7_groups[{bs}]: {v7_check(self, bs)}")
+        for bs in (64, 128):
+            if v7_check(self, bs, weight_grad=True):
+                raise ValueError(f"v7_wgrad_k: {v7_check(self, bs, weight_grad=True)}")
         for bs, (rows, _, _, chunk) in self.product_tiles.items():
             if rows * chunk % (8 * self.product_threads):
                 raise ValueError(f"product_tiles[{bs}]: TM * KC must be a multiple of 8 * product_threads")

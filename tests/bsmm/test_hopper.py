@@ -1,0 +1,99 @@
+"""Version 7 (Hopper wgmma tiles, bsmm/hopper.py) against the NumPy reference on an sm_90 GPU:
+every product, both feature axes, split lines and N-splits with their zero-filled tails, and
+bitwise repeatability. Its config errors are checked everywhere; its wgmma twin in the simulator
+is checked in tests/ptx/test_wgmma.py (the kernels themselves would take minutes of threads there)."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparseblocks import bsmm
+from sparseblocks.bsmm import hopper
+from sparseblocks.bsmm.dispatch import hopper as on_hopper
+from sparseblocks.layout import BlockLayout
+from sparseblocks.runtime import compile as compile_cache
+from sparseblocks.runtime.arrays import poisoned_outputs
+from sparseblocks.runtime.backend import SIMULATOR
+from strategies import arrays, layouts, values
+from test_bsmm import assert_products, to_axis
+
+gpu = pytest.mark.skipif(SIMULATOR or not on_hopper(), reason="wgmma: an sm_90 GPU")
+CASES = [(bs, dtype) for bs in (64, 128) for dtype in ("float16", "bfloat16")]
+
+
+def ran_hopper():
+    made = [key[0] for key in compile_cache._kernels]
+    return made.count(hopper.make_product_v7), made.count(hopper.make_weight_grad_v7)
+
+
+@gpu
+@pytest.mark.parametrize("block_size, dtype", CASES)
+@settings(max_examples=15, deadline=None)
+@given(data=st.data(), feature_axis=st.sampled_from([1, 0]))
+def test_hopper_products_match_reference(data, block_size, dtype, feature_axis):
+    layout = data.draw(layouts(block_sizes=(block_size,), max_blocks=3, kinds=("random", "full", "single", "skewed")))
+    n = data.draw(st.integers(1, 700), label="N")
+    n = n if feature_axis == 1 else 8 * -(-n // 8)  # (N along rows: whole chunks of 8, else version 5 runs)
+    C, K = layout.dense_shape
+    x, dy = data.draw(arrays((n, C), dtype), label="x"), data.draw(arrays((n, K), dtype), label="dy")
+    w = data.draw(arrays(layout.w_shape, dtype), label="w")
+    xa, dya = to_axis(x, feature_axis), to_axis(dy, feature_axis)
+    with poisoned_outputs():
+        y = bsmm.forward(xa, w, layout, feature_axis, version=7)
+        dx = bsmm.input_grad(dya, w, layout, feature_axis, version=7)
+        dw = bsmm.weight_grad(xa, dya, layout, feature_axis, version=7)
+    assert_products(y, dx, dw, xa, dya, w, layout, feature_axis, dtype)
+    assert ran_hopper() != (0, 0)
+
+
+@gpu
+@pytest.mark.parametrize("max_segment, splits", [(1, 3), (None, 1)])
+def test_hopper_split_lines_and_rows_match_reference(max_segment, splits):
+    """Segments of a line summed by the combine pass; N = 300 cut into splits of whole 32-row
+    multiples, the last ending inside a 64-row stage (zero-filled)."""
+    from sparseblocks.reference import bsmm as reference
+    from strategies import assert_close
+
+    bs, dtype = 64, "bfloat16"
+    layout = BlockLayout(np.array([[1, 1], [1, 0], [1, 1]]), bs)
+    rng = np.random.default_rng(7)
+    C, K = layout.dense_shape
+    x, dy, w = values(rng, (300, C), dtype), values(rng, (300, K), dtype), values(rng, layout.w_shape, dtype)
+    cfg = bsmm.DEFAULT
+    with poisoned_outputs():
+        y = bsmm.api._product(cfg, x, w, layout, 1, False, 7, max_segment=max_segment)
+        dx = bsmm.api._product(cfg, dy, w, layout, 1, True, 7, max_segment=max_segment)
+        dw = bsmm.weight_grad(x, dy, layout, version=7, splits=splits)
+    assert_products(y, dx, dw, x, dy, w, layout, 1, dtype)
+    magnitude = reference.weight_grad(np.abs(x.astype(np.float64)), np.abs(dy.astype(np.float64)), layout)
+    assert_close(dw, reference.weight_grad(x, dy, layout), dtype, "weight_grad", magnitude=magnitude, terms=300)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_hopper_is_the_default_and_bitwise_repeatable(dtype):
+    layout = BlockLayout.random((6, 6), 0.4, seed=2, block_size=128)
+    rng = np.random.default_rng(9)
+    n = 1000
+    C, K = layout.dense_shape
+    x, dy, w = values(rng, (n, C), dtype), values(rng, (n, K), dtype), values(rng, layout.w_shape, dtype)
+    assert bsmm.default_version(dtype) == 7
+    first = (bsmm.forward(x, w, layout), bsmm.input_grad(dy, w, layout), bsmm.weight_grad(x, dy, layout))
+    again = (bsmm.forward(x, w, layout), bsmm.input_grad(dy, w, layout), bsmm.weight_grad(x, dy, layout))
+    for a, b in zip(first, again):
+        assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(v7_groups={128: 5}), "warpgroups"),
+    (dict(v7_groups={32: 2}), "blocks of 64 and 128"),
+    (dict(v7_k=32), "128-byte swizzle"),
+    (dict(v7_stages=7), "stages"),
+    (dict(v7_wgrad_k=32), "128-byte swizzle"),
+])
+def test_config_refuses_hopper_tiles_the_kernels_cannot_take(fields, message):
+    with pytest.raises(ValueError, match=message):
+        replace(bsmm.DEFAULT, **fields)
