@@ -44,7 +44,8 @@ VERSIONS = (1, 3, 4, 5, 6, 7)
 
 
 def hopper():
-    """Whether the current GPU runs version 7 (wgmma: sm_90, compiled for sm_90a)."""
+    """Whether the current GPU runs version 7 (wgmma: sm_90, compiled for sm_90a). Not in the
+    simulator: its kernels would take minutes of Python threads there (tests may still ask)."""
     return compute_capability() == (9, 0)
 
 

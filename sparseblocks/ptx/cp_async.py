@@ -75,6 +75,15 @@ if SIMULATOR:
 
         __radd__ = __add__
 
+        def __sub__(self, other):
+            """Bytes from ``other`` (an address in the same array) to this one, or this address
+            moved back by ``other`` bytes."""
+            if isinstance(other, _Address):
+                if other.buffer is not self.buffer:
+                    raise ValueError("address difference across arrays")
+                return self.offset - other.offset
+            return _Address(self.buffer, self.offset - int(other))
+
         def bytes16(self, what):
             if not 0 <= self.offset <= len(self.buffer) - BYTES:
                 raise IndexError(f"{what}: bytes {self.offset}..{self.offset + BYTES} outside the array's "

@@ -71,14 +71,14 @@ _capability = None
 
 
 def compute_capability():
-    """The current GPU's (major, minor) compute capability ((9, 0) in the simulator, which runs
-    every family), cached."""
+    """The current GPU's (major, minor) compute capability, cached; (0, 0) in the simulator, where
+    no architecture-specific family is picked by default."""
     global _capability
     if _capability is None:
         try:
             _capability = tuple(cuda.get_current_device().compute_capability)
         except Exception:  # the simulator's fake device
-            _capability = (9, 0)
+            _capability = (0, 0)
     return _capability
 
 

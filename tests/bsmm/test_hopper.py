@@ -97,3 +97,25 @@ def test_hopper_is_the_default_and_bitwise_repeatable(dtype):
 def test_config_refuses_hopper_tiles_the_kernels_cannot_take(fields, message):
     with pytest.raises(ValueError, match=message):
         replace(bsmm.DEFAULT, **fields)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
+@pytest.mark.parametrize("dtype, feature_axis", [("bfloat16", 0), ("float16", 1)])
+def test_hopper_product_runs_in_the_simulator(monkeypatch, dtype, feature_axis):
+    """One warpgroup, one stage of version 7 through the simulator's wgmma twin (one block of 64
+    and 8 rows: every wgmma there is a 128-thread rendezvous)."""
+    from sparseblocks.bsmm import dispatch
+
+    monkeypatch.setattr(dispatch, "hopper", lambda: True)
+    cfg = replace(bsmm.DEFAULT, v7_groups={64: 1}, v7_stages=3)
+    layout = BlockLayout(np.ones((1, 1)), 64)
+    rng = np.random.default_rng(3)
+    x, w = values(rng, (8, 64), dtype), values(rng, layout.w_shape, dtype)
+    before = ran_hopper()[0]
+    y = bsmm.forward(to_axis(x, feature_axis), w, layout, feature_axis, version=7, config=cfg)
+    assert ran_hopper()[0] == before + 1
+    from sparseblocks.reference import bsmm as reference
+    from strategies import assert_close
+
+    got = np.asarray(y) if feature_axis == 1 else np.asarray(y).T
+    assert_close(got, reference.forward(x, w, layout), dtype, "forward")

@@ -1,0 +1,140 @@
+"""wgmma (ptx/wgmma.py): one warpgroup's m64nNk16 from shared tiles in the canonical layouts
+(128-byte swizzled and interleaved, K-major and MN-major operands), fp16 and bf16, with and
+without the accumulators' old values, against NumPy; the simulator's twin and the GPU agree.
+The tiles are laid out here by the layouts' definitions, written out independently of the twin."""
+
+import numpy as np
+import pytest
+from numba import cuda, float32, int16, int32
+
+from sparseblocks.bsmm.dispatch import hopper
+from sparseblocks.ptx.cp_async import shared_address
+from sparseblocks.ptx.wgmma import (
+    SWIZZLE_128,
+    WARPGROUP,
+    acc_position,
+    align_up,
+    commit,
+    descriptor,
+    fence,
+    make_mma,
+    make_settle,
+    waiter,
+)
+from sparseblocks.runtime.backend import SIMULATOR
+
+pytestmark = pytest.mark.skipif(not SIMULATOR and not hopper(), reason="wgmma: an sm_90 GPU or the simulator")
+
+K = 16
+SHARED = 16384  # int16 values of the shared image (32 KB), after the 1024-byte alignment
+B_AT = 8192  # B's byte offset in it (A's is 0)
+
+
+def offset(r, k, mn_major, swizzle, groups):
+    """Byte offset of element (r, k) of an operand tile (r: its m or n) in a layout.
+
+    Swizzled: atoms of 8 rows of 128 bytes, chunk c of row j at chunk c ^ j. K-major: a row per
+    r, k along it, atoms of 8 r 1024 bytes apart. MN-major: a row per k, 64 of r along it, atoms
+    of 8 k 1024 apart, 64-wide groups of r ``groups`` bytes apart. Interleaved: 8 x 8 core matrices
+    of 128 bytes, k-adjacent ones 128 apart, r-adjacent 256 apart (two along k)."""
+    if swizzle:
+        if mn_major:
+            row, along = k % 8, r % 64
+            return (r // 64) * groups + (k // 8) * 1024 + row * 128 + (((along // 8) ^ row) * 16) + 2 * (along % 8)
+        row = r % 8
+        return (r // 8) * 1024 + row * 128 + (((k // 8) ^ row) * 16) + 2 * (k % 8)
+    if mn_major:
+        return (r // 8) * 256 + (k // 8) * 128 + (k % 8) * 16 + 2 * (r % 8)
+    return (r // 8) * 256 + (k // 8) * 128 + (r % 8) * 16 + 2 * (k % 8)
+
+
+def image(a, b, a_mn, b_mn, swizzle, kind):
+    """The shared bytes: A (64 x 16) at 0, B (as n x 16, its n by k) at B_AT."""
+    raw = np.zeros(2 * SHARED, np.uint8)
+    for tile, at, mn in ((a, 0, a_mn), (b.T, B_AT, b_mn)):
+        bits = tile.astype(np.float16).view(np.uint16) if kind == "f16" else \
+            (tile.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        for r in range(tile.shape[0]):
+            for k in range(K):
+                o = at + offset(r, k, mn, swizzle, 2048)
+                raw[o:o + 2] = np.array([bits[r, k]], np.uint16).view(np.uint8)
+    return raw.view(np.int16)
+
+
+def run(n, kind, a_mn, b_mn, swizzle, scale_d, seed):
+    rng = np.random.default_rng(seed)
+    a = rng.integers(-4, 5, (64, K)).astype(np.float32) / 4  # exact in fp16 and bf16, and their sums
+    b = rng.integers(-4, 5, (K, n)).astype(np.float32) / 4
+    c = rng.integers(-8, 9, (64, n)).astype(np.float32)
+    held = np.array([[c[acc_position(t, i)] for i in range(n // 2)] for t in range(WARPGROUP)], np.float32)
+    mma, settle, wait = make_mma(n, kind, a_mn, b_mn), make_settle(n), waiter(0)
+    ACC, LBO_A, LBO_B = n // 2, (2048 if a_mn else 16) if swizzle else 128, (2048 if b_mn else 16) if swizzle else 128
+    SBO, MODE = (1024, SWIZZLE_128) if swizzle else (256, 0)
+
+    @cuda.jit
+    def kernel(out, raw, held, scale_d):
+        shared = cuda.shared.array(SHARED + 512, int16)
+        t = cuda.threadIdx.x
+        start = shared_address(shared, (0,))
+        base = align_up(start, 1024)
+        skip = (base - start) // 2
+        for i in range(t, SHARED, WARPGROUP):
+            shared[skip + i] = raw[i]
+        cuda.syncthreads()
+        acc = cuda.local.array(ACC, float32)
+        for i in range(ACC):
+            acc[i] = held[t, i]
+        fence()
+        mma(acc, descriptor(base, LBO_A, SBO, MODE), descriptor(base + B_AT, LBO_B, SBO, MODE), int32(scale_d))
+        commit()
+        wait()
+        settle(acc)
+        for i in range(ACC):
+            out[t, i] = acc[i]
+
+    out = cuda.to_device(np.zeros((WARPGROUP, n // 2), np.float32))
+    kernel[1, WARPGROUP](out, cuda.to_device(image(a, b, a_mn, b_mn, swizzle, kind)), cuda.to_device(held), scale_d)
+    got, want = out.copy_to_host(), a @ b + (c if scale_d else 0)
+    return got, np.array([[want[acc_position(t, i)] for i in range(n // 2)] for t in range(WARPGROUP)])
+
+
+CASES = [(64, "f16", a_mn, b_mn, True, 1) for a_mn in (False, True) for b_mn in (False, True)] + [
+    (128, "bf16", False, True, True, 0),
+    (128, "f16", True, False, True, 1),
+    (64, "bf16", False, True, False, 1),
+    (64, "f16", True, False, False, 0),
+]
+
+
+@pytest.mark.parametrize("n, kind, a_mn, b_mn, swizzle, scale_d", CASES)
+def test_wgmma_multiplies_the_tiles_its_descriptors_point_at(n, kind, a_mn, b_mn, swizzle, scale_d):
+    got, want = run(n, kind, a_mn, b_mn, swizzle, scale_d, seed=n + 2 * a_mn + b_mn)
+    assert np.array_equal(got, want)
+
+
+def test_wgmma_shapes_are_checked():
+    with pytest.raises(ValueError, match="n: expected"):
+        make_mma(96, "f16", False, False)
+    with pytest.raises(ValueError, match="kind"):
+        make_mma(64, "tf32", False, False)
+    with pytest.raises(ValueError, match="keep"):
+        waiter(4)
+
+
+def test_acc_position_covers_the_tile_once():
+    seen = {acc_position(t, i) for t in range(WARPGROUP) for i in range(64)}
+    assert seen == {(r, c) for r in range(64) for c in range(128)}
+
+
+def test_descriptor_packs_its_fields():
+    if SIMULATOR:
+        pytest.skip("the simulator's descriptors are objects; the bits are the compiled path's")
+
+    @cuda.jit
+    def kernel(out):
+        out[0] = descriptor(0x12340, 2048, 1024, SWIZZLE_128)
+
+    out = cuda.to_device(np.zeros(1, np.uint64))
+    kernel[1, 1](out)
+    want = (0x12340 >> 4) | ((2048 >> 4) << 16) | ((1024 >> 4) << 32) | (1 << 62)
+    assert int(out.copy_to_host()[0]) == want
