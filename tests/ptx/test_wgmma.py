@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(not SIMULATOR and not hopper(), reason="wgmma: a
 K = 16
 SHARED = 16384  # int16 values of the shared image (32 KB), after the 1024-byte alignment
 B_AT = 8192  # B's byte offset in it (A's is 0)
+ALLOCATED = SHARED + 512  # with room to start it at a multiple of 1024 bytes
 
 
 def offset(r, k, mn_major, swizzle, groups):
@@ -73,7 +74,7 @@ def run(n, kind, a_mn, b_mn, swizzle, scale_d, seed):
 
     @cuda.jit
     def kernel(out, raw, held, scale_d):
-        shared = cuda.shared.array(SHARED + 512, int16)
+        shared = cuda.shared.array(ALLOCATED, int16)
         t = cuda.threadIdx.x
         start = shared_address(shared, (0,))
         base = align_up(start, 1024)
