@@ -1,4 +1,4 @@
-"""Compile every SBNet kernel (or, with --bsmm, bsmm's version 4, 5 and 6 kernels) to PTX for sm_90
+"""Compile every SBNet kernel (or, with --bsmm, bsmm's version 4 to 7 kernels) to PTX for sm_90
 without a GPU, to catch typing errors early and read ptxas's registers.
 
 The CUDA simulator runs kernels as plain Python and accepts code the real
@@ -12,8 +12,9 @@ developer's check, not part of the test suite.
 With --bsmm it prints, for each version 4 product and weight gradient
 (block 16/32/64, fp32/fp16, both feature axes, scalar or vector loads), the
 registers and how many global loads are vector loads, and the same for each
-version 5 (tensor-core) product, fp32/fp16/bf16, with its mma count, and every version 6
-(tensor-core tiles) product and weight gradient with its stack frame (local memory).
+version 5 (tensor-core) product, fp32/fp16/bf16, with its mma count, every version 6
+(tensor-core tiles) product and weight gradient with its stack frame (local memory), and every
+version 7 (Hopper wgmma, compiled for sm_90a) kernel with ptxas's warnings (a serialized wgmma).
 """
 
 import os
@@ -239,7 +240,7 @@ def main():
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bsmm", action="store_true", help="bsmm's version 4, 5 and 6 kernels instead of SBNet's")
+    parser.add_argument("--bsmm", action="store_true", help="bsmm's version 4 to 7 kernels instead of SBNet's")
     parser.add_argument("--fused", nargs="*", metavar="ROWS,COLS,WORDS,STAGES,WARPS,REGISTERS",
                         help="the fused products' kernels, at these tiles (default: the config's)")
     parser.add_argument("--quant", action="store_true", help="the quantized products and packing instead")

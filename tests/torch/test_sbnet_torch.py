@@ -295,7 +295,7 @@ def graphed_pair(transpose, seed, dtype=torch.float64):
     return eager, graphed, x, every
 
 
-@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("transpose", [False, gpu_only_case(True)])  # (graphs with transpose: the training test)
 def test_sparse_res_block_graphs_give_the_eager_output(transpose):
     """``graphs=True`` (on a GPU; elsewhere the kernels run as without): window counts within
     one capacity and across it (new graphs, a buffer grown and its graphs captured anew, then a
@@ -423,8 +423,8 @@ def test_nchw_residual_is_the_convolutions(windows):
                     assert g is None
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("transpose, graphs", [(False, False), (True, False), (False, True),
+                                               gpu_only_case(True, True)])
 def test_rows_past_the_count_add_nothing_to_the_gradients(transpose, graphs, poisoned):
     """Indices with more rows than the count (reduce_mask's whole buffer on the device, say): the
     block trains as on the count's rows alone. The convolutions run on every row and the
@@ -521,7 +521,7 @@ def as_apart(block, x, indices, count, apart, dtype):
     return tolerance
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [gpu_only_case(torch.float32), torch.float16])
 def test_fused_gather_gives_the_gather_and_product_apart(configure, dtype, monkeypatch):
     """Calls without gradients on an NHWC stack of FUSED_GATHER_MIN_PIXELS pixels or more gather
     the windows straight into the first product (`kernels.gather_matmul`): the block's output is
