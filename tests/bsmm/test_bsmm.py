@@ -520,7 +520,7 @@ def _weight_grad_over(shared):
     (lambda: bsmm.weight_grad(X, DY, LAYOUT, out=W[:2]), ValueError, "out: expected shape"),
     (lambda: _weight_grad_over("x"), ValueError, "out: shares memory with x"),
     (lambda: _weight_grad_over("dy"), ValueError, "out: shares memory with dy"),
-    (lambda: bsmm.forward(X, W, LAYOUT, version=7), ValueError, "version"),
+    (lambda: bsmm.forward(X, W, LAYOUT, version=8), ValueError, "version"),
     (lambda: bsmm.transpose_blocks(W.astype(np.float64), LAYOUT), TypeError, "w: expected dtype"),
     (lambda: bsmm.transpose_blocks(W[:5], LAYOUT), ValueError, "w: expected shape"),
     (lambda: bsmm.transpose_blocks(misaligned(W.astype(np.float16)), LAYOUT), ValueError, "4-byte aligned"),
