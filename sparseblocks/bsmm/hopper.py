@@ -4,21 +4,22 @@ The same GEMM as version 6 (`tiles.py`): C (BM x BN) += A (BM x k) · B (k x BN)
 time (forward: x rows by W's blocks of a block-column; input_grad: dy rows by Wᵀ's blocks of a
 block-row; weight_grad: xᵀ by dy, one block of dW a tile). What differs is the multiply:
 
-* 16-byte cp.async copies fill a ring of ``stages`` shared buffers, laid out as wgmma reads them
-  (`ptx.wgmma`: interleaved 8 x 8 core matrices, 128 bytes each; k-adjacent ones 128 bytes apart,
-  m- or n-adjacent ones BK·16). Eight consecutive threads fill one core matrix, so a warp's copies
-  land in distinct banks. An operand whose stored rows run along k is K-major, one whose rows run
-  along m or n is MN-major, and wgmma's transpose flag takes either: every feature axis is the
-  same loop.
+* 16-byte cp.async copies fill a ring of ``stages`` shared buffers of BK = 64 values of k, laid
+  out as wgmma reads them: 128-byte-swizzled atoms (`ptx.wgmma`, `make_hopper_loop`). Consecutive
+  threads copy consecutive 16-byte chunks of a stored row, so a warp reads whole 128-byte lines,
+  and the swizzle spreads its stores over every bank. An operand whose stored rows run along k is
+  K-major, one whose rows run along m or n is MN-major, and wgmma's transpose flag takes either:
+  every feature axis is the same loop.
 * Warpgroups own 64 rows each, and all BN (a block's) columns: one ``wgmma`` m64nBNk16 a k16 step,
   asynchronous, the accumulators in registers (BN / 2 a thread).
 * A stage's batch is committed, then the copies of stage + stages - 2 are issued into the buffer
   whose batch the previous iteration's wait (``wait_group 1``) retired in every warpgroup before
-  this iteration's barrier; one barrier a stage.
+  this iteration's barrier; one barrier a stage. Each thread fences its landed copies for the
+  async proxy (wgmma's reads) before that barrier.
 
-GPU only (sm_90): the dispatcher picks version 7 where `hopper_fit` says the device and operands
-allow, and version 6 elsewhere. The simulator runs these kernels too (its wgmma is a warpgroup
-collective), on small tiles.
+On an sm_90 GPU (`dispatch.hopper`), where the operands fit (`dispatch.tiles_fit`, as version 6);
+version 6 runs elsewhere. The simulator runs these kernels when a test asks (its wgmma is a
+warpgroup collective), on one-warpgroup tiles: each wgmma there is a 128-thread rendezvous.
 """
 
 from numba import cuda, float32, int32, int64, uint64
@@ -36,6 +37,7 @@ from .device import converters, grouped_tile, product_output, weight_grad_output
 V7_STORAGE = ("float16", "bfloat16")
 CHUNK = 8  # 16-bit values a 16-byte chunk
 SWIZZLE_K = 64  # values of k a stage: one 128-byte row of a swizzle atom
+ATOM = 1024  # a 128-byte-swizzled atom: 8 rows of 128 bytes
 
 
 def v7_shape(cfg, bs, weight_grad=False):
@@ -48,9 +50,6 @@ def v7_shape(cfg, bs, weight_grad=False):
 
 def v7_threads(cfg, bs, weight_grad=False):
     return WARPGROUP * v7_shape(cfg, bs, weight_grad)[2]
-
-
-ATOM = 1024  # a 128-byte-swizzled atom: 8 rows of 128 bytes
 
 
 def shared_bytes(cfg, bs, weight_grad=False):

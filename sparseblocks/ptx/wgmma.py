@@ -47,13 +47,13 @@ WGMMA_M, WGMMA_K = 64, 16
 WARPGROUP = 128  # threads
 CORE_BYTES = 128  # an 8 x 8 core matrix of 16-bit values
 SWIZZLE_128 = 1  # the descriptor's mode for 128-byte swizzled atoms
+SHAPES_N = (64, 128, 256)
+MAX_IN_FLIGHT = 3
 
 
 def swizzled(offset):
     """The byte offset (from a multiple of 1024) where 128-byte swizzling puts logical ``offset``."""
     return offset ^ (((offset >> 7) & 7) << 4)
-SHAPES_N = (64, 128, 256)
-MAX_IN_FLIGHT = 3
 
 
 def acc_position(thread, index):
