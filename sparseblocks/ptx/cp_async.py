@@ -225,9 +225,11 @@ else:
 
         return types.void(shared, source, keep), codegen
 
-    def _statement(ptx):
+    def statement(ptx):
+        """An intrinsic that emits ``ptx`` (no operands) as a side effect that orders memory."""
+
         @intrinsic
-        def statement(typingctx):
+        def emit(typingctx):
             def codegen(context, builder, sig, args):
                 function = ir.FunctionType(ir.VoidType(), [])
                 builder.call(ir.InlineAsm(function, ptx, "~{memory}", side_effect=True), [])
@@ -235,12 +237,12 @@ else:
 
             return types.void(), codegen
 
-        return statement
+        return emit
 
     def _wait(keep):
-        return _statement(f"cp.async.wait_group {keep};")
+        return statement(f"cp.async.wait_group {keep};")
 
-    commit = _statement("cp.async.commit_group;")
+    commit = statement("cp.async.commit_group;")
 
 
 MAX_IN_FLIGHT = 3

@@ -167,6 +167,8 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
+    from .cp_async import statement
+
     @cuda.jit(device=True, inline=True)
     def descriptor(address, lbo, sbo, swizzle):
         """The 64-bit shared-memory matrix descriptor (base offset 0)."""
@@ -239,22 +241,10 @@ else:
 
         return settle
 
-    def _statement(ptx):
-        @intrinsic
-        def statement(typingctx):
-            def codegen(context, builder, sig, args):
-                function = ir.FunctionType(ir.VoidType(), [])
-                builder.call(ir.InlineAsm(function, ptx, "~{memory}", side_effect=True), [])
-                return context.get_dummy_value()
-
-            return types.void(), codegen
-
-        return statement
-
-    fence = _statement("wgmma.fence.sync.aligned;")
-    commit = _statement("wgmma.commit_group.sync.aligned;")
-    proxy_fence = _statement("fence.proxy.async.shared::cta;")
-    _waits = [_statement(f"wgmma.wait_group.sync.aligned {keep};") for keep in range(MAX_IN_FLIGHT + 1)]
+    fence = statement("wgmma.fence.sync.aligned;")
+    commit = statement("wgmma.commit_group.sync.aligned;")
+    proxy_fence = statement("fence.proxy.async.shared::cta;")
+    _waits = [statement(f"wgmma.wait_group.sync.aligned {keep};") for keep in range(MAX_IN_FLIGHT + 1)]
 
     def waiter(keep):
         """The wait until at most this warpgroup's newest ``keep`` batches are in flight."""
