@@ -84,7 +84,9 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
     * ``issue(base, tid, buf, a_global, b_global, a_from, a_to, b_from, b_to, a_keep, b_keep)``;
     * ``multiply(acc, desc_a, desc_b, buf)``: this warpgroup's wgmmas of the stage in buffer buf,
       from descriptors of buffer 0 at its rows (``desc_a``) and at B's start (``desc_b``);
-    * ``descriptors(base, group)``: those descriptors.
+    * ``descriptors(base, group)``: those descriptors;
+    * ``make_ring(sources)``: the pipelined loop over a kernel's stages, built of the above; the
+      maker returns this, `copy_plan`, `descriptors` and the chunks a thread copies of A and B.
 
     Shared tiles are in the 128-byte-swizzled canonical layouts (`ptx.wgmma`): a K-major operand
     (stored rows along k: BK = 64 values, one 128-byte row) is atoms of 8 of its rows, one after
@@ -176,31 +178,59 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
         b = descriptor_of(base + A_BYTES, b_mn_major)
         return a, b
 
-    return copy_plan, issue, multiply, descriptors, (A_PER, B_PER, STAGE_BYTES)
+    LEAD = STAGES - 2  # stages in flight ahead of the one multiplied
+    wait = waiter(LEAD - 1)
+    wg_wait_one, wg_wait_all = wg_waiter(1), wg_waiter(0)
+    settle = make_settle(BN)
+
+    def make_ring(sources):
+        """``ring(acc, base, tid, n_stages, where, a_from, a_to, b_from, b_to, a_keep, b_keep, desc_a,
+        desc_b)``: the whole pipelined loop into ``acc``, the kernel's stage addresses from
+        ``sources(s, where, a_keep, b_keep)`` (``where``: a tuple of what it needs)."""
+
+        @cuda.jit(device=True, inline=True)
+        def ring(acc, base, tid, n_stages, where, a_from, a_to, b_from, b_to, a_keep, b_keep, desc_a, desc_b):
+            for s in range(LEAD):  # stage s goes to buffer s
+                if s < n_stages:
+                    a_at, b_at = sources(s, where, a_keep, b_keep)
+                    issue(base, tid, s, a_at, b_at, a_from, a_to, b_from, b_to, a_keep, b_keep)
+                commit()  # one group a stage, empty or not, so that the wait counts stages
+            buf = 0
+            for stage in range(n_stages):
+                wait()  # this thread's copies of the stage have landed ...
+                proxy_fence()  # ... and are visible to wgmma's reads
+                cuda.syncthreads()  # every thread's; every warpgroup has retired stage - 2's batch
+                multiply(acc, desc_a, desc_b, buf)
+                nxt = stage + LEAD
+                if nxt < n_stages:
+                    a_at, b_at = sources(nxt, where, a_keep, b_keep)
+                    into = buf + LEAD if buf + LEAD < STAGES else buf + LEAD - STAGES
+                    issue(base, tid, into, a_at, b_at, a_from, a_to, b_from, b_to, a_keep, b_keep)
+                commit()
+                wg_wait_one()
+                buf = buf + 1 if buf < STAGES - 1 else 0
+            wg_wait_all()
+            settle(acc)
+
+        return ring
+
+    return copy_plan, make_ring, descriptors, (A_PER, B_PER)
 
 
 def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     """Products (forward, or with ``transpose_w`` input_grad) on version 7 tiles: a thread block
     owns BM rows of one segment of an output block-line, as in version 6 (`tiles.make_product_v6`),
     whose conventions it keeps: rows past N read the last row(s) and are not written."""
-    BM, BN, GROUPS, BK, STAGES = v7_shape(cfg, bs)
-    T = WARPGROUP * GROUPS
+    BM, BN, _, BK, _ = v7_shape(cfg, bs)
     ACC = BN // 2  # accumulators a thread
     SPB = bs // BK
     GROUP = cfg.product_group
     A_MN = feature_axis == 0  # x (C, N): a stored row is a feature (k), the rows (m) run along it
     B_MN = not transpose_w  # W's block: k (its rows) down, outputs along; Wᵀ: k along its rows
-    copy_plan, issue, multiply, descriptors, (A_PER, B_PER, _) = make_hopper_loop(cfg, bs, storage, False, A_MN,
-                                                                                  B_MN)
-    LEAD = STAGES - 2  # stages in flight ahead of the one multiplied
-    wait = waiter(LEAD - 1)
-    wg_wait_one, wg_wait_all = wg_waiter(1), wg_waiter(0)
     emit = product_output(bs, storage, acc_type, feature_axis)
     _, from_acc = converters(storage, acc_type)
     BLOCK = bs * bs
     B_K_STEP = 1 if transpose_w else bs
-
-    settle = make_settle(BN)
 
     @cuda.jit(device=True, inline=True)
     def store_pair(p, acc, out, workspace, line, slot, row, col0, n_rows):
@@ -221,13 +251,18 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     store = unrolled(ACC // 2, store_pair)
 
     @cuda.jit(device=True, inline=True)
-    def sources(s, begin, other_idx, line_block, a_base, w_base, lead):
+    def sources(s, where, a_keep, b_keep):
+        """Global addresses of stage s's first chunks (as version 6's)."""
+        begin, other_idx, line_block, a_base, w_base, lead = where
         j = begin + s // SPB
         k0 = (s % SPB) * BK
         feature = int64(other_idx[j]) * bs + k0
         a_stage = 2 * (feature * lead if A_MN else feature)
         b_stage = 2 * (int64(j if transpose_w else line_block[j]) * BLOCK + k0 * B_K_STEP)
         return a_base + a_stage, w_base + b_stage
+
+    copy_plan, make_ring, descriptors, (A_PER, B_PER) = make_hopper_loop(cfg, bs, storage, False, A_MN, B_MN)
+    ring = make_ring(sources)
 
     @cuda.jit
     def product_v7(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot, other_idx, line_block, n_rows):
@@ -267,27 +302,8 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
         for i in range(ACC):
             acc[i] = float32(0)
 
-        for s in range(LEAD):
-            if s < n_stages:
-                a_at, b_at = sources(s, begin, other_idx, line_block, a_base, w_base, lead)
-                issue(base, tid, s, a_at, b_at, a_from, a_to, b_from, b_to, a_keep, b_keep)
-            commit()
-        buf = 0
-        for stage in range(n_stages):
-            wait()  # this thread's copies of the stage have landed ...
-            proxy_fence()  # ... and are visible to wgmma's reads
-            cuda.syncthreads()  # every thread's; every warpgroup has retired stage - 2's batch
-            multiply(acc, desc_a, desc_b, buf)
-            nxt = stage + LEAD
-            if nxt < n_stages:
-                a_at, b_at = sources(nxt, begin, other_idx, line_block, a_base, w_base, lead)
-                into = buf + LEAD if buf + LEAD < STAGES else buf + LEAD - STAGES
-                issue(base, tid, into, a_at, b_at, a_from, a_to, b_from, b_to, a_keep, b_keep)
-            commit()
-            wg_wait_one()
-            buf = buf + 1 if buf < STAGES - 1 else 0
-        wg_wait_all()
-        settle(acc)
+        ring(acc, base, tid, n_stages, (begin, other_idx, line_block, a_base, w_base, lead), a_from, a_to, b_from,
+             b_to, a_keep, b_keep, desc_a, desc_b)
 
         warp, lane = thread // 32, thread % 32
         store(acc, out, workspace, seg_line[seg], seg_slot[seg], row0 + group * WGMMA_M + 16 * warp + lane // 4,
@@ -300,13 +316,9 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis):
     """dw[b] (+ beta·dw[b]) on version 7 tiles, a thread block a block, k along its N-split, as in
     version 6 (`tiles.make_weight_grad_v6`): A = xᵀ and B = dy; with feature_axis 1 both are
     MN-major (k = N down their rows), with 0 K-major."""
-    BM, BN, GROUPS, BK, STAGES = v7_shape(cfg, bs, True)
+    _, BN, _, BK, _ = v7_shape(cfg, bs, True)
     ACC = BN // 2
     MN = feature_axis == 1
-    copy_plan, issue, multiply, descriptors, (A_PER, B_PER, _) = make_hopper_loop(cfg, bs, storage, True, MN, MN)
-    LEAD = STAGES - 2
-    wait = waiter(LEAD - 1)
-    wg_wait_one, wg_wait_all = wg_waiter(1), wg_waiter(0)
     finish = weight_grad_output(bs, storage, acc_type)
 
     @cuda.jit(device=True, inline=True)
@@ -315,7 +327,10 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis):
             keep[i] = (n0 + (rows[i] if MN else cols[i])) < n_end
 
     @cuda.jit(device=True, inline=True)
-    def sources(s, n_begin, n_end, x_base, dy_base, x_lead, dy_lead, a_keep, a_row, a_col, b_keep, b_row, b_col):
+    def sources(s, where, a_keep, b_keep):
+        """Global addresses of stage s's first chunks (rows n0 = n_begin + s BK... of x and dy),
+        and the keep flags of its chunks."""
+        n_begin, n_end, x_base, dy_base, x_lead, dy_lead, a_row, a_col, b_row, b_col = where
         n0 = n_begin + s * BK
         keep_flags(a_keep, a_row, a_col, n0, n_end)
         keep_flags(b_keep, b_row, b_col, n0, n_end)
@@ -323,7 +338,8 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis):
         dy_stage = 2 * (int64(n0) * dy_lead if MN else int64(n0))
         return x_base + x_stage, dy_base + dy_stage
 
-    settle = make_settle(BN)
+    copy_plan, make_ring, descriptors, (A_PER, B_PER) = make_hopper_loop(cfg, bs, storage, True, MN, MN)
+    ring = make_ring(sources)
 
     @cuda.jit(device=True, inline=True)
     def finish_one(i, acc, dw, workspace, block, split, r, col0, beta):
@@ -370,29 +386,8 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis):
         for i in range(ACC):
             acc[i] = float32(0)
 
-        for s in range(LEAD):
-            if s < n_stages:
-                a_at, b_at = sources(s, n_begin, n_end, x_base, dy_base, x_lead, dy_lead, a_keep, a_row, a_col,
-                                     b_keep, b_row, b_col)
-                issue(base, tid, s, a_at, b_at, a_from, a_to, b_from, b_to, a_keep, b_keep)
-            commit()
-        buf = 0
-        for stage in range(n_stages):
-            wait()
-            proxy_fence()
-            cuda.syncthreads()
-            multiply(acc, desc_a, desc_b, buf)
-            nxt = stage + LEAD
-            if nxt < n_stages:
-                a_at, b_at = sources(nxt, n_begin, n_end, x_base, dy_base, x_lead, dy_lead, a_keep, a_row, a_col,
-                                     b_keep, b_row, b_col)
-                into = buf + LEAD if buf + LEAD < STAGES else buf + LEAD - STAGES
-                issue(base, tid, into, a_at, b_at, a_from, a_to, b_from, b_to, a_keep, b_keep)
-            commit()
-            wg_wait_one()
-            buf = buf + 1 if buf < STAGES - 1 else 0
-        wg_wait_all()
-        settle(acc)
+        ring(acc, base, tid, n_stages, (n_begin, n_end, x_base, dy_base, x_lead, dy_lead, a_row, a_col, b_row, b_col),
+             a_from, a_to, b_from, b_to, a_keep, b_keep, desc_a, desc_b)
 
         warp, lane = thread // 32, thread % 32
         finish_all(acc, dw, workspace, block, split, group * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4), beta)

@@ -119,3 +119,25 @@ def test_hopper_product_runs_in_the_simulator(monkeypatch, dtype, feature_axis):
 
     got = np.asarray(y) if feature_axis == 1 else np.asarray(y).T
     assert_close(got, reference.forward(x, w, layout), dtype, "forward")
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
+@pytest.mark.parametrize("feature_axis", [1, 0])
+def test_hopper_weight_grad_runs_in_the_simulator(monkeypatch, feature_axis):
+    """Version 7's weight gradient through the simulator's twin: 100 rows are two 64-row stages,
+    the second zero-filled past the end, in a ring of three buffers."""
+    from sparseblocks.bsmm import dispatch
+    from sparseblocks.reference import bsmm as reference
+    from strategies import assert_close
+
+    monkeypatch.setattr(dispatch, "hopper", lambda: True)
+    cfg = replace(bsmm.DEFAULT, v7_groups={64: 1}, v7_stages=3)
+    layout = BlockLayout(np.ones((1, 1)), 64)
+    rng = np.random.default_rng(4)
+    n = 100 if feature_axis == 1 else 104  # (N along rows: whole chunks of 8)
+    x, dy = values(rng, (n, 64), "float16"), values(rng, (n, 64), "float16")
+    before = ran_hopper()[1]
+    dw = bsmm.weight_grad(to_axis(x, feature_axis), to_axis(dy, feature_axis), layout, feature_axis, version=7,
+                          config=cfg)
+    assert ran_hopper()[1] == before + 1
+    assert_close(dw, reference.weight_grad(x, dy, layout), "float16", "weight_grad", terms=n)
