@@ -60,11 +60,11 @@ class WarpCollectiveError(RuntimeError):
 
 
 class _Meeting:
-    """One execution of one collective by a group of lanes."""
+    """One execution of one collective by a group of lanes (or threads)."""
 
-    def __init__(self, op, mask):
+    def __init__(self, op, key):
         self.op = op
-        self.mask = mask
+        self.key = key  # its room's key: a lane mask, or (size, group) of a group of threads
         self.values = {}
         self.done = False
 
@@ -136,6 +136,37 @@ def _wait(block, me, meeting, settled):
         me._sb_waiting = None
 
 
+def _meet(block, me, rooms, key, members, index, value, op, what, name, thread_of):
+    """Under ``block.cond``: hand ``value`` in as member ``index`` of the open meeting
+    ``rooms[key]`` of ``op`` (opened here if none is), wait until every one of ``members`` has,
+    and return {member: value}. ``what`` and ``name`` ("lane", "thread") word the errors;
+    ``thread_of(member)`` is its (warp, lane). Misuse that would hang on a GPU raises: another op
+    met in the same room, a member that exited or waits in a barrier."""
+    meeting = rooms.get(key)
+    if meeting is None:
+        meeting = rooms[key] = _Meeting(op, key)
+    elif meeting.op != op:
+        raise WarpCollectiveError(f"{what}: {name} {index} called {op} while {name}s {sorted(meeting.values)} "
+                                  f"wait in {meeting.op}")
+    meeting.values[index] = value
+
+    def settled():
+        if members <= meeting.values.keys():
+            if rooms.get(key) is meeting:
+                del rooms[key]
+            return True
+        for other in members - meeting.values.keys():
+            state = _lane_state(block, *thread_of(other), me)
+            if state in ("exited", "syncthreads"):
+                raise WarpCollectiveError(
+                    f"{op}: {what}: {name} {other} {'exited' if state == 'exited' else 'waits in syncthreads'}"
+                    f"; {name}s {sorted(meeting.values)} would wait forever")
+        return False
+
+    _wait(block, me, meeting, settled)
+    return meeting.values
+
+
 def _masked_collective(op, mask, value):
     """Meet the lanes of `mask`; return {lane: value} of every participant."""
     me = _me()
@@ -150,33 +181,9 @@ def _masked_collective(op, mask, value):
     with block.cond:
         room = block.room(warp)
         participants = frozenset(i for i in room.lanes if (mask >> i) & 1)
-        meeting = room.by_mask.get(mask)
-        if meeting is None:
-            meeting = room.by_mask[mask] = _Meeting(op, mask)
-        elif meeting.op != op:
-            raise WarpCollectiveError(
-                f"warp {warp}, mask {mask:#010x}: lane {lane} called {op} while "
-                f"lanes {sorted(meeting.values)} wait in {meeting.op}"
-            )
-        meeting.values[lane] = value
-
-        def settled():
-            if participants <= meeting.values.keys():
-                if room.by_mask.get(mask) is meeting:
-                    del room.by_mask[mask]
-                return True
-            for other in participants - meeting.values.keys():
-                state = _lane_state(block, warp, other, me)
-                if state in ("exited", "syncthreads"):
-                    raise WarpCollectiveError(
-                        f"{op}: warp {warp}, mask {mask:#010x}: lane {other} "
-                        f"{'exited' if state == 'exited' else 'waits in syncthreads'}"
-                        f"; lanes {sorted(meeting.values)} would wait forever"
-                    )
-            return False
-
-        _wait(block, me, meeting, settled)
-    return lane, meeting.values
+        values = _meet(block, me, room.by_mask, mask, participants, lane, value, op,
+                       f"warp {warp}, mask {mask:#010x}", "lane", lambda other: (warp, other))
+    return lane, values
 
 
 def _group_collective(op, size, value):
@@ -185,33 +192,12 @@ def _group_collective(op, size, value):
     me = _me()
     block = me._manager._sb_warps
     group, index = divmod(me.thread_id, size)
-    key = (size, group)
     with block.cond:
         members = frozenset(range(min(size, block.n_threads - group * size)))
-        meeting = block.groups.get(key)
-        if meeting is None:
-            meeting = block.groups[key] = _Meeting(op, None)
-        elif meeting.op != op:
-            raise WarpCollectiveError(f"{op}: thread {me.thread_id} called it while its group of {size} "
-                                      f"waits in {meeting.op}")
-        meeting.values[index] = value
-
-        def settled():
-            if members <= meeting.values.keys():
-                if block.groups.get(key) is meeting:
-                    del block.groups[key]
-                return True
-            for other in members - meeting.values.keys():
-                warp, lane = divmod(group * size + other, WARP_SIZE)
-                state = _lane_state(block, warp, lane, me)
-                if state in ("exited", "syncthreads"):
-                    raise WarpCollectiveError(
-                        f"{op}: thread {group * size + other} of the group of {size} "
-                        f"{'exited' if state == 'exited' else 'waits in syncthreads'}; the others would wait forever")
-            return False
-
-        _wait(block, me, meeting, settled)
-    return index, meeting.values
+        values = _meet(block, me, block.groups, (size, group), members, index, value, op,
+                       f"group {group} of {size} threads", "thread",
+                       lambda other: divmod(group * size + other, WARP_SIZE))
+    return index, values
 
 
 def _poison(value):
