@@ -100,12 +100,12 @@ class BsmmConfig:
         for bs in self.v6_wgrad_warps:
             if v6_check(self, bs, weight_grad=True):
                 raise ValueError(f"v6_wgrad_warps[{bs}]: {v6_check(self, bs, weight_grad=True)}")
-        from .hopper import v7_check
+        from .hopper import V7_BLOCKS, v7_check
 
         for bs in self.v7_groups:
             if v7_check(self, bs):
                 raise ValueError(f"v7_groups[{bs}]: {v7_check(self, bs)}")
-        for bs in (64, 128):
+        for bs in V7_BLOCKS:
             if v7_check(self, bs, weight_grad=True):
                 raise ValueError(f"v7_wgrad_k: {v7_check(self, bs, weight_grad=True)}")
         for bs, (rows, _, _, chunk) in self.product_tiles.items():

@@ -36,7 +36,7 @@ from .weight_grad_simt import (
     make_weight_grad_v3,
     make_weight_grad_v4,
 )
-from .hopper import V7_STORAGE, make_product_v7, make_weight_grad_v7, v7_shape, v7_threads
+from .hopper import V7_BLOCKS, V7_STORAGE, make_product_v7, make_weight_grad_v7, v7_shape, v7_threads
 from .tiles import V6_STORAGE, make_product_v6, make_weight_grad_v6, v6_shape, v6_threads
 from .weight_grad_tensorcore import make_weight_grad_v5, v5_wgrad_blocks, v5_wgrad_warps
 
@@ -66,7 +66,7 @@ def product_family(cfg, version, bs, storage, tiles_fit=True):
 
 def weight_grad_family(cfg, version, bs, storage, feature_axis, tiles_fit=True):
     """The weight-gradient kernels a call runs (the dispatch table of the weight gradients)."""
-    if version == 7 and tiles_fit and bs in (64, 128) and storage in V7_STORAGE and hopper():
+    if version == 7 and tiles_fit and bs in V7_BLOCKS and storage in V7_STORAGE and hopper():
         return 7
     if version >= 6 and tiles_fit and bs in cfg.v6_wgrad_warps and storage in V6_STORAGE:
         return 6

@@ -35,6 +35,7 @@ from ..runtime.launch import dynamic_shared
 from .device import converters, grouped_tile, product_output, weight_grad_output
 
 V7_STORAGE = ("float16", "bfloat16")
+V7_BLOCKS = (64, 128)  # a block's side: whole 64-row warpgroups, whole 64-value swizzle rows
 CHUNK = 8  # 16-bit values a 16-byte chunk
 SWIZZLE_K = 64  # values of k a stage: one 128-byte row of a swizzle atom
 ATOM = 1024  # a 128-byte-swizzled atom: 8 rows of 128 bytes
@@ -62,7 +63,7 @@ def v7_check(cfg, bs, weight_grad=False):
     """Why a block size's version 7 tiles cannot be built under ``cfg`` ('' where they can)."""
     if not weight_grad and bs not in cfg.v7_groups:
         return f"no version 7 tile for block {bs}"
-    if bs not in (64, 128):
+    if bs not in V7_BLOCKS:
         return f"block {bs}: version 7 takes blocks of 64 and 128"
     BM, BN, GROUPS, BK, STAGES = v7_shape(cfg, bs, weight_grad)
     if BK != SWIZZLE_K:
