@@ -59,8 +59,9 @@ def resources(ptx, registers=None, arch=None):
         arch = arch or f"sm_{CC[0]}{CC[1]}"
         report = subprocess.run([PTXAS, f"-arch={arch}", "-v", *cap, path, "-o", path + ".cubin"],
                                 capture_output=True, text=True).stderr
-    if "error" in report or "Performance" in report:
-        print(report)
+    for line in report.splitlines():  # errors, and warnings such as a serialized wgmma
+        if "error" in line or "Performance" in line:
+            print(line[:200])
     if "Unresolved extern function" in report and "half" in report:
         return "  [calls Numba's fp16 operators, linked at launch: no ptxas report alone]"
     used = re.search(r"Used (\d+) registers", report)
