@@ -604,7 +604,7 @@ def test_sparse_res_block_keeps_a_nan_where_the_dense_block_does(configure, dtyp
 
 
 @pytest.mark.parametrize("dtype, nchw", [gpu_only_case(torch.float32, False), (torch.float16, False),
-                                         (torch.float16, True), gpu_only_case(torch.float32, True)])
+                                         gpu_only_case(torch.float16, True), gpu_only_case(torch.float32, True)])
 def test_fused_scatter_gives_the_product_and_scatter_apart(configure, dtype, nchw, monkeypatch):
     """In-place calls without gradients whose output is NHWC (of FUSED_SCATTER_MIN_PIXELS output
     pixels or more) add the last product straight into the image (`sparse_matmul_scatter`; ``nchw``:
