@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 from sparseblocks.reference import bsmm as reference  # noqa: E402
 from sparseblocks.torch import BlockSparseLinear, cpu  # noqa: E402
 from strategies import assert_close, layouts, values  # noqa: E402
+from test_linear import assert_compiles_as_eager  # noqa: E402
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,18 +55,7 @@ def test_gradcheck_of_the_cpu_product():
 def test_a_compiled_layer_on_cpu_tensors_has_no_graph_break():
     model = torch.nn.Sequential(BlockSparseLinear(16, 24, density=0.5, block_size=8), torch.nn.GELU(),
                                 BlockSparseLinear(24, 8, density=0.5, block_size=8))
-    x = torch.randn(3, 16)
-    explained = torch._dynamo.explain(model)(x)
-    assert explained.graph_break_count == 0 and explained.graph_count == 1
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    x_eager = x.clone().requires_grad_(True)
-    x.requires_grad_(True)
-    y = compiled(x)
-    torch.testing.assert_close(y, model(x_eager))
-    grads = torch.autograd.grad(y.sum(), (x, model[0].weight))
-    want = torch.autograd.grad(model(x_eager).sum(), (x_eager, model[0].weight))
-    for got, expected in zip(grads, want):
-        torch.testing.assert_close(got, expected)
+    assert_compiles_as_eager(model, torch.randn(3, 16), "aot_eager")
 
 
 def test_kernels_on_cpu_is_a_switch():

@@ -280,10 +280,16 @@ def test_compiles_with_no_graph_break():
                                 torch.nn.GELU(), BlockSparseLinear(24, 16, density=0.5, block_size=8, device=DEVICE),
                                 torch.nn.GELU(), BlockSparseLinear(16, 8, density=0.5, block_size=8, device=DEVICE))
     x = torch.randn(2, 3, 16, device=DEVICE)
+    # aot_eager traces forward and backward through the fake kernels; inductor is tested on the GPU.
+    assert_compiles_as_eager(model, x, "aot_eager" if SIMULATOR else "inductor")
+
+
+def assert_compiles_as_eager(model, x, backend):
+    """``model`` compiles whole (no graph break, one graph), and the compiled model's output and
+    gradients (of x and the first layer's weight) are the eager model's."""
     explained = torch._dynamo.explain(model)(x)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
-    # aot_eager traces forward and backward through the fake kernels; inductor is tested on the GPU.
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager" if SIMULATOR else "inductor")
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
     x_eager = x.clone().requires_grad_(True)
     x.requires_grad_(True)
     y = compiled(x)
@@ -292,83 +298,3 @@ def test_compiles_with_no_graph_break():
     want = torch.autograd.grad(model(x_eager).sum(), (x_eager, model[0].weight))
     for got, expected in zip(grads, want):
         torch.testing.assert_close(got, expected)
-
-
-def test_custom_ops_pass_torch_library_opcheck(cpu_path):
-    from sparseblocks.torch import ops
-
-    if cpu_path == "torch":
-        pytest.skip("the custom ops are the kernels' path")
-
-    layout = BlockLayout.random((2, 3), 0.5, seed=0, block_size=8)
-    key = ops.layout_key(layout)
-    x = torch.randn(4, 16, device=DEVICE, requires_grad=True)
-    w = torch.randn(*layout.w_shape, device=DEVICE, requires_grad=True)
-    dy = torch.randn(4, 24, device=DEVICE)
-    torch.library.opcheck(ops.bsmm_forward, (x, w, key), test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(ops.bsmm_input_grad, (dy, w.detach(), key), test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(ops.bsmm_weight_grad, (x.detach(), dy, key), test_utils=("test_schema", "test_faketensor"))
-    assert ops.layout_of(key) == layout
-    ops._layouts.clear()  # a key rebuilds its layout
-    assert ops.layout_of(key) == layout
-
-
-@pytest.mark.gpu
-def test_a_training_step_replays_in_a_cuda_graph():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(BlockSparseLinear(64, 128, density=0.25, device="cuda"), torch.nn.ReLU(),
-                                BlockSparseLinear(128, 64, density=0.25, device="cuda"))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, target = torch.randn(256, 64, device="cuda"), torch.randn(256, 64, device="cuda")
-
-    def step():
-        optimizer.zero_grad(set_to_none=False)
-        loss = torch.nn.functional.mse_loss(model(x), target)
-        loss.backward()
-        optimizer.step()
-        return loss
-
-    reference = [p.detach().clone() for p in model.parameters()]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):  # warm-up: compilation, layout indices on the device
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        loss = step()
-    # The same steps eagerly, from the same start, on a copy.
-    eager = [p.detach().clone() for p in model.parameters()]
-    losses = []
-    for _ in range(3):
-        graph.replay()
-        losses.append(loss.item())
-    replayed = [p.detach().clone() for p in model.parameters()]
-    with torch.no_grad():
-        for p, start in zip(model.parameters(), eager):
-            p.copy_(start)
-    for _ in range(3):
-        step()
-    for got, want in zip(replayed, model.parameters()):
-        torch.testing.assert_close(got, want)
-    assert losses[-1] < losses[0] and any(not torch.equal(a, b) for a, b in zip(reference, replayed))
-
-
-@pytest.mark.gpu
-def test_launches_on_the_current_stream():
-    """A long kernel queued first on a side stream, then the layer on it: the result must wait."""
-    torch.manual_seed(0)
-    layer = BlockSparseLinear(1024, 1024, density=0.5, device="cuda")
-    side = torch.cuda.Stream()
-    big = torch.randn(4096, 4096, device="cuda")
-    x = torch.zeros(2048, 1024, device="cuda")
-    want = layer(torch.ones_like(x))
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(4):
-            big = big @ big / 64  # keeps the stream busy
-        x.fill_(1.0)  # on the side stream, after the busy work
-        got = layer(x)
-    side.synchronize()
-    torch.testing.assert_close(got, want)
