@@ -115,55 +115,40 @@ def check_v5(bs, storage, vector):
               f"{resources(ptx)}  {ptx.count('mma.sync')} mma{vector_loads(ptx)}")
 
 
-def check_v6():
-    """Version 6 (tensor-core tiles): every product and weight gradient, fp16 and bf16, both
-    feature axes, at the block sizes of ``v6_tiles``: registers, stack and the mma count."""
+def check_tiles(version):
+    """Version 6 (tensor-core tiles, sm_90) or 7 (Hopper wgmma tiles, sm_90a): every product and
+    weight gradient, fp16 and bf16, both feature axes, at the config's block sizes: registers,
+    stack, the mma (or wgmma) count, and ptxas's warnings (a serialized wgmma)."""
+    if version == 6:
+        module, blocks, cc, instruction = bsmm.tiles, B.v6_tiles, CC, "mma.sync"
+    else:
+        module, blocks, cc, instruction = bsmm.hopper, B.v7_groups, (9, 0, "a"), "wgmma.mma_async"
+    product, weight_grad = getattr(module, f"make_product_v{version}"), getattr(module, f"make_weight_grad_v{version}")
+    storages = getattr(module, f"V{version}_STORAGE")
+    count = lambda ptx: f"  {ptx.count(instruction)} {instruction.split('.')[0]}"  # noqa: E731
     index = types.int32[::1]
     results = []
-    for bs, storage in itertools.product(sorted(B.v6_tiles), bsmm.tiles.V6_STORAGE):
+    for bs, storage in itertools.product(sorted(blocks), storages):
         element = types.int16 if storage == "bfloat16" else types.float16
         for transpose_w, feature_axis in itertools.product((False, True), (1, 0)):
-            kernel = bsmm.tiles.make_product_v6(B, bs, storage, types.float32, transpose_w, feature_axis)
+            kernel = product(B, bs, storage, types.float32, transpose_w, feature_axis)
             signature = (element[:, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, :, ::1]) \
                 + (index,) * 6 + (i64,)
-            results.append(check(f"product v6 bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis}",
-                                 kernel.py_func, signature, detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
+            name = f"product v{version} bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis}"
+            results.append(check(name, kernel.py_func, signature, cc=cc, detail=count))
         for feature_axis in (1, 0):
-            kernel = bsmm.tiles.make_weight_grad_v6(B, bs, storage, types.float32, feature_axis)
+            kernel = weight_grad(B, bs, storage, types.float32, feature_axis)
             signature = (element[:, :, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, ::1],
                          types.int32[:, ::1], i64, i64, types.float64)
-            results.append(check(f"weight_grad v6 bs {bs} {storage} axis {feature_axis}", kernel.py_func, signature,
-                                 detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
-    return results
-
-
-def check_v7():
-    """Version 7 (Hopper wgmma tiles, sm_90a): every product and weight gradient, fp16 and bf16,
-    both feature axes: registers, stack, the wgmma count, and ptxas's warnings (a serialized wgmma)."""
-    index = types.int32[::1]
-    results = []
-    for bs, storage in itertools.product(sorted(B.v7_groups), bsmm.hopper.V7_STORAGE):
-        element = types.int16 if storage == "bfloat16" else types.float16
-        for transpose_w, feature_axis in itertools.product((False, True), (1, 0)):
-            kernel = bsmm.hopper.make_product_v7(B, bs, storage, types.float32, transpose_w, feature_axis)
-            signature = (element[:, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, :, ::1]) \
-                + (index,) * 6 + (i64,)
-            results.append(check(f"product v7 bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis}",
-                                 kernel.py_func, signature, cc=(9, 0, "a"),
-                                 detail=lambda ptx: f"  {ptx.count('wgmma.mma_async')} wgmma"))
-        for feature_axis in (1, 0):
-            kernel = bsmm.hopper.make_weight_grad_v7(B, bs, storage, types.float32, feature_axis)
-            signature = (element[:, :, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, ::1],
-                         types.int32[:, ::1], i64, i64, types.float64)
-            results.append(check(f"weight_grad v7 bs {bs} {storage} axis {feature_axis}", kernel.py_func, signature,
-                                 cc=(9, 0, "a"), detail=lambda ptx: f"  {ptx.count('wgmma.mma_async')} wgmma"))
+            results.append(check(f"weight_grad v{version} bs {bs} {storage} axis {feature_axis}", kernel.py_func,
+                                 signature, cc=cc, detail=count))
     return results
 
 
 def check_bsmm():
     """ptxas's report for bsmm's version 4, 5, 6 and 7 kernels with the module's current settings."""
-    check_v7()
-    check_v6()
+    check_tiles(7)
+    check_tiles(6)
     index = types.int32[::1]
     for bs, storage, vector in itertools.product(sorted(B.v4_rows), ("float32", "float16"), (False, True)):
         element = getattr(types, storage)
