@@ -79,9 +79,12 @@ class BsmmConfig:
     v6_max_shared: int = 227 * 1024  # a thread block's shared memory on sm_90
 
     # -- version 7 (Hopper: wgmma from a cp.async ring; fp16, bf16; sm_90) ----------------
-    v7_groups: dict = default_field({64: 2, 128: 2})  # warpgroups (64 rows each) of a product's tile
+    v7_groups: dict = default_field({64: 2, 128: 2})  # warpgroups of a product's tile
+    v7_tiles: dict = default_field({64: 1, 128: 1})  # 64-row wgmma tiles a warpgroup of a product owns (1, 2)
     v7_k: int = 64  # k values a stage (64: one 128-byte row of the shared tiles' swizzle)
     v7_stages: int = 6  # shared buffers of the ring: stages - 2 in flight ahead of the one multiplied
+    v7_wgrad_groups: dict = default_field({64: 1, 128: 2})  # warpgroups of a weight-gradient block's tile
+    v7_wgrad_stages: int = 6  # the weight gradient's ring
     v7_wgrad_fill: int = 1  # weight-gradient thread blocks a multiprocessor the N-splits aim for
     v7_wgrad_k: int = 64  # rows of N a weight-gradient stage
 
@@ -107,7 +110,7 @@ class BsmmConfig:
                 raise ValueError(f"v7_groups[{bs}]: {v7_check(self, bs)}")
         for bs in V7_BLOCKS:
             if v7_check(self, bs, weight_grad=True):
-                raise ValueError(f"v7_wgrad_k: {v7_check(self, bs, weight_grad=True)}")
+                raise ValueError(f"version 7 weight gradient: {v7_check(self, bs, weight_grad=True)}")
         for bs, (rows, _, _, chunk) in self.product_tiles.items():
             if rows * chunk % (8 * self.product_threads):
                 raise ValueError(f"product_tiles[{bs}]: TM * KC must be a multiple of 8 * product_threads")

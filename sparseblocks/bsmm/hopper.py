@@ -42,11 +42,12 @@ ATOM = 1024  # a 128-byte-swizzled atom: 8 rows of 128 bytes
 
 
 def v7_shape(cfg, bs, weight_grad=False):
-    """(BM, BN, warpgroups, BK, stages) of a version 7 tile."""
+    """(BM, BN, warpgroups, 64-row tiles a warpgroup, BK, stages) of a version 7 tile."""
     if weight_grad:
-        return bs, bs, bs // WGMMA_M, cfg.v7_wgrad_k, cfg.v7_stages
-    groups = cfg.v7_groups[bs]
-    return groups * WGMMA_M, bs, groups, min(bs, cfg.v7_k), cfg.v7_stages
+        groups = cfg.v7_wgrad_groups.get(bs, bs // WGMMA_M)
+        return bs, bs, groups, bs // WGMMA_M // max(groups, 1), cfg.v7_wgrad_k, cfg.v7_wgrad_stages
+    groups, tiles = cfg.v7_groups[bs], cfg.v7_tiles.get(bs, 1)
+    return groups * tiles * WGMMA_M, bs, groups, tiles, min(bs, cfg.v7_k), cfg.v7_stages
 
 
 def v7_threads(cfg, bs, weight_grad=False):
@@ -55,7 +56,7 @@ def v7_threads(cfg, bs, weight_grad=False):
 
 def shared_bytes(cfg, bs, weight_grad=False):
     """The ring's bytes, plus an atom's slack to start it on a multiple of 1024."""
-    BM, BN, _, BK, STAGES = v7_shape(cfg, bs, weight_grad)
+    BM, BN, _, _, BK, STAGES = v7_shape(cfg, bs, weight_grad)
     return STAGES * 2 * BK * (BM + BN) + ATOM
 
 
@@ -65,13 +66,17 @@ def v7_check(cfg, bs, weight_grad=False):
         return f"no version 7 tile for block {bs}"
     if bs not in V7_BLOCKS:
         return f"block {bs}: version 7 takes blocks of 64 and 128"
-    BM, BN, GROUPS, BK, STAGES = v7_shape(cfg, bs, weight_grad)
+    BM, BN, GROUPS, TILES, BK, STAGES = v7_shape(cfg, bs, weight_grad)
     if BK != SWIZZLE_K:
         return f"k {BK}: version 7 stages {SWIZZLE_K} values of k (a 128-byte swizzle row)"
     if not 3 <= STAGES <= 6:
-        return f"v7_stages: expected 3 to 6, got {STAGES}"
+        return f"{'v7_wgrad_stages' if weight_grad else 'v7_stages'}: expected 3 to 6, got {STAGES}"
     if not 1 <= GROUPS <= 4:
         return f"block {bs}: {GROUPS} warpgroups, expected 1 to 4"
+    if TILES not in (1, 2) or (weight_grad and GROUPS * TILES * WGMMA_M != bs):
+        what = f"{GROUPS} warpgroups of {TILES} 64-row tiles"
+        return f"block {bs}: {what}, expected 1 or 2 tiles a warpgroup" + (
+            f" and {bs} rows in all" if weight_grad else "")
     if shared_bytes(cfg, bs, weight_grad) > cfg.v6_max_shared:
         return f"block {bs}: {shared_bytes(cfg, bs, weight_grad)} bytes of shared memory over v6_max_shared"
     return ""
@@ -95,7 +100,7 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
     8 values of k. Consecutive threads copy consecutive chunks of a stored row, so a warp reads
     whole 128-byte lines, and the swizzle spreads its stores over every bank.
     """
-    BM, BN, GROUPS, BK, STAGES = v7_shape(cfg, bs, weight_grad)
+    BM, BN, GROUPS, TILES, BK, STAGES = v7_shape(cfg, bs, weight_grad)
     T = WARPGROUP * GROUPS
     A_BYTES, B_BYTES = 2 * BM * BK, 2 * BN * BK
     STAGE_BYTES = A_BYTES + B_BYTES
@@ -103,6 +108,7 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
     MN_GROUP = BK * 128  # bytes of a 64-wide group of m or n (BK / 8 atoms) in an MN-major tile
     kind = "bf16" if storage == "bfloat16" else "f16"
     mma = make_mma(BN, kind, a_mn_major, b_mn_major)
+    mma_second = make_mma(BN, kind, a_mn_major, b_mn_major, first=BN // 2)  # a warpgroup's second tile
 
     def plan(mn_major, side):
         """(chunks, chunks a stored row, per thread, all threads full) of an operand's stage."""
@@ -150,10 +156,13 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
     # MN-major one two atoms down; in the descriptor's 16-byte units.
     A_STEP = (2 * ATOM if a_mn_major else 32) // 16
     B_STEP = (2 * ATOM if b_mn_major else 32) // 16
+    A_TILE = MN_GROUP if a_mn_major else 8 * ATOM  # bytes from one 64-row tile of A to the next
 
     @cuda.jit(device=True, inline=True)
     def step(s, acc, desc_a, desc_b):
         mma(acc, desc_a + uint64(s * A_STEP), desc_b + uint64(s * B_STEP), int32(1))
+        if TILES > 1:
+            mma_second(acc, desc_a + uint64(s * A_STEP + A_TILE // 16), desc_b + uint64(s * B_STEP), int32(1))
 
     steps = unrolled(STEPS, step)
 
@@ -174,15 +183,15 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
 
     @cuda.jit(device=True, inline=True)
     def descriptors(base, group):
-        """Buffer 0's descriptors of this warpgroup's 64 rows of A, and of B."""
-        a = descriptor_of(base + group * (MN_GROUP if a_mn_major else 8 * ATOM), a_mn_major)
+        """Buffer 0's descriptors of this warpgroup's first 64 rows of A, and of B."""
+        a = descriptor_of(base + group * TILES * A_TILE, a_mn_major)
         b = descriptor_of(base + A_BYTES, b_mn_major)
         return a, b
 
     LEAD = STAGES - 2  # stages in flight ahead of the one multiplied
     wait = waiter(LEAD - 1)
     wg_wait_one, wg_wait_all = wg_waiter(1), wg_waiter(0)
-    settle = make_settle(BN)
+    settle = make_settle(TILES * BN)
 
     def make_ring(sources):
         """``ring(acc, base, tid, n_stages, where, a_from, a_to, b_from, b_to, a_keep, b_keep, desc_a,
@@ -222,8 +231,9 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     """Products (forward, or with ``transpose_w`` input_grad) on version 7 tiles: a thread block
     owns BM rows of one segment of an output block-line, as in version 6 (`tiles.make_product_v6`),
     whose conventions it keeps: rows past N read the last row(s) and are not written."""
-    BM, BN, _, BK, _ = v7_shape(cfg, bs)
-    ACC = BN // 2  # accumulators a thread
+    BM, BN, _, TILES, BK, _ = v7_shape(cfg, bs)
+    ACC = BN // 2  # accumulators a thread a 64-row tile
+    ACC_ALL = TILES * ACC  # (Numba sizes a local array by a name, not an expression)
     SPB = bs // BK
     GROUP = cfg.product_group
     A_MN = feature_axis == 0  # x (C, N): a stored row is a feature (k), the rows (m) run along it
@@ -235,9 +245,11 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
 
     @cuda.jit(device=True, inline=True)
     def store_pair(p, acc, out, workspace, line, slot, row, col0, n_rows):
-        """Accumulators 2p and 2p + 1 (neighbours in a row) of this thread: `ptx.wgmma.acc_position`."""
-        j, h = p // 2, p % 2
-        row = row + 8 * h
+        """Accumulators 2p and 2p + 1 (neighbours in a row) of this thread: `ptx.wgmma.acc_position`,
+        in the tile p // (ACC / 2) of this warpgroup's."""
+        t, q = p // (ACC // 2), p % (ACC // 2)
+        j, h = q // 2, q % 2
+        row = row + WGMMA_M * t + 8 * h
         col = col0 + 8 * j
         if row < n_rows:
             v0, v1 = acc[2 * p], acc[2 * p + 1]
@@ -249,7 +261,7 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
                 emit(out, workspace, slot, line, row, col, v0)
                 emit(out, workspace, slot, line, row, col + 1, v1)
 
-    store = unrolled(ACC // 2, store_pair)
+    store = unrolled(ACC_ALL // 2, store_pair)
 
     @cuda.jit(device=True, inline=True)
     def sources(s, where, a_keep, b_keep):
@@ -299,15 +311,15 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
             b_from[i] = 2 * (int64(b_row[i]) * bs + b_col[i])
             b_keep[i] = 1
         desc_a, desc_b = descriptors(base, group)
-        acc = cuda.local.array(ACC, float32)
-        for i in range(ACC):
+        acc = cuda.local.array(ACC_ALL, float32)
+        for i in range(ACC_ALL):
             acc[i] = float32(0)
 
         ring(acc, base, tid, n_stages, (begin, other_idx, line_block, a_base, w_base, lead), a_from, a_to, b_from,
              b_to, a_keep, b_keep, desc_a, desc_b)
 
         warp, lane = thread // 32, thread % 32
-        store(acc, out, workspace, seg_line[seg], seg_slot[seg], row0 + group * WGMMA_M + 16 * warp + lane // 4,
+        store(acc, out, workspace, seg_line[seg], seg_slot[seg], row0 + group * TILES * WGMMA_M + 16 * warp + lane // 4,
               2 * (lane % 4), n_rows)
 
     return dynamic_shared(product_v7, shared_bytes(cfg, bs))
@@ -317,8 +329,9 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis):
     """dw[b] (+ beta·dw[b]) on version 7 tiles, a thread block a block, k along its N-split, as in
     version 6 (`tiles.make_weight_grad_v6`): A = xᵀ and B = dy; with feature_axis 1 both are
     MN-major (k = N down their rows), with 0 K-major."""
-    _, BN, _, BK, _ = v7_shape(cfg, bs, True)
-    ACC = BN // 2
+    _, BN, _, TILES, BK, _ = v7_shape(cfg, bs, True)
+    ACC = BN // 2  # a 64-row tile's
+    ACC_ALL = TILES * ACC
     MN = feature_axis == 1
     finish = weight_grad_output(bs, storage, acc_type)
 
@@ -344,10 +357,11 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis):
 
     @cuda.jit(device=True, inline=True)
     def finish_one(i, acc, dw, workspace, block, split, r, col0, beta):
-        j, h, e = i // 4, (i // 2) % 2, i % 2
-        finish(dw, workspace, block, split, r + 8 * h, col0 + 8 * j + e, acc[i], beta)
+        t, q = i // ACC, i % ACC
+        j, h, e = q // 4, (q // 2) % 2, q % 2
+        finish(dw, workspace, block, split, r + WGMMA_M * t + 8 * h, col0 + 8 * j + e, acc[i], beta)
 
-    finish_all = unrolled(ACC, finish_one)
+    finish_all = unrolled(ACC_ALL, finish_one)
 
     @cuda.jit
     def weight_grad_v7(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta):
@@ -383,14 +397,15 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis):
         for i in range(B_PER):
             b_from[i] = 2 * (int64(b_row[i]) * dy_lead + b_col[i])
         desc_a, desc_b = descriptors(base, group)
-        acc = cuda.local.array(ACC, float32)
-        for i in range(ACC):
+        acc = cuda.local.array(ACC_ALL, float32)
+        for i in range(ACC_ALL):
             acc[i] = float32(0)
 
         ring(acc, base, tid, n_stages, (n_begin, n_end, x_base, dy_base, x_lead, dy_lead, a_row, a_col, b_row, b_col),
              a_from, a_to, b_from, b_to, a_keep, b_keep, desc_a, desc_b)
 
         warp, lane = thread // 32, thread % 32
-        finish_all(acc, dw, workspace, block, split, group * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4), beta)
+        finish_all(acc, dw, workspace, block, split, group * TILES * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4),
+                   beta)
 
     return dynamic_shared(weight_grad_v7, shared_bytes(cfg, bs, True))

@@ -6,7 +6,9 @@ tile of A by a 16 x n tile of B, both read from shared memory through 64-bit *de
 
 * ``fence()`` (``wgmma.fence``) before a batch: orders the accumulators' earlier writes;
 * ``mma(acc, desc_a, desc_b, scale_d)`` (made by `make_mma`): acc = A·B + (acc if scale_d else 0),
-  ``acc`` a float32 local array of n / 2 values, updated in place once the group completes;
+  ``acc`` n / 2 values of a float32 local array (from ``first``, a maker's argument, so that a
+  warpgroup can hold several tiles' accumulators in one array), updated in place once the group
+  completes;
 * ``commit()`` closes this warpgroup's batch; ``waiter(k)`` returns the wait until at most k
   batches are in flight. The accumulators and the shared tiles of a batch in flight must not be
   touched until a wait covers it, and ``settle(acc)`` (`make_settle`) after the last wait keeps
@@ -120,13 +122,13 @@ if SIMULATOR:
             return bits.view(np.float16).astype(np.float64)
         return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
-    def make_mma(n, kind, a_mn_major, b_mn_major):
+    def make_mma(n, kind, a_mn_major, b_mn_major, first=0):
         _check_shape(n, kind)
         regs = n // 2
 
         def mma(acc, desc_a, desc_b, scale_d):
             me, values = _simulator._group_collective(
-                "wgmma", WARPGROUP, (desc_a, desc_b, int(scale_d), np.array(acc[:regs], np.float32)))
+                "wgmma", WARPGROUP, (desc_a, desc_b, int(scale_d), np.array(acc[first:first + regs], np.float32)))
             if "D" not in values:  # (the first thread out computes it for the group)
                 held = {i: v for i, v in list(values.items()) if i != "D"}
                 desc_a0, desc_b0, scale0, _ = held[0]
@@ -142,7 +144,7 @@ if SIMULATOR:
                 values["D"] = (A @ B + C).astype(np.float32)
             D = values["D"]
             for i in range(regs):
-                acc[i] = D[acc_position(me, i)]
+                acc[first + i] = D[acc_position(me, i)]
 
         return mma
 
@@ -182,8 +184,9 @@ else:
         """The first shared address at or after ``address`` that is a multiple of ``alignment``."""
         return (uint32(address) + uint32(alignment - 1)) & ~uint32(alignment - 1)
 
-    def make_mma(n, kind, a_mn_major, b_mn_major):
-        """acc (n / 2 float32, in place) = A (64 x 16) · B (16 x n) + (acc if scale_d else 0)."""
+    def make_mma(n, kind, a_mn_major, b_mn_major, first=0):
+        """acc[first:first + n / 2] (float32, in place) = A (64 x 16) · B (16 x n) + (that if scale_d
+        else 0)."""
         _check_shape(n, kind)
         regs = n // 2
         outs = ", ".join(f"${i}" for i in range(regs))
@@ -201,7 +204,7 @@ else:
             def codegen(context, builder, sig, args):
                 f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
                 data = context.make_array(sig.args[0])(context, builder, args[0]).data
-                slots = [builder.gep(data, [ir.Constant(i32, i)]) for i in range(regs)]
+                slots = [builder.gep(data, [ir.Constant(i32, first + i)]) for i in range(regs)]
                 held = [builder.load(s) for s in slots]
                 function = ir.FunctionType(ir.LiteralStructType([f32] * regs), [i64, i64, i32] + [f32] * regs)
                 asm = ir.InlineAsm(function, ptx, constraints, side_effect=True)

@@ -93,6 +93,9 @@ def test_hopper_is_the_default_and_bitwise_repeatable(dtype):
     (dict(v7_k=32), "128-byte swizzle"),
     (dict(v7_stages=7), "stages"),
     (dict(v7_wgrad_k=32), "128-byte swizzle"),
+    (dict(v7_tiles={128: 3}), "1 or 2 tiles"),
+    (dict(v7_wgrad_groups={128: 4}), "128 rows in all"),
+    (dict(v7_wgrad_stages=2), "v7_wgrad_stages"),
 ])
 def test_config_refuses_hopper_tiles_the_kernels_cannot_take(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -100,14 +103,14 @@ def test_config_refuses_hopper_tiles_the_kernels_cannot_take(fields, message):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
-@pytest.mark.parametrize("dtype, feature_axis", [("bfloat16", 0), ("float16", 1)])
-def test_hopper_product_runs_in_the_simulator(monkeypatch, dtype, feature_axis):
+@pytest.mark.parametrize("dtype, feature_axis, tiles", [("bfloat16", 0, 1), ("float16", 1, 2)])
+def test_hopper_product_runs_in_the_simulator(monkeypatch, dtype, feature_axis, tiles):
     """One warpgroup, one stage of version 7 through the simulator's wgmma twin (one block of 64
-    and 8 rows: every wgmma there is a 128-thread rendezvous)."""
+    and 8 rows: every wgmma there is a 128-thread rendezvous), with one or two 64-row tiles."""
     from sparseblocks.bsmm import dispatch
 
     monkeypatch.setattr(dispatch, "hopper", lambda: True)
-    cfg = replace(bsmm.DEFAULT, v7_groups={64: 1}, v7_stages=3)
+    cfg = replace(bsmm.DEFAULT, v7_groups={64: 1}, v7_tiles={64: tiles}, v7_stages=3)
     layout = BlockLayout(np.ones((1, 1)), 64)
     rng = np.random.default_rng(3)
     x, w = values(rng, (8, 64), dtype), values(rng, layout.w_shape, dtype)
