@@ -32,6 +32,7 @@ import sys
 import tempfile
 
 from numba import cuda, types
+import numba.cuda.dispatcher  # noqa: F401 (`cuda.dispatcher` below)
 
 from sparseblocks import bsmm, sbnet
 from sparseblocks import fused as gather_matmul
@@ -41,6 +42,13 @@ POOL, SCAN, WRITE_SUMMED, WRITE_SCANNED = sbnet.reduce_pool.make_reduce_kernels(
 
 i64 = types.int64
 CC = (9, 0)
+
+
+class _Device:  # device functions compiled apart (`runtime.compile.inlined`) ask the current
+    compute_capability = CC  # device for its compute capability, and there is none here
+
+
+cuda.dispatcher.get_current_device = _Device
 
 
 PTXAS = shutil.which("ptxas") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "ptxas")

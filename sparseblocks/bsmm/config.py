@@ -80,9 +80,9 @@ class BsmmConfig:
 
     # -- version 7 (Hopper: wgmma from a cp.async ring; fp16, bf16; sm_90) ----------------
     v7_groups: dict = default_field({64: 2, 128: 2})  # warpgroups of a product's tile
-    v7_tiles: dict = default_field({64: 1, 128: 1})  # 64-row wgmma tiles a warpgroup of a product owns (1, 2)
+    v7_tiles: dict = default_field({64: 2, 128: 2})  # 64-row wgmma tiles a warpgroup of a product owns (1, 2)
     v7_k: int = 64  # k values a stage (64: one 128-byte row of the shared tiles' swizzle)
-    v7_stages: int = 6  # shared buffers of the ring: stages - 2 in flight ahead of the one multiplied
+    v7_stages: dict = default_field({64: 5, 128: 4})  # the product's ring: stages - 2 in flight ahead of the one multiplied
     v7_wgrad_groups: dict = default_field({64: 1, 128: 2})  # warpgroups of a weight-gradient block's tile
     v7_wgrad_stages: int = 6  # the weight gradient's ring
     v7_wgrad_fill: int = 1  # weight-gradient thread blocks a multiprocessor the N-splits aim for

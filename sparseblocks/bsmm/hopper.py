@@ -30,7 +30,7 @@ from ..ptx.wgmma import SWIZZLE_128, WARPGROUP, WGMMA_K, WGMMA_M, align_up, desc
 from ..ptx.wgmma import proxy_fence
 from ..ptx.wgmma import commit as wg_commit
 from ..ptx.wgmma import waiter as wg_waiter
-from ..runtime.compile import unrolled
+from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
 from .device import converters, grouped_tile, product_output, weight_grad_output
 
@@ -47,7 +47,7 @@ def v7_shape(cfg, bs, weight_grad=False):
         groups = cfg.v7_wgrad_groups.get(bs, bs // WGMMA_M)
         return bs, bs, groups, bs // WGMMA_M // max(groups, 1), cfg.v7_wgrad_k, cfg.v7_wgrad_stages
     groups, tiles = cfg.v7_groups[bs], cfg.v7_tiles.get(bs, 1)
-    return groups * tiles * WGMMA_M, bs, groups, tiles, min(bs, cfg.v7_k), cfg.v7_stages
+    return groups * tiles * WGMMA_M, bs, groups, tiles, min(bs, cfg.v7_k), cfg.v7_stages.get(bs, 0)
 
 
 def v7_threads(cfg, bs, weight_grad=False):
@@ -70,7 +70,7 @@ def v7_check(cfg, bs, weight_grad=False):
     if BK != SWIZZLE_K:
         return f"k {BK}: version 7 stages {SWIZZLE_K} values of k (a 128-byte swizzle row)"
     if not 3 <= STAGES <= 6:
-        return f"{'v7_wgrad_stages' if weight_grad else 'v7_stages'}: expected 3 to 6, got {STAGES}"
+        return f"{'v7_wgrad_stages' if weight_grad else f'v7_stages[{bs}]'}: expected 3 to 6, got {STAGES}"
     if not 1 <= GROUPS <= 4:
         return f"block {bs}: {GROUPS} warpgroups, expected 1 to 4"
     if TILES not in (1, 2) or (weight_grad and GROUPS * TILES * WGMMA_M != bs):
@@ -119,7 +119,7 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
     A_CHUNKS, A_CPR, A_PER, A_ALL = plan(a_mn_major, BM)
     B_CHUNKS, B_CPR, B_PER, B_ALL = plan(b_mn_major, BN)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def place(e, cpr, mn_major):
         """(stored row, first value along it, shared offset) of chunk e of an operand's stage."""
         row, chunk = e // cpr, e % cpr
@@ -130,7 +130,7 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
             offset = (row // 8) * ATOM + r * 128 + (chunk ^ r) * 16
         return row, chunk * CHUNK, offset
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def copy_plan(tid, a_to, b_to, a_row, a_col, b_row, b_col):
         for i in range(A_PER):
             e = tid + i * T
@@ -142,7 +142,7 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
                 b_row[i], b_col[i], to = place(e, B_CPR, b_mn_major)
                 b_to[i] = A_BYTES + to
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def issue(base, tid, buf, a_global, b_global, a_from, a_to, b_from, b_to, a_keep, b_keep):
         at = base + buf * STAGE_BYTES
         for i in range(A_PER):
@@ -158,22 +158,22 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
     B_STEP = (2 * ATOM if b_mn_major else 32) // 16
     A_TILE = MN_GROUP if a_mn_major else 8 * ATOM  # bytes from one 64-row tile of A to the next
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def step(s, acc, desc_a, desc_b):
         mma(acc, desc_a + uint64(s * A_STEP), desc_b + uint64(s * B_STEP), int32(1))
         if TILES > 1:
             mma_second(acc, desc_a + uint64(s * A_STEP + A_TILE // 16), desc_b + uint64(s * B_STEP), int32(1))
 
-    steps = unrolled(STEPS, step)
+    steps = unrolled(STEPS, step, inline=inlined)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def multiply(acc, desc_a, desc_b, buf):
         move = uint64(buf * (STAGE_BYTES // 16))
         fence()
         steps(acc, desc_a + move, desc_b + move)
         wg_commit()
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def descriptor_of(address, mn_major):
         # K-major: atoms of 8 rows 1024 bytes apart (lbo unused); MN-major: 64-wide groups
         # MN_GROUP apart, atoms of 8 k 1024 apart.
@@ -181,7 +181,7 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
             return descriptor(address, MN_GROUP, ATOM, SWIZZLE_128)
         return descriptor(address, 16, ATOM, SWIZZLE_128)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def descriptors(base, group):
         """Buffer 0's descriptors of this warpgroup's first 64 rows of A, and of B."""
         a = descriptor_of(base + group * TILES * A_TILE, a_mn_major)
@@ -198,7 +198,7 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
         desc_b)``: the whole pipelined loop into ``acc``, the kernel's stage addresses from
         ``sources(s, where, a_keep, b_keep)`` (``where``: a tuple of what it needs)."""
 
-        @cuda.jit(device=True, inline=True)
+        @inlined
         def ring(acc, base, tid, n_stages, where, a_from, a_to, b_from, b_to, a_keep, b_keep, desc_a, desc_b):
             for s in range(LEAD):  # stage s goes to buffer s
                 if s < n_stages:
@@ -243,7 +243,7 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     BLOCK = bs * bs
     B_K_STEP = 1 if transpose_w else bs
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def store_pair(p, acc, out, workspace, line, slot, row, col0, n_rows):
         """Accumulators 2p and 2p + 1 (neighbours in a row) of this thread: `ptx.wgmma.acc_position`,
         in the tile p // (ACC / 2) of this warpgroup's."""
@@ -261,9 +261,9 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
                 emit(out, workspace, slot, line, row, col, v0)
                 emit(out, workspace, slot, line, row, col + 1, v1)
 
-    store = unrolled(ACC_ALL // 2, store_pair)
+    store = unrolled(ACC_ALL // 2, store_pair, inline=inlined)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def sources(s, where, a_keep, b_keep):
         """Global addresses of stage s's first chunks (as version 6's)."""
         begin, other_idx, line_block, a_base, w_base, lead = where
@@ -335,12 +335,12 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis):
     MN = feature_axis == 1
     finish = weight_grad_output(bs, storage, acc_type)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def keep_flags(keep, rows, cols, n0, n_end):
         for i in range(len(keep)):
             keep[i] = (n0 + (rows[i] if MN else cols[i])) < n_end
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def sources(s, where, a_keep, b_keep):
         """Global addresses of stage s's first chunks (rows n0 = n_begin + s BK... of x and dy),
         and the keep flags of its chunks."""
@@ -355,13 +355,13 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis):
     copy_plan, make_ring, descriptors, (A_PER, B_PER) = make_hopper_loop(cfg, bs, storage, True, MN, MN)
     ring = make_ring(sources)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def finish_one(i, acc, dw, workspace, block, split, r, col0, beta):
         t, q = i // ACC, i % ACC
         j, h, e = q // 4, (q // 2) % 2, q % 2
         finish(dw, workspace, block, split, r + WGMMA_M * t + 8 * h, col0 + 8 * j + e, acc[i], beta)
 
-    finish_all = unrolled(ACC_ALL, finish_one)
+    finish_all = unrolled(ACC_ALL, finish_one, inline=inlined)
 
     @cuda.jit
     def weight_grad_v7(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta):

@@ -18,12 +18,27 @@ def cached(maker, *key):
     return kernel
 
 
-def unrolled(count, body, start=0):
+def inlined(function):
+    """``function`` as a device function inlined into its callers: by LLVM (``forceinline``) with
+    the real compiler, since Numba's own inliner (``inline=True``) deep-copies the callee's IR at
+    every call site, which made an unrolled Hopper kernel take minutes to compile; as a plain
+    device function in the simulator (whose ``jit`` has no such option)."""
+    from numba import cuda
+
+    from .backend import SIMULATOR
+
+    if SIMULATOR:
+        return cuda.jit(device=True)(function)
+    return cuda.jit(device=True, forceinline=True)(function)
+
+
+def unrolled(count, body, start=0, inline=None):
     """A device function ``run(*args)`` that calls ``body(i, *args)`` for i = start .. count - 1,
     written out one call after another, so that ``i`` is a constant in each (Numba's compiler
     leaves a loop whose body is large rolled, and a register array indexed by its counter then
     lives in local memory). ``run`` takes ``body``'s parameters after the first, by name: it is
-    generated as source because Numba inlines no function of ``*args``."""
+    generated as source because Numba inlines no function of ``*args``. ``inline``: how ``run`` is
+    made a device function (`inlined`; Numba's IR inliner where None)."""
     import inspect
 
     from numba import cuda
@@ -33,4 +48,4 @@ def unrolled(count, body, start=0):
     lines = [f"    body({i}, {names})" for i in range(start, count)] or ["    return None"]
     namespace = {"body": body}
     exec(f"def run({names}):\n" + "\n".join(lines) + "\n", namespace)
-    return cuda.jit(device=True, inline=True)(namespace["run"])
+    return (inline or cuda.jit(device=True, inline=True))(namespace["run"])

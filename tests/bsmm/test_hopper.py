@@ -91,7 +91,7 @@ def test_hopper_is_the_default_and_bitwise_repeatable(dtype):
     (dict(v7_groups={128: 5}), "warpgroups"),
     (dict(v7_groups={32: 2}), "blocks of 64 and 128"),
     (dict(v7_k=32), "128-byte swizzle"),
-    (dict(v7_stages=7), "stages"),
+    (dict(v7_stages={64: 7, 128: 4}), "v7_stages\\[64\\]"),
     (dict(v7_wgrad_k=32), "128-byte swizzle"),
     (dict(v7_tiles={128: 3}), "1 or 2 tiles"),
     (dict(v7_wgrad_groups={128: 4}), "128 rows in all"),
@@ -110,7 +110,7 @@ def test_hopper_product_runs_in_the_simulator(monkeypatch, dtype, feature_axis, 
     from sparseblocks.bsmm import dispatch
 
     monkeypatch.setattr(dispatch, "hopper", lambda: True)
-    cfg = replace(bsmm.DEFAULT, v7_groups={64: 1}, v7_tiles={64: tiles}, v7_stages=3)
+    cfg = replace(bsmm.DEFAULT, v7_groups={64: 1}, v7_tiles={64: tiles}, v7_stages={64: 3})
     layout = BlockLayout(np.ones((1, 1)), 64)
     rng = np.random.default_rng(3)
     x, w = values(rng, (8, 64), dtype), values(rng, layout.w_shape, dtype)
@@ -134,7 +134,7 @@ def test_hopper_weight_grad_runs_in_the_simulator(monkeypatch, feature_axis):
     from strategies import assert_close
 
     monkeypatch.setattr(dispatch, "hopper", lambda: True)
-    cfg = replace(bsmm.DEFAULT, v7_groups={64: 1}, v7_stages=3)
+    cfg = replace(bsmm.DEFAULT, v7_wgrad_stages=3)
     layout = BlockLayout(np.ones((1, 1)), 64)
     rng = np.random.default_rng(4)
     n = 100 if feature_axis == 1 else 104  # (N along rows: whole chunks of 8)
