@@ -99,3 +99,98 @@ def product(x, w, coords, grid):
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return _Product.apply(x, w, coords, tuple(grid))
     return forward(x, w, coords, grid)
+
+
+# -- SBNet's gather and scatter (`sparseblocks.sbnet`'s semantics, with torch's indexing) --------
+
+def _check_indices(indices, count):
+    if indices.dim() != 2 or indices.shape[1] != 3:
+        raise ValueError(f"indices: expected [n_blocks, 3] of (n, bh, bw), got shape {tuple(indices.shape)}")
+    if indices.dtype != torch.int32:
+        raise TypeError(f"indices: expected int32, got {indices.dtype}")
+    if count is None:
+        return indices.shape[0]
+    if count.shape != (1,) or count.dtype != torch.int32:
+        raise ValueError(f"count: expected a one-element int32 array, got {tuple(count.shape)} {count.dtype}")
+    n = int(count[0])
+    if not 0 <= n <= indices.shape[0]:
+        raise ValueError(f"count: expected 0..{indices.shape[0]}, got {n}")
+    return n
+
+
+def _image(name, t, data_format):
+    """``t`` as an NHWC view (an NCHW tensor permuted), after the checks the kernels' API makes."""
+    from ..sbnet.api import check_format
+
+    channels_last = check_format(data_format)
+    if t.dim() != 4:
+        raise ValueError(f"{name}: expected {data_format}, got shape {tuple(t.shape)}")
+    return t if channels_last else t.permute(0, 2, 3, 1)
+
+
+def _window_pixels(indices, n_kept, geometry, image):
+    """The pixels of the first ``n_kept`` windows: (inside (B, bh, bw) bool, and the image's
+    n, row and column of each, clamped into the image)."""
+    (sh, sw), (th, tw), (oh, ow) = geometry
+    N, H, W = image
+    index = indices.long()
+    B = index.shape[0]
+    rows = oh + index[:, 1:2] * th + torch.arange(sh)
+    cols = ow + index[:, 2:3] * tw + torch.arange(sw)
+    kept = (torch.arange(B) < n_kept) & (index[:, 0] >= 0) & (index[:, 0] < N)
+    inside = (kept[:, None, None] & ((rows >= 0) & (rows < H))[:, :, None]
+              & ((cols >= 0) & (cols < W))[:, None, :])
+    shape = (B, sh, sw)
+    n = index[:, 0].clamp(0, max(N - 1, 0))[:, None, None].expand(shape)
+    return inside, n, rows.clamp(0, max(H - 1, 0))[:, :, None].expand(shape), \
+        cols.clamp(0, max(W - 1, 0))[:, None, :].expand(shape)
+
+
+def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=None, data_format="NHWC"):
+    """`sparseblocks.sbnet.sparse_gather` on CPU tensors: the windows' pixels read by one
+    advanced index, zeros off the image and from ``count`` on."""
+    from ..windows import check_geometry
+
+    image = _image("x", x, data_format)
+    n_kept = _check_indices(indices, count)
+    geometry = check_geometry(bsize, bstride, boffset)
+    inside, n, rows, cols = _window_pixels(indices, n_kept, geometry, image.shape[:3])
+    blocks = image[n, rows, cols] if image.numel() else image.new_zeros((*inside.shape, image.shape[3]))
+    blocks = torch.where(inside[..., None], blocks, blocks.new_zeros(()))  # (B, bh, bw, C)
+    channels_last = (data_format == "NHWC") != transpose
+    return blocks.contiguous() if channels_last else blocks.permute(0, 3, 1, 2).contiguous()
+
+
+def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, atomic=False, transpose=False,
+                   inplace=False, count=None, data_format="NHWC"):
+    """`sparseblocks.sbnet.sparse_scatter` on CPU tensors: the windows' pixels written (the last
+    block in index order where windows overlap) or added, by one indexed put."""
+    from ..sbnet.api import block_shape
+    from ..windows import check_geometry
+
+    out = y if inplace else y.clone(memory_format=torch.contiguous_format)
+    image = _image("y", out, data_format)
+    n_kept = _check_indices(indices, count)
+    if blocks.dtype != y.dtype:
+        raise TypeError(f"dtype mismatch: blocks {blocks.dtype}, y {y.dtype}")
+    geometry = check_geometry(bsize, bstride, boffset)
+    (sh, sw), (th, tw), _ = geometry
+    channels_last = (data_format == "NHWC") != transpose
+    expected = block_shape(indices.shape[0], (sh, sw), image.shape[3], data_format == "NHWC", transpose)
+    if tuple(blocks.shape) != expected:
+        raise ValueError(f"blocks: expected shape {expected} for {indices.shape[0]} indices, "
+                         f"got {tuple(blocks.shape)}")
+    if add and not atomic and (th < sh or tw < sw):
+        raise ValueError(f"add: windows of bsize {(sh, sw)} every bstride {(th, tw)} overlap; "
+                         "adding them needs atomic=True")
+    inside, n, rows, cols = _window_pixels(indices, n_kept, geometry, image.shape[:3])
+    values = (blocks if channels_last else blocks.permute(0, 2, 3, 1))[inside]
+    n, rows, cols = n[inside], rows[inside], cols[inside]
+    if add:
+        image.index_put_((n, rows, cols), values, accumulate=True)
+    else:  # of the pixels written more than once, the last block's (blocks in index order)
+        flat = (n * image.shape[1] + rows) * image.shape[2] + cols
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        last = torch.full_like(unique, -1).scatter_reduce_(0, inverse, torch.arange(flat.numel()), "amax")
+        image.index_put_((n[last], rows[last], cols[last]), values[last])
+    return out

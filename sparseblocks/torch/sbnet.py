@@ -9,6 +9,8 @@
   ``inplace=True`` it writes into ``y`` and tells autograd so. Overwriting
   overlapping windows has no defined gradient (nor value), as in SBNet.
 
+On CPU tensors both compute with torch's own indexing (`torch.cpu`), as `BlockSparseLinear` does.
+
 Both are also torch custom ops (``torch.ops.sparseblocks.sbnet_gather``, ``sbnet_scatter`` and
 the in-place ``sbnet_scatter_``), with fake kernels and autograd, which the functions call where
 `torch.compile` traces: a compiled model runs the kernels with no graph break, and
@@ -24,6 +26,12 @@ import torch
 from .. import sbnet as kernels
 from ..sbnet.api import block_shape
 from ..windows import check_geometry
+from . import cpu
+
+
+def _on(t):
+    """Where a call with ``t`` computes: the kernels, or on CPU tensors torch's own ops (`cpu`)."""
+    return cpu if cpu.takes(t) else kernels
 
 
 def _geometry_kwargs(bsize, bstride, boffset, data_format):
@@ -43,7 +51,7 @@ class _SparseGather(torch.autograd.Function):
     def forward(ctx, x, indices, count, transpose, geometry):
         ctx.save_for_backward(indices, *(() if count is None else (count,)))
         ctx.shape, ctx.transpose, ctx.geometry = x.shape, transpose, geometry
-        return kernels.sparse_gather(x.detach(), indices, transpose=transpose, count=count, **geometry)
+        return _on(x).sparse_gather(x.detach(), indices, transpose=transpose, count=count, **geometry)
 
     @staticmethod
     def backward(ctx, grad_blocks):
@@ -51,7 +59,7 @@ class _SparseGather(torch.autograd.Function):
         zeros = grad_blocks.new_zeros(ctx.shape)
         # Windows may overlap or repeat (every SparseResBlock's share a halo): add atomically,
         # into the fresh zeros themselves (into a copy would read and write the image once more).
-        grad_x = kernels.sparse_scatter(grad_blocks.contiguous(), indices, zeros, add=True, atomic=True,
+        grad_x = _on(zeros).sparse_scatter(grad_blocks.contiguous(), indices, zeros, add=True, atomic=True,
                                         transpose=ctx.transpose, inplace=True,
                                         count=count[0] if count else None, **ctx.geometry)
         return _written_into(zeros, grad_x), None, None, None, None
@@ -64,7 +72,7 @@ class _SparseScatter(torch.autograd.Function):
         # expects the written input first)
         ctx.save_for_backward(indices, *(() if count is None else (count,)))
         ctx.add, ctx.transpose, ctx.geometry, ctx.blocks_shape = add, transpose, geometry, blocks.shape
-        out = kernels.sparse_scatter(blocks.detach(), indices, y.detach(), add=add, atomic=atomic,
+        out = _on(y).sparse_scatter(blocks.detach(), indices, y.detach(), add=add, atomic=atomic,
                                      transpose=transpose, inplace=inplace, count=count, **geometry)
         if inplace:
             ctx.mark_dirty(y)
@@ -76,13 +84,13 @@ class _SparseScatter(torch.autograd.Function):
         indices, *count = ctx.saved_tensors
         count = count[0] if count else None
         grad_out = grad_out.contiguous()
-        grad_blocks = kernels.sparse_gather(grad_out, indices, transpose=ctx.transpose, count=count,
+        grad_blocks = _on(grad_out).sparse_gather(grad_out, indices, transpose=ctx.transpose, count=count,
                                             **ctx.geometry)
         if ctx.add:
             grad_y = grad_out
         else:  # the written windows no longer depend on y: stamp them out
             holes = grad_out.new_zeros(ctx.blocks_shape)
-            grad_y = kernels.sparse_scatter(holes, indices, grad_out, transpose=ctx.transpose, count=count,
+            grad_y = _on(grad_out).sparse_scatter(holes, indices, grad_out, transpose=ctx.transpose, count=count,
                                             **ctx.geometry)
         return grad_y, grad_blocks, None, None, None, None, None, None, None
 
@@ -93,7 +101,7 @@ class _SparseScatter(torch.autograd.Function):
 def sbnet_gather(x: torch.Tensor, indices: torch.Tensor, count: Optional[torch.Tensor], bsize: List[int],
                  bstride: List[int], boffset: List[int], transpose: bool, data_format: str) -> torch.Tensor:
     """`sparseblocks.sbnet.sparse_gather` as a custom op."""
-    return kernels.sparse_gather(x, indices, bsize, bstride, boffset, transpose=transpose, count=count,
+    return _on(x).sparse_gather(x, indices, bsize, bstride, boffset, transpose=transpose, count=count,
                                  data_format=data_format)
 
 
@@ -102,7 +110,7 @@ def sbnet_scatter(blocks: torch.Tensor, indices: torch.Tensor, y: torch.Tensor, 
                   bsize: List[int], bstride: List[int], boffset: List[int], add: bool, atomic: bool,
                   transpose: bool, data_format: str) -> torch.Tensor:
     """`sparseblocks.sbnet.sparse_scatter` into a copy of ``y``, as a custom op."""
-    return kernels.sparse_scatter(blocks, indices, y, bsize, bstride, boffset, add=add, atomic=atomic,
+    return _on(y).sparse_scatter(blocks, indices, y, bsize, bstride, boffset, add=add, atomic=atomic,
                                   transpose=transpose, count=count, data_format=data_format)
 
 
@@ -111,7 +119,7 @@ def sbnet_scatter_(blocks: torch.Tensor, indices: torch.Tensor, y: torch.Tensor,
                    bsize: List[int], bstride: List[int], boffset: List[int], add: bool, atomic: bool,
                    transpose: bool, data_format: str) -> None:
     """`sparseblocks.sbnet.sparse_scatter` into ``y`` itself, as a custom op (no autograd)."""
-    _written_into(y, kernels.sparse_scatter(blocks, indices, y, bsize, bstride, boffset, add=add, atomic=atomic,
+    _written_into(y, _on(y).sparse_scatter(blocks, indices, y, bsize, bstride, boffset, add=add, atomic=atomic,
                                             transpose=transpose, inplace=True, count=count, data_format=data_format))
 
 
