@@ -38,21 +38,18 @@ Lanes of partial warps that do not exist (a block of 40 threads has an
 8-lane second warp) are left out of every collective, as on the GPU.
 """
 
+import sys
 import threading
-import time
 
 import numpy as np
+from numba.cuda import types
+from numba.cuda.np import numpy_support
 
 WARP_SIZE = 32
 FULL_MASK = 0xFFFFFFFF
 # How often a waiting lane re-checks for deadlock and abort (seconds).
 _POLL_S = 0.002
 _POISON_INT = 0xDEADBEEF
-# How long the block manager sleeps between polls of its threads (seconds). Numba's own
-# manager polls without pause, so it holds the GIL whenever it can: every simulated thread
-# woken from a barrier or a collective then waits out the interpreter's switch interval
-# (5 ms) for it. Sleeping between polls made the block-64 tensor-core forward 3-4x faster.
-_MANAGER_POLL_S = 0.0001
 
 
 class WarpCollectiveError(RuntimeError):
@@ -62,11 +59,14 @@ class WarpCollectiveError(RuntimeError):
 class _Meeting:
     """One execution of one collective by a group of lanes (or threads)."""
 
-    def __init__(self, op, key):
+    def __init__(self, op, key, lock):
         self.op = op
         self.key = key  # its room's key: a lane mask, or (size, group) of a group of threads
         self.values = {}
         self.done = False
+        # Its own condition on the block's lock: completing it wakes its members only (one
+        # condition for the whole block woke every waiting thread of the block each time).
+        self.cond = threading.Condition(lock)
 
 
 class _WarpRoom:
@@ -83,10 +83,18 @@ class _BlockWarps:
 
     def __init__(self, block_dim):
         self.n_threads = int(np.prod(block_dim))
-        self.cond = threading.Condition()
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)  # (held while meetings change; its waits are theirs)
         self.threads = {}
         self.rooms = {}
         self.groups = {}  # (size, group) -> open _Meeting of a group collective (a warpgroup's)
+
+    def open_meetings(self):
+        for room in self.rooms.values():
+            yield from room.by_mask.values()
+            if room.active is not None:
+                yield room.active
+        yield from self.groups.values()
 
     def room(self, warp):
         room = self.rooms.get(warp)
@@ -121,15 +129,17 @@ def _lane_state(block, warp, lane, me):
 
 
 def _wait(block, me, meeting, settled):
-    """Wait, holding block.cond, until `meeting` is done or `settled()` says so."""
+    """Wait, holding block.cond, until `meeting` is done or ``settled(stalled)`` says so
+    (``stalled``: a poll's wait ran out with no news, so look for members that will never come)."""
     me._sb_waiting = meeting
     try:
+        stalled = False
         while not meeting.done:
-            if settled():
+            if settled(stalled):
                 meeting.done = True
-                block.cond.notify_all()
+                meeting.cond.notify_all()
                 break
-            block.cond.wait(_POLL_S)
+            stalled = not meeting.cond.wait(_POLL_S)
             if me.abort:
                 raise RuntimeError("abort flag set while waiting in a warp collective")
     finally:
@@ -144,17 +154,19 @@ def _meet(block, me, rooms, key, members, index, value, op, what, name, thread_o
     met in the same room, a member that exited or waits in a barrier."""
     meeting = rooms.get(key)
     if meeting is None:
-        meeting = rooms[key] = _Meeting(op, key)
+        meeting = rooms[key] = _Meeting(op, key, block.lock)
     elif meeting.op != op:
         raise WarpCollectiveError(f"{what}: {name} {index} called {op} while {name}s {sorted(meeting.values)} "
                                   f"wait in {meeting.op}")
     meeting.values[index] = value
 
-    def settled():
+    def settled(stalled):
         if members <= meeting.values.keys():
             if rooms.get(key) is meeting:
                 del rooms[key]
             return True
+        if not stalled:
+            return False
         for other in members - meeting.values.keys():
             state = _lane_state(block, *thread_of(other), me)
             if state in ("exited", "syncthreads"):
@@ -295,10 +307,10 @@ def activemask(self):
         room = block.room(warp)
         meeting = room.active
         if meeting is None:
-            meeting = room.active = _Meeting("activemask", None)
+            meeting = room.active = _Meeting("activemask", None, block.lock)
         meeting.values[lane] = True
 
-        def settled():
+        def settled(stalled):
             for other in room.lanes - meeting.values.keys():
                 if _lane_state(block, warp, other, me) == "running":
                     return False
@@ -342,37 +354,142 @@ _INTRINSICS = (
 _installed = False
 
 
+class _Barrier:
+    """A thread block's ``syncthreads``: the last live thread to arrive releases the others, and a
+    thread that exits no longer counts. Numba's block manager instead polls every thread's flag
+    in a loop, which holds the GIL for a pass over the block each time round (most of a small
+    kernel's time in the simulator)."""
+
+    def __init__(self, n_threads):
+        self.cond = threading.Condition()
+        self.live = n_threads
+        self.arrived = 0
+        self.generation = 0
+        self.threads = []
+        self.failed = None  # the first thread that raised
+        self.finished = threading.Event()  # every thread has exited, or one raised
+
+    def release(self):
+        self.arrived = 0
+        self.generation += 1
+        self.cond.notify_all()
+
+    def wait(self, thread):
+        """``syncthreads`` for ``thread``."""
+        with self.cond:
+            thread.syncthreads_blocked = True
+            self.arrived += 1
+            if self.arrived >= self.live:
+                self.release()
+            else:
+                generation = self.generation
+                while self.generation == generation and not thread.abort:
+                    self.cond.wait()
+            thread.syncthreads_blocked = False
+
+    def leave(self, thread):
+        """``thread`` has exited (``thread.exception`` set where it raised)."""
+        with self.cond:
+            self.live -= 1
+            if thread.exception and self.failed is None:
+                self.failed = thread
+                for other in self.threads:  # abort the rest (they raise at their next wait)
+                    other.abort = True
+                self.cond.notify_all()
+                self.finished.set()
+            elif self.arrived and self.arrived >= self.live:
+                self.release()
+            if self.live == 0:
+                self.finished.set()
+
+
 def _block_manager_run(self, grid_point, *args):
-    """Numba's `BlockManager.run` (start every thread of the block, release a barrier when all
-    live threads wait in it, re-raise a thread's exception), sleeping between polls."""
+    """Numba's `BlockManager.run` (start every thread of the block, re-raise a thread's
+    exception, without joining the others), its barrier a `_Barrier`."""
     from numba.cuda.simulator.kernel import BlockThread
 
-    threads = []
+    barrier = self._sb_barrier = _Barrier(int(np.prod(self._block_dim)))
     for block_point in np.ndindex(*self._block_dim):
         thread = BlockThread(lambda: self._f(*args), self, grid_point, block_point, self._debug)
+        with barrier.cond:
+            barrier.threads.append(thread)
+            thread.abort = barrier.failed is not None
         thread.start()
-        threads.append(thread)
-    live, blocked = set(threads), set()
-    while live:
-        for thread in live:
-            if thread.syncthreads_blocked:
-                blocked.add(thread)
-            elif thread.exception:
-                for other in threads:  # abort the rest; no join, as Numba's manager
-                    other.abort = True
-                    other.syncthreads_blocked = False
-                    other.syncthreads_event.set()
-                raise thread.exception[0].with_traceback(thread.exception[1])
-        if live == blocked:
-            for thread in blocked:
-                thread.syncthreads_blocked = False
-                thread.syncthreads_event.set()
-            blocked = set()
-        live = {thread for thread in live if thread.is_alive()}
-        time.sleep(_MANAGER_POLL_S)
-    for thread in threads:
-        if thread.exception:
-            raise thread.exception[0].with_traceback(thread.exception[1])
+    barrier.finished.wait()
+    if barrier.failed is not None:
+        exception, traceback = barrier.failed.exception
+        raise exception.with_traceback(traceback)
+
+
+def _make_shared_array(numba_array):
+    """Numba's ``cuda.shared.array`` for the simulator, which keys a static array by its caller's
+    file and line, found through ``traceback.extract_stack``: that reads the source of every frame
+    of the stack (a stat of each file), and it took most of the simulated threads' time. The
+    caller's frame gives the same key directly."""
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None or shape == 0:  # (errors, and dynamic shared memory: Numba's)
+            return numba_array(self, shape, dtype, alignment)
+        frame = sys._getframe(1)
+        caller = (frame.f_code.co_filename, frame.f_lineno)
+        held = self._allocations.get(caller)
+        if held is None:
+            if isinstance(dtype, types.Type):
+                dtype = numpy_support.as_dtype(dtype)
+            held = self._allocations[caller] = np.empty(shape, dtype)
+        return held
+
+    return array
+
+
+# Modules whose ``cuda`` names point at the running launch's fake module: {id(globals): (globals,
+# names)}. Numba's simulator swaps a device function's module in and out around every call, under
+# two locks, and scans the module's globals again whenever no other thread is inside it: most of a
+# simulated thread's time in kernels built of small device functions. Here a module is swapped on
+# its first call in a launch, and restored when the launch ends.
+_launch_swaps = {}
+_swap_lock = threading.Lock()
+
+
+def _make_device_call(numba_call):
+    from numba import cuda as real_cuda
+    from numba.cuda.simulator import kernel
+
+    def call(self, *args):
+        fake = kernel._kernel_context
+        if fake is None:  # (a launch, or a device function called from the host: Numba's way)
+            return numba_call(self, *args)
+        names = self.fn.__globals__
+        if id(names) not in _launch_swaps:
+            with _swap_lock:
+                if id(names) not in _launch_swaps:
+                    swapped = [name for name, value in names.items() if value is real_cuda]
+                    for name in swapped:
+                        names[name] = fake
+                    _launch_swaps[id(names)] = (names, swapped)
+        return self.fn(*args)
+
+    return call
+
+
+def _make_push_kernel_context(numba_push):
+    from contextlib import contextmanager
+
+    from numba import cuda as real_cuda
+
+    @contextmanager
+    def push(module):
+        with numba_push(module):
+            try:
+                yield
+            finally:
+                with _swap_lock:
+                    for names, swapped in _launch_swaps.values():
+                        for name in swapped:
+                            names[name] = real_cuda
+                    _launch_swaps.clear()
+
+    return push
 
 
 def install():
@@ -384,6 +501,9 @@ def install():
 
     for function in _INTRINSICS:
         setattr(kernelapi.FakeCUDAModule, function.__name__, function)
+    kernelapi.FakeCUDAShared.array = _make_shared_array(kernelapi.FakeCUDAShared.array)
+    kernel.FakeCUDAKernel.__call__ = _make_device_call(kernel.FakeCUDAKernel.__call__)
+    kernel._push_kernel_context = _make_push_kernel_context(kernel._push_kernel_context)
     from numba.cuda import libdevice
 
     for name, function in _LIBDEVICE.items():
@@ -392,7 +512,6 @@ def install():
     manager_init = kernel.BlockManager.__init__
     thread_init = kernel.BlockThread.__init__
     thread_run = kernel.BlockThread.run
-    thread_syncthreads = kernel.BlockThread.syncthreads
 
     def block_manager_init(self, f, grid_dim, block_dim, debug):
         manager_init(self, f, grid_dim, block_dim, debug)
@@ -413,11 +532,17 @@ def install():
             warps = self._manager._sb_warps
             with warps.cond:
                 self._sb_exited = True
-                warps.cond.notify_all()
+                for meeting in list(warps.open_meetings()):  # (its waiters check for exited lanes)
+                    meeting.cond.notify_all()
+            self._manager._sb_barrier.leave(self)
 
     def block_thread_syncthreads(self):
+        if self.abort:
+            raise RuntimeError("abort flag set on syncthreads call")
         self._sb_barriers += 1
-        thread_syncthreads(self)
+        self._manager._sb_barrier.wait(self)
+        if self.abort:
+            raise RuntimeError("abort flag set on syncthreads clear")
 
     kernel.BlockManager.__init__ = block_manager_init
     kernel.BlockManager.run = _block_manager_run
