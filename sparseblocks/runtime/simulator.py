@@ -357,8 +357,7 @@ _installed = False
 class _Barrier:
     """A thread block's ``syncthreads``: the last live thread to arrive releases the others, and a
     thread that exits no longer counts. Numba's block manager instead polls every thread's flag
-    in a loop, which holds the GIL for a pass over the block each time round (most of a small
-    kernel's time in the simulator)."""
+    in a loop, which holds the GIL for a pass over the block each time round."""
 
     def __init__(self, n_threads):
         self.cond = threading.Condition()
@@ -444,9 +443,9 @@ def _make_shared_array(numba_array):
 
 # Modules whose ``cuda`` names point at the running launch's fake module: {id(globals): (globals,
 # names)}. Numba's simulator swaps a device function's module in and out around every call, under
-# two locks, and scans the module's globals again whenever no other thread is inside it: most of a
-# simulated thread's time in kernels built of small device functions. Here a module is swapped on
-# its first call in a launch, and restored when the launch ends.
+# two locks, and scans the module's globals again whenever no other thread is inside it: a large
+# share of a simulated thread's time in kernels built of small device functions. Here a module is
+# swapped on its first call in a launch, and restored when the launch ends.
 _launch_swaps = {}
 _swap_lock = threading.Lock()
 
