@@ -120,11 +120,13 @@ def _check_indices(indices, count):
 
 def _image(name, t, data_format):
     """``t`` as an NHWC view (an NCHW tensor permuted), after the checks the kernels' API makes."""
-    from ..sbnet.api import check_format
+    from ..sbnet.api import DATA_DTYPES, check_format
 
     channels_last = check_format(data_format)
     if t.dim() != 4:
         raise ValueError(f"{name}: expected {data_format}, got shape {tuple(t.shape)}")
+    if str(t.dtype).replace("torch.", "") not in DATA_DTYPES:
+        raise TypeError(f"{name}: expected dtype in {list(DATA_DTYPES)}, got {str(t.dtype).replace('torch.', '')}")
     return t if channels_last else t.permute(0, 2, 3, 1)
 
 

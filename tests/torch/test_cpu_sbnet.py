@@ -63,6 +63,8 @@ def test_inplace_scatter_writes_into_y_and_errors_match_the_kernels():
         cpu.sparse_gather(y, indices.long(), 2, 2)
     with pytest.raises(ValueError, match="blocks: expected shape"):
         cpu.sparse_scatter(torch.ones(2, 2, 2, 2), indices, y, 2, 2)
+    with pytest.raises(TypeError, match="x: expected dtype in"):
+        cpu.sparse_gather(y.bfloat16(), indices, 2, 2)
     with pytest.raises(ValueError, match="count: expected 0..1"):
         cpu.sparse_gather(y, indices, 2, 2, count=torch.tensor([2], dtype=torch.int32))
 
