@@ -10,8 +10,9 @@ block-row; weight_grad: xᵀ by dy, one block of dW a tile). What differs is the
   and the swizzle spreads its stores over every bank. An operand whose stored rows run along k is
   K-major, one whose rows run along m or n is MN-major, and wgmma's transpose flag takes either:
   every feature axis is the same loop.
-* Warpgroups own 64 rows each, and all BN (a block's) columns: one ``wgmma`` m64nBNk16 a k16 step,
-  asynchronous, the accumulators in registers (BN / 2 a thread).
+* Warpgroups own one or two 64-row tiles each (``v7_tiles``; a product's thread block: 256 rows of
+  two warpgroups by default), and all BN (a block's) columns: one ``wgmma`` m64nBNk16 a tile and
+  k16 step, asynchronous, the accumulators in registers (BN / 2 a thread a tile).
 * A stage's batch is committed, then the copies of stage + stages - 2 are issued into the buffer
   whose batch the previous iteration's wait (``wait_group 1``) retired in every warpgroup before
   this iteration's barrier; one barrier a stage. Each thread fences its landed copies for the

@@ -125,8 +125,9 @@ def _image(name, t, data_format):
     channels_last = check_format(data_format)
     if t.dim() != 4:
         raise ValueError(f"{name}: expected {data_format}, got shape {tuple(t.shape)}")
-    if str(t.dtype).replace("torch.", "") not in DATA_DTYPES:
-        raise TypeError(f"{name}: expected dtype in {list(DATA_DTYPES)}, got {str(t.dtype).replace('torch.', '')}")
+    dtype = str(t.dtype).replace("torch.", "")
+    if dtype not in DATA_DTYPES:
+        raise TypeError(f"{name}: expected dtype in {list(DATA_DTYPES)}, got {dtype}")
     return t if channels_last else t.permute(0, 2, 3, 1)
 
 
@@ -170,21 +171,23 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
     from ..sbnet.api import block_shape
     from ..windows import check_geometry
 
-    out = y if inplace else y.clone(memory_format=torch.contiguous_format)
-    image = _image("y", out, data_format)
+    _image("y", y, data_format)
     n_kept = _check_indices(indices, count)
     if blocks.dtype != y.dtype:
         raise TypeError(f"dtype mismatch: blocks {blocks.dtype}, y {y.dtype}")
     geometry = check_geometry(bsize, bstride, boffset)
     (sh, sw), (th, tw), _ = geometry
     channels_last = (data_format == "NHWC") != transpose
-    expected = block_shape(indices.shape[0], (sh, sw), image.shape[3], data_format == "NHWC", transpose)
+    expected = block_shape(indices.shape[0], (sh, sw), y.shape[3 if data_format == "NHWC" else 1],
+                           data_format == "NHWC", transpose)
     if tuple(blocks.shape) != expected:
         raise ValueError(f"blocks: expected shape {expected} for {indices.shape[0]} indices, "
                          f"got {tuple(blocks.shape)}")
     if add and not atomic and (th < sh or tw < sw):
         raise ValueError(f"add: windows of bsize {(sh, sw)} every bstride {(th, tw)} overlap; "
                          "adding them needs atomic=True")
+    out = y if inplace else y.clone(memory_format=torch.contiguous_format)  # (once the checks pass)
+    image = _image("y", out, data_format)
     inside, n, rows, cols = _window_pixels(indices, n_kept, geometry, image.shape[:3])
     values = (blocks if channels_last else blocks.permute(0, 2, 3, 1))[inside]
     n, rows, cols = n[inside], rows[inside], cols[inside]
