@@ -294,8 +294,10 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
         ))
         return None
     x_device, dy_device = x.device(stream), dy.device(stream)
+    # (dw too: version 7 stores runs of 4 values, 8-byte aligned in 16-bit storage)
     family = weight_grad_family(cfg, version, bs, x.dtype, feature_axis,
-                                tiles_fit((x_device, dy_device), n_rows, feature_axis))
+                                tiles_fit((x_device, dy_device), n_rows, feature_axis)
+                                and aligned(data_pointer(dw), 8, 1))
     v7, v6, v5, v4 = family == 7, family == 6, family == 5, family == 4
     group = V5_WGRAD_GROUP.get(bs, 1) if v5 and bs <= V5_WARP_TILE else 1
     coords = _index(layout, "coords", stream)

@@ -26,14 +26,14 @@ warpgroup collective), on one-warpgroup tiles: each wgmma there is a 128-thread 
 from numba import cuda, float32, int32, int64, uint64
 
 from ..ptx.cp_async import commit, copy16_or_zero, shared_address, signed_address, waiter
-from ..ptx.vector import store2
+from ..ptx.vector import load4, store2, store4
 from ..ptx.wgmma import SWIZZLE_128, WARPGROUP, WGMMA_K, WGMMA_M, align_up, descriptor, fence, make_mma, make_settle
 from ..ptx.wgmma import proxy_fence
 from ..ptx.wgmma import commit as wg_commit
 from ..ptx.wgmma import waiter as wg_waiter
 from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
-from .device import converters, grouped_tile, product_output, weight_grad_output
+from .device import converters, grouped_tile
 
 V7_STORAGE = ("float16", "bfloat16")
 V7_BLOCKS = (64, 128)  # a block's side: whole 64-row warpgroups, whole 64-value swizzle rows
@@ -55,10 +55,22 @@ def v7_threads(cfg, bs, weight_grad=False):
     return WARPGROUP * v7_shape(cfg, bs, weight_grad)[2]
 
 
+def staged_shape(cfg, bs, weight_grad, transposed):
+    """(rows, columns, pitch) of the fp32 tile the epilogue stages the accumulators in: the
+    thread block's BM x BN, or BN x BM ``transposed`` (feature_axis 0: out's rows run along the
+    tile's columns). Pitches of BN + 8 and BM + 4 words put a warp's stores of its accumulators
+    on distinct banks (`make_staging`)."""
+    BM, BN = v7_shape(cfg, bs, weight_grad)[:2]
+    return (BN, BM, BM + 4) if transposed else (BM, BN, BN + 8)
+
+
 def shared_bytes(cfg, bs, weight_grad=False):
-    """The ring's bytes, plus an atom's slack to start it on a multiple of 1024."""
+    """The ring's bytes, plus an atom's slack to start it on a multiple of 1024, or the staged
+    tile's where that is larger (the epilogue reuses the ring's memory)."""
     BM, BN, _, _, BK, STAGES = v7_shape(cfg, bs, weight_grad)
-    return STAGES * 2 * BK * (BM + BN) + ATOM
+    staged = max(4 * rows * pitch for rows, _, pitch in
+                 (staged_shape(cfg, bs, weight_grad, transposed) for transposed in (False, True)))
+    return max(STAGES * 2 * BK * (BM + BN) + ATOM, staged)
 
 
 def v7_check(cfg, bs, weight_grad=False):
@@ -228,6 +240,49 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
     return copy_plan, make_ring, descriptors, (A_PER, B_PER)
 
 
+def make_staging(cfg, bs, weight_grad, transposed):
+    """The epilogue's two halves, after the ring (whose shared memory they reuse, once a barrier
+    has seen every warpgroup's last wgmma retired):
+
+    * ``stage(acc, tile, row, col0)``: this thread's accumulators into the shared fp32 tile (1-D,
+      `staged_shape`), ``row`` and ``col0`` those of its first (`ptx.wgmma.acc_position`);
+    * ``chunk(tid, i)``: (row, first column) of the i-th run of 4 staged values this thread
+      writes out, or row -1 past the tile. Consecutive threads take consecutive runs of a row, so
+      a warp's reads are conflict-free and its global stores whole lines (an accumulator's own
+      layout would store two values a thread, eight rows a warp instruction:
+      `docs/performance.md` measures the difference)."""
+    BM, BN, GROUPS, TILES, _, _ = v7_shape(cfg, bs, weight_grad)
+    ROWS, COLS, PITCH = staged_shape(cfg, bs, weight_grad, transposed)
+    T = WARPGROUP * GROUPS
+    ACC = BN // 2  # accumulators a thread a 64-row tile
+    CPR = COLS // 4  # runs of 4 a staged row
+    RUNS = ROWS * CPR
+    PER = -(-RUNS // T)
+
+    @inlined
+    def put(p, acc, tile, row, col0):
+        t, q = p // (ACC // 2), p % (ACC // 2)
+        j, h = q // 2, q % 2
+        r = row + WGMMA_M * t + 8 * h
+        c = col0 + 8 * j
+        if transposed:
+            tile[c * PITCH + r] = acc[2 * p]
+            tile[(c + 1) * PITCH + r] = acc[2 * p + 1]
+        else:
+            store2(tile, (r * PITCH + c,), (acc[2 * p], acc[2 * p + 1]))
+
+    stage = unrolled(TILES * ACC // 2, put, inline=inlined)
+
+    @inlined
+    def chunk(tid, i):
+        e = tid + i * T
+        if e >= RUNS:
+            return -1, 0
+        return e // CPR, (e % CPR) * 4
+
+    return stage, chunk, PER, PITCH
+
+
 def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     """Products (forward, or with ``transpose_w`` input_grad) on version 7 tiles: a thread block
     owns BM rows of one segment of an output block-line, as in version 6 (`tiles.make_product_v6`),
@@ -239,30 +294,11 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     GROUP = cfg.product_group
     A_MN = feature_axis == 0  # x (C, N): a stored row is a feature (k), the rows (m) run along it
     B_MN = not transpose_w  # W's block: k (its rows) down, outputs along; Wᵀ: k along its rows
-    emit = product_output(bs, storage, acc_type, feature_axis)
     _, from_acc = converters(storage, acc_type)
     BLOCK = bs * bs
     B_K_STEP = 1 if transpose_w else bs
 
-    @inlined
-    def store_pair(p, acc, out, workspace, line, slot, row, col0, n_rows):
-        """Accumulators 2p and 2p + 1 (neighbours in a row) of this thread: `ptx.wgmma.acc_position`,
-        in the tile p // (ACC / 2) of this warpgroup's."""
-        t, q = p // (ACC // 2), p % (ACC // 2)
-        j, h = q // 2, q % 2
-        row = row + WGMMA_M * t + 8 * h
-        col = col0 + 8 * j
-        if row < n_rows:
-            v0, v1 = acc[2 * p], acc[2 * p + 1]
-            if slot >= 0:
-                store2(workspace, (slot, row, col), (v0, v1))
-            elif feature_axis == 1:
-                store2(out, (row, line * bs + col), (from_acc(v0), from_acc(v1)))
-            else:
-                emit(out, workspace, slot, line, row, col, v0)
-                emit(out, workspace, slot, line, row, col + 1, v1)
-
-    store = unrolled(ACC_ALL // 2, store_pair, inline=inlined)
+    stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, False, A_MN)
 
     @inlined
     def sources(s, where, a_keep, b_keep):
@@ -319,9 +355,30 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
         ring(acc, base, tid, n_stages, (begin, other_idx, line_block, a_base, w_base, lead), a_from, a_to, b_from,
              b_to, a_keep, b_keep, desc_a, desc_b)
 
+        cuda.syncthreads()  # every warpgroup's wgmmas have read the ring
+        tile = cuda.shared.array(0, float32)
         warp, lane = thread // 32, thread % 32
-        store(acc, out, workspace, seg_line[seg], seg_slot[seg], row0 + group * TILES * WGMMA_M + 16 * warp + lane // 4,
-              2 * (lane % 4), n_rows)
+        stage(acc, tile, group * TILES * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4))
+        cuda.syncthreads()
+        line, slot = seg_line[seg], seg_slot[seg]
+        for i in range(OUT_PER):
+            r, c = chunk(tid, i)
+            if r >= 0:
+                v = load4(tile, (r * PITCH + c,))
+                if A_MN:  # r: the block's column (a feature), c: the first of 4 rows (tokens)
+                    if row0 + c < n_rows:  # (n_rows is a multiple of 8: `dispatch.tiles_fit`)
+                        if slot >= 0:
+                            for e in range(4):
+                                workspace[slot, row0 + c + e, r] = v[e]
+                        else:
+                            store4(out, (line * bs + r, row0 + c),
+                                   (from_acc(v[0]), from_acc(v[1]), from_acc(v[2]), from_acc(v[3])))
+                elif row0 + r < n_rows:
+                    if slot >= 0:
+                        store4(workspace, (slot, row0 + r, c), v)
+                    else:
+                        store4(out, (row0 + r, line * bs + c),
+                               (from_acc(v[0]), from_acc(v[1]), from_acc(v[2]), from_acc(v[3])))
 
     return dynamic_shared(product_v7, shared_bytes(cfg, bs))
 
@@ -334,7 +391,7 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis):
     ACC = BN // 2  # a 64-row tile's
     ACC_ALL = TILES * ACC
     MN = feature_axis == 1
-    finish = weight_grad_output(bs, storage, acc_type)
+    to_acc, from_acc = converters(storage, acc_type)
 
     @inlined
     def keep_flags(keep, rows, cols, n0, n_end):
@@ -356,13 +413,7 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis):
     copy_plan, make_ring, descriptors, (A_PER, B_PER) = make_hopper_loop(cfg, bs, storage, True, MN, MN)
     ring = make_ring(sources)
 
-    @inlined
-    def finish_one(i, acc, dw, workspace, block, split, r, col0, beta):
-        t, q = i // ACC, i % ACC
-        j, h, e = q // 4, (q // 2) % 2, q % 2
-        finish(dw, workspace, block, split, r + WGMMA_M * t + 8 * h, col0 + 8 * j + e, acc[i], beta)
-
-    finish_all = unrolled(ACC_ALL, finish_one, inline=inlined)
+    stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, True, False)
 
     @cuda.jit
     def weight_grad_v7(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta):
@@ -405,8 +456,26 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis):
         ring(acc, base, tid, n_stages, (n_begin, n_end, x_base, dy_base, x_lead, dy_lead, a_row, a_col, b_row, b_col),
              a_from, a_to, b_from, b_to, a_keep, b_keep, desc_a, desc_b)
 
+        cuda.syncthreads()  # every warpgroup's wgmmas have read the ring
+        tile = cuda.shared.array(0, float32)
         warp, lane = thread // 32, thread % 32
-        finish_all(acc, dw, workspace, block, split, group * TILES * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4),
-                   beta)
+        stage(acc, tile, group * TILES * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4))
+        cuda.syncthreads()
+        for i in range(OUT_PER):
+            r, c = chunk(tid, i)
+            if r >= 0:
+                v = load4(tile, (r * PITCH + c,))
+                if workspace.shape[0] > 1:  # this N-split's sums, which the combine kernel adds in order
+                    store4(workspace, (split, block, r * bs + c), v)
+                else:
+                    v0, v1, v2, v3 = v
+                    if beta != 0:
+                        b = acc_type(beta)
+                        o0, o1, o2, o3 = load4(dw, (block, r, c))
+                        v0 += b * to_acc(o0)
+                        v1 += b * to_acc(o1)
+                        v2 += b * to_acc(o2)
+                        v3 += b * to_acc(o3)
+                    store4(dw, (block, r, c), (from_acc(v0), from_acc(v1), from_acc(v2), from_acc(v3)))
 
     return dynamic_shared(weight_grad_v7, shared_bytes(cfg, bs, True))

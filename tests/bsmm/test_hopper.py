@@ -51,8 +51,9 @@ def test_hopper_products_match_reference(data, block_size, dtype, feature_axis):
 
 @gpu
 @pytest.mark.parametrize("max_segment, splits", [(1, 3), (None, 1)])
-def test_hopper_split_lines_and_rows_match_reference(max_segment, splits):
-    """Segments of a line summed by the combine pass; N = 300 cut into splits of whole 32-row
+@pytest.mark.parametrize("feature_axis", [1, 0])
+def test_hopper_split_lines_and_rows_match_reference(max_segment, splits, feature_axis):
+    """Segments of a line summed by the combine pass; N = 296 cut into splits of whole 32-row
     multiples, the last ending inside a 64-row stage (zero-filled)."""
     from sparseblocks.reference import bsmm as reference
     from strategies import assert_close
@@ -61,15 +62,17 @@ def test_hopper_split_lines_and_rows_match_reference(max_segment, splits):
     layout = BlockLayout(np.array([[1, 1], [1, 0], [1, 1]]), bs)
     rng = np.random.default_rng(7)
     C, K = layout.dense_shape
-    x, dy, w = values(rng, (300, C), dtype), values(rng, (300, K), dtype), values(rng, layout.w_shape, dtype)
+    n = 296  # (a multiple of 8, so that feature_axis 0 runs version 7 too)
+    x, dy, w = values(rng, (n, C), dtype), values(rng, (n, K), dtype), values(rng, layout.w_shape, dtype)
+    xa, dya = to_axis(x, feature_axis), to_axis(dy, feature_axis)
     cfg = bsmm.DEFAULT
     with poisoned_outputs():
-        y = bsmm.api._product(cfg, x, w, layout, 1, False, 7, max_segment=max_segment)
-        dx = bsmm.api._product(cfg, dy, w, layout, 1, True, 7, max_segment=max_segment)
-        dw = bsmm.weight_grad(x, dy, layout, version=7, splits=splits)
-    assert_products(y, dx, dw, x, dy, w, layout, 1, dtype)
+        y = bsmm.api._product(cfg, xa, w, layout, feature_axis, False, 7, max_segment=max_segment)
+        dx = bsmm.api._product(cfg, dya, w, layout, feature_axis, True, 7, max_segment=max_segment)
+        dw = bsmm.weight_grad(xa, dya, layout, feature_axis, version=7, splits=splits)
+    assert_products(y, dx, dw, xa, dya, w, layout, feature_axis, dtype)
     magnitude = reference.weight_grad(np.abs(x.astype(np.float64)), np.abs(dy.astype(np.float64)), layout)
-    assert_close(dw, reference.weight_grad(x, dy, layout), dtype, "weight_grad", magnitude=magnitude, terms=300)
+    assert_close(dw, reference.weight_grad(x, dy, layout), dtype, "weight_grad", magnitude=magnitude, terms=n)
 
 
 @gpu
@@ -144,3 +147,48 @@ def test_hopper_weight_grad_runs_in_the_simulator(monkeypatch, feature_axis):
                           config=cfg)
     assert ran_hopper()[1] == before + 1
     assert_close(dw, reference.weight_grad(x, dy, layout), "float16", "weight_grad", terms=n)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
+@pytest.mark.parametrize("feature_axis", [1, 0])
+def test_hopper_split_line_runs_in_the_simulator(monkeypatch, feature_axis):
+    """A block-column of two blocks cut into two segments: each thread block's staged tile goes to
+    its workspace slot (rows of 4 values, or with feature_axis 0 one value a row), which the
+    combine pass sums."""
+    from sparseblocks.bsmm import dispatch
+    from sparseblocks.reference import bsmm as reference
+    from strategies import assert_close
+
+    monkeypatch.setattr(dispatch, "hopper", lambda: True)
+    cfg = replace(bsmm.DEFAULT, v7_groups={64: 1}, v7_tiles={64: 1}, v7_stages={64: 3})
+    layout = BlockLayout(np.ones((2, 1)), 64)
+    rng = np.random.default_rng(5)
+    x, w = values(rng, (8, 128), "float16"), values(rng, layout.w_shape, "float16")
+    y = bsmm.api._product(cfg, to_axis(x, feature_axis), w, layout, feature_axis, False, 7, max_segment=1)
+    got = np.asarray(y) if feature_axis == 1 else np.asarray(y).T
+    assert_close(got, reference.forward(x, w, layout), "float16", "forward", terms=128)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
+@pytest.mark.parametrize("splits", [1, 2])
+def test_hopper_weight_grad_into_out_runs_in_the_simulator(monkeypatch, splits):
+    """``out = xᵀ·dy + beta·out`` through version 7's staged epilogue: in place with one N-split,
+    through the workspace and the combine pass with two."""
+    from sparseblocks.bsmm import dispatch
+    from sparseblocks.reference import bsmm as reference
+    from strategies import assert_close
+
+    monkeypatch.setattr(dispatch, "hopper", lambda: True)
+    cfg = replace(bsmm.DEFAULT, v7_wgrad_stages=3 + splits)  # (a config of its own: a kernel compiled here)
+    layout = BlockLayout(np.ones((1, 1)), 64)
+    rng = np.random.default_rng(6)
+    x, dy = values(rng, (128, 64), "float16"), values(rng, (128, 64), "float16")
+    out = values(rng, layout.w_shape, "float16")
+    expected = reference.weight_grad(x, dy, layout) + 0.5 * out.astype(np.float64)
+    before = ran_hopper()[1]
+    from numba import cuda
+
+    out_device = cuda.to_device(out)
+    bsmm.weight_grad(cuda.to_device(x), cuda.to_device(dy), layout, out=out_device, beta=0.5, version=7, splits=splits, config=cfg)
+    assert ran_hopper()[1] == before + 1
+    assert_close(out_device.copy_to_host(), expected, "float16", "weight_grad", terms=129)
