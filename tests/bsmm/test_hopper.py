@@ -76,6 +76,32 @@ def test_hopper_split_lines_and_rows_match_reference(max_segment, splits, featur
 
 
 @gpu
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("splits, feature_axis", [(1, 1), (3, 0)])
+def test_hopper_weight_grad_accumulates_into_out(block_size, splits, feature_axis):
+    """``out = xᵀ·dy + 0.5·out`` on version 7: in place with one N-split, through the workspace
+    with three."""
+    import torch
+
+    from sparseblocks.reference import bsmm as reference
+    from strategies import assert_close
+
+    layout = BlockLayout(np.array([[1, 0], [1, 1]]), block_size)
+    rng = np.random.default_rng(8)
+    C, K = layout.dense_shape
+    x, dy = values(rng, (264, C), "float16"), values(rng, (264, K), "float16")
+    previous = values(rng, layout.w_shape, "float16")
+    out = torch.tensor(previous, device="cuda")
+    to = lambda a: torch.tensor(np.ascontiguousarray(to_axis(a, feature_axis)), device="cuda")
+    before = ran_hopper()[1]
+    assert bsmm.weight_grad(to(x), to(dy), layout, feature_axis, out=out, beta=0.5, splits=splits,
+                            version=7) is out
+    assert ran_hopper()[1] >= max(before, 1)
+    want = reference.weight_grad(x, dy, layout) + 0.5 * previous.astype(np.float64)
+    assert_close(out.cpu().numpy(), want, "float16", "weight_grad into out", terms=265)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_hopper_is_the_default_and_bitwise_repeatable(dtype):
     layout = BlockLayout.random((6, 6), 0.4, seed=2, block_size=128)
