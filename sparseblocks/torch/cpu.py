@@ -199,3 +199,41 @@ def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, ato
         last = torch.full_like(unique, -1).scatter_reduce_(0, inverse, torch.arange(flat.numel()), "amax")
         image.index_put_((n[last], rows[last], cols[last]), values[last])
     return out
+
+
+def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=None):
+    """`sparseblocks.sbnet.reduce_mask` on a CPU tensor ``[N, H, W]``: each window's max (with
+    ``avgpool`` its sum over the full window, off-image pixels zero, over the window's area) by
+    torch's pooling in fp64, on the mask padded past its edges (-inf for the max, 0 for the
+    average); a NaN pixel makes its pool NaN, never above ``tol``. Returns the kernels' device
+    form: ``[windows, 3]`` int32 indices, the first ``count`` the active windows in row-major
+    order and the rest ``n = -1``, and ``count`` as a ``(1,)`` int32 tensor."""
+    from ..sbnet.reduce import MASK_DTYPES
+    from ..windows import block_count, check_geometry, check_tol, pair
+
+    tol = check_tol(tol)
+    if mask.dim() != 3:
+        raise ValueError(f"mask: expected [N, H, W], got shape {tuple(mask.shape)}")
+    dtype = str(mask.dtype).replace("torch.", "")
+    if dtype not in MASK_DTYPES:
+        raise TypeError(f"mask: expected dtype in {list(MASK_DTYPES)}, got {dtype}")
+    (sh, sw), (th, tw), (oh, ow) = check_geometry(bsize, bstride, boffset)
+    N, H, W = mask.shape
+    ch, cw = block_count((H, W), (th, tw), (oh, ow)) if bcount is None else pair(bcount, "bcount")
+    if min(ch, cw) < 0:
+        raise ValueError(f"bcount: expected non-negative counts, got {(ch, cw)}")
+    total = N * ch * cw
+    indices = torch.full((max(total, 1), 3), -1, dtype=torch.int32)
+    if total == 0:
+        return indices, torch.zeros(1, dtype=torch.int32)
+    # The rows oh .. oh + (ch - 1)·th + sh (and columns alike) that the windows cover, padded
+    # where they run off the image.
+    h_end, w_end = oh + (ch - 1) * th + sh, ow + (cw - 1) * tw + sw
+    top, left = max(0, -oh), max(0, -ow)
+    padded = torch.nn.functional.pad(mask.to(torch.float64), (left, max(0, w_end - W), top, max(0, h_end - H)),
+                                     value=0.0 if avgpool else float("-inf"))
+    region = padded[:, oh + top:h_end + top, ow + left:w_end + left][:, None]
+    pool = torch.nn.functional.avg_pool2d if avgpool else torch.nn.functional.max_pool2d
+    active = torch.nonzero(pool(region, (sh, sw), (th, tw))[:, 0] > tol).to(torch.int32)
+    indices[:active.shape[0]] = active
+    return indices, torch.tensor([active.shape[0]], dtype=torch.int32)

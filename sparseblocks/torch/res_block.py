@@ -8,8 +8,8 @@ result back onto the input. The output is ``x + F(x)`` on the active region and
 scatter are one autograd node (`_WindowResidual`) with a written-out backward;
 a subclass that overrides ``residual`` or ``residual_nhwc`` gets autograd's
 backward of its own. ``graphs=True`` replays CUDA graphs of the residual and its
-backward (`graphs`). Under `torch.compile` the block is the gather and scatter custom ops
-around the residual's torch operations (`_traced_forward`). Pass ``channels_last`` tensors to
+backward (`graphs`). Under `torch.compile`, and on CPU tensors (`torch.cpu`), the block is the
+gather and scatter ops around the residual's torch operations (`_traced_forward`). Pass ``channels_last`` tensors to
 skip a copy.
 """
 
@@ -18,6 +18,7 @@ import torch
 from .. import fused as fused_kernels
 from .. import sbnet as kernels
 from ..windows import calc_block_params_res_block, pair
+from . import cpu
 from .bottleneck import _bottleneck_nchw, _bottleneck_nhwc, _nhwc_out_of_nchw, _without_grad, _WrittenOut
 from .config import DEFAULT, as_config
 from .graphs import _WRITTEN_OUT, _ResidualGraphs, _Traced
@@ -134,8 +135,8 @@ class SparseResBlock(torch.nn.Module):
         if len(mask.shape) != 3:
             raise ValueError(f"mask: expected [N, H, W], got shape {tuple(mask.shape)}")
         p = self.geometry((mask.shape[0], 0, mask.shape[1], mask.shape[2]))
-        indices, count = kernels.reduce_mask(mask, p.bsize, p.bstride, p.boffset, tol=tol, avgpool=avgpool,
-                                             bcount=p.bcount)
+        reduce = cpu.reduce_mask if isinstance(mask, torch.Tensor) and cpu.takes(mask) else kernels.reduce_mask
+        indices, count = reduce(mask, p.bsize, p.bstride, p.boffset, tol=tol, avgpool=avgpool, bcount=p.bcount)
         if isinstance(indices, torch.Tensor):
             indices = indices[:int(count[0])]
         return indices, count
@@ -164,7 +165,7 @@ class SparseResBlock(torch.nn.Module):
                 raise ValueError("x: inplace needs a contiguous or channels_last x")
             image, data_format, transpose = x.contiguous(), "NCHW", False
         nchw_stack = data_format == "NCHW" or transpose
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or cpu.takes(image):  # (CPU tensors: torch's ops, `torch.cpu`)
             y = self._traced_forward(image, indices, count, inplace, data_format, transpose, nchw_stack, p)
             return y.permute(0, 3, 1, 2) if data_format == "NHWC" else y
 
@@ -200,7 +201,9 @@ class SparseResBlock(torch.nn.Module):
         """The block as torch.compile traces it: the gather and the adding scatter as custom ops
         (`sparseblocks.torch.sbnet`), the residual as torch operations between them, for the
         compiler to fuse and differentiate. ``graphs`` and the fused kernels are not used:
-        ``mode="reduce-overhead"`` captures the whole in CUDA graphs."""
+        ``mode="reduce-overhead"`` captures the whole in CUDA graphs. Eager calls on CPU tensors
+        take it too: the gather and scatter then index with torch (`torch.cpu`), and autograd
+        differentiates the whole."""
         kwargs = {"transpose": transpose, "count": count, "data_format": data_format}
         stack = sparse_gather(image, indices, p.bsize, p.bstride, p.boffset, **kwargs)
         out = self.residual(stack) if nchw_stack else self.residual_nhwc(stack)

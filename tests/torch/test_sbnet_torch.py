@@ -30,6 +30,17 @@ def one_warp_fused_tiles(configure):
                   nchw_scatter_tiles={"float16": (32, 64, 16, 2, 1, None), "float32": (32, 32, 16, 2, 1, None)})
 
 
+@pytest.fixture(autouse=True, scope="module")
+def kernel_path():
+    """These tests check the kernels: in the simulator CPU tensors run them too, not the CPU
+    path (torch's ops), which tests/torch/test_cpu_sbnet.py checks against them."""
+    from sparseblocks.torch import cpu
+
+    previous = cpu.kernels_on_cpu(True)
+    yield
+    cpu.kernels_on_cpu(previous)
+
+
 def tensor(array, requires_grad=False):
     return torch.tensor(np.asarray(array), device=DEVICE, requires_grad=requires_grad)
 
