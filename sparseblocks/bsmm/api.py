@@ -15,6 +15,7 @@ with no block are zero. Every sum runs in a fixed order: results are bitwise rep
 """
 
 from ..layout import check_block_size
+from ..runtime.devices import on_arrays_device
 from ..ptx.vector import aligned
 from ..runtime import arrays as _arrays
 from ..runtime import plans
@@ -100,16 +101,19 @@ def _product(cfg, a, w, layout, feature_axis, transpose_w, version, max_segment=
     return a.result(native, out, stream)
 
 
+@on_arrays_device
 def forward(x, w, layout, feature_axis=1, version=None, config=None):
     """``y = x · W`` for block-sparse ``W`` given as ``w[n_blocks, bs, bs]`` over ``layout``."""
     return _product(as_config(config), x, w, layout, feature_axis, False, version)
 
 
+@on_arrays_device
 def input_grad(dy, w, layout, feature_axis=1, version=None, config=None):
     """``dx = dy · Wᵀ`` for block-sparse ``W``."""
     return _product(as_config(config), dy, w, layout, feature_axis, True, version)
 
 
+@on_arrays_device
 def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=None, splits=None, config=None):
     """``dW = xᵀ · dy`` on the layout's blocks, as ``(n_blocks, bs, bs)``.
 
@@ -159,6 +163,7 @@ def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=None,
     return (x if out is None else ops[2]).result(native, dw, stream)
 
 
+@on_arrays_device
 def transpose_blocks(w, layout, config=None):
     """W's blocks transposed into the layout's column order: ``wt[p] = w[layout.col_block[p]]ᵀ``
     (fp32, fp16 or bf16, ``w`` 4-byte aligned), as the forward makes for itself where
@@ -177,6 +182,7 @@ def transpose_blocks(w, layout, config=None):
     return w.result(native, wt, stream)
 
 
+@on_arrays_device
 def block_norms(a, block_size, criterion="l2", config=None):
     """Norms of the ``block_size``-square blocks of a dense 2-D ``a`` (R, S), as (R/bs, S/bs):
     ``criterion`` ``"l2"``, ``"l1"`` or ``"max"`` (see `block_norms`). fp32 (fp64 for fp64 ``a``).

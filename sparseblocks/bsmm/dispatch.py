@@ -10,6 +10,7 @@ from numba import cuda
 
 from ..ptx.vector import aligned
 from ..runtime.compile import cached
+from ..runtime.devices import active
 from ..runtime.launch import compute_capability, data_pointer, launch, multiprocessors
 from .config import DEFAULT
 from .device import acc_type
@@ -102,7 +103,7 @@ def compiled(cfg, maker, bs, storage, *key):
 def _on_device(layout, key, array, stream):
     """A layout index (or schedule) array on the device, cached in the layout's schedule cache."""
     cache = layout._schedules
-    key = ("device", key)
+    key = ("device", key, active())
     if key not in cache:
         cache[key] = cuda.to_device(np.ascontiguousarray(array), stream=stream)
     return cache[key]
@@ -117,9 +118,10 @@ _unused = {}
 
 def _unused_workspace(dtype):
     """A one-element stand-in for a workspace a launch does not write (shared, read by no one)."""
-    if dtype not in _unused:
-        _unused[dtype] = cuda.device_array((1, 1, 1), dtype)
-    return _unused[dtype]
+    key = (dtype, active())
+    if key not in _unused:
+        _unused[key] = cuda.device_array((1, 1, 1), dtype)
+    return _unused[key]
 
 
 def segment_limit(layout, axis, cfg=DEFAULT):
@@ -187,7 +189,7 @@ def product_schedule(cfg, layout, transpose_w, max_segment, stream):
     """What the products launch with over a layout, whatever the activations:
     (slots, product index arrays, combine index arrays), cached in the layout
     so that a call looks it up once instead of rebuilding keys for each array."""
-    key = ("product schedule", transpose_w, max_segment, cfg.segment_factor, cfg.min_segment)
+    key = ("product schedule", transpose_w, max_segment, cfg.segment_factor, cfg.min_segment, active())
     cached = layout._schedules.get(key)
     if cached is not None:
         return cached

@@ -22,6 +22,7 @@ from ..runtime import plans
 from ..runtime.arrays import Operand, _dtype_name, check_dtype, check_shape, launch_stream, torch_stream_handle
 from ..runtime.backend import SIMULATOR
 from ..runtime.compile import cached
+from ..runtime.devices import on_arrays_device
 from ..runtime.launch import data_pointer, launch
 from ..sbnet.api import check_format, prepare_indices
 from ..sbnet.device import magic
@@ -165,6 +166,7 @@ def kept_launch(x, indices, weight, count, bsize, bstride, boffset=0, relu=False
     return None if plan is None else (plan.launch[0], plan.extra if count is None else None)
 
 
+@on_arrays_device
 def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=None, relu=False, out=None,
                          data_format="NHWC", config=None):
     """``sparse_gather(x, indices, ...) @ weight.T`` (ReLU'd with ``relu``) without the block stack.
@@ -260,6 +262,7 @@ def kept_scatter_launch(blocks, indices, weight, y, count, bsize, bstride, boffs
     return None if plan is None else (plan.launch[0], plan.extra if count is None else None)
 
 
+@on_arrays_device
 def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0, count=None, data_format="NHWC",
                           config=None):
     """``y += sparse_scatter(blocks @ weight.T, indices, ...)``, in place, without the product's stack.

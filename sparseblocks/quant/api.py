@@ -12,6 +12,7 @@ import numpy as np
 from ..layout import BlockLayout
 from ..runtime.arrays import Operand, check_dtype, launch_stream
 from ..runtime.compile import cached
+from ..runtime.devices import active, on_arrays_device
 from ..runtime.launch import launch
 from .config import as_config
 from .pack import make_pack, make_unpack
@@ -70,6 +71,12 @@ class QuantArray:
         return (self.planes.shape[1], self.columns)
 
     @property
+    def device(self):
+        """Its planes' device (a torch tensor's or CuPy array's; None for NumPy arrays): the calls
+        that take it run there (`runtime.devices`)."""
+        return getattr(self.planes, "device", None)
+
+    @property
     def __cuda_array_interface__(self):
         return self.planes.__cuda_array_interface__
 
@@ -89,6 +96,7 @@ def _basis_rows(basis, rows, name):
     return basis
 
 
+@on_arrays_device
 def quantize(x, basis, signed, config=None):
     """Encode the rows of ``x`` (R, C) (fp16 or fp32) to their nearest levels and pack the codes'
     bits: a `QuantArray` whose planes are arrays of x's kind. ``basis`` (K,) or (R, K), on the
@@ -134,13 +142,14 @@ def _on_device(array, stream):
     return cuda.to_device(np.ascontiguousarray(array), stream=stream)
 
 
-_zeros = []
+_zeros = {}
 
 
 def _no_bias(stream):
-    if not _zeros:
-        _zeros.append(_on_device(np.zeros(1, np.float32), stream))
-    return _zeros[0]
+    ordinal = active()
+    if ordinal not in _zeros:
+        _zeros[ordinal] = _on_device(np.zeros(1, np.float32), stream)
+    return _zeros[ordinal]
 
 
 def _like(op, host, stream):
@@ -154,10 +163,12 @@ def _like(op, host, stream):
     if op.kind == "cupy":
         import cupy
 
-        return cupy.asarray(host)
+        with op.native.device:
+            return cupy.asarray(host)
     return _on_device(host, stream)
 
 
+@on_arrays_device
 def dequantize(q, config=None):
     """The values of a `QuantArray`, fp32 (rows, columns), as an array of its planes' kind."""
     cfg = as_config(config)
@@ -181,7 +192,7 @@ def _groups(layout, columns, outputs, group_cols, stream):
     each group of outputs sees. Dense: every row's words as one block, groups of `group_cols`
     outputs; a layout: its block-columns' present blocks (CSC), a group a block-column."""
     if layout is None:
-        key = (columns, outputs, group_cols)
+        key = (columns, outputs, group_cols, active())
         if key not in _dense_groups:
             groups = -(-outputs // group_cols)
             _dense_groups[key] = (_on_device(np.arange(groups + 1, dtype=np.int32), stream),
@@ -189,11 +200,12 @@ def _groups(layout, columns, outputs, group_cols, stream):
         return (*_dense_groups[key], packed_words(columns), group_cols, columns)
     bs = layout.block_size
     cache = layout._schedules
-    if ("quant", "groups") not in cache:
+    key = ("quant", "groups", active())
+    if key not in cache:
         blocks = np.asarray(layout.row_idx, np.int32)
-        cache[("quant", "groups")] = (_on_device(np.asarray(layout.col_ptr, np.int32), stream),
-                                      _on_device(blocks if len(blocks) else np.zeros(1, np.int32), stream))
-    return (*cache[("quant", "groups")], bs // WORD, bs, bs)
+        cache[key] = (_on_device(np.asarray(layout.col_ptr, np.int32), stream),
+                      _on_device(blocks if len(blocks) else np.zeros(1, np.int32), stream))
+    return (*cache[key], bs // WORD, bs, bs)
 
 
 def _check_layout(layout, columns, outputs):
@@ -205,6 +217,7 @@ def _check_layout(layout, columns, outputs):
         raise ValueError(f"layout: expected a ({columns}, {outputs}) grid (inputs, outputs), got {layout.dense_shape}")
 
 
+@on_arrays_device
 def matmul(a, w, layout=None, bias=None, relu=False, out_dtype="float32", version="tensorcore", config=None):
     """``y = â · ŵᵀ (+ bias, ReLU)`` from bit planes: ``a`` a `QuantArray` of activations (N, C)
     with one basis, ``w`` one of weights (O, C) with a basis a row; ``y`` (N, O) in ``out_dtype``

@@ -17,6 +17,7 @@ import numpy as np
 from numba import cuda
 
 from .backend import SIMULATOR
+from .devices import active
 
 FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
 
@@ -61,16 +62,6 @@ def _dtype_name(array):
     return name
 
 
-_kernel_device = []
-
-
-def kernel_device():
-    """Numba's current device ordinal, where every launch runs (looked up once)."""
-    if not _kernel_device:
-        _kernel_device.append(cuda.get_current_device().id)
-    return _kernel_device[0]
-
-
 def _bf16_numpy():
     import ml_dtypes
 
@@ -91,13 +82,13 @@ class Operand:
             if not SIMULATOR:
                 if not array.is_cuda:
                     raise ValueError(f"{name}: expected a CUDA tensor, got one on {array.device}")
-                if array.device.index != kernel_device():
-                    raise ValueError(f"{name}: expected a tensor on cuda:{kernel_device()} (Numba's current "
-                                     f"device, where kernels run), got one on {array.device}")
+                if array.device.index != active():
+                    raise ValueError(f"{name}: expected a tensor on cuda:{active()} (the call's device, its first "
+                                     f"GPU array's), got one on {array.device}: move them to one device")
             array = array.detach()
-        elif kind == "cupy" and not SIMULATOR and array.device.id != kernel_device():
-            raise ValueError(f"{name}: expected an array on device {kernel_device()} (Numba's current "
-                             f"device, where kernels run), got one on device {array.device.id}")
+        elif kind == "cupy" and not SIMULATOR and array.device.id != active():
+            raise ValueError(f"{name}: expected an array on device {active()} (the call's device, its first "
+                             f"GPU array's), got one on device {array.device.id}: move them to one device")
         self.name = name
         self.kind = kind
         self.native = array
@@ -171,7 +162,8 @@ class Operand:
         if self.kind == "cupy":
             import cupy
 
-            native = cupy.empty(shape, dtype)
+            with self.native.device:
+                native = cupy.empty(shape, dtype)
             return native, native
         device = cuda.device_array(shape, np.int16 if bf16 else dtype, stream=stream)
         return device, device
@@ -192,14 +184,15 @@ class Operand:
 
 
 def torch_stream_handle():
-    """torch's current stream as a raw handle: its private getter (what Triton uses) costs ~1 µs,
+    """torch's current stream on the call's device as a raw handle: its private getter (what Triton uses) costs ~1 µs,
     ``torch.cuda.current_stream()`` several."""
     import torch
 
+    ordinal = active()  # (the call's device: torch's current device may be another)
     try:
-        return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+        return torch._C._cuda_getCurrentRawStream(ordinal)
     except AttributeError:  # a torch without the private getter
-        return torch.cuda.current_stream().cuda_stream
+        return torch.cuda.current_stream(ordinal).cuda_stream
 
 
 def launch_stream(operands):

@@ -32,6 +32,7 @@ import numpy as np
 from numba import cuda
 
 from .backend import SIMULATOR
+from .devices import activate, active
 
 _compiled = {}
 _streams = {}
@@ -39,7 +40,7 @@ _stream_handles = {}
 _core_streams = {}
 _configs = {}
 _device_fields = {}
-_multiprocessors = None
+_multiprocessors = {}
 _cuda_core = None
 _driver_launch = None
 _buffer_lock = threading.Lock()
@@ -57,29 +58,34 @@ def dynamic_shared(dispatcher, nbytes):
 
 
 def multiprocessors():
-    """The current GPU's multiprocessor count (1 in the simulator), cached."""
-    global _multiprocessors
-    if _multiprocessors is None:
+    """The multiprocessor count of the GPU calls run on (`devices.active`; 1 in the simulator),
+    cached per device."""
+    ordinal = active()
+    count = _multiprocessors.get(ordinal)
+    if count is None:
         try:
-            _multiprocessors = cuda.get_current_device().MULTIPROCESSOR_COUNT
+            count = cuda.gpus[ordinal].MULTIPROCESSOR_COUNT
         except Exception:  # the simulator's fake device has no such attribute
-            _multiprocessors = 1
-    return _multiprocessors
+            count = 1
+        _multiprocessors[ordinal] = count
+    return count
 
 
-_capability = None
+_capability = {}
 
 
 def compute_capability():
-    """The current GPU's (major, minor) compute capability, cached; (0, 0) in the simulator, where
-    no architecture-specific family is picked by default."""
-    global _capability
-    if _capability is None:
+    """The (major, minor) compute capability of the GPU calls run on, cached per device; (0, 0)
+    in the simulator, where no architecture-specific family is picked by default."""
+    ordinal = active()
+    capability = _capability.get(ordinal)
+    if capability is None:
         try:
-            _capability = tuple(cuda.get_current_device().compute_capability)
+            capability = tuple(cuda.gpus[ordinal].compute_capability)
         except Exception:  # the simulator's fake device
-            _capability = (0, 0)
-    return _capability
+            capability = (0, 0)
+        _capability[ordinal] = capability
+    return capability
 
 
 def data_pointer(arg):
@@ -191,10 +197,12 @@ def _driver():
 
 
 def stream_of(handle):
-    """A Numba stream for a raw CUDA stream handle, cached (0: the default stream)."""
-    if handle not in _streams:
-        _streams[handle] = cuda.default_stream() if handle == 0 else cuda.external_stream(handle)
-    return _streams[handle]
+    """A Numba stream for a raw CUDA stream handle, cached (0: the default stream of the device
+    calls run on)."""
+    key = (handle, active()) if handle == 0 else handle
+    if key not in _streams:
+        _streams[key] = cuda.default_stream() if handle == 0 else cuda.external_stream(handle)
+    return _streams[key]
 
 
 def capture_of(handle):
@@ -247,10 +255,10 @@ CUDA_ERROR_INVALID_CONTEXT = 201
 def _checked_launch(function, grid, block, handle, slots, shared=0):
     """cuLaunchKernel, raising on failure. A thread with no current context (torch's autograd
     engine runs backward functions on threads of its own, where no driver call may have been
-    made yet) gets Numba's, the device's primary context, and the launch is retried once."""
+    made yet) gets the call's device's primary context, and the launch is retried once."""
     error = _driver_launch(function, *grid, *block, shared, handle, slots, None)
     if error == CUDA_ERROR_INVALID_CONTEXT:
-        cuda.current_context()  # pushes the primary context on a thread that has none
+        activate(active())
         error = _driver_launch(function, *grid, *block, shared, handle, slots, None)
     if error:
         raise RuntimeError(f"cuLaunchKernel failed with CUDA error {error}")
@@ -271,13 +279,14 @@ def launch(dispatcher, grid, block, stream, args):
         return
     stream = stream if stream else stream_of(0)
     key, values = _fields(args)
-    kernel = _compiled.get((dispatcher, key))
+    key = (dispatcher, key, active())  # (a compiled function is loaded into each device's context)
+    kernel = _compiled.get(key)
     if kernel is None:
         # torch refuses __cuda_array_interface__ on tensors that require grad.
         args = [arg.detach() if hasattr(arg, "detach") else arg for arg in args]
         compiled = dispatcher.compile(tuple(dispatcher.typeof_pyval(arg) for arg in args))
         # (made before the first launch: it raises the function's shared-memory limit)
-        _compiled[(dispatcher, key)] = _Kernel(compiled._codelibrary.get_cufunc(), values, shared)
+        _compiled[key] = _Kernel(compiled._codelibrary.get_cufunc(), values, shared)
         dispatcher[grid, block, stream, shared](*args)
         return
     if kernel.function is not None:
@@ -339,7 +348,7 @@ def replay(dispatcher, grid, block, args, live):
     if SIMULATOR:
         return None
     key, values = _fields(args)
-    kernel = _compiled.get((dispatcher, key))
+    kernel = _compiled.get((dispatcher, key, active()))
     if kernel is None or kernel.function is None:
         return None
     return Replay(kernel, grid, block, args, values, live)

@@ -16,6 +16,7 @@ from numba import cuda
 from ..runtime import plans
 from ..runtime.arrays import Operand, check_disjoint, check_dtype, check_same_kind, check_shape, launch_stream
 from ..runtime.backend import SIMULATOR
+from ..runtime.devices import active, on_arrays_device
 from ..runtime.launch import data_pointer
 from ..windows import check_geometry
 from .config import as_config
@@ -30,9 +31,10 @@ _counts = {}
 
 def constant_count(n):
     """A device int32 [n], made once per n (kernels only read it): no copy to the device per call."""
-    if n not in _counts:
-        _counts[n] = cuda.to_device(np.array([n], np.int32))
-    return _counts[n]
+    key = (n, active())
+    if key not in _counts:
+        _counts[key] = cuda.to_device(np.array([n], np.int32))
+    return _counts[key]
 
 
 def prepare_indices(indices, count, ops, stream, written=None):
@@ -72,6 +74,7 @@ def block_shape(n_blocks, size, channels, channels_last, transpose):
     return (n_blocks, *size, channels) if channels_last != transpose else (n_blocks, channels, *size)
 
 
+@on_arrays_device
 def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=None, data_format="NHWC",
                   out=None, config=None):
     """Windows of ``x`` as a block stack in x's layout (``transpose``: in the other one).
@@ -127,6 +130,7 @@ def _check_out(out_op, like, shape):
     out_op.require_contiguous()
 
 
+@on_arrays_device
 def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, atomic=False,
                    transpose=False, inplace=False, count=None, data_format="NHWC", config=None):
     """Write (``add``: add) a block stack into ``y``: into a copy, or into ``y`` with ``inplace``.

@@ -19,6 +19,7 @@ from ..runtime import plans
 from ..runtime.arrays import Operand, check_dtype, launch_stream
 from ..runtime.backend import SIMULATOR
 from ..runtime.compile import cached
+from ..runtime.devices import on_arrays_device
 from ..runtime.launch import data_pointer, launch, multiprocessors
 from ..windows import block_count, check_geometry, check_tol, pair
 from .config import as_config
@@ -119,6 +120,7 @@ def _nan_max_ptx():
     return not SIMULATOR and cuda.get_current_device().compute_capability >= (8, 0)
 
 
+@on_arrays_device
 def reduce_mask(mask, bsize, bstride, boffset=0, tol=0.0, avgpool=False, bcount=None, version=None, config=None):
     """Active windows of a mask ``[N, H, W]``, row-major: ``(indices, count)`` (see the module
     docstring). ``version``: 1 (pooling, then compaction) or 2 (one pass; the default where

@@ -18,6 +18,7 @@ import torch
 from .. import quant
 from ..layout import BlockLayout
 from ..runtime.arrays import Operand
+from ..runtime.devices import on_arrays_device
 
 MOVING_AVERAGE = 0.9
 RIDGE = 1e-4
@@ -161,6 +162,7 @@ class LQLinear(torch.nn.Module):
             y = torch.nn.functional.linear(a, w.to(a.dtype), None if self.bias is None else self.bias.to(a.dtype))
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    @on_arrays_device
     def packed_forward(self, rows):
         """The product from bit planes (a GPU, no gradients): both operands quantized and packed by
         the ballot kernel with thresholds made on the device, then the b1 tensor-core product."""

@@ -17,6 +17,7 @@ import torch
 
 from .. import fused as fused_kernels
 from .. import sbnet as kernels
+from ..runtime.devices import on_arrays_device
 from ..windows import calc_block_params_res_block, pair
 from . import cpu
 from .bottleneck import _bottleneck_nchw, _bottleneck_nhwc, _nhwc_out_of_nchw, _without_grad, _WrittenOut
@@ -141,6 +142,7 @@ class SparseResBlock(torch.nn.Module):
             indices = indices[:int(count[0])]
         return indices, count
 
+    @on_arrays_device  # (x's: the graphs' streams and torch's current device may be another's)
     def forward(self, x, indices, count=None, inplace=False):
         """``x`` NCHW (channels_last or contiguous); blocks from `active_blocks`.
 

@@ -654,14 +654,14 @@ def test_repeated_weight_grads_replay_a_kept_plan(dtype, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="the simulator has one fake device")
 def test_tensors_on_another_device_are_refused(monkeypatch):
-    """Kernels run on Numba's current device; a tensor elsewhere is refused before any launch
-    (faked here by claiming kernels run on the next device)."""
+    """A call runs on its first GPU array's device; a tensor elsewhere is refused before any launch
+    (faked here by claiming the call runs on the next device; tests/test_devices.py has two)."""
     torch = pytest.importorskip("torch")
     from sparseblocks.runtime import arrays as _arrays
 
     x = torch.randn(4, 16, device="cuda")
-    monkeypatch.setattr(_arrays, "_kernel_device", [x.device.index + 1])
-    with pytest.raises(ValueError, match=r"x: expected a tensor on cuda:\d+ \(Numba's current device"):
+    monkeypatch.setattr(_arrays, "active", lambda: x.device.index + 1)
+    with pytest.raises(ValueError, match=r"x: expected a tensor on cuda:\d+ \(the call's device"):
         bsmm.forward(x, torch.randn(LAYOUT.w_shape, device="cuda"), LAYOUT)
 
 
