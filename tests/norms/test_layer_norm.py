@@ -1,0 +1,122 @@
+"""Layer norm (sparseblocks/norms) against its NumPy twin: both feature axes, ReLU, every dtype,
+the backward, large means, and errors before any launch."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparseblocks import norms
+from sparseblocks.norms import NormsConfig
+from sparseblocks.reference import norms as reference
+from sparseblocks.runtime.backend import SIMULATOR
+from strategies import numpy_dtype
+
+# One warp a row in the simulator (each thread is a Python thread there), a few rows a dg chunk.
+SMALL = NormsConfig(row_threads=32, column_threads=32, grad_rows=3) if SIMULATOR else NormsConfig()
+UNIT = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
+
+
+def _close(got, want, dtype, scale, name):
+    """``got`` within a few roundings of ``want``: the sums' (fp32, fp64 for fp64) over ``scale``
+    (what the error of a sum of C terms grows with), and the output's own."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, f"{name}: shape {got.shape}, expected {want.shape}"
+    accumulate = UNIT["float64" if dtype == "float64" else "float32"]
+    bound = 8 * accumulate * scale + 2 * UNIT[dtype] * np.abs(want) + 1e-30
+    worst = np.argmax(np.abs(got - want) - bound) if got.size else None
+    assert not got.size or np.abs(got - want).flat[worst] <= np.broadcast_to(bound, got.shape).flat[worst], (
+        f"{name}: error {np.abs(got - want).flat[worst]:.3g} > {np.broadcast_to(bound, got.shape).flat[worst]:.3g}")
+
+
+def _problem(draw, dtype, axis):
+    N = draw(st.integers(0, 5), label="N")
+    C = draw(st.integers(1, 70), label="C")
+    rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1), label="seed"))
+    offset = draw(st.sampled_from([0.0, 3.0, -50.0]), label="mean")
+    spread = draw(st.sampled_from([1.0, 1e-2, 30.0]), label="spread")
+    x = (offset + spread * rng.standard_normal((N, C))).astype(numpy_dtype(dtype))
+    g = rng.standard_normal(C).astype(numpy_dtype(dtype))
+    b = rng.standard_normal(C).astype(numpy_dtype(dtype))
+    dy = rng.standard_normal((N, C)).astype(numpy_dtype(dtype))
+    t = (lambda a: a) if axis == 1 else (lambda a: np.ascontiguousarray(a.T))
+    return t(x), g, b, t(dy), N, C
+
+
+@settings(max_examples=25 if SIMULATOR else 60, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from(["float32", "float16", "bfloat16", "float64"]),
+       axis=st.sampled_from([1, 0]), relu=st.booleans())
+def test_layer_norm_and_its_gradients_match_the_twin(data, dtype, axis, relu):
+    x, g, b, dy, N, C = _problem(data.draw, dtype, axis)
+    rows = (lambda a: np.asarray(a, np.float64)) if axis == 1 else (lambda a: np.asarray(a, np.float64).T)
+    acc = "float64" if dtype == "float64" else "float32"
+    y, mean, rstd = norms.layer_norm(x, g, b, axis=axis, relu=relu, stats=True, config=SMALL)
+    want, want_mean, want_rstd = reference.layer_norm(x, g, b, axis, relu=relu)
+    assert mean.dtype == rstd.dtype == np.dtype(acc)
+    # A row's mean is off by about its sum's rounding over C terms of |x| (`size`), xhat by that
+    # times rstd (`drift`); y by drift·|g|, and rstd relative to its size by drift as well.
+    size = np.abs(rows(x)).max(axis=1, initial=0)
+    drift = C * size * want_rstd
+    g64, b64 = np.abs(np.asarray(g, np.float64)), np.abs(np.asarray(b, np.float64))
+    _close(rows(y), rows(want), dtype, drift[:, None] * g64 + b64, "y")
+    _close(mean, want_mean, acc, C * size, "mean")
+    _close(rstd, want_rstd, acc, drift * want_rstd, "rstd")
+
+    dx, dg, db = norms.layer_norm_grad(dy, x, g, b, mean, rstd, axis=axis, relu=relu, config=SMALL)
+    want_dx, want_dg, want_db = reference.layer_norm_grad(dy, x, g, b, axis, relu=relu)
+    assert dx.dtype == x.dtype and dg.dtype == db.dtype == g.dtype
+    # dx sums C terms of |dy·g|·(1 + |xhat|), each off by the drift; dg and db sum N rows.
+    dyg = (np.abs(rows(dy)) * g64).max(axis=1, initial=0)
+    xhat = (size + np.abs(want_mean)) * want_rstd
+    _close(rows(dx), rows(want_dx), dtype, (C * want_rstd * dyg * (1 + xhat) * (1 + drift))[:, None], "dx")
+    dy_size = np.abs(np.asarray(dy, np.float64)).max(initial=0)
+    _close(dg, want_dg, dtype, max(N, 1) * dy_size * (1 + xhat.max(initial=0)) * (1 + drift.max(initial=0)), "dg")
+    _close(db, want_db, dtype, max(N, 1) * dy_size, "db")
+
+
+def test_a_large_mean_costs_no_accuracy():
+    """Two passes: the variance is summed from x - mean, so a mean 10⁴ times the spread leaves y
+    accurate (E[x²] - E[x]² would cancel to noise in fp32)."""
+    rng = np.random.default_rng(0)
+    x = (1e4 + rng.standard_normal((4, 64))).astype(np.float32)
+    g, b = np.ones(64, np.float32), np.zeros(64, np.float32)
+    for axis, a in ((1, x), (0, np.ascontiguousarray(x.T))):
+        y = norms.layer_norm(a, g, b, axis=axis, config=SMALL)
+        want = reference.layer_norm(a, g, b, axis)[0]
+        assert np.abs(y - want).max() < 1e-2, axis
+
+
+def test_results_repeat_bitwise():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, 50)).astype(np.float32)
+    g, b = rng.standard_normal(50).astype(np.float32), rng.standard_normal(50).astype(np.float32)
+    first = norms.layer_norm(x, g, b, stats=True, config=SMALL)
+    again = norms.layer_norm(x, g, b, stats=True, config=SMALL)
+    for one, two in zip(first, again):
+        np.testing.assert_array_equal(one, two)
+    grads = [norms.layer_norm_grad(x, x, g, b, *first[1:], config=SMALL) for _ in range(2)]
+    for one, two in zip(*grads):
+        np.testing.assert_array_equal(one, two)
+
+
+X, G = np.zeros((3, 8), np.float32), np.ones(8, np.float32)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: norms.layer_norm(X, G, G, axis=2), ValueError, "axis: expected 0"),
+    (lambda: norms.layer_norm(X[0], G, G), ValueError, "x: expected a 2-D array"),
+    (lambda: norms.layer_norm(X, G[:4], G), ValueError, r"g: expected shape \(8,\)"),
+    (lambda: norms.layer_norm(X, G, G, axis=0), ValueError, r"g: expected shape \(3,\)"),
+    (lambda: norms.layer_norm(X, G, G.astype(np.float64)), TypeError, "dtype mismatch: g float32, b float64"),
+    (lambda: norms.layer_norm(X.astype(np.int32), G, G), TypeError, "x: expected dtype in"),
+    (lambda: norms.layer_norm(X, G, G, epsilon="small"), TypeError, "epsilon: expected a number"),
+    (lambda: norms.layer_norm(X, G, G, epsilon=-1), ValueError, "epsilon: expected a number >= 0"),
+    (lambda: norms.layer_norm(np.zeros((3, 0), np.float32), G[:0], G[:0]), ValueError, "at least one feature"),
+    (lambda: norms.layer_norm_grad(X[:2], X, G, G, np.zeros(3, np.float32), np.ones(3, np.float32)),
+     ValueError, "dy: expected x's shape"),
+    (lambda: norms.layer_norm_grad(X, X, G, G, np.zeros(3, np.float64), np.ones(3, np.float32)),
+     ValueError, r"mean: expected \(3,\) float32"),
+])
+def test_bad_input_is_refused_before_any_launch(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
