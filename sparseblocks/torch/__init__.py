@@ -1,5 +1,6 @@
 """The torch layer: `BlockSparseLinear` (with `sparsify` and `BlockRegrowth`), SBNet's gather and
-scatter with autograd, the sparse ResNet block, and `LQLinear` (learned low-bit quantization).
+scatter with autograd, the sparse ResNet block, `LQLinear` (learned low-bit quantization), and
+`layer_norm` (OpenAI's, over either feature axis).
 
     from sparseblocks.torch import BlockSparseLinear, BlockRegrowth, sparsify, LQLinear
     from sparseblocks.torch import SparseResBlock, sparse_gather, sparse_scatter
@@ -10,6 +11,7 @@ Importing this package imports torch. Tensors reach the kernels through
 
 from .config import ResBlockConfig
 from .linear import BlockSparseLinear
+from .norms import layer_norm
 from .quant import LQLinear
 from .regrow import BlockRegrowth
 from .res_block import SparseResBlock
@@ -17,4 +19,4 @@ from .sbnet import sparse_gather, sparse_scatter
 from .sparsify import sparsify
 
 __all__ = ["BlockSparseLinear", "BlockRegrowth", "sparsify", "SparseResBlock", "ResBlockConfig", "sparse_gather",
-           "sparse_scatter", "LQLinear"]
+           "sparse_scatter", "LQLinear", "layer_norm"]
