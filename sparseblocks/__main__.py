@@ -1,4 +1,4 @@
-"""``python -m sparseblocks demo | quant-demo | matmul-demo | sbnet-demo | info | test``."""
+"""``python -m sparseblocks demo | quant-demo | matmul-demo | sbnet-demo | show-layout | info | test``."""
 
 import argparse
 import sys
@@ -142,6 +142,50 @@ def sbnet_demo():
     return 0 if ok else 1
 
 
+LAYOUT_SPECS = """layouts: random:CbxKb:density, banded:CbxKb:width, causal:n, strided:n:stride,
+fixed:n:stride, or a .npy file of a 0/1 block mask"""
+
+
+def layout_of_spec(spec, block_size=32):
+    """The `BlockLayout` a ``show-layout`` spec names (see LAYOUT_SPECS)."""
+    import numpy as np
+
+    from .layout import BlockLayout
+
+    if spec.endswith(".npy"):
+        return BlockLayout(np.load(spec), block_size)
+    kind, *fields = spec.split(":")
+    try:
+        if kind in ("random", "banded"):
+            shape = tuple(int(v) for v in fields[0].lower().split("x"))
+            if kind == "random":
+                return BlockLayout.random(shape, float(fields[1]), block_size=block_size)
+            return BlockLayout.banded(shape, int(fields[1]), block_size=block_size)
+        builders = {"causal": BlockLayout.causal, "strided": BlockLayout.strided, "fixed": BlockLayout.fixed}
+        if kind in builders:
+            return builders[kind](*(int(v) for v in fields), block_size=block_size)
+    except (IndexError, ValueError, TypeError) as error:
+        raise SystemExit(f"show-layout: bad spec {spec!r} ({error}); {LAYOUT_SPECS}") from None
+    raise SystemExit(f"show-layout: unknown layout {kind!r}; {LAYOUT_SPECS}")
+
+
+def show_layout(args):
+    """``show-layout [SPEC] [OUT.png]``: a PNG of a layout's block mask (`BlockLayout.plot`)."""
+    if any(a in ("-h", "--help") for a in args):
+        print("python -m sparseblocks show-layout [SPEC] [OUT.png]  (default: strided:32:4 layout.png)\n" + LAYOUT_SPECS)
+        return 0
+    spec = args[0] if args else "strided:32:4"
+    out = args[1] if len(args) > 1 else "layout.png"
+    layout = layout_of_spec(spec)
+    try:
+        layout.plot(out, title=f"{spec}: {layout.n_blocks} blocks, {layout.density:.0%}")
+    except ImportError as error:
+        print(error)
+        return 1
+    print(f"wrote {out}: {layout}")
+    return 0
+
+
 # A CPU build of torch for machines without a GPU: this release, its CPU build (``+cpu``, which pip
 # prefers) from torch's CPU index where that is reachable.
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -175,11 +219,15 @@ def test(pytest_args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m sparseblocks", description=__doc__)
-    parser.add_argument("command", choices=["demo", "quant-demo", "matmul-demo", "sbnet-demo", "info", "test"])
-    parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="test: arguments for pytest")
+    parser.add_argument("command", choices=["demo", "quant-demo", "matmul-demo", "sbnet-demo", "show-layout", "info",
+                                            "test"])
+    parser.add_argument("pytest_args", nargs=argparse.REMAINDER,
+                        help="test: arguments for pytest; show-layout: [SPEC] [OUT.png]")
     args = parser.parse_args(argv)
     if args.command == "test":
         return test(args.pytest_args)
+    if args.command == "show-layout":
+        return show_layout(args.pytest_args)
     if use_simulator_without_gpu():
         print("no CUDA GPU in use: kernels run in Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1)")
     return {"demo": demo, "quant-demo": quant_demo, "matmul-demo": matmul_demo, "sbnet-demo": sbnet_demo, "info": info}[args.command]()

@@ -84,15 +84,87 @@ class BlockLayout:
     # -- constructors ---------------------------------------------------
 
     @classmethod
-    def random(cls, shape, density, seed=0, block_size=32):
-        """Exactly ``round(density * Cb * Kb)`` blocks of a ``(Cb, Kb)`` grid, drawn uniformly."""
+    def random(cls, shape, density=None, seed=0, block_size=32, *, n_blocks=None):
+        """Exactly ``round(density * Cb * Kb)`` blocks (or exactly ``n_blocks``) of a ``(Cb, Kb)``
+        grid, drawn uniformly; give one of the two."""
         shape = _block_grid_shape(shape)
-        if not 0.0 <= float(density) <= 1.0:
-            raise ValueError(f"density: expected a number in [0, 1], got {density}")
         total = shape[0] * shape[1]
-        chosen = np.random.default_rng(seed).permutation(total)[: int(round(density * total))]
+        if (density is None) == (n_blocks is None):
+            raise ValueError("random: expected one of density and n_blocks")
+        if n_blocks is None:
+            if not 0.0 <= float(density) <= 1.0:
+                raise ValueError(f"density: expected a number in [0, 1], got {density}")
+            n_blocks = int(round(density * total))
+        elif isinstance(n_blocks, bool) or not isinstance(n_blocks, (int, np.integer)) or not 0 <= n_blocks <= total:
+            raise ValueError(f"n_blocks: expected an int from 0 to {total} (the grid's blocks), got {n_blocks!r}")
+        chosen = np.random.default_rng(seed).permutation(total)[:int(n_blocks)]
         mask = np.zeros(total, bool)
         mask[chosen] = True
+        return cls(mask.reshape(shape), block_size)
+
+    @classmethod
+    def banded(cls, shape, lower, upper=None, block_size=32):
+        """The band ``-lower <= k - c <= upper`` of a ``(Cb, Kb)`` grid (``upper`` defaults to
+        ``lower``): a local window, each block-row connected to its neighbours."""
+        shape = _block_grid_shape(shape)
+        upper = lower if upper is None else upper
+        for name, value in (("lower", lower), ("upper", upper)):
+            _check_count(name, value)
+        c, k = np.indices(shape)
+        return cls((k - c >= -lower) & (k - c <= upper), block_size)
+
+    @classmethod
+    def causal(cls, n, block_size=32):
+        """An ``(n, n)`` grid of (query block, key block), each query seeing itself and the keys
+        before it (the lower triangle, diagonal included)."""
+        _check_count("n", n, least=1)
+        return cls(np.tril(np.ones((n, n), bool)), block_size)
+
+    @classmethod
+    def strided(cls, n, stride, causal=True, block_size=32):
+        """The Sparse Transformer's strided pattern on an ``(n, n)`` grid of (query, key) blocks:
+        query i sees the ``stride`` blocks up to itself and every ``stride``-th block before
+        (``(i - j) % stride == 0``); with ``causal`` nothing after i, else both directions."""
+        _check_count("n", n, least=1)
+        _check_count("stride", stride, least=1)
+        i, j = np.indices((n, n))
+        distance = i - j if causal else np.abs(i - j)
+        return cls((distance >= 0) & ((distance < stride) | (distance % stride == 0)), block_size)
+
+    @classmethod
+    def fixed(cls, n, stride, summary=1, causal=True, block_size=32):
+        """The Sparse Transformer's fixed pattern on an ``(n, n)`` grid: query i sees its own
+        window of ``stride`` blocks and the last ``summary`` blocks of every window (which carry
+        a window's summary onward); with ``causal`` nothing after i."""
+        _check_count("n", n, least=1)
+        _check_count("stride", stride, least=1)
+        _check_count("summary", summary, least=1)
+        if summary > stride:
+            raise ValueError(f"summary: expected at most stride ({stride}) blocks, got {summary}")
+        i, j = np.indices((n, n))
+        mask = (i // stride == j // stride) | (j % stride >= stride - summary)
+        return cls(mask & (j <= i) if causal else mask, block_size)
+
+    @classmethod
+    def from_weights(cls, W, block_size=32, density=None, *, n_blocks=None, criterion="l2"):
+        """The blocks of a dense ``(C, K)`` matrix with the largest norms (``criterion``: "l2",
+        "l1" or "max", as `bsmm.block_norms`): ``round(density · Cb · Kb)`` of them, or
+        ``n_blocks``; ties go to the first in row-major order."""
+        W = np.asarray(W, np.float64)
+        block_size = check_block_size(block_size)
+        if W.ndim != 2 or W.shape[0] % block_size or W.shape[1] % block_size or 0 in W.shape:
+            raise ValueError(f"W: expected a 2-D (C, K) matrix with sides multiples of block_size {block_size}, "
+                             f"got shape {W.shape}")
+        shape = (W.shape[0] // block_size, W.shape[1] // block_size)
+        tiles = np.abs(W.reshape(shape[0], block_size, shape[1], block_size))
+        norms = {"l2": lambda t: np.sqrt((t * t).sum(axis=(1, 3))), "l1": lambda t: t.sum(axis=(1, 3)),
+                 "max": lambda t: t.max(axis=(1, 3))}
+        if criterion not in norms:
+            raise ValueError(f"criterion: expected one of {tuple(norms)}, got {criterion!r}")
+        keep = cls.random(shape, density, 0, block_size, n_blocks=n_blocks).n_blocks  # (the same checks)
+        order = np.argsort(-norms[criterion](tiles).ravel(), kind="stable")[:keep]
+        mask = np.zeros(shape[0] * shape[1], bool)
+        mask[order] = True
         return cls(mask.reshape(shape), block_size)
 
     @classmethod
@@ -203,6 +275,41 @@ class BlockLayout:
         bs = self.block_size
         return np.kron(self.mask, np.ones((bs, bs), bool)).astype(bool)
 
+    # -- pictures ---------------------------------------------------------
+
+    def plot(self, path, w=None, title=None):
+        """Write a PNG of the block mask to ``path`` and, given the blocks ``w[n_blocks, bs, bs]``,
+        beside it each present block's l2 norm. Needs matplotlib (the ``bench`` or ``demo``
+        extra). Returns ``path``."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError("BlockLayout.plot needs matplotlib: pip install 'sparseblocks[bench]'") from None
+        panels = 1 if w is None else 2
+        figure, axes = plt.subplots(1, panels, figsize=(4.5 * panels, 4.2), squeeze=False)
+        axes[0, 0].imshow(self.mask, cmap="Greys", interpolation="nearest", vmin=0, vmax=1)
+        axes[0, 0].set_title(title or f"{self.shape[0]} x {self.shape[1]} blocks of {self.block_size}, "
+                             f"{self.density:.0%}", fontsize=9)
+        if w is not None:
+            w = np.asarray(w, np.float64)
+            if w.shape != self.w_shape:
+                raise ValueError(f"w: expected shape {self.w_shape}, got {w.shape}")
+            norms = np.full(self.shape, np.nan)
+            norms[self.coords[:, 0], self.coords[:, 1]] = np.sqrt((w * w).sum(axis=(1, 2)))
+            image = axes[0, 1].imshow(norms, cmap="viridis", interpolation="nearest")
+            axes[0, 1].set_title("block l2 norms", fontsize=9)
+            figure.colorbar(image, ax=axes[0, 1], fraction=0.046)
+        for axis in axes[0]:
+            axis.set_xlabel("k (output block)")
+            axis.set_ylabel("c (input block)")
+        figure.tight_layout()
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        return path
+
     # -- identity -------------------------------------------------------
 
     def __eq__(self, other):
@@ -221,6 +328,11 @@ class BlockLayout:
 
     def __reduce__(self):
         return (BlockLayout, (np.array(self.mask), self.block_size))
+
+
+def _check_count(name, value, least=0):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise ValueError(f"{name}: expected an int of at least {least}, got {value!r}")
 
 
 def _block_grid_shape(shape):

@@ -116,3 +116,76 @@ def test_bad_helper_arguments():
     with pytest.raises(ValueError, match="multiple"):
         BlockLayout.from_mask(np.ones((10, 16)), 8)
     assert set(BLOCK_SIZES) == {8, 16, 32, 64, 128}
+
+
+# -- builders -----------------------------------------------------------------------
+
+
+@given(cb=st.integers(1, 9), kb=st.integers(1, 9), data=st.data())
+def test_random_takes_an_exact_block_count(cb, kb, data):
+    n = data.draw(st.integers(0, cb * kb))
+    assert BlockLayout.random((cb, kb), n_blocks=n, seed=data.draw(st.integers(0, 9))).n_blocks == n
+
+
+@given(cb=st.integers(1, 9), kb=st.integers(1, 9), lower=st.integers(0, 4), upper=st.integers(0, 4))
+def test_banded_is_the_band(cb, kb, lower, upper):
+    mask = BlockLayout.banded((cb, kb), lower, upper, block_size=8).mask
+    for c in range(cb):
+        for k in range(kb):
+            assert mask[c, k] == (-lower <= k - c <= upper)
+
+
+@given(n=st.integers(1, 24), stride=st.integers(1, 8), causal=st.booleans(), summary=st.integers(1, 8))
+def test_the_sparse_transformer_patterns_follow_their_definitions(n, stride, causal, summary):
+    summary = min(summary, stride)
+    strided = BlockLayout.strided(n, stride, causal=causal).mask
+    fixed = BlockLayout.fixed(n, stride, summary, causal=causal).mask
+    for i in range(n):
+        for j in range(n):
+            d = i - j if causal else abs(i - j)
+            assert strided[i, j] == (d >= 0 and (d < stride or d % stride == 0))
+            seen = i // stride == j // stride or j % stride >= stride - summary
+            assert fixed[i, j] == (seen and (j <= i or not causal))
+    assert strided.diagonal().all() and fixed.diagonal().all()  # every query sees itself
+    assert np.array_equal(BlockLayout.causal(n).mask, np.tril(np.ones((n, n), bool)))
+
+
+@given(data=st.data(), criterion=st.sampled_from(["l2", "l1", "max"]))
+def test_from_weights_keeps_the_largest_blocks(data, criterion):
+    cb, kb = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 5))
+    W = np.random.default_rng(data.draw(st.integers(0, 99))).standard_normal((8 * cb, 8 * kb))
+    n = data.draw(st.integers(0, cb * kb))
+    layout = BlockLayout.from_weights(W, 8, n_blocks=n, criterion=criterion)
+    tiles = np.abs(W.reshape(cb, 8, kb, 8))
+    norm = {"l2": np.sqrt((tiles ** 2).sum(axis=(1, 3))), "l1": tiles.sum(axis=(1, 3)), "max": tiles.max(axis=(1, 3))}
+    kept, dropped = norm[criterion][layout.mask], norm[criterion][~layout.mask]
+    assert layout.n_blocks == n and (not kept.size or not dropped.size or kept.min() >= dropped.max())
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: BlockLayout.random((2, 2)), "one of density and n_blocks"),
+    (lambda: BlockLayout.random((2, 2), 0.5, n_blocks=1), "one of density and n_blocks"),
+    (lambda: BlockLayout.random((2, 2), n_blocks=5), "n_blocks: expected an int from 0 to 4"),
+    (lambda: BlockLayout.banded((2, 2), -1), "lower: expected an int of at least 0"),
+    (lambda: BlockLayout.strided(4, 0), "stride: expected an int of at least 1"),
+    (lambda: BlockLayout.fixed(4, 2, summary=3), "summary: expected at most stride"),
+    (lambda: BlockLayout.causal(0), "n: expected an int of at least 1"),
+    (lambda: BlockLayout.from_weights(np.ones((8, 12)), 8, 0.5), "sides multiples of block_size 8"),
+    (lambda: BlockLayout.from_weights(np.ones((8, 8)), 8, 0.5, criterion="l3"), "criterion: expected one of"),
+])
+def test_builders_refuse_bad_arguments(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_plot_and_show_layout_write_pictures(tmp_path):
+    pytest.importorskip("matplotlib")
+    from sparseblocks.__main__ import main
+
+    layout = BlockLayout.random((6, 5), 0.5, block_size=8)
+    path = layout.plot(tmp_path / "a.png", w=np.ones(layout.w_shape))
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    assert main(["show-layout", "strided:12:3", str(tmp_path / "b.png")]) == 0
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit, match="unknown layout"):
+        main(["show-layout", "spiral:3"])
