@@ -6,7 +6,7 @@
   ``stats=True`` also the mean and rstd that `layer_norm_grad` takes.
 * `layer_norm_grad(dy, x, g, b, mean, rstd, axis=1, relu=False)`: (dx, dg, db).
 
-Files: ``layer_norm.py`` (the kernels), ``api.py``, ``config.py``. The torch op, with autograd, is
+Files: ``layer.py`` (the kernels), ``api.py``, ``config.py``. The torch op, with autograd, is
 `sparseblocks.torch.layer_norm`.
 """
 

@@ -5,7 +5,7 @@ from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
 from ..runtime.launch import launch
 from .config import as_config
-from .layer_norm import forward_launch, make_backward, make_forward, make_param_grads
+from .layer import forward_launch, make_backward, make_forward, make_param_grads
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 

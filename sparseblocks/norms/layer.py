@@ -74,12 +74,13 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu):
 
     if axis == 1:
         T = cfg.row_threads
+        SLOTS = T // 32 + 1  # (a shared array's size: a name, not an expression)
         block_sum = make_block_sum(T, acc_type)
 
         @cuda.jit
         def forward_rows(y, mean_out, rstd_out, x, g, b, epsilon):
             row, t = cuda.blockIdx.x, cuda.threadIdx.x
-            shared = cuda.shared.array(T // 32 + 1, acc_type)
+            shared = cuda.shared.array(SLOTS, acc_type)
             C = x.shape[1]
             s = acc_type(0)
             for c in range(t, C, T):
@@ -140,12 +141,13 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu):
 
     if axis == 1:
         T = cfg.row_threads
+        SLOTS = T // 32 + 1  # (a shared array's size: a name, not an expression)
         block_sum = make_block_sum(T, acc_type)
 
         @cuda.jit
         def backward_rows(dx, dy, x, g, b, mean_in, rstd_in):
             row, t = cuda.blockIdx.x, cuda.threadIdx.x
-            shared = cuda.shared.array(T // 32 + 1, acc_type)
+            shared = cuda.shared.array(SLOTS, acc_type)
             C = x.shape[1]
             mean, r = acc_type(mean_in[row]), acc_type(rstd_in[row])
             s1 = acc_type(0)
@@ -245,12 +247,13 @@ def make_param_grads(cfg, storage, param_storage, acc_type, axis, relu):
         return partials_rows, finish_rows
 
     T = cfg.row_threads
+    SLOTS = T // 32 + 1
     block_sum = make_block_sum(T, acc_type)
 
     @cuda.jit
     def partials_columns(dg, db, dy, x, g, b, mean_in, rstd_in):
         c, t = cuda.blockIdx.x, cuda.threadIdx.x
-        shared = cuda.shared.array(T // 32 + 1, acc_type)
+        shared = cuda.shared.array(SLOTS, acc_type)
         N = x.shape[1]
         gc, bc = p_in(g[c]), p_in(b[c])
         sg = acc_type(0)
