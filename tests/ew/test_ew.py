@@ -34,7 +34,7 @@ def values(rng, shape, dtype, positive=False):
     return np.asarray(a).astype(numpy_dtype(dtype))
 
 
-@settings(max_examples=40 if SIMULATOR else 100, deadline=None)
+@settings(max_examples=25 if SIMULATOR else 100, deadline=None)
 @given(op=st.sampled_from(ew.UNARY), dtype=st.sampled_from(DTYPES), n=st.integers(0, 40), seed=st.integers(0, 99),
        alpha=st.sampled_from([1.0, 0.3]))
 def test_unary_ops_and_gradients_match_the_twin(op, dtype, n, seed, alpha):
