@@ -8,7 +8,9 @@
 * `add_n(xs)`: up to 8 arrays summed in one pass (OpenAI's ``add_n8``);
 * `cwise_linear(x, a, b)`: ``a·x + b`` per channel of (N, C, ...), and `cwise_linear_grad`;
 * `fused_lstm_gates(c, *gates)` and its gradient;
-* `split4` and `concat4` along the last axis.
+* `split4` and `concat4` along the last axis;
+* `dropout(x, keep_prob, seed, offset)` on Philox bits (nothing stored for the backward,
+  `dropout_grad`), optionally with its mask packed as bits (``packed``, or a given ``mask``).
 
 Sums and math run in fp32 (fp64 for fp64) and each result is rounded once to the inputs' dtype
 (fp16, bf16, fp32 or fp64).
@@ -24,6 +26,8 @@ from .api import (
     cwise_linear,
     cwise_linear_grad,
     divide,
+    dropout,
+    dropout_grad,
     elu,
     exp,
     fused_lstm_gates,
@@ -48,5 +52,5 @@ from .config import DEFAULT, EwConfig
 from .ops import BINARY, UNARY
 
 __all__ = ["unary", "unary_grad", "binary", "binary_grad", "add_n", "cwise_linear", "cwise_linear_grad",
-           "fused_lstm_gates", "fused_lstm_gates_grad", "split4", "concat4", "EwConfig", "DEFAULT", "DTYPES",
+           "fused_lstm_gates", "fused_lstm_gates_grad", "split4", "concat4", "dropout", "dropout_grad", "EwConfig", "DEFAULT", "DTYPES",
            "UNARY", "BINARY", *UNARY, *BINARY]

@@ -9,6 +9,7 @@ from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
 from ..runtime.launch import launch, multiprocessors
 from .config import as_config
+from .dropout import make_dropout
 from .kernels import (
     make_add_n,
     make_binary_kernel,
@@ -374,3 +375,66 @@ def fused_lstm_gates_grad(c, *gates, dc_next, dh, config=None):
     _run(cfg, kernel, N * H, stream, (_flat(dc), *grad_args, flats[0], *gate_args, flats[-2], flats[-1], H,
                                       4 * H if merged else H))
     return (c_op.result(dc_native, dc, stream), *(c_op.result(n, d, stream) for n, d in grads))
+
+
+# -- dropout ----------------------------------------------------------------------------
+
+
+def _dropout_settings(keep_prob, seed, offset):
+    try:
+        keep_prob = float(keep_prob)
+    except (TypeError, ValueError):
+        raise TypeError(f"keep_prob: expected a number, got {keep_prob!r}") from None
+    if not 0.0 < keep_prob <= 1.0:
+        raise ValueError(f"keep_prob: expected a probability in (0, 1], got {keep_prob}")
+    for name, value in (("seed", seed), ("offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2 ** 64:
+            raise ValueError(f"{name}: expected an int from 0 to 2**64 - 1, got {value!r}")
+    return min(int(keep_prob * 2.0 ** 32), 2 ** 32), 1.0 / keep_prob, int(seed), int(offset)
+
+
+def _run_dropout(cfg, x, keep_prob, seed, offset, mask, packed, name):
+    threshold, scale, seed, offset = _dropout_settings(keep_prob, seed, offset)
+    named = [(name, x)] + ([("mask", mask)] if mask is not None else [])
+    ops = [Operand(a, n) for n, a in named]
+    check_same_kind(ops)
+    x_op = ops[0]
+    check_dtype(x_op, DTYPES)
+    for op in ops:
+        op.require_contiguous()
+    n = int(np.prod(x_op.shape))
+    words = -(-n // 32)
+    if mask is not None and (ops[1].dtype != "uint32" or ops[1].shape != (words,)):
+        raise ValueError(f"mask: expected ({words},) uint32 (the packed mask of {n} values), got {ops[1].shape} "
+                         f"{ops[1].dtype}")
+    stream = launch_stream(ops)
+    native, y = x_op.empty(x_op.shape, stream)
+    mask_native, mask_device = (x_op.empty((max(words, 1),), stream, dtype="uint32") if packed
+                                else (None, ops[1].device(stream) if mask is not None else None))
+    if mask_device is None:
+        mask_device = x_op.scratch((1,), "uint32", stream)
+    if n:
+        kernel = cached(make_dropout, x_op.dtype, _acc(x_op.dtype), bool(packed), mask is not None)
+        groups = -(-n // 4)
+        grid = max(1, min(-(-groups // cfg.threads), cfg.waves * multiprocessors()))
+        launch(kernel, grid, cfg.threads, stream, (_flat(y), mask_device, _flat(x_op.device(stream)), threshold,
+                                                   scale, seed & 0xFFFFFFFF, seed >> 32, offset, n))
+    out = x_op.result(native, y, stream)
+    return (out, x_op.result(mask_native, mask_device, stream)) if packed else out
+
+
+@on_arrays_device
+def dropout(x, keep_prob=0.8, seed=0, offset=0, mask=None, packed=False, config=None):
+    """OpenAI's ``dropout``: each value kept with probability ``keep_prob`` and scaled by
+    1 / keep_prob, else 0. The keep bits are Philox's for (element, ``offset``) under ``seed``, so a
+    seed and offset give one mask on every call and the backward (`dropout_grad`) regenerates it.
+    With ``packed`` it returns ``(y, mask)``, the mask as bits (bit e % 32 of uint32 word e // 32),
+    which ``mask=`` takes instead of the random bits."""
+    return _run_dropout(as_config(config), x, keep_prob, seed, offset, mask, packed, "x")
+
+
+@on_arrays_device
+def dropout_grad(dy, keep_prob=0.8, seed=0, offset=0, mask=None, config=None):
+    """The gradient of `dropout` with the same keep_prob, seed and offset (or packed ``mask``):
+    dy where kept, scaled by 1 / keep_prob, else 0."""
+    return _run_dropout(as_config(config), dy, keep_prob, seed, offset, mask, False, "dy")

@@ -113,3 +113,29 @@ def split4(x):
 
 def concat4(*parts):
     return np.concatenate([_f(p) for p in parts], axis=-1)
+
+
+def dropout_keep(n, keep_prob, seed=0, offset=0):
+    """The keep bits of `sparseblocks.ew.dropout` for n elements: word e % 4 of Philox((e // 4,
+    offset); seed) below keep_prob · 2³²."""
+    from .philox import philox
+
+    g = np.arange(-(-n // 4), dtype=np.int64)
+    words = np.stack(philox(g & 0xFFFFFFFF, g >> 32, offset & 0xFFFFFFFF, offset >> 32, seed & 0xFFFFFFFF, seed >> 32),
+                     axis=1).reshape(-1)[:n]
+    return words.astype(np.uint64) < np.uint64(min(int(keep_prob * 2.0 ** 32), 2 ** 32))
+
+
+def pack_bits(keep):
+    """Bit e % 32 of uint32 word e // 32: the packed mask."""
+    keep = np.asarray(keep, bool).reshape(-1)
+    padded = np.zeros(-(-keep.size // 32) * 32, bool)
+    padded[:keep.size] = keep
+    return (padded.reshape(-1, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(axis=1).astype(np.uint32)
+
+
+def dropout(x, keep_prob, seed=0, offset=0, keep=None):
+    """(y, keep): x·keep / keep_prob, with the keep bits of `dropout_keep` (or ``keep`` given)."""
+    x = _f(x)
+    keep = dropout_keep(x.size, keep_prob, seed, offset) if keep is None else np.asarray(keep, bool).reshape(-1)
+    return np.where(keep.reshape(x.shape), x / keep_prob, 0.0), keep

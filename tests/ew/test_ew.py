@@ -172,3 +172,39 @@ A = np.ones((2, 4), np.float32)
 def test_bad_input_is_refused_before_any_launch(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 31, 200])
+def test_dropout_matches_its_twin_and_regenerates_its_mask(dtype, n):
+    x = values(np.random.default_rng(n), (n,), dtype)
+    y, mask = ew.dropout(x, 0.6, seed=11, offset=5, packed=True, config=SMALL)
+    want, keep = reference.dropout(x, 0.6, 11, 5)
+    close(y, want, dtype, "dropout")
+    np.testing.assert_array_equal(mask, reference.pack_bits(keep))
+    np.testing.assert_array_equal(ew.dropout(x, 0.6, seed=11, offset=5, config=SMALL), y)  # repeatable
+    np.testing.assert_array_equal(ew.dropout(x, 0.6, mask=mask, config=SMALL), y)  # the packed mask instead
+    np.testing.assert_array_equal(ew.dropout_grad(x, 0.6, seed=11, offset=5, config=SMALL), y)
+    np.testing.assert_array_equal(ew.dropout_grad(x, 0.6, mask=mask, config=SMALL), y)
+
+
+def test_dropout_keeps_its_probability_and_every_value_at_one():
+    x = np.ones(4000 if SIMULATOR else 1_000_000, np.float32)
+    y = ew.dropout(x, 0.3, seed=2, config=SMALL)
+    kept = np.count_nonzero(y) / x.size
+    assert abs(kept - 0.3) < 4 * np.sqrt(0.3 * 0.7 / x.size)
+    assert np.allclose(y[y != 0], 1 / 0.3)
+    assert not np.array_equal(y, ew.dropout(x, 0.3, seed=2, offset=x.size, config=SMALL))
+    np.testing.assert_array_equal(ew.dropout(x, 1.0, seed=2, config=SMALL), x)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: ew.dropout(A, 0.0), ValueError, r"keep_prob: expected a probability in \(0, 1\]"),
+    (lambda: ew.dropout(A, "half"), TypeError, "keep_prob: expected a number"),
+    (lambda: ew.dropout(A, 0.5, seed=-2), ValueError, "seed: expected an int"),
+    (lambda: ew.dropout(A, 0.5, mask=np.zeros(2, np.uint32)), ValueError, r"mask: expected \(1,\) uint32"),
+    (lambda: ew.dropout(A, 0.5, mask=np.zeros(1, np.int32)), ValueError, r"mask: expected \(1,\) uint32"),
+])
+def test_dropout_refuses_bad_input(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
