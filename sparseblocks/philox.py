@@ -26,3 +26,20 @@ def philox(c0, c1, c2, c3, k0, k1):
         k0 = (k0 + uint64(W0)) & uint64(MASK)
         k1 = (k1 + uint64(W1)) & uint64(MASK)
     return uint32(c0), uint32(c1), uint32(c2), uint32(c3)
+
+
+def keep_bits_host(n, keep_prob, seed, offset):
+    """`sparseblocks.ew.dropout`'s keep bits for n elements, on the host (NumPy): what CPU tensors
+    use (`sparseblocks.torch.ew.dropout`), the same words as the kernels'."""
+    import numpy as np
+
+    g = np.arange(-(-n // 4), dtype=np.uint64)
+    c = [g & np.uint64(MASK), g >> np.uint64(32), np.full_like(g, offset & MASK), np.full_like(g, offset >> 32)]
+    k0, k1 = np.uint64(seed & MASK), np.uint64(seed >> 32)
+    mask = np.uint64(MASK)
+    for _ in range(10):
+        p0, p1 = np.uint64(M0) * c[0], np.uint64(M1) * c[2]
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & mask, (p0 >> np.uint64(32)) ^ c[3] ^ k1, p0 & mask]
+        k0, k1 = (k0 + np.uint64(W0)) & mask, (k1 + np.uint64(W1)) & mask
+    words = np.stack(c, axis=1).reshape(-1)[:n]
+    return words < np.uint64(min(int(keep_prob * 2.0 ** 32), 2 ** 32))

@@ -295,3 +295,43 @@ def fused_lstm_gates(c, *gates):
     """OpenAI's ``fused_lstm_gates``: (c_next, h) from c (N, H) and the gates' pre-activations, four
     (N, H) tensors i, f, o, u or one (N, 4H); differentiable."""
     return lstm_gates_op(c.contiguous(), [g.contiguous() for g in gates])
+
+
+# -- dropout -----------------------------------------------------------------------------
+
+
+def _cpu_dropout(x, keep_prob, seed, offset):
+    from ..philox import keep_bits_host
+
+    kernels.api._dropout_settings(keep_prob, seed, offset)  # (the kernels' checks and errors)
+    keep = torch.from_numpy(keep_bits_host(x.numel(), keep_prob, seed, offset)).reshape(x.shape)
+    return torch.where(keep, _acc(x) / keep_prob, torch.zeros((), dtype=_acc(x).dtype)).to(x.dtype)
+
+
+@torch.library.custom_op("sparseblocks::ew_dropout", mutates_args=())
+def dropout_op(x: torch.Tensor, keep_prob: float, seed: int, offset: int) -> torch.Tensor:
+    if cpu.takes(x):
+        return _cpu_dropout(x, keep_prob, seed, offset)
+    return kernels.dropout(x, keep_prob, seed, offset)
+
+
+@dropout_op.register_fake
+def _(x, keep_prob, seed, offset):
+    return torch.empty_like(x)
+
+
+def _dropout_setup(ctx, inputs, output):
+    _, ctx.keep_prob, ctx.seed, ctx.offset = inputs
+
+
+def _dropout_backward(ctx, dy):  # (the mask regenerated from seed and offset: nothing was saved)
+    return dropout_op(dy.contiguous(), ctx.keep_prob, ctx.seed, ctx.offset), None, None, None
+
+
+dropout_op.register_autograd(_dropout_backward, setup_context=_dropout_setup)
+
+
+def dropout(x, keep_prob=0.8, seed=0, offset=0):
+    """OpenAI's ``dropout`` on Philox bits, differentiable: the backward regenerates the mask from
+    ``seed`` and ``offset`` (give each call its own offset, e.g. a step count times x.numel())."""
+    return dropout_op(x.contiguous(), float(keep_prob), int(seed), int(offset))

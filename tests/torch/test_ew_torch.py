@@ -82,3 +82,17 @@ def test_compiles_with_no_graph_break():
     torch.testing.assert_close(out, f(x, y))
     out.backward()
     assert x.grad is not None
+
+
+def test_dropout_trains_and_its_mask_is_the_kernels():
+    from sparseblocks.philox import keep_bits_host
+
+    x = rand(6, 50).detach().float().requires_grad_(True)
+    y = ew.dropout(x, 0.7, seed=4, offset=100)
+    keep = torch.from_numpy(keep_bits_host(x.numel(), 0.7, 4, 100)).reshape(x.shape).to(x.device)
+    torch.testing.assert_close(y, torch.where(keep, x / 0.7, 0 * x))
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.where(keep, torch.full_like(x, 1 / 0.7), 0 * x))
+    torch.library.opcheck(ew.dropout_op, (x.detach(), 0.7, 4, 100))
+    x64 = rand(3, 5)
+    torch.autograd.gradcheck(lambda x: ew.dropout(x, 0.5, seed=1), (x64,), fast_mode=True)
