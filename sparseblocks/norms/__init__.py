@@ -5,12 +5,14 @@
   (``axis`` 1) or of (C, N) columns (``axis`` 0), the two activation layouts of `bsmm`; with
   ``stats=True`` also the mean and rstd that `layer_norm_grad` takes.
 * `layer_norm_grad(dy, x, g, b, mean, rstd, axis=1, relu=False)`: (dx, dg, db).
+* `batch_norm(x, g, b, epsilon)`, `batch_norm_inference(x, g, b, mean, var, epsilon)` and
+  `batch_norm_grad(dy, x, g, mean, var, epsilon)`, for NCHW.
 
-Files: ``layer.py`` (the kernels), ``api.py``, ``config.py``. The torch op, with autograd, is
+Files: ``layer.py`` and ``batch.py`` (the kernels), ``api.py``, ``config.py``. The torch op, with autograd, is
 `sparseblocks.torch.layer_norm`.
 """
 
-from .api import DTYPES, layer_norm, layer_norm_grad
+from .api import DTYPES, batch_norm, batch_norm_grad, batch_norm_inference, layer_norm, layer_norm_grad
 from .config import DEFAULT, NormsConfig
 
-__all__ = ["layer_norm", "layer_norm_grad", "NormsConfig", "DEFAULT", "DTYPES"]
+__all__ = ["layer_norm", "layer_norm_grad", "batch_norm", "batch_norm_inference", "batch_norm_grad", "NormsConfig", "DEFAULT", "DTYPES"]

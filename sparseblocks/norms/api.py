@@ -1,10 +1,13 @@
 """The normalizations' public functions: validation, outputs, launches."""
 
+import numpy as np
+
 from ..runtime.arrays import Operand, check_dtype, check_same_kind, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
 from ..runtime.launch import launch
 from .config import as_config
+from .batch import make_batch_norm
 from .layer import forward_launch, make_backward, make_forward, make_param_grads
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -105,6 +108,110 @@ def layer_norm_grad(dy, x, g, b, mean, rstd, axis=1, relu=False, config=None):
         launch(finish, columns, cfg.row_threads, stream, (dg, db, work))
     else:
         launch(partials, C, cfg.row_threads, stream, (dg, db, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
+    return (x_op.result(dx_native, dx, stream), g_op.result(dg_native, dg, stream),
+            g_op.result(db_native, db, stream))
+
+
+def _channels(x, g, b, epsilon, extra=()):
+    """Checked NCHW operands (x, g, b, *extra), C, S (values a sample a channel) and epsilon."""
+    try:
+        if isinstance(epsilon, (str, bytes)):
+            raise TypeError
+        epsilon = float(epsilon)
+    except (TypeError, ValueError):
+        raise TypeError(f"epsilon: expected a number, got {epsilon!r}") from None
+    if not epsilon >= 0:
+        raise ValueError(f"epsilon: expected a number >= 0, got {epsilon}")
+    ops = [Operand(x, "x"), Operand(g, "g"), Operand(b, "b")] + [Operand(a, name) for name, a in extra]
+    check_same_kind(ops)
+    for op in ops:
+        check_dtype(op, DTYPES)
+        op.require_contiguous()
+    x_op, g_op, b_op = ops[:3]
+    if len(x_op.shape) < 2 or x_op.shape[0] * int(np.prod(x_op.shape[2:])) < 1:
+        raise ValueError(f"x: expected (N, C, ...) with at least one value a channel, got shape {x_op.shape}")
+    C = x_op.shape[1]
+    for op in ops[1:]:
+        if op.shape != (C,):
+            raise ValueError(f"{op.name}: expected shape ({C},) (x's channels), got {op.shape}")
+    if g_op.dtype != b_op.dtype:
+        raise TypeError(f"dtype mismatch: g {g_op.dtype}, b {b_op.dtype}")
+    return ops, C, int(np.prod(x_op.shape[2:])), epsilon
+
+
+def _grid(cfg, n):
+    from ..runtime.launch import multiprocessors
+
+    return max(1, min(-(-n // cfg.row_threads), 16 * multiprocessors()))
+
+
+@on_arrays_device
+def batch_norm(x, g, b, epsilon=1e-5, stats=False, config=None):
+    """OpenAI's ``batch_norm`` for NCHW (x (N, C, ...)): each channel normalized over the batch and
+    its positions with the batch's mean and biased variance, scaled by ``g`` and shifted by ``b``.
+    With ``stats`` also the (C,) mean and variance (fp32; fp64 for fp64), for running averages and
+    `batch_norm_grad`."""
+    cfg = as_config(config)
+    (x_op, g_op, b_op), C, S, epsilon = _channels(x, g, b, epsilon)
+    stream = launch_stream((x_op, g_op, b_op))
+    acc = _acc(x_op.dtype)
+    native, y = x_op.empty(x_op.shape, stream)
+    mean_native, mean = x_op.empty((C,), stream, dtype=acc)
+    var_native, var = x_op.empty((C,), stream, dtype=acc)
+    stats_kernel, normalize, _ = cached(make_batch_norm, cfg, x_op.dtype, g_op.dtype, _numba(acc))
+    flat = x_op.device(stream).reshape(-1)
+    if C:
+        launch(stats_kernel, C, cfg.row_threads, stream, (mean, var, flat, C, S))
+        launch(normalize, _grid(cfg, flat.shape[0]), cfg.row_threads, stream,
+               (y.reshape(-1), flat, g_op.device(stream), b_op.device(stream), mean, var, epsilon, C, S))
+    out = x_op.result(native, y, stream)
+    return (out, x_op.result(mean_native, mean, stream), x_op.result(var_native, var, stream)) if stats else out
+
+
+@on_arrays_device
+def batch_norm_inference(x, g, b, mean, var, epsilon=1e-5, config=None):
+    """OpenAI's ``batch_norm_inference``: x normalized with given (C,) ``mean`` and ``var`` (running
+    averages; x's dtype or fp32)."""
+    cfg = as_config(config)
+    (x_op, g_op, b_op, m_op, v_op), C, S, epsilon = _channels(x, g, b, epsilon, (("mean", mean), ("var", var)))
+    stream = launch_stream((x_op, g_op, b_op, m_op, v_op))
+    native, y = x_op.empty(x_op.shape, stream)
+    _, normalize, _ = cached(make_batch_norm, cfg, x_op.dtype, g_op.dtype, _numba(_acc(x_op.dtype)))
+    if m_op.dtype != v_op.dtype or m_op.dtype not in ("float32", "float64"):
+        raise TypeError(f"mean, var: expected one dtype of float32 or float64, got {m_op.dtype} and {v_op.dtype}")
+    flat = x_op.device(stream).reshape(-1)
+    if C:
+        launch(normalize, _grid(cfg, flat.shape[0]), cfg.row_threads, stream,
+               (y.reshape(-1), flat, g_op.device(stream), b_op.device(stream), m_op.device(stream),
+                v_op.device(stream), epsilon, C, S))
+    return x_op.result(native, y, stream)
+
+
+@on_arrays_device
+def batch_norm_grad(dy, x, g, mean, var, epsilon=1e-5, config=None):
+    """(dx, dg, db) of `batch_norm` for ``dy`` (x's shape and dtype), from the batch's ``mean`` and
+    ``var`` (``stats=True``)."""
+    cfg = as_config(config)
+    ops, C, S, epsilon = _channels(x, g, g, epsilon, (("mean", mean), ("var", var)))
+    x_op, g_op, _, m_op, v_op = ops
+    dy_op = Operand(dy, "dy")
+    check_same_kind([x_op, dy_op])
+    if dy_op.shape != x_op.shape or dy_op.dtype != x_op.dtype:
+        raise ValueError(f"dy: expected x's shape {x_op.shape} and dtype {x_op.dtype}, got {dy_op.shape} {dy_op.dtype}")
+    dy_op.require_contiguous()
+    acc = _acc(x_op.dtype)
+    for op in (m_op, v_op):
+        if op.dtype != acc:
+            raise ValueError(f"{op.name}: expected ({C},) {acc} (the forward's stats=True), got {op.shape} {op.dtype}")
+    stream = launch_stream(ops + [dy_op])
+    dx_native, dx = x_op.empty(x_op.shape, stream)
+    dg_native, dg = g_op.empty((C,), stream)
+    db_native, db = g_op.empty((C,), stream)
+    _, _, backward = cached(make_batch_norm, cfg, x_op.dtype, g_op.dtype, _numba(acc))
+    if C:
+        launch(backward, C, cfg.row_threads, stream, (dx.reshape(-1), dg, db, dy_op.device(stream).reshape(-1),
+                                                      x_op.device(stream).reshape(-1), g_op.device(stream),
+                                                      m_op.device(stream), v_op.device(stream), epsilon, C, S))
     return (x_op.result(dx_native, dx, stream), g_op.result(dg_native, dg, stream),
             g_op.result(db_native, db, stream))
 
