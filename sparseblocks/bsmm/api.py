@@ -113,6 +113,27 @@ def input_grad(dy, w, layout, feature_axis=1, version=None, config=None):
     return _product(as_config(config), dy, w, layout, feature_axis, True, version)
 
 
+def _stacked_steps(x, dy, feature_axis):
+    """(x, dy) of a grouped weight gradient as one problem: the T steps' rows side by side."""
+    shapes = [tuple(getattr(a, "shape", ())) for a in (x, dy)]
+    if any(len(s) != 3 for s in shapes) or shapes[0][0] != shapes[1][0]:
+        raise ValueError(f"x and dy: expected stacks of the same T steps, 3-D each, got shapes {shapes[0]} and "
+                         f"{shapes[1]}")
+    if feature_axis == 1:
+        return x.reshape(-1, shapes[0][2]), dy.reshape(-1, shapes[1][2])
+    if feature_axis != 0:
+        raise ValueError(f"feature_axis: expected 0 or 1, got {feature_axis!r}")
+    joined = []
+    for a, (T, F, N) in zip((x, dy), shapes):
+        if hasattr(a, "permute"):  # torch
+            joined.append(a.permute(1, 0, 2).reshape(F, T * N).contiguous())
+        elif hasattr(a, "transpose") and not hasattr(a, "copy_to_host"):  # NumPy, CuPy
+            joined.append(a.transpose(1, 0, 2).reshape(F, T * N).copy())
+        else:
+            raise TypeError("x, dy: a grouped weight gradient with feature_axis 0 takes NumPy, CuPy or torch stacks")
+    return tuple(joined)
+
+
 @on_arrays_device
 def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=None, splits=None, config=None):
     """``dW = xᵀ · dy`` on the layout's blocks, as ``(n_blocks, bs, bs)``.
@@ -122,8 +143,15 @@ def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=None,
     is then returned, and must not share memory with ``x`` or ``dy``
     (ValueError). ``splits`` (not version 1) overrides how many slices of N are
     summed separately and then combined in order.
+
+    Grouped (OpenAI's ``group_param_grads``): x and dy stacked over T steps that share the layout,
+    (T, N, C) and (T, N, K) (with feature_axis 0, (T, C, N) and (T, K, N)), give the one dW summed
+    over the steps, in one launch: the steps' rows are one sum (feature_axis 0 copies the stack
+    into (C, T·N) first).
     """
     cfg = as_config(config)
+    if len(getattr(x, "shape", ())) == 3 or len(getattr(dy, "shape", ())) == 3:
+        x, dy = _stacked_steps(x, dy, feature_axis)
     if plans.kept:
         dw = replayed_weight_grad(cfg, x, dy, layout, feature_axis, out, beta, version, splits)
         if dw is not None:

@@ -737,3 +737,18 @@ def test_block_norms_propagate_nan_and_name_bad_input():
         bsmm.block_norms(a[:12], 8)
     with pytest.raises(ValueError, match="block_size"):
         bsmm.block_norms(a, 12)
+
+
+@pytest.mark.parametrize("feature_axis", [1, 0])
+def test_grouped_weight_grad_sums_the_steps_in_one_call(feature_axis):
+    """x and dy stacked over T steps give the sum of the steps' weight gradients."""
+    layout = BlockLayout(np.array([[1, 0], [1, 1]]), 16)
+    rng = np.random.default_rng(9)
+    T, N = 3, 20
+    x, dy = rng.standard_normal((T, N, 32)).astype(np.float32), rng.standard_normal((T, N, 32)).astype(np.float32)
+    want = sum(reference.weight_grad(x[t], dy[t], layout) for t in range(T))
+    stack = (lambda a: a) if feature_axis == 1 else (lambda a: np.ascontiguousarray(a.transpose(0, 2, 1)))
+    got = bsmm.weight_grad(stack(x), stack(dy), layout, feature_axis)
+    assert_close(got, want, "float32", "grouped weight_grad", terms=T * N)
+    with pytest.raises(ValueError, match="stacks of the same T steps"):
+        bsmm.weight_grad(x, dy[:2], layout)
