@@ -11,7 +11,7 @@ Importing this package imports torch. Tensors reach the kernels through
 
 from .config import ResBlockConfig
 from .linear import BlockSparseLinear
-from .norms import layer_norm
+from .norms import batch_norm, layer_norm
 from .quant import LQLinear
 from .regrow import BlockRegrowth
 from .res_block import SparseResBlock
@@ -19,4 +19,4 @@ from .sbnet import sparse_gather, sparse_scatter
 from .sparsify import sparsify
 
 __all__ = ["BlockSparseLinear", "BlockRegrowth", "sparsify", "SparseResBlock", "ResBlockConfig", "sparse_gather",
-           "sparse_scatter", "LQLinear", "layer_norm"]
+           "sparse_scatter", "LQLinear", "layer_norm", "batch_norm"]

@@ -103,3 +103,86 @@ def layer_norm(x, g, b, axis=1, epsilon=1e-6, relu=False):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch tensor, got {type(x).__name__}")
     return layer_norm_op(x.contiguous(), g, b, int(axis), float(epsilon), bool(relu))[0]
+
+
+# -- batch norm ---------------------------------------------------------------------------
+
+
+def _cpu_batch_stats(x):
+    axes = (0,) + tuple(range(2, x.dim()))
+    xf = x.to(_sum_dtype(x.dtype))
+    mean = xf.mean(dim=axes)
+    return mean, (xf - mean.reshape((1, -1) + (1,) * (x.dim() - 2))).square().mean(dim=axes)
+
+
+def _per_channel(v, x):
+    return v.reshape((1, -1) + (1,) * (x.dim() - 2))
+
+
+@torch.library.custom_op("sparseblocks::batch_norm", mutates_args=())
+def batch_norm_op(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, epsilon: float
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, var) of `sparseblocks.norms.batch_norm`."""
+    if cpu.takes(x):
+        norms.api._channels(x, g, b, epsilon)
+        mean, var = _cpu_batch_stats(x)
+        acc = mean.dtype
+        y = (x.to(acc) - _per_channel(mean, x)) * torch.rsqrt(_per_channel(var, x) + epsilon) * \
+            _per_channel(g.to(acc), x) + _per_channel(b.to(acc), x)
+        return y.to(x.dtype), mean, var
+    y, mean, var = norms.batch_norm(x, g.contiguous(), b.contiguous(), epsilon, stats=True)
+    return y, mean, var
+
+
+@torch.library.custom_op("sparseblocks::batch_norm_backward", mutates_args=())
+def batch_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, g: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
+                           epsilon: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dg, db) of `sparseblocks.norms.batch_norm_grad`."""
+    if cpu.takes(x):
+        axes = (0,) + tuple(range(2, x.dim()))
+        acc = mean.dtype
+        rstd = torch.rsqrt(var + epsilon)
+        xhat = (x.to(acc) - _per_channel(mean, x)) * _per_channel(rstd, x)
+        d = dy.to(acc)
+        s1, s2 = d.mean(dim=axes), (d * xhat).mean(dim=axes)
+        dx = _per_channel(g.to(acc) * rstd, x) * (d - _per_channel(s1, x) - xhat * _per_channel(s2, x))
+        return dx.to(x.dtype), (d * xhat).sum(dim=axes).to(g.dtype), d.sum(dim=axes).to(g.dtype)
+    dx, dg, db = norms.batch_norm_grad(dy.contiguous(), x, g, mean, var, epsilon)
+    return dx, dg, db
+
+
+@batch_norm_op.register_fake
+def _(x, g, b, epsilon):
+    acc = _sum_dtype(x.dtype)
+    return torch.empty_like(x), x.new_empty((x.shape[1],), dtype=acc), x.new_empty((x.shape[1],), dtype=acc)
+
+
+@batch_norm_backward_op.register_fake
+def _(dy, x, g, mean, var, epsilon):
+    return torch.empty_like(x), torch.empty_like(g), torch.empty_like(g)
+
+
+def _batch_setup(ctx, inputs, output):
+    x, g, _, epsilon = inputs
+    ctx.save_for_backward(x, g, output[1], output[2])
+    ctx.epsilon = epsilon
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _batch_backward(ctx, dy, _mean, _var):
+    x, g, mean, var = ctx.saved_tensors
+    dx, dg, db = batch_norm_backward_op(dy.contiguous(), x, g, mean, var, ctx.epsilon)
+    return dx, dg, db, None
+
+
+batch_norm_op.register_autograd(_batch_backward, setup_context=_batch_setup)
+
+
+def batch_norm(x, g, b, epsilon=1e-5, stats=False):
+    """OpenAI's ``batch_norm`` for NCHW torch tensors, with autograd: each channel over the batch
+    and its positions; with ``stats`` also the batch's (C,) mean and variance (for running
+    averages: the inference form is `sparseblocks.norms.batch_norm_inference`)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch tensor, got {type(x).__name__}")
+    y, mean, var = batch_norm_op(x.contiguous(), g, b, float(epsilon))
+    return (y, mean, var) if stats else y

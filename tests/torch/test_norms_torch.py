@@ -82,3 +82,19 @@ def test_bad_input_gives_the_kernels_errors():
         layer_norm(x, g, b, axis=3)
     with pytest.raises(TypeError, match="x: expected a torch tensor"):
         layer_norm(np.zeros((5, 7), np.float32), g, b)
+
+
+def test_batch_norm_gradcheck_opcheck_and_twin():
+    from sparseblocks.torch import batch_norm
+    from sparseblocks.torch.norms import batch_norm_op
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(2, 3, 4, 2, generator=g, dtype=torch.float64) + 1).to(DEVICE).requires_grad_(True)
+    w = torch.randn(3, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_(True)
+    b = torch.randn(3, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_(True)
+    torch.autograd.gradcheck(batch_norm, (x, w, b), fast_mode=True)
+    y, mean, var = batch_norm(x, w, b, stats=True)
+    want, want_mean, want_var = reference.batch_norm(*(t.detach().cpu().numpy() for t in (x, w, b)))
+    np.testing.assert_allclose(y.detach().cpu().numpy(), want, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(var.cpu().numpy(), want_var, rtol=1e-10)
+    torch.library.opcheck(batch_norm_op, (x.detach().float(), w.detach().float(), b.detach().float(), 1e-5))
