@@ -4,7 +4,7 @@ import functools
 
 import numpy as np
 
-from ..runtime.arrays import Operand, check_dtype, check_same_dtype, check_same_kind, launch_stream
+from ..runtime.arrays import Operand, check_dtype, check_same_kind, checked_operands, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
 from ..runtime.launch import launch, multiprocessors
@@ -37,13 +37,7 @@ def _acc_name(dtype):
 
 
 def _operands(named):
-    ops = [Operand(a, name) for name, a in named]
-    check_same_kind(ops)
-    for op in ops:
-        check_dtype(op, DTYPES)
-        op.require_contiguous()
-    check_same_dtype(ops)
-    return ops
+    return checked_operands(named, DTYPES)
 
 
 def _flat(device):

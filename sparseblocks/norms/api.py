@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from ..runtime.arrays import Operand, check_dtype, check_same_kind, launch_stream
+from ..runtime.arrays import Operand, check_same_kind, checked_operands, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
 from ..runtime.launch import launch
@@ -17,10 +17,7 @@ def _acc(dtype):
     return "float64" if dtype == "float64" else "float32"
 
 
-def _operands(x, g, b, axis, epsilon, extra=()):
-    """Checked operands (x, g, b, *extra) and the problem's (N, C)."""
-    if axis not in (0, 1):
-        raise ValueError(f"axis: expected 0 (x is (C, N)) or 1 (x is (N, C)), got {axis!r}")
+def _epsilon(epsilon):
     try:
         if isinstance(epsilon, (str, bytes)):
             raise TypeError
@@ -29,11 +26,15 @@ def _operands(x, g, b, axis, epsilon, extra=()):
         raise TypeError(f"epsilon: expected a number, got {epsilon!r}") from None
     if not epsilon >= 0:
         raise ValueError(f"epsilon: expected a number >= 0, got {epsilon}")
-    ops = [Operand(x, "x"), Operand(g, "g"), Operand(b, "b")] + [Operand(a, name) for name, a in extra]
-    check_same_kind(ops)
-    for op in ops:
-        check_dtype(op, DTYPES)
-        op.require_contiguous()
+    return epsilon
+
+
+def _operands(x, g, b, axis, epsilon, extra=()):
+    """Checked operands (x, g, b, *extra) and the problem's (N, C)."""
+    if axis not in (0, 1):
+        raise ValueError(f"axis: expected 0 (x is (C, N)) or 1 (x is (N, C)), got {axis!r}")
+    epsilon = _epsilon(epsilon)
+    ops = checked_operands([("x", x), ("g", g), ("b", b), *extra], DTYPES, same_dtype=False)
     x_op, g_op, b_op = ops[:3]
     if len(x_op.shape) != 2:
         raise ValueError(f"x: expected a 2-D array ({'(N, C)' if axis == 1 else '(C, N)'}), got shape {x_op.shape}")
@@ -114,19 +115,8 @@ def layer_norm_grad(dy, x, g, b, mean, rstd, axis=1, relu=False, config=None):
 
 def _channels(x, g, b, epsilon, extra=()):
     """Checked NCHW operands (x, g, b, *extra), C, S (values a sample a channel) and epsilon."""
-    try:
-        if isinstance(epsilon, (str, bytes)):
-            raise TypeError
-        epsilon = float(epsilon)
-    except (TypeError, ValueError):
-        raise TypeError(f"epsilon: expected a number, got {epsilon!r}") from None
-    if not epsilon >= 0:
-        raise ValueError(f"epsilon: expected a number >= 0, got {epsilon}")
-    ops = [Operand(x, "x"), Operand(g, "g"), Operand(b, "b")] + [Operand(a, name) for name, a in extra]
-    check_same_kind(ops)
-    for op in ops:
-        check_dtype(op, DTYPES)
-        op.require_contiguous()
+    epsilon = _epsilon(epsilon)
+    ops = checked_operands([("x", x), ("g", g), ("b", b), *extra], DTYPES, same_dtype=False)
     x_op, g_op, b_op = ops[:3]
     if len(x_op.shape) < 2 or x_op.shape[0] * int(np.prod(x_op.shape[2:])) < 1:
         raise ValueError(f"x: expected (N, C, ...) with at least one value a channel, got shape {x_op.shape}")

@@ -3,7 +3,7 @@
 import numpy as np
 from numba import cuda
 
-from ..runtime.arrays import Operand, check_dtype, check_same_dtype, check_same_kind, launch_stream
+from ..runtime.arrays import checked_operands, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import active, on_arrays_device
 from ..runtime.launch import launch, multiprocessors
@@ -63,12 +63,7 @@ class SparseProj:
         return self._luts[ordinal]
 
     def _ops(self, named, widths):
-        ops = [Operand(a, n) for n, a in named]
-        check_same_kind(ops)
-        for op in ops:
-            check_dtype(op, DTYPES)
-            op.require_contiguous()
-        check_same_dtype(ops)
+        ops = checked_operands(named, DTYPES)
         axis = self.feature_axis
         rows = None
         for op, width in zip(ops, widths):

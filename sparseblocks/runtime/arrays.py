@@ -270,6 +270,19 @@ def check_disjoint(written, read):
                          f"writes {written.name}; pass arrays that do not overlap")
 
 
+def checked_operands(named, dtypes, same_dtype=True):
+    """Operands of ``(name, array)`` pairs, checked: one kind, each of ``dtypes`` and C-contiguous,
+    and (``same_dtype``) one dtype."""
+    ops = [Operand(a, name) for name, a in named]
+    check_same_kind(ops)
+    for op in ops:
+        check_dtype(op, dtypes)
+        op.require_contiguous()
+    if same_dtype:
+        check_same_dtype(ops)
+    return ops
+
+
 def check_same_kind(operands):
     kinds = {op.kind for op in operands}
     if len(kinds) > 1:
