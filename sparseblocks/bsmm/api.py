@@ -41,6 +41,8 @@ from .dispatch import (
     compiled,
     words,
 )
+from .dispatch import _index
+from .normalize import make_identity, make_l2_normalize
 from .plans import (
     keep_product_plan,
     keep_weight_grad_plan,
@@ -232,3 +234,98 @@ def block_norms(a, block_size, criterion="l2", config=None):
         kernel = compiled(cfg, make_block_norms, bs, a.dtype, criterion)
         launch(kernel, (grid[1], grid[0]), norm_threads(cfg, bs), stream, (out, a.device(stream)))
     return a.result(native, out, stream)
+
+
+# -- initialization and normalization on the device (`normalize.py`) ---------------------
+
+
+@on_arrays_device
+def identity_init(layout, like, scale=1.0, config=None):
+    """Weights ``(n_blocks, bs, bs)`` that are ``scale`` times the identity on the layout's
+    diagonal blocks and zero elsewhere (OpenAI's ``identity_init``), as an array of ``like``'s
+    kind, dtype and device (``like``: any array of the layout's ``w_shape``)."""
+    cfg = as_config(config)
+    op = Operand(like, "like")
+    check_dtype(op)
+    check_shape(op, layout.w_shape)
+    stream = launch_stream((op,))
+    native, w = op.empty(layout.w_shape, stream)
+    n = layout.n_blocks * layout.block_size ** 2
+    if n:
+        kernel = compiled(cfg, make_identity, layout.block_size, op.dtype)
+        launch(kernel, max(1, min(-(-n // 256), 1024)), 256, stream, (w, _index(layout, "coords", stream), float(scale)))
+    return op.result(native, w, stream)
+
+
+def _normalize_operands(w, layout, gain, extra=()):
+    ops = [Operand(w, "w")] + ([Operand(gain, "gain")] if gain is not None else []) + \
+        [Operand(a, name) for name, a in extra]
+    check_same_kind(ops)
+    for op in ops:
+        check_dtype(op)
+        op.require_contiguous()
+    check_shape(ops[0], layout.w_shape)
+    if gain is not None:
+        check_shape(ops[1], (layout.dense_shape[1],))
+    for op in ops[1 + (gain is not None):]:
+        check_shape(op, layout.w_shape)
+        if op.dtype != ops[0].dtype:
+            raise TypeError(f"dtype mismatch: w {ops[0].dtype}, {op.name} {op.dtype}")
+    return ops
+
+
+def _epsilon(epsilon):
+    try:
+        epsilon = float(epsilon)
+    except (TypeError, ValueError):
+        raise TypeError(f"epsilon: expected a number, got {epsilon!r}") from None
+    if not epsilon > 0:
+        raise ValueError(f"epsilon: expected a number > 0, got {epsilon}")
+    return epsilon
+
+
+@on_arrays_device
+def l2_normalize(w, layout, gain=None, epsilon=1e-6, config=None):
+    """OpenAI's ``l2_normalize``: each output feature's column of the dense W (its entries in the
+    layout's blocks) divided by its l2 norm, ``rsqrt(max(Σ W[:, k]², epsilon))``, times
+    ``gain[k]`` where given (K,). Returns a new array like ``w``."""
+    cfg = as_config(config)
+    epsilon = _epsilon(epsilon)
+    ops = _normalize_operands(w, layout, gain)
+    stream = launch_stream(ops)
+    native, out = ops[0].empty(layout.w_shape, stream)
+    normalize, _ = compiled(cfg, make_l2_normalize, layout.block_size, ops[0].dtype,
+                            ops[1].dtype if gain is not None else ops[0].dtype, gain is not None)
+    w_dev = ops[0].device(stream)
+    if layout.n_blocks:
+        launch(normalize, layout.shape[1], layout.block_size, stream,
+               (out, w_dev, ops[1].device(stream) if gain is not None else w_dev.reshape(-1),
+                _index(layout, "col_ptr", stream), _index(layout, "col_block", stream), epsilon))
+    return ops[0].result(native, out, stream)
+
+
+@on_arrays_device
+def l2_normalize_grad(dy, w, layout, gain=None, epsilon=1e-6, config=None):
+    """(dw, dgain) of `l2_normalize` for ``dy`` (w's shape); dgain None without a gain."""
+    cfg = as_config(config)
+    epsilon = _epsilon(epsilon)
+    ops = _normalize_operands(w, layout, gain, (("dy", dy),))
+    w_op, dy_op = ops[0], ops[-1]
+    stream = launch_stream(ops)
+    dw_native, dw = w_op.empty(layout.w_shape, stream)
+    g_op = ops[1] if gain is not None else None
+    dg_native, dg = g_op.empty(g_op.shape, stream) if g_op is not None else (None, None)
+    _, grad = compiled(cfg, make_l2_normalize, layout.block_size, w_op.dtype,
+                       g_op.dtype if g_op is not None else w_op.dtype, g_op is not None)
+    w_dev = w_op.device(stream)
+    if layout.n_blocks:
+        flat = w_dev.reshape(-1)
+        launch(grad, layout.shape[1], layout.block_size, stream,
+               (dw, dg if dg is not None else flat, dy_op.device(stream), w_dev,
+                g_op.device(stream) if g_op is not None else flat, _index(layout, "col_ptr", stream),
+                _index(layout, "col_block", stream), epsilon))
+    elif dg is not None:
+        from ..sbnet.dispatch import zero
+
+        zero(dg, stream)
+    return w_op.result(dw_native, dw, stream), (g_op.result(dg_native, dg, stream) if g_op is not None else None)

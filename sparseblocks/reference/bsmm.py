@@ -76,3 +76,23 @@ def block_norms(a, block_size, criterion="l2"):
     if criterion == "l1":
         return blocks.sum(axis=(1, 3))
     return blocks.max(axis=(1, 3))
+
+
+def l2_normalize(w, layout, gain=None, epsilon=1e-6):
+    """Each output column of the dense W over its C inputs: W[:, k]·rsqrt(max(Σ W[:, k]², eps))·g[k]."""
+    W = layout.to_dense(np.asarray(w, np.float64))
+    scale = 1 / np.sqrt(np.maximum((W * W).sum(axis=0), epsilon))
+    if gain is not None:
+        scale = scale * np.asarray(gain, np.float64)
+    return layout.from_dense(W * scale)
+
+
+def l2_normalize_grad(dy, w, layout, gain=None, epsilon=1e-6):
+    """(dw, dgain) of `l2_normalize`."""
+    W, D = layout.to_dense(np.asarray(w, np.float64)), layout.to_dense(np.asarray(dy, np.float64))
+    total = (W * W).sum(axis=0)
+    r = 1 / np.sqrt(np.maximum(total, epsilon))
+    g = np.ones(W.shape[1]) if gain is None else np.asarray(gain, np.float64)
+    dot = (D * W).sum(axis=0)
+    dW = g * r * (D - np.where(total > epsilon, W * r * r * dot, 0.0))
+    return layout.from_dense(dW), (None if gain is None else dot * r)
