@@ -38,7 +38,9 @@ def test_unary_gradcheck(op):
 
 @pytest.mark.parametrize("op", ["add", "subtract", "multiply", "divide", "maximum"])
 @pytest.mark.parametrize("shapes", [((3, 4), (3, 4)), ((2, 3, 4), (4,)), ((3, 1), (1, 5))])
-def test_binary_gradcheck_with_broadcasting(op, shapes):
+def test_binary_gradcheck_with_broadcasting(op, shapes, path):
+    if path == "kernels" and SIMULATOR and shapes != ((2, 3, 4), (4,)):
+        pytest.skip("the broadcasting case on the kernels in the simulator (tests/ew checks every shape)")
     a, b = rand(*shapes[0], seed=1), rand(*shapes[1], seed=2)
     torch.autograd.gradcheck(lambda a, b: ew.binary(op, a, b), (a, b), fast_mode=True)
 

@@ -37,14 +37,18 @@ def _inputs(axis, dtype=torch.float64, n=5, c=7, seed=0):
 
 @pytest.mark.parametrize("axis", [1, 0])
 @pytest.mark.parametrize("relu", [False, True])
-def test_gradcheck_in_float64(axis, relu):
+def test_gradcheck_in_float64(axis, relu, path):
+    if path == "kernels" and SIMULATOR and (axis, relu) not in ((1, True), (0, False)):
+        pytest.skip("two cases on the kernels in the simulator (tests/norms checks them against the twin)")
     x, g, b = (t.requires_grad_(True) for t in _inputs(axis))
     torch.autograd.gradcheck(lambda x, g, b: layer_norm(x, g, b, axis=axis, relu=relu), (x, g, b), fast_mode=True)
 
 
 @pytest.mark.parametrize("axis", [1, 0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_values_and_gradients_match_the_twin(axis, dtype):
+def test_values_and_gradients_match_the_twin(axis, dtype, path):
+    if path == "kernels" and SIMULATOR and (axis, dtype) != (0, torch.bfloat16):
+        pytest.skip("one case on the kernels in the simulator (tests/norms checks them against the twin)")
     x, g, b = (t.requires_grad_(True) for t in _inputs(axis, dtype, n=6, c=40, seed=1))
     y = layer_norm(x, g, b, axis=axis, relu=True)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)

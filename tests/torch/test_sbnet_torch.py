@@ -30,13 +30,20 @@ def one_warp_fused_tiles(configure):
                   nchw_scatter_tiles={"float16": (32, 64, 16, 2, 1, None), "float32": (32, 32, 16, 2, 1, None)})
 
 
-@pytest.fixture(autouse=True, scope="module")
-def kernel_path():
-    """These tests check the kernels: in the simulator CPU tensors run them too, not the CPU
-    path (torch's ops), which tests/torch/test_cpu_sbnet.py checks against them."""
+# Tests of the differentiable gather and scatter themselves, and of the compiled block (the same
+# ops traced): on CPU tensors they take the CPU path, which tests/torch/test_cpu_sbnet.py checks
+# against the kernels, forward and backward.
+CPU_PATH = ("gather_gradcheck", "scatter_gradcheck", "gather_then_scatter", "inplace_scatter", "compiled_",
+            "custom_ops")
+
+
+@pytest.fixture(autouse=True)
+def kernel_path(request):
+    """The block's tests check its kernels (the written-out backward, the fused kernels, graphs):
+    in the simulator, CPU tensors run them too."""
     from sparseblocks.torch import cpu
 
-    previous = cpu.kernels_on_cpu(True)
+    previous = cpu.kernels_on_cpu(not any(part in request.node.name for part in CPU_PATH))
     yield
     cpu.kernels_on_cpu(previous)
 
