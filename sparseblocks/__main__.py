@@ -143,7 +143,7 @@ def sbnet_demo():
 
 
 LAYOUT_SPECS = """layouts: random:CbxKb:density, banded:CbxKb:width, causal:n, strided:n:stride,
-fixed:n:stride, or a .npy file of a 0/1 block mask"""
+fixed:n:stride, global:n:globals:window, or a .npy file of a 0/1 block mask"""
 
 
 def layout_of_spec(spec, block_size=32):
@@ -161,7 +161,8 @@ def layout_of_spec(spec, block_size=32):
             if kind == "random":
                 return BlockLayout.random(shape, float(fields[1]), block_size=block_size)
             return BlockLayout.banded(shape, int(fields[1]), block_size=block_size)
-        builders = {"causal": BlockLayout.causal, "strided": BlockLayout.strided, "fixed": BlockLayout.fixed}
+        builders = {"causal": BlockLayout.causal, "strided": BlockLayout.strided, "fixed": BlockLayout.fixed,
+                    "global": BlockLayout.global_window}
         if kind in builders:
             return builders[kind](*(int(v) for v in fields), block_size=block_size)
     except (IndexError, ValueError, TypeError) as error:

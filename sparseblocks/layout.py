@@ -146,6 +146,32 @@ class BlockLayout:
         return cls(mask & (j <= i) if causal else mask, block_size)
 
     @classmethod
+    def global_window(cls, n, global_blocks, window, causal=False, block_size=32):
+        """BigBird's and Longformer's pattern on an ``(n, n)`` grid of (query, key) blocks: the
+        first ``global_blocks`` blocks see and are seen by every block, and every query sees the
+        keys within ``window`` blocks of it; with ``causal`` nothing after the query."""
+        _check_count("n", n, least=1)
+        _check_count("global_blocks", global_blocks)
+        _check_count("window", window)
+        i, j = np.indices((n, n))
+        mask = (np.abs(i - j) <= window) | (i < global_blocks) | (j < global_blocks)
+        return cls(mask & (j <= i) if causal else mask, block_size)
+
+    @classmethod
+    def documents(cls, lengths, causal=False, block_size=32):
+        """Packed documents: a block-diagonal ``(n, n)`` grid, each document (``lengths``: its
+        blocks, in order) seeing itself only; with ``causal`` each query only the keys before it."""
+        lengths = list(lengths)
+        for k, length in enumerate(lengths):
+            _check_count(f"lengths[{k}]", length, least=1)
+        if not lengths:
+            raise ValueError("lengths: expected at least one document")
+        document = np.repeat(np.arange(len(lengths)), lengths)
+        i, j = np.indices((len(document), len(document)))
+        mask = document[:, None] == document[None, :]
+        return cls(mask & (j <= i) if causal else mask, block_size)
+
+    @classmethod
     def from_weights(cls, W, block_size=32, density=None, *, n_blocks=None, criterion="l2"):
         """The blocks of a dense ``(C, K)`` matrix with the largest norms (``criterion``: "l2",
         "l1" or "max", as `bsmm.block_norms`): ``round(density · Cb · Kb)`` of them, or

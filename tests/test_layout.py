@@ -189,3 +189,23 @@ def test_plot_and_show_layout_write_pictures(tmp_path):
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit, match="unknown layout"):
         main(["show-layout", "spiral:3"])
+
+
+@given(n=st.integers(1, 16), g=st.integers(0, 4), window=st.integers(0, 3), causal=st.booleans())
+def test_global_window_follows_its_definition(n, g, window, causal):
+    mask = BlockLayout.global_window(n, g, window, causal=causal).mask
+    for i in range(n):
+        for j in range(n):
+            seen = abs(i - j) <= window or i < g or j < g
+            assert mask[i, j] == (seen and (j <= i or not causal))
+
+
+@given(lengths=st.lists(st.integers(1, 4), min_size=1, max_size=5), causal=st.booleans())
+def test_documents_see_only_themselves(lengths, causal):
+    mask = BlockLayout.documents(lengths, causal=causal).mask
+    document = np.repeat(np.arange(len(lengths)), lengths)
+    for i in range(len(document)):
+        for j in range(len(document)):
+            assert mask[i, j] == (document[i] == document[j] and (j <= i or not causal))
+    with pytest.raises(ValueError, match=r"lengths\[1\]: expected an int of at least 1"):
+        BlockLayout.documents([2, 0])
