@@ -28,12 +28,13 @@ def philox(c0, c1, c2, c3, k0, k1):
     return uint32(c0), uint32(c1), uint32(c2), uint32(c3)
 
 
-def keep_bits_host(n, keep_prob, seed, offset):
-    """`sparseblocks.ew.dropout`'s keep bits for n elements, on the host (NumPy): what CPU tensors
-    use (`sparseblocks.torch.ew.dropout`), the same words as the kernels'."""
+def words_host(counters, seed, offset):
+    """The four words of ``philox(counter, offset; seed)`` for an array of counters, on the host
+    (NumPy, uint64 words): what CPU tensors use (`sparseblocks.torch.ew.dropout`,
+    `sparseblocks.torch.cast`), the same words as the kernels'."""
     import numpy as np
 
-    g = np.arange(-(-n // 4), dtype=np.uint64)
+    g = np.asarray(counters, np.uint64)
     c = [g & np.uint64(MASK), g >> np.uint64(32), np.full_like(g, offset & MASK), np.full_like(g, offset >> 32)]
     k0, k1 = np.uint64(seed & MASK), np.uint64(seed >> 32)
     mask = np.uint64(MASK)
@@ -41,5 +42,12 @@ def keep_bits_host(n, keep_prob, seed, offset):
         p0, p1 = np.uint64(M0) * c[0], np.uint64(M1) * c[2]
         c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & mask, (p0 >> np.uint64(32)) ^ c[3] ^ k1, p0 & mask]
         k0, k1 = (k0 + np.uint64(W0)) & mask, (k1 + np.uint64(W1)) & mask
-    words = np.stack(c, axis=1).reshape(-1)[:n]
+    return c
+
+
+def keep_bits_host(n, keep_prob, seed, offset):
+    """`sparseblocks.ew.dropout`'s keep bits for n elements, on the host: word e % 4 of block e // 4."""
+    import numpy as np
+
+    words = np.stack(words_host(np.arange(-(-n // 4)), seed, offset), axis=1).reshape(-1)[:n]
     return words < np.uint64(min(int(keep_prob * 2.0 ** 32), 2 ** 32))
