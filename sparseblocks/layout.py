@@ -21,6 +21,10 @@ Derived once, as int32 arrays (read-only):
   the block id (pointing into the same ``w``, no transposed copy).
 """
 
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence, Tuple
+
 import numpy as np
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -40,7 +44,7 @@ class BlockLayout:
         "col_ptr", "row_idx", "col_block", "_hash", "_schedules",
     )
 
-    def __init__(self, mask, block_size=32):
+    def __init__(self, mask: np.ndarray, block_size: int = 32) -> None:
         mask = np.asarray(mask)
         if mask.ndim != 2:
             raise ValueError(f"mask: expected a 2-D array of 0/1 blocks, got {mask.ndim} dimensions")
@@ -84,7 +88,8 @@ class BlockLayout:
     # -- constructors ---------------------------------------------------
 
     @classmethod
-    def random(cls, shape, density=None, seed=0, block_size=32, *, n_blocks=None):
+    def random(cls, shape: Sequence[int], density: Optional[float] = None, seed: int = 0, block_size: int = 32, *,
+               n_blocks: Optional[int] = None) -> BlockLayout:
         """Exactly ``round(density * Cb * Kb)`` blocks (or exactly ``n_blocks``) of a ``(Cb, Kb)``
         grid, drawn uniformly; give one of the two."""
         shape = _block_grid_shape(shape)
@@ -103,7 +108,7 @@ class BlockLayout:
         return cls(mask.reshape(shape), block_size)
 
     @classmethod
-    def banded(cls, shape, lower, upper=None, block_size=32):
+    def banded(cls, shape: Sequence[int], lower: int, upper: Optional[int] = None, block_size: int = 32) -> BlockLayout:
         """The band ``-lower <= k - c <= upper`` of a ``(Cb, Kb)`` grid (``upper`` defaults to
         ``lower``): a local window, each block-row connected to its neighbours."""
         shape = _block_grid_shape(shape)
@@ -114,14 +119,14 @@ class BlockLayout:
         return cls((k - c >= -lower) & (k - c <= upper), block_size)
 
     @classmethod
-    def causal(cls, n, block_size=32):
+    def causal(cls, n: int, block_size: int = 32) -> BlockLayout:
         """An ``(n, n)`` grid of (query block, key block), each query seeing itself and the keys
         before it (the lower triangle, diagonal included)."""
         _check_count("n", n, least=1)
         return cls(np.tril(np.ones((n, n), bool)), block_size)
 
     @classmethod
-    def strided(cls, n, stride, causal=True, block_size=32):
+    def strided(cls, n: int, stride: int, causal: bool = True, block_size: int = 32) -> BlockLayout:
         """The Sparse Transformer's strided pattern on an ``(n, n)`` grid of (query, key) blocks:
         query i sees the ``stride`` blocks up to itself and every ``stride``-th block before
         (``(i - j) % stride == 0``); with ``causal`` nothing after i, else both directions."""
@@ -132,7 +137,7 @@ class BlockLayout:
         return cls((distance >= 0) & ((distance < stride) | (distance % stride == 0)), block_size)
 
     @classmethod
-    def fixed(cls, n, stride, summary=1, causal=True, block_size=32):
+    def fixed(cls, n: int, stride: int, summary: int = 1, causal: bool = True, block_size: int = 32) -> BlockLayout:
         """The Sparse Transformer's fixed pattern on an ``(n, n)`` grid: query i sees its own
         window of ``stride`` blocks and the last ``summary`` blocks of every window (which carry
         a window's summary onward); with ``causal`` nothing after i."""
@@ -146,7 +151,8 @@ class BlockLayout:
         return cls(mask & (j <= i) if causal else mask, block_size)
 
     @classmethod
-    def global_window(cls, n, global_blocks, window, causal=False, block_size=32):
+    def global_window(cls, n: int, global_blocks: int, window: int, causal: bool = False,
+                      block_size: int = 32) -> BlockLayout:
         """BigBird's and Longformer's pattern on an ``(n, n)`` grid of (query, key) blocks: the
         first ``global_blocks`` blocks see and are seen by every block, and every query sees the
         keys within ``window`` blocks of it; with ``causal`` nothing after the query."""
@@ -158,7 +164,7 @@ class BlockLayout:
         return cls(mask & (j <= i) if causal else mask, block_size)
 
     @classmethod
-    def documents(cls, lengths, causal=False, block_size=32):
+    def documents(cls, lengths: Iterable[int], causal: bool = False, block_size: int = 32) -> BlockLayout:
         """Packed documents: a block-diagonal ``(n, n)`` grid, each document (``lengths``: its
         blocks, in order) seeing itself only; with ``causal`` each query only the keys before it."""
         lengths = list(lengths)
@@ -172,7 +178,8 @@ class BlockLayout:
         return cls(mask & (j <= i) if causal else mask, block_size)
 
     @classmethod
-    def from_weights(cls, W, block_size=32, density=None, *, n_blocks=None, criterion="l2"):
+    def from_weights(cls, W: np.ndarray, block_size: int = 32, density: Optional[float] = None, *,
+                     n_blocks: Optional[int] = None, criterion: str = "l2") -> BlockLayout:
         """The blocks of a dense ``(C, K)`` matrix with the largest norms (``criterion``: "l2",
         "l1" or "max", as `bsmm.block_norms`): ``round(density · Cb · Kb)`` of them, or
         ``n_blocks``; ties go to the first in row-major order."""
@@ -194,12 +201,12 @@ class BlockLayout:
         return cls(mask.reshape(shape), block_size)
 
     @classmethod
-    def dense(cls, shape, block_size=32):
+    def dense(cls, shape: Sequence[int], block_size: int = 32) -> BlockLayout:
         """Every block of a ``(Cb, Kb)`` grid present."""
         return cls(np.ones(_block_grid_shape(shape), bool), block_size)
 
     @classmethod
-    def from_mask(cls, element_mask, block_size=32):
+    def from_mask(cls, element_mask: np.ndarray, block_size: int = 32) -> BlockLayout:
         """Blocks of a ``(C, K)`` element mask that hold at least one nonzero element."""
         element_mask = np.asarray(element_mask)
         if element_mask.ndim != 2:
@@ -216,30 +223,30 @@ class BlockLayout:
     # -- shape ----------------------------------------------------------
 
     @property
-    def shape(self):
+    def shape(self) -> Tuple[int, int]:
         """Block grid ``(Cb, Kb)``."""
         return self.mask.shape
 
     @property
-    def dense_shape(self):
+    def dense_shape(self) -> Tuple[int, int]:
         """Dense weight shape ``(C, K)``."""
         return (self.mask.shape[0] * self.block_size, self.mask.shape[1] * self.block_size)
 
     @property
-    def n_blocks(self):
+    def n_blocks(self) -> int:
         return int(self.coords.shape[0])
 
     @property
-    def w_shape(self):
+    def w_shape(self) -> Tuple[int, int, int]:
         """Shape of the block storage ``(n_blocks, bs, bs)``."""
         return (self.n_blocks, self.block_size, self.block_size)
 
     @property
-    def density(self):
+    def density(self) -> float:
         """Fraction of blocks present."""
         return self.n_blocks / self.mask.size
 
-    def block_coord(self, block):
+    def block_coord(self, block: int) -> Tuple[int, int]:
         """``(c, k)`` of block number ``block``."""
         if not -self.n_blocks <= block < self.n_blocks:
             raise IndexError(f"block: expected an index below n_blocks={self.n_blocks}, got {block}")
@@ -248,7 +255,7 @@ class BlockLayout:
 
     # -- work schedules ---------------------------------------------------
 
-    def line_segments(self, axis, max_blocks):
+    def line_segments(self, axis: str, max_blocks: int) -> dict:
         """Split the layout's lines into segments of at most `max_blocks` blocks (cached).
 
         ``axis="col"`` takes the block-columns k (CSC: what the forward product
@@ -276,7 +283,7 @@ class BlockLayout:
 
     # -- conversion -----------------------------------------------------
 
-    def to_dense(self, w):
+    def to_dense(self, w: np.ndarray) -> np.ndarray:
         """Dense ``(C, K)`` matrix from block storage ``w[n_blocks, bs, bs]``; absent blocks are 0."""
         w = np.asarray(w)
         if w.shape != self.w_shape:
@@ -287,7 +294,7 @@ class BlockLayout:
         tiles[self.coords[:, 0], self.coords[:, 1]] = w
         return dense
 
-    def from_dense(self, W):
+    def from_dense(self, W: np.ndarray) -> np.ndarray:
         """Block storage ``(n_blocks, bs, bs)`` of the layout's blocks of a dense ``(C, K)`` matrix."""
         W = np.asarray(W)
         if W.shape != self.dense_shape:
@@ -296,14 +303,14 @@ class BlockLayout:
         tiles = W.reshape(self.shape[0], bs, self.shape[1], bs).transpose(0, 2, 1, 3)
         return np.ascontiguousarray(tiles[self.coords[:, 0], self.coords[:, 1]])
 
-    def element_mask(self):
+    def element_mask(self) -> np.ndarray:
         """Boolean ``(C, K)`` mask of the elements covered by present blocks."""
         bs = self.block_size
         return np.kron(self.mask, np.ones((bs, bs), bool)).astype(bool)
 
     # -- pictures ---------------------------------------------------------
 
-    def plot(self, path, w=None, title=None):
+    def plot(self, path, w: Optional[np.ndarray] = None, title: Optional[str] = None):
         """Write a PNG of the block mask to ``path`` and, given the blocks ``w[n_blocks, bs, bs]``,
         beside it each present block's l2 norm. Needs matplotlib (the ``bench`` or ``demo``
         extra). Returns ``path``."""

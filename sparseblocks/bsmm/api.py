@@ -14,7 +14,11 @@ with no block are zero. Every sum runs in a fixed order: results are bitwise rep
 ``version=`` picks a kernel family (`dispatch.VERSIONS`), ``config=`` its knobs.
 """
 
-from ..layout import check_block_size
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+from ..layout import BlockLayout, check_block_size
 from ..runtime.devices import on_arrays_device
 from ..ptx.vector import aligned
 from ..runtime import arrays as _arrays
@@ -30,7 +34,9 @@ from ..runtime.arrays import (
 from ..runtime.backend import SIMULATOR
 from ..runtime.launch import data_pointer, launch
 from .block_norms import CRITERIA, make_block_norms, norm_threads
-from .config import as_config
+from .config import BsmmConfig, as_config
+
+Array = Any  # a NumPy array, Numba device array, CuPy array or torch tensor (`runtime.arrays`)
 from .dispatch import (
     VERSIONS,
     default_version,
@@ -104,13 +110,15 @@ def _product(cfg, a, w, layout, feature_axis, transpose_w, version, max_segment=
 
 
 @on_arrays_device
-def forward(x, w, layout, feature_axis=1, version=None, config=None):
+def forward(x: Array, w: Array, layout: BlockLayout, feature_axis: int = 1, version: Optional[int] = None,
+            config: Optional[BsmmConfig] = None) -> Array:
     """``y = x · W`` for block-sparse ``W`` given as ``w[n_blocks, bs, bs]`` over ``layout``."""
     return _product(as_config(config), x, w, layout, feature_axis, False, version)
 
 
 @on_arrays_device
-def input_grad(dy, w, layout, feature_axis=1, version=None, config=None):
+def input_grad(dy: Array, w: Array, layout: BlockLayout, feature_axis: int = 1, version: Optional[int] = None,
+               config: Optional[BsmmConfig] = None) -> Array:
     """``dx = dy · Wᵀ`` for block-sparse ``W``."""
     return _product(as_config(config), dy, w, layout, feature_axis, True, version)
 
@@ -137,7 +145,9 @@ def _stacked_steps(x, dy, feature_axis):
 
 
 @on_arrays_device
-def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=None, splits=None, config=None):
+def weight_grad(x: Array, dy: Array, layout: BlockLayout, feature_axis: int = 1, out: Optional[Array] = None,
+                beta: float = 0.0, version: Optional[int] = None, splits: Optional[int] = None,
+                config: Optional[BsmmConfig] = None) -> Array:
     """``dW = xᵀ · dy`` on the layout's blocks, as ``(n_blocks, bs, bs)``.
 
     With ``out`` the result goes there, as ``out = xᵀ·dy + beta·out`` (so the
@@ -194,7 +204,7 @@ def weight_grad(x, dy, layout, feature_axis=1, out=None, beta=0.0, version=None,
 
 
 @on_arrays_device
-def transpose_blocks(w, layout, config=None):
+def transpose_blocks(w: Array, layout: BlockLayout, config: Optional[BsmmConfig] = None) -> Array:
     """W's blocks transposed into the layout's column order: ``wt[p] = w[layout.col_block[p]]ᵀ``
     (fp32, fp16 or bf16, ``w`` 4-byte aligned), as the forward makes for itself where
     `BsmmConfig.v5_transposed_forward` names its block size and storage, at its rows or more."""
@@ -213,7 +223,7 @@ def transpose_blocks(w, layout, config=None):
 
 
 @on_arrays_device
-def block_norms(a, block_size, criterion="l2", config=None):
+def block_norms(a: Array, block_size: int, criterion: str = "l2", config: Optional[BsmmConfig] = None) -> Array:
     """Norms of the ``block_size``-square blocks of a dense 2-D ``a`` (R, S), as (R/bs, S/bs):
     ``criterion`` ``"l2"``, ``"l1"`` or ``"max"`` (see `block_norms`). fp32 (fp64 for fp64 ``a``).
     For an ``nn.Linear`` weight (out, in), the layout's (in, out) grid is the result transposed."""
@@ -240,7 +250,7 @@ def block_norms(a, block_size, criterion="l2", config=None):
 
 
 @on_arrays_device
-def identity_init(layout, like, scale=1.0, config=None):
+def identity_init(layout: BlockLayout, like: Array, scale: float = 1.0, config: Optional[BsmmConfig] = None) -> Array:
     """Weights ``(n_blocks, bs, bs)`` that are ``scale`` times the identity on the layout's
     diagonal blocks and zero elsewhere (OpenAI's ``identity_init``), as an array of ``like``'s
     kind, dtype and device (``like``: any array of the layout's ``w_shape``)."""
@@ -285,7 +295,8 @@ def _epsilon(epsilon):
 
 
 @on_arrays_device
-def l2_normalize(w, layout, gain=None, epsilon=1e-6, config=None):
+def l2_normalize(w: Array, layout: BlockLayout, gain: Optional[Array] = None, epsilon: float = 1e-6,
+                 config: Optional[BsmmConfig] = None) -> Array:
     """OpenAI's ``l2_normalize``: each output feature's column of the dense W (its entries in the
     layout's blocks) divided by its l2 norm, ``rsqrt(max(Σ W[:, k]², epsilon))``, times
     ``gain[k]`` where given (K,). Returns a new array like ``w``."""
@@ -305,7 +316,8 @@ def l2_normalize(w, layout, gain=None, epsilon=1e-6, config=None):
 
 
 @on_arrays_device
-def l2_normalize_grad(dy, w, layout, gain=None, epsilon=1e-6, config=None):
+def l2_normalize_grad(dy: Array, w: Array, layout: BlockLayout, gain: Optional[Array] = None, epsilon: float = 1e-6,
+                      config: Optional[BsmmConfig] = None) -> Tuple[Array, Optional[Array]]:
     """(dw, dgain) of `l2_normalize` for ``dy`` (w's shape); dgain None without a gain."""
     cfg = as_config(config)
     epsilon = _epsilon(epsilon)

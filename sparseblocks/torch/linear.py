@@ -14,6 +14,7 @@ dict takes the saved layout with its weights.
 """
 
 import math
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -56,8 +57,9 @@ class BlockSparseLinear(nn.Module):
     blocks; ``seed`` picks it) or ``layout`` (a `BlockLayout` or a 0/1 mask of
     ``(in_features/bs, out_features/bs)`` blocks)."""
 
-    def __init__(self, in_features, out_features, bias=True, *, density=None, layout=None, block_size=32,
-                 seed=0, device=None, dtype=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, density: Optional[float] = None,
+                 layout: Optional[BlockLayout] = None, block_size: int = 32, seed: int = 0,
+                 device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         for name, value in (("in_features", in_features), ("out_features", out_features)):

@@ -12,6 +12,7 @@ quantizes and packs both operands into bit planes and runs the 1-bit tensor-core
 """
 
 import math
+from typing import Optional, Union
 
 import torch
 
@@ -98,8 +99,10 @@ class LQLinear(torch.nn.Module):
     ``a_basis`` (a_bits,)), saved with the state dict, and updated in training mode only.
     """
 
-    def __init__(self, in_features, out_features, bias=True, *, w_bits=2, a_bits=2, signed_activations=False,
-                 layout=None, momentum=MOVING_AVERAGE, device=None, dtype=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, w_bits: int = 2, a_bits: int = 2,
+                 signed_activations: bool = False, layout: Optional[BlockLayout] = None,
+                 momentum: float = MOVING_AVERAGE, device: Optional[Union[str, torch.device]] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         for name, bits in (("w_bits", w_bits), ("a_bits", a_bits)):
             if not isinstance(bits, int) or not 1 <= bits <= quant.api.MAX_BITS:

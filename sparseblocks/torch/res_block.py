@@ -13,6 +13,8 @@ gather and scatter ops around the residual's torch operations (`_traced_forward`
 skip a copy.
 """
 
+from typing import Optional, Tuple, Union
+
 import torch
 
 from .. import fused as fused_kernels
@@ -21,7 +23,7 @@ from ..runtime.devices import on_arrays_device
 from ..windows import calc_block_params_res_block, pair
 from . import cpu
 from .bottleneck import _bottleneck_nchw, _bottleneck_nhwc, _nhwc_out_of_nchw, _without_grad, _WrittenOut
-from .config import DEFAULT, as_config
+from .config import DEFAULT, ResBlockConfig, as_config
 from .graphs import _WRITTEN_OUT, _ResidualGraphs, _Traced
 from .sbnet import _written_into, sparse_gather, sparse_scatter
 
@@ -61,7 +63,8 @@ class SparseResBlock(torch.nn.Module):
 
     KERNELS = (1, 3, 1)
 
-    def __init__(self, channels, bottleneck, block_size=16, transpose=False, graphs=False, config=None):
+    def __init__(self, channels: int, bottleneck: int, block_size: Union[int, Tuple[int, int]] = 16,
+                 transpose: bool = False, graphs: bool = False, config: Optional[ResBlockConfig] = None) -> None:
         super().__init__()
         self._config = as_config(config) if config is not None else None
         if min(pair(block_size, "block_size")) < 3:
