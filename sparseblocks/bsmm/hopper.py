@@ -17,6 +17,8 @@ block-row; weight_grad: xᵀ by dy, one block of dW a tile). What differs is the
   whose batch the previous iteration's wait (``wait_group 1``) retired in every warpgroup before
   this iteration's barrier; one barrier a stage. Each thread fences its landed copies for the
   async proxy (wgmma's reads) before that barrier.
+* The epilogue stages the fp32 accumulators in the ring's shared memory and writes runs of 4
+  values, a warp whole rows (`make_staging`), in the storage dtype or to the split workspaces.
 
 On an sm_90 GPU (`dispatch.hopper`), where the operands fit (`dispatch.tiles_fit`, as version 6);
 version 6 runs elsewhere. The simulator runs these kernels when a test asks (its wgmma is a
