@@ -44,10 +44,10 @@ from .dispatch import (
     launch_product_v1,
     launch_transpose_blocks,
     launch_weight_grad,
+    _index,
     compiled,
     words,
 )
-from .dispatch import _index
 from .normalize import make_identity, make_l2_normalize
 from .plans import (
     keep_product_plan,

@@ -1,7 +1,5 @@
 """The element-wise ops' public functions: validation, broadcasting, outputs, launches."""
 
-import functools
-
 import numpy as np
 
 from ..runtime.arrays import Operand, check_dtype, check_same_kind, checked_operands, launch_stream
@@ -90,7 +88,6 @@ def unary_grad(op, dy, x, y, alpha=1.0, config=None):
 
 
 def _unary_function(op):
-    @functools.wraps(unary)
     def function(x, config=None):
         return unary(op, x, config=config)
 

@@ -15,15 +15,10 @@ from ..norms.layer import make_block_sum
 from .ops import make_binary, make_lstm, make_unary
 
 
-def _loop():
-    @cuda.jit(device=True, inline=True)
-    def bounds():
-        return cuda.grid(1), cuda.gridsize(1)
-
-    return bounds
-
-
-bounds = _loop()
+@cuda.jit(device=True, inline=True)
+def bounds():
+    """(this thread's first element, the grid's stride) of a grid-stride loop."""
+    return cuda.grid(1), cuda.gridsize(1)
 
 
 def make_unary_kernel(storage, acc_type, op):
