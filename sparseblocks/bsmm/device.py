@@ -108,9 +108,12 @@ def converters(storage, acc_type):
 
         @cuda.jit(device=True, inline=True)
         def from_acc(value):
-            # Round to nearest even on the upper 16 bits of the float32.
+            # Round to nearest even on the upper 16 bits of the float32; a NaN stays a quiet NaN
+            # (rounding its bits could carry into the sign: 0x7FFFFFFF would become -0).
             u = int64(libdevice.float_as_int(float32(value))) & 0xFFFFFFFF
             r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+            if value != value:
+                r = (u >> 16) | 0x40
             return int16(r - 0x10000 if r >= 0x8000 else r)
     else:
 

@@ -2,13 +2,14 @@
 
 import numpy as np
 
+from ..ptx.vector import aligned
 from ..runtime.arrays import Operand, _dtype_name, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
-from ..runtime.launch import launch, multiprocessors
+from ..runtime.launch import data_pointer, launch, multiprocessors
 from .config import as_config
 from .formats import FORMATS, FP8, numpy_dtype
-from .kernels import make_cast
+from .kernels import make_cast, make_fast_cast
 
 DTYPES = tuple(FORMATS)
 MAX_SEED = 2 ** 64
@@ -63,11 +64,15 @@ def float_cast(x, dtype, stochastic=False, saturate=False, seed=0, offset=0, con
     native, out = x_op.empty(x_op.shape, stream, dtype=store)
     n = int(np.prod(x_op.shape))
     if n:
-        kernel = cached(make_cast, src, dtype, bool(stochastic), bool(saturate))
+        flat_out, flat_x = _written(out, dtype).reshape(-1), x_op.device(stream).reshape(-1)
+        if stochastic and dtype != "float32":
+            kernel = cached(make_cast, src, dtype, True, bool(saturate))
+        else:
+            vector = all(aligned(data_pointer(a), a.dtype.itemsize, 4) for a in (flat_out, flat_x))
+            kernel = cached(make_fast_cast, src, dtype, bool(saturate), vector)
         grid = max(1, min(-(-n // cfg.threads), cfg.waves * multiprocessors()))
         seed, offset = int(seed), int(offset)
-        launch(kernel, grid, cfg.threads, stream, (_written(out, dtype).reshape(-1), x_op.device(stream).reshape(-1),
-                                                   seed & 0xFFFFFFFF, seed >> 32, offset))
+        launch(kernel, grid, cfg.threads, stream, (flat_out, flat_x, seed & 0xFFFFFFFF, seed >> 32, offset))
     result = x_op.result(native, out, stream)
     if dtype == "bfloat16" and x_op.kind == "numpy" and result.dtype == np.int16:
         return result.view(numpy_dtype(dtype))

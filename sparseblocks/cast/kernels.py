@@ -6,17 +6,35 @@ even, or stochastically (up with probability remainder / 2^shift, from 32 random
 `philox` per element: counter (element, offset), key seed). A carry out of the mantissa moves
 to the next binade; past the largest finite value the result is inf ("ieee" formats), NaN
 (E4M3FN, which has no inf: ml_dtypes' rule), or with ``saturate`` the largest finite value of
-that sign. NaN stays NaN (the format's quiet NaN, sign kept; payloads are not carried). fp32 sources' subnormals are far
-below every target's smallest subnormal and round to zero (or stochastically to it).
+that sign. NaN stays NaN (the format's quiet NaN, sign kept; payloads are not carried). fp32
+sources' subnormals are far below every target's smallest subnormal and round to zero (or
+stochastically to it).
+
+That kernel (`make_cast`) spells the rounding out, and serves stochastic rounding. Rounding to
+nearest even has a fast kernel (`make_fast_cast`) with the same results: the hardware rounds
+(``cvt`` to fp8 pairs, `ptx.fp8`; to fp16 pairs, `ptx.half2`; bf16 by adding half an ulp to
+fp32's bits), and the kernel fixes up what the hardware does differently: NaN's sign and bits,
+and overflow past the format's rounding limit (the hardware's fp8 conversion saturates). fp16
+sources are widened by the hardware too, and a thread converts 4 values, by one load and one
+store where the arrays are aligned.
 """
 
 import math
 
-from numba import cuda, float32, int16, int64, uint32
+from numba import cuda, float32, int16, int64, uint8, uint32
 from numba.cuda import libdevice
 
 from ..philox import philox
+from ..ptx.fp8 import e4m3x2_of_floats, e5m2x2_of_floats
+from ..ptx.half2 import floats_of_half2, half2_of_floats
+from ..ptx.vector import load4, store4
 from .formats import FORMATS, max_bits, nan_bits
+
+# The smallest magnitude that rounds past each format's largest finite value (to nearest even):
+# halfway to the next binade's first value, which the tie reaches where the largest value's
+# mantissa is odd (E5M2, fp16, bf16) but not in E4M3FN (448 = 1.75·2⁸, an even mantissa).
+OVERFLOW = {"float8_e4m3fn": 464.0, "float8_e5m2": 61440.0, "float16": 65520.0,
+            "bfloat16": float.fromhex("0x1.ff0000p+127")}
 
 
 def make_decode(src):
@@ -136,5 +154,85 @@ def make_cast(src, dst, stochastic, saturate):
                 out[e] = int16(bits - 0x10000 if bits >= 0x8000 else bits)
             else:
                 out[e] = encode(value, random)
+
+    return cast
+
+
+def make_fast_cast(src, dst, saturate, vector):
+    """``cast(out, x, seed_lo, seed_hi, offset)`` as `make_cast`'s, rounding to nearest even (the
+    seeds unused), 4 values a thread; ``vector``: x and out start at a multiple of 4 elements."""
+    decode = make_decode(src)
+    WIDE = dst == "float32"
+    E, M, _, kind = FORMATS[dst]
+    SIGN, NAN = 1 << (E + M), nan_bits(dst)
+    OVER = max_bits(dst) if saturate else (NAN if kind == "fn" else ((1 << E) - 1) << M)
+    LIMIT = OVERFLOW.get(dst, 0.0)
+    STRICT = dst == "float8_e4m3fn"  # (its limit itself rounds down to 448)
+
+    @cuda.jit(device=True, inline=True)
+    def decode2(a, b):
+        if src == "float16":  # (the hardware widens a pair of halves exactly)
+            return floats_of_half2(uint32(((int64(b) & 0xFFFF) << 16) | (int64(a) & 0xFFFF)))
+        return decode(a), decode(b)
+
+    @cuda.jit(device=True, inline=True)
+    def fixed(bits, value):
+        """The hardware's rounding of value, with NaN and overflow as the format defines them."""
+        sign = SIGN if libdevice.float_as_int(value) < 0 else 0
+        if value != value:
+            return int64(sign | NAN)
+        magnitude = abs(value)
+        if magnitude > float32(LIMIT) or (not STRICT and magnitude == float32(LIMIT)):
+            return int64(sign | OVER)
+        return int64(bits)
+
+    @cuda.jit(device=True, inline=True)
+    def bf16_bits(value):
+        u = int64(libdevice.float_as_int(value)) & 0xFFFFFFFF
+        return (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+
+    @cuda.jit(device=True, inline=True)
+    def encode2(v0, v1):
+        if dst == "float8_e4m3fn":
+            pair = int64(e4m3x2_of_floats(v0, v1))
+            return fixed(pair & 0xFF, v0), fixed(pair >> 8, v1)
+        if dst == "float8_e5m2":
+            pair = int64(e5m2x2_of_floats(v0, v1))
+            return fixed(pair & 0xFF, v0), fixed(pair >> 8, v1)
+        if dst == "float16":
+            word = int64(half2_of_floats(v0, v1)) & 0xFFFFFFFF
+            return fixed(word & 0xFFFF, v0), fixed(word >> 16, v1)
+        return fixed(bf16_bits(v0) & 0xFFFF, v0), fixed(bf16_bits(v1) & 0xFFFF, v1)
+
+    @cuda.jit(device=True, inline=True)
+    def stored(bits):
+        if dst in ("float16", "bfloat16"):
+            return int16(bits - 0x10000 if bits >= 0x8000 else bits)
+        return uint8(bits)
+
+    @cuda.jit
+    def cast(out, x, seed_lo, seed_hi, offset):
+        start, step = cuda.grid(1), cuda.gridsize(1)
+        n, first = x.shape[0], 0
+        if vector:
+            for q in range(start, n // 4, step):
+                e = 4 * q
+                s = load4(x, (e,))
+                v0, v1 = decode2(s[0], s[1])
+                v2, v3 = decode2(s[2], s[3])
+                if WIDE:
+                    store4(out, (e,), (v0, v1, v2, v3))
+                else:
+                    b0, b1 = encode2(v0, v1)
+                    b2, b3 = encode2(v2, v3)
+                    store4(out, (e,), (stored(b0), stored(b1), stored(b2), stored(b3)))
+            first = n // 4 * 4
+        for e in range(first + start, n, step):
+            v, _ = decode2(x[e], x[e])
+            if WIDE:
+                out[e] = v
+            else:
+                b, _ = encode2(v, v)
+                out[e] = stored(b)
 
     return cast

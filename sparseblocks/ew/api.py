@@ -5,11 +5,13 @@ import numpy as np
 from ..runtime.arrays import Operand, check_dtype, check_same_kind, checked_operands, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
-from ..runtime.launch import launch, multiprocessors
+from ..ptx.vector import aligned
+from ..runtime.launch import data_pointer, launch, multiprocessors
 from .config import as_config
 from .dropout import make_dropout
 from .kernels import (
     make_add_n,
+    make_binary_flat,
     make_binary_kernel,
     make_cwise_linear,
     make_lstm_kernels,
@@ -46,6 +48,11 @@ def _grid(cfg, n):
     return max(1, min(-(-n // cfg.threads), cfg.waves * multiprocessors())), cfg.threads
 
 
+def _vector(*arrays):
+    """Whether every array starts at a multiple of 4 elements: the kernels' vector variant."""
+    return all(aligned(data_pointer(a), a.dtype.itemsize, 4) for a in arrays)
+
+
 def _run(cfg, kernel, n, stream, args):
     if n:
         grid, threads = _grid(cfg, n)
@@ -64,8 +71,9 @@ def unary(op, x, alpha=1.0, config=None):
     (x_op,) = _operands([("x", x)])
     stream = launch_stream((x_op,))
     native, y = x_op.empty(x_op.shape, stream)
-    unary_kernel, _ = cached(make_unary_kernel, x_op.dtype, _acc(x_op.dtype), op)
-    _run(cfg, unary_kernel, int(np.prod(x_op.shape)), stream, (_flat(y), _flat(x_op.device(stream)), float(alpha)))
+    args = (_flat(y), _flat(x_op.device(stream)))
+    unary_kernel, _ = cached(make_unary_kernel, x_op.dtype, _acc(x_op.dtype), op, _vector(*args))
+    _run(cfg, unary_kernel, int(np.prod(x_op.shape)), stream, (*args, float(alpha)))
     return x_op.result(native, y, stream)
 
 
@@ -81,9 +89,9 @@ def unary_grad(op, dy, x, y, alpha=1.0, config=None):
             raise ValueError(f"{other.name}: expected x's shape {x_op.shape}, got {other.shape}")
     stream = launch_stream((dy_op, x_op, y_op))
     native, dx = x_op.empty(x_op.shape, stream)
-    _, grad_kernel = cached(make_unary_kernel, x_op.dtype, _acc(x_op.dtype), op)
-    _run(cfg, grad_kernel, int(np.prod(x_op.shape)), stream,
-         (_flat(dx), *(_flat(o.device(stream)) for o in (dy_op, x_op, y_op)), float(alpha)))
+    args = (_flat(dx), *(_flat(o.device(stream)) for o in (dy_op, x_op, y_op)))
+    _, grad_kernel = cached(make_unary_kernel, x_op.dtype, _acc(x_op.dtype), op, _vector(*args))
+    _run(cfg, grad_kernel, int(np.prod(x_op.shape)), stream, (*args, float(alpha)))
     return x_op.result(native, dx, stream)
 
 
@@ -144,9 +152,14 @@ def binary(op, a, b, config=None):
     shape, out4, pa, pb = broadcast(a_op.shape, b_op.shape)
     stream = launch_stream((a_op, b_op))
     native, out = a_op.empty(shape, stream)
-    kernel, _ = cached(make_binary_kernel, a_op.dtype, _acc(a_op.dtype), op)
-    _run(cfg, kernel, int(np.prod(shape)), stream, (_flat(out), _flat(a_op.device(stream)), _flat(b_op.device(stream)),
-                                                   *out4[1:], *_strides(pa, out4), *_strides(pb, out4)))
+    n = int(np.prod(shape))
+    args = (_flat(out), _flat(a_op.device(stream)), _flat(b_op.device(stream)))
+    if a_op.shape == b_op.shape:
+        kernel, _ = cached(make_binary_flat, a_op.dtype, _acc(a_op.dtype), op, _vector(*args))
+        _run(cfg, kernel, n, stream, args)
+    else:
+        kernel, _ = cached(make_binary_kernel, a_op.dtype, _acc(a_op.dtype), op, n < 2 ** 31)
+        _run(cfg, kernel, n, stream, (*args, *out4[1:], *_strides(pa, out4), *_strides(pb, out4)))
     return a_op.result(native, out, stream)
 
 
@@ -164,8 +177,14 @@ def binary_grad(op, dy, a, b, config=None):
     stream = launch_stream((dy_op, a_op, b_op))
     acc = _acc_name(a_op.dtype)
     n = int(np.prod(shape))
+    if a_op.shape == b_op.shape:  # (nothing broadcast: the gradients in the operands' dtype at once)
+        (da_native, da), (db_native, db) = a_op.empty(shape, stream), b_op.empty(shape, stream)
+        args = (_flat(da), _flat(db), *(_flat(o.device(stream)) for o in (dy_op, a_op, b_op)))
+        _, grad_kernel = cached(make_binary_flat, a_op.dtype, _acc(a_op.dtype), op, _vector(*args))
+        _run(cfg, grad_kernel, n, stream, args)
+        return a_op.result(da_native, da, stream), b_op.result(db_native, db, stream)
     full_a, full_b = a_op.scratch((max(n, 1),), acc, stream), a_op.scratch((max(n, 1),), acc, stream)
-    _, grad_kernel = cached(make_binary_kernel, a_op.dtype, _acc(a_op.dtype), op)
+    _, grad_kernel = cached(make_binary_kernel, a_op.dtype, _acc(a_op.dtype), op, n < 2 ** 31)
     _run(cfg, grad_kernel, n, stream, (full_a, full_b, _flat(dy_op.device(stream)), _flat(a_op.device(stream)),
                                        _flat(b_op.device(stream)), *out4[1:], *_strides(pa, out4), *_strides(pb, out4)))
     reduce_to = cached(make_reduce_to, a_op.dtype, _acc(a_op.dtype))
@@ -209,7 +228,7 @@ def add_n(xs, config=None):
     native, out = ops[0].empty(ops[0].shape, stream)
     flats = [_flat(op.device(stream)) for op in ops]
     flats += [flats[0]] * (MAX_INPUTS - len(flats))
-    kernel = cached(make_add_n, ops[0].dtype, _acc(ops[0].dtype), len(xs))
+    kernel = cached(make_add_n, ops[0].dtype, _acc(ops[0].dtype), len(xs), _vector(out, *flats))
     _run(cfg, kernel, int(np.prod(ops[0].shape)), stream, (_flat(out), *flats))
     return ops[0].result(native, out, stream)
 
@@ -337,8 +356,9 @@ def fused_lstm_gates(c, *gates, config=None):
     (cn_native, c_next), (h_native, h) = c_op.empty((N, H), stream), c_op.empty((N, H), stream)
     flats = [_flat(op.device(stream)) for op in ops]
     gate_args = [flats[1][q * H:] for q in range(4)] if merged else flats[1:]
-    kernel, _ = cached(make_lstm_kernels, c_op.dtype, _acc(c_op.dtype))
-    _run(cfg, kernel, N * H, stream, (_flat(c_next), _flat(h), flats[0], *gate_args, H, 4 * H if merged else H))
+    vector = H % 4 == 0 and _vector(c_next, h, *flats)
+    kernel, _ = cached(make_lstm_kernels, c_op.dtype, _acc(c_op.dtype), vector)
+    _run(cfg, kernel, (N * H) // 4 if vector else N * H, stream, (_flat(c_next), _flat(h), flats[0], *gate_args, H, 4 * H if merged else H))
     return c_op.result(cn_native, c_next, stream), c_op.result(h_native, h, stream)
 
 
@@ -362,8 +382,9 @@ def fused_lstm_gates_grad(c, *gates, dc_next, dh, config=None):
         grad_args = [_flat(d) for _, d in grads]
     flats = [_flat(op.device(stream)) for op in ops]
     gate_args = [flats[1][q * H:] for q in range(4)] if merged else flats[1:5]
-    _, kernel = cached(make_lstm_kernels, c_op.dtype, _acc(c_op.dtype))
-    _run(cfg, kernel, N * H, stream, (_flat(dc), *grad_args, flats[0], *gate_args, flats[-2], flats[-1], H,
+    vector = H % 4 == 0 and _vector(dc, *(_flat(d) for _, d in grads), *flats)
+    _, kernel = cached(make_lstm_kernels, c_op.dtype, _acc(c_op.dtype), vector)
+    _run(cfg, kernel, (N * H) // 4 if vector else N * H, stream, (_flat(dc), *grad_args, flats[0], *gate_args, flats[-2], flats[-1], H,
                                       4 * H if merged else H))
     return (c_op.result(dc_native, dc, stream), *(c_op.result(n, d, stream) for n, d in grads))
 
@@ -405,10 +426,12 @@ def _run_dropout(cfg, x, keep_prob, seed, offset, mask, packed, name):
     if mask_device is None:
         mask_device = x_op.scratch((1,), "uint32", stream)
     if n:
-        kernel = cached(make_dropout, x_op.dtype, _acc(x_op.dtype), bool(packed), mask is not None)
+        x_dev = _flat(x_op.device(stream))
+        kernel = cached(make_dropout, x_op.dtype, _acc(x_op.dtype), bool(packed), mask is not None,
+                        _vector(_flat(y), x_dev))
         groups = -(-n // 4)
         grid = max(1, min(-(-groups // cfg.threads), cfg.waves * multiprocessors()))
-        launch(kernel, grid, cfg.threads, stream, (_flat(y), mask_device, _flat(x_op.device(stream)), threshold,
+        launch(kernel, grid, cfg.threads, stream, (_flat(y), mask_device, x_dev, threshold,
                                                    scale, seed & 0xFFFFFFFF, seed >> 32, offset, n))
     out = x_op.result(native, y, stream)
     return (out, x_op.result(mask_native, mask_device, stream)) if packed else out

@@ -12,15 +12,22 @@ from numba import cuda, int64, uint32, uint64
 
 from ..bsmm.device import converters
 from ..philox import philox
+from ..ptx.vector import load4, store4
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
 
 
-def make_dropout(storage, acc_type, packed, given):
+def make_dropout(storage, acc_type, packed, given, vector):
     """``dropout(y, mask, x, threshold, scale, seed_lo, seed_hi, offset, n)``: y = x·keep·scale over
-    n elements (flat); ``mask`` the packed words (written where ``packed``, read where ``given``)."""
+    n elements (flat); ``mask`` the packed words (written where ``packed``, read where ``given``).
+    ``vector``: x and y start at a multiple of 4 elements, so a whole group moves by one load and
+    one store."""
     to_acc, from_acc = converters(storage, acc_type)
+
+    @cuda.jit(device=True, inline=True)
+    def scaled(v, keep, scale):
+        return from_acc(to_acc(v) * scale if keep else acc_type(0))
 
     @cuda.jit(device=True, inline=True)
     def nibble_word(b0, b1, b2, b3, k):
@@ -49,19 +56,27 @@ def make_dropout(storage, acc_type, packed, given):
             words = philox(uint32(g & FULL_MASK), uint32(g >> 32), uint32(offset & FULL_MASK), uint32(offset >> 32),
                            uint32(seed_lo), uint32(seed_hi)) if not given else (uint32(0), uint32(0), uint32(0), uint32(0))
             k0 = k1 = k2 = k3 = False
-            for j in range(4):
-                e = 4 * g + j
-                if e < n:
-                    keep = kept(mask, words, e, j, threshold)
-                    y[e] = from_acc(to_acc(x[e]) * acc_type(scale) if keep else acc_type(0))
-                    if j == 0:
-                        k0 = keep
-                    elif j == 1:
-                        k1 = keep
-                    elif j == 2:
-                        k2 = keep
-                    else:
-                        k3 = keep
+            if vector and 4 * g + 3 < n:
+                e = 4 * g
+                k0, k1 = kept(mask, words, e, 0, threshold), kept(mask, words, e + 1, 1, threshold)
+                k2, k3 = kept(mask, words, e + 2, 2, threshold), kept(mask, words, e + 3, 3, threshold)
+                v = load4(x, (e,))
+                s = acc_type(scale)
+                store4(y, (e,), (scaled(v[0], k0, s), scaled(v[1], k1, s), scaled(v[2], k2, s), scaled(v[3], k3, s)))
+            else:
+                for j in range(4):
+                    e = 4 * g + j
+                    if e < n:
+                        keep = kept(mask, words, e, j, threshold)
+                        y[e] = scaled(x[e], keep, acc_type(scale))
+                        if j == 0:
+                            k0 = keep
+                        elif j == 1:
+                            k1 = keep
+                        elif j == 2:
+                            k2 = keep
+                        else:
+                            k3 = keep
             if packed:
                 b0, b1 = cuda.ballot_sync(FULL_MASK, k0), cuda.ballot_sync(FULL_MASK, k1)
                 b2, b3 = cuda.ballot_sync(FULL_MASK, k2), cuda.ballot_sync(FULL_MASK, k3)

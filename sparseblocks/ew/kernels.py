@@ -6,12 +6,18 @@ operand is read at its own strides, 0 along a broadcast dimension. A binary grad
 at the output's shape in the sums' precision, and `make_reduce_to` adds it back to an operand's
 shape (a thread an operand element, summing the positions that read it, in a fixed order).
 Values are converted to fp32 (fp64 for fp64) on the way in and rounded once on the way out.
+
+Flat maps (unary ops and their gradients, binary ops of operands of one shape, ``add_n``, the
+LSTM gates) have a ``vector`` variant: a thread moves 4 or 8 consecutive elements by 8- to
+32-byte loads and stores (`ptx.vector`), then the last few elements one at a time. Launchers pick
+it when every array's address is a multiple of 4 elements.
 """
 
-from numba import cuda
+from numba import cuda, int32, int64
 
 from ..bsmm.device import converters
 from ..norms.layer import make_block_sum
+from ..ptx.vector import load4, store4
 from .ops import make_binary, make_lstm, make_unary
 
 
@@ -21,22 +27,46 @@ def bounds():
     return cuda.grid(1), cuda.gridsize(1)
 
 
-def make_unary_kernel(storage, acc_type, op):
+def make_unary_kernel(storage, acc_type, op, vector):
     """``unary(y, x, alpha)`` and ``unary_grad(dx, dy, x, y, alpha)``."""
     to_acc, from_acc = converters(storage, acc_type)
     forward, grad = make_unary(op, acc_type)
 
+    @cuda.jit(device=True, inline=True)
+    def f(x, a):
+        return from_acc(forward(to_acc(x), a))
+
+    @cuda.jit(device=True, inline=True)
+    def df(dy, x, y, a):
+        return from_acc(grad(to_acc(dy), to_acc(x), to_acc(y), a))
+
     @cuda.jit
     def unary(y, x, alpha):
         start, step = bounds()
-        for e in range(start, x.shape[0], step):
-            y[e] = from_acc(forward(to_acc(x[e]), acc_type(alpha)))
+        n, a, first = x.shape[0], acc_type(alpha), 0
+        if vector:
+            for q in range(start, n // 8, step):
+                e = 8 * q
+                u, v = load4(x, (e,)), load4(x, (e + 4,))
+                store4(y, (e,), (f(u[0], a), f(u[1], a), f(u[2], a), f(u[3], a)))
+                store4(y, (e + 4,), (f(v[0], a), f(v[1], a), f(v[2], a), f(v[3], a)))
+            first = n // 8 * 8
+        for e in range(first + start, n, step):
+            y[e] = f(x[e], a)
 
     @cuda.jit
     def unary_grad(dx, dy, x, y, alpha):
         start, step = bounds()
-        for e in range(start, x.shape[0], step):
-            dx[e] = from_acc(grad(to_acc(dy[e]), to_acc(x[e]), to_acc(y[e]), acc_type(alpha)))
+        n, a, first = x.shape[0], acc_type(alpha), 0
+        if vector:
+            for q in range(start, n // 4, step):
+                e = 4 * q
+                g, u, v = load4(dy, (e,)), load4(x, (e,)), load4(y, (e,))
+                store4(dx, (e,), (df(g[0], u[0], v[0], a), df(g[1], u[1], v[1], a), df(g[2], u[2], v[2], a),
+                                  df(g[3], u[3], v[3], a)))
+            first = n // 4 * 4
+        for e in range(first + start, n, step):
+            dx[e] = df(dy[e], x[e], y[e], a)
 
     return unary, unary_grad
 
@@ -50,32 +80,84 @@ def _split(e, d1, d2, d3):
     return r // d1, r % d1, i2, i3
 
 
-def make_binary_kernel(storage, acc_type, op):
+def make_binary_kernel(storage, acc_type, op, narrow):
     """``binary(out, a, b, d1, d2, d3, sa0..sa3, sb0..sb3)`` and
     ``binary_grad(da, db, dy, a, b, d1, d2, d3, sa0..sa3, sb0..sb3)`` (da, db at the output's shape,
-    in the sums' precision)."""
+    in the sums' precision). ``narrow``: every index fits 31 bits, so the index arithmetic runs in
+    int32 (a 64-bit division costs several times a 32-bit one)."""
     to_acc, from_acc = converters(storage, acc_type)
     forward, grad = make_binary(op, acc_type)
+    index = int32 if narrow else int64
+
+    @cuda.jit(device=True, inline=True)
+    def offsets(e, d1, d2, d3, sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3):
+        i0, i1, i2, i3 = _split(index(e), index(d1), index(d2), index(d3))
+        return (i0 * index(sa0) + i1 * index(sa1) + i2 * index(sa2) + i3 * index(sa3),
+                i0 * index(sb0) + i1 * index(sb1) + i2 * index(sb2) + i3 * index(sb3))
 
     @cuda.jit
     def binary(out, a, b, d1, d2, d3, sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3):
         start, step = bounds()
         for e in range(start, out.shape[0], step):
-            i0, i1, i2, i3 = _split(e, d1, d2, d3)
-            x = to_acc(a[i0 * sa0 + i1 * sa1 + i2 * sa2 + i3 * sa3])
-            y = to_acc(b[i0 * sb0 + i1 * sb1 + i2 * sb2 + i3 * sb3])
-            out[e] = from_acc(forward(x, y))
+            ia, ib = offsets(e, d1, d2, d3, sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3)
+            out[e] = from_acc(forward(to_acc(a[ia]), to_acc(b[ib])))
 
     @cuda.jit
     def binary_grad(da, db, dy, a, b, d1, d2, d3, sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3):
         start, step = bounds()
         for e in range(start, dy.shape[0], step):
-            i0, i1, i2, i3 = _split(e, d1, d2, d3)
-            x = to_acc(a[i0 * sa0 + i1 * sa1 + i2 * sa2 + i3 * sa3])
-            y = to_acc(b[i0 * sb0 + i1 * sb1 + i2 * sb2 + i3 * sb3])
-            ga, gb = grad(to_acc(dy[e]), x, y)
+            ia, ib = offsets(e, d1, d2, d3, sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3)
+            ga, gb = grad(to_acc(dy[e]), to_acc(a[ia]), to_acc(b[ib]))
             da[e] = ga
             db[e] = gb
+
+    return binary, binary_grad
+
+
+def make_binary_flat(storage, acc_type, op, vector):
+    """``binary(out, a, b)`` and ``binary_grad(da, db, dy, a, b)`` of operands of the output's
+    shape: flat maps, the gradients in the operands' dtype."""
+    to_acc, from_acc = converters(storage, acc_type)
+    forward, grad = make_binary(op, acc_type)
+
+    @cuda.jit(device=True, inline=True)
+    def f(x, y):
+        return from_acc(forward(to_acc(x), to_acc(y)))
+
+    @cuda.jit(device=True, inline=True)
+    def df(dy, x, y):
+        ga, gb = grad(to_acc(dy), to_acc(x), to_acc(y))
+        return from_acc(ga), from_acc(gb)
+
+    @cuda.jit
+    def binary(out, a, b):
+        start, step = bounds()
+        n, first = out.shape[0], 0
+        if vector:
+            for q in range(start, n // 8, step):
+                e = 8 * q
+                u, v = load4(a, (e,)), load4(b, (e,))
+                w, z = load4(a, (e + 4,)), load4(b, (e + 4,))
+                store4(out, (e,), (f(u[0], v[0]), f(u[1], v[1]), f(u[2], v[2]), f(u[3], v[3])))
+                store4(out, (e + 4,), (f(w[0], z[0]), f(w[1], z[1]), f(w[2], z[2]), f(w[3], z[3])))
+            first = n // 8 * 8
+        for e in range(first + start, n, step):
+            out[e] = f(a[e], b[e])
+
+    @cuda.jit
+    def binary_grad(da, db, dy, a, b):
+        start, step = bounds()
+        n, first = dy.shape[0], 0
+        if vector:
+            for q in range(start, n // 4, step):
+                e = 4 * q
+                g, u, v = load4(dy, (e,)), load4(a, (e,)), load4(b, (e,))
+                r0, r1, r2, r3 = df(g[0], u[0], v[0]), df(g[1], u[1], v[1]), df(g[2], u[2], v[2]), df(g[3], u[3], v[3])
+                store4(da, (e,), (r0[0], r1[0], r2[0], r3[0]))
+                store4(db, (e,), (r0[1], r1[1], r2[1], r3[1]))
+            first = n // 4 * 4
+        for e in range(first + start, n, step):
+            da[e], db[e] = df(dy[e], a[e], b[e])
 
     return binary, binary_grad
 
@@ -103,30 +185,46 @@ def make_reduce_to(storage, acc_type):
     return reduce_to
 
 
-def make_add_n(storage, acc_type, n):
+def make_add_n(storage, acc_type, n, vector):
     """``add_n(out, x0, ..., x7)``: the sum of the first ``n`` inputs (the rest unread), in order."""
     to_acc, from_acc = converters(storage, acc_type)
+
+    @cuda.jit(device=True, inline=True)
+    def total(v0, v1, v2, v3, v4, v5, v6, v7):
+        s = to_acc(v0)
+        if n > 1:
+            s += to_acc(v1)
+        if n > 2:
+            s += to_acc(v2)
+        if n > 3:
+            s += to_acc(v3)
+        if n > 4:
+            s += to_acc(v4)
+        if n > 5:
+            s += to_acc(v5)
+        if n > 6:
+            s += to_acc(v6)
+        if n > 7:
+            s += to_acc(v7)
+        return from_acc(s)
 
     @cuda.jit
     def add_n(out, x0, x1, x2, x3, x4, x5, x6, x7):
         start, step = bounds()
-        for e in range(start, out.shape[0], step):
-            total = to_acc(x0[e])
-            if n > 1:
-                total += to_acc(x1[e])
-            if n > 2:
-                total += to_acc(x2[e])
-            if n > 3:
-                total += to_acc(x3[e])
-            if n > 4:
-                total += to_acc(x4[e])
-            if n > 5:
-                total += to_acc(x5[e])
-            if n > 6:
-                total += to_acc(x6[e])
-            if n > 7:
-                total += to_acc(x7[e])
-            out[e] = from_acc(total)
+        size, first = out.shape[0], 0
+        if vector:
+            for q in range(start, size // 4, step):
+                e = 4 * q
+                # (inputs past n are x0 again, and their loads dead code)
+                v0, v1, v2, v3 = load4(x0, (e,)), load4(x1, (e,)), load4(x2, (e,)), load4(x3, (e,))
+                v4, v5, v6, v7 = load4(x4, (e,)), load4(x5, (e,)), load4(x6, (e,)), load4(x7, (e,))
+                store4(out, (e,), (total(v0[0], v1[0], v2[0], v3[0], v4[0], v5[0], v6[0], v7[0]),
+                                   total(v0[1], v1[1], v2[1], v3[1], v4[1], v5[1], v6[1], v7[1]),
+                                   total(v0[2], v1[2], v2[2], v3[2], v4[2], v5[2], v6[2], v7[2]),
+                                   total(v0[3], v1[3], v2[3], v3[3], v4[3], v5[3], v6[3], v7[3])))
+            first = size // 4 * 4
+        for e in range(first + start, size, step):
+            out[e] = total(x0[e], x1[e], x2[e], x3[e], x4[e], x5[e], x6[e], x7[e])
 
     return add_n
 
@@ -174,34 +272,70 @@ def make_cwise_linear(storage, acc_type, has_a, has_b, threads):
     return linear, linear_grad
 
 
-def make_lstm_kernels(storage, acc_type):
+def make_lstm_kernels(storage, acc_type, vector):
     """``gates(c_next, h, c, i, f, o, u, H, gs)`` and ``gates_grad(dc, di, df, do, du, c, i, f, o, u,
     dc_next, dh, H, gs)``: c (N, H) flat; each gate read at row·gs + column (gs = H for four gate
-    tensors, 4H for one merged (N, 4H) tensor whose gates are its column quarters, already offset)."""
+    tensors, 4H for one merged (N, 4H) tensor whose gates are its column quarters, already offset).
+    ``vector`` (H a multiple of 4): a thread 4 consecutive columns of a row."""
     to_acc, from_acc = converters(storage, acc_type)
     forward, grad = make_lstm(acc_type)
+
+    @cuda.jit(device=True, inline=True)
+    def step_one(c_next, h, c, i, f, o, u, e, g):
+        cn, hn = forward(to_acc(c[e]), to_acc(i[g]), to_acc(f[g]), to_acc(o[g]), to_acc(u[g]))
+        c_next[e] = from_acc(cn)
+        h[e] = from_acc(hn)
 
     @cuda.jit
     def gates(c_next, h, c, i, f, o, u, H, gs):
         start, step = bounds()
-        for e in range(start, c.shape[0], step):
-            g = (e // H) * gs + e % H
-            cn, hn = forward(to_acc(c[e]), to_acc(i[g]), to_acc(f[g]), to_acc(o[g]), to_acc(u[g]))
-            c_next[e] = from_acc(cn)
-            h[e] = from_acc(hn)
+        if vector:
+            for q in range(start, c.shape[0] // 4, step):
+                e = 4 * q
+                g = e if gs == H else (e // H) * gs + e % H
+                vc, vi, vf, vo, vu = load4(c, (e,)), load4(i, (g,)), load4(f, (g,)), load4(o, (g,)), load4(u, (g,))
+                r0 = forward(to_acc(vc[0]), to_acc(vi[0]), to_acc(vf[0]), to_acc(vo[0]), to_acc(vu[0]))
+                r1 = forward(to_acc(vc[1]), to_acc(vi[1]), to_acc(vf[1]), to_acc(vo[1]), to_acc(vu[1]))
+                r2 = forward(to_acc(vc[2]), to_acc(vi[2]), to_acc(vf[2]), to_acc(vo[2]), to_acc(vu[2]))
+                r3 = forward(to_acc(vc[3]), to_acc(vi[3]), to_acc(vf[3]), to_acc(vo[3]), to_acc(vu[3]))
+                store4(c_next, (e,), (from_acc(r0[0]), from_acc(r1[0]), from_acc(r2[0]), from_acc(r3[0])))
+                store4(h, (e,), (from_acc(r0[1]), from_acc(r1[1]), from_acc(r2[1]), from_acc(r3[1])))
+        else:
+            for e in range(start, c.shape[0], step):
+                step_one(c_next, h, c, i, f, o, u, e, (e // H) * gs + e % H)
 
     @cuda.jit
     def gates_grad(dc, di, df, do, du, c, i, f, o, u, dc_next, dh, H, gs):
         start, step = bounds()
-        for e in range(start, c.shape[0], step):
-            g = (e // H) * gs + e % H
-            gc, gi, gf, go, gu = grad(to_acc(c[e]), to_acc(i[g]), to_acc(f[g]), to_acc(o[g]), to_acc(u[g]),
-                                      to_acc(dc_next[e]), to_acc(dh[e]))
-            dc[e] = from_acc(gc)
-            di[g] = from_acc(gi)
-            df[g] = from_acc(gf)
-            do[g] = from_acc(go)
-            du[g] = from_acc(gu)
+        if vector:
+            for q in range(start, c.shape[0] // 4, step):
+                e = 4 * q
+                g = e if gs == H else (e // H) * gs + e % H
+                vc, vi, vf, vo, vu = load4(c, (e,)), load4(i, (g,)), load4(f, (g,)), load4(o, (g,)), load4(u, (g,))
+                vn, vh = load4(dc_next, (e,)), load4(dh, (e,))
+                r0 = grad(to_acc(vc[0]), to_acc(vi[0]), to_acc(vf[0]), to_acc(vo[0]), to_acc(vu[0]), to_acc(vn[0]),
+                          to_acc(vh[0]))
+                r1 = grad(to_acc(vc[1]), to_acc(vi[1]), to_acc(vf[1]), to_acc(vo[1]), to_acc(vu[1]), to_acc(vn[1]),
+                          to_acc(vh[1]))
+                r2 = grad(to_acc(vc[2]), to_acc(vi[2]), to_acc(vf[2]), to_acc(vo[2]), to_acc(vu[2]), to_acc(vn[2]),
+                          to_acc(vh[2]))
+                r3 = grad(to_acc(vc[3]), to_acc(vi[3]), to_acc(vf[3]), to_acc(vo[3]), to_acc(vu[3]), to_acc(vn[3]),
+                          to_acc(vh[3]))
+                store4(dc, (e,), (from_acc(r0[0]), from_acc(r1[0]), from_acc(r2[0]), from_acc(r3[0])))
+                store4(di, (g,), (from_acc(r0[1]), from_acc(r1[1]), from_acc(r2[1]), from_acc(r3[1])))
+                store4(df, (g,), (from_acc(r0[2]), from_acc(r1[2]), from_acc(r2[2]), from_acc(r3[2])))
+                store4(do, (g,), (from_acc(r0[3]), from_acc(r1[3]), from_acc(r2[3]), from_acc(r3[3])))
+                store4(du, (g,), (from_acc(r0[4]), from_acc(r1[4]), from_acc(r2[4]), from_acc(r3[4])))
+        else:
+            for e in range(start, c.shape[0], step):
+                g = (e // H) * gs + e % H
+                gc, gi, gf, go, gu = grad(to_acc(c[e]), to_acc(i[g]), to_acc(f[g]), to_acc(o[g]), to_acc(u[g]),
+                                          to_acc(dc_next[e]), to_acc(dh[e]))
+                dc[e] = from_acc(gc)
+                di[g] = from_acc(gi)
+                df[g] = from_acc(gf)
+                do[g] = from_acc(go)
+                du[g] = from_acc(gu)
 
     return gates, gates_grad
 

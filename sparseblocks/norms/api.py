@@ -5,10 +5,11 @@ import numpy as np
 from ..runtime.arrays import Operand, check_same_kind, checked_operands, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
-from ..runtime.launch import launch
+from ..ptx.vector import aligned
+from ..runtime.launch import data_pointer, launch
 from .config import as_config
 from .batch import make_batch_norm
-from .layer import forward_launch, make_backward, make_forward, make_param_grads
+from .layer import column_launch, forward_launch, make_backward, make_forward, make_param_grads, make_zeros
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -66,10 +67,19 @@ def layer_norm(x, g, b, axis=1, epsilon=1e-6, relu=False, config=None, stats=Fal
     mean_native, mean = x_op.empty((N,), stream, dtype=acc)
     rstd_native, rstd = x_op.empty((N,), stream, dtype=acc)
     if N:
-        kernel = cached(make_forward, cfg, x_op.dtype, g_op.dtype, _numba(acc), axis, bool(relu))
-        grid, threads = forward_launch(cfg, axis, N)
-        launch(kernel, grid, threads, stream, (y, mean, rstd, x_op.device(stream), g_op.device(stream),
-                                               b_op.device(stream), epsilon))
+        x_dev, g_dev, b_dev = x_op.device(stream), g_op.device(stream), b_op.device(stream)
+        vector = _vector(x_op.shape[1], y, x_dev, g_dev, b_dev)
+        kernels = cached(make_forward, cfg, x_op.dtype, g_op.dtype, _numba(acc), axis, bool(relu), vector)
+        if axis == 1:
+            grid, threads = forward_launch(cfg, axis, N)
+            launch(kernels, grid, threads, stream, (y, mean, rstd, x_dev, g_dev, b_dev, epsilon))
+        else:
+            sums, stats_kernel, apply = kernels
+            (grid, block), (stats_grid, stats_threads) = column_launch(cfg, C, N)
+            work = x_op.scratch((grid[1], 2, N), acc, stream)
+            launch(sums, grid, block, stream, (work, x_dev))
+            launch(stats_kernel, stats_grid, stats_threads, stream, (mean, rstd, work, x_dev, epsilon))
+            launch(apply, grid, block, stream, (y, x_dev, g_dev, b_dev, mean, rstd))
     out = x_op.result(native, y, stream)
     if not stats:
         return out
@@ -95,22 +105,42 @@ def layer_norm_grad(dy, x, g, b, mean, rstd, axis=1, relu=False, config=None):
     db_native, db = g_op.empty((C,), stream)
     devices = [op.device(stream) for op in ops]
     x_dev, g_dev, b_dev, dy_dev, mean_dev, rstd_dev = devices
-    key = (cfg, x_op.dtype, g_op.dtype, _numba(acc), axis, bool(relu))
-    if N:
-        grid, threads = forward_launch(cfg, axis, N)
-        launch(cached(make_backward, *key), grid, threads, stream, (dx, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
+    vector = _vector(x_op.shape[1], dx, *devices)
+    key = (cfg, x_op.dtype, g_op.dtype, _numba(acc), bool(relu))
     partials, finish = cached(make_param_grads, *key)
+    columns = -(-C // cfg.row_threads)
     if axis == 1:
+        if N:
+            grid, threads = forward_launch(cfg, axis, N)
+            launch(cached(make_backward, *key[:4], axis, key[4], vector), grid, threads, stream,
+                   (dx, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
         chunks = max(1, -(-N // cfg.grad_rows))
         work = x_op.scratch((chunks, 2, C), acc, stream)
-        columns = -(-C // cfg.row_threads)
         launch(partials, (columns, chunks), cfg.row_threads, stream, (work, dy_dev, x_dev, g_dev, b_dev, mean_dev,
                                                                      rstd_dev))
-        launch(finish, columns, cfg.row_threads, stream, (dg, db, work))
     else:
-        launch(partials, C, cfg.row_threads, stream, (dg, db, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
+        sums, means, apply = cached(make_backward, *key[:4], axis, key[4], vector)
+        (grid, block), (stats_grid, stats_threads) = column_launch(cfg, C, N)
+        if N:
+            work = x_op.scratch((grid[0], 2, C), acc, stream)
+            sum_work = x_op.scratch((grid[1], 2, N), acc, stream)
+            column_means = x_op.scratch((2, N), acc, stream)
+            launch(sums, grid, block, stream, (sum_work, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
+            launch(means, stats_grid, stats_threads, stream, (column_means, sum_work))
+            launch(apply, grid, block, stream, (dx, work, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev,
+                                                column_means))
+        else:
+            work = x_op.scratch((1, 2, C), acc, stream)
+            launch(cached(make_zeros, _numba(acc)), -(-2 * C // 256), 256, stream, (work.reshape(-1),))
+    launch(finish, columns, cfg.row_threads, stream, (dg, db, work))
     return (x_op.result(dx_native, dx, stream), g_op.result(dg_native, dg, stream),
             g_op.result(db_native, db, stream))
+
+
+def _vector(width, *arrays):
+    """Whether the layer-norm kernels may move 4 values a load: rows of a multiple of 4 and every
+    array aligned to 4 elements."""
+    return width % 4 == 0 and all(aligned(data_pointer(a), a.dtype.itemsize, 4) for a in arrays)
 
 
 def _channels(x, g, b, epsilon, extra=()):

@@ -6,17 +6,22 @@ Each of N rows of C features is normalized: ``y = (x - mean)·rstd·g + b`` (the
 Sums run in fp32 (fp64 for fp64), in a fixed order: results repeat bitwise.
 
 * Feature axis 1, x (N, C): a thread block a row. Its threads stride over the row (consecutive
-  threads, consecutive features) and reduce by warp shuffles, then across warps in shared memory
+  threads, consecutive groups of 4 features, each group one vector load where C is a multiple
+  of 4 and the arrays aligned) and reduce by warp shuffles, then across warps in shared memory
   (`make_block_sum`).
-* Feature axis 0, x (C, N): a thread a row of the normalization (a column of x), walking its C
-  features; neighbouring threads read neighbouring columns, so every load is coalesced and no
-  reduction crosses threads.
+* Feature axis 0, x (C, N): a thread 4 neighbouring columns of x (4 rows of the normalization),
+  a warp 128 columns, the block's warps a row of features each in turn. Three launches: the
+  column sums over chunks of ``column_rows`` features into a workspace (from a shift, each
+  column's first value, so that a large mean costs no accuracy: ``Σ(x - x₀)`` and
+  ``Σ(x - x₀)²``), the mean and rstd from the chunks' sums in order, then y.
 
 The backward recomputes ``xhat = (x - mean)·rstd`` from the forward's kept mean and rstd:
 ``dx = rstd·(dxhat - mean(dxhat) - xhat·mean(dxhat·xhat))`` with ``dxhat = dy·g`` (dy zeroed
 where the forward's ReLU cut), ``dg = Σ_rows dy·xhat``, ``db = Σ_rows dy``. On axis 1 the
 parameter gradients sum row chunks of ``grad_rows`` into a workspace, which a second kernel adds
-in chunk order; on axis 0 a thread block sums each feature's contiguous row.
+in chunk order. On axis 0 the column sums of ``dxhat`` and ``dxhat·xhat`` take the forward's
+three launches, and the kernel that writes dx also sums dg's and db's terms over its 128
+columns (a workspace of column blocks, added in order).
 """
 
 import math
@@ -24,8 +29,10 @@ import math
 from numba import cuda
 
 from ..bsmm.device import converters
+from ..ptx.vector import load4, store4
 
 FULL_MASK = 0xFFFFFFFF
+COLUMNS = 128  # feature axis 0: columns of x a warp covers (4 a lane)
 
 
 def make_block_sum(threads, acc_type):
@@ -66,10 +73,105 @@ def _normalized(acc_type, relu):
     return normalized
 
 
-def make_forward(cfg, storage, param_storage, acc_type, axis, relu):
-    """``forward(y, mean, rstd, x, g, b, epsilon)``: launched with `forward_launch`'s grid."""
-    x_in, x_out = converters(storage, acc_type)
-    p_in, _ = converters(param_storage, acc_type)
+def _passed(acc_type, relu):
+    @cuda.jit(device=True, inline=True)
+    def passed(dy, xhat, g, b):
+        """dy where the forward's ReLU let the value through."""
+        if relu and not xhat * g + b > acc_type(0):
+            return acc_type(0)
+        return dy
+
+    return passed
+
+
+def make_group_io(convert, acc_type, vector):
+    """``read(a, r, c)``: the 4 values ``a[r, c:c+4]`` as accumulators (0 past the row's end), one
+    load where ``vector``; ``write(a, r, c, v0, v1, v2, v3)`` the same 4 places (those in the row)."""
+    to_acc, from_acc = convert
+
+    @cuda.jit(device=True, inline=True)
+    def read(a, r, c):
+        width = a.shape[1]
+        if vector and c + 3 < width:
+            v = load4(a, (r, c))
+            return to_acc(v[0]), to_acc(v[1]), to_acc(v[2]), to_acc(v[3])
+        zero = acc_type(0)
+        return (to_acc(a[r, c]) if c < width else zero, to_acc(a[r, c + 1]) if c + 1 < width else zero,
+                to_acc(a[r, c + 2]) if c + 2 < width else zero, to_acc(a[r, c + 3]) if c + 3 < width else zero)
+
+    @cuda.jit(device=True, inline=True)
+    def write(a, r, c, v0, v1, v2, v3):
+        width = a.shape[1]
+        if vector and c + 3 < width:
+            store4(a, (r, c), (from_acc(v0), from_acc(v1), from_acc(v2), from_acc(v3)))
+        else:
+            if c < width:
+                a[r, c] = from_acc(v0)
+            if c + 1 < width:
+                a[r, c + 1] = from_acc(v1)
+            if c + 2 < width:
+                a[r, c + 2] = from_acc(v2)
+            if c + 3 < width:
+                a[r, c + 3] = from_acc(v3)
+
+    return read, write
+
+
+def make_param_io(convert, acc_type, vector):
+    """``params(p, c)``: the 4 values ``p[c:c+4]`` of a 1-D array (0 past its end)."""
+    to_acc, _ = convert
+
+    @cuda.jit(device=True, inline=True)
+    def params(p, c):
+        n = p.shape[0]
+        if vector and c + 3 < n:
+            v = load4(p, (c,))
+            return to_acc(v[0]), to_acc(v[1]), to_acc(v[2]), to_acc(v[3])
+        zero = acc_type(0)
+        return (to_acc(p[c]) if c < n else zero, to_acc(p[c + 1]) if c + 1 < n else zero,
+                to_acc(p[c + 2]) if c + 2 < n else zero, to_acc(p[c + 3]) if c + 3 < n else zero)
+
+    return params
+
+
+def make_column_sums(W, acc_type):
+    """``column_sums(work, shared, lane, w, n0, values)``: the block's warps' 8 sums of a lane's
+    4 columns (``values``: 4 of one quantity, then 4 of another) added in warp order into
+    ``work[chunk, 0:2, n0:n0+4]`` (chunk: the block's y); ``shared`` (W, 8, 32) of acc_type."""
+
+    @cuda.jit(device=True, inline=True)
+    def column_sums(work, shared, lane, w, n0, values):
+        for j in range(8):
+            shared[w, j, lane] = values[j]
+        cuda.syncthreads()
+        if w == 0:
+            N = work.shape[2]
+            for j in range(8):
+                total = acc_type(0)
+                for k in range(W):
+                    total += shared[k, j, lane]
+                if n0 + j % 4 < N:
+                    work[cuda.blockIdx.y, j // 4, n0 + j % 4] = total
+
+    return column_sums
+
+
+def _stats_io(acc_type, vector):
+    """`make_param_io` for the fp32 (fp64) per-column statistics."""
+    return make_param_io(converters("float64" if acc_type.bitwidth == 64 else "float32", acc_type), acc_type, vector)
+
+
+def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector):
+    """Axis 1: ``forward(y, mean, rstd, x, g, b, epsilon)``, launched with `forward_launch`'s grid.
+    Axis 0: (``sums(work, x)``, ``stats(mean, rstd, work, x, epsilon)``, ``apply(y, x, g, b, mean,
+    rstd)``), launched with `column_launch`'s grids. ``vector``: C (axis 1) or N (axis 0) a
+    multiple of 4 and every array aligned to 4 elements."""
+    x_conv = converters(storage, acc_type)
+    x_in = x_conv[0]
+    p_conv = converters(param_storage, acc_type)
+    p_in = p_conv[0]
+    read, write = make_group_io(x_conv, acc_type, vector)
+    params = make_param_io(p_conv, acc_type, vector)
     normalized = _normalized(acc_type, relu)
 
     if axis == 1:
@@ -83,66 +185,123 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu):
             shared = cuda.shared.array(SLOTS, acc_type)
             C = x.shape[1]
             s = acc_type(0)
-            for c in range(t, C, T):
-                s += x_in(x[row, c])
+            for c in range(4 * t, C, 4 * T):
+                v0, v1, v2, v3 = read(x, row, c)
+                s += (v0 + v1) + (v2 + v3)
             mean = block_sum(s, shared, t) / C
             q = acc_type(0)
-            for c in range(t, C, T):
-                d = x_in(x[row, c]) - mean
-                q += d * d
+            for c in range(4 * t, C, 4 * T):
+                v0, v1, v2, v3 = read(x, row, c)
+                d0, d1, d2, d3 = v0 - mean, v1 - mean, v2 - mean, v3 - mean
+                if c + 3 >= C:  # (the zeros read past the row's end are not values)
+                    d1 = d1 if c + 1 < C else acc_type(0)
+                    d2 = d2 if c + 2 < C else acc_type(0)
+                    d3 = d3 if c + 3 < C else acc_type(0)
+                q += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3)
             r = acc_type(1) / math.sqrt(block_sum(q, shared, t) / C + acc_type(epsilon))
-            for c in range(t, C, T):
-                y[row, c] = x_out(normalized((x_in(x[row, c]) - mean) * r, p_in(g[c]), p_in(b[c])))
+            for c in range(4 * t, C, 4 * T):
+                v0, v1, v2, v3 = read(x, row, c)
+                g0, g1, g2, g3 = params(g, c)
+                b0, b1, b2, b3 = params(b, c)
+                write(y, row, c, normalized((v0 - mean) * r, g0, b0), normalized((v1 - mean) * r, g1, b1),
+                      normalized((v2 - mean) * r, g2, b2), normalized((v3 - mean) * r, g3, b3))
             if t == 0:
                 mean_out[row], rstd_out[row] = mean, r
 
         return forward_rows
 
+    W = cfg.column_warps
+    R = cfg.column_rows
+    column_sums = make_column_sums(W, acc_type)
+    column_params = _stats_io(acc_type, vector)
+
     @cuda.jit
-    def forward_columns(y, mean_out, rstd_out, x, g, b, epsilon):
-        n = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    def sums(work, x):
+        lane, w = cuda.threadIdx.x, cuda.threadIdx.y
+        shared = cuda.shared.array((W, 8, 32), acc_type)
+        C = x.shape[0]
+        n0 = 4 * (cuda.blockIdx.x * 32 + lane)
+        k0, k1, k2, k3 = read(x, 0, n0)
+        s0 = s1 = s2 = s3 = q0 = q1 = q2 = q3 = acc_type(0)
+        first = cuda.blockIdx.y * R
+        for c in range(first + w, min(C, first + R), W):
+            v0, v1, v2, v3 = read(x, c, n0)
+            d0, d1, d2, d3 = v0 - k0, v1 - k1, v2 - k2, v3 - k3
+            s0 += d0
+            s1 += d1
+            s2 += d2
+            s3 += d3
+            q0 += d0 * d0
+            q1 += d1 * d1
+            q2 += d2 * d2
+            q3 += d3 * d3
+        column_sums(work, shared, lane, w, n0, (s0, s1, s2, s3, q0, q1, q2, q3))
+
+    @cuda.jit
+    def stats(mean_out, rstd_out, work, x, epsilon):
+        n = cuda.grid(1)
         C, N = x.shape
         if n >= N:
             return
         s = acc_type(0)
-        for c in range(C):
-            s += x_in(x[c, n])
-        mean = s / C
         q = acc_type(0)
-        for c in range(C):
-            d = x_in(x[c, n]) - mean
-            q += d * d
-        r = acc_type(1) / math.sqrt(q / C + acc_type(epsilon))
-        for c in range(C):
-            y[c, n] = x_out(normalized((x_in(x[c, n]) - mean) * r, p_in(g[c]), p_in(b[c])))
-        mean_out[n], rstd_out[n] = mean, r
+        for chunk in range(work.shape[0]):  # (in chunk order: the results repeat bitwise)
+            s += work[chunk, 0, n]
+            q += work[chunk, 1, n]
+        shift = s / C
+        mean = x_in(x[0, n]) + shift
+        mean_out[n] = mean
+        rstd_out[n] = acc_type(1) / math.sqrt(max(q / C - shift * shift, acc_type(0)) + acc_type(epsilon))
 
-    return forward_columns
+    @cuda.jit
+    def apply(y, x, g, b, mean_in, rstd_in):
+        lane, w = cuda.threadIdx.x, cuda.threadIdx.y
+        C, N = x.shape
+        n0 = 4 * (cuda.blockIdx.x * 32 + lane)
+        m0, m1, m2, m3 = column_params(mean_in, n0)
+        r0, r1, r2, r3 = column_params(rstd_in, n0)
+        first = cuda.blockIdx.y * R
+        for c in range(first + w, min(C, first + R), W):
+            v0, v1, v2, v3 = read(x, c, n0)
+            gc, bc = p_in(g[c]), p_in(b[c])
+            write(y, c, n0, normalized((v0 - m0) * r0, gc, bc), normalized((v1 - m1) * r1, gc, bc),
+                  normalized((v2 - m2) * r2, gc, bc), normalized((v3 - m3) * r3, gc, bc))
+
+    return sums, stats, apply
 
 
 def forward_launch(cfg, axis, n_rows):
-    """(grid, threads) of a forward or a dx backward over ``n_rows`` rows."""
-    if axis == 1:
-        return n_rows, cfg.row_threads
-    return -(-n_rows // cfg.column_threads), cfg.column_threads
+    """(grid, threads) of an axis-1 forward or dx backward over ``n_rows`` rows."""
+    return n_rows, cfg.row_threads
 
 
-def make_backward(cfg, storage, param_storage, acc_type, axis, relu):
-    """``backward(dx, dy, x, g, b, mean, rstd)``: dx, launched with `forward_launch`'s grid."""
-    x_in, x_out = converters(storage, acc_type)
-    p_in, _ = converters(param_storage, acc_type)
+def column_launch(cfg, C, N):
+    """Axis 0, x (C, N): (grid, block) of the column kernels (sums, apply), and (grid, threads) of
+    the stats kernel."""
+    return ((-(-N // COLUMNS), -(-C // cfg.column_rows)), (32, cfg.column_warps)), (-(-N // 256), 256)
 
-    @cuda.jit(device=True, inline=True)
-    def passed(dy, xhat, g, b):
-        """dy where the forward's ReLU let the value through."""
-        if relu and not xhat * g + b > acc_type(0):
-            return acc_type(0)
-        return dy
+
+def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector):
+    """Axis 1: ``backward(dx, dy, x, g, b, mean, rstd)``, dx, launched with `forward_launch`'s grid.
+    Axis 0: (``sums(work, dy, x, g, b, mean, rstd)``, ``means(m, work)``, ``apply(dx, gwork, dy, x,
+    g, b, mean, rstd, m)``), with `column_launch`'s grids (means: the stats kernel's); apply's
+    gwork (column blocks, 2, C) takes dg's and db's terms summed over each block's columns."""
+    x_conv = converters(storage, acc_type)
+    p_conv = converters(param_storage, acc_type)
+    p_in = p_conv[0]
+    read, write = make_group_io(x_conv, acc_type, vector)
+    params = make_param_io(p_conv, acc_type, vector)
+    passed = _passed(acc_type, relu)
 
     if axis == 1:
         T = cfg.row_threads
         SLOTS = T // 32 + 1  # (a shared array's size: a name, not an expression)
         block_sum = make_block_sum(T, acc_type)
+
+        @cuda.jit(device=True, inline=True)
+        def terms(dy, x, g, b, mean, r):
+            xhat = (x - mean) * r
+            return passed(dy, xhat, g, b) * g, xhat
 
         @cuda.jit
         def backward_rows(dx, dy, x, g, b, mean_in, rstd_in):
@@ -152,54 +311,122 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu):
             mean, r = acc_type(mean_in[row]), acc_type(rstd_in[row])
             s1 = acc_type(0)
             s2 = acc_type(0)
-            for c in range(t, C, T):
-                xhat = (x_in(x[row, c]) - mean) * r
-                gc = p_in(g[c])
-                d = passed(x_in(dy[row, c]), xhat, gc, p_in(b[c])) * gc
-                s1 += d
-                s2 += d * xhat
+            for c in range(4 * t, C, 4 * T):
+                v0, v1, v2, v3 = read(x, row, c)
+                e0, e1, e2, e3 = read(dy, row, c)
+                g0, g1, g2, g3 = params(g, c)
+                b0, b1, b2, b3 = params(b, c)
+                d0, h0 = terms(e0, v0, g0, b0, mean, r)
+                d1, h1 = terms(e1, v1, g1, b1, mean, r)
+                d2, h2 = terms(e2, v2, g2, b2, mean, r)
+                d3, h3 = terms(e3, v3, g3, b3, mean, r)
+                s1 += (d0 + d1) + (d2 + d3)  # (past the row's end dy and g read 0: d is 0)
+                s2 += (d0 * h0 + d1 * h1) + (d2 * h2 + d3 * h3)
             m1 = block_sum(s1, shared, t) / C
             m2 = block_sum(s2, shared, t) / C
-            for c in range(t, C, T):
-                xhat = (x_in(x[row, c]) - mean) * r
-                gc = p_in(g[c])
-                d = passed(x_in(dy[row, c]), xhat, gc, p_in(b[c])) * gc
-                dx[row, c] = x_out(r * (d - m1 - xhat * m2))
+            for c in range(4 * t, C, 4 * T):
+                v0, v1, v2, v3 = read(x, row, c)
+                e0, e1, e2, e3 = read(dy, row, c)
+                g0, g1, g2, g3 = params(g, c)
+                b0, b1, b2, b3 = params(b, c)
+                d0, h0 = terms(e0, v0, g0, b0, mean, r)
+                d1, h1 = terms(e1, v1, g1, b1, mean, r)
+                d2, h2 = terms(e2, v2, g2, b2, mean, r)
+                d3, h3 = terms(e3, v3, g3, b3, mean, r)
+                write(dx, row, c, r * (d0 - m1 - h0 * m2), r * (d1 - m1 - h1 * m2), r * (d2 - m1 - h2 * m2),
+                      r * (d3 - m1 - h3 * m2))
 
         return backward_rows
 
+    W = cfg.column_warps
+    R = cfg.column_rows
+    column_sums = make_column_sums(W, acc_type)
+    column_params = _stats_io(acc_type, vector)
+
+    @cuda.jit(device=True, inline=True)
+    def terms(e, v, gc, bc, m, r):
+        xhat = (v - m) * r
+        return passed(e, xhat, gc, bc), xhat
+
     @cuda.jit
-    def backward_columns(dx, dy, x, g, b, mean_in, rstd_in):
-        n = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    def sums(work, dy, x, g, b, mean_in, rstd_in):
+        lane, w = cuda.threadIdx.x, cuda.threadIdx.y
+        shared = cuda.shared.array((W, 8, 32), acc_type)
         C, N = x.shape
+        n0 = 4 * (cuda.blockIdx.x * 32 + lane)
+        m0, m1, m2, m3 = column_params(mean_in, n0)
+        r0, r1, r2, r3 = column_params(rstd_in, n0)
+        s0 = s1 = s2 = s3 = q0 = q1 = q2 = q3 = acc_type(0)
+        first = cuda.blockIdx.y * R
+        for c in range(first + w, min(C, first + R), W):
+            v0, v1, v2, v3 = read(x, c, n0)
+            e0, e1, e2, e3 = read(dy, c, n0)
+            gc, bc = p_in(g[c]), p_in(b[c])
+            d0, h0 = terms(e0, v0, gc, bc, m0, r0)
+            d1, h1 = terms(e1, v1, gc, bc, m1, r1)
+            d2, h2 = terms(e2, v2, gc, bc, m2, r2)
+            d3, h3 = terms(e3, v3, gc, bc, m3, r3)
+            s0 += d0 * gc
+            s1 += d1 * gc
+            s2 += d2 * gc
+            s3 += d3 * gc
+            q0 += d0 * gc * h0
+            q1 += d1 * gc * h1
+            q2 += d2 * gc * h2
+            q3 += d3 * gc * h3
+        column_sums(work, shared, lane, w, n0, (s0, s1, s2, s3, q0, q1, q2, q3))
+
+    @cuda.jit
+    def means(m, work):
+        n = cuda.grid(1)
+        N = m.shape[1]
         if n >= N:
             return
-        mean, r = acc_type(mean_in[n]), acc_type(rstd_in[n])
-        s1 = acc_type(0)
-        s2 = acc_type(0)
-        for c in range(C):
-            xhat = (x_in(x[c, n]) - mean) * r
-            gc = p_in(g[c])
-            d = passed(x_in(dy[c, n]), xhat, gc, p_in(b[c])) * gc
-            s1 += d
-            s2 += d * xhat
-        m1, m2 = s1 / C, s2 / C
-        for c in range(C):
-            xhat = (x_in(x[c, n]) - mean) * r
-            gc = p_in(g[c])
-            d = passed(x_in(dy[c, n]), xhat, gc, p_in(b[c])) * gc
-            dx[c, n] = x_out(r * (d - m1 - xhat * m2))
+        s = acc_type(0)
+        q = acc_type(0)
+        for chunk in range(work.shape[0]):  # (in chunk order)
+            s += work[chunk, 0, n]
+            q += work[chunk, 1, n]
+        m[0, n], m[1, n] = s, q
 
-    return backward_columns
+    @cuda.jit
+    def apply(dx, gwork, dy, x, g, b, mean_in, rstd_in, sums_in):
+        lane, w = cuda.threadIdx.x, cuda.threadIdx.y
+        C, N = x.shape
+        n0 = 4 * (cuda.blockIdx.x * 32 + lane)
+        m0, m1, m2, m3 = column_params(mean_in, n0)
+        r0, r1, r2, r3 = column_params(rstd_in, n0)
+        a0, a1, a2, a3 = column_params(sums_in[0], n0)
+        c0, c1, c2, c3 = column_params(sums_in[1], n0)
+        a0, a1, a2, a3 = a0 / C, a1 / C, a2 / C, a3 / C  # mean(dxhat)
+        c0, c1, c2, c3 = c0 / C, c1 / C, c2 / C, c3 / C  # mean(dxhat·xhat)
+        first = cuda.blockIdx.y * R
+        for c in range(first + w, min(C, first + R), W):
+            v0, v1, v2, v3 = read(x, c, n0)
+            e0, e1, e2, e3 = read(dy, c, n0)
+            gc, bc = p_in(g[c]), p_in(b[c])
+            d0, h0 = terms(e0, v0, gc, bc, m0, r0)
+            d1, h1 = terms(e1, v1, gc, bc, m1, r1)
+            d2, h2 = terms(e2, v2, gc, bc, m2, r2)
+            d3, h3 = terms(e3, v3, gc, bc, m3, r3)
+            write(dx, c, n0, r0 * (d0 * gc - a0 - h0 * c0), r1 * (d1 * gc - a1 - h1 * c1),
+                  r2 * (d2 * gc - a2 - h2 * c2), r3 * (d3 * gc - a3 - h3 * c3))
+            tg = (d0 * h0 + d1 * h1) + (d2 * h2 + d3 * h3)  # (past the end dy read 0: no term)
+            tb = (d0 + d1) + (d2 + d3)
+            for offset in (16, 8, 4, 2, 1):
+                tg += cuda.shfl_down_sync(FULL_MASK, tg, offset)
+                tb += cuda.shfl_down_sync(FULL_MASK, tb, offset)
+            if lane == 0:
+                gwork[cuda.blockIdx.x, 0, c] = tg
+                gwork[cuda.blockIdx.x, 1, c] = tb
+
+    return sums, means, apply
 
 
-def make_param_grads(cfg, storage, param_storage, acc_type, axis, relu):
-    """The sums of dg and db.
-
-    * axis 1: ``partials(work, dy, x, g, b, mean, rstd)`` over grid (features / threads, row
-      chunks) into work (chunks, 2, C); then ``finish(dg, db, work)`` over features.
-    * axis 0: ``partials(dg, db, dy, x, g, b, mean, rstd)``, a thread block a feature; finish None.
-    """
+def make_param_grads(cfg, storage, param_storage, acc_type, relu):
+    """Axis 1's dg and db: ``partials(work, dy, x, g, b, mean, rstd)`` over grid (features /
+    threads, row chunks) into work (chunks, 2, C); then ``finish(dg, db, work)`` over features,
+    which also adds axis 0's column blocks (`make_backward`'s gwork)."""
     x_in, _ = converters(storage, acc_type)
     p_in, p_out = converters(param_storage, acc_type)
 
@@ -210,62 +437,49 @@ def make_param_grads(cfg, storage, param_storage, acc_type, axis, relu):
             return acc_type(0), acc_type(0)
         return dy * xhat, dy
 
-    if axis == 1:
-        T, R = cfg.row_threads, cfg.grad_rows
-
-        @cuda.jit
-        def partials_rows(work, dy, x, g, b, mean_in, rstd_in):
-            c = cuda.blockIdx.x * T + cuda.threadIdx.x
-            chunk = cuda.blockIdx.y
-            N, C = x.shape
-            if c >= C:
-                return
-            gc, bc = p_in(g[c]), p_in(b[c])
-            sg = acc_type(0)
-            sb = acc_type(0)
-            for row in range(chunk * R, min(N, chunk * R + R)):
-                tg, tb = terms(x_in(dy[row, c]), x_in(x[row, c]), acc_type(mean_in[row]), acc_type(rstd_in[row]),
-                               gc, bc)
-                sg += tg
-                sb += tb
-            work[chunk, 0, c] = sg
-            work[chunk, 1, c] = sb
-
-        @cuda.jit
-        def finish_rows(dg, db, work):
-            c = cuda.blockIdx.x * T + cuda.threadIdx.x
-            if c >= dg.shape[0]:
-                return
-            sg = acc_type(0)
-            sb = acc_type(0)
-            for chunk in range(work.shape[0]):  # (in chunk order: the sums repeat bitwise)
-                sg += work[chunk, 0, c]
-                sb += work[chunk, 1, c]
-            dg[c] = p_out(sg)
-            db[c] = p_out(sb)
-
-        return partials_rows, finish_rows
-
-    T = cfg.row_threads
-    SLOTS = T // 32 + 1
-    block_sum = make_block_sum(T, acc_type)
+    T, R = cfg.row_threads, cfg.grad_rows
 
     @cuda.jit
-    def partials_columns(dg, db, dy, x, g, b, mean_in, rstd_in):
-        c, t = cuda.blockIdx.x, cuda.threadIdx.x
-        shared = cuda.shared.array(SLOTS, acc_type)
-        N = x.shape[1]
+    def partials_rows(work, dy, x, g, b, mean_in, rstd_in):
+        c = cuda.blockIdx.x * T + cuda.threadIdx.x
+        chunk = cuda.blockIdx.y
+        N, C = x.shape
+        if c >= C:
+            return
         gc, bc = p_in(g[c]), p_in(b[c])
         sg = acc_type(0)
         sb = acc_type(0)
-        for n in range(t, N, T):
-            tg, tb = terms(x_in(dy[c, n]), x_in(x[c, n]), acc_type(mean_in[n]), acc_type(rstd_in[n]), gc, bc)
+        for row in range(chunk * R, min(N, chunk * R + R)):
+            tg, tb = terms(x_in(dy[row, c]), x_in(x[row, c]), acc_type(mean_in[row]), acc_type(rstd_in[row]),
+                           gc, bc)
             sg += tg
             sb += tb
-        sg = block_sum(sg, shared, t)
-        sb = block_sum(sb, shared, t)
-        if t == 0:
-            dg[c] = p_out(sg)
-            db[c] = p_out(sb)
+        work[chunk, 0, c] = sg
+        work[chunk, 1, c] = sb
 
-    return partials_columns, None
+    @cuda.jit
+    def finish_rows(dg, db, work):
+        c = cuda.blockIdx.x * T + cuda.threadIdx.x
+        if c >= dg.shape[0]:
+            return
+        sg = acc_type(0)
+        sb = acc_type(0)
+        for chunk in range(work.shape[0]):  # (in chunk order: the sums repeat bitwise)
+            sg += work[chunk, 0, c]
+            sb += work[chunk, 1, c]
+        dg[c] = p_out(sg)
+        db[c] = p_out(sb)
+
+    return partials_rows, finish_rows
+
+
+def make_zeros(acc_type):
+    """``zeros(a)``: a 1-D array of acc_type set to 0, a thread an element (axis 0's empty batch)."""
+
+    @cuda.jit
+    def zeros(a):
+        i = cuda.grid(1)
+        if i < a.shape[0]:
+            a[i] = acc_type(0)
+
+    return zeros

@@ -208,3 +208,19 @@ def test_dropout_keeps_its_probability_and_every_value_at_one():
 def test_dropout_refuses_bad_input(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_arrays_off_a_4_element_boundary_take_the_scalar_path(dtype):
+    """Views one element into their buffers cannot be read 4 values a load: the launchers pick the
+    kernels' scalar variant (in the simulator a vector access there raises), with the same results."""
+    rng = np.random.default_rng(8)
+    a, b, c = (values(rng, (1 + 4 * 9,), dtype)[1:] for _ in range(3))
+    close(ew.sigmoid(a, config=SMALL), reference.unary("sigmoid", a, 1.0), dtype, "sigmoid")
+    close(ew.add(a, b, config=SMALL), reference.binary("add", a, b), dtype, "add")
+    close(ew.add_n([a, b, c], config=SMALL), reference.add_n([a, b, c]), dtype, "add_n", terms=3,
+          scale=np.abs(np.asarray(a, np.float64)) * 3 + 9)
+    gates = [g.reshape(3, 12) for g in (a, b, c, a)]
+    close(ew.fused_lstm_gates(c.reshape(3, 12), *gates, config=SMALL)[0],
+          reference.fused_lstm_gates(c.reshape(3, 12), *gates)[0], dtype, "c_next", terms=4, scale=8)
+    close(ew.dropout(a, 0.5, seed=3, config=SMALL), reference.dropout(a, 0.5, 3)[0], dtype, "dropout")

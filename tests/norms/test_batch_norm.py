@@ -12,7 +12,7 @@ from sparseblocks.reference import norms as reference
 from sparseblocks.runtime.backend import SIMULATOR
 from strategies import TOLERANCE, numpy_dtype
 
-SMALL = NormsConfig(row_threads=32, column_threads=32, grad_rows=3) if SIMULATOR else NormsConfig()
+SMALL = NormsConfig(row_threads=32, column_warps=2, column_rows=3, grad_rows=3) if SIMULATOR else NormsConfig()
 
 
 def close(got, want, dtype, name, factor=1.0):

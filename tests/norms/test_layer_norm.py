@@ -13,7 +13,7 @@ from sparseblocks.runtime.backend import SIMULATOR
 from strategies import numpy_dtype
 
 # One warp a row in the simulator (each thread is a Python thread there), a few rows a dg chunk.
-SMALL = NormsConfig(row_threads=32, column_threads=32, grad_rows=3) if SIMULATOR else NormsConfig()
+SMALL = NormsConfig(row_threads=32, column_warps=2, column_rows=3, grad_rows=3) if SIMULATOR else NormsConfig()
 UNIT = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
 
 
@@ -75,8 +75,8 @@ def test_layer_norm_and_its_gradients_match_the_twin(data, dtype, axis, relu):
 
 
 def test_a_large_mean_costs_no_accuracy():
-    """Two passes: the variance is summed from x - mean, so a mean 10⁴ times the spread leaves y
-    accurate (E[x²] - E[x]² would cancel to noise in fp32)."""
+    """Axis 1 sums the variance from x - mean, axis 0 from x - (each column's first value), so a mean
+    10⁴ times the spread leaves y accurate (E[x²] - E[x]² would cancel to noise in fp32)."""
     rng = np.random.default_rng(0)
     x = (1e4 + rng.standard_normal((4, 64))).astype(np.float32)
     g, b = np.ones(64, np.float32), np.zeros(64, np.float32)
@@ -120,3 +120,19 @@ X, G = np.zeros((3, 8), np.float32), np.ones(8, np.float32)
 def test_bad_input_is_refused_before_any_launch(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+@pytest.mark.parametrize("axis", [1, 0])
+def test_arrays_off_a_4_element_boundary_take_the_scalar_path(axis):
+    """Rows a view one element into its buffer: the kernels read a value at a time, same results."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(1 + 8 * 12).astype(np.float32)[1:].reshape(8, 12)
+    g, b = rng.standard_normal(13).astype(np.float32)[1:], rng.standard_normal(13).astype(np.float32)[1:]
+    if axis == 0:
+        g, b = g[:8], b[:8]
+    y, mean, rstd = norms.layer_norm(x, g, b, axis=axis, stats=True, config=SMALL)
+    want = reference.layer_norm(x, g, b, axis)
+    np.testing.assert_allclose(y, want[0], rtol=1e-4, atol=1e-4)
+    dx, dg, db = norms.layer_norm_grad(x, x, g, b, mean, rstd, axis=axis, config=SMALL)
+    for got, w in zip((dx, dg, db), reference.layer_norm_grad(x, x, g, b, axis)):
+        np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-4)

@@ -22,7 +22,7 @@ def path(request, configure):
     from sparseblocks.torch import cpu
 
     if SIMULATOR:
-        configure(norms, row_threads=32, column_threads=32, grad_rows=3)
+        configure(norms, row_threads=32, column_warps=2, column_rows=3, grad_rows=3)
     previous = cpu.kernels_on_cpu(request.param == "kernels")
     yield request.param
     cpu.kernels_on_cpu(previous)
