@@ -1,5 +1,5 @@
 """The small PTX intrinsics against NumPy: paired fp16 adds and atomics, relaxed loads,
-NaN-propagating max, and the timeline clocks. Each runs on the GPU and, through its twin,
+NaN-propagating max, fp8 pair conversions, and the timeline clocks. Each runs on the GPU and, through its twin,
 in the simulator."""
 
 import numpy as np
@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from numba import cuda
 
 from sparseblocks.ptx.clock import globaltimer, smid
+from sparseblocks.ptx.fp8 import e4m3x2_of_floats, e5m2x2_of_floats
 from sparseblocks.ptx.half2 import add_half2, atomic_add_half, atomic_add_half2
 from sparseblocks.ptx.nanmax import max_nan, max_nan_select
 from sparseblocks.ptx.relaxed import load_relaxed
@@ -116,3 +117,30 @@ def test_clocks_give_a_time_and_a_multiprocessor():
     out = np.zeros((2, 2), np.int64)
     _clocks[1, 2](out)
     assert (out[:, 0] > 0).all() and (out[:, 1] >= 0).all()
+
+
+@cuda.jit
+def _fp8_pairs(out4, out5, values):
+    i = cuda.grid(1)
+    if 2 * i + 1 < values.shape[0]:
+        out4[i] = e4m3x2_of_floats(values[2 * i], values[2 * i + 1])
+        out5[i] = e5m2x2_of_floats(values[2 * i], values[2 * i + 1])
+
+
+@pytest.mark.parametrize("kind", ["e4m3", "e5m2"])
+def test_fp8_pairs_round_to_nearest_even_and_saturate(kind):
+    """cvt.rn.satfinite to fp8 pairs: ml_dtypes' rounding of each value, clamped to the largest finite
+    value first (what satfinite means), NaN a NaN; the first value in the low byte."""
+    import ml_dtypes
+
+    values = np.array([0.0, -0.0, 1.0, -3.3, 448, 449, 464, 465, 1e6, -np.inf, 57344, 61440, 2 ** -9, 2 ** -10,
+                       3 * 2 ** -11, 2 ** -16, 2 ** -17, 1e-30, -1e-30, 0.1, np.nan, 7.0], np.float32)
+    out4, out5 = np.zeros(len(values) // 2, np.uint16), np.zeros(len(values) // 2, np.uint16)
+    _fp8_pairs[1, 32](out4, out5, values)
+    got = (out4 if kind == "e4m3" else out5).view(np.uint8)
+    dtype = ml_dtypes.float8_e4m3fn if kind == "e4m3" else ml_dtypes.float8_e5m2
+    largest = {"e4m3": 448.0, "e5m2": 57344.0}[kind]
+    want = np.clip(values, -largest, largest).astype(dtype)
+    nan = np.isnan(values)
+    np.testing.assert_array_equal(got[~nan], want.view(np.uint8)[~nan])
+    assert np.isnan(got[nan].view(dtype).astype(np.float32)).all()
