@@ -171,8 +171,11 @@ def make_fast_cast(src, dst, saturate, vector):
 
     @cuda.jit(device=True, inline=True)
     def decode2(a, b):
-        if src == "float16":  # (the hardware widens a pair of halves exactly)
-            return floats_of_half2(uint32(((int64(b) & 0xFFFF) << 16) | (int64(a) & 0xFFFF)))
+        if src == "float16":  # (the hardware widens a pair of halves exactly, but a NaN loses its sign)
+            v0, v1 = floats_of_half2(uint32(((int64(b) & 0xFFFF) << 16) | (int64(a) & 0xFFFF)))
+            if v0 != v0 or v1 != v1:
+                return decode(a), decode(b)
+            return v0, v1
         return decode(a), decode(b)
 
     @cuda.jit(device=True, inline=True)

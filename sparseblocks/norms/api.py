@@ -9,7 +9,7 @@ from ..ptx.vector import aligned
 from ..runtime.launch import data_pointer, launch
 from .config import as_config
 from .batch import make_batch_norm
-from .layer import column_launch, forward_launch, make_backward, make_forward, make_param_grads, make_zeros
+from .layer import column_launch, make_backward, make_forward, make_param_grads, make_zeros, row_shape
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -69,10 +69,10 @@ def layer_norm(x, g, b, axis=1, epsilon=1e-6, relu=False, config=None, stats=Fal
     if N:
         x_dev, g_dev, b_dev = x_op.device(stream), g_op.device(stream), b_op.device(stream)
         vector = _vector(x_op.shape[1], y, x_dev, g_dev, b_dev)
-        kernels = cached(make_forward, cfg, x_op.dtype, g_op.dtype, _numba(acc), axis, bool(relu), vector)
+        shape = row_shape(cfg, C) if axis == 1 else None
+        kernels = cached(make_forward, cfg, x_op.dtype, g_op.dtype, _numba(acc), axis, bool(relu), vector, shape)
         if axis == 1:
-            grid, threads = forward_launch(cfg, axis, N)
-            launch(kernels, grid, threads, stream, (y, mean, rstd, x_dev, g_dev, b_dev, epsilon))
+            launch(kernels, N, shape[0], stream, (y, mean, rstd, x_dev, g_dev, b_dev, epsilon))
         else:
             sums, stats_kernel, apply = kernels
             (grid, block), (stats_grid, stats_threads) = column_launch(cfg, C, N)
@@ -111,8 +111,8 @@ def layer_norm_grad(dy, x, g, b, mean, rstd, axis=1, relu=False, config=None):
     columns = -(-C // cfg.row_threads)
     if axis == 1:
         if N:
-            grid, threads = forward_launch(cfg, axis, N)
-            launch(cached(make_backward, *key[:4], axis, key[4], vector), grid, threads, stream,
+            shape = row_shape(cfg, C)
+            launch(cached(make_backward, *key[:4], axis, key[4], vector, shape), N, shape[0], stream,
                    (dx, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
         chunks = max(1, -(-N // cfg.grad_rows))
         work = x_op.scratch((chunks, 2, C), acc, stream)

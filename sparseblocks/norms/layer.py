@@ -161,8 +161,10 @@ def _stats_io(acc_type, vector):
     return make_param_io(converters("float64" if acc_type.bitwidth == 64 else "float32", acc_type), acc_type, vector)
 
 
-def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector):
-    """Axis 1: ``forward(y, mean, rstd, x, g, b, epsilon)``, launched with `forward_launch`'s grid.
+def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shape=None):
+    """Axis 1: ``forward(y, mean, rstd, x, g, b, epsilon)``, launched with a block a row of
+    ``shape[0]`` threads (`row_shape`), each holding ``shape[1]`` groups of 4 values in registers
+    (0: reading the row in each pass instead).
     Axis 0: (``sums(work, x)``, ``stats(mean, rstd, work, x, epsilon)``, ``apply(y, x, g, b, mean,
     rstd)``), launched with `column_launch`'s grids. ``vector``: C (axis 1) or N (axis 0) a
     multiple of 4 and every array aligned to 4 elements."""
@@ -175,36 +177,56 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector):
     normalized = _normalized(acc_type, relu)
 
     if axis == 1:
-        T = cfg.row_threads
+        T, K = shape
         SLOTS = T // 32 + 1  # (a shared array's size: a name, not an expression)
+        HELD = max(4 * K, 1)
         block_sum = make_block_sum(T, acc_type)
 
         @cuda.jit
         def forward_rows(y, mean_out, rstd_out, x, g, b, epsilon):
             row, t = cuda.blockIdx.x, cuda.threadIdx.x
             shared = cuda.shared.array(SLOTS, acc_type)
+            held = cuda.local.array(HELD, acc_type)  # (K groups: the row's values stay in registers)
             C = x.shape[1]
             s = acc_type(0)
-            for c in range(4 * t, C, 4 * T):
-                v0, v1, v2, v3 = read(x, row, c)
-                s += (v0 + v1) + (v2 + v3)
+            if K:
+                for k in range(K):  # (every load issued before any sum waits on one)
+                    held[4 * k], held[4 * k + 1], held[4 * k + 2], held[4 * k + 3] = read(x, row, 4 * (t + k * T))
+                for k in range(K):
+                    s += (held[4 * k] + held[4 * k + 1]) + (held[4 * k + 2] + held[4 * k + 3])
+            else:
+                for c in range(4 * t, C, 4 * T):
+                    v0, v1, v2, v3 = read(x, row, c)
+                    s += (v0 + v1) + (v2 + v3)
             mean = block_sum(s, shared, t) / C
             q = acc_type(0)
-            for c in range(4 * t, C, 4 * T):
-                v0, v1, v2, v3 = read(x, row, c)
-                d0, d1, d2, d3 = v0 - mean, v1 - mean, v2 - mean, v3 - mean
-                if c + 3 >= C:  # (the zeros read past the row's end are not values)
-                    d1 = d1 if c + 1 < C else acc_type(0)
-                    d2 = d2 if c + 2 < C else acc_type(0)
-                    d3 = d3 if c + 3 < C else acc_type(0)
-                q += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3)
+            if K:
+                for k in range(K):
+                    for j in range(4):
+                        if 4 * (t + k * T) + j < C:  # (the zeros read past the row's end are not values)
+                            d = held[4 * k + j] - mean
+                            q += d * d
+            else:
+                for c in range(4 * t, C, 4 * T):
+                    v0, v1, v2, v3 = read(x, row, c)
+                    d0, d1, d2, d3 = v0 - mean, v1 - mean, v2 - mean, v3 - mean
+                    if c + 3 >= C:
+                        d1 = d1 if c + 1 < C else acc_type(0)
+                        d2 = d2 if c + 2 < C else acc_type(0)
+                        d3 = d3 if c + 3 < C else acc_type(0)
+                    q += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3)
             r = acc_type(1) / math.sqrt(block_sum(q, shared, t) / C + acc_type(epsilon))
-            for c in range(4 * t, C, 4 * T):
-                v0, v1, v2, v3 = read(x, row, c)
-                g0, g1, g2, g3 = params(g, c)
-                b0, b1, b2, b3 = params(b, c)
-                write(y, row, c, normalized((v0 - mean) * r, g0, b0), normalized((v1 - mean) * r, g1, b1),
-                      normalized((v2 - mean) * r, g2, b2), normalized((v3 - mean) * r, g3, b3))
+            for k in range(K if K else -(-C // (4 * T))):
+                c = 4 * (t + k * T)
+                if c < C:
+                    if K:
+                        v0, v1, v2, v3 = held[4 * k], held[4 * k + 1], held[4 * k + 2], held[4 * k + 3]
+                    else:
+                        v0, v1, v2, v3 = read(x, row, c)
+                    g0, g1, g2, g3 = params(g, c)
+                    b0, b1, b2, b3 = params(b, c)
+                    write(y, row, c, normalized((v0 - mean) * r, g0, b0), normalized((v1 - mean) * r, g1, b1),
+                          normalized((v2 - mean) * r, g2, b2), normalized((v3 - mean) * r, g3, b3))
             if t == 0:
                 mean_out[row], rstd_out[row] = mean, r
 
@@ -224,17 +246,21 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector):
         k0, k1, k2, k3 = read(x, 0, n0)
         s0 = s1 = s2 = s3 = q0 = q1 = q2 = q3 = acc_type(0)
         first = cuda.blockIdx.y * R
-        for c in range(first + w, min(C, first + R), W):
+        end = min(C, first + R)
+        for c in range(first + w, end, 2 * W):  # (two rows an iteration: two loads in flight)
             v0, v1, v2, v3 = read(x, c, n0)
+            u0, u1, u2, u3 = read(x, min(c + W, end - 1), n0)
+            keep = acc_type(1) if c + W < end else acc_type(0)  # (the second row, where there is one)
             d0, d1, d2, d3 = v0 - k0, v1 - k1, v2 - k2, v3 - k3
-            s0 += d0
-            s1 += d1
-            s2 += d2
-            s3 += d3
-            q0 += d0 * d0
-            q1 += d1 * d1
-            q2 += d2 * d2
-            q3 += d3 * d3
+            e0, e1, e2, e3 = (u0 - k0) * keep, (u1 - k1) * keep, (u2 - k2) * keep, (u3 - k3) * keep
+            s0 += d0 + e0
+            s1 += d1 + e1
+            s2 += d2 + e2
+            s3 += d3 + e3
+            q0 += d0 * d0 + e0 * e0
+            q1 += d1 * d1 + e1 * e1
+            q2 += d2 * d2 + e2 * e2
+            q3 += d3 * d3 + e3 * e3
         column_sums(work, shared, lane, w, n0, (s0, s1, s2, s3, q0, q1, q2, q3))
 
     @cuda.jit
@@ -261,18 +287,32 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector):
         m0, m1, m2, m3 = column_params(mean_in, n0)
         r0, r1, r2, r3 = column_params(rstd_in, n0)
         first = cuda.blockIdx.y * R
-        for c in range(first + w, min(C, first + R), W):
+        end = min(C, first + R)
+        for c in range(first + w, end, 2 * W):  # (two rows an iteration: both loaded first)
+            c2 = min(c + W, end - 1)
             v0, v1, v2, v3 = read(x, c, n0)
+            u0, u1, u2, u3 = read(x, c2, n0)
             gc, bc = p_in(g[c]), p_in(b[c])
             write(y, c, n0, normalized((v0 - m0) * r0, gc, bc), normalized((v1 - m1) * r1, gc, bc),
                   normalized((v2 - m2) * r2, gc, bc), normalized((v3 - m3) * r3, gc, bc))
+            if c + W < end:
+                gc, bc = p_in(g[c2]), p_in(b[c2])
+                write(y, c2, n0, normalized((u0 - m0) * r0, gc, bc), normalized((u1 - m1) * r1, gc, bc),
+                      normalized((u2 - m2) * r2, gc, bc), normalized((u3 - m3) * r3, gc, bc))
 
     return sums, stats, apply
 
 
-def forward_launch(cfg, axis, n_rows):
-    """(grid, threads) of an axis-1 forward or dx backward over ``n_rows`` rows."""
-    return n_rows, cfg.row_threads
+def row_shape(cfg, C):
+    """Axis 1: (threads a row, groups of 4 values a thread holds in registers; 0 where the row
+    is longer than ``row_groups`` groups a thread). Short rows take fewer threads, so that each
+    holds at least 2 groups (loads in flight) where it can."""
+    groups = -(-C // 4)
+    threads = cfg.row_threads
+    while threads > 32 and -(-groups // threads) < 2:
+        threads //= 2
+    held = -(-groups // threads)
+    return threads, held if held <= cfg.row_groups else 0
 
 
 def column_launch(cfg, C, N):
@@ -281,8 +321,8 @@ def column_launch(cfg, C, N):
     return ((-(-N // COLUMNS), -(-C // cfg.column_rows)), (32, cfg.column_warps)), (-(-N // 256), 256)
 
 
-def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector):
-    """Axis 1: ``backward(dx, dy, x, g, b, mean, rstd)``, dx, launched with `forward_launch`'s grid.
+def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, shape=None):
+    """Axis 1: ``backward(dx, dy, x, g, b, mean, rstd)``, dx, launched as the forward (``shape``).
     Axis 0: (``sums(work, dy, x, g, b, mean, rstd)``, ``means(m, work)``, ``apply(dx, gwork, dy, x,
     g, b, mean, rstd, m)``), with `column_launch`'s grids (means: the stats kernel's); apply's
     gwork (column blocks, 2, C) takes dg's and db's terms summed over each block's columns."""
@@ -294,8 +334,9 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector):
     passed = _passed(acc_type, relu)
 
     if axis == 1:
-        T = cfg.row_threads
+        T, K = shape
         SLOTS = T // 32 + 1  # (a shared array's size: a name, not an expression)
+        HELD = max(4 * K, 1)
         block_sum = make_block_sum(T, acc_type)
 
         @cuda.jit(device=True, inline=True)
@@ -303,38 +344,49 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector):
             xhat = (x - mean) * r
             return passed(dy, xhat, g, b) * g, xhat
 
+        @cuda.jit(device=True, inline=True)
+        def group_terms(dy, x, g, b, row, c, mean, r):
+            """(dxhat, xhat) of 4 values (dxhat 0 past the row's end, where dy and g read 0)."""
+            v0, v1, v2, v3 = read(x, row, c)
+            e0, e1, e2, e3 = read(dy, row, c)
+            g0, g1, g2, g3 = params(g, c)
+            b0, b1, b2, b3 = params(b, c)
+            d0, h0 = terms(e0, v0, g0, b0, mean, r)
+            d1, h1 = terms(e1, v1, g1, b1, mean, r)
+            d2, h2 = terms(e2, v2, g2, b2, mean, r)
+            d3, h3 = terms(e3, v3, g3, b3, mean, r)
+            return d0, d1, d2, d3, h0, h1, h2, h3
+
         @cuda.jit
         def backward_rows(dx, dy, x, g, b, mean_in, rstd_in):
             row, t = cuda.blockIdx.x, cuda.threadIdx.x
             shared = cuda.shared.array(SLOTS, acc_type)
+            hd = cuda.local.array(HELD, acc_type)  # (K groups: dxhat and xhat stay in registers)
+            hh = cuda.local.array(HELD, acc_type)
             C = x.shape[1]
             mean, r = acc_type(mean_in[row]), acc_type(rstd_in[row])
             s1 = acc_type(0)
             s2 = acc_type(0)
-            for c in range(4 * t, C, 4 * T):
-                v0, v1, v2, v3 = read(x, row, c)
-                e0, e1, e2, e3 = read(dy, row, c)
-                g0, g1, g2, g3 = params(g, c)
-                b0, b1, b2, b3 = params(b, c)
-                d0, h0 = terms(e0, v0, g0, b0, mean, r)
-                d1, h1 = terms(e1, v1, g1, b1, mean, r)
-                d2, h2 = terms(e2, v2, g2, b2, mean, r)
-                d3, h3 = terms(e3, v3, g3, b3, mean, r)
-                s1 += (d0 + d1) + (d2 + d3)  # (past the row's end dy and g read 0: d is 0)
+            for k in range(K if K else -(-C // (4 * T))):
+                c = 4 * (t + k * T)
+                d0, d1, d2, d3, h0, h1, h2, h3 = group_terms(dy, x, g, b, row, c, mean, r)
+                if K:
+                    hd[4 * k], hd[4 * k + 1], hd[4 * k + 2], hd[4 * k + 3] = d0, d1, d2, d3
+                    hh[4 * k], hh[4 * k + 1], hh[4 * k + 2], hh[4 * k + 3] = h0, h1, h2, h3
+                s1 += (d0 + d1) + (d2 + d3)
                 s2 += (d0 * h0 + d1 * h1) + (d2 * h2 + d3 * h3)
             m1 = block_sum(s1, shared, t) / C
             m2 = block_sum(s2, shared, t) / C
-            for c in range(4 * t, C, 4 * T):
-                v0, v1, v2, v3 = read(x, row, c)
-                e0, e1, e2, e3 = read(dy, row, c)
-                g0, g1, g2, g3 = params(g, c)
-                b0, b1, b2, b3 = params(b, c)
-                d0, h0 = terms(e0, v0, g0, b0, mean, r)
-                d1, h1 = terms(e1, v1, g1, b1, mean, r)
-                d2, h2 = terms(e2, v2, g2, b2, mean, r)
-                d3, h3 = terms(e3, v3, g3, b3, mean, r)
-                write(dx, row, c, r * (d0 - m1 - h0 * m2), r * (d1 - m1 - h1 * m2), r * (d2 - m1 - h2 * m2),
-                      r * (d3 - m1 - h3 * m2))
+            for k in range(K if K else -(-C // (4 * T))):
+                c = 4 * (t + k * T)
+                if c < C:
+                    if K:
+                        d0, d1, d2, d3 = hd[4 * k], hd[4 * k + 1], hd[4 * k + 2], hd[4 * k + 3]
+                        h0, h1, h2, h3 = hh[4 * k], hh[4 * k + 1], hh[4 * k + 2], hh[4 * k + 3]
+                    else:
+                        d0, d1, d2, d3, h0, h1, h2, h3 = group_terms(dy, x, g, b, row, c, mean, r)
+                    write(dx, row, c, r * (d0 - m1 - h0 * m2), r * (d1 - m1 - h1 * m2), r * (d2 - m1 - h2 * m2),
+                          r * (d3 - m1 - h3 * m2))
 
         return backward_rows
 

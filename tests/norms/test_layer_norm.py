@@ -1,6 +1,8 @@
 """Layer norm (sparseblocks/norms) against its NumPy twin: both feature axes, ReLU, every dtype,
 the backward, large means, and errors before any launch."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -136,3 +138,18 @@ def test_arrays_off_a_4_element_boundary_take_the_scalar_path(axis):
     dx, dg, db = norms.layer_norm_grad(x, x, g, b, mean, rstd, axis=axis, config=SMALL)
     for got, w in zip((dx, dg, db), reference.layer_norm_grad(x, x, g, b, axis)):
         np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-4)
+
+
+def test_rows_held_in_registers_and_streamed_agree_bitwise():
+    """Axis 1 holds a row's values in registers up to ``row_groups`` groups a thread, and streams
+    longer rows (three reads): both sum in the same order, so they agree bit for bit."""
+    rng = np.random.default_rng(3)
+    x, dy = rng.standard_normal((3, 70)).astype(np.float32), rng.standard_normal((3, 70)).astype(np.float32)
+    g, b = rng.standard_normal(70).astype(np.float32), rng.standard_normal(70).astype(np.float32)
+    results = []
+    for groups in (8, 0):
+        cfg = dataclasses.replace(SMALL, row_groups=groups)
+        y, mean, rstd = norms.layer_norm(x, g, b, relu=True, stats=True, config=cfg)
+        results.append((y, mean, rstd, *norms.layer_norm_grad(dy, x, g, b, mean, rstd, relu=True, config=cfg)))
+    for held, streamed in zip(*results):
+        np.testing.assert_array_equal(held, streamed)
