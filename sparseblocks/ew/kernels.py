@@ -30,7 +30,7 @@ def bounds():
 def make_unary_kernel(storage, acc_type, op, vector):
     """``unary(y, x, alpha)`` and ``unary_grad(dx, dy, x, y, alpha)``."""
     to_acc, from_acc = converters(storage, acc_type)
-    forward, grad = make_unary(op, acc_type)
+    forward, grad = make_unary(op, acc_type, storage in ("float16", "bfloat16"))
 
     @cuda.jit(device=True, inline=True)
     def f(x, a):
@@ -278,7 +278,7 @@ def make_lstm_kernels(storage, acc_type, vector):
     tensors, 4H for one merged (N, 4H) tensor whose gates are its column quarters, already offset).
     ``vector`` (H a multiple of 4): a thread 4 consecutive columns of a row."""
     to_acc, from_acc = converters(storage, acc_type)
-    forward, grad = make_lstm(acc_type)
+    forward, grad = make_lstm(acc_type, storage in ("float16", "bfloat16"))
 
     @cuda.jit(device=True, inline=True)
     def step_one(c_next, h, c, i, f, o, u, e, g):

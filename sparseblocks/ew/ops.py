@@ -9,13 +9,14 @@ returns inf or NaN) go through `exp`, `log` and `sqrt` here, which give the GPU'
 import math
 
 from numba import cuda, float32, float64
+from numba.cuda import libdevice
 
 UNARY = ("negative", "reciprocal", "square", "sqrt", "exp", "log", "sigmoid", "tanh", "relu", "elu")
 BINARY = ("add", "subtract", "multiply", "divide", "maximum", "minimum")
 EXP_LIMIT = {float32: 88.72283, float64: 709.782712893384}  # the largest x with a finite exp(x)
 
 
-def make_math(acc_type):
+def make_math(acc_type, fast=False):
     """(exp, log, sqrt) of acc values, inf and NaN where IEEE arithmetic gives them."""
     LIMIT = EXP_LIMIT[acc_type]
 
@@ -23,6 +24,8 @@ def make_math(acc_type):
     def exp(x):
         if x > acc_type(LIMIT):
             return acc_type(math.inf)
+        if fast:
+            return acc_type(libdevice.fast_expf(float32(x)))
         return acc_type(math.exp(x))
 
     @cuda.jit(device=True, inline=True)
@@ -42,17 +45,42 @@ def make_math(acc_type):
     return exp, log, sqrt
 
 
-def make_unary(op, acc_type):
-    """(forward(x, alpha) -> y, grad(dy, x, y, alpha) -> dx) of a unary op."""
-    exp, log, sqrt = make_math(acc_type)
-    one, zero, half = acc_type(1), acc_type(0), acc_type(0.5)
+def make_curves(acc_type, fast=False):
+    """(sigmoid, tanh) of acc values; approximate with ``fast`` (see the module's note)."""
+    exp, _, _ = make_math(acc_type, fast)
+    one, two, small = acc_type(1), acc_type(2), acc_type(2.0 ** -5)
+
+    @cuda.jit(device=True, inline=True)
+    def ratio(a, b):
+        if fast:
+            return acc_type(libdevice.fast_fdividef(float32(a), float32(b)))
+        return a / b
 
     @cuda.jit(device=True, inline=True)
     def sigmoid(x):  # (exp of a negative only: no overflow)
         if x >= 0:
-            return one / (one + exp(-x))
+            return ratio(one, one + exp(-x))
         e = exp(x)
-        return e / (one + e)
+        return ratio(e, one + e)
+
+    @cuda.jit(device=True, inline=True)
+    def tanh(x):
+        if not fast:
+            return acc_type(math.tanh(x))
+        if abs(x) < small:
+            return x - x * x * x / acc_type(3)
+        if x > acc_type(10):  # (tanh is 1 in every 16-bit format there; e^{2x} would overflow)
+            return one
+        return one - ratio(two, one + exp(two * x))
+
+    return sigmoid, tanh
+
+
+def make_unary(op, acc_type, fast=False):
+    """(forward(x, alpha) -> y, grad(dy, x, y, alpha) -> dx) of a unary op."""
+    exp, log, sqrt = make_math(acc_type, fast)
+    sigmoid, tanh = make_curves(acc_type, fast)
+    one, zero, half = acc_type(1), acc_type(0), acc_type(0.5)
 
     forward_of = {
         "negative": lambda x, a: -x,
@@ -62,7 +90,7 @@ def make_unary(op, acc_type):
         "exp": lambda x, a: exp(x),
         "log": lambda x, a: log(x),
         "sigmoid": lambda x, a: sigmoid(x),
-        "tanh": lambda x, a: acc_type(math.tanh(x)),
+        "tanh": lambda x, a: tanh(x),
         "relu": lambda x, a: zero if x < zero else x,  # (NaN kept)
         "elu": lambda x, a: x if x > zero else a * (exp(x) - one),
     }
@@ -125,30 +153,23 @@ def make_binary(op, acc_type):
     return cuda.jit(device=True, inline=True)(forward_of[op]), cuda.jit(device=True, inline=True)(grad_of[op])
 
 
-def make_lstm(acc_type):
+def make_lstm(acc_type, fast=False):
     """(forward(c, i, f, o, u) -> (c_next, h), grad(c, i, f, o, u, dc_next, dh) -> (dc, di, df, do,
     du)) of OpenAI's ``fused_lstm_gates``: ``c_next = σ(f)·c + σ(i)·tanh(u)``, ``h = σ(o)·tanh(c_next)``
     (i, f, o, u the gates' pre-activations)."""
-    exp, _, _ = make_math(acc_type)
+    sigmoid, tanh = make_curves(acc_type, fast)
     one = acc_type(1)
 
     @cuda.jit(device=True, inline=True)
-    def sigmoid(x):
-        if x >= 0:
-            return one / (one + exp(-x))
-        e = exp(x)
-        return e / (one + e)
-
-    @cuda.jit(device=True, inline=True)
     def forward(c, i, f, o, u):
-        c_next = sigmoid(f) * c + sigmoid(i) * acc_type(math.tanh(u))
-        return c_next, sigmoid(o) * acc_type(math.tanh(c_next))
+        c_next = sigmoid(f) * c + sigmoid(i) * tanh(u)
+        return c_next, sigmoid(o) * tanh(c_next)
 
     @cuda.jit(device=True, inline=True)
     def grad(c, i, f, o, u, dc_next, dh):
-        si, sf, so, tu = sigmoid(i), sigmoid(f), sigmoid(o), acc_type(math.tanh(u))
+        si, sf, so, tu = sigmoid(i), sigmoid(f), sigmoid(o), tanh(u)
         c_next = sf * c + si * tu
-        tc = acc_type(math.tanh(c_next))
+        tc = tanh(c_next)
         dc_total = dc_next + dh * so * (one - tc * tc)
         return (dc_total * sf, dc_total * tu * si * (one - si), dc_total * c * sf * (one - sf),
                 dh * tc * so * (one - so), dc_total * si * (one - tu * tu))

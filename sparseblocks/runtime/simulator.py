@@ -22,7 +22,9 @@ module with real rendezvous semantics:
 * ``lanemask_lt()`` is ``(1 << laneid) - 1``.
 
 The libdevice bit casts ``int_as_float`` and ``float_as_int`` (stubs that
-return None in the simulator) get NumPy implementations too.
+return None in the simulator) get NumPy implementations too, and so do the fast
+approximations ``fast_expf`` and ``fast_fdividef``, as float32 operations with
+IEEE's inf and NaN (the GPU's are within a few ulp of them).
 
 Return types follow Numba's typing on the GPU (``ballot_sync`` and
 ``match_any_sync`` give int32, ``activemask`` and ``lanemask_lt`` uint32) as
@@ -343,8 +345,19 @@ def _float_as_int(value):
     return np.float32(value).view(np.int32)
 
 
-# libdevice bit casts, which the simulator leaves as stubs returning None.
-_LIBDEVICE = {"int_as_float": _int_as_float, "float_as_int": _float_as_int}
+def _fast_expf(value):
+    with np.errstate(over="ignore"):
+        return np.exp(np.float32(value))
+
+
+def _fast_fdividef(a, b):
+    with np.errstate(all="ignore"):
+        return np.float32(a) / np.float32(b)
+
+
+# libdevice bit casts, which the simulator leaves as stubs returning None, and fast approximations.
+_LIBDEVICE = {"int_as_float": _int_as_float, "float_as_int": _float_as_int, "fast_expf": _fast_expf,
+              "fast_fdividef": _fast_fdividef}
 
 _INTRINSICS = (
     shfl_sync, shfl_up_sync, shfl_down_sync, shfl_xor_sync,

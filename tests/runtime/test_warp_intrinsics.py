@@ -330,3 +330,30 @@ def test_runs_on_the_expected_backend():
     from sparseblocks.runtime.backend import backend_name
 
     assert (backend_name() == "CUDA simulator") == SIMULATOR
+
+
+@cuda.jit
+def _fast_math(e, q, x, y):
+    from numba.cuda import libdevice
+
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        e[i] = libdevice.fast_expf(x[i])
+        q[i] = libdevice.fast_fdividef(x[i], y[i])
+
+
+def test_fast_exp_and_division_are_within_cudas_bounds():
+    """libdevice's fast_expf and fast_fdividef (the simulator's float32 twins) against NumPy: exp
+    within CUDA's bound of 2 + 1.173·|x| ulp, with inf where it overflows; the division within 4
+    ulp, and 0 for a finite value over inf."""
+    x = np.array([0.0, 1.0, -3.5, 10.0, -20.0, 0.001, 80.0, 100.0, -200.0, 2.5], np.float32)
+    y = np.array([1.0, 3.0, 7.0, -2.0, 0.5, 1e-3, 1e30, np.inf, 9.0, 3.0], np.float32)
+    e, q = np.zeros_like(x), np.zeros_like(x)
+    _fast_math[1, 32](e, q, x, y)
+    with np.errstate(all="ignore"):
+        want_e, want_q = np.exp(x), x / y
+    finite = np.isfinite(want_e)
+    ulps = 2 + np.floor(1.173 * np.abs(x[finite]))
+    assert np.all(np.abs(e[finite] - want_e[finite]) <= ulps * np.spacing(want_e[finite]) + 1e-38)
+    assert np.isinf(e[~finite]).all()
+    assert np.all(np.abs(q - want_q) <= 4 * np.spacing(np.abs(want_q)) + 1e-38)
