@@ -18,8 +18,8 @@ same run:
   ``float_cast`` (fp16 and fp32 to both fp8 formats, and fp32 to bf16) over 64 MB of input:
   ``torch`` the same torch op, ``copy`` the bytes moved.
 * ``dropout`` (keep 0.8) over 64 MB: ``torch`` is ``F.dropout``, ``copy`` the bytes moved.
-* ``grouped_weight_grad``: dW summed over T = 8 steps of N = 256 rows (blocks of 32, 4096 x 4096,
-  25 %), one call of (T, N, C) stacks against ``separate`` (8 calls accumulating with ``beta=1``)
+* ``grouped_weight_grad``: dW summed over T = 8 steps of N = 256 rows (blocks of 32 and 64,
+  4096 x 4096, 25 %), one call of (T, N, C) stacks against ``separate`` (8 calls accumulating with ``beta=1``)
   and ``dense_mm`` (cuBLAS's xᵀ·dy over the 2048 rows, the whole dense gradient).
 
 Writes results/ops.json and results/ops.md.
@@ -184,8 +184,8 @@ def bench_elementwise(torch, records, quick):
 def bench_grouped(torch, records, quick):
     from sparseblocks import BlockLayout, bsmm
 
-    T, N, C, bs = 8, 256, 4096, 32
-    for dtype in (torch.float16, torch.float32):
+    T, N, C = 8, 256, 4096
+    for dtype, bs in ((torch.float16, 32), (torch.float16, 64), (torch.float32, 32)):
         layout = BlockLayout.random((C // bs, C // bs), 0.25, seed=0, block_size=bs)
         x = torch.randn(T, N, C, device="cuda", dtype=dtype)
         dy = torch.randn(T, N, C, device="cuda", dtype=dtype)

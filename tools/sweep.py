@@ -6,6 +6,7 @@
     python tools/sweep.py fused sparse_gather_matmul --set gather_tile="(128,64,16,2,4,None)"
     python tools/sweep.py torch res_block --set fused_gather=False,True [--fraction 0.1]
     python tools/sweep.py quant matmul --set warp_rows=32,64 [--bits W2A2] [--density 1]
+    python tools/sweep.py norms layer_norm --set row_threads=128,256 [--axis 0] [--n 4096] [--c 4096]
 
 Each variant is the op's default config with the given fields replaced (the cartesian
 product of every ``--set``). Its output is compared with the default's first (it must agree
@@ -140,7 +141,21 @@ def quant_case(torch, args):
     return quant.DEFAULT, calls[args.call]
 
 
-CASES = {"bsmm": bsmm_case, "sbnet": sbnet_case, "fused": fused_case, "torch": torch_case, "quant": quant_case}
+def norms_case(torch, args):
+    from sparseblocks import norms
+
+    dtype = getattr(torch, args.dtype)
+    shape = (args.n, args.c) if args.axis == 1 else (args.c, args.n)
+    x, dy = torch.randn(shape, device="cuda", dtype=dtype), torch.randn(shape, device="cuda", dtype=dtype)
+    g, b = torch.rand(args.c, device="cuda", dtype=dtype) + 0.5, torch.randn(args.c, device="cuda", dtype=dtype)
+    _, mean, rstd = norms.layer_norm(x, g, b, axis=args.axis, stats=True)
+    calls = {"layer_norm": lambda cfg: norms.layer_norm(x, g, b, axis=args.axis, config=cfg),
+             "layer_norm_grad": lambda cfg: norms.layer_norm_grad(dy, x, g, b, mean, rstd, axis=args.axis,
+                                                                  config=cfg)[0]}
+    return norms.DEFAULT, calls[args.call]
+
+
+CASES = {"bsmm": bsmm_case, "norms": norms_case, "sbnet": sbnet_case, "fused": fused_case, "torch": torch_case, "quant": quant_case}
 TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2, "float32": 1e-4, "float64": 1e-10}
 
 
@@ -149,7 +164,7 @@ def add_case_arguments(parser):
     parser.add_argument("op", choices=sorted(CASES))
     parser.add_argument("call", help="bsmm: forward, input_grad, weight_grad; sbnet: reduce_mask, sparse_gather, "
                                      "sparse_scatter; fused: sparse_gather_matmul, sparse_matmul_scatter; torch: res_block; "
-                                     "quant: matmul, pack")
+                                     "quant: matmul, pack; norms: layer_norm, layer_norm_grad")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2",
                         help="a config field and the values to try (repeatable: their cartesian product)")
     parser.add_argument("--dtype", default="float16")
@@ -165,6 +180,7 @@ def add_case_arguments(parser):
     parser.add_argument("--window", type=int, default=16)
     parser.add_argument("--fraction", type=float, default=0.1, help="sbnet, fused, torch: mask pixels set x 64")
     parser.add_argument("--bits", default="W1A1", help="quant: WkAm (a density of 1 is the dense product)")
+    parser.add_argument("--axis", type=int, default=1, help="norms: the feature axis")
 
 
 def time_rounds(torch, calls, rounds, per_round):

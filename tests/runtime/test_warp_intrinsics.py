@@ -8,6 +8,7 @@ which would hang or be undefined on a GPU, raises in the simulator.
 import numpy as np
 import pytest
 from numba import cuda
+from numba.cuda import libdevice
 
 import sparseblocks  # noqa: F401  (installs the intrinsics under the simulator)
 from sparseblocks.runtime.backend import SIMULATOR
@@ -334,8 +335,6 @@ def test_runs_on_the_expected_backend():
 
 @cuda.jit
 def _fast_math(e, q, x, y):
-    from numba.cuda import libdevice
-
     i = cuda.grid(1)
     if i < x.shape[0]:
         e[i] = libdevice.fast_expf(x[i])
