@@ -44,19 +44,13 @@ def make_unary_kernel(storage, acc_type, op, vector):
     def unary(y, x, alpha):
         start, step = bounds()
         n, a, first = x.shape[0], acc_type(alpha), 0
-        if vector and n >= 8:
-            groups = n // 8
-            q = start
-            e = 8 * min(q, groups - 1)
-            u, v = load4(x, (e,)), load4(x, (e + 4,))
-            while q < groups:  # (the next group's loads issued before this one's stores)
-                e, q = 8 * q, q + step
-                later = 8 * min(q, groups - 1)  # (past the end: the last group again, unused)
-                u2, v2 = load4(x, (later,)), load4(x, (later + 4,))
+        if vector:
+            for q in range(start, n // 8, step):
+                e = 8 * q
+                u, v = load4(x, (e,)), load4(x, (e + 4,))
                 store4(y, (e,), (f(u[0], a), f(u[1], a), f(u[2], a), f(u[3], a)))
                 store4(y, (e + 4,), (f(v[0], a), f(v[1], a), f(v[2], a), f(v[3], a)))
-                u, v = u2, v2
-            first = groups * 8
+            first = n // 8 * 8
         for e in range(first + start, n, step):
             y[e] = f(x[e], a)
 
@@ -295,19 +289,11 @@ def make_lstm_kernels(storage, acc_type, vector):
     @cuda.jit
     def gates(c_next, h, c, i, f, o, u, H, gs):
         start, step = bounds()
-        if vector and c.shape[0] >= 4:
-            groups = c.shape[0] // 4
-            q = start
-            e = 4 * min(q, groups - 1)
-            g = e if gs == H else (e // H) * gs + e % H
-            wc, wi, wf, wo, wu = load4(c, (e,)), load4(i, (g,)), load4(f, (g,)), load4(o, (g,)), load4(u, (g,))
-            while q < groups:  # (the next group's loads issued before this one's stores)
-                vc, vi, vf, vo, vu = wc, wi, wf, wo, wu
-                e, q = 4 * q, q + step
-                later = 4 * min(q, groups - 1)  # (past the end: the last group again, unused)
-                g = later if gs == H else (later // H) * gs + later % H
-                wc, wi, wf, wo, wu = (load4(c, (later,)), load4(i, (g,)), load4(f, (g,)), load4(o, (g,)),
-                                      load4(u, (g,)))
+        if vector:
+            for q in range(start, c.shape[0] // 4, step):
+                e = 4 * q
+                g = e if gs == H else (e // H) * gs + e % H
+                vc, vi, vf, vo, vu = load4(c, (e,)), load4(i, (g,)), load4(f, (g,)), load4(o, (g,)), load4(u, (g,))
                 r0 = forward(to_acc(vc[0]), to_acc(vi[0]), to_acc(vf[0]), to_acc(vo[0]), to_acc(vu[0]))
                 r1 = forward(to_acc(vc[1]), to_acc(vi[1]), to_acc(vf[1]), to_acc(vo[1]), to_acc(vu[1]))
                 r2 = forward(to_acc(vc[2]), to_acc(vi[2]), to_acc(vf[2]), to_acc(vo[2]), to_acc(vu[2]))
