@@ -8,7 +8,7 @@ class NormsConfig:
     row_threads: int = 256  # feature axis 1 (N, C): most threads a row; a row is one thread block
     row_groups: int = 8  # feature axis 1: most groups of 4 values a thread holds in registers (longer rows stream)
     column_warps: int = 8  # feature axis 0 (C, N): warps a thread block, each 128 columns of x, a row at a time
-    column_rows: int = 64  # feature axis 0: rows of x (features) a thread block sums or normalizes
+    column_rows: int = 128  # feature axis 0: rows of x (features) a thread block sums or normalizes
     grad_rows: int = 64  # axis 1's dg and db: rows a thread block sums for each feature, before the ordered sum
 
     def check(self):
