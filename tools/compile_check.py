@@ -144,12 +144,13 @@ def check_tiles(version):
                 + (index,) * 6 + (i64,)
             name = f"product v{version} bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis}"
             results.append(check(name, kernel.py_func, signature, cc=cc, detail=count))
-        for feature_axis in (1, 0):
-            kernel = weight_grad(B, bs, storage, types.float32, feature_axis)
-            signature = (element[:, :, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, ::1],
+        for feature_axis, out in itertools.product((1, 0), (storage, "float32")):  # (dW in x's dtype or fp32)
+            kernel = weight_grad(B, bs, storage, types.float32, feature_axis, out)
+            dw = types.float32 if out == "float32" else element
+            signature = (dw[:, :, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, ::1],
                          types.int32[:, ::1], i64, i64, types.float64)
-            results.append(check(f"weight_grad v{version} bs {bs} {storage} axis {feature_axis}", kernel.py_func,
-                                 signature, cc=cc, detail=count))
+            results.append(check(f"weight_grad v{version} bs {bs} {storage} axis {feature_axis} dW {out}",
+                                 kernel.py_func, signature, cc=cc, detail=count))
     return results
 
 

@@ -11,12 +11,12 @@ kernel family runs), `simple` (the teaching kernels), `simt` and `tensorcore`
 (kept launches for repeated torch calls), `openai` (`BlocksparseMatMul`).
 """
 
-from .api import (block_norms, forward, identity_init, input_grad, l2_normalize, l2_normalize_grad,
+from .api import (block_norms, forward, identity_init, input_grad, ortho_init, l2_normalize, l2_normalize_grad,
                   transpose_blocks, weight_grad)
 from .config import DEFAULT, BsmmConfig
 from .dispatch import VERSIONS, default_version, segment_limit, wgrad_splits
 from .openai import BlocksparseMatMul
 
-__all__ = ["forward", "input_grad", "weight_grad", "transpose_blocks", "block_norms", "identity_init",
+__all__ = ["forward", "input_grad", "weight_grad", "transpose_blocks", "block_norms", "identity_init", "ortho_init",
            "l2_normalize", "l2_normalize_grad", "BsmmConfig", "DEFAULT",
            "BlocksparseMatMul", "VERSIONS", "default_version", "segment_limit", "wgrad_splits"]

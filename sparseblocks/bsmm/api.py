@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
+import numpy as np
+
 from ..layout import BlockLayout, check_block_size
 from ..runtime.devices import on_arrays_device
 from ..ptx.vector import aligned
@@ -48,7 +50,7 @@ from .dispatch import (
     compiled,
     words,
 )
-from .normalize import make_identity, make_l2_normalize
+from .normalize import make_identity, make_l2_normalize, make_ortho
 from .plans import (
     keep_product_plan,
     keep_weight_grad_plan,
@@ -123,6 +125,18 @@ def input_grad(dy: Array, w: Array, layout: BlockLayout, feature_axis: int = 1, 
     return _product(as_config(config), dy, w, layout, feature_axis, True, version)
 
 
+def _weight_grad_dtype(x, out, out_dtype):
+    """dW's dtype: x's, or fp32 from 16-bit x (``out_dtype``, or an fp32 ``out``)."""
+    wanted = out_dtype if out_dtype is not None else (x.dtype if out is None else out.dtype)
+    allowed = (x.dtype, "float32") if x.dtype in ("float16", "bfloat16") else (x.dtype,)
+    if out_dtype is not None and out is not None and out.dtype != out_dtype:
+        raise ValueError(f"out: expected out_dtype {out_dtype}, got {out.dtype}")
+    if wanted not in allowed:
+        name = "out_dtype" if out_dtype is not None else "out"
+        raise TypeError(f"{name}: expected dtype in {list(allowed)} (x is {x.dtype}), got {wanted}")
+    return wanted
+
+
 def _stacked_steps(x, dy, feature_axis):
     """(x, dy) of a grouped weight gradient as one problem: the T steps' rows side by side."""
     shapes = [tuple(getattr(a, "shape", ())) for a in (x, dy)]
@@ -147,7 +161,7 @@ def _stacked_steps(x, dy, feature_axis):
 @on_arrays_device
 def weight_grad(x: Array, dy: Array, layout: BlockLayout, feature_axis: int = 1, out: Optional[Array] = None,
                 beta: float = 0.0, version: Optional[int] = None, splits: Optional[int] = None,
-                config: Optional[BsmmConfig] = None) -> Array:
+                config: Optional[BsmmConfig] = None, out_dtype: Optional[str] = None) -> Array:
     """``dW = xᵀ · dy`` on the layout's blocks, as ``(n_blocks, bs, bs)``.
 
     With ``out`` the result goes there, as ``out = xᵀ·dy + beta·out`` (so the
@@ -155,6 +169,10 @@ def weight_grad(x: Array, dy: Array, layout: BlockLayout, feature_axis: int = 1,
     is then returned, and must not share memory with ``x`` or ``dy``
     (ValueError). ``splits`` (not version 1) overrides how many slices of N are
     summed separately and then combined in order.
+
+    ``out_dtype`` "float32" from fp16 or bf16 x and dy (OpenAI's ``dw_dtype``): the fp32 sums are
+    stored as they are, no 16-bit rounding between them and an fp32 master weight; an fp32 ``out``
+    does the same (with ``beta``). By default dW has x's dtype (or ``out``'s).
 
     Grouped (OpenAI's ``group_param_grads``): x and dy stacked over T steps that share the layout,
     (T, N, C) and (T, N, K) (with feature_axis 0, (T, C, N) and (T, K, N)), give the one dW summed
@@ -165,13 +183,17 @@ def weight_grad(x: Array, dy: Array, layout: BlockLayout, feature_axis: int = 1,
     if len(getattr(x, "shape", ())) == 3 or len(getattr(dy, "shape", ())) == 3:
         x, dy = _stacked_steps(x, dy, feature_axis)
     if plans.kept:
-        dw = replayed_weight_grad(cfg, x, dy, layout, feature_axis, out, beta, version, splits)
+        dw = replayed_weight_grad(cfg, x, dy, layout, feature_axis, out, beta, version, splits, out_dtype)
         if dw is not None:
             return dw
     given = version
     x, dy = Operand(x, "x"), Operand(dy, "dy")
     ops = (x, dy) if out is None else (x, dy, Operand(out, "out"))
-    version = _check_common(cfg, ops, feature_axis, version)
+    version = _check_common(cfg, ops[:2], feature_axis, version)
+    given_dtype, out_dtype = out_dtype, _weight_grad_dtype(x, None if out is None else ops[2], out_dtype)
+    if out is not None:
+        check_same_kind(ops)
+        ops[2].require_contiguous()
     C, K = layout.dense_shape
     n_x = _check_activation(x, C, feature_axis, f"(layout has {C} inputs)")
     n_dy = _check_activation(dy, K, feature_axis, f"(layout has {K} outputs)")
@@ -191,13 +213,14 @@ def weight_grad(x: Array, dy: Array, layout: BlockLayout, feature_axis: int = 1,
 
     stream = launch_stream(ops)
     if out is None:
-        native, dw = x.empty(layout.w_shape, stream)
+        native, dw = x.empty(layout.w_shape, stream, dtype=out_dtype)
     else:
         native, dw = ops[2].native, ops[2].device(stream)
     if layout.n_blocks:
-        launched = launch_weight_grad(cfg, dw, x, dy, layout, n_x, feature_axis, beta, stream, version, splits)
+        launched = launch_weight_grad(cfg, dw, x, dy, layout, n_x, feature_axis, beta, stream, version, splits,
+                                      out_dtype)
         keep_weight_grad_plan(cfg, x, dy, None if out is None else ops[2], layout, feature_axis, beta, given,
-                              splits, launched)
+                              splits, launched, given_dtype, out_dtype)
     if out is not None and not (SIMULATOR and ops[2].kind == "torch"):
         return out  # the caller's own array (an Operand holds a detached torch view of it)
     return (x if out is None else ops[2]).result(native, dw, stream)
@@ -264,6 +287,35 @@ def identity_init(layout: BlockLayout, like: Array, scale: float = 1.0, config: 
     if n:
         kernel = compiled(cfg, make_identity, layout.block_size, op.dtype)
         launch(kernel, max(1, min(-(-n // 256), 1024)), 256, stream, (w, _index(layout, "coords", stream), float(scale)))
+    return op.result(native, w, stream)
+
+
+@on_arrays_device
+def ortho_init(layout: BlockLayout, like: Array, seed: int = 0, scale: float = 1.0,
+               config: Optional[BsmmConfig] = None) -> Array:
+    """Weights ``(n_blocks, bs, bs)`` whose every block-column (its stacked blocks: the inputs it
+    connects by bs outputs) has orthonormal columns, times ``scale`` (OpenAI's ``ortho_init``): the
+    Q of a Gaussian matrix's QR, from Philox bits under ``seed`` (one result a seed, on every
+    device). As an array of ``like``'s kind, dtype and device (``like``: any array of the layout's
+    ``w_shape``). Its twin is `sparseblocks.reference.bsmm.ortho_init`."""
+    cfg = as_config(config)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 64:
+        raise ValueError(f"seed: expected an int from 0 to 2**64 - 1, got {seed!r}")
+    try:
+        scale = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale: expected a number, got {scale!r}") from None
+    op = Operand(like, "like")
+    check_dtype(op)
+    check_shape(op, layout.w_shape)
+    stream = launch_stream((op,))
+    native, w = op.empty(layout.w_shape, stream)
+    if layout.n_blocks:
+        work = op.scratch(layout.w_shape, "float32", stream)  # (the sums run in fp32, as the kernels')
+        kernel = compiled(cfg, make_ortho, layout.block_size, op.dtype)
+        col_ptr, col_block = _index(layout, "col_ptr", stream), _index(layout, "col_block", stream)
+        launch(kernel, layout.shape[1], 32, stream, (w, work, col_ptr, col_block, int(seed) & 0xFFFFFFFF,
+                                                     int(seed) >> 32, scale))
     return op.result(native, w, stream)
 
 

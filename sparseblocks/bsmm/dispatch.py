@@ -280,7 +280,8 @@ def wgrad_splits(layout, n_rows, thread_blocks=None, cfg=DEFAULT, fill=4):
     return int(max(1, min(wanted, n_rows // (4 * WGRAD_CHUNK))))
 
 
-def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, stream, version, splits):
+def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, stream, version, splits, out_dtype=None):
+    """dW into ``dw`` (``out_dtype``: its dtype, x's by default; the kernels' epilogues store in it)."""
     COMBINE_THREADS = cfg.combine_threads
     V4_WGRAD_THREADS = cfg.v4_wgrad_threads
     V5_WARP_TILE = cfg.v5_warp_tile
@@ -289,17 +290,18 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
     WGRAD_ROWS = cfg.wgrad_rows
     WGRAD_THREADS = cfg.wgrad_threads
     bs = layout.block_size
+    out = out_dtype or x.dtype
     if version == 1:
-        kernel = compiled(cfg, make_weight_grad_v1, bs, x.dtype, feature_axis)
+        kernel = compiled(cfg, make_weight_grad_v1, bs, x.dtype, feature_axis, out)
         launch(kernel, layout.n_blocks, (bs, WGRAD_ROWS[bs]), stream, (
             dw, x.device(stream), dy.device(stream), _index(layout, "coords", stream), n_rows, beta,
         ))
         return None
     x_device, dy_device = x.device(stream), dy.device(stream)
-    # (dw too: version 7 stores runs of 4 values, 8-byte aligned in 16-bit storage)
+    # (dw too: version 7 stores runs of 4 values, aligned to their 8 or 16 bytes)
     family = weight_grad_family(cfg, version, bs, x.dtype, feature_axis,
                                 tiles_fit((x_device, dy_device), n_rows, feature_axis)
-                                and aligned(data_pointer(dw), 8, 1))
+                                and aligned(data_pointer(dw), 4 * dw.dtype.itemsize, 1))
     v7, v6, v5, v4 = family == 7, family == 6, family == 5, family == 4
     group = V5_WGRAD_GROUP.get(bs, 1) if v5 and bs <= V5_WARP_TILE else 1
     coords = _index(layout, "coords", stream)
@@ -330,12 +332,12 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
     if v6 or v7:
         maker, threads = ((make_weight_grad_v7, v7_threads(cfg, bs, weight_grad=True)) if v7
                           else (make_weight_grad_v6, v6_threads(cfg, bs, weight_grad=True)))
-        kernel = compiled(cfg, maker, bs, x.dtype, feature_axis)
+        kernel = compiled(cfg, maker, bs, x.dtype, feature_axis, out)
         args = (dw, workspace, x_device, dy_device, coords, n_rows, rows_per_split, beta)
     elif v5:
         values = v5_values(x.dtype)
         vector = v5_vector_loads(cfg, (x_device, dy_device), n_rows, feature_axis, values)
-        kernel = compiled(cfg, make_weight_grad_v5, bs, x.dtype, feature_axis, vector, group)
+        kernel = compiled(cfg, make_weight_grad_v5, bs, x.dtype, feature_axis, vector, group, out)
         x_device, dy_device = (words(x_device), words(dy_device)) if vector or values == 1 \
             else (bits(x_device), bits(dy_device))
         threads = 32 * v5_wgrad_warps(cfg, group)
@@ -343,17 +345,17 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
     else:
         if v4:
             vector = vector_loads(cfg, (x_device, dy_device), n_rows, feature_axis)
-            kernel = compiled(cfg, make_weight_grad_v4, bs, x.dtype, feature_axis, vector)
+            kernel = compiled(cfg, make_weight_grad_v4, bs, x.dtype, feature_axis, vector, out)
             threads = V4_WGRAD_THREADS
         else:
-            kernel = compiled(cfg, make_weight_grad_v3, bs, x.dtype, feature_axis)
+            kernel = compiled(cfg, make_weight_grad_v3, bs, x.dtype, feature_axis, out)
             threads = WGRAD_THREADS
         args = (dw, workspace, x_device, dy_device, coords, n_rows, rows_per_split, beta)
     main = (kernel, (thread_blocks, splits), threads, args)
     launch(main[0], main[1], main[2], stream, main[3])
     if splits == 1:
         return main, None, None
-    combine = (compiled(cfg, make_combine_wgrad, bs, x.dtype),
+    combine = (compiled(cfg, make_combine_wgrad, bs, x.dtype, out),
                ((bs * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, layout.n_blocks), COMBINE_THREADS,
                (dw, workspace, beta))
     launch(combine[0], combine[1], combine[2], stream, combine[3])

@@ -385,7 +385,7 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     return dynamic_shared(product_v7, shared_bytes(cfg, bs))
 
 
-def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis):
+def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=None):
     """dw[b] (+ beta·dw[b]) on version 7 tiles, a thread block a block, k along its N-split, as in
     version 6 (`tiles.make_weight_grad_v6`): A = xᵀ and B = dy; with feature_axis 1 both are
     MN-major (k = N down their rows), with 0 K-major."""
@@ -393,7 +393,7 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis):
     ACC = BN // 2  # a 64-row tile's
     ACC_ALL = TILES * ACC
     MN = feature_axis == 1
-    to_acc, from_acc = converters(storage, acc_type)
+    to_acc, from_acc = converters(out_storage or storage, acc_type)  # (dW's own dtype)
 
     @inlined
     def keep_flags(keep, rows, cols, n0, n_end):

@@ -99,7 +99,7 @@ class BlocksparseMatMul:
         return api.weight_grad(x, dy, self.layout, self.feature_axis, out=out, beta=beta,
                                version=self.version, config=self.config)
 
-    # -- initialisers (NumPy, host side) -----------------------------------------------
+    # -- initialisers (NumPy arrays) ---------------------------------------------------
 
     def identity_init(self, scale=1.0, dtype=np.float32):
         """Weights that are ``scale`` x the identity on diagonal blocks and zero elsewhere."""
@@ -109,24 +109,10 @@ class BlocksparseMatMul:
         return w
 
     def ortho_init(self, seed=0, dtype=np.float32):
-        """Weights whose columns are orthonormal within each output block-column (OpenAI's scheme).
-
-        Each block-column's stacked blocks ``(len(col) * bs, bs)`` get the left
-        singular vectors of a Gaussian matrix; block-columns of a sparse layout
-        are close to orthogonal already.
-        """
-        rng = np.random.default_rng(seed)
-        bs = self.block_size
-        w = np.zeros(self.w_shape, dtype)
-        layout = self.layout
-        for k in range(layout.shape[1]):
-            entries = range(layout.col_ptr[k], layout.col_ptr[k + 1])
-            if not len(entries):
-                continue
-            u, _, _ = np.linalg.svd(rng.standard_normal((len(entries) * bs, bs)), full_matrices=False)
-            for i, j in enumerate(entries):
-                w[layout.col_block[j]] = u[i * bs:(i + 1) * bs]
-        return w
+        """Weights whose columns are orthonormal within each output block-column (OpenAI's scheme):
+        each block-column's stacked blocks ``(len(col) * bs, bs)`` are the Q of a Gaussian
+        matrix's QR, made on the device (`bsmm.ortho_init`) and returned as a NumPy array."""
+        return api.ortho_init(self.layout, np.zeros(self.w_shape, dtype), seed, config=self.config)
 
     def __repr__(self):
         return f"BlocksparseMatMul({self.layout!r}, feature_axis={self.feature_axis})"

@@ -65,33 +65,34 @@ def keep_product_plan(cfg, a, w, layout, feature_axis, transpose_w, version, out
 # replays the gradient's launch and, with splits, the combining one.
 class _WeightGradPlan:
     """workspace: the N-splits' (shape, torch dtype), or None (one split, one launch)."""
-    __slots__ = ("layout", "workspace", "main", "combine")
+    __slots__ = ("layout", "workspace", "main", "combine", "dtype")
 
-    def __init__(self, layout, workspace, main, combine):
-        self.layout, self.workspace, self.main, self.combine = layout, workspace, main, combine
+    def __init__(self, layout, workspace, main, combine, dtype):
+        self.layout, self.workspace, self.main, self.combine, self.dtype = layout, workspace, main, combine, dtype
 
 
-def _weight_grad_key(cfg, x, dy, out, layout, feature_axis, beta, version, splits):
+def _weight_grad_key(cfg, x, dy, out, layout, feature_axis, beta, version, splits, out_dtype):
     """Everything a weight-gradient call's checks and launches depend on (torch tensors), or None."""
-    if not isinstance(beta, (int, float)) or not (splits is None or isinstance(splits, int)):
+    if not isinstance(beta, (int, float)) or not (splits is None or isinstance(splits, int)) or not (
+            out_dtype is None or isinstance(out_dtype, str)):
         return None
-    return ("bsmm weight_grad", cfg, id(layout), feature_axis, float(beta), version, splits, x.dtype, dy.dtype, x.shape,
-            dy.shape, x.device, x.data_ptr() % 16, dy.data_ptr() % 16,
+    return ("bsmm weight_grad", cfg, id(layout), feature_axis, float(beta), version, splits, out_dtype, x.dtype,
+            dy.dtype, x.shape, dy.shape, x.device, x.data_ptr() % 16, dy.data_ptr() % 16,
             None if out is None else (out.dtype, out.shape, out.device, out.data_ptr() % 16))
 
 
-def replayed_weight_grad(cfg, x, dy, layout, feature_axis, out, beta, version, splits):
+def replayed_weight_grad(cfg, x, dy, layout, feature_axis, out, beta, version, splits, out_dtype=None):
     """The weight gradient through a kept plan, or None: no plan fits (the general path runs)."""
     if not (isinstance(x, plans.tensor) and isinstance(dy, plans.tensor)
             and (out is None or isinstance(out, plans.tensor))) or _arrays._poison_outputs:
         return None
-    key = _weight_grad_key(cfg, x, dy, out, layout, feature_axis, beta, version, splits)
+    key = _weight_grad_key(cfg, x, dy, out, layout, feature_axis, beta, version, splits, out_dtype)
     plan = plans.kept.get(key) if key is not None else None
     if plan is None or plan.layout is not layout or not (
             x.is_contiguous() and dy.is_contiguous() and (out is None or out.is_contiguous())) or (
             out is not None and _arrays.tensors_overlap(out, (x, dy))):
         return None  # (the general path checks an out= sharing memory with x or dy, and raises)
-    dw = x.new_empty(layout.w_shape) if out is None else out
+    dw = (x.new_empty(layout.w_shape, dtype=plan.dtype) if out is None else out)
     stream = _arrays.torch_stream_handle()
     if plan.combine is None:
         plan.main(stream, dw.data_ptr(), x.data_ptr(), dy.data_ptr())
@@ -102,15 +103,17 @@ def replayed_weight_grad(cfg, x, dy, layout, feature_axis, out, beta, version, s
     return dw
 
 
-def keep_weight_grad_plan(cfg, x, dy, out, layout, feature_axis, beta, version, splits, launched):
-    """After a general-path weight gradient of torch tensors: keep its launches."""
+def keep_weight_grad_plan(cfg, x, dy, out, layout, feature_axis, beta, version, splits, launched, given_dtype,
+                          out_dtype):
+    """After a general-path weight gradient of torch tensors: keep its launches (keyed on the call's
+    ``out_dtype`` as given, dW made in ``out_dtype`` as resolved)."""
     if launched is None or x.kind != "torch" or _arrays._poison_outputs:
         return
     main, combine, workspace = launched
     import torch
 
     key = _weight_grad_key(cfg, x.native, dy.native, None if out is None else out.native, layout, feature_axis, beta,
-                           version, splits)
+                           version, splits, given_dtype)
     if key is None:
         return
     kept = (replay(*main, live=(0, 2, 3) if combine is None else (0, 1, 2, 3)),
@@ -118,4 +121,4 @@ def keep_weight_grad_plan(cfg, x, dy, out, layout, feature_axis, beta, version, 
     if kept[0] is None or (combine is not None and kept[1] is None):
         return
     workspace = None if workspace is None else (workspace, torch.float64 if x.dtype == "float64" else torch.float32)
-    plans.keep(key, _WeightGradPlan(layout, workspace, *kept))
+    plans.keep(key, _WeightGradPlan(layout, workspace, *kept, getattr(torch, out_dtype)))

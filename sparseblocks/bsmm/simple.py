@@ -54,13 +54,14 @@ def make_product_v1(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     return product_v1
 
 
-def make_weight_grad_v1(cfg, bs, storage, acc_type, feature_axis):
+def make_weight_grad_v1(cfg, bs, storage, acc_type, feature_axis, out_storage=None):
     """dw[b] = x[:, c-block]ᵀ · dy[:, k-block] (+ beta·dw[b]), reducing over all N rows."""
     WGRAD_ROWS = cfg.wgrad_rows
     rows = WGRAD_ROWS[bs]
     per_thread = bs // rows
     load, _ = activation_io(feature_axis)
-    to_acc, from_acc = converters(storage, acc_type)
+    to_acc, _ = converters(storage, acc_type)
+    dw_in, from_acc = converters(out_storage or storage, acc_type)  # (dW's own dtype)
 
     @cuda.jit
     def weight_grad_v1(dw, x, dy, coords, n_rows, beta):
@@ -87,7 +88,7 @@ def make_weight_grad_v1(cfg, bs, storage, acc_type, feature_axis):
         for m in range(per_thread):
             value = acc[m]
             if beta != 0:
-                value += acc_type(beta) * to_acc(dw[block, ty + m * rows, tx])
+                value += acc_type(beta) * dw_in(dw[block, ty + m * rows, tx])
             dw[block, ty + m * rows, tx] = from_acc(value)
 
     return weight_grad_v1

@@ -330,7 +330,7 @@ def make_product_v6(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     return dynamic_shared(product_v6, shared_bytes(cfg, bs, False, A_ALONG_K, transpose_w))
 
 
-def make_weight_grad_v6(cfg, bs, storage, acc_type, feature_axis):
+def make_weight_grad_v6(cfg, bs, storage, acc_type, feature_axis, out_storage=None):
     """dw[b] (+ beta·dw[b]) on version 6 tiles: a thread block a block, k along its N-split.
 
     A = xᵀ and B = dy: with feature_axis 1 both have k (N) down their rows (ldmatrix.trans),
@@ -347,7 +347,7 @@ def make_weight_grad_v6(cfg, bs, storage, acc_type, feature_axis):
     B_ROWS, _, B_CPR = _operand(ALONG_K, BN, BK)
     A_PER, B_PER = -(-(A_ROWS * A_CPR) // T), -(-(B_ROWS * B_CPR) // T)
     wait = waiter(STAGES - 2)
-    finish = weight_grad_output(bs, storage, acc_type)
+    finish = weight_grad_output(bs, out_storage or storage, acc_type)
 
     @cuda.jit(device=True, inline=True)
     def keep_flags(keep, rows, cols, n0, n_end):

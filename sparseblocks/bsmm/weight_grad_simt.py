@@ -23,7 +23,7 @@ from .device import (
 )
 
 
-def make_weight_grad_v3(cfg, bs, storage, acc_type, feature_axis):
+def make_weight_grad_v3(cfg, bs, storage, acc_type, feature_axis, out_storage=None):
     """dw[b] (+ beta·dw[b]) over this thread block's share of N; splits go to a workspace."""
     WGRAD_CHUNK = cfg.wgrad_chunk
     WGRAD_PATCH = cfg.wgrad_patch
@@ -42,7 +42,7 @@ def make_weight_grad_v3(cfg, bs, storage, acc_type, feature_axis):
 
     position = chunk_position(feature_axis, NC, bs)
 
-    finish = weight_grad_output(bs, storage, acc_type)
+    finish = weight_grad_output(bs, out_storage or storage, acc_type)
 
     @cuda.jit
     def weight_grad_v3(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta):
@@ -111,7 +111,7 @@ def make_weight_grad_v3(cfg, bs, storage, acc_type, feature_axis):
     return weight_grad_v3
 
 
-def make_weight_grad_v4(cfg, bs, storage, acc_type, feature_axis, vector=False):
+def make_weight_grad_v4(cfg, bs, storage, acc_type, feature_axis, vector=False, out_storage=None):
     """dw[b] (+ beta·dw[b]) with an 8 x 8 patch per thread and 16-byte shared reads (feature_axis 1).
 
     A thread block holds S sub-groups, each computing one block of W over this
@@ -140,7 +140,8 @@ def make_weight_grad_v4(cfg, bs, storage, acc_type, feature_axis, vector=False):
     BATCH = min(LOADS, V4_WGRAD_BATCH // V)  # loads of each in flight before their stores (divides LOADS)
     IN_FLIGHT = BATCH * V
     load = activation_vector_load(feature_axis, V)
-    to_acc, from_acc = converters(storage, acc_type)
+    to_acc, _ = converters(storage, acc_type)
+    dw_in, from_acc = converters(out_storage or storage, acc_type)  # (dW's own dtype)
 
     @cuda.jit(**V4_OPTIONS)
     def weight_grad_v4(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta):
@@ -213,16 +214,16 @@ def make_weight_grad_v4(cfg, bs, storage, acc_type, feature_axis, vector=False):
                     r = e // bs
                     col = e - r * bs
                     if beta != 0:
-                        total += acc_type(beta) * to_acc(dw[block, r, col])
+                        total += acc_type(beta) * dw_in(dw[block, r, col])
                     dw[block, r, col] = from_acc(total)
 
     return weight_grad_v4
 
 
-def make_combine_wgrad(cfg, bs, storage, acc_type):
+def make_combine_wgrad(cfg, bs, storage, acc_type, out_storage=None):
     """dw = sum of the N-splits of the workspace, in order (+ beta·dw)."""
     COMBINE_THREADS = cfg.combine_threads
-    to_acc, from_acc = converters(storage, acc_type)
+    to_acc, from_acc = converters(out_storage or storage, acc_type)  # (dW's own dtype)
 
     @cuda.jit
     def combine_wgrad(dw, workspace, beta):

@@ -48,7 +48,7 @@ def v5_wgrad_step(storage):
     return 16 * v5_values(storage), 16
 
 
-def make_weight_grad_v5(cfg, bs, storage, acc_type, feature_axis, vector=False, group=1):
+def make_weight_grad_v5(cfg, bs, storage, acc_type, feature_axis, vector=False, group=1, out_storage=None):
     """dw[b] (+ beta·dw[b]) on tensor cores: D = xᵀ·dy, k running along N.
 
     Each warp owns a min(bs, 32)-square patch of one block of W (two 16-row by
@@ -108,7 +108,7 @@ def make_weight_grad_v5(cfg, bs, storage, acc_type, feature_axis, vector=False, 
     ACC_ROWS = G * MT
     accumulate = mma_accumulate(cfg, storage)
     load, _ = activation_io(feature_axis)
-    finish = weight_grad_output(bs, storage, acc_type)
+    finish = weight_grad_output(bs, out_storage or storage, acc_type)
 
     @cuda.jit(device=True, inline=True)
     def fetch(a, held, h0, lane, col0, n0, n_end):

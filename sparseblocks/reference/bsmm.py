@@ -96,3 +96,23 @@ def l2_normalize_grad(dy, w, layout, gain=None, epsilon=1e-6):
     dot = (D * W).sum(axis=0)
     dW = g * r * (D - np.where(total > epsilon, W * r * r * dot, 0.0))
     return layout.from_dense(dW), (None if gain is None else dot * r)
+
+
+def ortho_init(layout, seed=0, scale=1.0):
+    """Twin of `sparseblocks.bsmm.ortho_init`, in float64: element (b, r, j) of the Gaussian is
+    Box-Muller's of the first two Philox words of counter b·bs² + r·bs + j under ``seed``; each
+    block-column's stacked blocks are replaced by the Q of their QR, signed so that R's diagonal is
+    positive (what Gram-Schmidt gives), times ``scale``."""
+    from .philox import philox
+
+    bs = layout.block_size
+    e = np.arange(layout.n_blocks * bs * bs, dtype=np.uint64)
+    w0, w1, _, _ = philox(e & np.uint64(0xFFFFFFFF), e >> np.uint64(32), 0, 0, seed & 0xFFFFFFFF, seed >> 32)
+    u1, u2 = (w0 + 0.5) * 2.0 ** -32, (w1 + 0.5) * 2.0 ** -32
+    w = (np.sqrt(-2 * np.log(u1)) * np.cos(2 * np.pi * u2)).reshape(layout.w_shape)
+    for k in range(layout.shape[1]):
+        blocks = layout.col_block[layout.col_ptr[k]:layout.col_ptr[k + 1]]
+        if len(blocks):
+            q, r = np.linalg.qr(w[blocks].reshape(-1, bs))
+            w[blocks] = (q * np.sign(np.diag(r))).reshape(len(blocks), bs, bs)
+    return w * scale

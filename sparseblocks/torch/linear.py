@@ -151,8 +151,10 @@ class BlockSparseLinear(nn.Module):
         w, bias = self.weight, self.bias
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
-            x, w = x.to(dtype), w.to(dtype)
+            x = x.to(dtype)
             bias = None if bias is None else bias.to(dtype)
+            if w.dtype != torch.float32 or cpu.takes(x):  # (the kernels take an fp32 weight as it is:
+                w = w.to(dtype)                            # its gradient comes back fp32 from them)
         elif x.dtype != w.dtype:
             raise TypeError(f"input: expected dtype {w.dtype} (the weight's), got {x.dtype}")
         x = x.contiguous()

@@ -52,10 +52,16 @@ def _remember(key, layout):
         _layouts.popitem(last=False)
 
 
+def _compute_weight(w, x):
+    """W in x's dtype: an fp32 master weight with fp16 or bf16 activations (autocast) is cast
+    here, inside the op, so that its gradient comes back in fp32 from the kernel itself."""
+    return w if w.dtype == x.dtype else w.to(x.dtype)
+
+
 @torch.library.custom_op("sparseblocks::bsmm_forward", mutates_args=())
 def bsmm_forward(x: torch.Tensor, w: torch.Tensor, layout: str) -> torch.Tensor:
-    """``y = x · W``: x (N, C) -> (N, K)."""
-    return bsmm.forward(x, w, layout_of(layout))
+    """``y = x · W``: x (N, C) -> (N, K); W in x's dtype, or fp32 with fp16 or bf16 x."""
+    return bsmm.forward(x, _compute_weight(w, x), layout_of(layout))
 
 
 @torch.library.custom_op("sparseblocks::bsmm_input_grad", mutates_args=())
@@ -65,9 +71,9 @@ def bsmm_input_grad(dy: torch.Tensor, w: torch.Tensor, layout: str) -> torch.Ten
 
 
 @torch.library.custom_op("sparseblocks::bsmm_weight_grad", mutates_args=())
-def bsmm_weight_grad(x: torch.Tensor, dy: torch.Tensor, layout: str) -> torch.Tensor:
-    """``dW = xᵀ · dy`` on the layout's blocks: (n_blocks, bs, bs)."""
-    return bsmm.weight_grad(x, dy, layout_of(layout))
+def bsmm_weight_grad(x: torch.Tensor, dy: torch.Tensor, layout: str, dtype: torch.dtype) -> torch.Tensor:
+    """``dW = xᵀ · dy`` on the layout's blocks: (n_blocks, bs, bs), in ``dtype`` (x's, or fp32)."""
+    return bsmm.weight_grad(x, dy, layout_of(layout), out_dtype=str(dtype).removeprefix("torch."))
 
 
 @bsmm_forward.register_fake
@@ -81,8 +87,8 @@ def _(dy, w, layout):
 
 
 @bsmm_weight_grad.register_fake
-def _(x, dy, layout):
-    return x.new_empty(layout_of(layout).w_shape)
+def _(x, dy, layout, dtype):
+    return x.new_empty(layout_of(layout).w_shape, dtype=dtype)
 
 
 def _setup_forward(ctx, inputs, output):
@@ -92,11 +98,16 @@ def _setup_forward(ctx, inputs, output):
 
 
 def _gradients(ctx, dy, input_grad, weight_grad):
-    """(dx, dw, None) of ``y = x · W`` through the given input and weight gradient functions."""
+    """(dx, dw, None) of ``y = x · W`` through the given input and weight gradient functions; dw
+    in W's dtype (an fp32 master weight's comes from the kernel's fp32 sums)."""
     x, w = ctx.saved_tensors
     dy = dy.contiguous()
-    dx = input_grad(dy, w, ctx.layout) if ctx.needs_input_grad[0] else None
-    dw = weight_grad(x, dy, ctx.layout) if ctx.needs_input_grad[1] else None
+    dx = input_grad(dy, _compute_weight(w, x), ctx.layout) if ctx.needs_input_grad[0] else None
+    dw = None
+    if ctx.needs_input_grad[1]:
+        direct = w.dtype in (x.dtype, torch.float32)  # (the kernel stores these; another cast after it)
+        dw = weight_grad(x, dy, ctx.layout, w.dtype if direct else x.dtype)
+        dw = dw if direct else dw.to(w.dtype)
     return dx, dw, None
 
 
@@ -114,18 +125,20 @@ class _Product(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, layout):
         _setup_forward(ctx, (x, w, layout), None)
-        return bsmm.forward(x, w, layout_of(layout))
+        return bsmm.forward(x, _compute_weight(w, x), layout_of(layout))
 
     @staticmethod
     def backward(ctx, dy):
         return _gradients(ctx, dy, lambda dy, w, key: bsmm.input_grad(dy, w, layout_of(key)),
-                          lambda x, dy, key: bsmm.weight_grad(x, dy, layout_of(key)))
+                          lambda x, dy, key, dtype: bsmm.weight_grad(x, dy, layout_of(key),
+                                                                     out_dtype=str(dtype).removeprefix("torch.")))
 
 
 def product(x, w, layout):
-    """``x · W`` with autograd: the custom op where torch.compile traces, else its eager twin."""
+    """``x · W`` with autograd: the custom op where torch.compile traces, else its eager twin. W in
+    x's dtype, or an fp32 master weight with fp16 or bf16 x (cast inside; dW comes back fp32)."""
     if torch.compiler.is_compiling():
         return bsmm_forward(x, w, layout)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return _Product.apply(x, w, layout)
-    return bsmm.forward(x, w, layout_of(layout))
+    return bsmm.forward(x, _compute_weight(w, x), layout_of(layout))

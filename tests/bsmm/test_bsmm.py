@@ -487,6 +487,33 @@ def test_tensor_core_weight_grad(configure, monkeypatch, block_size, dtype, feat
     assert any(key[0] is bsmm.weight_grad_tensorcore.make_weight_grad_v5 for key in compile_cache._kernels)
 
 
+@pytest.mark.parametrize("version, block_size", [(1, 8), (3, 8), (4, 32), (5, 16), (6, 16), (7, 64)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_weight_grad_in_fp32_from_16_bit_inputs(version, block_size, dtype):
+    """``out_dtype="float32"`` (OpenAI's dw_dtype): dW stored from the fp32 sums, within fp32's
+    rounding of the exact sums of the 16-bit products (a 16-bit dW would be 2⁸-2¹⁶ times coarser);
+    an fp32 ``out`` with ``beta`` the same. Version 7 runs on Hopper (else the next one down)."""
+    from strategies import numpy_dtype
+
+    layout = BlockLayout(np.array([[1, 0], [1, 1]]), block_size)
+    rng = np.random.default_rng(version)
+    C, K = layout.dense_shape
+    n = 24
+    x = rng.standard_normal((n, C)).astype(numpy_dtype(dtype))
+    dy = rng.standard_normal((n, K)).astype(numpy_dtype(dtype))
+    want = reference.weight_grad(x, dy, layout)
+    splits = 2 if version >= 3 else None  # (the combine kernel's store as well)
+    dw = bsmm.weight_grad(x, dy, layout, version=version, splits=splits, out_dtype="float32")
+    assert dw.dtype == np.float32
+    assert_close(dw, want, "float32", "fp32 weight_grad", terms=n)
+    if dtype == "bfloat16":
+        return  # (device arrays of ml_dtypes' bf16 are not made here: out= takes fp16's)
+    previous = rng.standard_normal(layout.w_shape).astype(np.float32)
+    out = cuda.to_device(previous)
+    bsmm.weight_grad(cuda.to_device(x), cuda.to_device(dy), layout, out=out, beta=0.5, version=version)
+    assert_close(out.copy_to_host(), want + 0.5 * previous, "float32", "fp32 weight_grad into out", terms=n)
+
+
 LAYOUT = BlockLayout.dense((2, 3), 8)
 X = np.ones((4, 16), np.float32)
 W = np.ones(LAYOUT.w_shape, np.float32)
@@ -518,6 +545,10 @@ def _weight_grad_over(shared):
     (lambda: bsmm.weight_grad(X, DY, LAYOUT, beta="one"), TypeError, "beta"),
     (lambda: bsmm.weight_grad(X, DY, LAYOUT, out=W.copy()), TypeError, "out: expected a device array"),
     (lambda: bsmm.weight_grad(X, DY, LAYOUT, out=W[:2]), ValueError, "out: expected shape"),
+    (lambda: bsmm.weight_grad(X, DY, LAYOUT, out_dtype="float16"), TypeError,
+     r"out_dtype: expected dtype in \['float32'\]"),
+    (lambda: bsmm.weight_grad(cuda.to_device(X), cuda.to_device(DY), LAYOUT, out=cuda.to_device(W),
+                              out_dtype="float64"), ValueError, "out: expected out_dtype float64"),
     (lambda: _weight_grad_over("x"), ValueError, "out: shares memory with x"),
     (lambda: _weight_grad_over("dy"), ValueError, "out: shares memory with dy"),
     (lambda: bsmm.forward(X, W, LAYOUT, version=8), ValueError, "version"),

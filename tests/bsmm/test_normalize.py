@@ -1,5 +1,5 @@
 """Initialization and normalization on the device (bsmm/normalize.py) against the NumPy twins:
-identity_init, l2_normalize and its gradient, with and without a gain, and errors."""
+identity_init, ortho_init, l2_normalize and its gradient, with and without a gain, and errors."""
 
 import numpy as np
 import pytest
@@ -17,6 +17,24 @@ def test_identity_init_is_the_host_ones(dtype):
     like = np.zeros(LAYOUT.w_shape, dtype)
     got = bsmm.identity_init(LAYOUT, like, scale=0.5)
     np.testing.assert_array_equal(got, BlocksparseMatMul(LAYOUT, 8).identity_init(0.5, dtype))
+
+
+@pytest.mark.parametrize("dtype, tol", [(np.float32, 1e-5), (np.float16, 2e-3), (np.float64, 1e-5)])
+def test_ortho_init_gives_orthonormal_block_columns_as_the_twin(dtype, tol):
+    """Each block-column's stacked blocks have orthonormal columns (times scale): the twin's Q of
+    the same Gaussians; block-column 2 has no blocks. One result a seed, another for another."""
+    like = np.zeros(LAYOUT.w_shape, dtype)
+    got = bsmm.ortho_init(LAYOUT, like, seed=7, scale=2.0)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(got, reference.ortho_init(LAYOUT, 7, 2.0), rtol=tol, atol=tol)
+    for k in range(LAYOUT.shape[1]):
+        blocks = LAYOUT.col_block[LAYOUT.col_ptr[k]:LAYOUT.col_ptr[k + 1]]
+        if len(blocks):
+            stack = got[blocks].reshape(-1, 8).astype(np.float64) / 2
+            np.testing.assert_allclose(stack.T @ stack, np.eye(8), atol=4 * tol)
+    np.testing.assert_array_equal(bsmm.ortho_init(LAYOUT, like, seed=7, scale=2.0), got)
+    assert not np.allclose(bsmm.ortho_init(LAYOUT, like, seed=8, scale=2.0), got)
+    np.testing.assert_array_equal(BlocksparseMatMul(LAYOUT, 8).ortho_init(7, dtype), bsmm.ortho_init(LAYOUT, like, 7))
 
 
 @pytest.mark.parametrize("with_gain", [False, True])
@@ -52,6 +70,9 @@ def test_a_column_of_zeros_stays_zero_and_finite():
      r"gain: expected shape \(24,\)"),
     (lambda: bsmm.l2_normalize(np.ones(LAYOUT.w_shape, np.float32), LAYOUT, epsilon=0), ValueError, "epsilon"),
     (lambda: bsmm.identity_init(LAYOUT, np.ones((1, 8, 8), np.float32)), ValueError, "like: expected shape"),
+    (lambda: bsmm.ortho_init(LAYOUT, np.ones((1, 8, 8), np.float32)), ValueError, "like: expected shape"),
+    (lambda: bsmm.ortho_init(LAYOUT, np.ones(LAYOUT.w_shape, np.float32), seed=-1), ValueError, "seed: expected"),
+    (lambda: bsmm.ortho_init(LAYOUT, np.ones(LAYOUT.w_shape, np.float32), scale="big"), TypeError, "scale: expected"),
 ])
 def test_bad_input_is_refused(call, error, match):
     with pytest.raises(error, match=match):

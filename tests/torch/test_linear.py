@@ -96,6 +96,23 @@ def test_autocast_runs_the_products_in_the_autocast_dtype():
     torch.testing.assert_close(y.float(), masked_dense(layer)(x), rtol=3e-2, atol=3e-2)
 
 
+def test_autocast_weight_gradient_comes_from_the_kernels_fp32_sums(cpu_path):
+    """Under autocast the kernels take the fp32 weight as it is and store its gradient from their
+    fp32 sums (OpenAI's dw_dtype): no 16-bit rounding between them and the parameter."""
+    if cpu_path == "torch":
+        pytest.skip("the CPU path casts the weight, as torch's own layers do under autocast")
+    layer = BlockSparseLinear(16, 8, density=0.5, block_size=8, device=DEVICE)
+    x = torch.randn(6, 16, device=DEVICE)
+    dtype = torch.bfloat16 if DEVICE == "cpu" else torch.float16
+    with torch.autocast(DEVICE, dtype=dtype):
+        y = layer(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    want = blocks_of(layer, (x.to(dtype).double().t() @ dy.double()).t())
+    assert layer.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(layer.weight.grad.double(), want, rtol=1e-6, atol=1e-6)
+
+
 def test_init_is_scaled_to_the_density():
     torch.manual_seed(0)
     layer = BlockSparseLinear(256, 64, density=0.25, block_size=8, device=DEVICE)
