@@ -340,6 +340,13 @@ def make_lstm_kernels(storage, acc_type, vector):
     return gates, gates_grad
 
 
+@cuda.jit(device=True, inline=True)
+def quarter(e, K):
+    """(which quarter, the index in it) of element e of an (R, 4K) array's flat order."""
+    row, col = e // (4 * K), e % (4 * K)
+    return col // K, row * K + col % K
+
+
 def make_split4(storage):
     """``split4(p0, p1, p2, p3, x, K)`` and ``concat4(x, p0, p1, p2, p3, K)``: x (R, 4K) flat and
     its four column quarters (R, K)."""
@@ -348,8 +355,7 @@ def make_split4(storage):
     def split4(p0, p1, p2, p3, x, K):
         start, step = bounds()
         for e in range(start, x.shape[0], step):
-            row, col = e // (4 * K), e % (4 * K)
-            part, at = col // K, row * K + col % K
+            part, at = quarter(e, K)
             if part == 0:
                 p0[at] = x[e]
             elif part == 1:
@@ -363,8 +369,7 @@ def make_split4(storage):
     def concat4(x, p0, p1, p2, p3, K):
         start, step = bounds()
         for e in range(start, x.shape[0], step):
-            row, col = e // (4 * K), e % (4 * K)
-            part, at = col // K, row * K + col % K
+            part, at = quarter(e, K)
             if part == 0:
                 x[e] = p0[at]
             elif part == 1:
