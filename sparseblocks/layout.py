@@ -43,6 +43,16 @@ class BlockLayout:
         "mask", "block_size", "coords", "row_ptr", "col_idx",
         "col_ptr", "row_idx", "col_block", "_hash", "_schedules",
     )
+    mask: np.ndarray  # (Cb, Kb) bool
+    block_size: int
+    coords: np.ndarray  # (n_blocks, 2) int32: each block's (c, k), in row order
+    row_ptr: np.ndarray  # CSR over block-rows
+    col_idx: np.ndarray
+    col_ptr: np.ndarray  # CSC over block-columns
+    row_idx: np.ndarray
+    col_block: np.ndarray  # the blocks in column order, as indices into coords
+    _hash: int
+    _schedules: dict
 
     def __init__(self, mask: np.ndarray, block_size: int = 32) -> None:
         mask = np.asarray(mask)
@@ -96,7 +106,7 @@ class BlockLayout:
         total = shape[0] * shape[1]
         if (density is None) == (n_blocks is None):
             raise ValueError("random: expected one of density and n_blocks")
-        if n_blocks is None:
+        if density is not None:
             if not 0.0 <= float(density) <= 1.0:
                 raise ValueError(f"density: expected a number in [0, 1], got {density}")
             n_blocks = int(round(density * total))

@@ -188,7 +188,7 @@ def weight_grad(x: Array, dy: Array, layout: BlockLayout, feature_axis: int = 1,
             return dw
     given = version
     x, dy = Operand(x, "x"), Operand(dy, "dy")
-    ops = (x, dy) if out is None else (x, dy, Operand(out, "out"))
+    ops: Tuple[Operand, ...] = (x, dy) if out is None else (x, dy, Operand(out, "out"))
     version = _check_common(cfg, ops[:2], feature_axis, version)
     given_dtype, out_dtype = out_dtype, _weight_grad_dtype(x, None if out is None else ops[2], out_dtype)
     if out is not None:

@@ -14,7 +14,7 @@ dict takes the saved layout with its weights.
 """
 
 import math
-from typing import Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import numpy as np
 import torch
@@ -61,7 +61,7 @@ class BlockSparseLinear(nn.Module):
                  layout: Optional[BlockLayout] = None, block_size: int = 32, seed: int = 0,
                  device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
-        factory = {"device": device, "dtype": dtype}
+        factory: Dict[str, Any] = {"device": device, "dtype": dtype}
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise TypeError(f"{name}: expected a positive int, got {value!r}")

@@ -12,7 +12,7 @@ quantizes and packs both operands into bit planes and runs the 1-bit tensor-core
 """
 
 import math
-from typing import Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 
@@ -113,7 +113,7 @@ class LQLinear(torch.nn.Module):
             if layout.dense_shape != (in_features, out_features) or layout.block_size < 32:
                 raise ValueError(f"layout: expected a ({in_features}, {out_features}) grid of blocks of 32 or 64, "
                                  f"got {layout.dense_shape} in blocks of {layout.block_size}")
-        factory = {"device": device, "dtype": dtype}
+        factory: Dict[str, Any] = {"device": device, "dtype": dtype}
         self.in_features, self.out_features = in_features, out_features
         self.w_bits, self.a_bits, self.signed_activations = w_bits, a_bits, bool(signed_activations)
         self.momentum, self.layout = momentum, layout

@@ -13,7 +13,7 @@ gather and scatter ops around the residual's torch operations (`_traced_forward`
 skip a copy.
 """
 
-from typing import Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -77,7 +77,7 @@ class SparseResBlock(torch.nn.Module):
         self.conv1 = torch.nn.Conv2d(channels, bottleneck, 1, bias=False)
         self.conv2 = torch.nn.Conv2d(bottleneck, bottleneck, 3, bias=False)
         self.conv3 = torch.nn.Conv2d(bottleneck, channels, 1, bias=False)
-        self._geometries = {}
+        self._geometries: Dict[Any, Any] = {}
 
     @property
     def config(self):
