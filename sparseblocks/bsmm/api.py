@@ -26,6 +26,7 @@ from ..ptx.vector import aligned
 from ..runtime import arrays as _arrays
 from ..runtime import plans
 from ..runtime.arrays import (
+    Array,
     Operand,
     check_dtype,
     check_same_dtype,
@@ -38,7 +39,6 @@ from ..runtime.launch import data_pointer, launch
 from .block_norms import CRITERIA, make_block_norms, norm_threads
 from .config import BsmmConfig, as_config
 
-Array = Any  # a NumPy array, Numba device array, CuPy array or torch tensor (`runtime.arrays`)
 from .dispatch import (
     VERSIONS,
     default_version,

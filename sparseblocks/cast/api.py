@@ -1,13 +1,15 @@
 """`float_cast`: validation, the fp8 views, the launch."""
 
+from typing import Optional
+
 import numpy as np
 
 from ..ptx.vector import aligned
-from ..runtime.arrays import Operand, _dtype_name, launch_stream
+from ..runtime.arrays import Array, Operand, _dtype_name, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
 from ..runtime.launch import data_pointer, launch, multiprocessors
-from .config import as_config
+from .config import CastConfig, as_config
 from .formats import FORMATS, FP8, numpy_dtype
 from .kernels import make_cast, make_fast_cast
 
@@ -39,7 +41,8 @@ def _written(out, dtype):
 
 
 @on_arrays_device
-def float_cast(x, dtype, stochastic=False, saturate=False, seed=0, offset=0, config=None):
+def float_cast(x: Array, dtype: str, stochastic: bool = False, saturate: bool = False, seed: int = 0, offset: int = 0,
+               config: Optional[CastConfig] = None) -> Array:
     """``x`` converted to ``dtype``: "float32", "float16", "bfloat16", "float8_e4m3fn" or
     "float8_e5m2", from any of those (OpenAI's custom precision, with OCP's fp8 formats).
 

@@ -1,13 +1,15 @@
 """The normalizations' public functions: validation, outputs, launches."""
 
+from typing import Any, Optional, Tuple
+
 import numpy as np
 
-from ..runtime.arrays import Operand, check_same_kind, checked_operands, launch_stream
+from ..runtime.arrays import Array, Operand, check_same_kind, checked_operands, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
 from ..ptx.vector import aligned
 from ..runtime.launch import data_pointer, launch
-from .config import as_config
+from .config import NormsConfig, as_config
 from .batch import make_batch_norm
 from .layer import column_launch, make_backward, make_forward, make_param_grads, make_zeros, row_shape
 
@@ -51,7 +53,8 @@ def _operands(x, g, b, axis, epsilon, extra=()):
 
 
 @on_arrays_device
-def layer_norm(x, g, b, axis=1, epsilon=1e-6, relu=False, config=None, stats=False):
+def layer_norm(x: Array, g: Array, b: Array, axis: int = 1, epsilon: float = 1e-6, relu: bool = False,
+               config: Optional[NormsConfig] = None, stats: bool = False) -> Any:
     """OpenAI's ``layer_norm``: each row of features normalized to zero mean and unit variance,
     scaled by ``g`` and shifted by ``b`` (both (C,)), then ReLU'd with ``relu``.
 
@@ -71,7 +74,7 @@ def layer_norm(x, g, b, axis=1, epsilon=1e-6, relu=False, config=None, stats=Fal
         vector = _vector(x_op.shape[1], y, x_dev, g_dev, b_dev)
         shape = row_shape(cfg, C) if axis == 1 else None
         kernels = cached(make_forward, cfg, x_op.dtype, g_op.dtype, _numba(acc), axis, bool(relu), vector, shape)
-        if axis == 1:
+        if shape is not None:  # (axis 1)
             launch(kernels, N, shape[0], stream, (y, mean, rstd, x_dev, g_dev, b_dev, epsilon))
         else:
             sums, stats_kernel, apply = kernels
@@ -87,7 +90,8 @@ def layer_norm(x, g, b, axis=1, epsilon=1e-6, relu=False, config=None, stats=Fal
 
 
 @on_arrays_device
-def layer_norm_grad(dy, x, g, b, mean, rstd, axis=1, relu=False, config=None):
+def layer_norm_grad(dy: Array, x: Array, g: Array, b: Array, mean: Array, rstd: Array, axis: int = 1,
+                    relu: bool = False, config: Optional[NormsConfig] = None) -> Tuple[Array, Array, Array]:
     """(dx, dg, db) of `layer_norm` for the output gradient ``dy`` (x's shape and dtype), from the
     forward's ``mean`` and ``rstd`` (``stats=True``). dx in x's dtype, dg and db in g's."""
     cfg = as_config(config)
@@ -166,7 +170,8 @@ def _grid(cfg, n):
 
 
 @on_arrays_device
-def batch_norm(x, g, b, epsilon=1e-5, stats=False, config=None):
+def batch_norm(x: Array, g: Array, b: Array, epsilon: float = 1e-5, stats: bool = False,
+               config: Optional[NormsConfig] = None) -> Any:
     """OpenAI's ``batch_norm`` for NCHW (x (N, C, ...)): each channel normalized over the batch and
     its positions with the batch's mean and biased variance, scaled by ``g`` and shifted by ``b``.
     With ``stats`` also the (C,) mean and variance (fp32; fp64 for fp64), for running averages and
@@ -189,7 +194,8 @@ def batch_norm(x, g, b, epsilon=1e-5, stats=False, config=None):
 
 
 @on_arrays_device
-def batch_norm_inference(x, g, b, mean, var, epsilon=1e-5, config=None):
+def batch_norm_inference(x: Array, g: Array, b: Array, mean: Array, var: Array, epsilon: float = 1e-5,
+                         config: Optional[NormsConfig] = None) -> Array:
     """OpenAI's ``batch_norm_inference``: x normalized with given (C,) ``mean`` and ``var`` (running
     averages; x's dtype or fp32)."""
     cfg = as_config(config)
@@ -208,7 +214,8 @@ def batch_norm_inference(x, g, b, mean, var, epsilon=1e-5, config=None):
 
 
 @on_arrays_device
-def batch_norm_grad(dy, x, g, mean, var, epsilon=1e-5, config=None):
+def batch_norm_grad(dy: Array, x: Array, g: Array, mean: Array, var: Array, epsilon: float = 1e-5,
+                    config: Optional[NormsConfig] = None) -> Tuple[Array, Array, Array]:
     """(dx, dg, db) of `batch_norm` for ``dy`` (x's shape and dtype), from the batch's ``mean`` and
     ``var`` (``stats=True``)."""
     cfg = as_config(config)

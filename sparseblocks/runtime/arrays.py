@@ -13,6 +13,8 @@ NumPy arrays of ``ml_dtypes.bfloat16`` reach kernels as int16 views of their
 bits (`Operand.dtype` is then ``"bfloat16"``).
 """
 
+from typing import Any
+
 import numpy as np
 from numba import cuda
 
@@ -20,6 +22,7 @@ from .backend import SIMULATOR
 from .devices import active
 
 FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
+Array = Any  # a NumPy array, Numba device array, CuPy array or torch tensor (what an `Operand` takes)
 
 # Tests set this (through `poisoned_outputs`) so that every output is filled
 # with NaN (or -1) before a launch and an element no kernel wrote shows up.
