@@ -14,12 +14,14 @@ checked: they would race); an NCHW fp16 ``y`` an even W, windows of an even widt
 number of columns from an even offset. Calls repeated with torch tensors replay kept launches.
 """
 
+from typing import Any, Optional
+
 import numpy as np
 
 from ..ptx.vector import aligned
 from ..runtime import arrays as _arrays
 from ..runtime import plans
-from ..runtime.arrays import Operand, _dtype_name, check_dtype, check_shape, launch_stream, torch_stream_handle
+from ..runtime.arrays import Array, Operand, _dtype_name, check_dtype, check_shape, launch_stream, torch_stream_handle
 from ..runtime.backend import SIMULATOR
 from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
@@ -29,7 +31,7 @@ from ..sbnet.device import magic
 from ..sbnet.dispatch import as_words
 from ..sbnet.plans import find_plan, keep_plan
 from ..windows import check_geometry
-from .config import as_config
+from .config import FusedConfig, as_config
 from .kernel import DTYPES, MAX_PIXELS, UNIT, WARP, make_kernel
 
 
@@ -167,8 +169,9 @@ def kept_launch(x, indices, weight, count, bsize, bstride, boffset=0, relu=False
 
 
 @on_arrays_device
-def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=None, relu=False, out=None,
-                         data_format="NHWC", config=None):
+def sparse_gather_matmul(x: Array, indices: Array, weight: Array, bsize: Any, bstride: Any, boffset: Any = 0,
+                         count: Optional[Array] = None, relu: bool = False, out: Optional[Array] = None,
+                         data_format: str = "NHWC", config: Optional[FusedConfig] = None) -> Array:
     """``sparse_gather(x, indices, ...) @ weight.T`` (ReLU'd with ``relu``) without the block stack.
 
     ``x`` NHWC ``[N, H, W, C]``, or with ``data_format="NCHW"`` ``[N, C, H, W]``; ``weight``
@@ -210,7 +213,7 @@ def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=No
     area = size[0] * size[1]
     n_pixels = _stack_pixels(n_blocks, size)
     shape = (n_blocks, *size, n_out)
-    if out is None:
+    if out_op is None:
         native, result = x_op.empty(shape, stream)
     else:
         if out_op.kind == "numpy":
@@ -240,9 +243,9 @@ def sparse_gather_matmul(x, indices, weight, bsize, bstride, boffset=0, count=No
         if out is None or data_pointer(result) % UNIT == 0:  # (as the replays' outputs are)
             keep_plan("gather_matmul", (x, indices, weight), count, settings, tuple(shape),
                               [((kernel, grid, block, args), (0, 1, 2, 3, 4))], data_pointer(count_device))
-    if out is not None and not (SIMULATOR and out_op.kind == "torch"):
+    if out_op is not None and not (SIMULATOR and out_op.kind == "torch"):
         return out  # the caller's own array (an Operand holds a detached torch view of it)
-    return (x_op if out is None else out_op).result(native, result, stream)
+    return (x_op if out_op is None else out_op).result(native, result, stream)
 
 
 def _scatter_settings(cfg, bsize, bstride, boffset, data_format):
@@ -263,8 +266,9 @@ def kept_scatter_launch(blocks, indices, weight, y, count, bsize, bstride, boffs
 
 
 @on_arrays_device
-def sparse_matmul_scatter(blocks, indices, weight, y, bsize, bstride, boffset=0, count=None, data_format="NHWC",
-                          config=None):
+def sparse_matmul_scatter(blocks: Array, indices: Array, weight: Array, y: Array, bsize: Any, bstride: Any,
+                          boffset: Any = 0, count: Optional[Array] = None, data_format: str = "NHWC",
+                          config: Optional[FusedConfig] = None) -> Array:
     """``y += sparse_scatter(blocks @ weight.T, indices, ...)``, in place, without the product's stack.
 
     The last 1x1 convolution of SBNet's bottleneck and the scatter that adds it

@@ -7,14 +7,16 @@
   present blocks of a `BlockLayout` of the (C, O) grid when one is given.
 """
 
+from typing import Any, Optional
+
 import numpy as np
 
 from ..layout import BlockLayout
-from ..runtime.arrays import Operand, check_dtype, launch_stream
+from ..runtime.arrays import Array, Operand, check_dtype, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import active, on_arrays_device
 from ..runtime.launch import launch
-from .config import as_config
+from .config import QuantConfig, as_config
 from .pack import make_pack, make_unpack
 from .simple import make_simt_product
 from .tensorcore import block_warps, make_tensorcore_product, warp_rows
@@ -97,7 +99,7 @@ def _basis_rows(basis, rows, name):
 
 
 @on_arrays_device
-def quantize(x, basis, signed, config=None):
+def quantize(x: Array, basis: Any, signed: bool, config: Optional[QuantConfig] = None) -> QuantArray:
     """Encode the rows of ``x`` (R, C) (fp16 or fp32) to their nearest levels and pack the codes'
     bits: a `QuantArray` whose planes are arrays of x's kind. ``basis`` (K,) or (R, K), on the
     host (its thresholds are made there). A NaN takes the lowest level."""
@@ -142,7 +144,7 @@ def _on_device(array, stream):
     return cuda.to_device(np.ascontiguousarray(array), stream=stream)
 
 
-_zeros = {}
+_zeros: dict = {}
 
 
 def _no_bias(stream):
@@ -169,7 +171,7 @@ def _like(op, host, stream):
 
 
 @on_arrays_device
-def dequantize(q, config=None):
+def dequantize(q: QuantArray, config: Optional[QuantConfig] = None) -> Array:
     """The values of a `QuantArray`, fp32 (rows, columns), as an array of its planes' kind."""
     cfg = as_config(config)
     planes = Operand(q.planes, "q.planes")
@@ -183,7 +185,7 @@ def dequantize(q, config=None):
     return planes.result(native, out, stream)
 
 
-_dense_groups = {}
+_dense_groups: dict = {}
 
 
 def _groups(layout, columns, outputs, group_cols, stream):
@@ -218,7 +220,9 @@ def _check_layout(layout, columns, outputs):
 
 
 @on_arrays_device
-def matmul(a, w, layout=None, bias=None, relu=False, out_dtype="float32", version="tensorcore", config=None):
+def matmul(a: QuantArray, w: QuantArray, layout: Optional[BlockLayout] = None, bias: Optional[Array] = None,
+           relu: bool = False, out_dtype: str = "float32", version: str = "tensorcore",
+           config: Optional[QuantConfig] = None) -> Array:
     """``y = â · ŵᵀ (+ bias, ReLU)`` from bit planes: ``a`` a `QuantArray` of activations (N, C)
     with one basis, ``w`` one of weights (O, C) with a basis a row; ``y`` (N, O) in ``out_dtype``
     (fp32 or fp16), an array of a's planes' kind. With a ``layout`` (a `BlockLayout` of the

@@ -10,23 +10,25 @@ unspecified. Reads outside the image give zeros, writes there are dropped.
 Storage fp16, fp32, fp64.
 """
 
+from typing import Any, Optional
+
 import numpy as np
 from numba import cuda
 
 from ..runtime import plans
-from ..runtime.arrays import Operand, check_disjoint, check_dtype, check_same_kind, check_shape, launch_stream
+from ..runtime.arrays import Array, Operand, check_disjoint, check_dtype, check_same_kind, check_shape, launch_stream
 from ..runtime.backend import SIMULATOR
 from ..runtime.devices import active, on_arrays_device
 from ..runtime.launch import data_pointer
 from ..windows import check_geometry
-from .config import as_config
+from .config import SbnetConfig, as_config
 from .dispatch import int_output, launch_copy, launch_merge, merge_path
 from .plans import gather_settings, keep_plan, replayed, scatter_settings
 
 DATA_DTYPES = ("float16", "float32", "float64")
 
 
-_counts = {}
+_counts: dict = {}
 
 
 def constant_count(n):
@@ -75,8 +77,9 @@ def block_shape(n_blocks, size, channels, channels_last, transpose):
 
 
 @on_arrays_device
-def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=None, data_format="NHWC",
-                  out=None, config=None):
+def sparse_gather(x: Array, indices: Array, bsize: Any, bstride: Any, boffset: Any = 0, transpose: bool = False,
+                  count: Optional[Array] = None, data_format: str = "NHWC", out: Optional[Array] = None,
+                  config: Optional[SbnetConfig] = None) -> Array:
     """Windows of ``x`` as a block stack in x's layout (``transpose``: in the other one).
 
     NHWC ``x`` gives ``[n_blocks, bh, bw, C]`` (``transpose``: ``[n_blocks, C, bh, bw]``);
@@ -105,7 +108,7 @@ def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=
     idx, count_device, n_blocks = prepare_indices(indices, count, (x_op,), stream, out_op)
     C = x_op.shape[3 if channels_last else 1]
     shape = block_shape(n_blocks, geometry[0], C, channels_last, transpose)
-    if out is None:
+    if out_op is None:
         native, blocks = x_op.empty(shape, stream)
     else:
         _check_out(out_op, x_op, shape)
@@ -114,9 +117,9 @@ def sparse_gather(x, indices, bsize, bstride, boffset=0, transpose=False, count=
         launched = launch_copy(cfg, False, x_op.device(stream), blocks, idx.device(stream), count_device, n_blocks,
                                 geometry, transpose, False, False, channels_last, stream)
         keep_plan("gather", (x, indices), count, settings, tuple(shape), [launched], data_pointer(count_device))
-    if out is not None and not (SIMULATOR and out_op.kind == "torch"):
+    if out_op is not None and not (SIMULATOR and out_op.kind == "torch"):
         return out  # the caller's own array (an Operand holds a detached torch view of it)
-    return (x_op if out is None else out_op).result(native, blocks, stream)
+    return (x_op if out_op is None else out_op).result(native, blocks, stream)
 
 
 def _check_out(out_op, like, shape):
@@ -131,8 +134,10 @@ def _check_out(out_op, like, shape):
 
 
 @on_arrays_device
-def sparse_scatter(blocks, indices, y, bsize, bstride, boffset=0, add=False, atomic=False,
-                   transpose=False, inplace=False, count=None, data_format="NHWC", config=None):
+def sparse_scatter(blocks: Array, indices: Array, y: Array, bsize: Any, bstride: Any, boffset: Any = 0,
+                   add: bool = False, atomic: bool = False, transpose: bool = False, inplace: bool = False,
+                   count: Optional[Array] = None, data_format: str = "NHWC",
+                   config: Optional[SbnetConfig] = None) -> Array:
     """Write (``add``: add) a block stack into ``y``: into a copy, or into ``y`` with ``inplace``.
 
     The blocks are in y's layout, or with ``transpose`` in the other one. ``add``
