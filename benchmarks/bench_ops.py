@@ -126,7 +126,8 @@ def bench_lstm(torch, records, quick):
                  lambda: backward(c, i, f, o, u, dc_next, dh), lambda: compiled_bwd(c, i, f, o, u, dc_next, dh),
                  12 * size)):
             ms = graph_ms(ours)
-            baselines = {"torch": graph_ms(eager), "torch_compiled": graph_ms(comp), "copy": copy_ms(moved // 2, graph=True)}
+            baselines = {"torch": graph_ms(eager), "torch_compiled": graph_ms(comp),
+                         "copy": copy_ms(moved // 2, graph=True)}
             records.append(Record(name, params, ms, baselines, bytes=moved))
             ratios(f"{name} {params}", ms, baselines)
 

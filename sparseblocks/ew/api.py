@@ -1,13 +1,15 @@
 """The element-wise ops' public functions: validation, broadcasting, outputs, launches."""
 
+from typing import Any, Optional, Sequence, Tuple
+
 import numpy as np
 
-from ..runtime.arrays import Operand, check_dtype, check_same_kind, checked_operands, launch_stream
+from ..runtime.arrays import Array, Operand, check_dtype, check_same_kind, checked_operands, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
 from ..ptx.vector import aligned
 from ..runtime.launch import data_pointer, launch, multiprocessors
-from .config import as_config
+from .config import EwConfig, as_config
 from .dropout import make_dropout
 from .kernels import (
     make_add_n,
@@ -63,7 +65,7 @@ def _run(cfg, kernel, n, stream, args):
 
 
 @on_arrays_device
-def unary(op, x, alpha=1.0, config=None):
+def unary(op: str, x: Array, alpha: float = 1.0, config: Optional[EwConfig] = None) -> Array:
     """``op(x)`` element by element, ``op`` one of `UNARY` (``alpha``: elu's), in x's dtype."""
     cfg = as_config(config)
     if op not in UNARY:
@@ -78,7 +80,7 @@ def unary(op, x, alpha=1.0, config=None):
 
 
 @on_arrays_device
-def unary_grad(op, dy, x, y, alpha=1.0, config=None):
+def unary_grad(op: str, dy: Array, x: Array, y: Array, alpha: float = 1.0, config: Optional[EwConfig] = None) -> Array:
     """The gradient of ``y = op(x)`` for ``dy``."""
     cfg = as_config(config)
     if op not in UNARY:
@@ -96,7 +98,7 @@ def unary_grad(op, dy, x, y, alpha=1.0, config=None):
 
 
 def _unary_function(op):
-    def function(x, config=None):
+    def function(x: Array, config: Optional[EwConfig] = None) -> Array:
         return unary(op, x, config=config)
 
     function.__name__ = function.__qualname__ = op
@@ -108,7 +110,7 @@ negative, reciprocal, square, sqrt, exp, log, sigmoid, tanh, relu = (
     _unary_function(op) for op in UNARY if op != "elu")
 
 
-def elu(x, alpha=1.0, config=None):
+def elu(x: Array, alpha: float = 1.0, config: Optional[EwConfig] = None) -> Array:
     """``x`` where positive, else ``alpha·(exp(x) - 1)`` (`unary`)."""
     return unary("elu", x, alpha, config)
 
@@ -142,7 +144,7 @@ def _strides(padded, out):
 
 
 @on_arrays_device
-def binary(op, a, b, config=None):
+def binary(op: str, a: Array, b: Array, config: Optional[EwConfig] = None) -> Array:
     """``op(a, b)`` element by element with NumPy's broadcasting (up to 4 dimensions), ``op`` one
     of `BINARY`; a and b of one dtype, the result in it."""
     cfg = as_config(config)
@@ -164,7 +166,7 @@ def binary(op, a, b, config=None):
 
 
 @on_arrays_device
-def binary_grad(op, dy, a, b, config=None):
+def binary_grad(op: str, dy: Array, a: Array, b: Array, config: Optional[EwConfig] = None) -> Tuple[Array, Array]:
     """(da, db): the gradients of ``op(a, b)`` for ``dy`` (the output's shape), each summed back to
     its operand's shape over the dimensions it was broadcast along."""
     cfg = as_config(config)
@@ -198,7 +200,7 @@ def binary_grad(op, dy, a, b, config=None):
 
 
 def _binary_function(op):
-    def function(a, b, config=None):
+    def function(a: Array, b: Array, config: Optional[EwConfig] = None) -> Array:
         return binary(op, a, b, config)
 
     function.__name__ = function.__qualname__ = op
@@ -213,7 +215,7 @@ add, subtract, multiply, divide, maximum, minimum = (_binary_function(op) for op
 
 
 @on_arrays_device
-def add_n(xs, config=None):
+def add_n(xs: Sequence[Array], config: Optional[EwConfig] = None) -> Array:
     """The sum of 1 to 8 arrays of one shape and dtype in one pass (OpenAI's ``add_n8``), added in
     order in fp32 (fp64 for fp64) and rounded once."""
     cfg = as_config(config)
@@ -244,7 +246,8 @@ def _channels(x_op, a_op, b_op):
 
 
 @on_arrays_device
-def cwise_linear(x, a=None, b=None, config=None):
+def cwise_linear(x: Array, a: Optional[Array] = None, b: Optional[Array] = None,
+                 config: Optional[EwConfig] = None) -> Array:
     """``a[c]·x + b[c]`` over x's channel axis (axis 1 of (N, C, ...), NCHW's middle), ``a`` and
     ``b`` (C,) or None (then 1 and 0)."""
     cfg = as_config(config)
@@ -265,7 +268,8 @@ def cwise_linear(x, a=None, b=None, config=None):
 
 
 @on_arrays_device
-def cwise_linear_grad(dy, x, a=None, config=None):
+def cwise_linear_grad(dy: Array, x: Array, a: Optional[Array] = None,
+                      config: Optional[EwConfig] = None) -> Tuple[Array, Array, Array]:
     """(dx, da, db) of `cwise_linear` for ``dy``: ``dx = a[c]·dy``, ``da[c] = Σ dy·x``,
     ``db[c] = Σ dy`` over every axis but the channels'."""
     cfg = as_config(config)
@@ -294,7 +298,7 @@ def _quarters(x_op):
 
 
 @on_arrays_device
-def split4(x, config=None):
+def split4(x: Array, config: Optional[EwConfig] = None) -> Tuple[Array, Array, Array, Array]:
     """The four equal quarters of ``x`` along its last axis, as four new arrays."""
     cfg = as_config(config)
     (x_op,) = _operands([("x", x)])
@@ -307,7 +311,7 @@ def split4(x, config=None):
 
 
 @on_arrays_device
-def concat4(p0, p1, p2, p3, config=None):
+def concat4(p0: Array, p1: Array, p2: Array, p3: Array, config: Optional[EwConfig] = None) -> Array:
     """Four arrays of one shape joined along their last axis (the inverse of `split4`)."""
     cfg = as_config(config)
     ops = _operands([(f"p{k}", p) for k, p in enumerate((p0, p1, p2, p3))])
@@ -345,7 +349,7 @@ def _gate_operands(c, gates, extra=()):
 
 
 @on_arrays_device
-def fused_lstm_gates(c, *gates, config=None):
+def fused_lstm_gates(c: Array, *gates: Array, config: Optional[EwConfig] = None) -> Tuple[Array, Array]:
     """OpenAI's ``fused_lstm_gates``: ``(c_next, h)`` with ``c_next = σ(f)·c + σ(i)·tanh(u)`` and
     ``h = σ(o)·tanh(c_next)``, from c (N, H) and the gates' pre-activations: four (N, H) arrays
     i, f, o, u, or one (N, 4H) array of them in that order."""
@@ -358,12 +362,14 @@ def fused_lstm_gates(c, *gates, config=None):
     gate_args = [flats[1][q * H:] for q in range(4)] if merged else flats[1:]
     vector = H % 4 == 0 and _vector(c_next, h, *flats)
     kernel, _ = cached(make_lstm_kernels, c_op.dtype, _acc(c_op.dtype), vector)
-    _run(cfg, kernel, (N * H) // 4 if vector else N * H, stream, (_flat(c_next), _flat(h), flats[0], *gate_args, H, 4 * H if merged else H))
+    _run(cfg, kernel, (N * H) // 4 if vector else N * H, stream,
+         (_flat(c_next), _flat(h), flats[0], *gate_args, H, 4 * H if merged else H))
     return c_op.result(cn_native, c_next, stream), c_op.result(h_native, h, stream)
 
 
 @on_arrays_device
-def fused_lstm_gates_grad(c, *gates, dc_next, dh, config=None):
+def fused_lstm_gates_grad(c: Array, *gates: Array, dc_next: Array, dh: Array,
+                          config: Optional[EwConfig] = None) -> Tuple[Array, ...]:
     """(dc, dgates...) of `fused_lstm_gates` for the gradients of c_next and h: the gates' as
     four arrays, or one merged (N, 4H), as they were given."""
     cfg = as_config(config)
@@ -384,8 +390,8 @@ def fused_lstm_gates_grad(c, *gates, dc_next, dh, config=None):
     gate_args = [flats[1][q * H:] for q in range(4)] if merged else flats[1:5]
     vector = H % 4 == 0 and _vector(dc, *(_flat(d) for _, d in grads), *flats)
     _, kernel = cached(make_lstm_kernels, c_op.dtype, _acc(c_op.dtype), vector)
-    _run(cfg, kernel, (N * H) // 4 if vector else N * H, stream, (_flat(dc), *grad_args, flats[0], *gate_args, flats[-2], flats[-1], H,
-                                      4 * H if merged else H))
+    _run(cfg, kernel, (N * H) // 4 if vector else N * H, stream,
+         (_flat(dc), *grad_args, flats[0], *gate_args, flats[-2], flats[-1], H, 4 * H if merged else H))
     return (c_op.result(dc_native, dc, stream), *(c_op.result(n, d, stream) for n, d in grads))
 
 
@@ -438,7 +444,8 @@ def _run_dropout(cfg, x, keep_prob, seed, offset, mask, packed, name):
 
 
 @on_arrays_device
-def dropout(x, keep_prob=0.8, seed=0, offset=0, mask=None, packed=False, config=None):
+def dropout(x: Array, keep_prob: float = 0.8, seed: int = 0, offset: int = 0, mask: Optional[Array] = None,
+            packed: bool = False, config: Optional[EwConfig] = None) -> Any:
     """OpenAI's ``dropout``: each value kept with probability ``keep_prob`` and scaled by
     1 / keep_prob, else 0. The keep bits are Philox's for (element, ``offset``) under ``seed``, so a
     seed and offset give one mask on every call and the backward (`dropout_grad`) regenerates it.
@@ -448,7 +455,8 @@ def dropout(x, keep_prob=0.8, seed=0, offset=0, mask=None, packed=False, config=
 
 
 @on_arrays_device
-def dropout_grad(dy, keep_prob=0.8, seed=0, offset=0, mask=None, config=None):
+def dropout_grad(dy: Array, keep_prob: float = 0.8, seed: int = 0, offset: int = 0, mask: Optional[Array] = None,
+                 config: Optional[EwConfig] = None) -> Array:
     """The gradient of `dropout` with the same keep_prob, seed and offset (or packed ``mask``):
     dy where kept, scaled by 1 / keep_prob, else 0."""
     return _run_dropout(as_config(config), dy, keep_prob, seed, offset, mask, False, "dy")
