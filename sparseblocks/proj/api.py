@@ -1,9 +1,11 @@
 """`SparseProj`: validation, the lookup table on the device, launches."""
 
+from typing import Any, Optional, Tuple
+
 import numpy as np
 from numba import cuda
 
-from ..runtime.arrays import checked_operands, launch_stream
+from ..runtime.arrays import Array, checked_operands, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import active, on_arrays_device
 from ..runtime.launch import launch, multiprocessors
@@ -30,7 +32,8 @@ class SparseProj:
     zeros elsewhere), `scatter_add` and `scatter_mul` (into a copy of a hidden ``y``). ``block_size``:
     threads a thread block."""
 
-    def __init__(self, nhidden, nproj=None, proj_stride=None, block_size=32, gather_lut=None, feature_axis=1):
+    def __init__(self, nhidden: int, nproj: Optional[int] = None, proj_stride: Optional[int] = None,
+                 block_size: int = 32, gather_lut: Optional[Any] = None, feature_axis: int = 1) -> None:
         for name, value in (("nhidden", nhidden), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
@@ -41,7 +44,7 @@ class SparseProj:
         if gather_lut is None:
             if nproj is None and proj_stride is None:
                 raise ValueError("SparseProj: expected nproj, proj_stride or gather_lut")
-            proj_stride = int(proj_stride) if proj_stride is not None else max(1, nhidden // int(nproj))
+            proj_stride = int(proj_stride) if proj_stride is not None else max(1, nhidden // max(1, int(nproj or 0)))
             nproj = int(nproj) if nproj is not None else nhidden // proj_stride
             if proj_stride < 1 or not 1 <= nproj or (nproj - 1) * proj_stride >= nhidden:
                 raise ValueError(f"nproj, proj_stride: {nproj} features every {proj_stride} do not fit in {nhidden}")
@@ -54,7 +57,7 @@ class SparseProj:
         self.nhidden, self.nproj, self.block_size, self.feature_axis = int(nhidden), int(lut.size), int(block_size), \
             feature_axis
         self.gather_lut = lut.astype(np.int32)
-        self._luts = {}
+        self._luts: dict = {}
 
     def _lut(self, stream):
         ordinal = active()
@@ -113,39 +116,39 @@ class SparseProj:
         return ops[0].result(native, out, stream)
 
     @on_arrays_device
-    def gather(self, x):
+    def gather(self, x: Array) -> Array:
         """x's projected features: (N, nproj) from (N, nhidden) (or transposed with axis 0)."""
         return self._gather(x)
 
     @on_arrays_device
-    def scatter(self, x):
+    def scatter(self, x: Array) -> Array:
         """x (N, nproj) placed at its features of a hidden (N, nhidden), zeros elsewhere."""
         return self._scatter(x, None, WRITE)
 
     @on_arrays_device
-    def scatter_add(self, x, y):
+    def scatter_add(self, x: Array, y: Array) -> Array:
         """A copy of y (N, nhidden) with x (N, nproj) added at the projected features."""
         return self._scatter(x, y, ADD)
 
     @on_arrays_device
-    def scatter_mul(self, x, y):
+    def scatter_mul(self, x: Array, y: Array) -> Array:
         """A copy of y (N, nhidden) with its projected features multiplied by x (N, nproj)."""
         return self._scatter(x, y, MULTIPLY)
 
-    def gather_grad(self, dy):
+    def gather_grad(self, dy: Array) -> Array:
         """dx of `gather`: dy scattered."""
         return self.scatter(dy)
 
-    def scatter_grad(self, dy):
+    def scatter_grad(self, dy: Array) -> Array:
         """dx of `scatter`: dy gathered."""
         return self.gather(dy)
 
-    def scatter_add_grad(self, dout):
+    def scatter_add_grad(self, dout: Array) -> Tuple[Array, Array]:
         """(dx, dy) of `scatter_add`: dout gathered, and dout itself."""
         return self.gather(dout), dout
 
     @on_arrays_device
-    def scatter_mul_grad(self, dout, x, y):
+    def scatter_mul_grad(self, dout: Array, x: Array, y: Array) -> Tuple[Array, Array]:
         """(dx, dy) of `scatter_mul(x, y)`: (dout · y) gathered, and dout with its projected
         features multiplied by x."""
         return self._gather(dout, y), self._scatter(x, dout, MULTIPLY)
