@@ -5,6 +5,8 @@ are keyed on the whole config, so a variant made with `dataclasses.replace`
 compiles its own kernels. Timings behind the defaults: docs/performance.md.
 """
 
+from dataclasses import replace
+
 from ..runtime.tuning import config_checker, default_field, tuning
 
 
@@ -87,6 +89,9 @@ class BsmmConfig:
     v7_wgrad_stages: int = 6  # the weight gradient's ring
     v7_wgrad_fill: int = 1  # weight-gradient thread blocks a multiprocessor the N-splits aim for
     v7_wgrad_k: int = 64  # rows of N a weight-gradient stage
+    # Products whose lines are short (mean blocks a line <= the first value) on other tiles: {bs: (mean
+    # blocks, v7_tiles, v7_stages)}; empty: every product on v7_tiles and v7_stages (`dispatch.v7_config`)
+    v7_short_lines: dict = default_field({})
 
     def check(self):
         if self.norm_threads < 1 or self.norm_threads & (self.norm_threads - 1):
@@ -108,6 +113,15 @@ class BsmmConfig:
         for bs in self.v7_groups:
             if v7_check(self, bs):
                 raise ValueError(f"v7_groups[{bs}]: {v7_check(self, bs)}")
+        for bs, rule in self.v7_short_lines.items():
+            if bs not in self.v7_groups or len(rule) != 3 or not rule[0] > 0:
+                raise ValueError(f"v7_short_lines[{bs}]: expected (mean blocks > 0, tiles, stages) for a block size of "
+                                 f"v7_groups, got {rule!r}")
+            try:
+                replace(self, v7_tiles={**self.v7_tiles, bs: rule[1]}, v7_stages={**self.v7_stages, bs: rule[2]},
+                        v7_short_lines={})  # (checked as it is made)
+            except ValueError as error:
+                raise ValueError(f"v7_short_lines[{bs}]: {error}") from None
         for bs in V7_BLOCKS:
             if v7_check(self, bs, weight_grad=True):
                 raise ValueError(f"version 7 weight gradient: {v7_check(self, bs, weight_grad=True)}")

@@ -5,6 +5,9 @@ operands and the layout, looks the kernel up in the compile cache
 (`runtime.compile`), and launches it; it returns what a kept plan repeats.
 """
 
+import functools
+from dataclasses import replace
+
 import numpy as np
 from numba import cuda
 
@@ -223,6 +226,7 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
     pre = None  # a launch before the product's (V5_TRANSPOSED_FORWARD's copy)
     family = product_family(cfg, version, bs, a.dtype, tiles_fit((a_device, w_device), n_rows, feature_axis))
     if family == 7:
+        cfg = v7_config(cfg, layout, transpose_w)
         TM, threads = v7_shape(cfg, bs)[0], v7_threads(cfg, bs)
         kernel = compiled(cfg, make_product_v7, bs, a.dtype, transpose_w, feature_axis)
     elif family == 6:
@@ -257,6 +261,25 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
         launch(combine, grid, COMBINE_THREADS, stream, (out, workspace, *combine_indices, n_rows))
         return None
     return pre, (kernel, grid, threads, args)  # the call's launches: what a kept plan repeats
+
+
+def v7_config(cfg, layout, transpose_w):
+    """The config a version 7 product runs on: ``cfg``, or where its lines are short
+    (``cfg.v7_short_lines``: the mean of the blocks each output line sums at most the rule's first
+    value) ``cfg`` on the rule's tiles and stages."""
+    bs = layout.block_size
+    rule = cfg.v7_short_lines.get(bs)
+    lines = layout.shape[0] if transpose_w else layout.shape[1]
+    if rule is None or layout.n_blocks > rule[0] * lines:
+        return cfg
+    return _short_config(cfg, bs)
+
+
+@functools.lru_cache(maxsize=16)
+def _short_config(cfg, bs):
+    _, tiles, stages = cfg.v7_short_lines[bs]
+    return replace(cfg, v7_tiles={**cfg.v7_tiles, bs: tiles}, v7_stages={**cfg.v7_stages, bs: stages},
+                   v7_short_lines={})
 
 
 def launch_transpose_blocks(cfg, wt, w_words, layout, storage, stream):

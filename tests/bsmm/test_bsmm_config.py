@@ -63,3 +63,22 @@ def test_a_config_compiles_its_own_kernels():
     np.testing.assert_array_equal(y, np.full((3, 8), 8, np.float32))
     made = {key[1] for key in compile_cache._kernels if key[0] is bsmm.simple.make_product_v1}
     assert {bsmm.DEFAULT, other} <= made
+
+
+def test_short_lines_take_their_own_version_7_tiles():
+    """``v7_short_lines``: a product whose output lines sum few blocks on average runs on the
+    rule's tiles and stages; longer lines, other block sizes and an empty rule keep the config."""
+    from sparseblocks.bsmm.dispatch import v7_config
+
+    cfg = replace(bsmm.DEFAULT, v7_short_lines={128: (2.0, 1, 3)})
+    mask = np.zeros((8, 4), bool)
+    mask[:3, 0] = mask[0, 1:] = True  # 6 blocks: 1.5 a column (forward), 0.75 a row (input_grad)
+    short = v7_config(cfg, BlockLayout(mask, 128), transpose_w=False)
+    assert (short.v7_tiles[128], short.v7_stages[128], short.v7_tiles[64]) == (1, 3, cfg.v7_tiles[64])
+    assert v7_config(cfg, BlockLayout(mask, 128), transpose_w=True) is short
+    mask[:, :] = True  # 8 a column
+    assert v7_config(cfg, BlockLayout(mask, 128), transpose_w=False) is cfg
+    assert v7_config(bsmm.DEFAULT, BlockLayout(mask[:1], 128), transpose_w=False) is bsmm.DEFAULT
+    for rule in ((0.0, 1, 3), (2.0, 1), (2.0, 1, 9)):
+        with pytest.raises(ValueError, match=r"v7_short_lines\[128\]"):
+            replace(bsmm.DEFAULT, v7_short_lines={128: rule})
