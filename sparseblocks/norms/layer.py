@@ -400,6 +400,18 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
         xhat = (v - m) * r
         return passed(e, xhat, gc, bc), xhat
 
+    @cuda.jit(device=True, inline=True)
+    def row_terms(dy, x, g, b, c, n0, m0, m1, m2, m3, r0, r1, r2, r3):
+        """(g[c], dy of the 4 columns where the ReLU passed (0 past N's end), their xhat)."""
+        v0, v1, v2, v3 = read(x, c, n0)
+        e0, e1, e2, e3 = read(dy, c, n0)
+        gc, bc = p_in(g[c]), p_in(b[c])
+        d0, h0 = terms(e0, v0, gc, bc, m0, r0)
+        d1, h1 = terms(e1, v1, gc, bc, m1, r1)
+        d2, h2 = terms(e2, v2, gc, bc, m2, r2)
+        d3, h3 = terms(e3, v3, gc, bc, m3, r3)
+        return gc, d0, d1, d2, d3, h0, h1, h2, h3
+
     @cuda.jit
     def sums(work, dy, x, g, b, mean_in, rstd_in):
         lane, w = cuda.threadIdx.x, cuda.threadIdx.y
@@ -411,13 +423,7 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
         s0 = s1 = s2 = s3 = q0 = q1 = q2 = q3 = acc_type(0)
         first = cuda.blockIdx.y * R
         for c in range(first + w, min(C, first + R), W):
-            v0, v1, v2, v3 = read(x, c, n0)
-            e0, e1, e2, e3 = read(dy, c, n0)
-            gc, bc = p_in(g[c]), p_in(b[c])
-            d0, h0 = terms(e0, v0, gc, bc, m0, r0)
-            d1, h1 = terms(e1, v1, gc, bc, m1, r1)
-            d2, h2 = terms(e2, v2, gc, bc, m2, r2)
-            d3, h3 = terms(e3, v3, gc, bc, m3, r3)
+            gc, d0, d1, d2, d3, h0, h1, h2, h3 = row_terms(dy, x, g, b, c, n0, m0, m1, m2, m3, r0, r1, r2, r3)
             s0 += d0 * gc
             s1 += d1 * gc
             s2 += d2 * gc
@@ -454,13 +460,7 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
         c0, c1, c2, c3 = c0 / C, c1 / C, c2 / C, c3 / C  # mean(dxhat·xhat)
         first = cuda.blockIdx.y * R
         for c in range(first + w, min(C, first + R), W):
-            v0, v1, v2, v3 = read(x, c, n0)
-            e0, e1, e2, e3 = read(dy, c, n0)
-            gc, bc = p_in(g[c]), p_in(b[c])
-            d0, h0 = terms(e0, v0, gc, bc, m0, r0)
-            d1, h1 = terms(e1, v1, gc, bc, m1, r1)
-            d2, h2 = terms(e2, v2, gc, bc, m2, r2)
-            d3, h3 = terms(e3, v3, gc, bc, m3, r3)
+            gc, d0, d1, d2, d3, h0, h1, h2, h3 = row_terms(dy, x, g, b, c, n0, m0, m1, m2, m3, r0, r1, r2, r3)
             write(dx, c, n0, r0 * (d0 * gc - a0 - h0 * c0), r1 * (d1 * gc - a1 - h1 * c1),
                   r2 * (d2 * gc - a2 - h2 * c2), r3 * (d3 * gc - a3 - h3 * c3))
             tg = (d0 * h0 + d1 * h1) + (d2 * h2 + d3 * h3)  # (past the end dy read 0: no term)
