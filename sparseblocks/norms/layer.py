@@ -156,6 +156,22 @@ def make_column_sums(W, acc_type):
     return column_sums
 
 
+def make_chunk_sums(acc_type):
+    """``chunk_sums(work, i) -> (Σ work[:, 0, i], Σ work[:, 1, i])``, added in chunk order (the
+    results repeat bitwise)."""
+
+    @cuda.jit(device=True, inline=True)
+    def chunk_sums(work, i):
+        s = acc_type(0)
+        q = acc_type(0)
+        for chunk in range(work.shape[0]):
+            s += work[chunk, 0, i]
+            q += work[chunk, 1, i]
+        return s, q
+
+    return chunk_sums
+
+
 def _stats_io(acc_type, vector):
     """`make_param_io` for the fp32 (fp64) per-column statistics."""
     return make_param_io(converters("float64" if acc_type.bitwidth == 64 else "float32", acc_type), acc_type, vector)
@@ -236,6 +252,7 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
     R = cfg.column_rows
     column_sums = make_column_sums(W, acc_type)
     column_params = _stats_io(acc_type, vector)
+    chunk_sums = make_chunk_sums(acc_type)
 
     @cuda.jit
     def sums(work, x):
@@ -269,11 +286,7 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
         C, N = x.shape
         if n >= N:
             return
-        s = acc_type(0)
-        q = acc_type(0)
-        for chunk in range(work.shape[0]):  # (in chunk order: the results repeat bitwise)
-            s += work[chunk, 0, n]
-            q += work[chunk, 1, n]
+        s, q = chunk_sums(work, n)
         shift = s / C
         mean = x_in(x[0, n]) + shift
         mean_out[n] = mean
@@ -394,6 +407,7 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
     R = cfg.column_rows
     column_sums = make_column_sums(W, acc_type)
     column_params = _stats_io(acc_type, vector)
+    chunk_sums = make_chunk_sums(acc_type)
 
     @cuda.jit(device=True, inline=True)
     def terms(e, v, gc, bc, m, r):
@@ -440,12 +454,7 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
         N = m.shape[1]
         if n >= N:
             return
-        s = acc_type(0)
-        q = acc_type(0)
-        for chunk in range(work.shape[0]):  # (in chunk order)
-            s += work[chunk, 0, n]
-            q += work[chunk, 1, n]
-        m[0, n], m[1, n] = s, q
+        m[0, n], m[1, n] = chunk_sums(work, n)
 
     @cuda.jit
     def apply(dx, gwork, dy, x, g, b, mean_in, rstd_in, sums_in):
@@ -490,6 +499,7 @@ def make_param_grads(cfg, storage, param_storage, acc_type, relu):
         return dy * xhat, dy
 
     T, R = cfg.row_threads, cfg.grad_rows
+    chunk_sums = make_chunk_sums(acc_type)
 
     @cuda.jit
     def partials_rows(work, dy, x, g, b, mean_in, rstd_in):
@@ -514,11 +524,7 @@ def make_param_grads(cfg, storage, param_storage, acc_type, relu):
         c = cuda.blockIdx.x * T + cuda.threadIdx.x
         if c >= dg.shape[0]:
             return
-        sg = acc_type(0)
-        sb = acc_type(0)
-        for chunk in range(work.shape[0]):  # (in chunk order: the sums repeat bitwise)
-            sg += work[chunk, 0, c]
-            sb += work[chunk, 1, c]
+        sg, sb = chunk_sums(work, c)
         dg[c] = p_out(sg)
         db[c] = p_out(sb)
 
