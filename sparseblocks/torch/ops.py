@@ -73,6 +73,10 @@ def bsmm_input_grad(dy: torch.Tensor, w: torch.Tensor, layout: str) -> torch.Ten
 @torch.library.custom_op("sparseblocks::bsmm_weight_grad", mutates_args=())
 def bsmm_weight_grad(x: torch.Tensor, dy: torch.Tensor, layout: str, dtype: torch.dtype) -> torch.Tensor:
     """``dW = xᵀ · dy`` on the layout's blocks: (n_blocks, bs, bs), in ``dtype`` (x's, or fp32)."""
+    return _weight_grad(x, dy, layout, dtype)
+
+
+def _weight_grad(x, dy, layout, dtype):
     return bsmm.weight_grad(x, dy, layout_of(layout), out_dtype=str(dtype).removeprefix("torch."))
 
 
@@ -130,8 +134,7 @@ class _Product(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         return _gradients(ctx, dy, lambda dy, w, key: bsmm.input_grad(dy, w, layout_of(key)),
-                          lambda x, dy, key, dtype: bsmm.weight_grad(x, dy, layout_of(key),
-                                                                     out_dtype=str(dtype).removeprefix("torch.")))
+                          _weight_grad)
 
 
 def product(x, w, layout):
