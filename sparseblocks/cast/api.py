@@ -4,11 +4,11 @@ from typing import Optional
 
 import numpy as np
 
-from ..ptx.vector import aligned
+from ..ptx.vector import fours_fit
 from ..runtime.arrays import Array, Operand, _dtype_name, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
-from ..runtime.launch import data_pointer, launch, multiprocessors
+from ..runtime.launch import launch, multiprocessors
 from .config import CastConfig, as_config
 from .formats import FORMATS, FP8, numpy_dtype
 from .kernels import make_cast, make_fast_cast
@@ -71,7 +71,7 @@ def float_cast(x: Array, dtype: str, stochastic: bool = False, saturate: bool = 
         if stochastic and dtype != "float32":
             kernel = cached(make_cast, src, dtype, True, bool(saturate))
         else:
-            vector = all(aligned(data_pointer(a), a.dtype.itemsize, 4) for a in (flat_out, flat_x))
+            vector = fours_fit(flat_out, flat_x)
             kernel = cached(make_fast_cast, src, dtype, bool(saturate), vector)
         grid = max(1, min(-(-n // cfg.threads), cfg.waves * multiprocessors()))
         seed, offset = int(seed), int(offset)

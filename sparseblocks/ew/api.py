@@ -7,8 +7,8 @@ import numpy as np
 from ..runtime.arrays import Array, Operand, check_dtype, check_same_kind, checked_operands, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
-from ..ptx.vector import aligned
-from ..runtime.launch import data_pointer, launch, multiprocessors
+from ..ptx.vector import fours_fit
+from ..runtime.launch import launch, multiprocessors
 from .config import EwConfig, as_config
 from .dropout import make_dropout
 from .kernels import (
@@ -50,11 +50,6 @@ def _grid(cfg, n):
     return max(1, min(-(-n // cfg.threads), cfg.waves * multiprocessors())), cfg.threads
 
 
-def _vector(*arrays):
-    """Whether every array starts at a multiple of 4 elements: the kernels' vector variant."""
-    return all(aligned(data_pointer(a), a.dtype.itemsize, 4) for a in arrays)
-
-
 def _run(cfg, kernel, n, stream, args):
     if n:
         grid, threads = _grid(cfg, n)
@@ -74,7 +69,7 @@ def unary(op: str, x: Array, alpha: float = 1.0, config: Optional[EwConfig] = No
     stream = launch_stream((x_op,))
     native, y = x_op.empty(x_op.shape, stream)
     args = (_flat(y), _flat(x_op.device(stream)))
-    unary_kernel, _ = cached(make_unary_kernel, x_op.dtype, _acc(x_op.dtype), op, _vector(*args))
+    unary_kernel, _ = cached(make_unary_kernel, x_op.dtype, _acc(x_op.dtype), op, fours_fit(*args))
     _run(cfg, unary_kernel, int(np.prod(x_op.shape)), stream, (*args, float(alpha)))
     return x_op.result(native, y, stream)
 
@@ -92,7 +87,7 @@ def unary_grad(op: str, dy: Array, x: Array, y: Array, alpha: float = 1.0, confi
     stream = launch_stream((dy_op, x_op, y_op))
     native, dx = x_op.empty(x_op.shape, stream)
     args = (_flat(dx), *(_flat(o.device(stream)) for o in (dy_op, x_op, y_op)))
-    _, grad_kernel = cached(make_unary_kernel, x_op.dtype, _acc(x_op.dtype), op, _vector(*args))
+    _, grad_kernel = cached(make_unary_kernel, x_op.dtype, _acc(x_op.dtype), op, fours_fit(*args))
     _run(cfg, grad_kernel, int(np.prod(x_op.shape)), stream, (*args, float(alpha)))
     return x_op.result(native, dx, stream)
 
@@ -157,7 +152,7 @@ def binary(op: str, a: Array, b: Array, config: Optional[EwConfig] = None) -> Ar
     n = int(np.prod(shape))
     args = (_flat(out), _flat(a_op.device(stream)), _flat(b_op.device(stream)))
     if a_op.shape == b_op.shape:
-        kernel, _ = cached(make_binary_flat, a_op.dtype, _acc(a_op.dtype), op, _vector(*args))
+        kernel, _ = cached(make_binary_flat, a_op.dtype, _acc(a_op.dtype), op, fours_fit(*args))
         _run(cfg, kernel, n, stream, args)
     else:
         kernel, _ = cached(make_binary_kernel, a_op.dtype, _acc(a_op.dtype), op, n < 2 ** 31)
@@ -182,7 +177,7 @@ def binary_grad(op: str, dy: Array, a: Array, b: Array, config: Optional[EwConfi
     if a_op.shape == b_op.shape:  # (nothing broadcast: the gradients in the operands' dtype at once)
         (da_native, da), (db_native, db) = a_op.empty(shape, stream), b_op.empty(shape, stream)
         args = (_flat(da), _flat(db), *(_flat(o.device(stream)) for o in (dy_op, a_op, b_op)))
-        _, grad_kernel = cached(make_binary_flat, a_op.dtype, _acc(a_op.dtype), op, _vector(*args))
+        _, grad_kernel = cached(make_binary_flat, a_op.dtype, _acc(a_op.dtype), op, fours_fit(*args))
         _run(cfg, grad_kernel, n, stream, args)
         return a_op.result(da_native, da, stream), b_op.result(db_native, db, stream)
     full_a, full_b = a_op.scratch((max(n, 1),), acc, stream), a_op.scratch((max(n, 1),), acc, stream)
@@ -230,7 +225,7 @@ def add_n(xs: Sequence[Array], config: Optional[EwConfig] = None) -> Array:
     native, out = ops[0].empty(ops[0].shape, stream)
     flats = [_flat(op.device(stream)) for op in ops]
     flats += [flats[0]] * (MAX_INPUTS - len(flats))
-    kernel = cached(make_add_n, ops[0].dtype, _acc(ops[0].dtype), len(xs), _vector(out, *flats))
+    kernel = cached(make_add_n, ops[0].dtype, _acc(ops[0].dtype), len(xs), fours_fit(out, *flats))
     _run(cfg, kernel, int(np.prod(ops[0].shape)), stream, (_flat(out), *flats))
     return ops[0].result(native, out, stream)
 
@@ -360,7 +355,7 @@ def fused_lstm_gates(c: Array, *gates: Array, config: Optional[EwConfig] = None)
     (cn_native, c_next), (h_native, h) = c_op.empty((N, H), stream), c_op.empty((N, H), stream)
     flats = [_flat(op.device(stream)) for op in ops]
     gate_args = [flats[1][q * H:] for q in range(4)] if merged else flats[1:]
-    vector = H % 4 == 0 and _vector(c_next, h, *flats)
+    vector = H % 4 == 0 and fours_fit(c_next, h, *flats)
     kernel, _ = cached(make_lstm_kernels, c_op.dtype, _acc(c_op.dtype), vector)
     _run(cfg, kernel, (N * H) // 4 if vector else N * H, stream,
          (_flat(c_next), _flat(h), flats[0], *gate_args, H, 4 * H if merged else H))
@@ -388,7 +383,7 @@ def fused_lstm_gates_grad(c: Array, *gates: Array, dc_next: Array, dh: Array,
         grad_args = [_flat(d) for _, d in grads]
     flats = [_flat(op.device(stream)) for op in ops]
     gate_args = [flats[1][q * H:] for q in range(4)] if merged else flats[1:5]
-    vector = H % 4 == 0 and _vector(dc, *(_flat(d) for _, d in grads), *flats)
+    vector = H % 4 == 0 and fours_fit(dc, *(_flat(d) for _, d in grads), *flats)
     _, kernel = cached(make_lstm_kernels, c_op.dtype, _acc(c_op.dtype), vector)
     _run(cfg, kernel, (N * H) // 4 if vector else N * H, stream,
          (_flat(dc), *grad_args, flats[0], *gate_args, flats[-2], flats[-1], H, 4 * H if merged else H))
@@ -434,7 +429,7 @@ def _run_dropout(cfg, x, keep_prob, seed, offset, mask, packed, name):
     if n:
         x_dev = _flat(x_op.device(stream))
         kernel = cached(make_dropout, x_op.dtype, _acc(x_op.dtype), bool(packed), mask is not None,
-                        _vector(_flat(y), x_dev))
+                        fours_fit(_flat(y), x_dev))
         groups = -(-n // 4)
         grid = max(1, min(-(-groups // cfg.threads), cfg.waves * multiprocessors()))
         launch(kernel, grid, cfg.threads, stream, (_flat(y), mask_device, x_dev, threshold,

@@ -7,8 +7,8 @@ import numpy as np
 from ..runtime.arrays import Array, Operand, check_same_kind, checked_operands, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
-from ..ptx.vector import aligned
-from ..runtime.launch import data_pointer, launch
+from ..ptx.vector import fours_fit
+from ..runtime.launch import launch
 from .config import NormsConfig, as_config
 from .batch import make_batch_norm
 from .layer import column_launch, make_backward, make_forward, make_param_grads, make_zeros, row_shape
@@ -144,7 +144,7 @@ def layer_norm_grad(dy: Array, x: Array, g: Array, b: Array, mean: Array, rstd: 
 def _vector(width, *arrays):
     """Whether the layer-norm kernels may move 4 values a load: rows of a multiple of 4 and every
     array aligned to 4 elements."""
-    return width % 4 == 0 and all(aligned(data_pointer(a), a.dtype.itemsize, 4) for a in arrays)
+    return width % 4 == 0 and fours_fit(*arrays)
 
 
 def _channels(x, g, b, epsilon, extra=()):

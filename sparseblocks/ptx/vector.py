@@ -1,4 +1,5 @@
-"""Vector loads and stores of global memory: ``load2``, ``load4``, ``store2``, ``store4``, ``load4_words``.
+"""Vector loads and stores of global memory: ``load2``, ``load4``, ``store2``, ``store4``, ``load4_words``;
+``fours_fit(*arrays)``: whether arrays may be moved 4 elements a load.
 
 ``load4(array, (i, ..., j))`` returns the tuple ``array[i, ..., j:j + 4]`` read
 by one instruction (``ld.global.v4``); ``store4(array, (i, ..., j), values)``
@@ -20,8 +21,15 @@ path wrongly fails the simulator tests instead of reading garbage on a GPU.
 """
 
 from ..runtime.backend import SIMULATOR
+from ..runtime.launch import data_pointer
 
 WIDTHS = (2, 4)
+
+
+def fours_fit(*arrays):
+    """Whether every array (device arrays or tensors) starts at a multiple of 4 elements, so that
+    `load4` and `store4` may move their groups of 4 (the flat kernels' vector variants)."""
+    return all(aligned(data_pointer(a), a.dtype.itemsize, 4) for a in arrays)
 
 
 def aligned(pointer, itemsize, width):
