@@ -92,6 +92,12 @@ class BsmmConfig:
     # Products whose lines are short (mean blocks a line <= the first value) on other tiles: {bs: (mean
     # blocks, v7_tiles, v7_stages)}; empty: every product on v7_tiles and v7_stages (`dispatch.v7_config`)
     v7_short_lines: dict = default_field({})
+    # Warp-specialized thread blocks: one more warpgroup copies the stages (cp.async, completing on
+    # mbarriers) while the others only multiply, each stage handed over by a barrier pair instead of
+    # a barrier of the block; the copying warpgroup keeps v7_producer_registers a thread and leaves
+    # the rest to the others (setmaxnreg)
+    v7_producer: bool = False
+    v7_producer_registers: int = 112
 
     def check(self):
         if self.norm_threads < 1 or self.norm_threads & (self.norm_threads - 1):

@@ -28,12 +28,16 @@ warpgroup collective), on one-warpgroup tiles: each wgmma there is a 128-thread 
 from numba import cuda, float32, int32, int64, uint64
 
 from ..ptx.cp_async import commit, copy16_or_zero, shared_address, signed_address, waiter
+from ..ptx.mbarrier import BYTES as BAR_BYTES
+from ..ptx.mbarrier import arrive, copy_arrive, named_barrier, registers
+from ..ptx.mbarrier import init as bar_init
+from ..ptx.mbarrier import wait as bar_wait
 from ..ptx.vector import load4, store2, store4
 from ..ptx.wgmma import SWIZZLE_128, WARPGROUP, WGMMA_K, WGMMA_M, align_up, descriptor, fence, make_mma, make_settle
 from ..ptx.wgmma import proxy_fence
 from ..ptx.wgmma import commit as wg_commit
 from ..ptx.wgmma import waiter as wg_waiter
-from ..runtime.compile import inlined, unrolled
+from ..runtime.compile import bounded, inlined, unrolled
 from ..runtime.launch import dynamic_shared
 from .device import converters, grouped_tile
 
@@ -54,7 +58,22 @@ def v7_shape(cfg, bs, weight_grad=False):
 
 
 def v7_threads(cfg, bs, weight_grad=False):
-    return WARPGROUP * v7_shape(cfg, bs, weight_grad)[2]
+    """The thread block's threads: its multiplying warpgroups, and the copying one where
+    ``cfg.v7_producer``."""
+    return WARPGROUP * (v7_shape(cfg, bs, weight_grad)[2] + int(cfg.v7_producer))
+
+
+def split_registers(cfg, groups):
+    """(the copying warpgroup's, each multiplying warpgroup's) registers a thread, which the
+    warp-specialized kernel sets with setmaxnreg, or None where the launch's registers a thread
+    (the register file over its threads) are already 224 or more and nothing need move."""
+    at_entry = 65536 // (WARPGROUP * (groups + 1)) // 8 * 8  # the launch's registers a thread
+    if at_entry >= 224:
+        return None
+    # The thread block's registers are what its launch allocated: what one warpgroup gives back
+    # is all the others can take (setmaxnreg.inc would wait for more forever).
+    taken = ((groups + 1) * at_entry - cfg.v7_producer_registers) // groups // 8 * 8
+    return cfg.v7_producer_registers, min(taken, 256)
 
 
 def staged_shape(cfg, bs, weight_grad, transposed):
@@ -66,13 +85,21 @@ def staged_shape(cfg, bs, weight_grad, transposed):
     return (BN, BM, BM + 4) if transposed else (BM, BN, BN + 8)
 
 
-def shared_bytes(cfg, bs, weight_grad=False):
+def barriers_at(cfg, bs, weight_grad=False):
     """The ring's bytes, plus an atom's slack to start it on a multiple of 1024, or the staged
-    tile's where that is larger (the epilogue reuses the ring's memory)."""
+    tile's where that is larger (the epilogue reuses the ring's memory): where the mbarriers of a
+    warp-specialized kernel start, from the start of shared memory."""
     BM, BN, _, _, BK, STAGES = v7_shape(cfg, bs, weight_grad)
     staged = max(4 * rows * pitch for rows, _, pitch in
                  (staged_shape(cfg, bs, weight_grad, transposed) for transposed in (False, True)))
     return max(STAGES * 2 * BK * (BM + BN) + ATOM, staged)
+
+
+def shared_bytes(cfg, bs, weight_grad=False):
+    """A thread block's dynamic shared memory: `barriers_at`, and with ``cfg.v7_producer`` a full
+    and an empty mbarrier a stage after it."""
+    STAGES = v7_shape(cfg, bs, weight_grad)[5]
+    return barriers_at(cfg, bs, weight_grad) + (2 * STAGES * BAR_BYTES if cfg.v7_producer else 0)
 
 
 def v7_check(cfg, bs, weight_grad=False):
@@ -94,7 +121,26 @@ def v7_check(cfg, bs, weight_grad=False):
             f" and {bs} rows in all" if weight_grad else "")
     if shared_bytes(cfg, bs, weight_grad) > cfg.v6_max_shared:
         return f"block {bs}: {shared_bytes(cfg, bs, weight_grad)} bytes of shared memory over v6_max_shared"
+    if cfg.v7_producer:
+        if not (24 <= cfg.v7_producer_registers <= 256 and cfg.v7_producer_registers % 8 == 0):
+            return f"v7_producer_registers: expected a multiple of 8 from 24 to 256, got {cfg.v7_producer_registers}"
+        split = split_registers(cfg, GROUPS)
+        if split is not None and split[1] < 128:
+            return f"block {bs}: {GROUPS} multiplying warpgroups would keep {split[1]} registers a thread"
     return ""
+
+
+def hand_over(cfg, groups):
+    """(give, take): the setmaxnreg calls with which the copying warpgroup hands registers to the
+    multiplying ones (`split_registers`), or calls that do nothing where none need move."""
+    split = split_registers(cfg, groups) if cfg.v7_producer else None
+    if split is None:
+        @inlined
+        def nothing():
+            return None
+
+        return nothing, nothing
+    return registers(split[0], False), registers(split[1], True)
 
 
 def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
@@ -239,10 +285,86 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
 
         return ring
 
-    return copy_plan, make_ring, descriptors, (A_PER, B_PER)
+    P = WARPGROUP  # the copying warpgroup's threads (`make_split`)
+    A_PER_P, B_PER_P = -(-A_CHUNKS // P), -(-B_CHUNKS // P)
+    A_ALL_P, B_ALL_P = A_CHUNKS % P == 0, B_CHUNKS % P == 0
+    FULL_COUNT, EMPTY_COUNT = P, 4 * GROUPS  # a full barrier's arrivals a phase, an empty one's
+
+    def make_split(stage_sources, a_chunk, b_chunk):
+        """The warp-specialized loop: ``init(bars)``, ``produce(lane, base, bars, n_stages, where)``
+        for the copying warpgroup and ``consume(acc, bars, n_stages, desc_a, desc_b, lane)`` for
+        each multiplying one. ``stage_sources(s, where)`` gives stage s's global addresses of A and
+        B; ``a_chunk(row, col, s, where)`` a chunk's byte offset from A's and whether to read it
+        (else 16 zero bytes), likewise ``b_chunk``.
+
+        Stage s goes to buffer s % stages. Its full barrier completes once each of the copying
+        threads' copies of it have landed (``copy_arrive``); its empty barrier once each
+        multiplying warp has retired the wgmmas that read it (one arrival a warp, after the
+        next stage's wait), and the copies of stage s + stages wait for that. No barrier of the
+        whole thread block runs inside the loop, and the copies run a whole ring ahead."""
+
+        @inlined
+        def copy_a(i, lane, at, a_at, s, where):
+            e = lane + i * P
+            if A_ALL_P or e < A_CHUNKS:
+                row, col, to = place(e, A_CPR, a_mn_major)
+                offset, keep = a_chunk(row, col, s, where)
+                copy16_or_zero(at + to, a_at + (offset if keep else 0), keep)
+
+        @inlined
+        def copy_b(i, lane, at, b_at, s, where):
+            e = lane + i * P
+            if B_ALL_P or e < B_CHUNKS:
+                row, col, to = place(e, B_CPR, b_mn_major)
+                offset, keep = b_chunk(row, col, s, where)
+                copy16_or_zero(at + A_BYTES + to, b_at + (offset if keep else 0), keep)
+
+        copies_a = unrolled(A_PER_P, copy_a, inline=inlined)
+        copies_b = unrolled(B_PER_P, copy_b, inline=inlined)
+
+        @inlined
+        def init(bars):
+            for i in range(STAGES):
+                bar_init(bars + i * BAR_BYTES, FULL_COUNT)
+                bar_init(bars + (STAGES + i) * BAR_BYTES, EMPTY_COUNT)
+
+        @inlined
+        def produce(lane, base, bars, n_stages, where):
+            buf, parity = 0, 1  # (the first time round, every buffer is empty)
+            for s in range(n_stages):
+                bar_wait(bars + (STAGES + buf) * BAR_BYTES, parity)
+                a_at, b_at = stage_sources(s, where)
+                at = base + buf * STAGE_BYTES
+                copies_a(lane, at, a_at, s, where)
+                copies_b(lane, at, b_at, s, where)
+                copy_arrive(bars + buf * BAR_BYTES)
+                buf += 1
+                if buf == STAGES:
+                    buf, parity = 0, parity ^ 1
+
+        @inlined
+        def consume(acc, bars, n_stages, desc_a, desc_b, lane):
+            buf, parity, last = 0, 0, 0
+            for s in range(n_stages):
+                bar_wait(bars + buf * BAR_BYTES, parity)  # the stage's copies have landed ...
+                proxy_fence()  # ... and are visible to wgmma's reads
+                multiply(acc, desc_a, desc_b, buf)
+                wg_wait_one()  # the previous stage's wgmmas have retired: its buffer is free
+                if s > 0 and lane == 0:
+                    arrive(bars + (STAGES + last) * BAR_BYTES)
+                last = buf
+                buf += 1
+                if buf == STAGES:
+                    buf, parity = 0, parity ^ 1
+            wg_wait_all()
+            settle(acc)
+
+        return init, produce, consume
+
+    return copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split
 
 
-def make_staging(cfg, bs, weight_grad, transposed):
+def make_staging(cfg, bs, weight_grad, transposed, threads=None):
     """The epilogue's two halves, after the ring (whose shared memory they reuse, once a barrier
     has seen every warpgroup's last wgmma retired):
 
@@ -252,10 +374,12 @@ def make_staging(cfg, bs, weight_grad, transposed):
       writes out, or row -1 past the tile. Consecutive threads take consecutive runs of a row, so
       a warp's reads are conflict-free and its global stores whole lines (an accumulator's own
       layout would store two values a thread, eight rows a warp instruction:
-      `docs/performance.md` measures the difference)."""
+      `docs/performance.md` measures the difference).
+
+    ``threads``: the threads that write the tile out (the multiplying warpgroups' by default)."""
     BM, BN, GROUPS, TILES, _, _ = v7_shape(cfg, bs, weight_grad)
     ROWS, COLS, PITCH = staged_shape(cfg, bs, weight_grad, transposed)
-    T = WARPGROUP * GROUPS
+    T = threads or WARPGROUP * GROUPS
     ACC = BN // 2  # accumulators a thread a 64-row tile
     CPR = COLS // 4  # runs of 4 a staged row
     RUNS = ROWS * CPR
@@ -300,12 +424,17 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     BLOCK = bs * bs
     B_K_STEP = 1 if transpose_w else bs
 
-    stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, False, A_MN)
+    GROUPS = v7_shape(cfg, bs)[2]
+    SPLIT = cfg.v7_producer
+    THREADS = v7_threads(cfg, bs)
+    BARS = barriers_at(cfg, bs)
+    give, take = hand_over(cfg, GROUPS)
+    stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, False, A_MN, THREADS)
 
     @inlined
-    def sources(s, where, a_keep, b_keep):
+    def stage_sources(s, where):
         """Global addresses of stage s's first chunks (as version 6's)."""
-        begin, other_idx, line_block, a_base, w_base, lead = where
+        begin, other_idx, line_block, a_base, w_base, lead, row0, n_rows = where
         j = begin + s // SPB
         k0 = (s % SPB) * BK
         feature = int64(other_idx[j]) * bs + k0
@@ -313,10 +442,28 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
         b_stage = 2 * (int64(j if transpose_w else line_block[j]) * BLOCK + k0 * B_K_STEP)
         return a_base + a_stage, w_base + b_stage
 
-    copy_plan, make_ring, descriptors, (A_PER, B_PER) = make_hopper_loop(cfg, bs, storage, False, A_MN, B_MN)
-    ring = make_ring(sources)
+    @inlined
+    def sources(s, where, a_keep, b_keep):
+        return stage_sources(s, where)
 
-    @cuda.jit
+    @inlined
+    def a_chunk(row, col, s, where):
+        """A chunk's offset from its stage's address: rows past N read the last row(s)."""
+        lead, row0, n_rows = where[5], where[6], where[7]
+        if A_MN:  # a stored row is a feature, the tile's rows run along it
+            return 2 * (int64(row) * lead + min(row0 + col, n_rows - 8)), True
+        return 2 * (int64(min(row0 + row, n_rows - 1)) * lead + col), True
+
+    @inlined
+    def b_chunk(row, col, s, where):
+        return 2 * int64(row * bs + col), True
+
+    copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split = make_hopper_loop(
+        cfg, bs, storage, False, A_MN, B_MN)
+    ring = make_ring(sources)
+    init, produce, consume = make_split(stage_sources, a_chunk, b_chunk)
+
+    @bounded(THREADS)
     def product_v7(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot, other_idx, line_block, n_rows):
         tid = cuda.threadIdx.x
         group, thread = tid // WARPGROUP, tid % WARPGROUP
@@ -329,44 +476,65 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
         base = align_up(shared_address(smem, (0,)), ATOM)
         a_base = signed_address(a, (0, 0))
         w_base = signed_address(w, (0, 0, 0))
-        a_from = cuda.local.array(A_PER, int64)
-        a_to = cuda.local.array(A_PER, int32)
-        a_row = cuda.local.array(A_PER, int32)
-        a_col = cuda.local.array(A_PER, int32)
-        a_keep = cuda.local.array(A_PER, int32)
-        b_from = cuda.local.array(B_PER, int64)
-        b_to = cuda.local.array(B_PER, int32)
-        b_row = cuda.local.array(B_PER, int32)
-        b_col = cuda.local.array(B_PER, int32)
-        b_keep = cuda.local.array(B_PER, int32)
-        copy_plan(tid, a_to, b_to, a_row, a_col, b_row, b_col)
-        for i in range(A_PER):
-            if A_MN:  # a stored row is a feature, the tile's rows run along it
-                a_from[i] = 2 * (int64(a_row[i]) * lead + min(row0 + a_col[i], n_rows - 8))
-            else:
-                a_from[i] = 2 * (int64(min(row0 + a_row[i], n_rows - 1)) * lead + a_col[i])
-            a_keep[i] = 1
-        for i in range(B_PER):
-            b_from[i] = 2 * (int64(b_row[i]) * bs + b_col[i])
-            b_keep[i] = 1
-        desc_a, desc_b = descriptors(base, group)
-        acc = cuda.local.array(ACC_ALL, float32)
-        for i in range(ACC_ALL):
-            acc[i] = float32(0)
-
-        ring(acc, base, tid, n_stages, (begin, other_idx, line_block, a_base, w_base, lead), a_from, a_to, b_from,
-             b_to, a_keep, b_keep, desc_a, desc_b)
-
-        cuda.syncthreads()  # every warpgroup's wgmmas have read the ring
-        tile = cuda.shared.array(0, float32)
+        where = (begin, other_idx, line_block, a_base, w_base, lead, row0, n_rows)
         warp, lane = thread // 32, thread % 32
-        stage(acc, tile, group * TILES * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4))
-        cuda.syncthreads()
+        if SPLIT:
+            bars = shared_address(smem, (0,)) + BARS
+            if tid == 0:
+                init(bars)
+            cuda.syncthreads()
+            if group == GROUPS:  # the copying warpgroup
+                give()
+                produce(thread, base, bars, n_stages, where)
+            else:
+                take()
+                desc_a, desc_b = descriptors(base, group)
+                acc = cuda.local.array(ACC_ALL, float32)
+                for i in range(ACC_ALL):
+                    acc[i] = float32(0)
+                consume(acc, bars, n_stages, desc_a, desc_b, lane)
+                named_barrier(1, GROUPS * WARPGROUP)  # every warpgroup's wgmmas have read the ring
+                staged = cuda.shared.array(0, float32)
+                stage(acc, staged, group * TILES * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4))
+            cuda.syncthreads()
+        else:
+            a_from = cuda.local.array(A_PER, int64)
+            a_to = cuda.local.array(A_PER, int32)
+            a_row = cuda.local.array(A_PER, int32)
+            a_col = cuda.local.array(A_PER, int32)
+            a_keep = cuda.local.array(A_PER, int32)
+            b_from = cuda.local.array(B_PER, int64)
+            b_to = cuda.local.array(B_PER, int32)
+            b_row = cuda.local.array(B_PER, int32)
+            b_col = cuda.local.array(B_PER, int32)
+            b_keep = cuda.local.array(B_PER, int32)
+            copy_plan(tid, a_to, b_to, a_row, a_col, b_row, b_col)
+            for i in range(A_PER):
+                if A_MN:  # a stored row is a feature, the tile's rows run along it
+                    a_from[i] = 2 * (int64(a_row[i]) * lead + min(row0 + a_col[i], n_rows - 8))
+                else:
+                    a_from[i] = 2 * (int64(min(row0 + a_row[i], n_rows - 1)) * lead + a_col[i])
+                a_keep[i] = 1
+            for i in range(B_PER):
+                b_from[i] = 2 * (int64(b_row[i]) * bs + b_col[i])
+                b_keep[i] = 1
+            desc_a, desc_b = descriptors(base, group)
+            acc = cuda.local.array(ACC_ALL, float32)
+            for i in range(ACC_ALL):
+                acc[i] = float32(0)
+
+            ring(acc, base, tid, n_stages, where, a_from, a_to, b_from, b_to, a_keep, b_keep, desc_a, desc_b)
+
+            cuda.syncthreads()  # every warpgroup's wgmmas have read the ring
+            staged = cuda.shared.array(0, float32)
+            stage(acc, staged, group * TILES * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4))
+            cuda.syncthreads()
+        staged = cuda.shared.array(0, float32)
         line, slot = seg_line[seg], seg_slot[seg]
         for i in range(OUT_PER):
             r, c = chunk(tid, i)
             if r >= 0:
-                v = load4(tile, (r * PITCH + c,))
+                v = load4(staged, (r * PITCH + c,))
                 if A_MN:  # r: the block's column (a feature), c: the first of 4 rows (tokens)
                     if row0 + c < n_rows:  # (n_rows is a multiple of 8: `dispatch.tiles_fit`)
                         if slot >= 0:
@@ -412,15 +580,42 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
         dy_stage = 2 * (int64(n0) * dy_lead if MN else int64(n0))
         return x_base + x_stage, dy_base + dy_stage
 
-    copy_plan, make_ring, descriptors, (A_PER, B_PER) = make_hopper_loop(cfg, bs, storage, True, MN, MN)
+    @inlined
+    def stage_sources(s, where):
+        """Global addresses of stage s's first chunks (rows n0 = n_begin + s BK... of x and dy)."""
+        n_begin, n_end, x_base, dy_base, x_lead, dy_lead = where
+        n0 = n_begin + s * BK
+        x_stage = 2 * (int64(n0) * x_lead if MN else int64(n0))
+        dy_stage = 2 * (int64(n0) * dy_lead if MN else int64(n0))
+        return x_base + x_stage, dy_base + dy_stage
+
+    @inlined
+    def a_chunk(row, col, s, where):
+        """A chunk's offset from its stage's address, and whether its row of N is before the end."""
+        n0 = where[0] + s * BK
+        return 2 * (int64(row) * where[4] + col), n0 + (row if MN else col) < where[1]
+
+    @inlined
+    def b_chunk(row, col, s, where):
+        n0 = where[0] + s * BK
+        return 2 * (int64(row) * where[5] + col), n0 + (row if MN else col) < where[1]
+
+    GROUPS = v7_shape(cfg, bs, True)[2]
+    SPLIT = cfg.v7_producer
+    THREADS = v7_threads(cfg, bs, True)
+    BARS = barriers_at(cfg, bs, True)
+    give, take = hand_over(cfg, GROUPS)
+    copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split = make_hopper_loop(cfg, bs, storage, True, MN, MN)
     ring = make_ring(sources)
+    init, produce, consume = make_split(stage_sources, a_chunk, b_chunk)
 
-    stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, True, False)
+    stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, True, False, THREADS)
 
-    @cuda.jit
+    @bounded(THREADS)
     def weight_grad_v7(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta):
         tid = cuda.threadIdx.x
         group, thread = tid // WARPGROUP, tid % WARPGROUP
+        warp, lane = thread // 32, thread % 32
         block = cuda.blockIdx.x
         split = cuda.blockIdx.y
         n_begin = split * rows_per_split
@@ -429,44 +624,66 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
         x_lead, dy_lead = int64(x.shape[1]), int64(dy.shape[1])
         smem = cuda.shared.array(0, int32)
         base = align_up(shared_address(smem, (0,)), ATOM)
-        a_from = cuda.local.array(A_PER, int64)
-        a_to = cuda.local.array(A_PER, int32)
-        a_row = cuda.local.array(A_PER, int32)
-        a_col = cuda.local.array(A_PER, int32)
-        a_keep = cuda.local.array(A_PER, int32)
-        b_from = cuda.local.array(B_PER, int64)
-        b_to = cuda.local.array(B_PER, int32)
-        b_row = cuda.local.array(B_PER, int32)
-        b_col = cuda.local.array(B_PER, int32)
-        b_keep = cuda.local.array(B_PER, int32)
-        copy_plan(tid, a_to, b_to, a_row, a_col, b_row, b_col)
         if MN:  # x (N, C), dy (N, K): a stored row is a row of N (k)
             x_base = signed_address(x, (0, coords[block, 0] * bs))
             dy_base = signed_address(dy, (0, coords[block, 1] * bs))
         else:  # x (C, N), dy (K, N): a stored row is a feature, N runs along it
             x_base = signed_address(x, (coords[block, 0] * bs, 0))
             dy_base = signed_address(dy, (coords[block, 1] * bs, 0))
-        for i in range(A_PER):
-            a_from[i] = 2 * (int64(a_row[i]) * x_lead + a_col[i])
-        for i in range(B_PER):
-            b_from[i] = 2 * (int64(b_row[i]) * dy_lead + b_col[i])
-        desc_a, desc_b = descriptors(base, group)
-        acc = cuda.local.array(ACC_ALL, float32)
-        for i in range(ACC_ALL):
-            acc[i] = float32(0)
+        if SPLIT:
+            bars = shared_address(smem, (0,)) + BARS
+            if tid == 0:
+                init(bars)
+            cuda.syncthreads()
+            where = (n_begin, n_end, x_base, dy_base, x_lead, dy_lead)
+            if group == GROUPS:  # the copying warpgroup
+                give()
+                produce(thread, base, bars, n_stages, where)
+            else:
+                take()
+                desc_a, desc_b = descriptors(base, group)
+                acc = cuda.local.array(ACC_ALL, float32)
+                for i in range(ACC_ALL):
+                    acc[i] = float32(0)
+                consume(acc, bars, n_stages, desc_a, desc_b, lane)
+                named_barrier(1, GROUPS * WARPGROUP)  # every warpgroup's wgmmas have read the ring
+                staged = cuda.shared.array(0, float32)
+                stage(acc, staged, group * TILES * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4))
+            cuda.syncthreads()
+        else:
+            a_from = cuda.local.array(A_PER, int64)
+            a_to = cuda.local.array(A_PER, int32)
+            a_row = cuda.local.array(A_PER, int32)
+            a_col = cuda.local.array(A_PER, int32)
+            a_keep = cuda.local.array(A_PER, int32)
+            b_from = cuda.local.array(B_PER, int64)
+            b_to = cuda.local.array(B_PER, int32)
+            b_row = cuda.local.array(B_PER, int32)
+            b_col = cuda.local.array(B_PER, int32)
+            b_keep = cuda.local.array(B_PER, int32)
+            copy_plan(tid, a_to, b_to, a_row, a_col, b_row, b_col)
+            for i in range(A_PER):
+                a_from[i] = 2 * (int64(a_row[i]) * x_lead + a_col[i])
+            for i in range(B_PER):
+                b_from[i] = 2 * (int64(b_row[i]) * dy_lead + b_col[i])
+            desc_a, desc_b = descriptors(base, group)
+            acc = cuda.local.array(ACC_ALL, float32)
+            for i in range(ACC_ALL):
+                acc[i] = float32(0)
 
-        ring(acc, base, tid, n_stages, (n_begin, n_end, x_base, dy_base, x_lead, dy_lead, a_row, a_col, b_row, b_col),
-             a_from, a_to, b_from, b_to, a_keep, b_keep, desc_a, desc_b)
+            ring(acc, base, tid, n_stages,
+                 (n_begin, n_end, x_base, dy_base, x_lead, dy_lead, a_row, a_col, b_row, b_col),
+                 a_from, a_to, b_from, b_to, a_keep, b_keep, desc_a, desc_b)
 
-        cuda.syncthreads()  # every warpgroup's wgmmas have read the ring
-        tile = cuda.shared.array(0, float32)
-        warp, lane = thread // 32, thread % 32
-        stage(acc, tile, group * TILES * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4))
-        cuda.syncthreads()
+            cuda.syncthreads()  # every warpgroup's wgmmas have read the ring
+            staged = cuda.shared.array(0, float32)
+            stage(acc, staged, group * TILES * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4))
+            cuda.syncthreads()
+        staged = cuda.shared.array(0, float32)
         for i in range(OUT_PER):
             r, c = chunk(tid, i)
             if r >= 0:
-                v = load4(tile, (r * PITCH + c,))
+                v = load4(staged, (r * PITCH + c,))
                 if workspace.shape[0] > 1:  # this N-split's sums, which the combine kernel adds in order
                     store4(workspace, (split, block, r * bs + c), v)
                 else:

@@ -49,3 +49,17 @@ def unrolled(count, body, start=0, inline=None):
     namespace = {"body": body}
     exec(f"def run({names}):\n" + "\n".join(lines) + "\n", namespace)
     return (inline or cuda.jit(device=True, inline=True))(namespace["run"])
+
+
+def bounded(threads):
+    """The kernel decorator for thread blocks of ``threads`` threads, one a multiprocessor: the
+    real compiler caps the registers at what that leaves each thread (launch bounds), which
+    ``setmaxnreg`` (`ptx.mbarrier.registers`) needs to hand registers from one warpgroup to
+    another; the simulator's ``jit`` takes no bounds."""
+    from numba import cuda
+
+    from .backend import SIMULATOR
+
+    if SIMULATOR:
+        return cuda.jit
+    return cuda.jit(launch_bounds=(int(threads), 1))

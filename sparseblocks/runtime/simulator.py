@@ -90,6 +90,8 @@ class _BlockWarps:
         self.threads = {}
         self.rooms = {}
         self.groups = {}  # (size, group) -> open _Meeting of a group collective (a warpgroup's)
+        self.mbarriers = {}  # shared byte address -> [arrivals a phase, arrivals pending, phase]
+        self.named = {}  # named barrier id -> [threads arrived, generation]
 
     def open_meetings(self):
         for room in self.rooms.values():
@@ -212,6 +214,84 @@ def _group_collective(op, size, value):
                        f"group {group} of {size} threads", "thread",
                        lambda other: divmod(group * size + other, WARP_SIZE))
     return index, values
+
+
+_STUCK_S = 120  # an mbarrier or named-barrier wait that long is a hang on the GPU too
+
+
+def _block_wait(block, me, ready, what):
+    """Wait, holding block.cond, until ``ready()``; raise where the block aborts or nothing
+    changes for _STUCK_S seconds."""
+    import time
+
+    start = time.monotonic()
+    while not ready():
+        block.cond.wait(_POLL_S)
+        if me.abort:
+            raise RuntimeError(f"abort flag set while waiting in {what}")
+        if time.monotonic() - start > _STUCK_S:
+            raise WarpCollectiveError(f"{what}: waited {_STUCK_S} s; it would hang on the GPU")
+
+
+def mbarrier_init(address, count):
+    """``mbarrier.init``: the barrier at shared byte ``address`` expects ``count`` arrivals a phase,
+    and its phase 0 is under way."""
+    me = _me()
+    block = me._manager._sb_warps
+    if not 0 < int(count) < 1 << 20:
+        raise WarpCollectiveError(f"mbarrier.init: count {count} outside 1 .. 2^20 - 1")
+    with block.cond:
+        block.mbarriers[int(address)] = [int(count), int(count), 0]
+        block.cond.notify_all()
+
+
+def _mbarrier(block, address, what):
+    state = block.mbarriers.get(int(address))
+    if state is None:
+        raise WarpCollectiveError(f"{what}: no mbarrier was initialized at this shared address")
+    return state
+
+
+def mbarrier_arrive(address):
+    """``mbarrier.arrive``: one arrival; the last of a phase completes it and starts the next."""
+    me = _me()
+    block = me._manager._sb_warps
+    with block.cond:
+        state = _mbarrier(block, address, "mbarrier.arrive")
+        state[1] -= 1
+        if state[1] == 0:
+            state[1] = state[0]
+            state[2] += 1
+            block.cond.notify_all()
+
+
+def mbarrier_wait(address, parity):
+    """``mbarrier.try_wait.parity`` in a loop: returns once the phase of parity ``parity`` (the
+    current one or the one before it) has completed."""
+    me = _me()
+    block = me._manager._sb_warps
+    with block.cond:
+        state = _mbarrier(block, address, "mbarrier wait")
+        _block_wait(block, me, lambda: state[2] % 2 != int(parity) % 2, "mbarrier wait")
+
+
+def named_barrier(number, count):
+    """``bar.sync number, count``: waits until ``count`` threads have arrived at barrier ``number``."""
+    me = _me()
+    block = me._manager._sb_warps
+    if int(count) % WARP_SIZE or not 0 < int(count) <= block.n_threads:
+        raise WarpCollectiveError(f"bar.sync {number}: count {count} is not a multiple of 32 up to the block's "
+                                  f"{block.n_threads} threads")
+    with block.cond:
+        state = block.named.setdefault(int(number), [0, 0])
+        state[0] += 1
+        if state[0] == int(count):
+            state[0] = 0
+            state[1] += 1
+            block.cond.notify_all()
+            return
+        generation = state[1]
+        _block_wait(block, me, lambda: state[1] != generation, f"bar.sync {number}")
 
 
 def _poison(value):

@@ -49,6 +49,32 @@ def test_hopper_products_match_reference(data, block_size, dtype, feature_axis):
     assert ran_hopper() != (0, 0)
 
 
+PRODUCER = replace(bsmm.DEFAULT, v7_producer=True)
+
+
+@gpu
+@pytest.mark.parametrize("block_size, dtype", CASES)
+@settings(max_examples=8, deadline=None)
+@given(data=st.data(), feature_axis=st.sampled_from([1, 0]))
+def test_hopper_producer_matches_reference(data, block_size, dtype, feature_axis):
+    """``v7_producer``: every product on warp-specialized thread blocks (mbarrier rings), with
+    split lines and N-splits."""
+    layout = data.draw(layouts(block_sizes=(block_size,), max_blocks=5, kinds=("random", "full", "single", "skewed")))
+    n = data.draw(st.integers(1, 700), label="N")
+    n = n if feature_axis == 1 else 8 * -(-n // 8)
+    C, K = layout.dense_shape
+    x, dy = data.draw(arrays((n, C), dtype), label="x"), data.draw(arrays((n, K), dtype), label="dy")
+    w = data.draw(arrays(layout.w_shape, dtype), label="w")
+    xa, dya = to_axis(x, feature_axis), to_axis(dy, feature_axis)
+    segment = data.draw(st.sampled_from([None, 1]), label="max_segment")
+    with poisoned_outputs():
+        y = bsmm.api._product(PRODUCER, xa, w, layout, feature_axis, False, 7, max_segment=segment)
+        dx = bsmm.input_grad(dya, w, layout, feature_axis, version=7, config=PRODUCER)
+        dw = bsmm.weight_grad(xa, dya, layout, feature_axis, version=7, config=PRODUCER,
+                              splits=data.draw(st.sampled_from([None, 1, 3]), label="splits"))
+    assert_products(y, dx, dw, xa, dya, w, layout, feature_axis, dtype)
+
+
 @gpu
 @pytest.mark.parametrize("max_segment, splits", [(1, 3), (None, 1)])
 @pytest.mark.parametrize("feature_axis", [1, 0])
@@ -218,3 +244,34 @@ def test_hopper_weight_grad_into_out_runs_in_the_simulator(monkeypatch, splits):
     bsmm.weight_grad(cuda.to_device(x), cuda.to_device(dy), layout, out=out_device, beta=0.5, version=7, splits=splits, config=cfg)
     assert ran_hopper()[1] == before + 1
     assert_close(out_device.copy_to_host(), expected, "float16", "weight_grad", terms=129)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
+@pytest.mark.parametrize("feature_axis", [1, 0])
+def test_hopper_producer_runs_in_the_simulator(monkeypatch, feature_axis):
+    """``v7_producer``: a copying warpgroup beside one multiplying warpgroup, the stages handed
+    over by mbarriers. A forward of 5 stages (a block-column of 5 blocks of 64) and a weight
+    gradient of 5 (300 rows, the last stage partly zero-filled) go round a ring of 3 buffers
+    twice, so each barrier completes phases of both parities."""
+    from sparseblocks.bsmm import dispatch
+    from sparseblocks.reference import bsmm as reference
+    from strategies import assert_close
+
+    monkeypatch.setattr(dispatch, "hopper", lambda: True)
+    cfg = replace(bsmm.DEFAULT, v7_groups={64: 1}, v7_tiles={64: 1}, v7_stages={64: 3}, v7_wgrad_stages=3,
+                  v7_producer=True)
+    assert hopper.v7_threads(cfg, 64) == 256 and hopper.split_registers(cfg, 1) is None
+    rng = np.random.default_rng(7)
+    layout = BlockLayout(np.ones((5, 1)), 64)
+    x, w = values(rng, (8, 320), "float16"), values(rng, layout.w_shape, "float16")
+    before = ran_hopper()
+    y = bsmm.forward(to_axis(x, feature_axis), w, layout, feature_axis, version=7, config=cfg)
+    got = np.asarray(y) if feature_axis == 1 else np.asarray(y).T
+    assert_close(got, reference.forward(x, w, layout), "float16", "forward", terms=320)
+    layout = BlockLayout(np.ones((1, 1)), 64)
+    n = 300 if feature_axis == 1 else 304
+    x, dy = values(rng, (n, 64), "float16"), values(rng, (n, 64), "float16")
+    dw = bsmm.weight_grad(to_axis(x, feature_axis), to_axis(dy, feature_axis), layout, feature_axis, version=7,
+                          config=cfg, splits=1)
+    assert_close(dw, reference.weight_grad(x, dy, layout), "float16", "weight_grad", terms=n)
+    assert ran_hopper() == (before[0] + 1, before[1] + 1)
