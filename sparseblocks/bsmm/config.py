@@ -97,7 +97,11 @@ class BsmmConfig:
     # a barrier of the block; the copying warpgroup keeps v7_producer_registers a thread and leaves
     # the rest to the others (setmaxnreg)
     v7_producer: bool = False
-    v7_producer_registers: int = 112
+    v7_producer_registers: int = 160
+    # Persistent products (feature_axis 1, with v7_producer): one thread block a multiprocessor walks
+    # the tiles, its copying warpgroup filling the next tile's stages while the others store the
+    # last one's, staged in 16 bits beside the ring (which then takes at most 3 stages at block 128)
+    v7_persistent: bool = False
 
     def check(self):
         if self.norm_threads < 1 or self.norm_threads & (self.norm_threads - 1):

@@ -213,11 +213,19 @@ def grouped_tile(group):
     tiles = uint32(cuda.gridDim.x)
     if group == 0 or group >= tiles:
         return cuda.blockIdx.x, cuda.blockIdx.y
-    span = uint32(group) * uint32(cuda.gridDim.y)
-    pid = uint32(cuda.blockIdx.x) + uint32(cuda.blockIdx.y) * tiles
-    first = (pid // span) * uint32(group)
-    local = pid % span
-    rows = min(tiles - first, uint32(group))
+    return tile_of(uint32(cuda.blockIdx.x) + uint32(cuda.blockIdx.y) * tiles, tiles, cuda.gridDim.y, group)
+
+
+@cuda.jit(device=True, inline=True)
+def tile_of(pid, tiles, segments, group):
+    """(row tile, segment) of work item ``pid`` of ``tiles`` x ``segments`` in `grouped_tile`'s
+    order (a persistent thread block walks pid = its index, + the grid, ...)."""
+    if group == 0 or group >= tiles:
+        return int32(uint32(pid) % uint32(tiles)), int32(uint32(pid) // uint32(tiles))
+    span = uint32(group) * uint32(segments)
+    first = (uint32(pid) // span) * uint32(group)
+    local = uint32(pid) % span
+    rows = min(uint32(tiles) - first, uint32(group))
     return int32(first + local % rows), int32(local // rows)
 
 

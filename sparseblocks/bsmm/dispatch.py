@@ -40,7 +40,7 @@ from .weight_grad_simt import (
     make_weight_grad_v3,
     make_weight_grad_v4,
 )
-from .hopper import V7_BLOCKS, V7_STORAGE, make_product_v7, make_weight_grad_v7, v7_shape, v7_threads
+from .hopper import V7_BLOCKS, V7_STORAGE, make_product_v7, make_weight_grad_v7, persistent, v7_shape, v7_threads
 from .tiles import V6_STORAGE, make_product_v6, make_weight_grad_v6, v6_shape, v6_threads
 from .weight_grad_tensorcore import make_weight_grad_v5, v5_wgrad_blocks, v5_wgrad_warps
 
@@ -253,6 +253,8 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
         maker, threads, TM = make_product_v3, PRODUCT_THREADS, PRODUCT_TILES[bs][0]
         kernel = compiled(cfg, maker, bs, a.dtype, transpose_w, feature_axis)
     grid = ((n_rows + TM - 1) // TM, len(indices[0]))
+    if family == 7 and persistent(cfg, False, feature_axis):  # a thread block a multiprocessor walks the tiles
+        grid = (min(grid[0] * grid[1], multiprocessors()), 1)
     args = (out, workspace, a_device, w_device, *indices, n_rows)
     launch(kernel, grid, threads, stream, args)
     if slots:

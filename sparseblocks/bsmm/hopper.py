@@ -25,7 +25,7 @@ version 6 runs elsewhere. The simulator runs these kernels when a test asks (its
 warpgroup collective), on one-warpgroup tiles: each wgmma there is a 128-thread rendezvous.
 """
 
-from numba import cuda, float32, int32, int64, uint64
+from numba import cuda, float32, int16, int32, int64, types, uint64
 
 from ..ptx.cp_async import commit, copy16_or_zero, shared_address, signed_address, waiter
 from ..ptx.mbarrier import BYTES as BAR_BYTES
@@ -39,7 +39,7 @@ from ..ptx.wgmma import commit as wg_commit
 from ..ptx.wgmma import waiter as wg_waiter
 from ..runtime.compile import bounded, inlined, unrolled
 from ..runtime.launch import dynamic_shared
-from .device import converters, grouped_tile
+from .device import converters, grouped_tile, tile_of
 
 V7_STORAGE = ("float16", "bfloat16")
 V7_BLOCKS = (64, 128)  # a block's side: whole 64-row warpgroups, whole 64-value swizzle rows
@@ -95,10 +95,28 @@ def barriers_at(cfg, bs, weight_grad=False):
     return max(STAGES * 2 * BK * (BM + BN) + ATOM, staged)
 
 
-def shared_bytes(cfg, bs, weight_grad=False):
+def persistent(cfg, weight_grad, feature_axis):
+    """Whether a kernel is persistent (`make_product_v7`): products with feature_axis 1 under
+    ``cfg.v7_persistent``."""
+    return cfg.v7_persistent and not weight_grad and feature_axis == 1
+
+
+def staged16_at(cfg, bs):
+    """Where a persistent product's 16-bit staged tile starts (after the ring and its alignment
+    slack), its pitch in values, and the bytes to its end."""
+    BM, BN, _, _, BK, STAGES = v7_shape(cfg, bs)
+    at = STAGES * 2 * BK * (BM + BN) + ATOM
+    pitch = BN + 8
+    return at, pitch, at + 2 * BM * pitch
+
+
+def shared_bytes(cfg, bs, weight_grad=False, feature_axis=1):
     """A thread block's dynamic shared memory: `barriers_at`, and with ``cfg.v7_producer`` a full
-    and an empty mbarrier a stage after it."""
+    and an empty mbarrier a stage after it; a persistent product's ring, its own 16-bit staged
+    tile and the barriers."""
     STAGES = v7_shape(cfg, bs, weight_grad)[5]
+    if persistent(cfg, weight_grad, feature_axis):
+        return staged16_at(cfg, bs)[2] + 2 * STAGES * BAR_BYTES
     return barriers_at(cfg, bs, weight_grad) + (2 * STAGES * BAR_BYTES if cfg.v7_producer else 0)
 
 
@@ -121,6 +139,11 @@ def v7_check(cfg, bs, weight_grad=False):
             f" and {bs} rows in all" if weight_grad else "")
     if shared_bytes(cfg, bs, weight_grad) > cfg.v6_max_shared:
         return f"block {bs}: {shared_bytes(cfg, bs, weight_grad)} bytes of shared memory over v6_max_shared"
+    if persistent(cfg, weight_grad, 1) and shared_bytes(cfg, bs, False, 1) > cfg.v6_max_shared:
+        return (f"block {bs}: a persistent product's ring and staged tile take {shared_bytes(cfg, bs, False, 1)} "
+                f"bytes of shared memory, over v6_max_shared (fewer v7_stages)")
+    if cfg.v7_persistent and not cfg.v7_producer:
+        return "v7_persistent: needs v7_producer"
     if cfg.v7_producer:
         if not (24 <= cfg.v7_producer_registers <= 256 and cfg.v7_producer_registers % 8 == 0):
             return f"v7_producer_registers: expected a multiple of 8 from 24 to 256, got {cfg.v7_producer_registers}"
@@ -128,6 +151,15 @@ def v7_check(cfg, bs, weight_grad=False):
         if split is not None and split[1] < 128:
             return f"block {bs}: {GROUPS} multiplying warpgroups would keep {split[1]} registers a thread"
     return ""
+
+
+def jit_for(cfg, groups):
+    """The kernel decorator: with a register cap at entry where `hand_over` moves registers
+    (setmaxnreg needs one), else Numba's plain ``jit``, which leaves ptxas its own count (a cap of
+    one thread block a multiprocessor would let a kernel that fits two grow past it)."""
+    if cfg.v7_producer and split_registers(cfg, groups) is not None:
+        return bounded(WARPGROUP * (groups + 1))
+    return cuda.jit
 
 
 def hand_over(cfg, groups):
@@ -291,9 +323,10 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
     FULL_COUNT, EMPTY_COUNT = P, 4 * GROUPS  # a full barrier's arrivals a phase, an empty one's
 
     def make_split(stage_sources, a_chunk, b_chunk):
-        """The warp-specialized loop: ``init(bars)``, ``produce(lane, base, bars, n_stages, where)``
-        for the copying warpgroup and ``consume(acc, bars, n_stages, desc_a, desc_b, lane)`` for
-        each multiplying one. ``stage_sources(s, where)`` gives stage s's global addresses of A and
+        """The warp-specialized loop: ``init(bars)``, ``produce(lane, base, bars, n_stages, where,
+        buf, parity)`` for the copying warpgroup and ``consume(acc, bars, n_stages, desc_a, desc_b,
+        lane, buf, parity)`` for each multiplying one, each a tile's stages, from the ring position
+        the previous tile left (a persistent thread block's tiles go round one ring). ``stage_sources(s, where)`` gives stage s's global addresses of A and
         B; ``a_chunk(row, col, s, where)`` a chunk's byte offset from A's and whether to read it
         (else 16 zero bytes), likewise ``b_chunk``.
 
@@ -329,8 +362,10 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
                 bar_init(bars + (STAGES + i) * BAR_BYTES, EMPTY_COUNT)
 
         @inlined
-        def produce(lane, base, bars, n_stages, where):
-            buf, parity = 0, 1  # (the first time round, every buffer is empty)
+        def produce(lane, base, bars, n_stages, where, buf, parity):
+            """One tile's stages, from buffer ``buf`` whose empty barrier's awaited parity is
+            ``parity`` (0 and 1 at a kernel's start: the first time round every buffer is empty);
+            returns where the next tile starts."""
             for s in range(n_stages):
                 bar_wait(bars + (STAGES + buf) * BAR_BYTES, parity)
                 a_at, b_at = stage_sources(s, where)
@@ -341,10 +376,14 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
                 buf += 1
                 if buf == STAGES:
                     buf, parity = 0, parity ^ 1
+            return buf, parity
 
         @inlined
-        def consume(acc, bars, n_stages, desc_a, desc_b, lane):
-            buf, parity, last = 0, 0, 0
+        def consume(acc, bars, n_stages, desc_a, desc_b, lane, buf, parity):
+            """One tile's stages into ``acc``, from buffer ``buf`` whose full barrier's awaited
+            parity is ``parity`` (0, 0 at a kernel's start); returns where the next tile starts.
+            Every buffer it read is handed back."""
+            last = buf
             for s in range(n_stages):
                 bar_wait(bars + buf * BAR_BYTES, parity)  # the stage's copies have landed ...
                 proxy_fence()  # ... and are visible to wgmma's reads
@@ -358,6 +397,9 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
                     buf, parity = 0, parity ^ 1
             wg_wait_all()
             settle(acc)
+            if n_stages > 0 and lane == 0:
+                arrive(bars + (STAGES + last) * BAR_BYTES)
+            return buf, parity
 
         return init, produce, consume
 
@@ -409,6 +451,53 @@ def make_staging(cfg, bs, weight_grad, transposed, threads=None):
     return stage, chunk, PER, PITCH
 
 
+def make_staging16(cfg, bs, from_acc):
+    """A persistent product's epilogue (`make_staging`'s, for feature_axis 1, in the storage dtype,
+    into its own tile beside the ring, which the next tile's copies fill meanwhile):
+
+    * ``stage16(acc, tile, at, row, col0)``: this thread's accumulators, as pairs of 16-bit
+      values, into the tile starting at value ``at`` of the 16-bit shared array ``tile``;
+    * ``chunk16(thread, i)``: (row, first column) of the i-th run of 4 values a multiplying thread
+      writes out, or row -1 past the tile. Pitches of BN + 8 values put a warp's stores of its
+      pairs on distinct banks;
+    * ``sums(acc, workspace, slot, row, col0, n_rows)``: the fp32 accumulators straight into a
+      split line's workspace slot (rows before n_rows)."""
+    BM, BN, GROUPS, TILES, _, _ = v7_shape(cfg, bs)
+    PITCH = BN + 8
+    T = WARPGROUP * GROUPS
+    ACC = BN // 2
+    CPR = BN // 4
+    RUNS = BM * CPR
+    PER = -(-RUNS // T)
+
+    @inlined
+    def put(p, acc, tile, at, row, col0):
+        t, q = p // (ACC // 2), p % (ACC // 2)
+        r = row + WGMMA_M * t + 8 * (q % 2)
+        c = col0 + 8 * (q // 2)
+        store2(tile, (at + r * PITCH + c,), (from_acc(acc[2 * p]), from_acc(acc[2 * p + 1])))
+
+    stage16 = unrolled(TILES * ACC // 2, put, inline=inlined)
+
+    @inlined
+    def put32(p, acc, workspace, slot, row, col0, n_rows):
+        t, q = p // (ACC // 2), p % (ACC // 2)
+        r = row + WGMMA_M * t + 8 * (q % 2)
+        if r < n_rows:
+            store2(workspace, (slot, r, col0 + 8 * (q // 2)), (acc[2 * p], acc[2 * p + 1]))
+
+    sums = unrolled(TILES * ACC // 2, put32, inline=inlined)  # (an index known when compiled: registers)
+
+    @inlined
+    def chunk16(thread, i):
+        e = thread + i * T
+        if e >= RUNS:
+            return -1, 0
+        return e // CPR, (e % CPR) * 4
+
+    return stage16, chunk16, sums, PER
+
+
 def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     """Products (forward, or with ``transpose_w`` input_grad) on version 7 tiles: a thread block
     owns BM rows of one segment of an output block-line, as in version 6 (`tiles.make_product_v6`),
@@ -430,6 +519,12 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     BARS = barriers_at(cfg, bs)
     give, take = hand_over(cfg, GROUPS)
     stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, False, A_MN, THREADS)
+    PERSIST = persistent(cfg, False, feature_axis)
+    STAGED16, PITCH16, _ = staged16_at(cfg, bs)
+    STAGED16 //= 2  # (in 16-bit values)
+    T = GROUPS * WARPGROUP
+    stage16, chunk16, sums, OUT_PER16 = make_staging16(cfg, bs, from_acc)
+    STORE_T = int16 if storage == "bfloat16" else types.float16
 
     @inlined
     def stage_sources(s, where):
@@ -458,12 +553,13 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     def b_chunk(row, col, s, where):
         return 2 * int64(row * bs + col), True
 
+    BARS_P = staged16_at(cfg, bs)[2]
     copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split = make_hopper_loop(
         cfg, bs, storage, False, A_MN, B_MN)
     ring = make_ring(sources)
     init, produce, consume = make_split(stage_sources, a_chunk, b_chunk)
 
-    @bounded(THREADS)
+    @jit_for(cfg, GROUPS)
     def product_v7(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot, other_idx, line_block, n_rows):
         tid = cuda.threadIdx.x
         group, thread = tid // WARPGROUP, tid % WARPGROUP
@@ -478,6 +574,48 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
         w_base = signed_address(w, (0, 0, 0))
         where = (begin, other_idx, line_block, a_base, w_base, lead, row0, n_rows)
         warp, lane = thread // 32, thread % 32
+        if PERSIST:
+            bars = shared_address(smem, (0,)) + BARS_P
+            if tid == 0:
+                init(bars)
+            cuda.syncthreads()
+            tiles = (n_rows + BM - 1) // BM
+            segments = seg_line.shape[0]
+            if group == GROUPS:  # the copying warpgroup: every tile's stages, round one ring
+                give()
+                buf, parity = 0, 1
+                for pid in range(cuda.blockIdx.x, tiles * segments, cuda.gridDim.x):
+                    tile, seg = tile_of(pid, tiles, segments, GROUP)
+                    begin = seg_begin[seg]
+                    where = (begin, other_idx, line_block, a_base, w_base, lead, tile * BM, n_rows)
+                    buf, parity = produce(thread, base, bars, (seg_end[seg] - begin) * SPB, where, buf, parity)
+            else:
+                take()
+                desc_a, desc_b = descriptors(base, group)
+                acc = cuda.local.array(ACC_ALL, float32)
+                staged16 = cuda.shared.array(0, STORE_T)
+                buf, parity = 0, 0
+                for pid in range(cuda.blockIdx.x, tiles * segments, cuda.gridDim.x):
+                    tile, seg = tile_of(pid, tiles, segments, GROUP)
+                    begin = seg_begin[seg]
+                    for i in range(ACC_ALL):
+                        acc[i] = float32(0)
+                    buf, parity = consume(acc, bars, (seg_end[seg] - begin) * SPB, desc_a, desc_b, lane, buf, parity)
+                    row0 = tile * BM
+                    line, slot = seg_line[seg], seg_slot[seg]
+                    row = group * TILES * WGMMA_M + 16 * warp + lane // 4
+                    if slot >= 0:  # a segment's fp32 sums, for the combine pass: straight from the registers
+                        sums(acc, workspace, slot, row0 + row, 2 * (lane % 4), n_rows)
+                    else:
+                        named_barrier(1, T)  # every thread has read the last tile's staged values
+                        stage16(acc, staged16, STAGED16, row, 2 * (lane % 4))
+                        named_barrier(1, T)
+                        for i in range(OUT_PER16):
+                            r, c = chunk16(thread + WARPGROUP * group, i)
+                            if r >= 0 and row0 + r < n_rows:
+                                store4(out, (row0 + r, line * bs + c), load4(staged16, (STAGED16 + r * PITCH16 + c,)))
+            cuda.syncthreads()
+            return
         if SPLIT:
             bars = shared_address(smem, (0,)) + BARS
             if tid == 0:
@@ -485,14 +623,14 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
             cuda.syncthreads()
             if group == GROUPS:  # the copying warpgroup
                 give()
-                produce(thread, base, bars, n_stages, where)
+                produce(thread, base, bars, n_stages, where, 0, 1)
             else:
                 take()
                 desc_a, desc_b = descriptors(base, group)
                 acc = cuda.local.array(ACC_ALL, float32)
                 for i in range(ACC_ALL):
                     acc[i] = float32(0)
-                consume(acc, bars, n_stages, desc_a, desc_b, lane)
+                consume(acc, bars, n_stages, desc_a, desc_b, lane, 0, 0)
                 named_barrier(1, GROUPS * WARPGROUP)  # every warpgroup's wgmmas have read the ring
                 staged = cuda.shared.array(0, float32)
                 stage(acc, staged, group * TILES * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4))
@@ -550,7 +688,7 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
                         store4(out, (row0 + r, line * bs + c),
                                (from_acc(v[0]), from_acc(v[1]), from_acc(v[2]), from_acc(v[3])))
 
-    return dynamic_shared(product_v7, shared_bytes(cfg, bs))
+    return dynamic_shared(product_v7, shared_bytes(cfg, bs, False, feature_axis))
 
 
 def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=None):
@@ -611,7 +749,7 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
 
     stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, True, False, THREADS)
 
-    @bounded(THREADS)
+    @jit_for(cfg, GROUPS)
     def weight_grad_v7(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta):
         tid = cuda.threadIdx.x
         group, thread = tid // WARPGROUP, tid % WARPGROUP
@@ -638,14 +776,14 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
             where = (n_begin, n_end, x_base, dy_base, x_lead, dy_lead)
             if group == GROUPS:  # the copying warpgroup
                 give()
-                produce(thread, base, bars, n_stages, where)
+                produce(thread, base, bars, n_stages, where, 0, 1)
             else:
                 take()
                 desc_a, desc_b = descriptors(base, group)
                 acc = cuda.local.array(ACC_ALL, float32)
                 for i in range(ACC_ALL):
                     acc[i] = float32(0)
-                consume(acc, bars, n_stages, desc_a, desc_b, lane)
+                consume(acc, bars, n_stages, desc_a, desc_b, lane, 0, 0)
                 named_barrier(1, GROUPS * WARPGROUP)  # every warpgroup's wgmmas have read the ring
                 staged = cuda.shared.array(0, float32)
                 stage(acc, staged, group * TILES * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4))

@@ -50,15 +50,17 @@ def test_hopper_products_match_reference(data, block_size, dtype, feature_axis):
 
 
 PRODUCER = replace(bsmm.DEFAULT, v7_producer=True)
+PERSISTENT = replace(PRODUCER, v7_persistent=True, v7_stages={64: 4, 128: 3})
 
 
 @gpu
 @pytest.mark.parametrize("block_size, dtype", CASES)
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(data=st.data(), feature_axis=st.sampled_from([1, 0]))
 def test_hopper_producer_matches_reference(data, block_size, dtype, feature_axis):
     """``v7_producer``: every product on warp-specialized thread blocks (mbarrier rings), with
-    split lines and N-splits."""
+    split lines and N-splits; with ``v7_persistent``, feature_axis 1's products on persistent
+    thread blocks."""
     layout = data.draw(layouts(block_sizes=(block_size,), max_blocks=5, kinds=("random", "full", "single", "skewed")))
     n = data.draw(st.integers(1, 700), label="N")
     n = n if feature_axis == 1 else 8 * -(-n // 8)
@@ -67,10 +69,11 @@ def test_hopper_producer_matches_reference(data, block_size, dtype, feature_axis
     w = data.draw(arrays(layout.w_shape, dtype), label="w")
     xa, dya = to_axis(x, feature_axis), to_axis(dy, feature_axis)
     segment = data.draw(st.sampled_from([None, 1]), label="max_segment")
+    cfg = data.draw(st.sampled_from([PRODUCER, PERSISTENT]), label="config")
     with poisoned_outputs():
-        y = bsmm.api._product(PRODUCER, xa, w, layout, feature_axis, False, 7, max_segment=segment)
-        dx = bsmm.input_grad(dya, w, layout, feature_axis, version=7, config=PRODUCER)
-        dw = bsmm.weight_grad(xa, dya, layout, feature_axis, version=7, config=PRODUCER,
+        y = bsmm.api._product(cfg, xa, w, layout, feature_axis, False, 7, max_segment=segment)
+        dx = bsmm.input_grad(dya, w, layout, feature_axis, version=7, config=cfg)
+        dw = bsmm.weight_grad(xa, dya, layout, feature_axis, version=7, config=cfg,
                               splits=data.draw(st.sampled_from([None, 1, 3]), label="splits"))
     assert_products(y, dx, dw, xa, dya, w, layout, feature_axis, dtype)
 
@@ -275,3 +278,25 @@ def test_hopper_producer_runs_in_the_simulator(monkeypatch, feature_axis):
                           config=cfg, splits=1)
     assert_close(dw, reference.weight_grad(x, dy, layout), "float16", "weight_grad", terms=n)
     assert ran_hopper() == (before[0] + 1, before[1] + 1)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
+@pytest.mark.parametrize("max_segment", [None, 1])
+def test_hopper_persistent_product_runs_in_the_simulator(monkeypatch, max_segment):
+    """``v7_persistent``: the simulator's one multiprocessor runs one thread block, which walks all
+    8 tiles (4 row tiles, the last partial, by 2 block-columns of 3 blocks) round one ring of 3
+    buffers, storing each tile's 16-bit staged values while the copies of the next fill the ring;
+    with ``max_segment`` 1 each block is a segment, its fp32 sums stored for the combine pass."""
+    from sparseblocks.bsmm import dispatch
+    from sparseblocks.reference import bsmm as reference
+    from strategies import assert_close
+
+    monkeypatch.setattr(dispatch, "hopper", lambda: True)
+    cfg = replace(bsmm.DEFAULT, v7_groups={64: 1}, v7_tiles={64: 1}, v7_stages={64: 3}, v7_producer=True,
+                  v7_persistent=True)
+    layout = BlockLayout(np.ones((3, 2)), 64)
+    rng = np.random.default_rng(8)
+    x, w = values(rng, (200, 192), "bfloat16"), values(rng, layout.w_shape, "bfloat16")
+    with poisoned_outputs():
+        y = bsmm.api._product(cfg, x, w, layout, 1, False, 7, max_segment=max_segment)
+    assert_close(np.asarray(y), reference.forward(x, w, layout), "bfloat16", "forward", terms=192)
