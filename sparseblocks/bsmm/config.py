@@ -94,14 +94,16 @@ class BsmmConfig:
     v7_short_lines: dict = default_field({})
     # Warp-specialized thread blocks: one more warpgroup copies the stages (cp.async, completing on
     # mbarriers) while the others only multiply, each stage handed over by a barrier pair instead of
-    # a barrier of the block; the copying warpgroup keeps v7_producer_registers a thread and leaves
-    # the rest to the others (setmaxnreg)
-    v7_producer: bool = False
+    # a barrier of the block (products; v7_wgrad_producer: weight gradients). Where the launch leaves
+    # fewer than 224 registers a thread, the copying warpgroup keeps v7_producer_registers and
+    # leaves the rest to the others (setmaxnreg)
+    v7_producer: bool = True
+    v7_wgrad_producer: bool = False
     v7_producer_registers: int = 160
-    # Persistent products (feature_axis 1, with v7_producer): one thread block a multiprocessor walks
-    # the tiles, its copying warpgroup filling the next tile's stages while the others store the
-    # last one's, staged in 16 bits beside the ring (which then takes at most 3 stages at block 128)
-    v7_persistent: bool = False
+    # Persistent products (feature_axis 1, warp-specialized): {bs: stages of the ring}. One thread
+    # block a multiprocessor walks the tiles, its copying warpgroup filling the next tile's stages
+    # while the others store the last one's, staged in 16 bits beside the ring
+    v7_persistent: dict = default_field({64: 4})
 
     def check(self):
         if self.norm_threads < 1 or self.norm_threads & (self.norm_threads - 1):

@@ -253,7 +253,7 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
         maker, threads, TM = make_product_v3, PRODUCT_THREADS, PRODUCT_TILES[bs][0]
         kernel = compiled(cfg, maker, bs, a.dtype, transpose_w, feature_axis)
     grid = ((n_rows + TM - 1) // TM, len(indices[0]))
-    if family == 7 and persistent(cfg, False, feature_axis):  # a thread block a multiprocessor walks the tiles
+    if family == 7 and persistent(cfg, bs, False, feature_axis):  # a thread block a multiprocessor walks the tiles
         grid = (min(grid[0] * grid[1], multiprocessors()), 1)
     args = (out, workspace, a_device, w_device, *indices, n_rows)
     launch(kernel, grid, threads, stream, args)

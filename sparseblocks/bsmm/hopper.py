@@ -25,6 +25,8 @@ version 6 runs elsewhere. The simulator runs these kernels when a test asks (its
 warpgroup collective), on one-warpgroup tiles: each wgmma there is a 128-thread rendezvous.
 """
 
+from dataclasses import replace
+
 from numba import cuda, float32, int16, int32, int64, types, uint64
 
 from ..ptx.cp_async import commit, copy16_or_zero, shared_address, signed_address, waiter
@@ -59,8 +61,13 @@ def v7_shape(cfg, bs, weight_grad=False):
 
 def v7_threads(cfg, bs, weight_grad=False):
     """The thread block's threads: its multiplying warpgroups, and the copying one where
-    ``cfg.v7_producer``."""
-    return WARPGROUP * (v7_shape(cfg, bs, weight_grad)[2] + int(cfg.v7_producer))
+    ``producing``."""
+    return WARPGROUP * (v7_shape(cfg, bs, weight_grad)[2] + int(producing(cfg, weight_grad)))
+
+
+def producing(cfg, weight_grad):
+    """Whether the kernel is warp-specialized (``v7_producer``, ``v7_wgrad_producer``)."""
+    return cfg.v7_wgrad_producer if weight_grad else cfg.v7_producer
 
 
 def split_registers(cfg, groups):
@@ -95,10 +102,17 @@ def barriers_at(cfg, bs, weight_grad=False):
     return max(STAGES * 2 * BK * (BM + BN) + ATOM, staged)
 
 
-def persistent(cfg, weight_grad, feature_axis):
-    """Whether a kernel is persistent (`make_product_v7`): products with feature_axis 1 under
-    ``cfg.v7_persistent``."""
-    return cfg.v7_persistent and not weight_grad and feature_axis == 1
+def persistent(cfg, bs, weight_grad, feature_axis):
+    """Whether a kernel is persistent (`make_product_v7`): warp-specialized products with
+    feature_axis 1 at the block sizes of ``cfg.v7_persistent``."""
+    return cfg.v7_producer and bs in cfg.v7_persistent and not weight_grad and feature_axis == 1
+
+
+def persistent_config(cfg, bs):
+    """``cfg`` with a persistent product's ring (``v7_persistent[bs]`` stages) as ``v7_stages``."""
+    if cfg.v7_stages.get(bs) == cfg.v7_persistent[bs]:
+        return cfg
+    return replace(cfg, v7_stages={**cfg.v7_stages, bs: cfg.v7_persistent[bs]})
 
 
 def staged16_at(cfg, bs):
@@ -114,10 +128,11 @@ def shared_bytes(cfg, bs, weight_grad=False, feature_axis=1):
     """A thread block's dynamic shared memory: `barriers_at`, and with ``cfg.v7_producer`` a full
     and an empty mbarrier a stage after it; a persistent product's ring, its own 16-bit staged
     tile and the barriers."""
+    if persistent(cfg, bs, weight_grad, feature_axis):
+        cfg = persistent_config(cfg, bs)
+        return staged16_at(cfg, bs)[2] + 2 * cfg.v7_stages[bs] * BAR_BYTES
     STAGES = v7_shape(cfg, bs, weight_grad)[5]
-    if persistent(cfg, weight_grad, feature_axis):
-        return staged16_at(cfg, bs)[2] + 2 * STAGES * BAR_BYTES
-    return barriers_at(cfg, bs, weight_grad) + (2 * STAGES * BAR_BYTES if cfg.v7_producer else 0)
+    return barriers_at(cfg, bs, weight_grad) + (2 * STAGES * BAR_BYTES if producing(cfg, weight_grad) else 0)
 
 
 def v7_check(cfg, bs, weight_grad=False):
@@ -137,14 +152,15 @@ def v7_check(cfg, bs, weight_grad=False):
         what = f"{GROUPS} warpgroups of {TILES} 64-row tiles"
         return f"block {bs}: {what}, expected 1 or 2 tiles a warpgroup" + (
             f" and {bs} rows in all" if weight_grad else "")
-    if shared_bytes(cfg, bs, weight_grad) > cfg.v6_max_shared:
-        return f"block {bs}: {shared_bytes(cfg, bs, weight_grad)} bytes of shared memory over v6_max_shared"
-    if persistent(cfg, weight_grad, 1) and shared_bytes(cfg, bs, False, 1) > cfg.v6_max_shared:
-        return (f"block {bs}: a persistent product's ring and staged tile take {shared_bytes(cfg, bs, False, 1)} "
-                f"bytes of shared memory, over v6_max_shared (fewer v7_stages)")
-    if cfg.v7_persistent and not cfg.v7_producer:
-        return "v7_persistent: needs v7_producer"
-    if cfg.v7_producer:
+    if shared_bytes(cfg, bs, weight_grad, 0) > cfg.v6_max_shared:  # (feature_axis 0: never persistent)
+        return f"block {bs}: {shared_bytes(cfg, bs, weight_grad, 0)} bytes of shared memory over v6_max_shared"
+    if not weight_grad and bs in cfg.v7_persistent:
+        if not 3 <= cfg.v7_persistent[bs] <= 6:
+            return f"v7_persistent[{bs}]: expected 3 to 6 stages, got {cfg.v7_persistent[bs]}"
+        if shared_bytes(cfg, bs, False, 1) > cfg.v6_max_shared:
+            return (f"v7_persistent[{bs}]: the ring and the staged tile take {shared_bytes(cfg, bs, False, 1)} "
+                    f"bytes of shared memory, over v6_max_shared (fewer stages)")
+    if producing(cfg, weight_grad):
         if not (24 <= cfg.v7_producer_registers <= 256 and cfg.v7_producer_registers % 8 == 0):
             return f"v7_producer_registers: expected a multiple of 8 from 24 to 256, got {cfg.v7_producer_registers}"
         split = split_registers(cfg, GROUPS)
@@ -153,19 +169,19 @@ def v7_check(cfg, bs, weight_grad=False):
     return ""
 
 
-def jit_for(cfg, groups):
+def jit_for(cfg, groups, weight_grad):
     """The kernel decorator: with a register cap at entry where `hand_over` moves registers
     (setmaxnreg needs one), else Numba's plain ``jit``, which leaves ptxas its own count (a cap of
     one thread block a multiprocessor would let a kernel that fits two grow past it)."""
-    if cfg.v7_producer and split_registers(cfg, groups) is not None:
+    if producing(cfg, weight_grad) and split_registers(cfg, groups) is not None:
         return bounded(WARPGROUP * (groups + 1))
     return cuda.jit
 
 
-def hand_over(cfg, groups):
+def hand_over(cfg, groups, weight_grad):
     """(give, take): the setmaxnreg calls with which the copying warpgroup hands registers to the
     multiplying ones (`split_registers`), or calls that do nothing where none need move."""
-    split = split_registers(cfg, groups) if cfg.v7_producer else None
+    split = split_registers(cfg, groups) if producing(cfg, weight_grad) else None
     if split is None:
         @inlined
         def nothing():
@@ -501,7 +517,11 @@ def make_staging16(cfg, bs, from_acc):
 def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     """Products (forward, or with ``transpose_w`` input_grad) on version 7 tiles: a thread block
     owns BM rows of one segment of an output block-line, as in version 6 (`tiles.make_product_v6`),
-    whose conventions it keeps: rows past N read the last row(s) and are not written."""
+    whose conventions it keeps: rows past N read the last row(s) and are not written. Persistent
+    (`persistent`) with feature_axis 1 at the block sizes of ``v7_persistent``."""
+    PERSIST = persistent(cfg, bs, False, feature_axis)
+    if PERSIST:
+        cfg = persistent_config(cfg, bs)
     BM, BN, _, TILES, BK, _ = v7_shape(cfg, bs)
     ACC = BN // 2  # accumulators a thread a 64-row tile
     ACC_ALL = TILES * ACC  # (Numba sizes a local array by a name, not an expression)
@@ -517,9 +537,8 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     SPLIT = cfg.v7_producer
     THREADS = v7_threads(cfg, bs)
     BARS = barriers_at(cfg, bs)
-    give, take = hand_over(cfg, GROUPS)
+    give, take = hand_over(cfg, GROUPS, False)
     stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, False, A_MN, THREADS)
-    PERSIST = persistent(cfg, False, feature_axis)
     STAGED16, PITCH16, _ = staged16_at(cfg, bs)
     STAGED16 //= 2  # (in 16-bit values)
     T = GROUPS * WARPGROUP
@@ -559,7 +578,7 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     ring = make_ring(sources)
     init, produce, consume = make_split(stage_sources, a_chunk, b_chunk)
 
-    @jit_for(cfg, GROUPS)
+    @jit_for(cfg, GROUPS, False)
     def product_v7(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot, other_idx, line_block, n_rows):
         tid = cuda.threadIdx.x
         group, thread = tid // WARPGROUP, tid % WARPGROUP
@@ -739,17 +758,17 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
         return 2 * (int64(row) * where[5] + col), n0 + (row if MN else col) < where[1]
 
     GROUPS = v7_shape(cfg, bs, True)[2]
-    SPLIT = cfg.v7_producer
+    SPLIT = cfg.v7_wgrad_producer
     THREADS = v7_threads(cfg, bs, True)
     BARS = barriers_at(cfg, bs, True)
-    give, take = hand_over(cfg, GROUPS)
+    give, take = hand_over(cfg, GROUPS, True)
     copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split = make_hopper_loop(cfg, bs, storage, True, MN, MN)
     ring = make_ring(sources)
     init, produce, consume = make_split(stage_sources, a_chunk, b_chunk)
 
     stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, True, False, THREADS)
 
-    @jit_for(cfg, GROUPS)
+    @jit_for(cfg, GROUPS, True)
     def weight_grad_v7(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta):
         tid = cuda.threadIdx.x
         group, thread = tid // WARPGROUP, tid % WARPGROUP

@@ -129,24 +129,30 @@ if SIMULATOR:
         def mma(acc, desc_a, desc_b, scale_d):
             me, values = _simulator._group_collective(
                 "wgmma", WARPGROUP, (desc_a, desc_b, int(scale_d), np.array(acc[first:first + regs], np.float32)))
-            if "D" not in values:  # (the first thread out computes it for the group)
-                held = {i: v for i, v in list(values.items()) if i != "D"}
-                desc_a0, desc_b0, scale0, _ = held[0]
-                if any(v[2] != scale0 for v in held.values()):
-                    raise _simulator.WarpCollectiveError("wgmma: scale_d differs across the warpgroup")
-                A = _tile(desc_a0, WGMMA_M, a_mn_major, kind)
-                B = _tile(desc_b0, n, b_mn_major, kind).T
-                C = np.zeros((WGMMA_M, n))
-                if scale0:
-                    for thread, value in held.items():
-                        for i in range(regs):
-                            C[acc_position(thread, i)] = value[3][i]
-                values["D"] = (A @ B + C).astype(np.float32)
+            with _simulator.block_lock():  # (the first thread out computes it for the group, once,
+                _product(values, n, kind, a_mn_major, b_mn_major, regs)  # before any member moves on)
             D = values["D"]
             for i in range(regs):
                 acc[first + i] = D[acc_position(me, i)]
 
         return mma
+
+    def _product(values, n, kind, a_mn_major, b_mn_major, regs):
+        """values["D"] = A·B (+ C), from the members' values, unless a member has computed it."""
+        if "D" in values:
+            return
+        held = {i: v for i, v in list(values.items()) if i != "D"}
+        desc_a0, desc_b0, scale0, _ = held[0]
+        if any(v[2] != scale0 for v in held.values()):
+            raise _simulator.WarpCollectiveError("wgmma: scale_d differs across the warpgroup")
+        A = _tile(desc_a0, WGMMA_M, a_mn_major, kind)
+        B = _tile(desc_b0, n, b_mn_major, kind).T
+        C = np.zeros((WGMMA_M, n))
+        if scale0:
+            for thread, value in held.items():
+                for i in range(regs):
+                    C[acc_position(thread, i)] = value[3][i]
+        values["D"] = (A @ B + C).astype(np.float32)
 
     def _nothing():
         return None

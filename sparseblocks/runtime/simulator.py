@@ -294,6 +294,13 @@ def named_barrier(number, count):
         _block_wait(block, me, lambda: state[1] != generation, f"bar.sync {number}")
 
 
+def block_lock():
+    """The calling thread's block lock: what a collective whose result one member computes for
+    all holds while it does, so that no member returns (and moves on to change shared memory the
+    result is read from) before the result exists."""
+    return _me()._manager._sb_warps.lock
+
+
 def _poison(value):
     if isinstance(value, (float, np.floating)):
         return type(value)(np.nan)

@@ -49,8 +49,8 @@ def test_hopper_products_match_reference(data, block_size, dtype, feature_axis):
     assert ran_hopper() != (0, 0)
 
 
-PRODUCER = replace(bsmm.DEFAULT, v7_producer=True)
-PERSISTENT = replace(PRODUCER, v7_persistent=True, v7_stages={64: 4, 128: 3})
+PRODUCER = replace(bsmm.DEFAULT, v7_producer=True, v7_wgrad_producer=True, v7_persistent={})
+PERSISTENT = replace(PRODUCER, v7_persistent={64: 4, 128: 3})
 
 
 @gpu
@@ -154,6 +154,9 @@ def test_hopper_is_the_default_and_bitwise_repeatable(dtype):
     (dict(v7_tiles={128: 3}), "1 or 2 tiles"),
     (dict(v7_wgrad_groups={128: 4}), "128 rows in all"),
     (dict(v7_wgrad_stages=2), "v7_wgrad_stages"),
+    (dict(v7_persistent={64: 7}), "3 to 6 stages"),
+    (dict(v7_persistent={128: 4}), "v7_persistent\\[128\\].*shared memory"),
+    (dict(v7_producer_registers=100), "v7_producer_registers"),
 ])
 def test_config_refuses_hopper_tiles_the_kernels_cannot_take(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -262,7 +265,7 @@ def test_hopper_producer_runs_in_the_simulator(monkeypatch, feature_axis):
 
     monkeypatch.setattr(dispatch, "hopper", lambda: True)
     cfg = replace(bsmm.DEFAULT, v7_groups={64: 1}, v7_tiles={64: 1}, v7_stages={64: 3}, v7_wgrad_stages=3,
-                  v7_producer=True)
+                  v7_producer=True, v7_wgrad_producer=True, v7_persistent={})
     assert hopper.v7_threads(cfg, 64) == 256 and hopper.split_registers(cfg, 1) is None
     rng = np.random.default_rng(7)
     layout = BlockLayout(np.ones((5, 1)), 64)
@@ -292,8 +295,7 @@ def test_hopper_persistent_product_runs_in_the_simulator(monkeypatch, max_segmen
     from strategies import assert_close
 
     monkeypatch.setattr(dispatch, "hopper", lambda: True)
-    cfg = replace(bsmm.DEFAULT, v7_groups={64: 1}, v7_tiles={64: 1}, v7_stages={64: 3}, v7_producer=True,
-                  v7_persistent=True)
+    cfg = replace(bsmm.DEFAULT, v7_groups={64: 1}, v7_tiles={64: 1}, v7_producer=True, v7_persistent={64: 3})
     layout = BlockLayout(np.ones((3, 2)), 64)
     rng = np.random.default_rng(8)
     x, w = values(rng, (200, 192), "bfloat16"), values(rng, layout.w_shape, "bfloat16")
