@@ -30,6 +30,7 @@ from dataclasses import replace
 from numba import cuda, float32, int16, int32, int64, types, uint64
 
 from ..ptx.cp_async import commit, copy16_or_zero, shared_address, signed_address, waiter
+from ..ptx.half2 import bf16_of_float
 from ..ptx.mbarrier import BYTES as BAR_BYTES
 from ..ptx.mbarrier import arrive, copy_arrive, named_barrier, registers
 from ..ptx.mbarrier import init as bar_init
@@ -422,6 +423,14 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
     return copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split
 
 
+def stored_of(storage, acc_type):
+    """from_acc(value) -> what the epilogue stores (`device.converters`' own), bf16 rounded by the
+    hardware (`ptx.half2.bf16_of_float`: version 7 runs on sm_90 only)."""
+    if storage == "bfloat16":
+        return bf16_of_float
+    return converters(storage, acc_type)[1]
+
+
 def make_staging(cfg, bs, weight_grad, transposed, threads=None):
     """The epilogue's two halves, after the ring (whose shared memory they reuse, once a barrier
     has seen every warpgroup's last wgmma retired):
@@ -529,7 +538,7 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     GROUP = cfg.product_group
     A_MN = feature_axis == 0  # x (C, N): a stored row is a feature (k), the rows (m) run along it
     B_MN = not transpose_w  # W's block: k (its rows) down, outputs along; Wᵀ: k along its rows
-    _, from_acc = converters(storage, acc_type)
+    from_acc = stored_of(storage, acc_type)
     BLOCK = bs * bs
     B_K_STEP = 1 if transpose_w else bs
 
@@ -718,7 +727,8 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
     ACC = BN // 2  # a 64-row tile's
     ACC_ALL = TILES * ACC
     MN = feature_axis == 1
-    to_acc, from_acc = converters(out_storage or storage, acc_type)  # (dW's own dtype)
+    to_acc, _ = converters(out_storage or storage, acc_type)  # (dW's own dtype)
+    from_acc = stored_of(out_storage or storage, acc_type)
 
     @inlined
     def keep_flags(keep, rows, cols, n0, n_end):

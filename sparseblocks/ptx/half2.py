@@ -19,6 +19,11 @@ waits for the load (`sbnet`'s transposing row copies).
 low half; ``cvt.rn.f16x2.f32``), for a kernel that writes fp16 results as words or 16-byte
 vectors of them (`gather_matmul`'s output tile).
 
+``bf16_of_float(value)``: the bits (int16) of float32 ``value`` rounded to bf16, to nearest even
+(``cvt.rn.bf16.f32``, sm_80 and later): one instruction where the integer rounding takes about
+ten, for epilogues that store many bf16 values (version 7's). Overflow rounds to infinity; a NaN
+becomes a NaN (the simulator gives the canonical 0x7FFF).
+
 The atomics: Numba's ``cuda.atomic.add`` takes float32 and float64 arrays only,
 but an fp16 scatter-add of overlapping windows (the gradient of a gather whose
 windows share a halo, as every SBNet block's do) needs one. ``atomic_add_half``
@@ -56,6 +61,13 @@ if SIMULATOR:
 
     def half2_of_floats(lo, hi):
         return np.int32(np.array([lo, hi], np.float32).astype(np.float16).view(np.int32)[0])
+
+    def bf16_of_float(value):
+        u = int(np.array([value], np.float32).view(np.uint32)[0])
+        if value != value:
+            return np.int16(0x7FFF)
+        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+        return np.array([r], np.uint16).view(np.int16)[0]
 
     def atomic_add_half(array, index, value):
         array = np.asarray(array)
@@ -116,6 +128,18 @@ else:
             return builder.call(asm, values)
 
         return types.int32(lo, hi), codegen
+
+    @intrinsic
+    def bf16_of_float(typingctx, value):
+        if not isinstance(value, types.Float):
+            return None
+
+        def codegen(context, builder, sig, args):
+            f32 = context.cast(builder, args[0], sig.args[0], types.float32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(16), [ir.FloatType()]), "cvt.rn.bf16.f32 $0, $1;", "=h,f")
+            return builder.call(asm, [f32])
+
+        return types.int16(value), codegen
 
     def _reduction(instruction, value_bits, constraint, accepts):
         """An intrinsic ``f(array, index, value)`` emitting ``instruction [&array[index]], value``."""

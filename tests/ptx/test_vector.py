@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from sparseblocks.ptx.half2 import floats_of_half2, half2_of_floats
+from sparseblocks.ptx.half2 import bf16_of_float, floats_of_half2, half2_of_floats
 from sparseblocks.ptx.vector import aligned, load2, load4, load4_words, store2, store4
 
 
@@ -114,6 +114,28 @@ def test_float_pairs_narrow_to_a_word_of_halves():
     got = out.copy_to_host().view(np.float16)
     np.testing.assert_array_equal(got, a.astype(np.float16))
     assert np.array_equal(np.signbit(got), np.signbit(a))
+
+
+@cuda.jit
+def _to_bf16(out, a):
+    i = cuda.threadIdx.x
+    if i < a.shape[0]:
+        out[i] = bf16_of_float(a[i])
+
+
+def test_floats_round_to_bf16_bits():
+    """bf16_of_float rounds to nearest even, as ml_dtypes does: ties, signed zeros, subnormals,
+    overflow to infinity; a NaN stays a NaN."""
+    import ml_dtypes
+
+    a = np.array([1.0, 1.00390625, 1.01171875, -0.0, 3e-39, 3.4e38, -3.4e38, 1e-45, np.inf, -2.5, np.nan],
+                 np.float32)
+    out = cuda.to_device(np.zeros(a.size, np.int16))
+    _to_bf16[1, 16](out, cuda.to_device(a))
+    got = out.copy_to_host().view(ml_dtypes.bfloat16)
+    want = a.astype(ml_dtypes.bfloat16)
+    assert np.isnan(got[-1].astype(np.float32))
+    np.testing.assert_array_equal(got[:-1].view(np.int16), want[:-1].view(np.int16))
 
 
 def test_alignment_rule():
