@@ -1,0 +1,160 @@
+"""Version 7's shapes and what a config may ask of them (`hopper.py` builds the kernels): a tile's
+rows, columns, warpgroups, stages and threads, its shared memory (the ring, the staged tile, the
+mbarriers of the warp-specialized kernels), the register split between the copying and the
+multiplying warpgroups, and which products run persistent."""
+
+from dataclasses import replace
+
+from numba import cuda
+
+from ..ptx.mbarrier import BYTES as BAR_BYTES
+from ..ptx.mbarrier import registers
+from ..ptx.wgmma import WARPGROUP, WGMMA_M
+from ..runtime.compile import bounded, inlined
+
+V7_STORAGE = ("float16", "bfloat16")
+V7_BLOCKS = (64, 128)  # a block's side: whole 64-row warpgroups, whole 64-value swizzle rows
+CHUNK = 8  # 16-bit values a 16-byte chunk
+SWIZZLE_K = 64  # values of k a stage: one 128-byte row of a swizzle atom
+ATOM = 1024  # a 128-byte-swizzled atom: 8 rows of 128 bytes
+
+
+def v7_shape(cfg, bs, weight_grad=False):
+    """(BM, BN, warpgroups, 64-row tiles a warpgroup, BK, stages) of a version 7 tile."""
+    if weight_grad:
+        groups = cfg.v7_wgrad_groups.get(bs, bs // WGMMA_M)
+        return bs, bs, groups, bs // WGMMA_M // max(groups, 1), cfg.v7_wgrad_k, cfg.v7_wgrad_stages
+    groups, tiles = cfg.v7_groups[bs], cfg.v7_tiles.get(bs, 1)
+    return groups * tiles * WGMMA_M, bs, groups, tiles, min(bs, cfg.v7_k), cfg.v7_stages.get(bs, 0)
+
+
+def v7_threads(cfg, bs, weight_grad=False):
+    """The thread block's threads: its multiplying warpgroups, and the copying one where
+    ``producing``."""
+    return WARPGROUP * (v7_shape(cfg, bs, weight_grad)[2] + int(producing(cfg, weight_grad)))
+
+
+def producing(cfg, weight_grad):
+    """Whether the kernel is warp-specialized (``v7_producer``, ``v7_wgrad_producer``)."""
+    return cfg.v7_wgrad_producer if weight_grad else cfg.v7_producer
+
+
+def split_registers(cfg, groups):
+    """(the copying warpgroup's, each multiplying warpgroup's) registers a thread, which the
+    warp-specialized kernel sets with setmaxnreg, or None where the launch's registers a thread
+    (the register file over its threads) are already 224 or more and nothing need move."""
+    at_entry = 65536 // (WARPGROUP * (groups + 1)) // 8 * 8  # the launch's registers a thread
+    if at_entry >= 224:
+        return None
+    # The thread block's registers are what its launch allocated: what one warpgroup gives back
+    # is all the others can take (setmaxnreg.inc would wait for more forever).
+    taken = ((groups + 1) * at_entry - cfg.v7_producer_registers) // groups // 8 * 8
+    return cfg.v7_producer_registers, min(taken, 256)
+
+
+def staged_shape(cfg, bs, weight_grad, transposed):
+    """(rows, columns, pitch) of the fp32 tile the epilogue stages the accumulators in: the
+    thread block's BM x BN, or BN x BM ``transposed`` (feature_axis 0: out's rows run along the
+    tile's columns). Pitches of BN + 8 and BM + 4 words put a warp's stores of its accumulators
+    on distinct banks (`make_staging`)."""
+    BM, BN = v7_shape(cfg, bs, weight_grad)[:2]
+    return (BN, BM, BM + 4) if transposed else (BM, BN, BN + 8)
+
+
+def barriers_at(cfg, bs, weight_grad=False):
+    """The ring's bytes, plus an atom's slack to start it on a multiple of 1024, or the staged
+    tile's where that is larger (the epilogue reuses the ring's memory): where the mbarriers of a
+    warp-specialized kernel start, from the start of shared memory."""
+    BM, BN, _, _, BK, STAGES = v7_shape(cfg, bs, weight_grad)
+    staged = max(4 * rows * pitch for rows, _, pitch in
+                 (staged_shape(cfg, bs, weight_grad, transposed) for transposed in (False, True)))
+    return max(STAGES * 2 * BK * (BM + BN) + ATOM, staged)
+
+
+def persistent(cfg, bs, weight_grad, feature_axis):
+    """Whether a kernel is persistent (`make_product_v7`): warp-specialized products with
+    feature_axis 1 at the block sizes of ``cfg.v7_persistent``."""
+    return cfg.v7_producer and bs in cfg.v7_persistent and not weight_grad and feature_axis == 1
+
+
+def persistent_config(cfg, bs):
+    """``cfg`` with a persistent product's ring (``v7_persistent[bs]`` stages) as ``v7_stages``."""
+    if cfg.v7_stages.get(bs) == cfg.v7_persistent[bs]:
+        return cfg
+    return replace(cfg, v7_stages={**cfg.v7_stages, bs: cfg.v7_persistent[bs]})
+
+
+def staged16_at(cfg, bs):
+    """Where a persistent product's 16-bit staged tile starts (after the ring and its alignment
+    slack), its pitch in values, and the bytes to its end."""
+    BM, BN, _, _, BK, STAGES = v7_shape(cfg, bs)
+    at = STAGES * 2 * BK * (BM + BN) + ATOM
+    pitch = BN + 8
+    return at, pitch, at + 2 * BM * pitch
+
+
+def shared_bytes(cfg, bs, weight_grad=False, feature_axis=1):
+    """A thread block's dynamic shared memory: `barriers_at`, and with ``cfg.v7_producer`` a full
+    and an empty mbarrier a stage after it; a persistent product's ring, its own 16-bit staged
+    tile and the barriers."""
+    if persistent(cfg, bs, weight_grad, feature_axis):
+        cfg = persistent_config(cfg, bs)
+        return staged16_at(cfg, bs)[2] + 2 * cfg.v7_stages[bs] * BAR_BYTES
+    STAGES = v7_shape(cfg, bs, weight_grad)[5]
+    return barriers_at(cfg, bs, weight_grad) + (2 * STAGES * BAR_BYTES if producing(cfg, weight_grad) else 0)
+
+
+def v7_check(cfg, bs, weight_grad=False):
+    """Why a block size's version 7 tiles cannot be built under ``cfg`` ('' where they can)."""
+    if not weight_grad and bs not in cfg.v7_groups:
+        return f"no version 7 tile for block {bs}"
+    if bs not in V7_BLOCKS:
+        return f"block {bs}: version 7 takes blocks of 64 and 128"
+    BM, BN, GROUPS, TILES, BK, STAGES = v7_shape(cfg, bs, weight_grad)
+    if BK != SWIZZLE_K:
+        return f"k {BK}: version 7 stages {SWIZZLE_K} values of k (a 128-byte swizzle row)"
+    if not 3 <= STAGES <= 6:
+        return f"{'v7_wgrad_stages' if weight_grad else f'v7_stages[{bs}]'}: expected 3 to 6, got {STAGES}"
+    if not 1 <= GROUPS <= 4:
+        return f"block {bs}: {GROUPS} warpgroups, expected 1 to 4"
+    if TILES not in (1, 2) or (weight_grad and GROUPS * TILES * WGMMA_M != bs):
+        what = f"{GROUPS} warpgroups of {TILES} 64-row tiles"
+        return f"block {bs}: {what}, expected 1 or 2 tiles a warpgroup" + (
+            f" and {bs} rows in all" if weight_grad else "")
+    if shared_bytes(cfg, bs, weight_grad, 0) > cfg.v6_max_shared:  # (feature_axis 0: never persistent)
+        return f"block {bs}: {shared_bytes(cfg, bs, weight_grad, 0)} bytes of shared memory over v6_max_shared"
+    if not weight_grad and bs in cfg.v7_persistent:
+        if not 3 <= cfg.v7_persistent[bs] <= 6:
+            return f"v7_persistent[{bs}]: expected 3 to 6 stages, got {cfg.v7_persistent[bs]}"
+        if shared_bytes(cfg, bs, False, 1) > cfg.v6_max_shared:
+            return (f"v7_persistent[{bs}]: the ring and the staged tile take {shared_bytes(cfg, bs, False, 1)} "
+                    f"bytes of shared memory, over v6_max_shared (fewer stages)")
+    if producing(cfg, weight_grad):
+        if not (24 <= cfg.v7_producer_registers <= 256 and cfg.v7_producer_registers % 8 == 0):
+            return f"v7_producer_registers: expected a multiple of 8 from 24 to 256, got {cfg.v7_producer_registers}"
+        split = split_registers(cfg, GROUPS)
+        if split is not None and split[1] < 128:
+            return f"block {bs}: {GROUPS} multiplying warpgroups would keep {split[1]} registers a thread"
+    return ""
+
+
+def jit_for(cfg, groups, weight_grad):
+    """The kernel decorator: with a register cap at entry where `hand_over` moves registers
+    (setmaxnreg needs one), else Numba's plain ``jit``, which leaves ptxas its own count (a cap of
+    one thread block a multiprocessor would let a kernel that fits two grow past it)."""
+    if producing(cfg, weight_grad) and split_registers(cfg, groups) is not None:
+        return bounded(WARPGROUP * (groups + 1))
+    return cuda.jit
+
+
+def hand_over(cfg, groups, weight_grad):
+    """(give, take): the setmaxnreg calls with which the copying warpgroup hands registers to the
+    multiplying ones (`split_registers`), or calls that do nothing where none need move."""
+    split = split_registers(cfg, groups) if producing(cfg, weight_grad) else None
+    if split is None:
+        @inlined
+        def nothing():
+            return None
+
+        return nothing, nothing
+    return registers(split[0], False), registers(split[1], True)
