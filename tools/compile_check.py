@@ -77,11 +77,12 @@ def resources(ptx, registers=None, arch=None):
     return f"  [{used.group(1) if used else '?'} registers, {stack.group(1) if stack else 0} B stack]"
 
 
-def check(name, function, signature, registers=None, detail=lambda ptx: "", cc=CC):
+def check(name, function, signature, registers=None, detail=lambda ptx: "", cc=CC, launch_bounds=None):
     """Compile ``function`` for ``signature``; ``registers``: the kernel's cap, for ptxas's report;
-    ``detail(ptx)``: more to print after it; ``cc``: (9, 0, "a") for sm_90a."""
+    ``detail(ptx)``: more to print after it; ``cc``: (9, 0, "a") for sm_90a; ``launch_bounds``: the
+    kernel's (version 7's warp-specialized kernels are built with them, for setmaxnreg)."""
     try:
-        ptx, _ = cuda.compile_ptx(function, signature, cc=cc)
+        ptx, _ = cuda.compile_ptx(function, signature, cc=cc, launch_bounds=launch_bounds)
         arch = f"sm_{cc[0]}{cc[1]}{cc[2] if len(cc) > 2 else ''}"
         print(f"ok    {name}{resources(ptx, registers, arch)}{detail(ptx)}")
         return True
@@ -123,6 +124,17 @@ def check_v5(bs, storage, vector):
               f"{resources(ptx)}  {ptx.count('mma.sync')} mma{vector_loads(ptx)}")
 
 
+def bounds(version, bs, weight_grad):
+    """The launch bounds version 7 builds a kernel with (`hopper_shapes.jit_for`), else None."""
+    if version != 7:
+        return None
+    shapes = bsmm.hopper_shapes
+    groups = shapes.v7_shape(B, bs, weight_grad)[2]
+    if shapes.producing(B, weight_grad) and shapes.split_registers(B, groups) is not None:
+        return (shapes.v7_threads(B, bs, weight_grad), 1)
+    return None
+
+
 def check_tiles(version):
     """Version 6 (tensor-core tiles, sm_90) or 7 (Hopper wgmma tiles, sm_90a): every product and
     weight gradient, fp16 and bf16, both feature axes, at the config's block sizes: registers,
@@ -143,14 +155,16 @@ def check_tiles(version):
             signature = (element[:, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, :, ::1]) \
                 + (index,) * 6 + (i64,)
             name = f"product v{version} bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis}"
-            results.append(check(name, kernel.py_func, signature, cc=cc, detail=count))
+            results.append(check(name, kernel.py_func, signature, cc=cc, detail=count,
+                                 launch_bounds=bounds(version, bs, False)))
         for feature_axis, out in itertools.product((1, 0), (storage, "float32")):  # (dW in x's dtype or fp32)
             kernel = weight_grad(B, bs, storage, types.float32, feature_axis, out)
             dw = types.float32 if out == "float32" else element
             signature = (dw[:, :, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, ::1],
                          types.int32[:, ::1], i64, i64, types.float64)
             results.append(check(f"weight_grad v{version} bs {bs} {storage} axis {feature_axis} dW {out}",
-                                 kernel.py_func, signature, cc=cc, detail=count))
+                                 kernel.py_func, signature, cc=cc, detail=count,
+                                 launch_bounds=bounds(version, bs, True)))
     return results
 
 
