@@ -22,7 +22,9 @@ from .. import sbnet as kernels
 from ..runtime.devices import on_arrays_device
 from ..windows import calc_block_params_res_block, pair
 from . import cpu
-from .bottleneck import _bottleneck_nchw, _bottleneck_nhwc, _nhwc_out_of_nchw, _without_grad, _WrittenOut
+from . import fused as fused_ops  # noqa: F401 (registers the fused custom ops `_traced_forward` calls)
+from .bottleneck import _bottleneck_nchw, _bottleneck_nhwc, _matmul, _nhwc_out_of_nchw, _second_relu, _without_grad
+from .bottleneck import _WrittenOut
 from .config import DEFAULT, ResBlockConfig, as_config
 from .graphs import _WRITTEN_OUT, _ResidualGraphs, _Traced
 from .sbnet import _written_into, sparse_gather, sparse_scatter
@@ -209,11 +211,46 @@ class SparseResBlock(torch.nn.Module):
         ``mode="reduce-overhead"`` captures the whole in CUDA graphs. Eager calls on CPU tensors
         take it too: the gather and scatter then index with torch (`torch.cpu`), and autograd
         differentiates the whole."""
+        if torch.compiler.is_compiling() and self._compiles_fused(image, indices, data_format, transpose, p):
+            return self._compiled_fused(image, indices, count, inplace, data_format, p)
         kwargs = {"transpose": transpose, "count": count, "data_format": data_format}
         stack = sparse_gather(image, indices, p.bsize, p.bstride, p.boffset, **kwargs)
         out = self.residual(stack) if nchw_stack else self.residual_nhwc(stack)
         return sparse_scatter(out.contiguous(), indices, image, p.bsize_out, p.bsize_out, 0, add=True,
                               inplace=inplace, **kwargs)
+
+
+    def _compiles_fused(self, image, indices, data_format, transpose, p):
+        """Whether the compiled block takes the fused custom ops (`torch.fused`): the library's own
+        residual, and a first product `_fuses_gather` would fuse (its layout, few output channels,
+        pixels enough), decided from shapes as the graph is traced."""
+        cls, cfg = type(self), self.config
+        w1 = self.weights()[0]
+        return (cls.residual is SparseResBlock.residual and cls.residual_nhwc is SparseResBlock.residual_nhwc
+                and cfg.fused_gather and (data_format, transpose) in cfg.fused_gather_layouts
+                and w1.shape[0] <= cfg.fused_gather_max_out
+                and indices.shape[0] * p.bsize[0] * p.bsize[1] >= cfg.fused_gather_min_pixels)
+
+    def _compiled_fused(self, image, indices, count, inplace, data_format, p):
+        """The compiled block on the fused kernels: the gather into the first product and its ReLU
+        (NHWC, whatever the image's layout), the second ReLU and the last product as torch
+        operations, and in an in-place call without gradients the last product added into the
+        image by the fused scatter; else the adding scatter of the NHWC stack (the transpose for
+        an NCHW image)."""
+        cfg = self.config
+        w1, w2, w3 = self.weights()
+        geometry = (list(p.bsize), list(p.bstride), list(p.boffset))
+        h1 = torch.ops.sparseblocks.sbnet_gather_matmul(image, indices, count, w1, *geometry, data_format)
+        h2 = _second_relu(h1, w2)
+        grad = torch.is_grad_enabled() and (image.requires_grad or any(w.requires_grad for w in (w1, w2, w3)))
+        if (inplace and not grad and cfg.fused_scatter and (data_format == "NHWC" or cfg.fused_scatter_nchw)
+                and h2.shape[-1] <= cfg.fused_scatter_max_in):
+            out_at = (list(p.bsize_out), list(p.bsize_out), [0, 0])
+            torch.ops.sparseblocks.sbnet_matmul_scatter_(h2, indices, count, w3, image, *out_at, data_format)
+            return image
+        out = _matmul(h2, w3.flatten(1).t()).contiguous()
+        return sparse_scatter(out, indices, image, p.bsize_out, p.bsize_out, 0, add=True, inplace=inplace,
+                              transpose=data_format == "NCHW", count=count, data_format=data_format)
 
 
 def _check_input(x, w1):

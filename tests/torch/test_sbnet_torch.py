@@ -966,6 +966,73 @@ def test_compiled_sparse_res_block_trains_as_eager(layout, inplace):
     torch.testing.assert_close(x_inplace, x_eager)
 
 
+@pytest.mark.parametrize("kernels, layout", [(True, "NHWC stack"), (True, "NCHW input"), (False, "NCHW stack")])
+def test_block_compiles_onto_the_fused_kernels(kernels, layout):
+    """Where the eager block would fuse its first product into the gather (here at any size), the
+    compiled block (fullgraph) takes the fused custom ops, gather·matmul, and in place without
+    gradients matmul·scatter: the traced graph holds them, and outputs and gradients are the
+    eager block's. ``kernels``: the kernels (in the simulator, on CPU tensors), else torch's ops."""
+    from dataclasses import replace
+
+    from sparseblocks.torch import cpu
+    from sparseblocks.torch.config import DEFAULT as BLOCK_DEFAULT
+
+    previous = cpu.kernels_on_cpu(kernels)
+    try:
+        torch.manual_seed(4)
+        block, x, indices, count, _ = three_windows(channels_last=layout != "NCHW input")
+        block, x = block.float(), x.float()
+        block.transpose = layout == "NCHW stack"
+        block.config = replace(BLOCK_DEFAULT, fused_gather_min_pixels=0)
+        weights = torch.randn_like(x)
+        traced = []
+
+        def backend(gm, example_inputs):
+            traced.extend(str(node.target) for node in gm.graph.nodes)
+            return gm
+
+        def step(model):
+            model.zero_grad()
+            xs = x.detach().clone().requires_grad_(True)
+            y = model(xs, indices, count)
+            (y * weights).sum().backward()
+            return [y.detach(), xs.grad] + [conv.weight.grad for conv in (block.conv1, block.conv2, block.conv3)]
+
+        want = step(block)
+        got = step(torch.compile(block, fullgraph=True, backend=backend))
+        assert any("sbnet_gather_matmul" in target for target in traced)
+        for name, g, w in zip(("y", "x", "conv1", "conv2", "conv3"), got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        traced.clear()
+        with torch.no_grad():
+            torch._dynamo.reset()
+            compiled = torch.compile(block, fullgraph=True, backend=backend)
+            x_inplace, x_eager = x.clone(), x.clone()
+            compiled(x_inplace, indices, count, inplace=True)
+            block(x_eager, indices, count, inplace=True)
+        assert any("sbnet_matmul_scatter_" in target for target in traced)
+        torch.testing.assert_close(x_inplace, x_eager, rtol=1e-4, atol=1e-5)
+    finally:
+        cpu.kernels_on_cpu(previous)
+
+
+def test_fused_custom_ops_pass_opcheck():
+    """The fused ops' schemas and fake kernels (torch.library.opcheck), on torch's CPU ops."""
+    from sparseblocks.torch import fused as fused_ops
+
+    block, x, indices, count, _ = three_windows(channels_last=True)
+    image = x.float().permute(0, 2, 3, 1).contiguous()
+    p = block.geometry(x.shape)
+    w1, _, w3 = (w.float().detach() for w in block.weights())
+    geometry = (list(p.bsize), list(p.bstride), list(p.boffset))
+    checks = {"test_utils": ("test_schema", "test_faketensor")}
+    torch.library.opcheck(fused_ops.sbnet_gather_matmul, (image, indices, count, w1, *geometry, "NHWC"), **checks)
+    h2 = torch.rand(len(indices), *p.bsize_out, w3.shape[1])
+    out_at = (list(p.bsize_out), list(p.bsize_out), [0, 0])
+    torch.library.opcheck(fused_ops.sbnet_matmul_scatter_, (h2, indices, count, w3, image.clone(), *out_at, "NHWC"),
+                          **checks)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
