@@ -89,6 +89,9 @@ class BsmmConfig:
     v7_wgrad_stages: int = 6  # the weight gradient's ring
     v7_wgrad_fill: int = 1  # weight-gradient thread blocks a multiprocessor the N-splits aim for
     v7_wgrad_k: int = 64  # rows of N a weight-gradient stage
+    # Weight gradients of two blocks of one block-row a thread block, x's columns read once for both
+    # (a tile of bs x 2 bs): {bs: stages of the ring}; empty: a block a thread block
+    v7_wgrad_pairs: dict = default_field({})
     # Products whose lines are short (mean blocks a line <= the first value) on other tiles: {bs: (mean
     # blocks, v7_tiles, v7_stages)}; empty: every product on v7_tiles and v7_stages (`dispatch.v7_config`)
     v7_short_lines: dict = default_field({})
@@ -125,6 +128,11 @@ class BsmmConfig:
         for bs in self.v7_groups:
             if v7_check(self, bs):
                 raise ValueError(f"v7_groups[{bs}]: {v7_check(self, bs)}")
+        for bs in self.v7_wgrad_pairs:
+            from .hopper_shapes import PAIRED
+
+            if v7_check(self, bs, PAIRED):
+                raise ValueError(f"v7_wgrad_pairs[{bs}]: {v7_check(self, bs, PAIRED)}")
         for bs, rule in self.v7_short_lines.items():
             if bs not in self.v7_groups or len(rule) != 3 or not rule[0] > 0:
                 raise ValueError(f"v7_short_lines[{bs}]: expected (mean blocks > 0, tiles, stages) for a block size of "

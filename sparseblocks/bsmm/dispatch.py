@@ -40,7 +40,8 @@ from .weight_grad_simt import (
     make_weight_grad_v3,
     make_weight_grad_v4,
 )
-from .hopper import V7_BLOCKS, V7_STORAGE, make_product_v7, make_weight_grad_v7, persistent, v7_shape, v7_threads
+from .hopper import PAIRED, V7_BLOCKS, V7_STORAGE, make_product_v7, make_weight_grad_v7, persistent, v7_shape
+from .hopper import v7_threads
 from .tiles import V6_STORAGE, make_product_v6, make_weight_grad_v6, v6_shape, v6_threads
 from .weight_grad_tensorcore import make_weight_grad_v5, v5_wgrad_blocks, v5_wgrad_warps
 
@@ -296,6 +297,21 @@ def launch_transpose_blocks(cfg, wt, w_words, layout, storage, stream):
     return kernel, layout.n_blocks, threads, args
 
 
+def wgrad_pairs(layout):
+    """Version 7's paired weight-gradient tiles (``v7_wgrad_pairs``): int32 rows (block-row, b0's
+    block-column, b1's block-column, b0, b1), two blocks of one block-row each, in block order
+    within the row; a row's last block alone where its count is odd (b1 -1, its column b0's)."""
+    coords = np.asarray(layout.coords, np.int64).reshape(-1, 2)
+    rows = []
+    for r in np.unique(coords[:, 0]):
+        blocks = np.flatnonzero(coords[:, 0] == r)
+        for i in range(0, len(blocks), 2):
+            b0 = int(blocks[i])
+            b1 = int(blocks[i + 1]) if i + 1 < len(blocks) else -1
+            rows.append((int(r), int(coords[b0, 1]), int(coords[b1 if b1 >= 0 else b0, 1]), b0, b1))
+    return np.array(rows, np.int32).reshape(-1, 5)
+
+
 def wgrad_splits(layout, n_rows, thread_blocks=None, cfg=DEFAULT, fill=4):
     """How many slices of N the weight gradient cuts each block's sum into (every version but 1):
     enough for ``fill`` thread blocks a multiprocessor, each at least 4 chunks of rows long."""
@@ -344,6 +360,9 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
         else:
             per_block = V4_WGRAD_THREADS // (bs // 8) ** 2 if v4 else 1
         thread_blocks = -(-layout.n_blocks // per_block)
+        if v7 and bs in cfg.v7_wgrad_pairs:  # two blocks of a block-row a thread block
+            coords = _on_device(layout, "wgrad_pairs", wgrad_pairs(layout), stream)
+            thread_blocks = coords.shape[0]
     fill = cfg.v7_wgrad_fill if v7 else 4
     splits = wgrad_splits(layout, n_rows, thread_blocks, cfg, fill) if splits is None else max(1, int(splits))
     rows_per_split = -(-max(n_rows, 1) // splits)
@@ -355,9 +374,10 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
     workspace = x.scratch((splits, layout.n_blocks, bs * bs), acc, stream) if splits > 1 \
         else _unused_workspace(acc)
     if v6 or v7:
-        maker, threads = ((make_weight_grad_v7, v7_threads(cfg, bs, weight_grad=True)) if v7
+        paired = v7 and bs in cfg.v7_wgrad_pairs
+        maker, threads = ((make_weight_grad_v7, v7_threads(cfg, bs, PAIRED if paired else True)) if v7
                           else (make_weight_grad_v6, v6_threads(cfg, bs, weight_grad=True)))
-        kernel = compiled(cfg, maker, bs, x.dtype, feature_axis, out)
+        kernel = compiled(cfg, maker, bs, x.dtype, feature_axis, out, *((True,) if paired else ()))
         args = (dw, workspace, x_device, dy_device, coords, n_rows, rows_per_split, beta)
     elif v5:
         values = v5_values(x.dtype)

@@ -52,7 +52,7 @@ from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
 from .device import converters, grouped_tile, tile_of
 from .hopper_shapes import (  # noqa: F401 (V7_BLOCKS, v7_check, persistent: the dispatch's and config's)
-    ATOM, CHUNK, SWIZZLE_K, V7_BLOCKS, V7_STORAGE, barriers_at, hand_over, jit_for, persistent, persistent_config,
+    ATOM, CHUNK, PAIRED, SWIZZLE_K, V7_BLOCKS, V7_STORAGE, barriers_at, hand_over, jit_for, persistent, persistent_config,
     producing, shared_bytes, split_registers, staged16_at, staged_shape, v7_check, v7_shape, v7_threads,
 )
 
@@ -584,11 +584,18 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     return dynamic_shared(product_v7, shared_bytes(cfg, bs, False, feature_axis))
 
 
-def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=None):
+def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=None, paired=False):
     """dw[b] (+ beta·dw[b]) on version 7 tiles, a thread block a block, k along its N-split, as in
     version 6 (`tiles.make_weight_grad_v6`): A = xᵀ and B = dy; with feature_axis 1 both are
-    MN-major (k = N down their rows), with 0 K-major."""
-    _, BN, _, TILES, BK, _ = v7_shape(cfg, bs, True)
+    MN-major (k = N down their rows), with 0 K-major.
+
+    ``paired`` (``v7_wgrad_pairs``): a thread block computes two blocks of one block-row, b0 and
+    b1, a tile of bs x 2 bs whose B is dy's two column-blocks side by side, so that x's columns
+    are read once for both; ``coords`` is then `dispatch.wgrad_pairs`' (row, column of b0,
+    column of b1, b0, b1), b1 -1 where a block-row's last block has no partner (its half of the
+    tile repeats b0's and is not stored)."""
+    WG = PAIRED if paired else True
+    _, BN, _, TILES, BK, _ = v7_shape(cfg, bs, WG)
     ACC = BN // 2  # a 64-row tile's
     ACC_ALL = TILES * ACC
     MN = feature_axis == 1
@@ -632,18 +639,18 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
         n0 = where[0] + s * BK
         return 2 * (int64(row) * where[5] + col), n0 + (row if MN else col) < where[1]
 
-    GROUPS = v7_shape(cfg, bs, True)[2]
-    SPLIT = cfg.v7_wgrad_producer
-    THREADS = v7_threads(cfg, bs, True)
-    BARS = barriers_at(cfg, bs, True)
-    give, take = hand_over(cfg, GROUPS, True)
-    copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split = make_hopper_loop(cfg, bs, storage, True, MN, MN)
+    GROUPS = v7_shape(cfg, bs, WG)[2]
+    SPLIT = cfg.v7_wgrad_producer and not paired
+    THREADS = v7_threads(cfg, bs, WG)
+    BARS = barriers_at(cfg, bs, WG)
+    give, take = hand_over(cfg, GROUPS, WG)
+    copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split = make_hopper_loop(cfg, bs, storage, WG, MN, MN)
     ring = make_ring(sources)
     init, produce, consume = make_split(stage_sources, a_chunk, b_chunk)
 
-    stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, True, False, THREADS)
+    stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, WG, False, THREADS)
 
-    @jit_for(cfg, GROUPS, True)
+    @jit_for(cfg, GROUPS, WG)
     def weight_grad_v7(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta):
         tid = cuda.threadIdx.x
         group, thread = tid // WARPGROUP, tid % WARPGROUP
@@ -656,7 +663,10 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
         x_lead, dy_lead = int64(x.shape[1]), int64(dy.shape[1])
         smem = cuda.shared.array(0, int32)
         base = align_up(shared_address(smem, (0,)), ATOM)
-        if MN:  # x (N, C), dy (N, K): a stored row is a row of N (k)
+        if paired:  # dy's two column-blocks: each chunk's offset holds its block's first feature
+            x_base = signed_address(x, (0, coords[block, 0] * bs) if MN else (coords[block, 0] * bs, 0))
+            dy_base = signed_address(dy, (0, 0))
+        elif MN:  # x (N, C), dy (N, K): a stored row is a row of N (k)
             x_base = signed_address(x, (0, coords[block, 0] * bs))
             dy_base = signed_address(dy, (0, coords[block, 1] * bs))
         else:  # x (C, N), dy (K, N): a stored row is a feature, N runs along it
@@ -697,7 +707,15 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
             for i in range(A_PER):
                 a_from[i] = 2 * (int64(a_row[i]) * x_lead + a_col[i])
             for i in range(B_PER):
-                b_from[i] = 2 * (int64(b_row[i]) * dy_lead + b_col[i])
+                if paired:  # the tile's columns from bs on are b1's
+                    if MN:
+                        k = b_col[i] + (coords[block, 1] * bs if b_col[i] < bs else coords[block, 2] * bs - bs)
+                        b_from[i] = 2 * (int64(b_row[i]) * dy_lead + k)
+                    else:
+                        k = b_row[i] + (coords[block, 1] * bs if b_row[i] < bs else coords[block, 2] * bs - bs)
+                        b_from[i] = 2 * (int64(k) * dy_lead + b_col[i])
+                else:
+                    b_from[i] = 2 * (int64(b_row[i]) * dy_lead + b_col[i])
             desc_a, desc_b = descriptors(base, group)
             acc = cuda.local.array(ACC_ALL, float32)
             for i in range(ACC_ALL):
@@ -714,19 +732,23 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
         staged = cuda.shared.array(0, float32)
         for i in range(OUT_PER):
             r, c = chunk(tid, i)
-            if r >= 0:
+            out = block
+            if paired:  # (the tile's second half is b1's)
+                out = coords[block, 3] if c < bs else coords[block, 4]
+            cc = c if c < bs else c - bs
+            if r >= 0 and out >= 0:
                 v = load4(staged, (r * PITCH + c,))
                 if workspace.shape[0] > 1:  # this N-split's sums, which the combine kernel adds in order
-                    store4(workspace, (split, block, r * bs + c), v)
+                    store4(workspace, (split, out, r * bs + cc), v)
                 else:
                     v0, v1, v2, v3 = v
                     if beta != 0:
                         b = acc_type(beta)
-                        o0, o1, o2, o3 = load4(dw, (block, r, c))
+                        o0, o1, o2, o3 = load4(dw, (out, r, cc))
                         v0 += b * to_acc(o0)
                         v1 += b * to_acc(o1)
                         v2 += b * to_acc(o2)
                         v3 += b * to_acc(o3)
-                    store4(dw, (block, r, c), (from_acc(v0), from_acc(v1), from_acc(v2), from_acc(v3)))
+                    store4(dw, (out, r, cc), (from_acc(v0), from_acc(v1), from_acc(v2), from_acc(v3)))
 
-    return dynamic_shared(weight_grad_v7, shared_bytes(cfg, bs, True))
+    return dynamic_shared(weight_grad_v7, shared_bytes(cfg, bs, WG))

@@ -19,11 +19,17 @@ SWIZZLE_K = 64  # values of k a stage: one 128-byte row of a swizzle atom
 ATOM = 1024  # a 128-byte-swizzled atom: 8 rows of 128 bytes
 
 
+PAIRED = "pairs"  # weight_grad's value for a weight gradient of two blocks a tile (``v7_wgrad_pairs``)
+
+
 def v7_shape(cfg, bs, weight_grad=False):
-    """(BM, BN, warpgroups, 64-row tiles a warpgroup, BK, stages) of a version 7 tile."""
+    """(BM, BN, warpgroups, 64-row tiles a warpgroup, BK, stages) of a version 7 tile
+    (``weight_grad``: False, True, or `PAIRED` for two blocks of one block-row a tile)."""
     if weight_grad:
         groups = cfg.v7_wgrad_groups.get(bs, bs // WGMMA_M)
-        return bs, bs, groups, bs // WGMMA_M // max(groups, 1), cfg.v7_wgrad_k, cfg.v7_wgrad_stages
+        paired = weight_grad == PAIRED
+        stages = cfg.v7_wgrad_pairs.get(bs, 0) if paired else cfg.v7_wgrad_stages
+        return bs, (2 if paired else 1) * bs, groups, bs // WGMMA_M // max(groups, 1), cfg.v7_wgrad_k, stages
     groups, tiles = cfg.v7_groups[bs], cfg.v7_tiles.get(bs, 1)
     return groups * tiles * WGMMA_M, bs, groups, tiles, min(bs, cfg.v7_k), cfg.v7_stages.get(bs, 0)
 
@@ -114,7 +120,11 @@ def v7_check(cfg, bs, weight_grad=False):
     if BK != SWIZZLE_K:
         return f"k {BK}: version 7 stages {SWIZZLE_K} values of k (a 128-byte swizzle row)"
     if not 3 <= STAGES <= 6:
-        return f"{'v7_wgrad_stages' if weight_grad else f'v7_stages[{bs}]'}: expected 3 to 6, got {STAGES}"
+        name = (f"v7_wgrad_pairs[{bs}]" if weight_grad == PAIRED else "v7_wgrad_stages") if weight_grad \
+            else f"v7_stages[{bs}]"
+        return f"{name}: expected 3 to 6, got {STAGES}"
+    if weight_grad == PAIRED and cfg.v7_wgrad_producer:
+        return "v7_wgrad_pairs: paired weight-gradient tiles run the barrier ring (v7_wgrad_producer off)"
     if not 1 <= GROUPS <= 4:
         return f"block {bs}: {GROUPS} warpgroups, expected 1 to 4"
     if TILES not in (1, 2) or (weight_grad and GROUPS * TILES * WGMMA_M != bs):

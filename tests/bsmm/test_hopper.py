@@ -51,6 +51,7 @@ def test_hopper_products_match_reference(data, block_size, dtype, feature_axis):
 
 PRODUCER = replace(bsmm.DEFAULT, v7_producer=True, v7_wgrad_producer=True, v7_persistent={})
 PERSISTENT = replace(PRODUCER, v7_persistent={64: 4, 128: 3})
+PAIRED_WGRAD = replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 6, 128: 4})
 
 
 @gpu
@@ -60,7 +61,7 @@ PERSISTENT = replace(PRODUCER, v7_persistent={64: 4, 128: 3})
 def test_hopper_producer_matches_reference(data, block_size, dtype, feature_axis):
     """``v7_producer``: every product on warp-specialized thread blocks (mbarrier rings), with
     split lines and N-splits; with ``v7_persistent``, feature_axis 1's products on persistent
-    thread blocks."""
+    thread blocks; with ``v7_wgrad_pairs``, weight gradients two blocks a thread block."""
     layout = data.draw(layouts(block_sizes=(block_size,), max_blocks=5, kinds=("random", "full", "single", "skewed")))
     n = data.draw(st.integers(1, 700), label="N")
     n = n if feature_axis == 1 else 8 * -(-n // 8)
@@ -69,7 +70,7 @@ def test_hopper_producer_matches_reference(data, block_size, dtype, feature_axis
     w = data.draw(arrays(layout.w_shape, dtype), label="w")
     xa, dya = to_axis(x, feature_axis), to_axis(dy, feature_axis)
     segment = data.draw(st.sampled_from([None, 1]), label="max_segment")
-    cfg = data.draw(st.sampled_from([PRODUCER, PERSISTENT]), label="config")
+    cfg = data.draw(st.sampled_from([PRODUCER, PERSISTENT, PAIRED_WGRAD]), label="config")
     with poisoned_outputs():
         y = bsmm.api._product(cfg, xa, w, layout, feature_axis, False, 7, max_segment=segment)
         dx = bsmm.input_grad(dya, w, layout, feature_axis, version=7, config=cfg)
@@ -157,6 +158,8 @@ def test_hopper_is_the_default_and_bitwise_repeatable(dtype):
     (dict(v7_persistent={64: 7}), "3 to 6 stages"),
     (dict(v7_persistent={128: 4}), "v7_persistent\\[128\\].*shared memory"),
     (dict(v7_producer_registers=100), "v7_producer_registers"),
+    (dict(v7_wgrad_pairs={128: 6}), "v7_wgrad_pairs\\[128\\].*shared memory"),
+    (dict(v7_wgrad_pairs={64: 3}, v7_wgrad_producer=True), "barrier ring"),
 ])
 def test_config_refuses_hopper_tiles_the_kernels_cannot_take(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -302,3 +305,31 @@ def test_hopper_persistent_product_runs_in_the_simulator(monkeypatch, max_segmen
     with poisoned_outputs():
         y = bsmm.api._product(cfg, x, w, layout, 1, False, 7, max_segment=max_segment)
     assert_close(np.asarray(y), reference.forward(x, w, layout), "bfloat16", "forward", terms=192)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
+@pytest.mark.parametrize("feature_axis, splits", [(1, 1), (0, 2)])
+def test_hopper_paired_weight_grad_runs_in_the_simulator(monkeypatch, feature_axis, splits):
+    """``v7_wgrad_pairs``: two blocks of a block-row a thread block (x's columns read once for
+    both), a row of three blocks leaving one alone (its tile's second half not stored); into an
+    ``out`` with beta, in place or through the N-splits' combine."""
+    from numba import cuda
+
+    from sparseblocks.bsmm import dispatch
+    from sparseblocks.reference import bsmm as reference
+    from strategies import assert_close
+
+    monkeypatch.setattr(dispatch, "hopper", lambda: True)
+    cfg = replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 3})
+    layout = BlockLayout(np.array([[1, 1, 0], [0, 0, 1], [1, 1, 1]]), 64)
+    rng = np.random.default_rng(9)
+    n = 72
+    x, dy = values(rng, (n, 192), "float16"), values(rng, (n, 192), "float16")
+    out = values(rng, layout.w_shape, "float16")
+    expected = reference.weight_grad(x, dy, layout) + 0.5 * out.astype(np.float64)
+    before = ran_hopper()[1]
+    out_device = cuda.to_device(out)
+    bsmm.weight_grad(cuda.to_device(to_axis(x, feature_axis)), cuda.to_device(to_axis(dy, feature_axis)), layout,
+                     feature_axis, out=out_device, beta=0.5, version=7, splits=splits, config=cfg)
+    assert ran_hopper()[1] == before + 1
+    assert_close(out_device.copy_to_host(), expected, "float16", "weight_grad", terms=n + 1)
