@@ -1,0 +1,311 @@
+"""`BlocksparseConv` and `BlocksparseDeconv`: validation, the channel lookup tables on the device,
+launches of the direct kernels (`simple.py`)."""
+
+from typing import Any, List, Optional, Sequence
+
+import numpy as np
+from numba import cuda
+
+from ..runtime.arrays import Array, Operand, checked_operands, launch_stream
+from ..runtime.compile import cached
+from ..runtime.devices import active, on_arrays_device
+from ..runtime.launch import launch, multiprocessors
+from .config import ConvConfig, as_config
+from .geometry import edge_map, geometry
+from .simple import make_filter_grad, make_forward, make_input_grad
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _acc(dtype):
+    from numba import float32, float64
+
+    return float64 if dtype == "float64" else float32
+
+
+def _channels(values, name, b):
+    """A block's channel list: distinct non-negative ints, at least one."""
+    try:
+        out = [int(v) for v in values]
+    except (TypeError, ValueError):
+        raise TypeError(f"BCK[{b}]: expected ({name[0]}s, {name[1]}s) lists of channel indices") from None
+    if not out or min(out) < 0 or len(set(out)) != len(out):
+        raise ValueError(f"BCK[{b}]: expected distinct non-negative {name} indices, at least one, got {out}")
+    return out
+
+
+def _csr(lists, count):
+    """For each channel 0..count-1 the (block, position in it) pairs that name it, as a CSR."""
+    pairs = [[] for _ in range(count)]
+    for b, channels in enumerate(lists):
+        for pos, ch in enumerate(channels):
+            pairs[ch].append((b, pos))
+    ptr = np.zeros(count + 1, np.int32)
+    ptr[1:] = np.cumsum([len(p) for p in pairs])
+    flat = [pair for p in pairs for pair in p] or [(0, 0)]
+    blk, pos = (np.array(v, np.int32) for v in zip(*flat))
+    return ptr, blk, pos
+
+
+def _offsets(lists):
+    return np.concatenate([[0], np.cumsum([len(v) for v in lists])]).astype(np.int32), \
+        np.array([ch for v in lists for ch in v], np.int32)
+
+
+class BlocksparseConv:
+    """OpenAI's block-sparse convolution: channel connectivity as blocks.
+
+    ``BCK``: a list of blocks ``(cs, ks)``, each connecting the input channels ``cs`` to the output
+    channels ``ks`` through a dense filter of shape ``f_shape(b)`` = ``(len(ks), len(cs), *TRS)``;
+    channels may be in several blocks (their contributions add) or in none (zeros). ``TRS``,
+    ``DHW`` (and ``MPQ``, the output size, computed where None): 1 to 3 spatial dims; ``strides``,
+    ``dilates``: an int or one a dim; ``padding``: "SAME", "VALID" or ints. NCHW (NCDHW)
+    activations of fp32, fp16, bf16 or fp64, with fp32 (fp64) sums. ``edge_bias``: the calls take a
+    bias of `edge_bias_shape` added at the output positions whose taps reach the padding, one a
+    group of positions that reach it alike and output channel (OpenAI's edge bias).
+
+    ``op(F, I, edge_bias=None)`` is the forward (fprop); `input_grad` (bprop) and `filter_grad`
+    (updat, the present blocks' filters only) its gradients. ``F``: a list of one array a block, or
+    one flat array of all the blocks' values in order (`f_size` of them)."""
+
+    deconv = False
+
+    def __init__(self, BCK: Sequence[Any], TRS: Any, DHW: Any, MPQ: Any = None, strides: Any = 1,
+                 dilates: Any = 1, padding: Any = "SAME", edge_bias: bool = False,
+                 config: Optional[ConvConfig] = None) -> None:
+        if isinstance(BCK, (str, bytes)) or not len(BCK):
+            raise ValueError("BCK: expected a list of (input channels, output channels) blocks, at least one")
+        blocks = []
+        for b, block in enumerate(BCK):
+            if len(block) != 2:
+                raise ValueError(f"BCK[{b}]: expected (input channels, output channels), got {block!r}")
+            blocks.append((_channels(block[0], ("c", "k"), b), _channels(block[1], ("c", "k"), b)))
+        user_trs = [int(TRS)] if np.isscalar(TRS) else [int(v) for v in TRS]
+        user_dhw = [int(DHW)] if np.isscalar(DHW) else [int(v) for v in DHW]
+        if len(user_trs) != len(user_dhw):
+            raise ValueError(f"TRS, DHW: expected as many spatial dims, got {len(user_trs)} and {len(user_dhw)}")
+        for name, values in (("TRS", user_trs), ("DHW", user_dhw)) + ((("MPQ", list(np.atleast_1d(MPQ))),)
+                                                                     if MPQ is not None else ()):
+            if not 1 <= len(values) <= 3 or min(int(v) for v in values) < 1:
+                raise ValueError(f"{name}: expected 1 to 3 positive sizes, got {values}")
+        for name, value in (("strides", strides), ("dilates", dilates)):
+            values = [value] if np.isscalar(value) else list(value)
+            if len(values) not in (1, len(user_trs)) or min(int(v) for v in values) < 1:
+                raise ValueError(f"{name}: expected a positive int or {len(user_trs)} of them, got {value!r}")
+        g = geometry(user_trs, user_dhw, MPQ, strides, dilates, padding, deconv=self.deconv)
+        if min(g["MPQ"]) < 1 or min(g["DHW"]) < 1:
+            raise ValueError(f"TRS, DHW, padding: no output position (sizes {g['DHW']} -> {g['MPQ']})")
+        if self.deconv:  # the convolution runs from this layer's output back to its input
+            blocks = [(ks, cs) for cs, ks in blocks]
+        self.BCK = [(list(cs), list(ks)) for cs, ks in (blocks if not self.deconv else [(k, c) for c, k in blocks])]
+        # (self.BCK as given; self._blocks the convolution's, which a deconvolution runs backwards)
+        self._blocks = blocks  # (the convolution's own: input channels, output channels)
+        self._g = g
+        self._dims = len(user_trs)
+        self.TRS, self.strides, self.dilates, self.padding = user_trs, g["strides"], g["dilates"], g["padding"]
+        self._C = 1 + max(max(cs) for cs, _ in blocks)
+        self._K = 1 + max(max(ks) for _, ks in blocks)
+        self.edge_bias = bool(edge_bias)
+        self.config = as_config(config)
+        trs = int(np.prod(g["TRS"]))
+        sizes = [len(cs) * len(ks) * trs for cs, ks in blocks]
+        self._f_off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+        self.f_size = int(self._f_off[-1])
+        self._edges = edge_map(g)
+        edge = np.full(int(np.prod(g["MPQ"])), -1, np.int32)
+        for e, positions in enumerate(self._edges):
+            edge[positions] = e
+        cs_off, cs_flat = _offsets([cs for cs, _ in blocks])
+        ks_off, ks_flat = _offsets([ks for _, ks in blocks])
+        k_ptr, k_blk, k_pos = _csr([ks for _, ks in blocks], self._K)
+        c_ptr, c_blk, c_pos = _csr([cs for cs, _ in blocks], self._C)
+        self._host = dict(f_off=self._f_off, cs=cs_flat, cs_off=cs_off, ks=ks_flat, ks_off=ks_off, k_ptr=k_ptr,
+                          k_blk=k_blk, k_pos=k_pos, c_ptr=c_ptr, c_blk=c_blk, c_pos=c_pos, edge=edge,
+                          geo=np.array(g["DHW"] + g["MPQ"] + g["TRS"] + g["strides"] + g["padding"] + g["dilates"],
+                                       np.int32))
+        self._tables: dict = {}
+
+    # -- sizes ------------------------------------------------------------------------------
+    @property
+    def C(self) -> int:
+        """Input channels (the largest a block names, + 1)."""
+        return self._K if self.deconv else self._C
+
+    @property
+    def K(self) -> int:
+        """Output channels."""
+        return self._C if self.deconv else self._K
+
+    def _spatial(self, key):
+        return list(self._g[key][3 - self._dims:])
+
+    def i_shape(self, N: int) -> List[int]:
+        return [int(N), self.C] + self._spatial("MPQ" if self.deconv else "DHW")
+
+    def o_shape(self, N: int) -> List[int]:
+        return [int(N), self.K] + self._spatial("DHW" if self.deconv else "MPQ")
+
+    def f_shape(self, block: Optional[int] = None) -> List[int]:
+        """Block ``block``'s filter shape; with None, (blocks, ...) where every block has one shape,
+        else the flat size."""
+        if block is None:
+            shapes = {tuple(self.f_shape(b)) for b in range(len(self.BCK))}
+            return [len(self.BCK), *shapes.pop()] if len(shapes) == 1 else [self.f_size]
+        cs, ks = self._blocks[block]
+        return [len(ks), len(cs)] + self.TRS
+
+    def edge_bias_shape(self) -> List[int]:
+        """The edge bias's (K, groups): a value an output channel and group of edge positions."""
+        return [self.K, len(self._edges)]
+
+    # -- launches -----------------------------------------------------------------------------
+    def _table(self, stream):
+        ordinal = active()
+        if ordinal not in self._tables:
+            self._tables[ordinal] = {name: cuda.to_device(a, stream=stream) for name, a in self._host.items()}
+        return self._tables[ordinal]
+
+    def _flat_filter(self, F):
+        """F as one flat operand: a list of per-block arrays joined (in their kind), or a flat one."""
+        if isinstance(F, (list, tuple)):
+            if len(F) != len(self._blocks):
+                raise ValueError(f"F: expected {len(self._blocks)} filters (one a block), got {len(F)}")
+            ops = checked_operands([(f"F[{b}]", f) for b, f in enumerate(F)], DTYPES)
+            for b, op in enumerate(ops):
+                if list(op.shape) != self.f_shape(b):
+                    raise ValueError(f"F[{b}]: expected shape {self.f_shape(b)}, got {list(op.shape)}")
+            kind = ops[0].kind
+            if kind == "numpy":
+                return np.concatenate([np.asarray(f).reshape(-1) for f in F])
+            if kind == "torch":
+                import torch
+
+                return torch.cat([f.reshape(-1) for f in F])
+            if kind == "cupy":
+                import cupy
+
+                return cupy.concatenate([f.reshape(-1) for f in F])
+            flat = cuda.device_array(self.f_size, F[0].dtype)
+            for b, f in enumerate(F):
+                flat[self._f_off[b]:self._f_off[b + 1]].copy_to_device(f.reshape(-1))
+            return flat
+        op = Operand(F, "F")
+        if op.shape != (self.f_size,):
+            raise ValueError(f"F: expected a list of {len(self._blocks)} filters or a flat array of {self.f_size}, "
+                             f"got shape {op.shape}")
+        return F
+
+    def _launch(self, kernel, stream, n, args, grid_y=1):
+        if n:
+            threads = self.config.threads
+            launch(kernel, (max(1, min(-(-n // threads), 16 * multiprocessors())), grid_y), threads, stream, args)
+
+    def _check(self, op, shape, N=None):
+        if N is None:
+            N = op.shape[0] if op.shape else 0
+        want = shape(N)
+        if list(op.shape) != want:
+            raise ValueError(f"{op.name}: expected shape {want}, got {list(op.shape)}")
+        return N
+
+    def _conv_forward(self, F, x, bias, name_x):
+        """The convolution's forward (the deconvolution's input gradient) into a new output."""
+        ops = checked_operands([("F", self._flat_filter(F)), (name_x, x)]
+                               + ([("edge_bias", bias)] if bias is not None else []), DTYPES)
+        op_f, op_x = ops[0], ops[1]
+        shape_in = self.o_shape if self.deconv else self.i_shape
+        N = self._check(op_x, shape_in)
+        if bias is not None and list(ops[2].shape) != self.edge_bias_shape():
+            raise ValueError(f"edge_bias: expected shape {self.edge_bias_shape()}, got {list(ops[2].shape)}")
+        stream = launch_stream(ops)
+        shape_out = self.i_shape(N) if self.deconv else self.o_shape(N)
+        native, out = op_x.empty(tuple(shape_out), stream)
+        t = self._table(stream)
+        dtype = op_x.dtype
+        kernel = cached(make_forward, dtype, _acc(dtype))
+        has = bias is not None
+        b = ops[2].device(stream) if has else op_f.device(stream).reshape(1, -1)[:, :1]
+        self._launch(kernel, stream, int(np.prod(shape_out)), (
+            out.reshape(-1), op_x.device(stream).reshape(-1), op_f.device(stream).reshape(-1), t["f_off"], t["k_ptr"],
+            t["k_blk"], t["k_pos"], t["cs"], t["cs_off"], t["geo"], N, self._K, self._C, b, t["edge"], has))
+        return op_x.result(native, out, stream)
+
+    def _conv_input_grad(self, F, dy, name_dy):
+        """The convolution's input gradient (the deconvolution's forward)."""
+        ops = checked_operands([("F", self._flat_filter(F)), (name_dy, dy)], DTYPES)
+        op_f, op_dy = ops
+        shape_dy = self.i_shape if self.deconv else self.o_shape
+        N = self._check(op_dy, shape_dy)
+        stream = launch_stream(ops)
+        shape_out = self.o_shape(N) if self.deconv else self.i_shape(N)
+        native, out = op_dy.empty(tuple(shape_out), stream)
+        t = self._table(stream)
+        kernel = cached(make_input_grad, op_dy.dtype, _acc(op_dy.dtype))
+        self._launch(kernel, stream, int(np.prod(shape_out)), (
+            out.reshape(-1), op_dy.device(stream).reshape(-1), op_f.device(stream).reshape(-1), t["f_off"],
+            t["c_ptr"], t["c_blk"], t["c_pos"], t["ks"], t["ks_off"], t["cs_off"], t["geo"], N, self._K, self._C))
+        return op_dy.result(native, out, stream)
+
+    def _conv_filter_grad(self, dy, x, name_dy, name_x):
+        """Each block's filter gradient of the convolution from its output gradient and input."""
+        ops = checked_operands([(name_dy, dy), (name_x, x)], DTYPES)
+        op_dy, op_x = ops
+        N = self._check(op_x, self.o_shape if self.deconv else self.i_shape)
+        self._check(op_dy, self.i_shape if self.deconv else self.o_shape, N)
+        stream = launch_stream(ops)
+        native, out = op_x.empty((self.f_size,), stream)
+        t = self._table(stream)
+        kernel = cached(make_filter_grad, op_x.dtype, _acc(op_x.dtype))
+        biggest = int(max(self._f_off[1:] - self._f_off[:-1]))
+        self._launch(kernel, stream, biggest, (
+            out, op_dy.device(stream).reshape(-1), op_x.device(stream).reshape(-1), t["f_off"], t["cs"], t["cs_off"],
+            t["ks"], t["ks_off"], t["geo"], N, self._K, self._C), grid_y=len(self._blocks))
+        flat = op_x.result(native, out, stream)
+        return [flat[self._f_off[b]:self._f_off[b + 1]].reshape(self.f_shape(b)) for b in range(len(self._blocks))]
+
+    # -- the op ----------------------------------------------------------------------------------
+    @on_arrays_device
+    def __call__(self, F: Any, I: Array, edge_bias: Optional[Array] = None) -> Array:
+        """The forward: O of shape ``o_shape(N)`` from I of ``i_shape(N)``."""
+        if edge_bias is not None and not self.edge_bias:
+            raise ValueError("edge_bias: this layer was made without edge_bias=True")
+        if self.edge_bias and edge_bias is None:
+            raise ValueError(f"edge_bias: expected a bias of shape {self.edge_bias_shape()} (edge_bias=True)")
+        if self.deconv:
+            if edge_bias is not None:
+                raise ValueError("edge_bias: a deconvolution takes none")
+            return self._conv_input_grad(F, I, "I")
+        return self._conv_forward(F, I, edge_bias, "I")
+
+    @on_arrays_device
+    def input_grad(self, F: Any, dO: Array) -> Array:
+        """dI (``i_shape(N)``) from the output gradient dO (``o_shape(N)``)."""
+        return self._conv_forward(F, dO, None, "dO") if self.deconv else self._conv_input_grad(F, dO, "dO")
+
+    @on_arrays_device
+    def filter_grad(self, dO: Array, I: Array) -> List[Array]:
+        """Each block's filter gradient (``f_shape(b)``), from dO and the forward's input I."""
+        if self.deconv:
+            return self._conv_filter_grad(I, dO, "I", "dO")
+        return self._conv_filter_grad(dO, I, "dO", "I")
+
+    def edge_bias_grad(self, dO: Any) -> np.ndarray:
+        """The edge bias's gradient, (K, groups): dO summed over the batch and each group."""
+        flat = np.asarray(dO, np.float64).reshape(np.shape(dO)[0], self.K, -1)
+        out = np.zeros(self.edge_bias_shape())
+        for e, positions in enumerate(self._edges):
+            out[:, e] = flat[:, :, positions].sum(axis=(0, 2))
+        return out
+
+
+class BlocksparseDeconv(BlocksparseConv):
+    """The transposed `BlocksparseConv` over the same blocks: ``BCK``'s ``(cs, ks)`` connect this
+    layer's input channels cs to its output channels ks, and block b's filter has shape
+    ``(len(cs), len(ks), *TRS)`` (the convolution's, from ks back to cs). ``DHW``: this layer's
+    input size; ``MPQ``: its output size, which strides > 1 leave ambiguous (the smallest by
+    default). Forward and input gradient are the convolution's input gradient and forward."""
+
+    deconv = True
+
+    def f_shape(self, block: Optional[int] = None) -> List[int]:
+        return super().f_shape(block)

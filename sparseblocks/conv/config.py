@@ -1,0 +1,16 @@
+"""The convolution's knobs: one frozen `ConvConfig`, passed as ``config=``."""
+
+from ..runtime.tuning import config_checker, tuning
+
+
+@tuning
+class ConvConfig:
+    threads: int = 128  # threads a thread block of the direct (teaching) kernels, a thread an output value
+
+    def check(self):
+        if self.threads % 32 or not 32 <= self.threads <= 1024:
+            raise ValueError(f"threads: expected a multiple of 32 from 32 to 1024, got {self.threads}")
+
+
+DEFAULT = ConvConfig()
+as_config = config_checker(ConvConfig)

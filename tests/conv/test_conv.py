@@ -1,0 +1,133 @@
+"""BlocksparseConv and BlocksparseDeconv (sparseblocks/conv) against their NumPy twin
+(reference/conv.py): the three products over random blocks (overlapping, uneven, channels in no
+block), 1-3 spatial dims, strides, dilations, padding and the edge bias, in every dtype; filters as
+a list or flat; and the errors bad input gets before any launch."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparseblocks.conv import BlocksparseConv, BlocksparseDeconv
+from sparseblocks.reference import conv as reference
+from strategies import assert_close, values
+
+
+@st.composite
+def layers(draw):
+    dims = draw(st.integers(1, 3))
+    C, K = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    BCK = [(draw(st.lists(st.integers(0, C - 1), min_size=1, max_size=C, unique=True)),
+            draw(st.lists(st.integers(0, K - 1), min_size=1, max_size=K, unique=True)))
+           for _ in range(draw(st.integers(1, 3)))]
+    small = dims == 3  # (3-D layers stay tiny: the simulator runs a thread a value)
+    TRS = [draw(st.integers(1, 2 if small else 3)) for _ in range(dims)]
+    DHW = [draw(st.integers(2, 3 if small else 5)) for _ in range(dims)]
+    strides = [draw(st.integers(1, 2)) for _ in range(dims)]
+    dilates = [draw(st.integers(1, 2)) for _ in range(dims)]
+    padding = draw(st.sampled_from(["SAME", "VALID", [1] * dims]))
+    g = reference.geometry(TRS, DHW, strides=strides, dilates=dilates, padding=padding)
+    if min(g["MPQ"]) < 1:
+        padding = "SAME"
+    return dict(BCK=BCK, TRS=TRS, DHW=DHW, strides=strides, dilates=dilates, padding=padding)
+
+
+def as3(a, g, key):
+    return np.asarray(a, np.float64).reshape(a.shape[:2] + tuple(g[key]))
+
+
+@settings(max_examples=12, deadline=None)
+@given(layer=layers(), dtype=st.sampled_from(["float32", "float16", "bfloat16", "float64"]),
+       flat=st.booleans(), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_conv_products_match_the_twin(layer, dtype, flat, bias, seed):
+    op = BlocksparseConv(**layer, edge_bias=bias)
+    rng = np.random.default_rng(seed)
+    N = 2
+    F = [values(rng, op.f_shape(b), dtype) for b in range(len(layer["BCK"]))]
+    I, dO = values(rng, op.i_shape(N), dtype), values(rng, op.o_shape(N), dtype)
+    edge = values(rng, op.edge_bias_shape(), dtype) if bias and op.edge_bias_shape()[1] else None
+    if bias and edge is None:
+        edge = np.zeros(op.edge_bias_shape(), I.dtype)
+    g = op._g
+    filters = np.concatenate([f.reshape(-1) for f in F]) if flat else F
+    want = reference.forward(F, as3(I, g, "DHW"), op.BCK, g, op.K)
+    if bias:
+        want = reference.edge_bias(want, edge, g)
+    terms = max(1, int(np.prod(g["TRS"])) * op.C)
+    assert_close(as3(op(filters, I, edge_bias=edge), g, "MPQ"), want, dtype, "forward", terms=terms)
+    assert_close(as3(op.input_grad(filters, dO), g, "DHW"), reference.input_grad(F, as3(dO, g, "MPQ"), op.BCK, g, op.C),
+                 dtype, "input_grad", terms=terms)
+    for b, (got, want_f) in enumerate(zip(op.filter_grad(dO, I), reference.filter_grad(as3(dO, g, "MPQ"),
+                                                                                        as3(I, g, "DHW"), op.BCK, g))):
+        assert_close(np.asarray(got, np.float64).reshape(want_f.shape), want_f, dtype, f"filter_grad[{b}]",
+                     terms=N * int(np.prod(g["MPQ"])))
+    if bias:
+        np.testing.assert_allclose(op.edge_bias_grad(dO), reference.edge_bias_grad(as3(dO, g, "MPQ"), g), rtol=1e-12)
+
+
+def test_deconv_is_the_transposed_convolution():
+    """A strided 2-D deconvolution: its forward is the convolution's input gradient over the same
+    blocks (channels and sizes swapped), its input gradient the convolution's forward, its filter
+    gradient the convolution's with the roles of input and output gradient swapped."""
+    BCK = [([0, 1], [0, 2]), ([1], [1])]
+    op = BlocksparseDeconv(BCK, (3, 3), (3, 4), strides=2, padding="SAME")
+    conv = BlocksparseConv([(ks, cs) for cs, ks in BCK], (3, 3), op.o_shape(1)[2:], strides=2, padding="SAME")
+    assert conv.o_shape(1)[2:] == op.i_shape(1)[2:] and op.f_shape(0) == [2, 2, 3, 3]
+    rng = np.random.default_rng(1)
+    F = [values(rng, op.f_shape(b), "float32") for b in range(2)]
+    I, dO = values(rng, op.i_shape(2), "float32"), values(rng, op.o_shape(2), "float32")
+    np.testing.assert_allclose(op(F, I), conv.input_grad(F, I), rtol=1e-6)
+    np.testing.assert_allclose(op.input_grad(F, dO), conv(F, dO), rtol=1e-6)
+    for got, want in zip(op.filter_grad(dO, I), conv.filter_grad(I, dO)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_filters_and_results_keep_torch_tensors():
+    torch = pytest.importorskip("torch")
+    op = BlocksparseConv([([0, 1], [0, 1])], (3,), (6,))
+    F = [torch.randn(op.f_shape(0))]
+    I = torch.randn(op.i_shape(2))
+    O = op(F, I)
+    assert isinstance(O, torch.Tensor) and list(O.shape) == op.o_shape(2)
+    want = torch.nn.functional.conv1d(I, F[0], padding=1)
+    torch.testing.assert_close(O, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(BCK=[]), "BCK"),
+    (dict(BCK=[([0, 0], [1])]), "distinct"),
+    (dict(BCK=[([0], [-1])]), "non-negative"),
+    (dict(BCK=[([0],)]), "BCK\\[0\\]"),
+    (dict(TRS=(3, 3, 3, 3), DHW=(5, 5, 5, 5)), "1 to 3"),
+    (dict(TRS=(3, 3), DHW=(5,)), "spatial dims"),
+    (dict(strides=0), "strides"),
+    (dict(dilates=(1, 2, 3)), "dilates"),
+    (dict(padding="FULL"), "padding"),
+    (dict(TRS=(5, 5), DHW=(3, 3), padding="VALID"), "no output position"),
+])
+def test_bad_layers_raise(kwargs, message):
+    layer = dict(BCK=[([0], [0])], TRS=(3, 3), DHW=(5, 5))
+    with pytest.raises((ValueError, TypeError), match=message):
+        BlocksparseConv(**{**layer, **kwargs})
+
+
+def test_bad_calls_raise_before_any_launch():
+    op = BlocksparseConv([([0, 1], [0])], (3, 3), (4, 4))
+    F = [np.ones(op.f_shape(0), np.float32)]
+    I = np.ones(op.i_shape(1), np.float32)
+    with pytest.raises(ValueError, match="F\\[0\\]: expected shape"):
+        op([np.ones((1, 1, 3, 3), np.float32)], I)
+    with pytest.raises(ValueError, match="one a block"):
+        op(F + F, I)
+    with pytest.raises(ValueError, match="flat array"):
+        op(np.ones(7, np.float32), I)
+    with pytest.raises(ValueError, match="I: expected shape"):
+        op(F, np.ones((1, 3, 4, 4), np.float32))
+    with pytest.raises(TypeError, match="dtype"):
+        op(F, I.astype(np.int32))
+    with pytest.raises(TypeError, match="one dtype|float16"):
+        op(F, I.astype(np.float16))
+    with pytest.raises(ValueError, match="edge_bias=True"):
+        op(F, I, edge_bias=np.zeros(op.edge_bias_shape(), np.float32))
+    with pytest.raises(ValueError, match="expected a bias"):
+        BlocksparseConv([([0, 1], [0])], (3, 3), (4, 4), edge_bias=True)(F, I)
