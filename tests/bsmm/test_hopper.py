@@ -290,7 +290,7 @@ def test_hopper_producer_runs_in_the_simulator(monkeypatch, feature_axis):
 @pytest.mark.parametrize("max_segment", [None, 1])
 def test_hopper_persistent_product_runs_in_the_simulator(monkeypatch, max_segment):
     """``v7_persistent``: the simulator's one multiprocessor runs one thread block, which walks all
-    8 tiles (4 row tiles, the last partial, by 2 block-columns of 3 blocks) round one ring of 3
+    4 tiles (2 row tiles, the last partial, by 2 block-columns of 3 blocks) round one ring of 3
     buffers, storing each tile's 16-bit staged values while the copies of the next fill the ring;
     with ``max_segment`` 1 each block is a segment, its fp32 sums stored for the combine pass."""
     from sparseblocks.bsmm import dispatch
@@ -301,7 +301,7 @@ def test_hopper_persistent_product_runs_in_the_simulator(monkeypatch, max_segmen
     cfg = replace(bsmm.DEFAULT, v7_groups={64: 1}, v7_tiles={64: 1}, v7_producer=True, v7_persistent={64: 3})
     layout = BlockLayout(np.ones((3, 2)), 64)
     rng = np.random.default_rng(8)
-    x, w = values(rng, (200, 192), "bfloat16"), values(rng, layout.w_shape, "bfloat16")
+    x, w = values(rng, (72, 192), "bfloat16"), values(rng, layout.w_shape, "bfloat16")
     with poisoned_outputs():
         y = bsmm.api._product(cfg, x, w, layout, 1, False, 7, max_segment=max_segment)
     assert_close(np.asarray(y), reference.forward(x, w, layout), "bfloat16", "forward", terms=192)
