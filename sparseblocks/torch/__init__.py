@@ -1,6 +1,7 @@
 """The torch layer: `BlockSparseLinear` (with `sparsify` and `BlockRegrowth`), SBNet's gather and
-scatter with autograd, the sparse ResNet block, `LQLinear` (learned low-bit quantization), and
-`layer_norm` (OpenAI's, over either feature axis).
+scatter with autograd, the sparse ResNet block, `LQLinear` (learned low-bit quantization),
+`layer_norm` (OpenAI's, over either feature axis) and the block-sparse convolutions
+(`BlockSparseConv1d`, `2d`, `3d`).
 
     from sparseblocks.torch import BlockSparseLinear, BlockRegrowth, sparsify, LQLinear
     from sparseblocks.torch import SparseResBlock, sparse_gather, sparse_scatter
@@ -10,6 +11,7 @@ Importing this package imports torch. Tensors reach the kernels through
 """
 
 from .config import ResBlockConfig
+from .conv import BlockSparseConv1d, BlockSparseConv2d, BlockSparseConv3d
 from .linear import BlockSparseLinear
 from .norms import batch_norm, layer_norm
 from .quant import LQLinear
@@ -19,4 +21,5 @@ from .sbnet import sparse_gather, sparse_scatter
 from .sparsify import sparsify
 
 __all__ = ["BlockSparseLinear", "BlockRegrowth", "sparsify", "SparseResBlock", "ResBlockConfig", "sparse_gather",
-           "sparse_scatter", "LQLinear", "layer_norm", "batch_norm"]
+           "sparse_scatter", "LQLinear", "layer_norm", "batch_norm", "BlockSparseConv1d", "BlockSparseConv2d",
+           "BlockSparseConv3d"]
