@@ -12,7 +12,7 @@ from ..runtime.devices import active, on_arrays_device
 from ..runtime.launch import launch, multiprocessors
 from .config import ConvConfig, as_config
 from .geometry import edge_map, geometry
-from .simple import make_filter_grad, make_forward, make_input_grad
+from .simple import make_filter_grad, make_forward, make_input_grad, make_l2_normalize
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -123,6 +123,10 @@ class BlocksparseConv:
                           k_blk=k_blk, k_pos=k_pos, c_ptr=c_ptr, c_blk=c_blk, c_pos=c_pos, edge=edge,
                           geo=np.array(g["DHW"] + g["MPQ"] + g["TRS"] + g["strides"] + g["padding"] + g["dilates"],
                                        np.int32))
+        rows = [(int(self._f_off[b]) + j * len(cs) * trs, len(cs) * trs) for b, (cs, ks) in enumerate(blocks)
+                for j in range(len(ks))]
+        self._host["row_start"] = np.array([r[0] for r in rows], np.int32)
+        self._host["row_len"] = np.array([r[1] for r in rows], np.int32)
         self._tables: dict = {}
 
     # -- sizes ------------------------------------------------------------------------------
@@ -288,6 +292,43 @@ class BlocksparseConv:
         if self.deconv:
             return self._conv_filter_grad(I, dO, "I", "dO")
         return self._conv_filter_grad(dO, I, "dO", "I")
+
+    def _l2(self, F, U, gain, epsilon, gradient):
+        if self.deconv:
+            raise NotImplementedError("l2_normalize: a deconvolution's filters are not normalized yet")
+        named = [("F", self._flat_filter(F))] + ([("grad", self._flat_filter(U))] if gradient else []) \
+            + ([("gain", gain)] if gain is not None else [])
+        ops = checked_operands(named, DTYPES)
+        rows = len(self._host["row_start"])
+        if gain is not None and ops[-1].shape != (rows,):
+            raise ValueError(f"gain: expected ({rows},) (one an output channel of a block), got {ops[-1].shape}")
+        stream = launch_stream(ops)
+        native, out = ops[0].empty((self.f_size,), stream)
+        dgain_native, dgain = ops[0].empty((rows,), stream) if gain is not None and gradient else (None, None)
+        t = self._table(stream)
+        f = ops[0].device(stream).reshape(-1)
+        u = ops[1].device(stream).reshape(-1) if gradient else f
+        g = ops[-1].device(stream) if gain is not None else f
+        kernel = cached(make_l2_normalize, ops[0].dtype, _acc(ops[0].dtype), gradient, gain is not None)
+        self._launch(kernel, stream, rows, (out, f, u, g, dgain if dgain is not None else out, t["row_start"],
+                                            t["row_len"], float(epsilon)))
+        flat = ops[0].result(native, out, stream)
+        filters = [flat[self._f_off[b]:self._f_off[b + 1]].reshape(self.f_shape(b)) for b in range(len(self._blocks))]
+        if dgain is not None:
+            return filters, ops[0].result(dgain_native, dgain, stream)
+        return filters
+
+    @on_arrays_device
+    def l2_normalize(self, F: Any, gain: Optional[Array] = None, epsilon: float = 1e-12) -> List[Array]:
+        """Each block's filter with every output channel's (C, T, R, S) to unit L2 norm (times
+        ``gain``, one value a block's output channel, blocks in order), OpenAI's weight norm."""
+        return self._l2(F, None, gain, epsilon, False)
+
+    @on_arrays_device
+    def l2_normalize_grad(self, F: Any, grad: Any, gain: Optional[Array] = None, epsilon: float = 1e-12) -> Any:
+        """The filters' gradient through `l2_normalize` from the normalized filters' ``grad``;
+        with a gain, (that, the gain's gradient)."""
+        return self._l2(F, grad, gain, epsilon, True)
 
     def edge_bias_grad(self, dO: Any) -> np.ndarray:
         """The edge bias's gradient, (K, groups): dO summed over the batch and each group."""

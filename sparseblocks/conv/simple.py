@@ -130,3 +130,39 @@ def make_filter_grad(storage, acc_type):
             out[f_off[b] + e] = from_acc(acc)
 
     return filter_grad
+
+
+def make_l2_normalize(storage, acc_type, gradient, with_gain):
+    """OpenAI's filter normalization, a thread a filter row (block b's output channel j: its
+    ``row_len`` values from ``row_start``): out = g·f / sqrt(max(Σf², ε)) (g 1 without a gain).
+    ``gradient``: from the normalized filter's gradient u, the filter's: (u·g + f·[Σf² ≥ ε]·Σ(-u·f·g)
+    / max(Σf², ε)) / sqrt(max(Σf², ε)), and with a gain its gradient Σ(u·f) / sqrt(max(Σf², ε))
+    into ``dgain[row]``."""
+    to_acc, from_acc = converters(storage, acc_type)
+
+    @cuda.jit
+    def l2_normalize(out, f, u, gain, dgain, row_start, row_len, epsilon):
+        start, step = cuda.grid(1), cuda.gridsize(1)
+        for row in range(start, row_start.shape[0], step):
+            a, n = row_start[row], row_len[row]
+            squares = acc_type(0)
+            for i in range(n):
+                v = to_acc(f[a + i])
+                squares += v * v
+            floor = max(squares, acc_type(epsilon))
+            scale = acc_type(1) / floor ** acc_type(0.5)
+            g = to_acc(gain[row]) if with_gain else acc_type(1)
+            if not gradient:
+                for i in range(n):
+                    out[a + i] = from_acc(g * to_acc(f[a + i]) * scale)
+            else:
+                dot = acc_type(0)
+                for i in range(n):
+                    dot += to_acc(u[a + i]) * to_acc(f[a + i])
+                if with_gain:
+                    dgain[row] = from_acc(dot * scale)
+                keep = acc_type(1) if squares >= acc_type(epsilon) else acc_type(0)
+                for i in range(n):
+                    out[a + i] = from_acc((to_acc(u[a + i]) * g - to_acc(f[a + i]) * keep * dot * g / floor) * scale)
+
+    return l2_normalize

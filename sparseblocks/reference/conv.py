@@ -108,11 +108,30 @@ def dense_filter(F, BCK, g, C, K):
     return W
 
 
-def l2_normalize(F, epsilon=1e-12):
-    """Each block's filter over each output channel's (C, T, R, S), to unit L2 norm."""
-    out = []
+def l2_normalize(F, gain=None, epsilon=1e-12):
+    """Each block's filter over each output channel's (C, T, R, S), to unit L2 norm, times
+    ``gain`` (one value a block's output channel, blocks in order) where given."""
+    out, at = [], 0
     for f in F:
         f = np.asarray(f, np.float64)
         norm = np.sqrt(np.maximum(np.sum(f * f, axis=tuple(range(1, f.ndim)), keepdims=True), epsilon))
-        out.append(f / norm)
+        g = 1.0 if gain is None else np.asarray(gain, np.float64)[at:at + f.shape[0]].reshape((-1,) + (1,) * (f.ndim - 1))
+        out.append(g * f / norm)
+        at += f.shape[0]
     return out
+
+
+def l2_normalize_grad(F, U, gain=None, epsilon=1e-12):
+    """(the filters' gradients, the gain's or None) from the normalized filters' gradients U."""
+    out, dgain, at = [], [], 0
+    for f, u in zip(F, U):
+        f, u = np.asarray(f, np.float64), np.asarray(u, np.float64)
+        axes = tuple(range(1, f.ndim))
+        squares = np.sum(f * f, axis=axes, keepdims=True)
+        floor = np.maximum(squares, epsilon)
+        g = 1.0 if gain is None else np.asarray(gain, np.float64)[at:at + f.shape[0]].reshape((-1,) + (1,) * (f.ndim - 1))
+        dot = np.sum(u * f, axis=axes, keepdims=True)
+        dgain.append((dot / np.sqrt(floor)).reshape(-1))
+        out.append((u * g - f * (squares >= epsilon) * dot * g / floor) / np.sqrt(floor))
+        at += f.shape[0]
+    return out, (np.concatenate(dgain) if gain is not None else None)

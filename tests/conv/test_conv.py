@@ -131,3 +131,30 @@ def test_bad_calls_raise_before_any_launch():
         op(F, I, edge_bias=np.zeros(op.edge_bias_shape(), np.float32))
     with pytest.raises(ValueError, match="expected a bias"):
         BlocksparseConv([([0, 1], [0])], (3, 3), (4, 4), edge_bias=True)(F, I)
+
+
+@pytest.mark.parametrize("with_gain", [False, True])
+def test_l2_normalize_and_its_gradient_match_the_twin(with_gain):
+    """Every block's output channels to unit norm (times a gain), and the gradient through it,
+    checked against the twin and, for the twin, against a finite difference."""
+    op = BlocksparseConv([([0, 1], [0, 2]), ([2], [1])], (3,), (6,))
+    rng = np.random.default_rng(3)
+    F = [values(rng, op.f_shape(b), "float64") for b in range(2)]
+    U = [values(rng, op.f_shape(b), "float64") for b in range(2)]
+    gain = values(rng, (3,), "float64") if with_gain else None
+    for got, want in zip(op.l2_normalize(F, gain), reference.l2_normalize(F, gain)):
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+    got = op.l2_normalize_grad(F, U, gain)
+    want, want_gain = reference.l2_normalize_grad(F, U, gain)
+    if with_gain:
+        got, got_gain = got
+        np.testing.assert_allclose(got_gain, want_gain, rtol=1e-12)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-14)
+    # the twin's gradient against a central difference of Σ U·l2_normalize(F)
+    step, (b, index) = 1e-6, (0, (1, 0, 2))
+    shifted = [[f.copy() for f in F] for _ in range(2)]
+    shifted[0][b][index] += step
+    shifted[1][b][index] -= step
+    loss = [sum(np.sum(u * n) for u, n in zip(U, reference.l2_normalize(s, gain))) for s in shifted]
+    np.testing.assert_allclose((loss[0] - loss[1]) / (2 * step), want[b][index], rtol=1e-6)
