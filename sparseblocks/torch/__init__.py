@@ -1,7 +1,7 @@
 """The torch layer: `BlockSparseLinear` (with `sparsify` and `BlockRegrowth`), SBNet's gather and
 scatter with autograd, the sparse ResNet block, `LQLinear` (learned low-bit quantization),
 `layer_norm` (OpenAI's, over either feature axis) and the block-sparse convolutions
-(`BlockSparseConv1d`, `2d`, `3d`).
+(`BlockSparseConv1d`, `2d`, `3d`, and their `BlockSparseConvTranspose`).
 
     from sparseblocks.torch import BlockSparseLinear, BlockRegrowth, sparsify, LQLinear
     from sparseblocks.torch import SparseResBlock, sparse_gather, sparse_scatter
@@ -11,7 +11,8 @@ Importing this package imports torch. Tensors reach the kernels through
 """
 
 from .config import ResBlockConfig
-from .conv import BlockSparseConv1d, BlockSparseConv2d, BlockSparseConv3d
+from .conv import BlockSparseConv1d, BlockSparseConv2d, BlockSparseConv3d, BlockSparseConvTranspose1d
+from .conv import BlockSparseConvTranspose2d, BlockSparseConvTranspose3d
 from .linear import BlockSparseLinear
 from .norms import batch_norm, layer_norm
 from .quant import LQLinear
@@ -22,4 +23,4 @@ from .sparsify import sparsify
 
 __all__ = ["BlockSparseLinear", "BlockRegrowth", "sparsify", "SparseResBlock", "ResBlockConfig", "sparse_gather",
            "sparse_scatter", "LQLinear", "layer_norm", "batch_norm", "BlockSparseConv1d", "BlockSparseConv2d",
-           "BlockSparseConv3d"]
+           "BlockSparseConv3d", "BlockSparseConvTranspose1d", "BlockSparseConvTranspose2d", "BlockSparseConvTranspose3d"]

@@ -17,14 +17,14 @@ from typing import Any, List, Optional
 import numpy as np
 import torch
 
-from ..conv import BlocksparseConv
+from ..conv import BlocksparseConv, BlocksparseDeconv
 from . import cpu
 
 _layers = {}
 
 
 def _key(op):
-    text = repr((op.BCK, op.TRS, op._g, op.edge_bias))
+    text = repr((op.BCK, op.TRS, op._g, op.edge_bias, op.deconv))
     key = hashlib.sha1(text.encode()).hexdigest()[:20]
     _layers.setdefault(key, op)
     return key
@@ -72,14 +72,33 @@ def _edge_add(op, out, bias):
     return out + full[:, edge].reshape((1,) + out.shape[1:])
 
 
+def _convolve(op, f, x):
+    """The underlying convolution's forward on CPU tensors: x (N, conv's C, *DHW) -> (N, K, *MPQ)."""
+    return torch.nn.functional.conv3d(_as5(x, op._g["DHW"]), _dense(op, f), **_conv_args(op))
+
+
+def _transposed(op, f, dy):
+    """Its input gradient: dy (N, conv's K, *MPQ) -> (N, C, *DHW)."""
+    N = dy.shape[0]
+    return torch.nn.grad.conv3d_input((N, op._C) + tuple(op._g["DHW"]), _dense(op, f), _as5(dy, op._g["MPQ"]),
+                                      **_conv_args(op))
+
+
+def _filter(op, dy, x):
+    """Its filter gradient, flat, from dy (its output's) and x (its input)."""
+    index, _ = _cpu_parts(op, x)
+    dW = torch.nn.grad.conv3d_weight(_as5(x, op._g["DHW"]), (op._K, op._C) + tuple(op._g["TRS"]),
+                                     _as5(dy, op._g["MPQ"]), **_conv_args(op))
+    return dW.reshape(-1)[index]
+
+
 @torch.library.custom_op("sparseblocks::conv_forward", mutates_args=())
 def conv_forward(f: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], key: str) -> torch.Tensor:
-    """The layer's forward (`BlocksparseConv.__call__`)."""
+    """The layer's forward (`BlocksparseConv.__call__`; a deconvolution's: the transposed one)."""
     op = _layers[key]
     if cpu.takes(x):
         N = x.shape[0]
-        out = torch.nn.functional.conv3d(_as5(x, op._g["DHW"]), _dense(op, f), **_conv_args(op))
-        out = out.reshape(op.o_shape(N))
+        out = (_transposed(op, f, x) if op.deconv else _convolve(op, f, x)).reshape(op.o_shape(N))
         return _edge_add(op, out, bias) if bias is not None else out
     return op(f.contiguous(), x.contiguous(), edge_bias=bias)
 
@@ -89,9 +108,7 @@ def conv_input_grad(f: torch.Tensor, dy: torch.Tensor, key: str) -> torch.Tensor
     op = _layers[key]
     if cpu.takes(dy):
         N = dy.shape[0]
-        dx = torch.nn.grad.conv3d_input((N, op._C) + tuple(op._g["DHW"]), _dense(op, f), _as5(dy, op._g["MPQ"]),
-                                        **_conv_args(op))
-        return dx.reshape(op.i_shape(N))
+        return (_convolve(op, f, dy) if op.deconv else _transposed(op, f, dy)).reshape(op.i_shape(N))
     return op.input_grad(f.contiguous(), dy.contiguous())
 
 
@@ -100,10 +117,7 @@ def conv_filter_grad(dy: torch.Tensor, x: torch.Tensor, key: str) -> torch.Tenso
     """The present blocks' filter gradients, flat (`BlocksparseConv.filter_grad`)."""
     op = _layers[key]
     if cpu.takes(x):
-        index, _ = _cpu_parts(op, x)
-        dW = torch.nn.grad.conv3d_weight(_as5(x, op._g["DHW"]), (op._K, op._C) + tuple(op._g["TRS"]),
-                                         _as5(dy, op._g["MPQ"]), **_conv_args(op))
-        return dW.reshape(-1)[index]
+        return _filter(op, x, dy) if op.deconv else _filter(op, dy, x)
     return torch.cat([b.reshape(-1) for b in op.filter_grad(dy.contiguous(), x.contiguous())])
 
 
@@ -149,15 +163,22 @@ conv_forward.register_autograd(_backward, setup_context=_setup)
 
 class _BlockSparseConvNd(torch.nn.Module):
     dims = 2
+    transposed = False
 
     def __init__(self, BCK: Any, kernel_size: Any, input_size: Any, stride: Any = 1, padding: Any = "SAME",
-                 dilation: Any = 1, edge_bias: bool = False, device: Any = None, dtype: Any = None) -> None:
+                 dilation: Any = 1, edge_bias: bool = False, output_size: Any = None, device: Any = None,
+                 dtype: Any = None) -> None:
         super().__init__()
         size = [kernel_size] * self.dims if np.isscalar(kernel_size) else list(kernel_size)
         inputs = [input_size] * self.dims if np.isscalar(input_size) else list(input_size)
         if len(size) != self.dims or len(inputs) != self.dims:
             raise ValueError(f"kernel_size, input_size: expected {self.dims} sizes each, got {size} and {inputs}")
-        self.op = BlocksparseConv(BCK, size, inputs, None, stride, dilation, padding, edge_bias)
+        if self.transposed:
+            if edge_bias:
+                raise ValueError("edge_bias: a transposed layer takes none")
+            self.op = BlocksparseDeconv(BCK, size, inputs, output_size, stride, dilation, padding)
+        else:
+            self.op = BlocksparseConv(BCK, size, inputs, output_size, stride, dilation, padding, edge_bias)
         self.key = _key(self.op)
         self.weight = torch.nn.Parameter(torch.empty(self.op.f_size, device=device, dtype=dtype))
         self.edge = torch.nn.Parameter(torch.zeros(self.op.edge_bias_shape(), device=device, dtype=dtype)) \
@@ -165,7 +186,8 @@ class _BlockSparseConvNd(torch.nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Each block's filter uniform in ±1/sqrt(its fan-in), as ``nn.Conv`` initializes its own."""
+        """Each block's filter uniform in ±1/sqrt(its fan-in: a filter row's values), as ``nn.Conv``
+        initializes its own."""
         with torch.no_grad():
             for b, part in enumerate(self.filters()):
                 bound = 1 / math.sqrt(max(1, int(np.prod(part.shape[1:]))))
@@ -202,5 +224,27 @@ class BlockSparseConv2d(_BlockSparseConvNd):
 
 class BlockSparseConv3d(_BlockSparseConvNd):
     """`BlockSparseConv1d` in 3-D: ``(N, C, D, H, W) -> (N, K, M, P, Q)``."""
+
+    dims = 3
+
+
+class BlockSparseConvTranspose1d(_BlockSparseConvNd):
+    """The transposed `BlockSparseConv1d` over the same blocks (`BlocksparseDeconv`): ``BCK``'s
+    ``(cs, ks)`` connect this layer's input channels cs to its output channels ks, block b's filter
+    is ``(len(cs), len(ks), *kernel_size)``; ``output_size`` settles a strided layer's output size
+    (the smallest by default)."""
+
+    dims = 1
+    transposed = True
+
+
+class BlockSparseConvTranspose2d(BlockSparseConvTranspose1d):
+    """`BlockSparseConvTranspose1d` in 2-D."""
+
+    dims = 2
+
+
+class BlockSparseConvTranspose3d(BlockSparseConvTranspose1d):
+    """`BlockSparseConvTranspose1d` in 3-D."""
 
     dims = 3

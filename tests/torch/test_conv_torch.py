@@ -85,3 +85,25 @@ def test_bad_inputs_raise():
         BlockSparseConv2d(BCK, (3, 3, 3), (4, 5))
     assert [list(f.shape) for f in layer.filters()] == [[1, 2, 3, 3], [2, 2, 3, 3], [1, 1, 3, 3]]
     assert np.isclose(float(layer.filters()[0].abs().max()), float(layer.filters()[0].abs().max()))
+
+
+def test_transposed_layer_is_the_convolutions_transpose(path):
+    """A strided 2-D transposed layer against torch's conv_transpose2d with its dense filter, and
+    its gradients by gradcheck in float64 (1-D through the simulator's kernels)."""
+    from sparseblocks.torch import BlockSparseConvTranspose1d, BlockSparseConvTranspose2d
+
+    torch.manual_seed(3)
+    layer = BlockSparseConvTranspose2d(BCK, 3, (3, 4), stride=2, padding=1, device=device())
+    assert list(layer.filters()[1].shape) == [2, 2, 3, 3]
+    x = torch.randn(2, 3, 3, 4, device=device())
+    # the transposed layer's dense filter, (in channels, out channels, 3, 3) as conv_transpose2d takes it
+    W = torch.zeros(3, 3, 3, 3, device=device())
+    for (cs, ks), f in zip(BCK, layer.filters()):
+        W[np.ix_(cs, ks)] += f.detach()
+    want = torch.nn.functional.conv_transpose2d(x, W, stride=2, padding=1)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    small = BlockSparseConvTranspose1d(BCK, 2, (3,), stride=2, padding=0, device=device(), dtype=torch.float64)
+    x = torch.randn(1, 3, 3, device=device(), dtype=torch.float64, requires_grad=True)
+    f = small.weight.detach().clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda f, x: conv_ops.conv_forward(f, x, None, small.key), (f, x), eps=1e-6,
+                                    atol=1e-6)
