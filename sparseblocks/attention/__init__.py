@@ -1,0 +1,8 @@
+"""Block-sparse attention: ``attention(q, k, v, layout, causal=, scale=)`` over a `BlockLayout`
+of the (query block, key block) grid (its builders: `BlockLayout.causal`, `strided`, `fixed`,
+`global_window`, `documents`). Files: ``simple.py`` (the three-kernel version, OpenAI's: scores,
+softmax, weighted sum), ``api.py``; the NumPy twin is `sparseblocks.reference.attention`."""
+
+from .api import DTYPES, attention
+
+__all__ = ["attention", "DTYPES"]

@@ -1,0 +1,92 @@
+"""Block-sparse attention as OpenAI wrote it, three kernels a thread a value, for reading and for
+checking the fused ones: scores of the present blocks (sdd), their softmax along each query row
+(with the row's log-sum-exp), and the weighted sum of the values (dsd).
+
+The blocks of every head, one list: block g is head ``blk_head[g]``'s (query block
+``blk_row[g]``, key block ``blk_col[g]``); ``row_ptr`` a CSR over (head, query block) of the block
+ids, whose rows are consecutive. Scores live in fp32 (batch, blocks, bs, bs).
+
+* ``scores(s, q, k, ...)``: s[b, g, i, j] = scale · q[b, h, r·bs + i] · k[b, h, c·bs + j], -inf
+  where ``causal`` and the key comes after the query;
+* ``softmax(s, lse, ...)``: each query row of s, over its blocks, in place: exp(s - max) / sum,
+  lse = max + log(sum); a row that sees nothing gets zeros and lse -inf (a thread a row);
+* ``weighted(out, s, v, ...)``: out[b, h, r·bs + i, d] = Σ over the row's blocks and j of
+  s[b, g, i, j] · v[b, h, c·bs + j, d].
+"""
+
+import math
+
+from numba import cuda
+
+from ..bsmm.device import converters
+
+
+def make_scores(storage, acc_type):
+    to_acc, _ = converters(storage, acc_type)
+
+    @cuda.jit
+    def scores(s, q, k, blk_head, blk_row, blk_col, B, H, S, D, bs, scale, causal):
+        G = blk_head.shape[0]
+        start, step = cuda.grid(1), cuda.gridsize(1)
+        for e in range(start, B * G * bs * bs, step):
+            b, g, i, j = e // (G * bs * bs), (e // (bs * bs)) % G, (e // bs) % bs, e % bs
+            h, qi, kj = blk_head[g], blk_row[g] * bs + i, blk_col[g] * bs + j
+            if causal and kj > qi:
+                s[e] = -math.inf
+                continue
+            acc = acc_type(0)
+            qa, ka = ((b * H + h) * S + qi) * D, ((b * H + h) * S + kj) * D
+            for d in range(D):
+                acc += to_acc(q[qa + d]) * to_acc(k[ka + d])
+            s[e] = acc * acc_type(scale)
+
+    return scores
+
+
+def make_softmax(acc_type):
+    @cuda.jit
+    def softmax(s, lse, row_ptr, B, H, S, bs):
+        rows = S // bs
+        G = s.shape[0] // (B * bs * bs)
+        start, step = cuda.grid(1), cuda.gridsize(1)
+        for e in range(start, B * H * S, step):
+            b, h, qi = e // (H * S), (e // S) % H, e % S
+            r, i = qi // bs, qi % bs
+            first, last = row_ptr[h * rows + r], row_ptr[h * rows + r + 1]
+            top = -math.inf
+            for g in range(first, last):
+                for j in range(bs):
+                    top = max(top, s[((b * G + g) * bs + i) * bs + j])
+            total = acc_type(0)
+            if top != -math.inf:
+                for g in range(first, last):
+                    for j in range(bs):
+                        total += math.exp(s[((b * G + g) * bs + i) * bs + j] - top)
+            for g in range(first, last):
+                for j in range(bs):
+                    at = ((b * G + g) * bs + i) * bs + j
+                    s[at] = math.exp(s[at] - top) / total if top != -math.inf else acc_type(0)
+            lse[e] = top + math.log(total) if top != -math.inf else -math.inf
+
+    return softmax
+
+
+def make_weighted(storage, acc_type):
+    to_acc, from_acc = converters(storage, acc_type)
+
+    @cuda.jit
+    def weighted(out, s, v, row_ptr, blk_col, B, H, S, D, bs):
+        rows = S // bs
+        G = s.shape[0] // (B * bs * bs)
+        start, step = cuda.grid(1), cuda.gridsize(1)
+        for e in range(start, B * H * S * D, step):
+            b, h, qi, d = e // (H * S * D), (e // (S * D)) % H, (e // D) % S, e % D
+            r, i = qi // bs, qi % bs
+            acc = acc_type(0)
+            for g in range(row_ptr[h * rows + r], row_ptr[h * rows + r + 1]):
+                base = ((b * H + h) * S + blk_col[g] * bs) * D + d
+                for j in range(bs):
+                    acc += s[((b * G + g) * bs + i) * bs + j] * to_acc(v[base + j * D])
+            out[e] = from_acc(acc)
+
+    return weighted

@@ -1,0 +1,51 @@
+"""Block-sparse attention (sparseblocks/attention) against its twin (reference/attention.py):
+random layouts shared by the heads or one a head, causal diagonal blocks, queries that see no key
+(zeros, no NaN), every dtype; and the errors bad input gets before any launch."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparseblocks.attention import attention
+from sparseblocks.layout import BlockLayout
+from sparseblocks.reference import attention as reference
+from strategies import assert_close, values
+
+
+@settings(max_examples=10, deadline=None)
+@given(dtype=st.sampled_from(["float32", "float16", "bfloat16", "float64"]), causal=st.booleans(),
+       per_head=st.booleans(), seed=st.integers(0, 2**16))
+def test_three_kernels_match_the_twin(dtype, causal, per_head, seed):
+    rng = np.random.default_rng(seed)
+    B, H, bs, blocks, D = 1, 2, 8, 3, 4
+    S = bs * blocks
+    masks = [rng.random((blocks, blocks)) < 0.5 for _ in range(H if per_head else 1)]
+    masks[0][0] = False  # a query block that sees nothing
+    layouts = [BlockLayout(m, bs) for m in masks]
+    layout = layouts if per_head else layouts[0]
+    q, k, v = (values(rng, (B, H, S, D), dtype) for _ in range(3))
+    out, lse = attention(q, k, v, layout, causal=causal, return_lse=True)
+    want, want_lse = reference.forward(q, k, v, layout, causal)
+    assert np.isfinite(np.asarray(out, np.float64)).all()
+    assert_close(out, want, dtype, "out", terms=S)
+    seen = np.isfinite(want_lse)
+    assert np.array_equal(np.isfinite(lse), seen)
+    np.testing.assert_allclose(np.asarray(lse)[seen], want_lse[seen], rtol=1e-5, atol=1e-5)
+
+
+def test_bad_calls_raise():
+    layout = BlockLayout.causal(2, block_size=8)
+    q = np.zeros((1, 2, 16, 4), np.float32)
+    with pytest.raises(ValueError, match="k: expected q's shape"):
+        attention(q, q[:, :1], q, layout)
+    with pytest.raises(ValueError, match="batch, heads, seq"):
+        attention(q[0], q[0], q[0], layout)
+    with pytest.raises(ValueError, match="\\(3, 3\\) grid"):
+        attention(np.zeros((1, 2, 24, 4), np.float32), *(np.zeros((1, 2, 24, 4), np.float32),) * 2, layout)
+    with pytest.raises(ValueError, match="one a head"):
+        attention(q, q, q, [layout] * 3)
+    with pytest.raises(TypeError, match="BlockLayout"):
+        attention(q, q, q, np.ones((2, 2)))
+    with pytest.raises(TypeError, match="dtype"):
+        attention(q.astype(np.int32), q.astype(np.int32), q.astype(np.int32), layout)
