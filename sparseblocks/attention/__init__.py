@@ -1,8 +1,9 @@
-"""Block-sparse attention: ``attention(q, k, v, layout, causal=, scale=)`` over a `BlockLayout`
+"""Block-sparse attention: ``attention(q, k, v, layout, causal=, scale=)`` and its gradient
+``attention_grad`` over a `BlockLayout`
 of the (query block, key block) grid (its builders: `BlockLayout.causal`, `strided`, `fixed`,
 `global_window`, `documents`). Files: ``simple.py`` (the three-kernel version, OpenAI's: scores,
 softmax, weighted sum), ``api.py``; the NumPy twin is `sparseblocks.reference.attention`."""
 
-from .api import DTYPES, attention
+from .api import DTYPES, attention, attention_grad
 
-__all__ = ["attention", "DTYPES"]
+__all__ = ["attention", "attention_grad", "DTYPES"]

@@ -10,7 +10,8 @@ from ..runtime.arrays import Array, checked_operands, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import active, on_arrays_device
 from ..runtime.launch import launch, multiprocessors
-from .simple import make_scores, make_softmax, make_weighted
+from .simple import (make_column_weighted, make_deltas, make_probabilities, make_score_grads, make_scores,
+                     make_softmax, make_weighted)
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 THREADS = 128
@@ -41,19 +42,24 @@ def _layouts(layout, heads, seq):
 
 
 def _device_tables(layouts, stream):
-    """(blk_head, blk_row, blk_col, row_ptr) on the device, cached per layouts and device."""
+    """(blk_head, blk_row, blk_col, row_ptr, col_ptr, col_block, blocks) on the device (the CSR over
+    (head, query block) and the CSC over (head, key block) of every head's block ids), cached per
+    layouts and device."""
     key = (tuple(hash(one) for one in layouts), tuple(layouts), active())
     tables = _tables.get(key)
     if tables is None:
         rows = layouts[0].mask.shape[0]
-        heads, row_ptr, offset = [], [0], 0
+        heads, row_ptr, col_ptr, col_block, offset = [], [0], [0], [], 0
         for h, one in enumerate(layouts):
             heads.append(np.full(one.n_blocks, h, np.int32))
             row_ptr.extend(int(offset + p) for p in np.asarray(one.row_ptr)[1:])
+            col_ptr.extend(int(len(col_block) + p) for p in np.asarray(one.col_ptr)[1:])
+            col_block.extend(int(offset + g) for g in np.asarray(one.col_block))
             offset += one.n_blocks
         coords = np.concatenate([np.asarray(one.coords, np.int32).reshape(-1, 2) for one in layouts])
-        host = (np.concatenate(heads), coords[:, 0].copy(), coords[:, 1].copy(), np.array(row_ptr, np.int32))
-        assert len(host[3]) == len(layouts) * rows + 1
+        host = (np.concatenate(heads), coords[:, 0].copy(), coords[:, 1].copy(), np.array(row_ptr, np.int32),
+                np.array(col_ptr, np.int32), np.array(col_block, np.int32))
+        assert len(host[3]) == len(host[4]) == len(layouts) * rows + 1
         tables = _tables[key] = tuple(cuda.to_device(a if a.size else np.zeros(1, np.int32), stream=stream)
                                       for a in host) + (int(offset),)
     return tables
@@ -87,7 +93,7 @@ def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[
     bs = layouts[0].block_size
     scale = 1 / float(np.sqrt(D)) if scale is None else float(scale)
     stream = launch_stream(ops)
-    blk_head, blk_row, blk_col, row_ptr, G = _device_tables(layouts, stream)
+    blk_head, blk_row, blk_col, row_ptr, _, _, G = _device_tables(layouts, stream)
     dtype = ops[0].dtype
     acc = _acc(dtype)
     native, out = ops[0].empty((B, H, S, D), stream)
@@ -98,8 +104,55 @@ def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[
             (s, qd, kd, blk_head, blk_row, blk_col, B, H, S, D, bs, scale, bool(causal)))
     _launch(cached(make_softmax, acc), stream, B * H * S, (s, lse.reshape(-1), row_ptr, B, H, S, bs))
     _launch(cached(make_weighted, dtype, acc), stream, B * H * S * D,
-            (out.reshape(-1), s, vd, row_ptr, blk_col, B, H, S, D, bs))
+            (out.reshape(-1), s, vd, row_ptr, blk_col, B, H, S, D, bs, 1.0))
     result = ops[0].result(native, out, stream)
     if return_lse:
         return result, ops[0].result(lse_native, lse, stream)
     return result
+
+
+@on_arrays_device
+def attention_grad(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
+                   layout: Union[BlockLayout, Sequence[BlockLayout]], *, causal: bool = False,
+                   scale: Optional[float] = None) -> Tuple[Array, Array, Array]:
+    """(dq, dk, dv) of `attention` from its output ``out``, its log-sum-exp ``lse`` (``return_lse``)
+    and the output's gradient ``dout``; the probabilities are computed again from q, k and lse."""
+    ops = checked_operands([("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)], DTYPES)
+    if len(ops[0].shape) != 4:
+        raise ValueError(f"q: expected (batch, heads, seq, head_dim), got shape {ops[0].shape}")
+    for op in ops[1:]:
+        if op.shape != ops[0].shape:
+            raise ValueError(f"{op.name}: expected q's shape {ops[0].shape}, got {op.shape}")
+    B, H, S, D = ops[0].shape
+    (lse_op,) = checked_operands([("lse", lse)], ("float32", "float64"))
+    if lse_op.shape != (B, H, S):
+        raise ValueError(f"lse: expected {(B, H, S)}, got {lse_op.shape}")
+    layouts = _layouts(layout, H, S)
+    bs = layouts[0].block_size
+    scale = 1 / float(np.sqrt(D)) if scale is None else float(scale)
+    stream = launch_stream(ops + [lse_op])
+    blk_head, blk_row, blk_col, row_ptr, col_ptr, col_block, G = _device_tables(layouts, stream)
+    dtype = ops[0].dtype
+    acc = _acc(dtype)
+    wide = "float64" if dtype == "float64" else "float32"
+    qd, kd, vd, od, dod = (op.device(stream).reshape(-1) for op in ops)
+    lsed = lse_op.device(stream).reshape(-1)
+    if lse_op.dtype != wide:
+        raise TypeError(f"lse: expected {wide} (attention's return_lse for {dtype}), got {lse_op.dtype}")
+    n = max(1, B * G * bs * bs)
+    p, ds = ops[0].scratch((n,), wide, stream), ops[0].scratch((n,), wide, stream)
+    delta = ops[0].scratch((B * H * S,), wide, stream)
+    _launch(cached(make_probabilities, dtype, acc), stream, B * G * bs * bs,
+            (p, qd, kd, lsed, blk_head, blk_row, blk_col, B, H, S, D, bs, scale, bool(causal)))
+    _launch(cached(make_deltas, dtype, acc), stream, B * H * S, (delta, dod, od, B, H, S, D))
+    _launch(cached(make_score_grads, dtype, acc), stream, B * G * bs * bs,
+            (ds, p, dod, vd, delta, blk_head, blk_row, blk_col, B, H, S, D, bs))
+    grads = []
+    for name, kernel, args in (
+            ("dq", make_weighted, lambda out: (out, ds, kd, row_ptr, blk_col, B, H, S, D, bs, scale)),
+            ("dk", make_column_weighted, lambda out: (out, ds, qd, col_ptr, col_block, blk_row, B, H, S, D, bs, scale)),
+            ("dv", make_column_weighted, lambda out: (out, p, dod, col_ptr, col_block, blk_row, B, H, S, D, bs, 1.0))):
+        native, grad = ops[0].empty((B, H, S, D), stream)
+        _launch(cached(kernel, dtype, acc), stream, B * H * S * D, args(grad.reshape(-1)))
+        grads.append(ops[0].result(native, grad, stream))
+    return grads[0], grads[1], grads[2]

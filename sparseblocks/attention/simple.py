@@ -10,8 +10,17 @@ ids, whose rows are consecutive. Scores live in fp32 (batch, blocks, bs, bs).
   where ``causal`` and the key comes after the query;
 * ``softmax(s, lse, ...)``: each query row of s, over its blocks, in place: exp(s - max) / sum,
   lse = max + log(sum); a row that sees nothing gets zeros and lse -inf (a thread a row);
-* ``weighted(out, s, v, ...)``: out[b, h, r·bs + i, d] = Σ over the row's blocks and j of
-  s[b, g, i, j] · v[b, h, c·bs + j, d].
+* ``weighted(out, s, v, ..., factor)``: out[b, h, r·bs + i, d] = factor · Σ over the row's
+  blocks and j of s[b, g, i, j] · v[b, h, c·bs + j, d].
+
+The backward, from the forward's output and log-sum-exp (nothing of size seq x seq kept):
+
+* ``probabilities(p, q, k, lse, ...)``: p = exp(scores - lse) on the present blocks again;
+* ``deltas(delta, dout, out, ...)``: delta[b, h, i] = dout · out along the head dim;
+* ``score_grads(ds, p, dout, v, delta, ...)``: ds = p · (dout · v - delta), in place over p's copy;
+* ``weighted`` (dq = scale · ds · k) and ``column_weighted(out, s, x, ..., factor)``, a key row's
+  sum over the blocks of its block-column (``col_ptr`` over (head, key block), ``col_block`` the
+  ids): dk = scale · dsᵀ · q, dv = pᵀ · dout.
 """
 
 import math
@@ -75,7 +84,7 @@ def make_weighted(storage, acc_type):
     to_acc, from_acc = converters(storage, acc_type)
 
     @cuda.jit
-    def weighted(out, s, v, row_ptr, blk_col, B, H, S, D, bs):
+    def weighted(out, s, v, row_ptr, blk_col, B, H, S, D, bs, factor):
         rows = S // bs
         G = s.shape[0] // (B * bs * bs)
         start, step = cuda.grid(1), cuda.gridsize(1)
@@ -87,6 +96,88 @@ def make_weighted(storage, acc_type):
                 base = ((b * H + h) * S + blk_col[g] * bs) * D + d
                 for j in range(bs):
                     acc += s[((b * G + g) * bs + i) * bs + j] * to_acc(v[base + j * D])
-            out[e] = from_acc(acc)
+            out[e] = from_acc(acc * acc_type(factor))
 
     return weighted
+
+
+def make_column_weighted(storage, acc_type):
+    to_acc, from_acc = converters(storage, acc_type)
+
+    @cuda.jit
+    def column_weighted(out, s, x, col_ptr, col_block, blk_row, B, H, S, D, bs, factor):
+        cols = S // bs
+        G = s.shape[0] // (B * bs * bs)
+        start, step = cuda.grid(1), cuda.gridsize(1)
+        for e in range(start, B * H * S * D, step):
+            b, h, kj, d = e // (H * S * D), (e // (S * D)) % H, (e // D) % S, e % D
+            c, j = kj // bs, kj % bs
+            acc = acc_type(0)
+            for at in range(col_ptr[h * cols + c], col_ptr[h * cols + c + 1]):
+                g = col_block[at]
+                base = ((b * H + h) * S + blk_row[g] * bs) * D + d
+                for i in range(bs):
+                    acc += s[((b * G + g) * bs + i) * bs + j] * to_acc(x[base + i * D])
+            out[e] = from_acc(acc * acc_type(factor))
+
+    return column_weighted
+
+
+def make_probabilities(storage, acc_type):
+    to_acc, _ = converters(storage, acc_type)
+
+    @cuda.jit
+    def probabilities(p, q, k, lse, blk_head, blk_row, blk_col, B, H, S, D, bs, scale, causal):
+        G = blk_head.shape[0]
+        start, step = cuda.grid(1), cuda.gridsize(1)
+        for e in range(start, B * G * bs * bs, step):
+            b, g, i, j = e // (G * bs * bs), (e // (bs * bs)) % G, (e // bs) % bs, e % bs
+            h, qi, kj = blk_head[g], blk_row[g] * bs + i, blk_col[g] * bs + j
+            top = lse[(b * H + h) * S + qi]
+            if (causal and kj > qi) or top == -math.inf:
+                p[e] = acc_type(0)
+                continue
+            acc = acc_type(0)
+            qa, ka = ((b * H + h) * S + qi) * D, ((b * H + h) * S + kj) * D
+            for d in range(D):
+                acc += to_acc(q[qa + d]) * to_acc(k[ka + d])
+            p[e] = math.exp(acc * acc_type(scale) - top)
+
+    return probabilities
+
+
+def make_deltas(storage, acc_type):
+    to_acc, _ = converters(storage, acc_type)
+
+    @cuda.jit
+    def deltas(delta, dout, out, B, H, S, D):
+        start, step = cuda.grid(1), cuda.gridsize(1)
+        for e in range(start, B * H * S, step):
+            acc = acc_type(0)
+            for d in range(D):
+                acc += to_acc(dout[e * D + d]) * to_acc(out[e * D + d])
+            delta[e] = acc
+
+    return deltas
+
+
+def make_score_grads(storage, acc_type):
+    to_acc, _ = converters(storage, acc_type)
+
+    @cuda.jit
+    def score_grads(ds, p, dout, v, delta, blk_head, blk_row, blk_col, B, H, S, D, bs):
+        G = blk_head.shape[0]
+        start, step = cuda.grid(1), cuda.gridsize(1)
+        for e in range(start, B * G * bs * bs, step):
+            b, g, i, j = e // (G * bs * bs), (e // (bs * bs)) % G, (e // bs) % bs, e % bs
+            h, qi, kj = blk_head[g], blk_row[g] * bs + i, blk_col[g] * bs + j
+            if p[e] == 0:
+                ds[e] = acc_type(0)
+                continue
+            acc = acc_type(0)
+            oa, va = ((b * H + h) * S + qi) * D, ((b * H + h) * S + kj) * D
+            for d in range(D):
+                acc += to_acc(dout[oa + d]) * to_acc(v[va + d])
+            ds[e] = p[e] * (acc - delta[(b * H + h) * S + qi])
+
+    return score_grads

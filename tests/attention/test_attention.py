@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparseblocks.attention import attention
+from sparseblocks.attention import attention, attention_grad
 from sparseblocks.layout import BlockLayout
 from sparseblocks.reference import attention as reference
 from strategies import assert_close, values
@@ -32,6 +32,12 @@ def test_three_kernels_match_the_twin(dtype, causal, per_head, seed):
     seen = np.isfinite(want_lse)
     assert np.array_equal(np.isfinite(lse), seen)
     np.testing.assert_allclose(np.asarray(lse)[seen], want_lse[seen], rtol=1e-5, atol=1e-5)
+    dout = values(rng, (B, H, S, D), dtype)
+    grads = attention_grad(q, k, v, out, lse, dout, layout, causal=causal)
+    wants = reference.backward(q, k, v, np.asarray(out, np.float64), want_lse, dout, layout, causal)
+    for name, got, want_g in zip(("dq", "dk", "dv"), grads, wants):
+        assert np.isfinite(np.asarray(got, np.float64)).all(), name
+        assert_close(got, want_g, dtype, name, terms=S)
 
 
 def test_bad_calls_raise():
