@@ -65,6 +65,17 @@ def _device_tables(layouts, stream):
     return tables
 
 
+def _checked(named):
+    """The operands, checked: one kind and dtype, (batch, heads, seq, head_dim), all of q's shape."""
+    ops = checked_operands(named, DTYPES)
+    if len(ops[0].shape) != 4:
+        raise ValueError(f"q: expected (batch, heads, seq, head_dim), got shape {ops[0].shape}")
+    for op in ops[1:]:
+        if op.shape != ops[0].shape:
+            raise ValueError(f"{op.name}: expected q's shape {ops[0].shape}, got {op.shape}")
+    return ops
+
+
 def _launch(kernel, stream, n, args):
     if n:
         launch(kernel, max(1, min(-(-n // THREADS), 16 * multiprocessors())), THREADS, stream, args)
@@ -82,12 +93,7 @@ def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[
 
     The three-kernel version (`simple.py`: scores, softmax, weighted sum), which stores the present
     blocks' scores."""
-    ops = checked_operands([("q", q), ("k", k), ("v", v)], DTYPES)
-    if len(ops[0].shape) != 4:
-        raise ValueError(f"q: expected (batch, heads, seq, head_dim), got shape {ops[0].shape}")
-    for op in ops[1:]:
-        if op.shape != ops[0].shape:
-            raise ValueError(f"{op.name}: expected q's shape {ops[0].shape}, got {op.shape}")
+    ops = _checked([("q", q), ("k", k), ("v", v)])
     B, H, S, D = ops[0].shape
     layouts = _layouts(layout, H, S)
     bs = layouts[0].block_size
@@ -117,12 +123,7 @@ def attention_grad(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: A
                    scale: Optional[float] = None) -> Tuple[Array, Array, Array]:
     """(dq, dk, dv) of `attention` from its output ``out``, its log-sum-exp ``lse`` (``return_lse``)
     and the output's gradient ``dout``; the probabilities are computed again from q, k and lse."""
-    ops = checked_operands([("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)], DTYPES)
-    if len(ops[0].shape) != 4:
-        raise ValueError(f"q: expected (batch, heads, seq, head_dim), got shape {ops[0].shape}")
-    for op in ops[1:]:
-        if op.shape != ops[0].shape:
-            raise ValueError(f"{op.name}: expected q's shape {ops[0].shape}, got {op.shape}")
+    ops = _checked([("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)])
     B, H, S, D = ops[0].shape
     (lse_op,) = checked_operands([("lse", lse)], ("float32", "float64"))
     if lse_op.shape != (B, H, S):

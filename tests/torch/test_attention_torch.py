@@ -13,15 +13,6 @@ from sparseblocks.torch import attention as attention_ops
 LAYOUTS = [BlockLayout.strided(3, 2, causal=True, block_size=8), BlockLayout.global_window(3, 1, 0, block_size=8)]
 
 
-@pytest.fixture(params=[True, False], ids=["kernels", "cpu"])
-def path(request):
-    from sparseblocks.torch import cpu
-
-    previous = cpu.kernels_on_cpu(request.param)
-    yield request.param
-    cpu.kernels_on_cpu(previous)
-
-
 def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -13,16 +13,6 @@ from sparseblocks.torch import conv as conv_ops
 BCK = [([0, 1], [0]), ([1, 2], [1, 2]), ([2], [0])]
 
 
-@pytest.fixture(params=[True, False], ids=["kernels", "cpu"])
-def path(request):
-    """The kernels (in the simulator on CPU tensors, or a GPU's), or torch's CPU ops."""
-    from sparseblocks.torch import cpu
-
-    previous = cpu.kernels_on_cpu(request.param)
-    yield request.param
-    cpu.kernels_on_cpu(previous)
-
-
 def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
