@@ -204,11 +204,14 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
     A_ALL_P, B_ALL_P = A_CHUNKS % P == 0, B_CHUNKS % P == 0
     FULL_COUNT, EMPTY_COUNT = P, 4 * GROUPS  # a full barrier's arrivals a phase, an empty one's
 
-    def make_split(stage_sources, a_chunk, b_chunk):
+    def make_split(stage_sources, a_chunk, b_chunk, stage):
         """The warp-specialized loop: ``init(bars)``, ``produce(lane, base, bars, n_stages, where,
         buf, parity)`` for the copying warpgroup and ``consume(acc, bars, n_stages, desc_a, desc_b,
         lane, buf, parity)`` for each multiplying one, each a tile's stages, from the ring position
-        the previous tile left (a persistent thread block's tiles go round one ring). ``stage_sources(s, where)`` gives stage s's global addresses of A and
+        the previous tile left (a persistent thread block's tiles go round one ring); and
+        ``specialized(start, base, tid, n_stages, where, staged)``, a thread block's one tile whole:
+        the barriers set up (``start``: shared memory's first address), the copying warpgroup's
+        stages and the others' products, staged by ``stage`` (`make_staging`) into ``staged``. ``stage_sources(s, where)`` gives stage s's global addresses of A and
         B; ``a_chunk(row, col, s, where)`` a chunk's byte offset from A's and whether to read it
         (else 16 zero bytes), likewise ``b_chunk``.
 
@@ -283,7 +286,33 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
                 arrive(bars + (STAGES + last) * BAR_BYTES)
             return buf, parity
 
-        return init, produce, consume
+        give, take = hand_over(cfg, GROUPS, weight_grad)
+        BARS = barriers_at(cfg, bs, weight_grad)
+        ACC_ALL = TILES * (BN // 2)
+
+        @inlined
+        def specialized(start, base, tid, n_stages, where, staged):
+            bars = start + BARS
+            if tid == 0:
+                init(bars)
+            cuda.syncthreads()
+            group, thread = tid // WARPGROUP, tid % WARPGROUP
+            warp, lane = thread // 32, thread % 32
+            if group == GROUPS:  # the copying warpgroup
+                give()
+                produce(thread, base, bars, n_stages, where, 0, 1)
+            else:
+                take()
+                desc_a, desc_b = descriptors(base, group)
+                acc = cuda.local.array(ACC_ALL, float32)
+                for i in range(ACC_ALL):
+                    acc[i] = float32(0)
+                consume(acc, bars, n_stages, desc_a, desc_b, lane, 0, 0)
+                named_barrier(1, GROUPS * WARPGROUP)  # every warpgroup's wgmmas have read the ring
+                stage(acc, staged, group * TILES * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4))
+            cuda.syncthreads()
+
+        return init, produce, consume, specialized
 
     return copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split
 
@@ -410,7 +439,6 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     GROUPS = v7_shape(cfg, bs)[2]
     SPLIT = cfg.v7_producer
     THREADS = v7_threads(cfg, bs)
-    BARS = barriers_at(cfg, bs)
     give, take = hand_over(cfg, GROUPS, False)
     stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, False, A_MN, THREADS)
     STAGED16, PITCH16, _ = staged16_at(cfg, bs)
@@ -450,7 +478,7 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split = make_hopper_loop(
         cfg, bs, storage, False, A_MN, B_MN)
     ring = make_ring(sources)
-    init, produce, consume = make_split(stage_sources, a_chunk, b_chunk)
+    init, produce, consume, specialized = make_split(stage_sources, a_chunk, b_chunk, stage)
 
     @jit_for(cfg, GROUPS, False)
     def product_v7(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot, other_idx, line_block, n_rows):
@@ -510,24 +538,7 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
             cuda.syncthreads()
             return
         if SPLIT:
-            bars = shared_address(smem, (0,)) + BARS
-            if tid == 0:
-                init(bars)
-            cuda.syncthreads()
-            if group == GROUPS:  # the copying warpgroup
-                give()
-                produce(thread, base, bars, n_stages, where, 0, 1)
-            else:
-                take()
-                desc_a, desc_b = descriptors(base, group)
-                acc = cuda.local.array(ACC_ALL, float32)
-                for i in range(ACC_ALL):
-                    acc[i] = float32(0)
-                consume(acc, bars, n_stages, desc_a, desc_b, lane, 0, 0)
-                named_barrier(1, GROUPS * WARPGROUP)  # every warpgroup's wgmmas have read the ring
-                staged = cuda.shared.array(0, float32)
-                stage(acc, staged, group * TILES * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4))
-            cuda.syncthreads()
+            specialized(shared_address(smem, (0,)), base, tid, n_stages, where, cuda.shared.array(0, float32))
         else:
             a_from = cuda.local.array(A_PER, int64)
             a_to = cuda.local.array(A_PER, int32)
@@ -642,13 +653,10 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
     GROUPS = v7_shape(cfg, bs, WG)[2]
     SPLIT = cfg.v7_wgrad_producer and not paired
     THREADS = v7_threads(cfg, bs, WG)
-    BARS = barriers_at(cfg, bs, WG)
-    give, take = hand_over(cfg, GROUPS, WG)
     copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split = make_hopper_loop(cfg, bs, storage, WG, MN, MN)
     ring = make_ring(sources)
-    init, produce, consume = make_split(stage_sources, a_chunk, b_chunk)
-
     stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, WG, False, THREADS)
+    init, produce, consume, specialized = make_split(stage_sources, a_chunk, b_chunk, stage)
 
     @jit_for(cfg, GROUPS, WG)
     def weight_grad_v7(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta):
@@ -673,25 +681,8 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
             x_base = signed_address(x, (coords[block, 0] * bs, 0))
             dy_base = signed_address(dy, (coords[block, 1] * bs, 0))
         if SPLIT:
-            bars = shared_address(smem, (0,)) + BARS
-            if tid == 0:
-                init(bars)
-            cuda.syncthreads()
-            where = (n_begin, n_end, x_base, dy_base, x_lead, dy_lead)
-            if group == GROUPS:  # the copying warpgroup
-                give()
-                produce(thread, base, bars, n_stages, where, 0, 1)
-            else:
-                take()
-                desc_a, desc_b = descriptors(base, group)
-                acc = cuda.local.array(ACC_ALL, float32)
-                for i in range(ACC_ALL):
-                    acc[i] = float32(0)
-                consume(acc, bars, n_stages, desc_a, desc_b, lane, 0, 0)
-                named_barrier(1, GROUPS * WARPGROUP)  # every warpgroup's wgmmas have read the ring
-                staged = cuda.shared.array(0, float32)
-                stage(acc, staged, group * TILES * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4))
-            cuda.syncthreads()
+            specialized(shared_address(smem, (0,)), base, tid, n_stages, (n_begin, n_end, x_base, dy_base, x_lead,
+                                                                          dy_lead), cuda.shared.array(0, float32))
         else:
             a_from = cuda.local.array(A_PER, int64)
             a_to = cuda.local.array(A_PER, int32)
