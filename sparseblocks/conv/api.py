@@ -23,14 +23,14 @@ def _acc(dtype):
     return float64 if dtype == "float64" else float32
 
 
-def _channels(values, name, b):
-    """A block's channel list: distinct non-negative ints, at least one."""
+def _channels(values, what, b):
+    """A block's channel list (``what``: "input" or "output"): distinct non-negative ints, at least one."""
     try:
         out = [int(v) for v in values]
     except (TypeError, ValueError):
-        raise TypeError(f"BCK[{b}]: expected ({name[0]}s, {name[1]}s) lists of channel indices") from None
+        raise TypeError(f"BCK[{b}]: expected a list of {what} channel indices, got {values!r}") from None
     if not out or min(out) < 0 or len(set(out)) != len(out):
-        raise ValueError(f"BCK[{b}]: expected distinct non-negative {name} indices, at least one, got {out}")
+        raise ValueError(f"BCK[{b}]: expected distinct non-negative {what} channel indices, at least one, got {out}")
     return out
 
 
@@ -79,7 +79,7 @@ class BlocksparseConv:
         for b, block in enumerate(BCK):
             if len(block) != 2:
                 raise ValueError(f"BCK[{b}]: expected (input channels, output channels), got {block!r}")
-            blocks.append((_channels(block[0], ("c", "k"), b), _channels(block[1], ("c", "k"), b)))
+            blocks.append((_channels(block[0], "input", b), _channels(block[1], "output", b)))
         user_trs = [int(TRS)] if np.isscalar(TRS) else [int(v) for v in TRS]
         user_dhw = [int(DHW)] if np.isscalar(DHW) else [int(v) for v in DHW]
         if len(user_trs) != len(user_dhw):
@@ -97,8 +97,8 @@ class BlocksparseConv:
             raise ValueError(f"TRS, DHW, padding: no output position (sizes {g['DHW']} -> {g['MPQ']})")
         if self.deconv:  # the convolution runs from this layer's output back to its input
             blocks = [(ks, cs) for cs, ks in blocks]
+        # self.BCK as given; self._blocks the convolution's, which a deconvolution runs backwards
         self.BCK = [(list(cs), list(ks)) for cs, ks in (blocks if not self.deconv else [(k, c) for c, k in blocks])]
-        # (self.BCK as given; self._blocks the convolution's, which a deconvolution runs backwards)
         self._blocks = blocks  # (the convolution's own: input channels, output channels)
         self._g = g
         self._dims = len(user_trs)
@@ -347,6 +347,3 @@ class BlocksparseDeconv(BlocksparseConv):
     default). Forward and input gradient are the convolution's input gradient and forward."""
 
     deconv = True
-
-    def f_shape(self, block: Optional[int] = None) -> List[int]:
-        return super().f_shape(block)
