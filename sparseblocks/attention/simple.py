@@ -28,10 +28,27 @@ import math
 from numba import cuda
 
 from ..bsmm.device import converters
+from ..runtime.compile import inlined
+
+
+def make_rows_dot(storage, acc_type):
+    """``dot(x, y, b, h, i, j, H, S, D)``: row i of x's head h against row j of y's, in acc_type
+    (x and y (batch, heads, seq, head_dim), flat)."""
+    to_acc, _ = converters(storage, acc_type)
+
+    @inlined
+    def dot(x, y, b, h, i, j, H, S, D):
+        acc = acc_type(0)
+        xa, ya = ((b * H + h) * S + i) * D, ((b * H + h) * S + j) * D
+        for d in range(D):
+            acc += to_acc(x[xa + d]) * to_acc(y[ya + d])
+        return acc
+
+    return dot
 
 
 def make_scores(storage, acc_type):
-    to_acc, _ = converters(storage, acc_type)
+    dot = make_rows_dot(storage, acc_type)
 
     @cuda.jit
     def scores(s, q, k, blk_head, blk_row, blk_col, B, H, S, D, bs, scale, causal):
@@ -43,11 +60,7 @@ def make_scores(storage, acc_type):
             if causal and kj > qi:
                 s[e] = -math.inf
                 continue
-            acc = acc_type(0)
-            qa, ka = ((b * H + h) * S + qi) * D, ((b * H + h) * S + kj) * D
-            for d in range(D):
-                acc += to_acc(q[qa + d]) * to_acc(k[ka + d])
-            s[e] = acc * acc_type(scale)
+            s[e] = dot(q, k, b, h, qi, kj, H, S, D) * acc_type(scale)
 
     return scores
 
@@ -124,7 +137,7 @@ def make_column_weighted(storage, acc_type):
 
 
 def make_probabilities(storage, acc_type):
-    to_acc, _ = converters(storage, acc_type)
+    dot = make_rows_dot(storage, acc_type)
 
     @cuda.jit
     def probabilities(p, q, k, lse, blk_head, blk_row, blk_col, B, H, S, D, bs, scale, causal):
@@ -137,11 +150,7 @@ def make_probabilities(storage, acc_type):
             if (causal and kj > qi) or top == -math.inf:
                 p[e] = acc_type(0)
                 continue
-            acc = acc_type(0)
-            qa, ka = ((b * H + h) * S + qi) * D, ((b * H + h) * S + kj) * D
-            for d in range(D):
-                acc += to_acc(q[qa + d]) * to_acc(k[ka + d])
-            p[e] = math.exp(acc * acc_type(scale) - top)
+            p[e] = math.exp(dot(q, k, b, h, qi, kj, H, S, D) * acc_type(scale) - top)
 
     return probabilities
 
@@ -162,7 +171,7 @@ def make_deltas(storage, acc_type):
 
 
 def make_score_grads(storage, acc_type):
-    to_acc, _ = converters(storage, acc_type)
+    dot = make_rows_dot(storage, acc_type)
 
     @cuda.jit
     def score_grads(ds, p, dout, v, delta, blk_head, blk_row, blk_col, B, H, S, D, bs):
@@ -174,10 +183,6 @@ def make_score_grads(storage, acc_type):
             if p[e] == 0:
                 ds[e] = acc_type(0)
                 continue
-            acc = acc_type(0)
-            oa, va = ((b * H + h) * S + qi) * D, ((b * H + h) * S + kj) * D
-            for d in range(D):
-                acc += to_acc(dout[oa + d]) * to_acc(v[va + d])
-            ds[e] = p[e] * (acc - delta[(b * H + h) * S + qi])
+            ds[e] = p[e] * (dot(dout, v, b, h, qi, kj, H, S, D) - delta[(b * H + h) * S + qi])
 
     return score_grads
