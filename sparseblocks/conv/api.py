@@ -12,7 +12,7 @@ from ..runtime.devices import active, on_arrays_device
 from ..runtime.launch import launch, multiprocessors
 from .config import ConvConfig, as_config
 from .geometry import edge_map, geometry
-from .simple import make_filter_grad, make_forward, make_input_grad, make_l2_normalize
+from .simple import make_edge_bias_grad, make_filter_grad, make_forward, make_input_grad, make_l2_normalize
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -127,6 +127,8 @@ class BlocksparseConv:
                 for j in range(len(ks))]
         self._host["row_start"] = np.array([r[0] for r in rows], np.int32)
         self._host["row_len"] = np.array([r[1] for r in rows], np.int32)
+        self._host["grp_ptr"] = np.concatenate([[0], np.cumsum([len(p) for p in self._edges])]).astype(np.int32)
+        self._host["grp_pos"] = np.array([q for p in self._edges for q in p] or [0], np.int32)
         self._tables: dict = {}
 
     # -- sizes ------------------------------------------------------------------------------
@@ -330,13 +332,22 @@ class BlocksparseConv:
         with a gain, (that, the gain's gradient)."""
         return self._l2(F, grad, gain, epsilon, True)
 
-    def edge_bias_grad(self, dO: Any) -> np.ndarray:
-        """The edge bias's gradient, (K, groups): dO summed over the batch and each group."""
-        flat = np.asarray(dO, np.float64).reshape(np.shape(dO)[0], self.K, -1)
-        out = np.zeros(self.edge_bias_shape())
-        for e, positions in enumerate(self._edges):
-            out[:, e] = flat[:, :, positions].sum(axis=(0, 2))
-        return out
+    @on_arrays_device
+    def edge_bias_grad(self, dO: Array) -> Array:
+        """The edge bias's gradient, `edge_bias_shape`: dO summed over the batch and each group's
+        positions."""
+        if self.deconv:
+            raise ValueError("edge_bias_grad: a deconvolution has no edge bias")
+        (op,) = checked_operands([("dO", dO)], DTYPES)
+        N = self._check(op, self.o_shape)
+        stream = launch_stream([op])
+        native, out = op.empty(tuple(self.edge_bias_shape()), stream)
+        t = self._table(stream)
+        kernel = cached(make_edge_bias_grad, op.dtype, _acc(op.dtype))
+        self._launch(kernel, stream, self.K * len(self._edges), (
+            out.reshape(-1), op.device(stream).reshape(-1), t["grp_ptr"], t["grp_pos"], N, self.K,
+            int(np.prod(self._g["MPQ"]))))
+        return op.result(native, out, stream)
 
 
 class BlocksparseDeconv(BlocksparseConv):

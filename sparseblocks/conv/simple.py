@@ -166,3 +166,24 @@ def make_l2_normalize(storage, acc_type, gradient, with_gain):
                     out[a + i] = from_acc((to_acc(u[a + i]) * g - to_acc(f[a + i]) * keep * dot * g / floor) * scale)
 
     return l2_normalize
+
+
+def make_edge_bias_grad(storage, acc_type):
+    """``edge_bias_grad(out, dy, grp_ptr, grp_pos, N, K, MPQ)``: out[k, e] = Σ over the batch and
+    edge group e's output positions (``grp_pos[grp_ptr[e]:grp_ptr[e + 1]]``) of dy[n, k, position],
+    a thread a (k, e)."""
+    to_acc, from_acc = converters(storage, acc_type)
+
+    @cuda.jit
+    def edge_bias_grad(out, dy, grp_ptr, grp_pos, N, K, MPQ):
+        groups = grp_ptr.shape[0] - 1
+        start, step = cuda.grid(1), cuda.gridsize(1)
+        for e in range(start, K * groups, step):
+            k, g = e // groups, e % groups
+            acc = acc_type(0)
+            for n in range(N):
+                for at in range(grp_ptr[g], grp_ptr[g + 1]):
+                    acc += to_acc(dy[(n * K + k) * MPQ + grp_pos[at]])
+            out[e] = from_acc(acc)
+
+    return edge_bias_grad
