@@ -15,7 +15,9 @@ the strides, the paddings, the dilations), each three dims. The channel lookup t
 * ``input_grad(out, dy, f, ...)``: out[n, c, d, h, w] from the output positions each tap of each
   block reaching c maps there (d = m·u - pad + t·a, so m = (d + pad - t·a) / u where that divides);
 * ``filter_grad(out, dy, x, ...)``: out[f_off[b] + e] over the batch and the output positions,
-  a thread a filter value (blockIdx.y: the block).
+  a thread a filter value (blockIdx.y: the block);
+* ``l2_normalize`` (and its gradient), a thread a filter row; ``edge_bias_grad``, a thread an
+  (output channel, edge group).
 """
 
 from numba import cuda
