@@ -51,9 +51,9 @@ from ..ptx.wgmma import waiter as wg_waiter
 from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
 from .device import converters, grouped_tile, tile_of
-from .hopper_shapes import (  # noqa: F401 (V7_BLOCKS, v7_check, persistent: the dispatch's and config's)
-    ATOM, CHUNK, PAIRED, SWIZZLE_K, V7_BLOCKS, V7_STORAGE, barriers_at, hand_over, jit_for, persistent, persistent_config,
-    producing, shared_bytes, split_registers, staged16_at, staged_shape, v7_check, v7_shape, v7_threads,
+from .hopper_shapes import (  # noqa: F401 (V7_BLOCKS, V7_STORAGE, v7_check, split_registers: re-exported)
+    ATOM, CHUNK, PAIRED, V7_BLOCKS, V7_STORAGE, barriers_at, hand_over, jit_for, persistent, persistent_config,
+    shared_bytes, split_registers, staged16_at, staged_shape, v7_check, v7_shape, v7_threads,
 )
 
 

@@ -19,7 +19,7 @@ spatial sizes of 1). An output channel that several blocks reach sums their cont
 
 import numpy as np
 
-from ..conv.geometry import edge_map, expand_dims, geometry, in_dim, out_dim, padding_of  # noqa: F401
+from ..conv.geometry import edge_map, geometry  # noqa: F401 (geometry: the twin's callers take it from here)
 
 
 def _taps(g, axis, tap):
