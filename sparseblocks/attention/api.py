@@ -9,7 +9,9 @@ from ..layout import BlockLayout
 from ..runtime.arrays import Array, checked_operands, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import active, on_arrays_device
-from ..runtime.launch import launch, multiprocessors
+from ..runtime.launch import data_pointer, launch, multiprocessors
+from . import fused
+from .config import AttentionConfig, as_config
 from .simple import (make_column_weighted, make_deltas, make_probabilities, make_score_grads, make_scores,
                      make_softmax, make_weighted)
 
@@ -76,6 +78,12 @@ def _checked(named):
     return ops
 
 
+def _fused(cfg, dtype, head_dim, bs, arrays):
+    """Whether the fused kernels take the call: the config's choice, their dtypes, head dims and
+    blocks (`fused.fits`), and 16-byte aligned operands (their copies are 16-byte cp.async)."""
+    return cfg.fused and not fused.fits(dtype, head_dim, bs) and all(data_pointer(a) % 16 == 0 for a in arrays)
+
+
 def _launch(kernel, stream, n, args):
     if n:
         launch(kernel, max(1, min(-(-n // THREADS), 16 * multiprocessors())), THREADS, stream, args)
@@ -83,16 +91,18 @@ def _launch(kernel, stream, n, args):
 
 @on_arrays_device
 def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[BlockLayout]], *,
-              causal: bool = False, scale: Optional[float] = None,
-              return_lse: bool = False) -> Union[Array, Tuple[Array, Any]]:
+              causal: bool = False, scale: Optional[float] = None, return_lse: bool = False,
+              config: Optional[AttentionConfig] = None) -> Union[Array, Tuple[Array, Any]]:
     """Attention of ``q`` over ``k`` and ``v`` ((batch, heads, seq, head_dim) each, one dtype)
     where ``layout`` (one `BlockLayout` over the (query block, key block) grid, or one a head)
     has blocks, and with ``causal`` only keys up to the query; ``scale`` 1/sqrt(head_dim) by
     default. A query that sees no key gets zeros. ``return_lse``: also each query's log-sum-exp of
     its scaled scores (fp32; -inf where it sees nothing), (batch, heads, seq).
 
-    The three-kernel version (`simple.py`: scores, softmax, weighted sum), which stores the present
-    blocks' scores."""
+    fp16 and bf16 run fused (`fused.py`: flash-style, nothing of size seq x seq stored) where
+    `fused.fits` the call and ``config.fused``; other calls take the three kernels (`simple.py`:
+    scores, softmax, weighted sum), which store the present blocks' scores."""
+    cfg = as_config(config)
     ops = _checked([("q", q), ("k", k), ("v", v)])
     B, H, S, D = ops[0].shape
     layouts = _layouts(layout, H, S)
@@ -101,28 +111,46 @@ def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[
     stream = launch_stream(ops)
     blk_head, blk_row, blk_col, row_ptr, _, _, G = _device_tables(layouts, stream)
     dtype = ops[0].dtype
-    acc = _acc(dtype)
     native, out = ops[0].empty((B, H, S, D), stream)
     lse_native, lse = ops[0].empty((B, H, S), stream, dtype="float64" if dtype == "float64" else "float32")
-    s = ops[0].scratch((max(1, B * G * bs * bs),), "float64" if dtype == "float64" else "float32", stream)
     qd, kd, vd = (op.device(stream).reshape(-1) for op in ops)
-    _launch(cached(make_scores, dtype, acc), stream, B * G * bs * bs,
-            (s, qd, kd, blk_head, blk_row, blk_col, B, H, S, D, bs, scale, bool(causal)))
-    _launch(cached(make_softmax, acc), stream, B * H * S, (s, lse.reshape(-1), row_ptr, B, H, S, bs))
-    _launch(cached(make_weighted, dtype, acc), stream, B * H * S * D,
-            (out.reshape(-1), s, vd, row_ptr, blk_col, B, H, S, D, bs, 1.0))
+    if _fused(cfg, dtype, D, bs, (qd, kd, vd)):
+        kernel = cached(fused.make_forward, dtype, D, cfg.stages)
+        if B * H * S:
+            launch(kernel, B * H * (S // fused.TILE), fused.THREADS, stream,
+                   (out.reshape(-1), lse.reshape(-1), qd, kd, vd, row_ptr, blk_col, H, S, bs,
+                    scale * fused.LOG2E, bool(causal)))
+    else:
+        _three_kernels(ops, out, lse, qd, kd, vd, stream, (blk_head, blk_row, blk_col, row_ptr, G), bs, scale,
+                       causal)
     result = ops[0].result(native, out, stream)
     if return_lse:
         return result, ops[0].result(lse_native, lse, stream)
     return result
 
 
+def _three_kernels(ops, out, lse, qd, kd, vd, stream, tables, bs, scale, causal):
+    B, H, S, D = ops[0].shape
+    blk_head, blk_row, blk_col, row_ptr, G = tables
+    dtype = ops[0].dtype
+    acc = _acc(dtype)
+    s = ops[0].scratch((max(1, B * G * bs * bs),), "float64" if dtype == "float64" else "float32", stream)
+    _launch(cached(make_scores, dtype, acc), stream, B * G * bs * bs,
+            (s, qd, kd, blk_head, blk_row, blk_col, B, H, S, D, bs, scale, bool(causal)))
+    _launch(cached(make_softmax, acc), stream, B * H * S, (s, lse.reshape(-1), row_ptr, B, H, S, bs))
+    _launch(cached(make_weighted, dtype, acc), stream, B * H * S * D,
+            (out.reshape(-1), s, vd, row_ptr, blk_col, B, H, S, D, bs, 1.0))
+
+
 @on_arrays_device
 def attention_grad(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
                    layout: Union[BlockLayout, Sequence[BlockLayout]], *, causal: bool = False,
-                   scale: Optional[float] = None) -> Tuple[Array, Array, Array]:
+                   scale: Optional[float] = None,
+                   config: Optional[AttentionConfig] = None) -> Tuple[Array, Array, Array]:
     """(dq, dk, dv) of `attention` from its output ``out``, its log-sum-exp ``lse`` (``return_lse``)
-    and the output's gradient ``dout``; the probabilities are computed again from q, k and lse."""
+    and the output's gradient ``dout``; the probabilities are computed again from q, k and lse.
+    Fused (`fused.py`: dq a query tile, dk and dv a key tile, no atomics) where `attention` is."""
+    cfg = as_config(config)
     ops = _checked([("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)])
     B, H, S, D = ops[0].shape
     (lse_op,) = checked_operands([("lse", lse)], ("float32", "float64"))
@@ -140,20 +168,29 @@ def attention_grad(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: A
     lsed = lse_op.device(stream).reshape(-1)
     if lse_op.dtype != wide:
         raise TypeError(f"lse: expected {wide} (attention's return_lse for {dtype}), got {lse_op.dtype}")
-    n = max(1, B * G * bs * bs)
-    p, ds = ops[0].scratch((n,), wide, stream), ops[0].scratch((n,), wide, stream)
-    delta = ops[0].scratch((B * H * S,), wide, stream)
-    _launch(cached(make_probabilities, dtype, acc), stream, B * G * bs * bs,
-            (p, qd, kd, lsed, blk_head, blk_row, blk_col, B, H, S, D, bs, scale, bool(causal)))
+    delta = ops[0].scratch((max(1, B * H * S),), wide, stream)
     _launch(cached(make_deltas, dtype, acc), stream, B * H * S, (delta, dod, od, B, H, S, D))
-    _launch(cached(make_score_grads, dtype, acc), stream, B * G * bs * bs,
-            (ds, p, dod, vd, delta, blk_head, blk_row, blk_col, B, H, S, D, bs))
-    grads = []
-    for name, kernel, args in (
-            ("dq", make_weighted, lambda out: (out, ds, kd, row_ptr, blk_col, B, H, S, D, bs, scale)),
-            ("dk", make_column_weighted, lambda out: (out, ds, qd, col_ptr, col_block, blk_row, B, H, S, D, bs, scale)),
-            ("dv", make_column_weighted, lambda out: (out, p, dod, col_ptr, col_block, blk_row, B, H, S, D, bs, 1.0))):
-        native, grad = ops[0].empty((B, H, S, D), stream)
-        _launch(cached(kernel, dtype, acc), stream, B * H * S * D, args(grad.reshape(-1)))
-        grads.append(ops[0].result(native, grad, stream))
-    return grads[0], grads[1], grads[2]
+    outs = [ops[0].empty((B, H, S, D), stream) for _ in range(3)]
+    dq, dk, dv = (grad.reshape(-1) for _, grad in outs)
+    if _fused(cfg, dtype, D, bs, (qd, kd, vd, dod, lsed, delta)):
+        grid = B * H * (S // fused.TILE)
+        if grid:
+            args = (H, S, bs, scale, scale * fused.LOG2E, bool(causal))
+            launch(cached(fused.make_query_grads, dtype, D, cfg.backward_stages), grid, fused.THREADS, stream,
+                   (dq, qd, kd, vd, dod, lsed, delta, row_ptr, blk_col) + args)
+            launch(cached(fused.make_key_grads, dtype, D, cfg.backward_stages), grid, fused.THREADS, stream,
+                   (dk, dv, qd, kd, vd, dod, lsed, delta, col_ptr, col_block, blk_row) + args)
+    else:
+        n = max(1, B * G * bs * bs)
+        p, ds = ops[0].scratch((n,), wide, stream), ops[0].scratch((n,), wide, stream)
+        _launch(cached(make_probabilities, dtype, acc), stream, B * G * bs * bs,
+                (p, qd, kd, lsed, blk_head, blk_row, blk_col, B, H, S, D, bs, scale, bool(causal)))
+        _launch(cached(make_score_grads, dtype, acc), stream, B * G * bs * bs,
+                (ds, p, dod, vd, delta, blk_head, blk_row, blk_col, B, H, S, D, bs))
+        for out_, kernel, args in (
+                (dq, make_weighted, (ds, kd, row_ptr, blk_col, B, H, S, D, bs, scale)),
+                (dk, make_column_weighted, (ds, qd, col_ptr, col_block, blk_row, B, H, S, D, bs, scale)),
+                (dv, make_column_weighted, (p, dod, col_ptr, col_block, blk_row, B, H, S, D, bs, 1.0))):
+            _launch(cached(kernel, dtype, acc), stream, B * H * S * D, (out_,) + args)
+    dq_, dk_, dv_ = (ops[0].result(native, grad, stream) for native, grad in outs)
+    return dq_, dk_, dv_

@@ -21,6 +21,15 @@ _state = threading.local()  # .ordinal: the device of the running call, where on
 _cu_ctx_get_device = None
 
 
+def _not_tracing():
+    return False
+
+
+# Whether torch.compile is tracing the call (`torch.compiler.is_compiling`, set by
+# `sparseblocks.torch`): a traced call runs as it is, its custom ops choosing the device when run
+tracing = _not_tracing
+
+
 def ordinal_of(array):
     """The CUDA device ordinal of a torch tensor or CuPy array; None for anything else (host
     arrays and CPU tensors; Numba device arrays, which live in the current context)."""
@@ -77,7 +86,7 @@ def on_arrays_device(function):
 
     @functools.wraps(function)
     def call(*args, **kwargs):
-        if SIMULATOR:
+        if SIMULATOR or tracing():
             return function(*args, **kwargs)
         ordinal = None
         for value in args:

@@ -11,6 +11,9 @@ Importing this package imports torch. Tensors reach the kernels through
 ``__cuda_array_interface__`` and every launch goes on torch's current stream.
 """
 
+import torch as _torch
+
+from ..runtime import devices as _devices
 from .attention import BlockSparseAttention, block_sparse_attention
 from .config import ResBlockConfig
 from .conv import BlockSparseConv1d, BlockSparseConv2d, BlockSparseConv3d, BlockSparseConvTranspose1d
@@ -22,6 +25,8 @@ from .regrow import BlockRegrowth
 from .res_block import SparseResBlock
 from .sbnet import sparse_gather, sparse_scatter
 from .sparsify import sparsify
+
+_devices.tracing = _torch.compiler.is_compiling
 
 __all__ = ["BlockSparseLinear", "BlockRegrowth", "sparsify", "SparseResBlock", "ResBlockConfig", "sparse_gather",
            "sparse_scatter", "LQLinear", "layer_norm", "batch_norm", "BlockSparseConv1d", "BlockSparseConv2d",

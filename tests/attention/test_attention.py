@@ -1,14 +1,16 @@
 """Block-sparse attention (sparseblocks/attention) against its twin (reference/attention.py):
 random layouts shared by the heads or one a head, causal diagonal blocks, queries that see no key
-(zeros, no NaN), every dtype; and the errors bad input gets before any launch."""
+(zeros, no NaN), every dtype, the three kernels and the fused ones; and the errors bad input gets
+before any launch."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparseblocks.attention import attention, attention_grad
+from sparseblocks.attention import AttentionConfig, attention, attention_grad
 from sparseblocks.layout import BlockLayout
+from sparseblocks.runtime.backend import SIMULATOR
 from sparseblocks.reference import attention as reference
 from strategies import assert_close, values
 
@@ -17,15 +19,22 @@ from strategies import assert_close, values
 @given(dtype=st.sampled_from(["float32", "float16", "bfloat16", "float64"]), causal=st.booleans(),
        per_head=st.booleans(), seed=st.integers(0, 2**16))
 def test_three_kernels_match_the_twin(dtype, causal, per_head, seed):
+    check_against_twin(dtype, causal, per_head, seed, (1, 2, 8, 3, 4))
+
+
+def check_against_twin(dtype, causal, per_head, seed, shape, config=None, empty_row=True):
+    """Forward (output and lse) and gradients of random layouts of (B, H, bs, blocks, D) against the twin."""
     rng = np.random.default_rng(seed)
-    B, H, bs, blocks, D = 1, 2, 8, 3, 4
+    B, H, bs, blocks, D = shape
     S = bs * blocks
     masks = [rng.random((blocks, blocks)) < 0.5 for _ in range(H if per_head else 1)]
-    masks[0][0] = False  # a query block that sees nothing
+    masks[0][-1, -1] = True
+    if empty_row:
+        masks[0][0] = False  # a query block that sees nothing
     layouts = [BlockLayout(m, bs) for m in masks]
     layout = layouts if per_head else layouts[0]
     q, k, v = (values(rng, (B, H, S, D), dtype) for _ in range(3))
-    out, lse = attention(q, k, v, layout, causal=causal, return_lse=True)
+    out, lse = attention(q, k, v, layout, causal=causal, return_lse=True, config=config)
     want, want_lse = reference.forward(q, k, v, layout, causal)
     assert np.isfinite(np.asarray(out, np.float64)).all()
     assert_close(out, want, dtype, "out", terms=S)
@@ -33,11 +42,35 @@ def test_three_kernels_match_the_twin(dtype, causal, per_head, seed):
     assert np.array_equal(np.isfinite(lse), seen)
     np.testing.assert_allclose(np.asarray(lse)[seen], want_lse[seen], rtol=1e-5, atol=1e-5)
     dout = values(rng, (B, H, S, D), dtype)
-    grads = attention_grad(q, k, v, out, lse, dout, layout, causal=causal)
+    grads = attention_grad(q, k, v, out, lse, dout, layout, causal=causal, config=config)
     wants = reference.backward(q, k, v, np.asarray(out, np.float64), want_lse, dout, layout, causal)
     for name, got, want_g in zip(("dq", "dk", "dv"), grads, wants):
         assert np.isfinite(np.asarray(got, np.float64)).all(), name
         assert_close(got, want_g, dtype, name, terms=S)
+
+
+def test_fused_kernels_match_the_twin_on_one_tile():
+    """The fused kernels (fp16, one 64-row tile: the causal mask inside it) in the simulator."""
+    check_against_twin("float16", True, False, 5, (1, 1, 64, 1, 16), empty_row=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="sizes the simulator would take minutes over")
+@pytest.mark.parametrize("dtype, D, stages", [("float16", 64, 2), ("float16", 128, 2), ("bfloat16", 64, 2),
+                                              ("bfloat16", 128, 2), ("float16", 16, 3), ("bfloat16", 32, 4)])
+@settings(max_examples=15, deadline=None)
+@given(causal=st.booleans(), per_head=st.booleans(), bs=st.sampled_from([64, 128]), blocks=st.integers(1, 4),
+       B=st.integers(1, 2), H=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_fused_kernels_match_the_twin(dtype, D, stages, causal, per_head, bs, blocks, B, H, seed):
+    config = AttentionConfig(stages=stages, backward_stages=stages)
+    check_against_twin(dtype, causal, per_head, seed, (B, H, bs, blocks, D), config, empty_row=blocks > 1)
+
+
+def test_config_checks_its_fields():
+    with pytest.raises(ValueError, match="stages"):
+        AttentionConfig(stages=1)
+    with pytest.raises(TypeError, match="AttentionConfig"):
+        attention(*(np.zeros((1, 1, 8, 4), np.float32),) * 3, BlockLayout.causal(1, block_size=8), config=3)
 
 
 def test_bad_calls_raise():

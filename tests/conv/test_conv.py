@@ -85,9 +85,12 @@ def test_deconv_is_the_transposed_convolution():
 
 def test_filters_and_results_keep_torch_tensors():
     torch = pytest.importorskip("torch")
+    from sparseblocks.runtime.backend import SIMULATOR
+
+    device = "cpu" if SIMULATOR else "cuda"
     op = BlocksparseConv([([0, 1], [0, 1])], (3,), (6,))
-    F = [torch.randn(op.f_shape(0))]
-    I = torch.randn(op.i_shape(2))
+    F = [torch.randn(op.f_shape(0), device=device)]
+    I = torch.randn(op.i_shape(2), device=device)
     O = op(F, I)
     assert isinstance(O, torch.Tensor) and list(O.shape) == op.o_shape(2)
     want = torch.nn.functional.conv1d(I, F[0], padding=1)

@@ -1017,7 +1017,7 @@ def test_block_compiles_onto_the_fused_kernels(kernels, layout):
 
 
 def test_fused_custom_ops_pass_opcheck():
-    """The fused ops' schemas and fake kernels (torch.library.opcheck), on torch's CPU ops."""
+    """The fused ops' schemas and fake kernels (torch.library.opcheck)."""
     from sparseblocks.torch import fused as fused_ops
 
     block, x, indices, count, _ = three_windows(channels_last=True)
@@ -1027,7 +1027,7 @@ def test_fused_custom_ops_pass_opcheck():
     geometry = (list(p.bsize), list(p.bstride), list(p.boffset))
     checks = {"test_utils": ("test_schema", "test_faketensor")}
     torch.library.opcheck(fused_ops.sbnet_gather_matmul, (image, indices, count, w1, *geometry, "NHWC"), **checks)
-    h2 = torch.rand(len(indices), *p.bsize_out, w3.shape[1])
+    h2 = torch.rand(len(indices), *p.bsize_out, w3.shape[1], device=x.device)
     out_at = (list(p.bsize_out), list(p.bsize_out), [0, 0])
     torch.library.opcheck(fused_ops.sbnet_matmul_scatter_, (h2, indices, count, w3, image.clone(), *out_at, "NHWC"),
                           **checks)

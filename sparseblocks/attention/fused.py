@@ -1,0 +1,544 @@
+"""Block-sparse attention fused on the tensor cores, flash-style: fp16 and bf16 (``mma.sync``
+m16n8k16, fp32 accumulators), head_dim 16 to 128 (a multiple of 16), blocks a multiple of 64.
+
+Nothing of size seq x seq is written. Work goes in tiles of 64 rows: a thread block of four warps
+takes 64 queries (or 64 keys, in the backward's dk and dv), each warp 16 of them, and walks the
+tiles of 64 on the other side that its block-row (or block-column) of the layout has, a block
+of 128 being two tiles. The tiles it walks go from global to shared memory by 16-byte cp.async
+into a ring, ``stages - 1`` tiles ahead of the one multiplied, one barrier a tile; the warps take
+their mma fragments with ``ldmatrix`` (``.trans`` for an operand whose k runs down its rows).
+
+* ``forward(out, lse, q, k, v, ...)``: a query tile's scores S = q kᵀ (scaled, in base 2) against
+  each key tile, an online softmax (the rows' running maxima and sums, the output rescaled
+  where a maximum grows), then out += P v, with P taken from S's accumulators as the A fragments
+  of the next product (the C fragments of two m16n8 tiles are the A fragment of one m16k16:
+  FlashAttention-2's register reuse). The log-sum-exp of each query row is kept for the
+  backward; a row that sees no key gets zeros and -inf.
+* ``key_grads(dk, dv, q, k, v, dout, lse, delta, ...)``: a key tile's dv = Pᵀ dout and
+  dk = scale dSᵀ q over the query tiles of its block-column (the layout's transpose), with
+  P = exp(S - lse) and dS = P (dout vᵀ - delta) computed again a query tile at a time.
+* ``query_grads(dq, q, k, v, dout, lse, delta, ...)``: a query tile's dq = scale dS k over the key
+  tiles of its block-row. Each gradient is written once by the thread block that owns it:
+  no atomics, and the same bits on every run.
+
+``delta`` = rowsum(dout · out) (`simple.make_deltas`). A tile's rows that the causal mask hides
+from all of a tile's keys contribute nothing; the tiles past the diagonal are not walked at all.
+The three-kernel version (`simple.py`) is the readable statement of the same math.
+"""
+
+import math
+
+from numba import cuda, float32, int32, int64, uint32
+
+from ..bsmm.device import converters
+from ..ptx.cp_async import commit, copy16_to, shared_address, signed_address, waiter
+from ..ptx.half2 import bf16_of_float, half2_of_floats
+from ..ptx.ldmatrix import ldmatrix_x4_at, ldmatrix_x4_trans_at
+from ..ptx.mma import FULL_MASK, mma_bf16, mma_f16, pack
+from ..runtime.compile import inlined, unrolled
+from ..runtime.launch import dynamic_shared
+
+TILE = 64  # rows of a query or key tile
+WARPS = TILE // 16
+THREADS = 32 * WARPS
+PAD = 16  # bytes after each shared row: eight rows start in eight bank groups
+STORAGE = ("float16", "bfloat16")
+LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
+
+
+def fits(dtype, head_dim, block_size):
+    """Why the fused kernels cannot take a call ('' where they can)."""
+    if dtype not in STORAGE:
+        return f"dtype {dtype}: the fused kernels take {' and '.join(STORAGE)}"
+    if head_dim % 16 or not 16 <= head_dim <= 128:
+        return f"head_dim {head_dim}: the fused kernels take multiples of 16 up to 128"
+    if block_size % TILE:
+        return f"block size {block_size}: the fused kernels take multiples of {TILE}"
+    return ""
+
+
+def _row_bytes(D):
+    return 2 * D + PAD
+
+
+def shared_bytes(D, stages, tiles_a_stage=2):
+    """The kept tile and the ring of ``stages`` stages of ``tiles_a_stage`` tiles."""
+    return TILE * _row_bytes(D) * (1 + stages * tiles_a_stage)
+
+
+def _pack_of(storage):
+    if storage == "bfloat16":
+        @inlined
+        def pack2(lo, hi):
+            return pack(bf16_of_float(lo), bf16_of_float(hi))
+    else:
+        @inlined
+        def pack2(lo, hi):
+            return uint32(half2_of_floats(lo, hi))
+    return pack2
+
+
+def make_tile_parts(storage, D, cols=TILE):
+    """The device functions the three kernels share:
+
+    * ``plan(tid)``: (to, frm), this thread's first chunk of a tile: its byte offsets in a shared
+      tile and in the global rows (the next ones are THREADS chunks on);
+    * ``copy_tile(at, source, to, frm)``: a tile's cp.async copies into shared ``at`` from global
+      ``source`` (the address of its first row);
+    * ``lanes(lane, warp)``: this lane's ldmatrix row offsets in a tile: (A rows of its warp, B
+      rows with k along D, B rows with k down the rows);
+    * ``times_rows(acc, fa, a_at, b_at)``: acc (16 x cols) += A · Bᵀ, A a warp's 16 rows (x D) of
+      the tile at ``a_at`` (its lane's ldmatrix rows), B ``cols`` rows of a tile from ``b_at`` (k
+      along D: S = q kᵀ, dP = dout vᵀ); ``fa``: four registers for A's fragments of a k16 step;
+    * ``times_tile(acc, fp, at)``: acc (16 x D) += P (16 x cols, A fragments fp by k16 step) · B,
+      B ``cols`` rows of a tile from ``at`` (k down its rows: out += P v, dq += dS k);
+    * ``as_fragments(fp, s)``: the 16 x cols values of s (C fragments) as A fragments;
+    * ``store(out, acc, f0, f1, at0, at1, t)``: a warp's 16 x D accumulators times f0 (its rows
+      0-7) and f1 (rows 8-15) into the rows of ``out`` at element offsets at0 and at1 (the lane's).
+    """
+    ROW = _row_bytes(D)
+    CH = D // 8  # 16-byte chunks a row
+    PER = TILE * CH // THREADS
+    KS = D // 16  # k16 steps along D; pairs of n-tiles of a 16 x D product
+    PAIRS = cols // 16  # pairs of n-tiles of a 16 x cols product; k16 steps along cols
+    mma = mma_bf16 if storage == "bfloat16" else mma_f16
+    pack2 = _pack_of(storage)
+
+    STEP = THREADS // CH  # rows from one of a thread's chunks to its next
+
+    @inlined
+    def plan(tid):
+        return (tid // CH) * ROW + 16 * (tid % CH), (tid // CH) * 2 * D + 16 * (tid % CH)
+
+    @inlined
+    def copy_tile(at, source, to, frm):
+        for i in range(PER):
+            copy16_to(at + (to + i * STEP * ROW), source + (frm + i * STEP * 2 * D))
+
+    @inlined
+    def lanes(lane, warp):
+        """Lanes 8q..8q+7 give matrix q's rows: A's (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15),
+        (m 8-15, k 8-15); B's (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15)."""
+        q, r = lane // 8, lane % 8
+        a = (warp * 16 + (q % 2) * 8 + r) * ROW + 2 * (q // 2) * 8
+        b_along = ((q // 2) * 8 + r) * ROW + 2 * (q % 2) * 8
+        b_down = ((q % 2) * 8 + r) * ROW + 2 * (q // 2) * 8
+        return a, b_along, b_down
+
+    def rows_step(i, acc, fa, a_at, b_at):
+        s, p = i // PAIRS, i % PAIRS  # k16 step along D, pair of 8-row n-tiles
+        if p == 0:  # (the A fragments of step s, for all its pairs)
+            x = ldmatrix_x4_at(a_at + 32 * s)
+            for j in range(4):
+                fa[j] = x[j]
+        f = ldmatrix_x4_at(b_at + (p * 16 * ROW + 32 * s))
+        for h in range(2):
+            n = 2 * p + h
+            d = mma(fa[0], fa[1], fa[2], fa[3], f[2 * h], f[2 * h + 1], acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3])
+            for j in range(4):
+                acc[n, j] = d[j]
+
+    times_rows = unrolled(KS * PAIRS, inlined(rows_step), inline=inlined)
+
+    def tile_step(i, acc, fp, at):
+        s, p = i // KS, i % KS  # k16 step along the tile's rows, pair of n-tiles along D
+        f = ldmatrix_x4_trans_at(at + (s * 16 * ROW + 32 * p))
+        for h in range(2):
+            n = 2 * p + h
+            d = mma(fp[s, 0], fp[s, 1], fp[s, 2], fp[s, 3], f[2 * h], f[2 * h + 1],
+                    acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3])
+            for j in range(4):
+                acc[n, j] = d[j]
+
+    times_tile = unrolled(PAIRS * KS, inlined(tile_step), inline=inlined)
+
+    def fragment_of_step(n, fp, s):
+        fp[n // 2, 2 * (n % 2)] = pack2(s[n, 0], s[n, 1])
+        fp[n // 2, 2 * (n % 2) + 1] = pack2(s[n, 2], s[n, 3])
+
+    as_fragments = unrolled(2 * PAIRS, inlined(fragment_of_step), inline=inlined)
+    _, from_acc = converters(storage, float32)
+
+    def store_step(n, out, acc, f0, f1, at0, at1, t):
+        out[at0 + 8 * n + 2 * t] = from_acc(acc[n, 0] * f0)
+        out[at0 + 8 * n + 2 * t + 1] = from_acc(acc[n, 1] * f0)
+        out[at1 + 8 * n + 2 * t] = from_acc(acc[n, 2] * f1)
+        out[at1 + 8 * n + 2 * t + 1] = from_acc(acc[n, 3] * f1)
+
+    store = unrolled(D // 8, inlined(store_step), inline=inlined)
+    return plan, copy_tile, lanes, times_rows, times_tile, as_fragments, store
+
+
+def make_forward(storage, D, stages):
+    ROW = _row_bytes(D)
+    TILE_BYTES = TILE * ROW
+    STAGE = 2 * TILE_BYTES  # a key tile, then its value tile
+    PER = TILE * (D // 8) // THREADS
+    KS, DN = D // 16, D // 8
+    plan, copy_tile, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D)
+    wait = waiter(stages - 2)
+    NEG = -math.inf
+
+    def mask_step(n, s, top, scale2, masked, key0, row, t):
+        """Scale column block n of the scores, hide the keys past a row's query (``masked``), and
+        fold its values into the rows' maxima."""
+        for j in range(4):
+            x = s[n, j] * scale2
+            if masked and key0 + 8 * n + 2 * t + j % 2 > row + 8 * (j // 2):
+                x = NEG
+            s[n, j] = x
+            top[j // 2] = max(top[j // 2], x)
+
+    mask = unrolled(8, inlined(mask_step), inline=inlined)
+
+    def exp_step(n, s, use, total):
+        for j in range(4):
+            p = math.exp2(s[n, j] - use[j // 2])
+            s[n, j] = p
+            total[j // 2] += p
+
+    exps = unrolled(8, inlined(exp_step), inline=inlined)
+
+    def rescale_step(n, o, corr):
+        for j in range(4):
+            o[n, j] *= corr[j // 2]
+
+    rescale = unrolled(DN, inlined(rescale_step), inline=inlined)
+
+    @cuda.jit
+    def forward(out, lse, q, k, v, row_ptr, blk_col, H, S, bs, scale2, causal):
+        tid = cuda.threadIdx.x
+        lane, warp = tid % 32, tid // 32
+        g, t = lane // 4, lane % 4
+        n_qt = S // TILE
+        qt = n_qt - 1 - cuda.blockIdx.x % n_qt  # (the longest causal rows first)
+        bh = cuda.blockIdx.x // n_qt
+        h = bh % H
+        q0 = qt * TILE
+        rows, sub = S // bs, bs // TILE
+        first, last = row_ptr[h * rows + q0 // bs], row_ptr[h * rows + q0 // bs + 1]
+        n = (last - first) * sub
+        if causal:  # (a row's blocks run by column: the tiles it walks are a prefix)
+            n = 0
+            for e in range((last - first) * sub):
+                if blk_col[first + e // sub] * bs + (e % sub) * TILE < q0 + TILE:
+                    n += 1
+        smem = cuda.shared.array(0, int32)
+        base = shared_address(smem, (0,))
+        head = int64(bh) * S * D
+        q_at = signed_address(q, (0,)) + 2 * (head + int64(q0) * D)
+        k_at = signed_address(k, (0,)) + 2 * head
+        v_at = signed_address(v, (0,)) + 2 * head
+        to, frm = plan(tid)
+        a_lane, b_along, b_down = lanes(lane, warp)
+        fa = cuda.local.array(4, uint32)
+        fp = cuda.local.array((4, 4), uint32)
+        s = cuda.local.array((8, 4), float32)
+        o = cuda.local.array((DN, 4), float32)
+        top = cuda.local.array(2, float32)
+        use = cuda.local.array(2, float32)
+        corr = cuda.local.array(2, float32)
+        total = cuda.local.array(2, float32)
+        peak = cuda.local.array(2, float32)
+        scale2 = float32(scale2)
+        for i in range(DN):
+            for j in range(4):
+                o[i, j] = float32(0)
+        for i in range(2):
+            top[i], use[i], total[i] = NEG, float32(0), float32(0)
+
+        if n > 0:
+            copy_tile(base, q_at, to, frm)
+        for e in range(stages - 1):
+            if e < n:
+                key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE
+                at = base + TILE_BYTES + e * STAGE
+                copy_tile(at, k_at + 2 * int64(key0) * D, to, frm)
+                copy_tile(at + TILE_BYTES, v_at + 2 * int64(key0) * D, to, frm)
+            commit()  # one group a stage, empty or not, so that the wait counts stages
+        buf = 0
+        row = q0 + warp * 16 + g
+        for e in range(n):
+            wait()
+            cuda.syncthreads()  # the stage landed for all; every warp is done with the buffer refilled
+            nxt = e + stages - 1
+            if nxt < n:
+                key1 = blk_col[first + nxt // sub] * bs + (nxt % sub) * TILE
+                at = base + TILE_BYTES + (buf - 1 if buf > 0 else stages - 1) * STAGE
+                copy_tile(at, k_at + 2 * int64(key1) * D, to, frm)
+                copy_tile(at + TILE_BYTES, v_at + 2 * int64(key1) * D, to, frm)
+            commit()
+            key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE
+            at = base + TILE_BYTES + buf * STAGE
+            for i in range(8):
+                for j in range(4):
+                    s[i, j] = float32(0)
+            times_rows(s, fa, base + a_lane, at + b_along)
+            peak[0], peak[1] = NEG, NEG
+            mask(s, peak, scale2, causal and key0 + TILE > q0 + warp * 16, key0, row, t)
+            for i in range(2):
+                m = peak[i]
+                m = max(m, cuda.shfl_xor_sync(FULL_MASK, m, 1))
+                m = max(m, cuda.shfl_xor_sync(FULL_MASK, m, 2))
+                m = max(m, top[i])
+                was = use[i]
+                use[i] = m if m != NEG else float32(0)
+                corr[i] = math.exp2(was - use[i]) if top[i] != NEG else float32(0)
+                top[i] = m
+                total[i] *= corr[i]
+            rescale(o, corr)
+            exps(s, use, total)
+            as_fragments(fp, s)
+            times_tile(o, fp, at + TILE_BYTES + b_down)
+            buf = buf + 1 if buf < stages - 1 else 0
+
+        inv = cuda.local.array(2, float32)
+        for i in range(2):
+            total[i] += cuda.shfl_xor_sync(FULL_MASK, total[i], 1)
+            total[i] += cuda.shfl_xor_sync(FULL_MASK, total[i], 2)
+            inv[i] = float32(1) / total[i] if total[i] > 0 else float32(0)
+            if t == 0:
+                lse[bh * S + row + 8 * i] = (use[i] + math.log2(total[i])) * LN2 if total[i] > 0 else NEG
+        store(out, o, inv[0], inv[1], head + int64(row) * D, head + int64(row + 8) * D, t)
+
+    return dynamic_shared(forward, shared_bytes(D, stages))
+
+
+def make_backward_parts(cols=TILE):
+    """The element-wise steps of both backward kernels on a warp's 16 x cols scores (C fragments),
+    whose rows are queries and columns keys (``rows_along``: query_grads) or the other way
+    (key_grads):
+
+    * ``probabilities(s, scale2, lse, rows_along, col_first, row, t, masked)``: scores into
+      P = exp2(scale2 s - lse log2 e), 0 where the causal mask hides the pair (``masked``: it may)
+      or the query sees nothing (lse -inf); ``lse`` the lane's two rows' or the ``cols`` columns';
+    * ``score_grads(dp, p, delta, rows_along, t)``: dP into dS = P (dP - delta), ``delta`` as lse.
+    """
+    NEG = -math.inf
+
+    def probability_step(n, s, scale2, lse, rows_along, col_first, row, t, masked):
+        for j in range(4):
+            col = 8 * n + 2 * t + j % 2
+            r = row + 8 * (j // 2)
+            if rows_along:  # a query row, key columns
+                level = lse[j // 2]
+                hidden = masked and col_first + col > r
+            else:  # a key row, query columns
+                level = lse[col]
+                hidden = masked and r > col_first + col
+            s[n, j] = float32(0) if hidden or level == NEG else math.exp2(s[n, j] * scale2 - level * float32(LOG2E))
+
+    probabilities = unrolled(cols // 8, inlined(probability_step), inline=inlined)
+
+    def grad_step(n, dp, p, delta, rows_along, t):
+        for j in range(4):
+            d = delta[j // 2] if rows_along else delta[8 * n + 2 * t + j % 2]
+            dp[n, j] = p[n, j] * (dp[n, j] - d)
+
+    score_grads = unrolled(cols // 8, inlined(grad_step), inline=inlined)
+    return probabilities, score_grads
+
+
+def make_query_grads(storage, D, stages):
+    """dq of a query tile: its q and dout tiles kept, the key and value tiles of its block-row in
+    the ring."""
+    ROW = _row_bytes(D)
+    TILE_BYTES = TILE * ROW
+    KEPT, STAGE = 2 * TILE_BYTES, 2 * TILE_BYTES
+    PER = TILE * (D // 8) // THREADS
+    KS, DN = D // 16, D // 8
+    plan, copy_tile, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D)
+    probabilities, score_grads = make_backward_parts()
+    wait = waiter(stages - 2)
+
+    @cuda.jit
+    def query_grads(dq, q, k, v, dout, lse, delta, row_ptr, blk_col, H, S, bs, scale, scale2, causal):
+        tid = cuda.threadIdx.x
+        lane, warp = tid % 32, tid // 32
+        g, t = lane // 4, lane % 4
+        n_qt = S // TILE
+        qt = n_qt - 1 - cuda.blockIdx.x % n_qt
+        bh = cuda.blockIdx.x // n_qt
+        h = bh % H
+        q0 = qt * TILE
+        rows, sub = S // bs, bs // TILE
+        first, last = row_ptr[h * rows + q0 // bs], row_ptr[h * rows + q0 // bs + 1]
+        n = (last - first) * sub
+        if causal:
+            n = 0
+            for e in range((last - first) * sub):
+                if blk_col[first + e // sub] * bs + (e % sub) * TILE < q0 + TILE:
+                    n += 1
+        smem = cuda.shared.array(0, int32)
+        base = shared_address(smem, (0,))
+        head = int64(bh) * S * D
+        k_at = signed_address(k, (0,)) + 2 * head
+        v_at = signed_address(v, (0,)) + 2 * head
+        to, frm = plan(tid)
+        a_lane, b_along, b_down = lanes(lane, warp)
+        fa = cuda.local.array(4, uint32)
+        fp = cuda.local.array((4, 4), uint32)
+        s = cuda.local.array((8, 4), float32)
+        dp = cuda.local.array((8, 4), float32)
+        acc = cuda.local.array((DN, 4), float32)
+        l2 = cuda.local.array(2, float32)
+        dl = cuda.local.array(2, float32)
+        scale2 = float32(scale2)
+        row = q0 + warp * 16 + g
+        for i in range(2):
+            l2[i] = lse[bh * S + row + 8 * i]
+            dl[i] = delta[bh * S + row + 8 * i]
+        for i in range(DN):
+            for j in range(4):
+                acc[i, j] = float32(0)
+        if n > 0:
+            copy_tile(base, signed_address(q, (0,)) + 2 * (head + int64(q0) * D), to, frm)
+            copy_tile(base + TILE_BYTES, signed_address(dout, (0,)) + 2 * (head + int64(q0) * D), to, frm)
+        for e in range(stages - 1):
+            if e < n:
+                key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE
+                at = base + KEPT + e * STAGE
+                copy_tile(at, k_at + 2 * int64(key0) * D, to, frm)
+                copy_tile(at + TILE_BYTES, v_at + 2 * int64(key0) * D, to, frm)
+            commit()
+        buf = 0
+        for e in range(n):
+            wait()
+            cuda.syncthreads()
+            nxt = e + stages - 1
+            if nxt < n:
+                key1 = blk_col[first + nxt // sub] * bs + (nxt % sub) * TILE
+                at = base + KEPT + (buf - 1 if buf > 0 else stages - 1) * STAGE
+                copy_tile(at, k_at + 2 * int64(key1) * D, to, frm)
+                copy_tile(at + TILE_BYTES, v_at + 2 * int64(key1) * D, to, frm)
+            commit()
+            key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE
+            at = base + KEPT + buf * STAGE
+            for i in range(8):
+                for j in range(4):
+                    s[i, j] = float32(0)
+                    dp[i, j] = float32(0)
+            times_rows(s, fa, base + a_lane, at + b_along)  # S = q kᵀ
+            probabilities(s, scale2, l2, True, key0, row, t, causal and key0 + TILE > q0 + warp * 16)
+            times_rows(dp, fa, base + TILE_BYTES + a_lane, at + TILE_BYTES + b_along)  # dP = dout vᵀ
+            score_grads(dp, s, dl, True, t)
+            as_fragments(fp, dp)
+            times_tile(acc, fp, at + b_down)  # dq += dS k
+            buf = buf + 1 if buf < stages - 1 else 0
+        store(dq, acc, float32(scale), float32(scale), head + int64(row) * D, head + int64(row + 8) * D, t)
+
+    return dynamic_shared(query_grads, KEPT + stages * STAGE)
+
+
+def make_key_grads(storage, D, stages):
+    """dk and dv of a key tile: its k and v tiles kept, the q and dout tiles of its block-column
+    (with their rows' lse and delta, 64 floats each) in the ring."""
+    ROW = _row_bytes(D)
+    TILE_BYTES = TILE * ROW
+    KEPT, STAGE = 2 * TILE_BYTES, 2 * TILE_BYTES + 2 * 4 * TILE
+    PER = TILE * (D // 8) // THREADS
+    KS, DN = D // 16, D // 8
+    ROWS_CH = 4 * TILE // 16  # 16-byte chunks of a tile's 64 lse (or delta) values
+    # A query tile in two halves of 32 (fewer registers: a warp's dk and dv take 2 D of them)
+    HALF = TILE // 2
+    NT, FP = HALF // 8, HALF // 16  # a half's n-tiles, and k16 steps
+    plan, copy_tile, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D, HALF)
+    probabilities, score_grads = make_backward_parts(HALF)
+    wait = waiter(stages - 2)
+
+    @inlined
+    def issue(at, tid, query0, q_at, do_at, lse_at, delta_at, to, frm):
+        copy_tile(at, q_at + 2 * int64(query0) * D, to, frm)
+        copy_tile(at + TILE_BYTES, do_at + 2 * int64(query0) * D, to, frm)
+        if tid < 2 * ROWS_CH:
+            source = lse_at if tid < ROWS_CH else delta_at
+            copy16_to(at + 2 * TILE_BYTES + 16 * tid, source + 4 * int64(query0) + 16 * (tid % ROWS_CH))
+
+    @cuda.jit
+    def key_grads(dk, dv, q, k, v, dout, lse, delta, col_ptr, col_block, blk_row, H, S, bs, scale, scale2, causal):
+        tid = cuda.threadIdx.x
+        lane, warp = tid % 32, tid // 32
+        g, t = lane // 4, lane % 4
+        n_kt = S // TILE
+        kt = cuda.blockIdx.x % n_kt  # (the keys of the most causal queries first)
+        bh = cuda.blockIdx.x // n_kt
+        h = bh % H
+        k0 = kt * TILE
+        cols, sub = S // bs, bs // TILE
+        first, last = col_ptr[h * cols + k0 // bs], col_ptr[h * cols + k0 // bs + 1]
+        n = (last - first) * sub
+        skip = 0
+        if causal:  # (a column's blocks run by row: the tiles it skips are a prefix)
+            for e in range(n):
+                if blk_row[col_block[first + e // sub]] * bs + (e % sub) * TILE + TILE <= k0:
+                    skip += 1
+            n -= skip
+        smem = cuda.shared.array(0, int32)
+        floats = cuda.shared.array(0, float32)
+        base = shared_address(smem, (0,))
+        head = int64(bh) * S * D
+        q_at = signed_address(q, (0,)) + 2 * head
+        do_at = signed_address(dout, (0,)) + 2 * head
+        lse_at = signed_address(lse, (0,)) + 4 * int64(bh) * S
+        delta_at = signed_address(delta, (0,)) + 4 * int64(bh) * S
+        to, frm = plan(tid)
+        a_lane, b_along, b_down = lanes(lane, warp)
+        fa = cuda.local.array(4, uint32)
+        fp = cuda.local.array((FP, 4), uint32)
+        s = cuda.local.array((NT, 4), float32)
+        dp = cuda.local.array((NT, 4), float32)
+        dk_acc = cuda.local.array((DN, 4), float32)
+        dv_acc = cuda.local.array((DN, 4), float32)
+        scale2 = float32(scale2)
+        key = k0 + warp * 16 + g
+        for i in range(DN):
+            for j in range(4):
+                dk_acc[i, j] = float32(0)
+                dv_acc[i, j] = float32(0)
+        if n > 0:
+            copy_tile(base, signed_address(k, (0,)) + 2 * (head + int64(k0) * D), to, frm)
+            copy_tile(base + TILE_BYTES, signed_address(v, (0,)) + 2 * (head + int64(k0) * D), to, frm)
+        for e in range(stages - 1):
+            if e < n:
+                x = e + skip
+                query0 = blk_row[col_block[first + x // sub]] * bs + (x % sub) * TILE
+                issue(base + KEPT + e * STAGE, tid, query0, q_at, do_at, lse_at, delta_at, to, frm)
+            commit()
+        buf = 0
+        for e in range(n):
+            wait()
+            cuda.syncthreads()
+            nxt = e + stages - 1
+            if nxt < n:
+                x = nxt + skip
+                query1 = blk_row[col_block[first + x // sub]] * bs + (x % sub) * TILE
+                issue(base + KEPT + (buf - 1 if buf > 0 else stages - 1) * STAGE, tid, query1, q_at, do_at, lse_at,
+                      delta_at, to, frm)
+            commit()
+            x = e + skip
+            query0 = blk_row[col_block[first + x // sub]] * bs + (x % sub) * TILE
+            at = base + KEPT + buf * STAGE
+            levels = (KEPT + buf * STAGE + 2 * TILE_BYTES) // 4  # this stage's lse, then delta, in floats
+            for half in range(2):
+                for i in range(NT):
+                    for j in range(4):
+                        s[i, j] = float32(0)
+                        dp[i, j] = float32(0)
+                rows = at + half * HALF * ROW  # the half's queries in the q tile (dout's: TILE_BYTES on)
+                col0 = query0 + half * HALF
+                at_levels = levels + half * HALF
+                times_rows(s, fa, base + a_lane, rows + b_along)  # Sᵀ = k qᵀ
+                probabilities(s, scale2, floats[at_levels:at_levels + HALF], False, col0, key, t,
+                              causal and col0 < k0 + warp * 16 + 16)
+                as_fragments(fp, s)
+                times_tile(dv_acc, fp, rows + TILE_BYTES + b_down)  # dv += Pᵀ dout
+                times_rows(dp, fa, base + TILE_BYTES + a_lane, rows + TILE_BYTES + b_along)  # dPᵀ = v doutᵀ
+                score_grads(dp, s, floats[at_levels + TILE:at_levels + TILE + HALF], False, t)
+                as_fragments(fp, dp)
+                times_tile(dk_acc, fp, rows + b_down)  # dk += dSᵀ q
+            buf = buf + 1 if buf < stages - 1 else 0
+        store(dk, dk_acc, float32(scale), float32(scale), head + int64(key) * D, head + int64(key + 8) * D, t)
+        store(dv, dv_acc, float32(1), float32(1), head + int64(key) * D, head + int64(key + 8) * D, t)
+
+    return dynamic_shared(key_grads, KEPT + stages * STAGE)
