@@ -7,6 +7,7 @@
     python tools/sweep.py torch res_block --set fused_gather=False,True [--fraction 0.1]
     python tools/sweep.py quant matmul --set warp_rows=32,64 [--bits W2A2] [--density 1]
     python tools/sweep.py norms layer_norm --set row_threads=128,256 [--axis 0] [--n 4096] [--c 4096]
+    python tools/sweep.py attention forward --set warp_rows=16,32 [--layout causal] [--n 16384] [--dtype bfloat16]
 
 Each variant is the op's default config with the given fields replaced (the cartesian
 product of every ``--set``). Its output is compared with the default's first (it must agree
@@ -155,7 +156,23 @@ def norms_case(torch, args):
     return norms.DEFAULT, calls[args.call]
 
 
-CASES = {"bsmm": bsmm_case, "norms": norms_case, "sbnet": sbnet_case, "fused": fused_case, "torch": torch_case, "quant": quant_case}
+def attention_case(torch, args):
+    from benchmarks.bench_attention import layouts
+    from sparseblocks import attention
+
+    dtype = getattr(torch, args.dtype)
+    shape = (args.batch, args.heads, args.n, args.head_dim)
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4))
+    (layout, causal), = [(one, c) for name, one, c in layouts(args.n // 128) if name == args.layout]
+    out, lse = attention.attention(q, k, v, layout, causal=causal, return_lse=True)
+    calls = {"forward": lambda cfg: attention.attention(q, k, v, layout, causal=causal, config=cfg),
+             "backward": lambda cfg: torch.cat([g.flatten() for g in attention.attention_grad(
+                 q, k, v, out, lse, dout, layout, causal=causal, config=cfg)])}
+    return attention.DEFAULT, calls[args.call]
+
+
+CASES = {"bsmm": bsmm_case, "norms": norms_case, "sbnet": sbnet_case, "fused": fused_case, "torch": torch_case,
+         "quant": quant_case, "attention": attention_case}
 TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2, "float32": 1e-4, "float64": 1e-10}
 
 
@@ -164,7 +181,8 @@ def add_case_arguments(parser):
     parser.add_argument("op", choices=sorted(CASES))
     parser.add_argument("call", help="bsmm: forward, input_grad, weight_grad; sbnet: reduce_mask, sparse_gather, "
                                      "sparse_scatter; fused: sparse_gather_matmul, sparse_matmul_scatter; torch: res_block; "
-                                     "quant: matmul, pack; norms: layer_norm, layer_norm_grad")
+                                     "quant: matmul, pack; norms: layer_norm, layer_norm_grad; "
+                                     "attention: forward, backward")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2",
                         help="a config field and the values to try (repeatable: their cartesian product)")
     parser.add_argument("--dtype", default="float16")
@@ -181,6 +199,11 @@ def add_case_arguments(parser):
     parser.add_argument("--fraction", type=float, default=0.1, help="sbnet, fused, torch: mask pixels set x 64")
     parser.add_argument("--bits", default="W1A1", help="quant: WkAm (a density of 1 is the dense product)")
     parser.add_argument("--axis", type=int, default=1, help="norms: the feature axis")
+    parser.add_argument("--layout", default="causal", help="attention: local, strided, bigbird or causal (blocks of "
+                                                           "128, seq --n)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
 
 
 def time_rounds(torch, calls, rounds, per_round):

@@ -115,9 +115,10 @@ def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[
     lse_native, lse = ops[0].empty((B, H, S), stream, dtype="float64" if dtype == "float64" else "float32")
     qd, kd, vd = (op.device(stream).reshape(-1) for op in ops)
     if _fused(cfg, dtype, D, bs, (qd, kd, vd)):
-        kernel = cached(fused.make_forward, dtype, D, cfg.stages)
+        rows = fused.forward_rows(bs, cfg.warp_rows)
+        kernel = cached(fused.make_forward, dtype, D, cfg.stages, rows, cfg.forward_keys)
         if B * H * S:
-            launch(kernel, B * H * (S // fused.TILE), fused.THREADS, stream,
+            launch(kernel, B * H * (S // (fused.WARPS * rows)), fused.THREADS, stream,
                    (out.reshape(-1), lse.reshape(-1), qd, kd, vd, row_ptr, blk_col, H, S, bs,
                     scale * fused.LOG2E, bool(causal)))
     else:

@@ -9,9 +9,18 @@ class AttentionConfig:
     # multiple of 64); False: the three kernels (`simple.py`) for every call
     fused: bool = True
     stages: int = 2  # key/value tiles in the fused forward's ring (stages - 1 in flight ahead)
+    # query rows a warp of the fused forward takes (16 or 32: two m16 tiles, each fragment of k and
+    # v read from shared memory feeding twice the products), where the block size is a multiple of
+    # four times it (`fused.forward_rows`)
+    warp_rows: int = 32
+    forward_keys: int = 32  # keys of a stage the forward scores at a time (32 or 64; 32: fewer registers)
     backward_stages: int = 2  # the same, for the fused backward's query (or key) tiles
 
     def check(self):
+        if self.forward_keys not in (32, 64):
+            raise ValueError(f"forward_keys: expected 32 or 64, got {self.forward_keys}")
+        if self.warp_rows not in (16, 32):
+            raise ValueError(f"warp_rows: expected 16 or 32, got {self.warp_rows}")
         for name in ("stages", "backward_stages"):
             if not 2 <= getattr(self, name) <= 4:
                 raise ValueError(f"{name}: expected 2 to 4, got {getattr(self, name)}")

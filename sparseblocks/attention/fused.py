@@ -62,11 +62,6 @@ def _row_bytes(D):
     return 2 * D + PAD
 
 
-def shared_bytes(D, stages, tiles_a_stage=2):
-    """The kept tile and the ring of ``stages`` stages of ``tiles_a_stage`` tiles."""
-    return TILE * _row_bytes(D) * (1 + stages * tiles_a_stage)
-
-
 def _pack_of(storage):
     if storage == "bfloat16":
         @inlined
@@ -79,8 +74,8 @@ def _pack_of(storage):
     return pack2
 
 
-def make_tile_parts(storage, D, cols=TILE):
-    """The device functions the three kernels share:
+def make_tile_parts(storage, D, cols=TILE, mt=1):
+    """The device functions the three kernels share, for warps of ``mt`` m16 tiles (16 mt rows):
 
     * ``plan(tid)``: (to, frm), this thread's first chunk of a tile: its byte offsets in a shared
       tile and in the global rows (the next ones are THREADS chunks on);
@@ -88,14 +83,18 @@ def make_tile_parts(storage, D, cols=TILE):
       ``source`` (the address of its first row);
     * ``lanes(lane, warp)``: this lane's ldmatrix row offsets in a tile: (A rows of its warp, B
       rows with k along D, B rows with k down the rows);
-    * ``times_rows(acc, fa, a_at, b_at)``: acc (16 x cols) += A · Bᵀ, A a warp's 16 rows (x D) of
+    * ``times_rows(acc, fa, a_at, b_at)``: acc (16 mt x cols) += A · Bᵀ, A a warp's rows (x D) of
       the tile at ``a_at`` (its lane's ldmatrix rows), B ``cols`` rows of a tile from ``b_at`` (k
-      along D: S = q kᵀ, dP = dout vᵀ); ``fa``: four registers for A's fragments of a k16 step;
-    * ``times_tile(acc, fp, at)``: acc (16 x D) += P (16 x cols, A fragments fp by k16 step) · B,
-      B ``cols`` rows of a tile from ``at`` (k down its rows: out += P v, dq += dS k);
-    * ``as_fragments(fp, s)``: the 16 x cols values of s (C fragments) as A fragments;
-    * ``store(out, acc, f0, f1, at0, at1, t)``: a warp's 16 x D accumulators times f0 (its rows
-      0-7) and f1 (rows 8-15) into the rows of ``out`` at element offsets at0 and at1 (the lane's).
+      along D: S = q kᵀ, dP = dout vᵀ); ``fa``: registers for A's fragments of a k16 step;
+    * ``times_tile(acc, fp, at)``: acc (16 mt x D) += P (16 mt x cols, A fragments fp by k16
+      step) · B, B ``cols`` rows of a tile from ``at`` (k down its rows: out += P v, dq += dS k);
+    * ``as_fragments(fp, s)``: the 16 mt x cols values of s (C fragments) as A fragments;
+    * ``store(out, acc, f, at, t)``: a warp's 16 mt x D accumulators, each row 8 i (i < 2 mt) of
+      the lane's times ``f[i]``, into the rows of ``out`` from element offset ``at`` (the lane's
+      first row's).
+
+    Accumulators are (mt, n-tile, 4) arrays, fragments (mt, k16 step, 4): each B fragment taken
+    from shared memory feeds 2 mt products.
     """
     ROW = _row_bytes(D)
     CH = D // 8  # 16-byte chunks a row
@@ -104,7 +103,6 @@ def make_tile_parts(storage, D, cols=TILE):
     PAIRS = cols // 16  # pairs of n-tiles of a 16 x cols product; k16 steps along cols
     mma = mma_bf16 if storage == "bfloat16" else mma_f16
     pack2 = _pack_of(storage)
-
     STEP = THREADS // CH  # rows from one of a thread's chunks to its next
 
     @inlined
@@ -121,7 +119,7 @@ def make_tile_parts(storage, D, cols=TILE):
         """Lanes 8q..8q+7 give matrix q's rows: A's (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15),
         (m 8-15, k 8-15); B's (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15)."""
         q, r = lane // 8, lane % 8
-        a = (warp * 16 + (q % 2) * 8 + r) * ROW + 2 * (q // 2) * 8
+        a = (warp * 16 * mt + (q % 2) * 8 + r) * ROW + 2 * (q // 2) * 8
         b_along = ((q // 2) * 8 + r) * ROW + 2 * (q % 2) * 8
         b_down = ((q % 2) * 8 + r) * ROW + 2 * (q // 2) * 8
         return a, b_along, b_down
@@ -129,80 +127,98 @@ def make_tile_parts(storage, D, cols=TILE):
     def rows_step(i, acc, fa, a_at, b_at):
         s, p = i // PAIRS, i % PAIRS  # k16 step along D, pair of 8-row n-tiles
         if p == 0:  # (the A fragments of step s, for all its pairs)
-            x = ldmatrix_x4_at(a_at + 32 * s)
-            for j in range(4):
-                fa[j] = x[j]
+            for m in range(mt):
+                x = ldmatrix_x4_at(a_at + (m * 16 * ROW + 32 * s))
+                for j in range(4):
+                    fa[m, j] = x[j]
         f = ldmatrix_x4_at(b_at + (p * 16 * ROW + 32 * s))
-        for h in range(2):
-            n = 2 * p + h
-            d = mma(fa[0], fa[1], fa[2], fa[3], f[2 * h], f[2 * h + 1], acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3])
-            for j in range(4):
-                acc[n, j] = d[j]
+        for m in range(mt):
+            for h in range(2):
+                n = 2 * p + h
+                d = mma(fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3], f[2 * h], f[2 * h + 1],
+                        acc[m, n, 0], acc[m, n, 1], acc[m, n, 2], acc[m, n, 3])
+                for j in range(4):
+                    acc[m, n, j] = d[j]
 
     times_rows = unrolled(KS * PAIRS, inlined(rows_step), inline=inlined)
 
     def tile_step(i, acc, fp, at):
         s, p = i // KS, i % KS  # k16 step along the tile's rows, pair of n-tiles along D
         f = ldmatrix_x4_trans_at(at + (s * 16 * ROW + 32 * p))
-        for h in range(2):
-            n = 2 * p + h
-            d = mma(fp[s, 0], fp[s, 1], fp[s, 2], fp[s, 3], f[2 * h], f[2 * h + 1],
-                    acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3])
-            for j in range(4):
-                acc[n, j] = d[j]
+        for m in range(mt):
+            for h in range(2):
+                n = 2 * p + h
+                d = mma(fp[m, s, 0], fp[m, s, 1], fp[m, s, 2], fp[m, s, 3], f[2 * h], f[2 * h + 1],
+                        acc[m, n, 0], acc[m, n, 1], acc[m, n, 2], acc[m, n, 3])
+                for j in range(4):
+                    acc[m, n, j] = d[j]
 
     times_tile = unrolled(PAIRS * KS, inlined(tile_step), inline=inlined)
 
     def fragment_of_step(n, fp, s):
-        fp[n // 2, 2 * (n % 2)] = pack2(s[n, 0], s[n, 1])
-        fp[n // 2, 2 * (n % 2) + 1] = pack2(s[n, 2], s[n, 3])
+        for m in range(mt):
+            fp[m, n // 2, 2 * (n % 2)] = pack2(s[m, n, 0], s[m, n, 1])
+            fp[m, n // 2, 2 * (n % 2) + 1] = pack2(s[m, n, 2], s[m, n, 3])
 
     as_fragments = unrolled(2 * PAIRS, inlined(fragment_of_step), inline=inlined)
     _, from_acc = converters(storage, float32)
 
-    def store_step(n, out, acc, f0, f1, at0, at1, t):
-        out[at0 + 8 * n + 2 * t] = from_acc(acc[n, 0] * f0)
-        out[at0 + 8 * n + 2 * t + 1] = from_acc(acc[n, 1] * f0)
-        out[at1 + 8 * n + 2 * t] = from_acc(acc[n, 2] * f1)
-        out[at1 + 8 * n + 2 * t + 1] = from_acc(acc[n, 3] * f1)
+    def store_step(n, out, acc, f, at, t):
+        for m in range(mt):
+            for j in range(4):
+                i = 2 * m + j // 2
+                out[at + 8 * i * D + 8 * n + 2 * t + j % 2] = from_acc(acc[m, n, j] * f[i])
 
     store = unrolled(D // 8, inlined(store_step), inline=inlined)
     return plan, copy_tile, lanes, times_rows, times_tile, as_fragments, store
 
 
-def make_forward(storage, D, stages):
+def forward_rows(block_size, warp_rows):
+    """Query rows a warp of the forward takes: ``warp_rows`` (16 or 32) where the block size is a
+    multiple of the thread block's 4 warp_rows, else 16."""
+    return warp_rows if block_size % (WARPS * warp_rows) == 0 else 16
+
+
+def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
+    """``cols``: the keys of a stage taken at a time (64, or 32: half the scores' registers)."""
+    MT = warp_rows // 16
+    NS, NP, PARTS = cols // 8, cols // 16, TILE // cols  # n-tiles (and pairs) of the scores; parts of a stage
+    QT = WARPS * warp_rows  # rows of a query tile
     ROW = _row_bytes(D)
     TILE_BYTES = TILE * ROW
+    KEPT = QT * ROW
     STAGE = 2 * TILE_BYTES  # a key tile, then its value tile
-    PER = TILE * (D // 8) // THREADS
-    KS, DN = D // 16, D // 8
-    plan, copy_tile, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D)
+    KS, DN, R = D // 16, D // 8, 2 * MT  # R: rows of a lane
+    plan, copy_tile, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D, cols, MT)
     wait = waiter(stages - 2)
     NEG = -math.inf
 
     def mask_step(n, s, top, scale2, masked, key0, row, t):
         """Scale column block n of the scores, hide the keys past a row's query (``masked``), and
         fold its values into the rows' maxima."""
-        for j in range(4):
-            x = s[n, j] * scale2
-            if masked and key0 + 8 * n + 2 * t + j % 2 > row + 8 * (j // 2):
-                x = NEG
-            s[n, j] = x
-            top[j // 2] = max(top[j // 2], x)
+        for m in range(MT):
+            for j in range(4):
+                x = s[m, n, j] * scale2
+                if masked and key0 + 8 * n + 2 * t + j % 2 > row + 16 * m + 8 * (j // 2):
+                    x = NEG
+                s[m, n, j] = x
+                top[2 * m + j // 2] = max(top[2 * m + j // 2], x)
 
-    mask = unrolled(8, inlined(mask_step), inline=inlined)
+    mask = unrolled(NS, inlined(mask_step), inline=inlined)
 
     def exp_step(n, s, use, total):
-        for j in range(4):
-            p = math.exp2(s[n, j] - use[j // 2])
-            s[n, j] = p
-            total[j // 2] += p
+        for m in range(MT):
+            for j in range(4):
+                p = math.exp2(s[m, n, j] - use[2 * m + j // 2])
+                s[m, n, j] = p
+                total[2 * m + j // 2] += p
 
-    exps = unrolled(8, inlined(exp_step), inline=inlined)
+    exps = unrolled(NS, inlined(exp_step), inline=inlined)
 
     def rescale_step(n, o, corr):
-        for j in range(4):
-            o[n, j] *= corr[j // 2]
+        for m in range(MT):
+            for j in range(4):
+                o[m, n, j] *= corr[2 * m + j // 2]
 
     rescale = unrolled(DN, inlined(rescale_step), inline=inlined)
 
@@ -211,18 +227,18 @@ def make_forward(storage, D, stages):
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
-        n_qt = S // TILE
+        n_qt = S // QT
         qt = n_qt - 1 - cuda.blockIdx.x % n_qt  # (the longest causal rows first)
         bh = cuda.blockIdx.x // n_qt
         h = bh % H
-        q0 = qt * TILE
+        q0 = qt * QT
         rows, sub = S // bs, bs // TILE
         first, last = row_ptr[h * rows + q0 // bs], row_ptr[h * rows + q0 // bs + 1]
         n = (last - first) * sub
         if causal:  # (a row's blocks run by column: the tiles it walks are a prefix)
             n = 0
             for e in range((last - first) * sub):
-                if blk_col[first + e // sub] * bs + (e % sub) * TILE < q0 + TILE:
+                if blk_col[first + e // sub] * bs + (e % sub) * TILE < q0 + QT:
                     n += 1
         smem = cuda.shared.array(0, int32)
         base = shared_address(smem, (0,))
@@ -232,81 +248,86 @@ def make_forward(storage, D, stages):
         v_at = signed_address(v, (0,)) + 2 * head
         to, frm = plan(tid)
         a_lane, b_along, b_down = lanes(lane, warp)
-        fa = cuda.local.array(4, uint32)
-        fp = cuda.local.array((4, 4), uint32)
-        s = cuda.local.array((8, 4), float32)
-        o = cuda.local.array((DN, 4), float32)
-        top = cuda.local.array(2, float32)
-        use = cuda.local.array(2, float32)
-        corr = cuda.local.array(2, float32)
-        total = cuda.local.array(2, float32)
-        peak = cuda.local.array(2, float32)
+        fa = cuda.local.array((MT, 4), uint32)
+        fp = cuda.local.array((MT, NP, 4), uint32)
+        s = cuda.local.array((MT, NS, 4), float32)
+        o = cuda.local.array((MT, DN, 4), float32)
+        top = cuda.local.array(R, float32)
+        use = cuda.local.array(R, float32)
+        corr = cuda.local.array(R, float32)
+        total = cuda.local.array(R, float32)
+        peak = cuda.local.array(R, float32)
         scale2 = float32(scale2)
-        for i in range(DN):
-            for j in range(4):
-                o[i, j] = float32(0)
-        for i in range(2):
+        for m in range(MT):
+            for i in range(DN):
+                for j in range(4):
+                    o[m, i, j] = float32(0)
+        for i in range(R):
             top[i], use[i], total[i] = NEG, float32(0), float32(0)
 
         if n > 0:
-            copy_tile(base, q_at, to, frm)
+            for m in range(MT):
+                copy_tile(base + m * TILE_BYTES, q_at + 2 * m * TILE * D, to, frm)
         for e in range(stages - 1):
             if e < n:
                 key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE
-                at = base + TILE_BYTES + e * STAGE
+                at = base + KEPT + e * STAGE
                 copy_tile(at, k_at + 2 * int64(key0) * D, to, frm)
                 copy_tile(at + TILE_BYTES, v_at + 2 * int64(key0) * D, to, frm)
             commit()  # one group a stage, empty or not, so that the wait counts stages
         buf = 0
-        row = q0 + warp * 16 + g
+        row = q0 + warp * 16 * MT + g  # the lane's first row; the others 8, 16, 24 on
         for e in range(n):
             wait()
             cuda.syncthreads()  # the stage landed for all; every warp is done with the buffer refilled
             nxt = e + stages - 1
             if nxt < n:
                 key1 = blk_col[first + nxt // sub] * bs + (nxt % sub) * TILE
-                at = base + TILE_BYTES + (buf - 1 if buf > 0 else stages - 1) * STAGE
+                at = base + KEPT + (buf - 1 if buf > 0 else stages - 1) * STAGE
                 copy_tile(at, k_at + 2 * int64(key1) * D, to, frm)
                 copy_tile(at + TILE_BYTES, v_at + 2 * int64(key1) * D, to, frm)
             commit()
-            key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE
-            at = base + TILE_BYTES + buf * STAGE
-            for i in range(8):
-                for j in range(4):
-                    s[i, j] = float32(0)
-            times_rows(s, fa, base + a_lane, at + b_along)
-            peak[0], peak[1] = NEG, NEG
-            mask(s, peak, scale2, causal and key0 + TILE > q0 + warp * 16, key0, row, t)
-            for i in range(2):
-                m = peak[i]
-                m = max(m, cuda.shfl_xor_sync(FULL_MASK, m, 1))
-                m = max(m, cuda.shfl_xor_sync(FULL_MASK, m, 2))
-                m = max(m, top[i])
-                was = use[i]
-                use[i] = m if m != NEG else float32(0)
-                corr[i] = math.exp2(was - use[i]) if top[i] != NEG else float32(0)
-                top[i] = m
-                total[i] *= corr[i]
-            rescale(o, corr)
-            exps(s, use, total)
-            as_fragments(fp, s)
-            times_tile(o, fp, at + TILE_BYTES + b_down)
+            for part in range(PARTS):
+                key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE + part * cols
+                at = base + KEPT + buf * STAGE + part * cols * ROW  # the part's keys (values: TILE_BYTES on)
+                for m in range(MT):
+                    for i in range(NS):
+                        for j in range(4):
+                            s[m, i, j] = float32(0)
+                times_rows(s, fa, base + a_lane, at + b_along)
+                for i in range(R):
+                    peak[i] = NEG
+                mask(s, peak, scale2, causal and key0 + cols > q0 + warp * 16 * MT, key0, row, t)
+                for i in range(R):
+                    m = peak[i]
+                    m = max(m, cuda.shfl_xor_sync(FULL_MASK, m, 1))
+                    m = max(m, cuda.shfl_xor_sync(FULL_MASK, m, 2))
+                    m = max(m, top[i])
+                    was = use[i]
+                    use[i] = m if m != NEG else float32(0)
+                    corr[i] = math.exp2(was - use[i]) if top[i] != NEG else float32(0)
+                    top[i] = m
+                    total[i] *= corr[i]
+                rescale(o, corr)
+                exps(s, use, total)
+                as_fragments(fp, s)
+                times_tile(o, fp, at + TILE_BYTES + b_down)
             buf = buf + 1 if buf < stages - 1 else 0
 
-        inv = cuda.local.array(2, float32)
-        for i in range(2):
+        for i in range(R):
             total[i] += cuda.shfl_xor_sync(FULL_MASK, total[i], 1)
             total[i] += cuda.shfl_xor_sync(FULL_MASK, total[i], 2)
-            inv[i] = float32(1) / total[i] if total[i] > 0 else float32(0)
+            corr[i] = float32(1) / total[i] if total[i] > 0 else float32(0)
             if t == 0:
                 lse[bh * S + row + 8 * i] = (use[i] + math.log2(total[i])) * LN2 if total[i] > 0 else NEG
-        store(out, o, inv[0], inv[1], head + int64(row) * D, head + int64(row + 8) * D, t)
+        store(out, o, corr, head + int64(row) * D, t)
 
-    return dynamic_shared(forward, shared_bytes(D, stages))
+    return dynamic_shared(forward, KEPT + stages * STAGE)
 
 
 def make_backward_parts(cols=TILE):
-    """The element-wise steps of both backward kernels on a warp's 16 x cols scores (C fragments),
+    """The element-wise steps of both backward kernels on a warp's 16 x cols scores (C fragments,
+    (1, n-tile, 4)),
     whose rows are queries and columns keys (``rows_along``: query_grads) or the other way
     (key_grads):
 
@@ -327,14 +348,14 @@ def make_backward_parts(cols=TILE):
             else:  # a key row, query columns
                 level = lse[col]
                 hidden = masked and r > col_first + col
-            s[n, j] = float32(0) if hidden or level == NEG else math.exp2(s[n, j] * scale2 - level * float32(LOG2E))
+            s[0, n, j] = float32(0) if hidden or level == NEG else math.exp2(s[0, n, j] * scale2 - level * float32(LOG2E))
 
     probabilities = unrolled(cols // 8, inlined(probability_step), inline=inlined)
 
     def grad_step(n, dp, p, delta, rows_along, t):
         for j in range(4):
             d = delta[j // 2] if rows_along else delta[8 * n + 2 * t + j % 2]
-            dp[n, j] = p[n, j] * (dp[n, j] - d)
+            dp[0, n, j] = p[0, n, j] * (dp[0, n, j] - d)
 
     score_grads = unrolled(cols // 8, inlined(grad_step), inline=inlined)
     return probabilities, score_grads
@@ -346,8 +367,7 @@ def make_query_grads(storage, D, stages):
     ROW = _row_bytes(D)
     TILE_BYTES = TILE * ROW
     KEPT, STAGE = 2 * TILE_BYTES, 2 * TILE_BYTES
-    PER = TILE * (D // 8) // THREADS
-    KS, DN = D // 16, D // 8
+    DN = D // 8
     plan, copy_tile, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D)
     probabilities, score_grads = make_backward_parts()
     wait = waiter(stages - 2)
@@ -377,13 +397,14 @@ def make_query_grads(storage, D, stages):
         v_at = signed_address(v, (0,)) + 2 * head
         to, frm = plan(tid)
         a_lane, b_along, b_down = lanes(lane, warp)
-        fa = cuda.local.array(4, uint32)
-        fp = cuda.local.array((4, 4), uint32)
-        s = cuda.local.array((8, 4), float32)
-        dp = cuda.local.array((8, 4), float32)
-        acc = cuda.local.array((DN, 4), float32)
+        fa = cuda.local.array((1, 4), uint32)
+        fp = cuda.local.array((1, 4, 4), uint32)
+        s = cuda.local.array((1, 8, 4), float32)
+        dp = cuda.local.array((1, 8, 4), float32)
+        acc = cuda.local.array((1, DN, 4), float32)
         l2 = cuda.local.array(2, float32)
         dl = cuda.local.array(2, float32)
+        f = cuda.local.array(2, float32)
         scale2 = float32(scale2)
         row = q0 + warp * 16 + g
         for i in range(2):
@@ -391,7 +412,7 @@ def make_query_grads(storage, D, stages):
             dl[i] = delta[bh * S + row + 8 * i]
         for i in range(DN):
             for j in range(4):
-                acc[i, j] = float32(0)
+                acc[0, i, j] = float32(0)
         if n > 0:
             copy_tile(base, signed_address(q, (0,)) + 2 * (head + int64(q0) * D), to, frm)
             copy_tile(base + TILE_BYTES, signed_address(dout, (0,)) + 2 * (head + int64(q0) * D), to, frm)
@@ -417,8 +438,8 @@ def make_query_grads(storage, D, stages):
             at = base + KEPT + buf * STAGE
             for i in range(8):
                 for j in range(4):
-                    s[i, j] = float32(0)
-                    dp[i, j] = float32(0)
+                    s[0, i, j] = float32(0)
+                    dp[0, i, j] = float32(0)
             times_rows(s, fa, base + a_lane, at + b_along)  # S = q kᵀ
             probabilities(s, scale2, l2, True, key0, row, t, causal and key0 + TILE > q0 + warp * 16)
             times_rows(dp, fa, base + TILE_BYTES + a_lane, at + TILE_BYTES + b_along)  # dP = dout vᵀ
@@ -426,7 +447,8 @@ def make_query_grads(storage, D, stages):
             as_fragments(fp, dp)
             times_tile(acc, fp, at + b_down)  # dq += dS k
             buf = buf + 1 if buf < stages - 1 else 0
-        store(dq, acc, float32(scale), float32(scale), head + int64(row) * D, head + int64(row + 8) * D, t)
+        f[0], f[1] = float32(scale), float32(scale)
+        store(dq, acc, f, head + int64(row) * D, t)
 
     return dynamic_shared(query_grads, KEPT + stages * STAGE)
 
@@ -437,13 +459,12 @@ def make_key_grads(storage, D, stages):
     ROW = _row_bytes(D)
     TILE_BYTES = TILE * ROW
     KEPT, STAGE = 2 * TILE_BYTES, 2 * TILE_BYTES + 2 * 4 * TILE
-    PER = TILE * (D // 8) // THREADS
-    KS, DN = D // 16, D // 8
+    DN = D // 8
     ROWS_CH = 4 * TILE // 16  # 16-byte chunks of a tile's 64 lse (or delta) values
     # A query tile in two halves of 32 (fewer registers: a warp's dk and dv take 2 D of them)
     HALF = TILE // 2
     NT, FP = HALF // 8, HALF // 16  # a half's n-tiles, and k16 steps
-    plan, copy_tile, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D, HALF)
+    plan, copy_tile, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D, HALF, 1)
     probabilities, score_grads = make_backward_parts(HALF)
     wait = waiter(stages - 2)
 
@@ -484,18 +505,19 @@ def make_key_grads(storage, D, stages):
         delta_at = signed_address(delta, (0,)) + 4 * int64(bh) * S
         to, frm = plan(tid)
         a_lane, b_along, b_down = lanes(lane, warp)
-        fa = cuda.local.array(4, uint32)
-        fp = cuda.local.array((FP, 4), uint32)
-        s = cuda.local.array((NT, 4), float32)
-        dp = cuda.local.array((NT, 4), float32)
-        dk_acc = cuda.local.array((DN, 4), float32)
-        dv_acc = cuda.local.array((DN, 4), float32)
+        fa = cuda.local.array((1, 4), uint32)
+        fp = cuda.local.array((1, FP, 4), uint32)
+        s = cuda.local.array((1, NT, 4), float32)
+        dp = cuda.local.array((1, NT, 4), float32)
+        dk_acc = cuda.local.array((1, DN, 4), float32)
+        dv_acc = cuda.local.array((1, DN, 4), float32)
+        f = cuda.local.array(2, float32)
         scale2 = float32(scale2)
         key = k0 + warp * 16 + g
         for i in range(DN):
             for j in range(4):
-                dk_acc[i, j] = float32(0)
-                dv_acc[i, j] = float32(0)
+                dk_acc[0, i, j] = float32(0)
+                dv_acc[0, i, j] = float32(0)
         if n > 0:
             copy_tile(base, signed_address(k, (0,)) + 2 * (head + int64(k0) * D), to, frm)
             copy_tile(base + TILE_BYTES, signed_address(v, (0,)) + 2 * (head + int64(k0) * D), to, frm)
@@ -523,8 +545,8 @@ def make_key_grads(storage, D, stages):
             for half in range(2):
                 for i in range(NT):
                     for j in range(4):
-                        s[i, j] = float32(0)
-                        dp[i, j] = float32(0)
+                        s[0, i, j] = float32(0)
+                        dp[0, i, j] = float32(0)
                 rows = at + half * HALF * ROW  # the half's queries in the q tile (dout's: TILE_BYTES on)
                 col0 = query0 + half * HALF
                 at_levels = levels + half * HALF
@@ -538,7 +560,9 @@ def make_key_grads(storage, D, stages):
                 as_fragments(fp, dp)
                 times_tile(dk_acc, fp, rows + b_down)  # dk += dSᵀ q
             buf = buf + 1 if buf < stages - 1 else 0
-        store(dk, dk_acc, float32(scale), float32(scale), head + int64(key) * D, head + int64(key + 8) * D, t)
-        store(dv, dv_acc, float32(1), float32(1), head + int64(key) * D, head + int64(key + 8) * D, t)
+        f[0], f[1] = float32(scale), float32(scale)
+        store(dk, dk_acc, f, head + int64(key) * D, t)
+        f[0], f[1] = float32(1), float32(1)
+        store(dv, dv_acc, f, head + int64(key) * D, t)
 
     return dynamic_shared(key_grads, KEPT + stages * STAGE)
