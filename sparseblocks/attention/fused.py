@@ -30,7 +30,6 @@ import math
 
 from numba import cuda, float32, int32, int64, uint32
 
-from ..bsmm.device import converters
 from ..ptx.cp_async import commit, copy16_to, shared_address, signed_address, waiter
 from ..ptx.half2 import bf16_of_float, half2_of_floats
 from ..ptx.ldmatrix import ldmatrix_x4_at, ldmatrix_x4_trans_at
@@ -60,6 +59,19 @@ def fits(dtype, head_dim, block_size):
 
 def _row_bytes(D):
     return 2 * D + PAD
+
+
+def _store_of(storage):
+    """A value as the output array stores it: bf16's bits (``cvt.rn.bf16.f32``), else itself."""
+    if storage == "bfloat16":
+        @inlined
+        def to_storage(value):
+            return bf16_of_float(value)
+    else:
+        @inlined
+        def to_storage(value):
+            return value
+    return to_storage
 
 
 def _pack_of(storage):
@@ -161,7 +173,7 @@ def make_tile_parts(storage, D, cols=TILE, mt=1):
             fp[m, n // 2, 2 * (n % 2) + 1] = pack2(s[m, n, 2], s[m, n, 3])
 
     as_fragments = unrolled(2 * PAIRS, inlined(fragment_of_step), inline=inlined)
-    _, from_acc = converters(storage, float32)
+    from_acc = _store_of(storage)
 
     def store_step(n, out, acc, f, at, t):
         for m in range(mt):
@@ -191,20 +203,29 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
     KS, DN, R = D // 16, D // 8, 2 * MT  # R: rows of a lane
     plan, copy_tile, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D, cols, MT)
     wait = waiter(stages - 2)
-    NEG = -math.inf
+    NEG = float32(-math.inf)  # (a float32: max() and selects in f32)
 
-    def mask_step(n, s, top, scale2, masked, key0, row, t):
-        """Scale column block n of the scores, hide the keys past a row's query (``masked``), and
-        fold its values into the rows' maxima."""
+    def mask_step(n, s, top, scale2, key0, row, t):
+        """Scale column block n of the scores, hide the keys past a row's query, and fold its values
+        into the rows' maxima."""
         for m in range(MT):
             for j in range(4):
                 x = s[m, n, j] * scale2
-                if masked and key0 + 8 * n + 2 * t + j % 2 > row + 16 * m + 8 * (j // 2):
+                if key0 + 8 * n + 2 * t + j % 2 > row + 16 * m + 8 * (j // 2):
                     x = NEG
                 s[m, n, j] = x
                 top[2 * m + j // 2] = max(top[2 * m + j // 2], x)
 
+    def scale_step(n, s, top, scale2):
+        """The same where no key of the part comes after a query of the warp's."""
+        for m in range(MT):
+            for j in range(4):
+                x = s[m, n, j] * scale2
+                s[m, n, j] = x
+                top[2 * m + j // 2] = max(top[2 * m + j // 2], x)
+
     mask = unrolled(NS, inlined(mask_step), inline=inlined)
+    scale_max = unrolled(NS, inlined(scale_step), inline=inlined)
 
     def exp_step(n, s, use, total):
         for m in range(MT):
@@ -297,7 +318,11 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
                 times_rows(s, fa, base + a_lane, at + b_along)
                 for i in range(R):
                     peak[i] = NEG
-                mask(s, peak, scale2, causal and key0 + cols > q0 + warp * 16 * MT, key0, row, t)
+                if causal and key0 + cols > q0 + warp * 16 * MT:
+                    mask(s, peak, scale2, key0, row, t)
+                else:
+                    scale_max(s, peak, scale2)
+                grew = False
                 for i in range(R):
                     m = peak[i]
                     m = max(m, cuda.shfl_xor_sync(FULL_MASK, m, 1))
@@ -308,7 +333,9 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
                     corr[i] = math.exp2(was - use[i]) if top[i] != NEG else float32(0)
                     top[i] = m
                     total[i] *= corr[i]
-                rescale(o, corr)
+                    grew = grew or corr[i] != float32(1)
+                if cuda.any_sync(FULL_MASK, grew):  # (once the maxima settle, no rescaling)
+                    rescale(o, corr)
                 exps(s, use, total)
                 as_fragments(fp, s)
                 times_tile(o, fp, at + TILE_BYTES + b_down)
@@ -319,7 +346,7 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
             total[i] += cuda.shfl_xor_sync(FULL_MASK, total[i], 2)
             corr[i] = float32(1) / total[i] if total[i] > 0 else float32(0)
             if t == 0:
-                lse[bh * S + row + 8 * i] = (use[i] + math.log2(total[i])) * LN2 if total[i] > 0 else NEG
+                lse[bh * S + row + 8 * i] = (use[i] + math.log2(total[i])) * float32(LN2) if total[i] > 0 else NEG
         store(out, o, corr, head + int64(row) * D, t)
 
     return dynamic_shared(forward, KEPT + stages * STAGE)
@@ -336,7 +363,7 @@ def make_backward_parts(cols=TILE):
       or the query sees nothing (lse -inf); ``lse`` the lane's two rows' or the ``cols`` columns';
     * ``score_grads(dp, p, delta, rows_along, t)``: dP into dS = P (dP - delta), ``delta`` as lse.
     """
-    NEG = -math.inf
+    NEG = float32(-math.inf)
 
     def probability_step(n, s, scale2, lse, rows_along, col_first, row, t, masked):
         for j in range(4):
