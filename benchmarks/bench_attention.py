@@ -44,7 +44,10 @@ def flex_call(torch, layout, causal, seq):
         inside = blocks[q // BLOCK, kv // BLOCK]
         return inside & (q >= kv) if causal else inside
 
-    block_mask = create_block_mask(mask_mod, None, None, seq, seq, device="cuda", BLOCK_SIZE=BLOCK)
+    # (a fresh compile for each mask: past dynamo's recompile limit flex_attention would run
+    # eagerly, storing every score)
+    torch._dynamo.reset()
+    block_mask = create_block_mask(mask_mod, None, None, seq, seq, device="cuda", BLOCK_SIZE=BLOCK, _compile=True)
     compiled = torch.compile(flex_attention)
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
 
