@@ -37,7 +37,7 @@ def _mask(layouts, seq, causal, device):
     parts = []
     for one in layouts:
         bs = one.block_size
-        m = torch.as_tensor(np.asarray(one.mask, bool), device=device)
+        m = torch.as_tensor(np.array(one.mask, bool), device=device)
         parts.append(m.repeat_interleave(bs, 0).repeat_interleave(bs, 1)[:seq, :seq])
     mask = torch.stack(parts)
     if causal:
