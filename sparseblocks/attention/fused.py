@@ -1,12 +1,14 @@
 """Block-sparse attention fused on the tensor cores, flash-style: fp16 and bf16 (``mma.sync``
 m16n8k16, fp32 accumulators), head_dim 16 to 128 (a multiple of 16), blocks a multiple of 64.
 
-Nothing of size seq x seq is written. Work goes in tiles of 64 rows: a thread block of four warps
-takes 64 queries (or 64 keys, in the backward's dk and dv), each warp 16 of them, and walks the
-tiles of 64 on the other side that its block-row (or block-column) of the layout has, a block
-of 128 being two tiles. The tiles it walks go from global to shared memory by 16-byte cp.async
-into a ring, ``stages - 1`` tiles ahead of the one multiplied, one barrier a tile; the warps take
-their mma fragments with ``ldmatrix`` (``.trans`` for an operand whose k runs down its rows).
+Nothing of size seq x seq is written. A thread block of four warps takes a tile of rows on one
+side: the forward 4 x ``warp_rows`` queries (16 or 32 a warp: one or two m16 tiles, each k and v
+fragment read from shared memory feeding both), the backward 64 queries (dq) or 64 keys (dk and
+dv), 16 a warp. It walks the tiles of 64 on the other side that its block-row (or block-column)
+of the layout has, a block of 128 being two tiles. The tiles it walks go from global to shared
+memory by 16-byte cp.async into a ring, ``stages - 1`` tiles ahead of the one multiplied, one
+barrier a tile; the warps take their mma fragments with ``ldmatrix`` (``.trans`` for an operand
+whose k runs down its rows).
 
 * ``forward(out, lse, q, k, v, ...)``: a query tile's scores S = q kᵀ (scaled, in base 2) against
   each key tile, an online softmax (the rows' running maxima and sums, the output rescaled
@@ -200,7 +202,7 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
     TILE_BYTES = TILE * ROW
     KEPT = QT * ROW
     STAGE = 2 * TILE_BYTES  # a key tile, then its value tile
-    KS, DN, R = D // 16, D // 8, 2 * MT  # R: rows of a lane
+    DN, R = D // 8, 2 * MT  # R: rows of a lane
     plan, copy_tile, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D, cols, MT)
     wait = waiter(stages - 2)
     NEG = float32(-math.inf)  # (a float32: max() and selects in f32)
