@@ -13,6 +13,7 @@ from ..runtime.launch import launch, multiprocessors
 from .config import ConvConfig, as_config
 from .geometry import edge_map, geometry
 from .simple import make_edge_bias_grad, make_filter_grad, make_forward, make_input_grad, make_l2_normalize
+from .tensorcore import POSITIONS, THREADS, grouped, make_forward_tc
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -129,6 +130,13 @@ class BlocksparseConv:
         self._host["row_len"] = np.array([r[1] for r in rows], np.int32)
         self._host["grp_ptr"] = np.concatenate([[0], np.cumsum([len(p) for p in self._edges])]).astype(np.int32)
         self._host["grp_pos"] = np.array([q for p in self._edges for q in p] or [0], np.int32)
+        self._group = grouped(blocks, self._C, self._K)  # (the tensor-core forward's channel group, or 0)
+        if self._group:
+            G = self._group
+            groups = [[b for b, (_, ks) in enumerate(blocks) if ks[0] // G == k] for k in range(self._K // G)]
+            self._host["kgrp_ptr"] = np.concatenate([[0], np.cumsum([len(g) for g in groups])]).astype(np.int32)
+            self._host["kgrp_blk"] = np.array([b for g in groups for b in g], np.int32)
+            self._host["blk_c0"] = np.array([cs[0] for cs, _ in blocks], np.int32)
         self._tables: dict = {}
 
     # -- sizes ------------------------------------------------------------------------------
@@ -228,9 +236,17 @@ class BlocksparseConv:
         native, out = op_x.empty(tuple(shape_out), stream)
         t = self._table(stream)
         dtype = op_x.dtype
-        kernel = cached(make_forward, dtype, _acc(dtype))
         has = bias is not None
         b = ops[2].device(stream) if has else op_f.device(stream).reshape(1, -1)[:, :1]
+        if self._group and self.config.tensor_cores and dtype in ("float16", "bfloat16"):
+            MPQ = int(np.prod(self._g["MPQ"]))
+            if N:
+                launch(cached(make_forward_tc, dtype, self._group),
+                       (-(-MPQ // POSITIONS), self._K // self._group, N), THREADS, stream,
+                       (out.reshape(-1), op_x.device(stream).reshape(-1), op_f.device(stream).reshape(-1), t["f_off"],
+                        t["kgrp_ptr"], t["kgrp_blk"], t["blk_c0"], t["geo"], N, self._K, self._C, b, t["edge"], has))
+            return op_x.result(native, out, stream)
+        kernel = cached(make_forward, dtype, _acc(dtype))
         self._launch(kernel, stream, int(np.prod(shape_out)), (
             out.reshape(-1), op_x.device(stream).reshape(-1), op_f.device(stream).reshape(-1), t["f_off"], t["k_ptr"],
             t["k_blk"], t["k_pos"], t["cs"], t["cs_off"], t["geo"], N, self._K, self._C, b, t["edge"], has))

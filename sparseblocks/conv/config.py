@@ -6,6 +6,9 @@ from ..runtime.tuning import config_checker, tuning
 @tuning
 class ConvConfig:
     threads: int = 128  # threads a thread block of the direct (teaching) kernels, a thread an output value
+    # The forward of fp16 and bf16 layers of aligned channel groups on the tensor cores
+    # (`tensorcore.py`); False: the direct kernels for every call
+    tensor_cores: bool = True
 
     def check(self):
         if self.threads % 32 or not 32 <= self.threads <= 1024:

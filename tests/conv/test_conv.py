@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparseblocks.conv import BlocksparseConv, BlocksparseDeconv
+from sparseblocks.conv.tensorcore import grouped
 from sparseblocks.reference import conv as reference
+from sparseblocks.runtime.backend import SIMULATOR
 from strategies import assert_close, values
 
 
@@ -64,6 +66,56 @@ def test_conv_products_match_the_twin(layer, dtype, flat, bias, seed):
     if bias and op.edge_bias_shape()[1]:
         assert_close(op.edge_bias_grad(dO), reference.edge_bias_grad(as3(dO, g, "MPQ"), g), dtype, "edge_bias_grad",
                      terms=N * int(np.prod(g["MPQ"])))
+
+
+def grouped_layer(rng, G, groups):
+    """Blocks of aligned groups of G channels: each output group joined to a random set of input
+    groups (one output group none: its channels get zeros)."""
+    BCK = [(list(range(c * G, c * G + G)), list(range(k * G, k * G + G)))
+           for k in range(1, groups) for c in range(groups) if rng.random() < 0.6 or c == k]
+    return BCK
+
+
+def check_tensor_core_forward(dtype, G, groups, TRS, DHW, strides, dilates, padding, bias, seed):
+    rng = np.random.default_rng(seed)
+    BCK = grouped_layer(rng, G, groups)
+    op = BlocksparseConv(BCK, TRS, DHW, strides=strides, dilates=dilates, padding=padding, edge_bias=bias)
+    assert op._group == G
+    N = 2
+    F = [values(rng, op.f_shape(b), dtype) for b in range(len(BCK))]
+    I = values(rng, op.i_shape(N), dtype)
+    edge = values(rng, op.edge_bias_shape(), dtype) if bias and op.edge_bias_shape()[1] else None
+    g = op._g
+    want = reference.forward(F, as3(I, g, "DHW"), op.BCK, g, op.K)
+    if edge is not None:
+        want = reference.edge_bias(want, edge, g)
+    assert_close(as3(op(F, I, edge_bias=edge), g, "MPQ"), want, dtype, "forward",
+                 terms=int(np.prod(g["TRS"])) * op.C)
+
+
+def test_tensor_core_forward_matches_the_twin():
+    """The tensor-core forward (`conv/tensorcore.py`: groups of 16 here) in the simulator."""
+    check_tensor_core_forward("float16", 16, 2, (3, 3), (3, 4), 1, 1, "SAME", True, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="sizes the simulator would take minutes over")
+@settings(max_examples=30, deadline=None)
+@given(dtype=st.sampled_from(["float16", "bfloat16"]), G=st.sampled_from([16, 32, 64]), groups=st.integers(1, 3),
+       dims=st.integers(1, 3), strides=st.integers(1, 2), dilates=st.integers(1, 2),
+       padding=st.sampled_from(["SAME", "VALID"]), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_tensor_core_forward_matches_the_twin_on_the_gpu(dtype, G, groups, dims, strides, dilates, padding, bias,
+                                                         seed):
+    TRS, DHW = [3] * dims, [9, 7, 10][:dims]
+    check_tensor_core_forward(dtype, G, max(groups, 2), TRS, DHW, strides, dilates, padding, bias, seed)
+
+
+def test_grouped_finds_aligned_channel_groups():
+    assert grouped([(list(range(32)), list(range(32, 64)))], 32, 64) == 32
+    assert grouped([(list(range(16, 32)), list(range(16)))], 32, 32) == 16
+    assert grouped([(list(range(16)), list(range(16))), (list(range(16, 48)), list(range(16, 48)))], 48, 48) == 0
+    assert grouped([(list(range(8, 24)), list(range(16)))], 32, 16) == 0  # (not aligned)
+    assert grouped([([0, 2], [0, 1])], 3, 2) == 0
 
 
 def test_deconv_is_the_transposed_convolution():

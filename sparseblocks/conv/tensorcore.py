@@ -1,0 +1,123 @@
+"""The block-sparse convolution's forward on the tensor cores (``mma.sync`` m16n8k16, fp16 and bf16,
+fp32 sums), an implicit GEMM: no im2col buffer in global memory.
+
+It takes layouts of channel groups (`grouped`): every block joins an aligned group of G input
+channels (G = 16, 32 or 64) to an aligned group of G output channels, as a `BlockLayout` of the
+(input group, output group) grid would; any other layout runs the direct kernels (`simple.py`).
+A thread block computes one output group's G channels at 64 output positions of one image: for
+each block of that group, each 16 of its input channels and each tap, it stages the filter's
+G x 16 slice (A: k along its rows) and the 16 x 64 input values the tap reads (B: the positions
+along its rows, zeros where the tap lands in the padding or past the last position) in shared
+memory, and its four warps multiply them (warps of 16 output channels by 64 / (4 G / 16)
+positions). So every stride, dilation and padding is one loop; the input is gathered a value a
+thread, which L1 serves across the taps that reread it.
+
+``forward(out, x, f, f_off, grp_ptr, grp_blk, blk_c0, geo, N, K, C, bias, edge, has_bias)``: the
+arrays as `simple.make_forward` takes them, with ``grp_ptr``/``grp_blk`` the blocks of each output
+group (a CSR over groups) and ``blk_c0`` each block's first input channel.
+"""
+
+from numba import cuda, float32, int16, types
+
+from ..bsmm.device import SHARED_ALIGN, converters
+from ..ptx.cp_async import shared_address
+from ..ptx.half2 import bf16_of_float
+from ..ptx.ldmatrix import ldmatrix_x4_at, ldmatrix_x4_trans_at
+from ..ptx.mma import mma_bf16, mma_f16
+from ..runtime.compile import inlined
+
+POSITIONS = 64  # output positions a thread block
+THREADS = 128
+GROUPS = (64, 32, 16)
+A_ROW = 16 + 8  # a staged filter row: 16 values and 16 bytes of padding (eight rows, eight bank groups)
+B_ROW = POSITIONS + 8
+
+
+def grouped(blocks, C, K):
+    """G where every block of ``blocks`` ((input channels, output channels) lists) is an aligned
+    group of G input and G output channels, the largest of `GROUPS` that fits; else 0."""
+    for G in GROUPS:
+        if C % G or K % G:
+            continue
+        if all(len(cs) == G and len(ks) == G and cs[0] % G == 0 and ks[0] % G == 0
+               and list(cs) == list(range(cs[0], cs[0] + G)) and list(ks) == list(range(ks[0], ks[0] + G))
+               for cs, ks in blocks):
+            return G
+    return 0
+
+
+def make_forward_tc(storage, G):
+    WK = G // 16  # warps along the output channels
+    WIDTH = POSITIONS * WK // 4  # positions a warp
+    NT = WIDTH // 8
+    SMEM_T = int16 if storage == "bfloat16" else types.float16
+    mma = mma_bf16 if storage == "bfloat16" else mma_f16
+    widen, _ = converters(storage, float32)
+    if storage == "bfloat16":
+        narrow = bf16_of_float
+    else:
+        @inlined
+        def narrow(value):  # (an fp16 output converts as it is stored)
+            return value
+
+    @cuda.jit
+    def forward(out, x, f, f_off, grp_ptr, grp_blk, blk_c0, geo, N, K, C, bias, edge, has_bias):
+        D, H, W, M, P, Q = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
+        T, R, S = geo[6], geo[7], geo[8]
+        MPQ, DHW, TRS = M * P * Q, D * H * W, T * R * S
+        tid = cuda.threadIdx.x
+        lane, warp = tid % 32, tid // 32
+        wk, wp = warp % WK, warp // WK
+        pos0, g, n = cuda.blockIdx.x * POSITIONS, cuda.blockIdx.y, cuda.blockIdx.z
+        a_tile = cuda.shared.array((G, A_ROW), SMEM_T, alignment=SHARED_ALIGN)
+        b_tile = cuda.shared.array((16, B_ROW), SMEM_T, alignment=SHARED_ALIGN)
+        acc = cuda.local.array((NT, 4), float32)
+        for i in range(NT):
+            for j in range(4):
+                acc[i, j] = float32(0)
+        q8, r8 = lane // 8, lane % 8
+        a_at = shared_address(a_tile, (wk * 16 + (q8 % 2) * 8 + r8, (q8 // 2) * 8))
+        b_at = shared_address(b_tile, ((q8 % 2) * 8 + r8, wp * WIDTH + (q8 // 2) * 8))
+        for e in range(grp_ptr[g], grp_ptr[g + 1]):
+            b = grp_blk[e]
+            for c16 in range(0, G, 16):
+                c_first = blk_c0[b] + c16
+                for tap in range(TRS):
+                    t, r, s = tap // (R * S), (tap // S) % R, tap % S
+                    for i in range(tid, G * 16, THREADS):  # the filter's slice: k along A's rows
+                        k, c = i // 16, i % 16
+                        a_tile[k, c] = f[f_off[b] + ((k * G + c16 + c) * TRS + tap)]
+                    for i in range(tid, 16 * POSITIONS, THREADS):  # the input values this tap reads
+                        c, o = i // POSITIONS, pos0 + i % POSITIONS
+                        value = SMEM_T(0)
+                        if o < MPQ:
+                            m, p, q = o // (P * Q), (o // Q) % P, o % Q
+                            d = m * geo[9] - geo[12] + t * geo[15]
+                            h = p * geo[10] - geo[13] + r * geo[16]
+                            w = q * geo[11] - geo[14] + s * geo[17]
+                            if 0 <= d < D and 0 <= h < H and 0 <= w < W:
+                                value = x[(n * C + c_first + c) * DHW + (d * H + h) * W + w]
+                        b_tile[c, i % POSITIONS] = value
+                    cuda.syncthreads()
+                    fa = ldmatrix_x4_at(a_at)
+                    for p2 in range(NT // 2):
+                        fb = ldmatrix_x4_trans_at(b_at + 32 * p2)
+                        for h2 in range(2):
+                            nt = 2 * p2 + h2
+                            d4 = mma(fa[0], fa[1], fa[2], fa[3], fb[2 * h2], fb[2 * h2 + 1],
+                                     acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3])
+                            for j in range(4):
+                                acc[nt, j] = d4[j]
+                    cuda.syncthreads()  # (every warp done with the tiles before the next are staged)
+        gid, t4 = lane // 4, lane % 4
+        for nt in range(NT):
+            for j in range(4):
+                k = g * G + wk * 16 + gid + 8 * (j // 2)
+                o = pos0 + wp * WIDTH + 8 * nt + 2 * t4 + j % 2
+                if o < MPQ:
+                    value = acc[nt, j]
+                    if has_bias and edge[o] >= 0:
+                        value += widen(bias[k, edge[o]])
+                    out[(n * K + k) * MPQ + o] = narrow(value)
+
+    return forward
