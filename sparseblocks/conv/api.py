@@ -137,6 +137,10 @@ class BlocksparseConv:
             self._host["kgrp_ptr"] = np.concatenate([[0], np.cumsum([len(g) for g in groups])]).astype(np.int32)
             self._host["kgrp_blk"] = np.array([b for g in groups for b in g], np.int32)
             self._host["blk_c0"] = np.array([cs[0] for cs, _ in blocks], np.int32)
+            groups = [[b for b, (cs, _) in enumerate(blocks) if cs[0] // G == c] for c in range(self._C // G)]
+            self._host["cgrp_ptr"] = np.concatenate([[0], np.cumsum([len(g) for g in groups])]).astype(np.int32)
+            self._host["cgrp_blk"] = np.array([b for g in groups for b in g], np.int32)
+            self._host["blk_k0"] = np.array([ks[0] for _, ks in blocks], np.int32)
         self._tables: dict = {}
 
     # -- sizes ------------------------------------------------------------------------------
@@ -214,6 +218,10 @@ class BlocksparseConv:
             threads = self.config.threads
             launch(kernel, (max(1, min(-(-n // threads), 16 * multiprocessors())), grid_y), threads, stream, args)
 
+    def _tensor_cores(self, dtype):
+        """Whether the forward and input gradient run on the tensor cores (`tensorcore.py`)."""
+        return bool(self._group) and self.config.tensor_cores and dtype in ("float16", "bfloat16")
+
     def _check(self, op, shape, N=None):
         if N is None:
             N = op.shape[0] if op.shape else 0
@@ -238,7 +246,7 @@ class BlocksparseConv:
         dtype = op_x.dtype
         has = bias is not None
         b = ops[2].device(stream) if has else op_f.device(stream).reshape(1, -1)[:, :1]
-        if self._group and self.config.tensor_cores and dtype in ("float16", "bfloat16"):
+        if self._tensor_cores(dtype):
             MPQ = int(np.prod(self._g["MPQ"]))
             if N:
                 launch(cached(make_forward_tc, dtype, self._group),
@@ -262,6 +270,15 @@ class BlocksparseConv:
         shape_out = self.o_shape(N) if self.deconv else self.i_shape(N)
         native, out = op_dy.empty(tuple(shape_out), stream)
         t = self._table(stream)
+        if self._tensor_cores(op_dy.dtype):
+            DHW = int(np.prod(self._g["DHW"]))
+            if N:
+                launch(cached(make_forward_tc, op_dy.dtype, self._group, True),
+                       (-(-DHW // POSITIONS), self._C // self._group, N), THREADS, stream,
+                       (out.reshape(-1), op_dy.device(stream).reshape(-1), op_f.device(stream).reshape(-1),
+                        t["f_off"], t["cgrp_ptr"], t["cgrp_blk"], t["blk_k0"], t["geo"], N, self._K, self._C,
+                        op_f.device(stream).reshape(1, -1)[:, :1], t["edge"], False))
+            return op_dy.result(native, out, stream)
         kernel = cached(make_input_grad, op_dy.dtype, _acc(op_dy.dtype))
         self._launch(kernel, stream, int(np.prod(shape_out)), (
             out.reshape(-1), op_dy.device(stream).reshape(-1), op_f.device(stream).reshape(-1), t["f_off"],

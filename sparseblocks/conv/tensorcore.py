@@ -1,4 +1,4 @@
-"""The block-sparse convolution's forward on the tensor cores (``mma.sync`` m16n8k16, fp16 and bf16,
+"""The block-sparse convolution's forward and input gradient on the tensor cores (``mma.sync`` m16n8k16, fp16 and bf16,
 fp32 sums), an implicit GEMM: no im2col buffer in global memory.
 
 It takes layouts of channel groups (`grouped`): every block joins an aligned group of G input
@@ -14,7 +14,9 @@ thread, which L1 serves across the taps that reread it.
 
 ``forward(out, x, f, f_off, grp_ptr, grp_blk, blk_c0, geo, N, K, C, bias, edge, has_bias)``: the
 arrays as `simple.make_forward` takes them, with ``grp_ptr``/``grp_blk`` the blocks of each output
-group (a CSR over groups) and ``blk_c0`` each block's first input channel.
+group (a CSR over groups) and ``blk_c0`` each block's first input channel. Built ``transposed``, the
+same kernel is the input gradient (the deconvolution's forward): groups of input channels, each
+block's first output channel, the output gradient as ``x``.
 """
 
 from numba import cuda, float32, int16, types
@@ -46,7 +48,11 @@ def grouped(blocks, C, K):
     return 0
 
 
-def make_forward_tc(storage, G):
+def make_forward_tc(storage, G, transposed=False):
+    """``transposed``: the input gradient (the deconvolution's forward) instead: output rows the
+    input channels, the filter's slice read transposed, the output gradient gathered where a tap
+    of an input position lands on an output position (d = m u - pad + t a: m = (d + pad - t a) / u
+    where that divides)."""
     WK = G // 16  # warps along the output channels
     WIDTH = POSITIONS * WK // 4  # positions a warp
     NT = WIDTH // 8
@@ -65,6 +71,8 @@ def make_forward_tc(storage, G):
         D, H, W, M, P, Q = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
         T, R, S = geo[6], geo[7], geo[8]
         MPQ, DHW, TRS = M * P * Q, D * H * W, T * R * S
+        # (transposed: out is the input gradient over DHW, rows C; x the output gradient, K rows)
+        OUT_POS, OUT_ROWS, IN_ROWS = (DHW, C, K) if transposed else (MPQ, K, C)
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
         wk, wp = warp % WK, warp // WK
@@ -85,18 +93,32 @@ def make_forward_tc(storage, G):
                 for tap in range(TRS):
                     t, r, s = tap // (R * S), (tap // S) % R, tap % S
                     for i in range(tid, G * 16, THREADS):  # the filter's slice: k along A's rows
-                        k, c = i // 16, i % 16
-                        a_tile[k, c] = f[f_off[b] + ((k * G + c16 + c) * TRS + tap)]
-                    for i in range(tid, 16 * POSITIONS, THREADS):  # the input values this tap reads
+                        row, c = i // 16, i % 16
+                        if transposed:  # (block b's filter is (G outputs, G inputs, taps): rows are inputs)
+                            a_tile[row, c] = f[f_off[b] + (((c16 + c) * G + row) * TRS + tap)]
+                        else:
+                            a_tile[row, c] = f[f_off[b] + ((row * G + c16 + c) * TRS + tap)]
+                    for i in range(tid, 16 * POSITIONS, THREADS):  # the values this tap reads
                         c, o = i // POSITIONS, pos0 + i % POSITIONS
                         value = SMEM_T(0)
-                        if o < MPQ:
-                            m, p, q = o // (P * Q), (o // Q) % P, o % Q
-                            d = m * geo[9] - geo[12] + t * geo[15]
-                            h = p * geo[10] - geo[13] + r * geo[16]
-                            w = q * geo[11] - geo[14] + s * geo[17]
-                            if 0 <= d < D and 0 <= h < H and 0 <= w < W:
-                                value = x[(n * C + c_first + c) * DHW + (d * H + h) * W + w]
+                        if o < OUT_POS:
+                            if transposed:
+                                d, h, w = o // (H * W), (o // W) % H, o % W
+                                m = d + geo[12] - t * geo[15]
+                                p = h + geo[13] - r * geo[16]
+                                q = w + geo[14] - s * geo[17]
+                                if (m >= 0 and p >= 0 and q >= 0 and m % geo[9] == 0 and p % geo[10] == 0
+                                        and q % geo[11] == 0):
+                                    m, p, q = m // geo[9], p // geo[10], q // geo[11]
+                                    if m < M and p < P and q < Q:
+                                        value = x[(n * IN_ROWS + c_first + c) * MPQ + (m * P + p) * Q + q]
+                            else:
+                                m, p, q = o // (P * Q), (o // Q) % P, o % Q
+                                d = m * geo[9] - geo[12] + t * geo[15]
+                                h = p * geo[10] - geo[13] + r * geo[16]
+                                w = q * geo[11] - geo[14] + s * geo[17]
+                                if 0 <= d < D and 0 <= h < H and 0 <= w < W:
+                                    value = x[(n * IN_ROWS + c_first + c) * DHW + (d * H + h) * W + w]
                         b_tile[c, i % POSITIONS] = value
                     cuda.syncthreads()
                     fa = ldmatrix_x4_at(a_at)
@@ -114,10 +136,10 @@ def make_forward_tc(storage, G):
             for j in range(4):
                 k = g * G + wk * 16 + gid + 8 * (j // 2)
                 o = pos0 + wp * WIDTH + 8 * nt + 2 * t4 + j % 2
-                if o < MPQ:
+                if o < OUT_POS:
                     value = acc[nt, j]
-                    if has_bias and edge[o] >= 0:
+                    if not transposed and has_bias and edge[o] >= 0:
                         value += widen(bias[k, edge[o]])
-                    out[(n * K + k) * MPQ + o] = narrow(value)
+                    out[(n * OUT_ROWS + k) * OUT_POS + o] = narrow(value)
 
     return forward

@@ -76,12 +76,11 @@ def grouped_layer(rng, G, groups):
     return BCK
 
 
-def check_tensor_core_forward(dtype, G, groups, TRS, DHW, strides, dilates, padding, bias, seed):
+def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, padding, bias, seed, N=2):
     rng = np.random.default_rng(seed)
     BCK = grouped_layer(rng, G, groups)
     op = BlocksparseConv(BCK, TRS, DHW, strides=strides, dilates=dilates, padding=padding, edge_bias=bias)
     assert op._group == G
-    N = 2
     F = [values(rng, op.f_shape(b), dtype) for b in range(len(BCK))]
     I = values(rng, op.i_shape(N), dtype)
     edge = values(rng, op.edge_bias_shape(), dtype) if bias and op.edge_bias_shape()[1] else None
@@ -91,11 +90,15 @@ def check_tensor_core_forward(dtype, G, groups, TRS, DHW, strides, dilates, padd
         want = reference.edge_bias(want, edge, g)
     assert_close(as3(op(F, I, edge_bias=edge), g, "MPQ"), want, dtype, "forward",
                  terms=int(np.prod(g["TRS"])) * op.C)
+    dO = values(rng, op.o_shape(N), dtype)
+    assert_close(as3(op.input_grad(F, dO), g, "DHW"), reference.input_grad(F, as3(dO, g, "MPQ"), op.BCK, g, op.C),
+                 dtype, "input_grad", terms=int(np.prod(g["TRS"])) * op.K)
 
 
-def test_tensor_core_forward_matches_the_twin():
-    """The tensor-core forward (`conv/tensorcore.py`: groups of 16 here) in the simulator."""
-    check_tensor_core_forward("float16", 16, 2, (3, 3), (3, 4), 1, 1, "SAME", True, 3)
+def test_tensor_core_products_match_the_twin():
+    """The tensor-core forward and input gradient (`conv/tensorcore.py`: groups of 16 here, strided)
+    in the simulator."""
+    check_tensor_core_products("float16", 16, 2, (3, 3), (3, 4), 2, 1, "SAME", True, 3, N=1)
 
 
 @pytest.mark.gpu
@@ -104,10 +107,10 @@ def test_tensor_core_forward_matches_the_twin():
 @given(dtype=st.sampled_from(["float16", "bfloat16"]), G=st.sampled_from([16, 32, 64]), groups=st.integers(1, 3),
        dims=st.integers(1, 3), strides=st.integers(1, 2), dilates=st.integers(1, 2),
        padding=st.sampled_from(["SAME", "VALID"]), bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_tensor_core_forward_matches_the_twin_on_the_gpu(dtype, G, groups, dims, strides, dilates, padding, bias,
+def test_tensor_core_products_match_the_twin_on_the_gpu(dtype, G, groups, dims, strides, dilates, padding, bias,
                                                          seed):
     TRS, DHW = [3] * dims, [9, 7, 10][:dims]
-    check_tensor_core_forward(dtype, G, max(groups, 2), TRS, DHW, strides, dilates, padding, bias, seed)
+    check_tensor_core_products(dtype, G, max(groups, 2), TRS, DHW, strides, dilates, padding, bias, seed)
 
 
 def test_grouped_finds_aligned_channel_groups():
