@@ -13,7 +13,7 @@ from ..runtime.launch import launch, multiprocessors
 from .config import ConvConfig, as_config
 from .geometry import edge_map, geometry
 from .simple import make_edge_bias_grad, make_filter_grad, make_forward, make_input_grad, make_l2_normalize
-from .tensorcore import POSITIONS, THREADS, grouped, make_forward_tc
+from .tensorcore import POSITIONS, THREADS, grouped, make_filter_grad_tc, make_forward_tc
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -294,6 +294,13 @@ class BlocksparseConv:
         stream = launch_stream(ops)
         native, out = op_x.empty((self.f_size,), stream)
         t = self._table(stream)
+        if self._tensor_cores(op_x.dtype):  # (N = 0 too: its sums of nothing write zeros)
+            launch(cached(make_filter_grad_tc, op_x.dtype, self._group),
+                   (int(np.prod(self._g["TRS"])), len(self._blocks)), THREADS, stream,
+                   (out, op_dy.device(stream).reshape(-1), op_x.device(stream).reshape(-1), t["f_off"],
+                    t["blk_c0"], t["blk_k0"], t["geo"], N, self._K, self._C))
+            flat = op_x.result(native, out, stream)
+            return [flat[self._f_off[b]:self._f_off[b + 1]].reshape(self.f_shape(b)) for b in range(len(self._blocks))]
         kernel = cached(make_filter_grad, op_x.dtype, _acc(op_x.dtype))
         biggest = int(max(self._f_off[1:] - self._f_off[:-1]))
         self._launch(kernel, stream, biggest, (

@@ -6,8 +6,8 @@ from ..runtime.tuning import config_checker, tuning
 @tuning
 class ConvConfig:
     threads: int = 128  # threads a thread block of the direct (teaching) kernels, a thread an output value
-    # The forward and input gradient of fp16 and bf16 layers of aligned channel groups on the tensor
-    # cores (`tensorcore.py`); False: the direct kernels for every call
+    # The three products of fp16 and bf16 layers of aligned channel groups on the tensor cores
+    # (`tensorcore.py`); False: the direct kernels for every call
     tensor_cores: bool = True
 
     def check(self):

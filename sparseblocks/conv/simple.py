@@ -1,5 +1,5 @@
 """The block-sparse convolution's direct kernels: a thread a value of the result, the sum written
-out as the twin's (`reference.conv`). Readable first; `tensorcore.py` has the fast forward and input gradient.
+out as the twin's (`reference.conv`). Readable first; `tensorcore.py` has the fast forms.
 
 Arrays are flat: images (N, channels, D, H, W), the filters one buffer, block b's
 (len(ks), len(cs), T, R, S) from ``f_off[b]``. ``geo`` holds, as int32, (D, H, W, M, P, Q, T, R, S,

@@ -1,4 +1,4 @@
-"""The block-sparse convolution's forward and input gradient on the tensor cores (``mma.sync`` m16n8k16, fp16 and bf16,
+"""The block-sparse convolution's products on the tensor cores (``mma.sync`` m16n8k16, fp16 and bf16,
 fp32 sums), an implicit GEMM: no im2col buffer in global memory.
 
 It takes layouts of channel groups (`grouped`): every block joins an aligned group of G input
@@ -143,3 +143,96 @@ def make_forward_tc(storage, G, transposed=False):
                     out[(n * OUT_ROWS + k) * OUT_POS + o] = narrow(value)
 
     return forward
+
+
+def make_filter_grad_tc(storage, G):
+    """The filter gradient of aligned channel groups: a thread block a (block, tap), dF[k, c] = the
+    sum over images and output positions of dy[n, k, o] x[n, c, where tap t of o lands], as
+    A (G x positions, dy: k along A's rows) times B (positions x G, x gathered as rows of c). Its
+    warps split the G x G tile into 16-row strips and, where G < 64, the positions too (``WS`` ways,
+    summed through shared memory at the end): every sum in the same order on every run.
+
+    ``filter_grad(out, dy, x, f_off, blk_c0, blk_k0, geo, N, K, C)``."""
+    WK = G // 16
+    WS = 4 // WK  # ways the positions split across warps
+    CHUNK = 16 * WS  # positions staged a step
+    NT = G // 8
+    PARTS = 4 * NT  # a lane's accumulators
+    A_W = CHUNK + 8  # a staged row: CHUNK values and 16 bytes of padding
+    SMEM_T = int16 if storage == "bfloat16" else types.float16
+    mma = mma_bf16 if storage == "bfloat16" else mma_f16
+    if storage == "bfloat16":
+        narrow = bf16_of_float
+    else:
+        @inlined
+        def narrow(value):
+            return value
+
+    @cuda.jit
+    def filter_grad(out, dy, x, f_off, blk_c0, blk_k0, geo, N, K, C):
+        D, H, W, M, P, Q = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
+        T, R, S = geo[6], geo[7], geo[8]
+        MPQ, DHW, TRS = M * P * Q, D * H * W, T * R * S
+        tid = cuda.threadIdx.x
+        lane, warp = tid % 32, tid // 32
+        wk, ws = warp % WK, warp // WK
+        b, tap = cuda.blockIdx.y, cuda.blockIdx.x
+        t, r, s = tap // (R * S), (tap // S) % R, tap % S
+        k0, c0 = blk_k0[b], blk_c0[b]
+        a_tile = cuda.shared.array((G, A_W), SMEM_T, alignment=SHARED_ALIGN)  # dy: rows k
+        b_tile = cuda.shared.array((G, A_W), SMEM_T, alignment=SHARED_ALIGN)  # x: rows c
+        sums = cuda.shared.array((4, 32, PARTS), float32)  # (the k-split warps' partial sums)
+        acc = cuda.local.array((NT, 4), float32)
+        for i in range(NT):
+            for j in range(4):
+                acc[i, j] = float32(0)
+        q8, r8 = lane // 8, lane % 8
+        a_at = shared_address(a_tile, (wk * 16 + (q8 % 2) * 8 + r8, ws * 16 + (q8 // 2) * 8))
+        b_at = shared_address(b_tile, ((q8 // 2) * 8 + r8, ws * 16 + (q8 % 2) * 8))
+        for n in range(N):
+            for start in range(0, MPQ, CHUNK):
+                for i in range(tid, G * CHUNK, THREADS):
+                    row, j = i // CHUNK, i % CHUNK
+                    o = start + j
+                    da = SMEM_T(0)
+                    xb = SMEM_T(0)
+                    if o < MPQ:
+                        da = dy[(n * K + k0 + row) * MPQ + o]
+                        m, p, q = o // (P * Q), (o // Q) % P, o % Q
+                        d = m * geo[9] - geo[12] + t * geo[15]
+                        h = p * geo[10] - geo[13] + r * geo[16]
+                        w = q * geo[11] - geo[14] + s * geo[17]
+                        if 0 <= d < D and 0 <= h < H and 0 <= w < W:
+                            xb = x[(n * C + c0 + row) * DHW + (d * H + h) * W + w]
+                    a_tile[row, j] = da
+                    b_tile[row, j] = xb
+                cuda.syncthreads()
+                fa = ldmatrix_x4_at(a_at)
+                for p2 in range(NT // 2):
+                    fb = ldmatrix_x4_at(b_at + 16 * A_W * 2 * p2)
+                    for h2 in range(2):
+                        nt = 2 * p2 + h2
+                        d4 = mma(fa[0], fa[1], fa[2], fa[3], fb[2 * h2], fb[2 * h2 + 1],
+                                 acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3])
+                        for j in range(4):
+                            acc[nt, j] = d4[j]
+                cuda.syncthreads()
+        if WS > 1:  # the k-split warps' sums, added in the order of their warps
+            for nt in range(NT):
+                for j in range(4):
+                    sums[warp, lane, nt * 4 + j] = acc[nt, j]
+            cuda.syncthreads()
+            if ws == 0:
+                for other in range(1, WS):
+                    for nt in range(NT):
+                        for j in range(4):
+                            acc[nt, j] += sums[wk + WK * other, lane, nt * 4 + j]
+        gid, t4 = lane // 4, lane % 4
+        if ws == 0:
+            for nt in range(NT):
+                for j in range(4):
+                    k = wk * 16 + gid + 8 * (j // 2)
+                    c = 8 * nt + 2 * t4 + j % 2
+                    out[f_off[b] + ((k * G + c) * TRS + tap)] = narrow(acc[nt, j])
+
+    return filter_grad

@@ -93,11 +93,14 @@ def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, pad
     dO = values(rng, op.o_shape(N), dtype)
     assert_close(as3(op.input_grad(F, dO), g, "DHW"), reference.input_grad(F, as3(dO, g, "MPQ"), op.BCK, g, op.C),
                  dtype, "input_grad", terms=int(np.prod(g["TRS"])) * op.K)
+    wants = reference.filter_grad(as3(dO, g, "MPQ"), as3(I, g, "DHW"), op.BCK, g)
+    for b, (got, want_f) in enumerate(zip(op.filter_grad(dO, I), wants)):
+        assert_close(np.asarray(got, np.float64).reshape(want_f.shape), want_f, dtype, f"filter_grad[{b}]",
+                     terms=N * int(np.prod(g["MPQ"])))
 
 
 def test_tensor_core_products_match_the_twin():
-    """The tensor-core forward and input gradient (`conv/tensorcore.py`: groups of 16 here, strided)
-    in the simulator."""
+    """The tensor-core products (`conv/tensorcore.py`: groups of 16 here, strided) in the simulator."""
     check_tensor_core_products("float16", 16, 2, (3, 3), (3, 4), 2, 1, "SAME", True, 3, N=1)
 
 
