@@ -8,8 +8,7 @@ A thread block computes one output group's G channels at 64 output positions of 
 each block of that group, each 16 of its input channels and each tap, it stages the filter's
 G x 16 slice (A: k along its rows) and the 16 x 64 input values the tap reads (B: the positions
 along its rows, zeros where the tap lands in the padding or past the last position) in shared
-memory, and its four warps multiply them (warps of 16 output channels by 64 / (4 G / 16)
-positions). So every stride, dilation and padding is one loop; the input is gathered a value a
+memory, and its four warps multiply them (each 16 output channels by G positions). So every stride, dilation and padding is one loop; the input is gathered a value a
 thread, which L1 serves across the taps that reread it.
 
 ``forward(out, x, f, f_off, grp_ptr, grp_blk, blk_c0, geo, N, K, C, bias, edge, has_bias)``: the
