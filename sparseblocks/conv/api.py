@@ -130,16 +130,12 @@ class BlocksparseConv:
         self._host["row_len"] = np.array([r[1] for r in rows], np.int32)
         self._host["grp_ptr"] = np.concatenate([[0], np.cumsum([len(p) for p in self._edges])]).astype(np.int32)
         self._host["grp_pos"] = np.array([q for p in self._edges for q in p] or [0], np.int32)
-        self._group = grouped(blocks, self._C, self._K)  # (the tensor-core forward's channel group, or 0)
-        if self._group:
+        self._group = grouped(blocks, self._C, self._K)  # (the tensor-core products' channel group, or 0)
+        if self._group:  # the blocks of each output group and of each input group, and their first channels
             G = self._group
-            groups = [[b for b, (_, ks) in enumerate(blocks) if ks[0] // G == k] for k in range(self._K // G)]
-            self._host["kgrp_ptr"] = np.concatenate([[0], np.cumsum([len(g) for g in groups])]).astype(np.int32)
-            self._host["kgrp_blk"] = np.array([b for g in groups for b in g], np.int32)
+            self._host["kgrp_ptr"], self._host["kgrp_blk"], _ = _csr([[ks[0] // G] for _, ks in blocks], self._K // G)
+            self._host["cgrp_ptr"], self._host["cgrp_blk"], _ = _csr([[cs[0] // G] for cs, _ in blocks], self._C // G)
             self._host["blk_c0"] = np.array([cs[0] for cs, _ in blocks], np.int32)
-            groups = [[b for b, (cs, _) in enumerate(blocks) if cs[0] // G == c] for c in range(self._C // G)]
-            self._host["cgrp_ptr"] = np.concatenate([[0], np.cumsum([len(g) for g in groups])]).astype(np.int32)
-            self._host["cgrp_blk"] = np.array([b for g in groups for b in g], np.int32)
             self._host["blk_k0"] = np.array([ks[0] for _, ks in blocks], np.int32)
         self._tables: dict = {}
 
@@ -219,7 +215,7 @@ class BlocksparseConv:
             launch(kernel, (max(1, min(-(-n // threads), 16 * multiprocessors())), grid_y), threads, stream, args)
 
     def _tensor_cores(self, dtype):
-        """Whether the forward and input gradient run on the tensor cores (`tensorcore.py`)."""
+        """Whether the three products run on the tensor cores (`tensorcore.py`)."""
         return bool(self._group) and self.config.tensor_cores and dtype in ("float16", "bfloat16")
 
     def _check(self, op, shape, N=None):
