@@ -95,6 +95,7 @@ def make_tile_parts(storage, D, cols=TILE, mt=1):
       tile and in the global rows (the next ones are THREADS chunks on);
     * ``copy_tile(at, source, to, frm)``: a tile's cp.async copies into shared ``at`` from global
       ``source`` (the address of its first row);
+    * ``copy_pair(at, first, second, row0, to, frm)``: two tiles of the same rows of two arrays;
     * ``lanes(lane, warp)``: this lane's ldmatrix row offsets in a tile: (A rows of its warp, B
       rows with k along D, B rows with k down the rows);
     * ``times_rows(acc, fa, a_at, b_at)``: acc (16 mt x cols) += A · Bᵀ, A a warp's rows (x D) of
@@ -127,6 +128,13 @@ def make_tile_parts(storage, D, cols=TILE, mt=1):
     def copy_tile(at, source, to, frm):
         for i in range(PER):
             copy16_to(at + (to + i * STEP * ROW), source + (frm + i * STEP * 2 * D))
+
+    @inlined
+    def copy_pair(at, first, second, row0, to, frm):
+        """Two tiles of rows from ``row0`` (of two arrays at ``first`` and ``second``), one after the
+        other from shared ``at``: a key tile and its value tile, or a query tile and its dout tile."""
+        copy_tile(at, first + 2 * int64(row0) * D, to, frm)
+        copy_tile(at + TILE * ROW, second + 2 * int64(row0) * D, to, frm)
 
     @inlined
     def lanes(lane, warp):
@@ -184,7 +192,21 @@ def make_tile_parts(storage, D, cols=TILE, mt=1):
                 out[at + 8 * i * D + 8 * n + 2 * t + j % 2] = from_acc(acc[m, n, j] * f[i])
 
     store = unrolled(D // 8, inlined(store_step), inline=inlined)
-    return plan, copy_tile, lanes, times_rows, times_tile, as_fragments, store
+    return plan, copy_tile, copy_pair, lanes, times_rows, times_tile, as_fragments, store
+
+
+@inlined
+def row_tiles(blk_col, first, last, sub, bs, q_end, causal):
+    """The key tiles a query tile walks: its block-row's blocks ``first``..``last`` of ``sub`` tiles
+    each, less, with ``causal``, those starting at or past ``q_end`` (a row's blocks run by column:
+    the tiles it walks are a prefix)."""
+    n = (last - first) * sub
+    if causal:
+        n = 0
+        for e in range((last - first) * sub):
+            if blk_col[first + e // sub] * bs + (e % sub) * TILE < q_end:
+                n += 1
+    return n
 
 
 def forward_rows(block_size, warp_rows):
@@ -203,7 +225,7 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
     KEPT = QT * ROW
     STAGE = 2 * TILE_BYTES  # a key tile, then its value tile
     DN, R = D // 8, 2 * MT  # R: rows of a lane
-    plan, copy_tile, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D, cols, MT)
+    plan, copy_tile, copy_pair, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D, cols, MT)
     wait = waiter(stages - 2)
     NEG = float32(-math.inf)  # (a float32: max() and selects in f32)
 
@@ -257,12 +279,7 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
         q0 = qt * QT
         rows, sub = S // bs, bs // TILE
         first, last = row_ptr[h * rows + q0 // bs], row_ptr[h * rows + q0 // bs + 1]
-        n = (last - first) * sub
-        if causal:  # (a row's blocks run by column: the tiles it walks are a prefix)
-            n = 0
-            for e in range((last - first) * sub):
-                if blk_col[first + e // sub] * bs + (e % sub) * TILE < q0 + QT:
-                    n += 1
+        n = row_tiles(blk_col, first, last, sub, bs, q0 + QT, causal)
         smem = cuda.shared.array(0, int32)
         base = shared_address(smem, (0,))
         head = int64(bh) * S * D
@@ -295,8 +312,7 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
             if e < n:
                 key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE
                 at = base + KEPT + e * STAGE
-                copy_tile(at, k_at + 2 * int64(key0) * D, to, frm)
-                copy_tile(at + TILE_BYTES, v_at + 2 * int64(key0) * D, to, frm)
+                copy_pair(at, k_at, v_at, key0, to, frm)
             commit()  # one group a stage, empty or not, so that the wait counts stages
         buf = 0
         row = q0 + warp * 16 * MT + g  # the lane's first row; the others 8, 16, 24 on
@@ -307,8 +323,7 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
             if nxt < n:
                 key1 = blk_col[first + nxt // sub] * bs + (nxt % sub) * TILE
                 at = base + KEPT + (buf - 1 if buf > 0 else stages - 1) * STAGE
-                copy_tile(at, k_at + 2 * int64(key1) * D, to, frm)
-                copy_tile(at + TILE_BYTES, v_at + 2 * int64(key1) * D, to, frm)
+                copy_pair(at, k_at, v_at, key1, to, frm)
             commit()
             for part in range(PARTS):
                 key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE + part * cols
@@ -397,7 +412,7 @@ def make_query_grads(storage, D, stages):
     TILE_BYTES = TILE * ROW
     KEPT, STAGE = 2 * TILE_BYTES, 2 * TILE_BYTES
     DN = D // 8
-    plan, copy_tile, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D)
+    plan, copy_tile, copy_pair, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D)
     probabilities, score_grads = make_backward_parts()
     wait = waiter(stages - 2)
 
@@ -413,12 +428,7 @@ def make_query_grads(storage, D, stages):
         q0 = qt * TILE
         rows, sub = S // bs, bs // TILE
         first, last = row_ptr[h * rows + q0 // bs], row_ptr[h * rows + q0 // bs + 1]
-        n = (last - first) * sub
-        if causal:
-            n = 0
-            for e in range((last - first) * sub):
-                if blk_col[first + e // sub] * bs + (e % sub) * TILE < q0 + TILE:
-                    n += 1
+        n = row_tiles(blk_col, first, last, sub, bs, q0 + TILE, causal)
         smem = cuda.shared.array(0, int32)
         base = shared_address(smem, (0,))
         head = int64(bh) * S * D
@@ -443,14 +453,12 @@ def make_query_grads(storage, D, stages):
             for j in range(4):
                 acc[0, i, j] = float32(0)
         if n > 0:
-            copy_tile(base, signed_address(q, (0,)) + 2 * (head + int64(q0) * D), to, frm)
-            copy_tile(base + TILE_BYTES, signed_address(dout, (0,)) + 2 * (head + int64(q0) * D), to, frm)
+            copy_pair(base, signed_address(q, (0,)) + 2 * head, signed_address(dout, (0,)) + 2 * head, q0, to, frm)
         for e in range(stages - 1):
             if e < n:
                 key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE
                 at = base + KEPT + e * STAGE
-                copy_tile(at, k_at + 2 * int64(key0) * D, to, frm)
-                copy_tile(at + TILE_BYTES, v_at + 2 * int64(key0) * D, to, frm)
+                copy_pair(at, k_at, v_at, key0, to, frm)
             commit()
         buf = 0
         for e in range(n):
@@ -460,8 +468,7 @@ def make_query_grads(storage, D, stages):
             if nxt < n:
                 key1 = blk_col[first + nxt // sub] * bs + (nxt % sub) * TILE
                 at = base + KEPT + (buf - 1 if buf > 0 else stages - 1) * STAGE
-                copy_tile(at, k_at + 2 * int64(key1) * D, to, frm)
-                copy_tile(at + TILE_BYTES, v_at + 2 * int64(key1) * D, to, frm)
+                copy_pair(at, k_at, v_at, key1, to, frm)
             commit()
             key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE
             at = base + KEPT + buf * STAGE
@@ -493,14 +500,13 @@ def make_key_grads(storage, D, stages):
     # A query tile in two halves of 32 (fewer registers: a warp's dk and dv take 2 D of them)
     HALF = TILE // 2
     NT, FP = HALF // 8, HALF // 16  # a half's n-tiles, and k16 steps
-    plan, copy_tile, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D, HALF, 1)
+    plan, copy_tile, copy_pair, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D, HALF, 1)
     probabilities, score_grads = make_backward_parts(HALF)
     wait = waiter(stages - 2)
 
     @inlined
     def issue(at, tid, query0, q_at, do_at, lse_at, delta_at, to, frm):
-        copy_tile(at, q_at + 2 * int64(query0) * D, to, frm)
-        copy_tile(at + TILE_BYTES, do_at + 2 * int64(query0) * D, to, frm)
+        copy_pair(at, q_at, do_at, query0, to, frm)
         if tid < 2 * ROWS_CH:
             source = lse_at if tid < ROWS_CH else delta_at
             copy16_to(at + 2 * TILE_BYTES + 16 * tid, source + 4 * int64(query0) + 16 * (tid % ROWS_CH))
@@ -548,8 +554,7 @@ def make_key_grads(storage, D, stages):
                 dk_acc[0, i, j] = float32(0)
                 dv_acc[0, i, j] = float32(0)
         if n > 0:
-            copy_tile(base, signed_address(k, (0,)) + 2 * (head + int64(k0) * D), to, frm)
-            copy_tile(base + TILE_BYTES, signed_address(v, (0,)) + 2 * (head + int64(k0) * D), to, frm)
+            copy_pair(base, signed_address(k, (0,)) + 2 * head, signed_address(v, (0,)) + 2 * head, k0, to, frm)
         for e in range(stages - 1):
             if e < n:
                 x = e + skip

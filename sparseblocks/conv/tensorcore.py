@@ -34,6 +34,20 @@ A_ROW = 16 + 8  # a staged filter row: 16 values and 16 bytes of padding (eight 
 B_ROW = POSITIONS + 8
 
 
+@inlined
+def source_of(o, t, r, s, geo):
+    """Where tap (t, r, s) of output position ``o`` reads the input: its flat position d·H·W + h·W +
+    w, or -1 where it lands in the padding (``geo`` as `simple.py` holds it)."""
+    P, Q = geo[4], geo[5]
+    m, p, q = o // (P * Q), (o // Q) % P, o % Q
+    d = m * geo[9] - geo[12] + t * geo[15]
+    h = p * geo[10] - geo[13] + r * geo[16]
+    w = q * geo[11] - geo[14] + s * geo[17]
+    if 0 <= d < geo[0] and 0 <= h < geo[1] and 0 <= w < geo[2]:
+        return (d * geo[1] + h) * geo[2] + w
+    return -1
+
+
 def grouped(blocks, C, K):
     """G where every block of ``blocks`` ((input channels, output channels) lists) is an aligned
     group of G input and G output channels, the largest of `GROUPS` that fits; else 0."""
@@ -112,12 +126,9 @@ def make_forward_tc(storage, G, transposed=False):
                                     if m < M and p < P and q < Q:
                                         value = x[(n * IN_ROWS + c_first + c) * MPQ + (m * P + p) * Q + q]
                             else:
-                                m, p, q = o // (P * Q), (o // Q) % P, o % Q
-                                d = m * geo[9] - geo[12] + t * geo[15]
-                                h = p * geo[10] - geo[13] + r * geo[16]
-                                w = q * geo[11] - geo[14] + s * geo[17]
-                                if 0 <= d < D and 0 <= h < H and 0 <= w < W:
-                                    value = x[(n * IN_ROWS + c_first + c) * DHW + (d * H + h) * W + w]
+                                at = source_of(o, t, r, s, geo)
+                                if at >= 0:
+                                    value = x[(n * IN_ROWS + c_first + c) * DHW + at]
                         b_tile[c, i % POSITIONS] = value
                     cuda.syncthreads()
                     fa = ldmatrix_x4_at(a_at)
@@ -197,12 +208,9 @@ def make_filter_grad_tc(storage, G):
                     xb = SMEM_T(0)
                     if o < MPQ:
                         da = dy[(n * K + k0 + row) * MPQ + o]
-                        m, p, q = o // (P * Q), (o // Q) % P, o % Q
-                        d = m * geo[9] - geo[12] + t * geo[15]
-                        h = p * geo[10] - geo[13] + r * geo[16]
-                        w = q * geo[11] - geo[14] + s * geo[17]
-                        if 0 <= d < D and 0 <= h < H and 0 <= w < W:
-                            xb = x[(n * C + c0 + row) * DHW + (d * H + h) * W + w]
+                        at = source_of(o, t, r, s, geo)
+                        if at >= 0:
+                            xb = x[(n * C + c0 + row) * DHW + at]
                     a_tile[row, j] = da
                     b_tile[row, j] = xb
                 cuda.syncthreads()
