@@ -48,6 +48,23 @@ def source_of(o, t, r, s, geo):
     return -1
 
 
+def make_mma_pair(storage):
+    """``mma_pair(acc, fa, fb, p2)``: acc's n-tiles 2 p2 and 2 p2 + 1 += A (fragments fa) times the
+    two B fragments of one ldmatrix.x4 (fb)."""
+    mma = mma_bf16 if storage == "bfloat16" else mma_f16
+
+    @inlined
+    def mma_pair(acc, fa, fb, p2):
+        for h2 in range(2):
+            nt = 2 * p2 + h2
+            d4 = mma(fa[0], fa[1], fa[2], fa[3], fb[2 * h2], fb[2 * h2 + 1], acc[nt, 0], acc[nt, 1], acc[nt, 2],
+                     acc[nt, 3])
+            for j in range(4):
+                acc[nt, j] = d4[j]
+
+    return mma_pair
+
+
 def grouped(blocks, C, K):
     """G where every block of ``blocks`` ((input channels, output channels) lists) is an aligned
     group of G input and G output channels, the largest of `GROUPS` that fits; else 0."""
@@ -70,7 +87,7 @@ def make_forward_tc(storage, G, transposed=False):
     WIDTH = POSITIONS * WK // 4  # positions a warp
     NT = WIDTH // 8
     SMEM_T = int16 if storage == "bfloat16" else types.float16
-    mma = mma_bf16 if storage == "bfloat16" else mma_f16
+    mma_pair = make_mma_pair(storage)
     widen, _ = converters(storage, float32)
     if storage == "bfloat16":
         narrow = bf16_of_float
@@ -133,13 +150,7 @@ def make_forward_tc(storage, G, transposed=False):
                     cuda.syncthreads()
                     fa = ldmatrix_x4_at(a_at)
                     for p2 in range(NT // 2):
-                        fb = ldmatrix_x4_trans_at(b_at + 32 * p2)
-                        for h2 in range(2):
-                            nt = 2 * p2 + h2
-                            d4 = mma(fa[0], fa[1], fa[2], fa[3], fb[2 * h2], fb[2 * h2 + 1],
-                                     acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3])
-                            for j in range(4):
-                                acc[nt, j] = d4[j]
+                        mma_pair(acc, fa, ldmatrix_x4_trans_at(b_at + 32 * p2), p2)
                     cuda.syncthreads()  # (every warp done with the tiles before the next are staged)
         gid, t4 = lane // 4, lane % 4
         for nt in range(NT):
@@ -170,7 +181,7 @@ def make_filter_grad_tc(storage, G):
     PARTS = 4 * NT  # a lane's accumulators
     A_W = CHUNK + 8  # a staged row: CHUNK values and 16 bytes of padding
     SMEM_T = int16 if storage == "bfloat16" else types.float16
-    mma = mma_bf16 if storage == "bfloat16" else mma_f16
+    mma_pair = make_mma_pair(storage)
     if storage == "bfloat16":
         narrow = bf16_of_float
     else:
@@ -216,13 +227,7 @@ def make_filter_grad_tc(storage, G):
                 cuda.syncthreads()
                 fa = ldmatrix_x4_at(a_at)
                 for p2 in range(NT // 2):
-                    fb = ldmatrix_x4_at(b_at + 16 * A_W * 2 * p2)
-                    for h2 in range(2):
-                        nt = 2 * p2 + h2
-                        d4 = mma(fa[0], fa[1], fa[2], fa[3], fb[2 * h2], fb[2 * h2 + 1],
-                                 acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3])
-                        for j in range(4):
-                            acc[nt, j] = d4[j]
+                    mma_pair(acc, fa, ldmatrix_x4_at(b_at + 16 * A_W * 2 * p2), p2)
                 cuda.syncthreads()
         if WS > 1:  # the k-split warps' sums, added in the order of their warps
             for nt in range(NT):
