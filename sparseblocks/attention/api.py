@@ -1,4 +1,5 @@
-"""`attention`: validation, the block tables on the device, the three kernels' launches."""
+"""`attention` and `attention_grad`: validation, the block tables on the device, and the launches of
+the fused kernels or the three."""
 
 from typing import Any, Optional, Sequence, Tuple, Union
 
@@ -9,6 +10,7 @@ from ..layout import BlockLayout
 from ..runtime.arrays import Array, checked_operands, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import active, on_arrays_device
+from ..ptx.vector import aligned
 from ..runtime.launch import data_pointer, launch, multiprocessors
 from . import fused
 from .config import AttentionConfig, as_config
@@ -81,7 +83,7 @@ def _checked(named):
 def _fused(cfg, dtype, head_dim, bs, arrays):
     """Whether the fused kernels take the call: the config's choice, their dtypes, head dims and
     blocks (`fused.fits`), and 16-byte aligned operands (their copies are 16-byte cp.async)."""
-    return cfg.fused and not fused.fits(dtype, head_dim, bs) and all(data_pointer(a) % 16 == 0 for a in arrays)
+    return cfg.fused and not fused.fits(dtype, head_dim, bs) and all(aligned(data_pointer(a), 16, 1) for a in arrays)
 
 
 def _launch(kernel, stream, n, args):

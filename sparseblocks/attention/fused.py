@@ -196,17 +196,23 @@ def make_tile_parts(storage, D, cols=TILE, mt=1):
 
 
 @inlined
-def row_tiles(blk_col, first, last, sub, bs, q_end, causal):
-    """The key tiles a query tile walks: its block-row's blocks ``first``..``last`` of ``sub`` tiles
-    each, less, with ``causal``, those starting at or past ``q_end`` (a row's blocks run by column:
-    the tiles it walks are a prefix)."""
+def query_walk(row_ptr, blk_col, H, S, bs, QT, causal):
+    """(batch x head, first query, first block, tiles a block, key tiles walked) of this thread
+    block's tile of QT queries (the longest causal rows first): its block-row's blocks of bs / 64
+    key tiles each, less, with ``causal``, those starting past its last query (a row's blocks run by
+    column: the tiles it walks are a prefix)."""
+    n_qt = S // QT
+    bh = cuda.blockIdx.x // n_qt
+    q0 = (n_qt - 1 - cuda.blockIdx.x % n_qt) * QT
+    row, sub = (bh % H) * (S // bs) + q0 // bs, bs // TILE
+    first, last = row_ptr[row], row_ptr[row + 1]
     n = (last - first) * sub
     if causal:
         n = 0
         for e in range((last - first) * sub):
-            if blk_col[first + e // sub] * bs + (e % sub) * TILE < q_end:
+            if blk_col[first + e // sub] * bs + (e % sub) * TILE < q0 + QT:
                 n += 1
-    return n
+    return bh, q0, first, sub, n
 
 
 def forward_rows(block_size, warp_rows):
@@ -272,14 +278,7 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
-        n_qt = S // QT
-        qt = n_qt - 1 - cuda.blockIdx.x % n_qt  # (the longest causal rows first)
-        bh = cuda.blockIdx.x // n_qt
-        h = bh % H
-        q0 = qt * QT
-        rows, sub = S // bs, bs // TILE
-        first, last = row_ptr[h * rows + q0 // bs], row_ptr[h * rows + q0 // bs + 1]
-        n = row_tiles(blk_col, first, last, sub, bs, q0 + QT, causal)
+        bh, q0, first, sub, n = query_walk(row_ptr, blk_col, H, S, bs, QT, causal)
         smem = cuda.shared.array(0, int32)
         base = shared_address(smem, (0,))
         head = int64(bh) * S * D
@@ -421,14 +420,7 @@ def make_query_grads(storage, D, stages):
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
-        n_qt = S // TILE
-        qt = n_qt - 1 - cuda.blockIdx.x % n_qt
-        bh = cuda.blockIdx.x // n_qt
-        h = bh % H
-        q0 = qt * TILE
-        rows, sub = S // bs, bs // TILE
-        first, last = row_ptr[h * rows + q0 // bs], row_ptr[h * rows + q0 // bs + 1]
-        n = row_tiles(blk_col, first, last, sub, bs, q0 + TILE, causal)
+        bh, q0, first, sub, n = query_walk(row_ptr, blk_col, H, S, bs, TILE, causal)
         smem = cuda.shared.array(0, int32)
         base = shared_address(smem, (0,))
         head = int64(bh) * S * D
