@@ -13,6 +13,7 @@ from ..runtime.launch import launch, multiprocessors
 from .config import ConvConfig, as_config
 from .geometry import edge_map, geometry
 from .simple import make_edge_bias_grad, make_filter_grad, make_forward, make_input_grad, make_l2_normalize
+from . import implicit
 from .tensorcore import POSITIONS, THREADS, grouped, make_filter_grad_tc, make_forward_tc
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -137,6 +138,17 @@ class BlocksparseConv:
             self._host["cgrp_ptr"], self._host["cgrp_blk"], _ = _csr([[cs[0] // G] for cs, _ in blocks], self._C // G)
             self._host["blk_c0"] = np.array([cs[0] for cs, _ in blocks], np.int32)
             self._host["blk_k0"] = np.array([ks[0] for _, ks in blocks], np.int32)
+            self._plans = {}
+            for kind in ("forward", "input_grad", "filter_grad"):
+                geo = [int(v) for v in self._host["geo"]]
+                if kind == "input_grad":
+                    if max(g["strides"]) > 1:
+                        continue  # (a strided input gradient gathers: `tensorcore.py`)
+                    geo = implicit.transposed_geometry(geo)
+                ig = implicit.implicit_geometry(geo, implicit.tile_shape(geo[5])[0])
+                if implicit.plan(ig, G, kind == "filter_grad"):
+                    self._plans[kind] = (implicit.tile_shape(geo[5])[0], implicit.capacity(ig))
+                    self._host["ig_" + kind] = np.array(ig, np.int32)
         self._tables: dict = {}
 
     # -- sizes ------------------------------------------------------------------------------
@@ -218,6 +230,73 @@ class BlocksparseConv:
         """Whether the three products run on the tensor cores (`tensorcore.py`)."""
         return bool(self._group) and self.config.tensor_cores and dtype in ("float16", "bfloat16")
 
+    def _implicit(self, kind):
+        """Whether product ``kind`` runs `implicit.py`'s kernels (the patch fits, stride 1 for the
+        input gradient), given that it runs on the tensor cores."""
+        return self.config.implicit and kind in self._plans
+
+    def _rows(self, op, rows, length, N, stream):
+        """op's device array (N, rows, length) as a new (N, length, rows) one (`implicit.make_to_rows`)."""
+        x = op.device(stream)
+        out = op.scratch((N * length * rows,), op.dtype, stream)
+        launch(cached(implicit.make_to_rows, op.dtype), (-(-length // 32), -(-rows // 32), N), 256, stream,
+               (out, x.reshape(-1), rows, length))
+        return out
+
+    def _packed(self, op_f, transposed, stream):
+        f = op_f.device(stream).reshape(-1)
+        out = op_f.scratch((self.f_size,), op_f.dtype, stream)
+        launch(cached(implicit.make_pack, op_f.dtype, self._group, transposed),
+               (max(1, min(-(-self.f_size // 256), 8 * multiprocessors())),), 256, stream,
+               (out, f, len(self._blocks), int(np.prod(self._g["TRS"]))))
+        return out
+
+    def _implicit_forward(self, kind, out, op_x, op_f, N, bias, has_bias, stream):
+        """The forward (``kind`` "forward") or stride-1 input gradient ("input_grad") of
+        `implicit.make_forward` into ``out``, from op_x (x, or the output gradient)."""
+        QT, cap = self._plans[kind]
+        t = self._table(stream)
+        ig = self._host["ig_" + kind]
+        G, TRS = self._group, int(np.prod(self._g["TRS"]))
+        in_rows, out_rows = (self._C, self._K) if kind == "forward" else (self._K, self._C)
+        rows = self._rows(op_x, in_rows, int(ig[0] * ig[1] * ig[2]), N, stream)
+        packed = self._packed(op_f, kind != "forward", stream)
+        ptr, blk, first = ("kgrp_ptr", "kgrp_blk", "blk_c0") if kind == "forward" else ("cgrp_ptr", "cgrp_blk",
+                                                                                         "blk_k0")
+        tiles = N * int(ig[3] * ig[21] * ig[22])
+        # (one wave of thread blocks, each walking its share of the tiles)
+        resident = max(1, implicit.SHARED_MAX // implicit.forward_shared(G, TRS, cap))
+        workers = max(1, min(tiles, -(-resident * multiprocessors() // (out_rows // G))))
+        launch(cached(implicit.make_forward, op_x.dtype, G, QT, cap, TRS),
+               (workers, out_rows // G), implicit.THREADS, stream,
+               (out.reshape(-1), rows, packed, t[ptr], t[blk], t[first], t["ig_" + kind], N, out_rows, in_rows,
+                bias, t["edge"], has_bias, tiles, workers))
+
+    def _implicit_filter_grad(self, out, op_dy, op_x, N, stream):
+        """`implicit.make_filter_grad`'s partial sums over shares of the positions, then their sum
+        (`implicit.make_sum`) into ``out``: the flat filter gradient."""
+        QT, cap = self._plans["filter_grad"]
+        t = self._table(stream)
+        ig = self._host["ig_filter_grad"]
+        G, TRS = self._group, int(np.prod(self._g["TRS"]))
+        DHW, MPQ = int(ig[0] * ig[1] * ig[2]), int(ig[3] * ig[4] * ig[5])
+        x_rows = self._rows(op_x, self._C, DHW, N, stream)
+        dy_rows = self._rows(op_dy, self._K, MPQ, N, stream)
+        taps = min(TRS, implicit.MAX_TAPS)
+        groups = -(-TRS // taps)
+        slices = G // (32 if G == 32 else 16)
+        tiles = N * int(ig[3] * ig[21] * ig[22])
+        per_share = len(self._blocks) * slices * groups
+        shares = max(1, min(tiles, -(-4 * multiprocessors() // per_share)))
+        ws = 4 if G == 16 else 1
+        part = op_x.scratch((shares * ws * self.f_size,), np.float32, stream)
+        launch(cached(implicit.make_filter_grad, op_x.dtype, G, QT, cap, taps),
+               (shares, len(self._blocks) * slices, groups), implicit.THREADS, stream,
+               (part, dy_rows, x_rows, t["blk_c0"], t["blk_k0"], t["ig_filter_grad"], N, self._K, self._C, tiles,
+                shares, self.f_size))
+        launch(cached(implicit.make_sum, op_x.dtype), (max(1, min(-(-self.f_size // 256), 8 * multiprocessors())),),
+               256, stream, (out, part, shares * ws, self.f_size))
+
     def _check(self, op, shape, N=None):
         if N is None:
             N = op.shape[0] if op.shape else 0
@@ -244,7 +323,9 @@ class BlocksparseConv:
         b = ops[2].device(stream) if has else op_f.device(stream).reshape(1, -1)[:, :1]
         if self._tensor_cores(dtype):
             MPQ = int(np.prod(self._g["MPQ"]))
-            if N:
+            if N and self._implicit("forward"):
+                self._implicit_forward("forward", out, op_x, op_f, N, b, has, stream)
+            elif N:
                 launch(cached(make_forward_tc, dtype, self._group),
                        (-(-MPQ // POSITIONS), self._K // self._group, N), THREADS, stream,
                        (out.reshape(-1), op_x.device(stream).reshape(-1), op_f.device(stream).reshape(-1), t["f_off"],
@@ -268,7 +349,10 @@ class BlocksparseConv:
         t = self._table(stream)
         if self._tensor_cores(op_dy.dtype):
             DHW = int(np.prod(self._g["DHW"]))
-            if N:
+            if N and self._implicit("input_grad"):
+                self._implicit_forward("input_grad", out, op_dy, op_f, N, op_f.device(stream).reshape(1, -1)[:, :1],
+                                       False, stream)
+            elif N:
                 launch(cached(make_forward_tc, op_dy.dtype, self._group, True),
                        (-(-DHW // POSITIONS), self._C // self._group, N), THREADS, stream,
                        (out.reshape(-1), op_dy.device(stream).reshape(-1), op_f.device(stream).reshape(-1),
@@ -290,18 +374,19 @@ class BlocksparseConv:
         stream = launch_stream(ops)
         native, out = op_x.empty((self.f_size,), stream)
         t = self._table(stream)
-        if self._tensor_cores(op_x.dtype):  # (N = 0 too: its sums of nothing write zeros)
+        if self._tensor_cores(op_x.dtype) and N and self._implicit("filter_grad"):
+            self._implicit_filter_grad(out, op_dy, op_x, N, stream)
+        elif self._tensor_cores(op_x.dtype):  # (N = 0 too: its sums of nothing write zeros)
             launch(cached(make_filter_grad_tc, op_x.dtype, self._group),
                    (int(np.prod(self._g["TRS"])), len(self._blocks)), THREADS, stream,
                    (out, op_dy.device(stream).reshape(-1), op_x.device(stream).reshape(-1), t["f_off"],
                     t["blk_c0"], t["blk_k0"], t["geo"], N, self._K, self._C))
-            flat = op_x.result(native, out, stream)
-            return [flat[self._f_off[b]:self._f_off[b + 1]].reshape(self.f_shape(b)) for b in range(len(self._blocks))]
-        kernel = cached(make_filter_grad, op_x.dtype, _acc(op_x.dtype))
-        biggest = int(max(self._f_off[1:] - self._f_off[:-1]))
-        self._launch(kernel, stream, biggest, (
-            out, op_dy.device(stream).reshape(-1), op_x.device(stream).reshape(-1), t["f_off"], t["cs"], t["cs_off"],
-            t["ks"], t["ks_off"], t["geo"], N, self._K, self._C), grid_y=len(self._blocks))
+        else:
+            kernel = cached(make_filter_grad, op_x.dtype, _acc(op_x.dtype))
+            biggest = int(max(self._f_off[1:] - self._f_off[:-1]))
+            self._launch(kernel, stream, biggest, (
+                out, op_dy.device(stream).reshape(-1), op_x.device(stream).reshape(-1), t["f_off"], t["cs"],
+                t["cs_off"], t["ks"], t["ks_off"], t["geo"], N, self._K, self._C), grid_y=len(self._blocks))
         flat = op_x.result(native, out, stream)
         return [flat[self._f_off[b]:self._f_off[b + 1]].reshape(self.f_shape(b)) for b in range(len(self._blocks))]
 

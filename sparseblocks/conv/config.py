@@ -9,6 +9,9 @@ class ConvConfig:
     # The three products of fp16 and bf16 layers of aligned channel groups on the tensor cores
     # (`tensorcore.py`); False: the direct kernels for every call
     tensor_cores: bool = True
+    # On the tensor cores, the implicit GEMM over a shared input patch (`implicit.py`) where the
+    # patch fits; False: the gathering kernels (`tensorcore.py`) for every call
+    implicit: bool = True
 
     def check(self):
         if self.threads % 32 or not 32 <= self.threads <= 1024:

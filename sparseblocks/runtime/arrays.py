@@ -152,8 +152,9 @@ class Operand:
         return native, device
 
     def scratch(self, shape, dtype, stream=0):
-        """A temporary device array from the caller's allocator (torch's caching allocator for torch)."""
-        return self._allocate(shape, np.dtype(dtype).name, stream)[1]
+        """A temporary device array from the caller's allocator (torch's caching allocator for torch);
+        ``dtype`` a NumPy dtype or a name ("bfloat16": its int16 bits)."""
+        return self._allocate(shape, dtype if isinstance(dtype, str) else np.dtype(dtype).name, stream)[1]
 
     def _allocate(self, shape, dtype, stream):
         bf16 = dtype == "bfloat16"
@@ -166,7 +167,7 @@ class Operand:
             import cupy
 
             with self.native.device:
-                native = cupy.empty(shape, dtype)
+                native = cupy.empty(shape, np.int16 if bf16 else dtype)
             return native, native
         device = cuda.device_array(shape, np.int16 if bf16 else dtype, stream=stream)
         return device, device

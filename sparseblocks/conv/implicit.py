@@ -1,0 +1,494 @@
+"""The fast tensor-core convolution of aligned channel groups: an implicit GEMM over a shared
+patch of the input, channels innermost (``mma.sync`` m16n8k16, fp16 and bf16, fp32 sums).
+
+Each product first puts the activations it gathers channels-last (``to_rows``: (N, C, DHW) to
+(N, DHW, C), one pass at copy speed), so that 16 channels of one position are 32 contiguous
+bytes: a 16-byte ``cp.async`` moves half of them, and an ``ldmatrix`` row is 8 channels of one
+position. A thread block takes a box of 128 output positions, ``TP`` rows of ``QT`` columns of one
+output depth. The input those positions read through every tap is one small box too, the
+patch: ``DD x PH x PW`` input positions (the halo included, zeros where it lies in the padding).
+A tap is then a fixed shift in the patch, so a lane's ldmatrix row for any tap is its
+position's patch row plus the tap's offset: the taps cost no gather and no barrier.
+
+* ``forward(out, x_rows, filters, grp_ptr, grp_blk, blk_c0, ig, ...)``: 4 warps, each 32 of the
+  positions by the group's G output channels. Stage after stage (a block of the group, 16 of
+  its input channels), the filter slices of all taps (packed by `make_pack`: tap, output
+  channel, 16 input channels) and the patch go to shared memory by cp.async, one stage ahead
+  of the one multiplied, two barriers a stage; each tap multiplies them with ldmatrix rows
+  shifted by its offset. The output is written NCHW from the accumulators. With stride 1 in
+  every dim the same kernel is the input gradient: the output gradient's convolution with the
+  filters transposed and flipped (`make_pack` ``transposed``), padding (taps - 1) x dilation -
+  padding (`transposed_geometry`).
+* ``filter_grad(part, dy_rows, x_rows, blk_c0, blk_k0, ig, ...)``: a thread block a (block,
+  input-channel slice, group of up to 9 taps, share of the positions): per step of 128 output
+  positions, dF[k, c, tap] += dy(k, positions) · patch(positions shifted by the tap, c), with
+  the positions as the product's k. Each share writes its own partial sums (``part``); `make_sum`
+  adds them in share order, so every run gives the same bits.
+
+``ig`` (`implicit_geometry`) holds the geometry as `simple.py`'s ``geo`` does, then the patch's
+sizes and the tile counts. `plan` says whether a layer fits (the patch and the filter slices in
+shared memory); the others run `tensorcore.py`'s gathering kernels.
+"""
+
+from numba import cuda, float32, int16, int32, int64, types, uint32
+
+from ..bsmm.device import converters
+from ..ptx.cp_async import commit, copy16_or_zero, copy16_to, shared_address, signed_address, waiter
+from ..ptx.half2 import bf16_of_float
+from ..ptx.ldmatrix import ldmatrix_x4_at, ldmatrix_x4_trans_at
+from ..ptx.mma import mma_bf16, mma_f16
+from ..runtime.compile import inlined, unrolled
+from ..runtime.launch import dynamic_shared
+
+TILE = 128  # output positions a thread block (forward) or a step (filter gradient)
+THREADS = 128
+WARPS = THREADS // 32
+PAD = 16  # bytes after each shared row: eight consecutive rows start in eight bank groups
+SHARED_MAX = 200 * 1024  # the most dynamic shared memory a thread block of these kernels takes
+MAX_TAPS = 9  # taps a filter-gradient thread block
+IG = 23  # ints of an implicit geometry
+
+
+def tile_shape(Q):
+    """(QT, TP): a tile's columns (a power of two from 8 up to 128, the first >= Q) and rows."""
+    QT = 8
+    while QT < min(Q, TILE):
+        QT *= 2
+    return QT, TILE // QT
+
+
+def implicit_geometry(geo, QT):
+    """``geo`` (the 18 ints of `simple.py`: DHW, MPQ, TRS, strides, padding, dilations) followed
+    by the patch's DD, PH and PW and the tile counts along Q and P, as a list of `IG` ints."""
+    geo = [int(v) for v in geo]
+    TP = TILE // QT
+    T, R, S = geo[6:9]
+    u = geo[9:12]
+    dil = geo[15:18]
+    P, Q = geo[4], geo[5]
+    DD = (T - 1) * dil[0] + 1
+    PH = (min(TP, P) - 1) * u[1] + (R - 1) * dil[1] + 1  # (a tile's rows past P read nothing)
+    PW = (QT - 1) * u[2] + (S - 1) * dil[2] + 1
+    return geo + [DD, PH, PW, -(-Q // QT), -(-P // TP)]
+
+
+def transposed_geometry(geo):
+    """The input gradient of a convolution of stride 1 as a convolution: the output gradient
+    (MPQ) in, the input's DHW out, padding (taps - 1) x dilation - padding (may be negative)."""
+    geo = [int(v) for v in geo]
+    pads = [(geo[6 + i] - 1) * geo[15 + i] - geo[12 + i] for i in range(3)]
+    return geo[3:6] + geo[0:3] + geo[6:9] + [1, 1, 1] + pads + geo[15:18]
+
+
+def patch_rows(ig):
+    return ig[18] * ig[19] * ig[20]
+
+
+def capacity(ig):
+    """The patch rows a kernel is built for: the patch's, rounded up to 64 (fewer builds)."""
+    return -(-patch_rows(ig) // 64) * 64
+
+
+def forward_shared(G, TRS, cap, stages=3):
+    return stages * (TRS * G + cap) * (32 + PAD)
+
+
+def filter_shared(G, cap, stages=3):
+    cc = 32 if G == 32 else 16
+    return stages * (TILE * (2 * G + PAD) + cap * (2 * cc + PAD))
+
+
+def plan(ig, G, filter_grad=False):
+    """Whether the implicit kernels take a geometry: the patch and the stage ring fit in shared
+    memory, and the patch's sizes fit the packed 10-bit fields the filter gradient keeps."""
+    cap = capacity(ig)
+    TRS = ig[6] * ig[7] * ig[8]
+    if max(ig[18:21]) >= 1024:
+        return False
+    if filter_grad:
+        return filter_shared(G, cap) <= SHARED_MAX
+    return forward_shared(G, TRS, cap) <= SHARED_MAX
+
+
+def _narrow(storage):
+    if storage == "bfloat16":
+        return bf16_of_float
+
+    @inlined
+    def same(value):  # (an fp16 output converts as it is stored)
+        return value
+
+    return same
+
+
+def make_to_rows(storage):
+    """``to_rows(out, x, C, L)``: out (N, L, C) from x (N, C, L), through 32 x 32 shared tiles
+    (coalesced on both sides); grid (L / 32, C / 32, N), 256 threads."""
+    SMEM_T = int32 if storage == "bfloat16" else float32  # (32-bit slots: no bank conflicts; exact)
+    OUT_T = int16 if storage == "bfloat16" else types.float16
+
+    @cuda.jit
+    def to_rows(out, x, C, L):
+        tile = cuda.shared.array((32, 33), SMEM_T)
+        tid = cuda.threadIdx.x
+        tx, ty = tid % 32, tid // 32
+        l0, c0, n = cuda.blockIdx.x * 32, cuda.blockIdx.y * 32, cuda.blockIdx.z
+        for i in range(ty, 32, 8):
+            if c0 + i < C and l0 + tx < L:
+                tile[i, tx] = SMEM_T(x[(int64(n) * C + c0 + i) * L + l0 + tx])
+        cuda.syncthreads()
+        for i in range(ty, 32, 8):
+            if l0 + i < L and c0 + tx < C:
+                out[(int64(n) * L + l0 + i) * C + c0 + tx] = OUT_T(tile[tx, i])
+
+    return to_rows
+
+
+def make_pack(storage, G, transposed=False):
+    """``pack(out, f, blocks, TRS)``: each block's G x G x TRS filter as (16-channel slice, tap,
+    output channel, 16 input channels), the forward's stage order. ``transposed``: the input
+    gradient's, rows the input channels, slices of 16 output channels, the taps reversed."""
+    @cuda.jit
+    def pack(out, f, blocks, TRS):
+        size = G * G * TRS
+        for i in range(cuda.grid(1), blocks * size, cuda.gridsize(1)):
+            b, rest = i // size, i % size
+            c = rest % 16
+            row = (rest // 16) % G
+            tap = (rest // (16 * G)) % TRS
+            ch = rest // (16 * G * TRS)
+            if transposed:  # (out row: an input channel; c: an output channel of slice ch)
+                at = ((ch * 16 + c) * G + row) * TRS + (TRS - 1 - tap)
+            else:
+                at = (row * G + ch * 16 + c) * TRS + tap
+            out[i] = f[b * size + at]
+
+    return pack
+
+
+def make_forward(storage, G, QT, cap, TRS, STAGES=3):
+    """The forward (or stride-1 input gradient) kernel for channel groups of G, tiles of QT
+    columns, patches of up to ``cap`` rows, TRS taps and a ring of STAGES stages; see the
+    module's docstring."""
+    TP = TILE // QT
+    MT = G // 16
+    ROW = 32 + PAD
+    AROWS = TRS * G
+    STAGE = (AROWS + cap) * ROW
+    A_COPIES = 2 * AROWS
+    A_PER = -(-A_COPIES // THREADS)
+    P_PER = -(-2 * cap // THREADS)
+    NC = G // 16
+    mma = mma_bf16 if storage == "bfloat16" else mma_f16
+    narrow = _narrow(storage)
+    wait = waiter(STAGES - 2)
+    widen, _ = converters(storage, float32)
+
+    def zero_step(i, acc):
+        acc[i // 16, (i // 4) % 4, i % 4] = float32(0)
+
+    zero = unrolled(MT * 16, inlined(zero_step), inline=inlined)
+
+    def load_step(mt, fa, at):
+        a4 = ldmatrix_x4_at(at + mt * 16 * ROW)
+        fa[mt, 0], fa[mt, 1], fa[mt, 2], fa[mt, 3] = a4[0], a4[1], a4[2], a4[3]
+
+    load_a = unrolled(MT, inlined(load_step), inline=inlined)
+
+    def mma_step(mt, nt, h2, acc, fa, fb):
+        d4 = mma(fa[mt, 0], fa[mt, 1], fa[mt, 2], fa[mt, 3], fb[2 * h2], fb[2 * h2 + 1],
+                 acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
+        acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3] = d4[0], d4[1], d4[2], d4[3]
+
+    mma_strip = unrolled(MT, inlined(mma_step), inline=inlined)  # (nt, h2, acc, fa, fb): every m-tile
+
+    def pair_step(p2, acc, fa, at, row0, row1):
+        fb = ldmatrix_x4_at(at + (row0 if p2 == 0 else row1) * ROW)
+        mma_strip(2 * p2, 0, acc, fa, fb)
+        mma_strip(2 * p2 + 1, 1, acc, fa, fb)
+
+    pairs = unrolled(2, inlined(pair_step), inline=inlined)
+
+    def store_step(i, out, acc, pos0, k0, n, OUT_ROWS, m, P, Q, p0, q0, MPQ, bias, edge, has_bias):
+        mt, nt, j = i // 16, (i // 4) % 4, i % 4
+        pos = pos0 + nt * 8 + j % 2
+        tp, tq = pos // QT, pos % QT
+        if p0 + tp < P and q0 + tq < Q:
+            o = (m * P + p0 + tp) * Q + q0 + tq
+            k = k0 + mt * 16 + 8 * (j // 2)
+            value = acc[mt, nt, j]
+            if has_bias and edge[o] >= 0:
+                value += widen(bias[k, edge[o]])
+            out[(int64(n) * OUT_ROWS + k) * MPQ + o] = narrow(value)
+
+    store = unrolled(MT * 16, inlined(store_step), inline=inlined)
+
+    @inlined
+    def where(tile, ig):
+        """Tile ``tile``'s (image, output depth, first row, first column)."""
+        tiles_q, tiles_p = ig[21], ig[22]
+        per_image = tiles_q * tiles_p * ig[3]
+        tile = int32(tile)  # (32-bit divisions: a 64-bit one is a long software routine)
+        n, rest = tile // per_image, tile % per_image
+        return n, rest // (tiles_q * tiles_p), ((rest // tiles_q) % tiles_p) * TP, (rest % tiles_q) * QT
+
+    @inlined
+    def stage(at, f_at, x_at, jobs, e, ch, c_first, tile, ig, IN_ROWS, tid):
+        """Stage (block e, slice ch of its input channels, position tile ``tile``) into ``at``:
+        the filter slices of every tap, then the patch (zeros where it lies in the padding)."""
+        a_from = f_at + 2 * int64((e * NC + ch) * AROWS * 16)
+        for i in range(A_PER):
+            c = tid + i * THREADS
+            if c < A_COPIES:
+                copy16_to(at + (c // 2) * ROW + (c % 2) * 16, a_from + 16 * c)
+        n, m, p0, q0 = where(tile, ig)
+        D, H, W = ig[0], ig[1], ig[2]
+        d0, h0, w0 = m * ig[9] - ig[12], p0 * ig[10] - ig[13], q0 * ig[11] - ig[14]
+        for i in range(P_PER):
+            c = tid + i * THREADS
+            if c < 2 * ig[18] * ig[19] * ig[20]:
+                code = jobs[i]
+                d, h, w = d0 + (code >> 20), h0 + ((code >> 10) & 1023), w0 + (code & 1023)
+                keep = 0 <= d < D and 0 <= h < H and 0 <= w < W
+                frm = x_at
+                if keep:
+                    frm = x_at + 2 * ((int64(n) * (D * H * W) + (d * H + h) * W + w) * IN_ROWS + c_first + 8 * (c % 2))
+                copy16_or_zero(at + (AROWS + c // 2) * ROW + (c % 2) * 16, frm, keep)
+
+    @inlined
+    def issue(s, at, f_at, x_at, jobs, grp_blk, blk_c0, ptr, per_tile, first_tile, ig, IN_ROWS, tid):
+        """Stage s of this thread block's walk: tile first_tile + s // per_tile, then its blocks
+        and their slices."""
+        s = int32(s)
+        rest = s % per_tile
+        e = grp_blk[ptr + rest // NC]
+        ch = rest % NC
+        stage(at, f_at, x_at, jobs, e, ch, blk_c0[e] + 16 * ch, first_tile + s // per_tile, ig, IN_ROWS, tid)
+
+    @cuda.jit
+    def forward(out, x, f, grp_ptr, grp_blk, blk_c0, ig, N, OUT_ROWS, IN_ROWS, bias, edge, has_bias, tiles,
+                workers):
+        M, P, Q = ig[3], ig[4], ig[5]
+        R, S = ig[7], ig[8]
+        PH, PW = ig[19], ig[20]
+        MPQ = M * P * Q
+        tid = cuda.threadIdx.x
+        lane, warp = tid % 32, tid // 32
+        worker, g = cuda.blockIdx.x, cuda.blockIdx.y
+        first_tile = (worker * tiles) // workers
+        my_tiles = ((worker + 1) * tiles) // workers - first_tile
+        smem = cuda.shared.array(0, int32)
+        base = shared_address(smem, (0,))
+        x_at = signed_address(x, (0,))
+        f_at = signed_address(f, (0,))
+        jobs = cuda.local.array(P_PER, int32)  # this thread's patch copies: (dd, hh, ww) in 10-bit fields
+        for i in range(P_PER):
+            row = (tid + i * THREADS) // 2
+            jobs[i] = ((row // (PH * PW)) << 20) | (((row // PW) % PH) << 10) | (row % PW)
+        q8, r8 = lane // 8, lane % 8
+        a_lane = ((q8 % 2) * 8 + r8) * ROW + (q8 // 2) * 16
+        j = warp * 32 + (q8 // 2) * 8 + r8  # the lane's ldmatrix rows: positions j and j + 16
+        row0 = ((j // QT) * ig[10]) * PW + (j % QT) * ig[11]
+        row1 = (((j + 16) // QT) * ig[10]) * PW + ((j + 16) % QT) * ig[11]
+        row0 = row0 if (j // QT) < P else 0
+        row1 = row1 if ((j + 16) // QT) < P else 0
+        b_col = AROWS * ROW + (q8 % 2) * 16
+        shifts = cuda.local.array(TRS, int32)  # each tap's offset in patch rows
+        for tap in range(TRS):
+            t, r, sc = tap // (R * S), (tap // S) % R, tap % S
+            shifts[tap] = ((t * ig[15]) * PH + r * ig[16]) * PW + sc * ig[17]
+        acc = cuda.local.array((MT, 4, 4), float32)
+        zero(acc)
+        fa = cuda.local.array((MT, 4), uint32)
+        pos0, k0 = warp * 32 + 2 * (lane % 4), g * G + lane // 4
+
+        ptr = grp_ptr[g]
+        per_tile = (grp_ptr[g + 1] - ptr) * NC
+        if per_tile == 0:  # an output group no block reaches: zeros (and its bias)
+            for tile in range(first_tile, first_tile + my_tiles):
+                n, m, p0, q0 = where(tile, ig)
+                store(out, acc, pos0, k0, n, OUT_ROWS, m, P, Q, p0, q0, MPQ, bias, edge, has_bias)
+            return
+        count = my_tiles * per_tile
+        for s in range(STAGES - 1):
+            if s < count:
+                issue(s, base + s * STAGE, f_at, x_at, jobs, grp_blk, blk_c0, ptr, per_tile, first_tile, ig,
+                      IN_ROWS, tid)
+            commit()  # (one group a stage, empty or not, so that the wait counts stages)
+        for s in range(count):
+            nxt = s + STAGES - 1
+            if nxt < count:
+                issue(nxt, base + (nxt % STAGES) * STAGE, f_at, x_at, jobs, grp_blk, blk_c0, ptr, per_tile,
+                      first_tile, ig, IN_ROWS, tid)
+            commit()
+            wait()
+            cuda.syncthreads()
+            at = base + (s % STAGES) * STAGE
+            for tap in range(TRS):
+                load_a(fa, at + tap * G * ROW + a_lane)
+                pairs(acc, fa, at + b_col, row0 + shifts[tap], row1 + shifts[tap])
+            cuda.syncthreads()  # (every warp done with this buffer before it is refilled)
+            if int32(s) % per_tile == per_tile - 1:
+                n, m, p0, q0 = where(first_tile + int32(s) // per_tile, ig)
+                store(out, acc, pos0, k0, n, OUT_ROWS, m, P, Q, p0, q0, MPQ, bias, edge, has_bias)
+                zero(acc)
+
+    return dynamic_shared(forward, STAGES * STAGE)
+
+
+def make_filter_grad(storage, G, QT, cap, TAPS, STAGES=3):
+    """The filter gradient's partial sums for channel groups of G, tiles of QT columns, patches of
+    up to ``cap`` rows and up to TAPS taps a thread block; see the module's docstring. Warps: G =
+    16, four shares of each step's positions (each its own partial); G = 32, the four (16 output,
+    16 input channels) quarters; G = 64, the four 16-row strips of a 16-input-channel slice."""
+    TP = TILE // QT
+    CC = 32 if G == 32 else 16  # input channels a thread block
+    WS = 4 if G == 16 else 1  # shares of a step's positions across warps
+    AROW = 2 * G + PAD  # a staged dy row: a position's G output channels
+    BROW = 2 * CC + PAD  # a patch row: a position's CC input channels
+    STAGE = TILE * AROW + cap * BROW
+    A_CH, B_CH = G // 8, CC // 8  # 16-byte chunks a row
+    A_PER = -(-TILE * A_CH // THREADS)
+    P_PER = -(-cap * B_CH // THREADS)
+    KS = TILE // 16 // WS  # k16 steps a warp a stage
+    mma = mma_bf16 if storage == "bfloat16" else mma_f16
+    wait = waiter(STAGES - 2)
+
+    def zero_step(i, acc):
+        acc[i // 8, (i // 4) % 2, i % 4] = float32(0)
+
+    zero = unrolled(TAPS * 8, inlined(zero_step), inline=inlined)
+
+    def tap_step(ti, acc, fa, at, row, shifts, tap0, TRS):
+        if tap0 + ti < TRS:
+            fb = ldmatrix_x4_trans_at(at + (row + shifts[ti]) * BROW)
+            for h2 in range(2):
+                d4 = mma(fa[0], fa[1], fa[2], fa[3], fb[2 * h2], fb[2 * h2 + 1],
+                         acc[ti, h2, 0], acc[ti, h2, 1], acc[ti, h2, 2], acc[ti, h2, 3])
+                acc[ti, h2, 0], acc[ti, h2, 1], acc[ti, h2, 2], acc[ti, h2, 3] = d4[0], d4[1], d4[2], d4[3]
+
+    taps = unrolled(TAPS, inlined(tap_step), inline=inlined)
+
+    def store_step(i, part, acc, slot, k0, c0, tap0, TRS):
+        ti, h2, j = i // 8, (i // 4) % 2, i % 4
+        tap = tap0 + ti
+        if tap < TRS:
+            k = k0 + 8 * (j // 2)
+            c = c0 + 8 * h2 + j % 2
+            part[slot + (k * G + c) * TRS + tap] = acc[ti, h2, j]
+
+    store = unrolled(TAPS * 8, inlined(store_step), inline=inlined)
+
+    @inlined
+    def stage(at, dy_at, x_at, jobs, where, tile, ig, N, K, C, k0, c0, tid):
+        """Copies of position tile ``tile`` into the buffer at ``at``: the dy rows, then the patch."""
+        M, P, Q, D, H, W = ig[3], ig[4], ig[5], ig[0], ig[1], ig[2]
+        tiles_q, tiles_p = ig[21], ig[22]
+        tile = int32(tile)  # (32-bit divisions)
+        qt = tile % tiles_q
+        pt = (tile // tiles_q) % tiles_p
+        m = (tile // (tiles_q * tiles_p)) % M
+        n = tile // (tiles_q * tiles_p * M)
+        q0, p0 = qt * QT, pt * TP
+        for i in range(A_PER):
+            c = tid + i * THREADS
+            j, part = c // A_CH, c % A_CH
+            tp, tq = j // QT, j % QT
+            keep = c < TILE * A_CH and p0 + tp < P and q0 + tq < Q
+            frm = dy_at
+            if keep:
+                frm = dy_at + 2 * ((int64(n) * (M * P * Q) + (m * P + p0 + tp) * Q + q0 + tq) * K + k0 + 8 * part)
+            if c < TILE * A_CH:
+                copy16_or_zero(at + j * AROW + 16 * part, frm, keep)
+        d0, h0, w0 = m * ig[9] - ig[12], p0 * ig[10] - ig[13], q0 * ig[11] - ig[14]
+        for i in range(P_PER):
+            c = tid + i * THREADS
+            if c < where:
+                code = jobs[i]
+                d, h, w = d0 + (code >> 20), h0 + ((code >> 10) & 1023), w0 + (code & 1023)
+                keep = 0 <= d < D and 0 <= h < H and 0 <= w < W
+                frm = x_at
+                if keep:
+                    frm = x_at + 2 * ((int64(n) * (D * H * W) + (d * H + h) * W + w) * C + c0 + 8 * (c % B_CH))
+                copy16_or_zero(at + TILE * AROW + (c // B_CH) * BROW + 16 * (c % B_CH), frm, keep)
+
+    @cuda.jit
+    def filter_grad(part, dy, x, blk_c0, blk_k0, ig, N, K, C, tiles, shares, f_size):
+        PH, PW = ig[19], ig[20]
+        R, S, TRS = ig[7], ig[8], ig[6] * ig[7] * ig[8]
+        patch = ig[18] * PH * PW
+        tid = cuda.threadIdx.x
+        lane, warp = tid % 32, tid // 32
+        share = cuda.blockIdx.x
+        slices = G // CC
+        b, cs = cuda.blockIdx.y // slices, cuda.blockIdx.y % slices
+        tap0 = cuda.blockIdx.z * TAPS
+        k0, c0 = blk_k0[b], blk_c0[b] + cs * CC
+        if WS > 1:
+            wk, wc, ws = 0, 0, warp
+        elif G == 32:
+            wk, wc, ws = warp % 2, warp // 2, 0
+        else:
+            wk, wc, ws = warp, 0, 0
+        smem = cuda.shared.array(0, int32)
+        base = shared_address(smem, (0,))
+        dy_at = signed_address(dy, (0,))
+        x_at = signed_address(x, (0,))
+        jobs = cuda.local.array(P_PER, int32)  # this thread's patch copies: (dd, hh, ww) in 10-bit fields
+        for i in range(P_PER):
+            row = (tid + i * THREADS) // B_CH
+            jobs[i] = ((row // (PH * PW)) << 20) | (((row // PW) % PH) << 10) | (row % PW)
+        where = patch * B_CH
+        q8, r8 = lane // 8, lane % 8
+        a_lane = ((q8 // 2) * 8 + r8) * AROW + 2 * (wk * 16 + (q8 % 2) * 8)
+        b_col = 2 * (wc * 16 + (q8 // 2) * 8)
+        b_rows = cuda.local.array(KS, int32)  # the lane's patch rows (positions) of each k16 step
+        for i in range(KS):
+            j = (ws + WS * i) * 16 + (q8 % 2) * 8 + r8
+            b_rows[i] = ((j // QT) * ig[10]) * PW + (j % QT) * ig[11] if j // QT < ig[4] else 0
+        shifts = cuda.local.array(TAPS, int32)  # each tap's offset in patch rows
+        for ti in range(TAPS):
+            tap = min(tap0 + ti, TRS - 1)
+            t, r, sc = tap // (R * S), (tap // S) % R, tap % S
+            shifts[ti] = ((t * ig[15]) * PH + r * ig[16]) * PW + sc * ig[17]
+        acc = cuda.local.array((TAPS, 2, 4), float32)
+        zero(acc)
+        first = (share * tiles) // shares
+        count = ((share + 1) * tiles) // shares - first
+        for s in range(STAGES - 1):
+            if s < count:
+                stage(base + s * STAGE, dy_at, x_at, jobs, where, first + s, ig, N, K, C, k0, c0, tid)
+            commit()  # (one group a stage, empty or not, so that the wait counts stages)
+        for s in range(count):
+            nxt = s + STAGES - 1
+            if nxt < count:
+                stage(base + (nxt % STAGES) * STAGE, dy_at, x_at, jobs, where, first + nxt, ig, N, K, C, k0, c0,
+                      tid)
+            commit()
+            wait()
+            cuda.syncthreads()
+            at = base + (s % STAGES) * STAGE
+            for i in range(KS):
+                ks = ws + WS * i
+                fa = ldmatrix_x4_trans_at(at + ks * 16 * AROW + a_lane)
+                taps(acc, fa, at + TILE * AROW + b_col, b_rows[i], shifts, tap0, TRS)
+            cuda.syncthreads()
+        slot = int64(share * WS + ws) * f_size + int64(b) * (G * G * TRS)
+        store(part, acc, slot, wk * 16 + lane // 4, cs * CC + wc * 16 + 2 * (lane % 4), tap0, TRS)
+
+    return dynamic_shared(filter_grad, filter_shared(G, cap, STAGES))
+
+
+def make_sum(storage):
+    """``add(out, part, parts, size)``: out[i] = the sum over p of part[p, i], in order of p."""
+    narrow = _narrow(storage)
+
+    @cuda.jit
+    def add(out, part, parts, size):
+        for i in range(cuda.grid(1), size, cuda.gridsize(1)):
+            total = float32(0)
+            for p in range(parts):
+                total += part[int64(p) * size + i]
+            out[i] = narrow(total)
+
+    return add
