@@ -387,7 +387,7 @@ def test_grouped_tiles_cover_every_tile_once(tiles, segments, group):
         assert {t for t, _ in order[:group * segments]} == set(range(group))
 
 
-@pytest.mark.parametrize("version, dtype", [(4, "float32"), (5, "float16")])
+@pytest.mark.parametrize("version, dtype", [(4, "float32"), gpu_only_case(5, "float16")])
 def test_grouped_products_match_reference(configure, monkeypatch, version, dtype):
     """Products over three row tiles in groups of two (the last group short) give the
     reference's products."""
@@ -495,6 +495,8 @@ def test_weight_grad_in_fp32_from_16_bit_inputs(version, block_size, dtype):
     an fp32 ``out`` with ``beta`` the same. Version 7 runs on Hopper (else the next one down)."""
     from strategies import numpy_dtype
 
+    if SIMULATOR and version == 7 and dtype == "bfloat16":
+        pytest.skip("the fp16 case covers version 7's path in the simulator; runs on the GPU")
     layout = BlockLayout(np.array([[1, 0], [1, 1]]), block_size)
     rng = np.random.default_rng(version)
     C, K = layout.dense_shape

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparseblocks.conv import BlocksparseConv, BlocksparseDeconv
+from sparseblocks.conv import BlocksparseConv, BlocksparseDeconv, ConvConfig
 from sparseblocks.conv.tensorcore import grouped
 from sparseblocks.reference import conv as reference
 from sparseblocks.runtime.backend import SIMULATOR
@@ -76,10 +76,12 @@ def grouped_layer(rng, G, groups):
     return BCK
 
 
-def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, padding, bias, seed, N=2):
+def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, padding, bias, seed, N=2,
+                               implicit=True):
     rng = np.random.default_rng(seed)
     BCK = grouped_layer(rng, G, groups)
-    op = BlocksparseConv(BCK, TRS, DHW, strides=strides, dilates=dilates, padding=padding, edge_bias=bias)
+    op = BlocksparseConv(BCK, TRS, DHW, strides=strides, dilates=dilates, padding=padding, edge_bias=bias,
+                         config=ConvConfig(implicit=implicit))
     assert op._group == G
     F = [values(rng, op.f_shape(b), dtype) for b in range(len(BCK))]
     I = values(rng, op.i_shape(N), dtype)
@@ -101,9 +103,20 @@ def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, pad
                      terms=N * int(np.prod(g["MPQ"])))
 
 
-def test_tensor_core_products_match_the_twin():
-    """The tensor-core products (`conv/tensorcore.py`: groups of 16 here, strided) in the simulator."""
-    check_tensor_core_products("float16", 16, 2, (3, 3), (3, 4), 2, 1, "SAME", True, 3, N=1)
+def test_implicit_products_match_the_twin():
+    """The implicit-GEMM products (`conv/implicit.py`) in the simulator: 2-D, stride 1 (the input
+    gradient too), an even filter (uneven SAME padding), channel groups of 16."""
+    op = BlocksparseConv(grouped_layer(np.random.default_rng(3), 16, 2), (2, 3), (3, 5))
+    assert set(op._plans) == {"forward", "input_grad", "filter_grad"}
+    check_tensor_core_products("float16", 16, 2, (2, 3), (3, 5), 1, 1, "SAME", True, 3, N=1)
+
+
+def test_strided_tensor_core_products_match_the_twin():
+    """1-D, stride 2 and dilation 2: the implicit forward and filter gradient, and the gathering
+    input gradient (`conv/tensorcore.py`), which a strided layer's takes."""
+    op = BlocksparseConv(grouped_layer(np.random.default_rng(5), 16, 2), (3,), (9,), strides=2, dilates=2)
+    assert set(op._plans) == {"forward", "filter_grad"}
+    check_tensor_core_products("bfloat16", 16, 2, (3,), (9,), 2, 2, "SAME", False, 5, N=1)
 
 
 @pytest.mark.gpu
@@ -111,11 +124,14 @@ def test_tensor_core_products_match_the_twin():
 @settings(max_examples=30, deadline=None)
 @given(dtype=st.sampled_from(["float16", "bfloat16"]), G=st.sampled_from([16, 32, 64]), groups=st.integers(1, 3),
        dims=st.integers(1, 3), strides=st.integers(1, 2), dilates=st.integers(1, 2),
-       padding=st.sampled_from(["SAME", "VALID"]), bias=st.booleans(), seed=st.integers(0, 2**16))
+       padding=st.sampled_from(["SAME", "VALID"]), bias=st.booleans(), seed=st.integers(0, 2**16),
+       implicit=st.booleans())
 def test_tensor_core_products_match_the_twin_on_the_gpu(dtype, G, groups, dims, strides, dilates, padding, bias,
-                                                         seed):
+                                                         seed, implicit):
+    """Both families: the implicit GEMM (`implicit.py`) and the gathering kernels (`tensorcore.py`)."""
     TRS, DHW = [3] * dims, [9, 7, 10][:dims]
-    check_tensor_core_products(dtype, G, max(groups, 2), TRS, DHW, strides, dilates, padding, bias, seed)
+    check_tensor_core_products(dtype, G, max(groups, 2), TRS, DHW, strides, dilates, padding, bias, seed,
+                               implicit=implicit)
 
 
 def test_grouped_finds_aligned_channel_groups():

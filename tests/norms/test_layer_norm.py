@@ -45,7 +45,7 @@ def _problem(draw, dtype, axis):
     return t(x), g, b, t(dy), N, C
 
 
-@settings(max_examples=15 if SIMULATOR else 60, deadline=None)
+@settings(max_examples=6 if SIMULATOR else 60, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from(["float32", "float16", "bfloat16", "float64"]),
        axis=st.sampled_from([1, 0]), relu=st.booleans())
 def test_layer_norm_and_its_gradients_match_the_twin(data, dtype, axis, relu):

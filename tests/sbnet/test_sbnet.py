@@ -16,7 +16,7 @@ from sparseblocks.reference import sbnet as reference
 from strategies import block_indices, geometries, gpu_only_case, images, values
 
 # The simulator runs a Python thread per CUDA thread (256 a window here): keep it small.
-few = settings(max_examples=3) if SIMULATOR else settings()
+few = settings(max_examples=2) if SIMULATOR else settings()
 MAX_SIDE = 9 if SIMULATOR else 40
 
 geometry = geometries(max_size=4, max_stride=5, offsets=(-3, 2))

@@ -569,7 +569,8 @@ def test_fused_gather_gives_the_gather_and_product_apart(configure, dtype, monke
     assert not calls
 
 
-@pytest.mark.parametrize("dtype, transpose, nchw", [(torch.float16, False, True), (torch.float16, True, False)])
+@pytest.mark.parametrize("dtype, transpose, nchw", [(torch.float16, False, True),
+                                                    gpu_only_case(torch.float16, True, False)])
 def test_fused_gather_takes_the_nchw_stacks(configure, dtype, transpose, nchw, monkeypatch):
     """The NCHW stack's blocks take the fused gather and product too (their first ReLU's output is
     NHWC as the NHWC stack's): an fp16 NCHW input by the kernel's NCHW tile, a channels_last
