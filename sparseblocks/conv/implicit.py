@@ -133,13 +133,17 @@ def make_to_rows(storage):
         tid = cuda.threadIdx.x
         tx, ty = tid % 32, tid // 32
         l0, c0, n = cuda.blockIdx.x * 32, cuda.blockIdx.y * 32, cuda.blockIdx.z
-        for i in range(ty, 32, 8):
-            if c0 + i < C and l0 + tx < L:
-                tile[i, tx] = SMEM_T(x[(int64(n) * C + c0 + i) * L + l0 + tx])
+        frm = (int64(n) * C + c0 + ty) * L + l0 + tx  # (offsets taken once: 8 rows a step)
+        if l0 + tx < L:
+            for i in range(4):
+                if c0 + ty + 8 * i < C:
+                    tile[ty + 8 * i, tx] = SMEM_T(x[frm + 8 * i * L])
         cuda.syncthreads()
-        for i in range(ty, 32, 8):
-            if l0 + i < L and c0 + tx < C:
-                out[(int64(n) * L + l0 + i) * C + c0 + tx] = OUT_T(tile[tx, i])
+        to = (int64(n) * L + l0 + ty) * C + c0 + tx
+        if c0 + tx < C:
+            for i in range(4):
+                if l0 + ty + 8 * i < L:
+                    out[to + 8 * i * C] = OUT_T(tile[tx, ty + 8 * i])
 
     return to_rows
 
@@ -181,7 +185,7 @@ def make_forward(storage, G, QT, cap, TRS, STAGES=3):
     NC = G // 16
     mma = mma_bf16 if storage == "bfloat16" else mma_f16
     narrow = _narrow(storage)
-    wait = waiter(STAGES - 2)
+    wait = waiter(STAGES - 2)  # (waited before the next stage is issued: STAGES - 2 others in flight)
     widen, _ = converters(storage, float32)
 
     def zero_step(i, acc):
@@ -316,18 +320,17 @@ def make_forward(storage, G, QT, cap, TRS, STAGES=3):
                       IN_ROWS, tid)
             commit()  # (one group a stage, empty or not, so that the wait counts stages)
         for s in range(count):
+            wait()  # (stage s landed for this thread; the barrier: for all, and the buffer refilled free)
+            cuda.syncthreads()
             nxt = s + STAGES - 1
             if nxt < count:
                 issue(nxt, base + (nxt % STAGES) * STAGE, f_at, x_at, jobs, grp_blk, blk_c0, ptr, per_tile,
                       first_tile, ig, IN_ROWS, tid)
             commit()
-            wait()
-            cuda.syncthreads()
             at = base + (s % STAGES) * STAGE
             for tap in range(TRS):
                 load_a(fa, at + tap * G * ROW + a_lane)
                 pairs(acc, fa, at + b_col, row0 + shifts[tap], row1 + shifts[tap])
-            cuda.syncthreads()  # (every warp done with this buffer before it is refilled)
             if int32(s) % per_tile == per_tile - 1:
                 n, m, p0, q0 = where(first_tile + int32(s) // per_tile, ig)
                 store(out, acc, pos0, k0, n, OUT_ROWS, m, P, Q, p0, q0, MPQ, bias, edge, has_bias)
@@ -460,19 +463,18 @@ def make_filter_grad(storage, G, QT, cap, TAPS, STAGES=3):
                 stage(base + s * STAGE, dy_at, x_at, jobs, where, first + s, ig, N, K, C, k0, c0, tid)
             commit()  # (one group a stage, empty or not, so that the wait counts stages)
         for s in range(count):
+            wait()  # (stage s landed for this thread; the barrier: for all, and the buffer refilled free)
+            cuda.syncthreads()
             nxt = s + STAGES - 1
             if nxt < count:
                 stage(base + (nxt % STAGES) * STAGE, dy_at, x_at, jobs, where, first + nxt, ig, N, K, C, k0, c0,
                       tid)
             commit()
-            wait()
-            cuda.syncthreads()
             at = base + (s % STAGES) * STAGE
             for i in range(KS):
                 ks = ws + WS * i
                 fa = ldmatrix_x4_trans_at(at + ks * 16 * AROW + a_lane)
                 taps(acc, fa, at + TILE * AROW + b_col, b_rows[i], shifts, tap0, TRS)
-            cuda.syncthreads()
         slot = int64(share * WS + ws) * f_size + int64(b) * (G * G * TRS)
         store(part, acc, slot, wk * 16 + lane // 4, cs * CC + wc * 16 + 2 * (lane % 4), tap0, TRS)
 
