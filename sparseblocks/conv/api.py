@@ -49,6 +49,25 @@ def _csr(lists, count):
     return ptr, blk, pos
 
 
+def _last(shape):
+    """An activation shape (N, C, *spatial) as channels-last (N, *spatial, C)."""
+    return [shape[0]] + list(shape[2:]) + [shape[1]]
+
+
+def _moved(a, source, dest):
+    """A contiguous copy of ``a`` with axis ``source`` moved to ``dest``, of a's kind: the
+    channels-last calls that no implicit kernel takes run channels-first."""
+    if hasattr(a, "movedim"):  # torch
+        return a.movedim(source, dest).contiguous()
+    if type(a).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy.ascontiguousarray(cupy.moveaxis(a, source, dest))
+    if hasattr(a, "copy_to_host"):  # a Numba device array
+        return cuda.to_device(np.ascontiguousarray(np.moveaxis(a.copy_to_host(), source, dest)))
+    return np.ascontiguousarray(np.moveaxis(np.asarray(a), source, dest))
+
+
 def _offsets(lists):
     return np.concatenate([[0], np.cumsum([len(v) for v in lists])]).astype(np.int32), \
         np.array([ch for v in lists for ch in v], np.int32)
@@ -247,19 +266,21 @@ class BlocksparseConv:
         f = op_f.device(stream).reshape(-1)
         out = op_f.scratch((self.f_size,), op_f.dtype, stream)
         launch(cached(implicit.make_pack, op_f.dtype, self._group, transposed),
-               (max(1, min(-(-self.f_size // 256), 8 * multiprocessors())),), 256, stream,
+               (max(1, min(-(-self.f_size // 256), 2 * multiprocessors())),), 256, stream,
                (out, f, len(self._blocks), int(np.prod(self._g["TRS"]))))
         return out
 
-    def _implicit_forward(self, kind, out, op_x, op_f, N, bias, has_bias, stream):
+    def _implicit_forward(self, kind, out, op_x, op_f, N, bias, has_bias, stream, last=False):
         """The forward (``kind`` "forward") or stride-1 input gradient ("input_grad") of
-        `implicit.make_forward` into ``out``, from op_x (x, or the output gradient)."""
+        `implicit.make_forward` into ``out``, from op_x (x, or the output gradient); ``last``:
+        both channels-last (no copy of op_x first)."""
         QT, cap = self._plans[kind]
         t = self._table(stream)
         ig = self._host["ig_" + kind]
         G, TRS = self._group, int(np.prod(self._g["TRS"]))
         in_rows, out_rows = (self._C, self._K) if kind == "forward" else (self._K, self._C)
-        rows = self._rows(op_x, in_rows, int(ig[0] * ig[1] * ig[2]), N, stream)
+        rows = op_x.device(stream).reshape(-1) if last else self._rows(op_x, in_rows, int(ig[0] * ig[1] * ig[2]), N,
+                                                                       stream)
         packed = self._packed(op_f, kind != "forward", stream)
         ptr, blk, first = ("kgrp_ptr", "kgrp_blk", "blk_c0") if kind == "forward" else ("cgrp_ptr", "cgrp_blk",
                                                                                          "blk_k0")
@@ -267,12 +288,12 @@ class BlocksparseConv:
         # (one wave of thread blocks, each walking its share of the tiles)
         resident = max(1, implicit.SHARED_MAX // implicit.forward_shared(G, TRS, cap))
         workers = max(1, min(tiles, -(-resident * multiprocessors() // (out_rows // G))))
-        launch(cached(implicit.make_forward, op_x.dtype, G, QT, cap, TRS),
+        launch(cached(implicit.make_forward, op_x.dtype, G, QT, cap, TRS, 3, last),
                (workers, out_rows // G), implicit.THREADS, stream,
                (out.reshape(-1), rows, packed, t[ptr], t[blk], t[first], t["ig_" + kind], N, out_rows, in_rows,
                 bias, t["edge"], has_bias, tiles, workers))
 
-    def _implicit_filter_grad(self, out, op_dy, op_x, N, stream):
+    def _implicit_filter_grad(self, out, op_dy, op_x, N, stream, last=False):
         """`implicit.make_filter_grad`'s partial sums over shares of the positions, then their sum
         (`implicit.make_sum`) into ``out``: the flat filter gradient."""
         QT, cap = self._plans["filter_grad"]
@@ -280,8 +301,8 @@ class BlocksparseConv:
         ig = self._host["ig_filter_grad"]
         G, TRS = self._group, int(np.prod(self._g["TRS"]))
         DHW, MPQ = int(ig[0] * ig[1] * ig[2]), int(ig[3] * ig[4] * ig[5])
-        x_rows = self._rows(op_x, self._C, DHW, N, stream)
-        dy_rows = self._rows(op_dy, self._K, MPQ, N, stream)
+        x_rows = op_x.device(stream).reshape(-1) if last else self._rows(op_x, self._C, DHW, N, stream)
+        dy_rows = op_dy.device(stream).reshape(-1) if last else self._rows(op_dy, self._K, MPQ, N, stream)
         taps = min(TRS, implicit.MAX_TAPS)
         groups = -(-TRS // taps)
         slices = G // (32 if G == 32 else 16)
@@ -294,29 +315,32 @@ class BlocksparseConv:
                (shares, len(self._blocks) * slices, groups), implicit.THREADS, stream,
                (part, dy_rows, x_rows, t["blk_c0"], t["blk_k0"], t["ig_filter_grad"], N, self._K, self._C, tiles,
                 shares, self.f_size))
-        launch(cached(implicit.make_sum, op_x.dtype), (max(1, min(-(-self.f_size // 256), 8 * multiprocessors())),),
+        launch(cached(implicit.make_sum, op_x.dtype), (max(1, min(-(-self.f_size // 256), 2 * multiprocessors())),),
                256, stream, (out, part, shares * ws, self.f_size))
 
-    def _check(self, op, shape, N=None):
+    def _check(self, op, shape, N=None, last=False):
         if N is None:
             N = op.shape[0] if op.shape else 0
-        want = shape(N)
+        want = _last(shape(N)) if last else shape(N)
         if list(op.shape) != want:
             raise ValueError(f"{op.name}: expected shape {want}, got {list(op.shape)}")
         return N
 
-    def _conv_forward(self, F, x, bias, name_x):
-        """The convolution's forward (the deconvolution's input gradient) into a new output."""
+    def _conv_forward(self, F, x, bias, name_x, last=False):
+        """The convolution's forward (the deconvolution's input gradient) into a new output; ``last``:
+        x and the output channels-last."""
         ops = checked_operands([("F", self._flat_filter(F)), (name_x, x)]
                                + ([("edge_bias", bias)] if bias is not None else []), DTYPES)
         op_f, op_x = ops[0], ops[1]
         shape_in = self.o_shape if self.deconv else self.i_shape
-        N = self._check(op_x, shape_in)
+        N = self._check(op_x, shape_in, last=last)
         if bias is not None and list(ops[2].shape) != self.edge_bias_shape():
             raise ValueError(f"edge_bias: expected shape {self.edge_bias_shape()}, got {list(ops[2].shape)}")
+        if last and not (N and self._tensor_cores(op_x.dtype) and self._implicit("forward")):
+            return _moved(self._conv_forward(F, _moved(x, -1, 1), bias, name_x), 1, -1)
         stream = launch_stream(ops)
         shape_out = self.i_shape(N) if self.deconv else self.o_shape(N)
-        native, out = op_x.empty(tuple(shape_out), stream)
+        native, out = op_x.empty(tuple(_last(shape_out) if last else shape_out), stream)
         t = self._table(stream)
         dtype = op_x.dtype
         has = bias is not None
@@ -324,7 +348,7 @@ class BlocksparseConv:
         if self._tensor_cores(dtype):
             MPQ = int(np.prod(self._g["MPQ"]))
             if N and self._implicit("forward"):
-                self._implicit_forward("forward", out, op_x, op_f, N, b, has, stream)
+                self._implicit_forward("forward", out, op_x, op_f, N, b, has, stream, last)
             elif N:
                 launch(cached(make_forward_tc, dtype, self._group),
                        (-(-MPQ // POSITIONS), self._K // self._group, N), THREADS, stream,
@@ -337,21 +361,24 @@ class BlocksparseConv:
             t["k_blk"], t["k_pos"], t["cs"], t["cs_off"], t["geo"], N, self._K, self._C, b, t["edge"], has))
         return op_x.result(native, out, stream)
 
-    def _conv_input_grad(self, F, dy, name_dy):
-        """The convolution's input gradient (the deconvolution's forward)."""
+    def _conv_input_grad(self, F, dy, name_dy, last=False):
+        """The convolution's input gradient (the deconvolution's forward); ``last``: dy and the
+        result channels-last."""
         ops = checked_operands([("F", self._flat_filter(F)), (name_dy, dy)], DTYPES)
         op_f, op_dy = ops
         shape_dy = self.i_shape if self.deconv else self.o_shape
-        N = self._check(op_dy, shape_dy)
+        N = self._check(op_dy, shape_dy, last=last)
+        if last and not (N and self._tensor_cores(op_dy.dtype) and self._implicit("input_grad")):
+            return _moved(self._conv_input_grad(F, _moved(dy, -1, 1), name_dy), 1, -1)
         stream = launch_stream(ops)
         shape_out = self.o_shape(N) if self.deconv else self.i_shape(N)
-        native, out = op_dy.empty(tuple(shape_out), stream)
+        native, out = op_dy.empty(tuple(_last(shape_out) if last else shape_out), stream)
         t = self._table(stream)
         if self._tensor_cores(op_dy.dtype):
             DHW = int(np.prod(self._g["DHW"]))
             if N and self._implicit("input_grad"):
                 self._implicit_forward("input_grad", out, op_dy, op_f, N, op_f.device(stream).reshape(1, -1)[:, :1],
-                                       False, stream)
+                                       False, stream, last)
             elif N:
                 launch(cached(make_forward_tc, op_dy.dtype, self._group, True),
                        (-(-DHW // POSITIONS), self._C // self._group, N), THREADS, stream,
@@ -365,17 +392,21 @@ class BlocksparseConv:
             t["c_ptr"], t["c_blk"], t["c_pos"], t["ks"], t["ks_off"], t["cs_off"], t["geo"], N, self._K, self._C))
         return op_dy.result(native, out, stream)
 
-    def _conv_filter_grad(self, dy, x, name_dy, name_x):
-        """Each block's filter gradient of the convolution from its output gradient and input."""
+    def _conv_filter_grad(self, dy, x, name_dy, name_x, last=False):
+        """Each block's filter gradient of the convolution from its output gradient and input
+        (``last``: both channels-last)."""
         ops = checked_operands([(name_dy, dy), (name_x, x)], DTYPES)
         op_dy, op_x = ops
-        N = self._check(op_x, self.o_shape if self.deconv else self.i_shape)
-        self._check(op_dy, self.i_shape if self.deconv else self.o_shape, N)
+        N = self._check(op_x, self.o_shape if self.deconv else self.i_shape, last=last)
+        self._check(op_dy, self.i_shape if self.deconv else self.o_shape, N, last=last)
+        fast = N and self._tensor_cores(op_x.dtype) and self._implicit("filter_grad")
+        if last and not fast:
+            return self._conv_filter_grad(_moved(dy, -1, 1), _moved(x, -1, 1), name_dy, name_x)
         stream = launch_stream(ops)
         native, out = op_x.empty((self.f_size,), stream)
         t = self._table(stream)
-        if self._tensor_cores(op_x.dtype) and N and self._implicit("filter_grad"):
-            self._implicit_filter_grad(out, op_dy, op_x, N, stream)
+        if fast:
+            self._implicit_filter_grad(out, op_dy, op_x, N, stream, last)
         elif self._tensor_cores(op_x.dtype):  # (N = 0 too: its sums of nothing write zeros)
             launch(cached(make_filter_grad_tc, op_x.dtype, self._group),
                    (int(np.prod(self._g["TRS"])), len(self._blocks)), THREADS, stream,
@@ -392,8 +423,10 @@ class BlocksparseConv:
 
     # -- the op ----------------------------------------------------------------------------------
     @on_arrays_device
-    def __call__(self, F: Any, I: Array, edge_bias: Optional[Array] = None) -> Array:
-        """The forward: O of shape ``o_shape(N)`` from I of ``i_shape(N)``."""
+    def __call__(self, F: Any, I: Array, edge_bias: Optional[Array] = None, *, channels_last: bool = False) -> Array:
+        """The forward: O of shape ``o_shape(N)`` from I of ``i_shape(N)``. ``channels_last``: I
+        and O are (N, *spatial, channels) instead (torch's channels_last tensors, moved): the
+        implicit kernels read and write them as they are; other calls move the channels first."""
         if edge_bias is not None and not self.edge_bias:
             raise ValueError("edge_bias: this layer was made without edge_bias=True")
         if self.edge_bias and edge_bias is None:
@@ -401,20 +434,24 @@ class BlocksparseConv:
         if self.deconv:
             if edge_bias is not None:
                 raise ValueError("edge_bias: a deconvolution takes none")
-            return self._conv_input_grad(F, I, "I")
-        return self._conv_forward(F, I, edge_bias, "I")
+            return self._conv_input_grad(F, I, "I", channels_last)
+        return self._conv_forward(F, I, edge_bias, "I", channels_last)
 
     @on_arrays_device
-    def input_grad(self, F: Any, dO: Array) -> Array:
-        """dI (``i_shape(N)``) from the output gradient dO (``o_shape(N)``)."""
-        return self._conv_forward(F, dO, None, "dO") if self.deconv else self._conv_input_grad(F, dO, "dO")
-
-    @on_arrays_device
-    def filter_grad(self, dO: Array, I: Array) -> List[Array]:
-        """Each block's filter gradient (``f_shape(b)``), from dO and the forward's input I."""
+    def input_grad(self, F: Any, dO: Array, *, channels_last: bool = False) -> Array:
+        """dI (``i_shape(N)``) from the output gradient dO (``o_shape(N)``); ``channels_last`` as
+        for the forward."""
         if self.deconv:
-            return self._conv_filter_grad(I, dO, "I", "dO")
-        return self._conv_filter_grad(dO, I, "dO", "I")
+            return self._conv_forward(F, dO, None, "dO", channels_last)
+        return self._conv_input_grad(F, dO, "dO", channels_last)
+
+    @on_arrays_device
+    def filter_grad(self, dO: Array, I: Array, *, channels_last: bool = False) -> List[Array]:
+        """Each block's filter gradient (``f_shape(b)``), from dO and the forward's input I (both
+        channels-last with ``channels_last``)."""
+        if self.deconv:
+            return self._conv_filter_grad(I, dO, "I", "dO", channels_last)
+        return self._conv_filter_grad(dO, I, "dO", "I", channels_last)
 
     def _l2(self, F, U, gain, epsilon, gradient):
         if self.deconv:

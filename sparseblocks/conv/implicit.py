@@ -1,9 +1,9 @@
 """The fast tensor-core convolution of aligned channel groups: an implicit GEMM over a shared
 patch of the input, channels innermost (``mma.sync`` m16n8k16, fp16 and bf16, fp32 sums).
 
-Each product first puts the activations it gathers channels-last (``to_rows``: (N, C, DHW) to
-(N, DHW, C), one pass at copy speed), so that 16 channels of one position are 32 contiguous
-bytes: a 16-byte ``cp.async`` moves half of them, and an ``ldmatrix`` row is 8 channels of one
+Each product reads the activations it gathers channels-last: a caller's channels-last arrays as
+they are, others through a copy (``to_rows``: (N, C, DHW) to (N, DHW, C)), so that 16 channels of
+one position are 32 contiguous bytes: a 16-byte ``cp.async`` moves half of them, and an ``ldmatrix`` row is 8 channels of one
 position. A thread block takes a box of 128 output positions, ``TP`` rows of ``QT`` columns of one
 output depth. The input those positions read through every tap is one small box too, the
 patch: ``DD x PH x PW`` input positions (the halo included, zeros where it lies in the padding).
@@ -14,8 +14,8 @@ position's patch row plus the tap's offset: the taps cost no gather and no barri
   positions by the group's G output channels. Stage after stage (a block of the group, 16 of
   its input channels), the filter slices of all taps (packed by `make_pack`: tap, output
   channel, 16 input channels) and the patch go to shared memory by cp.async, one stage ahead
-  of the one multiplied, two barriers a stage; each tap multiplies them with ldmatrix rows
-  shifted by its offset. The output is written NCHW from the accumulators. With stride 1 in
+  of the one multiplied, one barrier a stage; each tap multiplies them with ldmatrix rows
+  shifted by its offset. The output is written from the accumulators, NCHW or channels-last. With stride 1 in
   every dim the same kernel is the input gradient: the output gradient's convolution with the
   filters transposed and flipped (`make_pack` ``transposed``), padding (taps - 1) x dilation -
   padding (`transposed_geometry`).
@@ -170,10 +170,10 @@ def make_pack(storage, G, transposed=False):
     return pack
 
 
-def make_forward(storage, G, QT, cap, TRS, STAGES=3):
+def make_forward(storage, G, QT, cap, TRS, STAGES=3, rows_out=False):
     """The forward (or stride-1 input gradient) kernel for channel groups of G, tiles of QT
     columns, patches of up to ``cap`` rows, TRS taps and a ring of STAGES stages; see the
-    module's docstring."""
+    module's docstring. ``rows_out``: the output written channels-last (N, positions, rows)."""
     TP = TILE // QT
     MT = G // 16
     ROW = 32 + PAD
@@ -223,7 +223,10 @@ def make_forward(storage, G, QT, cap, TRS, STAGES=3):
             value = acc[mt, nt, j]
             if has_bias and edge[o] >= 0:
                 value += widen(bias[k, edge[o]])
-            out[(int64(n) * OUT_ROWS + k) * MPQ + o] = narrow(value)
+            if rows_out:
+                out[(int64(n) * MPQ + o) * OUT_ROWS + k] = narrow(value)
+            else:
+                out[(int64(n) * OUT_ROWS + k) * MPQ + o] = narrow(value)
 
     store = unrolled(MT * 16, inlined(store_step), inline=inlined)
 

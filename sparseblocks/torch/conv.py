@@ -92,6 +92,19 @@ def _filter(op, dy, x):
     return dW.reshape(-1)[index]
 
 
+def _format(t):
+    """torch.channels_last (or _3d) where t is a 4-D (5-D) tensor laid out so and not also
+    contiguous; else None. Such tensors go to the kernels channels-last, with no copy."""
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
+    return fmt if fmt is not None and not t.is_contiguous() and t.is_contiguous(memory_format=fmt) else None
+
+
+def _like(t, out):
+    """out laid out as t is (channels_last kept)."""
+    fmt = _format(t)
+    return out.contiguous(memory_format=fmt) if fmt is not None else out
+
+
 @torch.library.custom_op("sparseblocks::conv_forward", mutates_args=())
 def conv_forward(f: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], key: str) -> torch.Tensor:
     """The layer's forward (`BlocksparseConv.__call__`; a deconvolution's: the transposed one)."""
@@ -99,7 +112,9 @@ def conv_forward(f: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor],
     if cpu.takes(x):
         N = x.shape[0]
         out = (_transposed(op, f, x) if op.deconv else _convolve(op, f, x)).reshape(op.o_shape(N))
-        return _edge_add(op, out, bias) if bias is not None else out
+        return _like(x, _edge_add(op, out, bias) if bias is not None else out)
+    if _format(x) is not None:
+        return op(f.contiguous(), x.movedim(1, -1), edge_bias=bias, channels_last=True).movedim(-1, 1)
     return op(f.contiguous(), x.contiguous(), edge_bias=bias)
 
 
@@ -108,7 +123,9 @@ def conv_input_grad(f: torch.Tensor, dy: torch.Tensor, key: str) -> torch.Tensor
     op = _layers[key]
     if cpu.takes(dy):
         N = dy.shape[0]
-        return (_convolve(op, f, dy) if op.deconv else _transposed(op, f, dy)).reshape(op.i_shape(N))
+        return _like(dy, (_convolve(op, f, dy) if op.deconv else _transposed(op, f, dy)).reshape(op.i_shape(N)))
+    if _format(dy) is not None:
+        return op.input_grad(f.contiguous(), dy.movedim(1, -1), channels_last=True).movedim(-1, 1)
     return op.input_grad(f.contiguous(), dy.contiguous())
 
 
@@ -118,17 +135,21 @@ def conv_filter_grad(dy: torch.Tensor, x: torch.Tensor, key: str) -> torch.Tenso
     op = _layers[key]
     if cpu.takes(x):
         return _filter(op, x, dy) if op.deconv else _filter(op, dy, x)
-    return torch.cat([b.reshape(-1) for b in op.filter_grad(dy.contiguous(), x.contiguous())])
+    if _format(x) is not None and _format(dy) is not None:
+        grads = op.filter_grad(dy.movedim(1, -1), x.movedim(1, -1), channels_last=True)
+    else:
+        grads = op.filter_grad(dy.contiguous(), x.contiguous())
+    return torch.cat([b.reshape(-1) for b in grads])
 
 
 @conv_forward.register_fake
 def _(f, x, bias, key):
-    return x.new_empty(_layers[key].o_shape(x.shape[0]))
+    return _like(x, x.new_empty(_layers[key].o_shape(x.shape[0])))
 
 
 @conv_input_grad.register_fake
 def _(f, dy, key):
-    return dy.new_empty(_layers[key].i_shape(dy.shape[0]))
+    return _like(dy, dy.new_empty(_layers[key].i_shape(dy.shape[0])))
 
 
 @conv_filter_grad.register_fake
@@ -145,7 +166,8 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dy):
     f, x = ctx.saved_tensors
     op = _layers[ctx.key]
-    dy = dy.contiguous()
+    fmt = _format(x)  # (dy channels-last where x is: the kernels take both so, with no copies)
+    dy = dy.contiguous(memory_format=fmt) if fmt is not None else dy.contiguous()
     df = conv_filter_grad(dy, x, ctx.key) if ctx.needs_input_grad[0] else None
     dx = conv_input_grad(f, dy, ctx.key) if ctx.needs_input_grad[1] else None
     dbias = None

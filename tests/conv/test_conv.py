@@ -77,7 +77,7 @@ def grouped_layer(rng, G, groups):
 
 
 def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, padding, bias, seed, N=2,
-                               implicit=True):
+                               implicit=True, channels_last=False):
     rng = np.random.default_rng(seed)
     BCK = grouped_layer(rng, G, groups)
     op = BlocksparseConv(BCK, TRS, DHW, strides=strides, dilates=dilates, padding=padding, edge_bias=bias,
@@ -92,31 +92,52 @@ def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, pad
     want = reference.forward(F, as3(I, g, "DHW"), op.BCK, g, op.K)
     if bias:
         want = reference.edge_bias(want, edge, g)
-    assert_close(as3(op(F, I, edge_bias=edge), g, "MPQ"), want, dtype, "forward",
-                 terms=int(np.prod(g["TRS"])) * op.C)
+    # channels_last: the activations go in and come out (N, *spatial, channels)
+    last, first = (lambda a: np.moveaxis(a, 1, -1), lambda a: np.moveaxis(a, -1, 1)) if channels_last else \
+        (lambda a: a, lambda a: a)
+    assert_close(as3(first(op(F, last(I), edge_bias=edge, channels_last=channels_last)), g, "MPQ"), want, dtype,
+                 "forward", terms=int(np.prod(g["TRS"])) * op.C)
     dO = values(rng, op.o_shape(N), dtype)
-    assert_close(as3(op.input_grad(F, dO), g, "DHW"), reference.input_grad(F, as3(dO, g, "MPQ"), op.BCK, g, op.C),
-                 dtype, "input_grad", terms=int(np.prod(g["TRS"])) * op.K)
+    assert_close(as3(first(op.input_grad(F, last(dO), channels_last=channels_last)), g, "DHW"),
+                 reference.input_grad(F, as3(dO, g, "MPQ"), op.BCK, g, op.C), dtype, "input_grad",
+                 terms=int(np.prod(g["TRS"])) * op.K)
     wants = reference.filter_grad(as3(dO, g, "MPQ"), as3(I, g, "DHW"), op.BCK, g)
-    for b, (got, want_f) in enumerate(zip(op.filter_grad(dO, I), wants)):
+    for b, (got, want_f) in enumerate(zip(op.filter_grad(last(dO), last(I), channels_last=channels_last), wants)):
         assert_close(np.asarray(got, np.float64).reshape(want_f.shape), want_f, dtype, f"filter_grad[{b}]",
                      terms=N * int(np.prod(g["MPQ"])))
 
 
 def test_implicit_products_match_the_twin():
     """The implicit-GEMM products (`conv/implicit.py`) in the simulator: 2-D, stride 1 (the input
-    gradient too), an even filter (uneven SAME padding), channel groups of 16."""
-    op = BlocksparseConv(grouped_layer(np.random.default_rng(3), 16, 2), (2, 3), (3, 5))
-    assert set(op._plans) == {"forward", "input_grad", "filter_grad"}
-    check_tensor_core_products("float16", 16, 2, (2, 3), (3, 5), 1, 1, "SAME", True, 3, N=1)
+    gradient too), an even filter (uneven SAME padding), channel groups of 16, one block (every
+    mma is a warp rendezvous of Python threads there: a few seconds each tap)."""
+    op = BlocksparseConv(grouped_layer(np.random.default_rng(0), 16, 2), (2, 2), (3, 4))
+    assert set(op._plans) == {"forward", "input_grad", "filter_grad"} and len(op.BCK) == 1
+    check_tensor_core_products("float16", 16, 2, (2, 2), (3, 4), 1, 1, "SAME", True, 0, N=1)
 
 
 def test_strided_tensor_core_products_match_the_twin():
-    """1-D, stride 2 and dilation 2: the implicit forward and filter gradient, and the gathering
-    input gradient (`conv/tensorcore.py`), which a strided layer's takes."""
+    """1-D, stride 2 and dilation 2, channels-last activations: the implicit forward and filter
+    gradient read and write them as they are; the gathering input gradient (`conv/tensorcore.py`),
+    which a strided layer's takes, runs on them moved channels-first."""
     op = BlocksparseConv(grouped_layer(np.random.default_rng(5), 16, 2), (3,), (9,), strides=2, dilates=2)
     assert set(op._plans) == {"forward", "filter_grad"}
-    check_tensor_core_products("bfloat16", 16, 2, (3,), (9,), 2, 2, "SAME", False, 5, N=1)
+    check_tensor_core_products("bfloat16", 16, 2, (3,), (9,), 2, 2, "SAME", False, 5, N=1, channels_last=True)
+
+
+def test_channels_last_calls_give_the_channels_first_values():
+    """Any layer takes channels-last activations (the direct kernels, fp32, here: moved first)."""
+    op = BlocksparseConv([([0, 1], [0, 2]), ([2], [1])], (3, 2), (4, 3), strides=(1, 2))
+    rng = np.random.default_rng(6)
+    F = [values(rng, op.f_shape(b), "float32") for b in range(2)]
+    I, dO = values(rng, op.i_shape(2), "float32"), values(rng, op.o_shape(2), "float32")
+    last = lambda a: np.ascontiguousarray(np.moveaxis(a, 1, -1))  # noqa: E731
+    np.testing.assert_array_equal(op(F, last(I), channels_last=True), last(op(F, I)))
+    np.testing.assert_array_equal(op.input_grad(F, last(dO), channels_last=True), last(op.input_grad(F, dO)))
+    for got, want in zip(op.filter_grad(last(dO), last(I), channels_last=True), op.filter_grad(dO, I)):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match=r"I: expected shape \[2, 4, 3, 3\]"):
+        op(F, I, channels_last=True)
 
 
 @pytest.mark.gpu
@@ -125,13 +146,14 @@ def test_strided_tensor_core_products_match_the_twin():
 @given(dtype=st.sampled_from(["float16", "bfloat16"]), G=st.sampled_from([16, 32, 64]), groups=st.integers(1, 3),
        dims=st.integers(1, 3), strides=st.integers(1, 2), dilates=st.integers(1, 2),
        padding=st.sampled_from(["SAME", "VALID"]), bias=st.booleans(), seed=st.integers(0, 2**16),
-       implicit=st.booleans())
+       implicit=st.booleans(), channels_last=st.booleans())
 def test_tensor_core_products_match_the_twin_on_the_gpu(dtype, G, groups, dims, strides, dilates, padding, bias,
-                                                         seed, implicit):
-    """Both families: the implicit GEMM (`implicit.py`) and the gathering kernels (`tensorcore.py`)."""
+                                                         seed, implicit, channels_last):
+    """Both families: the implicit GEMM (`implicit.py`) and the gathering kernels (`tensorcore.py`),
+    on channels-first or channels-last activations."""
     TRS, DHW = [3] * dims, [9, 7, 10][:dims]
     check_tensor_core_products(dtype, G, max(groups, 2), TRS, DHW, strides, dilates, padding, bias, seed,
-                               implicit=implicit)
+                               implicit=implicit, channels_last=channels_last)
 
 
 def test_grouped_finds_aligned_channel_groups():

@@ -47,6 +47,27 @@ def test_gradcheck_in_float64(path, cls, size):
                                     eps=1e-6, atol=1e-6)
 
 
+def test_channels_last_tensors_keep_their_layout(path):
+    """A channels_last input gives a channels_last output and input gradient, the values of the
+    contiguous call's; its fake tensors carry the same strides (opcheck)."""
+    torch.manual_seed(4)
+    layer = BlockSparseConv2d(BCK, 3, (4, 5), edge_bias=True, device=device())
+    x = torch.randn(2, 3, 4, 5, device=device())
+    xl = x.contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    xc = x.clone().requires_grad_(True)
+    out, want = layer(xl), layer(xc)
+    assert out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
+    torch.testing.assert_close(out, want)
+    dy = torch.randn_like(want)
+    gl = torch.autograd.grad(out, (xl, layer.weight), dy)
+    gc = torch.autograd.grad(want, (xc, layer.weight), dy)
+    assert gl[0].is_contiguous(memory_format=torch.channels_last)
+    for got, expected in zip(gl, gc):
+        torch.testing.assert_close(got, expected)
+    torch.library.opcheck(conv_ops.conv_forward, (layer.weight.detach(), xl.detach(), layer.edge.detach(),
+                                                  layer.key), test_utils=("test_schema", "test_faketensor"))
+
+
 def test_opcheck_and_compile(path):
     torch.manual_seed(2)
     layer = BlockSparseConv2d(BCK, 3, (4, 5), edge_bias=True, device=device())
