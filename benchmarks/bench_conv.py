@@ -90,7 +90,8 @@ def main():
             records.append(Record("filter_grad", dict(params), time_ms(lambda: op.filter_grad(dy, x)), base,
                                   flops=flops))
             for r in records[-3:]:
-                print(f"{r.name:12} {dtype_name:9} {name:14} {density:5.3f}: {r.ms:.3f} ms ({r.flops / r.ms / 1e9:.0f} TFLOP/s) "
+                print(f"{r.name:12} {dtype_name:9} {name:14} {density:5.3f}: {r.ms:.3f} ms "
+                      f"({r.flops / r.ms / 1e9:.0f} TFLOP/s) "
                       + " ".join(f"{b} x{t / r.ms:.2f}" for b, t in r.baselines.items()), flush=True)
     print_table(records, f"block-sparse convolution on {device_name()}")
     write_results("conv", records, **({"directory": args.out_dir} if args.out_dir else {}))

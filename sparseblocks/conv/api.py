@@ -151,22 +151,23 @@ class BlocksparseConv:
         self._host["grp_ptr"] = np.concatenate([[0], np.cumsum([len(p) for p in self._edges])]).astype(np.int32)
         self._host["grp_pos"] = np.array([q for p in self._edges for q in p] or [0], np.int32)
         self._group = grouped(blocks, self._C, self._K)  # (the tensor-core products' channel group, or 0)
+        self._plans: dict = {}  # (product: (QT, patch capacity), for those `implicit.py` takes)
         if self._group:  # the blocks of each output group and of each input group, and their first channels
             G = self._group
             self._host["kgrp_ptr"], self._host["kgrp_blk"], _ = _csr([[ks[0] // G] for _, ks in blocks], self._K // G)
             self._host["cgrp_ptr"], self._host["cgrp_blk"], _ = _csr([[cs[0] // G] for cs, _ in blocks], self._C // G)
             self._host["blk_c0"] = np.array([cs[0] for cs, _ in blocks], np.int32)
             self._host["blk_k0"] = np.array([ks[0] for _, ks in blocks], np.int32)
-            self._plans = {}
             for kind in ("forward", "input_grad", "filter_grad"):
                 geo = [int(v) for v in self._host["geo"]]
                 if kind == "input_grad":
                     if max(g["strides"]) > 1:
                         continue  # (a strided input gradient gathers: `tensorcore.py`)
                     geo = implicit.transposed_geometry(geo)
-                ig = implicit.implicit_geometry(geo, implicit.tile_shape(geo[5])[0])
+                QT = implicit.tile_shape(geo[5])[0]
+                ig = implicit.implicit_geometry(geo, QT)
                 if implicit.plan(ig, G, kind == "filter_grad"):
-                    self._plans[kind] = (implicit.tile_shape(geo[5])[0], implicit.capacity(ig))
+                    self._plans[kind] = (QT, implicit.capacity(ig))
                     self._host["ig_" + kind] = np.array(ig, np.int32)
         self._tables: dict = {}
 
@@ -288,7 +289,7 @@ class BlocksparseConv:
         # (one wave of thread blocks, each walking its share of the tiles)
         resident = max(1, implicit.SHARED_MAX // implicit.forward_shared(G, TRS, cap))
         workers = max(1, min(tiles, -(-resident * multiprocessors() // (out_rows // G))))
-        launch(cached(implicit.make_forward, op_x.dtype, G, QT, cap, TRS, 3, last),
+        launch(cached(implicit.make_forward, op_x.dtype, G, QT, cap, TRS, last),
                (workers, out_rows // G), implicit.THREADS, stream,
                (out.reshape(-1), rows, packed, t[ptr], t[blk], t[first], t["ig_" + kind], N, out_rows, in_rows,
                 bias, t["edge"], has_bias, tiles, workers))
@@ -305,11 +306,11 @@ class BlocksparseConv:
         dy_rows = op_dy.device(stream).reshape(-1) if last else self._rows(op_dy, self._K, MPQ, N, stream)
         taps = min(TRS, implicit.MAX_TAPS)
         groups = -(-TRS // taps)
-        slices = G // (32 if G == 32 else 16)
+        cc, ws = implicit.filter_split(G)
+        slices = G // cc
         tiles = N * int(ig[3] * ig[21] * ig[22])
         per_share = len(self._blocks) * slices * groups
         shares = max(1, min(tiles, -(-4 * multiprocessors() // per_share)))
-        ws = 4 if G == 16 else 1
         part = op_x.scratch((shares * ws * self.f_size,), np.float32, stream)
         launch(cached(implicit.make_filter_grad, op_x.dtype, G, QT, cap, taps),
                (shares, len(self._blocks) * slices, groups), implicit.THREADS, stream,

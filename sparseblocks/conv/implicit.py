@@ -3,19 +3,19 @@ patch of the input, channels innermost (``mma.sync`` m16n8k16, fp16 and bf16, fp
 
 Each product reads the activations it gathers channels-last: a caller's channels-last arrays as
 they are, others through a copy (``to_rows``: (N, C, DHW) to (N, DHW, C)), so that 16 channels of
-one position are 32 contiguous bytes: a 16-byte ``cp.async`` moves half of them, and an ``ldmatrix`` row is 8 channels of one
-position. A thread block takes a box of 128 output positions, ``TP`` rows of ``QT`` columns of one
-output depth. The input those positions read through every tap is one small box too, the
-patch: ``DD x PH x PW`` input positions (the halo included, zeros where it lies in the padding).
-A tap is then a fixed shift in the patch, so a lane's ldmatrix row for any tap is its
-position's patch row plus the tap's offset: the taps cost no gather and no barrier.
+one position are 32 contiguous bytes: a 16-byte ``cp.async`` moves half of them, and an
+``ldmatrix`` row is 8 channels of one position. A thread block takes a box of 128 output positions,
+``TP`` rows of ``QT`` columns of one output depth. The input those positions read through every tap
+is one small box too, the patch: ``DD x PH x PW`` input positions (the halo included, zeros where
+it lies in the padding). A tap is then a fixed shift in the patch, so a lane's ldmatrix row for any
+tap is its position's patch row plus the tap's offset: the taps cost no gather and no barrier.
 
 * ``forward(out, x_rows, filters, grp_ptr, grp_blk, blk_c0, ig, ...)``: 4 warps, each 32 of the
   positions by the group's G output channels. Stage after stage (a block of the group, 16 of
   its input channels), the filter slices of all taps (packed by `make_pack`: tap, output
-  channel, 16 input channels) and the patch go to shared memory by cp.async, one stage ahead
-  of the one multiplied, one barrier a stage; each tap multiplies them with ldmatrix rows
-  shifted by its offset. The output is written from the accumulators, NCHW or channels-last. With stride 1 in
+  channel, 16 input channels) and the patch go to shared memory by cp.async into a ring of
+  ``STAGES``, one barrier a stage; each tap multiplies them with ldmatrix rows shifted by its
+  offset. The output is written from the accumulators, NCHW or channels-last. With stride 1 in
   every dim the same kernel is the input gradient: the output gradient's convolution with the
   filters transposed and flipped (`make_pack` ``transposed``), padding (taps - 1) x dilation -
   padding (`transposed_geometry`).
@@ -42,11 +42,16 @@ from ..runtime.launch import dynamic_shared
 
 TILE = 128  # output positions a thread block (forward) or a step (filter gradient)
 THREADS = 128
-WARPS = THREADS // 32
 PAD = 16  # bytes after each shared row: eight consecutive rows start in eight bank groups
 SHARED_MAX = 200 * 1024  # the most dynamic shared memory a thread block of these kernels takes
 MAX_TAPS = 9  # taps a filter-gradient thread block
-IG = 23  # ints of an implicit geometry
+STAGES = 3  # the stage ring's depth
+
+
+def filter_split(G):
+    """(CC, WS) of the filter gradient for channel groups of G: the input channels a thread block
+    takes, and the shares of each step's positions its warps split (each its own partial)."""
+    return (32 if G == 32 else 16), (4 if G == 16 else 1)
 
 
 def tile_shape(Q):
@@ -59,7 +64,7 @@ def tile_shape(Q):
 
 def implicit_geometry(geo, QT):
     """``geo`` (the 18 ints of `simple.py`: DHW, MPQ, TRS, strides, padding, dilations) followed
-    by the patch's DD, PH and PW and the tile counts along Q and P, as a list of `IG` ints."""
+    by the patch's DD, PH and PW and the tile counts along Q and P: a list of 23 ints."""
     geo = [int(v) for v in geo]
     TP = TILE // QT
     T, R, S = geo[6:9]
@@ -89,13 +94,13 @@ def capacity(ig):
     return -(-patch_rows(ig) // 64) * 64
 
 
-def forward_shared(G, TRS, cap, stages=3):
-    return stages * (TRS * G + cap) * (32 + PAD)
+def forward_shared(G, TRS, cap):
+    return STAGES * (TRS * G + cap) * (32 + PAD)
 
 
-def filter_shared(G, cap, stages=3):
-    cc = 32 if G == 32 else 16
-    return stages * (TILE * (2 * G + PAD) + cap * (2 * cc + PAD))
+def filter_shared(G, cap):
+    cc = filter_split(G)[0]
+    return STAGES * (TILE * (2 * G + PAD) + cap * (2 * cc + PAD))
 
 
 def plan(ig, G, filter_grad=False):
@@ -119,6 +124,54 @@ def _narrow(storage):
         return value
 
     return same
+
+
+def make_where(QT):
+    """``where(tile, ig)``: position tile ``tile``'s (image, output depth, first row, first
+    column), for tiles of QT columns (`tile_shape`), in the order both kernels walk them."""
+    TP = TILE // QT
+
+    @inlined
+    def where(tile, ig):
+        tiles_q, tiles_p = ig[21], ig[22]
+        per_image = tiles_q * tiles_p * ig[3]
+        tile = int32(tile)  # (32-bit divisions: a 64-bit one is a long software routine)
+        n, rest = tile // per_image, tile % per_image
+        return n, rest // (tiles_q * tiles_p), ((rest // tiles_q) % tiles_p) * TP, (rest % tiles_q) * QT
+
+    return where
+
+
+def make_patch_copies(CH, ROW, PER):
+    """The patch's copies, shared by both kernels, for patch rows of CH 16-byte chunks (8 CH
+    channels of one input position) ROW bytes apart, PER copies a thread:
+
+    * ``plan_patch(jobs, tid, PH, PW)``: each of this thread's copies' patch row as its (depth, row,
+      column) in 10-bit fields, fixed for the kernel (`plan` keeps the patch's sizes below 1024);
+    * ``copy_patch(at, x_at, jobs, count, n, d0, h0, w0, D, H, W, C, c_first, tid)``: the first
+      ``count`` copies of image n's patch whose first position is (d0, h0, w0), channels from
+      c_first of x's C, into shared ``at``; zeros where a position lies outside the input."""
+
+    @inlined
+    def plan_patch(jobs, tid, PH, PW):
+        for i in range(PER):
+            row = (tid + i * THREADS) // CH
+            jobs[i] = ((row // (PH * PW)) << 20) | (((row // PW) % PH) << 10) | (row % PW)
+
+    @inlined
+    def copy_patch(at, x_at, jobs, count, n, d0, h0, w0, D, H, W, C, c_first, tid):
+        for i in range(PER):
+            c = tid + i * THREADS
+            if c < count:
+                code = jobs[i]
+                d, h, w = d0 + (code >> 20), h0 + ((code >> 10) & 1023), w0 + (code & 1023)
+                keep = 0 <= d < D and 0 <= h < H and 0 <= w < W
+                frm = x_at
+                if keep:
+                    frm = x_at + 2 * ((int64(n) * (D * H * W) + (d * H + h) * W + w) * C + c_first + 8 * (c % CH))
+                copy16_or_zero(at + (c // CH) * ROW + 16 * (c % CH), frm, keep)
+
+    return plan_patch, copy_patch
 
 
 def make_to_rows(storage):
@@ -170,11 +223,10 @@ def make_pack(storage, G, transposed=False):
     return pack
 
 
-def make_forward(storage, G, QT, cap, TRS, STAGES=3, rows_out=False):
+def make_forward(storage, G, QT, cap, TRS, rows_out=False):
     """The forward (or stride-1 input gradient) kernel for channel groups of G, tiles of QT
-    columns, patches of up to ``cap`` rows, TRS taps and a ring of STAGES stages; see the
+    columns, patches of up to ``cap`` rows and TRS taps (a ring of `STAGES` stages); see the
     module's docstring. ``rows_out``: the output written channels-last (N, positions, rows)."""
-    TP = TILE // QT
     MT = G // 16
     ROW = 32 + PAD
     AROWS = TRS * G
@@ -187,6 +239,8 @@ def make_forward(storage, G, QT, cap, TRS, STAGES=3, rows_out=False):
     narrow = _narrow(storage)
     wait = waiter(STAGES - 2)  # (waited before the next stage is issued: STAGES - 2 others in flight)
     widen, _ = converters(storage, float32)
+    plan_patch, copy_patch = make_patch_copies(2, ROW, P_PER)
+    where = make_where(QT)
 
     def zero_step(i, acc):
         acc[i // 16, (i // 4) % 4, i % 4] = float32(0)
@@ -231,15 +285,6 @@ def make_forward(storage, G, QT, cap, TRS, STAGES=3, rows_out=False):
     store = unrolled(MT * 16, inlined(store_step), inline=inlined)
 
     @inlined
-    def where(tile, ig):
-        """Tile ``tile``'s (image, output depth, first row, first column)."""
-        tiles_q, tiles_p = ig[21], ig[22]
-        per_image = tiles_q * tiles_p * ig[3]
-        tile = int32(tile)  # (32-bit divisions: a 64-bit one is a long software routine)
-        n, rest = tile // per_image, tile % per_image
-        return n, rest // (tiles_q * tiles_p), ((rest // tiles_q) % tiles_p) * TP, (rest % tiles_q) * QT
-
-    @inlined
     def stage(at, f_at, x_at, jobs, e, ch, c_first, tile, ig, IN_ROWS, tid):
         """Stage (block e, slice ch of its input channels, position tile ``tile``) into ``at``:
         the filter slices of every tap, then the patch (zeros where it lies in the padding)."""
@@ -249,18 +294,8 @@ def make_forward(storage, G, QT, cap, TRS, STAGES=3, rows_out=False):
             if c < A_COPIES:
                 copy16_to(at + (c // 2) * ROW + (c % 2) * 16, a_from + 16 * c)
         n, m, p0, q0 = where(tile, ig)
-        D, H, W = ig[0], ig[1], ig[2]
-        d0, h0, w0 = m * ig[9] - ig[12], p0 * ig[10] - ig[13], q0 * ig[11] - ig[14]
-        for i in range(P_PER):
-            c = tid + i * THREADS
-            if c < 2 * ig[18] * ig[19] * ig[20]:
-                code = jobs[i]
-                d, h, w = d0 + (code >> 20), h0 + ((code >> 10) & 1023), w0 + (code & 1023)
-                keep = 0 <= d < D and 0 <= h < H and 0 <= w < W
-                frm = x_at
-                if keep:
-                    frm = x_at + 2 * ((int64(n) * (D * H * W) + (d * H + h) * W + w) * IN_ROWS + c_first + 8 * (c % 2))
-                copy16_or_zero(at + (AROWS + c // 2) * ROW + (c % 2) * 16, frm, keep)
+        copy_patch(at + AROWS * ROW, x_at, jobs, 2 * ig[18] * ig[19] * ig[20], n, m * ig[9] - ig[12],
+                   p0 * ig[10] - ig[13], q0 * ig[11] - ig[14], ig[0], ig[1], ig[2], IN_ROWS, c_first, tid)
 
     @inlined
     def issue(s, at, f_at, x_at, jobs, grp_blk, blk_c0, ptr, per_tile, first_tile, ig, IN_ROWS, tid):
@@ -288,10 +323,8 @@ def make_forward(storage, G, QT, cap, TRS, STAGES=3, rows_out=False):
         base = shared_address(smem, (0,))
         x_at = signed_address(x, (0,))
         f_at = signed_address(f, (0,))
-        jobs = cuda.local.array(P_PER, int32)  # this thread's patch copies: (dd, hh, ww) in 10-bit fields
-        for i in range(P_PER):
-            row = (tid + i * THREADS) // 2
-            jobs[i] = ((row // (PH * PW)) << 20) | (((row // PW) % PH) << 10) | (row % PW)
+        jobs = cuda.local.array(P_PER, int32)  # this thread's patch copies (`make_patch_copies`)
+        plan_patch(jobs, tid, PH, PW)
         q8, r8 = lane // 8, lane % 8
         a_lane = ((q8 % 2) * 8 + r8) * ROW + (q8 // 2) * 16
         j = warp * 32 + (q8 // 2) * 8 + r8  # the lane's ldmatrix rows: positions j and j + 16
@@ -342,14 +375,12 @@ def make_forward(storage, G, QT, cap, TRS, STAGES=3, rows_out=False):
     return dynamic_shared(forward, STAGES * STAGE)
 
 
-def make_filter_grad(storage, G, QT, cap, TAPS, STAGES=3):
+def make_filter_grad(storage, G, QT, cap, TAPS):
     """The filter gradient's partial sums for channel groups of G, tiles of QT columns, patches of
     up to ``cap`` rows and up to TAPS taps a thread block; see the module's docstring. Warps: G =
     16, four shares of each step's positions (each its own partial); G = 32, the four (16 output,
     16 input channels) quarters; G = 64, the four 16-row strips of a 16-input-channel slice."""
-    TP = TILE // QT
-    CC = 32 if G == 32 else 16  # input channels a thread block
-    WS = 4 if G == 16 else 1  # shares of a step's positions across warps
+    CC, WS = filter_split(G)
     AROW = 2 * G + PAD  # a staged dy row: a position's G output channels
     BROW = 2 * CC + PAD  # a patch row: a position's CC input channels
     STAGE = TILE * AROW + cap * BROW
@@ -359,6 +390,8 @@ def make_filter_grad(storage, G, QT, cap, TAPS, STAGES=3):
     KS = TILE // 16 // WS  # k16 steps a warp a stage
     mma = mma_bf16 if storage == "bfloat16" else mma_f16
     wait = waiter(STAGES - 2)
+    plan_patch, copy_patch = make_patch_copies(B_CH, BROW, P_PER)
+    where = make_where(QT)
 
     def zero_step(i, acc):
         acc[i // 8, (i // 4) % 2, i % 4] = float32(0)
@@ -386,16 +419,11 @@ def make_filter_grad(storage, G, QT, cap, TAPS, STAGES=3):
     store = unrolled(TAPS * 8, inlined(store_step), inline=inlined)
 
     @inlined
-    def stage(at, dy_at, x_at, jobs, where, tile, ig, N, K, C, k0, c0, tid):
-        """Copies of position tile ``tile`` into the buffer at ``at``: the dy rows, then the patch."""
-        M, P, Q, D, H, W = ig[3], ig[4], ig[5], ig[0], ig[1], ig[2]
-        tiles_q, tiles_p = ig[21], ig[22]
-        tile = int32(tile)  # (32-bit divisions)
-        qt = tile % tiles_q
-        pt = (tile // tiles_q) % tiles_p
-        m = (tile // (tiles_q * tiles_p)) % M
-        n = tile // (tiles_q * tiles_p * M)
-        q0, p0 = qt * QT, pt * TP
+    def stage(at, dy_at, x_at, jobs, count, tile, ig, K, C, k0, c0, tid):
+        """Copies of position tile ``tile`` into the buffer at ``at``: the dy rows, then the
+        first ``count`` copies of the patch."""
+        M, P, Q = ig[3], ig[4], ig[5]
+        n, m, p0, q0 = where(tile, ig)
         for i in range(A_PER):
             c = tid + i * THREADS
             j, part = c // A_CH, c % A_CH
@@ -406,17 +434,8 @@ def make_filter_grad(storage, G, QT, cap, TAPS, STAGES=3):
                 frm = dy_at + 2 * ((int64(n) * (M * P * Q) + (m * P + p0 + tp) * Q + q0 + tq) * K + k0 + 8 * part)
             if c < TILE * A_CH:
                 copy16_or_zero(at + j * AROW + 16 * part, frm, keep)
-        d0, h0, w0 = m * ig[9] - ig[12], p0 * ig[10] - ig[13], q0 * ig[11] - ig[14]
-        for i in range(P_PER):
-            c = tid + i * THREADS
-            if c < where:
-                code = jobs[i]
-                d, h, w = d0 + (code >> 20), h0 + ((code >> 10) & 1023), w0 + (code & 1023)
-                keep = 0 <= d < D and 0 <= h < H and 0 <= w < W
-                frm = x_at
-                if keep:
-                    frm = x_at + 2 * ((int64(n) * (D * H * W) + (d * H + h) * W + w) * C + c0 + 8 * (c % B_CH))
-                copy16_or_zero(at + TILE * AROW + (c // B_CH) * BROW + 16 * (c % B_CH), frm, keep)
+        copy_patch(at + TILE * AROW, x_at, jobs, count, n, m * ig[9] - ig[12], p0 * ig[10] - ig[13],
+                   q0 * ig[11] - ig[14], ig[0], ig[1], ig[2], C, c0, tid)
 
     @cuda.jit
     def filter_grad(part, dy, x, blk_c0, blk_k0, ig, N, K, C, tiles, shares, f_size):
@@ -440,11 +459,9 @@ def make_filter_grad(storage, G, QT, cap, TAPS, STAGES=3):
         base = shared_address(smem, (0,))
         dy_at = signed_address(dy, (0,))
         x_at = signed_address(x, (0,))
-        jobs = cuda.local.array(P_PER, int32)  # this thread's patch copies: (dd, hh, ww) in 10-bit fields
-        for i in range(P_PER):
-            row = (tid + i * THREADS) // B_CH
-            jobs[i] = ((row // (PH * PW)) << 20) | (((row // PW) % PH) << 10) | (row % PW)
-        where = patch * B_CH
+        jobs = cuda.local.array(P_PER, int32)  # this thread's patch copies (`make_patch_copies`)
+        plan_patch(jobs, tid, PH, PW)
+        count_p = patch * B_CH  # (the patch's copies)
         q8, r8 = lane // 8, lane % 8
         a_lane = ((q8 // 2) * 8 + r8) * AROW + 2 * (wk * 16 + (q8 % 2) * 8)
         b_col = 2 * (wc * 16 + (q8 // 2) * 8)
@@ -463,15 +480,14 @@ def make_filter_grad(storage, G, QT, cap, TAPS, STAGES=3):
         count = ((share + 1) * tiles) // shares - first
         for s in range(STAGES - 1):
             if s < count:
-                stage(base + s * STAGE, dy_at, x_at, jobs, where, first + s, ig, N, K, C, k0, c0, tid)
+                stage(base + s * STAGE, dy_at, x_at, jobs, count_p, first + s, ig, K, C, k0, c0, tid)
             commit()  # (one group a stage, empty or not, so that the wait counts stages)
         for s in range(count):
             wait()  # (stage s landed for this thread; the barrier: for all, and the buffer refilled free)
             cuda.syncthreads()
             nxt = s + STAGES - 1
             if nxt < count:
-                stage(base + (nxt % STAGES) * STAGE, dy_at, x_at, jobs, where, first + nxt, ig, N, K, C, k0, c0,
-                      tid)
+                stage(base + (nxt % STAGES) * STAGE, dy_at, x_at, jobs, count_p, first + nxt, ig, K, C, k0, c0, tid)
             commit()
             at = base + (s % STAGES) * STAGE
             for i in range(KS):
@@ -481,7 +497,7 @@ def make_filter_grad(storage, G, QT, cap, TAPS, STAGES=3):
         slot = int64(share * WS + ws) * f_size + int64(b) * (G * G * TRS)
         store(part, acc, slot, wk * 16 + lane // 4, cs * CC + wc * 16 + 2 * (lane % 4), tap0, TRS)
 
-    return dynamic_shared(filter_grad, filter_shared(G, cap, STAGES))
+    return dynamic_shared(filter_grad, filter_shared(G, cap))
 
 
 def make_sum(storage):

@@ -1,5 +1,7 @@
-"""The block-sparse convolution's products on the tensor cores (``mma.sync`` m16n8k16, fp16 and bf16,
-fp32 sums), an implicit GEMM: no im2col buffer in global memory.
+"""The block-sparse convolution's products on the tensor cores by gathering (``mma.sync``
+m16n8k16, fp16 and bf16, fp32 sums): the readable form, and what runs where `implicit.py`'s
+patch does not fit shared memory and for strided input gradients. No im2col buffer in global
+memory.
 
 It takes layouts of channel groups (`grouped`): every block joins an aligned group of G input
 channels (G = 16, 32 or 64) to an aligned group of G output channels, as a `BlockLayout` of the
@@ -8,8 +10,9 @@ A thread block computes one output group's G channels at 64 output positions of 
 each block of that group, each 16 of its input channels and each tap, it stages the filter's
 G x 16 slice (A: k along its rows) and the 16 x 64 input values the tap reads (B: the positions
 along its rows, zeros where the tap lands in the padding or past the last position) in shared
-memory, and its four warps multiply them (each 16 output channels by G positions). So every stride, dilation and padding is one loop; the input is gathered a value a
-thread, which L1 serves across the taps that reread it.
+memory, and its four warps multiply them (each 16 output channels by G positions). So every
+stride, dilation and padding is one loop; the input is gathered a value a thread, which L1 serves
+across the taps that reread it.
 
 ``forward(out, x, f, f_off, grp_ptr, grp_blk, blk_c0, geo, N, K, C, bias, edge, has_bias)``: the
 arrays as `simple.make_forward` takes them, with ``grp_ptr``/``grp_blk`` the blocks of each output
