@@ -126,9 +126,14 @@ def _narrow(storage):
     return same
 
 
-def make_where(QT):
-    """``where(tile, ig)``: position tile ``tile``'s (image, output depth, first row, first
-    column), for tiles of QT columns (`tile_shape`), in the order both kernels walk them."""
+def make_tiles(QT):
+    """The tile arithmetic both kernels share, for tiles of QT columns (`tile_shape`):
+
+    * ``where(tile, ig)``: position tile ``tile``'s (image, output depth, first row, first
+      column), in the order both kernels walk them;
+    * ``patch_row(j, ig)``: the patch row that a tile's position j reads at the first tap (0 for a
+      position past the last output row: its result is never kept);
+    * ``tap_shift(tap, ig)``: how many patch rows further tap ``tap`` reads."""
     TP = TILE // QT
 
     @inlined
@@ -139,7 +144,17 @@ def make_where(QT):
         n, rest = tile // per_image, tile % per_image
         return n, rest // (tiles_q * tiles_p), ((rest // tiles_q) % tiles_p) * TP, (rest % tiles_q) * QT
 
-    return where
+    @inlined
+    def patch_row(j, ig):
+        return ((j // QT) * ig[10]) * ig[20] + (j % QT) * ig[11] if j // QT < ig[4] else 0
+
+    @inlined
+    def tap_shift(tap, ig):
+        R, S = ig[7], ig[8]
+        t, r, s = tap // (R * S), (tap // S) % R, tap % S
+        return ((t * ig[15]) * ig[19] + r * ig[16]) * ig[20] + s * ig[17]
+
+    return where, patch_row, tap_shift
 
 
 def make_patch_copies(CH, ROW, PER):
@@ -240,7 +255,7 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False):
     wait = waiter(STAGES - 2)  # (waited before the next stage is issued: STAGES - 2 others in flight)
     widen, _ = converters(storage, float32)
     plan_patch, copy_patch = make_patch_copies(2, ROW, P_PER)
-    where = make_where(QT)
+    where, patch_row, tap_shift = make_tiles(QT)
 
     def zero_step(i, acc):
         acc[i // 16, (i // 4) % 4, i % 4] = float32(0)
@@ -311,8 +326,6 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False):
     def forward(out, x, f, grp_ptr, grp_blk, blk_c0, ig, N, OUT_ROWS, IN_ROWS, bias, edge, has_bias, tiles,
                 workers):
         M, P, Q = ig[3], ig[4], ig[5]
-        R, S = ig[7], ig[8]
-        PH, PW = ig[19], ig[20]
         MPQ = M * P * Q
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
@@ -324,19 +337,15 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False):
         x_at = signed_address(x, (0,))
         f_at = signed_address(f, (0,))
         jobs = cuda.local.array(P_PER, int32)  # this thread's patch copies (`make_patch_copies`)
-        plan_patch(jobs, tid, PH, PW)
+        plan_patch(jobs, tid, ig[19], ig[20])
         q8, r8 = lane // 8, lane % 8
         a_lane = ((q8 % 2) * 8 + r8) * ROW + (q8 // 2) * 16
         j = warp * 32 + (q8 // 2) * 8 + r8  # the lane's ldmatrix rows: positions j and j + 16
-        row0 = ((j // QT) * ig[10]) * PW + (j % QT) * ig[11]
-        row1 = (((j + 16) // QT) * ig[10]) * PW + ((j + 16) % QT) * ig[11]
-        row0 = row0 if (j // QT) < P else 0
-        row1 = row1 if ((j + 16) // QT) < P else 0
+        row0, row1 = patch_row(j, ig), patch_row(j + 16, ig)
         b_col = AROWS * ROW + (q8 % 2) * 16
         shifts = cuda.local.array(TRS, int32)  # each tap's offset in patch rows
         for tap in range(TRS):
-            t, r, sc = tap // (R * S), (tap // S) % R, tap % S
-            shifts[tap] = ((t * ig[15]) * PH + r * ig[16]) * PW + sc * ig[17]
+            shifts[tap] = tap_shift(tap, ig)
         acc = cuda.local.array((MT, 4, 4), float32)
         zero(acc)
         fa = cuda.local.array((MT, 4), uint32)
@@ -391,7 +400,7 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
     mma = mma_bf16 if storage == "bfloat16" else mma_f16
     wait = waiter(STAGES - 2)
     plan_patch, copy_patch = make_patch_copies(B_CH, BROW, P_PER)
-    where = make_where(QT)
+    where, patch_row, tap_shift = make_tiles(QT)
 
     def zero_step(i, acc):
         acc[i // 8, (i // 4) % 2, i % 4] = float32(0)
@@ -440,7 +449,7 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
     @cuda.jit
     def filter_grad(part, dy, x, blk_c0, blk_k0, ig, N, K, C, tiles, shares, f_size):
         PH, PW = ig[19], ig[20]
-        R, S, TRS = ig[7], ig[8], ig[6] * ig[7] * ig[8]
+        TRS = ig[6] * ig[7] * ig[8]
         patch = ig[18] * PH * PW
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
@@ -467,13 +476,10 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
         b_col = 2 * (wc * 16 + (q8 // 2) * 8)
         b_rows = cuda.local.array(KS, int32)  # the lane's patch rows (positions) of each k16 step
         for i in range(KS):
-            j = (ws + WS * i) * 16 + (q8 % 2) * 8 + r8
-            b_rows[i] = ((j // QT) * ig[10]) * PW + (j % QT) * ig[11] if j // QT < ig[4] else 0
+            b_rows[i] = patch_row((ws + WS * i) * 16 + (q8 % 2) * 8 + r8, ig)
         shifts = cuda.local.array(TAPS, int32)  # each tap's offset in patch rows
         for ti in range(TAPS):
-            tap = min(tap0 + ti, TRS - 1)
-            t, r, sc = tap // (R * S), (tap // S) % R, tap % S
-            shifts[ti] = ((t * ig[15]) * PH + r * ig[16]) * PW + sc * ig[17]
+            shifts[ti] = tap_shift(min(tap0 + ti, TRS - 1), ig)
         acc = cuda.local.array((TAPS, 2, 4), float32)
         zero(acc)
         first = (share * tiles) // shares
