@@ -33,7 +33,7 @@ import math
 from numba import cuda, float32, int32, int64, uint32
 
 from ..ptx.cp_async import commit, copy16_to, shared_address, signed_address, waiter
-from ..ptx.half2 import bf16_of_float, half2_of_floats
+from ..ptx.half2 import bf16_of_float, half2_of_floats, stored_as
 from ..ptx.ldmatrix import ldmatrix_x4_at, ldmatrix_x4_trans_at
 from ..ptx.mma import FULL_MASK, mma_bf16, mma_f16, pack
 from ..runtime.compile import inlined, unrolled
@@ -61,19 +61,6 @@ def fits(dtype, head_dim, block_size):
 
 def _row_bytes(D):
     return 2 * D + PAD
-
-
-def _store_of(storage):
-    """A value as the output array stores it: bf16's bits (``cvt.rn.bf16.f32``), else itself."""
-    if storage == "bfloat16":
-        @inlined
-        def to_storage(value):
-            return bf16_of_float(value)
-    else:
-        @inlined
-        def to_storage(value):
-            return value
-    return to_storage
 
 
 def _pack_of(storage):
@@ -183,7 +170,7 @@ def make_tile_parts(storage, D, cols=TILE, mt=1):
             fp[m, n // 2, 2 * (n % 2) + 1] = pack2(s[m, n, 2], s[m, n, 3])
 
     as_fragments = unrolled(2 * PAIRS, inlined(fragment_of_step), inline=inlined)
-    from_acc = _store_of(storage)
+    from_acc = stored_as(storage)
 
     def store_step(n, out, acc, f, at, t):
         for m in range(mt):

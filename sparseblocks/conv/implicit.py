@@ -34,7 +34,7 @@ from numba import cuda, float32, int16, int32, int64, types, uint32
 
 from ..bsmm.device import converters
 from ..ptx.cp_async import commit, copy16_or_zero, copy16_to, shared_address, signed_address, waiter
-from ..ptx.half2 import bf16_of_float
+from ..ptx.half2 import stored_as
 from ..ptx.ldmatrix import ldmatrix_x4_at, ldmatrix_x4_trans_at
 from ..ptx.mma import mma_bf16, mma_f16
 from ..runtime.compile import inlined, unrolled
@@ -113,17 +113,6 @@ def plan(ig, G, filter_grad=False):
     if filter_grad:
         return filter_shared(G, cap) <= SHARED_MAX
     return forward_shared(G, TRS, cap) <= SHARED_MAX
-
-
-def _narrow(storage):
-    if storage == "bfloat16":
-        return bf16_of_float
-
-    @inlined
-    def same(value):  # (an fp16 output converts as it is stored)
-        return value
-
-    return same
 
 
 def make_tiles(QT):
@@ -251,7 +240,7 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False):
     P_PER = -(-2 * cap // THREADS)
     NC = G // 16
     mma = mma_bf16 if storage == "bfloat16" else mma_f16
-    narrow = _narrow(storage)
+    narrow = stored_as(storage)
     wait = waiter(STAGES - 2)  # (waited before the next stage is issued: STAGES - 2 others in flight)
     widen, _ = converters(storage, float32)
     plan_patch, copy_patch = make_patch_copies(2, ROW, P_PER)
@@ -508,7 +497,7 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
 
 def make_sum(storage):
     """``add(out, part, parts, size)``: out[i] = the sum over p of part[p, i], in order of p."""
-    narrow = _narrow(storage)
+    narrow = stored_as(storage)
 
     @cuda.jit
     def add(out, part, parts, size):

@@ -25,7 +25,7 @@ from numba import cuda, float32, int16, types
 
 from ..bsmm.device import SHARED_ALIGN, converters
 from ..ptx.cp_async import shared_address
-from ..ptx.half2 import bf16_of_float
+from ..ptx.half2 import stored_as
 from ..ptx.ldmatrix import ldmatrix_x4_at, ldmatrix_x4_trans_at
 from ..ptx.mma import mma_bf16, mma_f16
 from ..runtime.compile import inlined
@@ -92,12 +92,7 @@ def make_forward_tc(storage, G, transposed=False):
     SMEM_T = int16 if storage == "bfloat16" else types.float16
     mma_pair = make_mma_pair(storage)
     widen, _ = converters(storage, float32)
-    if storage == "bfloat16":
-        narrow = bf16_of_float
-    else:
-        @inlined
-        def narrow(value):  # (an fp16 output converts as it is stored)
-            return value
+    narrow = stored_as(storage)
 
     @cuda.jit
     def forward(out, x, f, f_off, grp_ptr, grp_blk, blk_c0, geo, N, K, C, bias, edge, has_bias):
@@ -185,12 +180,7 @@ def make_filter_grad_tc(storage, G):
     A_W = CHUNK + 8  # a staged row: CHUNK values and 16 bytes of padding
     SMEM_T = int16 if storage == "bfloat16" else types.float16
     mma_pair = make_mma_pair(storage)
-    if storage == "bfloat16":
-        narrow = bf16_of_float
-    else:
-        @inlined
-        def narrow(value):
-            return value
+    narrow = stored_as(storage)
 
     @cuda.jit
     def filter_grad(out, dy, x, f_off, blk_c0, blk_k0, geo, N, K, C):

@@ -167,3 +167,18 @@ else:
     atomic_add_half2 = _reduction(
         "red.global.add.noftz.f16x2", 32, "r",
         lambda dtype, value: dtype == types.int32 and isinstance(value, types.Integer) and value.bitwidth == 32)
+
+
+def stored_as(storage):
+    """The device function that turns a float32 into what an output array of ``storage`` holds:
+    bf16's bits (`bf16_of_float`, ``cvt.rn.bf16.f32``), else the value itself (an fp16 store
+    converts it)."""
+    if storage == "bfloat16":
+        return bf16_of_float
+    from ..runtime.compile import inlined
+
+    @inlined
+    def same(value):
+        return value
+
+    return same
