@@ -9,7 +9,9 @@ A ResNet-50-like 3x3 layer: 256 -> 256 channels, 56 x 56, batch 32, channels in 
 in fp16, bf16 and fp32. Each product is checked against the dense convolution (float32) first,
 then timed: ``forward``, ``input_grad`` and ``filter_grad``, with baselines ``cudnn_dense`` (the
 same product of the dense filter with the absent blocks zeroed) and, block-diagonal,
-``cudnn_grouped``. Writes results/conv.json and results/conv.md.
+``cudnn_grouped``. fp16 and bf16 are timed twice: on NCHW tensors, and on channels-last ones
+(``memory``: the op's ``channels_last=True`` calls, cuDNN on ``torch.channels_last`` tensors).
+Writes results/conv.json and results/conv.md.
 """
 
 import argparse
@@ -67,32 +69,44 @@ def main():
             for (cs, ks), f in zip(BCK, filters):
                 dense[ks[0]:ks[0] + G, cs[0]:cs[0] + G] = f
             want = F.conv2d(x.float(), dense.float(), padding=1)
-            got = op(filters, x)
-            check(got, want, f"{dtype_name} {name}: forward")
-            check(op.input_grad(filters, dy), torch.nn.grad.conv2d_input(x.shape, dense.float(), dy.float(), padding=1),
-                  f"{dtype_name} {name}: input_grad")
+            want_dx = torch.nn.grad.conv2d_input(x.shape, dense.float(), dy.float(), padding=1)
             dF = torch.nn.grad.conv2d_weight(x.float(), dense.shape, dy.float(), padding=1)
-            for (cs, ks), got_f in zip(BCK, op.filter_grad(dy, x)):
-                check(got_f, dF[ks[0]:ks[0] + G, cs[0]:cs[0] + G], f"{dtype_name} {name}: filter_grad")
             density = float(mask.mean())
             flops = 2.0 * N * HW * HW * 9 * G * G * len(BCK)
-            params = dict(layout=name, density=round(density, 3), dtype=dtype_name, N=N, C=C, K=C, H=HW, W=HW,
-                          group=G)
-            base = {"cudnn_dense": baseline_ms(lambda: F.conv2d(x, dense, padding=1))}
-            if name == "block_diagonal":
-                grouped = torch.cat([filters[i] for i in range(len(BCK))])  # (C, G, 3, 3), block i is group i
-                base["cudnn_grouped"] = baseline_ms(lambda: F.conv2d(x, grouped, padding=1, groups=C // G))
-            records.append(Record("forward", dict(params), time_ms(lambda: op(filters, x)), base, flops=flops))
-            base = {"cudnn_dense": baseline_ms(lambda: torch.nn.grad.conv2d_input(x.shape, dense, dy, padding=1))}
-            records.append(Record("input_grad", dict(params), time_ms(lambda: op.input_grad(filters, dy)), base,
-                                  flops=flops))
-            base = {"cudnn_dense": baseline_ms(lambda: torch.nn.grad.conv2d_weight(x, dense.shape, dy, padding=1))}
-            records.append(Record("filter_grad", dict(params), time_ms(lambda: op.filter_grad(dy, x)), base,
-                                  flops=flops))
-            for r in records[-3:]:
-                print(f"{r.name:12} {dtype_name:9} {name:14} {density:5.3f}: {r.ms:.3f} ms "
-                      f"({r.flops / r.ms / 1e9:.0f} TFLOP/s) "
-                      + " ".join(f"{b} x{t / r.ms:.2f}" for b, t in r.baselines.items()), flush=True)
+            for memory in (("channels_first",) if dtype_name == "float32" else ("channels_first", "channels_last")):
+                last = memory == "channels_last"
+                fmt = torch.channels_last if last else torch.contiguous_format
+                xs, dys, dense_m = (t.contiguous(memory_format=fmt) for t in (x, dy, dense))
+                # channels-last arrays as the op takes them: (N, H, W, C), the tensors' own storage
+                xa, dya = (t.permute(0, 2, 3, 1) if last else t for t in (xs, dys))
+                back = (lambda t: t.permute(0, 3, 1, 2)) if last else (lambda t: t)
+                what = f"{dtype_name} {name} {memory}"
+                check(back(op(filters, xa, channels_last=last)), want, f"{what}: forward")
+                check(back(op.input_grad(filters, dya, channels_last=last)), want_dx, f"{what}: input_grad")
+                for (cs, ks), got_f in zip(BCK, op.filter_grad(dya, xa, channels_last=last)):
+                    check(got_f, dF[ks[0]:ks[0] + G, cs[0]:cs[0] + G], f"{what}: filter_grad")
+                params = dict(layout=name, density=round(density, 3), dtype=dtype_name, memory=memory, N=N, C=C,
+                              K=C, H=HW, W=HW, group=G)
+                base = {"cudnn_dense": baseline_ms(lambda: F.conv2d(xs, dense_m, padding=1))}
+                if name == "block_diagonal":  # (C, G, 3, 3), block i is group i
+                    grouped = torch.cat([filters[i] for i in range(len(BCK))]).contiguous(memory_format=fmt)
+                    base["cudnn_grouped"] = baseline_ms(lambda: F.conv2d(xs, grouped, padding=1, groups=C // G))
+                records.append(Record("forward", dict(params), time_ms(lambda: op(filters, xa, channels_last=last)),
+                                      base, flops=flops))
+                base = {"cudnn_dense": baseline_ms(
+                    lambda: torch.nn.grad.conv2d_input(xs.shape, dense_m, dys, padding=1))}
+                records.append(Record("input_grad", dict(params),
+                                      time_ms(lambda: op.input_grad(filters, dya, channels_last=last)), base,
+                                      flops=flops))
+                base = {"cudnn_dense": baseline_ms(
+                    lambda: torch.nn.grad.conv2d_weight(xs, dense_m.shape, dys, padding=1))}
+                records.append(Record("filter_grad", dict(params),
+                                      time_ms(lambda: op.filter_grad(dya, xa, channels_last=last)), base,
+                                      flops=flops))
+                for r in records[-3:]:
+                    print(f"{r.name:12} {dtype_name:9} {name:14} {memory:14} {density:5.3f}: {r.ms:.3f} ms "
+                          f"({r.flops / r.ms / 1e9:.0f} TFLOP/s) "
+                          + " ".join(f"{b} x{t / r.ms:.2f}" for b, t in r.baselines.items()), flush=True)
     print_table(records, f"block-sparse convolution on {device_name()}")
     write_results("conv", records, **({"directory": args.out_dir} if args.out_dir else {}))
 

@@ -146,6 +146,7 @@ def check_tiles(version):
     product, weight_grad = getattr(module, f"make_product_v{version}"), getattr(module, f"make_weight_grad_v{version}")
     storages = getattr(module, f"V{version}_STORAGE")
     count = lambda ptx: f"  {ptx.count(instruction)} {instruction.split('.')[0]}"  # noqa: E731
+    maps = (types.uint8[::1],) * 2 if version == 7 else ()  # (the tensor maps of the bulk copies)
     index = types.int32[::1]
     results = []
     for bs, storage in itertools.product(sorted(blocks), storages):
@@ -153,7 +154,7 @@ def check_tiles(version):
         for transpose_w, feature_axis in itertools.product((False, True), (1, 0)):
             kernel = product(B, bs, storage, types.float32, transpose_w, feature_axis)
             signature = (element[:, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, :, ::1]) \
-                + (index,) * 6 + (i64,)
+                + (index,) * 6 + (i64,) + maps
             name = f"product v{version} bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis}"
             results.append(check(name, kernel.py_func, signature, cc=cc, detail=count,
                                  launch_bounds=bounds(version, bs, False)))
@@ -161,7 +162,7 @@ def check_tiles(version):
             kernel = weight_grad(B, bs, storage, types.float32, feature_axis, out)
             dw = types.float32 if out == "float32" else element
             signature = (dw[:, :, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, ::1],
-                         types.int32[:, ::1], i64, i64, types.float64)
+                         types.int32[:, ::1], i64, i64, types.float64) + maps
             results.append(check(f"weight_grad v{version} bs {bs} {storage} axis {feature_axis} dW {out}",
                                  kernel.py_func, signature, cc=cc, detail=count,
                                  launch_bounds=bounds(version, bs, True)))

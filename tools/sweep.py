@@ -1,7 +1,7 @@
 """A/B sweep over config fields: every variant checked against the default, then timed beside it.
 
     python tools/sweep.py bsmm forward --set v5_stages=2,3,4 [--set product_group=0,8]
-           [--dtype float16] [--n 4096] [--c 4096] [--k 4096] [--block-size 32] [--density 0.1]
+           [--dtype float16] [--n 4096] [--c 4096] [--k 4096] [--block-size 32,64] [--density 0.1,0.5]
     python tools/sweep.py sbnet sparse_gather --set row_tile_pixels=16,32,64 [--channels 64] [--fraction 0.1]
     python tools/sweep.py fused sparse_gather_matmul --set gather_tile="(128,64,16,2,4,None)"
     python tools/sweep.py torch res_block --set fused_gather=False,True [--fraction 0.1]
@@ -189,8 +189,8 @@ def add_case_arguments(parser):
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--c", type=int, default=4096)
     parser.add_argument("--k", type=int, default=4096)
-    parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--density", type=float, default=0.1)
+    parser.add_argument("--block-size", type=listed(int), default=[32], help="one or several: 64,128")
+    parser.add_argument("--density", type=listed(float), default=[0.1], help="one or several: 0.05,0.25")
     parser.add_argument("--images", type=int, default=1)
     parser.add_argument("--height", type=int, default=400)
     parser.add_argument("--width", type=int, default=700)
@@ -204,6 +204,11 @@ def add_case_arguments(parser):
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
+
+
+def listed(kind):
+    """An argument type: comma-separated values of ``kind`` (each case of the sweep runs at each)."""
+    return lambda text: [kind(v) for v in text.split(",")]
 
 
 def time_rounds(torch, calls, rounds, per_round):
@@ -233,6 +238,12 @@ def main():
 
     import torch
 
+    for block_size, density in itertools.product(args.block_size, args.density):
+        sweep(torch, argparse.Namespace(**{**vars(args), "block_size": block_size, "density": density}))
+
+
+def sweep(torch, args):
+    """One case (one block size and density) of the sweep: check, time, print."""
     default, call = CASES[args.op](torch, args)
     fields = [parse_values(text) for text in args.set]
     variants = {"default": default}
@@ -253,7 +264,8 @@ def main():
     times = time_rounds(torch, {name: (lambda cfg=cfg: call(cfg)) for name, cfg in variants.items()},
                         args.rounds, args.per_round)
     base = statistics.median(times["default"])
-    print(f"{args.op} {args.call} on {torch.cuda.get_device_name()}, {args.dtype}")
+    print(f"{args.op} {args.call} on {torch.cuda.get_device_name()}, {args.dtype}, block {args.block_size}, "
+          f"density {args.density}")
     print(f"{'variant':<60} {'ms':>9} {'default/variant':>16}")
     for name, rounds in times.items():
         ms = statistics.median(rounds)

@@ -103,6 +103,10 @@ class BsmmConfig:
     v7_producer: bool = True
     v7_wgrad_producer: bool = False
     v7_producer_registers: int = 160
+    # The warp-specialized kernels' copies as bulk tensor copies (TMA, `ptx.tma`): one thread
+    # issues a stage's few boxes, described by tensor maps made on the host (`runtime.tensormap`),
+    # instead of a warpgroup's 16-byte cp.async copies
+    v7_tma: bool = True
     # Persistent products (feature_axis 1, warp-specialized): {bs: stages of the ring}. One thread
     # block a multiprocessor walks the tiles, its copying warpgroup filling the next tile's stages
     # while the others store the last one's, staged in 16 bits beside the ring

@@ -14,7 +14,9 @@ from numba import cuda
 from ..ptx.vector import aligned
 from ..runtime.compile import cached
 from ..runtime.devices import active
-from ..runtime.launch import compute_capability, data_pointer, launch, multiprocessors
+from ..runtime.launch import compute_capability, data_pointer, launch, multiprocessors, stream_of
+from ..runtime.tensormap import check as map_check
+from ..runtime.tensormap import map_pointer, no_map, tensor_map
 from .config import DEFAULT
 from .device import acc_type
 from .simple import make_product_v1, make_weight_grad_v1
@@ -42,6 +44,7 @@ from .weight_grad_simt import (
 )
 from .hopper import PAIRED, V7_BLOCKS, V7_STORAGE, make_product_v7, make_weight_grad_v7, persistent, v7_shape
 from .hopper import v7_threads
+from .hopper_shapes import producing
 from .tiles import V6_STORAGE, make_product_v6, make_weight_grad_v6, v6_shape, v6_threads
 from .weight_grad_tensorcore import make_weight_grad_v5, v5_wgrad_blocks, v5_wgrad_warps
 
@@ -226,8 +229,11 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
     a_device, w_device = a.device(stream), w.device(stream)
     pre = None  # a launch before the product's (V5_TRANSPOSED_FORWARD's copy)
     family = product_family(cfg, version, bs, a.dtype, tiles_fit((a_device, w_device), n_rows, feature_axis))
+    maps, derived = (), ()
     if family == 7:
         cfg = v7_config(cfg, layout, transpose_w)
+        cfg, maps, derived = _v7_maps(
+            cfg, tma_maps(cfg, bs, False, a_device, w_device, n_rows, feature_axis, transpose_w, stream), 11)
         TM, threads = v7_shape(cfg, bs)[0], v7_threads(cfg, bs)
         kernel = compiled(cfg, make_product_v7, bs, a.dtype, transpose_w, feature_axis)
     elif family == 6:
@@ -256,14 +262,71 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
     grid = ((n_rows + TM - 1) // TM, len(indices[0]))
     if family == 7 and persistent(cfg, bs, False, feature_axis):  # a thread block a multiprocessor walks the tiles
         grid = (min(grid[0] * grid[1], multiprocessors()), 1)
-    args = (out, workspace, a_device, w_device, *indices, n_rows)
+    args = (out, workspace, a_device, w_device, *indices, n_rows, *maps)
     launch(kernel, grid, threads, stream, args)
     if slots:
         combine = compiled(cfg, make_combine_lines, bs, a.dtype, feature_axis)
         grid = ((n_rows * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, len(combine_indices[0]))
         launch(combine, grid, COMBINE_THREADS, stream, (out, workspace, *combine_indices, n_rows))
         return None
-    return pre, (kernel, grid, threads, args)  # the call's launches: what a kept plan repeats
+    return pre, (kernel, grid, threads, args, derived)  # the call's launches: what a kept plan repeats
+
+
+def tma_maps(cfg, bs, weight_grad, a, b, n_rows, feature_axis, transpose_w, stream):
+    """The tensor maps (`runtime.tensormap`) a version 7 kernel's bulk copies read A and B by
+    (``v7_tma``, warp-specialized kernels): boxes of 64 values along a stored row by 64 rows
+    where the operand is MN-major, by the tile's rows where it is K-major (`hopper.make_split`);
+    dims clip N at ``n_rows``. Returns (A's map, B's map) and how a kept plan makes them for
+    other addresses (`runtime.launch.Replay`'s ``derived``, positions 0 and 1: A's, B's); () where
+    the kernel copies by cp.async anyway (not warp-specialized); None where it must (``v7_tma``
+    off, a shape the maps cannot take, or the maps kept are at their limit)."""
+    if not producing(cfg, weight_grad) or (weight_grad and bs in cfg.v7_wgrad_pairs):
+        return ()
+    if not cfg.v7_tma:
+        return None
+    BM, BN = v7_shape(cfg, bs, weight_grad)[:2]
+    if weight_grad:  # x, dy: (N, features) with feature_axis 1, MN-major; (features, N), K-major
+        specs = [(t, (t.shape[1], n_rows), (64, 64)) if feature_axis == 1 else (t, (n_rows, t.shape[0]), (64, bs))
+                 for t in (a, b)]
+    else:
+        specs = [(a, (a.shape[1], n_rows), (64, BM)) if feature_axis == 1 else (a, (n_rows, a.shape[0]), (64, 64)),
+                 (b, (bs, b.shape[0] * bs), (64, BN) if transpose_w else (64, 64))]  # W's blocks as rows
+    maps, makers = [], []
+    for i, (array, dims, box) in enumerate(specs):
+        row_bytes = 2 * (bs if i == 1 and not weight_grad else array.shape[1])
+        if min(dims) < 1 or map_check(data_pointer(array), 2, dims, row_bytes, box):
+            return None
+        found = tensor_map(data_pointer(array), 2, dims, row_bytes, box, stream)
+        if found is None:
+            return None
+        maps.append(found)
+        makers.append((i, _map_maker(dims, row_bytes, box)))
+    return tuple(maps), tuple(makers)
+
+
+def _map_maker(dims, row_bytes, box):
+    """``pointer(address, stream handle)``: the device address of the map of these dims and box
+    for a tensor at ``address`` (`runtime.tensormap.map_pointer`), or None."""
+    def pointer(address, handle):
+        return map_pointer(address, 2, dims, row_bytes, box, stream_of(handle))
+
+    return pointer
+
+
+def _v7_maps(cfg, found, first):
+    """(config, the kernel's two map arguments, a kept plan's ``derived``) from `tma_maps`' answer
+    ``found``, the maps at argument positions ``first`` and ``first + 1`` and A and B at 2 and 3."""
+    if found is None:
+        return _without_tma(cfg), (no_map(), no_map()), ()
+    if not found:
+        return cfg, (no_map(), no_map()), ()
+    maps, makers = found
+    return cfg, maps, tuple((first + i, 2 + i, maker) for i, maker in makers)
+
+
+@functools.lru_cache(maxsize=16)
+def _without_tma(cfg):
+    return replace(cfg, v7_tma=False)
 
 
 def v7_config(cfg, layout, transpose_w):
@@ -366,8 +429,15 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
     fill = cfg.v7_wgrad_fill if v7 else 4
     splits = wgrad_splits(layout, n_rows, thread_blocks, cfg, fill) if splits is None else max(1, int(splits))
     rows_per_split = -(-max(n_rows, 1) // splits)
+    maps, derived = (), ()
+    if v7:
+        cfg, maps, derived = _v7_maps(
+            cfg, tma_maps(cfg, bs, True, x_device, dy_device, n_rows, feature_axis, False, stream), 8)
+    bulk = bool(derived)
     if v5 or v6 or v7:  # whole steps a split, so that feature_axis 0's 8-row vectors never straddle an end
-        rows_per_split = -(-rows_per_split // V5_WGRAD_ROWS) * V5_WGRAD_ROWS
+        # (and bulk copies whole stages: their boxes stop at N only)
+        step = cfg.v7_wgrad_k if bulk else V5_WGRAD_ROWS
+        rows_per_split = -(-rows_per_split // step) * step
         splits = -(-max(n_rows, 1) // rows_per_split)
     acc = "float64" if x.dtype == "float64" else "float32"
     # A workspace of one split tells the kernel to finish in place (no combine pass).
@@ -378,7 +448,7 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
         maker, threads = ((make_weight_grad_v7, v7_threads(cfg, bs, PAIRED if paired else True)) if v7
                           else (make_weight_grad_v6, v6_threads(cfg, bs, weight_grad=True)))
         kernel = compiled(cfg, maker, bs, x.dtype, feature_axis, out, *((True,) if paired else ()))
-        args = (dw, workspace, x_device, dy_device, coords, n_rows, rows_per_split, beta)
+        args = (dw, workspace, x_device, dy_device, coords, n_rows, rows_per_split, beta, *maps)
     elif v5:
         values = v5_values(x.dtype)
         vector = v5_vector_loads(cfg, (x_device, dy_device), n_rows, feature_axis, values)
@@ -396,7 +466,7 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
             kernel = compiled(cfg, make_weight_grad_v3, bs, x.dtype, feature_axis, out)
             threads = WGRAD_THREADS
         args = (dw, workspace, x_device, dy_device, coords, n_rows, rows_per_split, beta)
-    main = (kernel, (thread_blocks, splits), threads, args)
+    main = (kernel, (thread_blocks, splits), threads, args, derived)
     launch(main[0], main[1], main[2], stream, main[3])
     if splits == 1:
         return main, None, None

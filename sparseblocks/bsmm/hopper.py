@@ -37,12 +37,13 @@ warpgroup collective), on one-warpgroup tiles: each wgmma there is a 128-thread 
 
 from numba import cuda, float32, int16, int32, int64, types, uint64
 
-from ..ptx.cp_async import commit, copy16_or_zero, shared_address, signed_address, waiter
+from ..ptx.cp_async import commit, copy16_or_zero, global_address, shared_address, signed_address, waiter
 from ..ptx.half2 import bf16_of_float
 from ..ptx.mbarrier import BYTES as BAR_BYTES
 from ..ptx.mbarrier import arrive, copy_arrive, named_barrier
 from ..ptx.mbarrier import init as bar_init
 from ..ptx.mbarrier import wait as bar_wait
+from ..ptx.tma import expect_tx, load_2d
 from ..ptx.vector import load4, store2, store4
 from ..ptx.wgmma import SWIZZLE_128, WARPGROUP, WGMMA_K, WGMMA_M, align_up, descriptor, fence, make_mma, make_settle
 from ..ptx.wgmma import proxy_fence
@@ -202,18 +203,28 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
     P = WARPGROUP  # the copying warpgroup's threads (`make_split`)
     A_PER_P, B_PER_P = -(-A_CHUNKS // P), -(-B_CHUNKS // P)
     A_ALL_P, B_ALL_P = A_CHUNKS % P == 0, B_CHUNKS % P == 0
-    FULL_COUNT, EMPTY_COUNT = P, 4 * GROUPS  # a full barrier's arrivals a phase, an empty one's
+    # Bulk copies of a stage (`ptx.tma`): an MN-major operand a box of 64 of m or n by BK of k for
+    # each 64-wide group, MN_GROUP bytes apart; a K-major one a box of BK by all its rows.
+    A_BOXES, B_BOXES = (BM // 64 if a_mn_major else 1), (BN // 64 if b_mn_major else 1)
 
-    def make_split(stage_sources, a_chunk, b_chunk, stage):
+    def make_split(stage_sources, a_chunk, b_chunk, stage, boxes=None):
         """The warp-specialized loop: ``init(bars)``, ``produce(lane, base, bars, n_stages, where,
         buf, parity)`` for the copying warpgroup and ``consume(acc, bars, n_stages, desc_a, desc_b,
         lane, buf, parity)`` for each multiplying one, each a tile's stages, from the ring position
         the previous tile left (a persistent thread block's tiles go round one ring); and
         ``specialized(start, base, tid, n_stages, where, staged)``, a thread block's one tile whole:
         the barriers set up (``start``: shared memory's first address), the copying warpgroup's
-        stages and the others' products, staged by ``stage`` (`make_staging`) into ``staged``. ``stage_sources(s, where)`` gives stage s's global addresses of A and
-        B; ``a_chunk(row, col, s, where)`` a chunk's byte offset from A's and whether to read it
+        stages and the others' products, staged by ``stage`` (`make_staging`) into ``staged``.
+        ``stage_sources(s, where)`` gives stage s's global addresses of A and B;
+        ``a_chunk(row, col, s, where)`` a chunk's byte offset from A's and whether to read it
         (else 16 zero bytes), likewise ``b_chunk``.
+
+        With ``boxes`` (``v7_tma``) one thread of the copying warpgroup copies each stage by bulk
+        tensor copies instead: ``boxes(s, where)`` gives the (inner, outer) coordinates of the
+        stage's first box of A and of B, in the tensor maps of ``maps`` (A's map address, A's
+        address, B's map address, B's address: `ptx.tma.load_2d`), and the stage's full barrier
+        completes on that thread's arrival (``expect_tx``, the stage's bytes) and the copies'
+        bytes. Elements past a map's dims land as zeros.
 
         Stage s goes to buffer s % stages. Its full barrier completes once each of the copying
         threads' copies of it have landed (``copy_arrive``); its empty barrier once each
@@ -239,6 +250,8 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
 
         copies_a = unrolled(A_PER_P, copy_a, inline=inlined)
         copies_b = unrolled(B_PER_P, copy_b, inline=inlined)
+        BULK = boxes is not None
+        FULL_COUNT, EMPTY_COUNT = (1 if BULK else P), 4 * GROUPS  # a full barrier's arrivals a phase, an empty one's
 
         @inlined
         def init(bars):
@@ -247,17 +260,29 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
                 bar_init(bars + (STAGES + i) * BAR_BYTES, EMPTY_COUNT)
 
         @inlined
-        def produce(lane, base, bars, n_stages, where, buf, parity):
+        def produce(lane, base, bars, n_stages, where, buf, parity, maps):
             """One tile's stages, from buffer ``buf`` whose empty barrier's awaited parity is
             ``parity`` (0 and 1 at a kernel's start: the first time round every buffer is empty);
             returns where the next tile starts."""
             for s in range(n_stages):
-                bar_wait(bars + (STAGES + buf) * BAR_BYTES, parity)
-                a_at, b_at = stage_sources(s, where)
-                at = base + buf * STAGE_BYTES
-                copies_a(lane, at, a_at, s, where)
-                copies_b(lane, at, b_at, s, where)
-                copy_arrive(bars + buf * BAR_BYTES)
+                if BULK:
+                    if lane == 0:
+                        bar_wait(bars + (STAGES + buf) * BAR_BYTES, parity)
+                        full = bars + buf * BAR_BYTES
+                        expect_tx(full, STAGE_BYTES)
+                        a_inner, a_outer, b_inner, b_outer = boxes(s, where)
+                        at = base + buf * STAGE_BYTES
+                        for g in range(A_BOXES):
+                            load_2d(at + g * MN_GROUP, maps[0], maps[1], a_inner + 64 * g, a_outer, full)
+                        for g in range(B_BOXES):
+                            load_2d(at + A_BYTES + g * MN_GROUP, maps[2], maps[3], b_inner + 64 * g, b_outer, full)
+                else:
+                    bar_wait(bars + (STAGES + buf) * BAR_BYTES, parity)
+                    a_at, b_at = stage_sources(s, where)
+                    at = base + buf * STAGE_BYTES
+                    copies_a(lane, at, a_at, s, where)
+                    copies_b(lane, at, b_at, s, where)
+                    copy_arrive(bars + buf * BAR_BYTES)
                 buf += 1
                 if buf == STAGES:
                     buf, parity = 0, parity ^ 1
@@ -271,7 +296,8 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
             last = buf
             for s in range(n_stages):
                 bar_wait(bars + buf * BAR_BYTES, parity)  # the stage's copies have landed ...
-                proxy_fence()  # ... and are visible to wgmma's reads
+                if not BULK:  # (bulk copies write through wgmma's async proxy)
+                    proxy_fence()  # ... and are visible to wgmma's reads
                 multiply(acc, desc_a, desc_b, buf)
                 wg_wait_one()  # the previous stage's wgmmas have retired: its buffer is free
                 if s > 0 and lane == 0:
@@ -291,7 +317,7 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
         ACC_ALL = TILES * (BN // 2)
 
         @inlined
-        def specialized(start, base, tid, n_stages, where, staged):
+        def specialized(start, base, tid, n_stages, where, staged, maps):
             bars = start + BARS
             if tid == 0:
                 init(bars)
@@ -300,7 +326,7 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
             warp, lane = thread // 32, thread % 32
             if group == GROUPS:  # the copying warpgroup
                 give()
-                produce(thread, base, bars, n_stages, where, 0, 1)
+                produce(thread, base, bars, n_stages, where, 0, 1, maps)
             else:
                 take()
                 desc_a, desc_b = descriptors(base, group)
@@ -474,14 +500,29 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     def b_chunk(row, col, s, where):
         return 2 * int64(row * bs + col), True
 
+    @inlined
+    def boxes(s, where):
+        """Stage s's first boxes (`tma_maps`): A's at (row0, feature) feature_axis 0, else
+        (feature, row0); B's in W's rows (block j's at j bs): Wᵀ's (k0, j bs), W's (0, its k0)."""
+        j = where[0] + s // SPB
+        k0 = int32((s % SPB) * BK)
+        feature = int32(where[1][j]) * bs + k0
+        row0 = int32(where[6])
+        b_outer = int32(j) * bs if transpose_w else int32(where[2][j]) * bs + k0
+        if A_MN:
+            return row0, feature, (k0 if transpose_w else int32(0)), b_outer
+        return feature, row0, (k0 if transpose_w else int32(0)), b_outer
+
     BARS_P = staged16_at(cfg, bs)[2]
     copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split = make_hopper_loop(
         cfg, bs, storage, False, A_MN, B_MN)
     ring = make_ring(sources)
-    init, produce, consume, specialized = make_split(stage_sources, a_chunk, b_chunk, stage)
+    init, produce, consume, specialized = make_split(stage_sources, a_chunk, b_chunk, stage,
+                                                     boxes if SPLIT and cfg.v7_tma else None)
 
     @jit_for(cfg, GROUPS, False)
-    def product_v7(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot, other_idx, line_block, n_rows):
+    def product_v7(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot, other_idx, line_block, n_rows,
+                   a_map, w_map):
         tid = cuda.threadIdx.x
         group, thread = tid // WARPGROUP, tid % WARPGROUP
         tile, seg = grouped_tile(GROUP)
@@ -494,6 +535,7 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
         a_base = signed_address(a, (0, 0))
         w_base = signed_address(w, (0, 0, 0))
         where = (begin, other_idx, line_block, a_base, w_base, lead, row0, n_rows)
+        maps = (global_address(a_map, (0,)), a_base, global_address(w_map, (0,)), w_base)
         warp, lane = thread // 32, thread % 32
         if PERSIST:
             bars = shared_address(smem, (0,)) + BARS_P
@@ -509,7 +551,8 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
                     tile, seg = tile_of(pid, tiles, segments, GROUP)
                     begin = seg_begin[seg]
                     where = (begin, other_idx, line_block, a_base, w_base, lead, tile * BM, n_rows)
-                    buf, parity = produce(thread, base, bars, (seg_end[seg] - begin) * SPB, where, buf, parity)
+                    buf, parity = produce(thread, base, bars, (seg_end[seg] - begin) * SPB, where, buf, parity,
+                                          maps)
             else:
                 take()
                 desc_a, desc_b = descriptors(base, group)
@@ -538,7 +581,7 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
             cuda.syncthreads()
             return
         if SPLIT:
-            specialized(shared_address(smem, (0,)), base, tid, n_stages, where, cuda.shared.array(0, float32))
+            specialized(shared_address(smem, (0,)), base, tid, n_stages, where, cuda.shared.array(0, float32), maps)
         else:
             a_from = cuda.local.array(A_PER, int64)
             a_to = cuda.local.array(A_PER, int32)
@@ -633,7 +676,7 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
     @inlined
     def stage_sources(s, where):
         """Global addresses of stage s's first chunks (rows n0 = n_begin + s BK... of x and dy)."""
-        n_begin, n_end, x_base, dy_base, x_lead, dy_lead = where
+        n_begin, x_base, dy_base, x_lead, dy_lead = where[0], where[2], where[3], where[4], where[5]
         n0 = n_begin + s * BK
         x_stage = 2 * (int64(n0) * x_lead if MN else int64(n0))
         dy_stage = 2 * (int64(n0) * dy_lead if MN else int64(n0))
@@ -650,16 +693,26 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
         n0 = where[0] + s * BK
         return 2 * (int64(row) * where[5] + col), n0 + (row if MN else col) < where[1]
 
+    @inlined
+    def boxes(s, where):
+        """Stage s's first boxes (`tma_maps`): x's and dy's at their block's first feature
+        (``where[6]``, ``where[7]``) and row n0 of N."""
+        n0 = int32(where[0] + s * BK)
+        if MN:
+            return int32(where[6]), n0, int32(where[7]), n0
+        return n0, int32(where[6]), n0, int32(where[7])
+
     GROUPS = v7_shape(cfg, bs, WG)[2]
     SPLIT = cfg.v7_wgrad_producer and not paired
     THREADS = v7_threads(cfg, bs, WG)
     copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split = make_hopper_loop(cfg, bs, storage, WG, MN, MN)
     ring = make_ring(sources)
     stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, WG, False, THREADS)
-    init, produce, consume, specialized = make_split(stage_sources, a_chunk, b_chunk, stage)
+    init, produce, consume, specialized = make_split(stage_sources, a_chunk, b_chunk, stage,
+                                                     boxes if SPLIT and cfg.v7_tma else None)
 
     @jit_for(cfg, GROUPS, WG)
-    def weight_grad_v7(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta):
+    def weight_grad_v7(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta, x_map, dy_map):
         tid = cuda.threadIdx.x
         group, thread = tid // WARPGROUP, tid % WARPGROUP
         warp, lane = thread // 32, thread % 32
@@ -681,8 +734,10 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
             x_base = signed_address(x, (coords[block, 0] * bs, 0))
             dy_base = signed_address(dy, (coords[block, 1] * bs, 0))
         if SPLIT:
-            specialized(shared_address(smem, (0,)), base, tid, n_stages, (n_begin, n_end, x_base, dy_base, x_lead,
-                                                                          dy_lead), cuda.shared.array(0, float32))
+            x_at, dy_at = signed_address(x, (0, 0)), signed_address(dy, (0, 0))
+            maps = (global_address(x_map, (0,)), x_at, global_address(dy_map, (0,)), dy_at)
+            where = (n_begin, n_end, x_base, dy_base, x_lead, dy_lead, coords[block, 0] * bs, coords[block, 1] * bs)
+            specialized(shared_address(smem, (0,)), base, tid, n_stages, where, cuda.shared.array(0, float32), maps)
         else:
             a_from = cuda.local.array(A_PER, int64)
             a_to = cuda.local.array(A_PER, int32)

@@ -38,7 +38,8 @@ def replayed_product(cfg, a, w, layout, feature_axis, transpose_w, version):
         wt = a.new_empty(plan.scratch[0], dtype=plan.scratch[1])
         plan.pre(stream, wt.data_ptr(), w_pointer)
         w_pointer = wt.data_ptr()
-    plan.launch(stream, out.data_ptr(), a_pointer, w_pointer)
+    if not plan.launch(stream, out.data_ptr(), a_pointer, w_pointer):
+        return None  # (a tensor map could not be made)
     return out
 
 
@@ -95,10 +96,12 @@ def replayed_weight_grad(cfg, x, dy, layout, feature_axis, out, beta, version, s
     dw = (x.new_empty(layout.w_shape, dtype=plan.dtype) if out is None else out)
     stream = _arrays.torch_stream_handle()
     if plan.combine is None:
-        plan.main(stream, dw.data_ptr(), x.data_ptr(), dy.data_ptr())
+        if not plan.main(stream, dw.data_ptr(), x.data_ptr(), dy.data_ptr()):
+            return None  # (a tensor map could not be made; nothing ran)
     else:
         workspace = x.new_empty(plan.workspace[0], dtype=plan.workspace[1])
-        plan.main(stream, dw.data_ptr(), workspace.data_ptr(), x.data_ptr(), dy.data_ptr())
+        if not plan.main(stream, dw.data_ptr(), workspace.data_ptr(), x.data_ptr(), dy.data_ptr()):
+            return None
         plan.combine(stream, dw.data_ptr(), workspace.data_ptr())
     return dw
 

@@ -318,11 +318,16 @@ class Replay:
     arrays of the same shapes and dtypes). Calling it rewrites those pointers in its own
     parameter buffer and launches on the given raw stream handle. An entry of ``live`` may be a
     tuple of positions: arguments that are views of one array (one pointer written into each).
+
+    ``derived``: (position, source position, function) for arguments whose data pointer follows
+    from a live argument's (a tensor map's, `runtime.tensormap`): ``function(pointer, stream
+    handle)`` gives it, or None where it cannot, and then the call launches nothing and returns
+    False (the caller takes the general path); else it returns True.
     """
 
-    __slots__ = ("function", "grid", "block", "buffer", "words", "slots", "live", "lock", "shared")
+    __slots__ = ("function", "grid", "block", "buffer", "words", "slots", "live", "lock", "shared", "derived")
 
-    def __init__(self, kernel, grid, block, args, values, live):
+    def __init__(self, kernel, grid, block, args, values, live, derived=()):
         self.function = kernel.function
         self.shared = kernel.shared
         self.grid, self.block = _dim3(grid), _dim3(block)
@@ -331,6 +336,9 @@ class Replay:
         self.words = (ctypes.c_int64 * len(self.slots)).from_buffer(self.buffer)
         self.live = tuple((_data_field(args, at), k) for k, position in enumerate(live)
                           for at in (position if isinstance(position, tuple) else (position,)))
+        source = {at: k for k, position in enumerate(live)
+                  for at in (position if isinstance(position, tuple) else (position,))}
+        self.derived = tuple((_data_field(args, position), source[of], function) for position, of, function in derived)
         self.lock = threading.Lock()
 
     def __call__(self, stream_handle, *pointers):
@@ -339,16 +347,22 @@ class Replay:
             words = self.words
             for index, k in self.live:
                 words[index] = pointers[k]
+            for index, k, function in self.derived:
+                pointer = function(pointers[k], stream_handle)
+                if pointer is None:
+                    return False
+                words[index] = pointer
             _checked_launch(self.function, self.grid, self.block, stream_handle, self.slots, self.shared)
+        return True
 
 
-def replay(dispatcher, grid, block, args, live):
-    """A `Replay` of a launch `launch` has made (same arguments), or None where launches do not
-    go through the driver here (the simulator; cuda.core's fallback)."""
+def replay(dispatcher, grid, block, args, derived=(), *, live):
+    """A `Replay` of a launch `launch` has made (same arguments; ``derived`` as `Replay`'s), or
+    None where launches do not go through the driver here (the simulator; cuda.core's fallback)."""
     if SIMULATOR:
         return None
     key, values = _fields(args)
     kernel = _compiled.get((dispatcher, key, active()))
     if kernel is None or kernel.function is None:
         return None
-    return Replay(kernel, grid, block, args, values, live)
+    return Replay(kernel, grid, block, args, values, live, derived)

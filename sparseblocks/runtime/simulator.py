@@ -90,7 +90,7 @@ class _BlockWarps:
         self.threads = {}
         self.rooms = {}
         self.groups = {}  # (size, group) -> open _Meeting of a group collective (a warpgroup's)
-        self.mbarriers = {}  # shared byte address -> [arrivals a phase, arrivals pending, phase]
+        self.mbarriers = {}  # shared byte address -> [arrivals a phase, arrivals pending, phase, bytes pending]
         self.named = {}  # named barrier id -> [threads arrived, generation]
 
     def open_meetings(self):
@@ -241,7 +241,7 @@ def mbarrier_init(address, count):
     if not 0 < int(count) < 1 << 20:
         raise WarpCollectiveError(f"mbarrier.init: count {count} outside 1 .. 2^20 - 1")
     with block.cond:
-        block.mbarriers[int(address)] = [int(count), int(count), 0]
+        block.mbarriers[int(address)] = [int(count), int(count), 0, 0]
         block.cond.notify_all()
 
 
@@ -252,6 +252,14 @@ def _mbarrier(block, address, what):
     return state
 
 
+def _complete_if_done(block, state):
+    """A phase completes once its last arrival is in and its last expected byte has landed."""
+    if state[1] == 0 and state[3] == 0:
+        state[1] = state[0]
+        state[2] += 1
+        block.cond.notify_all()
+
+
 def mbarrier_arrive(address):
     """``mbarrier.arrive``: one arrival; the last of a phase completes it and starts the next."""
     me = _me()
@@ -259,10 +267,28 @@ def mbarrier_arrive(address):
     with block.cond:
         state = _mbarrier(block, address, "mbarrier.arrive")
         state[1] -= 1
-        if state[1] == 0:
-            state[1] = state[0]
-            state[2] += 1
-            block.cond.notify_all()
+        _complete_if_done(block, state)
+
+
+def mbarrier_expect_tx(address, nbytes):
+    """``mbarrier.arrive.expect_tx``: the phase also waits for ``nbytes`` of copies; one arrival."""
+    me = _me()
+    block = me._manager._sb_warps
+    with block.cond:
+        state = _mbarrier(block, address, "mbarrier.arrive.expect_tx")
+        state[3] += int(nbytes)
+        state[1] -= 1
+        _complete_if_done(block, state)
+
+
+def mbarrier_complete_tx(address, nbytes):
+    """A bulk copy's ``nbytes`` have landed (``complete_tx``)."""
+    me = _me()
+    block = me._manager._sb_warps
+    with block.cond:
+        state = _mbarrier(block, address, "complete_tx")
+        state[3] -= int(nbytes)
+        _complete_if_done(block, state)
 
 
 def mbarrier_wait(address, parity):

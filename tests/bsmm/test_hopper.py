@@ -50,6 +50,7 @@ def test_hopper_products_match_reference(data, block_size, dtype, feature_axis):
 
 
 PRODUCER = replace(bsmm.DEFAULT, v7_producer=True, v7_wgrad_producer=True, v7_persistent={})
+COPYING = replace(PRODUCER, v7_tma=False)  # the copying warpgroup's cp.async instead of bulk copies
 PERSISTENT = replace(PRODUCER, v7_persistent={64: 4, 128: 3})
 PAIRED_WGRAD = replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 6, 128: 4})
 
@@ -59,9 +60,10 @@ PAIRED_WGRAD = replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 6, 128: 4})
 @settings(max_examples=12, deadline=None)
 @given(data=st.data(), feature_axis=st.sampled_from([1, 0]))
 def test_hopper_producer_matches_reference(data, block_size, dtype, feature_axis):
-    """``v7_producer``: every product on warp-specialized thread blocks (mbarrier rings), with
-    split lines and N-splits; with ``v7_persistent``, feature_axis 1's products on persistent
-    thread blocks; with ``v7_wgrad_pairs``, weight gradients two blocks a thread block."""
+    """``v7_producer``: every product on warp-specialized thread blocks (mbarrier rings, bulk
+    tensor copies or with ``v7_tma`` off cp.async), with split lines and N-splits; with
+    ``v7_persistent``, feature_axis 1's products on persistent thread blocks; with
+    ``v7_wgrad_pairs``, weight gradients two blocks a thread block."""
     layout = data.draw(layouts(block_sizes=(block_size,), max_blocks=5, kinds=("random", "full", "single", "skewed")))
     n = data.draw(st.integers(1, 700), label="N")
     n = n if feature_axis == 1 else 8 * -(-n // 8)
@@ -70,7 +72,7 @@ def test_hopper_producer_matches_reference(data, block_size, dtype, feature_axis
     w = data.draw(arrays(layout.w_shape, dtype), label="w")
     xa, dya = to_axis(x, feature_axis), to_axis(dy, feature_axis)
     segment = data.draw(st.sampled_from([None, 1]), label="max_segment")
-    cfg = data.draw(st.sampled_from([PRODUCER, PERSISTENT, PAIRED_WGRAD]), label="config")
+    cfg = data.draw(st.sampled_from([PRODUCER, COPYING, PERSISTENT, PAIRED_WGRAD]), label="config")
     with poisoned_outputs():
         y = bsmm.api._product(cfg, xa, w, layout, feature_axis, False, 7, max_segment=segment)
         dx = bsmm.input_grad(dya, w, layout, feature_axis, version=7, config=cfg)
@@ -144,6 +146,31 @@ def test_hopper_is_the_default_and_bitwise_repeatable(dtype):
     again = (bsmm.forward(x, w, layout), bsmm.input_grad(dy, w, layout), bsmm.weight_grad(x, dy, layout))
     for a, b in zip(first, again):
         assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
+@gpu
+def test_hopper_products_replay_in_a_cuda_graph():
+    """Bulk copies read tensor maps made for each operand's address: a graph captured on fresh
+    tensors (kept plans, maps made and uploaded while the stream captures) replays the eager
+    values bitwise, and the new values written into its inputs."""
+    import torch
+
+    layout = BlockLayout.random((4, 4), 0.5, seed=3, block_size=128)
+    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.float16)  # noqa: E731
+    x, dy, w = make(520, 512), make(520, 512), make(*layout.w_shape) / 20
+    calls = lambda x, dy, w: (bsmm.forward(x, w, layout), bsmm.input_grad(dy, w, layout),  # noqa: E731
+                              bsmm.weight_grad(x, dy, layout))
+    eager = calls(x, dy, w)
+    inputs = (x.clone(), dy.clone(), w.clone())  # (addresses no map was made for)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = calls(*inputs)
+    graph.replay()
+    assert all(torch.equal(a, b) for a, b in zip(out, eager))
+    inputs[0].mul_(2)
+    graph.replay()
+    again = calls(inputs[0].clone(), dy, w)
+    assert torch.equal(out[0], again[0]) and torch.equal(out[2], again[2])
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -256,19 +283,20 @@ def test_hopper_weight_grad_into_out_runs_in_the_simulator(monkeypatch, splits):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
-@pytest.mark.parametrize("feature_axis", [1, 0])
-def test_hopper_producer_runs_in_the_simulator(monkeypatch, feature_axis):
+@pytest.mark.parametrize("feature_axis, tma, splits", [(1, True, 1), (0, True, 2), (1, False, 1), (0, False, 1)])
+def test_hopper_producer_runs_in_the_simulator(monkeypatch, feature_axis, tma, splits):
     """``v7_producer``: a copying warpgroup beside one multiplying warpgroup, the stages handed
-    over by mbarriers. A forward of 5 stages (a block-column of 5 blocks of 64) and a weight
-    gradient of 5 (300 rows, the last stage partly zero-filled) go round a ring of 3 buffers
-    twice, so each barrier completes phases of both parities."""
+    over by mbarriers, copied by bulk tensor copies (``v7_tma``) or cp.async. A forward of 5
+    stages (a block-column of 5 blocks of 64) and a weight gradient of 5 (300 rows, the last
+    stage partly zero-filled) go round a ring of 3 buffers twice, so each barrier completes
+    phases of both parities; two N-splits of the weight gradient end at a stage's end."""
     from sparseblocks.bsmm import dispatch
     from sparseblocks.reference import bsmm as reference
     from strategies import assert_close
 
     monkeypatch.setattr(dispatch, "hopper", lambda: True)
     cfg = replace(bsmm.DEFAULT, v7_groups={64: 1}, v7_tiles={64: 1}, v7_stages={64: 3}, v7_wgrad_stages=3,
-                  v7_producer=True, v7_wgrad_producer=True, v7_persistent={})
+                  v7_producer=True, v7_wgrad_producer=True, v7_persistent={}, v7_tma=tma)
     assert hopper.v7_threads(cfg, 64) == 256 and hopper.split_registers(cfg, 1) is None
     rng = np.random.default_rng(7)
     layout = BlockLayout(np.ones((5, 1)), 64)
@@ -281,7 +309,7 @@ def test_hopper_producer_runs_in_the_simulator(monkeypatch, feature_axis):
     n = 300 if feature_axis == 1 else 304
     x, dy = values(rng, (n, 64), "float16"), values(rng, (n, 64), "float16")
     dw = bsmm.weight_grad(to_axis(x, feature_axis), to_axis(dy, feature_axis), layout, feature_axis, version=7,
-                          config=cfg, splits=1)
+                          config=cfg, splits=splits)
     assert_close(dw, reference.weight_grad(x, dy, layout), "float16", "weight_grad", terms=n)
     assert ran_hopper() == (before[0] + 1, before[1] + 1)
 
