@@ -130,8 +130,9 @@ def bounds(version, bs, weight_grad):
         return None
     shapes = bsmm.hopper_shapes
     groups = shapes.v7_shape(B, bs, weight_grad)[2]
-    if shapes.producing(B, weight_grad) and shapes.split_registers(B, groups) is not None:
-        return (shapes.v7_threads(B, bs, weight_grad), 1)
+    blocks = shapes.resident(B, bs, weight_grad)
+    if shapes.producing(B, weight_grad) and shapes.split_registers(B, groups, blocks) is not None:
+        return (shapes.v7_threads(B, bs, weight_grad), blocks)
     return None
 
 

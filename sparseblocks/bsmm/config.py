@@ -103,6 +103,11 @@ class BsmmConfig:
     v7_producer: bool = True
     v7_wgrad_producer: bool = False
     v7_producer_registers: int = 160
+    # Thread blocks a multiprocessor the warp-specialized kernels are built for, {bs: count} (1 where
+    # absent): the register cap at entry and the setmaxnreg split leave room for that many, and their
+    # shared memory must fit as many (products; v7_wgrad_blocks: weight gradients)
+    v7_blocks: dict = default_field({})
+    v7_wgrad_blocks: dict = default_field({})
     # The warp-specialized kernels' copies as bulk tensor copies (TMA, `ptx.tma`): one thread
     # issues a stage's few boxes, described by tensor maps made on the host (`runtime.tensormap`),
     # instead of a warpgroup's 16-byte cp.async copies
@@ -146,6 +151,9 @@ class BsmmConfig:
                         v7_short_lines={})  # (checked as it is made)
             except ValueError as error:
                 raise ValueError(f"v7_short_lines[{bs}]: {error}") from None
+        for name in ("v7_blocks", "v7_wgrad_blocks"):
+            if not set(getattr(self, name)) <= set(V7_BLOCKS):
+                raise ValueError(f"{name}: expected block sizes of {V7_BLOCKS}, got {sorted(getattr(self, name))}")
         for bs in V7_BLOCKS:
             if v7_check(self, bs, weight_grad=True):
                 raise ValueError(f"version 7 weight gradient: {v7_check(self, bs, weight_grad=True)}")

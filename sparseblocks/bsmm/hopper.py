@@ -52,9 +52,10 @@ from ..ptx.wgmma import waiter as wg_waiter
 from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
 from .device import converters, grouped_tile, tile_of
-from .hopper_shapes import (  # noqa: F401 (V7_BLOCKS, V7_STORAGE, v7_check, split_registers: re-exported)
-    ATOM, CHUNK, PAIRED, V7_BLOCKS, V7_STORAGE, barriers_at, hand_over, jit_for, persistent, persistent_config,
-    shared_bytes, split_registers, staged16_at, staged_shape, v7_check, v7_shape, v7_threads,
+from .hopper_shapes import (  # noqa: F401 (V7_BLOCKS, V7_STORAGE, v7_check, split_registers, resident, SM_SHARED: re-exported)
+    ATOM, CHUNK, PAIRED, SM_SHARED, V7_BLOCKS, V7_STORAGE, barriers_at, hand_over, jit_for, persistent,
+    persistent_config, resident, shared_bytes, split_registers, staged16_at, staged_shape, v7_check, v7_shape,
+    v7_threads,
 )
 
 
@@ -312,7 +313,7 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
                 arrive(bars + (STAGES + last) * BAR_BYTES)
             return buf, parity
 
-        give, take = hand_over(cfg, GROUPS, weight_grad)
+        give, take = hand_over(cfg, bs, GROUPS, weight_grad)
         BARS = barriers_at(cfg, bs, weight_grad)
         ACC_ALL = TILES * (BN // 2)
 
@@ -465,7 +466,7 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     GROUPS = v7_shape(cfg, bs)[2]
     SPLIT = cfg.v7_producer
     THREADS = v7_threads(cfg, bs)
-    give, take = hand_over(cfg, GROUPS, False)
+    give, take = hand_over(cfg, bs, GROUPS, False)
     stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, False, A_MN, THREADS)
     STAGED16, PITCH16, _ = staged16_at(cfg, bs)
     STAGED16 //= 2  # (in 16-bit values)
@@ -520,7 +521,7 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     init, produce, consume, specialized = make_split(stage_sources, a_chunk, b_chunk, stage,
                                                      boxes if SPLIT and cfg.v7_tma else None)
 
-    @jit_for(cfg, GROUPS, False)
+    @jit_for(cfg, bs, GROUPS, False)
     def product_v7(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot, other_idx, line_block, n_rows,
                    a_map, w_map):
         tid = cuda.threadIdx.x
@@ -711,7 +712,7 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
     init, produce, consume, specialized = make_split(stage_sources, a_chunk, b_chunk, stage,
                                                      boxes if SPLIT and cfg.v7_tma else None)
 
-    @jit_for(cfg, GROUPS, WG)
+    @jit_for(cfg, bs, GROUPS, WG)
     def weight_grad_v7(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta, x_map, dy_map):
         tid = cuda.threadIdx.x
         group, thread = tid // WARPGROUP, tid % WARPGROUP

@@ -45,11 +45,21 @@ def producing(cfg, weight_grad):
     return cfg.v7_wgrad_producer if weight_grad else cfg.v7_producer
 
 
-def split_registers(cfg, groups):
+def resident(cfg, bs, weight_grad):
+    """Thread blocks a multiprocessor a warp-specialized kernel is built for (``v7_blocks``,
+    ``v7_wgrad_blocks``; 1 where the config names none)."""
+    return (cfg.v7_wgrad_blocks if weight_grad else cfg.v7_blocks).get(bs, 1)
+
+
+SM_SHARED = 228 * 1024  # a multiprocessor's shared memory on sm_90 (each thread block reserves 1 KB)
+
+
+def split_registers(cfg, groups, blocks=1):
     """(the copying warpgroup's, each multiplying warpgroup's) registers a thread, which the
     warp-specialized kernel sets with setmaxnreg, or None where the launch's registers a thread
-    (the register file over its threads) are already 224 or more and nothing need move."""
-    at_entry = 65536 // (WARPGROUP * (groups + 1)) // 8 * 8  # the launch's registers a thread
+    (the register file over ``blocks`` thread blocks' threads) are already 224 or more and nothing
+    need move."""
+    at_entry = 65536 // (blocks * WARPGROUP * (groups + 1)) // 8 * 8  # the launch's registers a thread
     if at_entry >= 224:
         return None
     # The thread block's registers are what its launch allocated: what one warpgroup gives back
@@ -139,28 +149,37 @@ def v7_check(cfg, bs, weight_grad=False):
         if shared_bytes(cfg, bs, False, 1) > cfg.v6_max_shared:
             return (f"v7_persistent[{bs}]: the ring and the staged tile take {shared_bytes(cfg, bs, False, 1)} "
                     f"bytes of shared memory, over v6_max_shared (fewer stages)")
-    if producing(cfg, weight_grad):
+    blocks = resident(cfg, bs, weight_grad)
+    if blocks != 1:
+        name = f"{'v7_wgrad_blocks' if weight_grad else 'v7_blocks'}[{bs}]"
+        if blocks not in (2, 3) or not producing(cfg, weight_grad) or weight_grad == PAIRED:
+            return f"{name}: expected 2 or 3 thread blocks a multiprocessor, of warp-specialized kernels"
+        shared = shared_bytes(cfg, bs, weight_grad, 1)
+        if blocks * (shared + 1024) > SM_SHARED:
+            return f"{name}: {blocks} thread blocks of {shared} bytes of shared memory do not fit a multiprocessor"
+    if producing(cfg, weight_grad) and weight_grad != PAIRED:
         if not (24 <= cfg.v7_producer_registers <= 256 and cfg.v7_producer_registers % 8 == 0):
             return f"v7_producer_registers: expected a multiple of 8 from 24 to 256, got {cfg.v7_producer_registers}"
-        split = split_registers(cfg, GROUPS)
+        split = split_registers(cfg, GROUPS, blocks)
         if split is not None and split[1] < 128:
             return f"block {bs}: {GROUPS} multiplying warpgroups would keep {split[1]} registers a thread"
     return ""
 
 
-def jit_for(cfg, groups, weight_grad):
+def jit_for(cfg, bs, groups, weight_grad):
     """The kernel decorator: with a register cap at entry where `hand_over` moves registers
     (setmaxnreg needs one), else Numba's plain ``jit``, which leaves ptxas its own count (a cap of
     one thread block a multiprocessor would let a kernel that fits two grow past it)."""
-    if producing(cfg, weight_grad) and split_registers(cfg, groups) is not None:
-        return bounded(WARPGROUP * (groups + 1))
+    blocks = resident(cfg, bs, weight_grad)
+    if producing(cfg, weight_grad) and split_registers(cfg, groups, blocks) is not None:
+        return bounded(WARPGROUP * (groups + 1), blocks)
     return cuda.jit
 
 
-def hand_over(cfg, groups, weight_grad):
+def hand_over(cfg, bs, groups, weight_grad):
     """(give, take): the setmaxnreg calls with which the copying warpgroup hands registers to the
     multiplying ones (`split_registers`), or calls that do nothing where none need move."""
-    split = split_registers(cfg, groups) if producing(cfg, weight_grad) else None
+    split = split_registers(cfg, groups, resident(cfg, bs, weight_grad)) if producing(cfg, weight_grad) else None
     if split is None:
         @inlined
         def nothing():

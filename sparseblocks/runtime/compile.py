@@ -51,9 +51,9 @@ def unrolled(count, body, start=0, inline=None):
     return (inline or cuda.jit(device=True, inline=True))(namespace["run"])
 
 
-def bounded(threads):
-    """The kernel decorator for thread blocks of ``threads`` threads, one a multiprocessor: the
-    real compiler caps the registers at what that leaves each thread (launch bounds), which
+def bounded(threads, blocks=1):
+    """The kernel decorator for thread blocks of ``threads`` threads, ``blocks`` a multiprocessor:
+    the real compiler caps the registers at what that leaves each thread (launch bounds), which
     ``setmaxnreg`` (`ptx.mbarrier.registers`) needs to hand registers from one warpgroup to
     another; the simulator's ``jit`` takes no bounds."""
     from numba import cuda
@@ -62,4 +62,4 @@ def bounded(threads):
 
     if SIMULATOR:
         return cuda.jit
-    return cuda.jit(launch_bounds=(int(threads), 1))
+    return cuda.jit(launch_bounds=(int(threads), int(blocks)))

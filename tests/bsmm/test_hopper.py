@@ -187,10 +187,26 @@ def test_hopper_products_replay_in_a_cuda_graph():
     (dict(v7_producer_registers=100), "v7_producer_registers"),
     (dict(v7_wgrad_pairs={128: 6}), "v7_wgrad_pairs\\[128\\].*shared memory"),
     (dict(v7_wgrad_pairs={64: 3}, v7_wgrad_producer=True), "barrier ring"),
+    (dict(v7_wgrad_blocks={128: 2}), "of warp-specialized kernels"),
+    (dict(v7_wgrad_blocks={128: 2}, v7_wgrad_producer=True), "do not fit a multiprocessor"),
+    (dict(v7_wgrad_blocks={128: 2}, v7_wgrad_producer=True, v7_wgrad_stages=3, v7_wgrad_groups={128: 1}),
+     "would keep 96 registers"),
+    (dict(v7_blocks={32: 2}), "v7_blocks: expected block sizes"),
 ])
 def test_config_refuses_hopper_tiles_the_kernels_cannot_take(fields, message):
     with pytest.raises(ValueError, match=message):
         replace(bsmm.DEFAULT, **fields)
+
+
+def test_two_weight_gradient_blocks_a_multiprocessor_split_the_registers_for_two():
+    """``v7_wgrad_blocks``: one multiplying warpgroup of two tiles and the copying one, two
+    thread blocks a multiprocessor: a cap of 128 registers at entry, 40 for the copying warpgroup
+    and 216 for the multiplying one."""
+    cfg = replace(bsmm.DEFAULT, v7_wgrad_blocks={128: 2}, v7_wgrad_producer=True, v7_wgrad_stages=3,
+                  v7_wgrad_groups={128: 1}, v7_producer_registers=40)
+    groups = hopper.v7_shape(cfg, 128, True)[2]
+    assert hopper.split_registers(cfg, groups, hopper.resident(cfg, 128, True)) == (40, 216)
+    assert 2 * (hopper.shared_bytes(cfg, 128, True) + 1024) <= hopper.SM_SHARED
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
