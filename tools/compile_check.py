@@ -131,7 +131,7 @@ def bounds(version, bs, weight_grad):
     shapes = bsmm.hopper_shapes
     groups = shapes.v7_shape(B, bs, weight_grad)[2]
     blocks = shapes.resident(B, bs, weight_grad)
-    if shapes.producing(B, weight_grad) and shapes.split_registers(B, groups, blocks) is not None:
+    if shapes.producing(B, weight_grad, bs) and shapes.split_registers(B, groups, blocks, weight_grad) is not None:
         return (shapes.v7_threads(B, bs, weight_grad), blocks)
     return None
 

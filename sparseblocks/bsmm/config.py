@@ -85,7 +85,7 @@ class BsmmConfig:
     v7_tiles: dict = default_field({64: 2, 128: 2})  # 64-row wgmma tiles a warpgroup of a product owns (1, 2)
     v7_k: int = 64  # k values a stage (64: one 128-byte row of the shared tiles' swizzle)
     v7_stages: dict = default_field({64: 5, 128: 4})  # the product's ring: stages - 2 in flight ahead of the one multiplied
-    v7_wgrad_groups: dict = default_field({64: 1, 128: 2})  # warpgroups of a weight-gradient block's tile
+    v7_wgrad_groups: dict = default_field({64: 1, 128: 1})  # warpgroups of a weight-gradient block's tile
     v7_wgrad_stages: int = 6  # the weight gradient's ring
     v7_wgrad_fill: int = 1  # weight-gradient thread blocks a multiprocessor the N-splits aim for
     v7_wgrad_k: int = 64  # rows of N a weight-gradient stage
@@ -105,9 +105,13 @@ class BsmmConfig:
     v7_producer_registers: int = 160
     # Thread blocks a multiprocessor the warp-specialized kernels are built for, {bs: count} (1 where
     # absent): the register cap at entry and the setmaxnreg split leave room for that many, and their
-    # shared memory must fit as many (products; v7_wgrad_blocks: weight gradients)
+    # shared memory must fit as many (products, whose stages must fit). Weight gradients of a block
+    # size in v7_wgrad_blocks run warp-specialized, on the most stages up to v7_wgrad_stages that fit,
+    # the copying warpgroup keeping v7_wgrad_producer_registers (bulk copies need few); without it,
+    # block 128's weight gradient runs best on two warpgroups (v7_wgrad_groups={128: 2})
     v7_blocks: dict = default_field({})
-    v7_wgrad_blocks: dict = default_field({})
+    v7_wgrad_blocks: dict = default_field({128: 2})
+    v7_wgrad_producer_registers: int = 40
     # The warp-specialized kernels' copies as bulk tensor copies (TMA, `ptx.tma`): one thread
     # issues a stage's few boxes, described by tensor maps made on the host (`runtime.tensormap`),
     # instead of a warpgroup's 16-byte cp.async copies

@@ -280,7 +280,7 @@ def tma_maps(cfg, bs, weight_grad, a, b, n_rows, feature_axis, transpose_w, stre
     other addresses (`runtime.launch.Replay`'s ``derived``, positions 0 and 1: A's, B's); () where
     the kernel copies by cp.async anyway (not warp-specialized); None where it must (``v7_tma``
     off, a shape the maps cannot take, or the maps kept are at their limit)."""
-    if not producing(cfg, weight_grad) or (weight_grad and bs in cfg.v7_wgrad_pairs):
+    if not producing(cfg, weight_grad, bs) or (weight_grad and bs in cfg.v7_wgrad_pairs):
         return ()
     if not cfg.v7_tma:
         return None

@@ -54,7 +54,7 @@ from ..runtime.launch import dynamic_shared
 from .device import converters, grouped_tile, tile_of
 from .hopper_shapes import (  # noqa: F401 (V7_BLOCKS, V7_STORAGE, v7_check, split_registers, resident, SM_SHARED: re-exported)
     ATOM, CHUNK, PAIRED, SM_SHARED, V7_BLOCKS, V7_STORAGE, barriers_at, hand_over, jit_for, persistent,
-    persistent_config, resident, shared_bytes, split_registers, staged16_at, staged_shape, v7_check, v7_shape,
+    persistent_config, producing, resident, shared_bytes, split_registers, staged16_at, staged_shape, v7_check, v7_shape,
     v7_threads,
 )
 
@@ -704,7 +704,7 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
         return n0, int32(where[6]), n0, int32(where[7])
 
     GROUPS = v7_shape(cfg, bs, WG)[2]
-    SPLIT = cfg.v7_wgrad_producer and not paired
+    SPLIT = producing(cfg, True, bs) and not paired
     THREADS = v7_threads(cfg, bs, WG)
     copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split = make_hopper_loop(cfg, bs, storage, WG, MN, MN)
     ring = make_ring(sources)

@@ -29,7 +29,11 @@ def v7_shape(cfg, bs, weight_grad=False):
         groups = cfg.v7_wgrad_groups.get(bs, bs // WGMMA_M)
         paired = weight_grad == PAIRED
         stages = cfg.v7_wgrad_pairs.get(bs, 0) if paired else cfg.v7_wgrad_stages
-        return bs, (2 if paired else 1) * bs, groups, bs // WGMMA_M // max(groups, 1), cfg.v7_wgrad_k, stages
+        BN, BK = (2 if paired else 1) * bs, cfg.v7_wgrad_k
+        blocks = resident(cfg, bs, weight_grad)
+        if blocks > 1:  # the most stages (and their barriers) that fit beside the other thread blocks
+            stages = min(stages, (SM_SHARED // blocks - 1024 - ATOM) // (2 * BK * (bs + BN) + 2 * BAR_BYTES))
+        return bs, BN, groups, bs // WGMMA_M // max(groups, 1), BK, stages
     groups, tiles = cfg.v7_groups[bs], cfg.v7_tiles.get(bs, 1)
     return groups * tiles * WGMMA_M, bs, groups, tiles, min(bs, cfg.v7_k), cfg.v7_stages.get(bs, 0)
 
@@ -37,24 +41,29 @@ def v7_shape(cfg, bs, weight_grad=False):
 def v7_threads(cfg, bs, weight_grad=False):
     """The thread block's threads: its multiplying warpgroups, and the copying one where
     ``producing``."""
-    return WARPGROUP * (v7_shape(cfg, bs, weight_grad)[2] + int(producing(cfg, weight_grad)))
+    return WARPGROUP * (v7_shape(cfg, bs, weight_grad)[2] + int(producing(cfg, weight_grad, bs)))
 
 
-def producing(cfg, weight_grad):
-    """Whether the kernel is warp-specialized (``v7_producer``, ``v7_wgrad_producer``)."""
-    return cfg.v7_wgrad_producer if weight_grad else cfg.v7_producer
+def producing(cfg, weight_grad, bs):
+    """Whether the kernel is warp-specialized: products with ``v7_producer``; weight gradients
+    with ``v7_wgrad_producer`` or, one block a tile, at a block size of ``v7_wgrad_blocks``."""
+    if not weight_grad:
+        return cfg.v7_producer
+    return cfg.v7_wgrad_producer or (weight_grad != PAIRED and bs in cfg.v7_wgrad_blocks)
 
 
 def resident(cfg, bs, weight_grad):
     """Thread blocks a multiprocessor a warp-specialized kernel is built for (``v7_blocks``,
-    ``v7_wgrad_blocks``; 1 where the config names none)."""
+    ``v7_wgrad_blocks``; 1 where the config names none, and for paired weight-gradient tiles)."""
+    if weight_grad == PAIRED:
+        return 1
     return (cfg.v7_wgrad_blocks if weight_grad else cfg.v7_blocks).get(bs, 1)
 
 
 SM_SHARED = 228 * 1024  # a multiprocessor's shared memory on sm_90 (each thread block reserves 1 KB)
 
 
-def split_registers(cfg, groups, blocks=1):
+def split_registers(cfg, groups, blocks=1, weight_grad=False):
     """(the copying warpgroup's, each multiplying warpgroup's) registers a thread, which the
     warp-specialized kernel sets with setmaxnreg, or None where the launch's registers a thread
     (the register file over ``blocks`` thread blocks' threads) are already 224 or more and nothing
@@ -64,8 +73,9 @@ def split_registers(cfg, groups, blocks=1):
         return None
     # The thread block's registers are what its launch allocated: what one warpgroup gives back
     # is all the others can take (setmaxnreg.inc would wait for more forever).
-    taken = ((groups + 1) * at_entry - cfg.v7_producer_registers) // groups // 8 * 8
-    return cfg.v7_producer_registers, min(taken, 256)
+    kept = cfg.v7_wgrad_producer_registers if weight_grad else cfg.v7_producer_registers
+    taken = ((groups + 1) * at_entry - kept) // groups // 8 * 8
+    return kept, min(taken, 256)
 
 
 def staged_shape(cfg, bs, weight_grad, transposed):
@@ -117,7 +127,7 @@ def shared_bytes(cfg, bs, weight_grad=False, feature_axis=1):
         cfg = persistent_config(cfg, bs)
         return staged16_at(cfg, bs)[2] + 2 * cfg.v7_stages[bs] * BAR_BYTES
     STAGES = v7_shape(cfg, bs, weight_grad)[5]
-    return barriers_at(cfg, bs, weight_grad) + (2 * STAGES * BAR_BYTES if producing(cfg, weight_grad) else 0)
+    return barriers_at(cfg, bs, weight_grad) + (2 * STAGES * BAR_BYTES if producing(cfg, weight_grad, bs) else 0)
 
 
 def v7_check(cfg, bs, weight_grad=False):
@@ -132,7 +142,9 @@ def v7_check(cfg, bs, weight_grad=False):
     if not 3 <= STAGES <= 6:
         name = (f"v7_wgrad_pairs[{bs}]" if weight_grad == PAIRED else "v7_wgrad_stages") if weight_grad \
             else f"v7_stages[{bs}]"
-        return f"{name}: expected 3 to 6, got {STAGES}"
+        blocks = resident(cfg, bs, weight_grad) if weight_grad else 1
+        fit = f" (the most that fit v7_wgrad_blocks[{bs}] = {blocks})" if blocks > 1 else ""
+        return f"{name}: expected 3 to 6 stages, got {STAGES}{fit}"
     if weight_grad == PAIRED and cfg.v7_wgrad_producer:
         return "v7_wgrad_pairs: paired weight-gradient tiles run the barrier ring (v7_wgrad_producer off)"
     if not 1 <= GROUPS <= 4:
@@ -152,15 +164,16 @@ def v7_check(cfg, bs, weight_grad=False):
     blocks = resident(cfg, bs, weight_grad)
     if blocks != 1:
         name = f"{'v7_wgrad_blocks' if weight_grad else 'v7_blocks'}[{bs}]"
-        if blocks not in (2, 3) or not producing(cfg, weight_grad) or weight_grad == PAIRED:
+        if blocks not in (2, 3) or not producing(cfg, weight_grad, bs):
             return f"{name}: expected 2 or 3 thread blocks a multiprocessor, of warp-specialized kernels"
         shared = shared_bytes(cfg, bs, weight_grad, 1)
         if blocks * (shared + 1024) > SM_SHARED:
             return f"{name}: {blocks} thread blocks of {shared} bytes of shared memory do not fit a multiprocessor"
-    if producing(cfg, weight_grad) and weight_grad != PAIRED:
-        if not (24 <= cfg.v7_producer_registers <= 256 and cfg.v7_producer_registers % 8 == 0):
-            return f"v7_producer_registers: expected a multiple of 8 from 24 to 256, got {cfg.v7_producer_registers}"
-        split = split_registers(cfg, GROUPS, blocks)
+    if producing(cfg, weight_grad, bs) and weight_grad != PAIRED:
+        for name in ("v7_wgrad_producer_registers",) if weight_grad else ("v7_producer_registers",):
+            if not (24 <= getattr(cfg, name) <= 256 and getattr(cfg, name) % 8 == 0):
+                return f"{name}: expected a multiple of 8 from 24 to 256, got {getattr(cfg, name)}"
+        split = split_registers(cfg, GROUPS, blocks, weight_grad)
         if split is not None and split[1] < 128:
             return f"block {bs}: {GROUPS} multiplying warpgroups would keep {split[1]} registers a thread"
     return ""
@@ -171,7 +184,7 @@ def jit_for(cfg, bs, groups, weight_grad):
     (setmaxnreg needs one), else Numba's plain ``jit``, which leaves ptxas its own count (a cap of
     one thread block a multiprocessor would let a kernel that fits two grow past it)."""
     blocks = resident(cfg, bs, weight_grad)
-    if producing(cfg, weight_grad) and split_registers(cfg, groups, blocks) is not None:
+    if producing(cfg, weight_grad, bs) and split_registers(cfg, groups, blocks, weight_grad) is not None:
         return bounded(WARPGROUP * (groups + 1), blocks)
     return cuda.jit
 
@@ -179,7 +192,8 @@ def jit_for(cfg, bs, groups, weight_grad):
 def hand_over(cfg, bs, groups, weight_grad):
     """(give, take): the setmaxnreg calls with which the copying warpgroup hands registers to the
     multiplying ones (`split_registers`), or calls that do nothing where none need move."""
-    split = split_registers(cfg, groups, resident(cfg, bs, weight_grad)) if producing(cfg, weight_grad) else None
+    blocks = resident(cfg, bs, weight_grad)
+    split = split_registers(cfg, groups, blocks, weight_grad) if producing(cfg, weight_grad, bs) else None
     if split is None:
         @inlined
         def nothing():
