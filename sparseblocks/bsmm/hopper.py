@@ -223,9 +223,8 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
         With ``boxes`` (``v7_tma``) one thread of the copying warpgroup copies each stage by bulk
         tensor copies instead: ``boxes(s, where)`` gives the (inner, outer) coordinates of the
         stage's first box of A and of B, in the tensor maps of ``maps`` (A's map address, A's
-        address, B's map address, B's address: `ptx.tma.load_2d`), and the stage's full barrier
-        completes on that thread's arrival (``expect_tx``, the stage's bytes) and the copies'
-        bytes. Elements past a map's dims land as zeros.
+        address, B's map address, B's address: `ptx.tma.load_2d`; past its dims, zeros), and the
+        stage's full barrier completes on that thread's arrival (``expect_tx``) and the copies' bytes.
 
         Stage s goes to buffer s % stages. Its full barrier completes once each of the copying
         threads' copies of it have landed (``copy_arrive``); its empty barrier once each
