@@ -255,6 +255,14 @@ class BlocksparseConv:
         input gradient), given that it runs on the tensor cores."""
         return self.config.implicit and kind in self._plans
 
+    def _implicit_for(self, kind, dtype):
+        """Whether product ``kind`` of ``dtype`` runs `implicit.py`'s kernels: fp16 and bf16 on the
+        tensor cores; fp32's forward and input gradient in 3xTF32 (``fp32_tensor_cores``)."""
+        if dtype == "float32":
+            return (bool(self._group) and self.config.tensor_cores and self.config.fp32_tensor_cores
+                    and kind != "filter_grad" and self._implicit(kind))
+        return self._tensor_cores(dtype) and self._implicit(kind)
+
     def _rows(self, op, rows, length, N, stream):
         """op's device array (N, rows, length) as a new (N, length, rows) one (`implicit.make_to_rows`)."""
         x = op.device(stream)
@@ -337,7 +345,7 @@ class BlocksparseConv:
         N = self._check(op_x, shape_in, last=last)
         if bias is not None and list(ops[2].shape) != self.edge_bias_shape():
             raise ValueError(f"edge_bias: expected shape {self.edge_bias_shape()}, got {list(ops[2].shape)}")
-        if last and not (N and self._tensor_cores(op_x.dtype) and self._implicit("forward")):
+        if last and not (N and self._implicit_for("forward", op_x.dtype)):
             return _moved(self._conv_forward(F, _moved(x, -1, 1), bias, name_x), 1, -1)
         stream = launch_stream(ops)
         shape_out = self.i_shape(N) if self.deconv else self.o_shape(N)
@@ -346,11 +354,12 @@ class BlocksparseConv:
         dtype = op_x.dtype
         has = bias is not None
         b = ops[2].device(stream) if has else op_f.device(stream).reshape(1, -1)[:, :1]
+        if N and self._implicit_for("forward", dtype):
+            self._implicit_forward("forward", out, op_x, op_f, N, b, has, stream, last)
+            return op_x.result(native, out, stream)
         if self._tensor_cores(dtype):
             MPQ = int(np.prod(self._g["MPQ"]))
-            if N and self._implicit("forward"):
-                self._implicit_forward("forward", out, op_x, op_f, N, b, has, stream, last)
-            elif N:
+            if N:
                 launch(cached(make_forward_tc, dtype, self._group),
                        (-(-MPQ // POSITIONS), self._K // self._group, N), THREADS, stream,
                        (out.reshape(-1), op_x.device(stream).reshape(-1), op_f.device(stream).reshape(-1), t["f_off"],
@@ -369,18 +378,19 @@ class BlocksparseConv:
         op_f, op_dy = ops
         shape_dy = self.i_shape if self.deconv else self.o_shape
         N = self._check(op_dy, shape_dy, last=last)
-        if last and not (N and self._tensor_cores(op_dy.dtype) and self._implicit("input_grad")):
+        if last and not (N and self._implicit_for("input_grad", op_dy.dtype)):
             return _moved(self._conv_input_grad(F, _moved(dy, -1, 1), name_dy), 1, -1)
         stream = launch_stream(ops)
         shape_out = self.o_shape(N) if self.deconv else self.i_shape(N)
         native, out = op_dy.empty(tuple(_last(shape_out) if last else shape_out), stream)
         t = self._table(stream)
+        if N and self._implicit_for("input_grad", op_dy.dtype):
+            self._implicit_forward("input_grad", out, op_dy, op_f, N, op_f.device(stream).reshape(1, -1)[:, :1],
+                                   False, stream, last)
+            return op_dy.result(native, out, stream)
         if self._tensor_cores(op_dy.dtype):
             DHW = int(np.prod(self._g["DHW"]))
-            if N and self._implicit("input_grad"):
-                self._implicit_forward("input_grad", out, op_dy, op_f, N, op_f.device(stream).reshape(1, -1)[:, :1],
-                                       False, stream, last)
-            elif N:
+            if N:
                 launch(cached(make_forward_tc, op_dy.dtype, self._group, True),
                        (-(-DHW // POSITIONS), self._C // self._group, N), THREADS, stream,
                        (out.reshape(-1), op_dy.device(stream).reshape(-1), op_f.device(stream).reshape(-1),
@@ -400,7 +410,7 @@ class BlocksparseConv:
         op_dy, op_x = ops
         N = self._check(op_x, self.o_shape if self.deconv else self.i_shape, last=last)
         self._check(op_dy, self.i_shape if self.deconv else self.o_shape, N, last=last)
-        fast = N and self._tensor_cores(op_x.dtype) and self._implicit("filter_grad")
+        fast = N and self._implicit_for("filter_grad", op_x.dtype)
         if last and not fast:
             return self._conv_filter_grad(_moved(dy, -1, 1), _moved(x, -1, 1), name_dy, name_x)
         stream = launch_stream(ops)

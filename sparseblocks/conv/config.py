@@ -12,6 +12,9 @@ class ConvConfig:
     # On the tensor cores, the implicit GEMM over a shared input patch (`implicit.py`) where the
     # patch fits; False: the gathering kernels (`tensorcore.py`) for every call
     implicit: bool = True
+    # fp32 forwards and stride-1 input gradients of the layers the implicit GEMM takes, on the tensor
+    # cores in 3xTF32 (three tf32 products a step: about fp32's accuracy); False: the direct kernels
+    fp32_tensor_cores: bool = True
 
     def check(self):
         if self.threads % 32 or not 32 <= self.threads <= 1024:

@@ -1,5 +1,6 @@
 """The fast tensor-core convolution of aligned channel groups: an implicit GEMM over a shared
-patch of the input, channels innermost (``mma.sync`` m16n8k16, fp16 and bf16, fp32 sums).
+patch of the input, channels innermost (``mma.sync`` m16n8k16, fp16 and bf16, fp32 sums; fp32's
+forward and stride-1 input gradient in 3xTF32, below).
 
 Each product reads the activations it gathers channels-last: a caller's channels-last arrays as
 they are, others through a copy (``to_rows``: (N, C, DHW) to (N, DHW, C)), so that 16 channels of
@@ -25,6 +26,11 @@ tap is its position's patch row plus the tap's offset: the taps cost no gather a
   the positions as the product's k. Each share writes its own partial sums (``part``); `make_sum`
   adds them in share order, so every run gives the same bits.
 
+fp32 (the forward and its stride-1 input gradient) runs the same kernel on slices of 8 channels:
+a shared row is still 32 bytes, and the ldmatrix fragments that hold 16 channels of fp16 hold
+exactly m16n8k8's tf32 fragments of 8 fp32 ones, so each step is ``mma_3xtf32`` (three tf32
+products of each value's head and tail: about fp32's accuracy) where fp16 takes one mma.
+
 ``ig`` (`implicit_geometry`) holds the geometry as `simple.py`'s ``geo`` does, then the patch's
 sizes and the tile counts. `plan` says whether a layer fits (the patch and the filter slices in
 shared memory); the others run `tensorcore.py`'s gathering kernels.
@@ -36,7 +42,7 @@ from ..bsmm.device import converters
 from ..ptx.cp_async import commit, copy16_or_zero, copy16_to, shared_address, signed_address, waiter
 from ..ptx.half2 import stored_as
 from ..ptx.ldmatrix import ldmatrix_x4_at, ldmatrix_x4_trans_at
-from ..ptx.mma import mma_bf16, mma_f16
+from ..ptx.mma import mma_3xtf32, mma_bf16, mma_f16
 from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
 
@@ -46,6 +52,11 @@ PAD = 16  # bytes after each shared row: eight consecutive rows start in eight b
 SHARED_MAX = 200 * 1024  # the most dynamic shared memory a thread block of these kernels takes
 MAX_TAPS = 9  # taps a filter-gradient thread block
 STAGES = 3  # the stage ring's depth
+
+
+def slice_channels(storage):
+    """Channels a stage slice (a shared row's 32 bytes): 16 of fp16 and bf16, 8 of fp32."""
+    return 8 if storage == "float32" else 16
 
 
 def filter_split(G):
@@ -146,9 +157,9 @@ def make_tiles(QT):
     return where, patch_row, tap_shift
 
 
-def make_patch_copies(CH, ROW, PER):
-    """The patch's copies, shared by both kernels, for patch rows of CH 16-byte chunks (8 CH
-    channels of one input position) ROW bytes apart, PER copies a thread:
+def make_patch_copies(CH, ROW, PER, E=2):
+    """The patch's copies, shared by both kernels, for patch rows of CH 16-byte chunks (CH x 16 / E
+    channels of E bytes of one input position) ROW bytes apart, PER copies a thread:
 
     * ``plan_patch(jobs, tid, PH, PW)``: each of this thread's copies' patch row as its (depth, row,
       column) in 10-bit fields, fixed for the kernel (`plan` keeps the patch's sizes below 1024);
@@ -172,7 +183,8 @@ def make_patch_copies(CH, ROW, PER):
                 keep = 0 <= d < D and 0 <= h < H and 0 <= w < W
                 frm = x_at
                 if keep:
-                    frm = x_at + 2 * ((int64(n) * (D * H * W) + (d * H + h) * W + w) * C + c_first + 8 * (c % CH))
+                    frm = x_at + E * ((int64(n) * (D * H * W) + (d * H + h) * W + w) * C + c_first
+                                      + (16 // E) * (c % CH))
                 copy16_or_zero(at + (c // CH) * ROW + 16 * (c % CH), frm, keep)
 
     return plan_patch, copy_patch
@@ -182,7 +194,7 @@ def make_to_rows(storage):
     """``to_rows(out, x, C, L)``: out (N, L, C) from x (N, C, L), through 32 x 32 shared tiles
     (coalesced on both sides); grid (L / 32, C / 32, N), 256 threads."""
     SMEM_T = int32 if storage == "bfloat16" else float32  # (32-bit slots: no bank conflicts; exact)
-    OUT_T = int16 if storage == "bfloat16" else types.float16
+    OUT_T = {"bfloat16": int16, "float16": types.float16, "float32": float32}[storage]
 
     @cuda.jit
     def to_rows(out, x, C, L):
@@ -206,22 +218,25 @@ def make_to_rows(storage):
 
 
 def make_pack(storage, G, transposed=False):
-    """``pack(out, f, blocks, TRS)``: each block's G x G x TRS filter as (16-channel slice, tap,
-    output channel, 16 input channels), the forward's stage order. ``transposed``: the input
-    gradient's, rows the input channels, slices of 16 output channels, the taps reversed."""
+    """``pack(out, f, blocks, TRS)``: each block's G x G x TRS filter as (slice of CS channels,
+    tap, output channel, CS input channels), the forward's stage order (CS: `slice_channels`).
+    ``transposed``: the input gradient's, rows the input channels, slices of output channels, the
+    taps reversed."""
+    CS = slice_channels(storage)
+
     @cuda.jit
     def pack(out, f, blocks, TRS):
         size = G * G * TRS
         for i in range(cuda.grid(1), blocks * size, cuda.gridsize(1)):
             b, rest = i // size, i % size
-            c = rest % 16
-            row = (rest // 16) % G
-            tap = (rest // (16 * G)) % TRS
-            ch = rest // (16 * G * TRS)
+            c = rest % CS
+            row = (rest // CS) % G
+            tap = (rest // (CS * G)) % TRS
+            ch = rest // (CS * G * TRS)
             if transposed:  # (out row: an input channel; c: an output channel of slice ch)
-                at = ((ch * 16 + c) * G + row) * TRS + (TRS - 1 - tap)
+                at = ((ch * CS + c) * G + row) * TRS + (TRS - 1 - tap)
             else:
-                at = (row * G + ch * 16 + c) * TRS + tap
+                at = (row * G + ch * CS + c) * TRS + tap
             out[i] = f[b * size + at]
 
     return pack
@@ -238,12 +253,14 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False):
     A_COPIES = 2 * AROWS
     A_PER = -(-A_COPIES // THREADS)
     P_PER = -(-2 * cap // THREADS)
-    NC = G // 16
-    mma = mma_bf16 if storage == "bfloat16" else mma_f16
+    CS = slice_channels(storage)
+    E = 32 // CS  # bytes a value
+    NC = G // CS
+    mma = {"bfloat16": mma_bf16, "float16": mma_f16, "float32": mma_3xtf32}[storage]
     narrow = stored_as(storage)
     wait = waiter(STAGES - 2)  # (waited before the next stage is issued: STAGES - 2 others in flight)
     widen, _ = converters(storage, float32)
-    plan_patch, copy_patch = make_patch_copies(2, ROW, P_PER)
+    plan_patch, copy_patch = make_patch_copies(2, ROW, P_PER, E)
     where, patch_row, tap_shift = make_tiles(QT)
 
     def zero_step(i, acc):
@@ -292,7 +309,7 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False):
     def stage(at, f_at, x_at, jobs, e, ch, c_first, tile, ig, IN_ROWS, tid):
         """Stage (block e, slice ch of its input channels, position tile ``tile``) into ``at``:
         the filter slices of every tap, then the patch (zeros where it lies in the padding)."""
-        a_from = f_at + 2 * int64((e * NC + ch) * AROWS * 16)
+        a_from = f_at + E * int64((e * NC + ch) * AROWS * CS)
         for i in range(A_PER):
             c = tid + i * THREADS
             if c < A_COPIES:
@@ -309,7 +326,7 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False):
         rest = s % per_tile
         e = grp_blk[ptr + rest // NC]
         ch = rest % NC
-        stage(at, f_at, x_at, jobs, e, ch, blk_c0[e] + 16 * ch, first_tile + s // per_tile, ig, IN_ROWS, tid)
+        stage(at, f_at, x_at, jobs, e, ch, blk_c0[e] + CS * ch, first_tile + s // per_tile, ig, IN_ROWS, tid)
 
     @cuda.jit
     def forward(out, x, f, grp_ptr, grp_blk, blk_c0, ig, N, OUT_ROWS, IN_ROWS, bias, edge, has_bias, tiles,

@@ -116,6 +116,20 @@ def test_implicit_products_match_the_twin():
     check_tensor_core_products("float16", 16, 2, (2, 2), (3, 4), 1, 1, "SAME", True, 0, N=1)
 
 
+def test_fp32_implicit_products_match_the_twin():
+    """fp32's forward and stride-1 input gradient through the implicit GEMM in 3xTF32 (slices of
+    8 channels: one 32-byte shared row, as fp16's 16), on channels-last arrays; its filter
+    gradient on the direct kernel."""
+    from sparseblocks.conv import implicit
+    from sparseblocks.runtime import compile as compile_cache
+
+    op = BlocksparseConv(grouped_layer(np.random.default_rng(1), 16, 2), (2, 2), (3, 4))
+    assert op._implicit_for("forward", "float32") and op._implicit_for("input_grad", "float32")
+    assert not op._implicit_for("filter_grad", "float32")
+    check_tensor_core_products("float32", 16, 2, (2, 2), (3, 4), 1, 1, "SAME", False, 1, N=1, channels_last=True)
+    assert any(key[0] is implicit.make_forward and key[1] == "float32" for key in compile_cache._kernels)
+
+
 def test_strided_tensor_core_products_match_the_twin():
     """1-D, stride 2 and dilation 2, channels-last activations: the implicit forward and filter
     gradient read and write them as they are; the gathering input gradient (`conv/tensorcore.py`),
