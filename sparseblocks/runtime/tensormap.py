@@ -8,7 +8,8 @@ calls ask for in a slot of a device slab, uploaded once on the call's stream fro
 mirror (a captured graph records that copy, and its replays find the map in place). A map only
 depends on what it describes, so a slot never changes and is never reused: maps stay for the
 process's life, up to `MAX_MAPS` a device; past that `tensor_map` returns None and the caller
-takes a kernel without bulk copies.
+takes a kernel without bulk copies. Slabs are allocated a slab ahead, outside graph captures
+(no allocation may run inside one): a capture that would need one gets None too.
 
 In the CUDA simulator a map holds the description in fields of its own (`simulated_fields`
 reads them), which `ptx.tma`'s twin copies by.
@@ -21,9 +22,11 @@ import numpy as np
 
 from .backend import SIMULATOR
 from .devices import active
+from .launch import capture_of, stream_handle
 
 MAP_BYTES = 128
 SLAB = 1024  # maps a device allocation holds
+HEADROOM = 256  # free slots under which the next slab is allocated (outside a capture)
 MAX_MAPS = 64 * SLAB  # maps kept a device (8 MB of device memory and as much pinned)
 MAX_BOX = 256
 _MAGIC = 0x544D4150  # "TMAP": a simulated map's first field
@@ -109,13 +112,14 @@ def tensor_map(address, item, dims, row_bytes, box, stream=None):
             return found
         device = key[0]
         used = _used.get(device, 0)
-        if used >= MAX_MAPS:
-            return None
         slabs = _slabs.setdefault(device, [])
-        if used == len(slabs) * SLAB:
+        capturing = capture_of(stream_handle(stream) if stream else 0) is not None
+        while len(slabs) * SLAB - used < HEADROOM and len(slabs) * SLAB < MAX_MAPS and not capturing:
             slabs.append((cuda.device_array((SLAB, MAP_BYTES), np.uint8),
                           cuda.pinned_array((SLAB, MAP_BYTES), np.uint8)))
-        slab, pinned = slabs[-1]
+        if used >= len(slabs) * SLAB:
+            return None  # (at MAX_MAPS, or a capture that would allocate)
+        slab, pinned = slabs[used // SLAB]
         slot = used % SLAB
         encode_into(pinned[slot], *key[1:])
         found = slab[slot]

@@ -90,3 +90,35 @@ def test_tensor_maps_refuse_what_the_copies_cannot_take(args, message):
     assert message in tensormap.check(*args)
     with pytest.raises(ValueError, match="tensor map"):
         tensormap.encode_into(np.zeros(128, np.uint8), *args)
+
+
+def test_tensor_maps_are_kept_in_slabs_allocated_ahead_and_never_in_a_capture(monkeypatch):
+    """The device path's bookkeeping (its driver encoding faked): one slot a map, kept; the next
+    slab allocated once fewer than HEADROOM slots are left, never while the stream captures (a
+    map that would need one is None then), and None past MAX_MAPS."""
+    encoded = []
+    monkeypatch.setattr(tensormap, "SIMULATOR", False)
+    monkeypatch.setattr(tensormap, "encode_into", lambda into, *key: (encoded.append(key), into.fill(len(encoded))))
+    monkeypatch.setattr(tensormap, "SLAB", 4)
+    monkeypatch.setattr(tensormap, "HEADROOM", 2)
+    monkeypatch.setattr(tensormap, "MAX_MAPS", 8)
+    monkeypatch.setattr(tensormap, "_maps", {})
+    monkeypatch.setattr(tensormap, "_slabs", {})
+    monkeypatch.setattr(tensormap, "_used", {})
+    capturing = [False]
+    monkeypatch.setattr(tensormap, "capture_of", lambda handle: 1 if capturing[0] else None)
+    made = lambda i: tensormap.tensor_map(16 * (i + 1), 2, (64, 8), 128, (64, 8))  # noqa: E731
+    slabs = lambda: len(tensormap._slabs[tensormap.active()])  # noqa: E731
+    first = made(0)
+    assert made(0) is first and len(encoded) == 1 and slabs() == 1
+    assert np.all(first.copy_to_host() == 1)  # (uploaded from the pinned mirror)
+    made(1)
+    made(2)
+    assert slabs() == 1
+    made(3)
+    assert slabs() == 2  # (fewer than 2 free slots were left: the next slab is there)
+    capturing[0] = True
+    assert all(made(i) is not None for i in range(4, 8)) and slabs() == 2  # (the second slab's slots)
+    assert made(8) is None  # (the slabs are full, and a capture allocates none)
+    capturing[0] = False
+    assert made(8) is None and slabs() == 2  # (MAX_MAPS)
