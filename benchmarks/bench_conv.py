@@ -1,7 +1,8 @@
 """Block-sparse convolution (`sparseblocks.conv`) against the dense cuDNN convolution with the
 masked filter, and cuDNN's grouped convolution where the layout is block-diagonal.
 
-    python -m benchmarks.bench_conv [--quick] [--out-dir DIR]
+    python -m benchmarks.bench_conv [--quick] [--dtypes float16,bfloat16,float32] [--out-dir DIR]
+    python -m benchmarks.bench_conv --merge A.json B.json ...   (runs split by --dtypes)
 
 A ResNet-50-like 3x3 layer: 256 -> 256 channels, 56 x 56, batch 32, channels in groups of 32, at
 10, 25 and 50 % of the (input group, output group) blocks (``random``) and ``block_diagonal``
@@ -44,8 +45,26 @@ def check(got, want, what):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dtypes", default="float16,bfloat16,float32", help="comma-separated")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="only merge these runs' JSON files (a later one's case replaces an earlier one's)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
+    if args.merge:
+        import json
+        from pathlib import Path
+
+        cases = {}
+        for path in args.merge:
+            document = json.loads(Path(path).read_text())
+            for r in document["records"]:
+                key = (r["name"], *sorted(r["params"].items()))
+                cases[key] = Record(r["name"], r["params"], float("nan") if r["ms"] is None else r["ms"],
+                                    {k: float("nan") if v is None else v for k, v in r["baselines"].items()})
+        records = list(cases.values())
+        print_table(records, "block-sparse convolution (merged)")
+        write_results("conv", records, document["device"], **({"directory": args.out_dir} if args.out_dir else {}))
+        return
 
     import torch
     import torch.nn.functional as F
@@ -57,7 +76,7 @@ def main():
     torch.backends.cudnn.allow_tf32 = False
     rng = np.random.default_rng(0)
     records = []
-    for dtype_name in (("float16",) if args.quick else ("float16", "bfloat16", "float32")):
+    for dtype_name in (("float16",) if args.quick else args.dtypes.split(",")):
         dtype = getattr(torch, dtype_name)
         x = torch.randn(N, C, HW, HW, device="cuda", dtype=dtype)
         dy = torch.randn(N, C, HW, HW, device="cuda", dtype=dtype)
