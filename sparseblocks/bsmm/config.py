@@ -48,12 +48,13 @@ class BsmmConfig:
     v4_unroll: dict = default_field({16: True, 32: True, 64: True})  # the 8-step inner loop written out
 
     # -- version 5 (tensor cores, mma.sync) ------------------------------------------------
-    v5_warps: dict = default_field({16: 4, 32: 4, 64: 8})  # warps of a product's thread block
+    v5_warps: dict = default_field({16: 4, 32: 4, 64: 8, 128: 8})  # warps of a product's thread block
     v5_warp_tile: int = 32  # most output features a warp owns (and a weight-gradient patch's side)
-    v5_warp_rows: dict = default_field({16: 32, 32: 32, 64: 32})  # rows a warp, multiples of the mma's 16
+    v5_warp_rows: dict = default_field({16: 32, 32: 32, 64: 32, 128: 32})  # rows a warp, multiples of the mma's 16
     v5_ring_warps: dict = default_field(  # (warps, rows a warp) of the cp.async ring where they differ
-        {(64, "float16"): (4, 64), (64, "float32"): (4, 64)})
-    v5_stage_words: dict = default_field({(64, "float32"): 16})  # 32-bit words of k a stage, where not a block's
+        {(64, "float16"): (4, 64), (64, "float32"): (4, 64), (128, "float32"): (8, 64)})
+    v5_stage_words: dict = default_field(  # 32-bit words of k a stage, where not a block's
+        {(64, "float32"): 16, (128, "float32"): 16, (128, "float16"): 16, (128, "bfloat16"): 16})
     v5_vector: bool = True  # 16-byte global loads where pointers allow
     v5_stages: int = 3  # shared stages: 2 through registers; more feed 16-byte rows by cp.async, stages - 1 ahead
     v5_weight_registers: frozenset = frozenset({(32, "float16"), (32, "bfloat16")})  # input_grad weights through registers

@@ -29,6 +29,7 @@ from .simt import (
 )
 from .tensorcore import (
     V5_BLOCKS,
+    V5_WGRAD_BLOCKS,
     V5_STORAGE,
     make_product_v5,
     make_transpose_blocks,
@@ -78,7 +79,7 @@ def weight_grad_family(cfg, version, bs, storage, feature_axis, tiles_fit=True):
         return 7
     if version >= 6 and tiles_fit and bs in cfg.v6_wgrad_warps and storage in V6_STORAGE:
         return 6
-    if version >= 5 and cfg.v5_wgrad and bs in V5_BLOCKS and storage in V5_STORAGE:
+    if version >= 5 and cfg.v5_wgrad and bs in V5_WGRAD_BLOCKS and storage in V5_STORAGE:
         return 5
     if version >= 4 and bs in cfg.v4_wgrad_rows and feature_axis == 1:
         return 4

@@ -85,7 +85,7 @@ def test_earlier_versions_match_reference(data, block_size, feature_axis, versio
 
 @pytest.mark.parametrize("version, dtype, feature_axis", [(1, "float64", 0), (3, "float32", 1)])
 def test_block_128_products_match_reference(version, dtype, feature_axis):
-    """Block 128 on the SIMT families (fp32 and fp64 at block 128 run them): the teaching
+    """Block 128 on the SIMT families (fp64 runs them, and fp32's weight gradient): the teaching
     product's W strips and the chunks that fit static shared memory, one block in the simulator."""
     rng = np.random.default_rng(version)
     layout = BlockLayout(np.array([[1, 0], [1, 1]]) if not SIMULATOR else np.ones((1, 1)), 128)
@@ -103,7 +103,7 @@ def test_block_128_products_match_reference(version, dtype, feature_axis):
 # The simulator meets 32 Python threads at every mma: a few cases there (block 64 in
 # test_tensor_core_load_paths), every pair on the GPU.
 TENSOR_CORE_CASES = ([(16, "float32"), (32, "float16")] if SIMULATOR  # (bf16's mma: test_tiles.py)
-                     else [(bs, dtype) for bs in (16, 32, 64) for dtype in ("float16", "bfloat16", "float32")])
+                     else [(bs, dtype) for bs in (16, 32, 64, 128) for dtype in ("float16", "bfloat16", "float32")])
 
 
 @pytest.mark.parametrize("block_size, dtype", TENSOR_CORE_CASES)
