@@ -54,8 +54,8 @@ from ..runtime.launch import dynamic_shared
 from .device import converters, grouped_tile, tile_of
 from .hopper_shapes import (  # noqa: F401 (V7_BLOCKS, V7_STORAGE, v7_check, split_registers, resident, SM_SHARED: re-exported)
     ATOM, CHUNK, PAIRED, SM_SHARED, V7_BLOCKS, V7_STORAGE, barriers_at, hand_over, jit_for, persistent,
-    persistent_config, producing, resident, shared_bytes, split_registers, staged16_at, staged_shape, v7_check, v7_shape,
-    v7_threads,
+    persistent_config, producing, resident, shared_bytes, split_registers, staged16_at, staged_shape, v7_check,
+    v7_shape, v7_threads,
 )
 
 
