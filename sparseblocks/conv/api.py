@@ -169,6 +169,8 @@ class BlocksparseConv:
                 if implicit.plan(ig, G, kind == "filter_grad"):
                     self._plans[kind] = (QT, implicit.capacity(ig))
                     self._host["ig_" + kind] = np.array(ig, np.int32)
+                    if kind == "filter_grad" and implicit.plan(ig, G, True, 4):  # (fp32's rows: twice the bytes)
+                        self._plans["filter_grad_fp32"] = self._plans[kind]
         self._tables: dict = {}
 
     # -- sizes ------------------------------------------------------------------------------
@@ -257,10 +259,11 @@ class BlocksparseConv:
 
     def _implicit_for(self, kind, dtype):
         """Whether product ``kind`` of ``dtype`` runs `implicit.py`'s kernels: fp16 and bf16 on the
-        tensor cores; fp32's forward and input gradient in 3xTF32 (``fp32_tensor_cores``)."""
+        tensor cores; fp32 in 3xTF32 (``fp32_tensor_cores``), where its filter gradient's wider
+        rows fit too."""
         if dtype == "float32":
             return (bool(self._group) and self.config.tensor_cores and self.config.fp32_tensor_cores
-                    and kind != "filter_grad" and self._implicit(kind))
+                    and self._implicit(kind) and (kind != "filter_grad" or "filter_grad_fp32" in self._plans))
         return self._tensor_cores(dtype) and self._implicit(kind)
 
     def _rows(self, op, rows, length, N, stream):

@@ -12,7 +12,7 @@ class ConvConfig:
     # On the tensor cores, the implicit GEMM over a shared input patch (`implicit.py`) where the
     # patch fits; False: the gathering kernels (`tensorcore.py`) for every call
     implicit: bool = True
-    # fp32 forwards and stride-1 input gradients of the layers the implicit GEMM takes, on the tensor
+    # fp32 products of the layers the implicit GEMM takes (input gradients of stride 1), on the tensor
     # cores in 3xTF32 (three tf32 products a step: about fp32's accuracy); False: the direct kernels
     fp32_tensor_cores: bool = True
 

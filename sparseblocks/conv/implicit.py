@@ -1,6 +1,6 @@
 """The fast tensor-core convolution of aligned channel groups: an implicit GEMM over a shared
-patch of the input, channels innermost (``mma.sync`` m16n8k16, fp16 and bf16, fp32 sums; fp32's
-forward and stride-1 input gradient in 3xTF32, below).
+patch of the input, channels innermost (``mma.sync`` m16n8k16, fp16 and bf16, fp32 sums; fp32
+in 3xTF32, below).
 
 Each product reads the activations it gathers channels-last: a caller's channels-last arrays as
 they are, others through a copy (``to_rows``: (N, C, DHW) to (N, DHW, C)), so that 16 channels of
@@ -26,7 +26,7 @@ tap is its position's patch row plus the tap's offset: the taps cost no gather a
   the positions as the product's k. Each share writes its own partial sums (``part``); `make_sum`
   adds them in share order, so every run gives the same bits.
 
-fp32 (the forward and its stride-1 input gradient) runs the same kernel on slices of 8 channels:
+fp32's forward and stride-1 input gradient run the same kernel on slices of 8 channels:
 a shared row is still 32 bytes, and the ldmatrix fragments that hold 16 channels of fp16 hold
 exactly m16n8k8's tf32 fragments of 8 fp32 ones, so each step is ``mma_3xtf32`` (three tf32
 products of each value's head and tail: about fp32's accuracy) where fp16 takes one mma.
@@ -109,20 +109,21 @@ def forward_shared(G, TRS, cap):
     return STAGES * (TRS * G + cap) * (32 + PAD)
 
 
-def filter_shared(G, cap):
+def filter_shared(G, cap, E=2):
     cc = filter_split(G)[0]
-    return STAGES * (TILE * (2 * G + PAD) + cap * (2 * cc + PAD))
+    return STAGES * (TILE * (E * G + PAD) + cap * (E * cc + PAD))
 
 
-def plan(ig, G, filter_grad=False):
+def plan(ig, G, filter_grad=False, E=2):
     """Whether the implicit kernels take a geometry: the patch and the stage ring fit in shared
-    memory, and the patch's sizes fit the packed 10-bit fields the filter gradient keeps."""
+    memory (the filter gradient's for values of E bytes), and the patch's sizes fit the packed
+    10-bit fields the filter gradient keeps."""
     cap = capacity(ig)
     TRS = ig[6] * ig[7] * ig[8]
     if max(ig[18:21]) >= 1024:
         return False
     if filter_grad:
-        return filter_shared(G, cap) <= SHARED_MAX
+        return filter_shared(G, cap, E) <= SHARED_MAX
     return forward_shared(G, TRS, cap) <= SHARED_MAX
 
 
@@ -394,18 +395,25 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
     """The filter gradient's partial sums for channel groups of G, tiles of QT columns, patches of
     up to ``cap`` rows and up to TAPS taps a thread block; see the module's docstring. Warps: G =
     16, four shares of each step's positions (each its own partial); G = 32, the four (16 output,
-    16 input channels) quarters; G = 64, the four 16-row strips of a 16-input-channel slice."""
+    16 input channels) quarters; G = 64, the four 16-row strips of a 16-input-channel slice.
+
+    fp32 runs ``mma_3xtf32`` on k8 steps of positions, its fragments read from the shared rows a
+    word a register (m16n8k8's tf32 A is dy's rows across, which ``ldmatrix.trans`` cannot give
+    in 32-bit values); its rows are twice fp16's bytes."""
     CC, WS = filter_split(G)
-    AROW = 2 * G + PAD  # a staged dy row: a position's G output channels
-    BROW = 2 * CC + PAD  # a patch row: a position's CC input channels
+    FP32 = storage == "float32"
+    E = 4 if FP32 else 2  # bytes a value
+    AROW = E * G + PAD  # a staged dy row: a position's G output channels
+    BROW = E * CC + PAD  # a patch row: a position's CC input channels
+    AW, BW = AROW // 4, BROW // 4  # (in 32-bit words)
     STAGE = TILE * AROW + cap * BROW
-    A_CH, B_CH = G // 8, CC // 8  # 16-byte chunks a row
+    A_CH, B_CH = E * G // 16, E * CC // 16  # 16-byte chunks a row
     A_PER = -(-TILE * A_CH // THREADS)
     P_PER = -(-cap * B_CH // THREADS)
-    KS = TILE // 16 // WS  # k16 steps a warp a stage
-    mma = mma_bf16 if storage == "bfloat16" else mma_f16
+    KS = TILE // (8 if FP32 else 16) // WS  # k steps (of k8 or k16) a warp a stage
+    mma = {"bfloat16": mma_bf16, "float16": mma_f16, "float32": mma_3xtf32}[storage]
     wait = waiter(STAGES - 2)
-    plan_patch, copy_patch = make_patch_copies(B_CH, BROW, P_PER)
+    plan_patch, copy_patch = make_patch_copies(B_CH, BROW, P_PER, E)
     where, patch_row, tap_shift = make_tiles(QT)
 
     def zero_step(i, acc):
@@ -422,6 +430,18 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
                 acc[ti, h2, 0], acc[ti, h2, 1], acc[ti, h2, 2], acc[ti, h2, 3] = d4[0], d4[1], d4[2], d4[3]
 
     taps = unrolled(TAPS, inlined(tap_step), inline=inlined)
+
+    def tap_step32(ti, acc, a0, a1, a2, a3, words, b_at, row0, row1, shifts, tap0, TRS):
+        """fp32: one k8 step's tap: B's b0 and b1 (positions t and t + 4 of the step, at patch
+        rows row0 and row1 before the tap's shift), channel g of each n8 tile, a word each."""
+        if tap0 + ti < TRS:
+            r0, r1 = b_at + (row0 + shifts[ti]) * BW, b_at + (row1 + shifts[ti]) * BW
+            for h2 in range(2):
+                d4 = mma(a0, a1, a2, a3, words[r0 + 8 * h2], words[r1 + 8 * h2],
+                         acc[ti, h2, 0], acc[ti, h2, 1], acc[ti, h2, 2], acc[ti, h2, 3])
+                acc[ti, h2, 0], acc[ti, h2, 1], acc[ti, h2, 2], acc[ti, h2, 3] = d4[0], d4[1], d4[2], d4[3]
+
+    taps32 = unrolled(TAPS, inlined(tap_step32), inline=inlined)
 
     def store_step(i, part, acc, slot, k0, c0, tap0, TRS):
         ti, h2, j = i // 8, (i // 4) % 2, i % 4
@@ -446,7 +466,8 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
             keep = c < TILE * A_CH and p0 + tp < P and q0 + tq < Q
             frm = dy_at
             if keep:
-                frm = dy_at + 2 * ((int64(n) * (M * P * Q) + (m * P + p0 + tp) * Q + q0 + tq) * K + k0 + 8 * part)
+                frm = dy_at + E * ((int64(n) * (M * P * Q) + (m * P + p0 + tp) * Q + q0 + tq) * K + k0
+                                   + (16 // E) * part)
             if c < TILE * A_CH:
                 copy16_or_zero(at + j * AROW + 16 * part, frm, keep)
         copy_patch(at + TILE * AROW, x_at, jobs, count, n, m * ig[9] - ig[12], p0 * ig[10] - ig[13],
@@ -481,8 +502,11 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
         a_lane = ((q8 // 2) * 8 + r8) * AROW + 2 * (wk * 16 + (q8 % 2) * 8)
         b_col = 2 * (wc * 16 + (q8 // 2) * 8)
         b_rows = cuda.local.array(KS, int32)  # the lane's patch rows (positions) of each k16 step
-        for i in range(KS):
-            b_rows[i] = patch_row((ws + WS * i) * 16 + (q8 % 2) * 8 + r8, ig)
+        if not FP32:  # (fp32 takes its positions' rows as it goes: two a k8 step)
+            for i in range(KS):
+                b_rows[i] = patch_row((ws + WS * i) * 16 + (q8 % 2) * 8 + r8, ig)
+        g, t = lane // 4, lane % 4
+        words = cuda.shared.array(0, uint32)
         shifts = cuda.local.array(TAPS, int32)  # each tap's offset in patch rows
         for ti in range(TAPS):
             shifts[ti] = tap_shift(min(tap0 + ti, TRS - 1), ig)
@@ -502,14 +526,22 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
                 stage(base + (nxt % STAGES) * STAGE, dy_at, x_at, jobs, count_p, first + nxt, ig, K, C, k0, c0, tid)
             commit()
             at = base + (s % STAGES) * STAGE
-            for i in range(KS):
-                ks = ws + WS * i
-                fa = ldmatrix_x4_trans_at(at + ks * 16 * AROW + a_lane)
-                taps(acc, fa, at + TILE * AROW + b_col, b_rows[i], shifts, tap0, TRS)
+            if FP32:  # (word offsets from the shared array's start)
+                w_at = int32(s % STAGES) * (STAGE // 4)
+                for i in range(KS):
+                    j = (ws + WS * i) * 8 + t  # this lane's positions of the step: j and j + 4
+                    a_w = w_at + j * AW + wk * 16 + g  # A[g, t] = dy[position t, channel g]
+                    taps32(acc, words[a_w], words[a_w + 8], words[a_w + 4 * AW], words[a_w + 4 * AW + 8], words,
+                           w_at + TILE * AW + wc * 16 + g, patch_row(j, ig), patch_row(j + 4, ig), shifts, tap0, TRS)
+            else:
+                for i in range(KS):
+                    ks = ws + WS * i
+                    fa = ldmatrix_x4_trans_at(at + ks * 16 * AROW + a_lane)
+                    taps(acc, fa, at + TILE * AROW + b_col, b_rows[i], shifts, tap0, TRS)
         slot = int64(share * WS + ws) * f_size + int64(b) * (G * G * TRS)
         store(part, acc, slot, wk * 16 + lane // 4, cs * CC + wc * 16 + 2 * (lane % 4), tap0, TRS)
 
-    return dynamic_shared(filter_grad, filter_shared(G, cap))
+    return dynamic_shared(filter_grad, filter_shared(G, cap, E))
 
 
 def make_sum(storage):

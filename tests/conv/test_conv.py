@@ -112,22 +112,23 @@ def test_implicit_products_match_the_twin():
     gradient too), an even filter (uneven SAME padding), channel groups of 16, one block (every
     mma is a warp rendezvous of Python threads there: a few seconds each tap)."""
     op = BlocksparseConv(grouped_layer(np.random.default_rng(0), 16, 2), (2, 2), (3, 4))
-    assert set(op._plans) == {"forward", "input_grad", "filter_grad"} and len(op.BCK) == 1
+    assert set(op._plans) == {"forward", "input_grad", "filter_grad", "filter_grad_fp32"} and len(op.BCK) == 1
     check_tensor_core_products("float16", 16, 2, (2, 2), (3, 4), 1, 1, "SAME", True, 0, N=1)
 
 
 def test_fp32_implicit_products_match_the_twin():
-    """fp32's forward and stride-1 input gradient through the implicit GEMM in 3xTF32 (slices of
-    8 channels: one 32-byte shared row, as fp16's 16), on channels-last arrays; its filter
-    gradient on the direct kernel."""
+    """fp32's three products through the implicit GEMM in 3xTF32, on channels-last arrays: the
+    forward and stride-1 input gradient on slices of 8 channels (one 32-byte shared row, as
+    fp16's 16), the filter gradient on rows twice fp16's bytes, its fragments read a word at a
+    time."""
     from sparseblocks.conv import implicit
     from sparseblocks.runtime import compile as compile_cache
 
     op = BlocksparseConv(grouped_layer(np.random.default_rng(1), 16, 2), (2, 2), (3, 4))
-    assert op._implicit_for("forward", "float32") and op._implicit_for("input_grad", "float32")
-    assert not op._implicit_for("filter_grad", "float32")
+    assert all(op._implicit_for(kind, "float32") for kind in ("forward", "input_grad", "filter_grad"))
     check_tensor_core_products("float32", 16, 2, (2, 2), (3, 4), 1, 1, "SAME", False, 1, N=1, channels_last=True)
-    assert any(key[0] is implicit.make_forward and key[1] == "float32" for key in compile_cache._kernels)
+    for maker in (implicit.make_forward, implicit.make_filter_grad):
+        assert any(key[0] is maker and key[1] == "float32" for key in compile_cache._kernels)
 
 
 def test_strided_tensor_core_products_match_the_twin():
@@ -135,7 +136,7 @@ def test_strided_tensor_core_products_match_the_twin():
     gradient read and write them as they are; the gathering input gradient (`conv/tensorcore.py`),
     which a strided layer's takes, runs on them moved channels-first."""
     op = BlocksparseConv(grouped_layer(np.random.default_rng(5), 16, 2), (3,), (9,), strides=2, dilates=2)
-    assert set(op._plans) == {"forward", "filter_grad"}
+    assert set(op._plans) == {"forward", "filter_grad", "filter_grad_fp32"}
     check_tensor_core_products("bfloat16", 16, 2, (3,), (9,), 2, 2, "SAME", False, 5, N=1, channels_last=True)
 
 
