@@ -86,7 +86,9 @@ class BsmmConfig:
     v7_tiles: dict = default_field({64: 2, 128: 2})  # 64-row wgmma tiles a warpgroup of a product owns (1, 2)
     v7_k: int = 64  # k values a stage (64: one 128-byte row of the shared tiles' swizzle)
     v7_stages: dict = default_field({64: 5, 128: 4})  # the product's ring: stages - 2 in flight ahead of the one multiplied
-    v7_wgrad_groups: dict = default_field({64: 1, 128: 1})  # warpgroups of a weight-gradient block's tile
+    # Warpgroups of a weight-gradient block's tile; absent: one a 64-row tile, or one of two tiles at
+    # a block size of v7_wgrad_blocks (paired tiles: always one a tile)
+    v7_wgrad_groups: dict = default_field({})
     v7_wgrad_stages: int = 6  # the weight gradient's ring
     v7_wgrad_fill: int = 1  # weight-gradient thread blocks a multiprocessor the N-splits aim for
     v7_wgrad_k: int = 64  # rows of N a weight-gradient stage
@@ -108,8 +110,7 @@ class BsmmConfig:
     # absent): the register cap at entry and the setmaxnreg split leave room for that many, and their
     # shared memory must fit as many (products, whose stages must fit). Weight gradients of a block
     # size in v7_wgrad_blocks run warp-specialized, on the most stages up to v7_wgrad_stages that fit,
-    # the copying warpgroup keeping v7_wgrad_producer_registers (bulk copies need few); without it,
-    # block 128's weight gradient runs best on two warpgroups (v7_wgrad_groups={128: 2})
+    # the copying warpgroup keeping v7_wgrad_producer_registers (bulk copies need few)
     v7_blocks: dict = default_field({})
     v7_wgrad_blocks: dict = default_field({128: 2})
     v7_wgrad_producer_registers: int = 40

@@ -26,8 +26,11 @@ def v7_shape(cfg, bs, weight_grad=False):
     """(BM, BN, warpgroups, 64-row tiles a warpgroup, BK, stages) of a version 7 tile
     (``weight_grad``: False, True, or `PAIRED` for two blocks of one block-row a tile)."""
     if weight_grad:
-        groups = cfg.v7_wgrad_groups.get(bs, bs // WGMMA_M)
         paired = weight_grad == PAIRED
+        # (by default a warpgroup a 64-row tile; one of two tiles where two thread blocks share a
+        # multiprocessor; paired tiles, 2 bs wide, always a warpgroup a tile)
+        groups = bs // WGMMA_M if paired else cfg.v7_wgrad_groups.get(
+            bs, 1 if resident(cfg, bs, weight_grad) > 1 else bs // WGMMA_M)
         stages = cfg.v7_wgrad_pairs.get(bs, 0) if paired else cfg.v7_wgrad_stages
         BN, BK = (2 if paired else 1) * bs, cfg.v7_wgrad_k
         blocks = resident(cfg, bs, weight_grad)
