@@ -315,7 +315,7 @@ class BlocksparseConv:
         DHW, MPQ = int(ig[0] * ig[1] * ig[2]), int(ig[3] * ig[4] * ig[5])
         x_rows = op_x.device(stream).reshape(-1) if last else self._rows(op_x, self._C, DHW, N, stream)
         dy_rows = op_dy.device(stream).reshape(-1) if last else self._rows(op_dy, self._K, MPQ, N, stream)
-        taps = min(TRS, implicit.MAX_TAPS)
+        taps = min(TRS, implicit.max_taps(op_x.dtype, G))
         groups = -(-TRS // taps)
         cc, ws = implicit.filter_split(G)
         slices = G // cc

@@ -51,6 +51,12 @@ THREADS = 128
 PAD = 16  # bytes after each shared row: eight consecutive rows start in eight bank groups
 SHARED_MAX = 200 * 1024  # the most dynamic shared memory a thread block of these kernels takes
 MAX_TAPS = 9  # taps a filter-gradient thread block
+
+
+def max_taps(storage, G):
+    """Taps a filter-gradient thread block takes: `MAX_TAPS`, or 5 for fp32 at G = 32, whose warps'
+    9 taps of accumulators and 3xTF32 splits would not fit their registers."""
+    return 5 if storage == "float32" and G == 32 else MAX_TAPS
 STAGES = 3  # the stage ring's depth
 
 
