@@ -307,9 +307,20 @@ def tma_maps(cfg, bs, weight_grad, a, b, n_rows, feature_axis, transpose_w, stre
 
 def _map_maker(dims, row_bytes, box):
     """``pointer(address, stream handle)``: the device address of the map of these dims and box
-    for a tensor at ``address`` (`runtime.tensormap.map_pointer`), or None."""
+    for a tensor at ``address`` (`runtime.tensormap.map_pointer`), or None. A kept plan runs on
+    one device, and a map never moves: the addresses it has seen are kept (a few dozen), so that
+    a replay's lookup is one dict's."""
+    seen = {}
+
     def pointer(address, handle):
-        return map_pointer(address, 2, dims, row_bytes, box, stream_of(handle))
+        found = seen.get(address)
+        if found is None:
+            found = map_pointer(address, 2, dims, row_bytes, box, stream_of(handle))
+            if found is not None:
+                if len(seen) >= 64:
+                    seen.clear()
+                seen[address] = found
+        return found
 
     return pointer
 
