@@ -230,11 +230,11 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
     a_device, w_device = a.device(stream), w.device(stream)
     pre = None  # a launch before the product's (V5_TRANSPOSED_FORWARD's copy)
     family = product_family(cfg, version, bs, a.dtype, tiles_fit((a_device, w_device), n_rows, feature_axis))
-    maps, derived = (), ()
+    maps, makers = (), ()
     if family == 7:
         cfg = v7_config(cfg, layout, transpose_w)
-        cfg, maps, derived = _v7_maps(
-            cfg, tma_maps(cfg, bs, False, a_device, w_device, n_rows, feature_axis, transpose_w, stream), 11)
+        cfg, maps, makers = _v7_maps(
+            cfg, tma_maps(cfg, bs, False, a_device, w_device, n_rows, feature_axis, transpose_w, stream))
         TM, threads = v7_shape(cfg, bs)[0], v7_threads(cfg, bs)
         kernel = compiled(cfg, make_product_v7, bs, a.dtype, transpose_w, feature_axis)
     elif family == 6:
@@ -270,7 +270,8 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
         grid = ((n_rows * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, len(combine_indices[0]))
         launch(combine, grid, COMBINE_THREADS, stream, (out, workspace, *combine_indices, n_rows))
         return None
-    return pre, (kernel, grid, threads, args, derived)  # the call's launches: what a kept plan repeats
+    # the call's launches: what a kept plan repeats (the maps last, made from A's and B's addresses)
+    return pre, (kernel, grid, threads, args, derived_maps(makers, len(args) - 2))
 
 
 def tma_maps(cfg, bs, weight_grad, a, b, n_rows, feature_axis, transpose_w, stream):
@@ -325,15 +326,19 @@ def _map_maker(dims, row_bytes, box):
     return pointer
 
 
-def _v7_maps(cfg, found, first):
-    """(config, the kernel's two map arguments, a kept plan's ``derived``) from `tma_maps`' answer
-    ``found``, the maps at argument positions ``first`` and ``first + 1`` and A and B at 2 and 3."""
+def _v7_maps(cfg, found):
+    """(config, the kernel's two map arguments, their makers) from `tma_maps`' answer ``found``."""
     if found is None:
         return _without_tma(cfg), (no_map(), no_map()), ()
     if not found:
         return cfg, (no_map(), no_map()), ()
-    maps, makers = found
-    return cfg, maps, tuple((first + i, 2 + i, maker) for i, maker in makers)
+    return (cfg, *found)
+
+
+def derived_maps(makers, first):
+    """A kept plan's ``derived`` (`runtime.launch.Replay`): the maps at argument positions
+    ``first`` and ``first + 1``, made from the addresses of A and B (arguments 2 and 3)."""
+    return tuple((first + i, 2 + i, maker) for i, maker in makers)
 
 
 @functools.lru_cache(maxsize=16)
@@ -441,11 +446,11 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
     fill = cfg.v7_wgrad_fill if v7 else 4
     splits = wgrad_splits(layout, n_rows, thread_blocks, cfg, fill) if splits is None else max(1, int(splits))
     rows_per_split = -(-max(n_rows, 1) // splits)
-    maps, derived = (), ()
+    maps, makers = (), ()
     if v7:
-        cfg, maps, derived = _v7_maps(
-            cfg, tma_maps(cfg, bs, True, x_device, dy_device, n_rows, feature_axis, False, stream), 8)
-    bulk = bool(derived)
+        cfg, maps, makers = _v7_maps(cfg, tma_maps(cfg, bs, True, x_device, dy_device, n_rows, feature_axis, False,
+                                                   stream))
+    bulk = bool(makers)
     if v5 or v6 or v7:  # whole steps a split, so that feature_axis 0's 8-row vectors never straddle an end
         # (and bulk copies whole stages: their boxes stop at N only)
         step = cfg.v7_wgrad_k if bulk else V5_WGRAD_ROWS
@@ -478,7 +483,7 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
             kernel = compiled(cfg, make_weight_grad_v3, bs, x.dtype, feature_axis, out)
             threads = WGRAD_THREADS
         args = (dw, workspace, x_device, dy_device, coords, n_rows, rows_per_split, beta)
-    main = (kernel, (thread_blocks, splits), threads, args, derived)
+    main = (kernel, (thread_blocks, splits), threads, args, derived_maps(makers, len(args) - 2))
     launch(main[0], main[1], main[2], stream, main[3])
     if splits == 1:
         return main, None, None
