@@ -52,7 +52,7 @@ from ..ptx.wgmma import waiter as wg_waiter
 from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
 from .device import converters, grouped_tile, tile_of
-from .hopper_shapes import (  # noqa: F401 (V7_BLOCKS, V7_STORAGE, v7_check, split_registers, resident, SM_SHARED: re-exported)
+from .hopper_shapes import (  # noqa: F401 (re-exported: V7_BLOCKS, V7_STORAGE, v7_check, split_registers, ...)
     ATOM, CHUNK, PAIRED, SM_SHARED, V7_BLOCKS, V7_STORAGE, barriers_at, hand_over, jit_for, persistent,
     persistent_config, producing, resident, shared_bytes, split_registers, staged16_at, staged_shape, v7_check,
     v7_shape, v7_threads,
@@ -508,10 +508,10 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
         k0 = int32((s % SPB) * BK)
         feature = int32(where[1][j]) * bs + k0
         row0 = int32(where[6])
-        b_outer = int32(j) * bs if transpose_w else int32(where[2][j]) * bs + k0
+        b_inner, b_outer = (k0, int32(j) * bs) if transpose_w else (int32(0), int32(where[2][j]) * bs + k0)
         if A_MN:
-            return row0, feature, (k0 if transpose_w else int32(0)), b_outer
-        return feature, row0, (k0 if transpose_w else int32(0)), b_outer
+            return row0, feature, b_inner, b_outer
+        return feature, row0, b_inner, b_outer
 
     BARS_P = staged16_at(cfg, bs)[2]
     copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split = make_hopper_loop(
