@@ -158,14 +158,15 @@ def test_channels_last_calls_give_the_channels_first_values():
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="sizes the simulator would take minutes over")
 @settings(max_examples=30, deadline=None)
-@given(dtype=st.sampled_from(["float16", "bfloat16"]), G=st.sampled_from([16, 32, 64]), groups=st.integers(1, 3),
+@given(dtype=st.sampled_from(["float16", "bfloat16", "float32"]), G=st.sampled_from([16, 32, 64]),
+       groups=st.integers(1, 3),
        dims=st.integers(1, 3), strides=st.integers(1, 2), dilates=st.integers(1, 2),
        padding=st.sampled_from(["SAME", "VALID"]), bias=st.booleans(), seed=st.integers(0, 2**16),
        implicit=st.booleans(), channels_last=st.booleans())
 def test_tensor_core_products_match_the_twin_on_the_gpu(dtype, G, groups, dims, strides, dilates, padding, bias,
                                                          seed, implicit, channels_last):
-    """Both families: the implicit GEMM (`implicit.py`) and the gathering kernels (`tensorcore.py`),
-    on channels-first or channels-last activations."""
+    """Both families: the implicit GEMM (`implicit.py`; fp32 in 3xTF32) and the gathering kernels
+    (`tensorcore.py`; fp32 there: the direct kernels), on channels-first or channels-last activations."""
     TRS, DHW = [3] * dims, [9, 7, 10][:dims]
     check_tensor_core_products(dtype, G, max(groups, 2), TRS, DHW, strides, dilates, padding, bias, seed,
                                implicit=implicit, channels_last=channels_last)
