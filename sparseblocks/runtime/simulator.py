@@ -252,43 +252,35 @@ def _mbarrier(block, address, what):
     return state
 
 
-def _complete_if_done(block, state):
-    """A phase completes once its last arrival is in and its last expected byte has landed."""
-    if state[1] == 0 and state[3] == 0:
-        state[1] = state[0]
-        state[2] += 1
-        block.cond.notify_all()
+def _mbarrier_update(address, what, arrivals, nbytes):
+    """``arrivals`` arrivals and ``nbytes`` more bytes expected (fewer: landed) on the barrier at
+    ``address``; a phase completes once its last arrival is in and its last expected byte has
+    landed, and the next starts."""
+    me = _me()
+    block = me._manager._sb_warps
+    with block.cond:
+        state = _mbarrier(block, address, what)
+        state[1] -= arrivals
+        state[3] += nbytes
+        if state[1] == 0 and state[3] == 0:
+            state[1] = state[0]
+            state[2] += 1
+            block.cond.notify_all()
 
 
 def mbarrier_arrive(address):
     """``mbarrier.arrive``: one arrival; the last of a phase completes it and starts the next."""
-    me = _me()
-    block = me._manager._sb_warps
-    with block.cond:
-        state = _mbarrier(block, address, "mbarrier.arrive")
-        state[1] -= 1
-        _complete_if_done(block, state)
+    _mbarrier_update(address, "mbarrier.arrive", 1, 0)
 
 
 def mbarrier_expect_tx(address, nbytes):
     """``mbarrier.arrive.expect_tx``: the phase also waits for ``nbytes`` of copies; one arrival."""
-    me = _me()
-    block = me._manager._sb_warps
-    with block.cond:
-        state = _mbarrier(block, address, "mbarrier.arrive.expect_tx")
-        state[3] += int(nbytes)
-        state[1] -= 1
-        _complete_if_done(block, state)
+    _mbarrier_update(address, "mbarrier.arrive.expect_tx", 1, int(nbytes))
 
 
 def mbarrier_complete_tx(address, nbytes):
     """A bulk copy's ``nbytes`` have landed (``complete_tx``)."""
-    me = _me()
-    block = me._manager._sb_warps
-    with block.cond:
-        state = _mbarrier(block, address, "complete_tx")
-        state[3] -= int(nbytes)
-        _complete_if_done(block, state)
+    _mbarrier_update(address, "complete_tx", 0, -int(nbytes))
 
 
 def mbarrier_wait(address, parity):
