@@ -152,6 +152,7 @@ class BlocksparseConv:
         self._host["grp_pos"] = np.array([q for p in self._edges for q in p] or [0], np.int32)
         self._group = grouped(blocks, self._C, self._K)  # (the tensor-core products' channel group, or 0)
         self._plans: dict = {}  # (product: (QT, patch capacity), for those `implicit.py` takes)
+        self._fp32_filter_fits = False  # (fp32's filter-gradient ring, rows twice the bytes, fits too)
         if self._group:  # the blocks of each output group and of each input group, and their first channels
             G = self._group
             self._host["kgrp_ptr"], self._host["kgrp_blk"], _ = _csr([[ks[0] // G] for _, ks in blocks], self._K // G)
@@ -169,8 +170,8 @@ class BlocksparseConv:
                 if implicit.plan(ig, G, kind == "filter_grad"):
                     self._plans[kind] = (QT, implicit.capacity(ig))
                     self._host["ig_" + kind] = np.array(ig, np.int32)
-                    if kind == "filter_grad" and implicit.plan(ig, G, True, 4):  # (fp32's rows: twice the bytes)
-                        self._plans["filter_grad_fp32"] = self._plans[kind]
+                    if kind == "filter_grad":
+                        self._fp32_filter_fits = implicit.plan(ig, G, True, 4)
         self._tables: dict = {}
 
     # -- sizes ------------------------------------------------------------------------------
@@ -263,7 +264,7 @@ class BlocksparseConv:
         rows fit too."""
         if dtype == "float32":
             return (bool(self._group) and self.config.tensor_cores and self.config.fp32_tensor_cores
-                    and self._implicit(kind) and (kind != "filter_grad" or "filter_grad_fp32" in self._plans))
+                    and self._implicit(kind) and (kind != "filter_grad" or self._fp32_filter_fits))
         return self._tensor_cores(dtype) and self._implicit(kind)
 
     def _rows(self, op, rows, length, N, stream):

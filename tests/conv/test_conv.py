@@ -112,7 +112,7 @@ def test_implicit_products_match_the_twin():
     gradient too), an even filter (uneven SAME padding), channel groups of 16, one block (every
     mma is a warp rendezvous of Python threads there: a few seconds each tap)."""
     op = BlocksparseConv(grouped_layer(np.random.default_rng(0), 16, 2), (2, 2), (3, 4))
-    assert set(op._plans) == {"forward", "input_grad", "filter_grad", "filter_grad_fp32"} and len(op.BCK) == 1
+    assert set(op._plans) == {"forward", "input_grad", "filter_grad"} and len(op.BCK) == 1
     check_tensor_core_products("float16", 16, 2, (2, 2), (3, 4), 1, 1, "SAME", True, 0, N=1)
 
 
@@ -136,7 +136,7 @@ def test_strided_tensor_core_products_match_the_twin():
     gradient read and write them as they are; the gathering input gradient (`conv/tensorcore.py`),
     which a strided layer's takes, runs on them moved channels-first."""
     op = BlocksparseConv(grouped_layer(np.random.default_rng(5), 16, 2), (3,), (9,), strides=2, dilates=2)
-    assert set(op._plans) == {"forward", "filter_grad", "filter_grad_fp32"}
+    assert set(op._plans) == {"forward", "filter_grad"}
     check_tensor_core_products("bfloat16", 16, 2, (3,), (9,), 2, 2, "SAME", False, 5, N=1, channels_last=True)
 
 
