@@ -52,6 +52,9 @@ def test_hopper_products_match_reference(data, block_size, dtype, feature_axis):
 PRODUCER = replace(bsmm.DEFAULT, v7_producer=True, v7_wgrad_producer=True, v7_persistent={})
 COPYING = replace(PRODUCER, v7_tma=False)  # the copying warpgroup's cp.async instead of bulk copies
 PERSISTENT = replace(PRODUCER, v7_persistent={64: 4, 128: 3})
+# products of 128-row tiles (one warpgroup of two tiles), two thread blocks a multiprocessor
+TWO_BLOCKS = replace(PRODUCER, v7_groups={64: 2, 128: 1}, v7_stages={64: 5, 128: 3}, v7_blocks={128: 2},
+                     v7_producer_registers=40)
 PAIRED_WGRAD = replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 6, 128: 4})
 
 
@@ -63,7 +66,8 @@ def test_hopper_producer_matches_reference(data, block_size, dtype, feature_axis
     """``v7_producer``: every product on warp-specialized thread blocks (mbarrier rings, bulk
     tensor copies or with ``v7_tma`` off cp.async), with split lines and N-splits; with
     ``v7_persistent``, feature_axis 1's products on persistent thread blocks; with
-    ``v7_wgrad_pairs``, weight gradients two blocks a thread block."""
+    ``v7_wgrad_pairs``, weight gradients two blocks a thread block; with ``v7_blocks``, block
+    128's products two thread blocks a multiprocessor."""
     layout = data.draw(layouts(block_sizes=(block_size,), max_blocks=5, kinds=("random", "full", "single", "skewed")))
     n = data.draw(st.integers(1, 700), label="N")
     n = n if feature_axis == 1 else 8 * -(-n // 8)
@@ -72,7 +76,7 @@ def test_hopper_producer_matches_reference(data, block_size, dtype, feature_axis
     w = data.draw(arrays(layout.w_shape, dtype), label="w")
     xa, dya = to_axis(x, feature_axis), to_axis(dy, feature_axis)
     segment = data.draw(st.sampled_from([None, 1]), label="max_segment")
-    cfg = data.draw(st.sampled_from([PRODUCER, COPYING, PERSISTENT, PAIRED_WGRAD]), label="config")
+    cfg = data.draw(st.sampled_from([PRODUCER, COPYING, PERSISTENT, PAIRED_WGRAD, TWO_BLOCKS]), label="config")
     with poisoned_outputs():
         y = bsmm.api._product(cfg, xa, w, layout, feature_axis, False, 7, max_segment=segment)
         dx = bsmm.input_grad(dya, w, layout, feature_axis, version=7, config=cfg)
@@ -211,6 +215,9 @@ def test_block_128_weight_gradients_run_two_thread_blocks_a_multiprocessor():
     assert hopper.split_registers(cfg, groups, hopper.resident(cfg, 128, True), True) == (40, 216)
     assert 2 * (hopper.shared_bytes(cfg, 128, True) + 1024) <= hopper.SM_SHARED
     assert hopper.v7_shape(cfg, 64, True)[5] == cfg.v7_wgrad_stages
+    # (products too, given 128-row tiles and 3 stages: `v7_blocks`)
+    assert hopper.v7_shape(TWO_BLOCKS, 128)[:3] == (128, 128, 1) and hopper.v7_threads(TWO_BLOCKS, 128) == 256
+    assert hopper.split_registers(TWO_BLOCKS, 1, hopper.resident(TWO_BLOCKS, 128, False)) == (40, 216)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
