@@ -71,7 +71,7 @@ def layer_norm(x: Array, g: Array, b: Array, axis: int = 1, epsilon: float = 1e-
     rstd_native, rstd = x_op.empty((N,), stream, dtype=acc)
     if N:
         x_dev, g_dev, b_dev = x_op.device(stream), g_op.device(stream), b_op.device(stream)
-        vector = _vector(x_op.shape[1], y, x_dev, g_dev, b_dev)
+        vector = _vector(x_op.shape[1], y, x_dev, g_dev, b_dev, mean, rstd)  # (axis 0 reads the stats by 4s)
         shape = row_shape(cfg, C) if axis == 1 else None
         kernels = cached(make_forward, cfg, x_op.dtype, g_op.dtype, _numba(acc), axis, bool(relu), vector, shape)
         if shape is not None:  # (axis 1)
@@ -109,6 +109,11 @@ def layer_norm_grad(dy: Array, x: Array, g: Array, b: Array, mean: Array, rstd: 
     db_native, db = g_op.empty((C,), stream)
     devices = [op.device(stream) for op in ops]
     x_dev, g_dev, b_dev, dy_dev, mean_dev, rstd_dev = devices
+    (grid, block), (stats_grid, stats_threads) = column_launch(cfg, C, N)
+    if axis == 0 and N:  # (the column sums and means, which the kernels read by 4s too)
+        sum_work = x_op.scratch((grid[1], 2, N), acc, stream)
+        column_means = x_op.scratch((2, N), acc, stream)
+        devices += [sum_work, column_means]
     vector = _vector(x_op.shape[1], dx, *devices)
     key = (cfg, x_op.dtype, g_op.dtype, _numba(acc), bool(relu))
     partials, finish = cached(make_param_grads, *key)
@@ -124,11 +129,8 @@ def layer_norm_grad(dy: Array, x: Array, g: Array, b: Array, mean: Array, rstd: 
                                                                      rstd_dev))
     else:
         sums, means, apply = cached(make_backward, *key[:4], axis, key[4], vector)
-        (grid, block), (stats_grid, stats_threads) = column_launch(cfg, C, N)
         if N:
             work = x_op.scratch((grid[0], 2, C), acc, stream)
-            sum_work = x_op.scratch((grid[1], 2, N), acc, stream)
-            column_means = x_op.scratch((2, N), acc, stream)
             launch(sums, grid, block, stream, (sum_work, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
             launch(means, stats_grid, stats_threads, stream, (column_means, sum_work))
             launch(apply, grid, block, stream, (dx, work, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev,
