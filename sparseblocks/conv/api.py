@@ -171,7 +171,7 @@ class BlocksparseConv:
                     self._plans[kind] = (QT, implicit.capacity(ig))
                     self._host["ig_" + kind] = np.array(ig, np.int32)
                     if kind == "filter_grad":
-                        self._fp32_filter_fits = implicit.plan(ig, G, True, 4)
+                        self._fp32_filter_fits = implicit.plan(ig, G, True, implicit.value_bytes("float32"))
         self._tables: dict = {}
 
     # -- sizes ------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ MAX_TAPS = 9  # taps a filter-gradient thread block
 
 def max_taps(storage, G):
     """Taps a filter-gradient thread block takes: `MAX_TAPS`, or 5 for fp32 at G = 32, whose warps'
-    9 taps of accumulators and 3xTF32 splits would not fit their registers."""
+    9 taps of accumulators and 3xTF32 splits took 264 bytes of stack (5: 104)."""
     return 5 if storage == "float32" and G == 32 else MAX_TAPS
 STAGES = 3  # the stage ring's depth
 
@@ -63,6 +63,15 @@ STAGES = 3  # the stage ring's depth
 def slice_channels(storage):
     """Channels a stage slice (a shared row's 32 bytes): 16 of fp16 and bf16, 8 of fp32."""
     return 8 if storage == "float32" else 16
+
+
+def value_bytes(storage):
+    return 4 if storage == "float32" else 2
+
+
+def mma_of(storage):
+    """A step's tensor-core product: m16n8k16 of fp16 or bf16, or fp32's m16n8k8 in 3xTF32."""
+    return {"bfloat16": mma_bf16, "float16": mma_f16, "float32": mma_3xtf32}[storage]
 
 
 def filter_split(G):
@@ -261,9 +270,9 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False):
     A_PER = -(-A_COPIES // THREADS)
     P_PER = -(-2 * cap // THREADS)
     CS = slice_channels(storage)
-    E = 32 // CS  # bytes a value
+    E = value_bytes(storage)
     NC = G // CS
-    mma = {"bfloat16": mma_bf16, "float16": mma_f16, "float32": mma_3xtf32}[storage]
+    mma = mma_of(storage)
     narrow = stored_as(storage)
     wait = waiter(STAGES - 2)  # (waited before the next stage is issued: STAGES - 2 others in flight)
     widen, _ = converters(storage, float32)
@@ -408,7 +417,7 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
     in 32-bit values); its rows are twice fp16's bytes."""
     CC, WS = filter_split(G)
     FP32 = storage == "float32"
-    E = 4 if FP32 else 2  # bytes a value
+    E = value_bytes(storage)
     AROW = E * G + PAD  # a staged dy row: a position's G output channels
     BROW = E * CC + PAD  # a patch row: a position's CC input channels
     AW, BW = AROW // 4, BROW // 4  # (in 32-bit words)
@@ -417,7 +426,7 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
     A_PER = -(-TILE * A_CH // THREADS)
     P_PER = -(-cap * B_CH // THREADS)
     KS = TILE // (8 if FP32 else 16) // WS  # k steps (of k8 or k16) a warp a stage
-    mma = {"bfloat16": mma_bf16, "float16": mma_f16, "float32": mma_3xtf32}[storage]
+    mma = mma_of(storage)
     wait = waiter(STAGES - 2)
     plan_patch, copy_patch = make_patch_copies(B_CH, BROW, P_PER, E)
     where, patch_row, tap_shift = make_tiles(QT)
