@@ -8,9 +8,14 @@ looks up that level's code, and for each bit k votes it into one word a run with
 consecutive lanes. Values past the row's end vote 0, so the padding words are zeros. A row has
 its own thresholds (weights: a basis per output channel) or all rows share one set
 (activations). Unpack is the inverse, one thread a value.
+
+Images (`make_pack_image`, for convolutions) pack along the channels instead, a pixel's
+channels 32 a word: a thread takes one word of one pixel, reads its 32 channels (in NCHW the
+warp's 32 pixels of a channel are one coalesced read, in channels-last a thread's channels are),
+and sets each value's code bits into K words itself; no vote is needed.
 """
 
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, int32, int64, uint32
 
 FULL_MASK = 0xFFFFFFFF
 
@@ -70,3 +75,39 @@ def make_unpack(cfg, bits, signed, per_row):
         out[row, c] = value
 
     return unpack
+
+
+def make_pack_image(cfg, bits, per_image):
+    levels = 1 << bits
+
+    @cuda.jit
+    def pack_image(planes, x, thresholds, order, channels, pixels, image_stride, channel_stride, pixel_stride):
+        # planes (bits, images * pixels, words) uint32; x flat, value (image i, channel c, pixel p)
+        # at i * image_stride + c * channel_stride + p * pixel_stride; thresholds (T, levels - 1),
+        # order (T, levels), T = images (per_image: a filter bank's output channels) or 1
+        row = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        word = cuda.blockIdx.y
+        if row >= planes.shape[1]:
+            return
+        image = row // pixels
+        t = image if per_image else 0
+        at = int64(image) * image_stride + int64(row - image * pixels) * pixel_stride
+        words = cuda.local.array(bits, uint32)
+        for k in range(bits):
+            words[k] = uint32(0)
+        for i in range(32):
+            c = word * 32 + i
+            if c < channels:
+                value = float32(x[at + int64(c) * channel_stride])
+                index = int32(0)
+                half = levels // 2
+                while half > 0:  # (a NaN compares false: the lowest level)
+                    index += half if value > thresholds[t, index + half - 1] else 0
+                    half //= 2
+                code = order[t, index]
+                for k in range(bits):
+                    words[k] |= uint32((code >> k) & 1) << uint32(i)
+        for k in range(bits):
+            planes[k, row, word] = words[k]
+
+    return pack_image

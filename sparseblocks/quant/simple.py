@@ -6,7 +6,7 @@ popcounts over those words (`plane_dot`): ``P = popc(a & b)``, ``pa = popc(a)``,
 The inputs an output sees are a list of blocks of ``block_words`` words (`words_of`): all the
 words of the row for a dense product, the layout's present blocks of its block-column for a
 block-sparse one. The tensor-core kernel (`tensorcore`) computes the same sums on ``mma.sync``
-b1 tiles.
+b1 tiles. The convolution (`make_simt_conv`) is the same sum over each tap's channel words.
 """
 
 from numba import cuda, float32, int32
@@ -70,3 +70,41 @@ def make_simt_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, block
 
     return product
 
+
+
+def make_simt_conv(cfg, a_bits, w_bits, bias, relu, geometry):
+    """The teaching convolution: one thread an output ``y[n, p, q, o]``, walking the taps inside
+    the image and each tap's channel words. Activations have 0/1 codes and filters ±1 codes, so a
+    tap outside the image (zero padding) contributes nothing: its words are simply skipped."""
+    H, W, P, Q, R, S, SH, SW, PH, PW, DH, DW, WC = geometry
+    plane_dot = make_plane_dot(False, True)
+    finish = make_finish(bias, relu)
+
+    @cuda.jit
+    def conv(y, a_planes, w_planes, a_basis, w_basis, bias_values):
+        # a_planes (J, images, H, W, WC), w_planes (Kb, O, R, S, WC) uint32; y (images, P, Q, O)
+        o = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        pixel = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y
+        if pixel >= y.shape[0] * P * Q or o >= y.shape[3]:
+            return
+        n = pixel // (P * Q)
+        oh = (pixel // Q) % P
+        ow = pixel % Q
+        acc = float32(0)
+        for j in range(a_bits):
+            for k in range(w_bits):
+                both = int32(0)
+                ones = int32(0)
+                for r in range(R):
+                    ih = oh * SH - PH + r * DH
+                    for s in range(S):
+                        iw = ow * SW - PW + s * DW
+                        if 0 <= ih < H and 0 <= iw < W:
+                            for w in range(WC):
+                                a = a_planes[j, n, ih, iw, w]
+                                both += cuda.popc(a & w_planes[k, o, r, s, w])
+                                ones += cuda.popc(a)
+                acc += a_basis[j] * w_basis[o, k] * float32(plane_dot(both, ones, 0, 0))
+        y[n, oh, ow, o] = finish(acc, o, bias_values)
+
+    return conv

@@ -20,6 +20,11 @@ words, in order) ``chunk_words`` words at a time:
   meets the weight plane from the one load. A tile row is padded by 4 words, so the 8 rows of an
   ``ldmatrix`` matrix fall in distinct banks.
 
+A convolution (``geometry`` given) is the same GEMM, implicitly: a row is an output pixel, its
+list the filter's taps, each tap's channel words (``WC``) read from the input pixel under it (no
+im2col in memory: a tap outside the image stages zeros), and the weight rows are the filters'
+words in the same order. Activations have 0/1 codes there, so the zeros contribute nothing.
+
 Weight planes are passes over the list (one at a time keeps the accumulators within registers).
 Each pass's integers ``P`` are turned into plane dots with ``pa``, ``pb`` (`plane_dot`) and scaled
 by ``u_j · v[o, k]`` into fp32 outputs (stored at once where one pair of planes is all there is);
@@ -95,10 +100,12 @@ def block_warps(cfg, a_bits, rows, group_cols):
 
 
 def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, block_words, group_cols,
-                            warps_m, warps_n, paired):
+                            warps_m, warps_n, paired, geometry=None):
     """The kernel ``product(y, a_planes, w_planes, a_basis, w_basis, bias_values, ptr, blocks,
     seen_a_block, N, O, words)``: y (N * O), the planes (bits * rows * words) flat, so that a
-    thread's row addresses are made once a pass and a chunk only adds its word."""
+    thread's row addresses are made once a pass and a chunk only adds its word. ``geometry``: a
+    convolution's ``(H, W, P, Q, R, S, SH, SW, PH, PW, DH, DW, WC)`` (then N counts output pixels,
+    the activation planes are (bits, images, H, W, WC), the weights' rows R·S·WC words)."""
     plane_dot = make_plane_dot(signed_a, signed_w)
     finish = make_finish(bias, relu)
     WARP_ROWS = warp_rows(cfg, a_bits)
@@ -111,13 +118,15 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
     CW = cfg.chunk_words
     STRIDE = CW + PAD
     STEPS = CW // B1_WORDS
-    VW = vector_words(block_words)
+    CONV = geometry is not None
+    H, W, P, Q, R, S, SH, SW, PH, PW, DH, DW, WC = geometry if CONV else (1,) * 13
+    VW = vector_words(WC if CONV else block_words)  # (a conv's vectors stay within a tap)
     PER_ROW = CW // VW  # staging loads a tile row (consecutive threads, a power of two up to 32)
     ROW_STRIDE = 32 * warps_m * warps_n // PER_ROW  # tile rows between a thread's loads
     LOADS_A = -(-A_ROWS // ROW_STRIDE)  # a thread's loads of activation rows ...
     LOADS = LOADS_A + -(-group_cols // ROW_STRIDE)  # ... then of weight rows
     ONE_PAIR = a_bits == 1 and w_bits == 1
-    DENSE = block_words % 8 == 0  # (a layout's blocks are 1 or 2 words, a dense row whole steps)
+    DENSE = CONV or block_words % 8 == 0  # (a layout's blocks are 1 or 2 words, a dense row whole steps)
     need_pa = signed_w
     need_pb = signed_a
     load_vector, store_vector = VECTORS[VW]
@@ -143,30 +152,47 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
         return A_ROWS + row if row < group_cols else TILE_ROWS
 
     @cuda.jit(device=True, inline=True)
-    def row_bases(bases, k, row0, col0, N, O, words):
-        """Where each row this thread stages starts in its planes. A row past N or O reads the
+    def row_bases(bases, corners, k, row0, col0, N, O, words):
+        """Where each row this thread stages starts in its planes (a convolution's activation rows:
+        their image's plane and the corner of their taps, ``corners``). A row past N or O reads the
         last row instead: its outputs are never stored, so its words need not be zeros."""
         for n in range(LOADS):
             row = tile_row(n)
             if n < LOADS_A:
                 plane = row // ROWS
-                bases[n] = (plane * N + min(row0 + row - plane * ROWS, N - 1)) * words
+                if CONV:
+                    pixel = min(row0 + row - plane * ROWS, N - 1)
+                    image = pixel // (P * Q)
+                    bases[n] = (plane * (N // (P * Q)) + image) * (H * W * WC)
+                    corners[n, 0] = (pixel // Q) % P * SH - PH
+                    corners[n, 1] = pixel % Q * SW - PW
+                else:
+                    bases[n] = (plane * N + min(row0 + row - plane * ROWS, N - 1)) * words
             else:
                 bases[n] = (k * O + min(col0 + row - A_ROWS, O - 1)) * words
 
     @cuda.jit(device=True, inline=True)
-    def fetch(staged, bases, a_planes, w_planes, blocks, first, total, chunk):
-        """This thread's share of chunk `chunk` into registers (zeros past the list's end)."""
+    def fetch(staged, bases, corners, a_planes, w_planes, blocks, first, total, chunk):
+        """This thread's share of chunk `chunk` into registers (zeros past the list's end, and
+        where a convolution's tap falls outside the image)."""
         slot = int32(chunk) * CW + int32(cuda.threadIdx.x % PER_ROW) * VW
         word = slot  # (a dense product's list: the row's words)
         if not DENSE and slot < total:
             i = uint32(slot) // block_words
             word = blocks[first + i] * block_words + (slot - i * block_words)
+        tap = slot // WC
+        r = tap // S
+        s = tap - r * S
         for n in range(LOADS):
             for v in range(VW):
                 staged[n, v] = uint32(0)
             if slot < total and tile_row(n) < TILE_ROWS:
-                if n < LOADS_A:
+                if n < LOADS_A and CONV:
+                    ih = corners[n, 0] + r * DH
+                    iw = corners[n, 1] + s * DW
+                    if 0 <= ih < H and 0 <= iw < W:
+                        load_vector(staged, n, a_planes, bases[n] + (ih * W + iw) * WC + slot - tap * WC)
+                elif n < LOADS_A:
                     load_vector(staged, n, a_planes, bases[n] + word)
                 else:
                     load_vector(staged, n, w_planes, bases[n] + word)
@@ -250,6 +276,7 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
         staged = cuda.local.array((LOADS, VW), uint32)
         counts = cuda.local.array(LOADS, int32)
         bases = cuda.local.array(LOADS, int32)
+        corners = cuda.local.array((LOADS, 2), int32)
         rows = cuda.local.array((MT, 2), int32)
         for k in range(w_bits):
             for mt in range(MT):
@@ -258,14 +285,14 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
                         acc[mt, nt, i] = 0
             for n in range(LOADS):
                 counts[n] = 0
-            row_bases(bases, int32(k), int32(row0), int32(col0), int32(N), int32(O), int32(words))
-            fetch(staged, bases, a_planes, w_planes, blocks, first, total, 0)
+            row_bases(bases, corners, int32(k), int32(row0), int32(col0), int32(N), int32(O), int32(words))
+            fetch(staged, bases, corners, a_planes, w_planes, blocks, first, total, 0)
             for chunk in range(chunks):
                 cuda.syncthreads()  # (the previous chunk's fragments are read)
                 put(tile, staged, counts)
                 cuda.syncthreads()
                 if chunk + 1 < chunks:
-                    fetch(staged, bases, a_planes, w_planes, blocks, first, total, chunk + 1)
+                    fetch(staged, bases, corners, a_planes, w_planes, blocks, first, total, chunk + 1)
                 fragments(af, bf, 0, tile, 0, wm, wn, lane)
                 for step in range(STEPS):  # (the next step's fragments load while this one's mmas run)
                     now = step % 2

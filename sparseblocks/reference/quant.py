@@ -194,3 +194,47 @@ def ste_grad(x, grad, basis, signed):
         return np.asarray(grad)
     top = levels(basis, signed)[0][..., -1]
     return np.where(np.asarray(x) <= top, grad, 0.0)
+
+
+def pack_image(codes, bits):
+    """Bit planes of an image batch's integer codes (N, C, H, W): uint32 (bits, N, H, W, words),
+    a pixel's channels 32 a word (channel c: bit c % 32 of word c // 32), zero bits past C, and
+    no padding to `WORD_ALIGN` (a convolution's list of words runs over taps and channel words)."""
+    codes = np.asarray(codes, np.int64)
+    N, C, H, W = codes.shape
+    words = -(-C // WORD)
+    rows = pack(codes.transpose(0, 2, 3, 1).reshape(-1, C), bits)[:, :, :words]
+    return rows.reshape(bits, N, H, W, words)
+
+
+def conv_output_size(size, taps, stride, padding, dilation):
+    """An output side: ``(size + 2·padding - dilation·(taps - 1) - 1) // stride + 1``."""
+    return (size + 2 * padding - dilation * (taps - 1) - 1) // stride + 1
+
+
+def conv2d(a_planes, a_basis, w_planes, w_basis, channels, stride=(1, 1), padding=(0, 0), dilation=(1, 1),
+           bias=None, relu=False):
+    """A 2-D convolution from bit planes, in float64, channels last: activations (J, N, H, W,
+    words) with 0/1 codes and a shared basis (J,), filters (Kb, O, R, S, words) with ±1 codes and a
+    basis per output channel (O, Kb). Zero padding: a tap outside the image contributes nothing
+    (the quantized image padded with zeros). Returns y (N, P, Q, O)."""
+    a = decode(unpack(np.asarray(a_planes).reshape(a_planes.shape[0], -1, a_planes.shape[-1]), channels),
+               np.asarray(a_basis, np.float64), signed=False)
+    J, N, H, W, _ = a_planes.shape
+    a = a.reshape(N, H, W, channels)
+    Kb, O, R, S, _ = w_planes.shape
+    codes = unpack(np.asarray(w_planes).reshape(Kb, -1, w_planes.shape[-1]), channels).reshape(O, R * S, channels)
+    e = 2 * ((codes[..., None] >> np.arange(Kb)) & 1) - 1  # (O, R·S, C, Kb) ±1
+    w = (e @ np.asarray(w_basis, np.float64)[:, None, :, None])[..., 0].reshape(O, R, S, channels)
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    P, Q = conv_output_size(H, R, sh, ph, dh), conv_output_size(W, S, sw, pw, dw)
+    padded = np.zeros((N, H + 2 * ph + sh * P + dh * R, W + 2 * pw + sw * Q + dw * S, channels))
+    padded[:, ph:ph + H, pw:pw + W] = a
+    y = np.zeros((N, P, Q, O))
+    for r in range(R):
+        for s in range(S):
+            window = padded[:, r * dh:r * dh + sh * P:sh, s * dw:s * dw + sw * Q:sw]  # (N, P, Q, C)
+            y += window @ w[:, r, s].T
+    if bias is not None:
+        y += np.asarray(bias, np.float64)
+    return np.maximum(y, 0) if relu else y
