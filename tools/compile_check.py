@@ -223,10 +223,11 @@ def check_gather_matmul(shapes=(gather_matmul.DEFAULT.gather_tile,)):
 
 
 def check_quant():
-    """The tensor-core bit-plane products (dense and blocks of 32 and 64, W1A1 to W4A4, fp16 out)
-    and quantize-and-pack: ptxas's registers and the mma count."""
+    """The tensor-core bit-plane products (dense and blocks of 32 and 64, W1A1 to W4A4, fp16 out),
+    the convolutions (3x3 over 64 and 256 channels) and quantize-and-pack: ptxas's registers and the
+    mma count."""
     from sparseblocks import quant
-    from sparseblocks.quant.pack import make_pack
+    from sparseblocks.quant.pack import make_pack, make_pack_image
     from sparseblocks.quant.tensorcore import block_warps, make_tensorcore_product
 
     Q = quant.DEFAULT
@@ -241,9 +242,19 @@ def check_quant():
                                          *warps, True)
         name = f"product W{w_bits}A{a_bits} signed_a={signed_a} block_words {block_words} warps {warps}"
         results.append(check(name, kernel.py_func, signature, detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
+    for (a_bits, w_bits), channels in itertools.product(((1, 1), (2, 2)), (64, 256)):
+        words = channels // 32
+        warps = block_warps(Q, a_bits, 4096, Q.dense_cols)
+        kernel = make_tensorcore_product(Q, a_bits, w_bits, False, True, False, False, 9 * words, Q.dense_cols,
+                                         *warps, True, (56, 56, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, words))
+        results.append(check(f"conv 3x3 W{w_bits}A{a_bits} over {channels} channels", kernel.py_func, signature,
+                             detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
     for bits in (1, 2, 4):
         results.append(check(f"pack {bits} bits", make_pack(Q, bits, False).py_func,
                              (planes, types.float16[:, ::1], types.float32[:, ::1], types.int32[:, ::1], i64)))
+        results.append(check(f"pack images {bits} bits", make_pack_image(Q, bits, False).py_func,
+                             (planes, types.float16[::1], types.float32[:, ::1], types.int32[:, ::1], i64, i64, i64,
+                              i64, i64)))
     return 0 if all(results) else 1
 
 
