@@ -121,6 +121,14 @@ def test_demo_trains_both_models_and_draws_them(tmp_path):
     assert (tmp_path / "demo.png").stat().st_size > 0
 
 
+def test_quant_demo_trains_its_mlps_and_cnns():
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    from sparseblocks.torch import quant_demo
+
+    assert quant_demo.main(size=dict(quant_demo.SMALL, steps=3, batch=8)) == 0
+
+
 def test_sbnet_demo_runs_on_a_real_image():
     pytest.importorskip("torch")
     pytest.importorskip("skimage")

@@ -20,7 +20,7 @@ from .conv import BlockSparseConv1d, BlockSparseConv2d, BlockSparseConv3d, Block
 from .conv import BlockSparseConvTranspose2d, BlockSparseConvTranspose3d
 from .linear import BlockSparseLinear
 from .norms import batch_norm, layer_norm
-from .quant import LQLinear
+from .quant import LQLinear, QuantConv2d
 from .regrow import BlockRegrowth
 from .res_block import SparseResBlock
 from .sbnet import sparse_gather, sparse_scatter
@@ -29,6 +29,6 @@ from .sparsify import sparsify
 _devices.tracing = _torch.compiler.is_compiling
 
 __all__ = ["BlockSparseLinear", "BlockRegrowth", "sparsify", "SparseResBlock", "ResBlockConfig", "sparse_gather",
-           "sparse_scatter", "LQLinear", "layer_norm", "batch_norm", "BlockSparseConv1d", "BlockSparseConv2d",
+           "sparse_scatter", "LQLinear", "QuantConv2d", "layer_norm", "batch_norm", "BlockSparseConv1d", "BlockSparseConv2d",
            "BlockSparseConv3d", "BlockSparseConvTranspose1d", "BlockSparseConvTranspose2d", "BlockSparseConvTranspose3d",
            "BlockSparseAttention", "block_sparse_attention"]

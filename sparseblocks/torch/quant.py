@@ -1,4 +1,5 @@
-"""`LQLinear`: a linear layer with LQ-Nets' learned weight and activation quantizers.
+"""`LQLinear` and `QuantConv2d`: a linear layer and a 2-D convolution with LQ-Nets' learned weight
+and activation quantizers.
 
 Weights are quantized to ``w_bits`` with ±1 codes and a basis a output channel, activations to
 ``a_bits`` with 0/1 codes (±1 with ``signed_activations``) and one shared basis. In training the
@@ -9,6 +10,11 @@ squares basis of the current codes, as a moving average). Without gradients on a
 quantizes and packs both operands into bit planes and runs the 1-bit tensor-core product
 (`sparseblocks.quant`): no float of x̂ or ŵ is written. ``layout`` (a `BlockLayout` of the
 (in, out) grid, as `BlockSparseLinear` takes) keeps only its blocks.
+
+`QuantConv2d` does the same for ``torch.nn.functional.conv2d``: filters (out, in, R, S) with a basis
+an output channel, activations with 0/1 codes (post-ReLU), and without gradients on a GPU the
+images and filters packed along their channels and the implicit-GEMM b1 convolution
+(`sparseblocks.quant.conv2d`); its output is then a channels-last tensor (NCHW shape, NHWC memory).
 """
 
 import math
@@ -92,7 +98,49 @@ def straight_through(x, basis, signed, clip):
     return _StraightThrough.apply(x, values, top)
 
 
-class LQLinear(torch.nn.Module):
+class _LearnedQuantizers(torch.nn.Module):
+    """The bases of a layer's two quantizers, their QEM steps and the straight-through values.
+    The bases are buffers (``w_basis`` (out, w_bits), ``a_basis`` (a_bits,)), saved with the state
+    dict and updated in training mode only."""
+
+    def _make_bases(self, outputs, fan_in, w_bits, a_bits, signed_activations, momentum, device):
+        for name, bits in (("w_bits", w_bits), ("a_bits", a_bits)):
+            if not isinstance(bits, int) or not 1 <= bits <= quant.api.MAX_BITS:
+                raise ValueError(f"{name}: expected an int from 1 to {quant.api.MAX_BITS}, got {bits!r}")
+        self.w_bits, self.a_bits, self.signed_activations = w_bits, a_bits, bool(signed_activations)
+        self.momentum = momentum
+        powers = 2.0 ** torch.arange(w_bits, dtype=torch.float32, device=device)
+        w_base = NORM_PPF_0_75 * math.sqrt(2.0 / fan_in) / 2 ** (w_bits - 1)
+        self.register_buffer("w_basis", (powers * w_base).repeat(outputs, 1))
+        a_powers = 2.0 ** torch.arange(a_bits, dtype=torch.float32, device=device)
+        self.register_buffer("a_basis", a_powers * 2 * NORM_PPF_0_75 / (2 ** a_bits - 1))
+
+    def _refit(self, w_rows, x):
+        """One QEM step of both bases: the weights' rows (out, fan_in), the activations' values."""
+        with torch.no_grad():
+            w = w_rows.float()
+            w_basis = self.w_basis.float()
+            codes, _ = encode(w, w_basis, True)
+            self.w_basis.copy_(basis_update(w, codes, w_basis, True, RIDGE, self.momentum))
+            a = self.a_basis[None].float()
+            x = x.reshape(1, -1)
+            codes, _ = encode(x, a, self.signed_activations)
+            self.a_basis.copy_(basis_update(x, codes, a, self.signed_activations, 0.0, self.momentum)[0])
+
+    def _tables(self, weight):
+        """The packing kernels' (thresholds, codes, basis) of the weights and of the activations,
+        made on the device (no host sync)."""
+        w_basis = self.w_basis.float().contiguous()  # (a layer moved to fp16 moved its bases too)
+        _, w_order, w_thresholds = levels(w_basis, True)
+        a_basis = self.a_basis[None].float().contiguous()
+        _, a_order, a_thresholds = levels(a_basis, self.signed_activations)
+        w = weight.detach().contiguous()
+        w = w.float() if w.dtype not in (torch.float16, torch.float32) else w
+        return w, (w_thresholds.contiguous(), w_order.contiguous(), w_basis), \
+            (a_thresholds.contiguous(), a_order.contiguous(), a_basis)
+
+
+class LQLinear(_LearnedQuantizers):
     """``y = x̂ · ŵᵀ + b`` with learned low-bit quantizers (see the module's docstring).
 
     ``w_bits`` and ``a_bits`` from 1 to 4. The bases are buffers (``w_basis`` (out, w_bits),
@@ -104,9 +152,7 @@ class LQLinear(torch.nn.Module):
                  momentum: float = MOVING_AVERAGE, device: Optional[Union[str, torch.device]] = None,
                  dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
-        for name, bits in (("w_bits", w_bits), ("a_bits", a_bits)):
-            if not isinstance(bits, int) or not 1 <= bits <= quant.api.MAX_BITS:
-                raise ValueError(f"{name}: expected an int from 1 to {quant.api.MAX_BITS}, got {bits!r}")
+        self._make_bases(out_features, in_features, w_bits, a_bits, signed_activations, momentum, device)
         if layout is not None:
             if not isinstance(layout, BlockLayout):
                 raise TypeError(f"layout: expected a BlockLayout, got {type(layout).__name__}")
@@ -114,19 +160,12 @@ class LQLinear(torch.nn.Module):
                 raise ValueError(f"layout: expected a ({in_features}, {out_features}) grid of blocks of 32 or 64, "
                                  f"got {layout.dense_shape} in blocks of {layout.block_size}")
         factory: Dict[str, Any] = {"device": device, "dtype": dtype}
-        self.in_features, self.out_features = in_features, out_features
-        self.w_bits, self.a_bits, self.signed_activations = w_bits, a_bits, bool(signed_activations)
-        self.momentum, self.layout = momentum, layout
+        self.in_features, self.out_features, self.layout = in_features, out_features, layout
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = torch.nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         mask = (torch.ones(out_features, in_features) if layout is None
                 else torch.as_tensor(layout.element_mask().T.copy(), dtype=torch.float32))
         self.register_buffer("element_mask", mask.to(device=device), persistent=False)
-        powers = 2.0 ** torch.arange(w_bits, dtype=torch.float32, device=device)
-        w_base = NORM_PPF_0_75 * math.sqrt(2.0 / in_features) / 2 ** (w_bits - 1)
-        self.register_buffer("w_basis", (powers * w_base).repeat(out_features, 1))
-        a_powers = 2.0 ** torch.arange(a_bits, dtype=torch.float32, device=device)
-        self.register_buffer("a_basis", a_powers * 2 * NORM_PPF_0_75 / (2 ** a_bits - 1))
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -141,14 +180,7 @@ class LQLinear(torch.nn.Module):
 
     def update_bases(self, x):
         """One QEM step of both bases on the current weight and the activations ``x`` (rows, in)."""
-        with torch.no_grad():
-            w = self.weight.float() * self.element_mask
-            w_basis = self.w_basis.float()
-            codes, _ = encode(w, w_basis, True)
-            self.w_basis.copy_(basis_update(w, codes, w_basis, True, RIDGE, self.momentum))
-            a = self.a_basis[None].float()
-            codes, _ = encode(x, a, self.signed_activations)
-            self.a_basis.copy_(basis_update(x, codes, a, self.signed_activations, 0.0, self.momentum)[0])
+        self._refit(self.weight.detach() * self.element_mask, x)
 
     def forward(self, x):
         if x.shape[-1] != self.in_features:
@@ -170,16 +202,76 @@ class LQLinear(torch.nn.Module):
         """The product from bit planes (a GPU, no gradients): both operands quantized and packed by
         the ballot kernel with thresholds made on the device, then the b1 tensor-core product."""
         cfg = quant.config.DEFAULT
-        w = self.weight.detach().contiguous()
-        w = w.float() if w.dtype not in (torch.float16, torch.float32) else w
-        w_basis = self.w_basis.float().contiguous()  # (a layer moved to fp16 moved its bases too)
-        _, w_order, w_thresholds = levels(w_basis, True)
-        a_basis = self.a_basis[None].float().contiguous()
-        _, a_order, a_thresholds = levels(a_basis, self.signed_activations)
-        wq = quant.api.pack(Operand(w, "weight"), w_thresholds.contiguous(), w_order.contiguous(),
-                            w_basis, True, cfg)
-        aq = quant.api.pack(Operand(rows.contiguous(), "x"), a_thresholds.contiguous(),
-                            a_order.contiguous(), a_basis, self.signed_activations, cfg)
+        w, w_tables, a_tables = self._tables(self.weight)
+        wq = quant.api.pack(Operand(w, "weight"), *w_tables, True, cfg)
+        aq = quant.api.pack(Operand(rows.contiguous(), "x"), *a_tables, self.signed_activations, cfg)
         bias = None if self.bias is None else self.bias.detach().float().contiguous()
         out_dtype = "float16" if rows.dtype == torch.float16 else "float32"
         return quant.matmul(aq, wq, layout=self.layout, bias=bias, out_dtype=out_dtype)
+
+
+class QuantConv2d(_LearnedQuantizers):
+    """``y = x̂ ⋆ ŵ + b``, ``torch.nn.Conv2d`` with learned low-bit quantizers (see the module's
+    docstring): ``w_bits`` (±1 codes, a basis an output channel) and ``a_bits`` (0/1 codes, one
+    basis: the input is expected after a ReLU) from 1 to 4; ``stride``, ``padding`` (ints, zero
+    padding) and ``dilation`` as ``Conv2d`` takes them."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: Any, stride: Any = 1, padding: Any = 0,
+                 dilation: Any = 1, bias: bool = True, *, w_bits: int = 2, a_bits: int = 2,
+                 momentum: float = MOVING_AVERAGE, device: Optional[Union[str, torch.device]] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        pairs = {name: quant.conv._pair(value, name, low) for name, value, low in (
+            ("kernel_size", kernel_size, 1), ("stride", stride, 1), ("padding", padding, 0), ("dilation", dilation, 1))}
+        self.kernel_size, self.stride, self.padding, self.dilation = (pairs[name] for name in pairs)
+        R, S = self.kernel_size
+        self._make_bases(out_channels, in_channels * R * S, w_bits, a_bits, False, momentum, device)
+        factory: Dict[str, Any] = {"device": device, "dtype": dtype}
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.weight = torch.nn.Parameter(torch.empty(out_channels, in_channels, R, S, **factory))
+        self.bias = torch.nn.Parameter(torch.empty(out_channels, **factory)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.weight[0].numel())
+            torch.nn.init.uniform_(self.bias, -bound, bound)
+
+    def extra_repr(self):
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, dilation={self.dilation}, bias={self.bias is not None}, "
+                f"w_bits={self.w_bits}, a_bits={self.a_bits}")
+
+    def update_bases(self, x):
+        """One QEM step of both bases on the current filters and the activations ``x``."""
+        self._refit(self.weight.detach().reshape(self.out_channels, -1), x)
+
+    def forward(self, x):
+        if x.dim() != 4 or x.shape[1] != self.in_channels:
+            raise ValueError(f"x: expected (N, {self.in_channels}, H, W), got shape {tuple(x.shape)}")
+        if self.training:
+            self.update_bases(x.detach())
+        grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if not grad and x.is_cuda and x.dtype in (torch.float16, torch.float32):
+            return self.packed_forward(x)
+        out = self.out_channels
+        w = straight_through(self.weight.reshape(out, -1), self.w_basis, True, clip=False).reshape(self.weight.shape)
+        a = straight_through(x.reshape(1, -1), self.a_basis[None], False, clip=True).reshape(x.shape)
+        return torch.nn.functional.conv2d(a, w.to(a.dtype), None if self.bias is None else self.bias.to(a.dtype),
+                                          self.stride, self.padding, self.dilation)
+
+    @on_arrays_device
+    def packed_forward(self, x):
+        """The convolution from bit planes (a GPU, no gradients): images and filters packed along
+        their channels, then the implicit-GEMM b1 convolution; a channels-last result."""
+        cfg = quant.config.DEFAULT
+        w, w_tables, a_tables = self._tables(self.weight)
+        channels_last = not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+        images = x.permute(0, 2, 3, 1) if channels_last else x.contiguous()
+        wq = quant.conv.pack_image(Operand(w, "weight"), *w_tables, True, False, cfg)
+        aq = quant.conv.pack_image(Operand(images, "x"), *a_tables, False, channels_last, cfg)
+        bias = None if self.bias is None else self.bias.detach().float().contiguous()
+        out_dtype = "float16" if x.dtype == torch.float16 else "float32"
+        y = quant.conv2d(aq, wq, self.stride, self.padding, self.dilation, bias=bias, out_dtype=out_dtype)
+        return y.permute(0, 3, 1, 2)
