@@ -4,8 +4,13 @@
 Records: ``matmul`` (params bits W1A1 | W2A2 | W4A4, packing: whether the activations' quantize-
 and-pack is inside the timed call, density: 1.0 or the layout's), baselines ``dense_fp16`` and
 ``int8`` (and ``dense_binary``, the same bits dense, for the block-sparse rows); ``pack`` (an fp16
-input quantized to 1, 2 and 4 bits), baseline ``copy`` (a device copy of the input). Every product
-is checked first against the dequantized operands' float product.
+input quantized to 1, 2 and 4 bits), baseline ``copy`` (a device copy of the input);
+``lqlinear_inference`` (an `LQLinear` call without gradients, fp16 in and out: both operands
+quantized and packed, the product, the bias), baseline ``nn_linear`` (a dense fp16 ``nn.Linear``);
+``quant_conv2d`` (a `QuantConv2d` call the same way on a ResNet-like 3 x 3 layer, both memory
+formats), baseline ``cudnn_fp16`` (``nn.Conv2d`` in fp16, the same memory format). Every product
+is checked first against the dequantized operands' float product, every layer against its float
+path (the quantizers in torch).
 
     python -m benchmarks.bench_quant [--quick] [--out-dir DIR]
 """
@@ -49,6 +54,45 @@ def check(torch, quant, a, w, y, layout=None):
     want = xa @ wa.T
     error = ((y.float() - want).abs().max() / want.abs().max()).item()
     assert error < 2e-3, f"product differs from the dequantized one: {error}"
+
+
+def layer_error(torch, layer, x):
+    """The packed call's largest error against the layer's float path, relative to its largest value."""
+    with torch.no_grad():
+        packed = layer(x).float()
+    floats = layer(x.clone().requires_grad_(True)).detach().float()
+    return ((packed - floats).abs().max() / floats.abs().max()).item()
+
+
+def layers(torch, args):
+    """The `LQLinear` and `QuantConv2d` records: a layer's call without gradients, fp16, beside the
+    dense fp16 layer of the same shape."""
+    from sparseblocks.torch import LQLinear, QuantConv2d
+
+    records = []
+    for name, (w_bits, a_bits) in BITS.items():
+        if name == "W4A4":
+            continue
+        torch.manual_seed(0)
+        layer = LQLinear(SIZE, SIZE, w_bits=w_bits, a_bits=a_bits).to("cuda", torch.float16).eval()
+        dense = torch.nn.Linear(SIZE, SIZE).to("cuda", torch.float16)
+        x = torch.rand(SIZE, SIZE, device="cuda", dtype=torch.float16)
+        assert layer_error(torch, layer, x) < 1e-2
+        with torch.no_grad():
+            ms, base = graph_ms(lambda: layer(x)), graph_ms(lambda: dense(x))
+        records.append(Record("lqlinear_inference", dict(N=SIZE, C=SIZE, O=SIZE, bits=name), ms, {"nn_linear": base}))
+        for memory in ("channels_first",) if args.quick else ("channels_first", "channels_last"):
+            layer = QuantConv2d(256, 256, 3, padding=1, w_bits=w_bits, a_bits=a_bits).to("cuda", torch.float16).eval()
+            dense = torch.nn.Conv2d(256, 256, 3, padding=1).to("cuda", torch.float16)
+            x = torch.rand(32, 256, 56, 56, device="cuda", dtype=torch.float16)
+            if memory == "channels_last":
+                x, dense = x.to(memory_format=torch.channels_last), dense.to(memory_format=torch.channels_last)
+            assert layer_error(torch, layer, x[:4]) < 1e-2
+            with torch.no_grad():
+                ms, base = graph_ms(lambda: layer(x)), graph_ms(lambda: dense(x))
+            records.append(Record("quant_conv2d", dict(N=32, C=256, K=256, H=56, W=56, R=3, bits=name, memory=memory),
+                                  ms, {"cudnn_fp16": base}))
+    return records
 
 
 def main():
@@ -99,6 +143,7 @@ def main():
             ms = graph_ms(lambda: quant.matmul(a, w, layout=layout, out_dtype="float16"))
             records.append(Record("matmul", dict(shape, bits="W1A1", packing=False, density=density, block_size=bs),
                                   ms, dict(baselines, dense_binary=dense_binary["W1A1"])))
+    records += layers(torch, args)
     kwargs = {} if args.out_dir is None else {"directory": args.out_dir}
     write_results("quant" + ("_quick" if args.quick else ""), records, **kwargs)
     print_table(records, f"quant on {device_name()}")
