@@ -95,9 +95,12 @@ class BsmmConfig:
     # Weight gradients of two blocks of one block-row a thread block, x's columns read once for both
     # (a tile of bs x 2 bs): {bs: stages of the ring}; empty: a block a thread block
     v7_wgrad_pairs: dict = default_field({})
-    # Products whose lines are short (mean blocks a line <= the first value) on other tiles: {bs: (mean
-    # blocks, v7_tiles, v7_stages)}; empty: every product on v7_tiles and v7_stages (`dispatch.v7_config`)
-    v7_short_lines: dict = default_field({})
+    # Products whose output lines are short (mean blocks a line <= "mean_blocks") on other tiles:
+    # {bs: {"mean_blocks": m, field: value, ...}}, fields of SHORT_LINE_FIELDS (a table's value for bs,
+    # v7_producer_registers itself); `dispatch.v7_config`. Block 128: one warpgroup of two 64-row
+    # tiles, 3 stages, two thread blocks a multiprocessor, where a line sums up to 8 blocks (25 % at 4096)
+    v7_short_lines: dict = default_field({128: {"mean_blocks": 8, "v7_groups": 1, "v7_stages": 3, "v7_blocks": 2,
+                                                "v7_producer_registers": 40}})
     # Warp-specialized thread blocks: one more warpgroup copies the stages (cp.async, completing on
     # mbarriers) while the others only multiply, each stage handed over by a barrier pair instead of
     # a barrier of the block (products; v7_wgrad_producer: weight gradients). Where the launch leaves
@@ -149,14 +152,15 @@ class BsmmConfig:
             if v7_check(self, bs, PAIRED):
                 raise ValueError(f"v7_wgrad_pairs[{bs}]: {v7_check(self, bs, PAIRED)}")
         for bs, rule in self.v7_short_lines.items():
-            if bs not in self.v7_groups or len(rule) != 3 or not rule[0] > 0:
-                raise ValueError(f"v7_short_lines[{bs}]: expected (mean blocks > 0, tiles, stages) for a block size of "
-                                 f"v7_groups, got {rule!r}")
-            try:
-                replace(self, v7_tiles={**self.v7_tiles, bs: rule[1]}, v7_stages={**self.v7_stages, bs: rule[2]},
-                        v7_short_lines={})  # (checked as it is made)
-            except ValueError as error:
-                raise ValueError(f"v7_short_lines[{bs}]: {error}") from None
+            if (not isinstance(rule, dict) or not rule.get("mean_blocks", 0) > 0
+                    or not set(rule) - {"mean_blocks"} <= set(SHORT_LINE_FIELDS)):
+                raise ValueError(f"v7_short_lines[{bs}]: expected {{'mean_blocks': m > 0, field: value, ...}} with "
+                                 f"fields of {SHORT_LINE_FIELDS}, got {rule!r}")
+            if short_lines_apply(self, bs):
+                try:
+                    short_lines_config(self, bs)  # (checked as it is made)
+                except ValueError as error:
+                    raise ValueError(f"v7_short_lines[{bs}]: {error}") from None
         for name in ("v7_blocks", "v7_wgrad_blocks"):
             if not set(getattr(self, name)) <= set(V7_BLOCKS):
                 raise ValueError(f"{name}: expected block sizes of {V7_BLOCKS}, got {sorted(getattr(self, name))}")
@@ -166,6 +170,28 @@ class BsmmConfig:
         for bs, (rows, _, _, chunk) in self.product_tiles.items():
             if rows * chunk % (8 * self.product_threads):
                 raise ValueError(f"product_tiles[{bs}]: TM * KC must be a multiple of 8 * product_threads")
+
+
+SHORT_LINE_FIELDS = ("v7_groups", "v7_tiles", "v7_stages", "v7_blocks", "v7_producer_registers")
+
+
+def short_lines_apply(cfg, bs):
+    """Whether block ``bs``'s `v7_short_lines` rule can apply under ``cfg``: version 7 products of
+    that block size, warp-specialized where the rule sets a residency."""
+    rule = cfg.v7_short_lines.get(bs)
+    return rule is not None and bs in cfg.v7_groups and (cfg.v7_producer or "v7_blocks" not in rule)
+
+
+def short_lines_config(cfg, bs):
+    """``cfg`` with block ``bs``'s `v7_short_lines` rule applied (and no rule left)."""
+    fields = {}
+    for name, value in cfg.v7_short_lines[bs].items():
+        if name != "mean_blocks":
+            old = getattr(cfg, name)
+            fields[name] = {**old, bs: value} if isinstance(old, dict) else value
+    if "v7_blocks" in fields:  # (a persistent product is one thread block a multiprocessor)
+        fields["v7_persistent"] = {k: stages for k, stages in cfg.v7_persistent.items() if k != bs}
+    return replace(cfg, v7_short_lines={}, **fields)
 
 
 DEFAULT = BsmmConfig()

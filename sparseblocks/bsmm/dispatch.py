@@ -17,7 +17,7 @@ from ..runtime.devices import active
 from ..runtime.launch import compute_capability, data_pointer, launch, multiprocessors, stream_of
 from ..runtime.tensormap import check as map_check
 from ..runtime.tensormap import map_pointer, no_map, tensor_map
-from .config import DEFAULT
+from .config import DEFAULT, short_lines_apply, short_lines_config
 from .device import acc_type
 from .simple import make_product_v1, make_weight_grad_v1
 from .simt import (
@@ -348,21 +348,18 @@ def _without_tma(cfg):
 
 def v7_config(cfg, layout, transpose_w):
     """The config a version 7 product runs on: ``cfg``, or where its lines are short
-    (``cfg.v7_short_lines``: the mean of the blocks each output line sums at most the rule's first
-    value) ``cfg`` on the rule's tiles and stages."""
+    (``cfg.v7_short_lines``: the mean of the blocks each output line sums at most the rule's
+    ``mean_blocks``) ``cfg`` with the rule's fields."""
     bs = layout.block_size
-    rule = cfg.v7_short_lines.get(bs)
     lines = layout.shape[0] if transpose_w else layout.shape[1]
-    if rule is None or layout.n_blocks > rule[0] * lines:
+    if not short_lines_apply(cfg, bs) or layout.n_blocks > cfg.v7_short_lines[bs]["mean_blocks"] * lines:
         return cfg
     return _short_config(cfg, bs)
 
 
 @functools.lru_cache(maxsize=16)
 def _short_config(cfg, bs):
-    _, tiles, stages = cfg.v7_short_lines[bs]
-    return replace(cfg, v7_tiles={**cfg.v7_tiles, bs: tiles}, v7_stages={**cfg.v7_stages, bs: stages},
-                   v7_short_lines={})
+    return short_lines_config(cfg, bs)
 
 
 def launch_transpose_blocks(cfg, wt, w_words, layout, storage, stream):

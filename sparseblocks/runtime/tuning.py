@@ -36,7 +36,7 @@ class Table(dict):
 
 
 def _frozen(value):
-    if isinstance(value, Table):
+    if isinstance(value, Table) and all(_frozen(v) is v for v in value.values()):
         return value
     if isinstance(value, dict):
         return Table({k: _frozen(v) for k, v in value.items()})

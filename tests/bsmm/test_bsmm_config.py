@@ -67,10 +67,11 @@ def test_a_config_compiles_its_own_kernels():
 
 def test_short_lines_take_their_own_version_7_tiles():
     """``v7_short_lines``: a product whose output lines sum few blocks on average runs on the
-    rule's tiles and stages; longer lines, other block sizes and an empty rule keep the config."""
+    rule's fields (a table's entry for its block size, a scalar itself); longer lines, other block
+    sizes and no rule keep the config."""
     from sparseblocks.bsmm.dispatch import v7_config
 
-    cfg = replace(bsmm.DEFAULT, v7_short_lines={128: (2.0, 1, 3)})
+    cfg = replace(bsmm.DEFAULT, v7_short_lines={128: {"mean_blocks": 2.0, "v7_tiles": 1, "v7_stages": 3}})
     mask = np.zeros((8, 4), bool)
     mask[:3, 0] = mask[0, 1:] = True  # 6 blocks: 1.5 a column (forward), 0.75 a row (input_grad)
     short = v7_config(cfg, BlockLayout(mask, 128), transpose_w=False)
@@ -78,7 +79,13 @@ def test_short_lines_take_their_own_version_7_tiles():
     assert v7_config(cfg, BlockLayout(mask, 128), transpose_w=True) is short
     mask[:, :] = True  # 8 a column
     assert v7_config(cfg, BlockLayout(mask, 128), transpose_w=False) is cfg
-    assert v7_config(bsmm.DEFAULT, BlockLayout(mask[:1], 128), transpose_w=False) is bsmm.DEFAULT
-    for rule in ((0.0, 1, 3), (2.0, 1), (2.0, 1, 9)):
+    assert v7_config(cfg, BlockLayout(mask[:1], 64), transpose_w=False) is cfg
+    default = v7_config(bsmm.DEFAULT, BlockLayout(mask[:1], 128), transpose_w=False)  # (the default's rule)
+    assert (default.v7_groups[128], default.v7_stages[128], default.v7_blocks[128], default.v7_producer_registers,
+            default.v7_tiles[128]) == (1, 3, 2, 40, bsmm.DEFAULT.v7_tiles[128])
+    off = replace(bsmm.DEFAULT, v7_producer=False)  # (a residency needs warp-specialized products)
+    assert v7_config(off, BlockLayout(mask[:1], 128), transpose_w=False) is off
+    for rule in ({"mean_blocks": 0.0, "v7_tiles": 1}, {"v7_tiles": 1}, {"mean_blocks": 2.0, "v7_stages": 9},
+                 {"mean_blocks": 2.0, "v6_wgrad_k": 16}, (2.0, 1, 3)):
         with pytest.raises(ValueError, match=r"v7_short_lines\[128\]"):
             replace(bsmm.DEFAULT, v7_short_lines={128: rule})

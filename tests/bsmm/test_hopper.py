@@ -388,3 +388,25 @@ def test_hopper_paired_weight_grad_runs_in_the_simulator(monkeypatch, feature_ax
                      feature_axis, out=out_device, beta=0.5, version=7, splits=splits, config=cfg)
     assert ran_hopper()[1] == before + 1
     assert_close(out_device.copy_to_host(), expected, "float16", "weight_grad", terms=n + 1)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
+def test_short_lines_run_the_two_block_products_in_the_simulator(monkeypatch):
+    """The default `v7_short_lines` rule at block 128 (one warpgroup of two tiles, 3 stages, two
+    thread blocks a multiprocessor): the forward and the input gradient of a layout of 1.5 blocks
+    a line, through the simulator's twins."""
+    from sparseblocks.bsmm import dispatch
+    from sparseblocks.reference import bsmm as reference
+    from strategies import assert_close
+
+    monkeypatch.setattr(dispatch, "hopper", lambda: True)
+    layout = BlockLayout(np.array([[1, 0], [1, 1]]), 128)
+    assert dispatch.v7_config(bsmm.DEFAULT, layout, False).v7_blocks[128] == 2
+    rng = np.random.default_rng(4)
+    x, dy, w = values(rng, (8, 256), "float16"), values(rng, (8, 256), "float16"), values(rng, layout.w_shape, "float16")
+    before = ran_hopper()[0]
+    y = bsmm.forward(x, w, layout, version=7)
+    dx = bsmm.input_grad(dy, w, layout, version=7)
+    assert ran_hopper()[0] == before + 2
+    assert_close(np.asarray(y), reference.forward(x, w, layout), "float16", "forward")
+    assert_close(np.asarray(dx), reference.input_grad(dy, w, layout), "float16", "input_grad")
