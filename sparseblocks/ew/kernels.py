@@ -252,7 +252,7 @@ def make_cwise_linear(storage, acc_type, has_a, has_b, threads):
     @cuda.jit
     def linear_grad(dx, da, db, dy, x, a, C, S):
         c, t = cuda.blockIdx.x, cuda.threadIdx.x
-        shared = cuda.shared.array(SLOTS, acc_type)
+        shared = cuda.shared.array((1, SLOTS), acc_type)
         N = x.shape[0] // (C * S)
         scale = to_acc(a[c]) if has_a else acc_type(1)
         sa = acc_type(0)
@@ -263,8 +263,8 @@ def make_cwise_linear(storage, acc_type, has_a, has_b, threads):
             dx[at] = from_acc(g * scale)
             sa += g * to_acc(x[at])
             sb += g
-        sa = block_sum(sa, shared, t)
-        sb = block_sum(sb, shared, t)
+        sa = block_sum(sa, shared, 0, t)
+        sb = block_sum(sb, shared, 0, t)
         if t == 0:
             da[c] = from_acc(sa)
             db[c] = from_acc(sb)

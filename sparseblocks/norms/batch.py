@@ -35,17 +35,17 @@ def make_batch_norm(cfg, storage, param_storage, acc_type):
     @cuda.jit
     def stats(mean_out, var_out, x, C, S):
         c, t = cuda.blockIdx.x, cuda.threadIdx.x
-        shared = cuda.shared.array(SLOTS, acc_type)
+        shared = cuda.shared.array((1, SLOTS), acc_type)
         count = x.shape[0] // C
         s = acc_type(0)
         for e in range(t, count, T):
             s += x_in(x[at(e, c, C, S)])
-        mean = block_sum(s, shared, t) / count
+        mean = block_sum(s, shared, 0, t) / count
         q = acc_type(0)
         for e in range(t, count, T):
             d = x_in(x[at(e, c, C, S)]) - mean
             q += d * d
-        var = block_sum(q, shared, t) / count
+        var = block_sum(q, shared, 0, t) / count
         if t == 0:
             mean_out[c], var_out[c] = mean, var
 
@@ -60,7 +60,7 @@ def make_batch_norm(cfg, storage, param_storage, acc_type):
     @cuda.jit
     def backward(dx, dg, db, dy, x, g, mean_in, var_in, epsilon, C, S):
         c, t = cuda.blockIdx.x, cuda.threadIdx.x
-        shared = cuda.shared.array(SLOTS, acc_type)
+        shared = cuda.shared.array((1, SLOTS), acc_type)
         count = x.shape[0] // C
         mean = acc_type(mean_in[c])
         r = acc_type(1) / math.sqrt(acc_type(var_in[c]) + acc_type(epsilon))
@@ -71,8 +71,8 @@ def make_batch_norm(cfg, storage, param_storage, acc_type):
             d = x_in(dy[i])
             s1 += d
             s2 += d * (x_in(x[i]) - mean) * r
-        s1 = block_sum(s1, shared, t)
-        s2 = block_sum(s2, shared, t)
+        s1 = block_sum(s1, shared, 0, t)
+        s2 = block_sum(s2, shared, 0, t)
         scale = p_in(g[c]) * r
         for e in range(t, count, T):
             i = at(e, c, C, S)

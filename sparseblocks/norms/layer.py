@@ -5,10 +5,11 @@ Each of N rows of C features is normalized: ``y = (x - mean)·rstd·g + b`` (the
 ``x - mean`` (two passes over the row, which stay in L1/L2), so a large mean costs no accuracy.
 Sums run in fp32 (fp64 for fp64), in a fixed order: results repeat bitwise.
 
-* Feature axis 1, x (N, C): a thread block a row. Its threads stride over the row (consecutive
-  threads, consecutive groups of 4 features, each group one vector load where C is a multiple
-  of 4 and the arrays aligned) and reduce by warp shuffles, then across warps in shared memory
-  (`make_block_sum`).
+* Feature axis 1, x (N, C): ``T`` threads a row, ``RB`` rows a thread block (`row_shape`). A
+  row's threads stride over it (consecutive threads, consecutive groups of 4 features, each group
+  one vector load where C is a multiple of 4 and the arrays aligned) and reduce by warp shuffles,
+  then across the row's warps in shared memory (`make_block_sum`); a row of one warp needs no
+  barrier.
 * Feature axis 0, x (C, N): a thread 4 neighbouring columns of x (4 rows of the normalization),
   a warp 128 columns, the block's warps a row of features each in turn. Three launches: the
   column sums over chunks of ``column_rows`` features into a workspace (from a shift, each
@@ -36,30 +37,49 @@ COLUMNS = 128  # feature axis 0: columns of x a warp covers (4 a lane)
 
 
 def make_block_sum(threads, acc_type):
-    """``block_sum(value, shared, t)``: the sum of every thread's ``value``, returned to all of them;
-    ``shared`` an ``acc_type`` array of threads / 32 + 1 slots (free again when it returns)."""
+    """``block_sum(value, shared, y, t)``: the sum of the ``threads`` threads' ``value`` (row ``y``'s
+    of the thread block: ``shared[y]``, an ``acc_type`` array of threads / 32 + 1 slots, free again
+    when it returns), returned to all of them. One warp sums by shuffles alone (lane 0's sum, broadcast: every lane
+    gets the same bits); more take two barriers of the whole thread block, every row's threads
+    reaching them together."""
     WARPS = threads // 32
 
     @cuda.jit(device=True, inline=True)
-    def block_sum(value, shared, t):
+    def block_sum(value, shared, y, t):
         for offset in (16, 8, 4, 2, 1):
             value += cuda.shfl_down_sync(FULL_MASK, value, offset)
+        if WARPS == 1:
+            return cuda.shfl_sync(FULL_MASK, value, 0)
         lane, warp = t % 32, t // 32
         if lane == 0:
-            shared[warp] = value
+            shared[y, warp] = value
         cuda.syncthreads()
         if warp == 0:
-            total = shared[lane] if lane < WARPS else acc_type(0)
+            total = shared[y, lane] if lane < WARPS else acc_type(0)
             for offset in (16, 8, 4, 2, 1):
                 total += cuda.shfl_down_sync(FULL_MASK, total, offset)
             if lane == 0:
-                shared[WARPS] = total
+                shared[y, WARPS] = total
         cuda.syncthreads()
-        total = shared[WARPS]
+        total = shared[y, WARPS]
         cuda.syncthreads()  # (every thread has read it before the next call writes the slots)
         return total
 
     return block_sum
+
+
+def make_row_of(RB):
+    """``row_of(N) -> (row, inside)``: a thread's row of x, ``RB`` rows a thread block; a row past
+    N reads the last one (its threads still reach the block's barriers) and stores nothing."""
+
+    @cuda.jit(device=True, inline=True)
+    def row_of(N):
+        if RB == 1:
+            return cuda.blockIdx.x, True
+        row = cuda.blockIdx.x * RB + cuda.threadIdx.y
+        return min(row, N - 1), row < N
+
+    return row_of
 
 
 def _normalized(acc_type, relu):
@@ -178,9 +198,9 @@ def _stats_io(acc_type, vector):
 
 
 def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shape=None):
-    """Axis 1: ``forward(y, mean, rstd, x, g, b, epsilon)``, launched with a block a row of
-    ``shape[0]`` threads (`row_shape`), each holding ``shape[1]`` groups of 4 values in registers
-    (0: reading the row in each pass instead).
+    """Axis 1: ``forward(y, mean, rstd, x, g, b, epsilon)``, launched with blocks of ``shape[2]``
+    rows of ``shape[0]`` threads (`row_shape`: ``(T, RB)`` threads), each holding ``shape[1]``
+    groups of 4 values in registers (0: reading the row in each pass instead).
     Axis 0: (``sums(work, x)``, ``stats(mean, rstd, work, x, epsilon)``, ``apply(y, x, g, b, mean,
     rstd)``), launched with `column_launch`'s grids. ``vector``: C (axis 1) or N (axis 0) a
     multiple of 4 and every array aligned to 4 elements."""
@@ -193,15 +213,17 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
     normalized = _normalized(acc_type, relu)
 
     if axis == 1:
-        T, K = shape
+        T, K, RB = shape
         SLOTS = T // 32 + 1  # (a shared array's size: a name, not an expression)
         HELD = max(4 * K, 1)
         block_sum = make_block_sum(T, acc_type)
+        row_of = make_row_of(RB)
 
         @cuda.jit
         def forward_rows(y, mean_out, rstd_out, x, g, b, epsilon):
-            row, t = cuda.blockIdx.x, cuda.threadIdx.x
-            shared = cuda.shared.array(SLOTS, acc_type)
+            t, y_ = cuda.threadIdx.x, (cuda.threadIdx.y if RB > 1 else 0)
+            row, inside = row_of(x.shape[0])
+            shared = cuda.shared.array((RB, SLOTS), acc_type)
             held = cuda.local.array(HELD, acc_type)  # (K groups: the row's values stay in registers)
             C = x.shape[1]
             s = acc_type(0)
@@ -214,7 +236,7 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
                 for c in range(4 * t, C, 4 * T):
                     v0, v1, v2, v3 = read(x, row, c)
                     s += (v0 + v1) + (v2 + v3)
-            mean = block_sum(s, shared, t) / C
+            mean = block_sum(s, shared, y_, t) / C
             q = acc_type(0)
             if K:
                 for k in range(K):
@@ -231,10 +253,10 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
                         d2 = d2 if c + 2 < C else acc_type(0)
                         d3 = d3 if c + 3 < C else acc_type(0)
                     q += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3)
-            r = acc_type(1) / math.sqrt(block_sum(q, shared, t) / C + acc_type(epsilon))
+            r = acc_type(1) / math.sqrt(block_sum(q, shared, y_, t) / C + acc_type(epsilon))
             for k in range(K if K else -(-C // (4 * T))):
                 c = 4 * (t + k * T)
-                if c < C:
+                if c < C and inside:
                     if K:
                         v0, v1, v2, v3 = held[4 * k], held[4 * k + 1], held[4 * k + 2], held[4 * k + 3]
                     else:
@@ -243,7 +265,7 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
                     b0, b1, b2, b3 = params(b, c)
                     write(y, row, c, normalized((v0 - mean) * r, g0, b0), normalized((v1 - mean) * r, g1, b1),
                           normalized((v2 - mean) * r, g2, b2), normalized((v3 - mean) * r, g3, b3))
-            if t == 0:
+            if t == 0 and inside:
                 mean_out[row], rstd_out[row] = mean, r
 
         return forward_rows
@@ -317,15 +339,16 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
 
 
 def row_shape(cfg, C):
-    """Axis 1: (threads a row, groups of 4 values a thread holds in registers; 0 where the row
-    is longer than ``row_groups`` groups a thread). Short rows take fewer threads, so that each
-    holds at least 2 groups (loads in flight) where it can."""
+    """Axis 1: (threads a row, groups of 4 values a thread holds in registers, 0 where the row is
+    longer than ``row_groups`` groups a thread; rows a thread block). Short rows take fewer
+    threads, so that each holds at least 2 groups (loads in flight) where it can; a thread block
+    takes as many rows as fit ``row_block`` threads (at least one)."""
     groups = -(-C // 4)
     threads = cfg.row_threads
     while threads > 32 and -(-groups // threads) < 2:
         threads //= 2
     held = -(-groups // threads)
-    return threads, held if held <= cfg.row_groups else 0
+    return threads, held if held <= cfg.row_groups else 0, max(1, cfg.row_block // threads)
 
 
 def column_launch(cfg, C, N):
@@ -347,10 +370,11 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
     passed = _passed(acc_type, relu)
 
     if axis == 1:
-        T, K = shape
+        T, K, RB = shape
         SLOTS = T // 32 + 1  # (a shared array's size: a name, not an expression)
         HELD = max(4 * K, 1)
         block_sum = make_block_sum(T, acc_type)
+        row_of = make_row_of(RB)
 
         @cuda.jit(device=True, inline=True)
         def terms(dy, x, g, b, mean, r):
@@ -372,8 +396,9 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
 
         @cuda.jit
         def backward_rows(dx, dy, x, g, b, mean_in, rstd_in):
-            row, t = cuda.blockIdx.x, cuda.threadIdx.x
-            shared = cuda.shared.array(SLOTS, acc_type)
+            t, y_ = cuda.threadIdx.x, (cuda.threadIdx.y if RB > 1 else 0)
+            row, inside = row_of(x.shape[0])
+            shared = cuda.shared.array((RB, SLOTS), acc_type)
             hd = cuda.local.array(HELD, acc_type)  # (K groups: dxhat and xhat stay in registers)
             hh = cuda.local.array(HELD, acc_type)
             C = x.shape[1]
@@ -388,11 +413,11 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
                     hh[4 * k], hh[4 * k + 1], hh[4 * k + 2], hh[4 * k + 3] = h0, h1, h2, h3
                 s1 += (d0 + d1) + (d2 + d3)
                 s2 += (d0 * h0 + d1 * h1) + (d2 * h2 + d3 * h3)
-            m1 = block_sum(s1, shared, t) / C
-            m2 = block_sum(s2, shared, t) / C
+            m1 = block_sum(s1, shared, y_, t) / C
+            m2 = block_sum(s2, shared, y_, t) / C
             for k in range(K if K else -(-C // (4 * T))):
                 c = 4 * (t + k * T)
-                if c < C:
+                if c < C and inside:
                     if K:
                         d0, d1, d2, d3 = hd[4 * k], hd[4 * k + 1], hd[4 * k + 2], hd[4 * k + 3]
                         h0, h1, h2, h3 = hh[4 * k], hh[4 * k + 1], hh[4 * k + 2], hh[4 * k + 3]

@@ -153,3 +153,20 @@ def test_rows_held_in_registers_and_streamed_agree_bitwise():
         results.append((y, mean, rstd, *norms.layer_norm_grad(dy, x, g, b, mean, rstd, relu=True, config=cfg)))
     for held, streamed in zip(*results):
         np.testing.assert_array_equal(held, streamed)
+
+
+def test_rows_sharing_a_thread_block_agree_bitwise():
+    """Axis 1 with ``row_block``: several rows a thread block (one warp a row: shuffles alone; two
+    warps a row: the block's barriers), the last block's rows past N storing nothing. Each row
+    sums in the same order as alone in its block, so the results agree bit for bit."""
+    rng = np.random.default_rng(4)
+    for C, threads in ((70, 32), (260, 64)):  # (260: 65 groups of 4, two warps a row)
+        x, dy = rng.standard_normal((5, C)).astype(np.float32), rng.standard_normal((5, C)).astype(np.float32)
+        g, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
+        results = []
+        for block in (0, 2 * threads):
+            cfg = dataclasses.replace(SMALL, row_threads=threads, row_block=block)
+            y, mean, rstd = norms.layer_norm(x, g, b, stats=True, config=cfg)
+            results.append((y, mean, rstd, *norms.layer_norm_grad(dy, x, g, b, mean, rstd, config=cfg)))
+        for alone, shared in zip(*results):
+            np.testing.assert_array_equal(alone, shared)
