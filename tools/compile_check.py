@@ -227,7 +227,7 @@ def check_quant():
     the convolutions (3x3 over 64 and 256 channels) and quantize-and-pack: ptxas's registers and the
     mma count."""
     from sparseblocks import quant
-    from sparseblocks.quant.pack import make_pack, make_pack_image
+    from sparseblocks.quant.pack import make_pack, make_pack_image, make_pack_words
     from sparseblocks.quant.tensorcore import block_warps, make_tensorcore_product
 
     Q = quant.DEFAULT
@@ -252,6 +252,10 @@ def check_quant():
     for bits in (1, 2, 4):
         results.append(check(f"pack {bits} bits", make_pack(Q, bits, False).py_func,
                              (planes, types.float16[:, ::1], types.float32[:, ::1], types.int32[:, ::1], i64)))
+        for half, x in ((True, types.uint32[:, ::1]), (False, types.float32[:, ::1])):
+            results.append(check(f"pack a word a thread {bits} bits {'fp16' if half else 'fp32'}",
+                                 make_pack_words(Q, bits, False, half).py_func,
+                                 (planes, x, types.float32[:, ::1], types.int32[:, ::1], i64)))
         results.append(check(f"pack images {bits} bits", make_pack_image(Q, bits, False).py_func,
                              (planes, types.float16[::1], types.float32[:, ::1], types.int32[:, ::1], i64, i64, i64,
                               i64, i64)))

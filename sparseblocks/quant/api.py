@@ -15,9 +15,10 @@ from ..layout import BlockLayout
 from ..runtime.arrays import Array, Operand, check_dtype, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import active, on_arrays_device
-from ..runtime.launch import launch
+from ..runtime.launch import data_pointer, launch
+from ..ptx.vector import aligned
 from .config import QuantConfig, as_config
-from .pack import make_pack, make_unpack
+from .pack import make_pack, make_pack_words, make_unpack
 from .simple import make_simt_product
 from .tensorcore import block_warps, make_tensorcore_product, warp_rows
 
@@ -25,6 +26,16 @@ MAX_BITS = 4
 WORD = 32
 WORD_ALIGN = 8  # words a packed row is padded to: one 256-bit step of the b1 mma
 VERSIONS = ("simt", "tensorcore")
+PACK_THREADS = 128  # threads a block of `make_pack_words`
+
+
+def _words_of(array):
+    """An fp16 (R, C) device array or tensor as uint32 words (R, C / 2): two values a word."""
+    if hasattr(array, "view") and type(array).__module__.startswith("torch"):
+        import torch
+
+        return array.view(torch.int32)
+    return array.view(np.uint32)
 OUT_DTYPES = ("float32", "float16")
 
 
@@ -126,12 +137,18 @@ def pack(x_op, thresholds, order, basis, signed, cfg):
     words = packed_words(columns)
     native, planes = x_op.empty((bits, rows, words), stream, dtype="uint32")
     per_row = basis.shape[0] != 1
-    if rows and words:
+    tables = [Operand(table, name).device(stream) for table, name in ((thresholds, "thresholds"), (order, "order"))]
+    if rows and words and cfg.pack_vector and columns % WORD == 0 and aligned(data_pointer(x_op.device(stream)), 16, 1):
+        x_dev = x_op.device(stream)
+        half = x_op.dtype == "float16"
+        kernel = cached(make_pack_words, cfg, bits, per_row, half)
+        launch(kernel, (-(-words // PACK_THREADS), rows), PACK_THREADS, stream,
+               (planes, _words_of(x_dev) if half else x_dev, *tables, columns))
+    elif rows and words:
         warps = min(cfg.pack_warps, -(-words // cfg.pack_words))  # (no warp without words)
         grid = (-(-words // (warps * cfg.pack_words)), rows)
         kernel = cached(make_pack, cfg, bits, per_row)
-        launch(kernel, grid, warps * 32, stream, (planes, x_op.device(stream), Operand(thresholds, "thresholds").device(stream),
-                                                   Operand(order, "order").device(stream), columns))
+        launch(kernel, grid, warps * 32, stream, (planes, x_op.device(stream), *tables, columns))
     planes = x_op.result(native, planes, stream)
     if isinstance(basis, np.ndarray):
         basis = _like(x_op, np.ascontiguousarray(basis, np.float32), stream)

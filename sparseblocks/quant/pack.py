@@ -9,6 +9,11 @@ consecutive lanes. Values past the row's end vote 0, so the padding words are ze
 its own thresholds (weights: a basis per output channel) or all rows share one set
 (activations). Unpack is the inverse, one thread a value.
 
+Rows of whole words may instead take a word a thread (`make_pack_words`, ``pack_vector``): a
+thread reads its 32 values by 16-byte loads (fp16 as words, two values each), finds each
+level by compares against thresholds held in registers (``2^K - 1`` compares and selects, which
+also pick the code: no table is read per value), and sets the code bits into K words itself.
+
 Images (`make_pack_image`, for convolutions) pack along the channels instead, a pixel's
 channels 32 a word: a thread takes one word of one pixel, reads its 32 channels (in NCHW the
 warp's 32 pixels of a channel are one coalesced read, in channels-last a thread's channels are),
@@ -16,6 +21,9 @@ and sets each value's code bits into K words itself; no vote is needed.
 """
 
 from numba import cuda, float32, int32, int64, uint32
+
+from ..ptx.half2 import floats_of_half2
+from ..ptx.vector import load4
 
 FULL_MASK = 0xFFFFFFFF
 
@@ -75,6 +83,56 @@ def make_unpack(cfg, bits, signed, per_row):
         out[row, c] = value
 
     return unpack
+
+
+def make_pack_words(cfg, bits, per_row, half):
+    """``pack_words(planes, x, thresholds, order, columns)``: x (R, C) fp32, or fp16 as uint32 words
+    (R, C / 2) (``half``), C a multiple of 32 and rows 16-byte aligned; a thread a (row, word) of
+    the planes (zeros past C), rows along y."""
+    levels = 1 << bits
+    LOADS = 4 if half else 8  # 16-byte loads a thread: 32 values
+    STRIDE = 16 if half else 32  # a thread's first element (a word of x's fp16 pairs, or a value)
+
+    @cuda.jit
+    def pack_words(planes, x, thresholds, order, columns):
+        word = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        row = cuda.blockIdx.y
+        if word >= planes.shape[2]:
+            return
+        if word * 32 >= columns:  # (the row's padding words)
+            for k in range(bits):
+                planes[k, row, word] = uint32(0)
+            return
+        t = row if per_row else 0
+        bound = cuda.local.array(levels, float32)  # (constant indices: registers)
+        code_of = cuda.local.array(levels, int32)
+        for i in range(levels - 1):
+            bound[i] = thresholds[t, i]
+        for i in range(levels):
+            code_of[i] = order[t, i]
+        values = cuda.local.array(32, float32)
+        for j in range(LOADS):  # (every load issued before the first compare)
+            v = load4(x, (row, word * STRIDE + 4 * j))
+            for k in range(4):
+                if half:
+                    lo, hi = floats_of_half2(uint32(v[k]))
+                    values[8 * j + 2 * k] = lo
+                    values[8 * j + 2 * k + 1] = hi
+                else:
+                    values[4 * j + k] = v[k]
+        words = cuda.local.array(bits, uint32)
+        for k in range(bits):
+            words[k] = uint32(0)
+        for i in range(32):
+            code = code_of[0]
+            for level in range(1, levels):  # (a NaN compares false: the lowest level)
+                code = code_of[level] if values[i] > bound[level - 1] else code
+            for k in range(bits):
+                words[k] |= uint32((code >> k) & 1) << uint32(i)
+        for k in range(bits):
+            planes[k, row, word] = words[k]
+
+    return pack_words
 
 
 def make_pack_image(cfg, bits, per_image):

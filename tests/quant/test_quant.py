@@ -52,6 +52,25 @@ def test_pack_is_the_twins_encode_bit_exact(seed, rows, columns, bits, signed, d
     np.testing.assert_allclose(quant.dequantize(q), values, rtol=1e-6, atol=1e-6)
 
 
+@few
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, MAX_ROWS), words=st.integers(1, 3), ragged=st.booleans(),
+       bits=st.integers(1, 4), signed=st.booleans(), dtype=st.sampled_from(["float32", "float16"]))
+def test_packing_a_word_a_thread_is_the_twins_bit_exact(seed, rows, words, ragged, bits, signed, dtype):
+    """``pack_vector``: rows of whole words take a word a thread and 16-byte loads (other rows the
+    ballot kernel), NaNs included: the same planes."""
+    from dataclasses import replace
+
+    cfg = replace(quant.config.DEFAULT, pack_vector=True)
+    rng = np.random.default_rng(seed)
+    columns = 32 * words - (7 if ragged else 0)
+    x, basis, q = quantized(rng, rows, columns, bits, signed, dtype)
+    x[0, 0] = np.nan
+    q = quant.quantize(x, basis if len(basis) > 1 else basis[0], signed, config=cfg)
+    codes, _ = reference.encode(x.astype(np.float32), basis if len(basis) > 1 or signed else basis[0], signed,
+                                threshold_dtype=np.float32)
+    np.testing.assert_array_equal(q.planes, reference.pack(codes, bits))
+
+
 def test_pack_votes_each_bit_of_32_values_into_one_word():
     """Value c of a row is bit c % 32 of word c // 32 of each plane; the padding is zeros."""
     x = np.zeros((1, 40), np.float32)
