@@ -202,6 +202,42 @@ def query_walk(row_ptr, blk_col, H, S, bs, QT, causal):
     return bh, q0, first, sub, n
 
 
+def make_key_ring(copy_pair, stages, kept, stage_bytes):
+    """The key and value tiles of a query tile's present blocks, a stage a ring buffer after the
+    ``kept`` bytes of its own tiles (the forward and dq walk the same keys):
+
+    * ``key_of(e, blk_col, first, sub, bs)``: the first key of stage e (tile ``e % sub`` of the
+      walk's block ``e // sub``);
+    * ``prime(base, k_at, v_at, blk_col, first, sub, bs, n, to, frm)``: stages 0 to ``stages`` - 2
+      in flight, a commit group each (empty past the walk's n, so that the waits count stages);
+    * ``advance(e, buf, ...)``: wait for stage e (in buffer ``buf``), then, the barrier passed, put
+      stage e + ``stages`` - 1 in flight into the buffer before it."""
+    wait = waiter(stages - 2)
+
+    @inlined
+    def key_of(e, blk_col, first, sub, bs):
+        return blk_col[first + e // sub] * bs + (e % sub) * TILE
+
+    @inlined
+    def prime(base, k_at, v_at, blk_col, first, sub, bs, n, to, frm):
+        for e in range(stages - 1):
+            if e < n:
+                copy_pair(base + kept + e * stage_bytes, k_at, v_at, key_of(e, blk_col, first, sub, bs), to, frm)
+            commit()
+
+    @inlined
+    def advance(e, buf, base, k_at, v_at, blk_col, first, sub, bs, n, to, frm):
+        wait()
+        cuda.syncthreads()  # the stage landed for all; every warp is done with the buffer refilled
+        nxt = e + stages - 1
+        if nxt < n:
+            at = base + kept + (buf - 1 if buf > 0 else stages - 1) * stage_bytes
+            copy_pair(at, k_at, v_at, key_of(nxt, blk_col, first, sub, bs), to, frm)
+        commit()
+
+    return key_of, prime, advance
+
+
 def forward_rows(block_size, warp_rows):
     """Query rows a warp of the forward takes: ``warp_rows`` (16 or 32) where the block size is a
     multiple of the thread block's 4 warp_rows, else 16."""
@@ -219,7 +255,7 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
     STAGE = 2 * TILE_BYTES  # a key tile, then its value tile
     DN, R = D // 8, 2 * MT  # R: rows of a lane
     plan, copy_tile, copy_pair, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D, cols, MT)
-    wait = waiter(stages - 2)
+    key_of, prime, advance = make_key_ring(copy_pair, stages, KEPT, STAGE)
     NEG = float32(-math.inf)  # (a float32: max() and selects in f32)
 
     def mask_step(n, s, top, scale2, key0, row, t):
@@ -294,25 +330,13 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
         if n > 0:
             for m in range(MT):
                 copy_tile(base + m * TILE_BYTES, q_at + 2 * m * TILE * D, to, frm)
-        for e in range(stages - 1):
-            if e < n:
-                key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE
-                at = base + KEPT + e * STAGE
-                copy_pair(at, k_at, v_at, key0, to, frm)
-            commit()  # one group a stage, empty or not, so that the wait counts stages
+        prime(base, k_at, v_at, blk_col, first, sub, bs, n, to, frm)
         buf = 0
         row = q0 + warp * 16 * MT + g  # the lane's first row; the others 8, 16, 24 on
         for e in range(n):
-            wait()
-            cuda.syncthreads()  # the stage landed for all; every warp is done with the buffer refilled
-            nxt = e + stages - 1
-            if nxt < n:
-                key1 = blk_col[first + nxt // sub] * bs + (nxt % sub) * TILE
-                at = base + KEPT + (buf - 1 if buf > 0 else stages - 1) * STAGE
-                copy_pair(at, k_at, v_at, key1, to, frm)
-            commit()
+            advance(e, buf, base, k_at, v_at, blk_col, first, sub, bs, n, to, frm)
             for part in range(PARTS):
-                key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE + part * cols
+                key0 = key_of(e, blk_col, first, sub, bs) + part * cols
                 at = base + KEPT + buf * STAGE + part * cols * ROW  # the part's keys (values: TILE_BYTES on)
                 for m in range(MT):
                     for i in range(NS):
@@ -400,7 +424,7 @@ def make_query_grads(storage, D, stages):
     DN = D // 8
     plan, copy_tile, copy_pair, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D)
     probabilities, score_grads = make_backward_parts()
-    wait = waiter(stages - 2)
+    key_of, prime, advance = make_key_ring(copy_pair, stages, KEPT, STAGE)
 
     @cuda.jit
     def query_grads(dq, q, k, v, dout, lse, delta, row_ptr, blk_col, H, S, bs, scale, scale2, causal):
@@ -433,23 +457,11 @@ def make_query_grads(storage, D, stages):
                 acc[0, i, j] = float32(0)
         if n > 0:
             copy_pair(base, signed_address(q, (0,)) + 2 * head, signed_address(dout, (0,)) + 2 * head, q0, to, frm)
-        for e in range(stages - 1):
-            if e < n:
-                key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE
-                at = base + KEPT + e * STAGE
-                copy_pair(at, k_at, v_at, key0, to, frm)
-            commit()
+        prime(base, k_at, v_at, blk_col, first, sub, bs, n, to, frm)
         buf = 0
         for e in range(n):
-            wait()
-            cuda.syncthreads()
-            nxt = e + stages - 1
-            if nxt < n:
-                key1 = blk_col[first + nxt // sub] * bs + (nxt % sub) * TILE
-                at = base + KEPT + (buf - 1 if buf > 0 else stages - 1) * STAGE
-                copy_pair(at, k_at, v_at, key1, to, frm)
-            commit()
-            key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE
+            advance(e, buf, base, k_at, v_at, blk_col, first, sub, bs, n, to, frm)
+            key0 = key_of(e, blk_col, first, sub, bs)
             at = base + KEPT + buf * STAGE
             for i in range(8):
                 for j in range(4):
