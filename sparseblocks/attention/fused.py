@@ -32,7 +32,7 @@ import math
 
 from numba import cuda, float32, int32, int64, uint32
 
-from ..ptx.cp_async import commit, copy16_to, shared_address, signed_address, waiter
+from ..ptx.cp_async import copy16_to, make_ring, shared_address, signed_address
 from ..ptx.half2 import bf16_of_float, half2_of_floats, stored_as
 from ..ptx.ldmatrix import ldmatrix_x4_at, ldmatrix_x4_trans_at
 from ..ptx.mma import FULL_MASK, mma_bf16, mma_f16, pack
@@ -202,39 +202,23 @@ def query_walk(row_ptr, blk_col, H, S, bs, QT, causal):
     return bh, q0, first, sub, n
 
 
-def make_key_ring(copy_pair, stages, kept, stage_bytes):
-    """The key and value tiles of a query tile's present blocks, a stage a ring buffer after the
-    ``kept`` bytes of its own tiles (the forward and dq walk the same keys):
-
-    * ``key_of(e, blk_col, first, sub, bs)``: the first key of stage e (tile ``e % sub`` of the
-      walk's block ``e // sub``);
-    * ``prime(base, k_at, v_at, blk_col, first, sub, bs, n, to, frm)``: stages 0 to ``stages`` - 2
-      in flight, a commit group each (empty past the walk's n, so that the waits count stages);
-    * ``advance(e, buf, ...)``: wait for stage e (in buffer ``buf``), then, the barrier passed, put
-      stage e + ``stages`` - 1 in flight into the buffer before it."""
-    wait = waiter(stages - 2)
+def make_key_ring(copy_pair, stages, stage_bytes):
+    """The key and value tiles of a query tile's present blocks, a stage a ring buffer
+    (`ptx.cp_async.make_ring`; the forward and dq walk the same keys): ``key_of(e, blk_col, first,
+    sub, bs)``, the first key of stage e (tile ``e % sub`` of the walk's block ``e // sub``), and
+    the ring's ``prime`` and ``advance`` over the args ``(k_at, v_at, blk_col, first, sub, bs, to,
+    frm)``."""
 
     @inlined
     def key_of(e, blk_col, first, sub, bs):
         return blk_col[first + e // sub] * bs + (e % sub) * TILE
 
     @inlined
-    def prime(base, k_at, v_at, blk_col, first, sub, bs, n, to, frm):
-        for e in range(stages - 1):
-            if e < n:
-                copy_pair(base + kept + e * stage_bytes, k_at, v_at, key_of(e, blk_col, first, sub, bs), to, frm)
-            commit()
+    def issue(e, at, args):
+        k_at, v_at, blk_col, first, sub, bs, to, frm = args
+        copy_pair(at, k_at, v_at, key_of(e, blk_col, first, sub, bs), to, frm)
 
-    @inlined
-    def advance(e, buf, base, k_at, v_at, blk_col, first, sub, bs, n, to, frm):
-        wait()
-        cuda.syncthreads()  # the stage landed for all; every warp is done with the buffer refilled
-        nxt = e + stages - 1
-        if nxt < n:
-            at = base + kept + (buf - 1 if buf > 0 else stages - 1) * stage_bytes
-            copy_pair(at, k_at, v_at, key_of(nxt, blk_col, first, sub, bs), to, frm)
-        commit()
-
+    prime, advance = make_ring(issue, stages, stage_bytes)
     return key_of, prime, advance
 
 
@@ -255,7 +239,7 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
     STAGE = 2 * TILE_BYTES  # a key tile, then its value tile
     DN, R = D // 8, 2 * MT  # R: rows of a lane
     plan, copy_tile, copy_pair, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D, cols, MT)
-    key_of, prime, advance = make_key_ring(copy_pair, stages, KEPT, STAGE)
+    key_of, prime, advance = make_key_ring(copy_pair, stages, STAGE)
     NEG = float32(-math.inf)  # (a float32: max() and selects in f32)
 
     def mask_step(n, s, top, scale2, key0, row, t):
@@ -330,14 +314,15 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
         if n > 0:
             for m in range(MT):
                 copy_tile(base + m * TILE_BYTES, q_at + 2 * m * TILE * D, to, frm)
-        prime(base, k_at, v_at, blk_col, first, sub, bs, n, to, frm)
+        ring = (k_at, v_at, blk_col, first, sub, bs, to, frm)
+        prime(base + KEPT, n, ring)
         buf = 0
         row = q0 + warp * 16 * MT + g  # the lane's first row; the others 8, 16, 24 on
         for e in range(n):
-            advance(e, buf, base, k_at, v_at, blk_col, first, sub, bs, n, to, frm)
+            stage_at, buf = advance(e, buf, base + KEPT, n, ring)
             for part in range(PARTS):
                 key0 = key_of(e, blk_col, first, sub, bs) + part * cols
-                at = base + KEPT + buf * STAGE + part * cols * ROW  # the part's keys (values: TILE_BYTES on)
+                at = stage_at + part * cols * ROW  # the part's keys (values: TILE_BYTES on)
                 for m in range(MT):
                     for i in range(NS):
                         for j in range(4):
@@ -366,7 +351,6 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
                 exps(s, use, total)
                 as_fragments(fp, s)
                 times_tile(o, fp, at + TILE_BYTES + b_down)
-            buf = buf + 1 if buf < stages - 1 else 0
 
         for i in range(R):
             total[i] += cuda.shfl_xor_sync(FULL_MASK, total[i], 1)
@@ -424,7 +408,7 @@ def make_query_grads(storage, D, stages):
     DN = D // 8
     plan, copy_tile, copy_pair, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D)
     probabilities, score_grads = make_backward_parts()
-    key_of, prime, advance = make_key_ring(copy_pair, stages, KEPT, STAGE)
+    key_of, prime, advance = make_key_ring(copy_pair, stages, STAGE)
 
     @cuda.jit
     def query_grads(dq, q, k, v, dout, lse, delta, row_ptr, blk_col, H, S, bs, scale, scale2, causal):
@@ -457,12 +441,12 @@ def make_query_grads(storage, D, stages):
                 acc[0, i, j] = float32(0)
         if n > 0:
             copy_pair(base, signed_address(q, (0,)) + 2 * head, signed_address(dout, (0,)) + 2 * head, q0, to, frm)
-        prime(base, k_at, v_at, blk_col, first, sub, bs, n, to, frm)
+        ring = (k_at, v_at, blk_col, first, sub, bs, to, frm)
+        prime(base + KEPT, n, ring)
         buf = 0
         for e in range(n):
-            advance(e, buf, base, k_at, v_at, blk_col, first, sub, bs, n, to, frm)
+            at, buf = advance(e, buf, base + KEPT, n, ring)
             key0 = key_of(e, blk_col, first, sub, bs)
-            at = base + KEPT + buf * STAGE
             for i in range(8):
                 for j in range(4):
                     s[0, i, j] = float32(0)
@@ -473,7 +457,6 @@ def make_query_grads(storage, D, stages):
             score_grads(dp, s, dl, True, t)
             as_fragments(fp, dp)
             times_tile(acc, fp, at + b_down)  # dq += dS k
-            buf = buf + 1 if buf < stages - 1 else 0
         f[0], f[1] = float32(scale), float32(scale)
         store(dq, acc, f, head + int64(row) * D, t)
 
@@ -493,14 +476,24 @@ def make_key_grads(storage, D, stages):
     NT, FP = HALF // 8, HALF // 16  # a half's n-tiles, and k16 steps
     plan, copy_tile, copy_pair, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D, HALF, 1)
     probabilities, score_grads = make_backward_parts(HALF)
-    wait = waiter(stages - 2)
 
     @inlined
-    def issue(at, tid, query0, q_at, do_at, lse_at, delta_at, to, frm):
+    def query_of(e, skip, blk_row, col_block, first, sub, bs):
+        """The first query of stage e: the column's tiles after the ``skip`` the causal mask hides."""
+        x = e + skip
+        return blk_row[col_block[first + x // sub]] * bs + (x % sub) * TILE
+
+    @inlined
+    def issue(e, at, args):
+        """Stage e: the q and dout tiles of its queries, then their lse and delta values."""
+        tid, skip, blk_row, col_block, first, sub, bs, q_at, do_at, lse_at, delta_at, to, frm = args
+        query0 = query_of(e, skip, blk_row, col_block, first, sub, bs)
         copy_pair(at, q_at, do_at, query0, to, frm)
         if tid < 2 * ROWS_CH:
             source = lse_at if tid < ROWS_CH else delta_at
             copy16_to(at + 2 * TILE_BYTES + 16 * tid, source + 4 * int64(query0) + 16 * (tid % ROWS_CH))
+
+    prime, advance = make_ring(issue, stages, STAGE)
 
     @cuda.jit
     def key_grads(dk, dv, q, k, v, dout, lse, delta, col_ptr, col_block, blk_row, H, S, bs, scale, scale2, causal):
@@ -546,26 +539,12 @@ def make_key_grads(storage, D, stages):
                 dv_acc[0, i, j] = float32(0)
         if n > 0:
             copy_pair(base, signed_address(k, (0,)) + 2 * head, signed_address(v, (0,)) + 2 * head, k0, to, frm)
-        for e in range(stages - 1):
-            if e < n:
-                x = e + skip
-                query0 = blk_row[col_block[first + x // sub]] * bs + (x % sub) * TILE
-                issue(base + KEPT + e * STAGE, tid, query0, q_at, do_at, lse_at, delta_at, to, frm)
-            commit()
+        ring = (tid, skip, blk_row, col_block, first, sub, bs, q_at, do_at, lse_at, delta_at, to, frm)
+        prime(base + KEPT, n, ring)
         buf = 0
         for e in range(n):
-            wait()
-            cuda.syncthreads()
-            nxt = e + stages - 1
-            if nxt < n:
-                x = nxt + skip
-                query1 = blk_row[col_block[first + x // sub]] * bs + (x % sub) * TILE
-                issue(base + KEPT + (buf - 1 if buf > 0 else stages - 1) * STAGE, tid, query1, q_at, do_at, lse_at,
-                      delta_at, to, frm)
-            commit()
-            x = e + skip
-            query0 = blk_row[col_block[first + x // sub]] * bs + (x % sub) * TILE
-            at = base + KEPT + buf * STAGE
+            at, buf_next = advance(e, buf, base + KEPT, n, ring)
+            query0 = query_of(e, skip, blk_row, col_block, first, sub, bs)
             levels = (KEPT + buf * STAGE + 2 * TILE_BYTES) // 4  # this stage's lse, then delta, in floats
             for half in range(2):
                 for i in range(NT):
@@ -584,7 +563,7 @@ def make_key_grads(storage, D, stages):
                 score_grads(dp, s, floats[at_levels + TILE:at_levels + TILE + HALF], False, t)
                 as_fragments(fp, dp)
                 times_tile(dk_acc, fp, rows + b_down)  # dk += dSᵀ q
-            buf = buf + 1 if buf < stages - 1 else 0
+            buf = buf_next
         f[0], f[1] = float32(scale), float32(scale)
         store(dk, dk_acc, f, head + int64(key) * D, t)
         f[0], f[1] = float32(1), float32(1)

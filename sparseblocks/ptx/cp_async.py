@@ -6,7 +6,8 @@ through L2 only, no register holds the data); ``commit()`` closes this
 thread's group of copies started since the last commit; ``wait_all()`` and
 ``wait_but_one()`` (``cp.async.wait_group 0`` / ``1``) block this thread until
 all its groups, or all but the newest one, have landed; ``waiter(n)`` is the
-wait that leaves the newest ``n`` groups (0 to 3) in flight.
+wait that leaves the newest ``n`` groups (0 to 3) in flight; ``make_ring(issue, stages,
+stage_bytes)`` runs a ring of stages over them (the protocol of every pipeline here).
 
 ``copy16`` works out both addresses from array indices at every call, which
 costs a kernel that copies a tile's rows every stage some 30 instructions a
@@ -39,6 +40,8 @@ addresses (array plus byte offset, there) past either array's end.
 Used by version 5's fp32 weight gradient (kernels/bsmm.py, V5_WGRAD_ASYNC)
 and its products' stage ring (V5_STAGES > 2, the default). Tests: tests/test_async.py.
 """
+
+from numba import cuda
 
 from ..runtime.backend import SIMULATOR
 
@@ -255,3 +258,39 @@ def waiter(keep):
     if not 0 <= keep <= MAX_IN_FLIGHT:
         raise ValueError(f"keep: expected 0..{MAX_IN_FLIGHT} groups in flight, got {keep}")
     return _waits[keep]
+
+
+def make_ring(issue, stages, stage_bytes):
+    """The stage ring every cp.async pipeline here runs, as two device functions over ``issue(s,
+    at, args)`` (a kernel's: start stage s's copies into the buffer at shared address ``at``;
+    ``args`` its tuple of whatever else that needs):
+
+    * ``prime(base, count, args)``: stages 0 to ``stages`` - 2 in flight (those below ``count``),
+      into buffers ``base``, ``base + stage_bytes``, ...; a commit group each, empty or not, so
+      that the waits count stages;
+    * ``advance(s, buf, base, count, args)``: wait until stage s (in buffer ``buf``, counting from
+      0 at stage 0) has landed for this thread, then the barrier (for all threads; and every warp
+      is done with the buffer of stage s - 1), put stage s + ``stages`` - 1 in flight into that
+      buffer, and return (stage s's buffer's address, the next stage's ``buf``): a counter, not
+      ``s % stages``, which took the kernels here more registers."""
+    from ..runtime.compile import inlined
+
+    wait = waiter(stages - 2)
+
+    @inlined
+    def prime(base, count, args):
+        for s in range(stages - 1):
+            if s < count:
+                issue(s, base + s * stage_bytes, args)
+            commit()
+
+    @inlined
+    def advance(s, buf, base, count, args):
+        wait()
+        cuda.syncthreads()
+        if s + stages - 1 < count:  # (stage s + stages - 1 goes to the buffer before stage s's)
+            issue(s + stages - 1, base + (buf - 1 if buf > 0 else stages - 1) * stage_bytes, args)
+        commit()
+        return base + buf * stage_bytes, (buf + 1 if buf < stages - 1 else 0)
+
+    return prime, advance

@@ -54,6 +54,13 @@ def test_fused_kernels_match_the_twin_on_one_tile():
     check_against_twin("float16", True, False, 5, (1, 1, 64, 1, 16), empty_row=False)
 
 
+def test_fused_kernels_refill_their_rings():
+    """Three 64-row tiles, causal, rings of two stages: query tiles walk up to three key tiles and
+    key tiles up to three query tiles, so every kernel's ring refills its buffers."""
+    config = AttentionConfig(stages=2, backward_stages=2)
+    check_against_twin("float16", True, False, 7, (1, 1, 64, 3, 16), config, empty_row=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="sizes the simulator would take minutes over")
 @pytest.mark.parametrize("dtype, D, stages", [("float16", 64, 2), ("float16", 128, 2), ("bfloat16", 64, 2),

@@ -6,7 +6,7 @@ from numba import cuda, float32
 
 from sparseblocks.runtime.backend import SIMULATOR
 from sparseblocks.ptx.cp_async import (
-    commit, copy16, copy16_to, global_address, shared_address, wait_all, wait_but_one, waiter,
+    commit, copy16, copy16_to, global_address, make_ring, shared_address, wait_all, wait_but_one, waiter,
 )
 
 ROWS, WIDTH = 8, 4  # a thread block of 8 threads, each one 16-byte row of fp32
@@ -69,6 +69,39 @@ def _addressed_stages(out, source, stride_bytes):
         for c in range(WIDTH):
             out[s, t, c] = stages[s % 3, j, c]
         commit()  # an empty group: the wait above counts one group a stage
+
+
+@cuda.jit(device=True)
+def _issue_row(s, at, args):
+    origin, stride_bytes = args
+    copy16_to(at, origin + s * stride_bytes)
+
+
+_prime, _advance = make_ring(_issue_row, 3, ROWS * WIDTH * 4)
+
+
+@cuda.jit
+def _ring_stages(out, source, stride_bytes, count):
+    """``count`` stages of source through `make_ring`'s ring of three buffers, each read back
+    (another thread's row) as it lands."""
+    t = cuda.threadIdx.x
+    stages = cuda.shared.array((3, ROWS, WIDTH), float32)
+    base = shared_address(stages, (0, t, 0))
+    args = (global_address(source, (0, t, 0)), stride_bytes)
+    _prime(base, count, args)
+    buf = 0
+    for s in range(count):
+        _, buf = _advance(s, buf, base, count, args)
+        j = (t + 1) % ROWS
+        for c in range(WIDTH):
+            out[s, t, c] = stages[s % 3, j, c]
+
+
+def test_ring_stages_land_in_order():
+    source = np.arange(5 * ROWS * WIDTH, dtype=np.float32).reshape(5, ROWS, WIDTH)
+    out = cuda.to_device(np.full_like(source, np.nan))
+    _ring_stages[1, ROWS](out, cuda.to_device(source), ROWS * WIDTH * 4, 5)
+    np.testing.assert_array_equal(out.copy_to_host(), np.roll(source, -1, axis=1))
 
 
 def test_stages_land_in_order():
