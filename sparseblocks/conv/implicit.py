@@ -39,7 +39,7 @@ shared memory); the others run `tensorcore.py`'s gathering kernels.
 from numba import cuda, float32, int16, int32, int64, types, uint32
 
 from ..bsmm.device import converters
-from ..ptx.cp_async import commit, copy16_or_zero, copy16_to, shared_address, signed_address, waiter
+from ..ptx.cp_async import copy16_or_zero, copy16_to, make_ring, shared_address, signed_address
 from ..ptx.half2 import stored_as
 from ..ptx.ldmatrix import ldmatrix_x4_at, ldmatrix_x4_trans_at
 from ..ptx.mma import mma_3xtf32, mma_bf16, mma_f16
@@ -274,7 +274,6 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False):
     NC = G // CS
     mma = mma_of(storage)
     narrow = stored_as(storage)
-    wait = waiter(STAGES - 2)  # (waited before the next stage is issued: STAGES - 2 others in flight)
     widen, _ = converters(storage, float32)
     plan_patch, copy_patch = make_patch_copies(2, ROW, P_PER, E)
     where, patch_row, tap_shift = make_tiles(QT)
@@ -344,6 +343,13 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False):
         ch = rest % NC
         stage(at, f_at, x_at, jobs, e, ch, blk_c0[e] + CS * ch, first_tile + s // per_tile, ig, IN_ROWS, tid)
 
+    @inlined
+    def issue_ring(s, at, args):
+        f_at, x_at, jobs, grp_blk, blk_c0, ptr, per_tile, first_tile, ig, IN_ROWS, tid = args
+        issue(s, at, f_at, x_at, jobs, grp_blk, blk_c0, ptr, per_tile, first_tile, ig, IN_ROWS, tid)
+
+    prime, advance = make_ring(issue_ring, STAGES, STAGE)
+
     @cuda.jit
     def forward(out, x, f, grp_ptr, grp_blk, blk_c0, ig, N, OUT_ROWS, IN_ROWS, bias, edge, has_bias, tiles,
                 workers):
@@ -381,20 +387,11 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False):
                 store(out, acc, pos0, k0, n, OUT_ROWS, m, P, Q, p0, q0, MPQ, bias, edge, has_bias)
             return
         count = my_tiles * per_tile
-        for s in range(STAGES - 1):
-            if s < count:
-                issue(s, base + s * STAGE, f_at, x_at, jobs, grp_blk, blk_c0, ptr, per_tile, first_tile, ig,
-                      IN_ROWS, tid)
-            commit()  # (one group a stage, empty or not, so that the wait counts stages)
+        ring = (f_at, x_at, jobs, grp_blk, blk_c0, ptr, per_tile, first_tile, ig, IN_ROWS, tid)
+        prime(base, count, ring)
+        buf = 0
         for s in range(count):
-            wait()  # (stage s landed for this thread; the barrier: for all, and the buffer refilled free)
-            cuda.syncthreads()
-            nxt = s + STAGES - 1
-            if nxt < count:
-                issue(nxt, base + (nxt % STAGES) * STAGE, f_at, x_at, jobs, grp_blk, blk_c0, ptr, per_tile,
-                      first_tile, ig, IN_ROWS, tid)
-            commit()
-            at = base + (s % STAGES) * STAGE
+            at, buf = advance(s, buf, base, count, ring)
             for tap in range(TRS):
                 load_a(fa, at + tap * G * ROW + a_lane)
                 pairs(acc, fa, at + b_col, row0 + shifts[tap], row1 + shifts[tap])
@@ -427,7 +424,6 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
     P_PER = -(-cap * B_CH // THREADS)
     KS = TILE // (8 if FP32 else 16) // WS  # k steps (of k8 or k16) a warp a stage
     mma = mma_of(storage)
-    wait = waiter(STAGES - 2)
     plan_patch, copy_patch = make_patch_copies(B_CH, BROW, P_PER, E)
     where, patch_row, tap_shift = make_tiles(QT)
 
@@ -488,6 +484,13 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
         copy_patch(at + TILE * AROW, x_at, jobs, count, n, m * ig[9] - ig[12], p0 * ig[10] - ig[13],
                    q0 * ig[11] - ig[14], ig[0], ig[1], ig[2], C, c0, tid)
 
+    @inlined
+    def issue_ring(s, at, args):
+        dy_at, x_at, jobs, count_p, first, ig, K, C, k0, c0, tid = args
+        stage(at, dy_at, x_at, jobs, count_p, first + s, ig, K, C, k0, c0, tid)
+
+    prime, advance = make_ring(issue_ring, STAGES, STAGE, counter=False)
+
     @cuda.jit
     def filter_grad(part, dy, x, blk_c0, blk_k0, ig, N, K, C, tiles, shares, f_size):
         PH, PW = ig[19], ig[20]
@@ -529,20 +532,13 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
         zero(acc)
         first = (share * tiles) // shares
         count = ((share + 1) * tiles) // shares - first
-        for s in range(STAGES - 1):
-            if s < count:
-                stage(base + s * STAGE, dy_at, x_at, jobs, count_p, first + s, ig, K, C, k0, c0, tid)
-            commit()  # (one group a stage, empty or not, so that the wait counts stages)
+        ring = (dy_at, x_at, jobs, count_p, first, ig, K, C, k0, c0, tid)
+        prime(base, count, ring)
+        buf = 0
         for s in range(count):
-            wait()  # (stage s landed for this thread; the barrier: for all, and the buffer refilled free)
-            cuda.syncthreads()
-            nxt = s + STAGES - 1
-            if nxt < count:
-                stage(base + (nxt % STAGES) * STAGE, dy_at, x_at, jobs, count_p, first + nxt, ig, K, C, k0, c0, tid)
-            commit()
-            at = base + (s % STAGES) * STAGE
+            at, buf = advance(s, buf, base, count, ring)
             if FP32:  # (word offsets from the shared array's start)
-                w_at = int32(s % STAGES) * (STAGE // 4)
+                w_at = int32(at - base) // 4
                 for i in range(KS):
                     j = (ws + WS * i) * 8 + t  # this lane's positions of the step: j and j + 4
                     a_w = w_at + j * AW + wk * 16 + g  # A[g, t] = dy[position t, channel g]

@@ -260,7 +260,7 @@ def waiter(keep):
     return _waits[keep]
 
 
-def make_ring(issue, stages, stage_bytes):
+def make_ring(issue, stages, stage_bytes, counter=True):
     """The stage ring every cp.async pipeline here runs, as two device functions over ``issue(s,
     at, args)`` (a kernel's: start stage s's copies into the buffer at shared address ``at``;
     ``args`` its tuple of whatever else that needs):
@@ -271,8 +271,11 @@ def make_ring(issue, stages, stage_bytes):
     * ``advance(s, buf, base, count, args)``: wait until stage s (in buffer ``buf``, counting from
       0 at stage 0) has landed for this thread, then the barrier (for all threads; and every warp
       is done with the buffer of stage s - 1), put stage s + ``stages`` - 1 in flight into that
-      buffer, and return (stage s's buffer's address, the next stage's ``buf``): a counter, not
-      ``s % stages``, which took the kernels here more registers."""
+      buffer, and return (stage s's buffer's address, the next stage's ``buf``).
+
+    ``counter``: buffers found by that counter, else by ``s % stages`` (``buf`` passed through);
+    which leaves a kernel fewer registers is ptxas's call (`tools/compile_check.py`: attention's
+    kernels take the counter, the convolution's filter gradient the remainder)."""
     from ..runtime.compile import inlined
 
     wait = waiter(stages - 2)
@@ -288,9 +291,15 @@ def make_ring(issue, stages, stage_bytes):
     def advance(s, buf, base, count, args):
         wait()
         cuda.syncthreads()
-        if s + stages - 1 < count:  # (stage s + stages - 1 goes to the buffer before stage s's)
-            issue(s + stages - 1, base + (buf - 1 if buf > 0 else stages - 1) * stage_bytes, args)
+        nxt = s + stages - 1  # (into the buffer before stage s's)
+        if counter:
+            if nxt < count:
+                issue(nxt, base + (buf - 1 if buf > 0 else stages - 1) * stage_bytes, args)
+            commit()
+            return base + buf * stage_bytes, (buf + 1 if buf < stages - 1 else 0)
+        if nxt < count:
+            issue(nxt, base + (nxt % stages) * stage_bytes, args)
         commit()
-        return base + buf * stage_bytes, (buf + 1 if buf < stages - 1 else 0)
+        return base + (s % stages) * stage_bytes, buf
 
     return prime, advance

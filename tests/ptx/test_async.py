@@ -77,30 +77,33 @@ def _issue_row(s, at, args):
     copy16_to(at, origin + s * stride_bytes)
 
 
-_prime, _advance = make_ring(_issue_row, 3, ROWS * WIDTH * 4)
+def _make_ring_stages(counter):
+    prime, advance = make_ring(_issue_row, 3, ROWS * WIDTH * 4, counter)
+
+    @cuda.jit
+    def ring_stages(out, source, stride_bytes, count):
+        """``count`` stages of source through `make_ring`'s ring of three buffers, each read back
+        (another thread's row) from the buffer ``advance`` names, as it lands."""
+        t = cuda.threadIdx.x
+        stages = cuda.shared.array((3 * ROWS * WIDTH), float32)
+        base = shared_address(stages, (t * WIDTH,))
+        args = (global_address(source, (0, t, 0)), stride_bytes)
+        prime(base, count, args)
+        buf = 0
+        for s in range(count):
+            at, buf = advance(s, buf, base, count, args)
+            first = (at - base) // 4 + ((t + 1) % ROWS) * WIDTH  # (another thread's row of the buffer)
+            for c in range(WIDTH):
+                out[s, t, c] = stages[first + c]
+
+    return ring_stages
 
 
-@cuda.jit
-def _ring_stages(out, source, stride_bytes, count):
-    """``count`` stages of source through `make_ring`'s ring of three buffers, each read back
-    (another thread's row) as it lands."""
-    t = cuda.threadIdx.x
-    stages = cuda.shared.array((3, ROWS, WIDTH), float32)
-    base = shared_address(stages, (0, t, 0))
-    args = (global_address(source, (0, t, 0)), stride_bytes)
-    _prime(base, count, args)
-    buf = 0
-    for s in range(count):
-        _, buf = _advance(s, buf, base, count, args)
-        j = (t + 1) % ROWS
-        for c in range(WIDTH):
-            out[s, t, c] = stages[s % 3, j, c]
-
-
-def test_ring_stages_land_in_order():
+@pytest.mark.parametrize("counter", [True, False])
+def test_ring_stages_land_in_order(counter):
     source = np.arange(5 * ROWS * WIDTH, dtype=np.float32).reshape(5, ROWS, WIDTH)
     out = cuda.to_device(np.full_like(source, np.nan))
-    _ring_stages[1, ROWS](out, cuda.to_device(source), ROWS * WIDTH * 4, 5)
+    _make_ring_stages(counter)[1, ROWS](out, cuda.to_device(source), ROWS * WIDTH * 4, 5)
     np.testing.assert_array_equal(out.copy_to_host(), np.roll(source, -1, axis=1))
 
 
