@@ -121,6 +121,16 @@ def test_demo_trains_both_models_and_draws_them(tmp_path):
     assert (tmp_path / "demo.png").stat().st_size > 0
 
 
+def test_demo_times_a_training_step_dense_and_block_sparse():
+    """The demo's timed part (run on a GPU at FFN size), here tiny and eager on the CPU path."""
+    torch = pytest.importorskip("torch")
+    from sparseblocks.torch import demo
+
+    size = dict(width=64, hidden=128, tokens=32, block_size=16, densities=(0.25,))
+    results = demo.timed_steps(size, device="cpu", dtype=torch.float32, compiled=False, steps=2)
+    assert set(results) == {("dense", "eager"), ("25%", "eager")} and all(ms > 0 for ms in results.values())
+
+
 def test_quant_demo_trains_its_mlps_and_cnns():
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
