@@ -138,8 +138,44 @@ def sbnet_demo():
     print(f"sparse block: {sparse_s * 1e3:.2f} ms, dense block: {dense_s * 1e3:.2f} ms (one warm call each); "
           f"max difference from the dense block on the active "
           f"region {error:.1e}; input kept elsewhere: {untouched}; every edge pixel computed: {covered}")
+    if device == "cuda":
+        sbnet_timings(torch, SparseResBlock)
     print("sbnet-demo passed" if ok else "sbnet-demo failed")
     return 0 if ok else 1
+
+
+def sbnet_timings(torch, SparseResBlock, fractions=(0.05, 0.1), shape=(1, 256, 400, 700), device="cuda",
+                  dtype_name="float16"):
+    """Where the sparse block pays (a GPU): SBNet's 1 x 256 x 400 x 700 block (bottleneck 64, windows
+    of 16) with 5 and 10 % of its windows active, its CUDA graphs replayed (``graphs=True``) in
+    place, against the dense block (cuDNN), fp16, channels-last; CUDA events, medians of 20 calls."""
+    import numpy as np
+
+    from .torch.demo import step_ms
+
+    torch.manual_seed(0)
+    N, C, H, W = shape
+    dtype = getattr(torch, dtype_name)
+    block = SparseResBlock(C, C // 4, 16, graphs=True).to(device, dtype).to(memory_format=torch.channels_last)
+    x = torch.randn(*shape, device=device, dtype=dtype).to(memory_format=torch.channels_last)
+    p = block.geometry(x.shape)
+    rng = np.random.default_rng(1)
+    results = {}
+    with torch.no_grad():
+        dense = step_ms(lambda: block.dense(x), steps=20)
+        print(f"the block at {N} x {C} x {H} x {W}, {dtype_name}: dense (cuDNN) {dense:.3f} ms")
+        for fraction in fractions:
+            chosen = np.argwhere(rng.random(p.bcount) < fraction)  # (a mask pixel at each chosen window's centre)
+            mask = np.zeros((N, H, W), np.float32)
+            mask[0, p.boffset[0] + chosen[:, 0] * p.bstride[0] + p.bsize[0] // 2,
+                 p.boffset[1] + chosen[:, 1] * p.bstride[1] + p.bsize[1] // 2] = 1
+            indices, count = block.active_blocks(torch.as_tensor(mask, device=device), tol=0.5)
+            work = x.clone()
+            sparse = step_ms(lambda: block(work, indices, count, inplace=True), steps=20)
+            print(f"  {len(chosen) / (p.bcount[0] * p.bcount[1]):.1%} of the windows active: sparse {sparse:.3f} ms, "
+                  f"{dense / sparse:.2f}x the dense block")
+            results[fraction] = (dense, sparse)
+    return results
 
 
 LAYOUT_SPECS = """layouts: random:CbxKb:density, banded:CbxKb:width, causal:n, strided:n:stride,

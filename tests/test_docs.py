@@ -131,6 +131,16 @@ def test_demo_times_a_training_step_dense_and_block_sparse():
     assert set(results) == {("dense", "eager"), ("25%", "eager")} and all(ms > 0 for ms in results.values())
 
 
+def test_sbnet_demo_times_the_block_at_low_activity():
+    """sbnet-demo's timed part (run on a GPU at SBNet's size), here tiny on the CPU path."""
+    torch = pytest.importorskip("torch")
+    from sparseblocks.__main__ import sbnet_timings
+    from sparseblocks.torch import SparseResBlock
+
+    results = sbnet_timings(torch, SparseResBlock, (0.25,), (1, 8, 48, 48), device="cpu", dtype_name="float32")
+    assert set(results) == {0.25} and all(ms > 0 for pair in results.values() for ms in pair)
+
+
 def test_quant_demo_trains_its_mlps_and_cnns():
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")

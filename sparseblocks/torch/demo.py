@@ -189,16 +189,19 @@ def timed_steps(size=FFN, device="cuda", dtype=torch.bfloat16, compiled=True, st
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         for mode in ("eager", "compiled") if compiled else ("eager",):
             forward = torch.compile(model, fullgraph=True) if mode == "compiled" else model
-
-            def step():
-                loss = nn.functional.mse_loss(forward(x), target)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-            results[name, mode] = step_ms(step, steps)
+            results[name, mode] = step_ms(training_step(forward, optimizer, x, target), steps)
         del model, optimizer
     return results
+
+
+def training_step(forward, optimizer, x, target):
+    def step():
+        loss = nn.functional.mse_loss(forward(x), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
 
 
 def print_steps(results, size=FFN):
