@@ -57,7 +57,33 @@ def levels(basis, signed):
     return sorted_values, order, (sorted_values[..., 1:] + sorted_values[..., :-1]) / 2
 
 
-class QuantArray:
+class BitPlanes:
+    """What the quantized containers share: K bit planes first in ``planes`` (of the caller's
+    kind, passed on through ``__cuda_array_interface__``), a basis ``(T, K)`` (T: a row each, or 1),
+    and whether the codes are ±1 (``signed``)."""
+
+    def _check_bases(self, bits, rows):
+        if not 1 <= bits <= MAX_BITS:
+            raise ValueError(f"planes: expected 1 to {MAX_BITS} bit planes, got {bits}")
+        if tuple(self.basis.shape) not in ((1, bits), (rows, bits)):
+            raise ValueError(f"basis: expected (1, {bits}) or ({rows}, {bits}), got {tuple(self.basis.shape)}")
+
+    @property
+    def bits(self):
+        return self.planes.shape[0]
+
+    @property
+    def device(self):
+        """Its planes' device (a torch tensor's or CuPy array's; None for NumPy arrays): the calls
+        that take it run there (`runtime.devices`)."""
+        return getattr(self.planes, "device", None)
+
+    @property
+    def __cuda_array_interface__(self):
+        return self.planes.__cuda_array_interface__
+
+
+class QuantArray(BitPlanes):
     """A quantized 2-D array: K bit planes ``(K, rows, words)`` uint32 (bit ``c % 32`` of word
     ``c // 32`` holds value c's bit; zero bits past the row), its basis ``(T, K)`` fp32 (T = rows:
     a basis a row, or 1: one for all), whether the codes are ±1 (``signed``) or 0/1, and the
@@ -70,28 +96,11 @@ class QuantArray:
         if words != packed_words(self.columns):
             raise ValueError(f"planes: expected {packed_words(self.columns)} words a row for {columns} columns, "
                              f"got {words}")
-        if not 1 <= bits <= MAX_BITS:
-            raise ValueError(f"planes: expected 1 to {MAX_BITS} bit planes, got {bits}")
-        if tuple(basis.shape) not in ((1, bits), (rows, bits)):
-            raise ValueError(f"basis: expected (1, {bits}) or ({rows}, {bits}), got {tuple(basis.shape)}")
-
-    @property
-    def bits(self):
-        return self.planes.shape[0]
+        self._check_bases(bits, rows)
 
     @property
     def shape(self):
         return (self.planes.shape[1], self.columns)
-
-    @property
-    def device(self):
-        """Its planes' device (a torch tensor's or CuPy array's; None for NumPy arrays): the calls
-        that take it run there (`runtime.devices`)."""
-        return getattr(self.planes, "device", None)
-
-    @property
-    def __cuda_array_interface__(self):
-        return self.planes.__cuda_array_interface__
 
     def __repr__(self):
         return (f"QuantArray(shape={self.shape}, bits={self.bits}, signed={self.signed}, "

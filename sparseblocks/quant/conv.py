@@ -20,7 +20,7 @@ from ..runtime.arrays import Array, Operand, check_dtype, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
 from ..runtime.launch import launch
-from .api import MAX_BITS, OUT_DTYPES, VERSIONS, _basis_rows, _groups, _like, _no_bias
+from .api import OUT_DTYPES, VERSIONS, BitPlanes, _basis_rows, _groups, _like, _no_bias
 from .config import QuantConfig, as_config
 from .pack import make_pack_image
 from .simple import make_simt_conv
@@ -30,7 +30,7 @@ WORD = 32
 PACK_THREADS = 128
 
 
-class QuantImage:
+class QuantImage(BitPlanes):
     """A quantized image batch: K bit planes ``(K, N, H, W, words)`` uint32 (channel c of a pixel
     is bit ``c % 32`` of its word ``c // 32``; zero bits past C), its basis ``(T, K)`` fp32 (T = N:
     a basis an image, a filter bank's output channels; or 1), the channel count and whether the
@@ -44,28 +44,13 @@ class QuantImage:
         if words != -(-self.channels // WORD):
             raise ValueError(f"planes: expected {-(-self.channels // WORD)} words a pixel for {channels} channels, "
                              f"got {words}")
-        if not 1 <= bits <= MAX_BITS:
-            raise ValueError(f"planes: expected 1 to {MAX_BITS} bit planes, got {bits}")
-        if tuple(basis.shape) not in ((1, bits), (images, bits)):
-            raise ValueError(f"basis: expected (1, {bits}) or ({images}, {bits}), got {tuple(basis.shape)}")
-
-    @property
-    def bits(self):
-        return self.planes.shape[0]
+        self._check_bases(bits, images)
 
     @property
     def shape(self):
         """(N, C, H, W), as the float batch it stands for."""
         _, images, height, width, _ = self.planes.shape
         return (images, self.channels, height, width)
-
-    @property
-    def device(self):
-        return getattr(self.planes, "device", None)
-
-    @property
-    def __cuda_array_interface__(self):
-        return self.planes.__cuda_array_interface__
 
     def __repr__(self):
         return f"QuantImage(shape={self.shape}, bits={self.bits}, signed={self.signed})"
