@@ -26,6 +26,7 @@ MAX_BITS = 4
 WORD = 32
 WORD_ALIGN = 8  # words a packed row is padded to: one 256-bit step of the b1 mma
 VERSIONS = ("simt", "tensorcore")
+OUT_DTYPES = ("float32", "float16")
 PACK_THREADS = 128  # threads a block of `make_pack_words`
 
 
@@ -36,7 +37,6 @@ def _words_of(array):
 
         return array.view(torch.int32)
     return array.view(np.uint32)
-OUT_DTYPES = ("float32", "float16")
 
 
 def packed_words(columns):
@@ -147,8 +147,8 @@ def pack(x_op, thresholds, order, basis, signed, cfg):
     native, planes = x_op.empty((bits, rows, words), stream, dtype="uint32")
     per_row = basis.shape[0] != 1
     tables = [Operand(table, name).device(stream) for table, name in ((thresholds, "thresholds"), (order, "order"))]
-    if rows and words and cfg.pack_vector and columns % WORD == 0 and aligned(data_pointer(x_op.device(stream)), 16, 1):
-        x_dev = x_op.device(stream)
+    x_dev = x_op.device(stream)
+    if rows and words and cfg.pack_vector and columns % WORD == 0 and aligned(data_pointer(x_dev), 16, 1):
         half = x_op.dtype == "float16"
         kernel = cached(make_pack_words, cfg, bits, per_row, half)
         launch(kernel, (-(-words // PACK_THREADS), rows), PACK_THREADS, stream,
@@ -157,7 +157,7 @@ def pack(x_op, thresholds, order, basis, signed, cfg):
         warps = min(cfg.pack_warps, -(-words // cfg.pack_words))  # (no warp without words)
         grid = (-(-words // (warps * cfg.pack_words)), rows)
         kernel = cached(make_pack, cfg, bits, per_row)
-        launch(kernel, grid, warps * 32, stream, (planes, x_op.device(stream), *tables, columns))
+        launch(kernel, grid, warps * 32, stream, (planes, x_dev, *tables, columns))
     planes = x_op.result(native, planes, stream)
     if isinstance(basis, np.ndarray):
         basis = _like(x_op, np.ascontiguousarray(basis, np.float32), stream)

@@ -99,7 +99,7 @@ def straight_through(x, basis, signed, clip):
 
 
 class _LearnedQuantizers(torch.nn.Module):
-    """The bases of a layer's two quantizers, their QEM steps and the straight-through values.
+    """The bases of a layer's two quantizers, their QEM steps and the packing kernels' tables.
     The bases are buffers (``w_basis`` (out, w_bits), ``a_basis`` (a_bits,)), saved with the state
     dict and updated in training mode only."""
 
@@ -221,9 +221,9 @@ class QuantConv2d(_LearnedQuantizers):
                  momentum: float = MOVING_AVERAGE, device: Optional[Union[str, torch.device]] = None,
                  dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
-        pairs = {name: quant.conv._pair(value, name, low) for name, value, low in (
-            ("kernel_size", kernel_size, 1), ("stride", stride, 1), ("padding", padding, 0), ("dilation", dilation, 1))}
-        self.kernel_size, self.stride, self.padding, self.dilation = (pairs[name] for name in pairs)
+        pair = quant.conv._pair
+        self.kernel_size, self.stride = pair(kernel_size, "kernel_size", 1), pair(stride, "stride", 1)
+        self.padding, self.dilation = pair(padding, "padding", 0), pair(dilation, "dilation", 1)
         R, S = self.kernel_size
         self._make_bases(out_channels, in_channels * R * S, w_bits, a_bits, False, momentum, device)
         factory: Dict[str, Any] = {"device": device, "dtype": dtype}
