@@ -39,9 +39,9 @@ COLUMNS = 128  # feature axis 0: columns of x a warp covers (4 a lane)
 def make_block_sum(threads, acc_type):
     """``block_sum(value, shared, y, t)``: the sum of the ``threads`` threads' ``value`` (row ``y``'s
     of the thread block: ``shared[y]``, an ``acc_type`` array of threads / 32 + 1 slots, free again
-    when it returns), returned to all of them. One warp sums by shuffles alone (lane 0's sum, broadcast: every lane
-    gets the same bits); more take two barriers of the whole thread block, every row's threads
-    reaching them together."""
+    when it returns), returned to all of them. One warp sums by shuffles alone (lane 0's sum,
+    broadcast: every lane gets the same bits); more take two barriers of the whole thread block,
+    every row's threads reaching them together."""
     WARPS = threads // 32
 
     @cuda.jit(device=True, inline=True)
