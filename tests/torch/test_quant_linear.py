@@ -1,5 +1,5 @@
-"""`LQLinear`: its quantizers against the LQ-Nets twin, the straight-through gradients, training,
-the packed product on a GPU, layouts."""
+"""`LQLinear`: its quantizers against the LQ-Nets twin, the straight-through gradients, training
+(`QuantConv2d`'s too), the packed product on a GPU, layouts."""
 
 import numpy as np
 import pytest
@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 from sparseblocks.layout import BlockLayout  # noqa: E402
 from sparseblocks.reference import quant as reference  # noqa: E402
 from sparseblocks.runtime.backend import SIMULATOR  # noqa: E402
-from sparseblocks.torch import LQLinear  # noqa: E402
+from sparseblocks.torch import LQLinear, QuantConv2d  # noqa: E402
 from sparseblocks.torch import quant as lq  # noqa: E402
 
 DEVICE = "cpu" if SIMULATOR else "cuda"
@@ -46,13 +46,27 @@ def test_straight_through_gradients_are_the_twins():
         np.testing.assert_array_equal(got.detach().numpy(), want)
 
 
-def test_training_decreases_the_loss_and_fits_the_bases():
-    torch.manual_seed(0)
+def _linear_case():
     model = torch.nn.Sequential(LQLinear(32, 64, w_bits=2, a_bits=2), torch.nn.ReLU(), LQLinear(64, 4))
     x = torch.randn(256, 32)
-    target = x[:, :4].clone()
+    return model, model[0], x, x[:, :4].clone()
+
+
+def _conv_case():
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.ReLU(),
+                                QuantConv2d(8, 8, 3, padding=1, w_bits=2, a_bits=2), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 3))
+    x = torch.randn(64, 1, 6, 6)
+    target = torch.stack([x.mean((1, 2, 3)), x[:, 0, :3].mean((1, 2)), x[:, 0, 3:].mean((1, 2))], 1)
+    return model, model[2], x, target
+
+
+@pytest.mark.parametrize("case", [_linear_case, _conv_case], ids=["LQLinear", "QuantConv2d"])
+def test_training_decreases_the_loss_and_fits_the_bases(case):
+    torch.manual_seed(0)
+    model, layer, x, target = case()
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    basis = model[0].w_basis.clone()
+    basis = layer.w_basis.clone()
     losses = []
     for _ in range(60):
         optimizer.zero_grad()
@@ -61,11 +75,11 @@ def test_training_decreases_the_loss_and_fits_the_bases():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.6 * losses[0]
-    assert not torch.equal(basis, model[0].w_basis)  # the QEM steps moved it
+    assert not torch.equal(basis, layer.w_basis)  # the QEM steps moved it
     model.eval()
-    before = model[0].a_basis.clone()
+    before = layer.a_basis.clone()
     model(x)
-    assert torch.equal(before, model[0].a_basis)  # evaluation leaves the bases
+    assert torch.equal(before, layer.a_basis)  # evaluation leaves the bases
 
 
 def test_a_layout_keeps_only_its_blocks():
