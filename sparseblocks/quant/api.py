@@ -236,6 +236,25 @@ def _groups(layout, columns, outputs, group_cols, stream):
     return (*cache[key], bs // WORD, bs, bs)
 
 
+def planes_and_bias(a, w, bias, O):
+    """A product's or convolution's (a's and w's planes as `Operand`, the bias (O,) fp32 on the
+    device, or a zero where none, the call's stream), after checking them: planes of fewer than 2^31
+    words (the tensor-core kernels' word offsets are 32-bit) and the bias's shape and dtype."""
+    for name, q in (("a", a), ("w", w)):
+        words = int(np.prod(q.planes.shape))
+        if words >= 2 ** 31:
+            raise ValueError(f"{name}: expected fewer than 2^31 words of planes, got {words}")
+    a_planes, w_planes = Operand(a.planes, "a.planes"), Operand(w.planes, "w.planes")
+    stream = launch_stream((a_planes, w_planes))
+    if bias is None:
+        return a_planes, w_planes, _no_bias(stream), stream
+    bias_op = Operand(bias, "bias")
+    check_dtype(bias_op, ("float32",))
+    if bias_op.shape != (O,):
+        raise ValueError(f"bias: expected shape ({O},), got {bias_op.shape}")
+    return a_planes, w_planes, bias_op.device(stream), stream
+
+
 def _check_layout(layout, columns, outputs):
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout: expected a BlockLayout, got {type(layout).__name__}")
@@ -270,22 +289,9 @@ def matmul(a: QuantArray, w: QuantArray, layout: Optional[BlockLayout] = None, b
         raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
     N, C = a.shape
     O = w.shape[0]
-    for name, q in (("a", a), ("w", w)):
-        words = int(np.prod(q.planes.shape))
-        if words >= 2 ** 31:  # (the tensor-core kernel's word offsets are 32-bit)
-            raise ValueError(f"{name}: expected fewer than 2^31 words of planes, got {words}")
     if layout is not None:
         _check_layout(layout, C, O)
-    a_planes, w_planes = Operand(a.planes, "a.planes"), Operand(w.planes, "w.planes")
-    stream = launch_stream((a_planes, w_planes))
-    if bias is not None:
-        bias_op = Operand(bias, "bias")
-        check_dtype(bias_op, ("float32",))
-        if bias_op.shape != (O,):
-            raise ValueError(f"bias: expected shape ({O},), got {bias_op.shape}")
-        bias_values = bias_op.device(stream)
-    else:
-        bias_values = _no_bias(stream)
+    a_planes, w_planes, bias_values, stream = planes_and_bias(a, w, bias, O)
     native, y = a_planes.empty((N, O), stream, dtype=out_dtype)
     if N and O:
         # (a dense product's group no wider than O, rounded up to an mma's 8 columns)

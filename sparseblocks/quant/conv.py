@@ -20,7 +20,7 @@ from ..runtime.arrays import Array, Operand, check_dtype, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
 from ..runtime.launch import launch
-from .api import OUT_DTYPES, VERSIONS, BitPlanes, _basis_rows, _groups, _like, _no_bias
+from .api import OUT_DTYPES, VERSIONS, BitPlanes, _basis_rows, _groups, _like, planes_and_bias
 from .config import QuantConfig, as_config
 from .pack import make_pack_image
 from .simple import make_simt_conv
@@ -154,21 +154,9 @@ def conv2d(a: QuantImage, w: QuantImage, stride: Any = 1, padding: Any = 0, dila
     _, C, H, W = a.shape
     R, S = w.shape[2:]
     WC = -(-C // WORD)
-    for name, q in (("a", a), ("w", w)):
-        if int(np.prod(q.planes.shape)) >= 2 ** 31:  # (32-bit word offsets)
-            raise ValueError(f"{name}: expected fewer than 2^31 words of planes, got {int(np.prod(q.planes.shape))}")
     if N * P * Q * O >= 2 ** 31:
         raise ValueError(f"a, w: expected an output of fewer than 2^31 values, got {N * P * Q * O}")
-    a_planes, w_planes = Operand(a.planes, "a.planes"), Operand(w.planes, "w.planes")
-    stream = launch_stream((a_planes, w_planes))
-    if bias is not None:
-        bias_op = Operand(bias, "bias")
-        check_dtype(bias_op, ("float32",))
-        if bias_op.shape != (O,):
-            raise ValueError(f"bias: expected shape ({O},), got {bias_op.shape}")
-        bias_values = bias_op.device(stream)
-    else:
-        bias_values = _no_bias(stream)
+    a_planes, w_planes, bias_values, stream = planes_and_bias(a, w, bias, O)
     native, y = a_planes.empty((N, P, Q, O), stream, dtype=out_dtype)
     geometry = (H, W, P, Q, R, S, sh, sw, ph, pw, dh, dw, WC)
     if N and O:
