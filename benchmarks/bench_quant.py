@@ -5,8 +5,8 @@ Records: ``matmul`` (params bits W1A1 | W2A2 | W4A4, packing: whether the activa
 and-pack is inside the timed call, density: 1.0 or the layout's), baselines ``dense_fp16`` and
 ``int8`` (and ``dense_binary``, the same bits dense, for the block-sparse rows); ``pack`` (an fp16
 input quantized to 1, 2 and 4 bits), baseline ``copy`` (a device copy of the input);
-``lqlinear_inference`` (an `LQLinear` call without gradients, fp16 in and out: both operands
-quantized and packed, the product, the bias), baseline ``nn_linear`` (a dense fp16 ``nn.Linear``);
+``lqlinear_inference`` (an `LQLinear` call without gradients, fp16 in and out: the activations
+quantized and packed, the product, the bias; the weight's planes kept, ``keep_packed``), baseline ``nn_linear`` (a dense fp16 ``nn.Linear``);
 ``quant_conv2d`` (a `QuantConv2d` call the same way on a ResNet-like 3 x 3 layer, both memory
 formats), baseline ``cudnn_fp16`` (``nn.Conv2d`` in fp16, the same memory format). Every product
 is checked first against the dequantized operands' float product, every layer against its float
@@ -74,7 +74,7 @@ def layers(torch, args):
         if name == "W4A4":
             continue
         torch.manual_seed(0)
-        layer = LQLinear(SIZE, SIZE, w_bits=w_bits, a_bits=a_bits).to("cuda", torch.float16).eval()
+        layer = LQLinear(SIZE, SIZE, w_bits=w_bits, a_bits=a_bits, keep_packed=True).to("cuda", torch.float16).eval()
         dense = torch.nn.Linear(SIZE, SIZE).to("cuda", torch.float16)
         x = torch.rand(SIZE, SIZE, device="cuda", dtype=torch.float16)
         assert layer_error(torch, layer, x) < 1e-2
@@ -82,7 +82,8 @@ def layers(torch, args):
             ms, base = graph_ms(lambda: layer(x)), graph_ms(lambda: dense(x))
         records.append(Record("lqlinear_inference", dict(N=SIZE, C=SIZE, O=SIZE, bits=name), ms, {"nn_linear": base}))
         for memory in ("channels_first",) if args.quick else ("channels_first", "channels_last"):
-            layer = QuantConv2d(256, 256, 3, padding=1, w_bits=w_bits, a_bits=a_bits).to("cuda", torch.float16).eval()
+            layer = QuantConv2d(256, 256, 3, padding=1, w_bits=w_bits, a_bits=a_bits,
+                                keep_packed=True).to("cuda", torch.float16).eval()
             dense = torch.nn.Conv2d(256, 256, 3, padding=1).to("cuda", torch.float16)
             x = torch.rand(32, 256, 56, 56, device="cuda", dtype=torch.float16)
             if memory == "channels_last":

@@ -103,12 +103,12 @@ class _LearnedQuantizers(torch.nn.Module):
     The bases are buffers (``w_basis`` (out, w_bits), ``a_basis`` (a_bits,)), saved with the state
     dict and updated in training mode only."""
 
-    def _make_bases(self, outputs, fan_in, w_bits, a_bits, signed_activations, momentum, device):
+    def _make_bases(self, outputs, fan_in, w_bits, a_bits, signed_activations, momentum, device, keep_packed):
         for name, bits in (("w_bits", w_bits), ("a_bits", a_bits)):
             if not isinstance(bits, int) or not 1 <= bits <= quant.api.MAX_BITS:
                 raise ValueError(f"{name}: expected an int from 1 to {quant.api.MAX_BITS}, got {bits!r}")
         self.w_bits, self.a_bits, self.signed_activations = w_bits, a_bits, bool(signed_activations)
-        self.momentum = momentum
+        self.momentum, self.keep_packed = momentum, bool(keep_packed)
         powers = 2.0 ** torch.arange(w_bits, dtype=torch.float32, device=device)
         w_base = NORM_PPF_0_75 * math.sqrt(2.0 / fan_in) / 2 ** (w_bits - 1)
         self.register_buffer("w_basis", (powers * w_base).repeat(outputs, 1))
@@ -127,17 +127,33 @@ class _LearnedQuantizers(torch.nn.Module):
             codes, _ = encode(x, a, self.signed_activations)
             self.a_basis.copy_(basis_update(x, codes, a, self.signed_activations, 0.0, self.momentum)[0])
 
-    def _tables(self, weight):
-        """The packing kernels' (thresholds, codes, basis) of the weights and of the activations,
-        made on the device (no host sync)."""
-        w_basis = self.w_basis.float().contiguous()  # (a layer moved to fp16 moved its bases too)
-        _, w_order, w_thresholds = levels(w_basis, True)
-        a_basis = self.a_basis[None].float().contiguous()
+    def _activation_tables(self):
+        """The packing kernels' (thresholds, codes, basis) of the activations, made on the device
+        (no host sync)."""
+        a_basis = self.a_basis[None].float().contiguous()  # (a layer moved to fp16 moved its bases too)
         _, a_order, a_thresholds = levels(a_basis, self.signed_activations)
-        w = weight.detach().contiguous()
-        w = w.float() if w.dtype not in (torch.float16, torch.float32) else w
-        return w, (w_thresholds.contiguous(), w_order.contiguous(), w_basis), \
-            (a_thresholds.contiguous(), a_order.contiguous(), a_basis)
+        return a_thresholds.contiguous(), a_order.contiguous(), a_basis
+
+    def _packed_weight(self, pack):
+        """The weight's bit planes, ``pack(w, thresholds, codes, basis)``'s. With ``keep_packed``
+        they are kept until the weight or its basis changes as torch sees it (their version
+        counters, addresses and dtypes), so that an inference call quantizes and packs its
+        activations only; a change made through ``.data`` is not seen: call `repack`."""
+        key = (self.weight._version, self.w_basis._version, self.weight.data_ptr(), self.w_basis.data_ptr(),
+               self.weight.dtype)
+        kept = getattr(self, "_weight_planes", None)
+        if not self.keep_packed or kept is None or kept[0] != key:
+            w_basis = self.w_basis.float().contiguous()
+            _, w_order, w_thresholds = levels(w_basis, True)
+            w = self.weight.detach().contiguous()
+            w = w.float() if w.dtype not in (torch.float16, torch.float32) else w
+            kept = self._weight_planes = (key, pack(Operand(w, "weight"), w_thresholds.contiguous(),
+                                                    w_order.contiguous(), w_basis))
+        return kept[1]
+
+    def repack(self):
+        """Drop the kept bit planes of the weight (``keep_packed``): the next call packs it again."""
+        self._weight_planes = None
 
 
 class LQLinear(_LearnedQuantizers):
@@ -145,14 +161,16 @@ class LQLinear(_LearnedQuantizers):
 
     ``w_bits`` and ``a_bits`` from 1 to 4. The bases are buffers (``w_basis`` (out, w_bits),
     ``a_basis`` (a_bits,)), saved with the state dict, and updated in training mode only.
+    ``keep_packed``: calls without gradients on a GPU keep the weight's bit planes while the
+    weight and its basis stay as they are (changes made through ``.data`` are not seen: `repack`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, w_bits: int = 2, a_bits: int = 2,
                  signed_activations: bool = False, layout: Optional[BlockLayout] = None,
-                 momentum: float = MOVING_AVERAGE, device: Optional[Union[str, torch.device]] = None,
-                 dtype: Optional[torch.dtype] = None) -> None:
+                 momentum: float = MOVING_AVERAGE, keep_packed: bool = False,
+                 device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
-        self._make_bases(out_features, in_features, w_bits, a_bits, signed_activations, momentum, device)
+        self._make_bases(out_features, in_features, w_bits, a_bits, signed_activations, momentum, device, keep_packed)
         if layout is not None:
             if not isinstance(layout, BlockLayout):
                 raise TypeError(f"layout: expected a BlockLayout, got {type(layout).__name__}")
@@ -202,9 +220,8 @@ class LQLinear(_LearnedQuantizers):
         """The product from bit planes (a GPU, no gradients): both operands quantized and packed by
         the ballot kernel with thresholds made on the device, then the b1 tensor-core product."""
         cfg = quant.config.DEFAULT
-        w, w_tables, a_tables = self._tables(self.weight)
-        wq = quant.api.pack(Operand(w, "weight"), *w_tables, True, cfg)
-        aq = quant.api.pack(Operand(rows.contiguous(), "x"), *a_tables, self.signed_activations, cfg)
+        wq = self._packed_weight(lambda w, *tables: quant.api.pack(w, *tables, True, cfg))
+        aq = quant.api.pack(Operand(rows.contiguous(), "x"), *self._activation_tables(), self.signed_activations, cfg)
         bias = None if self.bias is None else self.bias.detach().float().contiguous()
         out_dtype = "float16" if rows.dtype == torch.float16 else "float32"
         return quant.matmul(aq, wq, layout=self.layout, bias=bias, out_dtype=out_dtype)
@@ -214,18 +231,18 @@ class QuantConv2d(_LearnedQuantizers):
     """``y = x̂ ⋆ ŵ + b``, ``torch.nn.Conv2d`` with learned low-bit quantizers (see the module's
     docstring): ``w_bits`` (±1 codes, a basis an output channel) and ``a_bits`` (0/1 codes, one
     basis: the input is expected after a ReLU) from 1 to 4; ``stride``, ``padding`` (ints, zero
-    padding) and ``dilation`` as ``Conv2d`` takes them."""
+    padding) and ``dilation`` as ``Conv2d`` takes them; ``keep_packed`` as `LQLinear`'s."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: Any, stride: Any = 1, padding: Any = 0,
                  dilation: Any = 1, bias: bool = True, *, w_bits: int = 2, a_bits: int = 2,
-                 momentum: float = MOVING_AVERAGE, device: Optional[Union[str, torch.device]] = None,
-                 dtype: Optional[torch.dtype] = None) -> None:
+                 momentum: float = MOVING_AVERAGE, keep_packed: bool = False,
+                 device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         pair = quant.conv._pair
         self.kernel_size, self.stride = pair(kernel_size, "kernel_size", 1), pair(stride, "stride", 1)
         self.padding, self.dilation = pair(padding, "padding", 0), pair(dilation, "dilation", 1)
         R, S = self.kernel_size
-        self._make_bases(out_channels, in_channels * R * S, w_bits, a_bits, False, momentum, device)
+        self._make_bases(out_channels, in_channels * R * S, w_bits, a_bits, False, momentum, device, keep_packed)
         factory: Dict[str, Any] = {"device": device, "dtype": dtype}
         self.in_channels, self.out_channels = in_channels, out_channels
         self.weight = torch.nn.Parameter(torch.empty(out_channels, in_channels, R, S, **factory))
@@ -266,11 +283,10 @@ class QuantConv2d(_LearnedQuantizers):
         """The convolution from bit planes (a GPU, no gradients): images and filters packed along
         their channels, then the implicit-GEMM b1 convolution; a channels-last result."""
         cfg = quant.config.DEFAULT
-        w, w_tables, a_tables = self._tables(self.weight)
         channels_last = not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
         images = x.permute(0, 2, 3, 1) if channels_last else x.contiguous()
-        wq = quant.conv.pack_image(Operand(w, "weight"), *w_tables, True, False, cfg)
-        aq = quant.conv.pack_image(Operand(images, "x"), *a_tables, False, channels_last, cfg)
+        wq = self._packed_weight(lambda w, *tables: quant.conv.pack_image(w, *tables, True, False, cfg))
+        aq = quant.conv.pack_image(Operand(images, "x"), *self._activation_tables(), False, channels_last, cfg)
         bias = None if self.bias is None else self.bias.detach().float().contiguous()
         out_dtype = "float16" if x.dtype == torch.float16 else "float32"
         y = quant.conv2d(aq, wq, self.stride, self.padding, self.dilation, bias=bias, out_dtype=out_dtype)

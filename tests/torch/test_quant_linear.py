@@ -122,3 +122,35 @@ def test_packed_product_equals_the_float_quantizers(dtype, signed, sparse):
     assert packed.dtype == dtype
     error = ((packed.float() - floats.detach().float()).abs().max() / floats.detach().float().abs().max()).item()
     assert error < (1e-2 if dtype == torch.float16 else 1e-5), error  # (fp16: the float path's own rounding)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator runs the packed path on CPU tensors (GPU: the test above)")
+def test_kept_planes_follow_the_weight_as_torch_sees_it(configure, monkeypatch):
+    """``keep_packed``: the weight is packed once while it stays as it is, again after an in-place
+    change torch counts, not after one through ``.data`` until `repack`."""
+    from sparseblocks import quant
+
+    configure(quant, warps_m=1, warps_n=1, warp_rows=32, dense_cols=16, chunk_words=8, pack_warps=1)
+    packed = []
+    pack = quant.api.pack
+    monkeypatch.setattr(quant.api, "pack", lambda x_op, *args: packed.append(x_op.name) or pack(x_op, *args))
+    torch.manual_seed(3)
+    layer = LQLinear(64, 16, w_bits=1, a_bits=1, keep_packed=True).eval()
+    x = torch.rand(3, 64)
+
+    def floats():
+        return layer(x.clone().requires_grad_(True)).detach()
+
+    first = layer.packed_forward(x)
+    torch.testing.assert_close(layer.packed_forward(x), first)
+    assert packed.count("weight") == 1 and packed.count("x") == 2
+    with torch.no_grad():
+        layer.weight.neg_()
+    torch.testing.assert_close(layer.packed_forward(x), floats(), rtol=1e-5, atol=1e-5)
+    assert packed.count("weight") == 2
+    layer.weight.data.neg_()  # (not seen: the kept planes stay)
+    stale = layer.packed_forward(x)
+    assert packed.count("weight") == 2
+    layer.repack()
+    torch.testing.assert_close(layer.packed_forward(x), floats(), rtol=1e-5, atol=1e-5)
+    assert packed.count("weight") == 3 and not torch.allclose(stale, floats())
