@@ -6,11 +6,11 @@ and-pack is inside the timed call, density: 1.0 or the layout's), baselines ``de
 ``int8`` (and ``dense_binary``, the same bits dense, for the block-sparse rows); ``pack`` (an fp16
 input quantized to 1, 2 and 4 bits), baseline ``copy`` (a device copy of the input);
 ``lqlinear_inference`` (an `LQLinear` call without gradients, fp16 in and out: the activations
-quantized and packed, the product, the bias; the weight's planes kept, ``keep_packed``), baseline ``nn_linear`` (a dense fp16 ``nn.Linear``);
-``quant_conv2d`` (a `QuantConv2d` call the same way on a ResNet-like 3 x 3 layer, both memory
-formats), baseline ``cudnn_fp16`` (``nn.Conv2d`` in fp16, the same memory format). Every product
-is checked first against the dequantized operands' float product, every layer against its float
-path (the quantizers in torch).
+quantized and packed, the product, the bias; the weight's planes kept, ``keep_packed``), baseline
+``nn_linear`` (a dense fp16 ``nn.Linear``); ``quant_conv2d`` (a `QuantConv2d` call the same way
+on a ResNet-like 3 x 3 layer, both memory formats), baseline ``cudnn_fp16`` (``nn.Conv2d`` in
+fp16, the same memory format). Every product is checked first against the dequantized operands'
+float product, every layer against its float path (the quantizers in torch).
 
     python -m benchmarks.bench_quant [--quick] [--out-dir DIR]
 """
