@@ -8,6 +8,9 @@
     python tools/sweep.py quant matmul --set warp_rows=32,64 [--bits W2A2] [--density 1]
     python tools/sweep.py norms layer_norm --set row_threads=128,256 [--axis 0] [--n 4096] [--c 4096]
     python tools/sweep.py attention forward --set warp_rows=16,32 [--layout causal] [--n 16384] [--dtype bfloat16]
+    python tools/sweep.py conv forward --set implicit=False [--block-size 32] [--density 0.25] [--images 32]
+           [--channels 256] [--height 56] [--width 56]
+    python tools/sweep.py quant conv2d --set chunk_words=8,16,32 [--images 32] [--channels 256] [--height 56]
 
 Each variant is the op's default config with the given fields replaced (the cartesian
 product of every ``--set``). Its output is compared with the default's first (it must agree
@@ -139,7 +142,42 @@ def quant_case(torch, args):
         layout = BlockLayout.random(grid, args.density, seed=1, block_size=args.block_size)
     calls = {"matmul": lambda cfg: quant.matmul(a, w, layout=layout, out_dtype="float16", config=cfg),
              "pack": lambda cfg: torch.as_tensor(quant.quantize(x, a_basis, False, config=cfg).planes).float()}
+    if args.call == "conv2d":  # (a 3 x 3 layer of --channels on --images of --height x --width, padding 1)
+        shape = (args.images, args.channels, args.height, args.width)
+        image = quant.quantize_image(torch.rand(shape, device="cuda", dtype=torch.float16), a_basis)
+        filters = quant.quantize_filters(torch.randn(args.channels, args.channels, 3, 3, device="cuda"),
+                                         np.repeat(w_basis[:1], args.channels, 0))
+        calls["conv2d"] = lambda cfg: quant.conv2d(image, filters, 1, 1, out_dtype="float16", config=cfg).float()
     return quant.DEFAULT, calls[args.call]
+
+
+def conv_case(torch, args):
+    """A 3 x 3 block-sparse convolution (padding 1) of --channels in groups of --block-size, blocks
+    present at --density (the last always: the layer spans every channel), on --images of
+    --height x --width; the op is built once a config."""
+    import numpy as np
+
+    from sparseblocks import conv
+
+    G, C = args.block_size, args.channels
+    mask = np.random.default_rng(0).random((C // G, C // G)) < args.density
+    mask[-1, -1] = True
+    BCK = [(list(range(c * G, c * G + G)), list(range(k * G, k * G + G))) for c, k in zip(*np.nonzero(mask))]
+    dtype = getattr(torch, args.dtype)
+    x, dy = (torch.randn(args.images, C, args.height, args.width, device="cuda", dtype=dtype) for _ in range(2))
+    ops = {}
+
+    def op_of(cfg):
+        if cfg not in ops:
+            ops[cfg] = conv.BlocksparseConv(BCK, (3, 3), (args.height, args.width), padding="SAME", config=cfg)
+        return ops[cfg]
+
+    filters = [torch.randn(op_of(conv.DEFAULT).f_shape(b), device="cuda", dtype=dtype) / (3 * G ** 0.5)
+               for b in range(len(BCK))]
+    calls = {"forward": lambda cfg: op_of(cfg)(filters, x),
+             "input_grad": lambda cfg: op_of(cfg).input_grad(filters, dy),
+             "filter_grad": lambda cfg: torch.cat([f.flatten() for f in op_of(cfg).filter_grad(dy, x)])}
+    return conv.DEFAULT, calls[args.call]
 
 
 def norms_case(torch, args):
@@ -172,7 +210,7 @@ def attention_case(torch, args):
 
 
 CASES = {"bsmm": bsmm_case, "norms": norms_case, "sbnet": sbnet_case, "fused": fused_case, "torch": torch_case,
-         "quant": quant_case, "attention": attention_case}
+         "quant": quant_case, "attention": attention_case, "conv": conv_case}
 TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2, "float32": 1e-4, "float64": 1e-10}
 
 
@@ -181,8 +219,8 @@ def add_case_arguments(parser):
     parser.add_argument("op", choices=sorted(CASES))
     parser.add_argument("call", help="bsmm: forward, input_grad, weight_grad; sbnet: reduce_mask, sparse_gather, "
                                      "sparse_scatter; fused: sparse_gather_matmul, sparse_matmul_scatter; torch: res_block; "
-                                     "quant: matmul, pack; norms: layer_norm, layer_norm_grad; "
-                                     "attention: forward, backward")
+                                     "quant: matmul, pack, conv2d; norms: layer_norm, layer_norm_grad; "
+                                     "attention: forward, backward; conv: forward, input_grad, filter_grad")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2",
                         help="a config field and the values to try (repeatable: their cartesian product)")
     parser.add_argument("--dtype", default="float16")
