@@ -152,6 +152,7 @@ class BlocksparseConv:
         self._host["grp_pos"] = np.array([q for p in self._edges for q in p] or [0], np.int32)
         self._group = grouped(blocks, self._C, self._K)  # (the tensor-core products' channel group, or 0)
         self._plans: dict = {}  # (product: (QT, patch capacity), for those `implicit.py` takes)
+        self._wide_fits: dict = {}  # (product: whether a ring of `ConvConfig.stage_bytes` rows fits)
         self._fp32_filter_fits = False  # (fp32's filter-gradient ring, rows twice the bytes, fits too)
         if self._group:  # the blocks of each output group and of each input group, and their first channels
             G = self._group
@@ -169,6 +170,8 @@ class BlocksparseConv:
                 ig = implicit.implicit_geometry(geo, QT)
                 if implicit.plan(ig, G, kind == "filter_grad"):
                     self._plans[kind] = (QT, implicit.capacity(ig))
+                    self._wide_fits[kind] = kind != "filter_grad" and implicit.plan(
+                        ig, G, row_bytes=self.config.stage_bytes)
                     self._host["ig_" + kind] = np.array(ig, np.int32)
                     if kind == "filter_grad":
                         self._fp32_filter_fits = implicit.plan(ig, G, True, implicit.value_bytes("float32"))
@@ -275,10 +278,16 @@ class BlocksparseConv:
                (out, x.reshape(-1), rows, length))
         return out
 
-    def _packed(self, op_f, transposed, stream):
+    def _row_bytes(self, kind, dtype):
+        """A forward's or input gradient's stage rows: `ConvConfig.stage_bytes` where its ring fits
+        and the channel groups are whole slices of it in ``dtype``, else 32."""
+        wide = self.config.stage_bytes
+        return wide if self._wide_fits[kind] and self._group % implicit.slice_channels(dtype, wide) == 0 else 32
+
+    def _packed(self, op_f, transposed, stream, row_bytes):
         f = op_f.device(stream).reshape(-1)
         out = op_f.scratch((self.f_size,), op_f.dtype, stream)
-        launch(cached(implicit.make_pack, op_f.dtype, self._group, transposed),
+        launch(cached(implicit.make_pack, op_f.dtype, self._group, transposed, row_bytes),
                (max(1, min(-(-self.f_size // 256), 2 * multiprocessors())),), 256, stream,
                (out, f, len(self._blocks), int(np.prod(self._g["TRS"]))))
         return out
@@ -294,14 +303,15 @@ class BlocksparseConv:
         in_rows, out_rows = (self._C, self._K) if kind == "forward" else (self._K, self._C)
         rows = op_x.device(stream).reshape(-1) if last else self._rows(op_x, in_rows, int(ig[0] * ig[1] * ig[2]), N,
                                                                        stream)
-        packed = self._packed(op_f, kind != "forward", stream)
+        row_bytes = self._row_bytes(kind, op_x.dtype)
+        packed = self._packed(op_f, kind != "forward", stream, row_bytes)
         ptr, blk, first = ("kgrp_ptr", "kgrp_blk", "blk_c0") if kind == "forward" else ("cgrp_ptr", "cgrp_blk",
                                                                                          "blk_k0")
         tiles = N * int(ig[3] * ig[21] * ig[22])
         # (one wave of thread blocks, each walking its share of the tiles)
-        resident = max(1, implicit.SHARED_MAX // implicit.forward_shared(G, TRS, cap))
+        resident = max(1, implicit.SHARED_MAX // implicit.forward_shared(G, TRS, cap, row_bytes))
         workers = max(1, min(tiles, -(-resident * multiprocessors() // (out_rows // G))))
-        launch(cached(implicit.make_forward, op_x.dtype, G, QT, cap, TRS, last),
+        launch(cached(implicit.make_forward, op_x.dtype, G, QT, cap, TRS, last, row_bytes),
                (workers, out_rows // G), implicit.THREADS, stream,
                (out.reshape(-1), rows, packed, t[ptr], t[blk], t[first], t["ig_" + kind], N, out_rows, in_rows,
                 bias, t["edge"], has_bias, tiles, workers))

@@ -15,10 +15,16 @@ class ConvConfig:
     # fp32 products of the layers the implicit GEMM takes (input gradients of stride 1), on the tensor
     # cores in 3xTF32 (three tf32 products a step: about fp32's accuracy); False: the direct kernels
     fp32_tensor_cores: bool = True
+    # Bytes of a position's channels in a forward (and input-gradient) stage of the implicit GEMM:
+    # 32 (16 fp16 channels, 8 fp32) or 64 (twice: half the stages and barriers, a larger ring) where
+    # the channel groups are whole slices of it and the ring fits; else 32
+    stage_bytes: int = 32
 
     def check(self):
         if self.threads % 32 or not 32 <= self.threads <= 1024:
             raise ValueError(f"threads: expected a multiple of 32 from 32 to 1024, got {self.threads}")
+        if self.stage_bytes not in (32, 64):
+            raise ValueError(f"stage_bytes: expected 32 or 64, got {self.stage_bytes}")
 
 
 DEFAULT = ConvConfig()

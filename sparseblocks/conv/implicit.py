@@ -26,6 +26,9 @@ tap is its position's patch row plus the tap's offset: the taps cost no gather a
   the positions as the product's k. Each share writes its own partial sums (``part``); `make_sum`
   adds them in share order, so every run gives the same bits.
 
+With `ConvConfig.stage_bytes` 64 a forward stage holds 32 channels of a position (16 of fp32),
+two k-steps a tap: half the stages and barriers a tile, for a ring twice as large.
+
 fp32's forward and stride-1 input gradient run the same kernel on slices of 8 channels:
 a shared row is still 32 bytes, and the ldmatrix fragments that hold 16 channels of fp16 hold
 exactly m16n8k8's tf32 fragments of 8 fp32 ones, so each step is ``mma_3xtf32`` (three tf32
@@ -60,9 +63,10 @@ def max_taps(storage, G):
 STAGES = 3  # the stage ring's depth
 
 
-def slice_channels(storage):
-    """Channels a stage slice (a shared row's 32 bytes): 16 of fp16 and bf16, 8 of fp32."""
-    return 8 if storage == "float32" else 16
+def slice_channels(storage, row_bytes=32):
+    """Channels a forward stage slice (a shared row's ``row_bytes``, 32 or 64; `ConvConfig.stage_bytes`):
+    16 or 32 of fp16 and bf16, 8 or 16 of fp32."""
+    return row_bytes // value_bytes(storage)
 
 
 def value_bytes(storage):
@@ -120,8 +124,8 @@ def capacity(ig):
     return -(-patch_rows(ig) // 64) * 64
 
 
-def forward_shared(G, TRS, cap):
-    return STAGES * (TRS * G + cap) * (32 + PAD)
+def forward_shared(G, TRS, cap, row_bytes=32):
+    return STAGES * (TRS * G + cap) * (row_bytes + PAD)
 
 
 def filter_shared(G, cap, E=2):
@@ -129,17 +133,17 @@ def filter_shared(G, cap, E=2):
     return STAGES * (TILE * (E * G + PAD) + cap * (E * cc + PAD))
 
 
-def plan(ig, G, filter_grad=False, E=2):
+def plan(ig, G, filter_grad=False, E=2, row_bytes=32):
     """Whether the implicit kernels take a geometry: the patch and the stage ring fit in shared
-    memory (the filter gradient's for values of E bytes), and the patch's sizes fit the packed
-    10-bit fields the filter gradient keeps."""
+    memory (the filter gradient's for values of E bytes, the forward's for rows of ``row_bytes``),
+    and the patch's sizes fit the packed 10-bit fields the filter gradient keeps."""
     cap = capacity(ig)
     TRS = ig[6] * ig[7] * ig[8]
     if max(ig[18:21]) >= 1024:
         return False
     if filter_grad:
         return filter_shared(G, cap, E) <= SHARED_MAX
-    return forward_shared(G, TRS, cap) <= SHARED_MAX
+    return forward_shared(G, TRS, cap, row_bytes) <= SHARED_MAX
 
 
 def make_tiles(QT):
@@ -233,12 +237,12 @@ def make_to_rows(storage):
     return to_rows
 
 
-def make_pack(storage, G, transposed=False):
+def make_pack(storage, G, transposed=False, row_bytes=32):
     """``pack(out, f, blocks, TRS)``: each block's G x G x TRS filter as (slice of CS channels,
-    tap, output channel, CS input channels), the forward's stage order (CS: `slice_channels`).
-    ``transposed``: the input gradient's, rows the input channels, slices of output channels, the
-    taps reversed."""
-    CS = slice_channels(storage)
+    tap, output channel, CS input channels), the forward's stage order (CS: `slice_channels` of
+    ``row_bytes``). ``transposed``: the input gradient's, rows the input channels, slices of output
+    channels, the taps reversed."""
+    CS = slice_channels(storage, row_bytes)
 
     @cuda.jit
     def pack(out, f, blocks, TRS):
@@ -258,24 +262,28 @@ def make_pack(storage, G, transposed=False):
     return pack
 
 
-def make_forward(storage, G, QT, cap, TRS, rows_out=False):
+def make_forward(storage, G, QT, cap, TRS, rows_out=False, row_bytes=32):
     """The forward (or stride-1 input gradient) kernel for channel groups of G, tiles of QT
     columns, patches of up to ``cap`` rows and TRS taps (a ring of `STAGES` stages); see the
-    module's docstring. ``rows_out``: the output written channels-last (N, positions, rows)."""
+    module's docstring. ``rows_out``: the output written channels-last (N, positions, rows).
+    ``row_bytes``: a stage's shared row (32: 16 fp16 channels of a position, a k16 step of each
+    tap; 64: 32 channels, two k16 steps a tap, half the stages and barriers)."""
     MT = G // 16
-    ROW = 32 + PAD
+    ROW = row_bytes + PAD
+    CH = row_bytes // 16  # 16-byte copies a row
+    KR = row_bytes // 32  # k16 (fp32: k8) steps a row
     AROWS = TRS * G
     STAGE = (AROWS + cap) * ROW
-    A_COPIES = 2 * AROWS
+    A_COPIES = CH * AROWS
     A_PER = -(-A_COPIES // THREADS)
-    P_PER = -(-2 * cap // THREADS)
-    CS = slice_channels(storage)
+    P_PER = -(-CH * cap // THREADS)
+    CS = slice_channels(storage, row_bytes)
     E = value_bytes(storage)
     NC = G // CS
     mma = mma_of(storage)
     narrow = stored_as(storage)
     widen, _ = converters(storage, float32)
-    plan_patch, copy_patch = make_patch_copies(2, ROW, P_PER, E)
+    plan_patch, copy_patch = make_patch_copies(CH, ROW, P_PER, E)
     where, patch_row, tap_shift = make_tiles(QT)
 
     def zero_step(i, acc):
@@ -328,9 +336,9 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False):
         for i in range(A_PER):
             c = tid + i * THREADS
             if c < A_COPIES:
-                copy16_to(at + (c // 2) * ROW + (c % 2) * 16, a_from + 16 * c)
+                copy16_to(at + (c // CH) * ROW + (c % CH) * 16, a_from + 16 * c)
         n, m, p0, q0 = where(tile, ig)
-        copy_patch(at + AROWS * ROW, x_at, jobs, 2 * ig[18] * ig[19] * ig[20], n, m * ig[9] - ig[12],
+        copy_patch(at + AROWS * ROW, x_at, jobs, CH * ig[18] * ig[19] * ig[20], n, m * ig[9] - ig[12],
                    p0 * ig[10] - ig[13], q0 * ig[11] - ig[14], ig[0], ig[1], ig[2], IN_ROWS, c_first, tid)
 
     @inlined
@@ -393,14 +401,15 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False):
         for s in range(count):
             at, buf = advance(s, buf, base, count, ring)
             for tap in range(TRS):
-                load_a(fa, at + tap * G * ROW + a_lane)
-                pairs(acc, fa, at + b_col, row0 + shifts[tap], row1 + shifts[tap])
+                for kr in range(KR):
+                    load_a(fa, at + tap * G * ROW + a_lane + 32 * kr)
+                    pairs(acc, fa, at + b_col + 32 * kr, row0 + shifts[tap], row1 + shifts[tap])
             if int32(s) % per_tile == per_tile - 1:
                 n, m, p0, q0 = where(first_tile + int32(s) // per_tile, ig)
                 store(out, acc, pos0, k0, n, OUT_ROWS, m, P, Q, p0, q0, MPQ, bias, edge, has_bias)
                 zero(acc)
 
-    return dynamic_shared(forward, STAGES * STAGE)
+    return dynamic_shared(forward, STAGES * STAGE)  # (= forward_shared(G, TRS, cap, row_bytes))
 
 
 def make_filter_grad(storage, G, QT, cap, TAPS):

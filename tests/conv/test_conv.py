@@ -77,11 +77,11 @@ def grouped_layer(rng, G, groups):
 
 
 def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, padding, bias, seed, N=2,
-                               implicit=True, channels_last=False):
+                               implicit=True, channels_last=False, stage_bytes=32):
     rng = np.random.default_rng(seed)
     BCK = grouped_layer(rng, G, groups)
     op = BlocksparseConv(BCK, TRS, DHW, strides=strides, dilates=dilates, padding=padding, edge_bias=bias,
-                         config=ConvConfig(implicit=implicit))
+                         config=ConvConfig(implicit=implicit, stage_bytes=stage_bytes))
     assert op._group == G
     F = [values(rng, op.f_shape(b), dtype) for b in range(len(BCK))]
     I = values(rng, op.i_shape(N), dtype)
@@ -129,6 +129,18 @@ def test_fp32_implicit_products_match_the_twin():
     check_tensor_core_products("float32", 16, 2, (2, 2), (3, 4), 1, 1, "SAME", False, 1, N=1, channels_last=True)
     for maker in (implicit.make_forward, implicit.make_filter_grad):
         assert any(key[0] is maker and key[1] == "float32" for key in compile_cache._kernels)
+
+
+@pytest.mark.parametrize("dtype, G", [("float16", 32), ("float32", 16)])
+def test_wide_stage_implicit_products_match_the_twin(dtype, G):
+    """``stage_bytes=64``: the forward and stride-1 input gradient stage 64 bytes of a position's
+    channels (32 of fp16, 16 of fp32: two k-steps a tap), where the groups are whole slices."""
+    op = BlocksparseConv(grouped_layer(np.random.default_rng(2), G, 2), (2, 2), (3, 4),
+                         config=ConvConfig(stage_bytes=64))
+    assert op._row_bytes("forward", dtype) == op._row_bytes("input_grad", dtype) == 64
+    if G == 16:  # (fp16's 32 channels a row are no slice of a group of 16)
+        assert op._row_bytes("forward", "float16") == 32
+    check_tensor_core_products(dtype, G, 2, (2, 2), (3, 4), 1, 1, "SAME", False, 2, N=1, stage_bytes=64)
 
 
 def test_strided_tensor_core_products_match_the_twin():
