@@ -80,3 +80,23 @@ def test_packed_convolution_equals_the_float_quantizers(dtype, channels_last, st
     assert packed.is_contiguous(memory_format=torch.channels_last)
     error = ((packed.float() - floats.float()).abs().max() / floats.float().abs().max()).item()
     assert error < (1e-2 if dtype == torch.float16 else 1e-5), error
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator runs the packed path on CPU tensors (GPU: the test above)")
+@pytest.mark.parametrize("channels_last, stride", [(False, 1), (True, 2)])
+def test_packed_path_glue_in_the_simulator(configure, channels_last, stride):
+    """The packed convolution's torch side (the weight and images packed along their channels, NCHW
+    or channels-last, the result a channels-last view) on CPU tensors through the simulator's kernels,
+    against the float quantizers."""
+    from sparseblocks import quant
+
+    configure(quant, warps_m=1, warps_n=1, warp_rows=32, dense_cols=16, chunk_words=8)
+    torch.manual_seed(4)
+    layer = QuantConv2d(40, 8, 3, stride, padding=1, w_bits=2, a_bits=2).eval()
+    x = torch.rand(1, 40, 5, 4)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    packed = layer.packed_forward(x)
+    floats = layer(x.clone().requires_grad_(True)).detach()
+    assert packed.shape == floats.shape and packed.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(packed, floats, rtol=1e-5, atol=1e-5)
