@@ -162,7 +162,7 @@ def sbnet_timings(torch, SparseResBlock, fractions=(0.05, 0.1), shape=(1, 256, 4
     rng = np.random.default_rng(1)
     results = {}
     with torch.no_grad():
-        dense = step_ms(lambda: block.dense(x), steps=20)
+        dense = step_ms(lambda: block.dense(x), device, steps=20)
         print(f"the block at {N} x {C} x {H} x {W}, {dtype_name}: dense (cuDNN) {dense:.3f} ms")
         for fraction in fractions:
             chosen = np.argwhere(rng.random(p.bcount) < fraction)  # (a mask pixel at each chosen window's centre)
@@ -171,7 +171,7 @@ def sbnet_timings(torch, SparseResBlock, fractions=(0.05, 0.1), shape=(1, 256, 4
                  p.boffset[1] + chosen[:, 1] * p.bstride[1] + p.bsize[1] // 2] = 1
             indices, count = block.active_blocks(torch.as_tensor(mask, device=device), tol=0.5)
             work = x.clone()
-            sparse = step_ms(lambda: block(work, indices, count, inplace=True), steps=20)
+            sparse = step_ms(lambda: block(work, indices, count, inplace=True), device, steps=20)
             print(f"  {len(chosen) / (p.bcount[0] * p.bcount[1]):.1%} of the windows active: sparse {sparse:.3f} ms, "
                   f"{dense / sparse:.2f}x the dense block")
             results[fraction] = (dense, sparse)

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..layout import BlockLayout
 from ..runtime.arrays import Array, Operand, check_dtype, launch_stream
+from ..runtime.backend import SIMULATOR
 from ..runtime.compile import cached
 from ..runtime.devices import active, on_arrays_device
 from ..runtime.launch import data_pointer, launch
@@ -30,9 +31,10 @@ OUT_DTYPES = ("float32", "float16")
 PACK_THREADS = 128  # threads a block of `make_pack_words`
 
 
-def _words_of(array):
-    """An fp16 (R, C) device array or tensor as uint32 words (R, C / 2): two values a word."""
-    if hasattr(array, "view") and type(array).__module__.startswith("torch"):
+def _words_of(array, kind):
+    """An fp16 (R, C) device array or tensor (an `Operand`'s ``kind``) as 32-bit words (R, C / 2):
+    two values a word."""
+    if kind == "torch" and not SIMULATOR:  # (the simulator's torch operands are device arrays)
         import torch
 
         return array.view(torch.int32)
@@ -152,7 +154,7 @@ def pack(x_op, thresholds, order, basis, signed, cfg):
         half = x_op.dtype == "float16"
         kernel = cached(make_pack_words, cfg, bits, per_row, half)
         launch(kernel, (-(-words // PACK_THREADS), rows), PACK_THREADS, stream,
-               (planes, _words_of(x_dev) if half else x_dev, *tables, columns))
+               (planes, _words_of(x_dev, x_op.kind) if half else x_dev, *tables, columns))
     elif rows and words:
         warps = min(cfg.pack_warps, -(-words // cfg.pack_words))  # (no warp without words)
         grid = (-(-words // (warps * cfg.pack_words)), rows)

@@ -20,7 +20,7 @@ from ..runtime.arrays import Array, Operand, check_dtype, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
 from ..runtime.launch import launch
-from .api import OUT_DTYPES, VERSIONS, BitPlanes, _basis_rows, _groups, _like, planes_and_bias
+from .api import OUT_DTYPES, VERSIONS, BitPlanes, _basis_rows, _groups, _like, levels, planes_and_bias
 from .config import QuantConfig, as_config
 from .pack import make_pack_image
 from .simple import make_simt_conv
@@ -68,8 +68,6 @@ def quantize_image(x: Array, basis: Any, signed: bool = False, channels_last: bo
     if len(x_op.shape) != 4:
         raise ValueError(f"x: expected a 4-D array ({'N, H, W, C' if channels_last else 'N, C, H, W'}), "
                          f"got shape {x_op.shape}")
-    from .api import levels
-
     images = x_op.shape[0]
     basis = _basis_rows(basis, images, "basis")
     _, order, thresholds = levels(basis, signed)
@@ -115,12 +113,20 @@ def _pair(value, name, low):
     return tuple(int(v) for v in pair)
 
 
+def _steps(stride, padding, dilation):
+    """((SH, SW), (PH, PW), (DH, DW)): a convolution's strides, padding and dilations, checked."""
+    return _pair(stride, "stride", 1), _pair(padding, "padding", 0), _pair(dilation, "dilation", 1)
+
+
 def output_shape(a_shape, w_shape, stride=1, padding=0, dilation=1):
     """(N, P, Q, O) of a convolution of a batch (N, C, H, W) by filters (O, C, R, S)."""
-    (sh, sw), (ph, pw), (dh, dw) = _pair(stride, "stride", 1), _pair(padding, "padding", 0), \
-        _pair(dilation, "dilation", 1)
+    return _output_shape(a_shape, w_shape, *_steps(stride, padding, dilation))
+
+
+def _output_shape(a_shape, w_shape, strides, pads, dilations):
     N, _, H, W = a_shape
     O, _, R, S = w_shape
+    (sh, sw), (ph, pw), (dh, dw) = strides, pads, dilations
     return (N, (H + 2 * ph - dh * (R - 1) - 1) // sh + 1, (W + 2 * pw - dw * (S - 1) - 1) // sw + 1, O)
 
 
@@ -146,11 +152,11 @@ def conv2d(a: QuantImage, w: QuantImage, stride: Any = 1, padding: Any = 0, dila
         raise ValueError(f"out_dtype: expected one of {OUT_DTYPES}, got {out_dtype!r}")
     if version not in VERSIONS:
         raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
-    N, P, Q, O = output_shape(a.shape, w.shape, stride, padding, dilation)
+    steps = _steps(stride, padding, dilation)
+    N, P, Q, O = _output_shape(a.shape, w.shape, *steps)
     if P < 1 or Q < 1:
         raise ValueError(f"w: filters of {w.shape[2:]} (dilated) do not fit the padded {a.shape[2:]} images")
-    (sh, sw), (ph, pw), (dh, dw) = _pair(stride, "stride", 1), _pair(padding, "padding", 0), \
-        _pair(dilation, "dilation", 1)
+    (sh, sw), (ph, pw), (dh, dw) = steps
     _, C, H, W = a.shape
     R, S = w.shape[2:]
     WC = -(-C // WORD)

@@ -28,8 +28,25 @@ from ..ptx.vector import load4
 FULL_MASK = 0xFFFFFFFF
 
 
+def make_code_of(levels):
+    """``code_of(value, thresholds, order, t)``: the code of ``value``'s level under row t's sorted
+    thresholds, by the branch-free binary search (compares and selects; a NaN compares false: the
+    lowest level)."""
+
+    @cuda.jit(device=True, inline=True)
+    def code_of(value, thresholds, order, t):
+        index = int32(0)
+        half = levels // 2
+        while half > 0:
+            index += half if value > thresholds[t, index + half - 1] else 0
+            half //= 2
+        return order[t, index]
+
+    return code_of
+
+
 def make_pack(cfg, bits, per_row):
-    levels = 1 << bits
+    code_of = make_code_of(1 << bits)
     words_a_warp = cfg.pack_words
 
     @cuda.jit
@@ -47,12 +64,7 @@ def make_pack(cfg, bits, per_row):
             values[step] = float32(x[row, c]) if c < columns else float32(0)
         codes = cuda.local.array(words_a_warp, int32)
         for step in range(words_a_warp):
-            index = int32(0)
-            half = levels // 2
-            while half > 0:  # branch-free: compares and selects
-                index += half if values[step] > thresholds[t, index + half - 1] else 0
-                half //= 2
-            codes[step] = order[t, index]
+            codes[step] = code_of(values[step], thresholds, order, t)
         for k in range(bits):
             mine = uint32(0)  # lane s keeps the vote of word first + s: the warp's words, one store
             for step in range(words_a_warp):
@@ -105,11 +117,11 @@ def make_pack_words(cfg, bits, per_row, half):
             return
         t = row if per_row else 0
         bound = cuda.local.array(levels, float32)  # (constant indices: registers)
-        code_of = cuda.local.array(levels, int32)
+        level_code = cuda.local.array(levels, int32)
         for i in range(levels - 1):
             bound[i] = thresholds[t, i]
         for i in range(levels):
-            code_of[i] = order[t, i]
+            level_code[i] = order[t, i]
         values = cuda.local.array(32, float32)
         for j in range(LOADS):  # (every load issued before the first compare)
             v = load4(x, (row, word * STRIDE + 4 * j))
@@ -124,9 +136,9 @@ def make_pack_words(cfg, bits, per_row, half):
         for k in range(bits):
             words[k] = uint32(0)
         for i in range(32):
-            code = code_of[0]
+            code = level_code[0]
             for level in range(1, levels):  # (a NaN compares false: the lowest level)
-                code = code_of[level] if values[i] > bound[level - 1] else code
+                code = level_code[level] if values[i] > bound[level - 1] else code
             for k in range(bits):
                 words[k] |= uint32((code >> k) & 1) << uint32(i)
         for k in range(bits):
@@ -136,7 +148,7 @@ def make_pack_words(cfg, bits, per_row, half):
 
 
 def make_pack_image(cfg, bits, per_image):
-    levels = 1 << bits
+    code_of = make_code_of(1 << bits)
 
     @cuda.jit
     def pack_image(planes, x, thresholds, order, channels, pixels, image_stride, channel_stride, pixel_stride):
@@ -157,12 +169,7 @@ def make_pack_image(cfg, bits, per_image):
             c = word * 32 + i
             if c < channels:
                 value = float32(x[at + int64(c) * channel_stride])
-                index = int32(0)
-                half = levels // 2
-                while half > 0:  # (a NaN compares false: the lowest level)
-                    index += half if value > thresholds[t, index + half - 1] else 0
-                    half //= 2
-                code = order[t, index]
+                code = code_of(value, thresholds, order, t)
                 for k in range(bits):
                     words[k] |= uint32((code >> k) & 1) << uint32(i)
         for k in range(bits):

@@ -144,14 +144,14 @@ def setup(name, size, small, full, simulated, laptop=None):
 FFN = {"width": 4096, "hidden": 16384, "tokens": 8192, "block_size": 128, "densities": (0.1, 0.25)}
 
 
-def step_ms(step, steps=10, warmup=3):
-    """Median milliseconds of ``step()`` over ``steps`` calls after ``warmup`` (CUDA events on a GPU,
-    the host's clock otherwise)."""
+def step_ms(step, device, steps=10, warmup=3):
+    """Median milliseconds of ``step()`` over ``steps`` calls after ``warmup`` (CUDA events where
+    ``device`` is a GPU, the host's clock otherwise)."""
     for _ in range(warmup):
         step()
     times = []
     for _ in range(steps):
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.device(device).type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             step()
@@ -189,7 +189,7 @@ def timed_steps(size=FFN, device="cuda", dtype=torch.bfloat16, compiled=True, st
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         for mode in ("eager", "compiled") if compiled else ("eager",):
             forward = torch.compile(model, fullgraph=True) if mode == "compiled" else model
-            results[name, mode] = step_ms(training_step(forward, optimizer, x, target), steps)
+            results[name, mode] = step_ms(training_step(forward, optimizer, x, target), device, steps)
         del model, optimizer
     return results
 
