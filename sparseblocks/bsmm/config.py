@@ -93,8 +93,8 @@ class BsmmConfig:
     v7_wgrad_fill: int = 1  # weight-gradient thread blocks a multiprocessor the N-splits aim for
     v7_wgrad_k: int = 64  # rows of N a weight-gradient stage
     # Weight gradients of two blocks of one block-row a thread block, x's columns read once for both
-    # (a tile of bs x 2 bs): {bs: stages of the ring}; empty: a block a thread block
-    v7_wgrad_pairs: dict = default_field({})
+    # (a tile of bs x 2 bs): {bs: stages of the ring}; absent: a block a thread block
+    v7_wgrad_pairs: dict = default_field({64: 4})
     # Products whose output lines are short (mean blocks a line <= "mean_blocks") on other tiles:
     # {bs: {"mean_blocks": m, field: value, ...}}, fields of SHORT_LINE_FIELDS (a table's value for bs,
     # v7_producer_registers itself); `dispatch.v7_config`. Block 128: one warpgroup of two 64-row

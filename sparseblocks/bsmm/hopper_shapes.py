@@ -48,11 +48,12 @@ def v7_threads(cfg, bs, weight_grad=False):
 
 
 def producing(cfg, weight_grad, bs):
-    """Whether the kernel is warp-specialized: products with ``v7_producer``; weight gradients
-    with ``v7_wgrad_producer`` or, one block a tile, at a block size of ``v7_wgrad_blocks``."""
+    """Whether the kernel is warp-specialized: products with ``v7_producer``; weight gradients of
+    one block a tile with ``v7_wgrad_producer`` or at a block size of ``v7_wgrad_blocks`` (paired
+    tiles, ``v7_wgrad_pairs``, always run the barrier ring)."""
     if not weight_grad:
         return cfg.v7_producer
-    return cfg.v7_wgrad_producer or (weight_grad != PAIRED and bs in cfg.v7_wgrad_blocks)
+    return weight_grad != PAIRED and (cfg.v7_wgrad_producer or bs in cfg.v7_wgrad_blocks)
 
 
 def resident(cfg, bs, weight_grad):
@@ -148,8 +149,6 @@ def v7_check(cfg, bs, weight_grad=False):
         blocks = resident(cfg, bs, weight_grad) if weight_grad else 1
         fit = f" (the most that fit v7_wgrad_blocks[{bs}] = {blocks})" if blocks > 1 else ""
         return f"{name}: expected 3 to 6 stages, got {STAGES}{fit}"
-    if weight_grad == PAIRED and cfg.v7_wgrad_producer:
-        return "v7_wgrad_pairs: paired weight-gradient tiles run the barrier ring (v7_wgrad_producer off)"
     if not 1 <= GROUPS <= 4:
         return f"block {bs}: {GROUPS} warpgroups, expected 1 to 4"
     if TILES not in (1, 2) or (weight_grad and GROUPS * TILES * WGMMA_M != bs):

@@ -190,7 +190,6 @@ def test_hopper_products_replay_in_a_cuda_graph():
     (dict(v7_persistent={128: 4}), "v7_persistent\\[128\\].*shared memory"),
     (dict(v7_producer_registers=100), "v7_producer_registers"),
     (dict(v7_wgrad_pairs={128: 6}), "v7_wgrad_pairs\\[128\\].*shared memory"),
-    (dict(v7_wgrad_pairs={64: 3}, v7_wgrad_producer=True), "barrier ring"),
     (dict(v7_wgrad_blocks={128: 3}), "got 2 \\(the most that fit v7_wgrad_blocks\\[128\\] = 3\\)"),
     (dict(v7_blocks={64: 4}), "expected 2 or 3 thread blocks"),
     (dict(v7_wgrad_producer_registers=160), "would keep 96 registers"),
