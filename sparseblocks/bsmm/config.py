@@ -95,6 +95,7 @@ class BsmmConfig:
     # Weight gradients of two blocks of one block-row a thread block, x's columns read once for both
     # (a tile of bs x 2 bs): {bs: stages of the ring}; absent: a block a thread block
     v7_wgrad_pairs: dict = default_field({64: 4})
+    v7_wgrad_pairs_fill: int = 1  # ... where the pairs alone give this many thread blocks a multiprocessor (0: always)
     # Products whose output lines are short (mean blocks a line <= "mean_blocks") on other tiles:
     # {bs: {"mean_blocks": m, field: value, ...}}, fields of SHORT_LINE_FIELDS (a table's value for bs,
     # v7_producer_registers itself); `dispatch.v7_config`. Block 128: one warpgroup of two 64-row
@@ -146,6 +147,8 @@ class BsmmConfig:
         for bs in self.v7_groups:
             if v7_check(self, bs):
                 raise ValueError(f"v7_groups[{bs}]: {v7_check(self, bs)}")
+        if not isinstance(self.v7_wgrad_pairs_fill, int) or self.v7_wgrad_pairs_fill < 0:
+            raise ValueError(f"v7_wgrad_pairs_fill: expected an int >= 0, got {self.v7_wgrad_pairs_fill!r}")
         for bs in self.v7_wgrad_pairs:
             from .hopper_shapes import PAIRED
 

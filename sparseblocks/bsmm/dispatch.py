@@ -282,7 +282,7 @@ def tma_maps(cfg, bs, weight_grad, a, b, n_rows, feature_axis, transpose_w, stre
     other addresses (`runtime.launch.Replay`'s ``derived``, positions 0 and 1: A's, B's); () where
     the kernel copies by cp.async anyway (not warp-specialized); None where it must (``v7_tma``
     off, a shape the maps cannot take, or the maps kept are at their limit)."""
-    if not producing(cfg, weight_grad, bs) or (weight_grad and bs in cfg.v7_wgrad_pairs):
+    if not producing(cfg, weight_grad, bs):  # (nor paired weight-gradient tiles)
         return ()
     if not cfg.v7_tma:
         return None
@@ -389,6 +389,19 @@ def wgrad_pairs(layout):
     return np.array(rows, np.int32).reshape(-1, 5)
 
 
+def paired_wgrad(layout, cfg, bs):
+    """The rows of `wgrad_pairs` where version 7's weight gradient pairs blocks (``v7_wgrad_pairs``
+    names ``bs``, and the pairs alone make ``v7_wgrad_pairs_fill`` thread blocks a multiprocessor:
+    with fewer, cutting N to fill the GPU costs more than pairing saves); else None."""
+    if bs not in cfg.v7_wgrad_pairs:
+        return None
+    key = ("wgrad_pairs",)
+    if key not in layout._schedules:
+        layout._schedules[key] = wgrad_pairs(layout)
+    pairs = layout._schedules[key]
+    return pairs if len(pairs) >= cfg.v7_wgrad_pairs_fill * multiprocessors() else None
+
+
 def wgrad_splits(layout, n_rows, thread_blocks=None, cfg=DEFAULT, fill=4):
     """How many slices of N the weight gradient cuts each block's sum into (every version but 1):
     enough for ``fill`` thread blocks a multiprocessor, each at least 4 chunks of rows long."""
@@ -437,15 +450,17 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
         else:
             per_block = V4_WGRAD_THREADS // (bs // 8) ** 2 if v4 else 1
         thread_blocks = -(-layout.n_blocks // per_block)
-        if v7 and bs in cfg.v7_wgrad_pairs:  # two blocks of a block-row a thread block
-            coords = _on_device(layout, "wgrad_pairs", wgrad_pairs(layout), stream)
-            thread_blocks = coords.shape[0]
+    pairs = paired_wgrad(layout, cfg, bs) if v7 and group == 1 else None
+    if pairs is not None:  # two blocks of a block-row a thread block
+        coords = _on_device(layout, "wgrad_pairs", pairs, stream)
+        thread_blocks = coords.shape[0]
     fill = cfg.v7_wgrad_fill if v7 else 4
     splits = wgrad_splits(layout, n_rows, thread_blocks, cfg, fill) if splits is None else max(1, int(splits))
     rows_per_split = -(-max(n_rows, 1) // splits)
     maps, makers = (), ()
     if v7:
-        cfg, maps, makers = _v7_maps(cfg, tma_maps(cfg, bs, True, x_device, dy_device, n_rows, feature_axis, False,
+        kind = True if pairs is None else PAIRED
+        cfg, maps, makers = _v7_maps(cfg, tma_maps(cfg, bs, kind, x_device, dy_device, n_rows, feature_axis, False,
                                                    stream))
     bulk = bool(makers)
     if v5 or v6 or v7:  # whole steps a split, so that feature_axis 0's 8-row vectors never straddle an end
@@ -458,7 +473,7 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
     workspace = x.scratch((splits, layout.n_blocks, bs * bs), acc, stream) if splits > 1 \
         else _unused_workspace(acc)
     if v6 or v7:
-        paired = v7 and bs in cfg.v7_wgrad_pairs
+        paired = pairs is not None
         maker, threads = ((make_weight_grad_v7, v7_threads(cfg, bs, PAIRED if paired else True)) if v7
                           else (make_weight_grad_v6, v6_threads(cfg, bs, weight_grad=True)))
         kernel = compiled(cfg, maker, bs, x.dtype, feature_axis, out, *((True,) if paired else ()))

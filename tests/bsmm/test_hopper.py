@@ -55,7 +55,7 @@ PERSISTENT = replace(PRODUCER, v7_persistent={64: 4, 128: 3})
 # products of 128-row tiles (one warpgroup of two tiles), two thread blocks a multiprocessor
 TWO_BLOCKS = replace(PRODUCER, v7_groups={64: 2, 128: 1}, v7_stages={64: 5, 128: 3}, v7_blocks={128: 2},
                      v7_producer_registers=40)
-PAIRED_WGRAD = replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 6, 128: 4})
+PAIRED_WGRAD = replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 6, 128: 4}, v7_wgrad_pairs_fill=0)
 
 
 @gpu
@@ -190,6 +190,7 @@ def test_hopper_products_replay_in_a_cuda_graph():
     (dict(v7_persistent={128: 4}), "v7_persistent\\[128\\].*shared memory"),
     (dict(v7_producer_registers=100), "v7_producer_registers"),
     (dict(v7_wgrad_pairs={128: 6}), "v7_wgrad_pairs\\[128\\].*shared memory"),
+    (dict(v7_wgrad_pairs_fill=-1), "v7_wgrad_pairs_fill: expected an int >= 0"),
     (dict(v7_wgrad_blocks={128: 3}), "got 2 \\(the most that fit v7_wgrad_blocks\\[128\\] = 3\\)"),
     (dict(v7_blocks={64: 4}), "expected 2 or 3 thread blocks"),
     (dict(v7_wgrad_producer_registers=160), "would keep 96 registers"),

@@ -11,6 +11,8 @@ from sparseblocks.runtime.backend import SIMULATOR
 from strategies import assert_close
 
 few = settings(max_examples=2, deadline=None) if SIMULATOR else settings(max_examples=25, deadline=None)
+# (each convolution's geometry is compiled in: about 7 s of compiling an example on a GPU)
+compiled_few = settings(max_examples=2 if SIMULATOR else 8, deadline=None)
 
 
 @pytest.fixture(autouse=True)
@@ -77,7 +79,7 @@ def magnitude_of(a, a_basis, f, w_basis, args):
     return reference.conv2d(a.planes, a_basis[0], ones, np.abs(w_basis), a.channels, *args)
 
 
-@few
+@compiled_few
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 2), channels=st.integers(1, MAX_CHANNELS),
        side=st.integers(1, MAX_SIDE), outputs=st.integers(1, 20), taps=st.sampled_from([(1, 1), (3, 3), (2, 3)]),
        stride=st.integers(1, 2), padding=st.integers(0, 2), dilation=st.integers(1, 2), a_bits=st.integers(1, 3),
