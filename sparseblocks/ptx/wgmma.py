@@ -9,6 +9,10 @@ tile of A by a 16 x n tile of B, both read from shared memory through 64-bit *de
   ``acc`` n / 2 values of a float32 local array (from ``first``, a maker's argument, so that a
   warpgroup can hold several tiles' accumulators in one array), updated in place once the group
   completes;
+* ``mma_rs(acc, a0, a1, a2, a3, desc_b, scale_d)`` (made by `make_mma_rs`): the same with A from
+  registers, each warp's 16 rows of the 64 x 16 tile as four uint32 of two 16-bit values, laid out
+  as mma.sync m16n8k16's A fragment (`a_position`): a score tile's accumulators, packed, are the
+  A of the next product with no trip through shared memory;
 * ``commit()`` closes this warpgroup's batch; ``waiter(k)`` returns the wait until at most k
   batches are in flight. The accumulators and the shared tiles of a batch in flight must not be
   touched until a wait covers it, and ``settle(acc)`` (`make_settle`) after the last wait keeps
@@ -63,6 +67,13 @@ def acc_position(thread, index):
     warp, lane = thread // 32, thread % 32
     j, h, e = index // 4, (index // 2) % 2, index % 2
     return 16 * warp + lane // 4 + 8 * h, 8 * j + 2 * (lane % 4) + e
+
+
+def a_position(thread, index, half):
+    """(row, k) in the 64 x 16 tile of A of half ``half`` (0: the low 16 bits) of register
+    ``index`` (0-3) of warpgroup thread ``thread`` (`make_mma_rs`)."""
+    warp, lane = thread // 32, thread % 32
+    return 16 * warp + lane // 4 + 8 * (index % 2), 2 * (lane % 4) + 8 * (index // 2) + half
 
 
 def _check_shape(n, kind):
@@ -137,6 +148,38 @@ if SIMULATOR:
 
         return mma
 
+    def _halves(word, kind):
+        """The two 16-bit values of a register (low half first), as float64."""
+        bits = np.array([int(word) & 0xFFFF, (int(word) >> 16) & 0xFFFF], np.uint16)
+        if kind == "f16":
+            return bits.view(np.float16).astype(np.float64)
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+    def make_mma_rs(n, kind, b_mn_major, first=0):
+        _check_shape(n, kind)
+        regs = n // 2
+
+        def mma_rs(acc, a0, a1, a2, a3, desc_b, scale_d):
+            me, values = _simulator._group_collective(
+                "wgmma", WARPGROUP, ((a0, a1, a2, a3), desc_b, int(scale_d), np.array(acc[first:first + regs], np.float32)))
+            with _simulator.block_lock():
+                _product(values, n, kind, None, b_mn_major, regs)
+            D = values["D"]
+            for i in range(regs):
+                acc[first + i] = D[acc_position(me, i)]
+
+        return mma_rs
+
+    def _a_of_registers(held, kind):
+        if len(held) != WARPGROUP:
+            raise _simulator.WarpCollectiveError("wgmma: A from registers needs the whole warpgroup")
+        A = np.zeros((WGMMA_M, WGMMA_K))
+        for thread, value in held.items():
+            for index, word in enumerate(value[0]):
+                for half, x in enumerate(_halves(word, kind)):
+                    A[a_position(thread, index, half)] = x
+        return A
+
     def _product(values, n, kind, a_mn_major, b_mn_major, regs):
         """values["D"] = A·B (+ C), from the members' values, unless a member has computed it."""
         if "D" in values:
@@ -145,7 +188,7 @@ if SIMULATOR:
         desc_a0, desc_b0, scale0, _ = held[0]
         if any(v[2] != scale0 for v in held.values()):
             raise _simulator.WarpCollectiveError("wgmma: scale_d differs across the warpgroup")
-        A = _tile(desc_a0, WGMMA_M, a_mn_major, kind)
+        A = _a_of_registers(held, kind) if a_mn_major is None else _tile(desc_a0, WGMMA_M, a_mn_major, kind)
         B = _tile(desc_b0, n, b_mn_major, kind).T
         C = np.zeros((WGMMA_M, n))
         if scale0:
@@ -222,6 +265,41 @@ else:
             return signature, codegen
 
         return mma
+
+    def make_mma_rs(n, kind, b_mn_major, first=0):
+        """acc[first:first + n / 2] (float32, in place) = A (64 x 16, from the warpgroup's
+        registers a0-a3, `a_position`) · B (16 x n, from ``desc_b``) + (that if scale_d else 0)."""
+        _check_shape(n, kind)
+        regs = n // 2
+        outs = ", ".join(f"${i}" for i in range(regs))
+        a = ", ".join(f"${regs + i}" for i in range(4))
+        ptx = ("{ .reg .pred p; setp.ne.b32 p, $" + str(regs + 5) + ", 0; "
+               f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{outs}}}, {{{a}}}, ${regs + 4}, "
+               f"p, 1, 1, {int(b_mn_major)}; }}")
+        constraints = ",".join(["=f"] * regs + ["r", "r", "r", "r", "l", "r"] + [str(i) for i in range(regs)])
+
+        @intrinsic
+        def mma_rs(typingctx, acc, a0, a1, a2, a3, desc_b, scale_d):
+            if not (isinstance(acc, types.Array) and acc.dtype == types.float32 and acc.ndim == 1):
+                return None
+            signature = types.void(acc, types.uint32, types.uint32, types.uint32, types.uint32, types.uint64,
+                                   types.int32)
+
+            def codegen(context, builder, sig, args):
+                f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
+                data = context.make_array(sig.args[0])(context, builder, args[0]).data
+                slots = [builder.gep(data, [ir.Constant(i32, first + i)]) for i in range(regs)]
+                held = [builder.load(s) for s in slots]
+                function = ir.FunctionType(ir.LiteralStructType([f32] * regs), [i32] * 4 + [i64, i32] + [f32] * regs)
+                asm = ir.InlineAsm(function, ptx, constraints, side_effect=True)
+                result = builder.call(asm, list(args[1:7]) + held)
+                for i, slot in enumerate(slots):
+                    builder.store(builder.extract_value(result, i), slot)
+                return context.get_dummy_value()
+
+            return signature, codegen
+
+        return mma_rs
 
     def make_settle(n):
         """settle(acc): pins the n / 2 accumulators after a wait, so that code reading them cannot

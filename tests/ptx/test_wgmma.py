@@ -12,12 +12,14 @@ from sparseblocks.ptx.cp_async import shared_address
 from sparseblocks.ptx.wgmma import (
     SWIZZLE_128,
     WARPGROUP,
+    a_position,
     acc_position,
     align_up,
     commit,
     descriptor,
     fence,
     make_mma,
+    make_mma_rs,
     make_settle,
     waiter,
 )
@@ -113,11 +115,70 @@ def test_wgmma_multiplies_the_tiles_its_descriptors_point_at(n, kind, a_mn, b_mn
     assert np.array_equal(got, want)
 
 
+def registers_of(a, kind):
+    """Each warpgroup thread's four A registers (two 16-bit values each, `a_position`) of a 64 x 16 A."""
+    bits = a.astype(np.float16).view(np.uint16) if kind == "f16" else \
+        (a.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    words = np.zeros((WARPGROUP, 4), np.uint32)
+    for t in range(WARPGROUP):
+        for i in range(4):
+            lo, hi = bits[a_position(t, i, 0)], bits[a_position(t, i, 1)]
+            words[t, i] = int(lo) | (int(hi) << 16)
+    return words
+
+
+@pytest.mark.parametrize("n, kind, b_mn, scale_d", [(64, "f16", False, 1), (64, "bf16", True, 0), (128, "f16", True, 1)])
+def test_wgmma_takes_a_from_registers(n, kind, b_mn, scale_d):
+    """``make_mma_rs``: A as each warp's mma.sync-style A fragments, B from a swizzled shared tile."""
+    rng = np.random.default_rng(n + b_mn)
+    a = rng.integers(-4, 5, (64, K)).astype(np.float32) / 4
+    b = rng.integers(-4, 5, (K, n)).astype(np.float32) / 4
+    c = rng.integers(-8, 9, (64, n)).astype(np.float32)
+    held = np.array([[c[acc_position(t, i)] for i in range(n // 2)] for t in range(WARPGROUP)], np.float32)
+    mma, settle, wait = make_mma_rs(n, kind, b_mn), make_settle(n), waiter(0)
+    ACC, LBO_B = n // 2, 2048 if b_mn else 16
+
+    @cuda.jit
+    def kernel(out, raw, regs, held, scale_d):
+        shared = cuda.shared.array(ALLOCATED, int16)
+        t = cuda.threadIdx.x
+        start = shared_address(shared, (0,))
+        base = align_up(start, 1024)
+        skip = (base - start) // 2
+        for i in range(t, SHARED, WARPGROUP):
+            shared[skip + i] = raw[i]
+        cuda.syncthreads()
+        acc = cuda.local.array(ACC, float32)
+        for i in range(ACC):
+            acc[i] = held[t, i]
+        fence()
+        mma(acc, regs[t, 0], regs[t, 1], regs[t, 2], regs[t, 3], descriptor(base + B_AT, LBO_B, 1024, SWIZZLE_128),
+            int32(scale_d))
+        commit()
+        wait()
+        settle(acc)
+        for i in range(ACC):
+            out[t, i] = acc[i]
+
+    out = cuda.to_device(np.zeros((WARPGROUP, n // 2), np.float32))
+    raw = image(np.zeros((64, K), np.float32), b, False, b_mn, True, kind)
+    kernel[1, WARPGROUP](out, cuda.to_device(raw), cuda.to_device(registers_of(a, kind)), cuda.to_device(held), scale_d)
+    want = a @ b + (c if scale_d else 0)
+    assert np.array_equal(out.copy_to_host(), [[want[acc_position(t, i)] for i in range(n // 2)] for t in range(WARPGROUP)])
+
+
+def test_a_position_covers_the_tile_once():
+    seen = {a_position(t, i, h) for t in range(WARPGROUP) for i in range(4) for h in range(2)}
+    assert seen == {(r, k) for r in range(64) for k in range(K)}
+
+
 def test_wgmma_shapes_are_checked():
     with pytest.raises(ValueError, match="n: expected"):
         make_mma(96, "f16", False, False)
     with pytest.raises(ValueError, match="kind"):
         make_mma(64, "tf32", False, False)
+    with pytest.raises(ValueError, match="n: expected"):
+        make_mma_rs(32, "f16", False)
     with pytest.raises(ValueError, match="keep"):
         waiter(4)
 
