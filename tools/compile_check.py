@@ -262,6 +262,27 @@ def check_quant():
     return 0 if all(results) else 1
 
 
+def check_attention():
+    """Attention's fused kernels at head_dim 64 and 128 (mma.sync), and the wgmma forward (sm_90a):
+    ptxas's registers and stack."""
+    from sparseblocks.attention import DEFAULT as A
+    from sparseblocks.attention import fused, hopper
+
+    results = []
+    for storage, D in itertools.product(("float16", "bfloat16"), (64, 128)):
+        bits = types.int16 if storage == "bfloat16" else types.float16
+        index = types.int32[::1]
+        forward = (bits[::1], types.float32[::1], bits[::1], bits[::1], bits[::1], index, index, i64, i64, i64,
+                   types.float64, types.boolean)
+        results.append(check(f"attention forward {storage} D {D}", fused.make_forward(
+            storage, D, A.stages, fused.forward_rows(128, A.warp_rows), A.forward_keys).py_func, forward))
+        for groups in (1, 2):
+            kernel = hopper.make_forward(storage, D, A.hopper_stages, groups)
+            results.append(check(f"attention wgmma forward {storage} D {D} groups {groups}", kernel.py_func, forward,
+                                 cc=(9, 0, "a"), detail=lambda ptx: f"  {ptx.count('wgmma.mma_async')} wgmma"))
+    return 0 if all(results) else 1
+
+
 def main():
     import argparse
 
@@ -270,9 +291,12 @@ def main():
     parser.add_argument("--fused", nargs="*", metavar="ROWS,COLS,WORDS,STAGES,WARPS,REGISTERS",
                         help="the fused products' kernels, at these tiles (default: the config's)")
     parser.add_argument("--quant", action="store_true", help="the quantized products and packing instead")
+    parser.add_argument("--attention", action="store_true", help="attention's fused and wgmma kernels instead")
     args = parser.parse_args()
     if args.quant:
         return check_quant()
+    if args.attention:
+        return check_attention()
     if args.bsmm:
         return check_bsmm()
     if args.fused is not None:

@@ -11,8 +11,8 @@ from ..runtime.arrays import Array, checked_operands, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import active, on_arrays_device
 from ..ptx.vector import aligned
-from ..runtime.launch import data_pointer, launch, multiprocessors
-from . import fused
+from ..runtime.launch import compute_capability, data_pointer, launch, multiprocessors
+from . import fused, hopper
 from .config import AttentionConfig, as_config
 from .simple import (make_column_weighted, make_deltas, make_probabilities, make_score_grads, make_scores,
                      make_softmax, make_weighted)
@@ -86,6 +86,22 @@ def _fused(cfg, dtype, head_dim, bs, arrays):
     return cfg.fused and not fused.fits(dtype, head_dim, bs) and all(aligned(data_pointer(a), 16, 1) for a in arrays)
 
 
+def _hopper():
+    """Whether the GPU runs the wgmma forward (sm_90; not in the simulator unless a test asks)."""
+    return compute_capability() == (9, 0)
+
+
+def _hopper_groups(cfg, dtype, head_dim, bs):
+    """The wgmma forward's warpgroups a thread block for a call the fused kernels take, or 0 where
+    it does not run (``config.hopper`` off, not sm_90, a head_dim it does not take)."""
+    if not cfg.hopper or not _hopper():
+        return 0
+    for groups in dict.fromkeys((cfg.hopper_groups, 1)):
+        if not hopper.fits(dtype, head_dim, bs, groups):
+            return groups
+    return 0
+
+
 def _launch(kernel, stream, n, args):
     if n:
         launch(kernel, max(1, min(-(-n // THREADS), 16 * multiprocessors())), THREADS, stream, args)
@@ -101,8 +117,9 @@ def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[
     default. A query that sees no key gets zeros. ``return_lse``: also each query's log-sum-exp of
     its scaled scores (fp32; -inf where it sees nothing), (batch, heads, seq).
 
-    fp16 and bf16 run fused (`fused.py`: flash-style, nothing of size seq x seq stored) where
-    `fused.fits` the call and ``config.fused``; other calls take the three kernels (`simple.py`:
+    fp16 and bf16 run fused (`fused.py`: flash-style, nothing of size seq x seq stored; the
+    forward on wgmma, `hopper.py`, on sm_90 at head_dim 64 and 128) where `fused.fits` the call and
+    ``config.fused``; other calls take the three kernels (`simple.py`:
     scores, softmax, weighted sum), which store the present blocks' scores."""
     cfg = as_config(config)
     ops = _checked([("q", q), ("k", k), ("v", v)])
@@ -116,7 +133,14 @@ def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[
     native, out = ops[0].empty((B, H, S, D), stream)
     lse_native, lse = ops[0].empty((B, H, S), stream, dtype="float64" if dtype == "float64" else "float32")
     qd, kd, vd = (op.device(stream).reshape(-1) for op in ops)
-    if _fused(cfg, dtype, D, bs, (qd, kd, vd)):
+    groups = _hopper_groups(cfg, dtype, D, bs) if _fused(cfg, dtype, D, bs, (qd, kd, vd)) else 0
+    if groups:
+        kernel = cached(hopper.make_forward, dtype, D, cfg.hopper_stages, groups)
+        if B * H * S:
+            launch(kernel, B * H * (S // (fused.TILE * groups)), 128 * groups, stream,
+                   (out.reshape(-1), lse.reshape(-1), qd, kd, vd, row_ptr, blk_col, H, S, bs,
+                    scale * fused.LOG2E, bool(causal)))
+    elif _fused(cfg, dtype, D, bs, (qd, kd, vd)):
         rows = fused.forward_rows(bs, cfg.warp_rows)
         kernel = cached(fused.make_forward, dtype, D, cfg.stages, rows, cfg.forward_keys)
         if B * H * S:

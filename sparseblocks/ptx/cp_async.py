@@ -260,7 +260,7 @@ def waiter(keep):
     return _waits[keep]
 
 
-def make_ring(issue, stages, stage_bytes, counter=True):
+def make_ring(issue, stages, stage_bytes, counter=True, visible=None):
     """The stage ring every cp.async pipeline here runs, as two device functions over ``issue(s,
     at, args)`` (a kernel's: start stage s's copies into the buffer at shared address ``at``;
     ``args`` its tuple of whatever else that needs):
@@ -275,10 +275,16 @@ def make_ring(issue, stages, stage_bytes, counter=True):
 
     ``counter``: buffers found by that counter, else by ``s % stages`` (``buf`` passed through);
     which leaves a kernel fewer registers is ptxas's call (`tools/compile_check.py`: attention's
-    kernels take the counter, the convolution's filter gradient the remainder)."""
+    kernels take the counter, the convolution's filter gradient the remainder). ``visible``: a
+    device function each thread calls between its wait and the barrier (`wgmma.proxy_fence`,
+    where the tensor cores read the stages through the async proxy)."""
     from ..runtime.compile import inlined
 
     wait = waiter(stages - 2)
+    if visible is None:
+        @inlined
+        def visible():
+            return None
 
     @inlined
     def prime(base, count, args):
@@ -290,6 +296,7 @@ def make_ring(issue, stages, stage_bytes, counter=True):
     @inlined
     def advance(s, buf, base, count, args):
         wait()
+        visible()
         cuda.syncthreads()
         nxt = s + stages - 1  # (into the buffer before stage s's)
         if counter:

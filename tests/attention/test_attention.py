@@ -14,6 +14,8 @@ from sparseblocks.runtime.backend import SIMULATOR
 from sparseblocks.reference import attention as reference
 from strategies import assert_close, values
 
+from sparseblocks.attention.hopper import make_forward as MAKE_FORWARD
+
 
 @settings(max_examples=10, deadline=None)
 @given(dtype=st.sampled_from(["float32", "float16", "bfloat16", "float64"]), causal=st.booleans(),
@@ -22,8 +24,9 @@ def test_three_kernels_match_the_twin(dtype, causal, per_head, seed):
     check_against_twin(dtype, causal, per_head, seed, (1, 2, 8, 3, 4))
 
 
-def check_against_twin(dtype, causal, per_head, seed, shape, config=None, empty_row=True):
-    """Forward (output and lse) and gradients of random layouts of (B, H, bs, blocks, D) against the twin."""
+def check_against_twin(dtype, causal, per_head, seed, shape, config=None, empty_row=True, grads=True):
+    """Forward (output and lse) and gradients (``grads``) of random layouts of (B, H, bs, blocks, D)
+    against the twin."""
     rng = np.random.default_rng(seed)
     B, H, bs, blocks, D = shape
     S = bs * blocks
@@ -41,6 +44,8 @@ def check_against_twin(dtype, causal, per_head, seed, shape, config=None, empty_
     seen = np.isfinite(want_lse)
     assert np.array_equal(np.isfinite(lse), seen)
     np.testing.assert_allclose(np.asarray(lse)[seen], want_lse[seen], rtol=1e-5, atol=1e-5)
+    if not grads:
+        return
     dout = values(rng, (B, H, S, D), dtype)
     grads = attention_grad(q, k, v, out, lse, dout, layout, causal=causal, config=config)
     wants = reference.backward(q, k, v, np.asarray(out, np.float64), want_lse, dout, layout, causal)
@@ -61,21 +66,44 @@ def test_fused_kernels_refill_their_rings():
     check_against_twin("float16", True, False, 7, (1, 1, 64, 3, 16), config, empty_row=False)
 
 
+@pytest.mark.parametrize("bs, blocks, groups, causal", [(64, 3, 1, True), (128, 1, 2, False)])
+def test_hopper_forward_matches_the_twin(monkeypatch, bs, blocks, groups, causal):
+    """The wgmma forward (`hopper.py`; sm_90, here the simulator's twins of wgmma; the backward the
+    GPU tests cover), head_dim 64:
+    three tiles of one warpgroup each, causal, walking up to three key tiles through a ring of
+    two (the mask on the diagonal tiles); a block of 128 queries on two warpgroups."""
+    from sparseblocks.attention import api, hopper
+
+    monkeypatch.setattr(api, "_hopper", lambda: True)
+    made = []
+    monkeypatch.setattr(hopper, "make_forward", lambda *key: made.append(key) or MAKE_FORWARD(*key))
+    config = AttentionConfig(hopper_stages=2, hopper_groups=groups)
+    check_against_twin("float16", causal, False, 11, (1, 1, bs, blocks, 64), config, empty_row=False, grads=False)
+    assert made == [("float16", 64, 2, groups)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="sizes the simulator would take minutes over")
 @pytest.mark.parametrize("dtype, D, stages", [("float16", 64, 2), ("float16", 128, 2), ("bfloat16", 64, 2),
                                               ("bfloat16", 128, 2), ("float16", 16, 3), ("bfloat16", 32, 4)])
 @settings(max_examples=15, deadline=None)
 @given(causal=st.booleans(), per_head=st.booleans(), bs=st.sampled_from([64, 128]), blocks=st.integers(1, 4),
-       B=st.integers(1, 2), H=st.integers(1, 3), seed=st.integers(0, 2**16))
-def test_fused_kernels_match_the_twin(dtype, D, stages, causal, per_head, bs, blocks, B, H, seed):
-    config = AttentionConfig(stages=stages, backward_stages=stages)
+       B=st.integers(1, 2), H=st.integers(1, 3), seed=st.integers(0, 2**16), hopper=st.sampled_from([(2, 2), (1, 3),
+                                                                                                   None]))
+def test_fused_kernels_match_the_twin(dtype, D, stages, causal, per_head, bs, blocks, B, H, seed, hopper):
+    """On sm_90 the forward at head_dim 64 and 128 runs on wgmma (``hopper``: its warpgroups and
+    stages), or with None the mma.sync forward."""
+    groups, hopper_stages = hopper or (2, 2)
+    config = AttentionConfig(stages=stages, backward_stages=stages, hopper=hopper is not None, hopper_groups=groups,
+                             hopper_stages=hopper_stages)
     check_against_twin(dtype, causal, per_head, seed, (B, H, bs, blocks, D), config, empty_row=blocks > 1)
 
 
 def test_config_checks_its_fields():
     with pytest.raises(ValueError, match="stages"):
         AttentionConfig(stages=1)
+    with pytest.raises(ValueError, match="hopper_groups"):
+        AttentionConfig(hopper_groups=3)
     with pytest.raises(TypeError, match="AttentionConfig"):
         attention(*(np.zeros((1, 1, 8, 4), np.float32),) * 3, BlockLayout.causal(1, block_size=8), config=3)
 

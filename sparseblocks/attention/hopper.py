@@ -1,0 +1,234 @@
+"""Block-sparse attention's forward on Hopper's warpgroup tensor cores (``wgmma``): fp16 and bf16,
+head_dim 64 or 128, blocks a multiple of 64. The same walk and online softmax as `fused.forward`
+(FlashAttention-2's), on warpgroups instead of warps:
+
+* a thread block of ``groups`` warpgroups takes 64 ``groups`` queries of one block-row, 64 a
+  warpgroup; their tile is copied once into shared memory;
+* the key and value tiles of 64 keys that the block-row has go into a ring of ``stages`` stages
+  (16-byte cp.async from every thread, `ptx.cp_async.make_ring`), one barrier a tile;
+* a warpgroup's scores S = q kᵀ (64 x 64) are ``head_dim / 16`` wgmmas from shared memory; the
+  online softmax runs on them in registers (a thread holds 2 rows of 16 scores: the accumulator
+  layout, `ptx.wgmma.acc_position`), and P, packed to 16 bits, is the A operand of out += P v
+  straight from the registers (`ptx.wgmma.make_mma_rs`: the C fragments of two n8 column blocks
+  are the A fragment of one k16 step, as in `fused.py`), v's tile the B operand from shared memory.
+
+Shared tiles lie in wgmma's 128-byte swizzle, a 64-row tile as ``head_dim / 64`` column groups of
+64 rows x 128 bytes (8 KB each), 16-byte chunk c of row r at chunk ``c ^ (r % 8)``. The q tile
+and k tiles are K-major operands (k = head_dim along a row), the v tiles MN-major (k = keys down
+the rows, n = head_dim along them): one layout serves all three. Each warpgroup waits for its
+products before the next tile's barrier, so that the ring may refill the buffer they read.
+"""
+
+import math
+
+from numba import cuda, float32, int32, int64, uint32, uint64
+
+from ..ptx.cp_async import copy16_to, make_ring, shared_address, signed_address
+from ..ptx.half2 import stored_as
+from ..ptx.mma import FULL_MASK
+from ..ptx.wgmma import SWIZZLE_128, WARPGROUP, align_up, commit, descriptor, fence, make_mma, make_mma_rs
+from ..ptx.wgmma import make_settle, proxy_fence, waiter
+from ..runtime.compile import inlined, unrolled
+from ..runtime.launch import dynamic_shared
+from .fused import LN2, TILE, _pack_of, query_walk
+
+HEAD_DIMS = (64, 128)
+ATOM = 1024  # 8 rows of 128 bytes: the swizzle's period
+GROUP_BYTES = TILE * 128  # a 64-row tile's column group of 64 values
+
+
+def fits(dtype, head_dim, block_size, groups):
+    """Why the wgmma forward cannot take a call ('' where it can)."""
+    if dtype not in ("float16", "bfloat16"):
+        return f"dtype {dtype}: the wgmma forward takes float16 and bfloat16"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim}: the wgmma forward takes {HEAD_DIMS}"
+    if block_size % (TILE * groups):
+        return f"block size {block_size}: the wgmma forward's {groups} warpgroups take {TILE * groups} queries"
+    return ""
+
+
+def shared_bytes(D, stages, groups):
+    """The forward's dynamic shared memory: the query tile, the ring, and room to align to an atom."""
+    tile = TILE * 2 * D
+    return groups * tile + stages * 2 * tile + ATOM
+
+
+def make_forward(storage, D, stages, groups):
+    """The forward kernel ``forward(out, lse, q, k, v, row_ptr, blk_col, H, S, bs, scale2, causal)``
+    (`fused.make_forward`'s arguments) for ``groups`` warpgroups of 64 queries a thread block."""
+    QT = TILE * groups  # queries of a thread block
+    THREADS = WARPGROUP * groups
+    TILE_BYTES = TILE * 2 * D  # a 64-row tile: D / 64 column groups
+    KEPT = groups * TILE_BYTES
+    STAGE = 2 * TILE_BYTES  # a key tile, then its value tile
+    CH = D // 8  # 16-byte chunks a row
+    PER = TILE * CH // THREADS  # chunks of a tile a thread copies
+    STEP = THREADS // CH  # rows from one of them to the next (a multiple of 8: the same swizzle row)
+    KD = D // 16  # k16 steps of the scores
+    SN, ON = TILE // 2, D // 2  # accumulators a thread: scores (64 x 64), output (64 x D)
+    PN = SN // 2  # P's registers: two scores each
+    kind = "bf16" if storage == "bfloat16" else "f16"
+    mma_scores = make_mma(TILE, kind, False, False)
+    mma_values = make_mma_rs(D, kind, True)
+    settle_scores, settle_out = make_settle(TILE), make_settle(D)
+    wg_wait = waiter(0)
+    pack2 = _pack_of(storage)
+    from_acc = stored_as(storage)
+    NEG = float32(-math.inf)
+
+    @inlined
+    def plan(tid):
+        """(to, frm): this thread's first chunk of a tile, its byte offsets in the shared tile and
+        in the global rows; the next are STEP rows on (STEP * 128 and STEP * 2D bytes)."""
+        row, c = tid // CH, tid % CH
+        return (c // 8) * GROUP_BYTES + row * 128 + 16 * ((c % 8) ^ (row % 8)), row * 2 * D + 16 * c
+
+    @inlined
+    def copy_tile(at, source, to, frm):
+        for i in range(PER):
+            copy16_to(at + (to + i * STEP * 128), source + (frm + i * STEP * 2 * D))
+
+    @inlined
+    def issue(e, at, args):
+        k_at, v_at, blk_col, first, sub, bs, to, frm = args
+        key = blk_col[first + e // sub] * bs + (e % sub) * TILE
+        copy_tile(at, k_at + 2 * int64(key) * D, to, frm)
+        copy_tile(at + TILE_BYTES, v_at + 2 * int64(key) * D, to, frm)
+
+    prime, advance = make_ring(issue, stages, STAGE, visible=proxy_fence)
+
+    @inlined
+    def k_major(address):
+        return descriptor(address, 16, ATOM, SWIZZLE_128)
+
+    def score_step(s, acc, q_desc, k_desc):
+        # k16 step s: column group s // 4, 32 bytes a step along its rows
+        move = uint64(((s // 4) * GROUP_BYTES + (s % 4) * 32) // 16)
+        mma_scores(acc, q_desc + move, k_desc + move, int32(1 if s > 0 else 0))
+
+    scores = unrolled(KD, inlined(score_step), inline=inlined)
+
+    def value_step(s, acc, p, v_desc):
+        # keys 16 s .. 16 s + 15: two atoms of 8 rows down the value tile
+        mma_values(acc, p[4 * s], p[4 * s + 1], p[4 * s + 2], p[4 * s + 3], v_desc + uint64(s * 2 * ATOM // 16),
+                   int32(1))
+
+    values = unrolled(TILE // 16, inlined(value_step), inline=inlined)
+
+    def softmax_step(i, s, top, scale2, key0, row, t, masked):
+        """Scale score i, hide it past its row's query (``masked``), fold it into its row's maximum."""
+        x = s[i] * scale2
+        if masked and key0 + 8 * (i // 4) + 2 * t + i % 2 > row + 8 * ((i // 2) % 2):
+            x = NEG
+        s[i] = x
+        h = (i // 2) % 2
+        top[h] = max(top[h], x)
+
+    scale_max = unrolled(SN, inlined(softmax_step), inline=inlined)
+
+    def exp_step(i, s, use, total, p):
+        h = (i // 2) % 2
+        x = math.exp2(s[i] - use[h])
+        total[h] += x
+        if i % 2 == 1:
+            p[i // 2] = pack2(s[i - 1], x)
+        s[i] = x
+
+    exps = unrolled(SN, inlined(exp_step), inline=inlined)
+
+    def rescale_step(i, o, corr):
+        o[i] *= corr[(i // 2) % 2]
+
+    rescale = unrolled(ON, inlined(rescale_step), inline=inlined)
+
+    def zero_step(i, o):
+        o[i] = float32(0)
+
+    zero = unrolled(ON, inlined(zero_step), inline=inlined)
+
+    def store_step(i, out, o, corr, at):
+        h = (i // 2) % 2
+        out[at + 8 * h * D + 8 * (i // 4) + i % 2] = from_acc(o[i] * corr[h])
+
+    store = unrolled(ON, inlined(store_step), inline=inlined)
+
+    @cuda.jit
+    def forward(out, lse, q, k, v, row_ptr, blk_col, H, S, bs, scale2, causal):
+        tid = cuda.threadIdx.x
+        group, me = tid // WARPGROUP, tid % WARPGROUP
+        g, t = (me % 32) // 4, me % 4
+        bh, q0, first, sub, n = query_walk(row_ptr, blk_col, H, S, bs, QT, causal)
+        smem = cuda.shared.array(0, int32)
+        base = align_up(shared_address(smem, (0,)), ATOM)
+        head = int64(bh) * S * D
+        q_at = signed_address(q, (0,)) + 2 * (head + int64(q0) * D)
+        k_at = signed_address(k, (0,)) + 2 * head
+        v_at = signed_address(v, (0,)) + 2 * head
+        to, frm = plan(tid)
+        s = cuda.local.array(SN, float32)
+        o = cuda.local.array(ON, float32)
+        p = cuda.local.array(PN, uint32)
+        top = cuda.local.array(2, float32)
+        use = cuda.local.array(2, float32)
+        corr = cuda.local.array(2, float32)
+        total = cuda.local.array(2, float32)
+        peak = cuda.local.array(2, float32)
+        scale2 = float32(scale2)
+        zero(o)
+        for h in range(2):
+            top[h], use[h], total[h] = NEG, float32(0), float32(0)
+
+        if n > 0:
+            for m in range(groups):
+                copy_tile(base + m * TILE_BYTES, q_at + 2 * m * TILE * D, to, frm)
+        ring = (k_at, v_at, blk_col, first, sub, bs, to, frm)
+        ring_at = base + KEPT
+        prime(ring_at, n, ring)
+        q_desc = k_major(base + group * TILE_BYTES)
+        first_row = q0 + group * TILE  # this warpgroup's
+        row = first_row + 16 * (me // 32) + g  # the thread's first row; its second 8 on
+        buf = 0
+        for e in range(n):
+            wg_wait()  # the last tile's products are done with its buffers
+            settle_out(o)
+            stage_at, buf = advance(e, buf, ring_at, n, ring)
+            key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE
+            fence()
+            scores(s, q_desc, k_major(stage_at))
+            commit()
+            wg_wait()
+            settle_scores(s)
+            for h in range(2):
+                peak[h] = NEG
+            scale_max(s, peak, scale2, key0, row, t, causal and key0 + TILE - 1 > first_row)
+            grew = False
+            for h in range(2):
+                m = peak[h]
+                m = max(m, cuda.shfl_xor_sync(FULL_MASK, m, 1))
+                m = max(m, cuda.shfl_xor_sync(FULL_MASK, m, 2))
+                m = max(m, top[h])
+                was = use[h]
+                use[h] = m if m != NEG else float32(0)
+                corr[h] = math.exp2(was - use[h]) if top[h] != NEG else float32(0)
+                top[h] = m
+                total[h] *= corr[h]
+                grew = grew or corr[h] != float32(1)
+            if cuda.any_sync(FULL_MASK, grew):  # (once the maxima settle, no rescaling)
+                rescale(o, corr)
+            exps(s, use, total, p)
+            fence()
+            values(o, p, descriptor(stage_at + TILE_BYTES, GROUP_BYTES, ATOM, SWIZZLE_128))
+            commit()
+        wg_wait()
+        settle_out(o)
+
+        for h in range(2):
+            total[h] += cuda.shfl_xor_sync(FULL_MASK, total[h], 1)
+            total[h] += cuda.shfl_xor_sync(FULL_MASK, total[h], 2)
+            corr[h] = float32(1) / total[h] if total[h] > 0 else float32(0)
+            if t == 0:
+                lse[bh * S + row + 8 * h] = (use[h] + math.log2(total[h])) * float32(LN2) if total[h] > 0 else NEG
+        store(out, o, corr, head + int64(row) * D + 2 * t)
+
+    return dynamic_shared(forward, shared_bytes(D, stages, groups))
