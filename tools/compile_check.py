@@ -276,10 +276,15 @@ def check_attention():
                    types.float64, types.boolean)
         results.append(check(f"attention forward {storage} D {D}", fused.make_forward(
             storage, D, A.stages, fused.forward_rows(128, A.warp_rows), A.forward_keys).py_func, forward))
+        dq = (bits[::1],) * 5 + (types.float32[::1],) * 2 + (index, index, i64, i64, i64, types.float64,
+                                                             types.float64, types.boolean)
         for groups in (1, 2):
-            kernel = hopper.make_forward(storage, D, A.hopper_stages, groups)
-            results.append(check(f"attention wgmma forward {storage} D {D} groups {groups}", kernel.py_func, forward,
-                                 cc=(9, 0, "a"), detail=lambda ptx: f"  {ptx.count('wgmma.mma_async')} wgmma"))
+            for name, maker, signature in (("forward", hopper.make_forward, forward),
+                                           ("dq", hopper.make_query_grads, dq)):
+                kernel = maker(storage, D, A.hopper_stages, groups)
+                results.append(check(f"attention wgmma {name} {storage} D {D} groups {groups}", kernel.py_func,
+                                     signature, cc=(9, 0, "a"),
+                                     detail=lambda ptx: f"  {ptx.count('wgmma.mma_async')} wgmma"))
     return 0 if all(results) else 1
 
 

@@ -176,7 +176,8 @@ def attention_grad(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: A
                    config: Optional[AttentionConfig] = None) -> Tuple[Array, Array, Array]:
     """(dq, dk, dv) of `attention` from its output ``out``, its log-sum-exp ``lse`` (``return_lse``)
     and the output's gradient ``dout``; the probabilities are computed again from q, k and lse.
-    Fused (`fused.py`: dq a query tile, dk and dv a key tile, no atomics) where `attention` is."""
+    Fused (`fused.py`: dq a query tile, dk and dv a key tile, no atomics; dq on wgmma where the
+    forward is, `hopper.py`) where `attention` is."""
     cfg = as_config(config)
     ops = _checked([("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)])
     B, H, S, D = ops[0].shape
@@ -201,10 +202,16 @@ def attention_grad(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: A
     dq, dk, dv = (grad.reshape(-1) for _, grad in outs)
     if _fused(cfg, dtype, D, bs, (qd, kd, vd, dod, lsed, delta)):
         grid = B * H * (S // fused.TILE)
+        groups = _hopper_groups(cfg, dtype, D, bs)
         if grid:
             args = (H, S, bs, scale, scale * fused.LOG2E, bool(causal))
-            launch(cached(fused.make_query_grads, dtype, D, cfg.backward_stages), grid, fused.THREADS, stream,
-                   (dq, qd, kd, vd, dod, lsed, delta, row_ptr, blk_col) + args)
+            dq_args = (dq, qd, kd, vd, dod, lsed, delta, row_ptr, blk_col) + args
+            if groups:
+                launch(cached(hopper.make_query_grads, dtype, D, cfg.hopper_stages, groups), grid // groups,
+                       128 * groups, stream, dq_args)
+            else:
+                launch(cached(fused.make_query_grads, dtype, D, cfg.backward_stages), grid, fused.THREADS, stream,
+                       dq_args)
             launch(cached(fused.make_key_grads, dtype, D, cfg.backward_stages), grid, fused.THREADS, stream,
                    (dk, dv, qd, kd, vd, dod, lsed, delta, col_ptr, col_block, blk_row) + args)
     else:

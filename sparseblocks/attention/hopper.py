@@ -30,7 +30,7 @@ from ..ptx.wgmma import SWIZZLE_128, WARPGROUP, align_up, commit, descriptor, fe
 from ..ptx.wgmma import make_settle, proxy_fence, waiter
 from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
-from .fused import LN2, TILE, _pack_of, query_walk
+from .fused import LN2, LOG2E, TILE, _pack_of, query_walk
 
 HEAD_DIMS = (64, 128)
 ATOM = 1024  # 8 rows of 128 bytes: the swizzle's period
@@ -54,28 +54,29 @@ def shared_bytes(D, stages, groups):
     return groups * tile + stages * 2 * tile + ATOM
 
 
-def make_forward(storage, D, stages, groups):
-    """The forward kernel ``forward(out, lse, q, k, v, row_ptr, blk_col, H, S, bs, scale2, causal)``
-    (`fused.make_forward`'s arguments) for ``groups`` warpgroups of 64 queries a thread block."""
-    QT = TILE * groups  # queries of a thread block
+def make_tiles(storage, D, stages, groups):
+    """What the wgmma kernels share, for ``groups`` warpgroups of 64 queries a thread block:
+
+    * ``copy_tile(at, source, to, frm)``: a 64-row tile's cp.async copies from global ``source``
+      (its first row's address) into the swizzled shared tile at ``at``; (to, frm) = ``plan(tid)``;
+    * ``prime``, ``advance``: the ring of key and value tiles of a query tile's walk (args
+      ``(k_at, v_at, blk_col, first, sub, bs, to, frm)``), a stage the key tile then the value tile;
+    * ``k_major(at)``: the descriptor of a K-major operand tile (k = head_dim along its rows);
+    * ``products(acc, a_desc, b_desc)``: acc (64 x 64) = A · Bᵀ over head_dim, A and B two tiles'
+      K-major descriptors (S = q kᵀ, dP = dout vᵀ);
+    * ``times_tile(acc, p, at)``: acc (64 x D) += P · T, P (64 x 64) a warpgroup's packed A
+      registers (16 a thread, `pack_step`), T the 64-row tile at ``at`` as an MN-major B;
+    * ``pack_step(i, s, p)``: after score i of s is final, its pair into P's registers (odd i)."""
     THREADS = WARPGROUP * groups
     TILE_BYTES = TILE * 2 * D  # a 64-row tile: D / 64 column groups
-    KEPT = groups * TILE_BYTES
-    STAGE = 2 * TILE_BYTES  # a key tile, then its value tile
     CH = D // 8  # 16-byte chunks a row
     PER = TILE * CH // THREADS  # chunks of a tile a thread copies
     STEP = THREADS // CH  # rows from one of them to the next (a multiple of 8: the same swizzle row)
-    KD = D // 16  # k16 steps of the scores
-    SN, ON = TILE // 2, D // 2  # accumulators a thread: scores (64 x 64), output (64 x D)
-    PN = SN // 2  # P's registers: two scores each
+    KD = D // 16  # k16 steps along head_dim
     kind = "bf16" if storage == "bfloat16" else "f16"
-    mma_scores = make_mma(TILE, kind, False, False)
-    mma_values = make_mma_rs(D, kind, True)
-    settle_scores, settle_out = make_settle(TILE), make_settle(D)
-    wg_wait = waiter(0)
+    mma_rows = make_mma(TILE, kind, False, False)
+    mma_tile = make_mma_rs(D, kind, True)
     pack2 = _pack_of(storage)
-    from_acc = stored_as(storage)
-    NEG = float32(-math.inf)
 
     @inlined
     def plan(tid):
@@ -96,25 +97,51 @@ def make_forward(storage, D, stages, groups):
         copy_tile(at, k_at + 2 * int64(key) * D, to, frm)
         copy_tile(at + TILE_BYTES, v_at + 2 * int64(key) * D, to, frm)
 
-    prime, advance = make_ring(issue, stages, STAGE, visible=proxy_fence)
+    prime, advance = make_ring(issue, stages, 2 * TILE_BYTES, visible=proxy_fence)
 
     @inlined
     def k_major(address):
         return descriptor(address, 16, ATOM, SWIZZLE_128)
 
-    def score_step(s, acc, q_desc, k_desc):
+    def rows_step(s, acc, a_desc, b_desc):
         # k16 step s: column group s // 4, 32 bytes a step along its rows
         move = uint64(((s // 4) * GROUP_BYTES + (s % 4) * 32) // 16)
-        mma_scores(acc, q_desc + move, k_desc + move, int32(1 if s > 0 else 0))
+        mma_rows(acc, a_desc + move, b_desc + move, int32(1 if s > 0 else 0))
 
-    scores = unrolled(KD, inlined(score_step), inline=inlined)
+    products = unrolled(KD, inlined(rows_step), inline=inlined)
 
-    def value_step(s, acc, p, v_desc):
-        # keys 16 s .. 16 s + 15: two atoms of 8 rows down the value tile
-        mma_values(acc, p[4 * s], p[4 * s + 1], p[4 * s + 2], p[4 * s + 3], v_desc + uint64(s * 2 * ATOM // 16),
-                   int32(1))
+    def tile_step(s, acc, p, b_desc):
+        # rows 16 s .. 16 s + 15 of the tile: two atoms of 8 rows down it
+        mma_tile(acc, p[4 * s], p[4 * s + 1], p[4 * s + 2], p[4 * s + 3], b_desc + uint64(s * 2 * ATOM // 16),
+                 int32(1))
 
-    values = unrolled(TILE // 16, inlined(value_step), inline=inlined)
+    steps = unrolled(TILE // 16, inlined(tile_step), inline=inlined)
+
+    @inlined
+    def times_tile(acc, p, at):
+        steps(acc, p, descriptor(at, GROUP_BYTES, ATOM, SWIZZLE_128))
+
+    @inlined
+    def pack_step(i, s, p):
+        if i % 2 == 1:
+            p[i // 2] = pack2(s[i - 1], s[i])
+
+    return plan, copy_tile, prime, advance, k_major, products, times_tile, pack_step
+
+
+def make_forward(storage, D, stages, groups):
+    """The forward kernel ``forward(out, lse, q, k, v, row_ptr, blk_col, H, S, bs, scale2, causal)``
+    (`fused.make_forward`'s arguments) for ``groups`` warpgroups of 64 queries a thread block."""
+    QT = TILE * groups  # queries of a thread block
+    TILE_BYTES = TILE * 2 * D
+    KEPT = groups * TILE_BYTES
+    SN, ON = TILE // 2, D // 2  # accumulators a thread: scores (64 x 64), output (64 x D)
+    PN = SN // 2  # P's registers: two scores each
+    plan, copy_tile, prime, advance, k_major, scores, times_tile, pack_step = make_tiles(storage, D, stages, groups)
+    settle_scores, settle_out = make_settle(TILE), make_settle(D)
+    wg_wait = waiter(0)
+    from_acc = stored_as(storage)
+    NEG = float32(-math.inf)
 
     def softmax_step(i, s, top, scale2, key0, row, t, masked):
         """Scale score i, hide it past its row's query (``masked``), fold it into its row's maximum."""
@@ -131,9 +158,8 @@ def make_forward(storage, D, stages, groups):
         h = (i // 2) % 2
         x = math.exp2(s[i] - use[h])
         total[h] += x
-        if i % 2 == 1:
-            p[i // 2] = pack2(s[i - 1], x)
         s[i] = x
+        pack_step(i, s, p)
 
     exps = unrolled(SN, inlined(exp_step), inline=inlined)
 
@@ -195,7 +221,7 @@ def make_forward(storage, D, stages, groups):
             stage_at, buf = advance(e, buf, ring_at, n, ring)
             key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE
             fence()
-            scores(s, q_desc, k_major(stage_at))
+            scores(s, q_desc, k_major(stage_at))  # S = q kᵀ
             commit()
             wg_wait()
             settle_scores(s)
@@ -218,7 +244,7 @@ def make_forward(storage, D, stages, groups):
                 rescale(o, corr)
             exps(s, use, total, p)
             fence()
-            values(o, p, descriptor(stage_at + TILE_BYTES, GROUP_BYTES, ATOM, SWIZZLE_128))
+            times_tile(o, p, stage_at + TILE_BYTES)  # out += P v
             commit()
         wg_wait()
         settle_out(o)
@@ -232,3 +258,99 @@ def make_forward(storage, D, stages, groups):
         store(out, o, corr, head + int64(row) * D + 2 * t)
 
     return dynamic_shared(forward, shared_bytes(D, stages, groups))
+
+
+def make_query_grads(storage, D, stages, groups):
+    """dq of ``groups`` warpgroups' 64 queries (`fused.make_query_grads`'s arguments): their q and
+    dout tiles kept, the key and value tiles of their block-row in the ring, and for each
+    S = q kᵀ and dP = dout vᵀ (wgmma from shared tiles), P = exp(S - lse), dS = P (dP - delta),
+    then dq += dS k with dS from the registers."""
+    QT = TILE * groups
+    TILE_BYTES = TILE * 2 * D
+    KEPT = 2 * groups * TILE_BYTES  # the q tiles, then the dout tiles
+    SN, ON = TILE // 2, D // 2
+    PN = SN // 2
+    plan, copy_tile, prime, advance, k_major, products, times_tile, pack_step = make_tiles(storage, D, stages, groups)
+    settle_scores, settle_out = make_settle(TILE), make_settle(D)
+    wg_wait = waiter(0)
+    from_acc = stored_as(storage)
+    NEG = float32(-math.inf)
+
+    def grad_step(i, s, dp, level, dl, scale2, key0, row, t, masked, p):
+        """Score i into P (0 where the mask hides it or its query sees nothing), then dS into s and P's
+        registers."""
+        h = (i // 2) % 2
+        hidden = masked and key0 + 8 * (i // 4) + 2 * t + i % 2 > row + 8 * h
+        x = float32(0) if hidden or level[h] == NEG else math.exp2(s[i] * scale2 - level[h] * float32(LOG2E))
+        s[i] = x * (dp[i] - dl[h])
+        pack_step(i, s, p)
+
+    grads = unrolled(SN, inlined(grad_step), inline=inlined)
+
+    def zero_step(i, acc):
+        acc[i] = float32(0)
+
+    zero = unrolled(ON, inlined(zero_step), inline=inlined)
+
+    def store_step(i, out, acc, f, at):
+        out[at + 8 * ((i // 2) % 2) * D + 8 * (i // 4) + i % 2] = from_acc(acc[i] * f)
+
+    store = unrolled(ON, inlined(store_step), inline=inlined)
+
+    @cuda.jit
+    def query_grads(dq, q, k, v, dout, lse, delta, row_ptr, blk_col, H, S, bs, scale, scale2, causal):
+        tid = cuda.threadIdx.x
+        group, me = tid // WARPGROUP, tid % WARPGROUP
+        g, t = (me % 32) // 4, me % 4
+        bh, q0, first, sub, n = query_walk(row_ptr, blk_col, H, S, bs, QT, causal)
+        smem = cuda.shared.array(0, int32)
+        base = align_up(shared_address(smem, (0,)), ATOM)
+        head = int64(bh) * S * D
+        to, frm = plan(tid)
+        s = cuda.local.array(SN, float32)
+        dp = cuda.local.array(SN, float32)
+        acc = cuda.local.array(ON, float32)
+        p = cuda.local.array(PN, uint32)
+        level = cuda.local.array(2, float32)
+        dl = cuda.local.array(2, float32)
+        scale2 = float32(scale2)
+        first_row = q0 + group * TILE
+        row = first_row + 16 * (me // 32) + g
+        for h in range(2):
+            level[h] = lse[bh * S + row + 8 * h]
+            dl[h] = delta[bh * S + row + 8 * h]
+        zero(acc)
+        if n > 0:
+            q_at = signed_address(q, (0,)) + 2 * (head + int64(q0) * D)
+            do_at = signed_address(dout, (0,)) + 2 * (head + int64(q0) * D)
+            for m in range(groups):
+                copy_tile(base + m * TILE_BYTES, q_at + 2 * m * TILE * D, to, frm)
+                copy_tile(base + (groups + m) * TILE_BYTES, do_at + 2 * m * TILE * D, to, frm)
+        ring = (signed_address(k, (0,)) + 2 * head, signed_address(v, (0,)) + 2 * head, blk_col, first, sub, bs,
+                to, frm)
+        ring_at = base + KEPT
+        prime(ring_at, n, ring)
+        q_desc = k_major(base + group * TILE_BYTES)
+        do_desc = k_major(base + (groups + group) * TILE_BYTES)
+        buf = 0
+        for e in range(n):
+            wg_wait()  # the last tile's product is done with its buffers
+            settle_out(acc)
+            stage_at, buf = advance(e, buf, ring_at, n, ring)
+            key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE
+            fence()
+            products(s, q_desc, k_major(stage_at))  # S = q kᵀ
+            products(dp, do_desc, k_major(stage_at + TILE_BYTES))  # dP = dout vᵀ
+            commit()
+            wg_wait()
+            settle_scores(s)
+            settle_scores(dp)
+            grads(s, dp, level, dl, scale2, key0, row, t, causal and key0 + TILE - 1 > first_row, p)
+            fence()
+            times_tile(acc, p, stage_at)  # dq += dS k
+            commit()
+        wg_wait()
+        settle_out(acc)
+        store(dq, acc, float32(scale), head + int64(row) * D + 2 * t)
+
+    return dynamic_shared(query_grads, shared_bytes(D, stages, groups) + groups * TILE * 2 * D)
