@@ -280,7 +280,8 @@ def check_attention():
                                                              types.float64, types.boolean)
         for groups in (1, 2):
             for name, maker, signature in (("forward", hopper.make_forward, forward),
-                                           ("dq", hopper.make_query_grads, dq)):
+                                           ("dq", hopper.make_query_grads, dq),
+                                           ("dk dv", hopper.make_key_grads, (bits[::1],) + dq[:9] + dq[8:])):
                 kernel = maker(storage, D, A.hopper_stages, groups)
                 results.append(check(f"attention wgmma {name} {storage} D {D} groups {groups}", kernel.py_func,
                                      signature, cc=(9, 0, "a"),

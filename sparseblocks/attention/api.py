@@ -176,7 +176,7 @@ def attention_grad(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: A
                    config: Optional[AttentionConfig] = None) -> Tuple[Array, Array, Array]:
     """(dq, dk, dv) of `attention` from its output ``out``, its log-sum-exp ``lse`` (``return_lse``)
     and the output's gradient ``dout``; the probabilities are computed again from q, k and lse.
-    Fused (`fused.py`: dq a query tile, dk and dv a key tile, no atomics; dq on wgmma where the
+    Fused (`fused.py`: dq a query tile, dk and dv a key tile, no atomics; on wgmma where the
     forward is, `hopper.py`) where `attention` is."""
     cfg = as_config(config)
     ops = _checked([("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)])
@@ -212,8 +212,13 @@ def attention_grad(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: A
             else:
                 launch(cached(fused.make_query_grads, dtype, D, cfg.backward_stages), grid, fused.THREADS, stream,
                        dq_args)
-            launch(cached(fused.make_key_grads, dtype, D, cfg.backward_stages), grid, fused.THREADS, stream,
-                   (dk, dv, qd, kd, vd, dod, lsed, delta, col_ptr, col_block, blk_row) + args)
+            dk_args = (dk, dv, qd, kd, vd, dod, lsed, delta, col_ptr, col_block, blk_row) + args
+            if groups:
+                launch(cached(hopper.make_key_grads, dtype, D, cfg.hopper_stages, groups), grid // groups,
+                       128 * groups, stream, dk_args)
+            else:
+                launch(cached(fused.make_key_grads, dtype, D, cfg.backward_stages), grid, fused.THREADS, stream,
+                       dk_args)
     else:
         n = max(1, B * G * bs * bs)
         p, ds = ops[0].scratch((n,), wide, stream), ops[0].scratch((n,), wide, stream)

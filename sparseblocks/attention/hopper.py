@@ -354,3 +354,143 @@ def make_query_grads(storage, D, stages, groups):
         store(dq, acc, float32(scale), head + int64(row) * D + 2 * t)
 
     return dynamic_shared(query_grads, shared_bytes(D, stages, groups) + groups * TILE * 2 * D)
+
+
+def make_key_grads(storage, D, stages, groups):
+    """dk and dv of ``groups`` warpgroups' 64 keys (`fused.make_key_grads`'s arguments): their k and
+    v tiles kept, the q and dout tiles of their block-column (with those rows' lse and delta) in
+    the ring; for each, Sᵀ = k qᵀ and dPᵀ = v doutᵀ from shared tiles, Pᵀ = exp(Sᵀ - lse),
+    dv += Pᵀ dout, dSᵀ = Pᵀ (dPᵀ - delta), dk += dSᵀ q, Pᵀ and dSᵀ from the registers."""
+    KT = TILE * groups  # keys of a thread block
+    TILE_BYTES = TILE * 2 * D
+    KEPT = 2 * groups * TILE_BYTES  # the k tiles, then the v tiles
+    STAGE = 2 * TILE_BYTES + ATOM  # a q tile, its dout tile, then 64 lse and 64 delta (an atom, aligned)
+    ROWS_CH = 4 * TILE // 16  # 16-byte chunks of a tile's 64 lse (or delta) values
+    SN, ON = TILE // 2, D // 2
+    PN = SN // 2
+    plan, copy_tile, _, _, k_major, products, times_tile, pack_step = make_tiles(storage, D, stages, groups)
+    settle_scores, settle_out = make_settle(TILE), make_settle(D)
+    wg_wait = waiter(0)
+    from_acc = stored_as(storage)
+    NEG = float32(-math.inf)
+
+    @inlined
+    def query_of(e, skip, blk_row, col_block, first, sub, bs):
+        x = e + skip
+        return blk_row[col_block[first + x // sub]] * bs + (x % sub) * TILE
+
+    @inlined
+    def issue(e, at, args):
+        tid, skip, blk_row, col_block, first, sub, bs, q_at, do_at, lse_at, delta_at, to, frm = args
+        query0 = query_of(e, skip, blk_row, col_block, first, sub, bs)
+        copy_tile(at, q_at + 2 * int64(query0) * D, to, frm)
+        copy_tile(at + TILE_BYTES, do_at + 2 * int64(query0) * D, to, frm)
+        if tid < 2 * ROWS_CH:
+            source = lse_at if tid < ROWS_CH else delta_at
+            copy16_to(at + 2 * TILE_BYTES + 16 * tid, source + 4 * int64(query0) + 16 * (tid % ROWS_CH))
+
+    prime, advance = make_ring(issue, stages, STAGE, visible=proxy_fence)
+
+    def probability_step(i, s, floats, levels, scale2, query0, key, t, masked, p):
+        """Score i (key row, query column) into Pᵀ, 0 where the mask hides it or the query sees nothing."""
+        col = 8 * (i // 4) + 2 * t + i % 2
+        level = floats[levels + col]
+        hidden = masked and key + 8 * ((i // 2) % 2) > query0 + col
+        s[i] = float32(0) if hidden or level == NEG else math.exp2(s[i] * scale2 - level * float32(LOG2E))
+        pack_step(i, s, p)
+
+    probabilities = unrolled(SN, inlined(probability_step), inline=inlined)
+
+    def grad_step(i, s, dp, floats, deltas, t, p):
+        dp[i] = s[i] * (dp[i] - floats[deltas + 8 * (i // 4) + 2 * t + i % 2])
+        pack_step(i, dp, p)
+
+    grads = unrolled(SN, inlined(grad_step), inline=inlined)
+
+    def zero_step(i, dk_acc, dv_acc):
+        dk_acc[i] = float32(0)
+        dv_acc[i] = float32(0)
+
+    zero = unrolled(ON, inlined(zero_step), inline=inlined)
+
+    def store_step(i, out, acc, f, at):
+        out[at + 8 * ((i // 2) % 2) * D + 8 * (i // 4) + i % 2] = from_acc(acc[i] * f)
+
+    store = unrolled(ON, inlined(store_step), inline=inlined)
+
+    @cuda.jit
+    def key_grads(dk, dv, q, k, v, dout, lse, delta, col_ptr, col_block, blk_row, H, S, bs, scale, scale2, causal):
+        tid = cuda.threadIdx.x
+        group, me = tid // WARPGROUP, tid % WARPGROUP
+        g, t = (me % 32) // 4, me % 4
+        n_kt = S // KT
+        bh = cuda.blockIdx.x // n_kt
+        k0 = (cuda.blockIdx.x % n_kt) * KT
+        cols, sub = S // bs, bs // TILE
+        first, last = col_ptr[(bh % H) * cols + k0 // bs], col_ptr[(bh % H) * cols + k0 // bs + 1]
+        n = (last - first) * sub
+        skip = 0
+        if causal:  # (a column's blocks run by row: the query tiles wholly before its keys are a prefix)
+            for e in range(n):
+                if blk_row[col_block[first + e // sub]] * bs + (e % sub) * TILE + TILE <= k0:
+                    skip += 1
+            n -= skip
+        smem = cuda.shared.array(0, int32)
+        floats = cuda.shared.array(0, float32)
+        start = shared_address(smem, (0,))
+        base = align_up(start, ATOM)
+        head = int64(bh) * S * D
+        to, frm = plan(tid)
+        s = cuda.local.array(SN, float32)
+        dp = cuda.local.array(SN, float32)
+        dk_acc = cuda.local.array(ON, float32)
+        dv_acc = cuda.local.array(ON, float32)
+        p = cuda.local.array(PN, uint32)
+        ds = cuda.local.array(PN, uint32)
+        scale2 = float32(scale2)
+        first_key = k0 + group * TILE
+        key = first_key + 16 * (me // 32) + g
+        zero(dk_acc, dv_acc)
+        if n > 0:
+            for m in range(groups):
+                copy_tile(base + m * TILE_BYTES, signed_address(k, (0,)) + 2 * (head + int64(k0 + m * TILE) * D), to,
+                          frm)
+                copy_tile(base + (groups + m) * TILE_BYTES,
+                          signed_address(v, (0,)) + 2 * (head + int64(k0 + m * TILE) * D), to, frm)
+        ring = (tid, skip, blk_row, col_block, first, sub, bs, signed_address(q, (0,)) + 2 * head,
+                signed_address(dout, (0,)) + 2 * head, signed_address(lse, (0,)) + 4 * int64(bh) * S,
+                signed_address(delta, (0,)) + 4 * int64(bh) * S, to, frm)
+        ring_at = base + KEPT
+        prime(ring_at, n, ring)
+        k_desc = k_major(base + group * TILE_BYTES)
+        v_desc = k_major(base + (groups + group) * TILE_BYTES)
+        buf = 0
+        for e in range(n):
+            wg_wait()  # the last tile's products are done with its buffers and registers
+            settle_out(dk_acc)
+            settle_out(dv_acc)
+            stage_at, buf_next = advance(e, buf, ring_at, n, ring)
+            query0 = query_of(e, skip, blk_row, col_block, first, sub, bs)
+            levels = (stage_at - start + 2 * TILE_BYTES) // 4  # this stage's lse, then delta, in floats
+            fence()
+            products(s, k_desc, k_major(stage_at))  # Sᵀ = k qᵀ
+            products(dp, v_desc, k_major(stage_at + TILE_BYTES))  # dPᵀ = v doutᵀ
+            commit()
+            wg_wait()
+            settle_scores(s)
+            settle_scores(dp)
+            probabilities(s, floats, levels, scale2, query0, key, t, causal and query0 < first_key + TILE - 1, p)
+            fence()
+            times_tile(dv_acc, p, stage_at + TILE_BYTES)  # dv += Pᵀ dout
+            grads(s, dp, floats, levels + TILE, t, ds)
+            times_tile(dk_acc, ds, stage_at)  # dk += dSᵀ q
+            commit()
+            buf = buf_next
+        wg_wait()
+        settle_out(dk_acc)
+        settle_out(dv_acc)
+        at = head + int64(key) * D + 2 * t
+        store(dk, dk_acc, float32(scale), at)
+        store(dv, dv_acc, float32(1), at)
+
+    return dynamic_shared(key_grads, 2 * groups * TILE_BYTES + stages * STAGE + ATOM)

@@ -15,6 +15,7 @@ from sparseblocks.reference import attention as reference
 from strategies import assert_close, values
 
 from sparseblocks.attention.hopper import make_forward as MAKE_FORWARD
+from sparseblocks.attention.hopper import make_key_grads as MAKE_KEY_GRADS
 from sparseblocks.attention.hopper import make_query_grads as MAKE_QUERY_GRADS
 
 
@@ -67,22 +68,23 @@ def test_fused_kernels_refill_their_rings():
     check_against_twin("float16", True, False, 7, (1, 1, 64, 3, 16), config, empty_row=False)
 
 
-@pytest.mark.parametrize("bs, blocks, groups, causal, grads", [(64, 3, 1, True, False), (128, 1, 2, False, False),
+@pytest.mark.parametrize("bs, blocks, groups, causal, grads", [(64, 3, 1, True, False), (128, 1, 2, False, True),
                                                                 (64, 2, 1, True, True)])
 def test_hopper_kernels_match_the_twin(monkeypatch, bs, blocks, groups, causal, grads):
     """The wgmma forward and dq (`hopper.py`; sm_90, here the simulator's twins of wgmma), head_dim 64:
     three tiles of one warpgroup each, causal, walking up to three key tiles through a ring of
     two (the mask on the diagonal tiles); a block of 128 queries on two warpgroups; with ``grads``
-    the backward too (dq on wgmma; dk and dv the mma.sync kernel's, slow here at head_dim 64)."""
+    the backward's dq, dk and dv too."""
     from sparseblocks.attention import api, hopper
 
     monkeypatch.setattr(api, "_hopper", lambda: True)
     made = []
     monkeypatch.setattr(hopper, "make_forward", lambda *key: made.append(key) or MAKE_FORWARD(*key))
     monkeypatch.setattr(hopper, "make_query_grads", lambda *key: made.append(key) or MAKE_QUERY_GRADS(*key))
+    monkeypatch.setattr(hopper, "make_key_grads", lambda *key: made.append(key) or MAKE_KEY_GRADS(*key))
     config = AttentionConfig(hopper_stages=2, hopper_groups=groups, backward_stages=2)
     check_against_twin("float16", causal, False, 11, (1, 1, bs, blocks, 64), config, empty_row=False, grads=grads)
-    assert made == [("float16", 64, 2, groups)] * (1 + grads)
+    assert made == [("float16", 64, 2, groups)] * (1 + 2 * grads)
 
 
 @pytest.mark.gpu
