@@ -160,8 +160,9 @@ if SIMULATOR:
         regs = n // 2
 
         def mma_rs(acc, a0, a1, a2, a3, desc_b, scale_d):
-            me, values = _simulator._group_collective(
-                "wgmma", WARPGROUP, ((a0, a1, a2, a3), desc_b, int(scale_d), np.array(acc[first:first + regs], np.float32)))
+            held = np.array(acc[first:first + regs], np.float32)
+            a = (a0, a1, a2, a3)
+            me, values = _simulator._group_collective("wgmma", WARPGROUP, (a, desc_b, int(scale_d), held))
             with _simulator.block_lock():
                 _product(values, n, kind, None, b_mn_major, regs)
             D = values["D"]

@@ -127,7 +127,8 @@ def registers_of(a, kind):
     return words
 
 
-@pytest.mark.parametrize("n, kind, b_mn, scale_d", [(64, "f16", False, 1), (64, "bf16", True, 0), (128, "f16", True, 1)])
+@pytest.mark.parametrize("n, kind, b_mn, scale_d", [(64, "f16", False, 1), (64, "bf16", True, 0),
+                                                    (128, "f16", True, 1)])
 def test_wgmma_takes_a_from_registers(n, kind, b_mn, scale_d):
     """``make_mma_rs``: A as each warp's mma.sync-style A fragments, B from a swizzled shared tile."""
     rng = np.random.default_rng(n + b_mn)
@@ -164,7 +165,8 @@ def test_wgmma_takes_a_from_registers(n, kind, b_mn, scale_d):
     raw = image(np.zeros((64, K), np.float32), b, False, b_mn, True, kind)
     kernel[1, WARPGROUP](out, cuda.to_device(raw), cuda.to_device(registers_of(a, kind)), cuda.to_device(held), scale_d)
     want = a @ b + (c if scale_d else 0)
-    assert np.array_equal(out.copy_to_host(), [[want[acc_position(t, i)] for i in range(n // 2)] for t in range(WARPGROUP)])
+    expected = [[want[acc_position(t, i)] for i in range(n // 2)] for t in range(WARPGROUP)]
+    assert np.array_equal(out.copy_to_host(), expected)
 
 
 def test_a_position_covers_the_tile_once():
