@@ -202,6 +202,52 @@ def query_walk(row_ptr, blk_col, H, S, bs, QT, causal):
     return bh, q0, first, sub, n
 
 
+def make_row_maxima(R):
+    """``settle_maxima(peak, top, use, corr, total)``: a thread's R rows' new maxima, each row's
+    ``peak`` over a part's scores folded across its four lanes and into the running ``top``; the
+    level the exponentials take (``use``: 0 for a row that has seen no key), the factor the old
+    sums and outputs take (``corr``), the sums rescaled; returns whether any factor is not 1."""
+    NEG = float32(-math.inf)
+
+    @inlined
+    def settle_maxima(peak, top, use, corr, total):
+        grew = False
+        for i in range(R):
+            m = peak[i]
+            m = max(m, cuda.shfl_xor_sync(FULL_MASK, m, 1))
+            m = max(m, cuda.shfl_xor_sync(FULL_MASK, m, 2))
+            m = max(m, top[i])
+            was = use[i]
+            use[i] = m if m != NEG else float32(0)
+            corr[i] = math.exp2(was - use[i]) if top[i] != NEG else float32(0)
+            top[i] = m
+            total[i] *= corr[i]
+            grew = grew or corr[i] != float32(1)
+        return grew
+
+    return settle_maxima
+
+
+@inlined
+def key_walk(col_ptr, col_block, blk_row, H, S, bs, KT, causal):
+    """(batch x head, first key, first block, tiles a block, query tiles walked, tiles skipped) of
+    this thread block's KT keys: the query tiles of its block-column (the layout's transpose), less,
+    with ``causal``, those wholly before its first key (a column's blocks run by row: a prefix)."""
+    n_kt = S // KT
+    bh = cuda.blockIdx.x // n_kt
+    k0 = (cuda.blockIdx.x % n_kt) * KT  # (the keys of the most causal queries first)
+    cols, sub = S // bs, bs // TILE
+    first, last = col_ptr[(bh % H) * cols + k0 // bs], col_ptr[(bh % H) * cols + k0 // bs + 1]
+    n = (last - first) * sub
+    skip = 0
+    if causal:
+        for e in range(n):
+            if blk_row[col_block[first + e // sub]] * bs + (e % sub) * TILE + TILE <= k0:
+                skip += 1
+        n -= skip
+    return bh, k0, first, sub, n, skip
+
+
 def make_key_ring(copy_pair, stages, stage_bytes):
     """The key and value tiles of a query tile's present blocks, a stage a ring buffer
     (`ptx.cp_async.make_ring`; the forward and dq walk the same keys): ``key_of(e, blk_col, first,
@@ -240,6 +286,7 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
     DN, R = D // 8, 2 * MT  # R: rows of a lane
     plan, copy_tile, copy_pair, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D, cols, MT)
     key_of, prime, advance = make_key_ring(copy_pair, stages, STAGE)
+    settle_maxima = make_row_maxima(R)
     NEG = float32(-math.inf)  # (a float32: max() and selects in f32)
 
     def mask_step(n, s, top, scale2, key0, row, t):
@@ -334,18 +381,7 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
                     mask(s, peak, scale2, key0, row, t)
                 else:
                     scale_max(s, peak, scale2)
-                grew = False
-                for i in range(R):
-                    m = peak[i]
-                    m = max(m, cuda.shfl_xor_sync(FULL_MASK, m, 1))
-                    m = max(m, cuda.shfl_xor_sync(FULL_MASK, m, 2))
-                    m = max(m, top[i])
-                    was = use[i]
-                    use[i] = m if m != NEG else float32(0)
-                    corr[i] = math.exp2(was - use[i]) if top[i] != NEG else float32(0)
-                    top[i] = m
-                    total[i] *= corr[i]
-                    grew = grew or corr[i] != float32(1)
+                grew = settle_maxima(peak, top, use, corr, total)
                 if cuda.any_sync(FULL_MASK, grew):  # (once the maxima settle, no rescaling)
                     rescale(o, corr)
                 exps(s, use, total)
@@ -500,20 +536,7 @@ def make_key_grads(storage, D, stages):
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
-        n_kt = S // TILE
-        kt = cuda.blockIdx.x % n_kt  # (the keys of the most causal queries first)
-        bh = cuda.blockIdx.x // n_kt
-        h = bh % H
-        k0 = kt * TILE
-        cols, sub = S // bs, bs // TILE
-        first, last = col_ptr[h * cols + k0 // bs], col_ptr[h * cols + k0 // bs + 1]
-        n = (last - first) * sub
-        skip = 0
-        if causal:  # (a column's blocks run by row: the tiles it skips are a prefix)
-            for e in range(n):
-                if blk_row[col_block[first + e // sub]] * bs + (e % sub) * TILE + TILE <= k0:
-                    skip += 1
-            n -= skip
+        bh, k0, first, sub, n, skip = key_walk(col_ptr, col_block, blk_row, H, S, bs, TILE, causal)
         smem = cuda.shared.array(0, int32)
         floats = cuda.shared.array(0, float32)
         base = shared_address(smem, (0,))

@@ -30,7 +30,7 @@ from ..ptx.wgmma import SWIZZLE_128, WARPGROUP, align_up, commit, descriptor, fe
 from ..ptx.wgmma import make_settle, proxy_fence, waiter
 from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
-from .fused import LN2, LOG2E, TILE, _pack_of, query_walk
+from .fused import LN2, LOG2E, TILE, _pack_of, key_walk, make_row_maxima, query_walk
 
 HEAD_DIMS = (64, 128)
 ATOM = 1024  # 8 rows of 128 bytes: the swizzle's period
@@ -66,7 +66,10 @@ def make_tiles(storage, D, stages, groups):
       K-major descriptors (S = q kᵀ, dP = dout vᵀ);
     * ``times_tile(acc, p, at)``: acc (64 x D) += P · T, P (64 x 64) a warpgroup's packed A
       registers (16 a thread, `pack_step`), T the 64-row tile at ``at`` as an MN-major B;
-    * ``pack_step(i, s, p)``: after score i of s is final, its pair into P's registers (odd i)."""
+    * ``pack_step(i, s, p)``: after score i of s is final, its pair into P's registers (odd i);
+    * ``zero(acc)``: a 64 x D accumulator's values a thread to 0;
+    * ``store(out, acc, f0, f1, at)``: them times f0 (a thread's first row) or f1 (its second, 8
+      on) into ``out``'s rows from element ``at`` (the thread's first row's, plus 2 t)."""
     THREADS = WARPGROUP * groups
     TILE_BYTES = TILE * 2 * D  # a 64-row tile: D / 64 column groups
     CH = D // 8  # 16-byte chunks a row
@@ -126,7 +129,18 @@ def make_tiles(storage, D, stages, groups):
         if i % 2 == 1:
             p[i // 2] = pack2(s[i - 1], s[i])
 
-    return plan, copy_tile, prime, advance, k_major, products, times_tile, pack_step
+    def zero_step(i, acc):
+        acc[i] = float32(0)
+
+    zero = unrolled(D // 2, inlined(zero_step), inline=inlined)
+    from_acc = stored_as(storage)
+
+    def store_step(i, out, acc, f0, f1, at):
+        h = (i // 2) % 2
+        out[at + 8 * h * D + 8 * (i // 4) + i % 2] = from_acc(acc[i] * (f1 if h else f0))
+
+    store = unrolled(D // 2, inlined(store_step), inline=inlined)
+    return plan, copy_tile, prime, advance, k_major, products, times_tile, pack_step, zero, store
 
 
 def make_forward(storage, D, stages, groups):
@@ -137,10 +151,11 @@ def make_forward(storage, D, stages, groups):
     KEPT = groups * TILE_BYTES
     SN, ON = TILE // 2, D // 2  # accumulators a thread: scores (64 x 64), output (64 x D)
     PN = SN // 2  # P's registers: two scores each
-    plan, copy_tile, prime, advance, k_major, scores, times_tile, pack_step = make_tiles(storage, D, stages, groups)
+    plan, copy_tile, prime, advance, k_major, scores, times_tile, pack_step, zero, store = make_tiles(
+        storage, D, stages, groups)
     settle_scores, settle_out = make_settle(TILE), make_settle(D)
+    settle_maxima = make_row_maxima(2)
     wg_wait = waiter(0)
-    from_acc = stored_as(storage)
     NEG = float32(-math.inf)
 
     def softmax_step(i, s, top, scale2, key0, row, t, masked):
@@ -167,17 +182,6 @@ def make_forward(storage, D, stages, groups):
         o[i] *= corr[(i // 2) % 2]
 
     rescale = unrolled(ON, inlined(rescale_step), inline=inlined)
-
-    def zero_step(i, o):
-        o[i] = float32(0)
-
-    zero = unrolled(ON, inlined(zero_step), inline=inlined)
-
-    def store_step(i, out, o, corr, at):
-        h = (i // 2) % 2
-        out[at + 8 * h * D + 8 * (i // 4) + i % 2] = from_acc(o[i] * corr[h])
-
-    store = unrolled(ON, inlined(store_step), inline=inlined)
 
     @cuda.jit
     def forward(out, lse, q, k, v, row_ptr, blk_col, H, S, bs, scale2, causal):
@@ -228,18 +232,7 @@ def make_forward(storage, D, stages, groups):
             for h in range(2):
                 peak[h] = NEG
             scale_max(s, peak, scale2, key0, row, t, causal and key0 + TILE - 1 > first_row)
-            grew = False
-            for h in range(2):
-                m = peak[h]
-                m = max(m, cuda.shfl_xor_sync(FULL_MASK, m, 1))
-                m = max(m, cuda.shfl_xor_sync(FULL_MASK, m, 2))
-                m = max(m, top[h])
-                was = use[h]
-                use[h] = m if m != NEG else float32(0)
-                corr[h] = math.exp2(was - use[h]) if top[h] != NEG else float32(0)
-                top[h] = m
-                total[h] *= corr[h]
-                grew = grew or corr[h] != float32(1)
+            grew = settle_maxima(peak, top, use, corr, total)
             if cuda.any_sync(FULL_MASK, grew):  # (once the maxima settle, no rescaling)
                 rescale(o, corr)
             exps(s, use, total, p)
@@ -255,7 +248,7 @@ def make_forward(storage, D, stages, groups):
             corr[h] = float32(1) / total[h] if total[h] > 0 else float32(0)
             if t == 0:
                 lse[bh * S + row + 8 * h] = (use[h] + math.log2(total[h])) * float32(LN2) if total[h] > 0 else NEG
-        store(out, o, corr, head + int64(row) * D + 2 * t)
+        store(out, o, corr[0], corr[1], head + int64(row) * D + 2 * t)
 
     return dynamic_shared(forward, shared_bytes(D, stages, groups))
 
@@ -270,10 +263,10 @@ def make_query_grads(storage, D, stages, groups):
     KEPT = 2 * groups * TILE_BYTES  # the q tiles, then the dout tiles
     SN, ON = TILE // 2, D // 2
     PN = SN // 2
-    plan, copy_tile, prime, advance, k_major, products, times_tile, pack_step = make_tiles(storage, D, stages, groups)
+    plan, copy_tile, prime, advance, k_major, products, times_tile, pack_step, zero, store = make_tiles(
+        storage, D, stages, groups)
     settle_scores, settle_out = make_settle(TILE), make_settle(D)
     wg_wait = waiter(0)
-    from_acc = stored_as(storage)
     NEG = float32(-math.inf)
 
     def grad_step(i, s, dp, level, dl, scale2, key0, row, t, masked, p):
@@ -286,16 +279,6 @@ def make_query_grads(storage, D, stages, groups):
         pack_step(i, s, p)
 
     grads = unrolled(SN, inlined(grad_step), inline=inlined)
-
-    def zero_step(i, acc):
-        acc[i] = float32(0)
-
-    zero = unrolled(ON, inlined(zero_step), inline=inlined)
-
-    def store_step(i, out, acc, f, at):
-        out[at + 8 * ((i // 2) % 2) * D + 8 * (i // 4) + i % 2] = from_acc(acc[i] * f)
-
-    store = unrolled(ON, inlined(store_step), inline=inlined)
 
     @cuda.jit
     def query_grads(dq, q, k, v, dout, lse, delta, row_ptr, blk_col, H, S, bs, scale, scale2, causal):
@@ -351,7 +334,7 @@ def make_query_grads(storage, D, stages, groups):
             commit()
         wg_wait()
         settle_out(acc)
-        store(dq, acc, float32(scale), head + int64(row) * D + 2 * t)
+        store(dq, acc, float32(scale), float32(scale), head + int64(row) * D + 2 * t)
 
     return dynamic_shared(query_grads, shared_bytes(D, stages, groups) + groups * TILE * 2 * D)
 
@@ -368,10 +351,10 @@ def make_key_grads(storage, D, stages, groups):
     ROWS_CH = 4 * TILE // 16  # 16-byte chunks of a tile's 64 lse (or delta) values
     SN, ON = TILE // 2, D // 2
     PN = SN // 2
-    plan, copy_tile, _, _, k_major, products, times_tile, pack_step = make_tiles(storage, D, stages, groups)
+    plan, copy_tile, _, _, k_major, products, times_tile, pack_step, zero, store = make_tiles(
+        storage, D, stages, groups)
     settle_scores, settle_out = make_settle(TILE), make_settle(D)
     wg_wait = waiter(0)
-    from_acc = stored_as(storage)
     NEG = float32(-math.inf)
 
     @inlined
@@ -407,34 +390,12 @@ def make_key_grads(storage, D, stages, groups):
 
     grads = unrolled(SN, inlined(grad_step), inline=inlined)
 
-    def zero_step(i, dk_acc, dv_acc):
-        dk_acc[i] = float32(0)
-        dv_acc[i] = float32(0)
-
-    zero = unrolled(ON, inlined(zero_step), inline=inlined)
-
-    def store_step(i, out, acc, f, at):
-        out[at + 8 * ((i // 2) % 2) * D + 8 * (i // 4) + i % 2] = from_acc(acc[i] * f)
-
-    store = unrolled(ON, inlined(store_step), inline=inlined)
-
     @cuda.jit
     def key_grads(dk, dv, q, k, v, dout, lse, delta, col_ptr, col_block, blk_row, H, S, bs, scale, scale2, causal):
         tid = cuda.threadIdx.x
         group, me = tid // WARPGROUP, tid % WARPGROUP
         g, t = (me % 32) // 4, me % 4
-        n_kt = S // KT
-        bh = cuda.blockIdx.x // n_kt
-        k0 = (cuda.blockIdx.x % n_kt) * KT
-        cols, sub = S // bs, bs // TILE
-        first, last = col_ptr[(bh % H) * cols + k0 // bs], col_ptr[(bh % H) * cols + k0 // bs + 1]
-        n = (last - first) * sub
-        skip = 0
-        if causal:  # (a column's blocks run by row: the query tiles wholly before its keys are a prefix)
-            for e in range(n):
-                if blk_row[col_block[first + e // sub]] * bs + (e % sub) * TILE + TILE <= k0:
-                    skip += 1
-            n -= skip
+        bh, k0, first, sub, n, skip = key_walk(col_ptr, col_block, blk_row, H, S, bs, KT, causal)
         smem = cuda.shared.array(0, int32)
         floats = cuda.shared.array(0, float32)
         start = shared_address(smem, (0,))
@@ -450,7 +411,8 @@ def make_key_grads(storage, D, stages, groups):
         scale2 = float32(scale2)
         first_key = k0 + group * TILE
         key = first_key + 16 * (me // 32) + g
-        zero(dk_acc, dv_acc)
+        zero(dk_acc)
+        zero(dv_acc)
         if n > 0:
             for m in range(groups):
                 copy_tile(base + m * TILE_BYTES, signed_address(k, (0,)) + 2 * (head + int64(k0 + m * TILE) * D), to,
@@ -490,7 +452,7 @@ def make_key_grads(storage, D, stages, groups):
         settle_out(dk_acc)
         settle_out(dv_acc)
         at = head + int64(key) * D + 2 * t
-        store(dk, dk_acc, float32(scale), at)
-        store(dv, dv_acc, float32(1), at)
+        store(dk, dk_acc, float32(scale), float32(scale), at)
+        store(dv, dv_acc, float32(1), float32(1), at)
 
     return dynamic_shared(key_grads, 2 * groups * TILE_BYTES + stages * STAGE + ATOM)
