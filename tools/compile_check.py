@@ -278,10 +278,15 @@ def check_attention():
             storage, D, A.stages, fused.forward_rows(128, A.warp_rows), A.forward_keys).py_func, forward))
         dq = (bits[::1],) * 5 + (types.float32[::1],) * 2 + (index, index, i64, i64, i64, types.float64,
                                                              types.float64, types.boolean)
+        dkdv = (bits[::1],) + dq[:9] + dq[8:]
+        results.append(check(f"attention dq {storage} D {D}",
+                             fused.make_query_grads(storage, D, A.backward_stages).py_func, dq))
+        results.append(check(f"attention dk dv {storage} D {D}",
+                             fused.make_key_grads(storage, D, A.backward_stages).py_func, dkdv))
         for groups in (1, 2):
             for name, maker, signature in (("forward", hopper.make_forward, forward),
                                            ("dq", hopper.make_query_grads, dq),
-                                           ("dk dv", hopper.make_key_grads, (bits[::1],) + dq[:9] + dq[8:])):
+                                           ("dk dv", hopper.make_key_grads, dkdv)):
                 kernel = maker(storage, D, A.hopper_stages, groups)
                 results.append(check(f"attention wgmma {name} {storage} D {D} groups {groups}", kernel.py_func,
                                      signature, cc=(9, 0, "a"),

@@ -248,12 +248,12 @@ def key_walk(col_ptr, col_block, blk_row, H, S, bs, KT, causal):
     return bh, k0, first, sub, n, skip
 
 
-def make_key_ring(copy_pair, stages, stage_bytes):
+def make_key_ring(copy_pair, stages, stage_bytes, visible=None):
     """The key and value tiles of a query tile's present blocks, a stage a ring buffer
-    (`ptx.cp_async.make_ring`; the forward and dq walk the same keys): ``key_of(e, blk_col, first,
-    sub, bs)``, the first key of stage e (tile ``e % sub`` of the walk's block ``e // sub``), and
-    the ring's ``prime`` and ``advance`` over the args ``(k_at, v_at, blk_col, first, sub, bs, to,
-    frm)``."""
+    (`ptx.cp_async.make_ring`, with its ``visible``; the forward and dq walk the same keys):
+    ``key_of(e, blk_col, first, sub, bs)``, the first key of stage e (tile ``e % sub`` of the walk's
+    block ``e // sub``), and the ring's ``prime`` and ``advance`` over the args ``(k_at, v_at,
+    blk_col, first, sub, bs, to, frm)``."""
 
     @inlined
     def key_of(e, blk_col, first, sub, bs):
@@ -264,8 +264,34 @@ def make_key_ring(copy_pair, stages, stage_bytes):
         k_at, v_at, blk_col, first, sub, bs, to, frm = args
         copy_pair(at, k_at, v_at, key_of(e, blk_col, first, sub, bs), to, frm)
 
-    prime, advance = make_ring(issue, stages, stage_bytes)
+    prime, advance = make_ring(issue, stages, stage_bytes, visible=visible)
     return key_of, prime, advance
+
+
+def make_query_ring(copy_pair, stages, stage_bytes, levels, visible=None):
+    """The q and dout tiles of a key tile's block-column, less the ``skip`` the causal mask hides,
+    a stage a ring buffer, with their 64 queries' lse and then delta values ``levels`` bytes into
+    the stage: ``query_of(e, skip, blk_row, col_block, first, sub, bs)``, the first query of stage
+    e, and the ring's ``prime`` and ``advance`` over the args ``(tid, skip, blk_row, col_block,
+    first, sub, bs, q_at, do_at, lse_at, delta_at, to, frm)``."""
+    ROWS_CH = 4 * TILE // 16  # 16-byte chunks of a tile's 64 lse (or delta) values
+
+    @inlined
+    def query_of(e, skip, blk_row, col_block, first, sub, bs):
+        x = e + skip
+        return blk_row[col_block[first + x // sub]] * bs + (x % sub) * TILE
+
+    @inlined
+    def issue(e, at, args):
+        tid, skip, blk_row, col_block, first, sub, bs, q_at, do_at, lse_at, delta_at, to, frm = args
+        query0 = query_of(e, skip, blk_row, col_block, first, sub, bs)
+        copy_pair(at, q_at, do_at, query0, to, frm)
+        if tid < 2 * ROWS_CH:
+            source = lse_at if tid < ROWS_CH else delta_at
+            copy16_to(at + levels + 16 * tid, source + 4 * int64(query0) + 16 * (tid % ROWS_CH))
+
+    prime, advance = make_ring(issue, stages, stage_bytes, visible=visible)
+    return query_of, prime, advance
 
 
 def forward_rows(block_size, warp_rows):
@@ -506,30 +532,13 @@ def make_key_grads(storage, D, stages):
     TILE_BYTES = TILE * ROW
     KEPT, STAGE = 2 * TILE_BYTES, 2 * TILE_BYTES + 2 * 4 * TILE
     DN = D // 8
-    ROWS_CH = 4 * TILE // 16  # 16-byte chunks of a tile's 64 lse (or delta) values
     # A query tile in two halves of 32 (fewer registers: a warp's dk and dv take 2 D of them)
     HALF = TILE // 2
     NT, FP = HALF // 8, HALF // 16  # a half's n-tiles, and k16 steps
     plan, copy_tile, copy_pair, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D, HALF, 1)
     probabilities, score_grads = make_backward_parts(HALF)
 
-    @inlined
-    def query_of(e, skip, blk_row, col_block, first, sub, bs):
-        """The first query of stage e: the column's tiles after the ``skip`` the causal mask hides."""
-        x = e + skip
-        return blk_row[col_block[first + x // sub]] * bs + (x % sub) * TILE
-
-    @inlined
-    def issue(e, at, args):
-        """Stage e: the q and dout tiles of its queries, then their lse and delta values."""
-        tid, skip, blk_row, col_block, first, sub, bs, q_at, do_at, lse_at, delta_at, to, frm = args
-        query0 = query_of(e, skip, blk_row, col_block, first, sub, bs)
-        copy_pair(at, q_at, do_at, query0, to, frm)
-        if tid < 2 * ROWS_CH:
-            source = lse_at if tid < ROWS_CH else delta_at
-            copy16_to(at + 2 * TILE_BYTES + 16 * tid, source + 4 * int64(query0) + 16 * (tid % ROWS_CH))
-
-    prime, advance = make_ring(issue, stages, STAGE)
+    query_of, prime, advance = make_query_ring(copy_pair, stages, STAGE, 2 * TILE_BYTES)
 
     @cuda.jit
     def key_grads(dk, dv, q, k, v, dout, lse, delta, col_ptr, col_block, blk_row, H, S, bs, scale, scale2, causal):

@@ -23,14 +23,14 @@ import math
 
 from numba import cuda, float32, int32, int64, uint32, uint64
 
-from ..ptx.cp_async import copy16_to, make_ring, shared_address, signed_address
+from ..ptx.cp_async import copy16_to, shared_address, signed_address
 from ..ptx.half2 import stored_as
 from ..ptx.mma import FULL_MASK
 from ..ptx.wgmma import SWIZZLE_128, WARPGROUP, align_up, commit, descriptor, fence, make_mma, make_mma_rs
 from ..ptx.wgmma import make_settle, proxy_fence, waiter
 from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
-from .fused import LN2, LOG2E, TILE, _pack_of, key_walk, make_row_maxima, query_walk
+from .fused import LN2, LOG2E, TILE, _pack_of, key_walk, make_key_ring, make_query_ring, make_row_maxima, query_walk
 
 HEAD_DIMS = (64, 128)
 ATOM = 1024  # 8 rows of 128 bytes: the swizzle's period
@@ -59,8 +59,10 @@ def make_tiles(storage, D, stages, groups):
 
     * ``copy_tile(at, source, to, frm)``: a 64-row tile's cp.async copies from global ``source``
       (its first row's address) into the swizzled shared tile at ``at``; (to, frm) = ``plan(tid)``;
-    * ``prime``, ``advance``: the ring of key and value tiles of a query tile's walk (args
-      ``(k_at, v_at, blk_col, first, sub, bs, to, frm)``), a stage the key tile then the value tile;
+    * ``copy_pair(at, first, second, row0, to, frm)``: the tiles of rows from ``row0`` of two
+      arrays, one after the other (`fused.make_key_ring`, `fused.make_query_ring` take it);
+    * ``key_of``, ``prime``, ``advance``: the ring of key and value tiles of a query tile's walk
+      (`fused.make_key_ring`, the async-proxy fence before each barrier);
     * ``k_major(at)``: the descriptor of a K-major operand tile (k = head_dim along its rows);
     * ``products(acc, a_desc, b_desc)``: acc (64 x 64) = A · Bᵀ over head_dim, A and B two tiles'
       K-major descriptors (S = q kᵀ, dP = dout vᵀ);
@@ -94,13 +96,11 @@ def make_tiles(storage, D, stages, groups):
             copy16_to(at + (to + i * STEP * 128), source + (frm + i * STEP * 2 * D))
 
     @inlined
-    def issue(e, at, args):
-        k_at, v_at, blk_col, first, sub, bs, to, frm = args
-        key = blk_col[first + e // sub] * bs + (e % sub) * TILE
-        copy_tile(at, k_at + 2 * int64(key) * D, to, frm)
-        copy_tile(at + TILE_BYTES, v_at + 2 * int64(key) * D, to, frm)
+    def copy_pair(at, first, second, row0, to, frm):
+        copy_tile(at, first + 2 * int64(row0) * D, to, frm)
+        copy_tile(at + TILE_BYTES, second + 2 * int64(row0) * D, to, frm)
 
-    prime, advance = make_ring(issue, stages, 2 * TILE_BYTES, visible=proxy_fence)
+    key_of, prime, advance = make_key_ring(copy_pair, stages, 2 * TILE_BYTES, visible=proxy_fence)
 
     @inlined
     def k_major(address):
@@ -140,7 +140,7 @@ def make_tiles(storage, D, stages, groups):
         out[at + 8 * h * D + 8 * (i // 4) + i % 2] = from_acc(acc[i] * (f1 if h else f0))
 
     store = unrolled(D // 2, inlined(store_step), inline=inlined)
-    return plan, copy_tile, prime, advance, k_major, products, times_tile, pack_step, zero, store
+    return plan, copy_tile, copy_pair, (key_of, prime, advance), k_major, products, times_tile, pack_step, zero, store
 
 
 def make_forward(storage, D, stages, groups):
@@ -151,8 +151,9 @@ def make_forward(storage, D, stages, groups):
     KEPT = groups * TILE_BYTES
     SN, ON = TILE // 2, D // 2  # accumulators a thread: scores (64 x 64), output (64 x D)
     PN = SN // 2  # P's registers: two scores each
-    plan, copy_tile, prime, advance, k_major, scores, times_tile, pack_step, zero, store = make_tiles(
+    plan, copy_tile, _, key_ring, k_major, scores, times_tile, pack_step, zero, store = make_tiles(
         storage, D, stages, groups)
+    key_of, prime, advance = key_ring
     settle_scores, settle_out = make_settle(TILE), make_settle(D)
     settle_maxima = make_row_maxima(2)
     wg_wait = waiter(0)
@@ -223,7 +224,7 @@ def make_forward(storage, D, stages, groups):
             wg_wait()  # the last tile's products are done with its buffers
             settle_out(o)
             stage_at, buf = advance(e, buf, ring_at, n, ring)
-            key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE
+            key0 = key_of(e, blk_col, first, sub, bs)
             fence()
             scores(s, q_desc, k_major(stage_at))  # S = q kᵀ
             commit()
@@ -263,8 +264,9 @@ def make_query_grads(storage, D, stages, groups):
     KEPT = 2 * groups * TILE_BYTES  # the q tiles, then the dout tiles
     SN, ON = TILE // 2, D // 2
     PN = SN // 2
-    plan, copy_tile, prime, advance, k_major, products, times_tile, pack_step, zero, store = make_tiles(
+    plan, copy_tile, _, key_ring, k_major, products, times_tile, pack_step, zero, store = make_tiles(
         storage, D, stages, groups)
+    key_of, prime, advance = key_ring
     settle_scores, settle_out = make_settle(TILE), make_settle(D)
     wg_wait = waiter(0)
     NEG = float32(-math.inf)
@@ -320,7 +322,7 @@ def make_query_grads(storage, D, stages, groups):
             wg_wait()  # the last tile's product is done with its buffers
             settle_out(acc)
             stage_at, buf = advance(e, buf, ring_at, n, ring)
-            key0 = blk_col[first + e // sub] * bs + (e % sub) * TILE
+            key0 = key_of(e, blk_col, first, sub, bs)
             fence()
             products(s, q_desc, k_major(stage_at))  # S = q kᵀ
             products(dp, do_desc, k_major(stage_at + TILE_BYTES))  # dP = dout vᵀ
@@ -348,31 +350,14 @@ def make_key_grads(storage, D, stages, groups):
     TILE_BYTES = TILE * 2 * D
     KEPT = 2 * groups * TILE_BYTES  # the k tiles, then the v tiles
     STAGE = 2 * TILE_BYTES + ATOM  # a q tile, its dout tile, then 64 lse and 64 delta (an atom, aligned)
-    ROWS_CH = 4 * TILE // 16  # 16-byte chunks of a tile's 64 lse (or delta) values
     SN, ON = TILE // 2, D // 2
     PN = SN // 2
-    plan, copy_tile, _, _, k_major, products, times_tile, pack_step, zero, store = make_tiles(
+    plan, copy_tile, copy_pair, _, k_major, products, times_tile, pack_step, zero, store = make_tiles(
         storage, D, stages, groups)
+    query_of, prime, advance = make_query_ring(copy_pair, stages, STAGE, 2 * TILE_BYTES, visible=proxy_fence)
     settle_scores, settle_out = make_settle(TILE), make_settle(D)
     wg_wait = waiter(0)
     NEG = float32(-math.inf)
-
-    @inlined
-    def query_of(e, skip, blk_row, col_block, first, sub, bs):
-        x = e + skip
-        return blk_row[col_block[first + x // sub]] * bs + (x % sub) * TILE
-
-    @inlined
-    def issue(e, at, args):
-        tid, skip, blk_row, col_block, first, sub, bs, q_at, do_at, lse_at, delta_at, to, frm = args
-        query0 = query_of(e, skip, blk_row, col_block, first, sub, bs)
-        copy_tile(at, q_at + 2 * int64(query0) * D, to, frm)
-        copy_tile(at + TILE_BYTES, do_at + 2 * int64(query0) * D, to, frm)
-        if tid < 2 * ROWS_CH:
-            source = lse_at if tid < ROWS_CH else delta_at
-            copy16_to(at + 2 * TILE_BYTES + 16 * tid, source + 4 * int64(query0) + 16 * (tid % ROWS_CH))
-
-    prime, advance = make_ring(issue, stages, STAGE, visible=proxy_fence)
 
     def probability_step(i, s, floats, levels, scale2, query0, key, t, masked, p):
         """Score i (key row, query column) into Pᵀ, 0 where the mask hides it or the query sees nothing."""
