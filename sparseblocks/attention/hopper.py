@@ -427,9 +427,9 @@ def make_key_grads(storage, D, stages, groups):
             settle_scores(s)
             settle_scores(dp)
             probabilities(s, floats, levels, scale2, query0, key, t, causal and query0 < first_key + TILE - 1, p)
-            fence()
-            times_tile(dv_acc, p, stage_at + TILE_BYTES)  # dv += Pᵀ dout
             grads(s, dp, floats, levels + TILE, t, ds)
+            fence()  # (both products issued back to back)
+            times_tile(dv_acc, p, stage_at + TILE_BYTES)  # dv += Pᵀ dout
             times_tile(dk_acc, ds, stage_at)  # dk += dSᵀ q
             commit()
             buf = buf_next
