@@ -64,18 +64,46 @@ def image(a, b, a_mn, b_mn, swizzle, kind):
     return raw.view(np.int16)
 
 
-def run(n, kind, a_mn, b_mn, swizzle, scale_d, seed):
+def registers_of(a, kind):
+    """Each warpgroup thread's four A registers (two 16-bit values each, `a_position`) of a 64 x 16 A."""
+    bits = a.astype(np.float16).view(np.uint16) if kind == "f16" else \
+        (a.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    words = np.zeros((WARPGROUP, 4), np.uint32)
+    for t in range(WARPGROUP):
+        for i in range(4):
+            lo, hi = bits[a_position(t, i, 0)], bits[a_position(t, i, 1)]
+            words[t, i] = int(lo) | (int(hi) << 16)
+    return words
+
+
+def run(n, kind, a_mn, b_mn, swizzle, scale_d, seed, registers=False):
+    """One warpgroup's wgmma of a random A (64 x 16) and B (16 x n) plus C (``scale_d``), A from
+    shared memory (``a_mn``: MN-major) or, with ``registers``, from the threads' registers
+    (`make_mma_rs`); returns (each thread's accumulators, what they should hold)."""
     rng = np.random.default_rng(seed)
     a = rng.integers(-4, 5, (64, K)).astype(np.float32) / 4  # exact in fp16 and bf16, and their sums
     b = rng.integers(-4, 5, (K, n)).astype(np.float32) / 4
     c = rng.integers(-8, 9, (64, n)).astype(np.float32)
     held = np.array([[c[acc_position(t, i)] for i in range(n // 2)] for t in range(WARPGROUP)], np.float32)
-    mma, settle, wait = make_mma(n, kind, a_mn, b_mn), make_settle(n), waiter(0)
+    settle, wait = make_settle(n), waiter(0)
     ACC, LBO_A, LBO_B = n // 2, (2048 if a_mn else 16) if swizzle else 128, (2048 if b_mn else 16) if swizzle else 128
     SBO, MODE = (1024, SWIZZLE_128) if swizzle else (256, 0)
+    if registers:
+        mma_rs = make_mma_rs(n, kind, b_mn)
+
+        @cuda.jit(device=True)
+        def multiply(acc, base, regs, t, scale_d):
+            mma_rs(acc, regs[t, 0], regs[t, 1], regs[t, 2], regs[t, 3], descriptor(base + B_AT, LBO_B, SBO, MODE),
+                   scale_d)
+    else:
+        mma = make_mma(n, kind, a_mn, b_mn)
+
+        @cuda.jit(device=True)
+        def multiply(acc, base, regs, t, scale_d):
+            mma(acc, descriptor(base, LBO_A, SBO, MODE), descriptor(base + B_AT, LBO_B, SBO, MODE), scale_d)
 
     @cuda.jit
-    def kernel(out, raw, held, scale_d):
+    def kernel(out, raw, regs, held, scale_d):
         shared = cuda.shared.array(ALLOCATED, int16)
         t = cuda.threadIdx.x
         start = shared_address(shared, (0,))
@@ -88,7 +116,7 @@ def run(n, kind, a_mn, b_mn, swizzle, scale_d, seed):
         for i in range(ACC):
             acc[i] = held[t, i]
         fence()
-        mma(acc, descriptor(base, LBO_A, SBO, MODE), descriptor(base + B_AT, LBO_B, SBO, MODE), int32(scale_d))
+        multiply(acc, base, regs, t, int32(scale_d))
         commit()
         wait()
         settle(acc)
@@ -96,7 +124,8 @@ def run(n, kind, a_mn, b_mn, swizzle, scale_d, seed):
             out[t, i] = acc[i]
 
     out = cuda.to_device(np.zeros((WARPGROUP, n // 2), np.float32))
-    kernel[1, WARPGROUP](out, cuda.to_device(image(a, b, a_mn, b_mn, swizzle, kind)), cuda.to_device(held), scale_d)
+    kernel[1, WARPGROUP](out, cuda.to_device(image(a, b, a_mn, b_mn, swizzle, kind)),
+                         cuda.to_device(registers_of(a, kind)), cuda.to_device(held), scale_d)
     got, want = out.copy_to_host(), a @ b + (c if scale_d else 0)
     return got, np.array([[want[acc_position(t, i)] for i in range(n // 2)] for t in range(WARPGROUP)])
 
@@ -115,58 +144,12 @@ def test_wgmma_multiplies_the_tiles_its_descriptors_point_at(n, kind, a_mn, b_mn
     assert np.array_equal(got, want)
 
 
-def registers_of(a, kind):
-    """Each warpgroup thread's four A registers (two 16-bit values each, `a_position`) of a 64 x 16 A."""
-    bits = a.astype(np.float16).view(np.uint16) if kind == "f16" else \
-        (a.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    words = np.zeros((WARPGROUP, 4), np.uint32)
-    for t in range(WARPGROUP):
-        for i in range(4):
-            lo, hi = bits[a_position(t, i, 0)], bits[a_position(t, i, 1)]
-            words[t, i] = int(lo) | (int(hi) << 16)
-    return words
-
-
 @pytest.mark.parametrize("n, kind, b_mn, scale_d", [(64, "f16", False, 1), (64, "bf16", True, 0),
                                                     (128, "f16", True, 1)])
 def test_wgmma_takes_a_from_registers(n, kind, b_mn, scale_d):
     """``make_mma_rs``: A as each warp's mma.sync-style A fragments, B from a swizzled shared tile."""
-    rng = np.random.default_rng(n + b_mn)
-    a = rng.integers(-4, 5, (64, K)).astype(np.float32) / 4
-    b = rng.integers(-4, 5, (K, n)).astype(np.float32) / 4
-    c = rng.integers(-8, 9, (64, n)).astype(np.float32)
-    held = np.array([[c[acc_position(t, i)] for i in range(n // 2)] for t in range(WARPGROUP)], np.float32)
-    mma, settle, wait = make_mma_rs(n, kind, b_mn), make_settle(n), waiter(0)
-    ACC, LBO_B = n // 2, 2048 if b_mn else 16
-
-    @cuda.jit
-    def kernel(out, raw, regs, held, scale_d):
-        shared = cuda.shared.array(ALLOCATED, int16)
-        t = cuda.threadIdx.x
-        start = shared_address(shared, (0,))
-        base = align_up(start, 1024)
-        skip = (base - start) // 2
-        for i in range(t, SHARED, WARPGROUP):
-            shared[skip + i] = raw[i]
-        cuda.syncthreads()
-        acc = cuda.local.array(ACC, float32)
-        for i in range(ACC):
-            acc[i] = held[t, i]
-        fence()
-        mma(acc, regs[t, 0], regs[t, 1], regs[t, 2], regs[t, 3], descriptor(base + B_AT, LBO_B, 1024, SWIZZLE_128),
-            int32(scale_d))
-        commit()
-        wait()
-        settle(acc)
-        for i in range(ACC):
-            out[t, i] = acc[i]
-
-    out = cuda.to_device(np.zeros((WARPGROUP, n // 2), np.float32))
-    raw = image(np.zeros((64, K), np.float32), b, False, b_mn, True, kind)
-    kernel[1, WARPGROUP](out, cuda.to_device(raw), cuda.to_device(registers_of(a, kind)), cuda.to_device(held), scale_d)
-    want = a @ b + (c if scale_d else 0)
-    expected = [[want[acc_position(t, i)] for i in range(n // 2)] for t in range(WARPGROUP)]
-    assert np.array_equal(out.copy_to_host(), expected)
+    got, want = run(n, kind, False, b_mn, True, scale_d, seed=n + b_mn, registers=True)
+    assert np.array_equal(got, want)
 
 
 def test_a_position_covers_the_tile_once():
