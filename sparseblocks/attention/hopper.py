@@ -61,8 +61,10 @@ def make_tiles(storage, D, stages, groups):
       (its first row's address) into the swizzled shared tile at ``at``; (to, frm) = ``plan(tid)``;
     * ``copy_pair(at, first, second, row0, to, frm)``: the tiles of rows from ``row0`` of two
       arrays, one after the other (`fused.make_key_ring`, `fused.make_query_ring` take it);
-    * ``key_of``, ``prime``, ``advance``: the ring of key and value tiles of a query tile's walk
-      (`fused.make_key_ring`, the async-proxy fence before each barrier);
+    * ``prime``, ``next_keys``: the ring of key and value tiles of a query tile's walk
+      (`fused.make_key_ring`, the async-proxy fence before each barrier); ``next_keys(e, buf,
+      acc, ring_at, n, ring)``, the walk's step e: once this warpgroup's products into ``acc`` are
+      done with their buffers, the ring's stage e: (its address, the next ``buf``, its first key);
     * ``k_major(at)``: the descriptor of a K-major operand tile (k = head_dim along its rows);
     * ``products(acc, a_desc, b_desc)``: acc (64 x 64) = A · Bᵀ over head_dim, A and B two tiles'
       K-major descriptors (S = q kᵀ, dP = dout vᵀ);
@@ -101,6 +103,15 @@ def make_tiles(storage, D, stages, groups):
         copy_tile(at + TILE_BYTES, second + 2 * int64(row0) * D, to, frm)
 
     key_of, prime, advance = make_key_ring(copy_pair, stages, 2 * TILE_BYTES, visible=proxy_fence)
+    wg_wait, settle_out = waiter(0), make_settle(D)
+
+    @inlined
+    def next_keys(e, buf, acc, ring_at, n, ring):
+        wg_wait()
+        settle_out(acc)
+        stage_at, buf = advance(e, buf, ring_at, n, ring)
+        blk_col, first, sub, bs = ring[2], ring[3], ring[4], ring[5]
+        return stage_at, buf, key_of(e, blk_col, first, sub, bs)
 
     @inlined
     def k_major(address):
@@ -140,7 +151,7 @@ def make_tiles(storage, D, stages, groups):
         out[at + 8 * h * D + 8 * (i // 4) + i % 2] = from_acc(acc[i] * (f1 if h else f0))
 
     store = unrolled(D // 2, inlined(store_step), inline=inlined)
-    return plan, copy_tile, copy_pair, (key_of, prime, advance), k_major, products, times_tile, pack_step, zero, store
+    return plan, copy_tile, copy_pair, (prime, next_keys), k_major, products, times_tile, pack_step, zero, store
 
 
 def make_forward(storage, D, stages, groups):
@@ -153,7 +164,7 @@ def make_forward(storage, D, stages, groups):
     PN = SN // 2  # P's registers: two scores each
     plan, copy_tile, _, key_ring, k_major, scores, times_tile, pack_step, zero, store = make_tiles(
         storage, D, stages, groups)
-    key_of, prime, advance = key_ring
+    prime, next_keys = key_ring
     settle_scores, settle_out = make_settle(TILE), make_settle(D)
     settle_maxima = make_row_maxima(2)
     wg_wait = waiter(0)
@@ -221,10 +232,7 @@ def make_forward(storage, D, stages, groups):
         row = first_row + 16 * (me // 32) + g  # the thread's first row; its second 8 on
         buf = 0
         for e in range(n):
-            wg_wait()  # the last tile's products are done with its buffers
-            settle_out(o)
-            stage_at, buf = advance(e, buf, ring_at, n, ring)
-            key0 = key_of(e, blk_col, first, sub, bs)
+            stage_at, buf, key0 = next_keys(e, buf, o, ring_at, n, ring)
             fence()
             scores(s, q_desc, k_major(stage_at))  # S = q kᵀ
             commit()
@@ -266,7 +274,7 @@ def make_query_grads(storage, D, stages, groups):
     PN = SN // 2
     plan, copy_tile, _, key_ring, k_major, products, times_tile, pack_step, zero, store = make_tiles(
         storage, D, stages, groups)
-    key_of, prime, advance = key_ring
+    prime, next_keys = key_ring
     settle_scores, settle_out = make_settle(TILE), make_settle(D)
     wg_wait = waiter(0)
     NEG = float32(-math.inf)
@@ -319,10 +327,7 @@ def make_query_grads(storage, D, stages, groups):
         do_desc = k_major(base + (groups + group) * TILE_BYTES)
         buf = 0
         for e in range(n):
-            wg_wait()  # the last tile's product is done with its buffers
-            settle_out(acc)
-            stage_at, buf = advance(e, buf, ring_at, n, ring)
-            key0 = key_of(e, blk_col, first, sub, bs)
+            stage_at, buf, key0 = next_keys(e, buf, acc, ring_at, n, ring)
             fence()
             products(s, q_desc, k_major(stage_at))  # S = q kᵀ
             products(dp, do_desc, k_major(stage_at + TILE_BYTES))  # dP = dout vᵀ
