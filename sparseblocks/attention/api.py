@@ -133,14 +133,15 @@ def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[
     native, out = ops[0].empty((B, H, S, D), stream)
     lse_native, lse = ops[0].empty((B, H, S), stream, dtype="float64" if dtype == "float64" else "float32")
     qd, kd, vd = (op.device(stream).reshape(-1) for op in ops)
-    groups = _hopper_groups(cfg, dtype, D, bs) if _fused(cfg, dtype, D, bs, (qd, kd, vd)) else 0
+    fused_call = _fused(cfg, dtype, D, bs, (qd, kd, vd))
+    groups = _hopper_groups(cfg, dtype, D, bs) if fused_call else 0
     if groups:
         kernel = cached(hopper.make_forward, dtype, D, cfg.hopper_stages, groups)
         if B * H * S:
             launch(kernel, B * H * (S // (fused.TILE * groups)), 128 * groups, stream,
                    (out.reshape(-1), lse.reshape(-1), qd, kd, vd, row_ptr, blk_col, H, S, bs,
                     scale * fused.LOG2E, bool(causal)))
-    elif _fused(cfg, dtype, D, bs, (qd, kd, vd)):
+    elif fused_call:
         rows = fused.forward_rows(bs, cfg.warp_rows)
         kernel = cached(fused.make_forward, dtype, D, cfg.stages, rows, cfg.forward_keys)
         if B * H * S:
@@ -205,20 +206,14 @@ def attention_grad(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: A
         groups = _hopper_groups(cfg, dtype, D, bs)
         if grid:
             args = (H, S, bs, scale, scale * fused.LOG2E, bool(causal))
-            dq_args = (dq, qd, kd, vd, dod, lsed, delta, row_ptr, blk_col) + args
-            if groups:
-                launch(cached(hopper.make_query_grads, dtype, D, cfg.hopper_stages, groups), grid // groups,
-                       128 * groups, stream, dq_args)
+            if groups:  # the wgmma kernels: groups of 64-row tiles a thread block
+                family, key, blocks, threads = hopper, (cfg.hopper_stages, groups), grid // groups, 128 * groups
             else:
-                launch(cached(fused.make_query_grads, dtype, D, cfg.backward_stages), grid, fused.THREADS, stream,
-                       dq_args)
-            dk_args = (dk, dv, qd, kd, vd, dod, lsed, delta, col_ptr, col_block, blk_row) + args
-            if groups:
-                launch(cached(hopper.make_key_grads, dtype, D, cfg.hopper_stages, groups), grid // groups,
-                       128 * groups, stream, dk_args)
-            else:
-                launch(cached(fused.make_key_grads, dtype, D, cfg.backward_stages), grid, fused.THREADS, stream,
-                       dk_args)
+                family, key, blocks, threads = fused, (cfg.backward_stages,), grid, fused.THREADS
+            for maker, kernel_args in ((family.make_query_grads, (dq, qd, kd, vd, dod, lsed, delta, row_ptr, blk_col)),
+                                       (family.make_key_grads,
+                                        (dk, dv, qd, kd, vd, dod, lsed, delta, col_ptr, col_block, blk_row))):
+                launch(cached(maker, dtype, D, *key), blocks, threads, stream, kernel_args + args)
     else:
         n = max(1, B * G * bs * bs)
         p, ds = ops[0].scratch((n,), wide, stream), ops[0].scratch((n,), wide, stream)
