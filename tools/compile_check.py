@@ -77,10 +77,15 @@ def resources(ptx, registers=None, arch=None):
     return f"  [{used.group(1) if used else '?'} registers, {stack.group(1) if stack else 0} B stack]"
 
 
+ONLY = []  # --only: the words a check's name must hold, else it is skipped
+
+
 def check(name, function, signature, registers=None, detail=lambda ptx: "", cc=CC, launch_bounds=None):
     """Compile ``function`` for ``signature``; ``registers``: the kernel's cap, for ptxas's report;
     ``detail(ptx)``: more to print after it; ``cc``: (9, 0, "a") for sm_90a; ``launch_bounds``: the
     kernel's (version 7's warp-specialized kernels are built with them, for setmaxnreg)."""
+    if not all(word in name for word in ONLY):
+        return True
     try:
         ptx, _ = cuda.compile_ptx(function, signature, cc=cc, launch_bounds=launch_bounds)
         arch = f"sm_{cc[0]}{cc[1]}{cc[2] if len(cc) > 2 else ''}"
@@ -287,7 +292,8 @@ def check_attention():
             for name, maker, signature in (("forward", hopper.make_forward, forward),
                                            ("dq", hopper.make_query_grads, dq),
                                            ("dk dv", hopper.make_key_grads, dkdv)):
-                kernel = maker(storage, D, A.hopper_stages, groups)
+                stages = A.hopper_forward_stages if name == "forward" else A.hopper_stages
+                kernel = maker(storage, D, stages, groups)
                 results.append(check(f"attention wgmma {name} {storage} D {D} groups {groups}", kernel.py_func,
                                      signature, cc=(9, 0, "a"),
                                      detail=lambda ptx: f"  {ptx.count('wgmma.mma_async')} wgmma"))
@@ -303,7 +309,9 @@ def main():
                         help="the fused products' kernels, at these tiles (default: the config's)")
     parser.add_argument("--quant", action="store_true", help="the quantized products and packing instead")
     parser.add_argument("--attention", action="store_true", help="attention's fused and wgmma kernels instead")
+    parser.add_argument("--only", nargs="*", default=[], help="only the checks whose names hold all these words")
     args = parser.parse_args()
+    ONLY[:] = args.only
     if args.quant:
         return check_quant()
     if args.attention:

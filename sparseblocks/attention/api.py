@@ -136,7 +136,7 @@ def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[
     fused_call = _fused(cfg, dtype, D, bs, (qd, kd, vd))
     groups = _hopper_groups(cfg, dtype, D, bs) if fused_call else 0
     if groups:
-        kernel = cached(hopper.make_forward, dtype, D, cfg.hopper_stages, groups)
+        kernel = cached(hopper.make_forward, dtype, D, cfg.hopper_forward_stages, groups)
         if B * H * S:
             launch(kernel, B * H * (S // (fused.TILE * groups)), 128 * groups, stream,
                    (out.reshape(-1), lse.reshape(-1), qd, kd, vd, row_ptr, blk_col, H, S, bs,

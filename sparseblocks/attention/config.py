@@ -15,11 +15,13 @@ class AttentionConfig:
     warp_rows: int = 32
     forward_keys: int = 32  # keys of a stage the forward scores at a time (32 or 64; 32: fewer registers)
     backward_stages: int = 2  # the same, for the fused backward's query (or key) tiles
-    # The forward on Hopper's wgmma (`hopper.py`) on sm_90, where it fits (head_dim 64 or 128):
-    # warpgroups of 64 queries a thread block (1 where the block size takes no more), and its ring
+    # The kernels on Hopper's wgmma (`hopper.py`) on sm_90, where they fit (head_dim 64 or 128):
+    # warpgroups of 64 queries (keys) a thread block (1 where the block size takes no more), the
+    # backward's ring, and the forward's (3 or 4: it keeps a tile while it reads the next)
     hopper: bool = True
     hopper_groups: int = 2
     hopper_stages: int = 2
+    hopper_forward_stages: int = 3
 
     def check(self):
         if self.forward_keys not in (32, 64):
@@ -28,6 +30,8 @@ class AttentionConfig:
             raise ValueError(f"warp_rows: expected 16 or 32, got {self.warp_rows}")
         if self.hopper_groups not in (1, 2):
             raise ValueError(f"hopper_groups: expected 1 or 2, got {self.hopper_groups}")
+        if self.hopper_forward_stages not in (3, 4):
+            raise ValueError(f"hopper_forward_stages: expected 3 or 4, got {self.hopper_forward_stages}")
         for name in ("stages", "backward_stages", "hopper_stages"):
             if not 2 <= getattr(self, name) <= 4:
                 raise ValueError(f"{name}: expected 2 to 4, got {getattr(self, name)}")

@@ -248,9 +248,9 @@ def key_walk(col_ptr, col_block, blk_row, H, S, bs, KT, causal):
     return bh, k0, first, sub, n, skip
 
 
-def make_key_ring(copy_pair, stages, stage_bytes, visible=None):
+def make_key_ring(copy_pair, stages, stage_bytes, visible=None, lag=1):
     """The key and value tiles of a query tile's present blocks, a stage a ring buffer
-    (`ptx.cp_async.make_ring`, with its ``visible``; the forward and dq walk the same keys):
+    (`ptx.cp_async.make_ring`, with its ``visible`` and ``lag``; the forward and dq walk the same keys):
     ``key_of(e, blk_col, first, sub, bs)``, the first key of stage e (tile ``e % sub`` of the walk's
     block ``e // sub``), and the ring's ``prime`` and ``advance`` over the args ``(k_at, v_at,
     blk_col, first, sub, bs, to, frm)``."""
@@ -264,7 +264,7 @@ def make_key_ring(copy_pair, stages, stage_bytes, visible=None):
         k_at, v_at, blk_col, first, sub, bs, to, frm = args
         copy_pair(at, k_at, v_at, key_of(e, blk_col, first, sub, bs), to, frm)
 
-    prime, advance = make_ring(issue, stages, stage_bytes, visible=visible)
+    prime, advance = make_ring(issue, stages, stage_bytes, visible=visible, lag=lag)
     return key_of, prime, advance
 
 

@@ -15,8 +15,9 @@ head_dim 64 or 128, blocks a multiple of 64. The same walk and online softmax as
 Shared tiles lie in wgmma's 128-byte swizzle, a 64-row tile as ``head_dim / 64`` column groups of
 64 rows x 128 bytes (8 KB each), 16-byte chunk c of row r at chunk ``c ^ (r % 8)``. The q tile
 and k tiles are K-major operands (k = head_dim along a row), the v tiles MN-major (k = keys down
-the rows, n = head_dim along them): one layout serves all three. Each warpgroup waits for its
-products before the next tile's barrier, so that the ring may refill the buffer they read.
+the rows, n = head_dim along them): one layout serves all three. In the backward each warpgroup
+waits for its products before the next tile's barrier, so that the ring may refill the buffer
+they read; the forward overlaps one tile's products with the next tile's softmax (`make_forward`).
 """
 
 import math
@@ -54,17 +55,18 @@ def shared_bytes(D, stages, groups):
     return groups * tile + stages * 2 * tile + ATOM
 
 
-def make_tiles(storage, D, stages, groups):
+def make_tiles(storage, D, stages, groups, lag=1):
     """What the wgmma kernels share, for ``groups`` warpgroups of 64 queries a thread block:
 
     * ``copy_tile(at, source, to, frm)``: a 64-row tile's cp.async copies from global ``source``
       (its first row's address) into the swizzled shared tile at ``at``; (to, frm) = ``plan(tid)``;
     * ``copy_pair(at, first, second, row0, to, frm)``: the tiles of rows from ``row0`` of two
       arrays, one after the other (`fused.make_key_ring`, `fused.make_query_ring` take it);
-    * ``prime``, ``next_keys``: the ring of key and value tiles of a query tile's walk
-      (`fused.make_key_ring`, the async-proxy fence before each barrier); ``next_keys(e, buf,
-      acc, ring_at, n, ring)``, the walk's step e: once this warpgroup's products into ``acc`` are
-      done with their buffers, the ring's stage e: (its address, the next ``buf``, its first key);
+    * ``prime``, ``next_keys``, ``step``: the ring of key and value tiles of a query tile's walk
+      (`fused.make_key_ring` with ``lag``, the async-proxy fence before each barrier);
+      ``step(e, buf, ring_at, n, ring)``, the walk's step e: the ring's stage e (its address, the
+      next ``buf``, its first key); ``next_keys(e, buf, acc, ring_at, n, ring)`` the same once this
+      warpgroup's products into ``acc`` are done with their buffers;
     * ``k_major(at)``: the descriptor of a K-major operand tile (k = head_dim along its rows);
     * ``products(acc, a_desc, b_desc)``: acc (64 x 64) = A · Bᵀ over head_dim, A and B two tiles'
       K-major descriptors (S = q kᵀ, dP = dout vᵀ);
@@ -102,16 +104,20 @@ def make_tiles(storage, D, stages, groups):
         copy_tile(at, first + 2 * int64(row0) * D, to, frm)
         copy_tile(at + TILE_BYTES, second + 2 * int64(row0) * D, to, frm)
 
-    key_of, prime, advance = make_key_ring(copy_pair, stages, 2 * TILE_BYTES, visible=proxy_fence)
+    key_of, prime, advance = make_key_ring(copy_pair, stages, 2 * TILE_BYTES, visible=proxy_fence, lag=lag)
     wg_wait, settle_out = waiter(0), make_settle(D)
+
+    @inlined
+    def step(e, buf, ring_at, n, ring):
+        stage_at, buf = advance(e, buf, ring_at, n, ring)
+        blk_col, first, sub, bs = ring[2], ring[3], ring[4], ring[5]
+        return stage_at, buf, key_of(e, blk_col, first, sub, bs)
 
     @inlined
     def next_keys(e, buf, acc, ring_at, n, ring):
         wg_wait()
         settle_out(acc)
-        stage_at, buf = advance(e, buf, ring_at, n, ring)
-        blk_col, first, sub, bs = ring[2], ring[3], ring[4], ring[5]
-        return stage_at, buf, key_of(e, blk_col, first, sub, bs)
+        return step(e, buf, ring_at, n, ring)
 
     @inlined
     def k_major(address):
@@ -151,23 +157,28 @@ def make_tiles(storage, D, stages, groups):
         out[at + 8 * h * D + 8 * (i // 4) + i % 2] = from_acc(acc[i] * (f1 if h else f0))
 
     store = unrolled(D // 2, inlined(store_step), inline=inlined)
-    return plan, copy_tile, copy_pair, (prime, next_keys), k_major, products, times_tile, pack_step, zero, store
+    return plan, copy_tile, copy_pair, (prime, next_keys, step), k_major, products, times_tile, pack_step, zero, store
 
 
 def make_forward(storage, D, stages, groups):
     """The forward kernel ``forward(out, lse, q, k, v, row_ptr, blk_col, H, S, bs, scale2, causal)``
-    (`fused.make_forward`'s arguments) for ``groups`` warpgroups of 64 queries a thread block."""
+    (`fused.make_forward`'s arguments) for ``groups`` warpgroups of 64 queries a thread block.
+
+    Pipelined as FlashAttention-3 within a warpgroup: the scores of tile e + 1 are issued before
+    out += P v of tile e, and their softmax runs while that product is in flight (exponentials in
+    the score registers, packed into P once the product is done with P's). The ring keeps stage e
+    while stage e + 1 is read (``lag`` 2: ``stages`` 3 or 4)."""
     QT = TILE * groups  # queries of a thread block
     TILE_BYTES = TILE * 2 * D
     KEPT = groups * TILE_BYTES
     SN, ON = TILE // 2, D // 2  # accumulators a thread: scores (64 x 64), output (64 x D)
     PN = SN // 2  # P's registers: two scores each
     plan, copy_tile, _, key_ring, k_major, scores, times_tile, pack_step, zero, store = make_tiles(
-        storage, D, stages, groups)
-    prime, next_keys = key_ring
+        storage, D, stages, groups, lag=2)
+    prime, _, step = key_ring
     settle_scores, settle_out = make_settle(TILE), make_settle(D)
     settle_maxima = make_row_maxima(2)
-    wg_wait = waiter(0)
+    wg_wait, wait_scores = waiter(0), waiter(1)
     NEG = float32(-math.inf)
 
     def softmax_step(i, s, top, scale2, key0, row, t, masked):
@@ -181,14 +192,25 @@ def make_forward(storage, D, stages, groups):
 
     scale_max = unrolled(SN, inlined(softmax_step), inline=inlined)
 
-    def exp_step(i, s, use, total, p):
+    def exp_step(i, s, use, total):
         h = (i // 2) % 2
         x = math.exp2(s[i] - use[h])
         total[h] += x
         s[i] = x
-        pack_step(i, s, p)
 
     exps = unrolled(SN, inlined(exp_step), inline=inlined)
+    packs = unrolled(SN, inlined(pack_step), inline=inlined)
+
+    @inlined
+    def soften(s, peak, top, use, corr, total, scale2, key0, row, t, masked):
+        """A tile's scores into their exponentials (in s) against the rows' new maxima; whether
+        the output must be rescaled by ``corr``."""
+        for h in range(2):
+            peak[h] = NEG
+        scale_max(s, peak, scale2, key0, row, t, masked)
+        grew = settle_maxima(peak, top, use, corr, total)
+        exps(s, use, total)
+        return cuda.any_sync(FULL_MASK, grew)  # (once the maxima settle, no rescaling)
 
     def rescale_step(i, o, corr):
         o[i] *= corr[(i // 2) % 2]
@@ -231,22 +253,36 @@ def make_forward(storage, D, stages, groups):
         first_row = q0 + group * TILE  # this warpgroup's
         row = first_row + 16 * (me // 32) + g  # the thread's first row; its second 8 on
         buf = 0
-        for e in range(n):
-            stage_at, buf, key0 = next_keys(e, buf, o, ring_at, n, ring)
+        at = ring_at
+        if n > 0:  # tile 0's scores, softmax and P
+            at, buf, key0 = step(0, buf, ring_at, n, ring)
             fence()
-            scores(s, q_desc, k_major(stage_at))  # S = q kᵀ
+            scores(s, q_desc, k_major(at))
             commit()
             wg_wait()
             settle_scores(s)
-            for h in range(2):
-                peak[h] = NEG
-            scale_max(s, peak, scale2, key0, row, t, causal and key0 + TILE - 1 > first_row)
-            grew = settle_maxima(peak, top, use, corr, total)
-            if cuda.any_sync(FULL_MASK, grew):  # (once the maxima settle, no rescaling)
-                rescale(o, corr)
-            exps(s, use, total, p)
+            soften(s, peak, top, use, corr, total, scale2, key0, row, t, causal and key0 + TILE - 1 > first_row)
+            packs(s, p)
+        for e in range(n - 1):
+            nxt, buf, key0 = step(e + 1, buf, ring_at, n, ring)
             fence()
-            times_tile(o, p, stage_at + TILE_BYTES)  # out += P v
+            scores(s, q_desc, k_major(nxt))  # S = q kᵀ of tile e + 1
+            commit()
+            times_tile(o, p, at + TILE_BYTES)  # out += P v of tile e
+            commit()
+            wait_scores()
+            settle_scores(s)
+            grew = soften(s, peak, top, use, corr, total, scale2, key0, row, t,
+                          causal and key0 + TILE - 1 > first_row)
+            wg_wait()
+            settle_out(o)
+            if grew:
+                rescale(o, corr)
+            packs(s, p)
+            at = nxt
+        if n > 0:
+            fence()
+            times_tile(o, p, at + TILE_BYTES)
             commit()
         wg_wait()
         settle_out(o)
@@ -274,7 +310,7 @@ def make_query_grads(storage, D, stages, groups):
     PN = SN // 2
     plan, copy_tile, _, key_ring, k_major, products, times_tile, pack_step, zero, store = make_tiles(
         storage, D, stages, groups)
-    prime, next_keys = key_ring
+    prime, next_keys, _ = key_ring
     settle_scores, settle_out = make_settle(TILE), make_settle(D)
     wg_wait = waiter(0)
     NEG = float32(-math.inf)

@@ -260,18 +260,21 @@ def waiter(keep):
     return _waits[keep]
 
 
-def make_ring(issue, stages, stage_bytes, counter=True, visible=None):
+def make_ring(issue, stages, stage_bytes, counter=True, visible=None, lag=1):
     """The stage ring every cp.async pipeline here runs, as two device functions over ``issue(s,
     at, args)`` (a kernel's: start stage s's copies into the buffer at shared address ``at``;
     ``args`` its tuple of whatever else that needs):
 
-    * ``prime(base, count, args)``: stages 0 to ``stages`` - 2 in flight (those below ``count``),
-      into buffers ``base``, ``base + stage_bytes``, ...; a commit group each, empty or not, so
-      that the waits count stages;
+    * ``prime(base, count, args)``: stages 0 to ``stages - lag - 1`` in flight (those below
+      ``count``), into buffers ``base``, ``base + stage_bytes``, ...; a commit group each, empty or
+      not, so that the waits count stages;
     * ``advance(s, buf, base, count, args)``: wait until stage s (in buffer ``buf``, counting from
       0 at stage 0) has landed for this thread, then the barrier (for all threads; and every warp
-      is done with the buffer of stage s - 1), put stage s + ``stages`` - 1 in flight into that
-      buffer, and return (stage s's buffer's address, the next stage's ``buf``).
+      is done with the buffer of stage s - ``lag``), put stage s + ``stages - lag`` in flight into
+      that buffer, and return (stage s's buffer's address, the next stage's ``buf``).
+
+    ``lag``: 1, or 2 where a kernel still reads stage s - 1 while it starts on stage s (the
+    wgmma forward's products of one tile overlap the next tile's scores).
 
     ``counter``: buffers found by that counter, else by ``s % stages`` (``buf`` passed through);
     which leaves a kernel fewer registers is ptxas's call (`tools/compile_check.py`: attention's
@@ -280,7 +283,10 @@ def make_ring(issue, stages, stage_bytes, counter=True, visible=None):
     where the tensor cores read the stages through the async proxy)."""
     from ..runtime.compile import inlined
 
-    wait = waiter(stages - 2)
+    if not 1 <= lag < stages:
+        raise ValueError(f"lag: expected 1 to stages - 1 = {stages - 1}, got {lag}")
+    ahead = stages - lag  # stages in flight after prime
+    wait = waiter(ahead - 1)
     if visible is None:
         @inlined
         def visible():
@@ -288,7 +294,7 @@ def make_ring(issue, stages, stage_bytes, counter=True, visible=None):
 
     @inlined
     def prime(base, count, args):
-        for s in range(stages - 1):
+        for s in range(ahead):
             if s < count:
                 issue(s, base + s * stage_bytes, args)
             commit()
@@ -298,10 +304,10 @@ def make_ring(issue, stages, stage_bytes, counter=True, visible=None):
         wait()
         visible()
         cuda.syncthreads()
-        nxt = s + stages - 1  # (into the buffer before stage s's)
+        nxt = s + ahead  # (into the buffer lag stages before stage s's)
         if counter:
             if nxt < count:
-                issue(nxt, base + (buf - 1 if buf > 0 else stages - 1) * stage_bytes, args)
+                issue(nxt, base + (buf - lag if buf >= lag else buf + stages - lag) * stage_bytes, args)
             commit()
             return base + buf * stage_bytes, (buf + 1 if buf < stages - 1 else 0)
         if nxt < count:

@@ -84,7 +84,7 @@ def test_hopper_kernels_match_the_twin(monkeypatch, bs, blocks, groups, causal, 
     monkeypatch.setattr(hopper, "make_key_grads", lambda *key: made.append(key) or MAKE_KEY_GRADS(*key))
     config = AttentionConfig(hopper_stages=2, hopper_groups=groups, backward_stages=2)
     check_against_twin("float16", causal, False, 11, (1, 1, bs, blocks, 64), config, empty_row=False, grads=grads)
-    assert made == [("float16", 64, 2, groups)] * (1 + 2 * grads)
+    assert made == [("float16", 64, 3, groups)] + [("float16", 64, 2, groups)] * (2 * grads)
 
 
 @pytest.mark.gpu
@@ -93,14 +93,14 @@ def test_hopper_kernels_match_the_twin(monkeypatch, bs, blocks, groups, causal, 
                                               ("bfloat16", 128, 2), ("float16", 16, 3), ("bfloat16", 32, 4)])
 @settings(max_examples=15, deadline=None)
 @given(causal=st.booleans(), per_head=st.booleans(), bs=st.sampled_from([64, 128]), blocks=st.integers(1, 4),
-       B=st.integers(1, 2), H=st.integers(1, 3), seed=st.integers(0, 2**16), hopper=st.sampled_from([(2, 2), (1, 3),
+       B=st.integers(1, 2), H=st.integers(1, 3), seed=st.integers(0, 2**16), hopper=st.sampled_from([(2, 2, 3), (1, 3, 4),
                                                                                                    None]))
 def test_fused_kernels_match_the_twin(dtype, D, stages, causal, per_head, bs, blocks, B, H, seed, hopper):
     """On sm_90 the forward at head_dim 64 and 128 runs on wgmma (``hopper``: its warpgroups and
     stages), or with None the mma.sync forward."""
-    groups, hopper_stages = hopper or (2, 2)
+    groups, hopper_stages, forward_stages = hopper or (2, 2, 3)
     config = AttentionConfig(stages=stages, backward_stages=stages, hopper=hopper is not None, hopper_groups=groups,
-                             hopper_stages=hopper_stages)
+                             hopper_stages=hopper_stages, hopper_forward_stages=forward_stages)
     check_against_twin(dtype, causal, per_head, seed, (B, H, bs, blocks, D), config, empty_row=blocks > 1)
 
 
@@ -109,6 +109,8 @@ def test_config_checks_its_fields():
         AttentionConfig(stages=1)
     with pytest.raises(ValueError, match="hopper_groups"):
         AttentionConfig(hopper_groups=3)
+    with pytest.raises(ValueError, match="hopper_forward_stages"):
+        AttentionConfig(hopper_forward_stages=2)
     with pytest.raises(TypeError, match="AttentionConfig"):
         attention(*(np.zeros((1, 1, 8, 4), np.float32),) * 3, BlockLayout.causal(1, block_size=8), config=3)
 

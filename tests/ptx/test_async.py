@@ -77,34 +77,49 @@ def _issue_row(s, at, args):
     copy16_to(at, origin + s * stride_bytes)
 
 
-def _make_ring_stages(counter):
-    prime, advance = make_ring(_issue_row, 3, ROWS * WIDTH * 4, counter)
+def _make_ring_stages(counter, lag):
+    prime, advance = make_ring(_issue_row, 3, ROWS * WIDTH * 4, counter, lag=lag)
 
     @cuda.jit
-    def ring_stages(out, source, stride_bytes, count):
+    def ring_stages(out, before, source, stride_bytes, count):
         """``count`` stages of source through `make_ring`'s ring of three buffers, each read back
-        (another thread's row) from the buffer ``advance`` names, as it lands."""
+        (another thread's row) from the buffer ``advance`` names, as it lands; with ``lag`` 2, the
+        stage before it read back again, after that barrier, from its buffer."""
         t = cuda.threadIdx.x
         stages = cuda.shared.array((3 * ROWS * WIDTH), float32)
         base = shared_address(stages, (t * WIDTH,))
         args = (global_address(source, (0, t, 0)), stride_bytes)
         prime(base, count, args)
         buf = 0
+        last = base
         for s in range(count):
             at, buf = advance(s, buf, base, count, args)
             first = (at - base) // 4 + ((t + 1) % ROWS) * WIDTH  # (another thread's row of the buffer)
+            kept = (last - base) // 4 + ((t + 1) % ROWS) * WIDTH
             for c in range(WIDTH):
                 out[s, t, c] = stages[first + c]
+                if lag == 2 and s > 0:
+                    before[s - 1, t, c] = stages[kept + c]
+            cuda.syncthreads()  # (lag 1: every read of the buffer done before the next stage refills it)
+            last = at
 
     return ring_stages
 
 
-@pytest.mark.parametrize("counter", [True, False])
-def test_ring_stages_land_in_order(counter):
+@pytest.mark.parametrize("counter, lag", [(True, 1), (False, 1), (True, 2), (False, 2)])
+def test_ring_stages_land_in_order(counter, lag):
     source = np.arange(5 * ROWS * WIDTH, dtype=np.float32).reshape(5, ROWS, WIDTH)
     out = cuda.to_device(np.full_like(source, np.nan))
-    _make_ring_stages(counter)[1, ROWS](out, cuda.to_device(source), ROWS * WIDTH * 4, 5)
+    before = cuda.to_device(np.full_like(source, np.nan))
+    _make_ring_stages(counter, lag)[1, ROWS](out, before, cuda.to_device(source), ROWS * WIDTH * 4, 5)
     np.testing.assert_array_equal(out.copy_to_host(), np.roll(source, -1, axis=1))
+    if lag == 2:
+        np.testing.assert_array_equal(before.copy_to_host()[:4], np.roll(source, -1, axis=1)[:4])
+
+
+def test_ring_lag_is_checked():
+    with pytest.raises(ValueError, match="lag"):
+        make_ring(_issue_row, 3, 64, lag=3)
 
 
 def test_stages_land_in_order():
