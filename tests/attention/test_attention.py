@@ -93,8 +93,8 @@ def test_hopper_kernels_match_the_twin(monkeypatch, bs, blocks, groups, causal, 
                                               ("bfloat16", 128, 2), ("float16", 16, 3), ("bfloat16", 32, 4)])
 @settings(max_examples=15, deadline=None)
 @given(causal=st.booleans(), per_head=st.booleans(), bs=st.sampled_from([64, 128]), blocks=st.integers(1, 4),
-       B=st.integers(1, 2), H=st.integers(1, 3), seed=st.integers(0, 2**16), hopper=st.sampled_from([(2, 2, 3), (1, 3, 4),
-                                                                                                   None]))
+       B=st.integers(1, 2), H=st.integers(1, 3), seed=st.integers(0, 2**16),
+       hopper=st.sampled_from([(2, 2, 3), (1, 3, 4), None]))
 def test_fused_kernels_match_the_twin(dtype, D, stages, causal, per_head, bs, blocks, B, H, seed, hopper):
     """On sm_90 the forward at head_dim 64 and 128 runs on wgmma (``hopper``: its warpgroups and
     stages), or with None the mma.sync forward."""
