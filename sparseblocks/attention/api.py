@@ -91,10 +91,11 @@ def _hopper():
     return compute_capability() == (9, 0)
 
 
-def _hopper_groups(cfg, dtype, head_dim, bs):
-    """The wgmma forward's warpgroups a thread block for a call the fused kernels take, or 0 where
-    it does not run (``config.hopper`` off, not sm_90, a head_dim it does not take)."""
-    if not cfg.hopper or not _hopper():
+def _hopper_groups(cfg, dtype, head_dim, bs, wanted):
+    """The wgmma kernels' warpgroups a thread block for a call the fused kernels take, or 0 where
+    they do not run (``wanted`` off: ``config.hopper_forward`` or ``config.hopper``; not sm_90; a
+    head_dim they do not take)."""
+    if not wanted or not _hopper():
         return 0
     for groups in dict.fromkeys((cfg.hopper_groups, 1)):
         if not hopper.fits(dtype, head_dim, bs, groups):
@@ -117,9 +118,9 @@ def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[
     default. A query that sees no key gets zeros. ``return_lse``: also each query's log-sum-exp of
     its scaled scores (fp32; -inf where it sees nothing), (batch, heads, seq).
 
-    fp16 and bf16 run fused (`fused.py`: flash-style, nothing of size seq x seq stored; the
-    forward on wgmma, `hopper.py`, on sm_90 at head_dim 64 and 128) where `fused.fits` the call and
-    ``config.fused``; other calls take the three kernels (`simple.py`:
+    fp16 and bf16 run fused (`fused.py`: flash-style, nothing of size seq x seq stored; on wgmma
+    with ``config.hopper_forward``, `hopper.py`, on sm_90 at head_dim 64 and 128) where
+    `fused.fits` the call and ``config.fused``; other calls take the three kernels (`simple.py`:
     scores, softmax, weighted sum), which store the present blocks' scores."""
     cfg = as_config(config)
     ops = _checked([("q", q), ("k", k), ("v", v)])
@@ -134,7 +135,7 @@ def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[
     lse_native, lse = ops[0].empty((B, H, S), stream, dtype="float64" if dtype == "float64" else "float32")
     qd, kd, vd = (op.device(stream).reshape(-1) for op in ops)
     fused_call = _fused(cfg, dtype, D, bs, (qd, kd, vd))
-    groups = _hopper_groups(cfg, dtype, D, bs) if fused_call else 0
+    groups = _hopper_groups(cfg, dtype, D, bs, cfg.hopper_forward) if fused_call else 0
     if groups:
         kernel = cached(hopper.make_forward, dtype, D, cfg.hopper_forward_stages, groups)
         if B * H * S:
@@ -203,7 +204,7 @@ def attention_grad(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: A
     dq, dk, dv = (grad.reshape(-1) for _, grad in outs)
     if _fused(cfg, dtype, D, bs, (qd, kd, vd, dod, lsed, delta)):
         grid = B * H * (S // fused.TILE)
-        groups = _hopper_groups(cfg, dtype, D, bs)
+        groups = _hopper_groups(cfg, dtype, D, bs, cfg.hopper)
         if grid:
             args = (H, S, bs, scale, scale * fused.LOG2E, bool(causal))
             if groups:  # the wgmma kernels: groups of 64-row tiles a thread block

@@ -82,7 +82,7 @@ def test_hopper_kernels_match_the_twin(monkeypatch, bs, blocks, groups, causal, 
     monkeypatch.setattr(hopper, "make_forward", lambda *key: made.append(key) or MAKE_FORWARD(*key))
     monkeypatch.setattr(hopper, "make_query_grads", lambda *key: made.append(key) or MAKE_QUERY_GRADS(*key))
     monkeypatch.setattr(hopper, "make_key_grads", lambda *key: made.append(key) or MAKE_KEY_GRADS(*key))
-    config = AttentionConfig(hopper_stages=2, hopper_groups=groups, backward_stages=2)
+    config = AttentionConfig(hopper_forward=True, hopper_stages=2, hopper_groups=groups, backward_stages=2)
     check_against_twin("float16", causal, False, 11, (1, 1, bs, blocks, 64), config, empty_row=False, grads=grads)
     assert made == [("float16", 64, 3, groups)] + [("float16", 64, 2, groups)] * (2 * grads)
 
@@ -99,7 +99,8 @@ def test_fused_kernels_match_the_twin(dtype, D, stages, causal, per_head, bs, bl
     """On sm_90 the forward at head_dim 64 and 128 runs on wgmma (``hopper``: its warpgroups and
     stages), or with None the mma.sync forward."""
     groups, hopper_stages, forward_stages = hopper or (2, 2, 3)
-    config = AttentionConfig(stages=stages, backward_stages=stages, hopper=hopper is not None, hopper_groups=groups,
+    config = AttentionConfig(stages=stages, backward_stages=stages, hopper=hopper is not None,
+                             hopper_forward=hopper is not None, hopper_groups=groups,
                              hopper_stages=hopper_stages, hopper_forward_stages=forward_stages)
     check_against_twin(dtype, causal, per_head, seed, (B, H, bs, blocks, D), config, empty_row=blocks > 1)
 
