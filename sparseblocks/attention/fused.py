@@ -183,6 +183,16 @@ def make_tile_parts(storage, D, cols=TILE, mt=1):
 
 
 @inlined
+def split(e, sub):
+    """(e // sub, e % sub) for 0 <= e < 2**31 and 0 < sub, in 32-bit unsigned arithmetic: a walk's
+    block and tile within it (Python's signed 64-bit floor division compiles to a call with
+    branches, a few hundred instructions on every step of a walk)."""
+    u, d = uint32(e), uint32(sub)
+    b = u // d
+    return b, u - b * d
+
+
+@inlined
 def query_walk(row_ptr, blk_col, H, S, bs, QT, causal):
     """(batch x head, first query, first block, tiles a block, key tiles walked) of this thread
     block's tile of QT queries (the longest causal rows first): its block-row's blocks of bs / 64
@@ -194,11 +204,10 @@ def query_walk(row_ptr, blk_col, H, S, bs, QT, causal):
     row, sub = (bh % H) * (S // bs) + q0 // bs, bs // TILE
     first, last = row_ptr[row], row_ptr[row + 1]
     n = (last - first) * sub
-    if causal:
+    if causal:  # each block's tiles starting before q0 + QT
         n = 0
-        for e in range((last - first) * sub):
-            if blk_col[first + e // sub] * bs + (e % sub) * TILE < q0 + QT:
-                n += 1
+        for b in range(first, last):
+            n += min(sub, max(0, (q0 + QT - blk_col[b] * bs + TILE - 1) // TILE))
     return bh, q0, first, sub, n
 
 
@@ -240,10 +249,9 @@ def key_walk(col_ptr, col_block, blk_row, H, S, bs, KT, causal):
     first, last = col_ptr[(bh % H) * cols + k0 // bs], col_ptr[(bh % H) * cols + k0 // bs + 1]
     n = (last - first) * sub
     skip = 0
-    if causal:
-        for e in range(n):
-            if blk_row[col_block[first + e // sub]] * bs + (e % sub) * TILE + TILE <= k0:
-                skip += 1
+    if causal:  # each block's tiles ending at or before k0
+        for b in range(first, last):
+            skip += min(sub, max(0, (k0 - blk_row[col_block[b]] * bs) // TILE))
         n -= skip
     return bh, k0, first, sub, n, skip
 
@@ -257,7 +265,8 @@ def make_key_ring(copy_pair, stages, stage_bytes, visible=None, lag=1):
 
     @inlined
     def key_of(e, blk_col, first, sub, bs):
-        return blk_col[first + e // sub] * bs + (e % sub) * TILE
+        b, j = split(e, sub)
+        return blk_col[first + b] * bs + j * TILE
 
     @inlined
     def issue(e, at, args):
@@ -278,8 +287,8 @@ def make_query_ring(copy_pair, stages, stage_bytes, levels, visible=None):
 
     @inlined
     def query_of(e, skip, blk_row, col_block, first, sub, bs):
-        x = e + skip
-        return blk_row[col_block[first + x // sub]] * bs + (x % sub) * TILE
+        b, j = split(e + skip, sub)
+        return blk_row[col_block[first + b]] * bs + j * TILE
 
     @inlined
     def issue(e, at, args):

@@ -1,5 +1,5 @@
 """The small PTX intrinsics against NumPy: paired fp16 adds and atomics, relaxed loads,
-NaN-propagating max, fp8 pair conversions, and the timeline clocks. Each runs on the GPU and, through its twin,
+NaN-propagating max, the flushing exp2, fp8 pair conversions, and the timeline clocks. Each runs on the GPU and, through its twin,
 in the simulator."""
 
 import numpy as np
@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from numba import cuda
 
 from sparseblocks.ptx.clock import globaltimer, smid
+from sparseblocks.ptx.exp2 import exp2_ftz
 from sparseblocks.ptx.fp8 import e4m3x2_of_floats, e5m2x2_of_floats
 from sparseblocks.ptx.half2 import add_half2, atomic_add_half, atomic_add_half2
 from sparseblocks.ptx.nanmax import max_nan, max_nan_select
@@ -105,6 +106,30 @@ def test_nan_max_keeps_a_nan_in_either_place():
     want = np.maximum(a, b)
     for row in out:
         np.testing.assert_array_equal(row, want)
+
+
+@cuda.jit
+def _exp2s(out, x):
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        out[i] = exp2_ftz(x[i])
+
+
+@given(st.lists(st.floats(-125, 127, width=32), min_size=16, max_size=16))
+def test_flushing_exp2_is_exp2_where_normal(values):
+    """exp2_ftz is 2 ** x to 2**-22 relative where the result is a normal float32."""
+    x = np.array(values, np.float32)
+    out = np.zeros_like(x)
+    _exp2s[1, 16](out, x)
+    np.testing.assert_allclose(out, np.exp2(x.astype(np.float64)), rtol=2.0**-21)
+
+
+def test_flushing_exp2_flushes_and_keeps_the_specials():
+    """Below 2**-126 the result is 0 (no subnormals); -inf gives 0, +inf +inf, NaN NaN."""
+    x = np.array([-127.5, -140, -np.inf, np.inf, np.nan, -130.25], np.float32)
+    out = np.full_like(x, 7)
+    _exp2s[1, 6](out, x)
+    np.testing.assert_array_equal(out, [0, 0, 0, np.inf, np.nan, 0])
 
 
 @cuda.jit
