@@ -33,6 +33,7 @@ import math
 from numba import cuda, float32, int32, int64, uint32
 
 from ..ptx.cp_async import copy16_to, make_ring, shared_address, signed_address
+from ..ptx.exp2 import exp2_ftz
 from ..ptx.half2 import bf16_of_float, half2_of_floats, stored_as
 from ..ptx.ldmatrix import ldmatrix_x4_at, ldmatrix_x4_trans_at
 from ..ptx.mma import FULL_MASK, mma_bf16, mma_f16, pack
@@ -228,7 +229,7 @@ def make_row_maxima(R):
             m = max(m, top[i])
             was = use[i]
             use[i] = m if m != NEG else float32(0)
-            corr[i] = math.exp2(was - use[i]) if top[i] != NEG else float32(0)
+            corr[i] = exp2_ftz(was - use[i]) if top[i] != NEG else float32(0)
             top[i] = m
             total[i] *= corr[i]
             grew = grew or corr[i] != float32(1)
@@ -349,7 +350,7 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
     def exp_step(n, s, use, total):
         for m in range(MT):
             for j in range(4):
-                p = math.exp2(s[m, n, j] - use[2 * m + j // 2])
+                p = exp2_ftz(s[m, n, j] - use[2 * m + j // 2])
                 s[m, n, j] = p
                 total[2 * m + j // 2] += p
 
@@ -457,7 +458,7 @@ def make_backward_parts(cols=TILE):
             else:  # a key row, query columns
                 level = lse[col]
                 hidden = masked and r > col_first + col
-            s[0, n, j] = float32(0) if hidden or level == NEG else math.exp2(s[0, n, j] * scale2 - level * float32(LOG2E))
+            s[0, n, j] = float32(0) if hidden or level == NEG else exp2_ftz(s[0, n, j] * scale2 - level * float32(LOG2E))
 
     probabilities = unrolled(cols // 8, inlined(probability_step), inline=inlined)
 

@@ -25,6 +25,7 @@ import math
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from ..ptx.cp_async import copy16_to, shared_address, signed_address
+from ..ptx.exp2 import exp2_ftz
 from ..ptx.half2 import stored_as
 from ..ptx.mma import FULL_MASK
 from ..ptx.wgmma import SWIZZLE_128, WARPGROUP, align_up, commit, descriptor, fence, make_mma, make_mma_rs
@@ -181,20 +182,28 @@ def make_forward(storage, D, stages, groups):
     wg_wait, wait_scores = waiter(0), waiter(1)
     NEG = float32(-math.inf)
 
-    def softmax_step(i, s, top, scale2, key0, row, t, masked):
-        """Scale score i, hide it past its row's query (``masked``), fold it into its row's maximum."""
+    def softmax_step(i, s, top, scale2):
+        """Scale score i, fold it into its row's maximum."""
         x = s[i] * scale2
-        if masked and key0 + 8 * (i // 4) + 2 * t + i % 2 > row + 8 * ((i // 2) % 2):
+        s[i] = x
+        h = (i // 2) % 2
+        top[h] = max(top[h], x)
+
+    def masked_step(i, s, top, scale2, key0, row, t):
+        """The same, the score hidden past its row's query (a tile on the causal diagonal)."""
+        x = s[i] * scale2
+        if key0 + 8 * (i // 4) + 2 * t + i % 2 > row + 8 * ((i // 2) % 2):
             x = NEG
         s[i] = x
         h = (i // 2) % 2
         top[h] = max(top[h], x)
 
     scale_max = unrolled(SN, inlined(softmax_step), inline=inlined)
+    scale_max_masked = unrolled(SN, inlined(masked_step), inline=inlined)
 
     def exp_step(i, s, use, total):
         h = (i // 2) % 2
-        x = math.exp2(s[i] - use[h])
+        x = exp2_ftz(s[i] - use[h])
         total[h] += x
         s[i] = x
 
@@ -207,7 +216,10 @@ def make_forward(storage, D, stages, groups):
         the output must be rescaled by ``corr``."""
         for h in range(2):
             peak[h] = NEG
-        scale_max(s, peak, scale2, key0, row, t, masked)
+        if masked:  # (apart: the predicated mask would cost every tile some 80 instructions)
+            scale_max_masked(s, peak, scale2, key0, row, t)
+        else:
+            scale_max(s, peak, scale2)
         grew = settle_maxima(peak, top, use, corr, total)
         exps(s, use, total)
         return cuda.any_sync(FULL_MASK, grew)  # (once the maxima settle, no rescaling)
@@ -263,11 +275,15 @@ def make_forward(storage, D, stages, groups):
             settle_scores(s)
             soften(s, peak, top, use, corr, total, scale2, key0, row, t, causal and key0 + TILE - 1 > first_row)
             packs(s, p)
+        grew = False  # (tile 0's output starts at 0)
         for e in range(n - 1):
             nxt, buf, key0 = step(e + 1, buf, ring_at, n, ring)
             fence()
             scores(s, q_desc, k_major(nxt))  # S = q kᵀ of tile e + 1
             commit()
+            if grew:  # the output to tile e's maxima, before its product (FlashAttention-3's order)
+                rescale(o, corr)
+                fence()
             times_tile(o, p, at + TILE_BYTES)  # out += P v of tile e
             commit()
             wait_scores()
@@ -276,11 +292,11 @@ def make_forward(storage, D, stages, groups):
                           causal and key0 + TILE - 1 > first_row)
             wg_wait()
             settle_out(o)
-            if grew:
-                rescale(o, corr)
             packs(s, p)
             at = nxt
         if n > 0:
+            if grew:
+                rescale(o, corr)
             fence()
             times_tile(o, p, at + TILE_BYTES)
             commit()
@@ -320,7 +336,7 @@ def make_query_grads(storage, D, stages, groups):
         registers."""
         h = (i // 2) % 2
         hidden = masked and key0 + 8 * (i // 4) + 2 * t + i % 2 > row + 8 * h
-        x = float32(0) if hidden or level[h] == NEG else math.exp2(s[i] * scale2 - level[h] * float32(LOG2E))
+        x = float32(0) if hidden or level[h] == NEG else exp2_ftz(s[i] * scale2 - level[h] * float32(LOG2E))
         s[i] = x * (dp[i] - dl[h])
         pack_step(i, s, p)
 
@@ -371,7 +387,10 @@ def make_query_grads(storage, D, stages, groups):
             wg_wait()
             settle_scores(s)
             settle_scores(dp)
-            grads(s, dp, level, dl, scale2, key0, row, t, causal and key0 + TILE - 1 > first_row, p)
+            if causal and key0 + TILE - 1 > first_row:  # (apart, so that other tiles skip the mask)
+                grads(s, dp, level, dl, scale2, key0, row, t, True, p)
+            else:
+                grads(s, dp, level, dl, scale2, key0, row, t, False, p)
             fence()
             times_tile(acc, p, stage_at)  # dq += dS k
             commit()
@@ -405,7 +424,7 @@ def make_key_grads(storage, D, stages, groups):
         col = 8 * (i // 4) + 2 * t + i % 2
         level = floats[levels + col]
         hidden = masked and key + 8 * ((i // 2) % 2) > query0 + col
-        s[i] = float32(0) if hidden or level == NEG else math.exp2(s[i] * scale2 - level * float32(LOG2E))
+        s[i] = float32(0) if hidden or level == NEG else exp2_ftz(s[i] * scale2 - level * float32(LOG2E))
         pack_step(i, s, p)
 
     probabilities = unrolled(SN, inlined(probability_step), inline=inlined)
