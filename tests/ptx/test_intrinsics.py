@@ -1,6 +1,6 @@
 """The small PTX intrinsics against NumPy: paired fp16 adds and atomics, relaxed loads,
-NaN-propagating max, the flushing exp2, fp8 pair conversions, and the timeline clocks. Each runs on the GPU and, through its twin,
-in the simulator."""
+NaN-propagating max, the flushing exp2, fp8 pair conversions, and the timeline clocks. Each runs
+on the GPU and, through its twin, in the simulator."""
 
 import numpy as np
 import pytest
