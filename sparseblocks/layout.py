@@ -65,12 +65,10 @@ class BlockLayout:
                 raise ValueError("mask: expected only 0 and 1 (or booleans)")
         block_size = check_block_size(block_size)
         mask = mask.astype(bool)
-        n_blocks = int(mask.sum())
         dense = max(mask.shape) * block_size
-        if dense > INT32_MAX or n_blocks * block_size * block_size > INT32_MAX:
+        if dense > INT32_MAX:
             raise ValueError(
-                f"mask: {mask.shape} blocks of {block_size} with {n_blocks} present overflow "
-                "int32 indices (features and stored weight elements must stay below 2**31)"
+                f"mask: {mask.shape} blocks of {block_size} overflow int32 indices (features must stay below 2**31)"
             )
 
         set_ = object.__setattr__
@@ -248,7 +246,14 @@ class BlockLayout:
 
     @property
     def w_shape(self) -> Tuple[int, int, int]:
-        """Shape of the block storage ``(n_blocks, bs, bs)``."""
+        """Shape of the block storage ``(n_blocks, bs, bs)``; a ValueError where it would hold 2**31
+        elements or more (the weights' kernels index them in int32). Every op that stores or reads
+        weights on a layout asks for it; attention, which stores none, takes larger layouts."""
+        if self.n_blocks * self.block_size ** 2 > INT32_MAX:
+            raise ValueError(
+                f"layout: {self.mask.shape} blocks of {self.block_size} with {self.n_blocks} present overflow int32 "
+                "indices (stored weight elements must stay below 2**31)"
+            )
         return (self.n_blocks, self.block_size, self.block_size)
 
     @property

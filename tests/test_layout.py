@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sparseblocks import bsmm
 from sparseblocks.layout import BLOCK_SIZES, BlockLayout
 from strategies import arrays, layouts
 
@@ -96,9 +97,13 @@ def test_bad_input_is_refused(mask, block_size, error, message):
 def test_int32_overflow_is_refused():
     with pytest.raises(ValueError, match="int32"):
         BlockLayout(np.ones((1, 2**31 // 64 + 1), bool), 64)
-    # 1024 x 1024 blocks of 64 would need 2**32 stored weights.
+    # 1024 x 1024 blocks of 64 would need 2**32 stored weights: the layout is made (attention
+    # takes it), its weights' shape refused, and so every op on weights.
+    layout = BlockLayout(np.ones((1024, 1024), bool), 64)
     with pytest.raises(ValueError, match="int32"):
-        BlockLayout(np.ones((1024, 1024), bool), 64)
+        layout.w_shape
+    with pytest.raises(ValueError, match="int32"):
+        bsmm.forward(np.zeros((1, 1024 * 64), np.float32), np.zeros((1, 64, 64), np.float32), layout)
 
 
 def test_bad_helper_arguments():
