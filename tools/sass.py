@@ -4,6 +4,7 @@ developer's tool).
     pip install nvidia-cuda-nvdisasm        # nvdisasm; ptxas comes with the CUDA toolkit
     python tools/sass.py [--block-sizes 16,32,64] [--dtypes float16,float32]
     python tools/sass.py --reduce-mask
+    python tools/sass.py --attention
 
 For each block size and storage it compiles the forward (W) and input_grad (Wt) products
 with feature_axis 1 and 16-byte loads (the cp.async ring) for sm_90, disassembles them, and
@@ -12,7 +13,10 @@ around them; one loop where the steps are unrolled), its length and its count of
 cp.async copies, byte permutes (16-bit pairs built in registers), integer multiply-adds and
 fp32 arithmetic, and the instructions a stage issues. A count of issued instructions, not a timing: where two kernels differ, the
 GPU decides (tools/sweep.py). With --reduce-mask: the loops around the first pooling
-of mask values in reduce_mask's one-pass kernel instead (a column's rows, then its columns).
+of mask values in reduce_mask's one-pass kernel instead (a column's rows, then its columns). With
+--attention: the walk loops of attention's fused kernels (mma.sync, sm_90) and wgmma kernels
+(sm_90a), bf16 at head_dim 64 and 128, the config's defaults; a loop's length counts both of its
+branches (the causal mask's, the rescaling's), not what a tile issues.
 """
 
 import os
@@ -33,11 +37,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numba.cuda.dispatcher  # noqa: E402,F401 (`cuda.dispatcher` below)
 from numba import cuda, types  # noqa: E402
 
 from sparseblocks import bsmm  # noqa: E402
 
 CC = (9, 0)
+
+
+class _Device:  # device functions compiled apart (`runtime.compile.inlined`) ask the current
+    compute_capability = CC  # device for its compute capability, and there is none here
+
+
+cuda.dispatcher.get_current_device = _Device
 COUNTS = {"mma": r"\bHMMA", "LDS": r"\bLDS", "STS": r"\bSTS", "LDG": r"\bLDG\.", "cp.async": r"\bLDGSTS",
           "PRMT": r"\bPRMT", "IMAD/IADD": r"\b(IMAD|IADD)", "ISETP/SEL": r"\b(ISETP|SEL)\b", "fp32": r"\bF(ADD|MUL|FMA)\b"}
 
@@ -52,8 +64,8 @@ def nvdisasm():
     return found
 
 
-def sass(function, signature, tool):
-    ptx, _ = cuda.compile_ptx(function, signature, cc=CC)
+def sass(function, signature, tool, cc=CC):
+    ptx, _ = cuda.compile_ptx(function, signature, cc=cc)
     # Standalone ptxas refuses more than 48 KB of static shared memory (the driver takes it):
     # shrink the declarations, which changes no instruction (addresses are the symbols' plus offsets).
     ptx = re.sub(r"(\.shared \.align \d+ \.b8 _cudapy_smem_\d+)\[(\d+)\]",
@@ -61,13 +73,15 @@ def sass(function, signature, tool):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         Path(path).write_text(ptx)
-        subprocess.run(["ptxas", f"-arch=sm_{CC[0]}{CC[1]}", path, "-o", path + ".cubin"], check=True)
+        arch = f"sm_{cc[0]}{cc[1]}{cc[2] if len(cc) > 2 else ''}"
+        subprocess.run(["ptxas", f"-arch={arch}", path, "-o", path + ".cubin"], check=True)
         return subprocess.run([tool, "-c", path + ".cubin"], capture_output=True, text=True, check=True).stdout
 
 
-def loops_around(text, anchor="HMMA"):
+def loops_around(text, anchor="HMMA", counts=COUNTS, every=False):
     """[(length, counts)] of the loops (backward branches) around the first instruction that
-    contains `anchor` (by default the first mma), innermost first."""
+    contains `anchor` (by default the first mma), innermost first; with ``every``, the loops
+    around any such instruction."""
     instructions, labels = [], {}
     for line in text.splitlines():
         label = re.match(r"^\s*(\.L_x_\d+):", line)
@@ -77,14 +91,15 @@ def loops_around(text, anchor="HMMA"):
         op = re.match(r"^\s+/\*[0-9a-f]+\*/\s+(.*?);", line)
         if op:
             instructions.append(op.group(1))
-    first = next(i for i, op in enumerate(instructions) if anchor in op)
+    anchors = [i for i, op in enumerate(instructions) if anchor in op]
+    anchors = anchors if every else anchors[:1]
     loops = []
     for end, op in enumerate(instructions):
         target = re.search(r"BRA\s+(?:`\()?(\.L_x_\d+)", op)
         begin = labels.get(target.group(1)) if target else None
-        if begin is not None and begin <= first <= end:
+        if begin is not None and any(begin <= a <= end for a in anchors):
             body = instructions[begin:end + 1]
-            loops.append((len(body), {k: sum(bool(re.search(p, op)) for op in body) for k, p in COUNTS.items()}))
+            loops.append((len(body), {k: sum(bool(re.search(p, op)) for op in body) for k, p in counts.items()}))
     return sorted(loops, key=lambda loop: loop[0])
 
 
@@ -105,18 +120,58 @@ def reduce_mask(tool):
             print(f"| {vector} a load | | {length} | " + " | ".join(str(counts[k]) for k in COUNTS) + " |")
 
 
+ATTENTION_COUNTS = {"wgmma": r"\bHGMMA", "mma": r"\bHMMA", "MUFU": r"\bMUFU", "cp.async": r"\bLDGSTS",
+                    "IMAD/IADD": r"\b(IMAD|IADD)", "ISETP/SEL": r"\b(ISETP|SEL|FSEL)\b",
+                    "fp32": r"\bF(ADD|MUL|FMA|MNMX)\b", "F2FP": r"\bF2FP"}
+
+
+def attention(tool):
+    """The walk loops (those around a tensor-core instruction) of attention's six kernels."""
+    from sparseblocks.attention import DEFAULT as A
+    from sparseblocks.attention import fused, hopper
+
+    i64, bits, index = types.int64, types.int16, types.int32[::1]
+    forward = (bits[::1], types.float32[::1], bits[::1], bits[::1], bits[::1], index, index, i64, i64, i64,
+               types.float64, types.boolean)
+    dq = (bits[::1],) * 5 + (types.float32[::1],) * 2 + (index, index, i64, i64, i64, types.float64, types.float64,
+                                                         types.boolean)
+    dkdv = (bits[::1],) + dq[:9] + dq[8:]
+    print("| kernel | head_dim | loop | length | " + " | ".join(ATTENTION_COUNTS) + " |")
+    print("|---" * (4 + len(ATTENTION_COUNTS)) + "|")
+    for D in (64, 128):
+        kernels = [
+            ("mma.sync forward", fused.make_forward("bfloat16", D, A.stages, fused.forward_rows(128, A.warp_rows),
+                                                    A.forward_keys), forward, CC, "HMMA"),
+            ("mma.sync dq", fused.make_query_grads("bfloat16", D, A.backward_stages), dq, CC, "HMMA"),
+            ("mma.sync dk dv", fused.make_key_grads("bfloat16", D, A.backward_stages), dkdv, CC, "HMMA"),
+            ("wgmma forward", hopper.make_forward("bfloat16", D, A.hopper_forward_stages, A.hopper_groups), forward,
+             (9, 0, "a"), "HGMMA"),
+            ("wgmma dq", hopper.make_query_grads("bfloat16", D, A.hopper_stages, A.hopper_groups), dq, (9, 0, "a"),
+             "HGMMA"),
+            ("wgmma dk dv", hopper.make_key_grads("bfloat16", D, A.hopper_stages, A.hopper_groups), dkdv,
+             (9, 0, "a"), "HGMMA")]
+        for name, kernel, signature, cc, anchor in kernels:
+            text = sass(kernel.py_func, signature, tool, cc)
+            for length, counts in loops_around(text, anchor, ATTENTION_COUNTS, every=True):
+                print(f"| {name} | {D} | walk | {length} | " + " | ".join(str(counts[k]) for k in ATTENTION_COUNTS)
+                      + " |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--block-sizes", default="16,32,64")
     parser.add_argument("--dtypes", default="float16,float32")
     parser.add_argument("--reduce-mask", action="store_true",
                         help="instead: the loops around reduce_mask version 2's first pooling of mask values")
+    parser.add_argument("--attention", action="store_true", help="instead: the walk loops of attention's kernels")
     args = parser.parse_args()
     tool = nvdisasm()
     if tool is None or shutil.which("ptxas") is None:
         sys.exit("needs ptxas (CUDA toolkit) and nvdisasm (pip install nvidia-cuda-nvdisasm)")
     if args.reduce_mask:
         return reduce_mask(tool)
+    if args.attention:
+        return attention(tool)
     index = types.int32[::1]
     print("| block | storage | product | loop | length | " + " | ".join(COUNTS) + " | a stage |")
     print("|---" * (6 + len(COUNTS)) + "|")
