@@ -85,6 +85,7 @@ def make_tiles(storage, D, stages, groups, lag=1):
     KD = D // 16  # k16 steps along head_dim
     kind = "bf16" if storage == "bfloat16" else "f16"
     mma_rows = make_mma(TILE, kind, False, False)
+    mma_first = make_mma(TILE, kind, False, False, overwrite=True)
     mma_tile = make_mma_rs(D, kind, True)
     pack2 = _pack_of(storage)
 
@@ -127,7 +128,10 @@ def make_tiles(storage, D, stages, groups, lag=1):
     def rows_step(s, acc, a_desc, b_desc):
         # k16 step s: column group s // 4, 32 bytes a step along its rows
         move = uint64(((s // 4) * GROUP_BYTES + (s % 4) * 32) // 16)
-        mma_rows(acc, a_desc + move, b_desc + move, int32(1 if s > 0 else 0))
+        if s == 0:  # (the old scores no operand: see `ptx.wgmma`)
+            mma_first(acc, a_desc + move, b_desc + move, int32(0))
+        else:
+            mma_rows(acc, a_desc + move, b_desc + move, int32(1))
 
     products = unrolled(KD, inlined(rows_step), inline=inlined)
 
@@ -473,9 +477,6 @@ def make_key_grads(storage, D, stages, groups):
         v_desc = k_major(base + (groups + group) * TILE_BYTES)
         buf = 0
         for e in range(n):
-            wg_wait()  # the last tile's products are done with its buffers and registers
-            settle_out(dk_acc)
-            settle_out(dv_acc)
             stage_at, buf_next = advance(e, buf, ring_at, n, ring)
             query0 = query_of(e, skip, blk_row, col_block, first, sub, bs)
             levels = (stage_at - start + 2 * TILE_BYTES) // 4  # this stage's lse, then delta, in floats
@@ -487,13 +488,14 @@ def make_key_grads(storage, D, stages, groups):
             settle_scores(s)
             settle_scores(dp)
             probabilities(s, floats, levels, scale2, query0, key, t, causal and query0 < first_key + TILE - 1, p)
+            fence()
+            times_tile(dv_acc, p, stage_at + TILE_BYTES)  # dv += Pᵀ dout, while dSᵀ is made
             grads(s, dp, floats, levels + TILE, t, ds)
-            fence()  # (both products issued back to back)
-            times_tile(dv_acc, p, stage_at + TILE_BYTES)  # dv += Pᵀ dout
+            fence()
             times_tile(dk_acc, ds, stage_at)  # dk += dSᵀ q
             commit()
+            wg_wait()  # (here, before the loop turns: waited for after it, ptxas serializes every wgmma, C7514)
             buf = buf_next
-        wg_wait()
         settle_out(dk_acc)
         settle_out(dv_acc)
         at = head + int64(key) * D + 2 * t

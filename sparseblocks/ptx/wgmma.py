@@ -8,7 +8,9 @@ tile of A by a 16 x n tile of B, both read from shared memory through 64-bit *de
 * ``mma(acc, desc_a, desc_b, scale_d)`` (made by `make_mma`): acc = A·B + (acc if scale_d else 0),
   ``acc`` n / 2 values of a float32 local array (from ``first``, a maker's argument, so that a
   warpgroup can hold several tiles' accumulators in one array), updated in place once the group
-  completes;
+  completes; made with ``overwrite=True``, acc = A·B whatever scale_d, and the old values are no
+  operand (a batch's first product: the compiler then needs not carry them into the accumulator
+  registers after the fence, which ptxas answers by serializing every wgmma, C7514);
 * ``mma_rs(acc, a0, a1, a2, a3, desc_b, scale_d)`` (made by `make_mma_rs`): the same with A from
   registers, each warp's 16 rows of the 64 x 16 tile as four uint32 of two 16-bit values, laid out
   as mma.sync m16n8k16's A fragment (`a_position`): a score tile's accumulators, packed, are the
@@ -133,11 +135,12 @@ if SIMULATOR:
             return bits.view(np.float16).astype(np.float64)
         return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
-    def make_mma(n, kind, a_mn_major, b_mn_major, first=0):
+    def make_mma(n, kind, a_mn_major, b_mn_major, first=0, overwrite=False):
         _check_shape(n, kind)
         regs = n // 2
 
         def mma(acc, desc_a, desc_b, scale_d):
+            scale_d = 0 if overwrite else scale_d
             me, values = _simulator._group_collective(
                 "wgmma", WARPGROUP, (desc_a, desc_b, int(scale_d), np.array(acc[first:first + regs], np.float32)))
             with _simulator.block_lock():  # (the first thread out computes it for the group, once,
@@ -234,16 +237,16 @@ else:
         """The first shared address at or after ``address`` that is a multiple of ``alignment``."""
         return (uint32(address) + uint32(alignment - 1)) & ~uint32(alignment - 1)
 
-    def make_mma(n, kind, a_mn_major, b_mn_major, first=0):
+    def make_mma(n, kind, a_mn_major, b_mn_major, first=0, overwrite=False):
         """acc[first:first + n / 2] (float32, in place) = A (64 x 16) · B (16 x n) + (that if scale_d
-        else 0)."""
+        else 0); with ``overwrite``, = A · B, the old values no operand."""
         _check_shape(n, kind)
         regs = n // 2
         outs = ", ".join(f"${i}" for i in range(regs))
         ptx = ("{ .reg .pred p; setp.ne.b32 p, $" + str(regs + 2) + ", 0; "
                f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{outs}}}, ${regs}, ${regs + 1}, "
                f"p, 1, 1, {int(a_mn_major)}, {int(b_mn_major)}; }}")
-        constraints = ",".join(["=f"] * regs + ["l", "l", "r"] + [str(i) for i in range(regs)])
+        constraints = ",".join(["=f"] * regs + ["l", "l", "r"] + ([] if overwrite else [str(i) for i in range(regs)]))
 
         @intrinsic
         def mma(typingctx, acc, desc_a, desc_b, scale_d):
@@ -255,10 +258,11 @@ else:
                 f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
                 data = context.make_array(sig.args[0])(context, builder, args[0]).data
                 slots = [builder.gep(data, [ir.Constant(i32, first + i)]) for i in range(regs)]
-                held = [builder.load(s) for s in slots]
-                function = ir.FunctionType(ir.LiteralStructType([f32] * regs), [i64, i64, i32] + [f32] * regs)
+                held = [] if overwrite else [builder.load(s) for s in slots]
+                function = ir.FunctionType(ir.LiteralStructType([f32] * regs), [i64, i64, i32] + [f32] * len(held))
                 asm = ir.InlineAsm(function, ptx, constraints, side_effect=True)
-                result = builder.call(asm, [args[1], args[2], args[3]] + held)
+                scale = ir.Constant(i32, 0) if overwrite else args[3]
+                result = builder.call(asm, [args[1], args[2], scale] + held)
                 for i, slot in enumerate(slots):
                     builder.store(builder.extract_value(result, i), slot)
                 return context.get_dummy_value()

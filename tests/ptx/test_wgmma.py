@@ -76,10 +76,11 @@ def registers_of(a, kind):
     return words
 
 
-def run(n, kind, a_mn, b_mn, swizzle, scale_d, seed, registers=False):
+def run(n, kind, a_mn, b_mn, swizzle, scale_d, seed, registers=False, overwrite=False):
     """One warpgroup's wgmma of a random A (64 x 16) and B (16 x n) plus C (``scale_d``), A from
     shared memory (``a_mn``: MN-major) or, with ``registers``, from the threads' registers
-    (`make_mma_rs`); returns (each thread's accumulators, what they should hold)."""
+    (`make_mma_rs`); ``overwrite``: the product alone, whatever scale_d; returns (each thread's
+    accumulators, what they should hold)."""
     rng = np.random.default_rng(seed)
     a = rng.integers(-4, 5, (64, K)).astype(np.float32) / 4  # exact in fp16 and bf16, and their sums
     b = rng.integers(-4, 5, (K, n)).astype(np.float32) / 4
@@ -96,7 +97,7 @@ def run(n, kind, a_mn, b_mn, swizzle, scale_d, seed, registers=False):
             mma_rs(acc, regs[t, 0], regs[t, 1], regs[t, 2], regs[t, 3], descriptor(base + B_AT, LBO_B, SBO, MODE),
                    scale_d)
     else:
-        mma = make_mma(n, kind, a_mn, b_mn)
+        mma = make_mma(n, kind, a_mn, b_mn, overwrite=overwrite)
 
         @cuda.jit(device=True)
         def multiply(acc, base, regs, t, scale_d):
@@ -126,7 +127,7 @@ def run(n, kind, a_mn, b_mn, swizzle, scale_d, seed, registers=False):
     out = cuda.to_device(np.zeros((WARPGROUP, n // 2), np.float32))
     kernel[1, WARPGROUP](out, cuda.to_device(image(a, b, a_mn, b_mn, swizzle, kind)),
                          cuda.to_device(registers_of(a, kind)), cuda.to_device(held), scale_d)
-    got, want = out.copy_to_host(), a @ b + (c if scale_d else 0)
+    got, want = out.copy_to_host(), a @ b + (c if scale_d and not overwrite else 0)
     return got, np.array([[want[acc_position(t, i)] for i in range(n // 2)] for t in range(WARPGROUP)])
 
 
@@ -141,6 +142,13 @@ CASES = [(64, "f16", a_mn, b_mn, True, 1) for a_mn in (False, True) for b_mn in 
 @pytest.mark.parametrize("n, kind, a_mn, b_mn, swizzle, scale_d", CASES)
 def test_wgmma_multiplies_the_tiles_its_descriptors_point_at(n, kind, a_mn, b_mn, swizzle, scale_d):
     got, want = run(n, kind, a_mn, b_mn, swizzle, scale_d, seed=n + 2 * a_mn + b_mn)
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("n, kind, a_mn, b_mn", [(64, "f16", False, False), (128, "bf16", True, True)])
+def test_overwriting_wgmma_drops_the_old_values(n, kind, a_mn, b_mn):
+    """``make_mma(..., overwrite=True)``: acc = A·B even where scale_d asks for C."""
+    got, want = run(n, kind, a_mn, b_mn, True, 1, seed=7 + n, overwrite=True)
     assert np.array_equal(got, want)
 
 
