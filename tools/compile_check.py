@@ -290,10 +290,11 @@ def check_attention():
                              fused.make_key_grads(storage, D, A.backward_stages).py_func, dkdv))
         for groups in (1, 2):
             for name, maker, signature in (("forward", hopper.make_forward, forward),
+                                           ("forward 128 keys", hopper.make_forward, forward),
                                            ("dq", hopper.make_query_grads, dq),
                                            ("dk dv", hopper.make_key_grads, dkdv)):
-                stages = A.hopper_forward_stages if name == "forward" else A.hopper_stages
-                kernel = maker(storage, D, stages, groups)
+                stages = A.hopper_forward_stages if name.startswith("forward") else A.hopper_stages
+                kernel = maker(storage, D, stages, groups, *((128,) if "128" in name else ()))
                 results.append(check(f"attention wgmma {name} {storage} D {D} groups {groups}", kernel.py_func,
                                      signature, cc=(9, 0, "a"),
                                      detail=lambda ptx: f"  {ptx.count('wgmma.mma_async')} wgmma"))

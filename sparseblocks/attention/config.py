@@ -24,6 +24,7 @@ class AttentionConfig:
     hopper_groups: int = 2
     hopper_stages: int = 2
     hopper_forward_stages: int = 3
+    hopper_forward_keys: int = 64  # keys a tile of the wgmma forward (128: where blocks take it)
 
     def check(self):
         if self.forward_keys not in (32, 64):
@@ -32,6 +33,8 @@ class AttentionConfig:
             raise ValueError(f"warp_rows: expected 16 or 32, got {self.warp_rows}")
         if self.hopper_groups not in (1, 2):
             raise ValueError(f"hopper_groups: expected 1 or 2, got {self.hopper_groups}")
+        if self.hopper_forward_keys not in (64, 128):
+            raise ValueError(f"hopper_forward_keys: expected 64 or 128, got {self.hopper_forward_keys}")
         if self.hopper_forward_stages not in (3, 4):
             raise ValueError(f"hopper_forward_stages: expected 3 or 4, got {self.hopper_forward_stages}")
         for name in ("stages", "backward_stages", "hopper_stages"):

@@ -194,21 +194,21 @@ def split(e, sub):
 
 
 @inlined
-def query_walk(row_ptr, blk_col, H, S, bs, QT, causal):
+def query_walk(row_ptr, blk_col, H, S, bs, QT, causal, keys):
     """(batch x head, first query, first block, tiles a block, key tiles walked) of this thread
-    block's tile of QT queries (the longest causal rows first): its block-row's blocks of bs / 64
-    key tiles each, less, with ``causal``, those starting past its last query (a row's blocks run by
-    column: the tiles it walks are a prefix)."""
+    block's tile of QT queries (the longest causal rows first): its block-row's blocks of
+    bs / ``keys`` key tiles each, less, with ``causal``, those starting past its last query (a
+    row's blocks run by column: the tiles it walks are a prefix)."""
     n_qt = S // QT
     bh = cuda.blockIdx.x // n_qt
     q0 = (n_qt - 1 - cuda.blockIdx.x % n_qt) * QT
-    row, sub = (bh % H) * (S // bs) + q0 // bs, bs // TILE
+    row, sub = (bh % H) * (S // bs) + q0 // bs, bs // keys
     first, last = row_ptr[row], row_ptr[row + 1]
     n = (last - first) * sub
     if causal:  # each block's tiles starting before q0 + QT
         n = 0
         for b in range(first, last):
-            n += min(sub, max(0, (q0 + QT - blk_col[b] * bs + TILE - 1) // TILE))
+            n += min(sub, max(0, (q0 + QT - blk_col[b] * bs + keys - 1) // keys))
     return bh, q0, first, sub, n
 
 
@@ -257,17 +257,17 @@ def key_walk(col_ptr, col_block, blk_row, H, S, bs, KT, causal):
     return bh, k0, first, sub, n, skip
 
 
-def make_key_ring(copy_pair, stages, stage_bytes, visible=None, lag=1):
-    """The key and value tiles of a query tile's present blocks, a stage a ring buffer
-    (`ptx.cp_async.make_ring`, with its ``visible`` and ``lag``; the forward and dq walk the same keys):
-    ``key_of(e, blk_col, first, sub, bs)``, the first key of stage e (tile ``e % sub`` of the walk's
-    block ``e // sub``), and the ring's ``prime`` and ``advance`` over the args ``(k_at, v_at,
-    blk_col, first, sub, bs, to, frm)``."""
+def make_key_ring(copy_pair, stages, stage_bytes, visible=None, lag=1, keys=TILE):
+    """The key and value tiles (``keys`` keys each) of a query tile's present blocks, a stage a
+    ring buffer (`ptx.cp_async.make_ring`, with its ``visible`` and ``lag``; the forward and dq
+    walk the same keys): ``key_of(e, blk_col, first, sub, bs)``, the first key of stage e (tile
+    ``e % sub`` of the walk's block ``e // sub``), and the ring's ``prime`` and ``advance`` over the
+    args ``(k_at, v_at, blk_col, first, sub, bs, to, frm)``."""
 
     @inlined
     def key_of(e, blk_col, first, sub, bs):
         b, j = split(e, sub)
-        return blk_col[first + b] * bs + j * TILE
+        return blk_col[first + b] * bs + j * keys
 
     @inlined
     def issue(e, at, args):
@@ -368,7 +368,7 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
-        bh, q0, first, sub, n = query_walk(row_ptr, blk_col, H, S, bs, QT, causal)
+        bh, q0, first, sub, n = query_walk(row_ptr, blk_col, H, S, bs, QT, causal, TILE)
         smem = cuda.shared.array(0, int32)
         base = shared_address(smem, (0,))
         head = int64(bh) * S * D
@@ -487,7 +487,7 @@ def make_query_grads(storage, D, stages):
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
-        bh, q0, first, sub, n = query_walk(row_ptr, blk_col, H, S, bs, TILE, causal)
+        bh, q0, first, sub, n = query_walk(row_ptr, blk_col, H, S, bs, TILE, causal, TILE)
         smem = cuda.shared.array(0, int32)
         base = shared_address(smem, (0,))
         head = int64(bh) * S * D

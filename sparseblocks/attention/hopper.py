@@ -4,11 +4,12 @@ head_dim 64 or 128, blocks a multiple of 64. The same walk and online softmax as
 
 * a thread block of ``groups`` warpgroups takes 64 ``groups`` queries of one block-row, 64 a
   warpgroup; their tile is copied once into shared memory;
-* the key and value tiles of 64 keys that the block-row has go into a ring of ``stages`` stages
-  (16-byte cp.async from every thread, `ptx.cp_async.make_ring`), one barrier a tile;
-* a warpgroup's scores S = q kᵀ (64 x 64) are ``head_dim / 16`` wgmmas from shared memory; the
-  online softmax runs on them in registers (a thread holds 2 rows of 16 scores: the accumulator
-  layout, `ptx.wgmma.acc_position`), and P, packed to 16 bits, is the A operand of out += P v
+* the key and value tiles of 64 keys (or 128, the forward's ``keys``) that the block-row has go
+  into a ring of ``stages`` stages (16-byte cp.async from every thread, `ptx.cp_async.make_ring`),
+  one barrier a tile;
+* a warpgroup's scores S = q kᵀ (64 x 64, or 64 x 128) are ``head_dim / 16`` wgmmas from shared
+  memory; the online softmax runs on them in registers (a thread holds 2 rows of 16 (32) scores:
+  the accumulator layout, `ptx.wgmma.acc_position`), and P, packed to 16 bits, is the A of out += P v
   straight from the registers (`ptx.wgmma.make_mma_rs`: the C fragments of two n8 column blocks
   are the A fragment of one k16 step, as in `fused.py`), v's tile the B operand from shared memory.
 
@@ -37,76 +38,93 @@ from .fused import LN2, LOG2E, TILE, _pack_of, key_walk, make_key_ring, make_que
 HEAD_DIMS = (64, 128)
 ATOM = 1024  # 8 rows of 128 bytes: the swizzle's period
 GROUP_BYTES = TILE * 128  # a 64-row tile's column group of 64 values
+SHARED_MAX = 227 * 1024  # a thread block's dynamic shared memory on sm_90
 
 
-def fits(dtype, head_dim, block_size, groups):
-    """Why the wgmma forward cannot take a call ('' where it can)."""
+def fits(dtype, head_dim, block_size, groups, keys=TILE, stages=2):
+    """Why the wgmma kernels cannot take a call ('' where they can): ``keys`` and ``stages``, the
+    forward's tiles of keys and ring."""
     if dtype not in ("float16", "bfloat16"):
         return f"dtype {dtype}: the wgmma forward takes float16 and bfloat16"
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim}: the wgmma forward takes {HEAD_DIMS}"
     if block_size % (TILE * groups):
         return f"block size {block_size}: the wgmma forward's {groups} warpgroups take {TILE * groups} queries"
+    if block_size % keys:
+        return f"block size {block_size}: the wgmma forward's tiles take {keys} keys"
+    if shared_bytes(head_dim, stages, groups, keys) > SHARED_MAX:
+        return f"head_dim {head_dim}: {stages} stages of {keys} keys take more than {SHARED_MAX} bytes of shared"
     return ""
 
 
-def shared_bytes(D, stages, groups):
-    """The forward's dynamic shared memory: the query tile, the ring, and room to align to an atom."""
-    tile = TILE * 2 * D
-    return groups * tile + stages * 2 * tile + ATOM
+def shared_bytes(D, stages, groups, keys=TILE):
+    """The forward's dynamic shared memory: the query tiles, the ring of ``keys``-row key and
+    value tiles, and room to align to an atom."""
+    return groups * TILE * 2 * D + stages * 2 * keys * 2 * D + ATOM
 
 
-def make_tiles(storage, D, stages, groups, lag=1):
-    """What the wgmma kernels share, for ``groups`` warpgroups of 64 queries a thread block:
+def make_tiles(storage, D, stages, groups, lag=1, keys=TILE):
+    """What the wgmma kernels share, for ``groups`` warpgroups of 64 queries a thread block and
+    ring tiles of ``keys`` rows (64, or 128 in the forward: a column group of a tile is its rows
+    x 128 bytes):
 
+    * ``plan(tid, rows)``: (to, frm), this thread's first chunk of a tile of ``rows`` rows, its
+      byte offsets in the shared tile and in the global rows;
     * ``copy_tile(at, source, to, frm)``: a 64-row tile's cp.async copies from global ``source``
-      (its first row's address) into the swizzled shared tile at ``at``; (to, frm) = ``plan(tid)``;
-    * ``copy_pair(at, first, second, row0, to, frm)``: the tiles of rows from ``row0`` of two
-      arrays, one after the other (`fused.make_key_ring`, `fused.make_query_ring` take it);
+      (its first row's address) into the swizzled shared tile at ``at``; (to, frm) = ``plan(tid, 64)``;
+    * ``copy_pair(at, first, second, row0, to, frm)``: the ring tiles of rows from ``row0`` of two
+      arrays, one after the other (`fused.make_key_ring`, `fused.make_query_ring` take it;
+      (to, frm) = ``plan(tid, keys)``);
     * ``prime``, ``next_keys``, ``step``: the ring of key and value tiles of a query tile's walk
       (`fused.make_key_ring` with ``lag``, the async-proxy fence before each barrier);
       ``step(e, buf, ring_at, n, ring)``, the walk's step e: the ring's stage e (its address, the
       next ``buf``, its first key); ``next_keys(e, buf, acc, ring_at, n, ring)`` the same once this
       warpgroup's products into ``acc`` are done with their buffers;
     * ``k_major(at)``: the descriptor of a K-major operand tile (k = head_dim along its rows);
-    * ``products(acc, a_desc, b_desc)``: acc (64 x 64) = A · Bᵀ over head_dim, A and B two tiles'
-      K-major descriptors (S = q kᵀ, dP = dout vᵀ);
-    * ``times_tile(acc, p, at)``: acc (64 x D) += P · T, P (64 x 64) a warpgroup's packed A
-      registers (16 a thread, `pack_step`), T the 64-row tile at ``at`` as an MN-major B;
+    * ``products(acc, a_desc, b_desc)``: acc (64 x keys) = A · Bᵀ over head_dim, A a 64-row
+      tile's and B a ring tile's K-major descriptors (S = q kᵀ, dP = dout vᵀ);
+    * ``times_tile(acc, p, at)``: acc (64 x D) += P · T, P (64 x keys) a warpgroup's packed A
+      registers (keys / 4 a thread, `pack_step`), T the ring tile at ``at`` as an MN-major B;
     * ``pack_step(i, s, p)``: after score i of s is final, its pair into P's registers (odd i);
     * ``zero(acc)``: a 64 x D accumulator's values a thread to 0;
     * ``store(out, acc, f0, f1, at)``: them times f0 (a thread's first row) or f1 (its second, 8
       on) into ``out``'s rows from element ``at`` (the thread's first row's, plus 2 t)."""
     THREADS = WARPGROUP * groups
-    TILE_BYTES = TILE * 2 * D  # a 64-row tile: D / 64 column groups
+    RING_BYTES, RING_GROUP = keys * 2 * D, keys * 128  # a ring tile, a column group of it
     CH = D // 8  # 16-byte chunks a row
     PER = TILE * CH // THREADS  # chunks of a tile a thread copies
     STEP = THREADS // CH  # rows from one of them to the next (a multiple of 8: the same swizzle row)
     KD = D // 16  # k16 steps along head_dim
     kind = "bf16" if storage == "bfloat16" else "f16"
-    mma_rows = make_mma(TILE, kind, False, False)
-    mma_first = make_mma(TILE, kind, False, False, overwrite=True)
+    mma_rows = make_mma(keys, kind, False, False)
+    mma_first = make_mma(keys, kind, False, False, overwrite=True)
     mma_tile = make_mma_rs(D, kind, True)
     pack2 = _pack_of(storage)
 
     @inlined
-    def plan(tid):
-        """(to, frm): this thread's first chunk of a tile, its byte offsets in the shared tile and
-        in the global rows; the next are STEP rows on (STEP * 128 and STEP * 2D bytes)."""
+    def plan(tid, rows):
+        """(to, frm): this thread's first chunk of a tile of ``rows`` rows, its byte offsets in the
+        shared tile and in the global rows; the next are STEP rows on (STEP * 128 and STEP * 2D
+        bytes)."""
         row, c = tid // CH, tid % CH
-        return (c // 8) * GROUP_BYTES + row * 128 + 16 * ((c % 8) ^ (row % 8)), row * 2 * D + 16 * c
+        return (c // 8) * (rows * 128) + row * 128 + 16 * ((c % 8) ^ (row % 8)), row * 2 * D + 16 * c
 
     @inlined
-    def copy_tile(at, source, to, frm):
-        for i in range(PER):
+    def copy_rows(at, source, to, frm, per):
+        for i in range(per):
             copy16_to(at + (to + i * STEP * 128), source + (frm + i * STEP * 2 * D))
 
     @inlined
-    def copy_pair(at, first, second, row0, to, frm):
-        copy_tile(at, first + 2 * int64(row0) * D, to, frm)
-        copy_tile(at + TILE_BYTES, second + 2 * int64(row0) * D, to, frm)
+    def copy_tile(at, source, to, frm):
+        copy_rows(at, source, to, frm, PER)
 
-    key_of, prime, advance = make_key_ring(copy_pair, stages, 2 * TILE_BYTES, visible=proxy_fence, lag=lag)
+    @inlined
+    def copy_pair(at, first, second, row0, to, frm):
+        copy_rows(at, first + 2 * int64(row0) * D, to, frm, PER * keys // TILE)
+        copy_rows(at + RING_BYTES, second + 2 * int64(row0) * D, to, frm, PER * keys // TILE)
+
+    key_of, prime, advance = make_key_ring(copy_pair, stages, 2 * RING_BYTES, visible=proxy_fence, lag=lag,
+                                           keys=keys)
     wg_wait, settle_out = waiter(0), make_settle(D)
 
     @inlined
@@ -126,12 +144,13 @@ def make_tiles(storage, D, stages, groups, lag=1):
         return descriptor(address, 16, ATOM, SWIZZLE_128)
 
     def rows_step(s, acc, a_desc, b_desc):
-        # k16 step s: column group s // 4, 32 bytes a step along its rows
-        move = uint64(((s // 4) * GROUP_BYTES + (s % 4) * 32) // 16)
+        # k16 step s: column group s // 4 of each tile, 32 bytes a step along its rows
+        move_a = uint64(((s // 4) * GROUP_BYTES + (s % 4) * 32) // 16)
+        move_b = uint64(((s // 4) * RING_GROUP + (s % 4) * 32) // 16)
         if s == 0:  # (the old scores no operand: see `ptx.wgmma`)
-            mma_first(acc, a_desc + move, b_desc + move, int32(0))
+            mma_first(acc, a_desc + move_a, b_desc + move_b, int32(0))
         else:
-            mma_rows(acc, a_desc + move, b_desc + move, int32(1))
+            mma_rows(acc, a_desc + move_a, b_desc + move_b, int32(1))
 
     products = unrolled(KD, inlined(rows_step), inline=inlined)
 
@@ -140,11 +159,11 @@ def make_tiles(storage, D, stages, groups, lag=1):
         mma_tile(acc, p[4 * s], p[4 * s + 1], p[4 * s + 2], p[4 * s + 3], b_desc + uint64(s * 2 * ATOM // 16),
                  int32(1))
 
-    steps = unrolled(TILE // 16, inlined(tile_step), inline=inlined)
+    steps = unrolled(keys // 16, inlined(tile_step), inline=inlined)
 
     @inlined
     def times_tile(acc, p, at):
-        steps(acc, p, descriptor(at, GROUP_BYTES, ATOM, SWIZZLE_128))
+        steps(acc, p, descriptor(at, RING_GROUP, ATOM, SWIZZLE_128))
 
     @inlined
     def pack_step(i, s, p):
@@ -165,9 +184,10 @@ def make_tiles(storage, D, stages, groups, lag=1):
     return plan, copy_tile, copy_pair, (prime, next_keys, step), k_major, products, times_tile, pack_step, zero, store
 
 
-def make_forward(storage, D, stages, groups):
+def make_forward(storage, D, stages, groups, keys=TILE):
     """The forward kernel ``forward(out, lse, q, k, v, row_ptr, blk_col, H, S, bs, scale2, causal)``
-    (`fused.make_forward`'s arguments) for ``groups`` warpgroups of 64 queries a thread block.
+    (`fused.make_forward`'s arguments) for ``groups`` warpgroups of 64 queries a thread block,
+    scoring ``keys`` keys a tile (64 or 128: fewer steps of the ring and of the walk a key).
 
     Pipelined as FlashAttention-3 within a warpgroup: the scores of tile e + 1 are issued before
     out += P v of tile e, and their softmax runs while that product is in flight (exponentials in
@@ -176,12 +196,13 @@ def make_forward(storage, D, stages, groups):
     QT = TILE * groups  # queries of a thread block
     TILE_BYTES = TILE * 2 * D
     KEPT = groups * TILE_BYTES
-    SN, ON = TILE // 2, D // 2  # accumulators a thread: scores (64 x 64), output (64 x D)
+    RING = keys * 2 * D  # a key (value) tile of the ring
+    SN, ON = keys // 2, D // 2  # accumulators a thread: scores (64 x keys), output (64 x D)
     PN = SN // 2  # P's registers: two scores each
     plan, copy_tile, _, key_ring, k_major, scores, times_tile, pack_step, zero, store = make_tiles(
-        storage, D, stages, groups, lag=2)
+        storage, D, stages, groups, lag=2, keys=keys)
     prime, _, step = key_ring
-    settle_scores, settle_out = make_settle(TILE), make_settle(D)
+    settle_scores, settle_out = make_settle(keys), make_settle(D)
     settle_maxima = make_row_maxima(2)
     wg_wait, wait_scores = waiter(0), waiter(1)
     NEG = float32(-math.inf)
@@ -238,14 +259,15 @@ def make_forward(storage, D, stages, groups):
         tid = cuda.threadIdx.x
         group, me = tid // WARPGROUP, tid % WARPGROUP
         g, t = (me % 32) // 4, me % 4
-        bh, q0, first, sub, n = query_walk(row_ptr, blk_col, H, S, bs, QT, causal)
+        bh, q0, first, sub, n = query_walk(row_ptr, blk_col, H, S, bs, QT, causal, keys)
         smem = cuda.shared.array(0, int32)
         base = align_up(shared_address(smem, (0,)), ATOM)
         head = int64(bh) * S * D
         q_at = signed_address(q, (0,)) + 2 * (head + int64(q0) * D)
         k_at = signed_address(k, (0,)) + 2 * head
         v_at = signed_address(v, (0,)) + 2 * head
-        to, frm = plan(tid)
+        to, frm = plan(tid, TILE)
+        to_ring = plan(tid, keys)[0]
         s = cuda.local.array(SN, float32)
         o = cuda.local.array(ON, float32)
         p = cuda.local.array(PN, uint32)
@@ -262,7 +284,7 @@ def make_forward(storage, D, stages, groups):
         if n > 0:
             for m in range(groups):
                 copy_tile(base + m * TILE_BYTES, q_at + 2 * m * TILE * D, to, frm)
-        ring = (k_at, v_at, blk_col, first, sub, bs, to, frm)
+        ring = (k_at, v_at, blk_col, first, sub, bs, to_ring, frm)
         ring_at = base + KEPT
         prime(ring_at, n, ring)
         q_desc = k_major(base + group * TILE_BYTES)
@@ -277,7 +299,7 @@ def make_forward(storage, D, stages, groups):
             commit()
             wg_wait()
             settle_scores(s)
-            soften(s, peak, top, use, corr, total, scale2, key0, row, t, causal and key0 + TILE - 1 > first_row)
+            soften(s, peak, top, use, corr, total, scale2, key0, row, t, causal and key0 + keys - 1 > first_row)
             packs(s, p)
         grew = False  # (tile 0's output starts at 0)
         for e in range(n - 1):
@@ -288,12 +310,12 @@ def make_forward(storage, D, stages, groups):
             if grew:  # the output to tile e's maxima, before its product (FlashAttention-3's order)
                 rescale(o, corr)
                 fence()
-            times_tile(o, p, at + TILE_BYTES)  # out += P v of tile e
+            times_tile(o, p, at + RING)  # out += P v of tile e
             commit()
             wait_scores()
             settle_scores(s)
             grew = soften(s, peak, top, use, corr, total, scale2, key0, row, t,
-                          causal and key0 + TILE - 1 > first_row)
+                          causal and key0 + keys - 1 > first_row)
             wg_wait()
             settle_out(o)
             packs(s, p)
@@ -302,7 +324,7 @@ def make_forward(storage, D, stages, groups):
             if grew:
                 rescale(o, corr)
             fence()
-            times_tile(o, p, at + TILE_BYTES)
+            times_tile(o, p, at + RING)
             commit()
         wg_wait()
         settle_out(o)
@@ -315,7 +337,7 @@ def make_forward(storage, D, stages, groups):
                 lse[bh * S + row + 8 * h] = (use[h] + math.log2(total[h])) * float32(LN2) if total[h] > 0 else NEG
         store(out, o, corr[0], corr[1], head + int64(row) * D + 2 * t)
 
-    return dynamic_shared(forward, shared_bytes(D, stages, groups))
+    return dynamic_shared(forward, shared_bytes(D, stages, groups, keys))
 
 
 def make_query_grads(storage, D, stages, groups):
@@ -351,11 +373,11 @@ def make_query_grads(storage, D, stages, groups):
         tid = cuda.threadIdx.x
         group, me = tid // WARPGROUP, tid % WARPGROUP
         g, t = (me % 32) // 4, me % 4
-        bh, q0, first, sub, n = query_walk(row_ptr, blk_col, H, S, bs, QT, causal)
+        bh, q0, first, sub, n = query_walk(row_ptr, blk_col, H, S, bs, QT, causal, TILE)
         smem = cuda.shared.array(0, int32)
         base = align_up(shared_address(smem, (0,)), ATOM)
         head = int64(bh) * S * D
-        to, frm = plan(tid)
+        to, frm = plan(tid, TILE)
         s = cuda.local.array(SN, float32)
         dp = cuda.local.array(SN, float32)
         acc = cuda.local.array(ON, float32)
@@ -450,7 +472,7 @@ def make_key_grads(storage, D, stages, groups):
         start = shared_address(smem, (0,))
         base = align_up(start, ATOM)
         head = int64(bh) * S * D
-        to, frm = plan(tid)
+        to, frm = plan(tid, TILE)
         s = cuda.local.array(SN, float32)
         dp = cuda.local.array(SN, float32)
         dk_acc = cuda.local.array(ON, float32)

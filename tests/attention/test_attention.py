@@ -68,13 +68,13 @@ def test_fused_kernels_refill_their_rings():
     check_against_twin("float16", True, False, 7, (1, 1, 64, 3, 16), config, empty_row=False)
 
 
-@pytest.mark.parametrize("bs, blocks, groups, causal, grads", [(64, 3, 1, True, False), (128, 1, 2, False, True),
-                                                                (64, 2, 1, True, True)])
-def test_hopper_kernels_match_the_twin(monkeypatch, bs, blocks, groups, causal, grads):
+@pytest.mark.parametrize("bs, blocks, groups, causal, grads, keys", [
+    (64, 3, 1, True, False, 64), (128, 1, 2, False, True, 64), (64, 2, 1, True, True, 64), (128, 3, 1, True, False, 128)])
+def test_hopper_kernels_match_the_twin(monkeypatch, bs, blocks, groups, causal, grads, keys):
     """The wgmma forward and dq (`hopper.py`; sm_90, here the simulator's twins of wgmma), head_dim 64:
     three tiles of one warpgroup each, causal, walking up to three key tiles through a ring of
     two (the mask on the diagonal tiles); a block of 128 queries on two warpgroups; with ``grads``
-    the backward's dq, dk and dv too."""
+    the backward's dq, dk and dv too; the forward scoring 128 keys a tile over three blocks."""
     from sparseblocks.attention import api, hopper
 
     monkeypatch.setattr(api, "_hopper", lambda: True)
@@ -82,9 +82,10 @@ def test_hopper_kernels_match_the_twin(monkeypatch, bs, blocks, groups, causal, 
     monkeypatch.setattr(hopper, "make_forward", lambda *key: made.append(key) or MAKE_FORWARD(*key))
     monkeypatch.setattr(hopper, "make_query_grads", lambda *key: made.append(key) or MAKE_QUERY_GRADS(*key))
     monkeypatch.setattr(hopper, "make_key_grads", lambda *key: made.append(key) or MAKE_KEY_GRADS(*key))
-    config = AttentionConfig(hopper_forward=True, hopper_stages=2, hopper_groups=groups, backward_stages=2)
+    config = AttentionConfig(hopper_forward=True, hopper_stages=2, hopper_groups=groups, backward_stages=2,
+                             hopper_forward_keys=keys)
     check_against_twin("float16", causal, False, 11, (1, 1, bs, blocks, 64), config, empty_row=False, grads=grads)
-    assert made == [("float16", 64, 3, groups)] + [("float16", 64, 2, groups)] * (2 * grads)
+    assert made == [("float16", 64, 3, groups, keys)] + [("float16", 64, 2, groups)] * (2 * grads)
 
 
 @pytest.mark.gpu
@@ -94,14 +95,14 @@ def test_hopper_kernels_match_the_twin(monkeypatch, bs, blocks, groups, causal, 
 @settings(max_examples=15, deadline=None)
 @given(causal=st.booleans(), per_head=st.booleans(), bs=st.sampled_from([64, 128]), blocks=st.integers(1, 4),
        B=st.integers(1, 2), H=st.integers(1, 3), seed=st.integers(0, 2**16),
-       hopper=st.sampled_from([(2, 2, 3), (1, 3, 4), None]))
+       hopper=st.sampled_from([(2, 2, 3, 64), (1, 3, 4, 64), (2, 2, 3, 128), None]))
 def test_fused_kernels_match_the_twin(dtype, D, stages, causal, per_head, bs, blocks, B, H, seed, hopper):
-    """On sm_90 the forward at head_dim 64 and 128 runs on wgmma (``hopper``: its warpgroups and
-    stages), or with None the mma.sync forward."""
-    groups, hopper_stages, forward_stages = hopper or (2, 2, 3)
+    """On sm_90 the kernels at head_dim 64 and 128 run on wgmma (``hopper``: their warpgroups, the
+    backward's and the forward's stages, the forward's keys a tile), or with None on mma.sync."""
+    groups, hopper_stages, forward_stages, keys = hopper or (2, 2, 3, 64)
     config = AttentionConfig(stages=stages, backward_stages=stages, hopper=hopper is not None,
-                             hopper_forward=hopper is not None, hopper_groups=groups,
-                             hopper_stages=hopper_stages, hopper_forward_stages=forward_stages)
+                             hopper_forward=hopper is not None, hopper_groups=groups, hopper_stages=hopper_stages,
+                             hopper_forward_stages=forward_stages, hopper_forward_keys=keys)
     check_against_twin(dtype, causal, per_head, seed, (B, H, bs, blocks, D), config, empty_row=blocks > 1)
 
 
