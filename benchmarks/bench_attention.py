@@ -2,6 +2,7 @@
 mask, dense SDPA (flash; causal where the layout is) and the three-kernel version.
 
     python -m benchmarks.bench_attention [--quick] [--seqs 4096,16384,65536] [--out-dir DIR]
+    python -m benchmarks.bench_attention --merge A.json B.json ...   (runs split by --seqs)
 
 bf16, batch 4, 16 heads, head_dim 128, blocks of 128; layouts: ``local`` (a window of 512 keys
 each side), ``strided`` (the Sparse Transformer's, stride 8 blocks, causal), ``bigbird`` (one
@@ -11,13 +12,13 @@ against FlexAttention above), then timed: ``forward`` (the output alone) and ``f
 (the output, then the gradients of q, k and v through autograd), every baseline in the same run.
 Each record also gives the peak memory of a forward and backward (``peak_mb``) beside SDPA's
 (``sdpa_peak_mb``). The three kernels run at 4096 only (they store the present blocks' scores).
-Writes results/attention.json and results/attention.md.
+Writes results/attention.json and results/attention.md, after each length.
 """
 
 import argparse
 import math
 
-from benchmarks.common import Record, baseline_ms, device_name, print_table, time_ms, write_results
+from benchmarks.common import Record, baseline_ms, device_name, merged_records, print_table, time_ms, write_results
 
 BATCH, HEADS, HEAD_DIM, BLOCK = 4, 16, 128, 128
 SEQS = (4096, 16384, 65536)
@@ -61,12 +62,43 @@ def peak_mb(torch, fn):
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
+BACKWARD = 3.5  # forward + backward over the forward's flops: 5 products and the recomputed scores
+
+
+def forward_flops(params):
+    """Present blocks x bs^2 scores, 2 products of head_dim each (4 flops a score and dim), less
+    the causal diagonal blocks' upper halves, which are not computed."""
+    bs, D = params["block_size"], params["head_dim"]
+    flops = 4.0 * BATCH * HEADS * params["blocks"] * bs * bs * D
+    if params["causal"]:
+        flops -= 2.0 * BATCH * HEADS * (params["seq"] // bs) * bs * bs * D
+    return flops
+
+
+def merged(paths):
+    """(records, device) of several runs' JSON files (runs split by --seqs), TFLOP/s restored; a
+    later file's record of a case (name, layout, length) replaces an earlier one's."""
+    def flops(name, p):
+        if "blocks" not in p:
+            return None
+        return forward_flops(p) * (BACKWARD if name == "forward_backward" else 1)
+
+    return merged_records(paths, lambda name, p: (name, p["layout"], p["seq"]), flops)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seqs", default=None)
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="only merge these runs' JSON files into results/attention.json and .md")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
+    if args.merge:
+        records, device = merged(args.merge)
+        write_results("attention", records, device, **({"directory": args.out_dir} if args.out_dir else {}))
+        print_table(records, f"block-sparse attention on {device} (merged)")
+        return
 
     import torch
     import torch.nn.functional as F
@@ -110,12 +142,9 @@ def main():
                     fn(*leaves).backward(dout)
                 return run
 
-            # (present blocks x bs^2 scores, 2 products of head_dim each: 4 flops a score and dim)
-            flops = 4.0 * BATCH * HEADS * present * BLOCK * BLOCK * HEAD_DIM
-            if causal:  # the diagonal blocks' upper halves are not computed
-                flops -= 2.0 * BATCH * HEADS * (seq // BLOCK) * BLOCK * BLOCK * HEAD_DIM
             params = dict(layout=name, seq=seq, density=round(density, 4), block_size=BLOCK, head_dim=HEAD_DIM,
-                          dtype="bfloat16")
+                          dtype="bfloat16", blocks=present, causal=causal)
+            flops = forward_flops(params)
             three = None
             if seq <= 4096:
                 config = AttentionConfig(fused=False)
@@ -137,7 +166,7 @@ def main():
             mine = peak_mb(torch, forward_backward(ours))
             records.append(Record("forward_backward", dict(params, peak_mb=round(mine, 1),
                                                            sdpa_peak_mb=round(sdpa_peak, 1)), ms, base,
-                                  flops=flops * 3.5))  # (the backward: 5 products and the recomputed scores)
+                                  flops=flops * BACKWARD))
             for r in records[-2:]:
                 print(f"{r.name:16} {name:8} {seq:6} d {density:.3f}: {r.ms:.3f} ms "
                       f"({r.flops / r.ms / 1e9:.0f} TFLOP/s) "
@@ -145,8 +174,9 @@ def main():
                       flush=True)
         del q, k, v, dout, leaves
         torch.cuda.empty_cache()
+        # (after each length, so that a run cut short keeps what it measured)
+        write_results("attention", records, **({"directory": args.out_dir} if args.out_dir else {}))
     print_table(records, f"block-sparse attention on {device_name()}")
-    write_results("attention", records, **({"directory": args.out_dir} if args.out_dir else {}))
 
 
 if __name__ == "__main__":

@@ -213,22 +213,18 @@ def kernel_resources(bsmm):
 
 
 def merged(paths):
-    """The records of several runs' JSON files (runs split by --rows or dtypes), TFLOP/s restored;
-    a later file's record of a case (name, dtype, block size, density, N, C, K) replaces an earlier
-    one's, so that a re-run of some cases updates the results in place."""
-    import json
+    """(records, device) of several runs' JSON files (runs split by --rows or dtypes), TFLOP/s
+    restored; a later file's record of a case (name, dtype, block size, density, N, C, K) replaces
+    an earlier one's, so that a re-run of some cases updates the results in place."""
+    from benchmarks.common import merged_records
 
-    from benchmarks.common import Record
+    def case(name, p):
+        return (name, *(p.get(k) for k in ("dtype", "block_size", "density", "N", "C", "K")))
 
-    records = {}
-    for path in paths:
-        for r in json.loads(Path(path).read_text())["records"]:
-            p = r["params"]
-            flops = 2.0 * p["N"] * p["n_blocks"] * p["block_size"] ** 2 if "n_blocks" in p else None
-            baselines = {k: float("nan") if v is None else v for k, v in r["baselines"].items()}
-            case = (r["name"], *(p.get(k) for k in ("dtype", "block_size", "density", "N", "C", "K")))
-            records[case] = Record(r["name"], p, float("nan") if r["ms"] is None else r["ms"], baselines, flops=flops)
-    return list(records.values())
+    def flops(name, p):
+        return 2.0 * p["N"] * p["n_blocks"] * p["block_size"] ** 2 if "n_blocks" in p else None
+
+    return merged_records(paths, case, flops)
 
 
 def main():
@@ -248,10 +244,7 @@ def main():
                         help="only merge these runs' JSON files into results/bsmm.json and .md")
     args = parser.parse_args()
     if args.merge:
-        import json
-
-        records = merged(args.merge)
-        device = json.loads(Path(args.merge[0]).read_text())["device"]
+        records, device = merged(args.merge)
         write_results("bsmm", records, device=device, **({} if args.out_dir is None else {"directory": args.out_dir}))
         print_table(records, f"bsmm on {device}")
         return

@@ -19,7 +19,7 @@ import argparse
 
 import numpy as np
 
-from benchmarks.common import Record, baseline_ms, device_name, print_table, time_ms, write_results
+from benchmarks.common import Record, baseline_ms, device_name, merged_records, print_table, time_ms, write_results
 
 N, C, HW, G = 32, 256, 56, 32
 
@@ -51,19 +51,9 @@ def main():
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
     if args.merge:
-        import json
-        from pathlib import Path
-
-        cases = {}
-        for path in args.merge:
-            document = json.loads(Path(path).read_text())
-            for r in document["records"]:
-                key = (r["name"], *sorted(r["params"].items()))
-                cases[key] = Record(r["name"], r["params"], float("nan") if r["ms"] is None else r["ms"],
-                                    {k: float("nan") if v is None else v for k, v in r["baselines"].items()})
-        records = list(cases.values())
+        records, device = merged_records(args.merge, lambda name, params: (name, *sorted(params.items())))
         print_table(records, "block-sparse convolution (merged)")
-        write_results("conv", records, document["device"], **({"directory": args.out_dir} if args.out_dir else {}))
+        write_results("conv", records, device, **({"directory": args.out_dir} if args.out_dir else {}))
         return
 
     import torch

@@ -212,6 +212,23 @@ def print_table(records, title=""):
     print(format_table(records))
 
 
+def merged_records(paths, case, flops=None):
+    """(records, device) of several runs' JSON files: a later file's record of a case
+    (``case(name, params)``, a tuple) replaces an earlier one's, so that a re-run of some cases
+    updates results in place; ``flops(name, params)`` restores TFLOP/s (None: none); the device is
+    the first file's."""
+    records, device = {}, None
+    for path in paths:
+        document = json.loads(Path(path).read_text())
+        device = device or document["device"]
+        for r in document["records"]:
+            name, params = r["name"], r["params"]
+            baselines = {k: float("nan") if v is None else v for k, v in r["baselines"].items()}
+            records[case(name, params)] = Record(name, params, float("nan") if r["ms"] is None else r["ms"],
+                                                 baselines, flops=flops(name, params) if flops else None)
+    return list(records.values()), device
+
+
 def write_results(bench, records, device=None, directory=RESULTS):
     """Write `<bench>.json` and `<bench>.md` under `directory`; returns the JSON path."""
     directory = Path(directory)
