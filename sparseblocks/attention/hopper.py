@@ -13,8 +13,9 @@ head_dim 64 or 128, blocks a multiple of 64. The same walk and online softmax as
   straight from the registers (`ptx.wgmma.make_mma_rs`: the C fragments of two n8 column blocks
   are the A fragment of one k16 step, as in `fused.py`), v's tile the B operand from shared memory.
 
-Shared tiles lie in wgmma's 128-byte swizzle, a 64-row tile as ``head_dim / 64`` column groups of
-64 rows x 128 bytes (8 KB each), 16-byte chunk c of row r at chunk ``c ^ (r % 8)``. The q tile
+Shared tiles lie in wgmma's 128-byte swizzle, a tile of R rows (64, or the forward's 128 keys) as
+``head_dim / 64`` column groups of R rows x 128 bytes, 16-byte chunk c of row r at chunk
+``c ^ (r % 8)``. The q tile
 and k tiles are K-major operands (k = head_dim along a row), the v tiles MN-major (k = keys down
 the rows, n = head_dim along them): one layout serves all three. In the backward each warpgroup
 waits for its products before the next tile's barrier, so that the ring may refill the buffer
