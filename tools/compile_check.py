@@ -89,7 +89,9 @@ def check(name, function, signature, registers=None, detail=lambda ptx: "", cc=C
     try:
         ptx, _ = cuda.compile_ptx(function, signature, cc=cc, launch_bounds=launch_bounds)
         arch = f"sm_{cc[0]}{cc[1]}{cc[2] if len(cc) > 2 else ''}"
-        print(f"ok    {name}{resources(ptx, registers, arch)}{detail(ptx)}")
+        divisions = len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx))  # (calls of some 60 instructions each)
+        print(f"ok    {name}{resources(ptx, registers, arch)}{detail(ptx)}"
+              + (f"  {divisions} 64-bit divisions" if divisions else ""))
         return True
     except Exception as error:  # report every failure, not just the first
         print(f"FAIL  {name}: {type(error).__name__}: {str(error).splitlines()[0]}")
