@@ -189,8 +189,12 @@ def split(e, sub):
     block and tile within it (Python's signed 64-bit floor division compiles to a call with
     branches, a few hundred instructions on every step of a walk)."""
     u, d = uint32(e), uint32(sub)
+    if d == 1:  # (blocks of one tile, or two: a uniform branch, no division)
+        return u, uint32(0)
+    if d == 2:
+        return uint32(u >> uint32(1)), uint32(u & uint32(1))
     b = u // d
-    return b, u - b * d
+    return b, uint32(u - b * d)
 
 
 @inlined
