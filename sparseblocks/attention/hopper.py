@@ -345,29 +345,48 @@ def make_query_grads(storage, D, stages, groups):
     """dq of ``groups`` warpgroups' 64 queries (`fused.make_query_grads`'s arguments): their q and
     dout tiles kept, the key and value tiles of their block-row in the ring, and for each
     S = q kᵀ and dP = dout vᵀ (wgmma from shared tiles), P = exp(S - lse), dS = P (dP - delta),
-    then dq += dS k with dS from the registers."""
+    then dq += dS k with dS from the registers. Pipelined as the forward: tile e + 1's products
+    are issued before tile e's dq product, and its dS made while that runs (a ring of ``stages``
+    + 1 buffers, which keeps the tile before)."""
     QT = TILE * groups
     TILE_BYTES = TILE * 2 * D
     KEPT = 2 * groups * TILE_BYTES  # the q tiles, then the dout tiles
     SN, ON = TILE // 2, D // 2
     PN = SN // 2
     plan, copy_tile, _, key_ring, k_major, products, times_tile, pack_step, zero, store = make_tiles(
-        storage, D, stages, groups)
-    prime, next_keys, _ = key_ring
+        storage, D, stages + 1, groups, lag=2)
+    prime, _, step = key_ring
     settle_scores, settle_out = make_settle(TILE), make_settle(D)
-    wg_wait = waiter(0)
+    wg_wait, wait_scores = waiter(0), waiter(1)
     NEG = float32(-math.inf)
 
-    def grad_step(i, s, dp, level, dl, scale2, key0, row, t, masked, p):
-        """Score i into P (0 where the mask hides it or its query sees nothing), then dS into s and P's
-        registers."""
+    def grad_step(i, s, dp, level, dl, scale2, key0, row, t, masked):
+        """Score i into P (0 where the mask hides it or its query sees nothing), then dS into s."""
         h = (i // 2) % 2
         hidden = masked and key0 + 8 * (i // 4) + 2 * t + i % 2 > row + 8 * h
         x = float32(0) if hidden or level[h] == NEG else exp2_ftz(s[i] * scale2 - level[h] * float32(LOG2E))
         s[i] = x * (dp[i] - dl[h])
-        pack_step(i, s, p)
 
     grads = unrolled(SN, inlined(grad_step), inline=inlined)
+    packs = unrolled(SN, inlined(pack_step), inline=inlined)
+
+    @inlined
+    def issue_scores(s, dp, q_desc, do_desc, at):
+        """The S and dP of the ring's tile at ``at``, issued (fenced, committed)."""
+        fence()
+        products(s, q_desc, k_major(at))  # S = q kᵀ
+        products(dp, do_desc, k_major(at + TILE_BYTES))  # dP = dout vᵀ
+        commit()
+
+    @inlined
+    def ds_of(s, dp, level, dl, scale2, key0, row, t, masked):
+        """dS in s, once S and dP have landed (the mask apart, so that other tiles skip it)."""
+        settle_scores(s)
+        settle_scores(dp)
+        if masked:
+            grads(s, dp, level, dl, scale2, key0, row, t, True)
+        else:
+            grads(s, dp, level, dl, scale2, key0, row, t, False)
 
     @cuda.jit
     def query_grads(dq, q, k, v, dout, lse, delta, row_ptr, blk_col, H, S, bs, scale, scale2, causal):
@@ -405,27 +424,33 @@ def make_query_grads(storage, D, stages, groups):
         q_desc = k_major(base + group * TILE_BYTES)
         do_desc = k_major(base + (groups + group) * TILE_BYTES)
         buf = 0
-        for e in range(n):
-            stage_at, buf, key0 = next_keys(e, buf, acc, ring_at, n, ring)
-            fence()
-            products(s, q_desc, k_major(stage_at))  # S = q kᵀ
-            products(dp, do_desc, k_major(stage_at + TILE_BYTES))  # dP = dout vᵀ
-            commit()
+        at = ring_at
+        if n > 0:  # tile 0's dS
+            at, buf, key0 = step(0, buf, ring_at, n, ring)
+            issue_scores(s, dp, q_desc, do_desc, at)
             wg_wait()
-            settle_scores(s)
-            settle_scores(dp)
-            if causal and key0 + TILE - 1 > first_row:  # (apart, so that other tiles skip the mask)
-                grads(s, dp, level, dl, scale2, key0, row, t, True, p)
-            else:
-                grads(s, dp, level, dl, scale2, key0, row, t, False, p)
+            ds_of(s, dp, level, dl, scale2, key0, row, t, causal and key0 + TILE - 1 > first_row)
+            packs(s, p)
+        for e in range(n - 1):
+            nxt, buf, key0 = step(e + 1, buf, ring_at, n, ring)
+            issue_scores(s, dp, q_desc, do_desc, nxt)  # tile e + 1's
+            times_tile(acc, p, at)  # dq += dS k of tile e
+            commit()
+            wait_scores()
+            ds_of(s, dp, level, dl, scale2, key0, row, t, causal and key0 + TILE - 1 > first_row)
+            wg_wait()
+            settle_out(acc)
+            packs(s, p)
+            at = nxt
+        if n > 0:
             fence()
-            times_tile(acc, p, stage_at)  # dq += dS k
+            times_tile(acc, p, at)
             commit()
         wg_wait()
         settle_out(acc)
         store(dq, acc, float32(scale), float32(scale), head + int64(row) * D + 2 * t)
 
-    return dynamic_shared(query_grads, shared_bytes(D, stages, groups) + groups * TILE * 2 * D)
+    return dynamic_shared(query_grads, shared_bytes(D, stages + 1, groups) + groups * TILE * 2 * D)
 
 
 def make_key_grads(storage, D, stages, groups):

@@ -71,13 +71,13 @@ def test_fused_kernels_refill_their_rings():
 
 
 @pytest.mark.parametrize("bs, blocks, groups, causal, grads, keys", [
-    (64, 3, 1, True, False, 64), (128, 1, 2, False, True, 64), (64, 2, 1, True, True, 64),
+    (64, 3, 1, True, True, 64), (128, 1, 2, False, True, 64), (64, 2, 1, True, True, 64),
     (128, 3, 1, True, False, 128)])
 def test_hopper_kernels_match_the_twin(monkeypatch, bs, blocks, groups, causal, grads, keys):
-    """The wgmma forward and dq (`hopper.py`; sm_90, here the simulator's twins of wgmma), head_dim 64:
-    three tiles of one warpgroup each, causal, walking up to three key tiles through a ring of
-    two (the mask on the diagonal tiles); a block of 128 queries on two warpgroups; with ``grads``
-    the backward's dq, dk and dv too; the forward scoring 128 keys a tile over three blocks."""
+    """The wgmma kernels (`hopper.py`; sm_90, here the simulator's twins of wgmma), head_dim 64:
+    three tiles of one warpgroup each, causal, walking up to three key tiles through rings that
+    refill (the mask on the diagonal tiles); a block of 128 queries on two warpgroups; with
+    ``grads`` the backward's dq, dk and dv too; the forward scoring 128 keys a tile over three blocks."""
     from sparseblocks.attention import api, hopper
 
     monkeypatch.setattr(api, "_hopper", lambda: True)
