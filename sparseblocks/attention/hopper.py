@@ -30,6 +30,7 @@ from ..ptx.cp_async import copy16_to, shared_address, signed_address
 from ..ptx.exp2 import exp2_ftz
 from ..ptx.half2 import stored_as
 from ..ptx.mma import FULL_MASK
+from ..ptx.vector import load2
 from ..ptx.wgmma import SWIZZLE_128, WARPGROUP, align_up, commit, descriptor, fence, make_mma, make_mma_rs
 from ..ptx.wgmma import make_settle, proxy_fence, waiter
 from ..runtime.compile import inlined, unrolled
@@ -471,18 +472,23 @@ def make_key_grads(storage, D, stages, groups):
     wg_wait = waiter(0)
     NEG = float32(-math.inf)
 
-    def probability_step(i, s, floats, levels, scale2, query0, key, t, masked, p):
-        """Score i (key row, query column) into Pᵀ, 0 where the mask hides it or the query sees nothing."""
+    def probability_step(i, s, floats, levels, scale2, query0, key, t, masked, p, pair):
+        """Score i (key row, query column) into Pᵀ, 0 where the mask hides it or the query sees
+        nothing; its query's lse (and its neighbour's) one 8-byte load a column block."""
         col = 8 * (i // 4) + 2 * t + i % 2
-        level = floats[levels + col]
+        if i % 4 == 0:
+            pair[0], pair[1] = load2(floats, (levels + col,))
+        level = pair[i % 2]
         hidden = masked and key + 8 * ((i // 2) % 2) > query0 + col
         s[i] = float32(0) if hidden or level == NEG else exp2_ftz(s[i] * scale2 - level * float32(LOG2E))
         pack_step(i, s, p)
 
     probabilities = unrolled(SN, inlined(probability_step), inline=inlined)
 
-    def grad_step(i, s, dp, floats, deltas, t, p):
-        dp[i] = s[i] * (dp[i] - floats[deltas + 8 * (i // 4) + 2 * t + i % 2])
+    def grad_step(i, s, dp, floats, deltas, t, p, pair):
+        if i % 4 == 0:
+            pair[0], pair[1] = load2(floats, (deltas + 8 * (i // 4) + 2 * t,))
+        dp[i] = s[i] * (dp[i] - pair[i % 2])
         pack_step(i, dp, p)
 
     grads = unrolled(SN, inlined(grad_step), inline=inlined)
@@ -505,6 +511,7 @@ def make_key_grads(storage, D, stages, groups):
         dv_acc = cuda.local.array(ON, float32)
         p = cuda.local.array(PN, uint32)
         ds = cuda.local.array(PN, uint32)
+        pair = cuda.local.array(2, float32)
         scale2 = float32(scale2)
         first_key = k0 + group * TILE
         key = first_key + 16 * (me // 32) + g
@@ -535,10 +542,11 @@ def make_key_grads(storage, D, stages, groups):
             wg_wait()
             settle_scores(s)
             settle_scores(dp)
-            probabilities(s, floats, levels, scale2, query0, key, t, causal and query0 < first_key + TILE - 1, p)
+            probabilities(s, floats, levels, scale2, query0, key, t, causal and query0 < first_key + TILE - 1, p,
+                          pair)
             fence()
             times_tile(dv_acc, p, stage_at + TILE_BYTES)  # dv += Pᵀ dout, while dSᵀ is made
-            grads(s, dp, floats, levels + TILE, t, ds)
+            grads(s, dp, floats, levels + TILE, t, ds, pair)
             fence()
             times_tile(dk_acc, ds, stage_at)  # dk += dSᵀ q
             commit()
