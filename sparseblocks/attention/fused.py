@@ -37,6 +37,7 @@ from ..ptx.exp2 import exp2_ftz
 from ..ptx.half2 import bf16_of_float, half2_of_floats, stored_as
 from ..ptx.ldmatrix import ldmatrix_x4_at, ldmatrix_x4_trans_at
 from ..ptx.mma import FULL_MASK, mma_bf16, mma_f16, pack
+from ..ptx.vector import load2
 from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
 
@@ -452,23 +453,33 @@ def make_backward_parts(cols=TILE):
     """
     NEG = float32(-math.inf)
 
+    @inlined
+    def pair_of(values, rows_along, n, t):
+        """The two values a lane's fragment of column block n takes: its two rows' (``rows_along``),
+        else its two columns' (2 t, 2 t + 1), one 8-byte load."""
+        if rows_along:
+            return values[0], values[1]
+        return load2(values, (8 * n + 2 * t,))
+
     def probability_step(n, s, scale2, lse, rows_along, col_first, row, t, masked):
+        lo, hi = pair_of(lse, rows_along, n, t)
         for j in range(4):
             col = 8 * n + 2 * t + j % 2
             r = row + 8 * (j // 2)
             if rows_along:  # a query row, key columns
-                level = lse[j // 2]
+                level = hi if j // 2 else lo
                 hidden = masked and col_first + col > r
             else:  # a key row, query columns
-                level = lse[col]
+                level = hi if j % 2 else lo
                 hidden = masked and r > col_first + col
             s[0, n, j] = float32(0) if hidden or level == NEG else exp2_ftz(s[0, n, j] * scale2 - level * float32(LOG2E))
 
     probabilities = unrolled(cols // 8, inlined(probability_step), inline=inlined)
 
     def grad_step(n, dp, p, delta, rows_along, t):
+        lo, hi = pair_of(delta, rows_along, n, t)
         for j in range(4):
-            d = delta[j // 2] if rows_along else delta[8 * n + 2 * t + j % 2]
+            d = (hi if j // 2 else lo) if rows_along else (hi if j % 2 else lo)
             dp[0, n, j] = p[0, n, j] * (dp[0, n, j] - d)
 
     score_grads = unrolled(cols // 8, inlined(grad_step), inline=inlined)
