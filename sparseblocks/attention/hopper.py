@@ -77,11 +77,10 @@ def make_tiles(storage, D, stages, groups, lag=1, keys=TILE):
     * ``copy_pair(at, first, second, row0, to, frm)``: the ring tiles of rows from ``row0`` of two
       arrays, one after the other (`fused.make_key_ring`, `fused.make_query_ring` take it;
       (to, frm) = ``plan(tid, keys)``);
-    * ``prime``, ``next_keys``, ``step``: the ring of key and value tiles of a query tile's walk
+    * ``prime``, ``step``: the ring of key and value tiles of a query tile's walk
       (`fused.make_key_ring` with ``lag``, the async-proxy fence before each barrier);
       ``step(e, buf, ring_at, n, ring)``, the walk's step e: the ring's stage e (its address, the
-      next ``buf``, its first key); ``next_keys(e, buf, acc, ring_at, n, ring)`` the same once this
-      warpgroup's products into ``acc`` are done with their buffers;
+      next ``buf``, its first key);
     * ``k_major(at)``: the descriptor of a K-major operand tile (k = head_dim along its rows);
     * ``products(acc, a_desc, b_desc)``: acc (64 x keys) = A · Bᵀ over head_dim, A a 64-row
       tile's and B a ring tile's K-major descriptors (S = q kᵀ, dP = dout vᵀ);
@@ -127,19 +126,12 @@ def make_tiles(storage, D, stages, groups, lag=1, keys=TILE):
 
     key_of, prime, advance = make_key_ring(copy_pair, stages, 2 * RING_BYTES, visible=proxy_fence, lag=lag,
                                            keys=keys)
-    wg_wait, settle_out = waiter(0), make_settle(D)
 
     @inlined
     def step(e, buf, ring_at, n, ring):
         stage_at, buf = advance(e, buf, ring_at, n, ring)
         blk_col, first, sub, bs = ring[2], ring[3], ring[4], ring[5]
         return stage_at, buf, key_of(e, blk_col, first, sub, bs)
-
-    @inlined
-    def next_keys(e, buf, acc, ring_at, n, ring):
-        wg_wait()
-        settle_out(acc)
-        return step(e, buf, ring_at, n, ring)
 
     @inlined
     def k_major(address):
@@ -183,7 +175,7 @@ def make_tiles(storage, D, stages, groups, lag=1, keys=TILE):
         out[at + 8 * h * D + 8 * (i // 4) + i % 2] = from_acc(acc[i] * (f1 if h else f0))
 
     store = unrolled(D // 2, inlined(store_step), inline=inlined)
-    return plan, copy_tile, copy_pair, (prime, next_keys, step), k_major, products, times_tile, pack_step, zero, store
+    return plan, copy_tile, copy_pair, (prime, step), k_major, products, times_tile, pack_step, zero, store
 
 
 def make_forward(storage, D, stages, groups, keys=TILE):
@@ -203,7 +195,7 @@ def make_forward(storage, D, stages, groups, keys=TILE):
     PN = SN // 2  # P's registers: two scores each
     plan, copy_tile, _, key_ring, k_major, scores, times_tile, pack_step, zero, store = make_tiles(
         storage, D, stages, groups, lag=2, keys=keys)
-    prime, _, step = key_ring
+    prime, step = key_ring
     settle_scores, settle_out = make_settle(keys), make_settle(D)
     settle_maxima = make_row_maxima(2)
     wg_wait, wait_scores = waiter(0), waiter(1)
@@ -356,7 +348,7 @@ def make_query_grads(storage, D, stages, groups):
     PN = SN // 2
     plan, copy_tile, _, key_ring, k_major, products, times_tile, pack_step, zero, store = make_tiles(
         storage, D, stages + 1, groups, lag=2)
-    prime, _, step = key_ring
+    prime, step = key_ring
     settle_scores, settle_out = make_settle(TILE), make_settle(D)
     wg_wait, wait_scores = waiter(0), waiter(1)
     NEG = float32(-math.inf)
