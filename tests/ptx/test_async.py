@@ -77,6 +77,9 @@ def _issue_row(s, at, args):
     copy16_to(at, origin + s * stride_bytes)
 
 
+RING_WORDS = 3 * ROWS * WIDTH  # (a constant: shared.array's size must be one on a GPU)
+
+
 def _make_ring_stages(counter, lag):
     prime, advance = make_ring(_issue_row, 3, ROWS * WIDTH * 4, counter, lag=lag)
 
@@ -86,7 +89,7 @@ def _make_ring_stages(counter, lag):
         (another thread's row) from the buffer ``advance`` names, as it lands; with ``lag`` 2, the
         stage before it read back again, after that barrier, from its buffer."""
         t = cuda.threadIdx.x
-        stages = cuda.shared.array((3 * ROWS * WIDTH), float32)
+        stages = cuda.shared.array(RING_WORDS, float32)
         base = shared_address(stages, (t * WIDTH,))
         args = (global_address(source, (0, t, 0)), stride_bytes)
         prime(base, count, args)
