@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from numba import cuda, float32
+from numba import cuda, float32, int32
 
 from sparseblocks.runtime.backend import SIMULATOR
 from sparseblocks.ptx.cp_async import (
@@ -94,17 +94,18 @@ def _make_ring_stages(counter, lag):
         args = (global_address(source, (0, t, 0)), stride_bytes)
         prime(base, count, args)
         buf = 0
-        last = base
+        last = int32(0)  # (the word offset of the buffer read before)
         for s in range(count):
             at, buf = advance(s, buf, base, count, args)
-            first = (at - base) // 4 + ((t + 1) % ROWS) * WIDTH  # (another thread's row of the buffer)
-            kept = (last - base) // 4 + ((t + 1) % ROWS) * WIDTH
+            here = int32((at - base) // 4)
+            first = here + ((t + 1) % ROWS) * WIDTH  # (another thread's row of the buffer)
+            kept = last + ((t + 1) % ROWS) * WIDTH
             for c in range(WIDTH):
                 out[s, t, c] = stages[first + c]
                 if lag == 2 and s > 0:
                     before[s - 1, t, c] = stages[kept + c]
             cuda.syncthreads()  # (lag 1: every read of the buffer done before the next stage refills it)
-            last = at
+            last = here
 
     return ring_stages
 
