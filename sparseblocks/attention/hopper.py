@@ -303,7 +303,7 @@ def make_forward(storage, D, stages, groups, keys=TILE):
             commit()
             if grew:  # the output to tile e's maxima, before its product (FlashAttention-3's order)
                 rescale(o, corr)
-                fence()
+            fence()  # (for every warp: the fence is .aligned, and ``grew`` is a warp's vote)
             times_tile(o, p, at + RING)  # out += P v of tile e
             commit()
             wait_scores()

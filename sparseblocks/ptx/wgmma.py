@@ -43,8 +43,10 @@ value ``4j + 2h + e`` is row ``16w + l // 4 + 8h``, column ``8j + 2(l % 4) + e``
 
 In the CUDA simulator the instruction is a warpgroup collective built on the simulator's
 rendezvous (its four warps meet), which reads both tiles from shared memory through the
-descriptors, in float64, rounded to float32 at the end; the fences are no-ops and the waits land
-nothing (the product is complete when the call returns).
+descriptors, in float64, rounded to float32 at the end; the waits land nothing (the product is
+complete when the call returns). ``fence``, ``commit`` and the waits are ``.aligned``: every thread
+of the warpgroup runs each one or none does, and a product checks that its threads have run as
+many (a fence under a branch that only some warps take raises there).
 """
 
 from numba import cuda, uint32, uint64
@@ -142,7 +144,8 @@ if SIMULATOR:
         def mma(acc, desc_a, desc_b, scale_d):
             scale_d = 0 if overwrite else scale_d
             me, values = _simulator._group_collective(
-                "wgmma", WARPGROUP, (desc_a, desc_b, int(scale_d), np.array(acc[first:first + regs], np.float32)))
+                "wgmma", WARPGROUP, (desc_a, desc_b, int(scale_d), np.array(acc[first:first + regs], np.float32),
+                                     _aligned_count()))
             with _simulator.block_lock():  # (the first thread out computes it for the group, once,
                 _product(values, n, kind, a_mn_major, b_mn_major, regs)  # before any member moves on)
             D = values["D"]
@@ -165,7 +168,8 @@ if SIMULATOR:
         def mma_rs(acc, a0, a1, a2, a3, desc_b, scale_d):
             held = np.array(acc[first:first + regs], np.float32)
             a = (a0, a1, a2, a3)
-            me, values = _simulator._group_collective("wgmma", WARPGROUP, (a, desc_b, int(scale_d), held))
+            me, values = _simulator._group_collective("wgmma", WARPGROUP, (a, desc_b, int(scale_d), held,
+                                                                          _aligned_count()))
             with _simulator.block_lock():
                 _product(values, n, kind, None, b_mn_major, regs)
             D = values["D"]
@@ -189,9 +193,15 @@ if SIMULATOR:
         if "D" in values:
             return
         held = {i: v for i, v in list(values.items()) if i != "D"}
-        desc_a0, desc_b0, scale0, _ = held[0]
+        desc_a0, desc_b0, scale0, _, aligned0 = held[0]
         if any(v[2] != scale0 for v in held.values()):
             raise _simulator.WarpCollectiveError("wgmma: scale_d differs across the warpgroup")
+        if any(v[4] != aligned0 for v in held.values()):
+            counts = sorted({v[4] for v in held.values()})
+            raise _simulator.WarpCollectiveError(
+                f"wgmma: the warpgroup's threads reach it after different numbers of wgmma.fence, commit "
+                f"and wait ({counts}): those are .aligned, each one for every thread of the warpgroup or none "
+                "(one under a branch some warps skip is undefined on a GPU, and can hang it)")
         A = _a_of_registers(held, kind) if a_mn_major is None else _tile(desc_a0, WGMMA_M, a_mn_major, kind)
         B = _tile(desc_b0, n, b_mn_major, kind).T
         C = np.zeros((WGMMA_M, n))
@@ -204,7 +214,16 @@ if SIMULATOR:
     def _nothing():
         return None
 
-    fence = commit = proxy_fence = _nothing
+    def _aligned_count():
+        """How many .aligned warpgroup instructions (fence, commit, wait) this thread has run."""
+        return getattr(_simulator._me(), "_sb_wgmma_aligned", 0)
+
+    def _aligned():
+        me = _simulator._me()
+        me._sb_wgmma_aligned = getattr(me, "_sb_wgmma_aligned", 0) + 1
+
+    fence = commit = _aligned
+    proxy_fence = _nothing
 
     def make_settle(n):
         def settle(acc):
@@ -215,7 +234,7 @@ if SIMULATOR:
     def waiter(keep):
         if not 0 <= keep <= MAX_IN_FLIGHT:
             raise ValueError(f"keep: expected 0..{MAX_IN_FLIGHT} batches in flight, got {keep}")
-        return _nothing
+        return _aligned
 
 else:
     from llvmlite import ir

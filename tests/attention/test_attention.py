@@ -72,7 +72,7 @@ def test_fused_kernels_refill_their_rings():
 
 @pytest.mark.parametrize("bs, blocks, groups, causal, grads, keys", [
     (64, 3, 1, True, True, 64), (128, 1, 2, False, True, 64), (64, 2, 1, True, True, 64),
-    (128, 3, 1, True, False, 128)])
+    (128, 3, 1, True, False, 128), (64, 8, 1, True, False, 64)])
 def test_hopper_kernels_match_the_twin(monkeypatch, bs, blocks, groups, causal, grads, keys):
     """The wgmma kernels (`hopper.py`; sm_90, here the simulator's twins of wgmma), head_dim 64:
     three tiles of one warpgroup each, causal, walking up to three key tiles through rings that

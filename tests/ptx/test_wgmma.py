@@ -160,6 +160,32 @@ def test_wgmma_takes_a_from_registers(n, kind, b_mn, scale_d):
     assert np.array_equal(got, want)
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's check; on a GPU the kernel would be undefined")
+def test_a_fence_some_warps_skip_raises():
+    """fence, commit and the waits are .aligned (all of a warpgroup's threads or none): the twin's
+    product finds a warp that ran a fence the others skipped (a GPU may hang there)."""
+    from sparseblocks.runtime.simulator import WarpCollectiveError
+
+    mma = make_mma(64, "f16", False, False)
+
+    @cuda.jit
+    def kernel(extra_warp):
+        shared = cuda.shared.array(ALLOCATED, int16)
+        base = align_up(shared_address(shared, (0,)), 1024)
+        acc = cuda.local.array(32, float32)
+        for i in range(32):
+            acc[i] = float32(0)
+        fence()
+        if cuda.threadIdx.x // 32 == extra_warp:  # (a warp's vote: uniform in the warp, not the group)
+            fence()
+        mma(acc, descriptor(base, 16, 1024, SWIZZLE_128), descriptor(base + B_AT, 16, 1024, SWIZZLE_128), int32(0))
+        commit()
+
+    kernel[1, WARPGROUP](4)  # no warp 4: every thread fences once
+    with pytest.raises(WarpCollectiveError, match="aligned"):
+        kernel[1, WARPGROUP](1)
+
+
 def test_a_position_covers_the_tile_once():
     seen = {a_position(t, i, h) for t in range(WARPGROUP) for i in range(4) for h in range(2)}
     assert seen == {(r, k) for r in range(64) for k in range(K)}
