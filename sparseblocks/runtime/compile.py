@@ -4,17 +4,25 @@ A maker is a Python function that builds a ``@cuda.jit`` kernel from its
 arguments (a config object, a block size, a dtype, flags); its results are kept
 here under ``(maker, *arguments)``. Configs are frozen and hashable
 (`runtime.tuning`), so a kernel made under one config is never handed out under
-another.
+another. On a GPU their compiled code is kept on disk too, for the next process
+(`disk_cache`).
 """
 
 _kernels = {}
 
 
 def cached(maker, *key):
-    """``maker(*key)``, made once and kept."""
+    """``maker(*key)``, made once and kept; its kernels compiled once a machine (`disk_cache`),
+    where the key's ``repr`` names it (not an object's address, not an array's elided values)."""
     kernel = _kernels.get((maker, *key))
     if kernel is None:
-        kernel = _kernels[(maker, *key)] = maker(*key)
+        kernel = maker(*key)
+        name = f"{maker.__module__}.{maker.__qualname__}{key!r}"
+        if " at 0x" not in name and "..." not in name:
+            from .disk_cache import attach
+
+            attach(kernel, name)
+        _kernels[(maker, *key)] = kernel
     return kernel
 
 
