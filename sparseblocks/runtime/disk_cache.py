@@ -52,11 +52,11 @@ def source_digest():
 
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         digest = hashlib.sha256()
-        try:
-            from importlib.metadata import version
+        from importlib.metadata import PackageNotFoundError, version
 
+        try:
             compiler = version("numba-cuda")
-        except Exception:  # (not installed as a distribution)
+        except PackageNotFoundError:
             compiler = "unknown"
         digest.update(f"numba {numba.__version__} numba-cuda {compiler}".encode())
         for folder, subfolders, files in sorted(os.walk(root)):
