@@ -24,6 +24,7 @@ import os
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
 
 import itertools
+from dataclasses import replace
 import os
 import re
 import shutil
@@ -249,6 +250,12 @@ def check_quant():
                                          *warps, True)
         name = f"product W{w_bits}A{a_bits} signed_a={signed_a} block_words {block_words} warps {warps}"
         results.append(check(name, kernel.py_func, signature, detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
+        if w_bits > 1 and not signed_a:  # every weight plane in one pass (`fused_acc`), where it fits
+            fused = replace(Q, fused_acc=128)
+            kernel = make_tensorcore_product(fused, a_bits, w_bits, signed_a, True, False, False, block_words,
+                                             group_cols, *warps, True)
+            results.append(check(f"{name} fused_acc 128", kernel.py_func, signature,
+                                 detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
     for (a_bits, w_bits), channels in itertools.product(((1, 1), (2, 2)), (64, 256)):
         words = channels // 32
         warps = block_warps(Q, a_bits, 4096, Q.dense_cols)

@@ -16,6 +16,7 @@ class QuantConfig:
     dense_cols: int = 64  # outputs a thread block in a dense product; a block-sparse one takes a block's
     chunk_words: int = 16  # words of the word list staged in shared memory at a time (8 a b1 mma step)
     max_registers: int = None  # a cap on the tensor-core product's registers (ptxas), None for none
+    fused_acc: int = 0  # registers a thread the accumulators of all weight planes may take in one pass (0: a pass a plane)
 
     def check(self):
         if not 1 <= self.pack_words <= 32:
@@ -26,6 +27,8 @@ class QuantConfig:
             raise ValueError(f"warps_n: expected 1, 2 or 4, got {self.warps_n}")
         if self.dense_cols % (8 * self.warps_n) or not 8 <= self.dense_cols <= 256:
             raise ValueError(f"dense_cols: expected a multiple of 8 * warps_n up to 256, got {self.dense_cols}")
+        if self.fused_acc < 0:
+            raise ValueError(f"fused_acc: expected 0 or more registers, got {self.fused_acc}")
         if self.chunk_words not in (8, 16, 32):
             raise ValueError(f"chunk_words: expected 8, 16 or 32, got {self.chunk_words}")
         tile = (self.warps_m * self.warp_rows + self.dense_cols) * (self.chunk_words + 4) * 4

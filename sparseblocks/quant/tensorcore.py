@@ -25,10 +25,13 @@ list the filter's taps, each tap's channel words (``WC``) read from the input pi
 im2col in memory: a tap outside the image stages zeros), and the weight rows are the filters'
 words in the same order. Activations have 0/1 codes there, so the zeros contribute nothing.
 
-Weight planes are passes over the list (one at a time keeps the accumulators within registers).
-Each pass's integers ``P`` are turned into plane dots with ``pa``, ``pb`` (`plane_dot`) and scaled
-by ``u_j · v[o, k]`` into fp32 outputs (stored at once where one pair of planes is all there is);
-bias, ReLU and the conversion to y's dtype close, two neighbouring outputs a store.
+Weight planes are passes over the list, one at a time (the accumulators stay within registers),
+or all in one pass where their accumulators fit ``fused_acc`` registers a thread (`plane_passes`):
+the tile then holds every weight plane's rows of the group, so the activations are staged and
+their fragments loaded once for all of them. Each plane's integers ``P`` are turned into plane
+dots with ``pa``, ``pb`` (`plane_dot`) and scaled by ``u_j · v[o, k]`` into fp32 outputs (stored
+at once where one pair of planes is all there is); bias, ReLU and the conversion to y's dtype
+close, two neighbouring outputs a store.
 """
 
 from numba import cuda, float32, int32, int64, uint32
@@ -99,6 +102,16 @@ def block_warps(cfg, a_bits, rows, group_cols):
     return warps_m, warps_n
 
 
+def plane_passes(cfg, a_bits, w_bits, group_cols, warps_m, warps_n):
+    """(weight planes a pass, passes): all ``w_bits`` in one pass where their accumulators take at
+    most ``cfg.fused_acc`` registers a thread and the tile fits 48 KB of shared memory, else one."""
+    MT = a_bits * (warp_rows(cfg, a_bits) // 16)
+    NC = group_cols // warps_n // 8
+    rows = a_bits * warps_m * warp_rows(cfg, a_bits) + w_bits * group_cols
+    fits = w_bits * MT * NC * 4 <= cfg.fused_acc and rows * (cfg.chunk_words + PAD + 1) * 4 <= 48 * 1024
+    return (w_bits, 1) if w_bits > 1 and fits else (1, w_bits)
+
+
 def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, block_words, group_cols,
                             warps_m, warps_n, paired, geometry=None):
     """The kernel ``product(y, a_planes, w_planes, a_basis, w_basis, bias_values, ptr, blocks,
@@ -113,8 +126,10 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
     MR = WARP_ROWS // 16
     MT = a_bits * MR  # mma rows a warp: every activation plane of its rows
     NC = group_cols // warps_n // 8  # mma columns a warp
-    A_ROWS = a_bits * ROWS  # tile rows: plane j's row r at j * ROWS + r, then the group's outputs
-    TILE_ROWS = A_ROWS + group_cols
+    WP, PASSES = plane_passes(cfg, a_bits, w_bits, group_cols, warps_m, warps_n)  # weight planes a pass
+    A_ROWS = a_bits * ROWS  # tile rows: plane j's row r at j * ROWS + r, then the group's outputs ...
+    B_ROWS = WP * group_cols  # ... of each weight plane of the pass, plane j's from A_ROWS + j * group_cols
+    TILE_ROWS = A_ROWS + B_ROWS
     CW = cfg.chunk_words
     STRIDE = CW + PAD
     STEPS = CW // B1_WORDS
@@ -124,7 +139,7 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
     PER_ROW = CW // VW  # staging loads a tile row (consecutive threads, a power of two up to 32)
     ROW_STRIDE = 32 * warps_m * warps_n // PER_ROW  # tile rows between a thread's loads
     LOADS_A = -(-A_ROWS // ROW_STRIDE)  # a thread's loads of activation rows ...
-    LOADS = LOADS_A + -(-group_cols // ROW_STRIDE)  # ... then of weight rows
+    LOADS = LOADS_A + -(-B_ROWS // ROW_STRIDE)  # ... then of weight rows
     ONE_PAIR = a_bits == 1 and w_bits == 1
     DENSE = CONV or block_words % 8 == 0  # (a layout's blocks are 1 or 2 words, a dense row whole steps)
     need_pa = signed_w
@@ -149,13 +164,14 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
         row = cuda.threadIdx.x // PER_ROW + (n if n < LOADS_A else n - LOADS_A) * ROW_STRIDE
         if n < LOADS_A:
             return row if row < A_ROWS else TILE_ROWS
-        return A_ROWS + row if row < group_cols else TILE_ROWS
+        return A_ROWS + row if row < B_ROWS else TILE_ROWS
 
     @cuda.jit(device=True, inline=True)
     def row_bases(bases, corners, k, row0, col0, N, O, words):
         """Where each row this thread stages starts in its planes (a convolution's activation rows:
-        their image's plane and the corner of their taps, ``corners``). A row past N or O reads the
-        last row instead: its outputs are never stored, so its words need not be zeros."""
+        their image's plane and the corner of their taps, ``corners``; weight rows of the pass's
+        planes from ``k``). A row past N or O reads the last row instead: its outputs are never
+        stored, so its words need not be zeros."""
         for n in range(LOADS):
             row = tile_row(n)
             if n < LOADS_A:
@@ -169,7 +185,8 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
                 else:
                     bases[n] = (plane * N + min(row0 + row - plane * ROWS, N - 1)) * words
             else:
-                bases[n] = (k * O + min(col0 + row - A_ROWS, O - 1)) * words
+                j, c = (row - A_ROWS) // group_cols, (row - A_ROWS) % group_cols
+                bases[n] = ((k + j) * O + min(col0 + c, O - 1)) * words
 
     @cuda.jit(device=True, inline=True)
     def fetch(staged, bases, corners, a_planes, w_planes, blocks, first, total, chunk):
@@ -229,22 +246,25 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
 
     @cuda.jit(device=True, inline=True)
     def fragments(af, bf, buffer, tile, step, wm, wn, lane):
-        """A warp's A and B fragments of mma step `step` of the tile, into af/bf[buffer] (ldmatrix:
-        lane 8q + i hands in row i of matrix q; a lane gets word lane % 4 of row lane // 4 of each)."""
+        """A warp's A and B fragments (every weight plane of the pass) of mma step `step` of the
+        tile, into af/bf[buffer] (ldmatrix: lane 8q + i hands in row i of matrix q; a lane gets
+        word lane % 4 of row lane // 4 of each)."""
         quarter = lane // 8
         for mt in range(MT):
             row = first_row(mt, wm) + lane % 8 + 8 * (quarter % 2)
             a = ldmatrix_x4(tile, (row, step * B1_WORDS + 4 * (quarter // 2)))
             for i in range(4):
                 af[buffer, mt, i] = a[i]
-        for nt in range(0, NC, 2):  # (two mma columns a load; an odd last one twice)
-            other = nt + quarter // 2 if nt + 1 < NC else nt
-            b = ldmatrix_x4(tile, (A_ROWS + wn * NC * 8 + other * 8 + lane % 8, step * B1_WORDS + 4 * (quarter % 2)))
-            bf[buffer, nt, 0] = b[0]
-            bf[buffer, nt, 1] = b[1]
-            if nt + 1 < NC:
-                bf[buffer, nt + 1, 0] = b[2]
-                bf[buffer, nt + 1, 1] = b[3]
+        for j in range(WP):
+            for nt in range(0, NC, 2):  # (two mma columns a load; an odd last one twice)
+                other = nt + quarter // 2 if nt + 1 < NC else nt
+                b = ldmatrix_x4(tile, (A_ROWS + j * group_cols + wn * NC * 8 + other * 8 + lane % 8,
+                                       step * B1_WORDS + 4 * (quarter % 2)))
+                bf[buffer, j, nt, 0] = b[0]
+                bf[buffer, j, nt, 1] = b[1]
+                if nt + 1 < NC:
+                    bf[buffer, j, nt + 1, 0] = b[2]
+                    bf[buffer, j, nt + 1, 1] = b[3]
 
     @cuda.jit(**({} if cfg.max_registers is None or SIMULATOR else {"max_registers": cfg.max_registers}))
     def product(y, a_planes, w_planes, a_basis, w_basis, bias_values, ptr, blocks, seen_a_block, N, O, words):
@@ -270,22 +290,24 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
             for nt in range(NC):
                 for i in range(4):
                     out[m, nt, i] = float32(0)
-        acc = cuda.local.array((MT, NC, 4), int32)
+        acc = cuda.local.array((WP, MT, NC, 4), int32)
         af = cuda.local.array((2, MT, 4), uint32)
-        bf = cuda.local.array((2, NC, 2), uint32)
+        bf = cuda.local.array((2, WP, NC, 2), uint32)
         staged = cuda.local.array((LOADS, VW), uint32)
         counts = cuda.local.array(LOADS, int32)
         bases = cuda.local.array(LOADS, int32)
         corners = cuda.local.array((LOADS, 2), int32)
         rows = cuda.local.array((MT, 2), int32)
-        for k in range(w_bits):
-            for mt in range(MT):
-                for nt in range(NC):
-                    for i in range(4):
-                        acc[mt, nt, i] = 0
+        for pass_ in range(PASSES):
+            k0 = pass_ * WP  # the pass's first weight plane
+            for j in range(WP):
+                for mt in range(MT):
+                    for nt in range(NC):
+                        for i in range(4):
+                            acc[j, mt, nt, i] = 0
             for n in range(LOADS):
                 counts[n] = 0
-            row_bases(bases, corners, int32(k), int32(row0), int32(col0), int32(N), int32(O), int32(words))
+            row_bases(bases, corners, int32(k0), int32(row0), int32(col0), int32(N), int32(O), int32(words))
             fetch(staged, bases, corners, a_planes, w_planes, blocks, first, total, 0)
             for chunk in range(chunks):
                 cuda.syncthreads()  # (the previous chunk's fragments are read)
@@ -298,15 +320,17 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
                     now = step % 2
                     if step + 1 < STEPS:
                         fragments(af, bf, 1 - now, tile, step + 1, wm, wn, lane)
-                    for mt in range(MT):
-                        for nt in range(NC):
-                            d = mma_b1_and(af[now, mt, 0], af[now, mt, 1], af[now, mt, 2], af[now, mt, 3],
-                                           bf[now, nt, 0], bf[now, nt, 1],
-                                           acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
-                            acc[mt, nt, 0] = d[0]
-                            acc[mt, nt, 1] = d[1]
-                            acc[mt, nt, 2] = d[2]
-                            acc[mt, nt, 3] = d[3]
+                    for j in range(WP):
+                        for mt in range(MT):
+                            for nt in range(NC):
+                                d = mma_b1_and(af[now, mt, 0], af[now, mt, 1], af[now, mt, 2], af[now, mt, 3],
+                                               bf[now, j, nt, 0], bf[now, j, nt, 1],
+                                               acc[j, mt, nt, 0], acc[j, mt, nt, 1], acc[j, mt, nt, 2],
+                                               acc[j, mt, nt, 3])
+                                acc[j, mt, nt, 0] = d[0]
+                                acc[j, mt, nt, 1] = d[1]
+                                acc[j, mt, nt, 2] = d[2]
+                                acc[j, mt, nt, 3] = d[3]
             cuda.syncthreads()  # (the previous pass's totals are read)
             share_counts(totals, counts)
             cuda.syncthreads()
@@ -315,33 +339,36 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
                 r = first_row(mt, wm) + g
                 rows[mt, 0] = plane_dot(0, totals[r] if need_pa else int32(0), 0, seen)
                 rows[mt, 1] = plane_dot(0, totals[r + 8] if need_pa else int32(0), 0, seen)
-            for nt in range(NC):
-                local = wn * NC * 8 + nt * 8 + 2 * t
-                c = col0 + local
-                v_lo = w_basis[c, k] if c < O else float32(0)
-                v_hi = w_basis[c + 1, k] if c + 1 < O else float32(0)
-                col_lo = plane_dot(0, 0, totals[A_ROWS + local] if need_pb else int32(0), 0)
-                col_hi = plane_dot(0, 0, totals[A_ROWS + local + 1] if need_pb else int32(0), 0)
-                for mt in range(MT):
-                    u = a_basis[mt // MR]
-                    m = mt % MR
-                    s_lo = u * v_lo
-                    s_hi = u * v_hi
-                    lo0 = s_lo * float32(plane_dot(acc[mt, nt, 0], 0, 0, 0) + rows[mt, 0] + col_lo)
-                    hi0 = s_hi * float32(plane_dot(acc[mt, nt, 1], 0, 0, 0) + rows[mt, 0] + col_hi)
-                    lo1 = s_lo * float32(plane_dot(acc[mt, nt, 2], 0, 0, 0) + rows[mt, 1] + col_lo)
-                    hi1 = s_hi * float32(plane_dot(acc[mt, nt, 3], 0, 0, 0) + rows[mt, 1] + col_hi)
-                    if ONE_PAIR:  # (the only pair of planes: straight out, no fp32 tile kept)
-                        r = row0 + wm * WARP_ROWS + m * 16 + g
-                        if r < N:
-                            store_pair(y, int64(r) * O + c, c, O, lo0, hi0, bias_values)
-                        if r + 8 < N:
-                            store_pair(y, int64(r + 8) * O + c, c, O, lo1, hi1, bias_values)
-                    else:
-                        out[m, nt, 0] += lo0
-                        out[m, nt, 1] += hi0
-                        out[m, nt, 2] += lo1
-                        out[m, nt, 3] += hi1
+            for j in range(WP):
+                k = k0 + j
+                for nt in range(NC):
+                    local = wn * NC * 8 + nt * 8 + 2 * t
+                    c = col0 + local
+                    v_lo = w_basis[c, k] if c < O else float32(0)
+                    v_hi = w_basis[c + 1, k] if c + 1 < O else float32(0)
+                    b_row = A_ROWS + j * group_cols + local
+                    col_lo = plane_dot(0, 0, totals[b_row] if need_pb else int32(0), 0)
+                    col_hi = plane_dot(0, 0, totals[b_row + 1] if need_pb else int32(0), 0)
+                    for mt in range(MT):
+                        u = a_basis[mt // MR]
+                        m = mt % MR
+                        s_lo = u * v_lo
+                        s_hi = u * v_hi
+                        lo0 = s_lo * float32(plane_dot(acc[j, mt, nt, 0], 0, 0, 0) + rows[mt, 0] + col_lo)
+                        hi0 = s_hi * float32(plane_dot(acc[j, mt, nt, 1], 0, 0, 0) + rows[mt, 0] + col_hi)
+                        lo1 = s_lo * float32(plane_dot(acc[j, mt, nt, 2], 0, 0, 0) + rows[mt, 1] + col_lo)
+                        hi1 = s_hi * float32(plane_dot(acc[j, mt, nt, 3], 0, 0, 0) + rows[mt, 1] + col_hi)
+                        if ONE_PAIR:  # (the only pair of planes: straight out, no fp32 tile kept)
+                            r = row0 + wm * WARP_ROWS + m * 16 + g
+                            if r < N:
+                                store_pair(y, int64(r) * O + c, c, O, lo0, hi0, bias_values)
+                            if r + 8 < N:
+                                store_pair(y, int64(r + 8) * O + c, c, O, lo1, hi1, bias_values)
+                        else:
+                            out[m, nt, 0] += lo0
+                            out[m, nt, 1] += hi0
+                            out[m, nt, 2] += lo1
+                            out[m, nt, 3] += hi1
         if not ONE_PAIR:
             for m in range(MR):
                 for h in range(2):

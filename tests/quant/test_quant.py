@@ -140,13 +140,14 @@ def test_products_match_the_twin(seed, rows, columns, outputs, a_bits, w_bits, s
         assert_close(got.astype(np.float64), want, out_dtype, version, magnitude=magnitude, terms=a_bits * w_bits)
 
 
-@pytest.mark.parametrize("bs", [gpu_only_case(None), gpu_only_case(32), 64])  # (blocks of 32: the masked-layout test's)
-def test_tensor_core_tiles_span_chunks_warps_and_passes(configure, bs):
+@pytest.mark.parametrize("bs, fused", [gpu_only_case(None, False), gpu_only_case(32, False), (64, False),
+                                       gpu_only_case(None, True), (64, True)])  # (blocks of 32: the masked-layout test's)
+def test_tensor_core_tiles_span_chunks_warps_and_passes(configure, bs, fused):
     """Two warps across a thread block's outputs (one mma column each, an odd count, where dense),
     row blocks and groups that end inside, two staged chunks of the word list (4-, 1- and 2-word
-    staging loads), two activation planes a warp and two weight passes, signed activations (both
-    popcounts): the twin's values."""
-    configure(quant, warps_m=1, warps_n=2, warp_rows=32, dense_cols=16, chunk_words=8)
+    staging loads), two activation planes a warp and two weight passes, or with ``fused`` both
+    weight planes in one pass (`fused_acc`), signed activations (both popcounts): the twin's values."""
+    configure(quant, warps_m=1, warps_n=2, warp_rows=32, dense_cols=16, chunk_words=8, fused_acc=64 if fused else 0)
     rng = np.random.default_rng(5)
     rows, columns, O = (12, 320, 64) if bs else (20, 300, 24)  # (dense: two row blocks and groups, last partial)
     _, _, a = quantized(rng, rows, columns, 2, True, per_row=False)
@@ -221,7 +222,20 @@ def test_quant_array_passes_its_planes_on():
     ({"pack_words": 33}, "pack_words: expected 1 to 32"),
     ({"warps_n": 3}, "warps_n: expected 1, 2 or 4"),
     ({"dense_cols": 256, "chunk_words": 32}, "expected a shared tile of at most 48 KiB"),
+    ({"fused_acc": -1}, "fused_acc: expected 0 or more"),
 ])
 def test_config_refuses_tiles_the_kernels_cannot_take(fields, match):
     with pytest.raises(ValueError, match=match):
         quant.QuantConfig(**fields)
+
+
+def test_weight_planes_share_a_pass_where_their_accumulators_fit():
+    """`plane_passes`: every weight plane in one pass where w_bits x (mma tiles) x 4 registers fit
+    ``fused_acc`` (W2A2 on 4 x 2 warps of 64 outputs: 64), else a pass a plane; one plane, one pass."""
+    from sparseblocks.quant.tensorcore import plane_passes
+
+    cfg = quant.QuantConfig(fused_acc=64)
+    assert plane_passes(cfg, 2, 2, 64, 4, 2) == (2, 1)
+    assert plane_passes(cfg, 4, 4, 64, 4, 2) == (1, 4)  # (256 registers)
+    assert plane_passes(cfg, 1, 1, 64, 4, 2) == (1, 1)
+    assert plane_passes(quant.QuantConfig(), 2, 2, 64, 4, 2) == (1, 2)
