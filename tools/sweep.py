@@ -14,7 +14,8 @@
 
 Each variant is the op's default config with the given fields replaced (the cartesian
 product of every ``--set``). Its output is compared with the default's first (it must agree
-within the dtype's tolerance), then the default and the variants are timed in interleaved
+within the dtype's tolerance; ``--unchecked`` skips that, for variants that compute something
+else on purpose, such as ``v6_multiply=False``, the data movement's floor), then the default and the variants are timed in interleaved
 rounds (CUDA events, median of each round's calls), so that a drift of the GPU's clocks
 lands on all of them. Prints one table: variant, ms, default ms / variant ms; a combination the
 config refuses is skipped with its reason. Needs a GPU and torch.
@@ -272,6 +273,9 @@ def main():
     add_case_arguments(parser)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--per-round", type=int, default=20)
+    parser.add_argument("--unchecked", action="store_true",
+                        help="time variants that compute something else on purpose (a floor: v6_multiply=False) "
+                             "without comparing their outputs with the default's")
     args = parser.parse_args()
 
     import torch
@@ -295,6 +299,8 @@ def sweep(torch, args):
     want = call(default).double()
     for name, cfg in variants.items():
         got = call(cfg).double()
+        if args.unchecked:  # (a variant that computes something else on purpose: a floor, timed only)
+            continue
         error = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
         if not error <= TOLERANCE[args.dtype]:
             raise SystemExit(f"{name}: differs from the default (relative error {error:.2e})")
@@ -303,7 +309,7 @@ def sweep(torch, args):
                         args.rounds, args.per_round)
     base = statistics.median(times["default"])
     print(f"{args.op} {args.call} on {torch.cuda.get_device_name()}, {args.dtype}, block {args.block_size}, "
-          f"density {args.density}")
+          f"density {args.density}" + (" (variants unchecked: floors, not products)" if args.unchecked else ""))
     print(f"{'variant':<60} {'ms':>9} {'default/variant':>16}")
     for name, rounds in times.items():
         ms = statistics.median(rounds)

@@ -80,6 +80,9 @@ class BsmmConfig:
     v6_wgrad_k: int = 32  # rows of N a weight-gradient stage
     v6_wgrad_stages: int = 4  # buffers of the weight gradient's ring
     v6_max_shared: int = 227 * 1024  # a thread block's shared memory on sm_90
+    # False: version 6's loops copy every stage and multiply none (zeros out): the floor of their data
+    # movement, timed by `tools/sweep.py --unchecked`; never a product.
+    v6_multiply: bool = True
 
     # -- version 7 (Hopper: wgmma from a cp.async ring; fp16, bf16; sm_90) ----------------
     v7_groups: dict = default_field({64: 2, 128: 2})  # warpgroups of a product's tile

@@ -184,8 +184,9 @@ def make_tile_loop(cfg, bs, storage, weight_grad, a_along_k, b_along_k):
                 for q in range(4):
                     acc[mt, nt, q] = d[q]
 
-    head = unrolled(min(cfg.v6_copy_step, STEPS), step)
-    tail = unrolled(STEPS, step, start=min(cfg.v6_copy_step, STEPS))
+    MULTIPLIED = STEPS if cfg.v6_multiply else 0  # (none: the loop only moves the data, a floor)
+    head = unrolled(min(cfg.v6_copy_step, MULTIPLIED), step)
+    tail = unrolled(MULTIPLIED, step, start=min(cfg.v6_copy_step, MULTIPLIED))
 
     @cuda.jit(device=True, inline=True)
     def multiply_head(acc, fa, fb, base, buf, a_lane, b_lane):

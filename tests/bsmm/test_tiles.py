@@ -157,3 +157,16 @@ def test_config_refuses_tiles_the_kernels_cannot_take(fields, message):
 
     with pytest.raises(ValueError, match=message):
         replace(bsmm.DEFAULT, **fields)
+
+
+def test_tiles_that_multiply_nothing_only_move_the_data():
+    """``v6_multiply=False`` (the data movement's floor, for `tools/sweep.py --unchecked`): the same
+    copies and epilogue, every output zero."""
+    rng = np.random.default_rng(4)
+    layout = BlockLayout(np.array([[1, 0], [1, 1]]), 16)
+    x = values(rng, (24, 32), "float16")
+    w = values(rng, layout.w_shape, "float16")
+    floor = replace(CFG, v6_multiply=False)
+    assert np.abs(np.asarray(bsmm.forward(x, w, layout, version=6, config=CFG), np.float64)).max() > 0
+    assert not np.asarray(bsmm.forward(x, w, layout, version=6, config=floor), np.float64).any()
+    assert not np.asarray(bsmm.weight_grad(x, x, layout, version=6, config=floor), np.float64).any()
