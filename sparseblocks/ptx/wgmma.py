@@ -33,6 +33,10 @@ packs the start address, two byte strides and the swizzle mode (0 none, ``SWIZZL
   a row): ``sbo`` steps between atoms of 8 rows, ``lbo`` is unused, and a k16 step starts 32 bytes
   further along the rows. MN-major (rows along m or n, 64 values, at one k each): ``sbo`` steps
   between atoms of 8 k, ``lbo`` between 64-wide groups of m or n; a k16 step is two atoms.
+* 64- and 32-byte swizzles (``SWIZZLE_64``, ``SWIZZLE_32``): the same with rows of 64 (32) bytes,
+  32 (16) values, atoms of 512 (256) bytes, chunk c of row r at ``c ^ (r // 2) % 4`` (``c ^ (r //
+  4) % 2``): the address bits 7 and up XORed into the chunk's, as the 128-byte swizzle does. An
+  operand of 32 (16) values of m or n a row, a 32-wide block say, needs no padding to 128 bytes.
 
 In a K-major operand a stored row holds values of k of one m (or n); in an MN-major one values of
 m (or n) at one k, and the instruction's transpose flag says which.
@@ -56,14 +60,17 @@ from ..runtime.backend import SIMULATOR
 WGMMA_M, WGMMA_K = 64, 16
 WARPGROUP = 128  # threads
 CORE_BYTES = 128  # an 8 x 8 core matrix of 16-bit values
-SWIZZLE_128 = 1  # the descriptor's mode for 128-byte swizzled atoms
-SHAPES_N = (64, 128, 256)
+SWIZZLE_128, SWIZZLE_64, SWIZZLE_32 = 1, 2, 3  # the descriptor's modes for swizzled atoms
+ROW_BYTES = {SWIZZLE_128: 128, SWIZZLE_64: 64, SWIZZLE_32: 32}  # an atom row of each mode
+SHAPES_N = tuple(range(8, 257, 8))  # m64nNk16 for fp16 and bf16
 MAX_IN_FLIGHT = 3
 
 
-def swizzled(offset):
-    """The byte offset (from a multiple of 1024) where 128-byte swizzling puts logical ``offset``."""
-    return offset ^ (((offset >> 7) & 7) << 4)
+def swizzled(offset, mode=SWIZZLE_128):
+    """The byte offset (from a multiple of 1024) where a swizzle ``mode`` puts logical ``offset``:
+    address bits 7.. XORed into the 16-byte chunk's bits 4.. (3 of them for 128 bytes, 2 for 64, 1
+    for 32)."""
+    return offset ^ (((offset >> 7) & (ROW_BYTES[mode] // 16 - 1)) << 4)
 
 
 def acc_position(thread, index):
@@ -82,7 +89,7 @@ def a_position(thread, index, half):
 
 def _check_shape(n, kind):
     if n not in SHAPES_N:
-        raise ValueError(f"n: expected one of {SHAPES_N}, got {n}")
+        raise ValueError(f"n: expected a multiple of 8 from 8 to 256, got {n}")
     if kind not in ("f16", "bf16"):
         raise ValueError(f"kind: expected 'f16' or 'bf16', got {kind!r}")
 
@@ -108,7 +115,7 @@ if SIMULATOR:
     def descriptor(address, lbo, sbo, swizzle):
         if not isinstance(address, _Address):
             raise TypeError("descriptor: expected a shared address (cp_async.shared_address)")
-        if int(swizzle) not in (0, SWIZZLE_128):
+        if int(swizzle) not in (0, SWIZZLE_128, SWIZZLE_64, SWIZZLE_32):
             raise ValueError(f"descriptor: swizzle mode {swizzle} is not modelled")
         return _Descriptor(address, lbo, sbo, swizzle)
 
@@ -124,10 +131,15 @@ if SIMULATOR:
         if not desc.swizzle:
             at = start + (r // 8) * desc.sbo + (k // 8) * desc.lbo
             at = at + ((k % 8) * 16 + 2 * (r % 8) if mn_major else (r % 8) * 16 + 2 * (k % 8))
-        elif mn_major:  # atoms: 8 k of 64 m/n; sbo between atoms along k, lbo between 64-groups
-            at = swizzled(start + (k // 8) * desc.sbo + (r // 64) * desc.lbo + (k % 8) * 128 + 2 * (r % 64))
-        else:  # atoms: 8 rows of 64 k; sbo between atoms; the start moves along the rows
-            at = swizzled(start + (r // 8) * desc.sbo + (r % 8) * 128 + 2 * k)
+        elif mn_major:  # atoms: 8 k of W / 2 m/n; sbo between atoms along k, lbo between W/2-groups
+            W, mode = ROW_BYTES[desc.swizzle], desc.swizzle
+            at = swizzled(start + (k // 8) * desc.sbo + (r // (W // 2)) * desc.lbo + (k % 8) * W + 2 * (r % (W // 2)),
+                          mode)
+        else:  # atoms: 8 rows of W / 2 k; sbo between atoms; the start moves along the rows
+            W, mode = ROW_BYTES[desc.swizzle], desc.swizzle
+            if (start % W) + 2 * WGMMA_K > W:
+                raise ValueError(f"wgmma: a K-major k16 step from byte {start % W} leaves its {W}-byte swizzle row")
+            at = swizzled(start + (r // 8) * desc.sbo + (r % 8) * W + 2 * k, mode)
         if at.min() < 0 or at.max() > len(buffer) - 2:
             raise IndexError(f"wgmma: bytes {at.min()}..{at.max() + 2} outside the shared array's {len(buffer)}")
         if (buffer.ctypes.data + start) % 16:

@@ -1,6 +1,7 @@
-"""wgmma (ptx/wgmma.py): one warpgroup's m64nNk16 from shared tiles in the canonical layouts
-(128-byte swizzled and interleaved, K-major and MN-major operands), fp16 and bf16, with and
-without the accumulators' old values, against NumPy; the simulator's twin and the GPU agree.
+"""wgmma (ptx/wgmma.py): one warpgroup's m64nNk16 (N from 24 to 128) from shared tiles in the
+canonical layouts (128-, 64- and 32-byte swizzled and interleaved, K-major and MN-major operands),
+fp16 and bf16, with and without the accumulators' old values, against NumPy; the simulator's twin
+and the GPU agree.
 The tiles are laid out here by the layouts' definitions, written out independently of the twin."""
 
 import numpy as np
@@ -10,6 +11,8 @@ from numba import cuda, float32, int16, int32
 from sparseblocks.bsmm.dispatch import hopper
 from sparseblocks.ptx.cp_async import shared_address
 from sparseblocks.ptx.wgmma import (
+    SWIZZLE_32,
+    SWIZZLE_64,
     SWIZZLE_128,
     WARPGROUP,
     a_position,
@@ -33,19 +36,26 @@ B_AT = 8192  # B's byte offset in it (A's is 0)
 ALLOCATED = SHARED + 512  # with room to start it at a multiple of 1024 bytes
 
 
+MODES = {128: SWIZZLE_128, 64: SWIZZLE_64, 32: SWIZZLE_32}  # a swizzle's row bytes: its descriptor mode
+
+
 def offset(r, k, mn_major, swizzle, groups):
     """Byte offset of element (r, k) of an operand tile (r: its m or n) in a layout.
 
-    Swizzled: atoms of 8 rows of 128 bytes, chunk c of row j at chunk c ^ j. K-major: a row per
-    r, k along it, atoms of 8 r 1024 bytes apart. MN-major: a row per k, 64 of r along it, atoms
-    of 8 k 1024 apart, 64-wide groups of r ``groups`` bytes apart. Interleaved: 8 x 8 core matrices
-    of 128 bytes, k-adjacent ones 128 apart, r-adjacent 256 apart (two along k)."""
+    Swizzled (``swizzle``: 128, 64 or 32 bytes a row, W): atoms of 8 rows of W bytes; 16-byte
+    chunk c of row j at chunk c ^ j (128), c ^ (j // 2) (64), c ^ (j // 4) (32). K-major: a row
+    per r, k along it, atoms of 8 r 8 W bytes apart. MN-major: a row per k, W / 2 of r along it,
+    atoms of 8 k 8 W apart, W/2-wide groups of r ``groups`` bytes apart. Interleaved (0): 8 x 8
+    core matrices of 128 bytes, k-adjacent ones 128 apart, r-adjacent 256 apart (two along k)."""
     if swizzle:
+        W = swizzle
+        V, shift = W // 2, {128: 0, 64: 1, 32: 2}[W]
         if mn_major:
-            row, along = k % 8, r % 64
-            return (r // 64) * groups + (k // 8) * 1024 + row * 128 + (((along // 8) ^ row) * 16) + 2 * (along % 8)
+            row, along = k % 8, r % V
+            return ((r // V) * groups + (k // 8) * 8 * W + row * W + (((along // 8) ^ (row >> shift)) * 16)
+                    + 2 * (along % 8))
         row = r % 8
-        return (r // 8) * 1024 + row * 128 + (((k // 8) ^ row) * 16) + 2 * (k % 8)
+        return (r // 8) * 8 * W + row * W + (((k // 8) ^ (row >> shift)) * 16) + 2 * (k % 8)
     if mn_major:
         return (r // 8) * 256 + (k // 8) * 128 + (k % 8) * 16 + 2 * (r % 8)
     return (r // 8) * 256 + (k // 8) * 128 + (r % 8) * 16 + 2 * (k % 8)
@@ -88,7 +98,7 @@ def run(n, kind, a_mn, b_mn, swizzle, scale_d, seed, registers=False, overwrite=
     held = np.array([[c[acc_position(t, i)] for i in range(n // 2)] for t in range(WARPGROUP)], np.float32)
     settle, wait = make_settle(n), waiter(0)
     ACC, LBO_A, LBO_B = n // 2, (2048 if a_mn else 16) if swizzle else 128, (2048 if b_mn else 16) if swizzle else 128
-    SBO, MODE = (1024, SWIZZLE_128) if swizzle else (256, 0)
+    SBO, MODE = (8 * swizzle, MODES[swizzle]) if swizzle else (256, 0)
     if registers:
         mma_rs = make_mma_rs(n, kind, b_mn)
 
@@ -131,11 +141,16 @@ def run(n, kind, a_mn, b_mn, swizzle, scale_d, seed, registers=False, overwrite=
     return got, np.array([[want[acc_position(t, i)] for i in range(n // 2)] for t in range(WARPGROUP)])
 
 
-CASES = [(64, "f16", a_mn, b_mn, True, 1) for a_mn in (False, True) for b_mn in (False, True)] + [
-    (128, "bf16", False, True, True, 0),
-    (128, "f16", True, False, True, 1),
-    (64, "bf16", False, True, False, 1),
-    (64, "f16", True, False, False, 0),
+CASES = [(64, "f16", a_mn, b_mn, 128, 1) for a_mn in (False, True) for b_mn in (False, True)] + [
+    (128, "bf16", False, True, 128, 0),
+    (128, "f16", True, False, 128, 1),
+    (64, "bf16", False, True, 0, 1),
+    (64, "f16", True, False, 0, 0),
+    (32, "f16", False, True, 64, 1),  # (a block of 32 as an MN-major B: 64-byte rows)
+    (32, "bf16", True, False, 64, 0),
+    (64, "f16", False, True, 32, 1),
+    (32, "f16", True, True, 32, 1),
+    (24, "bf16", False, False, 128, 1),
 ]
 
 
@@ -148,7 +163,7 @@ def test_wgmma_multiplies_the_tiles_its_descriptors_point_at(n, kind, a_mn, b_mn
 @pytest.mark.parametrize("n, kind, a_mn, b_mn", [(64, "f16", False, False), (128, "bf16", True, True)])
 def test_overwriting_wgmma_drops_the_old_values(n, kind, a_mn, b_mn):
     """``make_mma(..., overwrite=True)``: acc = A·B even where scale_d asks for C."""
-    got, want = run(n, kind, a_mn, b_mn, True, 1, seed=7 + n, overwrite=True)
+    got, want = run(n, kind, a_mn, b_mn, 128, 1, seed=7 + n, overwrite=True)
     assert np.array_equal(got, want)
 
 
@@ -156,7 +171,7 @@ def test_overwriting_wgmma_drops_the_old_values(n, kind, a_mn, b_mn):
                                                     (128, "f16", True, 1)])
 def test_wgmma_takes_a_from_registers(n, kind, b_mn, scale_d):
     """``make_mma_rs``: A as each warp's mma.sync-style A fragments, B from a swizzled shared tile."""
-    got, want = run(n, kind, False, b_mn, True, scale_d, seed=n + b_mn, registers=True)
+    got, want = run(n, kind, False, b_mn, 128, scale_d, seed=n + b_mn, registers=True)
     assert np.array_equal(got, want)
 
 
@@ -193,11 +208,11 @@ def test_a_position_covers_the_tile_once():
 
 def test_wgmma_shapes_are_checked():
     with pytest.raises(ValueError, match="n: expected"):
-        make_mma(96, "f16", False, False)
+        make_mma(100, "f16", False, False)
     with pytest.raises(ValueError, match="kind"):
         make_mma(64, "tf32", False, False)
     with pytest.raises(ValueError, match="n: expected"):
-        make_mma_rs(32, "f16", False)
+        make_mma_rs(264, "f16", False)
     with pytest.raises(ValueError, match="keep"):
         waiter(4)
 
