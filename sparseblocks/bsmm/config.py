@@ -145,7 +145,7 @@ class BsmmConfig:
         for bs in self.v6_wgrad_warps:
             if v6_check(self, bs, weight_grad=True):
                 raise ValueError(f"v6_wgrad_warps[{bs}]: {v6_check(self, bs, weight_grad=True)}")
-        from .hopper import V7_BLOCKS, v7_check
+        from .hopper import V7_BLOCKS, V7_WGRAD_BLOCKS, v7_check
 
         for bs in self.v7_groups:
             if v7_check(self, bs):
@@ -167,10 +167,10 @@ class BsmmConfig:
                     short_lines_config(self, bs)  # (checked as it is made)
                 except ValueError as error:
                     raise ValueError(f"v7_short_lines[{bs}]: {error}") from None
-        for name in ("v7_blocks", "v7_wgrad_blocks"):
-            if not set(getattr(self, name)) <= set(V7_BLOCKS):
-                raise ValueError(f"{name}: expected block sizes of {V7_BLOCKS}, got {sorted(getattr(self, name))}")
-        for bs in V7_BLOCKS:
+        for name, sizes in (("v7_blocks", V7_BLOCKS), ("v7_wgrad_blocks", V7_WGRAD_BLOCKS)):
+            if not set(getattr(self, name)) <= set(sizes):
+                raise ValueError(f"{name}: expected block sizes of {sizes}, got {sorted(getattr(self, name))}")
+        for bs in V7_WGRAD_BLOCKS:
             if v7_check(self, bs, weight_grad=True):
                 raise ValueError(f"version 7 weight gradient: {v7_check(self, bs, weight_grad=True)}")
         for bs, (rows, _, _, chunk) in self.product_tiles.items():

@@ -43,7 +43,7 @@ from .weight_grad_simt import (
     make_weight_grad_v3,
     make_weight_grad_v4,
 )
-from .hopper import PAIRED, V7_BLOCKS, V7_STORAGE, make_product_v7, make_weight_grad_v7, persistent, v7_shape
+from .hopper import PAIRED, V7_STORAGE, V7_WGRAD_BLOCKS, make_product_v7, make_weight_grad_v7, persistent, v7_shape
 from .hopper import v7_threads
 from .hopper_shapes import producing
 from .tiles import V6_STORAGE, make_product_v6, make_weight_grad_v6, v6_shape, v6_threads
@@ -75,7 +75,7 @@ def product_family(cfg, version, bs, storage, tiles_fit=True):
 
 def weight_grad_family(cfg, version, bs, storage, feature_axis, tiles_fit=True):
     """The weight-gradient kernels a call runs (the dispatch table of the weight gradients)."""
-    if version == 7 and tiles_fit and bs in V7_BLOCKS and storage in V7_STORAGE and hopper():
+    if version == 7 and tiles_fit and bs in V7_WGRAD_BLOCKS and storage in V7_STORAGE and hopper():
         return 7
     if version >= 6 and tiles_fit and bs in cfg.v6_wgrad_warps and storage in V6_STORAGE:
         return 6
@@ -284,7 +284,7 @@ def tma_maps(cfg, bs, weight_grad, a, b, n_rows, feature_axis, transpose_w, stre
     off, a shape the maps cannot take, or the maps kept are at their limit)."""
     if not producing(cfg, weight_grad, bs):  # (nor paired weight-gradient tiles)
         return ()
-    if not cfg.v7_tma:
+    if not cfg.v7_tma or bs < 64:  # (the maps' boxes are 128-byte-swizzled rows of 64 values)
         return None
     BM, BN = v7_shape(cfg, bs, weight_grad)[:2]
     if weight_grad:  # x, dy: (N, features) with feature_axis 1, MN-major; (features, N), K-major

@@ -45,7 +45,7 @@ from ..ptx.mbarrier import init as bar_init
 from ..ptx.mbarrier import wait as bar_wait
 from ..ptx.tma import expect_tx, load_2d
 from ..ptx.vector import load4, store2, store4
-from ..ptx.wgmma import SWIZZLE_128, WARPGROUP, WGMMA_K, WGMMA_M, align_up, descriptor, fence, make_mma, make_settle
+from ..ptx.wgmma import WARPGROUP, WGMMA_K, WGMMA_M, align_up, descriptor, fence, make_mma, make_settle
 from ..ptx.wgmma import proxy_fence
 from ..ptx.wgmma import commit as wg_commit
 from ..ptx.wgmma import waiter as wg_waiter
@@ -53,9 +53,9 @@ from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
 from .device import converters, grouped_tile, tile_of
 from .hopper_shapes import (  # noqa: F401 (re-exported: V7_BLOCKS, V7_STORAGE, v7_check, split_registers, ...)
-    ATOM, CHUNK, PAIRED, SM_SHARED, V7_BLOCKS, V7_STORAGE, barriers_at, hand_over, jit_for, persistent,
-    persistent_config, producing, resident, shared_bytes, split_registers, staged16_at, staged_shape, v7_check,
-    v7_shape, v7_threads,
+    ATOM, CHUNK, PAIRED, SM_SHARED, V7_BLOCKS, V7_STORAGE, V7_WGRAD_BLOCKS, barriers_at, hand_over, jit_for, persistent,
+    persistent_config, producing, resident, shared_bytes, split_registers, staged16_at, staged_shape, swizzle_of,
+    make_place, v7_check, v7_shape, v7_threads,
 )
 
 
@@ -75,14 +75,19 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
     (stored rows along k: BK = 64 values, one 128-byte row) is atoms of 8 of its rows, one after
     another; an MN-major one (stored rows along m or n) is, for each 64 of m or n, BK / 8 atoms of
     8 values of k. Consecutive threads copy consecutive chunks of a stored row, so a warp reads
-    whole 128-byte lines, and the swizzle spreads its stores over every bank.
+    whole 128-byte lines, and the swizzle spreads its stores over every bank. Blocks of 32 (BK =
+    32, and B 32 wide) lay the operands whose stored rows are 64 bytes in the 64-byte swizzle: the
+    same layouts with atoms of 8 rows of 64 bytes (`swizzle_of`).
     """
     BM, BN, GROUPS, TILES, BK, STAGES = v7_shape(cfg, bs, weight_grad)
     T = WARPGROUP * GROUPS
     A_BYTES, B_BYTES = 2 * BM * BK, 2 * BN * BK
     STAGE_BYTES = A_BYTES + B_BYTES
     STEPS = BK // WGMMA_K
-    MN_GROUP = BK * 128  # bytes of a 64-wide group of m or n (BK / 8 atoms) in an MN-major tile
+    A_W, A_MODE = swizzle_of(a_mn_major, BM, BK)
+    B_W, B_MODE = swizzle_of(b_mn_major, BN, BK)
+    A_ATOM, B_ATOM = 8 * A_W, 8 * B_W  # an atom: 8 rows of a swizzle row
+    A_GROUP, B_GROUP = (BK // 8) * A_ATOM, (BK // 8) * B_ATOM  # an MN-major tile's group of A_W / 2 of m or n
     kind = "bf16" if storage == "bfloat16" else "f16"
     mma = make_mma(BN, kind, a_mn_major, b_mn_major)
     mma_second = make_mma(BN, kind, a_mn_major, b_mn_major, first=BN // 2)  # a warpgroup's second tile
@@ -96,27 +101,19 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
     A_CHUNKS, A_CPR, A_PER, A_ALL = plan(a_mn_major, BM)
     B_CHUNKS, B_CPR, B_PER, B_ALL = plan(b_mn_major, BN)
 
-    @inlined
-    def place(e, cpr, mn_major):
-        """(stored row, first value along it, shared offset) of chunk e of an operand's stage."""
-        row, chunk = e // cpr, e % cpr
-        r = row % 8
-        if mn_major:  # stored row: a k; along it: m or n, 64 values (8 chunks) an atom row
-            offset = (chunk // 8) * MN_GROUP + (row // 8) * ATOM + r * 128 + ((chunk % 8) ^ r) * 16
-        else:  # stored row: an m or n; along it: k, one atom row
-            offset = (row // 8) * ATOM + r * 128 + (chunk ^ r) * 16
-        return row, chunk * CHUNK, offset
+    place_a = make_place(a_mn_major, A_W, A_ATOM, A_GROUP)
+    place_b = make_place(b_mn_major, B_W, B_ATOM, B_GROUP)
 
     @inlined
     def copy_plan(tid, a_to, b_to, a_row, a_col, b_row, b_col):
         for i in range(A_PER):
             e = tid + i * T
             if A_ALL or e < A_CHUNKS:
-                a_row[i], a_col[i], a_to[i] = place(e, A_CPR, a_mn_major)
+                a_row[i], a_col[i], a_to[i] = place_a(e, A_CPR)
         for i in range(B_PER):
             e = tid + i * T
             if B_ALL or e < B_CHUNKS:
-                b_row[i], b_col[i], to = place(e, B_CPR, b_mn_major)
+                b_row[i], b_col[i], to = place_b(e, B_CPR)
                 b_to[i] = A_BYTES + to
 
     @inlined
@@ -131,9 +128,9 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
 
     # A k16 step moves a K-major descriptor 32 bytes along its rows (inside the swizzle atom), an
     # MN-major one two atoms down; in the descriptor's 16-byte units.
-    A_STEP = (2 * ATOM if a_mn_major else 32) // 16
-    B_STEP = (2 * ATOM if b_mn_major else 32) // 16
-    A_TILE = MN_GROUP if a_mn_major else 8 * ATOM  # bytes from one 64-row tile of A to the next
+    A_STEP = (2 * A_ATOM if a_mn_major else 32) // 16
+    B_STEP = (2 * B_ATOM if b_mn_major else 32) // 16
+    A_TILE = (64 // (A_W // 2)) * A_GROUP if a_mn_major else 8 * A_ATOM  # bytes from one 64-row tile of A to the next
 
     @inlined
     def step(s, acc, desc_a, desc_b):
@@ -151,18 +148,12 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
         wg_commit()
 
     @inlined
-    def descriptor_of(address, mn_major):
-        # K-major: atoms of 8 rows 1024 bytes apart (lbo unused); MN-major: 64-wide groups
-        # MN_GROUP apart, atoms of 8 k 1024 apart.
-        if mn_major:
-            return descriptor(address, MN_GROUP, ATOM, SWIZZLE_128)
-        return descriptor(address, 16, ATOM, SWIZZLE_128)
-
-    @inlined
     def descriptors(base, group):
-        """Buffer 0's descriptors of this warpgroup's first 64 rows of A, and of B."""
-        a = descriptor_of(base + group * TILES * A_TILE, a_mn_major)
-        b = descriptor_of(base + A_BYTES, b_mn_major)
+        """Buffer 0's descriptors of this warpgroup's first 64 rows of A, and of B. K-major: atoms
+        of 8 rows an atom apart (lbo unused); MN-major: groups of W / 2 of m or n a group apart,
+        atoms of 8 k an atom apart."""
+        a = descriptor(base + group * TILES * A_TILE, A_GROUP if a_mn_major else 16, A_ATOM, A_MODE)
+        b = descriptor(base + A_BYTES, B_GROUP if b_mn_major else 16, B_ATOM, B_MODE)
         return a, b
 
     LEAD = STAGES - 2  # stages in flight ahead of the one multiplied
@@ -205,8 +196,8 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
     A_PER_P, B_PER_P = -(-A_CHUNKS // P), -(-B_CHUNKS // P)
     A_ALL_P, B_ALL_P = A_CHUNKS % P == 0, B_CHUNKS % P == 0
     # Bulk copies of a stage (`ptx.tma`): an MN-major operand a box of 64 of m or n by BK of k for
-    # each 64-wide group, MN_GROUP bytes apart; a K-major one a box of BK by all its rows.
-    A_BOXES, B_BOXES = (BM // 64 if a_mn_major else 1), (BN // 64 if b_mn_major else 1)
+    # each 64-wide group, a group apart; a K-major one a box of BK by all its rows.
+    A_BOXES, B_BOXES = (BM // 64 if a_mn_major else 1), (max(BN // 64, 1) if b_mn_major else 1)
 
     def make_split(stage_sources, a_chunk, b_chunk, stage, boxes=None):
         """The warp-specialized loop: ``init(bars)``, ``produce(lane, base, bars, n_stages, where,
@@ -236,7 +227,7 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
         def copy_a(i, lane, at, a_at, s, where):
             e = lane + i * P
             if A_ALL_P or e < A_CHUNKS:
-                row, col, to = place(e, A_CPR, a_mn_major)
+                row, col, to = place_a(e, A_CPR)
                 offset, keep = a_chunk(row, col, s, where)
                 copy16_or_zero(at + to, a_at + (offset if keep else 0), keep)
 
@@ -244,7 +235,7 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
         def copy_b(i, lane, at, b_at, s, where):
             e = lane + i * P
             if B_ALL_P or e < B_CHUNKS:
-                row, col, to = place(e, B_CPR, b_mn_major)
+                row, col, to = place_b(e, B_CPR)
                 offset, keep = b_chunk(row, col, s, where)
                 copy16_or_zero(at + A_BYTES + to, b_at + (offset if keep else 0), keep)
 
@@ -273,9 +264,9 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
                         a_inner, a_outer, b_inner, b_outer = boxes(s, where)
                         at = base + buf * STAGE_BYTES
                         for g in range(A_BOXES):
-                            load_2d(at + g * MN_GROUP, maps[0], maps[1], a_inner + 64 * g, a_outer, full)
+                            load_2d(at + g * A_GROUP, maps[0], maps[1], a_inner + 64 * g, a_outer, full)
                         for g in range(B_BOXES):
-                            load_2d(at + A_BYTES + g * MN_GROUP, maps[2], maps[3], b_inner + 64 * g, b_outer, full)
+                            load_2d(at + A_BYTES + g * B_GROUP, maps[2], maps[3], b_inner + 64 * g, b_outer, full)
                 else:
                     bar_wait(bars + (STAGES + buf) * BAR_BYTES, parity)
                     a_at, b_at = stage_sources(s, where)

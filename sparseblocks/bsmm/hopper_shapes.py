@@ -9,11 +9,12 @@ from numba import cuda
 
 from ..ptx.mbarrier import BYTES as BAR_BYTES
 from ..ptx.mbarrier import registers
-from ..ptx.wgmma import WARPGROUP, WGMMA_M
+from ..ptx.wgmma import SWIZZLE_64, SWIZZLE_128, WARPGROUP, WGMMA_M
 from ..runtime.compile import bounded, inlined
 
 V7_STORAGE = ("float16", "bfloat16")
-V7_BLOCKS = (64, 128)  # a block's side: whole 64-row warpgroups, whole 64-value swizzle rows
+V7_BLOCKS = (32, 64, 128)  # a product's block side: 64 values of k a stage, or a block of 32 (64-byte swizzle rows)
+V7_WGRAD_BLOCKS = (64, 128)  # a weight gradient's: whole 64-row warpgroups
 CHUNK = 8  # 16-bit values a 16-byte chunk
 SWIZZLE_K = 64  # values of k a stage: one 128-byte row of a swizzle atom
 ATOM = 1024  # a 128-byte-swizzled atom: 8 rows of 128 bytes
@@ -39,6 +40,36 @@ def v7_shape(cfg, bs, weight_grad=False):
         return bs, BN, groups, bs // WGMMA_M // max(groups, 1), BK, stages
     groups, tiles = cfg.v7_groups[bs], cfg.v7_tiles.get(bs, 1)
     return groups * tiles * WGMMA_M, bs, groups, tiles, min(bs, cfg.v7_k), cfg.v7_stages.get(bs, 0)
+
+
+def swizzle_of(mn_major, side, BK):
+    """(row bytes, descriptor mode) of an operand's shared tile: its stored rows, up to 128 bytes
+    (a K-major operand's BK values of k; an MN-major one's ``side`` of m or n, in groups of 64),
+    in the 128-byte swizzle, or the 64-byte one where they are 32 values (blocks of 32)."""
+    row = 2 * (min(side, 64) if mn_major else BK)
+    if row not in (64, 128):
+        raise ValueError(f"version 7: a shared operand row of {row} bytes (expected 64 or 128)")
+    return row, SWIZZLE_128 if row == 128 else SWIZZLE_64
+
+
+def make_place(mn_major, W, atom, group):
+    """``place(e, cpr)``: (stored row, first value along it, shared offset) of chunk e of an
+    operand's stage whose stored rows are ``cpr`` chunks, in its swizzle of ``W``-byte rows
+    (`swizzle_of`), atoms ``atom`` bytes apart, an MN-major tile's groups ``group`` apart."""
+    V = W // 16  # chunks a swizzle row
+    SHIFT = {128: 0, 64: 1}[W]  # (the row bits the swizzle XORs into the chunk's: `ptx.wgmma.swizzled`)
+
+    @inlined
+    def place(e, cpr):
+        row, chunk = e // cpr, e % cpr
+        r = row % 8
+        if mn_major:  # stored row: a k; along it: m or n, W / 2 values (V chunks) an atom row
+            offset = (chunk // V) * group + (row // 8) * atom + r * W + ((chunk % V) ^ (r >> SHIFT)) * 16
+        else:  # stored row: an m or n; along it: k, one atom row
+            offset = (row // 8) * atom + r * W + (chunk ^ (r >> SHIFT)) * 16
+        return row, chunk * CHUNK, offset
+
+    return place
 
 
 def v7_threads(cfg, bs, weight_grad=False):
@@ -138,11 +169,11 @@ def v7_check(cfg, bs, weight_grad=False):
     """Why a block size's version 7 tiles cannot be built under ``cfg`` ('' where they can)."""
     if not weight_grad and bs not in cfg.v7_groups:
         return f"no version 7 tile for block {bs}"
-    if bs not in V7_BLOCKS:
-        return f"block {bs}: version 7 takes blocks of 64 and 128"
+    if bs not in (V7_WGRAD_BLOCKS if weight_grad else V7_BLOCKS):
+        return f"block {bs}: version 7 takes blocks of {V7_WGRAD_BLOCKS if weight_grad else V7_BLOCKS}"
     BM, BN, GROUPS, TILES, BK, STAGES = v7_shape(cfg, bs, weight_grad)
-    if BK != SWIZZLE_K:
-        return f"k {BK}: version 7 stages {SWIZZLE_K} values of k (a 128-byte swizzle row)"
+    if BK != min(bs, SWIZZLE_K):
+        return f"k {BK}: version 7 stages {min(bs, SWIZZLE_K)} values of k (a swizzle row, or a block of 32)"
     if not 3 <= STAGES <= 6:
         name = (f"v7_wgrad_pairs[{bs}]" if weight_grad == PAIRED else "v7_wgrad_stages") if weight_grad \
             else f"v7_stages[{bs}]"

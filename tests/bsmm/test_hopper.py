@@ -49,6 +49,33 @@ def test_hopper_products_match_reference(data, block_size, dtype, feature_axis):
     assert ran_hopper() != (0, 0)
 
 
+BLOCK_32 = replace(bsmm.DEFAULT, v7_groups={32: 2, 64: 2, 128: 2}, v7_tiles={32: 2, 64: 2, 128: 2},
+                   v7_stages={32: 6, 64: 5, 128: 4})
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@settings(max_examples=12, deadline=None)
+@given(data=st.data(), feature_axis=st.sampled_from([1, 0]), producer=st.booleans())
+def test_block_32_products_match_reference(data, dtype, feature_axis, producer):
+    """Blocks of 32 on version 7 (`BLOCK_32`: wgmma m64n32k16, the 64-byte swizzle), warp-specialized
+    or on the barrier ring: the forward and the input gradient (weight gradients stay on version 6)."""
+    layout = data.draw(layouts(block_sizes=(32,), max_blocks=5, kinds=("random", "full", "single", "skewed")))
+    n = data.draw(st.integers(1, 700), label="N")
+    n = n if feature_axis == 1 else 8 * -(-n // 8)
+    C, K = layout.dense_shape
+    x, dy = data.draw(arrays((n, C), dtype), label="x"), data.draw(arrays((n, K), dtype), label="dy")
+    w = data.draw(arrays(layout.w_shape, dtype), label="w")
+    xa, dya = to_axis(x, feature_axis), to_axis(dy, feature_axis)
+    cfg = replace(BLOCK_32, v7_producer=producer)
+    with poisoned_outputs():
+        y = bsmm.forward(xa, w, layout, feature_axis, version=7, config=cfg)
+        dx = bsmm.input_grad(dya, w, layout, feature_axis, version=7, config=cfg)
+        dw = bsmm.weight_grad(xa, dya, layout, feature_axis, version=7, config=cfg)
+    assert_products(y, dx, dw, xa, dya, w, layout, feature_axis, dtype)
+    assert any(key[0] is hopper.make_product_v7 and key[2] == 32 for key in compile_cache._kernels)
+
+
 PRODUCER = replace(bsmm.DEFAULT, v7_producer=True, v7_wgrad_producer=True, v7_persistent={})
 COPYING = replace(PRODUCER, v7_tma=False)  # the copying warpgroup's cp.async instead of bulk copies
 PERSISTENT = replace(PRODUCER, v7_persistent={64: 4, 128: 3})
@@ -179,10 +206,11 @@ def test_hopper_products_replay_in_a_cuda_graph():
 
 @pytest.mark.parametrize("fields, message", [
     (dict(v7_groups={128: 5}), "warpgroups"),
-    (dict(v7_groups={32: 2}), "blocks of 64 and 128"),
-    (dict(v7_k=32), "128-byte swizzle"),
+    (dict(v7_groups={32: 2}), "v7_stages\\[32\\]: expected 3 to 6 stages"),
+    (dict(v7_groups={16: 1}, v7_stages={16: 3}), "blocks of \\(32, 64, 128\\)"),
+    (dict(v7_k=32), "swizzle row"),
     (dict(v7_stages={64: 7, 128: 4}), "v7_stages\\[64\\]"),
-    (dict(v7_wgrad_k=32), "128-byte swizzle"),
+    (dict(v7_wgrad_k=32), "swizzle row"),
     (dict(v7_tiles={128: 3}), "1 or 2 tiles"),
     (dict(v7_wgrad_groups={128: 4}), "128 rows in all"),
     (dict(v7_wgrad_stages=2), "v7_wgrad_stages"),
@@ -196,7 +224,7 @@ def test_hopper_products_replay_in_a_cuda_graph():
     (dict(v7_wgrad_producer_registers=160), "would keep 96 registers"),
     (dict(v7_blocks={128: 2}), "v7_blocks\\[128\\].*do not fit a multiprocessor"),
     (dict(v7_blocks={128: 2}, v7_producer=False), "of warp-specialized kernels"),
-    (dict(v7_blocks={32: 2}), "v7_blocks: expected block sizes"),
+    (dict(v7_wgrad_blocks={32: 2}), "v7_wgrad_blocks: expected block sizes"),
 ])
 def test_config_refuses_hopper_tiles_the_kernels_cannot_take(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -240,6 +268,33 @@ def test_hopper_product_runs_in_the_simulator(monkeypatch, dtype, feature_axis, 
 
     got = np.asarray(y) if feature_axis == 1 else np.asarray(y).T
     assert_close(got, reference.forward(x, w, layout), dtype, "forward")
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
+@pytest.mark.parametrize("feature_axis, producer", [(1, True), (0, False), (1, False)])
+def test_block_32_products_run_in_the_simulator(monkeypatch, feature_axis, producer):
+    """Blocks of 32 on version 7: a stage a block (k 32), the K-major operands and the 32-wide
+    MN-major B (W's block in the forward) in the 64-byte swizzle, wgmma m64n32k16; the forward and
+    the input gradient over a 2 x 2 grid with a block missing, through a ring of 3 (the copying
+    warpgroup's cp.async with ``producer``, else the barrier ring)."""
+    from sparseblocks.bsmm import dispatch
+    from sparseblocks.reference import bsmm as reference
+    from strategies import assert_close
+
+    monkeypatch.setattr(dispatch, "hopper", lambda: True)
+    cfg = replace(bsmm.DEFAULT, v7_groups={32: 1, 64: 2, 128: 2}, v7_tiles={32: 1, 64: 2, 128: 2},
+                  v7_stages={32: 3, 64: 5, 128: 4}, v7_producer=producer)
+    layout = BlockLayout(np.array([[1, 1], [0, 1]]), 32)
+    rng = np.random.default_rng(7)
+    x, dy, w = values(rng, (8, 64), "float16"), values(rng, (8, 64), "float16"), values(rng, layout.w_shape, "float16")
+    before = ran_hopper()[0]
+    y = bsmm.forward(to_axis(x, feature_axis), w, layout, feature_axis, version=7, config=cfg)
+    dx = bsmm.input_grad(to_axis(dy, feature_axis), w, layout, feature_axis, version=7, config=cfg)
+    assert ran_hopper()[0] == before + 2
+    for name, got, want in (("forward", y, reference.forward(x, w, layout)),
+                            ("input_grad", dx, reference.input_grad(dy, w, layout))):
+        got = np.asarray(got) if feature_axis == 1 else np.asarray(got).T
+        assert_close(got, want, "float16", name, terms=64)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
