@@ -146,6 +146,16 @@ def plan(ig, G, filter_grad=False, E=2, row_bytes=32):
     return forward_shared(G, TRS, cap, row_bytes) <= SHARED_MAX
 
 
+@inlined
+def divmod32(a, b):
+    """(a // b, a % b) as int32, for 0 <= a < 2**31 and 0 < b, in 32-bit unsigned arithmetic: the
+    signed 64-bit division Python's operators compile to is a call with branches (a few hundred
+    instructions where a stage's walk divides by a runtime count)."""
+    u, d = uint32(a), uint32(b)
+    q = u // d
+    return int32(q), int32(u - q * d)
+
+
 def make_tiles(QT):
     """The tile arithmetic both kernels share, for tiles of QT columns (`tile_shape`):
 
@@ -159,10 +169,10 @@ def make_tiles(QT):
     @inlined
     def where(tile, ig):
         tiles_q, tiles_p = ig[21], ig[22]
-        per_image = tiles_q * tiles_p * ig[3]
-        tile = int32(tile)  # (32-bit divisions: a 64-bit one is a long software routine)
-        n, rest = tile // per_image, tile % per_image
-        return n, rest // (tiles_q * tiles_p), ((rest // tiles_q) % tiles_p) * TP, (rest % tiles_q) * QT
+        n, rest = divmod32(tile, tiles_q * tiles_p * ig[3])
+        m, rest = divmod32(rest, tiles_q * tiles_p)
+        p, q = divmod32(rest, tiles_q)
+        return n, m, p * TP, q * QT
 
     @inlined
     def patch_row(j, ig):
@@ -345,11 +355,10 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False, row_bytes=32):
     def issue(s, at, f_at, x_at, jobs, grp_blk, blk_c0, ptr, per_tile, first_tile, ig, IN_ROWS, tid):
         """Stage s of this thread block's walk: tile first_tile + s // per_tile, then its blocks
         and their slices."""
-        s = int32(s)
-        rest = s % per_tile
+        tile, rest = divmod32(s, per_tile)
         e = grp_blk[ptr + rest // NC]
         ch = rest % NC
-        stage(at, f_at, x_at, jobs, e, ch, blk_c0[e] + CS * ch, first_tile + s // per_tile, ig, IN_ROWS, tid)
+        stage(at, f_at, x_at, jobs, e, ch, blk_c0[e] + CS * ch, first_tile + tile, ig, IN_ROWS, tid)
 
     @inlined
     def issue_ring(s, at, args):
@@ -404,8 +413,9 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False, row_bytes=32):
                 for kr in range(KR):
                     load_a(fa, at + tap * G * ROW + a_lane + 32 * kr)
                     pairs(acc, fa, at + b_col + 32 * kr, row0 + shifts[tap], row1 + shifts[tap])
-            if int32(s) % per_tile == per_tile - 1:
-                n, m, p0, q0 = where(first_tile + int32(s) // per_tile, ig)
+            tile, rest = divmod32(s, per_tile)
+            if rest == per_tile - 1:
+                n, m, p0, q0 = where(first_tile + tile, ig)
                 store(out, acc, pos0, k0, n, OUT_ROWS, m, P, Q, p0, q0, MPQ, bias, edge, has_bias)
                 zero(acc)
 
