@@ -39,7 +39,7 @@ sizes and the tile counts. `plan` says whether a layer fits (the patch and the f
 shared memory); the others run `tensorcore.py`'s gathering kernels.
 """
 
-from numba import cuda, float32, int16, int32, int64, types, uint32
+from numba import cuda, float32, int16, int32, int64, types, uint32, uint64
 
 from ..bsmm.device import converters
 from ..ptx.cp_async import copy16_or_zero, copy16_to, make_ring, shared_address, signed_address
@@ -321,22 +321,57 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False, row_bytes=32):
 
     pairs = unrolled(2, inlined(pair_step), inline=inlined)
 
-    def store_step(i, out, acc, pos0, k0, n, OUT_ROWS, m, P, Q, p0, q0, MPQ, bias, edge, has_bias):
-        mt, nt, j = i // 16, (i // 4) % 4, i % 4
-        pos = pos0 + nt * 8 + j % 2
+    def place_step(i, spots, edges, pos0, n, m, P, Q, p0, q0, MPQ, OUT_ROWS, edge, has_bias):
+        """Position i (of the lane's 8: mma column i // 2, its value i % 2) of the tile: its part
+        of an output's index (-1 past the output's edge), and its edge-bias row."""
+        pos = pos0 + (i // 2) * 8 + i % 2
         tp, tq = pos // QT, pos % QT
+        spots[i], edges[i] = int64(-1), -1
         if p0 + tp < P and q0 + tq < Q:
             o = (m * P + p0 + tp) * Q + q0 + tq
-            k = k0 + mt * 16 + 8 * (j // 2)
-            value = acc[mt, nt, j]
-            if has_bias and edge[o] >= 0:
-                value += widen(bias[k, edge[o]])
-            if rows_out:
-                out[(int64(n) * MPQ + o) * OUT_ROWS + k] = narrow(value)
-            else:
-                out[(int64(n) * OUT_ROWS + k) * MPQ + o] = narrow(value)
+            spots[i] = (int64(n) * MPQ + o) * OUT_ROWS if rows_out else int64(o)
+            if has_bias:
+                edges[i] = edge[o]
 
-    store = unrolled(MT * 16, inlined(store_step), inline=inlined)
+    places = unrolled(8, inlined(place_step), inline=inlined)
+
+    def channel_step(i, chans, k0, n, MPQ, OUT_ROWS):
+        """Channel i (of the lane's 2 MT: mma row i // 2, its half i % 2): its part of an index."""
+        k = k0 + (i // 2) * 16 + 8 * (i % 2)
+        chans[i] = int64(k) if rows_out else (int64(n) * OUT_ROWS + k) * MPQ
+
+    CHANS = 2 * MT  # a lane's channels of the tile
+    channels = unrolled(CHANS, inlined(channel_step), inline=inlined)
+
+    def make_stores(with_bias):
+        def store_step(i, out, acc, spots, edges, chans, k0, bias):
+            mt, nt, j = i // 16, (i // 4) % 4, i % 4
+            spot = spots[2 * nt + j % 2]
+            if spot >= 0:
+                value = acc[mt, nt, j]
+                if with_bias:
+                    e = edges[2 * nt + j % 2]
+                    if e >= 0:
+                        value += widen(bias[k0 + mt * 16 + 8 * (j // 2), e])
+                out[uint64(spot + chans[2 * mt + j // 2])] = narrow(value)  # (unsigned: no wraparound check)
+
+        return unrolled(MT * 16, inlined(store_step), inline=inlined)
+
+    stores, stores_bias = make_stores(False), make_stores(True)
+
+    @inlined
+    def store(out, acc, pos0, k0, n, OUT_ROWS, m, P, Q, p0, q0, MPQ, bias, edge, has_bias):
+        """The tile's outputs from the accumulators (and the edge bias): each of the lane's 8
+        positions and 2 MT channels placed once, then an add and a store a value."""
+        spots = cuda.local.array(8, int64)
+        edges = cuda.local.array(8, int32)
+        chans = cuda.local.array(CHANS, int64)
+        places(spots, edges, pos0, n, m, P, Q, p0, q0, MPQ, OUT_ROWS, edge, has_bias)
+        channels(chans, k0, n, MPQ, OUT_ROWS)
+        if has_bias:
+            stores_bias(out, acc, spots, edges, chans, k0, bias)
+        else:
+            stores(out, acc, spots, edges, chans, k0, bias)
 
     @inlined
     def stage(at, f_at, x_at, jobs, e, ch, c_first, tile, ig, IN_ROWS, tid):
