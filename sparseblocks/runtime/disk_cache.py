@@ -14,8 +14,9 @@ a hash of:
 * ``name``: the maker's module and qualified name and the ``repr`` of its key (`compile.cached`:
   configs are frozen dataclasses, whose ``repr`` lists every field);
 * the argument types, the device's compute capability;
-* the Numba and numba-cuda versions, and every source file of this package, so that an edit
-  anywhere (a device function, a PTX wrapper) misses rather than loading stale code.
+* the Numba and numba-cuda versions and their settings that change the code (optimization
+  level, debug info), and every source file of this package, so that an edit anywhere (a device
+  function, a PTX wrapper) misses rather than loading stale code.
 
 A file holds Numba's own reduction of the kernel (`_Kernel._reduce_states`: the PTX and cubin),
 so a hit skips typing, NVVM and ptxas. The directory is ``$SPARSEBLOCKS_CACHE_DIR``, else
@@ -59,6 +60,10 @@ def source_digest():
         except PackageNotFoundError:
             compiler = "unknown"
         digest.update(f"numba {numba.__version__} numba-cuda {compiler}".encode())
+        # (settings that change the code Numba emits: optimization level, debug info)
+        names = ("OPT", "CUDA_DEBUGINFO_DEFAULT", "DEBUGINFO_DEFAULT")
+        settings = [getattr(numba.config, name, None) for name in names]
+        digest.update(repr(settings).encode())
         for folder, subfolders, files in sorted(os.walk(root)):
             subfolders.sort()
             for name in sorted(files):

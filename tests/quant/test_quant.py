@@ -140,8 +140,9 @@ def test_products_match_the_twin(seed, rows, columns, outputs, a_bits, w_bits, s
         assert_close(got.astype(np.float64), want, out_dtype, version, magnitude=magnitude, terms=a_bits * w_bits)
 
 
+# (blocks of 32: the masked-layout test's)
 @pytest.mark.parametrize("bs, fused", [gpu_only_case(None, False), gpu_only_case(32, False), (64, False),
-                                       gpu_only_case(None, True), (64, True)])  # (blocks of 32: the masked-layout test's)
+                                       gpu_only_case(None, True), (64, True)])
 def test_tensor_core_tiles_span_chunks_warps_and_passes(configure, bs, fused):
     """Two warps across a thread block's outputs (one mma column each, an odd count, where dense),
     row blocks and groups that end inside, two staged chunks of the word list (4-, 1- and 2-word
