@@ -29,18 +29,25 @@ def ran_hopper():
     return made.count(hopper.make_product_v7), made.count(hopper.make_weight_grad_v7)
 
 
+def draw_operands(data, block_size, dtype, feature_axis, max_blocks):
+    """(layout, w, x, dy) of a drawn product: x and dy in ``feature_axis``'s layout, N from 1 to
+    700 (a multiple of 8 where N runs along rows: whole chunks of 8, else version 5 runs)."""
+    layout = data.draw(layouts(block_sizes=(block_size,), max_blocks=max_blocks,
+                               kinds=("random", "full", "single", "skewed")))
+    n = data.draw(st.integers(1, 700), label="N")
+    n = n if feature_axis == 1 else 8 * -(-n // 8)
+    C, K = layout.dense_shape
+    x, dy = data.draw(arrays((n, C), dtype), label="x"), data.draw(arrays((n, K), dtype), label="dy")
+    w = data.draw(arrays(layout.w_shape, dtype), label="w")
+    return layout, w, to_axis(x, feature_axis), to_axis(dy, feature_axis)
+
+
 @gpu
 @pytest.mark.parametrize("block_size, dtype", CASES)
 @settings(max_examples=15, deadline=None)
 @given(data=st.data(), feature_axis=st.sampled_from([1, 0]))
 def test_hopper_products_match_reference(data, block_size, dtype, feature_axis):
-    layout = data.draw(layouts(block_sizes=(block_size,), max_blocks=3, kinds=("random", "full", "single", "skewed")))
-    n = data.draw(st.integers(1, 700), label="N")
-    n = n if feature_axis == 1 else 8 * -(-n // 8)  # (N along rows: whole chunks of 8, else version 5 runs)
-    C, K = layout.dense_shape
-    x, dy = data.draw(arrays((n, C), dtype), label="x"), data.draw(arrays((n, K), dtype), label="dy")
-    w = data.draw(arrays(layout.w_shape, dtype), label="w")
-    xa, dya = to_axis(x, feature_axis), to_axis(dy, feature_axis)
+    layout, w, xa, dya = draw_operands(data, block_size, dtype, feature_axis, 3)
     with poisoned_outputs():
         y = bsmm.forward(xa, w, layout, feature_axis, version=7)
         dx = bsmm.input_grad(dya, w, layout, feature_axis, version=7)
@@ -60,13 +67,7 @@ BLOCK_32 = replace(bsmm.DEFAULT, v7_groups={32: 2, 64: 2, 128: 2}, v7_tiles={32:
 def test_block_32_products_match_reference(data, dtype, feature_axis, producer):
     """Blocks of 32 on version 7 (`BLOCK_32`: wgmma m64n32k16, the 64-byte swizzle), warp-specialized
     or on the barrier ring: the forward and the input gradient (weight gradients stay on version 6)."""
-    layout = data.draw(layouts(block_sizes=(32,), max_blocks=5, kinds=("random", "full", "single", "skewed")))
-    n = data.draw(st.integers(1, 700), label="N")
-    n = n if feature_axis == 1 else 8 * -(-n // 8)
-    C, K = layout.dense_shape
-    x, dy = data.draw(arrays((n, C), dtype), label="x"), data.draw(arrays((n, K), dtype), label="dy")
-    w = data.draw(arrays(layout.w_shape, dtype), label="w")
-    xa, dya = to_axis(x, feature_axis), to_axis(dy, feature_axis)
+    layout, w, xa, dya = draw_operands(data, 32, dtype, feature_axis, 5)
     cfg = replace(BLOCK_32, v7_producer=producer)
     with poisoned_outputs():
         y = bsmm.forward(xa, w, layout, feature_axis, version=7, config=cfg)
@@ -95,13 +96,7 @@ def test_hopper_producer_matches_reference(data, block_size, dtype, feature_axis
     ``v7_persistent``, feature_axis 1's products on persistent thread blocks; with
     ``v7_wgrad_pairs``, weight gradients two blocks a thread block; with ``v7_blocks``, block
     128's products two thread blocks a multiprocessor."""
-    layout = data.draw(layouts(block_sizes=(block_size,), max_blocks=5, kinds=("random", "full", "single", "skewed")))
-    n = data.draw(st.integers(1, 700), label="N")
-    n = n if feature_axis == 1 else 8 * -(-n // 8)
-    C, K = layout.dense_shape
-    x, dy = data.draw(arrays((n, C), dtype), label="x"), data.draw(arrays((n, K), dtype), label="dy")
-    w = data.draw(arrays(layout.w_shape, dtype), label="w")
-    xa, dya = to_axis(x, feature_axis), to_axis(dy, feature_axis)
+    layout, w, xa, dya = draw_operands(data, block_size, dtype, feature_axis, 5)
     segment = data.draw(st.sampled_from([None, 1]), label="max_segment")
     cfg = data.draw(st.sampled_from([PRODUCER, COPYING, PERSISTENT, PAIRED_WGRAD, TWO_BLOCKS]), label="config")
     with poisoned_outputs():
