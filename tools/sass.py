@@ -5,6 +5,7 @@ developer's tool).
     python tools/sass.py [--block-sizes 16,32,64] [--dtypes float16,float32]
     python tools/sass.py --reduce-mask
     python tools/sass.py --attention
+    python tools/sass.py --conv
 
 For each block size and storage it compiles the forward (W) and input_grad (Wt) products
 with feature_axis 1 and 16-byte loads (the cp.async ring) for sm_90, disassembles them, and
@@ -16,7 +17,8 @@ GPU decides (tools/sweep.py). With --reduce-mask: the loops around the first poo
 of mask values in reduce_mask's one-pass kernel instead (a column's rows, then its columns). With
 --attention: the walk loops of attention's fused kernels (mma.sync, sm_90) and wgmma kernels
 (sm_90a), bf16 at head_dim 64 and 128, the config's defaults; a loop's length counts both of its
-branches (the causal mask's, the rescaling's), not what a tile issues.
+branches (the causal mask's, the rescaling's), not what a tile issues. With --conv: the stage
+loop of the implicit convolution's forward.
 """
 
 import os
@@ -157,6 +159,28 @@ def attention(tool):
                       + " |")
 
 
+CONV_COUNTS = {"mma": r"\bHMMA", "LDSM": r"\bLDSM", "cp.async": r"\bLDGSTS", "LDG": r"\bLDG\.", "STG": r"\bSTG",
+               "IMAD/IADD": r"\b(IMAD|IADD)", "ISETP/SEL": r"\b(ISETP|SEL)\b", "CALL": r"\bCALL"}
+
+
+def conv(tool):
+    """The stage loop of the implicit convolution's forward (fp16, channel groups of 16, 32 and 64,
+    3x3 taps, tiles of 64 columns; stages of 32 and 64 bytes a row): its length, which counts the
+    tile's epilogue (both its paths: with and without an edge bias), run once every few stages."""
+    from sparseblocks.conv import implicit
+
+    i64, index = types.int64, types.int32[::1]
+    signature = (types.float16[::1],) * 3 + (index,) * 4 + (i64,) * 3 + (types.float16[:, ::1], index,
+                                                                          types.boolean, i64, i64)
+    print("| group | stage bytes | loop | length | " + " | ".join(CONV_COUNTS) + " |")
+    print("|---" * (4 + len(CONV_COUNTS)) + "|")
+    for G, row_bytes in ((16, 32), (32, 32), (32, 64), (64, 32)):
+        kernel = implicit.make_forward("float16", G, 64, 320, 9, False, row_bytes)
+        for length, counts in loops_around(sass(kernel.py_func, signature, tool), "HMMA", CONV_COUNTS):
+            print(f"| {G} | {row_bytes} | stage | {length} | " + " | ".join(str(counts[k]) for k in CONV_COUNTS)
+                  + " |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--block-sizes", default="16,32,64")
@@ -164,6 +188,7 @@ def main():
     parser.add_argument("--reduce-mask", action="store_true",
                         help="instead: the loops around reduce_mask version 2's first pooling of mask values")
     parser.add_argument("--attention", action="store_true", help="instead: the walk loops of attention's kernels")
+    parser.add_argument("--conv", action="store_true", help="instead: the implicit convolution forward's stage loop")
     args = parser.parse_args()
     tool = nvdisasm()
     if tool is None or shutil.which("ptxas") is None:
@@ -172,6 +197,8 @@ def main():
         return reduce_mask(tool)
     if args.attention:
         return attention(tool)
+    if args.conv:
+        return conv(tool)
     index = types.int32[::1]
     print("| block | storage | product | loop | length | " + " | ".join(COUNTS) + " | a stage |")
     print("|---" * (6 + len(COUNTS)) + "|")
