@@ -187,15 +187,25 @@ def make_tiles(QT):
     return where, patch_row, tap_shift
 
 
-def make_patch_copies(CH, ROW, PER, E=2):
+def make_patch_copies(CH, ROW, cap, E=2):
     """The patch's copies, shared by both kernels, for patch rows of CH 16-byte chunks (CH x 16 / E
-    channels of E bytes of one input position) ROW bytes apart, PER copies a thread:
+    channels of E bytes of one input position) ROW bytes apart, ``cap`` rows (a multiple of 64: PER
+    = CH cap / THREADS copies a thread fill them exactly, so that a copy past the patch, zeros,
+    stays inside the stage's rows):
 
     * ``plan_patch(jobs, tid, PH, PW)``: each of this thread's copies' patch row as its (depth, row,
       column) in 10-bit fields, fixed for the kernel (`plan` keeps the patch's sizes below 1024);
     * ``copy_patch(at, x_at, jobs, count, n, d0, h0, w0, D, H, W, C, c_first, tid)``: the first
       ``count`` copies of image n's patch whose first position is (d0, h0, w0), channels from
-      c_first of x's C, into shared ``at``; zeros where a position lies outside the input."""
+      c_first of x's C, into shared ``at``; zeros where a position lies outside the input;
+    * the same in two halves, ``place_patch(sources, jobs, count, d0, h0, w0, D, H, W, C, tid)``
+      (each copy's source, in values from its image's start less the first channel, -1 outside
+      the input) and ``copy_placed(at, image_at, sources, c_first, tid)`` (``image_at``: the
+      image's address): a walk whose stages share a patch's positions places them once
+      (`make_forward`)."""
+    if CH * cap % THREADS:
+        raise ValueError(f"cap: {cap} patch rows of {CH} copies do not split into {THREADS} threads' copies")
+    PER = CH * cap // THREADS
 
     @inlined
     def plan_patch(jobs, tid, PH, PW):
@@ -204,20 +214,31 @@ def make_patch_copies(CH, ROW, PER, E=2):
             jobs[i] = ((row // (PH * PW)) << 20) | (((row // PW) % PH) << 10) | (row % PW)
 
     @inlined
-    def copy_patch(at, x_at, jobs, count, n, d0, h0, w0, D, H, W, C, c_first, tid):
+    def place_patch(sources, jobs, count, d0, h0, w0, D, H, W, C, tid):
         for i in range(PER):
             c = tid + i * THREADS
+            sources[i] = -1
             if c < count:
                 code = jobs[i]
                 d, h, w = d0 + (code >> 20), h0 + ((code >> 10) & 1023), w0 + (code & 1023)
-                keep = 0 <= d < D and 0 <= h < H and 0 <= w < W
-                frm = x_at
-                if keep:
-                    frm = x_at + E * ((int64(n) * (D * H * W) + (d * H + h) * W + w) * C + c_first
-                                      + (16 // E) * (c % CH))
-                copy16_or_zero(at + (c // CH) * ROW + 16 * (c % CH), frm, keep)
+                if 0 <= d < D and 0 <= h < H and 0 <= w < W:
+                    sources[i] = ((d * H + h) * W + w) * C + (16 // E) * (c % CH)
 
-    return plan_patch, copy_patch
+    @inlined
+    def copy_placed(at, image_at, sources, c_first, tid):
+        for i in range(PER):
+            c = tid + i * THREADS
+            keep = sources[i] >= 0
+            copy16_or_zero(at + (c // CH) * ROW + 16 * (c % CH),
+                           image_at + (E * int64(sources[i] + c_first) if keep else 0), keep)
+
+    @inlined
+    def copy_patch(at, x_at, jobs, count, n, d0, h0, w0, D, H, W, C, c_first, tid):
+        sources = cuda.local.array(PER, int32)
+        place_patch(sources, jobs, count, d0, h0, w0, D, H, W, C, tid)
+        copy_placed(at, x_at + E * int64(n) * (D * H * W) * C, sources, c_first, tid)
+
+    return plan_patch, copy_patch, place_patch, copy_placed
 
 
 def make_to_rows(storage):
@@ -293,7 +314,7 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False, row_bytes=32):
     mma = mma_of(storage)
     narrow = stored_as(storage)
     widen, _ = converters(storage, float32)
-    plan_patch, copy_patch = make_patch_copies(CH, ROW, P_PER, E)
+    plan_patch, _, place_patch, copy_placed = make_patch_copies(CH, ROW, cap, E)
     where, patch_row, tap_shift = make_tiles(QT)
 
     def zero_step(i, acc):
@@ -374,31 +395,37 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False, row_bytes=32):
             stores(out, acc, spots, edges, chans, k0, bias)
 
     @inlined
-    def stage(at, f_at, x_at, jobs, e, ch, c_first, tile, ig, IN_ROWS, tid):
+    def stage(at, f_at, x_at, jobs, placed, sources, e, ch, c_first, tile, ig, IN_ROWS, tid):
         """Stage (block e, slice ch of its input channels, position tile ``tile``) into ``at``:
-        the filter slices of every tap, then the patch (zeros where it lies in the padding)."""
+        the filter slices of every tap, then the patch (zeros where it lies in the padding), whose
+        copies' ``sources`` are placed once a tile (``placed``: the tile they are for, its image's
+        byte offset in x)."""
         a_from = f_at + E * int64((e * NC + ch) * AROWS * CS)
         for i in range(A_PER):
             c = tid + i * THREADS
             if c < A_COPIES:
                 copy16_to(at + (c // CH) * ROW + (c % CH) * 16, a_from + 16 * c)
-        n, m, p0, q0 = where(tile, ig)
-        copy_patch(at + AROWS * ROW, x_at, jobs, CH * ig[18] * ig[19] * ig[20], n, m * ig[9] - ig[12],
-                   p0 * ig[10] - ig[13], q0 * ig[11] - ig[14], ig[0], ig[1], ig[2], IN_ROWS, c_first, tid)
+        count = CH * ig[18] * ig[19] * ig[20]
+        if placed[0] != tile:  # (a walk's stages come in order: a tile's first places its patch)
+            n, m, p0, q0 = where(tile, ig)
+            place_patch(sources, jobs, count, m * ig[9] - ig[12], p0 * ig[10] - ig[13], q0 * ig[11] - ig[14],
+                        ig[0], ig[1], ig[2], IN_ROWS, tid)
+            placed[0], placed[1] = tile, E * int64(n) * (ig[0] * ig[1] * ig[2]) * IN_ROWS
+        copy_placed(at + AROWS * ROW, x_at + placed[1], sources, c_first, tid)
 
     @inlined
-    def issue(s, at, f_at, x_at, jobs, grp_blk, blk_c0, ptr, per_tile, first_tile, ig, IN_ROWS, tid):
+    def issue(s, at, f_at, x_at, jobs, placed, sources, grp_blk, blk_c0, ptr, per_tile, first_tile, ig, IN_ROWS,
+              tid):
         """Stage s of this thread block's walk: tile first_tile + s // per_tile, then its blocks
         and their slices."""
         tile, rest = divmod32(s, per_tile)
         e = grp_blk[ptr + rest // NC]
         ch = rest % NC
-        stage(at, f_at, x_at, jobs, e, ch, blk_c0[e] + CS * ch, first_tile + tile, ig, IN_ROWS, tid)
+        stage(at, f_at, x_at, jobs, placed, sources, e, ch, blk_c0[e] + CS * ch, first_tile + tile, ig, IN_ROWS, tid)
 
     @inlined
     def issue_ring(s, at, args):
-        f_at, x_at, jobs, grp_blk, blk_c0, ptr, per_tile, first_tile, ig, IN_ROWS, tid = args
-        issue(s, at, f_at, x_at, jobs, grp_blk, blk_c0, ptr, per_tile, first_tile, ig, IN_ROWS, tid)
+        issue(s, at, *args)
 
     prime, advance = make_ring(issue_ring, STAGES, STAGE)
 
@@ -439,7 +466,10 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False, row_bytes=32):
                 store(out, acc, pos0, k0, n, OUT_ROWS, m, P, Q, p0, q0, MPQ, bias, edge, has_bias)
             return
         count = my_tiles * per_tile
-        ring = (f_at, x_at, jobs, grp_blk, blk_c0, ptr, per_tile, first_tile, ig, IN_ROWS, tid)
+        placed = cuda.local.array(2, int64)  # the tile whose patch copies' sources are placed, its image's offset ...
+        placed[0] = -1
+        sources = cuda.local.array(P_PER, int32)  # ... and those sources
+        ring = (f_at, x_at, jobs, placed, sources, grp_blk, blk_c0, ptr, per_tile, first_tile, ig, IN_ROWS, tid)
         prime(base, count, ring)
         buf = 0
         for s in range(count):
@@ -478,7 +508,7 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
     P_PER = -(-cap * B_CH // THREADS)
     KS = TILE // (8 if FP32 else 16) // WS  # k steps (of k8 or k16) a warp a stage
     mma = mma_of(storage)
-    plan_patch, copy_patch = make_patch_copies(B_CH, BROW, P_PER, E)
+    plan_patch, copy_patch, _, _ = make_patch_copies(B_CH, BROW, cap, E)
     where, patch_row, tap_shift = make_tiles(QT)
 
     def zero_step(i, acc):
