@@ -38,7 +38,7 @@ from ..ptx.half2 import bf16_of_float, half2_of_floats, stored_as
 from ..ptx.ldmatrix import ldmatrix_x4_at, ldmatrix_x4_trans_at
 from ..ptx.mma import FULL_MASK, mma_bf16, mma_f16, pack
 from ..ptx.vector import load2
-from ..runtime.compile import inlined, unrolled
+from ..runtime.compile import divmod32, inlined, unrolled
 from ..runtime.launch import dynamic_shared
 
 TILE = 64  # rows of a query or key tile
@@ -185,20 +185,6 @@ def make_tile_parts(storage, D, cols=TILE, mt=1):
 
 
 @inlined
-def split(e, sub):
-    """(e // sub, e % sub) for 0 <= e < 2**31 and 0 < sub, in 32-bit unsigned arithmetic: a walk's
-    block and tile within it (Python's signed 64-bit floor division compiles to a call with
-    branches, a few hundred instructions on every step of a walk)."""
-    u, d = uint32(e), uint32(sub)
-    if d == 1:  # (blocks of one tile, or two: a uniform branch, no division)
-        return u, uint32(0)
-    if d == 2:
-        return uint32(u >> uint32(1)), uint32(u & uint32(1))
-    b = u // d
-    return b, uint32(u - b * d)
-
-
-@inlined
 def query_walk(row_ptr, blk_col, H, S, bs, QT, causal, keys):
     """(batch x head, first query, first block, tiles a block, key tiles walked) of this thread
     block's tile of QT queries (the longest causal rows first): its block-row's blocks of
@@ -271,7 +257,7 @@ def make_key_ring(copy_pair, stages, stage_bytes, visible=None, lag=1, keys=TILE
 
     @inlined
     def key_of(e, blk_col, first, sub, bs):
-        b, j = split(e, sub)
+        b, j = divmod32(e, sub)
         return blk_col[first + b] * bs + j * keys
 
     @inlined
@@ -293,7 +279,7 @@ def make_query_ring(copy_pair, stages, stage_bytes, levels, visible=None):
 
     @inlined
     def query_of(e, skip, blk_row, col_block, first, sub, bs):
-        b, j = split(e + skip, sub)
+        b, j = divmod32(e + skip, sub)
         return blk_row[col_block[first + b]] * bs + j * TILE
 
     @inlined

@@ -46,7 +46,7 @@ from ..ptx.cp_async import copy16_or_zero, copy16_to, make_ring, shared_address,
 from ..ptx.half2 import stored_as
 from ..ptx.ldmatrix import ldmatrix_x4_at, ldmatrix_x4_trans_at
 from ..ptx.mma import mma_3xtf32, mma_bf16, mma_f16
-from ..runtime.compile import inlined, unrolled
+from ..runtime.compile import divmod32, inlined, unrolled
 from ..runtime.launch import dynamic_shared
 
 TILE = 128  # output positions a thread block (forward) or a step (filter gradient)
@@ -144,16 +144,6 @@ def plan(ig, G, filter_grad=False, E=2, row_bytes=32):
     if filter_grad:
         return filter_shared(G, cap, E) <= SHARED_MAX
     return forward_shared(G, TRS, cap, row_bytes) <= SHARED_MAX
-
-
-@inlined
-def divmod32(a, b):
-    """(a // b, a % b) as int32, for 0 <= a < 2**31 and 0 < b, in 32-bit unsigned arithmetic: the
-    signed 64-bit division Python's operators compile to is a call with branches (a few hundred
-    instructions where a stage's walk divides by a runtime count)."""
-    u, d = uint32(a), uint32(b)
-    q = u // d
-    return int32(q), int32(u - q * d)
 
 
 def make_tiles(QT):

@@ -8,6 +8,8 @@ another. On a GPU their compiled code is kept on disk too, for the next process
 (`disk_cache`).
 """
 
+from numba import uint32
+
 _kernels = {}
 
 
@@ -71,3 +73,20 @@ def bounded(threads, blocks=1):
     if SIMULATOR:
         return cuda.jit
     return cuda.jit(launch_bounds=(int(threads), int(blocks)))
+
+
+def _divmod32(a, b):
+    """(a // b, a % b) as uint32, for 0 <= a < 2**31 and 0 < b, in 32-bit unsigned arithmetic:
+    Python's signed 64-bit floor division compiles to a call with branches, a few hundred
+    instructions where a walk divides by a runtime count on every step (a walk's block and tile
+    within it, a convolution's tile and stage). Divisors of 1 and 2 (a uniform branch) shift."""
+    u, d = uint32(a), uint32(b)
+    if d == 1:
+        return u, uint32(0)
+    if d == 2:
+        return uint32(u >> uint32(1)), uint32(u & uint32(1))
+    q = u // d
+    return q, uint32(u - q * d)
+
+
+divmod32 = inlined(_divmod32)

@@ -7,10 +7,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from numba import cuda
 
 from sparseblocks.attention import AttentionConfig, attention, attention_grad
-from sparseblocks.attention.fused import split
 from sparseblocks.layout import BlockLayout
 from sparseblocks.runtime.backend import SIMULATOR
 from sparseblocks.reference import attention as reference
@@ -107,26 +105,6 @@ def test_fused_kernels_match_the_twin(dtype, D, stages, causal, per_head, bs, bl
                              hopper_forward=hopper is not None, hopper_groups=groups, hopper_stages=hopper_stages,
                              hopper_forward_stages=forward_stages, hopper_forward_keys=keys)
     check_against_twin(dtype, causal, per_head, seed, (B, H, bs, blocks, D), config, empty_row=blocks > 1)
-
-
-@cuda.jit
-def _splits(out, subs):
-    e = cuda.threadIdx.x
-    for i in range(subs.shape[0]):
-        b, j = split(e, subs[i])
-        out[i, e, 0] = b
-        out[i, e, 1] = j
-
-
-def test_walk_split_is_floor_division():
-    """`fused.split`, a walk's (block, tile) of step e: shifts for 1 or 2 tiles a block, a 32-bit
-    division else, each Python's divmod."""
-    subs = np.array([1, 2, 3, 4, 7], np.int64)
-    out = np.zeros((len(subs), 40, 2), np.int64)
-    _splits[1, 40](out, subs)
-    e = np.arange(40)
-    for i, sub in enumerate(subs):
-        np.testing.assert_array_equal(out[i], np.stack([e // sub, e % sub], axis=1))
 
 
 def test_config_checks_its_fields():
