@@ -404,20 +404,16 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False, row_bytes=32):
         copy_placed(at + AROWS * ROW, x_at + placed[1], sources, c_first, tid)
 
     @inlined
-    def issue(s, at, f_at, x_at, jobs, placed, sources, grp_blk, blk_c0, ptr, per_tile, first_tile, ig, IN_ROWS,
-              tid):
-        """Stage s of this thread block's walk: tile first_tile + s // per_tile, then its blocks
-        and their slices."""
+    def issue(s, at, args):
+        """Stage s of this thread block's walk (`make_ring`'s issue): tile first_tile + s //
+        per_tile, then its blocks and their slices."""
+        f_at, x_at, jobs, placed, sources, grp_blk, blk_c0, ptr, per_tile, first_tile, ig, IN_ROWS, tid = args
         tile, rest = divmod32(s, per_tile)
         e = grp_blk[ptr + rest // NC]
         ch = rest % NC
         stage(at, f_at, x_at, jobs, placed, sources, e, ch, blk_c0[e] + CS * ch, first_tile + tile, ig, IN_ROWS, tid)
 
-    @inlined
-    def issue_ring(s, at, args):
-        issue(s, at, *args)
-
-    prime, advance = make_ring(issue_ring, STAGES, STAGE)
+    prime, advance = make_ring(issue, STAGES, STAGE)
 
     @cuda.jit
     def forward(out, x, f, grp_ptr, grp_blk, blk_c0, ig, N, OUT_ROWS, IN_ROWS, bias, edge, has_bias, tiles,

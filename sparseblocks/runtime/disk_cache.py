@@ -107,6 +107,7 @@ class KernelCache:
             payload = pickle.dumps(kernel._reduce_states(), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # (Numba cannot reduce it: compile it again next time)
             return
+        temporary = None
         try:
             os.makedirs(self.folder, exist_ok=True)
             handle, temporary = tempfile.mkstemp(dir=self.folder, suffix=".part")
@@ -114,10 +115,8 @@ class KernelCache:
                 f.write(payload)
             os.replace(temporary, self.path(sig))
         except OSError:  # (a read-only or full disk: the cache is an optimization)
-            try:
+            if temporary is not None and os.path.exists(temporary):
                 os.unlink(temporary)
-            except (OSError, UnboundLocalError):
-                pass
 
     def flush(self):  # (Numba's cache protocol)
         return None
