@@ -1,6 +1,6 @@
 """Attention's knobs: one frozen `AttentionConfig`, passed as ``config=``."""
 
-from ..runtime.tuning import config_checker, tuning
+from ..runtime.tuning import config_checker, default_field, tuning
 
 
 @tuning
@@ -16,15 +16,17 @@ class AttentionConfig:
     forward_keys: int = 32  # keys of a stage the forward scores at a time (32 or 64; 32: fewer registers)
     backward_stages: int = 2  # the same, for the fused backward's query (or key) tiles
     # The kernels on Hopper's wgmma (`hopper.py`) on sm_90, where they fit (head_dim 64 or 128):
-    # the backward's (1.25x the mma.sync ones, causal at 16384), the forward's (0.92x: off),
-    # warpgroups of 64 queries (keys) a thread block (1 where the block size takes no more), the
-    # backward's ring, and the forward's (3 or 4: it keeps a tile while it reads the next)
+    # the backward's (1.70x the mma.sync ones, causal at 16384), the forward's (1.46x), warpgroups
+    # of 64 queries (keys) a thread block (1 where the block size takes no more), the backward's
+    # ring, and the forward's (3 or 4: it keeps a tile while it reads the next)
     hopper: bool = True
-    hopper_forward: bool = False
+    hopper_forward: bool = True
     hopper_groups: int = 2
     hopper_stages: int = 2
     hopper_forward_stages: int = 3
-    hopper_forward_keys: int = 64  # keys a tile of the wgmma forward (128: where blocks take it)
+    # keys a tile of the wgmma forward, by head_dim (64 or 128; 128 where the blocks take it):
+    # causal 16384, 128 keys are 1.08x 64 at head_dim 128 and 0.91x at 64
+    hopper_forward_keys: dict = default_field({64: 64, 128: 128})
 
     def check(self):
         if self.forward_keys not in (32, 64):
@@ -33,8 +35,9 @@ class AttentionConfig:
             raise ValueError(f"warp_rows: expected 16 or 32, got {self.warp_rows}")
         if self.hopper_groups not in (1, 2):
             raise ValueError(f"hopper_groups: expected 1 or 2, got {self.hopper_groups}")
-        if self.hopper_forward_keys not in (64, 128):
-            raise ValueError(f"hopper_forward_keys: expected 64 or 128, got {self.hopper_forward_keys}")
+        for D, keys in self.hopper_forward_keys.items():
+            if keys not in (64, 128):
+                raise ValueError(f"hopper_forward_keys[{D}]: expected 64 or 128, got {keys}")
         if self.hopper_forward_stages not in (3, 4):
             raise ValueError(f"hopper_forward_stages: expected 3 or 4, got {self.hopper_forward_stages}")
         for name in ("stages", "backward_stages", "hopper_stages"):

@@ -85,10 +85,10 @@ class BsmmConfig:
     v6_multiply: bool = True
 
     # -- version 7 (Hopper: wgmma from a cp.async ring; fp16, bf16; sm_90) ----------------
-    v7_groups: dict = default_field({64: 2, 128: 2})  # warpgroups of a product's tile
-    v7_tiles: dict = default_field({64: 2, 128: 2})  # 64-row wgmma tiles a warpgroup of a product owns (1, 2)
+    v7_groups: dict = default_field({32: 1, 64: 2, 128: 2})  # warpgroups of a product's tile
+    v7_tiles: dict = default_field({32: 2, 64: 2, 128: 2})  # 64-row wgmma tiles a warpgroup of a product owns (1, 2)
     v7_k: int = 64  # k values a stage (64: one 128-byte row of the shared tiles' swizzle)
-    v7_stages: dict = default_field({64: 5, 128: 4})  # the product's ring: stages - 2 in flight ahead of the one multiplied
+    v7_stages: dict = default_field({32: 4, 64: 5, 128: 4})  # the product's ring: stages - 2 in flight ahead of the one multiplied
     # Warpgroups of a weight-gradient block's tile; absent: one a 64-row tile, or one of two tiles at
     # a block size of v7_wgrad_blocks (paired tiles: always one a tile)
     v7_wgrad_groups: dict = default_field({})

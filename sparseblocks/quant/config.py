@@ -16,7 +16,7 @@ class QuantConfig:
     dense_cols: int = 64  # outputs a thread block in a dense product; a block-sparse one takes a block's
     chunk_words: int = 16  # words of the word list staged in shared memory at a time (8 a b1 mma step)
     max_registers: int = None  # a cap on the tensor-core product's registers (ptxas), None for none
-    fused_acc: int = 0  # registers a thread the accumulators of all weight planes may take in one pass (0: a pass a plane)
+    fused_acc: int = 64  # registers a thread the accumulators of all weight planes may take in one pass (0: a pass a plane)
 
     def check(self):
         if not 1 <= self.pack_words <= 32:

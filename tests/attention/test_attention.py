@@ -84,7 +84,7 @@ def test_hopper_kernels_match_the_twin(monkeypatch, bs, blocks, groups, causal, 
     monkeypatch.setattr(hopper, "make_query_grads", lambda *key: made.append(key) or MAKE_QUERY_GRADS(*key))
     monkeypatch.setattr(hopper, "make_key_grads", lambda *key: made.append(key) or MAKE_KEY_GRADS(*key))
     config = AttentionConfig(hopper_forward=True, hopper_stages=2, hopper_groups=groups, backward_stages=2,
-                             hopper_forward_keys=keys)
+                             hopper_forward_keys={64: keys})
     check_against_twin("float16", causal, False, 11, (1, 1, bs, blocks, 64), config, empty_row=False, grads=grads)
     assert made == [("float16", 64, 3, groups, keys)] + [("float16", 64, 2, groups)] * (2 * grads)
 
@@ -103,7 +103,7 @@ def test_fused_kernels_match_the_twin(dtype, D, stages, causal, per_head, bs, bl
     groups, hopper_stages, forward_stages, keys = hopper or (2, 2, 3, 64)
     config = AttentionConfig(stages=stages, backward_stages=stages, hopper=hopper is not None,
                              hopper_forward=hopper is not None, hopper_groups=groups, hopper_stages=hopper_stages,
-                             hopper_forward_stages=forward_stages, hopper_forward_keys=keys)
+                             hopper_forward_stages=forward_stages, hopper_forward_keys={D: keys})
     check_against_twin(dtype, causal, per_head, seed, (B, H, bs, blocks, D), config, empty_row=blocks > 1)
 
 
@@ -114,6 +114,8 @@ def test_config_checks_its_fields():
         AttentionConfig(hopper_groups=3)
     with pytest.raises(ValueError, match="hopper_forward_stages"):
         AttentionConfig(hopper_forward_stages=2)
+    with pytest.raises(ValueError, match=r"hopper_forward_keys\[128\]"):
+        AttentionConfig(hopper_forward_keys={128: 32})
     with pytest.raises(TypeError, match="AttentionConfig"):
         attention(*(np.zeros((1, 1, 8, 4), np.float32),) * 3, BlockLayout.causal(1, block_size=8), config=3)
 
