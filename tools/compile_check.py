@@ -132,16 +132,28 @@ def check_v5(bs, storage, vector):
               f"{resources(ptx)}  {ptx.count('mma.sync')} mma{vector_loads(ptx)}")
 
 
-def bounds(version, bs, weight_grad):
+def bounds(version, bs, weight_grad, cfg=B):
     """The launch bounds version 7 builds a kernel with (`hopper_shapes.jit_for`), else None."""
     if version != 7:
         return None
     shapes = bsmm.hopper_shapes
-    groups = shapes.v7_shape(B, bs, weight_grad)[2]
-    blocks = shapes.resident(B, bs, weight_grad)
-    if shapes.producing(B, weight_grad, bs) and shapes.split_registers(B, groups, blocks, weight_grad) is not None:
-        return (shapes.v7_threads(B, bs, weight_grad), blocks)
+    groups = shapes.v7_shape(cfg, bs, weight_grad)[2]
+    blocks = shapes.resident(cfg, bs, weight_grad)
+    if shapes.producing(cfg, weight_grad, bs) and shapes.split_registers(cfg, groups, blocks, weight_grad) is not None:
+        return (shapes.v7_threads(cfg, bs, weight_grad), blocks)
     return None
+
+
+def wgrad_cases(version):
+    """(block size, config, the maker's extra args) of each weight gradient ``check_tiles`` builds:
+    version 6's at its products' block sizes; version 7's at 64 and 128, and its stacked tiles at 32 (4 blocks
+    on one warpgroup, 8 on two)."""
+    if version == 6:
+        return [(bs, B, ()) for bs in sorted(B.v6_tiles)]
+    shapes = bsmm.hopper_shapes
+    stacked = [(32, replace(B, v7_wgrad_stacks={32: n}, v7_wgrad_groups={32: g}), (shapes.STACKED,))
+               for n, g in ((4, 1), (8, 2))]
+    return [(bs, B, ()) for bs in shapes.V7_WGRAD_BLOCKS] + stacked
 
 
 def check_tiles(version):
@@ -152,7 +164,8 @@ def check_tiles(version):
         module, blocks, cc, instruction = bsmm.tiles, B.v6_tiles, CC, "mma.sync"
     else:
         module, blocks, cc, instruction = bsmm.hopper, B.v7_groups, (9, 0, "a"), "wgmma.mma_async"
-    product, weight_grad = getattr(module, f"make_product_v{version}"), getattr(module, f"make_weight_grad_v{version}")
+    product = getattr(module, f"make_product_v{version}")
+    weight_grad = bsmm.hopper_wgrad.make_weight_grad_v7 if version == 7 else module.make_weight_grad_v6
     storages = getattr(module, f"V{version}_STORAGE")
     count = lambda ptx: f"  {ptx.count(instruction)} {instruction.split('.')[0]}"  # noqa: E731
     maps = (types.uint8[::1],) * 2 if version == 7 else ()  # (the tensor maps of the bulk copies)
@@ -167,14 +180,18 @@ def check_tiles(version):
             name = f"product v{version} bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis}"
             results.append(check(name, kernel.py_func, signature, cc=cc, detail=count,
                                  launch_bounds=bounds(version, bs, False)))
+    for (bs, cfg, extra), storage in itertools.product(wgrad_cases(version), storages):
+        element = types.int16 if storage == "bfloat16" else types.float16
+        kind = extra[0] if extra else True
         for feature_axis, out in itertools.product((1, 0), (storage, "float32")):  # (dW in x's dtype or fp32)
-            kernel = weight_grad(B, bs, storage, types.float32, feature_axis, out)
+            kernel = weight_grad(cfg, bs, storage, types.float32, feature_axis, out, *extra)
             dw = types.float32 if out == "float32" else element
             signature = (dw[:, :, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, ::1],
                          types.int32[:, ::1], i64, i64, types.float64) + maps
-            results.append(check(f"weight_grad v{version} bs {bs} {storage} axis {feature_axis} dW {out}",
+            stack = f" stacks {cfg.v7_wgrad_stacks[bs]}" if extra else ""
+            results.append(check(f"weight_grad v{version} bs {bs}{stack} {storage} axis {feature_axis} dW {out}",
                                  kernel.py_func, signature, cc=cc, detail=count,
-                                 launch_bounds=bounds(version, bs, True)))
+                                 launch_bounds=bounds(version, bs, kind, cfg)))
     return results
 
 

@@ -99,6 +99,10 @@ class BsmmConfig:
     # (a tile of bs x 2 bs): {bs: stages of the ring}; absent: a block a thread block
     v7_wgrad_pairs: dict = default_field({64: 4})
     v7_wgrad_pairs_fill: int = 1  # ... where the pairs alone give this many thread blocks a multiprocessor (0: always)
+    # Weight gradients of n blocks of one block-column a thread block, stacked down a tile of n bs x bs
+    # (dy's columns read once for all; n of 2, 4 or 8), at block 32, where wgmma's 64 rows need two
+    # blocks at least: {bs: n}; warpgroups from v7_wgrad_groups, the ring v7_wgrad_stages; absent: version 6
+    v7_wgrad_stacks: dict = default_field({})
     # Products whose output lines are short (mean blocks a line <= "mean_blocks") on other tiles:
     # {bs: {"mean_blocks": m, field: value, ...}}, fields of SHORT_LINE_FIELDS (a table's value for bs,
     # v7_producer_registers itself); `dispatch.v7_config`. Block 128: one warpgroup of two 64-row
@@ -157,6 +161,11 @@ class BsmmConfig:
 
             if v7_check(self, bs, PAIRED):
                 raise ValueError(f"v7_wgrad_pairs[{bs}]: {v7_check(self, bs, PAIRED)}")
+        for bs in self.v7_wgrad_stacks:
+            from .hopper_shapes import STACKED
+
+            if v7_check(self, bs, STACKED):
+                raise ValueError(f"v7_wgrad_stacks[{bs}]: {v7_check(self, bs, STACKED)}")
         for bs, rule in self.v7_short_lines.items():
             if (not isinstance(rule, dict) or not rule.get("mean_blocks", 0) > 0
                     or not set(rule) - {"mean_blocks"} <= set(SHORT_LINE_FIELDS)):

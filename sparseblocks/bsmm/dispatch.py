@@ -43,8 +43,9 @@ from .weight_grad_simt import (
     make_weight_grad_v3,
     make_weight_grad_v4,
 )
-from .hopper import PAIRED, V7_STORAGE, V7_WGRAD_BLOCKS, make_product_v7, make_weight_grad_v7, persistent, v7_shape
+from .hopper import PAIRED, STACKED, V7_STORAGE, V7_WGRAD_BLOCKS, make_product_v7, persistent, v7_shape
 from .hopper import v7_threads
+from .hopper_wgrad import make_weight_grad_v7
 from .hopper_shapes import producing
 from .tiles import V6_STORAGE, make_product_v6, make_weight_grad_v6, v6_shape, v6_threads
 from .weight_grad_tensorcore import make_weight_grad_v5, v5_wgrad_blocks, v5_wgrad_warps
@@ -75,7 +76,8 @@ def product_family(cfg, version, bs, storage, tiles_fit=True):
 
 def weight_grad_family(cfg, version, bs, storage, feature_axis, tiles_fit=True):
     """The weight-gradient kernels a call runs (the dispatch table of the weight gradients)."""
-    if version == 7 and tiles_fit and bs in V7_WGRAD_BLOCKS and storage in V7_STORAGE and hopper():
+    if version == 7 and tiles_fit and (bs in V7_WGRAD_BLOCKS or bs in cfg.v7_wgrad_stacks) \
+            and storage in V7_STORAGE and hopper():
         return 7
     if version >= 6 and tiles_fit and bs in cfg.v6_wgrad_warps and storage in V6_STORAGE:
         return 6
@@ -402,6 +404,34 @@ def paired_wgrad(layout, cfg, bs):
     return pairs if len(pairs) >= cfg.v7_wgrad_pairs_fill * multiprocessors() else None
 
 
+def wgrad_stacks(layout, n):
+    """Version 7's stacked weight-gradient tiles (``v7_wgrad_stacks``): int32 rows (block-column,
+    n block-rows, n blocks), n blocks of one block-column each, in block order within the column;
+    a column's last tile padded with block -1 (its block-row the tile's first block's)."""
+    coords = np.asarray(layout.coords, np.int64).reshape(-1, 2)
+    rows = []
+    for col in np.unique(coords[:, 1]):
+        blocks = np.flatnonzero(coords[:, 1] == col)
+        for i in range(0, len(blocks), n):
+            tile = [int(b) for b in blocks[i:i + n]]
+            pad = n - len(tile)
+            rows.append((int(col), *(int(coords[b, 0]) for b in tile), *(int(coords[tile[0], 0]),) * pad,
+                         *tile, *(-1,) * pad))
+    return np.array(rows, np.int32).reshape(-1, 1 + 2 * n)
+
+
+def stacked_wgrad(layout, cfg, bs):
+    """The rows of `wgrad_stacks` where version 7's weight gradient stacks blocks
+    (``v7_wgrad_stacks`` names ``bs``); else None."""
+    n = cfg.v7_wgrad_stacks.get(bs)
+    if n is None:
+        return None
+    key = ("wgrad_stacks", n)
+    if key not in layout._schedules:
+        layout._schedules[key] = wgrad_stacks(layout, n)
+    return layout._schedules[key]
+
+
 def wgrad_splits(layout, n_rows, thread_blocks=None, cfg=DEFAULT, fill=4):
     """How many slices of N the weight gradient cuts each block's sum into (every version but 1):
     enough for ``fill`` thread blocks a multiprocessor, each at least 4 chunks of rows long."""
@@ -451,15 +481,17 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
             per_block = V4_WGRAD_THREADS // (bs // 8) ** 2 if v4 else 1
         thread_blocks = -(-layout.n_blocks // per_block)
     pairs = paired_wgrad(layout, cfg, bs) if v7 and group == 1 else None
-    if pairs is not None:  # two blocks of a block-row a thread block
-        coords = _on_device(layout, "wgrad_pairs", pairs, stream)
+    stacks = stacked_wgrad(layout, cfg, bs) if v7 and group == 1 and pairs is None else None
+    kind = True if pairs is None and stacks is None else PAIRED if stacks is None else STACKED
+    if kind is not True:  # two blocks of a block-row, or a stack of a block-column's, a thread block
+        coords = _on_device(layout, ("wgrad", kind, cfg.v7_wgrad_stacks.get(bs)),
+                            pairs if stacks is None else stacks, stream)
         thread_blocks = coords.shape[0]
     fill = cfg.v7_wgrad_fill if v7 else 4
     splits = wgrad_splits(layout, n_rows, thread_blocks, cfg, fill) if splits is None else max(1, int(splits))
     rows_per_split = -(-max(n_rows, 1) // splits)
     maps, makers = (), ()
     if v7:
-        kind = True if pairs is None else PAIRED
         cfg, maps, makers = _v7_maps(cfg, tma_maps(cfg, bs, kind, x_device, dy_device, n_rows, feature_axis, False,
                                                    stream))
     bulk = bool(makers)
@@ -473,10 +505,9 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
     workspace = x.scratch((splits, layout.n_blocks, bs * bs), acc, stream) if splits > 1 \
         else _unused_workspace(acc)
     if v6 or v7:
-        paired = pairs is not None
-        maker, threads = ((make_weight_grad_v7, v7_threads(cfg, bs, PAIRED if paired else True)) if v7
+        maker, threads = ((make_weight_grad_v7, v7_threads(cfg, bs, kind)) if v7
                           else (make_weight_grad_v6, v6_threads(cfg, bs, weight_grad=True)))
-        kernel = compiled(cfg, maker, bs, x.dtype, feature_axis, out, *((True,) if paired else ()))
+        kernel = compiled(cfg, maker, bs, x.dtype, feature_axis, out, *((kind,) if v7 and kind is not True else ()))
         args = (dw, workspace, x_device, dy_device, coords, n_rows, rows_per_split, beta, *maps)
     elif v5:
         values = v5_values(x.dtype)

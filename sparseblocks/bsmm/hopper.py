@@ -28,7 +28,8 @@ block-row; weight_grad: xᵀ by dy, one block of dW a tile). What differs is the
   walking the tiles round one ring) stage in 16 bits beside the ring (`make_staging16`), so the
   next tile's copies go on meanwhile.
 
-Shapes, shared memory and what a config may ask: `hopper_shapes.py`.
+Shapes, shared memory and what a config may ask: `hopper_shapes.py`; the weight-gradient
+kernels, built of this loop: `hopper_wgrad.py`.
 
 On an sm_90 GPU (`dispatch.hopper`), where the operands fit (`dispatch.tiles_fit`, as version 6);
 version 6 runs elsewhere. The simulator runs these kernels when a test asks (its wgmma is a
@@ -53,9 +54,9 @@ from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
 from .device import converters, grouped_tile, tile_of
 from .hopper_shapes import (  # noqa: F401 (re-exported: V7_BLOCKS, V7_STORAGE, v7_check, split_registers, ...)
-    ATOM, CHUNK, PAIRED, SM_SHARED, V7_BLOCKS, V7_STORAGE, V7_WGRAD_BLOCKS, barriers_at, hand_over, jit_for, persistent,
-    persistent_config, producing, resident, shared_bytes, split_registers, staged16_at, staged_shape, swizzle_of,
-    make_place, v7_check, v7_shape, v7_threads,
+    ATOM, CHUNK, PAIRED, SM_SHARED, STACKED, V7_BLOCKS, V7_STORAGE, V7_WGRAD_BLOCKS, barriers_at, hand_over,
+    jit_for, persistent, persistent_config, producing, resident, shared_bytes, split_registers, staged16_at,
+    staged_shape, swizzle_of, make_place, v7_check, v7_shape, v7_threads,
 )
 
 
@@ -627,165 +628,3 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
                                (from_acc(v[0]), from_acc(v[1]), from_acc(v[2]), from_acc(v[3])))
 
     return dynamic_shared(product_v7, shared_bytes(cfg, bs, False, feature_axis))
-
-
-def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=None, paired=False):
-    """dw[b] (+ beta·dw[b]) on version 7 tiles, a thread block a block, k along its N-split, as in
-    version 6 (`tiles.make_weight_grad_v6`): A = xᵀ and B = dy; with feature_axis 1 both are
-    MN-major (k = N down their rows), with 0 K-major.
-
-    ``paired`` (``v7_wgrad_pairs``): a thread block computes two blocks of one block-row, b0 and
-    b1, a tile of bs x 2 bs whose B is dy's two column-blocks side by side, so that x's columns
-    are read once for both; ``coords`` is then `dispatch.wgrad_pairs`' (row, column of b0,
-    column of b1, b0, b1), b1 -1 where a block-row's last block has no partner (its half of the
-    tile repeats b0's and is not stored)."""
-    WG = PAIRED if paired else True
-    _, BN, _, TILES, BK, _ = v7_shape(cfg, bs, WG)
-    ACC = BN // 2  # a 64-row tile's
-    ACC_ALL = TILES * ACC
-    MN = feature_axis == 1
-    to_acc, _ = converters(out_storage or storage, acc_type)  # (dW's own dtype)
-    from_acc = stored_of(out_storage or storage, acc_type)
-
-    @inlined
-    def keep_flags(keep, rows, cols, n0, n_end):
-        for i in range(len(keep)):
-            keep[i] = (n0 + (rows[i] if MN else cols[i])) < n_end
-
-    @inlined
-    def sources(s, where, a_keep, b_keep):
-        """Global addresses of stage s's first chunks (rows n0 = n_begin + s BK... of x and dy),
-        and the keep flags of its chunks."""
-        n_begin, n_end, x_base, dy_base, x_lead, dy_lead, a_row, a_col, b_row, b_col = where
-        n0 = n_begin + s * BK
-        keep_flags(a_keep, a_row, a_col, n0, n_end)
-        keep_flags(b_keep, b_row, b_col, n0, n_end)
-        x_stage = 2 * (int64(n0) * x_lead if MN else int64(n0))
-        dy_stage = 2 * (int64(n0) * dy_lead if MN else int64(n0))
-        return x_base + x_stage, dy_base + dy_stage
-
-    @inlined
-    def stage_sources(s, where):
-        """Global addresses of stage s's first chunks (rows n0 = n_begin + s BK... of x and dy)."""
-        n_begin, x_base, dy_base, x_lead, dy_lead = where[0], where[2], where[3], where[4], where[5]
-        n0 = n_begin + s * BK
-        x_stage = 2 * (int64(n0) * x_lead if MN else int64(n0))
-        dy_stage = 2 * (int64(n0) * dy_lead if MN else int64(n0))
-        return x_base + x_stage, dy_base + dy_stage
-
-    @inlined
-    def a_chunk(row, col, s, where):
-        """A chunk's offset from its stage's address, and whether its row of N is before the end."""
-        n0 = where[0] + s * BK
-        return 2 * (int64(row) * where[4] + col), n0 + (row if MN else col) < where[1]
-
-    @inlined
-    def b_chunk(row, col, s, where):
-        n0 = where[0] + s * BK
-        return 2 * (int64(row) * where[5] + col), n0 + (row if MN else col) < where[1]
-
-    @inlined
-    def boxes(s, where):
-        """Stage s's first boxes (`tma_maps`): x's and dy's at their block's first feature
-        (``where[6]``, ``where[7]``) and row n0 of N."""
-        n0 = int32(where[0] + s * BK)
-        if MN:
-            return int32(where[6]), n0, int32(where[7]), n0
-        return n0, int32(where[6]), n0, int32(where[7])
-
-    GROUPS = v7_shape(cfg, bs, WG)[2]
-    SPLIT = producing(cfg, True, bs) and not paired
-    THREADS = v7_threads(cfg, bs, WG)
-    copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split = make_hopper_loop(cfg, bs, storage, WG, MN, MN)
-    ring = make_ring(sources)
-    stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, WG, False, THREADS)
-    init, produce, consume, specialized = make_split(stage_sources, a_chunk, b_chunk, stage,
-                                                     boxes if SPLIT and cfg.v7_tma else None)
-
-    @jit_for(cfg, bs, GROUPS, WG)
-    def weight_grad_v7(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta, x_map, dy_map):
-        tid = cuda.threadIdx.x
-        group, thread = tid // WARPGROUP, tid % WARPGROUP
-        warp, lane = thread // 32, thread % 32
-        block = cuda.blockIdx.x
-        split = cuda.blockIdx.y
-        n_begin = split * rows_per_split
-        n_end = min(n_begin + rows_per_split, n_rows)
-        n_stages = max(0, (n_end - n_begin + BK - 1) // BK)
-        x_lead, dy_lead = int64(x.shape[1]), int64(dy.shape[1])
-        smem = cuda.shared.array(0, int32)
-        base = align_up(shared_address(smem, (0,)), ATOM)
-        if paired:  # dy's two column-blocks: each chunk's offset holds its block's first feature
-            x_base = signed_address(x, (0, coords[block, 0] * bs) if MN else (coords[block, 0] * bs, 0))
-            dy_base = signed_address(dy, (0, 0))
-        elif MN:  # x (N, C), dy (N, K): a stored row is a row of N (k)
-            x_base = signed_address(x, (0, coords[block, 0] * bs))
-            dy_base = signed_address(dy, (0, coords[block, 1] * bs))
-        else:  # x (C, N), dy (K, N): a stored row is a feature, N runs along it
-            x_base = signed_address(x, (coords[block, 0] * bs, 0))
-            dy_base = signed_address(dy, (coords[block, 1] * bs, 0))
-        if SPLIT:
-            x_at, dy_at = signed_address(x, (0, 0)), signed_address(dy, (0, 0))
-            maps = (global_address(x_map, (0,)), x_at, global_address(dy_map, (0,)), dy_at)
-            where = (n_begin, n_end, x_base, dy_base, x_lead, dy_lead, coords[block, 0] * bs, coords[block, 1] * bs)
-            specialized(shared_address(smem, (0,)), base, tid, n_stages, where, cuda.shared.array(0, float32), maps)
-        else:
-            a_from = cuda.local.array(A_PER, int64)
-            a_to = cuda.local.array(A_PER, int32)
-            a_row = cuda.local.array(A_PER, int32)
-            a_col = cuda.local.array(A_PER, int32)
-            a_keep = cuda.local.array(A_PER, int32)
-            b_from = cuda.local.array(B_PER, int64)
-            b_to = cuda.local.array(B_PER, int32)
-            b_row = cuda.local.array(B_PER, int32)
-            b_col = cuda.local.array(B_PER, int32)
-            b_keep = cuda.local.array(B_PER, int32)
-            copy_plan(tid, a_to, b_to, a_row, a_col, b_row, b_col)
-            for i in range(A_PER):
-                a_from[i] = 2 * (int64(a_row[i]) * x_lead + a_col[i])
-            for i in range(B_PER):
-                if paired:  # the tile's columns from bs on are b1's
-                    if MN:
-                        k = b_col[i] + (coords[block, 1] * bs if b_col[i] < bs else coords[block, 2] * bs - bs)
-                        b_from[i] = 2 * (int64(b_row[i]) * dy_lead + k)
-                    else:
-                        k = b_row[i] + (coords[block, 1] * bs if b_row[i] < bs else coords[block, 2] * bs - bs)
-                        b_from[i] = 2 * (int64(k) * dy_lead + b_col[i])
-                else:
-                    b_from[i] = 2 * (int64(b_row[i]) * dy_lead + b_col[i])
-            desc_a, desc_b = descriptors(base, group)
-            acc = cuda.local.array(ACC_ALL, float32)
-            for i in range(ACC_ALL):
-                acc[i] = float32(0)
-
-            ring(acc, base, tid, n_stages,
-                 (n_begin, n_end, x_base, dy_base, x_lead, dy_lead, a_row, a_col, b_row, b_col),
-                 a_from, a_to, b_from, b_to, a_keep, b_keep, desc_a, desc_b)
-
-            cuda.syncthreads()  # every warpgroup's wgmmas have read the ring
-            staged = cuda.shared.array(0, float32)
-            stage(acc, staged, group * TILES * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4))
-            cuda.syncthreads()
-        staged = cuda.shared.array(0, float32)
-        for i in range(OUT_PER):
-            r, c = chunk(tid, i)
-            out = block
-            if paired:  # (the tile's second half is b1's)
-                out = coords[block, 3] if c < bs else coords[block, 4]
-            cc = c if c < bs else c - bs
-            if r >= 0 and out >= 0:
-                v = load4(staged, (r * PITCH + c,))
-                if workspace.shape[0] > 1:  # this N-split's sums, which the combine kernel adds in order
-                    store4(workspace, (split, out, r * bs + cc), v)
-                else:
-                    v0, v1, v2, v3 = v
-                    if beta != 0:
-                        b = acc_type(beta)
-                        o0, o1, o2, o3 = load4(dw, (out, r, cc))
-                        v0 += b * to_acc(o0)
-                        v1 += b * to_acc(o1)
-                        v2 += b * to_acc(o2)
-                        v3 += b * to_acc(o3)
-                    store4(dw, (out, r, cc), (from_acc(v0), from_acc(v1), from_acc(v2), from_acc(v3)))
-
-    return dynamic_shared(weight_grad_v7, shared_bytes(cfg, bs, WG))

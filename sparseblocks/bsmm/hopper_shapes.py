@@ -15,17 +15,24 @@ from ..runtime.compile import bounded, inlined
 V7_STORAGE = ("float16", "bfloat16")
 V7_BLOCKS = (32, 64, 128)  # a product's block side: 64 values of k a stage, or a block of 32 (64-byte swizzle rows)
 V7_WGRAD_BLOCKS = (64, 128)  # a weight gradient's: whole 64-row warpgroups
+V7_STACK_BLOCKS = (32,)  # a weight gradient's of blocks stacked down a tile (``v7_wgrad_stacks``)
 CHUNK = 8  # 16-bit values a 16-byte chunk
 SWIZZLE_K = 64  # values of k a stage: one 128-byte row of a swizzle atom
 ATOM = 1024  # a 128-byte-swizzled atom: 8 rows of 128 bytes
 
 
 PAIRED = "pairs"  # weight_grad's value for a weight gradient of two blocks a tile (``v7_wgrad_pairs``)
+STACKED = "stacks"  # ... of blocks of one block-column stacked down a tile (``v7_wgrad_stacks``)
 
 
 def v7_shape(cfg, bs, weight_grad=False):
     """(BM, BN, warpgroups, 64-row tiles a warpgroup, BK, stages) of a version 7 tile
-    (``weight_grad``: False, True, or `PAIRED` for two blocks of one block-row a tile)."""
+    (``weight_grad``: False, True, `PAIRED` for two blocks of one block-row a tile, or `STACKED`
+    for ``v7_wgrad_stacks[bs]`` blocks of one block-column, their rows of x stacked)."""
+    if weight_grad == STACKED:  # (by default a warpgroup a 64-row tile)
+        BM = cfg.v7_wgrad_stacks.get(bs, 0) * bs
+        groups = cfg.v7_wgrad_groups.get(bs, max(BM // WGMMA_M, 1))
+        return BM, bs, groups, BM // WGMMA_M // max(groups, 1), cfg.v7_wgrad_k, cfg.v7_wgrad_stages
     if weight_grad:
         paired = weight_grad == PAIRED
         # (by default a warpgroup a 64-row tile; one of two tiles where two thread blocks share a
@@ -84,13 +91,13 @@ def producing(cfg, weight_grad, bs):
     tiles, ``v7_wgrad_pairs``, always run the barrier ring)."""
     if not weight_grad:
         return cfg.v7_producer
-    return weight_grad != PAIRED and (cfg.v7_wgrad_producer or bs in cfg.v7_wgrad_blocks)
+    return weight_grad not in (PAIRED, STACKED) and (cfg.v7_wgrad_producer or bs in cfg.v7_wgrad_blocks)
 
 
 def resident(cfg, bs, weight_grad):
     """Thread blocks a multiprocessor a warp-specialized kernel is built for (``v7_blocks``,
-    ``v7_wgrad_blocks``; 1 where the config names none, and for paired weight-gradient tiles)."""
-    if weight_grad == PAIRED:
+    ``v7_wgrad_blocks``; 1 where the config names none, and for paired or stacked weight-gradient tiles)."""
+    if weight_grad in (PAIRED, STACKED):
         return 1
     return (cfg.v7_wgrad_blocks if weight_grad else cfg.v7_blocks).get(bs, 1)
 
@@ -169,11 +176,15 @@ def v7_check(cfg, bs, weight_grad=False):
     """Why a block size's version 7 tiles cannot be built under ``cfg`` ('' where they can)."""
     if not weight_grad and bs not in cfg.v7_groups:
         return f"no version 7 tile for block {bs}"
-    if bs not in (V7_WGRAD_BLOCKS if weight_grad else V7_BLOCKS):
-        return f"block {bs}: version 7 takes blocks of {V7_WGRAD_BLOCKS if weight_grad else V7_BLOCKS}"
+    sizes = V7_STACK_BLOCKS if weight_grad == STACKED else V7_WGRAD_BLOCKS if weight_grad else V7_BLOCKS
+    if bs not in sizes:
+        return f"block {bs}: version 7 takes blocks of {sizes}"
+    if weight_grad == STACKED and cfg.v7_wgrad_stacks.get(bs) not in (2, 4, 8):
+        return f"v7_wgrad_stacks[{bs}]: expected 2, 4 or 8 blocks a tile, got {cfg.v7_wgrad_stacks.get(bs)!r}"
     BM, BN, GROUPS, TILES, BK, STAGES = v7_shape(cfg, bs, weight_grad)
-    if BK != min(bs, SWIZZLE_K):
-        return f"k {BK}: version 7 stages {min(bs, SWIZZLE_K)} values of k (a swizzle row, or a block of 32)"
+    k = SWIZZLE_K if weight_grad == STACKED else min(bs, SWIZZLE_K)
+    if BK != k:
+        return f"k {BK}: version 7 stages {k} values of k (a swizzle row, or a block of 32)"
     if not 3 <= STAGES <= 6:
         name = (f"v7_wgrad_pairs[{bs}]" if weight_grad == PAIRED else "v7_wgrad_stages") if weight_grad \
             else f"v7_stages[{bs}]"
@@ -182,10 +193,10 @@ def v7_check(cfg, bs, weight_grad=False):
         return f"{name}: expected 3 to 6 stages, got {STAGES}{fit}"
     if not 1 <= GROUPS <= 4:
         return f"block {bs}: {GROUPS} warpgroups, expected 1 to 4"
-    if TILES not in (1, 2) or (weight_grad and GROUPS * TILES * WGMMA_M != bs):
+    if TILES not in (1, 2) or (weight_grad and GROUPS * TILES * WGMMA_M != BM):
         what = f"{GROUPS} warpgroups of {TILES} 64-row tiles"
         return f"block {bs}: {what}, expected 1 or 2 tiles a warpgroup" + (
-            f" and {bs} rows in all" if weight_grad else "")
+            f" and {BM} rows in all" if weight_grad else "")
     if shared_bytes(cfg, bs, weight_grad, 0) > cfg.v6_max_shared:  # (feature_axis 0: never persistent)
         return f"block {bs}: {shared_bytes(cfg, bs, weight_grad, 0)} bytes of shared memory over v6_max_shared"
     if not weight_grad and bs in cfg.v7_persistent:
@@ -202,7 +213,7 @@ def v7_check(cfg, bs, weight_grad=False):
         shared = shared_bytes(cfg, bs, weight_grad, 1)
         if blocks * (shared + 1024) > SM_SHARED:
             return f"{name}: {blocks} thread blocks of {shared} bytes of shared memory do not fit a multiprocessor"
-    if producing(cfg, weight_grad, bs) and weight_grad != PAIRED:
+    if producing(cfg, weight_grad, bs):
         for name in ("v7_wgrad_producer_registers",) if weight_grad else ("v7_producer_registers",):
             if not (24 <= getattr(cfg, name) <= 256 and getattr(cfg, name) % 8 == 0):
                 return f"{name}: expected a multiple of 8 from 24 to 256, got {getattr(cfg, name)}"

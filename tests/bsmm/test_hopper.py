@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparseblocks import bsmm
-from sparseblocks.bsmm import hopper
+from sparseblocks.bsmm import hopper, hopper_wgrad
 from sparseblocks.bsmm.dispatch import hopper as on_hopper
 from sparseblocks.layout import BlockLayout
 from sparseblocks.runtime import compile as compile_cache
@@ -26,7 +26,7 @@ CASES = [(bs, dtype) for bs in (64, 128) for dtype in ("float16", "bfloat16")]
 
 def ran_hopper():
     made = [key[0] for key in compile_cache._kernels]
-    return made.count(hopper.make_product_v7), made.count(hopper.make_weight_grad_v7)
+    return made.count(hopper.make_product_v7), made.count(hopper_wgrad.make_weight_grad_v7)
 
 
 def draw_operands(data, block_size, dtype, feature_axis, max_blocks):
@@ -63,18 +63,23 @@ BLOCK_32 = replace(bsmm.DEFAULT, v7_groups={32: 2, 64: 2, 128: 2}, v7_tiles={32:
 @gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @settings(max_examples=12, deadline=None)
-@given(data=st.data(), feature_axis=st.sampled_from([1, 0]), producer=st.booleans())
-def test_block_32_products_match_reference(data, dtype, feature_axis, producer):
+@given(data=st.data(), feature_axis=st.sampled_from([1, 0]), producer=st.booleans(),
+       stacks=st.sampled_from([(2, 1), (4, 1), (4, 2), (8, 2), (8, 4)]))
+def test_block_32_products_match_reference(data, dtype, feature_axis, producer, stacks):
     """Blocks of 32 on version 7 (`BLOCK_32`: wgmma m64n32k16, the 64-byte swizzle), warp-specialized
-    or on the barrier ring: the forward and the input gradient (weight gradients stay on version 6)."""
+    or on the barrier ring: the forward and the input gradient; the weight gradient's blocks of a
+    block-column stacked down a tile (``v7_wgrad_stacks``: ``stacks`` blocks on warpgroups), with N-splits."""
     layout, w, xa, dya = draw_operands(data, 32, dtype, feature_axis, 5)
-    cfg = replace(BLOCK_32, v7_producer=producer)
+    cfg = replace(BLOCK_32, v7_producer=producer, v7_wgrad_stacks={32: stacks[0]}, v7_wgrad_groups={32: stacks[1]})
     with poisoned_outputs():
         y = bsmm.forward(xa, w, layout, feature_axis, version=7, config=cfg)
         dx = bsmm.input_grad(dya, w, layout, feature_axis, version=7, config=cfg)
-        dw = bsmm.weight_grad(xa, dya, layout, feature_axis, version=7, config=cfg)
+        dw = bsmm.weight_grad(xa, dya, layout, feature_axis, version=7, config=cfg,
+                              splits=data.draw(st.sampled_from([None, 1, 3]), label="splits"))
     assert_products(y, dx, dw, xa, dya, w, layout, feature_axis, dtype)
-    assert any(key[0] is hopper.make_product_v7 and key[2] == 32 for key in compile_cache._kernels)
+    made = [key for key in compile_cache._kernels if key[2] == 32]
+    assert any(key[0] is hopper.make_product_v7 for key in made)
+    assert any(key[0] is hopper_wgrad.make_weight_grad_v7 and key[-1] == hopper.STACKED for key in made)
 
 
 PRODUCER = replace(bsmm.DEFAULT, v7_producer=True, v7_wgrad_producer=True, v7_persistent={})
@@ -201,10 +206,10 @@ def test_hopper_products_replay_in_a_cuda_graph():
 
 @pytest.mark.parametrize("fields, message", [
     (dict(v7_groups={128: 5}), "warpgroups"),
-    (dict(v7_groups={32: 2}), "v7_stages\\[32\\]: expected 3 to 6 stages"),
+    (dict(v7_groups={32: 2}, v7_stages={64: 5, 128: 4}), "v7_stages\\[32\\]: expected 3 to 6 stages"),
     (dict(v7_groups={16: 1}, v7_stages={16: 3}), "blocks of \\(32, 64, 128\\)"),
     (dict(v7_k=32), "swizzle row"),
-    (dict(v7_stages={64: 7, 128: 4}), "v7_stages\\[64\\]"),
+    (dict(v7_stages={32: 4, 64: 7, 128: 4}), "v7_stages\\[64\\]"),
     (dict(v7_wgrad_k=32), "swizzle row"),
     (dict(v7_tiles={128: 3}), "1 or 2 tiles"),
     (dict(v7_wgrad_groups={128: 4}), "128 rows in all"),
@@ -220,6 +225,10 @@ def test_hopper_products_replay_in_a_cuda_graph():
     (dict(v7_blocks={128: 2}), "v7_blocks\\[128\\].*do not fit a multiprocessor"),
     (dict(v7_blocks={128: 2}, v7_producer=False), "of warp-specialized kernels"),
     (dict(v7_wgrad_blocks={32: 2}), "v7_wgrad_blocks: expected block sizes"),
+    (dict(v7_wgrad_stacks={64: 2}), "v7_wgrad_stacks\\[64\\]: block 64: version 7 takes blocks of \\(32,\\)"),
+    (dict(v7_wgrad_stacks={32: 3}), "v7_wgrad_stacks\\[32\\]: expected 2, 4 or 8 blocks a tile, got 3"),
+    (dict(v7_wgrad_stacks={32: 4}, v7_wgrad_groups={32: 4}), "128 rows in all"),
+    (dict(v7_wgrad_stacks={32: 8}, v7_wgrad_groups={32: 1}), "1 warpgroups of 4 64-row tiles"),
 ])
 def test_config_refuses_hopper_tiles_the_kernels_cannot_take(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -461,3 +470,50 @@ def test_short_lines_run_the_two_block_products_in_the_simulator(monkeypatch):
     assert ran_hopper()[0] == before + 2
     assert_close(np.asarray(y), reference.forward(x, w, layout), "float16", "forward")
     assert_close(np.asarray(dx), reference.input_grad(dy, w, layout), "float16", "input_grad")
+
+
+def test_stacked_weight_gradient_tiles_cover_each_block_once():
+    """`dispatch.wgrad_stacks`: each block-column's blocks in order, n a tile, the last tile of a
+    column padded with block -1 at its first block's row; the tile's shape (n bs rows)."""
+    from sparseblocks.bsmm import dispatch
+
+    layout = BlockLayout(np.array([[1, 1, 0], [0, 1, 1], [1, 1, 0]]), 32)
+    coords = np.asarray(layout.coords).reshape(-1, 2)
+    stacks = dispatch.wgrad_stacks(layout, 2)
+    assert stacks.shape[1] == 5
+    for column, r0, r1, b0, b1 in stacks:
+        assert tuple(coords[b0]) == (r0, column) and (b1 == -1 and r1 == r0 or tuple(coords[b1]) == (r1, column))
+    blocks = sorted(int(b) for b in stacks[:, 3:].ravel() if b >= 0)
+    assert blocks == list(range(layout.n_blocks)) and len(stacks) == 1 + 2 + 1
+    cfg = replace(bsmm.DEFAULT, v7_wgrad_stacks={32: 8}, v7_wgrad_groups={32: 2})
+    assert hopper.v7_shape(cfg, 32, hopper.STACKED) == (256, 32, 2, 2, 64, cfg.v7_wgrad_stages)
+    assert not hopper.producing(cfg, hopper.STACKED, 32) and hopper.v7_threads(cfg, 32, hopper.STACKED) == 256
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
+@pytest.mark.parametrize("feature_axis, stack, splits", [(1, 2, 1), (0, 4, 2)])
+def test_stacked_weight_grad_runs_in_the_simulator(monkeypatch, feature_axis, stack, splits):
+    """``v7_wgrad_stacks`` at block 32: a block-column's blocks stacked down one warpgroup's tile
+    (2 blocks: a 64-row tile; 4: two), dy's columns read once for them all, a column of three
+    blocks leaving a slot empty (not stored); into an ``out`` with beta, in place or through the
+    N-splits' combine."""
+    from numba import cuda
+
+    from sparseblocks.bsmm import dispatch
+    from sparseblocks.reference import bsmm as reference
+    from strategies import assert_close
+
+    monkeypatch.setattr(dispatch, "hopper", lambda: True)
+    cfg = replace(bsmm.DEFAULT, v7_wgrad_stacks={32: stack}, v7_wgrad_groups={32: 1}, v7_wgrad_stages=3)
+    layout = BlockLayout(np.array([[1, 1], [1, 0], [1, 1]]), 32)
+    rng = np.random.default_rng(11)
+    n = 72
+    x, dy = values(rng, (n, 96), "float16"), values(rng, (n, 64), "float16")
+    out = values(rng, layout.w_shape, "float16")
+    expected = reference.weight_grad(x, dy, layout) + 0.5 * out.astype(np.float64)
+    before = ran_hopper()[1]
+    out_device = cuda.to_device(out)
+    bsmm.weight_grad(cuda.to_device(to_axis(x, feature_axis)), cuda.to_device(to_axis(dy, feature_axis)), layout,
+                     feature_axis, out=out_device, beta=0.5, version=7, splits=splits, config=cfg)
+    assert ran_hopper()[1] == before + 1
+    assert_close(out_device.copy_to_host(), expected, "float16", "weight_grad", terms=n + 1)
