@@ -232,11 +232,13 @@ def test_config_refuses_tiles_the_kernels_cannot_take(fields, match):
 
 def test_weight_planes_share_a_pass_where_their_accumulators_fit():
     """`plane_passes`: every weight plane in one pass where w_bits x (mma tiles) x 4 registers fit
-    ``fused_acc`` (W2A2 on 4 x 2 warps of 64 outputs: 64), else a pass a plane; one plane, one pass."""
+    ``fused_acc`` (W2A2 on 4 x 2 warps of 64 outputs: 64, the default), else a pass a plane; one
+    plane, one pass."""
     from sparseblocks.quant.tensorcore import plane_passes
 
     cfg = quant.QuantConfig(fused_acc=64)
     assert plane_passes(cfg, 2, 2, 64, 4, 2) == (2, 1)
     assert plane_passes(cfg, 4, 4, 64, 4, 2) == (1, 4)  # (256 registers)
     assert plane_passes(cfg, 1, 1, 64, 4, 2) == (1, 1)
-    assert plane_passes(quant.QuantConfig(), 2, 2, 64, 4, 2) == (1, 2)
+    assert plane_passes(quant.QuantConfig(), 2, 2, 64, 4, 2) == (2, 1)
+    assert plane_passes(quant.QuantConfig(fused_acc=0), 2, 2, 64, 4, 2) == (1, 2)
