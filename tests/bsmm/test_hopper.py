@@ -427,6 +427,13 @@ def test_hopper_paired_weight_grad_runs_in_the_simulator(monkeypatch, feature_ax
     """``v7_wgrad_pairs``: two blocks of a block-row a thread block (x's columns read once for
     both), a row of three blocks leaving one alone (its tile's second half not stored); into an
     ``out`` with beta, in place or through the N-splits' combine."""
+    weight_grad_into_out(monkeypatch, replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 3}),
+                         BlockLayout(np.array([[1, 1, 0], [0, 0, 1], [1, 1, 1]]), 64), feature_axis, splits, 9)
+
+
+def weight_grad_into_out(monkeypatch, cfg, layout, feature_axis, splits, seed, n=72):
+    """Version 7's weight gradient under ``cfg`` in the simulator, into an ``out`` with beta 0.5
+    (``splits`` N-splits), against the reference."""
     from numba import cuda
 
     from sparseblocks.bsmm import dispatch
@@ -434,11 +441,9 @@ def test_hopper_paired_weight_grad_runs_in_the_simulator(monkeypatch, feature_ax
     from strategies import assert_close
 
     monkeypatch.setattr(dispatch, "hopper", lambda: True)
-    cfg = replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 3})
-    layout = BlockLayout(np.array([[1, 1, 0], [0, 0, 1], [1, 1, 1]]), 64)
-    rng = np.random.default_rng(9)
-    n = 72
-    x, dy = values(rng, (n, 192), "float16"), values(rng, (n, 192), "float16")
+    rng = np.random.default_rng(seed)
+    C, K = layout.dense_shape
+    x, dy = values(rng, (n, C), "float16"), values(rng, (n, K), "float16")
     out = values(rng, layout.w_shape, "float16")
     expected = reference.weight_grad(x, dy, layout) + 0.5 * out.astype(np.float64)
     before = ran_hopper()[1]
@@ -497,23 +502,6 @@ def test_stacked_weight_grad_runs_in_the_simulator(monkeypatch, feature_axis, st
     (2 blocks: a 64-row tile; 4: two), dy's columns read once for them all, a column of three
     blocks leaving a slot empty (not stored); into an ``out`` with beta, in place or through the
     N-splits' combine."""
-    from numba import cuda
-
-    from sparseblocks.bsmm import dispatch
-    from sparseblocks.reference import bsmm as reference
-    from strategies import assert_close
-
-    monkeypatch.setattr(dispatch, "hopper", lambda: True)
     cfg = replace(bsmm.DEFAULT, v7_wgrad_stacks={32: stack}, v7_wgrad_groups={32: 1}, v7_wgrad_stages=3)
-    layout = BlockLayout(np.array([[1, 1], [1, 0], [1, 1]]), 32)
-    rng = np.random.default_rng(11)
-    n = 72
-    x, dy = values(rng, (n, 96), "float16"), values(rng, (n, 64), "float16")
-    out = values(rng, layout.w_shape, "float16")
-    expected = reference.weight_grad(x, dy, layout) + 0.5 * out.astype(np.float64)
-    before = ran_hopper()[1]
-    out_device = cuda.to_device(out)
-    bsmm.weight_grad(cuda.to_device(to_axis(x, feature_axis)), cuda.to_device(to_axis(dy, feature_axis)), layout,
-                     feature_axis, out=out_device, beta=0.5, version=7, splits=splits, config=cfg)
-    assert ran_hopper()[1] == before + 1
-    assert_close(out_device.copy_to_host(), expected, "float16", "weight_grad", terms=n + 1)
+    weight_grad_into_out(monkeypatch, cfg, BlockLayout(np.array([[1, 1], [1, 0], [1, 1]]), 32), feature_axis,
+                         splits, 11)
