@@ -137,7 +137,7 @@ def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[
     fused_call = _fused(cfg, dtype, D, bs, (qd, kd, vd))
     groups = _hopper_groups(cfg, dtype, D, bs, cfg.hopper_forward) if fused_call else 0
     if groups:
-        keys = cfg.hopper_forward_keys.get(D, fused.TILE)  # (64 where the blocks or shared memory take no more)
+        keys = cfg.wgmma_keys(D)  # (64 where the blocks or shared memory take no more)
         keys = fused.TILE if hopper.fits(dtype, D, bs, groups, keys, cfg.hopper_forward_stages) else keys
         kernel = cached(hopper.make_forward, dtype, D, cfg.hopper_forward_stages, groups, keys)
         if B * H * S:

@@ -24,9 +24,9 @@ class AttentionConfig:
     hopper_groups: int = 2
     hopper_stages: int = 2
     hopper_forward_stages: int = 3
-    # keys a tile of the wgmma forward, by head_dim (64 or 128; 128 where the blocks take it):
-    # causal 16384, 128 keys are 1.08x 64 at head_dim 128 and 0.91x at 64
-    hopper_forward_keys: dict = default_field({64: 64, 128: 128})
+    # keys a tile of the wgmma forward, by head_dim (64 or 128; 128 where the blocks take it), or
+    # one int for every head_dim: causal 16384, 128 keys are 1.08x 64 at head_dim 128 and 0.91x at 64
+    hopper_forward_keys: dict | int = default_field({64: 64, 128: 128})
 
     def check(self):
         if self.forward_keys not in (32, 64):
@@ -35,14 +35,22 @@ class AttentionConfig:
             raise ValueError(f"warp_rows: expected 16 or 32, got {self.warp_rows}")
         if self.hopper_groups not in (1, 2):
             raise ValueError(f"hopper_groups: expected 1 or 2, got {self.hopper_groups}")
-        for D, keys in self.hopper_forward_keys.items():
+        table = self.hopper_forward_keys
+        if not isinstance(table, (dict, int)) or isinstance(table, bool):
+            raise TypeError(f"hopper_forward_keys: expected {{head_dim: keys}} or an int, got {table!r}")
+        for D, keys in (table.items() if isinstance(table, dict) else [("*", table)]):
             if keys not in (64, 128):
-                raise ValueError(f"hopper_forward_keys[{D}]: expected 64 or 128, got {keys}")
+                raise ValueError(f"hopper_forward_keys[{D}]: expected 64 or 128, got {keys!r}")
         if self.hopper_forward_stages not in (3, 4):
             raise ValueError(f"hopper_forward_stages: expected 3 or 4, got {self.hopper_forward_stages}")
         for name in ("stages", "backward_stages", "hopper_stages"):
             if not 2 <= getattr(self, name) <= 4:
                 raise ValueError(f"{name}: expected 2 to 4, got {getattr(self, name)}")
+
+    def wgmma_keys(self, head_dim):
+        """The wgmma forward's keys a tile at ``head_dim`` (64 where the table names none)."""
+        table = self.hopper_forward_keys
+        return table if isinstance(table, int) else table.get(head_dim, 64)
 
 
 DEFAULT = AttentionConfig()

@@ -116,6 +116,10 @@ def test_config_checks_its_fields():
         AttentionConfig(hopper_forward_stages=2)
     with pytest.raises(ValueError, match=r"hopper_forward_keys\[128\]"):
         AttentionConfig(hopper_forward_keys={128: 32})
+    with pytest.raises(TypeError, match="hopper_forward_keys: expected"):
+        AttentionConfig(hopper_forward_keys="128")
+    assert AttentionConfig(hopper_forward_keys=128).wgmma_keys(64) == 128
+    assert AttentionConfig().wgmma_keys(64) == 64 and AttentionConfig().wgmma_keys(128) == 128
     with pytest.raises(TypeError, match="AttentionConfig"):
         attention(*(np.zeros((1, 1, 8, 4), np.float32),) * 3, BlockLayout.causal(1, block_size=8), config=3)
 
