@@ -1,5 +1,6 @@
-"""fp16 operations Numba does not offer: ``add_half2(a, b)``, ``floats_of_half2(word)``,
-``atomic_add_half(array, index, value)`` and ``atomic_add_half2(words, index, word)``.
+"""fp16 operations Numba does not offer: ``add_half2(a, b)``, ``greater_half2(a, b)``,
+``half2_down(value)``, ``floats_of_half2(word)``, ``atomic_add_half(array, index, value)`` and
+``atomic_add_half2(words, index, word)``.
 
 ``add_half2``: ``a`` and ``b`` are 32-bit words, each the bits of two neighbouring fp16
 values (an fp16 array viewed as int32); the result is the word of their two
@@ -18,6 +19,13 @@ waits for the load (`sbnet`'s transposing row copies).
 ``half2_of_floats(lo, hi)``: the word of two float32 values rounded to fp16 (``lo`` in the
 low half; ``cvt.rn.f16x2.f32``), for a kernel that writes fp16 results as words or 16-byte
 vectors of them (`gather_matmul`'s output tile).
+
+``greater_half2(a, b)``: the word whose halves are 1.0 where a's half is greater than b's, else
+0.0 (``set.gt.f16x2.f16x2``; a NaN compares false), for comparisons and counts of two fp16
+values an instruction (summed with ``add_half2``: small counts are exact). ``half2_down(value)``:
+float32 ``value`` rounded toward minus infinity to fp16 (``cvt.rm.f16.f32``), in both halves of a
+word: for an fp16 x, ``x > value`` exactly when ``x > half2_down(value)``'s half, since no fp16
+lies between the rounded value and ``value`` (past fp16's range: 65504 above, minus infinity below).
 
 ``bf16_of_float(value)``: the bits (int16) of float32 ``value`` rounded to bf16, to nearest even
 (``cvt.rn.bf16.f32``, sm_80 and later): one instruction where the integer rounding takes about
@@ -61,6 +69,19 @@ if SIMULATOR:
 
     def half2_of_floats(lo, hi):
         return np.int32(np.array([lo, hi], np.float32).astype(np.float16).view(np.int32)[0])
+
+    def greater_half2(a, b):
+        halves = _halves(a, b)
+        greater = np.where(halves[:2] > halves[2:], 1.0, 0.0).astype(np.float16)
+        return np.uint32(greater.view(np.uint32)[0])
+
+    def half2_down(value):
+        with np.errstate(over="ignore"):
+            h = np.float16(np.float32(value))
+        if h > np.float32(value):  # (rounded up, or to +inf past 65504: one step down)
+            h = np.nextafter(h, np.float16(-np.inf))
+        bits = int(np.array([h], np.float16).view(np.uint16)[0])
+        return np.uint32(bits | bits << 16)
 
     def bf16_of_float(value):
         u = int(np.array([value], np.float32).view(np.uint32)[0])
@@ -128,6 +149,32 @@ else:
             return builder.call(asm, values)
 
         return types.int32(lo, hi), codegen
+
+    @intrinsic
+    def greater_half2(typingctx, a, b):
+        if not (isinstance(a, types.Integer) and isinstance(b, types.Integer) and a.bitwidth == b.bitwidth == 32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32]), "set.gt.f16x2.f16x2 $0, $1, $2;", "=r,r,r")
+            return builder.call(asm, list(args))
+
+        return types.uint32(a, b), codegen
+
+    @intrinsic
+    def half2_down(typingctx, value):
+        if not isinstance(value, types.Float):
+            return None
+
+        def codegen(context, builder, sig, args):
+            f32 = ir.FloatType()
+            value = context.cast(builder, args[0], sig.args[0], types.float32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [f32]),
+                               "{ .reg .b16 h; cvt.rm.f16.f32 h, $1; mov.b32 $0, {h, h}; }", "=r,f")
+            return builder.call(asm, [value])
+
+        return types.uint32(value), codegen
 
     @intrinsic
     def bf16_of_float(typingctx, value):

@@ -22,7 +22,7 @@ and sets each value's code bits into K words itself; no vote is needed.
 
 from numba import cuda, float32, int32, int64, uint32
 
-from ..ptx.half2 import floats_of_half2
+from ..ptx.half2 import add_half2, floats_of_half2, greater_half2, half2_down
 from ..ptx.vector import load4
 
 FULL_MASK = 0xFFFFFFFF
@@ -100,7 +100,16 @@ def make_unpack(cfg, bits, signed, per_row):
 def make_pack_words(cfg, bits, per_row, half):
     """``pack_words(planes, x, thresholds, order, columns)``: x (R, C) fp32, or fp16 as uint32 words
     (R, C / 2) (``half``), C a multiple of 32 and rows 16-byte aligned; a thread a (row, word) of
-    the planes (zeros past C), rows along y."""
+    the planes (zeros past C), rows along y.
+
+    A value's code is the code of the highest level whose threshold it exceeds. fp32 compares each
+    value with each threshold and selects the level's code (two instructions a threshold). With
+    ``half`` and ``cfg.pack_half2`` the fp16 values are compared two at a time with the thresholds
+    rounded down to fp16 (`ptx.half2.half2_down`: the same outcomes), and the 1.0s summed in fp16
+    from 1024, whose bits then hold the level's index in their low four; each plane's bit of that
+    level's code is read off a mask of the levels whose code has it."""
+    if half and cfg.pack_half2:
+        return _make_pack_half2(bits, per_row)
     levels = 1 << bits
     LOADS = 4 if half else 8  # 16-byte loads a thread: 32 values
     STRIDE = 16 if half else 32  # a thread's first element (a word of x's fp16 pairs, or a value)
@@ -145,6 +154,53 @@ def make_pack_words(cfg, bits, per_row, half):
             planes[k, row, word] = words[k]
 
     return pack_words
+
+
+def _make_pack_half2(bits, per_row):
+    levels = 1 << bits
+    COUNT0 = 0x64006400  # 1024.0 in both halves: 1024 + n holds n in its low bits (exact to 2047)
+
+    @cuda.jit
+    def pack_half2(planes, x, thresholds, order, columns):
+        word = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        row = cuda.blockIdx.y
+        if word >= planes.shape[2]:
+            return
+        if word * 32 >= columns:  # (the row's padding words)
+            for k in range(bits):
+                planes[k, row, word] = uint32(0)
+            return
+        t = row if per_row else 0
+        bound = cuda.local.array(levels, uint32)  # (constant indices: registers)
+        for i in range(levels - 1):
+            bound[i] = half2_down(thresholds[t, i])
+        masks = cuda.local.array(bits, uint32)  # bit L of mask k: level L's code has bit k
+        for k in range(bits):
+            masks[k] = uint32(0)
+        for level in range(levels):
+            code = order[t, level]
+            for k in range(bits):
+                masks[k] |= uint32((code >> k) & 1) << uint32(level)
+        pairs = cuda.local.array(16, uint32)
+        for j in range(4):  # (every load issued before the first compare)
+            v = load4(x, (row, word * 16 + 4 * j))
+            for k in range(4):
+                pairs[4 * j + k] = uint32(v[k])
+        words = cuda.local.array(bits, uint32)
+        for k in range(bits):
+            words[k] = uint32(0)
+        for p in range(16):
+            count = uint32(COUNT0)
+            for i in range(levels - 1):
+                count = add_half2(count, greater_half2(pairs[p], bound[i]))
+            lo, hi = count & uint32(15), (count >> uint32(16)) & uint32(15)
+            for k in range(bits):
+                words[k] |= (((masks[k] >> lo) & uint32(1)) << uint32(2 * p)) \
+                    | (((masks[k] >> hi) & uint32(1)) << uint32(2 * p + 1))
+        for k in range(bits):
+            planes[k, row, word] = words[k]
+
+    return pack_half2
 
 
 def make_pack_image(cfg, bits, per_image):

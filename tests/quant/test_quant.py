@@ -71,6 +71,35 @@ def test_packing_a_word_a_thread_is_the_twins_bit_exact(seed, rows, words, ragge
     np.testing.assert_array_equal(q.planes, reference.pack(codes, bits))
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@few
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 3), words=st.integers(1, 3), signed=st.booleans(),
+       shuffled=st.booleans())
+def test_packing_fp16_two_values_an_instruction_is_the_twins_bit_exact(bits, seed, rows, words, signed, shuffled):
+    """``pack_half2``: fp16 rows compared with the thresholds two values at a time (thresholds
+    rounded down to fp16), the levels counted in fp16: the same planes as the twin's fp32
+    compares, for values at each threshold and one fp16 step either side, NaN and infinities,
+    and a basis in any order (codes not sorted as their levels)."""
+    from dataclasses import replace
+
+    from sparseblocks.quant.api import levels
+
+    cfg = replace(quant.config.DEFAULT, pack_vector=True, pack_half2=True)
+    rng = np.random.default_rng(seed)
+    x, basis, _ = quantized(rng, rows, 32 * words, bits, signed, "float16")
+    if shuffled:
+        basis = basis[:, rng.permutation(bits)]
+    edges = np.float16(levels(basis, signed)[2].astype(np.float32)).reshape(-1)
+    near = np.concatenate([edges, np.nextafter(edges, np.float16(np.inf)), np.nextafter(edges, np.float16(-np.inf)),
+                           np.float16([np.nan, np.inf, -np.inf, 0.0])])
+    flat = x.reshape(-1)
+    flat[rng.choice(flat.size, min(flat.size, near.size), replace=False)] = near[:flat.size]
+    q = quant.quantize(x, basis if len(basis) > 1 else basis[0], signed, config=cfg)
+    codes, _ = reference.encode(x.astype(np.float32), basis if len(basis) > 1 or signed else basis[0], signed,
+                                threshold_dtype=np.float32)
+    np.testing.assert_array_equal(q.planes, reference.pack(codes, bits))
+
+
 def test_pack_votes_each_bit_of_32_values_into_one_word():
     """Value c of a row is bit c % 32 of word c // 32 of each plane; the padding is zeros."""
     x = np.zeros((1, 40), np.float32)
