@@ -1,4 +1,4 @@
-"""fp16 operations Numba does not offer: ``add_half2(a, b)``, ``greater_half2(a, b)``,
+"""fp16 operations Numba does not offer: ``add_half2(a, b)``, ``greater_mask_half2(a, b)``,
 ``half2_down(value)``, ``floats_of_half2(word)``, ``atomic_add_half(array, index, value)`` and
 ``atomic_add_half2(words, index, word)``.
 
@@ -20,9 +20,9 @@ waits for the load (`sbnet`'s transposing row copies).
 low half; ``cvt.rn.f16x2.f32``), for a kernel that writes fp16 results as words or 16-byte
 vectors of them (`gather_matmul`'s output tile).
 
-``greater_half2(a, b)``: the word whose halves are 1.0 where a's half is greater than b's, else
-0.0 (``set.gt.f16x2.f16x2``; a NaN compares false), for comparisons and counts of two fp16
-values an instruction (summed with ``add_half2``: small counts are exact). ``half2_down(value)``:
+``greater_mask_half2(a, b)``: the word whose halves are 0xFFFF where a's half is greater than
+b's, else 0 (``set.gt.u32.f16x2``; a NaN compares false): two fp16 comparisons an instruction,
+as masks for selects and bits. ``half2_down(value)``:
 float32 ``value`` rounded toward minus infinity to fp16 (``cvt.rm.f16.f32``), in both halves of a
 word: for an fp16 x, ``x > value`` exactly when ``x > half2_down(value)``'s half, since no fp16
 lies between the rounded value and ``value`` (past fp16's range: 65504 above, minus infinity below).
@@ -70,10 +70,10 @@ if SIMULATOR:
     def half2_of_floats(lo, hi):
         return np.int32(np.array([lo, hi], np.float32).astype(np.float16).view(np.int32)[0])
 
-    def greater_half2(a, b):
+    def greater_mask_half2(a, b):
         halves = _halves(a, b)
-        greater = np.where(halves[:2] > halves[2:], 1.0, 0.0).astype(np.float16)
-        return np.uint32(greater.view(np.uint32)[0])
+        masks = np.where(halves[:2] > halves[2:], 0xFFFF, 0).astype(np.uint32)
+        return np.uint32(masks[0] | masks[1] << 16)
 
     def half2_down(value):
         with np.errstate(over="ignore"):
@@ -151,13 +151,13 @@ else:
         return types.int32(lo, hi), codegen
 
     @intrinsic
-    def greater_half2(typingctx, a, b):
+    def greater_mask_half2(typingctx, a, b):
         if not (isinstance(a, types.Integer) and isinstance(b, types.Integer) and a.bitwidth == b.bitwidth == 32):
             return None
 
         def codegen(context, builder, sig, args):
             i32 = ir.IntType(32)
-            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32]), "set.gt.f16x2.f16x2 $0, $1, $2;", "=r,r,r")
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32]), "set.gt.u32.f16x2 $0, $1, $2;", "=r,r,r")
             return builder.call(asm, list(args))
 
         return types.uint32(a, b), codegen

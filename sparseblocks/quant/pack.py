@@ -20,10 +20,11 @@ warp's 32 pixels of a channel are one coalesced read, in channels-last a thread'
 and sets each value's code bits into K words itself; no vote is needed.
 """
 
-from numba import cuda, float32, int32, int64, uint32
+from numba import cuda, float32, int32, int64, uint32, uint64
 
-from ..ptx.half2 import add_half2, floats_of_half2, greater_half2, half2_down
+from ..ptx.half2 import floats_of_half2, greater_mask_half2, half2_down
 from ..ptx.vector import load4
+from ..runtime.compile import inlined
 
 FULL_MASK = 0xFFFFFFFF
 
@@ -105,9 +106,8 @@ def make_pack_words(cfg, bits, per_row, half):
     A value's code is the code of the highest level whose threshold it exceeds. fp32 compares each
     value with each threshold and selects the level's code (two instructions a threshold). With
     ``half`` and ``cfg.pack_half2`` the fp16 values are compared two at a time with the thresholds
-    rounded down to fp16 (`ptx.half2.half2_down`: the same outcomes), and the 1.0s summed in fp16
-    from 1024, whose bits then hold the level's index in their low four; each plane's bit of that
-    level's code is read off a mask of the levels whose code has it."""
+    rounded down to fp16 (`ptx.half2.half2_down`: the same outcomes), by a binary search over the
+    sorted thresholds (`_make_pack_half2`)."""
     if half and cfg.pack_half2:
         return _make_pack_half2(bits, per_row)
     levels = 1 << bits
@@ -156,9 +156,72 @@ def make_pack_words(cfg, bits, per_row, half):
     return pack_words
 
 
-def _make_pack_half2(bits, per_row):
+def _make_count_pair(bits):
+    """``count_pair(w, bound)``: the number of the 2^bits - 1 sorted thresholds (fp16 pairs, both
+    halves one threshold) that each half of ``w`` exceeds, its level's index, in bits 0-3 (low
+    half) and 16-19 (high half). A binary search: the index's bits from the top, each one compare
+    (``greater_mask_half2``) with the threshold that the bits above it select (a mask select a
+    level of the tree). Written out as source so that every index is a constant (registers)."""
     levels = 1 << bits
-    COUNT0 = 0x64006400  # 1024.0 in both halves: 1024 + n holds n in its low bits (exact to 2047)
+    lines = ["def count_pair(w, bound):"]
+    for level in range(bits):
+        step = levels >> (level + 1)
+        picks = [f"bound[{(2 * p + 1) * step - 1}]" for p in range(1 << level)]
+        for j in range(level):  # (the lowest of the bits above first)
+            m = f"m{level - 1 - j}"
+            merged = []
+            for p in range(len(picks) // 2):
+                name = f"s{level}_{j}_{p}"
+                high, low = picks[2 * p + 1], picks[2 * p]
+                lines.append(f"    {name} = uint32({low} ^ (({high} ^ {low}) & {m}))")  # (high where m, else low)
+                merged.append(name)
+            picks = merged
+        lines.append(f"    m{level} = greater_mask_half2(w, {picks[0]})")
+    bits_of = " | ".join(f"(m{level} & uint32({0x00010001 << (bits - 1 - level)}))" for level in range(bits))
+    lines.append(f"    return uint32({bits_of})")
+    namespace = {"greater_mask_half2": greater_mask_half2, "uint32": uint32}
+    exec("\n".join(lines) + "\n", namespace)
+    return inlined(namespace["count_pair"])
+
+
+def _make_pack_half2(bits, per_row):
+    """`make_pack_words`' fp16 kernel with ``pack_half2``: a pair of values' level indices found by
+    a binary search (`count_pair`: a compare a bit), each index mapped to its level's code through a
+    table of 4-bit codes (one 64-bit shift; none where the codes are in level order), the codes
+    gathered 8 a register as nibbles, and each plane's 8 bits pulled out of a register's nibbles
+    by three shift-and-mask steps."""
+    levels = 1 << bits
+
+    count_pair = _make_count_pair(bits)
+
+    def make_codes(by_table):
+        @inlined
+        def codes(pairs, g, bound, table):
+            """The codes of values 8g .. 8g + 7, value 8g + i's in nibble i."""
+            nibbles = uint32(0)
+            for q in range(4):
+                count = count_pair(pairs[4 * g + q], bound)
+                if by_table:
+                    lo, hi = (count & uint32(15)) << uint32(2), (count >> uint32(14)) & uint32(60)
+                    nibbles |= (uint32((table >> uint64(lo)) & uint64(15)) << uint32(8 * q)) \
+                        | (uint32((table >> uint64(hi)) & uint64(15)) << uint32(8 * q + 4))
+                else:
+                    nibbles |= ((count & uint32(15)) | ((count >> uint32(12)) & uint32(0xF0))) << uint32(8 * q)
+            return nibbles
+
+        return codes
+
+    coded, counted = make_codes(True), make_codes(False)
+
+    @inlined
+    def spread(words, nibbles, g):
+        """Bit k of each of the 8 nibbles into bits 8g .. 8g + 7 of plane k's word."""
+        for k in range(bits):
+            b = (nibbles >> uint32(k)) & uint32(0x11111111)
+            b = (b | (b >> uint32(3))) & uint32(0x03030303)
+            b = (b | (b >> uint32(6))) & uint32(0x000F000F)
+            b = (b | (b >> uint32(12))) & uint32(0xFF)
+            words[k] |= b << uint32(8 * g)
 
     @cuda.jit
     def pack_half2(planes, x, thresholds, order, columns):
@@ -174,13 +237,12 @@ def _make_pack_half2(bits, per_row):
         bound = cuda.local.array(levels, uint32)  # (constant indices: registers)
         for i in range(levels - 1):
             bound[i] = half2_down(thresholds[t, i])
-        masks = cuda.local.array(bits, uint32)  # bit L of mask k: level L's code has bit k
-        for k in range(bits):
-            masks[k] = uint32(0)
+        table = uint64(0)  # nibble L: level L's code
+        in_order = True  # (codes in level order: a level's index is its code)
         for level in range(levels):
             code = order[t, level]
-            for k in range(bits):
-                masks[k] |= uint32((code >> k) & 1) << uint32(level)
+            table |= uint64(code) << uint64(4 * level)
+            in_order = in_order and code == level
         pairs = cuda.local.array(16, uint32)
         for j in range(4):  # (every load issued before the first compare)
             v = load4(x, (row, word * 16 + 4 * j))
@@ -189,14 +251,12 @@ def _make_pack_half2(bits, per_row):
         words = cuda.local.array(bits, uint32)
         for k in range(bits):
             words[k] = uint32(0)
-        for p in range(16):
-            count = uint32(COUNT0)
-            for i in range(levels - 1):
-                count = add_half2(count, greater_half2(pairs[p], bound[i]))
-            lo, hi = count & uint32(15), (count >> uint32(16)) & uint32(15)
-            for k in range(bits):
-                words[k] |= (((masks[k] >> lo) & uint32(1)) << uint32(2 * p)) \
-                    | (((masks[k] >> hi) & uint32(1)) << uint32(2 * p + 1))
+        if in_order:  # (the same branch for the whole row)
+            for g in range(4):
+                spread(words, counted(pairs, g, bound, table), g)
+        else:
+            for g in range(4):
+                spread(words, coded(pairs, g, bound, table), g)
         for k in range(bits):
             planes[k, row, word] = words[k]
 

@@ -11,7 +11,7 @@ from numba import cuda
 from sparseblocks.ptx.clock import globaltimer, smid
 from sparseblocks.ptx.exp2 import exp2_ftz
 from sparseblocks.ptx.fp8 import e4m3x2_of_floats, e5m2x2_of_floats
-from sparseblocks.ptx.half2 import add_half2, atomic_add_half, atomic_add_half2, greater_half2, half2_down
+from sparseblocks.ptx.half2 import add_half2, atomic_add_half, atomic_add_half2, greater_mask_half2, half2_down
 from sparseblocks.ptx.nanmax import max_nan, max_nan_select
 from sparseblocks.ptx.relaxed import load_relaxed
 
@@ -40,10 +40,10 @@ def test_half2_adds_round_each_half_once(a, b):
 
 
 @cuda.jit
-def _compare_words(out, down, a, b, values):
+def _compare_words(masks, down, a, b, values):
     i = cuda.grid(1)
-    if i < out.shape[0]:
-        out[i] = greater_half2(a[i], b[i])
+    if i < masks.shape[0]:
+        masks[i] = greater_mask_half2(a[i], b[i])
     if i < down.shape[0]:
         down[i] = half2_down(values[i])
 
@@ -56,14 +56,14 @@ EDGES = [0.0, -0.0, 1.0, 1.0004883, 0.99975586, 65504.0, 65520.0, 70000.0, -7000
                 min_size=16, max_size=16),
        st.lists(st.one_of(st.floats(-1e5, 1e5, width=32), st.sampled_from(EDGES)), min_size=8, max_size=8))
 def test_half2_compares_and_rounds_down(halves, values):
-    """greater_half2: 1.0 in each half where a's is greater (NaN: 0.0); half2_down: the largest fp16
-    at or below a float32 in both halves, so that an fp16 x exceeds the float32 exactly when it
-    exceeds the rounded half."""
+    """greater_mask_half2: 0xFFFF in each half where a's is greater (NaN: 0);
+    half2_down: the largest fp16 at or below a float32 in both halves, so that an fp16 x exceeds
+    the float32 exactly when it exceeds the rounded half."""
     a, b = np.float16(halves[:8]), np.float16(halves[8:])
-    out, down = np.zeros(4, np.uint32), np.zeros(8, np.uint32)
+    masks, down = np.zeros(4, np.uint32), np.zeros(8, np.uint32)
     values = np.float32(values)
-    _compare_words[1, 8](out, down, words(a).view(np.uint32), words(b).view(np.uint32), values)
-    np.testing.assert_array_equal(out.view(np.float16), np.where(a > b, 1.0, 0.0).astype(np.float16))
+    _compare_words[1, 8](masks, down, words(a).view(np.uint32), words(b).view(np.uint32), values)
+    np.testing.assert_array_equal(masks.view(np.uint16), np.where(a > b, 0xFFFF, 0).astype(np.uint16))
     low, high = (down & 0xFFFF).astype(np.uint16).view(np.float16), (down >> 16).astype(np.uint16).view(np.float16)
     np.testing.assert_array_equal(low.view(np.uint16), high.view(np.uint16))
     every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)  # (every fp16, NaNs too)

@@ -74,12 +74,12 @@ def test_packing_a_word_a_thread_is_the_twins_bit_exact(seed, rows, words, ragge
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
 @few
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 3), words=st.integers(1, 3), signed=st.booleans(),
-       shuffled=st.booleans())
-def test_packing_fp16_two_values_an_instruction_is_the_twins_bit_exact(bits, seed, rows, words, signed, shuffled):
+       basis_order=st.sampled_from(["drawn", "powers", "shuffled"]))
+def test_packing_fp16_two_values_an_instruction_is_the_twins_bit_exact(bits, seed, rows, words, signed, basis_order):
     """``pack_half2``: fp16 rows compared with the thresholds two values at a time (thresholds
     rounded down to fp16), the levels counted in fp16: the same planes as the twin's fp32
     compares, for values at each threshold and one fp16 step either side, NaN and infinities,
-    and a basis in any order (codes not sorted as their levels)."""
+    and bases whose codes are in level order (powers of two) or not (shuffled)."""
     from dataclasses import replace
 
     from sparseblocks.quant.api import levels
@@ -87,7 +87,9 @@ def test_packing_fp16_two_values_an_instruction_is_the_twins_bit_exact(bits, see
     cfg = replace(quant.config.DEFAULT, pack_vector=True, pack_half2=True)
     rng = np.random.default_rng(seed)
     x, basis, _ = quantized(rng, rows, 32 * words, bits, signed, "float16")
-    if shuffled:
+    if basis_order == "powers":
+        basis = np.broadcast_to(np.float32(2.0 ** np.arange(bits) / 8), basis.shape).copy()
+    elif basis_order == "shuffled":
         basis = basis[:, rng.permutation(bits)]
     edges = np.float16(levels(basis, signed)[2].astype(np.float32)).reshape(-1)
     near = np.concatenate([edges, np.nextafter(edges, np.float16(np.inf)), np.nextafter(edges, np.float16(-np.inf)),
