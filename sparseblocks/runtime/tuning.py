@@ -49,11 +49,15 @@ def _frozen(value):
 
 def tuning(cls):
     """Make `cls` a frozen dataclass whose dict, set and list fields are stored frozen, with its
-    hash computed once (configs key every compile-cache and kept-plan lookup)."""
+    hash computed once (configs key every compile-cache and kept-plan lookup); a field declared
+    ``dict`` given anything else is a TypeError naming it."""
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            object.__setattr__(self, field.name, _frozen(getattr(self, field.name)))
+            value = getattr(self, field.name)
+            if field.type in (dict, "dict") and not isinstance(value, dict):
+                raise TypeError(f"{field.name}: expected a dict (a value per block size, dtype, ...), got {value!r}")
+            object.__setattr__(self, field.name, _frozen(value))
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self))))
         check = getattr(self, "check", None)
         if check is not None:
