@@ -9,11 +9,11 @@ from numba import cuda
 from ..runtime.arrays import Array, Operand, checked_operands, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import active, on_arrays_device
-from ..runtime.launch import launch, multiprocessors
+from ..runtime.launch import compute_capability, launch, multiprocessors
 from .config import ConvConfig, as_config
 from .geometry import edge_map, geometry
 from .simple import make_edge_bias_grad, make_filter_grad, make_forward, make_input_grad, make_l2_normalize
-from . import implicit
+from . import hopper, implicit
 from .tensorcore import POSITIONS, THREADS, grouped, make_filter_grad_tc, make_forward_tc
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -173,6 +173,8 @@ class BlocksparseConv:
                     self._wide_fits[kind] = kind != "filter_grad" and implicit.plan(
                         ig, G, row_bytes=self.config.stage_bytes)
                     self._host["ig_" + kind] = np.array(ig, np.int32)
+                    if kind != "filter_grad" and hopper.fits(geo, G):  # (`ConvConfig.hopper` on sm_90)
+                        self._host["hg_" + kind] = np.array(hopper.geometry(geo), np.int32)
                     if kind == "filter_grad":
                         self._fp32_filter_fits = implicit.plan(ig, G, True, implicit.value_bytes("float32"))
         self._tables: dict = {}
@@ -303,10 +305,18 @@ class BlocksparseConv:
         in_rows, out_rows = (self._C, self._K) if kind == "forward" else (self._K, self._C)
         rows = op_x.device(stream).reshape(-1) if last else self._rows(op_x, in_rows, int(ig[0] * ig[1] * ig[2]), N,
                                                                        stream)
-        row_bytes = self._row_bytes(kind, op_x.dtype)
-        packed = self._packed(op_f, kind != "forward", stream, row_bytes)
         ptr, blk, first = ("kgrp_ptr", "kgrp_blk", "blk_c0") if kind == "forward" else ("cgrp_ptr", "cgrp_blk",
                                                                                          "blk_k0")
+        if (self.config.hopper and "hg_" + kind in self._host and op_x.dtype in ("float16", "bfloat16")
+                and compute_capability() == (9, 0)):
+            hg = self._host["hg_" + kind]
+            kernel = cached(hopper.make_forward, op_x.dtype, G, TRS, hopper.patch_positions(hg), last)
+            launch(kernel, (N * int(hg[3] * hg[21] * hg[22]), out_rows // G), hopper.WARPGROUP, stream,
+                   (out.reshape(-1), rows, self._packed(op_f, kind != "forward", stream, 16), t[ptr], t[blk],
+                    t[first], t["hg_" + kind], out_rows, in_rows, bias, t["edge"], has_bias))
+            return
+        row_bytes = self._row_bytes(kind, op_x.dtype)
+        packed = self._packed(op_f, kind != "forward", stream, row_bytes)
         tiles = N * int(ig[3] * ig[21] * ig[22])
         # (one wave of thread blocks, each walking its share of the tiles)
         resident = max(1, implicit.SHARED_MAX // implicit.forward_shared(G, TRS, cap, row_bytes))

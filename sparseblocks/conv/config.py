@@ -19,6 +19,9 @@ class ConvConfig:
     # 32 (16 fp16 channels, 8 fp32) or 64 (twice: half the stages and barriers, a larger ring) where
     # the channel groups are whole slices of it and the ring fits; else 32
     stage_bytes: int = 32
+    # On sm_90, fp16 and bf16 forwards and stride-1 input gradients of stride 1 on wgmma (`hopper.py`:
+    # the patch in wgmma's no-swizzle layout, a tap a descriptor) where their ring fits
+    hopper: bool = False
 
     def check(self):
         if self.threads % 32 or not 32 <= self.threads <= 1024:

@@ -1,0 +1,200 @@
+"""The convolution's forward (and stride-1 input gradient) on Hopper's ``wgmma``: an implicit GEMM
+whose taps cost nothing but a descriptor's start address.
+
+A thread block is one warpgroup and one output group of G channels over a tile of 8 x 8 output
+positions (8 rows of 8 columns of one output depth): wgmma m64nGk16, A the positions by input
+channels, B the input channels by the group's output channels. The input patch those positions
+read through every tap (DD x PH x PW positions, the halo included, zeros in the padding) lies in
+shared memory in wgmma's no-swizzle layout, chunk-major: 8 channels (16 bytes) of each patch
+position, position after position, one chunk of channels after another. Eight neighbouring
+output positions of one output row then read eight neighbouring patch positions, 128 contiguous
+bytes: a core matrix. So tap (t, r, s)'s A is the descriptor whose start is the patch's shifted
+by the tap's offset in patch positions, with ``sbo`` the patch row's pitch (the next output row)
+and ``lbo`` the chunk's stride (the next 8 channels): no copy, gather or barrier a tap. The
+filter block (packed by `implicit.make_pack` in 16-byte rows: chunk of 8 input channels, tap,
+output channel) is B, K-major, ``lbo`` the chunk's stride and ``sbo`` 8 output channels.
+
+Stages are the group's input blocks, each its patch and its filter block, through a ring of
+cp.async copies (`ptx.cp_async.make_ring`, fenced for the async proxy); each stage's wgmmas are
+waited for before the next, so a buffer is free once the barrier passes. Stride 1 only (eight
+outputs' inputs 16 bytes apart). The epilogue stores from the accumulators (and the edge bias),
+channels-last or NCHW, as `implicit.make_forward`'s does.
+"""
+
+from numba import cuda, float32, int32, int64, uint64
+
+from ..bsmm.device import converters
+from ..ptx.cp_async import copy16_or_zero, copy16_to, make_ring, shared_address, signed_address
+from ..ptx.half2 import stored_as
+from ..ptx.wgmma import WARPGROUP, descriptor, fence, make_mma, make_settle, proxy_fence
+from ..ptx.wgmma import commit as wg_commit
+from ..ptx.wgmma import waiter as wg_waiter
+from ..runtime.compile import divmod32, inlined, unrolled
+from ..runtime.launch import dynamic_shared
+
+TILE_ROWS = TILE_COLS = 8  # a tile's output rows and columns: 64 positions, wgmma's m
+STAGES = 3
+CHUNK = 16  # bytes: 8 channels of a position
+
+
+def geometry(geo):
+    """``geo`` (the 18 ints of `simple.py`: DHW, MPQ, TRS, strides, padding, dilations) followed by
+    the patch's DD, PH and PW and the tile counts along Q and P: 23 ints, as `implicit`'s."""
+    geo = [int(v) for v in geo]
+    T, R, S = geo[6:9]
+    dil = geo[15:18]
+    DD = (T - 1) * dil[0] + 1
+    PH = TILE_ROWS - 1 + (R - 1) * dil[1] + 1
+    PW = TILE_COLS - 1 + (S - 1) * dil[2] + 1
+    return geo + [DD, PH, PW, -(-geo[5] // TILE_COLS), -(-geo[4] // TILE_ROWS)]
+
+
+def fits(geo, G):
+    """Whether a layer takes this kernel: stride 1, channel groups of 16, 32 or 64, output rows of
+    at least 8, and the ring in shared memory."""
+    return (G in (16, 32, 64) and tuple(int(v) for v in geo[9:12]) == (1, 1, 1) and int(geo[4]) >= TILE_ROWS
+            and STAGES * stage_bytes(geometry(geo), G) <= 200 * 1024)
+
+
+def stage_bytes(hg, G):
+    TRS = hg[6] * hg[7] * hg[8]
+    return (G // 8) * (patch_positions(hg) + TRS * G) * CHUNK
+
+
+def patch_positions(hg):
+    return hg[18] * hg[19] * hg[20]
+
+
+def make_forward(storage, G, TRS, positions, rows_out=False):
+    """The kernel for channel groups of G, TRS taps and patches of ``positions`` positions (see the
+    module's docstring); grid (tiles, output groups), one warpgroup. ``rows_out``: the output
+    written channels-last (N, positions, channels)."""
+    CK = G // 8  # chunks of 8 channels a position
+    A_CHUNK = positions * CHUNK  # a patch chunk's stride (lbo)
+    B_CHUNK = TRS * G * CHUNK  # a filter chunk's stride (lbo)
+    A_BYTES, B_BYTES = CK * A_CHUNK, CK * B_CHUNK
+    STAGE = A_BYTES + B_BYTES
+    A_COPIES, B_COPIES = CK * positions, CK * TRS * G
+    A_PER, B_PER = -(-A_COPIES // WARPGROUP), -(-B_COPIES // WARPGROUP)
+    E = 2
+    ACC = G // 2  # accumulators a thread
+    kind = "bf16" if storage == "bfloat16" else "f16"
+    mma = make_mma(G, kind, False, False)
+    settle = make_settle(G)
+    wg_wait_all = wg_waiter(0)
+    narrow = stored_as(storage)
+    widen, _ = converters(storage, float32)
+
+    @inlined
+    def issue(s, at, args):
+        """Stage s: the patch of the group's s-th block (its input channels from c_first), then
+        that block's packed filter."""
+        image_at, f_at, sources, grp_blk, blk_c0, ptr = args
+        e = grp_blk[ptr + s]
+        c_first = blk_c0[e]
+        for i in range(A_PER):
+            c = cuda.threadIdx.x + i * WARPGROUP
+            if c < A_COPIES:
+                keep = sources[i] >= 0
+                copy16_or_zero(at + c * CHUNK, image_at + (E * int64(sources[i] + c_first) if keep else 0), keep)
+        f_from = f_at + E * int64(e) * (G * G * TRS)
+        for i in range(B_PER):
+            c = cuda.threadIdx.x + i * WARPGROUP
+            if c < B_COPIES:
+                copy16_to(at + A_BYTES + c * CHUNK, f_from + CHUNK * c)
+
+    prime, advance = make_ring(issue, STAGES, STAGE, visible=proxy_fence)
+
+    def tap_step(tap, acc, at, shifts, hg):
+        """Tap ``tap``'s k16 steps: A the patch shifted by the tap's offset, B its filter slices."""
+        a = descriptor(at + shifts[tap] * CHUNK, A_CHUNK, hg[20] * CHUNK, 0)
+        b = descriptor(at + A_BYTES + tap * G * CHUNK, B_CHUNK, 8 * CHUNK, 0)
+        for kk in range(CK // 2):  # (two chunks a k16 step)
+            mma(acc, a + uint64(kk * 2 * A_CHUNK // 16), b + uint64(kk * 2 * B_CHUNK // 16), int32(1))
+
+    taps = unrolled(TRS, inlined(tap_step), inline=inlined)
+
+    @inlined
+    def place(sources, m, p0, q0, hg, IN_ROWS):
+        """Each of this thread's patch copies' source, in values from its image's start less the
+        block's first channel, -1 outside the input (zeros)."""
+        D, H, W = hg[0], hg[1], hg[2]
+        PP = hg[18] * hg[19] * hg[20]
+        d0, h0, w0 = m - hg[12], p0 - hg[13], q0 - hg[14]
+        for i in range(A_PER):
+            c = cuda.threadIdx.x + i * WARPGROUP
+            sources[i] = -1
+            if c < A_COPIES:
+                ck, pos = divmod32(c, PP)
+                rest, w = divmod32(pos, hg[20])
+                dd, h = divmod32(rest, hg[19])
+                d, h, w = d0 + int32(dd), h0 + int32(h), w0 + int32(w)
+                if 0 <= d < D and 0 <= h < H and 0 <= w < W:
+                    sources[i] = ((d * H + h) * W + w) * IN_ROWS + 8 * int32(ck)
+
+    @inlined
+    def store(out, acc, n, m, p0, q0, k0, hg, OUT_ROWS, bias, edge, has_bias):
+        """The tile's outputs from the accumulators: lane l of warp w holds positions 16 w + l // 4
+        (+ 8) and channels 8 j + 2 (l % 4) (+ 1) (`ptx.wgmma.acc_position`)."""
+        M, P, Q = hg[3], hg[4], hg[5]
+        MPQ = M * P * Q
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        for i in range(ACC):
+            j, h, e = i // 4, (i // 2) % 2, i % 2
+            row = 16 * warp + lane // 4 + 8 * h
+            k = k0 + 8 * j + 2 * (lane % 4) + e
+            p, q = p0 + row // TILE_COLS, q0 + row % TILE_COLS
+            if p < P and q < Q:
+                o = (m * P + p) * Q + q
+                value = acc[i]
+                if has_bias:
+                    b = edge[o]
+                    if b >= 0:
+                        value += widen(bias[k, b])
+                at = (int64(n) * MPQ + o) * OUT_ROWS + k if rows_out else (int64(n) * OUT_ROWS + k) * MPQ + o
+                out[uint64(at)] = narrow(value)
+
+    @inlined
+    def tap_shifts(shifts, hg):
+        """Each tap's offset in patch positions (dilated)."""
+        for tap in range(TRS):
+            ts, s = divmod32(tap, hg[8])
+            t, r = divmod32(ts, hg[7])
+            shifts[tap] = ((int32(t) * hg[15]) * hg[19] + int32(r) * hg[16]) * hg[20] + int32(s) * hg[17]
+
+    @cuda.jit
+    def forward(out, x, f, grp_ptr, grp_blk, blk_c0, hg, OUT_ROWS, IN_ROWS, bias, edge, has_bias):
+        tile, g = cuda.blockIdx.x, cuda.blockIdx.y
+        tiles_q, tiles_p = hg[21], hg[22]
+        n, rest = divmod32(tile, tiles_q * tiles_p * hg[3])
+        m, rest = divmod32(rest, tiles_q * tiles_p)
+        tp, tq = divmod32(rest, tiles_q)
+        p0, q0 = int32(tp) * TILE_ROWS, int32(tq) * TILE_COLS
+        n, m = int32(n), int32(m)
+        smem = cuda.shared.array(0, int32)
+        base = shared_address(smem, (0,))
+        acc = cuda.local.array(ACC, float32)
+        for i in range(ACC):
+            acc[i] = float32(0)
+        ptr = grp_ptr[g]
+        count = grp_ptr[g + 1] - ptr
+        if count > 0:
+            sources = cuda.local.array(A_PER, int32)
+            place(sources, m, p0, q0, hg, IN_ROWS)
+            image_at = signed_address(x, (0,)) + E * int64(n) * (hg[0] * hg[1] * hg[2]) * IN_ROWS
+            args = (image_at, signed_address(f, (0,)), sources, grp_blk, blk_c0, ptr)
+            shifts = cuda.local.array(TRS, int32)
+            tap_shifts(shifts, hg)
+            prime(base, count, args)
+            buf = 0
+            for s in range(count):
+                at, buf = advance(s, buf, base, count, args)
+                fence()
+                taps(acc, at, shifts, hg)
+                wg_commit()
+                wg_wait_all()  # (the buffer is free for the copies the next barrier lets in)
+            settle(acc)
+        store(out, acc, n, m, p0, q0, g * G, hg, OUT_ROWS, bias, edge, has_bias)
+
+    return dynamic_shared(forward, STAGES * STAGE)
