@@ -173,8 +173,9 @@ class BlocksparseConv:
                     self._wide_fits[kind] = kind != "filter_grad" and implicit.plan(
                         ig, G, row_bytes=self.config.stage_bytes)
                     self._host["ig_" + kind] = np.array(ig, np.int32)
-                    if kind != "filter_grad" and hopper.fits(geo, G):  # (`ConvConfig.hopper` on sm_90)
-                        self._host["hg_" + kind] = np.array(hopper.geometry(geo), np.int32)
+                    wgs = self.config.hopper_groups  # (`ConvConfig.hopper` on sm_90)
+                    if kind != "filter_grad" and hopper.fits(geo, G, wgs):
+                        self._host["hg_" + kind] = np.array(hopper.geometry(geo, wgs), np.int32)
                     if kind == "filter_grad":
                         self._fp32_filter_fits = implicit.plan(ig, G, True, implicit.value_bytes("float32"))
         self._tables: dict = {}
@@ -310,8 +311,9 @@ class BlocksparseConv:
         if (self.config.hopper and "hg_" + kind in self._host and op_x.dtype in ("float16", "bfloat16")
                 and compute_capability() == (9, 0)):
             hg = self._host["hg_" + kind]
-            kernel = cached(hopper.make_forward, op_x.dtype, G, TRS, hopper.patch_positions(hg), last)
-            launch(kernel, (N * int(hg[3] * hg[21] * hg[22]), out_rows // G), hopper.WARPGROUP, stream,
+            wgs = self.config.hopper_groups
+            kernel = cached(hopper.make_forward, op_x.dtype, G, TRS, hopper.patch_positions(hg), last, wgs)
+            launch(kernel, (N * int(hg[3] * hg[21] * hg[22]), out_rows // G), hopper.WARPGROUP * wgs, stream,
                    (out.reshape(-1), rows, self._packed(op_f, kind != "forward", stream, 16), t[ptr], t[blk],
                     t[first], t["hg_" + kind], out_rows, in_rows, bias, t["edge"], has_bias))
             return

@@ -22,10 +22,13 @@ class ConvConfig:
     # On sm_90, fp16 and bf16 forwards and stride-1 input gradients of stride 1 on wgmma (`hopper.py`:
     # the patch in wgmma's no-swizzle layout, a tap a descriptor) where their ring fits
     hopper: bool = False
+    hopper_groups: int = 1  # ... warpgroups a tile of 8 output rows, each 8 columns (1 or 2)
 
     def check(self):
         if self.threads % 32 or not 32 <= self.threads <= 1024:
             raise ValueError(f"threads: expected a multiple of 32 from 32 to 1024, got {self.threads}")
+        if self.hopper_groups not in (1, 2):
+            raise ValueError(f"hopper_groups: expected 1 or 2, got {self.hopper_groups}")
         if self.stage_bytes not in (32, 64):
             raise ValueError(f"stage_bytes: expected 32 or 64, got {self.stage_bytes}")
 

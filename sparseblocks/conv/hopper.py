@@ -1,8 +1,9 @@
 """The convolution's forward (and stride-1 input gradient) on Hopper's ``wgmma``: an implicit GEMM
 whose taps cost nothing but a descriptor's start address.
 
-A thread block is one warpgroup and one output group of G channels over a tile of 8 x 8 output
-positions (8 rows of 8 columns of one output depth): wgmma m64nGk16, A the positions by input
+A thread block is one output group of G channels over a tile of 8 rows of 8 x ``groups`` output
+positions of one output depth, a warpgroup each 8 x 8 (the filter block read once for them all):
+wgmma m64nGk16, A the positions by input
 channels, B the input channels by the group's output channels. The input patch those positions
 read through every tap (DD x PH x PW positions, the halo included, zeros in the padding) lies in
 shared memory in wgmma's no-swizzle layout, chunk-major: 8 channels (16 bytes) of each patch
@@ -37,23 +38,25 @@ STAGES = 3
 CHUNK = 16  # bytes: 8 channels of a position
 
 
-def geometry(geo):
+def geometry(geo, groups=1):
     """``geo`` (the 18 ints of `simple.py`: DHW, MPQ, TRS, strides, padding, dilations) followed by
-    the patch's DD, PH and PW and the tile counts along Q and P: 23 ints, as `implicit`'s."""
+    the patch's DD, PH and PW and the tile counts along Q and P: 23 ints, as `implicit`'s, for
+    tiles of ``groups`` warpgroups."""
     geo = [int(v) for v in geo]
     T, R, S = geo[6:9]
     dil = geo[15:18]
+    cols = TILE_COLS * groups
     DD = (T - 1) * dil[0] + 1
     PH = TILE_ROWS - 1 + (R - 1) * dil[1] + 1
-    PW = TILE_COLS - 1 + (S - 1) * dil[2] + 1
-    return geo + [DD, PH, PW, -(-geo[5] // TILE_COLS), -(-geo[4] // TILE_ROWS)]
+    PW = cols - 1 + (S - 1) * dil[2] + 1
+    return geo + [DD, PH, PW, -(-geo[5] // cols), -(-geo[4] // TILE_ROWS)]
 
 
-def fits(geo, G):
+def fits(geo, G, groups=1):
     """Whether a layer takes this kernel: stride 1, channel groups of 16, 32 or 64, output rows of
     at least 8, and the ring in shared memory."""
     return (G in (16, 32, 64) and tuple(int(v) for v in geo[9:12]) == (1, 1, 1) and int(geo[4]) >= TILE_ROWS
-            and STAGES * stage_bytes(geometry(geo), G) <= 200 * 1024)
+            and STAGES * stage_bytes(geometry(geo, groups), G) <= 200 * 1024)
 
 
 def stage_bytes(hg, G):
@@ -65,17 +68,18 @@ def patch_positions(hg):
     return hg[18] * hg[19] * hg[20]
 
 
-def make_forward(storage, G, TRS, positions, rows_out=False):
-    """The kernel for channel groups of G, TRS taps and patches of ``positions`` positions (see the
-    module's docstring); grid (tiles, output groups), one warpgroup. ``rows_out``: the output
-    written channels-last (N, positions, channels)."""
+def make_forward(storage, G, TRS, positions, rows_out=False, groups=1):
+    """The kernel for channel groups of G, TRS taps, patches of ``positions`` positions and tiles of
+    ``groups`` warpgroups (see the module's docstring); grid (tiles, output groups). ``rows_out``:
+    the output written channels-last (N, positions, channels)."""
+    THREADS = WARPGROUP * groups
     CK = G // 8  # chunks of 8 channels a position
     A_CHUNK = positions * CHUNK  # a patch chunk's stride (lbo)
     B_CHUNK = TRS * G * CHUNK  # a filter chunk's stride (lbo)
     A_BYTES, B_BYTES = CK * A_CHUNK, CK * B_CHUNK
     STAGE = A_BYTES + B_BYTES
     A_COPIES, B_COPIES = CK * positions, CK * TRS * G
-    A_PER, B_PER = -(-A_COPIES // WARPGROUP), -(-B_COPIES // WARPGROUP)
+    A_PER, B_PER = -(-A_COPIES // THREADS), -(-B_COPIES // THREADS)
     E = 2
     ACC = G // 2  # accumulators a thread
     kind = "bf16" if storage == "bfloat16" else "f16"
@@ -93,21 +97,22 @@ def make_forward(storage, G, TRS, positions, rows_out=False):
         e = grp_blk[ptr + s]
         c_first = blk_c0[e]
         for i in range(A_PER):
-            c = cuda.threadIdx.x + i * WARPGROUP
+            c = cuda.threadIdx.x + i * THREADS
             if c < A_COPIES:
                 keep = sources[i] >= 0
                 copy16_or_zero(at + c * CHUNK, image_at + (E * int64(sources[i] + c_first) if keep else 0), keep)
         f_from = f_at + E * int64(e) * (G * G * TRS)
         for i in range(B_PER):
-            c = cuda.threadIdx.x + i * WARPGROUP
+            c = cuda.threadIdx.x + i * THREADS
             if c < B_COPIES:
                 copy16_to(at + A_BYTES + c * CHUNK, f_from + CHUNK * c)
 
     prime, advance = make_ring(issue, STAGES, STAGE, visible=proxy_fence)
 
-    def tap_step(tap, acc, at, shifts, hg):
-        """Tap ``tap``'s k16 steps: A the patch shifted by the tap's offset, B its filter slices."""
-        a = descriptor(at + shifts[tap] * CHUNK, A_CHUNK, hg[20] * CHUNK, 0)
+    def tap_step(tap, acc, at, shifts, group, hg):
+        """Tap ``tap``'s k16 steps: A the patch shifted by the tap's offset (and this warpgroup's 8
+        columns), B its filter slices."""
+        a = descriptor(at + (shifts[tap] + TILE_COLS * group) * CHUNK, A_CHUNK, hg[20] * CHUNK, 0)
         b = descriptor(at + A_BYTES + tap * G * CHUNK, B_CHUNK, 8 * CHUNK, 0)
         for kk in range(CK // 2):  # (two chunks a k16 step)
             mma(acc, a + uint64(kk * 2 * A_CHUNK // 16), b + uint64(kk * 2 * B_CHUNK // 16), int32(1))
@@ -122,7 +127,7 @@ def make_forward(storage, G, TRS, positions, rows_out=False):
         PP = hg[18] * hg[19] * hg[20]
         d0, h0, w0 = m - hg[12], p0 - hg[13], q0 - hg[14]
         for i in range(A_PER):
-            c = cuda.threadIdx.x + i * WARPGROUP
+            c = cuda.threadIdx.x + i * THREADS
             sources[i] = -1
             if c < A_COPIES:
                 ck, pos = divmod32(c, PP)
@@ -139,12 +144,12 @@ def make_forward(storage, G, TRS, positions, rows_out=False):
         M, P, Q = hg[3], hg[4], hg[5]
         MPQ = M * P * Q
         tid = cuda.threadIdx.x
-        warp, lane = tid // 32, tid % 32
+        group, warp, lane = tid // WARPGROUP, (tid % WARPGROUP) // 32, tid % 32
         for i in range(ACC):
             j, h, e = i // 4, (i // 2) % 2, i % 2
             row = 16 * warp + lane // 4 + 8 * h
             k = k0 + 8 * j + 2 * (lane % 4) + e
-            p, q = p0 + row // TILE_COLS, q0 + row % TILE_COLS
+            p, q = p0 + row // TILE_COLS, q0 + TILE_COLS * group + row % TILE_COLS
             if p < P and q < Q:
                 o = (m * P + p) * Q + q
                 value = acc[i]
@@ -170,7 +175,7 @@ def make_forward(storage, G, TRS, positions, rows_out=False):
         n, rest = divmod32(tile, tiles_q * tiles_p * hg[3])
         m, rest = divmod32(rest, tiles_q * tiles_p)
         tp, tq = divmod32(rest, tiles_q)
-        p0, q0 = int32(tp) * TILE_ROWS, int32(tq) * TILE_COLS
+        p0, q0 = int32(tp) * TILE_ROWS, int32(tq) * (TILE_COLS * groups)
         n, m = int32(n), int32(m)
         smem = cuda.shared.array(0, int32)
         base = shared_address(smem, (0,))
@@ -191,7 +196,7 @@ def make_forward(storage, G, TRS, positions, rows_out=False):
             for s in range(count):
                 at, buf = advance(s, buf, base, count, args)
                 fence()
-                taps(acc, at, shifts, hg)
+                taps(acc, at, shifts, cuda.threadIdx.x // WARPGROUP, hg)
                 wg_commit()
                 wg_wait_all()  # (the buffer is free for the copies the next barrier lets in)
             settle(acc)

@@ -77,11 +77,12 @@ def grouped_layer(rng, G, groups):
 
 
 def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, padding, bias, seed, N=2,
-                               implicit=True, channels_last=False, stage_bytes=32, hopper=False):
+                               implicit=True, channels_last=False, stage_bytes=32, hopper=False, hopper_groups=1):
     rng = np.random.default_rng(seed)
     BCK = grouped_layer(rng, G, groups)
     op = BlocksparseConv(BCK, TRS, DHW, strides=strides, dilates=dilates, padding=padding, edge_bias=bias,
-                         config=ConvConfig(implicit=implicit, stage_bytes=stage_bytes, hopper=hopper))
+                         config=ConvConfig(implicit=implicit, stage_bytes=stage_bytes, hopper=hopper,
+                                           hopper_groups=hopper_groups))
     assert op._group == G
     F = [values(rng, op.f_shape(b), dtype) for b in range(len(BCK))]
     I = values(rng, op.i_shape(N), dtype)
@@ -143,8 +144,8 @@ def test_wide_stage_implicit_products_match_the_twin(dtype, G):
     check_tensor_core_products(dtype, G, 2, (2, 2), (3, 4), 1, 1, "SAME", False, 2, N=1, stage_bytes=64)
 
 
-@pytest.mark.parametrize("channels_last", [False, True])
-def test_hopper_products_match_the_twin(monkeypatch, channels_last):
+@pytest.mark.parametrize("channels_last, groups", [(False, 1), (True, 2)])
+def test_hopper_products_match_the_twin(monkeypatch, channels_last, groups):
     """``ConvConfig.hopper``: the forward and the stride-1 input gradient on wgmma (`conv/hopper.py`,
     here the simulator's twin): tiles of 8 x 8 positions, a tap a descriptor into the patch's
     no-swizzle layout, an edge bias, an output group no block reaches; the filter gradient as
@@ -155,7 +156,7 @@ def test_hopper_products_match_the_twin(monkeypatch, channels_last):
     monkeypatch.setattr(api, "compute_capability", lambda: (9, 0))
     before = sum(key[0] is hopper.make_forward for key in compile_cache._kernels)
     check_tensor_core_products("float16", 16, 2, (2, 2), (8, 9), 1, 1, "SAME", True, 3, N=1,
-                               channels_last=channels_last, hopper=True)
+                               channels_last=channels_last, hopper=True, hopper_groups=groups)
     assert sum(key[0] is hopper.make_forward for key in compile_cache._kernels) > before
 
 
@@ -205,14 +206,15 @@ def test_tensor_core_products_match_the_twin_on_the_gpu(dtype, G, groups, dims, 
 @settings(max_examples=20, deadline=None)
 @given(dtype=st.sampled_from(["float16", "bfloat16"]), G=st.sampled_from([16, 32, 64]), groups=st.integers(2, 3),
        dims=st.integers(2, 3), dilates=st.integers(1, 2), padding=st.sampled_from(["SAME", "VALID"]),
-       bias=st.booleans(), seed=st.integers(0, 2**16), channels_last=st.booleans())
+       bias=st.booleans(), seed=st.integers(0, 2**16), channels_last=st.booleans(), warpgroups=st.sampled_from([1, 2]))
 def test_hopper_products_match_the_twin_on_the_gpu(dtype, G, groups, dims, dilates, padding, bias, seed,
-                                                   channels_last):
+                                                   channels_last, warpgroups):
     """``ConvConfig.hopper`` on an sm_90 GPU (elsewhere the implicit GEMM runs): the wgmma forward and
-    stride-1 input gradient, 2-D and 3-D, dilated, on tiles that overhang the output's edges."""
+    stride-1 input gradient, 2-D and 3-D, dilated, on tiles of one or two warpgroups that overhang
+    the output's edges."""
     TRS, DHW = [3] * dims, [5, 13, 11][-dims:]
     check_tensor_core_products(dtype, G, groups, TRS, DHW, 1, dilates, padding, bias, seed,
-                               channels_last=channels_last, hopper=True)
+                               channels_last=channels_last, hopper=True, hopper_groups=warpgroups)
 
 
 def test_grouped_finds_aligned_channel_groups():
