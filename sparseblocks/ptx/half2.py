@@ -107,17 +107,26 @@ else:
 
     from .vector import element_pointer, indexes
 
-    @intrinsic
-    def add_half2(typingctx, a, b):
-        if not (isinstance(a, types.Integer) and isinstance(b, types.Integer) and a.bitwidth == b.bitwidth == 32):
-            return None
+    def _words_op(instruction, result=None):
+        """An intrinsic ``op(a, b)`` of two 32-bit words, one instruction ``instruction d, a, b``,
+        returning a word of ``result``'s type (a's where None)."""
 
-        def codegen(context, builder, sig, args):
-            i32 = ir.IntType(32)
-            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32]), "add.rn.f16x2 $0, $1, $2;", "=r,r,r")
-            return builder.call(asm, list(args))
+        @intrinsic
+        def op(typingctx, a, b):
+            if not (isinstance(a, types.Integer) and isinstance(b, types.Integer) and a.bitwidth == b.bitwidth == 32):
+                return None
 
-        return a(a, b), codegen
+            def codegen(context, builder, sig, args):
+                i32 = ir.IntType(32)
+                asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32]), f"{instruction} $0, $1, $2;", "=r,r,r")
+                return builder.call(asm, list(args))
+
+            return (result or a)(a, b), codegen
+
+        return op
+
+    add_half2 = _words_op("add.rn.f16x2")
+    greater_mask_half2 = _words_op("set.gt.u32.f16x2", types.uint32)
 
     @intrinsic
     def floats_of_half2(typingctx, word):
@@ -149,18 +158,6 @@ else:
             return builder.call(asm, values)
 
         return types.int32(lo, hi), codegen
-
-    @intrinsic
-    def greater_mask_half2(typingctx, a, b):
-        if not (isinstance(a, types.Integer) and isinstance(b, types.Integer) and a.bitwidth == b.bitwidth == 32):
-            return None
-
-        def codegen(context, builder, sig, args):
-            i32 = ir.IntType(32)
-            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32]), "set.gt.u32.f16x2 $0, $1, $2;", "=r,r,r")
-            return builder.call(asm, list(args))
-
-        return types.uint32(a, b), codegen
 
     @intrinsic
     def half2_down(typingctx, value):

@@ -114,15 +114,12 @@ def make_pack_words(cfg, bits, per_row, half):
     LOADS = 4 if half else 8  # 16-byte loads a thread: 32 values
     STRIDE = 16 if half else 32  # a thread's first element (a word of x's fp16 pairs, or a value)
 
+    word_of = _make_word_of(bits)
+
     @cuda.jit
     def pack_words(planes, x, thresholds, order, columns):
-        word = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        row = cuda.blockIdx.y
-        if word >= planes.shape[2]:
-            return
-        if word * 32 >= columns:  # (the row's padding words)
-            for k in range(bits):
-                planes[k, row, word] = uint32(0)
+        word, row, done = word_of(planes, columns)
+        if done:
             return
         t = row if per_row else 0
         bound = cuda.local.array(levels, float32)  # (constant indices: registers)
@@ -154,6 +151,26 @@ def make_pack_words(cfg, bits, per_row, half):
             planes[k, row, word] = words[k]
 
     return pack_words
+
+
+def _make_word_of(bits):
+    """``word_of(planes, columns) -> (word, row, done)``: a word-a-thread kernel's word of the planes
+    and row; ``done`` where the word is past the planes, or a padding word past the row's values
+    (its zeros written)."""
+
+    @inlined
+    def word_of(planes, columns):
+        word = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        row = cuda.blockIdx.y
+        if word >= planes.shape[2]:
+            return word, row, True
+        if word * 32 >= columns:  # (the row's padding words)
+            for k in range(bits):
+                planes[k, row, word] = uint32(0)
+            return word, row, True
+        return word, row, False
+
+    return word_of
 
 
 def _make_count_pair(bits):
@@ -223,15 +240,12 @@ def _make_pack_half2(bits, per_row):
             b = (b | (b >> uint32(12))) & uint32(0xFF)
             words[k] |= b << uint32(8 * g)
 
+    word_of = _make_word_of(bits)
+
     @cuda.jit
     def pack_half2(planes, x, thresholds, order, columns):
-        word = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        row = cuda.blockIdx.y
-        if word >= planes.shape[2]:
-            return
-        if word * 32 >= columns:  # (the row's padding words)
-            for k in range(bits):
-                planes[k, row, word] = uint32(0)
+        word, row, done = word_of(planes, columns)
+        if done:
             return
         t = row if per_row else 0
         bound = cuda.local.array(levels, uint32)  # (constant indices: registers)
