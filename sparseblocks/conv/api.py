@@ -312,10 +312,14 @@ class BlocksparseConv:
                 and compute_capability() == (9, 0)):
             hg = self._host["hg_" + kind]
             wgs = self.config.hopper_groups
-            kernel = cached(hopper.make_forward, op_x.dtype, G, TRS, hopper.patch_positions(hg), last, wgs)
-            launch(kernel, (N * int(hg[3] * hg[21] * hg[22]), out_rows // G), hopper.WARPGROUP * wgs, stream,
+            tiles = N * int(hg[3] * hg[21] * hg[22])
+            keep = self._hopper_keep(kind, hg, G)
+            kernel = cached(hopper.make_forward, op_x.dtype, G, TRS, hopper.patch_positions(hg), last, wgs, keep)
+            # (kept filters: one wave of thread blocks, each walking its share of the tiles)
+            workers = max(1, min(tiles, -(-2 * multiprocessors() // (out_rows // G)))) if keep else tiles
+            launch(kernel, (workers, out_rows // G), hopper.WARPGROUP * wgs, stream,
                    (out.reshape(-1), rows, self._packed(op_f, kind != "forward", stream, 16), t[ptr], t[blk],
-                    t[first], t["hg_" + kind], out_rows, in_rows, bias, t["edge"], has_bias))
+                    t[first], t["hg_" + kind], out_rows, in_rows, bias, t["edge"], has_bias, tiles, workers))
             return
         row_bytes = self._row_bytes(kind, op_x.dtype)
         packed = self._packed(op_f, kind != "forward", stream, row_bytes)
@@ -327,6 +331,16 @@ class BlocksparseConv:
                (workers, out_rows // G), implicit.THREADS, stream,
                (out.reshape(-1), rows, packed, t[ptr], t[blk], t[first], t["ig_" + kind], N, out_rows, in_rows,
                 bias, t["edge"], has_bias, tiles, workers))
+
+    def _hopper_keep(self, kind, hg, G):
+        """The filter blocks the wgmma kernel keeps in shared memory (`hopper.make_forward`'s
+        ``keep``): the most of any output group, where ``ConvConfig.hopper_keep`` and shared memory
+        allow; else 0 (a stage a block's patch and filter)."""
+        ptr = self._host["kgrp_ptr" if kind == "forward" else "cgrp_ptr"]
+        most = int(np.max(np.diff(ptr))) if len(ptr) > 1 else 0
+        if not self.config.hopper_keep or most == 0:
+            return 0
+        return most if hopper.kept_fits(hg, G, most) else 0
 
     def _implicit_filter_grad(self, out, op_dy, op_x, N, stream, last=False):
         """`implicit.make_filter_grad`'s partial sums over shares of the positions, then their sum

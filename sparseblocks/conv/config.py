@@ -23,6 +23,7 @@ class ConvConfig:
     # the patch in wgmma's no-swizzle layout, a tap a descriptor) where their ring fits
     hopper: bool = False
     hopper_groups: int = 1  # ... warpgroups a tile of 8 output rows, each 8 columns (1 or 2)
+    hopper_keep: bool = True  # ... a group's filter blocks kept in shared memory over many tiles, where they fit
 
     def check(self):
         if self.threads % 32 or not 32 <= self.threads <= 1024:

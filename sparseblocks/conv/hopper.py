@@ -25,7 +25,7 @@ channels-last or NCHW, as `implicit.make_forward`'s does.
 from numba import cuda, float32, int32, int64, uint64
 
 from ..bsmm.device import converters
-from ..ptx.cp_async import copy16_or_zero, copy16_to, make_ring, shared_address, signed_address
+from ..ptx.cp_async import commit, copy16_or_zero, copy16_to, make_ring, shared_address, signed_address
 from ..ptx.half2 import stored_as
 from ..ptx.wgmma import WARPGROUP, descriptor, fence, make_mma, make_settle, proxy_fence
 from ..ptx.wgmma import commit as wg_commit
@@ -64,20 +64,33 @@ def stage_bytes(hg, G):
     return (G // 8) * (patch_positions(hg) + TRS * G) * CHUNK
 
 
+def kept_fits(hg, G, blocks):
+    """Whether a ring of patch-only stages and ``blocks`` kept filter blocks fit in shared memory."""
+    TRS = hg[6] * hg[7] * hg[8]
+    return (STAGES * patch_positions(hg) + blocks * TRS * G) * (G // 8) * CHUNK <= 200 * 1024
+
+
 def patch_positions(hg):
     return hg[18] * hg[19] * hg[20]
 
 
-def make_forward(storage, G, TRS, positions, rows_out=False, groups=1):
+def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0):
     """The kernel for channel groups of G, TRS taps, patches of ``positions`` positions and tiles of
-    ``groups`` warpgroups (see the module's docstring); grid (tiles, output groups). ``rows_out``:
-    the output written channels-last (N, positions, channels)."""
+    ``groups`` warpgroups (see the module's docstring). ``rows_out``: the output written
+    channels-last (N, positions, channels).
+
+    ``keep`` 0: grid (tiles, output groups), a thread block a tile, each stage a block's patch and
+    filter. ``keep`` K: grid (workers, output groups), each thread block walking its share of the
+    tiles with its group's filter blocks (up to K) copied once and kept in shared memory, each
+    stage only a patch (a tile's blocks in turn): the filters' bytes are read once a thread
+    block instead of once a tile."""
     THREADS = WARPGROUP * groups
     CK = G // 8  # chunks of 8 channels a position
     A_CHUNK = positions * CHUNK  # a patch chunk's stride (lbo)
     B_CHUNK = TRS * G * CHUNK  # a filter chunk's stride (lbo)
     A_BYTES, B_BYTES = CK * A_CHUNK, CK * B_CHUNK
-    STAGE = A_BYTES + B_BYTES
+    STAGE = A_BYTES + (0 if keep else B_BYTES)
+    KEPT = STAGES * STAGE  # (where kept filters start)
     A_COPIES, B_COPIES = CK * positions, CK * TRS * G
     A_PER, B_PER = -(-A_COPIES // THREADS), -(-B_COPIES // THREADS)
     E = 2
@@ -92,28 +105,51 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1):
     @inlined
     def issue(s, at, args):
         """Stage s: the patch of the group's s-th block (its input channels from c_first), then
-        that block's packed filter."""
-        image_at, f_at, sources, grp_blk, blk_c0, ptr = args
-        e = grp_blk[ptr + s]
+        that block's packed filter; with ``keep``, of tile s // count's block s % count, the patch
+        only (its copies placed once a tile)."""
+        x_at, f_at, sources, grp_blk, blk_c0, ptr, count, first_tile, placed, hg, IN_ROWS = args
+        b = s
+        if keep:
+            tile, b = divmod32(s, count)
+            if placed[0] != tile:
+                n, m, p0, q0 = where(first_tile + int32(tile), hg)
+                place(sources, m, p0, q0, hg, IN_ROWS)
+                placed[0], placed[1] = tile, E * int64(n) * (hg[0] * hg[1] * hg[2]) * IN_ROWS
+        image_at = x_at + placed[1]
+        e = grp_blk[ptr + b]
         c_first = blk_c0[e]
         for i in range(A_PER):
             c = cuda.threadIdx.x + i * THREADS
             if c < A_COPIES:
-                keep = sources[i] >= 0
-                copy16_or_zero(at + c * CHUNK, image_at + (E * int64(sources[i] + c_first) if keep else 0), keep)
+                inside = sources[i] >= 0
+                copy16_or_zero(at + c * CHUNK, image_at + (E * int64(sources[i] + c_first) if inside else 0), inside)
+        if not keep:
+            copy_filter(at + A_BYTES, f_at, e)
+
+    @inlined
+    def copy_filter(to, f_at, e):
         f_from = f_at + E * int64(e) * (G * G * TRS)
         for i in range(B_PER):
             c = cuda.threadIdx.x + i * THREADS
             if c < B_COPIES:
-                copy16_to(at + A_BYTES + c * CHUNK, f_from + CHUNK * c)
+                copy16_to(to + c * CHUNK, f_from + CHUNK * c)
+
+    @inlined
+    def where(tile, hg):
+        """Tile ``tile``'s (image, output depth, first row, first column)."""
+        tiles_q, tiles_p = hg[21], hg[22]
+        n, rest = divmod32(tile, tiles_q * tiles_p * hg[3])
+        m, rest = divmod32(rest, tiles_q * tiles_p)
+        tp, tq = divmod32(rest, tiles_q)
+        return int32(n), int32(m), int32(tp) * TILE_ROWS, int32(tq) * (TILE_COLS * groups)
 
     prime, advance = make_ring(issue, STAGES, STAGE, visible=proxy_fence)
 
-    def tap_step(tap, acc, at, shifts, group, hg):
+    def tap_step(tap, acc, at, b_at, shifts, group, hg):
         """Tap ``tap``'s k16 steps: A the patch shifted by the tap's offset (and this warpgroup's 8
-        columns), B its filter slices."""
+        columns), B its filter slices (the block's filter at ``b_at``)."""
         a = descriptor(at + (shifts[tap] + TILE_COLS * group) * CHUNK, A_CHUNK, hg[20] * CHUNK, 0)
-        b = descriptor(at + A_BYTES + tap * G * CHUNK, B_CHUNK, 8 * CHUNK, 0)
+        b = descriptor(b_at + tap * G * CHUNK, B_CHUNK, 8 * CHUNK, 0)
         for kk in range(CK // 2):  # (two chunks a k16 step)
             mma(acc, a + uint64(kk * 2 * A_CHUNK // 16), b + uint64(kk * 2 * B_CHUNK // 16), int32(1))
 
@@ -169,14 +205,10 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1):
             shifts[tap] = ((int32(t) * hg[15]) * hg[19] + int32(r) * hg[16]) * hg[20] + int32(s) * hg[17]
 
     @cuda.jit
-    def forward(out, x, f, grp_ptr, grp_blk, blk_c0, hg, OUT_ROWS, IN_ROWS, bias, edge, has_bias):
-        tile, g = cuda.blockIdx.x, cuda.blockIdx.y
-        tiles_q, tiles_p = hg[21], hg[22]
-        n, rest = divmod32(tile, tiles_q * tiles_p * hg[3])
-        m, rest = divmod32(rest, tiles_q * tiles_p)
-        tp, tq = divmod32(rest, tiles_q)
-        p0, q0 = int32(tp) * TILE_ROWS, int32(tq) * (TILE_COLS * groups)
-        n, m = int32(n), int32(m)
+    def forward(out, x, f, grp_ptr, grp_blk, blk_c0, hg, OUT_ROWS, IN_ROWS, bias, edge, has_bias, tiles, workers):
+        worker, g = cuda.blockIdx.x, cuda.blockIdx.y
+        first_tile = (worker * tiles) // workers if keep else worker
+        my_tiles = ((worker + 1) * tiles) // workers - first_tile if keep else 1
         smem = cuda.shared.array(0, int32)
         base = shared_address(smem, (0,))
         acc = cuda.local.array(ACC, float32)
@@ -184,22 +216,42 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1):
             acc[i] = float32(0)
         ptr = grp_ptr[g]
         count = grp_ptr[g + 1] - ptr
-        if count > 0:
-            sources = cuda.local.array(A_PER, int32)
+        if count == 0:  # an output group no block reaches: zeros (and its bias)
+            for tile in range(first_tile, first_tile + my_tiles):
+                n, m, p0, q0 = where(tile, hg)
+                store(out, acc, n, m, p0, q0, g * G, hg, OUT_ROWS, bias, edge, has_bias)
+            return
+        x_at, f_at = signed_address(x, (0,)), signed_address(f, (0,))
+        if keep:  # the group's filters, once (their own commit group, waited for with the first stage)
+            for b in range(count):
+                copy_filter(base + KEPT + b * B_BYTES, f_at, grp_blk[ptr + b])
+            commit()
+        sources = cuda.local.array(A_PER, int32)
+        placed = cuda.local.array(2, int64)  # the tile whose patch copies are placed, its image's offset
+        placed[0] = -1
+        if not keep:
+            n, m, p0, q0 = where(first_tile, hg)
             place(sources, m, p0, q0, hg, IN_ROWS)
-            image_at = signed_address(x, (0,)) + E * int64(n) * (hg[0] * hg[1] * hg[2]) * IN_ROWS
-            args = (image_at, signed_address(f, (0,)), sources, grp_blk, blk_c0, ptr)
-            shifts = cuda.local.array(TRS, int32)
-            tap_shifts(shifts, hg)
-            prime(base, count, args)
-            buf = 0
-            for s in range(count):
-                at, buf = advance(s, buf, base, count, args)
-                fence()
-                taps(acc, at, shifts, cuda.threadIdx.x // WARPGROUP, hg)
-                wg_commit()
-                wg_wait_all()  # (the buffer is free for the copies the next barrier lets in)
-            settle(acc)
-        store(out, acc, n, m, p0, q0, g * G, hg, OUT_ROWS, bias, edge, has_bias)
+            placed[0], placed[1] = 0, E * int64(n) * (hg[0] * hg[1] * hg[2]) * IN_ROWS
+        args = (x_at, f_at, sources, grp_blk, blk_c0, ptr, count, first_tile, placed, hg, IN_ROWS)
+        shifts = cuda.local.array(TRS, int32)
+        tap_shifts(shifts, hg)
+        total = my_tiles * count
+        prime(base, total, args)
+        buf = 0
+        for s in range(total):
+            at, buf = advance(s, buf, base, total, args)
+            tile, b = divmod32(s, count)
+            fence()
+            taps(acc, at, base + KEPT + b * B_BYTES if keep else at + A_BYTES, shifts,
+                 cuda.threadIdx.x // WARPGROUP, hg)
+            wg_commit()
+            wg_wait_all()  # (the buffer is free for the copies the next barrier lets in)
+            if b == count - 1:
+                settle(acc)
+                n, m, p0, q0 = where(first_tile + int32(tile), hg)
+                store(out, acc, n, m, p0, q0, g * G, hg, OUT_ROWS, bias, edge, has_bias)
+                for i in range(ACC):
+                    acc[i] = float32(0)
 
-    return dynamic_shared(forward, STAGES * STAGE)
+    return dynamic_shared(forward, KEPT + keep * B_BYTES)

@@ -77,12 +77,13 @@ def grouped_layer(rng, G, groups):
 
 
 def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, padding, bias, seed, N=2,
-                               implicit=True, channels_last=False, stage_bytes=32, hopper=False, hopper_groups=1):
+                               implicit=True, channels_last=False, stage_bytes=32, hopper=False, hopper_groups=1,
+                               hopper_keep=True):
     rng = np.random.default_rng(seed)
     BCK = grouped_layer(rng, G, groups)
     op = BlocksparseConv(BCK, TRS, DHW, strides=strides, dilates=dilates, padding=padding, edge_bias=bias,
                          config=ConvConfig(implicit=implicit, stage_bytes=stage_bytes, hopper=hopper,
-                                           hopper_groups=hopper_groups))
+                                           hopper_groups=hopper_groups, hopper_keep=hopper_keep))
     assert op._group == G
     F = [values(rng, op.f_shape(b), dtype) for b in range(len(BCK))]
     I = values(rng, op.i_shape(N), dtype)
@@ -144,19 +145,21 @@ def test_wide_stage_implicit_products_match_the_twin(dtype, G):
     check_tensor_core_products(dtype, G, 2, (2, 2), (3, 4), 1, 1, "SAME", False, 2, N=1, stage_bytes=64)
 
 
-@pytest.mark.parametrize("channels_last, groups", [(False, 1), (True, 2)])
-def test_hopper_products_match_the_twin(monkeypatch, channels_last, groups):
+@pytest.mark.parametrize("channels_last, groups, keep, N", [(False, 1, False, 1), (True, 2, True, 1),
+                                                          (False, 1, True, 2)])
+def test_hopper_products_match_the_twin(monkeypatch, channels_last, groups, keep, N):
     """``ConvConfig.hopper``: the forward and the stride-1 input gradient on wgmma (`conv/hopper.py`,
-    here the simulator's twin): tiles of 8 x 8 positions, a tap a descriptor into the patch's
-    no-swizzle layout, an edge bias, an output group no block reaches; the filter gradient as
-    before."""
+    here the simulator's twin): tiles of 8 x 8 positions a warpgroup, a tap a descriptor into the
+    patch's no-swizzle layout, an edge bias, an output group no block reaches; a thread block a
+    tile, or (``keep``) walking several tiles, across images, with its filters kept; the filter
+    gradient as before."""
     from sparseblocks.conv import api, hopper
     from sparseblocks.runtime import compile as compile_cache
 
     monkeypatch.setattr(api, "compute_capability", lambda: (9, 0))
     before = sum(key[0] is hopper.make_forward for key in compile_cache._kernels)
-    check_tensor_core_products("float16", 16, 2, (2, 2), (8, 9), 1, 1, "SAME", True, 3, N=1,
-                               channels_last=channels_last, hopper=True, hopper_groups=groups)
+    check_tensor_core_products("float16", 16, 2, (2, 2), (8, 9), 1, 1, "SAME", True, 3, N=N,
+                               channels_last=channels_last, hopper=True, hopper_groups=groups, hopper_keep=keep)
     assert sum(key[0] is hopper.make_forward for key in compile_cache._kernels) > before
 
 
@@ -206,15 +209,16 @@ def test_tensor_core_products_match_the_twin_on_the_gpu(dtype, G, groups, dims, 
 @settings(max_examples=20, deadline=None)
 @given(dtype=st.sampled_from(["float16", "bfloat16"]), G=st.sampled_from([16, 32, 64]), groups=st.integers(2, 3),
        dims=st.integers(2, 3), dilates=st.integers(1, 2), padding=st.sampled_from(["SAME", "VALID"]),
-       bias=st.booleans(), seed=st.integers(0, 2**16), channels_last=st.booleans(), warpgroups=st.sampled_from([1, 2]))
+       bias=st.booleans(), seed=st.integers(0, 2**16), channels_last=st.booleans(), warpgroups=st.sampled_from([1, 2]),
+       keep=st.booleans())
 def test_hopper_products_match_the_twin_on_the_gpu(dtype, G, groups, dims, dilates, padding, bias, seed,
-                                                   channels_last, warpgroups):
+                                                   channels_last, warpgroups, keep):
     """``ConvConfig.hopper`` on an sm_90 GPU (elsewhere the implicit GEMM runs): the wgmma forward and
     stride-1 input gradient, 2-D and 3-D, dilated, on tiles of one or two warpgroups that overhang
     the output's edges."""
     TRS, DHW = [3] * dims, [5, 13, 11][-dims:]
     check_tensor_core_products(dtype, G, groups, TRS, DHW, 1, dilates, padding, bias, seed,
-                               channels_last=channels_last, hopper=True, hopper_groups=warpgroups)
+                               channels_last=channels_last, hopper=True, hopper_groups=warpgroups, hopper_keep=keep)
 
 
 def test_grouped_finds_aligned_channel_groups():
