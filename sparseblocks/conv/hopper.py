@@ -32,6 +32,7 @@ from ..ptx.wgmma import commit as wg_commit
 from ..ptx.wgmma import waiter as wg_waiter
 from ..runtime.compile import divmod32, inlined, unrolled
 from ..runtime.launch import dynamic_shared
+from .implicit import make_tiles
 
 TILE_ROWS = TILE_COLS = 8  # a tile's output rows and columns: 64 positions, wgmma's m
 STAGES = 3
@@ -134,14 +135,13 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0):
             if c < B_COPIES:
                 copy16_to(to + c * CHUNK, f_from + CHUNK * c)
 
+    tile_of, _, tap_shift = make_tiles(TILE_COLS * groups, TILE_ROWS)
+
     @inlined
     def where(tile, hg):
         """Tile ``tile``'s (image, output depth, first row, first column)."""
-        tiles_q, tiles_p = hg[21], hg[22]
-        n, rest = divmod32(tile, tiles_q * tiles_p * hg[3])
-        m, rest = divmod32(rest, tiles_q * tiles_p)
-        tp, tq = divmod32(rest, tiles_q)
-        return int32(n), int32(m), int32(tp) * TILE_ROWS, int32(tq) * (TILE_COLS * groups)
+        n, m, p0, q0 = tile_of(tile, hg)
+        return int32(n), int32(m), int32(p0), int32(q0)
 
     prime, advance = make_ring(issue, STAGES, STAGE, visible=proxy_fence)
 
@@ -200,9 +200,7 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0):
     def tap_shifts(shifts, hg):
         """Each tap's offset in patch positions (dilated)."""
         for tap in range(TRS):
-            ts, s = divmod32(tap, hg[8])
-            t, r = divmod32(ts, hg[7])
-            shifts[tap] = ((int32(t) * hg[15]) * hg[19] + int32(r) * hg[16]) * hg[20] + int32(s) * hg[17]
+            shifts[tap] = tap_shift(tap, hg)
 
     @cuda.jit
     def forward(out, x, f, grp_ptr, grp_blk, blk_c0, hg, OUT_ROWS, IN_ROWS, bias, edge, has_bias, tiles, workers):

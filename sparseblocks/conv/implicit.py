@@ -146,15 +146,16 @@ def plan(ig, G, filter_grad=False, E=2, row_bytes=32):
     return forward_shared(G, TRS, cap, row_bytes) <= SHARED_MAX
 
 
-def make_tiles(QT):
-    """The tile arithmetic both kernels share, for tiles of QT columns (`tile_shape`):
+def make_tiles(QT, TP=None):
+    """The tile arithmetic both kernels share (and `hopper.py`'s), for tiles of QT columns
+    (`tile_shape`) and TP rows (``TILE // QT`` where None):
 
     * ``where(tile, ig)``: position tile ``tile``'s (image, output depth, first row, first
       column), in the order both kernels walk them;
     * ``patch_row(j, ig)``: the patch row that a tile's position j reads at the first tap (0 for a
       position past the last output row: its result is never kept);
     * ``tap_shift(tap, ig)``: how many patch rows further tap ``tap`` reads."""
-    TP = TILE // QT
+    TP = TILE // QT if TP is None else TP
 
     @inlined
     def where(tile, ig):
