@@ -171,9 +171,9 @@ def make_tiles(QT, TP=None):
 
     @inlined
     def tap_shift(tap, ig):
-        R, S = ig[7], ig[8]
-        t, r, s = tap // (R * S), (tap // S) % R, tap % S
-        return ((t * ig[15]) * ig[19] + r * ig[16]) * ig[20] + s * ig[17]
+        ts, s = divmod32(tap, ig[8])  # (32-bit: a 64-bit division is a call of some 60 instructions)
+        t, r = divmod32(ts, ig[7])
+        return ((int32(t) * ig[15]) * ig[19] + int32(r) * ig[16]) * ig[20] + int32(s) * ig[17]
 
     return where, patch_row, tap_shift
 
