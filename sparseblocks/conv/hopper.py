@@ -109,13 +109,11 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0):
         that block's packed filter; with ``keep``, of tile s // count's block s % count, the patch
         only (its copies placed once a tile)."""
         x_at, f_at, sources, grp_blk, blk_c0, ptr, count, first_tile, placed, hg, IN_ROWS = args
-        b = s
-        if keep:
-            tile, b = divmod32(s, count)
-            if placed[0] != tile:
-                n, m, p0, q0 = where(first_tile + int32(tile), hg)
-                place(sources, m, p0, q0, hg, IN_ROWS)
-                placed[0], placed[1] = tile, E * int64(n) * (hg[0] * hg[1] * hg[2]) * IN_ROWS
+        tile, b = divmod32(s, count)
+        if placed[0] != tile:  # (a tile's stages come in order: its first places the patch's copies)
+            n, m, p0, q0 = where(first_tile + int32(tile), hg)
+            place(sources, m, p0, q0, hg, IN_ROWS)
+            placed[0], placed[1] = tile, E * int64(n) * (hg[0] * hg[1] * hg[2]) * IN_ROWS
         image_at = x_at + placed[1]
         e = grp_blk[ptr + b]
         c_first = blk_c0[e]
@@ -227,10 +225,6 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0):
         sources = cuda.local.array(A_PER, int32)
         placed = cuda.local.array(2, int64)  # the tile whose patch copies are placed, its image's offset
         placed[0] = -1
-        if not keep:
-            n, m, p0, q0 = where(first_tile, hg)
-            place(sources, m, p0, q0, hg, IN_ROWS)
-            placed[0], placed[1] = 0, E * int64(n) * (hg[0] * hg[1] * hg[2]) * IN_ROWS
         args = (x_at, f_at, sources, grp_blk, blk_c0, ptr, count, first_tile, placed, hg, IN_ROWS)
         shifts = cuda.local.array(TRS, int32)
         tap_shifts(shifts, hg)
