@@ -77,9 +77,10 @@ def test_block_32_products_match_reference(data, dtype, feature_axis, producer, 
         dw = bsmm.weight_grad(xa, dya, layout, feature_axis, version=7, config=cfg,
                               splits=data.draw(st.sampled_from([None, 1, 3]), label="splits"))
     assert_products(y, dx, dw, xa, dya, w, layout, feature_axis, dtype)
-    made = [key for key in compile_cache._kernels if key[2] == 32]
-    assert any(key[0] is hopper.make_product_v7 for key in made)
-    assert any(key[0] is hopper_wgrad.make_weight_grad_v7 and key[-1] == hopper.STACKED for key in made)
+    if layout.n_blocks:  # an empty layout launches nothing
+        made = [key for key in compile_cache._kernels if key[2] == 32]
+        assert any(key[0] is hopper.make_product_v7 for key in made)
+        assert any(key[0] is hopper_wgrad.make_weight_grad_v7 and key[-1] == hopper.STACKED for key in made)
 
 
 PRODUCER = replace(bsmm.DEFAULT, v7_producer=True, v7_wgrad_producer=True, v7_persistent={})
