@@ -91,7 +91,7 @@ class BsmmConfig:
     v7_stages: dict = default_field({32: 4, 64: 5, 128: 4})  # the product's ring: stages - 2 in flight ahead of the one multiplied
     # Warpgroups of a weight-gradient block's tile; absent: one a 64-row tile, or one of two tiles at
     # a block size of v7_wgrad_blocks (paired tiles: always one a tile)
-    v7_wgrad_groups: dict = default_field({})
+    v7_wgrad_groups: dict = default_field({32: 1})
     v7_wgrad_stages: int = 6  # the weight gradient's ring
     v7_wgrad_fill: int = 1  # weight-gradient thread blocks a multiprocessor the N-splits aim for
     v7_wgrad_k: int = 64  # rows of N a weight-gradient stage
@@ -101,8 +101,10 @@ class BsmmConfig:
     v7_wgrad_pairs_fill: int = 1  # ... where the pairs alone give this many thread blocks a multiprocessor (0: always)
     # Weight gradients of n blocks of one block-column a thread block, stacked down a tile of n bs x bs
     # (dy's columns read once for all; n of 2, 4 or 8), at block 32, where wgmma's 64 rows need two
-    # blocks at least: {bs: n}; warpgroups from v7_wgrad_groups, the ring v7_wgrad_stages; absent: version 6
-    v7_wgrad_stacks: dict = default_field({})
+    # blocks at least: {bs: n}; warpgroups from v7_wgrad_groups, the ring v7_wgrad_stack_stages; absent:
+    # version 6. Block 32: four blocks on one warpgroup (two 64-row tiles), four stages
+    v7_wgrad_stacks: dict = default_field({32: 4})
+    v7_wgrad_stack_stages: int = 4
     # Products whose output lines are short (mean blocks a line <= "mean_blocks") on other tiles:
     # {bs: {"mean_blocks": m, field: value, ...}}, fields of SHORT_LINE_FIELDS (a table's value for bs,
     # v7_producer_registers itself); `dispatch.v7_config`. Block 128: one warpgroup of two 64-row

@@ -32,7 +32,7 @@ def v7_shape(cfg, bs, weight_grad=False):
     if weight_grad == STACKED:  # (by default a warpgroup a 64-row tile)
         BM = cfg.v7_wgrad_stacks.get(bs, 0) * bs
         groups = cfg.v7_wgrad_groups.get(bs, max(BM // WGMMA_M, 1))
-        return BM, bs, groups, BM // WGMMA_M // max(groups, 1), cfg.v7_wgrad_k, cfg.v7_wgrad_stages
+        return BM, bs, groups, BM // WGMMA_M // max(groups, 1), cfg.v7_wgrad_k, cfg.v7_wgrad_stack_stages
     if weight_grad:
         paired = weight_grad == PAIRED
         # (by default a warpgroup a 64-row tile; one of two tiles where two thread blocks share a
@@ -186,8 +186,8 @@ def v7_check(cfg, bs, weight_grad=False):
     if BK != k:
         return f"k {BK}: version 7 stages {k} values of k (a swizzle row, or a block of 32)"
     if not 3 <= STAGES <= 6:
-        name = (f"v7_wgrad_pairs[{bs}]" if weight_grad == PAIRED else "v7_wgrad_stages") if weight_grad \
-            else f"v7_stages[{bs}]"
+        name = {PAIRED: f"v7_wgrad_pairs[{bs}]", STACKED: "v7_wgrad_stack_stages"}.get(
+            weight_grad, "v7_wgrad_stages") if weight_grad else f"v7_stages[{bs}]"
         blocks = resident(cfg, bs, weight_grad) if weight_grad else 1
         fit = f" (the most that fit v7_wgrad_blocks[{bs}] = {blocks})" if blocks > 1 else ""
         return f"{name}: expected 3 to 6 stages, got {STAGES}{fit}"

@@ -72,7 +72,7 @@ def kept_fits(hg, G, blocks):
 
 
 def patch_positions(hg):
-    return hg[18] * hg[19] * hg[20]
+    return int(hg[18] * hg[19] * hg[20])
 
 
 def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0):

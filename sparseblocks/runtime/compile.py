@@ -8,6 +8,7 @@ another. On a GPU their compiled code is kept on disk too, for the next process
 (`disk_cache`).
 """
 
+import numpy as np
 from numba import uint32
 
 _kernels = {}
@@ -15,7 +16,10 @@ _kernels = {}
 
 def cached(maker, *key):
     """``maker(*key)``, made once and kept; its kernels compiled once a machine (`disk_cache`),
-    where the key's ``repr`` names it (not an object's address, not an array's elided values)."""
+    where the key's ``repr`` names it (not an object's address, not an array's elided values).
+    NumPy integers in the key become ints: a kernel sizes its local arrays from them, which the
+    compiler takes only as Python ints (the simulator takes either)."""
+    key = tuple(int(k) if isinstance(k, np.integer) else k for k in key)
     kernel = _kernels.get((maker, *key))
     if kernel is None:
         kernel = maker(*key)

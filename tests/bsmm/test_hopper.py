@@ -215,6 +215,7 @@ def test_hopper_products_replay_in_a_cuda_graph():
     (dict(v7_tiles={128: 3}), "1 or 2 tiles"),
     (dict(v7_wgrad_groups={128: 4}), "128 rows in all"),
     (dict(v7_wgrad_stages=2), "v7_wgrad_stages"),
+    (dict(v7_wgrad_stack_stages=7), "v7_wgrad_stack_stages: expected 3 to 6"),
     (dict(v7_persistent={64: 7}), "3 to 6 stages"),
     (dict(v7_persistent={128: 4}), "v7_persistent\\[128\\].*shared memory"),
     (dict(v7_producer_registers=100), "v7_producer_registers"),
@@ -492,7 +493,7 @@ def test_stacked_weight_gradient_tiles_cover_each_block_once():
     blocks = sorted(int(b) for b in stacks[:, 3:].ravel() if b >= 0)
     assert blocks == list(range(layout.n_blocks)) and len(stacks) == 1 + 2 + 1
     cfg = replace(bsmm.DEFAULT, v7_wgrad_stacks={32: 8}, v7_wgrad_groups={32: 2})
-    assert hopper.v7_shape(cfg, 32, hopper.STACKED) == (256, 32, 2, 2, 64, cfg.v7_wgrad_stages)
+    assert hopper.v7_shape(cfg, 32, hopper.STACKED) == (256, 32, 2, 2, 64, cfg.v7_wgrad_stack_stages)
     assert not hopper.producing(cfg, hopper.STACKED, 32) and hopper.v7_threads(cfg, 32, hopper.STACKED) == 256
 
 
@@ -503,6 +504,6 @@ def test_stacked_weight_grad_runs_in_the_simulator(monkeypatch, feature_axis, st
     (2 blocks: a 64-row tile; 4: two), dy's columns read once for them all, a column of three
     blocks leaving a slot empty (not stored); into an ``out`` with beta, in place or through the
     N-splits' combine."""
-    cfg = replace(bsmm.DEFAULT, v7_wgrad_stacks={32: stack}, v7_wgrad_groups={32: 1}, v7_wgrad_stages=3)
+    cfg = replace(bsmm.DEFAULT, v7_wgrad_stacks={32: stack}, v7_wgrad_groups={32: 1}, v7_wgrad_stack_stages=3)
     weight_grad_into_out(monkeypatch, cfg, BlockLayout(np.array([[1, 1], [1, 0], [1, 1]]), 32), feature_axis,
                          splits, 11)

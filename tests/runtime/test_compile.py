@@ -24,3 +24,22 @@ def test_divmod32_is_floor_division():
     e = np.arange(40)
     for i, d in enumerate(divisors):
         np.testing.assert_array_equal(out[i], np.stack([e // d, e % d], axis=1))
+
+
+def test_cached_keys_take_numpy_integers_as_ints():
+    """A NumPy integer in a maker's key reaches the maker as an int (the compiler sizes local
+    arrays only from Python ints) and names the same kernel as the int."""
+    from sparseblocks.runtime.compile import _kernels, cached
+
+    seen = []
+
+    def maker(n):
+        seen.append(type(n))
+        return object()
+
+    try:
+        assert cached(maker, np.int32(3)) is cached(maker, 3)
+        assert seen == [int]
+    finally:
+        for key in [key for key in _kernels if key[0] is maker]:
+            del _kernels[key]

@@ -8,8 +8,8 @@ from sparseblocks import attention, bsmm
 
 
 def test_table_fields_are_read_only_and_hashable():
-    cfg = replace(bsmm.DEFAULT, v7_wgrad_stacks={32: 4})
-    assert hash(cfg) == hash(replace(bsmm.DEFAULT, v7_wgrad_stacks={32: 4})) and cfg != bsmm.DEFAULT
+    cfg = replace(bsmm.DEFAULT, v7_wgrad_stacks={32: 2})
+    assert hash(cfg) == hash(replace(bsmm.DEFAULT, v7_wgrad_stacks={32: 2})) and cfg != bsmm.DEFAULT
     with pytest.raises(TypeError, match="read-only"):
         cfg.v7_wgrad_stacks[64] = 2
 
