@@ -21,9 +21,9 @@ class ConvConfig:
     stage_bytes: int = 32
     # On sm_90, fp16 and bf16 forwards and stride-1 input gradients of stride 1 on wgmma (`hopper.py`:
     # the patch in wgmma's no-swizzle layout, a tap a descriptor) where their ring fits
-    hopper: bool = False
-    hopper_groups: int = 1  # ... warpgroups a tile of 8 output rows, each 8 columns (1 or 2)
-    hopper_keep: bool = True  # ... a group's filter blocks kept in shared memory over many tiles, where they fit
+    hopper: bool = True
+    hopper_groups: int = 2  # ... warpgroups a tile of 8 output rows, each 8 columns (1 or 2)
+    hopper_keep: bool = False  # ... a group's filter blocks kept in shared memory over many tiles, where they fit
 
     def check(self):
         if self.threads % 32 or not 32 <= self.threads <= 1024:
