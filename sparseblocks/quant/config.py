@@ -8,7 +8,7 @@ class QuantConfig:
     pack_warps: int = 8  # warps a quantize-and-pack thread block; a warp packs 32 values of a row a step
     pack_words: int = 4  # words of a row a warp packs (so a thread block covers pack_warps * pack_words words)
     pack_vector: bool = True  # rows of whole 16-byte-aligned words: a word a thread, 16-byte loads (make_pack_words)
-    pack_half2: bool = False  # ... fp16 rows: a binary search over the thresholds two values an instruction
+    pack_half2: bool = True  # ... fp16 rows: a binary search over the thresholds two values an instruction
     simt_rows: int = 8  # teaching product: rows of a thread block (one thread an output) ...
     simt_cols: int = 32  # ... and outputs
     warps_m: int = 4  # tensor-core product: warps of a thread block along the rows ...
