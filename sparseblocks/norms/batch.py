@@ -40,12 +40,12 @@ def make_batch_norm(cfg, storage, param_storage, acc_type):
         s = acc_type(0)
         for e in range(t, count, T):
             s += x_in(x[at(e, c, C, S)])
-        mean = block_sum(s, shared, 0, t) / count
+        mean = block_sum(s, shared, 0, t) / acc_type(count)
         q = acc_type(0)
         for e in range(t, count, T):
             d = x_in(x[at(e, c, C, S)]) - mean
             q += d * d
-        var = block_sum(q, shared, 0, t) / count
+        var = block_sum(q, shared, 0, t) / acc_type(count)
         if t == 0:
             mean_out[c], var_out[c] = mean, var
 
@@ -77,7 +77,7 @@ def make_batch_norm(cfg, storage, param_storage, acc_type):
         for e in range(t, count, T):
             i = at(e, c, C, S)
             xhat = (x_in(x[i]) - mean) * r
-            dx[i] = x_out(scale * (x_in(dy[i]) - s1 / count - xhat * s2 / count))
+            dx[i] = x_out(scale * (x_in(dy[i]) - s1 / acc_type(count) - xhat * s2 / acc_type(count)))
         if t == 0:
             dg[c], db[c] = p_out(s2), p_out(s1)
 
