@@ -11,7 +11,7 @@ from ..ptx.vector import fours_fit
 from ..runtime.launch import launch
 from .config import NormsConfig, as_config
 from .batch import make_batch_norm
-from .layer import column_launch, make_backward, make_forward, make_param_grads, make_zeros, row_grid, row_shape
+from .layer import column_launch, make_backward, make_forward, make_param_grads, make_zeros, row_shape
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -75,8 +75,8 @@ def layer_norm(x: Array, g: Array, b: Array, axis: int = 1, epsilon: float = 1e-
         shape = row_shape(cfg, C) if axis == 1 else None
         kernels = cached(make_forward, cfg, x_op.dtype, g_op.dtype, _numba(acc), axis, bool(relu), vector, shape)
         if shape is not None:  # (axis 1)
-            launch(kernels, row_grid(shape, N), (shape[0], shape[2]), stream, (y, mean, rstd, x_dev, g_dev, b_dev,
-                                                                                epsilon))
+            launch(kernels, -(-N // shape[2]), (shape[0], shape[2]), stream, (y, mean, rstd, x_dev, g_dev, b_dev,
+                                                                          epsilon))
         else:
             sums, stats_kernel, apply = kernels
             (grid, block), (stats_grid, stats_threads) = column_launch(cfg, C, N)
@@ -122,7 +122,7 @@ def layer_norm_grad(dy: Array, x: Array, g: Array, b: Array, mean: Array, rstd: 
     if axis == 1:
         if N:
             shape = row_shape(cfg, C)
-            launch(cached(make_backward, *key[:4], axis, key[4], vector, shape), row_grid(shape, N),
+            launch(cached(make_backward, *key[:4], axis, key[4], vector, shape), -(-N // shape[2]),
                    (shape[0], shape[2]), stream, (dx, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
         chunks = max(1, -(-N // cfg.grad_rows))
         work = x_op.scratch((chunks, 2, C), acc, stream)

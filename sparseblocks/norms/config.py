@@ -8,12 +8,9 @@ class NormsConfig:
     row_threads: int = 256  # feature axis 1 (N, C): most threads a row; a row is one thread block
     row_groups: int = 8  # feature axis 1: most groups of 4 values a thread holds in registers (longer rows stream)
     row_block: int = 0  # feature axis 1: threads a thread block, rows sharing it where a row takes fewer (0: a row)
-    # feature axis 1, rows held in registers: thread blocks a multiprocessor that each walk every
-    # grid-th row, the next row's loads issued before this row's sums (0: a thread block a row)
-    row_walk: int = 0
     # feature axis 1: thread blocks a multiprocessor its kernels are compiled for (launch bounds: the
-    # registers capped at what that leaves a thread; 0: no cap)
-    row_blocks: int = 0
+    # registers capped at what that leaves a thread, 42 at 6 of 256 threads; 0: no cap)
+    row_blocks: int = 6
     column_warps: int = 8  # feature axis 0 (C, N): warps a thread block, each 128 columns of x, a row at a time
     column_rows: int = 128  # feature axis 0: rows of x (features) a thread block sums or normalizes
     grad_rows: int = 64  # axis 1's dg and db: rows a thread block sums for each feature, before the ordered sum
@@ -23,8 +20,6 @@ class NormsConfig:
             raise ValueError(f"row_threads: expected a multiple of 32 from 32 to 1024, got {self.row_threads}")
         if self.row_block % 32 or not 0 <= self.row_block <= 1024:
             raise ValueError(f"row_block: expected 0 or a multiple of 32 up to 1024, got {self.row_block}")
-        if not 0 <= self.row_walk <= 32:
-            raise ValueError(f"row_walk: expected 0 to 32 thread blocks a multiprocessor, got {self.row_walk}")
         if not 0 <= self.row_blocks <= 32:
             raise ValueError(f"row_blocks: expected 0 to 32 thread blocks a multiprocessor, got {self.row_blocks}")
         if not 0 <= self.row_groups <= 16:

@@ -9,8 +9,7 @@ Sums run in fp32 (fp64 for fp64), in a fixed order: results repeat bitwise.
   row's threads stride over it (consecutive threads, consecutive groups of 4 features, each group
   one vector load where C is a multiple of 4 and the arrays aligned) and reduce by warp shuffles,
   then across the row's warps in shared memory (`make_block_sum`); a row of one warp needs no
-  barrier. With ``row_walk`` a thread block walks every grid-th row, loading the next row's
-  values (held in registers) while this row's sums run.
+  barrier.
 * Feature axis 0, x (C, N): a thread 4 neighbouring columns of x (4 rows of the normalization),
   a warp 128 columns, the block's warps a row of features each in turn. Three launches: the
   column sums over chunks of ``column_rows`` features into a workspace (from a shift, each
@@ -70,10 +69,12 @@ def make_block_sum(threads, acc_type):
     return block_sum
 
 
-def row_kernel(cfg, threads):
+def row_kernel(cfg, threads, acc_type):
     """Axis 1's kernel decorator: with ``row_blocks``, launch bounds of that many thread blocks of
-    ``threads`` a multiprocessor (the registers capped at what that leaves a thread)."""
-    return bounded(threads, cfg.row_blocks) if cfg.row_blocks else cuda.jit
+    ``threads`` a multiprocessor (at most 2048 threads: the registers capped at what that leaves a
+    thread); fp64 sums (two registers a value) take no cap."""
+    blocks = min(cfg.row_blocks, 2048 // threads) if acc_type.bitwidth == 32 else 0
+    return bounded(threads, blocks) if blocks else cuda.jit
 
 
 def make_row_of(RB):
@@ -221,74 +222,60 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
     normalized = _normalized(acc_type, relu)
 
     if axis == 1:
-        T, K, RB, WALK = shape
+        T, K, RB = shape
         SLOTS = T // 32 + 1  # (a shared array's size: a name, not an expression)
         HELD = max(4 * K, 1)
-        AHEAD = HELD if WALK else 1
         block_sum = make_block_sum(T, acc_type)
         row_of = make_row_of(RB)
 
-        @row_kernel(cfg, T * RB)
+        @row_kernel(cfg, T * RB, acc_type)
         def forward_rows(y, mean_out, rstd_out, x, g, b, epsilon):
             t, y_ = cuda.threadIdx.x, (cuda.threadIdx.y if RB > 1 else 0)
             row, inside = row_of(x.shape[0])
             shared = cuda.shared.array((RB, SLOTS), acc_type)
             held = cuda.local.array(HELD, acc_type)  # (K groups: the row's values stay in registers)
-            ahead = cuda.local.array(AHEAD, acc_type)  # (WALK: the next row's, loaded during this row's sums)
-            N, C = x.shape
+            C = x.shape[1]
+            s = acc_type(0)
             if K:
                 for k in range(K):  # (every load issued before any sum waits on one)
                     held[4 * k], held[4 * k + 1], held[4 * k + 2], held[4 * k + 3] = read(x, row, 4 * (t + k * T))
-            while True:
-                after = row + cuda.gridDim.x
-                if WALK and after < N:
-                    for k in range(K):
-                        ahead[4 * k], ahead[4 * k + 1], ahead[4 * k + 2], ahead[4 * k + 3] = read(
-                            x, after, 4 * (t + k * T))
-                s = acc_type(0)
-                if K:
-                    for k in range(K):
-                        s += (held[4 * k] + held[4 * k + 1]) + (held[4 * k + 2] + held[4 * k + 3])
-                else:
-                    for c in range(4 * t, C, 4 * T):
+                for k in range(K):
+                    s += (held[4 * k] + held[4 * k + 1]) + (held[4 * k + 2] + held[4 * k + 3])
+            else:
+                for c in range(4 * t, C, 4 * T):
+                    v0, v1, v2, v3 = read(x, row, c)
+                    s += (v0 + v1) + (v2 + v3)
+            mean = block_sum(s, shared, y_, t) / acc_type(C)
+            q = acc_type(0)
+            if K:
+                for k in range(K):
+                    for j in range(4):
+                        if 4 * (t + k * T) + j < C:  # (the zeros read past the row's end are not values)
+                            d = held[4 * k + j] - mean
+                            q += d * d
+            else:
+                for c in range(4 * t, C, 4 * T):
+                    v0, v1, v2, v3 = read(x, row, c)
+                    d0, d1, d2, d3 = v0 - mean, v1 - mean, v2 - mean, v3 - mean
+                    if c + 3 >= C:
+                        d1 = d1 if c + 1 < C else acc_type(0)
+                        d2 = d2 if c + 2 < C else acc_type(0)
+                        d3 = d3 if c + 3 < C else acc_type(0)
+                    q += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3)
+            r = acc_type(1) / math.sqrt(block_sum(q, shared, y_, t) / acc_type(C) + acc_type(epsilon))
+            for k in range(K if K else -(-C // (4 * T))):
+                c = 4 * (t + k * T)
+                if c < C and inside:
+                    if K:
+                        v0, v1, v2, v3 = held[4 * k], held[4 * k + 1], held[4 * k + 2], held[4 * k + 3]
+                    else:
                         v0, v1, v2, v3 = read(x, row, c)
-                        s += (v0 + v1) + (v2 + v3)
-                mean = block_sum(s, shared, y_, t) / acc_type(C)
-                q = acc_type(0)
-                if K:
-                    for k in range(K):
-                        for j in range(4):
-                            if 4 * (t + k * T) + j < C:  # (the zeros read past the row's end are not values)
-                                d = held[4 * k + j] - mean
-                                q += d * d
-                else:
-                    for c in range(4 * t, C, 4 * T):
-                        v0, v1, v2, v3 = read(x, row, c)
-                        d0, d1, d2, d3 = v0 - mean, v1 - mean, v2 - mean, v3 - mean
-                        if c + 3 >= C:
-                            d1 = d1 if c + 1 < C else acc_type(0)
-                            d2 = d2 if c + 2 < C else acc_type(0)
-                            d3 = d3 if c + 3 < C else acc_type(0)
-                        q += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3)
-                r = acc_type(1) / math.sqrt(block_sum(q, shared, y_, t) / acc_type(C) + acc_type(epsilon))
-                for k in range(K if K else -(-C // (4 * T))):
-                    c = 4 * (t + k * T)
-                    if c < C and inside:
-                        if K:
-                            v0, v1, v2, v3 = held[4 * k], held[4 * k + 1], held[4 * k + 2], held[4 * k + 3]
-                        else:
-                            v0, v1, v2, v3 = read(x, row, c)
-                        g0, g1, g2, g3 = params(g, c)
-                        b0, b1, b2, b3 = params(b, c)
-                        write(y, row, c, normalized((v0 - mean) * r, g0, b0), normalized((v1 - mean) * r, g1, b1),
-                              normalized((v2 - mean) * r, g2, b2), normalized((v3 - mean) * r, g3, b3))
-                if t == 0 and inside:
-                    mean_out[row], rstd_out[row] = mean, r
-                if not WALK or after >= N:
-                    break
-                for k in range(HELD):
-                    held[k] = ahead[k]
-                row = after
+                    g0, g1, g2, g3 = params(g, c)
+                    b0, b1, b2, b3 = params(b, c)
+                    write(y, row, c, normalized((v0 - mean) * r, g0, b0), normalized((v1 - mean) * r, g1, b1),
+                          normalized((v2 - mean) * r, g2, b2), normalized((v3 - mean) * r, g3, b3))
+            if t == 0 and inside:
+                mean_out[row], rstd_out[row] = mean, r
 
         return forward_rows
 
@@ -362,26 +349,15 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
 
 def row_shape(cfg, C):
     """Axis 1: (threads a row, groups of 4 values a thread holds in registers, 0 where the row is
-    longer than ``row_groups`` groups a thread; rows a thread block; ``row_walk`` where a thread
-    block walks rows, else 0). Short rows take fewer threads, so that each holds at least 2 groups
-    (loads in flight) where it can; a thread block takes as many rows as fit ``row_block`` threads
-    (at least one). Only a thread block of one row whose values are held walks."""
+    longer than ``row_groups`` groups a thread; rows a thread block). Short rows take fewer
+    threads, so that each holds at least 2 groups (loads in flight) where it can; a thread block
+    takes as many rows as fit ``row_block`` threads (at least one)."""
     groups = -(-C // 4)
     threads = cfg.row_threads
     while threads > 32 and -(-groups // threads) < 2:
         threads //= 2
     held = -(-groups // threads)
-    K, RB = (held if held <= cfg.row_groups else 0), max(1, cfg.row_block // threads)
-    return threads, K, RB, cfg.row_walk if K and RB == 1 else 0
-
-
-def row_grid(shape, N):
-    """Axis 1: thread blocks of a launch over N rows (`row_shape`'s ``shape``): a row (``RB``
-    rows) each, or ``row_walk`` a multiprocessor, each walking every grid-th row."""
-    from ..runtime.launch import multiprocessors
-
-    T, K, RB, WALK = shape
-    return max(1, min(N, WALK * multiprocessors())) if WALK else -(-N // RB)
+    return threads, held if held <= cfg.row_groups else 0, max(1, cfg.row_block // threads)
 
 
 def column_launch(cfg, C, N):
@@ -403,11 +379,9 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
     passed = _passed(acc_type, relu)
 
     if axis == 1:
-        T, K, RB, WALK = shape
+        T, K, RB = shape
         SLOTS = T // 32 + 1  # (a shared array's size: a name, not an expression)
         HELD = max(4 * K, 1)
-        KEPT = 1 if WALK else HELD  # (WALK: the terms recomputed from the held x and dy instead)
-        RAW = HELD if WALK else 1
         block_sum = make_block_sum(T, acc_type)
         row_of = make_row_of(RB)
 
@@ -417,9 +391,10 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
             return passed(dy, xhat, g, b) * g, xhat
 
         @cuda.jit(device=True, inline=True)
-        def four_terms(v0, v1, v2, v3, e0, e1, e2, e3, g, b, c, mean, r):
-            """(dxhat, xhat) of 4 values x = v, dy = e at features c..c+3 (dxhat 0 past the row's
-            end, where dy and g read 0)."""
+        def group_terms(dy, x, g, b, row, c, mean, r):
+            """(dxhat, xhat) of 4 values (dxhat 0 past the row's end, where dy and g read 0)."""
+            v0, v1, v2, v3 = read(x, row, c)
+            e0, e1, e2, e3 = read(dy, row, c)
             g0, g1, g2, g3 = params(g, c)
             b0, b1, b2, b3 = params(b, c)
             d0, h0 = terms(e0, v0, g0, b0, mean, r)
@@ -428,70 +403,37 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
             d3, h3 = terms(e3, v3, g3, b3, mean, r)
             return d0, d1, d2, d3, h0, h1, h2, h3
 
-        @cuda.jit(device=True, inline=True)
-        def group_terms(dy, x, g, b, row, c, mean, r, rx, rdy, k):
-            """`four_terms` of x's and dy's 4 values at (row, c), or (WALK) of group k held in rx, rdy."""
-            if WALK:
-                j = 4 * k
-                return four_terms(rx[j], rx[j + 1], rx[j + 2], rx[j + 3], rdy[j], rdy[j + 1], rdy[j + 2],
-                                  rdy[j + 3], g, b, c, mean, r)
-            v0, v1, v2, v3 = read(x, row, c)
-            e0, e1, e2, e3 = read(dy, row, c)
-            return four_terms(v0, v1, v2, v3, e0, e1, e2, e3, g, b, c, mean, r)
-
-        @row_kernel(cfg, T * RB)
+        @row_kernel(cfg, T * RB, acc_type)
         def backward_rows(dx, dy, x, g, b, mean_in, rstd_in):
             t, y_ = cuda.threadIdx.x, (cuda.threadIdx.y if RB > 1 else 0)
             row, inside = row_of(x.shape[0])
             shared = cuda.shared.array((RB, SLOTS), acc_type)
-            hd = cuda.local.array(KEPT, acc_type)  # (K groups: dxhat and xhat stay in registers)
-            hh = cuda.local.array(KEPT, acc_type)
-            rx = cuda.local.array(RAW, acc_type)  # (WALK: this row's x and dy, and the next row's)
-            rdy = cuda.local.array(RAW, acc_type)
-            ax = cuda.local.array(RAW, acc_type)
-            ady = cuda.local.array(RAW, acc_type)
-            N, C = x.shape
-            if WALK:
-                for k in range(K):
-                    c = 4 * (t + k * T)
-                    rx[4 * k], rx[4 * k + 1], rx[4 * k + 2], rx[4 * k + 3] = read(x, row, c)
-                    rdy[4 * k], rdy[4 * k + 1], rdy[4 * k + 2], rdy[4 * k + 3] = read(dy, row, c)
-            while True:
-                after = row + cuda.gridDim.x
-                if WALK and after < N:
-                    for k in range(K):
-                        c = 4 * (t + k * T)
-                        ax[4 * k], ax[4 * k + 1], ax[4 * k + 2], ax[4 * k + 3] = read(x, after, c)
-                        ady[4 * k], ady[4 * k + 1], ady[4 * k + 2], ady[4 * k + 3] = read(dy, after, c)
-                mean, r = acc_type(mean_in[row]), acc_type(rstd_in[row])
-                s1 = acc_type(0)
-                s2 = acc_type(0)
-                for k in range(K if K else -(-C // (4 * T))):
-                    c = 4 * (t + k * T)
-                    d0, d1, d2, d3, h0, h1, h2, h3 = group_terms(dy, x, g, b, row, c, mean, r, rx, rdy, k)
-                    if K and not WALK:
-                        hd[4 * k], hd[4 * k + 1], hd[4 * k + 2], hd[4 * k + 3] = d0, d1, d2, d3
-                        hh[4 * k], hh[4 * k + 1], hh[4 * k + 2], hh[4 * k + 3] = h0, h1, h2, h3
-                    s1 += (d0 + d1) + (d2 + d3)
-                    s2 += (d0 * h0 + d1 * h1) + (d2 * h2 + d3 * h3)
-                m1 = block_sum(s1, shared, y_, t) / acc_type(C)
-                m2 = block_sum(s2, shared, y_, t) / acc_type(C)
-                for k in range(K if K else -(-C // (4 * T))):
-                    c = 4 * (t + k * T)
-                    if c < C and inside:
-                        if K and not WALK:
-                            d0, d1, d2, d3 = hd[4 * k], hd[4 * k + 1], hd[4 * k + 2], hd[4 * k + 3]
-                            h0, h1, h2, h3 = hh[4 * k], hh[4 * k + 1], hh[4 * k + 2], hh[4 * k + 3]
-                        else:
-                            d0, d1, d2, d3, h0, h1, h2, h3 = group_terms(dy, x, g, b, row, c, mean, r, rx, rdy, k)
-                        write(dx, row, c, r * (d0 - m1 - h0 * m2), r * (d1 - m1 - h1 * m2),
-                              r * (d2 - m1 - h2 * m2), r * (d3 - m1 - h3 * m2))
-                if not WALK or after >= N:
-                    break
-                for k in range(RAW):
-                    rx[k] = ax[k]
-                    rdy[k] = ady[k]
-                row = after
+            hd = cuda.local.array(HELD, acc_type)  # (K groups: dxhat and xhat stay in registers)
+            hh = cuda.local.array(HELD, acc_type)
+            C = x.shape[1]
+            mean, r = acc_type(mean_in[row]), acc_type(rstd_in[row])
+            s1 = acc_type(0)
+            s2 = acc_type(0)
+            for k in range(K if K else -(-C // (4 * T))):
+                c = 4 * (t + k * T)
+                d0, d1, d2, d3, h0, h1, h2, h3 = group_terms(dy, x, g, b, row, c, mean, r)
+                if K:
+                    hd[4 * k], hd[4 * k + 1], hd[4 * k + 2], hd[4 * k + 3] = d0, d1, d2, d3
+                    hh[4 * k], hh[4 * k + 1], hh[4 * k + 2], hh[4 * k + 3] = h0, h1, h2, h3
+                s1 += (d0 + d1) + (d2 + d3)
+                s2 += (d0 * h0 + d1 * h1) + (d2 * h2 + d3 * h3)
+            m1 = block_sum(s1, shared, y_, t) / acc_type(C)
+            m2 = block_sum(s2, shared, y_, t) / acc_type(C)
+            for k in range(K if K else -(-C // (4 * T))):
+                c = 4 * (t + k * T)
+                if c < C and inside:
+                    if K:
+                        d0, d1, d2, d3 = hd[4 * k], hd[4 * k + 1], hd[4 * k + 2], hd[4 * k + 3]
+                        h0, h1, h2, h3 = hh[4 * k], hh[4 * k + 1], hh[4 * k + 2], hh[4 * k + 3]
+                    else:
+                        d0, d1, d2, d3, h0, h1, h2, h3 = group_terms(dy, x, g, b, row, c, mean, r)
+                    write(dx, row, c, r * (d0 - m1 - h0 * m2), r * (d1 - m1 - h1 * m2), r * (d2 - m1 - h2 * m2),
+                          r * (d3 - m1 - h3 * m2))
 
         return backward_rows
 

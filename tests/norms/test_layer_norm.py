@@ -118,7 +118,7 @@ X, G = np.zeros((3, 8), np.float32), np.ones(8, np.float32)
      ValueError, "dy: expected x's shape"),
     (lambda: norms.layer_norm_grad(X, X, G, G, np.zeros(3, np.float64), np.ones(3, np.float32)),
      ValueError, r"mean: expected \(3,\) float32"),
-    (lambda: norms.layer_norm(X, G, G, config=NormsConfig(row_walk=33)), ValueError, "row_walk: expected 0 to 32"),
+    (lambda: norms.layer_norm(X, G, G, config=NormsConfig(row_blocks=33)), ValueError, "row_blocks: expected 0 to 32"),
 ])
 def test_bad_input_is_refused_before_any_launch(call, error, match):
     with pytest.raises(error, match=match):
@@ -172,21 +172,3 @@ def test_rows_sharing_a_thread_block_agree_bitwise():
         for alone, shared in zip(*results):
             np.testing.assert_array_equal(alone, shared)
 
-
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_rows_walked_by_thread_blocks_agree_bitwise(dtype):
-    """Axis 1 with ``row_walk``: a few thread blocks each walk every grid-th row, loading the next
-    row's values while this row's sums run (forward: x; backward: x and dy), with a ReLU, one and
-    two warps a row; and more thread blocks than rows (none walks). Each row sums in the same order
-    as alone in its block, so the results agree bit for bit."""
-    rng = np.random.default_rng(5)
-    for C, threads, walk in ((70, 32, 2), (260, 64, 1), (70, 32, 32)):
-        x, dy = (rng.standard_normal((5, C)).astype(dtype) for _ in range(2))
-        g, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
-        results = []
-        for row_walk in (0, walk):
-            cfg = dataclasses.replace(SMALL, row_threads=threads, row_walk=row_walk)
-            y, mean, rstd = norms.layer_norm(x, g, b, relu=True, stats=True, config=cfg)
-            results.append((y, mean, rstd, *norms.layer_norm_grad(dy, x, g, b, mean, rstd, relu=True, config=cfg)))
-        for alone, walked in zip(*results):
-            np.testing.assert_array_equal(alone, walked)
