@@ -91,8 +91,10 @@ def check(name, function, signature, registers=None, detail=lambda ptx: "", cc=C
         ptx, _ = cuda.compile_ptx(function, signature, cc=cc, launch_bounds=launch_bounds)
         arch = f"sm_{cc[0]}{cc[1]}{cc[2] if len(cc) > 2 else ''}"
         divisions = len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx))  # (calls of some 60 instructions each)
+        # fp64 arithmetic where Numba promoted (an fp32 value divided by an int, a float literal)
+        doubles = len(re.findall(r"\b(?:add|sub|mul|fma|div)(?:\.rn|\.rnd)?\.f64\b", ptx))
         print(f"ok    {name}{resources(ptx, registers, arch)}{detail(ptx)}"
-              + (f"  {divisions} 64-bit divisions" if divisions else ""))
+              + (f"  {divisions} 64-bit divisions" if divisions else "") + (f"  {doubles} fp64 ops" if doubles else ""))
         return True
     except Exception as error:  # report every failure, not just the first
         print(f"FAIL  {name}: {type(error).__name__}: {str(error).splitlines()[0]}")

@@ -435,9 +435,10 @@ def make_backward_parts(cols=TILE):
     * ``probabilities(s, scale2, lse, rows_along, col_first, row, t, masked)``: scores into
       P = exp2(scale2 s - lse log2 e), 0 where the causal mask hides the pair (``masked``: it may)
       or the query sees nothing (lse -inf); ``lse`` the lane's two rows' or the ``cols`` columns';
+      callers branch on ``masked``, so that the tiles the mask cannot reach skip it;
     * ``score_grads(dp, p, delta, rows_along, t)``: dP into dS = P (dP - delta), ``delta`` as lse.
     """
-    NEG = float32(-math.inf)
+    NEG, INF = float32(-math.inf), float32(math.inf)
 
     @inlined
     def pair_of(values, rows_along, n, t):
@@ -449,6 +450,9 @@ def make_backward_parts(cols=TILE):
 
     def probability_step(n, s, scale2, lse, rows_along, col_first, row, t, masked):
         lo, hi = pair_of(lse, rows_along, n, t)
+        # (lse to base 2 once a pair; a query that sees nothing, lse -inf, to +inf: its exp2 is 0)
+        lo = INF if lo == NEG else lo * float32(LOG2E)
+        hi = INF if hi == NEG else hi * float32(LOG2E)
         for j in range(4):
             col = 8 * n + 2 * t + j % 2
             r = row + 8 * (j // 2)
@@ -458,7 +462,7 @@ def make_backward_parts(cols=TILE):
             else:  # a key row, query columns
                 level = hi if j % 2 else lo
                 hidden = masked and r > col_first + col
-            s[0, n, j] = float32(0) if hidden or level == NEG else exp2_ftz(s[0, n, j] * scale2 - level * float32(LOG2E))
+            s[0, n, j] = float32(0) if hidden else exp2_ftz(s[0, n, j] * scale2 - level)
 
     probabilities = unrolled(cols // 8, inlined(probability_step), inline=inlined)
 
@@ -525,7 +529,10 @@ def make_query_grads(storage, D, stages):
                     s[0, i, j] = float32(0)
                     dp[0, i, j] = float32(0)
             times_rows(s, fa, base + a_lane, at + b_along)  # S = q kᵀ
-            probabilities(s, scale2, l2, True, key0, row, t, causal and key0 + TILE > q0 + warp * 16)
+            if causal and key0 + TILE > q0 + warp * 16:
+                probabilities(s, scale2, l2, True, key0, row, t, True)
+            else:
+                probabilities(s, scale2, l2, True, key0, row, t, False)
             times_rows(dp, fa, base + TILE_BYTES + a_lane, at + TILE_BYTES + b_along)  # dP = dout vᵀ
             score_grads(dp, s, dl, True, t)
             as_fragments(fp, dp)
@@ -598,8 +605,11 @@ def make_key_grads(storage, D, stages):
                 col0 = query0 + half * HALF
                 at_levels = levels + half * HALF
                 times_rows(s, fa, base + a_lane, rows + b_along)  # Sᵀ = k qᵀ
-                probabilities(s, scale2, floats[at_levels:at_levels + HALF], False, col0, key, t,
-                              causal and col0 < k0 + warp * 16 + 16)
+                levels_of = floats[at_levels:at_levels + HALF]
+                if causal and col0 < k0 + warp * 16 + 16:
+                    probabilities(s, scale2, levels_of, False, col0, key, t, True)
+                else:
+                    probabilities(s, scale2, levels_of, False, col0, key, t, False)
                 as_fragments(fp, s)
                 times_tile(dv_acc, fp, rows + TILE_BYTES + b_down)  # dv += Pᵀ dout
                 times_rows(dp, fa, base + TILE_BYTES + a_lane, rows + TILE_BYTES + b_along)  # dPᵀ = v doutᵀ

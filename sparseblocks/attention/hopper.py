@@ -199,7 +199,7 @@ def make_forward(storage, D, stages, groups, keys=TILE):
     settle_scores, settle_out = make_settle(keys), make_settle(D)
     settle_maxima = make_row_maxima(2)
     wg_wait, wait_scores = waiter(0), waiter(1)
-    NEG = float32(-math.inf)
+    NEG, INF = float32(-math.inf), float32(math.inf)
 
     def softmax_step(i, s, top, scale2):
         """Scale score i, fold it into its row's maximum."""
@@ -351,13 +351,13 @@ def make_query_grads(storage, D, stages, groups):
     prime, step = key_ring
     settle_scores, settle_out = make_settle(TILE), make_settle(D)
     wg_wait, wait_scores = waiter(0), waiter(1)
-    NEG = float32(-math.inf)
+    NEG, INF = float32(-math.inf), float32(math.inf)
 
     def grad_step(i, s, dp, level, dl, scale2, key0, row, t, masked):
         """Score i into P (0 where the mask hides it or its query sees nothing), then dS into s."""
         h = (i // 2) % 2
         hidden = masked and key0 + 8 * (i // 4) + 2 * t + i % 2 > row + 8 * h
-        x = float32(0) if hidden or level[h] == NEG else exp2_ftz(s[i] * scale2 - level[h] * float32(LOG2E))
+        x = float32(0) if hidden else exp2_ftz(s[i] * scale2 - level[h])
         s[i] = x * (dp[i] - dl[h])
 
     grads = unrolled(SN, inlined(grad_step), inline=inlined)
@@ -400,8 +400,9 @@ def make_query_grads(storage, D, stages, groups):
         scale2 = float32(scale2)
         first_row = q0 + group * TILE
         row = first_row + 16 * (me // 32) + g
-        for h in range(2):
-            level[h] = lse[bh * S + row + 8 * h]
+        for h in range(2):  # (lse to base 2; a query that sees nothing, lse -inf, to +inf: its exp2 is 0)
+            lse_h = lse[bh * S + row + 8 * h]
+            level[h] = INF if lse_h == NEG else lse_h * float32(LOG2E)
             dl[h] = delta[bh * S + row + 8 * h]
         zero(acc)
         if n > 0:
@@ -462,17 +463,19 @@ def make_key_grads(storage, D, stages, groups):
     query_of, prime, advance = make_query_ring(copy_pair, stages, STAGE, 2 * TILE_BYTES, visible=proxy_fence)
     settle_scores, settle_out = make_settle(TILE), make_settle(D)
     wg_wait = waiter(0)
-    NEG = float32(-math.inf)
+    NEG, INF = float32(-math.inf), float32(math.inf)
 
     def probability_step(i, s, floats, levels, scale2, query0, key, t, masked, p, pair):
         """Score i (key row, query column) into Pᵀ, 0 where the mask hides it or the query sees
-        nothing; its query's lse (and its neighbour's) one 8-byte load a column block."""
+        nothing; its query's lse (and its neighbour's) one 8-byte load a column block, taken to
+        base 2 there (a query that sees nothing, lse -inf, to +inf: its exp2 is 0)."""
         col = 8 * (i // 4) + 2 * t + i % 2
         if i % 4 == 0:
-            pair[0], pair[1] = load2(floats, (levels + col,))
-        level = pair[i % 2]
+            a, b = load2(floats, (levels + col,))
+            pair[0] = INF if a == NEG else a * float32(LOG2E)
+            pair[1] = INF if b == NEG else b * float32(LOG2E)
         hidden = masked and key + 8 * ((i // 2) % 2) > query0 + col
-        s[i] = float32(0) if hidden or level == NEG else exp2_ftz(s[i] * scale2 - level * float32(LOG2E))
+        s[i] = float32(0) if hidden else exp2_ftz(s[i] * scale2 - pair[i % 2])
         pack_step(i, s, p)
 
     probabilities = unrolled(SN, inlined(probability_step), inline=inlined)
@@ -534,8 +537,10 @@ def make_key_grads(storage, D, stages, groups):
             wg_wait()
             settle_scores(s)
             settle_scores(dp)
-            probabilities(s, floats, levels, scale2, query0, key, t, causal and query0 < first_key + TILE - 1, p,
-                          pair)
+            if causal and query0 < first_key + TILE - 1:  # (the mask apart, so that other tiles skip it)
+                probabilities(s, floats, levels, scale2, query0, key, t, True, p, pair)
+            else:
+                probabilities(s, floats, levels, scale2, query0, key, t, False, p, pair)
             fence()
             times_tile(dv_acc, p, stage_at + TILE_BYTES)  # dv += Pᵀ dout, while dSᵀ is made
             grads(s, dp, floats, levels + TILE, t, ds, pair)
