@@ -108,11 +108,11 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0):
         """Stage s: the patch of the group's s-th block (its input channels from c_first), then
         that block's packed filter; with ``keep``, of tile s // count's block s % count, the patch
         only (its copies placed once a tile)."""
-        x_at, f_at, sources, grp_blk, blk_c0, ptr, count, first_tile, placed, hg, IN_ROWS = args
+        x_at, f_at, sources, spot, grp_blk, blk_c0, ptr, count, first_tile, placed, hg, IN_ROWS = args
         tile, b = divmod32(s, count)
         if placed[0] != tile:  # (a tile's stages come in order: its first places the patch's copies)
             n, m, p0, q0 = where(first_tile + int32(tile), hg)
-            place(sources, m, p0, q0, hg, IN_ROWS)
+            place(sources, spot, m, p0, q0, hg, IN_ROWS)
             placed[0], placed[1] = tile, E * int64(n) * (hg[0] * hg[1] * hg[2]) * IN_ROWS
         image_at = x_at + placed[1]
         e = grp_blk[ptr + b]
@@ -154,22 +154,34 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0):
     taps = unrolled(TRS, inlined(tap_step), inline=inlined)
 
     @inlined
-    def place(sources, m, p0, q0, hg, IN_ROWS):
-        """Each of this thread's patch copies' source, in values from its image's start less the
-        block's first channel, -1 outside the input (zeros)."""
-        D, H, W = hg[0], hg[1], hg[2]
+    def spots(spot, hg, IN_ROWS):
+        """Each of this thread's patch copies' place in the patch, the same for every tile: its
+        depth, row and column there (depth -1: no copy), and its source's offset from the patch's
+        first position's, in values (less the block's first channel)."""
+        H, W = hg[1], hg[2]
         PP = hg[18] * hg[19] * hg[20]
-        d0, h0, w0 = m - hg[12], p0 - hg[13], q0 - hg[14]
         for i in range(A_PER):
             c = cuda.threadIdx.x + i * THREADS
-            sources[i] = -1
+            spot[i, 0] = -1
             if c < A_COPIES:
                 ck, pos = divmod32(c, PP)
                 rest, w = divmod32(pos, hg[20])
                 dd, h = divmod32(rest, hg[19])
-                d, h, w = d0 + int32(dd), h0 + int32(h), w0 + int32(w)
-                if 0 <= d < D and 0 <= h < H and 0 <= w < W:
-                    sources[i] = ((d * H + h) * W + w) * IN_ROWS + 8 * int32(ck)
+                spot[i, 0], spot[i, 1], spot[i, 2] = int32(dd), int32(h), int32(w)
+                spot[i, 3] = ((int32(dd) * H + int32(h)) * W + int32(w)) * IN_ROWS + 8 * int32(ck)
+
+    @inlined
+    def place(sources, spot, m, p0, q0, hg, IN_ROWS):
+        """Each of this thread's patch copies' source for the tile at (m, p0, q0), in values from its
+        image's start less the block's first channel, -1 outside the input (zeros)."""
+        D, H, W = hg[0], hg[1], hg[2]
+        d0, h0, w0 = m - hg[12], p0 - hg[13], q0 - hg[14]
+        first = ((d0 * H + h0) * W + w0) * IN_ROWS  # (the patch's first position's, maybe outside)
+        for i in range(A_PER):
+            d, h, w = d0 + spot[i, 0], h0 + spot[i, 1], w0 + spot[i, 2]
+            sources[i] = -1
+            if spot[i, 0] >= 0 and 0 <= d < D and 0 <= h < H and 0 <= w < W:
+                sources[i] = first + spot[i, 3]
 
     @inlined
     def store(out, acc, n, m, p0, q0, k0, hg, OUT_ROWS, bias, edge, has_bias):
@@ -179,18 +191,24 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0):
         MPQ = M * P * Q
         tid = cuda.threadIdx.x
         group, warp, lane = tid // WARPGROUP, (tid % WARPGROUP) // 32, tid % 32
+        o_of = cuda.local.array(2, int32)  # a lane's two positions (-1: past the output's edge) ...
+        b_of = cuda.local.array(2, int32)  # ... and their edge-bias columns (-1: none), read once
+        for h in range(2):
+            row = 16 * warp + lane // 4 + 8 * h
+            p, q = p0 + row // TILE_COLS, q0 + TILE_COLS * group + row % TILE_COLS
+            o_of[h], b_of[h] = -1, -1
+            if p < P and q < Q:
+                o_of[h] = (m * P + p) * Q + q
+                if has_bias:
+                    b_of[h] = edge[o_of[h]]
         for i in range(ACC):
             j, h, e = i // 4, (i // 2) % 2, i % 2
-            row = 16 * warp + lane // 4 + 8 * h
             k = k0 + 8 * j + 2 * (lane % 4) + e
-            p, q = p0 + row // TILE_COLS, q0 + TILE_COLS * group + row % TILE_COLS
-            if p < P and q < Q:
-                o = (m * P + p) * Q + q
+            o = o_of[h]
+            if o >= 0:
                 value = acc[i]
-                if has_bias:
-                    b = edge[o]
-                    if b >= 0:
-                        value += widen(bias[k, b])
+                if b_of[h] >= 0:
+                    value += widen(bias[k, b_of[h]])
                 at = (int64(n) * MPQ + o) * OUT_ROWS + k if rows_out else (int64(n) * OUT_ROWS + k) * MPQ + o
                 out[uint64(at)] = narrow(value)
 
@@ -223,9 +241,11 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0):
                 copy_filter(base + KEPT + b * B_BYTES, f_at, grp_blk[ptr + b])
             commit()
         sources = cuda.local.array(A_PER, int32)
+        spot = cuda.local.array((A_PER, 4), int32)
+        spots(spot, hg, IN_ROWS)
         placed = cuda.local.array(2, int64)  # the tile whose patch copies are placed, its image's offset
         placed[0] = -1
-        args = (x_at, f_at, sources, grp_blk, blk_c0, ptr, count, first_tile, placed, hg, IN_ROWS)
+        args = (x_at, f_at, sources, spot, grp_blk, blk_c0, ptr, count, first_tile, placed, hg, IN_ROWS)
         shifts = cuda.local.array(TRS, int32)
         tap_shifts(shifts, hg)
         total = my_tiles * count
