@@ -149,12 +149,12 @@ def bounds(version, bs, weight_grad, cfg=B):
 def wgrad_cases(version):
     """(block size, config, the maker's extra args) of each weight gradient ``check_tiles`` builds:
     version 6's at its products' block sizes; version 7's at 64 and 128, and its stacked tiles at 32 (4 blocks
-    on one warpgroup, 8 on two)."""
+    on one warpgroup, 8 on two; 4 warp-specialized)."""
     if version == 6:
         return [(bs, B, ()) for bs in sorted(B.v6_tiles)]
     shapes = bsmm.hopper_shapes
-    stacked = [(32, replace(B, v7_wgrad_stacks={32: n}, v7_wgrad_groups={32: g}), (shapes.STACKED,))
-               for n, g in ((4, 1), (8, 2))]
+    stacked = [(32, replace(B, v7_wgrad_stacks={32: n}, v7_wgrad_groups={32: g}, v7_wgrad_stack_producer=p),
+                (shapes.STACKED,)) for n, g, p in ((4, 1, False), (8, 2, False), (4, 1, True))]
     return [(bs, B, ()) for bs in shapes.V7_WGRAD_BLOCKS] + stacked
 
 
@@ -190,7 +190,8 @@ def check_tiles(version):
             dw = types.float32 if out == "float32" else element
             signature = (dw[:, :, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, ::1],
                          types.int32[:, ::1], i64, i64, types.float64) + maps
-            stack = f" stacks {cfg.v7_wgrad_stacks[bs]}" if extra else ""
+            stack = (f" stacks {cfg.v7_wgrad_stacks[bs]}" + (" split" if cfg.v7_wgrad_stack_producer else "")) \
+                if extra else ""
             results.append(check(f"weight_grad v{version} bs {bs}{stack} {storage} axis {feature_axis} dW {out}",
                                  kernel.py_func, signature, cc=cc, detail=count,
                                  launch_bounds=bounds(version, bs, kind, cfg)))

@@ -87,11 +87,14 @@ def v7_threads(cfg, bs, weight_grad=False):
 
 def producing(cfg, weight_grad, bs):
     """Whether the kernel is warp-specialized: products with ``v7_producer``; weight gradients of
-    one block a tile with ``v7_wgrad_producer`` or at a block size of ``v7_wgrad_blocks`` (paired
-    tiles, ``v7_wgrad_pairs``, always run the barrier ring)."""
+    one block a tile with ``v7_wgrad_producer`` or at a block size of ``v7_wgrad_blocks``; stacked
+    tiles with ``v7_wgrad_stack_producer`` (paired tiles, ``v7_wgrad_pairs``, always run the barrier
+    ring)."""
     if not weight_grad:
         return cfg.v7_producer
-    return weight_grad not in (PAIRED, STACKED) and (cfg.v7_wgrad_producer or bs in cfg.v7_wgrad_blocks)
+    if weight_grad == STACKED:
+        return cfg.v7_wgrad_stack_producer
+    return weight_grad != PAIRED and (cfg.v7_wgrad_producer or bs in cfg.v7_wgrad_blocks)
 
 
 def resident(cfg, bs, weight_grad):

@@ -68,9 +68,22 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
         return x_base + x_stage, dy_base + dy_stage
 
     @inlined
+    def a_offset(block, coords, row, col, x_lead):
+        """A chunk's byte offset from x's stage address: a stacked tile's feature (row of A)
+        ``m`` is feature m % bs of block m // bs's block-row."""
+        if stacked:
+            m = col if MN else row
+            feature = coords[block, 1 + m // bs] * bs + m % bs
+            return 2 * (int64(row) * x_lead + feature) if MN else 2 * (int64(feature) * x_lead + col)
+        return 2 * (int64(row) * x_lead + col)
+
+    @inlined
     def a_chunk(row, col, s, where):
-        """A chunk's offset from its stage's address, and whether its row of N is before the end."""
+        """A chunk's offset from its stage's address, and whether its row of N is before the end
+        (a stacked tile's: its block's feature, `a_offset`, from ``where``'s block and coords)."""
         n0 = where[0] + s * BK
+        if stacked:
+            return a_offset(where[8], where[9], row, col, where[4]), n0 + (row if MN else col) < where[1]
         return 2 * (int64(row) * where[4] + col), n0 + (row if MN else col) < where[1]
 
     @inlined
@@ -87,23 +100,13 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
             return int32(where[6]), n0, int32(where[7]), n0
         return n0, int32(where[6]), n0, int32(where[7])
 
-    @inlined
-    def a_offset(block, coords, row, col, x_lead):
-        """A chunk's byte offset from x's stage address: a stacked tile's feature (row of A)
-        ``m`` is feature m % bs of block m // bs's block-row."""
-        if stacked:
-            m = col if MN else row
-            feature = coords[block, 1 + m // bs] * bs + m % bs
-            return 2 * (int64(row) * x_lead + feature) if MN else 2 * (int64(feature) * x_lead + col)
-        return 2 * (int64(row) * x_lead + col)
-
     SPLIT = producing(cfg, kind, bs)
     THREADS = v7_threads(cfg, bs, kind)
     copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split = make_hopper_loop(cfg, bs, storage, kind, MN, MN)
     ring = make_ring(sources)
     stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, kind, False, THREADS)
     init, produce, consume, specialized = make_split(stage_sources, a_chunk, b_chunk, stage,
-                                                     boxes if SPLIT and cfg.v7_tma else None)
+                                                     boxes if SPLIT and cfg.v7_tma and not stacked else None)
 
     @jit_for(cfg, bs, GROUPS, kind)
     def weight_grad_v7(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta, x_map, dy_map):
@@ -133,7 +136,8 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
         if SPLIT:
             x_at, dy_at = signed_address(x, (0, 0)), signed_address(dy, (0, 0))
             maps = (global_address(x_map, (0,)), x_at, global_address(dy_map, (0,)), dy_at)
-            where = (n_begin, n_end, x_base, dy_base, x_lead, dy_lead, coords[block, 0] * bs, coords[block, 1] * bs)
+            where = (n_begin, n_end, x_base, dy_base, x_lead, dy_lead, coords[block, 0] * bs, coords[block, 1] * bs,
+                     block, coords)
             specialized(shared_address(smem, (0,)), base, tid, n_stages, where, cuda.shared.array(0, float32), maps)
         else:
             a_from = cuda.local.array(A_PER, int64)

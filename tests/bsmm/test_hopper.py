@@ -68,9 +68,11 @@ BLOCK_32 = replace(bsmm.DEFAULT, v7_groups={32: 2, 64: 2, 128: 2}, v7_tiles={32:
 def test_block_32_products_match_reference(data, dtype, feature_axis, producer, stacks):
     """Blocks of 32 on version 7 (`BLOCK_32`: wgmma m64n32k16, the 64-byte swizzle), warp-specialized
     or on the barrier ring: the forward and the input gradient; the weight gradient's blocks of a
-    block-column stacked down a tile (``v7_wgrad_stacks``: ``stacks`` blocks on warpgroups), with N-splits."""
+    block-column stacked down a tile (``v7_wgrad_stacks``: ``stacks`` blocks on warpgroups), with N-splits,
+    likewise warp-specialized or not."""
     layout, w, xa, dya = draw_operands(data, 32, dtype, feature_axis, 5)
-    cfg = replace(BLOCK_32, v7_producer=producer, v7_wgrad_stacks={32: stacks[0]}, v7_wgrad_groups={32: stacks[1]})
+    cfg = replace(BLOCK_32, v7_producer=producer, v7_wgrad_stacks={32: stacks[0]}, v7_wgrad_groups={32: stacks[1]},
+                  v7_wgrad_stack_producer=producer)
     with poisoned_outputs():
         y = bsmm.forward(xa, w, layout, feature_axis, version=7, config=cfg)
         dx = bsmm.input_grad(dya, w, layout, feature_axis, version=7, config=cfg)
@@ -495,15 +497,20 @@ def test_stacked_weight_gradient_tiles_cover_each_block_once():
     cfg = replace(bsmm.DEFAULT, v7_wgrad_stacks={32: 8}, v7_wgrad_groups={32: 2})
     assert hopper.v7_shape(cfg, 32, hopper.STACKED) == (256, 32, 2, 2, 64, cfg.v7_wgrad_stack_stages)
     assert not hopper.producing(cfg, hopper.STACKED, 32) and hopper.v7_threads(cfg, 32, hopper.STACKED) == 256
+    split = replace(cfg, v7_wgrad_stack_producer=True)  # (a copying warpgroup besides the two multiplying)
+    assert hopper.producing(split, hopper.STACKED, 32) and hopper.v7_threads(split, 32, hopper.STACKED) == 384
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
-@pytest.mark.parametrize("feature_axis, stack, splits", [(1, 2, 1), (0, 4, 2)])
-def test_stacked_weight_grad_runs_in_the_simulator(monkeypatch, feature_axis, stack, splits):
+@pytest.mark.parametrize("feature_axis, stack, splits, producer", [(1, 2, 1, False), (0, 4, 2, False),
+                                                                   (1, 4, 1, True), (0, 2, 2, True)])
+def test_stacked_weight_grad_runs_in_the_simulator(monkeypatch, feature_axis, stack, splits, producer):
     """``v7_wgrad_stacks`` at block 32: a block-column's blocks stacked down one warpgroup's tile
     (2 blocks: a 64-row tile; 4: two), dy's columns read once for them all, a column of three
     blocks leaving a slot empty (not stored); into an ``out`` with beta, in place or through the
-    N-splits' combine."""
-    cfg = replace(bsmm.DEFAULT, v7_wgrad_stacks={32: stack}, v7_wgrad_groups={32: 1}, v7_wgrad_stack_stages=3)
+    N-splits' combine; on the barrier ring, or (``producer``) warp-specialized, a copying
+    warpgroup's cp.async on mbarriers."""
+    cfg = replace(bsmm.DEFAULT, v7_wgrad_stacks={32: stack}, v7_wgrad_groups={32: 1}, v7_wgrad_stack_stages=3,
+                  v7_wgrad_stack_producer=producer)
     weight_grad_into_out(monkeypatch, cfg, BlockLayout(np.array([[1, 1], [1, 0], [1, 1]]), 32), feature_axis,
                          splits, 11)
