@@ -99,6 +99,9 @@ class BsmmConfig:
     # (a tile of bs x 2 bs): {bs: stages of the ring}; absent: a block a thread block
     v7_wgrad_pairs: dict = default_field({64: 4})
     v7_wgrad_pairs_fill: int = 1  # ... where the pairs alone give this many thread blocks a multiprocessor (0: always)
+    # ... warp-specialized: a copying warpgroup's cp.async (dy's two column-blocks are not one box of a
+    # tensor map) fills the ring on mbarriers, the multiplying warps only wait and multiply
+    v7_wgrad_pair_producer: bool = False
     # Weight gradients of n blocks of one block-column a thread block, stacked down a tile of n bs x bs
     # (dy's columns read once for all; n of 2, 4 or 8), at block 32, where wgmma's 64 rows need two
     # blocks at least: {bs: n}; warpgroups from v7_wgrad_groups, the ring v7_wgrad_stack_stages; absent:

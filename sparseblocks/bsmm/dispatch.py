@@ -284,9 +284,11 @@ def tma_maps(cfg, bs, weight_grad, a, b, n_rows, feature_axis, transpose_w, stre
     other addresses (`runtime.launch.Replay`'s ``derived``, positions 0 and 1: A's, B's); () where
     the kernel copies by cp.async anyway (not warp-specialized); None where it must (``v7_tma``
     off, a shape the maps cannot take, or the maps kept are at their limit)."""
-    if not producing(cfg, weight_grad, bs):  # (nor paired weight-gradient tiles)
+    if not producing(cfg, weight_grad, bs):
         return ()
-    if not cfg.v7_tma or bs < 64:  # (the maps' boxes are 128-byte-swizzled rows of 64 values)
+    # (the maps' boxes are 128-byte-swizzled rows of 64 values; a paired or stacked tile's blocks
+    # are not one box)
+    if not cfg.v7_tma or bs < 64 or weight_grad in (PAIRED, STACKED):
         return None
     BM, BN = v7_shape(cfg, bs, weight_grad)[:2]
     if weight_grad:  # x, dy: (N, features) with feature_axis 1, MN-major; (features, N), K-major

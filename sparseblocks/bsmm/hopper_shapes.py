@@ -88,13 +88,14 @@ def v7_threads(cfg, bs, weight_grad=False):
 def producing(cfg, weight_grad, bs):
     """Whether the kernel is warp-specialized: products with ``v7_producer``; weight gradients of
     one block a tile with ``v7_wgrad_producer`` or at a block size of ``v7_wgrad_blocks``; stacked
-    tiles with ``v7_wgrad_stack_producer`` (paired tiles, ``v7_wgrad_pairs``, always run the barrier
-    ring)."""
+    tiles with ``v7_wgrad_stack_producer``, paired ones with ``v7_wgrad_pair_producer``."""
     if not weight_grad:
         return cfg.v7_producer
     if weight_grad == STACKED:
         return cfg.v7_wgrad_stack_producer
-    return weight_grad != PAIRED and (cfg.v7_wgrad_producer or bs in cfg.v7_wgrad_blocks)
+    if weight_grad == PAIRED:
+        return cfg.v7_wgrad_pair_producer
+    return cfg.v7_wgrad_producer or bs in cfg.v7_wgrad_blocks
 
 
 def resident(cfg, bs, weight_grad):

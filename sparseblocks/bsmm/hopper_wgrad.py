@@ -87,9 +87,21 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
         return 2 * (int64(row) * where[4] + col), n0 + (row if MN else col) < where[1]
 
     @inlined
+    def b_offset(block, coords, row, col, dy_lead):
+        """A chunk's byte offset from dy's stage address: a paired tile's columns from bs on are
+        its second block's."""
+        if paired:
+            if MN:
+                k = col + (coords[block, 1] * bs if col < bs else coords[block, 2] * bs - bs)
+                return 2 * (int64(row) * dy_lead + k)
+            k = row + (coords[block, 1] * bs if row < bs else coords[block, 2] * bs - bs)
+            return 2 * (int64(k) * dy_lead + col)
+        return 2 * (int64(row) * dy_lead + col)
+
+    @inlined
     def b_chunk(row, col, s, where):
         n0 = where[0] + s * BK
-        return 2 * (int64(row) * where[5] + col), n0 + (row if MN else col) < where[1]
+        return b_offset(where[8], where[9], row, col, where[5]), n0 + (row if MN else col) < where[1]
 
     @inlined
     def boxes(s, where):
@@ -106,7 +118,7 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
     ring = make_ring(sources)
     stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, kind, False, THREADS)
     init, produce, consume, specialized = make_split(stage_sources, a_chunk, b_chunk, stage,
-                                                     boxes if SPLIT and cfg.v7_tma and not stacked else None)
+                                                     boxes if SPLIT and cfg.v7_tma and kind is True else None)
 
     @jit_for(cfg, bs, GROUPS, kind)
     def weight_grad_v7(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta, x_map, dy_map):
@@ -154,15 +166,7 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
             for i in range(A_PER):
                 a_from[i] = a_offset(block, coords, a_row[i], a_col[i], x_lead)
             for i in range(B_PER):
-                if paired:  # the tile's columns from bs on are b1's
-                    if MN:
-                        k = b_col[i] + (coords[block, 1] * bs if b_col[i] < bs else coords[block, 2] * bs - bs)
-                        b_from[i] = 2 * (int64(b_row[i]) * dy_lead + k)
-                    else:
-                        k = b_row[i] + (coords[block, 1] * bs if b_row[i] < bs else coords[block, 2] * bs - bs)
-                        b_from[i] = 2 * (int64(k) * dy_lead + b_col[i])
-                else:
-                    b_from[i] = 2 * (int64(b_row[i]) * dy_lead + b_col[i])
+                b_from[i] = b_offset(block, coords, b_row[i], b_col[i], dy_lead)
             desc_a, desc_b = descriptors(base, group)
             acc = cuda.local.array(ACC_ALL, float32)
             for i in range(ACC_ALL):

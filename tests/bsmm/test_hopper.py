@@ -92,6 +92,7 @@ PERSISTENT = replace(PRODUCER, v7_persistent={64: 4, 128: 3})
 TWO_BLOCKS = replace(PRODUCER, v7_groups={64: 2, 128: 1}, v7_stages={64: 5, 128: 3}, v7_blocks={128: 2},
                      v7_producer_registers=40)
 PAIRED_WGRAD = replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 6, 128: 4}, v7_wgrad_pairs_fill=0)
+PAIRED_SPLIT = replace(PAIRED_WGRAD, v7_wgrad_pairs={64: 4, 128: 3}, v7_wgrad_pair_producer=True)
 
 
 @gpu
@@ -102,11 +103,13 @@ def test_hopper_producer_matches_reference(data, block_size, dtype, feature_axis
     """``v7_producer``: every product on warp-specialized thread blocks (mbarrier rings, bulk
     tensor copies or with ``v7_tma`` off cp.async), with split lines and N-splits; with
     ``v7_persistent``, feature_axis 1's products on persistent thread blocks; with
-    ``v7_wgrad_pairs``, weight gradients two blocks a thread block; with ``v7_blocks``, block
-    128's products two thread blocks a multiprocessor."""
+    ``v7_wgrad_pairs``, weight gradients two blocks a thread block (on the barrier ring, or
+    warp-specialized: ``v7_wgrad_pair_producer``); with ``v7_blocks``, block 128's products two
+    thread blocks a multiprocessor."""
     layout, w, xa, dya = draw_operands(data, block_size, dtype, feature_axis, 5)
     segment = data.draw(st.sampled_from([None, 1]), label="max_segment")
-    cfg = data.draw(st.sampled_from([PRODUCER, COPYING, PERSISTENT, PAIRED_WGRAD, TWO_BLOCKS]), label="config")
+    cfg = data.draw(st.sampled_from([PRODUCER, COPYING, PERSISTENT, PAIRED_WGRAD, PAIRED_SPLIT, TWO_BLOCKS]),
+                    label="config")
     with poisoned_outputs():
         y = bsmm.api._product(cfg, xa, w, layout, feature_axis, False, 7, max_segment=segment)
         dx = bsmm.input_grad(dya, w, layout, feature_axis, version=7, config=cfg)
@@ -426,12 +429,14 @@ def test_hopper_persistent_product_runs_in_the_simulator(monkeypatch, max_segmen
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
-@pytest.mark.parametrize("feature_axis, splits", [(1, 1), (0, 2)])
-def test_hopper_paired_weight_grad_runs_in_the_simulator(monkeypatch, feature_axis, splits):
+@pytest.mark.parametrize("feature_axis, splits, producer", [(1, 1, False), (0, 2, False), (1, 2, True),
+                                                             (0, 1, True)])
+def test_hopper_paired_weight_grad_runs_in_the_simulator(monkeypatch, feature_axis, splits, producer):
     """``v7_wgrad_pairs``: two blocks of a block-row a thread block (x's columns read once for
     both), a row of three blocks leaving one alone (its tile's second half not stored); into an
-    ``out`` with beta, in place or through the N-splits' combine."""
-    weight_grad_into_out(monkeypatch, replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 3}),
+    ``out`` with beta, in place or through the N-splits' combine; on the barrier ring, or
+    (``producer``) warp-specialized, a copying warpgroup's cp.async on mbarriers."""
+    weight_grad_into_out(monkeypatch, replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 3}, v7_wgrad_pair_producer=producer),
                          BlockLayout(np.array([[1, 1, 0], [0, 0, 1], [1, 1, 1]]), 64), feature_axis, splits, 9)
 
 
@@ -499,6 +504,8 @@ def test_stacked_weight_gradient_tiles_cover_each_block_once():
     assert not hopper.producing(cfg, hopper.STACKED, 32) and hopper.v7_threads(cfg, 32, hopper.STACKED) == 256
     split = replace(cfg, v7_wgrad_stack_producer=True)  # (a copying warpgroup besides the two multiplying)
     assert hopper.producing(split, hopper.STACKED, 32) and hopper.v7_threads(split, 32, hopper.STACKED) == 384
+    assert not hopper.producing(split, hopper.PAIRED, 64)
+    assert hopper.producing(replace(cfg, v7_wgrad_pair_producer=True), hopper.PAIRED, 64)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
