@@ -11,7 +11,7 @@ from ..ptx.vector import fours_fit
 from ..runtime.launch import launch
 from .config import NormsConfig, as_config
 from .batch import make_batch_norm
-from .layer import column_launch, make_backward, make_forward, make_param_grads, make_zeros, row_shape
+from .layer import column_launch, make_backward, make_forward, make_param_grads, make_zeros, param_grid, row_shape
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -117,17 +117,16 @@ def layer_norm_grad(dy: Array, x: Array, g: Array, b: Array, mean: Array, rstd: 
         devices += [sum_work, column_means]
     vector = _vector(x_op.shape[1], dx, *devices)
     key = (cfg, x_op.dtype, g_op.dtype, _numba(acc), bool(relu))
-    partials, finish = cached(make_param_grads, *key)
+    partials, finish = cached(make_param_grads, *key, vector if axis == 1 else False)
     columns = -(-C // cfg.row_threads)
     if axis == 1:
         if N:
             shape = row_shape(cfg, C)
             launch(cached(make_backward, *key[:4], axis, key[4], vector, shape), -(-N // shape[2]),
                    (shape[0], shape[2]), stream, (dx, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
-        chunks = max(1, -(-N // cfg.grad_rows))
-        work = x_op.scratch((chunks, 2, C), acc, stream)
-        launch(partials, (columns, chunks), cfg.row_threads, stream, (work, dy_dev, x_dev, g_dev, b_dev, mean_dev,
-                                                                     rstd_dev))
+        grid = param_grid(cfg, C, N)
+        work = x_op.scratch((grid[1], 2, C), acc, stream)
+        launch(partials, grid, cfg.row_threads, stream, (work, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
     else:
         sums, means, apply = cached(make_backward, *key[:4], axis, key[4], vector)
         if N:

@@ -518,12 +518,16 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
     return sums, means, apply
 
 
-def make_param_grads(cfg, storage, param_storage, acc_type, relu):
-    """Axis 1's dg and db: ``partials(work, dy, x, g, b, mean, rstd)`` over grid (features /
-    threads, row chunks) into work (chunks, 2, C); then ``finish(dg, db, work)`` over features,
-    which also adds axis 0's column blocks (`make_backward`'s gwork)."""
-    x_in, _ = converters(storage, acc_type)
+def make_param_grads(cfg, storage, param_storage, acc_type, relu, vector=False):
+    """Axis 1's dg and db: ``partials(work, dy, x, g, b, mean, rstd)`` over grid
+    (`param_grid`: features / 4 threads, row chunks) into work (chunks, 2, C), a thread 4
+    neighbouring features (one load of each of dy's and x's rows where ``vector``), two rows an
+    iteration; then ``finish(dg, db, work)`` over features, which also adds axis 0's column blocks
+    (`make_backward`'s gwork). Each feature's sums run in row order, as one feature a thread would."""
+    x_conv = converters(storage, acc_type)
     p_in, p_out = converters(param_storage, acc_type)
+    read, _ = make_group_io(x_conv, acc_type, vector)
+    params = make_param_io(converters(param_storage, acc_type), acc_type, vector)
 
     @cuda.jit(device=True, inline=True)
     def terms(dy, x, mean, r, g, b):
@@ -535,23 +539,48 @@ def make_param_grads(cfg, storage, param_storage, acc_type, relu):
     T, R = cfg.row_threads, cfg.grad_rows
     chunk_sums = make_chunk_sums(acc_type)
 
+    @cuda.jit(device=True, inline=True)
+    def add_row(sums, dy, x, row, c, mean_in, rstd_in, gs, bs):
+        m, r = acc_type(mean_in[row]), acc_type(rstd_in[row])
+        e0, e1, e2, e3 = read(dy, row, c)
+        v0, v1, v2, v3 = read(x, row, c)
+        t0, u0 = terms(e0, v0, m, r, gs[0], bs[0])
+        t1, u1 = terms(e1, v1, m, r, gs[1], bs[1])
+        t2, u2 = terms(e2, v2, m, r, gs[2], bs[2])
+        t3, u3 = terms(e3, v3, m, r, gs[3], bs[3])
+        sums[0, 0] += t0
+        sums[0, 1] += t1
+        sums[0, 2] += t2
+        sums[0, 3] += t3
+        sums[1, 0] += u0
+        sums[1, 1] += u1
+        sums[1, 2] += u2
+        sums[1, 3] += u3
+
     @cuda.jit
     def partials_rows(work, dy, x, g, b, mean_in, rstd_in):
-        c = cuda.blockIdx.x * T + cuda.threadIdx.x
+        c = 4 * (cuda.blockIdx.x * T + cuda.threadIdx.x)
         chunk = cuda.blockIdx.y
         N, C = x.shape
         if c >= C:
             return
-        gc, bc = p_in(g[c]), p_in(b[c])
-        sg = acc_type(0)
-        sb = acc_type(0)
-        for row in range(chunk * R, min(N, chunk * R + R)):
-            tg, tb = terms(x_in(dy[row, c]), x_in(x[row, c]), acc_type(mean_in[row]), acc_type(rstd_in[row]),
-                           gc, bc)
-            sg += tg
-            sb += tb
-        work[chunk, 0, c] = sg
-        work[chunk, 1, c] = sb
+        g0, g1, g2, g3 = params(g, c)
+        b0, b1, b2, b3 = params(b, c)
+        gs, bs = (g0, g1, g2, g3), (b0, b1, b2, b3)
+        sums = cuda.local.array((2, 4), acc_type)
+        for j in range(4):
+            sums[0, j] = acc_type(0)
+            sums[1, j] = acc_type(0)
+        end = min(N, chunk * R + R)
+        for row in range(chunk * R, end - 1, 2):  # (two rows' loads in flight, added in row order)
+            add_row(sums, dy, x, row, c, mean_in, rstd_in, gs, bs)
+            add_row(sums, dy, x, row + 1, c, mean_in, rstd_in, gs, bs)
+        if (end - chunk * R) % 2:
+            add_row(sums, dy, x, end - 1, c, mean_in, rstd_in, gs, bs)
+        for j in range(4):
+            if c + j < C:
+                work[chunk, 0, c + j] = sums[0, j]
+                work[chunk, 1, c + j] = sums[1, j]
 
     @cuda.jit
     def finish_rows(dg, db, work):
@@ -563,6 +592,11 @@ def make_param_grads(cfg, storage, param_storage, acc_type, relu):
         db[c] = p_out(sb)
 
     return partials_rows, finish_rows
+
+
+def param_grid(cfg, C, N):
+    """Axis 1's ``partials`` grid (`make_param_grads`): threads of 4 features over C, row chunks."""
+    return -(-C // (4 * cfg.row_threads)), max(1, -(-N // cfg.grad_rows))
 
 
 def make_zeros(acc_type):
