@@ -108,9 +108,9 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, w
 
     @inlined
     def issue(s, at, args):
-        """Stage s: the patch of the group's s-th block (its input channels from c_first), then
-        that block's packed filter; with ``keep``, of tile s // count's block s % count, the patch
-        only (its copies placed once a tile)."""
+        """Stage s: tile s // count's block s % count (a thread block of one tile: its s-th
+        block): its patch (its input channels from c_first; the copies placed once a tile), then
+        that block's packed filter unless ``keep``."""
         x_at, f_at, sources, spot, grp_blk, blk_c0, ptr, count, first_tile, placed, hg, IN_ROWS = args
         tile, b = divmod32(s, count)
         if placed[0] != tile:  # (a tile's stages come in order: its first places the patch's copies)
