@@ -524,10 +524,10 @@ def make_param_grads(cfg, storage, param_storage, acc_type, relu, vector=False):
     neighbouring features (one load of each of dy's and x's rows where ``vector``), two rows an
     iteration; then ``finish(dg, db, work)`` over features, which also adds axis 0's column blocks
     (`make_backward`'s gwork). Each feature's sums run in row order, as one feature a thread would."""
-    x_conv = converters(storage, acc_type)
-    p_in, p_out = converters(param_storage, acc_type)
-    read, _ = make_group_io(x_conv, acc_type, vector)
-    params = make_param_io(converters(param_storage, acc_type), acc_type, vector)
+    p_conv = converters(param_storage, acc_type)
+    read, _ = make_group_io(converters(storage, acc_type), acc_type, vector)
+    params = make_param_io(p_conv, acc_type, vector)
+    p_out = p_conv[1]
 
     @cuda.jit(device=True, inline=True)
     def terms(dy, x, mean, r, g, b):
