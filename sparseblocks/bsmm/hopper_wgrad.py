@@ -79,12 +79,10 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
 
     @inlined
     def a_chunk(row, col, s, where):
-        """A chunk's offset from its stage's address, and whether its row of N is before the end
-        (a stacked tile's: its block's feature, `a_offset`, from ``where``'s block and coords)."""
+        """A chunk's offset from its stage's address (`a_offset`, from ``where``'s block and
+        coords), and whether its row of N is before the end."""
         n0 = where[0] + s * BK
-        if stacked:
-            return a_offset(where[8], where[9], row, col, where[4]), n0 + (row if MN else col) < where[1]
-        return 2 * (int64(row) * where[4] + col), n0 + (row if MN else col) < where[1]
+        return a_offset(where[8], where[9], row, col, where[4]), n0 + (row if MN else col) < where[1]
 
     @inlined
     def b_offset(block, coords, row, col, dy_lead):
