@@ -17,11 +17,12 @@ _kernels = {}
 def cached(maker, *key):
     """``maker(*key)``, made once and kept; its kernels compiled once a machine (`disk_cache`),
     where the key's ``repr`` names it (not an object's address, not an array's elided values).
-    NumPy integers in the key become ints: a kernel sizes its local arrays from them, which the
-    compiler takes only as Python ints (the simulator takes either)."""
-    key = tuple(int(k) if isinstance(k, np.integer) else k for k in key)
+    NumPy integers in the key reach the maker as ints: a kernel sizes its local arrays from them,
+    which the compiler takes only as Python ints (the simulator takes either). (They hash and
+    compare as the ints do, so a lookup needs no conversion.)"""
     kernel = _kernels.get((maker, *key))
     if kernel is None:
+        key = tuple(int(k) if isinstance(k, np.integer) else k for k in key)
         kernel = maker(*key)
         name = f"{maker.__module__}.{maker.__qualname__}{key!r}"
         if " at 0x" not in name and "..." not in name:
