@@ -16,7 +16,7 @@ it when every array's address is a multiple of 4 elements.
 from numba import cuda, int32, int64
 
 from ..bsmm.device import converters
-from ..norms.layer import make_block_sum
+from ..norms.layer import block_slots, make_block_sum
 from ..ptx.vector import load4, store4
 from .ops import make_binary, make_lstm, make_unary
 
@@ -234,8 +234,8 @@ def make_cwise_linear(storage, acc_type, has_a, has_b, threads):
     ``linear_grad(dx, da, db, dy, x, a, C, S)``: dx = a[c]·dy, and a thread block a channel for
     ``da[c] = Σ dy·x``, ``db[c] = Σ dy`` (a fixed order)."""
     to_acc, from_acc = converters(storage, acc_type)
-    SLOTS = threads // 32 + 1  # (a shared array's size: a name, not an expression)
-    block_sum = make_block_sum(threads, acc_type)
+    SLOTS = block_slots(threads)  # (a shared array's size: a name, not an expression)
+    _, block_sums = make_block_sum(threads, acc_type)
 
     @cuda.jit
     def linear(y, x, a, b, C, S):
@@ -263,8 +263,7 @@ def make_cwise_linear(storage, acc_type, has_a, has_b, threads):
             dx[at] = from_acc(g * scale)
             sa += g * to_acc(x[at])
             sb += g
-        sa = block_sum(sa, shared, 0, t)
-        sb = block_sum(sb, shared, 0, t)
+        sa, sb = block_sums(sa, sb, shared, 0, t)
         if t == 0:
             da[c] = from_acc(sa)
             db[c] = from_acc(sb)

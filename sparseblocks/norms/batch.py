@@ -15,7 +15,7 @@ import math
 from numba import cuda
 
 from ..bsmm.device import converters
-from .layer import make_block_sum
+from .layer import block_slots, make_block_sum
 
 
 def make_batch_norm(cfg, storage, param_storage, acc_type):
@@ -24,8 +24,8 @@ def make_batch_norm(cfg, storage, param_storage, acc_type):
     x_in, x_out = converters(storage, acc_type)
     p_in, p_out = converters(param_storage, acc_type)
     T = cfg.row_threads
-    SLOTS = T // 32 + 1  # (a shared array's size: a name, not an expression)
-    block_sum = make_block_sum(T, acc_type)
+    SLOTS = block_slots(T)  # (a shared array's size: a name, not an expression)
+    block_sum, block_sums = make_block_sum(T, acc_type)
 
     @cuda.jit(device=True, inline=True)
     def at(e, c, C, S):
@@ -40,12 +40,12 @@ def make_batch_norm(cfg, storage, param_storage, acc_type):
         s = acc_type(0)
         for e in range(t, count, T):
             s += x_in(x[at(e, c, C, S)])
-        mean = block_sum(s, shared, 0, t) / acc_type(count)
+        mean = block_sum(s, shared, 0, t, 0) / acc_type(count)
         q = acc_type(0)
         for e in range(t, count, T):
             d = x_in(x[at(e, c, C, S)]) - mean
             q += d * d
-        var = block_sum(q, shared, 0, t) / acc_type(count)
+        var = block_sum(q, shared, 0, t, 1) / acc_type(count)
         if t == 0:
             mean_out[c], var_out[c] = mean, var
 
@@ -71,8 +71,7 @@ def make_batch_norm(cfg, storage, param_storage, acc_type):
             d = x_in(dy[i])
             s1 += d
             s2 += d * (x_in(x[i]) - mean) * r
-        s1 = block_sum(s1, shared, 0, t)
-        s2 = block_sum(s2, shared, 0, t)
+        s1, s2 = block_sums(s1, s2, shared, 0, t)
         scale = p_in(g[c]) * r
         for e in range(t, count, T):
             i = at(e, c, C, S)

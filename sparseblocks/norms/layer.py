@@ -37,36 +37,65 @@ FULL_MASK = 0xFFFFFFFF
 COLUMNS = 128  # feature axis 0: columns of x a warp covers (4 a lane)
 
 
+def block_slots(threads):
+    """The slots a thread-block row's shared sums take (`make_block_sum`): two regions of a slot a
+    warp and one for the total."""
+    return 2 * (threads // 32 + 1)
+
+
 def make_block_sum(threads, acc_type):
-    """``block_sum(value, shared, y, t)``: the sum of the ``threads`` threads' ``value`` (row ``y``'s
-    of the thread block: ``shared[y]``, an ``acc_type`` array of threads / 32 + 1 slots, free again
-    when it returns), returned to all of them. One warp sums by shuffles alone (lane 0's sum,
+    """(``block_sum(value, shared, y, t, region)``, ``block_sums(a, b, shared, y, t)``): the sum of
+    the ``threads`` threads' ``value`` (row ``y``'s of the thread block: ``shared[y]``, an
+    ``acc_type`` array of `block_slots` slots), returned to all of them; or two independent sums in
+    one pass (each with the same bits as alone). One warp sums by shuffles alone (lane 0's sum,
     broadcast: every lane gets the same bits); more take two barriers of the whole thread block,
-    every row's threads reaching them together."""
+    every row's threads reaching them together. A kernel uses each of the two regions (0, 1) once
+    (``block_sums`` takes both), so no barrier guards a region's reuse."""
     WARPS = threads // 32
+    SLOTS = WARPS + 1
 
     @cuda.jit(device=True, inline=True)
-    def block_sum(value, shared, y, t):
+    def warp_sum(value):
         for offset in (16, 8, 4, 2, 1):
             value += cuda.shfl_down_sync(FULL_MASK, value, offset)
+        return value
+
+    @cuda.jit(device=True, inline=True)
+    def block_sum(value, shared, y, t, region):
+        value = warp_sum(value)
         if WARPS == 1:
             return cuda.shfl_sync(FULL_MASK, value, 0)
-        lane, warp = t % 32, t // 32
+        lane, warp, base = t % 32, t // 32, region * SLOTS
         if lane == 0:
-            shared[y, warp] = value
+            shared[y, base + warp] = value
         cuda.syncthreads()
         if warp == 0:
-            total = shared[y, lane] if lane < WARPS else acc_type(0)
-            for offset in (16, 8, 4, 2, 1):
-                total += cuda.shfl_down_sync(FULL_MASK, total, offset)
+            total = warp_sum(shared[y, base + lane] if lane < WARPS else acc_type(0))
             if lane == 0:
-                shared[y, WARPS] = total
+                shared[y, base + WARPS] = total
         cuda.syncthreads()
-        total = shared[y, WARPS]
-        cuda.syncthreads()  # (every thread has read it before the next call writes the slots)
-        return total
+        return shared[y, base + WARPS]
 
-    return block_sum
+    @cuda.jit(device=True, inline=True)
+    def block_sums(a, b, shared, y, t):
+        a, b = warp_sum(a), warp_sum(b)
+        if WARPS == 1:
+            return cuda.shfl_sync(FULL_MASK, a, 0), cuda.shfl_sync(FULL_MASK, b, 0)
+        lane, warp = t % 32, t // 32
+        if lane == 0:
+            shared[y, warp] = a
+            shared[y, SLOTS + warp] = b
+        cuda.syncthreads()
+        if warp == 0:
+            ta = warp_sum(shared[y, lane] if lane < WARPS else acc_type(0))
+            tb = warp_sum(shared[y, SLOTS + lane] if lane < WARPS else acc_type(0))
+            if lane == 0:
+                shared[y, WARPS] = ta
+                shared[y, SLOTS + WARPS] = tb
+        cuda.syncthreads()
+        return shared[y, WARPS], shared[y, SLOTS + WARPS]
+
+    return block_sum, block_sums
 
 
 def row_kernel(cfg, threads, acc_type):
@@ -223,9 +252,9 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
 
     if axis == 1:
         T, K, RB = shape
-        SLOTS = T // 32 + 1  # (a shared array's size: a name, not an expression)
+        SLOTS = block_slots(T)  # (a shared array's size: a name, not an expression)
         HELD = max(4 * K, 1)
-        block_sum = make_block_sum(T, acc_type)
+        block_sum, _ = make_block_sum(T, acc_type)
         row_of = make_row_of(RB)
 
         @row_kernel(cfg, T * RB, acc_type)
@@ -245,7 +274,7 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
                 for c in range(4 * t, C, 4 * T):
                     v0, v1, v2, v3 = read(x, row, c)
                     s += (v0 + v1) + (v2 + v3)
-            mean = block_sum(s, shared, y_, t) / acc_type(C)
+            mean = block_sum(s, shared, y_, t, 0) / acc_type(C)
             q = acc_type(0)
             if K:
                 for k in range(K):
@@ -262,7 +291,7 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
                         d2 = d2 if c + 2 < C else acc_type(0)
                         d3 = d3 if c + 3 < C else acc_type(0)
                     q += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3)
-            r = acc_type(1) / math.sqrt(block_sum(q, shared, y_, t) / acc_type(C) + acc_type(epsilon))
+            r = acc_type(1) / math.sqrt(block_sum(q, shared, y_, t, 1) / acc_type(C) + acc_type(epsilon))
             for k in range(K if K else -(-C // (4 * T))):
                 c = 4 * (t + k * T)
                 if c < C and inside:
@@ -380,9 +409,9 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
 
     if axis == 1:
         T, K, RB = shape
-        SLOTS = T // 32 + 1  # (a shared array's size: a name, not an expression)
+        SLOTS = block_slots(T)  # (a shared array's size: a name, not an expression)
         HELD = max(4 * K, 1)
-        block_sum = make_block_sum(T, acc_type)
+        _, block_sums = make_block_sum(T, acc_type)
         row_of = make_row_of(RB)
 
         @cuda.jit(device=True, inline=True)
@@ -422,8 +451,8 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
                     hh[4 * k], hh[4 * k + 1], hh[4 * k + 2], hh[4 * k + 3] = h0, h1, h2, h3
                 s1 += (d0 + d1) + (d2 + d3)
                 s2 += (d0 * h0 + d1 * h1) + (d2 * h2 + d3 * h3)
-            m1 = block_sum(s1, shared, y_, t) / acc_type(C)
-            m2 = block_sum(s2, shared, y_, t) / acc_type(C)
+            s1, s2 = block_sums(s1, s2, shared, y_, t)
+            m1, m2 = s1 / acc_type(C), s2 / acc_type(C)
             for k in range(K if K else -(-C // (4 * T))):
                 c = 4 * (t + k * T)
                 if c < C and inside:
