@@ -146,7 +146,7 @@ def bounds(version, bs, weight_grad, cfg=B):
     return None
 
 
-def shapes_of(cfg, kind):
+def warp_specialized(cfg, kind):
     """Whether a paired or stacked weight gradient is warp-specialized."""
     return bsmm.hopper_shapes.producing(cfg, kind, 0)
 
@@ -197,7 +197,7 @@ def check_tiles(version):
             signature = (dw[:, :, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, ::1],
                          types.int32[:, ::1], i64, i64, types.float64) + maps
             stack = "" if not extra else (f" stacks {cfg.v7_wgrad_stacks[bs]}" if extra[0] == "stacks" else " pairs") \
-                + (" split" if shapes_of(cfg, extra[0]) else "")
+                + (" split" if warp_specialized(cfg, extra[0]) else "")
             results.append(check(f"weight_grad v{version} bs {bs}{stack} {storage} axis {feature_axis} dW {out}",
                                  kernel.py_func, signature, cc=cc, detail=count,
                                  launch_bounds=bounds(version, bs, kind, cfg)))
