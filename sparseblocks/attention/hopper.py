@@ -199,7 +199,7 @@ def make_forward(storage, D, stages, groups, keys=TILE):
     settle_scores, settle_out = make_settle(keys), make_settle(D)
     settle_maxima = make_row_maxima(2)
     wg_wait, wait_scores = waiter(0), waiter(1)
-    NEG, INF = float32(-math.inf), float32(math.inf)
+    NEG = float32(-math.inf)
 
     def softmax_step(i, s, top, scale2):
         """Scale score i, fold it into its row's maximum."""
