@@ -110,7 +110,7 @@ class BsmmConfig:
     v7_wgrad_stack_stages: int = 4
     # ... warp-specialized: a copying warpgroup's cp.async (a stack's blocks are not one box of a
     # tensor map) fills the ring on mbarriers, the multiplying warps only wait and multiply
-    v7_wgrad_stack_producer: bool = False
+    v7_wgrad_stack_producer: bool = True
     # Products whose output lines are short (mean blocks a line <= "mean_blocks") on other tiles:
     # {bs: {"mean_blocks": m, field: value, ...}}, fields of SHORT_LINE_FIELDS (a table's value for bs,
     # v7_producer_registers itself); `dispatch.v7_config`. Block 128: one warpgroup of two 64-row

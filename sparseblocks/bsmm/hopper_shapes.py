@@ -223,7 +223,10 @@ def v7_check(cfg, bs, weight_grad=False):
                 return f"{name}: expected a multiple of 8 from 24 to 256, got {getattr(cfg, name)}"
         split = split_registers(cfg, GROUPS, blocks, weight_grad)
         if split is not None and split[1] < 128:
-            return f"block {bs}: {GROUPS} multiplying warpgroups would keep {split[1]} registers a thread"
+            field = {STACKED: "v7_wgrad_stack_producer", PAIRED: "v7_wgrad_pair_producer"}.get(
+                weight_grad, "v7_wgrad_producer" if weight_grad else "v7_producer")
+            return (f"block {bs}: {GROUPS} multiplying warpgroups would keep {split[1]} registers a thread beside "
+                    f"a copying warpgroup (fewer warpgroups, or {field}=False)")
     return ""
 
 

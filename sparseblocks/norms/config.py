@@ -13,7 +13,7 @@ class NormsConfig:
     row_blocks: int = 6
     column_warps: int = 8  # feature axis 0 (C, N): warps a thread block, each 128 columns of x, a row at a time
     column_rows: int = 128  # feature axis 0: rows of x (features) a thread block sums or normalizes
-    grad_rows: int = 64  # axis 1's dg and db: rows a thread block sums for each feature, before the ordered sum
+    grad_rows: int = 32  # axis 1's dg and db: rows a thread block sums for each feature, before the ordered sum
 
     def check(self):
         if self.row_threads % 32 or not 32 <= self.row_threads <= 1024:

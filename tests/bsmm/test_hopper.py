@@ -72,7 +72,7 @@ def test_block_32_products_match_reference(data, dtype, feature_axis, producer, 
     likewise warp-specialized or not."""
     layout, w, xa, dya = draw_operands(data, 32, dtype, feature_axis, 5)
     cfg = replace(BLOCK_32, v7_producer=producer, v7_wgrad_stacks={32: stacks[0]}, v7_wgrad_groups={32: stacks[1]},
-                  v7_wgrad_stack_producer=producer)
+                  v7_wgrad_stack_producer=producer and stacks[1] < 4)  # a copying warpgroup beside 4 leaves too few registers
     with poisoned_outputs():
         y = bsmm.forward(xa, w, layout, feature_axis, version=7, config=cfg)
         dx = bsmm.input_grad(dya, w, layout, feature_axis, version=7, config=cfg)
@@ -499,7 +499,7 @@ def test_stacked_weight_gradient_tiles_cover_each_block_once():
         assert tuple(coords[b0]) == (r0, column) and (b1 == -1 and r1 == r0 or tuple(coords[b1]) == (r1, column))
     blocks = sorted(int(b) for b in stacks[:, 3:].ravel() if b >= 0)
     assert blocks == list(range(layout.n_blocks)) and len(stacks) == 1 + 2 + 1
-    cfg = replace(bsmm.DEFAULT, v7_wgrad_stacks={32: 8}, v7_wgrad_groups={32: 2})
+    cfg = replace(bsmm.DEFAULT, v7_wgrad_stacks={32: 8}, v7_wgrad_groups={32: 2}, v7_wgrad_stack_producer=False)
     assert hopper.v7_shape(cfg, 32, hopper.STACKED) == (256, 32, 2, 2, 64, cfg.v7_wgrad_stack_stages)
     assert not hopper.producing(cfg, hopper.STACKED, 32) and hopper.v7_threads(cfg, 32, hopper.STACKED) == 256
     split = replace(cfg, v7_wgrad_stack_producer=True)  # (a copying warpgroup besides the two multiplying)
