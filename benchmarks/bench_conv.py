@@ -10,7 +10,11 @@ A ResNet-50-like 3x3 layer: 256 -> 256 channels, 56 x 56, batch 32, channels in 
 in fp16, bf16 and fp32. Each product is checked against the dense convolution (float32) first,
 then timed: ``forward``, ``input_grad`` and ``filter_grad``, with baselines ``cudnn_dense`` (the
 same product of the dense filter with the absent blocks zeroed) and, block-diagonal,
-``cudnn_grouped``. fp16 and bf16 are timed twice: on NCHW tensors, and on channels-last ones
+``cudnn_grouped``. Times are the device's: 20 calls queued behind a sleeping kernel
+(`common.queued_ms`), ours and cuDNN's alike, so that neither host's launch costs count; the
+column ``eager_call`` is our call timed alone with the device waiting on the host (Python's checks,
+plans and launches included), what a loop that does not run ahead of the device sees. Filters are
+passed flat, as the torch layer passes them. fp16 and bf16 are timed twice: on NCHW tensors, and on channels-last ones
 (``memory``: the op's ``channels_last=True`` calls, cuDNN on ``torch.channels_last`` tensors).
 Writes results/conv.json and results/conv.md.
 """
@@ -19,7 +23,8 @@ import argparse
 
 import numpy as np
 
-from benchmarks.common import Record, baseline_ms, device_name, merged_records, print_table, time_ms, write_results
+from benchmarks.common import (Record, baseline_ms, device_name, merged_records, print_table, queued_ms, time_ms,
+                               write_results)
 
 N, C, HW, G = 32, 256, 56, 32
 
@@ -35,6 +40,12 @@ def layouts(rng, quick):
             :round(density * groups * groups)]] = True
         out.append(("random", mask.reshape(groups, groups)))
     return out
+
+
+def timed(name, params, call, base, flops):
+    """The record of our ``call``: the device's time (`queued_ms`), and the call's alone with the
+    device waiting on the host (the baseline column ``eager_call``)."""
+    return Record(name, dict(params), queued_ms(call), {**base, "eager_call": time_ms(call)}, flops=flops)
 
 
 def check(got, want, what):
@@ -74,6 +85,7 @@ def main():
             BCK = [(list(range(c * G, c * G + G)), list(range(k * G, k * G + G))) for c, k in zip(*np.nonzero(mask))]
             op = BlocksparseConv(BCK, (3, 3), (HW, HW), padding="SAME")
             filters = [torch.randn(op.f_shape(b), device="cuda", dtype=dtype) / (3 * G ** 0.5) for b in range(len(BCK))]
+            flat = torch.cat([f.reshape(-1) for f in filters])  # (as the torch layer keeps them)
             dense = torch.zeros(C, C, 3, 3, device="cuda", dtype=dtype)
             for (cs, ks), f in zip(BCK, filters):
                 dense[ks[0]:ks[0] + G, cs[0]:cs[0] + G] = f
@@ -96,22 +108,20 @@ def main():
                     check(got_f, dF[ks[0]:ks[0] + G, cs[0]:cs[0] + G], f"{what}: filter_grad")
                 params = dict(layout=name, density=round(density, 3), dtype=dtype_name, memory=memory, N=N, C=C,
                               K=C, H=HW, W=HW, group=G)
-                base = {"cudnn_dense": baseline_ms(lambda: F.conv2d(xs, dense_m, padding=1))}
+                base = {"cudnn_dense": baseline_ms(lambda: F.conv2d(xs, dense_m, padding=1), queued_ms)}
                 if name == "block_diagonal":  # (C, G, 3, 3), block i is group i
                     grouped = torch.cat([filters[i] for i in range(len(BCK))]).contiguous(memory_format=fmt)
-                    base["cudnn_grouped"] = baseline_ms(lambda: F.conv2d(xs, grouped, padding=1, groups=C // G))
-                records.append(Record("forward", dict(params), time_ms(lambda: op(filters, xa, channels_last=last)),
-                                      base, flops=flops))
+                    base["cudnn_grouped"] = baseline_ms(lambda: F.conv2d(xs, grouped, padding=1, groups=C // G),
+                                                        queued_ms)
+                records.append(timed("forward", params, lambda: op(flat, xa, channels_last=last), base, flops))
                 base = {"cudnn_dense": baseline_ms(
-                    lambda: torch.nn.grad.conv2d_input(xs.shape, dense_m, dys, padding=1))}
-                records.append(Record("input_grad", dict(params),
-                                      time_ms(lambda: op.input_grad(filters, dya, channels_last=last)), base,
-                                      flops=flops))
+                    lambda: torch.nn.grad.conv2d_input(xs.shape, dense_m, dys, padding=1), queued_ms)}
+                records.append(timed("input_grad", params, lambda: op.input_grad(flat, dya, channels_last=last), base,
+                                     flops))
                 base = {"cudnn_dense": baseline_ms(
-                    lambda: torch.nn.grad.conv2d_weight(xs, dense_m.shape, dys, padding=1))}
-                records.append(Record("filter_grad", dict(params),
-                                      time_ms(lambda: op.filter_grad(dya, xa, channels_last=last)), base,
-                                      flops=flops))
+                    lambda: torch.nn.grad.conv2d_weight(xs, dense_m.shape, dys, padding=1), queued_ms)}
+                records.append(timed("filter_grad", params, lambda: op.filter_grad(dya, xa, channels_last=last), base,
+                                     flops))
                 for r in records[-3:]:
                     print(f"{r.name:12} {dtype_name:9} {name:14} {memory:14} {density:5.3f}: {r.ms:.3f} ms "
                           f"({r.flops / r.ms / 1e9:.0f} TFLOP/s) "
