@@ -281,28 +281,15 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
             return buf, parity
 
         @inlined
+        def multiply_stage(acc, desc_a, desc_b, buf, s, where):
+            multiply(acc, desc_a, desc_b, buf)
+
+        walk = make_walk(STAGES, BULK, multiply_stage, settle)
+
+        @inlined
         def consume(acc, bars, n_stages, desc_a, desc_b, lane, buf, parity):
-            """One tile's stages into ``acc``, from buffer ``buf`` whose full barrier's awaited
-            parity is ``parity`` (0, 0 at a kernel's start); returns where the next tile starts.
-            Every buffer it read is handed back."""
-            last = buf
-            for s in range(n_stages):
-                bar_wait(bars + buf * BAR_BYTES, parity)  # the stage's copies have landed ...
-                if not BULK:  # (bulk copies write through wgmma's async proxy)
-                    proxy_fence()  # ... and are visible to wgmma's reads
-                multiply(acc, desc_a, desc_b, buf)
-                wg_wait_one()  # the previous stage's wgmmas have retired: its buffer is free
-                if s > 0 and lane == 0:
-                    arrive(bars + (STAGES + last) * BAR_BYTES)
-                last = buf
-                buf += 1
-                if buf == STAGES:
-                    buf, parity = 0, parity ^ 1
-            wg_wait_all()
-            settle(acc)
-            if n_stages > 0 and lane == 0:
-                arrive(bars + (STAGES + last) * BAR_BYTES)
-            return buf, parity
+            """One tile's stages into ``acc`` (`make_walk`)."""
+            return walk(acc, bars, n_stages, desc_a, desc_b, lane, buf, parity, 0)
 
         give, take = hand_over(cfg, bs, GROUPS, weight_grad)
         BARS = barriers_at(cfg, bs, weight_grad)
@@ -333,6 +320,41 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
         return init, produce, consume, specialized
 
     return copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split
+
+
+def make_walk(stages, bulk, multiply_stage, settle):
+    """A multiplying warpgroup's walk round a warp-specialized ring (`make_split`):
+    ``walk(acc, bars, n_stages, desc_a, desc_b, lane, buf, parity, where)`` runs one tile's stages
+    into ``acc``, from buffer ``buf`` whose full barrier's awaited parity is ``parity`` (0, 0 at a
+    kernel's start), each stage's wgmmas issued and committed by ``multiply_stage(acc, desc_a,
+    desc_b, buf, s, where)``; returns where the next tile starts. Every buffer it read is handed
+    back on its empty barrier (``bars``: ``stages`` full barriers, then as many empty ones), once
+    the wgmmas that read it have retired. ``bulk``: the stages came by bulk copies, which write
+    through wgmma's async proxy (no proxy fence)."""
+    wg_wait_one, wg_wait_all = wg_waiter(1), wg_waiter(0)
+
+    @inlined
+    def walk(acc, bars, n_stages, desc_a, desc_b, lane, buf, parity, where):
+        last = buf
+        for s in range(n_stages):
+            bar_wait(bars + buf * BAR_BYTES, parity)  # the stage's copies have landed ...
+            if not bulk:
+                proxy_fence()  # ... and are visible to wgmma's reads
+            multiply_stage(acc, desc_a, desc_b, buf, s, where)
+            wg_wait_one()  # the previous stage's wgmmas have retired: its buffer is free
+            if s > 0 and lane == 0:
+                arrive(bars + (stages + last) * BAR_BYTES)
+            last = buf
+            buf += 1
+            if buf == stages:
+                buf, parity = 0, parity ^ 1
+        wg_wait_all()
+        settle(acc)
+        if n_stages > 0 and lane == 0:
+            arrive(bars + (stages + last) * BAR_BYTES)
+        return buf, parity
+
+    return walk
 
 
 def stored_of(storage, acc_type):

@@ -28,14 +28,12 @@ from numba import cuda, float32, int32, int64, uint64
 
 from ..ptx.cp_async import copy16_or_zero, shared_address, signed_address
 from ..ptx.mbarrier import BYTES as BAR_BYTES
-from ..ptx.mbarrier import arrive, copy_arrive, named_barrier
+from ..ptx.mbarrier import copy_arrive, named_barrier
 from ..ptx.mbarrier import init as bar_init
 from ..ptx.mbarrier import wait as bar_wait
 from ..ptx.vector import load4, store2, store4
 from ..ptx.wgmma import WARPGROUP, WGMMA_K, WGMMA_M, align_up, descriptor, fence, make_mma_if, make_settle
 from ..ptx.wgmma import commit as wg_commit
-from ..ptx.wgmma import proxy_fence
-from ..ptx.wgmma import waiter as wg_waiter
 from ..runtime.compile import bounded, inlined, unrolled
 from ..runtime.launch import dynamic_shared
 from .device import grouped_tile
@@ -107,7 +105,7 @@ def line_groups(layout, transpose_w, L):
 def make_product_lines(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     """``product_lines(out, a, w, begin, other, blocks, n_rows, n_lines)`` on a grid of (row
     tiles, line groups), `lines_shape`'s threads plus a copying warpgroup."""
-    from .hopper import stored_of
+    from .hopper import make_walk, stored_of
 
     if feature_axis != 1:
         raise ValueError("the lines products take feature_axis 1")
@@ -148,8 +146,14 @@ def make_product_lines(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     exec("\n".join(source) + "\n", namespace)
     multiply = inlined(namespace["multiply"])
 
-    settle = make_settle(2 * ACC_ALL)
-    wg_wait_one, wg_wait_all = wg_waiter(1), wg_waiter(0)
+    @inlined
+    def multiply_stage(acc, desc_a, desc_b, buf, s, where):
+        move = uint64(buf * (STAGE // 16))
+        fence()
+        multiply(acc, desc_a + move, desc_b + move, where[0], where[1] + s)
+        wg_commit()
+
+    walk = make_walk(STAGES, False, multiply_stage, make_settle(2 * ACC_ALL))
 
     @inlined
     def put(p, acc, tile, at, row, col0):
@@ -216,23 +220,7 @@ def make_product_lines(cfg, bs, storage, acc_type, transpose_w, feature_axis):
             acc = cuda.local.array(ACC_ALL, float32)
             for i in range(ACC_ALL):
                 acc[i] = float32(0)
-            buf, parity, last = 0, 0, 0
-            for s in range(n_stages):
-                bar_wait(bars + buf * BAR_BYTES, parity)  # the stage's copies have landed ...
-                proxy_fence()  # ... and are visible to wgmma's reads
-                move = uint64(buf * (STAGE // 16))
-                fence()
-                multiply(acc, desc_a + move, desc_b + move, blocks, first + s)
-                wg_commit()
-                wg_wait_one()  # the previous stage's wgmmas have retired: its buffer is free
-                if s > 0 and lane == 0:
-                    arrive(bars + (STAGES + last) * BAR_BYTES)
-                last = buf
-                buf += 1
-                if buf == STAGES:
-                    buf, parity = 0, parity ^ 1
-            wg_wait_all()
-            settle(acc)
+            walk(acc, bars, n_stages, desc_a, desc_b, lane, 0, 0, (blocks, first))
             named_barrier(1, GROUPS * WARPGROUP)  # every warpgroup's wgmmas have read the ring
             staged = cuda.shared.array(0, float32)
             at = (base - start) // 4
