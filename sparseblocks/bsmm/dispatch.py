@@ -275,13 +275,15 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
         grid = ((n_rows * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, len(combine_indices[0]))
         launch(combine, grid, COMBINE_THREADS, stream, (out, workspace, *combine_indices, n_rows))
         return None
-    # the call's launches: what a kept plan repeats (the maps last, made from A's and B's addresses)
-    return pre, (kernel, grid, threads, args, derived_maps(makers, len(args) - 2))
+    # the call's launches: what a kept plan repeats (the maps last, made from A's and B's addresses),
+    # with the positions of out, A and W among the arguments
+    return pre, (kernel, grid, threads, args, derived_maps(makers, len(args) - 2), (0, 2, 3))
 
 
 def launch_lines(cfg, out, a, w, storage, layout, n_rows, transpose_w, stream):
     """Launch `hopper_lines.make_product_lines` (``v7_lines``: several output block-lines a
-    thread block) over the layout's line groups, cached in the layout; return the launch."""
+    thread block) over the layout's line groups, cached in the layout; return the launch (as
+    `launch_product`'s, with the positions of out, A and W)."""
     bs = layout.block_size
     L = cfg.v7_lines[bs]
     key = ("line groups", transpose_w, L, active())
@@ -295,7 +297,7 @@ def launch_lines(cfg, out, a, w, storage, layout, n_rows, transpose_w, stream):
     threads = lines_threads(cfg, bs)
     args = (out, a, w, begin, other, blocks, n_rows, n_lines)
     launch(kernel, grid, threads, stream, args)
-    return kernel, grid, threads, args, ()
+    return kernel, grid, threads, args, (), (0, 1, 2)
 
 
 def tma_maps(cfg, bs, weight_grad, a, b, n_rows, feature_axis, transpose_w, stream):

@@ -48,8 +48,8 @@ def keep_product_plan(cfg, a, w, layout, feature_axis, transpose_w, version, out
     `replayed_product`."""
     if launched is None or a.kind != "torch" or _arrays._poison_outputs:
         return
-    pre, main = launched
-    plan = replay(*main, live=(0, 2, 3))  # out, a, w
+    pre, (kernel, grid, threads, args, derived, live) = launched
+    plan = replay(kernel, grid, threads, args, derived, live=live)  # (live: out, a and w's positions)
     pre_plan = None if pre is None else replay(*pre, live=(0, 1))  # wt, w
     if plan is None or (pre is not None and pre_plan is None):
         return

@@ -107,3 +107,32 @@ def test_lines_products_match_reference(data, dtype, shape):
     assert_products(y, dx, dw, xa, dya, w, layout, 1, dtype)
     if layout.n_blocks:
         assert ran_lines() > 0
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_lines_products_replay_a_kept_plan(dtype, monkeypatch):
+    """Repeated torch calls of the lines products go through a kept plan: its launch rewrites
+    out, x and W (the lines kernel's own argument positions), and the schedule stays."""
+    torch = pytest.importorskip("torch")
+    from sparseblocks.reference import bsmm as reference
+    from sparseblocks.runtime import plans
+
+    monkeypatch.setattr(plans, "kept", {})
+    layout = BlockLayout.random((8, 6), 0.4, seed=3, block_size=32)
+    cfg = replace(bsmm.DEFAULT, v7_lines={32: 2})
+    tdtype = getattr(torch, dtype)
+    replayed = []
+    original = bsmm.api.replayed_product
+    monkeypatch.setattr(bsmm.api, "replayed_product", lambda *a: replayed.append(original(*a)) or replayed[-1])
+    for call in range(3):  # the first call keeps a plan, the next two replay it (new pointers each)
+        w = torch.randn(layout.w_shape, device="cuda", dtype=tdtype)
+        x = torch.randn(300, 256, device="cuda", dtype=tdtype)
+        dy = torch.randn(300, 192, device="cuda", dtype=tdtype)
+        y = bsmm.forward(x, w, layout, config=cfg)
+        dx = bsmm.input_grad(dy, w, layout, config=cfg)
+        x64, dy64, w64 = (t.double().cpu().numpy() for t in (x, dy, w))
+        assert_close(y.double().cpu().numpy(), reference.forward(x64, w64, layout), dtype, "forward")
+        assert_close(dx.double().cpu().numpy(), reference.input_grad(dy64, w64, layout), dtype, "input_grad")
+        assert (replayed[-1] is not None) == (call > 0)
+    assert ran_lines() > 0 and len(plans.kept) == 2
