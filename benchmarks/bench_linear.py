@@ -169,7 +169,7 @@ def bench_config(torch, dtype, bs, density, model_name, modes, records, dense_ms
     def products():  # the layer's three kernels, in the order its step runs them
         bsmm_forward(x, layer.weight, key)
         bsmm_input_grad(dy, layer.weight, key)
-        bsmm_weight_grad(x, dy, key)
+        bsmm_weight_grad(x, dy, key, layer.weight.dtype)
 
     params = {"dtype": name, "block_size": bs, "density": density, "width": width, "tokens": tokens}
     records.append(Record("layer_overhead", params, graph_ms(layer_step), {"kernels": graph_ms(products)}))
