@@ -14,8 +14,8 @@ from ..ptx.vector import aligned
 from ..runtime.launch import compute_capability, data_pointer, launch, multiprocessors
 from . import fused, hopper
 from .config import AttentionConfig, as_config
-from .simple import (make_column_weighted, make_deltas, make_probabilities, make_score_grads, make_scores,
-                     make_softmax, make_weighted)
+from .simple import (make_column_weighted, make_deltas, make_dropped, make_probabilities, make_score_grads,
+                     make_scores, make_softmax, make_weighted)
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 THREADS = 128
@@ -103,6 +103,26 @@ def _hopper_groups(cfg, dtype, head_dim, bs, wanted):
     return 0
 
 
+def _dropout_rule(dropout_p, seed, offset):
+    """(threshold, seed's low and high words, offset, 1 / keep) of a call's dropout, checked;
+    None without dropout."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.floating, np.integer)):
+        raise TypeError(f"dropout_p: expected a number, got {dropout_p!r}")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p}")
+    for name, value, bits in (("seed", seed, 64), ("offset", offset, 63)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2 ** bits:
+            raise ValueError(f"{name}: expected an int from 0 to 2**{bits} - 1, got {value!r}")
+    if not dropout_p:
+        return None
+    keep = 1.0 - float(dropout_p)
+    seed = int(seed)
+    return min(int(keep * 2.0 ** 32), 2 ** 32), seed & 0xFFFFFFFF, seed >> 32, int(offset), 1.0 / keep
+
+
+_NO_DROPOUT = (2 ** 32, 0, 0, 0, 1.0)  # (the kernels' dropout arguments where there is none)
+
+
 def _launch(kernel, stream, n, args):
     if n:
         launch(kernel, max(1, min(-(-n // THREADS), 16 * multiprocessors())), THREADS, stream, args)
@@ -110,7 +130,8 @@ def _launch(kernel, stream, n, args):
 
 @on_arrays_device
 def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[BlockLayout]], *,
-              causal: bool = False, scale: Optional[float] = None, return_lse: bool = False,
+              causal: bool = False, scale: Optional[float] = None, dropout_p: float = 0.0, seed: int = 0,
+              offset: int = 0, return_lse: bool = False,
               config: Optional[AttentionConfig] = None) -> Union[Array, Tuple[Array, Any]]:
     """Attention of ``q`` over ``k`` and ``v`` ((batch, heads, seq, head_dim) each, one dtype)
     where ``layout`` (one `BlockLayout` over the (query block, key block) grid, or one a head)
@@ -118,11 +139,17 @@ def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[
     default. A query that sees no key gets zeros. ``return_lse``: also each query's log-sum-exp of
     its scaled scores (fp32; -inf where it sees nothing), (batch, heads, seq).
 
+    ``dropout_p``: each probability dropped with that probability after the softmax (the others
+    scaled by 1 / (1 - dropout_p)), by counter-based bits (Philox under ``seed`` and ``offset``,
+    element (b, h, i, j) as flat index ((b·H + h)·S + i)·S + j of `ew.dropout`'s), so that
+    `attention_grad` with the same three regenerates the mask; lse is the undropped softmax's.
+
     fp16 and bf16 run fused (`fused.py`: flash-style, nothing of size seq x seq stored; on wgmma
-    with ``config.hopper_forward``, `hopper.py`, on sm_90 at head_dim 64 and 128) where
-    `fused.fits` the call and ``config.fused``; other calls take the three kernels (`simple.py`:
-    scores, softmax, weighted sum), which store the present blocks' scores."""
+    with ``config.hopper_forward``, `hopper.py`, on sm_90 at head_dim 64 and 128, without
+    dropout) where `fused.fits` the call and ``config.fused``; other calls take the three kernels
+    (`simple.py`: scores, softmax, weighted sum), which store the present blocks' scores."""
     cfg = as_config(config)
+    rule = _dropout_rule(dropout_p, seed, offset)
     ops = _checked([("q", q), ("k", k), ("v", v)])
     B, H, S, D = ops[0].shape
     layouts = _layouts(layout, H, S)
@@ -135,7 +162,7 @@ def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[
     lse_native, lse = ops[0].empty((B, H, S), stream, dtype="float64" if dtype == "float64" else "float32")
     qd, kd, vd = (op.device(stream).reshape(-1) for op in ops)
     fused_call = _fused(cfg, dtype, D, bs, (qd, kd, vd))
-    groups = _hopper_groups(cfg, dtype, D, bs, cfg.hopper_forward) if fused_call else 0
+    groups = _hopper_groups(cfg, dtype, D, bs, cfg.hopper_forward and rule is None) if fused_call else 0
     if groups:
         keys = cfg.wgmma_keys(D)  # (64 where the blocks or shared memory take no more)
         keys = fused.TILE if hopper.fits(dtype, D, bs, groups, keys, cfg.hopper_forward_stages) else keys
@@ -146,21 +173,21 @@ def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[
                     scale * fused.LOG2E, bool(causal)))
     elif fused_call:
         rows = fused.forward_rows(bs, cfg.warp_rows)
-        kernel = cached(fused.make_forward, dtype, D, cfg.stages, rows, cfg.forward_keys)
+        kernel = cached(fused.make_forward, dtype, D, cfg.stages, rows, cfg.forward_keys, rule is not None)
         if B * H * S:
             launch(kernel, B * H * (S // (fused.WARPS * rows)), fused.THREADS, stream,
                    (out.reshape(-1), lse.reshape(-1), qd, kd, vd, row_ptr, blk_col, H, S, bs,
-                    scale * fused.LOG2E, bool(causal)))
+                    scale * fused.LOG2E, bool(causal)) + (rule or _NO_DROPOUT))
     else:
         _three_kernels(ops, out, lse, qd, kd, vd, stream, (blk_head, blk_row, blk_col, row_ptr, G), bs, scale,
-                       causal)
+                       causal, rule)
     result = ops[0].result(native, out, stream)
     if return_lse:
         return result, ops[0].result(lse_native, lse, stream)
     return result
 
 
-def _three_kernels(ops, out, lse, qd, kd, vd, stream, tables, bs, scale, causal):
+def _three_kernels(ops, out, lse, qd, kd, vd, stream, tables, bs, scale, causal, rule):
     B, H, S, D = ops[0].shape
     blk_head, blk_row, blk_col, row_ptr, G = tables
     dtype = ops[0].dtype
@@ -169,6 +196,8 @@ def _three_kernels(ops, out, lse, qd, kd, vd, stream, tables, bs, scale, causal)
     _launch(cached(make_scores, dtype, acc), stream, B * G * bs * bs,
             (s, qd, kd, blk_head, blk_row, blk_col, B, H, S, D, bs, scale, bool(causal)))
     _launch(cached(make_softmax, acc), stream, B * H * S, (s, lse.reshape(-1), row_ptr, B, H, S, bs))
+    if rule is not None:
+        _launch(cached(make_dropped, acc), stream, B * G * bs * bs, (s, blk_head, blk_row, blk_col, B, H, S, bs) + rule)
     _launch(cached(make_weighted, dtype, acc), stream, B * H * S * D,
             (out.reshape(-1), s, vd, row_ptr, blk_col, B, H, S, D, bs, 1.0))
 
@@ -176,13 +205,15 @@ def _three_kernels(ops, out, lse, qd, kd, vd, stream, tables, bs, scale, causal)
 @on_arrays_device
 def attention_grad(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
                    layout: Union[BlockLayout, Sequence[BlockLayout]], *, causal: bool = False,
-                   scale: Optional[float] = None,
+                   scale: Optional[float] = None, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
                    config: Optional[AttentionConfig] = None) -> Tuple[Array, Array, Array]:
     """(dq, dk, dv) of `attention` from its output ``out``, its log-sum-exp ``lse`` (``return_lse``)
-    and the output's gradient ``dout``; the probabilities are computed again from q, k and lse.
-    Fused (`fused.py`: dq a query tile, dk and dv a key tile, no atomics; on wgmma where the
-    forward is, `hopper.py`) where `attention` is."""
+    and the output's gradient ``dout``; the probabilities are computed again from q, k and lse,
+    and with ``dropout_p`` the forward's dropout mask from the same seed and offset. Fused
+    (`fused.py`: dq a query tile, dk and dv a key tile, no atomics; on wgmma where the forward
+    is, `hopper.py`) where `attention` is."""
     cfg = as_config(config)
+    rule = _dropout_rule(dropout_p, seed, offset)
     ops = _checked([("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)])
     B, H, S, D = ops[0].shape
     (lse_op,) = checked_operands([("lse", lse)], ("float32", "float64"))
@@ -206,13 +237,14 @@ def attention_grad(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: A
     dq, dk, dv = (grad.reshape(-1) for _, grad in outs)
     if _fused(cfg, dtype, D, bs, (qd, kd, vd, dod, lsed, delta)):
         grid = B * H * (S // fused.TILE)
-        groups = _hopper_groups(cfg, dtype, D, bs, cfg.hopper)
+        groups = _hopper_groups(cfg, dtype, D, bs, cfg.hopper and rule is None)
         if grid:
             args = (H, S, bs, scale, scale * fused.LOG2E, bool(causal))
             if groups:  # the wgmma kernels: groups of 64-row tiles a thread block
                 family, key, blocks, threads = hopper, (cfg.hopper_stages, groups), grid // groups, 128 * groups
             else:
-                family, key, blocks, threads = fused, (cfg.backward_stages,), grid, fused.THREADS
+                family, key, blocks, threads = fused, (cfg.backward_stages, rule is not None), grid, fused.THREADS
+                args += rule or _NO_DROPOUT
             for maker, kernel_args in ((family.make_query_grads, (dq, qd, kd, vd, dod, lsed, delta, row_ptr, blk_col)),
                                        (family.make_key_grads,
                                         (dk, dv, qd, kd, vd, dod, lsed, delta, col_ptr, col_block, blk_row))):
@@ -222,8 +254,11 @@ def attention_grad(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: A
         p, ds = ops[0].scratch((n,), wide, stream), ops[0].scratch((n,), wide, stream)
         _launch(cached(make_probabilities, dtype, acc), stream, B * G * bs * bs,
                 (p, qd, kd, lsed, blk_head, blk_row, blk_col, B, H, S, D, bs, scale, bool(causal)))
-        _launch(cached(make_score_grads, dtype, acc), stream, B * G * bs * bs,
-                (ds, p, dod, vd, delta, blk_head, blk_row, blk_col, B, H, S, D, bs))
+        _launch(cached(make_score_grads, dtype, acc, rule is not None), stream, B * G * bs * bs,
+                (ds, p, dod, vd, delta, blk_head, blk_row, blk_col, B, H, S, D, bs) + (rule or _NO_DROPOUT))
+        if rule is not None:  # (dv from the dropped probabilities, once ds has the undropped ones)
+            _launch(cached(make_dropped, acc), stream, B * G * bs * bs,
+                    (p, blk_head, blk_row, blk_col, B, H, S, bs) + rule)
         for out_, kernel, args in (
                 (dq, make_weighted, (ds, kd, row_ptr, blk_col, B, H, S, D, bs, scale)),
                 (dk, make_column_weighted, (ds, qd, col_ptr, col_block, blk_row, B, H, S, D, bs, scale)),

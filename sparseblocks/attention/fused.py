@@ -23,6 +23,11 @@ whose k runs down its rows).
   tiles of its block-row. Each gradient is written once by the thread block that owns it:
   no atomics, and the same bits on every run.
 
+With ``dropout`` (a kernel maker's flag; the kernels take the rule, threshold, seed's words,
+offset and 1 / keep, as arguments in any case) the forward multiplies P by keep before out += P v
+and divides out by keep's probability at the end; dq's and dk's dP = dout vᵀ and dv's P go
+through the same mask, each element's bit drawn again (`make_dropout_parts`).
+
 ``delta`` = rowsum(dout · out) (`simple.make_deltas`). A tile's rows that the causal mask hides
 from all of a tile's keys contribute nothing; the tiles past the diagonal are not walked at all.
 The three-kernel version (`simple.py`) is the readable statement of the same math.
@@ -30,8 +35,9 @@ The three-kernel version (`simple.py`) is the readable statement of the same mat
 
 import math
 
-from numba import cuda, float32, int32, int64, uint32
+from numba import cuda, float32, int32, int64, uint32, uint64
 
+from ..philox import kept, kept_pair
 from ..ptx.cp_async import copy16_to, make_ring, shared_address, signed_address
 from ..ptx.exp2 import exp2_ftz
 from ..ptx.half2 import bf16_of_float, half2_of_floats, stored_as
@@ -295,14 +301,57 @@ def make_query_ring(copy_pair, stages, stage_bytes, levels, visible=None):
     return query_of, prime, advance
 
 
+def make_dropout_parts(cols=TILE, mt=1):
+    """Dropout on a warp's score fragments ((mt, cols // 8, 4) C fragments, rows queries with
+    ``rows_along``, else keys): element (query i, key j) of head bh is kept where `philox.kept`
+    says for e = (bh·S + i)·S + j, the bits `simple.make_dropped` and the twin draw.
+
+    * ``keep(bits, bh, S, row, col_first, t, rows_along, threshold, seed_lo, seed_hi, offset)``:
+      bits[0] (uint64) gets bit (m·N + n)·4 + j set where fragment value (m, n, j) is kept (a
+      lane's rows row + 16 m + 8 (j // 2), columns col_first + 8 n + 2 t + j % 2); with rows along
+      the queries one Philox block gives a lane's two neighbouring keys;
+    * ``apply(x, bits, factor)``: x·factor where kept, else 0."""
+    N = cols // 8
+
+    def keep_step(n, bits, bh, S, row, col_first, t, rows_along, threshold, seed_lo, seed_hi, offset):
+        for m in range(mt):
+            for h in range(2):
+                r = row + 16 * m + 8 * h
+                c = col_first + 8 * n + 2 * t
+                at = uint64((m * N + n) * 4 + 2 * h)
+                if rows_along:
+                    k0, k1 = kept_pair((int64(bh) * S + r) * S + c, threshold, seed_lo, seed_hi, offset)
+                else:
+                    k0 = kept((int64(bh) * S + c) * S + r, threshold, seed_lo, seed_hi, offset)
+                    k1 = kept((int64(bh) * S + c + 1) * S + r, threshold, seed_lo, seed_hi, offset)
+                bits[0] |= (uint64(k0) << at) | (uint64(k1) << (at + uint64(1)))
+
+    def apply_step(n, x, bits, factor):
+        for m in range(mt):
+            for j in range(4):
+                on = (bits[0] >> uint64((m * N + n) * 4 + j)) & uint64(1)
+                x[m, n, j] = x[m, n, j] * factor if on else float32(0)
+
+    keep_steps = unrolled(N, inlined(keep_step), inline=inlined)
+    apply = unrolled(N, inlined(apply_step), inline=inlined)
+
+    @inlined
+    def keep(bits, bh, S, row, col_first, t, rows_along, threshold, seed_lo, seed_hi, offset):
+        bits[0] = uint64(0)
+        keep_steps(bits, bh, S, row, col_first, t, rows_along, threshold, seed_lo, seed_hi, offset)
+
+    return keep, apply
+
+
 def forward_rows(block_size, warp_rows):
     """Query rows a warp of the forward takes: ``warp_rows`` (16 or 32) where the block size is a
     multiple of the thread block's 4 warp_rows, else 16."""
     return warp_rows if block_size % (WARPS * warp_rows) == 0 else 16
 
 
-def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
-    """``cols``: the keys of a stage taken at a time (64, or 32: half the scores' registers)."""
+def make_forward(storage, D, stages, warp_rows=16, cols=TILE, dropout=False):
+    """``cols``: the keys of a stage taken at a time (64, or 32: half the scores' registers);
+    ``dropout``: P through the rule's mask (see the module's docstring)."""
     MT = warp_rows // 16
     NS, NP, PARTS = cols // 8, cols // 16, TILE // cols  # n-tiles (and pairs) of the scores; parts of a stage
     QT = WARPS * warp_rows  # rows of a query tile
@@ -315,6 +364,7 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
     key_of, prime, advance = make_key_ring(copy_pair, stages, STAGE)
     settle_maxima = make_row_maxima(R)
     NEG = float32(-math.inf)  # (a float32: max() and selects in f32)
+    keep, drop = make_dropout_parts(cols, MT)
 
     def mask_step(n, s, top, scale2, key0, row, t):
         """Scale column block n of the scores, hide the keys past a row's query, and fold its values
@@ -355,7 +405,8 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
     rescale = unrolled(DN, inlined(rescale_step), inline=inlined)
 
     @cuda.jit
-    def forward(out, lse, q, k, v, row_ptr, blk_col, H, S, bs, scale2, causal):
+    def forward(out, lse, q, k, v, row_ptr, blk_col, H, S, bs, scale2, causal, threshold, seed_lo, seed_hi, offset,
+                factor):
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
@@ -377,6 +428,7 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
         corr = cuda.local.array(R, float32)
         total = cuda.local.array(R, float32)
         peak = cuda.local.array(R, float32)
+        bits = cuda.local.array(1, uint64)
         scale2 = float32(scale2)
         for m in range(MT):
             for i in range(DN):
@@ -412,13 +464,16 @@ def make_forward(storage, D, stages, warp_rows=16, cols=TILE):
                 if cuda.any_sync(FULL_MASK, grew):  # (once the maxima settle, no rescaling)
                     rescale(o, corr)
                 exps(s, use, total)
+                if dropout:  # (the sums above are the undropped softmax's)
+                    keep(bits, bh, S, row, key0, t, True, threshold, seed_lo, seed_hi, offset)
+                    drop(s, bits, float32(1))
                 as_fragments(fp, s)
                 times_tile(o, fp, at + TILE_BYTES + b_down)
 
         for i in range(R):
             total[i] += cuda.shfl_xor_sync(FULL_MASK, total[i], 1)
             total[i] += cuda.shfl_xor_sync(FULL_MASK, total[i], 2)
-            corr[i] = float32(1) / total[i] if total[i] > 0 else float32(0)
+            corr[i] = (float32(factor) if dropout else float32(1)) / total[i] if total[i] > 0 else float32(0)
             if t == 0:
                 lse[bh * S + row + 8 * i] = (use[i] + math.log2(total[i])) * float32(LN2) if total[i] > 0 else NEG
         store(out, o, corr, head + int64(row) * D, t)
@@ -476,19 +531,21 @@ def make_backward_parts(cols=TILE):
     return probabilities, score_grads
 
 
-def make_query_grads(storage, D, stages):
+def make_query_grads(storage, D, stages, dropout=False):
     """dq of a query tile: its q and dout tiles kept, the key and value tiles of its block-row in
-    the ring."""
+    the ring; ``dropout``: dP through the rule's mask."""
     ROW = _row_bytes(D)
     TILE_BYTES = TILE * ROW
     KEPT, STAGE = 2 * TILE_BYTES, 2 * TILE_BYTES
     DN = D // 8
     plan, copy_tile, copy_pair, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D)
     probabilities, score_grads = make_backward_parts()
+    keep, drop = make_dropout_parts()
     key_of, prime, advance = make_key_ring(copy_pair, stages, STAGE)
 
     @cuda.jit
-    def query_grads(dq, q, k, v, dout, lse, delta, row_ptr, blk_col, H, S, bs, scale, scale2, causal):
+    def query_grads(dq, q, k, v, dout, lse, delta, row_ptr, blk_col, H, S, bs, scale, scale2, causal, threshold,
+                    seed_lo, seed_hi, offset, factor):
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
@@ -508,6 +565,7 @@ def make_query_grads(storage, D, stages):
         l2 = cuda.local.array(2, float32)
         dl = cuda.local.array(2, float32)
         f = cuda.local.array(2, float32)
+        bits = cuda.local.array(1, uint64)
         scale2 = float32(scale2)
         row = q0 + warp * 16 + g
         for i in range(2):
@@ -534,6 +592,9 @@ def make_query_grads(storage, D, stages):
             else:
                 probabilities(s, scale2, l2, True, key0, row, t, False)
             times_rows(dp, fa, base + TILE_BYTES + a_lane, at + TILE_BYTES + b_along)  # dP = dout vᵀ
+            if dropout:
+                keep(bits, bh, S, row, key0, t, True, threshold, seed_lo, seed_hi, offset)
+                drop(dp, bits, float32(factor))
             score_grads(dp, s, dl, True, t)
             as_fragments(fp, dp)
             times_tile(acc, fp, at + b_down)  # dq += dS k
@@ -543,9 +604,10 @@ def make_query_grads(storage, D, stages):
     return dynamic_shared(query_grads, KEPT + stages * STAGE)
 
 
-def make_key_grads(storage, D, stages):
+def make_key_grads(storage, D, stages, dropout=False):
     """dk and dv of a key tile: its k and v tiles kept, the q and dout tiles of its block-column
-    (with their rows' lse and delta, 64 floats each) in the ring."""
+    (with their rows' lse and delta, 64 floats each) in the ring; ``dropout``: dv's P and dk's dP
+    through the rule's mask."""
     ROW = _row_bytes(D)
     TILE_BYTES = TILE * ROW
     KEPT, STAGE = 2 * TILE_BYTES, 2 * TILE_BYTES + 2 * 4 * TILE
@@ -555,11 +617,13 @@ def make_key_grads(storage, D, stages):
     NT, FP = HALF // 8, HALF // 16  # a half's n-tiles, and k16 steps
     plan, copy_tile, copy_pair, lanes, times_rows, times_tile, as_fragments, store = make_tile_parts(storage, D, HALF, 1)
     probabilities, score_grads = make_backward_parts(HALF)
+    keep, drop = make_dropout_parts(HALF)
 
     query_of, prime, advance = make_query_ring(copy_pair, stages, STAGE, 2 * TILE_BYTES)
 
     @cuda.jit
-    def key_grads(dk, dv, q, k, v, dout, lse, delta, col_ptr, col_block, blk_row, H, S, bs, scale, scale2, causal):
+    def key_grads(dk, dv, q, k, v, dout, lse, delta, col_ptr, col_block, blk_row, H, S, bs, scale, scale2, causal,
+                  threshold, seed_lo, seed_hi, offset, factor):
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
@@ -578,6 +642,8 @@ def make_key_grads(storage, D, stages):
         fp = cuda.local.array((1, FP, 4), uint32)
         s = cuda.local.array((1, NT, 4), float32)
         dp = cuda.local.array((1, NT, 4), float32)
+        dropped = cuda.local.array((1, NT, 4), float32)
+        bits = cuda.local.array(1, uint64)
         dk_acc = cuda.local.array((1, DN, 4), float32)
         dv_acc = cuda.local.array((1, DN, 4), float32)
         f = cuda.local.array(2, float32)
@@ -610,9 +676,19 @@ def make_key_grads(storage, D, stages):
                     probabilities(s, scale2, levels_of, False, col0, key, t, True)
                 else:
                     probabilities(s, scale2, levels_of, False, col0, key, t, False)
-                as_fragments(fp, s)
+                if dropout:  # dv from the dropped P; dS from P and the dropped dP
+                    keep(bits, bh, S, key, col0, t, False, threshold, seed_lo, seed_hi, offset)
+                    for i in range(NT):
+                        for j in range(4):
+                            dropped[0, i, j] = s[0, i, j]
+                    drop(dropped, bits, float32(factor))
+                    as_fragments(fp, dropped)
+                else:
+                    as_fragments(fp, s)
                 times_tile(dv_acc, fp, rows + TILE_BYTES + b_down)  # dv += Pᵀ dout
                 times_rows(dp, fa, base + TILE_BYTES + a_lane, rows + TILE_BYTES + b_along)  # dPᵀ = v doutᵀ
+                if dropout:
+                    drop(dp, bits, float32(factor))
                 score_grads(dp, s, floats[at_levels + TILE:at_levels + TILE + HALF], False, t)
                 as_fragments(fp, dp)
                 times_tile(dk_acc, fp, rows + b_down)  # dk += dSᵀ q

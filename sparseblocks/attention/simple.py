@@ -21,6 +21,12 @@ The backward, from the forward's output and log-sum-exp (nothing of size seq x s
 * ``weighted`` (dq = scale · ds · k) and ``column_weighted(out, s, x, ..., factor)``, a key row's
   sum over the blocks of its block-column (``col_ptr`` over (head, key block), ``col_block`` the
   ids): dk = scale · dsᵀ · q, dv = pᵀ · dout.
+
+Dropout: ``dropped(s, ..., rule, factor)`` multiplies the stored probabilities by keep · factor
+(factor 1 / (1 - dropout_p)), element (b, h, i, j) kept where `philox.kept` says for flat index
+((b·H + h)·S + i)·S + j under ``rule`` (threshold, seed's two words, offset): after the softmax in
+the forward, after the score gradients in the backward (dv from the dropped p); ``score_grads``
+with ``dropout`` takes dout · v through the same mask.
 """
 
 import math
@@ -28,6 +34,7 @@ import math
 from numba import cuda
 
 from ..bsmm.device import converters
+from ..philox import kept
 from ..runtime.compile import inlined
 
 
@@ -170,11 +177,26 @@ def make_deltas(storage, acc_type):
     return deltas
 
 
-def make_score_grads(storage, acc_type):
+def make_dropped(acc_type):
+    @cuda.jit
+    def dropped(s, blk_head, blk_row, blk_col, B, H, S, bs, threshold, seed_lo, seed_hi, offset, factor):
+        G = blk_head.shape[0]
+        start, step = cuda.grid(1), cuda.gridsize(1)
+        for e in range(start, B * G * bs * bs, step):
+            b, g, i, j = e // (G * bs * bs), (e // (bs * bs)) % G, (e // bs) % bs, e % bs
+            h, qi, kj = blk_head[g], blk_row[g] * bs + i, blk_col[g] * bs + j
+            keep = kept(((b * H + h) * S + qi) * S + kj, threshold, seed_lo, seed_hi, offset)
+            s[e] = s[e] * acc_type(factor) if keep else acc_type(0)
+
+    return dropped
+
+
+def make_score_grads(storage, acc_type, dropout=False):
     dot = make_rows_dot(storage, acc_type)
 
     @cuda.jit
-    def score_grads(ds, p, dout, v, delta, blk_head, blk_row, blk_col, B, H, S, D, bs):
+    def score_grads(ds, p, dout, v, delta, blk_head, blk_row, blk_col, B, H, S, D, bs, threshold, seed_lo, seed_hi,
+                    offset, factor):
         G = blk_head.shape[0]
         start, step = cuda.grid(1), cuda.gridsize(1)
         for e in range(start, B * G * bs * bs, step):
@@ -183,6 +205,10 @@ def make_score_grads(storage, acc_type):
             if p[e] == 0:
                 ds[e] = acc_type(0)
                 continue
-            ds[e] = p[e] * (dot(dout, v, b, h, qi, kj, H, S, D) - delta[(b * H + h) * S + qi])
+            dp = dot(dout, v, b, h, qi, kj, H, S, D)
+            if dropout:
+                keep = kept(((b * H + h) * S + qi) * S + kj, threshold, seed_lo, seed_hi, offset)
+                dp = dp * acc_type(factor) if keep else acc_type(0)
+            ds[e] = p[e] * (dp - delta[(b * H + h) * S + qi])
 
     return score_grads

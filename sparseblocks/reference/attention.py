@@ -7,9 +7,13 @@ where block (i // bs, j // bs) is present, and with ``causal`` only j <= i. ``sc
 by default. A query that sees no key gets zeros (and a log-sum-exp of -inf): no NaN.
 
 * `mask(layouts, heads, seq, causal)`: the (heads, seq, seq) boolean mask;
-* `forward(q, k, v, layouts, causal, scale)`: (out, lse), lse the (batch, heads, seq) log-sum-exp
-  of each query's scaled scores, which the backward uses;
-* `backward(q, k, v, out, lse, dout, layouts, causal, scale)`: (dq, dk, dv).
+* `forward(q, k, v, layouts, causal, scale, dropout_p, seed, offset)`: (out, lse), lse the
+  (batch, heads, seq) log-sum-exp of each query's scaled scores, which the backward uses;
+* `backward(q, k, v, out, lse, dout, layouts, causal, scale, dropout_p, seed, offset)`: (dq, dk, dv).
+
+Dropout (``dropout_p`` > 0) drops probabilities after the softmax: P is multiplied by keep / (1 -
+dropout_p), `dropout_keep`'s bits over a (batch, heads, seq, seq) tensor (those of
+`sparseblocks.ew.dropout` under the seed and offset); lse is the undropped softmax's.
 """
 
 import numpy as np
@@ -32,7 +36,23 @@ def mask(layouts, heads, seq, causal=False):
     return out
 
 
-def forward(q, k, v, layouts, causal=False, scale=None):
+def dropout_keep(shape, dropout_p, seed=0, offset=0):
+    """The (batch, heads, seq, seq) keep bits of attention's dropout: element (b, h, i, j) is
+    flat element ((b·H + h)·S + i)·S + j of `reference.ew.dropout_keep`'s."""
+    from .ew import dropout_keep as flat
+
+    B, H, S = shape[:3]
+    return flat(B * H * S * S, 1.0 - dropout_p, seed, offset).reshape(B, H, S, S)
+
+
+def _dropped(p, dropout_p, seed, offset):
+    """p times keep / (1 - dropout_p) (p itself without dropout)."""
+    if not dropout_p:
+        return p
+    return np.where(dropout_keep(p.shape, dropout_p, seed, offset), p / (1.0 - dropout_p), 0.0)
+
+
+def forward(q, k, v, layouts, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0):
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     B, H, S, D = q.shape
     scale = 1 / np.sqrt(D) if scale is None else scale
@@ -44,10 +64,10 @@ def forward(q, k, v, layouts, causal=False, scale=None):
     total = weights.sum(-1, keepdims=True)
     p = np.where(seen, weights / np.where(seen, total, 1), 0.0)
     lse = np.where(seen, top + np.log(np.where(seen, total, 1)), -np.inf)[..., 0]
-    return np.einsum("bhij,bhjd->bhid", p, v), lse
+    return np.einsum("bhij,bhjd->bhid", _dropped(p, dropout_p, seed, offset), v), lse
 
 
-def backward(q, k, v, out, lse, dout, layouts, causal=False, scale=None):
+def backward(q, k, v, out, lse, dout, layouts, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0):
     q, k, v, out, dout = (np.asarray(a, np.float64) for a in (q, k, v, out, dout))
     B, H, S, D = q.shape
     scale = 1 / np.sqrt(D) if scale is None else scale
@@ -55,7 +75,7 @@ def backward(q, k, v, out, lse, dout, layouts, causal=False, scale=None):
     seen = np.isfinite(lse)[..., None]
     p = np.where(m & seen, np.exp(np.einsum("bhid,bhjd->bhij", q, k) * scale - np.where(seen, lse[..., None], 0)),
                  0.0)
-    dv = np.einsum("bhij,bhid->bhjd", p, dout)
-    dp = np.einsum("bhid,bhjd->bhij", dout, v)
+    dv = np.einsum("bhij,bhid->bhjd", _dropped(p, dropout_p, seed, offset), dout)
+    dp = _dropped(np.einsum("bhid,bhjd->bhij", dout, v), dropout_p, seed, offset)
     ds = p * (dp - np.sum(dout * out, -1, keepdims=True))
     return np.einsum("bhij,bhjd->bhid", ds, k) * scale, np.einsum("bhij,bhid->bhjd", ds, q) * scale, dv

@@ -51,12 +51,56 @@ def test_gradients(path):
         torch.testing.assert_close(g.cpu(), torch.as_tensor(w), rtol=1e-9, atol=1e-11)
 
 
+def test_dropout_gradients(path):
+    """Dropout under a given seed: gradcheck in float64 on torch's ops; the kernels' output and
+    gradients against the twin with the same seed (the same bits on either path)."""
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 24, 4, device=device(), dtype=torch.float64, requires_grad=True) for _ in range(3))
+
+    def call(q, k, v):
+        return block_sparse_attention(q, k, v, LAYOUTS, causal=True, dropout_p=0.3, seed=2**40 + 5)
+
+    if not path:
+        assert torch.autograd.gradcheck(call, (q, k, v), eps=1e-6, atol=1e-6)
+    out = call(q, k, v)
+    weights = torch.randn_like(out)
+    got = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    arrays = [t.detach().cpu().numpy() for t in (q, k, v)]
+    drop = {"dropout_p": 0.3, "seed": 2**40 + 5}
+    want_out, lse = reference.forward(*arrays, LAYOUTS, True, **drop)
+    want = reference.backward(*arrays, want_out, lse, weights.cpu().numpy(), LAYOUTS, True, **drop)
+    torch.testing.assert_close(out.detach().cpu(), torch.as_tensor(want_out), rtol=1e-10, atol=1e-12)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), torch.as_tensor(w), rtol=1e-9, atol=1e-11)
+
+
+def test_module_dropout_while_training_only():
+    """``dropout`` drops attention probabilities in training (a seed from torch's generator, so
+    `torch.manual_seed` repeats a call), and not in eval mode."""
+    torch.manual_seed(5)
+    module = BlockSparseAttention(8, 2, LAYOUTS[0], device=device(), dropout=0.5)
+    x = torch.randn(2, 24, 8, device=device())
+    module.eval()
+    plain = module(x)
+    module.dropout = 0.0
+    torch.testing.assert_close(module.train()(x), plain)
+    module.dropout = 0.5
+    torch.manual_seed(6)
+    first = module(x)
+    torch.manual_seed(6)
+    torch.testing.assert_close(module(x), first)
+    assert not torch.allclose(first, plain) and not torch.allclose(module(x), first)
+    with pytest.raises(ValueError, match="dropout: expected a probability"):
+        BlockSparseAttention(8, 2, LAYOUTS[0], dropout=1.0)
+
+
 def test_opcheck_and_compile(path):
     torch.manual_seed(2)
     q, k, v = (torch.randn(1, 2, 24, 4, device=device()) for _ in range(3))
     key = attention_ops._key(LAYOUTS)
     checks = {"test_utils": ("test_schema", "test_faketensor")}
-    torch.library.opcheck(attention_ops.attention_forward, (q, k, v, key, True, 0.5), **checks)
+    torch.library.opcheck(attention_ops.attention_forward, (q, k, v, key, True, 0.5, 0.0, 0), **checks)
+    torch.library.opcheck(attention_ops.attention_forward, (q, k, v, key, True, 0.5, 0.25, 7), **checks)
     module = BlockSparseAttention(8, 2, LAYOUTS[0], device=device())
     x = torch.randn(2, 24, 8, device=device())
     assert torch._dynamo.explain(module)(x).graph_break_count == 0
