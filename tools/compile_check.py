@@ -323,34 +323,37 @@ def check_quant():
 
 
 def check_attention():
-    """Attention's fused kernels at head_dim 64 and 128 (mma.sync), and the wgmma forward (sm_90a):
-    ptxas's registers and stack."""
+    """Attention's fused kernels at head_dim 64 and 128 (mma.sync), and the wgmma kernels (sm_90a),
+    each without and with dropout: ptxas's registers and stack."""
     from sparseblocks.attention import DEFAULT as A
     from sparseblocks.attention import fused, hopper
 
     results = []
-    for storage, D in itertools.product(("float16", "bfloat16"), (64, 128)):
+    rule = (i64, i64, i64, i64, types.float64)  # dropout's threshold, seed words, offset, 1 / keep
+    for storage, D, drop in itertools.product(("float16", "bfloat16"), (64, 128), (False, True)):
         bits = types.int16 if storage == "bfloat16" else types.float16
         index = types.int32[::1]
         forward = (bits[::1], types.float32[::1], bits[::1], bits[::1], bits[::1], index, index, i64, i64, i64,
-                   types.float64, types.boolean)
-        results.append(check(f"attention forward {storage} D {D}", fused.make_forward(
-            storage, D, A.stages, fused.forward_rows(128, A.warp_rows), A.forward_keys).py_func, forward))
+                   types.float64, types.boolean) + rule
+        tag = f"{storage} D {D}{' dropout' if drop else ''}"
+        results.append(check(f"attention forward {tag}", fused.make_forward(
+            storage, D, A.stages, fused.forward_rows(128, A.warp_rows), A.forward_keys, drop).py_func, forward))
         dq = (bits[::1],) * 5 + (types.float32[::1],) * 2 + (index, index, i64, i64, i64, types.float64,
-                                                             types.float64, types.boolean)
+                                                             types.float64, types.boolean) + rule
         dkdv = (bits[::1],) + dq[:9] + dq[8:]
-        results.append(check(f"attention dq {storage} D {D}",
-                             fused.make_query_grads(storage, D, A.backward_stages).py_func, dq))
-        results.append(check(f"attention dk dv {storage} D {D}",
-                             fused.make_key_grads(storage, D, A.backward_stages).py_func, dkdv))
+        results.append(check(f"attention dq {tag}", fused.make_query_grads(storage, D, A.backward_stages, drop).py_func,
+                             dq))
+        results.append(check(f"attention dk dv {tag}",
+                             fused.make_key_grads(storage, D, A.backward_stages, drop).py_func, dkdv))
         for groups in (1, 2):
             for name, maker, signature in (("forward", hopper.make_forward, forward),
                                            ("forward 128 keys", hopper.make_forward, forward),
                                            ("dq", hopper.make_query_grads, dq),
                                            ("dk dv", hopper.make_key_grads, dkdv)):
                 stages = A.hopper_forward_stages if name.startswith("forward") else A.hopper_stages
-                kernel = maker(storage, D, stages, groups, *((128,) if "128" in name else ()))
-                results.append(check(f"attention wgmma {name} {storage} D {D} groups {groups}", kernel.py_func,
+                keys = (128 if "128" in name else 64,) if name.startswith("forward") else ()
+                kernel = maker(storage, D, stages, groups, *keys, drop)
+                results.append(check(f"attention wgmma {name} {tag} groups {groups}", kernel.py_func,
                                      signature, cc=(9, 0, "a"),
                                      detail=lambda ptx: f"  {ptx.count('wgmma.mma_async')} wgmma"))
     return 0 if all(results) else 1

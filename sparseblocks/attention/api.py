@@ -145,9 +145,9 @@ def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[
     `attention_grad` with the same three regenerates the mask; lse is the undropped softmax's.
 
     fp16 and bf16 run fused (`fused.py`: flash-style, nothing of size seq x seq stored; on wgmma
-    with ``config.hopper_forward``, `hopper.py`, on sm_90 at head_dim 64 and 128, without
-    dropout) where `fused.fits` the call and ``config.fused``; other calls take the three kernels
-    (`simple.py`: scores, softmax, weighted sum), which store the present blocks' scores."""
+    with ``config.hopper_forward``, `hopper.py`, on sm_90 at head_dim 64 and 128) where
+    `fused.fits` the call and ``config.fused``; other calls take the three kernels (`simple.py`:
+    scores, softmax, weighted sum), which store the present blocks' scores."""
     cfg = as_config(config)
     rule = _dropout_rule(dropout_p, seed, offset)
     ops = _checked([("q", q), ("k", k), ("v", v)])
@@ -162,15 +162,15 @@ def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[
     lse_native, lse = ops[0].empty((B, H, S), stream, dtype="float64" if dtype == "float64" else "float32")
     qd, kd, vd = (op.device(stream).reshape(-1) for op in ops)
     fused_call = _fused(cfg, dtype, D, bs, (qd, kd, vd))
-    groups = _hopper_groups(cfg, dtype, D, bs, cfg.hopper_forward and rule is None) if fused_call else 0
+    groups = _hopper_groups(cfg, dtype, D, bs, cfg.hopper_forward) if fused_call else 0
     if groups:
         keys = cfg.wgmma_keys(D)  # (64 where the blocks or shared memory take no more)
         keys = fused.TILE if hopper.fits(dtype, D, bs, groups, keys, cfg.hopper_forward_stages) else keys
-        kernel = cached(hopper.make_forward, dtype, D, cfg.hopper_forward_stages, groups, keys)
+        kernel = cached(hopper.make_forward, dtype, D, cfg.hopper_forward_stages, groups, keys, rule is not None)
         if B * H * S:
             launch(kernel, B * H * (S // (fused.TILE * groups)), 128 * groups, stream,
                    (out.reshape(-1), lse.reshape(-1), qd, kd, vd, row_ptr, blk_col, H, S, bs,
-                    scale * fused.LOG2E, bool(causal)))
+                    scale * fused.LOG2E, bool(causal)) + (rule or _NO_DROPOUT))
     elif fused_call:
         rows = fused.forward_rows(bs, cfg.warp_rows)
         kernel = cached(fused.make_forward, dtype, D, cfg.stages, rows, cfg.forward_keys, rule is not None)
@@ -237,14 +237,14 @@ def attention_grad(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: A
     dq, dk, dv = (grad.reshape(-1) for _, grad in outs)
     if _fused(cfg, dtype, D, bs, (qd, kd, vd, dod, lsed, delta)):
         grid = B * H * (S // fused.TILE)
-        groups = _hopper_groups(cfg, dtype, D, bs, cfg.hopper and rule is None)
+        groups = _hopper_groups(cfg, dtype, D, bs, cfg.hopper)
         if grid:
-            args = (H, S, bs, scale, scale * fused.LOG2E, bool(causal))
+            args = (H, S, bs, scale, scale * fused.LOG2E, bool(causal)) + (rule or _NO_DROPOUT)
             if groups:  # the wgmma kernels: groups of 64-row tiles a thread block
                 family, key, blocks, threads = hopper, (cfg.hopper_stages, groups), grid // groups, 128 * groups
             else:
-                family, key, blocks, threads = fused, (cfg.backward_stages, rule is not None), grid, fused.THREADS
-                args += rule or _NO_DROPOUT
+                family, key, blocks, threads = fused, (cfg.backward_stages,), grid, fused.THREADS
+            key += (rule is not None,)
             for maker, kernel_args in ((family.make_query_grads, (dq, qd, kd, vd, dod, lsed, delta, row_ptr, blk_col)),
                                        (family.make_key_grads,
                                         (dk, dv, qd, kd, vd, dod, lsed, delta, col_ptr, col_block, blk_row))):

@@ -20,12 +20,18 @@ and k tiles are K-major operands (k = head_dim along a row), the v tiles MN-majo
 the rows, n = head_dim along them): one layout serves all three. In the backward each warpgroup
 waits for its products before the next tile's barrier, so that the ring may refill the buffer
 they read; the forward overlaps one tile's products with the next tile's softmax (`make_forward`).
+
+With ``dropout`` (a maker's flag; the kernels take the rule's five arguments after
+`fused.make_forward`'s in any case, as the mma.sync kernels do) P goes through the mask before it
+is packed for out += P v, dq's and dk's dP and dv's P likewise (`make_dropout_parts`), each
+element's bit the one `fused` and `simple` draw.
 """
 
 import math
 
 from numba import cuda, float32, int32, int64, uint32, uint64
 
+from ..philox import kept, kept_pair
 from ..ptx.cp_async import copy16_to, shared_address, signed_address
 from ..ptx.exp2 import exp2_ftz
 from ..ptx.half2 import stored_as
@@ -178,7 +184,42 @@ def make_tiles(storage, D, stages, groups, lag=1, keys=TILE):
     return plan, copy_tile, copy_pair, (prime, step), k_major, products, times_tile, pack_step, zero, store
 
 
-def make_forward(storage, D, stages, groups, keys=TILE):
+def make_dropout_parts(SN):
+    """Dropout on a thread's SN accumulators of a 64-row tile (`ptx.wgmma.acc_position`: value i
+    at row row + 8 ((i // 2) % 2), column col0 + 8 (i // 4) + 2 t + i % 2), rows queries with
+    ``rows_along``, else keys; element (query, key) of head bh kept as `philox.kept` says for
+    (bh·S + query)·S + key:
+
+    * ``keep(bits, bh, S, row, col0, t, rows_along, threshold, seed_lo, seed_hi, offset)``: bit i
+      of bits[0] (uint64) set where value i is kept;
+    * ``apply(x, bits, factor)``: x·factor where kept, else 0."""
+
+    def keep_step(i, bits, bh, S, row, col0, t, rows_along, threshold, seed_lo, seed_hi, offset):
+        if i % 2 == 0:
+            r = row + 8 * ((i // 2) % 2)
+            c = col0 + 8 * (i // 4) + 2 * t
+            if rows_along:
+                k0, k1 = kept_pair((int64(bh) * S + r) * S + c, threshold, seed_lo, seed_hi, offset)
+            else:
+                k0 = kept((int64(bh) * S + c) * S + r, threshold, seed_lo, seed_hi, offset)
+                k1 = kept((int64(bh) * S + c + 1) * S + r, threshold, seed_lo, seed_hi, offset)
+            bits[0] |= (uint64(k0) << uint64(i)) | (uint64(k1) << uint64(i + 1))
+
+    def apply_step(i, x, bits, factor):
+        x[i] = x[i] * factor if (bits[0] >> uint64(i)) & uint64(1) else float32(0)
+
+    keep_steps = unrolled(SN, inlined(keep_step), inline=inlined)
+    apply = unrolled(SN, inlined(apply_step), inline=inlined)
+
+    @inlined
+    def keep(bits, bh, S, row, col0, t, rows_along, threshold, seed_lo, seed_hi, offset):
+        bits[0] = uint64(0)
+        keep_steps(bits, bh, S, row, col0, t, rows_along, threshold, seed_lo, seed_hi, offset)
+
+    return keep, apply
+
+
+def make_forward(storage, D, stages, groups, keys=TILE, dropout=False):
     """The forward kernel ``forward(out, lse, q, k, v, row_ptr, blk_col, H, S, bs, scale2, causal)``
     (`fused.make_forward`'s arguments) for ``groups`` warpgroups of 64 queries a thread block,
     scoring ``keys`` keys a tile (64 or 128: fewer steps of the ring and of the walk a key).
@@ -186,7 +227,8 @@ def make_forward(storage, D, stages, groups, keys=TILE):
     Pipelined as FlashAttention-3 within a warpgroup: the scores of tile e + 1 are issued before
     out += P v of tile e, and their softmax runs while that product is in flight (exponentials in
     the score registers, packed into P once the product is done with P's). The ring keeps stage e
-    while stage e + 1 is read (``lag`` 2: ``stages`` 3 or 4)."""
+    while stage e + 1 is read (``lag`` 2: ``stages`` 3 or 4). ``dropout``: P through the rule's
+    mask before it is packed."""
     QT = TILE * groups  # queries of a thread block
     TILE_BYTES = TILE * 2 * D
     KEPT = groups * TILE_BYTES
@@ -247,9 +289,19 @@ def make_forward(storage, D, stages, groups, keys=TILE):
         o[i] *= corr[(i // 2) % 2]
 
     rescale = unrolled(ON, inlined(rescale_step), inline=inlined)
+    keep, drop = make_dropout_parts(SN)
+
+    @inlined
+    def pack_dropped(s, p, bits, bh, S, row, key0, t, rule):
+        """P into p (16 bits), through the dropout mask with ``dropout`` (the sums are undropped)."""
+        if dropout:
+            keep(bits, bh, S, row, key0, t, True, rule[0], rule[1], rule[2], rule[3])
+            drop(s, bits, float32(1))
+        packs(s, p)
 
     @cuda.jit
-    def forward(out, lse, q, k, v, row_ptr, blk_col, H, S, bs, scale2, causal):
+    def forward(out, lse, q, k, v, row_ptr, blk_col, H, S, bs, scale2, causal, threshold, seed_lo, seed_hi, offset,
+                factor):
         tid = cuda.threadIdx.x
         group, me = tid // WARPGROUP, tid % WARPGROUP
         g, t = (me % 32) // 4, me % 4
@@ -270,6 +322,8 @@ def make_forward(storage, D, stages, groups, keys=TILE):
         corr = cuda.local.array(2, float32)
         total = cuda.local.array(2, float32)
         peak = cuda.local.array(2, float32)
+        bits = cuda.local.array(1, uint64)
+        rule = (threshold, seed_lo, seed_hi, offset)
         scale2 = float32(scale2)
         zero(o)
         for h in range(2):
@@ -294,7 +348,7 @@ def make_forward(storage, D, stages, groups, keys=TILE):
             wg_wait()
             settle_scores(s)
             soften(s, peak, top, use, corr, total, scale2, key0, row, t, causal and key0 + keys - 1 > first_row)
-            packs(s, p)
+            pack_dropped(s, p, bits, bh, S, row, key0, t, rule)
         grew = False  # (tile 0's output starts at 0)
         for e in range(n - 1):
             nxt, buf, key0 = step(e + 1, buf, ring_at, n, ring)
@@ -312,7 +366,7 @@ def make_forward(storage, D, stages, groups, keys=TILE):
                           causal and key0 + keys - 1 > first_row)
             wg_wait()
             settle_out(o)
-            packs(s, p)
+            pack_dropped(s, p, bits, bh, S, row, key0, t, rule)
             at = nxt
         if n > 0:
             if grew:
@@ -326,7 +380,7 @@ def make_forward(storage, D, stages, groups, keys=TILE):
         for h in range(2):
             total[h] += cuda.shfl_xor_sync(FULL_MASK, total[h], 1)
             total[h] += cuda.shfl_xor_sync(FULL_MASK, total[h], 2)
-            corr[h] = float32(1) / total[h] if total[h] > 0 else float32(0)
+            corr[h] = (float32(factor) if dropout else float32(1)) / total[h] if total[h] > 0 else float32(0)
             if t == 0:
                 lse[bh * S + row + 8 * h] = (use[h] + math.log2(total[h])) * float32(LN2) if total[h] > 0 else NEG
         store(out, o, corr[0], corr[1], head + int64(row) * D + 2 * t)
@@ -334,13 +388,13 @@ def make_forward(storage, D, stages, groups, keys=TILE):
     return dynamic_shared(forward, shared_bytes(D, stages, groups, keys))
 
 
-def make_query_grads(storage, D, stages, groups):
+def make_query_grads(storage, D, stages, groups, dropout=False):
     """dq of ``groups`` warpgroups' 64 queries (`fused.make_query_grads`'s arguments): their q and
     dout tiles kept, the key and value tiles of their block-row in the ring, and for each
     S = q kᵀ and dP = dout vᵀ (wgmma from shared tiles), P = exp(S - lse), dS = P (dP - delta),
     then dq += dS k with dS from the registers. Pipelined as the forward: tile e + 1's products
     are issued before tile e's dq product, and its dS made while that runs (a ring of ``stages``
-    + 1 buffers, which keeps the tile before)."""
+    + 1 buffers, which keeps the tile before); ``dropout``: dP through the rule's mask."""
     QT = TILE * groups
     TILE_BYTES = TILE * 2 * D
     KEPT = 2 * groups * TILE_BYTES  # the q tiles, then the dout tiles
@@ -362,6 +416,7 @@ def make_query_grads(storage, D, stages, groups):
 
     grads = unrolled(SN, inlined(grad_step), inline=inlined)
     packs = unrolled(SN, inlined(pack_step), inline=inlined)
+    keep, drop = make_dropout_parts(SN)
 
     @inlined
     def issue_scores(s, dp, q_desc, do_desc, at):
@@ -372,17 +427,21 @@ def make_query_grads(storage, D, stages, groups):
         commit()
 
     @inlined
-    def ds_of(s, dp, level, dl, scale2, key0, row, t, masked):
+    def ds_of(s, dp, level, dl, scale2, key0, row, t, masked, bits, bh, S, rule):
         """dS in s, once S and dP have landed (the mask apart, so that other tiles skip it)."""
         settle_scores(s)
         settle_scores(dp)
+        if dropout:
+            keep(bits, bh, S, row, key0, t, True, rule[0], rule[1], rule[2], rule[3])
+            drop(dp, bits, float32(rule[4]))
         if masked:
             grads(s, dp, level, dl, scale2, key0, row, t, True)
         else:
             grads(s, dp, level, dl, scale2, key0, row, t, False)
 
     @cuda.jit
-    def query_grads(dq, q, k, v, dout, lse, delta, row_ptr, blk_col, H, S, bs, scale, scale2, causal):
+    def query_grads(dq, q, k, v, dout, lse, delta, row_ptr, blk_col, H, S, bs, scale, scale2, causal, threshold,
+                    seed_lo, seed_hi, offset, factor):
         tid = cuda.threadIdx.x
         group, me = tid // WARPGROUP, tid % WARPGROUP
         g, t = (me % 32) // 4, me % 4
@@ -397,6 +456,8 @@ def make_query_grads(storage, D, stages, groups):
         p = cuda.local.array(PN, uint32)
         level = cuda.local.array(2, float32)
         dl = cuda.local.array(2, float32)
+        bits = cuda.local.array(1, uint64)
+        rule = (threshold, seed_lo, seed_hi, offset, factor)
         scale2 = float32(scale2)
         first_row = q0 + group * TILE
         row = first_row + 16 * (me // 32) + g
@@ -423,7 +484,7 @@ def make_query_grads(storage, D, stages, groups):
             at, buf, key0 = step(0, buf, ring_at, n, ring)
             issue_scores(s, dp, q_desc, do_desc, at)
             wg_wait()
-            ds_of(s, dp, level, dl, scale2, key0, row, t, causal and key0 + TILE - 1 > first_row)
+            ds_of(s, dp, level, dl, scale2, key0, row, t, causal and key0 + TILE - 1 > first_row, bits, bh, S, rule)
             packs(s, p)
         for e in range(n - 1):
             nxt, buf, key0 = step(e + 1, buf, ring_at, n, ring)
@@ -431,7 +492,7 @@ def make_query_grads(storage, D, stages, groups):
             times_tile(acc, p, at)  # dq += dS k of tile e
             commit()
             wait_scores()
-            ds_of(s, dp, level, dl, scale2, key0, row, t, causal and key0 + TILE - 1 > first_row)
+            ds_of(s, dp, level, dl, scale2, key0, row, t, causal and key0 + TILE - 1 > first_row, bits, bh, S, rule)
             wg_wait()
             settle_out(acc)
             packs(s, p)
@@ -447,11 +508,12 @@ def make_query_grads(storage, D, stages, groups):
     return dynamic_shared(query_grads, shared_bytes(D, stages + 1, groups) + groups * TILE * 2 * D)
 
 
-def make_key_grads(storage, D, stages, groups):
+def make_key_grads(storage, D, stages, groups, dropout=False):
     """dk and dv of ``groups`` warpgroups' 64 keys (`fused.make_key_grads`'s arguments): their k and
     v tiles kept, the q and dout tiles of their block-column (with those rows' lse and delta) in
     the ring; for each, Sᵀ = k qᵀ and dPᵀ = v doutᵀ from shared tiles, Pᵀ = exp(Sᵀ - lse),
-    dv += Pᵀ dout, dSᵀ = Pᵀ (dPᵀ - delta), dk += dSᵀ q, Pᵀ and dSᵀ from the registers."""
+    dv += Pᵀ dout, dSᵀ = Pᵀ (dPᵀ - delta), dk += dSᵀ q, Pᵀ and dSᵀ from the registers;
+    ``dropout``: dv's Pᵀ and dSᵀ's dPᵀ through the rule's mask."""
     KT = TILE * groups  # keys of a thread block
     TILE_BYTES = TILE * 2 * D
     KEPT = 2 * groups * TILE_BYTES  # the k tiles, then the v tiles
@@ -487,9 +549,12 @@ def make_key_grads(storage, D, stages, groups):
         pack_step(i, dp, p)
 
     grads = unrolled(SN, inlined(grad_step), inline=inlined)
+    packs = unrolled(SN, inlined(pack_step), inline=inlined)
+    keep, drop = make_dropout_parts(SN)
 
     @cuda.jit
-    def key_grads(dk, dv, q, k, v, dout, lse, delta, col_ptr, col_block, blk_row, H, S, bs, scale, scale2, causal):
+    def key_grads(dk, dv, q, k, v, dout, lse, delta, col_ptr, col_block, blk_row, H, S, bs, scale, scale2, causal,
+                  threshold, seed_lo, seed_hi, offset, factor):
         tid = cuda.threadIdx.x
         group, me = tid // WARPGROUP, tid % WARPGROUP
         g, t = (me % 32) // 4, me % 4
@@ -507,6 +572,8 @@ def make_key_grads(storage, D, stages, groups):
         p = cuda.local.array(PN, uint32)
         ds = cuda.local.array(PN, uint32)
         pair = cuda.local.array(2, float32)
+        bits = cuda.local.array(1, uint64)
+        dropped = cuda.local.array(SN, float32)
         scale2 = float32(scale2)
         first_key = k0 + group * TILE
         key = first_key + 16 * (me // 32) + g
@@ -541,6 +608,13 @@ def make_key_grads(storage, D, stages, groups):
                 probabilities(s, floats, levels, scale2, query0, key, t, True, p, pair)
             else:
                 probabilities(s, floats, levels, scale2, query0, key, t, False, p, pair)
+            if dropout:  # dv from the dropped Pᵀ (packed again), dSᵀ from Pᵀ and the dropped dPᵀ
+                keep(bits, bh, S, key, query0, t, False, threshold, seed_lo, seed_hi, offset)
+                for i in range(SN):
+                    dropped[i] = s[i]
+                drop(dropped, bits, float32(factor))
+                packs(dropped, p)
+                drop(dp, bits, float32(factor))
             fence()
             times_tile(dv_acc, p, stage_at + TILE_BYTES)  # dv += Pᵀ dout, while dSᵀ is made
             grads(s, dp, floats, levels + TILE, t, ds, pair)

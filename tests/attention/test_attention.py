@@ -110,14 +110,16 @@ def test_fused_kernels_refill_their_rings():
     check_against_twin("float16", True, False, 7, (1, 1, 64, 3, 16), config, empty_row=False)
 
 
-@pytest.mark.parametrize("bs, blocks, groups, causal, grads, keys", [
-    (64, 3, 1, True, True, 64), (128, 1, 2, False, True, 64), (64, 2, 1, True, True, 64),
-    (128, 3, 1, True, False, 128), (64, 8, 1, True, False, 64)])
-def test_hopper_kernels_match_the_twin(monkeypatch, bs, blocks, groups, causal, grads, keys):
+@pytest.mark.parametrize("bs, blocks, groups, causal, grads, keys, dropout", [
+    (64, 3, 1, True, True, 64, None), (128, 1, 2, False, True, 64, None), (64, 2, 1, True, True, 64, None),
+    (128, 3, 1, True, False, 128, None), (64, 8, 1, True, False, 64, None), (64, 2, 1, True, True, 64, 0.25),
+    (128, 1, 1, False, False, 128, 0.5)])
+def test_hopper_kernels_match_the_twin(monkeypatch, bs, blocks, groups, causal, grads, keys, dropout):
     """The wgmma kernels (`hopper.py`; sm_90, here the simulator's twins of wgmma), head_dim 64:
     three tiles of one warpgroup each, causal, walking up to three key tiles through rings that
     refill (the mask on the diagonal tiles); a block of 128 queries on two warpgroups; with
-    ``grads`` the backward's dq, dk and dv too; the forward scoring 128 keys a tile over three blocks."""
+    ``grads`` the backward's dq, dk and dv too; the forward scoring 128 keys a tile over three
+    blocks; with ``dropout`` each kernel's mask (the forward's P, dq's and dk's dP, dv's P)."""
     from sparseblocks.attention import api, hopper
 
     monkeypatch.setattr(api, "_hopper", lambda: True)
@@ -127,8 +129,10 @@ def test_hopper_kernels_match_the_twin(monkeypatch, bs, blocks, groups, causal, 
     monkeypatch.setattr(hopper, "make_key_grads", lambda *key: made.append(key) or MAKE_KEY_GRADS(*key))
     config = AttentionConfig(hopper_forward=True, hopper_stages=2, hopper_groups=groups, backward_stages=2,
                              hopper_forward_keys={64: keys})
-    check_against_twin("float16", causal, False, 11, (1, 1, bs, blocks, 64), config, empty_row=False, grads=grads)
-    assert made == [("float16", 64, 3, groups, keys)] + [("float16", 64, 2, groups)] * (2 * grads)
+    check_against_twin("float16", causal, False, 11, (1, 1, bs, blocks, 64), config, empty_row=False, grads=grads,
+                       dropout=None if dropout is None else (dropout, 3, 2**33))
+    on = dropout is not None
+    assert made == [("float16", 64, 3, groups, keys, on)] + [("float16", 64, 2, groups, on)] * (2 * grads)
 
 
 @pytest.mark.gpu
