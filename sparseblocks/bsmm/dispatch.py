@@ -234,7 +234,8 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
     pre = None  # a launch before the product's (V5_TRANSPOSED_FORWARD's copy)
     family = product_family(cfg, version, bs, a.dtype, tiles_fit((a_device, w_device), n_rows, feature_axis))
     maps, makers = (), ()
-    if family == 7 and bs in cfg.v7_lines and feature_axis == 1:
+    if family == 7 and bs in cfg.v7_lines and feature_axis == 1 and \
+            layout.n_blocks >= cfg.v7_lines_from * layout.shape[0] * layout.shape[1]:
         return None, launch_lines(cfg, out, a_device, w_device, a.dtype, layout, n_rows, transpose_w, stream)
     if family == 7:
         cfg = v7_config(cfg, layout, transpose_w)

@@ -56,7 +56,8 @@ def test_line_groups_cover_each_block_once(layout, transpose_w, L):
     ({"v7_lines": {64: 2}}, r"blocks of \(32,\)"), ({"v7_lines": {32: 9}}, "2 to 8 lines"),
     ({"v7_lines": {32: 8}, "v7_lines_tiles": {32: 2}}, "accumulators"),
     ({"v7_lines": {32: 4}, "v7_lines_stages": 2}, "v7_lines_stages"),
-    ({"v7_lines": {32: 4}, "v7_lines_groups": {32: 3}}, "warpgroups")])
+    ({"v7_lines": {32: 4}, "v7_lines_groups": {32: 3}}, "warpgroups"), ({"v7_lines_from": 1.5}, "v7_lines_from"),
+    ({"v7_lines_from": True}, "v7_lines_from")])
 def test_config_refuses_lines_the_kernel_cannot_take(fields, message):
     with pytest.raises(ValueError, match=message):
         replace(bsmm.DEFAULT, **fields)
@@ -83,6 +84,9 @@ def test_lines_products_run_in_the_simulator(monkeypatch, dtype, L):
     with poisoned_outputs():
         y = bsmm.forward(x, w, layout, 1, version=7, config=cfg)
         dx = bsmm.input_grad(dy, w, layout, 1, version=7, config=cfg)
+    assert ran_lines() == before + 2
+    with poisoned_outputs():  # (below v7_lines_from: a line a tile)
+        bsmm.forward(x, w, layout, 1, version=7, config=replace(cfg, v7_lines_from=0.6))
     assert ran_lines() == before + 2
     for name, got, want in (("forward", y, reference.forward(x, w, layout)),
                             ("input_grad", dx, reference.input_grad(dy, w, layout))):
