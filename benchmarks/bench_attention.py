@@ -12,6 +12,9 @@ against FlexAttention above), then timed: ``forward`` (the output alone) and ``f
 (the output, then the gradients of q, k and v through autograd), every baseline in the same run.
 Each record also gives the peak memory of a forward and backward (``peak_mb``) beside SDPA's
 (``sdpa_peak_mb``). The three kernels run at 4096 only (they store the present blocks' scores).
+The causal layout's forward and backward also runs with dropout (``dropout`` 0.1 in the record:
+FlexAttention has none), beside SDPA's with the same dropout and ours without (``no_dropout``);
+its check: finite, and as far from the undropped output as dropout puts it.
 Writes results/attention.json and results/attention.md, after each length.
 """
 
@@ -21,6 +24,7 @@ import math
 from benchmarks.common import Record, baseline_ms, device_name, merged_records, print_table, time_ms, write_results
 
 BATCH, HEADS, HEAD_DIM, BLOCK = 4, 16, 128, 128
+DROPOUT = 0.1  # the causal layout's dropout record
 SEQS = (4096, 16384, 65536)
 
 
@@ -77,13 +81,13 @@ def forward_flops(params):
 
 def merged(paths):
     """(records, device) of several runs' JSON files (runs split by --seqs), TFLOP/s restored; a
-    later file's record of a case (name, layout, length) replaces an earlier one's."""
+    later file's record of a case (name, layout, length, dropout) replaces an earlier one's."""
     def flops(name, p):
         if "blocks" not in p:
             return None
         return forward_flops(p) * (BACKWARD if name == "forward_backward" else 1)
 
-    return merged_records(paths, lambda name, p: (name, p["layout"], p["seq"]), flops)
+    return merged_records(paths, lambda name, p: (name, p["layout"], p["seq"], p.get("dropout", 0)), flops)
 
 
 def main():
@@ -167,7 +171,19 @@ def main():
             records.append(Record("forward_backward", dict(params, peak_mb=round(mine, 1),
                                                            sdpa_peak_mb=round(sdpa_peak, 1)), ms, base,
                                   flops=flops * BACKWARD))
-            for r in records[-2:]:
+            if name == "causal":
+                drop = DROPOUT
+                dropped = lambda a, b, c: block_sparse_attention(a, b, c, layout, causal=True, key=key,  # noqa: E731
+                                                                 dropout_p=drop)
+                with torch.no_grad():
+                    far = ((dropped(q, k, v).float() - got.float()).norm() / got.float().norm()).item()
+                assert math.isfinite(far) and 0.01 < far < 1.0, f"dropout {seq}: relative distance {far}"
+                sdpa_drop = lambda a, b, c: F.scaled_dot_product_attention(  # noqa: E731
+                    a, b, c, is_causal=True, dropout_p=drop)
+                base = {"sdpa": baseline_ms(forward_backward(sdpa_drop)), "no_dropout": ms}
+                records.append(Record("forward_backward", dict(params, dropout=drop),
+                                      time_ms(forward_backward(dropped)), base, flops=flops * BACKWARD))
+            for r in records[-3 if name == "causal" else -2:]:
                 print(f"{r.name:16} {name:8} {seq:6} d {density:.3f}: {r.ms:.3f} ms "
                       f"({r.flops / r.ms / 1e9:.0f} TFLOP/s) "
                       + " ".join(f"{b} x{t / r.ms:.2f}" for b, t in r.baselines.items() if math.isfinite(t)),
