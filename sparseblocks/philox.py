@@ -28,29 +28,6 @@ def philox(c0, c1, c2, c3, k0, k1):
     return uint32(c0), uint32(c1), uint32(c2), uint32(c3)
 
 
-@cuda.jit(device=True, inline=True)
-def kept(e, threshold, seed_lo, seed_hi, offset):
-    """Whether element ``e`` (an int64 index) is kept: word e % 4 of ``philox((e // 4, offset);
-    seed)`` below ``threshold`` (keep_prob · 2³²), the bits `ew.dropout` draws for element e."""
-    g = uint64(e) >> uint64(2)
-    w = philox(uint32(g & uint64(MASK)), uint32(g >> uint64(32)), uint32(uint64(offset) & uint64(MASK)),
-               uint32(uint64(offset) >> uint64(32)), seed_lo, seed_hi)
-    j = uint64(e) & uint64(3)
-    word = w[0] if j == 0 else (w[1] if j == 1 else (w[2] if j == 2 else w[3]))
-    return uint64(word) < uint64(threshold)
-
-
-@cuda.jit(device=True, inline=True)
-def kept_pair(e, threshold, seed_lo, seed_hi, offset):
-    """`kept` of elements e and e + 1, e even (one Philox block draws both)."""
-    g = uint64(e) >> uint64(2)
-    w = philox(uint32(g & uint64(MASK)), uint32(g >> uint64(32)), uint32(uint64(offset) & uint64(MASK)),
-               uint32(uint64(offset) >> uint64(32)), seed_lo, seed_hi)
-    if uint64(e) & uint64(2):
-        return uint64(w[2]) < uint64(threshold), uint64(w[3]) < uint64(threshold)
-    return uint64(w[0]) < uint64(threshold), uint64(w[1]) < uint64(threshold)
-
-
 def words_host(counters, seed, offset):
     """The four words of ``philox(counter, offset; seed)`` for an array of counters, on the host
     (NumPy, uint64 words): what CPU tensors use (`sparseblocks.torch.ew.dropout`,

@@ -140,9 +140,9 @@ def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[
     its scaled scores (fp32; -inf where it sees nothing), (batch, heads, seq).
 
     ``dropout_p``: each probability dropped with that probability after the softmax (the others
-    scaled by 1 / (1 - dropout_p)), by counter-based bits (Philox under ``seed`` and ``offset``,
-    element (b, h, i, j) as flat index ((b·H + h)·S + i)·S + j of `ew.dropout`'s), so that
-    `attention_grad` with the same three regenerates the mask; lse is the undropped softmax's.
+    scaled by 1 / (1 - dropout_p)), by counter-based bits (Philox under ``seed`` and ``offset``, a
+    counter a 2 x 2 square of (query, key) pairs: `dropout.py`), so that `attention_grad` with the
+    same three regenerates the mask; lse is the undropped softmax's.
 
     fp16 and bf16 run fused (`fused.py`: flash-style, nothing of size seq x seq stored; on wgmma
     with ``config.hopper_forward``, `hopper.py`, on sm_90 at head_dim 64 and 128) where

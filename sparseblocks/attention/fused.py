@@ -37,7 +37,6 @@ import math
 
 from numba import cuda, float32, int32, int64, uint32, uint64
 
-from ..philox import kept, kept_pair
 from ..ptx.cp_async import copy16_to, make_ring, shared_address, signed_address
 from ..ptx.exp2 import exp2_ftz
 from ..ptx.half2 import bf16_of_float, half2_of_floats, stored_as
@@ -46,6 +45,7 @@ from ..ptx.mma import FULL_MASK, mma_bf16, mma_f16, pack
 from ..ptx.vector import load2
 from ..runtime.compile import divmod32, inlined, unrolled
 from ..runtime.launch import dynamic_shared
+from .dropout import kept_scores
 
 TILE = 64  # rows of a query or key tile
 WARPS = TILE // 16
@@ -303,13 +303,13 @@ def make_query_ring(copy_pair, stages, stage_bytes, levels, visible=None):
 
 def make_dropout_parts(cols=TILE, mt=1):
     """Dropout on a warp's score fragments ((mt, cols // 8, 4) C fragments, rows queries with
-    ``rows_along``, else keys): element (query i, key j) of head bh is kept where `philox.kept`
-    says for e = (bh·S + i)·S + j, the bits `simple.make_dropped` and the twin draw.
+    ``rows_along``, else keys): pair (query i, key j) of head bh kept where `dropout.kept_scores`
+    says, the bits `simple.make_dropped` and the twin draw.
 
     * ``keep(bits, bh, S, row, col_first, t, rows_along, threshold, seed_lo, seed_hi, offset)``:
       bits[0] (uint64) gets bit (m·N + n)·4 + j set where fragment value (m, n, j) is kept (a
-      lane's rows row + 16 m + 8 (j // 2), columns col_first + 8 n + 2 t + j % 2); with rows along
-      the queries one Philox block gives a lane's two neighbouring keys;
+      lane's rows row + 16 m + 8 (j // 2), columns col_first + 8 n + 2 t + j % 2); one Philox
+      block gives a lane's two neighbouring columns;
     * ``apply(x, bits, factor)``: x·factor where kept, else 0."""
     N = cols // 8
 
@@ -319,11 +319,10 @@ def make_dropout_parts(cols=TILE, mt=1):
                 r = row + 16 * m + 8 * h
                 c = col_first + 8 * n + 2 * t
                 at = uint64((m * N + n) * 4 + 2 * h)
-                if rows_along:
-                    k0, k1 = kept_pair((int64(bh) * S + r) * S + c, threshold, seed_lo, seed_hi, offset)
-                else:
-                    k0 = kept((int64(bh) * S + c) * S + r, threshold, seed_lo, seed_hi, offset)
-                    k1 = kept((int64(bh) * S + c + 1) * S + r, threshold, seed_lo, seed_hi, offset)
+                if rows_along:  # (query r; keys c, c + 1)
+                    k0, k1 = kept_scores(bh, S, r, c, True, threshold, seed_lo, seed_hi, offset)
+                else:  # (key r; queries c, c + 1)
+                    k0, k1 = kept_scores(bh, S, c, r, False, threshold, seed_lo, seed_hi, offset)
                 bits[0] |= (uint64(k0) << at) | (uint64(k1) << (at + uint64(1)))
 
     def apply_step(n, x, bits, factor):

@@ -31,7 +31,6 @@ import math
 
 from numba import cuda, float32, int32, int64, uint32, uint64
 
-from ..philox import kept, kept_pair
 from ..ptx.cp_async import copy16_to, shared_address, signed_address
 from ..ptx.exp2 import exp2_ftz
 from ..ptx.half2 import stored_as
@@ -41,6 +40,7 @@ from ..ptx.wgmma import SWIZZLE_128, WARPGROUP, align_up, commit, descriptor, fe
 from ..ptx.wgmma import make_settle, proxy_fence, waiter
 from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
+from .dropout import kept_scores
 from .fused import LN2, LOG2E, TILE, _pack_of, key_walk, make_key_ring, make_query_ring, make_row_maxima, query_walk
 
 HEAD_DIMS = (64, 128)
@@ -187,8 +187,8 @@ def make_tiles(storage, D, stages, groups, lag=1, keys=TILE):
 def make_dropout_parts(SN):
     """Dropout on a thread's SN accumulators of a 64-row tile (`ptx.wgmma.acc_position`: value i
     at row row + 8 ((i // 2) % 2), column col0 + 8 (i // 4) + 2 t + i % 2), rows queries with
-    ``rows_along``, else keys; element (query, key) of head bh kept as `philox.kept` says for
-    (bh·S + query)·S + key:
+    ``rows_along``, else keys; pair (query, key) of head bh kept as `dropout.kept_scores` says,
+    one Philox block for a thread's two neighbouring columns:
 
     * ``keep(bits, bh, S, row, col0, t, rows_along, threshold, seed_lo, seed_hi, offset)``: bit i
       of bits[0] (uint64) set where value i is kept;
@@ -198,11 +198,10 @@ def make_dropout_parts(SN):
         if i % 2 == 0:
             r = row + 8 * ((i // 2) % 2)
             c = col0 + 8 * (i // 4) + 2 * t
-            if rows_along:
-                k0, k1 = kept_pair((int64(bh) * S + r) * S + c, threshold, seed_lo, seed_hi, offset)
-            else:
-                k0 = kept((int64(bh) * S + c) * S + r, threshold, seed_lo, seed_hi, offset)
-                k1 = kept((int64(bh) * S + c + 1) * S + r, threshold, seed_lo, seed_hi, offset)
+            if rows_along:  # (query r; keys c, c + 1)
+                k0, k1 = kept_scores(bh, S, r, c, True, threshold, seed_lo, seed_hi, offset)
+            else:  # (key r; queries c, c + 1)
+                k0, k1 = kept_scores(bh, S, c, r, False, threshold, seed_lo, seed_hi, offset)
             bits[0] |= (uint64(k0) << uint64(i)) | (uint64(k1) << uint64(i + 1))
 
     def apply_step(i, x, bits, factor):

@@ -23,8 +23,8 @@ The backward, from the forward's output and log-sum-exp (nothing of size seq x s
   ids): dk = scale · dsᵀ · q, dv = pᵀ · dout.
 
 Dropout: ``dropped(s, ..., rule, factor)`` multiplies the stored probabilities by keep · factor
-(factor 1 / (1 - dropout_p)), element (b, h, i, j) kept where `philox.kept` says for flat index
-((b·H + h)·S + i)·S + j under ``rule`` (threshold, seed's two words, offset): after the softmax in
+(factor 1 / (1 - dropout_p)), pair (query i, key j) of head b·H + h kept where
+`dropout.kept_score` says under ``rule`` (threshold, seed's two words, offset): after the softmax in
 the forward, after the score gradients in the backward (dv from the dropped p); ``score_grads``
 with ``dropout`` takes dout · v through the same mask.
 """
@@ -34,7 +34,7 @@ import math
 from numba import cuda
 
 from ..bsmm.device import converters
-from ..philox import kept
+from .dropout import kept_score
 from ..runtime.compile import inlined
 
 
@@ -185,7 +185,7 @@ def make_dropped(acc_type):
         for e in range(start, B * G * bs * bs, step):
             b, g, i, j = e // (G * bs * bs), (e // (bs * bs)) % G, (e // bs) % bs, e % bs
             h, qi, kj = blk_head[g], blk_row[g] * bs + i, blk_col[g] * bs + j
-            keep = kept(((b * H + h) * S + qi) * S + kj, threshold, seed_lo, seed_hi, offset)
+            keep = kept_score(b * H + h, S, qi, kj, threshold, seed_lo, seed_hi, offset)
             s[e] = s[e] * acc_type(factor) if keep else acc_type(0)
 
     return dropped
@@ -207,7 +207,7 @@ def make_score_grads(storage, acc_type, dropout=False):
                 continue
             dp = dot(dout, v, b, h, qi, kj, H, S, D)
             if dropout:
-                keep = kept(((b * H + h) * S + qi) * S + kj, threshold, seed_lo, seed_hi, offset)
+                keep = kept_score(b * H + h, S, qi, kj, threshold, seed_lo, seed_hi, offset)
                 dp = dp * acc_type(factor) if keep else acc_type(0)
             ds[e] = p[e] * (dp - delta[(b * H + h) * S + qi])
 

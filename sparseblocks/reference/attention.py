@@ -12,8 +12,7 @@ by default. A query that sees no key gets zeros (and a log-sum-exp of -inf): no 
 * `backward(q, k, v, out, lse, dout, layouts, causal, scale, dropout_p, seed, offset)`: (dq, dk, dv).
 
 Dropout (``dropout_p`` > 0) drops probabilities after the softmax: P is multiplied by keep / (1 -
-dropout_p), `dropout_keep`'s bits over a (batch, heads, seq, seq) tensor (those of
-`sparseblocks.ew.dropout` under the seed and offset); lse is the undropped softmax's.
+dropout_p), `dropout_keep`'s bits; lse is the undropped softmax's.
 """
 
 import numpy as np
@@ -37,12 +36,23 @@ def mask(layouts, heads, seq, causal=False):
 
 
 def dropout_keep(shape, dropout_p, seed=0, offset=0):
-    """The (batch, heads, seq, seq) keep bits of attention's dropout: element (b, h, i, j) is
-    flat element ((b·H + h)·S + i)·S + j of `reference.ew.dropout_keep`'s."""
-    from .ew import dropout_keep as flat
+    """The (batch, heads, seq, seq) keep bits of attention's dropout. Pair (query i, key j) of head
+    n = b·H + h takes word 2 (i % 2) + j % 2 of Philox's block for counter ((n·R + i // 2)·R + j // 2,
+    offset) under seed (R = ⌈seq / 2⌉: a block a 2 x 2 square of pairs), kept below keep·2³²."""
+    from .philox import philox
 
     B, H, S = shape[:3]
-    return flat(B * H * S * S, 1.0 - dropout_p, seed, offset).reshape(B, H, S, S)
+    R = (S + 1) // 2
+    keep = np.zeros((B, H, S, S), bool)
+    threshold = min(int((1.0 - dropout_p) * 2.0 ** 32), 2 ** 32)
+    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    for n in range(B * H):
+        counter = (n * R + i // 2) * R + j // 2
+        words = philox(counter & 0xFFFFFFFF, counter >> 32, offset & 0xFFFFFFFF, offset >> 32,
+                       seed & 0xFFFFFFFF, seed >> 32)
+        word = np.choose(2 * (i % 2) + j % 2, words)
+        keep[n // H, n % H] = word.astype(np.uint64) < np.uint64(threshold)
+    return keep
 
 
 def _dropped(p, dropout_p, seed, offset):

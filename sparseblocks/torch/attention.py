@@ -49,10 +49,10 @@ def _mask(layouts, seq, causal, device):
 
 def _cpu_keep(shape, dropout_p, seed, device):
     """keep / (1 - dropout_p) as a (batch, heads, seq, seq) float64 tensor: the kernels' bits."""
-    from ..philox import keep_bits_host
+    from ..attention.dropout import keep_host
 
     B, H, S = shape[:3]
-    keep = keep_bits_host(B * H * S * S, 1.0 - dropout_p, seed, 0).reshape(B, H, S, S)
+    keep = keep_host(B, H, S, dropout_p, seed, 0)
     return torch.as_tensor(keep, device=device).double() / (1.0 - dropout_p)
 
 
