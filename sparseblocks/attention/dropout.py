@@ -10,7 +10,10 @@ block serves two probabilities in every kernel; the backward regenerates the for
 
 * ``kept_score(bh, S, q, k, rule)``: one pair (the three kernels);
 * ``kept_scores(bh, S, q, k, along_keys, rule)``: (q, k) and its neighbour in the square, (q, k + 1)
-  with ``along_keys``, else (q + 1, k); q or k even accordingly (the fused kernels);
+  with ``along_keys``, else (q + 1, k); q or k even accordingly;
+* ``keep_pair(bits, at, bh, S, row, col, rows_along, rule)``: bits ``at`` and ``at + 1`` of
+  bits[0] set where a thread's two neighbours (row, col) and (row, col + 1) of a score tile are
+  kept, its rows queries (``rows_along``) or keys (the fused kernels);
 * ``keep_host(B, H, S, dropout_p, seed, offset)``: the (B, H, S, S) bits on the host (torch's CPU
   path).
 
@@ -49,6 +52,15 @@ def kept_scores(bh, S, q, k, along_keys, threshold, seed_lo, seed_hi, offset):
     if uint64(k) & uint64(1):  # (q, k), (q + 1, k), q even: words k % 2, 2 + k % 2
         return uint64(w[1]) < uint64(threshold), uint64(w[3]) < uint64(threshold)
     return uint64(w[0]) < uint64(threshold), uint64(w[2]) < uint64(threshold)
+
+
+@cuda.jit(device=True, inline=True)
+def keep_pair(bits, at, bh, S, row, col, rows_along, threshold, seed_lo, seed_hi, offset):
+    if rows_along:  # (query row; keys col, col + 1)
+        k0, k1 = kept_scores(bh, S, row, col, True, threshold, seed_lo, seed_hi, offset)
+    else:  # (key row; queries col, col + 1)
+        k0, k1 = kept_scores(bh, S, col, row, False, threshold, seed_lo, seed_hi, offset)
+    bits[0] |= (uint64(k0) << uint64(at)) | (uint64(k1) << uint64(at + 1))
 
 
 def keep_host(B, H, S, dropout_p, seed, offset=0):

@@ -45,7 +45,7 @@ from ..ptx.mma import FULL_MASK, mma_bf16, mma_f16, pack
 from ..ptx.vector import load2
 from ..runtime.compile import divmod32, inlined, unrolled
 from ..runtime.launch import dynamic_shared
-from .dropout import kept_scores
+from .dropout import keep_pair
 
 TILE = 64  # rows of a query or key tile
 WARPS = TILE // 16
@@ -316,14 +316,8 @@ def make_dropout_parts(cols=TILE, mt=1):
     def keep_step(n, bits, bh, S, row, col_first, t, rows_along, threshold, seed_lo, seed_hi, offset):
         for m in range(mt):
             for h in range(2):
-                r = row + 16 * m + 8 * h
-                c = col_first + 8 * n + 2 * t
-                at = uint64((m * N + n) * 4 + 2 * h)
-                if rows_along:  # (query r; keys c, c + 1)
-                    k0, k1 = kept_scores(bh, S, r, c, True, threshold, seed_lo, seed_hi, offset)
-                else:  # (key r; queries c, c + 1)
-                    k0, k1 = kept_scores(bh, S, c, r, False, threshold, seed_lo, seed_hi, offset)
-                bits[0] |= (uint64(k0) << at) | (uint64(k1) << (at + uint64(1)))
+                keep_pair(bits, (m * N + n) * 4 + 2 * h, bh, S, row + 16 * m + 8 * h, col_first + 8 * n + 2 * t,
+                          rows_along, threshold, seed_lo, seed_hi, offset)
 
     def apply_step(n, x, bits, factor):
         for m in range(mt):

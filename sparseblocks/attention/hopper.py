@@ -40,7 +40,7 @@ from ..ptx.wgmma import SWIZZLE_128, WARPGROUP, align_up, commit, descriptor, fe
 from ..ptx.wgmma import make_settle, proxy_fence, waiter
 from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
-from .dropout import kept_scores
+from .dropout import keep_pair
 from .fused import LN2, LOG2E, TILE, _pack_of, key_walk, make_key_ring, make_query_ring, make_row_maxima, query_walk
 
 HEAD_DIMS = (64, 128)
@@ -196,13 +196,8 @@ def make_dropout_parts(SN):
 
     def keep_step(i, bits, bh, S, row, col0, t, rows_along, threshold, seed_lo, seed_hi, offset):
         if i % 2 == 0:
-            r = row + 8 * ((i // 2) % 2)
-            c = col0 + 8 * (i // 4) + 2 * t
-            if rows_along:  # (query r; keys c, c + 1)
-                k0, k1 = kept_scores(bh, S, r, c, True, threshold, seed_lo, seed_hi, offset)
-            else:  # (key r; queries c, c + 1)
-                k0, k1 = kept_scores(bh, S, c, r, False, threshold, seed_lo, seed_hi, offset)
-            bits[0] |= (uint64(k0) << uint64(i)) | (uint64(k1) << uint64(i + 1))
+            keep_pair(bits, i, bh, S, row + 8 * ((i // 2) % 2), col0 + 8 * (i // 4) + 2 * t, rows_along, threshold,
+                      seed_lo, seed_hi, offset)
 
     def apply_step(i, x, bits, factor):
         x[i] = x[i] * factor if (bits[0] >> uint64(i)) & uint64(1) else float32(0)

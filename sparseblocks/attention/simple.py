@@ -38,6 +38,14 @@ from .dropout import kept_score
 from ..runtime.compile import inlined
 
 
+@inlined
+def score_of(e, blk_head, blk_row, blk_col, bs):
+    """(batch, head, query, key) of stored score e: (batch, block, row, column) of (B, G, bs, bs)."""
+    G = blk_head.shape[0]
+    b, g, i, j = e // (G * bs * bs), (e // (bs * bs)) % G, (e // bs) % bs, e % bs
+    return b, blk_head[g], blk_row[g] * bs + i, blk_col[g] * bs + j
+
+
 def make_rows_dot(storage, acc_type):
     """``dot(x, y, b, h, i, j, H, S, D)``: row i of x's head h against row j of y's, in acc_type
     (x and y (batch, heads, seq, head_dim), flat)."""
@@ -62,8 +70,7 @@ def make_scores(storage, acc_type):
         G = blk_head.shape[0]
         start, step = cuda.grid(1), cuda.gridsize(1)
         for e in range(start, B * G * bs * bs, step):
-            b, g, i, j = e // (G * bs * bs), (e // (bs * bs)) % G, (e // bs) % bs, e % bs
-            h, qi, kj = blk_head[g], blk_row[g] * bs + i, blk_col[g] * bs + j
+            b, h, qi, kj = score_of(e, blk_head, blk_row, blk_col, bs)
             if causal and kj > qi:
                 s[e] = -math.inf
                 continue
@@ -151,8 +158,7 @@ def make_probabilities(storage, acc_type):
         G = blk_head.shape[0]
         start, step = cuda.grid(1), cuda.gridsize(1)
         for e in range(start, B * G * bs * bs, step):
-            b, g, i, j = e // (G * bs * bs), (e // (bs * bs)) % G, (e // bs) % bs, e % bs
-            h, qi, kj = blk_head[g], blk_row[g] * bs + i, blk_col[g] * bs + j
+            b, h, qi, kj = score_of(e, blk_head, blk_row, blk_col, bs)
             top = lse[(b * H + h) * S + qi]
             if (causal and kj > qi) or top == -math.inf:
                 p[e] = acc_type(0)
@@ -183,8 +189,7 @@ def make_dropped(acc_type):
         G = blk_head.shape[0]
         start, step = cuda.grid(1), cuda.gridsize(1)
         for e in range(start, B * G * bs * bs, step):
-            b, g, i, j = e // (G * bs * bs), (e // (bs * bs)) % G, (e // bs) % bs, e % bs
-            h, qi, kj = blk_head[g], blk_row[g] * bs + i, blk_col[g] * bs + j
+            b, h, qi, kj = score_of(e, blk_head, blk_row, blk_col, bs)
             keep = kept_score(b * H + h, S, qi, kj, threshold, seed_lo, seed_hi, offset)
             s[e] = s[e] * acc_type(factor) if keep else acc_type(0)
 
@@ -200,8 +205,7 @@ def make_score_grads(storage, acc_type, dropout=False):
         G = blk_head.shape[0]
         start, step = cuda.grid(1), cuda.gridsize(1)
         for e in range(start, B * G * bs * bs, step):
-            b, g, i, j = e // (G * bs * bs), (e // (bs * bs)) % G, (e // bs) % bs, e % bs
-            h, qi, kj = blk_head[g], blk_row[g] * bs + i, blk_col[g] * bs + j
+            b, h, qi, kj = score_of(e, blk_head, blk_row, blk_col, bs)
             if p[e] == 0:
                 ds[e] = acc_type(0)
                 continue
