@@ -14,6 +14,10 @@ block serves two probabilities in every kernel; the backward regenerates the for
 * ``keep_pair(bits, at, bh, S, row, col, rows_along, rule)``: bits ``at`` and ``at + 1`` of
   bits[0] set where a thread's two neighbours (row, col) and (row, col + 1) of a score tile are
   kept, its rows queries (``rows_along``) or keys (the fused kernels);
+* ``make_masking(keep_step, apply_step, n)``: a fused kernel's ``keep(bits, bh, S, row, col0, t,
+  rows_along, threshold, seed_lo, seed_hi, offset)`` (bits[0] cleared, then ``keep_step`` for
+  each of n steps) and ``apply(x, bits, factor)`` (``apply_step`` for each), from its own steps
+  over its accumulators' layout;
 * ``keep_host(B, H, S, dropout_p, seed, offset)``: the (B, H, S, S) bits on the host (torch's CPU
   path).
 
@@ -24,6 +28,7 @@ import numpy as np
 from numba import cuda, uint32, uint64
 
 from ..philox import MASK, philox, words_host
+from ..runtime.compile import inlined, unrolled
 
 
 @cuda.jit(device=True, inline=True)
@@ -61,6 +66,18 @@ def keep_pair(bits, at, bh, S, row, col, rows_along, threshold, seed_lo, seed_hi
     else:  # (key row; queries col, col + 1)
         k0, k1 = kept_scores(bh, S, col, row, False, threshold, seed_lo, seed_hi, offset)
     bits[0] |= (uint64(k0) << uint64(at)) | (uint64(k1) << uint64(at + 1))
+
+
+def make_masking(keep_step, apply_step, n):
+    keep_steps = unrolled(n, inlined(keep_step), inline=inlined)
+    apply = unrolled(n, inlined(apply_step), inline=inlined)
+
+    @inlined
+    def keep(bits, bh, S, row, col0, t, rows_along, threshold, seed_lo, seed_hi, offset):
+        bits[0] = uint64(0)
+        keep_steps(bits, bh, S, row, col0, t, rows_along, threshold, seed_lo, seed_hi, offset)
+
+    return keep, apply
 
 
 def keep_host(B, H, S, dropout_p, seed, offset=0):

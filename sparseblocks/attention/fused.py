@@ -45,7 +45,7 @@ from ..ptx.mma import FULL_MASK, mma_bf16, mma_f16, pack
 from ..ptx.vector import load2
 from ..runtime.compile import divmod32, inlined, unrolled
 from ..runtime.launch import dynamic_shared
-from .dropout import keep_pair
+from .dropout import keep_pair, make_masking
 
 TILE = 64  # rows of a query or key tile
 WARPS = TILE // 16
@@ -325,15 +325,7 @@ def make_dropout_parts(cols=TILE, mt=1):
                 on = (bits[0] >> uint64((m * N + n) * 4 + j)) & uint64(1)
                 x[m, n, j] = x[m, n, j] * factor if on else float32(0)
 
-    keep_steps = unrolled(N, inlined(keep_step), inline=inlined)
-    apply = unrolled(N, inlined(apply_step), inline=inlined)
-
-    @inlined
-    def keep(bits, bh, S, row, col_first, t, rows_along, threshold, seed_lo, seed_hi, offset):
-        bits[0] = uint64(0)
-        keep_steps(bits, bh, S, row, col_first, t, rows_along, threshold, seed_lo, seed_hi, offset)
-
-    return keep, apply
+    return make_masking(keep_step, apply_step, N)
 
 
 def forward_rows(block_size, warp_rows):

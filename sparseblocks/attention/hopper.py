@@ -40,7 +40,7 @@ from ..ptx.wgmma import SWIZZLE_128, WARPGROUP, align_up, commit, descriptor, fe
 from ..ptx.wgmma import make_settle, proxy_fence, waiter
 from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
-from .dropout import keep_pair
+from .dropout import keep_pair, make_masking
 from .fused import LN2, LOG2E, TILE, _pack_of, key_walk, make_key_ring, make_query_ring, make_row_maxima, query_walk
 
 HEAD_DIMS = (64, 128)
@@ -202,15 +202,7 @@ def make_dropout_parts(SN):
     def apply_step(i, x, bits, factor):
         x[i] = x[i] * factor if (bits[0] >> uint64(i)) & uint64(1) else float32(0)
 
-    keep_steps = unrolled(SN, inlined(keep_step), inline=inlined)
-    apply = unrolled(SN, inlined(apply_step), inline=inlined)
-
-    @inlined
-    def keep(bits, bh, S, row, col0, t, rows_along, threshold, seed_lo, seed_hi, offset):
-        bits[0] = uint64(0)
-        keep_steps(bits, bh, S, row, col0, t, rows_along, threshold, seed_lo, seed_hi, offset)
-
-    return keep, apply
+    return make_masking(keep_step, apply_step, SN)
 
 
 def make_forward(storage, D, stages, groups, keys=TILE, dropout=False):
