@@ -134,16 +134,19 @@ def make_product_lines(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     EMPTY_COUNT = 4 * GROUPS  # an empty barrier's arrivals: one a multiplying warp
 
     # A stage's wgmmas: a k16 step and 64-row tile, one m64n(L·bs)k16 into that tile's L·ACC
-    # accumulators (lines in column order), B all L blocks from the stage's first.
-    mmas = [make_mma(L * bs, kind, False, B_MN, first=t * L * ACC) for t in range(TILES)]
-    namespace = {"uint64": uint64, "int32": int32, **{f"mma_{t}": mma for t, mma in enumerate(mmas)}}
-    source = ["def multiply(acc, desc_a, desc_b):"]
-    for step in range(STEPS):
-        for t in range(TILES):
-            source.append(f"    mma_{t}(acc, desc_a + uint64({step * A_STEP + t * A_TILE // 16}), "
-                          f"desc_b + uint64({step * B_STEP}), int32(1))")
-    exec("\n".join(source) + "\n", namespace)
-    multiply = inlined(namespace["multiply"])
+    # accumulators (lines in column order), B all L blocks from the stage's first: W's blocks lie
+    # one swizzle atom along N apart (lbo, MN-major) or 8-row groups on (sbo, K-major)
+    assert B_GROUP == B_BYTES  # (a block's bytes: the stride from one line's block to the next)
+    mma_0 = make_mma(L * bs, kind, False, B_MN)
+    mma_1 = make_mma(L * bs, kind, False, B_MN, first=L * ACC)
+
+    @inlined
+    def multiply(acc, desc_a, desc_b):
+        for step in range(STEPS):
+            a, b = desc_a + uint64(step * A_STEP), desc_b + uint64(step * B_STEP)
+            mma_0(acc, a, b, int32(1))
+            if TILES == 2:
+                mma_1(acc, a + uint64(A_TILE // 16), b, int32(1))
 
     @inlined
     def multiply_stage(acc, desc_a, desc_b, buf, s, where):

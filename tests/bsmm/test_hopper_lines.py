@@ -65,9 +65,10 @@ def test_config_refuses_lines_the_kernel_cannot_take(fields, message):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU cases below cover it")
-@pytest.mark.parametrize("dtype, L", [("float16", 2), ("bfloat16", 3), ("float16", 3), ("bfloat16", 2)])
-def test_lines_products_run_in_the_simulator(monkeypatch, dtype, L):
-    """One warpgroup of one 64-row tile and the copying warpgroup, a ring of 3: the forward and
+@pytest.mark.parametrize("dtype, L, tiles", [("float16", 2, 1), ("bfloat16", 3, 1), ("float16", 3, 1),
+                                             ("bfloat16", 2, 2)])
+def test_lines_products_run_in_the_simulator(monkeypatch, dtype, L, tiles):
+    """One warpgroup of one or two 64-row tiles and the copying warpgroup, a ring of 3: the forward and
     the input gradient over a 7 x 3 grid of blocks of 32 with blocks missing (a line's zero block
     in a buffer that held one of its blocks the time round before), 8 rows (rows past N read the
     last, not written)."""
@@ -75,7 +76,7 @@ def test_lines_products_run_in_the_simulator(monkeypatch, dtype, L):
     from sparseblocks.reference import bsmm as reference
 
     monkeypatch.setattr(dispatch, "hopper", lambda: True)
-    cfg = replace(bsmm.DEFAULT, v7_lines={32: L}, v7_lines_groups={32: 1}, v7_lines_tiles={32: 1},
+    cfg = replace(bsmm.DEFAULT, v7_lines={32: L}, v7_lines_groups={32: 1}, v7_lines_tiles={32: tiles},
                   v7_lines_stages=3)
     layout = BlockLayout(np.array([[1, 0, 1], [1, 1, 0], [0, 0, 1], [1, 0, 0], [0, 1, 1], [1, 0, 0], [0, 0, 1]]), 32)
     rng = np.random.default_rng(5)
