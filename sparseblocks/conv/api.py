@@ -9,7 +9,9 @@ from numba import cuda
 from ..runtime.arrays import Array, Operand, checked_operands, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import active, on_arrays_device
-from ..runtime.launch import compute_capability, launch, multiprocessors
+from ..bsmm.dispatch import words
+from ..ptx.vector import aligned
+from ..runtime.launch import compute_capability, data_pointer, launch, multiprocessors
 from .config import ConvConfig, as_config
 from .geometry import edge_map, geometry
 from .simple import make_edge_bias_grad, make_filter_grad, make_forward, make_input_grad, make_l2_normalize
@@ -274,11 +276,17 @@ class BlocksparseConv:
         return self._tensor_cores(dtype) and self._implicit(kind)
 
     def _rows(self, op, rows, length, N, stream):
-        """op's device array (N, rows, length) as a new (N, length, rows) one (`implicit.make_to_rows`)."""
-        x = op.device(stream)
+        """op's device array (N, rows, length) as a new (N, length, rows) one: 16-bit values of even
+        rows and length in pairs (`implicit.make_to_rows_pairs`), else `implicit.make_to_rows`."""
+        x = op.device(stream).reshape(-1)
         out = op.scratch((N * length * rows,), op.dtype, stream)
-        launch(cached(implicit.make_to_rows, op.dtype), (-(-length // 32), -(-rows // 32), N), 256, stream,
-               (out, x.reshape(-1), rows, length))
+        if op.dtype != "float32" and rows % 2 == 0 and length % 2 == 0 and all(
+                aligned(data_pointer(a), 4, 1) for a in (x, out)):
+            launch(cached(implicit.make_to_rows_pairs), (-(-length // 64), -(-rows // 64), N), 256, stream,
+                   (words(out), words(x), rows, length))
+        else:
+            launch(cached(implicit.make_to_rows, op.dtype), (-(-length // 32), -(-rows // 32), N), 256, stream,
+                   (out, x, rows, length))
         return out
 
     def _row_bytes(self, kind, dtype):

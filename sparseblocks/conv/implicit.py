@@ -259,6 +259,43 @@ def make_to_rows(storage):
     return to_rows
 
 
+def make_to_rows_pairs():
+    """``to_rows(out, x, C, L)`` for 16-bit values, C and L even, both arrays seen as 32-bit words:
+    out (N, L, C) from x (N, C, L) through tiles of 64 x 64 values. A thread reads the two words of
+    channels c, c + 1 at positions l, l + 1 (a 2 x 2 square), swaps their halves into the words of
+    positions l and l + 1 at channels c, c + 1, and the tile's words cross shared memory: every
+    global access is a warp's 128 contiguous bytes, four times `make_to_rows`' 32 x 2 bytes a
+    thread. Grid (L / 64, C / 64, N), 256 threads."""
+
+    @cuda.jit
+    def to_rows(out, x, C, L):
+        lo = cuda.shared.array((32, 33), uint32)  # [position pair, channel pair]: position l0 + 2 j
+        hi = cuda.shared.array((32, 33), uint32)  # ... and l0 + 2 j + 1
+        tid = cuda.threadIdx.x
+        tx, ty = tid % 32, tid // 32
+        l0, c0, n = cuda.blockIdx.x * 64, cuda.blockIdx.y * 64, cuda.blockIdx.z
+        CW, LW = C // 2, L // 2  # words a row
+        lw = l0 // 2 + tx
+        for i in range(4):
+            cp = ty + 8 * i
+            c = c0 + 2 * cp
+            if lw < LW and c < C:
+                a = uint32(x[(int64(n) * C + c) * LW + lw])
+                b = uint32(x[(int64(n) * C + c + 1) * LW + lw])
+                lo[tx, cp] = (a & uint32(0xFFFF)) | (b << uint32(16))
+                hi[tx, cp] = (a >> uint32(16)) | (b & uint32(0xFFFF0000))
+        cuda.syncthreads()
+        cw = c0 // 2 + tx
+        for i in range(4):
+            lp = ty + 8 * i
+            p = l0 + 2 * lp
+            if cw < CW and p < L:
+                out[(int64(n) * L + p) * CW + cw] = int32(lo[lp, tx])
+                out[(int64(n) * L + p + 1) * CW + cw] = int32(hi[lp, tx])
+
+    return to_rows
+
+
 def make_pack(storage, G, transposed=False, row_bytes=32):
     """``pack(out, f, blocks, TRS)``: each block's G x G x TRS filter as (slice of CS channels,
     tap, output channel, CS input channels), the forward's stage order (CS: `slice_channels` of

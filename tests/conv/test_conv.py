@@ -5,7 +5,7 @@ a list or flat; and the errors bad input gets before any launch."""
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sparseblocks.conv import BlocksparseConv, BlocksparseDeconv, ConvConfig
@@ -328,3 +328,26 @@ def test_l2_normalize_and_its_gradient_match_the_twin(with_gain):
     shifted[1][b][index] -= step
     loss = [sum(np.sum(u * n) for u, n in zip(U, reference.l2_normalize(s, gain))) for s in shifted]
     np.testing.assert_allclose((loss[0] - loss[1]) / (2 * step), want[b][index], rtol=1e-6)
+
+
+@settings(max_examples=8, deadline=None)
+@given(dtype=st.sampled_from(["float16", "bfloat16", "float32"]), N=st.integers(1, 2), C=st.integers(1, 70),
+       L=st.integers(1, 140), seed=st.integers(0, 2**16))
+@example(dtype="float16", N=2, C=70, L=130, seed=1)  # (pairs, past a tile on both sides)
+@example(dtype="bfloat16", N=1, C=2, L=2, seed=2)
+@example(dtype="float16", N=1, C=6, L=9, seed=3)  # (odd: value by value)
+def test_channels_last_copies_transpose_every_value(dtype, N, C, L, seed):
+    """The activations' channels-last copy (`BlocksparseConv._rows`): 16-bit values of even C and
+    L by pairs of 32-bit words, else value by value; bit for bit a transpose, at the tiles' edges too."""
+    from numba import cuda
+
+    from sparseblocks.runtime.arrays import Operand
+
+    rng = np.random.default_rng(seed)
+    x = values(rng, (N, C, L), dtype)
+    conv = BlocksparseConv([(np.arange(1), np.arange(1))], (1,), (L,))
+    out = conv._rows(Operand(x, "x"), C, L, N, cuda.default_stream())
+    got = np.asarray(out.copy_to_host() if hasattr(out, "copy_to_host") else out).reshape(N, L, C)
+    want = np.asarray(x).transpose(0, 2, 1)
+    assert got.itemsize == want.itemsize  # (bf16 crosses as int16: the bits are compared)
+    assert np.array_equal(got.view(np.uint8), np.ascontiguousarray(want).view(np.uint8))
