@@ -15,12 +15,6 @@ tile of A by a 16 x n tile of B, both read from shared memory through 64-bit *de
   registers, each warp's 16 rows of the 64 x 16 tile as four uint32 of two 16-bit values, laid out
   as mma.sync m16n8k16's A fragment (`a_position`): a score tile's accumulators, packed, are the
   A of the next product with no trip through shared memory;
-* ``mma_if(acc, descs_a, descs_b, scale_d, flag)`` (made by `make_mma_if`): a run of wgmmas, the
-  i-th into the accumulators at ``slots[i]`` from the i-th descriptors of the two tuples, all
-  issued where ``flag`` is nonzero and none where it is zero, which must hold for the whole
-  warpgroup (one line of a product that has a block in a stage or not). One vote and one
-  ``bra.uni`` around the run: under a plain ``if`` ptxas finds a divergent path and serializes
-  every wgmma of the kernel (C7520);
 * ``commit()`` closes this warpgroup's batch; ``waiter(k)`` returns the wait until at most k
   batches are in flight. The accumulators and the shared tiles of a batch in flight must not be
   touched until a wait covers it, and ``settle(acc)`` (`make_settle`) after the last wait keeps
@@ -172,16 +166,6 @@ if SIMULATOR:
 
         return mma
 
-    def make_mma_if(n, kind, a_mn_major, b_mn_major, slots):
-        runs = [make_mma(n, kind, a_mn_major, b_mn_major, first=first) for first in slots]
-
-        def mma_if(acc, descs_a, descs_b, scale_d, flag):
-            if flag:  # (the same for the whole warpgroup, as the compiled branch assumes)
-                for run, desc_a, desc_b in zip(runs, descs_a, descs_b):
-                    run(acc, desc_a, desc_b, scale_d)
-
-        return mma_if
-
     def _halves(word, kind):
         """The two 16-bit values of a register (low half first), as float64."""
         bits = np.array([int(word) & 0xFFFF, (int(word) >> 16) & 0xFFFF], np.uint16)
@@ -317,54 +301,6 @@ else:
             return signature, codegen
 
         return mma
-
-    def make_mma_if(n, kind, a_mn_major, b_mn_major, slots):
-        """``mma_if(acc, descs_a, descs_b, scale_d, flag)``: for each i, acc[slots[i]:slots[i] + n / 2]
-        += A · B from descs_a[i] and descs_b[i] (as `make_mma`'s), in order, where ``flag`` is
-        nonzero in the warpgroup; a vote makes the flag uniform for ptxas, and ``bra.uni`` skips
-        the run."""
-        _check_shape(n, kind)
-        regs, count = n // 2, len(slots)
-        held = sorted({i for f in slots for i in range(f, f + regs)})  # (the accumulators the run writes)
-        at = {slot: k for k, slot in enumerate(held)}  # accumulator index -> asm output operand
-        width = len(held)
-        a0, b0, scale, flag = width, width + count, width + 2 * count, width + 2 * count + 1
-        body = "".join(
-            f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} "
-            f"{{{', '.join(f'${at[f + i]}' for i in range(regs))}}}, ${a0 + k}, ${b0 + k}, p, 1, 1, "
-            f"{int(a_mn_major)}, {int(b_mn_major)}; " for k, f in enumerate(slots))
-        ptx = ("{ .reg .pred p, q, r; setp.ne.b32 p, $" + str(scale) + ", 0; setp.ne.b32 r, $" + str(flag)
-               + ", 0; vote.sync.any.pred q, r, 0xffffffff; @!q bra.uni sb_skip${:uid}; " + body
-               + "sb_skip${:uid}: }")
-        constraints = ",".join(["=f"] * width + ["l"] * (2 * count) + ["r", "r"] + [str(i) for i in range(width)])
-
-        @intrinsic
-        def mma_if(typingctx, acc, descs_a, descs_b, scale_d, flag):
-            if not (isinstance(acc, types.Array) and acc.dtype == types.float32 and acc.ndim == 1):
-                return None
-            for descs in (descs_a, descs_b):
-                if not (isinstance(descs, types.UniTuple) and descs.count == count):
-                    return None
-            signature = types.void(acc, types.UniTuple(types.uint64, count), types.UniTuple(types.uint64, count),
-                                   types.int32, types.int32)
-
-            def codegen(context, builder, sig, args):
-                f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
-                data = context.make_array(sig.args[0])(context, builder, args[0]).data
-                places = [builder.gep(data, [ir.Constant(i32, i)]) for i in held]
-                values = [builder.load(place) for place in places]
-                descs = [builder.extract_value(args[side], k) for side in (1, 2) for k in range(count)]
-                function = ir.FunctionType(ir.LiteralStructType([f32] * width), [i64] * (2 * count) + [i32, i32]
-                                           + [f32] * width)
-                asm = ir.InlineAsm(function, ptx, constraints, side_effect=True)
-                result = builder.call(asm, descs + [args[3], args[4]] + values)
-                for k, place in enumerate(places):
-                    builder.store(builder.extract_value(result, k), place)
-                return context.get_dummy_value()
-
-            return signature, codegen
-
-        return mma_if
 
     def make_mma_rs(n, kind, b_mn_major, first=0):
         """acc[first:first + n / 2] (float32, in place) = A (64 x 16, from the warpgroup's

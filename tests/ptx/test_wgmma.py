@@ -22,7 +22,6 @@ from sparseblocks.ptx.wgmma import (
     descriptor,
     fence,
     make_mma,
-    make_mma_if,
     make_mma_rs,
     make_settle,
     waiter,
@@ -87,12 +86,11 @@ def registers_of(a, kind):
     return words
 
 
-def run(n, kind, a_mn, b_mn, swizzle, scale_d, seed, registers=False, overwrite=False, flag=None):
+def run(n, kind, a_mn, b_mn, swizzle, scale_d, seed, registers=False, overwrite=False):
     """One warpgroup's wgmma of a random A (64 x 16) and B (16 x n) plus C (``scale_d``), A from
     shared memory (``a_mn``: MN-major) or, with ``registers``, from the threads' registers
-    (`make_mma_rs`); ``overwrite``: the product alone, whatever scale_d; ``flag`` (0 or 1):
-    `make_mma_if`'s run of the same product twice, issued where the flag is 1; returns (each
-    thread's accumulators, what they should hold)."""
+    (`make_mma_rs`); ``overwrite``: the product alone, whatever scale_d; returns (each thread's
+    accumulators, what they should hold)."""
     rng = np.random.default_rng(seed)
     a = rng.integers(-4, 5, (64, K)).astype(np.float32) / 4  # exact in fp16 and bf16, and their sums
     b = rng.integers(-4, 5, (K, n)).astype(np.float32) / 4
@@ -108,13 +106,6 @@ def run(n, kind, a_mn, b_mn, swizzle, scale_d, seed, registers=False, overwrite=
         def multiply(acc, base, regs, t, scale_d):
             mma_rs(acc, regs[t, 0], regs[t, 1], regs[t, 2], regs[t, 3], descriptor(base + B_AT, LBO_B, SBO, MODE),
                    scale_d)
-    elif flag is not None:
-        mma_if = make_mma_if(n, kind, a_mn, b_mn, (0, 0))
-
-        @cuda.jit(device=True)
-        def multiply(acc, base, regs, t, scale_d):
-            a_desc, b_desc = descriptor(base, LBO_A, SBO, MODE), descriptor(base + B_AT, LBO_B, SBO, MODE)
-            mma_if(acc, (a_desc, a_desc), (b_desc, b_desc), scale_d, int32(flag))
     else:
         mma = make_mma(n, kind, a_mn, b_mn, overwrite=overwrite)
 
@@ -147,8 +138,6 @@ def run(n, kind, a_mn, b_mn, swizzle, scale_d, seed, registers=False, overwrite=
     kernel[1, WARPGROUP](out, cuda.to_device(image(a, b, a_mn, b_mn, swizzle, kind)),
                          cuda.to_device(registers_of(a, kind)), cuda.to_device(held), scale_d)
     got, want = out.copy_to_host(), a @ b + (c if scale_d and not overwrite else 0)
-    if flag is not None:
-        want = c + 2 * flag * (a @ b)
     return got, np.array([[want[acc_position(t, i)] for i in range(n // 2)] for t in range(WARPGROUP)])
 
 
@@ -183,15 +172,6 @@ def test_overwriting_wgmma_drops_the_old_values(n, kind, a_mn, b_mn):
 def test_wgmma_takes_a_from_registers(n, kind, b_mn, scale_d):
     """``make_mma_rs``: A as each warp's mma.sync-style A fragments, B from a swizzled shared tile."""
     got, want = run(n, kind, False, b_mn, 128, scale_d, seed=n + b_mn, registers=True)
-    assert np.array_equal(got, want)
-
-
-@pytest.mark.parametrize("n, kind, b_mn, flag", [(32, "f16", True, 1), (32, "bf16", False, 0), (64, "f16", True, 0),
-                                                 (64, "bf16", False, 1)])
-def test_a_guarded_run_of_wgmmas_runs_where_its_flag_is_set(n, kind, b_mn, flag):
-    """``make_mma_if``: a run of two wgmmas into the same accumulators, issued (C + 2 A·B) or
-    skipped (C) by the warpgroup's flag."""
-    got, want = run(n, kind, False, b_mn, 64 if n == 32 else 128, 1, seed=n + flag, flag=flag)
     assert np.array_equal(got, want)
 
 
