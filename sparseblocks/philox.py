@@ -28,6 +28,20 @@ def philox(c0, c1, c2, c3, k0, k1):
     return uint32(c0), uint32(c1), uint32(c2), uint32(c3)
 
 
+def threshold(keep_prob):
+    """The word below which a value is kept with probability ``keep_prob``: keep_prob · 2³², at
+    most 2³² (every word)."""
+    return min(int(keep_prob * 2.0 ** 32), 2 ** 32)
+
+
+def check_word(name, value, bits=64):
+    """A seed's or an offset's check: an int from 0 to 2**bits - 1, else a ValueError naming it."""
+    import numpy as np
+
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2 ** bits:
+        raise ValueError(f"{name}: expected an int from 0 to 2**{bits} - 1, got {value!r}")
+
+
 def words_host(counters, seed, offset):
     """The four words of ``philox(counter, offset; seed)`` for an array of counters, on the host
     (NumPy, uint64 words): what CPU tensors use (`sparseblocks.torch.ew.dropout`,
@@ -50,4 +64,4 @@ def keep_bits_host(n, keep_prob, seed, offset):
     import numpy as np
 
     words = np.stack(words_host(np.arange(-(-n // 4)), seed, offset), axis=1).reshape(-1)[:n]
-    return words < np.uint64(min(int(keep_prob * 2.0 ** 32), 2 ** 32))
+    return words < np.uint64(threshold(keep_prob))

@@ -7,6 +7,7 @@ import numpy as np
 from numba import cuda
 
 from ..layout import BlockLayout
+from ..philox import check_word, threshold
 from ..runtime.arrays import Array, checked_operands, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import active, on_arrays_device
@@ -110,14 +111,13 @@ def _dropout_rule(dropout_p, seed, offset):
         raise TypeError(f"dropout_p: expected a number, got {dropout_p!r}")
     if not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p}")
-    for name, value, bits in (("seed", seed, 64), ("offset", offset, 63)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2 ** bits:
-            raise ValueError(f"{name}: expected an int from 0 to 2**{bits} - 1, got {value!r}")
+    check_word("seed", seed)
+    check_word("offset", offset, 63)
     if not dropout_p:
         return None
     keep = 1.0 - float(dropout_p)
     seed = int(seed)
-    return min(int(keep * 2.0 ** 32), 2 ** 32), seed & 0xFFFFFFFF, seed >> 32, int(offset), 1.0 / keep
+    return threshold(keep), seed & 0xFFFFFFFF, seed >> 32, int(offset), 1.0 / keep
 
 
 _NO_DROPOUT = (2 ** 32, 0, 0, 0, 1.0)  # (the kernels' dropout arguments where there is none)

@@ -27,7 +27,7 @@ block serves two probabilities in every kernel; the backward regenerates the for
 import numpy as np
 from numba import cuda, uint32, uint64
 
-from ..philox import MASK, philox, words_host
+from ..philox import MASK, philox, threshold, words_host
 from ..runtime.compile import inlined, unrolled
 
 
@@ -90,5 +90,4 @@ def keep_host(B, H, S, dropout_p, seed, offset=0):
     words = np.stack(words_host(counters.reshape(-1), seed, offset))  # (4, B·H·S·S)
     index = ((q % np.uint64(2)) * np.uint64(2) + k % np.uint64(2)) + np.zeros_like(counters)
     chosen = np.take_along_axis(words, index.reshape(1, -1).astype(np.int64), axis=0)[0]
-    threshold = np.uint64(min(int((1.0 - dropout_p) * 2.0 ** 32), 2 ** 32))
-    return (chosen < threshold).reshape(B, H, S, S)
+    return (chosen < np.uint64(threshold(1.0 - dropout_p))).reshape(B, H, S, S)

@@ -21,6 +21,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from ..layout import BlockLayout, check_block_size
+from ..philox import check_word
 from ..runtime.devices import on_arrays_device
 from ..ptx.vector import aligned
 from ..runtime import arrays as _arrays
@@ -299,8 +300,7 @@ def ortho_init(layout: BlockLayout, like: Array, seed: int = 0, scale: float = 1
     device). As an array of ``like``'s kind, dtype and device (``like``: any array of the layout's
     ``w_shape``). Its twin is `sparseblocks.reference.bsmm.ortho_init`."""
     cfg = as_config(config)
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 64:
-        raise ValueError(f"seed: expected an int from 0 to 2**64 - 1, got {seed!r}")
+    check_word("seed", seed)
     try:
         scale = float(scale)
     except (TypeError, ValueError):

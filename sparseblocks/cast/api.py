@@ -4,6 +4,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..philox import check_word
 from ..ptx.vector import fours_fit
 from ..runtime.arrays import Array, Operand, _dtype_name, launch_stream
 from ..runtime.compile import cached
@@ -14,7 +15,6 @@ from .formats import FORMATS, FP8, numpy_dtype
 from .kernels import make_cast, make_fast_cast
 
 DTYPES = tuple(FORMATS)
-MAX_SEED = 2 ** 64
 
 
 def _bits(x, name):
@@ -54,9 +54,8 @@ def float_cast(x: Array, dtype: str, stochastic: bool = False, saturate: bool = 
     cfg = as_config(config)
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
-    for name, value in (("seed", seed), ("offset", offset)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < MAX_SEED:
-            raise ValueError(f"{name}: expected an int from 0 to 2**64 - 1, got {value!r}")
+    check_word("seed", seed)
+    check_word("offset", offset)
     src = _dtype_name(x) if hasattr(x, "dtype") else None
     if src not in DTYPES:
         raise TypeError(f"x: expected dtype in {list(DTYPES)}, got {src}")

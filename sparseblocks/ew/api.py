@@ -4,6 +4,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..philox import check_word, threshold
 from ..runtime.arrays import Array, Operand, check_dtype, check_same_kind, checked_operands, launch_stream
 from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
@@ -400,10 +401,9 @@ def _dropout_settings(keep_prob, seed, offset):
         raise TypeError(f"keep_prob: expected a number, got {keep_prob!r}") from None
     if not 0.0 < keep_prob <= 1.0:
         raise ValueError(f"keep_prob: expected a probability in (0, 1], got {keep_prob}")
-    for name, value in (("seed", seed), ("offset", offset)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2 ** 64:
-            raise ValueError(f"{name}: expected an int from 0 to 2**64 - 1, got {value!r}")
-    return min(int(keep_prob * 2.0 ** 32), 2 ** 32), 1.0 / keep_prob, int(seed), int(offset)
+    check_word("seed", seed)
+    check_word("offset", offset)
+    return threshold(keep_prob), 1.0 / keep_prob, int(seed), int(offset)
 
 
 def _run_dropout(cfg, x, keep_prob, seed, offset, mask, packed, name):
