@@ -94,6 +94,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seqs", default=None)
+    parser.add_argument("--layouts", default=None, help="comma-separated names (local, strided, bigbird, causal)")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="only merge these runs' JSON files into results/attention.json and .md")
     parser.add_argument("--out-dir", default=None)
@@ -120,7 +121,8 @@ def main():
         shape = (BATCH, HEADS, seq, HEAD_DIM)
         q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4))
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        for name, layout, causal in (layouts(seq // BLOCK)[:1] if args.quick else layouts(seq // BLOCK)):
+        cases = layouts(seq // BLOCK)[:1] if args.quick else layouts(seq // BLOCK)
+        for name, layout, causal in [c for c in cases if not args.layouts or c[0] in args.layouts.split(",")]:
             key = layout_key(layout, HEADS)
             density = float(layout.mask.mean())
             present = int(layout.mask.sum())
