@@ -201,26 +201,6 @@ def check_tiles(version):
             results.append(check(f"weight_grad v{version} bs {bs}{stack} {storage} axis {feature_axis} dW {out}",
                                  kernel.py_func, signature, cc=cc, detail=count,
                                  launch_bounds=bounds(version, bs, kind, cfg)))
-    if version == 7:
-        results += check_lines(cc, count, index)
-    return results
-
-
-def check_lines(cc, count, index):
-    """The products of several output block-lines a thread block (`bsmm.hopper_lines`) at block 32:
-    2 and 4 lines on two warpgroups of one tile, 4 on one warpgroup of two and on two of two, 8 on
-    one of one, fp16 and bf16, both products."""
-    lines = bsmm.hopper_lines
-    results = []
-    for (L, groups, tiles), storage, transpose_w in itertools.product(
-            ((2, 2, 1), (4, 2, 1), (4, 1, 2), (4, 2, 2), (8, 1, 1)), bsmm.hopper.V7_STORAGE, (False, True)):
-        cfg = replace(B, v7_lines={32: L}, v7_lines_groups={32: groups}, v7_lines_tiles={32: tiles})
-        element = types.int16 if storage == "bfloat16" else types.float16
-        kernel = lines.make_product_lines(cfg, 32, storage, types.float32, transpose_w, 1)
-        signature = (element[:, ::1], element[:, ::1], element[:, :, ::1], index, index, types.int32[:, ::1], i64, i64)
-        name = f"lines {L} x {groups} x {tiles} bs 32 {storage} {'Wt' if transpose_w else 'W '}"
-        results.append(check(name, kernel.py_func, signature, cc=cc, detail=count,
-                             launch_bounds=(lines.lines_threads(cfg, 32), 1)))
     return results
 
 

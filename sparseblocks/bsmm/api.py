@@ -16,9 +16,7 @@ with no block are zero. Every sum runs in a fixed order: results are bitwise rep
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
-
-import numpy as np
+from typing import Optional, Tuple
 
 from ..layout import BlockLayout, check_block_size
 from ..philox import check_word

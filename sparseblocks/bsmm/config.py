@@ -111,16 +111,6 @@ class BsmmConfig:
     # ... warp-specialized: a copying warpgroup's cp.async (a stack's blocks are not one box of a
     # tensor map) fills the ring on mbarriers, the multiplying warps only wait and multiply
     v7_wgrad_stack_producer: bool = True
-    # Products of several neighbouring output block-lines a thread block (`hopper_lines.py`,
-    # feature_axis 1): each stage one x tile and the lines' W blocks (zeros where a line has none),
-    # one wgmma N = lines x bs wide: {bs: lines}; absent: a line a tile. Their warpgroups, 64-row
-    # tiles a warpgroup and ring
-    v7_lines: dict = default_field({})
-    v7_lines_groups: dict = default_field({32: 2})
-    v7_lines_tiles: dict = default_field({32: 1})
-    v7_lines_stages: int = 4
-    # ... and the least density (blocks / the grid's) at which they run (below it, a line a tile)
-    v7_lines_from: float = 0.0
     # Products whose output lines are short (mean blocks a line <= "mean_blocks") on other tiles:
     # {bs: {"mean_blocks": m, field: value, ...}}, fields of SHORT_LINE_FIELDS (a table's value for bs,
     # v7_producer_registers itself); `dispatch.v7_config`. Block 128: one warpgroup of two 64-row
@@ -172,14 +162,6 @@ class BsmmConfig:
         for bs in self.v7_groups:
             if v7_check(self, bs):
                 raise ValueError(f"v7_groups[{bs}]: {v7_check(self, bs)}")
-        from .hopper_lines import lines_check
-
-        for bs in self.v7_lines:
-            if lines_check(self, bs):
-                raise ValueError(f"v7_lines[{bs}]: {lines_check(self, bs)}")
-        if isinstance(self.v7_lines_from, bool) or not isinstance(self.v7_lines_from, (int, float)) \
-                or not 0.0 <= self.v7_lines_from <= 1.0:
-            raise ValueError(f"v7_lines_from: expected a density from 0 to 1, got {self.v7_lines_from!r}")
         if not isinstance(self.v7_wgrad_pairs_fill, int) or self.v7_wgrad_pairs_fill < 0:
             raise ValueError(f"v7_wgrad_pairs_fill: expected an int >= 0, got {self.v7_wgrad_pairs_fill!r}")
         for bs in self.v7_wgrad_pairs:

@@ -44,7 +44,6 @@ from .weight_grad_simt import (
     make_weight_grad_v4,
 )
 from .hopper import PAIRED, STACKED, V7_STORAGE, V7_WGRAD_BLOCKS, make_product_v7, persistent, v7_shape
-from .hopper_lines import line_groups, lines_shape, lines_threads, make_product_lines
 from .hopper import v7_threads
 from .hopper_wgrad import make_weight_grad_v7
 from .hopper_shapes import producing
@@ -234,9 +233,6 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
     pre = None  # a launch before the product's (V5_TRANSPOSED_FORWARD's copy)
     family = product_family(cfg, version, bs, a.dtype, tiles_fit((a_device, w_device), n_rows, feature_axis))
     maps, makers = (), ()
-    if family == 7 and bs in cfg.v7_lines and feature_axis == 1 and \
-            layout.n_blocks >= cfg.v7_lines_from * layout.shape[0] * layout.shape[1]:
-        return None, launch_lines(cfg, out, a_device, w_device, a.dtype, layout, n_rows, transpose_w, stream)
     if family == 7:
         cfg = v7_config(cfg, layout, transpose_w)
         cfg, maps, makers = _v7_maps(
@@ -279,26 +275,6 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
     # the call's launches: what a kept plan repeats (the maps last, made from A's and B's addresses),
     # with the positions of out, A and W among the arguments
     return pre, (kernel, grid, threads, args, derived_maps(makers, len(args) - 2), (0, 2, 3))
-
-
-def launch_lines(cfg, out, a, w, storage, layout, n_rows, transpose_w, stream):
-    """Launch `hopper_lines.make_product_lines` (``v7_lines``: several output block-lines a
-    thread block) over the layout's line groups, cached in the layout; return the launch (as
-    `launch_product`'s, with the positions of out, A and W)."""
-    bs = layout.block_size
-    L = cfg.v7_lines[bs]
-    key = ("line groups", transpose_w, L, active())
-    if key not in layout._schedules:
-        layout._schedules[key] = tuple(cuda.to_device(x, stream=stream) for x in line_groups(layout, transpose_w, L))
-    begin, other, blocks = layout._schedules[key]
-    kernel = compiled(cfg, make_product_lines, bs, storage, transpose_w, 1)
-    n_lines = layout.shape[0] if transpose_w else layout.shape[1]
-    BM = lines_shape(cfg, bs)[0]
-    grid = ((n_rows + BM - 1) // BM, len(begin) - 1)
-    threads = lines_threads(cfg, bs)
-    args = (out, a, w, begin, other, blocks, n_rows, n_lines)
-    launch(kernel, grid, threads, stream, args)
-    return kernel, grid, threads, args, (), (0, 1, 2)
 
 
 def tma_maps(cfg, bs, weight_grad, a, b, n_rows, feature_axis, transpose_w, stream):

@@ -29,7 +29,7 @@ block-row; weight_grad: xᵀ by dy, one block of dW a tile). What differs is the
   next tile's copies go on meanwhile.
 
 Shapes, shared memory and what a config may ask: `hopper_shapes.py`; the weight-gradient
-kernels, built of this loop: `hopper_wgrad.py`; products of several output block-lines a tile: `hopper_lines.py`.
+kernels, built of this loop: `hopper_wgrad.py`.
 
 On an sm_90 GPU (`dispatch.hopper`), where the operands fit (`dispatch.tiles_fit`, as version 6);
 version 6 runs elsewhere. The simulator runs these kernels when a test asks (its wgmma is a

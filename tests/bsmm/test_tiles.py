@@ -14,7 +14,7 @@ from sparseblocks.layout import BlockLayout
 from sparseblocks.runtime import compile as compile_cache
 from sparseblocks.runtime.arrays import poisoned_outputs
 from sparseblocks.runtime.backend import SIMULATOR
-from strategies import arrays, gpu_only_case, layouts, values
+from strategies import arrays, layouts, values
 from test_bsmm import assert_products, to_axis
 
 # The simulator meets 32 Python threads at every ldmatrix and mma: one-warp tiles there, k16

@@ -7,7 +7,6 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from sparseblocks.layout import BlockLayout  # noqa: E402
 from sparseblocks.runtime.backend import SIMULATOR  # noqa: E402
 from sparseblocks.torch import BlockRegrowth, BlockSparseLinear, sparsify  # noqa: E402
 
