@@ -28,10 +28,10 @@ def philox(c0, c1, c2, c3, k0, k1):
     return uint32(c0), uint32(c1), uint32(c2), uint32(c3)
 
 
-def threshold(keep_prob):
-    """The word below which a value is kept with probability ``keep_prob``: keep_prob · 2³², at
-    most 2³² (every word)."""
-    return min(int(keep_prob * 2.0 ** 32), 2 ** 32)
+def threshold(keep_prob, bits=32):
+    """The ``bits``-bit word below which a value is kept with probability ``keep_prob``:
+    keep_prob · 2^bits rounded down, at most 2^bits (every word)."""
+    return min(int(keep_prob * 2.0 ** bits), 2 ** bits)
 
 
 def check_word(name, value, bits=64):

@@ -117,10 +117,10 @@ def _dropout_rule(dropout_p, seed, offset):
         return None
     keep = 1.0 - float(dropout_p)
     seed = int(seed)
-    return threshold(keep), seed & 0xFFFFFFFF, seed >> 32, int(offset), 1.0 / keep
+    return threshold(keep, 16), seed & 0xFFFFFFFF, seed >> 32, int(offset), 1.0 / keep
 
 
-_NO_DROPOUT = (2 ** 32, 0, 0, 0, 1.0)  # (the kernels' dropout arguments where there is none)
+_NO_DROPOUT = (2 ** 16, 0, 0, 0, 1.0)  # (the kernels' dropout arguments where there is none)
 
 
 def _launch(kernel, stream, n, args):
@@ -141,8 +141,9 @@ def attention(q: Array, k: Array, v: Array, layout: Union[BlockLayout, Sequence[
 
     ``dropout_p``: each probability dropped with that probability after the softmax (the others
     scaled by 1 / (1 - dropout_p)), by counter-based bits (Philox under ``seed`` and ``offset``, a
-    counter a 2 x 2 square of (query, key) pairs: `dropout.py`), so that `attention_grad` with the
-    same three regenerates the mask; lse is the undropped softmax's.
+    counter eight (query, key) pairs, 16 bits each: `dropout.py`; the keep probability is rounded
+    down to a multiple of 2⁻¹⁶), so that `attention_grad` with the same three regenerates the
+    mask; lse is the undropped softmax's.
 
     fp16 and bf16 run fused (`fused.py`: flash-style, nothing of size seq x seq stored; on wgmma
     with ``config.hopper_forward``, `hopper.py`, on sm_90 at head_dim 64 and 128) where

@@ -45,7 +45,7 @@ from ..ptx.mma import FULL_MASK, mma_bf16, mma_f16, pack
 from ..ptx.vector import load2
 from ..runtime.compile import divmod32, inlined, unrolled
 from ..runtime.launch import dynamic_shared
-from .dropout import keep_pair, make_masking
+from .dropout import keep_square, make_masking
 
 TILE = 64  # rows of a query or key tile
 WARPS = TILE // 16
@@ -303,21 +303,21 @@ def make_query_ring(copy_pair, stages, stage_bytes, levels, visible=None):
 
 def make_dropout_parts(cols=TILE, mt=1):
     """Dropout on a warp's score fragments ((mt, cols // 8, 4) C fragments, rows queries with
-    ``rows_along``, else keys): pair (query i, key j) of head bh kept where `dropout.kept_scores`
+    ``rows_along``, else keys): pair (query i, key j) of head bh kept where `dropout.keep_square`
     says, the bits `simple.make_dropped` and the twin draw.
 
     * ``keep(bits, bh, S, row, col_first, t, rows_along, threshold, seed_lo, seed_hi, offset)``:
       bits[0] (uint64) gets bit (m·N + n)·4 + j set where fragment value (m, n, j) is kept (a
-      lane's rows row + 16 m + 8 (j // 2), columns col_first + 8 n + 2 t + j % 2); one Philox
-      block gives a lane's two neighbouring columns;
+      lane's rows row + 16 m + 8 (j // 2), columns col_first + 8 n + 2 t + j % 2); fragments n
+      and n + 1 (n even) are the lane's eight values of a 16 x 16 square, taken at once;
     * ``apply(x, bits, factor)``: x·factor where kept, else 0."""
     N = cols // 8
 
     def keep_step(n, bits, bh, S, row, col_first, t, rows_along, threshold, seed_lo, seed_hi, offset):
-        for m in range(mt):
-            for h in range(2):
-                keep_pair(bits, (m * N + n) * 4 + 2 * h, bh, S, row + 16 * m + 8 * h, col_first + 8 * n + 2 * t,
-                          rows_along, threshold, seed_lo, seed_hi, offset)
+        if n % 2 == 0:
+            for m in range(mt):
+                keep_square(bits, (m * N + n) * 4, bh, S, row + 16 * m, col_first + 8 * n + 2 * t, rows_along,
+                            threshold, seed_lo, seed_hi, offset)
 
     def apply_step(n, x, bits, factor):
         for m in range(mt):

@@ -40,7 +40,7 @@ from ..ptx.wgmma import SWIZZLE_128, WARPGROUP, align_up, commit, descriptor, fe
 from ..ptx.wgmma import make_settle, proxy_fence, waiter
 from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
-from .dropout import keep_pair, make_masking
+from .dropout import keep_square, make_masking
 from .fused import LN2, LOG2E, TILE, _pack_of, key_walk, make_key_ring, make_query_ring, make_row_maxima, query_walk
 
 HEAD_DIMS = (64, 128)
@@ -187,17 +187,16 @@ def make_tiles(storage, D, stages, groups, lag=1, keys=TILE):
 def make_dropout_parts(SN):
     """Dropout on a thread's SN accumulators of a 64-row tile (`ptx.wgmma.acc_position`: value i
     at row row + 8 ((i // 2) % 2), column col0 + 8 (i // 4) + 2 t + i % 2), rows queries with
-    ``rows_along``, else keys; pair (query, key) of head bh kept as `dropout.kept_scores` says,
-    one Philox block for a thread's two neighbouring columns:
+    ``rows_along``, else keys; pair (query, key) of head bh kept as `dropout.keep_square` says,
+    a thread's eight values of each 16 x 16 square (values 8u to 8u + 7) at once:
 
     * ``keep(bits, bh, S, row, col0, t, rows_along, threshold, seed_lo, seed_hi, offset)``: bit i
       of bits[0] (uint64) set where value i is kept;
     * ``apply(x, bits, factor)``: x·factor where kept, else 0."""
 
     def keep_step(i, bits, bh, S, row, col0, t, rows_along, threshold, seed_lo, seed_hi, offset):
-        if i % 2 == 0:
-            keep_pair(bits, i, bh, S, row + 8 * ((i // 2) % 2), col0 + 8 * (i // 4) + 2 * t, rows_along, threshold,
-                      seed_lo, seed_hi, offset)
+        if i % 8 == 0:
+            keep_square(bits, i, bh, S, row, col0 + 2 * i + 2 * t, rows_along, threshold, seed_lo, seed_hi, offset)
 
     def apply_step(i, x, bits, factor):
         x[i] = x[i] * factor if (bits[0] >> uint64(i)) & uint64(1) else float32(0)

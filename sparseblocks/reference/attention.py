@@ -36,22 +36,27 @@ def mask(layouts, heads, seq, causal=False):
 
 
 def dropout_keep(shape, dropout_p, seed=0, offset=0):
-    """The (batch, heads, seq, seq) keep bits of attention's dropout. Pair (query i, key j) of head
-    n = b·H + h takes word 2 (i % 2) + j % 2 of Philox's block for counter ((n·R + i // 2)·R + j // 2,
-    offset) under seed (R = ⌈seq / 2⌉: a block a 2 x 2 square of pairs), kept below keep·2³²."""
+    """The (batch, heads, seq, seq) keep bits of attention's dropout. Philox's block for counter
+    (g, offset) under seed gives eight 16-bit halves, one for each pair of a set of eight of head
+    n = b·H + h: queries 16u + r and 16u + r + 8 (r < 8) against keys 16w + 2s, 16w + 2s + 1,
+    16w + 2s + 8 and 16w + 2s + 9 (s < 4), with g = (n·8T + 8u + r)·4T + 4w + s (T = ⌈seq / 16⌉).
+    Query 16u + r + 8a and key 16w + 2s + 8b + c take half c (0 the low one) of word 2a + b; a
+    pair is kept where its half is below keep·2¹⁶."""
     from .philox import philox
 
     B, H, S = shape[:3]
-    R = (S + 1) // 2
+    T = (S + 15) // 16
     keep = np.zeros((B, H, S, S), bool)
-    threshold = min(int((1.0 - dropout_p) * 2.0 ** 32), 2 ** 32)
+    threshold = min(int((1.0 - dropout_p) * 2.0 ** 16), 2 ** 16)
     i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    u, r, a = i // 16, i % 8, (i // 8) % 2
+    w, s, b, c = j // 16, (j % 8) // 2, (j // 8) % 2, j % 2
     for n in range(B * H):
-        counter = (n * R + i // 2) * R + j // 2
-        words = philox(counter & 0xFFFFFFFF, counter >> 32, offset & 0xFFFFFFFF, offset >> 32,
-                       seed & 0xFFFFFFFF, seed >> 32)
-        word = np.choose(2 * (i % 2) + j % 2, words)
-        keep[n // H, n % H] = word.astype(np.uint64) < np.uint64(threshold)
+        g = (n * 8 * T + 8 * u + r) * 4 * T + 4 * w + s
+        words = philox(g & 0xFFFFFFFF, g >> 32, offset & 0xFFFFFFFF, offset >> 32, seed & 0xFFFFFFFF, seed >> 32)
+        word = np.choose(2 * a + b, words).astype(np.uint64)
+        half = (word >> (16 * c).astype(np.uint64)) & np.uint64(0xFFFF)
+        keep[n // H, n % H] = half < np.uint64(threshold)
     return keep
 
 

@@ -66,21 +66,25 @@ def test_three_kernels_with_dropout_match_the_twin(dtype, causal, seed, dropout_
     check_against_twin(dtype, causal, True, seed, (2, 2, 8, 3, 4), dropout=(dropout_p, bits_seed, offset))
 
 
-def test_dropout_bits_take_a_philox_block_a_square_of_pairs():
+def test_dropout_bits_take_a_philox_block_eight_pairs():
     """The twin's mask and the host's (`attention.dropout.keep_host`, torch's CPU path) agree, odd
-    sequences included; pair (i, j) of head n is word 2 (i % 2) + j % 2 of the block for counter
-    (n·R + i // 2)·R + j // 2; about 1 - dropout_p is kept; seed and offset change it."""
+    sequences included; queries 16u + r + 8a (r < 8) and keys 16w + 2s + 8b + c (s < 4) of head n
+    take half c of word 2a + b of the block for counter (n·8T + 8u + r)·4T + 4w + s (T = ⌈S / 16⌉);
+    about 1 - dropout_p is kept; seed and offset change it."""
     from sparseblocks.attention.dropout import keep_host
     from sparseblocks.reference.philox import philox
 
-    for shape in ((2, 3, 64), (1, 2, 9)):
+    for shape in ((2, 3, 64), (1, 2, 9), (1, 1, 40)):
         keep = reference.dropout_keep(shape, 0.25, seed=2**40 + 9, offset=4)
         assert keep.shape == shape + (shape[2],)
         assert np.array_equal(keep, keep_host(*shape, 0.25, 2**40 + 9, 4))
     keep = reference.dropout_keep((2, 3, 64), 0.25, seed=9, offset=4)
-    n, i, j, R = 4, 37, 10, 32  # (batch 1, head 1)
-    words = philox((n * R + i // 2) * R + j // 2, 0, 4, 0, 9, 0)
-    assert keep[1, 1, i, j] == (int(words[2 * (i % 2) + j % 2]) < int(0.75 * 2**32))
+    n, T = 4, 4  # (batch 1, head 1)
+    for i, j in ((37, 10), (40, 63), (0, 1), (15, 8)):
+        u, r, a, w, s_, b, c = i // 16, i % 8, (i // 8) % 2, j // 16, (j % 8) // 2, (j // 8) % 2, j % 2
+        words = philox((n * 8 * T + 8 * u + r) * 4 * T + 4 * w + s_, 0, 4, 0, 9, 0)
+        half = (int(words[2 * a + b]) >> (16 * c)) & 0xFFFF
+        assert keep[1, 1, i, j] == (half < int(0.75 * 2**16))
     assert abs(keep.mean() - 0.75) < 0.02
     assert (keep != reference.dropout_keep((2, 3, 64), 0.25, seed=10, offset=4)).mean() > 0.2
     assert (keep != reference.dropout_keep((2, 3, 64), 0.25, seed=9, offset=5)).mean() > 0.2
