@@ -267,14 +267,17 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
         grid = (min(grid[0] * grid[1], multiprocessors()), 1)
     args = (out, workspace, a_device, w_device, *indices, n_rows, *maps)
     launch(kernel, grid, threads, stream, args)
-    if slots:
-        combine = compiled(cfg, make_combine_lines, bs, a.dtype, feature_axis)
-        grid = ((n_rows * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, len(combine_indices[0]))
-        launch(combine, grid, COMBINE_THREADS, stream, (out, workspace, *combine_indices, n_rows))
-        return None
     # the call's launches: what a kept plan repeats (the maps last, made from A's and B's addresses),
-    # with the positions of out, A and W among the arguments
-    return pre, (kernel, grid, threads, args, derived_maps(makers, len(args) - 2), (0, 2, 3))
+    # with the positions of out, A and W among the arguments (and the workspace's, where lines
+    # are cut into segments: then the combining launch, its out and workspace first)
+    main = (kernel, grid, threads, args, derived_maps(makers, len(args) - 2), (0, 1, 2, 3) if slots else (0, 2, 3))
+    if not slots:
+        return pre, main, None
+    combine = compiled(cfg, make_combine_lines, bs, a.dtype, feature_axis)
+    grid = ((n_rows * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, len(combine_indices[0]))
+    combine_args = (out, workspace, *combine_indices, n_rows)
+    launch(combine, grid, COMBINE_THREADS, stream, combine_args)
+    return pre, main, (combine, grid, COMBINE_THREADS, combine_args)
 
 
 def tma_maps(cfg, bs, weight_grad, a, b, n_rows, feature_axis, transpose_w, stream):

@@ -2,7 +2,8 @@
 
 A product's plan allocates the output and rewrites three pointers of the recorded launch, after
 replaying the transposed copy of W (`BsmmConfig.v5_transposed_forward`) into a fresh scratch
-array where the call made one.
+array where the call made one. Where the layout's lines are cut into segments, it allocates
+their workspace too and replays the combining launch after the product.
 """
 
 from ..runtime import arrays as _arrays
@@ -11,11 +12,14 @@ from ..runtime.launch import replay
 
 
 class _Plan:
-    """pre: the copy's launch (wt, w live) and scratch its (shape, torch dtype), or both None."""
-    __slots__ = ("layout", "out_shape", "launch", "pre", "scratch")
+    """pre: the copy's launch (wt, w live) and scratch its (shape, torch dtype), or both None;
+    combine: the combining launch (out, workspace live) and workspace the segments' (shape, torch
+    dtype), or both None (then ``launch`` takes out, a, w; else out, workspace, a, w)."""
+    __slots__ = ("layout", "out_shape", "launch", "pre", "scratch", "combine", "workspace")
 
-    def __init__(self, layout, out_shape, launch, pre, scratch):
+    def __init__(self, layout, out_shape, launch, pre, scratch, combine=None, workspace=None):
         self.layout, self.out_shape, self.launch, self.pre, self.scratch = layout, out_shape, launch, pre, scratch
+        self.combine, self.workspace = combine, workspace
 
 
 def _plan_key(cfg, a, w, a_pointer, w_pointer, layout, feature_axis, transpose_w, version):
@@ -38,20 +42,26 @@ def replayed_product(cfg, a, w, layout, feature_axis, transpose_w, version):
         wt = a.new_empty(plan.scratch[0], dtype=plan.scratch[1])
         plan.pre(stream, wt.data_ptr(), w_pointer)
         w_pointer = wt.data_ptr()
-    if not plan.launch(stream, out.data_ptr(), a_pointer, w_pointer):
-        return None  # (a tensor map could not be made)
+    if plan.combine is None:
+        if not plan.launch(stream, out.data_ptr(), a_pointer, w_pointer):
+            return None  # (a tensor map could not be made)
+        return out
+    workspace = a.new_empty(plan.workspace[0], dtype=plan.workspace[1])
+    if not plan.launch(stream, out.data_ptr(), workspace.data_ptr(), a_pointer, w_pointer):
+        return None
+    plan.combine(stream, out.data_ptr(), workspace.data_ptr())
     return out
 
 
 def keep_product_plan(cfg, a, w, layout, feature_axis, transpose_w, version, out_shape, launched):
-    """After a general-path product of torch tensors without a combining launch: keep it for
-    `replayed_product`."""
+    """After a general-path product of torch tensors: keep its launches for `replayed_product`."""
     if launched is None or a.kind != "torch" or _arrays._poison_outputs:
         return
-    pre, (kernel, grid, threads, args, derived, live) = launched
-    plan = replay(kernel, grid, threads, args, derived, live=live)  # (live: out, a and w's positions)
+    pre, (kernel, grid, threads, args, derived, live), combine = launched
+    plan = replay(kernel, grid, threads, args, derived, live=live)  # (live: out, [workspace,] a and w's positions)
     pre_plan = None if pre is None else replay(*pre, live=(0, 1))  # wt, w
-    if plan is None or (pre is not None and pre_plan is None):
+    combine_plan = None if combine is None else replay(*combine, live=(0, 1))  # out, workspace
+    if plan is None or (pre is not None and pre_plan is None) or (combine is not None and combine_plan is None):
         return
     import torch
 
@@ -59,7 +69,9 @@ def keep_product_plan(cfg, a, w, layout, feature_axis, transpose_w, version, out
     key = _plan_key(cfg, a_native, w_native, a_native.data_ptr(), w_native.data_ptr(), layout, feature_axis,
                     transpose_w, version)
     scratch = None if pre is None else (tuple(pre[3][0].shape), torch.int32)
-    plans.keep(key, _Plan(layout, out_shape, plan, pre_plan, scratch))
+    workspace = None if combine is None else (tuple(args[1].shape),
+                                              torch.float64 if a.dtype == "float64" else torch.float32)
+    plans.keep(key, _Plan(layout, out_shape, plan, pre_plan, scratch, combine_plan, workspace))
 
 
 # A weight gradient's plan allocates dW (or takes out=) and the N-splits' workspace, and

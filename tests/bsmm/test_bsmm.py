@@ -652,6 +652,40 @@ def test_repeated_torch_calls_replay_a_kept_plan(configure, dtype, transposed, m
         bsmm.forward(x, w, layout)
 
 
+# A layout whose first block-column and first block-row are long against the mean: the forward
+# cuts that output line into segments (a workspace and a combining launch), the input gradient that row.
+SEGMENTED = BlockLayout(np.eye(8, dtype=bool)[0][:, None] | np.eye(8, dtype=bool)[0][None, :], 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="kept plans replay through the driver")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_segmented_products_replay_a_kept_plan(dtype, monkeypatch):
+    """Products whose lines are cut into segments keep a plan too (the segments' workspace and the
+    combining launch with it), and its replays give the reference's results."""
+    torch = pytest.importorskip("torch")
+    from sparseblocks.bsmm.dispatch import product_schedule
+
+    monkeypatch.setattr(plans, "kept", {})
+    assert all(product_schedule(bsmm.DEFAULT, SEGMENTED, t, None, 0)[0] > 0 for t in (False, True))
+    tdtype = getattr(torch, dtype)
+    replayed = []
+    original = bsmm.api.replayed_product
+    monkeypatch.setattr(bsmm.api, "replayed_product", lambda *a: replayed.append(original(*a)) or replayed[-1])
+    w = torch.randn(SEGMENTED.w_shape, device="cuda", dtype=tdtype)
+    for _ in range(3):
+        x = torch.randn(130, 256, device="cuda", dtype=tdtype)
+        x64, w64 = x.double().cpu().numpy(), w.double().cpu().numpy()
+        assert_close(bsmm.forward(x, w, SEGMENTED).double().cpu().numpy(), reference.forward(x64, w64, SEGMENTED),
+                     dtype)
+        dy = torch.randn(130, 256, device="cuda", dtype=tdtype)
+        dy64 = dy.double().cpu().numpy()
+        assert_close(bsmm.input_grad(dy, w, SEGMENTED).double().cpu().numpy(),
+                     reference.input_grad(dy64, w64, SEGMENTED), dtype)
+    assert len(plans.kept) == 2 and all(plan.combine is not None for plan in plans.kept.values())
+    assert sum(r is not None for r in replayed) == 4
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="kept plans replay through the driver")
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -734,6 +768,30 @@ def test_kept_plans_are_keyed_by_what_the_checks_see(configure, monkeypatch, tra
     with pytest.raises(ValueError, match="C-contiguous"):
         bsmm.forward(torch.randn(32, 6).T, w, layout)
     assert len(launches) == replayed
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="fakes the driver launch; the GPU test above runs the real one")
+def test_segmented_plans_replay_the_workspace_and_the_combining_launch(monkeypatch):
+    """Plan bookkeeping with the launch faked, lines cut into segments: a replay launches the
+    product with (out, a fresh workspace, x, w), then the combining launch with (out, that
+    workspace)."""
+    torch = pytest.importorskip("torch")
+    from sparseblocks.runtime import arrays as _arrays
+
+    launches = []
+    monkeypatch.setattr(plans, "kept", {})
+    monkeypatch.setattr(bsmm.plans, "replay", lambda *args, live: lambda stream, *pointers: launches.append(pointers)
+                        or True)
+    monkeypatch.setattr(_arrays, "torch_stream_handle", lambda: 0)
+    w = torch.randn(SEGMENTED.w_shape)
+    bsmm.forward(torch.randn(6, 256), w, SEGMENTED)  # the general path keeps a plan
+    (plan,) = plans.kept.values()
+    assert plan.combine is not None and plan.workspace[1] == torch.float32 and plan.workspace[0][1:] == (6, 32)
+    x = torch.randn(6, 256)
+    y = bsmm.forward(x, w, SEGMENTED)
+    (product, combine) = launches
+    assert product[0] == combine[0] == y.data_ptr() and product[1] == combine[1]
+    assert product[2:] == (x.data_ptr(), w.data_ptr()) and y.shape == (6, 256)
 
 
 @pytest.mark.gpu
