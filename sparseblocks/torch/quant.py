@@ -129,10 +129,26 @@ class _LearnedQuantizers(torch.nn.Module):
 
     def _activation_tables(self):
         """The packing kernels' (thresholds, codes, basis) of the activations, made on the device
-        (no host sync)."""
-        a_basis = self.a_basis[None].float().contiguous()  # (a layer moved to fp16 moved its bases too)
-        _, a_order, a_thresholds = levels(a_basis, self.signed_activations)
-        return a_thresholds.contiguous(), a_order.contiguous(), a_basis
+        (no host sync). With ``keep_packed`` they are kept until the basis changes as torch sees
+        it (its version counter, address and dtype; in training each call's refit changes it)."""
+        key = (self.a_basis._version, self.a_basis.data_ptr(), self.a_basis.dtype, self.signed_activations)
+        kept = getattr(self, "_kept_tables", None)
+        if not self.keep_packed or kept is None or kept[0] != key:
+            a_basis = self.a_basis[None].float().contiguous()  # (a layer moved to fp16 moved its bases too)
+            _, a_order, a_thresholds = levels(a_basis, self.signed_activations)
+            kept = self._kept_tables = (key, (a_thresholds.contiguous(), a_order.contiguous(), a_basis))
+        return kept[1]
+
+    def _fp32_bias(self):
+        """The bias as the products add it (fp32, contiguous), or None; with ``keep_packed`` kept
+        while it stays as it is (so that an fp16 layer's call does not convert it each time)."""
+        if self.bias is None:
+            return None
+        key = (self.bias._version, self.bias.data_ptr(), self.bias.dtype)
+        kept = getattr(self, "_kept_bias", None)
+        if not self.keep_packed or kept is None or kept[0] != key:
+            kept = self._kept_bias = (key, self.bias.detach().float().contiguous())
+        return kept[1]
 
     def _packed_weight(self, pack):
         """The weight's bit planes, ``pack(w, thresholds, codes, basis)``'s. With ``keep_packed``
@@ -152,8 +168,9 @@ class _LearnedQuantizers(torch.nn.Module):
         return kept[1]
 
     def repack(self):
-        """Drop the kept bit planes of the weight (``keep_packed``): the next call packs it again."""
-        self._weight_planes = None
+        """Drop the kept bit planes of the weight (``keep_packed``), the activations' tables and
+        the fp32 bias: the next call makes them again (after a change through ``.data``)."""
+        self._weight_planes = self._kept_tables = self._kept_bias = None
 
 
 class LQLinear(_LearnedQuantizers):
@@ -162,7 +179,8 @@ class LQLinear(_LearnedQuantizers):
     ``w_bits`` and ``a_bits`` from 1 to 4. The bases are buffers (``w_basis`` (out, w_bits),
     ``a_basis`` (a_bits,)), saved with the state dict, and updated in training mode only.
     ``keep_packed``: calls without gradients on a GPU keep the weight's bit planes while the
-    weight and its basis stay as they are (changes made through ``.data`` are not seen: `repack`).
+    weight and its basis stay as they are, and the activations' tables and the fp32 bias while
+    theirs do (changes made through ``.data`` are not seen: `repack`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, w_bits: int = 2, a_bits: int = 2,
@@ -222,7 +240,7 @@ class LQLinear(_LearnedQuantizers):
         cfg = quant.config.DEFAULT
         wq = self._packed_weight(lambda w, *tables: quant.api.pack(w, *tables, True, cfg))
         aq = quant.api.pack(Operand(rows.contiguous(), "x"), *self._activation_tables(), self.signed_activations, cfg)
-        bias = None if self.bias is None else self.bias.detach().float().contiguous()
+        bias = self._fp32_bias()
         out_dtype = "float16" if rows.dtype == torch.float16 else "float32"
         return quant.matmul(aq, wq, layout=self.layout, bias=bias, out_dtype=out_dtype)
 
@@ -287,7 +305,7 @@ class QuantConv2d(_LearnedQuantizers):
         images = x.permute(0, 2, 3, 1) if channels_last else x.contiguous()
         wq = self._packed_weight(lambda w, *tables: quant.conv.pack_image(w, *tables, True, False, cfg))
         aq = quant.conv.pack_image(Operand(images, "x"), *self._activation_tables(), False, channels_last, cfg)
-        bias = None if self.bias is None else self.bias.detach().float().contiguous()
+        bias = self._fp32_bias()
         out_dtype = "float16" if x.dtype == torch.float16 else "float32"
         y = quant.conv2d(aq, wq, self.stride, self.padding, self.dilation, bias=bias, out_dtype=out_dtype)
         return y.permute(0, 3, 1, 2)

@@ -154,3 +154,13 @@ def test_kept_planes_follow_the_weight_as_torch_sees_it(configure, monkeypatch):
     layer.repack()
     torch.testing.assert_close(layer.packed_forward(x), floats(), rtol=1e-5, atol=1e-5)
     assert packed.count("weight") == 3 and not torch.allclose(stale, floats())
+    # The activations' tables and the fp32 bias are kept the same way.
+    tables, bias = layer._activation_tables(), layer._fp32_bias()
+    assert layer._activation_tables() is tables and layer._fp32_bias() is bias
+    with torch.no_grad():
+        layer.a_basis.mul_(1.5)
+        layer.bias.add_(1.0)
+    assert layer._activation_tables() is not tables and layer._fp32_bias() is not bias
+    torch.testing.assert_close(layer.packed_forward(x), floats(), rtol=1e-5, atol=1e-5)
+    layer.keep_packed = False
+    assert layer._activation_tables() is not layer._activation_tables()
