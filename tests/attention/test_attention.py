@@ -148,23 +148,30 @@ def test_hopper_kernels_match_the_twin(monkeypatch, bs, blocks, groups, causal, 
     assert made == [("float16", 64, 3, groups, keys, on)] + [("float16", 64, 2, groups, on)] * (2 * grads)
 
 
+# (dtype, head_dim, mma.sync stages, wgmma (warpgroups, backward stages, forward stages, keys a tile)
+# or None for mma.sync, dropout): what the kernels are compiled for, one set of kernels a case, so
+# that the drawn examples reuse them (a wgmma kernel at head_dim 128 compiles for 20-40 s)
+FUSED_CASES = [("float16", 64, 2, (2, 2, 3, 64), False), ("bfloat16", 128, 2, (2, 2, 3, 128), True),
+               ("bfloat16", 64, 2, (1, 3, 4, 64), True), ("float16", 128, 2, None, True),
+               ("float16", 16, 3, None, False), ("bfloat16", 32, 4, None, True)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="sizes the simulator would take minutes over")
-@pytest.mark.parametrize("dtype, D, stages", [("float16", 64, 2), ("float16", 128, 2), ("bfloat16", 64, 2),
-                                              ("bfloat16", 128, 2), ("float16", 16, 3), ("bfloat16", 32, 4)])
-@settings(max_examples=15, deadline=None)
+@pytest.mark.parametrize("dtype, D, stages, hopper, dropout", FUSED_CASES)
+@settings(max_examples=8, deadline=None)
 @given(causal=st.booleans(), per_head=st.booleans(), bs=st.sampled_from([64, 128]), blocks=st.integers(1, 4),
-       B=st.integers(1, 2), H=st.integers(1, 3), seed=st.integers(0, 2**16),
-       hopper=st.sampled_from([(2, 2, 3, 64), (1, 3, 4, 64), (2, 2, 3, 128), None]))
-def test_fused_kernels_match_the_twin(dtype, D, stages, causal, per_head, bs, blocks, B, H, seed, hopper):
+       B=st.integers(1, 2), H=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_fused_kernels_match_the_twin(dtype, D, stages, hopper, dropout, causal, per_head, bs, blocks, B, H, seed):
     """On sm_90 the kernels at head_dim 64 and 128 run on wgmma (``hopper``: their warpgroups, the
-    backward's and the forward's stages, the forward's keys a tile), or with None on mma.sync."""
+    backward's and the forward's stages, the forward's keys a tile), or with None on mma.sync;
+    the drawn examples vary only what the kernels take at run time (layouts, lengths, seeds)."""
     groups, hopper_stages, forward_stages, keys = hopper or (2, 2, 3, 64)
     config = AttentionConfig(stages=stages, backward_stages=stages, hopper=hopper is not None,
                              hopper_forward=hopper is not None, hopper_groups=groups, hopper_stages=hopper_stages,
                              hopper_forward_stages=forward_stages, hopper_forward_keys={D: keys})
     check_against_twin(dtype, causal, per_head, seed, (B, H, bs, blocks, D), config, empty_row=blocks > 1,
-                       dropout=(0.2, seed, 1) if seed % 3 == 0 else None)
+                       dropout=(0.2, seed, 1) if dropout else None)
 
 
 def test_config_checks_its_fields():
