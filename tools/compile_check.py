@@ -181,11 +181,16 @@ def check_tiles(version):
     results = []
     for bs, storage in itertools.product(sorted(blocks), storages):
         element = types.int16 if storage == "bfloat16" else types.float16
-        for transpose_w, feature_axis in itertools.product((False, True), (1, 0)):
-            kernel = product(B, bs, storage, types.float32, transpose_w, feature_axis)
-            signature = (element[:, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, :, ::1]) \
-                + (index,) * 6 + (i64,) + maps
-            name = f"product v{version} bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis}"
+        # (version 7's forward also with an fp32 bias its epilogue adds)
+        biases = (None, "float32") if version == 7 else (None,)
+        for transpose_w, feature_axis, bias in itertools.product((False, True), (1, 0), biases):
+            if transpose_w and bias:
+                continue
+            kernel = product(B, bs, storage, types.float32, transpose_w, feature_axis, *((bias,) if bias else ()))
+            operands = (element[:, ::1], element[:, :, ::1]) + ((types.float32[::1],) if version == 7 else ())
+            signature = (element[:, ::1], types.float32[:, :, ::1]) + operands + (index,) * 6 + (i64,) + maps
+            name = (f"product v{version} bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis}"
+                    f"{' bias' if bias else ''}")
             results.append(check(name, kernel.py_func, signature, cc=cc, detail=count,
                                  launch_bounds=bounds(version, bs, False)))
     for (bs, cfg, extra), storage in itertools.product(wgrad_cases(version), storages):

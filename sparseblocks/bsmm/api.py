@@ -41,6 +41,7 @@ from .config import BsmmConfig, as_config
 from .dispatch import (
     VERSIONS,
     default_version,
+    launch_add_bias,
     launch_product,
     launch_product_v1,
     launch_transpose_blocks,
@@ -83,9 +84,23 @@ def _check_activation(op, features, feature_axis, what):
     return op.shape[1 - feature_axis]
 
 
-def _product(cfg, a, w, layout, feature_axis, transpose_w, version, max_segment=None):
+def _check_bias(bias, a, out_features):
+    """The bias as an Operand (one value an output feature: a's dtype, or fp32 with 16-bit a), or None."""
+    if bias is None:
+        return None
+    op = Operand(bias, "bias")
+    check_same_kind((a, op))
+    allowed = (a.dtype, "float32") if a.dtype in ("float16", "bfloat16") else (a.dtype,)
+    if op.dtype not in allowed:
+        raise TypeError(f"bias: expected dtype in {list(allowed)} ({a.name} is {a.dtype}), got {op.dtype}")
+    check_shape(op, (out_features,))
+    op.require_contiguous()
+    return op
+
+
+def _product(cfg, a, w, layout, feature_axis, transpose_w, version, max_segment=None, bias=None):
     if plans.kept and max_segment is None:
-        out = replayed_product(cfg, a, w, layout, feature_axis, transpose_w, version)
+        out = replayed_product(cfg, a, w, layout, feature_axis, transpose_w, version, bias)
         if out is not None:
             return out
     given = version
@@ -95,26 +110,31 @@ def _product(cfg, a, w, layout, feature_axis, transpose_w, version, max_segment=
     C, K = layout.dense_shape
     in_features, out_features = (K, C) if transpose_w else (C, K)
     n_rows = _check_activation(a, in_features, feature_axis, f"(layout has {C} inputs, {K} outputs)")
+    bias = _check_bias(bias, a, out_features)
 
-    stream = launch_stream((a, w))
+    stream = launch_stream((a, w) if bias is None else (a, w, bias))
     out_shape = (n_rows, out_features) if feature_axis == 1 else (out_features, n_rows)
     native, out = a.empty(out_shape, stream)
     if n_rows:
         if version == 1:
             launch_product_v1(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, stream)
+            if bias is not None:
+                launch_add_bias(out, bias.device(stream), a.dtype, bias.dtype, n_rows, feature_axis, stream)
         else:
             launched = launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, stream,
-                                      max_segment, version)
+                                      max_segment, version, bias)
             if max_segment is None:
-                keep_product_plan(cfg, a, w, layout, feature_axis, transpose_w, given, out_shape, launched)
+                keep_product_plan(cfg, a, w, bias, layout, feature_axis, transpose_w, given, out_shape, launched)
     return a.result(native, out, stream)
 
 
 @on_arrays_device
 def forward(x: Array, w: Array, layout: BlockLayout, feature_axis: int = 1, version: Optional[int] = None,
-            config: Optional[BsmmConfig] = None) -> Array:
-    """``y = x · W`` for block-sparse ``W`` given as ``w[n_blocks, bs, bs]`` over ``layout``."""
-    return _product(as_config(config), x, w, layout, feature_axis, False, version)
+            config: Optional[BsmmConfig] = None, bias: Optional[Array] = None) -> Array:
+    """``y = x · W`` for block-sparse ``W`` given as ``w[n_blocks, bs, bs]`` over ``layout``;
+    with ``bias`` (one value an output feature, x's dtype or fp32 with fp16/bf16 x) ``x · W +
+    bias``, which version 7 adds in its epilogue before rounding (others in a pass of their own)."""
+    return _product(as_config(config), x, w, layout, feature_axis, False, version, bias=bias)
 
 
 @on_arrays_device

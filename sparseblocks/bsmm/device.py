@@ -128,6 +128,25 @@ def converters(storage, acc_type):
     return to_acc, from_acc
 
 
+def bias_reader(kind, acc_type):
+    """``bias_at(bias, i)``: bias[i] as an ``acc_type`` value, ``kind`` the bias's dtype name (bf16
+    as its int16 bits); with ``kind`` None (no bias: ``bias`` a stand-in) 0, which the kernels' own
+    ``kind is not None`` test keeps them from adding."""
+    if kind is None:
+
+        @cuda.jit(device=True, inline=True)
+        def bias_at(bias, i):
+            return acc_type(0)
+    else:
+        to_acc = converters(kind, acc_type)[0]
+
+        @cuda.jit(device=True, inline=True)
+        def bias_at(bias, i):
+            return acc_type(to_acc(bias[i]))
+
+    return bias_at
+
+
 def chunk_position(feature_axis, rows, features):
     """position(e) -> (row, feature) of element e of a rows x features chunk of activations,
     numbered so that consecutive e are consecutive addresses in either layout."""

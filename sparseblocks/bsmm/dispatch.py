@@ -21,6 +21,8 @@ from .config import DEFAULT, short_lines_apply, short_lines_config
 from .device import acc_type
 from .simple import make_product_v1, make_weight_grad_v1
 from .simt import (
+    ADD_BIAS_THREADS,
+    make_add_bias,
     make_combine_lines,
     make_product_v3,
     make_product_v4,
@@ -218,7 +220,12 @@ def product_schedule(cfg, layout, transpose_w, max_segment, stream):
     return cached
 
 
-def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, stream, max_segment, version):
+def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, stream, max_segment, version,
+                   bias=None):
+    """Launch a product (and its combining pass where lines are cut into segments, and with
+    ``bias`` (an Operand) its addition: in version 7's epilogue, else a pass of its own); return
+    the launches a kept plan repeats, (pre, main, combine, post): each (kernel, grid, threads,
+    args[, derived], live positions) or None."""
     COMBINE_THREADS = cfg.combine_threads
     PRODUCT_THREADS = cfg.product_threads
     PRODUCT_TILES = cfg.product_tiles
@@ -233,12 +240,15 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
     pre = None  # a launch before the product's (V5_TRANSPOSED_FORWARD's copy)
     family = product_family(cfg, version, bs, a.dtype, tiles_fit((a_device, w_device), n_rows, feature_axis))
     maps, makers = (), ()
+    bias_kind = None if bias is None else bias.dtype
+    bias_device = _unused_bias() if bias is None else bias.device(stream)
+    fused = family == 7 and bias is not None  # (version 7 adds it in its epilogue and combining pass)
     if family == 7:
         cfg = v7_config(cfg, layout, transpose_w)
         cfg, maps, makers = _v7_maps(
             cfg, tma_maps(cfg, bs, False, a_device, w_device, n_rows, feature_axis, transpose_w, stream))
         TM, threads = v7_shape(cfg, bs)[0], v7_threads(cfg, bs)
-        kernel = compiled(cfg, make_product_v7, bs, a.dtype, transpose_w, feature_axis)
+        kernel = compiled(cfg, make_product_v7, bs, a.dtype, transpose_w, feature_axis, bias_kind)
     elif family == 6:
         TM, threads = v6_shape(cfg, bs)[0], v6_threads(cfg, bs)
         kernel = compiled(cfg, make_product_v6, bs, a.dtype, transpose_w, feature_axis)
@@ -265,19 +275,42 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
     grid = ((n_rows + TM - 1) // TM, len(indices[0]))
     if family == 7 and persistent(cfg, bs, False, feature_axis):  # a thread block a multiprocessor walks the tiles
         grid = (min(grid[0] * grid[1], multiprocessors()), 1)
-    args = (out, workspace, a_device, w_device, *indices, n_rows, *maps)
+    operands = (a_device, w_device, bias_device) if family == 7 else (a_device, w_device)
+    args = (out, workspace, *operands, *indices, n_rows, *maps)
     launch(kernel, grid, threads, stream, args)
     # the call's launches: what a kept plan repeats (the maps last, made from A's and B's addresses),
-    # with the positions of out, A and W among the arguments (and the workspace's, where lines
-    # are cut into segments: then the combining launch, its out and workspace first)
-    main = (kernel, grid, threads, args, derived_maps(makers, len(args) - 2), (0, 1, 2, 3) if slots else (0, 2, 3))
-    if not slots:
-        return pre, main, None
-    combine = compiled(cfg, make_combine_lines, bs, a.dtype, feature_axis)
-    grid = ((n_rows * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, len(combine_indices[0]))
-    combine_args = (out, workspace, *combine_indices, n_rows)
-    launch(combine, grid, COMBINE_THREADS, stream, combine_args)
-    return pre, main, (combine, grid, COMBINE_THREADS, combine_args)
+    # with the positions of out, [the workspace (lines cut into segments),] A, W [and the bias]
+    main = (kernel, grid, threads, args, derived_maps(makers, len(args) - 2),
+            (0,) + ((1,) if slots else ()) + (2, 3) + ((4,) if fused else ()))
+    combine = None
+    if slots:
+        kernel = compiled(cfg, make_combine_lines, bs, a.dtype, feature_axis, bias_kind if fused else None)
+        grid = ((n_rows * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, len(combine_indices[0]))
+        combine_args = (out, workspace, bias_device, *combine_indices, n_rows)
+        launch(kernel, grid, COMBINE_THREADS, stream, combine_args)
+        combine = (kernel, grid, COMBINE_THREADS, combine_args, (), (0, 1, 2) if fused else (0, 1))
+    post = None if bias is None or fused else launch_add_bias(out, bias_device, a.dtype, bias_kind, n_rows,
+                                                             feature_axis, stream)
+    return pre, main, combine, post
+
+
+def launch_add_bias(out, bias, storage, bias_kind, n_rows, feature_axis, stream):
+    """Launch `simt.make_add_bias` (out += bias along the features); return the launch, as a
+    plan keeps it (out and bias live)."""
+    kernel = cached(make_add_bias, storage, acc_type(storage), feature_axis, bias_kind)
+    total = n_rows * bias.shape[0]
+    grid = max(1, min(-(-total // ADD_BIAS_THREADS), 8 * multiprocessors()))
+    args = (out, bias, n_rows)
+    launch(kernel, grid, ADD_BIAS_THREADS, stream, args)
+    return kernel, grid, ADD_BIAS_THREADS, args, (), (0, 1)
+
+
+def _unused_bias():
+    """A one-element fp32 stand-in for the bias of a call without one."""
+    key = ("bias", active())
+    if key not in _unused:
+        _unused[key] = cuda.device_array((1,), "float32")
+    return _unused[key]
 
 
 def tma_maps(cfg, bs, weight_grad, a, b, n_rows, feature_axis, transpose_w, stream):

@@ -52,7 +52,7 @@ from ..ptx.wgmma import commit as wg_commit
 from ..ptx.wgmma import waiter as wg_waiter
 from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
-from .device import converters, grouped_tile, tile_of
+from .device import bias_reader, converters, grouped_tile, tile_of
 from .hopper_shapes import (  # noqa: F401 (re-exported: V7_BLOCKS, V7_STORAGE, v7_check, split_registers, ...)
     ATOM, CHUNK, PAIRED, SM_SHARED, STACKED, V7_BLOCKS, V7_STORAGE, V7_WGRAD_BLOCKS, barriers_at, hand_over,
     jit_for, persistent, persistent_config, producing, resident, shared_bytes, split_registers, staged16_at,
@@ -457,11 +457,15 @@ def make_staging16(cfg, bs, from_acc):
     return stage16, chunk16, sums, PER
 
 
-def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
+def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis, bias_kind=None):
     """Products (forward, or with ``transpose_w`` input_grad) on version 7 tiles: a thread block
     owns BM rows of one segment of an output block-line, as in version 6 (`tiles.make_product_v6`),
     whose conventions it keeps: rows past N read the last row(s) and are not written. Persistent
-    (`persistent`) with feature_axis 1 at the block sizes of ``v7_persistent``."""
+    (`persistent`) with feature_axis 1 at the block sizes of ``v7_persistent``.
+
+    ``bias_kind``: the dtype of a bias the epilogue adds to each output feature before rounding
+    (``bias``, one value a feature), or None (``bias`` a stand-in); a line cut into segments
+    leaves it to the combining pass."""
     PERSIST = persistent(cfg, bs, False, feature_axis)
     if PERSIST:
         cfg = persistent_config(cfg, bs)
@@ -486,6 +490,25 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
     T = GROUPS * WARPGROUP
     stage16, chunk16, sums, OUT_PER16 = make_staging16(cfg, bs, from_acc)
     STORE_T = int16 if storage == "bfloat16" else types.float16
+    BIAS = bias_kind is not None
+    bias_at = bias_reader(bias_kind, float32)
+
+    @inlined
+    def biased(v, bias, at, step):
+        """4 fp32 values plus the bias's values at, at + step, ... (step 0: one value for all)."""
+        if BIAS:
+            return (v[0] + bias_at(bias, at), v[1] + bias_at(bias, at + step), v[2] + bias_at(bias, at + 2 * step),
+                    v[3] + bias_at(bias, at + 3 * step))
+        return v
+
+    @inlined
+    def add_pair(p, acc, bias, first):
+        """The bias on accumulators 2p and 2p + 1 (`make_staging16`'s columns: first + 8 (q // 2), + 1)."""
+        q = p % (ACC // 2)
+        acc[2 * p] += bias_at(bias, first + 8 * (q // 2))
+        acc[2 * p + 1] += bias_at(bias, first + 8 * (q // 2) + 1)
+
+    add_bias = unrolled(ACC_ALL // 2, add_pair, inline=inlined)
 
     @inlined
     def stage_sources(s, where):
@@ -535,7 +558,7 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
                                                      boxes if SPLIT and cfg.v7_tma else None)
 
     @jit_for(cfg, bs, GROUPS, False)
-    def product_v7(out, workspace, a, w, seg_line, seg_begin, seg_end, seg_slot, other_idx, line_block, n_rows,
+    def product_v7(out, workspace, a, w, bias, seg_line, seg_begin, seg_end, seg_slot, other_idx, line_block, n_rows,
                    a_map, w_map):
         tid = cuda.threadIdx.x
         group, thread = tid // WARPGROUP, tid % WARPGROUP
@@ -585,6 +608,8 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
                     if slot >= 0:  # a segment's fp32 sums, for the combine pass: straight from the registers
                         sums(acc, workspace, slot, row0 + row, 2 * (lane % 4), n_rows)
                     else:
+                        if BIAS:
+                            add_bias(acc, bias, line * bs + 2 * (lane % 4))
                         named_barrier(1, T)  # every thread has read the last tile's staged values
                         stage16(acc, staged16, STAGED16, row, 2 * (lane % 4))
                         named_barrier(1, T)
@@ -640,12 +665,14 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis):
                             for e in range(4):
                                 workspace[slot, row0 + c + e, r] = v[e]
                         else:
+                            v = biased(v, bias, line * bs + r, 0)
                             store4(out, (line * bs + r, row0 + c),
                                    (from_acc(v[0]), from_acc(v[1]), from_acc(v[2]), from_acc(v[3])))
                 elif row0 + r < n_rows:
                     if slot >= 0:
                         store4(workspace, (slot, row0 + r, c), v)
                     else:
+                        v = biased(v, bias, line * bs + c, 1)
                         store4(out, (row0 + r, line * bs + c),
                                (from_acc(v[0]), from_acc(v[1]), from_acc(v[2]), from_acc(v[3])))
 

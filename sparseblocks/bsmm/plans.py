@@ -3,7 +3,8 @@
 A product's plan allocates the output and rewrites three pointers of the recorded launch, after
 replaying the transposed copy of W (`BsmmConfig.v5_transposed_forward`) into a fresh scratch
 array where the call made one. Where the layout's lines are cut into segments, it allocates
-their workspace too and replays the combining launch after the product.
+their workspace too and replays the combining launch after the product; a bias's pointer is
+rewritten where the product (or its combining pass) adds it, or in the launch that adds it after.
 """
 
 from ..runtime import arrays as _arrays
@@ -13,28 +14,32 @@ from ..runtime.launch import replay
 
 class _Plan:
     """pre: the copy's launch (wt, w live) and scratch its (shape, torch dtype), or both None;
-    combine: the combining launch (out, workspace live) and workspace the segments' (shape, torch
-    dtype), or both None (then ``launch`` takes out, a, w; else out, workspace, a, w)."""
-    __slots__ = ("layout", "out_shape", "launch", "pre", "scratch", "combine", "workspace")
+    combine: the combining launch (out, workspace[, bias] live) and workspace the segments'
+    (shape, torch dtype), or both None; post: the launch adding the bias (out, bias), or None.
+    ``launch`` takes out, [workspace,] a, w[, bias where it adds it]; ``adds``: whether it does."""
+    __slots__ = ("layout", "out_shape", "launch", "pre", "scratch", "combine", "workspace", "post", "adds")
 
-    def __init__(self, layout, out_shape, launch, pre, scratch, combine=None, workspace=None):
+    def __init__(self, layout, out_shape, launch, pre, scratch, combine, workspace, post, adds):
         self.layout, self.out_shape, self.launch, self.pre, self.scratch = layout, out_shape, launch, pre, scratch
-        self.combine, self.workspace = combine, workspace
+        self.combine, self.workspace, self.post, self.adds = combine, workspace, post, adds
 
 
-def _plan_key(cfg, a, w, a_pointer, w_pointer, layout, feature_axis, transpose_w, version):
-    """Everything a product call's checks and launch depend on, for torch tensors a and w."""
+def _plan_key(cfg, a, w, a_pointer, w_pointer, layout, feature_axis, transpose_w, version, bias):
+    """Everything a product call's checks and launch depend on, for torch tensors a, w (and bias)."""
     return ("bsmm", cfg, id(layout), feature_axis, transpose_w, version, a.dtype, w.dtype, a.shape, w.shape, a.device,
-            a_pointer % 16, w_pointer % 16)
+            a_pointer % 16, w_pointer % 16, None if bias is None else (bias.dtype, bias.shape, bias.device))
 
 
-def replayed_product(cfg, a, w, layout, feature_axis, transpose_w, version):
+def replayed_product(cfg, a, w, layout, feature_axis, transpose_w, version, bias=None):
     """The product through a kept plan, or None: no plan fits (the general path runs)."""
-    if not (isinstance(a, plans.tensor) and isinstance(w, plans.tensor)) or _arrays._poison_outputs:
+    if not (isinstance(a, plans.tensor) and isinstance(w, plans.tensor)
+            and (bias is None or isinstance(bias, plans.tensor))) or _arrays._poison_outputs:
         return None
     a_pointer, w_pointer = a.data_ptr(), w.data_ptr()
-    plan = plans.kept.get(_plan_key(cfg, a, w, a_pointer, w_pointer, layout, feature_axis, transpose_w, version))
-    if plan is None or plan.layout is not layout or not (a.is_contiguous() and w.is_contiguous()):
+    plan = plans.kept.get(_plan_key(cfg, a, w, a_pointer, w_pointer, layout, feature_axis, transpose_w, version,
+                                    bias))
+    if plan is None or plan.layout is not layout or not (
+            a.is_contiguous() and w.is_contiguous() and (bias is None or bias.is_contiguous())):
         return None
     out = a.new_empty(plan.out_shape)
     stream = _arrays.torch_stream_handle()
@@ -42,36 +47,40 @@ def replayed_product(cfg, a, w, layout, feature_axis, transpose_w, version):
         wt = a.new_empty(plan.scratch[0], dtype=plan.scratch[1])
         plan.pre(stream, wt.data_ptr(), w_pointer)
         w_pointer = wt.data_ptr()
-    if plan.combine is None:
-        if not plan.launch(stream, out.data_ptr(), a_pointer, w_pointer):
-            return None  # (a tensor map could not be made)
-        return out
-    workspace = a.new_empty(plan.workspace[0], dtype=plan.workspace[1])
-    if not plan.launch(stream, out.data_ptr(), workspace.data_ptr(), a_pointer, w_pointer):
-        return None
-    plan.combine(stream, out.data_ptr(), workspace.data_ptr())
+    fused = (bias.data_ptr(),) if plan.adds else ()
+    workspace = None if plan.combine is None else a.new_empty(plan.workspace[0], dtype=plan.workspace[1])
+    held = () if workspace is None else (workspace.data_ptr(),)
+    if not plan.launch(stream, out.data_ptr(), *held, a_pointer, w_pointer, *fused):
+        return None  # (a tensor map could not be made; nothing ran)
+    if workspace is not None:
+        plan.combine(stream, out.data_ptr(), workspace.data_ptr(), *fused)
+    if plan.post is not None:
+        plan.post(stream, out.data_ptr(), bias.data_ptr())
     return out
 
 
-def keep_product_plan(cfg, a, w, layout, feature_axis, transpose_w, version, out_shape, launched):
+def keep_product_plan(cfg, a, w, bias, layout, feature_axis, transpose_w, version, out_shape, launched):
     """After a general-path product of torch tensors: keep its launches for `replayed_product`."""
     if launched is None or a.kind != "torch" or _arrays._poison_outputs:
         return
-    pre, (kernel, grid, threads, args, derived, live), combine = launched
-    plan = replay(kernel, grid, threads, args, derived, live=live)  # (live: out, [workspace,] a and w's positions)
+    pre, (kernel, grid, threads, args, derived, live), combine, post = launched
+    plan = replay(kernel, grid, threads, args, derived, live=live)  # (live: out, [workspace,] a, w[, bias])
+    kept = [None if launch is None else replay(*launch[:5], live=launch[5])
+            for launch in (combine, post)]  # (combine: out, workspace[, bias]; post: out, bias)
     pre_plan = None if pre is None else replay(*pre, live=(0, 1))  # wt, w
-    combine_plan = None if combine is None else replay(*combine, live=(0, 1))  # out, workspace
-    if plan is None or (pre is not None and pre_plan is None) or (combine is not None and combine_plan is None):
+    if plan is None or any(k is None and launch is not None for k, launch in zip([pre_plan] + kept,
+                                                                                  (pre, combine, post))):
         return
     import torch
 
     a_native, w_native = a.native, w.native
     key = _plan_key(cfg, a_native, w_native, a_native.data_ptr(), w_native.data_ptr(), layout, feature_axis,
-                    transpose_w, version)
+                    transpose_w, version, None if bias is None else bias.native)
     scratch = None if pre is None else (tuple(pre[3][0].shape), torch.int32)
     workspace = None if combine is None else (tuple(args[1].shape),
                                               torch.float64 if a.dtype == "float64" else torch.float32)
-    plans.keep(key, _Plan(layout, out_shape, plan, pre_plan, scratch, combine_plan, workspace))
+    adds = bias is not None and post is None
+    plans.keep(key, _Plan(layout, out_shape, plan, pre_plan, scratch, kept[0], workspace, kept[1], adds))
 
 
 # A weight gradient's plan allocates dW (or takes out=) and the N-splits' workspace, and

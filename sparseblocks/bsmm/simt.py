@@ -20,6 +20,7 @@ from .device import (
     activation_io,
     activation_vector_load,
     add_outer_8x8,
+    bias_reader,
     chunk_position,
     converters,
     fitted,
@@ -344,14 +345,17 @@ def make_product_v4(cfg, bs, storage, acc_type, transpose_w, feature_axis, vecto
     return product_v4
 
 
-def make_combine_lines(cfg, bs, storage, acc_type, feature_axis):
-    """out[:, line-block] = sum of the line's workspace rows, in order."""
+def make_combine_lines(cfg, bs, storage, acc_type, feature_axis, bias_kind=None):
+    """out[:, line-block] = sum of the line's workspace rows, in order (plus the bias's values for
+    the line's outputs, ``bias_kind`` its dtype, where the product adds it: version 7)."""
     COMBINE_THREADS = cfg.combine_threads
     _, store = activation_io(feature_axis)
     _, from_acc = converters(storage, acc_type)
+    bias_at = bias_reader(bias_kind, acc_type)
+    BIAS = bias_kind is not None
 
     @cuda.jit
-    def combine_lines(out, workspace, split_line, split_begin, split_end, n_rows):
+    def combine_lines(out, workspace, bias, split_line, split_begin, split_end, n_rows):
         i = cuda.blockIdx.y
         e = cuda.blockIdx.x * COMBINE_THREADS + cuda.threadIdx.x
         if e < n_rows * bs:
@@ -360,6 +364,33 @@ def make_combine_lines(cfg, bs, storage, acc_type, feature_axis):
             total = acc_type(0)
             for slot in range(split_begin[i], split_end[i]):
                 total += workspace[slot, row, col]
+            if BIAS:
+                total += bias_at(bias, split_line[i] * bs + col)
             store(out, row, split_line[i] * bs + col, from_acc(total))
 
     return combine_lines
+
+
+ADD_BIAS_THREADS = 256
+
+
+def make_add_bias(storage, acc_type, feature_axis, bias_kind):
+    """out += bias along the features, for the products that do not add it themselves: one value
+    a thread and step of a grid-stride loop, in the order of out's addresses; the sum rounded
+    once from ``acc_type``."""
+    load, store = activation_io(feature_axis)
+    to_acc, from_acc = converters(storage, acc_type)
+    bias_at = bias_reader(bias_kind, acc_type)
+
+    @cuda.jit
+    def add_bias(out, bias, n_rows):
+        features = bias.shape[0]
+        start, step = cuda.grid(1), cuda.gridsize(1)
+        for e in range(start, n_rows * features, step):
+            if feature_axis == 1:
+                row, k = e // features, e % features
+            else:
+                k, row = e // n_rows, e % n_rows
+            store(out, row, k, from_acc(to_acc(load(out, row, k)) + bias_at(bias, k)))
+
+    return add_bias

@@ -29,13 +29,15 @@ def _result(out, feature_axis, dtype, upcast):
     return out if upcast else out.astype(dtype)
 
 
-def forward(x, w, layout, feature_axis=1, upcast=True):
-    """``y = x · W`` for block-sparse ``W``."""
+def forward(x, w, layout, feature_axis=1, upcast=True, bias=None):
+    """``y = x · W`` for block-sparse ``W``; plus ``bias`` (one value an output feature) if given."""
     x = _as_rows(x, feature_axis, "x")
     bs = layout.block_size
     y = np.zeros((x.shape[0], layout.dense_shape[1]), np.float64)
     for block, (c, k) in enumerate(layout.coords):
         y[:, k * bs:(k + 1) * bs] += x[:, c * bs:(c + 1) * bs].astype(np.float64) @ w[block]
+    if bias is not None:
+        y += np.asarray(bias, np.float64)[None, :]
     return _result(y, feature_axis, np.result_type(x, w), upcast)
 
 

@@ -126,6 +126,30 @@ def check_split_lines(data, block_size, feature_axis, max_segment, version):
     assert_products(y, dx, dw, x, dy, w, layout, feature_axis, dtype)
 
 
+@pytest.mark.parametrize("version", [1, 3, 4] if SIMULATOR else [None, 4])
+@few
+@given(data=st.data(), block_size=st.sampled_from([8, 16] if SIMULATOR else BLOCKS),
+       dtype=st.sampled_from(DTYPE_NAMES), feature_axis=st.sampled_from([1, 0]), split=st.booleans(),
+       fp32_bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_forward_adds_the_bias(data, version, block_size, dtype, feature_axis, split, fp32_bias, seed):
+    """``bias``: one value an output feature, x's dtype or fp32 with 16-bit x, added by the
+    product's epilogue (version 7, the GPU's default at fp16/bf16) or a pass of its own, also
+    where long lines are cut into segments (``split``: at most one block a segment)."""
+    layout, x, _, w = data.draw(problems(block_size, dtype))
+    x = to_axis(x, feature_axis)
+    bias_dtype = "float32" if fp32_bias and dtype in ("float16", "bfloat16") else dtype
+    bias = values(np.random.default_rng(seed), (layout.dense_shape[1],), bias_dtype)
+    with poisoned_outputs():
+        y = bsmm.api._product(bsmm.DEFAULT, x, w, layout, feature_axis, False, version,
+                              max_segment=1 if split else None, bias=bias)
+    assert y.dtype == x.dtype
+    b64 = np.asarray(bias, np.float64)
+    ax, aw = (np.abs(np.asarray(a, np.float64)) for a in (x, w))
+    assert_close(y, reference.forward(x, w, layout, feature_axis, bias=b64), dtype, "forward",
+                 magnitude=reference.forward(ax, aw, layout, feature_axis, bias=np.abs(b64)),
+                 terms=layout.dense_shape[0] + 1)
+
+
 @pytest.mark.parametrize("version", [3, 4])
 @pytest.mark.parametrize("max_segment", [1, 2])
 @few  # (six cases of the earlier versions: two examples each in the simulator)
@@ -554,6 +578,13 @@ def _weight_grad_over(shared):
     (lambda: _weight_grad_over("x"), ValueError, "out: shares memory with x"),
     (lambda: _weight_grad_over("dy"), ValueError, "out: shares memory with dy"),
     (lambda: bsmm.forward(X, W, LAYOUT, version=8), ValueError, "version"),
+    (lambda: bsmm.forward(X, W, LAYOUT, bias=np.ones(23, np.float32)), ValueError, r"bias: expected shape \(24,\)"),
+    (lambda: bsmm.forward(X, W, LAYOUT, bias=np.ones((1, 24), np.float32)), ValueError, "bias: expected shape"),
+    (lambda: bsmm.forward(X, W, LAYOUT, bias=np.ones(24)), TypeError, r"bias: expected dtype in \['float32'\]"),
+    (lambda: bsmm.forward(X.astype(np.float16), W.astype(np.float16), LAYOUT, bias=np.ones(24)), TypeError,
+     r"bias: expected dtype in \['float16', 'float32'\]"),
+    (lambda: bsmm.forward(X, W, LAYOUT, bias=cuda.to_device(np.ones(24, np.float32))), TypeError, "one kind"),
+    (lambda: bsmm.forward(X, W, LAYOUT, bias=[1.0] * 24), TypeError, "bias: expected a NumPy array"),
     (lambda: bsmm.transpose_blocks(W.astype(np.float64), LAYOUT), TypeError, "w: expected dtype"),
     (lambda: bsmm.transpose_blocks(W[:5], LAYOUT), ValueError, "w: expected shape"),
     (lambda: bsmm.transpose_blocks(misaligned(W.astype(np.float16)), LAYOUT), ValueError, "4-byte aligned"),
@@ -662,7 +693,8 @@ SEGMENTED = BlockLayout(np.eye(8, dtype=bool)[0][:, None] | np.eye(8, dtype=bool
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_segmented_products_replay_a_kept_plan(dtype, monkeypatch):
     """Products whose lines are cut into segments keep a plan too (the segments' workspace and the
-    combining launch with it), and its replays give the reference's results."""
+    combining launch with it; the forward with an fp32 bias too), and its replays give the
+    reference's results."""
     torch = pytest.importorskip("torch")
     from sparseblocks.bsmm.dispatch import product_schedule
 
@@ -673,17 +705,20 @@ def test_segmented_products_replay_a_kept_plan(dtype, monkeypatch):
     original = bsmm.api.replayed_product
     monkeypatch.setattr(bsmm.api, "replayed_product", lambda *a: replayed.append(original(*a)) or replayed[-1])
     w = torch.randn(SEGMENTED.w_shape, device="cuda", dtype=tdtype)
+    bias = torch.randn(256, device="cuda", dtype=torch.float32)
     for _ in range(3):
         x = torch.randn(130, 256, device="cuda", dtype=tdtype)
         x64, w64 = x.double().cpu().numpy(), w.double().cpu().numpy()
         assert_close(bsmm.forward(x, w, SEGMENTED).double().cpu().numpy(), reference.forward(x64, w64, SEGMENTED),
                      dtype)
+        assert_close(bsmm.forward(x, w, SEGMENTED, bias=bias).double().cpu().numpy(),
+                     reference.forward(x64, w64, SEGMENTED, bias=bias.double().cpu().numpy()), dtype)
         dy = torch.randn(130, 256, device="cuda", dtype=tdtype)
         dy64 = dy.double().cpu().numpy()
         assert_close(bsmm.input_grad(dy, w, SEGMENTED).double().cpu().numpy(),
                      reference.input_grad(dy64, w64, SEGMENTED), dtype)
-    assert len(plans.kept) == 2 and all(plan.combine is not None for plan in plans.kept.values())
-    assert sum(r is not None for r in replayed) == 4
+    assert len(plans.kept) == 3 and all(plan.combine is not None for plan in plans.kept.values())
+    assert sum(r is not None for r in replayed) == 6
 
 
 @pytest.mark.gpu
@@ -792,6 +827,37 @@ def test_segmented_plans_replay_the_workspace_and_the_combining_launch(monkeypat
     (product, combine) = launches
     assert product[0] == combine[0] == y.data_ptr() and product[1] == combine[1]
     assert product[2:] == (x.data_ptr(), w.data_ptr()) and y.shape == (6, 256)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="fakes the driver launch; the GPU test above runs the real one")
+def test_plans_replay_the_bias_where_it_is_added(monkeypatch):
+    """Plan bookkeeping with the launch faked, a bias the product does not add itself (the
+    simulator's versions): a replay launches the product with (out, x, w), then the bias's pass
+    with (out, bias); lines cut into segments put the combining pass between. Another bias dtype
+    is refused by the checks; a call without a bias takes a plan of its own."""
+    torch = pytest.importorskip("torch")
+    from sparseblocks.runtime import arrays as _arrays
+
+    launches = []
+    monkeypatch.setattr(plans, "kept", {})
+    monkeypatch.setattr(bsmm.plans, "replay", lambda *args, live: lambda stream, *pointers: launches.append(pointers)
+                        or True)
+    monkeypatch.setattr(_arrays, "torch_stream_handle", lambda: 0)
+    for layout, features in ((BlockLayout.random((2, 2), 0.5, seed=3, block_size=16), 32), (SEGMENTED, 256)):
+        launches.clear()
+        w = torch.randn(layout.w_shape)
+        bias = torch.randn(layout.dense_shape[1])
+        bsmm.forward(torch.randn(6, features), w, layout, bias=bias)  # the general path keeps a plan
+        assert not launches
+        x = torch.randn(6, features)
+        y = bsmm.forward(x, w, layout, bias=bias)
+        assert launches[0][0] == y.data_ptr() and launches[0][-2:] == (x.data_ptr(), w.data_ptr())
+        assert launches[-1] == (y.data_ptr(), bias.data_ptr()) and len(launches) == (3 if layout is SEGMENTED else 2)
+    kept = len(plans.kept)
+    with pytest.raises(TypeError, match="bias: expected dtype"):  # (the checks still run: no plan takes it)
+        bsmm.forward(x, w, SEGMENTED, bias=bias.double())
+    bsmm.forward(x, w, SEGMENTED)
+    assert len(plans.kept) == kept + 1
 
 
 @pytest.mark.gpu

@@ -408,6 +408,39 @@ def test_hopper_producer_runs_in_the_simulator(monkeypatch, feature_axis, tma, s
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
+@pytest.mark.parametrize("feature_axis, max_segment, persistent", [(1, None, False), (0, 1, False), (1, 1, True)])
+def test_hopper_epilogue_adds_the_bias_in_the_simulator(monkeypatch, feature_axis, max_segment, persistent):
+    """A bias added by version 7's epilogue before rounding (an fp32 bias to fp16 outputs, a bf16
+    one to bf16): from the staged fp32 tile, from the registers before a persistent product's
+    16-bit staging, or by the combining pass where a line is cut into segments; no other launch."""
+    from sparseblocks.bsmm import dispatch
+    from sparseblocks.reference import bsmm as reference
+    from strategies import assert_close
+
+    monkeypatch.setattr(dispatch, "hopper", lambda: True)
+    if persistent:
+        cfg = replace(bsmm.DEFAULT, v7_groups={64: 1}, v7_tiles={64: 1}, v7_producer=True, v7_persistent={64: 3})
+        layout, n, dtype, bias_dtype = BlockLayout(np.ones((3, 2)), 64), 72, "bfloat16", "bfloat16"
+    else:
+        cfg = replace(bsmm.DEFAULT, v7_groups={64: 1}, v7_tiles={64: 1}, v7_stages={64: 3})
+        layout, n, dtype, bias_dtype = BlockLayout(np.ones((2, 1)), 64), 8, "float16", "float32"
+    rng = np.random.default_rng(6)
+    C, K = layout.dense_shape
+    x, w = values(rng, (n, C), dtype), values(rng, layout.w_shape, dtype)
+    bias = values(rng, (K,), bias_dtype)
+    made = []
+    original = dispatch.cached
+    monkeypatch.setattr(dispatch, "cached", lambda maker, *key: made.append(maker.__name__) or original(maker, *key))
+    with poisoned_outputs():
+        y = bsmm.api._product(cfg, to_axis(x, feature_axis), w, layout, feature_axis, False, 7,
+                              max_segment=max_segment, bias=bias)
+    assert "make_add_bias" not in made and "make_product_v7" in made
+    got = np.asarray(y) if feature_axis == 1 else np.asarray(y).T
+    assert_close(got, reference.forward(x, w, layout, bias=np.asarray(bias, np.float64)), dtype, "forward",
+                 terms=C + 1)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
 @pytest.mark.parametrize("max_segment", [None, 1])
 def test_hopper_persistent_product_runs_in_the_simulator(monkeypatch, max_segment):
     """``v7_persistent``: the simulator's one multiprocessor runs one thread block, which walks all
