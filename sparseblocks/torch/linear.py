@@ -149,23 +149,25 @@ class BlockSparseLinear(nn.Module):
                              f"got shape {tuple(input.shape)}")
         x = input.reshape(-1, self.in_features)
         w, bias = self.weight, self.bias
+        on_cpu = cpu.takes(x)
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             x = x.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-            if w.dtype != torch.float32 or cpu.takes(x):  # (the kernels take an fp32 weight as it is:
-                w = w.to(dtype)                            # its gradient comes back fp32 from them)
+            # (the kernels take an fp32 weight and bias as they are: their gradients come back fp32)
+            if w.dtype != torch.float32 or on_cpu:
+                w = w.to(dtype)
+            if bias is not None and (bias.dtype != torch.float32 or on_cpu):
+                bias = bias.to(dtype)
         elif x.dtype != w.dtype:
             raise TypeError(f"input: expected dtype {w.dtype} (the weight's), got {x.dtype}")
         x = x.contiguous()
-        if cpu.takes(x):
+        if on_cpu:
             y = cpu.product(x, w, self.block_coords, tuple(self.block_mask.shape))
-        else:
-            y = ops.product(x, w, self._layout_key)
+            y = y if bias is None else y + bias
+        else:  # (the kernels add the bias: version 7 before rounding its output)
+            y = ops.product(x, w, self._layout_key, bias)
         if self._grow_scores_wanted and y.requires_grad:
             y.register_hook(self._keep_grow_scores(x))
-        if bias is not None:
-            y = y + bias
         return y.reshape(*input.shape[:-1], self.out_features)
 
     def _keep_grow_scores(self, x):

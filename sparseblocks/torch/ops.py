@@ -13,6 +13,7 @@ new layout (after `BlockRegrowth` moves blocks) is a new graph. `layout_of` turn
 
 import base64
 from collections import OrderedDict
+from typing import Optional
 
 import numpy as np
 import torch
@@ -59,9 +60,10 @@ def _compute_weight(w, x):
 
 
 @torch.library.custom_op("sparseblocks::bsmm_forward", mutates_args=())
-def bsmm_forward(x: torch.Tensor, w: torch.Tensor, layout: str) -> torch.Tensor:
-    """``y = x · W``: x (N, C) -> (N, K); W in x's dtype, or fp32 with fp16 or bf16 x."""
-    return bsmm.forward(x, _compute_weight(w, x), layout_of(layout))
+def bsmm_forward(x: torch.Tensor, w: torch.Tensor, layout: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y = x · W (+ bias)``: x (N, C) -> (N, K); W and the bias in x's dtype, or fp32 with fp16 or
+    bf16 x (the bias added before the output is rounded where the kernel adds it)."""
+    return bsmm.forward(x, _compute_weight(w, x), layout_of(layout), bias=bias)
 
 
 @torch.library.custom_op("sparseblocks::bsmm_input_grad", mutates_args=())
@@ -81,7 +83,7 @@ def _weight_grad(x, dy, layout, dtype):
 
 
 @bsmm_forward.register_fake
-def _(x, w, layout):
+def _(x, w, layout, bias=None):
     return x.new_empty((x.shape[0], layout_of(layout).dense_shape[1]))
 
 
@@ -96,14 +98,17 @@ def _(x, dy, layout, dtype):
 
 
 def _setup_forward(ctx, inputs, output):
-    x, w, layout = inputs
+    x, w, layout = inputs[:3]
+    bias = inputs[3] if len(inputs) > 3 else None
     ctx.save_for_backward(x, w)
     ctx.layout = layout
+    ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _gradients(ctx, dy, input_grad, weight_grad):
-    """(dx, dw, None) of ``y = x · W`` through the given input and weight gradient functions; dw
-    in W's dtype (an fp32 master weight's comes from the kernel's fp32 sums)."""
+    """(dx, dw, None, dbias) of ``y = x · W + bias`` through the given input and weight gradient
+    functions; dw in W's dtype (an fp32 master weight's comes from the kernel's fp32 sums), dbias
+    the sum of dy's rows in the bias's dtype (summed in fp32 or wider)."""
     x, w = ctx.saved_tensors
     dy = dy.contiguous()
     dx = input_grad(dy, _compute_weight(w, x), ctx.layout) if ctx.needs_input_grad[0] else None
@@ -112,7 +117,10 @@ def _gradients(ctx, dy, input_grad, weight_grad):
         direct = w.dtype in (x.dtype, torch.float32)  # (the kernel stores these; another cast after it)
         dw = weight_grad(x, dy, ctx.layout, w.dtype if direct else x.dtype)
         dw = dw if direct else dw.to(w.dtype)
-    return dx, dw, None
+    dbias = None
+    if ctx.bias_dtype is not None and len(ctx.needs_input_grad) > 3 and ctx.needs_input_grad[3]:
+        dbias = dy.sum(0, dtype=torch.promote_types(ctx.bias_dtype, torch.float32)).to(ctx.bias_dtype)
+    return dx, dw, None, dbias
 
 
 def _backward_forward(ctx, dy):
@@ -127,9 +135,9 @@ class _Product(torch.autograd.Function):
     call): what an eager call runs (`product`)."""
 
     @staticmethod
-    def forward(ctx, x, w, layout):
-        _setup_forward(ctx, (x, w, layout), None)
-        return bsmm.forward(x, _compute_weight(w, x), layout_of(layout))
+    def forward(ctx, x, w, layout, bias):
+        _setup_forward(ctx, (x, w, layout, bias), None)
+        return bsmm.forward(x, _compute_weight(w, x), layout_of(layout), bias=bias)
 
     @staticmethod
     def backward(ctx, dy):
@@ -137,11 +145,12 @@ class _Product(torch.autograd.Function):
                           _weight_grad)
 
 
-def product(x, w, layout):
-    """``x · W`` with autograd: the custom op where torch.compile traces, else its eager twin. W in
-    x's dtype, or an fp32 master weight with fp16 or bf16 x (cast inside; dW comes back fp32)."""
+def product(x, w, layout, bias=None):
+    """``x · W (+ bias)`` with autograd: the custom op where torch.compile traces, else its eager
+    twin. W and the bias in x's dtype, or fp32 master copies with fp16 or bf16 x (W cast inside,
+    the bias added as it is; their gradients come back fp32)."""
     if torch.compiler.is_compiling():
-        return bsmm_forward(x, w, layout)
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        return _Product.apply(x, w, layout)
-    return bsmm.forward(x, _compute_weight(w, x), layout_of(layout))
+        return bsmm_forward(x, w, layout, bias)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
+        return _Product.apply(x, w, layout, bias)
+    return bsmm.forward(x, _compute_weight(w, x), layout_of(layout), bias=bias)

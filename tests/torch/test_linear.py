@@ -96,8 +96,9 @@ def test_autocast_runs_the_products_in_the_autocast_dtype():
 
 
 def test_autocast_weight_gradient_comes_from_the_kernels_fp32_sums(cpu_path):
-    """Under autocast the kernels take the fp32 weight as it is and store its gradient from their
-    fp32 sums (OpenAI's dw_dtype): no 16-bit rounding between them and the parameter."""
+    """Under autocast the kernels take the fp32 weight and bias as they are and store the weight's
+    gradient from their fp32 sums (OpenAI's dw_dtype), the bias's summed in fp32: no 16-bit
+    rounding between them and the parameters."""
     if cpu_path == "torch":
         pytest.skip("the CPU path casts the weight, as torch's own layers do under autocast")
     layer = BlockSparseLinear(16, 8, density=0.5, block_size=8, device=DEVICE)
@@ -108,8 +109,11 @@ def test_autocast_weight_gradient_comes_from_the_kernels_fp32_sums(cpu_path):
     dy = torch.randn_like(y)
     y.backward(dy)
     want = blocks_of(layer, (x.to(dtype).double().t() @ dy.double()).t())
-    assert layer.weight.grad.dtype == torch.float32
+    assert layer.weight.grad.dtype == torch.float32 and layer.bias.grad.dtype == torch.float32
     torch.testing.assert_close(layer.weight.grad.double(), want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.bias.grad.double(), dy.double().sum(0), rtol=1e-6, atol=1e-6)
+    want = x.to(dtype).double() @ layer.to_dense().to(dtype).double().t() + layer.bias.detach().double()
+    torch.testing.assert_close(y.double(), want, rtol=1e-2, atol=1e-2)
 
 
 def test_init_is_scaled_to_the_density():
@@ -314,3 +318,19 @@ def assert_compiles_as_eager(model, x, backend):
     want = torch.autograd.grad(model(x_eager).sum(), (x_eager, model[0].weight))
     for got, expected in zip(grads, want):
         torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_product_op_passes_opcheck(bias, cpu_path):
+    """The forward's custom op (with and without the bias it adds) against torch's own checks:
+    schema, fake kernel, autograd registration and dispatch."""
+    if cpu_path == "torch":
+        pytest.skip("the custom op runs the kernels")
+    from sparseblocks.layout import BlockLayout
+    from sparseblocks.torch import ops
+
+    layout = BlockLayout.random((2, 3), 0.5, seed=2, block_size=8)
+    x = torch.randn(5, 16, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(layout.w_shape, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(24, device=DEVICE, dtype=torch.float64, requires_grad=True) if bias else None
+    torch.library.opcheck(ops.bsmm_forward, (x, w, ops.layout_key(layout), b))
