@@ -125,15 +125,16 @@ def _index(layout, name, stream):
     return _on_device(layout, name, getattr(layout, name), stream)
 
 
-_unused = {}
+_stand_ins = {}
 
 
-def _unused_workspace(dtype):
-    """A one-element stand-in for a workspace a launch does not write (shared, read by no one)."""
-    key = (dtype, active())
-    if key not in _unused:
-        _unused[key] = cuda.device_array((1, 1, 1), dtype)
-    return _unused[key]
+def _stand_in(shape, dtype):
+    """A small array for an argument a launch does not use (a workspace without segments, a bias
+    without one): shared, read and written by no one."""
+    key = (shape, dtype, active())
+    if key not in _stand_ins:
+        _stand_ins[key] = cuda.device_array(shape, dtype)
+    return _stand_ins[key]
 
 
 def segment_limit(layout, axis, cfg=DEFAULT):
@@ -235,13 +236,13 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
     bs = layout.block_size
     slots, indices, combine_indices = product_schedule(cfg, layout, transpose_w, max_segment, stream)
     acc = "float64" if a.dtype == "float64" else "float32"
-    workspace = a.scratch((slots, n_rows, bs), acc, stream) if slots else _unused_workspace(acc)
+    workspace = a.scratch((slots, n_rows, bs), acc, stream) if slots else _stand_in((1, 1, 1), acc)
     a_device, w_device = a.device(stream), w.device(stream)
     pre = None  # a launch before the product's (V5_TRANSPOSED_FORWARD's copy)
     family = product_family(cfg, version, bs, a.dtype, tiles_fit((a_device, w_device), n_rows, feature_axis))
     maps, makers = (), ()
     bias_kind = None if bias is None else bias.dtype
-    bias_device = _unused_bias() if bias is None else bias.device(stream)
+    bias_device = _stand_in((1,), "float32") if bias is None else bias.device(stream)
     fused = family == 7 and bias is not None  # (version 7 adds it in its epilogue and combining pass)
     if family == 7:
         cfg = v7_config(cfg, layout, transpose_w)
@@ -303,14 +304,6 @@ def launch_add_bias(out, bias, storage, bias_kind, n_rows, feature_axis, stream)
     args = (out, bias, n_rows)
     launch(kernel, grid, ADD_BIAS_THREADS, stream, args)
     return kernel, grid, ADD_BIAS_THREADS, args, (), (0, 1)
-
-
-def _unused_bias():
-    """A one-element fp32 stand-in for the bias of a call without one."""
-    key = ("bias", active())
-    if key not in _unused:
-        _unused[key] = cuda.device_array((1,), "float32")
-    return _unused[key]
 
 
 def tma_maps(cfg, bs, weight_grad, a, b, n_rows, feature_axis, transpose_w, stream):
@@ -542,7 +535,7 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
     acc = "float64" if x.dtype == "float64" else "float32"
     # A workspace of one split tells the kernel to finish in place (no combine pass).
     workspace = x.scratch((splits, layout.n_blocks, bs * bs), acc, stream) if splits > 1 \
-        else _unused_workspace(acc)
+        else _stand_in((1, 1, 1), acc)
     if v6 or v7:
         maker, threads = ((make_weight_grad_v7, v7_threads(cfg, bs, kind)) if v7
                           else (make_weight_grad_v6, v6_threads(cfg, bs, weight_grad=True)))
