@@ -130,8 +130,8 @@ def converters(storage, acc_type):
 
 def bias_reader(kind, acc_type):
     """``bias_at(bias, i)``: bias[i] as an ``acc_type`` value, ``kind`` the bias's dtype name (bf16
-    as its int16 bits); with ``kind`` None (no bias: ``bias`` a stand-in) 0, which the kernels' own
-    ``kind is not None`` test keeps them from adding."""
+    as its int16 bits). With ``kind`` None (no bias, ``bias`` a stand-in) it gives 0, for typing
+    only: a kernel made without a bias adds nothing."""
     if kind is None:
 
         @cuda.jit(device=True, inline=True)

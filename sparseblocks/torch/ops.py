@@ -118,7 +118,7 @@ def _gradients(ctx, dy, input_grad, weight_grad):
         dw = weight_grad(x, dy, ctx.layout, w.dtype if direct else x.dtype)
         dw = dw if direct else dw.to(w.dtype)
     dbias = None
-    if ctx.bias_dtype is not None and len(ctx.needs_input_grad) > 3 and ctx.needs_input_grad[3]:
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
         dbias = dy.sum(0, dtype=torch.promote_types(ctx.bias_dtype, torch.float32)).to(ctx.bias_dtype)
     return dx, dw, None, dbias
 
