@@ -768,21 +768,29 @@ def test_tensors_on_another_device_are_refused(monkeypatch):
         bsmm.forward(x, torch.randn(LAYOUT.w_shape, device="cuda"), LAYOUT)
 
 
-@pytest.mark.skipif(not SIMULATOR, reason="fakes the driver launch; the GPU test above runs the real one")
-@pytest.mark.parametrize("transposed", [False, True])
-def test_kept_plans_are_keyed_by_what_the_checks_see(configure, monkeypatch, transposed):
-    """Plan bookkeeping with the launch faked: a call like the first replays with the new
-    pointers (`transposed`: the copy of W into a fresh scratch array first, then the product
-    over it); another shape, alignment, layout or a non-contiguous view does not."""
-    torch = pytest.importorskip("torch")
+@pytest.fixture
+def faked_launches(monkeypatch):
+    """Kept plans whose replays record the pointers each launch gets (in a list, returned) instead
+    of launching, as the driver would: empty plans to start with."""
     from sparseblocks.runtime import arrays as _arrays
 
     launches = []
     monkeypatch.setattr(plans, "kept", {})
-    configure(bsmm, v5_transposed_forward={(16, "float32"): 1} if transposed else {})
     monkeypatch.setattr(bsmm.plans, "replay",  # (a replay that launched says so: True)
                         lambda *args, live: lambda stream, *pointers: launches.append(pointers) or True)
     monkeypatch.setattr(_arrays, "torch_stream_handle", lambda: 0)
+    return launches
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="fakes the driver launch; the GPU test above runs the real one")
+@pytest.mark.parametrize("transposed", [False, True])
+def test_kept_plans_are_keyed_by_what_the_checks_see(configure, faked_launches, transposed):
+    """Plan bookkeeping with the launch faked: a call like the first replays with the new
+    pointers (`transposed`: the copy of W into a fresh scratch array first, then the product
+    over it); another shape, alignment, layout or a non-contiguous view does not."""
+    torch = pytest.importorskip("torch")
+    launches = faked_launches
+    configure(bsmm, v5_transposed_forward={(16, "float32"): 1} if transposed else {})
     layout = BlockLayout.random((2, 2), 0.5, seed=3, block_size=16)
     w = torch.randn(layout.w_shape)
     bsmm.forward(torch.randn(6, 32), w, layout)  # the general path keeps a plan
@@ -807,18 +815,12 @@ def test_kept_plans_are_keyed_by_what_the_checks_see(configure, monkeypatch, tra
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="fakes the driver launch; the GPU test above runs the real one")
-def test_segmented_plans_replay_the_workspace_and_the_combining_launch(monkeypatch):
+def test_segmented_plans_replay_the_workspace_and_the_combining_launch(faked_launches):
     """Plan bookkeeping with the launch faked, lines cut into segments: a replay launches the
     product with (out, a fresh workspace, x, w), then the combining launch with (out, that
     workspace)."""
     torch = pytest.importorskip("torch")
-    from sparseblocks.runtime import arrays as _arrays
-
-    launches = []
-    monkeypatch.setattr(plans, "kept", {})
-    monkeypatch.setattr(bsmm.plans, "replay", lambda *args, live: lambda stream, *pointers: launches.append(pointers)
-                        or True)
-    monkeypatch.setattr(_arrays, "torch_stream_handle", lambda: 0)
+    launches = faked_launches
     w = torch.randn(SEGMENTED.w_shape)
     bsmm.forward(torch.randn(6, 256), w, SEGMENTED)  # the general path keeps a plan
     (plan,) = plans.kept.values()
@@ -831,19 +833,13 @@ def test_segmented_plans_replay_the_workspace_and_the_combining_launch(monkeypat
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="fakes the driver launch; the GPU test above runs the real one")
-def test_plans_replay_the_bias_where_it_is_added(monkeypatch):
+def test_plans_replay_the_bias_where_it_is_added(faked_launches):
     """Plan bookkeeping with the launch faked, a bias the product does not add itself (the
     simulator's versions): a replay launches the product with (out, x, w), then the bias's pass
     with (out, bias); lines cut into segments put the combining pass between. Another bias dtype
     is refused by the checks; a call without a bias takes a plan of its own."""
     torch = pytest.importorskip("torch")
-    from sparseblocks.runtime import arrays as _arrays
-
-    launches = []
-    monkeypatch.setattr(plans, "kept", {})
-    monkeypatch.setattr(bsmm.plans, "replay", lambda *args, live: lambda stream, *pointers: launches.append(pointers)
-                        or True)
-    monkeypatch.setattr(_arrays, "torch_stream_handle", lambda: 0)
+    launches = faked_launches
     for layout, features in ((BlockLayout.random((2, 2), 0.5, seed=3, block_size=16), 32), (SEGMENTED, 256)):
         launches.clear()
         w = torch.randn(layout.w_shape)
