@@ -84,13 +84,19 @@ def _check_activation(op, features, feature_axis, what):
     return op.shape[1 - feature_axis]
 
 
+def _own_or_fp32(dtype):
+    """The dtypes a bias or dW may take beside activations of ``dtype``: its own, and fp32 for
+    16-bit ones."""
+    return (dtype, "float32") if dtype in ("float16", "bfloat16") else (dtype,)
+
+
 def _check_bias(bias, a, out_features):
     """The bias as an Operand (one value an output feature: a's dtype, or fp32 with 16-bit a), or None."""
     if bias is None:
         return None
     op = Operand(bias, "bias")
     check_same_kind((a, op))
-    allowed = (a.dtype, "float32") if a.dtype in ("float16", "bfloat16") else (a.dtype,)
+    allowed = _own_or_fp32(a.dtype)
     if op.dtype not in allowed:
         raise TypeError(f"bias: expected dtype in {list(allowed)} ({a.name} is {a.dtype}), got {op.dtype}")
     check_shape(op, (out_features,))
@@ -147,7 +153,7 @@ def input_grad(dy: Array, w: Array, layout: BlockLayout, feature_axis: int = 1, 
 def _weight_grad_dtype(x, out, out_dtype):
     """dW's dtype: x's, or fp32 from 16-bit x (``out_dtype``, or an fp32 ``out``)."""
     wanted = out_dtype if out_dtype is not None else (x.dtype if out is None else out.dtype)
-    allowed = (x.dtype, "float32") if x.dtype in ("float16", "bfloat16") else (x.dtype,)
+    allowed = _own_or_fp32(x.dtype)
     if out_dtype is not None and out is not None and out.dtype != out_dtype:
         raise ValueError(f"out: expected out_dtype {out_dtype}, got {out.dtype}")
     if wanted not in allowed:

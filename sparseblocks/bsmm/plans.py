@@ -65,11 +65,11 @@ def keep_product_plan(cfg, a, w, bias, layout, feature_axis, transpose_w, versio
         return
     pre, (kernel, grid, threads, args, derived, live), combine, post = launched
     plan = replay(kernel, grid, threads, args, derived, live=live)  # (live: out, [workspace,] a, w[, bias])
-    kept = [None if launch is None else replay(*launch[:5], live=launch[5])
-            for launch in (combine, post)]  # (combine: out, workspace[, bias]; post: out, bias)
     pre_plan = None if pre is None else replay(*pre, live=(0, 1))  # wt, w
-    if plan is None or any(k is None and launch is not None for k, launch in zip([pre_plan] + kept,
-                                                                                  (pre, combine, post))):
+    combine_plan = None if combine is None else replay(*combine[:5], live=combine[5])  # out, workspace[, bias]
+    post_plan = None if post is None else replay(*post[:5], live=post[5])  # out, bias
+    if plan is None or any(launch is not None and kept is None
+                           for launch, kept in ((pre, pre_plan), (combine, combine_plan), (post, post_plan))):
         return
     import torch
 
@@ -80,7 +80,7 @@ def keep_product_plan(cfg, a, w, bias, layout, feature_axis, transpose_w, versio
     workspace = None if combine is None else (tuple(args[1].shape),
                                               torch.float64 if a.dtype == "float64" else torch.float32)
     adds = bias is not None and post is None
-    plans.keep(key, _Plan(layout, out_shape, plan, pre_plan, scratch, kept[0], workspace, kept[1], adds))
+    plans.keep(key, _Plan(layout, out_shape, plan, pre_plan, scratch, combine_plan, workspace, post_plan, adds))
 
 
 # A weight gradient's plan allocates dW (or takes out=) and the N-splits' workspace, and

@@ -127,17 +127,26 @@ class _LearnedQuantizers(torch.nn.Module):
             codes, _ = encode(x, a, self.signed_activations)
             self.a_basis.copy_(basis_update(x, codes, a, self.signed_activations, 0.0, self.momentum)[0])
 
+    def _kept(self, name, key, make):
+        """``make()``; with ``keep_packed`` the value kept under ``name`` while ``key`` (what torch
+        sees of its inputs: version counters, addresses, dtypes) stays the same."""
+        kept = getattr(self, name, None)
+        if not self.keep_packed or kept is None or kept[0] != key:
+            kept = (key, make())
+            setattr(self, name, kept)
+        return kept[1]
+
     def _activation_tables(self):
         """The packing kernels' (thresholds, codes, basis) of the activations, made on the device
         (no host sync). With ``keep_packed`` they are kept until the basis changes as torch sees
-        it (its version counter, address and dtype; in training each call's refit changes it)."""
-        key = (self.a_basis._version, self.a_basis.data_ptr(), self.a_basis.dtype, self.signed_activations)
-        kept = getattr(self, "_kept_tables", None)
-        if not self.keep_packed or kept is None or kept[0] != key:
+        it (in training each call's refit changes it)."""
+        def make():
             a_basis = self.a_basis[None].float().contiguous()  # (a layer moved to fp16 moved its bases too)
             _, a_order, a_thresholds = levels(a_basis, self.signed_activations)
-            kept = self._kept_tables = (key, (a_thresholds.contiguous(), a_order.contiguous(), a_basis))
-        return kept[1]
+            return a_thresholds.contiguous(), a_order.contiguous(), a_basis
+
+        key = (self.a_basis._version, self.a_basis.data_ptr(), self.a_basis.dtype, self.signed_activations)
+        return self._kept("_kept_tables", key, make)
 
     def _fp32_bias(self):
         """The bias as the products add it (fp32, contiguous), or None; with ``keep_packed`` kept
@@ -145,27 +154,23 @@ class _LearnedQuantizers(torch.nn.Module):
         if self.bias is None:
             return None
         key = (self.bias._version, self.bias.data_ptr(), self.bias.dtype)
-        kept = getattr(self, "_kept_bias", None)
-        if not self.keep_packed or kept is None or kept[0] != key:
-            kept = self._kept_bias = (key, self.bias.detach().float().contiguous())
-        return kept[1]
+        return self._kept("_kept_bias", key, lambda: self.bias.detach().float().contiguous())
 
     def _packed_weight(self, pack):
         """The weight's bit planes, ``pack(w, thresholds, codes, basis)``'s. With ``keep_packed``
-        they are kept until the weight or its basis changes as torch sees it (their version
-        counters, addresses and dtypes), so that an inference call quantizes and packs its
-        activations only; a change made through ``.data`` is not seen: call `repack`."""
-        key = (self.weight._version, self.w_basis._version, self.weight.data_ptr(), self.w_basis.data_ptr(),
-               self.weight.dtype)
-        kept = getattr(self, "_weight_planes", None)
-        if not self.keep_packed or kept is None or kept[0] != key:
+        they are kept until the weight or its basis changes as torch sees it, so that an inference
+        call quantizes and packs its activations only; a change made through ``.data`` is not
+        seen: call `repack`."""
+        def make():
             w_basis = self.w_basis.float().contiguous()
             _, w_order, w_thresholds = levels(w_basis, True)
             w = self.weight.detach().contiguous()
             w = w.float() if w.dtype not in (torch.float16, torch.float32) else w
-            kept = self._weight_planes = (key, pack(Operand(w, "weight"), w_thresholds.contiguous(),
-                                                    w_order.contiguous(), w_basis))
-        return kept[1]
+            return pack(Operand(w, "weight"), w_thresholds.contiguous(), w_order.contiguous(), w_basis)
+
+        key = (self.weight._version, self.w_basis._version, self.weight.data_ptr(), self.w_basis.data_ptr(),
+               self.weight.dtype)
+        return self._kept("_weight_planes", key, make)
 
     def repack(self):
         """Drop the kept bit planes of the weight (``keep_packed``), the activations' tables and
