@@ -23,7 +23,7 @@ import argparse
 
 import numpy as np
 
-from benchmarks.common import (Record, baseline_ms, device_name, merged_records, print_table, queued_ms, time_ms,
+from benchmarks.common import (Record, baseline_ms, device_name, merge_runs, print_table, queued_ms, time_ms,
                                write_results)
 
 N, C, HW, G = 32, 256, 56, 32
@@ -62,9 +62,7 @@ def main():
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
     if args.merge:
-        records, device = merged_records(args.merge, lambda name, params: (name, *sorted(params.items())))
-        print_table(records, "block-sparse convolution (merged)")
-        write_results("conv", records, device, **({"directory": args.out_dir} if args.out_dir else {}))
+        merge_runs("conv", args.merge, args.out_dir)
         return
 
     import torch

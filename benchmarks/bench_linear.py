@@ -26,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import Record, baseline_ms, device_name, graph_ms, print_table, time_ms, write_results  # noqa: E402
+from benchmarks.common import (Record, baseline_ms, device_name, graph_ms, merge_runs, print_table, time_ms,  # noqa: E402
+                               write_results)
 
 
 MODELS = {  # widths from input to output, rows
@@ -210,8 +211,13 @@ def main():
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--block-sizes", default=None, help="comma-separated (default: 32,64,128)")
     parser.add_argument("--densities", default=None, help="comma-separated (default: 0.05,0.1,0.25,0.5)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="only merge these runs' JSON files (a later one's case replaces an earlier one's)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
+    if args.merge:
+        merge_runs("linear", args.merge, args.out_dir)
+        return
 
     import torch
 

@@ -19,7 +19,7 @@ import argparse
 
 import numpy as np
 
-from benchmarks.common import Record, copy_ms, device_name, graph_ms, print_table, write_results
+from benchmarks.common import Record, copy_ms, device_name, graph_ms, merge_runs, print_table, write_results
 
 SIZE = 4096
 BITS = {"W1A1": (1, 1), "W2A2": (2, 2), "W4A4": (4, 4)}
@@ -99,8 +99,13 @@ def layers(torch, args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="W1A1 and W2A2 only, one density")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="only merge these runs' JSON files (a later one's case replaces an earlier one's)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
+    if args.merge:
+        merge_runs("quant", args.merge, args.out_dir)
+        return
 
     import torch
 

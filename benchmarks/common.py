@@ -229,6 +229,15 @@ def merged_records(paths, case, flops=None):
     return list(records.values()), device
 
 
+def merge_runs(bench, paths, out_dir=None):
+    """Merge runs' JSON files into `<bench>.json` and `.md` (a later file's record of a case, its
+    name and every param, replaces an earlier one's): the ``--merge`` of benchmarks whose runs
+    are split by their options."""
+    records, device = merged_records(paths, lambda name, params: (name, *sorted(params.items())))
+    print_table(records, f"{bench} (merged)")
+    return write_results(bench, records, device, **({"directory": out_dir} if out_dir else {}))
+
+
 def write_results(bench, records, device=None, directory=RESULTS):
     """Write `<bench>.json` and `<bench>.md` under `directory`; returns the JSON path."""
     directory = Path(directory)

@@ -24,7 +24,6 @@ class ConvConfig:
     hopper: bool = True
     hopper_groups: int = 2  # ... warpgroups a tile of 8 output rows, each 8 columns (1 or 2)
     hopper_keep: bool = False  # ... a group's filter blocks kept in shared memory over many tiles, where they fit
-    hopper_walk: bool = False  # ... (filters not kept) a wave of thread blocks walking the tiles, the ring running on
 
     def check(self):
         if self.threads % 32 or not 32 <= self.threads <= 1024:

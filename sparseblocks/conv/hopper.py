@@ -75,7 +75,7 @@ def patch_positions(hg):
     return int(hg[18] * hg[19] * hg[20])
 
 
-def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, walk=False):
+def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0):
     """The kernel for channel groups of G, TRS taps, patches of ``positions`` positions and tiles of
     ``groups`` warpgroups (see the module's docstring). ``rows_out``: the output written
     channels-last (N, positions, channels).
@@ -84,10 +84,7 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, w
     filter. ``keep`` K: grid (workers, output groups), each thread block walking its share of the
     tiles with its group's filter blocks (up to K) copied once and kept in shared memory, each
     stage only a patch (a tile's blocks in turn): the filters' bytes are read once a thread
-    block instead of once a tile. ``walk`` (``keep`` 0): thread blocks walk their shares of the
-    tiles likewise, each stage a block's patch and filter, so that the ring runs on from one tile
-    into the next (its stages in flight while a tile's epilogue stores)."""
-    WALK = keep > 0 or walk
+    block instead of once a tile."""
     THREADS = WARPGROUP * groups
     CK = G // 8  # chunks of 8 channels a position
     A_CHUNK = positions * CHUNK  # a patch chunk's stride (lbo)
@@ -224,8 +221,8 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, w
     @cuda.jit
     def forward(out, x, f, grp_ptr, grp_blk, blk_c0, hg, OUT_ROWS, IN_ROWS, bias, edge, has_bias, tiles, workers):
         worker, g = cuda.blockIdx.x, cuda.blockIdx.y
-        first_tile = (worker * tiles) // workers if WALK else worker
-        my_tiles = ((worker + 1) * tiles) // workers - first_tile if WALK else 1
+        first_tile = (worker * tiles) // workers if keep else worker
+        my_tiles = ((worker + 1) * tiles) // workers - first_tile if keep else 1
         smem = cuda.shared.array(0, int32)
         base = shared_address(smem, (0,))
         acc = cuda.local.array(ACC, float32)

@@ -78,13 +78,12 @@ def grouped_layer(rng, G, groups):
 
 def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, padding, bias, seed, N=2,
                                implicit=True, channels_last=False, stage_bytes=32, hopper=False, hopper_groups=1,
-                               hopper_keep=True, hopper_walk=False):
+                               hopper_keep=True):
     rng = np.random.default_rng(seed)
     BCK = grouped_layer(rng, G, groups)
     op = BlocksparseConv(BCK, TRS, DHW, strides=strides, dilates=dilates, padding=padding, edge_bias=bias,
                          config=ConvConfig(implicit=implicit, stage_bytes=stage_bytes, hopper=hopper,
-                                           hopper_groups=hopper_groups, hopper_keep=hopper_keep,
-                                           hopper_walk=hopper_walk))
+                                           hopper_groups=hopper_groups, hopper_keep=hopper_keep))
     assert op._group == G
     F = [values(rng, op.f_shape(b), dtype) for b in range(len(BCK))]
     I = values(rng, op.i_shape(N), dtype)
@@ -146,22 +145,21 @@ def test_wide_stage_implicit_products_match_the_twin(dtype, G):
     check_tensor_core_products(dtype, G, 2, (2, 2), (3, 4), 1, 1, "SAME", False, 2, N=1, stage_bytes=64)
 
 
-@pytest.mark.parametrize("channels_last, groups, keep, walk, N", [(False, 1, False, False, 1), (True, 2, True, False, 1),
-                                                                (False, 1, True, False, 2), (True, 1, False, True, 2)])
-def test_hopper_products_match_the_twin(monkeypatch, channels_last, groups, keep, walk, N):
+@pytest.mark.parametrize("channels_last, groups, keep, N", [(False, 1, False, 1), (True, 2, True, 1), (False, 1, True, 2),
+                                                          (True, 1, False, 2)])
+def test_hopper_products_match_the_twin(monkeypatch, channels_last, groups, keep, N):
     """``ConvConfig.hopper``: the forward and the stride-1 input gradient on wgmma (`conv/hopper.py`,
     here the simulator's twin): tiles of 8 x 8 positions a warpgroup, a tap a descriptor into the
     patch's no-swizzle layout, an edge bias, an output group no block reaches; a thread block a
-    tile, or walking several tiles, across images, with its filters kept (``keep``) or each stage's
-    own (``walk``); the filter gradient as before."""
+    tile, or walking several tiles across images with its filters kept (``keep``); the filter
+    gradient as before."""
     from sparseblocks.conv import api, hopper
     from sparseblocks.runtime import compile as compile_cache
 
     monkeypatch.setattr(api, "compute_capability", lambda: (9, 0))
     before = sum(key[0] is hopper.make_forward for key in compile_cache._kernels)
     check_tensor_core_products("float16", 16, 2, (2, 2), (8, 9), 1, 1, "SAME", True, 3, N=N,
-                               channels_last=channels_last, hopper=True, hopper_groups=groups, hopper_keep=keep,
-                               hopper_walk=walk)
+                               channels_last=channels_last, hopper=True, hopper_groups=groups, hopper_keep=keep)
     assert sum(key[0] is hopper.make_forward for key in compile_cache._kernels) > before
 
 
@@ -206,30 +204,29 @@ def test_tensor_core_products_match_the_twin_on_the_gpu(dtype, G, groups, dims, 
                                implicit=implicit, channels_last=channels_last)
 
 
-# (dtype, G, spatial dims, dilation, channels_last, warpgroups, kept filters, walking): what a wgmma
+# (dtype, G, spatial dims, dilation, channels_last, warpgroups, kept filters): what a wgmma
 # kernel is compiled for (its patch follows from the dims and dilation), one set of kernels a case,
 # so that the drawn examples reuse them
-HOPPER_CASES = [("float16", 32, 2, 1, False, 2, False, False), ("bfloat16", 16, 3, 2, True, 1, False, False),
-                ("float16", 64, 2, 2, True, 2, True, False), ("bfloat16", 32, 2, 1, False, 2, False, True),
-                ("float16", 16, 2, 1, True, 1, False, True), ("bfloat16", 64, 3, 1, False, 1, True, False)]
+HOPPER_CASES = [("float16", 32, 2, 1, False, 2, False), ("bfloat16", 16, 3, 2, True, 1, False),
+                ("float16", 64, 2, 2, True, 2, True), ("bfloat16", 32, 2, 1, False, 2, False),
+                ("float16", 16, 2, 1, True, 1, False), ("bfloat16", 64, 3, 1, False, 1, True)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="sizes the simulator would take minutes over")
-@pytest.mark.parametrize("dtype, G, dims, dilates, channels_last, warpgroups, keep, walk", HOPPER_CASES)
+@pytest.mark.parametrize("dtype, G, dims, dilates, channels_last, warpgroups, keep", HOPPER_CASES)
 @settings(max_examples=3, deadline=None)
 @given(groups=st.integers(2, 3), padding=st.sampled_from(["SAME", "VALID"]), bias=st.booleans(),
        seed=st.integers(0, 2**16))
-def test_hopper_products_match_the_twin_on_the_gpu(dtype, G, dims, dilates, channels_last, warpgroups, keep, walk,
-                                                   groups, padding, bias, seed):
+def test_hopper_products_match_the_twin_on_the_gpu(dtype, G, dims, dilates, channels_last, warpgroups, keep, groups,
+                                                   padding, bias, seed):
     """``ConvConfig.hopper`` on an sm_90 GPU (elsewhere the implicit GEMM runs): the wgmma forward and
     stride-1 input gradient, 2-D and 3-D, dilated, on tiles of one or two warpgroups that overhang
     the output's edges; the drawn examples vary what the kernels take at run time (layers,
     padding, edge bias, values)."""
     TRS, DHW = [3] * dims, [5, 13, 11][-dims:]
     check_tensor_core_products(dtype, G, groups, TRS, DHW, 1, dilates, padding, bias, seed,
-                               channels_last=channels_last, hopper=True, hopper_groups=warpgroups, hopper_keep=keep,
-                               hopper_walk=walk)
+                               channels_last=channels_last, hopper=True, hopper_groups=warpgroups, hopper_keep=keep)
 
 
 def test_grouped_finds_aligned_channel_groups():
