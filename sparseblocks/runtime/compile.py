@@ -26,9 +26,9 @@ def cached(maker, *key):
         kernel = maker(*key)
         name = f"{maker.__module__}.{maker.__qualname__}{key!r}"
         if " at 0x" not in name and "..." not in name:
-            from .disk_cache import attach
+            from .disk_cache import attach, key_modules
 
-            attach(kernel, name)
+            attach(kernel, name, (maker.__module__, *sorted(key_modules(key))))
         _kernels[(maker, *key)] = kernel
     return kernel
 

@@ -53,6 +53,98 @@ def test_the_source_is_part_of_the_name(monkeypatch, tmp_path):
     assert cache.path(("int64",)) != first
 
 
+def _package(root, files):
+    """A package ``pkg`` of ``files`` (name -> source) under ``root``, as the digest's world."""
+    for name, source in files.items():
+        path = root / "pkg" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+
+
+def _as_root(monkeypatch, root):
+    monkeypatch.setattr(disk_cache, "_ROOT", str(root / "pkg"))
+    monkeypatch.setattr(disk_cache, "_PACKAGE", "pkg")
+    for name, empty in (("_modules", None), ("_imports", {}), ("_digests", {}), ("_source_digest", None)):
+        monkeypatch.setattr(disk_cache, name, empty)
+
+
+def _edited(monkeypatch, root, name, line):
+    path = root / "pkg" / name
+    path.write_text(path.read_text() + line)
+    monkeypatch.setattr(disk_cache, "_digests", {})
+    monkeypatch.setattr(disk_cache, "_imports", {})
+
+
+def test_a_kernels_name_counts_the_sources_it_reaches_and_no_others(monkeypatch, tmp_path):
+    """A kernel made in ``pkg.ops.kernels`` names the files its imports reach (followed through
+    modules, a package's own ``__init__`` on the way, an imported package's imports); an edit of
+    another file keeps its name, an edit of a reached one changes it."""
+    _package(tmp_path, {
+        "__init__.py": "from .layout import Layout\n",
+        "layout.py": "",
+        "ptx/__init__.py": "from . import mma\n",
+        "ptx/mma.py": "",
+        "ptx/wgmma.py": "",
+        "ops/__init__.py": "from .api import call\n",
+        "ops/api.py": "from .kernels import make\n",
+        "ops/kernels.py": "import pkg.ptx.wgmma\nfrom .device import helper\n\ndef make():\n    from .. import ptx\n",
+        "ptx/tma.py": "",
+        "ops/device.py": "from ..runtime import flag\n",
+        "runtime.py": "",
+        "other/__init__.py": "",
+        "other/kernels.py": "from ..ops.device import helper\n",
+    })
+    _as_root(monkeypatch, tmp_path)
+    assert disk_cache.reach("pkg.ops.kernels") == {
+        "pkg", "pkg.ops", "pkg.ops.kernels", "pkg.ops.device", "pkg.runtime", "pkg.ptx", "pkg.ptx.mma",
+        "pkg.ptx.wgmma", "pkg.ptx.tma"}  # (``ptx`` bound as a name: any of its modules an attribute away)
+    assert disk_cache.reach("pkg.other.kernels") == {"pkg", "pkg.other", "pkg.other.kernels", "pkg.ops",
+                                                       "pkg.ops.device", "pkg.runtime"}
+    first = disk_cache.source_digest("pkg.ops.kernels")
+    for name in ("ops/api.py", "other/kernels.py", "layout.py"):
+        _edited(monkeypatch, tmp_path, name, "x = 1\n")
+        assert disk_cache.source_digest("pkg.ops.kernels") == first, name
+    for name in ("ops/device.py", "ptx/mma.py", "ops/__init__.py", "runtime.py"):
+        _edited(monkeypatch, tmp_path, name, "y = 2\n")
+        assert disk_cache.source_digest("pkg.ops.kernels") != first, name
+        first = disk_cache.source_digest("pkg.ops.kernels")
+
+
+def test_reach_covers_every_name_a_module_holds():
+    """What the imports' reading finds against what each module of the package really holds:
+    every module, function, class and kernel of the package among a module's names comes from
+    a module `reach` finds (so no edit of a kernel's source can keep its old name)."""
+    import importlib
+    import types
+
+    for module in sorted(disk_cache.modules()):
+        if module.endswith("__main__") or (module.startswith("sparseblocks.torch") and
+                                           importlib.util.find_spec("torch") is None):
+            continue
+        names = vars(importlib.import_module(module))
+        reached = disk_cache.reach(module)
+        for name, value in names.items():
+            if isinstance(value, types.ModuleType):
+                owner = value.__name__
+                if owner.startswith(module + "."):  # (a package's submodules, set by whoever imported them)
+                    continue
+            else:
+                owner = getattr(getattr(value, "py_func", value), "__module__", None)
+                if not (isinstance(value, (types.FunctionType, type)) or hasattr(value, "py_func")):
+                    continue
+            if owner and owner.split(".")[0] == "sparseblocks" and owner in disk_cache.modules():
+                assert owner in reached, f"{module}.{name} comes from {owner}, which reach({module}) misses"
+
+
+def test_a_keys_functions_and_configs_count_their_modules():
+    from sparseblocks.bsmm.config import DEFAULT
+    from sparseblocks.ptx import wgmma
+
+    found = disk_cache.key_modules((DEFAULT, "float16", [(wgmma.fence, 2)], {"f": len}))
+    assert found == {type(DEFAULT).__module__, wgmma.fence.__module__} or found == {
+        type(DEFAULT).__module__, getattr(wgmma.fence, "py_func", wgmma.fence).__module__}
+
+
 def test_an_unreadable_file_misses(tmp_path):
     cache = disk_cache.KernelCache("maker()", str(tmp_path), rebuild=lambda **payload: payload)
     with open(cache.path(("int64",)), "wb") as f:
