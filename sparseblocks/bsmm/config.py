@@ -94,6 +94,9 @@ class BsmmConfig:
     v7_wgrad_groups: dict = default_field({32: 1})
     v7_wgrad_stages: int = 6  # the weight gradient's ring
     v7_wgrad_fill: int = 1  # weight-gradient thread blocks a multiprocessor the N-splits aim for
+    # ... or the N-splits that a model of rounds of thread blocks, their stages and the combining pass
+    # says are fastest (`dispatch.wave_splits`): whole rounds of resident thread blocks, not a fill
+    v7_wgrad_waves: bool = False
     v7_wgrad_k: int = 64  # rows of N a weight-gradient stage
     # Weight gradients of two blocks of one block-row a thread block, x's columns read once for both
     # (a tile of bs x 2 bs): {bs: stages of the ring}; absent: a block a thread block

@@ -48,7 +48,7 @@ from .weight_grad_simt import (
 from .hopper import PAIRED, STACKED, V7_STORAGE, V7_WGRAD_BLOCKS, make_product_v7, persistent, v7_shape
 from .hopper import v7_threads
 from .hopper_wgrad import make_weight_grad_v7
-from .hopper_shapes import producing
+from .hopper_shapes import producing, resident
 from .tiles import V6_STORAGE, make_product_v6, make_weight_grad_v6, v6_shape, v6_threads
 from .weight_grad_tensorcore import make_weight_grad_v5, v5_wgrad_blocks, v5_wgrad_warps
 
@@ -473,6 +473,34 @@ def wgrad_splits(layout, n_rows, thread_blocks=None, cfg=DEFAULT, fill=4):
     return int(max(1, min(wanted, n_rows // (4 * WGRAD_CHUNK))))
 
 
+# The wave model's rates (an H200's, measured): a multiprocessor's wgmma rate on a weight
+# gradient's stages, and the bandwidth the combining pass reads the splits' sums at
+SM_FLOPS = 3.8e12
+COMBINE_BYTES = 3.0e12
+
+
+def wave_splits(thread_blocks, n_rows, stage_rows, stage_flops, resident, combine_bytes, overhead=4, most=16):
+    """The N-split count (1 to ``most``) with the least modelled time. The ``thread_blocks`` x s
+    thread blocks spread over the multiprocessors; the busiest holds ceil(thread_blocks s / its
+    count) of them, whose stages (a split's, of ``stage_rows`` rows and ``stage_flops`` each, at
+    `SM_FLOPS`) its tensor cores run one after another, and which pay ``overhead`` stages (the
+    ring's fill, the epilogue) a round of ``resident`` thread blocks; with s > 1 the combining
+    pass reads the splits' sums, ``combine_bytes`` a split (at `COMBINE_BYTES`). A fill
+    (`wgrad_splits`) can leave the last round nearly empty: 51 blocks on 132 multiprocessors split
+    three ways put two thread blocks of 22 stages on some, split two ways one of 32 on each."""
+    sms = max(1, multiprocessors())
+    stage = stage_flops / SM_FLOPS
+    best, best_time = 1, None
+    for s in range(1, max(1, min(most, n_rows // stage_rows)) + 1):
+        stages = -(-(-(-n_rows // s)) // stage_rows)
+        busiest = -(-thread_blocks * s // sms)
+        time = (busiest * stages + -(-busiest // max(1, resident)) * overhead) * stage
+        time += s * combine_bytes / COMBINE_BYTES if s > 1 else 0
+        if best_time is None or time < best_time:
+            best, best_time = s, time
+    return best
+
+
 def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, stream, version, splits, out_dtype=None):
     """dW into ``dw`` (``out_dtype``: its dtype, x's by default; the kernels' epilogues store in it)."""
     COMBINE_THREADS = cfg.combine_threads
@@ -520,7 +548,14 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
                             pairs if stacks is None else stacks, stream)
         thread_blocks = coords.shape[0]
     fill = cfg.v7_wgrad_fill if v7 else 4
-    splits = wgrad_splits(layout, n_rows, thread_blocks, cfg, fill) if splits is None else max(1, int(splits))
+    if splits is not None:
+        splits = max(1, int(splits))
+    elif v7 and cfg.v7_wgrad_waves:
+        BM, BN, BK = v7_shape(cfg, bs, kind)[0], v7_shape(cfg, bs, kind)[1], cfg.v7_wgrad_k
+        splits = wave_splits(thread_blocks, n_rows, BK, 2 * BM * BN * BK, resident(cfg, bs, kind),
+                             layout.n_blocks * bs * bs * 4)
+    else:
+        splits = wgrad_splits(layout, n_rows, thread_blocks, cfg, fill)
     rows_per_split = -(-max(n_rows, 1) // splits)
     maps, makers = (), ()
     if v7:

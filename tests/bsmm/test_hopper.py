@@ -330,6 +330,44 @@ def test_hopper_weight_grad_runs_in_the_simulator(monkeypatch, feature_axis):
     assert_close(dw, reference.weight_grad(x, dy, layout), "float16", "weight_grad", terms=n)
 
 
+def test_wave_splits_fill_whole_rounds(monkeypatch):
+    """`dispatch.wave_splits` on 132 multiprocessors, block 128's weight-gradient stages (64 rows,
+    two thread blocks a multiprocessor), N = 4096: 51 blocks split two ways (one thread block of
+    32 stages on each multiprocessor; three ways, as a fill of one a multiprocessor asks, puts
+    two of 22 on some), 102 and 256 not at all (split two ways, some multiprocessors run two of
+    32 stages and the sums are read again); never more splits than stages."""
+    from sparseblocks.bsmm import dispatch
+
+    monkeypatch.setattr(dispatch, "multiprocessors", lambda: 132)
+    flops, block = 2 * 128 * 128 * 64, 128 * 128 * 4
+    for blocks, want in ((51, 2), (102, 1), (256, 1)):
+        assert dispatch.wave_splits(blocks, 4096, 64, flops, 2, blocks * block) == want, blocks
+    assert dispatch.wave_splits(1, 256, 64, flops, 1, block) == 4  # (one block: its 4 stages apart)
+    assert dispatch.wave_splits(1, 100, 64, flops, 1, block) == 1  # (one stage and a part)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
+def test_hopper_weight_grad_splits_by_the_wave_model_in_the_simulator(monkeypatch):
+    """``v7_wgrad_waves``: the weight gradient's N-splits from `dispatch.wave_splits` (one block on
+    16 multiprocessors, 256 rows: four splits of a stage each, and the combining pass)."""
+    from sparseblocks.bsmm import dispatch
+    from sparseblocks.reference import bsmm as reference
+    from strategies import assert_close
+
+    chosen = []
+    model = dispatch.wave_splits
+    monkeypatch.setattr(dispatch, "hopper", lambda: True)
+    monkeypatch.setattr(dispatch, "multiprocessors", lambda: 16)
+    monkeypatch.setattr(dispatch, "wave_splits", lambda *args, **kw: chosen.append(model(*args, **kw)) or chosen[-1])
+    cfg = replace(bsmm.DEFAULT, v7_wgrad_stages=3, v7_wgrad_waves=True)
+    layout = BlockLayout(np.ones((1, 1)), 64)
+    rng = np.random.default_rng(5)
+    x, dy = values(rng, (256, 64), "float16"), values(rng, (256, 64), "float16")
+    dw = bsmm.weight_grad(x, dy, layout, version=7, config=cfg)
+    assert chosen == [4]
+    assert_close(dw, reference.weight_grad(x, dy, layout), "float16", "weight_grad", terms=256)
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
 @pytest.mark.parametrize("feature_axis", [1, 0])
 def test_hopper_split_line_runs_in_the_simulator(monkeypatch, feature_axis):
