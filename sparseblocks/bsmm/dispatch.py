@@ -551,7 +551,7 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
     if splits is not None:
         splits = max(1, int(splits))
     elif v7 and cfg.v7_wgrad_waves:
-        BM, BN, BK = v7_shape(cfg, bs, kind)[0], v7_shape(cfg, bs, kind)[1], cfg.v7_wgrad_k
+        BM, BN, _, _, BK, _ = v7_shape(cfg, bs, kind)
         splits = wave_splits(thread_blocks, n_rows, BK, 2 * BM * BN * BK, resident(cfg, bs, kind),
                              layout.n_blocks * bs * bs * 4)
     else:

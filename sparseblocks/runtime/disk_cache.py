@@ -42,7 +42,7 @@ _source_digest = None
 _compiler_digest = None
 _modules = None  # module name -> its file, for every module of this package
 _imports = {}  # module name -> the package's modules it imports
-_digests = {}  # frozenset of module names -> the digest of their files
+_digests = {}  # the modules a digest starts from -> the digest of the files they reach
 
 
 def directory():
@@ -165,10 +165,9 @@ def source_digest(*starts):
         if _source_digest is None:
             _source_digest = _files_digest(frozenset(modules()))
         return _source_digest
-    reached = frozenset(reach(*starts))
-    if reached not in _digests:
-        _digests[reached] = _files_digest(reached)
-    return _digests[reached]
+    if starts not in _digests:
+        _digests[starts] = _files_digest(reach(*starts))
+    return _digests[starts]
 
 
 def _files_digest(names):
