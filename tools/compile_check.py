@@ -1,4 +1,5 @@
-"""Compile every SBNet kernel (or, with --bsmm, bsmm's version 4 to 7 kernels) to PTX for sm_90
+"""Compile every SBNet kernel (or, with --bsmm, bsmm's version 4 to 7 kernels; --quant, --attention,
+--norms, those ops' kernels) to PTX for sm_90
 without a GPU, to catch typing errors early and read ptxas's registers.
 
 The CUDA simulator runs kernels as plain Python and accepts code the real
@@ -344,6 +345,31 @@ def check_attention():
     return 0 if all(results) else 1
 
 
+def check_norms():
+    """Layer norm's axis-1 forward and backward (fp16, bf16, fp32, rows of 4096 and 1024, vector
+    loads) under the default config's register cap (`norms.layer.row_kernel`): registers, stack."""
+    from numba import float32
+
+    from sparseblocks import norms
+    from sparseblocks.norms import layer
+
+    cfg = norms.DEFAULT
+    results = []
+    for storage, C in itertools.product(("float16", "bfloat16", "float32"), (4096, 1024)):
+        shape = layer.row_shape(cfg, C)
+        T, K, RB = shape
+        element = types.int16 if storage == "bfloat16" else getattr(types, storage)
+        rows, vec, stats = element[:, ::1], element[::1], float32[::1]
+        blocks = min(cfg.row_blocks, 2048 // (T * RB))
+        for name, maker, signature in (
+                ("forward", layer.make_forward, (rows, stats, stats, rows, vec, vec, types.float64)),
+                ("backward", layer.make_backward, (rows, rows, rows, vec, vec, stats, stats))):
+            kernel = maker(cfg, storage, storage, float32, 1, False, True, shape)
+            results.append(check(f"layer_norm {name} {storage} C={C} ({T} threads, {K} groups held)",
+                                 kernel.py_func, signature, launch_bounds=(T * RB, blocks) if blocks else None))
+    return 0 if all(results) else 1
+
+
 def main():
     import argparse
 
@@ -353,6 +379,7 @@ def main():
                         help="the fused products' kernels, at these tiles (default: the config's)")
     parser.add_argument("--quant", action="store_true", help="the quantized products and packing instead")
     parser.add_argument("--attention", action="store_true", help="attention's fused and wgmma kernels instead")
+    parser.add_argument("--norms", action="store_true", help="layer norm's axis-1 kernels instead")
     parser.add_argument("--only", nargs="*", default=[], help="only the checks whose names hold all these words")
     args = parser.parse_args()
     ONLY[:] = args.only
@@ -360,6 +387,8 @@ def main():
         return check_quant()
     if args.attention:
         return check_attention()
+    if args.norms:
+        return check_norms()
     if args.bsmm:
         return check_bsmm()
     if args.fused is not None:
