@@ -147,11 +147,13 @@ class BlockSparseLinear(nn.Module):
         if input.shape[-1] != self.in_features:
             raise ValueError(f"input: expected {self.in_features} features on the last axis, "
                              f"got shape {tuple(input.shape)}")
-        x = input.reshape(-1, self.in_features)
+        rows = input.dim() == 2  # (the common case: no reshape either way)
+        x = input if rows else input.reshape(-1, self.in_features)
         w, bias = self.weight, self.bias
         on_cpu = cpu.takes(x)
-        if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind):
+            dtype = torch.get_autocast_dtype(kind)
             x = x.to(dtype)
             # (the kernels take an fp32 weight and bias as they are: their gradients come back fp32)
             if w.dtype != torch.float32 or on_cpu:
@@ -168,7 +170,7 @@ class BlockSparseLinear(nn.Module):
             y = ops.product(x, w, self._layout_key, bias)
         if self._grow_scores_wanted and y.requires_grad:
             y.register_hook(self._keep_grow_scores(x))
-        return y.reshape(*input.shape[:-1], self.out_features)
+        return y if rows else y.reshape(*input.shape[:-1], self.out_features)
 
     def _keep_grow_scores(self, x):
         """A hook on the product's gradient dy: add the block norms of the dense gradient xᵀ·dy."""
