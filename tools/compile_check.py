@@ -155,13 +155,15 @@ def warp_specialized(cfg, kind):
 def wgrad_cases(version):
     """(block size, config, the maker's extra args) of each weight gradient ``check_tiles`` builds:
     version 6's at its products' block sizes; version 7's at 64 and 128, and its stacked tiles at 32 (4 blocks
-    on one warpgroup, 8 on two; 4 warp-specialized), and its paired tiles at 64 (on the ring, warp-specialized)."""
+    on one warpgroup, 8 on two; 4 warp-specialized), and its paired tiles at 64 (on the ring, warp-specialized;
+    four blocks a tile on the ring)."""
     if version == 6:
         return [(bs, B, ()) for bs in sorted(B.v6_tiles)]
     shapes = bsmm.hopper_shapes
     stacked = [(32, replace(B, v7_wgrad_stacks={32: n}, v7_wgrad_groups={32: g}, v7_wgrad_stack_producer=p),
                 (shapes.STACKED,)) for n, g, p in ((4, 1, False), (8, 2, False), (4, 1, True))]
-    paired = [(64, replace(B, v7_wgrad_pair_producer=p), (shapes.PAIRED,)) for p in (False, True)]
+    paired = [(64, replace(B, v7_wgrad_pair_producer=p, v7_wgrad_pair_width={64: w}), (shapes.PAIRED,))
+              for p, w in ((False, 2), (True, 2), (False, 4))]
     return [(bs, B, ()) for bs in shapes.V7_WGRAD_BLOCKS] + stacked + paired
 
 
@@ -202,7 +204,7 @@ def check_tiles(version):
             dw = types.float32 if out == "float32" else element
             signature = (dw[:, :, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, ::1],
                          types.int32[:, ::1], i64, i64, types.float64) + maps
-            stack = "" if not extra else (f" stacks {cfg.v7_wgrad_stacks[bs]}" if extra[0] == "stacks" else " pairs") \
+            stack = "" if not extra else (f" stacks {cfg.v7_wgrad_stacks[bs]}" if extra[0] == "stacks" else f" pairs of {cfg.v7_wgrad_pair_width[bs]}") \
                 + (" split" if warp_specialized(cfg, extra[0]) else "")
             results.append(check(f"weight_grad v{version} bs {bs}{stack} {storage} axis {feature_axis} dW {out}",
                                  kernel.py_func, signature, cc=cc, detail=count,

@@ -102,6 +102,7 @@ class BsmmConfig:
     # (a tile of bs x 2 bs): {bs: stages of the ring}; absent: a block a thread block
     v7_wgrad_pairs: dict = default_field({64: 4})
     v7_wgrad_pairs_fill: int = 1  # ... where the pairs alone give this many thread blocks a multiprocessor (0: always)
+    v7_wgrad_pair_width: dict = default_field({64: 2})  # ... blocks of the block-row a tile takes: {bs: 2 or 4}
     # ... warp-specialized: a copying warpgroup's cp.async (dy's two column-blocks are not one box of a
     # tensor map) fills the ring on mbarriers, the multiplying warps only wait and multiply
     v7_wgrad_pair_producer: bool = False
@@ -167,6 +168,9 @@ class BsmmConfig:
                 raise ValueError(f"v7_groups[{bs}]: {v7_check(self, bs)}")
         if not isinstance(self.v7_wgrad_pairs_fill, int) or self.v7_wgrad_pairs_fill < 0:
             raise ValueError(f"v7_wgrad_pairs_fill: expected an int >= 0, got {self.v7_wgrad_pairs_fill!r}")
+        for bs, width in self.v7_wgrad_pair_width.items():
+            if width not in (2, 4):
+                raise ValueError(f"v7_wgrad_pair_width[{bs}]: expected 2 or 4 blocks a tile, got {width!r}")
         for bs in self.v7_wgrad_pairs:
             from .hopper_shapes import PAIRED
 

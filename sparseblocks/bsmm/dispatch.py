@@ -48,7 +48,7 @@ from .weight_grad_simt import (
 from .hopper import PAIRED, STACKED, V7_STORAGE, V7_WGRAD_BLOCKS, make_product_v7, persistent, v7_shape
 from .hopper import v7_threads
 from .hopper_wgrad import make_weight_grad_v7
-from .hopper_shapes import producing, resident
+from .hopper_shapes import pair_width, producing, resident
 from .tiles import V6_STORAGE, make_product_v6, make_weight_grad_v6, v6_shape, v6_threads
 from .weight_grad_tensorcore import make_weight_grad_v5, v5_wgrad_blocks, v5_wgrad_warps
 
@@ -408,19 +408,20 @@ def launch_transpose_blocks(cfg, wt, w_words, layout, storage, stream):
     return kernel, layout.n_blocks, threads, args
 
 
-def wgrad_pairs(layout):
-    """Version 7's paired weight-gradient tiles (``v7_wgrad_pairs``): int32 rows (block-row, b0's
-    block-column, b1's block-column, b0, b1), two blocks of one block-row each, in block order
-    within the row; a row's last block alone where its count is odd (b1 -1, its column b0's)."""
+def wgrad_pairs(layout, width=2):
+    """Version 7's paired weight-gradient tiles (``v7_wgrad_pairs``): int32 rows (block-row, the
+    block-columns of b_0 .. b_{width-1}, then b_0 .. b_{width-1}), ``width`` blocks of one
+    block-row each, in block order within the row; a row's last tile takes what is left (a slot
+    no block fills: b -1, its column b_0's)."""
     coords = np.asarray(layout.coords, np.int64).reshape(-1, 2)
     rows = []
     for r in np.unique(coords[:, 0]):
         blocks = np.flatnonzero(coords[:, 0] == r)
-        for i in range(0, len(blocks), 2):
-            b0 = int(blocks[i])
-            b1 = int(blocks[i + 1]) if i + 1 < len(blocks) else -1
-            rows.append((int(r), int(coords[b0, 1]), int(coords[b1 if b1 >= 0 else b0, 1]), b0, b1))
-    return np.array(rows, np.int32).reshape(-1, 5)
+        for i in range(0, len(blocks), width):
+            tile = [int(b) for b in blocks[i:i + width]]
+            tile += [-1] * (width - len(tile))
+            rows.append((int(r), *(int(coords[b if b >= 0 else tile[0], 1]) for b in tile), *tile))
+    return np.array(rows, np.int32).reshape(-1, 1 + 2 * width)
 
 
 def paired_wgrad(layout, cfg, bs):
@@ -429,9 +430,10 @@ def paired_wgrad(layout, cfg, bs):
     with fewer, cutting N to fill the GPU costs more than pairing saves); else None."""
     if bs not in cfg.v7_wgrad_pairs:
         return None
-    key = ("wgrad_pairs",)
+    width = pair_width(cfg, bs)
+    key = ("wgrad_pairs", width)
     if key not in layout._schedules:
-        layout._schedules[key] = wgrad_pairs(layout)
+        layout._schedules[key] = wgrad_pairs(layout, width)
     pairs = layout._schedules[key]
     return pairs if len(pairs) >= cfg.v7_wgrad_pairs_fill * multiprocessors() else None
 
@@ -544,7 +546,7 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
     stacks = stacked_wgrad(layout, cfg, bs) if v7 and group == 1 and pairs is None else None
     kind = True if pairs is None and stacks is None else PAIRED if stacks is None else STACKED
     if kind is not True:  # two blocks of a block-row, or a stack of a block-column's, a thread block
-        coords = _on_device(layout, ("wgrad", kind, cfg.v7_wgrad_stacks.get(bs)),
+        coords = _on_device(layout, ("wgrad", kind, pair_width(cfg, bs) if kind == PAIRED else cfg.v7_wgrad_stacks.get(bs)),
                             pairs if stacks is None else stacks, stream)
         thread_blocks = coords.shape[0]
     fill = cfg.v7_wgrad_fill if v7 else 4

@@ -21,7 +21,7 @@ SWIZZLE_K = 64  # values of k a stage: one 128-byte row of a swizzle atom
 ATOM = 1024  # a 128-byte-swizzled atom: 8 rows of 128 bytes
 
 
-PAIRED = "pairs"  # weight_grad's value for a weight gradient of two blocks a tile (``v7_wgrad_pairs``)
+PAIRED = "pairs"  # weight_grad's value for a weight gradient of 2 or 4 blocks of a block-row a tile (``v7_wgrad_pairs``)
 STACKED = "stacks"  # ... of blocks of one block-column stacked down a tile (``v7_wgrad_stacks``)
 
 
@@ -36,17 +36,23 @@ def v7_shape(cfg, bs, weight_grad=False):
     if weight_grad:
         paired = weight_grad == PAIRED
         # (by default a warpgroup a 64-row tile; one of two tiles where two thread blocks share a
-        # multiprocessor; paired tiles, 2 bs wide, always a warpgroup a tile)
+        # multiprocessor; paired tiles, 2 or 4 bs wide, always a warpgroup a tile)
         groups = bs // WGMMA_M if paired else cfg.v7_wgrad_groups.get(
             bs, 1 if resident(cfg, bs, weight_grad) > 1 else bs // WGMMA_M)
         stages = cfg.v7_wgrad_pairs.get(bs, 0) if paired else cfg.v7_wgrad_stages
-        BN, BK = (2 if paired else 1) * bs, cfg.v7_wgrad_k
+        BN, BK = (pair_width(cfg, bs) if paired else 1) * bs, cfg.v7_wgrad_k
         blocks = resident(cfg, bs, weight_grad)
         if blocks > 1:  # the most stages (and their barriers) that fit beside the other thread blocks
             stages = min(stages, (SM_SHARED // blocks - 1024 - ATOM) // (2 * BK * (bs + BN) + 2 * BAR_BYTES))
         return bs, BN, groups, bs // WGMMA_M // max(groups, 1), BK, stages
     groups, tiles = cfg.v7_groups[bs], cfg.v7_tiles.get(bs, 1)
     return groups * tiles * WGMMA_M, bs, groups, tiles, min(bs, cfg.v7_k), cfg.v7_stages.get(bs, 0)
+
+
+def pair_width(cfg, bs):
+    """Blocks of one block-row a paired weight-gradient tile takes (``v7_wgrad_pair_width``, 2
+    where it names no width for ``bs``)."""
+    return cfg.v7_wgrad_pair_width.get(bs, 2)
 
 
 def swizzle_of(mn_major, side, BK):

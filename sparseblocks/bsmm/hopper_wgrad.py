@@ -5,8 +5,9 @@ N-split's rows a thread block, `dispatch.wgrad_splits`). With feature_axis 1 bot
 MN-major (k = N down their stored rows), with 0 K-major. A thread block computes
 
 * one block (``kind`` True): a tile of bs x bs;
-* two blocks of one block-row (`PAIRED`, ``v7_wgrad_pairs``): a tile of bs x 2 bs, B dy's two
-  column-blocks side by side, so that x's columns are read once for both;
+* 2 or 4 blocks of one block-row (`PAIRED`, ``v7_wgrad_pairs``, ``v7_wgrad_pair_width``): a tile
+  of bs x 2 bs (4 bs), B dy's column-blocks side by side, so that x's columns are read once for
+  all of them;
 * n blocks of one block-column (`STACKED`, ``v7_wgrad_stacks``, blocks of 32, where a block alone
   is narrower than wgmma's 64 rows): a tile of n bs x bs, A the n blocks' columns of x stacked,
   so that dy's columns are read once for all.
@@ -31,11 +32,12 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
     """dw[b] (+ beta·dw[b]) on version 7 tiles, the blocks of a thread block as ``kind`` says
     (True, `PAIRED`, `STACKED`: the module's docstring), k along its N-split, as in version 6
     (`tiles.make_weight_grad_v6`). ``coords``: the layout's (row, column) a block, or with
-    `PAIRED` `dispatch.wgrad_pairs`' (row, column of b0, column of b1, b0, b1), with `STACKED`
+    `PAIRED` `dispatch.wgrad_pairs`' (row, the columns of b_0 .., then b_0 ..), with `STACKED`
     `dispatch.wgrad_stacks`' (column, n rows, n blocks)."""
     paired, stacked = kind == PAIRED, kind == STACKED
     BM, BN, GROUPS, TILES, BK, _ = v7_shape(cfg, bs, kind)
     STACK = BM // bs  # blocks down a tile
+    WIDE = BN // bs  # blocks across a tile
     ACC_ALL = TILES * (BN // 2)
     MN = feature_axis == 1
     to_acc, _ = converters(out_storage or storage, acc_type)  # (dW's own dtype)
@@ -86,13 +88,13 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
 
     @inlined
     def b_offset(block, coords, row, col, dy_lead):
-        """A chunk's byte offset from dy's stage address: a paired tile's columns from bs on are
-        its second block's."""
+        """A chunk's byte offset from dy's stage address: a paired tile's columns j bs on are its
+        block j's."""
         if paired:
             if MN:
-                k = col + (coords[block, 1] * bs if col < bs else coords[block, 2] * bs - bs)
+                k = coords[block, 1 + col // bs] * bs + col % bs
                 return 2 * (int64(row) * dy_lead + k)
-            k = row + (coords[block, 1] * bs if row < bs else coords[block, 2] * bs - bs)
+            k = coords[block, 1 + row // bs] * bs + row % bs
             return 2 * (int64(k) * dy_lead + col)
         return 2 * (int64(row) * dy_lead + col)
 
@@ -182,9 +184,9 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
         for i in range(OUT_PER):
             r, c = chunk(tid, i)
             out, rr, cc = block, r, c
-            if paired:  # (the tile's second half is b1's)
-                out = coords[block, 3] if c < bs else coords[block, 4]
-                cc = c if c < bs else c - bs
+            if paired:  # (the tile's columns j bs on are block j's)
+                out = coords[block, 1 + WIDE + c // bs]
+                cc = c % bs
             elif stacked and r >= 0:  # (its rows bs at a time are its blocks')
                 out = coords[block, 1 + STACK + r // bs]
                 rr = r % bs

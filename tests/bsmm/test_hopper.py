@@ -93,6 +93,7 @@ TWO_BLOCKS = replace(PRODUCER, v7_groups={64: 2, 128: 1}, v7_stages={64: 5, 128:
                      v7_producer_registers=40)
 PAIRED_WGRAD = replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 6, 128: 4}, v7_wgrad_pairs_fill=0)
 PAIRED_SPLIT = replace(PAIRED_WGRAD, v7_wgrad_pairs={64: 4, 128: 3}, v7_wgrad_pair_producer=True)
+PAIRED_WIDE = replace(PAIRED_WGRAD, v7_wgrad_pairs={64: 4}, v7_wgrad_pair_width={64: 4})  # (4 blocks a tile)
 
 
 @gpu
@@ -103,13 +104,13 @@ def test_hopper_producer_matches_reference(data, block_size, dtype, feature_axis
     """``v7_producer``: every product on warp-specialized thread blocks (mbarrier rings, bulk
     tensor copies or with ``v7_tma`` off cp.async), with split lines and N-splits; with
     ``v7_persistent``, feature_axis 1's products on persistent thread blocks; with
-    ``v7_wgrad_pairs``, weight gradients two blocks a thread block (on the barrier ring, or
-    warp-specialized: ``v7_wgrad_pair_producer``); with ``v7_blocks``, block 128's products two
-    thread blocks a multiprocessor."""
+    ``v7_wgrad_pairs``, weight gradients two (or, ``v7_wgrad_pair_width``, four) blocks a thread
+    block (on the barrier ring, or warp-specialized: ``v7_wgrad_pair_producer``); with
+    ``v7_blocks``, block 128's products two thread blocks a multiprocessor."""
     layout, w, xa, dya = draw_operands(data, block_size, dtype, feature_axis, 5)
     segment = data.draw(st.sampled_from([None, 1]), label="max_segment")
-    cfg = data.draw(st.sampled_from([PRODUCER, COPYING, PERSISTENT, PAIRED_WGRAD, PAIRED_SPLIT, TWO_BLOCKS]),
-                    label="config")
+    cfg = data.draw(st.sampled_from([PRODUCER, COPYING, PERSISTENT, PAIRED_WGRAD, PAIRED_SPLIT, PAIRED_WIDE,
+                                     TWO_BLOCKS]), label="config")
     with poisoned_outputs():
         y = bsmm.api._product(cfg, xa, w, layout, feature_axis, False, 7, max_segment=segment)
         dx = bsmm.input_grad(dya, w, layout, feature_axis, version=7, config=cfg)
@@ -226,6 +227,7 @@ def test_hopper_products_replay_in_a_cuda_graph():
     (dict(v7_producer_registers=100), "v7_producer_registers"),
     (dict(v7_wgrad_pairs={128: 6}), "v7_wgrad_pairs\\[128\\].*shared memory"),
     (dict(v7_wgrad_pairs_fill=-1), "v7_wgrad_pairs_fill: expected an int >= 0"),
+    (dict(v7_wgrad_pair_width={64: 3}), "v7_wgrad_pair_width\\[64\\]: expected 2 or 4 blocks a tile, got 3"),
     (dict(v7_wgrad_blocks={128: 3}), "got 2 \\(the most that fit v7_wgrad_blocks\\[128\\] = 3\\)"),
     (dict(v7_blocks={64: 4}), "expected 2 or 3 thread blocks"),
     (dict(v7_wgrad_producer_registers=160), "would keep 96 registers"),
@@ -509,6 +511,29 @@ def test_hopper_paired_weight_grad_runs_in_the_simulator(monkeypatch, feature_ax
     (``producer``) warp-specialized, a copying warpgroup's cp.async on mbarriers."""
     weight_grad_into_out(monkeypatch, replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 3}, v7_wgrad_pair_producer=producer),
                          BlockLayout(np.array([[1, 1, 0], [0, 0, 1], [1, 1, 1]]), 64), feature_axis, splits, 9)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
+@pytest.mark.parametrize("feature_axis, splits", [(1, 2), (0, 1)])
+def test_hopper_four_wide_weight_grad_runs_in_the_simulator(monkeypatch, feature_axis, splits):
+    """``v7_wgrad_pair_width`` 4: four blocks of a block-row a thread block (a tile of 64 x 256,
+    x's columns read once for four): a row of five blocks is a tile of four and one alone, a row
+    of three a tile with one slot no block fills (neither stored)."""
+    weight_grad_into_out(monkeypatch, replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 3}, v7_wgrad_pair_width={64: 4}),
+                         BlockLayout(np.array([[1, 1, 0, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 0, 0]]), 64),
+                         feature_axis, splits, 10)
+
+
+def test_wgrad_pairs_take_a_block_rows_blocks_width_at_a_time():
+    """`dispatch.wgrad_pairs`: (row, the tile's block-columns, its blocks), slots no block fills
+    -1 with their column the tile's first block's."""
+    from sparseblocks.bsmm import dispatch
+
+    layout = BlockLayout(np.array([[1, 1, 0, 1, 0], [1, 1, 1, 1, 1]]), 64)
+    assert dispatch.wgrad_pairs(layout, 4).tolist() == [[0, 0, 1, 3, 0, 0, 1, 2, -1], [1, 0, 1, 2, 3, 3, 4, 5, 6],
+                                                        [1, 4, 4, 4, 4, 7, -1, -1, -1]]
+    assert dispatch.wgrad_pairs(layout).tolist() == [[0, 0, 1, 0, 1], [0, 3, 3, 2, -1], [1, 0, 1, 3, 4],
+                                                     [1, 2, 3, 5, 6], [1, 4, 4, 7, -1]]
 
 
 def weight_grad_into_out(monkeypatch, cfg, layout, feature_axis, splits, seed, n=72):
