@@ -545,9 +545,9 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
     pairs = paired_wgrad(layout, cfg, bs) if v7 and group == 1 else None
     stacks = stacked_wgrad(layout, cfg, bs) if v7 and group == 1 and pairs is None else None
     kind = True if pairs is None and stacks is None else PAIRED if stacks is None else STACKED
-    if kind is not True:  # two blocks of a block-row, or a stack of a block-column's, a thread block
-        coords = _on_device(layout, ("wgrad", kind, pair_width(cfg, bs) if kind == PAIRED else cfg.v7_wgrad_stacks.get(bs)),
-                            pairs if stacks is None else stacks, stream)
+    if kind is not True:  # 2 or 4 blocks of a block-row, or a stack of a block-column's, a thread block
+        n = pair_width(cfg, bs) if kind == PAIRED else cfg.v7_wgrad_stacks.get(bs)
+        coords = _on_device(layout, ("wgrad", kind, n), pairs if stacks is None else stacks, stream)
         thread_blocks = coords.shape[0]
     fill = cfg.v7_wgrad_fill if v7 else 4
     if splits is not None:

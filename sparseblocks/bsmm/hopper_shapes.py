@@ -21,7 +21,8 @@ SWIZZLE_K = 64  # values of k a stage: one 128-byte row of a swizzle atom
 ATOM = 1024  # a 128-byte-swizzled atom: 8 rows of 128 bytes
 
 
-PAIRED = "pairs"  # weight_grad's value for a weight gradient of 2 or 4 blocks of a block-row a tile (``v7_wgrad_pairs``)
+PAIRED = "pairs"  # weight_grad's value for a weight gradient of 2 or 4 blocks of a block-row a tile
+# (``v7_wgrad_pairs``, ``v7_wgrad_pair_width``)
 STACKED = "stacks"  # ... of blocks of one block-column stacked down a tile (``v7_wgrad_stacks``)
 
 

@@ -514,12 +514,14 @@ def test_hopper_paired_weight_grad_runs_in_the_simulator(monkeypatch, feature_ax
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
-@pytest.mark.parametrize("feature_axis, splits", [(1, 2), (0, 1)])
-def test_hopper_four_wide_weight_grad_runs_in_the_simulator(monkeypatch, feature_axis, splits):
+@pytest.mark.parametrize("feature_axis, splits, producer", [(1, 2, False), (0, 1, False), (1, 1, True)])
+def test_hopper_four_wide_weight_grad_runs_in_the_simulator(monkeypatch, feature_axis, splits, producer):
     """``v7_wgrad_pair_width`` 4: four blocks of a block-row a thread block (a tile of 64 x 256,
     x's columns read once for four): a row of five blocks is a tile of four and one alone, a row
-    of three a tile with one slot no block fills (neither stored)."""
-    weight_grad_into_out(monkeypatch, replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 3}, v7_wgrad_pair_width={64: 4}),
+    of three a tile with one slot no block fills (neither stored); on the barrier ring or
+    warp-specialized."""
+    weight_grad_into_out(monkeypatch, replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 3}, v7_wgrad_pair_width={64: 4},
+                                              v7_wgrad_pair_producer=producer),
                          BlockLayout(np.array([[1, 1, 0, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 0, 0]]), 64),
                          feature_axis, splits, 10)
 
