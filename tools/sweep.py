@@ -11,6 +11,7 @@
     python tools/sweep.py conv forward --set implicit=False [--block-size 32] [--density 0.25] [--images 32]
            [--channels 256] [--height 56] [--width 56]
     python tools/sweep.py quant conv2d --set chunk_words=8,16,32 [--images 32] [--channels 256] [--height 56]
+    python tools/sweep.py linear ffn --set v7_wgrad_waves=True --dtype bfloat16 --block-size 128 --n 8192 --k 16384
 
 Each variant is the op's default config with the given fields replaced (the cartesian
 product of every ``--set``). Its output is compared with the default's first (it must agree
@@ -210,8 +211,36 @@ def attention_case(torch, args):
     return attention.DEFAULT, calls[args.call]
 
 
+def linear_case(torch, args):
+    """`BlockSparseLinear` as a transformer's FFN uses it (--c -> --k -> --c, ReLU between, --n tokens):
+    its forward and backward under the variant as bsmm's default config (`bsmm.config.DEFAULT`,
+    which the layer's calls read); returns the layers' weight and bias gradients."""
+    from sparseblocks.bsmm import config as bsmm_config
+    from sparseblocks.torch import BlockSparseLinear
+
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    layers = [BlockSparseLinear(a, b, density=args.density, block_size=args.block_size, seed=i, device="cuda",
+                                dtype=dtype) for i, (a, b) in enumerate(((args.c, args.k), (args.k, args.c)))]
+    params = [p for layer in layers for p in layer.parameters()]
+    x = torch.randn(args.n, args.c, device="cuda", dtype=dtype)
+    dy = torch.randn(args.n, args.c, device="cuda", dtype=dtype)
+
+    def ffn(cfg):
+        default, bsmm_config.DEFAULT = bsmm_config.DEFAULT, cfg
+        try:
+            for p in params:
+                p.grad = None
+            layers[1](torch.relu(layers[0](x))).backward(dy)
+        finally:
+            bsmm_config.DEFAULT = default
+        return torch.cat([p.grad.flatten() for p in params])
+
+    return bsmm_config.DEFAULT, {"ffn": ffn}[args.call]
+
+
 CASES = {"bsmm": bsmm_case, "norms": norms_case, "sbnet": sbnet_case, "fused": fused_case, "torch": torch_case,
-         "quant": quant_case, "attention": attention_case, "conv": conv_case}
+         "quant": quant_case, "attention": attention_case, "conv": conv_case, "linear": linear_case}
 TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2, "float32": 1e-4, "float64": 1e-10}
 
 
@@ -221,7 +250,8 @@ def add_case_arguments(parser):
     parser.add_argument("call", help="bsmm: forward, input_grad, weight_grad; sbnet: reduce_mask, sparse_gather, "
                                      "sparse_scatter; fused: sparse_gather_matmul, sparse_matmul_scatter; torch: res_block; "
                                      "quant: matmul, pack, conv2d; norms: layer_norm, layer_norm_grad; "
-                                     "attention: forward, backward; conv: forward, input_grad, filter_grad")
+                                     "attention: forward, backward; conv: forward, input_grad, filter_grad; "
+                                     "linear: ffn")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2",
                         help="a config field and the values to try (repeatable: their cartesian product)")
     parser.add_argument("--dtype", default="float16")
