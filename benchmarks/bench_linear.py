@@ -167,8 +167,8 @@ def bench_config(torch, dtype, bs, density, model_name, modes, records, dense_ms
 
     key = layer._layout_key
 
-    def products():  # the layer's three kernels, in the order its step runs them
-        bsmm_forward(x, layer.weight, key)
+    def products():  # the layer's three kernels, in the order its step runs them (the bias the forward's)
+        bsmm_forward(x, layer.weight, key, layer.bias)
         bsmm_input_grad(dy, layer.weight, key)
         bsmm_weight_grad(x, dy, key, layer.weight.dtype)
 
