@@ -204,8 +204,9 @@ def check_tiles(version):
             dw = types.float32 if out == "float32" else element
             signature = (dw[:, :, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, ::1],
                          types.int32[:, ::1], i64, i64, types.float64) + maps
-            stack = "" if not extra else (f" stacks {cfg.v7_wgrad_stacks[bs]}" if extra[0] == "stacks" else f" pairs of {cfg.v7_wgrad_pair_width[bs]}") \
-                + (" split" if warp_specialized(cfg, extra[0]) else "")
+            tile = "" if not extra else (f" stacks {cfg.v7_wgrad_stacks[bs]}" if extra[0] == "stacks"
+                                         else f" pairs of {cfg.v7_wgrad_pair_width[bs]}")
+            stack = tile + (" split" if extra and warp_specialized(cfg, extra[0]) else "")
             results.append(check(f"weight_grad v{version} bs {bs}{stack} {storage} axis {feature_axis} dW {out}",
                                  kernel.py_func, signature, cc=cc, detail=count,
                                  launch_bounds=bounds(version, bs, kind, cfg)))
@@ -362,7 +363,7 @@ def check_norms():
         T, K, RB = shape
         element = types.int16 if storage == "bfloat16" else getattr(types, storage)
         rows, vec, stats = element[:, ::1], element[::1], float32[::1]
-        blocks = min(cfg.row_blocks, 2048 // (T * RB))
+        blocks = layer.row_blocks(cfg, T * RB, float32)
         for name, maker, signature in (
                 ("forward", layer.make_forward, (rows, stats, stats, rows, vec, vec, types.float64)),
                 ("backward", layer.make_backward, (rows, rows, rows, vec, vec, stats, stats))):

@@ -98,11 +98,16 @@ def make_block_sum(threads, acc_type):
     return block_sum, block_sums
 
 
+def row_blocks(cfg, threads, acc_type):
+    """Thread blocks of ``threads`` a multiprocessor axis 1's kernels are bounded for: ``row_blocks``
+    (at most 2048 threads: the registers capped at what that leaves a thread); 0, no bound, for
+    fp64 sums (two registers a value)."""
+    return min(cfg.row_blocks, 2048 // threads) if acc_type.bitwidth == 32 else 0
+
+
 def row_kernel(cfg, threads, acc_type):
-    """Axis 1's kernel decorator: with ``row_blocks``, launch bounds of that many thread blocks of
-    ``threads`` a multiprocessor (at most 2048 threads: the registers capped at what that leaves a
-    thread); fp64 sums (two registers a value) take no cap."""
-    blocks = min(cfg.row_blocks, 2048 // threads) if acc_type.bitwidth == 32 else 0
+    """Axis 1's kernel decorator: launch bounds of `row_blocks` thread blocks a multiprocessor."""
+    blocks = row_blocks(cfg, threads, acc_type)
     return bounded(threads, blocks) if blocks else cuda.jit
 
 
