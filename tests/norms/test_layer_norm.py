@@ -172,3 +172,19 @@ def test_rows_sharing_a_thread_block_agree_bitwise():
         for alone, shared in zip(*results):
             np.testing.assert_array_equal(alone, shared)
 
+
+
+def test_parameter_gradients_over_many_row_chunks():
+    """Axis 1's dg and db: row chunks of ``grad_rows`` summed four rows' loads at a time (and a
+    remainder), the chunks' sums added four loads at a time (and a remainder); against the twin."""
+    rng = np.random.default_rng(5)
+    N, C = 23, 9  # (chunks of 5 rows: 4 chunks and one of 3)
+    x, dy = rng.standard_normal((N, C)).astype(np.float32), rng.standard_normal((N, C)).astype(np.float32)
+    g, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
+    cfg = dataclasses.replace(SMALL, grad_rows=5)
+    for relu in (False, True):
+        _, mean, rstd = norms.layer_norm(x, g, b, relu=relu, stats=True, config=cfg)
+        dx, dg, db = norms.layer_norm_grad(dy, x, g, b, mean, rstd, relu=relu, config=cfg)
+        _, want_dg, want_db = reference.layer_norm_grad(dy, x, g, b, 1, relu=relu)
+        _close(dg, want_dg, "float32", np.abs(dy).sum(0) * 4, "dg")
+        _close(db, want_db, "float32", np.abs(dy).sum(0), "db")
