@@ -567,9 +567,9 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
 def make_param_grads(cfg, storage, param_storage, acc_type, relu, vector=False):
     """Axis 1's dg and db: ``partials(work, dy, x, g, b, mean, rstd)`` over grid
     (`param_grid`: features / 4 threads, row chunks) into work (chunks, 2, C), a thread 4
-    neighbouring features (one load of each of dy's and x's rows where ``vector``), four rows'
-    loads an iteration; then ``finish(dg, db, work)`` over features, which also adds axis 0's
-    column blocks (`make_backward`'s gwork). Each feature's sums run in row order, as one feature a thread would."""
+    neighbouring features (one load of each of dy's and x's rows where ``vector``), two rows an
+    iteration; then ``finish(dg, db, work)`` over features, which also adds axis 0's column blocks
+    (`make_backward`'s gwork). Each feature's sums run in row order, as one feature a thread would."""
     p_conv = converters(param_storage, acc_type)
     read, _ = make_group_io(converters(storage, acc_type), acc_type, vector)
     params = make_param_io(p_conv, acc_type, vector)
@@ -586,8 +586,7 @@ def make_param_grads(cfg, storage, param_storage, acc_type, relu, vector=False):
     chunk_sums = make_chunk_sums(acc_type)
 
     @cuda.jit(device=True, inline=True)
-    def row_terms(dy, x, row, c, mean_in, rstd_in, gs, bs):
-        """A row's (dy·xhat, dy) at features c..c+3: 8 values."""
+    def add_row(sums, dy, x, row, c, mean_in, rstd_in, gs, bs):
         m, r = acc_type(mean_in[row]), acc_type(rstd_in[row])
         e0, e1, e2, e3 = read(dy, row, c)
         v0, v1, v2, v3 = read(x, row, c)
@@ -595,13 +594,14 @@ def make_param_grads(cfg, storage, param_storage, acc_type, relu, vector=False):
         t1, u1 = terms(e1, v1, m, r, gs[1], bs[1])
         t2, u2 = terms(e2, v2, m, r, gs[2], bs[2])
         t3, u3 = terms(e3, v3, m, r, gs[3], bs[3])
-        return t0, t1, t2, t3, u0, u1, u2, u3
-
-    @cuda.jit(device=True, inline=True)
-    def add_terms(sums, terms8):
-        for j in range(4):
-            sums[0, j] += terms8[j]
-            sums[1, j] += terms8[4 + j]
+        sums[0, 0] += t0
+        sums[0, 1] += t1
+        sums[0, 2] += t2
+        sums[0, 3] += t3
+        sums[1, 0] += u0
+        sums[1, 1] += u1
+        sums[1, 2] += u2
+        sums[1, 3] += u3
 
     @cuda.jit
     def partials_rows(work, dy, x, g, b, mean_in, rstd_in):
@@ -617,18 +617,12 @@ def make_param_grads(cfg, storage, param_storage, acc_type, relu, vector=False):
         for j in range(4):
             sums[0, j] = acc_type(0)
             sums[1, j] = acc_type(0)
-        begin, end = chunk * R, min(N, chunk * R + R)
-        for row in range(begin, end - 3, 4):  # (four rows' loads in flight, added in row order)
-            first = row_terms(dy, x, row, c, mean_in, rstd_in, gs, bs)
-            second = row_terms(dy, x, row + 1, c, mean_in, rstd_in, gs, bs)
-            third = row_terms(dy, x, row + 2, c, mean_in, rstd_in, gs, bs)
-            fourth = row_terms(dy, x, row + 3, c, mean_in, rstd_in, gs, bs)
-            add_terms(sums, first)
-            add_terms(sums, second)
-            add_terms(sums, third)
-            add_terms(sums, fourth)
-        for row in range(end - (end - begin) % 4, end):
-            add_terms(sums, row_terms(dy, x, row, c, mean_in, rstd_in, gs, bs))
+        end = min(N, chunk * R + R)
+        for row in range(chunk * R, end - 1, 2):  # (two rows' loads in flight, added in row order)
+            add_row(sums, dy, x, row, c, mean_in, rstd_in, gs, bs)
+            add_row(sums, dy, x, row + 1, c, mean_in, rstd_in, gs, bs)
+        if (end - chunk * R) % 2:
+            add_row(sums, dy, x, end - 1, c, mean_in, rstd_in, gs, bs)
         for j in range(4):
             if c + j < C:
                 work[chunk, 0, c + j] = sums[0, j]
