@@ -175,7 +175,7 @@ def test_rows_sharing_a_thread_block_agree_bitwise():
 
 
 def test_parameter_gradients_over_many_row_chunks():
-    """Axis 1's dg and db: row chunks of ``grad_rows`` summed four rows' loads at a time (and a
+    """Axis 1's dg and db: row chunks of ``grad_rows`` summed two rows at a time (and a
     remainder), the chunks' sums added four loads at a time (and a remainder); against the twin."""
     rng = np.random.default_rng(5)
     N, C = 23, 9  # (chunks of 5 rows: 4 chunks and one of 3)
