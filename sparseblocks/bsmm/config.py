@@ -28,6 +28,7 @@ class BsmmConfig:
     product_threads: int = 128  # threads of a version 3 product; TM * KC must be a multiple of 8 of them
     segment_factor: int = 2  # lines longer than this many mean lines are cut into segments ...
     min_segment: int = 4  # ... of at least this many blocks, so one long line does not run alone
+    longest_first: bool = False  # products launch their segments longest first (the rest of a grid fills the tail)
     wgrad_threads: int = 256  # threads of a version 3 weight gradient's block
     wgrad_patch: dict = default_field({8: 2, 16: 4, 32: 4, 64: 4, 128: 8})  # side of a weight-gradient thread's patch
     wgrad_chunk: int = 64  # rows of N a weight-gradient step loads

@@ -202,16 +202,21 @@ def product_schedule(cfg, layout, transpose_w, max_segment, stream):
     """What the products launch with over a layout, whatever the activations:
     (slots, product index arrays, combine index arrays), cached in the layout
     so that a call looks it up once instead of rebuilding keys for each array."""
-    key = ("product schedule", transpose_w, max_segment, cfg.segment_factor, cfg.min_segment, active())
+    LONGEST_FIRST = cfg.longest_first
+    key = ("product schedule", transpose_w, max_segment, cfg.segment_factor, cfg.min_segment, LONGEST_FIRST, active())
     cached = layout._schedules.get(key)
     if cached is not None:
         return cached
     axis = "row" if transpose_w else "col"
     limit = segment_limit(layout, axis, cfg) if max_segment is None else max_segment
-    schedule = layout.line_segments(axis, limit)
+    schedule = dict(layout.line_segments(axis, limit))
+    if LONGEST_FIRST:  # (each segment names its line, blocks and slot: any order computes the same)
+        order = np.argsort(schedule["seg_begin"] - schedule["seg_end"], kind="stable")
+        for name in ("seg_line", "seg_begin", "seg_end", "seg_slot"):
+            schedule[name] = schedule[name][order]
     other_idx, line_block = ("col_idx", "col_idx") if transpose_w else ("row_idx", "col_block")
     on_device = {
-        name: _on_device(layout, (axis, limit, name), schedule[name], stream)
+        name: _on_device(layout, (axis, limit, LONGEST_FIRST and name.startswith("seg"), name), schedule[name], stream)
         for name in ("seg_line", "seg_begin", "seg_end", "seg_slot", "split_line", "split_begin", "split_end")
     }
     product = (on_device["seg_line"], on_device["seg_begin"], on_device["seg_end"], on_device["seg_slot"],

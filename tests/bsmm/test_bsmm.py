@@ -1,5 +1,7 @@
 """Block-sparse matmul kernels against their NumPy reference, with algebraic properties."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -158,6 +160,23 @@ def test_forward_adds_the_bias(data, version, block_size, dtype, feature_axis, s
 def test_split_lines_and_split_rows_match_reference(data, block_size, feature_axis, max_segment, version):
     """Skewed layouts cut long lines into segments, and the weight gradient cuts N; both sum in order."""
     check_split_lines(data, block_size, feature_axis, max_segment, version)
+
+
+@pytest.mark.parametrize("version", [3, 4] if SIMULATOR else [None, 4])
+@few
+@given(data=st.data(), block_size=st.sampled_from([8, 16] if SIMULATOR else BLOCKS),
+       feature_axis=st.sampled_from([1, 0]), max_segment=st.sampled_from([None, 1, 2]))
+def test_segments_launched_longest_first_give_the_same_bits(data, version, block_size, feature_axis, max_segment):
+    """``longest_first``: the products' segments in another launch order (each names its line,
+    blocks and workspace slot), so the outputs are the same bit for bit."""
+    layout, x, dy, w = data.draw(problems(block_size, "float16", kinds=("skewed", "random")))
+    x, dy = to_axis(x, feature_axis), to_axis(dy, feature_axis)
+    cfg = replace(bsmm.DEFAULT, longest_first=True)
+    for a, transpose_w in ((x, False), (dy, True)):
+        want = bsmm.api._product(bsmm.DEFAULT, a, w, layout, feature_axis, transpose_w, version, max_segment=max_segment)
+        with poisoned_outputs():
+            got = bsmm.api._product(cfg, a, w, layout, feature_axis, transpose_w, version, max_segment=max_segment)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 # Every mma is a 32-thread rendezvous in the simulator: fewer cases there.
