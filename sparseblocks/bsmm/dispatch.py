@@ -216,7 +216,7 @@ def product_schedule(cfg, layout, transpose_w, max_segment, stream):
             schedule[name] = schedule[name][order]
     other_idx, line_block = ("col_idx", "col_idx") if transpose_w else ("row_idx", "col_block")
     on_device = {
-        name: _on_device(layout, (axis, limit, LONGEST_FIRST and name.startswith("seg"), name), schedule[name], stream)
+        name: _on_device(layout, (axis, limit, LONGEST_FIRST, name), schedule[name], stream)
         for name in ("seg_line", "seg_begin", "seg_end", "seg_slot", "split_line", "split_begin", "split_end")
     }
     product = (on_device["seg_line"], on_device["seg_begin"], on_device["seg_end"], on_device["seg_slot"],
