@@ -24,10 +24,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sweep.add_case_arguments(parser)
     parser.add_argument("--calls", type=int, default=5, help="calls after the warm-up")
-    args = parser.parse_args()
-    if len(args.block_size) > 1 or len(args.density) > 1:
+    cases = sweep.each_case(parser.parse_args())
+    if len(cases) != 1:
         parser.error("a profile takes one block size and one density")
-    args.block_size, args.density = args.block_size[0], args.density[0]
+    args = cases[0]
 
     import torch
 

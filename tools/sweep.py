@@ -310,8 +310,14 @@ def main():
 
     import torch
 
-    for block_size, density in itertools.product(args.block_size, args.density):
-        sweep(torch, argparse.Namespace(**{**vars(args), "block_size": block_size, "density": density}))
+    for case in each_case(args):
+        sweep(torch, case)
+
+
+def each_case(args):
+    """The parsed options once for each block size and density they list (one value each)."""
+    return [argparse.Namespace(**{**vars(args), "block_size": block_size, "density": density})
+            for block_size, density in itertools.product(args.block_size, args.density)]
 
 
 def sweep(torch, args):
