@@ -27,8 +27,10 @@ class BsmmConfig:
         {8: (256, 8, 2, 8), 16: (256, 8, 4, 16), 32: (128, 8, 4, 32), 64: (128, 8, 8, 32), 128: (64, 8, 8, 16)})
     product_threads: int = 128  # threads of a version 3 product; TM * KC must be a multiple of 8 of them
     segment_factor: int = 2  # lines longer than this many mean lines are cut into segments ...
-    min_segment: int = 4  # ... of at least this many blocks, so one long line does not run alone
-    longest_first: bool = False  # products launch their segments longest first (the rest of a grid fills the tail)
+    # ... of at least this many blocks, so one long line does not run alone: {bs: blocks}. Block 128
+    # cuts only lines over 32 blocks (the combining pass costs more than a 5-block line alone)
+    min_segment: dict = default_field({8: 4, 16: 4, 32: 4, 64: 4, 128: 32})
+    longest_first: frozenset = frozenset({128})  # block sizes whose products launch their segments longest first
     wgrad_threads: int = 256  # threads of a version 3 weight gradient's block
     wgrad_patch: dict = default_field({8: 2, 16: 4, 32: 4, 64: 4, 128: 8})  # side of a weight-gradient thread's patch
     wgrad_chunk: int = 64  # rows of N a weight-gradient step loads

@@ -141,9 +141,10 @@ def segment_limit(layout, axis, cfg=DEFAULT):
     """Longest segment (in blocks) a thread block of a SIMT or tensor-core product takes on."""
     MIN_SEGMENT = cfg.min_segment
     SEGMENT_FACTOR = cfg.segment_factor
+    bs = layout.block_size
     ptr = layout.col_ptr if axis == "col" else layout.row_ptr
     mean = layout.n_blocks / max(1, len(ptr) - 1)
-    return max(MIN_SEGMENT, int(np.ceil(SEGMENT_FACTOR * mean)))
+    return max(MIN_SEGMENT.get(bs, 4), int(np.ceil(SEGMENT_FACTOR * mean)))
 
 
 def vector_loads(cfg, arrays, n_rows, feature_axis, widths=None):
@@ -202,8 +203,9 @@ def product_schedule(cfg, layout, transpose_w, max_segment, stream):
     """What the products launch with over a layout, whatever the activations:
     (slots, product index arrays, combine index arrays), cached in the layout
     so that a call looks it up once instead of rebuilding keys for each array."""
-    LONGEST_FIRST = cfg.longest_first
-    key = ("product schedule", transpose_w, max_segment, cfg.segment_factor, cfg.min_segment, LONGEST_FIRST, active())
+    LONGEST_FIRST = layout.block_size in cfg.longest_first
+    key = ("product schedule", transpose_w, max_segment, cfg.segment_factor, cfg.min_segment.get(layout.block_size),
+           LONGEST_FIRST, active())
     cached = layout._schedules.get(key)
     if cached is not None:
         return cached
