@@ -2,7 +2,9 @@
 dense, with stk's layers and with torch BSR weights.
 
 The models: ``mlp``, 4 `BlockSparseLinear` layers of width 4096 (bias, ReLU between) on 4096 rows;
-``ffn``, a transformer FFN 4096 -> 16384 -> 4096 (ReLU between) on 8192 rows. AdamW. A step is
+``ffn``, a transformer FFN 4096 -> 16384 -> 4096 (ReLU between) on 8192 rows; ``mlp_relu`` and
+``ffn_relu``, the same with each ReLU taken by the layer before it (``activation="relu"``: in the
+product's epilogue), against the same baselines (which keep their ``nn.ReLU``). AdamW. A step is
 forward, backward and the optimizer, in fp32 (TF32 off) or bf16, eager or ``torch.compile``d; the
 baselines run the same step in the same run: ``dense`` (``nn.Linear``, the same mode), ``stk``
 (the same model on stk's autograd ops, ``dds`` forward and ``sdd`` weight gradient, at block 128
@@ -34,14 +36,20 @@ MODELS = {  # widths from input to output, rows
     "mlp": ((4096, 4096, 4096, 4096, 4096), 4096),
     "ffn": ((4096, 16384, 4096), 8192),
 }
+MODELS.update({f"{name}_relu": shape for name, shape in MODELS.items()})  # (our layers take the ReLU)
 STK_BLOCK = 128
 
 
-def mlp(torch, layer, widths):
-    """Linear layers ``layer(i, in, out)`` between consecutive widths, ReLU between them."""
+def mlp(torch, layer, widths, fused=False):
+    """Linear layers ``layer(i, in, out)`` between consecutive widths, ReLU between them (with
+    ``fused``, ``layer(i, in, out, relu)`` takes it)."""
     parts = []
     for i in range(len(widths) - 1):
-        parts += [layer(i, widths[i], widths[i + 1])] + ([torch.nn.ReLU()] if i < len(widths) - 2 else [])
+        relu = i < len(widths) - 2
+        if fused:
+            parts.append(layer(i, widths[i], widths[i + 1], relu))
+        else:
+            parts += [layer(i, widths[i], widths[i + 1])] + ([torch.nn.ReLU()] if relu else [])
     return torch.nn.Sequential(*parts)
 
 
@@ -122,19 +130,20 @@ def bench_config(torch, dtype, bs, density, model_name, modes, records, dense_ms
     from sparseblocks.torch.ops import bsmm_forward, bsmm_input_grad, bsmm_weight_grad
 
     widths, tokens = MODELS[model_name]
+    fused = model_name.endswith("_relu")
     width = widths[0]
     torch.manual_seed(0)
-    sparse = mlp(torch, lambda i, a, b: BlockSparseLinear(a, b, density=density, block_size=bs, seed=i,
-                                                          device="cuda", dtype=dtype), widths)
+    sparse = mlp(torch, lambda i, a, b, relu=False: BlockSparseLinear(
+        a, b, density=density, block_size=bs, seed=i, device="cuda", dtype=dtype,
+        activation="relu" if relu else None), widths, fused)
     x = torch.randn(tokens, width, device="cuda", dtype=dtype)
     target = torch.randn(tokens, widths[-1], device="cuda", dtype=dtype)
     # Check: the sparse model's loss against the dense masked model's.
     dense = mlp(torch, lambda i, a, b: torch.nn.Linear(a, b, device="cuda", dtype=dtype), widths)
     with torch.no_grad():
-        for s, d in zip(sparse, dense):
-            if hasattr(s, "weight"):
-                d.weight.copy_(s.to_dense())
-                d.bias.copy_(s.bias)
+        for s, d in zip(*([m for m in model if hasattr(m, "weight")] for model in (sparse, dense))):
+            d.weight.copy_(s.to_dense())
+            d.bias.copy_(s.bias)
         got = torch.nn.functional.mse_loss(sparse(x).float(), target.float())
         want = torch.nn.functional.mse_loss(dense(x).float(), target.float())
     if abs(got.item() - want.item()) > 2e-2 * abs(want.item()):
@@ -155,6 +164,8 @@ def bench_config(torch, dtype, bs, density, model_name, modes, records, dense_ms
                                              "mode": mode, "width": width, "tokens": tokens, "layers": len(widths) - 1},
                               ms, {"dense": dense_ms[(model_name, name, mode)], "stk": stk_ms, "torch_bsr": bsr_ms}))
         print(f"done {model_name} {name} bs={bs} density={density} {mode}: {ms:.3f} ms", flush=True)
+    if fused:  # (the layer records below are the unfused model's)
+        return
     # One layer: device time of forward + backward against its products' kernel times.
     layer = sparse[0]
     xg = x.detach().clone().requires_grad_(True)

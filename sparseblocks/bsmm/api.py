@@ -104,9 +104,11 @@ def _check_bias(bias, a, out_features):
     return op
 
 
-def _product(cfg, a, w, layout, feature_axis, transpose_w, version, max_segment=None, bias=None):
+def _product(cfg, a, w, layout, feature_axis, transpose_w, version, max_segment=None, bias=None, relu=False):
+    if not isinstance(relu, bool):
+        raise TypeError(f"relu: expected a bool, got {relu!r}")
     if plans.kept and max_segment is None:
-        out = replayed_product(cfg, a, w, layout, feature_axis, transpose_w, version, bias)
+        out = replayed_product(cfg, a, w, layout, feature_axis, transpose_w, version, bias, relu)
         if out is not None:
             return out
     given = version
@@ -124,23 +126,26 @@ def _product(cfg, a, w, layout, feature_axis, transpose_w, version, max_segment=
     if n_rows:
         if version == 1:
             launch_product_v1(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, stream)
-            if bias is not None:
-                launch_add_bias(out, bias.device(stream), a.dtype, bias.dtype, n_rows, feature_axis, stream)
+            if bias is not None or relu:
+                launch_add_bias(out, None if bias is None else bias.device(stream), a.dtype,
+                                None if bias is None else bias.dtype, n_rows, feature_axis, stream, relu)
         else:
             launched = launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, stream,
-                                      max_segment, version, bias)
+                                      max_segment, version, bias, relu)
             if max_segment is None:
-                keep_product_plan(cfg, a, w, bias, layout, feature_axis, transpose_w, given, out_shape, launched)
+                keep_product_plan(cfg, a, w, bias, layout, feature_axis, transpose_w, given, out_shape, launched,
+                                  relu)
     return a.result(native, out, stream)
 
 
 @on_arrays_device
 def forward(x: Array, w: Array, layout: BlockLayout, feature_axis: int = 1, version: Optional[int] = None,
-            config: Optional[BsmmConfig] = None, bias: Optional[Array] = None) -> Array:
+            config: Optional[BsmmConfig] = None, bias: Optional[Array] = None, relu: bool = False) -> Array:
     """``y = x · W`` for block-sparse ``W`` given as ``w[n_blocks, bs, bs]`` over ``layout``;
     with ``bias`` (one value an output feature, x's dtype or fp32 with fp16/bf16 x) ``x · W +
-    bias``, which version 7 adds in its epilogue before rounding (others in a pass of their own)."""
-    return _product(as_config(config), x, w, layout, feature_axis, False, version, bias=bias)
+    bias``, and with ``relu`` ``max(x · W (+ bias), 0)``: version 7 adds the bias and takes the max
+    in its epilogue before rounding (others in a pass of their own, on the rounded product)."""
+    return _product(as_config(config), x, w, layout, feature_axis, False, version, bias=bias, relu=relu)
 
 
 @on_arrays_device

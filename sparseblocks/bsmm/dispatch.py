@@ -229,9 +229,10 @@ def product_schedule(cfg, layout, transpose_w, max_segment, stream):
 
 
 def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, stream, max_segment, version,
-                   bias=None):
+                   bias=None, relu=False):
     """Launch a product (and its combining pass where lines are cut into segments, and with
-    ``bias`` (an Operand) its addition: in version 7's epilogue, else a pass of its own); return
+    ``bias`` (an Operand) its addition, with ``relu`` the max with 0 after it: in version 7's
+    epilogue, else a pass of its own); return
     the launches a kept plan repeats, (pre, main, combine, post): each (kernel, grid, threads,
     args[, derived], live positions) or None."""
     COMBINE_THREADS = cfg.combine_threads
@@ -250,13 +251,13 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
     maps, makers = (), ()
     bias_kind = None if bias is None else bias.dtype
     bias_device = _stand_in((1,), "float32") if bias is None else bias.device(stream)
-    fused = family == 7 and bias is not None  # (version 7 adds it in its epilogue and combining pass)
+    fused = family == 7 and (bias is not None or relu)  # (version 7's epilogue and combining pass do it)
     if family == 7:
         cfg = v7_config(cfg, layout, transpose_w)
         cfg, maps, makers = _v7_maps(
             cfg, tma_maps(cfg, bs, False, a_device, w_device, n_rows, feature_axis, transpose_w, stream))
         TM, threads = v7_shape(cfg, bs)[0], v7_threads(cfg, bs)
-        kernel = compiled(cfg, make_product_v7, bs, a.dtype, transpose_w, feature_axis, bias_kind)
+        kernel = compiled(cfg, make_product_v7, bs, a.dtype, transpose_w, feature_axis, bias_kind, relu)
     elif family == 6:
         TM, threads = v6_shape(cfg, bs)[0], v6_threads(cfg, bs)
         kernel = compiled(cfg, make_product_v6, bs, a.dtype, transpose_w, feature_axis)
@@ -289,28 +290,32 @@ def launch_product(cfg, out, a, w, layout, n_rows, transpose_w, feature_axis, st
     # the call's launches: what a kept plan repeats (the maps last, made from A's and B's addresses),
     # with the positions of out, [the workspace (lines cut into segments),] A, W [and the bias]
     main = (kernel, grid, threads, args, derived_maps(makers, len(args) - 2),
-            (0,) + ((1,) if slots else ()) + (2, 3) + ((4,) if fused else ()))
+            (0,) + ((1,) if slots else ()) + (2, 3) + ((4,) if fused and bias is not None else ()))
     combine = None
     if slots:
-        kernel = compiled(cfg, make_combine_lines, bs, a.dtype, feature_axis, bias_kind if fused else None)
+        kernel = compiled(cfg, make_combine_lines, bs, a.dtype, feature_axis, bias_kind if fused else None,
+                          relu and fused)
         grid = ((n_rows * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, len(combine_indices[0]))
         combine_args = (out, workspace, bias_device, *combine_indices, n_rows)
         launch(kernel, grid, COMBINE_THREADS, stream, combine_args)
-        combine = (kernel, grid, COMBINE_THREADS, combine_args, (), (0, 1, 2) if fused else (0, 1))
-    post = None if bias is None or fused else launch_add_bias(out, bias_device, a.dtype, bias_kind, n_rows,
-                                                             feature_axis, stream)
+        combine = (kernel, grid, COMBINE_THREADS, combine_args, (), (0, 1, 2) if fused and bias is not None
+                   else (0, 1))
+    post = None if (bias is None and not relu) or fused else launch_add_bias(
+        out, bias_device, a.dtype, bias_kind, n_rows, feature_axis, stream, relu)
     return pre, main, combine, post
 
 
-def launch_add_bias(out, bias, storage, bias_kind, n_rows, feature_axis, stream):
-    """Launch `simt.make_add_bias` (out += bias along the features); return the launch, as a
-    plan keeps it (out and bias live)."""
-    kernel = cached(make_add_bias, storage, acc_type(storage), feature_axis, bias_kind)
-    total = n_rows * bias.shape[0]
-    grid = max(1, min(-(-total // ADD_BIAS_THREADS), 8 * multiprocessors()))
-    args = (out, bias, n_rows)
+def launch_add_bias(out, bias, storage, bias_kind, n_rows, feature_axis, stream, relu=False):
+    """Launch `simt.make_add_bias` (out += bias along the features, ``bias_kind`` None: none;
+    with ``relu`` then the max with 0); return the launch, as a plan keeps it (out and a bias
+    live)."""
+    kernel = cached(make_add_bias, storage, acc_type(storage), feature_axis, bias_kind, relu)
+    bias = _stand_in((1,), "float32") if bias is None else bias
+    features = out.shape[1 if feature_axis == 1 else 0]
+    grid = max(1, min(-(-(n_rows * features) // ADD_BIAS_THREADS), 8 * multiprocessors()))
+    args = (out, bias, n_rows, features)
     launch(kernel, grid, ADD_BIAS_THREADS, stream, args)
-    return kernel, grid, ADD_BIAS_THREADS, args, (), (0, 1)
+    return kernel, grid, ADD_BIAS_THREADS, args, (), (0, 1) if bias_kind is not None else (0,)
 
 
 def tma_maps(cfg, bs, weight_grad, a, b, n_rows, feature_axis, transpose_w, stream):

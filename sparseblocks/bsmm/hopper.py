@@ -457,15 +457,15 @@ def make_staging16(cfg, bs, from_acc):
     return stage16, chunk16, sums, PER
 
 
-def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis, bias_kind=None):
+def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis, bias_kind=None, relu=False):
     """Products (forward, or with ``transpose_w`` input_grad) on version 7 tiles: a thread block
     owns BM rows of one segment of an output block-line, as in version 6 (`tiles.make_product_v6`),
     whose conventions it keeps: rows past N read the last row(s) and are not written. Persistent
     (`persistent`) with feature_axis 1 at the block sizes of ``v7_persistent``.
 
     ``bias_kind``: the dtype of a bias the epilogue adds to each output feature before rounding
-    (``bias``, one value a feature), or None (``bias`` a stand-in); a line cut into segments
-    leaves it to the combining pass."""
+    (``bias``, one value a feature), or None (``bias`` a stand-in); ``relu``: the epilogue then
+    takes the max with 0. A line cut into segments leaves both to the combining pass."""
     PERSIST = persistent(cfg, bs, False, feature_axis)
     if PERSIST:
         cfg = persistent_config(cfg, bs)
@@ -495,10 +495,14 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis, bias_
 
     @inlined
     def biased(v, bias, at, step):
-        """4 fp32 values plus the bias's values at, at + step, ... (step 0: one value for all)."""
+        """4 fp32 values plus the bias's values at, at + step, ... (step 0: one value for all),
+        and with ``relu`` their max with 0."""
         if BIAS:
-            return (v[0] + bias_at(bias, at), v[1] + bias_at(bias, at + step), v[2] + bias_at(bias, at + 2 * step),
-                    v[3] + bias_at(bias, at + 3 * step))
+            v = (v[0] + bias_at(bias, at), v[1] + bias_at(bias, at + step), v[2] + bias_at(bias, at + 2 * step),
+                 v[3] + bias_at(bias, at + 3 * step))
+        if relu:
+            zero = float32(0)
+            v = (max(v[0], zero), max(v[1], zero), max(v[2], zero), max(v[3], zero))
         return v
 
     @inlined
@@ -509,6 +513,13 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis, bias_
         acc[2 * p + 1] += bias_at(bias, first + 8 * (q // 2) + 1)
 
     add_bias = unrolled(ACC_ALL // 2, add_pair, inline=inlined)
+
+    @inlined
+    def clamp_pair(p, acc):
+        acc[2 * p] = max(acc[2 * p], float32(0))
+        acc[2 * p + 1] = max(acc[2 * p + 1], float32(0))
+
+    clamp = unrolled(ACC_ALL // 2, clamp_pair, inline=inlined)
 
     @inlined
     def stage_sources(s, where):
@@ -610,6 +621,8 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis, bias_
                     else:
                         if BIAS:
                             add_bias(acc, bias, line * bs + 2 * (lane % 4))
+                        if relu:
+                            clamp(acc)
                         named_barrier(1, T)  # every thread has read the last tile's staged values
                         stage16(acc, staged16, STAGED16, row, 2 * (lane % 4))
                         named_barrier(1, T)

@@ -15,7 +15,7 @@ from ..runtime.launch import replay
 class _Plan:
     """pre: the copy's launch (wt, w live) and scratch its (shape, torch dtype), or both None;
     combine: the combining launch (out, workspace[, bias] live) and workspace the segments'
-    (shape, torch dtype), or both None; post: the launch adding the bias (out, bias), or None.
+    (shape, torch dtype), or both None; post: the launch adding the bias or taking the ReLU (out[, bias]), or None.
     ``launch`` takes out, [workspace,] a, w[, bias where it adds it]; ``adds``: whether it does."""
     __slots__ = ("layout", "out_shape", "launch", "pre", "scratch", "combine", "workspace", "post", "adds")
 
@@ -24,20 +24,20 @@ class _Plan:
         self.combine, self.workspace, self.post, self.adds = combine, workspace, post, adds
 
 
-def _plan_key(cfg, a, w, a_pointer, w_pointer, layout, feature_axis, transpose_w, version, bias):
+def _plan_key(cfg, a, w, a_pointer, w_pointer, layout, feature_axis, transpose_w, version, bias, relu):
     """Everything a product call's checks and launch depend on, for torch tensors a, w (and bias)."""
     return ("bsmm", cfg, id(layout), feature_axis, transpose_w, version, a.dtype, w.dtype, a.shape, w.shape, a.device,
-            a_pointer % 16, w_pointer % 16, None if bias is None else (bias.dtype, bias.shape, bias.device))
+            a_pointer % 16, w_pointer % 16, None if bias is None else (bias.dtype, bias.shape, bias.device), relu)
 
 
-def replayed_product(cfg, a, w, layout, feature_axis, transpose_w, version, bias=None):
+def replayed_product(cfg, a, w, layout, feature_axis, transpose_w, version, bias=None, relu=False):
     """The product through a kept plan, or None: no plan fits (the general path runs)."""
     if not (isinstance(a, plans.tensor) and isinstance(w, plans.tensor)
             and (bias is None or isinstance(bias, plans.tensor))) or _arrays._poison_outputs:
         return None
     a_pointer, w_pointer = a.data_ptr(), w.data_ptr()
     plan = plans.kept.get(_plan_key(cfg, a, w, a_pointer, w_pointer, layout, feature_axis, transpose_w, version,
-                                    bias))
+                                    bias, relu))
     if plan is None or plan.layout is not layout or not (
             a.is_contiguous() and w.is_contiguous() and (bias is None or bias.is_contiguous())):
         return None
@@ -54,12 +54,12 @@ def replayed_product(cfg, a, w, layout, feature_axis, transpose_w, version, bias
         return None  # (a tensor map could not be made; nothing ran)
     if workspace is not None:
         plan.combine(stream, out.data_ptr(), workspace.data_ptr(), *fused)
-    if plan.post is not None:
-        plan.post(stream, out.data_ptr(), bias.data_ptr())
+    if plan.post is not None:  # (the bias's pointer where it adds one; a ReLU alone: none)
+        plan.post(stream, out.data_ptr(), *(() if bias is None else (bias.data_ptr(),)))
     return out
 
 
-def keep_product_plan(cfg, a, w, bias, layout, feature_axis, transpose_w, version, out_shape, launched):
+def keep_product_plan(cfg, a, w, bias, layout, feature_axis, transpose_w, version, out_shape, launched, relu=False):
     """After a general-path product of torch tensors: keep its launches for `replayed_product`."""
     if launched is None or a.kind != "torch" or _arrays._poison_outputs:
         return
@@ -67,7 +67,7 @@ def keep_product_plan(cfg, a, w, bias, layout, feature_axis, transpose_w, versio
     plan = replay(kernel, grid, threads, args, derived, live=live)  # (live: out, [workspace,] a, w[, bias])
     pre_plan = None if pre is None else replay(*pre, live=(0, 1))  # wt, w
     combine_plan = None if combine is None else replay(*combine[:5], live=combine[5])  # out, workspace[, bias]
-    post_plan = None if post is None else replay(*post[:5], live=post[5])  # out, bias
+    post_plan = None if post is None else replay(*post[:5], live=post[5])  # out[, bias]
     if plan is None or any(launch is not None and kept is None
                            for launch, kept in ((pre, pre_plan), (combine, combine_plan), (post, post_plan))):
         return
@@ -75,7 +75,7 @@ def keep_product_plan(cfg, a, w, bias, layout, feature_axis, transpose_w, versio
 
     a_native, w_native = a.native, w.native
     key = _plan_key(cfg, a_native, w_native, a_native.data_ptr(), w_native.data_ptr(), layout, feature_axis,
-                    transpose_w, version, None if bias is None else bias.native)
+                    transpose_w, version, None if bias is None else bias.native, relu)
     scratch = None if pre is None else (tuple(pre[3][0].shape), torch.int32)
     workspace = None if combine is None else (tuple(args[1].shape),
                                               torch.float64 if a.dtype == "float64" else torch.float32)

@@ -345,9 +345,10 @@ def make_product_v4(cfg, bs, storage, acc_type, transpose_w, feature_axis, vecto
     return product_v4
 
 
-def make_combine_lines(cfg, bs, storage, acc_type, feature_axis, bias_kind=None):
+def make_combine_lines(cfg, bs, storage, acc_type, feature_axis, bias_kind=None, relu=False):
     """out[:, line-block] = sum of the line's workspace rows, in order (plus the bias's values for
-    the line's outputs, ``bias_kind`` its dtype, where the product adds it: version 7)."""
+    the line's outputs, ``bias_kind`` its dtype, and with ``relu`` the max with 0, where the
+    product's epilogue does so: version 7)."""
     COMBINE_THREADS = cfg.combine_threads
     _, store = activation_io(feature_axis)
     _, from_acc = converters(storage, acc_type)
@@ -366,6 +367,8 @@ def make_combine_lines(cfg, bs, storage, acc_type, feature_axis, bias_kind=None)
                 total += workspace[slot, row, col]
             if BIAS:
                 total += bias_at(bias, split_line[i] * bs + col)
+            if relu:
+                total = max(total, acc_type(0))
             store(out, row, split_line[i] * bs + col, from_acc(total))
 
     return combine_lines
@@ -374,23 +377,26 @@ def make_combine_lines(cfg, bs, storage, acc_type, feature_axis, bias_kind=None)
 ADD_BIAS_THREADS = 256
 
 
-def make_add_bias(storage, acc_type, feature_axis, bias_kind):
-    """out += bias along the features, for the products that do not add it themselves: one value
-    a thread and step of a grid-stride loop, in the order of out's addresses; the sum rounded
-    once from ``acc_type``."""
+def make_add_bias(storage, acc_type, feature_axis, bias_kind, relu=False):
+    """out += bias along the features (``bias_kind`` None: no bias, ``bias`` a stand-in), and with
+    ``relu`` out = max(out, 0), for the products whose epilogue does not: one value a thread and
+    step of a grid-stride loop, in the order of out's addresses; the sum rounded once from
+    ``acc_type``."""
     load, store = activation_io(feature_axis)
     to_acc, from_acc = converters(storage, acc_type)
     bias_at = bias_reader(bias_kind, acc_type)
 
     @cuda.jit
-    def add_bias(out, bias, n_rows):
-        features = bias.shape[0]
+    def add_bias(out, bias, n_rows, features):
         start, step = cuda.grid(1), cuda.gridsize(1)
         for e in range(start, n_rows * features, step):
             if feature_axis == 1:
                 row, k = e // features, e % features
             else:
                 k, row = e // n_rows, e % n_rows
-            store(out, row, k, from_acc(to_acc(load(out, row, k)) + bias_at(bias, k)))
+            v = to_acc(load(out, row, k)) + bias_at(bias, k)
+            if relu:
+                v = max(v, acc_type(0))
+            store(out, row, k, from_acc(v))
 
     return add_bias

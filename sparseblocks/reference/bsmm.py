@@ -29,8 +29,9 @@ def _result(out, feature_axis, dtype, upcast):
     return out if upcast else out.astype(dtype)
 
 
-def forward(x, w, layout, feature_axis=1, upcast=True, bias=None):
-    """``y = x · W`` for block-sparse ``W``; plus ``bias`` (one value an output feature) if given."""
+def forward(x, w, layout, feature_axis=1, upcast=True, bias=None, relu=False):
+    """``y = x · W`` for block-sparse ``W``; plus ``bias`` (one value an output feature) if given;
+    with ``relu``, ``max(y, 0)``."""
     x = _as_rows(x, feature_axis, "x")
     bs = layout.block_size
     y = np.zeros((x.shape[0], layout.dense_shape[1]), np.float64)
@@ -38,6 +39,8 @@ def forward(x, w, layout, feature_axis=1, upcast=True, bias=None):
         y[:, k * bs:(k + 1) * bs] += x[:, c * bs:(c + 1) * bs].astype(np.float64) @ w[block]
     if bias is not None:
         y += np.asarray(bias, np.float64)[None, :]
+    if relu:
+        y = np.maximum(y, 0.0)
     return _result(y, feature_axis, np.result_type(x, w), upcast)
 
 

@@ -55,12 +55,19 @@ def top_blocks(scores, count):
 class BlockSparseLinear(nn.Module):
     """``nn.Linear`` with a block-sparse weight: give ``density`` (a random layout of that share of
     blocks; ``seed`` picks it) or ``layout`` (a `BlockLayout` or a 0/1 mask of
-    ``(in_features/bs, out_features/bs)`` blocks)."""
+    ``(in_features/bs, out_features/bs)`` blocks). ``activation="relu"``: the layer returns
+    ``relu(x · W + b)``, the ReLU taken in the product's epilogue (version 7) or the bias's pass, so
+    that the pre-activation output is never written (it is ``nn.Sequential(layer, nn.ReLU())``
+    in one module)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, density: Optional[float] = None,
                  layout: Optional[BlockLayout] = None, block_size: int = 32, seed: int = 0,
-                 device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None) -> None:
+                 device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None,
+                 activation: Optional[str] = None) -> None:
         super().__init__()
+        if activation not in (None, "relu"):
+            raise ValueError(f"activation: expected None or 'relu', got {activation!r}")
+        self.activation = activation
         factory: Dict[str, Any] = {"device": device, "dtype": dtype}
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -163,18 +170,23 @@ class BlockSparseLinear(nn.Module):
         elif x.dtype != w.dtype:
             raise TypeError(f"input: expected dtype {w.dtype} (the weight's), got {x.dtype}")
         x = x.contiguous()
+        relu = self.activation == "relu"
         if on_cpu:
             y = cpu.product(x, w, self.block_coords, tuple(self.block_mask.shape))
             y = y if bias is None else y + bias
-        else:  # (the kernels add the bias: version 7 before rounding its output)
-            y = ops.product(x, w, self._layout_key, bias)
+            y = torch.relu(y) if relu else y
+        else:  # (the kernels add the bias and take the ReLU: version 7 before rounding its output)
+            y = ops.product(x, w, self._layout_key, bias, relu)
         if self._grow_scores_wanted and y.requires_grad:
-            y.register_hook(self._keep_grow_scores(x))
+            y.register_hook(self._keep_grow_scores(x, y if relu else None))
         return y if rows else y.reshape(*input.shape[:-1], self.out_features)
 
-    def _keep_grow_scores(self, x):
-        """A hook on the product's gradient dy: add the block norms of the dense gradient xᵀ·dy."""
+    def _keep_grow_scores(self, x, relu_out=None):
+        """A hook on the product's gradient dy: add the block norms of the dense gradient xᵀ·dy
+        (with a fused ReLU, dy through the ReLU's backward first: ``relu_out``, its output)."""
         def hook(dy):
+            if relu_out is not None:
+                dy = torch.ops.aten.threshold_backward(dy, relu_out.detach(), 0)
             dense = x.detach().t().float() @ dy.detach().float()
             scores = block_norms(dense, self.block_size)
             self._grow_scores = scores if self._grow_scores is None else self._grow_scores + scores
@@ -184,7 +196,8 @@ class BlockSparseLinear(nn.Module):
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, block_size={self.block_size}, "
-                f"n_blocks={self.n_blocks}, density={self.density:.3g}")
+                f"n_blocks={self.n_blocks}, density={self.density:.3g}"
+                + ("" if self.activation is None else f", activation={self.activation!r}"))
 
     def to_dense(self):
         """The dense weight as ``nn.Linear`` holds it: (out_features, in_features), zeros outside

@@ -60,10 +60,12 @@ def _compute_weight(w, x):
 
 
 @torch.library.custom_op("sparseblocks::bsmm_forward", mutates_args=())
-def bsmm_forward(x: torch.Tensor, w: torch.Tensor, layout: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``y = x · W (+ bias)``: x (N, C) -> (N, K); W and the bias in x's dtype, or fp32 with fp16 or
-    bf16 x (the bias added before the output is rounded where the kernel adds it)."""
-    return bsmm.forward(x, _compute_weight(w, x), layout_of(layout), bias=bias)
+def bsmm_forward(x: torch.Tensor, w: torch.Tensor, layout: str, bias: Optional[torch.Tensor] = None,
+                 relu: bool = False) -> torch.Tensor:
+    """``y = x · W (+ bias)``, with ``relu`` its max with 0: x (N, C) -> (N, K); W and the bias in
+    x's dtype, or fp32 with fp16 or bf16 x (the bias added, and the max taken, before the output
+    is rounded where the kernel's epilogue does so)."""
+    return bsmm.forward(x, _compute_weight(w, x), layout_of(layout), bias=bias, relu=relu)
 
 
 @torch.library.custom_op("sparseblocks::bsmm_input_grad", mutates_args=())
@@ -83,7 +85,7 @@ def _weight_grad(x, dy, layout, dtype):
 
 
 @bsmm_forward.register_fake
-def _(x, w, layout, bias=None):
+def _(x, w, layout, bias=None, relu=False):
     return x.new_empty((x.shape[0], layout_of(layout).dense_shape[1]))
 
 
@@ -100,7 +102,8 @@ def _(x, dy, layout, dtype):
 def _setup_forward(ctx, inputs, output):
     x, w, layout = inputs[:3]
     bias = inputs[3] if len(inputs) > 3 else None
-    ctx.save_for_backward(x, w)
+    ctx.relu = len(inputs) > 4 and inputs[4]
+    ctx.save_for_backward(x, w, output if ctx.relu else None)  # (a ReLU's output: its gradient's mask)
     ctx.layout = layout
     ctx.bias_dtype = None if bias is None else bias.dtype
 
@@ -108,8 +111,11 @@ def _setup_forward(ctx, inputs, output):
 def _gradients(ctx, dy, input_grad, weight_grad):
     """(dx, dw, None, dbias) of ``y = x · W + bias`` through the given input and weight gradient
     functions; dw in W's dtype (an fp32 master weight's comes from the kernel's fp32 sums), dbias
-    the sum of dy's rows in the bias's dtype (summed in fp32 or wider)."""
-    x, w = ctx.saved_tensors
+    the sum of dy's rows in the bias's dtype (summed in fp32 or wider). With a fused ReLU, dy is
+    first zeroed where the output is (ReLU's own backward)."""
+    x, w, y = ctx.saved_tensors
+    if ctx.relu:
+        dy = torch.ops.aten.threshold_backward(dy, y, 0)
     dy = dy.contiguous()
     dx = input_grad(dy, _compute_weight(w, x), ctx.layout) if ctx.needs_input_grad[0] else None
     dw = None
@@ -120,7 +126,7 @@ def _gradients(ctx, dy, input_grad, weight_grad):
     dbias = None
     if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
         dbias = dy.sum(0, dtype=torch.promote_types(ctx.bias_dtype, torch.float32)).to(ctx.bias_dtype)
-    return dx, dw, None, dbias
+    return dx, dw, None, dbias, None
 
 
 def _backward_forward(ctx, dy):
@@ -135,9 +141,10 @@ class _Product(torch.autograd.Function):
     call): what an eager call runs (`product`)."""
 
     @staticmethod
-    def forward(ctx, x, w, layout, bias):
-        _setup_forward(ctx, (x, w, layout, bias), None)
-        return bsmm.forward(x, _compute_weight(w, x), layout_of(layout), bias=bias)
+    def forward(ctx, x, w, layout, bias, relu):
+        y = bsmm.forward(x, _compute_weight(w, x), layout_of(layout), bias=bias, relu=relu)
+        _setup_forward(ctx, (x, w, layout, bias, relu), y)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -145,12 +152,12 @@ class _Product(torch.autograd.Function):
                           _weight_grad)
 
 
-def product(x, w, layout, bias=None):
-    """``x · W (+ bias)`` with autograd: the custom op where torch.compile traces, else its eager
-    twin. W and the bias in x's dtype, or fp32 master copies with fp16 or bf16 x (W cast inside,
-    the bias added as it is; their gradients come back fp32)."""
+def product(x, w, layout, bias=None, relu=False):
+    """``x · W (+ bias)``, with ``relu`` its max with 0, with autograd: the custom op where
+    torch.compile traces, else its eager twin. W and the bias in x's dtype, or fp32 master copies
+    with fp16 or bf16 x (W cast inside, the bias added as it is; their gradients come back fp32)."""
     if torch.compiler.is_compiling():
-        return bsmm_forward(x, w, layout, bias)
+        return bsmm_forward(x, w, layout, bias, relu)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
-        return _Product.apply(x, w, layout, bias)
-    return bsmm.forward(x, _compute_weight(w, x), layout_of(layout), bias=bias)
+        return _Product.apply(x, w, layout, bias, relu)
+    return bsmm.forward(x, _compute_weight(w, x), layout_of(layout), bias=bias, relu=relu)

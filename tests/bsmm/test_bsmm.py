@@ -132,25 +132,28 @@ def check_split_lines(data, block_size, feature_axis, max_segment, version):
 @few
 @given(data=st.data(), block_size=st.sampled_from([8, 16] if SIMULATOR else BLOCKS),
        dtype=st.sampled_from(DTYPE_NAMES), feature_axis=st.sampled_from([1, 0]), split=st.booleans(),
-       fp32_bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_forward_adds_the_bias(data, version, block_size, dtype, feature_axis, split, fp32_bias, seed):
-    """``bias``: one value an output feature, x's dtype or fp32 with 16-bit x, added by the
-    product's epilogue (version 7, the GPU's default at fp16/bf16) or a pass of its own, also
-    where long lines are cut into segments (``split``: at most one block a segment)."""
+       fp32_bias=st.sampled_from([False, True, None]), relu=st.booleans(), seed=st.integers(0, 2**16))
+def test_forward_adds_the_bias(data, version, block_size, dtype, feature_axis, split, fp32_bias, relu, seed):
+    """``bias``: one value an output feature, x's dtype or fp32 with 16-bit x (``fp32_bias`` None:
+    no bias), added by the product's epilogue (version 7, the GPU's default at fp16/bf16) or a
+    pass of its own, also where long lines are cut into segments (``split``: at most one block a
+    segment); with ``relu`` the same place takes the max with 0."""
     layout, x, _, w = data.draw(problems(block_size, dtype))
     x = to_axis(x, feature_axis)
     bias_dtype = "float32" if fp32_bias and dtype in ("float16", "bfloat16") else dtype
-    bias = values(np.random.default_rng(seed), (layout.dense_shape[1],), bias_dtype)
+    bias = None if fp32_bias is None else values(np.random.default_rng(seed), (layout.dense_shape[1],), bias_dtype)
     with poisoned_outputs():
         y = bsmm.api._product(bsmm.DEFAULT, x, w, layout, feature_axis, False, version,
-                              max_segment=1 if split else None, bias=bias)
+                              max_segment=1 if split else None, bias=bias, relu=relu)
     assert y.dtype == x.dtype
-    b64 = np.asarray(bias, np.float64)
+    b64 = np.zeros(layout.dense_shape[1]) if bias is None else np.asarray(bias, np.float64)
     ax, aw = (np.abs(np.asarray(a, np.float64)) for a in (x, w))
     # (stored=1: a pass of its own adds the bias to the product already rounded to x's dtype)
-    assert_close(y, reference.forward(x, w, layout, feature_axis, bias=b64), dtype, "forward",
+    assert_close(y, reference.forward(x, w, layout, feature_axis, bias=b64, relu=relu), dtype, "forward",
                  magnitude=reference.forward(ax, aw, layout, feature_axis, bias=np.abs(b64)),
                  terms=layout.dense_shape[0] + 1, stored=1)
+    if relu:
+        assert (np.asarray(y, np.float64) >= 0).all()
 
 
 @pytest.mark.parametrize("version", [3, 4])
@@ -875,6 +878,12 @@ def test_plans_replay_the_bias_where_it_is_added(faked_launches):
         bsmm.forward(x, w, SEGMENTED, bias=bias.double())
     bsmm.forward(x, w, SEGMENTED)
     assert len(plans.kept) == kept + 1
+    bsmm.forward(x, w, SEGMENTED, relu=True)  # a ReLU alone: a plan of its own, its pass with out only
+    launches.clear()
+    y = bsmm.forward(x, w, SEGMENTED, relu=True)
+    assert len(plans.kept) == kept + 2 and len(launches) == 3 and launches[-1] == (y.data_ptr(),)
+    with pytest.raises(TypeError, match="relu: expected a bool"):
+        bsmm.forward(x, w, SEGMENTED, relu=1)
 
 
 @pytest.mark.gpu

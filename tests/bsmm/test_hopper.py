@@ -451,8 +451,9 @@ def test_hopper_producer_runs_in_the_simulator(monkeypatch, feature_axis, tma, s
 @pytest.mark.parametrize("feature_axis, max_segment, persistent", [(1, None, False), (0, 1, False), (1, 1, True)])
 def test_hopper_epilogue_adds_the_bias_in_the_simulator(monkeypatch, feature_axis, max_segment, persistent):
     """A bias added by version 7's epilogue before rounding (an fp32 bias to fp16 outputs, a bf16
-    one to bf16): from the staged fp32 tile, from the registers before a persistent product's
-    16-bit staging, or by the combining pass where a line is cut into segments; no other launch."""
+    one to bf16), and the ReLU after it: from the staged fp32 tile, from the registers before a
+    persistent product's 16-bit staging, or by the combining pass where a line is cut into
+    segments; no other launch."""
     from sparseblocks.bsmm import dispatch
     from sparseblocks.reference import bsmm as reference
     from strategies import assert_close
@@ -473,11 +474,12 @@ def test_hopper_epilogue_adds_the_bias_in_the_simulator(monkeypatch, feature_axi
     monkeypatch.setattr(dispatch, "cached", lambda maker, *key: made.append(maker.__name__) or original(maker, *key))
     with poisoned_outputs():
         y = bsmm.api._product(cfg, to_axis(x, feature_axis), w, layout, feature_axis, False, 7,
-                              max_segment=max_segment, bias=bias)
+                              max_segment=max_segment, bias=bias, relu=True)
     assert "make_add_bias" not in made and "make_product_v7" in made
     got = np.asarray(y) if feature_axis == 1 else np.asarray(y).T
-    assert_close(got, reference.forward(x, w, layout, bias=np.asarray(bias, np.float64)), dtype, "forward",
-                 terms=C + 1)
+    want = reference.forward(x, w, layout, bias=np.asarray(bias, np.float64), relu=True)
+    assert_close(got, want, dtype, "forward", terms=C + 1)
+    assert (want == 0).any() and (want > 0).any()  # (the ReLU's both sides)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")

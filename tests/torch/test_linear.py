@@ -43,15 +43,18 @@ def blocks_of(layer, dense_weight):
 
 
 @given(shape=st.sampled_from([(16, 24), (24, 8), (8, 32)]), lead=st.sampled_from([(5,), (2, 3), (1,), (0,)]),
-       density=st.sampled_from([0.3, 0.5, 1.0]), bias=st.booleans(), seed=st.integers(0, 100))
-def test_gradients_match_a_dense_masked_linear_in_float64(shape, lead, density, bias, seed):
+       density=st.sampled_from([0.3, 0.5, 1.0]), bias=st.booleans(), relu=st.booleans(), seed=st.integers(0, 100))
+def test_gradients_match_a_dense_masked_linear_in_float64(shape, lead, density, bias, relu, seed):
+    """The layer (with ``activation="relu"``: and a ReLU) against nn.Linear (and nn.ReLU)."""
     torch.manual_seed(seed)
     layer = BlockSparseLinear(*shape, bias=bias, density=density, block_size=8, seed=seed, device=DEVICE,
-                              dtype=torch.float64)
+                              dtype=torch.float64, activation="relu" if relu else None)
     dense = masked_dense(layer)
+    dense = torch.nn.Sequential(dense, torch.nn.ReLU()) if relu else dense
     x = torch.randn(*lead, shape[0], dtype=torch.float64, device=DEVICE, requires_grad=True)
     x_dense = x.detach().clone().requires_grad_(True)
     y, y_dense = layer(x), dense(x_dense)
+    dense = dense[0] if relu else dense
     assert y.shape == (*lead, shape[1])
     torch.testing.assert_close(y, y_dense, rtol=1e-12, atol=1e-12)
     grad = torch.randn_like(y)
@@ -63,8 +66,10 @@ def test_gradients_match_a_dense_masked_linear_in_float64(shape, lead, density, 
         torch.testing.assert_close(layer.bias.grad, dense.bias.grad, rtol=1e-12, atol=1e-12)
 
 
-def test_gradcheck():
-    layer = BlockSparseLinear(16, 8, density=0.5, block_size=8, device=DEVICE, dtype=torch.float64)
+@pytest.mark.parametrize("activation", [None, "relu"])
+def test_gradcheck(activation):
+    layer = BlockSparseLinear(16, 8, density=0.5, block_size=8, device=DEVICE, dtype=torch.float64,
+                              activation=activation)
     x = torch.randn(3, 16, dtype=torch.float64, device=DEVICE, requires_grad=True)
     torch.autograd.gradcheck(lambda x, w, b: torch.func.functional_call(layer, {"weight": w, "bias": b}, (x,)),
                              (x, layer.weight, layer.bias), fast_mode=True)
@@ -166,6 +171,8 @@ def test_bad_arguments_are_named():
         BlockSparseLinear(16, 8, density=0, block_size=8)
     with pytest.raises(ValueError, match="layout: expected a grid"):
         BlockSparseLinear(16, 8, layout=np.ones((1, 1)), block_size=8)
+    with pytest.raises(ValueError, match="activation: expected None or 'relu'"):
+        BlockSparseLinear(16, 8, density=0.5, block_size=8, activation="gelu")
     layer = BlockSparseLinear(16, 8, density=0.5, block_size=8, device=DEVICE)
     with pytest.raises(ValueError, match="input: expected 16 features"):
         layer(torch.randn(2, 8, device=DEVICE))
@@ -279,6 +286,23 @@ def test_regrowth_grows_where_the_dense_gradient_is_largest():
     assert bool(layer.block_mask[c, k]) and layer.n_blocks == 3
 
 
+def test_regrowth_scores_take_the_fused_relus_gradient():
+    """With ``activation="relu"`` the scores are the block norms of xᵀ·dz, dz the gradient through
+    the ReLU (zero where the output is), as for nn.Sequential(layer, nn.ReLU())."""
+    from sparseblocks.torch.linear import block_norms
+
+    torch.manual_seed(1)
+    layer = BlockSparseLinear(24, 16, density=0.5, block_size=8, device=DEVICE, activation="relu")
+    layer._grow_scores_wanted = True
+    x = torch.randn(6, 24, device=DEVICE)
+    y = layer(x)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    dz = grad * (y > 0)
+    assert (y == 0).any()
+    torch.testing.assert_close(layer._grow_scores, block_norms(x.t() @ dz, 8))
+
+
 def test_training_steps_decrease_the_loss():
     torch.manual_seed(0)
     model = torch.nn.Sequential(BlockSparseLinear(16, 16, density=0.5, block_size=8, device=DEVICE),
@@ -297,8 +321,9 @@ def test_training_steps_decrease_the_loss():
 
 def test_compiles_with_no_graph_break():
     model = torch.nn.Sequential(BlockSparseLinear(16, 24, density=0.5, block_size=8, device=DEVICE),
-                                torch.nn.GELU(), BlockSparseLinear(24, 16, density=0.5, block_size=8, device=DEVICE),
-                                torch.nn.GELU(), BlockSparseLinear(16, 8, density=0.5, block_size=8, device=DEVICE))
+                                torch.nn.GELU(),
+                                BlockSparseLinear(24, 16, density=0.5, block_size=8, device=DEVICE, activation="relu"),
+                                BlockSparseLinear(16, 8, density=0.5, block_size=8, device=DEVICE))
     x = torch.randn(2, 3, 16, device=DEVICE)
     # aot_eager traces forward and backward through the fake kernels; inductor is tested on the GPU.
     assert_compiles_as_eager(model, x, "aot_eager" if SIMULATOR else "inductor")
@@ -320,10 +345,10 @@ def assert_compiles_as_eager(model, x, backend):
         torch.testing.assert_close(got, expected)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_product_op_passes_opcheck(bias, cpu_path):
-    """The forward's custom op (with and without the bias it adds) against torch's own checks:
-    schema, fake kernel, autograd registration and dispatch."""
+@pytest.mark.parametrize("bias, relu", [(False, False), (True, False), (True, True)])
+def test_product_op_passes_opcheck(bias, relu, cpu_path):
+    """The forward's custom op (with and without the bias it adds, and the ReLU it takes) against
+    torch's own checks: schema, fake kernel, autograd registration and dispatch."""
     if cpu_path == "torch":
         pytest.skip("the custom op runs the kernels")
     from sparseblocks.layout import BlockLayout
@@ -333,4 +358,4 @@ def test_product_op_passes_opcheck(bias, cpu_path):
     x = torch.randn(5, 16, device=DEVICE, dtype=torch.float64, requires_grad=True)
     w = torch.randn(layout.w_shape, device=DEVICE, dtype=torch.float64, requires_grad=True)
     b = torch.randn(24, device=DEVICE, dtype=torch.float64, requires_grad=True) if bias else None
-    torch.library.opcheck(ops.bsmm_forward, (x, w, ops.layout_key(layout), b))
+    torch.library.opcheck(ops.bsmm_forward, (x, w, ops.layout_key(layout), b, relu))
