@@ -16,7 +16,7 @@ with no block are zero. Every sum runs in a fixed order: results are bitwise rep
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 from ..layout import BlockLayout, check_block_size
 from ..philox import check_word
@@ -42,6 +42,7 @@ from .dispatch import (
     VERSIONS,
     default_version,
     launch_add_bias,
+    launch_column_sums,
     launch_product,
     launch_product_v1,
     launch_transpose_blocks,
@@ -191,7 +192,8 @@ def _stacked_steps(x, dy, feature_axis):
 @on_arrays_device
 def weight_grad(x: Array, dy: Array, layout: BlockLayout, feature_axis: int = 1, out: Optional[Array] = None,
                 beta: float = 0.0, version: Optional[int] = None, splits: Optional[int] = None,
-                config: Optional[BsmmConfig] = None, out_dtype: Optional[str] = None) -> Array:
+                config: Optional[BsmmConfig] = None, out_dtype: Optional[str] = None,
+                dbias_dtype: Optional[str] = None) -> Union[Array, Tuple[Array, Array]]:
     """``dW = xᵀ · dy`` on the layout's blocks, as ``(n_blocks, bs, bs)``.
 
     With ``out`` the result goes there, as ``out = xᵀ·dy + beta·out`` (so the
@@ -208,11 +210,17 @@ def weight_grad(x: Array, dy: Array, layout: BlockLayout, feature_axis: int = 1,
     (T, N, C) and (T, N, K) (with feature_axis 0, (T, C, N) and (T, K, N)), give the one dW summed
     over the steps, in one launch: the steps' rows are one sum (feature_axis 0 copies the stack
     into (C, T·N) first).
+
+    ``dbias_dtype`` (x's dtype, or "float32" with fp16 or bf16 x): the bias gradient too, dy's
+    sums over N (one value an output feature, summed in fp32, fp64 for fp64, in a fixed order),
+    returned as ``(dW, db)``. Version 7's block-128 weight gradient (warp-specialized, feature_axis
+    1) sums each block-column in one of its blocks' thread blocks, from the dy stages it copies
+    anyway; other cases, and block-columns without blocks, in a pass of their own.
     """
     cfg = as_config(config)
     if len(getattr(x, "shape", ())) == 3 or len(getattr(dy, "shape", ())) == 3:
         x, dy = _stacked_steps(x, dy, feature_axis)
-    if plans.kept:
+    if plans.kept and dbias_dtype is None:
         dw = replayed_weight_grad(cfg, x, dy, layout, feature_axis, out, beta, version, splits, out_dtype)
         if dw is not None:
             return dw
@@ -240,20 +248,29 @@ def weight_grad(x: Array, dy: Array, layout: BlockLayout, feature_axis: int = 1,
         if ops[2].kind == "numpy":
             raise TypeError("out: expected a device array (a NumPy out= would be a copy)")
         _arrays.check_disjoint(ops[2], (x, dy))
+    if dbias_dtype is not None and dbias_dtype not in _own_or_fp32(x.dtype):
+        raise TypeError(f"dbias_dtype: expected one of {list(_own_or_fp32(x.dtype))} (x is {x.dtype}), "
+                        f"got {dbias_dtype!r}")
 
     stream = launch_stream(ops)
     if out is None:
         native, dw = x.empty(layout.w_shape, stream, dtype=out_dtype)
     else:
         native, dw = ops[2].native, ops[2].device(stream)
+    db = None if dbias_dtype is None else x.empty((K,), stream, dtype=dbias_dtype)
     if layout.n_blocks:
         launched = launch_weight_grad(cfg, dw, x, dy, layout, n_x, feature_axis, beta, stream, version, splits,
-                                      out_dtype)
-        keep_weight_grad_plan(cfg, x, dy, None if out is None else ops[2], layout, feature_axis, beta, given,
-                              splits, launched, given_dtype, out_dtype)
+                                      out_dtype, None if db is None else (db[1], dbias_dtype))
+        if db is None:
+            keep_weight_grad_plan(cfg, x, dy, None if out is None else ops[2], layout, feature_axis, beta, given,
+                                  splits, launched, given_dtype, out_dtype)
+    elif db is not None:
+        launch_column_sums(cfg, db[1], dbias_dtype, dy, layout, n_x, feature_axis, stream)
     if out is not None and not (SIMULATOR and ops[2].kind == "torch"):
-        return out  # the caller's own array (an Operand holds a detached torch view of it)
-    return (x if out is None else ops[2]).result(native, dw, stream)
+        result = out  # the caller's own array (an Operand holds a detached torch view of it)
+    else:
+        result = (x if out is None else ops[2]).result(native, dw, stream)
+    return result if db is None else (result, x.result(db[0], db[1], stream))
 
 
 @on_arrays_device

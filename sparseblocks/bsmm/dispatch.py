@@ -22,8 +22,12 @@ from .device import acc_type
 from .simple import make_product_v1, make_weight_grad_v1
 from .simt import (
     ADD_BIAS_THREADS,
+    COLUMN_SUM_ROWS,
+    COLUMN_SUM_THREADS,
     make_add_bias,
+    make_column_sums,
     make_combine_lines,
+    make_finish_column_sums,
     make_product_v3,
     make_product_v4,
     v4_threads,
@@ -515,8 +519,12 @@ def wave_splits(thread_blocks, n_rows, stage_rows, stage_flops, resident, combin
     return best
 
 
-def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, stream, version, splits, out_dtype=None):
-    """dW into ``dw`` (``out_dtype``: its dtype, x's by default; the kernels' epilogues store in it)."""
+def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, stream, version, splits, out_dtype=None,
+                       db=None):
+    """dW into ``dw`` (``out_dtype``: its dtype, x's by default; the kernels' epilogues store in it),
+    and with ``db`` (a device array of the output features, and its dtype's name) the bias gradient, dy's sums over N,
+    into it (`launch_column_sums`): version 7's warp-specialized weight gradients with bulk copies
+    take each block-column's sums in one of its blocks' thread blocks, from the stages they copy."""
     COMBINE_THREADS = cfg.combine_threads
     V4_WGRAD_THREADS = cfg.v4_wgrad_threads
     V5_WARP_TILE = cfg.v5_warp_tile
@@ -531,6 +539,8 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
         launch(kernel, layout.n_blocks, (bs, WGRAD_ROWS[bs]), stream, (
             dw, x.device(stream), dy.device(stream), _index(layout, "coords", stream), n_rows, beta,
         ))
+        if db is not None:
+            launch_column_sums(cfg, db[0], db[1], dy, layout, n_rows, feature_axis, stream)
         return None
     x_device, dy_device = x.device(stream), dy.device(stream)
     # (dw too: version 7 stores runs of 4 values, aligned to their 8 or 16 bytes)
@@ -585,11 +595,22 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
     # A workspace of one split tells the kernel to finish in place (no combine pass).
     workspace = x.scratch((splits, layout.n_blocks, bs * bs), acc, stream) if splits > 1 \
         else _stand_in((1, 1, 1), acc)
-    if v6 or v7:
-        maker, threads = ((make_weight_grad_v7, v7_threads(cfg, bs, kind)) if v7
-                          else (make_weight_grad_v6, v6_threads(cfg, bs, weight_grad=True)))
-        kernel = compiled(cfg, maker, bs, x.dtype, feature_axis, out, *((kind,) if v7 and kind is not True else ()))
-        args = (dw, workspace, x_device, dy_device, coords, n_rows, rows_per_split, beta, *maps)
+    fused = None  # (the weight gradient's column sums, their summing flags a block), where it takes them
+    if v7 and db is not None and bulk and kind is True and feature_axis == 1 and bs % 64 == 0 \
+            and producing(cfg, kind, bs):
+        fused = (x.scratch((splits, layout.dense_shape[1]), "float32", stream),
+                 _on_device(layout, "summing", first_of_columns(layout), stream))
+    if v7:
+        sums, summing = fused if fused is not None else (_stand_in((1, 1), "float32"), _stand_in((1,), "int32"))
+        kernel = compiled(cfg, make_weight_grad_v7, bs, x.dtype, feature_axis, out,
+                          *((kind,) if kind is not True or fused is not None else ()),
+                          *((True,) if fused is not None else ()))
+        threads = v7_threads(cfg, bs, kind)
+        args = (dw, workspace, x_device, dy_device, coords, n_rows, rows_per_split, beta, sums, summing, *maps)
+    elif v6:
+        kernel = compiled(cfg, make_weight_grad_v6, bs, x.dtype, feature_axis, out)
+        threads = v6_threads(cfg, bs, weight_grad=True)
+        args = (dw, workspace, x_device, dy_device, coords, n_rows, rows_per_split, beta)
     elif v5:
         values = v5_values(x.dtype)
         vector = v5_vector_loads(cfg, (x_device, dy_device), n_rows, feature_axis, values)
@@ -609,6 +630,8 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
         args = (dw, workspace, x_device, dy_device, coords, n_rows, rows_per_split, beta)
     main = (kernel, (thread_blocks, splits), threads, args, derived_maps(makers, len(args) - 2))
     launch(main[0], main[1], main[2], stream, main[3])
+    if db is not None:
+        launch_column_sums(cfg, db[0], db[1], dy, layout, n_rows, feature_axis, stream, fused)
     if splits == 1:
         return main, None, None
     combine = (compiled(cfg, make_combine_wgrad, bs, x.dtype, out),
@@ -616,3 +639,40 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
                (dw, workspace, beta))
     launch(combine[0], combine[1], combine[2], stream, combine[3])
     return main, combine, (splits, layout.n_blocks, bs * bs)  # what a kept plan repeats
+
+
+def first_of_columns(layout):
+    """(n_blocks,) int32: 1 for each block-column's first block (in ``col_block`` order), else 0:
+    the thread blocks of version 7's weight gradient that sum dy's block-columns."""
+    flags = np.zeros(layout.n_blocks, np.int32)
+    starts = layout.col_ptr[:-1][np.diff(layout.col_ptr) > 0]
+    flags[layout.col_block[starts]] = 1
+    return flags
+
+
+def launch_column_sums(cfg, db, db_dtype, dy, layout, n_rows, feature_axis, stream, fused=None):
+    """db (of dtype ``db_dtype``) = dy's sums over N, a value an output feature, each summed in fp32 (fp64 for fp64) in a
+    fixed order: where ``fused`` (the weight gradient's sums, a row an N-split; its summing flags)
+    holds a block-column's, from them; the other block-columns' (all, without ``fused``) by
+    `simt.make_column_sums`, then `simt.make_finish_column_sums` adds each feature's parts in order."""
+    bs = layout.block_size
+    acc = "float64" if dy.dtype == "float64" else "float32"
+    Kb = layout.shape[1]
+    counts = np.diff(layout.col_ptr)
+    columns = np.flatnonzero(counts == 0) if fused is not None else np.arange(Kb)
+    flags = (counts > 0).astype(np.int32) if fused is not None else np.zeros(Kb, np.int32)
+    n_parts = max(1, -(-n_rows // COLUMN_SUM_ROWS))
+    if len(columns):
+        parts = dy.scratch((n_parts, layout.dense_shape[1]), acc, stream)
+        kernel = cached(make_column_sums, bs, dy.dtype, acc_type(dy.dtype), feature_axis)
+        grid = (-(-len(columns) * bs // COLUMN_SUM_THREADS), n_parts)
+        launch(kernel, grid, COLUMN_SUM_THREADS, stream,
+               (parts, dy.device(stream), _on_device(layout, ("sum columns", fused is not None), columns.astype(np.int32),
+                                                     stream), n_rows, COLUMN_SUM_ROWS))
+    else:
+        parts = _stand_in((1, 1), acc)
+    sums = fused[0] if fused is not None else _stand_in((1, 1), "float32")
+    kernel = cached(make_finish_column_sums, bs, db_dtype, acc_type(dy.dtype))
+    launch(kernel, -(-db.shape[0] // COLUMN_SUM_THREADS), COLUMN_SUM_THREADS, stream,
+           (db, sums, sums.shape[0] if fused is not None else 0, parts, n_parts,
+            _on_device(layout, ("fused columns", fused is not None), flags, stream)))

@@ -37,9 +37,10 @@ warpgroup collective), on one-warpgroup tiles: each wgmma there is a 128-thread 
 """
 
 from numba import cuda, float32, int16, int32, int64, types, uint64
+from numba.cuda import libdevice
 
 from ..ptx.cp_async import commit, copy16_or_zero, global_address, shared_address, signed_address, waiter
-from ..ptx.half2 import bf16_of_float
+from ..ptx.half2 import bf16_of_float, floats_of_half2
 from ..ptx.mbarrier import BYTES as BAR_BYTES
 from ..ptx.mbarrier import arrive, copy_arrive, named_barrier
 from ..ptx.mbarrier import init as bar_init
@@ -200,8 +201,8 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
     # each 64-wide group, a group apart; a K-major one a box of BK by all its rows.
     A_BOXES, B_BOXES = (BM // 64 if a_mn_major else 1), (max(BN // 64, 1) if b_mn_major else 1)
 
-    def make_split(stage_sources, a_chunk, b_chunk, stage, boxes=None):
-        """The warp-specialized loop: ``init(bars)``, ``produce(lane, base, bars, n_stages, where,
+    def make_split(stage_sources, a_chunk, b_chunk, stage, boxes=None, column_sums=False):
+        """The warp-specialized loop: ``init(bars, readers)``, ``produce(lane, base, bars, n_stages, where,
         buf, parity)`` for the copying warpgroup and ``consume(acc, bars, n_stages, desc_a, desc_b,
         lane, buf, parity)`` for each multiplying one, each a tile's stages, from the ring position
         the previous tile left (a persistent thread block's tiles go round one ring); and
@@ -222,7 +223,15 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
         threads' copies of it have landed (``copy_arrive``); its empty barrier once each
         multiplying warp has retired the wgmmas that read it (one arrival a warp, after the
         next stage's wait), and the copies of stage s + stages wait for that. No barrier of the
-        whole thread block runs inside the loop, and the copies run a whole ring ahead."""
+        whole thread block runs inside the loop, and the copies run a whole ring ahead.
+
+        With ``column_sums`` (bulk copies, B MN-major: a weight gradient's dy with feature_axis
+        1) the copying warpgroup's warps 1 .. BN / 64, idle beside the one thread that issues the
+        copies, also sum B's columns where ``where[10]`` is nonzero: each thread two neighbouring
+        columns, each stage's BK rows in order as it lands (a 32-bit word of the swizzled tile a
+        row), arriving on the empty barrier too (``init``'s ``readers``: one arrival a warp a
+        phase); ``where[11][where[13], where[12] + c]`` gets column c's fp32 sum. Nothing
+        leaves shared memory for it: dy's columns are read from global memory once, by the copies."""
 
         @inlined
         def copy_a(i, lane, at, a_at, s, where):
@@ -244,12 +253,61 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
         copies_b = unrolled(B_PER_P, copy_b, inline=inlined)
         BULK = boxes is not None
         FULL_COUNT, EMPTY_COUNT = (1 if BULK else P), 4 * GROUPS  # a full barrier's arrivals a phase, an empty one's
+        if column_sums and not (BULK and b_mn_major and BN % 64 == 0 and BN // 64 <= 3):
+            raise ValueError("column_sums: expected bulk copies of an MN-major B up to 192 wide")
+        READERS = BN // 64 if column_sums else 0  # the copying warpgroup's warps that sum B's columns
+        HALVES_BF16 = storage == "bfloat16"
 
         @inlined
-        def init(bars):
+        def init(bars, readers):
             for i in range(STAGES):
                 bar_init(bars + i * BAR_BYTES, FULL_COUNT)
-                bar_init(bars + (STAGES + i) * BAR_BYTES, EMPTY_COUNT)
+                bar_init(bars + (STAGES + i) * BAR_BYTES, EMPTY_COUNT + readers)
+
+        @inlined
+        def halves(word):
+            """The two 16-bit values of a 32-bit word as fp32 (low, high)."""
+            if HALVES_BF16:
+                return libdevice.int_as_float(int32(word << 16)), libdevice.int_as_float(int32(word & -65536))
+            return floats_of_half2(word)
+
+        if column_sums:
+
+            @inlined
+            def readers_of(where):
+                return READERS if where[10] != 0 else 0
+
+            @inlined
+            def sum_columns(t, lane, start, base, bars, n_stages, where):
+                """Columns 2t and 2t + 1 of B summed over the tile's stages (the docstring above)."""
+                words = cuda.shared.array(0, int32)
+                chunk, word = t // 4, t % 4
+                s0, s1 = float32(0), float32(0)
+                buf, parity = 0, 0
+                for s in range(n_stages):
+                    bar_wait(bars + buf * BAR_BYTES, parity)  # the stage's bulk copies have landed
+                    at = base + buf * STAGE_BYTES + A_BYTES - start  # (bytes from the dynamic shared array's start)
+                    for r in range(BK):
+                        lo, hi = halves(words[(at + place_b(r * B_CPR + chunk, B_CPR)[2]) // 4 + word])
+                        s0 += lo
+                        s1 += hi
+                    cuda.syncwarp()
+                    if lane == 0:
+                        arrive(bars + (STAGES + buf) * BAR_BYTES)
+                    buf += 1
+                    if buf == STAGES:
+                        buf, parity = 0, parity ^ 1
+                where[11][where[13], where[12] + 2 * t] = s0
+                where[11][where[13], where[12] + 2 * t + 1] = s1
+        else:
+
+            @inlined
+            def readers_of(where):
+                return 0
+
+            @inlined
+            def sum_columns(t, lane, start, base, bars, n_stages, where):
+                return
 
         @inlined
         def produce(lane, base, bars, n_stages, where, buf, parity, maps):
@@ -298,14 +356,18 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
         @inlined
         def specialized(start, base, tid, n_stages, where, staged, maps):
             bars = start + BARS
+            readers = readers_of(where)
             if tid == 0:
-                init(bars)
+                init(bars, readers)
             cuda.syncthreads()
             group, thread = tid // WARPGROUP, tid % WARPGROUP
             warp, lane = thread // 32, thread % 32
             if group == GROUPS:  # the copying warpgroup
                 give()
-                produce(thread, base, bars, n_stages, where, 0, 1, maps)
+                if 1 <= warp <= readers:  # (bulk copies: warp 0's first thread issues them all)
+                    sum_columns(thread - 32, lane, start, base, bars, n_stages, where)
+                else:
+                    produce(thread, base, bars, n_stages, where, 0, 1, maps)
             else:
                 take()
                 desc_a, desc_b = descriptors(base, group)
@@ -588,7 +650,7 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis, bias_
         if PERSIST:
             bars = shared_address(smem, (0,)) + BARS_P
             if tid == 0:
-                init(bars)
+                init(bars, 0)
             cuda.syncthreads()
             tiles = (n_rows + BM - 1) // BM
             segments = seg_line.shape[0]

@@ -28,12 +28,17 @@ from .hopper import make_hopper_loop, make_staging, stored_of
 from .hopper_shapes import ATOM, PAIRED, STACKED, jit_for, producing, shared_bytes, v7_shape, v7_threads
 
 
-def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=None, kind=True):
+def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=None, kind=True, column_sums=False):
     """dw[b] (+ beta·dw[b]) on version 7 tiles, the blocks of a thread block as ``kind`` says
     (True, `PAIRED`, `STACKED`: the module's docstring), k along its N-split, as in version 6
     (`tiles.make_weight_grad_v6`). ``coords``: the layout's (row, column) a block, or with
     `PAIRED` `dispatch.wgrad_pairs`' (row, the columns of b_0 .., then b_0 ..), with `STACKED`
-    `dispatch.wgrad_stacks`' (column, n rows, n blocks)."""
+    `dispatch.wgrad_stacks`' (column, n rows, n blocks).
+
+    ``column_sums`` (one block a thread block, warp-specialized with bulk copies, feature_axis 1):
+    a block b with ``summing[b]`` nonzero also sums its split's rows of dy's block-column into
+    ``sums[split, column features]`` (fp32), from the stages its copies bring (`hopper.make_split`):
+    the bias gradient with no read of dy of its own. Otherwise ``sums`` and ``summing`` are unread."""
     paired, stacked = kind == PAIRED, kind == STACKED
     BM, BN, GROUPS, TILES, BK, _ = v7_shape(cfg, bs, kind)
     STACK = BM // bs  # blocks down a tile
@@ -112,16 +117,29 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
             return int32(where[6]), n0, int32(where[7]), n0
         return n0, int32(where[6]), n0, int32(where[7])
 
+    if column_sums:
+
+        @inlined
+        def column_task(summing, sums, coords, block, split):
+            """(whether this block sums dy's block-column, the sums, its first feature, the split)."""
+            return summing[block], sums, int64(coords[block, 1]) * bs, split
+    else:
+
+        @inlined
+        def column_task(summing, sums, coords, block, split):
+            return int32(0), sums, int64(0), split
+
     SPLIT = producing(cfg, kind, bs)
     THREADS = v7_threads(cfg, bs, kind)
     copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split = make_hopper_loop(cfg, bs, storage, kind, MN, MN)
     ring = make_ring(sources)
     stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, kind, False, THREADS)
     init, produce, consume, specialized = make_split(stage_sources, a_chunk, b_chunk, stage,
-                                                     boxes if SPLIT and cfg.v7_tma and kind is True else None)
+                                                     boxes if SPLIT and cfg.v7_tma and kind is True else None,
+                                                     column_sums)
 
     @jit_for(cfg, bs, GROUPS, kind)
-    def weight_grad_v7(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta, x_map, dy_map):
+    def weight_grad_v7(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta, sums, summing, x_map, dy_map):
         tid = cuda.threadIdx.x
         group, thread = tid // WARPGROUP, tid % WARPGROUP
         warp, lane = thread // 32, thread % 32
@@ -148,8 +166,9 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
         if SPLIT:
             x_at, dy_at = signed_address(x, (0, 0)), signed_address(dy, (0, 0))
             maps = (global_address(x_map, (0,)), x_at, global_address(dy_map, (0,)), dy_at)
+            sums_here, sums_to, sums_at, sums_row = column_task(summing, sums, coords, block, split)
             where = (n_begin, n_end, x_base, dy_base, x_lead, dy_lead, coords[block, 0] * bs, coords[block, 1] * bs,
-                     block, coords)
+                     block, coords, sums_here, sums_to, sums_at, sums_row)
             specialized(shared_address(smem, (0,)), base, tid, n_stages, where, cuda.shared.array(0, float32), maps)
         else:
             a_from = cuda.local.array(A_PER, int64)

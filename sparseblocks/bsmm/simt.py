@@ -400,3 +400,49 @@ def make_add_bias(storage, acc_type, feature_axis, bias_kind, relu=False):
             store(out, row, k, from_acc(v))
 
     return add_bias
+
+
+COLUMN_SUM_THREADS = 256
+COLUMN_SUM_ROWS = 256  # rows of N a partial column sum takes
+
+
+def make_column_sums(bs, storage, acc_type, feature_axis):
+    """The bias gradient's partial sums where the weight gradient does not take them: ``parts[p,
+    k]`` = the sum of dy's rows p R .. (p + 1) R - 1 (R = ``rows_per_part``) of feature k, for the
+    features of the block-columns ``columns`` lists; a thread a feature and part, its rows in order."""
+    load, _ = activation_io(feature_axis)
+    to_acc, _ = converters(storage, acc_type)
+
+    @cuda.jit
+    def column_sums(parts, dy, columns, n_rows, rows_per_part):
+        j = cuda.blockIdx.x * COLUMN_SUM_THREADS + cuda.threadIdx.x
+        p = cuda.blockIdx.y
+        if j < columns.shape[0] * bs:
+            k = columns[j // bs] * bs + j % bs
+            total = acc_type(0)
+            for n in range(p * rows_per_part, min((p + 1) * rows_per_part, n_rows)):
+                total += to_acc(load(dy, n, k))
+            parts[p, k] = total
+
+    return column_sums
+
+
+def make_finish_column_sums(bs, out_storage, acc_type):
+    """db[k] = the sum of feature k's partial sums in order: the weight gradient's (``fused``, a row
+    an N-split) where ``fused_columns`` marks k's block-column, else `make_column_sums`'; rounded once."""
+    _, from_acc = converters(out_storage, acc_type)
+
+    @cuda.jit
+    def finish_column_sums(db, fused, n_fused, parts, n_parts, fused_columns):
+        k = cuda.grid(1)
+        if k < db.shape[0]:
+            total = acc_type(0)
+            if fused_columns[k // bs] != 0:
+                for s in range(n_fused):
+                    total += fused[s, k]
+            else:
+                for s in range(n_parts):
+                    total += parts[s, k]
+            db[k] = from_acc(total)
+
+    return finish_column_sums

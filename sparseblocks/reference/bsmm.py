@@ -65,6 +65,11 @@ def weight_grad(x, dy, layout, feature_axis=1, upcast=True):
     return dw if upcast else dw.astype(np.result_type(x, dy))
 
 
+def bias_grad(dy, feature_axis=1):
+    """The bias gradient: dy's sums over N, a value an output feature (float64)."""
+    return _as_rows(dy, feature_axis, "dy").astype(np.float64).sum(axis=0)
+
+
 def transpose_blocks(w, layout):
     """W's blocks transposed into the layout's column order: ``wt[p] = w[layout.col_block[p]]ᵀ``."""
     return np.ascontiguousarray(np.asarray(w)[layout.col_block].transpose(0, 2, 1))

@@ -13,7 +13,7 @@ new layout (after `BlockRegrowth` moves blocks) is a new graph. `layout_of` turn
 
 import base64
 from collections import OrderedDict
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -84,6 +84,20 @@ def _weight_grad(x, dy, layout, dtype):
     return bsmm.weight_grad(x, dy, layout_of(layout), out_dtype=str(dtype).removeprefix("torch."))
 
 
+@torch.library.custom_op("sparseblocks::bsmm_weight_bias_grad", mutates_args=())
+def bsmm_weight_bias_grad(x: torch.Tensor, dy: torch.Tensor, layout: str, dtype: torch.dtype,
+                          bias_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(xᵀ · dy, dy summed over N)``: dW as `bsmm_weight_grad` and the bias gradient in
+    ``bias_dtype`` (x's, or fp32), the sums taken by the weight gradient's kernel where it can
+    (`bsmm.weight_grad`'s ``dbias_dtype``)."""
+    return _weight_bias_grad(x, dy, layout, dtype, bias_dtype)
+
+
+def _weight_bias_grad(x, dy, layout, dtype, bias_dtype):
+    return bsmm.weight_grad(x, dy, layout_of(layout), out_dtype=str(dtype).removeprefix("torch."),
+                            dbias_dtype=str(bias_dtype).removeprefix("torch."))
+
+
 @bsmm_forward.register_fake
 def _(x, w, layout, bias=None, relu=False):
     return x.new_empty((x.shape[0], layout_of(layout).dense_shape[1]))
@@ -99,6 +113,12 @@ def _(x, dy, layout, dtype):
     return x.new_empty(layout_of(layout).w_shape, dtype=dtype)
 
 
+@bsmm_weight_bias_grad.register_fake
+def _(x, dy, layout, dtype, bias_dtype):
+    return (x.new_empty(layout_of(layout).w_shape, dtype=dtype),
+            x.new_empty((layout_of(layout).dense_shape[1],), dtype=bias_dtype))
+
+
 def _setup_forward(ctx, inputs, output):
     x, w, layout = inputs[:3]
     bias = inputs[3] if len(inputs) > 3 else None
@@ -108,29 +128,35 @@ def _setup_forward(ctx, inputs, output):
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-def _gradients(ctx, dy, input_grad, weight_grad):
-    """(dx, dw, None, dbias) of ``y = x · W + bias`` through the given input and weight gradient
-    functions; dw in W's dtype (an fp32 master weight's comes from the kernel's fp32 sums), dbias
-    the sum of dy's rows in the bias's dtype (summed in fp32 or wider). With a fused ReLU, dy is
-    first zeroed where the output is (ReLU's own backward)."""
+def _gradients(ctx, dy, input_grad, weight_grad, weight_bias_grad):
+    """(dx, dw, None, dbias, None) of ``y = x · W + bias`` through the given input and weight
+    gradient functions; dw in W's dtype (an fp32 master weight's comes from the kernel's fp32
+    sums), dbias the sum of dy's rows in the bias's dtype (summed in fp32 or wider), by the weight
+    gradient's call (``weight_bias_grad``) where both are wanted. With a fused ReLU, dy is first
+    zeroed where the output is (ReLU's own backward)."""
     x, w, y = ctx.saved_tensors
     if ctx.relu:
         dy = torch.ops.aten.threshold_backward(dy, y, 0)
     dy = dy.contiguous()
     dx = input_grad(dy, _compute_weight(w, x), ctx.layout) if ctx.needs_input_grad[0] else None
-    dw = None
+    dw = dbias = None
+    wants_bias = ctx.bias_dtype is not None and ctx.needs_input_grad[3]
     if ctx.needs_input_grad[1]:
         direct = w.dtype in (x.dtype, torch.float32)  # (the kernel stores these; another cast after it)
-        dw = weight_grad(x, dy, ctx.layout, w.dtype if direct else x.dtype)
+        if wants_bias:
+            summed = ctx.bias_dtype if ctx.bias_dtype in (x.dtype, torch.float32) else torch.float32
+            dw, dbias = weight_bias_grad(x, dy, ctx.layout, w.dtype if direct else x.dtype, summed)
+            dbias = dbias.to(ctx.bias_dtype)
+        else:
+            dw = weight_grad(x, dy, ctx.layout, w.dtype if direct else x.dtype)
         dw = dw if direct else dw.to(w.dtype)
-    dbias = None
-    if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
+    elif wants_bias:
         dbias = dy.sum(0, dtype=torch.promote_types(ctx.bias_dtype, torch.float32)).to(ctx.bias_dtype)
     return dx, dw, None, dbias, None
 
 
 def _backward_forward(ctx, dy):
-    return _gradients(ctx, dy, bsmm_input_grad, bsmm_weight_grad)
+    return _gradients(ctx, dy, bsmm_input_grad, bsmm_weight_grad, bsmm_weight_bias_grad)
 
 
 bsmm_forward.register_autograd(_backward_forward, setup_context=_setup_forward)
@@ -149,7 +175,7 @@ class _Product(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         return _gradients(ctx, dy, lambda dy, w, key: bsmm.input_grad(dy, w, layout_of(key)),
-                          _weight_grad)
+                          _weight_grad, _weight_bias_grad)
 
 
 def product(x, w, layout, bias=None, relu=False):

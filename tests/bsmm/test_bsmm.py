@@ -156,6 +156,29 @@ def test_forward_adds_the_bias(data, version, block_size, dtype, feature_axis, s
         assert (np.asarray(y, np.float64) >= 0).all()
 
 
+@pytest.mark.parametrize("version", [1, 3] if SIMULATOR else [None, 4])
+@few
+@given(data=st.data(), block_size=st.sampled_from([8, 16] if SIMULATOR else BLOCKS),
+       dtype=st.sampled_from(DTYPE_NAMES), feature_axis=st.sampled_from([1, 0]), fp32=st.booleans())
+def test_weight_grad_returns_the_bias_gradient(data, version, block_size, dtype, feature_axis, fp32):
+    """``dbias_dtype``: dy's sums over N beside dW (x's dtype, or fp32 with 16-bit x), also for
+    block-columns with no block and for an empty layout; dW as without it."""
+    layout, x, dy, w = data.draw(problems(block_size, dtype, kinds=("skewed", "random", "empty")))
+    x, dy = to_axis(x, feature_axis), to_axis(dy, feature_axis)
+    db_dtype = "float32" if fp32 and dtype in ("float16", "bfloat16") else dtype
+    with poisoned_outputs():
+        dw, db = bsmm.weight_grad(x, dy, layout, feature_axis, version=version, dbias_dtype=db_dtype)
+    assert db.dtype == dw.dtype if db_dtype == dtype else np.asarray(db).dtype == np.float32
+    assert_close(db, reference.bias_grad(dy, feature_axis), db_dtype, "bias_grad",
+                 magnitude=reference.bias_grad(np.abs(np.asarray(dy, np.float64)), feature_axis),
+                 terms=max(1, np.asarray(dy).shape[0 if feature_axis == 1 else 1]))
+    if layout.n_blocks:
+        np.testing.assert_array_equal(np.asarray(dw), np.asarray(bsmm.weight_grad(x, dy, layout, feature_axis,
+                                                                                 version=version)))
+    with pytest.raises(TypeError, match="dbias_dtype: expected one of"):
+        bsmm.weight_grad(x, dy, layout, feature_axis, version=version, dbias_dtype="int8")
+
+
 @pytest.mark.parametrize("version", [3, 4])
 @pytest.mark.parametrize("max_segment", [1, 2])
 @few  # (six cases of the earlier versions: two examples each in the simulator)

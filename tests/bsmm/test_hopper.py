@@ -447,6 +447,33 @@ def test_hopper_producer_runs_in_the_simulator(monkeypatch, feature_axis, tma, s
     assert ran_hopper() == (before[0] + 1, before[1] + 1)
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU cases below cover it")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_hopper_weight_gradient_sums_the_bias_gradient_in_the_simulator(monkeypatch, dtype):
+    """``dbias_dtype`` on a warp-specialized weight gradient with bulk copies: the first block of
+    each block-column also sums its N-split's rows of dy (2 splits of 320 rows, 5 and 4 stages
+    round a ring of 3, the last partly past N), the empty block-column in a pass of its own."""
+    from sparseblocks.bsmm import dispatch
+    from sparseblocks.reference import bsmm as reference
+    from strategies import assert_close
+
+    monkeypatch.setattr(dispatch, "hopper", lambda: True)
+    cfg = replace(bsmm.DEFAULT, v7_groups={64: 1}, v7_tiles={64: 1}, v7_stages={64: 3}, v7_wgrad_stages=3,
+                  v7_producer=True, v7_wgrad_producer=True, v7_persistent={}, v7_tma=True, v7_wgrad_pairs={})
+    fused = []
+    original = dispatch.launch_column_sums
+    monkeypatch.setattr(dispatch, "launch_column_sums", lambda *a: fused.append(a[-1]) or original(*a))
+    layout = BlockLayout(np.array([[1, 0, 1], [1, 0, 0]]), 64)
+    rng = np.random.default_rng(8)
+    x, dy = values(rng, (520, 128), dtype), values(rng, (520, 192), dtype)
+    with poisoned_outputs():
+        dw, db = bsmm.weight_grad(x, dy, layout, version=7, config=cfg, splits=2, dbias_dtype="float32")
+    assert fused and fused[-1] is not None and list(np.asarray(fused[-1][1].copy_to_host())) == [1, 1, 0]
+    assert_close(db, reference.bias_grad(dy), "float32", "bias_grad",
+                 magnitude=reference.bias_grad(np.abs(np.asarray(dy, np.float64))), terms=520)
+    assert_close(dw, reference.weight_grad(x, dy, layout), dtype, "weight_grad", terms=520)
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
 @pytest.mark.parametrize("feature_axis, max_segment, persistent", [(1, None, False), (0, 1, False), (1, 1, True)])
 def test_hopper_epilogue_adds_the_bias_in_the_simulator(monkeypatch, feature_axis, max_segment, persistent):

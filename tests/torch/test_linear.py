@@ -359,3 +359,7 @@ def test_product_op_passes_opcheck(bias, relu, cpu_path):
     w = torch.randn(layout.w_shape, device=DEVICE, dtype=torch.float64, requires_grad=True)
     b = torch.randn(24, device=DEVICE, dtype=torch.float64, requires_grad=True) if bias else None
     torch.library.opcheck(ops.bsmm_forward, (x, w, ops.layout_key(layout), b, relu))
+    if bias:  # (the weight gradient with the bias gradient: two outputs)
+        dy = torch.randn(5, 24, device=DEVICE, dtype=torch.float64)
+        torch.library.opcheck(ops.bsmm_weight_bias_grad,
+                              (x.detach(), dy, ops.layout_key(layout), torch.float64, torch.float64))
