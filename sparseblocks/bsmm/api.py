@@ -220,8 +220,9 @@ def weight_grad(x: Array, dy: Array, layout: BlockLayout, feature_axis: int = 1,
     cfg = as_config(config)
     if len(getattr(x, "shape", ())) == 3 or len(getattr(dy, "shape", ())) == 3:
         x, dy = _stacked_steps(x, dy, feature_axis)
-    if plans.kept and dbias_dtype is None:
-        dw = replayed_weight_grad(cfg, x, dy, layout, feature_axis, out, beta, version, splits, out_dtype)
+    if plans.kept:
+        dw = replayed_weight_grad(cfg, x, dy, layout, feature_axis, out, beta, version, splits, out_dtype,
+                                  dbias_dtype)
         if dw is not None:
             return dw
     given = version
@@ -261,9 +262,8 @@ def weight_grad(x: Array, dy: Array, layout: BlockLayout, feature_axis: int = 1,
     if layout.n_blocks:
         launched = launch_weight_grad(cfg, dw, x, dy, layout, n_x, feature_axis, beta, stream, version, splits,
                                       out_dtype, None if db is None else (db[1], dbias_dtype))
-        if db is None:
-            keep_weight_grad_plan(cfg, x, dy, None if out is None else ops[2], layout, feature_axis, beta, given,
-                                  splits, launched, given_dtype, out_dtype)
+        keep_weight_grad_plan(cfg, x, dy, None if out is None else ops[2], layout, feature_axis, beta, given,
+                              splits, launched, given_dtype, out_dtype, dbias_dtype)
     elif db is not None:
         launch_column_sums(cfg, db[1], dbias_dtype, dy, layout, n_x, feature_axis, stream)
     if out is not None and not (SIMULATOR and ops[2].kind == "torch"):

@@ -541,7 +541,7 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
         ))
         if db is not None:
             launch_column_sums(cfg, db[0], db[1], dy, layout, n_rows, feature_axis, stream)
-        return None
+        return None  # (no plan)
     x_device, dy_device = x.device(stream), dy.device(stream)
     # (dw too: version 7 stores runs of 4 values, aligned to their 8 or 16 bytes)
     family = weight_grad_family(cfg, version, bs, x.dtype, feature_axis,
@@ -630,15 +630,17 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
         args = (dw, workspace, x_device, dy_device, coords, n_rows, rows_per_split, beta)
     main = (kernel, (thread_blocks, splits), threads, args, derived_maps(makers, len(args) - 2))
     launch(main[0], main[1], main[2], stream, main[3])
+    sums = None  # the bias gradient's launches, as a kept plan repeats them (`launch_column_sums`)
     if db is not None:
-        launch_column_sums(cfg, db[0], db[1], dy, layout, n_rows, feature_axis, stream, fused)
+        sums = (None if fused is None else tuple(fused[0].shape),
+                *launch_column_sums(cfg, db[0], db[1], dy, layout, n_rows, feature_axis, stream, fused))
     if splits == 1:
-        return main, None, None
+        return main, None, None, sums
     combine = (compiled(cfg, make_combine_wgrad, bs, x.dtype, out),
                ((bs * bs + COMBINE_THREADS - 1) // COMBINE_THREADS, layout.n_blocks), COMBINE_THREADS,
                (dw, workspace, beta))
     launch(combine[0], combine[1], combine[2], stream, combine[3])
-    return main, combine, (splits, layout.n_blocks, bs * bs)  # what a kept plan repeats
+    return main, combine, (splits, layout.n_blocks, bs * bs), sums  # what a kept plan repeats
 
 
 def first_of_columns(layout):
@@ -654,7 +656,9 @@ def launch_column_sums(cfg, db, db_dtype, dy, layout, n_rows, feature_axis, stre
     """db (of dtype ``db_dtype``) = dy's sums over N, a value an output feature, each summed in fp32 (fp64 for fp64) in a
     fixed order: where ``fused`` (the weight gradient's sums, a row an N-split; its summing flags)
     holds a block-column's, from them; the other block-columns' (all, without ``fused``) by
-    `simt.make_column_sums`, then `simt.make_finish_column_sums` adds each feature's parts in order."""
+    `simt.make_column_sums`, then `simt.make_finish_column_sums` adds each feature's parts in order.
+    Returns what a kept plan repeats: the column-sum launch (parts, dy live) and its parts' shape,
+    or both None; the finishing launch (db[, the fused sums][, the parts] live)."""
     bs = layout.block_size
     acc = "float64" if dy.dtype == "float64" else "float32"
     Kb = layout.shape[1]
@@ -662,17 +666,23 @@ def launch_column_sums(cfg, db, db_dtype, dy, layout, n_rows, feature_axis, stre
     columns = np.flatnonzero(counts == 0) if fused is not None else np.arange(Kb)
     flags = (counts > 0).astype(np.int32) if fused is not None else np.zeros(Kb, np.int32)
     n_parts = max(1, -(-n_rows // COLUMN_SUM_ROWS))
+    column_launch = None
     if len(columns):
         parts = dy.scratch((n_parts, layout.dense_shape[1]), acc, stream)
         kernel = cached(make_column_sums, bs, dy.dtype, acc_type(dy.dtype), feature_axis)
         grid = (-(-len(columns) * bs // COLUMN_SUM_THREADS), n_parts)
-        launch(kernel, grid, COLUMN_SUM_THREADS, stream,
-               (parts, dy.device(stream), _on_device(layout, ("sum columns", fused is not None), columns.astype(np.int32),
-                                                     stream), n_rows, COLUMN_SUM_ROWS))
+        args = (parts, dy.device(stream), _on_device(layout, ("sum columns", fused is not None),
+                                                     columns.astype(np.int32), stream), n_rows, COLUMN_SUM_ROWS)
+        launch(kernel, grid, COLUMN_SUM_THREADS, stream, args)
+        column_launch = (kernel, grid, COLUMN_SUM_THREADS, args, ())
     else:
         parts = _stand_in((1, 1), acc)
     sums = fused[0] if fused is not None else _stand_in((1, 1), "float32")
     kernel = cached(make_finish_column_sums, bs, db_dtype, acc_type(dy.dtype))
-    launch(kernel, -(-db.shape[0] // COLUMN_SUM_THREADS), COLUMN_SUM_THREADS, stream,
-           (db, sums, sums.shape[0] if fused is not None else 0, parts, n_parts,
-            _on_device(layout, ("fused columns", fused is not None), flags, stream)))
+    grid = -(-db.shape[0] // COLUMN_SUM_THREADS)
+    args = (db, sums, sums.shape[0] if fused is not None else 0, parts, n_parts,
+            _on_device(layout, ("fused columns", fused is not None), flags, stream))
+    launch(kernel, grid, COLUMN_SUM_THREADS, stream, args)
+    live = (0,) + ((1,) if fused is not None else ()) + ((3,) if column_launch is not None else ())
+    return (column_launch, None if column_launch is None else (tuple(parts.shape), acc),
+            (kernel, grid, COLUMN_SUM_THREADS, args, (), live))

@@ -84,31 +84,37 @@ def keep_product_plan(cfg, a, w, bias, layout, feature_axis, transpose_w, versio
 
 
 # A weight gradient's plan allocates dW (or takes out=) and the N-splits' workspace, and
-# replays the gradient's launch and, with splits, the combining one.
+# replays the gradient's launch and, with splits, the combining one; with the bias gradient, its
+# sums' scratch, the column-sum launch and the finishing one after them.
 class _WeightGradPlan:
-    """workspace: the N-splits' (shape, torch dtype), or None (one split, one launch)."""
-    __slots__ = ("layout", "workspace", "main", "combine", "dtype")
+    """workspace: the N-splits' (shape, torch dtype), or None (one split, one launch); sums: None,
+    or (the fused sums' shape or None, the column-sum launch and its parts' (shape, dtype) or
+    both None, the finishing launch, db's torch dtype)."""
+    __slots__ = ("layout", "workspace", "main", "combine", "dtype", "sums")
 
-    def __init__(self, layout, workspace, main, combine, dtype):
+    def __init__(self, layout, workspace, main, combine, dtype, sums=None):
         self.layout, self.workspace, self.main, self.combine, self.dtype = layout, workspace, main, combine, dtype
+        self.sums = sums
 
 
-def _weight_grad_key(cfg, x, dy, out, layout, feature_axis, beta, version, splits, out_dtype):
+def _weight_grad_key(cfg, x, dy, out, layout, feature_axis, beta, version, splits, out_dtype, dbias_dtype=None):
     """Everything a weight-gradient call's checks and launches depend on (torch tensors), or None."""
     if not isinstance(beta, (int, float)) or not (splits is None or isinstance(splits, int)) or not (
-            out_dtype is None or isinstance(out_dtype, str)):
+            out_dtype is None or isinstance(out_dtype, str)) or not (dbias_dtype is None or isinstance(dbias_dtype, str)):
         return None
     return ("bsmm weight_grad", cfg, id(layout), feature_axis, float(beta), version, splits, out_dtype, x.dtype,
             dy.dtype, x.shape, dy.shape, x.device, x.data_ptr() % 16, dy.data_ptr() % 16,
-            None if out is None else (out.dtype, out.shape, out.device, out.data_ptr() % 16))
+            None if out is None else (out.dtype, out.shape, out.device, out.data_ptr() % 16), dbias_dtype)
 
 
-def replayed_weight_grad(cfg, x, dy, layout, feature_axis, out, beta, version, splits, out_dtype=None):
-    """The weight gradient through a kept plan, or None: no plan fits (the general path runs)."""
+def replayed_weight_grad(cfg, x, dy, layout, feature_axis, out, beta, version, splits, out_dtype=None,
+                         dbias_dtype=None):
+    """The weight gradient (with ``dbias_dtype``, and the bias gradient: a pair) through a kept
+    plan, or None: no plan fits (the general path runs)."""
     if not (isinstance(x, plans.tensor) and isinstance(dy, plans.tensor)
             and (out is None or isinstance(out, plans.tensor))) or _arrays._poison_outputs:
         return None
-    key = _weight_grad_key(cfg, x, dy, out, layout, feature_axis, beta, version, splits, out_dtype)
+    key = _weight_grad_key(cfg, x, dy, out, layout, feature_axis, beta, version, splits, out_dtype, dbias_dtype)
     plan = plans.kept.get(key) if key is not None else None
     if plan is None or plan.layout is not layout or not (
             x.is_contiguous() and dy.is_contiguous() and (out is None or out.is_contiguous())) or (
@@ -116,33 +122,61 @@ def replayed_weight_grad(cfg, x, dy, layout, feature_axis, out, beta, version, s
         return None  # (the general path checks an out= sharing memory with x or dy, and raises)
     dw = (x.new_empty(layout.w_shape, dtype=plan.dtype) if out is None else out)
     stream = _arrays.torch_stream_handle()
+    fused = ()
+    if plan.sums is not None and plan.sums[0] is not None:
+        import torch
+
+        sums = x.new_empty(plan.sums[0], dtype=torch.float32)
+        fused = (sums.data_ptr(),)
     if plan.combine is None:
-        if not plan.main(stream, dw.data_ptr(), x.data_ptr(), dy.data_ptr()):
+        if not plan.main(stream, dw.data_ptr(), x.data_ptr(), dy.data_ptr(), *fused):
             return None  # (a tensor map could not be made; nothing ran)
     else:
         workspace = x.new_empty(plan.workspace[0], dtype=plan.workspace[1])
-        if not plan.main(stream, dw.data_ptr(), workspace.data_ptr(), x.data_ptr(), dy.data_ptr()):
+        if not plan.main(stream, dw.data_ptr(), workspace.data_ptr(), x.data_ptr(), dy.data_ptr(), *fused):
             return None
         plan.combine(stream, dw.data_ptr(), workspace.data_ptr())
-    return dw
+    if plan.sums is None:
+        return dw
+    _, column, parts_as, finish, db_dtype = plan.sums
+    held = ()
+    if column is not None:
+        parts = x.new_empty(parts_as[0], dtype=parts_as[1])
+        column(stream, parts.data_ptr(), dy.data_ptr())
+        held = (parts.data_ptr(),)
+    db = x.new_empty((layout.dense_shape[1],), dtype=db_dtype)
+    finish(stream, db.data_ptr(), *fused, *held)
+    return dw, db
 
 
 def keep_weight_grad_plan(cfg, x, dy, out, layout, feature_axis, beta, version, splits, launched, given_dtype,
-                          out_dtype):
+                          out_dtype, dbias_dtype=None):
     """After a general-path weight gradient of torch tensors: keep its launches (keyed on the call's
-    ``out_dtype`` as given, dW made in ``out_dtype`` as resolved)."""
+    ``out_dtype`` as given, dW made in ``out_dtype`` as resolved; ``dbias_dtype``: the bias
+    gradient's dtype, or None)."""
     if launched is None or x.kind != "torch" or _arrays._poison_outputs:
         return
-    main, combine, workspace = launched
+    main, combine, workspace, sums = launched
     import torch
 
     key = _weight_grad_key(cfg, x.native, dy.native, None if out is None else out.native, layout, feature_axis, beta,
-                           version, splits, given_dtype)
+                           version, splits, given_dtype, dbias_dtype)
     if key is None:
         return
-    kept = (replay(*main, live=(0, 2, 3) if combine is None else (0, 1, 2, 3)),
+    fused = () if sums is None or sums[0] is None else (8,)  # (version 7's sums argument)
+    kept = (replay(*main, live=((0, 2, 3) if combine is None else (0, 1, 2, 3)) + fused),
             None if combine is None else replay(*combine, live=(0, 1)))
     if kept[0] is None or (combine is not None and kept[1] is None):
         return
+    kept_sums = None
+    if sums is not None:
+        fused_shape, column, parts_as, finish = sums
+        column_plan = None if column is None else replay(*column, live=(0, 1))
+        finish_plan = replay(*finish[:5], live=finish[5])
+        if finish_plan is None or (column is not None and column_plan is None):
+            return
+        parts_as = None if parts_as is None else (parts_as[0], torch.float64 if parts_as[1] == "float64"
+                                                  else torch.float32)
+        kept_sums = (fused_shape, column_plan, parts_as, finish_plan, getattr(torch, dbias_dtype))
     workspace = None if workspace is None else (workspace, torch.float64 if x.dtype == "float64" else torch.float32)
-    plans.keep(key, _WeightGradPlan(layout, workspace, *kept, getattr(torch, out_dtype)))
+    plans.keep(key, _WeightGradPlan(layout, workspace, *kept, getattr(torch, out_dtype), kept_sums))

@@ -801,6 +801,32 @@ def test_repeated_weight_grads_replay_a_kept_plan(dtype, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="kept plans replay through the driver")
+@pytest.mark.parametrize("dtype, block_size", [("bfloat16", 128), ("float16", 64), ("float32", 32)])
+def test_repeated_bias_gradients_replay_a_kept_plan(dtype, block_size, monkeypatch):
+    """The weight gradient with the bias gradient, repeated: replays give the reference's dW and
+    db (block 128 at 16-bit: summed by version 7's weight gradient, a block-column without blocks
+    by the column-sum pass; the others by that pass alone)."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(plans, "kept", {})
+    layout = BlockLayout(np.array([[1, 0, 1], [1, 0, 0]]), block_size)
+    tdtype = getattr(torch, dtype)
+    replayed = []
+    original = bsmm.api.replayed_weight_grad
+    monkeypatch.setattr(bsmm.api, "replayed_weight_grad", lambda *a: replayed.append(original(*a)) or replayed[-1])
+    C, K = layout.dense_shape
+    for _ in range(3):
+        x = torch.randn(1000, C, device="cuda", dtype=tdtype)
+        dy = torch.randn(1000, K, device="cuda", dtype=tdtype)
+        dw, db = bsmm.weight_grad(x, dy, layout, dbias_dtype="float32")
+        x64, dy64 = x.double().cpu().numpy(), dy.double().cpu().numpy()
+        assert_close(dw.double().cpu().numpy(), reference.weight_grad(x64, dy64, layout), dtype)
+        assert_close(db.double().cpu().numpy(), reference.bias_grad(dy64), "float32", "bias_grad",
+                     magnitude=reference.bias_grad(np.abs(dy64)), terms=1000)
+    assert len(plans.kept) == 1 and sum(r is not None for r in replayed) == 2
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="the simulator has one fake device")
 def test_tensors_on_another_device_are_refused(monkeypatch):
     """A call runs on its first GPU array's device; a tensor elsewhere is refused before any launch
@@ -907,6 +933,28 @@ def test_plans_replay_the_bias_where_it_is_added(faked_launches):
     assert len(plans.kept) == kept + 2 and len(launches) == 3 and launches[-1] == (y.data_ptr(),)
     with pytest.raises(TypeError, match="relu: expected a bool"):
         bsmm.forward(x, w, SEGMENTED, relu=1)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="fakes the driver launch; the GPU test above runs the real one")
+def test_plans_replay_the_bias_gradient_beside_the_weight_gradient(faked_launches):
+    """Plan bookkeeping with the launch faked, ``dbias_dtype`` where the weight gradient does not
+    sum dy itself (the simulator's versions): a replay launches the weight gradient with (dw, x,
+    dy), the column sums with (their parts, dy), then the finishing pass with (db, the parts), and
+    returns (dw, db); a call without the bias gradient, or another dtype of it, keeps its own plan."""
+    torch = pytest.importorskip("torch")
+    launches = faked_launches
+    layout = BlockLayout(np.array([[1, 0], [1, 1]]), 16)
+    x, dy = torch.randn(20, 32), torch.randn(20, 32)
+    bsmm.weight_grad(x, dy, layout, dbias_dtype="float32")  # the general path keeps a plan
+    assert len(plans.kept) == 1 and not launches
+    x, dy = torch.randn(20, 32), torch.randn(20, 32)
+    dw, db = bsmm.weight_grad(x, dy, layout, dbias_dtype="float32")
+    assert len(launches) == 3 and launches[0] == (dw.data_ptr(), x.data_ptr(), dy.data_ptr())
+    assert launches[1][1] == dy.data_ptr() and launches[2] == (db.data_ptr(), launches[1][0])
+    assert db.shape == (32,) and db.dtype == torch.float32
+    bsmm.weight_grad(x, dy, layout)
+    bsmm.weight_grad(x.double(), dy.double(), layout, dbias_dtype="float64")
+    assert len(plans.kept) == 3
 
 
 @pytest.mark.gpu
