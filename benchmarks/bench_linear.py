@@ -127,7 +127,7 @@ def stk_step_ms(torch, widths, tokens, density, dtype, cache={}):
 
 def bench_config(torch, dtype, bs, density, model_name, modes, records, dense_ms):
     from sparseblocks.torch import BlockSparseLinear
-    from sparseblocks.torch.ops import bsmm_forward, bsmm_input_grad, bsmm_weight_grad
+    from sparseblocks.torch.ops import bsmm_forward, bsmm_input_grad, bsmm_weight_bias_grad
 
     widths, tokens = MODELS[model_name]
     fused = model_name.endswith("_relu")
@@ -178,10 +178,10 @@ def bench_config(torch, dtype, bs, density, model_name, modes, records, dense_ms
 
     key = layer._layout_key
 
-    def products():  # the layer's three kernels, in the order its step runs them (the bias the forward's)
+    def products():  # the layer's kernels, in the order its step runs them (the bias's gradient the weight's)
         bsmm_forward(x, layer.weight, key, layer.bias)
         bsmm_input_grad(dy, layer.weight, key)
-        bsmm_weight_grad(x, dy, key, layer.weight.dtype)
+        bsmm_weight_bias_grad(x, dy, key, layer.weight.dtype, layer.bias.dtype)
 
     params = {"dtype": name, "block_size": bs, "density": density, "width": width, "tokens": tokens}
     records.append(Record("layer_overhead", params, graph_ms(layer_step), {"kernels": graph_ms(products)}))
