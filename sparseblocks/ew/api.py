@@ -344,6 +344,13 @@ def _gate_operands(c, gates, extra=()):
     return ops, N, H, len(gates) == 1
 
 
+def _lstm_quads(cfg, dtype, H):
+    """Groups of 4 columns a thread of the vector LSTM kernels: 16-bit gates take
+    ``lstm_quads16`` where H holds whole groups of them."""
+    quads = cfg.lstm_quads16 if dtype in ("float16", "bfloat16") else 1
+    return quads if H % (4 * quads) == 0 else 1
+
+
 @on_arrays_device
 def fused_lstm_gates(c: Array, *gates: Array, config: Optional[EwConfig] = None) -> Tuple[Array, Array]:
     """OpenAI's ``fused_lstm_gates``: ``(c_next, h)`` with ``c_next = σ(f)·c + σ(i)·tanh(u)`` and
@@ -357,8 +364,9 @@ def fused_lstm_gates(c: Array, *gates: Array, config: Optional[EwConfig] = None)
     flats = [_flat(op.device(stream)) for op in ops]
     gate_args = [flats[1][q * H:] for q in range(4)] if merged else flats[1:]
     vector = H % 4 == 0 and fours_fit(c_next, h, *flats)
-    kernel, _ = cached(make_lstm_kernels, c_op.dtype, _acc(c_op.dtype), vector)
-    _run(cfg, kernel, (N * H) // 4 if vector else N * H, stream,
+    quads = _lstm_quads(cfg, c_op.dtype, H)
+    kernel, _ = cached(make_lstm_kernels, c_op.dtype, _acc(c_op.dtype), vector, quads)
+    _run(cfg, kernel, (N * H) // (4 * quads) if vector else N * H, stream,
          (_flat(c_next), _flat(h), flats[0], *gate_args, H, 4 * H if merged else H))
     return c_op.result(cn_native, c_next, stream), c_op.result(h_native, h, stream)
 
@@ -385,8 +393,9 @@ def fused_lstm_gates_grad(c: Array, *gates: Array, dc_next: Array, dh: Array,
     flats = [_flat(op.device(stream)) for op in ops]
     gate_args = [flats[1][q * H:] for q in range(4)] if merged else flats[1:5]
     vector = H % 4 == 0 and fours_fit(dc, *(_flat(d) for _, d in grads), *flats)
-    _, kernel = cached(make_lstm_kernels, c_op.dtype, _acc(c_op.dtype), vector)
-    _run(cfg, kernel, (N * H) // 4 if vector else N * H, stream,
+    quads = _lstm_quads(cfg, c_op.dtype, H)
+    _, kernel = cached(make_lstm_kernels, c_op.dtype, _acc(c_op.dtype), vector, quads)
+    _run(cfg, kernel, (N * H) // (4 * quads) if vector else N * H, stream,
          (_flat(dc), *grad_args, flats[0], *gate_args, flats[-2], flats[-1], H, 4 * H if merged else H))
     return (c_op.result(dc_native, dc, stream), *(c_op.result(n, d, stream) for n, d in grads))
 

@@ -271,13 +271,15 @@ def make_cwise_linear(storage, acc_type, has_a, has_b, threads):
     return linear, linear_grad
 
 
-def make_lstm_kernels(storage, acc_type, vector):
+def make_lstm_kernels(storage, acc_type, vector, quads=1):
     """``gates(c_next, h, c, i, f, o, u, H, gs)`` and ``gates_grad(dc, di, df, do, du, c, i, f, o, u,
     dc_next, dh, H, gs)``: c (N, H) flat; each gate read at row·gs + column (gs = H for four gate
     tensors, 4H for one merged (N, 4H) tensor whose gates are its column quarters, already offset).
-    ``vector`` (H a multiple of 4): a thread 4 consecutive columns of a row."""
+    ``vector`` (H a multiple of 4 ``quads``): a thread ``quads`` (1 or 2) groups of 4 consecutive
+    columns of a row, every group's loads issued before the first group's stores."""
     to_acc, from_acc = converters(storage, acc_type)
     forward, grad = make_lstm(acc_type, storage in ("float16", "bfloat16"))
+    WIDE = quads == 2
 
     @cuda.jit(device=True, inline=True)
     def step_one(c_next, h, c, i, f, o, u, e, g):
@@ -285,46 +287,71 @@ def make_lstm_kernels(storage, acc_type, vector):
         c_next[e] = from_acc(cn)
         h[e] = from_acc(hn)
 
+    @cuda.jit(device=True, inline=True)
+    def gate_quad(c, i, f, o, u, e, g):
+        return load4(c, (e,)), load4(i, (g,)), load4(f, (g,)), load4(o, (g,)), load4(u, (g,))
+
+    @cuda.jit(device=True, inline=True)
+    def forward_quad(q, c_next, h, e):
+        vc, vi, vf, vo, vu = q
+        r0 = forward(to_acc(vc[0]), to_acc(vi[0]), to_acc(vf[0]), to_acc(vo[0]), to_acc(vu[0]))
+        r1 = forward(to_acc(vc[1]), to_acc(vi[1]), to_acc(vf[1]), to_acc(vo[1]), to_acc(vu[1]))
+        r2 = forward(to_acc(vc[2]), to_acc(vi[2]), to_acc(vf[2]), to_acc(vo[2]), to_acc(vu[2]))
+        r3 = forward(to_acc(vc[3]), to_acc(vi[3]), to_acc(vf[3]), to_acc(vo[3]), to_acc(vu[3]))
+        store4(c_next, (e,), (from_acc(r0[0]), from_acc(r1[0]), from_acc(r2[0]), from_acc(r3[0])))
+        store4(h, (e,), (from_acc(r0[1]), from_acc(r1[1]), from_acc(r2[1]), from_acc(r3[1])))
+
     @cuda.jit
     def gates(c_next, h, c, i, f, o, u, H, gs):
         start, step = bounds()
         if vector:
-            for q in range(start, c.shape[0] // 4, step):
-                e = 4 * q
+            for q in range(start, c.shape[0] // (4 * quads), step):
+                e = 4 * quads * q
                 g = e if gs == H else (e // H) * gs + e % H
-                vc, vi, vf, vo, vu = load4(c, (e,)), load4(i, (g,)), load4(f, (g,)), load4(o, (g,)), load4(u, (g,))
-                r0 = forward(to_acc(vc[0]), to_acc(vi[0]), to_acc(vf[0]), to_acc(vo[0]), to_acc(vu[0]))
-                r1 = forward(to_acc(vc[1]), to_acc(vi[1]), to_acc(vf[1]), to_acc(vo[1]), to_acc(vu[1]))
-                r2 = forward(to_acc(vc[2]), to_acc(vi[2]), to_acc(vf[2]), to_acc(vo[2]), to_acc(vu[2]))
-                r3 = forward(to_acc(vc[3]), to_acc(vi[3]), to_acc(vf[3]), to_acc(vo[3]), to_acc(vu[3]))
-                store4(c_next, (e,), (from_acc(r0[0]), from_acc(r1[0]), from_acc(r2[0]), from_acc(r3[0])))
-                store4(h, (e,), (from_acc(r0[1]), from_acc(r1[1]), from_acc(r2[1]), from_acc(r3[1])))
+                first = gate_quad(c, i, f, o, u, e, g)
+                if WIDE:
+                    second = gate_quad(c, i, f, o, u, e + 4, g + 4)
+                    forward_quad(first, c_next, h, e)
+                    forward_quad(second, c_next, h, e + 4)
+                else:
+                    forward_quad(first, c_next, h, e)
         else:
             for e in range(start, c.shape[0], step):
                 step_one(c_next, h, c, i, f, o, u, e, (e // H) * gs + e % H)
+
+    @cuda.jit(device=True, inline=True)
+    def grad_quad(q, vn, vh, dc, di, df, do, du, e, g):
+        vc, vi, vf, vo, vu = q
+        r0 = grad(to_acc(vc[0]), to_acc(vi[0]), to_acc(vf[0]), to_acc(vo[0]), to_acc(vu[0]), to_acc(vn[0]),
+                  to_acc(vh[0]))
+        r1 = grad(to_acc(vc[1]), to_acc(vi[1]), to_acc(vf[1]), to_acc(vo[1]), to_acc(vu[1]), to_acc(vn[1]),
+                  to_acc(vh[1]))
+        r2 = grad(to_acc(vc[2]), to_acc(vi[2]), to_acc(vf[2]), to_acc(vo[2]), to_acc(vu[2]), to_acc(vn[2]),
+                  to_acc(vh[2]))
+        r3 = grad(to_acc(vc[3]), to_acc(vi[3]), to_acc(vf[3]), to_acc(vo[3]), to_acc(vu[3]), to_acc(vn[3]),
+                  to_acc(vh[3]))
+        store4(dc, (e,), (from_acc(r0[0]), from_acc(r1[0]), from_acc(r2[0]), from_acc(r3[0])))
+        store4(di, (g,), (from_acc(r0[1]), from_acc(r1[1]), from_acc(r2[1]), from_acc(r3[1])))
+        store4(df, (g,), (from_acc(r0[2]), from_acc(r1[2]), from_acc(r2[2]), from_acc(r3[2])))
+        store4(do, (g,), (from_acc(r0[3]), from_acc(r1[3]), from_acc(r2[3]), from_acc(r3[3])))
+        store4(du, (g,), (from_acc(r0[4]), from_acc(r1[4]), from_acc(r2[4]), from_acc(r3[4])))
 
     @cuda.jit
     def gates_grad(dc, di, df, do, du, c, i, f, o, u, dc_next, dh, H, gs):
         start, step = bounds()
         if vector:
-            for q in range(start, c.shape[0] // 4, step):
-                e = 4 * q
+            for q in range(start, c.shape[0] // (4 * quads), step):
+                e = 4 * quads * q
                 g = e if gs == H else (e // H) * gs + e % H
-                vc, vi, vf, vo, vu = load4(c, (e,)), load4(i, (g,)), load4(f, (g,)), load4(o, (g,)), load4(u, (g,))
-                vn, vh = load4(dc_next, (e,)), load4(dh, (e,))
-                r0 = grad(to_acc(vc[0]), to_acc(vi[0]), to_acc(vf[0]), to_acc(vo[0]), to_acc(vu[0]), to_acc(vn[0]),
-                          to_acc(vh[0]))
-                r1 = grad(to_acc(vc[1]), to_acc(vi[1]), to_acc(vf[1]), to_acc(vo[1]), to_acc(vu[1]), to_acc(vn[1]),
-                          to_acc(vh[1]))
-                r2 = grad(to_acc(vc[2]), to_acc(vi[2]), to_acc(vf[2]), to_acc(vo[2]), to_acc(vu[2]), to_acc(vn[2]),
-                          to_acc(vh[2]))
-                r3 = grad(to_acc(vc[3]), to_acc(vi[3]), to_acc(vf[3]), to_acc(vo[3]), to_acc(vu[3]), to_acc(vn[3]),
-                          to_acc(vh[3]))
-                store4(dc, (e,), (from_acc(r0[0]), from_acc(r1[0]), from_acc(r2[0]), from_acc(r3[0])))
-                store4(di, (g,), (from_acc(r0[1]), from_acc(r1[1]), from_acc(r2[1]), from_acc(r3[1])))
-                store4(df, (g,), (from_acc(r0[2]), from_acc(r1[2]), from_acc(r2[2]), from_acc(r3[2])))
-                store4(do, (g,), (from_acc(r0[3]), from_acc(r1[3]), from_acc(r2[3]), from_acc(r3[3])))
-                store4(du, (g,), (from_acc(r0[4]), from_acc(r1[4]), from_acc(r2[4]), from_acc(r3[4])))
+                first = gate_quad(c, i, f, o, u, e, g)
+                n1, h1 = load4(dc_next, (e,)), load4(dh, (e,))
+                if WIDE:
+                    second = gate_quad(c, i, f, o, u, e + 4, g + 4)
+                    n2, h2 = load4(dc_next, (e + 4,)), load4(dh, (e + 4,))
+                    grad_quad(first, n1, h1, dc, di, df, do, du, e, g)
+                    grad_quad(second, n2, h2, dc, di, df, do, du, e + 4, g + 4)
+                else:
+                    grad_quad(first, n1, h1, dc, di, df, do, du, e, g)
         else:
             for e in range(start, c.shape[0], step):
                 g = (e // H) * gs + e % H

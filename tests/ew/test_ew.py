@@ -123,9 +123,11 @@ def test_cwise_linear_and_its_gradient(dtype, with_a, with_b):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("merged", [False, True])
-def test_fused_lstm_gates_and_their_gradients(dtype, merged):
+@pytest.mark.parametrize("H", [6, 12, 16])
+def test_fused_lstm_gates_and_their_gradients(dtype, merged, H):
+    """H 6: one column a thread; 12: groups of 4; 16: two groups of 4 a thread at 16 bits."""
     rng = np.random.default_rng(5)
-    N, H = 3, 6
+    N = 3
     c = values(rng, (N, H), dtype)
     gates = [values(rng, (N, 4 * H), dtype)] if merged else [values(rng, (N, H), dtype) for _ in range(4)]
     c_next, h = ew.fused_lstm_gates(c, *gates, config=SMALL)
