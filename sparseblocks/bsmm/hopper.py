@@ -556,6 +556,10 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis, bias_
     bias_at = bias_reader(bias_kind, float32)
 
     @inlined
+    def relu_of(v):
+        return float32(0) if v < float32(0) else v  # (NaN kept, as torch's ReLU)
+
+    @inlined
     def biased(v, bias, at, step):
         """4 fp32 values plus the bias's values at, at + step, ... (step 0: one value for all),
         and with ``relu`` their max with 0."""
@@ -563,8 +567,7 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis, bias_
             v = (v[0] + bias_at(bias, at), v[1] + bias_at(bias, at + step), v[2] + bias_at(bias, at + 2 * step),
                  v[3] + bias_at(bias, at + 3 * step))
         if relu:
-            zero = float32(0)
-            v = (max(v[0], zero), max(v[1], zero), max(v[2], zero), max(v[3], zero))
+            v = (relu_of(v[0]), relu_of(v[1]), relu_of(v[2]), relu_of(v[3]))
         return v
 
     @inlined
@@ -578,8 +581,8 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis, bias_
 
     @inlined
     def clamp_pair(p, acc):
-        acc[2 * p] = max(acc[2 * p], float32(0))
-        acc[2 * p + 1] = max(acc[2 * p + 1], float32(0))
+        acc[2 * p] = relu_of(acc[2 * p])
+        acc[2 * p + 1] = relu_of(acc[2 * p + 1])
 
     clamp = unrolled(ACC_ALL // 2, clamp_pair, inline=inlined)
 

@@ -368,7 +368,7 @@ def make_combine_lines(cfg, bs, storage, acc_type, feature_axis, bias_kind=None,
             if BIAS:
                 total += bias_at(bias, split_line[i] * bs + col)
             if relu:
-                total = max(total, acc_type(0))
+                total = acc_type(0) if total < acc_type(0) else total  # (NaN kept, as torch's ReLU)
             store(out, row, split_line[i] * bs + col, from_acc(total))
 
     return combine_lines
@@ -396,7 +396,7 @@ def make_add_bias(storage, acc_type, feature_axis, bias_kind, relu=False):
                 k, row = e // n_rows, e % n_rows
             v = to_acc(load(out, row, k)) + bias_at(bias, k)
             if relu:
-                v = max(v, acc_type(0))
+                v = acc_type(0) if v < acc_type(0) else v  # (NaN kept)
             store(out, row, k, from_acc(v))
 
     return add_bias

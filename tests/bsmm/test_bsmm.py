@@ -179,6 +179,22 @@ def test_weight_grad_returns_the_bias_gradient(data, version, block_size, dtype,
         bsmm.weight_grad(x, dy, layout, feature_axis, version=version, dbias_dtype="int8")
 
 
+@pytest.mark.parametrize("version", [3] if SIMULATOR else [None, 4])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_relu_keeps_nan(version, dtype):
+    """``relu``: a NaN product stays NaN (as torch's ReLU and the twin's ``np.maximum``), in
+    every place that takes the ReLU (version 7's epilogue on the GPU by default)."""
+    bs = 16 if SIMULATOR else 64
+    layout = BlockLayout(np.array([[1, 0], [1, 1]]), bs)
+    rng = np.random.default_rng(11)
+    x, w = values(rng, (8, 2 * bs), dtype), values(rng, layout.w_shape, dtype)
+    x[2, 0] = np.nan
+    y = np.asarray(bsmm.forward(x, w, layout, version=version, relu=True), np.float64)
+    want = reference.forward(x, w, layout, relu=True)
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(want))
+    assert np.isnan(want).any() and (want == 0).any() and (y[~np.isnan(y)] >= 0).all()
+
+
 @pytest.mark.parametrize("version", [3, 4])
 @pytest.mark.parametrize("max_segment", [1, 2])
 @few  # (six cases of the earlier versions: two examples each in the simulator)
