@@ -209,11 +209,11 @@ class BlockSparseLinear(nn.Module):
         return blocks.permute(0, 2, 1, 3).reshape(self.in_features, self.out_features).t().contiguous()
 
     @classmethod
-    def from_dense(cls, linear, density, block_size=32, criterion="l2", rescale=False):
+    def from_dense(cls, linear, density, block_size=32, criterion="l2", rescale=False, activation=None):
         """A `BlockSparseLinear` holding the ``round(density x blocks)`` blocks of ``linear``'s
         weight of largest norm (`block_norms`' ``criterion``; ties to the lower block), with its
-        bias. ``rescale=True`` scales the kept weights so that their Frobenius norm is the whole
-        weight's."""
+        bias (and ``activation``, the constructor's). ``rescale=True`` scales the kept weights so
+        that their Frobenius norm is the whole weight's."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
         if not 0 < float(density) <= 1:
@@ -228,7 +228,7 @@ class BlockSparseLinear(nn.Module):
         count = max(1, int(round(float(density) * scores.numel())))
         layout = BlockLayout(top_blocks(scores, count).cpu().numpy(), bs)
         layer = cls(in_features, out_features, bias=linear.bias is not None, layout=layout,
-                    device=weight.device, dtype=weight.dtype)
+                    device=weight.device, dtype=weight.dtype, activation=activation)
         with torch.no_grad():
             dense = weight.t().reshape(in_features // bs, bs, out_features // bs, bs).permute(0, 2, 1, 3)
             kept = dense[layer.block_coords[:, 0], layer.block_coords[:, 1]]

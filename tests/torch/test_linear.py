@@ -1,5 +1,7 @@
 """BlockSparseLinear, sparsify and BlockRegrowth against dense masked nn.Linear models (needs torch)."""
 
+import copy
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -222,6 +224,22 @@ def test_sparsify_changes_only_matching_layers_and_equals_the_dense_masked_model
     model.eval(), dense.eval()
     with torch.no_grad():  # (where the encoder's fused fast path would read the weights directly)
         torch.testing.assert_close(model(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
+def test_sparsify_fuses_a_following_relu():
+    """``fuse_relu``: a replaced layer followed by an nn.ReLU in an nn.Sequential takes it (the
+    ReLU module becomes an Identity); one followed by something else, or the last, does not."""
+    torch.manual_seed(0)
+    dense = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16), torch.nn.GELU(),
+                                torch.nn.Linear(16, 8), torch.nn.ReLU()).to(DEVICE)
+    model = copy.deepcopy(dense)
+    replaced = sparsify(model, [r"[02]"], density=0.5, block_size=8, fuse_relu=True)
+    assert sorted(replaced) == ["0", "2"] and type(model[1]) is torch.nn.Identity and type(model[3]) is torch.nn.GELU
+    assert model[0].activation == "relu" and model[2].activation is None and type(model[5]) is torch.nn.ReLU
+    for i in (0, 2):
+        dense[i].load_state_dict(masked_dense(model[i]).state_dict())
+    x = torch.randn(5, 16, device=DEVICE)
+    torch.testing.assert_close(model(x), dense(x), rtol=1e-5, atol=1e-5)
 
 
 def test_sparsify_names_a_layer_it_cannot_cut():
