@@ -164,7 +164,9 @@ def wgrad_cases(version):
                 (shapes.STACKED,)) for n, g, p in ((4, 1, False), (8, 2, False), (4, 1, True))]
     paired = [(64, replace(B, v7_wgrad_pair_producer=p, v7_wgrad_pair_width={64: w}), (shapes.PAIRED,))
               for p, w in ((False, 2), (True, 2), (False, 4))]
-    return [(bs, B, ()) for bs in shapes.V7_WGRAD_BLOCKS] + stacked + paired
+    # (block 128's with the bias gradient's column sums in the copying warpgroup: kind True, column_sums)
+    summing = [(128, B, (True, True))]
+    return [(bs, B, ()) for bs in shapes.V7_WGRAD_BLOCKS] + stacked + paired + summing
 
 
 def check_tiles(version):
@@ -184,29 +186,34 @@ def check_tiles(version):
     results = []
     for bs, storage in itertools.product(sorted(blocks), storages):
         element = types.int16 if storage == "bfloat16" else types.float16
-        # (version 7's forward also with an fp32 bias its epilogue adds)
-        biases = (None, "float32") if version == 7 else (None,)
+        # (version 7's forward also with an fp32 bias its epilogue adds, and with the ReLU after it)
+        biases = (None, "float32", "relu") if version == 7 else (None,)
         for transpose_w, feature_axis, bias in itertools.product((False, True), (1, 0), biases):
             if transpose_w and bias:
                 continue
-            kernel = product(B, bs, storage, types.float32, transpose_w, feature_axis, *((bias,) if bias else ()))
+            epilogue = {None: (), "float32": ("float32",), "relu": ("float32", True)}[bias]
+            kernel = product(B, bs, storage, types.float32, transpose_w, feature_axis, *epilogue)
             operands = (element[:, ::1], element[:, :, ::1]) + ((types.float32[::1],) if version == 7 else ())
             signature = (element[:, ::1], types.float32[:, :, ::1]) + operands + (index,) * 6 + (i64,) + maps
             name = (f"product v{version} bs {bs} {storage} {'Wt' if transpose_w else 'W '} axis {feature_axis}"
-                    f"{' bias' if bias else ''}")
+                    f"{' bias' if bias else ''}{' relu' if bias == 'relu' else ''}")
             results.append(check(name, kernel.py_func, signature, cc=cc, detail=count,
                                  launch_bounds=bounds(version, bs, False)))
     for (bs, cfg, extra), storage in itertools.product(wgrad_cases(version), storages):
         element = types.int16 if storage == "bfloat16" else types.float16
         kind = extra[0] if extra else True
         for feature_axis, out in itertools.product((1, 0), (storage, "float32")):  # (dW in x's dtype or fp32)
+            if extra[1:] and feature_axis == 0:
+                continue  # (the column sums take feature_axis 1's MN-major dy only)
             kernel = weight_grad(cfg, bs, storage, types.float32, feature_axis, out, *extra)
             dw = types.float32 if out == "float32" else element
+            sums = (types.float32[:, ::1], types.int32[::1]) if version == 7 else ()  # (the bias gradient's)
             signature = (dw[:, :, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, ::1],
-                         types.int32[:, ::1], i64, i64, types.float64) + maps
-            tile = "" if not extra else (f" stacks {cfg.v7_wgrad_stacks[bs]}" if extra[0] == "stacks"
-                                         else f" pairs of {cfg.v7_wgrad_pair_width[bs]}")
-            stack = tile + (" split" if extra and warp_specialized(cfg, extra[0]) else "")
+                         types.int32[:, ::1], i64, i64, types.float64) + sums + maps
+            tile = "" if not extra or extra[0] is True else (
+                f" stacks {cfg.v7_wgrad_stacks[bs]}" if extra[0] == "stacks" else f" pairs of {cfg.v7_wgrad_pair_width[bs]}")
+            tile += " column sums" if extra[1:] else ""
+            stack = tile + (" split" if extra and extra[0] is not True and warp_specialized(cfg, extra[0]) else "")
             results.append(check(f"weight_grad v{version} bs {bs}{stack} {storage} axis {feature_axis} dW {out}",
                                  kernel.py_func, signature, cc=cc, detail=count,
                                  launch_bounds=bounds(version, bs, kind, cfg)))

@@ -272,33 +272,50 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
             return floats_of_half2(word)
 
         if column_sums:
+            ATOM_WORDS = B_ATOM // 4  # (an MN-major tile's rows 8 apart: an atom apart, the same swizzle)
 
             @inlined
             def readers_of(where):
                 return READERS if where[10] != 0 else 0
 
             @inlined
+            def add_row(q, words, at, rows8, sums):
+                lo, hi = halves(words[at + rows8[q]])
+                sums[0] += lo
+                sums[1] += hi
+
+            add_rows8 = unrolled(8, add_row, inline=inlined)
+
+            @inlined
+            def place_row(q, rows8, chunk, word):
+                rows8[q] = place_b(q * B_CPR + chunk, B_CPR)[2] // 4 + word
+
+            place_rows8 = unrolled(8, place_row, inline=inlined)
+
+            @inlined
             def sum_columns(t, lane, start, base, bars, n_stages, where):
-                """Columns 2t and 2t + 1 of B summed over the tile's stages (the docstring above)."""
+                """Columns 2t and 2t + 1 of B summed over the tile's stages (the docstring above): a
+                row's 32-bit word at its first 8 rows' places (found once), plus an atom a group of
+                8 rows, in row order."""
                 words = cuda.shared.array(0, int32)
-                chunk, word = t // 4, t % 4
-                s0, s1 = float32(0), float32(0)
+                rows8 = cuda.local.array(8, int32)
+                place_rows8(rows8, t // 4, t % 4)
+                sums = cuda.local.array(2, float32)
+                sums[0], sums[1] = float32(0), float32(0)
                 buf, parity = 0, 0
                 for s in range(n_stages):
                     bar_wait(bars + buf * BAR_BYTES, parity)  # the stage's bulk copies have landed
-                    at = base + buf * STAGE_BYTES + A_BYTES - start  # (bytes from the dynamic shared array's start)
-                    for r in range(BK):
-                        lo, hi = halves(words[(at + place_b(r * B_CPR + chunk, B_CPR)[2]) // 4 + word])
-                        s0 += lo
-                        s1 += hi
+                    at = (base + buf * STAGE_BYTES + A_BYTES - start) // 4  # (words from the shared array's start)
+                    for g in range(BK // 8):
+                        add_rows8(words, at + g * ATOM_WORDS, rows8, sums)
                     cuda.syncwarp()
                     if lane == 0:
                         arrive(bars + (STAGES + buf) * BAR_BYTES)
                     buf += 1
                     if buf == STAGES:
                         buf, parity = 0, parity ^ 1
-                where[11][where[13], where[12] + 2 * t] = s0
-                where[11][where[13], where[12] + 2 * t + 1] = s1
+                where[11][where[13], where[12] + 2 * t] = sums[0]
+                where[11][where[13], where[12] + 2 * t + 1] = sums[1]
         else:
 
             @inlined
