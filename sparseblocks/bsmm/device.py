@@ -9,6 +9,7 @@ accumulate step, and the grouped order in which product tiles are handed out.
 from numba import cuda, float32, float64, int16, int32, int64, uint32
 from numba.cuda import libdevice
 
+from ..ptx.half2 import floats_of_half2
 from ..ptx.mma import mma_3xtf32, mma_bf16, mma_f16
 from ..ptx.vector import load2, load4
 from ..runtime.backend import SIMULATOR
@@ -126,6 +127,23 @@ def converters(storage, acc_type):
             return value
 
     return to_acc, from_acc
+
+
+def pair_reader(storage):
+    """``halves(word)``: the two 16-bit values (fp16 or bf16 ``storage``) of a 32-bit word as fp32,
+    (low, high): the first element of a pair in memory, then the second."""
+    if storage == "bfloat16":
+
+        @cuda.jit(device=True, inline=True)
+        def halves(word):
+            return libdevice.int_as_float(int32(word << 16)), libdevice.int_as_float(int32(word & -65536))
+    else:
+
+        @cuda.jit(device=True, inline=True)
+        def halves(word):
+            return floats_of_half2(word)
+
+    return halves
 
 
 def bias_reader(kind, acc_type):

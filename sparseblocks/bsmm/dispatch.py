@@ -669,10 +669,14 @@ def launch_column_sums(cfg, db, db_dtype, dy, layout, n_rows, feature_axis, stre
     column_launch = None
     if len(columns):
         parts = dy.scratch((n_parts, layout.dense_shape[1]), acc, stream)
-        kernel = cached(make_column_sums, bs, dy.dtype, acc_type(dy.dtype), feature_axis)
-        grid = (-(-len(columns) * bs // COLUMN_SUM_THREADS), n_parts)
-        args = (parts, dy.device(stream), _on_device(layout, ("sum columns", fused is not None),
-                                                     columns.astype(np.int32), stream), n_rows, COLUMN_SUM_ROWS)
+        dy_device = dy.device(stream)
+        pairs = (dy.dtype in ("float16", "bfloat16") and feature_axis == 1  # (two features a 32-bit word)
+                 and aligned(data_pointer(dy_device), 4, 1))
+        kernel = cached(make_column_sums, bs, dy.dtype, acc_type(dy.dtype), feature_axis, pairs)
+        grid = (-(-len(columns) * (bs // 2 if pairs else bs) // COLUMN_SUM_THREADS), n_parts)
+        args = (parts, words(dy_device) if pairs else dy_device,
+                _on_device(layout, ("sum columns", fused is not None), columns.astype(np.int32), stream), n_rows,
+                COLUMN_SUM_ROWS)
         launch(kernel, grid, COLUMN_SUM_THREADS, stream, args)
         column_launch = (kernel, grid, COLUMN_SUM_THREADS, args, ())
     else:

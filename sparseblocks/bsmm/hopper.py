@@ -37,10 +37,9 @@ warpgroup collective), on one-warpgroup tiles: each wgmma there is a 128-thread 
 """
 
 from numba import cuda, float32, int16, int32, int64, types, uint64
-from numba.cuda import libdevice
 
 from ..ptx.cp_async import commit, copy16_or_zero, global_address, shared_address, signed_address, waiter
-from ..ptx.half2 import bf16_of_float, floats_of_half2
+from ..ptx.half2 import bf16_of_float
 from ..ptx.mbarrier import BYTES as BAR_BYTES
 from ..ptx.mbarrier import arrive, copy_arrive, named_barrier
 from ..ptx.mbarrier import init as bar_init
@@ -53,7 +52,7 @@ from ..ptx.wgmma import commit as wg_commit
 from ..ptx.wgmma import waiter as wg_waiter
 from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
-from .device import bias_reader, converters, grouped_tile, tile_of
+from .device import bias_reader, converters, grouped_tile, pair_reader, tile_of
 from .hopper_shapes import (  # noqa: F401 (re-exported: V7_BLOCKS, V7_STORAGE, v7_check, split_registers, ...)
     ATOM, CHUNK, PAIRED, SM_SHARED, STACKED, V7_BLOCKS, V7_STORAGE, V7_WGRAD_BLOCKS, barriers_at, hand_over,
     jit_for, persistent, persistent_config, producing, resident, shared_bytes, split_registers, staged16_at,
@@ -256,20 +255,13 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
         if column_sums and not (BULK and b_mn_major and BN % 64 == 0 and BN // 64 <= 3):
             raise ValueError("column_sums: expected bulk copies of an MN-major B up to 192 wide")
         READERS = BN // 64 if column_sums else 0  # the copying warpgroup's warps that sum B's columns
-        HALVES_BF16 = storage == "bfloat16"
+        halves = pair_reader(storage)
 
         @inlined
         def init(bars, readers):
             for i in range(STAGES):
                 bar_init(bars + i * BAR_BYTES, FULL_COUNT)
                 bar_init(bars + (STAGES + i) * BAR_BYTES, EMPTY_COUNT + readers)
-
-        @inlined
-        def halves(word):
-            """The two 16-bit values of a 32-bit word as fp32 (low, high)."""
-            if HALVES_BF16:
-                return libdevice.int_as_float(int32(word << 16)), libdevice.int_as_float(int32(word & -65536))
-            return floats_of_half2(word)
 
         if column_sums:
             ATOM_WORDS = B_ATOM // 4  # (an MN-major tile's rows 8 apart: an atom apart, the same swizzle)
