@@ -46,9 +46,12 @@ def make_math(acc_type, fast=False):
 
 
 def make_curves(acc_type, fast=False):
-    """(sigmoid, tanh) of acc values; approximate with ``fast`` (see the module's note)."""
+    """(sigmoid, tanh) of acc values; approximate with ``fast`` (see the module's note). Both run
+    one path for every value, the cases chosen by a select after it: a warp whose values differ
+    in sign (or size) does not run two paths one after the other, which would double their
+    arithmetic (these ops, the LSTM gates' five curves a value above all, are bound by it in fp16)."""
     exp, _, _ = make_math(acc_type, fast)
-    one, two, small = acc_type(1), acc_type(2), acc_type(2.0 ** -5)
+    one, two, small, third, cap = acc_type(1), acc_type(2), acc_type(2.0 ** -5), acc_type(1 / 3), acc_type(20)
 
     @cuda.jit(device=True, inline=True)
     def ratio(a, b):
@@ -57,21 +60,20 @@ def make_curves(acc_type, fast=False):
         return a / b
 
     @cuda.jit(device=True, inline=True)
-    def sigmoid(x):  # (exp of a negative only: no overflow)
-        if x >= 0:
-            return ratio(one, one + exp(-x))
-        e = exp(x)
-        return ratio(e, one + e)
+    def sigmoid(x):  # (exp of a non-positive value only: no overflow)
+        e = exp(-abs(x))
+        s = ratio(one, one + e)
+        return s if x >= 0 else e * s
 
     @cuda.jit(device=True, inline=True)
     def tanh(x):
         if not fast:
             return acc_type(math.tanh(x))
-        if abs(x) < small:
-            return x - x * x * x / acc_type(3)
-        if x > acc_type(10):  # (tanh is 1 in every 16-bit format there; e^{2x} would overflow)
-            return one
-        return one - ratio(two, one + exp(two * x))
+        # (e^{2x} capped at e^20: 1 - 2 / (1 + e^20) rounds to 1 in every 16-bit format and fp32;
+        # a compare and select, so that NaN stays NaN)
+        twice = two * x
+        t = one - ratio(two, one + exp(cap if twice > cap else twice))
+        return x - x * x * x * third if abs(x) < small else t
 
     return sigmoid, tanh
 

@@ -53,13 +53,16 @@ def test_unary_ops_and_gradients_match_the_twin(op, dtype, n, seed, alpha):
     close(dx, want, dtype, f"{op} grad", terms=4)
 
 
-def test_unary_edge_values_are_the_gpus():
-    x = np.array([0.0, -1.0, 100.0, -100.0, np.inf, -np.inf, np.nan], np.float32)
+@pytest.mark.parametrize("dtype, rtol", [("float32", 1e-6), ("float16", 1e-3)])
+def test_unary_edge_values_are_the_gpus(dtype, rtol):
+    """Zeros, large values, infinities and NaN (fp16: the approximate curves' path)."""
+    x = np.array([0.0, -1.0, 100.0, -100.0, np.inf, -np.inf, np.nan, 0.01, -0.01, 12.0, -12.0], dtype)
     with np.errstate(all="ignore"):
         for op in ew.UNARY:
             got = ew.unary(op, x, config=SMALL)
             want = reference.unary(op, x)
-            np.testing.assert_allclose(got, want.astype(np.float32), rtol=1e-6, err_msg=op)
+            np.testing.assert_allclose(np.asarray(got, np.float64), want.astype(dtype).astype(np.float64),
+                                       rtol=rtol, atol=1e-7, err_msg=op)
 
 
 SHAPES = [((3, 4), (3, 4)), ((3, 4), (4,)), ((2, 1, 5), (3, 1)), ((1,), (2, 3, 2, 2)), ((2, 3), ()),
