@@ -12,6 +12,7 @@
            [--channels 256] [--height 56] [--width 56]
     python tools/sweep.py quant conv2d --set chunk_words=8,16,32 [--images 32] [--channels 256] [--height 56]
     python tools/sweep.py linear ffn --set v7_wgrad_waves=True --dtype bfloat16 --block-size 128 --n 8192 --k 16384
+    python tools/sweep.py ew lstm --set lstm_quads16=1,2 [--n 4096] [--c 4096]; ew unary --unary sigmoid
 
 Each variant is the op's default config with the given fields replaced (the cartesian
 product of every ``--set``). Its output is compared with the default's first (it must agree
@@ -239,8 +240,22 @@ def linear_case(torch, args):
     return bsmm_config.DEFAULT, {"ffn": ffn}[args.call]
 
 
+def ew_case(torch, args):
+    """The element-wise ops on (--n, --c) tensors: the LSTM gates (four gate tensors) and their
+    gradient, or one unary op (--unary)."""
+    from sparseblocks import ew
+
+    dtype = getattr(torch, args.dtype)
+    c, x, dc, dh, *gates = (torch.randn(args.n, args.c, device="cuda", dtype=dtype) for _ in range(8))
+    flat = lambda arrays: torch.cat([a.flatten() for a in arrays])  # noqa: E731
+    calls = {"lstm": lambda cfg: flat(ew.fused_lstm_gates(c, *gates, config=cfg)),
+             "lstm_grad": lambda cfg: flat(ew.fused_lstm_gates_grad(c, *gates, dc_next=dc, dh=dh, config=cfg)),
+             "unary": lambda cfg: ew.unary(args.unary, x, config=cfg)}
+    return ew.DEFAULT, calls[args.call]
+
+
 CASES = {"bsmm": bsmm_case, "norms": norms_case, "sbnet": sbnet_case, "fused": fused_case, "torch": torch_case,
-         "quant": quant_case, "attention": attention_case, "conv": conv_case, "linear": linear_case}
+         "quant": quant_case, "attention": attention_case, "conv": conv_case, "linear": linear_case, "ew": ew_case}
 TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2, "float32": 1e-4, "float64": 1e-10}
 
 
@@ -251,7 +266,7 @@ def add_case_arguments(parser):
                                      "sparse_scatter; fused: sparse_gather_matmul, sparse_matmul_scatter; torch: res_block; "
                                      "quant: matmul, pack, conv2d; norms: layer_norm, layer_norm_grad; "
                                      "attention: forward, backward; conv: forward, input_grad, filter_grad; "
-                                     "linear: ffn")
+                                     "linear: ffn; ew: lstm, lstm_grad, unary")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2",
                         help="a config field and the values to try (repeatable: their cartesian product)")
     parser.add_argument("--dtype", default="float16")
@@ -268,6 +283,7 @@ def add_case_arguments(parser):
     parser.add_argument("--fraction", type=float, default=0.1, help="sbnet, fused, torch: mask pixels set x 64")
     parser.add_argument("--bits", default="W1A1", help="quant: WkAm (a density of 1 is the dense product)")
     parser.add_argument("--axis", type=int, default=1, help="norms: the feature axis")
+    parser.add_argument("--unary", default="sigmoid", help="ew unary: the op")
     parser.add_argument("--layout", default="causal", help="attention: local, strided, bigbird or causal (blocks of "
                                                            "128, seq --n)")
     parser.add_argument("--batch", type=int, default=4)
