@@ -47,9 +47,9 @@ def make_math(acc_type, fast=False):
 
 def make_curves(acc_type, fast=False):
     """(sigmoid, tanh) of acc values; approximate with ``fast`` (see the module's note). Both run
-    one path for every value, the cases chosen by a select after it: a warp whose values differ
-    in sign (or size) does not run two paths one after the other, which would double their
-    arithmetic (these ops, the LSTM gates' five curves a value above all, are bound by it in fp16)."""
+    one path for every value, the cases chosen by a select after it, so that a warp whose values
+    differ in sign (or size) does not run two paths one after the other (the LSTM gates take five
+    curves a value)."""
     exp, _, _ = make_math(acc_type, fast)
     one, two, small, third, cap = acc_type(1), acc_type(2), acc_type(2.0 ** -5), acc_type(1 / 3), acc_type(20)
 
