@@ -370,10 +370,10 @@ def check_norms():
         T, K, RB = shape
         element = types.int16 if storage == "bfloat16" else getattr(types, storage)
         rows, vec, stats = element[:, ::1], element[::1], float32[::1]
-        blocks = layer.row_blocks(cfg, T * RB, float32)
         for name, maker, signature in (
                 ("forward", layer.make_forward, (rows, stats, stats, rows, vec, vec, types.float64)),
                 ("backward", layer.make_backward, (rows, rows, rows, vec, vec, stats, stats))):
+            blocks = layer.row_blocks(cfg, T * RB, float32, grad=name == "backward")
             kernel = maker(cfg, storage, storage, float32, 1, False, True, shape)
             results.append(check(f"layer_norm {name} {storage} C={C} ({T} threads, {K} groups held)",
                                  kernel.py_func, signature, launch_bounds=(T * RB, blocks) if blocks else None))

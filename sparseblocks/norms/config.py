@@ -11,6 +11,7 @@ class NormsConfig:
     # feature axis 1: thread blocks a multiprocessor its kernels are compiled for (launch bounds: the
     # registers capped at what that leaves a thread, 42 at 6 of 256 threads; 0: no cap)
     row_blocks: int = 6
+    grad_row_blocks: int = 6  # ... the same for axis 1's backward row kernel (dx), which holds more a value
     column_warps: int = 8  # feature axis 0 (C, N): warps a thread block, each 128 columns of x, a row at a time
     column_rows: int = 128  # feature axis 0: rows of x (features) a thread block sums or normalizes
     grad_rows: int = 32  # axis 1's dg and db: rows a thread block sums for each feature, before the ordered sum
@@ -22,6 +23,9 @@ class NormsConfig:
             raise ValueError(f"row_block: expected 0 or a multiple of 32 up to 1024, got {self.row_block}")
         if not 0 <= self.row_blocks <= 32:
             raise ValueError(f"row_blocks: expected 0 to 32 thread blocks a multiprocessor, got {self.row_blocks}")
+        if not 0 <= self.grad_row_blocks <= 32:
+            raise ValueError(f"grad_row_blocks: expected 0 to 32 thread blocks a multiprocessor, "
+                             f"got {self.grad_row_blocks}")
         if not 0 <= self.row_groups <= 16:
             raise ValueError(f"row_groups: expected 0 to 16, got {self.row_groups}")
         if not 1 <= self.column_warps <= 32:

@@ -98,16 +98,17 @@ def make_block_sum(threads, acc_type):
     return block_sum, block_sums
 
 
-def row_blocks(cfg, threads, acc_type):
+def row_blocks(cfg, threads, acc_type, grad=False):
     """Thread blocks of ``threads`` a multiprocessor axis 1's kernels are bounded for: ``row_blocks``
-    (at most 2048 threads: the registers capped at what that leaves a thread); 0, no bound, for
-    fp64 sums (two registers a value)."""
-    return min(cfg.row_blocks, 2048 // threads) if acc_type.bitwidth == 32 else 0
+    (``grad_row_blocks`` for the backward's) at most 2048 threads: the registers capped at what
+    that leaves a thread; 0, no bound, for fp64 sums (two registers a value)."""
+    wanted = cfg.grad_row_blocks if grad else cfg.row_blocks
+    return min(wanted, 2048 // threads) if acc_type.bitwidth == 32 else 0
 
 
-def row_kernel(cfg, threads, acc_type):
+def row_kernel(cfg, threads, acc_type, grad=False):
     """Axis 1's kernel decorator: launch bounds of `row_blocks` thread blocks a multiprocessor."""
-    blocks = row_blocks(cfg, threads, acc_type)
+    blocks = row_blocks(cfg, threads, acc_type, grad)
     return bounded(threads, blocks) if blocks else cuda.jit
 
 
@@ -449,7 +450,7 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
             d3, h3 = terms(e3, v3, g3, b3, mean, r)
             return d0, d1, d2, d3, h0, h1, h2, h3
 
-        @row_kernel(cfg, T * RB, acc_type)
+        @row_kernel(cfg, T * RB, acc_type, grad=True)
         def backward_rows(dx, dy, x, g, b, mean_in, rstd_in):
             t, y_ = cuda.threadIdx.x, (cuda.threadIdx.y if RB > 1 else 0)
             row, inside = row_of(x.shape[0])

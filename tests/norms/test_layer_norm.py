@@ -119,6 +119,8 @@ X, G = np.zeros((3, 8), np.float32), np.ones(8, np.float32)
     (lambda: norms.layer_norm_grad(X, X, G, G, np.zeros(3, np.float64), np.ones(3, np.float32)),
      ValueError, r"mean: expected \(3,\) float32"),
     (lambda: norms.layer_norm(X, G, G, config=NormsConfig(row_blocks=33)), ValueError, "row_blocks: expected 0 to 32"),
+    (lambda: norms.layer_norm(X, G, G, config=NormsConfig(grad_row_blocks=-1)), ValueError,
+     "grad_row_blocks: expected 0 to 32"),
 ])
 def test_bad_input_is_refused_before_any_launch(call, error, match):
     with pytest.raises(error, match=match):
