@@ -100,8 +100,8 @@ def make_block_sum(threads, acc_type):
 
 def row_blocks(cfg, threads, acc_type, grad=False):
     """Thread blocks of ``threads`` a multiprocessor axis 1's kernels are bounded for: ``row_blocks``
-    (``grad_row_blocks`` for the backward's) at most 2048 threads: the registers capped at what
-    that leaves a thread; 0, no bound, for fp64 sums (two registers a value)."""
+    (``grad_row_blocks`` for the backward's row kernel), at most 2048 threads' worth (the registers
+    capped at what that leaves a thread); 0, no bound, for fp64 sums (two registers a value)."""
     wanted = cfg.grad_row_blocks if grad else cfg.row_blocks
     return min(wanted, 2048 // threads) if acc_type.bitwidth == 32 else 0
 
