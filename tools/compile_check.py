@@ -210,8 +210,10 @@ def check_tiles(version):
             sums = (types.float32[:, ::1], types.int32[::1]) if version == 7 else ()  # (the bias gradient's)
             signature = (dw[:, :, ::1], types.float32[:, :, ::1], element[:, ::1], element[:, ::1],
                          types.int32[:, ::1], i64, i64, types.float64) + sums + maps
-            tile = "" if not extra or extra[0] is True else (
-                f" stacks {cfg.v7_wgrad_stacks[bs]}" if extra[0] == "stacks" else f" pairs of {cfg.v7_wgrad_pair_width[bs]}")
+            tile = ""
+            if extra and extra[0] is not True:
+                tile = (f" stacks {cfg.v7_wgrad_stacks[bs]}" if extra[0] == "stacks"
+                        else f" pairs of {cfg.v7_wgrad_pair_width[bs]}")
             tile += " column sums" if extra[1:] else ""
             stack = tile + (" split" if extra and extra[0] is not True and warp_specialized(cfg, extra[0]) else "")
             results.append(check(f"weight_grad v{version} bs {bs}{stack} {storage} axis {feature_axis} dW {out}",

@@ -265,7 +265,7 @@ def weight_grad(x: Array, dy: Array, layout: BlockLayout, feature_axis: int = 1,
         keep_weight_grad_plan(cfg, x, dy, None if out is None else ops[2], layout, feature_axis, beta, given,
                               splits, launched, given_dtype, out_dtype, dbias_dtype)
     elif db is not None:
-        launch_column_sums(cfg, db[1], dbias_dtype, dy, layout, n_x, feature_axis, stream)
+        launch_column_sums(db[1], dbias_dtype, dy, layout, n_x, feature_axis, stream)
     if out is not None and not (SIMULATOR and ops[2].kind == "torch"):
         result = out  # the caller's own array (an Operand holds a detached torch view of it)
     else:

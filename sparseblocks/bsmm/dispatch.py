@@ -522,9 +522,10 @@ def wave_splits(thread_blocks, n_rows, stage_rows, stage_flops, resident, combin
 def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, stream, version, splits, out_dtype=None,
                        db=None):
     """dW into ``dw`` (``out_dtype``: its dtype, x's by default; the kernels' epilogues store in it),
-    and with ``db`` (a device array of the output features, and its dtype's name) the bias gradient, dy's sums over N,
-    into it (`launch_column_sums`): version 7's warp-specialized weight gradients with bulk copies
-    take each block-column's sums in one of its blocks' thread blocks, from the stages they copy."""
+    and with ``db`` (a device array of the output features, and its dtype's name) the bias
+    gradient, dy's sums over N, into it (`launch_column_sums`): version 7's warp-specialized
+    weight gradients with bulk copies take each block-column's sums in one of its blocks' thread
+    blocks, from the stages they copy."""
     COMBINE_THREADS = cfg.combine_threads
     V4_WGRAD_THREADS = cfg.v4_wgrad_threads
     V5_WARP_TILE = cfg.v5_warp_tile
@@ -540,7 +541,7 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
             dw, x.device(stream), dy.device(stream), _index(layout, "coords", stream), n_rows, beta,
         ))
         if db is not None:
-            launch_column_sums(cfg, db[0], db[1], dy, layout, n_rows, feature_axis, stream)
+            launch_column_sums(db[0], db[1], dy, layout, n_rows, feature_axis, stream)
         return None  # (no plan)
     x_device, dy_device = x.device(stream), dy.device(stream)
     # (dw too: version 7 stores runs of 4 values, aligned to their 8 or 16 bytes)
@@ -633,7 +634,7 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
     sums = None  # the bias gradient's launches, as a kept plan repeats them (`launch_column_sums`)
     if db is not None:
         sums = (None if fused is None else tuple(fused[0].shape),
-                *launch_column_sums(cfg, db[0], db[1], dy, layout, n_rows, feature_axis, stream, fused))
+                *launch_column_sums(db[0], db[1], dy, layout, n_rows, feature_axis, stream, fused))
     if splits == 1:
         return main, None, None, sums
     combine = (compiled(cfg, make_combine_wgrad, bs, x.dtype, out),
@@ -652,13 +653,14 @@ def first_of_columns(layout):
     return flags
 
 
-def launch_column_sums(cfg, db, db_dtype, dy, layout, n_rows, feature_axis, stream, fused=None):
-    """db (of dtype ``db_dtype``) = dy's sums over N, a value an output feature, each summed in fp32 (fp64 for fp64) in a
-    fixed order: where ``fused`` (the weight gradient's sums, a row an N-split; its summing flags)
-    holds a block-column's, from them; the other block-columns' (all, without ``fused``) by
-    `simt.make_column_sums`, then `simt.make_finish_column_sums` adds each feature's parts in order.
-    Returns what a kept plan repeats: the column-sum launch (parts, dy live) and its parts' shape,
-    or both None; the finishing launch (db[, the fused sums][, the parts] live)."""
+def launch_column_sums(db, db_dtype, dy, layout, n_rows, feature_axis, stream, fused=None):
+    """db (of dtype ``db_dtype``) = dy's sums over N, a value an output feature, each summed in
+    fp32 (fp64 for fp64) in a fixed order: where ``fused`` (the weight gradient's sums, a row an
+    N-split; its summing flags) holds a block-column's, from them; the other block-columns' (all,
+    without ``fused``) by `simt.make_column_sums`, then `simt.make_finish_column_sums` adds each
+    feature's parts in order. Returns what a kept plan repeats: the column-sum launch (parts, dy
+    live) and its parts' shape, or both None; the finishing launch (db[, the fused sums][, the
+    parts] live)."""
     bs = layout.block_size
     acc = "float64" if dy.dtype == "float64" else "float32"
     Kb = layout.shape[1]

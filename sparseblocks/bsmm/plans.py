@@ -15,7 +15,8 @@ from ..runtime.launch import replay
 class _Plan:
     """pre: the copy's launch (wt, w live) and scratch its (shape, torch dtype), or both None;
     combine: the combining launch (out, workspace[, bias] live) and workspace the segments'
-    (shape, torch dtype), or both None; post: the launch adding the bias or taking the ReLU (out[, bias]), or None.
+    (shape, torch dtype), or both None; post: the launch adding the bias or taking the ReLU
+    (out[, bias]), or None.
     ``launch`` takes out, [workspace,] a, w[, bias where it adds it]; ``adds``: whether it does."""
     __slots__ = ("layout", "out_shape", "launch", "pre", "scratch", "combine", "workspace", "post", "adds")
 
@@ -99,8 +100,8 @@ class _WeightGradPlan:
 
 def _weight_grad_key(cfg, x, dy, out, layout, feature_axis, beta, version, splits, out_dtype, dbias_dtype=None):
     """Everything a weight-gradient call's checks and launches depend on (torch tensors), or None."""
-    if not isinstance(beta, (int, float)) or not (splits is None or isinstance(splits, int)) or not (
-            out_dtype is None or isinstance(out_dtype, str)) or not (dbias_dtype is None or isinstance(dbias_dtype, str)):
+    if not isinstance(beta, (int, float)) or not (splits is None or isinstance(splits, int)) or not all(
+            dtype is None or isinstance(dtype, str) for dtype in (out_dtype, dbias_dtype)):
         return None
     return ("bsmm weight_grad", cfg, id(layout), feature_axis, float(beta), version, splits, out_dtype, x.dtype,
             dy.dtype, x.shape, dy.shape, x.device, x.data_ptr() % 16, dy.data_ptr() % 16,
