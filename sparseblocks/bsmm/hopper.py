@@ -229,8 +229,9 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
         copies, also sum B's columns where ``where[10]`` is nonzero: each thread two neighbouring
         columns, each stage's BK rows in order as it lands (a 32-bit word of the swizzled tile a
         row), arriving on the empty barrier too (``init``'s ``readers``: one arrival a warp a
-        phase); ``where[11][where[13], where[12] + c]`` gets column c's fp32 sum. Nothing
-        leaves shared memory for it: dy's columns are read from global memory once, by the copies."""
+        phase); ``where[11][where[12], where[7] + c]`` (the sums' row for this N-split, B's first
+        column plus c) gets column c's fp32 sum. Nothing leaves shared memory for it: dy's columns
+        are read from global memory once, by the copies."""
 
         @inlined
         def copy_a(i, lane, at, a_at, s, where):
@@ -306,8 +307,8 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
                     buf += 1
                     if buf == STAGES:
                         buf, parity = 0, parity ^ 1
-                where[11][where[13], where[12] + 2 * t] = sums[0]
-                where[11][where[13], where[12] + 2 * t + 1] = sums[1]
+                where[11][where[12], where[7] + 2 * t] = sums[0]
+                where[11][where[12], where[7] + 2 * t + 1] = sums[1]
         else:
 
             @inlined

@@ -120,14 +120,14 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
     if column_sums:
 
         @inlined
-        def column_task(summing, sums, coords, block, split):
-            """(whether this block sums dy's block-column, the sums, its first feature, the split)."""
-            return summing[block], sums, int64(coords[block, 1]) * bs, split
+        def column_task(summing, block):
+            """Whether this block sums dy's block-column (`hopper.make_split`'s ``where[10]``)."""
+            return summing[block]
     else:
 
         @inlined
-        def column_task(summing, sums, coords, block, split):
-            return int32(0), sums, int64(0), split
+        def column_task(summing, block):
+            return int32(0)
 
     SPLIT = producing(cfg, kind, bs)
     THREADS = v7_threads(cfg, bs, kind)
@@ -166,9 +166,8 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
         if SPLIT:
             x_at, dy_at = signed_address(x, (0, 0)), signed_address(dy, (0, 0))
             maps = (global_address(x_map, (0,)), x_at, global_address(dy_map, (0,)), dy_at)
-            sums_here, sums_to, sums_at, sums_row = column_task(summing, sums, coords, block, split)
             where = (n_begin, n_end, x_base, dy_base, x_lead, dy_lead, coords[block, 0] * bs, coords[block, 1] * bs,
-                     block, coords, sums_here, sums_to, sums_at, sums_row)
+                     block, coords, column_task(summing, block), sums, split)
             specialized(shared_address(smem, (0,)), base, tid, n_stages, where, cuda.shared.array(0, float32), maps)
         else:
             a_from = cuda.local.array(A_PER, int64)
