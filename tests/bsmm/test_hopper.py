@@ -458,8 +458,8 @@ def test_hopper_weight_gradient_sums_the_bias_gradient_in_the_simulator(monkeypa
     from strategies import assert_close
 
     monkeypatch.setattr(dispatch, "hopper", lambda: True)
-    cfg = replace(bsmm.DEFAULT, v7_groups={64: 1}, v7_tiles={64: 1}, v7_stages={64: 3}, v7_wgrad_stages=3,
-                  v7_producer=True, v7_wgrad_producer=True, v7_persistent={}, v7_tma=True, v7_wgrad_pairs={})
+    cfg = replace(PRODUCER, v7_groups={64: 1}, v7_tiles={64: 1}, v7_stages={64: 3}, v7_wgrad_stages=3, v7_tma=True,
+                  v7_wgrad_pairs={})
     fused = []
     original = dispatch.launch_column_sums
     monkeypatch.setattr(dispatch, "launch_column_sums", lambda *a: fused.append(a[-1]) or original(*a))
