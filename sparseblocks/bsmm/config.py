@@ -136,10 +136,12 @@ class BsmmConfig:
     # absent): the register cap at entry and the setmaxnreg split leave room for that many, and their
     # shared memory must fit as many (products, whose stages must fit). Weight gradients of a block
     # size in v7_wgrad_blocks run warp-specialized, on the most stages up to v7_wgrad_stages that fit,
-    # the copying warpgroup keeping v7_wgrad_producer_registers (bulk copies need few)
+    # the copying warpgroup keeping v7_wgrad_producer_registers (bulk copies need few), or
+    # v7_wgrad_sum_registers where two of its warps also sum the bias gradient's columns
     v7_blocks: dict = default_field({})
     v7_wgrad_blocks: dict = default_field({128: 2})
     v7_wgrad_producer_registers: int = 40
+    v7_wgrad_sum_registers: int = 56
     # The warp-specialized kernels' copies as bulk tensor copies (TMA, `ptx.tma`): one thread
     # issues a stage's few boxes, described by tensor maps made on the host (`runtime.tensormap`),
     # instead of a warpgroup's 16-byte cp.async copies

@@ -52,7 +52,7 @@ from .weight_grad_simt import (
 from .hopper import PAIRED, STACKED, V7_STORAGE, V7_WGRAD_BLOCKS, make_product_v7, persistent, v7_shape
 from .hopper import v7_threads
 from .hopper_wgrad import make_weight_grad_v7
-from .hopper_shapes import pair_width, producing, resident
+from .hopper_shapes import SUM_PHASES, pair_width, producing, resident
 from .tiles import V6_STORAGE, make_product_v6, make_weight_grad_v6, v6_shape, v6_threads
 from .weight_grad_tensorcore import make_weight_grad_v5, v5_wgrad_blocks, v5_wgrad_warps
 
@@ -599,7 +599,7 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
     fused = None  # (the weight gradient's column sums, their summing flags a block), where it takes them
     if v7 and db is not None and bulk and kind is True and feature_axis == 1 and bs % 64 == 0 \
             and producing(cfg, kind, bs):
-        fused = (x.scratch((splits, layout.dense_shape[1]), "float32", stream),
+        fused = (x.scratch((SUM_PHASES * splits, layout.dense_shape[1]), "float32", stream),
                  _on_device(layout, "summing", first_of_columns(layout), stream))
     if v7:
         sums, summing = fused if fused is not None else (_stand_in((1, 1), "float32"), _stand_in((1,), "int32"))
@@ -655,8 +655,8 @@ def first_of_columns(layout):
 
 def launch_column_sums(db, db_dtype, dy, layout, n_rows, feature_axis, stream, fused=None):
     """db (of dtype ``db_dtype``) = dy's sums over N, a value an output feature, each summed in
-    fp32 (fp64 for fp64) in a fixed order: where ``fused`` (the weight gradient's sums, a row an
-    N-split; its summing flags) holds a block-column's, from them; the other block-columns' (all,
+    fp32 (fp64 for fp64) in a fixed order: where ``fused`` (the weight gradient's sums, `SUM_PHASES`
+    rows an N-split; its summing flags) holds a block-column's, from them; the other block-columns' (all,
     without ``fused``) by `simt.make_column_sums`, then `simt.make_finish_column_sums` adds each
     feature's parts in order. Returns what a kept plan repeats: the column-sum launch (parts, dy
     live) and its parts' shape, or both None; the finishing launch (db[, the fused sums][, the

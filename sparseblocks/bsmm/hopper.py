@@ -40,6 +40,7 @@ from numba import cuda, float32, int16, int32, int64, types, uint64
 
 from ..ptx.cp_async import commit, copy16_or_zero, global_address, shared_address, signed_address, waiter
 from ..ptx.half2 import bf16_of_float
+from ..ptx.ldmatrix import load4_shared_at
 from ..ptx.mbarrier import BYTES as BAR_BYTES
 from ..ptx.mbarrier import arrive, copy_arrive, named_barrier
 from ..ptx.mbarrier import init as bar_init
@@ -54,7 +55,7 @@ from ..runtime.compile import inlined, unrolled
 from ..runtime.launch import dynamic_shared
 from .device import bias_reader, converters, grouped_tile, pair_reader, tile_of
 from .hopper_shapes import (  # noqa: F401 (re-exported: V7_BLOCKS, V7_STORAGE, v7_check, split_registers, ...)
-    ATOM, CHUNK, PAIRED, SM_SHARED, STACKED, V7_BLOCKS, V7_STORAGE, V7_WGRAD_BLOCKS, barriers_at, hand_over,
+    ATOM, CHUNK, PAIRED, SM_SHARED, STACKED, SUM_PHASES, V7_BLOCKS, V7_STORAGE, V7_WGRAD_BLOCKS, barriers_at, hand_over,
     jit_for, persistent, persistent_config, producing, resident, shared_bytes, split_registers, staged16_at,
     staged_shape, swizzle_of, make_place, v7_check, v7_shape, v7_threads,
 )
@@ -226,12 +227,13 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
 
         With ``column_sums`` (bulk copies, B MN-major: a weight gradient's dy with feature_axis
         1) the copying warpgroup's warps 1 .. BN / 64, idle beside the one thread that issues the
-        copies, also sum B's columns where ``where[10]`` is nonzero: each thread two neighbouring
-        columns, each stage's BK rows in order as it lands (a 32-bit word of the swizzled tile a
-        row), arriving on the empty barrier too (``init``'s ``readers``: one arrival a warp a
-        phase); ``where[11][where[12], where[7] + c]`` (the sums' row for this N-split, B's first
-        column plus c) gets column c's fp32 sum. Nothing leaves shared memory for it: dy's columns
-        are read from global memory once, by the copies."""
+        copies, also sum B's columns where ``where[10]`` is nonzero: each thread a 16-byte chunk
+        (8 columns) of every fourth row of each stage as it lands, arriving on the empty barrier
+        too (``init``'s ``readers``: one arrival a warp a phase), and on the multiplying
+        warpgroups' named barrier before they stage their tiles over the ring; rows 4 where[12]
+        .. 4 where[12] + 3 of ``where[11]`` (`SUM_PHASES` for this N-split, one a row phase) get the fp32
+        sums at columns where[7] + c (B's first column plus c). Nothing leaves shared memory for
+        it: dy's columns are read from global memory once, by the copies."""
 
         @inlined
         def copy_a(i, lane, at, a_at, s, where):
@@ -265,50 +267,65 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
                 bar_init(bars + (STAGES + i) * BAR_BYTES, EMPTY_COUNT + readers)
 
         if column_sums:
-            ATOM_WORDS = B_ATOM // 4  # (an MN-major tile's rows 8 apart: an atom apart, the same swizzle)
+            CPR = BN // 8  # 16-byte chunks (8 columns) a stored row of B
+            PHASES = 32 * READERS // CPR  # the summing threads a chunk, each a quarter of the rows
+            assert PHASES == SUM_PHASES and BK % 8 == 0
 
             @inlined
             def readers_of(where):
                 return READERS if where[10] != 0 else 0
 
             @inlined
-            def add_row(q, words, at, rows8, sums):
-                lo, hi = halves(words[at + rows8[q]])
-                sums[0] += lo
-                sums[1] += hi
-
-            add_rows8 = unrolled(8, add_row, inline=inlined)
+            def add_word(i, sums, word):
+                lo, hi = halves(int32(word))
+                sums[2 * i] += lo
+                sums[2 * i + 1] += hi
 
             @inlined
-            def place_row(q, rows8, chunk, word):
-                rows8[q] = place_b(q * B_CPR + chunk, B_CPR)[2] // 4 + word
-
-            place_rows8 = unrolled(8, place_row, inline=inlined)
+            def add_words(sums, words):
+                w0, w1, w2, w3 = words
+                add_word(0, sums, w0)
+                add_word(1, sums, w1)
+                add_word(2, sums, w2)
+                add_word(3, sums, w3)
 
             @inlined
-            def sum_columns(t, lane, start, base, bars, n_stages, where):
-                """Columns 2t and 2t + 1 of B summed over the tile's stages (the docstring above): a
-                row's 32-bit word at its first 8 rows' places (found once), plus an atom a group of
-                8 rows, in row order."""
-                words = cuda.shared.array(0, int32)
-                rows8 = cuda.local.array(8, int32)
-                place_rows8(rows8, t // 4, t % 4)
-                sums = cuda.local.array(2, float32)
-                sums[0], sums[1] = float32(0), float32(0)
+            def add_rows(j, sums, even, odd):
+                add_words(sums, load4_shared_at(even + j * B_ATOM))
+                add_words(sums, load4_shared_at(odd + j * B_ATOM))
+
+            add_stage = unrolled(BK // 8, add_rows, inline=inlined)
+
+            @inlined
+            def sum_columns(t, lane, base, bars, n_stages, where):
+                """Columns 8c .. 8c + 7 of B (c = t % CPR, one 16-byte chunk of a row) over rows
+                p, p + 4, .. of each stage (p = t // CPR), summed as the stages land; the sums of
+                the PHASES row phases are rows where[12] PHASES + p of where[11]. A stage's rows
+                p + 8j and p + 4 + 8j sit an atom j apart from rows p and p + 4, whose chunk c
+                is at its swizzled place (`make_place`): two addresses a thread, then constant
+                steps."""
+                c, p = t % CPR, t // CPR
+                first = base + A_BYTES + (c // 8) * B_GROUP
+                even = first + p * B_W + ((c % 8) ^ p) * 16
+                odd = first + (p + 4) * B_W + ((c % 8) ^ (p + 4)) * 16
+                sums = cuda.local.array(8, float32)
+                for i in range(8):
+                    sums[i] = float32(0)
                 buf, parity = 0, 0
                 for s in range(n_stages):
                     bar_wait(bars + buf * BAR_BYTES, parity)  # the stage's bulk copies have landed
-                    at = (base + buf * STAGE_BYTES + A_BYTES - start) // 4  # (words from the shared array's start)
-                    for g in range(BK // 8):
-                        add_rows8(words, at + g * ATOM_WORDS, rows8, sums)
+                    add_stage(sums, even + buf * STAGE_BYTES, odd + buf * STAGE_BYTES)
                     cuda.syncwarp()
                     if lane == 0:
                         arrive(bars + (STAGES + buf) * BAR_BYTES)
                     buf += 1
                     if buf == STAGES:
                         buf, parity = 0, parity ^ 1
-                where[11][where[12], where[7] + 2 * t] = sums[0]
-                where[11][where[12], where[7] + 2 * t + 1] = sums[1]
+                # (the multiplying warpgroups stage their tiles over the ring once every reader is past it)
+                named_barrier(1, GROUPS * WARPGROUP + 32 * READERS)
+                row, k = where[12] * PHASES + p, where[7] + 8 * c
+                for i in range(8):
+                    where[11][row, k + i] = sums[i]
         else:
 
             @inlined
@@ -316,7 +333,7 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
                 return 0
 
             @inlined
-            def sum_columns(t, lane, start, base, bars, n_stages, where):
+            def sum_columns(t, lane, base, bars, n_stages, where):
                 return
 
         @inlined
@@ -359,7 +376,8 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
             """One tile's stages into ``acc`` (`make_walk`)."""
             return walk(acc, bars, n_stages, desc_a, desc_b, lane, buf, parity, 0)
 
-        give, take = hand_over(cfg, bs, GROUPS, weight_grad)
+        # (summing warps keep more registers, for loads in flight)
+        give, take = hand_over(cfg, bs, GROUPS, weight_grad, cfg.v7_wgrad_sum_registers if column_sums else None)
         BARS = barriers_at(cfg, bs, weight_grad)
         ACC_ALL = TILES * (BN // 2)
 
@@ -375,7 +393,7 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
             if group == GROUPS:  # the copying warpgroup
                 give()
                 if 1 <= warp <= readers:  # (bulk copies: warp 0's first thread issues them all)
-                    sum_columns(thread - 32, lane, start, base, bars, n_stages, where)
+                    sum_columns(thread - 32, lane, base, bars, n_stages, where)
                 else:
                     produce(thread, base, bars, n_stages, where, 0, 1, maps)
             else:
@@ -385,7 +403,8 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
                 for i in range(ACC_ALL):
                     acc[i] = float32(0)
                 consume(acc, bars, n_stages, desc_a, desc_b, lane, 0, 0)
-                named_barrier(1, GROUPS * WARPGROUP)  # every warpgroup's wgmmas have read the ring
+                # every warpgroup's wgmmas, and the column sums' readers, have read the ring
+                named_barrier(1, GROUPS * WARPGROUP + 32 * readers)
                 stage(acc, staged, group * TILES * WGMMA_M + 16 * warp + lane // 4, 2 * (lane % 4))
             cuda.syncthreads()
 

@@ -19,6 +19,7 @@ V7_STACK_BLOCKS = (32,)  # a weight gradient's of blocks stacked down a tile (``
 CHUNK = 8  # 16-bit values a 16-byte chunk
 SWIZZLE_K = 64  # values of k a stage: one 128-byte row of a swizzle atom
 ATOM = 1024  # a 128-byte-swizzled atom: 8 rows of 128 bytes
+SUM_PHASES = 4  # rows of a weight gradient's column sums an N-split (`hopper.make_split`'s column_sums)
 
 
 PAIRED = "pairs"  # weight_grad's value for a weight gradient of 2 or 4 blocks of a block-row a tile
@@ -116,7 +117,7 @@ def resident(cfg, bs, weight_grad):
 SM_SHARED = 228 * 1024  # a multiprocessor's shared memory on sm_90 (each thread block reserves 1 KB)
 
 
-def split_registers(cfg, groups, blocks=1, weight_grad=False):
+def split_registers(cfg, groups, blocks=1, weight_grad=False, kept=None):
     """(the copying warpgroup's, each multiplying warpgroup's) registers a thread, which the
     warp-specialized kernel sets with setmaxnreg, or None where the launch's registers a thread
     (the register file over ``blocks`` thread blocks' threads) are already 224 or more and nothing
@@ -126,7 +127,8 @@ def split_registers(cfg, groups, blocks=1, weight_grad=False):
         return None
     # The thread block's registers are what its launch allocated: what one warpgroup gives back
     # is all the others can take (setmaxnreg.inc would wait for more forever).
-    kept = cfg.v7_wgrad_producer_registers if weight_grad else cfg.v7_producer_registers
+    if kept is None:
+        kept = cfg.v7_wgrad_producer_registers if weight_grad else cfg.v7_producer_registers
     taken = ((groups + 1) * at_entry - kept) // groups // 8 * 8
     return kept, min(taken, 256)
 
@@ -225,10 +227,12 @@ def v7_check(cfg, bs, weight_grad=False):
         if blocks * (shared + 1024) > SM_SHARED:
             return f"{name}: {blocks} thread blocks of {shared} bytes of shared memory do not fit a multiprocessor"
     if producing(cfg, weight_grad, bs):
-        for name in ("v7_wgrad_producer_registers",) if weight_grad else ("v7_producer_registers",):
+        for name in ("v7_wgrad_producer_registers", "v7_wgrad_sum_registers") if weight_grad else \
+                ("v7_producer_registers",):
             if not (24 <= getattr(cfg, name) <= 256 and getattr(cfg, name) % 8 == 0):
                 return f"{name}: expected a multiple of 8 from 24 to 256, got {getattr(cfg, name)}"
-        split = split_registers(cfg, GROUPS, blocks, weight_grad)
+        kept = max(cfg.v7_wgrad_producer_registers, cfg.v7_wgrad_sum_registers) if weight_grad is True else None
+        split = split_registers(cfg, GROUPS, blocks, weight_grad, kept)
         if split is not None and split[1] < 128:
             field = {STACKED: "v7_wgrad_stack_producer", PAIRED: "v7_wgrad_pair_producer"}.get(
                 weight_grad, "v7_wgrad_producer" if weight_grad else "v7_producer")
@@ -247,11 +251,12 @@ def jit_for(cfg, bs, groups, weight_grad):
     return cuda.jit
 
 
-def hand_over(cfg, bs, groups, weight_grad):
+def hand_over(cfg, bs, groups, weight_grad, kept=None):
     """(give, take): the setmaxnreg calls with which the copying warpgroup hands registers to the
-    multiplying ones (`split_registers`), or calls that do nothing where none need move."""
+    multiplying ones (`split_registers`; ``kept``: the copying warpgroup's registers, the config's
+    where None), or calls that do nothing where none need move."""
     blocks = resident(cfg, bs, weight_grad)
-    split = split_registers(cfg, groups, blocks, weight_grad) if producing(cfg, weight_grad, bs) else None
+    split = split_registers(cfg, groups, blocks, weight_grad, kept) if producing(cfg, weight_grad, bs) else None
     if split is None:
         @inlined
         def nothing():

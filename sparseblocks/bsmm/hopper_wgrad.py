@@ -37,8 +37,9 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
 
     ``column_sums`` (one block a thread block, warp-specialized with bulk copies, feature_axis 1):
     a block b with ``summing[b]`` nonzero also sums its split's rows of dy's block-column into
-    ``sums[split, column features]`` (fp32), from the stages its copies bring (`hopper.make_split`):
-    the bias gradient with no read of dy of its own. Otherwise ``sums`` and ``summing`` are unread."""
+    ``sums[SUM_PHASES split .., column features]`` (fp32, a row for each phase of the rows), from
+    the stages its copies bring (`hopper.make_split`): the bias gradient with no read of dy of its
+    own. Otherwise ``sums`` and ``summing`` are unread."""
     paired, stacked = kind == PAIRED, kind == STACKED
     BM, BN, GROUPS, TILES, BK, _ = v7_shape(cfg, bs, kind)
     STACK = BM // bs  # blocks down a tile

@@ -462,8 +462,8 @@ def make_column_sums(bs, storage, acc_type, feature_axis, pairs=False):
 
 
 def make_finish_column_sums(bs, out_storage, acc_type):
-    """db[k] = the sum of feature k's partial sums in order: the weight gradient's (``fused``, a row
-    an N-split) where ``fused_columns`` marks k's block-column, else `make_column_sums`'; rounded once."""
+    """db[k] = the sum of feature k's partial sums in order: the weight gradient's (``fused``, rows
+    by N-split) where ``fused_columns`` marks k's block-column, else `make_column_sums`'; rounded once."""
     _, from_acc = converters(out_storage, acc_type)
 
     @cuda.jit

@@ -7,7 +7,9 @@ from ..runtime.tuning import config_checker, tuning
 class EwConfig:
     threads: int = 256  # threads a thread block; each strides over the elements (grid-stride loops)
     waves: int = 16  # at most this many thread blocks a multiprocessor: past it, threads loop instead
-    lstm_quads16: int = 2  # groups of 4 columns a thread of the fp16/bf16 LSTM gates (2: 16 bytes an array in flight)
+    # groups of 4 columns a thread of the fp16/bf16 LSTM gates (2: 16 bytes an array in flight, which
+    # docs/performance.md finds no faster forward and a slower backward)
+    lstm_quads16: int = 1
 
     def check(self):
         if self.threads % 32 or not 32 <= self.threads <= 1024:

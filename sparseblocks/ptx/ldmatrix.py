@@ -1,5 +1,6 @@
 """Fragments from shared memory by ``ldmatrix``: ``ldmatrix_x4(shared, (i, ..., j))``,
-``ldmatrix_x4_at(address)`` and ``ldmatrix_x4_trans_at(address)``.
+``ldmatrix_x4_at(address)`` and ``ldmatrix_x4_trans_at(address)``; and one lane's 16 bytes,
+``load4_shared_at(address)``.
 
 ``ldmatrix.sync.aligned.m8n8.x4.shared.b16`` reads four 8 x 8 matrices of 16-bit values (a matrix
 row: 16 bytes, four 32-bit words) from shared memory in one instruction. Every lane of the warp
@@ -22,7 +23,11 @@ start (its last index a multiple of 4 words). ``ldmatrix_x4_at(address)`` and
 (`cp_async.shared_address` plus byte offsets): kernels that walk a tile take the address once
 and add constants, which the compiler folds into the instruction. All return 4 words, uint32.
 
-In the CUDA simulator they are warp collectives: each lane reads its row (the alignment checked
+``load4_shared_at(address)`` (``ld.shared.v4.u32``) is no collective: the 4 words at a 32-bit
+shared-window address, a multiple of 16, read by this lane alone (a loop that walks a swizzled
+tile from one address and constant steps, with no index arithmetic).
+
+In the CUDA simulator the ldmatrix calls are warp collectives: each lane reads its row (the alignment checked
 as a vector load's) and hands it in; each lane gets its words from its peers' rows.
 """
 
@@ -62,6 +67,9 @@ if SIMULATOR:
 
     def ldmatrix_x4_trans_at(address):
         return _exchange("ldmatrix_x4_trans", _row_at(address, "ldmatrix_x4_trans_at"), True)
+
+    def load4_shared_at(address):
+        return tuple(np.uint32(w) for w in _row_at(address, "load4_shared_at"))
 
 else:
     from llvmlite import ir
@@ -109,3 +117,20 @@ else:
         return ldmatrix_at
 
     ldmatrix_x4_at, ldmatrix_x4_trans_at = _at(False), _at(True)
+
+    @intrinsic
+    def load4_shared_at(typingctx, address):
+        if not isinstance(address, types.Integer):
+            return None
+        signature = types.UniTuple(types.uint32, 4)(address)
+
+        def codegen(context, builder, sig, args):
+            address = context.cast(builder, args[0], sig.args[0], types.uint32)
+            function = ir.FunctionType(ir.LiteralStructType([I32] * 4), [I32])
+            asm = ir.InlineAsm(function, "ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
+                               side_effect=True)  # (after the barrier wait that made the bytes visible)
+            result = builder.call(asm, [address])
+            words = [builder.extract_value(result, k) for k in range(4)]
+            return context.make_tuple(builder, sig.return_type, words)
+
+        return signature, codegen
