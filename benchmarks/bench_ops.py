@@ -214,8 +214,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out-dir", default=None)
-    parser.add_argument("--only", default=None, help="comma-separated: layer_norm,lstm,elementwise,grouped")
+    parser.add_argument("--only", default=None, help="comma-separated: layer_norm,lstm,elementwise,grouped "
+                        "(written as ops_only, for --merge)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="only merge these runs' JSON files (a later one's case replaces an earlier one's)")
     args = parser.parse_args()
+    if args.merge:
+        merge_runs("ops", args.merge, args.out_dir)
+        return
 
     import torch
 
@@ -228,8 +234,7 @@ def main():
     for name in args.only.split(",") if args.only else parts:
         parts[name](torch, records, args.quick)
     print_table(records, f"OpenAI blocksparse's other ops on {device_name()}")
-    if not args.only:
-        write_results("ops", records, **({"directory": args.out_dir} if args.out_dir else {}))
+    write_results("ops_only" if args.only else "ops", records, **({"directory": args.out_dir} if args.out_dir else {}))
 
 
 if __name__ == "__main__":
