@@ -13,6 +13,7 @@
     python tools/sweep.py quant conv2d --set chunk_words=8,16,32 [--images 32] [--channels 256] [--height 56]
     python tools/sweep.py linear ffn --set v7_wgrad_waves=True --dtype bfloat16 --block-size 128 --n 8192 --k 16384
     python tools/sweep.py ew lstm --set lstm_quads16=1,2 [--n 4096] [--c 4096]; ew unary --unary sigmoid
+    python tools/sweep.py cast float_cast --set groups=1,2 [--target float8_e5m2] [--dtype float32]
 
 Each variant is the op's default config with the given fields replaced (the cartesian
 product of every ``--set``). Its output is compared with the default's first (it must agree
@@ -254,8 +255,18 @@ def ew_case(torch, args):
     return ew.DEFAULT, calls[args.call]
 
 
+def cast_case(torch, args):
+    """`float_cast` of an (--n, --c) tensor of --dtype to --target (fp8 as its uint8 bits)."""
+    from sparseblocks import cast
+
+    x = torch.randn(args.n, args.c, device="cuda", dtype=getattr(torch, args.dtype))
+    bits = lambda y: y.view(torch.uint8).float() if y.element_size() == 1 else y.float()  # noqa: E731
+    return cast.DEFAULT, {"float_cast": lambda cfg: bits(cast.float_cast(x, args.target, config=cfg))}[args.call]
+
+
 CASES = {"bsmm": bsmm_case, "norms": norms_case, "sbnet": sbnet_case, "fused": fused_case, "torch": torch_case,
-         "quant": quant_case, "attention": attention_case, "conv": conv_case, "linear": linear_case, "ew": ew_case}
+         "quant": quant_case, "attention": attention_case, "conv": conv_case, "linear": linear_case, "ew": ew_case,
+         "cast": cast_case}
 TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2, "float32": 1e-4, "float64": 1e-10}
 
 
@@ -266,7 +277,7 @@ def add_case_arguments(parser):
                                      "sparse_scatter; fused: sparse_gather_matmul, sparse_matmul_scatter; torch: res_block; "
                                      "quant: matmul, pack, conv2d; norms: layer_norm, layer_norm_grad; "
                                      "attention: forward, backward; conv: forward, input_grad, filter_grad; "
-                                     "linear: ffn; ew: lstm, lstm_grad, unary")
+                                     "linear: ffn; ew: lstm, lstm_grad, unary; cast: float_cast")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2",
                         help="a config field and the values to try (repeatable: their cartesian product)")
     parser.add_argument("--dtype", default="float16")
@@ -284,6 +295,7 @@ def add_case_arguments(parser):
     parser.add_argument("--bits", default="W1A1", help="quant: WkAm (a density of 1 is the dense product)")
     parser.add_argument("--axis", type=int, default=1, help="norms: the feature axis")
     parser.add_argument("--unary", default="sigmoid", help="ew unary: the op")
+    parser.add_argument("--target", default="float8_e4m3fn", help="cast: the dtype cast to")
     parser.add_argument("--layout", default="causal", help="attention: local, strided, bigbird or causal (blocks of "
                                                            "128, seq --n)")
     parser.add_argument("--batch", type=int, default=4)

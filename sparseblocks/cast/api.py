@@ -71,7 +71,7 @@ def float_cast(x: Array, dtype: str, stochastic: bool = False, saturate: bool = 
             kernel = cached(make_cast, src, dtype, True, bool(saturate))
         else:
             vector = fours_fit(flat_out, flat_x)
-            kernel = cached(make_fast_cast, src, dtype, bool(saturate), vector)
+            kernel = cached(make_fast_cast, src, dtype, bool(saturate), vector, cfg.groups if vector else 1)
         grid = max(1, min(-(-n // cfg.threads), cfg.waves * multiprocessors()))
         seed, offset = int(seed), int(offset)
         launch(kernel, grid, cfg.threads, stream, (flat_out, flat_x, seed & 0xFFFFFFFF, seed >> 32, offset))

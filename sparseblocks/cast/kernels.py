@@ -158,9 +158,10 @@ def make_cast(src, dst, stochastic, saturate):
     return cast
 
 
-def make_fast_cast(src, dst, saturate, vector):
+def make_fast_cast(src, dst, saturate, vector, groups=1):
     """``cast(out, x, seed_lo, seed_hi, offset)`` as `make_cast`'s, rounding to nearest even (the
-    seeds unused), 4 values a thread; ``vector``: x and out start at a multiple of 4 elements."""
+    seeds unused); ``vector``: x and out start at a multiple of 4 elements, and a thread casts
+    ``groups`` groups of 4 values an iteration (each a vector load and store), else one value."""
     decode = make_decode(src)
     WIDE = dst == "float32"
     E, M, _, kind = FORMATS[dst]
@@ -180,14 +181,13 @@ def make_fast_cast(src, dst, saturate, vector):
 
     @cuda.jit(device=True, inline=True)
     def fixed(bits, value):
-        """The hardware's rounding of value, with NaN and overflow as the format defines them."""
+        """The hardware's rounding of value, with NaN and overflow as the format defines them
+        (selects, no branches: they run on every value)."""
         sign = SIGN if libdevice.float_as_int(value) < 0 else 0
-        if value != value:
-            return int64(sign | NAN)
         magnitude = abs(value)
-        if magnitude > float32(LIMIT) or (not STRICT and magnitude == float32(LIMIT)):
-            return int64(sign | OVER)
-        return int64(bits)
+        over = magnitude > float32(LIMIT) or (not STRICT and magnitude == float32(LIMIT))
+        fixed_bits = int64(sign | OVER) if over else int64(bits)
+        return int64(sign | NAN) if value != value else fixed_bits
 
     @cuda.jit(device=True, inline=True)
     def bf16_bits(value):
@@ -213,23 +213,34 @@ def make_fast_cast(src, dst, saturate, vector):
             return int16(bits - 0x10000 if bits >= 0x8000 else bits)
         return uint8(bits)
 
+    @cuda.jit(device=True, inline=True)
+    def cast4(s):
+        """4 loaded source values as the 4 values to store."""
+        v0, v1 = decode2(s[0], s[1])
+        v2, v3 = decode2(s[2], s[3])
+        if WIDE:
+            return v0, v1, v2, v3
+        b0, b1 = encode2(v0, v1)
+        b2, b3 = encode2(v2, v3)
+        return stored(b0), stored(b1), stored(b2), stored(b3)
+
+    STEP = 4 * groups  # values a thread an iteration of the vector loop
+
     @cuda.jit
     def cast(out, x, seed_lo, seed_hi, offset):
         start, step = cuda.grid(1), cuda.gridsize(1)
         n, first = x.shape[0], 0
         if vector:
-            for q in range(start, n // 4, step):
-                e = 4 * q
+            for q in range(start, n // STEP, step):
+                e = STEP * q
                 s = load4(x, (e,))
-                v0, v1 = decode2(s[0], s[1])
-                v2, v3 = decode2(s[2], s[3])
-                if WIDE:
-                    store4(out, (e,), (v0, v1, v2, v3))
+                if groups == 2:  # (both groups' loads before either store)
+                    t = load4(x, (e + 4,))
+                    store4(out, (e,), cast4(s))
+                    store4(out, (e + 4,), cast4(t))
                 else:
-                    b0, b1 = encode2(v0, v1)
-                    b2, b3 = encode2(v2, v3)
-                    store4(out, (e,), (stored(b0), stored(b1), stored(b2), stored(b3)))
-            first = n // 4 * 4
+                    store4(out, (e,), cast4(s))
+            first = n // STEP * STEP
         for e in range(first + start, n, step):
             v, _ = decode2(x[e], x[e])
             if WIDE:

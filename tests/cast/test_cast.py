@@ -2,6 +2,8 @@
 float32 bit pattern class (zeros, subnormals, overflow, ties, inf, NaN), saturation, and the
 stochastic rounding against its written-out twin, unbiased and repeatable."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -77,6 +79,8 @@ def test_stochastic_rounding_is_unbiased_and_repeatable(dst):
     (lambda: float_cast(np.ones(3, np.float64), "float16"), TypeError, "x: expected dtype in"),
     (lambda: float_cast(np.ones(3, np.float32), "float16", seed=-1), ValueError, "seed: expected an int"),
     (lambda: float_cast(np.ones(3, np.float32), "float16", offset=2 ** 64), ValueError, "offset: expected an int"),
+    (lambda: float_cast(np.ones(3, np.float32), "float16", config=CastConfig(groups=4)), ValueError,
+     "groups: expected 1 or 2"),
 ])
 def test_bad_input_is_refused_before_any_launch(call, error, match):
     with pytest.raises(error, match=match):
@@ -90,3 +94,14 @@ def test_arrays_off_a_4_element_boundary_take_the_scalar_path(src, dst):
     xs = reference.float_cast(np.concatenate([EDGES, EDGES[:3]]), src)[1:]
     got = float_cast(xs, dst, config=SMALL)
     np.testing.assert_array_equal(bits(got, dst), bits(reference.float_cast(xs, dst), dst))
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("src, dst", [("float16", "float8_e4m3fn"), ("bfloat16", "float8_e5m2"), ("float32", "float16")])
+def test_one_or_two_groups_a_thread_give_the_same_bits(groups, src, dst):
+    """The vector path's groups of 4 values a thread (``groups``), with a tail of 1 to 7 values
+    cast one at a time: ml_dtypes' bits at every length."""
+    for extra in (0, 3, 4, 7):
+        xs = reference.float_cast(np.concatenate([EDGES, EDGES[:extra]]), src)
+        got = float_cast(xs, dst, config=replace(SMALL, groups=groups))
+        np.testing.assert_array_equal(bits(got, dst), bits(reference.float_cast(xs, dst), dst))
