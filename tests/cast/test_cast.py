@@ -97,7 +97,8 @@ def test_arrays_off_a_4_element_boundary_take_the_scalar_path(src, dst):
 
 
 @pytest.mark.parametrize("groups", [1, 2])
-@pytest.mark.parametrize("src, dst", [("float16", "float8_e4m3fn"), ("bfloat16", "float8_e5m2"), ("float32", "float16")])
+@pytest.mark.parametrize("src, dst", [("float16", "float8_e4m3fn"), ("bfloat16", "float8_e5m2"),
+                                      ("float32", "float16")])
 def test_one_or_two_groups_a_thread_give_the_same_bits(groups, src, dst):
     """The vector path's groups of 4 values a thread (``groups``), with a tail of 1 to 7 values
     cast one at a time: ml_dtypes' bits at every length."""
