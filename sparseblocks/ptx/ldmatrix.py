@@ -81,11 +81,14 @@ else:
 
     I32 = ir.IntType(32)
 
-    def _issue(builder, address, transposed):
+    LDMATRIX = "ldmatrix.sync.aligned.m8n8.x4.shared.b16"
+    LDMATRIX_TRANS = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"
+
+    def _issue(builder, address, instruction):
+        """``instruction`` (4 words from a 32-bit shared address), its words as 4 i32 values."""
         function = ir.FunctionType(ir.LiteralStructType([I32] * 4), [I32])
-        shape = "m8n8.x4.trans" if transposed else "m8n8.x4"
-        asm = ir.InlineAsm(function, f"ldmatrix.sync.aligned.{shape}.shared.b16 {{$0,$1,$2,$3}}, [$4];",
-                           "=r,=r,=r,=r,r,~{memory}", side_effect=True)
+        asm = ir.InlineAsm(function, f"{instruction} {{$0,$1,$2,$3}}, [$4];", "=r,=r,=r,=r,r,~{memory}",
+                           side_effect=True)  # (ordered after the barrier waits that made the bytes visible)
         result = builder.call(asm, [address])
         return [builder.extract_value(result, k) for k in range(4)]
 
@@ -97,40 +100,24 @@ else:
 
         def codegen(context, builder, sig, args):
             address = _to_shared(builder, _address(context, builder, sig.args[0], args[0], sig.args[1], args[1]))
-            return context.make_tuple(builder, sig.return_type, _issue(builder, address, False))
+            return context.make_tuple(builder, sig.return_type, _issue(builder, address, LDMATRIX))
 
         return signature, codegen
 
-    def _at(transposed):
+    def _at(instruction):
         @intrinsic
-        def ldmatrix_at(typingctx, address):
+        def load_at(typingctx, address):
             if not isinstance(address, types.Integer):
                 return None
             signature = types.UniTuple(types.uint32, 4)(address)
 
             def codegen(context, builder, sig, args):
                 address = context.cast(builder, args[0], sig.args[0], types.uint32)
-                return context.make_tuple(builder, sig.return_type, _issue(builder, address, transposed))
+                return context.make_tuple(builder, sig.return_type, _issue(builder, address, instruction))
 
             return signature, codegen
 
-        return ldmatrix_at
+        return load_at
 
-    ldmatrix_x4_at, ldmatrix_x4_trans_at = _at(False), _at(True)
-
-    @intrinsic
-    def load4_shared_at(typingctx, address):
-        if not isinstance(address, types.Integer):
-            return None
-        signature = types.UniTuple(types.uint32, 4)(address)
-
-        def codegen(context, builder, sig, args):
-            address = context.cast(builder, args[0], sig.args[0], types.uint32)
-            function = ir.FunctionType(ir.LiteralStructType([I32] * 4), [I32])
-            asm = ir.InlineAsm(function, "ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
-                               side_effect=True)  # (after the barrier wait that made the bytes visible)
-            result = builder.call(asm, [address])
-            words = [builder.extract_value(result, k) for k in range(4)]
-            return context.make_tuple(builder, sig.return_type, words)
-
-        return signature, codegen
+    ldmatrix_x4_at, ldmatrix_x4_trans_at = _at(LDMATRIX), _at(LDMATRIX_TRANS)
+    load4_shared_at = _at("ld.shared.v4.u32")
