@@ -267,8 +267,7 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
                 bar_init(bars + (STAGES + i) * BAR_BYTES, EMPTY_COUNT + readers)
 
         if column_sums:
-            CPR = BN // 8  # 16-byte chunks (8 columns) a stored row of B
-            PHASES = 32 * READERS // CPR  # the summing threads a chunk, each a quarter of the rows
+            PHASES = 32 * READERS // B_CPR  # the summing threads a 16-byte chunk (8 columns) of a row
             assert PHASES == SUM_PHASES and BK % 8 == 0
 
             @inlined
@@ -298,16 +297,14 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
 
             @inlined
             def sum_columns(t, lane, base, bars, n_stages, where):
-                """Columns 8c .. 8c + 7 of B (c = t % CPR, one 16-byte chunk of a row) over rows
-                p, p + 4, .. of each stage (p = t // CPR), summed as the stages land; the sums of
+                """Columns 8c .. 8c + 7 of B (c = t % B_CPR, one 16-byte chunk of a row) over rows
+                p, p + 4, .. of each stage (p = t // B_CPR), summed as the stages land; the sums of
                 the PHASES row phases are rows where[12] PHASES + p of where[11]. A stage's rows
-                p + 8j and p + 4 + 8j sit an atom j apart from rows p and p + 4, whose chunk c
-                is at its swizzled place (`make_place`): two addresses a thread, then constant
-                steps."""
-                c, p = t % CPR, t // CPR
-                first = base + A_BYTES + (c // 8) * B_GROUP
-                even = first + p * B_W + ((c % 8) ^ p) * 16
-                odd = first + (p + 4) * B_W + ((c % 8) ^ (p + 4)) * 16
+                p + 8j and p + 4 + 8j sit an atom j apart from rows p and p + 4 (the same swizzle),
+                whose chunk c `place_b` finds: two addresses a thread, then constant steps."""
+                c, p = t % B_CPR, t // B_CPR
+                even = base + A_BYTES + place_b(p * B_CPR + c, B_CPR)[2]
+                odd = base + A_BYTES + place_b((p + 4) * B_CPR + c, B_CPR)[2]
                 sums = cuda.local.array(8, float32)
                 for i in range(8):
                     sums[i] = float32(0)
