@@ -2,7 +2,9 @@
 
 Each of N rows of C features is normalized: ``y = (x - mean)·rstd·g + b`` (then max(y, 0) with
 ``relu``), ``rstd = 1/sqrt(var + epsilon)``. The mean is found first and the variance summed from
-``x - mean`` (two passes over the row, which stay in L1/L2), so a large mean costs no accuracy.
+``x - mean`` (two passes over the row, which stay in L1/L2), so a large mean costs no accuracy:
+on axis 1 each thread's squares about its own values' mean, merged across the row's threads in
+one reduction (`make_block_stats`, ``merged_stats``), or about the row's mean found first.
 Sums run in fp32 (fp64 for fp64), in a fixed order: results repeat bitwise.
 
 * Feature axis 1, x (N, C): ``T`` threads a row, ``RB`` rows a thread block (`row_shape`). A
@@ -28,6 +30,7 @@ columns (a workspace of column blocks, added in order).
 import math
 
 from numba import cuda
+from numba.cuda import libdevice
 
 from ..bsmm.device import converters
 from ..ptx.vector import load4, store4
@@ -38,9 +41,9 @@ COLUMNS = 128  # feature axis 0: columns of x a warp covers (4 a lane)
 
 
 def block_slots(threads):
-    """The slots a thread-block row's shared sums take (`make_block_sum`): two regions of a slot a
-    warp and one for the total."""
-    return 2 * (threads // 32 + 1)
+    """The slots a thread-block row's shared sums take (`make_block_sum`, `make_block_stats`):
+    three regions of a slot a warp and one for the total."""
+    return 3 * (threads // 32 + 1)
 
 
 def make_block_sum(threads, acc_type):
@@ -96,6 +99,61 @@ def make_block_sum(threads, acc_type):
         return shared[y, WARPS], shared[y, SLOTS + WARPS]
 
     return block_sum, block_sums
+
+
+def make_block_stats(threads, acc_type):
+    """``block_stats(n, m, q, shared, y, t) -> (mean, M2)`` of the ``threads`` threads' counts
+    ``n``, means ``m`` and sums of squared deviations ``q`` (row ``y``'s of the thread block),
+    returned to all of them: Chan's merge of two parts' statistics, n = nₐ + n_b, mean = mₐ + δ·n_b/n,
+    M2 = qₐ + q_b + δ²·nₐ·n_b/n (δ = m_b - mₐ), by warp shuffles and then across the row's warps
+    in shared memory, in a fixed order. One reduction and two barriers for both moments, where a
+    mean and then the squares about it take two of each; no cancellation, as each part's q sums
+    squares about its own mean."""
+    WARPS = threads // 32
+    SLOTS = WARPS + 1
+
+    FAST = acc_type.bitwidth == 32  # (the weight nb / n of counts: the approximate division, within 2 ulp)
+
+    @cuda.jit(device=True, inline=True)
+    def merge(na, ma, qa, nb, mb, qb):
+        n = na + nb
+        if FAST:
+            w = libdevice.fast_fdividef(nb, n) if n > acc_type(0) else acc_type(0)
+        else:
+            w = nb / n if n > acc_type(0) else acc_type(0)
+        d = mb - ma
+        return n, ma + d * w, qa + qb + d * d * na * w
+
+    @cuda.jit(device=True, inline=True)
+    def warp_merge(n, m, q):
+        for offset in (16, 8, 4, 2, 1):  # (lane 0's is exact; past the warp's end a lane merges itself)
+            n, m, q = merge(n, m, q, cuda.shfl_down_sync(FULL_MASK, n, offset),
+                            cuda.shfl_down_sync(FULL_MASK, m, offset), cuda.shfl_down_sync(FULL_MASK, q, offset))
+        return n, m, q
+
+    @cuda.jit(device=True, inline=True)
+    def block_stats(n, m, q, shared, y, t):
+        n, m, q = warp_merge(n, m, q)
+        if WARPS == 1:
+            return cuda.shfl_sync(FULL_MASK, m, 0), cuda.shfl_sync(FULL_MASK, q, 0)
+        lane, warp = t % 32, t // 32
+        if lane == 0:
+            shared[y, warp] = n
+            shared[y, SLOTS + warp] = m
+            shared[y, 2 * SLOTS + warp] = q
+        cuda.syncthreads()
+        if warp == 0:
+            zero = acc_type(0)
+            inside = lane < WARPS
+            n, m, q = warp_merge(shared[y, lane] if inside else zero, shared[y, SLOTS + lane] if inside else zero,
+                                 shared[y, 2 * SLOTS + lane] if inside else zero)
+            if lane == 0:
+                shared[y, SLOTS + WARPS] = m
+                shared[y, 2 * SLOTS + WARPS] = q
+        cuda.syncthreads()
+        return shared[y, SLOTS + WARPS], shared[y, 2 * SLOTS + WARPS]
+
+    return block_stats
 
 
 def row_blocks(cfg, threads, acc_type, grad=False):
@@ -273,7 +331,21 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
         SLOTS = block_slots(T)  # (a shared array's size: a name, not an expression)
         HELD = max(4 * K, 1)
         block_sum, _ = make_block_sum(T, acc_type)
+        block_stats = make_block_stats(T, acc_type)
+        MERGED = cfg.merged_stats
         row_of = make_row_of(RB)
+
+        @cuda.jit(device=True, inline=True)
+        def squares(c, C, center, v0, v1, v2, v3):
+            """The squared deviations of a group's values (at c) from ``center``, summed; values
+            past the row's end (read as zeros) are not values."""
+            d0, d1, d2, d3 = v0 - center, v1 - center, v2 - center, v3 - center
+            if c + 3 >= C:
+                d0 = d0 if c < C else acc_type(0)
+                d1 = d1 if c + 1 < C else acc_type(0)
+                d2 = d2 if c + 2 < C else acc_type(0)
+                d3 = d3 if c + 3 < C else acc_type(0)
+            return (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3)
 
         @row_kernel(cfg, T * RB, acc_type)
         def forward_rows(y, mean_out, rstd_out, x, g, b, epsilon):
@@ -292,24 +364,27 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
                 for c in range(4 * t, C, 4 * T):
                     v0, v1, v2, v3 = read(x, row, c)
                     s += (v0 + v1) + (v2 + v3)
-            mean = block_sum(s, shared, y_, t, 0) / acc_type(C)
+            if MERGED:  # (this thread's values: their count, mean and squares about it, then one merge)
+                n = acc_type(0)
+                for c in range(4 * t, C, 4 * T):
+                    n += acc_type(min(C - c, 4))
+                center = s / n if n > acc_type(0) else acc_type(0)
+            else:  # (the row's mean first, the squares about it after)
+                center = block_sum(s, shared, y_, t, 0) / acc_type(C)
             q = acc_type(0)
             if K:
                 for k in range(K):
-                    for j in range(4):
-                        if 4 * (t + k * T) + j < C:  # (the zeros read past the row's end are not values)
-                            d = held[4 * k + j] - mean
-                            q += d * d
+                    c = 4 * (t + k * T)
+                    q += squares(c, C, center, held[4 * k], held[4 * k + 1], held[4 * k + 2], held[4 * k + 3])
             else:
                 for c in range(4 * t, C, 4 * T):
                     v0, v1, v2, v3 = read(x, row, c)
-                    d0, d1, d2, d3 = v0 - mean, v1 - mean, v2 - mean, v3 - mean
-                    if c + 3 >= C:
-                        d1 = d1 if c + 1 < C else acc_type(0)
-                        d2 = d2 if c + 2 < C else acc_type(0)
-                        d3 = d3 if c + 3 < C else acc_type(0)
-                    q += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3)
-            r = acc_type(1) / math.sqrt(block_sum(q, shared, y_, t, 1) / acc_type(C) + acc_type(epsilon))
+                    q += squares(c, C, center, v0, v1, v2, v3)
+            if MERGED:
+                mean, m2 = block_stats(n, center, q, shared, y_, t)
+            else:
+                mean, m2 = center, block_sum(q, shared, y_, t, 1)
+            r = acc_type(1) / math.sqrt(m2 / acc_type(C) + acc_type(epsilon))
             for k in range(K if K else -(-C // (4 * T))):
                 c = 4 * (t + k * T)
                 if c < C and inside:
