@@ -11,7 +11,8 @@ from ..ptx.vector import fours_fit
 from ..runtime.launch import launch
 from .config import NormsConfig, as_config
 from .batch import make_batch_norm
-from .layer import column_launch, make_backward, make_forward, make_param_grads, make_zeros, param_grid, row_shape
+from .layer import (column_launch, finish_launch, make_backward, make_forward, make_param_grads, make_zeros,
+                    param_grid, row_shape)
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -118,7 +119,6 @@ def layer_norm_grad(dy: Array, x: Array, g: Array, b: Array, mean: Array, rstd: 
     vector = _vector(x_op.shape[1], dx, *devices)
     key = (cfg, x_op.dtype, g_op.dtype, _numba(acc), bool(relu))
     partials, finish = cached(make_param_grads, *key, vector if axis == 1 else False)
-    columns = -(-C // cfg.row_threads)
     if axis == 1:
         if N:
             shape = row_shape(cfg, C)
@@ -138,7 +138,7 @@ def layer_norm_grad(dy: Array, x: Array, g: Array, b: Array, mean: Array, rstd: 
         else:
             work = x_op.scratch((1, 2, C), acc, stream)
             launch(cached(make_zeros, _numba(acc)), -(-2 * C // 256), 256, stream, (work.reshape(-1),))
-    launch(finish, columns, cfg.row_threads, stream, (dg, db, work))
+    launch(finish, *finish_launch(cfg, C), stream, (dg, db, work))
     return (x_op.result(dx_native, dx, stream), g_op.result(dg_native, dg, stream),
             g_op.result(db_native, db, stream))
 

@@ -18,6 +18,7 @@ class NormsConfig:
     column_warps: int = 8  # feature axis 0 (C, N): warps a thread block, each 128 columns of x, a row at a time
     column_rows: int = 128  # feature axis 0: rows of x (features) a thread block sums or normalizes
     grad_rows: int = 32  # axis 1's dg and db: rows a thread block sums for each feature, before the ordered sum
+    grad_finish_warps: int = 8  # dg and db's ordered sum of the row chunks: warps sharing 32 features' chunks
 
     def check(self):
         if self.row_threads % 32 or not 32 <= self.row_threads <= 1024:
@@ -35,6 +36,8 @@ class NormsConfig:
             raise ValueError(f"column_warps: expected 1 to 32, got {self.column_warps}")
         if not 1 <= self.column_rows <= 65536:
             raise ValueError(f"column_rows: expected 1 to 65536, got {self.column_rows}")
+        if not 1 <= self.grad_finish_warps <= 32:
+            raise ValueError(f"grad_finish_warps: expected 1 to 32, got {self.grad_finish_warps}")
         if not 1 <= self.grad_rows <= 4096:
             raise ValueError(f"grad_rows: expected 1 to 4096, got {self.grad_rows}")
 

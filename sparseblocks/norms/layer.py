@@ -644,8 +644,11 @@ def make_param_grads(cfg, storage, param_storage, acc_type, relu, vector=False):
     """Axis 1's dg and db: ``partials(work, dy, x, g, b, mean, rstd)`` over grid
     (`param_grid`: features / 4 threads, row chunks) into work (chunks, 2, C), a thread 4
     neighbouring features (one load of each of dy's and x's rows where ``vector``), two rows an
-    iteration; then ``finish(dg, db, work)`` over features, which also adds axis 0's column blocks
-    (`make_backward`'s gwork). Each feature's sums run in row order, as one feature a thread would."""
+    iteration; then ``finish(dg, db, work)`` (`finish_launch`), which also adds axis 0's column
+    blocks (`make_backward`'s gwork): a warp 32 features, the ``grad_finish_warps`` warps of a
+    thread block every W-th chunk each (two chunks' loads in flight), their sums then added in
+    warp order. Each feature's partial sums run in row order, as one feature a thread would; the
+    finish's order is fixed too, so results repeat bitwise."""
     p_conv = converters(param_storage, acc_type)
     read, _ = make_group_io(converters(storage, acc_type), acc_type, vector)
     params = make_param_io(p_conv, acc_type, vector)
@@ -658,8 +661,7 @@ def make_param_grads(cfg, storage, param_storage, acc_type, relu, vector=False):
             return acc_type(0), acc_type(0)
         return dy * xhat, dy
 
-    T, R = cfg.row_threads, cfg.grad_rows
-    chunk_sums = make_chunk_sums(acc_type)
+    T, R, W = cfg.row_threads, cfg.grad_rows, cfg.grad_finish_warps
 
     @cuda.jit(device=True, inline=True)
     def add_row(sums, dy, x, row, c, mean_in, rstd_in, gs, bs):
@@ -706,14 +708,42 @@ def make_param_grads(cfg, storage, param_storage, acc_type, relu, vector=False):
 
     @cuda.jit
     def finish_rows(dg, db, work):
-        c = cuda.blockIdx.x * T + cuda.threadIdx.x
-        if c >= dg.shape[0]:
-            return
-        sg, sb = chunk_sums(work, c)
-        dg[c] = p_out(sg)
-        db[c] = p_out(sb)
+        lane, w = cuda.threadIdx.x, cuda.threadIdx.y
+        c = cuda.blockIdx.x * 32 + lane
+        shared = cuda.shared.array((W, 2, 32), acc_type)
+        C, n = dg.shape[0], work.shape[0]
+        sg = acc_type(0)
+        sb = acc_type(0)
+        if c < C:
+            for chunk in range(w, n - W, 2 * W):  # (chunks w, w + W: both loads, then the adds in order)
+                g0, b0, g1, b1 = work[chunk, 0, c], work[chunk, 1, c], work[chunk + W, 0, c], work[chunk + W, 1, c]
+                sg += g0
+                sb += b0
+                sg += g1
+                sb += b1
+            if (n - w + W - 1) // W % 2:  # (an odd count of this warp's chunks: the last alone)
+                last = w + ((n - w + W - 1) // W - 1) * W
+                sg += work[last, 0, c]
+                sb += work[last, 1, c]
+        shared[w, 0, lane] = sg
+        shared[w, 1, lane] = sb
+        cuda.syncthreads()
+        if w == 0 and c < C:
+            tg = acc_type(0)
+            tb = acc_type(0)
+            for k in range(W):
+                tg += shared[k, 0, lane]
+                tb += shared[k, 1, lane]
+            dg[c] = p_out(tg)
+            db[c] = p_out(tb)
 
     return partials_rows, finish_rows
+
+
+def finish_launch(cfg, C):
+    """(grid, block) of `make_param_grads`' ``finish``: a warp 32 features, ``grad_finish_warps``
+    warps a thread block."""
+    return -(-C // 32), (32, cfg.grad_finish_warps)
 
 
 def param_grid(cfg, C, N):

@@ -142,6 +142,8 @@ X, G = np.zeros((3, 8), np.float32), np.ones(8, np.float32)
     (lambda: norms.layer_norm(X, G, G, config=NormsConfig(row_blocks=33)), ValueError, "row_blocks: expected 0 to 32"),
     (lambda: norms.layer_norm(X, G, G, config=NormsConfig(grad_row_blocks=-1)), ValueError,
      "grad_row_blocks: expected 0 to 32"),
+    (lambda: norms.layer_norm(X, G, G, config=NormsConfig(grad_finish_warps=0)), ValueError,
+     "grad_finish_warps: expected 1 to 32"),
 ])
 def test_bad_input_is_refused_before_any_launch(call, error, match):
     with pytest.raises(error, match=match):
@@ -201,14 +203,17 @@ def test_rows_sharing_a_thread_block_agree_bitwise():
             np.testing.assert_array_equal(alone, shared)
 
 
-def test_parameter_gradients_over_many_row_chunks():
+@pytest.mark.parametrize("warps", [1, 2, 3, 8])
+def test_parameter_gradients_over_many_row_chunks(warps):
     """Axis 1's dg and db: row chunks of ``grad_rows`` summed two rows at a time (and a
-    remainder), the chunks' sums added four loads at a time (and a remainder); against the twin."""
+    remainder), the chunks' sums by ``grad_finish_warps`` warps, each every W-th chunk two at a
+    time (and a remainder; a warp with none where W exceeds the chunks), then in warp order;
+    against the twin, and 40 features (a second thread block's 8)."""
     rng = np.random.default_rng(5)
-    N, C = 23, 9  # (chunks of 5 rows: 4 chunks and one of 3)
+    N, C = 23, 40  # (chunks of 5 rows: 4 chunks and one of 3)
     x, dy = rng.standard_normal((N, C)).astype(np.float32), rng.standard_normal((N, C)).astype(np.float32)
     g, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
-    cfg = dataclasses.replace(SMALL, grad_rows=5)
+    cfg = dataclasses.replace(SMALL, grad_rows=5, grad_finish_warps=warps)
     for relu in (False, True):
         _, mean, rstd = norms.layer_norm(x, g, b, relu=relu, stats=True, config=cfg)
         _, dg, db = norms.layer_norm_grad(dy, x, g, b, mean, rstd, relu=relu, config=cfg)
