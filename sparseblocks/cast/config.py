@@ -7,8 +7,8 @@ from ..runtime.tuning import config_checker, tuning
 class CastConfig:
     threads: int = 256  # threads a thread block; each strides over the elements (grid-stride loop)
     waves: int = 16  # at most this many thread blocks a multiprocessor
-    # groups of 4 values a thread an iteration of the rounding-to-nearest vector path (2: a 16-bit
-    # source's 16 bytes in flight, as the element-wise ops' unary path)
+    # groups of 4 values a thread an iteration of the rounding-to-nearest vector path, a grid's
+    # stride apart (2: a 16-bit source's 16 bytes in flight, as the element-wise ops' unary path)
     groups: int = 2
 
     def check(self):

@@ -161,7 +161,8 @@ def make_cast(src, dst, stochastic, saturate):
 def make_fast_cast(src, dst, saturate, vector, groups=1):
     """``cast(out, x, seed_lo, seed_hi, offset)`` as `make_cast`'s, rounding to nearest even (the
     seeds unused); ``vector``: x and out start at a multiple of 4 elements, and a thread casts
-    ``groups`` groups of 4 values an iteration (each a vector load and store), else one value."""
+    ``groups`` groups of 4 values an iteration, a grid's stride apart (each a vector load and
+    store, a warp's 32 contiguous), else one value."""
     decode = make_decode(src)
     WIDE = dst == "float32"
     E, M, _, kind = FORMATS[dst]
@@ -224,23 +225,23 @@ def make_fast_cast(src, dst, saturate, vector, groups=1):
         b2, b3 = encode2(v2, v3)
         return stored(b0), stored(b1), stored(b2), stored(b3)
 
-    STEP = 4 * groups  # values a thread an iteration of the vector loop
-
     @cuda.jit
     def cast(out, x, seed_lo, seed_hi, offset):
         start, step = cuda.grid(1), cuda.gridsize(1)
         n, first = x.shape[0], 0
         if vector:
-            for q in range(start, n // STEP, step):
-                e = STEP * q
-                s = load4(x, (e,))
-                if groups == 2:  # (both groups' loads before either store)
-                    t = load4(x, (e + 4,))
+            quads, q = n // 4, start
+            if groups == 2:
+                while q + step < quads:  # (two groups, a grid's stride apart: both loads before either store)
+                    e, e2 = 4 * q, 4 * (q + step)
+                    s, t = load4(x, (e,)), load4(x, (e2,))
                     store4(out, (e,), cast4(s))
-                    store4(out, (e + 4,), cast4(t))
-                else:
-                    store4(out, (e,), cast4(s))
-            first = n // STEP * STEP
+                    store4(out, (e2,), cast4(t))
+                    q += 2 * step
+            while q < quads:
+                store4(out, (4 * q,), cast4(load4(x, (4 * q,))))
+                q += step
+            first = quads * 4
         for e in range(first + start, n, step):
             v, _ = decode2(x[e], x[e])
             if WIDE:

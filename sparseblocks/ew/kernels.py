@@ -45,12 +45,17 @@ def make_unary_kernel(storage, acc_type, op, vector):
         start, step = bounds()
         n, a, first = x.shape[0], acc_type(alpha), 0
         if vector:
-            for q in range(start, n // 8, step):
-                e = 8 * q
-                u, v = load4(x, (e,)), load4(x, (e + 4,))
+            quads, q = n // 4, start
+            while q + step < quads:  # (two groups a thread, a grid's stride apart: both loads first)
+                e, e2 = 4 * q, 4 * (q + step)
+                u, v = load4(x, (e,)), load4(x, (e2,))
                 store4(y, (e,), (f(u[0], a), f(u[1], a), f(u[2], a), f(u[3], a)))
-                store4(y, (e + 4,), (f(v[0], a), f(v[1], a), f(v[2], a), f(v[3], a)))
-            first = n // 8 * 8
+                store4(y, (e2,), (f(v[0], a), f(v[1], a), f(v[2], a), f(v[3], a)))
+                q += 2 * step
+            if q < quads:
+                u = load4(x, (4 * q,))
+                store4(y, (4 * q,), (f(u[0], a), f(u[1], a), f(u[2], a), f(u[3], a)))
+            first = quads * 4
         for e in range(first + start, n, step):
             y[e] = f(x[e], a)
 
@@ -134,13 +139,18 @@ def make_binary_flat(storage, acc_type, op, vector):
         start, step = bounds()
         n, first = out.shape[0], 0
         if vector:
-            for q in range(start, n // 8, step):
-                e = 8 * q
+            quads, q = n // 4, start
+            while q + step < quads:  # (two groups a thread, a grid's stride apart: all loads first)
+                e, e2 = 4 * q, 4 * (q + step)
                 u, v = load4(a, (e,)), load4(b, (e,))
-                w, z = load4(a, (e + 4,)), load4(b, (e + 4,))
+                w, z = load4(a, (e2,)), load4(b, (e2,))
                 store4(out, (e,), (f(u[0], v[0]), f(u[1], v[1]), f(u[2], v[2]), f(u[3], v[3])))
-                store4(out, (e + 4,), (f(w[0], z[0]), f(w[1], z[1]), f(w[2], z[2]), f(w[3], z[3])))
-            first = n // 8 * 8
+                store4(out, (e2,), (f(w[0], z[0]), f(w[1], z[1]), f(w[2], z[2]), f(w[3], z[3])))
+                q += 2 * step
+            if q < quads:
+                u, v = load4(a, (4 * q,)), load4(b, (4 * q,))
+                store4(out, (4 * q,), (f(u[0], v[0]), f(u[1], v[1]), f(u[2], v[2]), f(u[3], v[3])))
+            first = quads * 4
         for e in range(first + start, n, step):
             out[e] = f(a[e], b[e])
 

@@ -100,9 +100,16 @@ def test_arrays_off_a_4_element_boundary_take_the_scalar_path(src, dst):
 @pytest.mark.parametrize("src, dst", [("float16", "float8_e4m3fn"), ("bfloat16", "float8_e5m2"),
                                       ("float32", "float16")])
 def test_one_or_two_groups_a_thread_give_the_same_bits(groups, src, dst):
-    """The vector path's groups of 4 values a thread (``groups``), with a tail of 1 to 7 values
+    """The vector path's groups of 4 values a thread (``groups``), with a tail of 1 to 3 values
     cast one at a time: ml_dtypes' bits at every length."""
     for extra in (0, 3, 4, 7):
         xs = reference.float_cast(np.concatenate([EDGES, EDGES[:extra]]), src)
         got = float_cast(xs, dst, config=replace(SMALL, groups=groups))
         np.testing.assert_array_equal(bits(got, dst), bits(reference.float_cast(xs, dst), dst))
+    # (pairs of groups a grid's stride apart, a last group alone, a tail: 101 groups and 3 values
+    # over one thread block of 32 threads in the simulator)
+    n = 407 if SIMULATOR else 1_000_003
+    ramp = np.linspace(-500, 500, n - len(EDGES), dtype=np.float32)  # (no two groups alike)
+    xs = reference.float_cast(np.concatenate([EDGES, ramp]), src)
+    got = float_cast(xs, dst, config=replace(SMALL, groups=groups, waves=1))
+    np.testing.assert_array_equal(bits(got, dst), bits(reference.float_cast(xs, dst), dst))

@@ -88,6 +88,18 @@ def test_binary_ops_broadcast_and_their_gradients_sum_back(op, a_shape, b_shape)
     assert da.shape == a.shape and db.shape == b.shape
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_vector_paths_take_two_groups_a_grid_stride_apart(dtype):
+    """The flat vector loops' pairs of groups of 4, a grid's stride apart, a last group alone and
+    a tail of single values: 407 values (101 groups and 3) over one thread block of 32 threads."""
+    rng = np.random.default_rng(9)
+    cfg = EwConfig(threads=32, waves=1) if SIMULATOR else SMALL
+    n = 407 if SIMULATOR else 4 * (2 * 132 * 16 * 256) + 4 * 77 + 3
+    x, z = values(rng, (n,), dtype), values(rng, (n,), dtype)
+    close(ew.unary("sigmoid", x, config=cfg), reference.unary("sigmoid", x), dtype, "sigmoid")
+    close(ew.binary("multiply", x, z, config=cfg), reference.binary("multiply", x, z), dtype, "multiply")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_binary_ops_in_every_dtype_and_nan(dtype):
     rng = np.random.default_rng(3)
