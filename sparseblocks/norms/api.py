@@ -138,7 +138,8 @@ def layer_norm_grad(dy: Array, x: Array, g: Array, b: Array, mean: Array, rstd: 
         else:
             work = x_op.scratch((1, 2, C), acc, stream)
             launch(cached(make_zeros, _numba(acc)), -(-2 * C // 256), 256, stream, (work.reshape(-1),))
-    launch(finish, *finish_launch(cfg, C), stream, (dg, db, work))
+    finish_grid, finish_block = finish_launch(cfg, C)
+    launch(finish, finish_grid, finish_block, stream, (dg, db, work))
     return (x_op.result(dx_native, dx, stream), g_op.result(dg_native, dg, stream),
             g_op.result(db_native, db, stream))
 
