@@ -22,7 +22,7 @@ The backward recomputes ``xhat = (x - mean)·rstd`` from the forward's kept mean
 ``dx = rstd·(dxhat - mean(dxhat) - xhat·mean(dxhat·xhat))`` with ``dxhat = dy·g`` (dy zeroed
 where the forward's ReLU cut), ``dg = Σ_rows dy·xhat``, ``db = Σ_rows dy``. On axis 1 the
 parameter gradients sum row chunks of ``grad_rows`` into a workspace, which a second kernel adds
-in chunk order. On axis 0 the column sums of ``dxhat`` and ``dxhat·xhat`` take the forward's
+in a fixed order (`make_param_grads`). On axis 0 the column sums of ``dxhat`` and ``dxhat·xhat`` take the forward's
 three launches, and the kernel that writes dx also sums dg's and db's terms over its 128
 columns (a workspace of column blocks, added in order).
 """
