@@ -231,6 +231,8 @@ def test_hopper_products_replay_in_a_cuda_graph():
     (dict(v7_wgrad_blocks={128: 3}), "got 2 \\(the most that fit v7_wgrad_blocks\\[128\\] = 3\\)"),
     (dict(v7_blocks={64: 4}), "expected 2 or 3 thread blocks"),
     (dict(v7_wgrad_producer_registers=160), "would keep 96 registers"),
+    (dict(v7_wgrad_sum_registers=60), "v7_wgrad_sum_registers: expected a multiple of 8 from 24 to 256, got 60"),
+    (dict(v7_wgrad_sum_registers=160), "would keep 96 registers"),
     (dict(v7_blocks={128: 2}), "v7_blocks\\[128\\].*do not fit a multiprocessor"),
     (dict(v7_blocks={128: 2}, v7_producer=False), "of warp-specialized kernels"),
     (dict(v7_wgrad_blocks={32: 2}), "v7_wgrad_blocks: expected block sizes"),
@@ -247,13 +249,15 @@ def test_config_refuses_hopper_tiles_the_kernels_cannot_take(fields, message):
 def test_block_128_weight_gradients_run_two_thread_blocks_a_multiprocessor():
     """``v7_wgrad_blocks`` (block 128 by default): one multiplying warpgroup of two tiles and the
     copying one, two thread blocks a multiprocessor: the 3 stages that fit two, a cap of 128
-    registers at entry, 40 for the copying warpgroup and 216 for the multiplying one; block 64
-    keeps one thread block, its barrier ring of ``v7_wgrad_stages``."""
+    registers at entry, 40 for the copying warpgroup and 216 for the multiplying one (56 and 200
+    where the copying warpgroup also sums the bias gradient's columns); block 64 keeps one thread
+    block, its barrier ring of ``v7_wgrad_stages``."""
     cfg = bsmm.DEFAULT
     assert hopper.producing(cfg, True, 128) and not hopper.producing(cfg, True, 64)
     _, _, groups, tiles, _, stages = hopper.v7_shape(cfg, 128, True)
     assert (groups, tiles, stages) == (1, 2, 3) and hopper.v7_threads(cfg, 128, True) == 256
     assert hopper.split_registers(cfg, groups, hopper.resident(cfg, 128, True), True) == (40, 216)
+    assert hopper.split_registers(cfg, groups, 2, True, cfg.v7_wgrad_sum_registers) == (56, 200)
     assert 2 * (hopper.shared_bytes(cfg, 128, True) + 1024) <= hopper.SM_SHARED
     assert hopper.v7_shape(cfg, 64, True)[5] == cfg.v7_wgrad_stages
     # (products too, given 128-row tiles and 3 stages: `v7_blocks`)
