@@ -650,9 +650,17 @@ def make_param_grads(cfg, storage, param_storage, acc_type, relu, vector=False):
     warp order. Each feature's partial sums run in row order, as one feature a thread would; the
     finish's order is fixed too, so results repeat bitwise."""
     p_conv = converters(param_storage, acc_type)
-    read, _ = make_group_io(converters(storage, acc_type), acc_type, vector)
+    x_conv = converters(storage, acc_type)
+    read, _ = make_group_io(x_conv, acc_type, vector)
     params = make_param_io(p_conv, acc_type, vector)
     p_out = p_conv[1]
+    to_acc = x_conv[0]
+
+    @cuda.jit(device=True, inline=True)
+    def read_whole(a, r, c):
+        """A whole group's 4 values by one vector load (`make_group_io`'s read, its bounds known)."""
+        v = load4(a, (r, c))
+        return to_acc(v[0]), to_acc(v[1]), to_acc(v[2]), to_acc(v[3])
 
     @cuda.jit(device=True, inline=True)
     def terms(dy, x, mean, r, g, b):
@@ -664,10 +672,14 @@ def make_param_grads(cfg, storage, param_storage, acc_type, relu, vector=False):
     T, R, W = cfg.row_threads, cfg.grad_rows, cfg.grad_finish_warps
 
     @cuda.jit(device=True, inline=True)
-    def add_row(sums, dy, x, row, c, mean_in, rstd_in, gs, bs):
+    def add_row(sums, dy, x, row, c, mean_in, rstd_in, gs, bs, whole):
         m, r = acc_type(mean_in[row]), acc_type(rstd_in[row])
-        e0, e1, e2, e3 = read(dy, row, c)
-        v0, v1, v2, v3 = read(x, row, c)
+        if whole:
+            e0, e1, e2, e3 = read_whole(dy, row, c)
+            v0, v1, v2, v3 = read_whole(x, row, c)
+        else:
+            e0, e1, e2, e3 = read(dy, row, c)
+            v0, v1, v2, v3 = read(x, row, c)
         t0, u0 = terms(e0, v0, m, r, gs[0], bs[0])
         t1, u1 = terms(e1, v1, m, r, gs[1], bs[1])
         t2, u2 = terms(e2, v2, m, r, gs[2], bs[2])
@@ -696,11 +708,16 @@ def make_param_grads(cfg, storage, param_storage, acc_type, relu, vector=False):
             sums[0, j] = acc_type(0)
             sums[1, j] = acc_type(0)
         end = min(N, chunk * R + R)
-        for row in range(chunk * R, end - 1, 2):  # (two rows' loads in flight, added in row order)
-            add_row(sums, dy, x, row, c, mean_in, rstd_in, gs, bs)
-            add_row(sums, dy, x, row + 1, c, mean_in, rstd_in, gs, bs)
+        if vector and c + 3 < C:  # (whole groups: the loop without the bounds' branches)
+            for row in range(chunk * R, end - 1, 2):  # (two rows' loads in flight, added in row order)
+                add_row(sums, dy, x, row, c, mean_in, rstd_in, gs, bs, True)
+                add_row(sums, dy, x, row + 1, c, mean_in, rstd_in, gs, bs, True)
+        else:
+            for row in range(chunk * R, end - 1, 2):
+                add_row(sums, dy, x, row, c, mean_in, rstd_in, gs, bs, False)
+                add_row(sums, dy, x, row + 1, c, mean_in, rstd_in, gs, bs, False)
         if (end - chunk * R) % 2:
-            add_row(sums, dy, x, end - 1, c, mean_in, rstd_in, gs, bs)
+            add_row(sums, dy, x, end - 1, c, mean_in, rstd_in, gs, bs, False)
         for j in range(4):
             if c + j < C:
                 work[chunk, 0, c + j] = sums[0, j]
