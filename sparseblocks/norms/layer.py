@@ -256,6 +256,30 @@ def make_param_io(convert, acc_type, vector):
     return params
 
 
+def make_whole_io(convert, p_convert):
+    """(``read_whole(a, r, c)``, ``write_whole(a, r, c, v0, v1, v2, v3)``, ``params_whole(p, c)``):
+    `make_group_io`'s and `make_param_io`'s vector paths alone, for a caller that knows its groups
+    lie whole in the row and the arrays take vector loads: one load or store, no bounds' branch."""
+    to_acc, from_acc = convert
+    p_acc = p_convert[0]
+
+    @cuda.jit(device=True, inline=True)
+    def read_whole(a, r, c):
+        v = load4(a, (r, c))
+        return to_acc(v[0]), to_acc(v[1]), to_acc(v[2]), to_acc(v[3])
+
+    @cuda.jit(device=True, inline=True)
+    def write_whole(a, r, c, v0, v1, v2, v3):
+        store4(a, (r, c), (from_acc(v0), from_acc(v1), from_acc(v2), from_acc(v3)))
+
+    @cuda.jit(device=True, inline=True)
+    def params_whole(p, c):
+        v = load4(p, (c,))
+        return p_acc(v[0]), p_acc(v[1]), p_acc(v[2]), p_acc(v[3])
+
+    return read_whole, write_whole, params_whole
+
+
 def make_column_sums(W, acc_type):
     """``column_sums(work, shared, lane, w, n0, values)``: the block's warps' 8 sums of a lane's
     4 columns (``values``: 4 of one quantity, then 4 of another) added in warp order into
@@ -323,6 +347,7 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
     p_conv = converters(param_storage, acc_type)
     p_in = p_conv[0]
     read, write = make_group_io(x_conv, acc_type, vector)
+    read_whole, write_whole, params_whole = make_whole_io(x_conv, p_conv)
     params = make_param_io(p_conv, acc_type, vector)
     normalized = _normalized(acc_type, relu)
 
@@ -355,9 +380,15 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
             held = cuda.local.array(HELD, acc_type)  # (K groups: the row's values stay in registers)
             C = x.shape[1]
             s = acc_type(0)
+            whole = K > 0 and vector and 4 * (t + (K - 1) * T) + 3 < C  # (this thread's groups all in the row)
             if K:
-                for k in range(K):  # (every load issued before any sum waits on one)
-                    held[4 * k], held[4 * k + 1], held[4 * k + 2], held[4 * k + 3] = read(x, row, 4 * (t + k * T))
+                if whole:  # (every load issued before any sum waits on one)
+                    for k in range(K):
+                        held[4 * k], held[4 * k + 1], held[4 * k + 2], held[4 * k + 3] = read_whole(x, row,
+                                                                                                4 * (t + k * T))
+                else:
+                    for k in range(K):
+                        held[4 * k], held[4 * k + 1], held[4 * k + 2], held[4 * k + 3] = read(x, row, 4 * (t + k * T))
                 for k in range(K):
                     s += (held[4 * k] + held[4 * k + 1]) + (held[4 * k + 2] + held[4 * k + 3])
             else:
@@ -392,10 +423,18 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
                         v0, v1, v2, v3 = held[4 * k], held[4 * k + 1], held[4 * k + 2], held[4 * k + 3]
                     else:
                         v0, v1, v2, v3 = read(x, row, c)
-                    g0, g1, g2, g3 = params(g, c)
-                    b0, b1, b2, b3 = params(b, c)
-                    write(y, row, c, normalized((v0 - mean) * r, g0, b0), normalized((v1 - mean) * r, g1, b1),
-                          normalized((v2 - mean) * r, g2, b2), normalized((v3 - mean) * r, g3, b3))
+                    if whole:
+                        g0, g1, g2, g3 = params_whole(g, c)
+                        b0, b1, b2, b3 = params_whole(b, c)
+                    else:
+                        g0, g1, g2, g3 = params(g, c)
+                        b0, b1, b2, b3 = params(b, c)
+                    y0, y1 = normalized((v0 - mean) * r, g0, b0), normalized((v1 - mean) * r, g1, b1)
+                    y2, y3 = normalized((v2 - mean) * r, g2, b2), normalized((v3 - mean) * r, g3, b3)
+                    if whole:
+                        write_whole(y, row, c, y0, y1, y2, y3)
+                    else:
+                        write(y, row, c, y0, y1, y2, y3)
             if t == 0 and inside:
                 mean_out[row], rstd_out[row] = mean, r
 
@@ -497,6 +536,7 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
     p_conv = converters(param_storage, acc_type)
     p_in = p_conv[0]
     read, write = make_group_io(x_conv, acc_type, vector)
+    read_whole, write_whole, params_whole = make_whole_io(x_conv, p_conv)
     params = make_param_io(p_conv, acc_type, vector)
     passed = _passed(acc_type, relu)
 
@@ -513,12 +553,19 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
             return passed(dy, xhat, g, b) * g, xhat
 
         @cuda.jit(device=True, inline=True)
-        def group_terms(dy, x, g, b, row, c, mean, r):
-            """(dxhat, xhat) of 4 values (dxhat 0 past the row's end, where dy and g read 0)."""
-            v0, v1, v2, v3 = read(x, row, c)
-            e0, e1, e2, e3 = read(dy, row, c)
-            g0, g1, g2, g3 = params(g, c)
-            b0, b1, b2, b3 = params(b, c)
+        def group_terms(dy, x, g, b, row, c, mean, r, whole):
+            """(dxhat, xhat) of 4 values (dxhat 0 past the row's end, where dy and g read 0);
+            ``whole``: the group lies in the row, read without the bounds' branches."""
+            if whole:
+                v0, v1, v2, v3 = read_whole(x, row, c)
+                e0, e1, e2, e3 = read_whole(dy, row, c)
+                g0, g1, g2, g3 = params_whole(g, c)
+                b0, b1, b2, b3 = params_whole(b, c)
+            else:
+                v0, v1, v2, v3 = read(x, row, c)
+                e0, e1, e2, e3 = read(dy, row, c)
+                g0, g1, g2, g3 = params(g, c)
+                b0, b1, b2, b3 = params(b, c)
             d0, h0 = terms(e0, v0, g0, b0, mean, r)
             d1, h1 = terms(e1, v1, g1, b1, mean, r)
             d2, h2 = terms(e2, v2, g2, b2, mean, r)
@@ -536,9 +583,13 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
             mean, r = acc_type(mean_in[row]), acc_type(rstd_in[row])
             s1 = acc_type(0)
             s2 = acc_type(0)
+            whole = K > 0 and vector and 4 * (t + (K - 1) * T) + 3 < C  # (this thread's groups all in the row)
             for k in range(K if K else -(-C // (4 * T))):
                 c = 4 * (t + k * T)
-                d0, d1, d2, d3, h0, h1, h2, h3 = group_terms(dy, x, g, b, row, c, mean, r)
+                if whole:
+                    d0, d1, d2, d3, h0, h1, h2, h3 = group_terms(dy, x, g, b, row, c, mean, r, True)
+                else:
+                    d0, d1, d2, d3, h0, h1, h2, h3 = group_terms(dy, x, g, b, row, c, mean, r, False)
                 if K:
                     hd[4 * k], hd[4 * k + 1], hd[4 * k + 2], hd[4 * k + 3] = d0, d1, d2, d3
                     hh[4 * k], hh[4 * k + 1], hh[4 * k + 2], hh[4 * k + 3] = h0, h1, h2, h3
@@ -553,9 +604,13 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
                         d0, d1, d2, d3 = hd[4 * k], hd[4 * k + 1], hd[4 * k + 2], hd[4 * k + 3]
                         h0, h1, h2, h3 = hh[4 * k], hh[4 * k + 1], hh[4 * k + 2], hh[4 * k + 3]
                     else:
-                        d0, d1, d2, d3, h0, h1, h2, h3 = group_terms(dy, x, g, b, row, c, mean, r)
-                    write(dx, row, c, r * (d0 - m1 - h0 * m2), r * (d1 - m1 - h1 * m2), r * (d2 - m1 - h2 * m2),
-                          r * (d3 - m1 - h3 * m2))
+                        d0, d1, d2, d3, h0, h1, h2, h3 = group_terms(dy, x, g, b, row, c, mean, r, False)
+                    o0, o1 = r * (d0 - m1 - h0 * m2), r * (d1 - m1 - h1 * m2)
+                    o2, o3 = r * (d2 - m1 - h2 * m2), r * (d3 - m1 - h3 * m2)
+                    if whole:
+                        write_whole(dx, row, c, o0, o1, o2, o3)
+                    else:
+                        write(dx, row, c, o0, o1, o2, o3)
 
         return backward_rows
 
@@ -652,15 +707,9 @@ def make_param_grads(cfg, storage, param_storage, acc_type, relu, vector=False):
     p_conv = converters(param_storage, acc_type)
     x_conv = converters(storage, acc_type)
     read, _ = make_group_io(x_conv, acc_type, vector)
+    read_whole, _, _ = make_whole_io(x_conv, p_conv)
     params = make_param_io(p_conv, acc_type, vector)
     p_out = p_conv[1]
-    to_acc = x_conv[0]
-
-    @cuda.jit(device=True, inline=True)
-    def read_whole(a, r, c):
-        """A whole group's 4 values by one vector load (`make_group_io`'s read, its bounds known)."""
-        v = load4(a, (r, c))
-        return to_acc(v[0]), to_acc(v[1]), to_acc(v[2]), to_acc(v[3])
 
     @cuda.jit(device=True, inline=True)
     def terms(dy, x, mean, r, g, b):
