@@ -344,11 +344,10 @@ def _gate_operands(c, gates, extra=()):
     return ops, N, H, len(gates) == 1
 
 
-def _lstm_quads(cfg, dtype, H):
-    """Groups of 4 columns a thread of the vector LSTM kernels: 16-bit gates take
-    ``lstm_quads16`` where H holds whole groups of them."""
-    quads = cfg.lstm_quads16 if dtype in ("float16", "bfloat16") else 1
-    return quads if H % (4 * quads) == 0 else 1
+def _lstm_quads(cfg, dtype):
+    """Groups of 4 columns a thread an iteration of the vector LSTM kernels: ``lstm_quads16`` for
+    16-bit gates, else 1."""
+    return cfg.lstm_quads16 if dtype in ("float16", "bfloat16") else 1
 
 
 @on_arrays_device
@@ -364,7 +363,7 @@ def fused_lstm_gates(c: Array, *gates: Array, config: Optional[EwConfig] = None)
     flats = [_flat(op.device(stream)) for op in ops]
     gate_args = [flats[1][q * H:] for q in range(4)] if merged else flats[1:]
     vector = H % 4 == 0 and fours_fit(c_next, h, *flats)
-    quads = _lstm_quads(cfg, c_op.dtype, H)
+    quads = _lstm_quads(cfg, c_op.dtype)
     kernel, _ = cached(make_lstm_kernels, c_op.dtype, _acc(c_op.dtype), vector, quads)
     _run(cfg, kernel, (N * H) // (4 * quads) if vector else N * H, stream,
          (_flat(c_next), _flat(h), flats[0], *gate_args, H, 4 * H if merged else H))
@@ -393,7 +392,7 @@ def fused_lstm_gates_grad(c: Array, *gates: Array, dc_next: Array, dh: Array,
     flats = [_flat(op.device(stream)) for op in ops]
     gate_args = [flats[1][q * H:] for q in range(4)] if merged else flats[1:5]
     vector = H % 4 == 0 and fours_fit(dc, *(_flat(d) for _, d in grads), *flats)
-    quads = _lstm_quads(cfg, c_op.dtype, H)
+    quads = _lstm_quads(cfg, c_op.dtype)
     _, kernel = cached(make_lstm_kernels, c_op.dtype, _acc(c_op.dtype), vector, quads)
     _run(cfg, kernel, (N * H) // (4 * quads) if vector else N * H, stream,
          (_flat(dc), *grad_args, flats[0], *gate_args, flats[-2], flats[-1], H, 4 * H if merged else H))

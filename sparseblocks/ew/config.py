@@ -7,8 +7,8 @@ from ..runtime.tuning import config_checker, tuning
 class EwConfig:
     threads: int = 256  # threads a thread block; each strides over the elements (grid-stride loops)
     waves: int = 16  # at most this many thread blocks a multiprocessor: past it, threads loop instead
-    # groups of 4 columns a thread of the fp16/bf16 LSTM gates (2: 16 bytes an array in flight, which
-    # docs/performance.md finds no faster forward and a slower backward)
+    # groups of 4 columns a thread an iteration of the fp16/bf16 LSTM gates (2: two a grid's stride
+    # apart, 16 bytes of each array in flight)
     lstm_quads16: int = 1
 
     def check(self):

@@ -285,8 +285,9 @@ def make_lstm_kernels(storage, acc_type, vector, quads=1):
     """``gates(c_next, h, c, i, f, o, u, H, gs)`` and ``gates_grad(dc, di, df, do, du, c, i, f, o, u,
     dc_next, dh, H, gs)``: c (N, H) flat; each gate read at row·gs + column (gs = H for four gate
     tensors, 4H for one merged (N, 4H) tensor whose gates are its column quarters, already offset).
-    ``vector`` (H a multiple of 4 ``quads``): a thread ``quads`` (1 or 2) groups of 4 consecutive
-    columns of a row, every group's loads issued before the first group's stores."""
+    ``vector`` (H a multiple of 4): a thread ``quads`` (1 or 2) groups of 4 consecutive columns of
+    a row an iteration, two a grid's stride apart (each vector load a warp's contiguous bytes),
+    both groups' loads issued before the first group's stores."""
     to_acc, from_acc = converters(storage, acc_type)
     forward, grad = make_lstm(acc_type, storage in ("float16", "bfloat16"))
     WIDE = quads == 2
@@ -302,6 +303,11 @@ def make_lstm_kernels(storage, acc_type, vector, quads=1):
         return load4(c, (e,)), load4(i, (g,)), load4(f, (g,)), load4(o, (g,)), load4(u, (g,))
 
     @cuda.jit(device=True, inline=True)
+    def gate_at(e, H, gs):
+        """A gate's place of c's element e (its row's gates gs apart)."""
+        return e if gs == H else (e // H) * gs + e % H
+
+    @cuda.jit(device=True, inline=True)
     def forward_quad(q, c_next, h, e):
         vc, vi, vf, vo, vu = q
         r0 = forward(to_acc(vc[0]), to_acc(vi[0]), to_acc(vf[0]), to_acc(vo[0]), to_acc(vu[0]))
@@ -315,16 +321,20 @@ def make_lstm_kernels(storage, acc_type, vector, quads=1):
     def gates(c_next, h, c, i, f, o, u, H, gs):
         start, step = bounds()
         if vector:
-            for q in range(start, c.shape[0] // (4 * quads), step):
-                e = 4 * quads * q
-                g = e if gs == H else (e // H) * gs + e % H
-                first = gate_quad(c, i, f, o, u, e, g)
-                if WIDE:
-                    second = gate_quad(c, i, f, o, u, e + 4, g + 4)
+            total, q = c.shape[0] // 4, start
+            if WIDE:
+                while q + step < total:
+                    e, e2 = 4 * q, 4 * (q + step)
+                    g, g2 = gate_at(e, H, gs), gate_at(e2, H, gs)
+                    first, second = gate_quad(c, i, f, o, u, e, g), gate_quad(c, i, f, o, u, e2, g2)
                     forward_quad(first, c_next, h, e)
-                    forward_quad(second, c_next, h, e + 4)
-                else:
-                    forward_quad(first, c_next, h, e)
+                    forward_quad(second, c_next, h, e2)
+                    q += 2 * step
+            while q < total:
+                e = 4 * q
+                g = gate_at(e, H, gs)
+                forward_quad(gate_quad(c, i, f, o, u, e, g), c_next, h, e)
+                q += step
         else:
             for e in range(start, c.shape[0], step):
                 step_one(c_next, h, c, i, f, o, u, e, (e // H) * gs + e % H)
@@ -350,18 +360,22 @@ def make_lstm_kernels(storage, acc_type, vector, quads=1):
     def gates_grad(dc, di, df, do, du, c, i, f, o, u, dc_next, dh, H, gs):
         start, step = bounds()
         if vector:
-            for q in range(start, c.shape[0] // (4 * quads), step):
-                e = 4 * quads * q
-                g = e if gs == H else (e // H) * gs + e % H
-                first = gate_quad(c, i, f, o, u, e, g)
-                n1, h1 = load4(dc_next, (e,)), load4(dh, (e,))
-                if WIDE:
-                    second = gate_quad(c, i, f, o, u, e + 4, g + 4)
-                    n2, h2 = load4(dc_next, (e + 4,)), load4(dh, (e + 4,))
+            total, q = c.shape[0] // 4, start
+            if WIDE:
+                while q + step < total:
+                    e, e2 = 4 * q, 4 * (q + step)
+                    g, g2 = gate_at(e, H, gs), gate_at(e2, H, gs)
+                    first, n1, h1 = gate_quad(c, i, f, o, u, e, g), load4(dc_next, (e,)), load4(dh, (e,))
+                    second, n2, h2 = gate_quad(c, i, f, o, u, e2, g2), load4(dc_next, (e2,)), load4(dh, (e2,))
                     grad_quad(first, n1, h1, dc, di, df, do, du, e, g)
-                    grad_quad(second, n2, h2, dc, di, df, do, du, e + 4, g + 4)
-                else:
-                    grad_quad(first, n1, h1, dc, di, df, do, du, e, g)
+                    grad_quad(second, n2, h2, dc, di, df, do, du, e2, g2)
+                    q += 2 * step
+            while q < total:
+                e = 4 * q
+                g = gate_at(e, H, gs)
+                grad_quad(gate_quad(c, i, f, o, u, e, g), load4(dc_next, (e,)), load4(dh, (e,)), dc, di, df, do,
+                          du, e, g)
+                q += step
         else:
             for e in range(start, c.shape[0], step):
                 g = (e // H) * gs + e % H
