@@ -29,7 +29,7 @@ import argparse
 
 import numpy as np
 
-from benchmarks.common import Record, copy_ms, device_name, graph_ms, print_table, write_results
+from benchmarks.common import Record, copy_ms, device_name, graph_ms, merge_runs, print_table, write_results
 
 LN_SHAPES = ((4096, 4096), (16384, 1024))
 MEGABYTES = 64
@@ -187,7 +187,7 @@ def bench_grouped(torch, records, quick):
 
     T, N, C = 8, 256, 4096
     for dtype, bs in ((torch.float16, 32), (torch.float16, 64), (torch.float32, 32)):
-        layout = BlockLayout.random((C // bs, C // bs), 0.25, seed=0, block_size=bs)
+        layout = BlockLayout.random((C // bs, C // bs), 0.25, seed=0, block_size=bs)  # (as `grouped_flops` rebuilds it)
         x = torch.randn(T, N, C, device="cuda", dtype=dtype)
         dy = torch.randn(T, N, C, device="cuda", dtype=dtype)
         got = bsmm.weight_grad(x, dy, layout)
@@ -210,6 +210,36 @@ def bench_grouped(torch, records, quick):
         ratios(f"grouped_weight_grad {params}", ms, baselines)
 
 
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def moved_bytes(name, p):
+    """The bytes a record's call moved, from its params (what its ``copy`` baseline moves; `--merge`
+    restores GB/s from it): the layer norm's and LSTM's arrays, the flat ops' 64 MB operands."""
+    if name.startswith("layer_norm"):
+        return (2 if name.endswith("forward") else 3) * p["N"] * p["C"] * ITEMSIZE[p["dtype"]]
+    if name.startswith("fused_lstm_gates"):
+        return (12 if name.endswith("backward") else 7) * p["N"] * p["H"] * ITEMSIZE[p["dtype"]]
+    size = p.get("MB", 0) * 2 ** 20
+    if name == "elementwise":
+        return {"add": 3, "multiply": 3, "add_n": 9}.get(p["op"], 2) * size
+    if name == "float_cast":
+        return size + size // ITEMSIZE[p["dtype"]] * ITEMSIZE[p["op"]]
+    return 2 * size if name == "dropout" else None
+
+
+def grouped_flops(name, p):
+    """The grouped weight gradient's useful FLOPs, from its params (its layout rebuilt by seed), for
+    `--merge`'s TFLOP/s; None for the other records."""
+    if name != "grouped_weight_grad":
+        return None
+    from sparseblocks import BlockLayout
+
+    bs, C = p["block_size"], p["C"]
+    layout = BlockLayout.random((C // bs, C // bs), p["density"], seed=0, block_size=bs)
+    return 2 * p["T"] * p["N"] * layout.n_blocks * bs * bs
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -220,7 +250,7 @@ def main():
                         help="only merge these runs' JSON files (a later one's case replaces an earlier one's)")
     args = parser.parse_args()
     if args.merge:
-        merge_runs("ops", args.merge, args.out_dir)
+        merge_runs("ops", args.merge, args.out_dir, flops=grouped_flops, moved=moved_bytes)
         return
 
     import torch

@@ -212,11 +212,11 @@ def print_table(records, title=""):
     print(format_table(records))
 
 
-def merged_records(paths, case, flops=None):
+def merged_records(paths, case, flops=None, moved=None):
     """(records, device) of several runs' JSON files: a later file's record of a case
     (``case(name, params)``, a tuple) replaces an earlier one's, so that a re-run of some cases
-    updates results in place; ``flops(name, params)`` restores TFLOP/s (None: none); the device is
-    the first file's."""
+    updates results in place; ``flops(name, params)`` restores TFLOP/s and ``moved(name, params)``
+    GB/s (None: none); the device is the first file's."""
     records, device = {}, None
     for path in paths:
         document = json.loads(Path(path).read_text())
@@ -225,15 +225,16 @@ def merged_records(paths, case, flops=None):
             name, params = r["name"], r["params"]
             baselines = {k: float("nan") if v is None else v for k, v in r["baselines"].items()}
             records[case(name, params)] = Record(name, params, float("nan") if r["ms"] is None else r["ms"],
-                                                 baselines, flops=flops(name, params) if flops else None)
+                                                 baselines, flops=flops(name, params) if flops else None,
+                                                 bytes=moved(name, params) if moved else None)
     return list(records.values()), device
 
 
-def merge_runs(bench, paths, out_dir=None):
+def merge_runs(bench, paths, out_dir=None, flops=None, moved=None):
     """Merge runs' JSON files into `<bench>.json` and `.md` (a later file's record of a case, its
     name and every param, replaces an earlier one's): the ``--merge`` of benchmarks whose runs
-    are split by their options."""
-    records, device = merged_records(paths, lambda name, params: (name, *sorted(params.items())))
+    are split by their options (``flops``, ``moved``: as `merged_records`')."""
+    records, device = merged_records(paths, lambda name, params: (name, *sorted(params.items())), flops, moved)
     print_table(records, f"{bench} (merged)")
     return write_results(bench, records, device, **({"directory": out_dir} if out_dir else {}))
 
