@@ -16,7 +16,7 @@ it when every array's address is a multiple of 4 elements.
 from numba import cuda, int32, int64
 
 from ..bsmm.device import converters
-from ..norms.layer import block_slots, make_block_sum
+from ..norms.blocks import block_slots, make_block_sum
 from ..ptx.vector import load4, store4
 from .ops import make_binary, make_lstm, make_unary
 

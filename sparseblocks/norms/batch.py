@@ -3,7 +3,7 @@ flat, each channel normalized over its N·S values.
 
 * ``stats``: a thread block a channel, two passes (the mean, then the variance summed from
   x - mean) over the channel's N runs of S contiguous values, reduced as layer norm's rows are
-  (`layer.make_block_sum`): a fixed order, so results repeat bitwise.
+  (`blocks.make_block_sum`): a fixed order, so results repeat bitwise.
 * ``normalize``: ``y = (x - mean[c])·rstd[c]·g[c] + b[c]``, grid-stride over every element; the
   inference form takes running mean and variance instead of the batch's.
 * ``backward``: a thread block a channel: the sums of dy and dy·xhat, then
@@ -15,7 +15,7 @@ import math
 from numba import cuda
 
 from ..bsmm.device import converters
-from .layer import block_slots, make_block_sum
+from .blocks import block_slots, make_block_sum
 
 
 def make_batch_norm(cfg, storage, param_storage, acc_type):
