@@ -140,33 +140,13 @@ def test_cwise_linear_and_its_gradient(dtype, with_a, with_b):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("merged", [False, True])
-@pytest.mark.parametrize("H", [6, 12, 16])
-def test_fused_lstm_gates_and_their_gradients(dtype, merged, H):
-    """H 6: one column a thread; 12: groups of 4; 16: two groups of 4 a thread at 16 bits."""
+@pytest.mark.parametrize("N, H, quads", [(3, 6, 1), (3, 12, 1), (3, 16, 1), (9, 48, 2)])
+def test_fused_lstm_gates_and_their_gradients(dtype, merged, N, H, quads):
+    """H 6: one column a thread; 12 and 16: groups of 4; 9 x 48 with ``lstm_quads16=2`` (16-bit
+    gates): pairs of groups a grid's stride apart (crossing rows: a gate's place found for each),
+    then single groups, 108 groups over two thread blocks of 32 threads."""
     rng = np.random.default_rng(5)
-    N = 3
-    c = values(rng, (N, H), dtype)
-    gates = [values(rng, (N, 4 * H), dtype)] if merged else [values(rng, (N, H), dtype) for _ in range(4)]
-    c_next, h = ew.fused_lstm_gates(c, *gates, config=SMALL)
-    want = reference.fused_lstm_gates(c, *gates)
-    close(c_next, want[0], dtype, "c_next", terms=4, scale=4 + np.abs(want[0]))
-    close(h, want[1], dtype, "h", terms=8, scale=4 + np.abs(want[1]))
-    dc_next, dh = values(rng, (N, H), dtype), values(rng, (N, H), dtype)
-    grads = ew.fused_lstm_gates_grad(c, *gates, dc_next=dc_next, dh=dh, config=SMALL)
-    wants = reference.fused_lstm_gates_grad(c, *gates, dc_next=dc_next, dh=dh)
-    assert len(grads) == len(wants) == (2 if merged else 5)
-    for k, (got, w) in enumerate(zip(grads, wants)):
-        close(got, w, dtype, f"gradient {k}", terms=16, scale=8 + np.abs(w))
-
-
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("merged", [False, True])
-def test_fused_lstm_gates_at_two_groups_a_grid_stride_apart(dtype, merged):
-    """``lstm_quads16=2``: pairs of groups of 4 a grid's stride apart (crossing rows: a gate's place
-    found for each), then single groups: 108 groups over two thread blocks of 32 threads."""
-    rng = np.random.default_rng(8)
-    N, H = 9, 48
-    cfg = dataclasses.replace(SMALL, lstm_quads16=2)
+    cfg = dataclasses.replace(SMALL, lstm_quads16=quads)
     c = values(rng, (N, H), dtype)
     gates = [values(rng, (N, 4 * H), dtype)] if merged else [values(rng, (N, H), dtype) for _ in range(4)]
     c_next, h = ew.fused_lstm_gates(c, *gates, config=cfg)
@@ -176,6 +156,7 @@ def test_fused_lstm_gates_at_two_groups_a_grid_stride_apart(dtype, merged):
     dc_next, dh = values(rng, (N, H), dtype), values(rng, (N, H), dtype)
     grads = ew.fused_lstm_gates_grad(c, *gates, dc_next=dc_next, dh=dh, config=cfg)
     wants = reference.fused_lstm_gates_grad(c, *gates, dc_next=dc_next, dh=dh)
+    assert len(grads) == len(wants) == (2 if merged else 5)
     for k, (got, w) in enumerate(zip(grads, wants)):
         close(got, w, dtype, f"gradient {k}", terms=16, scale=8 + np.abs(w))
 
