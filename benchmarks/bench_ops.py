@@ -182,12 +182,20 @@ def bench_elementwise(torch, records, quick):
         ratios(f"dropout {params}", ms, baselines)
 
 
+def grouped_layout(C, bs, density):
+    """The grouped weight gradient's layout (C x C features, a fixed seed), as `bench_grouped` times
+    it and `grouped_flops` counts it."""
+    from sparseblocks import BlockLayout
+
+    return BlockLayout.random((C // bs, C // bs), density, seed=0, block_size=bs)
+
+
 def bench_grouped(torch, records, quick):
-    from sparseblocks import BlockLayout, bsmm
+    from sparseblocks import bsmm
 
     T, N, C = 8, 256, 4096
     for dtype, bs in ((torch.float16, 32), (torch.float16, 64), (torch.float32, 32)):
-        layout = BlockLayout.random((C // bs, C // bs), 0.25, seed=0, block_size=bs)  # (as `grouped_flops` rebuilds it)
+        layout = grouped_layout(C, bs, 0.25)
         x = torch.randn(T, N, C, device="cuda", dtype=dtype)
         dy = torch.randn(T, N, C, device="cuda", dtype=dtype)
         got = bsmm.weight_grad(x, dy, layout)
@@ -210,21 +218,26 @@ def bench_grouped(torch, records, quick):
         ratios(f"grouped_weight_grad {params}", ms, baselines)
 
 
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+def itemsize(dtype):
+    """Bytes a value of a float format (`cast.formats.FORMATS`: sign, exponent and mantissa bits)."""
+    from sparseblocks.cast.formats import FORMATS
+
+    E, M, _, _ = FORMATS[dtype]
+    return (1 + E + M) // 8
 
 
 def moved_bytes(name, p):
     """The bytes a record's call moved, from its params (what its ``copy`` baseline moves; `--merge`
     restores GB/s from it): the layer norm's and LSTM's arrays, the flat ops' 64 MB operands."""
     if name.startswith("layer_norm"):
-        return (2 if name.endswith("forward") else 3) * p["N"] * p["C"] * ITEMSIZE[p["dtype"]]
+        return (2 if name.endswith("forward") else 3) * p["N"] * p["C"] * itemsize(p["dtype"])
     if name.startswith("fused_lstm_gates"):
-        return (12 if name.endswith("backward") else 7) * p["N"] * p["H"] * ITEMSIZE[p["dtype"]]
+        return (12 if name.endswith("backward") else 7) * p["N"] * p["H"] * itemsize(p["dtype"])
     size = p.get("MB", 0) * 2 ** 20
     if name == "elementwise":
         return {"add": 3, "multiply": 3, "add_n": 9}.get(p["op"], 2) * size
     if name == "float_cast":
-        return size + size // ITEMSIZE[p["dtype"]] * ITEMSIZE[p["op"]]
+        return size + size // itemsize(p["dtype"]) * itemsize(p["op"])
     return 2 * size if name == "dropout" else None
 
 
@@ -233,11 +246,8 @@ def grouped_flops(name, p):
     `--merge`'s TFLOP/s; None for the other records."""
     if name != "grouped_weight_grad":
         return None
-    from sparseblocks import BlockLayout
-
-    bs, C = p["block_size"], p["C"]
-    layout = BlockLayout.random((C // bs, C // bs), p["density"], seed=0, block_size=bs)
-    return 2 * p["T"] * p["N"] * layout.n_blocks * bs * bs
+    bs = p["block_size"]
+    return 2 * p["T"] * p["N"] * grouped_layout(p["C"], bs, p["density"]).n_blocks * bs * bs
 
 
 def main():
