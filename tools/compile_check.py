@@ -358,12 +358,9 @@ def check_attention():
 
 
 def check_norms():
-    """Layer norm's axis-1 forward (both statistics: `merged_stats`) and backward (fp16, bf16,
-    fp32, rows of 4096 and 1024, vector loads) under the default config's register cap
-    (`norms.layer.row_kernel`), and the parameter gradients' partial sums and finish: registers,
-    stack."""
-    from dataclasses import replace
-
+    """Layer norm's axis-1 forward and backward (fp16, bf16, fp32, rows of 4096 and 1024, vector
+    loads) under the default config's register cap (`norms.layer.row_kernel`), and the parameter
+    gradients' partial sums and finish: registers, stack."""
     from numba import float32
 
     from sparseblocks import norms
@@ -376,12 +373,11 @@ def check_norms():
         T, K, RB = shape
         element = types.int16 if storage == "bfloat16" else getattr(types, storage)
         rows, vec, stats = element[:, ::1], element[::1], float32[::1]
-        for name, maker, signature, merged in (
-                ("forward", layer.make_forward, (rows, stats, stats, rows, vec, vec, types.float64), False),
-                ("forward merged", layer.make_forward, (rows, stats, stats, rows, vec, vec, types.float64), True),
-                ("backward", layer.make_backward, (rows, rows, rows, vec, vec, stats, stats), False)):
+        for name, maker, signature in (
+                ("forward", layer.make_forward, (rows, stats, stats, rows, vec, vec, types.float64)),
+                ("backward", layer.make_backward, (rows, rows, rows, vec, vec, stats, stats))):
             blocks = layer.row_blocks(cfg, T * RB, float32, grad=name == "backward")
-            kernel = maker(replace(cfg, merged_stats=merged), storage, storage, float32, 1, False, True, shape)
+            kernel = maker(cfg, storage, storage, float32, 1, False, True, shape)
             results.append(check(f"layer_norm {name} {storage} C={C} ({T} threads, {K} groups held)",
                                  kernel.py_func, signature, launch_bounds=(T * RB, blocks) if blocks else None))
         if C == 4096:

@@ -12,9 +12,6 @@ class NormsConfig:
     # registers capped at what that leaves a thread, 42 at 6 of 256 threads; 0: no cap)
     row_blocks: int = 6
     grad_row_blocks: int = 6  # ... the same for axis 1's backward row kernel (dx), which holds more a value
-    # feature axis 1: a row's mean and variance in one reduction of each thread's (Chan's merge: two
-    # barriers, no spills at C = 4096), or two (the mean, then the squares about it: four barriers)
-    merged_stats: bool = False
     column_warps: int = 8  # feature axis 0 (C, N): warps a thread block, each 128 columns of x, a row at a time
     column_rows: int = 128  # feature axis 0: rows of x (features) a thread block sums or normalizes
     grad_rows: int = 32  # axis 1's dg and db: rows a thread block sums for each feature, before the ordered sum

@@ -2,9 +2,8 @@
 
 Each of N rows of C features is normalized: ``y = (x - mean)·rstd·g + b`` (then max(y, 0) with
 ``relu``), ``rstd = 1/sqrt(var + epsilon)``. The mean is found first and the variance summed from
-``x - mean`` (two passes over the row, which stay in L1/L2), so a large mean costs no accuracy:
-on axis 1 each thread's squares about its own values' mean, merged across the row's threads in
-one reduction (`blocks.make_block_stats`, ``merged_stats``), or about the row's mean found first.
+``x - mean`` (two passes over the row, held in registers or in L1/L2), so a large mean costs no
+accuracy.
 Sums run in fp32 (fp64 for fp64), in a fixed order: results repeat bitwise.
 
 * Feature axis 1, x (N, C): ``T`` threads a row, ``RB`` rows a thread block (`row_shape`). A
@@ -34,7 +33,7 @@ from numba import cuda
 from ..bsmm.device import converters
 from ..ptx.vector import load4, store4
 from ..runtime.compile import bounded
-from .blocks import FULL_MASK, block_slots, make_block_stats, make_block_sum
+from .blocks import FULL_MASK, block_slots, make_block_sum
 
 COLUMNS = 128  # feature axis 0: columns of x a warp covers (4 a lane)
 
@@ -239,8 +238,6 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
         SLOTS = block_slots(T)  # (a shared array's size: a name, not an expression)
         HELD = max(4 * K, 1)
         block_sum, _ = make_block_sum(T, acc_type)
-        block_stats = make_block_stats(T, acc_type)
-        MERGED = cfg.merged_stats
         row_of = make_row_of(RB)
 
         @cuda.jit(device=True, inline=True)
@@ -278,27 +275,17 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
                 for c in range(4 * t, C, 4 * T):
                     v0, v1, v2, v3 = read(x, row, c)
                     s += (v0 + v1) + (v2 + v3)
-            if MERGED:  # (this thread's values: their count, mean and squares about it, then one merge)
-                n = acc_type(0)
-                for c in range(4 * t, C, 4 * T):
-                    n += acc_type(min(C - c, 4))
-                center = s / n if n > acc_type(0) else acc_type(0)
-            else:  # (the row's mean first, the squares about it after)
-                center = block_sum(s, shared, y_, t, 0) / acc_type(C)
+            mean = block_sum(s, shared, y_, t, 0) / acc_type(C)  # (the row's mean first, the squares about it after)
             q = acc_type(0)
             if K:
                 for k in range(K):
                     c = 4 * (t + k * T)
-                    q += squares(c, C, center, held[4 * k], held[4 * k + 1], held[4 * k + 2], held[4 * k + 3])
+                    q += squares(c, C, mean, held[4 * k], held[4 * k + 1], held[4 * k + 2], held[4 * k + 3])
             else:
                 for c in range(4 * t, C, 4 * T):
                     v0, v1, v2, v3 = read(x, row, c)
-                    q += squares(c, C, center, v0, v1, v2, v3)
-            if MERGED:
-                mean, m2 = block_stats(n, center, q, shared, y_, t)
-            else:
-                mean, m2 = center, block_sum(q, shared, y_, t, 1)
-            r = acc_type(1) / math.sqrt(m2 / acc_type(C) + acc_type(epsilon))
+                    q += squares(c, C, mean, v0, v1, v2, v3)
+            r = acc_type(1) / math.sqrt(block_sum(q, shared, y_, t, 1) / acc_type(C) + acc_type(epsilon))
             for k in range(K if K else -(-C // (4 * T))):
                 c = 4 * (t + k * T)
                 if c < C and inside:

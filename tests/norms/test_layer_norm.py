@@ -88,18 +88,17 @@ def test_a_large_mean_costs_no_accuracy():
         assert np.abs(y - want).max() < 1e-2, axis
 
 
-@pytest.mark.parametrize("merged", [True, False])
 @pytest.mark.parametrize("groups", [8, 0])
-def test_one_or_two_reductions_of_a_row_match_the_twin(merged, groups):
-    """Axis 1's statistics by one merge of each thread's (``merged_stats``) or by the mean and then
-    the squares about it, held in registers or streamed: threads holding several groups, the last
+def test_rows_held_or_streamed_match_the_twin(groups):
+    """Axis 1's statistics, the mean and then the squares about it, over a row held in registers
+    or streamed: threads holding several groups, the last
     partly past the row's end or wholly (C = 298 over 32 threads of 3 groups in the simulator), a
     mean 5000 times the spread."""
     rng = np.random.default_rng(5)
     C = 298 if SIMULATOR else 4094
     x = (50 + 1e-2 * rng.standard_normal((3, C))).astype(np.float32)
     g, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
-    cfg = dataclasses.replace(SMALL, merged_stats=merged, row_groups=groups)
+    cfg = dataclasses.replace(SMALL, row_groups=groups)
     y, mean, rstd = norms.layer_norm(x, g, b, stats=True, config=cfg)
     want, want_mean, want_rstd = reference.layer_norm(x, g, b, 1)
     size = np.abs(x.astype(np.float64)).max(axis=1)
