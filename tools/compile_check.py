@@ -359,8 +359,8 @@ def check_attention():
 
 def check_norms():
     """Layer norm's axis-1 forward and backward (fp16, bf16, fp32, rows of 4096 and 1024, vector
-    loads) under the default config's register cap (`norms.layer.row_kernel`), and the parameter
-    gradients' partial sums and finish: registers, stack."""
+    loads) under the default config's register cap (`norms.layer.row_kernel`), axis 0's column
+    kernels, and the parameter gradients' partial sums and finish: registers, stack."""
     from numba import float32
 
     from sparseblocks import norms
@@ -381,6 +381,18 @@ def check_norms():
             results.append(check(f"layer_norm {name} {storage} C={C} ({T} threads, {K} groups held)",
                                  kernel.py_func, signature, launch_bounds=(T * RB, blocks) if blocks else None))
         if C == 4096:
+            work, means = float32[:, :, ::1], float32[:, ::1]
+            sums, _, apply = layer.make_forward(cfg, storage, storage, float32, 0, False, True)
+            grad_sums, _, grad_apply = layer.make_backward(cfg, storage, storage, float32, 0, False, True)
+            for name, kernel, signature in (
+                    ("forward sums", sums, (work, rows)),
+                    ("forward apply", apply, (rows, rows, vec, vec, stats, stats)),
+                    ("backward sums", grad_sums, (work, rows, rows, vec, vec, stats, stats)),
+                    ("backward apply", grad_apply, (rows, work, rows, rows, vec, vec, stats, stats, means))):
+                blocks = layer.column_blocks(cfg, float32)
+                results.append(check(f"layer_norm axis 0 {name} {storage} ({cfg.column_unroll} rows in flight)",
+                                     kernel.py_func, signature,
+                                     launch_bounds=(32 * cfg.column_warps, blocks) if blocks else None))
             partials, finish = layer.make_param_grads(cfg, storage, storage, float32, False, True)
             results.append(check(f"layer_norm dg/db partial sums {storage}", partials.py_func,
                                  (float32[:, :, ::1], rows, rows, vec, vec, stats, stats)))

@@ -14,6 +14,8 @@ class NormsConfig:
     grad_row_blocks: int = 6  # ... the same for axis 1's backward row kernel (dx), which holds more a value
     column_warps: int = 8  # feature axis 0 (C, N): warps a thread block, each 128 columns of x, a row at a time
     column_rows: int = 128  # feature axis 0: rows of x (features) a thread block sums or normalizes
+    column_unroll: int = 2  # feature axis 0: rows a warp loads (of each array) before the first is used
+    column_blocks: int = 0  # feature axis 0: thread blocks a multiprocessor its sums and apply are bounded for (0: none)
     grad_rows: int = 32  # axis 1's dg and db: rows a thread block sums for each feature, before the ordered sum
     grad_finish_warps: int = 8  # dg and db's ordered sum of the row chunks: warps sharing 32 features' chunks
 
@@ -33,6 +35,11 @@ class NormsConfig:
             raise ValueError(f"column_warps: expected 1 to 32, got {self.column_warps}")
         if not 1 <= self.column_rows <= 65536:
             raise ValueError(f"column_rows: expected 1 to 65536, got {self.column_rows}")
+        if not 0 <= self.column_blocks <= 32:
+            raise ValueError(f"column_blocks: expected 0 to 32 thread blocks a multiprocessor, "
+                             f"got {self.column_blocks}")
+        if not 1 <= self.column_unroll <= 8:
+            raise ValueError(f"column_unroll: expected 1 to 8 rows in flight, got {self.column_unroll}")
         if not 1 <= self.grad_finish_warps <= 32:
             raise ValueError(f"grad_finish_warps: expected 1 to 32, got {self.grad_finish_warps}")
         if not 1 <= self.grad_rows <= 4096:

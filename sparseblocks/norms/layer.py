@@ -12,7 +12,8 @@ Sums run in fp32 (fp64 for fp64), in a fixed order: results repeat bitwise.
   then across the row's warps in shared memory (`blocks.make_block_sum`); a row of one warp needs no
   barrier.
 * Feature axis 0, x (C, N): a thread 4 neighbouring columns of x (4 rows of the normalization),
-  a warp 128 columns, the block's warps a row of features each in turn. Three launches: the
+  a warp 128 columns, the block's warps a row of features each in turn, ``column_unroll`` rows'
+  loads in flight before the first is used (`make_column_loads`). Three launches: the
   column sums over chunks of ``column_rows`` features into a workspace (from a shift, each
   column's first value, so that a large mean costs no accuracy: ``Σ(x - x₀)`` and
   ``Σ(x - x₀)²``), the mean and rstd from the chunks' sums in order, then y.
@@ -50,6 +51,18 @@ def row_kernel(cfg, threads, acc_type, grad=False):
     """Axis 1's kernel decorator: launch bounds of `row_blocks` thread blocks a multiprocessor."""
     blocks = row_blocks(cfg, threads, acc_type, grad)
     return bounded(threads, blocks) if blocks else cuda.jit
+
+
+def column_blocks(cfg, acc_type):
+    """Thread blocks of ``column_warps`` warps a multiprocessor axis 0's sums and apply kernels are
+    bounded for: ``column_blocks``, at most 2048 threads' worth; 0, no bound (and for fp64 sums)."""
+    return min(cfg.column_blocks, 64 // cfg.column_warps) if acc_type.bitwidth == 32 else 0
+
+
+def column_kernel(cfg, acc_type):
+    """Axis 0's column kernels' decorator: launch bounds of `column_blocks`, as `row_kernel`'s."""
+    blocks = column_blocks(cfg, acc_type)
+    return bounded(32 * cfg.column_warps, blocks) if blocks else cuda.jit
 
 
 def make_row_of(RB):
@@ -184,6 +197,19 @@ def make_column_sums(W, acc_type):
     return column_sums
 
 
+def make_column_loads(U, W, read):
+    """``load_rows(held, a, c, end, n0)``: a warp's ``U`` rows of an axis-0 chunk, c, c + W, ...,
+    ``a[row, n0:n0+4]`` into ``held[u, 0:4]``, every load issued before any value is used; a row
+    at or past ``end`` reads the chunk's last row again (its caller adds no terms of it)."""
+
+    @cuda.jit(device=True, inline=True)
+    def load_rows(held, a, c, end, n0):
+        for u in range(U):
+            held[u, 0], held[u, 1], held[u, 2], held[u, 3] = read(a, min(c + u * W, end - 1), n0)
+
+    return load_rows
+
+
 def make_chunk_sums(acc_type):
     """``chunk_sums(work, i) -> (Σ work[:, 0, i], Σ work[:, 1, i])``, added in chunk order (the
     results repeat bitwise)."""
@@ -312,34 +338,37 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
 
     W = cfg.column_warps
     R = cfg.column_rows
+    U = cfg.column_unroll
     column_sums = make_column_sums(W, acc_type)
     column_params = _stats_io(acc_type, vector)
     chunk_sums = make_chunk_sums(acc_type)
+    load_rows = make_column_loads(U, W, read)
 
-    @cuda.jit
+    @column_kernel(cfg, acc_type)
     def sums(work, x):
         lane, w = cuda.threadIdx.x, cuda.threadIdx.y
         shared = cuda.shared.array((W, 8, 32), acc_type)
+        held = cuda.local.array((U, 4), acc_type)
         C = x.shape[0]
         n0 = 4 * (cuda.blockIdx.x * 32 + lane)
         k0, k1, k2, k3 = read(x, 0, n0)
         s0 = s1 = s2 = s3 = q0 = q1 = q2 = q3 = acc_type(0)
         first = cuda.blockIdx.y * R
         end = min(C, first + R)
-        for c in range(first + w, end, 2 * W):  # (two rows an iteration: two loads in flight)
-            v0, v1, v2, v3 = read(x, c, n0)
-            u0, u1, u2, u3 = read(x, min(c + W, end - 1), n0)
-            keep = acc_type(1) if c + W < end else acc_type(0)  # (the second row, where there is one)
-            d0, d1, d2, d3 = v0 - k0, v1 - k1, v2 - k2, v3 - k3
-            e0, e1, e2, e3 = (u0 - k0) * keep, (u1 - k1) * keep, (u2 - k2) * keep, (u3 - k3) * keep
-            s0 += d0 + e0
-            s1 += d1 + e1
-            s2 += d2 + e2
-            s3 += d3 + e3
-            q0 += d0 * d0 + e0 * e0
-            q1 += d1 * d1 + e1 * e1
-            q2 += d2 * d2 + e2 * e2
-            q3 += d3 * d3 + e3 * e3
+        for c in range(first + w, end, U * W):  # (U rows an iteration: all their loads in flight first)
+            load_rows(held, x, c, end, n0)
+            for u in range(U):
+                keep = acc_type(1) if c + u * W < end else acc_type(0)  # (rows past the chunk: no terms)
+                d0, d1 = (held[u, 0] - k0) * keep, (held[u, 1] - k1) * keep
+                d2, d3 = (held[u, 2] - k2) * keep, (held[u, 3] - k3) * keep
+                s0 += d0
+                s1 += d1
+                s2 += d2
+                s3 += d3
+                q0 += d0 * d0
+                q1 += d1 * d1
+                q2 += d2 * d2
+                q3 += d3 * d3
         column_sums(work, shared, lane, w, n0, (s0, s1, s2, s3, q0, q1, q2, q3))
 
     @cuda.jit
@@ -354,26 +383,25 @@ def make_forward(cfg, storage, param_storage, acc_type, axis, relu, vector, shap
         mean_out[n] = mean
         rstd_out[n] = acc_type(1) / math.sqrt(max(q / acc_type(C) - shift * shift, acc_type(0)) + acc_type(epsilon))
 
-    @cuda.jit
+    @column_kernel(cfg, acc_type)
     def apply(y, x, g, b, mean_in, rstd_in):
         lane, w = cuda.threadIdx.x, cuda.threadIdx.y
+        held = cuda.local.array((U, 4), acc_type)
         C, N = x.shape
         n0 = 4 * (cuda.blockIdx.x * 32 + lane)
         m0, m1, m2, m3 = column_params(mean_in, n0)
         r0, r1, r2, r3 = column_params(rstd_in, n0)
         first = cuda.blockIdx.y * R
         end = min(C, first + R)
-        for c in range(first + w, end, 2 * W):  # (two rows an iteration: both loaded first)
-            c2 = min(c + W, end - 1)
-            v0, v1, v2, v3 = read(x, c, n0)
-            u0, u1, u2, u3 = read(x, c2, n0)
-            gc, bc = p_in(g[c]), p_in(b[c])
-            write(y, c, n0, normalized((v0 - m0) * r0, gc, bc), normalized((v1 - m1) * r1, gc, bc),
-                  normalized((v2 - m2) * r2, gc, bc), normalized((v3 - m3) * r3, gc, bc))
-            if c + W < end:
-                gc, bc = p_in(g[c2]), p_in(b[c2])
-                write(y, c2, n0, normalized((u0 - m0) * r0, gc, bc), normalized((u1 - m1) * r1, gc, bc),
-                      normalized((u2 - m2) * r2, gc, bc), normalized((u3 - m3) * r3, gc, bc))
+        for c in range(first + w, end, U * W):  # (U rows an iteration: all loaded first)
+            load_rows(held, x, c, end, n0)
+            for u in range(U):
+                row = c + u * W
+                if row < end:
+                    gc, bc = p_in(g[row]), p_in(b[row])
+                    write(y, row, n0, normalized((held[u, 0] - m0) * r0, gc, bc),
+                          normalized((held[u, 1] - m1) * r1, gc, bc), normalized((held[u, 2] - m2) * r2, gc, bc),
+                          normalized((held[u, 3] - m3) * r3, gc, bc))
 
     return sums, stats, apply
 
@@ -486,9 +514,11 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
 
     W = cfg.column_warps
     R = cfg.column_rows
+    U = cfg.column_unroll
     column_sums = make_column_sums(W, acc_type)
     column_params = _stats_io(acc_type, vector)
     chunk_sums = make_chunk_sums(acc_type)
+    load_rows = make_column_loads(U, W, read)
 
     @cuda.jit(device=True, inline=True)
     def terms(e, v, gc, bc, m, r):
@@ -496,37 +526,45 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
         return passed(e, xhat, gc, bc), xhat
 
     @cuda.jit(device=True, inline=True)
-    def row_terms(dy, x, g, b, c, n0, m0, m1, m2, m3, r0, r1, r2, r3):
-        """(g[c], dy of the 4 columns where the ReLU passed (0 past N's end), their xhat)."""
-        v0, v1, v2, v3 = read(x, c, n0)
-        e0, e1, e2, e3 = read(dy, c, n0)
-        gc, bc = p_in(g[c]), p_in(b[c])
-        d0, h0 = terms(e0, v0, gc, bc, m0, r0)
-        d1, h1 = terms(e1, v1, gc, bc, m1, r1)
-        d2, h2 = terms(e2, v2, gc, bc, m2, r2)
-        d3, h3 = terms(e3, v3, gc, bc, m3, r3)
+    def row_terms(xs, es, u, g, b, row, m0, m1, m2, m3, r0, r1, r2, r3):
+        """(g[row], dy of the 4 columns where the ReLU passed (0 past N's end), their xhat), from
+        the row's values held at ``xs[u]`` and ``es[u]`` (`make_column_loads`)."""
+        gc, bc = p_in(g[row]), p_in(b[row])
+        d0, h0 = terms(es[u, 0], xs[u, 0], gc, bc, m0, r0)
+        d1, h1 = terms(es[u, 1], xs[u, 1], gc, bc, m1, r1)
+        d2, h2 = terms(es[u, 2], xs[u, 2], gc, bc, m2, r2)
+        d3, h3 = terms(es[u, 3], xs[u, 3], gc, bc, m3, r3)
         return gc, d0, d1, d2, d3, h0, h1, h2, h3
 
-    @cuda.jit
+    @column_kernel(cfg, acc_type)
     def sums(work, dy, x, g, b, mean_in, rstd_in):
         lane, w = cuda.threadIdx.x, cuda.threadIdx.y
         shared = cuda.shared.array((W, 8, 32), acc_type)
+        xs = cuda.local.array((U, 4), acc_type)
+        es = cuda.local.array((U, 4), acc_type)
         C, N = x.shape
         n0 = 4 * (cuda.blockIdx.x * 32 + lane)
         m0, m1, m2, m3 = column_params(mean_in, n0)
         r0, r1, r2, r3 = column_params(rstd_in, n0)
         s0 = s1 = s2 = s3 = q0 = q1 = q2 = q3 = acc_type(0)
         first = cuda.blockIdx.y * R
-        for c in range(first + w, min(C, first + R), W):
-            gc, d0, d1, d2, d3, h0, h1, h2, h3 = row_terms(dy, x, g, b, c, n0, m0, m1, m2, m3, r0, r1, r2, r3)
-            s0 += d0 * gc
-            s1 += d1 * gc
-            s2 += d2 * gc
-            s3 += d3 * gc
-            q0 += d0 * gc * h0
-            q1 += d1 * gc * h1
-            q2 += d2 * gc * h2
-            q3 += d3 * gc * h3
+        end = min(C, first + R)
+        for c in range(first + w, end, U * W):  # (U rows of x and dy an iteration: all loaded first)
+            load_rows(xs, x, c, end, n0)
+            load_rows(es, dy, c, end, n0)
+            for u in range(U):
+                row = c + u * W
+                if row >= end:
+                    break
+                gc, d0, d1, d2, d3, h0, h1, h2, h3 = row_terms(xs, es, u, g, b, row, m0, m1, m2, m3, r0, r1, r2, r3)
+                s0 += d0 * gc
+                s1 += d1 * gc
+                s2 += d2 * gc
+                s3 += d3 * gc
+                q0 += d0 * gc * h0
+                q1 += d1 * gc * h1
+                q2 += d2 * gc * h2
+                q3 += d3 * gc * h3
         column_sums(work, shared, lane, w, n0, (s0, s1, s2, s3, q0, q1, q2, q3))
 
     @cuda.jit
@@ -537,9 +575,11 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
             return
         m[0, n], m[1, n] = chunk_sums(work, n)
 
-    @cuda.jit
+    @column_kernel(cfg, acc_type)
     def apply(dx, gwork, dy, x, g, b, mean_in, rstd_in, sums_in):
         lane, w = cuda.threadIdx.x, cuda.threadIdx.y
+        xs = cuda.local.array((U, 4), acc_type)
+        es = cuda.local.array((U, 4), acc_type)
         C, N = x.shape
         n0 = 4 * (cuda.blockIdx.x * 32 + lane)
         m0, m1, m2, m3 = column_params(mean_in, n0)
@@ -549,18 +589,25 @@ def make_backward(cfg, storage, param_storage, acc_type, axis, relu, vector, sha
         a0, a1, a2, a3 = a0 / acc_type(C), a1 / acc_type(C), a2 / acc_type(C), a3 / acc_type(C)  # mean(dxhat)
         c0, c1, c2, c3 = c0 / acc_type(C), c1 / acc_type(C), c2 / acc_type(C), c3 / acc_type(C)  # mean(dxhat·xhat)
         first = cuda.blockIdx.y * R
-        for c in range(first + w, min(C, first + R), W):
-            gc, d0, d1, d2, d3, h0, h1, h2, h3 = row_terms(dy, x, g, b, c, n0, m0, m1, m2, m3, r0, r1, r2, r3)
-            write(dx, c, n0, r0 * (d0 * gc - a0 - h0 * c0), r1 * (d1 * gc - a1 - h1 * c1),
-                  r2 * (d2 * gc - a2 - h2 * c2), r3 * (d3 * gc - a3 - h3 * c3))
-            tg = (d0 * h0 + d1 * h1) + (d2 * h2 + d3 * h3)  # (past the end dy read 0: no term)
-            tb = (d0 + d1) + (d2 + d3)
-            for offset in (16, 8, 4, 2, 1):
-                tg += cuda.shfl_down_sync(FULL_MASK, tg, offset)
-                tb += cuda.shfl_down_sync(FULL_MASK, tb, offset)
-            if lane == 0:
-                gwork[cuda.blockIdx.x, 0, c] = tg
-                gwork[cuda.blockIdx.x, 1, c] = tb
+        end = min(C, first + R)
+        for c in range(first + w, end, U * W):  # (U rows of x and dy an iteration: all loaded first)
+            load_rows(xs, x, c, end, n0)
+            load_rows(es, dy, c, end, n0)
+            for u in range(U):
+                row = c + u * W
+                if row >= end:
+                    break
+                gc, d0, d1, d2, d3, h0, h1, h2, h3 = row_terms(xs, es, u, g, b, row, m0, m1, m2, m3, r0, r1, r2, r3)
+                write(dx, row, n0, r0 * (d0 * gc - a0 - h0 * c0), r1 * (d1 * gc - a1 - h1 * c1),
+                      r2 * (d2 * gc - a2 - h2 * c2), r3 * (d3 * gc - a3 - h3 * c3))
+                tg = (d0 * h0 + d1 * h1) + (d2 * h2 + d3 * h3)  # (past the end dy read 0: no term)
+                tb = (d0 + d1) + (d2 + d3)
+                for offset in (16, 8, 4, 2, 1):
+                    tg += cuda.shfl_down_sync(FULL_MASK, tg, offset)
+                    tb += cuda.shfl_down_sync(FULL_MASK, tb, offset)
+                if lane == 0:
+                    gwork[cuda.blockIdx.x, 0, row] = tg
+                    gwork[cuda.blockIdx.x, 1, row] = tb
 
     return sums, means, apply
 

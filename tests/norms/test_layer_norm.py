@@ -143,6 +143,10 @@ X, G = np.zeros((3, 8), np.float32), np.ones(8, np.float32)
      "grad_row_blocks: expected 0 to 32"),
     (lambda: norms.layer_norm(X, G, G, config=NormsConfig(grad_finish_warps=0)), ValueError,
      "grad_finish_warps: expected 1 to 32"),
+    (lambda: norms.layer_norm(X.T, G[:3], G[:3], axis=0, config=NormsConfig(column_unroll=9)), ValueError,
+     "column_unroll: expected 1 to 8"),
+    (lambda: norms.layer_norm(X.T, G[:3], G[:3], axis=0, config=NormsConfig(column_blocks=33)), ValueError,
+     "column_blocks: expected 0 to 32"),
 ])
 def test_bad_input_is_refused_before_any_launch(call, error, match):
     with pytest.raises(error, match=match):
@@ -222,3 +226,27 @@ def test_parameter_gradients_over_many_row_chunks(warps):
         _, want_dg, want_db = reference.layer_norm_grad(dy, x, g, b, 1, relu=relu)
         _close(dg, want_dg, "float32", np.abs(dy).sum(0) * 4, "dg")
         _close(db, want_db, "float32", np.abs(dy).sum(0), "db")
+
+
+@pytest.mark.parametrize("unroll", [1, 3])
+def test_axis_0_rows_in_flight_match_the_twin(unroll):
+    """Axis 0's column kernels load ``column_unroll`` rows a warp before using any: chunks of 5
+    features over 2 warps, so an iteration's later rows fall past the chunk's end (and the last
+    chunk's, of 2 features, past C), and their loads re-read its last row and add nothing; with
+    the ReLU, forward and backward, against the twin."""
+    rng = np.random.default_rng(6)
+    C, N = 12, 9  # (N = 9: the last lane's group partly past the columns' end)
+    x, dy = rng.standard_normal((C, N)).astype(np.float32), rng.standard_normal((C, N)).astype(np.float32)
+    g, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
+    cfg = dataclasses.replace(SMALL, column_warps=2, column_rows=5, column_unroll=unroll)
+    for relu in (False, True):
+        y, mean, rstd = norms.layer_norm(x, g, b, axis=0, relu=relu, stats=True, config=cfg)
+        want, want_mean, want_rstd = reference.layer_norm(x, g, b, 0, relu=relu)
+        _close(y, want, "float32", np.abs(g)[:, None] * 4 + np.abs(b)[:, None], "y")
+        _close(mean, want_mean, "float32", np.abs(x).max(0) * C, "mean")
+        dx, dg, db = norms.layer_norm_grad(dy, x, g, b, mean, rstd, axis=0, relu=relu, config=cfg)
+        want_dx, want_dg, want_db = reference.layer_norm_grad(dy, x, g, b, 0, relu=relu)
+        scale = (np.abs(dy) * np.abs(g)[:, None]).max(0) * rstd * C
+        _close(dx, want_dx, "float32", np.broadcast_to(scale, (C, N)), "dx")
+        _close(dg, want_dg, "float32", np.abs(dy).sum(1) * 4, "dg")
+        _close(db, want_db, "float32", np.abs(dy).sum(1), "db")
