@@ -15,7 +15,7 @@ class NormsConfig:
     column_warps: int = 8  # feature axis 0 (C, N): warps a thread block, each 128 columns of x, a row at a time
     column_rows: int = 128  # feature axis 0: rows of x (features) a thread block sums or normalizes
     column_unroll: int = 2  # feature axis 0: rows a warp loads (of each array) before the first is used
-    column_blocks: int = 0  # feature axis 0: thread blocks a multiprocessor its sums and apply are bounded for (0: none)
+    column_blocks: int = 0  # feature axis 0: thread blocks a multiprocessor its sums and apply are bound to (0: none)
     grad_rows: int = 32  # axis 1's dg and db: rows a thread block sums for each feature, before the ordered sum
     grad_finish_warps: int = 8  # dg and db's ordered sum of the row chunks: warps sharing 32 features' chunks
 
