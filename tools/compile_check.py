@@ -364,7 +364,7 @@ def check_norms():
     from numba import float32
 
     from sparseblocks import norms
-    from sparseblocks.norms import layer
+    from sparseblocks.norms import columns, layer
 
     results = []
     for storage, C in itertools.product(("float16", "bfloat16", "float32"), (4096, 1024)):
@@ -377,19 +377,19 @@ def check_norms():
                 ("forward", layer.make_forward, (rows, stats, stats, rows, vec, vec, types.float64)),
                 ("backward", layer.make_backward, (rows, rows, rows, vec, vec, stats, stats))):
             blocks = layer.row_blocks(cfg, T * RB, float32, grad=name == "backward")
-            kernel = maker(cfg, storage, storage, float32, 1, False, True, shape)
+            kernel = maker(cfg, storage, storage, float32, False, True, shape)
             results.append(check(f"layer_norm {name} {storage} C={C} ({T} threads, {K} groups held)",
                                  kernel.py_func, signature, launch_bounds=(T * RB, blocks) if blocks else None))
         if C == 4096:
             work, means = float32[:, :, ::1], float32[:, ::1]
-            sums, _, apply = layer.make_forward(cfg, storage, storage, float32, 0, False, True)
-            grad_sums, _, grad_apply = layer.make_backward(cfg, storage, storage, float32, 0, False, True)
+            sums, _, apply = columns.make_forward(cfg, storage, storage, float32, False, True)
+            grad_sums, _, grad_apply = columns.make_backward(cfg, storage, storage, float32, False, True)
             for name, kernel, signature in (
                     ("forward sums", sums, (work, rows)),
                     ("forward apply", apply, (rows, rows, vec, vec, stats, stats)),
                     ("backward sums", grad_sums, (work, rows, rows, vec, vec, stats, stats)),
                     ("backward apply", grad_apply, (rows, work, rows, rows, vec, vec, stats, stats, means))):
-                blocks = layer.column_blocks(cfg, float32)
+                blocks = columns.column_blocks(cfg, float32)
                 results.append(check(f"layer_norm axis 0 {name} {storage} ({cfg.column_unroll} rows in flight)",
                                      kernel.py_func, signature,
                                      launch_bounds=(32 * cfg.column_warps, blocks) if blocks else None))

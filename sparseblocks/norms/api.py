@@ -11,8 +11,9 @@ from ..ptx.vector import fours_fit
 from ..runtime.launch import launch
 from .config import NormsConfig, as_config
 from .batch import make_batch_norm
-from .layer import (column_launch, finish_launch, make_backward, make_forward, make_param_grads, make_zeros,
-                    param_grid, row_shape)
+from . import columns, layer
+from .columns import column_launch
+from .layer import finish_launch, make_param_grads, make_zeros, param_grid, row_shape
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -73,13 +74,13 @@ def layer_norm(x: Array, g: Array, b: Array, axis: int = 1, epsilon: float = 1e-
     if N:
         x_dev, g_dev, b_dev = x_op.device(stream), g_op.device(stream), b_op.device(stream)
         vector = _vector(x_op.shape[1], y, x_dev, g_dev, b_dev, mean, rstd)  # (axis 0 reads the stats by 4s)
-        shape = row_shape(cfg, C) if axis == 1 else None
-        kernels = cached(make_forward, cfg, x_op.dtype, g_op.dtype, _numba(acc), axis, bool(relu), vector, shape)
-        if shape is not None:  # (axis 1)
-            launch(kernels, -(-N // shape[2]), (shape[0], shape[2]), stream, (y, mean, rstd, x_dev, g_dev, b_dev,
-                                                                          epsilon))
+        key = (cfg, x_op.dtype, g_op.dtype, _numba(acc), bool(relu), vector)
+        if axis == 1:
+            shape = row_shape(cfg, C)
+            launch(cached(layer.make_forward, *key, shape), -(-N // shape[2]), (shape[0], shape[2]), stream,
+                   (y, mean, rstd, x_dev, g_dev, b_dev, epsilon))
         else:
-            sums, stats_kernel, apply = kernels
+            sums, stats_kernel, apply = cached(columns.make_forward, *key)
             (grid, block), (stats_grid, stats_threads) = column_launch(cfg, C, N)
             work = x_op.scratch((grid[1], 2, N), acc, stream)
             launch(sums, grid, block, stream, (work, x_dev))
@@ -122,13 +123,13 @@ def layer_norm_grad(dy: Array, x: Array, g: Array, b: Array, mean: Array, rstd: 
     if axis == 1:
         if N:
             shape = row_shape(cfg, C)
-            launch(cached(make_backward, *key[:4], axis, key[4], vector, shape), -(-N // shape[2]),
+            launch(cached(layer.make_backward, *key, vector, shape), -(-N // shape[2]),
                    (shape[0], shape[2]), stream, (dx, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
         grid = param_grid(cfg, C, N)
         work = x_op.scratch((grid[1], 2, C), acc, stream)
         launch(partials, grid, cfg.row_threads, stream, (work, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
     else:
-        sums, means, apply = cached(make_backward, *key[:4], axis, key[4], vector)
+        sums, means, apply = cached(columns.make_backward, *key, vector)
         if N:
             work = x_op.scratch((grid[0], 2, C), acc, stream)
             launch(sums, grid, block, stream, (sum_work, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
