@@ -359,8 +359,9 @@ def check_attention():
 
 def check_norms():
     """Layer norm's axis-1 forward and backward (fp16, bf16, fp32, rows of 4096 and 1024, vector
-    loads) under the default config's register cap (`norms.layer.row_kernel`), axis 0's column
-    kernels, and the parameter gradients' partial sums and finish: registers, stack."""
+    loads) under the default config's register cap (`norms.layer.row_kernel`), the backward fused
+    with dg's and db's chunk sums, axis 0's column kernels, and the parameter gradients' partial
+    sums and finish: registers, stack."""
     from numba import float32
 
     from sparseblocks import norms
@@ -380,6 +381,11 @@ def check_norms():
             kernel = maker(cfg, storage, storage, float32, False, True, shape)
             results.append(check(f"layer_norm {name} {storage} C={C} ({T} threads, {K} groups held)",
                                  kernel.py_func, signature, launch_bounds=(T * RB, blocks) if blocks else None))
+        blocks = layer.row_blocks(cfg, T, float32, fused=True)  # (dx with dg's and db's chunk sums)
+        kernel = layer.make_backward(cfg, storage, storage, float32, False, True, shape, True)
+        results.append(check(f"layer_norm backward fused {storage} C={C} ({T} threads, {K} groups held)",
+                             kernel.py_func, (rows, float32[:, :, ::1], rows, rows, vec, vec, stats, stats),
+                             launch_bounds=(T, blocks) if blocks else None))
         if C == 4096:
             work, means = float32[:, :, ::1], float32[:, ::1]
             sums, _, apply = columns.make_forward(cfg, storage, storage, float32, False, True)

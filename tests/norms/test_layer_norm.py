@@ -147,6 +147,8 @@ X, G = np.zeros((3, 8), np.float32), np.ones(8, np.float32)
      "column_unroll: expected 1 to 8"),
     (lambda: norms.layer_norm(X.T, G[:3], G[:3], axis=0, config=NormsConfig(column_blocks=33)), ValueError,
      "column_blocks: expected 0 to 32"),
+    (lambda: norms.layer_norm(X, G, G, config=NormsConfig(grad_fused_blocks=33)), ValueError,
+     "grad_fused_blocks: expected 0 to 32"),
 ])
 def test_bad_input_is_refused_before_any_launch(call, error, match):
     with pytest.raises(error, match=match):
@@ -250,3 +252,28 @@ def test_axis_0_rows_in_flight_match_the_twin(unroll):
         _close(dx, want_dx, "float32", np.broadcast_to(scale, (C, N)), "dx")
         _close(dg, want_dg, "float32", np.abs(dy).sum(1) * 4, "dg")
         _close(db, want_db, "float32", np.abs(dy).sum(1), "db")
+
+
+@pytest.mark.parametrize("C", [70, 72, 298])
+def test_fused_parameter_gradients_agree_with_the_separate_sums(C):
+    """``grad_fused``: dx's row kernel also sums dg's and db's terms over chunks of ``grad_rows``
+    rows (3: chunks of 3, 3 and 2 rows), the same terms in the same order as the partial-sum
+    kernel; with and without the ReLU, threads of whole and partial groups (C = 70), vector loads
+    (72), three groups a thread (298). Against the separate kernels (compiled under other register
+    caps, so within a few roundings) and the twin."""
+    rng = np.random.default_rng(7)
+    N = 8
+    x, dy = rng.standard_normal((N, C)).astype(np.float32), rng.standard_normal((N, C)).astype(np.float32)
+    g, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
+    for relu in (False, True):
+        _, mean, rstd = norms.layer_norm(x, g, b, relu=relu, stats=True, config=SMALL)
+        apart = norms.layer_norm_grad(dy, x, g, b, mean, rstd, relu=relu, config=SMALL)
+        fused = norms.layer_norm_grad(dy, x, g, b, mean, rstd, relu=relu,
+                                      config=dataclasses.replace(SMALL, grad_fused=True))
+        for one, two in zip(apart, fused):
+            np.testing.assert_allclose(two, one, rtol=0, atol=C * 10 * np.finfo(np.float32).eps)
+        want_dx, want_dg, want_db = reference.layer_norm_grad(dy, x, g, b, 1, relu=relu)
+        _close(fused[1], want_dg, "float32", np.abs(dy).sum(0) * 4, "dg")
+        _close(fused[2], want_db, "float32", np.abs(dy).sum(0), "db")
+        scale = (np.abs(dy) * np.abs(g)).max(1) * rstd * C
+        _close(fused[0], want_dx, "float32", scale[:, None], "dx")
