@@ -275,11 +275,12 @@ def check_gather_matmul(shapes=(gather_matmul.DEFAULT.gather_tile,)):
 
 
 def check_quant():
-    """The tensor-core bit-plane products (dense and blocks of 32 and 64, W1A1 to W4A4, fp16 out),
-    the convolutions (3x3 over 64 and 256 channels) and quantize-and-pack: ptxas's registers and the
+    """The tensor-core bit-plane products (dense and blocks of 32 and 64, W1A1 to W4A4, fp16 out;
+    dense W1A1 through the cp.async ring, and its rows' bit counts), the convolutions (3x3 over 64 and 256 channels) and quantize-and-pack: ptxas's registers and the
     mma count."""
     from sparseblocks import quant
     from sparseblocks.quant.pack import make_pack, make_pack_image, make_pack_words
+    from sparseblocks.quant.ring import make_ring_product, make_row_counts
     from sparseblocks.quant.tensorcore import block_warps, make_tensorcore_product
 
     Q = quant.DEFAULT
@@ -300,6 +301,15 @@ def check_quant():
                                              group_cols, *warps, True)
             results.append(check(f"{name} fused_acc 128", kernel.py_func, signature,
                                  detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
+    counts = types.int32[::1]
+    ring_signature = signature[:6] + (counts, counts, i64, i64, i64, i64)
+    for stages, signed_a in itertools.product((2, 3), (False, True)):  # (the cp.async ring, `ring_stages`)
+        warps = block_warps(Q, 1, 4096, Q.dense_cols)
+        kernel = make_ring_product(replace(Q, ring_stages=stages), signed_a, True, False, False, Q.dense_cols,
+                                   *warps, True)
+        results.append(check(f"product W1A1 ring of {stages} stages signed_a={signed_a} warps {warps}",
+                             kernel.py_func, ring_signature, detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
+    results.append(check("row bit counts", make_row_counts().py_func, (counts, types.uint32[::1], i64, i64)))
     for (a_bits, w_bits), channels in itertools.product(((1, 1), (2, 2)), (64, 256)):
         words = channels // 32
         warps = block_warps(Q, a_bits, 4096, Q.dense_cols)

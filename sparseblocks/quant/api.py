@@ -21,6 +21,7 @@ from ..ptx.vector import aligned
 from .config import QuantConfig, as_config
 from .pack import make_pack, make_pack_words, make_unpack
 from .simple import make_simt_product
+from .ring import make_ring_product, make_row_counts, ring_fits
 from .tensorcore import block_warps, make_tensorcore_product, warp_rows
 
 MAX_BITS = 4
@@ -257,6 +258,16 @@ def planes_and_bias(a, w, bias, O):
     return a_planes, w_planes, bias_op.device(stream), stream
 
 
+def _row_counts(owner, flat, rows, words, needed, stream):
+    """The (rows,) int32 bit counts of ``flat``'s rows of ``words`` (`ring.make_row_counts`), a
+    scratch array of ``owner``'s kind; where not ``needed``, one unread element."""
+    if not needed:
+        return owner.scratch((1,), "int32", stream)
+    out = owner.scratch((rows,), "int32", stream)
+    launch(cached(make_row_counts), -(-rows // 8), 256, stream, (out, flat, rows, words))
+    return out
+
+
 def _check_layout(layout, columns, outputs):
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout: expected a BlockLayout, got {type(layout).__name__}")
@@ -311,10 +322,19 @@ def matmul(a: QuantArray, w: QuantArray, layout: Optional[BlockLayout] = None, b
             # (flat planes and output: a thread's row addresses are made once, then words added)
             flat = [Operand(array.reshape(-1), name) for array, name in ((a.planes, "a.planes"), (w.planes, "w.planes"))]
             warps_m, warps_n = block_warps(cfg, a.bits, N, group_cols)
-            kernel = cached(make_tensorcore_product, cfg, *key, warps_m, warps_n, O % 2 == 0)
             grid = (len(ptr) - 1, -(-N // (warps_m * warp_rows(cfg, a.bits))))
-            launch(kernel, grid, warps_m * warps_n * 32, stream,
-                   (y.reshape(-1), flat[0].device(stream), flat[1].device(stream), a_basis, w_basis, bias_values, ptr,
-                    blocks, seen, N, O, a.planes.shape[2]))
+            a_flat, w_flat, words = flat[0].device(stream), flat[1].device(stream), a.planes.shape[2]
+            if (layout is None and a.bits == w.bits == 1 and words % 4 == 0 and ring_fits(cfg, group_cols, warps_m)
+                    and aligned(data_pointer(a_flat), 16, 1) and aligned(data_pointer(w_flat), 16, 1)):
+                a_counts = _row_counts(a_planes, a_flat, N, words, w.signed, stream)  # (where the other is signed)
+                w_counts = _row_counts(a_planes, w_flat, O, words, a.signed, stream)
+                kernel = cached(make_ring_product, cfg, a.signed, w.signed, bias is not None, bool(relu), group_cols,
+                                warps_m, warps_n, O % 2 == 0)
+                launch(kernel, grid, warps_m * warps_n * 32, stream, (y.reshape(-1), a_flat, w_flat, a_basis, w_basis,
+                                                                      bias_values, a_counts, w_counts, N, O, words, seen))
+            else:
+                kernel = cached(make_tensorcore_product, cfg, *key, warps_m, warps_n, O % 2 == 0)
+                launch(kernel, grid, warps_m * warps_n * 32, stream,
+                       (y.reshape(-1), a_flat, w_flat, a_basis, w_basis, bias_values, ptr, blocks, seen, N, O, words))
     return a_planes.result(native, y, stream)
 

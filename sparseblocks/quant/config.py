@@ -18,6 +18,9 @@ class QuantConfig:
     chunk_words: int = 16  # words of the word list staged in shared memory at a time (8 a b1 mma step)
     max_registers: int = None  # a cap on the tensor-core product's registers (ptxas), None for none
     fused_acc: int = 64  # registers a thread the accumulators of all weight planes may take in one pass (0: a pass a plane)
+    # dense W1A1 of rows of whole 4-word groups: stages of a cp.async ring (`ring`; 2 to 4, within
+    # 48 KiB), the rows' bit counts from a kernel of their own; 0: the register-staged kernel
+    ring_stages: int = 0
 
     def check(self):
         if not 1 <= self.pack_words <= 32:
@@ -30,6 +33,8 @@ class QuantConfig:
             raise ValueError(f"dense_cols: expected a multiple of 8 * warps_n up to 256, got {self.dense_cols}")
         if self.fused_acc < 0:
             raise ValueError(f"fused_acc: expected 0 or more registers, got {self.fused_acc}")
+        if self.ring_stages == 1 or not 0 <= self.ring_stages <= 4:
+            raise ValueError(f"ring_stages: expected 0 (no ring) or 2 to 4, got {self.ring_stages}")
         if self.chunk_words not in (8, 16, 32):
             raise ValueError(f"chunk_words: expected 8, 16 or 32, got {self.chunk_words}")
         tile = (self.warps_m * self.warp_rows + self.dense_cols) * (self.chunk_words + 4) * 4

@@ -112,6 +112,24 @@ def plane_passes(cfg, a_bits, w_bits, group_cols, warps_m, warps_n):
     return (w_bits, 1) if w_bits > 1 and fits else (1, w_bits)
 
 
+def make_store_pair(finish, paired):
+    """``store_pair(y, at, c, O, lo, hi, bias_values)``: y[at], y[at + 1] (outputs c, c + 1 of a
+    row) = lo, hi through ``finish`` (bias, ReLU): one store where both are inside and rows are of
+    an even length (``paired``: the pair aligned), else one a value."""
+
+    @cuda.jit(device=True, inline=True)
+    def store_pair(y, at, c, O, lo, hi, bias_values):
+        if paired and c + 1 < O:
+            store2(y, (at,), (finish(lo, c, bias_values), finish(hi, c + 1, bias_values)))
+        else:
+            if c < O:
+                y[at] = finish(lo, c, bias_values)
+            if c + 1 < O:
+                y[at + 1] = finish(hi, c + 1, bias_values)
+
+    return store_pair
+
+
 def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, block_words, group_cols,
                             warps_m, warps_n, paired, geometry=None):
     """The kernel ``product(y, a_planes, w_planes, a_basis, w_basis, bias_values, ptr, blocks,
@@ -146,17 +164,7 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
     need_pb = signed_a
     load_vector, store_vector = VECTORS[VW]
 
-    @cuda.jit(device=True, inline=True)
-    def store_pair(y, at, c, O, lo, hi, bias_values):
-        """y[at], y[at + 1] (outputs c, c + 1 of a row) = lo, hi (+ bias, ReLU): one store where
-        both are inside and rows are of an even length (the pair aligned), else one a value."""
-        if paired and c + 1 < O:
-            store2(y, (at,), (finish(lo, c, bias_values), finish(hi, c + 1, bias_values)))
-        else:
-            if c < O:
-                y[at] = finish(lo, c, bias_values)
-            if c + 1 < O:
-                y[at + 1] = finish(hi, c + 1, bias_values)
+    store_pair = make_store_pair(finish, paired)
 
     @cuda.jit(device=True, inline=True)
     def tile_row(n):

@@ -1,5 +1,7 @@
 """Quantize-and-pack, unpack and the bit-plane products against their NumPy twins."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -191,6 +193,27 @@ def test_tensor_core_tiles_span_chunks_warps_and_passes(configure, bs, fused):
     assert_close(got.astype(np.float64), want, "float32", "tensorcore", magnitude=magnitude, terms=4)
 
 
+@pytest.mark.parametrize("signed_a, signed_w, stages", [(True, True, 2), (False, True, 3), (True, False, 2)])
+def test_the_cp_async_ring_gives_the_register_staged_products_bits(configure, signed_a, signed_w, stages):
+    """``ring_stages``: dense W1A1 through a cp.async ring (C = 700: rows of 24 words, stages of
+    16, the last half past the row's end, so zero-filled), two warps across the outputs (one mma
+    column each: an odd last one), a row tile and an output group that end inside (N = 20 of 32
+    rows, O = 23: odd, so single stores), bias and ReLU, the rows' bit counts where the other side
+    is signed: bit for bit the register-staged kernel's, and the twin's values."""
+    cfg = configure(quant, warps_m=1, warps_n=2, warp_rows=32, dense_cols=16, chunk_words=16)
+    rng = np.random.default_rng(9)
+    rows, columns, O = 20, 700, 23
+    _, _, a = quantized(rng, rows, columns, 1, signed_a, per_row=False)
+    _, _, w = quantized(rng, O, columns, 1, signed_w, per_row=True)
+    b = rng.standard_normal(O).astype(np.float32)
+    staged = quant.matmul(a, w, bias=b, relu=True)
+    ring = quant.matmul(a, w, bias=b, relu=True, config=replace(cfg, ring_stages=stages))
+    np.testing.assert_array_equal(ring, staged)
+    want, _ = reference.matmul(a.planes, a.basis[0], w.planes, w.basis, columns, signed_a, signed_w, bias=b, relu=True)
+    magnitude = np.abs(values_of(a)) @ np.abs(values_of(w)).T + np.abs(b)
+    assert_close(ring.astype(np.float64), want, "float32", "ring", magnitude=magnitude, terms=1)
+
+
 def test_block_sparse_product_is_the_dense_one_masked_by_the_layout():
     rng = np.random.default_rng(3)
     columns, O, bs = 96, 64, 32  # a 3 x 2 grid of blocks
@@ -255,6 +278,7 @@ def test_quant_array_passes_its_planes_on():
     ({"warps_n": 3}, "warps_n: expected 1, 2 or 4"),
     ({"dense_cols": 256, "chunk_words": 32}, "expected a shared tile of at most 48 KiB"),
     ({"fused_acc": -1}, "fused_acc: expected 0 or more"),
+    ({"ring_stages": 1}, "ring_stages: expected 0 \\(no ring\\) or 2 to 4"),
 ])
 def test_config_refuses_tiles_the_kernels_cannot_take(fields, match):
     with pytest.raises(ValueError, match=match):
