@@ -276,8 +276,8 @@ def check_gather_matmul(shapes=(gather_matmul.DEFAULT.gather_tile,)):
 
 def check_quant():
     """The tensor-core bit-plane products (dense and blocks of 32 and 64, W1A1 to W4A4, fp16 out;
-    dense W1A1 through the cp.async ring, and its rows' bit counts), the convolutions (3x3 over 64 and 256 channels) and quantize-and-pack: ptxas's registers and the
-    mma count."""
+    dense W1A1 through the cp.async ring, and its rows' bit counts), the convolutions (3x3 over 64
+    and 256 channels) and quantize-and-pack: ptxas's registers and the mma count."""
     from sparseblocks import quant
     from sparseblocks.quant.pack import make_pack, make_pack_image, make_pack_words
     from sparseblocks.quant.ring import make_ring_product, make_row_counts

@@ -330,8 +330,9 @@ def matmul(a: QuantArray, w: QuantArray, layout: Optional[BlockLayout] = None, b
                 w_counts = _row_counts(a_planes, w_flat, O, words, a.signed, stream)
                 kernel = cached(make_ring_product, cfg, a.signed, w.signed, bias is not None, bool(relu), group_cols,
                                 warps_m, warps_n, O % 2 == 0)
-                launch(kernel, grid, warps_m * warps_n * 32, stream, (y.reshape(-1), a_flat, w_flat, a_basis, w_basis,
-                                                                      bias_values, a_counts, w_counts, N, O, words, seen))
+                launch(kernel, grid, warps_m * warps_n * 32, stream,
+                       (y.reshape(-1), a_flat, w_flat, a_basis, w_basis, bias_values, a_counts, w_counts, N, O, words,
+                        seen))
             else:
                 kernel = cached(make_tensorcore_product, cfg, *key, warps_m, warps_n, O % 2 == 0)
                 launch(kernel, grid, warps_m * warps_n * 32, stream,
