@@ -16,7 +16,8 @@ The same sums and tile shape as `tensorcore`'s kernel for one activation and one
 
 The integers then become the output as in `tensorcore`'s one-pair epilogue (`plane_dot`, the
 bases' product, bias, ReLU, two outputs a store), so both kernels give the same bits. Rows of a
-multiple of 4 words (128 values), 16-byte-aligned planes: `matmul` takes this kernel there when
+multiple of 4 words (packed rows are whole 8-word steps), 16-byte-aligned planes, stages within
+227 KB of dynamic shared memory (`ring_fits`): `matmul` takes this kernel there when
 ``ring_stages`` is set, and `tensorcore`'s otherwise.
 """
 
@@ -25,16 +26,25 @@ from numba import cuda, float32, int32, int64, uint32
 from ..ptx.cp_async import copy16_or_zero, make_ring, shared_address, signed_address
 from ..ptx.ldmatrix import ldmatrix_x4_at
 from ..ptx.mma import B1_WORDS, mma_b1_and
+from ..runtime.backend import SIMULATOR
+from ..runtime.launch import dynamic_shared
 from .simple import make_finish, make_plane_dot
 from .tensorcore import FULL_MASK, PAD, make_store_pair, warp_rows
 
 PARTS_BYTES = 16  # a copy
 
 
-def ring_fits(cfg, group_cols, warps_m):
-    """Whether the ring's stages fit 48 KB of shared memory (and a ring is asked for)."""
-    rows = warps_m * warp_rows(cfg, 1) + group_cols
-    return cfg.ring_stages > 0 and cfg.ring_stages * rows * (cfg.chunk_words + PAD) * 4 <= 48 * 1024
+SHARED_LIMIT = 227 * 1024  # dynamic shared memory a thread block may take (sm_80 164 KB, sm_90 227 KB)
+
+
+def ring_bytes(cfg, group_cols, warps_m):
+    """The ring's shared memory: its stages of every tile row's ``chunk_words`` words (padded)."""
+    return cfg.ring_stages * (warps_m * warp_rows(cfg, 1) + group_cols) * (cfg.chunk_words + PAD) * 4
+
+
+def ring_fits(cfg, group_cols, warps_m, limit=SHARED_LIMIT):
+    """Whether a ring is asked for and its stages fit ``limit`` bytes of shared memory."""
+    return cfg.ring_stages > 0 and ring_bytes(cfg, group_cols, warps_m) <= limit
 
 
 def make_ring_product(cfg, signed_a, signed_w, bias, relu, group_cols, warps_m, warps_n, paired):
@@ -53,7 +63,6 @@ def make_ring_product(cfg, signed_a, signed_w, bias, relu, group_cols, warps_m, 
     ROW = (CW + PAD) * 4  # bytes a tile row (padded: ldmatrix's 8 rows in distinct banks)
     STAGE = TILE_ROWS * ROW
     STAGES = cfg.ring_stages
-    WORDS = STAGES * TILE_ROWS * (CW + PAD)  # (a shared array's size: a name)
     STEPS = CW // B1_WORDS
     PARTS = CW * 4 // PARTS_BYTES  # copies a tile row
     THREADS = 32 * warps_m * warps_n
@@ -80,9 +89,9 @@ def make_ring_product(cfg, signed_a, signed_w, bias, relu, group_cols, warps_m, 
 
     prime, advance = make_ring(issue, STAGES, STAGE)
 
-    @cuda.jit
+    @cuda.jit(**({} if cfg.max_registers is None or SIMULATOR else {"max_registers": cfg.max_registers}))
     def product(y, a_planes, w_planes, a_basis, w_basis, bias_values, a_counts, w_counts, N, O, words, seen):
-        tile = cuda.shared.array(WORDS, int32)
+        tile = cuda.shared.array(0, int32)  # (dynamic: the ring's stages)
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
         wm, wn = warp // warps_n, warp % warps_n
@@ -152,7 +161,7 @@ def make_ring_product(cfg, signed_a, signed_w, bias, relu, group_cols, warps_m, 
                 if r + 8 < N:
                     store_pair(y, int64(r + 8) * O + c, c, O, lo1, hi1, bias_values)
 
-    return product
+    return dynamic_shared(product, STAGES * STAGE)
 
 
 def make_row_counts():
