@@ -193,14 +193,17 @@ def test_tensor_core_tiles_span_chunks_warps_and_passes(configure, bs, fused):
     assert_close(got.astype(np.float64), want, "float32", "tensorcore", magnitude=magnitude, terms=4)
 
 
-@pytest.mark.parametrize("signed_a, signed_w, stages", [(True, True, 2), (False, True, 3), (True, False, 2)])
-def test_the_cp_async_ring_gives_the_register_staged_products_bits(configure, signed_a, signed_w, stages):
+@pytest.mark.parametrize("signed_a, signed_w, stages, tall", [(True, True, 2, False), (False, True, 3, False),
+                                                              (True, False, 2, False), (True, True, 3, True)])
+def test_the_cp_async_ring_gives_the_register_staged_products_bits(configure, signed_a, signed_w, stages, tall):
     """``ring_stages``: dense W1A1 through a cp.async ring (C = 700: rows of 24 words, stages of
     16, the last half past the row's end, so zero-filled), two warps across the outputs (one mma
     column each: an odd last one), a row tile and an output group that end inside (N = 20 of 32
     rows, O = 23: odd, so single stores), bias and ReLU, the rows' bit counts where the other side
-    is signed: bit for bit the register-staged kernel's, and the twin's values."""
-    cfg = configure(quant, warps_m=1, warps_n=2, warp_rows=32, dense_cols=16, chunk_words=16)
+    is signed: bit for bit the register-staged kernel's, and the twin's values. ``tall``: one warp of
+    64 rows by 16 outputs (4 x 2 mmas a step), as the 64-row warps of large tiles."""
+    warps_n, rows_a_warp = (1, 64) if tall else (2, 32)
+    cfg = configure(quant, warps_m=1, warps_n=warps_n, warp_rows=rows_a_warp, dense_cols=16, chunk_words=16)
     rng = np.random.default_rng(9)
     rows, columns, O = 20, 700, 23
     _, _, a = quantized(rng, rows, columns, 1, signed_a, per_row=False)
