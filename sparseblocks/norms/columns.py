@@ -57,6 +57,20 @@ def make_column_sums(W, acc_type):
     return column_sums
 
 
+def make_tile_of(reverse):
+    """``tile_of() -> (column block, feature chunk)`` of an apply kernel's thread block: the sums'
+    launch order, or with ``reverse`` (``column_reverse``) the last of it first, so that the x an
+    apply reads first is the x the sums read last, the likeliest still in L2."""
+
+    @cuda.jit(device=True, inline=True)
+    def tile_of():
+        if reverse:
+            return cuda.gridDim.x - 1 - cuda.blockIdx.x, cuda.gridDim.y - 1 - cuda.blockIdx.y
+        return cuda.blockIdx.x, cuda.blockIdx.y
+
+    return tile_of
+
+
 def make_column_loads(U, W, read):
     """``load_rows(held, a, c, end, n0)``: a warp's ``U`` rows of an axis-0 chunk, c, c + W, ...,
     ``a[row, n0:n0+4]`` into ``held[u, 0:4]``, every load issued before any value is used; a row
@@ -120,6 +134,7 @@ def make_forward(cfg, storage, param_storage, acc_type, relu, vector):
     column_params = stats_io(acc_type, vector)
     chunk_sums = make_chunk_sums(acc_type)
     load_rows = make_column_loads(U, W, read)
+    tile_of = make_tile_of(cfg.column_reverse)
 
     @column_kernel(cfg, acc_type)
     def sums(work, x):
@@ -163,12 +178,13 @@ def make_forward(cfg, storage, param_storage, acc_type, relu, vector):
     @column_kernel(cfg, acc_type)
     def apply(y, x, g, b, mean_in, rstd_in):
         lane, w = cuda.threadIdx.x, cuda.threadIdx.y
+        strip, chunk = tile_of()
         held = cuda.local.array((U, 4), acc_type)
         C, N = x.shape
-        n0 = 4 * (cuda.blockIdx.x * 32 + lane)
+        n0 = 4 * (strip * 32 + lane)
         m0, m1, m2, m3 = column_params(mean_in, n0)
         r0, r1, r2, r3 = column_params(rstd_in, n0)
-        first = cuda.blockIdx.y * R
+        first = chunk * R
         end = min(C, first + R)
         for c in range(first + w, end, U * W):  # (U rows an iteration: all loaded first)
             load_rows(held, x, c, end, n0)
@@ -204,6 +220,7 @@ def make_backward(cfg, storage, param_storage, acc_type, relu, vector):
     column_params = stats_io(acc_type, vector)
     chunk_sums = make_chunk_sums(acc_type)
     load_rows = make_column_loads(U, W, read)
+    tile_of = make_tile_of(cfg.column_reverse)
 
     @cuda.jit(device=True, inline=True)
     def terms(e, v, gc, bc, m, r):
@@ -263,17 +280,18 @@ def make_backward(cfg, storage, param_storage, acc_type, relu, vector):
     @column_kernel(cfg, acc_type)
     def apply(dx, gwork, dy, x, g, b, mean_in, rstd_in, sums_in):
         lane, w = cuda.threadIdx.x, cuda.threadIdx.y
+        strip, chunk = tile_of()
         xs = cuda.local.array((U, 4), acc_type)
         es = cuda.local.array((U, 4), acc_type)
         C, N = x.shape
-        n0 = 4 * (cuda.blockIdx.x * 32 + lane)
+        n0 = 4 * (strip * 32 + lane)
         m0, m1, m2, m3 = column_params(mean_in, n0)
         r0, r1, r2, r3 = column_params(rstd_in, n0)
         a0, a1, a2, a3 = column_params(sums_in[0], n0)
         c0, c1, c2, c3 = column_params(sums_in[1], n0)
         a0, a1, a2, a3 = a0 / acc_type(C), a1 / acc_type(C), a2 / acc_type(C), a3 / acc_type(C)  # mean(dxhat)
         c0, c1, c2, c3 = c0 / acc_type(C), c1 / acc_type(C), c2 / acc_type(C), c3 / acc_type(C)  # mean(dxhat·xhat)
-        first = cuda.blockIdx.y * R
+        first = chunk * R
         end = min(C, first + R)
         for c in range(first + w, end, U * W):  # (U rows of x and dy an iteration: all loaded first)
             load_rows(xs, x, c, end, n0)
@@ -291,7 +309,7 @@ def make_backward(cfg, storage, param_storage, acc_type, relu, vector):
                     tg += cuda.shfl_down_sync(FULL_MASK, tg, offset)
                     tb += cuda.shfl_down_sync(FULL_MASK, tb, offset)
                 if lane == 0:
-                    gwork[cuda.blockIdx.x, 0, row] = tg
-                    gwork[cuda.blockIdx.x, 1, row] = tb
+                    gwork[strip, 0, row] = tg
+                    gwork[strip, 1, row] = tb
 
     return sums, means, apply

@@ -16,6 +16,7 @@ class NormsConfig:
     column_rows: int = 128  # feature axis 0: rows of x (features) a thread block sums or normalizes
     column_unroll: int = 2  # feature axis 0: rows a warp loads (of each array) before the first is used
     column_blocks: int = 0  # feature axis 0: thread blocks a multiprocessor its sums and apply are bound to (0: none)
+    column_reverse: bool = False  # feature axis 0: the apply kernels take the sums' thread blocks last first (L2)
     grad_rows: int = 32  # axis 1's dg and db: rows a thread block sums for each feature, before the ordered sum
     # axis 1's backward: dx's row kernel also sums dg's and db's terms, a thread block a chunk of
     # grad_rows rows, one read of dy and x (where a row's groups are held and a thread block is one row)

@@ -47,8 +47,10 @@ def _problem(draw, dtype, axis):
 
 @settings(max_examples=6 if SIMULATOR else 60, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from(["float32", "float16", "bfloat16", "float64"]),
-       axis=st.sampled_from([1, 0]), relu=st.booleans())
-def test_layer_norm_and_its_gradients_match_the_twin(data, dtype, axis, relu):
+       axis=st.sampled_from([1, 0]), relu=st.booleans(), fused=st.booleans())
+def test_layer_norm_and_its_gradients_match_the_twin(data, dtype, axis, relu, fused):
+    """Forward and backward against the twin over dtypes, both axes, the ReLU, and axis 1's dg and
+    db summed in dx's row kernel or apart (``grad_fused``)."""
     x, g, b, dy, N, C = _problem(data.draw, dtype, axis)
     rows = (lambda a: np.asarray(a, np.float64)) if axis == 1 else (lambda a: np.asarray(a, np.float64).T)
     acc = "float64" if dtype == "float64" else "float32"
@@ -64,7 +66,8 @@ def test_layer_norm_and_its_gradients_match_the_twin(data, dtype, axis, relu):
     _close(mean, want_mean, acc, C * size, "mean")
     _close(rstd, want_rstd, acc, drift * want_rstd, "rstd")
 
-    dx, dg, db = norms.layer_norm_grad(dy, x, g, b, mean, rstd, axis=axis, relu=relu, config=SMALL)
+    grads = dataclasses.replace(SMALL, grad_fused=fused)
+    dx, dg, db = norms.layer_norm_grad(dy, x, g, b, mean, rstd, axis=axis, relu=relu, config=grads)
     want_dx, want_dg, want_db = reference.layer_norm_grad(dy, x, g, b, axis, relu=relu)
     assert dx.dtype == x.dtype and dg.dtype == db.dtype == g.dtype
     # dx sums C terms of |dy·g|·(1 + |xhat|), each off by the drift; dg and db sum N rows.
@@ -277,3 +280,20 @@ def test_fused_parameter_gradients_agree_with_the_separate_sums(C):
         _close(fused[2], want_db, "float32", np.abs(dy).sum(0), "db")
         scale = (np.abs(dy) * np.abs(g)).max(1) * rstd * C
         _close(fused[0], want_dx, "float32", scale[:, None], "dx")
+
+
+def test_axis_0_apply_in_reverse_gives_the_same_bits():
+    """``column_reverse``: axis 0's apply kernels take their thread blocks last first (three
+    column blocks by three feature chunks here); each output and each column block's dg and db
+    terms is one block's alone, so y, dx, dg and db keep their bits."""
+    rng = np.random.default_rng(8)
+    C, N = 7, 300  # (N = 300: three blocks of 128 columns, the last partial)
+    x, dy = rng.standard_normal((C, N)).astype(np.float32), rng.standard_normal((C, N)).astype(np.float32)
+    g, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
+    results = []
+    for reverse in (False, True):
+        cfg = dataclasses.replace(SMALL, column_rows=3, column_reverse=reverse)
+        y, mean, rstd = norms.layer_norm(x, g, b, axis=0, relu=True, stats=True, config=cfg)
+        results.append((y, *norms.layer_norm_grad(dy, x, g, b, mean, rstd, axis=0, relu=True, config=cfg)))
+    for one, two in zip(*results):
+        np.testing.assert_array_equal(one, two)
