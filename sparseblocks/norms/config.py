@@ -22,6 +22,7 @@ class NormsConfig:
     # grad_rows rows, one read of dy and x (where a row's groups are held and a thread block is one row)
     grad_fused: bool = False
     grad_fused_blocks: int = 3  # ... thread blocks a multiprocessor that kernel is bounded for (0: none)
+    grad_fused_shared: bool = True  # ... its sums in shared memory (a slot a feature, within 48 KB), else registers
     grad_finish_warps: int = 8  # dg and db's ordered sum of the row chunks: warps sharing 32 features' chunks
 
     def check(self):

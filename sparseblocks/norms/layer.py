@@ -208,6 +208,16 @@ def make_backward(cfg, storage, param_storage, acc_type, relu, vector, shape, fu
         p3, h3 = terms(e3, v3, g3, b3, mean, r)
         return p0 * g0, p1 * g1, p2 * g2, p3 * g3, h0, h1, h2, h3, p0, p1, p2, p3
 
+    # (the fused kernel's sums of this thread's features: in shared memory, a slot a feature, where
+    # they fit 48 KB (``grad_fused_shared``: registers left for rows in flight), else in registers)
+    SUM_SLOTS = 4 * max(K, 1) * T
+    IN_SHARED = cfg.grad_fused_shared and 2 * SUM_SLOTS * acc_type.bitwidth // 8 <= 48 * 1024
+
+    @cuda.jit(device=True, inline=True)
+    def slot(t, k):
+        """Where thread t's group k's four sums start in ``sg`` and ``sb``."""
+        return 4 * (t + k * T) if IN_SHARED else 4 * k
+
     @cuda.jit(device=True, inline=True)
     def one_row(dx, dy, x, g, b, row, inside, mean_in, rstd_in, shared, y_, t, hd, hh, sg, sb):
         """dx's row (stored where ``inside``); with ``fused``, this thread's features' dg and db
@@ -227,14 +237,15 @@ def make_backward(cfg, storage, param_storage, acc_type, relu, vector, shape, fu
                 hd[4 * k], hd[4 * k + 1], hd[4 * k + 2], hd[4 * k + 3] = d0, d1, d2, d3
                 hh[4 * k], hh[4 * k + 1], hh[4 * k + 2], hh[4 * k + 3] = h0, h1, h2, h3
             if fused:  # (the partial sums' terms and order: dy·xhat and dy, a row after another)
-                sg[4 * k] += p0 * h0
-                sg[4 * k + 1] += p1 * h1
-                sg[4 * k + 2] += p2 * h2
-                sg[4 * k + 3] += p3 * h3
-                sb[4 * k] += p0
-                sb[4 * k + 1] += p1
-                sb[4 * k + 2] += p2
-                sb[4 * k + 3] += p3
+                at = slot(t, k)
+                sg[at] += p0 * h0
+                sg[at + 1] += p1 * h1
+                sg[at + 2] += p2 * h2
+                sg[at + 3] += p3 * h3
+                sb[at] += p0
+                sb[at + 1] += p1
+                sb[at + 2] += p2
+                sb[at + 3] += p3
             s1 += (d0 + d1) + (d2 + d3)
             s2 += (d0 * h0 + d1 * h1) + (d2 * h2 + d3 * h3)
         s1, s2 = block_sums(s1, s2, shared, y_, t)
@@ -272,11 +283,16 @@ def make_backward(cfg, storage, param_storage, acc_type, relu, vector, shape, fu
         shared = cuda.shared.array((1, SLOTS), acc_type)
         hd = cuda.local.array(HELD, acc_type)
         hh = cuda.local.array(HELD, acc_type)
-        sg = cuda.local.array(HELD, acc_type)  # (this thread's features' dg and db terms, over the chunk's rows)
-        sb = cuda.local.array(HELD, acc_type)
-        for i in range(HELD):
-            sg[i] = acc_type(0)
-            sb[i] = acc_type(0)
+        if IN_SHARED:  # (this thread's features' dg and db terms, over the chunk's rows)
+            sums = cuda.shared.array((2, SUM_SLOTS), acc_type)
+            sg, sb = sums[0], sums[1]
+        else:
+            sg = cuda.local.array(HELD, acc_type)
+            sb = cuda.local.array(HELD, acc_type)
+        for k in range(K):
+            for j in range(4):
+                sg[slot(t, k) + j] = acc_type(0)
+                sb[slot(t, k) + j] = acc_type(0)
         N, C = x.shape
         chunk = cuda.blockIdx.x
         for row in range(chunk * R, min(N, chunk * R + R)):
@@ -285,8 +301,8 @@ def make_backward(cfg, storage, param_storage, acc_type, relu, vector, shape, fu
             c = 4 * (t + k * T)
             for j in range(4):
                 if c + j < C:
-                    work[chunk, 0, c + j] = sg[4 * k + j]
-                    work[chunk, 1, c + j] = sb[4 * k + j]
+                    work[chunk, 0, c + j] = sg[slot(t, k) + j]
+                    work[chunk, 1, c + j] = sb[slot(t, k) + j]
 
     return backward_chunk
 

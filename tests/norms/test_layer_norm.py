@@ -258,12 +258,14 @@ def test_axis_0_rows_in_flight_match_the_twin(unroll):
 
 
 @pytest.mark.parametrize("C", [70, 72, 298])
-def test_fused_parameter_gradients_agree_with_the_separate_sums(C):
+@pytest.mark.parametrize("shared", [True, False])
+def test_fused_parameter_gradients_agree_with_the_separate_sums(C, shared):
     """``grad_fused``: dx's row kernel also sums dg's and db's terms over chunks of ``grad_rows``
     rows (3: chunks of 3, 3 and 2 rows), the same terms in the same order as the partial-sum
     kernel; with and without the ReLU, threads of whole and partial groups (C = 70), vector loads
     (72), three groups a thread (298). Against the separate kernels (compiled under other register
-    caps, so within a few roundings) and the twin."""
+    caps, so within a few roundings) and the twin; the sums in shared memory or in registers
+    (``grad_fused_shared``)."""
     rng = np.random.default_rng(7)
     N = 8
     x, dy = rng.standard_normal((N, C)).astype(np.float32), rng.standard_normal((N, C)).astype(np.float32)
@@ -272,7 +274,7 @@ def test_fused_parameter_gradients_agree_with_the_separate_sums(C):
         _, mean, rstd = norms.layer_norm(x, g, b, relu=relu, stats=True, config=SMALL)
         apart = norms.layer_norm_grad(dy, x, g, b, mean, rstd, relu=relu, config=SMALL)
         fused = norms.layer_norm_grad(dy, x, g, b, mean, rstd, relu=relu,
-                                      config=dataclasses.replace(SMALL, grad_fused=True))
+                                      config=dataclasses.replace(SMALL, grad_fused=True, grad_fused_shared=shared))
         for one, two in zip(apart, fused):
             np.testing.assert_allclose(two, one, rtol=0, atol=C * 10 * np.finfo(np.float32).eps)
         want_dx, want_dg, want_db = reference.layer_norm_grad(dy, x, g, b, 1, relu=relu)
