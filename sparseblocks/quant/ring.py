@@ -27,6 +27,7 @@ from ..ptx.cp_async import copy16_or_zero, make_ring, shared_address, signed_add
 from ..ptx.ldmatrix import ldmatrix_x4_at
 from ..ptx.mma import B1_WORDS, mma_b1_and
 from ..runtime.backend import SIMULATOR
+from ..runtime.compile import unrolled
 from ..runtime.launch import dynamic_shared
 from .simple import make_finish, make_plane_dot
 from .tensorcore import FULL_MASK, PAD, make_store_pair, warp_rows
@@ -89,6 +90,28 @@ def make_ring_product(cfg, signed_a, signed_w, bias, relu, group_cols, warps_m, 
 
     prime, advance = make_ring(issue, STAGES, STAGE)
 
+    @cuda.jit(device=True, inline=True)
+    def step_of(step, at, acc, af, a_lane, b_lane, quarter):
+        """mma step ``step`` of the stage at ``at``: the warp's A fragments, then its B fragments
+        two mma columns a load (an odd last one twice), each meeting every A."""
+        for mt in range(MT):
+            a = ldmatrix_x4_at(at + a_lane + mt * 16 * ROW + step * B1_WORDS * 4)
+            for i in range(4):
+                af[mt, i] = a[i]
+        for nt in range(0, NC, 2):
+            other = nt + quarter // 2 if nt + 1 < NC else nt
+            b = ldmatrix_x4_at(at + b_lane + other * 8 * ROW + step * B1_WORDS * 4)
+            for h in range(2 if nt + 1 < NC else 1):
+                for mt in range(MT):
+                    d = mma_b1_and(af[mt, 0], af[mt, 1], af[mt, 2], af[mt, 3], b[2 * h], b[2 * h + 1],
+                                   acc[mt, nt + h, 0], acc[mt, nt + h, 1], acc[mt, nt + h, 2], acc[mt, nt + h, 3])
+                    acc[mt, nt + h, 0] = d[0]
+                    acc[mt, nt + h, 1] = d[1]
+                    acc[mt, nt + h, 2] = d[2]
+                    acc[mt, nt + h, 3] = d[3]
+
+    steps = unrolled(STEPS, step_of)  # (the stage's steps written out: constant offsets)
+
     @cuda.jit(**({} if cfg.max_registers is None or SIMULATOR else {"max_registers": cfg.max_registers}))
     def product(y, a_planes, w_planes, a_basis, w_basis, bias_values, a_counts, w_counts, N, O, words, seen):
         tile = cuda.shared.array(0, int32)  # (dynamic: the ring's stages)
@@ -122,23 +145,7 @@ def make_ring_product(cfg, signed_a, signed_w, bias, relu, group_cols, warps_m, 
         buf = 0
         for s in range(count):
             at, buf = advance(s, buf, base, count, args)
-            for step in range(STEPS):
-                for mt in range(MT):
-                    a = ldmatrix_x4_at(at + a_lane + mt * 16 * ROW + step * B1_WORDS * 4)
-                    for i in range(4):
-                        af[mt, i] = a[i]
-                for nt in range(0, NC, 2):  # (two mma columns a load; an odd last one twice)
-                    other = nt + quarter // 2 if nt + 1 < NC else nt
-                    b = ldmatrix_x4_at(at + b_lane + other * 8 * ROW + step * B1_WORDS * 4)
-                    for h in range(2 if nt + 1 < NC else 1):
-                        for mt in range(MT):
-                            d = mma_b1_and(af[mt, 0], af[mt, 1], af[mt, 2], af[mt, 3], b[2 * h], b[2 * h + 1],
-                                           acc[mt, nt + h, 0], acc[mt, nt + h, 1], acc[mt, nt + h, 2],
-                                           acc[mt, nt + h, 3])
-                            acc[mt, nt + h, 0] = d[0]
-                            acc[mt, nt + h, 1] = d[1]
-                            acc[mt, nt + h, 2] = d[2]
-                            acc[mt, nt + h, 3] = d[3]
+            steps(at, acc, af, a_lane, b_lane, quarter)
         u = a_basis[0]
         for nt in range(NC):
             c = col0 + wn * NC * 8 + nt * 8 + 2 * t
