@@ -117,6 +117,15 @@ def stats_io(acc_type, vector):
     return make_param_io(converters("float64" if acc_type.bitwidth == 64 else "float32", acc_type), acc_type, vector)
 
 
+def column_parts(cfg, acc_type, read, vector):
+    """What both makers' kernels share: (`make_column_sums`, the statistics' reads (`stats_io`),
+    `make_chunk_sums`, `make_column_loads`, `make_tile_of`), for ``cfg``'s warps, rows in flight
+    and apply order."""
+    W = cfg.column_warps
+    return (make_column_sums(W, acc_type), stats_io(acc_type, vector), make_chunk_sums(acc_type),
+            make_column_loads(cfg.column_unroll, W, read), make_tile_of(cfg.column_reverse))
+
+
 def make_forward(cfg, storage, param_storage, acc_type, relu, vector):
     """(``sums(work, x)``, ``stats(mean, rstd, work, x, epsilon)``, ``apply(y, x, g, b, mean,
     rstd)``), launched with `column_launch`'s grids. ``vector``: N a multiple of 4 and every array
@@ -127,14 +136,8 @@ def make_forward(cfg, storage, param_storage, acc_type, relu, vector):
     read, write = make_group_io(x_conv, acc_type, vector)
     normalized = make_normalized(acc_type, relu)
 
-    W = cfg.column_warps
-    R = cfg.column_rows
-    U = cfg.column_unroll
-    column_sums = make_column_sums(W, acc_type)
-    column_params = stats_io(acc_type, vector)
-    chunk_sums = make_chunk_sums(acc_type)
-    load_rows = make_column_loads(U, W, read)
-    tile_of = make_tile_of(cfg.column_reverse)
+    W, R, U = cfg.column_warps, cfg.column_rows, cfg.column_unroll
+    column_sums, column_params, chunk_sums, load_rows, tile_of = column_parts(cfg, acc_type, read, vector)
 
     @column_kernel(cfg, acc_type)
     def sums(work, x):
@@ -213,14 +216,8 @@ def make_backward(cfg, storage, param_storage, acc_type, relu, vector):
     read, write = make_group_io(converters(storage, acc_type), acc_type, vector)
     passed = make_passed(acc_type, relu)
 
-    W = cfg.column_warps
-    R = cfg.column_rows
-    U = cfg.column_unroll
-    column_sums = make_column_sums(W, acc_type)
-    column_params = stats_io(acc_type, vector)
-    chunk_sums = make_chunk_sums(acc_type)
-    load_rows = make_column_loads(U, W, read)
-    tile_of = make_tile_of(cfg.column_reverse)
+    W, R, U = cfg.column_warps, cfg.column_rows, cfg.column_unroll
+    column_sums, column_params, chunk_sums, load_rows, tile_of = column_parts(cfg, acc_type, read, vector)
 
     @cuda.jit(device=True, inline=True)
     def terms(e, v, gc, bc, m, r):

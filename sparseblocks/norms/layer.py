@@ -57,16 +57,21 @@ def make_row_of(RB):
     return row_of
 
 
+def make_row_io(storage, param_storage, acc_type, vector):
+    """The row kernels' group reads and writes: `make_group_io`'s (read, write), `make_whole_io`'s
+    (read_whole, write_whole, params_whole) and `make_param_io`'s params, for x's and the
+    parameters' storages."""
+    x_conv, p_conv = converters(storage, acc_type), converters(param_storage, acc_type)
+    return (*make_group_io(x_conv, acc_type, vector), *make_whole_io(x_conv, p_conv),
+            make_param_io(p_conv, acc_type, vector))
+
+
 def make_forward(cfg, storage, param_storage, acc_type, relu, vector, shape):
     """``forward(y, mean, rstd, x, g, b, epsilon)``, launched with blocks of ``shape[2]`` rows of
     ``shape[0]`` threads (`row_shape`: ``(T, RB)`` threads), each holding ``shape[1]`` groups of 4
     values in registers (0: reading the row in each pass instead). ``vector``: C a multiple of 4
     and every array aligned to 4 elements."""
-    x_conv = converters(storage, acc_type)
-    p_conv = converters(param_storage, acc_type)
-    read, write = make_group_io(x_conv, acc_type, vector)
-    read_whole, write_whole, params_whole = make_whole_io(x_conv, p_conv)
-    params = make_param_io(p_conv, acc_type, vector)
+    read, write, read_whole, write_whole, params_whole, params = make_row_io(storage, param_storage, acc_type, vector)
     normalized = make_normalized(acc_type, relu)
 
     T, K, RB = shape
@@ -166,11 +171,7 @@ def make_backward(cfg, storage, param_storage, acc_type, relu, vector, shape, fu
     ``grad_rows`` rows of a chunk (`fused_grid`), one after another, each thread also summing its
     features' dg and db terms over them in row order into ``work[chunk]`` (chunks, 2, C): the sums
     `make_param_grads`' ``partials`` would make, without reading dy and x again."""
-    x_conv = converters(storage, acc_type)
-    p_conv = converters(param_storage, acc_type)
-    read, write = make_group_io(x_conv, acc_type, vector)
-    read_whole, write_whole, params_whole = make_whole_io(x_conv, p_conv)
-    params = make_param_io(p_conv, acc_type, vector)
+    read, write, read_whole, write_whole, params_whole, params = make_row_io(storage, param_storage, acc_type, vector)
     passed = make_passed(acc_type, relu)
 
     T, K, RB = shape
@@ -321,12 +322,8 @@ def make_param_grads(cfg, storage, param_storage, acc_type, relu, vector=False):
     thread block every W-th chunk each (two chunks' loads in flight), their sums then added in
     warp order. Each feature's partial sums run in row order, as one feature a thread would; the
     finish's order is fixed too, so results repeat bitwise."""
-    p_conv = converters(param_storage, acc_type)
-    x_conv = converters(storage, acc_type)
-    read, _ = make_group_io(x_conv, acc_type, vector)
-    read_whole, _, _ = make_whole_io(x_conv, p_conv)
-    params = make_param_io(p_conv, acc_type, vector)
-    p_out = p_conv[1]
+    read, _, read_whole, _, _, params = make_row_io(storage, param_storage, acc_type, vector)
+    p_out = converters(param_storage, acc_type)[1]
 
     @cuda.jit(device=True, inline=True)
     def terms(dy, x, mean, r, g, b):
