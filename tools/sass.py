@@ -6,6 +6,7 @@ developer's tool).
     python tools/sass.py --reduce-mask
     python tools/sass.py --attention
     python tools/sass.py --conv
+    python tools/sass.py --quant
 
 For each block size and storage it compiles the forward (W) and input_grad (Wt) products
 with feature_axis 1 and 16-byte loads (the cp.async ring) for sm_90, disassembles them, and
@@ -18,7 +19,8 @@ of mask values in reduce_mask's one-pass kernel instead (a column's rows, then i
 --attention: the walk loops of attention's fused kernels (mma.sync, sm_90) and wgmma kernels
 (sm_90a), bf16 at head_dim 64 and 128, the config's defaults; a loop's length counts both of its
 branches (the causal mask's, the rescaling's), not what a tile issues. With --conv: the stage
-loop of the implicit convolution's forward.
+loop of the implicit convolution's forward. With --quant: the chunk and stage loops of the dense W1A1
+product, register-staged and through the cp.async ring.
 """
 
 import os
@@ -181,6 +183,37 @@ def conv(tool):
                   + " |")
 
 
+QUANT_COUNTS = {"mma": r"\bBMMA", "ldmatrix": r"\bLDSM", "LDG": r"\bLDG\.", "STS": r"\bSTS", "cp.async": r"\bLDGSTS",
+                "BAR": r"\bBAR", "IMAD/IADD": r"\b(IMAD|IADD)", "ISETP/SEL": r"\b(ISETP|SEL)\b"}
+
+
+def quant(tool):
+    """The chunk or stage loops of the dense W1A1 product (signed, the default tile): the
+    register-staged kernel (`quant.tensorcore`) and the cp.async ring (`quant.ring`, 2 and 3
+    stages); each loop's length and counts, b1 mmas included."""
+    from dataclasses import replace
+
+    from sparseblocks import quant as q
+    from sparseblocks.quant.ring import make_ring_product
+    from sparseblocks.quant.tensorcore import block_warps, make_tensorcore_product
+
+    i64, counts, cfg = types.int64, types.int32[::1], q.DEFAULT
+    head = (types.float16[::1], types.uint32[::1], types.uint32[::1], types.float32[::1], types.float32[:, ::1],
+            types.float32[::1])
+    warps = block_warps(cfg, 1, 4096, cfg.dense_cols)
+    kernels = [("register-staged", make_tensorcore_product(cfg, 1, 1, True, True, False, False, 128, cfg.dense_cols,
+                                                           *warps, True), head + (counts, counts) + (i64,) * 4)]
+    for stages in (2, 3):
+        kernels.append((f"ring of {stages}", make_ring_product(replace(cfg, ring_stages=stages), True, True, False,
+                                                               False, cfg.dense_cols, *warps, True),
+                        head + (counts, counts) + (i64,) * 4))
+    print("| kernel | loop length | " + " | ".join(QUANT_COUNTS) + " |")
+    print("|---" * (2 + len(QUANT_COUNTS)) + "|")
+    for name, kernel, signature in kernels:
+        for length, found in loops_around(sass(kernel.py_func, signature, tool), "BMMA", QUANT_COUNTS):
+            print(f"| {name} | {length} | " + " | ".join(str(found[k]) for k in QUANT_COUNTS) + " |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--block-sizes", default="16,32,64")
@@ -189,6 +222,7 @@ def main():
                         help="instead: the loops around reduce_mask version 2's first pooling of mask values")
     parser.add_argument("--attention", action="store_true", help="instead: the walk loops of attention's kernels")
     parser.add_argument("--conv", action="store_true", help="instead: the implicit convolution forward's stage loop")
+    parser.add_argument("--quant", action="store_true", help="instead: the dense W1A1 product's loops, staged and ring")
     args = parser.parse_args()
     tool = nvdisasm()
     if tool is None or shutil.which("ptxas") is None:
@@ -199,6 +233,8 @@ def main():
         return attention(tool)
     if args.conv:
         return conv(tool)
+    if args.quant:
+        return quant(tool)
     index = types.int32[::1]
     print("| block | storage | product | loop | length | " + " | ".join(COUNTS) + " | a stage |")
     print("|---" * (6 + len(COUNTS)) + "|")
