@@ -132,6 +132,7 @@ def make_ring_product(cfg, signed_a, signed_w, bias, relu, group_cols, warps_m, 
             offsets[i] = int64(line) * words * 4
         acc = cuda.local.array((MT, NC, 4), int32)
         af = cuda.local.array((MT, 4), uint32)
+        rows = cuda.local.array((MT, 2), int32)
         for mt in range(MT):
             for nt in range(NC):
                 for i in range(4):
@@ -147,6 +148,10 @@ def make_ring_product(cfg, signed_a, signed_w, bias, relu, group_cols, warps_m, 
             at, buf = advance(s, buf, base, count, args)
             steps(at, acc, af, a_lane, b_lane, quarter)
         u = a_basis[0]
+        for mt in range(MT):  # (the rows' terms of the plane dots, once for every output column)
+            r = row0 + wm * WARP_ROWS + mt * 16 + g
+            rows[mt, 0] = plane_dot(0, a_counts[min(r, N - 1)] if need_pa else int32(0), 0, seen)
+            rows[mt, 1] = plane_dot(0, a_counts[min(r + 8, N - 1)] if need_pa else int32(0), 0, seen)
         for nt in range(NC):
             c = col0 + wn * NC * 8 + nt * 8 + 2 * t
             v_lo = w_basis[c, 0] if c < O else float32(0)
@@ -157,8 +162,7 @@ def make_ring_product(cfg, signed_a, signed_w, bias, relu, group_cols, warps_m, 
             s_hi = u * v_hi
             for mt in range(MT):
                 r = row0 + wm * WARP_ROWS + mt * 16 + g
-                row_lo = plane_dot(0, a_counts[min(r, N - 1)] if need_pa else int32(0), 0, seen)
-                row_hi = plane_dot(0, a_counts[min(r + 8, N - 1)] if need_pa else int32(0), 0, seen)
+                row_lo, row_hi = rows[mt, 0], rows[mt, 1]
                 lo0 = s_lo * float32(plane_dot(acc[mt, nt, 0], 0, 0, 0) + row_lo + col_lo)
                 hi0 = s_hi * float32(plane_dot(acc[mt, nt, 1], 0, 0, 0) + row_lo + col_hi)
                 lo1 = s_lo * float32(plane_dot(acc[mt, nt, 2], 0, 0, 0) + row_hi + col_lo)
