@@ -127,7 +127,12 @@ def values_of(q):
 
 
 def products(a, w, layout=None, **kwargs):
-    return {version: quant.matmul(a, w, layout=layout, version=version, **kwargs) for version in quant.VERSIONS}
+    """Every kernel's product: the teaching and tensor-core versions, and the cp.async ring (which
+    takes dense W1A1 only; elsewhere the same tensor-core kernel again)."""
+    got = {version: quant.matmul(a, w, layout=layout, version=version, **kwargs) for version in quant.VERSIONS}
+    ring = replace(quant.config.DEFAULT, ring_stages=2)
+    got["ring"] = quant.matmul(a, w, layout=layout, config=ring, **kwargs)
+    return got
 
 
 def random_layout(rng, columns, outputs, bs):
