@@ -303,11 +303,11 @@ def check_quant():
                                  detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
     counts = types.int32[::1]
     ring_signature = signature[:6] + (counts, counts, i64, i64, i64, i64)
-    for stages, signed_a in itertools.product((2, 3), (False, True)):  # (the cp.async ring, `ring_stages`)
-        warps = block_warps(Q, 1, 4096, Q.dense_cols)
-        kernel = make_ring_product(replace(Q, ring_stages=stages), signed_a, True, False, False, Q.dense_cols,
-                                   *warps, True)
-        results.append(check(f"product W1A1 ring of {stages} stages signed_a={signed_a} warps {warps}",
+    for bits, stages, signed_a in itertools.product((1, 2), (2, 3), (False, True)):  # (the cp.async ring)
+        warps = block_warps(Q, bits, 4096, Q.dense_cols)
+        kernel = make_ring_product(replace(Q, ring_stages=stages), bits, bits, signed_a, True, False, False,
+                                   Q.dense_cols, *warps, True)
+        results.append(check(f"product W{bits}A{bits} ring of {stages} stages signed_a={signed_a} warps {warps}",
                              kernel.py_func, ring_signature, detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
     results.append(check("row bit counts", make_row_counts().py_func, (counts, types.uint32[::1], i64, i64)))
     for (a_bits, w_bits), channels in itertools.product(((1, 1), (2, 2)), (64, 256)):

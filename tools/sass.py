@@ -204,8 +204,8 @@ def quant(tool):
     kernels = [("register-staged", make_tensorcore_product(cfg, 1, 1, True, True, False, False, 128, cfg.dense_cols,
                                                            *warps, True), head + (counts, counts) + (i64,) * 4)]
     for stages in (2, 3):
-        kernels.append((f"ring of {stages}", make_ring_product(replace(cfg, ring_stages=stages), True, True, False,
-                                                               False, cfg.dense_cols, *warps, True),
+        kernels.append((f"ring of {stages}", make_ring_product(replace(cfg, ring_stages=stages), 1, 1, True, True,
+                                                               False, False, cfg.dense_cols, *warps, True),
                         head + (counts, counts) + (i64,) * 4))
     print("| kernel | loop length | " + " | ".join(QUANT_COUNTS) + " |")
     print("|---" * (2 + len(QUANT_COUNTS)) + "|")

@@ -324,12 +324,12 @@ def matmul(a: QuantArray, w: QuantArray, layout: Optional[BlockLayout] = None, b
             warps_m, warps_n = block_warps(cfg, a.bits, N, group_cols)
             grid = (len(ptr) - 1, -(-N // (warps_m * warp_rows(cfg, a.bits))))
             a_flat, w_flat, words = flat[0].device(stream), flat[1].device(stream), a.planes.shape[2]
-            if (layout is None and a.bits == w.bits == 1 and words % 4 == 0 and ring_fits(cfg, group_cols, warps_m)
+            if (layout is None and words % 4 == 0 and ring_fits(cfg, a.bits, w.bits, group_cols, warps_m, warps_n)
                     and aligned(data_pointer(a_flat), 16, 1) and aligned(data_pointer(w_flat), 16, 1)):
-                a_counts = _row_counts(a_planes, a_flat, N, words, w.signed, stream)  # (where the other is signed)
-                w_counts = _row_counts(a_planes, w_flat, O, words, a.signed, stream)
-                kernel = cached(make_ring_product, cfg, a.signed, w.signed, bias is not None, bool(relu), group_cols,
-                                warps_m, warps_n, O % 2 == 0)
+                # (the planes' rows' bit counts, where the other side is signed)
+                a_counts = _row_counts(a_planes, a_flat, a.bits * N, words, w.signed, stream)
+                w_counts = _row_counts(a_planes, w_flat, w.bits * O, words, a.signed, stream)
+                kernel = cached(make_ring_product, cfg, *key[:6], group_cols, warps_m, warps_n, O % 2 == 0)
                 launch(kernel, grid, warps_m * warps_n * 32, stream,
                        (y.reshape(-1), a_flat, w_flat, a_basis, w_basis, bias_values, a_counts, w_counts, N, O, words,
                         seen))

@@ -18,8 +18,8 @@ class QuantConfig:
     chunk_words: int = 16  # words of the word list staged in shared memory at a time (8 a b1 mma step)
     max_registers: int = None  # a cap on the tensor-core product's registers (ptxas), None for none
     fused_acc: int = 64  # registers a thread the accumulators of all weight planes may take in one pass (0: a pass a plane)
-    # dense W1A1: stages of a cp.async ring (`ring`; 2 to 4, in dynamic shared memory up to 227 KiB),
-    # the rows' bit counts from a kernel of their own; 0: the register-staged kernel
+    # dense products (every weight plane in one pass): stages of a cp.async ring (`ring`; 2 to 4, in
+    # dynamic shared memory up to 227 KiB), the rows' bit counts from a kernel of their own; 0: none
     ring_stages: int = 0
 
     def check(self):

@@ -198,28 +198,33 @@ def test_tensor_core_tiles_span_chunks_warps_and_passes(configure, bs, fused):
     assert_close(got.astype(np.float64), want, "float32", "tensorcore", magnitude=magnitude, terms=4)
 
 
-@pytest.mark.parametrize("signed_a, signed_w, stages, tall", [(True, True, 2, False), (False, True, 3, False),
-                                                              (True, False, 2, False), (True, True, 3, True)])
-def test_the_cp_async_ring_gives_the_register_staged_products_bits(configure, signed_a, signed_w, stages, tall):
-    """``ring_stages``: dense W1A1 through a cp.async ring (C = 700: rows of 24 words, stages of
-    16, the last half past the row's end, so zero-filled), two warps across the outputs (one mma
-    column each: an odd last one), a row tile and an output group that end inside (N = 20 of 32
-    rows, O = 23: odd, so single stores), bias and ReLU, the rows' bit counts where the other side
-    is signed: bit for bit the register-staged kernel's, and the twin's values. ``tall``: one warp of
-    64 rows by 16 outputs (4 x 2 mmas a step), as the 64-row warps of large tiles."""
+@pytest.mark.parametrize("bits, signed_a, signed_w, stages, tall", [
+    (1, True, True, 2, False), (1, False, True, 3, False), (1, True, False, 2, False), (1, True, True, 3, True),
+    (2, True, True, 2, False), (2, False, True, 3, True), (3, False, True, 2, False)])
+def test_the_cp_async_ring_gives_the_register_staged_products_bits(configure, bits, signed_a, signed_w, stages,
+                                                                   tall):
+    """``ring_stages``: dense products through a cp.async ring (W1A1's C = 700: rows of 24 words,
+    stages of 16, the last half past the row's end, so zero-filled), two warps across the outputs (one
+    mma column each: an odd last one), a row tile and an output group that end inside (N = 20,
+    O = 23: odd, so single stores), bias and ReLU, the planes' rows' bit counts where the other
+    side is signed; W1A1 to W3A3, every weight plane in the ring's one pass (the staged kernel
+    takes them in passes where ``fused_acc`` is 0, or in one): bit for bit the register-staged
+    kernel's, and the twin's values. ``tall``: one warp of 64 rows (4 mma rows a plane at one
+    bit, 2 at two) by 16 outputs."""
     warps_n, rows_a_warp = (1, 64) if tall else (2, 32)
-    cfg = configure(quant, warps_m=1, warps_n=warps_n, warp_rows=rows_a_warp, dense_cols=16, chunk_words=16)
+    cfg = configure(quant, warps_m=1, warps_n=warps_n, warp_rows=rows_a_warp, dense_cols=16, chunk_words=16,
+                    fused_acc=128)
     rng = np.random.default_rng(9)
-    rows, columns, O = 20, 700, 23
-    _, _, a = quantized(rng, rows, columns, 1, signed_a, per_row=False)
-    _, _, w = quantized(rng, O, columns, 1, signed_w, per_row=True)
+    rows, columns, O = 20, {1: 700, 2: 300, 3: 160}[bits], 23  # (more bits: one stage, a shorter row)
+    _, _, a = quantized(rng, rows, columns, bits, signed_a, per_row=False)
+    _, _, w = quantized(rng, O, columns, bits, signed_w, per_row=True)
     b = rng.standard_normal(O).astype(np.float32)
-    staged = quant.matmul(a, w, bias=b, relu=True)
+    staged = quant.matmul(a, w, bias=b, relu=True, config=replace(cfg, fused_acc=0 if bits == 2 else 128))
     ring = quant.matmul(a, w, bias=b, relu=True, config=replace(cfg, ring_stages=stages))
     np.testing.assert_array_equal(ring, staged)
     want, _ = reference.matmul(a.planes, a.basis[0], w.planes, w.basis, columns, signed_a, signed_w, bias=b, relu=True)
     magnitude = np.abs(values_of(a)) @ np.abs(values_of(w)).T + np.abs(b)
-    assert_close(ring.astype(np.float64), want, "float32", "ring", magnitude=magnitude, terms=1)
+    assert_close(ring.astype(np.float64), want, "float32", "ring", magnitude=magnitude, terms=bits * bits)
 
 
 def test_block_sparse_product_is_the_dense_one_masked_by_the_layout():
