@@ -35,8 +35,6 @@ from .simple import make_finish, make_plane_dot
 from .tensorcore import FULL_MASK, PAD, make_store_pair, plane_passes, warp_rows
 
 PARTS_BYTES = 16  # a copy
-
-
 SHARED_LIMIT = 227 * 1024  # dynamic shared memory a thread block may take (sm_80 164 KB, sm_90 227 KB)
 
 
