@@ -32,7 +32,7 @@ from ..runtime.backend import SIMULATOR
 from ..runtime.compile import unrolled
 from ..runtime.launch import dynamic_shared
 from .simple import make_finish, make_plane_dot
-from .tensorcore import FULL_MASK, PAD, make_store_pair, plane_passes, warp_rows
+from .tensorcore import FULL_MASK, PAD, make_epilogue, make_store_pair, plane_passes, warp_rows
 
 PARTS_BYTES = 16  # a copy
 SHARED_LIMIT = 227 * 1024  # dynamic shared memory a thread block may take (sm_80 164 KB, sm_90 227 KB)
@@ -59,7 +59,6 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
     (`make_row_counts`; read only where the other side is signed); grid (groups of
     ``group_cols`` outputs, row tiles). Every weight plane in the one pass (`ring_fits`)."""
     plane_dot = make_plane_dot(signed_a, signed_w)
-    store_pair = make_store_pair(make_finish(bias, relu), paired)
     WARP_ROWS = warp_rows(cfg, a_bits)
     ROWS = warps_m * WARP_ROWS
     MR = WARP_ROWS // 16
@@ -68,6 +67,8 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
     A_ROWS = a_bits * ROWS  # tile rows: plane j's row r at j * ROWS + r, then each weight plane's outputs
     TILE_ROWS = A_ROWS + w_bits * group_cols
     ONE_PAIR = a_bits == 1 and w_bits == 1
+    pair_out, store_out = make_epilogue(plane_dot, make_store_pair(make_finish(bias, relu), paired), ONE_PAIR, MR, NC,
+                                        WARP_ROWS)
     CW = cfg.chunk_words
     ROW = (CW + PAD) * 4  # bytes a tile row (padded: ldmatrix's 8 rows in distinct banks)
     STAGE = TILE_ROWS * ROW
@@ -186,34 +187,10 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
                 col_lo = plane_dot(0, 0, w_counts[j * O + min(c, O - 1)] if need_pb else int32(0), 0)
                 col_hi = plane_dot(0, 0, w_counts[j * O + min(c + 1, O - 1)] if need_pb else int32(0), 0)
                 for mt in range(MT):
-                    u = a_basis[mt // MR]
-                    m = mt % MR
-                    s_lo = u * v_lo
-                    s_hi = u * v_hi
-                    lo0 = s_lo * float32(plane_dot(acc[j, mt, nt, 0], 0, 0, 0) + rows[mt, 0] + col_lo)
-                    hi0 = s_hi * float32(plane_dot(acc[j, mt, nt, 1], 0, 0, 0) + rows[mt, 0] + col_hi)
-                    lo1 = s_lo * float32(plane_dot(acc[j, mt, nt, 2], 0, 0, 0) + rows[mt, 1] + col_lo)
-                    hi1 = s_hi * float32(plane_dot(acc[j, mt, nt, 3], 0, 0, 0) + rows[mt, 1] + col_hi)
-                    if ONE_PAIR:  # (the only pair of planes: straight out)
-                        r = row0 + wm * WARP_ROWS + m * 16 + g
-                        if r < N:
-                            store_pair(y, int64(r) * O + c, c, O, lo0, hi0, bias_values)
-                        if r + 8 < N:
-                            store_pair(y, int64(r + 8) * O + c, c, O, lo1, hi1, bias_values)
-                    else:
-                        out[m, nt, 0] += lo0
-                        out[m, nt, 1] += hi0
-                        out[m, nt, 2] += lo1
-                        out[m, nt, 3] += hi1
+                    pair_out(y, out, acc, j, mt, nt, rows, col_lo, col_hi, a_basis[mt // MR], v_lo, v_hi,
+                             row0 + wm * WARP_ROWS + g, c, N, O, bias_values)
         if not ONE_PAIR:
-            for m in range(MR):
-                for h in range(2):
-                    r = row0 + wm * WARP_ROWS + m * 16 + g + 8 * h
-                    if r < N:
-                        for nt in range(NC):
-                            c = col0 + wn * NC * 8 + nt * 8 + 2 * t
-                            store_pair(y, int64(r) * O + c, c, O, out[m, nt, 2 * h], out[m, nt, 2 * h + 1],
-                                       bias_values)
+            store_out(y, out, row0 + wm * WARP_ROWS + g, col0 + wn * NC * 8 + 2 * t, N, O, bias_values)
 
     return dynamic_shared(product, STAGES * STAGE)
 

@@ -130,6 +130,51 @@ def make_store_pair(finish, paired):
     return store_pair
 
 
+def make_epilogue(plane_dot, store_pair, one_pair, MR, NC, WARP_ROWS):
+    """A product kernel's epilogue, shared by `make_tensorcore_product` and `ring`'s, so both give
+    the same bits: ``pair_out(y, out, acc, j, mt, nt, rows, col_lo, col_hi, u, v_lo, v_hi, r0, c,
+    N, O, bias_values)`` turns weight plane j's and mma row mt's integers (``acc[j, mt, nt]``) into
+    their plane dots (``rows[mt]``, ``col_lo``/``col_hi``: the row's and the columns' terms), scaled
+    by ``u·v``: stored at once with ``one_pair`` (rows ``r0`` + 16 (mt % MR) and 8 below, columns
+    c and c + 1), else added to ``out[mt % MR, nt]``; ``store_out(y, out, r0, c0, N, O,
+    bias_values)`` then stores ``out`` (a warp's rows from r0 + the lane's group, its mma columns
+    from c0 + the lane's pair)."""
+
+    @cuda.jit(device=True, inline=True)
+    def pair_out(y, out, acc, j, mt, nt, rows, col_lo, col_hi, u, v_lo, v_hi, r0, c, N, O, bias_values):
+        m = mt % MR
+        s_lo = u * v_lo
+        s_hi = u * v_hi
+        lo0 = s_lo * float32(plane_dot(acc[j, mt, nt, 0], 0, 0, 0) + rows[mt, 0] + col_lo)
+        hi0 = s_hi * float32(plane_dot(acc[j, mt, nt, 1], 0, 0, 0) + rows[mt, 0] + col_hi)
+        lo1 = s_lo * float32(plane_dot(acc[j, mt, nt, 2], 0, 0, 0) + rows[mt, 1] + col_lo)
+        hi1 = s_hi * float32(plane_dot(acc[j, mt, nt, 3], 0, 0, 0) + rows[mt, 1] + col_hi)
+        if one_pair:  # (the only pair of planes: straight out, no fp32 tile kept)
+            r = r0 + m * 16
+            if r < N:
+                store_pair(y, int64(r) * O + c, c, O, lo0, hi0, bias_values)
+            if r + 8 < N:
+                store_pair(y, int64(r + 8) * O + c, c, O, lo1, hi1, bias_values)
+        else:
+            out[m, nt, 0] += lo0
+            out[m, nt, 1] += hi0
+            out[m, nt, 2] += lo1
+            out[m, nt, 3] += hi1
+
+    @cuda.jit(device=True, inline=True)
+    def store_out(y, out, r0, c0, N, O, bias_values):
+        for m in range(MR):
+            for h in range(2):
+                r = r0 + m * 16 + 8 * h
+                if r < N:
+                    for nt in range(NC):
+                        c = c0 + nt * 8
+                        store_pair(y, int64(r) * O + c, c, O, out[m, nt, 2 * h], out[m, nt, 2 * h + 1],
+                                   bias_values)
+
+    return pair_out, store_out
+
+
 def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, block_words, group_cols,
                             warps_m, warps_n, paired, geometry=None):
     """The kernel ``product(y, a_planes, w_planes, a_basis, w_basis, bias_values, ptr, blocks,
@@ -159,12 +204,11 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
     LOADS_A = -(-A_ROWS // ROW_STRIDE)  # a thread's loads of activation rows ...
     LOADS = LOADS_A + -(-B_ROWS // ROW_STRIDE)  # ... then of weight rows
     ONE_PAIR = a_bits == 1 and w_bits == 1
+    pair_out, store_out = make_epilogue(plane_dot, make_store_pair(finish, paired), ONE_PAIR, MR, NC, WARP_ROWS)
     DENSE = CONV or block_words % 8 == 0  # (a layout's blocks are 1 or 2 words, a dense row whole steps)
     need_pa = signed_w
     need_pb = signed_a
     load_vector, store_vector = VECTORS[VW]
-
-    store_pair = make_store_pair(finish, paired)
 
     @cuda.jit(device=True, inline=True)
     def tile_row(n):
@@ -358,33 +402,9 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
                     col_lo = plane_dot(0, 0, totals[b_row] if need_pb else int32(0), 0)
                     col_hi = plane_dot(0, 0, totals[b_row + 1] if need_pb else int32(0), 0)
                     for mt in range(MT):
-                        u = a_basis[mt // MR]
-                        m = mt % MR
-                        s_lo = u * v_lo
-                        s_hi = u * v_hi
-                        lo0 = s_lo * float32(plane_dot(acc[j, mt, nt, 0], 0, 0, 0) + rows[mt, 0] + col_lo)
-                        hi0 = s_hi * float32(plane_dot(acc[j, mt, nt, 1], 0, 0, 0) + rows[mt, 0] + col_hi)
-                        lo1 = s_lo * float32(plane_dot(acc[j, mt, nt, 2], 0, 0, 0) + rows[mt, 1] + col_lo)
-                        hi1 = s_hi * float32(plane_dot(acc[j, mt, nt, 3], 0, 0, 0) + rows[mt, 1] + col_hi)
-                        if ONE_PAIR:  # (the only pair of planes: straight out, no fp32 tile kept)
-                            r = row0 + wm * WARP_ROWS + m * 16 + g
-                            if r < N:
-                                store_pair(y, int64(r) * O + c, c, O, lo0, hi0, bias_values)
-                            if r + 8 < N:
-                                store_pair(y, int64(r + 8) * O + c, c, O, lo1, hi1, bias_values)
-                        else:
-                            out[m, nt, 0] += lo0
-                            out[m, nt, 1] += hi0
-                            out[m, nt, 2] += lo1
-                            out[m, nt, 3] += hi1
+                        pair_out(y, out, acc, j, mt, nt, rows, col_lo, col_hi, a_basis[mt // MR], v_lo, v_hi,
+                                 row0 + wm * WARP_ROWS + g, c, N, O, bias_values)
         if not ONE_PAIR:
-            for m in range(MR):
-                for h in range(2):
-                    r = row0 + wm * WARP_ROWS + m * 16 + g + 8 * h
-                    if r < N:
-                        for nt in range(NC):
-                            c = col0 + wn * NC * 8 + nt * 8 + 2 * t
-                            store_pair(y, int64(r) * O + c, c, O, out[m, nt, 2 * h], out[m, nt, 2 * h + 1],
-                                       bias_values)
+            store_out(y, out, row0 + wm * WARP_ROWS + g, col0 + wn * NC * 8 + 2 * t, N, O, bias_values)
 
     return product
