@@ -145,12 +145,14 @@ def test_wide_stage_implicit_products_match_the_twin(dtype, G):
     check_tensor_core_products(dtype, G, 2, (2, 2), (3, 4), 1, 1, "SAME", False, 2, N=1, stage_bytes=64)
 
 
-@pytest.mark.parametrize("channels_last, groups, keep, N", [(False, 1, False, 1), (True, 2, True, 1), (False, 1, True, 2),
-                                                          (True, 1, False, 2)])
-def test_hopper_products_match_the_twin(monkeypatch, channels_last, groups, keep, N):
+@pytest.mark.parametrize("channels_last, groups, keep, N, TRS", [
+    (False, 1, False, 1, (2, 2)), (True, 2, True, 1, (2, 2)), (False, 1, True, 2, (2, 2)), (True, 1, False, 2, (2, 2)),
+    (False, 1, False, 1, (3, 3)), (True, 1, False, 1, (3, 3))])
+def test_hopper_products_match_the_twin(monkeypatch, channels_last, groups, keep, N, TRS):
     """``ConvConfig.hopper``: the forward and the stride-1 input gradient on wgmma (`conv/hopper.py`,
     here the simulator's twin): tiles of 8 x 8 positions a warpgroup, a tap a descriptor into the
-    patch's no-swizzle layout, an edge bias, an output group no block reaches; a thread block a
+    patch's no-swizzle layout, an output group no block reaches, and with 3 x 3 filters an edge
+    bias (SAME padding: its border positions' columns, a value a channel); a thread block a
     tile, or walking several tiles across images with its filters kept (``keep``); the filter
     gradient as before."""
     from sparseblocks.conv import api, hopper
@@ -158,7 +160,7 @@ def test_hopper_products_match_the_twin(monkeypatch, channels_last, groups, keep
 
     monkeypatch.setattr(api, "compute_capability", lambda: (9, 0))
     before = sum(key[0] is hopper.make_forward for key in compile_cache._kernels)
-    check_tensor_core_products("float16", 16, 2, (2, 2), (8, 9), 1, 1, "SAME", True, 3, N=N,
+    check_tensor_core_products("float16", 16, 2, TRS, (8, 9), 1, 1, "SAME", True, 3, N=N,
                                channels_last=channels_last, hopper=True, hopper_groups=groups, hopper_keep=keep)
     assert sum(key[0] is hopper.make_forward for key in compile_cache._kernels) > before
 
