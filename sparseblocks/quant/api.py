@@ -17,7 +17,7 @@ from ..runtime.backend import SIMULATOR
 from ..runtime.compile import cached
 from ..runtime.devices import active, on_arrays_device
 from ..runtime.launch import data_pointer, launch
-from ..ptx.vector import aligned
+from ..ptx.vector import aligned, fours_fit
 from .config import QuantConfig, as_config
 from .pack import make_pack, make_pack_words, make_unpack
 from .simple import make_simt_product
@@ -325,7 +325,7 @@ def matmul(a: QuantArray, w: QuantArray, layout: Optional[BlockLayout] = None, b
             grid = (len(ptr) - 1, -(-N // (warps_m * warp_rows(cfg, a.bits))))
             a_flat, w_flat, words = flat[0].device(stream), flat[1].device(stream), a.planes.shape[2]
             if (layout is None and words % 4 == 0 and ring_fits(cfg, a.bits, w.bits, group_cols, warps_m, warps_n)
-                    and aligned(data_pointer(a_flat), 16, 1) and aligned(data_pointer(w_flat), 16, 1)):
+                    and fours_fit(a_flat, w_flat)):  # (4 words: 16-byte copies)
                 # (the planes' rows' bit counts, where the other side is signed)
                 a_counts = _row_counts(a_planes, a_flat, a.bits * N, words, w.signed, stream)
                 w_counts = _row_counts(a_planes, w_flat, w.bits * O, words, a.signed, stream)
