@@ -20,7 +20,7 @@ class QuantConfig:
     fused_acc: int = 64  # registers a thread the accumulators of all weight planes may take in one pass (0: a pass a plane)
     # dense products (every weight plane in one pass): stages of a cp.async ring (`ring`; 2 to 4, in
     # dynamic shared memory up to 227 KiB), the rows' bit counts from a kernel of their own; 0: none
-    ring_stages: int = 0
+    ring_stages: int = 3
 
     def check(self):
         if not 1 <= self.pack_words <= 32:
