@@ -391,14 +391,6 @@ def check_norms():
             kernel = maker(cfg, storage, storage, float32, False, True, shape)
             results.append(check(f"layer_norm {name} {storage} C={C} ({T} threads, {K} groups held)",
                                  kernel.py_func, signature, launch_bounds=(T * RB, blocks) if blocks else None))
-        blocks = layer.row_blocks(cfg, T, float32, fused=True)  # (dx with dg's and db's chunk sums)
-        for shared in (True, False):
-            kernel = layer.make_backward(replace(cfg, grad_fused_shared=shared), storage, storage, float32, False,
-                                         True, shape, True)
-            results.append(check(f"layer_norm backward fused {storage} C={C} ({T} threads, {K} groups held, sums "
-                                 f"in {'shared memory' if shared else 'registers'})", kernel.py_func,
-                                 (rows, float32[:, :, ::1], rows, rows, vec, vec, stats, stats),
-                                 launch_bounds=(T, blocks) if blocks else None))
         if C == 4096:
             work, means = float32[:, :, ::1], float32[:, ::1]
             sums, _, apply = columns.make_forward(cfg, storage, storage, float32, False, True)

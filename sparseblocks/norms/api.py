@@ -13,7 +13,7 @@ from .config import NormsConfig, as_config
 from .batch import make_batch_norm
 from . import columns, layer
 from .columns import column_launch
-from .layer import finish_launch, fused_grid, make_param_grads, make_zeros, param_grid, row_shape
+from .layer import finish_launch, make_param_grads, make_zeros, param_grid, row_shape
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -121,12 +121,7 @@ def layer_norm_grad(dy: Array, x: Array, g: Array, b: Array, mean: Array, rstd: 
     key = (cfg, x_op.dtype, g_op.dtype, _numba(acc), bool(relu))
     partials, finish = cached(make_param_grads, *key, vector if axis == 1 else False)
     shape = row_shape(cfg, C)
-    if axis == 1 and N and cfg.grad_fused and shape[1] and shape[2] == 1:  # (dx and dg's, db's chunk sums)
-        chunks = fused_grid(cfg, N)
-        work = x_op.scratch((chunks, 2, C), acc, stream)
-        launch(cached(layer.make_backward, *key, vector, shape, True), chunks, shape[0], stream,
-               (dx, work, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
-    elif axis == 1:
+    if axis == 1:
         if N:
             launch(cached(layer.make_backward, *key, vector, shape), -(-N // shape[2]),
                    (shape[0], shape[2]), stream, (dx, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))

@@ -14,15 +14,10 @@ class NormsConfig:
     grad_row_blocks: int = 6  # ... the same for axis 1's backward row kernel (dx), which holds more a value
     column_warps: int = 8  # feature axis 0 (C, N): warps a thread block, each 128 columns of x, a row at a time
     column_rows: int = 128  # feature axis 0: rows of x (features) a thread block sums or normalizes
-    column_unroll: int = 2  # feature axis 0: rows a warp loads (of each array) before the first is used
-    column_blocks: int = 0  # feature axis 0: thread blocks a multiprocessor its sums and apply are bound to (0: none)
-    column_reverse: bool = False  # feature axis 0: the apply kernels take the sums' thread blocks last first (L2)
+    column_unroll: int = 1  # feature axis 0: rows a warp loads (of each array) before the first is used
+    column_blocks: int = 4  # feature axis 0: thread blocks a multiprocessor its sums and apply are bound to (0: none)
+    column_reverse: bool = True  # feature axis 0: the apply kernels take the sums' thread blocks last first (L2)
     grad_rows: int = 32  # axis 1's dg and db: rows a thread block sums for each feature, before the ordered sum
-    # axis 1's backward: dx's row kernel also sums dg's and db's terms, a thread block a chunk of
-    # grad_rows rows, one read of dy and x (where a row's groups are held and a thread block is one row)
-    grad_fused: bool = False
-    grad_fused_blocks: int = 3  # ... thread blocks a multiprocessor that kernel is bounded for (0: none)
-    grad_fused_shared: bool = True  # ... its sums in shared memory (a slot a feature, within 48 KB), else registers
     grad_finish_warps: int = 8  # dg and db's ordered sum of the row chunks: warps sharing 32 features' chunks
 
     def check(self):
@@ -35,9 +30,6 @@ class NormsConfig:
         if not 0 <= self.grad_row_blocks <= 32:
             raise ValueError(f"grad_row_blocks: expected 0 to 32 thread blocks a multiprocessor, "
                              f"got {self.grad_row_blocks}")
-        if not 0 <= self.grad_fused_blocks <= 32:
-            raise ValueError(f"grad_fused_blocks: expected 0 to 32 thread blocks a multiprocessor, "
-                             f"got {self.grad_fused_blocks}")
         if not 0 <= self.row_groups <= 16:
             raise ValueError(f"row_groups: expected 0 to 16, got {self.row_groups}")
         if not 1 <= self.column_warps <= 32:

@@ -28,18 +28,17 @@ from .blocks import block_slots, make_block_sum
 from .groups import make_group_io, make_normalized, make_param_io, make_passed, make_whole_io
 
 
-def row_blocks(cfg, threads, acc_type, grad=False, fused=False):
+def row_blocks(cfg, threads, acc_type, grad=False):
     """Thread blocks of ``threads`` a multiprocessor axis 1's kernels are bounded for: ``row_blocks``
-    (``grad_row_blocks`` for the backward's row kernel, ``grad_fused_blocks`` for its fused one), at
-    most 2048 threads' worth (the registers capped at what that leaves a thread); 0, no bound, for
-    fp64 sums (two registers a value)."""
-    wanted = cfg.grad_fused_blocks if fused else cfg.grad_row_blocks if grad else cfg.row_blocks
+    (``grad_row_blocks`` for the backward's row kernel), at most 2048 threads' worth (the registers
+    capped at what that leaves a thread); 0, no bound, for fp64 sums (two registers a value)."""
+    wanted = cfg.grad_row_blocks if grad else cfg.row_blocks
     return min(wanted, 2048 // threads) if acc_type.bitwidth == 32 else 0
 
 
-def row_kernel(cfg, threads, acc_type, grad=False, fused=False):
+def row_kernel(cfg, threads, acc_type, grad=False):
     """Axis 1's kernel decorator: launch bounds of `row_blocks` thread blocks a multiprocessor."""
-    blocks = row_blocks(cfg, threads, acc_type, grad, fused)
+    blocks = row_blocks(cfg, threads, acc_type, grad)
     return bounded(threads, blocks) if blocks else cuda.jit
 
 
@@ -164,13 +163,8 @@ def row_shape(cfg, C):
     return threads, held if held <= cfg.row_groups else 0, max(1, cfg.row_block // threads)
 
 
-def make_backward(cfg, storage, param_storage, acc_type, relu, vector, shape, fused=False):
-    """``backward(dx, dy, x, g, b, mean, rstd)``, dx, launched as the forward (``shape``). With
-    ``fused`` (``grad_fused``; a row's groups held, ``shape[1] > 0``, one row a thread block):
-    ``backward(dx, work, dy, x, g, b, mean, rstd)``, a thread block of ``shape[0]`` threads the
-    ``grad_rows`` rows of a chunk (`fused_grid`), one after another, each thread also summing its
-    features' dg and db terms over them in row order into ``work[chunk]`` (chunks, 2, C): the sums
-    `make_param_grads`' ``partials`` would make, without reading dy and x again."""
+def make_backward(cfg, storage, param_storage, acc_type, relu, vector, shape):
+    """``backward(dx, dy, x, g, b, mean, rstd)``, dx, launched as the forward (``shape``)."""
     read, write, read_whole, write_whole, params_whole, params = make_row_io(storage, param_storage, acc_type, vector)
     passed = make_passed(acc_type, relu)
 
@@ -179,20 +173,16 @@ def make_backward(cfg, storage, param_storage, acc_type, relu, vector, shape, fu
     HELD = max(4 * K, 1)
     _, block_sums = make_block_sum(T, acc_type)
     row_of = make_row_of(RB)
-    R = cfg.grad_rows
-    if fused and (K == 0 or RB != 1):
-        raise ValueError(f"fused: expected a row's groups held and one row a thread block, got {shape}")
 
     @cuda.jit(device=True, inline=True)
     def terms(dy, x, g, b, mean, r):
         xhat = (x - mean) * r
-        return passed(dy, xhat, g, b), xhat
+        return passed(dy, xhat, g, b) * g, xhat
 
     @cuda.jit(device=True, inline=True)
     def group_terms(dy, x, g, b, row, c, mean, r, whole):
-        """(dxhat, xhat, dy where the ReLU passed) of 4 values (dxhat and dy 0 past the row's end,
-        where dy and g read 0); ``whole``: the group lies in the row, read without the bounds'
-        branches."""
+        """(dxhat, xhat) of 4 values (dxhat 0 past the row's end, where dy and g read 0);
+        ``whole``: the group lies in the row, read without the bounds' branches."""
         if whole:
             v0, v1, v2, v3 = read_whole(x, row, c)
             e0, e1, e2, e3 = read_whole(dy, row, c)
@@ -203,26 +193,19 @@ def make_backward(cfg, storage, param_storage, acc_type, relu, vector, shape, fu
             e0, e1, e2, e3 = read(dy, row, c)
             g0, g1, g2, g3 = params(g, c)
             b0, b1, b2, b3 = params(b, c)
-        p0, h0 = terms(e0, v0, g0, b0, mean, r)
-        p1, h1 = terms(e1, v1, g1, b1, mean, r)
-        p2, h2 = terms(e2, v2, g2, b2, mean, r)
-        p3, h3 = terms(e3, v3, g3, b3, mean, r)
-        return p0 * g0, p1 * g1, p2 * g2, p3 * g3, h0, h1, h2, h3, p0, p1, p2, p3
+        d0, h0 = terms(e0, v0, g0, b0, mean, r)
+        d1, h1 = terms(e1, v1, g1, b1, mean, r)
+        d2, h2 = terms(e2, v2, g2, b2, mean, r)
+        d3, h3 = terms(e3, v3, g3, b3, mean, r)
+        return d0, d1, d2, d3, h0, h1, h2, h3
 
-    # (the fused kernel's sums of this thread's features: in shared memory, a slot a feature, where
-    # they fit 48 KB (``grad_fused_shared``: registers left for rows in flight), else in registers)
-    SUM_SLOTS = 4 * max(K, 1) * T
-    IN_SHARED = cfg.grad_fused_shared and 2 * SUM_SLOTS * acc_type.bitwidth // 8 <= 48 * 1024
-
-    @cuda.jit(device=True, inline=True)
-    def slot(t, k):
-        """Where thread t's group k's four sums start in ``sg`` and ``sb``."""
-        return 4 * (t + k * T) if IN_SHARED else 4 * k
-
-    @cuda.jit(device=True, inline=True)
-    def one_row(dx, dy, x, g, b, row, inside, mean_in, rstd_in, shared, y_, t, hd, hh, sg, sb):
-        """dx's row (stored where ``inside``); with ``fused``, this thread's features' dg and db
-        terms added into ``sg`` and ``sb``."""
+    @row_kernel(cfg, T * RB, acc_type, grad=True)
+    def backward_rows(dx, dy, x, g, b, mean_in, rstd_in):
+        t, y_ = cuda.threadIdx.x, (cuda.threadIdx.y if RB > 1 else 0)
+        row, inside = row_of(x.shape[0])
+        shared = cuda.shared.array((RB, SLOTS), acc_type)
+        hd = cuda.local.array(HELD, acc_type)  # (K groups: dxhat and xhat stay in registers)
+        hh = cuda.local.array(HELD, acc_type)
         C = x.shape[1]
         mean, r = acc_type(mean_in[row]), acc_type(rstd_in[row])
         s1 = acc_type(0)
@@ -231,22 +214,12 @@ def make_backward(cfg, storage, param_storage, acc_type, relu, vector, shape, fu
         for k in range(K if K else -(-C // (4 * T))):
             c = 4 * (t + k * T)
             if whole:
-                d0, d1, d2, d3, h0, h1, h2, h3, p0, p1, p2, p3 = group_terms(dy, x, g, b, row, c, mean, r, True)
+                d0, d1, d2, d3, h0, h1, h2, h3 = group_terms(dy, x, g, b, row, c, mean, r, True)
             else:
-                d0, d1, d2, d3, h0, h1, h2, h3, p0, p1, p2, p3 = group_terms(dy, x, g, b, row, c, mean, r, False)
+                d0, d1, d2, d3, h0, h1, h2, h3 = group_terms(dy, x, g, b, row, c, mean, r, False)
             if K:
                 hd[4 * k], hd[4 * k + 1], hd[4 * k + 2], hd[4 * k + 3] = d0, d1, d2, d3
                 hh[4 * k], hh[4 * k + 1], hh[4 * k + 2], hh[4 * k + 3] = h0, h1, h2, h3
-            if fused:  # (the partial sums' terms and order: dy·xhat and dy, a row after another)
-                at = slot(t, k)
-                sg[at] += p0 * h0
-                sg[at + 1] += p1 * h1
-                sg[at + 2] += p2 * h2
-                sg[at + 3] += p3 * h3
-                sb[at] += p0
-                sb[at + 1] += p1
-                sb[at + 2] += p2
-                sb[at + 3] += p3
             s1 += (d0 + d1) + (d2 + d3)
             s2 += (d0 * h0 + d1 * h1) + (d2 * h2 + d3 * h3)
         s1, s2 = block_sums(s1, s2, shared, y_, t)
@@ -258,7 +231,7 @@ def make_backward(cfg, storage, param_storage, acc_type, relu, vector, shape, fu
                     d0, d1, d2, d3 = hd[4 * k], hd[4 * k + 1], hd[4 * k + 2], hd[4 * k + 3]
                     h0, h1, h2, h3 = hh[4 * k], hh[4 * k + 1], hh[4 * k + 2], hh[4 * k + 3]
                 else:
-                    d0, d1, d2, d3, h0, h1, h2, h3, _, _, _, _ = group_terms(dy, x, g, b, row, c, mean, r, False)
+                    d0, d1, d2, d3, h0, h1, h2, h3 = group_terms(dy, x, g, b, row, c, mean, r, False)
                 o0, o1 = r * (d0 - m1 - h0 * m2), r * (d1 - m1 - h1 * m2)
                 o2, o3 = r * (d2 - m1 - h2 * m2), r * (d3 - m1 - h3 * m2)
                 if whole:
@@ -266,51 +239,7 @@ def make_backward(cfg, storage, param_storage, acc_type, relu, vector, shape, fu
                 else:
                     write(dx, row, c, o0, o1, o2, o3)
 
-    if not fused:
-        @row_kernel(cfg, T * RB, acc_type, grad=True)
-        def backward_rows(dx, dy, x, g, b, mean_in, rstd_in):
-            t, y_ = cuda.threadIdx.x, (cuda.threadIdx.y if RB > 1 else 0)
-            row, inside = row_of(x.shape[0])
-            shared = cuda.shared.array((RB, SLOTS), acc_type)
-            hd = cuda.local.array(HELD, acc_type)  # (K groups: dxhat and xhat stay in registers)
-            hh = cuda.local.array(HELD, acc_type)
-            one_row(dx, dy, x, g, b, row, inside, mean_in, rstd_in, shared, y_, t, hd, hh, hd, hh)
-
-        return backward_rows
-
-    @row_kernel(cfg, T, acc_type, grad=True, fused=True)
-    def backward_chunk(dx, work, dy, x, g, b, mean_in, rstd_in):
-        t = cuda.threadIdx.x
-        shared = cuda.shared.array((1, SLOTS), acc_type)
-        hd = cuda.local.array(HELD, acc_type)
-        hh = cuda.local.array(HELD, acc_type)
-        if IN_SHARED:  # (this thread's features' dg and db terms, over the chunk's rows)
-            sums = cuda.shared.array((2, SUM_SLOTS), acc_type)
-            sg, sb = sums[0], sums[1]
-        else:
-            sg = cuda.local.array(HELD, acc_type)
-            sb = cuda.local.array(HELD, acc_type)
-        for k in range(K):
-            for j in range(4):
-                sg[slot(t, k) + j] = acc_type(0)
-                sb[slot(t, k) + j] = acc_type(0)
-        N, C = x.shape
-        chunk = cuda.blockIdx.x
-        for row in range(chunk * R, min(N, chunk * R + R)):
-            one_row(dx, dy, x, g, b, row, True, mean_in, rstd_in, shared, 0, t, hd, hh, sg, sb)
-        for k in range(K):
-            c = 4 * (t + k * T)
-            for j in range(4):
-                if c + j < C:
-                    work[chunk, 0, c + j] = sg[slot(t, k) + j]
-                    work[chunk, 1, c + j] = sb[slot(t, k) + j]
-
-    return backward_chunk
-
-
-def fused_grid(cfg, N):
-    """`make_backward`'s fused kernel's grid: a thread block a chunk of ``grad_rows`` rows."""
-    return max(1, -(-N // cfg.grad_rows))
+    return backward_rows
 
 
 def make_param_grads(cfg, storage, param_storage, acc_type, relu, vector=False):

@@ -16,7 +16,7 @@ from ..runtime.arrays import Array, Operand, check_dtype, launch_stream
 from ..runtime.backend import SIMULATOR
 from ..runtime.compile import cached
 from ..runtime.devices import active, on_arrays_device
-from ..runtime.launch import data_pointer, launch
+from ..runtime.launch import data_pointer, launch, shared_memory_limit
 from ..ptx.vector import aligned, fours_fit
 from .config import QuantConfig, as_config
 from .pack import make_pack, make_pack_words, make_unpack
@@ -324,8 +324,8 @@ def matmul(a: QuantArray, w: QuantArray, layout: Optional[BlockLayout] = None, b
             warps_m, warps_n = block_warps(cfg, a.bits, N, group_cols)
             grid = (len(ptr) - 1, -(-N // (warps_m * warp_rows(cfg, a.bits))))
             a_flat, w_flat, words = flat[0].device(stream), flat[1].device(stream), a.planes.shape[2]
-            if (layout is None and words % 4 == 0 and ring_fits(cfg, a.bits, w.bits, group_cols, warps_m, warps_n)
-                    and fours_fit(a_flat, w_flat)):  # (4 words: 16-byte copies)
+            ring = ring_fits(cfg, a.bits, w.bits, group_cols, warps_m, warps_n, shared_memory_limit())
+            if layout is None and words % 4 == 0 and ring and fours_fit(a_flat, w_flat):  # (16-byte copies)
                 # (the planes' rows' bit counts, where the other side is signed)
                 a_counts = _row_counts(a_planes, a_flat, a.bits * N, words, w.signed, stream)
                 w_counts = _row_counts(a_planes, w_flat, w.bits * O, words, a.signed, stream)

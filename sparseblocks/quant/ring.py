@@ -19,8 +19,9 @@ The integers become the output as in `tensorcore`'s epilogue, in its order (`pla
 bases' products, summed over plane pairs in fp32, bias, ReLU, two outputs a store), so both
 kernels give the same bits. Rows of a multiple of 4 words (packed rows are whole 8-word steps),
 16-byte-aligned planes, every weight plane's accumulators within ``fused_acc`` and the stages
-within 227 KB (`ring_fits`): `matmul` takes this kernel there when ``ring_stages`` is set, and
-`tensorcore`'s otherwise (block-sparse word lists, convolutions).
+within the device's shared memory (`ring_fits`): `matmul` takes this kernel there when
+``ring_stages`` is set (3 by default), and `tensorcore`'s otherwise (block-sparse word lists,
+convolutions).
 """
 
 from numba import cuda, float32, int32, int64, uint32
@@ -35,7 +36,7 @@ from .simple import make_finish, make_plane_dot
 from .tensorcore import FULL_MASK, PAD, make_epilogue, make_store_pair, plane_passes, warp_rows
 
 PARTS_BYTES = 16  # a copy
-SHARED_LIMIT = 227 * 1024  # dynamic shared memory a thread block may take (sm_80 164 KB, sm_90 227 KB)
+SHARED_LIMIT = 227 * 1024  # sm_90's dynamic shared memory a thread block (`runtime.launch.shared_memory_limit`)
 
 
 def ring_bytes(cfg, a_bits, w_bits, group_cols, warps_m):

@@ -71,6 +71,24 @@ def multiprocessors():
     return count
 
 
+_shared_limit = {}
+
+
+def shared_memory_limit():
+    """The dynamic shared memory a thread block may opt into on the GPU calls run on (bytes;
+    sm_80 164 KB, sm_86 and sm_89 99 KB, sm_90 227 KB), cached per device; sm_90's in the
+    simulator, so that its tests take the kernels the H100 takes."""
+    ordinal = active()
+    limit = _shared_limit.get(ordinal)
+    if limit is None:
+        try:
+            limit = int(cuda.gpus[ordinal].MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        except Exception:  # the simulator's fake device
+            limit = 227 * 1024
+        _shared_limit[ordinal] = limit
+    return limit
+
+
 _capability = {}
 
 

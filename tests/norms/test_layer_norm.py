@@ -47,10 +47,9 @@ def _problem(draw, dtype, axis):
 
 @settings(max_examples=6 if SIMULATOR else 60, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from(["float32", "float16", "bfloat16", "float64"]),
-       axis=st.sampled_from([1, 0]), relu=st.booleans(), fused=st.booleans())
-def test_layer_norm_and_its_gradients_match_the_twin(data, dtype, axis, relu, fused):
-    """Forward and backward against the twin over dtypes, both axes, the ReLU, and axis 1's dg and
-    db summed in dx's row kernel or apart (``grad_fused``)."""
+       axis=st.sampled_from([1, 0]), relu=st.booleans())
+def test_layer_norm_and_its_gradients_match_the_twin(data, dtype, axis, relu):
+    """Forward and backward against the twin over dtypes, both axes and the ReLU."""
     x, g, b, dy, N, C = _problem(data.draw, dtype, axis)
     rows = (lambda a: np.asarray(a, np.float64)) if axis == 1 else (lambda a: np.asarray(a, np.float64).T)
     acc = "float64" if dtype == "float64" else "float32"
@@ -66,8 +65,7 @@ def test_layer_norm_and_its_gradients_match_the_twin(data, dtype, axis, relu, fu
     _close(mean, want_mean, acc, C * size, "mean")
     _close(rstd, want_rstd, acc, drift * want_rstd, "rstd")
 
-    grads = dataclasses.replace(SMALL, grad_fused=fused)
-    dx, dg, db = norms.layer_norm_grad(dy, x, g, b, mean, rstd, axis=axis, relu=relu, config=grads)
+    dx, dg, db = norms.layer_norm_grad(dy, x, g, b, mean, rstd, axis=axis, relu=relu, config=SMALL)
     want_dx, want_dg, want_db = reference.layer_norm_grad(dy, x, g, b, axis, relu=relu)
     assert dx.dtype == x.dtype and dg.dtype == db.dtype == g.dtype
     # dx sums C terms of |dy·g|·(1 + |xhat|), each off by the drift; dg and db sum N rows.
@@ -150,8 +148,6 @@ X, G = np.zeros((3, 8), np.float32), np.ones(8, np.float32)
      "column_unroll: expected 1 to 8"),
     (lambda: norms.layer_norm(X.T, G[:3], G[:3], axis=0, config=NormsConfig(column_blocks=33)), ValueError,
      "column_blocks: expected 0 to 32"),
-    (lambda: norms.layer_norm(X, G, G, config=NormsConfig(grad_fused_blocks=33)), ValueError,
-     "grad_fused_blocks: expected 0 to 32"),
 ])
 def test_bad_input_is_refused_before_any_launch(call, error, match):
     with pytest.raises(error, match=match):
@@ -255,33 +251,6 @@ def test_axis_0_rows_in_flight_match_the_twin(unroll):
         _close(dx, want_dx, "float32", np.broadcast_to(scale, (C, N)), "dx")
         _close(dg, want_dg, "float32", np.abs(dy).sum(1) * 4, "dg")
         _close(db, want_db, "float32", np.abs(dy).sum(1), "db")
-
-
-@pytest.mark.parametrize("C", [70, 72, 298])
-@pytest.mark.parametrize("shared", [True, False])
-def test_fused_parameter_gradients_agree_with_the_separate_sums(C, shared):
-    """``grad_fused``: dx's row kernel also sums dg's and db's terms over chunks of ``grad_rows``
-    rows (3: chunks of 3, 3 and 2 rows), the same terms in the same order as the partial-sum
-    kernel; with and without the ReLU, threads of whole and partial groups (C = 70), vector loads
-    (72), three groups a thread (298). Against the separate kernels (compiled under other register
-    caps, so within a few roundings) and the twin; the sums in shared memory or in registers
-    (``grad_fused_shared``)."""
-    rng = np.random.default_rng(7)
-    N = 8
-    x, dy = rng.standard_normal((N, C)).astype(np.float32), rng.standard_normal((N, C)).astype(np.float32)
-    g, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
-    for relu in (False, True):
-        _, mean, rstd = norms.layer_norm(x, g, b, relu=relu, stats=True, config=SMALL)
-        apart = norms.layer_norm_grad(dy, x, g, b, mean, rstd, relu=relu, config=SMALL)
-        fused = norms.layer_norm_grad(dy, x, g, b, mean, rstd, relu=relu,
-                                      config=dataclasses.replace(SMALL, grad_fused=True, grad_fused_shared=shared))
-        for one, two in zip(apart, fused):
-            np.testing.assert_allclose(two, one, rtol=0, atol=C * 10 * np.finfo(np.float32).eps)
-        want_dx, want_dg, want_db = reference.layer_norm_grad(dy, x, g, b, 1, relu=relu)
-        _close(fused[1], want_dg, "float32", np.abs(dy).sum(0) * 4, "dg")
-        _close(fused[2], want_db, "float32", np.abs(dy).sum(0), "db")
-        scale = (np.abs(dy) * np.abs(g)).max(1) * rstd * C
-        _close(fused[0], want_dx, "float32", scale[:, None], "dx")
 
 
 def test_axis_0_apply_in_reverse_gives_the_same_bits():

@@ -227,6 +227,26 @@ def test_the_cp_async_ring_gives_the_register_staged_products_bits(configure, bi
     assert_close(ring.astype(np.float64), want, "float32", "ring", magnitude=magnitude, terms=bits * bits)
 
 
+@pytest.mark.parametrize("room", [True, False])
+def test_the_ring_is_taken_only_where_its_stages_fit_the_devices_shared_memory(configure, monkeypatch, room):
+    """The ring's stages live in dynamic shared memory, which devices bound differently (sm_90
+    227 KB, sm_86 99 KB): `matmul` takes the ring where `runtime.launch.shared_memory_limit` holds
+    its stages, the register-staged kernel otherwise, with the same bits."""
+    from sparseblocks.quant import api, ring
+    cfg = configure(quant, warps_m=1, warps_n=2, warp_rows=32, dense_cols=16, chunk_words=16, ring_stages=2)
+    need = ring.ring_bytes(cfg, 2, 2, 16, 1)
+    monkeypatch.setattr(api, "shared_memory_limit", lambda: need if room else need - 1)
+    taken = []
+    plain = api.make_ring_product
+    monkeypatch.setattr(api, "make_ring_product", lambda *args: taken.append(args) or plain(*args))
+    rng = np.random.default_rng(10)
+    _, _, a = quantized(rng, 20, 128, 2, True, per_row=False)
+    _, _, w = quantized(rng, 23, 128, 2, True, per_row=True)
+    got = quant.matmul(a, w)
+    assert bool(taken) == room
+    np.testing.assert_array_equal(got, quant.matmul(a, w, config=replace(cfg, ring_stages=0)))
+
+
 def test_block_sparse_product_is_the_dense_one_masked_by_the_layout():
     rng = np.random.default_rng(3)
     columns, O, bs = 96, 64, 32  # a 3 x 2 grid of blocks

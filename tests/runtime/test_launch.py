@@ -132,3 +132,11 @@ def test_launches_from_a_thread_without_a_current_context():
     torch.cuda.synchronize()
     for out in outs:
         np.testing.assert_allclose(host(out), 2.0 * host(a) + host(b) + 3, rtol=1e-6, atol=1e-6)
+
+
+def test_shared_memory_limit_is_the_devices_opt_in_bound():
+    """`shared_memory_limit`: what a thread block may opt into (sm_90's 227 KB in the simulator),
+    at least the 48 KB every device gives without opting in."""
+    limit = _launch.shared_memory_limit()
+    assert limit == 227 * 1024 if SIMULATOR else limit >= 48 * 1024
+    assert _launch.shared_memory_limit() == limit
