@@ -22,7 +22,7 @@ from .config import QuantConfig, as_config
 from .pack import make_pack, make_pack_words, make_unpack
 from .simple import make_simt_product
 from .ring import make_ring_product, make_row_counts, ring_fits
-from .tensorcore import block_warps, make_tensorcore_product, warp_rows
+from .tensorcore import block_warps, make_tensorcore_product, row_groups, warp_rows
 
 MAX_BITS = 4
 WORD = 32
@@ -335,6 +335,7 @@ def matmul(a: QuantArray, w: QuantArray, layout: Optional[BlockLayout] = None, b
                         seen))
             else:
                 kernel = cached(make_tensorcore_product, cfg, *key, warps_m, warps_n, O % 2 == 0)
+                grid = (len(ptr) - 1, row_groups(cfg, N, a.bits, warps_m))
                 launch(kernel, grid, warps_m * warps_n * 32, stream,
                        (y.reshape(-1), a_flat, w_flat, a_basis, w_basis, bias_values, ptr, blocks, seen, N, O, words))
     return a_planes.result(native, y, stream)

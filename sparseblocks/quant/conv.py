@@ -24,7 +24,7 @@ from .api import OUT_DTYPES, VERSIONS, BitPlanes, _basis_rows, _groups, _like, l
 from .config import QuantConfig, as_config
 from .pack import make_pack_image
 from .simple import make_simt_conv
-from .tensorcore import block_warps, make_tensorcore_product, warp_rows
+from .tensorcore import block_warps, make_tensorcore_product, row_groups
 
 WORD = 32
 PACK_THREADS = 128
@@ -180,7 +180,7 @@ def conv2d(a: QuantImage, w: QuantImage, stride: Any = 1, padding: Any = 0, dila
             warps_m, warps_n = block_warps(cfg, a.bits, pixels, group_cols)
             kernel = cached(make_tensorcore_product, cfg, a.bits, w.bits, False, True, bias is not None, bool(relu),
                             R * S * WC, group_cols, warps_m, warps_n, O % 2 == 0, geometry)
-            grid = (len(ptr) - 1, -(-pixels // (warps_m * warp_rows(cfg, a.bits))))
+            grid = (len(ptr) - 1, row_groups(cfg, pixels, a.bits, warps_m))
             launch(kernel, grid, warps_m * warps_n * 32, stream,
                    (y.reshape(-1), flat[0].device(stream), flat[1].device(stream), a_basis, w_basis, bias_values, ptr,
                     blocks, 0, pixels, O, R * S * WC))

@@ -247,6 +247,35 @@ def test_the_ring_is_taken_only_where_its_stages_fit_the_devices_shared_memory(c
     np.testing.assert_array_equal(got, quant.matmul(a, w, config=replace(cfg, ring_stages=0)))
 
 
+@pytest.mark.parametrize("bits, sparse, tiles, fused_acc", [
+    (1, False, 2, 64), (1, False, 4, 64), (2, False, 2, 0), (2, False, 3, 64), (1, True, 2, 64), (2, True, 4, 0)])
+def test_row_tiles_walk_the_rows_with_the_same_bits(configure, bits, sparse, tiles, fused_acc):
+    """``row_tiles``: a thread block of the register-staged product walks several tiles of rows,
+    the next tile's first chunk loaded before this tile's epilogue: N = 40 rows in tiles of 16
+    (the last partial; a thread block past N stops at once), dense rows of two chunks, weight
+    planes in passes or in one, a layout with an empty block-column; bias and ReLU. Bit for bit the
+    kernel's values with a tile a thread block."""
+    cfg = configure(quant, warps_m=1, warps_n=2, warp_rows=16 * bits, dense_cols=16, chunk_words=8, ring_stages=0,
+                    fused_acc=fused_acc)
+    rng = np.random.default_rng(11)
+    columns, O = (128, 64) if sparse else (300, 23)
+    _, _, a = quantized(rng, 40, columns, bits, True, per_row=False)
+    _, _, w = quantized(rng, O, columns, bits, True, per_row=True)
+    b = rng.standard_normal(O).astype(np.float32)
+    layout = None
+    if sparse:
+        mask = (rng.random((columns // 32, O // 32)) < 0.5).astype(np.uint8)
+        mask[:, 0], mask[0, 1] = 0, 1  # (block-column 0 empty: its outputs the bias alone)
+        layout = BlockLayout(mask, 32)
+    one = quant.matmul(a, w, bias=b, relu=True, layout=layout)
+    walked = quant.matmul(a, w, bias=b, relu=True, layout=layout, config=replace(cfg, row_tiles=tiles))
+    np.testing.assert_array_equal(walked, one)
+    want, _ = reference.matmul(a.planes, a.basis[0], w.planes, w.basis, columns, True, True, layout, bias=b,
+                               relu=True)
+    magnitude = np.abs(values_of(a)) @ np.abs(values_of(w)).T + np.abs(b)
+    assert_close(walked.astype(np.float64), want, "float32", "row tiles", magnitude=magnitude, terms=bits * bits)
+
+
 def test_block_sparse_product_is_the_dense_one_masked_by_the_layout():
     rng = np.random.default_rng(3)
     columns, O, bs = 96, 64, 32  # a 3 x 2 grid of blocks
@@ -312,6 +341,7 @@ def test_quant_array_passes_its_planes_on():
     ({"dense_cols": 256, "chunk_words": 32}, "expected a shared tile of at most 48 KiB"),
     ({"fused_acc": -1}, "fused_acc: expected 0 or more"),
     ({"ring_stages": 1}, "ring_stages: expected 0 \\(no ring\\) or 2 to 4"),
+    ({"row_tiles": 0}, "row_tiles: expected 1 to 64"),
 ])
 def test_config_refuses_tiles_the_kernels_cannot_take(fields, match):
     with pytest.raises(ValueError, match=match):
