@@ -377,13 +377,13 @@ def check_attention():
 
 def check_norms():
     """Layer norm's axis-1 forward and backward (fp16, bf16, fp32, rows of 4096 and 1024, vector
-    loads) under the default config's register cap (`norms.layer.row_kernel`), the backward fused
-    with dg's and db's chunk sums, axis 0's column kernels, and the parameter gradients' partial
-    sums and finish: registers, stack."""
+    loads) under the default config's register cap (`norms.layer.row_kernel`), axis 0's column
+    kernels and its one-pass strips, and the parameter gradients' partial sums and finish:
+    registers, stack."""
     from numba import float32
 
     from sparseblocks import norms
-    from sparseblocks.norms import columns, layer
+    from sparseblocks.norms import columns, layer, strips
 
     results = []
     for storage, C in itertools.product(("float16", "bfloat16", "float32"), (4096, 1024)):
@@ -412,6 +412,12 @@ def check_norms():
                 results.append(check(f"layer_norm axis 0 {name} {storage} ({cfg.column_unroll} rows in flight)",
                                      kernel.py_func, signature,
                                      launch_bounds=(32 * cfg.column_warps, blocks) if blocks else None))
+        strip_cfg = replace(cfg, column_strip_bytes=128 * 1024)  # (axis 0 in one pass: a strip of columns)
+        S = strips.strip_columns(strip_cfg, C, storage, 227 * 1024)
+        strip = strips.make_strip_forward(strip_cfg, storage, storage, float32, False, True, C, S)
+        results.append(check(f"layer_norm axis 0 in strips {storage} C={C} ({S} columns)", strip.py_func,
+                             (rows, stats, stats, rows, vec, vec, types.float64)))
+        if C == 4096:
             partials, finish = layer.make_param_grads(cfg, storage, storage, float32, False, True)
             results.append(check(f"layer_norm dg/db partial sums {storage}", partials.py_func,
                                  (float32[:, :, ::1], rows, rows, vec, vec, stats, stats)))

@@ -8,10 +8,10 @@ from ..runtime.arrays import Array, Operand, check_same_kind, checked_operands, 
 from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
 from ..ptx.vector import fours_fit
-from ..runtime.launch import launch
+from ..runtime.launch import data_pointer, launch, shared_memory_limit
 from .config import NormsConfig, as_config
 from .batch import make_batch_norm
-from . import columns, layer
+from . import columns, layer, strips
 from .columns import column_launch
 from .layer import finish_launch, make_param_grads, make_zeros, param_grid, row_shape
 
@@ -75,9 +75,15 @@ def layer_norm(x: Array, g: Array, b: Array, axis: int = 1, epsilon: float = 1e-
         x_dev, g_dev, b_dev = x_op.device(stream), g_op.device(stream), b_op.device(stream)
         vector = _vector(x_op.shape[1], y, x_dev, g_dev, b_dev, mean, rstd)  # (axis 0 reads the stats by 4s)
         key = (cfg, x_op.dtype, g_op.dtype, _numba(acc), bool(relu), vector)
+        strip = 0  # (axis 0 in one pass: columns a strip, where a strip fits shared memory)
+        if axis == 0 and cfg.column_strip_bytes and strips.strip_fits(N, x_op.dtype, map(data_pointer, (x_dev, y))):
+            strip = strips.strip_columns(cfg, C, x_op.dtype, shared_memory_limit())
         if axis == 1:
             shape = row_shape(cfg, C)
             launch(cached(layer.make_forward, *key, shape), -(-N // shape[2]), (shape[0], shape[2]), stream,
+                   (y, mean, rstd, x_dev, g_dev, b_dev, epsilon))
+        elif strip:
+            launch(cached(strips.make_strip_forward, *key, C, strip), -(-N // strip), 32 * cfg.column_warps, stream,
                    (y, mean, rstd, x_dev, g_dev, b_dev, epsilon))
         else:
             sums, stats_kernel, apply = cached(columns.make_forward, *key)

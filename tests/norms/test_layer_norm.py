@@ -268,3 +268,37 @@ def test_axis_0_apply_in_reverse_gives_the_same_bits():
         results.append((y, *norms.layer_norm_grad(dy, x, g, b, mean, rstd, axis=0, relu=True, config=cfg)))
     for one, two in zip(*results):
         np.testing.assert_array_equal(one, two)
+
+
+@pytest.mark.parametrize("dtype, N, taken", [("float16", 40, True), ("bfloat16", 40, True), ("float32", 44, True),
+                                             ("float64", 42, True), ("float16", 44, False)])
+@pytest.mark.parametrize("relu", [False, True])
+def test_axis_0_in_one_pass_over_strips_of_columns(monkeypatch, dtype, N, taken, relu):
+    """``column_strip_bytes``: axis 0 from one read of x, a thread block a strip of columns held in
+    shared memory (7 features; 256 bytes: strips of 16 16-bit columns, 8 fp32 or 4 fp64 ones, the
+    last strip partial), against the twin and the column kernels; rows that are not whole 16-byte
+    copies (fp16, N = 44) take the column kernels. Means and rstd too, for the backward."""
+    from sparseblocks.norms import strips
+    made = []
+    plain = strips.make_strip_forward
+    monkeypatch.setattr(strips, "make_strip_forward", lambda *args: made.append(args) or plain(*args))
+    rng = np.random.default_rng(12)
+    C = 7
+    x = (rng.standard_normal((C, N)) * 3 + 5).astype(numpy_dtype(dtype))
+    g, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
+    cfg = dataclasses.replace(SMALL, column_strip_bytes=256)
+    y, mean, rstd = norms.layer_norm(x, g, b, axis=0, relu=relu, stats=True, config=cfg)
+    assert bool(made) == taken
+    columns = norms.layer_norm(x, g, b, axis=0, relu=relu, stats=True, config=SMALL)
+    want, want_mean, want_rstd = reference.layer_norm(x, g, b, 0, relu=relu)
+    x64 = np.asarray(x, np.float64)
+    size = np.abs(x64).max(axis=0)
+    drift = C * size * want_rstd
+    acc = "float64" if dtype == "float64" else "float32"
+    _close(np.asarray(y, np.float64).T, np.asarray(want, np.float64).T, dtype,
+           drift[:, None] * np.abs(g) + np.abs(b), "y")
+    _close(mean, want_mean, acc, C * size, "mean")
+    _close(rstd, want_rstd, acc, drift * want_rstd, "rstd")
+    for got, other, name in zip((y, mean, rstd), columns, ("y", "mean", "rstd")):
+        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(other, np.float64), rtol=1e-2, atol=1e-2,
+                                   err_msg=name)
