@@ -127,6 +127,10 @@ def layer_norm_grad(dy: Array, x: Array, g: Array, b: Array, mean: Array, rstd: 
     key = (cfg, x_op.dtype, g_op.dtype, _numba(acc), bool(relu))
     partials, finish = cached(make_param_grads, *key, vector if axis == 1 else False)
     shape = row_shape(cfg, C)
+    strip = 0  # (axis 0 in one pass: columns a strip, where strips of x and dy fit shared memory)
+    if axis == 0 and N and cfg.column_strip_bytes and strips.strip_fits(N, x_op.dtype,
+                                                                         map(data_pointer, (x_dev, dy_dev, dx))):
+        strip = strips.strip_columns(cfg, C, x_op.dtype, shared_memory_limit(), arrays=2)
     if axis == 1:
         if N:
             launch(cached(layer.make_backward, *key, vector, shape), -(-N // shape[2]),
@@ -134,6 +138,10 @@ def layer_norm_grad(dy: Array, x: Array, g: Array, b: Array, mean: Array, rstd: 
         grid = param_grid(cfg, C, N)
         work = x_op.scratch((grid[1], 2, C), acc, stream)
         launch(partials, grid, cfg.row_threads, stream, (work, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
+    elif strip:
+        work = x_op.scratch((-(-N // strip), 2, C), acc, stream)
+        launch(cached(strips.make_strip_backward, *key, vector, C, strip), -(-N // strip), 32 * cfg.column_warps,
+               stream, (dx, work, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
     else:
         sums, means, apply = cached(columns.make_backward, *key, vector)
         if N:

@@ -14,8 +14,13 @@ kernel does it all from one read (`make_strip_forward`):
 * **apply**: y from the held strip, 4 neighbouring columns a thread, one store where the arrays
   allow.
 
-A strip is at least 16 bytes of a row (a copy). N's rows must be whole copies and x 16-byte
-aligned (`strip_fits`); elsewhere the column kernels run.
+The backward (`make_strip_backward`) holds the strips of x and dy: the columns' sums of
+``dxhat`` and ``dxhat·xhat``, then dx, and each feature's dg and db terms over the strip's
+columns (its 4-column groups' terms added by shuffles, in order) into a workspace of strips that
+`layer.make_param_grads`' finish adds in order.
+
+A strip is at least 16 bytes of a row (a copy). N's rows must be whole copies and the arrays
+16-byte aligned (`strip_fits`); elsewhere the column kernels run.
 """
 
 import math
@@ -25,23 +30,25 @@ from numba import cuda, int64, types
 from ..bsmm.device import converters
 from ..ptx.cp_async import commit, copy16_or_zero, shared_address, signed_address, waiter
 from ..runtime.launch import dynamic_shared
-from .groups import make_group_io, make_normalized
+from .blocks import FULL_MASK
+from .groups import make_group_io, make_normalized, make_passed
 
 COPY = 16  # bytes a copy
 ELEMENTS = {"float16": (types.float16, 2), "bfloat16": (types.int16, 2), "float32": (types.float32, 4),
             "float64": (types.float64, 8)}
 
 
-def strip_columns(cfg, C, storage, limit):
+def strip_columns(cfg, C, storage, limit, arrays=1):
     """Columns of x a strip takes: the most (a power of two from a copy's worth, and 4, up to the
-    thread block's threads) whose C x S values fit ``column_strip_bytes`` and ``limit`` (the device's
-    shared memory, less the kernel's static arrays); 0 where none does, or the strip is off."""
+    thread block's threads and 128) whose C x S values of each of ``arrays`` arrays (x; x and dy)
+    fit ``column_strip_bytes`` and ``limit`` (the device's shared memory, less the kernel's static
+    arrays); 0 where none does, or the strip is off."""
     _, size = ELEMENTS[storage]
     threads = 32 * cfg.column_warps
     budget = min(cfg.column_strip_bytes, limit - 2 * threads * 8 - 1024)
     columns = 0
     s = max(COPY // size, 4)  # (the apply's groups of 4 columns stay in the strip)
-    while s <= threads and C * s * size <= budget:
+    while s <= min(threads, 128) and arrays * C * s * size <= budget:
         columns = s
         s *= 2
     return columns
@@ -128,3 +135,113 @@ def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S
             write(y, row, n0 + c4, v[0], v[1], v[2], v[3])
 
     return dynamic_shared(strip, C * S * size)
+
+
+def make_strip_backward(cfg, storage, param_storage, acc_type, relu, vector, C, S):
+    """``strip(dx, gwork, dy, x, g, b, mean, rstd)``: dx, and gwork (strips, 2, C) the features'
+    dg and db terms summed over each strip's columns; grid ceil(N / S) thread blocks of ``32 *
+    column_warps`` threads (`strip_columns` with two arrays), 2 x C x S values of dynamic shared
+    memory."""
+    element, size = ELEMENTS[storage]
+    x_in = converters(storage, acc_type)[0]
+    p_in = converters(param_storage, acc_type)[0]
+    _, write = make_group_io(converters(storage, acc_type), acc_type, vector)
+    passed = make_passed(acc_type, relu)
+    T = 32 * cfg.column_warps
+    PER = T // S
+    WIDTH = COPY // size
+    PARTS = S // WIDTH
+    HALF = C * PARTS  # copies of each array
+    COPIES = -(-2 * HALF // T)
+    GROUPS = S // 4  # 4-column groups a strip row: neighbouring lanes (at most 32)
+    ROUNDS = -(-C * GROUPS // T)  # (every thread in every round, for the shuffles)
+    wait_all = waiter(0)
+
+    @cuda.jit(device=True, inline=True)
+    def terms(tile, row, j, gc, bc, m, r):
+        """(dy where the ReLU passed, xhat) of the held row's column j."""
+        xhat = (x_in(tile[row * S + j]) - m) * r
+        return passed(x_in(tile[C * S + row * S + j]), xhat, gc, bc), xhat
+
+    @cuda.jit
+    def strip(dx, gwork, dy, x, g, b, mean_in, rstd_in):
+        tile = cuda.shared.array(0, element)  # (dynamic: x's strip, then dy's)
+        sums = cuda.shared.array((2, T), acc_type)
+        stats = cuda.shared.array((4, S), acc_type)  # (mean, rstd, mean(dxhat), mean(dxhat·xhat))
+        t = cuda.threadIdx.x
+        N = x.shape[1]
+        n0 = cuda.blockIdx.x * S
+        base = shared_address(tile, (0,))
+        x_at, dy_at = signed_address(x, (0, 0)), signed_address(dy, (0, 0))
+        for i in range(COPIES):
+            q = t + i * T
+            if q < 2 * HALF:
+                k = q % HALF
+                row, part = k // PARTS, k % PARTS
+                column = n0 + part * WIDTH
+                at = (int64(row) * N + min(column, N - WIDTH)) * size
+                copy16_or_zero(base + q * COPY, (x_at if q < HALF else dy_at) + at, column < N)
+        if t < S:
+            inside = n0 + t < N  # (columns past N: finite stand-ins; their dy is 0, so no terms)
+            stats[0, t] = acc_type(mean_in[n0 + t]) if inside else acc_type(0)
+            stats[1, t] = acc_type(rstd_in[n0 + t]) if inside else acc_type(1)
+        commit()
+        wait_all()
+        cuda.syncthreads()
+        # each column's sums of dxhat and dxhat·xhat over T/S threads, then added in their order
+        j, sub = t % S, t // S
+        m, r = stats[0, j], stats[1, j]
+        s = acc_type(0)
+        q2 = acc_type(0)
+        for row in range(sub, C, PER):
+            gc, bc = p_in(g[row]), p_in(b[row])
+            d, h = terms(tile, row, j, gc, bc, m, r)
+            s += d * gc
+            q2 += d * gc * h
+        sums[0, t] = s
+        sums[1, t] = q2
+        cuda.syncthreads()
+        if t < S:
+            s = acc_type(0)
+            q2 = acc_type(0)
+            for k in range(PER):
+                s += sums[0, t + k * S]
+                q2 += sums[1, t + k * S]
+            stats[2, t] = s / acc_type(C)
+            stats[3, t] = q2 / acc_type(C)
+        cuda.syncthreads()
+        # dx: 4 neighbouring columns a thread; the row's dg and db terms over the strip by shuffles
+        for i in range(ROUNDS):
+            q = t + i * T
+            active = q < C * GROUPS
+            row, c4 = min(q // GROUPS, C - 1), (q % GROUPS) * 4
+            gc, bc = p_in(g[row]), p_in(b[row])
+            tg = acc_type(0)
+            tb = acc_type(0)
+            o0 = o1 = o2 = o3 = acc_type(0)
+            for k in range(4):
+                c = c4 + k
+                d, h = terms(tile, row, c, gc, bc, stats[0, c], stats[1, c])
+                o = stats[1, c] * (d * gc - stats[2, c] - h * stats[3, c])
+                if k == 0:
+                    o0 = o
+                elif k == 1:
+                    o1 = o
+                elif k == 2:
+                    o2 = o
+                else:
+                    o3 = o
+                tg += d * h
+                tb += d
+            if active:
+                write(dx, row, n0 + c4, o0, o1, o2, o3)
+            step = GROUPS // 2
+            while step > 0:
+                tg += cuda.shfl_down_sync(FULL_MASK, tg, step)
+                tb += cuda.shfl_down_sync(FULL_MASK, tb, step)
+                step //= 2
+            if active and q % GROUPS == 0:
+                gwork[cuda.blockIdx.x, 0, row] = tg
+                gwork[cuda.blockIdx.x, 1, row] = tb
+
+    return dynamic_shared(strip, 2 * C * S * size)

@@ -274,19 +274,23 @@ def test_axis_0_apply_in_reverse_gives_the_same_bits():
                                              ("float64", 42, True), ("float16", 44, False)])
 @pytest.mark.parametrize("relu", [False, True])
 def test_axis_0_in_one_pass_over_strips_of_columns(monkeypatch, dtype, N, taken, relu):
-    """``column_strip_bytes``: axis 0 from one read of x, a thread block a strip of columns held in
-    shared memory (7 features; 256 bytes: strips of 16 16-bit columns, 8 fp32 or 4 fp64 ones, the
-    last strip partial), against the twin and the column kernels; rows that are not whole 16-byte
-    copies (fp16, N = 44) take the column kernels. Means and rstd too, for the backward."""
+    """``column_strip_bytes``: axis 0 from one read of x (of x and dy backward), a thread block a
+    strip of columns held in shared memory (7 features; 512 bytes: forward strips of 32 16-bit
+    columns, 16 fp32 or 8 fp64 ones, backward ones half as wide, the last strip partial), against the
+    twin and the column kernels; rows that are not whole 16-byte copies (fp16, N = 44) take the
+    column kernels."""
     from sparseblocks.norms import strips
     made = []
     plain = strips.make_strip_forward
     monkeypatch.setattr(strips, "make_strip_forward", lambda *args: made.append(args) or plain(*args))
+    backward = []
+    plain_backward = strips.make_strip_backward
+    monkeypatch.setattr(strips, "make_strip_backward", lambda *args: backward.append(args) or plain_backward(*args))
     rng = np.random.default_rng(12)
     C = 7
     x = (rng.standard_normal((C, N)) * 3 + 5).astype(numpy_dtype(dtype))
     g, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
-    cfg = dataclasses.replace(SMALL, column_strip_bytes=256)
+    cfg = dataclasses.replace(SMALL, column_strip_bytes=512)
     y, mean, rstd = norms.layer_norm(x, g, b, axis=0, relu=relu, stats=True, config=cfg)
     assert bool(made) == taken
     columns = norms.layer_norm(x, g, b, axis=0, relu=relu, stats=True, config=SMALL)
@@ -301,4 +305,19 @@ def test_axis_0_in_one_pass_over_strips_of_columns(monkeypatch, dtype, N, taken,
     _close(rstd, want_rstd, acc, drift * want_rstd, "rstd")
     for got, other, name in zip((y, mean, rstd), columns, ("y", "mean", "rstd")):
         np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(other, np.float64), rtol=1e-2, atol=1e-2,
+                                   err_msg=name)
+    # the backward: dx, and dg and db from each strip's sums, added in order by the finish
+    made.clear()
+    dy = rng.standard_normal((C, N)).astype(numpy_dtype(dtype))
+    dx, dg, db = norms.layer_norm_grad(dy, x, g, b, mean, rstd, axis=0, relu=relu, config=cfg)
+    assert bool(backward) == taken
+    want_dx, want_dg, want_db = reference.layer_norm_grad(dy, x, g, b, 0, relu=relu)
+    dy64 = np.abs(np.asarray(dy, np.float64))
+    scale = (dy64 * np.abs(g)[:, None]).max(axis=0) * want_rstd * C * (1 + drift)
+    _close(np.asarray(dx, np.float64).T, np.asarray(want_dx, np.float64).T, dtype, scale[:, None] * 4, "dx")
+    _close(dg, want_dg, "float32", dy64.sum(1) * (4 + drift.max()), "dg")
+    _close(db, want_db, "float32", dy64.sum(1), "db")
+    apart = norms.layer_norm_grad(dy, x, g, b, mean, rstd, axis=0, relu=relu, config=SMALL)
+    for got, other, name in zip((dx, dg, db), apart, ("dx", "dg", "db")):
+        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(other, np.float64), rtol=2e-2, atol=2e-2,
                                    err_msg=name)
