@@ -32,7 +32,7 @@ def _close(got, want, dtype, scale, name):
 
 
 def _problem(draw, dtype, axis):
-    N = draw(st.integers(0, 5), label="N")
+    N = draw(st.one_of(st.integers(0, 5), st.sampled_from([8, 24])), label="N")  # (8, 24: whole 16-byte rows)
     C = draw(st.integers(1, 70), label="C")
     rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1), label="seed"))
     offset = draw(st.sampled_from([0.0, 3.0, -50.0]), label="mean")
@@ -47,13 +47,15 @@ def _problem(draw, dtype, axis):
 
 @settings(max_examples=6 if SIMULATOR else 60, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from(["float32", "float16", "bfloat16", "float64"]),
-       axis=st.sampled_from([1, 0]), relu=st.booleans())
-def test_layer_norm_and_its_gradients_match_the_twin(data, dtype, axis, relu):
-    """Forward and backward against the twin over dtypes, both axes and the ReLU."""
+       axis=st.sampled_from([1, 0]), relu=st.booleans(), strips=st.sampled_from([0, 8192]))
+def test_layer_norm_and_its_gradients_match_the_twin(data, dtype, axis, relu, strips):
+    """Forward and backward against the twin over dtypes, both axes and the ReLU; axis 0 by the
+    column kernels or, where they fit, in one pass over strips (``column_strip_bytes``)."""
     x, g, b, dy, N, C = _problem(data.draw, dtype, axis)
+    config = dataclasses.replace(SMALL, column_strip_bytes=strips)
     rows = (lambda a: np.asarray(a, np.float64)) if axis == 1 else (lambda a: np.asarray(a, np.float64).T)
     acc = "float64" if dtype == "float64" else "float32"
-    y, mean, rstd = norms.layer_norm(x, g, b, axis=axis, relu=relu, stats=True, config=SMALL)
+    y, mean, rstd = norms.layer_norm(x, g, b, axis=axis, relu=relu, stats=True, config=config)
     want, want_mean, want_rstd = reference.layer_norm(x, g, b, axis, relu=relu)
     assert mean.dtype == rstd.dtype == np.dtype(acc)
     # A row's mean is off by about its sum's rounding over C terms of |x| (`size`), xhat by that
@@ -65,7 +67,7 @@ def test_layer_norm_and_its_gradients_match_the_twin(data, dtype, axis, relu):
     _close(mean, want_mean, acc, C * size, "mean")
     _close(rstd, want_rstd, acc, drift * want_rstd, "rstd")
 
-    dx, dg, db = norms.layer_norm_grad(dy, x, g, b, mean, rstd, axis=axis, relu=relu, config=SMALL)
+    dx, dg, db = norms.layer_norm_grad(dy, x, g, b, mean, rstd, axis=axis, relu=relu, config=config)
     want_dx, want_dg, want_db = reference.layer_norm_grad(dy, x, g, b, axis, relu=relu)
     assert dx.dtype == x.dtype and dg.dtype == db.dtype == g.dtype
     # dx sums C terms of |dy·g|·(1 + |xhat|), each off by the drift; dg and db sum N rows.
