@@ -19,7 +19,9 @@ that signed int64 offsets add to it: Numba types uint64 + int64 as a float), add
 call ``copy16_to(shared_address, global_address)``: one instruction and two
 additions a copy. ``copy16_or_zero(shared_address, global_address, keep)``
 writes 16 zero bytes instead where ``keep`` is false (cp.async's source size
-0: nothing is read), for rows past an array's end; its source address is still
+0: nothing is read), for rows past an array's end (``copy8_or_zero`` and
+``copy4_or_zero`` the same for 8 and 4 bytes, ``cp.async.ca``: a block-sparse
+list's blocks of 2 or 1 words); its source address is still
 kept inside the array (the simulator checks it), as a faulting address could fault. Other threads see a
 landed copy only after a barrier, as with any shared store. Both addresses
 must be multiples of 16 bytes and the 16 bytes contiguous: launchers check
@@ -89,13 +91,17 @@ if SIMULATOR:
                 return self.offset - other.offset
             return _Address(self.buffer, self.offset - int(other))
 
-        def bytes16(self, what):
-            if not 0 <= self.offset <= len(self.buffer) - BYTES:
-                raise IndexError(f"{what}: bytes {self.offset}..{self.offset + BYTES} outside the array's "
+        def span(self, size, what):
+            """The ``size`` bytes from here (inside the array, and aligned to ``size``)."""
+            if not 0 <= self.offset <= len(self.buffer) - size:
+                raise IndexError(f"{what}: bytes {self.offset}..{self.offset + size} outside the array's "
                                  f"{len(self.buffer)}")
-            if (self.buffer.ctypes.data + self.offset) % BYTES:
-                raise ValueError(f"{what}: address not aligned to {BYTES} bytes")
-            return slice(self.offset, self.offset + BYTES)
+            if (self.buffer.ctypes.data + self.offset) % size:
+                raise ValueError(f"{what}: address not aligned to {size} bytes")
+            return slice(self.offset, self.offset + size)
+
+        def bytes16(self, what):
+            return self.span(BYTES, what)
 
     def global_address(array, index):
         array = np.asarray(array)
@@ -110,10 +116,15 @@ if SIMULATOR:
     def copy16_to(shared, source):
         copy16_or_zero(shared, source, True)
 
-    def copy16_or_zero(shared, source, keep):
-        span = source.bytes16("copy16 source")  # (in the array even where nothing is read: kernels keep it so)
-        values = source.buffer[span].copy() if keep else np.zeros(BYTES, np.uint8)
-        _groups()[-1].append((shared.buffer, shared.bytes16("copy16 destination").start, values))
+    def _copy_or_zero(size):
+        def copy_or_zero(shared, source, keep):
+            span = source.span(size, f"copy{size} source")  # (in the array even where nothing is read)
+            values = source.buffer[span].copy() if keep else np.zeros(size, np.uint8)
+            _groups()[-1].append((shared.buffer, shared.span(size, f"copy{size} destination").start, values))
+
+        return copy_or_zero
+
+    copy16_or_zero, copy8_or_zero, copy4_or_zero = (_copy_or_zero(size) for size in (16, 8, 4))
 
     def commit():
         _groups().append([])
@@ -151,13 +162,15 @@ else:
                            "{ .reg .u64 s64; cvta.to.shared.u64 s64, $1; cvt.u32.u64 $0, s64; }", "=r,l")
         return builder.call(asm, [generic])
 
-    def _issue(builder, to, origin, size=None):
-        """cp.async of 16 bytes from origin (64-bit global) to to (32-bit shared); with size
-        (an i32), only that many bytes are read and the rest are zeros."""
+    def _issue(builder, to, origin, size=None, width=BYTES):
+        """cp.async of ``width`` bytes (16: through L2 only, ``.cg``; 4 or 8: ``.ca``, the only
+        form of those) from origin (64-bit global) to to (32-bit shared); with size (an i32), only
+        that many bytes are read and the rest are zeros."""
+        cache = "cg" if width == BYTES else "ca"
         if size is None:
-            ptx, constraints, args = "cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}", [to, origin]
+            ptx, constraints, args = f"cp.async.{cache}.shared.global [$0], [$1], {width};", "r,l,~{memory}", [to, origin]
         else:
-            ptx, constraints, args = ("cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
+            ptx, constraints, args = (f"cp.async.{cache}.shared.global [$0], [$1], {width}, $2;", "r,l,r,~{memory}",
                                       [to, origin, size])
         function = ir.FunctionType(ir.VoidType(), [a.type for a in args])
         builder.call(ir.InlineAsm(function, ptx, constraints, side_effect=True), args)
@@ -214,21 +227,26 @@ else:
 
         return types.void(shared, source), codegen
 
-    @intrinsic
-    def copy16_or_zero(typingctx, shared, source, keep):
-        if not (isinstance(shared, types.Integer) and isinstance(source, types.Integer)
-                and isinstance(keep, (types.Integer, types.Boolean))):
-            return None
+    def _copy_or_zero(width):
+        @intrinsic
+        def copy_or_zero(typingctx, shared, source, keep):
+            if not (isinstance(shared, types.Integer) and isinstance(source, types.Integer)
+                    and isinstance(keep, (types.Integer, types.Boolean))):
+                return None
 
-        def codegen(context, builder, sig, args):
-            kept = context.cast(builder, args[2], sig.args[2], types.boolean)
-            size = builder.select(builder.icmp_unsigned("!=", kept, ir.Constant(kept.type, 0)),
-                                  ir.Constant(I32, BYTES), ir.Constant(I32, 0))
-            _issue(builder, context.cast(builder, args[0], sig.args[0], types.uint32),
-                   context.cast(builder, args[1], sig.args[1], types.uint64), size)
-            return context.get_dummy_value()
+            def codegen(context, builder, sig, args):
+                kept = context.cast(builder, args[2], sig.args[2], types.boolean)
+                size = builder.select(builder.icmp_unsigned("!=", kept, ir.Constant(kept.type, 0)),
+                                      ir.Constant(I32, width), ir.Constant(I32, 0))
+                _issue(builder, context.cast(builder, args[0], sig.args[0], types.uint32),
+                       context.cast(builder, args[1], sig.args[1], types.uint64), size, width)
+                return context.get_dummy_value()
 
-        return types.void(shared, source, keep), codegen
+            return types.void(shared, source, keep), codegen
+
+        return copy_or_zero
+
+    copy16_or_zero, copy8_or_zero, copy4_or_zero = (_copy_or_zero(width) for width in (16, 8, 4))
 
     def statement(ptx):
         """An intrinsic that emits ``ptx`` (no operands) as a side effect that orders memory."""

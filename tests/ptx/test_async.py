@@ -6,7 +6,8 @@ from numba import cuda, float32, int32
 
 from sparseblocks.runtime.backend import SIMULATOR
 from sparseblocks.ptx.cp_async import (
-    commit, copy16, copy16_to, global_address, make_ring, shared_address, wait_all, wait_but_one, waiter,
+    commit, copy4_or_zero, copy8_or_zero, copy16, copy16_to, global_address, make_ring, shared_address, wait_all,
+    wait_but_one, waiter,
 )
 
 ROWS, WIDTH = 8, 4  # a thread block of 8 threads, each one 16-byte row of fp32
@@ -170,6 +171,55 @@ def test_unaligned_copy_raises():
     out = cuda.to_device(np.zeros((2, ROWS, WIDTH), np.float32))
     with pytest.raises(ValueError, match="not aligned to 16 bytes"):
         _two_stages[1, ROWS](out, wide[:, :, 1:])  # rows start 4 bytes past a 16-byte boundary
+
+
+@cuda.jit
+def _narrow_copies(out, source):
+    """Thread t: 8 bytes (2 words) from word 2·(7 - t) and 4 bytes (1 word) from word t of
+    source into its row of 3 words, the second pair zero-filled where t is odd; read back by the
+    thread after it, past the barrier."""
+    t = cuda.threadIdx.x
+    rows = cuda.shared.array((ROWS, 4), int32)
+    to = shared_address(rows, (t, 0))
+    origin = global_address(source, (0,))
+    copy8_or_zero(to, origin + 8 * (ROWS - 1 - t), True)
+    copy4_or_zero(to + 8, origin + 4 * t, t % 2 == 0)
+    commit()
+    wait_all()
+    cuda.syncthreads()
+    j = (t + 1) % ROWS
+    for c in range(3):
+        out[t, c] = rows[j, c]
+
+
+def test_narrow_copies_land_and_zero_fill():
+    """``copy8_or_zero`` and ``copy4_or_zero``: a block-sparse list's 2- and 1-word blocks."""
+    source = np.arange(1, 2 * ROWS + 1, dtype=np.int32)
+    out = cuda.to_device(np.full((ROWS, 3), -1, np.int32))
+    _narrow_copies[1, ROWS](out, cuda.to_device(source))
+    want = np.zeros((ROWS, 3), np.int32)
+    for t in range(ROWS):
+        j = (t + 1) % ROWS
+        want[t, :2] = source[2 * (ROWS - 1 - j):2 * (ROWS - 1 - j) + 2]
+        want[t, 2] = source[j] if j % 2 == 0 else 0
+    np.testing.assert_array_equal(out.copy_to_host(), want)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's check; a GPU would fault")
+def test_narrow_copy_unaligned_raises():
+    source = cuda.to_device(np.arange(2 * ROWS + 1, dtype=np.int32))
+    out = cuda.to_device(np.zeros((ROWS, 3), np.int32))
+    with pytest.raises(ValueError, match="not aligned to 8 bytes"):
+        _narrow_copies[1, ROWS](out, source[1:])
+
+
+@pytest.mark.skipif(SIMULATOR, reason="compiles PTX")
+def test_ptx_has_the_narrow_copies():
+    from numba import types
+
+    ptx, _ = cuda.compile_ptx(_narrow_copies.py_func, (types.int32[:, ::1], types.int32[::1]))
+    assert "cp.async.ca.shared.global [%r" in ptx.replace("\t", " ") or "cp.async.ca.shared.global" in ptx
+    assert ptx.count("cp.async.ca.shared.global") == 2 and ", 8, " in ptx and ", 4, " in ptx
 
 
 @pytest.mark.skipif(SIMULATOR, reason="compiles PTX")
