@@ -310,13 +310,21 @@ def check_quant():
                              kernel.py_func, signature, registers=cap,
                              detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
     counts = types.int32[::1]
-    ring_signature = signature[:6] + (counts, counts, i64, i64, i64, i64)
+    ring_signature = signature[:6] + (counts, counts, counts, counts, i64, i64, i64, i64)
     for bits, stages, signed_a in itertools.product((1, 2), (2, 3), (False, True)):  # (the cp.async ring)
         warps = block_warps(Q, bits, 4096, Q.dense_cols)
         kernel = make_ring_product(replace(Q, ring_stages=stages), bits, bits, signed_a, True, False, False,
                                    Q.dense_cols, *warps, True)
         results.append(check(f"product W{bits}A{bits} ring of {stages} stages signed_a={signed_a} warps {warps}",
                              kernel.py_func, ring_signature, detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
+    list_signature = signature[:6] + (counts, counts, counts, counts, i64, i64, i64, i64)
+    for bits, (block_words, group_cols), signed_a in itertools.product((1, 2), ((2, 64), (1, 32)), (False, True)):
+        warps = block_warps(Q, bits, 4096, group_cols)  # (the ring over a layout's word lists)
+        kernel = make_ring_product(replace(Q, ring_lists=True), bits, bits, signed_a, True, False, False, group_cols,
+                                   *warps, True, block_words)
+        results.append(check(f"product W{bits}A{bits} ring over lists of {block_words}-word blocks "
+                             f"signed_a={signed_a} warps {warps}", kernel.py_func, list_signature,
+                             detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
     results.append(check("row bit counts", make_row_counts().py_func, (counts, types.uint32[::1], i64, i64)))
     for (a_bits, w_bits), channels in itertools.product(((1, 1), (2, 2)), (64, 256)):
         words = channels // 32

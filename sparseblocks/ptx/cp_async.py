@@ -168,7 +168,8 @@ else:
         that many bytes are read and the rest are zeros."""
         cache = "cg" if width == BYTES else "ca"
         if size is None:
-            ptx, constraints, args = f"cp.async.{cache}.shared.global [$0], [$1], {width};", "r,l,~{memory}", [to, origin]
+            ptx = f"cp.async.{cache}.shared.global [$0], [$1], {width};"
+            constraints, args = "r,l,~{memory}", [to, origin]
         else:
             ptx, constraints, args = (f"cp.async.{cache}.shared.global [$0], [$1], {width}, $2;", "r,l,r,~{memory}",
                                       [to, origin, size])

@@ -22,7 +22,7 @@ from .config import QuantConfig, as_config
 from .pack import make_pack, make_pack_words, make_unpack
 from .simple import make_simt_product
 from .ring import make_ring_product, make_row_counts, ring_fits
-from .tensorcore import block_warps, make_tensorcore_product, row_groups, warp_rows
+from .tensorcore import block_warps, make_tensorcore_product, row_groups, vector_words, warp_rows
 
 MAX_BITS = 4
 WORD = 32
@@ -268,6 +268,13 @@ def _row_counts(owner, flat, rows, words, needed, stream):
     return out
 
 
+def _copies_fit(block_words, words, *planes):
+    """Whether a layout's blocks of ``block_words`` words are whole copies of the ring (4 or 8
+    bytes): the rows of ``words`` and the planes' addresses aligned to them."""
+    size = 4 * vector_words(block_words)
+    return (words * 4) % size == 0 and all(data_pointer(p) % size == 0 for p in planes)
+
+
 def _check_layout(layout, columns, outputs):
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout: expected a BlockLayout, got {type(layout).__name__}")
@@ -331,8 +338,15 @@ def matmul(a: QuantArray, w: QuantArray, layout: Optional[BlockLayout] = None, b
                 w_counts = _row_counts(a_planes, w_flat, w.bits * O, words, a.signed, stream)
                 kernel = cached(make_ring_product, cfg, *key[:6], group_cols, warps_m, warps_n, O % 2 == 0)
                 launch(kernel, grid, warps_m * warps_n * 32, stream,
-                       (y.reshape(-1), a_flat, w_flat, a_basis, w_basis, bias_values, a_counts, w_counts, N, O, words,
-                        seen))
+                       (y.reshape(-1), a_flat, w_flat, a_basis, w_basis, bias_values, a_counts, w_counts, ptr, blocks,
+                        N, O, words, seen))
+            elif layout is not None and cfg.ring_lists and ring and _copies_fit(block_words, words, a_flat, w_flat):
+                # (a layout's word lists, a block a 4- or 8-byte copy; the counts from the stages)
+                kernel = cached(make_ring_product, cfg, *key[:6], group_cols, warps_m, warps_n, O % 2 == 0,
+                                block_words)
+                launch(kernel, grid, warps_m * warps_n * 32, stream,
+                       (y.reshape(-1), a_flat, w_flat, a_basis, w_basis, bias_values, ptr, ptr, ptr, blocks, N, O,
+                        words, seen))
             else:
                 kernel = cached(make_tensorcore_product, cfg, *key, warps_m, warps_n, O % 2 == 0)
                 grid = (len(ptr) - 1, row_groups(cfg, N, a.bits, warps_m))

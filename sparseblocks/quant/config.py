@@ -16,12 +16,13 @@ class QuantConfig:
     warp_rows: int = 32  # rows a warp for 1-bit activations (16 an mma; divided among the planes of more bits)
     dense_cols: int = 64  # outputs a thread block in a dense product; a block-sparse one takes a block's
     chunk_words: int = 16  # words of the word list staged in shared memory at a time (8 a b1 mma step)
-    row_tiles: int = 1  # register-staged product: row tiles a thread block walks, the next one's loads over this one's end
+    row_tiles: int = 1  # register-staged product: row tiles a thread block walks (the next one's loads in flight)
     max_registers: int = None  # a cap on the tensor-core product's registers (ptxas), None for none
     fused_acc: int = 64  # registers a thread the accumulators of all weight planes may take in one pass (0: a pass a plane)
     # dense products (every weight plane in one pass): stages of a cp.async ring (`ring`; 2 to 4, in
     # dynamic shared memory up to 227 KiB), the rows' bit counts from a kernel of their own; 0: none
     ring_stages: int = 3
+    ring_lists: bool = False  # ... block-sparse products too, a block a 4- or 8-byte copy (layouts' word lists)
 
     def check(self):
         if not 1 <= self.pack_words <= 32:

@@ -26,16 +26,16 @@ convolutions).
 
 from numba import cuda, float32, int32, int64, uint32
 
-from ..ptx.cp_async import copy16_or_zero, make_ring, shared_address, signed_address
+from ..ptx.cp_async import copy4_or_zero, copy8_or_zero, copy16_or_zero, make_ring, shared_address, signed_address
 from ..ptx.ldmatrix import ldmatrix_x4_at
 from ..ptx.mma import B1_WORDS, mma_b1_and
 from ..runtime.backend import SIMULATOR
 from ..runtime.compile import unrolled
 from ..runtime.launch import dynamic_shared
 from .simple import make_finish, make_plane_dot
-from .tensorcore import FULL_MASK, PAD, make_epilogue, make_store_pair, plane_passes, warp_rows
+from .tensorcore import FULL_MASK, PAD, make_epilogue, make_store_pair, plane_passes, vector_words, warp_rows
 
-PARTS_BYTES = 16  # a copy
+HALF_STEP = 16  # bytes of half an mma step's words (ldmatrix's second pair of 8 x 16-byte matrices)
 SHARED_LIMIT = 227 * 1024  # sm_90's dynamic shared memory a thread block (`runtime.launch.shared_memory_limit`)
 
 
@@ -53,12 +53,21 @@ def ring_fits(cfg, a_bits, w_bits, group_cols, warps_m, warps_n, limit=SHARED_LI
     return cfg.ring_stages > 0 and one_pass and ring_bytes(cfg, a_bits, w_bits, group_cols, warps_m) <= limit
 
 
-def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group_cols, warps_m, warps_n, paired):
+def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group_cols, warps_m, warps_n, paired,
+                      block_words=0):
     """The kernel ``product(y, a_planes, w_planes, a_basis, w_basis, bias_values, a_counts,
-    w_counts, N, O, words, seen)``: y (N * O) and the planes (bits * rows * words) flat;
-    ``a_counts`` (a_bits * N) and ``w_counts`` (w_bits * O) the planes' rows' bit counts
-    (`make_row_counts`; read only where the other side is signed); grid (groups of
-    ``group_cols`` outputs, row tiles). Every weight plane in the one pass (`ring_fits`)."""
+    w_counts, ptr, blocks, N, O, words, seen)``: y (N * O) and the planes (bits * rows * words)
+    flat; grid (groups of ``group_cols`` outputs, row tiles). Every weight plane in the one pass
+    (`ring_fits`).
+
+    Dense rows (``block_words`` 0): 16-byte copies; ``a_counts`` (a_bits * N) and ``w_counts``
+    (w_bits * O) the planes' rows' bit counts (`make_row_counts`; read only where the other side
+    is signed), ``seen`` the values a row; ``ptr`` and ``blocks`` unread. A layout's word lists
+    (blocks of ``block_words`` 1 or 2 words: 4- or 8-byte copies, a block each): a group is a
+    block-column, its present blocks ``blocks[ptr[g]:ptr[g + 1]]``, ``seen`` the values a block;
+    the rows' bit counts over those blocks are the copying threads' popcounts of the words they
+    copied, read back from each landed stage and summed over the lanes of a row (the counts
+    unread)."""
     plane_dot = make_plane_dot(signed_a, signed_w)
     WARP_ROWS = warp_rows(cfg, a_bits)
     ROWS = warps_m * WARP_ROWS
@@ -75,28 +84,65 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
     STAGE = TILE_ROWS * ROW
     STAGES = cfg.ring_stages
     STEPS = CW // B1_WORDS
-    PARTS = CW * 4 // PARTS_BYTES  # copies a tile row
+    LIST = block_words > 0
+    BW = max(block_words, 1)
+    VW = vector_words(BW) if LIST else 4  # words a copy
+    COPY = 4 * VW
+    copy_or_zero = {16: copy16_or_zero, 8: copy8_or_zero, 4: copy4_or_zero}[COPY]
+    PARTS = CW // VW  # copies a tile row
     THREADS = 32 * warps_m * warps_n
     APART = THREADS // PARTS  # tile rows between a thread's copies (its part of a row stays the same)
     COPIES = -(-TILE_ROWS // APART)  # a thread's copies a stage
     need_pa, need_pb = signed_w, signed_a
+    COUNT = LIST and (need_pa or need_pb)  # (a list's counts from the landed stages)
 
     @cuda.jit(device=True, inline=True)
     def issue(s, at, args):
-        """Stage s (words s·CW on) of this thread's copies into the buffer at ``at``: tile rows
-        ``first``, ``first + APART``, ...; the same part of each (so one test of the row's end)."""
-        offsets, a_at, w_at, first, part, words = args
-        word = s * CW + part * 4
-        keep = word < words
+        """Stage s (words s·CW on of the row or the list) of this thread's copies into the buffer
+        at ``at``: tile rows ``first``, ``first + APART``, ...; the same part of each (so one test
+        of the list's end, one list entry)."""
+        offsets, a_at, w_at, first, part, total, blocks, start = args
+        slot = s * CW + part * VW
+        keep = slot < total
+        word = slot
+        if LIST:  # (a copy is a block: its list entry's words)
+            word = blocks[start + uint32(slot) // BW] * BW if keep else 0
         step = int64(word) * 4 if keep else int64(0)  # (kept inside the row where nothing is read)
         for i in range(COPIES):
             row = first + i * APART
             if (i + 1) * APART <= TILE_ROWS or row < TILE_ROWS:  # (the first clause known when compiled)
-                to = at + row * ROW + PARTS_BYTES * part
+                to = at + row * ROW + COPY * part
+                # (a list's many small copies keep their rows' word offsets in 32 bits: fewer registers;
+                # its word is 0 where nothing is read)
+                offset = int64(offsets[i] + word) * 4 if LIST else offsets[i] + step
                 if (i + 1) * APART <= A_ROWS or (i * APART < A_ROWS and row < A_ROWS):
-                    copy16_or_zero(to, a_at + (offsets[i] + step), keep)
+                    copy_or_zero(to, a_at + offset, keep)
                 else:
-                    copy16_or_zero(to, w_at + (offsets[i] + step), keep)
+                    copy_or_zero(to, w_at + offset, keep)
+
+    @cuda.jit(device=True, inline=True)
+    def count_copied(tile, word0, counts, first, part):
+        """Add the set bits of this thread's copies of the landed stage at ``tile[word0]`` to
+        ``counts`` (rows whose plane dots need them)."""
+        for i in range(COPIES):
+            row = first + i * APART
+            if row < TILE_ROWS and (need_pa if row < A_ROWS else need_pb):
+                at = word0 + row * (ROW // 4) + part * VW
+                for v in range(VW):
+                    counts[i] += cuda.popc(tile[at + v])
+
+    @cuda.jit(device=True, inline=True)
+    def share_counts(totals, counts, first, part):
+        """Each tile row's count, summed over the ``PARTS`` neighbouring lanes that copied it."""
+        for i in range(COPIES):
+            c = counts[i]
+            step = PARTS // 2
+            while step > 0:
+                c += cuda.shfl_xor_sync(FULL_MASK, c, step)
+                step //= 2
+            row = first + i * APART
+            if part == 0 and row < TILE_ROWS:
+                totals[row] = c
 
     prime, advance = make_ring(issue, STAGES, STAGE)
 
@@ -131,8 +177,10 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
     steps = unrolled(STEPS, step_of)  # (the stage's steps written out: constant offsets)
 
     @cuda.jit(**({} if cfg.max_registers is None or SIMULATOR else {"max_registers": cfg.max_registers}))
-    def product(y, a_planes, w_planes, a_basis, w_basis, bias_values, a_counts, w_counts, N, O, words, seen):
+    def product(y, a_planes, w_planes, a_basis, w_basis, bias_values, a_counts, w_counts, ptr, blocks, N, O, words,
+                seen):
         tile = cuda.shared.array(0, int32)  # (dynamic: the ring's stages)
+        totals = cuda.shared.array(TILE_ROWS if COUNT else 1, int32)  # (a list's rows' counts)
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
         wm, wn = warp // warps_n, warp % warps_n
@@ -143,7 +191,7 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
         a_at = signed_address(a_planes, (0,))
         w_at = signed_address(w_planes, (0,))
         first, part = tid // PARTS, tid % PARTS
-        offsets = cuda.local.array(COPIES, int64)  # (byte offsets of this thread's copies' rows)
+        offsets = cuda.local.array(COPIES, int32 if LIST else int64)  # (its copies' rows: words, or bytes)
         for i in range(COPIES):
             row = uint32(min(first + i * APART, TILE_ROWS - 1))  # (unsigned: divisions by constants are shifts)
             if row < A_ROWS:
@@ -151,7 +199,7 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
             else:
                 out_row = row - uint32(A_ROWS)
                 line = int64(out_row // uint32(group_cols)) * O + min(col0 + int64(out_row % uint32(group_cols)), O - 1)
-            offsets[i] = int64(line) * words * 4
+            offsets[i] = int32(line * words) if LIST else int64(line) * words * 4
         acc = cuda.local.array((w_bits, MT, NC, 4), int32)
         for j in range(w_bits):
             for mt in range(MT):
@@ -165,28 +213,50 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
             for nt in range(NC):
                 for i in range(4):
                     out[m, nt, i] = float32(0)
-        count = (words + CW - 1) // CW
-        args = (offsets, a_at, w_at, first, part, words)
+        start = ptr[cuda.blockIdx.x] if LIST else 0
+        total = (ptr[cuda.blockIdx.x + 1] - start) * BW if LIST else words
+        if LIST:
+            seen = (total // BW) * seen
+        counts = cuda.local.array(COPIES, int32)
+        for i in range(COPIES):
+            counts[i] = 0
+        count = (total + CW - 1) // CW
+        args = (offsets, a_at, w_at, first, part, total, blocks, start)
         quarter = lane // 8
-        a_lane = (lane % 8 + 8 * (quarter % 2)) * ROW + PARTS_BYTES * (quarter // 2)
-        b_lane = (A_ROWS + wn * NC * 8 + lane % 8) * ROW + PARTS_BYTES * (quarter % 2)
+        a_lane = (lane % 8 + 8 * (quarter % 2)) * ROW + HALF_STEP * (quarter // 2)
+        b_lane = (A_ROWS + wn * NC * 8 + lane % 8) * ROW + HALF_STEP * (quarter % 2)
         prime(base, count, args)
         buf = 0
         for s in range(count):
             at, buf = advance(s, buf, base, count, args)
+            if COUNT:
+                count_copied(tile, (at - base) // 4, counts, first, part)
             steps(at, acc, af, a_lane, b_lane, wm, quarter)
+        if COUNT:
+            share_counts(totals, counts, first, part)
+            cuda.syncthreads()
         for mt in range(MT):  # (the rows' terms of the plane dots, once for every output column)
-            r = row0 + wm * WARP_ROWS + (mt % MR) * 16 + g
-            plane = (mt // MR) * N
-            rows[mt, 0] = plane_dot(0, a_counts[plane + min(r, N - 1)] if need_pa else int32(0), 0, seen)
-            rows[mt, 1] = plane_dot(0, a_counts[plane + min(r + 8, N - 1)] if need_pa else int32(0), 0, seen)
+            if LIST:
+                r = first_row(mt, wm) + g
+                rows[mt, 0] = plane_dot(0, totals[r] if need_pa else int32(0), 0, seen)
+                rows[mt, 1] = plane_dot(0, totals[r + 8] if need_pa else int32(0), 0, seen)
+            else:
+                r = row0 + wm * WARP_ROWS + (mt % MR) * 16 + g
+                plane = (mt // MR) * N
+                rows[mt, 0] = plane_dot(0, a_counts[plane + min(r, N - 1)] if need_pa else int32(0), 0, seen)
+                rows[mt, 1] = plane_dot(0, a_counts[plane + min(r + 8, N - 1)] if need_pa else int32(0), 0, seen)
         for j in range(w_bits):  # (the staged kernel's order: weight plane, output column, activation plane)
             for nt in range(NC):
                 c = col0 + wn * NC * 8 + nt * 8 + 2 * t
                 v_lo = w_basis[c, j] if c < O else float32(0)
                 v_hi = w_basis[c + 1, j] if c + 1 < O else float32(0)
-                col_lo = plane_dot(0, 0, w_counts[j * O + min(c, O - 1)] if need_pb else int32(0), 0)
-                col_hi = plane_dot(0, 0, w_counts[j * O + min(c + 1, O - 1)] if need_pb else int32(0), 0)
+                if LIST:
+                    b_row = A_ROWS + j * group_cols + wn * NC * 8 + nt * 8 + 2 * t
+                    col_lo = plane_dot(0, 0, totals[b_row] if need_pb else int32(0), 0)
+                    col_hi = plane_dot(0, 0, totals[b_row + 1] if need_pb else int32(0), 0)
+                else:
+                    col_lo = plane_dot(0, 0, w_counts[j * O + min(c, O - 1)] if need_pb else int32(0), 0)
+                    col_hi = plane_dot(0, 0, w_counts[j * O + min(c + 1, O - 1)] if need_pb else int32(0), 0)
                 for mt in range(MT):
                     pair_out(y, out, acc, j, mt, nt, rows, col_lo, col_hi, a_basis[mt // MR], v_lo, v_hi,
                              row0 + wm * WARP_ROWS + g, c, N, O, bias_values)

@@ -227,6 +227,40 @@ def test_the_cp_async_ring_gives_the_register_staged_products_bits(configure, bi
     assert_close(ring.astype(np.float64), want, "float32", "ring", magnitude=magnitude, terms=bits * bits)
 
 
+@pytest.mark.parametrize("bits, bs, signed_a, signed_w, stages", [
+    (1, 64, True, True, 2), (1, 32, True, True, 3), (1, 64, False, True, 3), (1, 32, True, False, 2),
+    (2, 64, True, True, 2), (2, 32, False, True, 3)])
+def test_the_ring_over_a_layouts_word_lists_gives_the_staged_bits(configure, monkeypatch, bits, bs, signed_a,
+                                                                 signed_w, stages):
+    """``ring_lists``: block-sparse products through the ring, a block of 32 or 64 bits a 4- or
+    8-byte copy from its list entry: a block-column of 16 blocks (stages of 16 words: 2 of 64-bit
+    blocks, 1 of 32-bit ones), an empty one (its outputs the bias alone), a partial row tile;
+    the rows' and outputs' bit counts over the present blocks from the copied words. Bit for bit
+    the register-staged kernel's values, and the twin's."""
+    from sparseblocks.quant import api
+    cfg = configure(quant, warps_m=1, warps_n=2, warp_rows=32, chunk_words=16, fused_acc=128, ring_stages=stages,
+                    ring_lists=True)
+    taken = []
+    plain = api.make_ring_product
+    monkeypatch.setattr(api, "make_ring_product", lambda *args: taken.append(args) or plain(*args))
+    rng = np.random.default_rng(13)
+    columns, O, rows = 16 * bs, 3 * bs, 20
+    _, _, a = quantized(rng, rows, columns, bits, signed_a, per_row=False)
+    _, _, w = quantized(rng, O, columns, bits, signed_w, per_row=True)
+    b = rng.standard_normal(O).astype(np.float32)
+    mask = (rng.random((16, 3)) < 0.4).astype(np.uint8)
+    mask[:, 0], mask[:, 1] = 1, 0  # (block-column 0 whole, 1 empty)
+    layout = BlockLayout(mask, bs)
+    ring = quant.matmul(a, w, bias=b, relu=True, layout=layout)
+    assert taken
+    staged = quant.matmul(a, w, bias=b, relu=True, layout=layout, config=replace(cfg, ring_lists=False))
+    np.testing.assert_array_equal(ring, staged)
+    want, _ = reference.matmul(a.planes, a.basis[0], w.planes, w.basis, columns, signed_a, signed_w, layout, bias=b,
+                               relu=True)
+    magnitude = np.abs(values_of(a)) @ np.abs(values_of(w)).T + np.abs(b)
+    assert_close(ring.astype(np.float64), want, "float32", "ring lists", magnitude=magnitude, terms=bits * bits)
+
+
 @pytest.mark.parametrize("room", [True, False])
 def test_the_ring_is_taken_only_where_its_stages_fit_the_devices_shared_memory(configure, monkeypatch, room):
     """The ring's stages live in dynamic shared memory, which devices bound differently (sm_90
