@@ -23,6 +23,7 @@ class QuantConfig:
     # dynamic shared memory up to 227 KiB), the rows' bit counts from a kernel of their own; 0: none
     ring_stages: int = 3
     ring_lists: bool = False  # ... block-sparse products too, a block a 4- or 8-byte copy (layouts' word lists)
+    ring_tiles: int = 1  # ... row tiles a thread block walks, the ring running on from one into the next
 
     def check(self):
         if not 1 <= self.pack_words <= 32:
@@ -37,6 +38,8 @@ class QuantConfig:
             raise ValueError(f"fused_acc: expected 0 or more registers, got {self.fused_acc}")
         if self.ring_stages == 1 or not 0 <= self.ring_stages <= 4:
             raise ValueError(f"ring_stages: expected 0 (no ring) or 2 to 4, got {self.ring_stages}")
+        if not 1 <= self.ring_tiles <= 64:
+            raise ValueError(f"ring_tiles: expected 1 to 64 row tiles a thread block, got {self.ring_tiles}")
         if not 1 <= self.row_tiles <= 64:
             raise ValueError(f"row_tiles: expected 1 to 64 row tiles a thread block, got {self.row_tiles}")
         if self.chunk_words not in (8, 16, 32):

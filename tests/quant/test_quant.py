@@ -261,6 +261,32 @@ def test_the_ring_over_a_layouts_word_lists_gives_the_staged_bits(configure, mon
     assert_close(ring.astype(np.float64), want, "float32", "ring lists", magnitude=magnitude, terms=bits * bits)
 
 
+@pytest.mark.parametrize("bits, bs, tiles, stages", [(1, None, 2, 3), (2, None, 4, 2), (1, 64, 2, 2), (2, 32, 4, 3),
+                                                   (1, 32, 3, 2)])
+def test_the_ring_walks_row_tiles_with_the_same_bits(configure, bits, bs, tiles, stages):
+    """``ring_tiles``: a thread block walks several row tiles, the ring running on from one tile's
+    stages into the next's (its rows past N zero-filled, its counts and accumulators anew): N = 70
+    rows in tiles of 32 / 16 (a thread block past N walks fewer), dense rows of several stages and
+    layouts' lists with a long and an empty block-column. Bit for bit a tile a thread block."""
+    cfg = configure(quant, warps_m=1, warps_n=2, warp_rows=32, dense_cols=16, chunk_words=16, fused_acc=128,
+                    ring_stages=stages, ring_lists=True)
+    rng = np.random.default_rng(14)
+    columns, O = (16 * bs, 3 * bs) if bs else (700, 23)
+    _, _, a = quantized(rng, 70, columns, bits, True, per_row=False)
+    _, _, w = quantized(rng, O, columns, bits, True, per_row=True)
+    b = rng.standard_normal(O).astype(np.float32)
+    layout = None
+    if bs:
+        mask = (rng.random((16, 3)) < 0.4).astype(np.uint8)
+        mask[:, 0], mask[:, 1] = 1, 0
+        layout = BlockLayout(mask, bs)
+    one = quant.matmul(a, w, bias=b, relu=True, layout=layout)
+    walked = quant.matmul(a, w, bias=b, relu=True, layout=layout, config=replace(cfg, ring_tiles=tiles))
+    np.testing.assert_array_equal(walked, one)
+    staged = quant.matmul(a, w, bias=b, relu=True, layout=layout, config=replace(cfg, ring_stages=0))
+    np.testing.assert_array_equal(walked, staged)
+
+
 @pytest.mark.parametrize("room", [True, False])
 def test_the_ring_is_taken_only_where_its_stages_fit_the_devices_shared_memory(configure, monkeypatch, room):
     """The ring's stages live in dynamic shared memory, which devices bound differently (sm_90
@@ -376,6 +402,7 @@ def test_quant_array_passes_its_planes_on():
     ({"fused_acc": -1}, "fused_acc: expected 0 or more"),
     ({"ring_stages": 1}, "ring_stages: expected 0 \\(no ring\\) or 2 to 4"),
     ({"row_tiles": 0}, "row_tiles: expected 1 to 64"),
+    ({"ring_tiles": 65}, "ring_tiles: expected 1 to 64"),
 ])
 def test_config_refuses_tiles_the_kernels_cannot_take(fields, match):
     with pytest.raises(ValueError, match=match):
