@@ -60,6 +60,43 @@ def strip_fits(N, storage, pointers):
     return (N * size) % COPY == 0 and all(p % COPY == 0 for p in pointers)
 
 
+def make_strip_parts(cfg, storage, acc_type, C, S):
+    """What both strip kernels share: ``load(at, array, n0)``, this thread's 16-byte copies of
+    ``array``'s strip from column n0 into the shared window at ``at`` (rows past N zero-filled,
+    their source kept inside the array); ``column_totals(sums, t) -> (Σ sums[0], Σ sums[1])`` of
+    column t's ``T/S`` partial sums (thread t + k·S's), added in that order."""
+    _, size = ELEMENTS[storage]
+    T = 32 * cfg.column_warps
+    PER = T // S
+    WIDTH = COPY // size  # values a copy
+    PARTS = S // WIDTH  # copies a strip row
+    COPIES = -(-C * PARTS // T)  # a thread's copies of an array
+
+    @cuda.jit(device=True, inline=True)
+    def load(at, array, n0):
+        t = cuda.threadIdx.x
+        N = array.shape[1]
+        source = signed_address(array, (0, 0))
+        for i in range(COPIES):
+            q = t + i * T
+            if q < C * PARTS:
+                row, part = q // PARTS, q % PARTS
+                column = n0 + part * WIDTH
+                offset = int64(row) * N + min(column, N - WIDTH)
+                copy16_or_zero(at + q * COPY, source + offset * size, column < N)
+
+    @cuda.jit(device=True, inline=True)
+    def column_totals(sums, t):
+        s = acc_type(0)
+        q = acc_type(0)
+        for k in range(PER):
+            s += sums[0, t + k * S]
+            q += sums[1, t + k * S]
+        return s, q
+
+    return load, column_totals
+
+
 def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S):
     """``strip(y, mean, rstd, x, g, b, epsilon)``: x (C, N) -> y, and each column's mean and rstd;
     grid ceil(N / S) thread blocks of ``32 * column_warps`` threads, ``S`` columns each (`strip_columns`),
@@ -71,10 +108,8 @@ def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S
     normalized = make_normalized(acc_type, relu)
     T = 32 * cfg.column_warps
     PER = T // S  # threads a column's sums
-    WIDTH = COPY // size  # values a copy
-    PARTS = S // WIDTH  # copies a strip row
-    COPIES = -(-C * PARTS // T)  # a thread's copies
     GROUPS = S // 4  # 4-column groups a strip row
+    load, column_totals = make_strip_parts(cfg, storage, acc_type, C, S)
     wait_all = waiter(0)
 
     @cuda.jit
@@ -85,16 +120,7 @@ def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S
         t = cuda.threadIdx.x
         N = x.shape[1]
         n0 = cuda.blockIdx.x * S
-        base = shared_address(tile, (0,))
-        source = signed_address(x, (0, 0))
-        for i in range(COPIES):
-            q = t + i * T
-            if q < C * PARTS:
-                row, part = q // PARTS, q % PARTS
-                column = n0 + part * WIDTH
-                inside = column < N
-                at = int64(row) * N + min(column, N - WIDTH)
-                copy16_or_zero(base + q * COPY, source + at * size, inside)
+        load(shared_address(tile, (0,)), x, n0)
         commit()
         wait_all()
         cuda.syncthreads()
@@ -111,11 +137,7 @@ def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S
         sums[1, t] = q2
         cuda.syncthreads()
         if t < S:
-            s = acc_type(0)
-            q2 = acc_type(0)
-            for k in range(PER):
-                s += sums[0, t + k * S]
-                q2 += sums[1, t + k * S]
+            s, q2 = column_totals(sums, t)
             shift = s / acc_type(C)
             mean = first + shift
             rstd = acc_type(1) / math.sqrt(max(q2 / acc_type(C) - shift * shift, acc_type(0)) + acc_type(epsilon))
@@ -149,11 +171,8 @@ def make_strip_backward(cfg, storage, param_storage, acc_type, relu, vector, C, 
     passed = make_passed(acc_type, relu)
     T = 32 * cfg.column_warps
     PER = T // S
-    WIDTH = COPY // size
-    PARTS = S // WIDTH
-    HALF = C * PARTS  # copies of each array
-    COPIES = -(-2 * HALF // T)
     GROUPS = S // 4  # 4-column groups a strip row: neighbouring lanes (at most 32)
+    load, column_totals = make_strip_parts(cfg, storage, acc_type, C, S)
     ROUNDS = -(-C * GROUPS // T)  # (every thread in every round, for the shuffles)
     wait_all = waiter(0)
 
@@ -172,15 +191,8 @@ def make_strip_backward(cfg, storage, param_storage, acc_type, relu, vector, C, 
         N = x.shape[1]
         n0 = cuda.blockIdx.x * S
         base = shared_address(tile, (0,))
-        x_at, dy_at = signed_address(x, (0, 0)), signed_address(dy, (0, 0))
-        for i in range(COPIES):
-            q = t + i * T
-            if q < 2 * HALF:
-                k = q % HALF
-                row, part = k // PARTS, k % PARTS
-                column = n0 + part * WIDTH
-                at = (int64(row) * N + min(column, N - WIDTH)) * size
-                copy16_or_zero(base + q * COPY, (x_at if q < HALF else dy_at) + at, column < N)
+        load(base, x, n0)
+        load(base + C * S * size, dy, n0)
         if t < S:
             inside = n0 + t < N  # (columns past N: finite stand-ins; their dy is 0, so no terms)
             stats[0, t] = acc_type(mean_in[n0 + t]) if inside else acc_type(0)
@@ -202,11 +214,7 @@ def make_strip_backward(cfg, storage, param_storage, acc_type, relu, vector, C, 
         sums[1, t] = q2
         cuda.syncthreads()
         if t < S:
-            s = acc_type(0)
-            q2 = acc_type(0)
-            for k in range(PER):
-                s += sums[0, t + k * S]
-                q2 += sums[1, t + k * S]
+            s, q2 = column_totals(sums, t)
             stats[2, t] = s / acc_type(C)
             stats[3, t] = q2 / acc_type(C)
         cuda.syncthreads()
