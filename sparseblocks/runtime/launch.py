@@ -57,18 +57,23 @@ def dynamic_shared(dispatcher, nbytes):
     return dispatcher
 
 
-def multiprocessors():
-    """The multiprocessor count of the GPU calls run on (`devices.active`; 1 in the simulator),
-    cached per device."""
+def _per_device(cache, read, simulated):
+    """``read(device)`` of the GPU calls run on (`devices.active`), kept per device in ``cache``;
+    ``simulated`` in the simulator, whose fake device has no such attributes."""
     ordinal = active()
-    count = _multiprocessors.get(ordinal)
-    if count is None:
+    value = cache.get(ordinal)
+    if value is None:
         try:
-            count = cuda.gpus[ordinal].MULTIPROCESSOR_COUNT
-        except Exception:  # the simulator's fake device has no such attribute
-            count = 1
-        _multiprocessors[ordinal] = count
-    return count
+            value = read(cuda.gpus[ordinal])
+        except Exception:  # the simulator's fake device
+            value = simulated
+        cache[ordinal] = value
+    return value
+
+
+def multiprocessors():
+    """The multiprocessor count of the GPU calls run on (1 in the simulator)."""
+    return _per_device(_multiprocessors, lambda device: device.MULTIPROCESSOR_COUNT, 1)
 
 
 _shared_limit = {}
@@ -76,34 +81,18 @@ _shared_limit = {}
 
 def shared_memory_limit():
     """The dynamic shared memory a thread block may opt into on the GPU calls run on (bytes;
-    sm_80 164 KB, sm_86 and sm_89 99 KB, sm_90 227 KB), cached per device; sm_90's in the
-    simulator, so that its tests take the kernels the H100 takes."""
-    ordinal = active()
-    limit = _shared_limit.get(ordinal)
-    if limit is None:
-        try:
-            limit = int(cuda.gpus[ordinal].MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-        except Exception:  # the simulator's fake device
-            limit = 227 * 1024
-        _shared_limit[ordinal] = limit
-    return limit
+    sm_80 164 KB, sm_86 and sm_89 99 KB, sm_90 227 KB); sm_90's in the simulator, so that its
+    tests take the kernels the H100 takes."""
+    return _per_device(_shared_limit, lambda device: int(device.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN), 227 * 1024)
 
 
 _capability = {}
 
 
 def compute_capability():
-    """The (major, minor) compute capability of the GPU calls run on, cached per device; (0, 0)
-    in the simulator, where no architecture-specific family is picked by default."""
-    ordinal = active()
-    capability = _capability.get(ordinal)
-    if capability is None:
-        try:
-            capability = tuple(cuda.gpus[ordinal].compute_capability)
-        except Exception:  # the simulator's fake device
-            capability = (0, 0)
-        _capability[ordinal] = capability
-    return capability
+    """The (major, minor) compute capability of the GPU calls run on; (0, 0) in the simulator,
+    where no architecture-specific family is picked by default."""
+    return _per_device(_capability, lambda device: tuple(device.compute_capability), (0, 0))
 
 
 def data_pointer(arg):
