@@ -227,6 +227,30 @@ def test_the_cp_async_ring_gives_the_register_staged_products_bits(configure, bi
     assert_close(ring.astype(np.float64), want, "float32", "ring", magnitude=magnitude, terms=bits * bits)
 
 
+def walk_problem(rng, rows, bits, bs, signed_a=True, signed_w=True, columns=700, outputs=23):
+    """(a, w, bias, layout, columns) of the walking and list tests: a layout of blocks of ``bs`` over
+    16 block-rows and 3 block-columns (column 0 whole: a list of several stages; column 1 empty:
+    its outputs the bias alone), or dense ``columns`` x ``outputs`` where ``bs`` is None."""
+    columns, O = (16 * bs, 3 * bs) if bs else (columns, outputs)
+    _, _, a = quantized(rng, rows, columns, bits, signed_a, per_row=False)
+    _, _, w = quantized(rng, O, columns, bits, signed_w, per_row=True)
+    b = rng.standard_normal(O).astype(np.float32)
+    layout = None
+    if bs:
+        mask = (rng.random((16, 3)) < 0.4).astype(np.uint8)
+        mask[:, 0], mask[:, 1] = 1, 0
+        layout = BlockLayout(mask, bs)
+    return a, w, b, layout, columns
+
+
+def assert_the_twins(got, a, w, b, layout, columns, bits, what):
+    """``got`` (with bias and ReLU) within the fp32 roundings of the twin's values."""
+    want, _ = reference.matmul(a.planes, a.basis[0], w.planes, w.basis, columns, a.signed, w.signed, layout, bias=b,
+                               relu=True)
+    magnitude = np.abs(values_of(a)) @ np.abs(values_of(w)).T + np.abs(b)
+    assert_close(got.astype(np.float64), want, "float32", what, magnitude=magnitude, terms=bits * bits)
+
+
 @pytest.mark.parametrize("bits, bs, signed_a, signed_w, stages", [
     (1, 64, True, True, 2), (1, 32, True, True, 3), (1, 64, False, True, 3), (1, 32, True, False, 2),
     (2, 64, True, True, 2), (2, 32, False, True, 3)])
@@ -243,22 +267,12 @@ def test_the_ring_over_a_layouts_word_lists_gives_the_staged_bits(configure, mon
     taken = []
     plain = api.make_ring_product
     monkeypatch.setattr(api, "make_ring_product", lambda *args: taken.append(args) or plain(*args))
-    rng = np.random.default_rng(13)
-    columns, O, rows = 16 * bs, 3 * bs, 20
-    _, _, a = quantized(rng, rows, columns, bits, signed_a, per_row=False)
-    _, _, w = quantized(rng, O, columns, bits, signed_w, per_row=True)
-    b = rng.standard_normal(O).astype(np.float32)
-    mask = (rng.random((16, 3)) < 0.4).astype(np.uint8)
-    mask[:, 0], mask[:, 1] = 1, 0  # (block-column 0 whole, 1 empty)
-    layout = BlockLayout(mask, bs)
+    a, w, b, layout, columns = walk_problem(np.random.default_rng(13), 20, bits, bs, signed_a, signed_w)
     ring = quant.matmul(a, w, bias=b, relu=True, layout=layout)
     assert taken
     staged = quant.matmul(a, w, bias=b, relu=True, layout=layout, config=replace(cfg, ring_lists=False))
     np.testing.assert_array_equal(ring, staged)
-    want, _ = reference.matmul(a.planes, a.basis[0], w.planes, w.basis, columns, signed_a, signed_w, layout, bias=b,
-                               relu=True)
-    magnitude = np.abs(values_of(a)) @ np.abs(values_of(w)).T + np.abs(b)
-    assert_close(ring.astype(np.float64), want, "float32", "ring lists", magnitude=magnitude, terms=bits * bits)
+    assert_the_twins(ring, a, w, b, layout, columns, bits, "ring lists")
 
 
 @pytest.mark.parametrize("bits, bs, tiles, stages", [(1, None, 2, 3), (2, None, 4, 2), (1, 64, 2, 2), (2, 32, 4, 3),
@@ -270,16 +284,7 @@ def test_the_ring_walks_row_tiles_with_the_same_bits(configure, bits, bs, tiles,
     layouts' lists with a long and an empty block-column. Bit for bit a tile a thread block."""
     cfg = configure(quant, warps_m=1, warps_n=2, warp_rows=32, dense_cols=16, chunk_words=16, fused_acc=128,
                     ring_stages=stages, ring_lists=True)
-    rng = np.random.default_rng(14)
-    columns, O = (16 * bs, 3 * bs) if bs else (700, 23)
-    _, _, a = quantized(rng, 70, columns, bits, True, per_row=False)
-    _, _, w = quantized(rng, O, columns, bits, True, per_row=True)
-    b = rng.standard_normal(O).astype(np.float32)
-    layout = None
-    if bs:
-        mask = (rng.random((16, 3)) < 0.4).astype(np.uint8)
-        mask[:, 0], mask[:, 1] = 1, 0
-        layout = BlockLayout(mask, bs)
+    a, w, b, layout, _ = walk_problem(np.random.default_rng(14), 70, bits, bs)
     one = quant.matmul(a, w, bias=b, relu=True, layout=layout)
     walked = quant.matmul(a, w, bias=b, relu=True, layout=layout, config=replace(cfg, ring_tiles=tiles))
     np.testing.assert_array_equal(walked, one)
@@ -317,23 +322,11 @@ def test_row_tiles_walk_the_rows_with_the_same_bits(configure, bits, sparse, til
     kernel's values with a tile a thread block."""
     cfg = configure(quant, warps_m=1, warps_n=2, warp_rows=16 * bits, dense_cols=16, chunk_words=8, ring_stages=0,
                     fused_acc=fused_acc)
-    rng = np.random.default_rng(11)
-    columns, O = (128, 64) if sparse else (300, 23)
-    _, _, a = quantized(rng, 40, columns, bits, True, per_row=False)
-    _, _, w = quantized(rng, O, columns, bits, True, per_row=True)
-    b = rng.standard_normal(O).astype(np.float32)
-    layout = None
-    if sparse:
-        mask = (rng.random((columns // 32, O // 32)) < 0.5).astype(np.uint8)
-        mask[:, 0], mask[0, 1] = 0, 1  # (block-column 0 empty: its outputs the bias alone)
-        layout = BlockLayout(mask, 32)
+    a, w, b, layout, columns = walk_problem(np.random.default_rng(11), 40, bits, 32 if sparse else None, columns=300)
     one = quant.matmul(a, w, bias=b, relu=True, layout=layout)
     walked = quant.matmul(a, w, bias=b, relu=True, layout=layout, config=replace(cfg, row_tiles=tiles))
     np.testing.assert_array_equal(walked, one)
-    want, _ = reference.matmul(a.planes, a.basis[0], w.planes, w.basis, columns, True, True, layout, bias=b,
-                               relu=True)
-    magnitude = np.abs(values_of(a)) @ np.abs(values_of(w)).T + np.abs(b)
-    assert_close(walked.astype(np.float64), want, "float32", "row tiles", magnitude=magnitude, terms=bits * bits)
+    assert_the_twins(walked, a, w, b, layout, columns, bits, "row tiles")
 
 
 def test_block_sparse_product_is_the_dense_one_masked_by_the_layout():
