@@ -33,7 +33,8 @@ from ..runtime.backend import SIMULATOR
 from ..runtime.compile import unrolled
 from ..runtime.launch import dynamic_shared
 from .simple import make_finish, make_plane_dot
-from .tensorcore import FULL_MASK, PAD, make_epilogue, make_store_pair, plane_passes, vector_words, warp_rows
+from .tensorcore import (FULL_MASK, PAD, make_epilogue, make_plane_outputs, make_store_pair, plane_passes, vector_words,
+                         warp_rows)
 
 HALF_STEP = 16  # bytes of half an mma step's words (ldmatrix's second pair of 8 x 16-byte matrices)
 SHARED_LIMIT = 227 * 1024  # sm_90's dynamic shared memory a thread block (`runtime.launch.shared_memory_limit`)
@@ -96,6 +97,8 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
     COPIES = -(-TILE_ROWS // APART)  # a thread's copies a stage
     need_pa, need_pb = signed_w, signed_a
     COUNT = LIST and (need_pa or need_pb)  # (a list's counts from the landed stages)
+    plane_outputs = make_plane_outputs(plane_dot, pair_out, need_pa, need_pb, LIST, MT, MR, NC, w_bits, ROWS, A_ROWS,
+                                       group_cols, WARP_ROWS)
 
     @cuda.jit(device=True, inline=True)
     def issue(s, at, args):
@@ -218,31 +221,12 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
                 cuda.syncthreads()  # (the previous tile's totals are read)
             share_counts(totals, counts, first, part)
             cuda.syncthreads()
-        for mt in range(MT):  # (the rows' terms of the plane dots, once for every output column)
-            if LIST:
-                r = first_row(mt, wm) + g
-                rows[mt, 0] = plane_dot(0, totals[r] if need_pa else int32(0), 0, seen)
-                rows[mt, 1] = plane_dot(0, totals[r + 8] if need_pa else int32(0), 0, seen)
-            else:
-                r = row0 + wm * WARP_ROWS + (mt % MR) * 16 + g
-                plane = (mt // MR) * N
-                rows[mt, 0] = plane_dot(0, a_counts[plane + min(r, N - 1)] if need_pa else int32(0), 0, seen)
-                rows[mt, 1] = plane_dot(0, a_counts[plane + min(r + 8, N - 1)] if need_pa else int32(0), 0, seen)
-        for j in range(w_bits):  # (the staged kernel's order: weight plane, output column, activation plane)
-            for nt in range(NC):
-                c = col0 + wn * NC * 8 + nt * 8 + 2 * t
-                v_lo = w_basis[c, j] if c < O else float32(0)
-                v_hi = w_basis[c + 1, j] if c + 1 < O else float32(0)
-                if LIST:
-                    b_row = A_ROWS + j * group_cols + wn * NC * 8 + nt * 8 + 2 * t
-                    col_lo = plane_dot(0, 0, totals[b_row] if need_pb else int32(0), 0)
-                    col_hi = plane_dot(0, 0, totals[b_row + 1] if need_pb else int32(0), 0)
-                else:
-                    col_lo = plane_dot(0, 0, w_counts[j * O + min(c, O - 1)] if need_pb else int32(0), 0)
-                    col_hi = plane_dot(0, 0, w_counts[j * O + min(c + 1, O - 1)] if need_pb else int32(0), 0)
-                for mt in range(MT):
-                    pair_out(y, out, acc, j, mt, nt, rows, col_lo, col_hi, a_basis[mt // MR], v_lo, v_hi,
-                             row0 + wm * WARP_ROWS + g, c, N, O, bias_values)
+        if LIST:  # (the rows' terms of the plane dots, once for every output column; then the columns')
+            plane_outputs(y, out, acc, rows, totals, totals, a_basis, w_basis, bias_values, seen, 0, row0, col0, N, O,
+                          wm, wn, g, t)
+        else:
+            plane_outputs(y, out, acc, rows, a_counts, w_counts, a_basis, w_basis, bias_values, seen, 0, row0, col0, N,
+                          O, wm, wn, g, t)
         if not ONE_PAIR:
             store_out(y, out, row0 + wm * WARP_ROWS + g, col0 + wn * NC * 8 + 2 * t, N, O, bias_values)
         return buf

@@ -185,6 +185,52 @@ def make_epilogue(plane_dot, store_pair, one_pair, MR, NC, WARP_ROWS):
     return pair_out, store_out
 
 
+def make_plane_outputs(plane_dot, pair_out, need_pa, need_pb, tile_counts, MT, MR, NC, WP, ROWS, A_ROWS, group_cols,
+                       WARP_ROWS):
+    """A product kernel's closing, shared by `make_tensorcore_product` and `ring`'s:
+    ``plane_outputs(y, out, acc, rows, a_counts, w_counts, a_basis, w_basis, bias_values, seen,
+    k0, row0, col0, N, O, wm, wn, g, t)`` turns the warp's integers of weight planes k0 to
+    k0 + WP - 1 into outputs through `make_epilogue`'s ``pair_out``: first its rows' terms of the
+    plane dots (into ``rows``), then each weight plane's output columns' (the staged kernel's
+    order: weight plane, output column, activation plane). The rows' and outputs' bit counts are
+    read where a plane dot needs them: with ``tile_counts`` from a count a tile row (``a_counts``
+    and ``w_counts`` both the tile's totals: activation rows first, then each weight plane's
+    outputs), else from the planes' rows' counts (a_bits x N and w_bits x O)."""
+
+    @cuda.jit(device=True, inline=True)
+    def plane_outputs(y, out, acc, rows, a_counts, w_counts, a_basis, w_basis, bias_values, seen, k0, row0, col0, N, O,
+                      wm, wn, g, t):
+        for mt in range(MT):
+            if tile_counts:
+                r = (mt // MR) * ROWS + wm * WARP_ROWS + (mt % MR) * 16 + g
+                rows[mt, 0] = plane_dot(0, a_counts[r] if need_pa else int32(0), 0, seen)
+                rows[mt, 1] = plane_dot(0, a_counts[r + 8] if need_pa else int32(0), 0, seen)
+            else:
+                r = row0 + wm * WARP_ROWS + (mt % MR) * 16 + g
+                plane = (mt // MR) * N
+                rows[mt, 0] = plane_dot(0, a_counts[plane + min(r, N - 1)] if need_pa else int32(0), 0, seen)
+                rows[mt, 1] = plane_dot(0, a_counts[plane + min(r + 8, N - 1)] if need_pa else int32(0), 0, seen)
+        for j in range(WP):
+            k = k0 + j
+            for nt in range(NC):
+                local = wn * NC * 8 + nt * 8 + 2 * t
+                c = col0 + local
+                v_lo = w_basis[c, k] if c < O else float32(0)
+                v_hi = w_basis[c + 1, k] if c + 1 < O else float32(0)
+                if tile_counts:
+                    b_row = A_ROWS + j * group_cols + local
+                    col_lo = plane_dot(0, 0, w_counts[b_row] if need_pb else int32(0), 0)
+                    col_hi = plane_dot(0, 0, w_counts[b_row + 1] if need_pb else int32(0), 0)
+                else:
+                    col_lo = plane_dot(0, 0, w_counts[k * O + min(c, O - 1)] if need_pb else int32(0), 0)
+                    col_hi = plane_dot(0, 0, w_counts[k * O + min(c + 1, O - 1)] if need_pb else int32(0), 0)
+                for mt in range(MT):
+                    pair_out(y, out, acc, j, mt, nt, rows, col_lo, col_hi, a_basis[mt // MR], v_lo, v_hi,
+                             row0 + wm * WARP_ROWS + g, c, N, O, bias_values)
+
+    return plane_outputs
+
+
 def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, block_words, group_cols,
                             warps_m, warps_n, paired, geometry=None):
     """The kernel ``product(y, a_planes, w_planes, a_basis, w_basis, bias_values, ptr, blocks,
@@ -219,6 +265,8 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
     DENSE = CONV or block_words % 8 == 0  # (a layout's blocks are 1 or 2 words, a dense row whole steps)
     need_pa = signed_w
     need_pb = signed_a
+    plane_outputs = make_plane_outputs(plane_dot, pair_out, need_pa, need_pb, True, MT, MR, NC, WP, ROWS, A_ROWS,
+                                       group_cols, WARP_ROWS)
     load_vector, store_vector = VECTORS[VW]
 
     @cuda.jit(device=True, inline=True)
@@ -388,23 +436,8 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
             share_counts(totals, counts)
             cuda.syncthreads()
             # P -> plane dots (linear in P, pa, pb: a row's and a column's terms apart) -> scaled
-            for mt in range(MT):
-                r = first_row(mt, wm) + g
-                rows[mt, 0] = plane_dot(0, totals[r] if need_pa else int32(0), 0, seen)
-                rows[mt, 1] = plane_dot(0, totals[r + 8] if need_pa else int32(0), 0, seen)
-            for j in range(WP):
-                k = k0 + j
-                for nt in range(NC):
-                    local = wn * NC * 8 + nt * 8 + 2 * t
-                    c = col0 + local
-                    v_lo = w_basis[c, k] if c < O else float32(0)
-                    v_hi = w_basis[c + 1, k] if c + 1 < O else float32(0)
-                    b_row = A_ROWS + j * group_cols + local
-                    col_lo = plane_dot(0, 0, totals[b_row] if need_pb else int32(0), 0)
-                    col_hi = plane_dot(0, 0, totals[b_row + 1] if need_pb else int32(0), 0)
-                    for mt in range(MT):
-                        pair_out(y, out, acc, j, mt, nt, rows, col_lo, col_hi, a_basis[mt // MR], v_lo, v_hi,
-                                 row0 + wm * WARP_ROWS + g, c, N, O, bias_values)
+            plane_outputs(y, out, acc, rows, totals, totals, a_basis, w_basis, bias_values, seen, k0, row0, col0, N, O,
+                          wm, wn, g, t)
         if not ONE_PAIR:
             store_out(y, out, row0 + wm * WARP_ROWS + g, col0 + wn * NC * 8 + 2 * t, N, O, bias_values)
         return ahead
