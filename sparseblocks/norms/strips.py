@@ -60,11 +60,13 @@ def strip_fits(N, storage, pointers):
     return (N * size) % COPY == 0 and all(p % COPY == 0 for p in pointers)
 
 
-def make_strip_parts(cfg, storage, acc_type, C, S):
-    """What both strip kernels share: ``load(at, array, n0)``, this thread's 16-byte copies of
-    ``array``'s strip from column n0 into the shared window at ``at`` (rows past N zero-filled,
-    their source kept inside the array); ``column_totals(sums, t) -> (Σ sums[0], Σ sums[1])`` of
-    column t's ``T/S`` partial sums (thread t + k·S's), added in that order."""
+def make_strip_parts(cfg, storage, param_storage, acc_type, vector, C, S):
+    """What both strip kernels share: (``x_in``, ``p_in``: x's and the parameters' reads to
+    accumulators; ``write``: y's or dx's 4 values, `groups.make_group_io`; ``load(at, array,
+    n0)``: this thread's 16-byte copies of ``array``'s strip from column n0 into the shared window
+    at ``at``, rows past N zero-filled, their source kept inside the array; ``column_totals(sums,
+    t) -> (Σ sums[0], Σ sums[1])``: column t's ``T/S`` partial sums, thread t + k·S's, added in that
+    order)."""
     _, size = ELEMENTS[storage]
     T = 32 * cfg.column_warps
     PER = T // S
@@ -94,7 +96,10 @@ def make_strip_parts(cfg, storage, acc_type, C, S):
             q += sums[1, t + k * S]
         return s, q
 
-    return load, column_totals
+    x_in = converters(storage, acc_type)[0]
+    p_in = converters(param_storage, acc_type)[0]
+    _, write = make_group_io(converters(storage, acc_type), acc_type, vector)
+    return x_in, p_in, write, load, column_totals
 
 
 def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S):
@@ -102,14 +107,11 @@ def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S
     grid ceil(N / S) thread blocks of ``32 * column_warps`` threads, ``S`` columns each (`strip_columns`),
     C x S values of dynamic shared memory."""
     element, size = ELEMENTS[storage]
-    x_in = converters(storage, acc_type)[0]
-    p_in = converters(param_storage, acc_type)[0]
-    _, write = make_group_io(converters(storage, acc_type), acc_type, vector)
+    x_in, p_in, write, load, column_totals = make_strip_parts(cfg, storage, param_storage, acc_type, vector, C, S)
     normalized = make_normalized(acc_type, relu)
     T = 32 * cfg.column_warps
     PER = T // S  # threads a column's sums
     GROUPS = S // 4  # 4-column groups a strip row
-    load, column_totals = make_strip_parts(cfg, storage, acc_type, C, S)
     wait_all = waiter(0)
 
     @cuda.jit
@@ -165,14 +167,11 @@ def make_strip_backward(cfg, storage, param_storage, acc_type, relu, vector, C, 
     column_warps`` threads (`strip_columns` with two arrays), 2 x C x S values of dynamic shared
     memory."""
     element, size = ELEMENTS[storage]
-    x_in = converters(storage, acc_type)[0]
-    p_in = converters(param_storage, acc_type)[0]
-    _, write = make_group_io(converters(storage, acc_type), acc_type, vector)
+    x_in, p_in, write, load, column_totals = make_strip_parts(cfg, storage, param_storage, acc_type, vector, C, S)
     passed = make_passed(acc_type, relu)
     T = 32 * cfg.column_warps
     PER = T // S
     GROUPS = S // 4  # 4-column groups a strip row: neighbouring lanes (at most 32)
-    load, column_totals = make_strip_parts(cfg, storage, acc_type, C, S)
     ROUNDS = -(-C * GROUPS // T)  # (every thread in every round, for the shuffles)
     wait_all = waiter(0)
 

@@ -33,8 +33,8 @@ from ..runtime.backend import SIMULATOR
 from ..runtime.compile import unrolled
 from ..runtime.launch import dynamic_shared
 from .simple import make_finish, make_plane_dot
-from .tensorcore import (FULL_MASK, PAD, make_epilogue, make_plane_outputs, make_store_pair, plane_passes, vector_words,
-                         warp_rows)
+from .tensorcore import (FULL_MASK, PAD, make_epilogue, make_plane_outputs, make_store_pair, plane_passes, tile_shape,
+                         vector_words, warp_rows)
 
 HALF_STEP = 16  # bytes of half an mma step's words (ldmatrix's second pair of 8 x 16-byte matrices)
 SHARED_LIMIT = 227 * 1024  # sm_90's dynamic shared memory a thread block (`runtime.launch.shared_memory_limit`)
@@ -70,12 +70,7 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
     copied, read back from each landed stage and summed over the lanes of a row (the counts
     unread)."""
     plane_dot = make_plane_dot(signed_a, signed_w)
-    WARP_ROWS = warp_rows(cfg, a_bits)
-    ROWS = warps_m * WARP_ROWS
-    MR = WARP_ROWS // 16
-    MT = a_bits * MR  # mma rows a warp: every activation plane of its rows
-    NC = group_cols // warps_n // 8  # mma columns a warp
-    A_ROWS = a_bits * ROWS  # tile rows: plane j's row r at j * ROWS + r, then each weight plane's outputs
+    WARP_ROWS, ROWS, MR, MT, NC, A_ROWS = tile_shape(cfg, a_bits, group_cols, warps_m, warps_n)  # (then the outputs)
     TILE_ROWS = A_ROWS + w_bits * group_cols
     ONE_PAIR = a_bits == 1 and w_bits == 1
     pair_out, store_out = make_epilogue(plane_dot, make_store_pair(make_finish(bias, relu), paired), ONE_PAIR, MR, NC,

@@ -112,6 +112,15 @@ def row_groups(cfg, rows, a_bits, warps_m):
     return -(-rows // (warps_m * warp_rows(cfg, a_bits) * cfg.row_tiles))
 
 
+def tile_shape(cfg, a_bits, group_cols, warps_m, warps_n):
+    """(rows a warp of each activation plane, rows a tile, mma rows a warp's plane, mma rows a warp
+    in all, mma columns a warp, the tile's activation rows: plane j's row r at j · rows + r)."""
+    WARP_ROWS = warp_rows(cfg, a_bits)
+    ROWS = warps_m * WARP_ROWS
+    MR = WARP_ROWS // 16
+    return WARP_ROWS, ROWS, MR, a_bits * MR, group_cols // warps_n // 8, a_bits * ROWS
+
+
 def plane_passes(cfg, a_bits, w_bits, group_cols, warps_m, warps_n):
     """(weight planes a pass, passes): all ``w_bits`` in one pass where their accumulators take at
     most ``cfg.fused_acc`` registers a thread and the tile fits 48 KB of shared memory, else one."""
@@ -240,13 +249,8 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
     the activation planes are (bits, images, H, W, WC), the weights' rows R·S·WC words)."""
     plane_dot = make_plane_dot(signed_a, signed_w)
     finish = make_finish(bias, relu)
-    WARP_ROWS = warp_rows(cfg, a_bits)
-    ROWS = warps_m * WARP_ROWS
-    MR = WARP_ROWS // 16
-    MT = a_bits * MR  # mma rows a warp: every activation plane of its rows
-    NC = group_cols // warps_n // 8  # mma columns a warp
+    WARP_ROWS, ROWS, MR, MT, NC, A_ROWS = tile_shape(cfg, a_bits, group_cols, warps_m, warps_n)  # (then outputs ...)
     WP, PASSES = plane_passes(cfg, a_bits, w_bits, group_cols, warps_m, warps_n)  # weight planes a pass
-    A_ROWS = a_bits * ROWS  # tile rows: plane j's row r at j * ROWS + r, then the group's outputs ...
     B_ROWS = WP * group_cols  # ... of each weight plane of the pass, plane j's from A_ROWS + j * group_cols
     TILE_ROWS = A_ROWS + B_ROWS
     CW = cfg.chunk_words
