@@ -431,7 +431,7 @@ def check_norms():
         strip = strips.make_strip_forward(strip_cfg, storage, storage, float32, False, True, C, S)
         results.append(check(f"layer_norm axis 0 in strips {storage} C={C} ({S} columns)", strip.py_func,
                              (rows, stats, stats, rows, vec, vec, types.float64)))
-        S = strips.strip_columns(strip_cfg, C, storage, 227 * 1024, arrays=2)
+        S = strips.strip_columns(strip_cfg, C, storage, 227 * 1024, held=2)
         strip = strips.make_strip_backward(strip_cfg, storage, storage, float32, False, True, C, S)
         results.append(check(f"layer_norm axis 0 backward in strips {storage} C={C} ({S} columns)", strip.py_func,
                              (rows, float32[:, :, ::1], rows, rows, vec, vec, stats, stats)))

@@ -8,7 +8,7 @@ from ..runtime.arrays import Array, Operand, check_same_kind, checked_operands, 
 from ..runtime.compile import cached
 from ..runtime.devices import on_arrays_device
 from ..ptx.vector import fours_fit
-from ..runtime.launch import data_pointer, launch, shared_memory_limit
+from ..runtime.launch import launch
 from .config import NormsConfig, as_config
 from .batch import make_batch_norm
 from . import columns, layer, strips
@@ -75,9 +75,7 @@ def layer_norm(x: Array, g: Array, b: Array, axis: int = 1, epsilon: float = 1e-
         x_dev, g_dev, b_dev = x_op.device(stream), g_op.device(stream), b_op.device(stream)
         vector = _vector(x_op.shape[1], y, x_dev, g_dev, b_dev, mean, rstd)  # (axis 0 reads the stats by 4s)
         key = (cfg, x_op.dtype, g_op.dtype, _numba(acc), bool(relu), vector)
-        strip = 0  # (axis 0 in one pass: columns a strip, where a strip fits shared memory)
-        if axis == 0 and cfg.column_strip_bytes and strips.strip_fits(N, x_op.dtype, map(data_pointer, (x_dev, y))):
-            strip = strips.strip_columns(cfg, C, x_op.dtype, shared_memory_limit())
+        strip = strips.strip_width(cfg, C, N, x_op.dtype, (x_dev, y)) if axis == 0 else 0  # (axis 0 in one pass)
         if axis == 1:
             shape = row_shape(cfg, C)
             launch(cached(layer.make_forward, *key, shape), -(-N // shape[2]), (shape[0], shape[2]), stream,
@@ -119,7 +117,9 @@ def layer_norm_grad(dy: Array, x: Array, g: Array, b: Array, mean: Array, rstd: 
     devices = [op.device(stream) for op in ops]
     x_dev, g_dev, b_dev, dy_dev, mean_dev, rstd_dev = devices
     (grid, block), (stats_grid, stats_threads) = column_launch(cfg, C, N)
-    if axis == 0 and N:  # (the column sums and means, which the kernels read by 4s too)
+    # (axis 0 in one pass where strips of x and dy fit shared memory)
+    strip = strips.strip_width(cfg, C, N, x_op.dtype, (x_dev, dy_dev, dx), held=2) if axis == 0 else 0
+    if axis == 0 and N and not strip:  # (the column sums and means, which the kernels read by 4s too)
         sum_work = x_op.scratch((grid[1], 2, N), acc, stream)
         column_means = x_op.scratch((2, N), acc, stream)
         devices += [sum_work, column_means]
@@ -127,10 +127,6 @@ def layer_norm_grad(dy: Array, x: Array, g: Array, b: Array, mean: Array, rstd: 
     key = (cfg, x_op.dtype, g_op.dtype, _numba(acc), bool(relu))
     partials, finish = cached(make_param_grads, *key, vector if axis == 1 else False)
     shape = row_shape(cfg, C)
-    strip = 0  # (axis 0 in one pass: columns a strip, where strips of x and dy fit shared memory)
-    if axis == 0 and N and cfg.column_strip_bytes and strips.strip_fits(N, x_op.dtype,
-                                                                         map(data_pointer, (x_dev, dy_dev, dx))):
-        strip = strips.strip_columns(cfg, C, x_op.dtype, shared_memory_limit(), arrays=2)
     if axis == 1:
         if N:
             launch(cached(layer.make_backward, *key, vector, shape), -(-N // shape[2]),

@@ -29,7 +29,7 @@ from numba import cuda, int64, types
 
 from ..bsmm.device import converters
 from ..ptx.cp_async import commit, copy16_or_zero, shared_address, signed_address, waiter
-from ..runtime.launch import dynamic_shared
+from ..runtime.launch import data_pointer, dynamic_shared, shared_memory_limit
 from .blocks import FULL_MASK
 from .groups import make_group_io, make_normalized, make_passed
 
@@ -38,9 +38,9 @@ ELEMENTS = {"float16": (types.float16, 2), "bfloat16": (types.int16, 2), "float3
             "float64": (types.float64, 8)}
 
 
-def strip_columns(cfg, C, storage, limit, arrays=1):
+def strip_columns(cfg, C, storage, limit, held=1):
     """Columns of x a strip takes: the most (a power of two from a copy's worth, and 4, up to the
-    thread block's threads and 128) whose C x S values of each of ``arrays`` arrays (x; x and dy)
+    thread block's threads and 128) whose C x S values of each of ``held`` arrays (x; x and dy)
     fit ``column_strip_bytes`` and ``limit`` (the device's shared memory, less the kernel's static
     arrays); 0 where none does, or the strip is off."""
     _, size = ELEMENTS[storage]
@@ -48,7 +48,7 @@ def strip_columns(cfg, C, storage, limit, arrays=1):
     budget = min(cfg.column_strip_bytes, limit - 2 * threads * 8 - 1024)
     columns = 0
     s = max(COPY // size, 4)  # (the apply's groups of 4 columns stay in the strip)
-    while s <= min(threads, 128) and arrays * C * s * size <= budget:
+    while s <= min(threads, 128) and held * C * s * size <= budget:
         columns = s
         s *= 2
     return columns
@@ -58,6 +58,15 @@ def strip_fits(N, storage, pointers):
     """Whether x's rows are whole 16-byte copies and every pointer (x's and y's) 16-byte aligned."""
     _, size = ELEMENTS[storage]
     return (N * size) % COPY == 0 and all(p % COPY == 0 for p in pointers)
+
+
+def strip_width(cfg, C, N, storage, arrays, held=1):
+    """The columns a strip of a call's kernel (`strip_columns`, the first ``held`` of ``arrays``
+    held: x, or x and dy), or 0 where the column kernels run instead: strips off, no columns, rows
+    not whole copies, an array not 16-byte aligned, or no strip fitting."""
+    if not (cfg.column_strip_bytes and N and strip_fits(N, storage, map(data_pointer, arrays))):
+        return 0
+    return strip_columns(cfg, C, storage, shared_memory_limit(), held)
 
 
 def make_strip_parts(cfg, storage, param_storage, acc_type, vector, C, S):
