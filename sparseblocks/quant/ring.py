@@ -33,8 +33,8 @@ from ..runtime.backend import SIMULATOR
 from ..runtime.compile import unrolled
 from ..runtime.launch import dynamic_shared
 from .simple import make_finish, make_plane_dot
-from .tensorcore import (FULL_MASK, PAD, make_epilogue, make_plane_outputs, make_store_pair, plane_passes, tile_shape,
-                         vector_words, warp_rows)
+from .tensorcore import (FULL_MASK, PAD, make_epilogue, make_plane_outputs, make_share_counts, make_store_pair,
+                         plane_passes, tile_shape, vector_words, warp_rows)
 
 HALF_STEP = 16  # bytes of half an mma step's words (ldmatrix's second pair of 8 x 16-byte matrices)
 SHARED_LIMIT = 227 * 1024  # sm_90's dynamic shared memory a thread block (`runtime.launch.shared_memory_limit`)
@@ -141,17 +141,11 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
                     counts[i] += cuda.popc(tile[at + v])
 
     @cuda.jit(device=True, inline=True)
-    def share_counts(totals, counts, first, part):
-        """Each tile row's count, summed over the ``PARTS`` neighbouring lanes that copied it."""
-        for i in range(COPIES):
-            c = counts[i]
-            step = PARTS // 2
-            while step > 0:
-                c += cuda.shfl_xor_sync(FULL_MASK, c, step)
-                step //= 2
-            row = first + i * APART
-            if part == 0 and row < TILE_ROWS:
-                totals[row] = c
+    def copy_row(i):
+        """The tile row of this thread's i-th copy."""
+        return cuda.threadIdx.x // PARTS + i * APART
+
+    share_counts = make_share_counts(COPIES, PARTS, TILE_ROWS, copy_row)
 
     prime, advance = make_ring(issue, STAGES, STAGE)
 
@@ -214,7 +208,7 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
         if COUNT:
             if TILES > 1:
                 cuda.syncthreads()  # (the previous tile's totals are read)
-            share_counts(totals, counts, first, part)
+            share_counts(totals, counts)
             cuda.syncthreads()
         if LIST:  # (the rows' terms of the plane dots, once for every output column; then the columns')
             plane_outputs(y, out, acc, rows, totals, totals, a_basis, w_basis, bias_values, seen, 0, row0, col0, N, O,

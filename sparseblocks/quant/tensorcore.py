@@ -194,6 +194,26 @@ def make_epilogue(plane_dot, store_pair, one_pair, MR, NC, WARP_ROWS):
     return pair_out, store_out
 
 
+def make_share_counts(COPIES, LANES, TILE_ROWS, row_of):
+    """``share_counts(totals, counts)``: each tile row's bit count, ``counts[n]`` of the ``LANES``
+    neighbouring lanes that staged or copied a part of it (a thread's n-th row: ``row_of(n)``,
+    ``TILE_ROWS`` or past for none), summed by shuffles into ``totals[row]`` (by the first lane)."""
+
+    @cuda.jit(device=True, inline=True)
+    def share_counts(totals, counts):
+        for n in range(COPIES):
+            c = counts[n]
+            step = LANES // 2
+            while step > 0:
+                c += cuda.shfl_xor_sync(FULL_MASK, c, step)
+                step //= 2
+            row = row_of(n)
+            if cuda.threadIdx.x % LANES == 0 and row < TILE_ROWS:
+                totals[row] = c
+
+    return share_counts
+
+
 def make_plane_outputs(plane_dot, pair_out, need_pa, need_pb, tile_counts, MT, MR, NC, WP, ROWS, A_ROWS, group_cols,
                        WARP_ROWS):
     """A product kernel's closing, shared by `make_tensorcore_product` and `ring`'s:
@@ -341,18 +361,7 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
                     for v in range(VW):
                         counts[n] += cuda.popc(staged[n, v])
 
-    @cuda.jit(device=True, inline=True)
-    def share_counts(totals, counts):
-        """Each tile row's bit count, summed over the lanes that staged it, into `totals`."""
-        for n in range(LOADS):
-            c = counts[n]
-            step = PER_ROW // 2
-            while step > 0:
-                c += cuda.shfl_xor_sync(FULL_MASK, c, step)
-                step //= 2
-            row = tile_row(n)
-            if cuda.threadIdx.x % PER_ROW == 0 and row < TILE_ROWS:
-                totals[row] = c
+    share_counts = make_share_counts(LOADS, PER_ROW, TILE_ROWS, tile_row)
 
     @cuda.jit(device=True, inline=True)
     def first_row(mt, wm):
