@@ -227,6 +227,7 @@ def make_strip_backward(cfg, storage, param_storage, acc_type, relu, vector, C, 
             stats[3, t] = q2 / acc_type(C)
         cuda.syncthreads()
         # dx: 4 neighbouring columns a thread; the row's dg and db terms over the strip by shuffles
+        o = cuda.local.array(4, acc_type)
         for i in range(ROUNDS):
             q = t + i * T
             active = q < C * GROUPS
@@ -234,23 +235,14 @@ def make_strip_backward(cfg, storage, param_storage, acc_type, relu, vector, C, 
             gc, bc = p_in(g[row]), p_in(b[row])
             tg = acc_type(0)
             tb = acc_type(0)
-            o0 = o1 = o2 = o3 = acc_type(0)
             for k in range(4):
                 c = c4 + k
                 d, h = terms(tile, row, c, gc, bc, stats[0, c], stats[1, c])
-                o = stats[1, c] * (d * gc - stats[2, c] - h * stats[3, c])
-                if k == 0:
-                    o0 = o
-                elif k == 1:
-                    o1 = o
-                elif k == 2:
-                    o2 = o
-                else:
-                    o3 = o
+                o[k] = stats[1, c] * (d * gc - stats[2, c] - h * stats[3, c])
                 tg += d * h
                 tb += d
             if active:
-                write(dx, row, n0 + c4, o0, o1, o2, o3)
+                write(dx, row, n0 + c4, o[0], o[1], o[2], o[3])
             step = GROUPS // 2
             while step > 0:
                 tg += cuda.shfl_down_sync(FULL_MASK, tg, step)
