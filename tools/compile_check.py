@@ -301,14 +301,6 @@ def check_quant():
                                              group_cols, *warps, True)
             results.append(check(f"{name} fused_acc 128", kernel.py_func, signature,
                                  detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
-    for tiles, block_words, cap in itertools.product((2, 4), (2, 128), (None, 128)):  # (row tiles a block walks)
-        group_cols = 64 if block_words == 2 else Q.dense_cols
-        warps = block_warps(Q, 1, 4096, group_cols)
-        kernel = make_tensorcore_product(replace(Q, row_tiles=tiles, max_registers=cap), 1, 1, True, True, False,
-                                         False, block_words, group_cols, *warps, True)
-        results.append(check(f"product W1A1 block_words {block_words} row_tiles {tiles} max_registers {cap}",
-                             kernel.py_func, signature, registers=cap,
-                             detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
     counts = types.int32[::1]
     ring_signature = signature[:6] + (counts, counts, counts, counts, i64, i64, i64, i64)
     for bits, stages, signed_a in itertools.product((1, 2), (2, 3), (False, True)):  # (the cp.async ring)
@@ -325,12 +317,6 @@ def check_quant():
         results.append(check(f"product W{bits}A{bits} ring over lists of {block_words}-word blocks "
                              f"signed_a={signed_a} warps {warps}", kernel.py_func, list_signature,
                              detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
-    for tiles, (block_words, group_cols) in itertools.product((2, 4), ((0, Q.dense_cols), (2, 64))):
-        warps = block_warps(Q, 1, 4096, group_cols)  # (the ring walking row tiles)
-        kernel = make_ring_product(replace(Q, ring_tiles=tiles), 1, 1, True, True, False, False, group_cols, *warps,
-                                   True, block_words)
-        results.append(check(f"product W1A1 ring walking {tiles} row tiles, {block_words or 'dense'}-word blocks",
-                             kernel.py_func, list_signature, detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
     results.append(check("row bit counts", make_row_counts().py_func, (counts, types.uint32[::1], i64, i64)))
     for (a_bits, w_bits), channels in itertools.product(((1, 1), (2, 2)), (64, 256)):
         words = channels // 32

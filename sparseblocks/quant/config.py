@@ -16,14 +16,12 @@ class QuantConfig:
     warp_rows: int = 32  # rows a warp for 1-bit activations (16 an mma; divided among the planes of more bits)
     dense_cols: int = 64  # outputs a thread block in a dense product; a block-sparse one takes a block's
     chunk_words: int = 16  # words of the word list staged in shared memory at a time (8 a b1 mma step)
-    row_tiles: int = 1  # register-staged product: row tiles a thread block walks (the next one's loads in flight)
     max_registers: int = None  # a cap on the tensor-core product's registers (ptxas), None for none
     fused_acc: int = 64  # registers a thread the accumulators of all weight planes may take in one pass (0: a pass a plane)
     # dense products (every weight plane in one pass): stages of a cp.async ring (`ring`; 2 to 4, in
     # dynamic shared memory up to 227 KiB), the rows' bit counts from a kernel of their own; 0: none
     ring_stages: int = 3
     ring_lists: bool = False  # ... block-sparse products too, a block a 4- or 8-byte copy (layouts' word lists)
-    ring_tiles: int = 1  # ... row tiles a thread block walks, the ring running on from one into the next
 
     def check(self):
         if not 1 <= self.pack_words <= 32:
@@ -38,10 +36,6 @@ class QuantConfig:
             raise ValueError(f"fused_acc: expected 0 or more registers, got {self.fused_acc}")
         if self.ring_stages == 1 or not 0 <= self.ring_stages <= 4:
             raise ValueError(f"ring_stages: expected 0 (no ring) or 2 to 4, got {self.ring_stages}")
-        if not 1 <= self.ring_tiles <= 64:
-            raise ValueError(f"ring_tiles: expected 1 to 64 row tiles a thread block, got {self.ring_tiles}")
-        if not 1 <= self.row_tiles <= 64:
-            raise ValueError(f"row_tiles: expected 1 to 64 row tiles a thread block, got {self.row_tiles}")
         if self.chunk_words not in (8, 16, 32):
             raise ValueError(f"chunk_words: expected 8, 16 or 32, got {self.chunk_words}")
         tile = (self.warps_m * self.warp_rows + self.dense_cols) * (self.chunk_words + 4) * 4

@@ -14,10 +14,6 @@ words, in order) ``chunk_words`` words at a time:
   stored). The thread also counts the bits it stages (SIMT ``popc``): each row's ``pa`` (and each
   output's ``pb`` where activations are signed), summed over the lanes sharing a row once the
   list is done.
-* **row tiles**: a thread block walks ``row_tiles`` tiles of rows of its group, one after
-  another (grid: groups x `row_groups`); the next tile's first chunk is loaded while this tile's
-  last mmas and its epilogue run, so a short word list (a sparse layout's block-column) does not
-  wait out a load's latency at each tile's start.
 * **mma**: each warp reads its fragments from the tile by ``ldmatrix`` (an A fragment, 16 rows x
   256 bits, in one instruction; B fragments two mma columns at a time), the next step's while this
   step's mmas run, and runs a (planes × rows) × outputs grid of mmas: every activation plane
@@ -108,8 +104,8 @@ def block_warps(cfg, a_bits, rows, group_cols):
 
 def row_groups(cfg, rows, a_bits, warps_m):
     """The register-staged product's thread blocks along the rows: ``rows`` in tiles of
-    ``warps_m`` warps' rows, ``row_tiles`` tiles a thread block."""
-    return -(-rows // (warps_m * warp_rows(cfg, a_bits) * cfg.row_tiles))
+    ``warps_m`` warps' rows."""
+    return -(-rows // (warps_m * warp_rows(cfg, a_bits)))
 
 
 def tile_shape(cfg, a_bits, group_cols, warps_m, warps_n):
@@ -277,7 +273,6 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
     STRIDE = CW + PAD
     STEPS = CW // B1_WORDS
     CONV = geometry is not None
-    TILES = cfg.row_tiles  # row tiles a thread block walks
     H, W, P, Q, R, S, SH, SW, PH, PW, DH, DW, WC = geometry if CONV else (1,) * 13
     VW = vector_words(WC if CONV else block_words)  # (a conv's vectors stay within a tap)
     PER_ROW = CW // VW  # staging loads a tile row (consecutive threads, a power of two up to 32)
@@ -390,22 +385,38 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
                     bf[buffer, j, nt + 1, 0] = b[2]
                     bf[buffer, j, nt + 1, 1] = b[3]
 
-    @cuda.jit(device=True, inline=True)
-    def one_tile(y, a_planes, w_planes, a_basis, w_basis, bias_values, blocks, first, total, seen, chunks, N, O, words,
-                 row0, col0, next_row0, prefetched, tile, totals, local, thread):
-        """The tile of rows from ``row0``: its passes over the word list, its epilogue. Its first
-        chunk is already in ``staged`` where ``prefetched``; the next tile's (rows from
-        ``next_row0``, where that is inside N) is loaded after this tile's last loads, so that it
-        is in flight through this tile's last mmas and epilogue. Returns whether it was.
-        (``local``: the thread's arrays, ``thread``: its lane, warp row and column, group, pair;
-        tuples, as a call takes at most 30 arguments.)"""
-        out, acc, af, bf, staged, counts, bases, corners, rows = local
-        lane, wm, wn, g, t = thread
+    @cuda.jit(**({} if cfg.max_registers is None or SIMULATOR else {"max_registers": cfg.max_registers}))
+    def product(y, a_planes, w_planes, a_basis, w_basis, bias_values, ptr, blocks, seen_a_block, N, O, words):
+        tile = cuda.shared.array((TILE_ROWS, STRIDE), uint32)
+        totals = cuda.shared.array(TILE_ROWS, int32)
+        lane = cuda.threadIdx.x % 32
+        warp = cuda.threadIdx.x // 32
+        wm = warp // warps_n
+        wn = warp % warps_n
+        g = lane >> 2
+        t = lane % 4
+        row0 = cuda.blockIdx.y * ROWS
+        group = cuda.blockIdx.x
+        col0 = group * group_cols
+        first = ptr[group]
+        count = ptr[group + 1] - first
+        total = int32(count * block_words)
+        seen = count * seen_a_block
+        chunks = (total + CW - 1) // CW
+
+        out = cuda.local.array((MR, NC, 4), float32)
+        acc = cuda.local.array((WP, MT, NC, 4), int32)
+        af = cuda.local.array((2, MT, 4), uint32)
+        bf = cuda.local.array((2, WP, NC, 2), uint32)
+        staged = cuda.local.array((LOADS, VW), uint32)
+        counts = cuda.local.array(LOADS, int32)
+        bases = cuda.local.array(LOADS, int32)
+        corners = cuda.local.array((LOADS, 2), int32)
+        rows = cuda.local.array((MT, 2), int32)
         for m in range(MR):
             for nt in range(NC):
                 for i in range(4):
                     out[m, nt, i] = float32(0)
-        ahead = False
         for pass_ in range(PASSES):
             k0 = pass_ * WP  # the pass's first weight plane
             for j in range(WP):
@@ -415,20 +426,14 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
                             acc[j, mt, nt, i] = 0
             for n in range(LOADS):
                 counts[n] = 0
-            if TILES == 1 or pass_ > 0 or not prefetched:
-                row_bases(bases, corners, int32(k0), int32(row0), int32(col0), int32(N), int32(O), int32(words))
-                fetch(staged, bases, corners, a_planes, w_planes, blocks, first, total, 0)
+            row_bases(bases, corners, int32(k0), int32(row0), int32(col0), int32(N), int32(O), int32(words))
+            fetch(staged, bases, corners, a_planes, w_planes, blocks, first, total, 0)
             for chunk in range(chunks):
                 cuda.syncthreads()  # (the previous chunk's fragments are read)
                 put(tile, staged, counts)
                 cuda.syncthreads()
                 if chunk + 1 < chunks:
                     fetch(staged, bases, corners, a_planes, w_planes, blocks, first, total, chunk + 1)
-                elif TILES > 1 and pass_ + 1 == PASSES and next_row0 < N:  # (this tile's loads are all issued)
-                    row_bases(bases, corners, int32(0), int32(next_row0), int32(col0), int32(N), int32(O),
-                              int32(words))
-                    fetch(staged, bases, corners, a_planes, w_planes, blocks, first, total, 0)
-                    ahead = True
                 fragments(af, bf, 0, tile, 0, wm, wn, lane)
                 for step in range(STEPS):  # (the next step's fragments load while this one's mmas run)
                     now = step % 2
@@ -453,49 +458,5 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
                           wm, wn, g, t)
         if not ONE_PAIR:
             store_out(y, out, row0 + wm * WARP_ROWS + g, col0 + wn * NC * 8 + 2 * t, N, O, bias_values)
-        return ahead
-
-    @cuda.jit(**({} if cfg.max_registers is None or SIMULATOR else {"max_registers": cfg.max_registers}))
-    def product(y, a_planes, w_planes, a_basis, w_basis, bias_values, ptr, blocks, seen_a_block, N, O, words):
-        tile = cuda.shared.array((TILE_ROWS, STRIDE), uint32)
-        totals = cuda.shared.array(TILE_ROWS, int32)
-        lane = cuda.threadIdx.x % 32
-        warp = cuda.threadIdx.x // 32
-        wm = warp // warps_n
-        wn = warp % warps_n
-        g = lane >> 2
-        t = lane % 4
-        group = cuda.blockIdx.x
-        col0 = group * group_cols
-        first = ptr[group]
-        count = ptr[group + 1] - first
-        total = int32(count * block_words)
-        seen = count * seen_a_block
-        chunks = (total + CW - 1) // CW
-
-        out = cuda.local.array((MR, NC, 4), float32)
-        acc = cuda.local.array((WP, MT, NC, 4), int32)
-        af = cuda.local.array((2, MT, 4), uint32)
-        bf = cuda.local.array((2, WP, NC, 2), uint32)
-        staged = cuda.local.array((LOADS, VW), uint32)
-        counts = cuda.local.array(LOADS, int32)
-        bases = cuda.local.array(LOADS, int32)
-        corners = cuda.local.array((LOADS, 2), int32)
-        rows = cuda.local.array((MT, 2), int32)
-        local = (out, acc, af, bf, staged, counts, bases, corners, rows)
-        thread = (lane, wm, wn, g, t)
-        if TILES == 1:
-            one_tile(y, a_planes, w_planes, a_basis, w_basis, bias_values, blocks, first, total, seen, chunks, N, O,
-                     words, cuda.blockIdx.y * ROWS, col0, N, False, tile, totals, local, thread)
-        else:
-            prefetched = False  # (the tile's first chunk is in `staged`)
-            for i in range(TILES):
-                row0 = (cuda.blockIdx.y * TILES + i) * ROWS
-                if row0 >= N:  # (the whole thread block alike)
-                    break
-                next_row0 = row0 + ROWS if i + 1 < TILES else N
-                prefetched = one_tile(y, a_planes, w_planes, a_basis, w_basis, bias_values, blocks, first, total,
-                                      seen, chunks, N, O, words, row0, col0, next_row0, prefetched, tile, totals, local,
-                                      thread)
 
     return product

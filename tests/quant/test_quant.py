@@ -275,23 +275,6 @@ def test_the_ring_over_a_layouts_word_lists_gives_the_staged_bits(configure, mon
     assert_the_twins(ring, a, w, b, layout, columns, bits, "ring lists")
 
 
-@pytest.mark.parametrize("bits, bs, tiles, stages", [(1, None, 2, 3), (2, None, 4, 2), (1, 64, 2, 2), (2, 32, 4, 3),
-                                                   (1, 32, 3, 2)])
-def test_the_ring_walks_row_tiles_with_the_same_bits(configure, bits, bs, tiles, stages):
-    """``ring_tiles``: a thread block walks several row tiles, the ring running on from one tile's
-    stages into the next's (its rows past N zero-filled, its counts and accumulators anew): N = 70
-    rows in tiles of 32 / 16 (a thread block past N walks fewer), dense rows of several stages and
-    layouts' lists with a long and an empty block-column. Bit for bit a tile a thread block."""
-    cfg = configure(quant, warps_m=1, warps_n=2, warp_rows=32, dense_cols=16, chunk_words=16, fused_acc=128,
-                    ring_stages=stages, ring_lists=True)
-    a, w, b, layout, _ = walk_problem(np.random.default_rng(14), 70, bits, bs)
-    one = quant.matmul(a, w, bias=b, relu=True, layout=layout)
-    walked = quant.matmul(a, w, bias=b, relu=True, layout=layout, config=replace(cfg, ring_tiles=tiles))
-    np.testing.assert_array_equal(walked, one)
-    staged = quant.matmul(a, w, bias=b, relu=True, layout=layout, config=replace(cfg, ring_stages=0))
-    np.testing.assert_array_equal(walked, staged)
-
-
 @pytest.mark.parametrize("room", [True, False])
 def test_the_ring_is_taken_only_where_its_stages_fit_the_devices_shared_memory(configure, monkeypatch, room):
     """The ring's stages live in dynamic shared memory, which devices bound differently (sm_90
@@ -310,23 +293,6 @@ def test_the_ring_is_taken_only_where_its_stages_fit_the_devices_shared_memory(c
     got = quant.matmul(a, w)
     assert bool(taken) == room
     np.testing.assert_array_equal(got, quant.matmul(a, w, config=replace(cfg, ring_stages=0)))
-
-
-@pytest.mark.parametrize("bits, sparse, tiles, fused_acc", [
-    (1, False, 2, 64), (1, False, 4, 64), (2, False, 2, 0), (2, False, 3, 64), (1, True, 2, 64), (2, True, 4, 0)])
-def test_row_tiles_walk_the_rows_with_the_same_bits(configure, bits, sparse, tiles, fused_acc):
-    """``row_tiles``: a thread block of the register-staged product walks several tiles of rows,
-    the next tile's first chunk loaded before this tile's epilogue: N = 40 rows in tiles of 16
-    (the last partial; a thread block past N stops at once), dense rows of two chunks, weight
-    planes in passes or in one, a layout with an empty block-column; bias and ReLU. Bit for bit the
-    kernel's values with a tile a thread block."""
-    cfg = configure(quant, warps_m=1, warps_n=2, warp_rows=16 * bits, dense_cols=16, chunk_words=8, ring_stages=0,
-                    fused_acc=fused_acc)
-    a, w, b, layout, columns = walk_problem(np.random.default_rng(11), 40, bits, 32 if sparse else None, columns=300)
-    one = quant.matmul(a, w, bias=b, relu=True, layout=layout)
-    walked = quant.matmul(a, w, bias=b, relu=True, layout=layout, config=replace(cfg, row_tiles=tiles))
-    np.testing.assert_array_equal(walked, one)
-    assert_the_twins(walked, a, w, b, layout, columns, bits, "row tiles")
 
 
 def test_block_sparse_product_is_the_dense_one_masked_by_the_layout():
@@ -394,8 +360,6 @@ def test_quant_array_passes_its_planes_on():
     ({"dense_cols": 256, "chunk_words": 32}, "expected a shared tile of at most 48 KiB"),
     ({"fused_acc": -1}, "fused_acc: expected 0 or more"),
     ({"ring_stages": 1}, "ring_stages: expected 0 \\(no ring\\) or 2 to 4"),
-    ({"row_tiles": 0}, "row_tiles: expected 1 to 64"),
-    ({"ring_tiles": 65}, "ring_tiles: expected 1 to 64"),
 ])
 def test_config_refuses_tiles_the_kernels_cannot_take(fields, match):
     with pytest.raises(ValueError, match=match):

@@ -1,7 +1,5 @@
 """Image packing and the convolutions from bit planes against their NumPy twins."""
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -117,9 +115,6 @@ def test_tensor_core_convolution_spans_chunks_warps_groups_and_passes(configure)
     got = quant.conv2d(a, f, 1, 1)
     magnitude = magnitude_of(a, a_basis, f, w_basis, ((1, 1),) * 3)
     assert_close(got.astype(np.float64), want, "float32", "tensorcore", magnitude=magnitude, terms=4)
-    # (30 pixels in tiles of 16 two-plane rows, walked by one thread block: ``row_tiles``)
-    walked = quant.conv2d(a, f, 1, 1, config=replace(quant.config.DEFAULT, row_tiles=2))
-    np.testing.assert_array_equal(walked, got)
 
 
 @pytest.mark.parametrize("case, error, match", [
