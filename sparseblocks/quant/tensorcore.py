@@ -160,10 +160,10 @@ def make_epilogue(plane_dot, store_pair, one_pair, MR, NC, WARP_ROWS):
         m = mt % MR
         s_lo = u * v_lo
         s_hi = u * v_hi
-        lo0 = s_lo * float32(plane_dot(acc[j, mt, nt, 0], 0, 0, 0) + rows[mt, 0] + col_lo)
-        hi0 = s_hi * float32(plane_dot(acc[j, mt, nt, 1], 0, 0, 0) + rows[mt, 0] + col_hi)
-        lo1 = s_lo * float32(plane_dot(acc[j, mt, nt, 2], 0, 0, 0) + rows[mt, 1] + col_lo)
-        hi1 = s_hi * float32(plane_dot(acc[j, mt, nt, 3], 0, 0, 0) + rows[mt, 1] + col_hi)
+        lo0 = s_lo * float32(int32(plane_dot(acc[j, mt, nt, 0], 0, 0, 0) + rows[mt, 0] + col_lo))
+        hi0 = s_hi * float32(int32(plane_dot(acc[j, mt, nt, 1], 0, 0, 0) + rows[mt, 0] + col_hi))
+        lo1 = s_lo * float32(int32(plane_dot(acc[j, mt, nt, 2], 0, 0, 0) + rows[mt, 1] + col_lo))
+        hi1 = s_hi * float32(int32(plane_dot(acc[j, mt, nt, 3], 0, 0, 0) + rows[mt, 1] + col_hi))
         if one_pair:  # (the only pair of planes: straight out, no fp32 tile kept)
             r = r0 + m * 16
             if r < N:
@@ -178,13 +178,14 @@ def make_epilogue(plane_dot, store_pair, one_pair, MR, NC, WARP_ROWS):
 
     @cuda.jit(device=True, inline=True)
     def store_out(y, out, r0, c0, N, O, bias_values):
+        n, o = int32(N), int32(O)  # (32-bit indices: fewer instructions)
         for m in range(MR):
             for h in range(2):
-                r = r0 + m * 16 + 8 * h
-                if r < N:
+                r = int32(r0) + m * 16 + 8 * h
+                if r < n:
                     for nt in range(NC):
-                        c = c0 + nt * 8
-                        store_pair(y, int64(r) * O + c, c, O, out[m, nt, 2 * h], out[m, nt, 2 * h + 1],
+                        c = int32(c0) + nt * 8
+                        store_pair(y, int64(r) * o + c, c, o, out[m, nt, 2 * h], out[m, nt, 2 * h + 1],
                                    bias_values)
 
     return pair_out, store_out
@@ -225,33 +226,34 @@ def make_plane_outputs(plane_dot, pair_out, need_pa, need_pb, tile_counts, MT, M
     @cuda.jit(device=True, inline=True)
     def plane_outputs(y, out, acc, rows, a_counts, w_counts, a_basis, w_basis, bias_values, seen, k0, row0, col0, N, O,
                       wm, wn, g, t):
+        n, o, r_0, c_0 = int32(N), int32(O), int32(row0), int32(col0)  # (32-bit indices: fewer instructions)
         for mt in range(MT):
             if tile_counts:
                 r = (mt // MR) * ROWS + wm * WARP_ROWS + (mt % MR) * 16 + g
                 rows[mt, 0] = plane_dot(0, a_counts[r] if need_pa else int32(0), 0, seen)
                 rows[mt, 1] = plane_dot(0, a_counts[r + 8] if need_pa else int32(0), 0, seen)
             else:
-                r = row0 + wm * WARP_ROWS + (mt % MR) * 16 + g
-                plane = (mt // MR) * N
-                rows[mt, 0] = plane_dot(0, a_counts[plane + min(r, N - 1)] if need_pa else int32(0), 0, seen)
-                rows[mt, 1] = plane_dot(0, a_counts[plane + min(r + 8, N - 1)] if need_pa else int32(0), 0, seen)
+                r = r_0 + wm * WARP_ROWS + (mt % MR) * 16 + g
+                plane = (mt // MR) * n
+                rows[mt, 0] = plane_dot(0, a_counts[plane + min(r, n - 1)] if need_pa else int32(0), 0, seen)
+                rows[mt, 1] = plane_dot(0, a_counts[plane + min(r + 8, n - 1)] if need_pa else int32(0), 0, seen)
         for j in range(WP):
             k = k0 + j
             for nt in range(NC):
                 local = wn * NC * 8 + nt * 8 + 2 * t
-                c = col0 + local
-                v_lo = w_basis[c, k] if c < O else float32(0)
-                v_hi = w_basis[c + 1, k] if c + 1 < O else float32(0)
+                c = c_0 + local
+                v_lo = w_basis[c, k] if c < o else float32(0)
+                v_hi = w_basis[c + 1, k] if c + 1 < o else float32(0)
                 if tile_counts:
                     b_row = A_ROWS + j * group_cols + local
-                    col_lo = plane_dot(0, 0, w_counts[b_row] if need_pb else int32(0), 0)
-                    col_hi = plane_dot(0, 0, w_counts[b_row + 1] if need_pb else int32(0), 0)
+                    col_lo = int32(plane_dot(0, 0, w_counts[b_row] if need_pb else int32(0), 0))
+                    col_hi = int32(plane_dot(0, 0, w_counts[b_row + 1] if need_pb else int32(0), 0))
                 else:
-                    col_lo = plane_dot(0, 0, w_counts[k * O + min(c, O - 1)] if need_pb else int32(0), 0)
-                    col_hi = plane_dot(0, 0, w_counts[k * O + min(c + 1, O - 1)] if need_pb else int32(0), 0)
+                    col_lo = int32(plane_dot(0, 0, w_counts[k * o + min(c, o - 1)] if need_pb else int32(0), 0))
+                    col_hi = int32(plane_dot(0, 0, w_counts[k * o + min(c + 1, o - 1)] if need_pb else int32(0), 0))
                 for mt in range(MT):
                     pair_out(y, out, acc, j, mt, nt, rows, col_lo, col_hi, a_basis[mt // MR], v_lo, v_hi,
-                             row0 + wm * WARP_ROWS + g, c, N, O, bias_values)
+                             r_0 + wm * WARP_ROWS + g, c, n, o, bias_values)
 
     return plane_outputs
 
