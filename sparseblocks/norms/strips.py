@@ -25,7 +25,7 @@ A strip is at least 16 bytes of a row (a copy). N's rows must be whole copies an
 
 import math
 
-from numba import cuda, int64, types
+from numba import cuda, int64, types, uint32
 
 from ..bsmm.device import converters
 from ..ptx.cp_async import commit, copy16_or_zero, shared_address, signed_address, waiter
@@ -140,10 +140,12 @@ def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S
         first = x_in(tile[j])
         s = acc_type(0)
         q2 = acc_type(0)
-        for row in range(sub, C, PER):
-            d = x_in(tile[row * S + j]) - first
+        at = uint32(sub * S + j)  # (unsigned indices: no negative-index wrapping a load)
+        while at < uint32(C * S):  # (rows sub, sub + PER, ...)
+            d = x_in(tile[at]) - first
             s += d
             q2 += d * d
+            at += uint32(PER * S)
         sums[0, t] = s
         sums[1, t] = q2
         cuda.syncthreads()
@@ -158,14 +160,22 @@ def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S
                 mean_out[n0 + t] = mean
                 rstd_out[n0 + t] = rstd
         cuda.syncthreads()
-        # y: 4 neighbouring columns a thread, a row of groups after another
+        # y: the same 4 neighbouring columns a thread (their statistics held), every (T/GROUPS)-th row
+        c4, first_row = (t % GROUPS) * 4, t // GROUPS
+        held = cuda.local.array((2, 4), acc_type)
+        for i in range(4):
+            held[0, i] = stats[0, c4 + i]
+            held[1, i] = stats[1, c4 + i]
         v = cuda.local.array(4, acc_type)
-        for q in range(t, C * GROUPS, T):
-            row, c4 = q // GROUPS, (q % GROUPS) * 4
+        at = uint32(first_row * S + c4)
+        row = uint32(first_row)
+        while row < uint32(C):
             gc, bc = p_in(g[row]), p_in(b[row])
             for i in range(4):
-                v[i] = normalized((x_in(tile[row * S + c4 + i]) - stats[0, c4 + i]) * stats[1, c4 + i], gc, bc)
+                v[i] = normalized((x_in(tile[at + uint32(i)]) - held[0, i]) * held[1, i], gc, bc)
             write(y, row, n0 + c4, v[0], v[1], v[2], v[3])
+            at += uint32(T // GROUPS * S)
+            row += uint32(T // GROUPS)
 
     return dynamic_shared(strip, C * S * size)
 
@@ -185,10 +195,10 @@ def make_strip_backward(cfg, storage, param_storage, acc_type, relu, vector, C, 
     wait_all = waiter(0)
 
     @cuda.jit(device=True, inline=True)
-    def terms(tile, row, j, gc, bc, m, r):
-        """(dy where the ReLU passed, xhat) of the held row's column j."""
-        xhat = (x_in(tile[row * S + j]) - m) * r
-        return passed(x_in(tile[C * S + row * S + j]), xhat, gc, bc), xhat
+    def terms(tile, at, gc, bc, m, r):
+        """(dy where the ReLU passed, xhat) of the held value ``at`` (row · S + column; unsigned)."""
+        xhat = (x_in(tile[at]) - m) * r
+        return passed(x_in(tile[at + uint32(C * S)]), xhat, gc, bc), xhat
 
     @cuda.jit
     def strip(dx, gwork, dy, x, g, b, mean_in, rstd_in):
@@ -213,11 +223,14 @@ def make_strip_backward(cfg, storage, param_storage, acc_type, relu, vector, C, 
         m, r = stats[0, j], stats[1, j]
         s = acc_type(0)
         q2 = acc_type(0)
-        for row in range(sub, C, PER):
+        row, at = uint32(sub), uint32(sub * S + j)  # (unsigned: no negative-index wrapping a load)
+        while row < uint32(C):
             gc, bc = p_in(g[row]), p_in(b[row])
-            d, h = terms(tile, row, j, gc, bc, m, r)
+            d, h = terms(tile, at, gc, bc, m, r)
             s += d * gc
             q2 += d * gc * h
+            row += uint32(PER)
+            at += uint32(PER * S)
         sums[0, t] = s
         sums[1, t] = q2
         cuda.syncthreads()
@@ -228,17 +241,22 @@ def make_strip_backward(cfg, storage, param_storage, acc_type, relu, vector, C, 
         cuda.syncthreads()
         # dx: 4 neighbouring columns a thread; the row's dg and db terms over the strip by shuffles
         o = cuda.local.array(4, acc_type)
+        c4, first_row = (t % GROUPS) * 4, t // GROUPS  # (the same 4 columns every round: their statistics held)
+        held = cuda.local.array((4, 4), acc_type)
+        for k in range(4):
+            for i in range(4):
+                held[i, k] = stats[i, c4 + k]
         for i in range(ROUNDS):
-            q = t + i * T
-            active = q < C * GROUPS
-            row, c4 = min(q // GROUPS, C - 1), (q % GROUPS) * 4
+            row = uint32(first_row + i * (T // GROUPS))
+            active = row < uint32(C)
+            row = min(row, uint32(C - 1))
             gc, bc = p_in(g[row]), p_in(b[row])
             tg = acc_type(0)
             tb = acc_type(0)
+            at = row * uint32(S) + uint32(c4)
             for k in range(4):
-                c = c4 + k
-                d, h = terms(tile, row, c, gc, bc, stats[0, c], stats[1, c])
-                o[k] = stats[1, c] * (d * gc - stats[2, c] - h * stats[3, c])
+                d, h = terms(tile, at + uint32(k), gc, bc, held[0, k], held[1, k])
+                o[k] = held[1, k] * (d * gc - held[2, k] - h * held[3, k])
                 tg += d * h
                 tb += d
             if active:
@@ -248,7 +266,7 @@ def make_strip_backward(cfg, storage, param_storage, acc_type, relu, vector, C, 
                 tg += cuda.shfl_down_sync(FULL_MASK, tg, step)
                 tb += cuda.shfl_down_sync(FULL_MASK, tb, step)
                 step //= 2
-            if active and q % GROUPS == 0:
+            if active and c4 == 0:
                 gwork[cuda.blockIdx.x, 0, row] = tg
                 gwork[cuda.blockIdx.x, 1, row] = tb
 
