@@ -301,6 +301,13 @@ def check_quant():
                                              group_cols, *warps, True)
             results.append(check(f"{name} fused_acc 128", kernel.py_func, signature,
                                  detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
+    for bits, block_words in itertools.product((1, 2), (2, 1)):  # (the held activation rows, 8 block-columns)
+        group_cols = 32 * block_words
+        warps = block_warps(Q, bits, 4096, group_cols)
+        kernel = make_tensorcore_product(replace(Q, held_columns=8), bits, bits, True, True, False, False,
+                                         block_words, group_cols, *warps, True, None, 128)
+        results.append(check(f"product W{bits}A{bits} block_words {block_words} rows held", kernel.py_func,
+                             signature, detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
     counts = types.int32[::1]
     ring_signature = signature[:6] + (counts, counts, counts, counts, i64, i64, i64, i64)
     for bits, stages, signed_a in itertools.product((1, 2), (2, 3), (False, True)):  # (the cp.async ring)

@@ -22,7 +22,7 @@ from .config import QuantConfig, as_config
 from .pack import make_pack, make_pack_words, make_unpack
 from .simple import make_simt_product
 from .ring import make_ring_product, make_row_counts, ring_fits
-from .tensorcore import block_warps, make_tensorcore_product, row_groups, vector_words, warp_rows
+from .tensorcore import block_warps, held_bytes, make_tensorcore_product, row_groups, vector_words, warp_rows
 
 MAX_BITS = 4
 WORD = 32
@@ -347,6 +347,13 @@ def matmul(a: QuantArray, w: QuantArray, layout: Optional[BlockLayout] = None, b
                 launch(kernel, grid, warps_m * warps_n * 32, stream,
                        (y.reshape(-1), a_flat, w_flat, a_basis, w_basis, bias_values, ptr, ptr, ptr, blocks, N, O,
                         words, seen))
+            elif layout is not None and cfg.held_columns and words % 4 == 0 and fours_fit(a_flat) and \
+                    held_bytes(cfg, a.bits, w.bits, group_cols, warps_m, warps_n, words) <= shared_memory_limit():
+                # (the activation rows held whole in shared memory, ``held_columns`` block-columns a block)
+                kernel = cached(make_tensorcore_product, cfg, *key, warps_m, warps_n, O % 2 == 0, None, words)
+                grid = (-(-(len(ptr) - 1) // cfg.held_columns), row_groups(cfg, N, a.bits, warps_m))
+                launch(kernel, grid, warps_m * warps_n * 32, stream,
+                       (y.reshape(-1), a_flat, w_flat, a_basis, w_basis, bias_values, ptr, blocks, seen, N, O, words))
             else:
                 kernel = cached(make_tensorcore_product, cfg, *key, warps_m, warps_n, O % 2 == 0)
                 grid = (len(ptr) - 1, row_groups(cfg, N, a.bits, warps_m))
