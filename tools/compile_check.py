@@ -324,6 +324,13 @@ def check_quant():
         results.append(check(f"product W{bits}A{bits} ring over lists of {block_words}-word blocks "
                              f"signed_a={signed_a} warps {warps}", kernel.py_func, list_signature,
                              detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
+    for cap, (block_words, group_cols) in itertools.product((None, 80), ((0, Q.dense_cols), (2, 64))):
+        warps = block_warps(Q, 1, 4096, group_cols)  # (the ring walking row tiles)
+        kernel = make_ring_product(replace(Q, ring_tiles=4, max_registers=cap), 1, 1, True, True, False, False,
+                                   group_cols, *warps, True, block_words)
+        results.append(check(f"product W1A1 ring walking 4 row tiles, {block_words or 'dense'}-word blocks, "
+                             f"max_registers {cap}", kernel.py_func, list_signature, registers=cap,
+                             detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
     results.append(check("row bit counts", make_row_counts().py_func, (counts, types.uint32[::1], i64, i64)))
     for (a_bits, w_bits), channels in itertools.product(((1, 1), (2, 2)), (64, 256)):
         words = channels // 32

@@ -332,6 +332,8 @@ def matmul(a: QuantArray, w: QuantArray, layout: Optional[BlockLayout] = None, b
             grid = (len(ptr) - 1, -(-N // (warps_m * warp_rows(cfg, a.bits))))
             a_flat, w_flat, words = flat[0].device(stream), flat[1].device(stream), a.planes.shape[2]
             ring = ring_fits(cfg, a.bits, w.bits, group_cols, warps_m, warps_n, shared_memory_limit())
+            if ring:  # (``ring_tiles`` row tiles a thread block)
+                grid = (len(ptr) - 1, -(-N // (warps_m * warp_rows(cfg, a.bits) * cfg.ring_tiles)))
             if layout is None and words % 4 == 0 and ring and fours_fit(a_flat, w_flat):  # (16-byte copies)
                 # (the planes' rows' bit counts, where the other side is signed)
                 a_counts = _row_counts(a_planes, a_flat, a.bits * N, words, w.signed, stream)

@@ -275,6 +275,23 @@ def test_the_ring_over_a_layouts_word_lists_gives_the_staged_bits(configure, mon
     assert_the_twins(ring, a, w, b, layout, columns, bits, "ring lists")
 
 
+@pytest.mark.parametrize("bits, bs, tiles, stages", [(1, None, 2, 3), (2, None, 4, 2), (1, 64, 2, 2), (2, 32, 4, 3),
+                                                   (1, 32, 3, 2)])
+def test_the_ring_walks_row_tiles_with_the_same_bits(configure, bits, bs, tiles, stages):
+    """``ring_tiles``: a thread block walks several row tiles, the ring running on from one tile's
+    stages into the next's (its rows past N zero-filled, its counts and accumulators anew): N = 70
+    rows in tiles of 32 / 16 (a thread block past N walks fewer), dense rows of several stages and
+    layouts' lists with a long and an empty block-column. Bit for bit a tile a thread block."""
+    cfg = configure(quant, warps_m=1, warps_n=2, warp_rows=32, dense_cols=16, chunk_words=16, fused_acc=128,
+                    ring_stages=stages, ring_lists=True)
+    a, w, b, layout, _ = walk_problem(np.random.default_rng(14), 70, bits, bs)
+    one = quant.matmul(a, w, bias=b, relu=True, layout=layout)
+    walked = quant.matmul(a, w, bias=b, relu=True, layout=layout, config=replace(cfg, ring_tiles=tiles))
+    np.testing.assert_array_equal(walked, one)
+    staged = quant.matmul(a, w, bias=b, relu=True, layout=layout, config=replace(cfg, ring_stages=0))
+    np.testing.assert_array_equal(walked, staged)
+
+
 @pytest.mark.parametrize("bits, bs, signed_a, signed_w, held, rows, fused_acc", [
     (1, 64, True, True, 1, 20, 64), (1, 32, True, True, 2, 70, 64), (1, 64, False, True, 4, 70, 64),
     (2, 64, True, True, 2, 20, 128), (2, 32, False, True, 3, 40, 0), (1, 32, True, False, 2, 20, 64)])
@@ -405,6 +422,7 @@ def test_quant_array_passes_its_planes_on():
     ({"dense_cols": 256, "chunk_words": 32}, "expected a shared tile of at most 48 KiB"),
     ({"fused_acc": -1}, "fused_acc: expected 0 or more"),
     ({"ring_stages": 1}, "ring_stages: expected 0 \\(no ring\\) or 2 to 4"),
+    ({"ring_tiles": 65}, "ring_tiles: expected 1 to 64"),
     ({"held_columns": -1}, "held_columns: expected 0 \\(off\\) to 4096"),
 ])
 def test_config_refuses_tiles_the_kernels_cannot_take(fields, match):
