@@ -20,7 +20,8 @@ of mask values in reduce_mask's one-pass kernel instead (a column's rows, then i
 (sm_90a), bf16 at head_dim 64 and 128, the config's defaults; a loop's length counts both of its
 branches (the causal mask's, the rescaling's), not what a tile issues. With --conv: the stage
 loop of the implicit convolution's forward. With --quant: the chunk and stage loops of the dense W1A1
-product, register-staged and through the cp.async ring.
+product, register-staged and through the cp.async ring, and of block-sparse W1A1 (blocks of 64), plain
+and with its activation rows held.
 """
 
 import os
@@ -206,6 +207,11 @@ def quant(tool):
     for stages in (2, 3):
         kernels.append((f"ring of {stages}", make_ring_product(replace(cfg, ring_stages=stages), 1, 1, True, True,
                                                                False, False, cfg.dense_cols, *warps, True),
+                        head + (counts,) * 4 + (i64,) * 4))
+    sparse = block_warps(cfg, 1, 4096, 64)  # (block-sparse, blocks of 64: a block-column a thread block, or 8 held)
+    for name, held in (("blocks of 64", 0), ("blocks of 64, rows held", 128)):
+        kernels.append((name, make_tensorcore_product(replace(cfg, held_columns=8), 1, 1, True, True, False, False, 2,
+                                                      64, *sparse, True, None, held),
                         head + (counts, counts) + (i64,) * 4))
     print("| kernel | loop length | " + " | ".join(QUANT_COUNTS) + " |")
     print("|---" * (2 + len(QUANT_COUNTS)) + "|")
