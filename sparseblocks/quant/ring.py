@@ -106,6 +106,8 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
         if TILES > 1:
             k = uint32(s) // uint32(count)
             s = s - k * count
+            tid = int32(opaque_u32(cuda.threadIdx.x))  # (made here: nothing of it live across the walk)
+            first, part = tid // PARTS, tid % PARTS
         slot = s * CW + part * VW
         keep = slot < total
         word = slot
