@@ -105,10 +105,10 @@ def block_warps(cfg, a_bits, rows, group_cols):
     return warps_m, warps_n
 
 
-def row_groups(cfg, rows, a_bits, warps_m):
-    """The register-staged product's thread blocks along the rows: ``rows`` in tiles of
-    ``warps_m`` warps' rows."""
-    return -(-rows // (warps_m * warp_rows(cfg, a_bits)))
+def row_groups(cfg, rows, a_bits, warps_m, tiles=1):
+    """A product's thread blocks along the rows: ``rows`` in tiles of ``warps_m`` warps' rows,
+    ``tiles`` tiles a thread block (the ring's ``ring_tiles``)."""
+    return -(-rows // (warps_m * warp_rows(cfg, a_bits) * tiles))
 
 
 def tile_shape(cfg, a_bits, group_cols, warps_m, warps_n):
