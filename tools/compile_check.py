@@ -301,13 +301,6 @@ def check_quant():
                                              group_cols, *warps, True)
             results.append(check(f"{name} fused_acc 128", kernel.py_func, signature,
                                  detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
-    for bits, block_words in itertools.product((1, 2), (2, 1)):  # (the held activation rows, 8 block-columns)
-        group_cols = 32 * block_words
-        warps = block_warps(Q, bits, 4096, group_cols)
-        kernel = make_tensorcore_product(replace(Q, held_columns=8), bits, bits, True, True, False, False,
-                                         block_words, group_cols, *warps, True, None, 128)
-        results.append(check(f"product W{bits}A{bits} block_words {block_words} rows held", kernel.py_func,
-                             signature, detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
     counts = types.int32[::1]
     ring_signature = signature[:6] + (counts, counts, counts, counts, i64, i64, i64, i64)
     for bits, stages, signed_a in itertools.product((1, 2), (2, 3), (False, True)):  # (the cp.async ring)
@@ -323,13 +316,6 @@ def check_quant():
                                    *warps, True, block_words)
         results.append(check(f"product W{bits}A{bits} ring over lists of {block_words}-word blocks "
                              f"signed_a={signed_a} warps {warps}", kernel.py_func, list_signature,
-                             detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
-    for cap, (block_words, group_cols) in itertools.product((None, 80), ((0, Q.dense_cols), (2, 64))):
-        warps = block_warps(Q, 1, 4096, group_cols)  # (the ring walking row tiles)
-        kernel = make_ring_product(replace(Q, ring_tiles=4, max_registers=cap), 1, 1, True, True, False, False,
-                                   group_cols, *warps, True, block_words)
-        results.append(check(f"product W1A1 ring walking 4 row tiles, {block_words or 'dense'}-word blocks, "
-                             f"max_registers {cap}", kernel.py_func, list_signature, registers=cap,
                              detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
     results.append(check("row bit counts", make_row_counts().py_func, (counts, types.uint32[::1], i64, i64)))
     for (a_bits, w_bits), channels in itertools.product(((1, 1), (2, 2)), (64, 256)):

@@ -208,11 +208,9 @@ def quant(tool):
         kernels.append((f"ring of {stages}", make_ring_product(replace(cfg, ring_stages=stages), 1, 1, True, True,
                                                                False, False, cfg.dense_cols, *warps, True),
                         head + (counts,) * 4 + (i64,) * 4))
-    sparse = block_warps(cfg, 1, 4096, 64)  # (block-sparse, blocks of 64: a block-column a thread block, or 8 held)
-    for name, held in (("blocks of 64", 0), ("blocks of 64, rows held", 128)):
-        kernels.append((name, make_tensorcore_product(replace(cfg, held_columns=8), 1, 1, True, True, False, False, 2,
-                                                      64, *sparse, True, None, held),
-                        head + (counts, counts) + (i64,) * 4))
+    sparse = block_warps(cfg, 1, 4096, 64)  # (block-sparse, blocks of 64: a block-column a thread block)
+    kernels.append(("blocks of 64", make_tensorcore_product(cfg, 1, 1, True, True, False, False, 2, 64, *sparse, True),
+                    head + (counts, counts) + (i64,) * 4))
     print("| kernel | loop length | " + " | ".join(QUANT_COUNTS) + " |")
     print("|---" * (2 + len(QUANT_COUNTS)) + "|")
     for name, kernel, signature in kernels:

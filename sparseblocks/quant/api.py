@@ -22,7 +22,7 @@ from .config import QuantConfig, as_config
 from .pack import make_pack, make_pack_words, make_unpack
 from .simple import make_simt_product
 from .ring import make_ring_product, make_row_counts, ring_fits
-from .tensorcore import block_warps, held_bytes, make_tensorcore_product, row_groups, vector_words
+from .tensorcore import block_warps, make_tensorcore_product, row_groups, vector_words, warp_rows
 
 MAX_BITS = 4
 WORD = 32
@@ -329,8 +329,7 @@ def matmul(a: QuantArray, w: QuantArray, layout: Optional[BlockLayout] = None, b
             # (flat planes and output: a thread's row addresses are made once, then words added)
             flat = [Operand(array.reshape(-1), name) for array, name in ((a.planes, "a.planes"), (w.planes, "w.planes"))]
             warps_m, warps_n = block_warps(cfg, a.bits, N, group_cols)
-            groups, rows = len(ptr) - 1, row_groups(cfg, N, a.bits, warps_m)
-            walked = (groups, row_groups(cfg, N, a.bits, warps_m, cfg.ring_tiles))  # (the ring's: ring_tiles a block)
+            grid = (len(ptr) - 1, -(-N // (warps_m * warp_rows(cfg, a.bits))))
             a_flat, w_flat, words = flat[0].device(stream), flat[1].device(stream), a.planes.shape[2]
             ring = ring_fits(cfg, a.bits, w.bits, group_cols, warps_m, warps_n, shared_memory_limit())
             if layout is None and words % 4 == 0 and ring and fours_fit(a_flat, w_flat):  # (16-byte copies)
@@ -338,25 +337,20 @@ def matmul(a: QuantArray, w: QuantArray, layout: Optional[BlockLayout] = None, b
                 a_counts = _row_counts(a_planes, a_flat, a.bits * N, words, w.signed, stream)
                 w_counts = _row_counts(a_planes, w_flat, w.bits * O, words, a.signed, stream)
                 kernel = cached(make_ring_product, cfg, *key[:6], group_cols, warps_m, warps_n, O % 2 == 0)
-                launch(kernel, walked, warps_m * warps_n * 32, stream,
+                launch(kernel, grid, warps_m * warps_n * 32, stream,
                        (y.reshape(-1), a_flat, w_flat, a_basis, w_basis, bias_values, a_counts, w_counts, ptr, blocks,
                         N, O, words, seen))
             elif layout is not None and cfg.ring_lists and ring and _copies_fit(block_words, words, a_flat, w_flat):
                 # (a layout's word lists, a block a 4- or 8-byte copy; the counts from the stages)
                 kernel = cached(make_ring_product, cfg, *key[:6], group_cols, warps_m, warps_n, O % 2 == 0,
                                 block_words)
-                launch(kernel, walked, warps_m * warps_n * 32, stream,
+                launch(kernel, grid, warps_m * warps_n * 32, stream,
                        (y.reshape(-1), a_flat, w_flat, a_basis, w_basis, bias_values, ptr, ptr, ptr, blocks, N, O,
                         words, seen))
-            elif layout is not None and cfg.held_columns and words % 4 == 0 and fours_fit(a_flat) and \
-                    held_bytes(cfg, a.bits, w.bits, group_cols, warps_m, warps_n, words) <= shared_memory_limit():
-                # (the activation rows held whole in shared memory, ``held_columns`` block-columns a block)
-                kernel = cached(make_tensorcore_product, cfg, *key, warps_m, warps_n, O % 2 == 0, None, words)
-                launch(kernel, (-(-groups // cfg.held_columns), rows), warps_m * warps_n * 32, stream,
-                       (y.reshape(-1), a_flat, w_flat, a_basis, w_basis, bias_values, ptr, blocks, seen, N, O, words))
             else:
                 kernel = cached(make_tensorcore_product, cfg, *key, warps_m, warps_n, O % 2 == 0)
-                launch(kernel, (groups, rows), warps_m * warps_n * 32, stream,
+                grid = (len(ptr) - 1, row_groups(cfg, N, a.bits, warps_m))
+                launch(kernel, grid, warps_m * warps_n * 32, stream,
                        (y.reshape(-1), a_flat, w_flat, a_basis, w_basis, bias_values, ptr, blocks, seen, N, O, words))
     return a_planes.result(native, y, stream)
 

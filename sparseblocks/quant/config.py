@@ -22,10 +22,6 @@ class QuantConfig:
     # dynamic shared memory up to 227 KiB), the rows' bit counts from a kernel of their own; 0: none
     ring_stages: int = 3
     ring_lists: bool = False  # ... block-sparse products too, a block a 4- or 8-byte copy (layouts' word lists)
-    ring_tiles: int = 1  # ... row tiles a thread block walks, the ring running on from one into the next
-    # block-sparse products (register-staged): a thread block holds its activation rows whole in shared
-    # memory (rows of whole 16-byte copies, where they fit) and walks this many block-columns; 0: off
-    held_columns: int = 0
 
     def check(self):
         if not 1 <= self.pack_words <= 32:
@@ -40,11 +36,6 @@ class QuantConfig:
             raise ValueError(f"fused_acc: expected 0 or more registers, got {self.fused_acc}")
         if self.ring_stages == 1 or not 0 <= self.ring_stages <= 4:
             raise ValueError(f"ring_stages: expected 0 (no ring) or 2 to 4, got {self.ring_stages}")
-        if not 1 <= self.ring_tiles <= 64:
-            raise ValueError(f"ring_tiles: expected 1 to 64 row tiles a thread block, got {self.ring_tiles}")
-        if not 0 <= self.held_columns <= 4096:
-            raise ValueError(f"held_columns: expected 0 (off) to 4096 block-columns a thread block, "
-                             f"got {self.held_columns}")
         if self.chunk_words not in (8, 16, 32):
             raise ValueError(f"chunk_words: expected 8, 16 or 32, got {self.chunk_words}")
         tile = (self.warps_m * self.warp_rows + self.dense_cols) * (self.chunk_words + 4) * 4

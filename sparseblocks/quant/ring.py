@@ -29,7 +29,6 @@ from numba import cuda, float32, int32, int64, uint32
 from ..ptx.cp_async import copy4_or_zero, copy8_or_zero, copy16_or_zero, make_ring, shared_address, signed_address
 from ..ptx.ldmatrix import ldmatrix_x4_at
 from ..ptx.mma import B1_WORDS, mma_b1_and
-from ..ptx.opaque import opaque_u32
 from ..runtime.backend import SIMULATOR
 from ..runtime.compile import unrolled
 from ..runtime.launch import dynamic_shared
@@ -80,7 +79,6 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
     ROW = (CW + PAD) * 4  # bytes a tile row (padded: ldmatrix's 8 rows in distinct banks)
     STAGE = TILE_ROWS * ROW
     STAGES = cfg.ring_stages
-    TILES = cfg.ring_tiles  # row tiles a thread block walks, the ring running on across them
     STEPS = CW // B1_WORDS
     LIST = block_words > 0
     BW = max(block_words, 1)
@@ -101,13 +99,7 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
         """Stage s (words s·CW on of the row or the list) of this thread's copies into the buffer
         at ``at``: tile rows ``first``, ``first + APART``, ...; the same part of each (so one test
         of the list's end, one list entry)."""
-        offsets, a_at, w_at, first, part, total, blocks, start, count, row0, N, words = args
-        k = 0  # (the row tile of the stage, where a thread block walks several: ``ring_tiles``)
-        if TILES > 1:
-            k = uint32(s) // uint32(count)
-            s = s - k * count
-            tid = int32(opaque_u32(cuda.threadIdx.x))  # (made here: nothing of it live across the walk)
-            first, part = tid // PARTS, tid % PARTS
+        offsets, a_at, w_at, first, part, total, blocks, start = args
         slot = s * CW + part * VW
         keep = slot < total
         word = slot
@@ -122,13 +114,7 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
                 # its word is 0 where nothing is read)
                 offset = int64(offsets[i] + word) * 4 if LIST else offsets[i] + step
                 if (i + 1) * APART <= A_ROWS or (i * APART < A_ROWS and row < A_ROWS):
-                    if TILES > 1 and k > 0:  # (tile k's rows: k tiles on; rows past N zero-filled)
-                        inside = row0 + k * ROWS + uint32(row) % uint32(ROWS) < N
-                        if inside:
-                            offset += int64(k * ROWS) * words * 4
-                        copy_or_zero(to, a_at + offset, keep and inside)
-                    else:
-                        copy_or_zero(to, a_at + offset, keep)
+                    copy_or_zero(to, a_at + offset, keep)
                 else:
                     copy_or_zero(to, w_at + offset, keep)
 
@@ -182,47 +168,6 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
 
     steps = unrolled(STEPS, step_of)  # (the stage's steps written out: constant offsets)
 
-    @cuda.jit(device=True, inline=True)
-    def one_tile(y, a_basis, w_basis, bias_values, a_counts, w_counts, N, O, seen, count, stages, k, row0, col0,
-                 tile, totals, base, buf, args, local, thread):
-        """Row tile k of the thread block (rows from ``row0``): its stages k·count to (k+1)·count - 1
-        of the ring of ``stages`` (the next tile's first ones in flight behind them, loading
-        through this tile's epilogue), then its plane dots and stores. Returns the ring's next
-        buffer. (``local``, ``thread``: the thread's arrays and indices, as tuples: a call takes
-        at most 30 arguments.)"""
-        acc, af, rows, out, counts = local
-        lane, wm, wn, g, t, quarter, a_lane, b_lane, first, part = thread
-        for j in range(w_bits):
-            for mt in range(MT):
-                for nt in range(NC):
-                    for i in range(4):
-                        acc[j, mt, nt, i] = 0
-        for m in range(MR):
-            for nt in range(NC):
-                for i in range(4):
-                    out[m, nt, i] = float32(0)
-        for i in range(COPIES):
-            counts[i] = 0
-        for c in range(count):
-            at, buf = advance(k * count + c, buf, base, stages, args)
-            if COUNT:
-                count_copied(tile, (at - base) // 4, counts, first, part)
-            steps(at, acc, af, a_lane, b_lane, wm, quarter)
-        if COUNT:
-            if TILES > 1:
-                cuda.syncthreads()  # (the previous tile's totals are read)
-            share_counts(totals, counts)
-            cuda.syncthreads()
-        if LIST:  # (the rows' terms of the plane dots, once for every output column; then the columns')
-            plane_outputs(y, out, acc, rows, totals, totals, a_basis, w_basis, bias_values, seen, 0, row0, col0, N, O,
-                          wm, wn, g, t)
-        else:
-            plane_outputs(y, out, acc, rows, a_counts, w_counts, a_basis, w_basis, bias_values, seen, 0, row0, col0, N,
-                          O, wm, wn, g, t)
-        if not ONE_PAIR:
-            store_out(y, out, row0 + wm * WARP_ROWS + g, col0 + wn * NC * 8 + 2 * t, N, O, bias_values)
-        return buf
-
     @cuda.jit(**({} if cfg.max_registers is None or SIMULATOR else {"max_registers": cfg.max_registers}))
     def product(y, a_planes, w_planes, a_basis, w_basis, bias_values, a_counts, w_counts, ptr, blocks, N, O, words,
                 seen):
@@ -232,7 +177,7 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
         lane, warp = tid % 32, tid // 32
         wm, wn = warp // warps_n, warp % warps_n
         g, t = lane >> 2, lane % 4
-        row0 = cuda.blockIdx.y * (ROWS * TILES)
+        row0 = cuda.blockIdx.y * ROWS
         col0 = cuda.blockIdx.x * group_cols
         base = shared_address(tile, (0,))
         a_at = signed_address(a_planes, (0,))
@@ -260,28 +205,36 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
         quarter = lane // 8
         a_lane = (lane % 8 + 8 * (quarter % 2)) * ROW + HALF_STEP * (quarter // 2)
         b_lane = (A_ROWS + wn * NC * 8 + lane % 8) * ROW + HALF_STEP * (quarter % 2)
-        args = (offsets, a_at, w_at, first, part, total, blocks, start, count, row0, N, words)
-        local = (acc, af, rows, out, counts)
-        thread = (lane, wm, wn, g, t, quarter, a_lane, b_lane, first, part)
-        if TILES == 1:
-            prime(base, count, args)
-            one_tile(y, a_basis, w_basis, bias_values, a_counts, w_counts, N, O, seen, count, count, 0, row0, col0,
-                     tile, totals, base, 0, args, local, thread)
+        args = (offsets, a_at, w_at, first, part, total, blocks, start)
+        for j in range(w_bits):
+            for mt in range(MT):
+                for nt in range(NC):
+                    for i in range(4):
+                        acc[j, mt, nt, i] = 0
+        for m in range(MR):
+            for nt in range(NC):
+                for i in range(4):
+                    out[m, nt, i] = float32(0)
+        for i in range(COPIES):
+            counts[i] = 0
+        prime(base, count, args)
+        buf = 0
+        for s in range(count):
+            at, buf = advance(s, buf, base, count, args)
+            if COUNT:
+                count_copied(tile, (at - base) // 4, counts, first, part)
+            steps(at, acc, af, a_lane, b_lane, wm, quarter)
+        if COUNT:
+            share_counts(totals, counts)
+            cuda.syncthreads()
+        if LIST:  # (the rows' terms of the plane dots, once for every output column; then the columns')
+            plane_outputs(y, out, acc, rows, totals, totals, a_basis, w_basis, bias_values, seen, 0, row0, col0, N, O,
+                          wm, wn, g, t)
         else:
-            tiles = min(TILES, (N - row0 + ROWS - 1) // ROWS)
-            stages = count * tiles  # (the ring runs on from one tile's stages into the next's)
-            prime(base, stages, args)
-            buf = 0
-            for k in range(tiles):
-                # (the thread's indices made anew a tile: the compiler keeps no values of them live across the walk)
-                tid = int32(opaque_u32(cuda.threadIdx.x))
-                lane, warp = tid % 32, tid // 32
-                wm, wn, quarter = warp // warps_n, warp % warps_n, lane // 8
-                thread = (lane, wm, wn, lane >> 2, lane % 4, quarter,
-                          (lane % 8 + 8 * (quarter % 2)) * ROW + HALF_STEP * (quarter // 2),
-                          (A_ROWS + wn * NC * 8 + lane % 8) * ROW + HALF_STEP * (quarter % 2), first, part)
-                buf = one_tile(y, a_basis, w_basis, bias_values, a_counts, w_counts, N, O, seen, count, stages, k,
-                               int32(opaque_u32(row0 + k * ROWS)), col0, tile, totals, base, buf, args, local, thread)
+            plane_outputs(y, out, acc, rows, a_counts, w_counts, a_basis, w_basis, bias_values, seen, 0, row0, col0, N,
+                          O, wm, wn, g, t)
+        if not ONE_PAIR:
+            store_out(y, out, row0 + wm * WARP_ROWS + g, col0 + wn * NC * 8 + 2 * t, N, O, bias_values)
 
     return dynamic_shared(product, STAGES * STAGE)
 

@@ -36,13 +36,10 @@ close, two neighbouring outputs a store.
 
 from numba import cuda, float32, int32, int64, uint32
 
-from ..ptx.cp_async import commit, copy16_or_zero, shared_address, signed_address, waiter
-from ..ptx.opaque import opaque_u32
 from ..ptx.ldmatrix import ldmatrix_x4
 from ..ptx.mma import B1_WORDS, mma_b1_and
 from ..ptx.vector import load2, load4, store2, store4
 from ..runtime.backend import SIMULATOR
-from ..runtime.launch import dynamic_shared
 from .simple import make_finish, make_plane_dot
 
 FULL_MASK = 0xFFFFFFFF
@@ -105,10 +102,10 @@ def block_warps(cfg, a_bits, rows, group_cols):
     return warps_m, warps_n
 
 
-def row_groups(cfg, rows, a_bits, warps_m, tiles=1):
-    """A product's thread blocks along the rows: ``rows`` in tiles of ``warps_m`` warps' rows,
-    ``tiles`` tiles a thread block (the ring's ``ring_tiles``)."""
-    return -(-rows // (warps_m * warp_rows(cfg, a_bits) * tiles))
+def row_groups(cfg, rows, a_bits, warps_m):
+    """The register-staged product's thread blocks along the rows: ``rows`` in tiles of
+    ``warps_m`` warps' rows."""
+    return -(-rows // (warps_m * warp_rows(cfg, a_bits)))
 
 
 def tile_shape(cfg, a_bits, group_cols, warps_m, warps_n):
@@ -262,17 +259,12 @@ def make_plane_outputs(plane_dot, pair_out, need_pa, need_pb, tile_counts, MT, M
 
 
 def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, block_words, group_cols,
-                            warps_m, warps_n, paired, geometry=None, held_words=0):
+                            warps_m, warps_n, paired, geometry=None):
     """The kernel ``product(y, a_planes, w_planes, a_basis, w_basis, bias_values, ptr, blocks,
     seen_a_block, N, O, words)``: y (N * O), the planes (bits * rows * words) flat, so that a
     thread's row addresses are made once a pass and a chunk only adds its word. ``geometry``: a
     convolution's ``(H, W, P, Q, R, S, SH, SW, PH, PW, DH, DW, WC)`` (then N counts output pixels,
-    the activation planes are (bits, images, H, W, WC), the weights' rows R·S·WC words).
-    ``held_words`` (a layout's lists; ``words``, a multiple of 4): the thread block copies its
-    rows of every activation plane whole into shared memory once (16-byte ``cp.async``), then
-    walks ``cfg.held_columns`` block-columns, staging their activation words from there: grid
-    (ceil(groups / held_columns), row tiles); each row is read from memory once a thread block,
-    not once a block-column."""
+    the activation planes are (bits, images, H, W, WC), the weights' rows R·S·WC words)."""
     plane_dot = make_plane_dot(signed_a, signed_w)
     finish = make_finish(bias, relu)
     WARP_ROWS, ROWS, MR, MT, NC, A_ROWS = tile_shape(cfg, a_bits, group_cols, warps_m, warps_n)  # (then outputs ...)
@@ -297,13 +289,6 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
     plane_outputs = make_plane_outputs(plane_dot, pair_out, need_pa, need_pb, True, MT, MR, NC, WP, ROWS, A_ROWS,
                                        group_cols, WARP_ROWS)
     load_vector, store_vector = VECTORS[VW]
-    HELD = held_words > 0 and not CONV  # (the activation rows held whole in shared memory)
-    H_STRIDE = held_words + PAD  # words a held row (16-byte copies; rows' banks spread)
-    H_PARTS = held_words // 4  # 16-byte copies a held row
-    THREADS = 32 * warps_m * warps_n
-    H_COPIES = -(-A_ROWS * H_PARTS // THREADS) if HELD else 0  # a thread's copies
-    COLS = max(cfg.held_columns, 1) if HELD else 1  # block-columns a thread block walks
-    wait_all = waiter(0)
 
     @cuda.jit(device=True, inline=True)
     def tile_row(n):
@@ -329,8 +314,6 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
                     bases[n] = (plane * (N // (P * Q)) + image) * (H * W * WC)
                     corners[n, 0] = (pixel // Q) % P * SH - PH
                     corners[n, 1] = pixel % Q * SW - PW
-                elif HELD:
-                    bases[n] = row * H_STRIDE
                 else:
                     bases[n] = (plane * N + min(row0 + row - plane * ROWS, N - 1)) * words
             else:
@@ -359,7 +342,7 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
                     if 0 <= ih < H and 0 <= iw < W:
                         load_vector(staged, n, a_planes, bases[n] + (ih * W + iw) * WC + slot - tap * WC)
                 elif n < LOADS_A:
-                    load_vector(staged, n, a_planes, bases[n] + word)  # (held: the shared rows)
+                    load_vector(staged, n, a_planes, bases[n] + word)
                 else:
                     load_vector(staged, n, w_planes, bases[n] + word)
 
@@ -404,21 +387,34 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
                     bf[buffer, j, nt + 1, 0] = b[2]
                     bf[buffer, j, nt + 1, 1] = b[3]
 
-    @cuda.jit(device=True, inline=True)
-    def one_group(y, source, w_planes, a_basis, w_basis, bias_values, ptr, blocks, seen_a_block, N, O, words, tile,
-                  totals, row0, group, local, thread):
-        """Block-column ``group``'s outputs of the tile of rows from ``row0``: its passes over the
-        word list (activation words staged from ``source``: the planes, or the held rows), its
-        epilogue. (``local``: the thread's arrays, ``thread``: its lane, warp row and column, group
-        and pair; tuples, as a call takes at most 30 arguments.)"""
-        out, acc, af, bf, staged, counts, bases, corners, rows = local
-        lane, wm, wn, g, t = thread
+    @cuda.jit(**({} if cfg.max_registers is None or SIMULATOR else {"max_registers": cfg.max_registers}))
+    def product(y, a_planes, w_planes, a_basis, w_basis, bias_values, ptr, blocks, seen_a_block, N, O, words):
+        tile = cuda.shared.array((TILE_ROWS, STRIDE), uint32)
+        totals = cuda.shared.array(TILE_ROWS, int32)
+        lane = cuda.threadIdx.x % 32
+        warp = cuda.threadIdx.x // 32
+        wm = warp // warps_n
+        wn = warp % warps_n
+        g = lane >> 2
+        t = lane % 4
+        row0 = cuda.blockIdx.y * ROWS
+        group = cuda.blockIdx.x
         col0 = group * group_cols
         first = ptr[group]
         count = ptr[group + 1] - first
         total = int32(count * block_words)
         seen = count * seen_a_block
         chunks = (total + CW - 1) // CW
+
+        out = cuda.local.array((MR, NC, 4), float32)
+        acc = cuda.local.array((WP, MT, NC, 4), int32)
+        af = cuda.local.array((2, MT, 4), uint32)
+        bf = cuda.local.array((2, WP, NC, 2), uint32)
+        staged = cuda.local.array((LOADS, VW), uint32)
+        counts = cuda.local.array(LOADS, int32)
+        bases = cuda.local.array(LOADS, int32)
+        corners = cuda.local.array((LOADS, 2), int32)
+        rows = cuda.local.array((MT, 2), int32)
         for m in range(MR):
             for nt in range(NC):
                 for i in range(4):
@@ -433,13 +429,13 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
             for n in range(LOADS):
                 counts[n] = 0
             row_bases(bases, corners, int32(k0), int32(row0), int32(col0), int32(N), int32(O), int32(words))
-            fetch(staged, bases, corners, source, w_planes, blocks, first, total, 0)
+            fetch(staged, bases, corners, a_planes, w_planes, blocks, first, total, 0)
             for chunk in range(chunks):
                 cuda.syncthreads()  # (the previous chunk's fragments are read)
                 put(tile, staged, counts)
                 cuda.syncthreads()
                 if chunk + 1 < chunks:
-                    fetch(staged, bases, corners, source, w_planes, blocks, first, total, chunk + 1)
+                    fetch(staged, bases, corners, a_planes, w_planes, blocks, first, total, chunk + 1)
                 fragments(af, bf, 0, tile, 0, wm, wn, lane)
                 for step in range(STEPS):  # (the next step's fragments load while this one's mmas run)
                     now = step % 2
@@ -460,70 +456,9 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
             share_counts(totals, counts)
             cuda.syncthreads()
             # P -> plane dots (linear in P, pa, pb: a row's and a column's terms apart) -> scaled
-            plane_outputs(y, out, acc, rows, totals, totals, a_basis, w_basis, bias_values, seen, k0, row0, col0,
-                          N, O, wm, wn, g, t)
+            plane_outputs(y, out, acc, rows, totals, totals, a_basis, w_basis, bias_values, seen, k0, row0, col0, N, O,
+                          wm, wn, g, t)
         if not ONE_PAIR:
             store_out(y, out, row0 + wm * WARP_ROWS + g, col0 + wn * NC * 8 + 2 * t, N, O, bias_values)
 
-    @cuda.jit(**({} if cfg.max_registers is None or SIMULATOR else {"max_registers": cfg.max_registers}))
-    def product(y, a_planes, w_planes, a_basis, w_basis, bias_values, ptr, blocks, seen_a_block, N, O, words):
-        tile = cuda.shared.array((TILE_ROWS, STRIDE), uint32)
-        totals = cuda.shared.array(TILE_ROWS, int32)
-        lane = cuda.threadIdx.x % 32
-        warp = cuda.threadIdx.x // 32
-        wm = warp // warps_n
-        wn = warp % warps_n
-        g = lane >> 2
-        t = lane % 4
-        row0 = cuda.blockIdx.y * ROWS
-        if HELD:  # every activation plane's rows of the tile, whole, once
-            held = cuda.shared.array(0, uint32)  # (dynamic)
-            base = shared_address(held, (0,))
-            a_at = signed_address(a_planes, (0,))
-            for i in range(H_COPIES):
-                q = cuda.threadIdx.x + i * THREADS
-                if q < A_ROWS * H_PARTS:
-                    row, part = q // H_PARTS, q % H_PARTS
-                    plane = row // ROWS
-                    r = min(row0 + row - plane * ROWS, N - 1)  # (rows past N: the last, never stored)
-                    copy16_or_zero(base + (row * H_STRIDE + part * 4) * 4,
-                                   a_at + ((int64(plane) * N + r) * words + part * 4) * 4, True)
-            commit()
-            wait_all()
-            cuda.syncthreads()
-        out = cuda.local.array((MR, NC, 4), float32)
-        acc = cuda.local.array((WP, MT, NC, 4), int32)
-        af = cuda.local.array((2, MT, 4), uint32)
-        bf = cuda.local.array((2, WP, NC, 2), uint32)
-        staged = cuda.local.array((LOADS, VW), uint32)
-        counts = cuda.local.array(LOADS, int32)
-        bases = cuda.local.array(LOADS, int32)
-        corners = cuda.local.array((LOADS, 2), int32)
-        rows = cuda.local.array((MT, 2), int32)
-        local = (out, acc, af, bf, staged, counts, bases, corners, rows)
-        if HELD:
-            for gi in range(COLS):  # (held_columns block-columns over the held rows)
-                group = cuda.blockIdx.x * COLS + gi
-                if group >= ptr.shape[0] - 1:  # (the whole thread block alike)
-                    break
-                # (made anew a block-column: the compiler keeps no values of them live across the walk)
-                row0 = int32(opaque_u32(cuda.blockIdx.y * ROWS))
-                tid = int32(opaque_u32(cuda.threadIdx.x))
-                lane, warp = tid % 32, tid // 32
-                one_group(y, held, w_planes, a_basis, w_basis, bias_values, ptr, blocks, seen_a_block, N, O, words,
-                          tile, totals, row0, group, local,
-                          (lane, warp // warps_n, warp % warps_n, lane >> 2, lane % 4))
-        else:
-            one_group(y, a_planes, w_planes, a_basis, w_basis, bias_values, ptr, blocks, seen_a_block, N, O, words,
-                      tile, totals, row0, cuda.blockIdx.x, local, (lane, wm, wn, g, t))
-
-    return dynamic_shared(product, A_ROWS * H_STRIDE * 4) if HELD else product
-
-
-def held_bytes(cfg, a_bits, w_bits, group_cols, warps_m, warps_n, words):
-    """Shared memory of the held-rows product (`make_tensorcore_product`'s ``held_words``): the
-    held activation rows and the static tile and totals."""
-    _, _, _, _, _, A_ROWS = tile_shape(cfg, a_bits, group_cols, warps_m, warps_n)
-    WP, _ = plane_passes(cfg, a_bits, w_bits, group_cols, warps_m, warps_n)
-    TILE_ROWS = A_ROWS + WP * group_cols
-    return A_ROWS * (words + PAD) * 4 + TILE_ROWS * (cfg.chunk_words + PAD + 1) * 4
+    return product

@@ -1,5 +1,5 @@
 """The small PTX intrinsics against NumPy: paired fp16 adds and atomics, relaxed loads,
-NaN-propagating max, the flushing exp2, fp8 pair conversions, the opaque move, and the timeline clocks. Each runs
+NaN-propagating max, the flushing exp2, fp8 pair conversions, and the timeline clocks. Each runs
 on the GPU and, through its twin, in the simulator."""
 
 import numpy as np
@@ -13,9 +13,7 @@ from sparseblocks.ptx.exp2 import exp2_ftz
 from sparseblocks.ptx.fp8 import e4m3x2_of_floats, e5m2x2_of_floats
 from sparseblocks.ptx.half2 import add_half2, atomic_add_half, atomic_add_half2, greater_mask_half2, half2_down
 from sparseblocks.ptx.nanmax import max_nan, max_nan_select
-from sparseblocks.ptx.opaque import opaque_u32
 from sparseblocks.ptx.relaxed import load_relaxed
-from sparseblocks.runtime.backend import SIMULATOR
 
 finite_halves = st.floats(-1000, 1000, width=16, allow_subnormal=False)
 
@@ -203,33 +201,3 @@ def test_fp8_pairs_round_to_nearest_even_and_saturate(kind):
     nan = np.isnan(values)
     np.testing.assert_array_equal(got[~nan], want.view(np.uint8)[~nan])
     assert np.isnan(got[nan].view(dtype).astype(np.float32)).all()
-
-
-@cuda.jit
-def _opaque_walk(out, values):
-    i = cuda.grid(1)
-    total = 0
-    for k in range(values.shape[0]):  # (the row made anew each iteration, from the opaque value)
-        row = opaque_u32(i) * 3 + 1
-        total += values[k] * row
-    half = out.shape[0] // 2
-    if i < half:
-        out[i] = total
-        out[i + half] = opaque_u32(-1 - i)  # (a signed value: its low 32 bits)
-
-
-def test_opaque_move_hands_the_value_back_as_uint32():
-    """opaque_u32(x) is x (its low 32 bits, unsigned), inside a loop and out of it."""
-    values = np.arange(1, 6, dtype=np.int64)
-    out = np.zeros(8, np.int64)
-    _opaque_walk[1, 4](out, values)
-    np.testing.assert_array_equal(out[:4], values.sum() * (np.arange(4) * 3 + 1))
-    np.testing.assert_array_equal(out[4:], (np.int64(2) ** 32 - 1 - np.arange(4)))
-
-
-@pytest.mark.skipif(SIMULATOR, reason="compiles PTX")
-def test_ptx_keeps_the_opaque_move_in_the_loop():
-    from numba import types
-
-    ptx, _ = cuda.compile_ptx(_opaque_walk.py_func, (types.int64[::1], types.int64[::1]))
-    assert ptx.count("mov.b32") >= 2

@@ -275,68 +275,6 @@ def test_the_ring_over_a_layouts_word_lists_gives_the_staged_bits(configure, mon
     assert_the_twins(ring, a, w, b, layout, columns, bits, "ring lists")
 
 
-@pytest.mark.parametrize("bits, bs, tiles, stages", [(1, None, 2, 3), (2, None, 4, 2), (1, 64, 2, 2), (2, 32, 4, 3),
-                                                   (1, 32, 3, 2)])
-def test_the_ring_walks_row_tiles_with_the_same_bits(configure, bits, bs, tiles, stages):
-    """``ring_tiles``: a thread block walks several row tiles, the ring running on from one tile's
-    stages into the next's (its rows past N zero-filled, its counts and accumulators anew): N = 70
-    rows in tiles of 32 / 16 (a thread block past N walks fewer), dense rows of several stages and
-    layouts' lists with a long and an empty block-column. Bit for bit a tile a thread block."""
-    cfg = configure(quant, warps_m=1, warps_n=2, warp_rows=32, dense_cols=16, chunk_words=16, fused_acc=128,
-                    ring_stages=stages, ring_lists=True)
-    a, w, b, layout, _ = walk_problem(np.random.default_rng(14), 70, bits, bs)
-    one = quant.matmul(a, w, bias=b, relu=True, layout=layout)
-    walked = quant.matmul(a, w, bias=b, relu=True, layout=layout, config=replace(cfg, ring_tiles=tiles))
-    np.testing.assert_array_equal(walked, one)
-    staged = quant.matmul(a, w, bias=b, relu=True, layout=layout, config=replace(cfg, ring_stages=0))
-    np.testing.assert_array_equal(walked, staged)
-
-
-@pytest.mark.parametrize("bits, bs, signed_a, signed_w, held, rows, fused_acc", [
-    (1, 64, True, True, 1, 20, 64), (1, 32, True, True, 2, 70, 64), (1, 64, False, True, 4, 70, 64),
-    (2, 64, True, True, 2, 20, 128), (2, 32, False, True, 3, 40, 0), (1, 32, True, False, 2, 20, 64)])
-def test_held_rows_walk_block_columns_with_the_staged_bits(configure, monkeypatch, bits, bs, signed_a, signed_w,
-                                                           held, rows, fused_acc):
-    """``held_columns``: a thread block copies its activation rows whole into shared memory once
-    and walks several block-columns (a long one, an empty one: its outputs the bias alone; a last
-    thread block with fewer), staging their words from there; partial row tiles, weight planes in
-    passes or in one. Bit for bit the register-staged kernel's values, and the twin's."""
-    from sparseblocks.quant import api
-    cfg = configure(quant, warps_m=1, warps_n=2, warp_rows=16 * bits, chunk_words=8, fused_acc=fused_acc,
-                    ring_stages=0)
-    taken = []
-    plain = api.make_tensorcore_product
-    monkeypatch.setattr(api, "make_tensorcore_product", lambda *args: taken.append(args) or plain(*args))
-    a, w, b, layout, columns = walk_problem(np.random.default_rng(15), rows, bits, bs, signed_a, signed_w)
-    walked = quant.matmul(a, w, bias=b, relu=True, layout=layout, config=replace(cfg, held_columns=held))
-    assert taken[-1][-1] == columns // 32  # (the held rows' words)
-    staged = quant.matmul(a, w, bias=b, relu=True, layout=layout)
-    assert len(taken[-1]) == len(taken[0]) - 2  # (the plain kernel: no geometry, no held words)
-    np.testing.assert_array_equal(walked, staged)
-    assert_the_twins(walked, a, w, b, layout, columns, bits, "held rows")
-
-
-@pytest.mark.parametrize("room", [True, False])
-def test_held_rows_are_taken_only_where_they_fit_the_devices_shared_memory(configure, monkeypatch, room):
-    """The held rows live in dynamic shared memory beside the tile: `matmul` holds them where
-    `runtime.launch.shared_memory_limit` takes both (`tensorcore.held_bytes`), the plain
-    register-staged kernel otherwise, with the same values."""
-    from sparseblocks.quant import api, tensorcore
-    cfg = configure(quant, warps_m=1, warps_n=2, warp_rows=16, chunk_words=8, ring_stages=0, held_columns=2)
-    rng = np.random.default_rng(16)
-    _, _, a = quantized(rng, 10, 8 * 32, 1, True, per_row=False)
-    _, _, w = quantized(rng, 64, 8 * 32, 1, True, per_row=True)
-    need = tensorcore.held_bytes(cfg, 1, 1, 32, 1, 2, 8)
-    monkeypatch.setattr(api, "shared_memory_limit", lambda: need if room else need - 1)
-    taken = []
-    plain = api.make_tensorcore_product
-    monkeypatch.setattr(api, "make_tensorcore_product", lambda *args: taken.append(args) or plain(*args))
-    layout = BlockLayout((rng.random((8, 2)) < 0.5).astype(np.uint8), 32)
-    got = quant.matmul(a, w, layout=layout)
-    assert len(taken) == 1 and (taken[0][-1] == 8) == room  # (the held rows' words, where held)
-    np.testing.assert_array_equal(got, quant.matmul(a, w, layout=layout, config=replace(cfg, held_columns=0)))
-
-
 @pytest.mark.parametrize("room", [True, False])
 def test_the_ring_is_taken_only_where_its_stages_fit_the_devices_shared_memory(configure, monkeypatch, room):
     """The ring's stages live in dynamic shared memory, which devices bound differently (sm_90
@@ -422,8 +360,6 @@ def test_quant_array_passes_its_planes_on():
     ({"dense_cols": 256, "chunk_words": 32}, "expected a shared tile of at most 48 KiB"),
     ({"fused_acc": -1}, "fused_acc: expected 0 or more"),
     ({"ring_stages": 1}, "ring_stages: expected 0 \\(no ring\\) or 2 to 4"),
-    ({"ring_tiles": 65}, "ring_tiles: expected 1 to 64"),
-    ({"held_columns": -1}, "held_columns: expected 0 \\(off\\) to 4096"),
 ])
 def test_config_refuses_tiles_the_kernels_cannot_take(fields, match):
     with pytest.raises(ValueError, match=match):
