@@ -412,7 +412,9 @@ def check_norms():
                 results.append(check(f"layer_norm axis 0 {name} {storage} ({cfg.column_unroll} rows in flight)",
                                      kernel.py_func, signature,
                                      launch_bounds=(32 * cfg.column_warps, blocks) if blocks else None))
-        strip_cfg = replace(cfg, column_strip_bytes=128 * 1024)  # (axis 0 in one pass: a strip of columns)
+        strip_cfg = cfg  # (axis 0 in one pass: a strip of columns; past the default's C, 64 KB strips of 16-byte rows)
+        if not strips.strip_columns(cfg, C, storage, 227 * 1024, held=2):
+            strip_cfg = replace(cfg, column_strip_bytes=64 * 1024, column_strip_row_bytes=16)
         S = strips.strip_columns(strip_cfg, C, storage, 227 * 1024)
         strip = strips.make_strip_forward(strip_cfg, storage, storage, float32, False, True, C, S)
         results.append(check(f"layer_norm axis 0 in strips {storage} C={C} ({S} columns)", strip.py_func,

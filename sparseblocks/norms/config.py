@@ -17,7 +17,10 @@ class NormsConfig:
     column_unroll: int = 1  # feature axis 0: rows a warp loads (of each array) before the first is used
     column_blocks: int = 4  # feature axis 0: thread blocks a multiprocessor its sums and apply are bound to (0: none)
     column_reverse: bool = True  # feature axis 0: the apply kernels take the sums' thread blocks last first (L2)
-    column_strip_bytes: int = 0  # feature axis 0: one pass where a strip of columns fits this many bytes (0: off)
+    # feature axis 0: one pass over strips of columns held in shared memory, where a strip of every
+    # feature takes at most this many bytes of each array it holds (x; x and dy) (0: off) ...
+    column_strip_bytes: int = 32768
+    column_strip_row_bytes: int = 32  # ... and at least this many bytes of each row (narrower: the column kernels)
     grad_rows: int = 32  # axis 1's dg and db: rows a thread block sums for each feature, before the ordered sum
     grad_finish_warps: int = 8  # dg and db's ordered sum of the row chunks: warps sharing 32 features' chunks
 
@@ -43,6 +46,10 @@ class NormsConfig:
         if not 0 <= self.column_strip_bytes <= 227 * 1024:
             raise ValueError(f"column_strip_bytes: expected 0 to 232448 bytes of shared memory, "
                              f"got {self.column_strip_bytes}")
+        row_bytes = self.column_strip_row_bytes
+        if not 16 <= row_bytes <= 1024 or row_bytes & (row_bytes - 1):
+            raise ValueError(f"column_strip_row_bytes: expected a power of two from 16 to 1024 bytes, "
+                             f"got {self.column_strip_row_bytes}")
         if not 1 <= self.column_unroll <= 8:
             raise ValueError(f"column_unroll: expected 1 to 8 rows in flight, got {self.column_unroll}")
         if not 1 <= self.grad_finish_warps <= 32:

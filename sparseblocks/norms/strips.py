@@ -3,8 +3,10 @@ shared memory.
 
 `columns`' kernels read x (C, N) twice, once for the columns' sums and once for y, in three
 launches, so they move at best 2/3 of a copy's bytes a second. Where a strip of ``S`` columns of
-every feature fits the device's shared memory (C x S values, ``column_strip_bytes`` at most), one
-kernel does it all from one read (`make_strip_forward`):
+every feature fits the device's shared memory (C x S values of each array held,
+``column_strip_bytes`` at most, rows of ``column_strip_row_bytes`` at least: by default 32 KB
+and 32 bytes, so C up to 1024), one kernel does it all from one read
+(`make_strip_forward`):
 
 * **load**: the strip's rows, 16 bytes a copy (`ptx.cp_async`: no register holds them), every
   copy of the thread in flight before the first wait. Rows past N land as zeros (never stored).
@@ -39,16 +41,16 @@ ELEMENTS = {"float16": (types.float16, 2), "bfloat16": (types.int16, 2), "float3
 
 
 def strip_columns(cfg, C, storage, limit, held=1):
-    """Columns of x a strip takes: the most (a power of two from a copy's worth, and 4, up to the
-    thread block's threads and 128) whose C x S values of each of ``held`` arrays (x; x and dy)
-    fit ``column_strip_bytes`` and ``limit`` (the device's shared memory, less the kernel's static
-    arrays); 0 where none does, or the strip is off."""
+    """Columns of x a strip takes: the most (a power of two from ``column_strip_row_bytes`` of a
+    row, a copy's worth and 4, up to the thread block's threads and 128) whose C x S values fit
+    ``column_strip_bytes`` for each of ``held`` arrays (x; x and dy) and, all of them, ``limit`` (the
+    device's shared memory, less the kernel's static arrays); 0 where none does, or the strip is off."""
     _, size = ELEMENTS[storage]
     threads = 32 * cfg.column_warps
-    budget = min(cfg.column_strip_bytes, limit - 2 * threads * 8 - 1024)
+    room = limit - 2 * threads * 8 - 1024
     columns = 0
-    s = max(COPY // size, 4)  # (the apply's groups of 4 columns stay in the strip)
-    while s <= min(threads, 128) and held * C * s * size <= budget:
+    s = max(COPY // size, 4, cfg.column_strip_row_bytes // size)  # (the apply's groups of 4 stay in the strip)
+    while s <= min(threads, 128) and C * s * size <= cfg.column_strip_bytes and held * C * s * size <= room:
         columns = s
         s *= 2
     return columns

@@ -15,7 +15,9 @@ from sparseblocks.runtime.backend import SIMULATOR
 from strategies import numpy_dtype
 
 # One warp a row in the simulator (each thread is a Python thread there), a few rows a dg chunk.
-SMALL = NormsConfig(row_threads=32, column_warps=2, column_rows=3, grad_rows=3) if SIMULATOR else NormsConfig()
+# (axis 0 by the column kernels unless a test asks for strips)
+SMALL = NormsConfig(row_threads=32, column_warps=2, column_rows=3, grad_rows=3, column_strip_bytes=0) if SIMULATOR \
+    else NormsConfig(column_strip_bytes=0)
 UNIT = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
 
 
@@ -47,7 +49,8 @@ def _problem(draw, dtype, axis):
 
 @settings(max_examples=6 if SIMULATOR else 60, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from(["float32", "float16", "bfloat16", "float64"]),
-       axis=st.sampled_from([1, 0]), relu=st.booleans(), strips=st.sampled_from([0, 8192]))
+       axis=st.sampled_from([1, 0]), relu=st.booleans(),
+       strips=st.sampled_from([0, 8192, NormsConfig().column_strip_bytes]))
 def test_layer_norm_and_its_gradients_match_the_twin(data, dtype, axis, relu, strips):
     """Forward and backward against the twin over dtypes, both axes and the ReLU; axis 0 by the
     column kernels or, where they fit, in one pass over strips (``column_strip_bytes``)."""
@@ -150,6 +153,8 @@ X, G = np.zeros((3, 8), np.float32), np.ones(8, np.float32)
      "column_unroll: expected 1 to 8"),
     (lambda: norms.layer_norm(X.T, G[:3], G[:3], axis=0, config=NormsConfig(column_blocks=33)), ValueError,
      "column_blocks: expected 0 to 32"),
+    (lambda: norms.layer_norm(X.T, G[:3], G[:3], axis=0, config=NormsConfig(column_strip_row_bytes=24)), ValueError,
+     "column_strip_row_bytes: expected a power of two from 16 to 1024"),
 ])
 def test_bad_input_is_refused_before_any_launch(call, error, match):
     with pytest.raises(error, match=match):
@@ -277,10 +282,9 @@ def test_axis_0_apply_in_reverse_gives_the_same_bits():
 @pytest.mark.parametrize("relu", [False, True])
 def test_axis_0_in_one_pass_over_strips_of_columns(monkeypatch, dtype, N, taken, relu):
     """``column_strip_bytes``: axis 0 from one read of x (of x and dy backward), a thread block a
-    strip of columns held in shared memory (7 features; 512 bytes: forward strips of 32 16-bit
-    columns, 16 fp32 or 8 fp64 ones, backward ones half as wide, the last strip partial), against the
-    twin and the column kernels; rows that are not whole 16-byte copies (fp16, N = 44) take the
-    column kernels."""
+    strip of columns held in shared memory (7 features; 512 bytes of each array: strips of 32 16-bit
+    columns, 16 fp32 or 8 fp64 ones, the last strip partial), against the twin and the column
+    kernels; rows that are not whole 16-byte copies (fp16, N = 44) take the column kernels."""
     from sparseblocks.norms import strips
     made = []
     plain = strips.make_strip_forward
@@ -323,3 +327,19 @@ def test_axis_0_in_one_pass_over_strips_of_columns(monkeypatch, dtype, N, taken,
     for got, other, name in zip((dx, dg, db), apart, ("dx", "dg", "db")):
         np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(other, np.float64), rtol=2e-2, atol=2e-2,
                                    err_msg=name)
+
+
+@pytest.mark.parametrize("storage, C, held, want", [
+    ("float16", 512, 1, 32), ("float16", 1024, 1, 16), ("float16", 1024, 2, 16), ("bfloat16", 512, 2, 32),
+    ("float16", 2048, 1, 0), ("float16", 4096, 2, 0), ("float32", 1024, 1, 8), ("float32", 2048, 1, 0),
+    ("float64", 1024, 2, 4), ("float16", 16, 1, 128)])
+def test_the_default_strips_take_small_feature_counts_only(storage, C, held, want):
+    """The default strips (32 KB of each array held, rows of 32 bytes at least): the widest strip
+    within both, up to 128 columns; none where a 32-byte row of every feature overflows 32 KB (the
+    column kernels ran faster there on the H200: strips of 16-byte rows, or of more than 32 KB,
+    0.53-0.87x), and none where the arrays held overflow the device's shared memory."""
+    from sparseblocks.norms import strips
+    cfg = NormsConfig()
+    assert strips.strip_columns(cfg, C, storage, 227 * 1024, held) == want
+    assert strips.strip_columns(cfg, 1024, "float16", 40 * 1024, 2) == 0  # (2 x 32 KB and the static arrays)
+    assert strips.strip_columns(dataclasses.replace(cfg, column_strip_bytes=0), 16, storage, 227 * 1024) == 0
