@@ -419,6 +419,10 @@ def check_norms():
         strip = strips.make_strip_forward(strip_cfg, storage, storage, float32, False, True, C, S)
         results.append(check(f"layer_norm axis 0 in strips {storage} C={C} ({S} columns)", strip.py_func,
                              (rows, stats, stats, rows, vec, vec, types.float64)))
+        walk_cfg = replace(strip_cfg, column_strip_phases=4, column_strip_walk=True)
+        strip = strips.make_strip_forward(walk_cfg, storage, storage, float32, False, True, C, S)
+        results.append(check(f"layer_norm axis 0 in strips {storage} C={C} ({S} columns, 4 parts, walking)",
+                             strip.py_func, (rows, stats, stats, rows, vec, vec, types.float64)))
         S = strips.strip_columns(strip_cfg, C, storage, 227 * 1024, held=2)
         strip = strips.make_strip_backward(strip_cfg, storage, storage, float32, False, True, C, S)
         results.append(check(f"layer_norm axis 0 backward in strips {storage} C={C} ({S} columns)", strip.py_func,

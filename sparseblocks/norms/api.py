@@ -81,8 +81,8 @@ def layer_norm(x: Array, g: Array, b: Array, axis: int = 1, epsilon: float = 1e-
             launch(cached(layer.make_forward, *key, shape), -(-N // shape[2]), (shape[0], shape[2]), stream,
                    (y, mean, rstd, x_dev, g_dev, b_dev, epsilon))
         elif strip:
-            launch(cached(strips.make_strip_forward, *key, C, strip), -(-N // strip), 32 * cfg.column_warps, stream,
-                   (y, mean, rstd, x_dev, g_dev, b_dev, epsilon))
+            launch(cached(strips.make_strip_forward, *key, C, strip), strips.strip_grid(cfg, N, strip, C, x_op.dtype),
+                   32 * cfg.column_warps, stream, (y, mean, rstd, x_dev, g_dev, b_dev, epsilon))
         else:
             sums, stats_kernel, apply = cached(columns.make_forward, *key)
             (grid, block), (stats_grid, stats_threads) = column_launch(cfg, C, N)

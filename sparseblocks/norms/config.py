@@ -21,6 +21,8 @@ class NormsConfig:
     # feature takes at most this many bytes of each array it holds (x; x and dy) (0: off) ...
     column_strip_bytes: int = 32768
     column_strip_row_bytes: int = 32  # ... and at least this many bytes of each row (narrower: the column kernels)
+    column_strip_phases: int = 1  # ... the forward's strip rows landing in this many parts (1-4), sums starting on each
+    column_strip_walk: bool = False  # ... thread blocks walk strips, the next strip's parts loading behind y's writes
     grad_rows: int = 32  # axis 1's dg and db: rows a thread block sums for each feature, before the ordered sum
     grad_finish_warps: int = 8  # dg and db's ordered sum of the row chunks: warps sharing 32 features' chunks
 
@@ -50,6 +52,8 @@ class NormsConfig:
         if not 16 <= row_bytes <= 1024 or row_bytes & (row_bytes - 1):
             raise ValueError(f"column_strip_row_bytes: expected a power of two from 16 to 1024 bytes, "
                              f"got {self.column_strip_row_bytes}")
+        if not 1 <= self.column_strip_phases <= 4:
+            raise ValueError(f"column_strip_phases: expected 1 to 4 parts, got {self.column_strip_phases}")
         if not 1 <= self.column_unroll <= 8:
             raise ValueError(f"column_unroll: expected 1 to 8 rows in flight, got {self.column_unroll}")
         if not 1 <= self.grad_finish_warps <= 32:

@@ -16,6 +16,12 @@ and 32 bytes, so C up to 1024), one kernel does it all from one read
 * **apply**: y from the held strip, 4 neighbouring columns a thread, one store where the arrays
   allow.
 
+With ``column_strip_phases`` (off until timed) the forward's rows land in up to 4 parts and
+the sums start on each as it lands; with ``column_strip_walk`` a wave of thread blocks walks the
+strips, each putting the next strip's part in flight once it has written y from this one's, so
+that where a strip is so large that one thread block fills a multiprocessor (C = 4096: 128 KB)
+its loads still run under arithmetic.
+
 The backward (`make_strip_backward`) holds the strips of x and dy: the columns' sums of
 ``dxhat`` and ``dxhat·xhat``, then dx, and each feature's dg and db terms over the strip's
 columns (its 4-column groups' terms added by shuffles, in order) into a workspace of strips that
@@ -30,8 +36,8 @@ import math
 from numba import cuda, int64, types, uint32
 
 from ..bsmm.device import converters
-from ..ptx.cp_async import commit, copy16_or_zero, shared_address, signed_address, waiter
-from ..runtime.launch import data_pointer, dynamic_shared, shared_memory_limit
+from ..ptx.cp_async import MAX_IN_FLIGHT, commit, copy16_or_zero, shared_address, signed_address, waiter
+from ..runtime.launch import data_pointer, dynamic_shared, multiprocessors, shared_memory_limit
 from .blocks import FULL_MASK
 from .groups import make_group_io, make_normalized, make_passed
 
@@ -71,28 +77,30 @@ def strip_width(cfg, C, N, storage, arrays, held=1):
     return strip_columns(cfg, C, storage, shared_memory_limit(), held)
 
 
-def make_strip_parts(cfg, storage, param_storage, acc_type, vector, C, S):
+def make_strip_parts(cfg, storage, param_storage, acc_type, vector, C, S, phases=1):
     """What both strip kernels share: (``x_in``, ``p_in``: x's and the parameters' reads to
-    accumulators; ``write``: y's or dx's 4 values, `groups.make_group_io`; ``load(at, array,
-    n0)``: this thread's 16-byte copies of ``array``'s strip from column n0 into the shared window
-    at ``at``, rows past N zero-filled, their source kept inside the array; ``column_totals(sums,
-    t) -> (Σ sums[0], Σ sums[1])``: column t's ``T/S`` partial sums, thread t + k·S's, added in that
-    order)."""
+    accumulators; ``write``: y's or dx's 4 values, `groups.make_group_io`; ``load(at, array, n0,
+    p)``: this thread's 16-byte copies of phase p's rows of ``array``'s strip (rows p·RP to
+    (p + 1)·RP, RP = ceil(C / phases)) from column n0 into the shared window at ``at``, rows past N
+    zero-filled, their source kept inside the array; ``column_totals(sums, t) -> (Σ sums[0], Σ
+    sums[1])``: column t's ``T/S`` partial sums, thread t + k·S's, added in that order)."""
     _, size = ELEMENTS[storage]
     T = 32 * cfg.column_warps
     PER = T // S
     WIDTH = COPY // size  # values a copy
     PARTS = S // WIDTH  # copies a strip row
-    COPIES = -(-C * PARTS // T)  # a thread's copies of an array
+    RP = -(-C // phases)  # rows a phase
+    COPIES = -(-RP * PARTS // T)  # a thread's copies of a phase of an array
 
     @cuda.jit(device=True, inline=True)
-    def load(at, array, n0):
+    def load(at, array, n0, p):
         t = cuda.threadIdx.x
         N = array.shape[1]
         source = signed_address(array, (0, 0))
+        end = min(C, (p + 1) * RP) * PARTS
         for i in range(COPIES):
-            q = t + i * T
-            if q < C * PARTS:
+            q = p * RP * PARTS + t + i * T
+            if q < end:
                 row, part = q // PARTS, q % PARTS
                 column = n0 + part * WIDTH
                 offset = int64(row) * N + min(column, N - WIDTH)
@@ -115,15 +123,40 @@ def make_strip_parts(cfg, storage, param_storage, acc_type, vector, C, S):
 
 def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S):
     """``strip(y, mean, rstd, x, g, b, epsilon)``: x (C, N) -> y, and each column's mean and rstd;
-    grid ceil(N / S) thread blocks of ``32 * column_warps`` threads, ``S`` columns each (`strip_columns`),
-    C x S values of dynamic shared memory."""
+    thread blocks of ``32 * column_warps`` threads, ``S`` columns a strip (`strip_columns`), C x S
+    values of dynamic shared memory; grid ceil(N / S), a strip a thread block, or with
+    ``column_strip_walk`` fewer (`strip_grid`), each walking strips ``gridDim.x`` apart.
+
+    The strip's rows land in ``column_strip_phases`` parts (a commit group each), and the column
+    sums start on each part as it lands. Walking, a thread block puts the next strip's part in
+    flight as soon as it has written y from this strip's part (the rows' buffer is then free), so
+    that one thread block's loads run under its own sums and writes. A thread sums its column's
+    rows in the same order either way: the bits do not depend on the phases or the walk."""
     element, size = ELEMENTS[storage]
-    x_in, p_in, write, load, column_totals = make_strip_parts(cfg, storage, param_storage, acc_type, vector, C, S)
+    P = cfg.column_strip_phases
+    WALK = cfg.column_strip_walk
+    x_in, p_in, write, load, column_totals = make_strip_parts(cfg, storage, param_storage, acc_type, vector, C, S, P)
     normalized = make_normalized(acc_type, relu)
     T = 32 * cfg.column_warps
     PER = T // S  # threads a column's sums
     GROUPS = S // 4  # 4-column groups a strip row
-    wait_all = waiter(0)
+    STEP = T // GROUPS  # rows between a thread's apply rows
+    RP = -(-C // P)  # rows a phase
+    waits = tuple(waiter(min(k, MAX_IN_FLIGHT)) for k in range(4))
+    w0, w1, w2, w3 = waits
+
+    @cuda.jit(device=True, inline=True)
+    def wait_for(p):
+        """Until phase p of the strip has landed for this thread (P - 1 - p newer groups in flight)."""
+        keep = P - 1 - p
+        if keep >= 3:
+            w3()
+        elif keep == 2:
+            w2()
+        elif keep == 1:
+            w1()
+        else:
+            w0()
 
     @cuda.jit
     def strip(y, mean_out, rstd_out, x, g, b, epsilon):
@@ -132,54 +165,91 @@ def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S
         stats = cuda.shared.array((2, S), acc_type)
         t = cuda.threadIdx.x
         N = x.shape[1]
-        n0 = cuda.blockIdx.x * S
-        load(shared_address(tile, (0,)), x, n0)
-        commit()
-        wait_all()
-        cuda.syncthreads()
-        # each column's sums from its first value, over T/S threads, then added in their order
+        at0 = shared_address(tile, (0,))
+        strips = -(-N // S)
+        k = cuda.blockIdx.x
+        for p in range(P):
+            load(at0, x, k * S, p)
+            commit()
         j, sub = t % S, t // S
-        first = x_in(tile[j])
-        s = acc_type(0)
-        q2 = acc_type(0)
-        at = uint32(sub * S + j)  # (unsigned indices: no negative-index wrapping a load)
-        while at < uint32(C * S):  # (rows sub, sub + PER, ...)
-            d = x_in(tile[at]) - first
-            s += d
-            q2 += d * d
-            at += uint32(PER * S)
-        sums[0, t] = s
-        sums[1, t] = q2
-        cuda.syncthreads()
-        if t < S:
-            s, q2 = column_totals(sums, t)
-            shift = s / acc_type(C)
-            mean = first + shift
-            rstd = acc_type(1) / math.sqrt(max(q2 / acc_type(C) - shift * shift, acc_type(0)) + acc_type(epsilon))
-            stats[0, t] = mean
-            stats[1, t] = rstd
-            if n0 + t < N:
-                mean_out[n0 + t] = mean
-                rstd_out[n0 + t] = rstd
-        cuda.syncthreads()
-        # y: the same 4 neighbouring columns a thread (their statistics held), every (T/GROUPS)-th row
         c4, first_row = (t % GROUPS) * 4, t // GROUPS
-        held = cuda.local.array((2, 4), acc_type)
-        for i in range(4):
-            held[0, i] = stats[0, c4 + i]
-            held[1, i] = stats[1, c4 + i]
-        v = cuda.local.array(4, acc_type)
-        at = uint32(first_row * S + c4)
-        row = uint32(first_row)
-        while row < uint32(C):
-            gc, bc = p_in(g[row]), p_in(b[row])
+        while True:  # (one strip, unless walking)
+            n0 = k * S
+            # each column's sums from its first value, over T/S threads (rows sub, sub + PER, ...),
+            # a phase at a time as it lands, then added in their order
+            s = acc_type(0)
+            q2 = acc_type(0)
+            first = acc_type(0)
+            for p in range(P):
+                wait_for(p)
+                cuda.syncthreads()
+                if p == 0:
+                    first = x_in(tile[j])
+                r0 = uint32(p * RP)
+                row = r0 + (uint32(sub) + uint32(PER) - r0 % uint32(PER)) % uint32(PER)
+                at = row * uint32(S) + uint32(j)  # (unsigned indices: no negative-index wrapping a load)
+                while at < uint32(min(C, (p + 1) * RP) * S):  # (rows to the phase's end)
+                    d = x_in(tile[at]) - first
+                    s += d
+                    q2 += d * d
+                    at += uint32(PER * S)
+            sums[0, t] = s
+            sums[1, t] = q2
+            cuda.syncthreads()
+            if t < S:
+                s, q2 = column_totals(sums, t)
+                shift = s / acc_type(C)
+                mean = first + shift
+                rstd = acc_type(1) / math.sqrt(max(q2 / acc_type(C) - shift * shift, acc_type(0))
+                                               + acc_type(epsilon))
+                stats[0, t] = mean
+                stats[1, t] = rstd
+                if n0 + t < N:
+                    mean_out[n0 + t] = mean
+                    rstd_out[n0 + t] = rstd
+            cuda.syncthreads()
+            # y: the same 4 neighbouring columns a thread (their statistics held), every STEP-th row,
+            # a phase at a time; walking, the next strip's phase goes in flight behind it
+            held = cuda.local.array((2, 4), acc_type)
+            v = cuda.local.array(4, acc_type)
             for i in range(4):
-                v[i] = normalized((x_in(tile[at + uint32(i)]) - held[0, i]) * held[1, i], gc, bc)
-            write(y, row, n0 + c4, v[0], v[1], v[2], v[3])
-            at += uint32(T // GROUPS * S)
-            row += uint32(T // GROUPS)
+                held[0, i] = stats[0, c4 + i]
+                held[1, i] = stats[1, c4 + i]
+            following = k + cuda.gridDim.x
+            for p in range(P):
+                r0 = uint32(p * RP)
+                row = r0 + (uint32(first_row) + uint32(STEP) - r0 % uint32(STEP)) % uint32(STEP)
+                end = uint32(min(C, (p + 1) * RP))
+                at = row * uint32(S) + uint32(c4)
+                while row < end:
+                    gc, bc = p_in(g[row]), p_in(b[row])
+                    for i in range(4):
+                        v[i] = normalized((x_in(tile[at + uint32(i)]) - held[0, i]) * held[1, i], gc, bc)
+                    write(y, row, n0 + c4, v[0], v[1], v[2], v[3])
+                    at += uint32(STEP * S)
+                    row += uint32(STEP)
+                if WALK and following < strips:  # (uniform: the phase's rows are read by every thread first)
+                    cuda.syncthreads()
+                    load(at0, x, following * S, p)
+                    commit()
+            k = following
+            if not WALK or k >= strips:
+                break
 
     return dynamic_shared(strip, C * S * size)
+
+
+def strip_grid(cfg, N, S, C, storage):
+    """Thread blocks of a forward over ``N`` columns in strips of ``S``: one a strip, or walking
+    (``column_strip_walk``) as many as the multiprocessors hold at once (by threads and by shared
+    memory), at most one a strip."""
+    count = -(-N // S)
+    if not cfg.column_strip_walk:
+        return count
+    _, size = ELEMENTS[storage]
+    T = 32 * cfg.column_warps
+    resident = max(1, min(2048 // T, shared_memory_limit() // (C * S * size + 2 * T * 8 + 1024)))
+    return min(count, multiprocessors() * resident)
 
 
 def make_strip_backward(cfg, storage, param_storage, acc_type, relu, vector, C, S):
@@ -211,8 +281,8 @@ def make_strip_backward(cfg, storage, param_storage, acc_type, relu, vector, C, 
         N = x.shape[1]
         n0 = cuda.blockIdx.x * S
         base = shared_address(tile, (0,))
-        load(base, x, n0)
-        load(base + C * S * size, dy, n0)
+        load(base, x, n0, 0)
+        load(base + C * S * size, dy, n0, 0)
         if t < S:
             inside = n0 + t < N  # (columns past N: finite stand-ins; their dy is 0, so no terms)
             stats[0, t] = acc_type(mean_in[n0 + t]) if inside else acc_type(0)

@@ -155,6 +155,8 @@ X, G = np.zeros((3, 8), np.float32), np.ones(8, np.float32)
      "column_blocks: expected 0 to 32"),
     (lambda: norms.layer_norm(X.T, G[:3], G[:3], axis=0, config=NormsConfig(column_strip_row_bytes=24)), ValueError,
      "column_strip_row_bytes: expected a power of two from 16 to 1024"),
+    (lambda: norms.layer_norm(X.T, G[:3], G[:3], axis=0, config=NormsConfig(column_strip_phases=5)), ValueError,
+     "column_strip_phases: expected 1 to 4"),
 ])
 def test_bad_input_is_refused_before_any_launch(call, error, match):
     with pytest.raises(error, match=match):
@@ -343,3 +345,27 @@ def test_the_default_strips_take_small_feature_counts_only(storage, C, held, wan
     assert strips.strip_columns(cfg, C, storage, 227 * 1024, held) == want
     assert strips.strip_columns(cfg, 1024, "float16", 40 * 1024, 2) == 0  # (2 x 32 KB and the static arrays)
     assert strips.strip_columns(dataclasses.replace(cfg, column_strip_bytes=0), 16, storage, 227 * 1024) == 0
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("phases, walk", [(2, False), (3, True), (4, True), (1, True)])
+def test_strip_phases_and_walk_give_the_same_bits(monkeypatch, dtype, phases, walk):
+    """``column_strip_phases`` (the sums starting on each part of a strip's rows as it lands) and
+    ``column_strip_walk`` (two thread blocks walking five strips, the next strip's parts loading
+    behind y's writes): y, mean and rstd bit for bit as one strip a thread block in one part (7
+    features, parts of 2 or 3 rows and a short last one; the last strip partial)."""
+    from sparseblocks.norms import strips
+    rng = np.random.default_rng(14)
+    C, N = 7, 144 if dtype == "float16" else 72  # (five strips of 32 16-bit or 16 fp32 columns, the last partial)
+    x = (rng.standard_normal((C, N)) * 3 + 5).astype(numpy_dtype(dtype))
+    g, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
+    plain_cfg = dataclasses.replace(SMALL, column_strip_bytes=512)
+    want = norms.layer_norm(x, g, b, axis=0, relu=True, stats=True, config=plain_cfg)
+    assert strips.strip_grid(plain_cfg, N, 32 if dtype == "float16" else 16, C, dtype) == 5
+    grid = strips.strip_grid
+    monkeypatch.setattr(strips, "strip_grid", lambda cfg, *args: min(2, grid(cfg, *args)) if cfg.column_strip_walk
+                        else grid(cfg, *args))
+    got = norms.layer_norm(x, g, b, axis=0, relu=True, stats=True,
+                           config=dataclasses.replace(plain_cfg, column_strip_phases=phases, column_strip_walk=walk))
+    for one, two, name in zip(got, want, ("y", "mean", "rstd")):
+        np.testing.assert_array_equal(one, two, err_msg=name)
