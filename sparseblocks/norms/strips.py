@@ -36,7 +36,7 @@ import math
 from numba import cuda, int64, types, uint32
 
 from ..bsmm.device import converters
-from ..ptx.cp_async import MAX_IN_FLIGHT, commit, copy16_or_zero, shared_address, signed_address, waiter
+from ..ptx.cp_async import commit, copy16_or_zero, shared_address, signed_address, waiter
 from ..runtime.launch import data_pointer, dynamic_shared, multiprocessors, shared_memory_limit
 from .blocks import FULL_MASK
 from .groups import make_group_io, make_normalized, make_passed
@@ -142,8 +142,7 @@ def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S
     GROUPS = S // 4  # 4-column groups a strip row
     STEP = T // GROUPS  # rows between a thread's apply rows
     RP = -(-C // P)  # rows a phase
-    waits = tuple(waiter(min(k, MAX_IN_FLIGHT)) for k in range(4))
-    w0, w1, w2, w3 = waits
+    w0, w1, w2, w3 = (waiter(keep) for keep in range(4))
 
     @cuda.jit(device=True, inline=True)
     def wait_for(p):
