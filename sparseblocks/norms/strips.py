@@ -37,6 +37,7 @@ from numba import cuda, int64, types, uint32
 
 from ..bsmm.device import converters
 from ..ptx.cp_async import commit, copy16_or_zero, shared_address, signed_address, waiter
+from ..runtime.compile import inlined
 from ..runtime.launch import data_pointer, dynamic_shared, multiprocessors, shared_memory_limit
 from .blocks import FULL_MASK
 from .groups import make_group_io, make_normalized, make_passed
@@ -157,6 +158,26 @@ def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S
         else:
             w0()
 
+    def apply_part(p, y, g, b, tile, held, v, first_row, c4, n0, following, strips, at0, x):
+        """y from phase p's rows of the strip (every STEP-th row from the thread's first); walking,
+        then the next strip's phase p in flight into those rows."""
+        r0 = uint32(p * RP)
+        row = r0 + (uint32(first_row) + uint32(STEP) - r0 % uint32(STEP)) % uint32(STEP)
+        at = row * uint32(S) + uint32(c4)
+        while row < uint32(min(C, (p + 1) * RP)):
+            gc, bc = p_in(g[row]), p_in(b[row])
+            for i in range(4):
+                v[i] = normalized((x_in(tile[at + uint32(i)]) - held[0, i]) * held[1, i], gc, bc)
+            write(y, row, n0 + c4, v[0], v[1], v[2], v[3])
+            at += uint32(STEP * S)
+            row += uint32(STEP)
+        if WALK and following < strips:  # (uniform: the phase's rows are read by every thread first)
+            cuda.syncthreads()
+            load(at0, x, following * S, p)
+            commit()
+
+    apply_part = inlined(apply_part)
+
     @cuda.jit
     def strip(y, mean_out, rstd_out, x, g, b, epsilon):
         tile = cuda.shared.array(0, element)  # (dynamic: the strip, C rows of S values)
@@ -215,22 +236,11 @@ def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S
                 held[0, i] = stats[0, c4 + i]
                 held[1, i] = stats[1, c4 + i]
             following = k + cuda.gridDim.x
-            for p in range(P):
-                r0 = uint32(p * RP)
-                row = r0 + (uint32(first_row) + uint32(STEP) - r0 % uint32(STEP)) % uint32(STEP)
-                end = uint32(min(C, (p + 1) * RP))
-                at = row * uint32(S) + uint32(c4)
-                while row < end:
-                    gc, bc = p_in(g[row]), p_in(b[row])
-                    for i in range(4):
-                        v[i] = normalized((x_in(tile[at + uint32(i)]) - held[0, i]) * held[1, i], gc, bc)
-                    write(y, row, n0 + c4, v[0], v[1], v[2], v[3])
-                    at += uint32(STEP * S)
-                    row += uint32(STEP)
-                if WALK and following < strips:  # (uniform: the phase's rows are read by every thread first)
-                    cuda.syncthreads()
-                    load(at0, x, following * S, p)
-                    commit()
+            if P == 1:  # (one part: no loop around it, which left the compiler 8-16 more registers)
+                apply_part(0, y, g, b, tile, held, v, first_row, c4, n0, following, strips, at0, x)
+            else:
+                for p in range(P):
+                    apply_part(p, y, g, b, tile, held, v, first_row, c4, n0, following, strips, at0, x)
             k = following
             if not WALK or k >= strips:
                 break

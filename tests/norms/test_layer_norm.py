@@ -352,14 +352,14 @@ def test_the_default_strips_take_small_feature_counts_only(storage, C, held, wan
 def test_strip_phases_and_walk_give_the_same_bits(monkeypatch, dtype, phases, walk):
     """``column_strip_phases`` (the sums starting on each part of a strip's rows as it lands) and
     ``column_strip_walk`` (two thread blocks walking five strips, the next strip's parts loading
-    behind y's writes): y, mean and rstd bit for bit as one strip a thread block in one part (7
-    features, parts of 2 or 3 rows and a short last one; the last strip partial)."""
+    behind y's writes): y, mean and rstd bit for bit as one strip a thread block in one part (21
+    features, parts of 6 to 11 rows, a thread's rows 8 or 16 apart; the last strip partial)."""
     from sparseblocks.norms import strips
     rng = np.random.default_rng(14)
-    C, N = 7, 144 if dtype == "float16" else 72  # (five strips of 32 16-bit or 16 fp32 columns, the last partial)
+    C, N = 21, 144 if dtype == "float16" else 72  # (five strips of 32 16-bit or 16 fp32 columns, the last partial)
     x = (rng.standard_normal((C, N)) * 3 + 5).astype(numpy_dtype(dtype))
     g, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
-    plain_cfg = dataclasses.replace(SMALL, column_strip_bytes=512)
+    plain_cfg = dataclasses.replace(SMALL, column_strip_bytes=2048)
     want = norms.layer_norm(x, g, b, axis=0, relu=True, stats=True, config=plain_cfg)
     assert strips.strip_grid(plain_cfg, N, 32 if dtype == "float16" else 16, C, dtype) == 5
     grid = strips.strip_grid
