@@ -427,6 +427,9 @@ def check_norms():
         strip = strips.make_strip_backward(strip_cfg, storage, storage, float32, False, True, C, S)
         results.append(check(f"layer_norm axis 0 backward in strips {storage} C={C} ({S} columns)", strip.py_func,
                              (rows, float32[:, :, ::1], rows, rows, vec, vec, stats, stats)))
+        strip = strips.make_strip_backward(walk_cfg, storage, storage, float32, False, True, C, S)
+        results.append(check(f"layer_norm axis 0 backward in strips {storage} C={C} ({S} columns, 4 parts, walking)",
+                             strip.py_func, (rows, float32[:, :, ::1], rows, rows, vec, vec, stats, stats)))
         if C == 4096:
             partials, finish = layer.make_param_grads(cfg, storage, storage, float32, False, True)
             results.append(check(f"layer_norm dg/db partial sums {storage}", partials.py_func,

@@ -136,8 +136,9 @@ def layer_norm_grad(dy: Array, x: Array, g: Array, b: Array, mean: Array, rstd: 
         launch(partials, grid, cfg.row_threads, stream, (work, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
     elif strip:
         work = x_op.scratch((-(-N // strip), 2, C), acc, stream)
-        launch(cached(strips.make_strip_backward, *key, vector, C, strip), -(-N // strip), 32 * cfg.column_warps,
-               stream, (dx, work, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
+        launch(cached(strips.make_strip_backward, *key, vector, C, strip),
+               strips.strip_grid(cfg, N, strip, C, x_op.dtype, held=2), 32 * cfg.column_warps, stream,
+               (dx, work, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
     else:
         sums, means, apply = cached(columns.make_backward, *key, vector)
         if N:

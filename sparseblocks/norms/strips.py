@@ -78,11 +78,11 @@ def strip_width(cfg, C, N, storage, arrays, held=1):
     return strip_columns(cfg, C, storage, shared_memory_limit(), held)
 
 
-def make_strip_parts(cfg, storage, param_storage, acc_type, vector, C, S, phases=1):
+def make_strip_parts(cfg, storage, param_storage, acc_type, vector, C, S, RP=None):
     """What both strip kernels share: (``x_in``, ``p_in``: x's and the parameters' reads to
     accumulators; ``write``: y's or dx's 4 values, `groups.make_group_io`; ``load(at, array, n0,
     p)``: this thread's 16-byte copies of phase p's rows of ``array``'s strip (rows p·RP to
-    (p + 1)·RP, RP = ceil(C / phases)) from column n0 into the shared window at ``at``, rows past N
+    (p + 1)·RP; ``RP`` all C by default) from column n0 into the shared window at ``at``, rows past N
     zero-filled, their source kept inside the array; ``column_totals(sums, t) -> (Σ sums[0], Σ
     sums[1])``: column t's ``T/S`` partial sums, thread t + k·S's, added in that order)."""
     _, size = ELEMENTS[storage]
@@ -90,7 +90,7 @@ def make_strip_parts(cfg, storage, param_storage, acc_type, vector, C, S, phases
     PER = T // S
     WIDTH = COPY // size  # values a copy
     PARTS = S // WIDTH  # copies a strip row
-    RP = -(-C // phases)  # rows a phase
+    RP = C if RP is None else RP  # rows a phase
     COPIES = -(-RP * PARTS // T)  # a thread's copies of a phase of an array
 
     @cuda.jit(device=True, inline=True)
@@ -122,6 +122,25 @@ def make_strip_parts(cfg, storage, param_storage, acc_type, vector, C, S, phases
     return x_in, p_in, write, load, column_totals
 
 
+def make_wait_for(P):
+    """``wait_for(p)``: until part p of P (a commit group each, in order) has landed for this thread."""
+    w0, w1, w2, w3 = (waiter(keep) for keep in range(4))
+
+    @cuda.jit(device=True, inline=True)
+    def wait_for(p):
+        keep = P - 1 - p  # (newer parts still in flight)
+        if keep >= 3:
+            w3()
+        elif keep == 2:
+            w2()
+        elif keep == 1:
+            w1()
+        else:
+            w0()
+
+    return wait_for
+
+
 def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S):
     """``strip(y, mean, rstd, x, g, b, epsilon)``: x (C, N) -> y, and each column's mean and rstd;
     thread blocks of ``32 * column_warps`` threads, ``S`` columns a strip (`strip_columns`), C x S
@@ -136,27 +155,14 @@ def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S
     element, size = ELEMENTS[storage]
     P = cfg.column_strip_phases
     WALK = cfg.column_strip_walk
-    x_in, p_in, write, load, column_totals = make_strip_parts(cfg, storage, param_storage, acc_type, vector, C, S, P)
+    RP = -(-C // P)  # rows a phase
+    x_in, p_in, write, load, column_totals = make_strip_parts(cfg, storage, param_storage, acc_type, vector, C, S, RP)
     normalized = make_normalized(acc_type, relu)
     T = 32 * cfg.column_warps
     PER = T // S  # threads a column's sums
     GROUPS = S // 4  # 4-column groups a strip row
     STEP = T // GROUPS  # rows between a thread's apply rows
-    RP = -(-C // P)  # rows a phase
-    w0, w1, w2, w3 = (waiter(keep) for keep in range(4))
-
-    @cuda.jit(device=True, inline=True)
-    def wait_for(p):
-        """Until phase p of the strip has landed for this thread (P - 1 - p newer groups in flight)."""
-        keep = P - 1 - p
-        if keep >= 3:
-            w3()
-        elif keep == 2:
-            w2()
-        elif keep == 1:
-            w1()
-        else:
-            w0()
+    wait_for = make_wait_for(P)
 
     def apply_part(p, y, g, b, tile, held, v, first_row, c4, n0, following, strips, at0, x):
         """y from phase p's rows of the strip (every STEP-th row from the thread's first); walking,
@@ -248,32 +254,39 @@ def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S
     return dynamic_shared(strip, C * S * size)
 
 
-def strip_grid(cfg, N, S, C, storage):
-    """Thread blocks of a forward over ``N`` columns in strips of ``S``: one a strip, or walking
-    (``column_strip_walk``) as many as the multiprocessors hold at once (by threads and by shared
-    memory), at most one a strip."""
+def strip_grid(cfg, N, S, C, storage, held=1):
+    """Thread blocks of a strip kernel over ``N`` columns in strips of ``S`` (``held`` arrays: x;
+    x and dy): one a strip, or walking (``column_strip_walk``) as many as the multiprocessors hold
+    at once (by threads and by shared memory), at most one a strip."""
     count = -(-N // S)
     if not cfg.column_strip_walk:
         return count
     _, size = ELEMENTS[storage]
     T = 32 * cfg.column_warps
-    resident = max(1, min(2048 // T, shared_memory_limit() // (C * S * size + 2 * T * 8 + 1024)))
+    resident = max(1, min(2048 // T, shared_memory_limit() // (held * C * S * size + 2 * T * 8 + 1024)))
     return min(count, multiprocessors() * resident)
 
 
 def make_strip_backward(cfg, storage, param_storage, acc_type, relu, vector, C, S):
     """``strip(dx, gwork, dy, x, g, b, mean, rstd)``: dx, and gwork (strips, 2, C) the features'
-    dg and db terms summed over each strip's columns; grid ceil(N / S) thread blocks of ``32 *
-    column_warps`` threads (`strip_columns` with two arrays), 2 x C x S values of dynamic shared
-    memory."""
+    dg and db terms summed over each strip's columns; thread blocks of ``32 * column_warps``
+    threads (`strip_columns` with two arrays), 2 x C x S values of dynamic shared memory; grid
+    `strip_grid` (held=2): a strip a thread block, or walking, as the forward.
+
+    ``column_strip_phases`` and ``column_strip_walk`` as the forward's: a part is x's and dy's
+    rows of a whole number of dx rounds (below), so that a round's rows are in one part."""
     element, size = ELEMENTS[storage]
-    x_in, p_in, write, load, column_totals = make_strip_parts(cfg, storage, param_storage, acc_type, vector, C, S)
-    passed = make_passed(acc_type, relu)
+    P = cfg.column_strip_phases
+    WALK = cfg.column_strip_walk
     T = 32 * cfg.column_warps
     PER = T // S
     GROUPS = S // 4  # 4-column groups a strip row: neighbouring lanes (at most 32)
+    STEP = T // GROUPS  # rows a dx round
     ROUNDS = -(-C * GROUPS // T)  # (every thread in every round, for the shuffles)
-    wait_all = waiter(0)
+    RP = -(-ROUNDS // P) * STEP  # rows a phase: whole rounds
+    x_in, p_in, write, load, column_totals = make_strip_parts(cfg, storage, param_storage, acc_type, vector, C, S, RP)
+    passed = make_passed(acc_type, relu)
+    wait_for = make_wait_for(P)
 
     @cuda.jit(device=True, inline=True)
     def terms(tile, at, gc, bc, m, r):
@@ -281,63 +294,20 @@ def make_strip_backward(cfg, storage, param_storage, acc_type, relu, vector, C, 
         xhat = (x_in(tile[at]) - m) * r
         return passed(x_in(tile[at + uint32(C * S)]), xhat, gc, bc), xhat
 
-    @cuda.jit
-    def strip(dx, gwork, dy, x, g, b, mean_in, rstd_in):
-        tile = cuda.shared.array(0, element)  # (dynamic: x's strip, then dy's)
-        sums = cuda.shared.array((2, T), acc_type)
-        stats = cuda.shared.array((4, S), acc_type)  # (mean, rstd, mean(dxhat), mean(dxhat·xhat))
-        t = cuda.threadIdx.x
-        N = x.shape[1]
-        n0 = cuda.blockIdx.x * S
-        base = shared_address(tile, (0,))
-        load(base, x, n0, 0)
-        load(base + C * S * size, dy, n0, 0)
-        if t < S:
-            inside = n0 + t < N  # (columns past N: finite stand-ins; their dy is 0, so no terms)
-            stats[0, t] = acc_type(mean_in[n0 + t]) if inside else acc_type(0)
-            stats[1, t] = acc_type(rstd_in[n0 + t]) if inside else acc_type(1)
-        commit()
-        wait_all()
-        cuda.syncthreads()
-        # each column's sums of dxhat and dxhat·xhat over T/S threads, then added in their order
-        j, sub = t % S, t // S
-        m, r = stats[0, j], stats[1, j]
-        s = acc_type(0)
-        q2 = acc_type(0)
-        row, at = uint32(sub), uint32(sub * S + j)  # (unsigned: no negative-index wrapping a load)
-        while row < uint32(C):
-            gc, bc = p_in(g[row]), p_in(b[row])
-            d, h = terms(tile, at, gc, bc, m, r)
-            s += d * gc
-            q2 += d * gc * h
-            row += uint32(PER)
-            at += uint32(PER * S)
-        sums[0, t] = s
-        sums[1, t] = q2
-        cuda.syncthreads()
-        if t < S:
-            s, q2 = column_totals(sums, t)
-            stats[2, t] = s / acc_type(C)
-            stats[3, t] = q2 / acc_type(C)
-        cuda.syncthreads()
-        # dx: 4 neighbouring columns a thread; the row's dg and db terms over the strip by shuffles
-        o = cuda.local.array(4, acc_type)
-        c4, first_row = (t % GROUPS) * 4, t // GROUPS  # (the same 4 columns every round: their statistics held)
-        held = cuda.local.array((4, 4), acc_type)
-        for k in range(4):
-            for i in range(4):
-                held[i, k] = stats[i, c4 + k]
-        for i in range(ROUNDS):
-            row = uint32(first_row + i * (T // GROUPS))
+    def dx_part(p, dx, gwork, dy, x, g, b, tile, held, o, first_row, c4, n0, k, following, strips, base):
+        """dx from phase p's rounds: 4 neighbouring columns a thread, and each row's dg and db terms
+        over the strip by shuffles; walking, then the next strip's phase p in flight."""
+        for i in range(p * (RP // STEP), min(ROUNDS, (p + 1) * (RP // STEP))):
+            row = uint32(first_row + i * STEP)
             active = row < uint32(C)
             row = min(row, uint32(C - 1))
             gc, bc = p_in(g[row]), p_in(b[row])
             tg = acc_type(0)
             tb = acc_type(0)
             at = row * uint32(S) + uint32(c4)
-            for k in range(4):
-                d, h = terms(tile, at + uint32(k), gc, bc, held[0, k], held[1, k])
-                o[k] = held[1, k] * (d * gc - held[2, k] - h * held[3, k])
+            for q in range(4):
+                d, h = terms(tile, at + uint32(q), gc, bc, held[0, q], held[1, q])
+                o[q] = held[1, q] * (d * gc - held[2, q] - h * held[3, q])
                 tg += d * h
                 tb += d
             if active:
@@ -348,7 +318,80 @@ def make_strip_backward(cfg, storage, param_storage, acc_type, relu, vector, C, 
                 tb += cuda.shfl_down_sync(FULL_MASK, tb, step)
                 step //= 2
             if active and c4 == 0:
-                gwork[cuda.blockIdx.x, 0, row] = tg
-                gwork[cuda.blockIdx.x, 1, row] = tb
+                gwork[k, 0, row] = tg
+                gwork[k, 1, row] = tb
+        if WALK and following < strips:  # (uniform: the phase's rows are read by every thread first)
+            cuda.syncthreads()
+            load(base, x, following * S, p)
+            load(base + C * S * size, dy, following * S, p)
+            commit()
+
+    dx_part = inlined(dx_part)
+
+    @cuda.jit
+    def strip(dx, gwork, dy, x, g, b, mean_in, rstd_in):
+        tile = cuda.shared.array(0, element)  # (dynamic: x's strip, then dy's)
+        sums = cuda.shared.array((2, T), acc_type)
+        stats = cuda.shared.array((4, S), acc_type)  # (mean, rstd, mean(dxhat), mean(dxhat·xhat))
+        t = cuda.threadIdx.x
+        N = x.shape[1]
+        base = shared_address(tile, (0,))
+        strips = -(-N // S)
+        k = cuda.blockIdx.x
+        for p in range(P):
+            load(base, x, k * S, p)
+            load(base + C * S * size, dy, k * S, p)
+            commit()
+        j, sub = t % S, t // S
+        c4, first_row = (t % GROUPS) * 4, t // GROUPS  # (the same 4 columns every round: their statistics held)
+        while True:  # (one strip, unless walking)
+            n0 = k * S
+            if t < S:
+                inside = n0 + t < N  # (columns past N: finite stand-ins; their dy is 0, so no terms)
+                stats[0, t] = acc_type(mean_in[n0 + t]) if inside else acc_type(0)
+                stats[1, t] = acc_type(rstd_in[n0 + t]) if inside else acc_type(1)
+            # each column's sums of dxhat and dxhat·xhat over T/S threads, a phase at a time as it
+            # lands, then added in their order
+            s = acc_type(0)
+            q2 = acc_type(0)
+            m = acc_type(0)
+            r = acc_type(1)
+            for p in range(P):
+                wait_for(p)
+                cuda.syncthreads()
+                if p == 0:
+                    m, r = stats[0, j], stats[1, j]
+                r0 = uint32(p * RP)
+                row = r0 + (uint32(sub) + uint32(PER) - r0 % uint32(PER)) % uint32(PER)
+                at = row * uint32(S) + uint32(j)  # (unsigned: no negative-index wrapping a load)
+                while row < uint32(min(C, (p + 1) * RP)):
+                    gc, bc = p_in(g[row]), p_in(b[row])
+                    d, h = terms(tile, at, gc, bc, m, r)
+                    s += d * gc
+                    q2 += d * gc * h
+                    row += uint32(PER)
+                    at += uint32(PER * S)
+            sums[0, t] = s
+            sums[1, t] = q2
+            cuda.syncthreads()
+            if t < S:
+                s, q2 = column_totals(sums, t)
+                stats[2, t] = s / acc_type(C)
+                stats[3, t] = q2 / acc_type(C)
+            cuda.syncthreads()
+            o = cuda.local.array(4, acc_type)
+            held = cuda.local.array((4, 4), acc_type)
+            for q in range(4):
+                for i in range(4):
+                    held[i, q] = stats[i, c4 + q]
+            following = k + cuda.gridDim.x
+            if P == 1:  # (one part: no loop around it, as the forward's)
+                dx_part(0, dx, gwork, dy, x, g, b, tile, held, o, first_row, c4, n0, k, following, strips, base)
+            else:
+                for p in range(P):
+                    dx_part(p, dx, gwork, dy, x, g, b, tile, held, o, first_row, c4, n0, k, following, strips, base)
+            k = following
+            if not WALK or k >= strips:
+                break
 
     return dynamic_shared(strip, 2 * C * S * size)

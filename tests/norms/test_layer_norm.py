@@ -352,20 +352,25 @@ def test_the_default_strips_take_small_feature_counts_only(storage, C, held, wan
 def test_strip_phases_and_walk_give_the_same_bits(monkeypatch, dtype, phases, walk):
     """``column_strip_phases`` (the sums starting on each part of a strip's rows as it lands) and
     ``column_strip_walk`` (two thread blocks walking five strips, the next strip's parts loading
-    behind y's writes): y, mean and rstd bit for bit as one strip a thread block in one part (21
-    features, parts of 6 to 11 rows, a thread's rows 8 or 16 apart; the last strip partial)."""
+    behind y's or dx's writes): y, mean and rstd, and dx, dg and db, bit for bit as one strip a
+    thread block in one part (21 features, parts of 6 to 11 rows forward, whole dx rounds of 8 or
+    16 rows backward, a part left empty; the last strip partial)."""
     from sparseblocks.norms import strips
     rng = np.random.default_rng(14)
     C, N = 21, 144 if dtype == "float16" else 72  # (five strips of 32 16-bit or 16 fp32 columns, the last partial)
     x = (rng.standard_normal((C, N)) * 3 + 5).astype(numpy_dtype(dtype))
+    dy = rng.standard_normal((C, N)).astype(numpy_dtype(dtype))
     g, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
     plain_cfg = dataclasses.replace(SMALL, column_strip_bytes=2048)
     want = norms.layer_norm(x, g, b, axis=0, relu=True, stats=True, config=plain_cfg)
-    assert strips.strip_grid(plain_cfg, N, 32 if dtype == "float16" else 16, C, dtype) == 5
+    want_grads = norms.layer_norm_grad(dy, x, g, b, want[1], want[2], axis=0, relu=True, config=plain_cfg)
+    S = 32 if dtype == "float16" else 16
+    assert strips.strip_grid(plain_cfg, N, S, C, dtype) == strips.strip_grid(plain_cfg, N, S, C, dtype, held=2) == 5
     grid = strips.strip_grid
-    monkeypatch.setattr(strips, "strip_grid", lambda cfg, *args: min(2, grid(cfg, *args)) if cfg.column_strip_walk
-                        else grid(cfg, *args))
-    got = norms.layer_norm(x, g, b, axis=0, relu=True, stats=True,
-                           config=dataclasses.replace(plain_cfg, column_strip_phases=phases, column_strip_walk=walk))
-    for one, two, name in zip(got, want, ("y", "mean", "rstd")):
+    monkeypatch.setattr(strips, "strip_grid", lambda cfg, *args, **kwargs: min(2, grid(cfg, *args, **kwargs))
+                        if cfg.column_strip_walk else grid(cfg, *args, **kwargs))
+    cfg = dataclasses.replace(plain_cfg, column_strip_phases=phases, column_strip_walk=walk)
+    got = norms.layer_norm(x, g, b, axis=0, relu=True, stats=True, config=cfg)
+    got_grads = norms.layer_norm_grad(dy, x, g, b, want[1], want[2], axis=0, relu=True, config=cfg)
+    for one, two, name in zip(got + got_grads, want + want_grads, ("y", "mean", "rstd", "dx", "dg", "db")):
         np.testing.assert_array_equal(one, two, err_msg=name)
