@@ -21,8 +21,8 @@ class NormsConfig:
     # feature takes at most this many bytes of each array it holds (x; x and dy) (0: off) ...
     column_strip_bytes: int = 32768
     column_strip_row_bytes: int = 32  # ... and at least this many bytes of each row (narrower: the column kernels)
-    column_strip_phases: int = 1  # ... the forward's strip rows landing in this many parts (1-4), sums starting on each
-    column_strip_walk: bool = False  # ... thread blocks walk strips, the next strip's parts loading behind y's writes
+    column_strip_phases: int = 1  # ... a strip's rows landing in this many parts (1-4), the sums starting on each
+    column_strip_walk: bool = False  # ... thread blocks walk strips, the next strip's parts loading behind the writes
     grad_rows: int = 32  # axis 1's dg and db: rows a thread block sums for each feature, before the ordered sum
     grad_finish_warps: int = 8  # dg and db's ordered sum of the row chunks: warps sharing 32 features' chunks
 

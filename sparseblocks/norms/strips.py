@@ -16,11 +16,11 @@ and 32 bytes, so C up to 1024), one kernel does it all from one read
 * **apply**: y from the held strip, 4 neighbouring columns a thread, one store where the arrays
   allow.
 
-With ``column_strip_phases`` (off until timed) the forward's rows land in up to 4 parts and
-the sums start on each as it lands; with ``column_strip_walk`` a wave of thread blocks walks the
-strips, each putting the next strip's part in flight once it has written y from this one's, so
-that where a strip is so large that one thread block fills a multiprocessor (C = 4096: 128 KB)
-its loads still run under arithmetic.
+With ``column_strip_phases`` (off until timed) a strip's rows land in up to 4 parts and the
+sums start on each as it lands; with ``column_strip_walk`` a wave of thread blocks walks the
+strips, each putting the next strip's part in flight once it has written y (dx) from this one's,
+so that where a strip is so large that one thread block fills a multiprocessor (C = 4096: 128 KB)
+its loads still run under arithmetic. Both directions.
 
 The backward (`make_strip_backward`) holds the strips of x and dy: the columns' sums of
 ``dxhat`` and ``dxhat·xhat``, then dx, and each feature's dg and db terms over the strip's
