@@ -309,6 +309,15 @@ def check_quant():
                                    Q.dense_cols, *warps, True)
         results.append(check(f"product W{bits}A{bits} ring of {stages} stages signed_a={signed_a} warps {warps}",
                              kernel.py_func, ring_signature, detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
+    for bits in (1, 2):  # (a bias and a ReLU in the epilogue: the bias read once a column pair)
+        warps = block_warps(Q, bits, 4096, Q.dense_cols)
+        kernel = make_ring_product(Q, bits, bits, True, True, True, True, Q.dense_cols, *warps, True)
+        results.append(check(f"product W{bits}A{bits} ring with bias and ReLU", kernel.py_func, ring_signature,
+                             detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
+        kernel = make_tensorcore_product(Q, bits, bits, True, True, True, True, 2, 64, *block_warps(Q, bits, 4096, 64),
+                                         True)
+        results.append(check(f"product W{bits}A{bits} block_words 2 with bias and ReLU", kernel.py_func, signature,
+                             detail=lambda ptx: f"  {ptx.count('mma.sync')} mma"))
     list_signature = signature[:6] + (counts, counts, counts, counts, i64, i64, i64, i64)
     for bits, (block_words, group_cols), signed_a in itertools.product((1, 2), ((2, 64), (1, 32)), (False, True)):
         warps = block_warps(Q, bits, 4096, group_cols)  # (the ring over a layout's word lists)

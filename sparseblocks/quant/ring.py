@@ -32,8 +32,8 @@ from ..ptx.mma import B1_WORDS, mma_b1_and
 from ..runtime.backend import SIMULATOR
 from ..runtime.compile import unrolled
 from ..runtime.launch import dynamic_shared
-from .simple import make_finish, make_plane_dot
-from .tensorcore import (FULL_MASK, PAD, make_epilogue, make_plane_outputs, make_share_counts, make_store_pair,
+from .simple import make_plane_dot
+from .tensorcore import (FULL_MASK, PAD, make_epilogue, make_plane_outputs, make_share_counts,
                          plane_passes, tile_shape, vector_words, warp_rows)
 
 HALF_STEP = 16  # bytes of half an mma step's words (ldmatrix's second pair of 8 x 16-byte matrices)
@@ -73,8 +73,7 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
     WARP_ROWS, ROWS, MR, MT, NC, A_ROWS = tile_shape(cfg, a_bits, group_cols, warps_m, warps_n)  # (then the outputs)
     TILE_ROWS = A_ROWS + w_bits * group_cols
     ONE_PAIR = a_bits == 1 and w_bits == 1
-    pair_out, store_out = make_epilogue(plane_dot, make_store_pair(make_finish(bias, relu), paired), ONE_PAIR, MR, NC,
-                                        WARP_ROWS)
+    pair_out, store_out, bias_pair = make_epilogue(plane_dot, bias, relu, paired, ONE_PAIR, MR, NC, WARP_ROWS)
     CW = cfg.chunk_words
     ROW = (CW + PAD) * 4  # bytes a tile row (padded: ldmatrix's 8 rows in distinct banks)
     STAGE = TILE_ROWS * ROW
@@ -91,8 +90,8 @@ def make_ring_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu, group
     COPIES = -(-TILE_ROWS // APART)  # a thread's copies a stage
     need_pa, need_pb = signed_w, signed_a
     COUNT = LIST and (need_pa or need_pb)  # (a list's counts from the landed stages)
-    plane_outputs = make_plane_outputs(plane_dot, pair_out, need_pa, need_pb, LIST, MT, MR, NC, w_bits, ROWS, A_ROWS,
-                                       group_cols, WARP_ROWS)
+    plane_outputs = make_plane_outputs(plane_dot, pair_out, bias_pair, need_pa, need_pb, LIST, MT, MR, NC, w_bits, ROWS,
+                                       A_ROWS, group_cols, WARP_ROWS)
 
     @cuda.jit(device=True, inline=True)
     def issue(s, at, args):

@@ -40,7 +40,7 @@ from ..ptx.ldmatrix import ldmatrix_x4
 from ..ptx.mma import B1_WORDS, mma_b1_and
 from ..ptx.vector import load2, load4, store2, store4
 from ..runtime.backend import SIMULATOR
-from .simple import make_finish, make_plane_dot
+from .simple import make_plane_dot
 
 FULL_MASK = 0xFFFFFFFF
 PAD = 4  # words after each tile row: a row an odd number of 16 bytes (mod 128), for ldmatrix's banks
@@ -127,36 +127,62 @@ def plane_passes(cfg, a_bits, w_bits, group_cols, warps_m, warps_n):
     return (w_bits, 1) if w_bits > 1 and fits else (1, w_bits)
 
 
-def make_store_pair(finish, paired):
-    """``store_pair(y, at, c, O, lo, hi, bias_values)``: y[at], y[at + 1] (outputs c, c + 1 of a
-    row) = lo, hi through ``finish`` (bias, ReLU): one store where both are inside and rows are of
-    an even length (``paired``: the pair aligned), else one a value."""
+def make_store_pair(bias, relu, paired):
+    """``store_pair(y, at, c, O, lo, hi, b_lo, b_hi)``: y[at], y[at + 1] (outputs c, c + 1 of a
+    row) = lo, hi with ``bias`` their bias values ``b_lo``, ``b_hi`` added (read once a column
+    pair by `make_bias_pair`, not once a store: stores to y might alias the bias for all the
+    compiler knows, so it would read it again after each) and with ``relu`` the max with 0: one
+    store where both are inside and rows are of an even length (``paired``: the pair aligned),
+    else one a value."""
 
     @cuda.jit(device=True, inline=True)
-    def store_pair(y, at, c, O, lo, hi, bias_values):
+    def finish(value, bias_value):
+        if bias:
+            value += bias_value
+        if relu:
+            value = max(value, float32(0))
+        return value
+
+    @cuda.jit(device=True, inline=True)
+    def store_pair(y, at, c, O, lo, hi, b_lo, b_hi):
         if paired and c + 1 < O:
-            store2(y, (at,), (finish(lo, c, bias_values), finish(hi, c + 1, bias_values)))
+            store2(y, (at,), (finish(lo, b_lo), finish(hi, b_hi)))
         else:
             if c < O:
-                y[at] = finish(lo, c, bias_values)
+                y[at] = finish(lo, b_lo)
             if c + 1 < O:
-                y[at + 1] = finish(hi, c + 1, bias_values)
+                y[at + 1] = finish(hi, b_hi)
 
     return store_pair
 
 
-def make_epilogue(plane_dot, store_pair, one_pair, MR, NC, WARP_ROWS):
-    """A product kernel's epilogue, shared by `make_tensorcore_product` and `ring`'s, so both give
-    the same bits: ``pair_out(y, out, acc, j, mt, nt, rows, col_lo, col_hi, u, v_lo, v_hi, r0, c,
-    N, O, bias_values)`` turns weight plane j's and mma row mt's integers (``acc[j, mt, nt]``) into
-    their plane dots (``rows[mt]``, ``col_lo``/``col_hi``: the row's and the columns' terms), scaled
-    by ``u·v``: stored at once with ``one_pair`` (rows ``r0`` + 16 (mt % MR) and 8 below, columns
-    c and c + 1), else added to ``out[mt % MR, nt]``; ``store_out(y, out, r0, c0, N, O,
-    bias_values)`` then stores ``out`` (a warp's rows from r0 + the lane's group, its mma columns
-    from c0 + the lane's pair)."""
+def make_bias_pair(bias):
+    """``bias_pair(bias_values, c, O) -> (b_lo, b_hi)``: outputs c's and c + 1's bias values (0
+    past O, or without ``bias``)."""
 
     @cuda.jit(device=True, inline=True)
-    def pair_out(y, out, acc, j, mt, nt, rows, col_lo, col_hi, u, v_lo, v_hi, r0, c, N, O, bias_values):
+    def bias_pair(bias_values, c, O):
+        if bias:
+            return (bias_values[c] if c < O else float32(0)), (bias_values[c + 1] if c + 1 < O else float32(0))
+        return float32(0), float32(0)
+
+    return bias_pair
+
+
+def make_epilogue(plane_dot, bias, relu, paired, one_pair, MR, NC, WARP_ROWS):
+    """A product kernel's epilogue, shared by `make_tensorcore_product` and `ring`'s, so both give
+    the same bits: ``pair_out(y, out, acc, j, mt, nt, rows, col_lo, col_hi, u, v_lo, v_hi, r0, c,
+    N, O, b_lo, b_hi)`` turns weight plane j's and mma row mt's integers (``acc[j, mt, nt]``) into
+    their plane dots (``rows[mt]``, ``col_lo``/``col_hi``: the row's and the columns' terms), scaled
+    by ``u·v``: stored at once with ``one_pair`` (rows ``r0`` + 16 (mt % MR) and 8 below, columns
+    c and c + 1, with their bias values ``b_lo``, ``b_hi``), else added to ``out[mt % MR, nt]``;
+    ``store_out(y, out, r0, c0, N, O, bias_values)`` then stores ``out`` (a warp's rows from r0 +
+    the lane's group, its mma columns from c0 + the lane's pair); ``bias_pair`` (`make_bias_pair`)."""
+    store_pair = make_store_pair(bias, relu, paired)
+    bias_pair = make_bias_pair(bias)
+
+    @cuda.jit(device=True, inline=True)
+    def pair_out(y, out, acc, j, mt, nt, rows, col_lo, col_hi, u, v_lo, v_hi, r0, c, N, O, b_lo, b_hi):
         m = mt % MR
         s_lo = u * v_lo
         s_hi = u * v_hi
@@ -167,9 +193,9 @@ def make_epilogue(plane_dot, store_pair, one_pair, MR, NC, WARP_ROWS):
         if one_pair:  # (the only pair of planes: straight out, no fp32 tile kept)
             r = r0 + m * 16
             if r < N:
-                store_pair(y, int64(r) * O + c, c, O, lo0, hi0, bias_values)
+                store_pair(y, int64(r) * O + c, c, O, lo0, hi0, b_lo, b_hi)
             if r + 8 < N:
-                store_pair(y, int64(r + 8) * O + c, c, O, lo1, hi1, bias_values)
+                store_pair(y, int64(r + 8) * O + c, c, O, lo1, hi1, b_lo, b_hi)
         else:
             out[m, nt, 0] += lo0
             out[m, nt, 1] += hi0
@@ -179,16 +205,16 @@ def make_epilogue(plane_dot, store_pair, one_pair, MR, NC, WARP_ROWS):
     @cuda.jit(device=True, inline=True)
     def store_out(y, out, r0, c0, N, O, bias_values):
         n, o = int32(N), int32(O)  # (32-bit indices: fewer instructions)
-        for m in range(MR):
-            for h in range(2):
-                r = int32(r0) + m * 16 + 8 * h
-                if r < n:
-                    for nt in range(NC):
-                        c = int32(c0) + nt * 8
-                        store_pair(y, int64(r) * o + c, c, o, out[m, nt, 2 * h], out[m, nt, 2 * h + 1],
-                                   bias_values)
+        for nt in range(NC):
+            c = int32(c0) + nt * 8
+            b_lo, b_hi = bias_pair(bias_values, c, o)  # (once for the column pair's rows)
+            for m in range(MR):
+                for h in range(2):
+                    r = int32(r0) + m * 16 + 8 * h
+                    if r < n:
+                        store_pair(y, int64(r) * o + c, c, o, out[m, nt, 2 * h], out[m, nt, 2 * h + 1], b_lo, b_hi)
 
-    return pair_out, store_out
+    return pair_out, store_out, bias_pair
 
 
 def make_share_counts(COPIES, LANES, TILE_ROWS, row_of):
@@ -211,8 +237,8 @@ def make_share_counts(COPIES, LANES, TILE_ROWS, row_of):
     return share_counts
 
 
-def make_plane_outputs(plane_dot, pair_out, need_pa, need_pb, tile_counts, MT, MR, NC, WP, ROWS, A_ROWS, group_cols,
-                       WARP_ROWS):
+def make_plane_outputs(plane_dot, pair_out, bias_pair, need_pa, need_pb, tile_counts, MT, MR, NC, WP, ROWS, A_ROWS,
+                       group_cols, WARP_ROWS):
     """A product kernel's closing, shared by `make_tensorcore_product` and `ring`'s:
     ``plane_outputs(y, out, acc, rows, a_counts, w_counts, a_basis, w_basis, bias_values, seen,
     k0, row0, col0, N, O, wm, wn, g, t)`` turns the warp's integers of weight planes k0 to
@@ -251,9 +277,10 @@ def make_plane_outputs(plane_dot, pair_out, need_pa, need_pb, tile_counts, MT, M
                 else:
                     col_lo = int32(plane_dot(0, 0, w_counts[k * o + min(c, o - 1)] if need_pb else int32(0), 0))
                     col_hi = int32(plane_dot(0, 0, w_counts[k * o + min(c + 1, o - 1)] if need_pb else int32(0), 0))
+                b_lo, b_hi = bias_pair(bias_values, c, o)  # (once for the column pair's rows)
                 for mt in range(MT):
                     pair_out(y, out, acc, j, mt, nt, rows, col_lo, col_hi, a_basis[mt // MR], v_lo, v_hi,
-                             r_0 + wm * WARP_ROWS + g, c, n, o, bias_values)
+                             r_0 + wm * WARP_ROWS + g, c, n, o, b_lo, b_hi)
 
     return plane_outputs
 
@@ -266,7 +293,6 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
     convolution's ``(H, W, P, Q, R, S, SH, SW, PH, PW, DH, DW, WC)`` (then N counts output pixels,
     the activation planes are (bits, images, H, W, WC), the weights' rows R·S·WC words)."""
     plane_dot = make_plane_dot(signed_a, signed_w)
-    finish = make_finish(bias, relu)
     WARP_ROWS, ROWS, MR, MT, NC, A_ROWS = tile_shape(cfg, a_bits, group_cols, warps_m, warps_n)  # (then outputs ...)
     WP, PASSES = plane_passes(cfg, a_bits, w_bits, group_cols, warps_m, warps_n)  # weight planes a pass
     B_ROWS = WP * group_cols  # ... of each weight plane of the pass, plane j's from A_ROWS + j * group_cols
@@ -282,12 +308,12 @@ def make_tensorcore_product(cfg, a_bits, w_bits, signed_a, signed_w, bias, relu,
     LOADS_A = -(-A_ROWS // ROW_STRIDE)  # a thread's loads of activation rows ...
     LOADS = LOADS_A + -(-B_ROWS // ROW_STRIDE)  # ... then of weight rows
     ONE_PAIR = a_bits == 1 and w_bits == 1
-    pair_out, store_out = make_epilogue(plane_dot, make_store_pair(finish, paired), ONE_PAIR, MR, NC, WARP_ROWS)
+    pair_out, store_out, bias_pair = make_epilogue(plane_dot, bias, relu, paired, ONE_PAIR, MR, NC, WARP_ROWS)
     DENSE = CONV or block_words % 8 == 0  # (a layout's blocks are 1 or 2 words, a dense row whole steps)
     need_pa = signed_w
     need_pb = signed_a
-    plane_outputs = make_plane_outputs(plane_dot, pair_out, need_pa, need_pb, True, MT, MR, NC, WP, ROWS, A_ROWS,
-                                       group_cols, WARP_ROWS)
+    plane_outputs = make_plane_outputs(plane_dot, pair_out, bias_pair, need_pa, need_pb, True, MT, MR, NC, WP, ROWS,
+                                       A_ROWS, group_cols, WARP_ROWS)
     load_vector, store_vector = VECTORS[VW]
 
     @cuda.jit(device=True, inline=True)
