@@ -573,6 +573,10 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis, bias_
     THREADS = v7_threads(cfg, bs)
     give, take = hand_over(cfg, bs, GROUPS, False)
     stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, False, A_MN, THREADS)
+    # (feature_axis 1: where the threads are whole staged rows of runs of 4, a thread's runs share
+    # their columns, so their bias values are read once: stores to out might alias the bias for
+    # all the compiler knows, so it would read them again after each)
+    ONE_COLUMN = not A_MN and THREADS % (staged_shape(cfg, bs, False, A_MN)[1] // 4) == 0
     STAGED16, PITCH16, _ = staged16_at(cfg, bs)
     STAGED16 //= 2  # (in 16-bit values)
     T = GROUPS * WARPGROUP
@@ -592,6 +596,15 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis, bias_
         if BIAS:
             v = (v[0] + bias_at(bias, at), v[1] + bias_at(bias, at + step), v[2] + bias_at(bias, at + 2 * step),
                  v[3] + bias_at(bias, at + 3 * step))
+        if relu:
+            v = (relu_of(v[0]), relu_of(v[1]), relu_of(v[2]), relu_of(v[3]))
+        return v
+
+    @inlined
+    def with_bias(v, values):
+        """`biased` with the 4 bias values read already (``values``)."""
+        if BIAS:
+            v = (v[0] + values[0], v[1] + values[1], v[2] + values[2], v[3] + values[3])
         if relu:
             v = (relu_of(v[0]), relu_of(v[1]), relu_of(v[2]), relu_of(v[3]))
         return v
@@ -759,6 +772,11 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis, bias_
             cuda.syncthreads()
         staged = cuda.shared.array(0, float32)
         line, slot = seg_line[seg], seg_slot[seg]
+        column_bias = cuda.local.array(4, float32)  # (ONE_COLUMN: the runs' 4 bias values)
+        if BIAS and ONE_COLUMN:
+            c = chunk(tid, 0)[1]
+            for e in range(4):
+                column_bias[e] = bias_at(bias, line * bs + c + e)
         for i in range(OUT_PER):
             r, c = chunk(tid, i)
             if r >= 0:
@@ -776,7 +794,10 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis, bias_
                     if slot >= 0:
                         store4(workspace, (slot, row0 + r, c), v)
                     else:
-                        v = biased(v, bias, line * bs + c, 1)
+                        if ONE_COLUMN:
+                            v = with_bias(v, column_bias)
+                        else:
+                            v = biased(v, bias, line * bs + c, 1)
                         store4(out, (row0 + r, line * bs + c),
                                (from_acc(v[0]), from_acc(v[1]), from_acc(v[2]), from_acc(v[3])))
 
