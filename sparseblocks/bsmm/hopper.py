@@ -573,9 +573,7 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis, bias_
     THREADS = v7_threads(cfg, bs)
     give, take = hand_over(cfg, bs, GROUPS, False)
     stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, False, A_MN, THREADS)
-    # (feature_axis 1: where the threads are whole staged rows of runs of 4, a thread's runs share
-    # their columns, so their bias values are read once: stores to out might alias the bias for
-    # all the compiler knows, so it would read them again after each)
+    # (feature_axis 1, threads whole staged rows of runs of 4: a thread's runs share their columns)
     ONE_COLUMN = not A_MN and THREADS % (staged_shape(cfg, bs, False, A_MN)[1] // 4) == 0
     STAGED16, PITCH16, _ = staged16_at(cfg, bs)
     STAGED16 //= 2  # (in 16-bit values)
@@ -590,21 +588,18 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis, bias_
         return float32(0) if v < float32(0) else v  # (NaN kept, as torch's ReLU)
 
     @inlined
-    def biased(v, bias, at, step):
-        """4 fp32 values plus the bias's values at, at + step, ... (step 0: one value for all),
-        and with ``relu`` their max with 0."""
+    def bias4(bias, at, step):
+        """The bias's values at, at + step, ... (step 0: one value for all 4); zeros without one."""
         if BIAS:
-            v = (v[0] + bias_at(bias, at), v[1] + bias_at(bias, at + step), v[2] + bias_at(bias, at + 2 * step),
-                 v[3] + bias_at(bias, at + 3 * step))
-        if relu:
-            v = (relu_of(v[0]), relu_of(v[1]), relu_of(v[2]), relu_of(v[3]))
-        return v
+            return (bias_at(bias, at), bias_at(bias, at + step), bias_at(bias, at + 2 * step),
+                    bias_at(bias, at + 3 * step))
+        return float32(0), float32(0), float32(0), float32(0)
 
     @inlined
-    def with_bias(v, values):
-        """`biased` with the 4 bias values read already (``values``)."""
+    def biased(v, b):
+        """4 fp32 values plus their bias values ``b`` (`bias4`), and with ``relu`` their max with 0."""
         if BIAS:
-            v = (v[0] + values[0], v[1] + values[1], v[2] + values[2], v[3] + values[3])
+            v = (v[0] + b[0], v[1] + b[1], v[2] + b[2], v[3] + b[3])
         if relu:
             v = (relu_of(v[0]), relu_of(v[1]), relu_of(v[2]), relu_of(v[3]))
         return v
@@ -772,11 +767,9 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis, bias_
             cuda.syncthreads()
         staged = cuda.shared.array(0, float32)
         line, slot = seg_line[seg], seg_slot[seg]
-        column_bias = cuda.local.array(4, float32)  # (ONE_COLUMN: the runs' 4 bias values)
-        if BIAS and ONE_COLUMN:
-            c = chunk(tid, 0)[1]
-            for e in range(4):
-                column_bias[e] = bias_at(bias, line * bs + c + e)
+        # (read once where a thread's runs share their columns: stores to out might alias the bias
+        # for all the compiler knows, so it would read it again after each)
+        column_bias = bias4(bias, line * bs + chunk(tid, 0)[1], 1)
         for i in range(OUT_PER):
             r, c = chunk(tid, i)
             if r >= 0:
@@ -787,17 +780,14 @@ def make_product_v7(cfg, bs, storage, acc_type, transpose_w, feature_axis, bias_
                             for e in range(4):
                                 workspace[slot, row0 + c + e, r] = v[e]
                         else:
-                            v = biased(v, bias, line * bs + r, 0)
+                            v = biased(v, bias4(bias, line * bs + r, 0))
                             store4(out, (line * bs + r, row0 + c),
                                    (from_acc(v[0]), from_acc(v[1]), from_acc(v[2]), from_acc(v[3])))
                 elif row0 + r < n_rows:
                     if slot >= 0:
                         store4(workspace, (slot, row0 + r, c), v)
                     else:
-                        if ONE_COLUMN:
-                            v = with_bias(v, column_bias)
-                        else:
-                            v = biased(v, bias, line * bs + c, 1)
+                        v = biased(v, column_bias if ONE_COLUMN else bias4(bias, line * bs + c, 1))
                         store4(out, (row0 + r, line * bs + c),
                                (from_acc(v[0]), from_acc(v[1]), from_acc(v[2]), from_acc(v[3])))
 
