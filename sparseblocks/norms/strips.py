@@ -47,6 +47,18 @@ ELEMENTS = {"float16": (types.float16, 2), "bfloat16": (types.int16, 2), "float3
             "float64": (types.float64, 8)}
 
 
+def static_bytes(threads):
+    """Shared memory a strip kernel's static arrays may take (its sums and statistics), and slack."""
+    return 2 * threads * 8 + 1024
+
+
+@cuda.jit(device=True, inline=True)
+def first_from(r0, start, step):
+    """The first row from ``r0`` on of a thread's rows ``start``, ``start + step``, ... (start < step;
+    uint32)."""
+    return r0 + (uint32(start) + uint32(step) - r0 % uint32(step)) % uint32(step)
+
+
 def strip_columns(cfg, C, storage, limit, held=1):
     """Columns of x a strip takes: the most (a power of two from ``column_strip_row_bytes`` of a
     row, a copy's worth and 4, up to the thread block's threads and 128) whose C x S values fit
@@ -54,7 +66,7 @@ def strip_columns(cfg, C, storage, limit, held=1):
     device's shared memory, less the kernel's static arrays); 0 where none does, or the strip is off."""
     _, size = ELEMENTS[storage]
     threads = 32 * cfg.column_warps
-    room = limit - 2 * threads * 8 - 1024
+    room = limit - static_bytes(threads)
     columns = 0
     s = max(COPY // size, 4, cfg.column_strip_row_bytes // size)  # (the apply's groups of 4 stay in the strip)
     while s <= min(threads, 128) and C * s * size <= cfg.column_strip_bytes and held * C * s * size <= room:
@@ -168,7 +180,7 @@ def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S
         """y from phase p's rows of the strip (every STEP-th row from the thread's first); walking,
         then the next strip's phase p in flight into those rows."""
         r0 = uint32(p * RP)
-        row = r0 + (uint32(first_row) + uint32(STEP) - r0 % uint32(STEP)) % uint32(STEP)
+        row = first_from(r0, first_row, STEP)
         at = row * uint32(S) + uint32(c4)
         while row < uint32(min(C, (p + 1) * RP)):
             gc, bc = p_in(g[row]), p_in(b[row])
@@ -212,7 +224,7 @@ def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S
                 if p == 0:
                     first = x_in(tile[j])
                 r0 = uint32(p * RP)
-                row = r0 + (uint32(sub) + uint32(PER) - r0 % uint32(PER)) % uint32(PER)
+                row = first_from(r0, sub, PER)
                 at = row * uint32(S) + uint32(j)  # (unsigned indices: no negative-index wrapping a load)
                 while at < uint32(min(C, (p + 1) * RP) * S):  # (rows to the phase's end)
                     d = x_in(tile[at]) - first
@@ -263,7 +275,7 @@ def strip_grid(cfg, N, S, C, storage, held=1):
         return count
     _, size = ELEMENTS[storage]
     T = 32 * cfg.column_warps
-    resident = max(1, min(2048 // T, shared_memory_limit() // (held * C * S * size + 2 * T * 8 + 1024)))
+    resident = max(1, min(2048 // T, shared_memory_limit() // (held * C * S * size + static_bytes(T))))
     return min(count, multiprocessors() * resident)
 
 
@@ -362,7 +374,7 @@ def make_strip_backward(cfg, storage, param_storage, acc_type, relu, vector, C, 
                 if p == 0:
                     m, r = stats[0, j], stats[1, j]
                 r0 = uint32(p * RP)
-                row = r0 + (uint32(sub) + uint32(PER) - r0 % uint32(PER)) % uint32(PER)
+                row = first_from(r0, sub, PER)
                 at = row * uint32(S) + uint32(j)  # (unsigned: no negative-index wrapping a load)
                 while row < uint32(min(C, (p + 1) * RP)):
                     gc, bc = p_in(g[row]), p_in(b[row])
