@@ -24,15 +24,28 @@ def make_plane_dot(signed_a, signed_w):
     return plane_dot
 
 
-def make_finish(bias, relu):
+def make_finish_value(bias, relu):
+    """``finish(value, bias_value)``: an output's value with the epilogue's bias (its value read
+    already) and ReLU (the store converts it to y's dtype)."""
+
     @cuda.jit(device=True, inline=True)
-    def finish(value, o, bias_values):
-        """Output o's value with the epilogue's bias and ReLU (the store converts it to y's dtype)."""
+    def finish(value, bias_value):
         if bias:
-            value += bias_values[o]
+            value += bias_value
         if relu:
             value = max(value, float32(0))
         return value
+
+    return finish
+
+
+def make_finish(bias, relu):
+    finish_value = make_finish_value(bias, relu)
+
+    @cuda.jit(device=True, inline=True)
+    def finish(value, o, bias_values):
+        """Output o's value with the epilogue's bias (``bias_values[o]``) and ReLU."""
+        return finish_value(value, bias_values[o] if bias else float32(0))
 
     return finish
 

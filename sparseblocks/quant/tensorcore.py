@@ -40,7 +40,7 @@ from ..ptx.ldmatrix import ldmatrix_x4
 from ..ptx.mma import B1_WORDS, mma_b1_and
 from ..ptx.vector import load2, load4, store2, store4
 from ..runtime.backend import SIMULATOR
-from .simple import make_plane_dot
+from .simple import make_finish_value, make_plane_dot
 
 FULL_MASK = 0xFFFFFFFF
 PAD = 4  # words after each tile row: a row an odd number of 16 bytes (mod 128), for ldmatrix's banks
@@ -135,13 +135,7 @@ def make_store_pair(bias, relu, paired):
     store where both are inside and rows are of an even length (``paired``: the pair aligned),
     else one a value."""
 
-    @cuda.jit(device=True, inline=True)
-    def finish(value, bias_value):
-        if bias:
-            value += bias_value
-        if relu:
-            value = max(value, float32(0))
-        return value
+    finish = make_finish_value(bias, relu)
 
     @cuda.jit(device=True, inline=True)
     def store_pair(y, at, c, O, lo, hi, b_lo, b_hi):
