@@ -81,8 +81,8 @@ def layer_norm(x: Array, g: Array, b: Array, axis: int = 1, epsilon: float = 1e-
             launch(cached(layer.make_forward, *key, shape), -(-N // shape[2]), (shape[0], shape[2]), stream,
                    (y, mean, rstd, x_dev, g_dev, b_dev, epsilon))
         elif strip:
-            launch(cached(strips.make_strip_forward, *key, C, strip), strips.strip_grid(cfg, N, strip, C, x_op.dtype),
-                   32 * cfg.column_warps, stream, (y, mean, rstd, x_dev, g_dev, b_dev, epsilon))
+            launch(cached(strips.make_strip_forward, *key, C, strip), -(-N // strip), 32 * cfg.column_warps, stream,
+                   (y, mean, rstd, x_dev, g_dev, b_dev, epsilon))
         else:
             sums, stats_kernel, apply = cached(columns.make_forward, *key)
             (grid, block), (stats_grid, stats_threads) = column_launch(cfg, C, N)
@@ -136,9 +136,8 @@ def layer_norm_grad(dy: Array, x: Array, g: Array, b: Array, mean: Array, rstd: 
         launch(partials, grid, cfg.row_threads, stream, (work, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
     elif strip:
         work = x_op.scratch((-(-N // strip), 2, C), acc, stream)
-        launch(cached(strips.make_strip_backward, *key, vector, C, strip),
-               strips.strip_grid(cfg, N, strip, C, x_op.dtype, held=2), 32 * cfg.column_warps, stream,
-               (dx, work, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
+        launch(cached(strips.make_strip_backward, *key, vector, C, strip), -(-N // strip), 32 * cfg.column_warps,
+               stream, (dx, work, dy_dev, x_dev, g_dev, b_dev, mean_dev, rstd_dev))
     else:
         sums, means, apply = cached(columns.make_backward, *key, vector)
         if N:

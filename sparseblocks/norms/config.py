@@ -17,12 +17,12 @@ class NormsConfig:
     column_unroll: int = 1  # feature axis 0: rows a warp loads (of each array) before the first is used
     column_blocks: int = 4  # feature axis 0: thread blocks a multiprocessor its sums and apply are bound to (0: none)
     column_reverse: bool = True  # feature axis 0: the apply kernels take the sums' thread blocks last first (L2)
-    # feature axis 0: one pass over strips of columns held in shared memory, where a strip of every
-    # feature takes at most this many bytes of each array it holds (x; x and dy) (0: off) ...
+    # feature axis 0: one pass over strips of columns held in shared memory: the widest strip of every
+    # feature within this many bytes of each array it holds (x; x and dy) (0: off) ...
     column_strip_bytes: int = 32768
-    column_strip_row_bytes: int = 32  # ... and at least this many bytes of each row (narrower: the column kernels)
-    column_strip_phases: int = 1  # ... a strip's rows landing in this many parts (1-4), the sums starting on each
-    column_strip_walk: bool = False  # ... thread blocks walk strips, the next strip's parts loading behind the writes
+    column_strip_row_bytes: int = 32  # ... of at least this many bytes of each row (narrower: the column kernels) ...
+    column_strip_max_bytes: int = 65536  # ... or, where none fits, the narrowest strip within this many bytes ...
+    column_strip_grad_columns: int = 16  # ... and in the backward, at least this many columns
     grad_rows: int = 32  # axis 1's dg and db: rows a thread block sums for each feature, before the ordered sum
     grad_finish_warps: int = 8  # dg and db's ordered sum of the row chunks: warps sharing 32 features' chunks
 
@@ -48,12 +48,17 @@ class NormsConfig:
         if not 0 <= self.column_strip_bytes <= 227 * 1024:
             raise ValueError(f"column_strip_bytes: expected 0 to 232448 bytes of shared memory, "
                              f"got {self.column_strip_bytes}")
+        if not 0 <= self.column_strip_max_bytes <= 227 * 1024:
+            raise ValueError(f"column_strip_max_bytes: expected 0 to 232448 bytes of shared memory, "
+                             f"got {self.column_strip_max_bytes}")
+        grad_columns = self.column_strip_grad_columns
+        if not 1 <= grad_columns <= 128 or grad_columns & (grad_columns - 1):
+            raise ValueError(f"column_strip_grad_columns: expected a power of two from 1 to 128 columns, "
+                             f"got {grad_columns}")
         row_bytes = self.column_strip_row_bytes
         if not 16 <= row_bytes <= 1024 or row_bytes & (row_bytes - 1):
             raise ValueError(f"column_strip_row_bytes: expected a power of two from 16 to 1024 bytes, "
                              f"got {self.column_strip_row_bytes}")
-        if not 1 <= self.column_strip_phases <= 4:
-            raise ValueError(f"column_strip_phases: expected 1 to 4 parts, got {self.column_strip_phases}")
         if not 1 <= self.column_unroll <= 8:
             raise ValueError(f"column_unroll: expected 1 to 8 rows in flight, got {self.column_unroll}")
         if not 1 <= self.grad_finish_warps <= 32:

@@ -155,8 +155,10 @@ X, G = np.zeros((3, 8), np.float32), np.ones(8, np.float32)
      "column_blocks: expected 0 to 32"),
     (lambda: norms.layer_norm(X.T, G[:3], G[:3], axis=0, config=NormsConfig(column_strip_row_bytes=24)), ValueError,
      "column_strip_row_bytes: expected a power of two from 16 to 1024"),
-    (lambda: norms.layer_norm(X.T, G[:3], G[:3], axis=0, config=NormsConfig(column_strip_phases=5)), ValueError,
-     "column_strip_phases: expected 1 to 4"),
+    (lambda: norms.layer_norm(X.T, G[:3], G[:3], axis=0, config=NormsConfig(column_strip_max_bytes=-1)), ValueError,
+     "column_strip_max_bytes: expected 0 to 232448"),
+    (lambda: norms.layer_norm(X.T, G[:3], G[:3], axis=0, config=NormsConfig(column_strip_grad_columns=12)),
+     ValueError, "column_strip_grad_columns: expected a power of two from 1 to 128"),
 ])
 def test_bad_input_is_refused_before_any_launch(call, error, match):
     with pytest.raises(error, match=match):
@@ -298,7 +300,7 @@ def test_axis_0_in_one_pass_over_strips_of_columns(monkeypatch, dtype, N, taken,
     C = 7
     x = (rng.standard_normal((C, N)) * 3 + 5).astype(numpy_dtype(dtype))
     g, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
-    cfg = dataclasses.replace(SMALL, column_strip_bytes=512)
+    cfg = dataclasses.replace(SMALL, column_strip_bytes=512, column_strip_max_bytes=0, column_strip_grad_columns=1)
     y, mean, rstd = norms.layer_norm(x, g, b, axis=0, relu=relu, stats=True, config=cfg)
     assert bool(made) == taken
     columns = norms.layer_norm(x, g, b, axis=0, relu=relu, stats=True, config=SMALL)
@@ -333,44 +335,20 @@ def test_axis_0_in_one_pass_over_strips_of_columns(monkeypatch, dtype, N, taken,
 
 @pytest.mark.parametrize("storage, C, held, want", [
     ("float16", 512, 1, 32), ("float16", 1024, 1, 16), ("float16", 1024, 2, 16), ("bfloat16", 512, 2, 32),
-    ("float16", 2048, 1, 0), ("float16", 4096, 2, 0), ("float32", 1024, 1, 8), ("float32", 2048, 1, 0),
-    ("float64", 1024, 2, 4), ("float16", 16, 1, 128)])
+    ("float16", 2048, 1, 16), ("bfloat16", 2048, 2, 16), ("float16", 4096, 1, 0), ("float16", 4096, 2, 0),
+    ("float32", 1024, 1, 8), ("float32", 2048, 1, 8), ("float32", 2048, 2, 0), ("float32", 1024, 2, 16),
+    ("float64", 1024, 1, 4), ("float64", 1024, 2, 0), ("float16", 16, 1, 128)])
 def test_the_default_strips_take_small_feature_counts_only(storage, C, held, want):
-    """The default strips (32 KB of each array held, rows of 32 bytes at least): the widest strip
-    within both, up to 128 columns; none where a 32-byte row of every feature overflows 32 KB (the
-    column kernels ran faster there on the H200: strips of 16-byte rows, or of more than 32 KB,
-    0.53-0.87x), and none where the arrays held overflow the device's shared memory."""
+    """The default strips: rows of 32 bytes at least (backward: 16 columns at least), widened up
+    to 128 columns while an array's strip fits 32 KB, or the narrowest where it fits 64 KB only;
+    none past that (the column kernels ran faster there on the H200: strips of 16-byte rows, 8
+    columns backward, or of 128 KB, 0.53-0.87x), and none where the arrays held overflow the
+    device's shared memory."""
     from sparseblocks.norms import strips
     cfg = NormsConfig()
     assert strips.strip_columns(cfg, C, storage, 227 * 1024, held) == want
     assert strips.strip_columns(cfg, 1024, "float16", 40 * 1024, 2) == 0  # (2 x 32 KB and the static arrays)
     assert strips.strip_columns(dataclasses.replace(cfg, column_strip_bytes=0), 16, storage, 227 * 1024) == 0
-
-
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("phases, walk", [(2, False), (3, True), (4, True), (1, True)])
-def test_strip_phases_and_walk_give_the_same_bits(monkeypatch, dtype, phases, walk):
-    """``column_strip_phases`` (the sums starting on each part of a strip's rows as it lands) and
-    ``column_strip_walk`` (two thread blocks walking five strips, the next strip's parts loading
-    behind y's or dx's writes): y, mean and rstd, and dx, dg and db, bit for bit as one strip a
-    thread block in one part (21 features, parts of 6 to 11 rows forward, whole dx rounds of 8 or
-    16 rows backward, a part left empty; the last strip partial)."""
-    from sparseblocks.norms import strips
-    rng = np.random.default_rng(14)
-    C, N = 21, 144 if dtype == "float16" else 72  # (five strips of 32 16-bit or 16 fp32 columns, the last partial)
-    x = (rng.standard_normal((C, N)) * 3 + 5).astype(numpy_dtype(dtype))
-    dy = rng.standard_normal((C, N)).astype(numpy_dtype(dtype))
-    g, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
-    plain_cfg = dataclasses.replace(SMALL, column_strip_bytes=2048)
-    want = norms.layer_norm(x, g, b, axis=0, relu=True, stats=True, config=plain_cfg)
-    want_grads = norms.layer_norm_grad(dy, x, g, b, want[1], want[2], axis=0, relu=True, config=plain_cfg)
-    S = 32 if dtype == "float16" else 16
-    assert strips.strip_grid(plain_cfg, N, S, C, dtype) == strips.strip_grid(plain_cfg, N, S, C, dtype, held=2) == 5
-    grid = strips.strip_grid
-    monkeypatch.setattr(strips, "strip_grid", lambda cfg, *args, **kwargs: min(2, grid(cfg, *args, **kwargs))
-                        if cfg.column_strip_walk else grid(cfg, *args, **kwargs))
-    cfg = dataclasses.replace(plain_cfg, column_strip_phases=phases, column_strip_walk=walk)
-    got = norms.layer_norm(x, g, b, axis=0, relu=True, stats=True, config=cfg)
-    got_grads = norms.layer_norm_grad(dy, x, g, b, want[1], want[2], axis=0, relu=True, config=cfg)
-    for one, two, name in zip(got + got_grads, want + want_grads, ("y", "mean", "rstd", "dx", "dg", "db")):
-        np.testing.assert_array_equal(one, two, err_msg=name)
+    wide = dataclasses.replace(cfg, column_strip_max_bytes=0)  # (widest within 32 KB only)
+    assert strips.strip_columns(wide, 2048, "float16", 227 * 1024) == 0
+    assert strips.strip_columns(wide, 1024, "float16", 227 * 1024) == 16
