@@ -180,6 +180,9 @@ class BlocksparseConv:
                         self._host["hg_" + kind] = np.array(hopper.geometry(geo, wgs), np.int32)
                     if kind == "filter_grad":
                         self._fp32_filter_fits = implicit.plan(ig, G, True, implicit.value_bytes("float32"))
+                        if hopper.filter_fits(geo, G):  # (`ConvConfig.hopper_filter_grad` on sm_90)
+                            self._host["hg_filter_grad"] = np.array(hopper.filter_geometry(geo), np.int32)
+                            self._host["units"] = hopper.filter_units([(cs[0], ks[0]) for cs, ks in blocks], G)
         self._tables: dict = {}
 
     # -- sizes ------------------------------------------------------------------------------
@@ -360,6 +363,10 @@ class BlocksparseConv:
         DHW, MPQ = int(ig[0] * ig[1] * ig[2]), int(ig[3] * ig[4] * ig[5])
         x_rows = op_x.device(stream).reshape(-1) if last else self._rows(op_x, self._C, DHW, N, stream)
         dy_rows = op_dy.device(stream).reshape(-1) if last else self._rows(op_dy, self._K, MPQ, N, stream)
+        if (self.config.hopper_filter_grad and "hg_filter_grad" in self._host
+                and op_x.dtype in ("float16", "bfloat16") and compute_capability() == (9, 0)):
+            self._hopper_filter_grad(out, dy_rows, x_rows, op_x, N, stream)
+            return
         taps = min(TRS, implicit.max_taps(op_x.dtype, G))
         groups = -(-TRS // taps)
         cc, ws = implicit.filter_split(G)
@@ -374,6 +381,24 @@ class BlocksparseConv:
                 shares, self.f_size))
         launch(cached(implicit.make_sum, op_x.dtype), (max(1, min(-(-self.f_size // 256), 2 * multiprocessors())),),
                256, stream, (out, part, shares * ws, self.f_size))
+
+    def _hopper_filter_grad(self, out, dy_rows, x_rows, op_x, N, stream):
+        """`hopper.make_filter_grad`'s partial sums over shares of the tiles (thread blocks to fill
+        the multiprocessors `hopper.FILTER_WAVES` times), then their sum into ``out``."""
+        t = self._table(stream)
+        hg, units = self._host["hg_filter_grad"], self._host["units"]
+        G, TRS = self._group, int(np.prod(self._g["TRS"]))
+        TW = hopper.filter_taps(TRS, G)
+        groups = -(-TRS // (2 * TW))
+        tiles = N * int(hg[3] * hg[21] * hg[22])
+        shares = max(1, min(tiles, -(-hopper.FILTER_WAVES * multiprocessors() // (len(units) * groups))))
+        part = op_x.scratch((shares * self.f_size,), np.float32, stream)
+        launch(cached(hopper.make_filter_grad, op_x.dtype, G, TRS, hopper.patch_positions(hg), TW),
+               (shares, len(units), groups), 2 * hopper.WARPGROUP, stream,
+               (part, dy_rows, x_rows, t["units"], t["blk_c0"], t["blk_k0"], t["hg_filter_grad"], self._C, self._K,
+                tiles, shares, self.f_size))
+        launch(cached(implicit.make_sum, op_x.dtype), (max(1, min(-(-self.f_size // 256), 2 * multiprocessors())),),
+               256, stream, (out, part, shares, self.f_size))
 
     def _check(self, op, shape, N=None, last=False):
         if N is None:

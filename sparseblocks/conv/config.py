@@ -24,6 +24,9 @@ class ConvConfig:
     hopper: bool = True
     hopper_groups: int = 2  # ... warpgroups a tile of 8 output rows, each 8 columns (1 or 2)
     hopper_keep: bool = False  # ... a group's filter blocks kept in shared memory over many tiles, where they fit
+    # On sm_90, fp16 and bf16 filter gradients of stride 1 on wgmma (`hopper.make_filter_grad`: 64 / G
+    # blocks of an output group as wgmma's m, a tap a descriptor into their patch) where their ring fits
+    hopper_filter_grad: bool = False
 
     def check(self):
         if self.threads % 32 or not 32 <= self.threads <= 1024:

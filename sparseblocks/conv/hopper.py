@@ -267,3 +267,212 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0):
                     acc[i] = float32(0)
 
     return dynamic_shared(forward, KEPT + keep * B_BYTES)
+
+
+FILTER_M = 64  # a filter-gradient unit's input channels: wgmma's m (64 / G blocks of one output group)
+FILTER_ACC = 96  # accumulators a thread of the filter gradient holds at most (its taps' 64 x G tiles)
+FILTER_COLS = 16  # a filter-gradient tile's output columns (8 rows of them: 128 positions, k of 8 k16 steps)
+FILTER_WAVES = 2  # the filter gradient's thread blocks: enough to fill the multiprocessors this many times
+
+
+def filter_taps(TRS, G):
+    """Taps each of a filter-gradient thread block's two warpgroups takes (its tap group's first
+    half, then its second): half the taps, at most ``FILTER_ACC / (G / 2)``."""
+    return max(1, min(-(-TRS // 2), FILTER_ACC // (G // 2)))
+
+
+def filter_geometry(geo):
+    """`geometry` for the filter gradient's tiles of 8 rows of `FILTER_COLS` positions."""
+    return geometry(geo, FILTER_COLS // TILE_COLS)
+
+
+def filter_stage_bytes(hg, G):
+    return (FILTER_M // 8) * patch_positions(hg) * CHUNK + (G // 8) * TILE_ROWS * FILTER_COLS * CHUNK
+
+
+def filter_fits(geo, G):
+    """Whether a layer's filter gradient takes `make_filter_grad`: `fits`' conditions, for its ring."""
+    return (G in (16, 32, 64) and tuple(int(v) for v in geo[9:12]) == (1, 1, 1) and int(geo[4]) >= TILE_ROWS
+            and STAGES * filter_stage_bytes(filter_geometry(geo), G) <= 200 * 1024)
+
+
+def filter_units(blocks, G):
+    """The filter gradient's units: the blocks of each output group (``blocks``: (first input
+    channel, first output channel) a block) in runs of 64 / G, as an int32 array (units, 64 / G),
+    -1 past a group's last block."""
+    import numpy as np
+
+    per = FILTER_M // G
+    groups: dict = {}
+    for b, (_, k0) in enumerate(blocks):
+        groups.setdefault(k0, []).append(b)
+    units = [run[i:i + per] + [-1] * (per - len(run[i:i + per])) for run in groups.values()
+             for i in range(0, len(run), per)]
+    return np.array(units or [[-1] * per], np.int32).reshape(-1, per)
+
+
+def make_filter_grad(storage, G, TRS, positions, TW):
+    """The filter gradient's partial sums on wgmma, for channel groups of G, TRS taps, patches of
+    ``positions`` positions and ``TW`` taps a warpgroup (`filter_taps`).
+
+    dF[k, c, tap] = Σ over positions of dy[position, k] · x[position + tap's offset, c]: the
+    positions are the product's k. A unit (`filter_units`) is up to 64 / G blocks of one output
+    group, whose input channels make wgmma's m = 64: A is their patch (the forward's layout, the
+    blocks' channels one chunk of 8 after another), MN-major (a core matrix: 8 positions of one
+    output row, shifted by the tap, 8 channels each; ``lbo`` the patch row's pitch, the next output
+    row; ``sbo`` the chunk's stride); B is the tile's output gradient, n = the group's G output
+    channels, MN-major as well (staged chunk-major in the k steps' order of positions). A tile
+    is 8 rows of `FILTER_COLS` positions, eight k16 steps (a pair of rows, half of them), each
+    every tap's wgmma. Warpgroup w takes taps ``tap0 + w·TW`` onwards, TW of them (past the last,
+    the last again, never stored), each a 64 x G tile of accumulators.
+
+    Grid (shares, units, tap groups of 2·TW): a thread block walks its share of the tiles, a stage
+    a tile, and writes its unit's blocks' sums of its taps into ``part``'s slot of its share (the
+    implicit GEMM's layout: share, block, k, c, tap), which `implicit.make_sum` adds in order."""
+    THREADS = 2 * WARPGROUP
+    CK = G // 8  # chunks of 8 channels a block (of the unit's patch) and of dy
+    UNIT = FILTER_M // G  # blocks a unit
+    ACC = G // 2  # accumulators a thread a tap
+    A_CHUNK = positions * CHUNK  # a patch chunk's stride (sbo)
+    A_BYTES = (FILTER_M // 8) * A_CHUNK
+    TILE = TILE_ROWS * FILTER_COLS  # positions a tile (a stage)
+    B_CHUNK = TILE * CHUNK  # a dy chunk's stride (sbo)
+    STAGE = A_BYTES + CK * B_CHUNK
+    A_COPIES, B_COPIES = (FILTER_M // 8) * positions, CK * TILE
+    A_PER, B_PER = -(-A_COPIES // THREADS), -(-B_COPIES // THREADS)
+    E = 2
+    kind = "bf16" if storage == "bfloat16" else "f16"
+    settle = make_settle(TW * G)
+    wg_wait_all = wg_waiter(0)
+    tile_of, _, tap_shift = make_tiles(FILTER_COLS, TILE_ROWS)
+
+    @inlined
+    def where(tile, hg):
+        n, m, p0, q0 = tile_of(tile, hg)
+        return int32(n), int32(m), int32(p0), int32(q0)
+
+    @inlined
+    def spots(spot, hg, IN_ROWS):
+        """Each of this thread's patch copies' place in the patch (depth -1: no copy), its unit
+        block, and its source's offset from the patch's first position's (less the block's first
+        channel), the same for every tile."""
+        H, W = hg[1], hg[2]
+        PP = hg[18] * hg[19] * hg[20]
+        for i in range(A_PER):
+            c = cuda.threadIdx.x + i * THREADS
+            spot[i, 0] = -1
+            if c < A_COPIES:
+                ck, pos = divmod32(c, PP)
+                rest, w = divmod32(pos, hg[20])
+                dd, h = divmod32(rest, hg[19])
+                spot[i, 0], spot[i, 1], spot[i, 2] = int32(dd), int32(h), int32(w)
+                spot[i, 3] = ((int32(dd) * H + int32(h)) * W + int32(w)) * IN_ROWS + 8 * (int32(ck) % CK)
+                spot[i, 4] = int32(ck) // CK
+
+    @inlined
+    def issue(s, at, args):
+        """Stage s: tile ``first + s``'s patch of the unit's input channels (zeros in the padding and
+        for a missing block) and its output gradient (zeros past the output's edges)."""
+        x_at, dy_at, spot, firsts, k0, first, hg, IN_ROWS, K = args
+        D, H, W = hg[0], hg[1], hg[2]
+        M, P, Q = hg[3], hg[4], hg[5]
+        n, m, p0, q0 = where(first + int32(s), hg)
+        d0, h0, w0 = m - hg[12], p0 - hg[13], q0 - hg[14]
+        image = E * int64(n) * (D * H * W) * IN_ROWS
+        corner = ((d0 * H + h0) * W + w0) * IN_ROWS  # (the patch's first position's, maybe outside)
+        for i in range(A_PER):
+            c = cuda.threadIdx.x + i * THREADS
+            if spot[i, 0] >= 0:
+                d, h, w = d0 + spot[i, 0], h0 + spot[i, 1], w0 + spot[i, 2]
+                c_first = firsts[spot[i, 4]]
+                inside = c_first >= 0 and 0 <= d < D and 0 <= h < H and 0 <= w < W
+                source = x_at + (image + E * int64(corner + spot[i, 3] + c_first) if inside else 0)
+                copy16_or_zero(at + c * CHUNK, source, inside)
+        b_at = at + A_BYTES
+        for i in range(B_PER):
+            c = cuda.threadIdx.x + i * THREADS
+            if c < B_COPIES:
+                j, pp = divmod32(c, TILE)  # (chunk j of position pp in the k steps' order)
+                ks, rest = divmod32(pp, 16)
+                r, c8 = divmod32(rest, 8)
+                p, q = p0 + 2 * int32(ks // 2) + int32(r), q0 + 8 * int32(ks % 2) + int32(c8)
+                keep = p < P and q < Q
+                source = dy_at + (E * ((int64(n) * (M * P * Q) + (m * P + p) * Q + q) * K + k0 + 8 * int32(j))
+                                  if keep else 0)
+                copy16_or_zero(b_at + c * CHUNK, source, keep)
+
+    prime, advance = make_ring(issue, STAGES, STAGE, counter=False, visible=proxy_fence)
+
+    def make_tap(i):
+        mma = make_mma(G, kind, True, True, first=i * ACC)
+
+        def tap(acc, at, ks, shifts, hg):
+            """This warpgroup's i-th tap at k16 step ks: A the patch at the step's rows and columns,
+            shifted by the tap's offset; B the step's 16 positions of dy."""
+            row = 2 * (ks // 2) * hg[20] + TILE_COLS * (ks % 2)
+            a = descriptor(at + (shifts[i] + row) * CHUNK, hg[20] * CHUNK, A_CHUNK, 0)
+            b = descriptor(at + A_BYTES + ks * 16 * CHUNK, 8 * CHUNK, B_CHUNK, 0)
+            mma(acc, a, b, int32(1))
+
+        return inlined(tap)
+
+    namespace = {f"tap{i}": make_tap(i) for i in range(TW)}
+    exec("def taps(acc, at, ks, shifts, hg):\n" + "\n".join(f"    tap{i}(acc, at, ks, shifts, hg)"
+                                                          for i in range(TW)) + "\n", namespace)
+    taps = inlined(namespace["taps"])
+
+    @inlined
+    def store(part, acc, slot, unit_blk, u, tap0, TRS_):
+        """The accumulators into the share's slot: lane l of warp w holds the unit's input channels
+        16 w + l // 4 (+ 8) and output channels 8 j + 2 (l % 4) (+ 1) of each tap."""
+        tid = cuda.threadIdx.x % WARPGROUP
+        warp, lane = tid // 32, tid % 32
+        for h in range(2):
+            row = 16 * warp + lane // 4 + 8 * h
+            b = unit_blk[u, row // G]
+            if b >= 0:
+                at = slot + int64(b) * (G * G * TRS_) + (row % G) * TRS_
+                for i in range(TW):
+                    tap = tap0 + i
+                    if tap < TRS_:
+                        for j in range(ACC // 4):
+                            for e in range(2):
+                                k = 8 * j + 2 * (lane % 4) + e
+                                part[at + (k * G) * TRS_ + tap] = acc[i * ACC + 4 * j + 2 * h + e]
+
+    @cuda.jit
+    def filter_grad(part, dy, x, unit_blk, blk_c0, blk_k0, hg, IN_ROWS, K, tiles, shares, f_size):
+        share, u = cuda.blockIdx.x, cuda.blockIdx.y
+        group = cuda.threadIdx.x // WARPGROUP
+        tap0 = (cuda.blockIdx.z * 2 + group) * TW  # (this warpgroup's first tap)
+        smem = cuda.shared.array(0, int32)
+        base = shared_address(smem, (0,))
+        acc = cuda.local.array(TW * ACC, float32)
+        for i in range(TW * ACC):
+            acc[i] = float32(0)
+        firsts = cuda.local.array(UNIT, int32)  # the unit's blocks' first input channels (-1: none)
+        for j in range(UNIT):
+            b = unit_blk[u, j]
+            firsts[j] = blk_c0[b] if b >= 0 else -1
+        k0 = blk_k0[unit_blk[u, 0]]
+        spot = cuda.local.array((A_PER, 5), int32)
+        spots(spot, hg, IN_ROWS)
+        shifts = cuda.local.array(TW, int32)  # each of this warpgroup's taps' offset in patch positions
+        for i in range(TW):
+            shifts[i] = tap_shift(min(tap0 + i, TRS - 1), hg)
+        first = (share * tiles) // shares
+        count = ((share + 1) * tiles) // shares - first
+        args = (signed_address(x, (0,)), signed_address(dy, (0,)), spot, firsts, k0, first, hg, IN_ROWS, K)
+        prime(base, count, args)
+        buf = 0
+        for s in range(count):
+            at, buf = advance(s, buf, base, count, args)
+            fence()
+            for ks in range(TILE // 16):
+                taps(acc, at, ks, shifts, hg)
+            wg_commit()
+            wg_wait_all()  # (the buffer is free for the copies the next barrier lets in)
+        settle(acc)
+        store(part, acc, int64(share) * f_size, unit_blk, u, tap0, TRS)
+
+    return dynamic_shared(filter_grad, STAGES * STAGE)

@@ -78,12 +78,13 @@ def grouped_layer(rng, G, groups):
 
 def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, padding, bias, seed, N=2,
                                implicit=True, channels_last=False, stage_bytes=32, hopper=False, hopper_groups=1,
-                               hopper_keep=True):
+                               hopper_keep=True, hopper_filter_grad=False):
     rng = np.random.default_rng(seed)
     BCK = grouped_layer(rng, G, groups)
     op = BlocksparseConv(BCK, TRS, DHW, strides=strides, dilates=dilates, padding=padding, edge_bias=bias,
                          config=ConvConfig(implicit=implicit, stage_bytes=stage_bytes, hopper=hopper,
-                                           hopper_groups=hopper_groups, hopper_keep=hopper_keep))
+                                           hopper_groups=hopper_groups, hopper_keep=hopper_keep,
+                                           hopper_filter_grad=hopper_filter_grad))
     assert op._group == G
     F = [values(rng, op.f_shape(b), dtype) for b in range(len(BCK))]
     I = values(rng, op.i_shape(N), dtype)
@@ -163,6 +164,34 @@ def test_hopper_products_match_the_twin(monkeypatch, channels_last, groups, keep
     check_tensor_core_products("float16", 16, 2, TRS, (8, 9), 1, 1, "SAME", True, 3, N=N,
                                channels_last=channels_last, hopper=True, hopper_groups=groups, hopper_keep=keep)
     assert sum(key[0] is hopper.make_forward for key in compile_cache._kernels) > before
+
+
+@pytest.mark.parametrize("G, groups, TRS, DHW, channels_last", [
+    (16, 3, (2, 2), (9, 10), False), (32, 2, (3, 3), (8, 9), True), (16, 2, (1, 3), (9, 17), False)])
+def test_hopper_filter_gradient_matches_the_twin(monkeypatch, G, groups, TRS, DHW, channels_last):
+    """``ConvConfig.hopper_filter_grad``: the filter gradient on wgmma (`hopper.make_filter_grad`,
+    here the simulator's twin): units of 64 / G blocks of an output group as m (G = 16: four, some
+    missing; G = 32: two), the patch and dy MN-major, tiles of 8 x 16 positions overhanging the
+    output, each warpgroup half the taps (an odd count: one computed twice, stored once)."""
+    from sparseblocks.conv import api, hopper
+    from sparseblocks.runtime import compile as compile_cache
+
+    monkeypatch.setattr(api, "compute_capability", lambda: (9, 0))
+    before = sum(key[0] is hopper.make_filter_grad for key in compile_cache._kernels)
+    check_tensor_core_products("float16", G, groups, TRS, DHW, 1, 1, "SAME", False, 7, N=2,
+                               channels_last=channels_last, hopper=True, hopper_filter_grad=True)
+    assert sum(key[0] is hopper.make_filter_grad for key in compile_cache._kernels) > before
+
+
+def test_hopper_filter_units_join_an_output_groups_blocks():
+    """`hopper.filter_units`: each output group's blocks in runs of 64 / G, -1 past the last."""
+    from sparseblocks.conv import hopper
+
+    blocks = [(0, 0), (16, 0), (32, 16), (48, 0), (64, 0), (0, 16)]
+    np.testing.assert_array_equal(hopper.filter_units(blocks, 16), [[0, 1, 3, 4], [2, 5, -1, -1]])
+    np.testing.assert_array_equal(hopper.filter_units(blocks, 32), [[0, 1], [3, 4], [2, 5]])
+    np.testing.assert_array_equal(hopper.filter_units(blocks, 64), [[0], [1], [3], [4], [2], [5]])
+    assert hopper.filter_taps(9, 32) == 5 and hopper.filter_taps(27, 64) == 3 and hopper.filter_taps(1, 16) == 1
 
 
 def test_strided_tensor_core_products_match_the_twin():
