@@ -423,7 +423,8 @@ def check_norms():
                                      launch_bounds=(32 * cfg.column_warps, blocks) if blocks else None))
         strip_cfg = cfg  # (axis 0 in one pass: a strip of columns; past the default's C, 64 KB strips of 16-byte rows)
         if not strips.strip_columns(cfg, C, storage, 227 * 1024, held=2):
-            strip_cfg = replace(cfg, column_strip_bytes=64 * 1024, column_strip_row_bytes=16, column_strip_grad_columns=8)
+            strip_cfg = replace(cfg, column_strip_bytes=64 * 1024, column_strip_row_bytes=16,
+                                column_strip_grad_columns=1)
         S = strips.strip_columns(strip_cfg, C, storage, 227 * 1024)
         strip = strips.make_strip_forward(strip_cfg, storage, storage, float32, False, True, C, S)
         results.append(check(f"layer_norm axis 0 in strips {storage} C={C} ({S} columns)", strip.py_func,
@@ -440,6 +441,29 @@ def check_norms():
     return 0 if all(results) else 1
 
 
+def check_conv():
+    """The convolution's wgmma kernels for sm_90a (fp16 and bf16, channel groups of 16, 32 and 64,
+    3x3 taps, 8 x 16 positions a tile): the forward (two warpgroups) and the filter gradient."""
+    from sparseblocks.conv import hopper
+
+    index, results = types.int32[::1], []
+    for storage, G in itertools.product(("float16", "bfloat16"), (16, 32, 64)):
+        value = types.int16 if storage == "bfloat16" else types.float16
+        hg = hopper.filter_geometry([1, 56, 56, 1, 56, 56, 1, 3, 3, 1, 1, 1, 0, 1, 1, 1, 1, 1])
+        positions = hopper.patch_positions(hg)
+        forward = hopper.make_forward(storage, G, 9, positions, False, 2)
+        results.append(check(f"conv wgmma forward {storage} G={G} 3x3", forward.py_func,
+                             (value[::1],) * 3 + (index,) * 4 + (i64,) * 2 + (value[:, ::1], index, types.boolean,
+                                                                              i64, i64), cc=(9, 0, "a")))
+        TW = hopper.filter_taps(9, G)
+        grad = hopper.make_filter_grad(storage, G, 9, positions, TW)
+        results.append(check(f"conv wgmma filter gradient {storage} G={G} 3x3 ({TW} taps a warpgroup)", grad.py_func,
+                             (types.float32[::1], value[::1], value[::1], types.int32[:, ::1]) + (index,) * 3
+                             + (i64,) * 5, cc=(9, 0, "a"),
+                             detail=lambda ptx: f"  {ptx.count('wgmma.mma_async')} wgmma"))
+    return 0 if all(results) else 1
+
+
 def main():
     import argparse
 
@@ -450,6 +474,7 @@ def main():
     parser.add_argument("--quant", action="store_true", help="the quantized products and packing instead")
     parser.add_argument("--attention", action="store_true", help="attention's fused and wgmma kernels instead")
     parser.add_argument("--norms", action="store_true", help="layer norm's axis-1 kernels instead")
+    parser.add_argument("--conv", action="store_true", help="the convolution's wgmma kernels instead")
     parser.add_argument("--only", nargs="*", default=[], help="only the checks whose names hold all these words")
     args = parser.parse_args()
     ONLY[:] = args.only
@@ -459,6 +484,8 @@ def main():
         return check_attention()
     if args.norms:
         return check_norms()
+    if args.conv:
+        return check_conv()
     if args.bsmm:
         return check_bsmm()
     if args.fused is not None:

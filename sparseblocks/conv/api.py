@@ -388,7 +388,7 @@ class BlocksparseConv:
         t = self._table(stream)
         hg, units = self._host["hg_filter_grad"], self._host["units"]
         G, TRS = self._group, int(np.prod(self._g["TRS"]))
-        TW = hopper.filter_taps(TRS, G)
+        TW = hopper.filter_taps(TRS, G, self.config.hopper_filter_taps)
         groups = -(-TRS // (2 * TW))
         tiles = N * int(hg[3] * hg[21] * hg[22])
         shares = max(1, min(tiles, -(-hopper.FILTER_WAVES * multiprocessors() // (len(units) * groups))))

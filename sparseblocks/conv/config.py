@@ -27,12 +27,15 @@ class ConvConfig:
     # On sm_90, fp16 and bf16 filter gradients of stride 1 on wgmma (`hopper.make_filter_grad`: 64 / G
     # blocks of an output group as wgmma's m, a tap a descriptor into their patch) where their ring fits
     hopper_filter_grad: bool = False
+    hopper_filter_taps: int = 0  # ... taps a warpgroup (1-12; 0: half the taps, up to 96 accumulators a thread)
 
     def check(self):
         if self.threads % 32 or not 32 <= self.threads <= 1024:
             raise ValueError(f"threads: expected a multiple of 32 from 32 to 1024, got {self.threads}")
         if self.hopper_groups not in (1, 2):
             raise ValueError(f"hopper_groups: expected 1 or 2, got {self.hopper_groups}")
+        if not 0 <= self.hopper_filter_taps <= 12:
+            raise ValueError(f"hopper_filter_taps: expected 0 to 12 taps a warpgroup, got {self.hopper_filter_taps}")
         if self.stage_bytes not in (32, 64):
             raise ValueError(f"stage_bytes: expected 32 or 64, got {self.stage_bytes}")
 

@@ -20,6 +20,10 @@ cp.async copies (`ptx.cp_async.make_ring`, fenced for the async proxy); each sta
 waited for before the next, so a buffer is free once the barrier passes. Stride 1 only (eight
 outputs' inputs 16 bytes apart). The epilogue stores from the accumulators (and the edge bias),
 channels-last or NCHW, as `implicit.make_forward`'s does.
+
+`make_filter_grad` (``ConvConfig.hopper_filter_grad``) takes the filter gradient the same way,
+with the positions as the product's k: the patch of 64 / G blocks of one output group is A (m =
+their 64 input channels), a tile's output gradient B, both MN-major, a tap a descriptor's start.
 """
 
 from numba import cuda, float32, int32, int64, uint64
@@ -275,10 +279,11 @@ FILTER_COLS = 16  # a filter-gradient tile's output columns (8 rows of them: 128
 FILTER_WAVES = 2  # the filter gradient's thread blocks: enough to fill the multiprocessors this many times
 
 
-def filter_taps(TRS, G):
+def filter_taps(TRS, G, taps=0):
     """Taps each of a filter-gradient thread block's two warpgroups takes (its tap group's first
-    half, then its second): half the taps, at most ``FILTER_ACC / (G / 2)``."""
-    return max(1, min(-(-TRS // 2), FILTER_ACC // (G // 2)))
+    half, then its second): ``taps`` (`ConvConfig.hopper_filter_taps`) or, where 0, half the taps
+    at most ``FILTER_ACC / (G / 2)``; never more than half the taps."""
+    return max(1, min(-(-TRS // 2), taps or FILTER_ACC // (G // 2)))
 
 
 def filter_geometry(geo):
@@ -333,6 +338,7 @@ def make_filter_grad(storage, G, TRS, positions, TW):
     CK = G // 8  # chunks of 8 channels a block (of the unit's patch) and of dy
     UNIT = FILTER_M // G  # blocks a unit
     ACC = G // 2  # accumulators a thread a tap
+    HELD = TW * ACC  # ... and all of them
     A_CHUNK = positions * CHUNK  # a patch chunk's stride (sbo)
     A_BYTES = (FILTER_M // 8) * A_CHUNK
     TILE = TILE_ROWS * FILTER_COLS  # positions a tile (a stage)
@@ -447,8 +453,8 @@ def make_filter_grad(storage, G, TRS, positions, TW):
         tap0 = (cuda.blockIdx.z * 2 + group) * TW  # (this warpgroup's first tap)
         smem = cuda.shared.array(0, int32)
         base = shared_address(smem, (0,))
-        acc = cuda.local.array(TW * ACC, float32)
-        for i in range(TW * ACC):
+        acc = cuda.local.array(HELD, float32)
+        for i in range(HELD):
             acc[i] = float32(0)
         firsts = cuda.local.array(UNIT, int32)  # the unit's blocks' first input channels (-1: none)
         for j in range(UNIT):

@@ -78,13 +78,14 @@ def grouped_layer(rng, G, groups):
 
 def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, padding, bias, seed, N=2,
                                implicit=True, channels_last=False, stage_bytes=32, hopper=False, hopper_groups=1,
-                               hopper_keep=True, hopper_filter_grad=False):
+                               hopper_keep=True, hopper_filter_grad=False, hopper_filter_taps=0):
     rng = np.random.default_rng(seed)
     BCK = grouped_layer(rng, G, groups)
     op = BlocksparseConv(BCK, TRS, DHW, strides=strides, dilates=dilates, padding=padding, edge_bias=bias,
                          config=ConvConfig(implicit=implicit, stage_bytes=stage_bytes, hopper=hopper,
                                            hopper_groups=hopper_groups, hopper_keep=hopper_keep,
-                                           hopper_filter_grad=hopper_filter_grad))
+                                           hopper_filter_grad=hopper_filter_grad,
+                                           hopper_filter_taps=hopper_filter_taps))
     assert op._group == G
     F = [values(rng, op.f_shape(b), dtype) for b in range(len(BCK))]
     I = values(rng, op.i_shape(N), dtype)
@@ -166,20 +167,23 @@ def test_hopper_products_match_the_twin(monkeypatch, channels_last, groups, keep
     assert sum(key[0] is hopper.make_forward for key in compile_cache._kernels) > before
 
 
-@pytest.mark.parametrize("G, groups, TRS, DHW, channels_last", [
-    (16, 3, (2, 2), (9, 10), False), (32, 2, (3, 3), (8, 9), True), (16, 2, (1, 3), (9, 17), False)])
-def test_hopper_filter_gradient_matches_the_twin(monkeypatch, G, groups, TRS, DHW, channels_last):
+@pytest.mark.parametrize("G, groups, TRS, DHW, channels_last, taps", [
+    (16, 3, (2, 2), (9, 10), False, 0), (32, 2, (3, 3), (8, 9), True, 2), (16, 2, (1, 3), (9, 17), False, 0)])
+def test_hopper_filter_gradient_matches_the_twin(monkeypatch, G, groups, TRS, DHW, channels_last, taps):
     """``ConvConfig.hopper_filter_grad``: the filter gradient on wgmma (`hopper.make_filter_grad`,
     here the simulator's twin): units of 64 / G blocks of an output group as m (G = 16: four, some
     missing; G = 32: two), the patch and dy MN-major, tiles of 8 x 16 positions overhanging the
-    output, each warpgroup half the taps (an odd count: one computed twice, stored once)."""
+    output, each warpgroup half the taps (an odd count: one computed twice, stored once) or, with
+    ``hopper_filter_taps`` 2, three thread blocks of 2 x 2 taps along the grid's z (9 taps: the
+    last block's taps past the 9th computed as the 9th, never stored)."""
     from sparseblocks.conv import api, hopper
     from sparseblocks.runtime import compile as compile_cache
 
     monkeypatch.setattr(api, "compute_capability", lambda: (9, 0))
     before = sum(key[0] is hopper.make_filter_grad for key in compile_cache._kernels)
     check_tensor_core_products("float16", G, groups, TRS, DHW, 1, 1, "SAME", False, 7, N=2,
-                               channels_last=channels_last, hopper=True, hopper_filter_grad=True)
+                               channels_last=channels_last, hopper=True, hopper_filter_grad=True,
+                               hopper_filter_taps=taps)
     assert sum(key[0] is hopper.make_filter_grad for key in compile_cache._kernels) > before
 
 
@@ -192,6 +196,9 @@ def test_hopper_filter_units_join_an_output_groups_blocks():
     np.testing.assert_array_equal(hopper.filter_units(blocks, 32), [[0, 1], [3, 4], [2, 5]])
     np.testing.assert_array_equal(hopper.filter_units(blocks, 64), [[0], [1], [3], [4], [2], [5]])
     assert hopper.filter_taps(9, 32) == 5 and hopper.filter_taps(27, 64) == 3 and hopper.filter_taps(1, 16) == 1
+    assert hopper.filter_taps(9, 32, 2) == 2 and hopper.filter_taps(4, 16, 12) == 2
+    with pytest.raises(ValueError, match="hopper_filter_taps: expected 0 to 12"):
+        ConvConfig(hopper_filter_taps=13)
 
 
 def test_strided_tensor_core_products_match_the_twin():
@@ -253,11 +260,13 @@ def test_hopper_products_match_the_twin_on_the_gpu(dtype, G, dims, dilates, chan
                                                    padding, bias, seed):
     """``ConvConfig.hopper`` on an sm_90 GPU (elsewhere the implicit GEMM runs): the wgmma forward and
     stride-1 input gradient, 2-D and 3-D, dilated, on tiles of one or two warpgroups that overhang
-    the output's edges; the drawn examples vary what the kernels take at run time (layers,
-    padding, edge bias, values)."""
+    the output's edges, and the wgmma filter gradient (``hopper_filter_grad``; 2 taps a warpgroup
+    in the cases with kept filters); the drawn examples vary what the kernels take at run time
+    (layers, padding, edge bias, values)."""
     TRS, DHW = [3] * dims, [5, 13, 11][-dims:]
     check_tensor_core_products(dtype, G, groups, TRS, DHW, 1, dilates, padding, bias, seed,
-                               channels_last=channels_last, hopper=True, hopper_groups=warpgroups, hopper_keep=keep)
+                               channels_last=channels_last, hopper=True, hopper_groups=warpgroups, hopper_keep=keep,
+                               hopper_filter_grad=True, hopper_filter_taps=2 if keep else 0)
 
 
 def test_grouped_finds_aligned_channel_groups():
