@@ -455,12 +455,13 @@ def check_conv():
         results.append(check(f"conv wgmma forward {storage} G={G} 3x3", forward.py_func,
                              (value[::1],) * 3 + (index,) * 4 + (i64,) * 2 + (value[:, ::1], index, types.boolean,
                                                                               i64, i64), cc=(9, 0, "a")))
-        TW = hopper.filter_taps(9, G)
-        grad = hopper.make_filter_grad(storage, G, 9, positions, TW)
-        results.append(check(f"conv wgmma filter gradient {storage} G={G} 3x3 ({TW} taps a warpgroup)", grad.py_func,
-                             (types.float32[::1], value[::1], value[::1], types.int32[:, ::1]) + (index,) * 3
-                             + (i64,) * 5, cc=(9, 0, "a"),
-                             detail=lambda ptx: f"  {ptx.count('wgmma.mma_async')} wgmma"))
+        for TW, overlap in ((hopper.filter_taps(9, G), False), (hopper.filter_taps(9, G), True), (2, False)):
+            grad = hopper.make_filter_grad(storage, G, 9, positions, TW, overlap)
+            results.append(check(f"conv wgmma filter gradient {storage} G={G} 3x3 ({TW} taps a warpgroup"
+                                 f"{', overlapped' if overlap else ''})", grad.py_func,
+                                 (types.float32[::1], value[::1], value[::1], types.int32[:, ::1]) + (index,) * 3
+                                 + (i64,) * 5, cc=(9, 0, "a"),
+                                 detail=lambda ptx: f"  {ptx.count('wgmma.mma_async')} wgmma"))
     return 0 if all(results) else 1
 
 

@@ -28,6 +28,7 @@ class ConvConfig:
     # blocks of an output group as wgmma's m, a tap a descriptor into their patch) where their ring fits
     hopper_filter_grad: bool = False
     hopper_filter_taps: int = 0  # ... taps a warpgroup (1-12; 0: half the taps, up to 96 accumulators a thread)
+    hopper_filter_overlap: bool = False  # ... a stage's wgmmas waited for after the next's are issued (4 stages)
 
     def check(self):
         if self.threads % 32 or not 32 <= self.threads <= 1024:

@@ -295,10 +295,16 @@ def filter_stage_bytes(hg, G):
     return (FILTER_M // 8) * patch_positions(hg) * CHUNK + (G // 8) * TILE_ROWS * FILTER_COLS * CHUNK
 
 
-def filter_fits(geo, G):
+def filter_stages(overlap):
+    """The filter gradient's ring: 3 stages, or 4 where a stage's wgmmas run on under the next
+    stage's barrier (``overlap``, `ConvConfig.hopper_filter_overlap`)."""
+    return STAGES + 1 if overlap else STAGES
+
+
+def filter_fits(geo, G, overlap=False):
     """Whether a layer's filter gradient takes `make_filter_grad`: `fits`' conditions, for its ring."""
     return (G in (16, 32, 64) and tuple(int(v) for v in geo[9:12]) == (1, 1, 1) and int(geo[4]) >= TILE_ROWS
-            and STAGES * filter_stage_bytes(filter_geometry(geo), G) <= 200 * 1024)
+            and filter_stages(overlap) * filter_stage_bytes(filter_geometry(geo), G) <= 200 * 1024)
 
 
 def filter_units(blocks, G):
@@ -316,7 +322,7 @@ def filter_units(blocks, G):
     return np.array(units or [[-1] * per], np.int32).reshape(-1, per)
 
 
-def make_filter_grad(storage, G, TRS, positions, TW):
+def make_filter_grad(storage, G, TRS, positions, TW, overlap=False):
     """The filter gradient's partial sums on wgmma, for channel groups of G, TRS taps, patches of
     ``positions`` positions and ``TW`` taps a warpgroup (`filter_taps`).
 
@@ -333,7 +339,10 @@ def make_filter_grad(storage, G, TRS, positions, TW):
 
     Grid (shares, units, tap groups of 2·TW): a thread block walks its share of the tiles, a stage
     a tile, and writes its unit's blocks' sums of its taps into ``part``'s slot of its share (the
-    implicit GEMM's layout: share, block, k, c, tap), which `implicit.make_sum` adds in order."""
+    implicit GEMM's layout: share, block, k, c, tap), which `implicit.make_sum` adds in order.
+    With ``overlap`` a stage's wgmmas are waited for only after the next stage's are issued (a
+    ring of 4 whose copies skip the buffer still read), so the tensor cores run on through the
+    barrier between two stages; else each stage's before the barrier."""
     THREADS = 2 * WARPGROUP
     CK = G // 8  # chunks of 8 channels a block (of the unit's patch) and of dy
     UNIT = FILTER_M // G  # blocks a unit
@@ -349,7 +358,8 @@ def make_filter_grad(storage, G, TRS, positions, TW):
     E = 2
     kind = "bf16" if storage == "bfloat16" else "f16"
     settle = make_settle(TW * G)
-    wg_wait_all = wg_waiter(0)
+    RING = filter_stages(overlap)
+    wg_wait_all, wg_wait_stage = wg_waiter(0), wg_waiter(1 if overlap else 0)
     tile_of, _, tap_shift = make_tiles(FILTER_COLS, TILE_ROWS)
 
     @inlined
@@ -407,7 +417,7 @@ def make_filter_grad(storage, G, TRS, positions, TW):
                                   if keep else 0)
                 copy16_or_zero(b_at + c * CHUNK, source, keep)
 
-    prime, advance = make_ring(issue, STAGES, STAGE, counter=False, visible=proxy_fence)
+    prime, advance = make_ring(issue, RING, STAGE, counter=False, visible=proxy_fence, lag=2 if overlap else 1)
 
     def make_tap(i):
         mma = make_mma(G, kind, True, True, first=i * ACC)
@@ -477,8 +487,9 @@ def make_filter_grad(storage, G, TRS, positions, TW):
             for ks in range(TILE // 16):
                 taps(acc, at, ks, shifts, hg)
             wg_commit()
-            wg_wait_all()  # (the buffer is free for the copies the next barrier lets in)
+            wg_wait_stage()  # (the buffer the next barrier lets copies into is free: the stage before's)
+        wg_wait_all()
         settle(acc)
         store(part, acc, int64(share) * f_size, unit_blk, u, tap0, TRS)
 
-    return dynamic_shared(filter_grad, STAGES * STAGE)
+    return dynamic_shared(filter_grad, RING * STAGE)

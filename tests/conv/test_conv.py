@@ -78,14 +78,16 @@ def grouped_layer(rng, G, groups):
 
 def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, padding, bias, seed, N=2,
                                implicit=True, channels_last=False, stage_bytes=32, hopper=False, hopper_groups=1,
-                               hopper_keep=True, hopper_filter_grad=False, hopper_filter_taps=0):
+                               hopper_keep=True, hopper_filter_grad=False, hopper_filter_taps=0,
+                               hopper_filter_overlap=False):
     rng = np.random.default_rng(seed)
     BCK = grouped_layer(rng, G, groups)
     op = BlocksparseConv(BCK, TRS, DHW, strides=strides, dilates=dilates, padding=padding, edge_bias=bias,
                          config=ConvConfig(implicit=implicit, stage_bytes=stage_bytes, hopper=hopper,
                                            hopper_groups=hopper_groups, hopper_keep=hopper_keep,
                                            hopper_filter_grad=hopper_filter_grad,
-                                           hopper_filter_taps=hopper_filter_taps))
+                                           hopper_filter_taps=hopper_filter_taps,
+                                           hopper_filter_overlap=hopper_filter_overlap))
     assert op._group == G
     F = [values(rng, op.f_shape(b), dtype) for b in range(len(BCK))]
     I = values(rng, op.i_shape(N), dtype)
@@ -167,15 +169,17 @@ def test_hopper_products_match_the_twin(monkeypatch, channels_last, groups, keep
     assert sum(key[0] is hopper.make_forward for key in compile_cache._kernels) > before
 
 
-@pytest.mark.parametrize("G, groups, TRS, DHW, channels_last, taps", [
-    (16, 3, (2, 2), (9, 10), False, 0), (32, 2, (3, 3), (8, 9), True, 2), (16, 2, (1, 3), (9, 17), False, 0)])
-def test_hopper_filter_gradient_matches_the_twin(monkeypatch, G, groups, TRS, DHW, channels_last, taps):
+@pytest.mark.parametrize("G, groups, TRS, DHW, channels_last, taps, overlap", [
+    (16, 3, (2, 2), (9, 10), False, 0, False), (32, 2, (3, 3), (8, 9), True, 2, False),
+    (16, 2, (1, 3), (9, 17), False, 0, True)])
+def test_hopper_filter_gradient_matches_the_twin(monkeypatch, G, groups, TRS, DHW, channels_last, taps, overlap):
     """``ConvConfig.hopper_filter_grad``: the filter gradient on wgmma (`hopper.make_filter_grad`,
     here the simulator's twin): units of 64 / G blocks of an output group as m (G = 16: four, some
     missing; G = 32: two), the patch and dy MN-major, tiles of 8 x 16 positions overhanging the
     output, each warpgroup half the taps (an odd count: one computed twice, stored once) or, with
     ``hopper_filter_taps`` 2, three thread blocks of 2 x 2 taps along the grid's z (9 taps: the
-    last block's taps past the 9th computed as the 9th, never stored)."""
+    last block's taps past the 9th computed as the 9th, never stored); with ``overlap``, a ring of 4
+    whose stages' wgmmas are waited for a stage late (four tiles: two images of 2 x 2)."""
     from sparseblocks.conv import api, hopper
     from sparseblocks.runtime import compile as compile_cache
 
@@ -183,7 +187,7 @@ def test_hopper_filter_gradient_matches_the_twin(monkeypatch, G, groups, TRS, DH
     before = sum(key[0] is hopper.make_filter_grad for key in compile_cache._kernels)
     check_tensor_core_products("float16", G, groups, TRS, DHW, 1, 1, "SAME", False, 7, N=2,
                                channels_last=channels_last, hopper=True, hopper_filter_grad=True,
-                               hopper_filter_taps=taps)
+                               hopper_filter_taps=taps, hopper_filter_overlap=overlap)
     assert sum(key[0] is hopper.make_filter_grad for key in compile_cache._kernels) > before
 
 
@@ -261,12 +265,13 @@ def test_hopper_products_match_the_twin_on_the_gpu(dtype, G, dims, dilates, chan
     """``ConvConfig.hopper`` on an sm_90 GPU (elsewhere the implicit GEMM runs): the wgmma forward and
     stride-1 input gradient, 2-D and 3-D, dilated, on tiles of one or two warpgroups that overhang
     the output's edges, and the wgmma filter gradient (``hopper_filter_grad``; 2 taps a warpgroup
-    in the cases with kept filters); the drawn examples vary what the kernels take at run time
+    in the cases with kept filters, the stages overlapped in the others); the drawn examples vary what the kernels take at run time
     (layers, padding, edge bias, values)."""
     TRS, DHW = [3] * dims, [5, 13, 11][-dims:]
     check_tensor_core_products(dtype, G, groups, TRS, DHW, 1, dilates, padding, bias, seed,
                                channels_last=channels_last, hopper=True, hopper_groups=warpgroups, hopper_keep=keep,
-                               hopper_filter_grad=True, hopper_filter_taps=2 if keep else 0)
+                               hopper_filter_grad=True, hopper_filter_taps=2 if keep else 0,
+                               hopper_filter_overlap=not keep)
 
 
 def test_grouped_finds_aligned_channel_groups():
