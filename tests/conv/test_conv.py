@@ -265,8 +265,8 @@ def test_hopper_products_match_the_twin_on_the_gpu(dtype, G, dims, dilates, chan
     """``ConvConfig.hopper`` on an sm_90 GPU (elsewhere the implicit GEMM runs): the wgmma forward and
     stride-1 input gradient, 2-D and 3-D, dilated, on tiles of one or two warpgroups that overhang
     the output's edges, and the wgmma filter gradient (``hopper_filter_grad``; 2 taps a warpgroup
-    in the cases with kept filters, the stages overlapped in the others); the drawn examples vary what the kernels take at run time
-    (layers, padding, edge bias, values)."""
+    in the cases with kept filters, the stages overlapped in the others); the drawn examples vary
+    what the kernels take at run time (layers, padding, edge bias, values)."""
     TRS, DHW = [3] * dims, [5, 13, 11][-dims:]
     check_tensor_core_products(dtype, G, groups, TRS, DHW, 1, dilates, padding, bias, seed,
                                channels_last=channels_last, hopper=True, hopper_groups=warpgroups, hopper_keep=keep,
