@@ -10,8 +10,9 @@ same run:
 * ``layer_norm_forward`` / ``layer_norm_backward`` at (4096, 4096) and (16384, 1024), fp32, fp16
   and bf16, both feature axes. ``torch`` is ``F.layer_norm`` (its backward,
   ``aten.native_layer_norm_backward``) on the (N, C) rows, its best layout, whichever axis ours
-  reads; ``copy`` is a device copy of the bytes the op must move (x read and y written; dy and x
-  read, dx written).
+  reads; for axis 0 also ``torch_transposed``, the same on x's (and dy's) transpose as it lies
+  (``x.t()`` of a (C, N) array: torch makes the rows contiguous first); ``copy`` is a device copy
+  of the bytes the op must move (x read and y written; dy and x read, dx written).
 * ``fused_lstm_gates`` forward and backward, (N, H) = (4096, 4096) and four separate gates:
   ``torch`` the same formulas in eager ops, ``torch_compiled`` them under ``torch.compile``.
 * Element-wise ops (``relu``, ``sigmoid``, ``add``, ``multiply``, ``add_n`` of 8) and
@@ -80,9 +81,17 @@ def bench_layer_norm(torch, records, quick):
                 params = dict(dtype=str(dtype)[6:], N=N, C=C, axis=axis)
                 fwd = graph_ms(lambda: norms.layer_norm(x, g, b, axis=axis))
                 bwd = graph_ms(lambda: norms.layer_norm_grad(dy, x, g, b, mean, rstd, axis=axis))
-                for name, ms, base, moved, copy in (("layer_norm_forward", fwd, torch_fwd, 2 * size, copy2),
-                                                    ("layer_norm_backward", bwd, torch_bwd, 3 * size, copy3)):
+                transposed = (None, None)
+                if axis == 0:  # (torch on x's transpose as it lies, (C, N): it makes the rows contiguous first)
+                    transposed = (graph_ms(lambda: F.layer_norm(x.t(), (C,), g, b, 1e-6)),
+                                  graph_ms(lambda: torch.ops.aten.native_layer_norm_backward(
+                                      dy.t(), x.t(), (C,), t_mean, t_rstd, g, b, [True, True, True])))
+                for name, ms, base, moved, copy, other in (
+                        ("layer_norm_forward", fwd, torch_fwd, 2 * size, copy2, transposed[0]),
+                        ("layer_norm_backward", bwd, torch_bwd, 3 * size, copy3, transposed[1])):
                     baselines = {"torch": base, "copy": copy}
+                    if other is not None:
+                        baselines["torch_transposed"] = other
                     records.append(Record(name, params, ms, baselines, bytes=moved))
                     ratios(f"{name} {params}", ms, baselines)
 
