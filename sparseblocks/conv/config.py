@@ -24,6 +24,8 @@ class ConvConfig:
     hopper: bool = True
     hopper_groups: int = 2  # ... warpgroups a tile of 8 output rows, each 8 columns (1 or 2)
     hopper_keep: bool = False  # ... a group's filter blocks kept in shared memory over many tiles, where they fit
+    # ... the outputs staged in shared memory, then stored 16 bytes a thread (else value by value)
+    hopper_staged_epilogue: bool = False
     # On sm_90, fp16 and bf16 filter gradients of stride 1 on wgmma (`hopper.make_filter_grad`: 64 / G
     # blocks of an output group as wgmma's m, a tap a descriptor into their patch) where their ring fits
     hopper_filter_grad: bool = False
