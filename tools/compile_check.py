@@ -451,10 +451,12 @@ def check_conv():
         value = types.int16 if storage == "bfloat16" else types.float16
         hg = hopper.filter_geometry([1, 56, 56, 1, 56, 56, 1, 3, 3, 1, 1, 1, 0, 1, 1, 1, 1, 1])
         positions = hopper.patch_positions(hg)
-        for rows_out, staged in ((False, False), (False, True), (True, True)):
-            forward = hopper.make_forward(storage, G, 9, positions, rows_out, 2, 0, staged)
+        for rows_out, staged, biased in ((False, False, True), (False, False, False), (False, True, True),
+                                         (False, True, False), (True, True, False)):
+            forward = hopper.make_forward(storage, G, 9, positions, rows_out, 2, 0, staged, biased)
             name = f"conv wgmma forward {storage} G={G} 3x3{' channels-last' if rows_out else ''}"
-            results.append(check(name + (" staged" if staged else ""), forward.py_func,
+            results.append(check(name + (" staged" if staged else "") + ("" if biased else " with no bias"),
+                                 forward.py_func,
                                  (value[::1],) * 3 + (index,) * 4 + (i64,) * 2
                                  + (value[:, ::1], index, types.boolean, i64, i64,
                                     types.int32[::1] if staged else value[::1]), cc=(9, 0, "a")))

@@ -330,7 +330,7 @@ class BlocksparseConv:
             staged = (self.config.hopper_staged_epilogue and aligned(data_pointer(flat), 16, 1)
                       and flat.shape[0] % 8 == 0 and (last or int(hg[5]) % 8 == 0))
             kernel = cached(hopper.make_forward, op_x.dtype, G, TRS, hopper.patch_positions(hg), last, wgs, keep,
-                            staged)
+                            staged, bool(has_bias))
             # (kept filters: one wave of thread blocks, each walking its share of the tiles)
             workers = max(1, min(tiles, -(-2 * multiprocessors() // (out_rows // G)))) if keep else tiles
             launch(kernel, (workers, out_rows // G), hopper.WARPGROUP * wgs, stream,

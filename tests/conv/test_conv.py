@@ -150,44 +150,47 @@ def test_wide_stage_implicit_products_match_the_twin(dtype, G):
     check_tensor_core_products(dtype, G, 2, (2, 2), (3, 4), 1, 1, "SAME", False, 2, N=1, stage_bytes=64)
 
 
-@pytest.mark.parametrize("channels_last, groups, keep, N, TRS", [
-    (False, 1, False, 1, (2, 2)), (True, 2, True, 1, (2, 2)), (False, 1, True, 2, (2, 2)), (True, 1, False, 2, (2, 2)),
-    (False, 1, False, 1, (3, 3)), (True, 1, False, 1, (3, 3))])
-def test_hopper_products_match_the_twin(monkeypatch, channels_last, groups, keep, N, TRS):
+@pytest.mark.parametrize("channels_last, groups, keep, N, TRS, bias", [
+    (False, 1, False, 1, (2, 2), True), (True, 2, True, 1, (2, 2), True), (False, 1, True, 2, (2, 2), False),
+    (True, 1, False, 2, (2, 2), True), (False, 1, False, 1, (3, 3), True), (True, 1, False, 1, (3, 3), False)])
+def test_hopper_products_match_the_twin(monkeypatch, channels_last, groups, keep, N, TRS, bias):
     """``ConvConfig.hopper``: the forward and the stride-1 input gradient on wgmma (`conv/hopper.py`,
     here the simulator's twin): tiles of 8 x 8 positions a warpgroup, a tap a descriptor into the
     patch's no-swizzle layout, an output group no block reaches, and with 3 x 3 filters an edge
     bias (SAME padding: its border positions' columns, a value a channel); a thread block a
-    tile, or walking several tiles across images with its filters kept (``keep``); the filter
-    gradient as before."""
+    tile, or walking several tiles across images with its filters kept (``keep``); without an
+    edge bias, kernels with no bias code; the filter gradient as before."""
     from sparseblocks.conv import api, hopper
     from sparseblocks.runtime import compile as compile_cache
 
     monkeypatch.setattr(api, "compute_capability", lambda: (9, 0))
     before = sum(key[0] is hopper.make_forward for key in compile_cache._kernels)
-    check_tensor_core_products("float16", 16, 2, TRS, (8, 9), 1, 1, "SAME", True, 3, N=N,
+    check_tensor_core_products("float16", 16, 2, TRS, (8, 9), 1, 1, "SAME", bias, 3, N=N,
                                channels_last=channels_last, hopper=True, hopper_groups=groups, hopper_keep=keep)
     assert sum(key[0] is hopper.make_forward for key in compile_cache._kernels) > before
 
 
-@pytest.mark.parametrize("channels_last, groups, keep, DHW, TRS", [
-    (False, 2, False, (8, 16), (3, 3)), (True, 2, True, (9, 10), (2, 2)), (True, 1, False, (8, 9), (3, 3)),
-    (False, 2, True, (10, 8), (3, 3))])
-def test_hopper_staged_epilogue_matches_the_twin(monkeypatch, channels_last, groups, keep, DHW, TRS):
+@pytest.mark.parametrize("channels_last, groups, keep, DHW, TRS, bias", [
+    (False, 2, False, (8, 16), (3, 3), True), (True, 2, True, (9, 10), (2, 2), False),
+    (True, 1, False, (8, 9), (3, 3), True), (False, 2, True, (10, 8), (3, 3), False)])
+def test_hopper_staged_epilogue_matches_the_twin(monkeypatch, channels_last, groups, keep, DHW, TRS, bias):
     """``ConvConfig.hopper_staged_epilogue``: the wgmma forward's outputs staged in shared memory
     and stored 16 bytes a thread, channels-last (a position's 8 channels; tiles overhanging the
     output) and NCHW (a channel's 8 positions of a row: Q = 16 and 8, the second warpgroup's
-    columns past Q at 8), with the edge bias (3 x 3) and with kept filters walking tiles (the
-    staged tile reused); the input gradient too where Q allows."""
+    columns past Q at 8), with the edge bias and without (a kernel with no bias code), and with
+    kept filters walking tiles (the staged tile reused); the input gradient too where Q allows."""
     from sparseblocks.conv import api, hopper
     from sparseblocks.runtime import compile as compile_cache
 
     monkeypatch.setattr(api, "compute_capability", lambda: (9, 0))
-    before = sum(key[0] is hopper.make_forward and key[-1] is True for key in compile_cache._kernels)
-    check_tensor_core_products("float16", 16, 2, TRS, DHW, 1, 1, "SAME", True, 11, N=2,
+    def made():  # (staged kernels of this call's bias)
+        return sum(key[0] is hopper.make_forward and key[-2:] == (True, bias) for key in compile_cache._kernels)
+
+    before = made()
+    check_tensor_core_products("float16", 16, 2, TRS, DHW, 1, 1, "SAME", bias, 11, N=2,
                                channels_last=channels_last, hopper=True, hopper_groups=groups, hopper_keep=keep,
                                hopper_staged_epilogue=True)
-    assert sum(key[0] is hopper.make_forward and key[-1] is True for key in compile_cache._kernels) > before
+    assert made() > before
 
 
 @pytest.mark.parametrize("G, groups, TRS, DHW, channels_last, taps, overlap", [
