@@ -82,6 +82,32 @@ def patch_positions(hg):
     return int(hg[18] * hg[19] * hg[20])
 
 
+def make_spots(per, threads, copies, CK, with_block):
+    """``spots(spot, hg, IN_ROWS)``: each of this thread's patch copies (``per`` of them, of
+    ``copies`` a stage, 16 bytes each, chunk-major) placed in the patch, the same for every tile:
+    ``spot[i]`` its depth, row and column there (depth -1: no copy) and its source's offset from
+    the patch's first position's, in values, less its block's first channel; ``with_block``, then
+    its block's place among blocks of ``CK`` chunks (the filter gradient's unit)."""
+
+    @inlined
+    def spots(spot, hg, IN_ROWS):
+        H, W = hg[1], hg[2]
+        PP = hg[18] * hg[19] * hg[20]
+        for i in range(per):
+            c = cuda.threadIdx.x + i * threads
+            spot[i, 0] = -1
+            if c < copies:
+                ck, pos = divmod32(c, PP)
+                rest, w = divmod32(pos, hg[20])
+                dd, h = divmod32(rest, hg[19])
+                spot[i, 0], spot[i, 1], spot[i, 2] = int32(dd), int32(h), int32(w)
+                spot[i, 3] = ((int32(dd) * H + int32(h)) * W + int32(w)) * IN_ROWS + 8 * (int32(ck) % CK)
+                if with_block:
+                    spot[i, 4] = int32(ck) // CK
+
+    return spots
+
+
 def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, staged=False, biased=True):
     """The kernel for channel groups of G, TRS taps, patches of ``positions`` positions and tiles of
     ``groups`` warpgroups (see the module's docstring). ``rows_out``: the output written
@@ -175,22 +201,7 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, s
 
     taps = unrolled(TRS, inlined(tap_step), inline=inlined)
 
-    @inlined
-    def spots(spot, hg, IN_ROWS):
-        """Each of this thread's patch copies' place in the patch, the same for every tile: its
-        depth, row and column there (depth -1: no copy), and its source's offset from the patch's
-        first position's, in values (less the block's first channel)."""
-        H, W = hg[1], hg[2]
-        PP = hg[18] * hg[19] * hg[20]
-        for i in range(A_PER):
-            c = cuda.threadIdx.x + i * THREADS
-            spot[i, 0] = -1
-            if c < A_COPIES:
-                ck, pos = divmod32(c, PP)
-                rest, w = divmod32(pos, hg[20])
-                dd, h = divmod32(rest, hg[19])
-                spot[i, 0], spot[i, 1], spot[i, 2] = int32(dd), int32(h), int32(w)
-                spot[i, 3] = ((int32(dd) * H + int32(h)) * W + int32(w)) * IN_ROWS + 8 * int32(ck)
+    spots = make_spots(A_PER, THREADS, A_COPIES, CK, False)
 
     @inlined
     def place(sources, spot, m, p0, q0, hg, IN_ROWS):
@@ -434,23 +445,7 @@ def make_filter_grad(storage, G, TRS, positions, TW, overlap=False):
         n, m, p0, q0 = tile_of(tile, hg)
         return int32(n), int32(m), int32(p0), int32(q0)
 
-    @inlined
-    def spots(spot, hg, IN_ROWS):
-        """Each of this thread's patch copies' place in the patch (depth -1: no copy), its unit
-        block, and its source's offset from the patch's first position's (less the block's first
-        channel), the same for every tile."""
-        H, W = hg[1], hg[2]
-        PP = hg[18] * hg[19] * hg[20]
-        for i in range(A_PER):
-            c = cuda.threadIdx.x + i * THREADS
-            spot[i, 0] = -1
-            if c < A_COPIES:
-                ck, pos = divmod32(c, PP)
-                rest, w = divmod32(pos, hg[20])
-                dd, h = divmod32(rest, hg[19])
-                spot[i, 0], spot[i, 1], spot[i, 2] = int32(dd), int32(h), int32(w)
-                spot[i, 3] = ((int32(dd) * H + int32(h)) * W + int32(w)) * IN_ROWS + 8 * (int32(ck) % CK)
-                spot[i, 4] = int32(ck) // CK
+    spots = make_spots(A_PER, THREADS, A_COPIES, CK, True)
 
     @inlined
     def issue(s, at, args):
