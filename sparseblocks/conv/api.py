@@ -385,8 +385,7 @@ class BlocksparseConv:
                (shares, len(self._blocks) * slices, groups), implicit.THREADS, stream,
                (part, dy_rows, x_rows, t["blk_c0"], t["blk_k0"], t["ig_filter_grad"], N, self._K, self._C, tiles,
                 shares, self.f_size))
-        launch(cached(implicit.make_sum, op_x.dtype), (max(1, min(-(-self.f_size // 256), 2 * multiprocessors())),),
-               256, stream, (out, part, shares * ws, self.f_size))
+        self._add_parts(out, part, shares * ws, op_x.dtype, stream)
 
     def _hopper_filter_grad(self, out, dy_rows, x_rows, op_x, N, stream):
         """`hopper.make_filter_grad`'s partial sums over shares of the tiles (thread blocks to fill
@@ -404,8 +403,12 @@ class BlocksparseConv:
                (shares, len(units), groups), 2 * hopper.WARPGROUP, stream,
                (part, dy_rows, x_rows, t["units"], t["blk_c0"], t["blk_k0"], t["hg_filter_grad"], self._C, self._K,
                 tiles, shares, self.f_size))
-        launch(cached(implicit.make_sum, op_x.dtype), (max(1, min(-(-self.f_size // 256), 2 * multiprocessors())),),
-               256, stream, (out, part, shares, self.f_size))
+        self._add_parts(out, part, shares, op_x.dtype, stream)
+
+    def _add_parts(self, out, part, parts, dtype, stream):
+        """``out`` = the filter gradient's ``parts`` partial sums (`implicit.make_sum`), in order."""
+        launch(cached(implicit.make_sum, dtype), (max(1, min(-(-self.f_size // 256), 2 * multiprocessors())),),
+               256, stream, (out, part, parts, self.f_size))
 
     def _check(self, op, shape, N=None, last=False):
         if N is None:
