@@ -171,7 +171,8 @@ CONV_COUNTS = {"mma": r"\bHMMA", "LDSM": r"\bLDSM", "cp.async": r"\bLDGSTS", "LD
 def conv(tool):
     """The stage loop of the implicit convolution's forward (fp16, channel groups of 16, 32 and 64,
     3x3 taps, tiles of 64 columns; stages of 32 and 64 bytes a row): its length, which counts the
-    tile's epilogue (both its paths: with and without an edge bias), run once every few stages."""
+    tile's epilogue (with bias code, both its paths: with and without an edge bias), run once
+    every few stages; then `hopper_conv`'s."""
     from sparseblocks.conv import implicit
 
     i64, index = types.int64, types.int32[::1]
@@ -179,11 +180,12 @@ def conv(tool):
                                                                           types.boolean, i64, i64)
     print("| group | stage bytes | loop | length | " + " | ".join(CONV_COUNTS) + " |")
     print("|---" * (4 + len(CONV_COUNTS)) + "|")
-    for G, row_bytes in ((16, 32), (32, 32), (32, 64), (64, 32)):
-        kernel = implicit.make_forward("float16", G, 64, 320, 9, False, row_bytes)
+    for G, row_bytes, biased in ((16, 32, True), (32, 32, True), (32, 32, False), (32, 64, True), (64, 32, True),
+                                 (64, 32, False)):
+        kernel = implicit.make_forward("float16", G, 64, 320, 9, False, row_bytes, biased)
         for length, counts in loops_around(sass(kernel.py_func, signature, tool), "HMMA", CONV_COUNTS):
-            print(f"| {G} | {row_bytes} | stage | {length} | " + " | ".join(str(counts[k]) for k in CONV_COUNTS)
-                  + " |")
+            print(f"| {G} | {row_bytes}{'' if biased else ', no bias code'} | stage | {length} | "
+                  + " | ".join(str(counts[k]) for k in CONV_COUNTS) + " |")
     hopper_conv(tool)
 
 

@@ -344,7 +344,7 @@ class BlocksparseConv:
         # (one wave of thread blocks, each walking its share of the tiles)
         resident = max(1, implicit.SHARED_MAX // implicit.forward_shared(G, TRS, cap, row_bytes))
         workers = max(1, min(tiles, -(-resident * multiprocessors() // (out_rows // G))))
-        launch(cached(implicit.make_forward, op_x.dtype, G, QT, cap, TRS, last, row_bytes),
+        launch(cached(implicit.make_forward, op_x.dtype, G, QT, cap, TRS, last, row_bytes, bool(has_bias)),
                (workers, out_rows // G), implicit.THREADS, stream,
                (out.reshape(-1), rows, packed, t[ptr], t[blk], t[first], t["ig_" + kind], N, out_rows, in_rows,
                 bias, t["edge"], has_bias, tiles, workers))

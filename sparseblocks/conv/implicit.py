@@ -321,12 +321,13 @@ def make_pack(storage, G, transposed=False, row_bytes=32):
     return pack
 
 
-def make_forward(storage, G, QT, cap, TRS, rows_out=False, row_bytes=32):
+def make_forward(storage, G, QT, cap, TRS, rows_out=False, row_bytes=32, biased=True):
     """The forward (or stride-1 input gradient) kernel for channel groups of G, tiles of QT
     columns, patches of up to ``cap`` rows and TRS taps (a ring of `STAGES` stages); see the
     module's docstring. ``rows_out``: the output written channels-last (N, positions, rows).
     ``row_bytes``: a stage's shared row (32: 16 fp16 channels of a position, a k16 step of each
-    tap; 64: 32 channels, two k16 steps a tap, half the stages and barriers)."""
+    tap; 64: 32 channels, two k16 steps a tap, half the stages and barriers). Without ``biased``
+    (a call with no edge bias) the kernel has no bias code."""
     MT = G // 16
     ROW = row_bytes + PAD
     CH = row_bytes // 16  # 16-byte copies a row
@@ -379,7 +380,7 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False, row_bytes=32):
         if p0 + tp < P and q0 + tq < Q:
             o = (m * P + p0 + tp) * Q + q0 + tq
             spots[i] = (int64(n) * MPQ + o) * OUT_ROWS if rows_out else int64(o)
-            if has_bias:
+            if biased and has_bias:
                 edges[i] = edge[o]
 
     places = unrolled(8, inlined(place_step), inline=inlined)
@@ -417,7 +418,7 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False, row_bytes=32):
         chans = cuda.local.array(CHANS, int64)
         places(spots, edges, pos0, n, m, P, Q, p0, q0, MPQ, OUT_ROWS, edge, has_bias)
         channels(chans, k0, n, MPQ, OUT_ROWS)
-        if has_bias:
+        if biased and has_bias:
             stores_bias(out, acc, spots, edges, chans, k0, bias)
         else:
             stores(out, acc, spots, edges, chans, k0, bias)

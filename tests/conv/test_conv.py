@@ -123,6 +123,15 @@ def test_implicit_products_match_the_twin():
     check_tensor_core_products("float16", 16, 2, (2, 2), (3, 4), 1, 1, "SAME", True, 0, N=1)
 
 
+def test_implicit_products_add_the_edge_bias():
+    """The implicit forward with an edge bias where a 3 x 3 SAME layer has edge columns (its
+    border positions'; calls with no edge bias take kernels with no bias code: the other tests)."""
+    op = BlocksparseConv(grouped_layer(np.random.default_rng(3), 16, 2), (3, 3), (4, 5), padding="SAME",
+                         edge_bias=True)
+    assert op.edge_bias_shape()[1] > 0 and "forward" in op._plans
+    check_tensor_core_products("float16", 16, 2, (3, 3), (4, 5), 1, 1, "SAME", True, 3, N=1)
+
+
 def test_fp32_implicit_products_match_the_twin():
     """fp32's three products through the implicit GEMM in 3xTF32, on channels-last arrays: the
     forward and stride-1 input gradient on slices of 8 channels (one 32-byte shared row, as
