@@ -82,6 +82,19 @@ def patch_positions(hg):
     return int(hg[18] * hg[19] * hg[20])
 
 
+def make_where(cols):
+    """(``where(tile, hg)``: tile ``tile``'s (image, output depth, first row, first column) as
+    int32, for tiles of `TILE_ROWS` rows of ``cols`` columns; ``tap_shift``: `implicit.make_tiles`')."""
+    tile_of, _, tap_shift = make_tiles(cols, TILE_ROWS)
+
+    @inlined
+    def where(tile, hg):
+        n, m, p0, q0 = tile_of(tile, hg)
+        return int32(n), int32(m), int32(p0), int32(q0)
+
+    return where, tap_shift
+
+
 def make_spots(per, threads, copies, CK, with_block):
     """``spots(spot, hg, IN_ROWS)``: each of this thread's patch copies (``per`` of them, of
     ``copies`` a stage, 16 bytes each, chunk-major) placed in the patch, the same for every tile:
@@ -146,8 +159,8 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, s
     value_type = int16 if storage == "bfloat16" else types.float16
     # the staged epilogue's tile a warpgroup: channels-last, 64 rows of G values (a position's);
     # NCHW, G rows of 64 (a channel's); each row padded by 16 bytes (its stores spread over the banks)
-    EPI_ROW = (2 * G + CHUNK) if rows_out else (2 * 64 + CHUNK)
-    EPI_BYTES = (64 if rows_out else G) * EPI_ROW
+    EPI_ROW = (G + CHUNK // 2) if rows_out else (64 + CHUNK // 2)  # (in values)
+    EPI_BYTES = (64 if rows_out else G) * 2 * EPI_ROW
     EPI = KEPT + keep * B_BYTES  # (where the staged tiles start)
     CHUNKS = 64 * G // 8 // WARPGROUP  # 16-byte chunks a thread stores
 
@@ -181,13 +194,7 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, s
             if c < B_COPIES:
                 copy16_to(to + c * CHUNK, f_from + CHUNK * c)
 
-    tile_of, _, tap_shift = make_tiles(TILE_COLS * groups, TILE_ROWS)
-
-    @inlined
-    def where(tile, hg):
-        """Tile ``tile``'s (image, output depth, first row, first column)."""
-        n, m, p0, q0 = tile_of(tile, hg)
-        return int32(n), int32(m), int32(p0), int32(q0)
+    where, tap_shift = make_where(TILE_COLS * groups)
 
     prime, advance = make_ring(issue, STAGES, STAGE, visible=proxy_fence)
 
@@ -265,7 +272,7 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, s
             value = acc[i]
             if biased and b_of[h] >= 0:
                 value += widen(bias[k0 + c, b_of[h]])
-            tile[mine + (row * (EPI_ROW // 2) + c if rows_out else c * (EPI_ROW // 2) + row)] = narrow(value)
+            tile[mine + (row * EPI_ROW + c if rows_out else c * EPI_ROW + row)] = narrow(value)
         named_barrier(1 + group, WARPGROUP)  # (this warpgroup's tile is whole)
         t = tid % WARPGROUP
         for i in range(CHUNKS):
@@ -274,7 +281,7 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, s
                 row, c8 = chunk // (G // 8), chunk % (G // 8)
                 p, q = p0 + row // TILE_COLS, q0 + TILE_COLS * group + row % TILE_COLS
                 if p < P and q < Q:
-                    w4 = load4_shared_at(shared_address(tile, (mine + row * EPI_ROW // 2 + 8 * c8,)))
+                    w4 = load4_shared_at(shared_address(tile, (mine + row * EPI_ROW + 8 * c8,)))
                     at = (int64(n) * MPQ + (m * P + p) * Q + q) * OUT_ROWS + k0 + 8 * c8
                     store4(words, (at // 2,), (int32(w4[0]), int32(w4[1]), int32(w4[2]), int32(w4[3])))
             else:  # a channel's 8 positions of a tile row
@@ -282,9 +289,17 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, s
                 p, q = p0 + r8, q0 + TILE_COLS * group
                 if p < P and q < Q:  # (Q a multiple of 8: the run lies whole in the row)
                     at = (int64(n) * OUT_ROWS + k0 + c) * MPQ + (m * P + p) * Q + q
-                    w4 = load4_shared_at(shared_address(tile, (mine + c * EPI_ROW // 2 + 8 * r8,)))
+                    w4 = load4_shared_at(shared_address(tile, (mine + c * EPI_ROW + 8 * r8,)))
                     store4(words, (at // 2,), (int32(w4[0]), int32(w4[1]), int32(w4[2]), int32(w4[3])))
         named_barrier(1 + group, WARPGROUP)  # (the tile may be staged again: kept filters walk tiles)
+
+    @inlined
+    def finish(out, words, acc, n, m, p0, q0, k0, hg, OUT_ROWS, bias, edge, has_bias):
+        """A tile's epilogue: `staged_store` where ``staged``, else `store`."""
+        if staged:
+            staged_store(words, acc, n, m, p0, q0, k0, hg, OUT_ROWS, bias, edge, has_bias)
+        else:
+            store(out, acc, n, m, p0, q0, k0, hg, OUT_ROWS, bias, edge, has_bias)
 
     @inlined
     def tap_shifts(shifts, hg):
@@ -308,10 +323,7 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, s
         if count == 0:  # an output group no block reaches: zeros (and its bias)
             for tile in range(first_tile, first_tile + my_tiles):
                 n, m, p0, q0 = where(tile, hg)
-                if staged:
-                    staged_store(words, acc, n, m, p0, q0, g * G, hg, OUT_ROWS, bias, edge, has_bias)
-                else:
-                    store(out, acc, n, m, p0, q0, g * G, hg, OUT_ROWS, bias, edge, has_bias)
+                finish(out, words, acc, n, m, p0, q0, g * G, hg, OUT_ROWS, bias, edge, has_bias)
             return
         x_at, f_at = signed_address(x, (0,)), signed_address(f, (0,))
         if keep:  # the group's filters, once (their own commit group, waited for with the first stage)
@@ -340,15 +352,11 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, s
             if b == count - 1:
                 settle(acc)
                 n, m, p0, q0 = where(first_tile + int32(tile), hg)
-                if staged:
-                    staged_store(words, acc, n, m, p0, q0, g * G, hg, OUT_ROWS, bias, edge, has_bias)
-                else:
-                    store(out, acc, n, m, p0, q0, g * G, hg, OUT_ROWS, bias, edge, has_bias)
+                finish(out, words, acc, n, m, p0, q0, g * G, hg, OUT_ROWS, bias, edge, has_bias)
                 for i in range(ACC):
                     acc[i] = float32(0)
 
     return dynamic_shared(forward, EPI + (groups * EPI_BYTES if staged else 0))
-
 
 
 FILTER_M = 64  # a filter-gradient unit's input channels: wgmma's m (64 / G blocks of one output group)
@@ -438,12 +446,7 @@ def make_filter_grad(storage, G, TRS, positions, TW, overlap=False):
     settle = make_settle(TW * G)
     RING = filter_stages(overlap)
     wg_wait_all, wg_wait_stage = wg_waiter(0), wg_waiter(1 if overlap else 0)
-    tile_of, _, tap_shift = make_tiles(FILTER_COLS, TILE_ROWS)
-
-    @inlined
-    def where(tile, hg):
-        n, m, p0, q0 = tile_of(tile, hg)
-        return int32(n), int32(m), int32(p0), int32(q0)
+    where, tap_shift = make_where(FILTER_COLS)
 
     spots = make_spots(A_PER, THREADS, A_COPIES, CK, True)
 
@@ -500,7 +503,7 @@ def make_filter_grad(storage, G, TRS, positions, TW, overlap=False):
     taps = inlined(namespace["taps"])
 
     @inlined
-    def store(part, acc, slot, unit_blk, u, tap0, TRS_):
+    def store(part, acc, slot, unit_blk, u, tap0):
         """The accumulators into the share's slot: lane l of warp w holds the unit's input channels
         16 w + l // 4 (+ 8) and output channels 8 j + 2 (l % 4) (+ 1) of each tap."""
         tid = cuda.threadIdx.x % WARPGROUP
@@ -509,14 +512,14 @@ def make_filter_grad(storage, G, TRS, positions, TW, overlap=False):
             row = 16 * warp + lane // 4 + 8 * h
             b = unit_blk[u, row // G]
             if b >= 0:
-                at = slot + int64(b) * (G * G * TRS_) + (row % G) * TRS_
+                at = slot + int64(b) * (G * G * TRS) + (row % G) * TRS
                 for i in range(TW):
                     tap = tap0 + i
-                    if tap < TRS_:
+                    if tap < TRS:
                         for j in range(ACC // 4):
                             for e in range(2):
                                 k = 8 * j + 2 * (lane % 4) + e
-                                part[at + (k * G) * TRS_ + tap] = acc[i * ACC + 4 * j + 2 * h + e]
+                                part[at + (k * G) * TRS + tap] = acc[i * ACC + 4 * j + 2 * h + e]
 
     @cuda.jit
     def filter_grad(part, dy, x, unit_blk, blk_c0, blk_k0, hg, IN_ROWS, K, tiles, shares, f_size):
@@ -552,6 +555,6 @@ def make_filter_grad(storage, G, TRS, positions, TW, overlap=False):
             wg_wait_stage()  # (the buffer the next barrier lets copies into is free: the stage before's)
         wg_wait_all()
         settle(acc)
-        store(part, acc, int64(share) * f_size, unit_blk, u, tap0, TRS)
+        store(part, acc, int64(share) * f_size, unit_blk, u, tap0)
 
     return dynamic_shared(filter_grad, RING * STAGE)
