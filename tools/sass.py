@@ -20,7 +20,7 @@ of mask values in reduce_mask's one-pass kernel instead (a column's rows, then i
 (sm_90a), bf16 at head_dim 64 and 128, the config's defaults; a loop's length counts both of its
 branches (the causal mask's, the rescaling's), not what a tile issues. With --conv: the stage
 loop of the implicit convolution's forward, then of its wgmma forward (sm_90a) with and without
-bias code and with its staged epilogue. With --quant: the chunk and stage loops of the dense W1A1
+bias code. With --quant: the chunk and stage loops of the dense W1A1
 product, register-staged and through the cp.async ring, and of block-sparse W1A1 (blocks of 64), plain
 and with its activation rows held.
 """
@@ -191,7 +191,7 @@ def conv(tool):
 
 def hopper_conv(tool):
     """The stage loop of the wgmma forward (sm_90a, fp16, 3x3, 56 x 56, two warpgroups, NCHW): with
-    bias code (both epilogue paths counted), without it (a call with no edge bias), and staged."""
+    bias code (both epilogue paths counted) and without it (a call with no edge bias)."""
     from sparseblocks.conv import hopper
 
     i64, index, h = types.int64, types.int32[::1], types.float16
@@ -199,12 +199,9 @@ def hopper_conv(tool):
     hg = hopper.geometry([1, 56, 56, 1, 56, 56, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1], 2)
     print("\n| group | epilogue | loop | length | " + " | ".join(counts) + " |")
     print("|---" * (4 + len(counts)) + "|")
-    for G, (name, staged, biased) in itertools.product((16, 32, 64), (("bias code", False, True),
-                                                                      ("no bias code", False, False),
-                                                                      ("staged, no bias code", True, False))):
-        kernel = hopper.make_forward("float16", G, 9, hopper.patch_positions(hg), False, 2, 0, staged, biased)
-        signature = (h[::1],) * 3 + (index,) * 4 + (i64,) * 2 + (h[:, ::1], index, types.boolean, i64, i64,
-                                                                 types.int32[::1] if staged else h[::1])
+    for G, (name, biased) in itertools.product((16, 32, 64), (("bias code", True), ("no bias code", False))):
+        kernel = hopper.make_forward("float16", G, 9, hopper.patch_positions(hg), False, 2, 0, biased)
+        signature = (h[::1],) * 3 + (index,) * 4 + (i64,) * 2 + (h[:, ::1], index, types.boolean, i64, i64)
         text = sass(kernel.py_func, signature, tool, cc=(9, 0, "a"))
         for length, c in loops_around(text, "HGMMA", counts)[-1:]:
             print(f"| {G} | {name} | stage | {length} | " + " | ".join(str(c[k]) for k in counts) + " |")

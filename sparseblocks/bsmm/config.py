@@ -65,7 +65,7 @@ class BsmmConfig:
         {(64, "float32"): 1, (64, "float16"): 8192, (64, "bfloat16"): 8192})
     v5_rounded_sums: bool = True  # fp32: each mma from zero, added in round-to-nearest fp32 (the tensor cores' sums drift)
     v5_wgrad: bool = True  # the weight gradient on tensor cores too (False: version 4's)
-    v5_wgrad_warps: int = 4  # warps of a weight-gradient thread block
+    v5_wgrad_warps: int = 4  # warps of a weight-gradient thread block (block 128: a block's 16 patches on 4 of them)
     v5_wgrad_async: bool = True  # fp32 rows of x and dy to shared memory by cp.async
     v5_wgrad_stages: int = 2  # buffers of that ring (2-4)
     v5_wgrad_group: dict = default_field({16: 4})  # blocks of a block-row one warp takes, sharing x's slice
@@ -158,6 +158,10 @@ class BsmmConfig:
             raise ValueError(f"v5_stages: expected 2 to 5, got {self.v5_stages}")
         if not 2 <= self.v5_wgrad_stages <= 4:
             raise ValueError(f"v5_wgrad_stages: expected 2 to 4, got {self.v5_wgrad_stages}")
+        for name in ("v5_wgrad_warps", "v5_wgrad_group_warps"):  # (a block's patches split evenly among them)
+            warps = getattr(self, name)
+            if warps not in (1, 2, 4, 8, 16, 32):
+                raise ValueError(f"{name}: expected a power of two from 1 to 32, got {warps!r}")
         from .tiles import v6_check
 
         for bs in self.v6_tiles:

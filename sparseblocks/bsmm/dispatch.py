@@ -54,7 +54,7 @@ from .hopper import v7_threads
 from .hopper_wgrad import make_weight_grad_v7
 from .hopper_shapes import SUM_PHASES, pair_width, producing, resident
 from .tiles import V6_STORAGE, make_product_v6, make_weight_grad_v6, v6_shape, v6_threads
-from .weight_grad_tensorcore import make_weight_grad_v5, v5_wgrad_blocks, v5_wgrad_warps
+from .weight_grad_tensorcore import make_weight_grad_v5, v5_wgrad_blocks, v5_wgrad_spread, v5_wgrad_warps
 
 VERSIONS = (1, 3, 4, 5, 6, 7)
 
@@ -564,7 +564,7 @@ def launch_weight_grad(cfg, dw, x, dy, layout, n_rows, feature_axis, beta, strea
             per_block = v5_wgrad_blocks(cfg, bs)
         else:
             per_block = V4_WGRAD_THREADS // (bs // 8) ** 2 if v4 else 1
-        thread_blocks = -(-layout.n_blocks // per_block)
+        thread_blocks = -(-layout.n_blocks // per_block) * (v5_wgrad_spread(cfg, bs) if v5 else 1)
     pairs = paired_wgrad(layout, cfg, bs) if v7 and group == 1 else None
     stacks = stacked_wgrad(layout, cfg, bs) if v7 and group == 1 and pairs is None else None
     kind = True if pairs is None and stacks is None else PAIRED if stacks is None else STACKED

@@ -26,7 +26,7 @@ from .device import (
 )
 
 V5_BLOCKS = (16, 32, 64, 128)  # products; the weight gradient's: V5_WGRAD_BLOCKS
-V5_WGRAD_BLOCKS = (16, 32, 64)
+V5_WGRAD_BLOCKS = (16, 32, 64, 128)
 
 
 V5_STORAGE = ("float16", "bfloat16", "float32")

@@ -1,9 +1,10 @@
 """Tensor-core weight gradient (version 5): each warp one patch of one block of dW.
 
-Four warps a thread block; blocks 16 and 32 may group ``v5_wgrad_group[bs]``
-blocks of one block-row per warp, sharing x's slice. fp32 rows of x and dy go to
-shared memory by cp.async where aligned (``v5_wgrad_async``), N-splits are cut
-at multiples of ``v5_wgrad_rows`` and combined in order.
+Four warps a thread block (block 128: four thread blocks a block); blocks 16
+and 32 may group ``v5_wgrad_group[bs]`` blocks of one block-row per warp,
+sharing x's slice. fp32 rows of x and dy go to shared memory by cp.async where
+aligned (``v5_wgrad_async``), N-splits are cut at multiples of
+``v5_wgrad_rows`` and combined in order.
 """
 
 from numba import cuda, float32, int64, uint32, uint64
@@ -27,12 +28,21 @@ from .device import (
 from .tensorcore import v5_values
 
 
+def v5_wgrad_patches(cfg, bs):
+    """Patches of a block of W (a warp each) in version 5's weight gradient: (bs / 32)²."""
+    return (bs // min(bs, cfg.v5_warp_tile)) ** 2
+
+
 def v5_wgrad_blocks(cfg, bs):
     """W blocks a thread block of version 5's weight gradient computes: one per warp, or one
-    for all four warps (block 64: a 32-square patch each)."""
-    V5_WARP_TILE = cfg.v5_warp_tile
-    V5_WGRAD_WARPS = cfg.v5_wgrad_warps
-    return max(1, V5_WGRAD_WARPS // (bs // min(bs, V5_WARP_TILE)) ** 2)
+    for all four warps (block 64: a 32-square patch each), or a share of one (block 128)."""
+    return max(1, cfg.v5_wgrad_warps // v5_wgrad_patches(cfg, bs))
+
+
+def v5_wgrad_spread(cfg, bs):
+    """Thread blocks that share a block of W in version 5's weight gradient, each with
+    ``v5_wgrad_warps`` of its patches: 1, or 4 at block 128 (16 patches, 4 warps)."""
+    return max(1, v5_wgrad_patches(cfg, bs) // cfg.v5_wgrad_warps)
 
 
 def v5_wgrad_warps(cfg, group):
@@ -53,7 +63,8 @@ def make_weight_grad_v5(cfg, bs, storage, acc_type, feature_axis, vector=False, 
 
     Each warp owns a min(bs, 32)-square patch of one block of W (two 16-row by
     four 8-column mma tiles at block 32), a thread block four warps: four
-    blocks (block 16 and 32) or the four patches of one (block 64). Warps
+    blocks (block 16 and 32), the four patches of one (block 64), or four of
+    the sixteen of one (block 128: four thread blocks a block). Warps
     work alone: each stages its own slices of x and dy in its own shared
     memory, a step of rows of N at a time (`v5_wgrad_step`), as 32-bit words
     along N: pairs of rows (16-bit storage, the k pairs the fragments take) or
@@ -83,6 +94,7 @@ def make_weight_grad_v5(cfg, bs, storage, acc_type, feature_axis, vector=False, 
     PATCHES = SIDE * SIDE  # warps on one block
     WARPS = v5_wgrad_warps(cfg, group)
     PER = WARPS if group > 1 else v5_wgrad_blocks(cfg, bs)  # blocks (segments) a thread block
+    SPREAD = 1 if group > 1 else v5_wgrad_spread(cfg, bs)  # thread blocks a block, WARPS patches each
     MT = WT // MMA_M
     NT = WT // MMA_N
     ROWS, KW = v5_wgrad_step(storage)  # rows of N and words a step
@@ -227,8 +239,8 @@ def make_weight_grad_v5(cfg, bs, storage, acc_type, feature_axis, vector=False, 
         warp = cuda.threadIdx.x // 32
         g = lane >> 2
         t = lane % 4
-        item = cuda.blockIdx.x * PER + warp // PATCHES  # a block, or a segment (G > 1)
-        patch = warp % PATCHES
+        item = (cuda.blockIdx.x // SPREAD) * PER + warp // PATCHES  # a block, or a segment (G > 1)
+        patch = (cuda.blockIdx.x % SPREAD) * WARPS + warp % PATCHES
         pm = (patch // SIDE) * WT  # the patch's first row (x feature) and column (dy feature) in the block
         pn = (patch % SIDE) * WT
         split = cuda.blockIdx.y

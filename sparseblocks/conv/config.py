@@ -24,11 +24,9 @@ class ConvConfig:
     hopper: bool = True
     hopper_groups: int = 2  # ... warpgroups a tile of 8 output rows, each 8 columns (1 or 2)
     hopper_keep: bool = False  # ... a group's filter blocks kept in shared memory over many tiles, where they fit
-    # ... the outputs staged in shared memory, then stored 16 bytes a thread (else value by value)
-    hopper_staged_epilogue: bool = False
     # On sm_90, fp16 and bf16 filter gradients of stride 1 on wgmma (`hopper.make_filter_grad`: 64 / G
     # blocks of an output group as wgmma's m, a tap a descriptor into their patch) where their ring fits
-    hopper_filter_grad: bool = False
+    hopper_filter_grad: bool = True
     hopper_filter_taps: int = 0  # ... taps a warpgroup (1-12; 0: half the taps, up to 96 accumulators a thread)
     hopper_filter_overlap: bool = False  # ... a stage's wgmmas waited for after the next's are issued (4 stages)
 

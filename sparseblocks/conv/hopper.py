@@ -26,14 +26,11 @@ with the positions as the product's k: the patch of 64 / G blocks of one output 
 their 64 input channels), a tile's output gradient B, both MN-major, a tap a descriptor's start.
 """
 
-from numba import cuda, float32, int16, int32, int64, types, uint64
+from numba import cuda, float32, int32, int64, uint64
 
 from ..bsmm.device import converters
 from ..ptx.cp_async import commit, copy16_or_zero, copy16_to, make_ring, shared_address, signed_address
 from ..ptx.half2 import stored_as
-from ..ptx.ldmatrix import load4_shared_at
-from ..ptx.mbarrier import named_barrier
-from ..ptx.vector import store4
 from ..ptx.wgmma import WARPGROUP, descriptor, fence, make_mma, make_settle, proxy_fence
 from ..ptx.wgmma import commit as wg_commit
 from ..ptx.wgmma import waiter as wg_waiter
@@ -121,7 +118,7 @@ def make_spots(per, threads, copies, CK, with_block):
     return spots
 
 
-def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, staged=False, biased=True):
+def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, biased=True):
     """The kernel for channel groups of G, TRS taps, patches of ``positions`` positions and tiles of
     ``groups`` warpgroups (see the module's docstring). ``rows_out``: the output written
     channels-last (N, positions, channels).
@@ -132,13 +129,8 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, s
     stage only a patch (a tile's blocks in turn): the filters' bytes are read once a thread
     block instead of once a tile.
 
-    ``staged`` (`ConvConfig.hopper_staged_epilogue`): the epilogue puts each warpgroup's 64 x G
-    outputs (the edge bias added, rounded) in shared memory of its own, then stores them 16 bytes
-    a thread through ``words`` (out's 32-bit words, 16-byte aligned): channels-last a position's
-    8 channels, NCHW a channel's 8 positions of a tile row (Q a multiple of 8). Otherwise each
-    value is stored from its register. Without ``biased`` (a call with no edge bias) the epilogue
-    has no bias code (the staged one's bias loads, with no store to order them, the compiler
-    hoisted: 168 registers against 118 at G = 32)."""
+    The epilogue stores each value from its register. Without ``biased`` (a call with no edge
+    bias) it has no bias code."""
     THREADS = WARPGROUP * groups
     CK = G // 8  # chunks of 8 channels a position
     A_CHUNK = positions * CHUNK  # a patch chunk's stride (lbo)
@@ -156,13 +148,6 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, s
     wg_wait_all = wg_waiter(0)
     narrow = stored_as(storage)
     widen, _ = converters(storage, float32)
-    value_type = int16 if storage == "bfloat16" else types.float16
-    # the staged epilogue's tile a warpgroup: channels-last, 64 rows of G values (a position's);
-    # NCHW, G rows of 64 (a channel's); each row padded by 16 bytes (its stores spread over the banks)
-    EPI_ROW = (G + CHUNK // 2) if rows_out else (64 + CHUNK // 2)  # (in values)
-    EPI_BYTES = (64 if rows_out else G) * 2 * EPI_ROW
-    EPI = KEPT + keep * B_BYTES  # (where the staged tiles start)
-    CHUNKS = 64 * G // 8 // WARPGROUP  # 16-byte chunks a thread stores
 
     @inlined
     def issue(s, at, args):
@@ -253,63 +238,13 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, s
                 out[uint64(at)] = narrow(value)
 
     @inlined
-    def staged_store(words, acc, n, m, p0, q0, k0, hg, OUT_ROWS, bias, edge, has_bias):
-        """`store`'s outputs through this warpgroup's staged tile (see ``staged``)."""
-        M, P, Q = hg[3], hg[4], hg[5]
-        MPQ = M * P * Q
-        tid = cuda.threadIdx.x
-        group, warp, lane = tid // WARPGROUP, (tid % WARPGROUP) // 32, tid % 32
-        tile = cuda.shared.array(0, value_type)
-        mine = (EPI + group * EPI_BYTES) // 2  # (in values)
-        b_of = cuda.local.array(2, int32)  # a lane's two positions' edge-bias columns (-1: none)
-        for h in range(2):
-            row = 16 * warp + lane // 4 + 8 * h
-            p, q = p0 + row // TILE_COLS, q0 + TILE_COLS * group + row % TILE_COLS
-            b_of[h] = edge[(m * P + p) * Q + q] if biased and has_bias and p < P and q < Q else -1
-        for i in range(ACC):
-            j, h, e = i // 4, (i // 2) % 2, i % 2
-            row, c = 16 * warp + lane // 4 + 8 * h, 8 * j + 2 * (lane % 4) + e
-            value = acc[i]
-            if biased and b_of[h] >= 0:
-                value += widen(bias[k0 + c, b_of[h]])
-            tile[mine + (row * EPI_ROW + c if rows_out else c * EPI_ROW + row)] = narrow(value)
-        named_barrier(1 + group, WARPGROUP)  # (this warpgroup's tile is whole)
-        t = tid % WARPGROUP
-        for i in range(CHUNKS):
-            chunk = t + i * WARPGROUP
-            if rows_out:  # a position's 8 channels
-                row, c8 = chunk // (G // 8), chunk % (G // 8)
-                p, q = p0 + row // TILE_COLS, q0 + TILE_COLS * group + row % TILE_COLS
-                if p < P and q < Q:
-                    w4 = load4_shared_at(shared_address(tile, (mine + row * EPI_ROW + 8 * c8,)))
-                    at = (int64(n) * MPQ + (m * P + p) * Q + q) * OUT_ROWS + k0 + 8 * c8
-                    store4(words, (at // 2,), (int32(w4[0]), int32(w4[1]), int32(w4[2]), int32(w4[3])))
-            else:  # a channel's 8 positions of a tile row
-                c, r8 = chunk // 8, chunk % 8
-                p, q = p0 + r8, q0 + TILE_COLS * group
-                if p < P and q < Q:  # (Q a multiple of 8: the run lies whole in the row)
-                    at = (int64(n) * OUT_ROWS + k0 + c) * MPQ + (m * P + p) * Q + q
-                    w4 = load4_shared_at(shared_address(tile, (mine + c * EPI_ROW + 8 * r8,)))
-                    store4(words, (at // 2,), (int32(w4[0]), int32(w4[1]), int32(w4[2]), int32(w4[3])))
-        named_barrier(1 + group, WARPGROUP)  # (the tile may be staged again: kept filters walk tiles)
-
-    @inlined
-    def finish(out, words, acc, n, m, p0, q0, k0, hg, OUT_ROWS, bias, edge, has_bias):
-        """A tile's epilogue: `staged_store` where ``staged``, else `store`."""
-        if staged:
-            staged_store(words, acc, n, m, p0, q0, k0, hg, OUT_ROWS, bias, edge, has_bias)
-        else:
-            store(out, acc, n, m, p0, q0, k0, hg, OUT_ROWS, bias, edge, has_bias)
-
-    @inlined
     def tap_shifts(shifts, hg):
         """Each tap's offset in patch positions (dilated)."""
         for tap in range(TRS):
             shifts[tap] = tap_shift(tap, hg)
 
     @cuda.jit
-    def forward(out, x, f, grp_ptr, grp_blk, blk_c0, hg, OUT_ROWS, IN_ROWS, bias, edge, has_bias, tiles, workers,
-                words):
+    def forward(out, x, f, grp_ptr, grp_blk, blk_c0, hg, OUT_ROWS, IN_ROWS, bias, edge, has_bias, tiles, workers):
         worker, g = cuda.blockIdx.x, cuda.blockIdx.y
         first_tile = (worker * tiles) // workers if keep else worker
         my_tiles = ((worker + 1) * tiles) // workers - first_tile if keep else 1
@@ -323,7 +258,7 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, s
         if count == 0:  # an output group no block reaches: zeros (and its bias)
             for tile in range(first_tile, first_tile + my_tiles):
                 n, m, p0, q0 = where(tile, hg)
-                finish(out, words, acc, n, m, p0, q0, g * G, hg, OUT_ROWS, bias, edge, has_bias)
+                store(out, acc, n, m, p0, q0, g * G, hg, OUT_ROWS, bias, edge, has_bias)
             return
         x_at, f_at = signed_address(x, (0,)), signed_address(f, (0,))
         if keep:  # the group's filters, once (their own commit group, waited for with the first stage)
@@ -352,11 +287,11 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, s
             if b == count - 1:
                 settle(acc)
                 n, m, p0, q0 = where(first_tile + int32(tile), hg)
-                finish(out, words, acc, n, m, p0, q0, g * G, hg, OUT_ROWS, bias, edge, has_bias)
+                store(out, acc, n, m, p0, q0, g * G, hg, OUT_ROWS, bias, edge, has_bias)
                 for i in range(ACC):
                     acc[i] = float32(0)
 
-    return dynamic_shared(forward, EPI + (groups * EPI_BYTES if staged else 0))
+    return dynamic_shared(forward, KEPT + keep * B_BYTES)
 
 
 FILTER_M = 64  # a filter-gradient unit's input channels: wgmma's m (64 / G blocks of one output group)

@@ -535,6 +535,7 @@ ROW_GROUPS = ((1, 1, 1), (0, 0, 0), (1, 0, 1))  # rows of 3, 0 and 2 blocks: ful
     (16, "float32", 0, 9, 0, None, 0.0, 2, 1),  # axis 0, N % 4 != 0: one value a load
     (32, "float32", 1, 40, 0, 2, 0.5, 3, 1),  # two N-splits of fp32 steps, + beta·out; a ring of 3
     (16, "float32", 1, 70, 0, None, 0.0, 4, 1),  # five steps through a ring of four cp.async buffers
+    (128, "float32", 1, 20, 0, None, 0.0, 2, 1),  # block 128: a block's 16 patches on four thread blocks
     # Row segments of 2 blocks a warp (V5_WGRAD_GROUP) over rows of 3, 0 and 2 blocks:
     (16, "float16", 1, 37, 0, None, 0.0, 2, 2),
     (16, "float16", 0, 40, 0, None, 0.0, 2, 2),
@@ -555,7 +556,7 @@ def test_tensor_core_weight_grad(configure, monkeypatch, block_size, dtype, feat
     if group > 1:
         layout = BlockLayout(ROW_GROUPS, block_size)
     else:
-        layout = BlockLayout.dense((2, 1) if block_size < 32 else (1, 1), block_size)
+        layout = BlockLayout.dense((2, 1) if block_size < 32 else (1, 2) if block_size == 128 else (1, 1), block_size)
     rng = np.random.default_rng(n)
     C, K = layout.dense_shape
     cast = numpy_dtype(dtype)

@@ -47,6 +47,8 @@ def test_configs_are_frozen_hashable_and_checked():
         config.v5_warps[16] = 8
     with pytest.raises(ValueError, match="v5_stages"):
         replace(bsmm.DEFAULT, v5_stages=7)
+    with pytest.raises(ValueError, match="v5_wgrad_warps"):  # (a block's patches split evenly among its warps)
+        replace(bsmm.DEFAULT, v5_wgrad_warps=3)
     with pytest.raises(TypeError, match="config"):
         bsmm.forward(np.zeros((1, 16), np.float32), np.zeros((1, 16, 16), np.float32),
                      BlockLayout.dense((1, 1), 16), config={"v5_stages": 2})

@@ -79,7 +79,7 @@ def grouped_layer(rng, G, groups):
 def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, padding, bias, seed, N=2,
                                implicit=True, channels_last=False, stage_bytes=32, hopper=False, hopper_groups=1,
                                hopper_keep=True, hopper_filter_grad=False, hopper_filter_taps=0,
-                               hopper_filter_overlap=False, hopper_staged_epilogue=False):
+                               hopper_filter_overlap=False):
     rng = np.random.default_rng(seed)
     BCK = grouped_layer(rng, G, groups)
     op = BlocksparseConv(BCK, TRS, DHW, strides=strides, dilates=dilates, padding=padding, edge_bias=bias,
@@ -87,8 +87,7 @@ def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, pad
                                            hopper_groups=hopper_groups, hopper_keep=hopper_keep,
                                            hopper_filter_grad=hopper_filter_grad,
                                            hopper_filter_taps=hopper_filter_taps,
-                                           hopper_filter_overlap=hopper_filter_overlap,
-                                           hopper_staged_epilogue=hopper_staged_epilogue))
+                                           hopper_filter_overlap=hopper_filter_overlap))
     assert op._group == G
     F = [values(rng, op.f_shape(b), dtype) for b in range(len(BCK))]
     I = values(rng, op.i_shape(N), dtype)
@@ -177,29 +176,6 @@ def test_hopper_products_match_the_twin(monkeypatch, channels_last, groups, keep
     check_tensor_core_products("float16", 16, 2, TRS, (8, 9), 1, 1, "SAME", bias, 3, N=N,
                                channels_last=channels_last, hopper=True, hopper_groups=groups, hopper_keep=keep)
     assert sum(key[0] is hopper.make_forward for key in compile_cache._kernels) > before
-
-
-@pytest.mark.parametrize("channels_last, groups, keep, DHW, TRS, bias", [
-    (False, 2, False, (8, 16), (3, 3), True), (True, 2, True, (9, 10), (2, 2), False),
-    (True, 1, False, (8, 9), (3, 3), True), (False, 2, True, (10, 8), (3, 3), False)])
-def test_hopper_staged_epilogue_matches_the_twin(monkeypatch, channels_last, groups, keep, DHW, TRS, bias):
-    """``ConvConfig.hopper_staged_epilogue``: the wgmma forward's outputs staged in shared memory
-    and stored 16 bytes a thread, channels-last (a position's 8 channels; tiles overhanging the
-    output) and NCHW (a channel's 8 positions of a row: Q = 16 and 8, the second warpgroup's
-    columns past Q at 8), with the edge bias and without (a kernel with no bias code), and with
-    kept filters walking tiles (the staged tile reused); the input gradient too where Q allows."""
-    from sparseblocks.conv import api, hopper
-    from sparseblocks.runtime import compile as compile_cache
-
-    monkeypatch.setattr(api, "compute_capability", lambda: (9, 0))
-    def made():  # (staged kernels of this call's bias)
-        return sum(key[0] is hopper.make_forward and key[-2:] == (True, bias) for key in compile_cache._kernels)
-
-    before = made()
-    check_tensor_core_products("float16", 16, 2, TRS, DHW, 1, 1, "SAME", bias, 11, N=2,
-                               channels_last=channels_last, hopper=True, hopper_groups=groups, hopper_keep=keep,
-                               hopper_staged_epilogue=True)
-    assert made() > before
 
 
 @pytest.mark.parametrize("G, groups, TRS, DHW, channels_last, taps, overlap", [
