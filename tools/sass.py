@@ -172,7 +172,8 @@ def conv(tool):
     """The stage loop of the implicit convolution's forward (fp16, channel groups of 16, 32 and 64,
     3x3 taps, tiles of 64 columns; stages of 32 and 64 bytes a row): its length, which counts the
     tile's epilogue (with bias code, both its paths: with and without an edge bias), run once
-    every few stages; then `hopper_conv`'s."""
+    every few stages; the filter gradient's k-step and stage loops (G = 32: fp16, fp32 in passes of
+    5 and 9 taps); then `hopper_conv`'s."""
     from sparseblocks.conv import implicit
 
     i64, index = types.int64, types.int32[::1]
@@ -186,6 +187,16 @@ def conv(tool):
         for length, counts in loops_around(sass(kernel.py_func, signature, tool), "HMMA", CONV_COUNTS):
             print(f"| {G} | {row_bytes}{'' if biased else ', no bias code'} | stage | {length} | "
                   + " | ".join(str(counts[k]) for k in CONV_COUNTS) + " |")
+    counts = dict(CONV_COUNTS, LDS=r"\bLDS\b", fp32=r"\bF(ADD|MUL|FMA)\b")
+    print("\n| filter gradient | taps a pass | loop | length | " + " | ".join(counts) + " |")
+    print("|---" * (4 + len(counts)) + "|")
+    for storage, taps in (("float16", 9), ("float32", 5), ("float32", 9)):
+        value = getattr(types, storage)
+        kernel = implicit.make_filter_grad(storage, 32, 64, 320, taps)
+        signature = (types.float32[::1], value[::1], value[::1]) + (index,) * 3 + (i64,) * 6
+        loops = loops_around(sass(kernel.py_func, signature, tool), "HMMA", counts)
+        for (length, c), loop in zip(loops, ("step", "stage")):
+            print(f"| {storage}, G = 32 | {taps} | {loop} | {length} | " + " | ".join(str(c[k]) for k in counts) + " |")
     hopper_conv(tool)
 
 

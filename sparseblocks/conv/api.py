@@ -369,7 +369,7 @@ class BlocksparseConv:
                 and op_x.dtype in ("float16", "bfloat16") and compute_capability() == (9, 0)):
             self._hopper_filter_grad(out, dy_rows, x_rows, op_x, N, stream)
             return
-        taps = min(TRS, implicit.max_taps(op_x.dtype, G))
+        taps = min(TRS, implicit.max_taps(op_x.dtype, G, self.config.fp32_filter_taps))
         groups = -(-TRS // taps)
         cc, ws = implicit.filter_split(G)
         slices = G // cc

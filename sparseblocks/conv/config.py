@@ -15,6 +15,9 @@ class ConvConfig:
     # fp32 products of the layers the implicit GEMM takes (input gradients of stride 1), on the tensor
     # cores in 3xTF32 (three tf32 products a step: about fp32's accuracy); False: the direct kernels
     fp32_tensor_cores: bool = True
+    # Taps a pass of fp32's implicit filter gradient at G = 32 (1-9; 5: a 3 x 3 filter in two passes
+    # over the patch, 9: in one, at 255 registers with more of the patch copies' places spilled)
+    fp32_filter_taps: int = 5
     # Bytes of a position's channels in a forward (and input-gradient) stage of the implicit GEMM:
     # 32 (16 fp16 channels, 8 fp32) or 64 (twice: half the stages and barriers, a larger ring) where
     # the channel groups are whole slices of it and the ring fits; else 32
@@ -35,6 +38,8 @@ class ConvConfig:
             raise ValueError(f"threads: expected a multiple of 32 from 32 to 1024, got {self.threads}")
         if self.hopper_groups not in (1, 2):
             raise ValueError(f"hopper_groups: expected 1 or 2, got {self.hopper_groups}")
+        if not 1 <= self.fp32_filter_taps <= 9:
+            raise ValueError(f"fp32_filter_taps: expected 1 to 9 taps a pass, got {self.fp32_filter_taps}")
         if not 0 <= self.hopper_filter_taps <= 12:
             raise ValueError(f"hopper_filter_taps: expected 0 to 12 taps a warpgroup, got {self.hopper_filter_taps}")
         if self.stage_bytes not in (32, 64):

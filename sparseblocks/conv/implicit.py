@@ -45,7 +45,7 @@ from ..bsmm.device import converters
 from ..ptx.cp_async import copy16_or_zero, copy16_to, make_ring, shared_address, signed_address
 from ..ptx.half2 import stored_as
 from ..ptx.ldmatrix import ldmatrix_x4_at, ldmatrix_x4_trans_at
-from ..ptx.mma import mma_3xtf32, mma_bf16, mma_f16
+from ..ptx.mma import make_3xtf32_parts, mma_3xtf32, mma_bf16, mma_f16
 from ..runtime.compile import divmod32, inlined, unrolled
 from ..runtime.launch import dynamic_shared
 
@@ -56,10 +56,10 @@ SHARED_MAX = 200 * 1024  # the most dynamic shared memory a thread block of thes
 MAX_TAPS = 9  # taps a filter-gradient thread block
 
 
-def max_taps(storage, G):
-    """Taps a filter-gradient thread block takes: `MAX_TAPS`, or 5 for fp32 at G = 32, whose warps'
-    9 taps of accumulators and 3xTF32 splits took 264 bytes of stack (5: 104)."""
-    return 5 if storage == "float32" and G == 32 else MAX_TAPS
+def max_taps(storage, G, fp32_taps=5):
+    """Taps a filter-gradient thread block takes: `MAX_TAPS`, or ``fp32_taps`` for fp32 at G = 32
+    (`ConvConfig.fp32_filter_taps`), whose warps hold 8 accumulators a tap beside 3xTF32's parts."""
+    return fp32_taps if storage == "float32" and G == 32 else MAX_TAPS
 STAGES = 3  # the stage ring's depth
 
 
@@ -518,9 +518,11 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
     16, four shares of each step's positions (each its own partial); G = 32, the four (16 output,
     16 input channels) quarters; G = 64, the four 16-row strips of a 16-input-channel slice.
 
-    fp32 runs ``mma_3xtf32`` on k8 steps of positions, its fragments read from the shared rows a
-    word a register (m16n8k8's tf32 A is dy's rows across, which ``ldmatrix.trans`` cannot give
-    in 32-bit values); its rows are twice fp16's bytes."""
+    fp32 runs 3xTF32 on k8 steps of positions, its fragments read from the shared rows a word a
+    register (m16n8k8's tf32 A is dy's rows across, which ``ldmatrix.trans`` cannot give in
+    32-bit values), A split into its tf32 parts once a step for all the taps
+    (`ptx.mma.make_3xtf32_parts`), the patch rows worked out in 32 bits from factors held in
+    registers; its rows are twice fp16's bytes."""
     CC, WS = filter_split(G)
     FP32 = storage == "float32"
     E = value_bytes(storage)
@@ -533,6 +535,8 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
     P_PER = -(-cap * B_CH // THREADS)
     KS = TILE // (8 if FP32 else 16) // WS  # k steps (of k8 or k16) a warp a stage
     mma = mma_of(storage)
+    split, mma_split = make_3xtf32_parts()
+    QSH = QT.bit_length() - 1  # (QT a power of two)
     plan_patch, copy_patch, _, _ = make_patch_copies(B_CH, BROW, cap, E)
     where, patch_row, tap_shift = make_tiles(QT)
 
@@ -551,14 +555,16 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
 
     taps = unrolled(TAPS, inlined(tap_step), inline=inlined)
 
-    def tap_step32(ti, acc, a0, a1, a2, a3, words, b_at, row0, row1, shifts, tap0, TRS):
-        """fp32: one k8 step's tap: B's b0 and b1 (positions t and t + 4 of the step, at patch
-        rows row0 and row1 before the tap's shift), channel g of each n8 tile, a word each."""
+    def tap_step32(ti, acc, ah, at, words, b_at, row0, row1, shifts, tap0, TRS):
+        """fp32: one k8 step's tap, A's parts (heads ``ah``, tails ``at``) given: B's b0 and b1
+        (positions t and t + 4 of the step, at patch rows row0 and row1 before the tap's shift),
+        channel g of each n8 tile, a word each (32-bit offsets: no wraparound test)."""
         if tap0 + ti < TRS:
-            r0, r1 = b_at + (row0 + shifts[ti]) * BW, b_at + (row1 + shifts[ti]) * BW
+            r0, r1 = uint32(b_at + (row0 + shifts[ti]) * BW), uint32(b_at + (row1 + shifts[ti]) * BW)
             for h2 in range(2):
-                d4 = mma(a0, a1, a2, a3, words[r0 + 8 * h2], words[r1 + 8 * h2],
-                         acc[ti, h2, 0], acc[ti, h2, 1], acc[ti, h2, 2], acc[ti, h2, 3])
+                d4 = mma_split(ah[0], ah[1], ah[2], ah[3], at[0], at[1], at[2], at[3],
+                               words[r0 + uint32(8 * h2)], words[r1 + uint32(8 * h2)],
+                               acc[ti, h2, 0], acc[ti, h2, 1], acc[ti, h2, 2], acc[ti, h2, 3])
                 acc[ti, h2, 0], acc[ti, h2, 1], acc[ti, h2, 2], acc[ti, h2, 3] = d4[0], d4[1], d4[2], d4[3]
 
     taps32 = unrolled(TAPS, inlined(tap_step32), inline=inlined)
@@ -572,6 +578,19 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
             part[slot + (k * G + c) * TRS + tap] = acc[ti, h2, j]
 
     store = unrolled(TAPS * 8, inlined(store_step), inline=inlined)
+
+    @inlined
+    def row_of(j, row_step, col_step, rows):
+        """`patch_row` of position j from its factors held in registers, in 32 bits."""
+        r = int32(j) >> int32(QSH)
+        return int32(r * row_step + (int32(j) & int32(QT - 1)) * col_step) if r < rows else int32(0)
+
+    @inlined
+    def split_a(ah, at, words, a_w):
+        """A's four words of a k8 step (dy[position t (+ 4), channel g (+ 8)]) at word a_w, as
+        their tf32 heads and tails."""
+        for r in range(4):
+            ah[r], at[r] = split(words[uint32(a_w + (r // 2) * 4 * AW + (r % 2) * 8)])
 
     @inlined
     def stage(at, dy_at, x_at, jobs, count, tile, ig, K, C, k0, c0, tid):
@@ -639,6 +658,9 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
             shifts[ti] = tap_shift(min(tap0 + ti, TRS - 1), ig)
         acc = cuda.local.array((TAPS, 2, 4), float32)
         zero(acc)
+        ah = cuda.local.array(4, uint32)  # (fp32: a step's A, split)
+        at_ = cuda.local.array(4, uint32)
+        row_step, col_step, rows = int32(ig[10] * ig[20]), int32(ig[11]), int32(ig[4])
         first = (share * tiles) // shares
         count = ((share + 1) * tiles) // shares - first
         ring = (dy_at, x_at, jobs, count_p, first, ig, K, C, k0, c0, tid)
@@ -649,10 +671,10 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
             if FP32:  # (word offsets from the shared array's start)
                 w_at = int32(at - base) // 4
                 for i in range(KS):
-                    j = (ws + WS * i) * 8 + t  # this lane's positions of the step: j and j + 4
-                    a_w = w_at + j * AW + wk * 16 + g  # A[g, t] = dy[position t, channel g]
-                    taps32(acc, words[a_w], words[a_w + 8], words[a_w + 4 * AW], words[a_w + 4 * AW + 8], words,
-                           w_at + TILE * AW + wc * 16 + g, patch_row(j, ig), patch_row(j + 4, ig), shifts, tap0, TRS)
+                    j = int32((ws + WS * i) * 8 + t)  # this lane's positions of the step: j and j + 4
+                    split_a(ah, at_, words, w_at + j * AW + wk * 16 + g)  # A[g, t] = dy[position t, channel g]
+                    taps32(acc, ah, at_, words, w_at + TILE * AW + wc * 16 + g, row_of(j, row_step, col_step, rows),
+                           row_of(j + 4, row_step, col_step, rows), shifts, tap0, TRS)
             else:
                 for i in range(KS):
                     ks = ws + WS * i

@@ -26,6 +26,8 @@ A[g, t], ``a1`` = A[g+8, t], ``a2`` = A[g, t+4], ``a3`` = A[g+8, t+4]; B (8 x 8)
 fp32 operands into a tf32 head and a tf32 tail and adds the three products
 that matter (tail·head, head·tail, head·head; tail·tail is below fp32's
 precision), which keeps fp32 accuracy on tensor cores (NVIDIA's "3xTF32").
+``make_3xtf32_parts`` gives the split and the product of an A split once, for kernels that
+multiply one A fragment by many B fragments.
 
 ``mma_b1_and`` is ``mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc``: 1-bit A
 (16 x 256) and B (256 x 8), D = popc(A & B) + C in int32, each register 32 bits of a row (A) or
@@ -268,11 +270,54 @@ if SIMULATOR:
 
     def make_mma_3xtf32(nan_safe=True):
         return _mma_3xtf32_simulated  # (float64 products: a NaN stays one)
+
+    def make_3xtf32_parts(nan_safe=True):
+        """(split, mma_split) as on the GPU: the split by the same bit arithmetic, the product
+        of the joined parts (head + the tail before its rounding: the value, for finite ones;
+        NaN for an infinity, as the GPU's products) in float64."""
+        tail_limit = np.int32(TAIL_MAX if nan_safe else 0x7FFFFFFF)
+
+        def split(word):
+            head = np.uint32((int(np.uint32(word)) + TF32_HALF) & TF32_MASK)
+            with np.errstate(invalid="ignore", over="ignore"):
+                tail = np.array([word], np.uint32).view(np.float32) - np.array([head], np.uint32).view(np.float32)
+            bits = min(int(tail.view(np.int32)[0]), int(tail_limit)) + TF32_HALF
+            return head, np.uint32(bits & 0xFFFFFFFF)
+
+        def join(head, tail):
+            exact = np.uint32((int(tail) - TF32_HALF) & 0xFFFFFFFF)  # (the tail before its rounding)
+            with np.errstate(invalid="ignore", over="ignore"):
+                value = np.array([head], np.uint32).view(np.float32) + np.array([exact], np.uint32).view(np.float32)
+            return np.uint32(value.view(np.uint32)[0])
+
+        def mma_split(a0h, a1h, a2h, a3h, a0t, a1t, a2t, a3t, b0, b1, c0, c1, c2, c3):
+            return _mma_3xtf32_simulated(join(a0h, a0t), join(a1h, a1t), join(a2h, a2t), join(a3h, a3t),
+                                         b0, b1, c0, c1, c2, c3)
+
+        return split, mma_split
 else:
 
     def make_mma_3xtf32(nan_safe=True):
         """mma_3xtf32 with fp32 operands split by their bits (`nan_safe`: a NaN operand gives a
         NaN, at one more instruction a split; else it may give a finite product)."""
+        split, mma_split = make_3xtf32_parts(nan_safe)
+
+        @cuda.jit(device=True, inline=True)
+        def mma_3xtf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            """D = A·B + C for fp32 A (16 x 8) and B (8 x 8) given as bit patterns (uint32),
+            to about fp32's accuracy, in three tf32 multiply-adds, smallest terms first."""
+            a0h, a0t = split(a0)
+            a1h, a1t = split(a1)
+            a2h, a2t = split(a2)
+            a3h, a3t = split(a3)
+            return mma_split(a0h, a1h, a2h, a3h, a0t, a1t, a2t, a3t, b0, b1, c0, c1, c2, c3)
+
+        return mma_3xtf32
+
+    def make_3xtf32_parts(nan_safe=True):
+        """(split, mma_split): ``split(word)``, an fp32 pattern's tf32 (head, tail), and
+        ``mma_split(a0h..a3h, a0t..a3t, b0, b1, c0..c3)``, `mma_3xtf32` of an A already split,
+        for kernels that multiply one A fragment by many B fragments."""
         tail_limit = TAIL_MAX if nan_safe else 0x7FFFFFFF  # (the latter: no clamp, folded away)
 
         @cuda.jit(device=True, inline=True)
@@ -292,19 +337,13 @@ else:
             return head, uint32(min(libdevice.float_as_int(tail), int32(tail_limit)) + int32(TF32_HALF))
 
         @cuda.jit(device=True, inline=True)
-        def mma_3xtf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-            """D = A·B + C for fp32 A (16 x 8) and B (8 x 8) given as bit patterns (uint32),
-            to about fp32's accuracy, in three tf32 multiply-adds, smallest terms first."""
-            a0h, a0t = split(a0)
-            a1h, a1t = split(a1)
-            a2h, a2t = split(a2)
-            a3h, a3t = split(a3)
+        def mma_split(a0h, a1h, a2h, a3h, a0t, a1t, a2t, a3t, b0, b1, c0, c1, c2, c3):
             b0h, b0t = split(b0)
             b1h, b1t = split(b1)
             d = mma_tf32(a0t, a1t, a2t, a3t, b0h, b1h, c0, c1, c2, c3)
             d = mma_tf32(a0h, a1h, a2h, a3h, b0t, b1t, d[0], d[1], d[2], d[3])
             return mma_tf32(a0h, a1h, a2h, a3h, b0h, b1h, d[0], d[1], d[2], d[3])
 
-        return mma_3xtf32
+        return split, mma_split
 
     mma_3xtf32 = make_mma_3xtf32()

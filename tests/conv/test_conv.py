@@ -79,7 +79,7 @@ def grouped_layer(rng, G, groups):
 def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, padding, bias, seed, N=2,
                                implicit=True, channels_last=False, stage_bytes=32, hopper=False, hopper_groups=1,
                                hopper_keep=True, hopper_filter_grad=False, hopper_filter_taps=0,
-                               hopper_filter_overlap=False):
+                               hopper_filter_overlap=False, fp32_filter_taps=5):
     rng = np.random.default_rng(seed)
     BCK = grouped_layer(rng, G, groups)
     op = BlocksparseConv(BCK, TRS, DHW, strides=strides, dilates=dilates, padding=padding, edge_bias=bias,
@@ -87,7 +87,8 @@ def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, pad
                                            hopper_groups=hopper_groups, hopper_keep=hopper_keep,
                                            hopper_filter_grad=hopper_filter_grad,
                                            hopper_filter_taps=hopper_filter_taps,
-                                           hopper_filter_overlap=hopper_filter_overlap))
+                                           hopper_filter_overlap=hopper_filter_overlap,
+                                           fp32_filter_taps=fp32_filter_taps))
     assert op._group == G
     F = [values(rng, op.f_shape(b), dtype) for b in range(len(BCK))]
     I = values(rng, op.i_shape(N), dtype)
@@ -131,19 +132,25 @@ def test_implicit_products_add_the_edge_bias():
     check_tensor_core_products("float16", 16, 2, (3, 3), (4, 5), 1, 1, "SAME", True, 3, N=1)
 
 
-def test_fp32_implicit_products_match_the_twin():
+@pytest.mark.parametrize("G, taps", [(16, 5), (32, 3)])
+def test_fp32_implicit_products_match_the_twin(G, taps):
     """fp32's three products through the implicit GEMM in 3xTF32, on channels-last arrays: the
     forward and stride-1 input gradient on slices of 8 channels (one 32-byte shared row, as
     fp16's 16), the filter gradient on rows twice fp16's bytes, its fragments read a word at a
-    time."""
+    time, A split once a step for all the taps; at G = 32 in passes of ``fp32_filter_taps``
+    (3 of the 4 taps, then the last)."""
     from sparseblocks.conv import implicit
     from sparseblocks.runtime import compile as compile_cache
 
-    op = BlocksparseConv(grouped_layer(np.random.default_rng(1), 16, 2), (2, 2), (3, 4))
+    op = BlocksparseConv(grouped_layer(np.random.default_rng(1), G, 2), (2, 2), (3, 4))
     assert all(op._implicit_for(kind, "float32") for kind in ("forward", "input_grad", "filter_grad"))
-    check_tensor_core_products("float32", 16, 2, (2, 2), (3, 4), 1, 1, "SAME", False, 1, N=1, channels_last=True)
+    check_tensor_core_products("float32", G, 2, (2, 2), (3, 4), 1, 1, "SAME", False, 1, N=1, channels_last=True,
+                               fp32_filter_taps=taps)
     for maker in (implicit.make_forward, implicit.make_filter_grad):
         assert any(key[0] is maker and key[1] == "float32" for key in compile_cache._kernels)
+    if G == 32:
+        assert any(key[0] is implicit.make_filter_grad and key[1:3] == ("float32", 32) and key[-1] == taps
+                   for key in compile_cache._kernels)
 
 
 @pytest.mark.parametrize("dtype, G", [("float16", 32), ("float32", 16)])
@@ -212,6 +219,8 @@ def test_hopper_filter_units_join_an_output_groups_blocks():
     assert hopper.filter_taps(9, 32, 2) == 2 and hopper.filter_taps(4, 16, 12) == 2
     with pytest.raises(ValueError, match="hopper_filter_taps: expected 0 to 12"):
         ConvConfig(hopper_filter_taps=13)
+    with pytest.raises(ValueError, match="fp32_filter_taps: expected 1 to 9"):
+        ConvConfig(fp32_filter_taps=0)
 
 
 def test_strided_tensor_core_products_match_the_twin():

@@ -6,10 +6,14 @@ import pytest
 from numba import cuda, int32, uint32
 from numba.cuda import libdevice
 
+from sparseblocks.runtime.backend import SIMULATOR
+
 from sparseblocks.ptx.mma import (
-    MMA_K, MMA_M, MMA_N, TF32_K, a_fragment, b_fragment, c_fragment, mma_3xtf32, mma_bf16, mma_f16,
-    mma_tf32, pack, tf32_a_fragment, tf32_b_fragment, to_tf32,
+    MMA_K, MMA_M, MMA_N, TF32_K, TF32_MASK, a_fragment, b_fragment, c_fragment, make_3xtf32_parts, mma_3xtf32,
+    mma_bf16, mma_f16, mma_tf32, pack, tf32_a_fragment, tf32_b_fragment, to_tf32,
 )
+
+split_tf32, mma_3xtf32_split = make_3xtf32_parts()
 
 
 def _tile_kernel(mma):
@@ -35,18 +39,24 @@ def _tile_kernel(mma):
     return tile
 
 
-def _tf32_tile_kernel(three):
+def _tf32_tile_kernel(three, parts=False):
     @cuda.jit
     def tile(d, a, b, c):
         """d = a·b + c for one warp, a (16 x 8) and b (8 x 8) fp32 given as their bits (int32):
-        rounded to tf32, or (three) as 3xTF32."""
+        rounded to tf32, or (three) as 3xTF32, A split apart first where ``parts``."""
         lane = cuda.threadIdx.x
         g = lane >> 2
         t = lane % 4
         a0, a1, a2, a3 = uint32(a[g, t]), uint32(a[g + 8, t]), uint32(a[g, t + 4]), uint32(a[g + 8, t + 4])
         b0, b1 = uint32(b[t, g]), uint32(b[t + 4, g])
         c0, c1, c2, c3 = c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]
-        if three:
+        if parts:
+            a0h, a0t = split_tf32(a0)
+            a1h, a1t = split_tf32(a1)
+            a2h, a2t = split_tf32(a2)
+            a3h, a3t = split_tf32(a3)
+            out = mma_3xtf32_split(a0h, a1h, a2h, a3h, a0t, a1t, a2t, a3t, b0, b1, c0, c1, c2, c3)
+        elif three:
             out = mma_3xtf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
         else:
             out = mma_tf32(_round(a0), _round(a1), _round(a2), _round(a3), _round(b0), _round(b1),
@@ -65,7 +75,8 @@ def _round(bits):
 
 
 KERNELS = {"float16": _tile_kernel(mma_f16), "bfloat16": _tile_kernel(mma_bf16),
-           "tfloat32": _tf32_tile_kernel(False), "3xtf32": _tf32_tile_kernel(True)}
+           "tfloat32": _tf32_tile_kernel(False), "3xtf32": _tf32_tile_kernel(True),
+           "3xtf32 parts": _tf32_tile_kernel(True, parts=True)}
 
 
 def _bits(values, kind):
@@ -110,6 +121,45 @@ def test_one_tile_matches_numpy(kind):
     # fp32 accumulation of exact products (tf32 inputs rounded as the reference rounds them);
     # 3xTF32 leaves out the tail·tail term, about 2^-22 of each product.
     np.testing.assert_allclose(run(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_3xtf32_parts_give_mma_3xtf32s_products():
+    """An A split apart (`make_3xtf32_parts`) gives mma_3xtf32's products, a NaN of A's and an
+    infinity of B's included: bit for bit on the GPU (the same instructions in the same order)."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((MMA_M, TF32_K)).astype(np.float32)
+    b = rng.standard_normal((TF32_K, MMA_N)).astype(np.float32)
+    a[2, 3], b[1, 1] = np.nan, -np.inf
+    c = rng.standard_normal((MMA_M, MMA_N)).astype(np.float32)
+    got = {}
+    for kind in ("3xtf32", "3xtf32 parts"):
+        d = cuda.device_array((MMA_M, MMA_N), np.float32)
+        KERNELS[kind][1, 32](d, cuda.to_device(a.view(np.int32)), cuda.to_device(b.view(np.int32)), cuda.to_device(c))
+        got[kind] = d.copy_to_host()
+    if SIMULATOR:  # (float64 products of the joined parts: the values, NaN where the GPU's are)
+        np.testing.assert_array_equal(got["3xtf32"], got["3xtf32 parts"])
+    else:
+        np.testing.assert_array_equal(got["3xtf32"].view(np.uint32), got["3xtf32 parts"].view(np.uint32))
+    assert np.isnan(got["3xtf32"][2]).all() and not np.isfinite(got["3xtf32"][:, 1]).any()  # (GPU: NaN)
+    assert not np.isnan(got["3xtf32"][0, [0, 2, 3, 4, 5, 6, 7]]).any()
+
+
+@pytest.mark.parametrize("value", [1.0, 1 + 2.0 ** -11, -3.14159265, 2.5e-30, 65504.0, 0.0, -0.0])
+def test_tf32_split_parts_add_up_to_the_value(value):
+    """split: a tf32 head (13 low bits clear) and a tail that add up to the fp32 value."""
+    @cuda.jit
+    def parts(out, x):
+        if cuda.grid(1) == 0:
+            head, tail = split_tf32(uint32(x[0]))
+            out[0], out[1] = head, tail
+
+    out = np.zeros(2, np.uint32)
+    parts[1, 1](out, np.array([value], np.float32).view(np.uint32))
+    assert out[0] & ~np.uint32(TF32_MASK) == 0
+    # The tail comes rounded to tf32 by half a place added (the tensor cores read its top 19 bits).
+    head, tail = out.view(np.float32)[0], (out[1:] & np.uint32(TF32_MASK)).view(np.float32)[0]
+    assert abs(float(tail)) <= abs(value) * 2.0 ** -11
+    assert abs(float(head) + float(tail) - value) <= abs(value) * 2.0 ** -21
 
 
 def test_tf32_rounding_matches_numpy():
