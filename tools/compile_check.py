@@ -69,8 +69,9 @@ def resources(ptx, registers=None, arch=None):
         arch = arch or f"sm_{CC[0]}{CC[1]}"
         report = subprocess.run([PTXAS, f"-arch={arch}", "-v", *cap, path, "-o", path + ".cubin"],
                                 capture_output=True, text=True).stderr
-    for line in report.splitlines():  # errors, and warnings such as a serialized wgmma
-        if "error" in line or "Performance" in line:
+    for line in report.splitlines():  # errors, and warnings such as a serialized wgmma, or ptxas
+        # waiting on wgmmas in flight because their accumulators are touched (C7519)
+        if "error" in line or "Performance" in line or "C7519" in line:
             print(line[:200])
     if "Unresolved extern function" in report and "half" in report:
         return "  [calls Numba's fp16 operators, linked at launch: no ptxas report alone]"

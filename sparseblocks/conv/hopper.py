@@ -437,6 +437,13 @@ def make_filter_grad(storage, G, TRS, positions, TW, overlap=False):
                                                           for i in range(TW)) + "\n", namespace)
     taps = inlined(namespace["taps"])
 
+    def step(ks, acc, at, shifts, hg):
+        taps(acc, at, ks, shifts, hg)
+
+    # A stage's k16 steps written out: rolled, the accumulators cross the loop's edge between
+    # wgmmas in flight, and ptxas serialises them (it injects warpgroup.arrive, warning C7519).
+    steps = unrolled(TILE // 16, inlined(step), inline=inlined)
+
     @inlined
     def store(part, acc, slot, unit_blk, u, tap0):
         """The accumulators into the share's slot: lane l of warp w holds the unit's input channels
@@ -484,8 +491,7 @@ def make_filter_grad(storage, G, TRS, positions, TW, overlap=False):
         for s in range(count):
             at, buf = advance(s, buf, base, count, args)
             fence()
-            for ks in range(TILE // 16):
-                taps(acc, at, ks, shifts, hg)
+            steps(acc, at, shifts, hg)
             wg_commit()
             wg_wait_stage()  # (the buffer the next barrier lets copies into is free: the stage before's)
         wg_wait_all()
