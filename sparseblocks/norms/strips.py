@@ -81,8 +81,9 @@ def make_strip_parts(cfg, storage, param_storage, acc_type, vector, C, S):
     accumulators; ``write``: y's or dx's 4 values, `groups.make_group_io`; ``load(at, array,
     n0)``: this thread's 16-byte copies of ``array``'s strip from column n0 into the shared window
     at ``at``, rows past N zero-filled, their source kept inside the array; ``column_totals(sums,
-    t) -> (Σ sums[0], Σ sums[1])``: column t's ``T/S`` partial sums, thread t + k·S's, added in that
-    order)."""
+    t, s, q) -> (Σ sums[0], Σ sums[1])``: every thread's partial sums (s, q) into ``sums``, a
+    barrier, then column t's ``T/S`` of them, thread t + k·S's, added in that order (where t < S;
+    other threads get their own back))."""
     _, size = ELEMENTS[storage]
     T = 32 * cfg.column_warps
     PER = T // S
@@ -104,12 +105,16 @@ def make_strip_parts(cfg, storage, param_storage, acc_type, vector, C, S):
                 copy16_or_zero(at + q * COPY, source + offset * size, column < N)
 
     @cuda.jit(device=True, inline=True)
-    def column_totals(sums, t):
-        s = acc_type(0)
-        q = acc_type(0)
-        for k in range(PER):
-            s += sums[0, t + k * S]
-            q += sums[1, t + k * S]
+    def column_totals(sums, t, s, q):
+        sums[0, t] = s
+        sums[1, t] = q
+        cuda.syncthreads()
+        if t < S:
+            s = acc_type(0)
+            q = acc_type(0)
+            for k in range(PER):
+                s += sums[0, t + k * S]
+                q += sums[1, t + k * S]
         return s, q
 
     x_in = converters(storage, acc_type)[0]
@@ -153,11 +158,8 @@ def make_strip_forward(cfg, storage, param_storage, acc_type, relu, vector, C, S
             s += d
             q2 += d * d
             at += uint32(PER * S)
-        sums[0, t] = s
-        sums[1, t] = q2
-        cuda.syncthreads()
+        s, q2 = column_totals(sums, t, s, q2)
         if t < S:
-            s, q2 = column_totals(sums, t)
             shift = s / acc_type(C)
             mean = first + shift
             rstd = acc_type(1) / math.sqrt(max(q2 / acc_type(C) - shift * shift, acc_type(0)) + acc_type(epsilon))
@@ -238,11 +240,8 @@ def make_strip_backward(cfg, storage, param_storage, acc_type, relu, vector, C, 
             q2 += d * gc * h
             row += uint32(PER)
             at += uint32(PER * S)
-        sums[0, t] = s
-        sums[1, t] = q2
-        cuda.syncthreads()
+        s, q2 = column_totals(sums, t, s, q2)
         if t < S:
-            s, q2 = column_totals(sums, t)
             stats[2, t] = s / acc_type(C)
             stats[3, t] = q2 / acc_type(C)
         cuda.syncthreads()
