@@ -93,8 +93,9 @@ def check(name, function, signature, registers=None, detail=lambda ptx: "", cc=C
         ptx, _ = cuda.compile_ptx(function, signature, cc=cc, launch_bounds=launch_bounds)
         arch = f"sm_{cc[0]}{cc[1]}{cc[2] if len(cc) > 2 else ''}"
         divisions = len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx))  # (calls of some 60 instructions each)
-        # fp64 arithmetic where Numba promoted (an fp32 value divided by an int, a float literal)
-        doubles = len(re.findall(r"\b(?:add|sub|mul|fma|div)(?:\.rn|\.rnd)?\.f64\b", ptx))
+        # fp64 arithmetic where Numba promoted (an fp32 value divided by an int, a float literal, a
+        # comparison of a signed with an unsigned integer: both converted to fp64 and compared)
+        doubles = len(re.findall(r"\b(?:add|sub|mul|fma|div|setp\.\w+)(?:\.rn|\.rnd)?\.f64\b", ptx))
         print(f"ok    {name}{resources(ptx, registers, arch)}{detail(ptx)}"
               + (f"  {divisions} 64-bit divisions" if divisions else "") + (f"  {doubles} fp64 ops" if doubles else ""))
         return True
