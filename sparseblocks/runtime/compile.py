@@ -90,8 +90,8 @@ def _divmod32(a, b):
         return u, uint32(0)
     if d == 2:
         return uint32(u >> uint32(1)), uint32(u & uint32(1))
-    q = u // d
-    return q, uint32(u - q * d)
+    q = uint32(u // d)  # (uint32, not the uint64 Numba types u // d as: compared with a signed
+    return q, uint32(u - q * d)  # integer, a uint64 is converted to fp64 with it)
 
 
 divmod32 = inlined(_divmod32)
