@@ -146,16 +146,25 @@ def plan(ig, G, filter_grad=False, E=2, row_bytes=32):
     return forward_shared(G, TRS, cap, row_bytes) <= SHARED_MAX
 
 
+@inlined
+def row_factors(ig):
+    """`make_tiles`' ``patch_row`` factors, read once into registers: a tile row's patch rows
+    (the row stride times the patch's width), a column's (the column stride), the output rows."""
+    return int32(ig[10] * ig[20]), int32(ig[11]), int32(ig[4])
+
+
 def make_tiles(QT, TP=None):
     """The tile arithmetic both kernels share (and `hopper.py`'s), for tiles of QT columns
     (`tile_shape`) and TP rows (``TILE // QT`` where None):
 
     * ``where(tile, ig)``: position tile ``tile``'s (image, output depth, first row, first
       column), in the order both kernels walk them;
-    * ``patch_row(j, ig)``: the patch row that a tile's position j reads at the first tap (0 for a
-      position past the last output row: its result is never kept);
+    * ``patch_row(j, factors)``: the patch row that a tile's position j reads at the first tap (0
+      for a position past the last output row: its result is never kept), in 32 bits from the
+      factors `row_factors` took from ``ig`` once;
     * ``tap_shift(tap, ig)``: how many patch rows further tap ``tap`` reads."""
     TP = TILE // QT if TP is None else TP
+    QSH = QT.bit_length() - 1  # (QT a power of two)
 
     @inlined
     def where(tile, ig):
@@ -166,8 +175,10 @@ def make_tiles(QT, TP=None):
         return n, m, p * TP, q * QT
 
     @inlined
-    def patch_row(j, ig):
-        return ((j // QT) * ig[10]) * ig[20] + (j % QT) * ig[11] if j // QT < ig[4] else 0
+    def patch_row(j, factors):
+        row_step, col_step, rows = factors
+        r = int32(j) >> int32(QSH)
+        return int32(r * row_step + (int32(j) & int32(QT - 1)) * col_step) if r < rows else int32(0)
 
     @inlined
     def tap_shift(tap, ig):
@@ -473,7 +484,8 @@ def make_forward(storage, G, QT, cap, TRS, rows_out=False, row_bytes=32, biased=
         q8, r8 = lane // 8, lane % 8
         a_lane = ((q8 % 2) * 8 + r8) * ROW + (q8 // 2) * 16
         j = warp * 32 + (q8 // 2) * 8 + r8  # the lane's ldmatrix rows: positions j and j + 16
-        row0, row1 = patch_row(j, ig), patch_row(j + 16, ig)
+        factors = row_factors(ig)
+        row0, row1 = patch_row(j, factors), patch_row(j + 16, factors)
         b_col = AROWS * ROW + (q8 % 2) * 16
         shifts = cuda.local.array(TRS, int32)  # each tap's offset in patch rows
         for tap in range(TRS):
@@ -521,8 +533,8 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
     fp32 runs 3xTF32 on k8 steps of positions, its fragments read from the shared rows a word a
     register (m16n8k8's tf32 A is dy's rows across, which ``ldmatrix.trans`` cannot give in
     32-bit values), A split into its tf32 parts once a step for all the taps
-    (`ptx.mma.make_3xtf32_parts`), the patch rows worked out in 32 bits from factors held in
-    registers; its rows are twice fp16's bytes."""
+    (`ptx.mma.make_3xtf32_parts`), the patch rows from factors held in registers (`row_factors`);
+    its rows are twice fp16's bytes."""
     CC, WS = filter_split(G)
     FP32 = storage == "float32"
     E = value_bytes(storage)
@@ -536,7 +548,6 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
     KS = TILE // (8 if FP32 else 16) // WS  # k steps (of k8 or k16) a warp a stage
     mma = mma_of(storage)
     split, mma_split = make_3xtf32_parts()
-    QSH = QT.bit_length() - 1  # (QT a power of two)
     plan_patch, copy_patch, _, _ = make_patch_copies(B_CH, BROW, cap, E)
     where, patch_row, tap_shift = make_tiles(QT)
 
@@ -578,12 +589,6 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
             part[slot + (k * G + c) * TRS + tap] = acc[ti, h2, j]
 
     store = unrolled(TAPS * 8, inlined(store_step), inline=inlined)
-
-    @inlined
-    def row_of(j, row_step, col_step, rows):
-        """`patch_row` of position j from its factors held in registers, in 32 bits."""
-        r = int32(j) >> int32(QSH)
-        return int32(r * row_step + (int32(j) & int32(QT - 1)) * col_step) if r < rows else int32(0)
 
     @inlined
     def split_a(ah, at, words, a_w):
@@ -647,10 +652,11 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
         q8, r8 = lane // 8, lane % 8
         a_lane = ((q8 // 2) * 8 + r8) * AROW + 2 * (wk * 16 + (q8 % 2) * 8)
         b_col = 2 * (wc * 16 + (q8 // 2) * 8)
+        factors = row_factors(ig)  # (the patch rows' factors, held for the walk)
         b_rows = cuda.local.array(KS, int32)  # the lane's patch rows (positions) of each k16 step
         if not FP32:  # (fp32 takes its positions' rows as it goes: two a k8 step)
             for i in range(KS):
-                b_rows[i] = patch_row((ws + WS * i) * 16 + (q8 % 2) * 8 + r8, ig)
+                b_rows[i] = patch_row((ws + WS * i) * 16 + (q8 % 2) * 8 + r8, factors)
         g, t = lane // 4, lane % 4
         words = cuda.shared.array(0, uint32)
         shifts = cuda.local.array(TAPS, int32)  # each tap's offset in patch rows
@@ -660,7 +666,6 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
         zero(acc)
         ah = cuda.local.array(4, uint32)  # (fp32: a step's A, split)
         at_ = cuda.local.array(4, uint32)
-        row_step, col_step, rows = int32(ig[10] * ig[20]), int32(ig[11]), int32(ig[4])
         first = (share * tiles) // shares
         count = ((share + 1) * tiles) // shares - first
         ring = (dy_at, x_at, jobs, count_p, first, ig, K, C, k0, c0, tid)
@@ -673,8 +678,8 @@ def make_filter_grad(storage, G, QT, cap, TAPS):
                 for i in range(KS):
                     j = int32((ws + WS * i) * 8 + t)  # this lane's positions of the step: j and j + 4
                     split_a(ah, at_, words, w_at + j * AW + wk * 16 + g)  # A[g, t] = dy[position t, channel g]
-                    taps32(acc, ah, at_, words, w_at + TILE * AW + wc * 16 + g, row_of(j, row_step, col_step, rows),
-                           row_of(j + 4, row_step, col_step, rows), shifts, tap0, TRS)
+                    taps32(acc, ah, at_, words, w_at + TILE * AW + wc * 16 + g, patch_row(j, factors),
+                           patch_row(j + 4, factors), shifts, tap0, TRS)
             else:
                 for i in range(KS):
                     ks = ws + WS * i
