@@ -325,13 +325,12 @@ class BlocksparseConv:
             wgs = self.config.hopper_groups
             tiles = N * int(hg[3] * hg[21] * hg[22])
             keep = self._hopper_keep(kind, hg, G)
-            flat = out.reshape(-1)
             kernel = cached(hopper.make_forward, op_x.dtype, G, TRS, hopper.patch_positions(hg), last, wgs, keep,
                             bool(has_bias))
             # (kept filters: one wave of thread blocks, each walking its share of the tiles)
             workers = max(1, min(tiles, -(-2 * multiprocessors() // (out_rows // G)))) if keep else tiles
             launch(kernel, (workers, out_rows // G), hopper.WARPGROUP * wgs, stream,
-                   (flat, rows, self._packed(op_f, kind != "forward", stream, 16), t[ptr], t[blk],
+                   (out.reshape(-1), rows, self._packed(op_f, kind != "forward", stream, 16), t[ptr], t[blk],
                     t[first], t["hg_" + kind], out_rows, in_rows, bias, t["edge"], has_bias, tiles, workers))
             return
         row_bytes = self._row_bytes(kind, op_x.dtype)

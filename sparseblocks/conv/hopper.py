@@ -156,7 +156,7 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, b
         that block's packed filter unless ``keep``."""
         x_at, f_at, sources, spot, grp_blk, blk_c0, ptr, count, first_tile, placed, hg, IN_ROWS = args
         tile, b = divmod32(s, count)
-        if placed[0] != int64(tile):  # (a tile's stages come in order: its first places the patch's copies)
+        if placed[0] != tile:  # (a tile's stages come in order: its first places the patch's copies)
             n, m, p0, q0 = where(first_tile + int32(tile), hg)
             place(sources, spot, m, p0, q0, hg, IN_ROWS)
             placed[0], placed[1] = tile, E * int64(n) * (hg[0] * hg[1] * hg[2]) * IN_ROWS
