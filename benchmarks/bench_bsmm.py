@@ -26,7 +26,7 @@ import numpy as np
 from benchmarks.common import Record, device_name, graph_ms, print_table, time_ms, write_results
 
 TOLERANCE = {"float32": 1e-5, "float16": 3e-3, "bfloat16": 2e-2}
-BASELINES = ("torch_dense", "torch_bsr", "triton_bsr", "stk")
+BASELINES = ("torch_dense", "torch_bsr", "torch_triton_bsr", "stk")
 STK_BLOCK = 128  # the block size stk and MegaBlocks train with
 
 
@@ -139,7 +139,7 @@ def bench_config(torch, bsmm, layout, N, dtype_name, records, versions=(None,), 
             "input_grad": device_ms(lambda: dy @ Wd.T),
             "weight_grad": device_ms(lambda: x.T @ dy),
         }
-    if "torch_bsr" in baselines or "triton_bsr" in baselines:
+    if "torch_bsr" in baselines or "torch_triton_bsr" in baselines:
         bsr, triton = {}, {}
         try:
             W_t_bsr = Wd.T.contiguous().to_sparse_bsr((bs, bs))  # (K, C): W_t_bsr @ xᵀ = (x·W)ᵀ
@@ -158,7 +158,7 @@ def bench_config(torch, bsmm, layout, N, dtype_name, records, versions=(None,), 
         except Exception as error:  # no Triton, or no kernel for this dtype or block size
             print(f"torch Triton BSR unavailable ({dtype_name}, bs={bs}): {error}")
             triton = {"forward": float("nan"), "input_grad": float("nan")}
-        measured["torch_bsr"], measured["triton_bsr"] = bsr, triton
+        measured["torch_bsr"], measured["torch_triton_bsr"] = bsr, triton
     if "stk" in baselines and dtype_name != "float32":
         measured["stk"] = stk_ms(torch, N, C, K, layout.density, dtype)
 

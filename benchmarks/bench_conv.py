@@ -48,6 +48,14 @@ def timed(name, params, call, base, flops):
     return Record(name, dict(params), queued_ms(call), {**base, "eager_call": time_ms(call)}, flops=flops)
 
 
+def layer_flops(name, params):
+    """A record's FLOPs from its params (a 3 x 3 filter; the nonzero blocks the density's share of
+    the (C / G) x (K / G) grid): what a merge restores TFLOP/s from."""
+    G = params["group"]
+    blocks = round(params["density"] * (params["C"] // G) * (params["K"] // G))
+    return 2.0 * params["N"] * params["H"] * params["W"] * 9 * G * G * blocks
+
+
 def check(got, want, what):
     error = ((got.float() - want).norm() / want.norm()).item()
     assert error < 2e-2, f"{what}: relative error {error}"
@@ -62,7 +70,7 @@ def main():
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
     if args.merge:
-        merge_runs("conv", args.merge, args.out_dir)
+        merge_runs("conv", args.merge, args.out_dir, flops=layer_flops)
         return
 
     import torch
@@ -91,7 +99,6 @@ def main():
             want_dx = torch.nn.grad.conv2d_input(x.shape, dense.float(), dy.float(), padding=1)
             dF = torch.nn.grad.conv2d_weight(x.float(), dense.shape, dy.float(), padding=1)
             density = float(mask.mean())
-            flops = 2.0 * N * HW * HW * 9 * G * G * len(BCK)
             for memory in (("channels_first",) if dtype_name == "float32" else ("channels_first", "channels_last")):
                 last = memory == "channels_last"
                 fmt = torch.channels_last if last else torch.contiguous_format
@@ -106,6 +113,8 @@ def main():
                     check(got_f, dF[ks[0]:ks[0] + G, cs[0]:cs[0] + G], f"{what}: filter_grad")
                 params = dict(layout=name, density=round(density, 3), dtype=dtype_name, memory=memory, N=N, C=C,
                               K=C, H=HW, W=HW, group=G)
+                flops = layer_flops("forward", params)
+                assert flops == 2.0 * N * HW * HW * 9 * G * G * len(BCK)
                 base = {"cudnn_dense": baseline_ms(lambda: F.conv2d(xs, dense_m, padding=1), queued_ms)}
                 if name == "block_diagonal":  # (C, G, 3, 3), block i is group i
                     grouped = torch.cat([filters[i] for i in range(len(BCK))]).contiguous(memory_format=fmt)

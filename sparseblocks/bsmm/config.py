@@ -74,12 +74,12 @@ class BsmmConfig:
 
     # -- version 6 (tensor cores: ldmatrix tiles from a cp.async ring; fp16, bf16) -------
     v6_tiles: dict = default_field(  # (rows BM, warps along rows, warps along features) of a product's tile
-        {32: (256, 4, 1), 64: (256, 4, 1), 128: (128, 2, 2)})  # (block 16: version 5, which was not timed against it)
+        {16: (128, 4, 1), 32: (256, 4, 1), 64: (256, 4, 1), 128: (128, 2, 2)})
     v6_k: int = 32  # k values a stage (at most a block): two k16 mma steps a barrier
     v6_stages: int = 4  # shared buffers of the ring, stages - 1 in flight while one is multiplied
     v6_copy_step: int = 0  # k16 steps of a stage multiplied before the next stage's copies are issued
     v6_wgrad_warps: dict = default_field(  # (warps along dW's rows, along its columns) of a block's tile
-        {32: (1, 1), 64: (2, 2), 128: (2, 2)})
+        {32: (1, 1), 64: (2, 2), 128: (2, 2)})  # (block 16: version 5, 1.2x version 6's (1, 1) at 50 %)
     v6_wgrad_k: int = 32  # rows of N a weight-gradient stage
     v6_wgrad_stages: int = 4  # buffers of the weight gradient's ring
     v6_max_shared: int = 227 * 1024  # a thread block's shared memory on sm_90

@@ -15,9 +15,9 @@ class ConvConfig:
     # fp32 products of the layers the implicit GEMM takes (input gradients of stride 1), on the tensor
     # cores in 3xTF32 (three tf32 products a step: about fp32's accuracy); False: the direct kernels
     fp32_tensor_cores: bool = True
-    # Taps a pass of fp32's implicit filter gradient at G = 32 (1-9; 5: a 3 x 3 filter in two passes
-    # over the patch, 9: in one, at 255 registers with more of the patch copies' places spilled)
-    fp32_filter_taps: int = 5
+    # Taps a pass of fp32's implicit filter gradient at G = 32 (1-9; 9: a 3 x 3 filter in one pass over
+    # the patch, at 255 registers with some of the patch copies' places spilled; 5: in two passes)
+    fp32_filter_taps: int = 9
     # Bytes of a position's channels in a forward (and input-gradient) stage of the implicit GEMM:
     # 32 (16 fp16 channels, 8 fp32) or 64 (twice: half the stages and barriers, a larger ring) where
     # the channel groups are whole slices of it and the ring fits; else 32
@@ -31,7 +31,7 @@ class ConvConfig:
     # blocks of an output group as wgmma's m, a tap a descriptor into their patch) where their ring fits
     hopper_filter_grad: bool = True
     hopper_filter_taps: int = 0  # ... taps a warpgroup (1-12; 0: half the taps, up to 96 accumulators a thread)
-    hopper_filter_overlap: bool = False  # ... a stage's wgmmas waited for after the next's are issued (4 stages)
+    hopper_filter_overlap: bool = True  # ... a stage's wgmmas waited for after the next's are issued (4 stages)
 
     def check(self):
         if self.threads % 32 or not 32 <= self.threads <= 1024:
