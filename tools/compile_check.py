@@ -157,15 +157,18 @@ def warp_specialized(cfg, kind):
 def wgrad_cases(version):
     """(block size, config, the maker's extra args) of each weight gradient ``check_tiles`` builds:
     version 6's at its products' block sizes; version 7's at 64 and 128, and its stacked tiles at 32 (4 blocks
-    on one warpgroup, 8 on two; 4 warp-specialized), and its paired tiles at 64 (on the ring, warp-specialized;
-    four blocks a tile on the ring)."""
+    on one warpgroup, 8 on two; 4 warp-specialized), and its paired tiles at 64 (on the ring; warp-specialized
+    with bulk copies, also built for two thread blocks a multiprocessor, and with cp.async; four blocks a tile on
+    the ring and warp-specialized)."""
     if version == 6:
-        return [(bs, B, ()) for bs in sorted(B.v6_tiles)]
+        return [(bs, B, ()) for bs in sorted(B.v6_wgrad_warps)]
     shapes = bsmm.hopper_shapes
     stacked = [(32, replace(B, v7_wgrad_stacks={32: n}, v7_wgrad_groups={32: g}, v7_wgrad_stack_producer=p),
                 (shapes.STACKED,)) for n, g, p in ((4, 1, False), (8, 2, False), (4, 1, True))]
-    paired = [(64, replace(B, v7_wgrad_pair_producer=p, v7_wgrad_pair_width={64: w}), (shapes.PAIRED,))
-              for p, w in ((False, 2), (True, 2), (False, 4))]
+    paired = [(64, replace(B, v7_wgrad_pair_producer=p, v7_wgrad_pair_width={64: w}, v7_tma=tma,
+                           v7_wgrad_pair_blocks=blocks), (shapes.PAIRED,))
+              for p, w, tma, blocks in ((False, 2, True, {}), (True, 2, True, {}), (True, 2, True, {64: 2}),
+                                        (True, 2, False, {}), (False, 4, True, {}), (True, 4, True, {}))]
     # (block 128's with the bias gradient's column sums in the copying warpgroup: kind True, column_sums)
     summing = [(128, B, (True, True))]
     return [(bs, B, ()) for bs in shapes.V7_WGRAD_BLOCKS] + stacked + paired + summing
@@ -217,7 +220,9 @@ def check_tiles(version):
                 tile = (f" stacks {cfg.v7_wgrad_stacks[bs]}" if extra[0] == "stacks"
                         else f" pairs of {cfg.v7_wgrad_pair_width[bs]}")
             tile += " column sums" if extra[1:] else ""
-            stack = tile + (" split" if extra and extra[0] is not True and warp_specialized(cfg, extra[0]) else "")
+            split = extra and extra[0] is not True and warp_specialized(cfg, extra[0])
+            stack = tile + (f" split {'bulk' if cfg.v7_tma and extra[0] == 'pairs' else 'cp.async'}" if split else "")
+            stack += f" {cfg.v7_wgrad_pair_blocks[bs]} blocks" if split and bs in cfg.v7_wgrad_pair_blocks else ""
             results.append(check(f"weight_grad v{version} bs {bs}{stack} {storage} axis {feature_axis} dW {out}",
                                  kernel.py_func, signature, cc=cc, detail=count,
                                  launch_bounds=bounds(version, bs, kind, cfg)))

@@ -106,9 +106,11 @@ class BsmmConfig:
     v7_wgrad_pairs: dict = default_field({64: 4})
     v7_wgrad_pairs_fill: int = 1  # ... where the pairs alone give this many thread blocks a multiprocessor (0: always)
     v7_wgrad_pair_width: dict = default_field({64: 2})  # ... blocks of the block-row a tile takes: {bs: 2 or 4}
-    # ... warp-specialized: a copying warpgroup's cp.async (dy's two column-blocks are not one box of a
-    # tensor map) fills the ring on mbarriers, the multiplying warps only wait and multiply
+    # ... warp-specialized: a copying warpgroup fills the ring on mbarriers (with v7_tma one thread's
+    # bulk copies, a box of x and one of dy a block; else cp.async), the multiplying warps only wait
+    # and multiply; built for v7_wgrad_pair_blocks[bs] thread blocks a multiprocessor (1 where absent)
     v7_wgrad_pair_producer: bool = False
+    v7_wgrad_pair_blocks: dict = default_field({})
     # Weight gradients of n blocks of one block-column a thread block, stacked down a tile of n bs x bs
     # (dy's columns read once for all; n of 2, 4 or 8), at block 32, where wgmma's 64 rows need two
     # blocks at least: {bs: n}; warpgroups from v7_wgrad_groups, the ring v7_wgrad_stack_stages; absent:
@@ -200,7 +202,8 @@ class BsmmConfig:
                     short_lines_config(self, bs)  # (checked as it is made)
                 except ValueError as error:
                     raise ValueError(f"v7_short_lines[{bs}]: {error}") from None
-        for name, sizes in (("v7_blocks", V7_BLOCKS), ("v7_wgrad_blocks", V7_WGRAD_BLOCKS)):
+        for name, sizes in (("v7_blocks", V7_BLOCKS), ("v7_wgrad_blocks", V7_WGRAD_BLOCKS),
+                            ("v7_wgrad_pair_blocks", V7_WGRAD_BLOCKS)):
             if not set(getattr(self, name)) <= set(sizes):
                 raise ValueError(f"{name}: expected block sizes of {sizes}, got {sorted(getattr(self, name))}")
         for bs in V7_WGRAD_BLOCKS:

@@ -332,9 +332,9 @@ def tma_maps(cfg, bs, weight_grad, a, b, n_rows, feature_axis, transpose_w, stre
     off, a shape the maps cannot take, or the maps kept are at their limit)."""
     if not producing(cfg, weight_grad, bs):
         return ()
-    # (the maps' boxes are 128-byte-swizzled rows of 64 values; a paired or stacked tile's blocks
-    # are not one box)
-    if not cfg.v7_tma or bs < 64 or weight_grad in (PAIRED, STACKED):
+    # (the maps' boxes are 128-byte-swizzled rows of 64 values; a paired tile's blocks of dy are a
+    # box each (`hopper_wgrad`'s pair_boxes), a stacked tile's blocks of x are not boxes)
+    if not cfg.v7_tma or bs < 64 or weight_grad == STACKED:
         return None
     BM, BN = v7_shape(cfg, bs, weight_grad)[:2]
     if weight_grad:  # x, dy: (N, features) with feature_axis 1, MN-major; (features, N), K-major

@@ -198,10 +198,18 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
     A_PER_P, B_PER_P = -(-A_CHUNKS // P), -(-B_CHUNKS // P)
     A_ALL_P, B_ALL_P = A_CHUNKS % P == 0, B_CHUNKS % P == 0
     # Bulk copies of a stage (`ptx.tma`): an MN-major operand a box of 64 of m or n by BK of k for
-    # each 64-wide group, a group apart; a K-major one a box of BK by all its rows.
-    A_BOXES, B_BOXES = (BM // 64 if a_mn_major else 1), (max(BN // 64, 1) if b_mn_major else 1)
+    # each 64-wide group, a group apart; a K-major one a box of BK by all its rows (B: by a block's
+    # rows, a block's rows apart: a paired weight gradient's B is the dy rows of 2 or 4 blocks).
+    A_BOXES, B_BOXES = (BM // 64 if a_mn_major else 1), (max(BN // 64, 1) if b_mn_major else BN // bs)
+    B_BOX_STEP = B_GROUP if b_mn_major else bs * B_W  # shared bytes from one of B's boxes to the next
 
-    def make_split(stage_sources, a_chunk, b_chunk, stage, boxes=None, column_sums=False):
+    @inlined
+    def next_boxes(g, s, where, inner, outer):
+        """B's box g of a stage whose first box is at (inner, outer): the next 64-wide group
+        along a stored row (MN-major), or the next block's rows (K-major)."""
+        return (inner + 64 * g, outer) if b_mn_major else (inner, outer + bs * g)
+
+    def make_split(stage_sources, a_chunk, b_chunk, stage, boxes=None, column_sums=False, b_box=next_boxes):
         """The warp-specialized loop: ``init(bars, readers)``, ``produce(lane, base, bars, n_stages, where,
         buf, parity)`` for the copying warpgroup and ``consume(acc, bars, n_stages, desc_a, desc_b,
         lane, buf, parity)`` for each multiplying one, each a tile's stages, from the ring position
@@ -218,6 +226,8 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
         stage's first box of A and of B, in the tensor maps of ``maps`` (A's map address, A's
         address, B's map address, B's address: `ptx.tma.load_2d`; past its dims, zeros), and the
         stage's full barrier completes on that thread's arrival (``expect_tx``) and the copies' bytes.
+        ``b_box(g, s, where, inner, outer)`` places B's box g from the first one's coordinates
+        (``next_boxes`` by default; a paired weight gradient's boxes are its blocks').
 
         Stage s goes to buffer s % stages. Its full barrier completes once each of the copying
         threads' copies of it have landed (``copy_arrive``); its empty barrier once each
@@ -349,7 +359,8 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
                         for g in range(A_BOXES):
                             load_2d(at + g * A_GROUP, maps[0], maps[1], a_inner + 64 * g, a_outer, full)
                         for g in range(B_BOXES):
-                            load_2d(at + A_BYTES + g * B_GROUP, maps[2], maps[3], b_inner + 64 * g, b_outer, full)
+                            inner, outer = b_box(g, s, where, b_inner, b_outer)
+                            load_2d(at + A_BYTES + g * B_BOX_STEP, maps[2], maps[3], inner, outer, full)
                 else:
                     bar_wait(bars + (STAGES + buf) * BAR_BYTES, parity)
                     a_at, b_at = stage_sources(s, where)

@@ -108,8 +108,11 @@ def producing(cfg, weight_grad, bs):
 
 def resident(cfg, bs, weight_grad):
     """Thread blocks a multiprocessor a warp-specialized kernel is built for (``v7_blocks``,
-    ``v7_wgrad_blocks``; 1 where the config names none, and for paired or stacked weight-gradient tiles)."""
-    if weight_grad in (PAIRED, STACKED):
+    ``v7_wgrad_blocks``, ``v7_wgrad_pair_blocks`` for paired tiles; 1 where the config names none,
+    and for stacked weight-gradient tiles)."""
+    if weight_grad == PAIRED:
+        return cfg.v7_wgrad_pair_blocks.get(bs, 1)
+    if weight_grad == STACKED:
         return 1
     return (cfg.v7_wgrad_blocks if weight_grad else cfg.v7_blocks).get(bs, 1)
 
@@ -202,7 +205,8 @@ def v7_check(cfg, bs, weight_grad=False):
         name = {PAIRED: f"v7_wgrad_pairs[{bs}]", STACKED: "v7_wgrad_stack_stages"}.get(
             weight_grad, "v7_wgrad_stages") if weight_grad else f"v7_stages[{bs}]"
         blocks = resident(cfg, bs, weight_grad) if weight_grad else 1
-        fit = f" (the most that fit v7_wgrad_blocks[{bs}] = {blocks})" if blocks > 1 else ""
+        field = "v7_wgrad_pair_blocks" if weight_grad == PAIRED else "v7_wgrad_blocks"
+        fit = f" (the most that fit {field}[{bs}] = {blocks})" if blocks > 1 else ""
         return f"{name}: expected 3 to 6 stages, got {STAGES}{fit}"
     if not 1 <= GROUPS <= 4:
         return f"block {bs}: {GROUPS} warpgroups, expected 1 to 4"
@@ -220,7 +224,8 @@ def v7_check(cfg, bs, weight_grad=False):
                     f"bytes of shared memory, over v6_max_shared (fewer stages)")
     blocks = resident(cfg, bs, weight_grad)
     if blocks != 1:
-        name = f"{'v7_wgrad_blocks' if weight_grad else 'v7_blocks'}[{bs}]"
+        field = "v7_wgrad_pair_blocks" if weight_grad == PAIRED else "v7_wgrad_blocks" if weight_grad else "v7_blocks"
+        name = f"{field}[{bs}]"
         if blocks not in (2, 3) or not producing(cfg, weight_grad, bs):
             return f"{name}: expected 2 or 3 thread blocks a multiprocessor, of warp-specialized kernels"
         shared = shared_bytes(cfg, bs, weight_grad, 1)

@@ -118,6 +118,15 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
             return int32(where[6]), n0, int32(where[7]), n0
         return n0, int32(where[6]), n0, int32(where[7])
 
+    @inlined
+    def pair_boxes(g, s, where, inner, outer):
+        """A paired tile's box g of dy (`hopper.make_split`'s ``b_box``): 64 columns of its
+        block (64 g) // bs at row n0 (feature_axis 1), or block g's rows (0)."""
+        coords, block = where[9], where[8]
+        if MN:
+            return int32(coords[block, 1 + (64 * g) // bs] * bs + (64 * g) % bs), outer
+        return inner, int32(coords[block, 1 + g] * bs)
+
     if column_sums:
 
         @inlined
@@ -135,9 +144,10 @@ def make_weight_grad_v7(cfg, bs, storage, acc_type, feature_axis, out_storage=No
     copy_plan, make_ring, descriptors, (A_PER, B_PER), make_split = make_hopper_loop(cfg, bs, storage, kind, MN, MN)
     ring = make_ring(sources)
     stage, chunk, OUT_PER, PITCH = make_staging(cfg, bs, kind, False, THREADS)
+    bulk = SPLIT and cfg.v7_tma and (kind is True or paired)  # (a stacked tile's blocks of x are not boxes)
     init, produce, consume, specialized = make_split(stage_sources, a_chunk, b_chunk, stage,
-                                                     boxes if SPLIT and cfg.v7_tma and kind is True else None,
-                                                     column_sums)
+                                                     boxes if bulk else None, column_sums,
+                                                     *((pair_boxes,) if paired else ()))
 
     @jit_for(cfg, bs, GROUPS, kind)
     def weight_grad_v7(dw, workspace, x, dy, coords, n_rows, rows_per_split, beta, sums, summing, x_map, dy_map):

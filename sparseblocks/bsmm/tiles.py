@@ -13,9 +13,9 @@ contiguous axis, padded by 16 bytes so that eight rows start in eight different 
 Warps own WM x WN patches (fp32 accumulators in registers) and take their mma fragments with
 ``ldmatrix``: plain where the operand's k runs along its rows (x with feature_axis 1, Wᵀ),
 ``.trans`` where k runs down them (W, dy and x in the weight gradient), so any feature axis is
-the same loop with other flags. Blocks of `BsmmConfig.v6_tiles` (32-128 by default); operands
-16-byte aligned, and N a multiple of 8 with feature_axis 0 (N then runs along rows):
-`dispatch.tiles_fit` checks, and version 5 runs otherwise.
+the same loop with other flags. Blocks of `BsmmConfig.v6_tiles` (16-128 by default; weight gradients
+those of `v6_wgrad_warps`, 32-128); operands 16-byte aligned, and N a multiple of 8 with feature_axis
+0 (N then runs along rows): `dispatch.tiles_fit` checks, and version 5 runs otherwise.
 """
 
 from numba import cuda, float32, int32, int64, uint32

@@ -92,7 +92,8 @@ PERSISTENT = replace(PRODUCER, v7_persistent={64: 4, 128: 3})
 TWO_BLOCKS = replace(PRODUCER, v7_groups={64: 2, 128: 1}, v7_stages={64: 5, 128: 3}, v7_blocks={128: 2},
                      v7_producer_registers=40)
 PAIRED_WGRAD = replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 6, 128: 4}, v7_wgrad_pairs_fill=0)
-PAIRED_SPLIT = replace(PAIRED_WGRAD, v7_wgrad_pairs={64: 4, 128: 3}, v7_wgrad_pair_producer=True)
+PAIRED_SPLIT = replace(PAIRED_WGRAD, v7_wgrad_pairs={64: 4, 128: 3}, v7_wgrad_pair_producer=True)  # (bulk copies)
+PAIRED_COPYING = replace(PAIRED_SPLIT, v7_tma=False, v7_wgrad_pair_blocks={64: 2})  # (cp.async, two a multiprocessor)
 PAIRED_WIDE = replace(PAIRED_WGRAD, v7_wgrad_pairs={64: 4}, v7_wgrad_pair_width={64: 4})  # (4 blocks a tile)
 
 
@@ -105,12 +106,13 @@ def test_hopper_producer_matches_reference(data, block_size, dtype, feature_axis
     tensor copies or with ``v7_tma`` off cp.async), with split lines and N-splits; with
     ``v7_persistent``, feature_axis 1's products on persistent thread blocks; with
     ``v7_wgrad_pairs``, weight gradients two (or, ``v7_wgrad_pair_width``, four) blocks a thread
-    block (on the barrier ring, or warp-specialized: ``v7_wgrad_pair_producer``); with
+    block (on the barrier ring, or warp-specialized: ``v7_wgrad_pair_producer``, bulk copies or
+    cp.async built for two thread blocks a multiprocessor, ``v7_wgrad_pair_blocks``); with
     ``v7_blocks``, block 128's products two thread blocks a multiprocessor."""
     layout, w, xa, dya = draw_operands(data, block_size, dtype, feature_axis, 5)
     segment = data.draw(st.sampled_from([None, 1]), label="max_segment")
-    cfg = data.draw(st.sampled_from([PRODUCER, COPYING, PERSISTENT, PAIRED_WGRAD, PAIRED_SPLIT, PAIRED_WIDE,
-                                     TWO_BLOCKS]), label="config")
+    cfg = data.draw(st.sampled_from([PRODUCER, COPYING, PERSISTENT, PAIRED_WGRAD, PAIRED_SPLIT, PAIRED_COPYING,
+                                     PAIRED_WIDE, TWO_BLOCKS]), label="config")
     with poisoned_outputs():
         y = bsmm.api._product(cfg, xa, w, layout, feature_axis, False, 7, max_segment=segment)
         dx = bsmm.input_grad(dya, w, layout, feature_axis, version=7, config=cfg)
@@ -228,6 +230,10 @@ def test_hopper_products_replay_in_a_cuda_graph():
     (dict(v7_wgrad_pairs={128: 6}), "v7_wgrad_pairs\\[128\\].*shared memory"),
     (dict(v7_wgrad_pairs_fill=-1), "v7_wgrad_pairs_fill: expected an int >= 0"),
     (dict(v7_wgrad_pair_width={64: 3}), "v7_wgrad_pair_width\\[64\\]: expected 2 or 4 blocks a tile, got 3"),
+    (dict(v7_wgrad_pair_blocks={64: 2}), "v7_wgrad_pair_blocks\\[64\\]: .*of warp-specialized kernels"),
+    (dict(v7_wgrad_pair_producer=True, v7_wgrad_pair_blocks={64: 4}),
+     "got 2 \\(the most that fit v7_wgrad_pair_blocks\\[64\\] = 4\\)"),
+    (dict(v7_wgrad_pair_blocks={32: 2}), "v7_wgrad_pair_blocks: expected block sizes of \\(64, 128\\)"),
     (dict(v7_wgrad_blocks={128: 3}), "got 2 \\(the most that fit v7_wgrad_blocks\\[128\\] = 3\\)"),
     (dict(v7_blocks={64: 4}), "expected 2 or 3 thread blocks"),
     (dict(v7_wgrad_producer_registers=160), "would keep 96 registers"),
@@ -535,28 +541,35 @@ def test_hopper_persistent_product_runs_in_the_simulator(monkeypatch, max_segmen
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
-@pytest.mark.parametrize("feature_axis, splits, producer", [(1, 1, False), (0, 2, False), (1, 2, True),
-                                                             (0, 1, True)])
-def test_hopper_paired_weight_grad_runs_in_the_simulator(monkeypatch, feature_axis, splits, producer):
+@pytest.mark.parametrize("feature_axis, splits, producer, tma", [(1, 1, False, True), (0, 2, False, True),
+                                                                  (1, 2, True, True), (0, 1, True, True),
+                                                                  (1, 1, True, False)])
+def test_hopper_paired_weight_grad_runs_in_the_simulator(monkeypatch, feature_axis, splits, producer, tma):
     """``v7_wgrad_pairs``: two blocks of a block-row a thread block (x's columns read once for
     both), a row of three blocks leaving one alone (its tile's second half not stored); into an
     ``out`` with beta, in place or through the N-splits' combine; on the barrier ring, or
-    (``producer``) warp-specialized, a copying warpgroup's cp.async on mbarriers."""
-    weight_grad_into_out(monkeypatch, replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 3}, v7_wgrad_pair_producer=producer),
-                         BlockLayout(np.array([[1, 1, 0], [0, 0, 1], [1, 1, 1]]), 64), feature_axis, splits, 9)
+    (``producer``) warp-specialized: one thread's bulk copies (``tma``: a box of x, one of dy a
+    block, two thread blocks a multiprocessor's registers) or a copying warpgroup's cp.async."""
+    cfg = replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 3}, v7_wgrad_pair_producer=producer, v7_tma=tma,
+                  v7_wgrad_pair_blocks={64: 2} if producer and tma else {})
+    made = weight_grad_into_out(monkeypatch, cfg, BlockLayout(np.array([[1, 1, 0], [0, 0, 1], [1, 1, 1]]), 64),
+                                feature_axis, splits, 9)
+    assert not producer or made.v7_tma == tma  # (the maps made: bulk copies, not the cp.async fallback)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
-@pytest.mark.parametrize("feature_axis, splits, producer", [(1, 2, False), (0, 1, False), (1, 1, True)])
+@pytest.mark.parametrize("feature_axis, splits, producer", [(1, 2, False), (0, 1, False), (1, 1, True),
+                                                             (0, 2, True)])
 def test_hopper_four_wide_weight_grad_runs_in_the_simulator(monkeypatch, feature_axis, splits, producer):
     """``v7_wgrad_pair_width`` 4: four blocks of a block-row a thread block (a tile of 64 x 256,
     x's columns read once for four): a row of five blocks is a tile of four and one alone, a row
     of three a tile with one slot no block fills (neither stored); on the barrier ring or
-    warp-specialized."""
-    weight_grad_into_out(monkeypatch, replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 3}, v7_wgrad_pair_width={64: 4},
-                                              v7_wgrad_pair_producer=producer),
-                         BlockLayout(np.array([[1, 1, 0, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 0, 0]]), 64),
-                         feature_axis, splits, 10)
+    warp-specialized (bulk copies: four boxes of dy a stage)."""
+    made = weight_grad_into_out(monkeypatch, replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 3}, v7_wgrad_pair_width={64: 4},
+                                                     v7_wgrad_pair_producer=producer),
+                                BlockLayout(np.array([[1, 1, 0, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 0, 0]]), 64),
+                                feature_axis, splits, 10)
+    assert not producer or made.v7_tma
 
 
 def test_wgrad_pairs_take_a_block_rows_blocks_width_at_a_time():
@@ -573,7 +586,7 @@ def test_wgrad_pairs_take_a_block_rows_blocks_width_at_a_time():
 
 def weight_grad_into_out(monkeypatch, cfg, layout, feature_axis, splits, seed, n=72):
     """Version 7's weight gradient under ``cfg`` in the simulator, into an ``out`` with beta 0.5
-    (``splits`` N-splits), against the reference."""
+    (``splits`` N-splits), against the reference; returns the config its kernel was made for."""
     from numba import cuda
 
     from sparseblocks.bsmm import dispatch
@@ -592,6 +605,7 @@ def weight_grad_into_out(monkeypatch, cfg, layout, feature_axis, splits, seed, n
                      feature_axis, out=out_device, beta=0.5, version=7, splits=splits, config=cfg)
     assert ran_hopper()[1] == before + 1
     assert_close(out_device.copy_to_host(), expected, "float16", "weight_grad", terms=n + 1)
+    return [key[1] for key in compile_cache._kernels if key[0] is hopper_wgrad.make_weight_grad_v7][-1]
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU cases above cover it")
