@@ -180,9 +180,10 @@ class BlocksparseConv:
                         self._host["hg_" + kind] = np.array(hopper.geometry(geo, wgs), np.int32)
                     if kind == "filter_grad":
                         self._fp32_filter_fits = implicit.plan(ig, G, True, implicit.value_bytes("float32"))
-                        if hopper.filter_fits(geo, G, self.config.hopper_filter_overlap):  # (`hopper_filter_grad`)
+                        dy_a = self.config.hopper_filter_dy_a  # (`hopper_filter_grad`)
+                        if hopper.filter_fits(geo, G, self.config.hopper_filter_overlap, dy_a):
                             self._host["hg_filter_grad"] = np.array(hopper.filter_geometry(geo), np.int32)
-                            self._host["units"] = hopper.filter_units([(cs[0], ks[0]) for cs, ks in blocks], G)
+                            self._host["units"] = hopper.filter_units([(cs[0], ks[0]) for cs, ks in blocks], G, dy_a)
         self._tables: dict = {}
 
     # -- sizes ------------------------------------------------------------------------------
@@ -394,7 +395,7 @@ class BlocksparseConv:
         shares = max(1, min(tiles, -(-hopper.FILTER_WAVES * multiprocessors() // (len(units) * groups))))
         part = op_x.scratch((shares * self.f_size,), np.float32, stream)
         launch(cached(hopper.make_filter_grad, op_x.dtype, G, TRS, hopper.patch_positions(hg), TW,
-                      self.config.hopper_filter_overlap),
+                      self.config.hopper_filter_overlap, self.config.hopper_filter_dy_a),
                (shares, len(units), groups), 2 * hopper.WARPGROUP, stream,
                (part, dy_rows, x_rows, t["units"], t["blk_c0"], t["blk_k0"], t["hg_filter_grad"], self._C, self._K,
                 tiles, shares, self.f_size))

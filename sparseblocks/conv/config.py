@@ -32,6 +32,9 @@ class ConvConfig:
     hopper_filter_grad: bool = True
     hopper_filter_taps: int = 0  # ... taps a warpgroup (1-12; 0: half the taps, up to 96 accumulators a thread)
     hopper_filter_overlap: bool = True  # ... a stage's wgmmas waited for after the next's are issued (4 stages)
+    # ... units of 64 / G blocks of one input group, their dy A (m: output channels), read into registers
+    # once a k16 step for every tap, the patch B: a tap's wgmma reads G x 16 values of shared memory, not (64 + G) x 16
+    hopper_filter_dy_a: bool = False
 
     def check(self):
         if self.threads % 32 or not 32 <= self.threads <= 1024:

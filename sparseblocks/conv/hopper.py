@@ -23,15 +23,19 @@ channels-last or NCHW, as `implicit.make_forward`'s does.
 
 `make_filter_grad` (``ConvConfig.hopper_filter_grad``) takes the filter gradient the same way,
 with the positions as the product's k: the patch of 64 / G blocks of one output group is A (m =
-their 64 input channels), a tile's output gradient B, both MN-major, a tap a descriptor's start.
+their 64 input channels), a tile's output gradient B, both MN-major, a tap a descriptor's start;
+or (``ConvConfig.hopper_filter_dy_a``) the output gradient of 64 / G blocks of one input group is
+A (m = their 64 output channels), read into registers once a k16 step and used by every tap, and
+the patch of that input group B (n = G), so that a tap's wgmma reads only B from shared memory.
 """
 
-from numba import cuda, float32, int32, int64, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from ..bsmm.device import converters
 from ..ptx.cp_async import commit, copy16_or_zero, copy16_to, make_ring, shared_address, signed_address
 from ..ptx.half2 import stored_as
-from ..ptx.wgmma import WARPGROUP, descriptor, fence, make_mma, make_settle, proxy_fence
+from ..ptx.ldmatrix import ldmatrix_x4_trans_at
+from ..ptx.wgmma import WARPGROUP, descriptor, fence, make_mma, make_mma_rs, make_settle, proxy_fence
 from ..ptx.wgmma import commit as wg_commit
 from ..ptx.wgmma import waiter as wg_waiter
 from ..runtime.compile import divmod32, inlined, unrolled
@@ -312,8 +316,11 @@ def filter_geometry(geo):
     return geometry(geo, FILTER_COLS // TILE_COLS)
 
 
-def filter_stage_bytes(hg, G):
-    return (FILTER_M // 8) * patch_positions(hg) * CHUNK + (G // 8) * TILE_ROWS * FILTER_COLS * CHUNK
+def filter_stage_bytes(hg, G, dy_a=False):
+    """A filter-gradient stage's bytes: the unit's patch and a tile's dy (``dy_a``: the patch of one
+    input group and the dy of the unit's output groups)."""
+    patch, dy = (G // 8, FILTER_M // 8) if dy_a else (FILTER_M // 8, G // 8)
+    return patch * patch_positions(hg) * CHUNK + dy * TILE_ROWS * FILTER_COLS * CHUNK
 
 
 def filter_stages(overlap):
@@ -322,28 +329,28 @@ def filter_stages(overlap):
     return STAGES + 1 if overlap else STAGES
 
 
-def filter_fits(geo, G, overlap=False):
+def filter_fits(geo, G, overlap=False, dy_a=False):
     """Whether a layer's filter gradient takes `make_filter_grad`: `fits`' conditions, for its ring."""
     return (G in (16, 32, 64) and tuple(int(v) for v in geo[9:12]) == (1, 1, 1) and int(geo[4]) >= TILE_ROWS
-            and filter_stages(overlap) * filter_stage_bytes(filter_geometry(geo), G) <= 200 * 1024)
+            and filter_stages(overlap) * filter_stage_bytes(filter_geometry(geo), G, dy_a) <= 200 * 1024)
 
 
-def filter_units(blocks, G):
-    """The filter gradient's units: the blocks of each output group (``blocks``: (first input
-    channel, first output channel) a block) in runs of 64 / G, as an int32 array (units, 64 / G),
-    -1 past a group's last block."""
+def filter_units(blocks, G, dy_a=False):
+    """The filter gradient's units: the blocks of each output group (``dy_a``: of each input
+    group) (``blocks``: (first input channel, first output channel) a block) in runs of 64 / G,
+    as an int32 array (units, 64 / G), -1 past a group's last block."""
     import numpy as np
 
     per = FILTER_M // G
     groups: dict = {}
-    for b, (_, k0) in enumerate(blocks):
-        groups.setdefault(k0, []).append(b)
+    for b, (c0, k0) in enumerate(blocks):
+        groups.setdefault(c0 if dy_a else k0, []).append(b)
     units = [run[i:i + per] + [-1] * (per - len(run[i:i + per])) for run in groups.values()
              for i in range(0, len(run), per)]
     return np.array(units or [[-1] * per], np.int32).reshape(-1, per)
 
 
-def make_filter_grad(storage, G, TRS, positions, TW, overlap=False):
+def make_filter_grad(storage, G, TRS, positions, TW, overlap=False, dy_a=False):
     """The filter gradient's partial sums on wgmma, for channel groups of G, TRS taps, patches of
     ``positions`` positions and ``TW`` taps a warpgroup (`filter_taps`).
 
@@ -363,18 +370,27 @@ def make_filter_grad(storage, G, TRS, positions, TW, overlap=False):
     implicit GEMM's layout: share, block, k, c, tap), which `implicit.make_sum` adds in order.
     With ``overlap`` a stage's wgmmas are waited for only after the next stage's are issued (a
     ring of 4 whose copies skip the buffer still read), so the tensor cores run on through the
-    barrier between two stages; else each stage's before the barrier."""
+    barrier between two stages; else each stage's before the barrier.
+
+    With ``dy_a`` the roles turn: a unit is up to 64 / G blocks of one input group, whose output
+    channels make m; a stage holds that group's patch (G channels) and the tile's dy of the
+    blocks' output groups (one chunk of 8 channels after another, block after block). Each warp
+    reads its 16 rows of A (dy, 16 positions of the k16 step) into registers by one
+    ``ldmatrix.trans`` a step, and every tap's wgmma takes them (`ptx.wgmma.make_mma_rs`), its B
+    the patch shifted by the tap (n = G, the same descriptor the patch has as A otherwise): a
+    tap's wgmma reads G x 16 values of shared memory instead of (64 + G) x 16."""
     THREADS = 2 * WARPGROUP
-    CK = G // 8  # chunks of 8 channels a block (of the unit's patch) and of dy
+    CK = G // 8  # chunks of 8 channels a block
     UNIT = FILTER_M // G  # blocks a unit
     ACC = G // 2  # accumulators a thread a tap
     HELD = TW * ACC  # ... and all of them
+    PATCH_CK, DY_CK = (CK, FILTER_M // 8) if dy_a else (FILTER_M // 8, CK)  # chunks a position of each
     A_CHUNK = positions * CHUNK  # a patch chunk's stride (sbo)
-    A_BYTES = (FILTER_M // 8) * A_CHUNK
+    A_BYTES = PATCH_CK * A_CHUNK  # (the patch, first in a stage, A or with dy_a B)
     TILE = TILE_ROWS * FILTER_COLS  # positions a tile (a stage)
     B_CHUNK = TILE * CHUNK  # a dy chunk's stride (sbo)
-    STAGE = A_BYTES + CK * B_CHUNK
-    A_COPIES, B_COPIES = (FILTER_M // 8) * positions, CK * TILE
+    STAGE = A_BYTES + DY_CK * B_CHUNK
+    A_COPIES, B_COPIES = PATCH_CK * positions, DY_CK * TILE
     A_PER, B_PER = -(-A_COPIES // THREADS), -(-B_COPIES // THREADS)
     E = 2
     kind = "bf16" if storage == "bfloat16" else "f16"
@@ -383,13 +399,15 @@ def make_filter_grad(storage, G, TRS, positions, TW, overlap=False):
     wg_wait_all, wg_wait_stage = wg_waiter(0), wg_waiter(1 if overlap else 0)
     where, tap_shift = make_where(FILTER_COLS)
 
-    spots = make_spots(A_PER, THREADS, A_COPIES, CK, True)
+    spots = make_spots(A_PER, THREADS, A_COPIES, CK, not dy_a)
 
     @inlined
     def issue(s, at, args):
         """Stage s: tile ``first + s``'s patch of the unit's input channels (zeros in the padding and
-        for a missing block) and its output gradient (zeros past the output's edges)."""
-        x_at, dy_at, spot, firsts, k0, first, hg, IN_ROWS, K = args
+        for a missing block) and its output gradient (zeros past the output's edges); ``firsts``
+        the unit's blocks' first input channels (with ``dy_a``: first output channels) and ``ch``
+        the first channel the unit shares on the other side (its output group's; its input group's)."""
+        x_at, dy_at, spot, firsts, ch, first, hg, IN_ROWS, K = args
         D, H, W = hg[0], hg[1], hg[2]
         M, P, Q = hg[3], hg[4], hg[5]
         n, m, p0, q0 = where(first + int32(s), hg)
@@ -400,7 +418,7 @@ def make_filter_grad(storage, G, TRS, positions, TW, overlap=False):
             c = cuda.threadIdx.x + i * THREADS
             if spot[i, 0] >= 0:
                 d, h, w = d0 + spot[i, 0], h0 + spot[i, 1], w0 + spot[i, 2]
-                c_first = firsts[spot[i, 4]]
+                c_first = ch if dy_a else firsts[spot[i, 4]]
                 inside = c_first >= 0 and 0 <= d < D and 0 <= h < H and 0 <= w < W
                 source = x_at + (image + E * int64(corner + spot[i, 3] + c_first) if inside else 0)
                 copy16_or_zero(at + c * CHUNK, source, inside)
@@ -412,56 +430,83 @@ def make_filter_grad(storage, G, TRS, positions, TW, overlap=False):
                 ks, rest = divmod32(pp, 16)
                 r, c8 = divmod32(rest, 8)
                 p, q = p0 + 2 * int32(ks // 2) + int32(r), q0 + 8 * int32(ks % 2) + int32(c8)
-                keep = p < P and q < Q
-                source = dy_at + (E * ((int64(n) * (M * P * Q) + (m * P + p) * Q + q) * K + k0 + 8 * int32(j))
-                                  if keep else 0)
+                if dy_a:  # (chunk j: block j // CK's output channels, zeros for a missing block)
+                    k_first = firsts[j // CK]
+                    keep = p < P and q < Q and k_first >= 0
+                    k_at = k_first + 8 * int32(j % CK)
+                else:
+                    keep = p < P and q < Q
+                    k_at = ch + 8 * int32(j)
+                source = dy_at + (E * ((int64(n) * (M * P * Q) + (m * P + p) * Q + q) * K + k_at) if keep else 0)
                 copy16_or_zero(b_at + c * CHUNK, source, keep)
 
     prime, advance = make_ring(issue, RING, STAGE, counter=False, visible=proxy_fence, lag=2 if overlap else 1)
 
     def make_tap(i):
-        mma = make_mma(G, kind, True, True, first=i * ACC)
+        """This warpgroup's i-th tap at k16 step ks: the patch at the step's rows and columns,
+        shifted by the tap's offset, is A and the step's 16 positions of dy B; with ``dy_a`` the
+        patch is B, A the step's dy in a0-a3."""
+        if dy_a:
+            mma_rs = make_mma_rs(G, kind, True, first=i * ACC)
 
-        def tap(acc, at, ks, shifts, hg):
-            """This warpgroup's i-th tap at k16 step ks: A the patch at the step's rows and columns,
-            shifted by the tap's offset; B the step's 16 positions of dy."""
-            row = 2 * (ks // 2) * hg[20] + TILE_COLS * (ks % 2)
-            a = descriptor(at + (shifts[i] + row) * CHUNK, hg[20] * CHUNK, A_CHUNK, 0)
-            b = descriptor(at + A_BYTES + ks * 16 * CHUNK, 8 * CHUNK, B_CHUNK, 0)
-            mma(acc, a, b, int32(1))
+            def tap(acc, at, ks, shifts, hg, a0, a1, a2, a3):
+                row = 2 * (ks // 2) * hg[20] + TILE_COLS * (ks % 2)
+                mma_rs(acc, a0, a1, a2, a3, descriptor(at + (shifts[i] + row) * CHUNK, hg[20] * CHUNK, A_CHUNK, 0),
+                       int32(1))
+        else:
+            mma = make_mma(G, kind, True, True, first=i * ACC)
+
+            def tap(acc, at, ks, shifts, hg, a0, a1, a2, a3):
+                row = 2 * (ks // 2) * hg[20] + TILE_COLS * (ks % 2)
+                a = descriptor(at + (shifts[i] + row) * CHUNK, hg[20] * CHUNK, A_CHUNK, 0)
+                b = descriptor(at + A_BYTES + ks * 16 * CHUNK, 8 * CHUNK, B_CHUNK, 0)
+                mma(acc, a, b, int32(1))
 
         return inlined(tap)
 
     namespace = {f"tap{i}": make_tap(i) for i in range(TW)}
-    exec("def taps(acc, at, ks, shifts, hg):\n" + "\n".join(f"    tap{i}(acc, at, ks, shifts, hg)"
-                                                          for i in range(TW)) + "\n", namespace)
+    exec("def taps(acc, at, ks, shifts, hg, a0, a1, a2, a3):\n" + "\n".join(
+        f"    tap{i}(acc, at, ks, shifts, hg, a0, a1, a2, a3)" for i in range(TW)) + "\n", namespace)
     taps = inlined(namespace["taps"])
 
-    def step(ks, acc, at, shifts, hg):
-        taps(acc, at, ks, shifts, hg)
+    if dy_a:
+        def step(ks, acc, at, shifts, hg, lane_at):
+            """k16 step ks of a stage: this warp's rows of its dy (``lane_at``: this lane's ldmatrix
+            row of step 0, from the stage's start), then a fence (registers a wgmma reads were
+            written), then the taps."""
+            a0, a1, a2, a3 = ldmatrix_x4_trans_at(at + lane_at + ks * 16 * CHUNK)
+            fence()
+            taps(acc, at, ks, shifts, hg, a0, a1, a2, a3)
+    else:
+        def step(ks, acc, at, shifts, hg, lane_at):
+            zero = uint32(0)  # (no A registers: the taps' A is the patch)
+            taps(acc, at, ks, shifts, hg, zero, zero, zero, zero)
 
     # A stage's k16 steps written out: rolled, the accumulators cross the loop's edge between
     # wgmmas in flight, and ptxas serialises them (it injects warpgroup.arrive, warning C7519).
     steps = unrolled(TILE // 16, inlined(step), inline=inlined)
 
+    ROW_STEP, COLUMN_STEP = (G * TRS, TRS) if dy_a else (TRS, G * TRS)  # (part's (k, c, tap) layout)
+
     @inlined
     def store(part, acc, slot, unit_blk, u, tap0):
         """The accumulators into the share's slot: lane l of warp w holds the unit's input channels
-        16 w + l // 4 (+ 8) and output channels 8 j + 2 (l % 4) (+ 1) of each tap."""
+        16 w + l // 4 (+ 8) and output channels 8 j + 2 (l % 4) (+ 1) of each tap (with ``dy_a``
+        output channels and input channels)."""
         tid = cuda.threadIdx.x % WARPGROUP
         warp, lane = tid // 32, tid % 32
         for h in range(2):
             row = 16 * warp + lane // 4 + 8 * h
             b = unit_blk[u, row // G]
             if b >= 0:
-                at = slot + int64(b) * (G * G * TRS) + (row % G) * TRS
+                at = slot + int64(b) * (G * G * TRS) + (row % G) * ROW_STEP
                 for i in range(TW):
                     tap = tap0 + i
                     if tap < TRS:
                         for j in range(ACC // 4):
                             for e in range(2):
-                                k = 8 * j + 2 * (lane % 4) + e
-                                part[at + (k * G) * TRS + tap] = acc[i * ACC + 4 * j + 2 * h + e]
+                                column = 8 * j + 2 * (lane % 4) + e
+                                part[at + column * COLUMN_STEP + tap] = acc[i * ACC + 4 * j + 2 * h + e]
 
     @cuda.jit
     def filter_grad(part, dy, x, unit_blk, blk_c0, blk_k0, hg, IN_ROWS, K, tiles, shares, f_size):
@@ -473,11 +518,16 @@ def make_filter_grad(storage, G, TRS, positions, TW, overlap=False):
         acc = cuda.local.array(HELD, float32)
         for i in range(HELD):
             acc[i] = float32(0)
-        firsts = cuda.local.array(UNIT, int32)  # the unit's blocks' first input channels (-1: none)
-        for j in range(UNIT):
+        firsts = cuda.local.array(UNIT, int32)  # the unit's blocks' first input (dy_a: output) channels
+        for j in range(UNIT):  # (-1: none)
             b = unit_blk[u, j]
-            firsts[j] = blk_c0[b] if b >= 0 else -1
-        k0 = blk_k0[unit_blk[u, 0]]
+            firsts[j] = (blk_k0[b] if dy_a else blk_c0[b]) if b >= 0 else -1
+        ch = blk_c0[unit_blk[u, 0]] if dy_a else blk_k0[unit_blk[u, 0]]
+        # (dy_a: this lane's ldmatrix row of step 0: lanes 8q .. 8q + 7 give matrix q's rows, the
+        # positions (q // 2) 8 .. of its warp's 16 output channels' chunk 2 w + q % 2)
+        warp, lane = (cuda.threadIdx.x % WARPGROUP) // 32, cuda.threadIdx.x % 32
+        q = lane // 8
+        lane_at = A_BYTES + ((2 * warp + q % 2) * TILE + (q // 2) * 8 + lane % 8) * CHUNK
         spot = cuda.local.array((A_PER, 5), int32)
         spots(spot, hg, IN_ROWS)
         shifts = cuda.local.array(TW, int32)  # each of this warpgroup's taps' offset in patch positions
@@ -485,13 +535,13 @@ def make_filter_grad(storage, G, TRS, positions, TW, overlap=False):
             shifts[i] = tap_shift(min(tap0 + i, TRS - 1), hg)
         first = (share * tiles) // shares
         count = ((share + 1) * tiles) // shares - first
-        args = (signed_address(x, (0,)), signed_address(dy, (0,)), spot, firsts, k0, first, hg, IN_ROWS, K)
+        args = (signed_address(x, (0,)), signed_address(dy, (0,)), spot, firsts, ch, first, hg, IN_ROWS, K)
         prime(base, count, args)
         buf = 0
         for s in range(count):
             at, buf = advance(s, buf, base, count, args)
             fence()
-            steps(acc, at, shifts, hg)
+            steps(acc, at, shifts, hg, lane_at)
             wg_commit()
             wg_wait_stage()  # (the buffer the next barrier lets copies into is free: the stage before's)
         wg_wait_all()

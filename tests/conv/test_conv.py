@@ -79,7 +79,7 @@ def grouped_layer(rng, G, groups):
 def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, padding, bias, seed, N=2,
                                implicit=True, channels_last=False, stage_bytes=32, hopper=False, hopper_groups=1,
                                hopper_keep=True, hopper_filter_grad=False, hopper_filter_taps=0,
-                               hopper_filter_overlap=False, fp32_filter_taps=5):
+                               hopper_filter_overlap=False, fp32_filter_taps=5, hopper_filter_dy_a=False):
     rng = np.random.default_rng(seed)
     BCK = grouped_layer(rng, G, groups)
     op = BlocksparseConv(BCK, TRS, DHW, strides=strides, dilates=dilates, padding=padding, edge_bias=bias,
@@ -88,7 +88,7 @@ def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, pad
                                            hopper_filter_grad=hopper_filter_grad,
                                            hopper_filter_taps=hopper_filter_taps,
                                            hopper_filter_overlap=hopper_filter_overlap,
-                                           fp32_filter_taps=fp32_filter_taps))
+                                           fp32_filter_taps=fp32_filter_taps, hopper_filter_dy_a=hopper_filter_dy_a))
     assert op._group == G
     F = [values(rng, op.f_shape(b), dtype) for b in range(len(BCK))]
     I = values(rng, op.i_shape(N), dtype)
@@ -185,17 +185,21 @@ def test_hopper_products_match_the_twin(monkeypatch, channels_last, groups, keep
     assert sum(key[0] is hopper.make_forward for key in compile_cache._kernels) > before
 
 
-@pytest.mark.parametrize("G, groups, TRS, DHW, channels_last, taps, overlap", [
-    (16, 3, (2, 2), (9, 10), False, 0, False), (32, 2, (3, 3), (8, 9), True, 2, False),
-    (16, 2, (1, 3), (9, 17), False, 0, True)])
-def test_hopper_filter_gradient_matches_the_twin(monkeypatch, G, groups, TRS, DHW, channels_last, taps, overlap):
+@pytest.mark.parametrize("G, groups, TRS, DHW, channels_last, taps, overlap, dy_a", [
+    (16, 3, (2, 2), (9, 10), False, 0, False, False), (32, 2, (3, 3), (8, 9), True, 2, False, False),
+    (16, 2, (1, 3), (9, 17), False, 0, True, False), (16, 3, (2, 2), (9, 10), False, 0, False, True),
+    (32, 3, (3, 3), (8, 9), True, 2, True, True)])
+def test_hopper_filter_gradient_matches_the_twin(monkeypatch, G, groups, TRS, DHW, channels_last, taps, overlap,
+                                                 dy_a):
     """``ConvConfig.hopper_filter_grad``: the filter gradient on wgmma (`hopper.make_filter_grad`,
     here the simulator's twin): units of 64 / G blocks of an output group as m (G = 16: four, some
     missing; G = 32: two), the patch and dy MN-major, tiles of 8 x 16 positions overhanging the
     output, each warpgroup half the taps (an odd count: one computed twice, stored once) or, with
     ``hopper_filter_taps`` 2, three thread blocks of 2 x 2 taps along the grid's z (9 taps: the
     last block's taps past the 9th computed as the 9th, never stored); with ``overlap``, a ring of 4
-    whose stages' wgmmas are waited for a stage late (four tiles: two images of 2 x 2)."""
+    whose stages' wgmmas are waited for a stage late (four tiles: two images of 2 x 2); with
+    ``dy_a`` (``hopper_filter_dy_a``), units of an input group's blocks, their dy A from registers
+    (ldmatrix) and the patch B (G = 16: units of up to four blocks, some missing; G = 32: of two)."""
     from sparseblocks.conv import api, hopper
     from sparseblocks.runtime import compile as compile_cache
 
@@ -203,8 +207,9 @@ def test_hopper_filter_gradient_matches_the_twin(monkeypatch, G, groups, TRS, DH
     before = sum(key[0] is hopper.make_filter_grad for key in compile_cache._kernels)
     check_tensor_core_products("float16", G, groups, TRS, DHW, 1, 1, "SAME", False, 7, N=2,
                                channels_last=channels_last, hopper=True, hopper_filter_grad=True,
-                               hopper_filter_taps=taps, hopper_filter_overlap=overlap)
-    assert sum(key[0] is hopper.make_filter_grad for key in compile_cache._kernels) > before
+                               hopper_filter_taps=taps, hopper_filter_overlap=overlap, hopper_filter_dy_a=dy_a)
+    made = [key for key in compile_cache._kernels if key[0] is hopper.make_filter_grad]
+    assert len(made) > before and made[-1][-1] == dy_a
 
 
 def test_hopper_filter_units_join_an_output_groups_blocks():
@@ -215,6 +220,9 @@ def test_hopper_filter_units_join_an_output_groups_blocks():
     np.testing.assert_array_equal(hopper.filter_units(blocks, 16), [[0, 1, 3, 4], [2, 5, -1, -1]])
     np.testing.assert_array_equal(hopper.filter_units(blocks, 32), [[0, 1], [3, 4], [2, 5]])
     np.testing.assert_array_equal(hopper.filter_units(blocks, 64), [[0], [1], [3], [4], [2], [5]])
+    # (hopper_filter_dy_a: an input group's blocks)
+    np.testing.assert_array_equal(hopper.filter_units(blocks, 32, dy_a=True),
+                                  [[0, 5], [1, -1], [2, -1], [3, -1], [4, -1]])
     assert hopper.filter_taps(9, 32) == 5 and hopper.filter_taps(27, 64) == 3 and hopper.filter_taps(1, 16) == 1
     assert hopper.filter_taps(9, 32, 2) == 2 and hopper.filter_taps(4, 16, 12) == 2
     with pytest.raises(ValueError, match="hopper_filter_taps: expected 0 to 12"):
@@ -264,32 +272,33 @@ def test_tensor_core_products_match_the_twin_on_the_gpu(dtype, G, groups, dims, 
                                implicit=implicit, channels_last=channels_last)
 
 
-# (dtype, G, spatial dims, dilation, channels_last, warpgroups, kept filters): what a wgmma
-# kernel is compiled for (its patch follows from the dims and dilation), one set of kernels a case,
-# so that the drawn examples reuse them
-HOPPER_CASES = [("float16", 32, 2, 1, False, 2, False), ("bfloat16", 16, 3, 2, True, 1, False),
-                ("float16", 64, 2, 2, True, 2, True), ("bfloat16", 32, 2, 1, False, 2, False),
-                ("float16", 16, 2, 1, True, 1, False), ("bfloat16", 64, 3, 1, False, 1, True)]
+# (dtype, G, spatial dims, dilation, channels_last, warpgroups, kept filters, the filter gradient's dy
+# as A): what a wgmma kernel is compiled for (its patch follows from the dims and dilation), one set
+# of kernels a case, so that the drawn examples reuse them
+HOPPER_CASES = [("float16", 32, 2, 1, False, 2, False, True), ("bfloat16", 16, 3, 2, True, 1, False, True),
+                ("float16", 64, 2, 2, True, 2, True, False), ("bfloat16", 32, 2, 1, False, 2, False, False),
+                ("float16", 16, 2, 1, True, 1, False, False), ("bfloat16", 64, 3, 1, False, 1, True, True)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="sizes the simulator would take minutes over")
-@pytest.mark.parametrize("dtype, G, dims, dilates, channels_last, warpgroups, keep", HOPPER_CASES)
+@pytest.mark.parametrize("dtype, G, dims, dilates, channels_last, warpgroups, keep, dy_a", HOPPER_CASES)
 @settings(max_examples=3, deadline=None)
 @given(groups=st.integers(2, 3), padding=st.sampled_from(["SAME", "VALID"]), bias=st.booleans(),
        seed=st.integers(0, 2**16))
-def test_hopper_products_match_the_twin_on_the_gpu(dtype, G, dims, dilates, channels_last, warpgroups, keep, groups,
-                                                   padding, bias, seed):
+def test_hopper_products_match_the_twin_on_the_gpu(dtype, G, dims, dilates, channels_last, warpgroups, keep, dy_a,
+                                                   groups, padding, bias, seed):
     """``ConvConfig.hopper`` on an sm_90 GPU (elsewhere the implicit GEMM runs): the wgmma forward and
     stride-1 input gradient, 2-D and 3-D, dilated, on tiles of one or two warpgroups that overhang
     the output's edges, and the wgmma filter gradient (``hopper_filter_grad``; 2 taps a warpgroup
-    in the cases with kept filters, the stages overlapped in the others); the drawn examples vary
-    what the kernels take at run time (layers, padding, edge bias, values)."""
+    in the cases with kept filters, the stages overlapped in the others; dy as A from registers,
+    ``hopper_filter_dy_a``, in three); the drawn examples vary what the kernels take at run time
+    (layers, padding, edge bias, values)."""
     TRS, DHW = [3] * dims, [5, 13, 11][-dims:]
     check_tensor_core_products(dtype, G, groups, TRS, DHW, 1, dilates, padding, bias, seed,
                                channels_last=channels_last, hopper=True, hopper_groups=warpgroups, hopper_keep=keep,
                                hopper_filter_grad=True, hopper_filter_taps=2 if keep else 0,
-                               hopper_filter_overlap=not keep)
+                               hopper_filter_overlap=not keep, hopper_filter_dy_a=dy_a)
 
 
 def test_grouped_finds_aligned_channel_groups():
