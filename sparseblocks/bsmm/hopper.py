@@ -47,8 +47,7 @@ from ..ptx.mbarrier import init as bar_init
 from ..ptx.mbarrier import wait as bar_wait
 from ..ptx.tma import expect_tx, load_2d
 from ..ptx.vector import load4, store2, store4
-from ..ptx.wgmma import WARPGROUP, WGMMA_K, WGMMA_M, align_up, descriptor, fence, make_mma, make_settle
-from ..ptx.wgmma import proxy_fence
+from ..ptx.wgmma import WARPGROUP, WGMMA_K, WGMMA_M, align_up, descriptor, fence, make_mma, make_settle, proxy_fence
 from ..ptx.wgmma import commit as wg_commit
 from ..ptx.wgmma import waiter as wg_waiter
 from ..runtime.compile import inlined, unrolled
@@ -197,16 +196,13 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
     P = WARPGROUP  # the copying warpgroup's threads (`make_split`)
     A_PER_P, B_PER_P = -(-A_CHUNKS // P), -(-B_CHUNKS // P)
     A_ALL_P, B_ALL_P = A_CHUNKS % P == 0, B_CHUNKS % P == 0
-    # Bulk copies of a stage (`ptx.tma`): an MN-major operand a box of 64 of m or n by BK of k for
-    # each 64-wide group, a group apart; a K-major one a box of BK by all its rows (B: by a block's
-    # rows, a block's rows apart: a paired weight gradient's B is the dy rows of 2 or 4 blocks).
+    # Bulk copies of a stage (`ptx.tma`): an MN-major operand a box of 64 of m or n by BK of k a 64-wide group,
+    # a group apart; a K-major A a box of BK by all its rows, a K-major B one a block's rows (paired tiles: 2 or 4).
     A_BOXES, B_BOXES = (BM // 64 if a_mn_major else 1), (max(BN // 64, 1) if b_mn_major else BN // bs)
     B_BOX_STEP = B_GROUP if b_mn_major else bs * B_W  # shared bytes from one of B's boxes to the next
 
     @inlined
-    def next_boxes(g, s, where, inner, outer):
-        """B's box g of a stage whose first box is at (inner, outer): the next 64-wide group
-        along a stored row (MN-major), or the next block's rows (K-major)."""
+    def next_boxes(g, s, where, inner, outer):  # (B's box g from the first's coordinates)
         return (inner + 64 * g, outer) if b_mn_major else (inner, outer + bs * g)
 
     def make_split(stage_sources, a_chunk, b_chunk, stage, boxes=None, column_sums=False, b_box=next_boxes):
@@ -226,8 +222,7 @@ def make_hopper_loop(cfg, bs, storage, weight_grad, a_mn_major, b_mn_major):
         stage's first box of A and of B, in the tensor maps of ``maps`` (A's map address, A's
         address, B's map address, B's address: `ptx.tma.load_2d`; past its dims, zeros), and the
         stage's full barrier completes on that thread's arrival (``expect_tx``) and the copies' bytes.
-        ``b_box(g, s, where, inner, outer)`` places B's box g from the first one's coordinates
-        (``next_boxes`` by default; a paired weight gradient's boxes are its blocks').
+        ``b_box(g, s, where, inner, outer)``: B's box g from the first's (a paired tile's: its blocks').
 
         Stage s goes to buffer s % stages. Its full barrier completes once each of the copying
         threads' copies of it have landed (``copy_arrive``); its empty barrier once each
