@@ -461,12 +461,15 @@ def check_conv():
         value = types.int16 if storage == "bfloat16" else types.float16
         hg = hopper.filter_geometry([1, 56, 56, 1, 56, 56, 1, 3, 3, 1, 1, 1, 0, 1, 1, 1, 1, 1])
         positions = hopper.patch_positions(hg)
-        for rows_out, biased in ((False, True), (False, False), (True, False)):
-            forward = hopper.make_forward(storage, G, 9, positions, rows_out, 2, 0, biased)
-            name = f"conv wgmma forward {storage} G={G} 3x3{' channels-last' if rows_out else ''}"
+        for rows_out, biased, stages, blocks in ((False, True, 3, 0), (False, False, 3, 0), (True, False, 3, 0),
+                                                 (False, False, 2, 3)):
+            forward = hopper.make_forward(storage, G, 9, positions, rows_out, 2, 0, biased, stages, blocks)
+            name = (f"conv wgmma forward {storage} G={G} 3x3{' channels-last' if rows_out else ''}"
+                    + (f" ({stages} stages, {blocks} blocks a multiprocessor)" if blocks else ""))
             results.append(check(name + ("" if biased else " with no bias"), forward.py_func,
                                  (value[::1],) * 3 + (index,) * 4 + (i64,) * 2
-                                 + (value[:, ::1], index, types.boolean, i64, i64), cc=(9, 0, "a")))
+                                 + (value[:, ::1], index, types.boolean, i64, i64), cc=(9, 0, "a"),
+                                 launch_bounds=(256, blocks) if blocks else None))
         for TW, overlap, dy_a in ((hopper.filter_taps(9, G), False, False), (hopper.filter_taps(9, G), True, False),
                                   (2, False, False), (hopper.filter_taps(9, G), True, True)):
             grad = hopper.make_filter_grad(storage, G, 9, positions, TW, overlap, dy_a)

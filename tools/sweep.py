@@ -157,8 +157,8 @@ def quant_case(torch, args):
 
 def conv_case(torch, args):
     """A 3 x 3 block-sparse convolution (padding 1) of --channels in groups of --block-size, blocks
-    present at --density (the last always: the layer spans every channel), on --images of
-    --height x --width; the op is built once a config."""
+    present at --density (the last always: the layer spans every channel), or block-diagonal with
+    ``--layout block_diagonal``, on --images of --height x --width; the op is built once a config."""
     import numpy as np
 
     from sparseblocks import conv
@@ -166,6 +166,8 @@ def conv_case(torch, args):
     G, C = args.block_size, args.channels
     mask = np.random.default_rng(0).random((C // G, C // G)) < args.density
     mask[-1, -1] = True
+    if args.layout == "block_diagonal":  # (--layout block_diagonal: a grouped convolution, --density unread)
+        mask = np.eye(C // G, dtype=bool)
     BCK = [(list(range(c * G, c * G + G)), list(range(k * G, k * G + G))) for c, k in zip(*np.nonzero(mask))]
     dtype = getattr(torch, args.dtype)
     x, dy = (torch.randn(args.images, C, args.height, args.width, device="cuda", dtype=dtype) for _ in range(2))
@@ -297,7 +299,7 @@ def add_case_arguments(parser):
     parser.add_argument("--unary", default="sigmoid", help="ew unary: the op")
     parser.add_argument("--target", default="float8_e4m3fn", help="cast: the dtype cast to")
     parser.add_argument("--layout", default="causal", help="attention: local, strided, bigbird or causal (blocks of "
-                                                           "128, seq --n)")
+                                                           "128, seq --n); conv: block_diagonal, else random")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)

@@ -176,7 +176,7 @@ class BlocksparseConv:
                         ig, G, row_bytes=self.config.stage_bytes)
                     self._host["ig_" + kind] = np.array(ig, np.int32)
                     wgs = self.config.hopper_groups  # (`ConvConfig.hopper` on sm_90)
-                    if kind != "filter_grad" and hopper.fits(geo, G, wgs):
+                    if kind != "filter_grad" and hopper.fits(geo, G, wgs, self.config.hopper_stages):
                         self._host["hg_" + kind] = np.array(hopper.geometry(geo, wgs), np.int32)
                     if kind == "filter_grad":
                         self._fp32_filter_fits = implicit.plan(ig, G, True, implicit.value_bytes("float32"))
@@ -326,8 +326,10 @@ class BlocksparseConv:
             wgs = self.config.hopper_groups
             tiles = N * int(hg[3] * hg[21] * hg[22])
             keep = self._hopper_keep(kind, hg, G)
+            stages = self.config.hopper_stages  # (a stage a block: no more than a tile's blocks in flight)
+            stages = stages if keep else hopper.forward_stages(self._most(kind), stages)
             kernel = cached(hopper.make_forward, op_x.dtype, G, TRS, hopper.patch_positions(hg), last, wgs, keep,
-                            bool(has_bias))
+                            bool(has_bias), stages, self.config.hopper_blocks)
             # (kept filters: one wave of thread blocks, each walking its share of the tiles)
             workers = max(1, min(tiles, -(-2 * multiprocessors() // (out_rows // G)))) if keep else tiles
             launch(kernel, (workers, out_rows // G), hopper.WARPGROUP * wgs, stream,
@@ -345,15 +347,19 @@ class BlocksparseConv:
                (out.reshape(-1), rows, packed, t[ptr], t[blk], t[first], t["ig_" + kind], N, out_rows, in_rows,
                 bias, t["edge"], has_bias, tiles, workers))
 
+    def _most(self, kind):
+        """The most blocks any output group of ``kind``'s product holds."""
+        ptr = self._host["kgrp_ptr" if kind == "forward" else "cgrp_ptr"]
+        return int(np.max(np.diff(ptr))) if len(ptr) > 1 else 0
+
     def _hopper_keep(self, kind, hg, G):
         """The filter blocks the wgmma kernel keeps in shared memory (`hopper.make_forward`'s
         ``keep``): the most of any output group, where ``ConvConfig.hopper_keep`` and shared memory
         allow; else 0 (a stage a block's patch and filter)."""
-        ptr = self._host["kgrp_ptr" if kind == "forward" else "cgrp_ptr"]
-        most = int(np.max(np.diff(ptr))) if len(ptr) > 1 else 0
+        most = self._most(kind)
         if not self.config.hopper_keep or most == 0:
             return 0
-        return most if hopper.kept_fits(hg, G, most) else 0
+        return most if hopper.kept_fits(hg, G, most, self.config.hopper_stages) else 0
 
     def _implicit_filter_grad(self, out, op_dy, op_x, N, stream, last=False):
         """`implicit.make_filter_grad`'s partial sums over shares of the positions, then their sum

@@ -27,6 +27,9 @@ class ConvConfig:
     hopper: bool = True
     hopper_groups: int = 2  # ... warpgroups a tile of 8 output rows, each 8 columns (1 or 2)
     hopper_keep: bool = False  # ... a group's filter blocks kept in shared memory over many tiles, where they fit
+    # ... the ring's stages (2-4; fewer where a layer's output groups hold fewer blocks, `hopper.forward_stages`)
+    hopper_stages: int = 3
+    hopper_blocks: int = 0  # ... thread blocks a multiprocessor its registers are capped for (0: no cap; 2-8)
     # On sm_90, fp16 and bf16 filter gradients of stride 1 on wgmma (`hopper.make_filter_grad`: 64 / G
     # blocks of an output group as wgmma's m, a tap a descriptor into their patch) where their ring fits
     hopper_filter_grad: bool = True
@@ -43,6 +46,10 @@ class ConvConfig:
             raise ValueError(f"hopper_groups: expected 1 or 2, got {self.hopper_groups}")
         if not 1 <= self.fp32_filter_taps <= 9:
             raise ValueError(f"fp32_filter_taps: expected 1 to 9 taps a pass, got {self.fp32_filter_taps}")
+        if not 2 <= self.hopper_stages <= 4:
+            raise ValueError(f"hopper_stages: expected 2 to 4, got {self.hopper_stages}")
+        if self.hopper_blocks != 0 and not 2 <= self.hopper_blocks <= 8:
+            raise ValueError(f"hopper_blocks: expected 0 (no cap) or 2 to 8 thread blocks, got {self.hopper_blocks}")
         if not 0 <= self.hopper_filter_taps <= 12:
             raise ValueError(f"hopper_filter_taps: expected 0 to 12 taps a warpgroup, got {self.hopper_filter_taps}")
         if self.stage_bytes not in (32, 64):

@@ -38,7 +38,7 @@ from ..ptx.ldmatrix import ldmatrix_x4_trans_at
 from ..ptx.wgmma import WARPGROUP, descriptor, fence, make_mma, make_mma_rs, make_settle, proxy_fence
 from ..ptx.wgmma import commit as wg_commit
 from ..ptx.wgmma import waiter as wg_waiter
-from ..runtime.compile import divmod32, inlined, unrolled
+from ..runtime.compile import bounded, divmod32, inlined, unrolled
 from ..runtime.launch import dynamic_shared
 from .implicit import make_tiles
 
@@ -61,11 +61,11 @@ def geometry(geo, groups=1):
     return geo + [DD, PH, PW, -(-geo[5] // cols), -(-geo[4] // TILE_ROWS)]
 
 
-def fits(geo, G, groups=1):
+def fits(geo, G, groups=1, stages=STAGES):
     """Whether a layer takes this kernel: stride 1, channel groups of 16, 32 or 64, output rows of
-    at least 8, and the ring in shared memory."""
+    at least 8, and a ring of ``stages`` in shared memory."""
     return (G in (16, 32, 64) and tuple(int(v) for v in geo[9:12]) == (1, 1, 1) and int(geo[4]) >= TILE_ROWS
-            and STAGES * stage_bytes(geometry(geo, groups), G) <= 200 * 1024)
+            and stages * stage_bytes(geometry(geo, groups), G) <= 200 * 1024)
 
 
 def stage_bytes(hg, G):
@@ -73,10 +73,10 @@ def stage_bytes(hg, G):
     return (G // 8) * (patch_positions(hg) + TRS * G) * CHUNK
 
 
-def kept_fits(hg, G, blocks):
+def kept_fits(hg, G, blocks, stages=STAGES):
     """Whether a ring of patch-only stages and ``blocks`` kept filter blocks fit in shared memory."""
     TRS = hg[6] * hg[7] * hg[8]
-    return (STAGES * patch_positions(hg) + blocks * TRS * G) * (G // 8) * CHUNK <= 200 * 1024
+    return (stages * patch_positions(hg) + blocks * TRS * G) * (G // 8) * CHUNK <= 200 * 1024
 
 
 def patch_positions(hg):
@@ -122,7 +122,15 @@ def make_spots(per, threads, copies, CK, with_block):
     return spots
 
 
-def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, biased=True):
+def forward_stages(most, stages=STAGES):
+    """The forward's ring for a layer whose output groups hold at most ``most`` blocks (a thread
+    block's stages, filters not kept): ``stages`` (`ConvConfig.hopper_stages`), or fewer where
+    ``most + 1`` put every stage in flight at once; 2 at least."""
+    return max(2, min(stages, most + 1))
+
+
+def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, biased=True, stages=STAGES,
+                 blocks=0):
     """The kernel for channel groups of G, TRS taps, patches of ``positions`` positions and tiles of
     ``groups`` warpgroups (see the module's docstring). ``rows_out``: the output written
     channels-last (N, positions, channels).
@@ -134,14 +142,15 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, b
     block instead of once a tile.
 
     The epilogue stores each value from its register. Without ``biased`` (a call with no edge
-    bias) it has no bias code."""
+    bias) it has no bias code. ``stages``: the ring's (`forward_stages`); ``blocks`` (`ConvConfig.
+    hopper_blocks`): thread blocks a multiprocessor its registers are capped for (0: no cap)."""
     THREADS = WARPGROUP * groups
     CK = G // 8  # chunks of 8 channels a position
     A_CHUNK = positions * CHUNK  # a patch chunk's stride (lbo)
     B_CHUNK = TRS * G * CHUNK  # a filter chunk's stride (lbo)
     A_BYTES, B_BYTES = CK * A_CHUNK, CK * B_CHUNK
     STAGE = A_BYTES + (0 if keep else B_BYTES)
-    KEPT = STAGES * STAGE  # (where kept filters start)
+    KEPT = stages * STAGE  # (where kept filters start)
     A_COPIES, B_COPIES = CK * positions, CK * TRS * G
     A_PER, B_PER = -(-A_COPIES // THREADS), -(-B_COPIES // THREADS)
     E = 2
@@ -185,7 +194,7 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, b
 
     where, tap_shift = make_where(TILE_COLS * groups)
 
-    prime, advance = make_ring(issue, STAGES, STAGE, visible=proxy_fence)
+    prime, advance = make_ring(issue, stages, STAGE, visible=proxy_fence)
 
     def tap_step(tap, acc, at, b_at, shifts, group, hg):
         """Tap ``tap``'s k16 steps: A the patch shifted by the tap's offset (and this warpgroup's 8
@@ -247,7 +256,7 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, b
         for tap in range(TRS):
             shifts[tap] = tap_shift(tap, hg)
 
-    @cuda.jit
+    @(bounded(THREADS, blocks) if blocks else cuda.jit)
     def forward(out, x, f, grp_ptr, grp_blk, blk_c0, hg, OUT_ROWS, IN_ROWS, bias, edge, has_bias, tiles, workers):
         worker, g = cuda.blockIdx.x, cuda.blockIdx.y
         first_tile = (worker * tiles) // workers if keep else worker

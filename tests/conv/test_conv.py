@@ -79,16 +79,20 @@ def grouped_layer(rng, G, groups):
 def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, padding, bias, seed, N=2,
                                implicit=True, channels_last=False, stage_bytes=32, hopper=False, hopper_groups=1,
                                hopper_keep=True, hopper_filter_grad=False, hopper_filter_taps=0,
-                               hopper_filter_overlap=False, fp32_filter_taps=5, hopper_filter_dy_a=False):
+                               hopper_filter_overlap=False, fp32_filter_taps=5, hopper_filter_dy_a=False,
+                               hopper_stages=3, hopper_blocks=0, diagonal=False):
     rng = np.random.default_rng(seed)
     BCK = grouped_layer(rng, G, groups)
+    if diagonal:  # (block-diagonal: each output group one block, of its own input group)
+        BCK = [(list(range(c * G, c * G + G)), list(range(c * G, c * G + G))) for c in range(groups)]
     op = BlocksparseConv(BCK, TRS, DHW, strides=strides, dilates=dilates, padding=padding, edge_bias=bias,
                          config=ConvConfig(implicit=implicit, stage_bytes=stage_bytes, hopper=hopper,
                                            hopper_groups=hopper_groups, hopper_keep=hopper_keep,
                                            hopper_filter_grad=hopper_filter_grad,
                                            hopper_filter_taps=hopper_filter_taps,
                                            hopper_filter_overlap=hopper_filter_overlap,
-                                           fp32_filter_taps=fp32_filter_taps, hopper_filter_dy_a=hopper_filter_dy_a))
+                                           fp32_filter_taps=fp32_filter_taps, hopper_filter_dy_a=hopper_filter_dy_a,
+                                           hopper_stages=hopper_stages, hopper_blocks=hopper_blocks))
     assert op._group == G
     F = [values(rng, op.f_shape(b), dtype) for b in range(len(BCK))]
     I = values(rng, op.i_shape(N), dtype)
@@ -185,6 +189,26 @@ def test_hopper_products_match_the_twin(monkeypatch, channels_last, groups, keep
     assert sum(key[0] is hopper.make_forward for key in compile_cache._kernels) > before
 
 
+@pytest.mark.parametrize("stages, blocks, diagonal", [(3, 0, True), (2, 3, False), (4, 0, False)])
+def test_hopper_forward_ring_fits_the_layer(monkeypatch, stages, blocks, diagonal):
+    """``ConvConfig.hopper_stages``: the wgmma forward's ring holds no more stages than put all of a
+    tile's blocks in flight (a block-diagonal layer: 2, `hopper.forward_stages`), nor more than the
+    config's; ``hopper_blocks``: its registers capped for that many thread blocks a multiprocessor
+    (no cap in the simulator). The products still match the twin."""
+    from sparseblocks.conv import api, hopper
+    from sparseblocks.runtime import compile as compile_cache
+
+    monkeypatch.setattr(api, "compute_capability", lambda: (9, 0))
+    assert [hopper.forward_stages(most, 3) for most in (0, 1, 2, 3, 9)] == [2, 2, 3, 3, 3]
+    check_tensor_core_products("float16", 16, 2, (2, 2), (8, 9), 1, 1, "SAME", False, 5, N=1, hopper=True,
+                               hopper_keep=False, hopper_stages=stages, hopper_blocks=blocks, diagonal=diagonal)
+    layer = grouped_layer(np.random.default_rng(5), 16, 2)  # (the layer it drew, unless diagonal)
+    most = 1 if diagonal else max(sum(ks[0] == k for _, ks in layer) for k in (0, 16))
+    made = hopper.forward_stages(most, stages)
+    assert made == (2 if diagonal or stages == 2 else min(stages, most + 1))
+    assert any(key[0] is hopper.make_forward and key[-2:] == (made, blocks) for key in compile_cache._kernels)
+
+
 @pytest.mark.parametrize("G, groups, TRS, DHW, channels_last, taps, overlap, dy_a", [
     (16, 3, (2, 2), (9, 10), False, 0, False, False), (32, 2, (3, 3), (8, 9), True, 2, False, False),
     (16, 2, (1, 3), (9, 17), False, 0, True, False), (16, 3, (2, 2), (9, 10), False, 0, False, True),
@@ -227,6 +251,10 @@ def test_hopper_filter_units_join_an_output_groups_blocks():
     assert hopper.filter_taps(9, 32, 2) == 2 and hopper.filter_taps(4, 16, 12) == 2
     with pytest.raises(ValueError, match="hopper_filter_taps: expected 0 to 12"):
         ConvConfig(hopper_filter_taps=13)
+    with pytest.raises(ValueError, match="hopper_stages: expected 2 to 4"):
+        ConvConfig(hopper_stages=5)
+    with pytest.raises(ValueError, match="hopper_blocks: expected 0 \\(no cap\\) or 2 to 8"):
+        ConvConfig(hopper_blocks=1)
     with pytest.raises(ValueError, match="fp32_filter_taps: expected 1 to 9"):
         ConvConfig(fp32_filter_taps=0)
 
