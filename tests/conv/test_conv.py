@@ -249,14 +249,17 @@ def test_hopper_filter_units_join_an_output_groups_blocks():
                                   [[0, 5], [1, -1], [2, -1], [3, -1], [4, -1]])
     assert hopper.filter_taps(9, 32) == 5 and hopper.filter_taps(27, 64) == 3 and hopper.filter_taps(1, 16) == 1
     assert hopper.filter_taps(9, 32, 2) == 2 and hopper.filter_taps(4, 16, 12) == 2
-    with pytest.raises(ValueError, match="hopper_filter_taps: expected 0 to 12"):
-        ConvConfig(hopper_filter_taps=13)
-    with pytest.raises(ValueError, match="hopper_stages: expected 2 to 4"):
-        ConvConfig(hopper_stages=5)
-    with pytest.raises(ValueError, match="hopper_blocks: expected 0 \\(no cap\\) or 2 to 8"):
-        ConvConfig(hopper_blocks=1)
-    with pytest.raises(ValueError, match="fp32_filter_taps: expected 1 to 9"):
-        ConvConfig(fp32_filter_taps=0)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(hopper_filter_taps=13), "hopper_filter_taps: expected 0 to 12"),
+    (dict(hopper_stages=5), "hopper_stages: expected 2 to 4"),
+    (dict(hopper_blocks=1), "hopper_blocks: expected 0 \\(no cap\\) or 2 to 8"),
+    (dict(fp32_filter_taps=0), "fp32_filter_taps: expected 1 to 9"),
+])
+def test_config_refuses_what_the_kernels_cannot_take(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ConvConfig(**fields)
 
 
 def test_strided_tensor_core_products_match_the_twin():
