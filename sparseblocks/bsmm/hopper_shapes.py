@@ -117,6 +117,11 @@ def resident(cfg, bs, weight_grad):
     return (cfg.v7_wgrad_blocks if weight_grad else cfg.v7_blocks).get(bs, 1)
 
 
+def blocks_field(weight_grad):
+    """The config field that sets `resident`'s count for a kernel of this kind."""
+    return "v7_wgrad_pair_blocks" if weight_grad == PAIRED else "v7_wgrad_blocks" if weight_grad else "v7_blocks"
+
+
 SM_SHARED = 228 * 1024  # a multiprocessor's shared memory on sm_90 (each thread block reserves 1 KB)
 
 
@@ -205,8 +210,7 @@ def v7_check(cfg, bs, weight_grad=False):
         name = {PAIRED: f"v7_wgrad_pairs[{bs}]", STACKED: "v7_wgrad_stack_stages"}.get(
             weight_grad, "v7_wgrad_stages") if weight_grad else f"v7_stages[{bs}]"
         blocks = resident(cfg, bs, weight_grad) if weight_grad else 1
-        field = "v7_wgrad_pair_blocks" if weight_grad == PAIRED else "v7_wgrad_blocks"
-        fit = f" (the most that fit {field}[{bs}] = {blocks})" if blocks > 1 else ""
+        fit = f" (the most that fit {blocks_field(weight_grad)}[{bs}] = {blocks})" if blocks > 1 else ""
         return f"{name}: expected 3 to 6 stages, got {STAGES}{fit}"
     if not 1 <= GROUPS <= 4:
         return f"block {bs}: {GROUPS} warpgroups, expected 1 to 4"
@@ -224,8 +228,7 @@ def v7_check(cfg, bs, weight_grad=False):
                     f"bytes of shared memory, over v6_max_shared (fewer stages)")
     blocks = resident(cfg, bs, weight_grad)
     if blocks != 1:
-        field = "v7_wgrad_pair_blocks" if weight_grad == PAIRED else "v7_wgrad_blocks" if weight_grad else "v7_blocks"
-        name = f"{field}[{bs}]"
+        name = f"{blocks_field(weight_grad)}[{bs}]"
         if blocks not in (2, 3) or not producing(cfg, weight_grad, bs):
             return f"{name}: expected 2 or 3 thread blocks a multiprocessor, of warp-specialized kernels"
         shared = shared_bytes(cfg, bs, weight_grad, 1)
