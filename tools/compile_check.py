@@ -156,7 +156,7 @@ def warp_specialized(cfg, kind):
 
 def wgrad_cases(version):
     """(block size, config, the maker's extra args) of each weight gradient ``check_tiles`` builds:
-    version 6's at its products' block sizes; version 7's at 64 and 128, and its stacked tiles at 32 (4 blocks
+    version 6's at its weight gradients' block sizes; version 7's at 64 and 128, and its stacked tiles at 32 (4 blocks
     on one warpgroup, 8 on two; 4 warp-specialized), and its paired tiles at 64 (on the ring; warp-specialized
     with bulk copies, also built for two thread blocks a multiprocessor, and with cp.async; four blocks a tile on
     the ring and warp-specialized)."""
