@@ -7,6 +7,7 @@ developer's tool).
     python tools/sass.py --attention
     python tools/sass.py --conv
     python tools/sass.py --quant
+    python tools/sass.py --wgrad
 
 For each block size and storage it compiles the forward (W) and input_grad (Wt) products
 with feature_axis 1 and 16-byte loads (the cp.async ring) for sm_90, disassembles them, and
@@ -20,9 +21,10 @@ of mask values in reduce_mask's one-pass kernel instead (a column's rows, then i
 (sm_90a), bf16 at head_dim 64 and 128, the config's defaults; a loop's length counts both of its
 branches (the causal mask's, the rescaling's), not what a tile issues. With --conv: the stage
 loop of the implicit convolution's forward, then of its wgmma forward (sm_90a) with and without
-bias code. With --quant: the chunk and stage loops of the dense W1A1
-product, register-staged and through the cp.async ring, and of block-sparse W1A1 (blocks of 64), plain
-and with its activation rows held.
+bias code, and of the wgmma filter gradient with the patch or dy as A. With --quant: the chunk and
+stage loops of the dense W1A1 product, register-staged and through the cp.async ring, and of
+block-sparse W1A1 (blocks of 64), plain and with its activation rows held. With --wgrad: the stage
+loops around version 7's paired weight gradient's wgmmas, on the barrier ring and warp-specialized.
 """
 
 import os
@@ -71,8 +73,8 @@ def nvdisasm():
     return found
 
 
-def sass(function, signature, tool, cc=CC):
-    ptx, _ = cuda.compile_ptx(function, signature, cc=cc)
+def sass(function, signature, tool, cc=CC, launch_bounds=None):
+    ptx, _ = cuda.compile_ptx(function, signature, cc=cc, launch_bounds=launch_bounds)
     # Standalone ptxas refuses more than 48 KB of static shared memory (the driver takes it):
     # shrink the declarations, which changes no instruction (addresses are the symbols' plus offsets).
     ptx = re.sub(r"(\.shared \.align \d+ \.b8 _cudapy_smem_\d+)\[(\d+)\]",
@@ -216,6 +218,53 @@ def hopper_conv(tool):
         text = sass(kernel.py_func, signature, tool, cc=(9, 0, "a"))
         for length, c in loops_around(text, "HGMMA", counts)[-1:]:
             print(f"| {G} | {name} | stage | {length} | " + " | ".join(str(c[k]) for k in counts) + " |")
+    # The wgmma filter gradient's stage loop (5 taps a warpgroup, overlapped): the patch as A, or dy
+    # as A from registers (`ConvConfig.hopper_filter_dy_a`: an ldmatrix a k16 step).
+    counts = dict(counts, LDSM=r"\bLDSM")
+    fg = hopper.filter_geometry([1, 56, 56, 1, 56, 56, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1])
+    print("\n| group | filter gradient's A | loop | length | " + " | ".join(counts) + " |")
+    print("|---" * (4 + len(counts)) + "|")
+    for G, dy_a in itertools.product((16, 32, 64), (False, True)):
+        kernel = hopper.make_filter_grad("float16", G, 9, hopper.patch_positions(fg), hopper.filter_taps(9, G), True,
+                                         dy_a)
+        signature = (types.float32[::1], h[::1], h[::1], types.int32[:, ::1]) + (index,) * 3 + (i64,) * 5
+        text = sass(kernel.py_func, signature, tool, cc=(9, 0, "a"))
+        for length, c in loops_around(text, "HGMMA", counts)[-1:]:
+            print(f"| {G} | {'dy, registers' if dy_a else 'patch'} | stage | {length} | "
+                  + " | ".join(str(c[k]) for k in counts) + " |")
+
+
+WGRAD_COUNTS = {"wgmma": r"\bHGMMA", "cp.async": r"\bLDGSTS", "bulk": r"\bUTMALDG", "BAR": r"\bBAR",
+                "mbarrier": r"\bSYNCS", "IMAD/IADD": r"\b(IMAD|IADD)", "ISETP/SEL": r"\b(ISETP|SEL)\b"}
+
+
+def hopper_wgrad(tool):
+    """The loops around version 7's wgmmas in the paired weight gradient (block 64, bf16, feature_axis
+    1), innermost first: on the barrier ring (every thread copies), warp-specialized on bulk copies
+    (the multiplying warpgroup's walk, unrolled over the ring's stages, then the loops around both
+    warpgroups' code), and with a copying warpgroup's cp.async."""
+    from dataclasses import replace
+
+    from sparseblocks.bsmm import hopper_shapes as shapes
+    from sparseblocks.bsmm.hopper_wgrad import make_weight_grad_v7
+
+    i64, e = types.int64, types.int16
+    signature = (e[:, :, ::1], types.float32[:, :, ::1], e[:, ::1], e[:, ::1], types.int32[:, ::1], i64, i64,
+                 types.float64, types.float32[:, ::1], types.int32[::1], types.uint8[::1], types.uint8[::1])
+    base = bsmm.DEFAULT
+    cases = [("barrier ring", base), ("bulk copies", replace(base, v7_wgrad_pair_producer=True)),
+             ("bulk, 2 a multiprocessor", replace(base, v7_wgrad_pair_producer=True, v7_wgrad_pair_blocks={64: 2})),
+             ("cp.async warpgroup", replace(base, v7_wgrad_pair_producer=True, v7_tma=False))]
+    print("| paired tile, block 64 | loop | length | " + " | ".join(WGRAD_COUNTS) + " |")
+    print("|---" * (3 + len(WGRAD_COUNTS)) + "|")
+    for name, cfg in cases:
+        kernel = make_weight_grad_v7(cfg, 64, "bfloat16", types.float32, 1, "bfloat16", shapes.PAIRED)
+        groups, blocks = shapes.v7_shape(cfg, 64, shapes.PAIRED)[2], shapes.resident(cfg, 64, shapes.PAIRED)
+        bounds = (shapes.v7_threads(cfg, 64, shapes.PAIRED), blocks) if shapes.producing(cfg, shapes.PAIRED, 64) \
+            and shapes.split_registers(cfg, groups, blocks, shapes.PAIRED) is not None else None
+        text = sass(kernel.py_func, signature, tool, cc=(9, 0, "a"), launch_bounds=bounds)
+        for length, c in loops_around(text, "HGMMA", WGRAD_COUNTS, every=True):  # (innermost first)
+            print(f"| {name} | | {length} | " + " | ".join(str(c[k]) for k in WGRAD_COUNTS) + " |")
 
 
 QUANT_COUNTS = {"mma": r"\bBMMA", "ldmatrix": r"\bLDSM", "LDG": r"\bLDG\.", "STS": r"\bSTS", "cp.async": r"\bLDGSTS",
@@ -261,6 +310,7 @@ def main():
     parser.add_argument("--attention", action="store_true", help="instead: the walk loops of attention's kernels")
     parser.add_argument("--conv", action="store_true", help="instead: the implicit convolution forward's stage loop")
     parser.add_argument("--quant", action="store_true", help="instead: the dense W1A1 product's loops, staged and ring")
+    parser.add_argument("--wgrad", action="store_true", help="instead: version 7's paired weight gradient's loops")
     args = parser.parse_args()
     tool = nvdisasm()
     if tool is None or shutil.which("ptxas") is None:
@@ -273,6 +323,8 @@ def main():
         return conv(tool)
     if args.quant:
         return quant(tool)
+    if args.wgrad:
+        return hopper_wgrad(tool)
     index = types.int32[::1]
     print("| block | storage | product | loop | length | " + " | ".join(COUNTS) + " | a stage |")
     print("|---" * (6 + len(COUNTS)) + "|")
