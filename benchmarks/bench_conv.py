@@ -48,12 +48,17 @@ def timed(name, params, call, base, flops):
     return Record(name, dict(params), queued_ms(call), {**base, "eager_call": time_ms(call)}, flops=flops)
 
 
-def layer_flops(name, params):
-    """A record's FLOPs from its params (a 3 x 3 filter; the nonzero blocks the density's share of
-    the (C / G) x (K / G) grid): what a merge restores TFLOP/s from."""
+def layer_blocks(params):
+    """A record's nonzero blocks: the density's share of the (C / G) x (K / G) grid."""
     G = params["group"]
-    blocks = round(params["density"] * (params["C"] // G) * (params["K"] // G))
-    return 2.0 * params["N"] * params["H"] * params["W"] * 9 * G * G * blocks
+    return round(params["density"] * (params["C"] // G) * (params["K"] // G))
+
+
+def layer_flops(name, params):
+    """A record's FLOPs from its params (a 3 x 3 filter, `layer_blocks`): what a merge restores
+    TFLOP/s from."""
+    G = params["group"]
+    return 2.0 * params["N"] * params["H"] * params["W"] * 9 * G * G * layer_blocks(params)
 
 
 def check(got, want, what):
@@ -113,8 +118,8 @@ def main():
                     check(got_f, dF[ks[0]:ks[0] + G, cs[0]:cs[0] + G], f"{what}: filter_grad")
                 params = dict(layout=name, density=round(density, 3), dtype=dtype_name, memory=memory, N=N, C=C,
                               K=C, H=HW, W=HW, group=G)
+                assert layer_blocks(params) == len(BCK)  # (the params say the layer: a merge's TFLOP/s)
                 flops = layer_flops("forward", params)
-                assert flops == 2.0 * N * HW * HW * 9 * G * G * len(BCK)
                 base = {"cudnn_dense": baseline_ms(lambda: F.conv2d(xs, dense_m, padding=1), queued_ms)}
                 if name == "block_diagonal":  # (C, G, 3, 3), block i is group i
                     grouped = torch.cat([filters[i] for i in range(len(BCK))]).contiguous(memory_format=fmt)

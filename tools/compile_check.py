@@ -142,11 +142,7 @@ def bounds(version, bs, weight_grad, cfg=B):
     if version != 7:
         return None
     shapes = bsmm.hopper_shapes
-    groups = shapes.v7_shape(cfg, bs, weight_grad)[2]
-    blocks = shapes.resident(cfg, bs, weight_grad)
-    if shapes.producing(cfg, weight_grad, bs) and shapes.split_registers(cfg, groups, blocks, weight_grad) is not None:
-        return (shapes.v7_threads(cfg, bs, weight_grad), blocks)
-    return None
+    return shapes.launch_bounds(cfg, bs, shapes.v7_shape(cfg, bs, weight_grad)[2], weight_grad)
 
 
 def warp_specialized(cfg, kind):

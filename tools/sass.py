@@ -259,9 +259,7 @@ def hopper_wgrad(tool):
     print("|---" * (3 + len(WGRAD_COUNTS)) + "|")
     for name, cfg in cases:
         kernel = make_weight_grad_v7(cfg, 64, "bfloat16", types.float32, 1, "bfloat16", shapes.PAIRED)
-        groups, blocks = shapes.v7_shape(cfg, 64, shapes.PAIRED)[2], shapes.resident(cfg, 64, shapes.PAIRED)
-        bounds = (shapes.v7_threads(cfg, 64, shapes.PAIRED), blocks) if shapes.producing(cfg, shapes.PAIRED, 64) \
-            and shapes.split_registers(cfg, groups, blocks, shapes.PAIRED) is not None else None
+        bounds = shapes.launch_bounds(cfg, 64, shapes.v7_shape(cfg, 64, shapes.PAIRED)[2], shapes.PAIRED)
         text = sass(kernel.py_func, signature, tool, cc=(9, 0, "a"), launch_bounds=bounds)
         for length, c in loops_around(text, "HGMMA", WGRAD_COUNTS, every=True):  # (innermost first)
             print(f"| {name} | | {length} | " + " | ".join(str(c[k]) for k in WGRAD_COUNTS) + " |")

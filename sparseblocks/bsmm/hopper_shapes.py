@@ -249,14 +249,21 @@ def v7_check(cfg, bs, weight_grad=False):
     return ""
 
 
-def jit_for(cfg, bs, groups, weight_grad):
-    """The kernel decorator: with a register cap at entry where `hand_over` moves registers
-    (setmaxnreg needs one), else Numba's plain ``jit``, which leaves ptxas its own count (a cap of
-    one thread block a multiprocessor would let a kernel that fits two grow past it)."""
+def launch_bounds(cfg, bs, groups, weight_grad):
+    """(threads, thread blocks a multiprocessor) a kernel is built with where `hand_over` moves
+    registers (setmaxnreg needs a cap at entry), else None (the tools compile with the same)."""
     blocks = resident(cfg, bs, weight_grad)
     if producing(cfg, weight_grad, bs) and split_registers(cfg, groups, blocks, weight_grad) is not None:
-        return bounded(WARPGROUP * (groups + 1), blocks)
-    return cuda.jit
+        return WARPGROUP * (groups + 1), blocks
+    return None
+
+
+def jit_for(cfg, bs, groups, weight_grad):
+    """The kernel decorator: with a register cap at entry (`launch_bounds`), else Numba's plain
+    ``jit``, which leaves ptxas its own count (a cap of one thread block a multiprocessor would let
+    a kernel that fits two grow past it)."""
+    bounds = launch_bounds(cfg, bs, groups, weight_grad)
+    return bounded(*bounds) if bounds else cuda.jit
 
 
 def hand_over(cfg, bs, groups, weight_grad, kept=None):

@@ -451,25 +451,26 @@ def make_filter_grad(storage, G, TRS, positions, TW, overlap=False, dy_a=False):
 
     prime, advance = make_ring(issue, RING, STAGE, counter=False, visible=proxy_fence, lag=2 if overlap else 1)
 
+    @inlined
+    def patch_of(at, ks, shift, hg):
+        """The patch's descriptor at k16 step ks's rows and columns, shifted by a tap's offset."""
+        row = 2 * (ks // 2) * hg[20] + TILE_COLS * (ks % 2)
+        return descriptor(at + (shift + row) * CHUNK, hg[20] * CHUNK, A_CHUNK, 0)
+
     def make_tap(i):
-        """This warpgroup's i-th tap at k16 step ks: the patch at the step's rows and columns,
-        shifted by the tap's offset, is A and the step's 16 positions of dy B; with ``dy_a`` the
-        patch is B, A the step's dy in a0-a3."""
+        """This warpgroup's i-th tap at k16 step ks: the patch (`patch_of`) is A and the step's 16
+        positions of dy B; with ``dy_a`` the patch is B, A the step's dy in a0-a3."""
         if dy_a:
             mma_rs = make_mma_rs(G, kind, True, first=i * ACC)
 
             def tap(acc, at, ks, shifts, hg, a0, a1, a2, a3):
-                row = 2 * (ks // 2) * hg[20] + TILE_COLS * (ks % 2)
-                mma_rs(acc, a0, a1, a2, a3, descriptor(at + (shifts[i] + row) * CHUNK, hg[20] * CHUNK, A_CHUNK, 0),
-                       int32(1))
+                mma_rs(acc, a0, a1, a2, a3, patch_of(at, ks, shifts[i], hg), int32(1))
         else:
             mma = make_mma(G, kind, True, True, first=i * ACC)
 
             def tap(acc, at, ks, shifts, hg, a0, a1, a2, a3):
-                row = 2 * (ks // 2) * hg[20] + TILE_COLS * (ks % 2)
-                a = descriptor(at + (shifts[i] + row) * CHUNK, hg[20] * CHUNK, A_CHUNK, 0)
-                b = descriptor(at + A_BYTES + ks * 16 * CHUNK, 8 * CHUNK, B_CHUNK, 0)
-                mma(acc, a, b, int32(1))
+                dy = descriptor(at + A_BYTES + ks * 16 * CHUNK, 8 * CHUNK, B_CHUNK, 0)
+                mma(acc, patch_of(at, ks, shifts[i], hg), dy, int32(1))
 
         return inlined(tap)
 
