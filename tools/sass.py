@@ -252,7 +252,7 @@ def hopper_wgrad(tool):
     signature = (e[:, :, ::1], types.float32[:, :, ::1], e[:, ::1], e[:, ::1], types.int32[:, ::1], i64, i64,
                  types.float64, types.float32[:, ::1], types.int32[::1], types.uint8[::1], types.uint8[::1])
     base = bsmm.DEFAULT
-    cases = [("barrier ring", base), ("bulk copies", replace(base, v7_wgrad_pair_producer=True)),
+    cases = [("barrier ring", replace(base, v7_wgrad_pair_producer=False)), ("bulk copies", base),
              ("bulk, 2 a multiprocessor", replace(base, v7_wgrad_pair_producer=True, v7_wgrad_pair_blocks={64: 2})),
              ("cp.async warpgroup", replace(base, v7_wgrad_pair_producer=True, v7_tma=False))]
     print("| paired tile, block 64 | loop | length | " + " | ".join(WGRAD_COUNTS) + " |")

@@ -109,7 +109,7 @@ class BsmmConfig:
     # ... warp-specialized: a copying warpgroup fills the ring on mbarriers (with v7_tma one thread's
     # bulk copies, a box of x and one of dy a block; else cp.async), the multiplying warps only wait
     # and multiply; built for v7_wgrad_pair_blocks[bs] thread blocks a multiprocessor (1 where absent)
-    v7_wgrad_pair_producer: bool = False
+    v7_wgrad_pair_producer: bool = True
     v7_wgrad_pair_blocks: dict = default_field({})
     # Weight gradients of n blocks of one block-column a thread block, stacked down a tile of n bs x bs
     # (dy's columns read once for all; n of 2, 4 or 8), at block 32, where wgmma's 64 rows need two

@@ -329,7 +329,7 @@ class BlocksparseConv:
             stages = self.config.hopper_stages  # (a stage a block: no more than a tile's blocks in flight)
             stages = stages if keep else hopper.forward_stages(self._most(kind), stages)
             kernel = cached(hopper.make_forward, op_x.dtype, G, TRS, hopper.patch_positions(hg), last, wgs, keep,
-                            bool(has_bias), stages, self.config.hopper_blocks)
+                            bool(has_bias), stages, hopper.forward_blocks(hg, G, stages, self.config.hopper_blocks))
             # (kept filters: one wave of thread blocks, each walking its share of the tiles)
             workers = max(1, min(tiles, -(-2 * multiprocessors() // (out_rows // G)))) if keep else tiles
             launch(kernel, (workers, out_rows // G), hopper.WARPGROUP * wgs, stream,

@@ -29,7 +29,9 @@ class ConvConfig:
     hopper_keep: bool = False  # ... a group's filter blocks kept in shared memory over many tiles, where they fit
     # ... the ring's stages (2-4; fewer where a layer's output groups hold fewer blocks, `hopper.forward_stages`)
     hopper_stages: int = 3
-    hopper_blocks: int = 0  # ... thread blocks a multiprocessor its registers are capped for (0: no cap; 2-8)
+    # ... thread blocks a multiprocessor its registers are capped for, where their rings fit a
+    # multiprocessor's shared memory (`hopper.forward_blocks`; 0: no cap; 2-8)
+    hopper_blocks: int = 3
     # On sm_90, fp16 and bf16 filter gradients of stride 1 on wgmma (`hopper.make_filter_grad`: 64 / G
     # blocks of an output group as wgmma's m, a tap a descriptor into their patch) where their ring fits
     hopper_filter_grad: bool = True
@@ -37,7 +39,7 @@ class ConvConfig:
     hopper_filter_overlap: bool = True  # ... a stage's wgmmas waited for after the next's are issued (4 stages)
     # ... units of 64 / G blocks of one input group, their dy A (m: output channels), read into registers
     # once a k16 step for every tap, the patch B: a tap's wgmma reads G x 16 values of shared memory, not (64 + G) x 16
-    hopper_filter_dy_a: bool = False
+    hopper_filter_dy_a: bool = True
 
     def check(self):
         if self.threads % 32 or not 32 <= self.threads <= 1024:

@@ -32,6 +32,7 @@ the patch of that input group B (n = G), so that a tap's wgmma reads only B from
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from ..bsmm.device import converters
+from ..bsmm.hopper_shapes import SM_SHARED
 from ..ptx.cp_async import commit, copy16_or_zero, copy16_to, make_ring, shared_address, signed_address
 from ..ptx.half2 import stored_as
 from ..ptx.ldmatrix import ldmatrix_x4_trans_at
@@ -127,6 +128,14 @@ def forward_stages(most, stages=STAGES):
     block's stages, filters not kept): ``stages`` (`ConvConfig.hopper_stages`), or fewer where
     ``most + 1`` put every stage in flight at once; 2 at least."""
     return max(2, min(stages, most + 1))
+
+
+def forward_blocks(hg, G, stages, blocks):
+    """Thread blocks a multiprocessor the forward's registers are capped for: ``blocks``
+    (`ConvConfig.hopper_blocks`) where that many rings of ``stages`` fit a multiprocessor's shared
+    memory (each thread block reserving 1 KB), else 0 (no cap: shared memory bounds residency, and
+    a cap would only cost registers)."""
+    return blocks if blocks * (stages * stage_bytes(hg, G) + 1024) <= SM_SHARED else 0
 
 
 def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, biased=True, stages=STAGES,

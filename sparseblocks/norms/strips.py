@@ -49,11 +49,11 @@ def strip_columns(cfg, C, storage, limit, held=1):
     the kernel's static arrays). 0 where none fits, or the strip is off."""
     _, size = ELEMENTS[storage]
     threads = 32 * cfg.column_warps
-    room = limit - 2 * threads * 8 - 1024
+    room = limit - 2 * threads * 8  # (less the static sums; the statistics, 4 x S, below)
     s = max(COPY // size, 4, cfg.column_strip_row_bytes // size)  # (the apply's groups of 4 stay in the strip)
     if held > 1:
         s = max(s, cfg.column_strip_grad_columns)
-    fits = lambda s, most: s <= min(threads, 128) and C * s * size <= most and held * C * s * size <= room
+    fits = lambda s, most: s <= min(threads, 128) and C * s * size <= most and held * C * s * size + 4 * s * 8 <= room
     if not (cfg.column_strip_bytes and fits(s, max(cfg.column_strip_bytes, cfg.column_strip_max_bytes))):
         return 0
     while fits(2 * s, cfg.column_strip_bytes):

@@ -46,7 +46,6 @@ _driver_launch = None
 _buffer_lock = threading.Lock()
 _dynamic_shared = {}
 MAX_CACHED_ARRAYS = 4096  # Numba device arrays whose fields are kept (with a reference to each)
-DEFAULT_SHARED = 48 * 1024  # dynamic shared memory a block may take without raising its limit
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
@@ -175,7 +174,7 @@ class _Kernel:
         else:  # a library's CUkernel: its function in the current context
             error, function = driver.cuKernelGetFunction(handle)
             function = function if int(error) == 0 else None
-        if shared > DEFAULT_SHARED:
+        if shared:  # (static and dynamic past 48 KB together need it: raised for any dynamic size)
             attribute = driver.CUfunction_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
             if function is not None:
                 (error,) = driver.cuFuncSetAttribute(function, attribute, shared)

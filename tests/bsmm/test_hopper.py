@@ -91,7 +91,7 @@ PERSISTENT = replace(PRODUCER, v7_persistent={64: 4, 128: 3})
 # products of 128-row tiles (one warpgroup of two tiles), two thread blocks a multiprocessor
 TWO_BLOCKS = replace(PRODUCER, v7_groups={64: 2, 128: 1}, v7_stages={64: 5, 128: 3}, v7_blocks={128: 2},
                      v7_producer_registers=40)
-PAIRED_WGRAD = replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 6, 128: 4}, v7_wgrad_pairs_fill=0)
+PAIRED_WGRAD = replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 6, 128: 4}, v7_wgrad_pairs_fill=0, v7_wgrad_pair_producer=False)
 PAIRED_SPLIT = replace(PAIRED_WGRAD, v7_wgrad_pairs={64: 4, 128: 3}, v7_wgrad_pair_producer=True)  # (bulk copies)
 PAIRED_COPYING = replace(PAIRED_SPLIT, v7_tma=False, v7_wgrad_pair_blocks={64: 2})  # (cp.async, two a multiprocessor)
 PAIRED_WIDE = replace(PAIRED_WGRAD, v7_wgrad_pairs={64: 4}, v7_wgrad_pair_width={64: 4})  # (4 blocks a tile)
@@ -230,7 +230,8 @@ def test_hopper_products_replay_in_a_cuda_graph():
     (dict(v7_wgrad_pairs={128: 6}), "v7_wgrad_pairs\\[128\\].*shared memory"),
     (dict(v7_wgrad_pairs_fill=-1), "v7_wgrad_pairs_fill: expected an int >= 0"),
     (dict(v7_wgrad_pair_width={64: 3}), "v7_wgrad_pair_width\\[64\\]: expected 2 or 4 blocks a tile, got 3"),
-    (dict(v7_wgrad_pair_blocks={64: 2}), "v7_wgrad_pair_blocks\\[64\\]: .*of warp-specialized kernels"),
+    (dict(v7_wgrad_pair_producer=False, v7_wgrad_pair_blocks={64: 2}),
+     "v7_wgrad_pair_blocks\\[64\\]: .*of warp-specialized kernels"),
     (dict(v7_wgrad_pair_producer=True, v7_wgrad_pair_blocks={64: 4}),
      "got 2 \\(the most that fit v7_wgrad_pair_blocks\\[64\\] = 4\\)"),
     (dict(v7_wgrad_pair_blocks={32: 2}), "v7_wgrad_pair_blocks: expected block sizes of \\(64, 128\\)"),
@@ -644,7 +645,8 @@ def test_stacked_weight_gradient_tiles_cover_each_block_once():
         assert tuple(coords[b0]) == (r0, column) and (b1 == -1 and r1 == r0 or tuple(coords[b1]) == (r1, column))
     blocks = sorted(int(b) for b in stacks[:, 3:].ravel() if b >= 0)
     assert blocks == list(range(layout.n_blocks)) and len(stacks) == 1 + 2 + 1
-    cfg = replace(bsmm.DEFAULT, v7_wgrad_stacks={32: 8}, v7_wgrad_groups={32: 2}, v7_wgrad_stack_producer=False)
+    cfg = replace(bsmm.DEFAULT, v7_wgrad_stacks={32: 8}, v7_wgrad_groups={32: 2}, v7_wgrad_stack_producer=False,
+                  v7_wgrad_pair_producer=False)
     assert hopper.v7_shape(cfg, 32, hopper.STACKED) == (256, 32, 2, 2, 64, cfg.v7_wgrad_stack_stages)
     assert not hopper.producing(cfg, hopper.STACKED, 32) and hopper.v7_threads(cfg, 32, hopper.STACKED) == 256
     split = replace(cfg, v7_wgrad_stack_producer=True)  # (a copying warpgroup besides the two multiplying)

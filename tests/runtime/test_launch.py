@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from numba import cuda
+from numba import cuda, float32
 
 from sparseblocks.runtime.arrays import Operand, launch_stream
 from sparseblocks.runtime.backend import SIMULATOR
@@ -140,3 +140,25 @@ def test_shared_memory_limit_is_the_devices_opt_in_bound():
     limit = _launch.shared_memory_limit()
     assert limit == 227 * 1024 if SIMULATOR else limit >= 48 * 1024
     assert _launch.shared_memory_limit() == limit
+
+
+@cuda.jit
+def _static_and_dynamic(out):
+    held = cuda.shared.array(10240, float32)  # 40 KB static
+    extra = cuda.shared.array(0, float32)  # and 16 KB dynamic: 56 KB together, past 48 KB
+    i = cuda.threadIdx.x
+    held[10239 - i] = i  # (both arrays' far ends)
+    extra[4095 - i] = 2 * i
+    cuda.syncthreads()
+    out[i] = held[10239 - i] + extra[4095 - i]
+
+
+def test_static_and_dynamic_shared_memory_past_48_kb_launch_twice():
+    """A kernel whose static and dynamic shared memory pass 48 KB only together: its limit is
+    raised for the dynamic part, so the second launch (the cached kernel's, on a GPU) runs too."""
+    kernel = _launch.dynamic_shared(_static_and_dynamic, 4096 * 4)
+    out = cuda.device_array(128, np.float32)
+    for _ in range(2):
+        out[:] = 0
+        _launch.launch(kernel, 1, 128, 0, (out,))
+        np.testing.assert_array_equal(host(out), 3 * np.arange(128))
