@@ -448,8 +448,9 @@ def check_norms():
 
 def check_conv():
     """The convolution's wgmma kernels for sm_90a (fp16 and bf16, channel groups of 16, 32 and 64,
-    3x3 taps, 8 x 16 positions a tile): the forward (two warpgroups) and the filter gradient (also with
-    dy as A from registers, `ConvConfig.hopper_filter_dy_a`)."""
+    3x3 taps, 8 x 16 positions a tile, or 16 x 16 with two tiles a warpgroup): the forward (two
+    warpgroups) and the filter gradient (also with dy as A from registers,
+    `ConvConfig.hopper_filter_dy_a`)."""
     from sparseblocks.conv import hopper
 
     index, results = types.int32[::1], []
@@ -457,11 +458,15 @@ def check_conv():
         value = types.int16 if storage == "bfloat16" else types.float16
         hg = hopper.filter_geometry([1, 56, 56, 1, 56, 56, 1, 3, 3, 1, 1, 1, 0, 1, 1, 1, 1, 1])
         positions = hopper.patch_positions(hg)
-        for rows_out, biased, stages, blocks in ((False, True, 3, 0), (False, False, 3, 0), (True, False, 3, 0),
-                                                 (False, False, 2, 3)):
-            forward = hopper.make_forward(storage, G, 9, positions, rows_out, 2, 0, biased, stages, blocks)
+        for rows_out, biased, stages, blocks, rows in ((False, True, 3, 0, 1), (False, False, 3, 0, 1),
+                                                       (True, False, 3, 0, 1), (False, False, 2, 3, 1),
+                                                       (False, True, 3, 0, 2)):
+            layer = hopper.geometry([1, 56, 56, 1, 56, 56, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1], 2, rows)
+            forward = hopper.make_forward(storage, G, 9, hopper.patch_positions(layer) if rows > 1 else positions,
+                                          rows_out, 2, 0, biased, stages, blocks, rows)
             name = (f"conv wgmma forward {storage} G={G} 3x3{' channels-last' if rows_out else ''}"
-                    + (f" ({stages} stages, {blocks} blocks a multiprocessor)" if blocks else ""))
+                    + (f" ({stages} stages, {blocks} blocks a multiprocessor)" if blocks else "")
+                    + (f" ({rows} tiles a warpgroup)" if rows > 1 else ""))
             results.append(check(name + ("" if biased else " with no bias"), forward.py_func,
                                  (value[::1],) * 3 + (index,) * 4 + (i64,) * 2
                                  + (value[:, ::1], index, types.boolean, i64, i64), cc=(9, 0, "a"),

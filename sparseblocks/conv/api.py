@@ -176,8 +176,9 @@ class BlocksparseConv:
                         ig, G, row_bytes=self.config.stage_bytes)
                     self._host["ig_" + kind] = np.array(ig, np.int32)
                     wgs = self.config.hopper_groups  # (`ConvConfig.hopper` on sm_90)
-                    if kind != "filter_grad" and hopper.fits(geo, G, wgs, self.config.hopper_stages):
-                        self._host["hg_" + kind] = np.array(hopper.geometry(geo, wgs), np.int32)
+                    rows = self.config.hopper_rows
+                    if kind != "filter_grad" and hopper.fits(geo, G, wgs, self.config.hopper_stages, rows):
+                        self._host["hg_" + kind] = np.array(hopper.geometry(geo, wgs, rows), np.int32)
                     if kind == "filter_grad":
                         self._fp32_filter_fits = implicit.plan(ig, G, True, implicit.value_bytes("float32"))
                         dy_a = self.config.hopper_filter_dy_a  # (`hopper_filter_grad`)
@@ -329,7 +330,8 @@ class BlocksparseConv:
             stages = self.config.hopper_stages  # (a stage a block: no more than a tile's blocks in flight)
             stages = stages if keep else hopper.forward_stages(self._most(kind), stages)
             kernel = cached(hopper.make_forward, op_x.dtype, G, TRS, hopper.patch_positions(hg), last, wgs, keep,
-                            bool(has_bias), stages, hopper.forward_blocks(hg, G, stages, self.config.hopper_blocks))
+                            bool(has_bias), stages, hopper.forward_blocks(hg, G, stages, self.config.hopper_blocks),
+                            self.config.hopper_rows)
             # (kept filters: one wave of thread blocks, each walking its share of the tiles)
             workers = max(1, min(tiles, -(-2 * multiprocessors() // (out_rows // G)))) if keep else tiles
             launch(kernel, (workers, out_rows // G), hopper.WARPGROUP * wgs, stream,

@@ -29,9 +29,12 @@ class ConvConfig:
     hopper_keep: bool = False  # ... a group's filter blocks kept in shared memory over many tiles, where they fit
     # ... the ring's stages (2-4; fewer where a layer's output groups hold fewer blocks, `hopper.forward_stages`)
     hopper_stages: int = 3
-    # ... thread blocks a multiprocessor its registers are capped for, where their rings fit a
-    # multiprocessor's shared memory (`hopper.forward_blocks`; 0: no cap; 2-8)
+    # ... thread blocks a multiprocessor its registers are capped for, or as many as their rings
+    # let share a multiprocessor's shared memory where fewer (`hopper.forward_blocks`; 0: no cap; 2-8)
     hopper_blocks: int = 3
+    # ... 8 x 8 tiles a warpgroup stacks down the output rows (1 or 2): a stage's copies and filter
+    # block serve twice the positions, at twice the accumulators
+    hopper_rows: int = 1
     # On sm_90, fp16 and bf16 filter gradients of stride 1 on wgmma (`hopper.make_filter_grad`: 64 / G
     # blocks of an output group as wgmma's m, a tap a descriptor into their patch) where their ring fits
     hopper_filter_grad: bool = True
@@ -50,6 +53,8 @@ class ConvConfig:
             raise ValueError(f"fp32_filter_taps: expected 1 to 9 taps a pass, got {self.fp32_filter_taps}")
         if not 2 <= self.hopper_stages <= 4:
             raise ValueError(f"hopper_stages: expected 2 to 4, got {self.hopper_stages}")
+        if self.hopper_rows not in (1, 2):
+            raise ValueError(f"hopper_rows: expected 1 or 2 tiles a warpgroup, got {self.hopper_rows}")
         if self.hopper_blocks != 0 and not 2 <= self.hopper_blocks <= 8:
             raise ValueError(f"hopper_blocks: expected 0 (no cap) or 2 to 8 thread blocks, got {self.hopper_blocks}")
         if not 0 <= self.hopper_filter_taps <= 12:

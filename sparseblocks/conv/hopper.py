@@ -48,25 +48,25 @@ STAGES = 3
 CHUNK = 16  # bytes: 8 channels of a position
 
 
-def geometry(geo, groups=1):
+def geometry(geo, groups=1, rows=1):
     """``geo`` (the 18 ints of `simple.py`: DHW, MPQ, TRS, strides, padding, dilations) followed by
     the patch's DD, PH and PW and the tile counts along Q and P: 23 ints, as `implicit`'s, for
-    tiles of ``groups`` warpgroups."""
+    tiles of ``groups`` warpgroups side by side, each ``rows`` 8 x 8 wgmma tiles down the rows."""
     geo = [int(v) for v in geo]
     T, R, S = geo[6:9]
     dil = geo[15:18]
-    cols = TILE_COLS * groups
+    cols, tile_rows = TILE_COLS * groups, TILE_ROWS * rows
     DD = (T - 1) * dil[0] + 1
-    PH = TILE_ROWS - 1 + (R - 1) * dil[1] + 1
+    PH = tile_rows - 1 + (R - 1) * dil[1] + 1
     PW = cols - 1 + (S - 1) * dil[2] + 1
-    return geo + [DD, PH, PW, -(-geo[5] // cols), -(-geo[4] // TILE_ROWS)]
+    return geo + [DD, PH, PW, -(-geo[5] // cols), -(-geo[4] // tile_rows)]
 
 
-def fits(geo, G, groups=1, stages=STAGES):
+def fits(geo, G, groups=1, stages=STAGES, rows=1):
     """Whether a layer takes this kernel: stride 1, channel groups of 16, 32 or 64, output rows of
     at least 8, and a ring of ``stages`` in shared memory."""
     return (G in (16, 32, 64) and tuple(int(v) for v in geo[9:12]) == (1, 1, 1) and int(geo[4]) >= TILE_ROWS
-            and stages * stage_bytes(geometry(geo, groups), G) <= 200 * 1024)
+            and stages * stage_bytes(geometry(geo, groups, rows), G) <= 200 * 1024)
 
 
 def stage_bytes(hg, G):
@@ -84,10 +84,11 @@ def patch_positions(hg):
     return int(hg[18] * hg[19] * hg[20])
 
 
-def make_where(cols):
+def make_where(cols, rows=1):
     """(``where(tile, hg)``: tile ``tile``'s (image, output depth, first row, first column) as
-    int32, for tiles of `TILE_ROWS` rows of ``cols`` columns; ``tap_shift``: `implicit.make_tiles`')."""
-    tile_of, _, tap_shift = make_tiles(cols, TILE_ROWS)
+    int32, for tiles of ``rows`` x `TILE_ROWS` rows of ``cols`` columns; ``tap_shift``:
+    `implicit.make_tiles`')."""
+    tile_of, _, tap_shift = make_tiles(cols, TILE_ROWS * rows)
 
     @inlined
     def where(tile, hg):
@@ -131,15 +132,16 @@ def forward_stages(most, stages=STAGES):
 
 
 def forward_blocks(hg, G, stages, blocks):
-    """Thread blocks a multiprocessor the forward's registers are capped for: ``blocks``
-    (`ConvConfig.hopper_blocks`) where that many rings of ``stages`` fit a multiprocessor's shared
-    memory (each thread block reserving 1 KB), else 0 (no cap: shared memory bounds residency, and
-    a cap would only cost registers)."""
-    return blocks if blocks * (stages * stage_bytes(hg, G) + 1024) <= SM_SHARED else 0
+    """Thread blocks a multiprocessor the forward's registers are capped for: the most, up to
+    ``blocks`` (`ConvConfig.hopper_blocks`), whose rings of ``stages`` fit a multiprocessor's
+    shared memory (each thread block reserving 1 KB); 0 (no cap) where fewer than two fit, or
+    ``blocks`` is 0. More would only cost registers: shared memory bounds residency."""
+    most = min(blocks, SM_SHARED // (stages * stage_bytes(hg, G) + 1024))
+    return most if most >= 2 else 0
 
 
 def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, biased=True, stages=STAGES,
-                 blocks=0):
+                 blocks=0, rows=1):
     """The kernel for channel groups of G, TRS taps, patches of ``positions`` positions and tiles of
     ``groups`` warpgroups (see the module's docstring). ``rows_out``: the output written
     channels-last (N, positions, channels).
@@ -152,7 +154,10 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, b
 
     The epilogue stores each value from its register. Without ``biased`` (a call with no edge
     bias) it has no bias code. ``stages``: the ring's (`forward_stages`); ``blocks`` (`ConvConfig.
-    hopper_blocks`): thread blocks a multiprocessor its registers are capped for (0: no cap)."""
+    hopper_blocks`): thread blocks a multiprocessor its registers are capped for (0: no cap).
+    ``rows`` (`ConvConfig.hopper_rows`): 8 x 8 tiles a warpgroup down the output rows, each its
+    own accumulators, A the same descriptor 8 patch rows further: a stage's filter block and
+    copies serve ``rows`` times the positions."""
     THREADS = WARPGROUP * groups
     CK = G // 8  # chunks of 8 channels a position
     A_CHUNK = positions * CHUNK  # a patch chunk's stride (lbo)
@@ -201,17 +206,22 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, b
             if c < B_COPIES:
                 copy16_to(to + c * CHUNK, f_from + CHUNK * c)
 
-    where, tap_shift = make_where(TILE_COLS * groups)
+    where, tap_shift = make_where(TILE_COLS * groups, rows)
+    DOWN = uint64(TILE_ROWS * CHUNK // 16)  # (the next 8 x 8 tile's A: 8 patch rows on, times the pitch)
 
     prime, advance = make_ring(issue, stages, STAGE, visible=proxy_fence)
 
-    def tap_step(tap, acc, at, b_at, shifts, group, hg):
+    def tap_step(tap, acc, acc2, at, b_at, shifts, group, hg):
         """Tap ``tap``'s k16 steps: A the patch shifted by the tap's offset (and this warpgroup's 8
-        columns), B its filter slices (the block's filter at ``b_at``)."""
+        columns), B its filter slices (the block's filter at ``b_at``); with ``rows`` 2, the tile
+        below into ``acc2``."""
         a = descriptor(at + (shifts[tap] + TILE_COLS * group) * CHUNK, A_CHUNK, hg[20] * CHUNK, 0)
         b = descriptor(b_at + tap * G * CHUNK, B_CHUNK, 8 * CHUNK, 0)
         for kk in range(CK // 2):  # (two chunks a k16 step)
             mma(acc, a + uint64(kk * 2 * A_CHUNK // 16), b + uint64(kk * 2 * B_CHUNK // 16), int32(1))
+            if rows == 2:
+                mma(acc2, a + uint64(kk * 2 * A_CHUNK // 16) + DOWN * uint64(hg[20]),
+                    b + uint64(kk * 2 * B_CHUNK // 16), int32(1))
 
     taps = unrolled(TRS, inlined(tap_step), inline=inlined)
 
@@ -273,14 +283,17 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, b
         smem = cuda.shared.array(0, int32)
         base = shared_address(smem, (0,))
         acc = cuda.local.array(ACC, float32)
+        acc2 = cuda.local.array(ACC, float32)  # (the tile below, with rows 2)
         for i in range(ACC):
             acc[i] = float32(0)
+            acc2[i] = float32(0)
         ptr = grp_ptr[g]
         count = grp_ptr[g + 1] - ptr
         if count == 0:  # an output group no block reaches: zeros (and its bias)
             for tile in range(first_tile, first_tile + my_tiles):
                 n, m, p0, q0 = where(tile, hg)
-                store(out, acc, n, m, p0, q0, g * G, hg, OUT_ROWS, bias, edge, has_bias)
+                for r in range(rows):
+                    store(out, acc, n, m, p0 + TILE_ROWS * r, q0, g * G, hg, OUT_ROWS, bias, edge, has_bias)
             return
         x_at, f_at = signed_address(x, (0,)), signed_address(f, (0,))
         if keep:  # the group's filters, once (their own commit group, waited for with the first stage)
@@ -302,7 +315,7 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, b
             at, buf = advance(s, buf, base, total, args)
             tile, b = divmod32(s, count)
             fence()
-            taps(acc, at, base + KEPT + b * B_BYTES if keep else at + A_BYTES, shifts,
+            taps(acc, acc2, at, base + KEPT + b * B_BYTES if keep else at + A_BYTES, shifts,
                  cuda.threadIdx.x // WARPGROUP, hg)
             wg_commit()
             wg_wait_all()  # (the buffer is free for the copies the next barrier lets in)
@@ -310,8 +323,12 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, b
                 settle(acc)
                 n, m, p0, q0 = where(first_tile + int32(tile), hg)
                 store(out, acc, n, m, p0, q0, g * G, hg, OUT_ROWS, bias, edge, has_bias)
+                if rows == 2:
+                    settle(acc2)
+                    store(out, acc2, n, m, p0 + TILE_ROWS, q0, g * G, hg, OUT_ROWS, bias, edge, has_bias)
                 for i in range(ACC):
                     acc[i] = float32(0)
+                    acc2[i] = float32(0)
 
     return dynamic_shared(forward, KEPT + keep * B_BYTES)
 

@@ -80,7 +80,7 @@ def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, pad
                                implicit=True, channels_last=False, stage_bytes=32, hopper=False, hopper_groups=1,
                                hopper_keep=True, hopper_filter_grad=False, hopper_filter_taps=0,
                                hopper_filter_overlap=False, fp32_filter_taps=5, hopper_filter_dy_a=False,
-                               hopper_stages=3, hopper_blocks=0, diagonal=False):
+                               hopper_stages=3, hopper_blocks=0, hopper_rows=1, diagonal=False):
     rng = np.random.default_rng(seed)
     BCK = grouped_layer(rng, G, groups)
     if diagonal:  # (block-diagonal: each output group one block, of its own input group)
@@ -92,7 +92,8 @@ def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, pad
                                            hopper_filter_taps=hopper_filter_taps,
                                            hopper_filter_overlap=hopper_filter_overlap,
                                            fp32_filter_taps=fp32_filter_taps, hopper_filter_dy_a=hopper_filter_dy_a,
-                                           hopper_stages=hopper_stages, hopper_blocks=hopper_blocks))
+                                           hopper_stages=hopper_stages, hopper_blocks=hopper_blocks,
+                                           hopper_rows=hopper_rows))
     assert op._group == G
     F = [values(rng, op.f_shape(b), dtype) for b in range(len(BCK))]
     I = values(rng, op.i_shape(N), dtype)
@@ -169,24 +170,28 @@ def test_wide_stage_implicit_products_match_the_twin(dtype, G):
     check_tensor_core_products(dtype, G, 2, (2, 2), (3, 4), 1, 1, "SAME", False, 2, N=1, stage_bytes=64)
 
 
-@pytest.mark.parametrize("channels_last, groups, keep, N, TRS, bias", [
-    (False, 1, False, 1, (2, 2), True), (True, 2, True, 1, (2, 2), True), (False, 1, True, 2, (2, 2), False),
-    (True, 1, False, 2, (2, 2), True), (False, 1, False, 1, (3, 3), True), (True, 1, False, 1, (3, 3), False)])
-def test_hopper_products_match_the_twin(monkeypatch, channels_last, groups, keep, N, TRS, bias):
+@pytest.mark.parametrize("channels_last, groups, keep, N, TRS, bias, rows", [
+    (False, 1, False, 1, (2, 2), True, 1), (True, 2, True, 1, (2, 2), True, 1), (False, 1, True, 2, (2, 2), False, 1),
+    (True, 1, False, 2, (2, 2), True, 1), (False, 1, False, 1, (3, 3), True, 1), (True, 1, False, 1, (3, 3), False, 1),
+    (False, 1, False, 1, (3, 3), True, 2), (True, 2, True, 1, (2, 2), True, 2)])
+def test_hopper_products_match_the_twin(monkeypatch, channels_last, groups, keep, N, TRS, bias, rows):
     """``ConvConfig.hopper``: the forward and the stride-1 input gradient on wgmma (`conv/hopper.py`,
     here the simulator's twin): tiles of 8 x 8 positions a warpgroup, a tap a descriptor into the
     patch's no-swizzle layout, an output group no block reaches, and with 3 x 3 filters an edge
     bias (SAME padding: its border positions' columns, a value a channel); a thread block a
     tile, or walking several tiles across images with its filters kept (``keep``); without an
-    edge bias, kernels with no bias code; the filter gradient as before."""
+    edge bias, kernels with no bias code; with ``rows`` 2 (``hopper_rows``), two tiles a warpgroup
+    down 12 output rows (the second's last rows past the output); the filter gradient as before."""
     from sparseblocks.conv import api, hopper
     from sparseblocks.runtime import compile as compile_cache
 
     monkeypatch.setattr(api, "compute_capability", lambda: (9, 0))
-    before = sum(key[0] is hopper.make_forward for key in compile_cache._kernels)
-    check_tensor_core_products("float16", 16, 2, TRS, (8, 9), 1, 1, "SAME", bias, 3, N=N,
-                               channels_last=channels_last, hopper=True, hopper_groups=groups, hopper_keep=keep)
-    assert sum(key[0] is hopper.make_forward for key in compile_cache._kernels) > before
+    made = lambda: sum(key[0] is hopper.make_forward and key[-1] == rows for key in compile_cache._kernels)
+    before = made()
+    check_tensor_core_products("float16", 16, 2, TRS, (8 if rows == 1 else 12, 9), 1, 1, "SAME", bias, 3, N=N,
+                               channels_last=channels_last, hopper=True, hopper_groups=groups, hopper_keep=keep,
+                               hopper_rows=rows)
+    assert made() > before
 
 
 @pytest.mark.parametrize("stages, blocks, diagonal", [(3, 0, True), (2, 3, False), (4, 0, False)])
@@ -206,7 +211,20 @@ def test_hopper_forward_ring_fits_the_layer(monkeypatch, stages, blocks, diagona
     most = 1 if diagonal else max(sum(ks[0] == k for _, ks in layer) for k in (0, 16))
     made = hopper.forward_stages(most, stages)
     assert made == (2 if diagonal or stages == 2 else min(stages, most + 1))
-    assert any(key[0] is hopper.make_forward and key[-2:] == (made, blocks) for key in compile_cache._kernels)
+    assert any(key[0] is hopper.make_forward and key[-3:-1] == (made, blocks) for key in compile_cache._kernels)
+
+
+def test_hopper_forward_caps_registers_only_for_thread_blocks_whose_rings_fit():
+    """`hopper.forward_blocks`: the most thread blocks, up to ``hopper_blocks``, whose rings share a
+    multiprocessor's 228 KB (1 KB reserved each); no cap where fewer than two fit, or none asked."""
+    from sparseblocks.conv import hopper
+
+    layer = [32, 56, 56, 1, 56, 56, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1]
+    wide, tall = hopper.geometry(layer, 2), hopper.geometry(layer, 2, 2)
+    assert hopper.stage_bytes(wide, 32) == 4 * (10 * 18 + 9 * 32) * 16  # (a 10 x 18 patch, the filter)
+    assert [hopper.forward_blocks(wide, 32, stages, 3) for stages in (2, 3, 4)] == [3, 2, 0]
+    assert [hopper.forward_blocks(wide, 16, 3, blocks) for blocks in (0, 2, 8)] == [0, 2, 7]
+    assert hopper.forward_blocks(wide, 64, 2, 3) == 0 and hopper.forward_blocks(tall, 32, 2, 3) == 2
 
 
 @pytest.mark.parametrize("G, groups, TRS, DHW, channels_last, taps, overlap, dy_a", [
@@ -255,6 +273,7 @@ def test_hopper_filter_units_join_an_output_groups_blocks():
     (dict(hopper_filter_taps=13), "hopper_filter_taps: expected 0 to 12"),
     (dict(hopper_stages=5), "hopper_stages: expected 2 to 4"),
     (dict(hopper_blocks=1), "hopper_blocks: expected 0 \\(no cap\\) or 2 to 8"),
+    (dict(hopper_rows=3), "hopper_rows: expected 1 or 2 tiles a warpgroup, got 3"),
     (dict(fp32_filter_taps=0), "fp32_filter_taps: expected 1 to 9"),
 ])
 def test_config_refuses_what_the_kernels_cannot_take(fields, message):
@@ -306,30 +325,30 @@ def test_tensor_core_products_match_the_twin_on_the_gpu(dtype, G, groups, dims, 
 # (dtype, G, spatial dims, dilation, channels_last, warpgroups, kept filters, the filter gradient's dy
 # as A): what a wgmma kernel is compiled for (its patch follows from the dims and dilation), one set
 # of kernels a case, so that the drawn examples reuse them
-HOPPER_CASES = [("float16", 32, 2, 1, False, 2, False, True), ("bfloat16", 16, 3, 2, True, 1, False, True),
-                ("float16", 64, 2, 2, True, 2, True, False), ("bfloat16", 32, 2, 1, False, 2, False, False),
-                ("float16", 16, 2, 1, True, 1, False, False), ("bfloat16", 64, 3, 1, False, 1, True, True)]
+HOPPER_CASES = [("float16", 32, 2, 1, False, 2, False, True, 2), ("bfloat16", 16, 3, 2, True, 1, False, True, 1),
+                ("float16", 64, 2, 2, True, 2, True, False, 1), ("bfloat16", 32, 2, 1, False, 2, False, False, 1),
+                ("float16", 16, 2, 1, True, 1, False, False, 2), ("bfloat16", 64, 3, 1, False, 1, True, True, 1)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="sizes the simulator would take minutes over")
-@pytest.mark.parametrize("dtype, G, dims, dilates, channels_last, warpgroups, keep, dy_a", HOPPER_CASES)
+@pytest.mark.parametrize("dtype, G, dims, dilates, channels_last, warpgroups, keep, dy_a, rows", HOPPER_CASES)
 @settings(max_examples=3, deadline=None)
 @given(groups=st.integers(2, 3), padding=st.sampled_from(["SAME", "VALID"]), bias=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_hopper_products_match_the_twin_on_the_gpu(dtype, G, dims, dilates, channels_last, warpgroups, keep, dy_a,
-                                                   groups, padding, bias, seed):
+                                                   rows, groups, padding, bias, seed):
     """``ConvConfig.hopper`` on an sm_90 GPU (elsewhere the implicit GEMM runs): the wgmma forward and
     stride-1 input gradient, 2-D and 3-D, dilated, on tiles of one or two warpgroups that overhang
     the output's edges, and the wgmma filter gradient (``hopper_filter_grad``; 2 taps a warpgroup
     in the cases with kept filters, the stages overlapped in the others; dy as A from registers,
-    ``hopper_filter_dy_a``, in three); the drawn examples vary what the kernels take at run time
-    (layers, padding, edge bias, values)."""
+    ``hopper_filter_dy_a``, in three; two tiles a warpgroup down the rows, ``hopper_rows``, in two);
+    the drawn examples vary what the kernels take at run time (layers, padding, edge bias, values)."""
     TRS, DHW = [3] * dims, [5, 13, 11][-dims:]
     check_tensor_core_products(dtype, G, groups, TRS, DHW, 1, dilates, padding, bias, seed,
                                channels_last=channels_last, hopper=True, hopper_groups=warpgroups, hopper_keep=keep,
                                hopper_filter_grad=True, hopper_filter_taps=2 if keep else 0,
-                               hopper_filter_overlap=not keep, hopper_filter_dy_a=dy_a)
+                               hopper_filter_overlap=not keep, hopper_filter_dy_a=dy_a, hopper_rows=rows)
 
 
 def test_grouped_finds_aligned_channel_groups():
