@@ -235,10 +235,11 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, b
         d0, h0, w0 = m - hg[12], p0 - hg[13], q0 - hg[14]
         first = ((d0 * H + h0) * W + w0) * IN_ROWS  # (the patch's first position's, maybe outside)
         for i in range(A_PER):
-            d, h, w = d0 + spot[i, 0], h0 + spot[i, 1], w0 + spot[i, 2]
             sources[i] = -1
-            if spot[i, 0] >= 0 and 0 <= d < D and 0 <= h < H and 0 <= w < W:
-                sources[i] = first + spot[i, 3]
+            if spot[i, 0] >= 0:  # (a copy this thread makes: its spot's other fields are set)
+                d, h, w = d0 + spot[i, 0], h0 + spot[i, 1], w0 + spot[i, 2]
+                if 0 <= d < D and 0 <= h < H and 0 <= w < W:
+                    sources[i] = first + spot[i, 3]
 
     @inlined
     def store(out, acc, n, m, p0, q0, k0, hg, OUT_ROWS, bias, edge, has_bias):
