@@ -11,14 +11,17 @@ half is below keep·2¹⁶, so the keep probability is a multiple of 2⁻¹⁶.
 The fused kernels' fragments (`ptx.wgmma.acc_position`, mma.sync's C fragment) give a thread
 rows r and r + 8 and columns 2t, 2t + 1, 2t + 8, 2t + 9 of each 16 x 16 square: with queries for
 rows (the forward, dq) one Philox block serves all eight of its values there; with keys for
-rows (dk and dv) two blocks serve them, four values each. The backward regenerates the forward's
-bits and stores nothing.
+rows (dk and dv) two blocks serve them, four values each, and the two lanes of rows r and r ^ 1
+need the same two: each draws one and they trade halves by a shuffle. The backward regenerates
+the forward's bits and stores nothing.
 
 * ``kept_score(bh, S, q, k, rule)``: one pair (the three kernels);
 * ``keep_square(bits, at, bh, S, row, col, rows_along, rule)``: bits ``at`` to ``at + 7`` of
   bits[0] set where a thread's values of one 16 x 16 square are kept: value v at row row + 8
   ((v // 2) % 2) and column col + 8 (v // 4) + v % 2 (the fragments' order), rows queries
-  (``rows_along``) or keys; row % 16 < 8, col % 16 < 8 and even;
+  (``rows_along``) or keys; row % 16 < 8, col % 16 < 8 and even; with keys for rows, called by
+  the whole warp together, lane l's row the lane l ^ 4's with its lowest bit flipped (the
+  fragments' rows are the lane's group);
 * ``make_masking(keep_step, apply_step, n)``: a fused kernel's ``keep(bits, bh, S, row, col0, t,
   rows_along, threshold, seed_lo, seed_hi, offset)`` (bits[0] cleared, then ``keep_step`` for
   each of n steps) and ``apply(x, bits, factor)`` (``apply_step`` for each), from its own steps
@@ -35,6 +38,8 @@ from numba import cuda, uint32, uint64
 
 from ..philox import MASK, philox, threshold, words_host
 from ..runtime.compile import inlined, unrolled
+
+FULL = 0xFFFFFFFF  # (every lane of the warp)
 
 
 @cuda.jit(device=True, inline=True)
@@ -81,13 +86,22 @@ def keep_square(bits, at, bh, S, row, col, rows_along, threshold, seed_lo, seed_
             | (_two(w[1], w[1], threshold, 0, 1) << uint64(4)) | (_two(w[3], w[3], threshold, 0, 1) << uint64(6))
     else:
         # keys row + 8a, queries col + 8b + c (a block for each c): value v is half row % 2 of
-        # word 2b + a of block c, so values 2i and 2i + 1 take word i of blocks 0 and 1
+        # word 2b + a of block c, so values 2i and 2i + 1 take word i of blocks 0 and 1. The lane
+        # of row ^ 1 (lane ^ 4: the fragments' rows are the lane's group) needs the same two
+        # blocks, the other half of each word: each lane draws block c = row % 2 and hands the
+        # other lane that block's bits for its half (one shuffle; the warp calls this together)
         high = uint32(row) & uint32(1)
-        w = _words(bh, S, col, row, seed_lo, seed_hi, offset)
-        x = _words(bh, S, col + 1, row, seed_lo, seed_hi, offset)
-        got = _two(w[0], x[0], threshold, high, high) | (_two(w[1], x[1], threshold, high, high) << uint64(2)) \
-            | (_two(w[2], x[2], threshold, high, high) << uint64(4)) \
-            | (_two(w[3], x[3], threshold, high, high) << uint64(6))
+        w = _words(bh, S, col + high, row, seed_lo, seed_hi, offset)
+        mine, theirs = uint32(0), uint32(0)
+        for i in range(4):
+            mine |= uint32(_kept(w[i], high, threshold)) << uint32(i)
+            theirs |= uint32(_kept(w[i], high ^ uint32(1), threshold)) << uint32(i)
+        other = uint32(cuda.shfl_xor_sync(FULL, theirs, 4))
+        first, second = (mine, other) if high == uint32(0) else (other, mine)
+        got = uint64(0)
+        for i in range(4):
+            got |= (uint64((first >> uint32(i)) & uint32(1)) << uint64(2 * i)) \
+                | (uint64((second >> uint32(i)) & uint32(1)) << uint64(2 * i + 1))
     bits[0] |= got << uint64(at)
 
 
