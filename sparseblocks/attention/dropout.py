@@ -34,7 +34,7 @@ its threshold is ``philox.threshold(keep, 16)``.
 """
 
 import numpy as np
-from numba import cuda, uint32, uint64
+from numba import cuda, int32, uint32, uint64
 
 from ..philox import MASK, philox, threshold, words_host
 from ..runtime.compile import inlined, unrolled
@@ -96,7 +96,7 @@ def keep_square(bits, at, bh, S, row, col, rows_along, threshold, seed_lo, seed_
         for i in range(4):
             mine |= uint32(_kept(w[i], high, threshold)) << uint32(i)
             theirs |= uint32(_kept(w[i], high ^ uint32(1), threshold)) << uint32(i)
-        other = uint32(cuda.shfl_xor_sync(FULL, theirs, 4))
+        other = uint32(cuda.shfl_xor_sync(FULL, int32(theirs), 4))  # (32-bit ints: what the intrinsic takes)
         first, second = (mine, other) if high == uint32(0) else (other, mine)
         got = uint64(0)
         for i in range(4):
