@@ -460,7 +460,7 @@ def check_conv():
         positions = hopper.patch_positions(hg)
         for rows_out, biased, stages, blocks, rows in ((False, True, 3, 0, 1), (False, False, 3, 0, 1),
                                                        (True, False, 3, 0, 1), (False, False, 2, 3, 1),
-                                                       (False, True, 3, 0, 2)):
+                                                       (False, True, 3, 0, 2), (False, True, 2, 2, 2)):
             layer = hopper.geometry([1, 56, 56, 1, 56, 56, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1], 2, rows)
             forward = hopper.make_forward(storage, G, 9, hopper.patch_positions(layer) if rows > 1 else positions,
                                           rows_out, 2, 0, biased, stages, blocks, rows)

@@ -270,6 +270,15 @@ def _checked_launch(function, grid, block, handle, slots, shared=0):
         raise RuntimeError(f"cuLaunchKernel failed with CUDA error {error}")
 
 
+def _check_shared(dispatcher, shared):
+    """A kernel's dynamic shared memory past what a thread block may opt into is the library's
+    bug (its makers size their rings to fit): refused here, on the simulator as on the GPU."""
+    if shared > shared_memory_limit():
+        name = getattr(dispatcher, "__name__", None) or getattr(getattr(dispatcher, "py_func", None), "__name__", "?")
+        raise RuntimeError(f"{name}: {shared} bytes of dynamic shared memory, over the device's "
+                           f"{shared_memory_limit()} a thread block")
+
+
 def launch(dispatcher, grid, block, stream, args):
     """``dispatcher[grid, block, stream](*args)``, through the dispatcher only the first time.
 
@@ -278,6 +287,7 @@ def launch(dispatcher, grid, block, stream, args):
     """
     shared = _dynamic_shared.get(dispatcher, 0)
     if SIMULATOR:
+        _check_shared(dispatcher, shared)  # (the GPU's launch refuses it; the simulator would not)
         # Numba types a Python int argument int64; the simulator would keep it a Python int, and
         # under NumPy 2's promotion an int32 array element times it stays int32 and wraps (a
         # window's start, index * stride, would land where the GPU's int64 does not put it).
@@ -288,6 +298,7 @@ def launch(dispatcher, grid, block, stream, args):
     key = (dispatcher, key, active())  # (a compiled function is loaded into each device's context)
     kernel = _compiled.get(key)
     if kernel is None:
+        _check_shared(dispatcher, shared)
         # torch refuses __cuda_array_interface__ on tensors that require grad.
         args = [arg.detach() if hasattr(arg, "detach") else arg for arg in args]
         compiled = dispatcher.compile(tuple(dispatcher.typeof_pyval(arg) for arg in args))

@@ -162,3 +162,11 @@ def test_static_and_dynamic_shared_memory_past_48_kb_launch_twice():
         out[:] = 0
         _launch.launch(kernel, 1, 128, 0, (out,))
         np.testing.assert_array_equal(host(out), 3 * np.arange(128))
+
+
+def test_dynamic_shared_memory_past_the_device_limit_is_refused():
+    """A ring sized past what a thread block may opt into fails before the launch, in the
+    simulator as on the GPU (where the driver's error would name neither kernel nor size)."""
+    kernel = _launch.dynamic_shared(cuda.jit(_static_and_dynamic.py_func), _launch.shared_memory_limit() + 16)
+    with pytest.raises(RuntimeError, match="bytes of dynamic shared memory, over the device's"):
+        _launch.launch(kernel, 1, 128, 0, (cuda.device_array(128, np.float32),))
