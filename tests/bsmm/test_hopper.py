@@ -91,7 +91,8 @@ PERSISTENT = replace(PRODUCER, v7_persistent={64: 4, 128: 3})
 # products of 128-row tiles (one warpgroup of two tiles), two thread blocks a multiprocessor
 TWO_BLOCKS = replace(PRODUCER, v7_groups={64: 2, 128: 1}, v7_stages={64: 5, 128: 3}, v7_blocks={128: 2},
                      v7_producer_registers=40)
-PAIRED_WGRAD = replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 6, 128: 4}, v7_wgrad_pairs_fill=0, v7_wgrad_pair_producer=False)
+PAIRED_WGRAD = replace(bsmm.DEFAULT, v7_wgrad_pairs={64: 6, 128: 4}, v7_wgrad_pairs_fill=0,
+                       v7_wgrad_pair_producer=False)  # (the barrier ring)
 PAIRED_SPLIT = replace(PAIRED_WGRAD, v7_wgrad_pairs={64: 4, 128: 3}, v7_wgrad_pair_producer=True)  # (bulk copies)
 PAIRED_COPYING = replace(PAIRED_SPLIT, v7_tma=False, v7_wgrad_pair_blocks={64: 2})  # (cp.async, two a multiprocessor)
 PAIRED_WIDE = replace(PAIRED_WGRAD, v7_wgrad_pairs={64: 4}, v7_wgrad_pair_width={64: 4})  # (4 blocks a tile)
