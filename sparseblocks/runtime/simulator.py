@@ -327,7 +327,16 @@ def _poison(value):
     return _POISON_INT
 
 
+# What Numba's typing lets a shuffle take on the GPU (`shfl_sync_intrinsic`: i4, i8, f4, f8; a
+# Python int or float is typed i8 or f8 there): anything else, an unsigned or 16-bit int or a
+# bool, fails to compile there, so it raises here too
+_SHUFFLED = (int, float, np.int32, np.int64, np.float32, np.float64)
+
+
 def _shuffle(op, mask, value, source_of):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, _SHUFFLED):
+        raise TypeError(f"{op}: a value of {type(value).__name__}; the GPU's Numba shuffles only 32- and 64-bit "
+                        "signed ints and floats")
     lane, values = _masked_collective(op, mask, value)
     source = source_of(lane)
     if not 0 <= source < WARP_SIZE:

@@ -7,7 +7,7 @@ which would hang or be undefined on a GPU, raises in the simulator.
 
 import numpy as np
 import pytest
-from numba import cuda
+from numba import cuda, uint32
 from numba.cuda import libdevice
 
 import sparseblocks  # noqa: F401  (installs the intrinsics under the simulator)
@@ -309,6 +309,20 @@ def test_misuse_raises_in_the_simulator(kernel, message):
 
     with pytest.raises(WarpCollectiveError, match=message):
         kernel[1, 32](np.zeros(32))
+
+
+@cuda.jit
+def unsigned_shuffle_kernel(out):
+    i = cuda.threadIdx.x
+    out[i] = cuda.shfl_xor_sync(FULL, uint32(i), 4)
+
+
+@pytest.mark.simulator
+def test_shuffles_take_what_numba_types_on_the_gpu():
+    """A uint32 shuffle compiles nowhere (Numba's typing takes 32- and 64-bit signed ints and
+    floats only), so the simulator refuses it as well."""
+    with pytest.raises(TypeError, match="shfl_xor_sync: a value of uint32"):
+        unsigned_shuffle_kernel[1, 32](np.zeros(32, np.uint32))
 
 
 @pytest.mark.simulator
