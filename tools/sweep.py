@@ -158,7 +158,8 @@ def quant_case(torch, args):
 def conv_case(torch, args):
     """A 3 x 3 block-sparse convolution (padding 1) of --channels in groups of --block-size, blocks
     present at --density (the last always: the layer spans every channel), or block-diagonal with
-    ``--layout block_diagonal``, on --images of --height x --width; the op is built once a config."""
+    ``--layout block_diagonal``, on --images of --height x --width (``--channels-last``: the
+    activations (N, H, W, C)); the op is built once a config."""
     import numpy as np
 
     from sparseblocks import conv
@@ -170,7 +171,9 @@ def conv_case(torch, args):
         mask = np.eye(C // G, dtype=bool)
     BCK = [(list(range(c * G, c * G + G)), list(range(k * G, k * G + G))) for c, k in zip(*np.nonzero(mask))]
     dtype = getattr(torch, args.dtype)
-    x, dy = (torch.randn(args.images, C, args.height, args.width, device="cuda", dtype=dtype) for _ in range(2))
+    last = args.channels_last  # (--channels-last: (N, H, W, C) activations)
+    shape = (args.images, args.height, args.width, C) if last else (args.images, C, args.height, args.width)
+    x, dy = (torch.randn(*shape, device="cuda", dtype=dtype) for _ in range(2))
     ops = {}
 
     def op_of(cfg):
@@ -180,9 +183,10 @@ def conv_case(torch, args):
 
     filters = [torch.randn(op_of(conv.DEFAULT).f_shape(b), device="cuda", dtype=dtype) / (3 * G ** 0.5)
                for b in range(len(BCK))]
-    calls = {"forward": lambda cfg: op_of(cfg)(filters, x),
-             "input_grad": lambda cfg: op_of(cfg).input_grad(filters, dy),
-             "filter_grad": lambda cfg: torch.cat([f.flatten() for f in op_of(cfg).filter_grad(dy, x)])}
+    calls = {"forward": lambda cfg: op_of(cfg)(filters, x, channels_last=last),
+             "input_grad": lambda cfg: op_of(cfg).input_grad(filters, dy, channels_last=last),
+             "filter_grad": lambda cfg: torch.cat([f.flatten() for f in op_of(cfg).filter_grad(dy, x,
+                                                                                              channels_last=last)])}
     return conv.DEFAULT, calls[args.call]
 
 
@@ -300,6 +304,8 @@ def add_case_arguments(parser):
     parser.add_argument("--target", default="float8_e4m3fn", help="cast: the dtype cast to")
     parser.add_argument("--layout", default="causal", help="attention: local, strided, bigbird or causal (blocks of "
                                                            "128, seq --n); conv: block_diagonal, else random")
+    parser.add_argument("--channels-last", action="store_true", help="conv: activations (N, H, W, C), as torch's "
+                                                                      "channels_last tensors give them")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
