@@ -329,9 +329,9 @@ class BlocksparseConv:
             keep = self._hopper_keep(kind, hg, G)
             stages = self.config.hopper_stages  # (a stage a block: no more than a tile's blocks in flight)
             stages = stages if keep else hopper.forward_stages(self._most(kind), stages)
+            blocks = hopper.forward_blocks(hg, G, stages, self.config.hopper_blocks, keep)
             kernel = cached(hopper.make_forward, op_x.dtype, G, TRS, hopper.patch_positions(hg), last, wgs, keep,
-                            bool(has_bias), stages, hopper.forward_blocks(hg, G, stages, self.config.hopper_blocks),
-                            self.config.hopper_rows)
+                            bool(has_bias), stages, blocks, self.config.hopper_rows)
             # (kept filters: one wave of thread blocks, each walking its share of the tiles)
             workers = max(1, min(tiles, -(-2 * multiprocessors() // (out_rows // G)))) if keep else tiles
             launch(kernel, (workers, out_rows // G), hopper.WARPGROUP * wgs, stream,

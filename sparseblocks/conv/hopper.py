@@ -74,10 +74,18 @@ def stage_bytes(hg, G):
     return (G // 8) * (patch_positions(hg) + TRS * G) * CHUNK
 
 
+def ring_bytes(hg, G, stages, keep=0):
+    """The forward's shared memory: a ring of ``stages`` stages, each a block's patch and filter,
+    or with ``keep`` filter blocks kept, each a patch, and the kept filters after them."""
+    TRS = hg[6] * hg[7] * hg[8]
+    if not keep:
+        return stages * stage_bytes(hg, G)
+    return (stages * patch_positions(hg) + keep * TRS * G) * (G // 8) * CHUNK
+
+
 def kept_fits(hg, G, blocks, stages=STAGES):
     """Whether a ring of patch-only stages and ``blocks`` kept filter blocks fit in shared memory."""
-    TRS = hg[6] * hg[7] * hg[8]
-    return (stages * patch_positions(hg) + blocks * TRS * G) * (G // 8) * CHUNK <= 200 * 1024
+    return ring_bytes(hg, G, stages, blocks) <= 200 * 1024
 
 
 def patch_positions(hg):
@@ -131,12 +139,12 @@ def forward_stages(most, stages=STAGES):
     return max(2, min(stages, most + 1))
 
 
-def forward_blocks(hg, G, stages, blocks):
+def forward_blocks(hg, G, stages, blocks, keep=0):
     """Thread blocks a multiprocessor the forward's registers are capped for: the most, up to
-    ``blocks`` (`ConvConfig.hopper_blocks`), whose rings of ``stages`` fit a multiprocessor's
-    shared memory (each thread block reserving 1 KB); 0 (no cap) where fewer than two fit, or
-    ``blocks`` is 0. More would only cost registers: shared memory bounds residency."""
-    most = min(blocks, SM_SHARED // (stages * stage_bytes(hg, G) + 1024))
+    ``blocks`` (`ConvConfig.hopper_blocks`), whose shared memory (`ring_bytes`, ``keep`` filters
+    kept) fits a multiprocessor's (each thread block reserving 1 KB); 0 (no cap) where fewer than
+    two fit, or ``blocks`` is 0. More would only cost registers: shared memory bounds residency."""
+    most = min(blocks, SM_SHARED // (ring_bytes(hg, G, stages, keep) + 1024))
     return most if most >= 2 else 0
 
 

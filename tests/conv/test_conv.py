@@ -225,6 +225,9 @@ def test_hopper_forward_caps_registers_only_for_thread_blocks_whose_rings_fit():
     assert [hopper.forward_blocks(wide, 32, stages, 3) for stages in (2, 3, 4)] == [3, 2, 0]
     assert [hopper.forward_blocks(wide, 16, 3, blocks) for blocks in (0, 2, 8)] == [0, 2, 7]
     assert hopper.forward_blocks(wide, 64, 2, 3) == 0 and hopper.forward_blocks(tall, 32, 2, 3) == 2
+    # kept filters: stages of a patch only, the block's filter once (3 x 11.5 KB + 18 KB: four fit)
+    assert hopper.ring_bytes(wide, 32, 3, 1) == (3 * 10 * 18 + 9 * 32) * 4 * 16
+    assert hopper.forward_blocks(wide, 32, 3, 3, keep=1) == 3 and hopper.forward_blocks(wide, 32, 3, 8, keep=1) == 4
 
 
 @pytest.mark.parametrize("G, groups, TRS, DHW, channels_last, taps, overlap, dy_a", [
