@@ -66,7 +66,7 @@ def fits(geo, G, groups=1, stages=STAGES, rows=1):
     """Whether a layer takes this kernel: stride 1, channel groups of 16, 32 or 64, output rows of
     at least 8, and a ring of ``stages`` in shared memory."""
     return (G in (16, 32, 64) and tuple(int(v) for v in geo[9:12]) == (1, 1, 1) and int(geo[4]) >= TILE_ROWS
-            and stages * stage_bytes(geometry(geo, groups, rows), G) <= 200 * 1024)
+            and ring_bytes(geometry(geo, groups, rows), G, stages) <= 200 * 1024)
 
 
 def stage_bytes(hg, G):
