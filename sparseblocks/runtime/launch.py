@@ -273,10 +273,10 @@ def _checked_launch(function, grid, block, handle, slots, shared=0):
 def _check_shared(dispatcher, shared):
     """A kernel's dynamic shared memory past what a thread block may opt into is the library's
     bug (its makers size their rings to fit): refused here, on the simulator as on the GPU."""
-    if shared > shared_memory_limit():
-        name = getattr(dispatcher, "__name__", None) or getattr(getattr(dispatcher, "py_func", None), "__name__", "?")
-        raise RuntimeError(f"{name}: {shared} bytes of dynamic shared memory, over the device's "
-                           f"{shared_memory_limit()} a thread block")
+    limit = shared_memory_limit()
+    if shared > limit:  # (dispatchers, the simulator's too, carry their function's __name__)
+        raise RuntimeError(f"{getattr(dispatcher, '__name__', 'a kernel')}: {shared} bytes of dynamic shared memory, "
+                           f"over the device's {limit} a thread block")
 
 
 def launch(dispatcher, grid, block, stream, args):
