@@ -11,7 +11,7 @@ from ..runtime.compile import cached
 from ..runtime.devices import active, on_arrays_device
 from ..bsmm.dispatch import words
 from ..ptx.vector import aligned
-from ..runtime.launch import compute_capability, data_pointer, launch, multiprocessors
+from ..runtime.launch import compute_capability, data_pointer, launch, multiprocessors, resident_blocks
 from .config import ConvConfig, as_config
 from .geometry import edge_map, geometry
 from .simple import make_edge_bias_grad, make_filter_grad, make_forward, make_input_grad, make_l2_normalize
@@ -142,6 +142,7 @@ class BlocksparseConv:
         ks_off, ks_flat = _offsets([ks for _, ks in blocks])
         k_ptr, k_blk, k_pos = _csr([ks for _, ks in blocks], self._K)
         c_ptr, c_blk, c_pos = _csr([cs for cs, _ in blocks], self._C)
+        self._resident: dict = {}  # (the filter gradient's thread blocks a multiprocessor holds, by kernel and device)
         self._host = dict(f_off=self._f_off, cs=cs_flat, cs_off=cs_off, ks=ks_flat, ks_off=ks_off, k_ptr=k_ptr,
                           k_blk=k_blk, k_pos=k_pos, c_ptr=c_ptr, c_blk=c_blk, c_pos=c_pos, edge=edge,
                           geo=np.array(g["DHW"] + g["MPQ"] + g["TRS"] + g["strides"] + g["padding"] + g["dilates"],
@@ -392,21 +393,26 @@ class BlocksparseConv:
         self._add_parts(out, part, shares * ws, op_x.dtype, stream)
 
     def _hopper_filter_grad(self, out, dy_rows, x_rows, op_x, N, stream):
-        """`hopper.make_filter_grad`'s partial sums over shares of the tiles (thread blocks to fill
-        the multiprocessors `hopper.FILTER_WAVES` times), then their sum into ``out``."""
+        """`hopper.make_filter_grad`'s partial sums over shares of the tiles (thread blocks for full
+        waves on the multiprocessors, `hopper.filter_shares`), then their sum into ``out``."""
         t = self._table(stream)
         hg, units = self._host["hg_filter_grad"], self._host["units"]
         G, TRS = self._group, int(np.prod(self._g["TRS"]))
         TW = hopper.filter_taps(TRS, G, self.config.hopper_filter_taps)
         groups = -(-TRS // (2 * TW))
         tiles = N * int(hg[3] * hg[21] * hg[22])
-        shares = max(1, min(tiles, -(-hopper.FILTER_WAVES * multiprocessors() // (len(units) * groups))))
-        part = op_x.scratch((shares * self.f_size,), np.float32, stream)
-        launch(cached(hopper.make_filter_grad, op_x.dtype, G, TRS, hopper.patch_positions(hg), TW,
-                      self.config.hopper_filter_overlap, self.config.hopper_filter_dy_a),
-               (shares, len(units), groups), 2 * hopper.WARPGROUP, stream,
-               (part, dy_rows, x_rows, t["units"], t["blk_c0"], t["blk_k0"], t["hg_filter_grad"], self._C, self._K,
-                tiles, shares, self.f_size))
+        kernel = cached(hopper.make_filter_grad, op_x.dtype, G, TRS, hopper.patch_positions(hg), TW,
+                        self.config.hopper_filter_overlap, self.config.hopper_filter_dy_a)
+        args = [None, dy_rows, x_rows, t["units"], t["blk_c0"], t["blk_k0"], t["hg_filter_grad"], self._C, self._K,
+                tiles, 1, self.f_size]
+        resident = self._resident.get((kernel, active()))
+        if resident is None:  # (the thread blocks a multiprocessor holds: once a device, a placeholder part)
+            args[0] = op_x.scratch((1,), np.float32, stream)
+            resident = self._resident[(kernel, active())] = resident_blocks(kernel, 2 * hopper.WARPGROUP, args)
+        shares = hopper.filter_shares(tiles, len(units) * groups, resident * multiprocessors())
+        part = args[0] = op_x.scratch((shares * self.f_size,), np.float32, stream)
+        args[-2] = shares
+        launch(kernel, (shares, len(units), groups), 2 * hopper.WARPGROUP, stream, tuple(args))
         self._add_parts(out, part, shares, op_x.dtype, stream)
 
     def _add_parts(self, out, part, parts, dtype, stream):

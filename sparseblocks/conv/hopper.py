@@ -345,7 +345,7 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, b
 FILTER_M = 64  # a filter-gradient unit's input channels: wgmma's m (64 / G blocks of one output group)
 FILTER_ACC = 96  # accumulators a thread of the filter gradient holds at most (its taps' 64 x G tiles)
 FILTER_COLS = 16  # a filter-gradient tile's output columns (8 rows of them: 128 positions, k of 8 k16 steps)
-FILTER_WAVES = 2  # the filter gradient's thread blocks: enough to fill the multiprocessors this many times
+FILTER_WAVES = 2  # the filter gradient's thread blocks: at least enough to fill the multiprocessors this many times
 
 
 def filter_taps(TRS, G, taps=0):
@@ -365,6 +365,21 @@ def filter_stage_bytes(hg, G, dy_a=False):
     input group and the dy of the unit's output groups)."""
     patch, dy = (G // 8, FILTER_M // 8) if dy_a else (FILTER_M // 8, G // 8)
     return patch * patch_positions(hg) * CHUNK + dy * TILE_ROWS * FILTER_COLS * CHUNK
+
+
+def filter_shares(tiles, work, slots):
+    """Shares of the tiles each of the filter gradient's ``work`` units and tap groups split into
+    thread blocks, all alike, where the GPU holds ``slots`` of them at once: at least enough for
+    `FILTER_WAVES` waves (at most ``tiles``), and of up to twice that many the count whose last
+    wave is fullest, the time a tile's worth waves / shares least (the fewest among equals).
+    45 of them 6 shares each on 132 slots run three waves, the last of 6 thread blocks; 11 shares
+    run four, the last three quarters full, each share's tiles in 27 % less time."""
+    low = max(1, min(tiles, -(-FILTER_WAVES * slots // work)))
+    best = low
+    for shares in range(low + 1, min(tiles, 2 * low) + 1):
+        if -(-work * shares // slots) * best < -(-work * best // slots) * shares:
+            best = shares
+    return best
 
 
 def filter_stages(overlap):

@@ -158,12 +158,13 @@ def _parameter_buffer(size):
 class _Kernel:
     """A compiled kernel and its parameter buffer: one 8-byte slot per field."""
 
-    __slots__ = ("function", "core_kernel", "packer", "buffer", "slots", "shared")
+    __slots__ = ("function", "handle", "core_kernel", "packer", "buffer", "slots", "shared", "resident")
 
     def __init__(self, cufunc, values, shared=0):
         self.core_kernel = cufunc.kernel
         self.function = None
         self.shared = shared
+        self.resident = {}  # (thread blocks a multiprocessor holds, by block size)
         self.packer = struct.Struct(_format(values))
         self.buffer, self.slots = _parameter_buffer(self.packer.size)
         from cuda.bindings import driver
@@ -174,6 +175,7 @@ class _Kernel:
         else:  # a library's CUkernel: its function in the current context
             error, function = driver.cuKernelGetFunction(handle)
             function = function if int(error) == 0 else None
+        self.handle = function
         if shared:  # (static and dynamic past 48 KB together need it: raised for any dynamic size)
             attribute = driver.CUfunction_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
             if function is not None:
@@ -279,6 +281,41 @@ def _check_shared(dispatcher, shared):
                            f"over the device's {limit} a thread block")
 
 
+def _compile(dispatcher, key, args, values, shared):
+    """The kernel `launch` keeps for ``key``, compiled for ``args`` (made before the first launch:
+    it raises the function's shared-memory limit)."""
+    _check_shared(dispatcher, shared)
+    # (torch refuses __cuda_array_interface__ on tensors that require grad: ``args`` detached)
+    compiled = dispatcher.compile(tuple(dispatcher.typeof_pyval(arg) for arg in args))
+    kernel = _compiled[key] = _Kernel(compiled._codelibrary.get_cufunc(), values, shared)
+    return kernel
+
+
+def resident_blocks(dispatcher, block, args):
+    """Thread blocks of ``block`` threads of this kernel, compiled for ``args`` as `launch` takes
+    them, that a multiprocessor holds at once with its dynamic shared memory (the driver's
+    occupancy; compiled here where not yet); 1 in the simulator, or where the driver cannot say."""
+    if SIMULATOR:
+        return 1
+    shared = _dynamic_shared.get(dispatcher, 0)
+    key, values = _fields(args)
+    key = (dispatcher, key, active())
+    kernel = _compiled.get(key)
+    if kernel is None:
+        kernel = _compile(dispatcher, key, [arg.detach() if hasattr(arg, "detach") else arg for arg in args],
+                          values, shared)
+    count = kernel.resident.get(block)
+    if count is None:
+        count = 1
+        if kernel.handle is not None:
+            from cuda.bindings import driver
+
+            error, blocks = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel.handle, block, shared)
+            count = max(1, int(blocks)) if int(error) == 0 else 1
+        kernel.resident[block] = count
+    return count
+
+
 def launch(dispatcher, grid, block, stream, args):
     """``dispatcher[grid, block, stream](*args)``, through the dispatcher only the first time.
 
@@ -298,12 +335,8 @@ def launch(dispatcher, grid, block, stream, args):
     key = (dispatcher, key, active())  # (a compiled function is loaded into each device's context)
     kernel = _compiled.get(key)
     if kernel is None:
-        _check_shared(dispatcher, shared)
-        # torch refuses __cuda_array_interface__ on tensors that require grad.
         args = [arg.detach() if hasattr(arg, "detach") else arg for arg in args]
-        compiled = dispatcher.compile(tuple(dispatcher.typeof_pyval(arg) for arg in args))
-        # (made before the first launch: it raises the function's shared-memory limit)
-        _compiled[key] = _Kernel(compiled._codelibrary.get_cufunc(), values, shared)
+        _compile(dispatcher, key, args, values, shared)
         dispatcher[grid, block, stream, shared](*args)
         return
     if kernel.function is not None:

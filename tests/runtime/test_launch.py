@@ -170,3 +170,16 @@ def test_dynamic_shared_memory_past_the_device_limit_is_refused():
     kernel = _launch.dynamic_shared(cuda.jit(_static_and_dynamic.py_func), _launch.shared_memory_limit() + 16)
     with pytest.raises(RuntimeError, match="bytes of dynamic shared memory, over the device's"):
         _launch.launch(kernel, 1, 128, 0, (cuda.device_array(128, np.float32),))
+
+
+def test_resident_blocks_counts_what_shares_a_multiprocessor_and_the_kernel_then_launches():
+    """`resident_blocks`: 1 in the simulator; on a GPU the driver's count, at most 2048 threads'
+    worth and fewer where each block holds 56 KB of shared memory (four fit in sm_90's 228 KB).
+    The kernel it compiled is the one `launch` then takes, its limit raised before the first launch."""
+    kernel = _launch.dynamic_shared(cuda.jit(_static_and_dynamic.py_func), 4096 * 4)
+    out = cuda.device_array(128, np.float32)
+    count = _launch.resident_blocks(kernel, 128, (out,))
+    assert count == 1 if SIMULATOR else 1 <= count <= 4
+    assert _launch.resident_blocks(kernel, 128, (out,)) == count
+    _launch.launch(kernel, 1, 128, 0, (out,))
+    np.testing.assert_array_equal(host(out), 3 * np.arange(128))
