@@ -11,7 +11,8 @@ from ..runtime.compile import cached
 from ..runtime.devices import active, on_arrays_device
 from ..bsmm.dispatch import words
 from ..ptx.vector import aligned
-from ..runtime.launch import compute_capability, data_pointer, launch, multiprocessors, resident_blocks
+from ..runtime.launch import (compute_capability, data_pointer, fullest_waves, launch, multiprocessors,
+                              resident_blocks)
 from .config import ConvConfig, as_config
 from .geometry import edge_map, geometry
 from .simple import make_edge_bias_grad, make_filter_grad, make_forward, make_input_grad, make_l2_normalize
@@ -142,7 +143,7 @@ class BlocksparseConv:
         ks_off, ks_flat = _offsets([ks for _, ks in blocks])
         k_ptr, k_blk, k_pos = _csr([ks for _, ks in blocks], self._K)
         c_ptr, c_blk, c_pos = _csr([cs for cs, _ in blocks], self._C)
-        self._resident: dict = {}  # (the filter gradient's thread blocks a multiprocessor holds, by kernel and device)
+        self._resident_blocks: dict = {}  # (`_resident`'s counts, by kernel, block size and device)
         self._host = dict(f_off=self._f_off, cs=cs_flat, cs_off=cs_off, ks=ks_flat, ks_off=ks_off, k_ptr=k_ptr,
                           k_blk=k_blk, k_pos=k_pos, c_ptr=c_ptr, c_blk=c_blk, c_pos=c_pos, edge=edge,
                           geo=np.array(g["DHW"] + g["MPQ"] + g["TRS"] + g["strides"] + g["padding"] + g["dilates"],
@@ -333,22 +334,39 @@ class BlocksparseConv:
             blocks = hopper.forward_blocks(hg, G, stages, self.config.hopper_blocks, keep)
             kernel = cached(hopper.make_forward, op_x.dtype, G, TRS, hopper.patch_positions(hg), last, wgs, keep,
                             bool(has_bias), stages, blocks, self.config.hopper_rows)
-            # (kept filters: one wave of thread blocks, each walking its share of the tiles)
-            workers = max(1, min(tiles, -(-2 * multiprocessors() // (out_rows // G)))) if keep else tiles
-            launch(kernel, (workers, out_rows // G), hopper.WARPGROUP * wgs, stream,
-                   (out.reshape(-1), rows, self._packed(op_f, kind != "forward", stream, 16), t[ptr], t[blk],
-                    t[first], t["hg_" + kind], out_rows, in_rows, bias, t["edge"], has_bias, tiles, workers))
+            args = [out.reshape(-1), rows, self._packed(op_f, kind != "forward", stream, 16), t[ptr], t[blk],
+                    t[first], t["hg_" + kind], out_rows, in_rows, bias, t["edge"], has_bias, tiles, 1]
+            if keep:  # (kept filters: thread blocks each walking its share of the tiles, a wave where it pays)
+                args[-1] = self._workers(kernel, hopper.WARPGROUP * wgs, args, tiles, out_rows // G)
+            else:
+                args[-1] = tiles
+            launch(kernel, (args[-1], out_rows // G), hopper.WARPGROUP * wgs, stream, tuple(args))
             return
         row_bytes = self._row_bytes(kind, op_x.dtype)
         packed = self._packed(op_f, kind != "forward", stream, row_bytes)
         tiles = N * int(ig[3] * ig[21] * ig[22])
-        # (one wave of thread blocks, each walking its share of the tiles)
-        resident = max(1, implicit.SHARED_MAX // implicit.forward_shared(G, TRS, cap, row_bytes))
-        workers = max(1, min(tiles, -(-resident * multiprocessors() // (out_rows // G))))
-        launch(cached(implicit.make_forward, op_x.dtype, G, QT, cap, TRS, last, row_bytes, bool(has_bias)),
-               (workers, out_rows // G), implicit.THREADS, stream,
-               (out.reshape(-1), rows, packed, t[ptr], t[blk], t[first], t["ig_" + kind], N, out_rows, in_rows,
-                bias, t["edge"], has_bias, tiles, workers))
+        # (thread blocks each walking its share of the tiles, a wave where it pays)
+        kernel = cached(implicit.make_forward, op_x.dtype, G, QT, cap, TRS, last, row_bytes, bool(has_bias))
+        args = [out.reshape(-1), rows, packed, t[ptr], t[blk], t[first], t["ig_" + kind], N, out_rows, in_rows,
+                bias, t["edge"], has_bias, tiles, 1]
+        args[-1] = self._workers(kernel, implicit.THREADS, args, tiles, out_rows // G)
+        launch(kernel, (args[-1], out_rows // G), implicit.THREADS, stream, tuple(args))
+
+    def _resident(self, kernel, threads, args):
+        """Thread blocks of ``kernel`` a multiprocessor holds (`runtime.launch.resident_blocks`,
+        asked once a kernel and device; ``args`` as launched, any counts among them)."""
+        key = (kernel, threads, active())
+        count = self._resident_blocks.get(key)
+        if count is None:
+            count = self._resident_blocks[key] = resident_blocks(kernel, threads, args)
+        return count
+
+    def _workers(self, kernel, threads, args, tiles, groups):
+        """Thread blocks a group of a kernel whose thread blocks walk shares of the ``tiles``: as many
+        as fill the multiprocessors once, or where ``groups`` leave the wave's end ragged the count
+        whose last wave is fullest (`runtime.launch.fullest_waves`), at most ``tiles``."""
+        slots = self._resident(kernel, threads, args) * multiprocessors()
+        return fullest_waves(groups, slots, min(tiles, max(1, slots // groups)), min(tiles, -(-slots // groups)))
 
     def _most(self, kind):
         """The most blocks any output group of ``kind``'s product holds."""
@@ -358,11 +376,12 @@ class BlocksparseConv:
     def _hopper_keep(self, kind, hg, G):
         """The filter blocks the wgmma kernel keeps in shared memory (`hopper.make_forward`'s
         ``keep``): the most of any output group, where ``ConvConfig.hopper_keep`` and shared memory
-        allow; else 0 (a stage a block's patch and filter)."""
-        most = self._most(kind)
-        if not self.config.hopper_keep or most == 0:
+        allow ("auto": where it costs no resident thread block, `hopper.keep_pays`); else 0 (a
+        stage a block's patch and filter)."""
+        most, stages, mode = self._most(kind), self.config.hopper_stages, self.config.hopper_keep
+        if mode == "never" or most == 0 or not hopper.kept_fits(hg, G, most, stages):
             return 0
-        return most if hopper.kept_fits(hg, G, most, self.config.hopper_stages) else 0
+        return most if mode == "always" or hopper.keep_pays(hg, G, most, stages) else 0
 
     def _implicit_filter_grad(self, out, op_dy, op_x, N, stream, last=False):
         """`implicit.make_filter_grad`'s partial sums over shares of the positions, then their sum
@@ -405,10 +424,9 @@ class BlocksparseConv:
                         self.config.hopper_filter_overlap, self.config.hopper_filter_dy_a)
         args = [None, dy_rows, x_rows, t["units"], t["blk_c0"], t["blk_k0"], t["hg_filter_grad"], self._C, self._K,
                 tiles, 1, self.f_size]
-        resident = self._resident.get((kernel, active()))
-        if resident is None:  # (the thread blocks a multiprocessor holds: once a device, a placeholder part)
+        if (kernel, 2 * hopper.WARPGROUP, active()) not in self._resident_blocks:  # (a placeholder part)
             args[0] = op_x.scratch((1,), np.float32, stream)
-            resident = self._resident[(kernel, active())] = resident_blocks(kernel, 2 * hopper.WARPGROUP, args)
+        resident = self._resident(kernel, 2 * hopper.WARPGROUP, args)
         shares = hopper.filter_shares(tiles, len(units) * groups, resident * multiprocessors())
         part = args[0] = op_x.scratch((shares * self.f_size,), np.float32, stream)
         args[-2] = shares

@@ -26,7 +26,10 @@ class ConvConfig:
     # the patch in wgmma's no-swizzle layout, a tap a descriptor) where their ring fits
     hopper: bool = True
     hopper_groups: int = 2  # ... warpgroups a tile of 8 output rows, each 8 columns (1 or 2)
-    hopper_keep: bool = False  # ... a group's filter blocks kept in shared memory over many tiles, where they fit
+    # ... a group's filter blocks kept in shared memory over many tiles: "auto" where they fit and let
+    # as many thread blocks share a multiprocessor as the ring without them (`hopper.keep_pays`),
+    # "always" wherever they fit, "never"
+    hopper_keep: str = "auto"
     # ... the ring's stages (2-4; fewer where a layer's output groups hold fewer blocks, `hopper.forward_stages`)
     hopper_stages: int = 3
     # ... thread blocks a multiprocessor its registers are capped for, or as many as their rings
@@ -47,6 +50,8 @@ class ConvConfig:
     def check(self):
         if self.threads % 32 or not 32 <= self.threads <= 1024:
             raise ValueError(f"threads: expected a multiple of 32 from 32 to 1024, got {self.threads}")
+        if self.hopper_keep not in ("auto", "always", "never"):
+            raise ValueError(f"hopper_keep: expected 'auto', 'always' or 'never', got {self.hopper_keep!r}")
         if self.hopper_groups not in (1, 2):
             raise ValueError(f"hopper_groups: expected 1 or 2, got {self.hopper_groups}")
         if not 1 <= self.fp32_filter_taps <= 9:

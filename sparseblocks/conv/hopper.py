@@ -40,7 +40,7 @@ from ..ptx.wgmma import WARPGROUP, descriptor, fence, make_mma, make_mma_rs, mak
 from ..ptx.wgmma import commit as wg_commit
 from ..ptx.wgmma import waiter as wg_waiter
 from ..runtime.compile import bounded, divmod32, inlined, unrolled
-from ..runtime.launch import dynamic_shared
+from ..runtime.launch import dynamic_shared, fullest_waves
 from .implicit import make_tiles
 
 TILE_ROWS = TILE_COLS = 8  # a tile's output rows and columns: 64 positions, wgmma's m
@@ -86,6 +86,16 @@ def ring_bytes(hg, G, stages, keep=0):
 def kept_fits(hg, G, blocks, stages=STAGES):
     """Whether a ring of patch-only stages and ``blocks`` kept filter blocks fit in shared memory."""
     return ring_bytes(hg, G, stages, blocks) <= 200 * 1024
+
+
+def keep_pays(hg, G, most, stages=STAGES):
+    """Whether keeping an output group's ``most`` filter blocks lets at least as many thread blocks
+    share a multiprocessor's shared memory as the ring of patches and filters (`forward_stages`)
+    does: kept, a filter is read once a thread block, but a kept ring that costs a resident
+    thread block costs more (fp16, 32 x 56², G = 32: one block a group 1.27x, most 4 of 8 at
+    25 % 1.05x, most 6 at 50 %, a thread block fewer, 0.76x)."""
+    kept = SM_SHARED // (ring_bytes(hg, G, stages, most) + 1024)
+    return kept >= SM_SHARED // (ring_bytes(hg, G, forward_stages(most, stages)) + 1024)
 
 
 def patch_positions(hg):
@@ -371,15 +381,9 @@ def filter_shares(tiles, work, slots):
     """Shares of the tiles each of the filter gradient's ``work`` units and tap groups split into
     thread blocks, all alike, where the GPU holds ``slots`` of them at once: at least enough for
     `FILTER_WAVES` waves (at most ``tiles``), and of up to twice that many the count whose last
-    wave is fullest, the time a tile's worth waves / shares least (the fewest among equals).
-    45 of them 6 shares each on 132 slots run three waves, the last of 6 thread blocks; 11 shares
-    run four, the last three quarters full, each share's tiles in 27 % less time."""
+    wave is fullest (`runtime.launch.fullest_waves`)."""
     low = max(1, min(tiles, -(-FILTER_WAVES * slots // work)))
-    best = low
-    for shares in range(low + 1, min(tiles, 2 * low) + 1):
-        if -(-work * shares // slots) * best < -(-work * best // slots) * shares:
-            best = shares
-    return best
+    return fullest_waves(work, slots, low, min(tiles, 2 * low))
 
 
 def filter_stages(overlap):

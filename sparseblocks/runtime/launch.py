@@ -76,6 +76,7 @@ def multiprocessors():
 
 
 _shared_limit = {}
+SM_90_SHARED = 228 * 1024  # shared memory of an sm_90 multiprocessor, its thread blocks' together
 
 
 def shared_memory_limit():
@@ -294,10 +295,12 @@ def _compile(dispatcher, key, args, values, shared):
 def resident_blocks(dispatcher, block, args):
     """Thread blocks of ``block`` threads of this kernel, compiled for ``args`` as `launch` takes
     them, that a multiprocessor holds at once with its dynamic shared memory (the driver's
-    occupancy; compiled here where not yet); 1 in the simulator, or where the driver cannot say."""
-    if SIMULATOR:
-        return 1
+    occupancy; compiled here where not yet), 1 where the driver cannot say. In the simulator what
+    threads and dynamic shared memory allow on sm_90 (2,048 threads, 32 blocks, 228 KB, 1 KB
+    reserved a block), so that its tests split work as the H100 does."""
     shared = _dynamic_shared.get(dispatcher, 0)
+    if SIMULATOR:
+        return max(1, min(2048 // block, 32, SM_90_SHARED // (shared + 1024)))
     key, values = _fields(args)
     key = (dispatcher, key, active())
     kernel = _compiled.get(key)
@@ -314,6 +317,20 @@ def resident_blocks(dispatcher, block, args):
             count = max(1, int(blocks)) if int(error) == 0 else 1
         kernel.resident[block] = count
     return count
+
+
+def fullest_waves(work, slots, low, high):
+    """Of ``low`` to ``high`` shares (at least 1), the count for ``work`` rows of alike thread
+    blocks, each row split into that many shares, whose waves on ``slots`` thread blocks at once
+    take the least time for a row's worth: waves / shares least, the fewest among equals. 45
+    rows of 6 shares on 132 slots run three waves, the last of 6 thread blocks; 11 shares run
+    four, the last three quarters full (a share's time 27 % less)."""
+    low = max(1, low)
+    best = low
+    for shares in range(low + 1, max(low, high) + 1):
+        if -(-work * shares // slots) * best < -(-work * best // slots) * shares:
+            best = shares
+    return best
 
 
 def launch(dispatcher, grid, block, stream, args):

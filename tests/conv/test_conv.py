@@ -87,7 +87,8 @@ def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, pad
         BCK = [(list(range(c * G, c * G + G)), list(range(c * G, c * G + G))) for c in range(groups)]
     op = BlocksparseConv(BCK, TRS, DHW, strides=strides, dilates=dilates, padding=padding, edge_bias=bias,
                          config=ConvConfig(implicit=implicit, stage_bytes=stage_bytes, hopper=hopper,
-                                           hopper_groups=hopper_groups, hopper_keep=hopper_keep,
+                                           hopper_groups=hopper_groups,
+                                           hopper_keep={True: "always", False: "never"}.get(hopper_keep, hopper_keep),
                                            hopper_filter_grad=hopper_filter_grad,
                                            hopper_filter_taps=hopper_filter_taps,
                                            hopper_filter_overlap=hopper_filter_overlap,
@@ -228,6 +229,26 @@ def test_hopper_filter_shares_fill_the_last_wave():
         assert low <= shares <= min(tiles, 2 * low)
         cost = [-(-work * s // slots) / s for s in range(low, min(tiles, 2 * low) + 1)]
         assert -(-work * shares // slots) / shares == min(cost)
+
+
+def test_hopper_keeps_filters_only_where_no_thread_block_is_lost():
+    """`hopper.keep_pays` (``hopper_keep="auto"``): on 32 x 56² at G = 32 a ring of three patches
+    and k kept filters lets 4, 3, 2, 2, 1 thread blocks share a multiprocessor for k = 1-5; without
+    them, 3 (one block a group: two stages) or 2. The op keeps them where that holds, "always"
+    wherever they fit, "never" not; anything else is refused."""
+    from sparseblocks.conv import ConvConfig, hopper
+
+    wide = hopper.geometry([32, 56, 56, 1, 56, 56, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1], 2)
+    assert [hopper.keep_pays(wide, 32, most) for most in (1, 2, 3, 4, 5, 6)] == [True, True, True, True, False, False]
+    group = lambda g: list(range(g * 32, g * 32 + 32))
+    diagonal = [(group(c), group(c)) for c in range(4)]
+    full = lambda groups: [(group(c), group(k)) for c in range(groups) for k in range(groups)]  # (most: groups)
+    for BCK, auto, always in ((diagonal, 1, 1), (full(4), 4, 4), (full(6), 0, 6)):
+        for mode, want in (("auto", auto), ("always", always), ("never", 0)):
+            op = BlocksparseConv(BCK, (3, 3), (56, 56), padding="SAME", config=ConvConfig(hopper_keep=mode))
+            assert op._hopper_keep("forward", op._host["hg_forward"], 32) == want, (mode, want)
+    with pytest.raises(ValueError, match="hopper_keep"):
+        ConvConfig(hopper_keep=True)
 
 
 def test_hopper_forward_caps_registers_only_for_thread_blocks_whose_rings_fit():

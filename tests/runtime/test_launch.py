@@ -173,13 +173,27 @@ def test_dynamic_shared_memory_past_the_device_limit_is_refused():
 
 
 def test_resident_blocks_counts_what_shares_a_multiprocessor_and_the_kernel_then_launches():
-    """`resident_blocks`: 1 in the simulator; on a GPU the driver's count, at most 2048 threads'
-    worth and fewer where each block holds 56 KB of shared memory (four fit in sm_90's 228 KB).
-    The kernel it compiled is the one `launch` then takes, its limit raised before the first launch."""
+    """`resident_blocks`: on a GPU the driver's count, fewer where each block holds 56 KB of shared
+    memory (four fit in sm_90's 228 KB); in the simulator sm_90's count from threads and dynamic
+    shared memory only (16 KB and 1 KB reserved: 13). The kernel it compiled is the one `launch`
+    then takes, its limit raised before the first launch."""
     kernel = _launch.dynamic_shared(cuda.jit(_static_and_dynamic.py_func), 4096 * 4)
     out = cuda.device_array(128, np.float32)
     count = _launch.resident_blocks(kernel, 128, (out,))
-    assert count == 1 if SIMULATOR else 1 <= count <= 4
+    assert count == 13 if SIMULATOR else 1 <= count <= 4
     assert _launch.resident_blocks(kernel, 128, (out,)) == count
     _launch.launch(kernel, 1, 128, 0, (out,))
     np.testing.assert_array_equal(host(out), 3 * np.arange(128))
+
+
+def test_fullest_waves_weighs_the_last_wave():
+    """`fullest_waves`: of ``low`` to ``high`` shares, the least waves / shares (the fewest among
+    equals); 45 rows on 132 slots: 6 shares run three waves, the last of 6 blocks, 11 four."""
+    assert _launch.fullest_waves(45, 132, 6, 12) == 11
+    assert _launch.fullest_waves(66, 132, 2, 4) == 2 and _launch.fullest_waves(8, 396, 49, 50) == 49
+    assert _launch.fullest_waves(5, 264, 52, 53) == 52  # (53: 265 blocks, one in a second wave)
+    assert _launch.fullest_waves(7, 132, 0, 0) == 1
+    for work, slots, low, high in ((45, 132, 6, 12), (13, 264, 20, 41), (100, 132, 1, 2)):
+        best = _launch.fullest_waves(work, slots, low, high)
+        cost = [-(-work * s // slots) / s for s in range(low, high + 1)]
+        assert -(-work * best // slots) / best == min(cost) and low <= best <= high
