@@ -35,6 +35,7 @@ from ..bsmm.device import converters
 from ..bsmm.hopper_shapes import SM_SHARED
 from ..ptx.cp_async import commit, copy16_or_zero, copy16_to, make_ring, shared_address, signed_address
 from ..ptx.half2 import stored_as
+from ..ptx.vector import store2
 from ..ptx.ldmatrix import ldmatrix_x4_trans_at
 from ..ptx.wgmma import WARPGROUP, descriptor, fence, make_mma, make_mma_rs, make_settle, proxy_fence
 from ..ptx.wgmma import commit as wg_commit
@@ -170,7 +171,8 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, b
     stage only a patch (a tile's blocks in turn): the filters' bytes are read once a thread
     block instead of once a tile.
 
-    The epilogue stores each value from its register. Without ``biased`` (a call with no edge
+    The epilogue stores each value from its register (channels-last, a lane's two neighbouring
+    channels by one 32-bit store). Without ``biased`` (a call with no edge
     bias) it has no bias code. ``stages``: the ring's (`forward_stages`); ``blocks`` (`ConvConfig.
     hopper_blocks`): thread blocks a multiprocessor its registers are capped for (0: no cap).
     ``rows`` (`ConvConfig.hopper_rows`): 8 x 8 tiles a warpgroup down the output rows, each its
@@ -277,16 +279,27 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, b
                 o_of[h] = (m * P + p) * Q + q
                 if biased and has_bias:
                     b_of[h] = edge[o_of[h]]
-        for i in range(ACC):
-            j, h, e = i // 4, (i // 2) % 2, i % 2
-            k = k0 + 8 * j + 2 * (lane % 4) + e
-            o = o_of[h]
-            if o >= 0:
-                value = acc[i]
-                if biased and b_of[h] >= 0:
-                    value += widen(bias[k, b_of[h]])
-                at = (int64(n) * MPQ + o) * OUT_ROWS + k if rows_out else (int64(n) * OUT_ROWS + k) * MPQ + o
-                out[uint64(at)] = narrow(value)
+        if rows_out:  # (a lane's two channels are neighbours: one 32-bit store, K and k even)
+            for i in range(ACC // 2):
+                j, h = i // 2, i % 2
+                k = k0 + 8 * j + 2 * (lane % 4)
+                o = o_of[h]
+                if o >= 0:
+                    v0, v1 = acc[2 * i], acc[2 * i + 1]
+                    if biased and b_of[h] >= 0:
+                        v0 += widen(bias[k, b_of[h]])
+                        v1 += widen(bias[k + 1, b_of[h]])
+                    store2(out, (uint64((int64(n) * MPQ + o) * OUT_ROWS + k),), (narrow(v0), narrow(v1)))
+        else:
+            for i in range(ACC):
+                j, h, e = i // 4, (i // 2) % 2, i % 2
+                k = k0 + 8 * j + 2 * (lane % 4) + e
+                o = o_of[h]
+                if o >= 0:
+                    value = acc[i]
+                    if biased and b_of[h] >= 0:
+                        value += widen(bias[k, b_of[h]])
+                    out[uint64((int64(n) * OUT_ROWS + k) * MPQ + o)] = narrow(value)
 
     @inlined
     def tap_shifts(shifts, hg):
