@@ -450,7 +450,7 @@ def check_conv():
     """The convolution's wgmma kernels for sm_90a (fp16 and bf16, channel groups of 16, 32 and 64,
     3x3 taps, 8 x 16 positions a tile, or 16 x 16 with two tiles a warpgroup): the forward (two
     warpgroups) and the filter gradient (also with dy as A from registers,
-    `ConvConfig.hopper_filter_dy_a`)."""
+    `ConvConfig.hopper_filter_dy_a`, channels-last or as the caller's channels-first array)."""
     from sparseblocks.conv import hopper
 
     index, results = types.int32[::1], []
@@ -471,11 +471,13 @@ def check_conv():
                                  (value[::1],) * 3 + (index,) * 4 + (i64,) * 2
                                  + (value[:, ::1], index, types.boolean, i64, i64), cc=(9, 0, "a"),
                                  launch_bounds=(256, blocks) if blocks else None))
-        for TW, overlap, dy_a in ((hopper.filter_taps(9, G), False, False), (hopper.filter_taps(9, G), True, False),
-                                  (2, False, False), (hopper.filter_taps(9, G), True, True)):
-            grad = hopper.make_filter_grad(storage, G, 9, positions, TW, overlap, dy_a)
+        taps = hopper.filter_taps(9, G)
+        for TW, overlap, dy_a, first in ((taps, False, False, False), (taps, True, False, False),
+                                         (2, False, False, False), (taps, True, True, False), (taps, True, True, True)):
+            grad = hopper.make_filter_grad(storage, G, 9, positions, TW, overlap, dy_a, first)
             results.append(check(f"conv wgmma filter gradient {storage} G={G} 3x3 ({TW} taps a warpgroup"
-                                 f"{', overlapped' if overlap else ''}{', dy as A' if dy_a else ''})", grad.py_func,
+                                 f"{', overlapped' if overlap else ''}{', dy as A' if dy_a else ''}"
+                                 f"{', channels-first' if first else ''})", grad.py_func,
                                  (types.float32[::1], value[::1], value[::1], types.int32[:, ::1]) + (index,) * 3
                                  + (i64,) * 5, cc=(9, 0, "a"),
                                  detail=lambda ptx: f"  {ptx.count('wgmma.mma_async')} wgmma"))

@@ -392,11 +392,16 @@ class BlocksparseConv:
         G, TRS = self._group, int(np.prod(self._g["TRS"]))
         DHW, MPQ = int(ig[0] * ig[1] * ig[2]), int(ig[3] * ig[4] * ig[5])
         x_rows = op_x.device(stream).reshape(-1) if last else self._rows(op_x, self._C, DHW, N, stream)
-        dy_rows = op_dy.device(stream).reshape(-1) if last else self._rows(op_dy, self._K, MPQ, N, stream)
         if (self.config.hopper_filter_grad and "hg_filter_grad" in self._host
                 and op_x.dtype in ("float16", "bfloat16") and compute_capability() == (9, 0)):
-            self._hopper_filter_grad(out, dy_rows, x_rows, op_x, N, stream)
+            # (dy as A reads a channels-first dy as it lies where its output rows are whole 16-byte runs)
+            dy_first = (not last and self.config.hopper_filter_dy_a
+                        and hopper.dy_first_fits(self._host["hg_filter_grad"], data_pointer(op_dy.device(stream))))
+            dy = (op_dy.device(stream).reshape(-1) if last or dy_first
+                  else self._rows(op_dy, self._K, MPQ, N, stream))
+            self._hopper_filter_grad(out, dy, x_rows, op_x, N, stream, dy_first)
             return
+        dy_rows = op_dy.device(stream).reshape(-1) if last else self._rows(op_dy, self._K, MPQ, N, stream)
         taps = min(TRS, implicit.max_taps(op_x.dtype, G, self.config.fp32_filter_taps))
         groups = -(-TRS // taps)
         cc, ws = implicit.filter_split(G)
@@ -411,9 +416,10 @@ class BlocksparseConv:
                 shares, self.f_size))
         self._add_parts(out, part, shares * ws, op_x.dtype, stream)
 
-    def _hopper_filter_grad(self, out, dy_rows, x_rows, op_x, N, stream):
+    def _hopper_filter_grad(self, out, dy_rows, x_rows, op_x, N, stream, dy_first=False):
         """`hopper.make_filter_grad`'s partial sums over shares of the tiles (thread blocks for full
-        waves on the multiprocessors, `hopper.filter_shares`), then their sum into ``out``."""
+        waves on the multiprocessors, `hopper.filter_shares`), then their sum into ``out``; with
+        ``dy_first``, ``dy_rows`` is the caller's channels-first dy."""
         t = self._table(stream)
         hg, units = self._host["hg_filter_grad"], self._host["units"]
         G, TRS = self._group, int(np.prod(self._g["TRS"]))
@@ -421,7 +427,7 @@ class BlocksparseConv:
         groups = -(-TRS // (2 * TW))
         tiles = N * int(hg[3] * hg[21] * hg[22])
         kernel = cached(hopper.make_filter_grad, op_x.dtype, G, TRS, hopper.patch_positions(hg), TW,
-                        self.config.hopper_filter_overlap, self.config.hopper_filter_dy_a)
+                        self.config.hopper_filter_overlap, self.config.hopper_filter_dy_a, dy_first)
         args = [None, dy_rows, x_rows, t["units"], t["blk_c0"], t["blk_k0"], t["hg_filter_grad"], self._C, self._K,
                 tiles, 1, self.f_size]
         if (kernel, 2 * hopper.WARPGROUP, active()) not in self._resident_blocks:  # (a placeholder part)

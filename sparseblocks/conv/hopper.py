@@ -36,7 +36,7 @@ from ..bsmm.hopper_shapes import SM_SHARED
 from ..ptx.cp_async import commit, copy16_or_zero, copy16_to, make_ring, shared_address, signed_address
 from ..ptx.half2 import stored_as
 from ..ptx.vector import store2
-from ..ptx.ldmatrix import ldmatrix_x4_trans_at
+from ..ptx.ldmatrix import ldmatrix_x4_at, ldmatrix_x4_trans_at
 from ..ptx.wgmma import WARPGROUP, descriptor, fence, make_mma, make_mma_rs, make_settle, proxy_fence
 from ..ptx.wgmma import commit as wg_commit
 from ..ptx.wgmma import waiter as wg_waiter
@@ -390,6 +390,12 @@ def filter_stage_bytes(hg, G, dy_a=False):
     return patch * patch_positions(hg) * CHUNK + dy * TILE_ROWS * FILTER_COLS * CHUNK
 
 
+def dy_first_fits(geo, dy_pointer):
+    """Whether the filter gradient with dy as A may read a channels-first dy as it lies (`make_filter_grad`'s
+    ``dy_first``): output rows of whole runs of 8 positions (16 bytes) from a 16-byte aligned start."""
+    return int(geo[5]) % 8 == 0 and dy_pointer % 16 == 0
+
+
 def filter_shares(tiles, work, slots):
     """Shares of the tiles each of the filter gradient's ``work`` units and tap groups split into
     thread blocks, all alike, where the GPU holds ``slots`` of them at once: at least enough for
@@ -426,7 +432,7 @@ def filter_units(blocks, G, dy_a=False):
     return np.array(units or [[-1] * per], np.int32).reshape(-1, per)
 
 
-def make_filter_grad(storage, G, TRS, positions, TW, overlap=False, dy_a=False):
+def make_filter_grad(storage, G, TRS, positions, TW, overlap=False, dy_a=False, dy_first=False):
     """The filter gradient's partial sums on wgmma, for channel groups of G, TRS taps, patches of
     ``positions`` positions and ``TW`` taps a warpgroup (`filter_taps`).
 
@@ -454,7 +460,12 @@ def make_filter_grad(storage, G, TRS, positions, TW, overlap=False, dy_a=False):
     reads its 16 rows of A (dy, 16 positions of the k16 step) into registers by one
     ``ldmatrix.trans`` a step, and every tap's wgmma takes them (`ptx.wgmma.make_mma_rs`), its B
     the patch shifted by the tap (n = G, the same descriptor the patch has as A otherwise): a
-    tap's wgmma reads G x 16 values of shared memory instead of (64 + G) x 16."""
+    tap's wgmma reads G x 16 values of shared memory instead of (64 + G) x 16.
+
+    With ``dy_first`` too (`dy_first_fits`: output rows of whole 16-byte runs), dy is read as the
+    caller's channels-first array, not a channels-last copy: a copy is 8 positions of an output
+    row of one channel (a thread pair a row's 16, 32 bytes), staged k-major (8 positions of the 64
+    channels after another 8), A's rows as `ldmatrix` reads them untransposed."""
     THREADS = 2 * WARPGROUP
     CK = G // 8  # chunks of 8 channels a block
     UNIT = FILTER_M // G  # blocks a unit
@@ -501,7 +512,17 @@ def make_filter_grad(storage, G, TRS, positions, TW, overlap=False, dy_a=False):
         b_at = at + A_BYTES
         for i in range(B_PER):
             c = cuda.threadIdx.x + i * THREADS
-            if c < B_COPIES:
+            if c < B_COPIES and dy_first:  # (channel kk's 8 positions at tile row r, columns 8 half ..)
+                kk, rest = divmod32(c, 2 * TILE_ROWS)
+                r, half = divmod32(rest, 2)
+                p, q = p0 + int32(r), q0 + 8 * int32(half)
+                k_first = firsts[kk // G]
+                keep = p < P and q < Q and k_first >= 0
+                row = (int64(n) * K + k_first + kk % G) * (M * P * Q) + (m * P + p) * Q + q
+                ks = 2 * (r // 2) + half  # (the k16 step, and its 8-position half r % 2)
+                copy16_or_zero(b_at + ((2 * ks + r % 2) * FILTER_M + kk) * CHUNK, dy_at + (E * row if keep else 0),
+                               keep)
+            elif c < B_COPIES:
                 j, pp = divmod32(c, TILE)  # (chunk j of position pp in the k steps' order)
                 ks, rest = divmod32(pp, 16)
                 r, c8 = divmod32(rest, 8)
@@ -551,7 +572,10 @@ def make_filter_grad(storage, G, TRS, positions, TW, overlap=False, dy_a=False):
             """k16 step ks of a stage: this warp's rows of its dy (``lane_at``: this lane's ldmatrix
             row of step 0, from the stage's start), then a fence (registers a wgmma reads were
             written), then the taps."""
-            a0, a1, a2, a3 = ldmatrix_x4_trans_at(at + lane_at + ks * 16 * CHUNK)
+            if dy_first:
+                a0, a1, a2, a3 = ldmatrix_x4_at(at + lane_at + ks * (2 * FILTER_M) * CHUNK)
+            else:
+                a0, a1, a2, a3 = ldmatrix_x4_trans_at(at + lane_at + ks * 16 * CHUNK)
             fence()
             taps(acc, at, ks, shifts, hg, a0, a1, a2, a3)
     else:
@@ -605,6 +629,8 @@ def make_filter_grad(storage, G, TRS, positions, TW, overlap=False, dy_a=False):
         warp, lane = (cuda.threadIdx.x % WARPGROUP) // 32, cuda.threadIdx.x % 32
         q = lane // 8
         lane_at = A_BYTES + ((2 * warp + q % 2) * TILE + (q // 2) * 8 + lane % 8) * CHUNK
+        if dy_first:  # (matrix q: the step's 8-position half q // 2 of channels 16 w + 8 (q % 2) ..)
+            lane_at = A_BYTES + ((q // 2) * FILTER_M + 16 * warp + 8 * (q % 2) + lane % 8) * CHUNK
         spot = cuda.local.array((A_PER, 5), int32)
         spots(spot, hg, IN_ROWS)
         shifts = cuda.local.array(TW, int32)  # each of this warpgroup's taps' offset in patch positions

@@ -267,12 +267,13 @@ def test_hopper_forward_caps_registers_only_for_thread_blocks_whose_rings_fit():
     assert hopper.forward_blocks(wide, 32, 3, 3, keep=1) == 3 and hopper.forward_blocks(wide, 32, 3, 8, keep=1) == 4
 
 
-@pytest.mark.parametrize("G, groups, TRS, DHW, channels_last, taps, overlap, dy_a", [
-    (16, 3, (2, 2), (9, 10), False, 0, False, False), (32, 2, (3, 3), (8, 9), True, 2, False, False),
-    (16, 2, (1, 3), (9, 17), False, 0, True, False), (16, 3, (2, 2), (9, 10), False, 0, False, True),
-    (32, 3, (3, 3), (8, 9), True, 2, True, True)])
+@pytest.mark.parametrize("G, groups, TRS, DHW, channels_last, taps, overlap, dy_a, first", [
+    (16, 3, (2, 2), (9, 10), False, 0, False, False, False), (32, 2, (3, 3), (8, 9), True, 2, False, False, False),
+    (16, 2, (1, 3), (9, 17), False, 0, True, False, False), (16, 3, (2, 2), (9, 10), False, 0, False, True, False),
+    (32, 3, (3, 3), (8, 9), True, 2, True, True, False), (16, 3, (2, 2), (9, 17), False, 0, False, True, True),
+    (32, 2, (3, 3), (8, 24), False, 2, True, True, True)])
 def test_hopper_filter_gradient_matches_the_twin(monkeypatch, G, groups, TRS, DHW, channels_last, taps, overlap,
-                                                 dy_a):
+                                                 dy_a, first):
     """``ConvConfig.hopper_filter_grad``: the filter gradient on wgmma (`hopper.make_filter_grad`,
     here the simulator's twin): units of 64 / G blocks of an output group as m (G = 16: four, some
     missing; G = 32: two), the patch and dy MN-major, tiles of 8 x 16 positions overhanging the
@@ -281,7 +282,9 @@ def test_hopper_filter_gradient_matches_the_twin(monkeypatch, G, groups, TRS, DH
     last block's taps past the 9th computed as the 9th, never stored); with ``overlap``, a ring of 4
     whose stages' wgmmas are waited for a stage late (four tiles: two images of 2 x 2); with
     ``dy_a`` (``hopper_filter_dy_a``), units of an input group's blocks, their dy A from registers
-    (ldmatrix) and the patch B (G = 16: units of up to four blocks, some missing; G = 32: of two)."""
+    (ldmatrix) and the patch B (G = 16: units of up to four blocks, some missing; G = 32: of two);
+    where output rows are whole runs of 8 positions (``first``: 16 and 24 columns), a channels-first
+    dy read as it lies (``dy_first``), the tiles' second half of columns past the output at 24."""
     from sparseblocks.conv import api, hopper
     from sparseblocks.runtime import compile as compile_cache
 
@@ -291,7 +294,7 @@ def test_hopper_filter_gradient_matches_the_twin(monkeypatch, G, groups, TRS, DH
                                channels_last=channels_last, hopper=True, hopper_filter_grad=True,
                                hopper_filter_taps=taps, hopper_filter_overlap=overlap, hopper_filter_dy_a=dy_a)
     made = [key for key in compile_cache._kernels if key[0] is hopper.make_filter_grad]
-    assert len(made) > before and made[-1][-1] == dy_a
+    assert len(made) > before and made[-1][-2:] == (dy_a, first)
 
 
 def test_hopper_filter_units_join_an_output_groups_blocks():
@@ -384,7 +387,8 @@ def test_hopper_products_match_the_twin_on_the_gpu(dtype, G, dims, dilates, chan
     in the cases with kept filters, the stages overlapped in the others; dy as A from registers,
     ``hopper_filter_dy_a``, in three; two tiles a warpgroup down the rows, ``hopper_rows``, in two);
     the drawn examples vary what the kernels take at run time (layers, padding, edge bias, values)."""
-    TRS, DHW = [3] * dims, [5, 13, 11][-dims:]
+    # (fp16 channels-first: 16 output columns, so that the filter gradient with dy as A reads dy as it lies)
+    TRS, DHW = [3] * dims, [5, 13, 16 if dtype == "float16" and not channels_last else 11][-dims:]
     check_tensor_core_products(dtype, G, groups, TRS, DHW, 1, dilates, padding, bias, seed,
                                channels_last=channels_last, hopper=True, hopper_groups=warpgroups, hopper_keep=keep,
                                hopper_filter_grad=True, hopper_filter_taps=2 if keep else 0,
