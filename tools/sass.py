@@ -219,18 +219,20 @@ def hopper_conv(tool):
         for length, c in loops_around(text, "HGMMA", counts)[-1:]:
             print(f"| {G} | {name} | stage | {length} | " + " | ".join(str(c[k]) for k in counts) + " |")
     # The wgmma filter gradient's stage loop (5 taps a warpgroup, overlapped): the patch as A, or dy
-    # as A from registers (`ConvConfig.hopper_filter_dy_a`: an ldmatrix a k16 step).
+    # as A from registers (`ConvConfig.hopper_filter_dy_a`: an ldmatrix a k16 step), from a channels-last copy
+    # of dy or the caller's channels-first dy (`hopper.dy_first_fits`).
     counts = dict(counts, LDSM=r"\bLDSM")
     fg = hopper.filter_geometry([1, 56, 56, 1, 56, 56, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1])
     print("\n| group | filter gradient's A | loop | length | " + " | ".join(counts) + " |")
     print("|---" * (4 + len(counts)) + "|")
-    for G, dy_a in itertools.product((16, 32, 64), (False, True)):
+    for G, (dy_a, first) in itertools.product((16, 32, 64), ((False, False), (True, False), (True, True))):
         kernel = hopper.make_filter_grad("float16", G, 9, hopper.patch_positions(fg), hopper.filter_taps(9, G), True,
-                                         dy_a)
+                                         dy_a, first)
         signature = (types.float32[::1], h[::1], h[::1], types.int32[:, ::1]) + (index,) * 3 + (i64,) * 5
         text = sass(kernel.py_func, signature, tool, cc=(9, 0, "a"))
+        what = ("dy, registers (channels-first dy)" if first else "dy, registers") if dy_a else "patch"
         for length, c in loops_around(text, "HGMMA", counts)[-1:]:
-            print(f"| {G} | {'dy, registers' if dy_a else 'patch'} | stage | {length} | "
+            print(f"| {G} | {what} | stage | {length} | "
                   + " | ".join(str(c[k]) for k in counts) + " |")
 
 
