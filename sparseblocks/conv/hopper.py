@@ -35,8 +35,8 @@ from ..bsmm.device import converters
 from ..bsmm.hopper_shapes import SM_SHARED
 from ..ptx.cp_async import commit, copy16_or_zero, copy16_to, make_ring, shared_address, signed_address
 from ..ptx.half2 import stored_as
-from ..ptx.vector import store2
 from ..ptx.ldmatrix import ldmatrix_x4_at, ldmatrix_x4_trans_at
+from ..ptx.vector import store2
 from ..ptx.wgmma import WARPGROUP, descriptor, fence, make_mma, make_mma_rs, make_settle, proxy_fence
 from ..ptx.wgmma import commit as wg_commit
 from ..ptx.wgmma import waiter as wg_waiter
@@ -172,8 +172,8 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, b
     block instead of once a tile.
 
     The epilogue stores each value from its register (channels-last, a lane's two neighbouring
-    channels by one 32-bit store). Without ``biased`` (a call with no edge
-    bias) it has no bias code. ``stages``: the ring's (`forward_stages`); ``blocks`` (`ConvConfig.
+    channels by one 32-bit store). Without ``biased`` (a call with no edge bias) it has no bias
+    code. ``stages``: the ring's (`forward_stages`); ``blocks`` (`ConvConfig.
     hopper_blocks`): thread blocks a multiprocessor its registers are capped for (0: no cap).
     ``rows`` (`ConvConfig.hopper_rows`): 8 x 8 tiles a warpgroup down the output rows, each its
     own accumulators, A the same descriptor 8 patch rows further: a stage's filter block and
