@@ -11,6 +11,7 @@ from ..ptx.mbarrier import BYTES as BAR_BYTES
 from ..ptx.mbarrier import registers
 from ..ptx.wgmma import SWIZZLE_64, SWIZZLE_128, WARPGROUP, WGMMA_M
 from ..runtime.compile import bounded, inlined
+from ..runtime.launch import SM_90_SHARED
 
 V7_STORAGE = ("float16", "bfloat16")
 V7_BLOCKS = (32, 64, 128)  # a product's block side: 64 values of k a stage, or a block of 32 (64-byte swizzle rows)
@@ -122,7 +123,7 @@ def blocks_field(weight_grad):
     return "v7_wgrad_pair_blocks" if weight_grad == PAIRED else "v7_wgrad_blocks" if weight_grad else "v7_blocks"
 
 
-SM_SHARED = 228 * 1024  # a multiprocessor's shared memory on sm_90 (each thread block reserves 1 KB)
+SM_SHARED = SM_90_SHARED  # a multiprocessor's shared memory on sm_90 (each thread block reserves 1 KB)
 
 
 def split_registers(cfg, groups, blocks=1, weight_grad=False, kept=None):

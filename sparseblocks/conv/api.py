@@ -336,10 +336,8 @@ class BlocksparseConv:
                             bool(has_bias), stages, blocks, self.config.hopper_rows)
             args = [out.reshape(-1), rows, self._packed(op_f, kind != "forward", stream, 16), t[ptr], t[blk],
                     t[first], t["hg_" + kind], out_rows, in_rows, bias, t["edge"], has_bias, tiles, 1]
-            if keep:  # (kept filters: thread blocks each walking its share of the tiles, a wave where it pays)
-                args[-1] = self._workers(kernel, hopper.WARPGROUP * wgs, args, tiles, out_rows // G)
-            else:
-                args[-1] = tiles
+            # (kept filters: thread blocks each walking its share of the tiles, a wave where it pays)
+            args[-1] = self._workers(kernel, hopper.WARPGROUP * wgs, args, tiles, out_rows // G) if keep else tiles
             launch(kernel, (args[-1], out_rows // G), hopper.WARPGROUP * wgs, stream, tuple(args))
             return
         row_bytes = self._row_bytes(kind, op_x.dtype)
@@ -354,11 +352,12 @@ class BlocksparseConv:
 
     def _resident(self, kernel, threads, args):
         """Thread blocks of ``kernel`` a multiprocessor holds (`runtime.launch.resident_blocks`,
-        asked once a kernel and device; ``args`` as launched, any counts among them)."""
+        asked once a kernel and device; ``args`` as launched, any counts among them, or a function
+        that makes them, called only then)."""
         key = (kernel, threads, active())
         count = self._resident_blocks.get(key)
         if count is None:
-            count = self._resident_blocks[key] = resident_blocks(kernel, threads, args)
+            count = self._resident_blocks[key] = resident_blocks(kernel, threads, args() if callable(args) else args)
         return count
 
     def _workers(self, kernel, threads, args, tiles, groups):
@@ -430,9 +429,8 @@ class BlocksparseConv:
                         self.config.hopper_filter_overlap, self.config.hopper_filter_dy_a, dy_first)
         args = [None, dy_rows, x_rows, t["units"], t["blk_c0"], t["blk_k0"], t["hg_filter_grad"], self._C, self._K,
                 tiles, 1, self.f_size]
-        if (kernel, 2 * hopper.WARPGROUP, active()) not in self._resident_blocks:  # (a placeholder part)
-            args[0] = op_x.scratch((1,), np.float32, stream)
-        resident = self._resident(kernel, 2 * hopper.WARPGROUP, args)
+        resident = self._resident(kernel, 2 * hopper.WARPGROUP,  # (a placeholder part, of part's type)
+                                  lambda: [op_x.scratch((1,), np.float32, stream)] + args[1:])
         shares = hopper.filter_shares(tiles, len(units) * groups, resident * multiprocessors())
         part = args[0] = op_x.scratch((shares * self.f_size,), np.float32, stream)
         args[-2] = shares

@@ -95,8 +95,13 @@ def keep_pays(hg, G, most, stages=STAGES):
     does: kept, a filter is read once a thread block, but a kept ring that costs a resident
     thread block costs more (fp16, 32 x 56², G = 32: one block a group 1.27x, most 4 of 8 at
     25 % 1.05x, most 6 at 50 %, a thread block fewer, 0.76x)."""
-    kept = SM_SHARED // (ring_bytes(hg, G, stages, most) + 1024)
-    return kept >= SM_SHARED // (ring_bytes(hg, G, forward_stages(most, stages)) + 1024)
+    return rings_fit(hg, G, stages, most) >= rings_fit(hg, G, forward_stages(most, stages))
+
+
+def rings_fit(hg, G, stages, keep=0):
+    """Thread blocks whose forward rings (`ring_bytes`) share a multiprocessor's shared memory,
+    each reserving 1 KB."""
+    return SM_SHARED // (ring_bytes(hg, G, stages, keep) + 1024)
 
 
 def patch_positions(hg):
@@ -155,7 +160,7 @@ def forward_blocks(hg, G, stages, blocks, keep=0):
     ``blocks`` (`ConvConfig.hopper_blocks`), whose shared memory (`ring_bytes`, ``keep`` filters
     kept) fits a multiprocessor's (each thread block reserving 1 KB); 0 (no cap) where fewer than
     two fit, or ``blocks`` is 0. More would only cost registers: shared memory bounds residency."""
-    most = min(blocks, SM_SHARED // (ring_bytes(hg, G, stages, keep) + 1024))
+    most = min(blocks, rings_fit(hg, G, stages, keep))
     return most if most >= 2 else 0
 
 
