@@ -383,8 +383,9 @@ class BlocksparseConv:
         return most if mode == "always" or hopper.keep_pays(hg, G, most, stages) else 0
 
     def _implicit_filter_grad(self, out, op_dy, op_x, N, stream, last=False):
-        """`implicit.make_filter_grad`'s partial sums over shares of the positions, then their sum
-        (`implicit.make_sum`) into ``out``: the flat filter gradient."""
+        """`implicit.make_filter_grad`'s partial sums over shares of the positions (thread blocks for
+        full waves, `implicit.filter_shares`), then their sum (`implicit.make_sum`) into ``out``: the
+        flat filter gradient."""
         QT, cap = self._plans["filter_grad"]
         t = self._table(stream)
         ig = self._host["ig_filter_grad"]
@@ -406,18 +407,20 @@ class BlocksparseConv:
         cc, ws = implicit.filter_split(G)
         slices = G // cc
         tiles = N * int(ig[3] * ig[21] * ig[22])
-        per_share = len(self._blocks) * slices * groups
-        shares = max(1, min(tiles, -(-4 * multiprocessors() // per_share)))
-        part = op_x.scratch((shares * ws * self.f_size,), np.float32, stream)
-        launch(cached(implicit.make_filter_grad, op_x.dtype, G, QT, cap, taps),
-               (shares, len(self._blocks) * slices, groups), implicit.THREADS, stream,
-               (part, dy_rows, x_rows, t["blk_c0"], t["blk_k0"], t["ig_filter_grad"], N, self._K, self._C, tiles,
-                shares, self.f_size))
+        kernel = cached(implicit.make_filter_grad, op_x.dtype, G, QT, cap, taps)
+        args = [None, dy_rows, x_rows, t["blk_c0"], t["blk_k0"], t["ig_filter_grad"], N, self._K, self._C, tiles,
+                1, self.f_size]
+        resident = self._resident(kernel, implicit.THREADS,  # (a placeholder part, of part's type)
+                                  lambda: [op_x.scratch((1,), np.float32, stream)] + args[1:])
+        shares = implicit.filter_shares(tiles, len(self._blocks) * slices * groups, resident * multiprocessors())
+        part = args[0] = op_x.scratch((shares * ws * self.f_size,), np.float32, stream)
+        args[-2] = shares
+        launch(kernel, (shares, len(self._blocks) * slices, groups), implicit.THREADS, stream, tuple(args))
         self._add_parts(out, part, shares * ws, op_x.dtype, stream)
 
     def _hopper_filter_grad(self, out, dy_rows, x_rows, op_x, N, stream, dy_first=False):
         """`hopper.make_filter_grad`'s partial sums over shares of the tiles (thread blocks for full
-        waves on the multiprocessors, `hopper.filter_shares`), then their sum into ``out``; with
+        waves on the multiprocessors, `implicit.filter_shares`), then their sum into ``out``; with
         ``dy_first``, ``dy_rows`` is the caller's channels-first dy."""
         t = self._table(stream)
         hg, units = self._host["hg_filter_grad"], self._host["units"]
@@ -431,7 +434,7 @@ class BlocksparseConv:
                 tiles, 1, self.f_size]
         resident = self._resident(kernel, 2 * hopper.WARPGROUP,  # (a placeholder part, of part's type)
                                   lambda: [op_x.scratch((1,), np.float32, stream)] + args[1:])
-        shares = hopper.filter_shares(tiles, len(units) * groups, resident * multiprocessors())
+        shares = implicit.filter_shares(tiles, len(units) * groups, resident * multiprocessors())
         part = args[0] = op_x.scratch((shares * self.f_size,), np.float32, stream)
         args[-2] = shares
         launch(kernel, (shares, len(units), groups), 2 * hopper.WARPGROUP, stream, tuple(args))

@@ -41,7 +41,7 @@ from ..ptx.wgmma import WARPGROUP, descriptor, fence, make_mma, make_mma_rs, mak
 from ..ptx.wgmma import commit as wg_commit
 from ..ptx.wgmma import waiter as wg_waiter
 from ..runtime.compile import bounded, divmod32, inlined, unrolled
-from ..runtime.launch import dynamic_shared, fullest_waves
+from ..runtime.launch import dynamic_shared
 from .implicit import make_tiles
 
 TILE_ROWS = TILE_COLS = 8  # a tile's output rows and columns: 64 positions, wgmma's m
@@ -373,7 +373,6 @@ def make_forward(storage, G, TRS, positions, rows_out=False, groups=1, keep=0, b
 FILTER_M = 64  # a filter-gradient unit's input channels: wgmma's m (64 / G blocks of one output group)
 FILTER_ACC = 96  # accumulators a thread of the filter gradient holds at most (its taps' 64 x G tiles)
 FILTER_COLS = 16  # a filter-gradient tile's output columns (8 rows of them: 128 positions, k of 8 k16 steps)
-FILTER_WAVES = 2  # the filter gradient's thread blocks: at least enough to fill the multiprocessors this many times
 
 
 def filter_taps(TRS, G, taps=0):
@@ -399,15 +398,6 @@ def dy_first_fits(geo, dy_pointer):
     """Whether the filter gradient with dy as A may read a channels-first dy as it lies (`make_filter_grad`'s
     ``dy_first``): output rows of whole runs of 8 positions (16 bytes) from a 16-byte aligned start."""
     return int(geo[5]) % 8 == 0 and dy_pointer % 16 == 0
-
-
-def filter_shares(tiles, work, slots):
-    """Shares of the tiles each of the filter gradient's ``work`` units and tap groups split into
-    thread blocks, all alike, where the GPU holds ``slots`` of them at once: at least enough for
-    `FILTER_WAVES` waves (at most ``tiles``), and of up to twice that many the count whose last
-    wave is fullest (`runtime.launch.fullest_waves`)."""
-    low = max(1, min(tiles, -(-FILTER_WAVES * slots // work)))
-    return fullest_waves(work, slots, low, min(tiles, 2 * low))
 
 
 def filter_stages(overlap):

@@ -47,20 +47,32 @@ from ..ptx.half2 import stored_as
 from ..ptx.ldmatrix import ldmatrix_x4_at, ldmatrix_x4_trans_at
 from ..ptx.mma import make_3xtf32_parts, mma_3xtf32, mma_bf16, mma_f16
 from ..runtime.compile import divmod32, inlined, unrolled
-from ..runtime.launch import dynamic_shared
+from ..runtime.launch import dynamic_shared, fullest_waves
 
 TILE = 128  # output positions a thread block (forward) or a step (filter gradient)
 THREADS = 128
 PAD = 16  # bytes after each shared row: eight consecutive rows start in eight bank groups
 SHARED_MAX = 200 * 1024  # the most dynamic shared memory a thread block of these kernels takes
 MAX_TAPS = 9  # taps a filter-gradient thread block
+FILTER_WAVES = 2  # the filter gradients' thread blocks: at least enough to fill the multiprocessors this many times
 
 
 def max_taps(storage, G, fp32_taps=5):
     """Taps a filter-gradient thread block takes: `MAX_TAPS`, or ``fp32_taps`` for fp32 at G = 32
     (`ConvConfig.fp32_filter_taps`), whose warps hold 8 accumulators a tap beside 3xTF32's parts."""
     return fp32_taps if storage == "float32" and G == 32 else MAX_TAPS
+
+
 STAGES = 3  # the stage ring's depth
+
+
+def filter_shares(tiles, work, slots):
+    """Shares of the tiles each of a filter gradient's ``work`` rows of thread blocks (units or
+    blocks, slices, tap groups) splits into thread blocks, all alike, where the GPU holds ``slots``
+    of them at once: at least enough for `FILTER_WAVES` waves (at most ``tiles``), and of up to
+    twice that many the count whose last wave is fullest (`runtime.launch.fullest_waves`)."""
+    low = max(1, min(tiles, -(-FILTER_WAVES * slots // work)))
+    return fullest_waves(work, slots, low, min(tiles, 2 * low))
 
 
 def slice_channels(storage, row_bytes=32):

@@ -215,16 +215,17 @@ def test_hopper_forward_ring_fits_the_layer(monkeypatch, stages, blocks, diagona
     assert any(key[0] is hopper.make_forward and key[-3:-1] == (made, blocks) for key in compile_cache._kernels)
 
 
-def test_hopper_filter_shares_fill_the_last_wave():
-    """`hopper.filter_shares`: at least two waves' worth of thread blocks, and of up to twice as
-    many shares the count with the least time a tile's worth; never more shares than tiles."""
-    from sparseblocks.conv import hopper
+def test_filter_shares_fill_the_last_wave():
+    """`implicit.filter_shares` (both filter gradients'): at least two waves' worth of thread
+    blocks, and of up to twice as many shares the count with the least time a tile's worth; never
+    more shares than tiles."""
+    from sparseblocks.conv import implicit
 
-    assert hopper.filter_shares(1000, 45, 132) == 11  # (6: three waves, the last of 6 blocks; 11: four)
-    assert hopper.filter_shares(1000, 66, 132) == 4  # (whole waves already)
-    assert hopper.filter_shares(3, 45, 132) == 3 and hopper.filter_shares(1000, 500, 132) == 1
+    assert implicit.filter_shares(1000, 45, 132) == 11  # (6: three waves, the last of 6 blocks; 11: four)
+    assert implicit.filter_shares(1000, 66, 132) == 4  # (whole waves already)
+    assert implicit.filter_shares(3, 45, 132) == 3 and implicit.filter_shares(1000, 500, 132) == 1
     for tiles, work, slots in ((1000, 45, 132), (200, 7, 264), (50, 13, 132)):
-        shares = hopper.filter_shares(tiles, work, slots)
+        shares = implicit.filter_shares(tiles, work, slots)
         low = min(tiles, -(-2 * slots // work))
         assert low <= shares <= min(tiles, 2 * low)
         cost = [-(-work * s // slots) / s for s in range(low, min(tiles, 2 * low) + 1)]
