@@ -392,16 +392,16 @@ class BlocksparseConv:
         G, TRS = self._group, int(np.prod(self._g["TRS"]))
         DHW, MPQ = int(ig[0] * ig[1] * ig[2]), int(ig[3] * ig[4] * ig[5])
         x_rows = op_x.device(stream).reshape(-1) if last else self._rows(op_x, self._C, DHW, N, stream)
-        if (self.config.hopper_filter_grad and "hg_filter_grad" in self._host
-                and op_x.dtype in ("float16", "bfloat16") and compute_capability() == (9, 0)):
-            # (dy as A reads a channels-first dy as it lies where its output rows are whole 16-byte runs)
-            dy_first = (not last and self.config.hopper_filter_dy_a
-                        and hopper.dy_first_fits(self._host["hg_filter_grad"], data_pointer(op_dy.device(stream))))
-            dy = (op_dy.device(stream).reshape(-1) if last or dy_first
-                  else self._rows(op_dy, self._K, MPQ, N, stream))
-            self._hopper_filter_grad(out, dy, x_rows, op_x, N, stream, dy_first)
+        wgmma = (self.config.hopper_filter_grad and "hg_filter_grad" in self._host
+                 and op_x.dtype in ("float16", "bfloat16") and compute_capability() == (9, 0))
+        # (dy as A reads a channels-first dy as it lies where its output rows are whole 16-byte runs)
+        dy_first = (wgmma and not last and self.config.hopper_filter_dy_a
+                    and hopper.dy_first_fits(self._host["hg_filter_grad"], data_pointer(op_dy.device(stream))))
+        dy_rows = (op_dy.device(stream).reshape(-1) if last or dy_first
+                   else self._rows(op_dy, self._K, MPQ, N, stream))
+        if wgmma:
+            self._hopper_filter_grad(out, dy_rows, x_rows, op_x, N, stream, dy_first)
             return
-        dy_rows = op_dy.device(stream).reshape(-1) if last else self._rows(op_dy, self._K, MPQ, N, stream)
         taps = min(TRS, implicit.max_taps(op_x.dtype, G, self.config.fp32_filter_taps))
         groups = -(-TRS // taps)
         cc, ws = implicit.filter_split(G)
@@ -410,13 +410,8 @@ class BlocksparseConv:
         kernel = cached(implicit.make_filter_grad, op_x.dtype, G, QT, cap, taps)
         args = [None, dy_rows, x_rows, t["blk_c0"], t["blk_k0"], t["ig_filter_grad"], N, self._K, self._C, tiles,
                 1, self.f_size]
-        resident = self._resident(kernel, implicit.THREADS,  # (a placeholder part, of part's type)
-                                  lambda: [op_x.scratch((1,), np.float32, stream)] + args[1:])
-        shares = implicit.filter_shares(tiles, len(self._blocks) * slices * groups, resident * multiprocessors())
-        part = args[0] = op_x.scratch((shares * ws * self.f_size,), np.float32, stream)
-        args[-2] = shares
-        launch(kernel, (shares, len(self._blocks) * slices, groups), implicit.THREADS, stream, tuple(args))
-        self._add_parts(out, part, shares * ws, op_x.dtype, stream)
+        self._filter_parts(out, kernel, implicit.THREADS, len(self._blocks) * slices, groups, ws, args, tiles, op_x,
+                           stream)
 
     def _hopper_filter_grad(self, out, dy_rows, x_rows, op_x, N, stream, dy_first=False):
         """`hopper.make_filter_grad`'s partial sums over shares of the tiles (thread blocks for full
@@ -432,13 +427,19 @@ class BlocksparseConv:
                         self.config.hopper_filter_overlap, self.config.hopper_filter_dy_a, dy_first)
         args = [None, dy_rows, x_rows, t["units"], t["blk_c0"], t["blk_k0"], t["hg_filter_grad"], self._C, self._K,
                 tiles, 1, self.f_size]
-        resident = self._resident(kernel, 2 * hopper.WARPGROUP,  # (a placeholder part, of part's type)
+        self._filter_parts(out, kernel, 2 * hopper.WARPGROUP, len(units), groups, 1, args, tiles, op_x, stream)
+
+    def _filter_parts(self, out, kernel, threads, rows, groups, ws, args, tiles, op_x, stream):
+        """A filter-gradient ``kernel``'s partial sums, ``ws`` a share, over shares of the ``tiles``
+        (grid (shares, rows, groups); thread blocks for full waves, `implicit.filter_shares`), into
+        ``part`` (``args[0]``; the share count ``args[-2]``), then their sum into ``out``."""
+        resident = self._resident(kernel, threads,  # (a placeholder part, of part's type)
                                   lambda: [op_x.scratch((1,), np.float32, stream)] + args[1:])
-        shares = implicit.filter_shares(tiles, len(units) * groups, resident * multiprocessors())
-        part = args[0] = op_x.scratch((shares * self.f_size,), np.float32, stream)
+        shares = implicit.filter_shares(tiles, rows * groups, resident * multiprocessors())
+        part = args[0] = op_x.scratch((shares * ws * self.f_size,), np.float32, stream)
         args[-2] = shares
-        launch(kernel, (shares, len(units), groups), 2 * hopper.WARPGROUP, stream, tuple(args))
-        self._add_parts(out, part, shares, op_x.dtype, stream)
+        launch(kernel, (shares, rows, groups), threads, stream, tuple(args))
+        self._add_parts(out, part, shares * ws, op_x.dtype, stream)
 
     def _add_parts(self, out, part, parts, dtype, stream):
         """``out`` = the filter gradient's ``parts`` partial sums (`implicit.make_sum`), in order."""

@@ -42,7 +42,7 @@ from ..ptx.wgmma import commit as wg_commit
 from ..ptx.wgmma import waiter as wg_waiter
 from ..runtime.compile import bounded, divmod32, inlined, unrolled
 from ..runtime.launch import dynamic_shared
-from .implicit import make_tiles
+from .implicit import SHARED_MAX, make_tiles
 
 TILE_ROWS = TILE_COLS = 8  # a tile's output rows and columns: 64 positions, wgmma's m
 STAGES = 3
@@ -67,7 +67,7 @@ def fits(geo, G, groups=1, stages=STAGES, rows=1):
     """Whether a layer takes this kernel: stride 1, channel groups of 16, 32 or 64, output rows of
     at least 8, and a ring of ``stages`` in shared memory."""
     return (G in (16, 32, 64) and tuple(int(v) for v in geo[9:12]) == (1, 1, 1) and int(geo[4]) >= TILE_ROWS
-            and ring_bytes(geometry(geo, groups, rows), G, stages) <= 200 * 1024)
+            and ring_bytes(geometry(geo, groups, rows), G, stages) <= SHARED_MAX)
 
 
 def stage_bytes(hg, G):
@@ -86,7 +86,7 @@ def ring_bytes(hg, G, stages, keep=0):
 
 def kept_fits(hg, G, blocks, stages=STAGES):
     """Whether a ring of patch-only stages and ``blocks`` kept filter blocks fit in shared memory."""
-    return ring_bytes(hg, G, stages, blocks) <= 200 * 1024
+    return ring_bytes(hg, G, stages, blocks) <= SHARED_MAX
 
 
 def keep_pays(hg, G, most, stages=STAGES):
@@ -409,7 +409,7 @@ def filter_stages(overlap):
 def filter_fits(geo, G, overlap=False, dy_a=False):
     """Whether a layer's filter gradient takes `make_filter_grad`: `fits`' conditions, for its ring."""
     return (G in (16, 32, 64) and tuple(int(v) for v in geo[9:12]) == (1, 1, 1) and int(geo[4]) >= TILE_ROWS
-            and filter_stages(overlap) * filter_stage_bytes(filter_geometry(geo), G, dy_a) <= 200 * 1024)
+            and filter_stages(overlap) * filter_stage_bytes(filter_geometry(geo), G, dy_a) <= SHARED_MAX)
 
 
 def filter_units(blocks, G, dy_a=False):

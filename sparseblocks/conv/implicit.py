@@ -52,7 +52,7 @@ from ..runtime.launch import dynamic_shared, fullest_waves
 TILE = 128  # output positions a thread block (forward) or a step (filter gradient)
 THREADS = 128
 PAD = 16  # bytes after each shared row: eight consecutive rows start in eight bank groups
-SHARED_MAX = 200 * 1024  # the most dynamic shared memory a thread block of these kernels takes
+SHARED_MAX = 200 * 1024  # the most dynamic shared memory a thread block of these kernels (and `hopper`'s) takes
 MAX_TAPS = 9  # taps a filter-gradient thread block
 FILTER_WAVES = 2  # the filter gradients' thread blocks: at least enough to fill the multiprocessors this many times
 
