@@ -102,22 +102,29 @@ def check_tensor_core_products(dtype, G, groups, TRS, DHW, strides, dilates, pad
     if bias and edge is None:  # (a layer with no edges still takes its empty bias)
         edge = np.zeros(op.edge_bias_shape(), I.dtype)
     g = op._g
+    # each element within the bound of its sum's terms (the twin on absolute values: its magnitude), so
+    # that fp32's 3xTF32 over a tensor core's accumulator, rounding each step, passes where it is right
+    A = [np.abs(f) for f in F]
     want = reference.forward(F, as3(I, g, "DHW"), op.BCK, g, op.K)
+    size = reference.forward(A, as3(np.abs(I), g, "DHW"), op.BCK, g, op.K)
     if bias:
         want = reference.edge_bias(want, edge, g)
+        size = reference.edge_bias(size, np.abs(edge), g)
     # channels_last: the activations go in and come out (N, *spatial, channels)
     last, first = (lambda a: np.moveaxis(a, 1, -1), lambda a: np.moveaxis(a, -1, 1)) if channels_last else \
         (lambda a: a, lambda a: a)
     assert_close(as3(first(op(F, last(I), edge_bias=edge, channels_last=channels_last)), g, "MPQ"), want, dtype,
-                 "forward", terms=int(np.prod(g["TRS"])) * op.C)
+                 "forward", magnitude=size, terms=int(np.prod(g["TRS"])) * op.C)
     dO = values(rng, op.o_shape(N), dtype)
     assert_close(as3(first(op.input_grad(F, last(dO), channels_last=channels_last)), g, "DHW"),
                  reference.input_grad(F, as3(dO, g, "MPQ"), op.BCK, g, op.C), dtype, "input_grad",
+                 magnitude=reference.input_grad(A, as3(np.abs(dO), g, "MPQ"), op.BCK, g, op.C),
                  terms=int(np.prod(g["TRS"])) * op.K)
     wants = reference.filter_grad(as3(dO, g, "MPQ"), as3(I, g, "DHW"), op.BCK, g)
+    sizes = reference.filter_grad(as3(np.abs(dO), g, "MPQ"), as3(np.abs(I), g, "DHW"), op.BCK, g)
     for b, (got, want_f) in enumerate(zip(op.filter_grad(last(dO), last(I), channels_last=channels_last), wants)):
         assert_close(np.asarray(got, np.float64).reshape(want_f.shape), want_f, dtype, f"filter_grad[{b}]",
-                     terms=N * int(np.prod(g["MPQ"])))
+                     magnitude=sizes[b], terms=N * int(np.prod(g["MPQ"])))
 
 
 def test_implicit_products_match_the_twin():
