@@ -390,6 +390,13 @@ def _block_grid_shape(shape):
     return shape
 
 
+def check_layout(layout, name="layout"):
+    """``layout`` itself, where it is a `BlockLayout` (else a TypeError naming ``name``)."""
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"{name}: expected a BlockLayout, got {type(layout).__name__}")
+    return layout
+
+
 def check_block_size(block_size):
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
         raise TypeError(f"block_size: expected an int in {BLOCK_SIZES}, got {block_size!r}")

@@ -6,7 +6,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import numpy as np
 from numba import cuda
 
-from ..layout import BlockLayout
+from ..layout import BlockLayout, check_layout
 from ..philox import check_word, threshold
 from ..runtime.arrays import Array, checked_operands, launch_stream
 from ..runtime.compile import cached
@@ -35,8 +35,7 @@ def _layouts(layout, heads, seq):
     if len(layouts) != heads:
         raise ValueError(f"layout: expected one BlockLayout or {heads} (one a head), got {len(layouts)}")
     for h, one in enumerate(layouts):
-        if not isinstance(one, BlockLayout):
-            raise TypeError(f"layout[{h}]: expected a BlockLayout, got {type(one).__name__}")
+        check_layout(one, f"layout[{h}]")
         bs = one.block_size
         if seq % bs or one.mask.shape != (seq // bs, seq // bs):
             raise ValueError(f"layout[{h}]: expected a ({seq // bs}, {seq // bs}) grid of blocks of {bs} for "

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple, Union
 
-from ..layout import BlockLayout, check_block_size
+from ..layout import BlockLayout, check_block_size, check_layout
 from ..philox import check_word
 from ..runtime.devices import on_arrays_device
 from ..ptx.vector import aligned
@@ -108,6 +108,7 @@ def _check_bias(bias, a, out_features):
 def _product(cfg, a, w, layout, feature_axis, transpose_w, version, max_segment=None, bias=None, relu=False):
     if not isinstance(relu, bool):
         raise TypeError(f"relu: expected a bool, got {relu!r}")
+    check_layout(layout)
     if plans.kept and max_segment is None:
         out = replayed_product(cfg, a, w, layout, feature_axis, transpose_w, version, bias, relu)
         if out is not None:
@@ -218,6 +219,7 @@ def weight_grad(x: Array, dy: Array, layout: BlockLayout, feature_axis: int = 1,
     anyway; other cases, and block-columns without blocks, in a pass of their own.
     """
     cfg = as_config(config)
+    check_layout(layout)
     if len(getattr(x, "shape", ())) == 3 or len(getattr(dy, "shape", ())) == 3:
         x, dy = _stacked_steps(x, dy, feature_axis)
     if plans.kept:
@@ -279,6 +281,7 @@ def transpose_blocks(w: Array, layout: BlockLayout, config: Optional[BsmmConfig]
     (fp32, fp16 or bf16, ``w`` 4-byte aligned), as the forward makes for itself where
     `BsmmConfig.v5_transposed_forward` names its block size and storage, at its rows or more."""
     cfg = as_config(config)
+    check_layout(layout)
     w = Operand(w, "w")
     check_dtype(w, V5_STORAGE)
     w.require_contiguous()
@@ -325,6 +328,7 @@ def identity_init(layout: BlockLayout, like: Array, scale: float = 1.0, config: 
     diagonal blocks and zero elsewhere (OpenAI's ``identity_init``), as an array of ``like``'s
     kind, dtype and device (``like``: any array of the layout's ``w_shape``)."""
     cfg = as_config(config)
+    check_layout(layout)
     op = Operand(like, "like")
     check_dtype(op)
     check_shape(op, layout.w_shape)
@@ -346,6 +350,7 @@ def ortho_init(layout: BlockLayout, like: Array, seed: int = 0, scale: float = 1
     device). As an array of ``like``'s kind, dtype and device (``like``: any array of the layout's
     ``w_shape``). Its twin is `sparseblocks.reference.bsmm.ortho_init`."""
     cfg = as_config(config)
+    check_layout(layout)
     check_word("seed", seed)
     try:
         scale = float(scale)
@@ -366,6 +371,7 @@ def ortho_init(layout: BlockLayout, like: Array, seed: int = 0, scale: float = 1
 
 
 def _normalize_operands(w, layout, gain, extra=()):
+    check_layout(layout)
     ops = [Operand(w, "w")] + ([Operand(gain, "gain")] if gain is not None else []) + \
         [Operand(a, name) for name, a in extra]
     check_same_kind(ops)

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..layout import BlockLayout
+from ..layout import BlockLayout, check_layout
 from ..runtime.arrays import Array, Operand, check_dtype, launch_stream
 from ..runtime.backend import SIMULATOR
 from ..runtime.compile import cached
@@ -276,8 +276,7 @@ def _copies_fit(block_words, words, *planes):
 
 
 def _check_layout(layout, columns, outputs):
-    if not isinstance(layout, BlockLayout):
-        raise TypeError(f"layout: expected a BlockLayout, got {type(layout).__name__}")
+    check_layout(layout)
     if layout.block_size < WORD:
         raise ValueError(f"layout: expected a block size of 32 or 64 (whole words of bits), got {layout.block_size}")
     if layout.dense_shape != (columns, outputs):

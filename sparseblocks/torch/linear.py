@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..layout import BlockLayout, check_block_size
+from ..layout import BlockLayout, check_block_size, check_layout
 from . import cpu, ops
 
 
@@ -125,8 +125,7 @@ class BlockSparseLinear(nn.Module):
     def set_layout(self, layout):
         """Take ``layout`` (same grid and block size; `BlockRegrowth` moves the weights). If its block
         count differs, ``weight`` is resized in place (its values are then undefined)."""
-        if not isinstance(layout, BlockLayout):
-            raise TypeError(f"layout: expected a BlockLayout, got {type(layout).__name__}")
+        check_layout(layout)
         if layout.block_size != self.block_size or layout.shape != tuple(self.block_mask.shape):
             raise ValueError(f"layout: expected a grid of {tuple(self.block_mask.shape)} blocks of "
                              f"{self.block_size}, got {layout.shape} blocks of {layout.block_size}")

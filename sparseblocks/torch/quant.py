@@ -23,7 +23,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 
 from .. import quant
-from ..layout import BlockLayout
+from ..layout import BlockLayout, check_layout
 from ..runtime.arrays import Operand
 from ..runtime.devices import on_arrays_device
 
@@ -195,8 +195,7 @@ class LQLinear(_LearnedQuantizers):
         super().__init__()
         self._make_bases(out_features, in_features, w_bits, a_bits, signed_activations, momentum, device, keep_packed)
         if layout is not None:
-            if not isinstance(layout, BlockLayout):
-                raise TypeError(f"layout: expected a BlockLayout, got {type(layout).__name__}")
+            check_layout(layout)
             if layout.dense_shape != (in_features, out_features) or layout.block_size < 32:
                 raise ValueError(f"layout: expected a ({in_features}, {out_features}) grid of blocks of 32 or 64, "
                                  f"got {layout.dense_shape} in blocks of {layout.block_size}")

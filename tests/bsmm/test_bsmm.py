@@ -652,6 +652,14 @@ def _weight_grad_over(shared):
     (lambda: bsmm.transpose_blocks(W.astype(np.float64), LAYOUT), TypeError, "w: expected dtype"),
     (lambda: bsmm.transpose_blocks(W[:5], LAYOUT), ValueError, "w: expected shape"),
     (lambda: bsmm.transpose_blocks(misaligned(W.astype(np.float16)), LAYOUT), ValueError, "4-byte aligned"),
+    (lambda: bsmm.forward(X, W, LAYOUT.mask), TypeError, "layout: expected a BlockLayout, got ndarray"),
+    (lambda: bsmm.input_grad(X, W, "causal"), TypeError, "layout: expected a BlockLayout, got str"),
+    (lambda: bsmm.weight_grad(X, X, None), TypeError, "layout: expected a BlockLayout, got NoneType"),
+    (lambda: bsmm.transpose_blocks(W, LAYOUT.mask), TypeError, "layout: expected a BlockLayout"),
+    (lambda: bsmm.identity_init(LAYOUT.mask, W), TypeError, "layout: expected a BlockLayout"),
+    (lambda: bsmm.ortho_init(LAYOUT.mask, W), TypeError, "layout: expected a BlockLayout"),
+    (lambda: bsmm.l2_normalize(W, LAYOUT.mask), TypeError, "layout: expected a BlockLayout"),
+    (lambda: bsmm.l2_normalize_grad(W, W, LAYOUT.mask), TypeError, "layout: expected a BlockLayout"),
 ])
 def test_bad_input_raises_before_launch(call, error, message):
     with pytest.raises(error, match=message):
