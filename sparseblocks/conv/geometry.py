@@ -40,10 +40,16 @@ def padding_of(padding, TRS, dilates, dims):
     return (0,) * (3 - dims) + tuple(pads)  # (no padding along the leading dims of size 1)
 
 
+def given(values):
+    """Sizes as the caller gave them, for messages: an int, or a list."""
+    return int(values) if np.isscalar(values) else [int(v) for v in values]
+
+
 def geometry(TRS, DHW, MPQ=None, strides=1, dilates=1, padding="SAME", deconv=False):
     """Every size as three dims: dict(TRS, DHW, MPQ, strides, dilates, padding, dims). DHW is the
-    convolution's input, MPQ its output; for a deconvolution (``deconv``) DHW is the given input
-    and MPQ, when None, the output size `in_dim` gives."""
+    convolution's input, MPQ its output (where given, the size DHW gives); for a deconvolution
+    (``deconv``) DHW is the given input and MPQ its output: where None, the size `in_dim` gives,
+    else any size whose convolution gives DHW (up to stride - 1 more)."""
     dims = 1 if np.isscalar(TRS) else len(TRS)
     TRS, DHW = expand_dims(TRS, "TRS"), expand_dims(DHW, "DHW")
     as3 = lambda v, name: expand_dims([v] * dims if np.isscalar(v) else v, name)  # noqa: E731
@@ -51,12 +57,18 @@ def geometry(TRS, DHW, MPQ=None, strides=1, dilates=1, padding="SAME", deconv=Fa
     pad = padding_of(padding, TRS, dilates, dims)
     if deconv:  # the convolution runs from the (larger) output back to this input
         small = DHW
-        big = expand_dims(MPQ, "MPQ") if MPQ is not None else tuple(
-            in_dim(*a) for a in zip(TRS, small, pad, strides, dilates))
+        least = tuple(in_dim(*a) for a in zip(TRS, small, pad, strides, dilates))
+        big = least if MPQ is None else expand_dims(MPQ, "MPQ")
+        if any(out_dim(*a) != X for a, X in zip(zip(TRS, big, pad, strides, dilates), small)):
+            choices = [f"{lo}..{lo + st - 1}" if st > 1 else str(lo) for lo, st in zip(least, strides)][3 - dims:]
+            raise ValueError(f"MPQ: expected output sizes whose convolution gives the input's {list(small[3 - dims:])} "
+                             f"({', '.join(choices)}), got {given(MPQ)}")
         return dict(TRS=TRS, DHW=big, MPQ=small, strides=strides, dilates=dilates, padding=pad, dims=dims)
-    MPQ = expand_dims(MPQ, "MPQ") if MPQ is not None else tuple(
-        out_dim(*a) for a in zip(TRS, DHW, pad, strides, dilates))
-    return dict(TRS=TRS, DHW=DHW, MPQ=MPQ, strides=strides, dilates=dilates, padding=pad, dims=dims)
+    sizes = tuple(out_dim(*a) for a in zip(TRS, DHW, pad, strides, dilates))
+    if MPQ is not None and expand_dims(MPQ, "MPQ") != sizes:
+        raise ValueError(f"MPQ: expected the output size {list(sizes[3 - dims:])} of DHW under TRS, strides, "
+                         f"dilates and padding, got {given(MPQ)}")
+    return dict(TRS=TRS, DHW=DHW, MPQ=sizes, strides=strides, dilates=dilates, padding=pad, dims=dims)
 
 
 def edge_map(g):

@@ -452,11 +452,31 @@ def test_filters_and_results_keep_torch_tensors():
     (dict(dilates=(1, 2, 3)), "dilates"),
     (dict(padding="FULL"), "padding"),
     (dict(TRS=(5, 5), DHW=(3, 3), padding="VALID"), "no output position"),
+    (dict(MPQ=(4, 5)), "MPQ: expected the output size \\[5, 5\\]"),
+    (dict(MPQ=(5, 5, 5)), "MPQ: .* got \\[5, 5, 5\\]"),
+    (dict(strides=2, MPQ=(5, 5)), "output size \\[3, 3\\]"),
 ])
 def test_bad_layers_raise(kwargs, message):
     layer = dict(BCK=[([0], [0])], TRS=(3, 3), DHW=(5, 5))
     with pytest.raises((ValueError, TypeError), match=message):
         BlocksparseConv(**{**layer, **kwargs})
+
+
+def test_deconv_output_size_is_one_whose_convolution_gives_its_input():
+    """A strided deconvolution's MPQ: the smallest size by default, any up to stride - 1 more where
+    given (each the transposed convolution of its size), a ValueError past them."""
+    BCK = [([0, 1], [0, 2])]
+    assert BlocksparseDeconv(BCK, (3, 3), (3, 4), strides=2).o_shape(1)[2:] == [5, 7]
+    for MPQ in ((5, 7), (6, 8), (6, 7)):
+        op = BlocksparseDeconv(BCK, (3, 3), (3, 4), MPQ=MPQ, strides=2)
+        conv = BlocksparseConv([(ks, cs) for cs, ks in BCK], (3, 3), MPQ, strides=2)
+        assert op.o_shape(1)[2:] == list(MPQ) and conv.o_shape(1)[2:] == [3, 4]
+        rng = np.random.default_rng(2)
+        F, I = [values(rng, op.f_shape(0), "float64")], values(rng, op.i_shape(1), "float64")
+        np.testing.assert_allclose(op(F, I), conv.input_grad(F, I), rtol=1e-12)
+    for MPQ, message in (((7, 7), "5..6, 7..8"), ((5, 9), "got \\[5, 9\\]")):
+        with pytest.raises(ValueError, match=message):
+            BlocksparseDeconv(BCK, (3, 3), (3, 4), MPQ=MPQ, strides=2)
 
 
 def test_bad_calls_raise_before_any_launch():
