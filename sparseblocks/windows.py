@@ -57,13 +57,17 @@ def check_geometry(bsize, bstride, boffset):
 
 
 def check_tol(tol):
-    """reduce_mask's threshold as a float (a number, not a string float() would parse)."""
+    """reduce_mask's threshold as a float (a number, not a string float() would parse, nor NaN:
+    no pool exceeds it, so a NaN would leave every block inactive without a word)."""
     try:
         if isinstance(tol, (str, bytes)):
             raise TypeError
-        return float(tol)
+        value = float(tol)
     except (TypeError, ValueError):
         raise TypeError(f"tol: expected a number, got {tol!r}") from None
+    if value != value:
+        raise ValueError("tol: expected a number, not NaN")
+    return value
 
 
 @dataclass(frozen=True)

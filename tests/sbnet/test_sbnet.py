@@ -1352,6 +1352,8 @@ B = np.ones((2, 2, 2, 2), np.float32)
     (lambda: sbnet.reduce_mask(np.ones((1, 4, 4), np.float32), 2, 2, tol="high"), TypeError, "tol: expected a number"),
     (lambda: sbnet.reduce_mask(np.ones((1, 4, 4), np.float32), 2, 2, tol="0.5"), TypeError, "tol: expected a number"),
     (lambda: reference.reduce_mask(np.ones((1, 4, 4), np.float32), 2, 2, tol="0.5"), TypeError, "tol: expected"),
+    (lambda: sbnet.reduce_mask(np.ones((1, 4, 4), np.float32), 2, 2, tol=float("nan")), ValueError, "not NaN"),
+    (lambda: reference.reduce_mask(np.ones((1, 4, 4), np.float32), 2, 2, tol=np.nan), ValueError, "tol: .* not NaN"),
     (lambda: sbnet.sparse_gather(X, IDX, bsize=2, bstride=2, out=B.copy()), TypeError, "out: expected a device"),
     (lambda: sbnet.sparse_gather(cuda.to_device(X), cuda.to_device(IDX), bsize=2, bstride=2,
                                  out=cuda.to_device(B[:1])),
